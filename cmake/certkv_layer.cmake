@@ -1,0 +1,28 @@
+# certkv_layer(NAME DEPS dep...): one static library per layer from src/<name>/*.cc (tests
+# excluded), and, when tests are on, one GoogleTest binary from src/<name>/*_test.cc.
+function(certkv_layer name)
+  cmake_parse_arguments(ARG "" "" "DEPS;TEST_DEPS" ${ARGN})
+  file(GLOB _all CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/*.cc")
+  file(GLOB _tests CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/*_test.cc")
+  set(_srcs ${_all})
+  if(_tests)
+    list(REMOVE_ITEM _srcs ${_tests})
+  endif()
+  if(_srcs)
+    add_library(certkv_${name} STATIC ${_srcs})
+    target_include_directories(certkv_${name} PUBLIC ${CMAKE_SOURCE_DIR}/src ${CMAKE_SOURCE_DIR}/include)
+    target_link_libraries(certkv_${name} PUBLIC certkv_options ${ARG_DEPS})
+  else()
+    add_library(certkv_${name} INTERFACE)
+    target_include_directories(certkv_${name} INTERFACE ${CMAKE_SOURCE_DIR}/src ${CMAKE_SOURCE_DIR}/include)
+    target_link_libraries(certkv_${name} INTERFACE certkv_options ${ARG_DEPS})
+  endif()
+  if(CERTKV_BUILD_TESTS AND _tests)
+    add_executable(certkv_${name}_tests ${_tests})
+    target_link_libraries(certkv_${name}_tests PRIVATE certkv_${name} ${ARG_TEST_DEPS} GTest::gtest GTest::gtest_main)
+    target_compile_definitions(certkv_${name}_tests PRIVATE
+      CERTKV_SHARED_DIR="${CERTKV_SHARED_DIR}" CERTKV_MODELS_DIR="${CERTKV_MODELS_DIR}"
+      CERTKV_SOURCE_DIR="${CMAKE_SOURCE_DIR}")
+    gtest_discover_tests(certkv_${name}_tests DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT 600)
+  endif()
+endfunction()

@@ -1,0 +1,193 @@
+/* certkv C API.
+ *
+ * Opaque handles with create/free pairs; every fallible call returns a certkv_status, and on
+ * failure certkv_last_error() gives a one-line message naming the file, flag or value at fault.
+ * Thread safety: a model may be shared by many sessions and threads (it is read-only after
+ * load); a session or sampler is used by one thread at a time. certkv_last_error is per thread.
+ */
+#ifndef CERTKV_CERTKV_H_
+#define CERTKV_CERTKV_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum certkv_status {
+  CERTKV_OK = 0,
+  CERTKV_ERR_INVALID_ARGUMENT = 1,
+  CERTKV_ERR_NOT_FOUND = 2,
+  CERTKV_ERR_CORRUPT = 3,
+  CERTKV_ERR_UNSUPPORTED = 4,
+  CERTKV_ERR_OUT_OF_MEMORY = 5,
+  CERTKV_ERR_OUT_OF_RANGE = 6,
+  CERTKV_ERR_IO = 7,
+  CERTKV_ERR_INTERNAL = 8
+} certkv_status;
+
+/* Static string for a status ("ok", "not found", ...). */
+const char* certkv_status_string(certkv_status status);
+/* Message of the last failed call on this thread ("" if none). Valid until the next call. */
+const char* certkv_last_error(void);
+
+/* ---- Models ------------------------------------------------------------------------------ */
+
+typedef struct certkv_model certkv_model;
+
+typedef struct certkv_model_info {
+  const char* architecture; /* "llama", "qwen2", "qwen3"; owned by the model */
+  const char* name;         /* owned by the model */
+  const char* rope_layout;  /* "interleaved" or "half-split" */
+  const char* weight_type;  /* type of most weight matrices, e.g. "Q4_1" */
+  int32_t n_layers;
+  int32_t dim;
+  int32_t n_heads;
+  int32_t n_kv_heads;
+  int32_t head_dim;
+  int32_t ffn_dim;
+  int32_t n_vocab;
+  int64_t context_length;
+  float rope_theta;
+  uint64_t weight_bytes;
+} certkv_model_info;
+
+/* Loads a GGUF file or a Hugging Face folder (config.json, *.safetensors, tokenizer.json). */
+certkv_status certkv_model_load(const char* path, certkv_model** out);
+/* Loads a llama2.c legacy checkpoint and its tokenizer.bin. */
+certkv_status certkv_model_load_llama2c(const char* checkpoint_path, const char* tokenizer_path,
+                                        certkv_model** out);
+void certkv_model_free(certkv_model* model);
+certkv_status certkv_model_get_info(const certkv_model* model, certkv_model_info* info);
+
+/* add_special: add BOS when the model's vocabulary asks for it (tokenizer.ggml.add_bos_token).
+ * parse_special: control-token text such as "<|im_start|>" becomes that token.
+ * tokens: [capacity]. On success *n_tokens is the count written. If capacity is too small,
+ * returns CERTKV_ERR_OUT_OF_RANGE with *n_tokens set to the count needed. */
+certkv_status certkv_tokenize(const certkv_model* model, const char* text, size_t text_bytes,
+                              int add_special, int parse_special, int32_t* tokens,
+                              int32_t capacity, int32_t* n_tokens);
+/* Bytes of one token (no NUL added). buf: [capacity]; *n_bytes as for certkv_tokenize. */
+certkv_status certkv_token_to_piece(const certkv_model* model, int32_t token, char* buf,
+                                    size_t capacity, size_t* n_bytes);
+/* 1 if the token ends a generation (end of sequence / end of turn), else 0. */
+int certkv_token_is_end(const certkv_model* model, int32_t token);
+
+typedef struct certkv_chat_message {
+  const char* role; /* "system", "user", "assistant" */
+  const char* content;
+} certkv_chat_message;
+
+/* Formats messages with the model's chat template (NUL-terminated into buf[capacity]);
+ * *n_bytes excludes the NUL; too small a buffer: CERTKV_ERR_OUT_OF_RANGE, *n_bytes = needed. */
+certkv_status certkv_apply_chat_template(const certkv_model* model,
+                                         const certkv_chat_message* messages, size_t n_messages,
+                                         int add_generation_prompt, char* buf, size_t capacity,
+                                         size_t* n_bytes);
+
+/* ---- Sessions (one sequence with its own paged KV cache) ---------------------------------- */
+
+typedef struct certkv_session certkv_session;
+
+typedef struct certkv_session_params {
+  int64_t context_tokens;        /* 0: the model's context length */
+  int32_t n_threads;             /* >= 1 */
+  int32_t block_tokens;          /* tokens per KV page, default 16 */
+  int32_t prefill_chunk_tokens;  /* default 512 */
+  const char* kv;                /* KV storage scheme: "bf16" */
+  int capture_queries;           /* keep post-RoPE queries of the last position (for dump-kv) */
+} certkv_session_params;
+
+certkv_session_params certkv_session_default_params(void);
+certkv_status certkv_session_create(const certkv_model* model, const certkv_session_params* params,
+                                    certkv_session** out);
+void certkv_session_free(certkv_session* session);
+
+/* Progress of a long prefill, called after each chunk: tokens done and in all. */
+typedef void (*certkv_progress_fn)(void* user, int64_t done_tokens, int64_t total_tokens);
+
+/* Appends tokens to the session's sequence.
+ * tokens: [n_tokens]; logits: [n_vocab] of the last token, or NULL; all_logits: [n_tokens][n_vocab]
+ * or NULL. progress may be NULL. */
+certkv_status certkv_session_prefill(certkv_session* session, const int32_t* tokens,
+                                     int32_t n_tokens, float* logits, float* all_logits,
+                                     certkv_progress_fn progress, void* progress_user);
+/* One token; logits: [n_vocab]. */
+certkv_status certkv_session_decode(certkv_session* session, int32_t token, float* logits);
+certkv_status certkv_session_reset(certkv_session* session);
+int64_t certkv_session_n_past(const certkv_session* session);
+
+typedef struct certkv_kv_stats {
+  int64_t n_tokens;                /* tokens in the cache */
+  uint64_t kv_bytes;               /* bytes obtained from the allocator for KV pages and tables */
+  uint64_t kv_bytes_in_use;        /* pages in use plus block tables */
+  uint64_t kv_bytes_bf16;          /* a contiguous BF16 cache of the same tokens */
+  uint64_t pages_in_use;
+  uint64_t pages_free;
+} certkv_kv_stats;
+
+certkv_status certkv_session_kv_stats(const certkv_session* session, certkv_kv_stats* stats);
+
+/* Reads cached K (kv = 0) or V (kv = 1) of one layer and kv_head for positions [begin, end).
+ * out: [end - begin][head_dim] bf16 bit patterns. */
+certkv_status certkv_session_read_kv(const certkv_session* session, int32_t layer, int32_t kv,
+                                     int32_t kv_head, int64_t begin, int64_t end, uint16_t* out);
+/* Post-RoPE queries of the last position. out: [n_heads][head_dim] float.
+ * REQUIRES: the session was created with capture_queries. */
+certkv_status certkv_session_last_queries(const certkv_session* session, int32_t layer, float* out);
+
+/* ---- Sampling ------------------------------------------------------------------------------ */
+
+typedef struct certkv_sampler certkv_sampler;
+
+typedef struct certkv_sampler_params {
+  float temperature; /* 0: greedy */
+  int32_t top_k;     /* 0: off */
+  float top_p;       /* (0, 1] */
+  uint64_t seed;
+} certkv_sampler_params;
+
+certkv_sampler_params certkv_sampler_default_params(void);
+certkv_status certkv_sampler_create(const certkv_sampler_params* params, certkv_sampler** out);
+void certkv_sampler_free(certkv_sampler* sampler);
+/* logits: [n_vocab] */
+certkv_status certkv_sampler_sample(certkv_sampler* sampler, const float* logits, int32_t n_vocab,
+                                    int32_t* token);
+
+/* ---- Generation -------------------------------------------------------------------------- */
+
+/* Called once per generated token with its bytes. Return non-zero to stop. */
+typedef int (*certkv_token_fn)(void* user, int32_t token, const char* piece, size_t n_bytes);
+
+typedef struct certkv_generate_params {
+  int32_t max_new_tokens;
+  int stop_at_end;               /* stop at an end-of-generation token (default 1) */
+  certkv_sampler_params sampler;
+  certkv_progress_fn progress;   /* prefill progress, may be NULL */
+  void* progress_user;
+} certkv_generate_params;
+
+typedef struct certkv_generate_result {
+  int32_t prompt_tokens;
+  int32_t generated_tokens;
+  double prefill_seconds;
+  int32_t decode_steps;   /* forward passes of one token after the prompt */
+  double decode_seconds;  /* those decode steps with their sampling */
+} certkv_generate_result;
+
+certkv_generate_params certkv_generate_default_params(void);
+/* Prefills prompt tokens (tokens: [n_tokens]) and generates up to max_new_tokens. The first
+ * generated token comes from the prefill logits; decode_seconds covers the remaining ones. */
+certkv_status certkv_generate(certkv_session* session, const int32_t* tokens, int32_t n_tokens,
+                              const certkv_generate_params* params, certkv_token_fn on_token,
+                              void* user, certkv_generate_result* result);
+
+/* Peak resident set size of this process, bytes (0 where unknown). */
+uint64_t certkv_peak_rss_bytes(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CERTKV_CERTKV_H_ */

@@ -1,0 +1,122 @@
+// certkv C++ API: RAII owners over the C API of certkv.h. Failures throw certkv::ApiError with
+// the status and the message of certkv_last_error().
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "certkv/certkv.h"
+
+namespace certkv {
+
+class ApiError : public std::runtime_error {
+ public:
+  ApiError(certkv_status status, const std::string& message)
+      : std::runtime_error(message), status_(status) {}
+  certkv_status status() const { return status_; }
+
+ private:
+  certkv_status status_;
+};
+
+inline void check(certkv_status status) {
+  if (status != CERTKV_OK) throw ApiError(status, certkv_last_error());
+}
+
+class Model {
+ public:
+  explicit Model(const std::string& path) { check(certkv_model_load(path.c_str(), &model_)); }
+  Model(const std::string& checkpoint, const std::string& tokenizer) {
+    check(certkv_model_load_llama2c(checkpoint.c_str(), tokenizer.c_str(), &model_));
+  }
+  ~Model() { certkv_model_free(model_); }
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const certkv_model* get() const { return model_; }
+  certkv_model_info info() const {
+    certkv_model_info i;
+    check(certkv_model_get_info(model_, &i));
+    return i;
+  }
+  std::vector<int32_t> tokenize(std::string_view text, bool add_special, bool parse_special) const {
+    std::vector<int32_t> ids(text.size() + 8);
+    int32_t n = 0;
+    certkv_status s = certkv_tokenize(model_, text.data(), text.size(), add_special, parse_special,
+                                      ids.data(), int32_t(ids.size()), &n);
+    if (s == CERTKV_ERR_OUT_OF_RANGE && n > int32_t(ids.size())) {
+      ids.resize(size_t(n));
+      s = certkv_tokenize(model_, text.data(), text.size(), add_special, parse_special, ids.data(),
+                          int32_t(ids.size()), &n);
+    }
+    check(s);
+    ids.resize(size_t(n));
+    return ids;
+  }
+  std::string piece(int32_t token) const {
+    std::string out(64, '\0');
+    size_t n = 0;
+    certkv_status s = certkv_token_to_piece(model_, token, out.data(), out.size(), &n);
+    if (s == CERTKV_ERR_OUT_OF_RANGE && n > out.size()) {
+      out.resize(n);
+      s = certkv_token_to_piece(model_, token, out.data(), out.size(), &n);
+    }
+    check(s);
+    out.resize(n);
+    return out;
+  }
+  bool is_end(int32_t token) const { return certkv_token_is_end(model_, token) != 0; }
+  std::string chat(const std::vector<certkv_chat_message>& messages, bool add_generation_prompt) const {
+    size_t n = 0;
+    std::string out(256, '\0');
+    certkv_status s = certkv_apply_chat_template(model_, messages.data(), messages.size(),
+                                                 add_generation_prompt, out.data(), out.size(), &n);
+    if (s == CERTKV_ERR_OUT_OF_RANGE && n + 1 > out.size()) {
+      out.resize(n + 1);
+      s = certkv_apply_chat_template(model_, messages.data(), messages.size(),
+                                     add_generation_prompt, out.data(), out.size(), &n);
+    }
+    check(s);
+    out.resize(n);
+    return out;
+  }
+
+ private:
+  certkv_model* model_ = nullptr;
+};
+
+class Session {
+ public:
+  Session(const Model& model, const certkv_session_params& params) {
+    check(certkv_session_create(model.get(), &params, &session_));
+  }
+  ~Session() { certkv_session_free(session_); }
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  certkv_session* get() { return session_; }
+  const certkv_session* get() const { return session_; }
+  int64_t n_past() const { return certkv_session_n_past(session_); }
+  // logits: [n_vocab] or null; all_logits: [tokens.size()][n_vocab] or null.
+  void prefill(const std::vector<int32_t>& tokens, float* logits, float* all_logits = nullptr,
+               certkv_progress_fn progress = nullptr, void* user = nullptr) {
+    check(certkv_session_prefill(session_, tokens.data(), int32_t(tokens.size()), logits,
+                                 all_logits, progress, user));
+  }
+  void decode(int32_t token, float* logits) { check(certkv_session_decode(session_, token, logits)); }
+  void reset() { check(certkv_session_reset(session_)); }
+  certkv_kv_stats kv_stats() const {
+    certkv_kv_stats s;
+    check(certkv_session_kv_stats(session_, &s));
+    return s;
+  }
+
+ private:
+  certkv_session* session_ = nullptr;
+};
+
+}  // namespace certkv

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs what building and testing certkv needs on a fresh Debian machine (run as root):
+# compiler, CMake, GoogleTest, Google Benchmark, Python 3, unzip. Skips what is already there.
+set -euo pipefail
+need=()
+for pkg in g++ cmake make libgtest-dev libgmock-dev libbenchmark-dev python3 unzip; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
+done
+if [ ${#need[@]} -gt 0 ]; then
+  echo "certkv set-up: installing ${need[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${need[@]}"
+fi

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Builds certkv and runs the whole test suite (unit, end-to-end on the real model, CLI).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+bash "$root/scripts/install_deps.sh"
+bash "$root/scripts/fetch_models.sh"
+bash "$root/scripts/build.sh" -DCERTKV_BUILD_TESTS=ON
+cd "$root/build"
+ctest --output-on-failure -j"$(nproc)"

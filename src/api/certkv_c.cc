@@ -1,0 +1,389 @@
+// The C API: converts between C structs and the model layer, catches every certkv::Error (and
+// any other exception) at the boundary and reports it as a status plus certkv_last_error().
+#include "certkv/certkv.h"
+
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "model/chat_template.h"
+#include "model/model.h"
+#include "model/sampler.h"
+#include "model/session.h"
+
+struct certkv_model {
+  std::unique_ptr<certkv::model::Model> model;
+  std::string weight_type;
+};
+
+struct certkv_session {
+  const certkv_model* model;
+  std::unique_ptr<certkv::model::Session> session;
+  std::vector<float> logits;
+};
+
+struct certkv_sampler {
+  std::unique_ptr<certkv::model::Sampler> sampler;
+};
+
+namespace {
+
+thread_local std::string g_last_error;
+
+certkv_status set_error(certkv_status status, const std::string& message) {
+  g_last_error = message;
+  return status;
+}
+
+// Runs fn; maps exceptions to status codes and records their message.
+template <typename Fn>
+certkv_status guarded(Fn&& fn) {
+  try {
+    g_last_error.clear();
+    fn();
+    return CERTKV_OK;
+  } catch (const certkv::Error& e) {
+    return set_error(static_cast<certkv_status>(e.code()), e.what());
+  } catch (const std::bad_alloc&) {
+    return set_error(CERTKV_ERR_OUT_OF_MEMORY, "out of host memory");
+  } catch (const std::exception& e) {
+    return set_error(CERTKV_ERR_INTERNAL, e.what());
+  }
+}
+
+#define CERTKV_REQUIRE(cond, message)                                           \
+  do {                                                                          \
+    if (!(cond)) return set_error(CERTKV_ERR_INVALID_ARGUMENT, (message));      \
+  } while (0)
+
+certkv::model::SamplerParams to_sampler_params(const certkv_sampler_params& p) {
+  certkv::model::SamplerParams s;
+  s.temperature = p.temperature;
+  s.top_k = p.top_k;
+  s.top_p = p.top_p;
+  s.seed = p.seed;
+  return s;
+}
+
+certkv_status copy_out(const std::string& bytes, char* buf, size_t capacity, size_t* n_bytes,
+                       bool nul_terminate) {
+  *n_bytes = bytes.size();
+  const size_t need = bytes.size() + (nul_terminate ? 1 : 0);
+  if (capacity < need)
+    return set_error(CERTKV_ERR_OUT_OF_RANGE, "buffer of " + std::to_string(capacity) +
+                                                  " bytes is too small, " + std::to_string(need) +
+                                                  " needed");
+  if (!bytes.empty()) memcpy(buf, bytes.data(), bytes.size());
+  if (nul_terminate) buf[bytes.size()] = '\0';
+  return CERTKV_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* certkv_status_string(certkv_status status) {
+  return certkv::status_code_name(static_cast<certkv::StatusCode>(status));
+}
+
+const char* certkv_last_error(void) { return g_last_error.c_str(); }
+
+certkv_status certkv_model_load(const char* path, certkv_model** out) {
+  CERTKV_REQUIRE(path != nullptr && out != nullptr, "certkv_model_load: null argument");
+  *out = nullptr;
+  return guarded([&] {
+    auto m = std::make_unique<certkv_model>();
+    m->model = certkv::model::load_model(path);
+    m->weight_type = m->model->weight_type_summary();
+    *out = m.release();
+  });
+}
+
+certkv_status certkv_model_load_llama2c(const char* checkpoint_path, const char* tokenizer_path,
+                                        certkv_model** out) {
+  CERTKV_REQUIRE(checkpoint_path && tokenizer_path && out, "certkv_model_load_llama2c: null argument");
+  *out = nullptr;
+  return guarded([&] {
+    auto m = std::make_unique<certkv_model>();
+    m->model = certkv::model::load_llama2c(checkpoint_path, tokenizer_path);
+    m->weight_type = m->model->weight_type_summary();
+    *out = m.release();
+  });
+}
+
+void certkv_model_free(certkv_model* model) { delete model; }
+
+certkv_status certkv_model_get_info(const certkv_model* model, certkv_model_info* info) {
+  CERTKV_REQUIRE(model && info, "certkv_model_get_info: null argument");
+  const certkv::model::ModelConfig& c = model->model->config();
+  info->architecture = c.architecture.c_str();
+  info->name = c.name.c_str();
+  info->rope_layout = certkv::model::rope_layout_name(c.rope_layout);
+  info->weight_type = model->weight_type.c_str();
+  info->n_layers = c.n_layers;
+  info->dim = c.dim;
+  info->n_heads = c.n_heads;
+  info->n_kv_heads = c.n_kv_heads;
+  info->head_dim = c.head_dim;
+  info->ffn_dim = c.ffn_dim;
+  info->n_vocab = c.n_vocab;
+  info->context_length = c.context_length;
+  info->rope_theta = c.rope_theta;
+  info->weight_bytes = model->model->weight_bytes();
+  return CERTKV_OK;
+}
+
+certkv_status certkv_tokenize(const certkv_model* model, const char* text, size_t text_bytes,
+                              int add_special, int parse_special, int32_t* tokens,
+                              int32_t capacity, int32_t* n_tokens) {
+  CERTKV_REQUIRE(model && (text || text_bytes == 0) && n_tokens && (tokens || capacity == 0),
+                 "certkv_tokenize: null argument");
+  CERTKV_REQUIRE(capacity >= 0, "certkv_tokenize: negative capacity");
+  std::vector<int32_t> ids;
+  certkv_status s = guarded([&] {
+    const certkv::model::Tokenizer& tok = model->model->tokenizer();
+    ids = tok.encode(std::string_view(text ? text : "", text_bytes),
+                     add_special != 0 && tok.spec().add_bos, parse_special != 0);
+  });
+  if (s != CERTKV_OK) return s;
+  if (ids.size() > size_t(INT32_MAX)) return set_error(CERTKV_ERR_OUT_OF_RANGE, "text too long");
+  *n_tokens = int32_t(ids.size());
+  if (ids.size() > size_t(capacity))
+    return set_error(CERTKV_ERR_OUT_OF_RANGE, "token buffer of " + std::to_string(capacity) +
+                                                  " is too small, " + std::to_string(ids.size()) +
+                                                  " needed");
+  if (!ids.empty()) memcpy(tokens, ids.data(), ids.size() * sizeof(int32_t));
+  return CERTKV_OK;
+}
+
+certkv_status certkv_token_to_piece(const certkv_model* model, int32_t token, char* buf,
+                                    size_t capacity, size_t* n_bytes) {
+  CERTKV_REQUIRE(model && n_bytes && (buf || capacity == 0), "certkv_token_to_piece: null argument");
+  CERTKV_REQUIRE(token >= 0 && token < model->model->tokenizer().n_vocab(),
+                 "token id " + std::to_string(token) + " is outside the vocabulary");
+  std::string piece;
+  certkv_status s = guarded([&] { piece = model->model->tokenizer().token_piece(token); });
+  if (s != CERTKV_OK) return s;
+  return copy_out(piece, buf, capacity, n_bytes, false);
+}
+
+int certkv_token_is_end(const certkv_model* model, int32_t token) {
+  if (!model || token < 0 || token >= model->model->tokenizer().n_vocab()) return 0;
+  return model->model->tokenizer().is_end_of_generation(token) ? 1 : 0;
+}
+
+certkv_status certkv_apply_chat_template(const certkv_model* model,
+                                         const certkv_chat_message* messages, size_t n_messages,
+                                         int add_generation_prompt, char* buf, size_t capacity,
+                                         size_t* n_bytes) {
+  CERTKV_REQUIRE(model && (messages || n_messages == 0) && n_bytes && (buf || capacity == 0),
+                 "certkv_apply_chat_template: null argument");
+  std::vector<certkv::model::ChatMessage> list;
+  for (size_t i = 0; i < n_messages; ++i) {
+    CERTKV_REQUIRE(messages[i].role && messages[i].content,
+                   "certkv_apply_chat_template: message " + std::to_string(i) + " has a null field");
+    list.push_back({messages[i].role, messages[i].content});
+  }
+  std::string text;
+  certkv_status s = guarded([&] {
+    text = certkv::model::apply_chat_template(model->model->tokenizer().spec(), list,
+                                              add_generation_prompt != 0);
+  });
+  if (s != CERTKV_OK) return s;
+  return copy_out(text, buf, capacity, n_bytes, true);
+}
+
+certkv_session_params certkv_session_default_params(void) {
+  certkv_session_params p;
+  p.context_tokens = 0;
+  p.n_threads = 2;
+  p.block_tokens = 16;
+  p.prefill_chunk_tokens = 512;
+  p.kv = "bf16";
+  p.capture_queries = 0;
+  return p;
+}
+
+certkv_status certkv_session_create(const certkv_model* model, const certkv_session_params* params,
+                                    certkv_session** out) {
+  CERTKV_REQUIRE(model && out, "certkv_session_create: null argument");
+  *out = nullptr;
+  const certkv_session_params p = params ? *params : certkv_session_default_params();
+  const std::string kv = p.kv ? p.kv : "bf16";
+  if (kv != "bf16")
+    return set_error(CERTKV_ERR_UNSUPPORTED,
+                     "KV scheme '" + kv + "' is not available in this build (available: bf16)");
+  return guarded([&] {
+    certkv::model::SessionConfig c;
+    c.context_tokens = p.context_tokens;
+    c.n_threads = p.n_threads;
+    c.block_tokens = p.block_tokens;
+    c.prefill_chunk_tokens = p.prefill_chunk_tokens;
+    c.capture_queries = p.capture_queries != 0;
+    auto s = std::make_unique<certkv_session>();
+    s->model = model;
+    s->session = std::make_unique<certkv::model::Session>(*model->model, c);
+    s->logits.resize(size_t(model->model->config().n_vocab));
+    *out = s.release();
+  });
+}
+
+void certkv_session_free(certkv_session* session) { delete session; }
+
+certkv_status certkv_session_prefill(certkv_session* session, const int32_t* tokens,
+                                     int32_t n_tokens, float* logits, float* all_logits,
+                                     certkv_progress_fn progress, void* progress_user) {
+  CERTKV_REQUIRE(session && tokens, "certkv_session_prefill: null argument");
+  CERTKV_REQUIRE(n_tokens >= 1, "certkv_session_prefill: needs at least one token");
+  return guarded([&] {
+    certkv::model::ProgressFn fn;
+    if (progress) fn = [&](int64_t done, int64_t total) { progress(progress_user, done, total); };
+    session->session->prefill(tokens, n_tokens, logits, all_logits, fn);
+  });
+}
+
+certkv_status certkv_session_decode(certkv_session* session, int32_t token, float* logits) {
+  CERTKV_REQUIRE(session, "certkv_session_decode: null session");
+  return guarded([&] { session->session->decode(token, logits); });
+}
+
+certkv_status certkv_session_reset(certkv_session* session) {
+  CERTKV_REQUIRE(session, "certkv_session_reset: null session");
+  return guarded([&] { session->session->reset(); });
+}
+
+int64_t certkv_session_n_past(const certkv_session* session) {
+  return session ? session->session->n_past() : 0;
+}
+
+certkv_status certkv_session_kv_stats(const certkv_session* session, certkv_kv_stats* stats) {
+  CERTKV_REQUIRE(session && stats, "certkv_session_kv_stats: null argument");
+  return guarded([&] {
+    const certkv::cache::KvCache& cache = session->session->kv_cache();
+    const certkv::cache::MemoryStats m = cache.memory_stats();
+    stats->n_tokens = session->session->n_past();
+    stats->kv_bytes = m.bytes_reserved_from_allocator + m.block_table_bytes;
+    stats->kv_bytes_in_use = m.bytes_in_use;
+    stats->kv_bytes_bf16 = cache.kv_bytes_bf16(stats->n_tokens);
+    stats->pages_in_use = m.pages_in_use;
+    stats->pages_free = m.pages_free;
+  });
+}
+
+certkv_status certkv_session_read_kv(const certkv_session* session, int32_t layer, int32_t kv,
+                                     int32_t kv_head, int64_t begin, int64_t end, uint16_t* out) {
+  CERTKV_REQUIRE(session && out, "certkv_session_read_kv: null argument");
+  CERTKV_REQUIRE(kv == 0 || kv == 1, "certkv_session_read_kv: kv must be 0 (K) or 1 (V)");
+  return guarded([&] {
+    const certkv::cache::KvCache& cache = session->session->kv_cache();
+    const int hd = cache.head_dim();
+    std::vector<float> rows(size_t(std::max<int64_t>(0, end - begin)) * size_t(hd));
+    cache.read_token_range_ref(session->session->sequence(), layer,
+                               kv == 0 ? certkv::cache::KvTensor::kKey : certkv::cache::KvTensor::kValue,
+                               kv_head, begin, end, rows.data());
+    // Pages hold bf16, so the float rows convert back to the stored bit patterns exactly.
+    for (size_t i = 0; i < rows.size(); ++i) {
+      uint32_t u;
+      memcpy(&u, &rows[i], 4);
+      out[i] = uint16_t(u >> 16);
+    }
+  });
+}
+
+certkv_status certkv_session_last_queries(const certkv_session* session, int32_t layer, float* out) {
+  CERTKV_REQUIRE(session && out, "certkv_session_last_queries: null argument");
+  return guarded([&] {
+    const std::vector<float>& q = session->session->last_queries(layer);
+    memcpy(out, q.data(), q.size() * sizeof(float));
+  });
+}
+
+certkv_sampler_params certkv_sampler_default_params(void) {
+  certkv_sampler_params p;
+  p.temperature = 0.f;
+  p.top_k = 0;
+  p.top_p = 1.f;
+  p.seed = 0;
+  return p;
+}
+
+certkv_status certkv_sampler_create(const certkv_sampler_params* params, certkv_sampler** out) {
+  CERTKV_REQUIRE(out, "certkv_sampler_create: null argument");
+  *out = nullptr;
+  const certkv_sampler_params p = params ? *params : certkv_sampler_default_params();
+  return guarded([&] {
+    auto s = std::make_unique<certkv_sampler>();
+    s->sampler = std::make_unique<certkv::model::Sampler>(to_sampler_params(p));
+    *out = s.release();
+  });
+}
+
+void certkv_sampler_free(certkv_sampler* sampler) { delete sampler; }
+
+certkv_status certkv_sampler_sample(certkv_sampler* sampler, const float* logits, int32_t n_vocab,
+                                    int32_t* token) {
+  CERTKV_REQUIRE(sampler && logits && token, "certkv_sampler_sample: null argument");
+  return guarded([&] { *token = sampler->sampler->sample(logits, n_vocab); });
+}
+
+certkv_generate_params certkv_generate_default_params(void) {
+  certkv_generate_params p;
+  p.max_new_tokens = 128;
+  p.stop_at_end = 1;
+  p.sampler = certkv_sampler_default_params();
+  p.progress = nullptr;
+  p.progress_user = nullptr;
+  return p;
+}
+
+certkv_status certkv_generate(certkv_session* session, const int32_t* tokens, int32_t n_tokens,
+                              const certkv_generate_params* params, certkv_token_fn on_token,
+                              void* user, certkv_generate_result* result) {
+  CERTKV_REQUIRE(session && tokens && result, "certkv_generate: null argument");
+  CERTKV_REQUIRE(n_tokens >= 1, "certkv_generate: the prompt has no tokens");
+  const certkv_generate_params p = params ? *params : certkv_generate_default_params();
+  CERTKV_REQUIRE(p.max_new_tokens >= 0, "certkv_generate: max_new_tokens must be >= 0");
+  memset(result, 0, sizeof *result);
+  result->prompt_tokens = n_tokens;
+  return guarded([&] {
+    using clock = std::chrono::steady_clock;
+    certkv::model::Sampler sampler(to_sampler_params(p.sampler));
+    certkv::model::Session& s = *session->session;
+    const certkv::model::Tokenizer& tok = session->model->model->tokenizer();
+    const int32_t n_vocab = session->model->model->config().n_vocab;
+    float* logits = session->logits.data();
+    certkv::model::ProgressFn fn;
+    if (p.progress) fn = [&](int64_t done, int64_t total) { p.progress(p.progress_user, done, total); };
+    const auto t0 = clock::now();
+    s.prefill(tokens, n_tokens, logits, nullptr, fn);
+    const auto t1 = clock::now();
+    result->prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
+    for (int32_t i = 0; i < p.max_new_tokens; ++i) {
+      const int32_t token = sampler.sample(logits, n_vocab);
+      ++result->generated_tokens;
+      const bool end = p.stop_at_end && tok.is_end_of_generation(token);
+      if (on_token && !end) {
+        const std::string piece = tok.token_piece(token);
+        if (on_token(user, token, piece.data(), piece.size()) != 0) break;
+      }
+      if (end || i + 1 == p.max_new_tokens || s.n_past() >= s.context_tokens()) break;
+      s.decode(token, logits);
+      ++result->decode_steps;
+    }
+    result->decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
+  });
+}
+
+uint64_t certkv_peak_rss_bytes(void) {
+  struct rusage usage;
+  if (getrusage(RUSAGE_SELF, &usage) != 0) return 0;
+  return uint64_t(usage.ru_maxrss) * 1024u;  // Linux reports KiB
+}
+
+}  // extern "C"

@@ -1,0 +1,208 @@
+#include "attention/decode_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "attention/online_softmax.h"
+#include "attention/work_queue.h"
+#include "core/status.h"
+
+namespace certkv::attention {
+
+namespace {
+
+using cache::KvTensor;
+
+constexpr int kMaxHeadDim = 256;
+// A split of fewer blocks than this costs more in merging and scheduling than it gains.
+constexpr int64_t kMinBlocksPerSplit = 8;
+
+[[noreturn]] void fail_attention(StatusCode code, const char* entry, const std::string& message) {
+  fail(code, std::string(entry) + ": " + message);
+}
+
+}  // namespace
+
+void validate_shape(const cache::KvCache& cache, int layer, const AttentionShape& shape) {
+  const cache::KvCacheConfig& config = cache.config();
+  const char* entry = "attention";
+  if (shape.n_q_heads <= 0 || shape.n_kv_heads <= 0) {
+    fail_attention(StatusCode::kInvalidArgument, entry,
+                   "n_q_heads " + std::to_string(shape.n_q_heads) + " and n_kv_heads " +
+                       std::to_string(shape.n_kv_heads) + " must be positive");
+  }
+  if (shape.n_q_heads % shape.n_kv_heads != 0) {
+    fail_attention(StatusCode::kInvalidArgument, entry,
+                   "n_q_heads " + std::to_string(shape.n_q_heads) +
+                       " is not a multiple of n_kv_heads " + std::to_string(shape.n_kv_heads));
+  }
+  if (shape.head_dim <= 0 || shape.head_dim % 8 != 0 || shape.head_dim > kMaxHeadDim) {
+    fail_attention(StatusCode::kUnsupported, entry,
+                   "head_dim " + std::to_string(shape.head_dim) +
+                       " is not supported (need a positive multiple of 8, at most " +
+                       std::to_string(kMaxHeadDim) + ")");
+  }
+  if (shape.n_kv_heads != config.n_kv_heads || shape.head_dim != config.head_dim) {
+    fail_attention(StatusCode::kInvalidArgument, entry,
+                   "shape (n_kv_heads " + std::to_string(shape.n_kv_heads) + ", head_dim " +
+                       std::to_string(shape.head_dim) + ") does not match the kv cache (" +
+                       std::to_string(config.n_kv_heads) + ", " + std::to_string(config.head_dim) +
+                       ")");
+  }
+  if (!std::isfinite(shape.scale)) {
+    fail_attention(StatusCode::kInvalidArgument, entry, "scale is not finite");
+  }
+  if (layer < 0 || layer >= config.n_layers) {
+    fail_attention(StatusCode::kOutOfRange, entry,
+                   "layer " + std::to_string(layer) + " out of range [0, " +
+                       std::to_string(config.n_layers) + ")");
+  }
+}
+
+namespace {
+
+void validate_decode(const char* entry, const cache::KvCache& cache, cache::SeqId seq, int layer,
+                     const AttentionShape& shape, const void* q, int64_t n_ctx, const void* out) {
+  validate_shape(cache, layer, shape);
+  if (q == nullptr || out == nullptr) {
+    fail_attention(StatusCode::kInvalidArgument, entry, "null q or out");
+  }
+  const int64_t written = cache.written_tokens(seq, layer);
+  if (n_ctx < 1 || n_ctx > written) {
+    fail_attention(StatusCode::kOutOfRange, entry,
+                   "n_ctx " + std::to_string(n_ctx) + " outside [1, " + std::to_string(written) +
+                       "], the tokens written to layer " + std::to_string(layer) +
+                       " of sequence " + std::to_string(seq));
+  }
+}
+
+}  // namespace
+
+void decode_attention_ref(const cache::KvCache& cache, cache::SeqId seq, int layer,
+                          const AttentionShape& shape, const float* q, int64_t n_ctx,
+                          double* out) {
+  validate_decode("decode_attention_ref", cache, seq, layer, shape, q, n_ctx, out);
+  const int d = shape.head_dim;
+  const int group = shape.n_q_heads / shape.n_kv_heads;
+  std::vector<float> k(size_t(n_ctx) * size_t(d)), v(size_t(n_ctx) * size_t(d));
+  std::vector<double> s(static_cast<size_t>(n_ctx));
+  for (int kv_head = 0; kv_head < shape.n_kv_heads; ++kv_head) {
+    cache.read_token_range_ref(seq, layer, KvTensor::kKey, kv_head, 0, n_ctx, k.data());
+    cache.read_token_range_ref(seq, layer, KvTensor::kValue, kv_head, 0, n_ctx, v.data());
+    for (int g = 0; g < group; ++g) {
+      const int h = kv_head * group + g;
+      const float* qh = q + size_t(h) * size_t(d);
+      double s_max = -INFINITY;
+      for (int64_t t = 0; t < n_ctx; ++t) {
+        double dot = 0;
+        for (int c = 0; c < d; ++c) dot += double(qh[c]) * double(k[size_t(t) * size_t(d) + c]);
+        s[size_t(t)] = double(shape.scale) * dot;
+        s_max = std::max(s_max, s[size_t(t)]);
+      }
+      double sum = 0;
+      for (int64_t t = 0; t < n_ctx; ++t) {
+        s[size_t(t)] = std::exp(s[size_t(t)] - s_max);
+        sum += s[size_t(t)];
+      }
+      double* oh = out + size_t(h) * size_t(d);
+      for (int c = 0; c < d; ++c) oh[c] = 0;
+      for (int64_t t = 0; t < n_ctx; ++t) {
+        const double p = s[size_t(t)] / sum;
+        for (int c = 0; c < d; ++c) oh[c] += p * double(v[size_t(t) * size_t(d) + c]);
+      }
+    }
+  }
+}
+
+int choose_decode_splits(int64_t n_ctx, int block_tokens, int n_kv_heads, int n_threads) {
+  const int64_t n_blocks = (n_ctx + block_tokens - 1) / block_tokens;
+  if (n_threads <= 1 || n_blocks < 2 * kMinBlocksPerSplit) return 1;
+  // Four units of work per thread, so that the shared counter in run_units can balance them.
+  const int64_t want = (4 * int64_t(n_threads) + n_kv_heads - 1) / n_kv_heads;
+  return int(std::clamp<int64_t>(want, 1, n_blocks / kMinBlocksPerSplit));
+}
+
+void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
+                      const AttentionShape& shape, const float* q, int64_t n_ctx, float* out,
+                      ThreadPool* pool, const DecodeOptions& options) {
+  validate_decode("decode_attention", cache, seq, layer, shape, q, n_ctx, out);
+  const int d = shape.head_dim;
+  const int group = shape.n_q_heads / shape.n_kv_heads;
+  const int bt = cache.block_tokens();
+  const int64_t n_blocks = (n_ctx + bt - 1) / bt;
+  const int n_threads = pool != nullptr ? pool->n_threads() : 1;
+  int64_t n_splits = options.n_splits > 0
+                         ? options.n_splits
+                         : choose_decode_splits(n_ctx, bt, shape.n_kv_heads, n_threads);
+  n_splits = std::clamp<int64_t>(n_splits, 1, n_blocks);
+  const int64_t blocks_per_split = (n_blocks + n_splits - 1) / n_splits;
+  n_splits = (n_blocks + blocks_per_split - 1) / blocks_per_split;
+
+  std::vector<const format::PageRef*> k_tables(size_t(shape.n_kv_heads));
+  std::vector<const format::PageRef*> v_tables(size_t(shape.n_kv_heads));
+  for (int h = 0; h < shape.n_kv_heads; ++h) {
+    k_tables[size_t(h)] = cache.block_table(seq, layer, KvTensor::kKey, h);
+    v_tables[size_t(h)] = cache.block_table(seq, layer, KvTensor::kValue, h);
+  }
+
+  // Partial results of split s of kv_head h, query head g of the group, at
+  // index (h * n_splits + s) * group + g: state (m, l) and acc [d].
+  const size_t n_partials = size_t(shape.n_kv_heads) * size_t(n_splits) * size_t(group);
+  std::vector<detail::RowState> states(n_partials);
+  std::vector<float> accs(n_partials * size_t(d));
+
+  detail::run_units(pool, int64_t(shape.n_kv_heads) * n_splits, [&](int64_t unit, int) {
+    thread_local std::vector<float> scratch;
+    scratch.resize(size_t(2 * bt) * size_t(d) + size_t(bt));
+    float* k_tile = scratch.data();
+    float* v_tile = k_tile + size_t(bt) * size_t(d);
+    float* s = v_tile + size_t(bt) * size_t(d);
+    const int h = int(unit / n_splits);
+    const int64_t split = unit % n_splits;
+    const size_t first = size_t(unit) * size_t(group);
+    detail::RowState* st = &states[first];
+    float* acc = &accs[first * size_t(d)];
+    for (int g = 0; g < group; ++g) st[g] = {detail::kMinusInfinity, 0.f};
+    std::fill(acc, acc + size_t(group) * size_t(d), 0.f);
+    const float* qg = q + size_t(h) * size_t(group) * size_t(d);
+    const int64_t b_end = std::min(n_blocks, (split + 1) * blocks_per_split);
+    for (int64_t b = split * blocks_per_split; b < b_end; ++b) {
+      const int n_keys = int(std::min<int64_t>(bt, n_ctx - b * bt));
+      const size_t n_elems = size_t(n_keys) * size_t(d);
+      detail::bf16_to_float_rows(cache.page_bf16(k_tables[size_t(h)][b]), k_tile, n_elems);
+      detail::bf16_to_float_rows(cache.page_bf16(v_tables[size_t(h)][b]), v_tile, n_elems);
+      for (int g = 0; g < group; ++g) {
+        detail::update_row(qg + size_t(g) * size_t(d), k_tile, v_tile, n_keys, d, shape.scale,
+                           &st[g], acc + size_t(g) * size_t(d), s);
+      }
+    }
+  });
+
+  // Merge the splits by their log-sum-exp weights: with M = max_s m_s,
+  // out = sum_s e^{m_s - M} acc_s / sum_s e^{m_s - M} l_s.
+  for (int h = 0; h < shape.n_kv_heads; ++h) {
+    for (int g = 0; g < group; ++g) {
+      float* o = out + (size_t(h) * size_t(group) + size_t(g)) * size_t(d);
+      auto partial = [&](int64_t split) {
+        return (size_t(h) * size_t(n_splits) + size_t(split)) * size_t(group) + size_t(g);
+      };
+      float m_max = detail::kMinusInfinity;
+      for (int64_t sp = 0; sp < n_splits; ++sp) m_max = std::max(m_max, states[partial(sp)].m);
+      float l_total = 0.f;
+      std::fill(o, o + d, 0.f);
+      for (int64_t sp = 0; sp < n_splits; ++sp) {
+        const size_t i = partial(sp);
+        const float w = std::exp(states[i].m - m_max);
+        l_total += w * states[i].l;
+        const float* a = &accs[i * size_t(d)];
+        for (int c = 0; c < d; ++c) o[c] += w * a[c];
+      }
+      const float inv_l = 1.f / l_total;
+      for (int c = 0; c < d; ++c) o[c] *= inv_l;
+    }
+  }
+}
+
+}  // namespace certkv::attention

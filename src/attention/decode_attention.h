@@ -1,0 +1,72 @@
+// Attention of query heads over one sequence's K and V pages, read through the block table.
+//
+// Softmax attention (Vaswani et al. 2017, eq. 1) for one query head h with grouped-query sharing
+// (Ainslie et al. 2023): kv_head = h / (n_q_heads / n_kv_heads),
+//   s_t = scale * <q_h, k_t>,  p_t = exp(s_t - max_u s_u) / sum_u exp(s_u - max_u s_u),
+//   out_h = sum_t p_t v_t.
+//
+// Entry points validate their arguments and throw certkv::Error (kInvalidArgument, kOutOfRange,
+// kNotFound, kUnsupported) naming the problem: n_q_heads % n_kv_heads != 0, a shape that does not
+// match the cache, head_dim not a multiple of 8 or above 256, a layer out of range, n_ctx < 1 or
+// beyond the cache's written_tokens(seq, layer).
+//
+// Thread safety: the functions only read the cache; they may run concurrently with each other
+// on the same cache while nothing mutates it. A ThreadPool runs one call at a time.
+#pragma once
+
+#include <cstdint>
+
+#include "cache/kv_cache.h"
+#include "core/thread_pool.h"
+
+namespace certkv::attention {
+
+struct AttentionShape {
+  int n_q_heads = 0;
+  int n_kv_heads = 0;  // must equal the cache's n_kv_heads
+  int head_dim = 0;    // must equal the cache's head_dim; multiple of 8, at most 256
+  float scale = 0.f;   // softmax scale, 1/sqrt(head_dim) for Llama
+};
+
+// Throws certkv::Error if the shape is unusable with this cache at this layer.
+void validate_shape(const cache::KvCache& cache, int layer, const AttentionShape& shape);
+
+struct DecodeOptions {
+  // Number of key/value splits (whole blocks each) computed independently and merged by their
+  // log-sum-exp weights; 0 picks from n_ctx and the pool's thread count. Clamped to [1, n_blocks].
+  int n_splits = 0;
+};
+
+// Double-precision reference: plain two-pass softmax over t in [0, n_ctx).
+// q: [n_q_heads][head_dim] float; out: [n_q_heads][head_dim] double.
+void decode_attention_ref(const cache::KvCache& cache, cache::SeqId seq, int layer,
+                          const AttentionShape& shape, const float* q, int64_t n_ctx,
+                          double* out);
+
+// Production float path: per (kv_head, split) one pass over the pages with an online softmax
+// (running max m, running sum l, accumulator); each page is converted from bf16 once and used by
+// every query head of its group; splits merge by LSE weights and run on `pool` when given.
+// q: [n_q_heads][head_dim] float; out: [n_q_heads][head_dim] float.
+void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
+                      const AttentionShape& shape, const float* q, int64_t n_ctx, float* out,
+                      ThreadPool* pool = nullptr, const DecodeOptions& options = {});
+
+// The split count decode_attention uses for DecodeOptions::n_splits == 0.
+int choose_decode_splits(int64_t n_ctx, int block_tokens, int n_kv_heads, int n_threads);
+
+// Causal attention for n new query tokens at positions [pos0, pos0 + n): query i attends to
+// positions [0, pos0 + i]. Tiles a block of queries against each page (each page converted
+// once per query block), online softmax, parallel over (kv_head, query block) on `pool`.
+// q: [n][n_q_heads][head_dim] float; out: [n][n_q_heads][head_dim] float.
+// REQUIRES: pos0 >= 0, n >= 1, pos0 + n <= written_tokens(seq, layer).
+void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
+                       const AttentionShape& shape, const float* q, int64_t pos0, int64_t n,
+                       float* out, ThreadPool* pool = nullptr);
+
+// Double-precision reference of prefill_attention: decode_attention_ref per query token.
+// q: [n][n_q_heads][head_dim] float; out: [n][n_q_heads][head_dim] double.
+void prefill_attention_ref(const cache::KvCache& cache, cache::SeqId seq, int layer,
+                           const AttentionShape& shape, const float* q, int64_t pos0, int64_t n,
+                           double* out);
+
+}  // namespace certkv::attention

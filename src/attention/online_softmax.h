@@ -1,0 +1,202 @@
+// The tile step shared by decode_attention and prefill_attention: bf16 page -> float tile, and
+// the online softmax update of a set of query rows by one tile of keys and values
+// (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; the (m, l, acc) form
+// of FlashAttention, Dao et al. 2022, Algorithm 1):
+//   m' = max(m, max_j s_j),  l' = l e^{m - m'} + sum_j e^{s_j - m'},
+//   acc' = acc e^{m - m'} + sum_j e^{s_j - m'} v_j;   the output is acc / l at the end.
+// Internal to the attention layer. AVX2 + FMA paths under #ifdef __AVX2__, portable loops otherwise.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include "format/numeric.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define CERTKV_ATTENTION_AVX2 1
+#endif
+
+namespace certkv::attention::detail {
+
+// Softmax state of one query row: running max m, running sum l, and acc (head_dim floats,
+// held by the caller).
+struct RowState {
+  float m;
+  float l;
+};
+
+inline constexpr float kMinusInfinity = -std::numeric_limits<float>::infinity();
+
+// dst[i] = bf16 src[i] as float, i < n. REQUIRES: n % 8 == 0.
+inline void bf16_to_float_rows(const uint16_t* src, float* dst, size_t n) {
+#if CERTKV_ATTENTION_AVX2
+  for (size_t i = 0; i < n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(w));
+  }
+#else
+  for (size_t i = 0; i < n; ++i) dst[i] = format::bf16_to_float(src[i]);
+#endif
+}
+
+#if CERTKV_ATTENTION_AVX2
+// Sums of each of eight vectors, lane i of the result = horizontal sum of a[i].
+inline __m256 horizontal_sums8(const __m256 a[8]) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]);
+  const __m256 s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]);
+  const __m256 s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 t0123 = _mm256_hadd_ps(s01, s23);
+  const __m256 t4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0123, t4567, 0x20),
+                       _mm256_permute2f128_ps(t0123, t4567, 0x31));
+}
+
+inline float horizontal_sum(__m256 a) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// e^x for x <= 0, 8 lanes; lanes below -87.3 give 0 (the float range ends near e^-87.3).
+// x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two parts, Cody & Waite 1980), e^r by its
+// Taylor polynomial of degree 7 (truncation error below 6e-9 relative), 2^n built in the
+// exponent field.
+inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 lower = _mm256_set1_ps(-87.3f);
+  const __m256 underflow = _mm256_cmp_ps(x, lower, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lower);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+
+// s[j] = scale * <q, k_j> for j < n_keys; k: [n_keys][d]. REQUIRES: d % 8 == 0.
+inline void scores_of_row(const float* q, const float* k, int n_keys, int d, float scale,
+                          float* s) {
+  int j = 0;
+#if CERTKV_ATTENTION_AVX2
+  for (; j + 8 <= n_keys; j += 8) {
+    __m256 acc[8];
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+    const float* kj = k + size_t(j) * size_t(d);
+    for (int c = 0; c < d; c += 8) {
+      const __m256 qc = _mm256_loadu_ps(q + c);
+      for (int u = 0; u < 8; ++u) {
+        acc[u] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + size_t(u) * size_t(d) + c), acc[u]);
+      }
+    }
+    _mm256_storeu_ps(s + j, _mm256_mul_ps(horizontal_sums8(acc), _mm256_set1_ps(scale)));
+  }
+  for (; j < n_keys; ++j) {
+    const float* kj = k + size_t(j) * size_t(d);
+    __m256 acc = _mm256_setzero_ps();
+    for (int c = 0; c < d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(kj + c), acc);
+    s[j] = scale * horizontal_sum(acc);
+  }
+#else
+  for (; j < n_keys; ++j) {
+    const float* kj = k + size_t(j) * size_t(d);
+    float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int c = 0; c < d; c += 8) {
+      for (int u = 0; u < 8; ++u) lanes[u] += q[c + u] * kj[c + u];
+    }
+    s[j] = scale * (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+                    ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])));
+  }
+#endif
+}
+
+// s[j] = e^{s[j] - m} in place for j < n; returns their sum. REQUIRES: s[j] <= m.
+inline float exp_shifted_and_sum(float* s, int n, float m) {
+  float sum = 0.f;
+  int j = 0;
+#if CERTKV_ATTENTION_AVX2
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 p = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    _mm256_storeu_ps(s + j, p);
+    acc = _mm256_add_ps(acc, p);
+  }
+  sum = horizontal_sum(acc);
+#endif
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - m);
+    sum += s[j];
+  }
+  return sum;
+}
+
+// acc[c] = acc[c] * alpha + sum_{j < n} p[j] v[j][c], c < d; v: [n][d]. REQUIRES: d % 8 == 0.
+inline void rescale_and_accumulate(float* acc, float alpha, const float* p, const float* v, int n,
+                                   int d) {
+  int c = 0;
+#if CERTKV_ATTENTION_AVX2
+  const __m256 av = _mm256_set1_ps(alpha);
+  for (; c + 32 <= d; c += 32) {
+    __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(acc + c), av);
+    __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(acc + c + 8), av);
+    __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(acc + c + 16), av);
+    __m256 a3 = _mm256_mul_ps(_mm256_loadu_ps(acc + c + 24), av);
+    for (int j = 0; j < n; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const float* vj = v + size_t(j) * size_t(d) + c;
+      a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj), a0);
+      a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8), a1);
+      a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 16), a2);
+      a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 24), a3);
+    }
+    _mm256_storeu_ps(acc + c, a0);
+    _mm256_storeu_ps(acc + c + 8, a1);
+    _mm256_storeu_ps(acc + c + 16, a2);
+    _mm256_storeu_ps(acc + c + 24, a3);
+  }
+  for (; c < d; c += 8) {
+    __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(acc + c), av);
+    for (int j = 0; j < n; ++j) {
+      a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + size_t(j) * size_t(d) + c), a0);
+    }
+    _mm256_storeu_ps(acc + c, a0);
+  }
+#else
+  for (; c < d; ++c) {
+    float a = acc[c] * alpha;
+    for (int j = 0; j < n; ++j) a += p[j] * v[size_t(j) * size_t(d) + c];
+    acc[c] = a;
+  }
+#endif
+}
+
+// Online softmax update of one query row by keys/values [0, n_keys) of a float tile.
+// k, v: [n_keys][d]; acc: [d]; s: scratch of n_keys floats. REQUIRES: n_keys >= 1, d % 8 == 0.
+inline void update_row(const float* q, const float* k, const float* v, int n_keys, int d,
+                       float scale, RowState* state, float* acc, float* s) {
+  scores_of_row(q, k, n_keys, d, scale, s);
+  float tile_max = s[0];
+  for (int j = 1; j < n_keys; ++j) tile_max = s[j] > tile_max ? s[j] : tile_max;
+  const float m_new = tile_max > state->m ? tile_max : state->m;
+  const float alpha = std::exp(state->m - m_new);  // 0 on the first tile (m = -inf)
+  const float tile_sum = exp_shifted_and_sum(s, n_keys, m_new);
+  state->l = state->l * alpha + tile_sum;
+  state->m = m_new;
+  rescale_and_accumulate(acc, alpha, s, v, n_keys, d);
+}
+
+}  // namespace certkv::attention::detail

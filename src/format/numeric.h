@@ -1,0 +1,71 @@
+// Scalar number formats shared by host and device code: bf16 and fp16 <-> float.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define CERTKV_HD __host__ __device__
+#else
+#define CERTKV_HD
+#endif
+
+namespace certkv::format {
+
+CERTKV_HD inline float bits_to_float(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+CERTKV_HD inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+CERTKV_HD inline float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+
+// Round to nearest, ties to even; NaN stays NaN (quiet bit set).
+CERTKV_HD inline uint16_t float_to_bf16(float f) {
+  uint32_t u = float_to_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// IEEE binary16 -> float, exact for every input including subnormals, Inf and NaN.
+CERTKV_HD inline float fp16_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1fu) return bits_to_float(sign | 0x7f800000u | (mant << 13));
+  if (exp == 0) {
+    if (mant == 0) return bits_to_float(sign);
+    // Subnormal: value = mant * 2^-24.
+    float v = float(mant) * (1.0f / 16777216.0f);
+    return sign ? -v : v;
+  }
+  return bits_to_float(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+// float -> IEEE binary16, round to nearest even; overflow gives Inf.
+CERTKV_HD inline uint16_t float_to_fp16(float f) {
+  const uint32_t u = float_to_bits(f);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return uint16_t(sign | 0x7e00u);
+  if (abs >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520 -> Inf
+  if (abs < 0x38800000u) {
+    // Result is subnormal or zero: value / 2^-24, rounded to nearest even.
+    const float a = bits_to_float(abs) * 16777216.0f;
+    uint32_t q = uint32_t(a);
+    const float rem = a - float(q);
+    if (rem > 0.5f || (rem == 0.5f && (q & 1u))) ++q;
+    return uint16_t(sign | q);
+  }
+  uint32_t rounded = abs + 0xfffu + ((abs >> 13) & 1u);
+  return uint16_t(sign | ((rounded - (112u << 23)) >> 13));
+}
+
+}  // namespace certkv::format

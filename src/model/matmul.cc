@@ -1,0 +1,718 @@
+#include "model/matmul.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "format/numeric.h"
+#include "model/dequant.h"
+#include "model/ggml_type.h"
+#include "model/quantized_dot.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define CERTKV_MATMUL_AVX512 1
+// GCC 12 reports its own intrinsics' deliberately undefined operands (GCC bug 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#endif
+
+namespace certkv::model {
+namespace {
+
+using format::GgmlType;
+
+bool is_float_type(GgmlType type) {
+  return type == GgmlType::kF32 || type == GgmlType::kF16 || type == GgmlType::kBF16;
+}
+
+void check_args(const WeightMatrix& w, int64_t n_tokens, const char* caller) {
+  if (!matmul_supports(w.type)) {
+    fail(StatusCode::kUnsupported, std::string(caller) + ": weight type " +
+                                       ggml_type_name(w.type) + " (id " +
+                                       std::to_string(static_cast<uint32_t>(w.type)) +
+                                       ") is not supported");
+  }
+  const int64_t block = ggml_block_elements(w.type);
+  if (w.n_in < 0 || w.n_out < 0 || n_tokens < 0 || w.n_in % block != 0) {
+    fail(StatusCode::kInvalidArgument,
+         std::string(caller) + ": bad shape: " + std::to_string(n_tokens) + " tokens x " +
+             std::to_string(w.n_in) + " inputs -> " + std::to_string(w.n_out) + " outputs of " +
+             ggml_type_name(w.type) + " (inputs must be a multiple of " + std::to_string(block) +
+             ")");
+  }
+  if (w.row_bytes < ggml_row_bytes(w.type, w.n_in)) {
+    fail(StatusCode::kInvalidArgument,
+         std::string(caller) + ": row_bytes " + std::to_string(w.row_bytes) + " is less than the " +
+             std::to_string(ggml_row_bytes(w.type, w.n_in)) + " bytes of a row of " +
+             std::to_string(w.n_in) + " " + ggml_type_name(w.type) + " elements");
+  }
+  if (w.data == nullptr && w.n_out > 0 && w.n_in > 0) {
+    fail(StatusCode::kInvalidArgument, std::string(caller) + ": weight data is null");
+  }
+}
+
+// Rows per parallel_for grain: enough multiply-adds per grain that a hand-off to another thread
+// pays for itself (ThreadPool wakes its workers through a condition variable, tens of
+// microseconds), and a multiple of 16 rows.
+int64_t row_grain(const WeightMatrix& w, int64_t n_tokens) {
+  constexpr int64_t kMinMacsPerGrain = int64_t(1) << 20;
+  const int64_t macs_per_row = std::max<int64_t>(1, w.n_in * n_tokens);
+  const int64_t rows = (kMinMacsPerGrain + macs_per_row - 1) / macs_per_row;
+  return std::max<int64_t>(16, (rows + 15) / 16 * 16);
+}
+
+// Per-thread scratch that survives between calls (the quantized activations), 64-byte aligned.
+class Scratch {
+ public:
+  uint8_t* get(size_t bytes) {
+    if (bytes > capacity_) {
+      capacity_ = (bytes + 63) / 64 * 64;
+      buffer_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, capacity_)));
+      if (!buffer_) fail(StatusCode::kOutOfMemory, "matmul: cannot allocate activation scratch");
+    }
+    return buffer_.get();
+  }
+
+ private:
+  struct Free {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::unique_ptr<uint8_t, Free> buffer_;
+  size_t capacity_ = 0;
+};
+
+Scratch& thread_scratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Portable path: the reference algorithm, rows spread over the pool.
+
+void matmul_portable(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y,
+                     ThreadPool& pool) {
+  if (is_float_type(w.type)) {
+    pool.parallel_for(w.n_out, row_grain(w, n_tokens), [&](int64_t r0, int64_t r1, int) {
+      std::vector<float> row(size_t(w.n_in));
+      for (int64_t r = r0; r < r1; ++r) {
+        dequantize_row_ref(w.type, w.data + size_t(r) * w.row_bytes, row.data(), w.n_in);
+        for (int64_t t = 0; t < n_tokens; ++t) {
+          const float* xt = x + t * w.n_in;
+          float sum = 0;
+          for (int64_t i = 0; i < w.n_in; ++i) sum += row[size_t(i)] * xt[i];
+          y[t * w.n_out + r] = sum;
+        }
+      }
+    });
+    return;
+  }
+  const int64_t block = activation_block_elements(w.type);
+  std::vector<QuantizedActivation> acts(static_cast<size_t>(n_tokens));
+  for (int64_t t = 0; t < n_tokens; ++t)
+    acts[size_t(t)] = quantize_activation_ref(x + t * w.n_in, w.n_in, block);
+  pool.parallel_for(w.n_out, row_grain(w, n_tokens), [&](int64_t r0, int64_t r1, int) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t t = 0; t < n_tokens; ++t)
+        y[t * w.n_out + r] =
+            vec_dot_quantized_ref(w.type, w.data + size_t(r) * w.row_bytes, acts[size_t(t)]);
+  });
+}
+
+#if defined(CERTKV_MATMUL_AVX512)
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 path, 32-element blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
+//
+// Four consecutive blocks A, B, C, D form a group. The integer codes of a group are unpacked into
+// two vectors of 64 bytes, `lo` (elements 0-15 of each block) and `hi` (elements 16-31), in slot
+// order: 32-bit slot s (0..15) holds 4 consecutive elements 4j..4j+3 (j = s / 4) of block s % 4.
+// So after _mm512_dpbusd_epi32 slot s holds a partial integer dot product of block s % 4, and
+// the per-block scales are a 4-float pattern [dA dB dC dD] repeated 4 times. The quantized
+// activations are stored in the same slot order, so one load feeds each dpbusd.
+
+constexpr int slot_element(int p) { return 4 * ((p / 4) / 4) + p % 4; }  // element of byte p, 0..15
+constexpr int slot_block(int p) { return (p / 4) % 4; }                  // block of byte p, 0..3
+
+// Layout of the quantized activations of one token row for 32-element blocks:
+//   [n_groups x (64 bytes lo codes, 64 bytes hi codes)] [n_groups x 4 floats d] [n_groups x 4
+//   floats s = d * sum(q)], padded blocks past the end of the row are zero.
+struct Act32Layout {
+  int64_t n_groups;
+  size_t d_offset, s_offset, stride;
+  explicit Act32Layout(int64_t n_in) {
+    n_groups = (n_in / 32 + 3) / 4;
+    d_offset = size_t(n_groups) * 128;
+    s_offset = d_offset + size_t(n_groups) * 16;
+    stride = (s_offset + size_t(n_groups) * 16 + 63) / 64 * 64;
+  }
+};
+
+inline bool all_finite(__m512 v) {
+  // fpclass categories: QNaN 0x01, +Inf 0x08, -Inf 0x10, SNaN 0x80.
+  return _mm512_fpclass_ps_mask(v, 0x01 | 0x08 | 0x10 | 0x80) == 0;
+}
+
+inline __m512i quantize_16(__m512 v, float id) {
+  return _mm512_cvt_roundps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(id)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// Byte tables that move the natural-order codes of four blocks (128 bytes: A0..31 B0..31 ...)
+// into the lo / hi slot order.
+struct Act32Tables {
+  alignas(64) uint8_t lo[64];
+  alignas(64) uint8_t hi[64];
+  constexpr Act32Tables() {
+    for (int p = 0; p < 64; ++p) {
+      lo[p] = uint8_t(32 * slot_block(p) + slot_element(p));
+      hi[p] = uint8_t(32 * slot_block(p) + 16 + slot_element(p));
+    }
+  }
+};
+
+void quantize_act32_row(const float* x, int64_t n_in, uint8_t* out, const Act32Layout& L) {
+  static constexpr Act32Tables tables;
+  const int64_t nb = n_in / 32;
+  auto* d_out = reinterpret_cast<float*>(out + L.d_offset);
+  auto* s_out = reinterpret_cast<float*>(out + L.s_offset);
+  for (int64_t g = 0; g < L.n_groups; ++g) {
+    alignas(64) int8_t codes[128] = {};
+    for (int k = 0; k < 4; ++k) {
+      const int64_t b = 4 * g + k;
+      float d = 0, s = 0;
+      if (b < nb) {
+        const __m512 v0 = _mm512_loadu_ps(x + 32 * b);
+        const __m512 v1 = _mm512_loadu_ps(x + 32 * b + 16);
+        if (all_finite(v0) && all_finite(v1)) {
+          const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+          d = amax / 127.f;
+          const float id = d != 0.f ? 1.f / d : 0.f;
+          const __m512i q0 = quantize_16(v0, id), q1 = quantize_16(v1, id);
+          _mm_store_si128(reinterpret_cast<__m128i*>(codes + 32 * k), _mm512_cvtepi32_epi8(q0));
+          _mm_store_si128(reinterpret_cast<__m128i*>(codes + 32 * k + 16), _mm512_cvtepi32_epi8(q1));
+          s = d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+        } else {
+          d = s = __builtin_nanf("");
+        }
+      }
+      d_out[4 * g + k] = d;
+      s_out[4 * g + k] = s;
+    }
+    const __m512i c0 = _mm512_load_si512(codes), c1 = _mm512_load_si512(codes + 64);
+    const __m512i lo = _mm512_permutex2var_epi8(c0, _mm512_load_si512(tables.lo), c1);
+    const __m512i hi = _mm512_permutex2var_epi8(c0, _mm512_load_si512(tables.hi), c1);
+    _mm512_store_si512(out + 128 * g, lo);
+    _mm512_store_si512(out + 128 * g + 64, hi);
+  }
+}
+
+// Where the fields of a 32-element block type sit. A group of 4 blocks spans group_bytes; it is
+// read with 64-byte loads at offsets 0 and `second_load` (for Q8_0 also 8 and 72 for the hi codes),
+// all inside the group, and byte permutes pick the fields out of those loads.
+struct Block32Fields {
+  int block_bytes;
+  int m_offset;     // fp16 min (Q4_1, Q5_1), or -1
+  int qh_offset;    // 32 fifth bits (Q5_0, Q5_1), or -1
+  int qs_offset;    // codes
+  int code_offset;  // subtracted from the unsigned codes: w = d * (q - code_offset) (+ m)
+};
+
+constexpr Block32Fields fields_of(GgmlType type) {
+  switch (type) {
+    case GgmlType::kQ4_0: return {18, -1, -1, 2, 8};
+    case GgmlType::kQ4_1: return {20, 2, -1, 4, 0};
+    case GgmlType::kQ5_0: return {22, -1, 2, 6, 16};
+    case GgmlType::kQ5_1: return {24, 2, 4, 8, 0};
+    default: return {34, -1, -1, 2, 128};  // Q8_0: codes are int8, unpacked as q + 128
+  }
+}
+
+// Index of byte `offset` of a group in the 128-byte table formed by the loads at 0 and `second`.
+constexpr int table_index(int offset, int second) { return offset < 64 ? offset : 64 + offset - second; }
+
+template <GgmlType T>
+struct Group32Tables {
+  static constexpr Block32Fields F = fields_of(T);
+  static constexpr bool kQ8 = T == GgmlType::kQ8_0;
+  static constexpr int kGroupBytes = 4 * F.block_bytes;
+  static constexpr int kSecond = kQ8 ? 64 : kGroupBytes - 64;
+  alignas(64) uint8_t qs_lo[64];   // nibble types: the byte holding lo (low nibble) and hi codes
+  alignas(64) uint8_t qs_hi[64];   // Q8_0 only: the hi codes, table of the loads at 8 and 72
+  alignas(64) uint8_t qh_lo[64];   // Q5: the qh byte of each lo / hi element ...
+  alignas(64) uint8_t qh_hi[64];
+  alignas(64) uint8_t qh_bit[64];  // ... and its bit
+  alignas(64) uint16_t dm[32];     // words: d of each slot's block (0..15), m or d (16..31)
+  constexpr Group32Tables() {
+    for (int p = 0; p < 64; ++p) {
+      const int k = slot_block(p), e = slot_element(p), base = k * F.block_bytes;
+      qs_lo[p] = uint8_t(table_index(base + F.qs_offset + e, kSecond));
+      const int hi_offset = base + F.qs_offset + 16 + e;
+      qs_hi[p] = uint8_t(!kQ8 ? 0 : hi_offset < 72 ? hi_offset - 8 : 64 + hi_offset - 72);
+      if (F.qh_offset >= 0) {
+        qh_lo[p] = uint8_t(table_index(base + F.qh_offset + e / 8, kSecond));
+        qh_hi[p] = uint8_t(table_index(base + F.qh_offset + (16 + e) / 8, kSecond));
+      } else {
+        qh_lo[p] = qh_hi[p] = 0;
+      }
+      qh_bit[p] = uint8_t(1u << (e % 8));
+    }
+    for (int w = 0; w < 32; ++w) {
+      const int k = w % 4, base = k * F.block_bytes;
+      const int field = (w >= 16 && F.m_offset >= 0) ? base + F.m_offset : base;
+      dm[w] = uint16_t(table_index(field, kSecond) / 2);
+    }
+  }
+};
+
+// One unpacked group: unsigned codes in slot order, per-slot block scale d, and in lanes 0-3 the
+// constant term m of blocks A-D (the fp16 min, or -code_offset * d).
+struct Group32 {
+  __m512i lo, hi;
+  __m512 d, m;
+};
+
+template <GgmlType T>
+inline Group32 unpack_group32(const uint8_t* g) {
+  static constexpr Group32Tables<T> tab;
+  constexpr Block32Fields F = Group32Tables<T>::F;
+  constexpr int kSecond = Group32Tables<T>::kSecond;
+  const __m512i a = _mm512_loadu_si512(g);
+  const __m512i b = _mm512_loadu_si512(g + kSecond);
+  Group32 u;
+  if constexpr (T == GgmlType::kQ8_0) {
+    const __m512i a8 = _mm512_loadu_si512(g + 8), b8 = _mm512_loadu_si512(g + 72);
+    const __m512i flip = _mm512_set1_epi8(char(0x80));
+    u.lo = _mm512_xor_si512(_mm512_permutex2var_epi8(a, _mm512_load_si512(tab.qs_lo), b), flip);
+    u.hi = _mm512_xor_si512(_mm512_permutex2var_epi8(a8, _mm512_load_si512(tab.qs_hi), b8), flip);
+  } else {
+    const __m512i q = _mm512_permutex2var_epi8(a, _mm512_load_si512(tab.qs_lo), b);
+    const __m512i nibble = _mm512_set1_epi8(0xF);
+    u.lo = _mm512_and_si512(q, nibble);
+    u.hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), nibble);
+    if constexpr (F.qh_offset >= 0) {
+      const __m512i bit = _mm512_load_si512(tab.qh_bit);
+      const __m512i sixteen = _mm512_set1_epi8(16);
+      const __mmask64 h_lo = _mm512_test_epi8_mask(
+          _mm512_permutex2var_epi8(a, _mm512_load_si512(tab.qh_lo), b), bit);
+      const __mmask64 h_hi = _mm512_test_epi8_mask(
+          _mm512_permutex2var_epi8(a, _mm512_load_si512(tab.qh_hi), b), bit);
+      u.lo = _mm512_mask_add_epi8(u.lo, h_lo, u.lo, sixteen);
+      u.hi = _mm512_mask_add_epi8(u.hi, h_hi, u.hi, sixteen);
+    }
+  }
+  const __m512i dm = _mm512_permutex2var_epi16(a, _mm512_load_si512(tab.dm), b);
+  u.d = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
+  if constexpr (F.m_offset >= 0) {
+    u.m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1));
+  } else {
+    u.m = _mm512_mul_ps(u.d, _mm512_set1_ps(-float(F.code_offset)));
+  }
+  return u;
+}
+
+// y[t * y_stride] = dot(row, activation t) for kT consecutive tokens.
+template <GgmlType T, int kT>
+void row_dot_q32(const uint8_t* row, int64_t nb, const uint8_t* act, const Act32Layout& L,
+                 float* y, int64_t y_stride) {
+  constexpr int kGroupBytes = Group32Tables<T>::kGroupBytes;
+  __m512 acc[kT];
+  for (int t = 0; t < kT; ++t) acc[t] = _mm512_setzero_ps();
+  auto accumulate = [&](const Group32& u, int64_t g) {
+    for (int t = 0; t < kT; ++t) {
+      const uint8_t* a = act + size_t(t) * L.stride;
+      const __m512i x_lo = _mm512_load_si512(a + 128 * g);
+      const __m512i x_hi = _mm512_load_si512(a + 128 * g + 64);
+      __m512i i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.lo, x_lo);
+      i = _mm512_dpbusd_epi32(i, u.hi, x_hi);
+      const __m512 dx =
+          _mm512_broadcast_f32x4(_mm_load_ps(reinterpret_cast<const float*>(a + L.d_offset) + 4 * g));
+      const __m512 sx =
+          _mm512_broadcast_f32x4(_mm_load_ps(reinterpret_cast<const float*>(a + L.s_offset) + 4 * g));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(u.d, dx), acc[t]);
+      acc[t] = _mm512_mask3_fmadd_ps(u.m, sx, acc[t], 0x000F);
+    }
+  };
+  const int64_t full = nb / 4;
+  for (int64_t g = 0; g < full; ++g) accumulate(unpack_group32<T>(row + g * kGroupBytes), g);
+  if (nb % 4 != 0) {
+    // The last, partial group is unpacked from a zero-padded copy (zero blocks add nothing).
+    alignas(64) uint8_t padded[kGroupBytes] = {};
+    std::memcpy(padded, row + full * kGroupBytes, size_t(nb % 4) * (kGroupBytes / 4));
+    accumulate(unpack_group32<T>(padded), full);
+  }
+  for (int t = 0; t < kT; ++t) y[t * y_stride] = _mm512_reduce_add_ps(acc[t]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 path, k-quants (Q4_K, Q5_K, Q6_K): each 256-element super-block is unpacked into eight
+// vectors of 32 int16 products sc_j * code (Q6_K: sc_j * (code - 32)) in element order, and
+// multiplied with int16 activation codes by _mm512_dpwssd_epi32; the integer sum of a
+// super-block stays exact in int32 (|sum| < 256 * 63 * 31 * 127 for Q4_K/Q5_K, 256 * 128 * 32 *
+// 127 for Q6_K, both below 2^31).
+
+// Per token row: [nsb x 256 int16 codes] [nsb floats d] [nsb x 8 int16 sums over 32 elements].
+struct ActKLayout {
+  int64_t n_super;
+  size_t d_offset, sum_offset, stride;
+  explicit ActKLayout(int64_t n_in) {
+    n_super = n_in / 256;
+    d_offset = size_t(n_super) * 512;
+    sum_offset = (d_offset + size_t(n_super) * 4 + 15) / 16 * 16;
+    stride = (sum_offset + size_t(n_super) * 16 + 63) / 64 * 64;
+  }
+};
+
+void quantize_act_k_row(const float* x, int64_t n_in, uint8_t* out, const ActKLayout& L) {
+  auto* d_out = reinterpret_cast<float*>(out + L.d_offset);
+  auto* sums_out = reinterpret_cast<int16_t*>(out + L.sum_offset);
+  for (int64_t b = 0; b < L.n_super; ++b) {
+    const float* xb = x + 256 * b;
+    auto* q_out = reinterpret_cast<int16_t*>(out + 512 * b);
+    __m512 amax = _mm512_setzero_ps();
+    bool finite = true;
+    for (int i = 0; i < 256; i += 16) {
+      const __m512 v = _mm512_loadu_ps(xb + i);
+      finite = finite && all_finite(v);
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+    }
+    if (!finite) {
+      d_out[b] = __builtin_nanf("");
+      std::memset(q_out, 0, 512);
+      std::memset(sums_out + 8 * b, 0, 16);
+      continue;
+    }
+    const float d = _mm512_reduce_max_ps(amax) / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    for (int j = 0; j < 8; ++j) {
+      const __m512i q0 = quantize_16(_mm512_loadu_ps(xb + 32 * j), id);
+      const __m512i q1 = quantize_16(_mm512_loadu_ps(xb + 32 * j + 16), id);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q_out + 32 * j), _mm512_cvtepi32_epi16(q0));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q_out + 32 * j + 16), _mm512_cvtepi32_epi16(q1));
+      sums_out[8 * b + j] = int16_t(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    }
+    d_out[b] = d;
+  }
+}
+
+struct SuperBlock {
+  __m512i w[8];  // int16 sc * code, elements 32z .. 32z + 31 in w[z]
+  __m128i mins;  // Q4_K / Q5_K: the 8 sub-block mins as int16
+  float d, dmin;
+};
+
+inline float fp16_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return format::fp16_to_float(bits);
+}
+
+template <GgmlType T>
+inline void unpack_super_block(const uint8_t* p, SuperBlock* s) {
+  const __m256i nibble = _mm256_set1_epi8(0xF);
+  if constexpr (T == GgmlType::kQ6_K) {
+    const uint8_t* ql = p;
+    const uint8_t* qh = p + 128;
+    const auto* scales = reinterpret_cast<const int8_t*>(p + 192);
+    s->d = fp16_at(p + 208);
+    s->dmin = 0;
+    s->mins = _mm_setzero_si128();
+    const __m256i three = _mm256_set1_epi8(3);
+    const __m512i thirty_two = _mm512_set1_epi16(32);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
+      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
+      const __m256i low[4] = {_mm256_and_si256(l0, nibble), _mm256_and_si256(l1, nibble),
+                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble),
+                              _mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble)};
+      for (int quarter = 0; quarter < 4; ++quarter) {
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * quarter), three);
+        const __m256i code = _mm256_or_si256(low[quarter], _mm256_slli_epi16(high, 4));
+        const int z = 4 * h + quarter;
+        const __m512i sc = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(scales[2 * z]),
+                                                   _mm512_set1_epi16(scales[2 * z + 1]));
+        s->w[z] = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(code), thirty_two), sc);
+      }
+    }
+  } else {
+    constexpr bool kFifthBit = T == GgmlType::kQ5_K;
+    s->d = fp16_at(p);
+    s->dmin = fp16_at(p + 2);
+    const uint8_t* qs = p + (kFifthBit ? 48 : 16);
+    alignas(16) int16_t mins[8];
+    uint8_t sc[8];
+    for (int j = 0; j < 8; ++j) {
+      uint8_t m;
+      k_quant_scale_min(j, p + 4, &sc[j], &m);
+      mins[j] = m;
+    }
+    s->mins = _mm_load_si128(reinterpret_cast<const __m128i*>(mins));
+    __m256i qh = _mm256_setzero_si256();
+    if constexpr (kFifthBit) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+      for (int half = 0; half < 2; ++half) {
+        const int j = 2 * c + half;
+        __m256i code = _mm256_and_si256(half ? _mm256_srli_epi16(v, 4) : v, nibble);
+        if constexpr (kFifthBit) {
+          const __mmask32 high = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(char(1 << j)));
+          code = _mm256_mask_add_epi8(code, high, code, _mm256_set1_epi8(16));
+        }
+        s->w[j] = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(code), _mm512_set1_epi16(sc[j]));
+      }
+    }
+  }
+}
+
+template <GgmlType T, int kT>
+void row_dot_k(const uint8_t* row, int64_t n_super, const uint8_t* act, const ActKLayout& L,
+               float* y, int64_t y_stride) {
+  constexpr size_t kBlockBytes = T == GgmlType::kQ4_K ? 144 : T == GgmlType::kQ5_K ? 176 : 210;
+  __m512 acc[kT];
+  __m128 acc_min[kT];
+  for (int t = 0; t < kT; ++t) {
+    acc[t] = _mm512_setzero_ps();
+    acc_min[t] = _mm_setzero_ps();
+  }
+  SuperBlock s;
+  for (int64_t b = 0; b < n_super; ++b) {
+    unpack_super_block<T>(row + b * kBlockBytes, &s);
+    for (int t = 0; t < kT; ++t) {
+      const uint8_t* a = act + size_t(t) * L.stride;
+      const auto* xq = reinterpret_cast<const __m512i*>(a + 512 * b);
+      __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+      for (int z = 0; z < 8; z += 2) {
+        i0 = _mm512_dpwssd_epi32(i0, s.w[z], _mm512_load_si512(xq + z));
+        i1 = _mm512_dpwssd_epi32(i1, s.w[z + 1], _mm512_load_si512(xq + z + 1));
+      }
+      const float dx = reinterpret_cast<const float*>(a + L.d_offset)[b];
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)),
+                               _mm512_set1_ps(s.d * dx), acc[t]);
+      if constexpr (T != GgmlType::kQ6_K) {
+        const __m128i sums = _mm_load_si128(reinterpret_cast<const __m128i*>(a + L.sum_offset) + b);
+        acc_min[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(s.mins, sums)),
+                                  _mm_set1_ps(s.dmin * dx), acc_min[t]);
+      }
+    }
+  }
+  for (int t = 0; t < kT; ++t) {
+    const __m128 m2 = _mm_add_ps(acc_min[t], _mm_movehl_ps(acc_min[t], acc_min[t]));
+    const float mins = _mm_cvtss_f32(_mm_add_ss(m2, _mm_movehdup_ps(m2)));
+    y[t * y_stride] = _mm512_reduce_add_ps(acc[t]) - mins;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 path, float weights: fp32 fused multiply-adds over 16 lanes, kR rows x kT tokens.
+
+template <GgmlType T>
+inline __m512 load_weights_16(const uint8_t* row, int64_t i, __mmask16 mask) {
+  if constexpr (T == GgmlType::kF32) {
+    return _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float*>(row) + i);
+  } else if constexpr (T == GgmlType::kF16) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + 2 * i));
+  } else {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, row + 2 * i)), 16));
+  }
+}
+
+template <GgmlType T, int kR, int kT>
+void rows_dot_float(const uint8_t* rows, size_t row_bytes, int64_t n, const float* x,
+                    float* y, int64_t y_stride) {
+  __m512 acc[kR][kT];
+  for (int r = 0; r < kR; ++r)
+    for (int t = 0; t < kT; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    __m512 wv[kR];
+    for (int r = 0; r < kR; ++r) wv[r] = load_weights_16<T>(rows + r * row_bytes, i, mask);
+    for (int t = 0; t < kT; ++t) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + t * n + i);
+      for (int r = 0; r < kR; ++r) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
+    }
+  }
+  for (int r = 0; r < kR; ++r)
+    for (int t = 0; t < kT; ++t) y[t * y_stride + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Drivers: rows in blocks that stay in L2 while tiles of up to kTileTokens tokens (whose
+// activations stay in L1) pass over them.
+
+constexpr int kTileTokens = 8;
+constexpr size_t kRowBlockBytes = 48 * 1024;
+
+template <typename RowKernel>
+void for_row_tiles(const WeightMatrix& w, int64_t n_tokens, ThreadPool& pool, RowKernel kernel) {
+  const int64_t rows_per_block =
+      std::max<int64_t>(4, int64_t(kRowBlockBytes / std::max<size_t>(1, w.row_bytes)));
+  pool.parallel_for(w.n_out, row_grain(w, n_tokens), [&](int64_t r0, int64_t r1, int) {
+    for (int64_t rb = r0; rb < r1; rb += rows_per_block) {
+      const int64_t re = std::min(r1, rb + rows_per_block);
+      for (int64_t t0 = 0; t0 < n_tokens; t0 += kTileTokens)
+        kernel(rb, re, t0, int(std::min<int64_t>(kTileTokens, n_tokens - t0)));
+    }
+  });
+}
+
+// Calls f.template operator()<k>() for k = n in 1..8 (a run-time tile size to a template one).
+template <typename F>
+void with_tile(int n, F&& f) {
+  switch (n) {
+    case 1: f.template operator()<1>(); break;
+    case 2: f.template operator()<2>(); break;
+    case 3: f.template operator()<3>(); break;
+    case 4: f.template operator()<4>(); break;
+    case 5: f.template operator()<5>(); break;
+    case 6: f.template operator()<6>(); break;
+    case 7: f.template operator()<7>(); break;
+    default: f.template operator()<8>(); break;
+  }
+}
+
+// Quantizes every token row with quantize_row(x_t, out_t), in parallel when there are many.
+template <typename QuantizeRow>
+void quantize_rows(int64_t n_tokens, ThreadPool& pool, QuantizeRow quantize_row) {
+  const int64_t grain = 16;
+  if (n_tokens < 2 * grain) {
+    for (int64_t t = 0; t < n_tokens; ++t) quantize_row(t);
+    return;
+  }
+  pool.parallel_for(n_tokens, grain, [&](int64_t t0, int64_t t1, int) {
+    for (int64_t t = t0; t < t1; ++t) quantize_row(t);
+  });
+}
+
+template <GgmlType T>
+void matmul_q32(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool) {
+  const Act32Layout L(w.n_in);
+  uint8_t* act = thread_scratch().get(L.stride * size_t(n_tokens));
+  quantize_rows(n_tokens, pool, [&](int64_t t) {
+    quantize_act32_row(x + t * w.n_in, w.n_in, act + size_t(t) * L.stride, L);
+  });
+  const int64_t nb = w.n_in / 32;
+  for_row_tiles(w, n_tokens, pool, [&](int64_t rb, int64_t re, int64_t t0, int kt) {
+    with_tile(kt, [&]<int kT>() {
+      for (int64_t r = rb; r < re; ++r)
+        row_dot_q32<T, kT>(w.data + size_t(r) * w.row_bytes, nb, act + size_t(t0) * L.stride, L,
+                           y + t0 * w.n_out + r, w.n_out);
+    });
+  });
+}
+
+template <GgmlType T>
+void matmul_k(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool) {
+  const ActKLayout L(w.n_in);
+  uint8_t* act = thread_scratch().get(L.stride * size_t(n_tokens));
+  quantize_rows(n_tokens, pool, [&](int64_t t) {
+    quantize_act_k_row(x + t * w.n_in, w.n_in, act + size_t(t) * L.stride, L);
+  });
+  for_row_tiles(w, n_tokens, pool, [&](int64_t rb, int64_t re, int64_t t0, int kt) {
+    with_tile(kt, [&]<int kT>() {
+      for (int64_t r = rb; r < re; ++r)
+        row_dot_k<T, kT>(w.data + size_t(r) * w.row_bytes, L.n_super, act + size_t(t0) * L.stride,
+                         L, y + t0 * w.n_out + r, w.n_out);
+    });
+  });
+}
+
+template <GgmlType T>
+void matmul_float(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y,
+                  ThreadPool& pool) {
+  constexpr int kRows = 4, kTokens = 4;
+  for_row_tiles(w, n_tokens, pool, [&](int64_t rb, int64_t re, int64_t t0, int kt) {
+    for (int64_t t = t0; t < t0 + kt; t += kTokens) {
+      const int nt = int(std::min<int64_t>(kTokens, t0 + kt - t));
+      const float* xt = x + t * w.n_in;
+      float* yt = y + t * w.n_out;
+      auto run = [&]<int kR, int kT>(int64_t r) {
+        rows_dot_float<T, kR, kT>(w.data + size_t(r) * w.row_bytes, w.row_bytes, w.n_in, xt,
+                                  yt + r, w.n_out);
+      };
+      int64_t r = rb;
+      for (; r + kRows <= re; r += kRows) {
+        switch (nt) {
+          case 1: run.template operator()<kRows, 1>(r); break;
+          case 2: run.template operator()<kRows, 2>(r); break;
+          case 3: run.template operator()<kRows, 3>(r); break;
+          default: run.template operator()<kRows, 4>(r); break;
+        }
+      }
+      for (; r < re; ++r) {
+        switch (nt) {
+          case 1: run.template operator()<1, 1>(r); break;
+          case 2: run.template operator()<1, 2>(r); break;
+          case 3: run.template operator()<1, 3>(r); break;
+          default: run.template operator()<1, 4>(r); break;
+        }
+      }
+    }
+  });
+}
+
+void matmul_avx512(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y,
+                   ThreadPool& pool) {
+  switch (w.type) {
+    case GgmlType::kF32: return matmul_float<GgmlType::kF32>(w, x, n_tokens, y, pool);
+    case GgmlType::kF16: return matmul_float<GgmlType::kF16>(w, x, n_tokens, y, pool);
+    case GgmlType::kBF16: return matmul_float<GgmlType::kBF16>(w, x, n_tokens, y, pool);
+    case GgmlType::kQ4_0: return matmul_q32<GgmlType::kQ4_0>(w, x, n_tokens, y, pool);
+    case GgmlType::kQ4_1: return matmul_q32<GgmlType::kQ4_1>(w, x, n_tokens, y, pool);
+    case GgmlType::kQ5_0: return matmul_q32<GgmlType::kQ5_0>(w, x, n_tokens, y, pool);
+    case GgmlType::kQ5_1: return matmul_q32<GgmlType::kQ5_1>(w, x, n_tokens, y, pool);
+    case GgmlType::kQ8_0: return matmul_q32<GgmlType::kQ8_0>(w, x, n_tokens, y, pool);
+    case GgmlType::kQ4_K: return matmul_k<GgmlType::kQ4_K>(w, x, n_tokens, y, pool);
+    case GgmlType::kQ5_K: return matmul_k<GgmlType::kQ5_K>(w, x, n_tokens, y, pool);
+    case GgmlType::kQ6_K: return matmul_k<GgmlType::kQ6_K>(w, x, n_tokens, y, pool);
+    default: break;
+  }
+  fail(StatusCode::kInternal, "matmul: type list and dispatch disagree");
+}
+
+#endif  // CERTKV_MATMUL_AVX512
+
+}  // namespace
+
+bool matmul_supports(GgmlType type) { return dequantize_supports(type); }
+
+void matmul(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool) {
+  check_args(w, n_tokens, "matmul");
+  if (w.n_out == 0 || n_tokens == 0) return;
+#if defined(CERTKV_MATMUL_AVX512)
+  matmul_avx512(w, x, n_tokens, y, pool);
+#else
+  matmul_portable(w, x, n_tokens, y, pool);
+#endif
+}
+
+void matmul_ref(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y) {
+  check_args(w, n_tokens, "matmul_ref");
+  std::vector<float> row(size_t(w.n_in));
+  for (int64_t o = 0; o < w.n_out; ++o) {
+    dequantize_row_ref(w.type, w.data + size_t(o) * w.row_bytes, row.data(), w.n_in);
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      const float* xt = x + t * w.n_in;
+      double sum = 0;
+      for (int64_t i = 0; i < w.n_in; ++i) sum += double(row[size_t(i)]) * double(xt[i]);
+      y[t * w.n_out + o] = float(sum);
+    }
+  }
+}
+
+void matmul_quantized_ref(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y) {
+  check_args(w, n_tokens, "matmul_quantized_ref");
+  if (w.n_out == 0 || n_tokens == 0) return;
+  ThreadPool single(1);
+  matmul_portable(w, x, n_tokens, y, single);
+}
+
+}  // namespace certkv::model

@@ -1,0 +1,60 @@
+// Matrix products of activations with ggml weight matrices on the CPU: y = x W^T.
+//
+// Two algorithms:
+//  * matmul_ref: dequantize each weight row to float and accumulate in double (the exact product
+//    of the stored weights with x, up to the final rounding to float).
+//  * matmul: the production path. For quantized weights it follows llama.cpp: every token row of
+//    x is quantized once per call to int8 blocks (model/quantized_dot.h states the algorithm and
+//    gives its plain reference, matmul_quantized_ref), then blocks are multiplied in integers and
+//    scaled in fp32. It is therefore an approximation of matmul_ref: with the activation block
+//    scale d = amax/127 and round-to-nearest, every activation element is off by at most d/2, so
+//      |matmul - matmul_ref| <= sum_i |W[o][i]| * amax(block of i) / 254 + fp32 rounding.
+//    Float weights (F32, F16, BF16) are multiplied in fp32 without any activation quantization.
+//    With AVX-512 (F, BW, VL, VNNI, VBMI) the kernels are vectorized and the weights of one
+//    output row are unpacked once per tile of up to 8 tokens; without it a scalar path computes
+//    the same algorithm.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/thread_pool.h"
+#include "format/ggml_blocks.h"
+
+namespace certkv::model {
+
+// A weight matrix in ggml layout: n_out rows of n_in elements; row o starts at
+// data + o * row_bytes and holds ggml_row_bytes(type, n_in) bytes. Not owning.
+struct WeightMatrix {
+  format::GgmlType type = format::GgmlType::kF32;
+  const uint8_t* data = nullptr;
+  int64_t n_in = 0;
+  int64_t n_out = 0;
+  size_t row_bytes = 0;
+};
+
+// True for the weight types matmul and matmul_ref accept: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
+// Q8_0, Q4_K, Q5_K, Q6_K.
+bool matmul_supports(format::GgmlType type);
+
+// y[t][o] = sum_i x[t][i] * W[o][i] for t < n_tokens, o < w.n_out.
+// x: [n_tokens][w.n_in] floats, y: [n_tokens][w.n_out] floats (must not overlap x).
+// REQUIRES: matmul_supports(w.type); w.n_in a multiple of the type's block length;
+// w.row_bytes >= ggml_row_bytes(w.type, w.n_in); n_tokens >= 0. Violations throw certkv::Error
+// (kUnsupported naming the type, kInvalidArgument naming the shape) before anything is written.
+// Finite activations are expected; an Inf or NaN in a token row makes that token's outputs NaN.
+// Uses `pool` for the rows of W (and for quantizing x when n_tokens is large); keeps per-thread
+// scratch memory between calls. Thread safety: one call at a time per pool.
+void matmul(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool);
+
+// Exact reference: dequantize_row_ref on each weight row, products accumulated in double.
+// Same REQUIRES and errors as matmul. Single-threaded.
+void matmul_ref(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y);
+
+// The algorithm of matmul in plain scalar code: for quantized weights, quantize_activation_ref
+// on each token row then vec_dot_quantized_ref (model/quantized_dot.h); for float weights, fp32
+// products summed in element order. matmul equals it up to the order of fp32 additions.
+// Same REQUIRES and errors as matmul. Single-threaded.
+void matmul_quantized_ref(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y);
+
+}  // namespace certkv::model

@@ -1,0 +1,340 @@
+#include "model/model.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "core/status.h"
+#include "format/safetensors.h"
+#include "model/dequant.h"
+#include "model/ggml_type.h"
+#include "model/gguf.h"
+#include "model/hf_loader.h"
+#include "model/model_builder.h"
+
+namespace certkv::model {
+
+const char* rope_layout_name(RopeLayout layout) {
+  return layout == RopeLayout::kInterleaved ? "interleaved" : "half-split";
+}
+
+float ModelConfig::attention_scale() const { return 1.0f / std::sqrt(float(head_dim)); }
+
+Model::~Model() = default;
+
+std::string Model::weight_type_summary() const {
+  std::map<std::string, int> count;
+  for (const auto& l : layers_)
+    for (const WeightMatrix* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down})
+      ++count[ggml_type_name(w->type)];
+  std::string best;
+  int best_n = -1;
+  for (const auto& [name, n] : count)
+    if (n > best_n) best = name, best_n = n;
+  return best;
+}
+
+uint64_t Model::weight_bytes() const {
+  auto bytes = [](const WeightMatrix& w) { return uint64_t(w.row_bytes) * uint64_t(w.n_out); };
+  uint64_t total = bytes(token_embd_);
+  if (output_.data != token_embd_.data) total += bytes(output_);
+  for (const auto& l : layers_) {
+    for (const WeightMatrix* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down})
+      total += bytes(*w);
+    total += 4 * (l.attn_norm.size() + l.ffn_norm.size() + l.bq.size() + l.bk.size() +
+                  l.bv.size() + l.q_norm.size() + l.k_norm.size());
+  }
+  return total + 4 * output_norm_.size();
+}
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// GGUF
+
+class GgufLoader {
+ public:
+  GgufLoader(ModelBuilder& b, const GgufFile& f) : b_(b), f_(f) {}
+
+  void load() {
+    ModelConfig& c = b_.config();
+    const std::string arch = f_.get_string("general.architecture").value_or("");
+    if (arch.empty()) fail(StatusCode::kCorrupt, f_.name() + ": no general.architecture");
+    if (arch != "llama" && arch != "qwen2" && arch != "qwen3")
+      fail(StatusCode::kUnsupported,
+           f_.name() + ": architecture '" + arch +
+               "' is not supported (supported: llama, qwen2, qwen3)");
+    c.architecture = arch;
+    c.name = f_.get_string("general.name").value_or(arch);
+    c.n_layers = int(required_int(arch + ".block_count"));
+    c.dim = int(required_int(arch + ".embedding_length"));
+    c.ffn_dim = int(required_int(arch + ".feed_forward_length"));
+    c.n_heads = int(required_int(arch + ".attention.head_count"));
+    c.n_kv_heads = int(f_.get_int(arch + ".attention.head_count_kv").value_or(c.n_heads));
+    c.context_length = f_.get_int(arch + ".context_length").value_or(2048);
+    c.rms_eps = float(f_.get_float(arch + ".attention.layer_norm_rms_epsilon").value_or(1e-5));
+    c.rope_theta = float(f_.get_float(arch + ".rope.freq_base").value_or(10000.0));
+    if (c.n_heads <= 0) fail(StatusCode::kCorrupt, f_.name() + ": head_count must be positive");
+    c.head_dim = int(f_.get_int(arch + ".attention.key_length").value_or(c.dim / c.n_heads));
+    const int64_t rope_dims = f_.get_int(arch + ".rope.dimension_count").value_or(c.head_dim);
+    if (rope_dims != c.head_dim)
+      fail(StatusCode::kUnsupported, f_.name() + ": partial RoPE (" + std::to_string(rope_dims) +
+                                         " of " + std::to_string(c.head_dim) +
+                                         " dims) is not supported");
+    // ggml's llama conversion permutes q/k rows so RoPE rotates (2j, 2j+1); Qwen files keep the
+    // Hugging Face order, rotated as (j, j + d/2) (llama.cpp's NEOX mode).
+    c.rope_layout = arch == "llama" ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit;
+    const std::string scaling = f_.get_string(arch + ".rope.scaling.type").value_or("none");
+    if (scaling == "linear") {
+      c.rope_scaling.type = RopeScalingType::kLinear;
+      c.rope_scaling.factor = float(f_.get_float(arch + ".rope.scaling.factor").value_or(1.0));
+      if (!(c.rope_scaling.factor > 0.f))
+        fail(StatusCode::kCorrupt, f_.name() + ": rope.scaling.factor must be positive");
+    } else if (scaling != "none" && !scaling.empty()) {
+      fail(StatusCode::kUnsupported, f_.name() + ": RoPE scaling '" + scaling + "' is not supported");
+    }
+    c.qkv_bias = arch == "qwen2";
+    c.qk_norm = arch == "qwen3";
+
+    const GgufTensorInfo& embd = tensor("token_embd.weight");
+    if (embd.dims.size() != 2 || embd.dims[0] != c.dim)
+      fail(StatusCode::kCorrupt, f_.name() + ": token_embd.weight has the wrong shape");
+    c.n_vocab = int(embd.dims[1]);
+    b_.check_config();
+
+    b_.token_embd() = matrix("token_embd.weight", c.dim, c.n_vocab);
+    b_.output_norm() = vector("output_norm.weight", c.dim);
+    c.tied_embeddings = f_.find_tensor("output.weight") == nullptr;
+    b_.output() = c.tied_embeddings ? b_.token_embd() : matrix("output.weight", c.dim, c.n_vocab);
+
+    const int q_dim = c.n_heads * c.head_dim;
+    const int kv_dim = c.n_kv_heads * c.head_dim;
+    b_.layers().resize(c.n_layers);
+    for (int i = 0; i < c.n_layers; ++i) {
+      const std::string p = "blk." + std::to_string(i) + ".";
+      LayerWeights& l = b_.layers()[i];
+      l.attn_norm = vector(p + "attn_norm.weight", c.dim);
+      l.ffn_norm = vector(p + "ffn_norm.weight", c.dim);
+      l.wq = matrix(p + "attn_q.weight", c.dim, q_dim);
+      l.wk = matrix(p + "attn_k.weight", c.dim, kv_dim);
+      l.wv = matrix(p + "attn_v.weight", c.dim, kv_dim);
+      l.wo = matrix(p + "attn_output.weight", q_dim, c.dim);
+      l.w_gate = matrix(p + "ffn_gate.weight", c.dim, c.ffn_dim);
+      l.w_up = matrix(p + "ffn_up.weight", c.dim, c.ffn_dim);
+      l.w_down = matrix(p + "ffn_down.weight", c.ffn_dim, c.dim);
+      if (c.qkv_bias) {
+        l.bq = vector(p + "attn_q.bias", q_dim);
+        l.bk = vector(p + "attn_k.bias", kv_dim);
+        l.bv = vector(p + "attn_v.bias", kv_dim);
+      }
+      if (c.qk_norm) {
+        l.q_norm = vector(p + "attn_q_norm.weight", c.head_dim);
+        l.k_norm = vector(p + "attn_k_norm.weight", c.head_dim);
+      }
+    }
+    if (f_.find_tensor("rope_freqs.weight")) {
+      std::vector<float> freqs = vector("rope_freqs.weight", c.head_dim / 2);
+      for (float v : freqs)
+        if (!(v > 0.f)) fail(StatusCode::kCorrupt, f_.name() + ": rope_freqs.weight must be positive");
+      b_.compute_rope_frequencies(&freqs);
+    }
+    b_.set_tokenizer(std::make_unique<Tokenizer>(vocab_from_gguf(f_)));
+  }
+
+ private:
+  int64_t required_int(const std::string& key) {
+    auto v = f_.get_int(key);
+    if (!v) fail(StatusCode::kCorrupt, f_.name() + ": missing metadata key " + key);
+    return *v;
+  }
+
+  const GgufTensorInfo& tensor(const std::string& name) {
+    const GgufTensorInfo* t = f_.find_tensor(name);
+    if (!t) fail(StatusCode::kCorrupt, f_.name() + ": missing tensor " + name);
+    return *t;
+  }
+
+  WeightMatrix matrix(const std::string& name, int64_t n_in, int64_t n_out) {
+    const GgufTensorInfo& t = tensor(name);
+    if (t.dims.size() != 2 || t.dims[0] != n_in || t.dims[1] != n_out)
+      fail(StatusCode::kCorrupt, f_.name() + ": tensor " + name + " has the wrong shape (expected [" +
+                                     std::to_string(n_in) + ", " + std::to_string(n_out) + "])");
+    if (!matmul_supports(t.type))
+      fail(StatusCode::kUnsupported, f_.name() + ": tensor " + name + " has type " +
+                                         ggml_type_name(t.type) +
+                                         ", which certkv cannot multiply yet");
+    WeightMatrix w;
+    w.type = t.type;
+    w.data = t.data;
+    w.n_in = n_in;
+    w.n_out = n_out;
+    w.row_bytes = ggml_row_bytes(t.type, n_in);
+    return w;
+  }
+
+  std::vector<float> vector(const std::string& name, int64_t n) {
+    const GgufTensorInfo& t = tensor(name);
+    if (t.n_elements() != n)
+      fail(StatusCode::kCorrupt, f_.name() + ": tensor " + name + " has " +
+                                     std::to_string(t.n_elements()) + " elements, expected " +
+                                     std::to_string(n));
+    std::vector<float> out(n);
+    dequantize_row_ref(t.type, t.data, out.data(), n);
+    return out;
+  }
+
+  ModelBuilder& b_;
+  const GgufFile& f_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// llama2.c legacy checkpoint
+
+std::vector<uint8_t> read_file(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) fail(StatusCode::kNotFound, path + ": no such file");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(StatusCode::kIo, path + ": cannot open");
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return bytes;
+}
+
+// Converts llama2.c's tokenizer.bin (per token: float score, int32 length, bytes; spaces stand
+// for SentencePiece's U+2581) into a SentencePiece vocabulary.
+VocabSpec vocab_from_llama2c(const std::string& path, int n_vocab) {
+  const std::vector<uint8_t> bytes = read_file(path);
+  size_t pos = 0;
+  auto take = [&](void* dst, size_t n) {
+    if (n > bytes.size() - pos) fail(StatusCode::kCorrupt, path + ": truncated tokenizer file");
+    memcpy(dst, bytes.data() + pos, n);
+    pos += n;
+  };
+  int32_t max_len = 0;
+  take(&max_len, 4);
+  VocabSpec v;
+  v.model = "llama";
+  v.pre = "default";
+  for (int i = 0; i < n_vocab; ++i) {
+    float score;
+    int32_t len;
+    take(&score, 4);
+    take(&len, 4);
+    if (len < 0 || len > max_len) fail(StatusCode::kCorrupt, path + ": bad token length");
+    std::string piece(size_t(len), '\0');
+    take(piece.data(), size_t(len));
+    int32_t type = 1;
+    if (i == 0) {
+      piece = "<unk>", type = 2;
+    } else if (i == 1) {
+      piece = "<s>", type = 3;
+    } else if (i == 2) {
+      piece = "</s>", type = 3;
+    } else if (piece.size() == 6 && piece.rfind("<0x", 0) == 0 && piece[5] == '>') {
+      type = 6;
+    } else {
+      std::string spm;
+      for (char ch : piece) spm += ch == ' ' ? std::string("\xe2\x96\x81") : std::string(1, ch);
+      piece = spm;
+    }
+    v.tokens.push_back(piece);
+    v.scores.push_back(score);
+    v.token_types.push_back(type);
+  }
+  v.unk = 0;
+  v.bos = 1;
+  v.eos = 2;
+  v.add_bos = true;
+  v.add_space_prefix = true;
+  return v;
+}
+
+}  // namespace
+
+std::unique_ptr<Model> load_llama2c(const std::string& checkpoint_path,
+                                    const std::string& tokenizer_path) {
+  ModelBuilder b(checkpoint_path);
+  std::vector<uint8_t>& raw = b.own_buffer(0);
+  raw = read_file(checkpoint_path);
+  if (raw.size() < 28) fail(StatusCode::kCorrupt, checkpoint_path + ": too short for a header");
+  int32_t h[7];
+  memcpy(h, raw.data(), sizeof h);
+  ModelConfig& c = b.config();
+  c.architecture = "llama";
+  c.name = std::filesystem::path(checkpoint_path).stem().string();
+  c.dim = h[0];
+  c.ffn_dim = h[1];
+  c.n_layers = h[2];
+  c.n_heads = h[3];
+  c.n_kv_heads = h[4];
+  c.tied_embeddings = h[5] > 0;
+  c.n_vocab = h[5] > 0 ? h[5] : -h[5];
+  c.context_length = h[6];
+  c.head_dim = c.n_heads > 0 ? c.dim / c.n_heads : 0;
+  c.rope_layout = RopeLayout::kInterleaved;
+  c.rope_theta = 10000.f;
+  c.rms_eps = 1e-5f;
+  b.check_config();
+
+  const int64_t L = c.n_layers, D = c.dim, F = c.ffn_dim, V = c.n_vocab;
+  const int64_t kv_dim = int64_t(c.n_kv_heads) * c.head_dim;
+  const int64_t floats_needed = V * D + L * D + L * D * D + 2 * L * kv_dim * D + L * D * D +
+                                L * D + 3 * L * F * D + D +
+                                int64_t(c.context_length) * c.head_dim +
+                                (c.tied_embeddings ? 0 : V * D);
+  if (uint64_t(raw.size() - 28) < uint64_t(floats_needed) * 4)
+    fail(StatusCode::kCorrupt, checkpoint_path + ": file is shorter than its header implies");
+  const uint8_t* p = raw.data() + 28;
+  auto take_matrix = [&](int64_t n_in, int64_t n_out) {
+    WeightMatrix w;
+    w.type = format::GgmlType::kF32;
+    w.data = p;
+    w.n_in = n_in;
+    w.n_out = n_out;
+    w.row_bytes = size_t(n_in) * 4;
+    p += n_in * n_out * 4;
+    return w;
+  };
+  auto take_vector = [&](int64_t n) {
+    std::vector<float> v(n);
+    memcpy(v.data(), p, n * 4);
+    p += n * 4;
+    return v;
+  };
+  b.token_embd() = take_matrix(D, V);
+  std::vector<LayerWeights>& layers = b.layers();
+  layers.resize(L);
+  for (auto& l : layers) l.attn_norm = take_vector(D);
+  for (auto& l : layers) l.wq = take_matrix(D, D);
+  for (auto& l : layers) l.wk = take_matrix(D, kv_dim);
+  for (auto& l : layers) l.wv = take_matrix(D, kv_dim);
+  for (auto& l : layers) l.wo = take_matrix(D, D);
+  for (auto& l : layers) l.ffn_norm = take_vector(D);
+  for (auto& l : layers) l.w_gate = take_matrix(D, F);
+  for (auto& l : layers) l.w_down = take_matrix(F, D);
+  for (auto& l : layers) l.w_up = take_matrix(D, F);
+  b.output_norm() = take_vector(D);
+  p += int64_t(c.context_length) * c.head_dim * 4;  // the two RoPE tables, recomputed instead
+  b.output() = c.tied_embeddings ? b.token_embd() : take_matrix(D, V);
+  b.set_tokenizer(std::make_unique<Tokenizer>(vocab_from_llama2c(tokenizer_path, c.n_vocab)));
+  return b.finish();
+}
+
+std::unique_ptr<Model> load_model(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) fail(StatusCode::kNotFound, path + ": no such file");
+  if (std::filesystem::is_directory(path, ec)) {
+    ModelBuilder b(path);
+    load_hf_folder(b, path);
+    return b.finish();
+  }
+  ModelBuilder b(path);
+  std::unique_ptr<GgufFile> f = GgufFile::open(path);
+  GgufLoader(b, *f).load();
+  b.own_gguf(std::move(f));
+  return b.finish();
+}
+
+}  // namespace certkv::model

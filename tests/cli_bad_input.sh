@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Bad input through the CLI: each case must exit non-zero with exactly one error line on stderr
+# naming the file or flag at fault, and never crash (exit >= 128) or hang.
+# usage: cli_bad_input.sh CERTKV_BINARY MODEL.gguf SHARED_DIR
+set -u
+bin=$1 model=$2 shared=$3
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+failures=0 passed=0
+
+expect_error() {  # name, expected substring, command...
+  local name=$1 want=$2
+  shift 2
+  timeout 120 "$@" >"$tmp/out" 2>"$tmp/err"
+  local rc=$?
+  local lines
+  lines=$(wc -l <"$tmp/err")
+  if [ $rc -eq 0 ] || [ $rc -ge 124 ] || [ "$lines" -ne 1 ] || ! grep -qF -- "$want" "$tmp/err"; then
+    echo "FAIL $name: rc=$rc, stderr ($lines lines):"; sed 's/^/    /' "$tmp/err"
+    failures=$((failures + 1))
+  else
+    echo "ok   $name: $(cat "$tmp/err")"
+    passed=$((passed + 1))
+  fi
+}
+
+head -c 1000 "$model" >"$tmp/truncated.gguf"
+printf 'GGUX\3\0\0\0' >"$tmp/badmagic.gguf"
+cp "$model" "$tmp/flipped.gguf" && printf '\x63' | dd of="$tmp/flipped.gguf" bs=1 seek=4 conv=notrunc 2>/dev/null
+python3 - "$tmp" <<'PY'
+import struct, sys
+d = sys.argv[1]
+def s(x): b = x.encode(); return struct.pack('<Q', len(b)) + b
+# A GGUF v3 whose only tensor's offset points past the end of the file.
+hdr = b'GGUF' + struct.pack('<IQQ', 3, 1, 1) + s('general.architecture') + struct.pack('<I', 8) + s('llama')
+hdr += s('token_embd.weight') + struct.pack('<I', 2) + struct.pack('<QQ', 32, 4) + struct.pack('<I', 0) + struct.pack('<Q', 1 << 40)
+hdr += b'\0' * ((32 - len(hdr) % 32) % 32)
+open(d + '/offset.gguf', 'wb').write(hdr + b'\0' * 64)
+# A well-formed GGUF of an unsupported architecture.
+hdr = b'GGUF' + struct.pack('<IQQ', 3, 0, 1) + s('general.architecture') + struct.pack('<I', 8) + s('mamba')
+open(d + '/arch.gguf', 'wb').write(hdr)
+# A llama GGUF whose one matrix has an unsupported quant type (Q2_K = 10).
+hdr = b'GGUF' + struct.pack('<IQQ', 3, 1, 1) + s('general.architecture') + struct.pack('<I', 8) + s('llama')
+hdr += s('token_embd.weight') + struct.pack('<I', 2) + struct.pack('<QQ', 256, 4) + struct.pack('<I', 10) + struct.pack('<Q', 0)
+hdr += b'\0' * ((32 - len(hdr) % 32) % 32)
+open(d + '/quant.gguf', 'wb').write(hdr + b'\0' * (84 * 4))
+# A safetensors file whose header length is past the end.
+open(d + '/bad.safetensors', 'wb').write(struct.pack('<Q', 1 << 30) + b'{}')
+PY
+mkdir -p "$tmp/hf" && cp "$tmp/bad.safetensors" "$tmp/hf/model.safetensors"
+printf '{"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32}' >"$tmp/hf/config.json"
+yes "the quick brown fox jumps over the lazy dog" | head -n 400 >"$tmp/long.txt"
+
+expect_error missing-model "no such file" "$bin" run --model "$tmp/none.gguf" --prompt hi
+expect_error truncated-gguf "truncated.gguf" "$bin" run --model "$tmp/truncated.gguf" --prompt hi
+expect_error wrong-magic "badmagic.gguf" "$bin" run --model "$tmp/badmagic.gguf" --prompt hi
+expect_error flipped-version "flipped.gguf" "$bin" run --model "$tmp/flipped.gguf" --prompt hi
+expect_error offset-past-end "token_embd.weight" "$bin" run --model "$tmp/offset.gguf" --prompt hi
+expect_error unsupported-arch "mamba" "$bin" run --model "$tmp/arch.gguf" --prompt hi
+expect_error unsupported-quant "Q2_K" "$bin" run --model "$tmp/quant.gguf" --prompt hi
+expect_error bad-safetensors "model.safetensors" "$bin" run --model "$tmp/hf" --prompt hi
+expect_error prompt-too-long "context" "$bin" run --model "$model" --prompt-file "$tmp/long.txt" --ctx 64 --n 4
+expect_error unknown-flag "--bogus" "$bin" run --model "$model" --bogus
+expect_error bad-number "--n" "$bin" run --model "$model" --n abc
+expect_error flag-needs-value "--ctx" "$bin" run --model "$model" --ctx
+expect_error unknown-kv "--kv" "$bin" run --model "$model" --kv zstd
+expect_error bad-top-p "--top-p" "$bin" run --model "$model" --top-p 1.5
+expect_error missing-prompt-file "--prompt-file" "$bin" run --model "$model" --prompt-file "$tmp/nope.txt"
+expect_error unknown-command "unknown command" "$bin" frobnicate
+expect_error dump-missing-out "--out" "$bin" dump-kv --model "$model" --text-file "$tmp/long.txt" --tokens 10
+expect_error dump-bad-layers "--layers" "$bin" dump-kv --model "$model" --text-file "$tmp/long.txt" --tokens 10 --out "$tmp/x.safetensors" --layers 99
+expect_error dump-short-text "--tokens" "$bin" dump-kv --model "$model" --text-file "$tmp/long.txt" --tokens 100000 --out "$tmp/x.safetensors"
+expect_error dump-unwritable "$tmp/nodir/x.safetensors" "$bin" dump-kv --model "$model" --text-file "$tmp/long.txt" --tokens 8 --out "$tmp/nodir/x.safetensors" --layers 0
+
+echo "$passed passed, $failures failed"
+[ "$failures" -eq 0 ]

@@ -1,0 +1,427 @@
+// certkv command-line tool.
+//   certkv run      generate text with a model (embedded default: SmolLM2-135M-Instruct)
+//   certkv dump-kv  write post-RoPE K/V of a prefill, and the last queries, to safetensors
+//   certkv info     print a model's configuration
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "certkv/certkv.hpp"
+#include "cli_json.h"
+#include "core/status.h"
+#include "format/safetensors.h"
+
+namespace {
+
+using certkv::tools::JsonObject;
+
+constexpr const char* kUsage =
+    "usage: certkv <command> [flags]\n"
+    "commands:\n"
+    "  run      generate text\n"
+    "           [--model PATH] [--prompt TEXT | --prompt-file F] [--n N] [--ctx N] [--threads N]\n"
+    "           [--kv bf16] [--json] [--raw] [--system TEXT] [--temp T] [--top-k K] [--top-p P]\n"
+    "           [--seed S] [--block-tokens N]\n"
+    "  dump-kv  --model PATH --text-file F --tokens N --out FILE.safetensors [--layers LIST]\n"
+    "           [--threads N]\n"
+    "  info     [--model PATH] [--json]\n"
+    "With no --model, the embedded default SmolLM2-135M-Instruct (models/, fetched by\n"
+    "scripts/fetch_models.sh) is used.\n";
+
+// Thrown for a usage mistake: printed as one line, exit status 2.
+struct UsageError {
+  std::string message;
+};
+
+class Flags {
+ public:
+  Flags(std::string command, std::map<std::string, bool> spec)
+      : command_(std::move(command)), spec_(std::move(spec)) {}
+
+  void parse(int argc, char** argv, int first) {
+    for (int i = first; i < argc; ++i) {
+      std::string a = argv[i];
+      if (a == "-h" || a == "--help") {
+        fputs(kUsage, stdout);
+        exit(0);
+      }
+      if (a.rfind("--", 0) != 0) throw UsageError{"unexpected argument '" + a + "'"};
+      std::string name = a.substr(2), value;
+      const size_t eq = name.find('=');
+      const bool inline_value = eq != std::string::npos;
+      if (inline_value) value = name.substr(eq + 1), name = name.substr(0, eq);
+      auto it = spec_.find(name);
+      if (it == spec_.end()) throw UsageError{"unknown flag --" + name};
+      if (it->second) {
+        if (!inline_value) {
+          if (i + 1 >= argc) throw UsageError{"flag --" + name + " needs a value"};
+          value = argv[++i];
+        }
+      } else if (inline_value) {
+        throw UsageError{"flag --" + name + " takes no value"};
+      }
+      if (values_.count(name)) throw UsageError{"flag --" + name + " given twice"};
+      values_[name] = value;
+    }
+  }
+
+  bool has(const std::string& name) const { return values_.count(name) != 0; }
+  std::string str(const std::string& name, const std::string& fallback = "") const {
+    auto it = values_.find(name);
+    return it == values_.end() ? fallback : it->second;
+  }
+  int64_t integer(const std::string& name, int64_t fallback, int64_t lo, int64_t hi) const {
+    if (!has(name)) return fallback;
+    const std::string& v = values_.at(name);
+    char* end = nullptr;
+    errno = 0;
+    const long long x = strtoll(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || errno != 0 || x < lo || x > hi)
+      throw UsageError{"flag --" + name + " expects an integer in [" + std::to_string(lo) + ", " +
+                       std::to_string(hi) + "], got '" + v + "'"};
+    return x;
+  }
+  double real(const std::string& name, double fallback, double lo, double hi) const {
+    if (!has(name)) return fallback;
+    const std::string& v = values_.at(name);
+    char* end = nullptr;
+    const double x = strtod(v.c_str(), &end);
+    if (v.empty() || *end != '\0' || !(x >= lo && x <= hi))
+      throw UsageError{"flag --" + name + " expects a number in [" + std::to_string(lo) + ", " +
+                       std::to_string(hi) + "], got '" + v + "'"};
+    return x;
+  }
+
+ private:
+  std::string command_;
+  std::map<std::string, bool> spec_;  // name -> takes a value
+  std::map<std::string, std::string> values_;
+};
+
+std::string read_text_file(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw UsageError{std::string("flag --") + flag + ": cannot read file '" + path + "'"};
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string model_path(const Flags& flags) {
+  if (flags.has("model")) return flags.str("model");
+  if (const char* env = getenv("CERTKV_MODEL")) return env;
+  return CERTKV_DEFAULT_MODEL;
+}
+
+struct ProgressBar {
+  bool enabled = false;
+  bool tty = false;
+  int64_t last_percent = -1;
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+};
+
+void show_progress(void* user, int64_t done, int64_t total) {
+  auto* bar = static_cast<ProgressBar*>(user);
+  if (!bar->enabled) return;
+  const int64_t percent = total > 0 ? done * 100 / total : 100;
+  if (!bar->tty && percent / 25 == bar->last_percent / 25 && done != total) return;
+  bar->last_percent = percent;
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - bar->start).count();
+  const int width = 30;
+  const int filled = int(percent * width / 100);
+  fprintf(stderr, "%sprefill [%.*s%*s] %3lld%% %lld/%lld tokens, %.0f tok/s%s", bar->tty ? "\r" : "",
+          filled, "##############################", width - filled, "", (long long)percent,
+          (long long)done, (long long)total, s > 0 ? double(done) / s : 0.0,
+          bar->tty ? (done == total ? "\n" : "") : "\n");
+  fflush(stderr);
+}
+
+struct StreamState {
+  bool print = true;
+  std::string text;
+};
+
+int on_token(void* user, int32_t, const char* piece, size_t n) {
+  auto* s = static_cast<StreamState*>(user);
+  s->text.append(piece, n);
+  if (s->print) {
+    fwrite(piece, 1, n, stdout);
+    fflush(stdout);
+  }
+  return 0;
+}
+
+int cmd_run(int argc, char** argv) {
+  Flags flags("run", {{"model", true}, {"prompt", true}, {"prompt-file", true}, {"n", true},
+                      {"ctx", true}, {"threads", true}, {"kv", true}, {"json", false},
+                      {"raw", false}, {"system", true}, {"temp", true}, {"top-k", true},
+                      {"top-p", true}, {"seed", true}, {"block-tokens", true}});
+  flags.parse(argc, argv, 2);
+  if (flags.has("prompt") && flags.has("prompt-file"))
+    throw UsageError{"give --prompt or --prompt-file, not both"};
+  const std::string prompt = flags.has("prompt-file")
+                                 ? read_text_file(flags.str("prompt-file"), "prompt-file")
+                                 : flags.str("prompt", "Write a short poem about the sea.");
+  const int64_t n_new = flags.integer("n", 128, 0, 1 << 24);
+  const int64_t ctx = flags.integer("ctx", 0, 1, int64_t(1) << 31);
+  const int64_t threads = flags.integer("threads", 2, 1, 256);
+  const int64_t block_tokens = flags.integer("block-tokens", 16, 1, 4096);
+  const std::string kv = flags.str("kv", "bf16");
+  if (kv != "bf16") throw UsageError{"flag --kv: unknown KV scheme '" + kv + "' (available: bf16)"};
+  certkv_sampler_params sp = certkv_sampler_default_params();
+  sp.temperature = float(flags.real("temp", 0.0, 0.0, 100.0));
+  sp.top_k = int32_t(flags.integer("top-k", 0, 0, 1 << 30));
+  sp.top_p = float(flags.real("top-p", 1.0, 1e-6, 1.0));
+  sp.seed = uint64_t(flags.integer("seed", 0, 0, INT64_MAX));
+  const bool json = flags.has("json");
+
+  certkv::Model model(model_path(flags));
+  const certkv_model_info info = model.info();
+  std::string text = prompt;
+  if (!flags.has("raw")) {
+    std::vector<certkv_chat_message> messages;
+    const std::string system = flags.str("system");
+    if (flags.has("system")) messages.push_back({"system", system.c_str()});
+    messages.push_back({"user", prompt.c_str()});
+    text = model.chat(messages, true);
+  }
+  const std::vector<int32_t> tokens = model.tokenize(text, /*add_bos=*/true, /*parse_special=*/!flags.has("raw"));
+  if (tokens.empty()) throw UsageError{"the prompt is empty"};
+
+  certkv_session_params params = certkv_session_default_params();
+  params.context_tokens = ctx > 0 ? ctx : std::min<int64_t>(info.context_length, int64_t(tokens.size()) + n_new);
+  params.n_threads = int32_t(threads);
+  params.block_tokens = int32_t(block_tokens);
+  params.kv = kv.c_str();
+  if (int64_t(tokens.size()) > params.context_tokens)
+    throw UsageError{"the prompt has " + std::to_string(tokens.size()) +
+                     " tokens, more than the context of " + std::to_string(params.context_tokens) +
+                     " (--ctx)"};
+  certkv::Session session(model, params);
+
+  ProgressBar bar;
+  bar.enabled = tokens.size() >= 1024;
+  bar.tty = isatty(STDERR_FILENO);
+  certkv_generate_params gp = certkv_generate_default_params();
+  gp.max_new_tokens = int32_t(std::min<int64_t>(n_new, params.context_tokens - int64_t(tokens.size())));
+  gp.sampler = sp;
+  gp.progress = show_progress;
+  gp.progress_user = &bar;
+  StreamState stream;
+  stream.print = !json;
+  certkv_generate_result r;
+  certkv::check(certkv_generate(session.get(), tokens.data(), int32_t(tokens.size()), &gp, on_token,
+                                &stream, &r));
+  const certkv_kv_stats kvs = session.kv_stats();
+  const double prefill_tps = r.prefill_seconds > 0 ? r.prompt_tokens / r.prefill_seconds : 0;
+  const double decode_tps = r.decode_seconds > 0 ? r.decode_steps / r.decode_seconds : 0;
+  const uint64_t rss = certkv_peak_rss_bytes();
+  if (json) {
+    JsonObject o;
+    o.add("text", stream.text)
+        .add("model", info.name)
+        .add("kv", kv)
+        .add("prompt_tokens", int64_t(r.prompt_tokens))
+        .add("generated_tokens", int64_t(r.generated_tokens))
+        .add("context_tokens", int64_t(params.context_tokens))
+        .add("threads", int64_t(threads))
+        .add("prefill_seconds", r.prefill_seconds)
+        .add("decode_seconds", r.decode_seconds)
+        .add("prefill_tok_per_s", prefill_tps)
+        .add("decode_tok_per_s", decode_tps)
+        .add("kv_bytes", kvs.kv_bytes)
+        .add("kv_bytes_in_use", kvs.kv_bytes_in_use)
+        .add("kv_bytes_bf16", kvs.kv_bytes_bf16)
+        .add("kv_tokens", int64_t(kvs.n_tokens))
+        .add("peak_rss_bytes", rss);
+    printf("%s\n", o.str().c_str());
+  } else {
+    printf("\n\n[certkv] %s | prompt %d tok, %.1f tok/s | generated %d tok, decode %.1f tok/s | kv %s %.2f MiB (bf16 %.2f MiB) | peak rss %.1f MiB\n",
+           info.name, r.prompt_tokens, prefill_tps, r.generated_tokens, decode_tps, kv.c_str(),
+           kvs.kv_bytes / 1048576.0, kvs.kv_bytes_bf16 / 1048576.0, rss / 1048576.0);
+  }
+  return 0;
+}
+
+// "all", or a comma list of indices and ranges ("0,5,10-12").
+std::vector<int> parse_layers(const std::string& spec, int n_layers) {
+  std::vector<int> out;
+  if (spec.empty() || spec == "all") {
+    for (int i = 0; i < n_layers; ++i) out.push_back(i);
+    return out;
+  }
+  std::set<int> seen;
+  std::stringstream ss(spec);
+  std::string item;
+  auto number = [&](const std::string& s) {
+    char* end = nullptr;
+    const long v = strtol(s.c_str(), &end, 10);
+    if (s.empty() || *end != '\0' || v < 0 || v >= n_layers)
+      throw UsageError{"flag --layers: '" + s + "' is not a layer in [0, " + std::to_string(n_layers - 1) + "]"};
+    return int(v);
+  };
+  while (std::getline(ss, item, ',')) {
+    const size_t dash = item.find('-');
+    int lo, hi;
+    if (dash == std::string::npos) {
+      lo = hi = number(item);
+    } else {
+      lo = number(item.substr(0, dash));
+      hi = number(item.substr(dash + 1));
+      if (hi < lo) throw UsageError{"flag --layers: empty range '" + item + "'"};
+    }
+    for (int l = lo; l <= hi; ++l)
+      if (seen.insert(l).second) out.push_back(l);
+  }
+  if (out.empty()) throw UsageError{"flag --layers: no layer given"};
+  return out;
+}
+
+int cmd_dump_kv(int argc, char** argv) {
+  Flags flags("dump-kv", {{"model", true}, {"text-file", true}, {"tokens", true}, {"out", true},
+                          {"layers", true}, {"threads", true}});
+  flags.parse(argc, argv, 2);
+  for (const char* required : {"text-file", "tokens", "out"})
+    if (!flags.has(required)) throw UsageError{std::string("flag --") + required + " is required"};
+  const int64_t n = flags.integer("tokens", 0, 1, int64_t(1) << 24);
+  const int64_t threads = flags.integer("threads", 2, 1, 256);
+  const std::string text = read_text_file(flags.str("text-file"), "text-file");
+  const std::string out_path = flags.str("out");
+
+  certkv::Model model(model_path(flags));
+  const certkv_model_info info = model.info();
+  const std::vector<int> layers = parse_layers(flags.str("layers", "all"), info.n_layers);
+  std::vector<int32_t> tokens = model.tokenize(text, true, false);
+  if (int64_t(tokens.size()) < n)
+    throw UsageError{"flag --tokens: '" + flags.str("text-file") + "' has only " +
+                     std::to_string(tokens.size()) + " tokens, fewer than " + std::to_string(n)};
+  tokens.resize(size_t(n));
+  if (n > info.context_length)
+    fprintf(stderr, "certkv dump-kv: warning: %lld tokens exceed the model's trained context of %lld\n",
+            (long long)n, (long long)info.context_length);
+
+  certkv_session_params params = certkv_session_default_params();
+  params.context_tokens = n;
+  params.n_threads = int32_t(threads);
+  params.capture_queries = 1;
+  certkv::Session session(model, params);
+  ProgressBar bar;
+  bar.enabled = n >= 1024;
+  bar.tty = isatty(STDERR_FILENO);
+  session.prefill(tokens, nullptr, nullptr, show_progress, &bar);
+
+  const int hd = info.head_dim;
+  std::vector<std::vector<uint16_t>> kv_data;
+  std::vector<std::vector<float>> q_data;
+  std::vector<certkv::format::SafetensorsTensorView> views;
+  kv_data.reserve(layers.size() * 2);
+  q_data.reserve(layers.size());
+  for (int layer : layers) {
+    for (int kv = 0; kv < 2; ++kv) {
+      std::vector<uint16_t>& buf = kv_data.emplace_back(size_t(info.n_kv_heads) * n * hd);
+      for (int h = 0; h < info.n_kv_heads; ++h)
+        certkv::check(certkv_session_read_kv(session.get(), layer, kv, h, 0, n, buf.data() + size_t(h) * n * hd));
+      views.push_back({"layer" + std::to_string(layer) + (kv == 0 ? ".k" : ".v"), "BF16",
+                       {info.n_kv_heads, n, hd}, buf.data(), buf.size() * 2});
+    }
+    std::vector<float>& q = q_data.emplace_back(size_t(info.n_heads) * hd);
+    certkv::check(certkv_session_last_queries(session.get(), layer, q.data()));
+    views.push_back({"layer" + std::to_string(layer) + ".q", "F32", {info.n_heads, hd}, q.data(), q.size() * 4});
+  }
+  views.push_back({"tokens", "I32", {n}, tokens.data(), tokens.size() * 4});
+  std::string layer_list;
+  for (int l : layers) layer_list += (layer_list.empty() ? "" : ",") + std::to_string(l);
+  char scale[32];
+  snprintf(scale, sizeof scale, "%.9g", 1.0 / std::sqrt(double(hd)));
+  char theta[32];
+  snprintf(theta, sizeof theta, "%.9g", double(info.rope_theta));
+  const std::map<std::string, std::string> meta = {
+      {"format", "certkv-kv-dump/1"},
+      {"model", info.name},
+      {"architecture", info.architecture},
+      {"rope_layout", info.rope_layout},
+      {"rope_theta", theta},
+      {"head_dim", std::to_string(hd)},
+      {"n_heads", std::to_string(info.n_heads)},
+      {"n_kv_heads", std::to_string(info.n_kv_heads)},
+      {"n_layers", std::to_string(info.n_layers)},
+      {"n_tokens", std::to_string(n)},
+      {"layers", layer_list},
+      {"softmax_scale", scale},
+      {"k_layout", "[n_kv_heads, n_tokens, head_dim] post-RoPE keys, bf16"},
+      {"v_layout", "[n_kv_heads, n_tokens, head_dim] values, bf16"},
+      {"q_layout", "[n_heads, head_dim] post-RoPE queries of the last position, f32"},
+      {"source_text", flags.str("text-file")},
+  };
+  certkv::format::write_safetensors(out_path, views, meta);
+  fprintf(stderr, "certkv dump-kv: wrote %zu layers x %lld tokens to %s\n", layers.size(), (long long)n,
+          out_path.c_str());
+  return 0;
+}
+
+int cmd_info(int argc, char** argv) {
+  Flags flags("info", {{"model", true}, {"json", false}});
+  flags.parse(argc, argv, 2);
+  certkv::Model model(model_path(flags));
+  const certkv_model_info i = model.info();
+  JsonObject o;
+  o.add("name", i.name)
+      .add("architecture", i.architecture)
+      .add("weight_type", i.weight_type)
+      .add("n_layers", int64_t(i.n_layers))
+      .add("dim", int64_t(i.dim))
+      .add("n_heads", int64_t(i.n_heads))
+      .add("n_kv_heads", int64_t(i.n_kv_heads))
+      .add("head_dim", int64_t(i.head_dim))
+      .add("ffn_dim", int64_t(i.ffn_dim))
+      .add("n_vocab", int64_t(i.n_vocab))
+      .add("context_length", i.context_length)
+      .add("rope_layout", i.rope_layout)
+      .add("rope_theta", double(i.rope_theta))
+      .add("weight_bytes", i.weight_bytes);
+  printf("%s\n", o.str().c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    fputs(kUsage, stderr);
+    return 2;
+  }
+  const std::string command = argv[1];
+  try {
+    if (command == "run") return cmd_run(argc, argv);
+    if (command == "dump-kv") return cmd_dump_kv(argc, argv);
+    if (command == "info") return cmd_info(argc, argv);
+    if (command == "-h" || command == "--help" || command == "help") {
+      fputs(kUsage, stdout);
+      return 0;
+    }
+    fprintf(stderr, "certkv: unknown command '%s' (run, dump-kv, info)\n", command.c_str());
+    return 2;
+  } catch (const UsageError& e) {
+    fprintf(stderr, "certkv %s: %s\n", command.c_str(), e.message.c_str());
+    return 2;
+  } catch (const certkv::ApiError& e) {
+    fprintf(stderr, "certkv %s: %s\n", command.c_str(), e.what());
+    return 1;
+  } catch (const certkv::Error& e) {
+    fprintf(stderr, "certkv %s: %s\n", command.c_str(), e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    fprintf(stderr, "certkv %s: %s\n", command.c_str(), e.what());
+    return 1;
+  }
+}
