@@ -49,6 +49,7 @@ CASES = [
     ("math_symbols", "∑x² ≤ ∞ ± √2 → ∀ε>0 ½ ⅓ ① Ⅻ ٣٤٥", False, True),
     ("unicode_spaces", "a\u00a0b\u2003c\u3000d\u2028e\u0085f", False, True),
     ("control_chars", "a\x01b\x7fc\x1bd\x0ce", False, True),
+    ("bytes_without_tokens", "x\x04y\x13z \U00050000! \x1d", False, True),
     ("code", "def f(x):\n    return x**2  # square\n\nif __name__ == '__main__':\n\tprint(f(3))\n",
      False, True),
     ("regex_edges", "it's IT'S it'Ll 'x '' x'  \n\n  a\t\tb!!\n\n?? \r\n\r\nc.\n x1y2 ab3 "
@@ -187,8 +188,10 @@ def main():
     spans = passage_spans(args.shared)
     reference = "llama-cpp-python " + __import__("llama_cpp").__version__ + " (vocab_only)"
 
-    def cases_for(llm):
-        return [{"name": n, "text": t, "add_bos": b, "parse_special": s,
+    def cases_for(llm, lossy=()):
+        # lossless: decoding the ids gives the text back (false where the vocabulary has no
+        # token for some byte of it, which llama.cpp then drops).
+        return [{"name": n, "text": t, "add_bos": b, "parse_special": s, "lossless": n not in lossy,
                  "ids": tokenize(llm, t, b, s)} for n, t, b, s in CASES]
 
     def passages_for(llm):
@@ -236,7 +239,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     smollm_out = {
         "model_file": os.path.basename(smollm_path), "reference": reference,
-        "cases": cases_for(smollm), "passages": passages_for(smollm),
+        "cases": cases_for(smollm, lossy=("bytes_without_tokens",)), "passages": passages_for(smollm),
         "pre_variants": pre_variants, "chat": chat,
     }
     llama2 = load(llama2_path)

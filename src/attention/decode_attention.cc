@@ -153,12 +153,14 @@ void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
   std::vector<detail::RowState> states(n_partials);
   std::vector<float> accs(n_partials * size_t(d));
 
+  const int64_t tile_blocks = detail::blocks_per_tile(bt, d);
+  const size_t tile_keys = size_t(tile_blocks) * size_t(bt);
   detail::run_units(pool, int64_t(shape.n_kv_heads) * n_splits, [&](int64_t unit, int) {
     thread_local std::vector<float> scratch;
-    scratch.resize(size_t(2 * bt) * size_t(d) + size_t(bt));
+    scratch.resize(2 * tile_keys * size_t(d) + tile_keys);
     float* k_tile = scratch.data();
-    float* v_tile = k_tile + size_t(bt) * size_t(d);
-    float* s = v_tile + size_t(bt) * size_t(d);
+    float* v_tile = k_tile + tile_keys * size_t(d);
+    float* s = v_tile + tile_keys * size_t(d);
     const int h = int(unit / n_splits);
     const int64_t split = unit % n_splits;
     const size_t first = size_t(unit) * size_t(group);
@@ -167,14 +169,13 @@ void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
     for (int g = 0; g < group; ++g) st[g] = {detail::kMinusInfinity, 0.f};
     std::fill(acc, acc + size_t(group) * size_t(d), 0.f);
     const float* qg = q + size_t(h) * size_t(group) * size_t(d);
-    const int64_t b_end = std::min(n_blocks, (split + 1) * blocks_per_split);
-    for (int64_t b = split * blocks_per_split; b < b_end; ++b) {
-      const int n_keys = int(std::min<int64_t>(bt, n_ctx - b * bt));
-      const size_t n_elems = size_t(n_keys) * size_t(d);
-      detail::bf16_to_float_rows(cache.page_bf16(k_tables[size_t(h)][b]), k_tile, n_elems);
-      detail::bf16_to_float_rows(cache.page_bf16(v_tables[size_t(h)][b]), v_tile, n_elems);
+    const int64_t key_end = std::min(n_ctx, (split + 1) * blocks_per_split * bt);
+    for (int64_t t0 = split * blocks_per_split * bt; t0 < key_end; t0 += tile_blocks * bt) {
+      const int64_t t1 = std::min(key_end, t0 + tile_blocks * bt);
+      detail::load_tile(cache, k_tables[size_t(h)], t0, t1, k_tile);
+      detail::load_tile(cache, v_tables[size_t(h)], t0, t1, v_tile);
       for (int g = 0; g < group; ++g) {
-        detail::update_row(qg + size_t(g) * size_t(d), k_tile, v_tile, n_keys, d, shape.scale,
+        detail::update_row(qg + size_t(g) * size_t(d), k_tile, v_tile, int(t1 - t0), d, shape.scale,
                            &st[g], acc + size_t(g) * size_t(d), s);
       }
     }

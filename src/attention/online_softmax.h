@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "cache/kv_cache.h"
 #include "format/numeric.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -41,6 +42,25 @@ inline void bf16_to_float_rows(const uint16_t* src, float* dst, size_t n) {
 #else
   for (size_t i = 0; i < n; ++i) dst[i] = format::bf16_to_float(src[i]);
 #endif
+}
+
+// Pages per key tile: a tile of K (and one of V) as float stays near 16 KiB, so that the tiles
+// and the query rows working on them stay in the inner caches.
+inline int64_t blocks_per_tile(int block_tokens, int head_dim) {
+  const int64_t blocks = 4096 / (int64_t(block_tokens) * head_dim);
+  return blocks > 1 ? blocks : 1;
+}
+
+// Converts positions [begin, end) of one block table (K or V) to float rows:
+// out: [end - begin][head_dim]. REQUIRES: begin % block_tokens == 0; the positions are written.
+inline void load_tile(const cache::KvCache& cache, const format::PageRef* table, int64_t begin,
+                      int64_t end, float* out) {
+  const int64_t bt = cache.block_tokens();
+  const size_t d = size_t(cache.head_dim());
+  for (int64_t start = begin; start < end; start += bt) {
+    const int64_t n = end - start < bt ? end - start : bt;
+    bf16_to_float_rows(cache.page_bf16(table[start / bt]), out + size_t(start - begin) * d, size_t(n) * d);
+  }
 }
 
 #if CERTKV_ATTENTION_AVX2

@@ -91,6 +91,7 @@ void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
     v_tables[size_t(h)] = cache.block_table(seq, layer, KvTensor::kValue, h);
   }
 
+  const size_t tile_keys = size_t(detail::blocks_per_tile(bt, d)) * size_t(bt);
   // Units are (query block, kv_head), the last query blocks (which see the most keys) first.
   detail::run_units(pool, n_qblocks * shape.n_kv_heads, [&](int64_t unit, int) {
     const int64_t qblock = n_qblocks - 1 - unit / shape.n_kv_heads;
@@ -101,13 +102,13 @@ void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
 
     thread_local std::vector<float> scratch;
     thread_local std::vector<detail::RowState> states;
-    scratch.resize(2 * n_rows * size_t(d) + size_t(2 * bt) * size_t(d) + size_t(bt));
+    scratch.resize(2 * n_rows * size_t(d) + 2 * tile_keys * size_t(d) + tile_keys);
     states.assign(n_rows, {detail::kMinusInfinity, 0.f});
     float* q_rows = scratch.data();  // [i - i0][g][d]
     float* acc = q_rows + n_rows * size_t(d);
     float* k_tile = acc + n_rows * size_t(d);
-    float* v_tile = k_tile + size_t(bt) * size_t(d);
-    float* s = v_tile + size_t(bt) * size_t(d);
+    float* v_tile = k_tile + tile_keys * size_t(d);
+    float* s = v_tile + tile_keys * size_t(d);
     for (int64_t i = i0; i < i1; ++i) {
       const float* src = q + (size_t(i) * size_t(shape.n_q_heads) + size_t(h) * size_t(group)) * size_t(d);
       std::copy(src, src + size_t(group) * size_t(d), q_rows + size_t(i - i0) * size_t(group) * size_t(d));
@@ -115,18 +116,15 @@ void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
     std::fill(acc, acc + n_rows * size_t(d), 0.f);
 
     const int64_t key_end = pos0 + i1;
-    const int64_t n_pages = (key_end + bt - 1) / bt;
-    for (int64_t b = 0; b < n_pages; ++b) {
-      const int64_t page_start = b * bt;
-      const int n_keys = int(std::min<int64_t>(bt, key_end - page_start));
-      const size_t n_elems = size_t(n_keys) * size_t(d);
-      detail::bf16_to_float_rows(cache.page_bf16(k_tables[size_t(h)][b]), k_tile, n_elems);
-      detail::bf16_to_float_rows(cache.page_bf16(v_tables[size_t(h)][b]), v_tile, n_elems);
+    for (int64_t t0 = 0; t0 < key_end; t0 += int64_t(tile_keys)) {
+      const int64_t t1 = std::min(key_end, t0 + int64_t(tile_keys));
+      detail::load_tile(cache, k_tables[size_t(h)], t0, t1, k_tile);
+      detail::load_tile(cache, v_tables[size_t(h)], t0, t1, v_tile);
       for (int64_t i = i0; i < i1; ++i) {
         // Causal: query i sees positions [0, pos0 + i].
-        const int64_t visible = pos0 + i + 1 - page_start;
+        const int64_t visible = pos0 + i + 1 - t0;
         if (visible <= 0) continue;
-        const int n_visible = int(std::min<int64_t>(n_keys, visible));
+        const int n_visible = int(std::min(t1 - t0, visible));
         for (int g = 0; g < group; ++g) {
           const size_t r = size_t(i - i0) * size_t(group) + size_t(g);
           detail::update_row(q_rows + r * size_t(d), k_tile, v_tile, n_visible, d, shape.scale,

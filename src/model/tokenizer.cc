@@ -214,12 +214,7 @@ Tokenizer::Tokenizer(VocabSpec spec) : spec_(std::move(spec)) {
       byte_chars_[b].clear();
       append_utf8(cps[b], byte_chars_[b]);
       byte_of_codepoint[cps[b]] = static_cast<int16_t>(b);
-      const int32_t id = find_token(byte_chars_[b]);
-      if (id < 0) {
-        fail(StatusCode::kInvalidArgument,
-             "tokenizer: the byte-level vocabulary has no token for byte " + hex_byte(b));
-      }
-      byte_tokens_[b] = id;
+      byte_tokens_[b] = find_token(byte_chars_[b]);
     }
     merge_ranks_.reserve(spec_.merges.size());
     for (size_t rank = 0; rank < spec_.merges.size(); ++rank) {
@@ -449,13 +444,13 @@ void Tokenizer::encode_bpe_word(const std::string& word, std::string& scratch,
       out.push_back(id);
       continue;
     }
-    // A merge whose result is not in the vocabulary: emit its characters one by one. Every
-    // character is a byte of the word (checked by the constructor).
-    for (size_t pos = s.begin; pos < s.begin + s.length;) {
-      const size_t len = utf8_sequence_length(word[pos]);
-      scratch.assign(word, pos, len);
-      out.push_back(find_token(scratch));
-      pos += len;
+    // No token for this symbol (a single character: merges only form vocabulary tokens, and a
+    // byte-level vocabulary may lack some bytes, e.g. SmolLM2 has no 0x04). Like llama.cpp, try
+    // each UTF-8 byte of it as a token of its own and drop the bytes that have none.
+    for (size_t pos = s.begin; pos < s.begin + s.length; ++pos) {
+      scratch.assign(1, word[pos]);
+      const int32_t byte_id = find_token(scratch);
+      if (byte_id >= 0) out.push_back(byte_id);
     }
   }
 }

@@ -59,8 +59,8 @@ VocabSpec vocab_from_gguf(const GgufFile& file);
 class Tokenizer {
  public:
   // Validates the spec: known model and pre-tokenizer, scores/token_types sizes equal to tokens,
-  // special ids in range, well-formed merges, and (gpt2) a token for every one of the 256 bytes.
-  // Throws certkv::Error naming the field at fault.
+  // special ids in range, well-formed merges, byte tokens spelled <0xHH>. Throws certkv::Error
+  // naming the field at fault.
   explicit Tokenizer(VocabSpec spec);
 
   int32_t n_vocab() const { return static_cast<int32_t>(spec_.tokens.size()); }
@@ -69,7 +69,11 @@ class Tokenizer {
   // spec.add_bos, EOS last when spec.add_eos. With add_bos false neither is added.
   // parse_special: control and unknown token texts (e.g. "<|im_start|>") in `text` become those
   // tokens; otherwise they are tokenized as ordinary characters. Invalid UTF-8 bytes are
-  // tokenized as U+FFFD by byte-level BPE and as byte tokens by SentencePiece.
+  // tokenized as U+FFFD by byte-level BPE and as byte tokens by SentencePiece. A byte-level
+  // vocabulary may lack tokens for a few bytes (SmolLM2: controls such as 0x04, and the lead
+  // bytes of code points from U+40000); such bytes are dropped, as llama.cpp drops them.
+  // SentencePiece uses the unk token for a byte without a <0xHH> token, and throws
+  // certkv::Error (kNotFound) when there is none.
   std::vector<int32_t> encode(std::string_view text, bool add_bos, bool parse_special) const;
 
   // The bytes token `id` stands for: a byte token's byte, a normal token's text (byte-level
@@ -79,7 +83,7 @@ class Tokenizer {
 
   // Concatenates token pieces. For SentencePiece with add_space_prefix it drops the one space
   // that encode prepends: the leading space of the piece at the start and after every special
-  // token. decode(encode(x, b, s), s) == x for valid UTF-8 x.
+  // token. decode(encode(x, b, s), s) == x for valid UTF-8 x whose bytes all have tokens.
   std::string decode(const std::vector<int32_t>& ids, bool render_special = false) const;
 
   // eos, eot, and tokens named like end-of-turn markers (<|im_end|>, <|endoftext|>, <|eot_id|>,

@@ -109,7 +109,9 @@ void check_golden_cases(const Tokenizer& tok, const std::string& file) {
     const std::vector<int32_t> expected = ids_of(*c.find("ids"));
     non_empty += expected.empty() ? 0 : 1;
     EXPECT_EQ(tok.encode(text, add_bos, parse_special), expected) << file << " case " << name;
-    expect_round_trip(tok, text, add_bos, parse_special, file + " case " + name);
+    if (c.find("lossless")->as_bool()) {
+      expect_round_trip(tok, text, add_bos, parse_special, file + " case " + name);
+    }
   }
   EXPECT_GE(non_empty + 1, cases.as_array().size()) << "only the empty case may have no ids";
 }
@@ -265,6 +267,8 @@ TEST(TokenizerSmolLm2, KnownIds) {
   EXPECT_EQ(tok.encode("<|im_start|>", true, true), (std::vector<int32_t>{1}));  // no BOS: add_bos false
   // Invalid UTF-8 is tokenized as U+FFFD (llama.cpp gives the same ids).
   EXPECT_EQ(tok.encode("\xFF\xC3", false, false), (std::vector<int32_t>{24211, 24211}));
+  // Bytes with no token (0x04 here) are dropped, as llama.cpp drops them.
+  EXPECT_EQ(tok.decode(tok.encode("x\x04y", false, false)), "xy");
 }
 
 TEST(TokenizerSmolLm2, GoldenCases) {
@@ -371,7 +375,8 @@ TEST(TokenizerLlama2, PiecesAndDecode) {
 std::string random_utf8(std::mt19937& rng) {
   static const std::vector<std::pair<uint32_t, uint32_t>> kRanges = {
       {0x20, 0x7E}, {0x20, 0x20}, {0x09, 0x0D}, {0xA0, 0x17F}, {0x300, 0x36F}, {0x400, 0x4FF},
-      {0x4E00, 0x4FFF}, {0x3000, 0x303F}, {0x1F300, 0x1F64F}, {0x2000, 0x206F}, {0x0, 0x1F},
+      {0x4E00, 0x4FFF}, {0x3000, 0x303F}, {0x1F300, 0x1F64F}, {0x2000, 0x206F}, {0x0, 0x3},
+      {0x7F, 0x9F},  // controls that SmolLM2's byte alphabet covers (it lacks 0x04, 0x06, ...)
   };
   std::uniform_int_distribution<size_t> len_dist(1, 48);
   std::uniform_int_distribution<size_t> range_dist(0, kRanges.size() - 1);
@@ -529,13 +534,6 @@ TEST(Tokenizer, RejectsBadSpecs) {
   expect_error(
       [] {
         VocabSpec s = tiny_bpe_spec();
-        s.tokens[0x21] = "!!";  // byte 0x21 ('!') loses its token
-        Tokenizer t(std::move(s));
-      },
-      "byte 0x21");
-  expect_error(
-      [] {
-        VocabSpec s = tiny_bpe_spec();
         s.token_types[256] = kTokenByte;
         Tokenizer t(std::move(s));
       },
@@ -548,6 +546,36 @@ TEST(Tokenizer, RejectsBadSpecs) {
         Tokenizer t(std::move(s));
       },
       "no tokens");
+}
+
+VocabSpec tiny_spm_spec() {
+  VocabSpec s;
+  s.model = "llama";
+  s.tokens = {"\xE2\x96\x81", "a", "b", "ab", "\xE2\x96\x81" "a", "<s>"};
+  s.scores = {0.0f, 0.0f, 0.0f, -1.0f, -2.0f, 0.0f};
+  s.token_types = {kTokenNormal, kTokenNormal, kTokenNormal, kTokenNormal, kTokenNormal,
+                   kTokenControl};
+  s.bos = 5;
+  s.add_bos = true;
+  return s;
+}
+
+TEST(Tokenizer, TinySentencePieceVocabulary) {
+  VocabSpec spec = tiny_spm_spec();
+  {
+    const Tokenizer tok(spec);
+    // "ab" (score -1) beats "▁a" (score -2).
+    EXPECT_EQ(tok.encode("ab", true, false), (std::vector<int32_t>{5, 0, 3}));
+    EXPECT_EQ(tok.decode({5, 0, 3}), "ab");
+    EXPECT_EQ(tok.encode("ab<s>ab", false, true), (std::vector<int32_t>{0, 3, 5, 0, 3}));
+    EXPECT_EQ(tok.decode({0, 3, 5, 0, 3}, true), "ab<s>ab");
+    expect_error([&] { tok.encode("ac", false, false); }, "no token for byte 0x63");
+  }
+  std::swap(spec.scores[3], spec.scores[4]);
+  spec.unk = 2;
+  const Tokenizer tok(std::move(spec));
+  EXPECT_EQ(tok.encode("ab", false, false), (std::vector<int32_t>{4, 2}));
+  EXPECT_EQ(tok.encode("ac", false, false), (std::vector<int32_t>{4, 2}));  // c -> unk
 }
 
 // ---- chat templates ----
