@@ -1,7 +1,11 @@
 // A fixed pool of worker threads for data-parallel loops over rows, heads or tokens.
+// A decode step issues hundreds of short loops, so both sides spin briefly (kSpinMicros) on
+// atomics before sleeping on a condition variable: waking a sleeping thread costs tens of
+// microseconds, which would dominate small matrix products.
 // Thread safety: one parallel_for at a time per pool (the caller blocks until it finishes).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -37,9 +41,9 @@ class ThreadPool {
   const std::function<void(int64_t, int64_t, int)>* job_ = nullptr;
   int64_t job_n_ = 0;
   int64_t job_grain_ = 1;
-  uint64_t generation_ = 0;
-  int pending_ = 0;
-  bool stopping_ = false;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> pending_{0};
+  std::atomic<bool> stopping_{false};
 };
 
 }  // namespace certkv
