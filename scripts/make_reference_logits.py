@@ -7,6 +7,12 @@ For a preset model this writes, under tests/golden/:
   <prefix>_meta.json       provenance: book, offsets, model sha256, llama.cpp settings
   <prefix>_generation.txt  greedy chat generation (only presets with a chat prompt)
 
+With --engine numpy (llama architecture only) it writes <prefix>_f32_logits.bin and
+<prefix>_f32_meta.json instead: the same passage run through a plain NumPy forward pass with
+the GGUF weights dequantized to F32, F32 activations throughout (no activation quantization,
+unlike llama.cpp's CPU matmuls), and K and V rounded to BF16 after RoPE as certkv's cache
+stores them. The tokens still come from llama.cpp's tokenizer.
+
 Binary layout of <prefix>_logits.bin (all little-endian, no padding):
   offset  size               field
   0       8                  magic, the ASCII bytes "CKVLOGIT"
@@ -50,6 +56,7 @@ PRESETS = {
         "prefix": "smollm2_reference",
         "n_tokens": 1000,
         "full_positions": [0, 1, 10, 100, 250, 500, 750, 999],
+        "numpy_full_positions": [0, 100, 500, 999],
         "chat_prompt": "Write one sentence about the sea.",
     },
     "qwen2-coder-0.5b": {
@@ -183,6 +190,80 @@ def read_golden(path):
     return version, tokens, pairs.reshape(n_tokens, top_k), positions, full
 
 
+def round_to_bf16(values):
+    """Round-to-nearest-even to BF16, returned as F32 (NaN-free input)."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def numpy_llama_logits(model_path, tokens):
+    """Logits of every position from a plain F32 forward pass of a llama-architecture GGUF.
+
+    Llama block (RMSNorm, GQA attention with RoPE on adjacent pairs as llama.cpp's
+    LLAMA_ROPE_TYPE_NORM, SwiGLU FFN), weights dequantized by the gguf package, K and V
+    rounded to BF16 after RoPE.
+    """
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    reader = GGUFReader(str(model_path))
+
+    def field(key):
+        f = reader.fields[key]
+        return f.parts[f.data[0]][0]
+
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    if arch != "llama":
+        fail(f"--engine numpy handles the llama architecture only, {model_path} is {arch}")
+    n_layers = int(field("llama.block_count"))
+    dim = int(field("llama.embedding_length"))
+    n_heads = int(field("llama.attention.head_count"))
+    n_kv_heads = int(field("llama.attention.head_count_kv"))
+    head_dim = dim // n_heads
+    eps = float(field("llama.attention.layer_norm_rms_epsilon"))
+    theta = float(field("llama.rope.freq_base"))
+    weights = {t.name: dequantize(t.data, t.tensor_type).astype(np.float32)
+               for t in reader.tensors}
+    output = weights.get("output.weight", weights["token_embd.weight"])
+
+    n = len(tokens)
+    angles = np.arange(n)[:, None] * theta ** (-np.arange(0, head_dim, 2) / head_dim)[None, :]
+    cos = np.cos(angles).astype(np.float32)[:, None, :]
+    sin = np.sin(angles).astype(np.float32)[:, None, :]
+
+    def rms_norm(x, w):
+        scale = 1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps)
+        return (x * scale.astype(np.float32)) * w
+
+    def rope(x):
+        even, odd = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = even * cos - odd * sin
+        out[..., 1::2] = even * sin + odd * cos
+        return out
+
+    causal = np.triu(np.full((n, n), -np.inf, dtype=np.float32), 1)
+    x = weights["token_embd.weight"][np.asarray(tokens)]
+    for layer in range(n_layers):
+        w = lambda name: weights[f"blk.{layer}.{name}.weight"]
+        h = rms_norm(x, w("attn_norm"))
+        q = rope((h @ w("attn_q").T).reshape(n, n_heads, head_dim))
+        k = round_to_bf16(rope((h @ w("attn_k").T).reshape(n, n_kv_heads, head_dim)))
+        v = round_to_bf16((h @ w("attn_v").T).reshape(n, n_kv_heads, head_dim))
+        attended = np.empty((n, n_heads, head_dim), dtype=np.float32)
+        for head in range(n_heads):
+            group = head // (n_heads // n_kv_heads)
+            scores = q[:, head, :] @ k[:, group, :].T / np.float32(np.sqrt(head_dim)) + causal
+            probs = np.exp(scores - scores.max(axis=1, keepdims=True))
+            probs /= probs.sum(axis=1, keepdims=True)
+            attended[:, head, :] = probs @ v[:, group, :]
+        x = x + attended.reshape(n, dim) @ w("attn_output").T
+        h = rms_norm(x, w("ffn_norm"))
+        gate = h @ w("ffn_gate").T
+        x = x + ((gate / (1.0 + np.exp(-gate))) * (h @ w("ffn_up").T)) @ w("ffn_down").T
+    return (rms_norm(x, weights["output_norm.weight"]) @ output.T).astype(np.float32)
+
+
 def chat_prompt_text(llm, user_text):
     """Renders the GGUF's own chat template (tokenizer.chat_template) with jinja2."""
     import jinja2.sandbox
@@ -225,6 +306,8 @@ def greedy_generation(llm, prompt, add_bos, n_new):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="smollm2")
+    parser.add_argument("--engine", choices=["llama.cpp", "numpy"], default="llama.cpp",
+                        help="numpy: exact-F32 reference described at the top of this file")
     parser.add_argument("--models-dir", type=Path, default=REPO_ROOT / "models")
     parser.add_argument("--corpus-dir", type=Path,
                         default=REPO_ROOT.parent / "shared" / "data" / "corpus")
@@ -245,22 +328,30 @@ def main():
     add_bos = add_bos_from_metadata(llm)
     n_tokens = preset["n_tokens"]
     text, char_offset, byte_offset, tokens = passage_tokens(llm, args.corpus_dir, n_tokens, add_bos)
-    llm.reset()
-    llm.eval(tokens)
-    logits = np.array(llm.scores[:n_tokens], dtype=np.float32)
+    if args.engine == "numpy":
+        if "numpy_full_positions" not in preset:
+            fail(f"preset {args.preset} has no numpy reference")
+        logits = numpy_llama_logits(model_path, tokens)
+        full_positions = preset["numpy_full_positions"]
+        prefix = args.out_dir / (preset["prefix"] + "_f32")
+    else:
+        llm.reset()
+        llm.eval(tokens)
+        logits = np.array(llm.scores[:n_tokens], dtype=np.float32)
+        full_positions = preset["full_positions"]
+        prefix = args.out_dir / preset["prefix"]
     if not np.all(np.isfinite(logits)) or np.all(logits == 0):
-        fail("llama.cpp returned non-finite or all-zero logits")
+        fail(f"{args.engine} produced non-finite or all-zero logits")
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    prefix = args.out_dir / preset["prefix"]
     golden_path = Path(f"{prefix}_logits.bin")
-    full_positions = preset["full_positions"]
     write_golden(golden_path, tokens, logits, full_positions, TOP_K)
     _, tokens_back, pairs_back, positions_back, full_back = read_golden(golden_path)
     assert list(tokens_back) == tokens and list(positions_back) == full_positions
     assert np.array_equal(full_back, logits[full_positions])
     assert np.array_equal(pairs_back["logit"][:, 0], logits.max(axis=1))
-    Path(f"{prefix}_passage.txt").write_bytes(text.encode("utf-8"))
+    if args.engine == "llama.cpp":
+        Path(f"{prefix}_passage.txt").write_bytes(text.encode("utf-8"))
 
     meta = {
         "model_file": preset["model"],
@@ -269,6 +360,7 @@ def main():
         "settings": {"n_ctx": N_CTX, "n_threads": N_THREADS, "n_batch": N_BATCH,
                      "n_ubatch": N_BATCH, "logits_all": True, "kv_cache_type": "f32",
                      "flash_attn": False},
+        "tokens_from": "llama.cpp tokenizer",
         "book": BOOK,
         "passage_char_offset": char_offset,
         "passage_byte_offset": byte_offset,
@@ -283,7 +375,11 @@ def main():
         "repo_commit": git_commit(),
     }
 
-    if preset["chat_prompt"]:
+    if args.engine == "numpy":
+        meta["engine"] = f"numpy {np.__version__} F32 forward, weights dequantized, K/V rounded to BF16"
+        meta["settings"] = {"activations": "f32", "kv": "bf16 (round to nearest even, K after RoPE)"}
+        meta["passage_file"] = preset["prefix"] + "_passage.txt"
+    elif preset["chat_prompt"]:
         llm_gen = load_model(model_path, logits_all=True)
         prompt = chat_prompt_text(llm_gen, preset["chat_prompt"])
         prompt_tokens, generated, stopped = greedy_generation(llm_gen, prompt, add_bos,

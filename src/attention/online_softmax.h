@@ -107,28 +107,39 @@ inline __m256 exp_nonpositive8(__m256 x) {
 }
 #endif
 
-// s[j] = scale * <q, k_j> for j < n_keys; k: [n_keys][d]. REQUIRES: d % 8 == 0.
-inline void scores_of_row(const float* q, const float* k, int n_keys, int d, float scale,
-                          float* s) {
+// s[j] = scale * <q, k_j> for j < n_keys; k: [n_keys][d]. Returns max_j s[j].
+// REQUIRES: n_keys >= 1, d % 8 == 0.
+inline float scores_of_row(const float* q, const float* k, int n_keys, int d, float scale,
+                           float* s) {
   int j = 0;
+  float s_max = kMinusInfinity;
 #if CERTKV_ATTENTION_AVX2
-  for (; j + 8 <= n_keys; j += 8) {
-    __m256 acc[8];
-    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
-    const float* kj = k + size_t(j) * size_t(d);
-    for (int c = 0; c < d; c += 8) {
-      const __m256 qc = _mm256_loadu_ps(q + c);
-      for (int u = 0; u < 8; ++u) {
-        acc[u] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + size_t(u) * size_t(d) + c), acc[u]);
+  if (n_keys >= 8) {
+    __m256 max8 = _mm256_set1_ps(kMinusInfinity);
+    for (; j + 8 <= n_keys; j += 8) {
+      __m256 acc[8];
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+      const float* kj = k + size_t(j) * size_t(d);
+      for (int c = 0; c < d; c += 8) {
+        const __m256 qc = _mm256_loadu_ps(q + c);
+        for (int u = 0; u < 8; ++u) {
+          acc[u] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + size_t(u) * size_t(d) + c), acc[u]);
+        }
       }
+      const __m256 s8 = _mm256_mul_ps(horizontal_sums8(acc), _mm256_set1_ps(scale));
+      _mm256_storeu_ps(s + j, s8);
+      max8 = _mm256_max_ps(max8, s8);
     }
-    _mm256_storeu_ps(s + j, _mm256_mul_ps(horizontal_sums8(acc), _mm256_set1_ps(scale)));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, max8);
+    for (float e : lanes) s_max = e > s_max ? e : s_max;
   }
   for (; j < n_keys; ++j) {
     const float* kj = k + size_t(j) * size_t(d);
     __m256 acc = _mm256_setzero_ps();
     for (int c = 0; c < d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(kj + c), acc);
     s[j] = scale * horizontal_sum(acc);
+    s_max = s[j] > s_max ? s[j] : s_max;
   }
 #else
   for (; j < n_keys; ++j) {
@@ -139,8 +150,10 @@ inline void scores_of_row(const float* q, const float* k, int n_keys, int d, flo
     }
     s[j] = scale * (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
                     ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])));
+    s_max = s[j] > s_max ? s[j] : s_max;
   }
 #endif
+  return s_max;
 }
 
 // s[j] = e^{s[j] - m} in place for j < n; returns their sum. REQUIRES: s[j] <= m.
@@ -208,9 +221,7 @@ inline void rescale_and_accumulate(float* acc, float alpha, const float* p, cons
 // k, v: [n_keys][d]; acc: [d]; s: scratch of n_keys floats. REQUIRES: n_keys >= 1, d % 8 == 0.
 inline void update_row(const float* q, const float* k, const float* v, int n_keys, int d,
                        float scale, RowState* state, float* acc, float* s) {
-  scores_of_row(q, k, n_keys, d, scale, s);
-  float tile_max = s[0];
-  for (int j = 1; j < n_keys; ++j) tile_max = s[j] > tile_max ? s[j] : tile_max;
+  const float tile_max = scores_of_row(q, k, n_keys, d, scale, s);
   const float m_new = tile_max > state->m ? tile_max : state->m;
   const float alpha = std::exp(state->m - m_new);  // 0 on the first tile (m = -inf)
   const float tile_sum = exp_shifted_and_sum(s, n_keys, m_new);

@@ -56,9 +56,9 @@ TEST_P(PrefillRagged, MatchesReference) {
   }
 }
 
-// Row i of a prefill is the decode of query i over positions [0, pos0 + i]: the same pages in
-// the same order, so bitwise the same numbers.
-TEST_P(PrefillRagged, RowsEqualDecodeOfEachPrefix) {
+// Row i of a prefill is the decode of query i over positions [0, pos0 + i] (the two tile the
+// keys differently, so they agree to float rounding).
+TEST_P(PrefillRagged, RowsMatchDecodeOfEachPrefix) {
   const CaseShape c = GetParam().shape;
   const AttentionShape shape = testing::attention_shape(c);
   auto cache = testing::make_cache(c, 300);
@@ -72,10 +72,9 @@ TEST_P(PrefillRagged, RowsEqualDecodeOfEachPrefix) {
   prefill_attention(*cache, seq, kLayer, shape, q.data(), pos0, n, out.data());
   testing::expect_nondegenerate(out, "prefill output");
   for (int64_t i = 0; i < n; ++i) {
-    decode_attention(*cache, seq, kLayer, shape, q.data() + size_t(i) * row, pos0 + i + 1, one.data(),
-                     nullptr, {1});
-    ASSERT_EQ(std::vector<float>(out.begin() + size_t(i) * row, out.begin() + size_t(i + 1) * row), one)
-        << "query " << i;
+    decode_attention(*cache, seq, kLayer, shape, q.data() + size_t(i) * row, pos0 + i + 1, one.data());
+    const std::vector<float> prefill_row(out.begin() + size_t(i) * row, out.begin() + size_t(i + 1) * row);
+    ASSERT_LT(testing::max_abs_diff(prefill_row, one), 1e-5) << "query " << i;
   }
 }
 

@@ -139,7 +139,9 @@ TEST(Safetensors, RoundTripEveryDtypeAndRaggedShapes) {
     EXPECT_EQ(t.dtype, views[k].dtype);
     EXPECT_EQ(t.shape, views[k].shape);
     ASSERT_EQ(t.n_bytes, views[k].n_bytes);
-    if (t.n_bytes > 0) EXPECT_EQ(std::memcmp(t.data, views[k].data, t.n_bytes), 0) << t.name;
+    if (t.n_bytes > 0) {
+      EXPECT_EQ(std::memcmp(t.data, views[k].data, t.n_bytes), 0) << t.name;
+    }
     EXPECT_EQ(f->find(t.name), &t);
     for (size_t b = 0; b < t.n_bytes; ++b) n_nonzero += t.data[b] != 0;
   }

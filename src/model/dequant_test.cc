@@ -260,7 +260,7 @@ TEST(DequantKnownAnswer, Q5_K) {
     const int s = e / 32, l = e % 32;
     const int code = k_pattern_code(e) + 16 * (((7 * l + 3) & 0xFF) >> s & 1);
     expected[e] = (0.25f * float(sc[s])) * float(code) - 0.125f * float(m[s]);
-    expected[256 + e] = 123028512.f;  // 65504 * 63 * 31 - 65504 * 63
+    expected[256 + e] = 123802560.f;  // 65504 * 63 * 31 - 65504 * 63
   }
   std::vector<uint8_t> src(sizeof(format::BlockQ5_K) * 2);
   std::memcpy(src.data(), blocks.data(), src.size());
@@ -369,7 +369,7 @@ TEST(Dequant, VectorizedMatchesReferenceOnRandomBytes) {
       const int64_t n = blocks * ggml_block_elements(type);
       std::vector<uint8_t> src(ggml_row_bytes(type, n));
       for (auto& b : src) b = uint8_t(rng());
-      std::vector<float> ref(size_t(n)), simd(size_t(n));
+      std::vector<float> ref(static_cast<size_t>(n)), simd(static_cast<size_t>(n));
       dequantize_row_ref(type, src.data(), ref.data(), n);
       dequantize_row(type, src.data(), simd.data(), n);
       int64_t nonzero = 0;

@@ -279,16 +279,43 @@ struct Group32 {
   __m512 d, m;
 };
 
+// Byte masks of the four 64-byte loads of a group (offsets 0, second, and for Q8_0 8 and 72):
+// all ones for a whole group; for the last, partial group of a row only the bytes of its blocks,
+// so that the missing blocks read as zero (codes 0, d = m = 0: they add nothing).
+struct GroupLoadMasks {
+  __mmask64 load[4];
+};
+
+inline __mmask64 bytes_below(int64_t n) {
+  return n >= 64 ? ~__mmask64(0) : n <= 0 ? __mmask64(0) : (__mmask64(1) << n) - 1;
+}
+
 template <GgmlType T>
-inline Group32 unpack_group32(const uint8_t* g) {
+GroupLoadMasks partial_group_masks(int64_t n_blocks) {
+  const int64_t bytes = n_blocks * fields_of(T).block_bytes;
+  const int offsets[4] = {0, Group32Tables<T>::kSecond, 8, 72};
+  GroupLoadMasks m;
+  for (int i = 0; i < 4; ++i) m.load[i] = bytes_below(bytes - offsets[i]);
+  return m;
+}
+
+template <GgmlType T, bool kPartial>
+inline __m512i load_group_bytes(const uint8_t* g, int offset, const GroupLoadMasks& masks, int i) {
+  if constexpr (kPartial) return _mm512_maskz_loadu_epi8(masks.load[i], g + offset);
+  return _mm512_loadu_si512(g + offset);
+}
+
+template <GgmlType T, bool kPartial>
+inline Group32 unpack_group32(const uint8_t* g, const GroupLoadMasks& masks) {
   static constexpr Group32Tables<T> tab;
   constexpr Block32Fields F = Group32Tables<T>::F;
   constexpr int kSecond = Group32Tables<T>::kSecond;
-  const __m512i a = _mm512_loadu_si512(g);
-  const __m512i b = _mm512_loadu_si512(g + kSecond);
+  const __m512i a = load_group_bytes<T, kPartial>(g, 0, masks, 0);
+  const __m512i b = load_group_bytes<T, kPartial>(g, kSecond, masks, 1);
   Group32 u;
   if constexpr (T == GgmlType::kQ8_0) {
-    const __m512i a8 = _mm512_loadu_si512(g + 8), b8 = _mm512_loadu_si512(g + 72);
+    const __m512i a8 = load_group_bytes<T, kPartial>(g, 8, masks, 2);
+    const __m512i b8 = load_group_bytes<T, kPartial>(g, 72, masks, 3);
     const __m512i flip = _mm512_set1_epi8(char(0x80));
     u.lo = _mm512_xor_si512(_mm512_permutex2var_epi8(a, _mm512_load_si512(tab.qs_lo), b), flip);
     u.hi = _mm512_xor_si512(_mm512_permutex2var_epi8(a8, _mm512_load_si512(tab.qs_hi), b8), flip);
@@ -318,13 +345,16 @@ inline Group32 unpack_group32(const uint8_t* g) {
   return u;
 }
 
-// y[t * y_stride] = dot(row, activation t) for kT consecutive tokens.
+// y[t * y_stride] = dot(row, activation t) for kT consecutive tokens. `tail` holds the load
+// masks of the row's last group when nb is not a multiple of 4.
 template <GgmlType T, int kT>
-void row_dot_q32(const uint8_t* row, int64_t nb, const uint8_t* act, const Act32Layout& L,
-                 float* y, int64_t y_stride) {
+void row_dot_q32(const uint8_t* row, int64_t nb, const GroupLoadMasks& tail, const uint8_t* act,
+                 const Act32Layout& L, float* y, int64_t y_stride) {
   constexpr int kGroupBytes = Group32Tables<T>::kGroupBytes;
-  __m512 acc[kT];
-  for (int t = 0; t < kT; ++t) acc[t] = _mm512_setzero_ps();
+  // Two accumulators per token (scaled integer dots, constant terms) keep the dependency chains
+  // short.
+  __m512 acc[kT], acc_m[kT];
+  for (int t = 0; t < kT; ++t) acc[t] = acc_m[t] = _mm512_setzero_ps();
   auto accumulate = [&](const Group32& u, int64_t g) {
     for (int t = 0; t < kT; ++t) {
       const uint8_t* a = act + size_t(t) * L.stride;
@@ -337,18 +367,14 @@ void row_dot_q32(const uint8_t* row, int64_t nb, const uint8_t* act, const Act32
       const __m512 sx =
           _mm512_broadcast_f32x4(_mm_load_ps(reinterpret_cast<const float*>(a + L.s_offset) + 4 * g));
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(u.d, dx), acc[t]);
-      acc[t] = _mm512_mask3_fmadd_ps(u.m, sx, acc[t], 0x000F);
+      acc_m[t] = _mm512_mask3_fmadd_ps(u.m, sx, acc_m[t], 0x000F);
     }
   };
   const int64_t full = nb / 4;
-  for (int64_t g = 0; g < full; ++g) accumulate(unpack_group32<T>(row + g * kGroupBytes), g);
-  if (nb % 4 != 0) {
-    // The last, partial group is unpacked from a zero-padded copy (zero blocks add nothing).
-    alignas(64) uint8_t padded[kGroupBytes] = {};
-    std::memcpy(padded, row + full * kGroupBytes, size_t(nb % 4) * (kGroupBytes / 4));
-    accumulate(unpack_group32<T>(padded), full);
-  }
-  for (int t = 0; t < kT; ++t) y[t * y_stride] = _mm512_reduce_add_ps(acc[t]);
+  for (int64_t g = 0; g < full; ++g)
+    accumulate(unpack_group32<T, false>(row + g * kGroupBytes, tail), g);
+  if (nb % 4 != 0) accumulate(unpack_group32<T, true>(row + full * kGroupBytes, tail), full);
+  for (int t = 0; t < kT; ++t) y[t * y_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc_m[t]));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -600,11 +626,12 @@ void matmul_q32(const WeightMatrix& w, const float* x, int64_t n_tokens, float* 
     quantize_act32_row(x + t * w.n_in, w.n_in, act + size_t(t) * L.stride, L);
   });
   const int64_t nb = w.n_in / 32;
+  const GroupLoadMasks tail = partial_group_masks<T>(nb % 4);
   for_row_tiles(w, n_tokens, pool, [&](int64_t rb, int64_t re, int64_t t0, int kt) {
     with_tile(kt, [&]<int kT>() {
       for (int64_t r = rb; r < re; ++r)
-        row_dot_q32<T, kT>(w.data + size_t(r) * w.row_bytes, nb, act + size_t(t0) * L.stride, L,
-                           y + t0 * w.n_out + r, w.n_out);
+        row_dot_q32<T, kT>(w.data + size_t(r) * w.row_bytes, nb, tail, act + size_t(t0) * L.stride,
+                           L, y + t0 * w.n_out + r, w.n_out);
     });
   });
 }

@@ -42,7 +42,8 @@ bool matmul_supports(format::GgmlType type);
 // REQUIRES: matmul_supports(w.type); w.n_in a multiple of the type's block length;
 // w.row_bytes >= ggml_row_bytes(w.type, w.n_in); n_tokens >= 0. Violations throw certkv::Error
 // (kUnsupported naming the type, kInvalidArgument naming the shape) before anything is written.
-// Finite activations are expected; an Inf or NaN in a token row makes that token's outputs NaN.
+// Finite activations are expected; an Inf or NaN in a token row makes that token's outputs NaN
+// (float weights: NaN or +-Inf), and leaves the other tokens' outputs alone.
 // Uses `pool` for the rows of W (and for quantizing x when n_tokens is large); keeps per-thread
 // scratch memory between calls. Thread safety: one call at a time per pool.
 void matmul(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool);

@@ -58,12 +58,13 @@ namespace {
 // end of the span it is applied to).
 class SpanCursor {
  public:
-  SpanCursor(const std::vector<uint32_t>& cps, WordSpan span, std::vector<WordSpan>& out)
-      : cps_(cps), end_(span.end), word_begin_(span.begin), out_(out) {}
+  SpanCursor(const std::vector<uint32_t>& cps, const std::vector<uint8_t>& classes, WordSpan span,
+             std::vector<WordSpan>& out)
+      : cps_(cps), classes_(classes), end_(span.end), word_begin_(span.begin), out_(out) {}
 
   bool inside(size_t pos) const { return pos < end_; }
   uint32_t cp(size_t pos) const { return inside(pos) ? cps_[pos] : kAbsent; }
-  uint8_t classes(size_t pos) const { return inside(pos) ? codepoint_classes(cps_[pos]) : 0; }
+  uint8_t classes(size_t pos) const { return inside(pos) ? classes_[pos] : 0; }
   bool letter(size_t pos) const { return classes(pos) & kClassLetter; }
   bool number(size_t pos) const { return classes(pos) & kClassNumber; }
   bool whitespace(size_t pos) const { return classes(pos) & kClassWhitespace; }
@@ -83,6 +84,7 @@ class SpanCursor {
 
  private:
   const std::vector<uint32_t>& cps_;
+  const std::vector<uint8_t>& classes_;  // codepoint_classes of each code point
   size_t end_;
   size_t word_begin_;
   std::vector<WordSpan>& out_;
@@ -102,8 +104,9 @@ size_t contraction_length(const SpanCursor& s, size_t pos, bool ignore_case) {
   return 0;
 }
 
-void split_gpt2(const std::vector<uint32_t>& cps, WordSpan span, std::vector<WordSpan>& out) {
-  SpanCursor s(cps, span, out);
+void split_gpt2(const std::vector<uint32_t>& cps, const std::vector<uint8_t>& classes,
+                WordSpan span, std::vector<WordSpan>& out) {
+  SpanCursor s(cps, classes, span, out);
   size_t pos = span.begin;
   while (pos < span.end) {
     if (const size_t n = contraction_length(s, pos, false); n > 0) {
@@ -147,9 +150,9 @@ void split_gpt2(const std::vector<uint32_t>& cps, WordSpan span, std::vector<Wor
 }
 
 // The Llama 3 regex; digit_group is 3 for \p{N}{1,3} and 1 for \p{N}.
-void split_llama3(const std::vector<uint32_t>& cps, WordSpan span, size_t digit_group,
-                  std::vector<WordSpan>& out) {
-  SpanCursor s(cps, span, out);
+void split_llama3(const std::vector<uint32_t>& cps, const std::vector<uint8_t>& classes,
+                  WordSpan span, size_t digit_group, std::vector<WordSpan>& out) {
+  SpanCursor s(cps, classes, span, out);
   size_t pos = span.begin;
   while (pos < span.end) {
     if (const size_t n = contraction_length(s, pos, true); n > 0) {
@@ -276,7 +279,11 @@ std::vector<WordSpan> split_words(PreTokenizer kind, const std::vector<uint32_t>
   std::vector<WordSpan> words;
   if (cps.empty()) return words;
   words.push_back({0, cps.size()});
-  const auto gpt2 = [&](WordSpan span, std::vector<WordSpan>& out) { split_gpt2(cps, span, out); };
+  std::vector<uint8_t> classes(cps.size());
+  for (size_t i = 0; i < cps.size(); ++i) classes[i] = codepoint_classes(cps[i]);
+  const auto gpt2 = [&](WordSpan span, std::vector<WordSpan>& out) {
+    split_gpt2(cps, classes, span, out);
+  };
   switch (kind) {
     case PreTokenizer::kGpt2:
       return refine(words, gpt2);
@@ -287,11 +294,11 @@ std::vector<WordSpan> split_words(PreTokenizer kind, const std::vector<uint32_t>
       return refine(words, gpt2);
     case PreTokenizer::kLlama3:
       return refine(words, [&](WordSpan span, std::vector<WordSpan>& out) {
-        split_llama3(cps, span, 3, out);
+        split_llama3(cps, classes, span, 3, out);
       });
     case PreTokenizer::kQwen2:
       return refine(words, [&](WordSpan span, std::vector<WordSpan>& out) {
-        split_llama3(cps, span, 1, out);
+        split_llama3(cps, classes, span, 1, out);
       });
     case PreTokenizer::kDefault:
       words = refine(words, [&](WordSpan span, std::vector<WordSpan>& out) {

@@ -64,6 +64,14 @@ std::string hex_byte(int b) {
   return std::string{'0', 'x', kHex[b >> 4], kHex[b & 15]};
 }
 
+// "<0xHH>", SentencePiece's name for byte b.
+std::string byte_token_text(int b) {
+  std::string text = "<";
+  text += hex_byte(b);
+  text += '>';
+  return text;
+}
+
 void replace_all(std::string& s, const std::string& from, const std::string& to) {
   std::string out;
   out.reserve(s.size());
@@ -211,10 +219,8 @@ Tokenizer::Tokenizer(VocabSpec spec) : spec_(std::move(spec)) {
   if (byte_level_) {
     const auto cps = gpt2_byte_codepoints();
     for (int b = 0; b < 256; ++b) {
-      byte_chars_[b].clear();
       append_utf8(cps[b], byte_chars_[b]);
       byte_of_codepoint[cps[b]] = static_cast<int16_t>(b);
-      byte_tokens_[b] = find_token(byte_chars_[b]);
     }
     merge_ranks_.reserve(spec_.merges.size());
     for (size_t rank = 0; rank < spec_.merges.size(); ++rank) {
@@ -228,7 +234,7 @@ Tokenizer::Tokenizer(VocabSpec spec) : spec_(std::move(spec)) {
     }
   } else {
     for (int b = 0; b < 256; ++b) {
-      int32_t id = find_token("<0x" + hex_byte(b).substr(2) + ">");
+      int32_t id = find_token(byte_token_text(b));
       if (id < 0) id = find_token(std::string(1, static_cast<char>(b)));
       byte_tokens_[b] = id;
     }

@@ -119,8 +119,8 @@ class Tokenizer {
   std::unordered_map<std::string, int32_t> token_ids_;    // text -> id (last duplicate wins)
   std::unordered_map<std::string, int32_t> merge_ranks_;  // "left right" -> rank
   std::vector<int32_t> special_ids_;                      // longest text first
-  std::array<int32_t, 256> byte_tokens_{};                // per byte; -1 where absent
-  std::array<std::string, 256> byte_chars_;               // GPT-2 byte alphabet, UTF-8
+  std::array<int32_t, 256> byte_tokens_{};                // SentencePiece <0xHH>; -1 if absent
+  std::array<std::string, 256> byte_chars_;               // byte-level BPE: GPT-2 alphabet
   std::vector<std::string> pieces_;                       // token_piece(id, false) per id
 };
 
