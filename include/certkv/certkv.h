@@ -97,6 +97,8 @@ typedef struct certkv_session_params {
   int32_t prefill_chunk_tokens;  /* default 512 */
   const char* kv;                /* KV storage scheme: "bf16" */
   int capture_queries;           /* keep post-RoPE queries of the last position (for dump-kv) */
+  const char* activations;       /* weight-product arithmetic: "int8" (activations quantized per
+                                    32-block as llama.cpp does; default) or "f32" (exact fp32) */
 } certkv_session_params;
 
 certkv_session_params certkv_session_default_params(void);

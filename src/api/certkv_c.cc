@@ -207,6 +207,7 @@ certkv_session_params certkv_session_default_params(void) {
   p.prefill_chunk_tokens = 512;
   p.kv = "bf16";
   p.capture_queries = 0;
+  p.activations = "int8";
   return p;
 }
 
@@ -219,8 +220,14 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
   if (kv != "bf16")
     return set_error(CERTKV_ERR_UNSUPPORTED,
                      "KV scheme '" + kv + "' is not available in this build (available: bf16)");
+  const std::string activations = p.activations ? p.activations : "int8";
+  if (activations != "int8" && activations != "f32")
+    return set_error(CERTKV_ERR_INVALID_ARGUMENT,
+                     "activations '" + activations + "' is unknown (int8 or f32)");
   return guarded([&] {
     certkv::model::SessionConfig c;
+    c.activations = activations == "f32" ? certkv::model::ActivationFormat::kFloat32
+                                         : certkv::model::ActivationFormat::kInt8;
     c.context_tokens = p.context_tokens;
     c.n_threads = p.n_threads;
     c.block_tokens = p.block_tokens;

@@ -59,6 +59,8 @@ class GgufFile {
   // Parses a buffer the caller keeps alive (used by tests and the fuzzer); `name` is used in errors.
   static std::unique_ptr<GgufFile> parse(const uint8_t* data, size_t size, const std::string& name);
   ~GgufFile();
+  GgufFile(const GgufFile&) = delete;  // owns the mapping
+  GgufFile& operator=(const GgufFile&) = delete;
 
   const std::string& name() const { return name_; }
   uint32_t version() const { return version_; }

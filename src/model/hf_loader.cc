@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <tuple>
 
 #include "core/status.h"
 #include "format/safetensors.h"
@@ -138,7 +139,7 @@ class HfLoader {
     const bool has_cfg = fs::exists(cfg_path);
     if (has_cfg) cfg = format::parse_json(read_text(cfg_path), cfg_path.string());
     b_.set_tokenizer(std::make_unique<Tokenizer>(
-        vocab_from_tokenizer_json(tok, has_cfg ? &cfg : nullptr, c.architecture, tok_path.string())));
+        vocab_from_tokenizer_json(tok, has_cfg ? &cfg : nullptr, tok_path.string())));
   }
 
  private:
@@ -189,11 +190,45 @@ std::string special_token_text(const format::JsonValue* cfg, const char* key) {
   return "";
 }
 
+// Every Split regex and every component type of a tokenizer.json pre_tokenizer, depth first.
+void collect_pre_tokenizer(const format::JsonValue& v, std::vector<std::string>& types,
+                           std::vector<std::string>& patterns, bool& individual_digits) {
+  if (v.is_array()) {
+    for (const format::JsonValue& item : v.as_array())
+      collect_pre_tokenizer(item, types, patterns, individual_digits);
+    return;
+  }
+  if (!v.is_object()) return;
+  if (const format::JsonValue* t = v.find("type"); t && t->is_string()) types.push_back(t->as_string());
+  if (const format::JsonValue* d = v.find("individual_digits"); d && d->is_bool() && d->as_bool())
+    individual_digits = true;
+  if (const format::JsonValue* pattern = v.find("pattern"))
+    if (const format::JsonValue* r = pattern->find("Regex"); r && r->is_string()) patterns.push_back(r->as_string());
+  if (const format::JsonValue* list = v.find("pretokenizers")) collect_pre_tokenizer(*list, types, patterns, individual_digits);
+}
+
 }  // namespace
+
+// Maps a tokenizer.json pre_tokenizer onto the llama.cpp pre-tokenizer names
+// (model/pretokenizer.h): single digits then ByteLevel is SmolLM's; a split regex with
+// \p{N}{1,3} is Llama 3's; one with single \p{N} is Qwen2's; ByteLevel alone is GPT-2's.
+std::string pre_tokenizer_name(const format::JsonValue* pre_tokenizer) {
+  if (!pre_tokenizer) return "gpt-2";
+  std::vector<std::string> types, patterns;
+  bool individual_digits = false;
+  collect_pre_tokenizer(*pre_tokenizer, types, patterns, individual_digits);
+  for (const std::string& p : patterns) {
+    if (p.find("\\p{N}{1,3}") != std::string::npos || p.find("\p{N}{1,3}") != std::string::npos)
+      return "llama-bpe";
+    if (p.find("\p{N}") != std::string::npos) return "qwen2";
+  }
+  if (individual_digits) return "smollm";
+  return "gpt-2";
+}
 
 VocabSpec vocab_from_tokenizer_json(const format::JsonValue& tokenizer,
                                     const format::JsonValue* tokenizer_config,
-                                    const std::string& architecture, const std::string& source_name) {
+                                    const std::string& source_name) {
   const format::JsonValue* model = tokenizer.find("model");
   const format::JsonValue* type = model ? model->find("type") : nullptr;
   if (!type || !type->is_string() || type->as_string() != "BPE")
@@ -216,7 +251,7 @@ VocabSpec vocab_from_tokenizer_json(const format::JsonValue& tokenizer,
     entries.emplace_back(id.as_int(), text);
     max_id = std::max(max_id, id.as_int());
   }
-  std::vector<std::pair<int64_t, std::string>> added;
+  std::vector<std::tuple<int64_t, std::string, bool>> added;
   if (const format::JsonValue* at = tokenizer.find("added_tokens"); at && at->is_array())
     for (const format::JsonValue& t : at->as_array()) {
       const format::JsonValue* id = t.find("id");
@@ -224,14 +259,20 @@ VocabSpec vocab_from_tokenizer_json(const format::JsonValue& tokenizer,
       if (!id || !id->is_integer() || !content || !content->is_string() || id->as_int() < 0 ||
           id->as_int() > (1 << 24))
         fail(StatusCode::kCorrupt, source_name + ": malformed added_tokens entry");
-      added.emplace_back(id->as_int(), content->as_string());
+      const format::JsonValue* special = t.find("special");
+      added.emplace_back(id->as_int(), content->as_string(),
+                         special && special->is_bool() && special->as_bool());
       max_id = std::max(max_id, id->as_int());
     }
   spec.tokens.assign(size_t(max_id + 1), "");
   spec.token_types.assign(size_t(max_id + 1), 1);
   std::vector<bool> filled(size_t(max_id + 1), false);
   for (const auto& [id, text] : entries) spec.tokens[id] = text, filled[id] = true;
-  for (const auto& [id, text] : added) spec.tokens[id] = text, spec.token_types[id] = 3, filled[id] = true;
+  for (const auto& [id, text, special] : added) {
+    spec.tokens[id] = text;
+    spec.token_types[id] = special ? 3 : 4;  // control or user-defined
+    filled[id] = true;
+  }
   for (size_t i = 0; i < filled.size(); ++i)
     if (!filled[i]) spec.tokens[i] = "[UNUSED_" + std::to_string(i) + "]", spec.token_types[i] = 5;
   for (const format::JsonValue& m : merges->as_array()) {
@@ -244,11 +285,7 @@ VocabSpec vocab_from_tokenizer_json(const format::JsonValue& tokenizer,
       fail(StatusCode::kCorrupt, source_name + ": malformed merge entry");
     }
   }
-  // The pre-tokenizer family: Qwen's, Llama 3's (128K vocabulary), else GPT-2's.
-  if (architecture == "qwen2" || architecture == "qwen3")
-    spec.pre = "qwen2";
-  else
-    spec.pre = spec.tokens.size() >= 128000 ? "llama-bpe" : "default";
+  spec.pre = pre_tokenizer_name(tokenizer.find("pre_tokenizer"));
   auto id_of = [&](const std::string& text) -> int32_t {
     if (text.empty()) return -1;
     for (size_t i = 0; i < spec.tokens.size(); ++i)

@@ -15,9 +15,13 @@ namespace certkv::model {
 void load_hf_folder(ModelBuilder& builder, const std::string& dir);
 
 // The vocabulary of a byte-level BPE tokenizer.json (model.type "BPE", ByteLevel
-// pre-tokenizer); tokenizer_config may be null. `architecture` picks the pre-tokenizer.
+// pre-tokenizer); tokenizer_config may be null.
 VocabSpec vocab_from_tokenizer_json(const format::JsonValue& tokenizer,
                                     const format::JsonValue* tokenizer_config,
-                                    const std::string& architecture, const std::string& source_name);
+                                    const std::string& source_name);
+
+// The llama.cpp pre-tokenizer name ("smollm", "llama-bpe", "qwen2", "gpt-2") matching a
+// tokenizer.json "pre_tokenizer" value (null: "gpt-2").
+std::string pre_tokenizer_name(const format::JsonValue* pre_tokenizer);
 
 }  // namespace certkv::model

@@ -161,9 +161,9 @@ void Session::forward_chunk(const int32_t* tokens, int64_t n, float* last_logits
     const LayerWeights& w = model_.layer(layer);
     for (int64_t t = 0; t < n; ++t)
       rms_norm(&x_[t * dim], w.attn_norm.data(), dim, c.rms_eps, &xn_[t * dim]);
-    matmul(w.wq, xn_.data(), n, q_.data(), *pool_);
-    matmul(w.wk, xn_.data(), n, k_.data(), *pool_);
-    matmul(w.wv, xn_.data(), n, v_.data(), *pool_);
+    matmul(w.wq, xn_.data(), n, q_.data(), *pool_, config_.activations);
+    matmul(w.wk, xn_.data(), n, k_.data(), *pool_, config_.activations);
+    matmul(w.wv, xn_.data(), n, v_.data(), *pool_, config_.activations);
     if (c.qkv_bias) {
       add_bias(q_.data(), w.bq, n);
       add_bias(k_.data(), w.bk, n);
@@ -188,18 +188,18 @@ void Session::forward_chunk(const int32_t* tokens, int64_t n, float* last_logits
     else
       attention::prefill_attention(*cache_, seq_, layer, shape, q_.data(), pos0, n, attn_.data(),
                                    pool_.get());
-    matmul(w.wo, attn_.data(), n, xn_.data(), *pool_);
+    matmul(w.wo, attn_.data(), n, xn_.data(), *pool_, config_.activations);
     for (int64_t i = 0; i < n * dim; ++i) x_[i] += xn_[i];
 
     for (int64_t t = 0; t < n; ++t)
       rms_norm(&x_[t * dim], w.ffn_norm.data(), dim, c.rms_eps, &xn_[t * dim]);
-    matmul(w.w_gate, xn_.data(), n, gate_.data(), *pool_);
-    matmul(w.w_up, xn_.data(), n, up_.data(), *pool_);
+    matmul(w.w_gate, xn_.data(), n, gate_.data(), *pool_, config_.activations);
+    matmul(w.w_up, xn_.data(), n, up_.data(), *pool_, config_.activations);
     for (int64_t i = 0; i < n * c.ffn_dim; ++i) {
       const float g = gate_[i];
       gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];  // SwiGLU (Shazeer 2020)
     }
-    matmul(w.w_down, gate_.data(), n, xn_.data(), *pool_);
+    matmul(w.w_down, gate_.data(), n, xn_.data(), *pool_, config_.activations);
     for (int64_t i = 0; i < n * dim; ++i) x_[i] += xn_[i];
   }
   cache_->commit(seq_, n);
@@ -207,11 +207,11 @@ void Session::forward_chunk(const int32_t* tokens, int64_t n, float* last_logits
   if (all_logits) {
     for (int64_t t = 0; t < n; ++t)
       rms_norm(&x_[t * dim], model_.output_norm().data(), dim, c.rms_eps, &xn_[t * dim]);
-    matmul(model_.output(), xn_.data(), n, all_logits, *pool_);
+    matmul(model_.output(), xn_.data(), n, all_logits, *pool_, config_.activations);
     if (last_logits) memcpy(last_logits, all_logits + (n - 1) * c.n_vocab, sizeof(float) * c.n_vocab);
   } else if (last_logits) {
     rms_norm(&x_[(n - 1) * dim], model_.output_norm().data(), dim, c.rms_eps, xn_.data());
-    matmul(model_.output(), xn_.data(), 1, last_logits, *pool_);
+    matmul(model_.output(), xn_.data(), 1, last_logits, *pool_, config_.activations);
   }
 }
 

@@ -16,6 +16,7 @@
 
 #include "cache/kv_cache.h"
 #include "core/thread_pool.h"
+#include "model/matmul_float.h"
 #include "model/model.h"
 
 namespace certkv::model {
@@ -26,6 +27,7 @@ struct SessionConfig {
   int block_tokens = 16;       // tokens per KV page
   int prefill_chunk_tokens = 512;  // prefill runs in chunks of this many tokens
   bool capture_queries = false;    // keep the post-RoPE queries of the last position per layer
+  ActivationFormat activations = ActivationFormat::kInt8;  // arithmetic of the weight products
 };
 
 // progress(done_tokens, total_tokens), called after each prefill chunk.

@@ -32,7 +32,7 @@ constexpr const char* kUsage =
     "  run      generate text\n"
     "           [--model PATH] [--prompt TEXT | --prompt-file F] [--n N] [--ctx N] [--threads N]\n"
     "           [--kv bf16] [--json] [--raw] [--system TEXT] [--temp T] [--top-k K] [--top-p P]\n"
-    "           [--seed S] [--block-tokens N]\n"
+    "           [--seed S] [--block-tokens N] [--activations int8|f32]\n"
     "  dump-kv  --model PATH --text-file F --tokens N --out FILE.safetensors [--layers LIST]\n"
     "           [--threads N]\n"
     "  info     [--model PATH] [--json]\n"
@@ -165,7 +165,8 @@ int cmd_run(int argc, char** argv) {
   Flags flags("run", {{"model", true}, {"prompt", true}, {"prompt-file", true}, {"n", true},
                       {"ctx", true}, {"threads", true}, {"kv", true}, {"json", false},
                       {"raw", false}, {"system", true}, {"temp", true}, {"top-k", true},
-                      {"top-p", true}, {"seed", true}, {"block-tokens", true}});
+                      {"top-p", true}, {"seed", true}, {"block-tokens", true},
+                      {"activations", true}});
   flags.parse(argc, argv, 2);
   if (flags.has("prompt") && flags.has("prompt-file"))
     throw UsageError{"give --prompt or --prompt-file, not both"};
@@ -178,6 +179,9 @@ int cmd_run(int argc, char** argv) {
   const int64_t block_tokens = flags.integer("block-tokens", 16, 1, 4096);
   const std::string kv = flags.str("kv", "bf16");
   if (kv != "bf16") throw UsageError{"flag --kv: unknown KV scheme '" + kv + "' (available: bf16)"};
+  const std::string activations = flags.str("activations", "int8");
+  if (activations != "int8" && activations != "f32")
+    throw UsageError{"flag --activations: expected int8 or f32, got '" + activations + "'"};
   certkv_sampler_params sp = certkv_sampler_default_params();
   sp.temperature = float(flags.real("temp", 0.0, 0.0, 100.0));
   sp.top_k = int32_t(flags.integer("top-k", 0, 0, 1 << 30));
@@ -203,6 +207,7 @@ int cmd_run(int argc, char** argv) {
   params.n_threads = int32_t(threads);
   params.block_tokens = int32_t(block_tokens);
   params.kv = kv.c_str();
+  params.activations = activations.c_str();
   if (int64_t(tokens.size()) > params.context_tokens)
     throw UsageError{"the prompt has " + std::to_string(tokens.size()) +
                      " tokens, more than the context of " + std::to_string(params.context_tokens) +
@@ -231,6 +236,7 @@ int cmd_run(int argc, char** argv) {
     o.add("text", stream.text)
         .add("model", info.name)
         .add("kv", kv)
+        .add("activations", activations)
         .add("prompt_tokens", int64_t(r.prompt_tokens))
         .add("generated_tokens", int64_t(r.generated_tokens))
         .add("context_tokens", int64_t(params.context_tokens))
