@@ -38,11 +38,8 @@ struct Shape {
 };
 
 const Shape kShapes[] = {
-    {GgmlType::kQ4_1, 576, 576},
-    {GgmlType::kQ4_1, 576, 192},
-    {GgmlType::kQ4_1, 576, 1536},
-    {GgmlType::kQ4_1, 1536, 576},
-    {GgmlType::kQ8_0, 576, 49152},
+    {GgmlType::kQ4_1, 576, 576},  {GgmlType::kQ4_1, 576, 192},   {GgmlType::kQ4_1, 576, 1536},
+    {GgmlType::kQ4_1, 1536, 576}, {GgmlType::kQ8_0, 576, 49152},
 };
 
 // n_copies matrices of one shape in one buffer, random codes, fp16 scales in [0.001, 0.01].
@@ -66,7 +63,8 @@ Weights make_weights(const Shape& s, int64_t n_copies, uint32_t seed) {
     if (s.type == GgmlType::kQ4_1) std::memcpy(w.bytes.data() + b * block_bytes + 2, &d, 2);
   }
   for (int64_t c = 0; c < n_copies; ++c)
-    w.matrices.push_back({s.type, w.bytes.data() + size_t(c) * matrix_bytes, s.n_in, s.n_out, row_bytes});
+    w.matrices.push_back(
+        {s.type, w.bytes.data() + size_t(c) * matrix_bytes, s.n_in, s.n_out, row_bytes});
   return w;
 }
 
@@ -85,7 +83,8 @@ void BM_Matmul(benchmark::State& state) {
   const int threads = int(state.range(2));
   const bool cold = state.range(3) != 0;
   const size_t matrix_bytes = certkv::model::ggml_row_bytes(s.type, s.n_in) * size_t(s.n_out);
-  const int64_t n_copies = cold ? std::max<int64_t>(2, int64_t((size_t(128) << 20) / matrix_bytes)) : 1;
+  const int64_t n_copies =
+      cold ? std::max<int64_t>(2, int64_t((size_t(128) << 20) / matrix_bytes)) : 1;
   const Weights w = make_weights(s, n_copies, 1);
   const std::vector<float> x = make_activations(n_tokens * s.n_in, 2);
   std::vector<float> y(size_t(n_tokens * s.n_out));
@@ -100,8 +99,8 @@ void BM_Matmul(benchmark::State& state) {
   state.counters["GFLOP/s"] =
       benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   if (n_tokens == 1)
-    state.counters["weight_GB/s"] =
-        benchmark::Counter(double(matrix_bytes) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["weight_GB/s"] = benchmark::Counter(
+        double(matrix_bytes) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel(std::string(certkv::model::ggml_type_name(s.type)) + " " + std::to_string(s.n_in) +
                  "->" + std::to_string(s.n_out) + (cold ? " cold" : " hot"));
 }
@@ -116,8 +115,12 @@ void matmul_args(benchmark::internal::Benchmark* b) {
 }
 double fastest(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
 
-BENCHMARK(BM_Matmul)->Apply(matmul_args)->ArgNames({"shape", "tokens", "threads", "cold"})
-    ->Unit(benchmark::kMicrosecond)->UseRealTime()->ComputeStatistics("min", fastest);
+BENCHMARK(BM_Matmul)
+    ->Apply(matmul_args)
+    ->ArgNames({"shape", "tokens", "threads", "cold"})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime()
+    ->ComputeStatistics("min", fastest);
 
 // One decode step's matrix products. Arg: threads.
 void BM_DecodeAllMatmuls(benchmark::State& state) {
@@ -127,7 +130,8 @@ void BM_DecodeAllMatmuls(benchmark::State& state) {
   const Shape layer[] = {kShapes[0], kShapes[1], kShapes[1], kShapes[0],
                          kShapes[2], kShapes[2], kShapes[3]};
   std::vector<Weights> weights;
-  for (const Shape& s : layer) weights.push_back(make_weights(s, kLayers, 3 + uint32_t(weights.size())));
+  for (const Shape& s : layer)
+    weights.push_back(make_weights(s, kLayers, 3 + uint32_t(weights.size())));
   const Weights head = make_weights(kShapes[4], 1, 99);
   const std::vector<float> x = make_activations(1536, 4);
   std::vector<float> y(49152);
@@ -137,7 +141,8 @@ void BM_DecodeAllMatmuls(benchmark::State& state) {
   bytes += double(head.bytes.size());
   for (auto _ : state) {
     for (int l = 0; l < kLayers; ++l)
-      for (const Weights& w : weights) certkv::model::matmul(w.matrices[size_t(l)], x.data(), 1, y.data(), pool);
+      for (const Weights& w : weights)
+        certkv::model::matmul(w.matrices[size_t(l)], x.data(), 1, y.data(), pool);
     certkv::model::matmul(head.matrices[0], x.data(), 1, y.data(), pool);
     benchmark::DoNotOptimize(y.data());
   }
@@ -145,7 +150,12 @@ void BM_DecodeAllMatmuls(benchmark::State& state) {
   state.counters["weight_GB/s"] =
       benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
-BENCHMARK(BM_DecodeAllMatmuls)->Arg(1)->Arg(2)->ArgName("threads")->Unit(benchmark::kMillisecond)
-    ->UseRealTime()->ComputeStatistics("min", fastest);
+BENCHMARK(BM_DecodeAllMatmuls)
+    ->Arg(1)
+    ->Arg(2)
+    ->ArgName("threads")
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->ComputeStatistics("min", fastest);
 
 }  // namespace

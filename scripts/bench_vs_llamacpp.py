@@ -4,12 +4,14 @@
 For each context length N (default 512 and 4096) both engines read the same plain text (an
 evaluation book of the corpus, no chat template) whose llama.cpp tokenization is exactly N
 tokens, then decode --n-decode tokens greedily. Runs alternate between the engines
-(llama.cpp, certkv, llama.cpp, certkv, ...) so that machine drift hits both; the table shows
-medians over --repeats runs, after one untimed warm-up run per engine and context (page cache,
-first-call allocations).
+(llama.cpp, certkv, llama.cpp, certkv, ...) so that machine drift hits both, after one untimed
+warm-up run per engine and context (page cache, first-call allocations). The table shows
+medians over --repeats runs. Each run records how many cores other processes kept busy
+meanwhile (from /proc/stat): sharing the cores makes llama.cpp's spinning threads many times
+slower, so such runs are flagged and left out of the medians unless every run was shared.
 
 llama.cpp (llama-cpp-python): n_batch = n_ubatch = 512, KV cache F16 (its default), flash
-attention off (llama-cpp-python's default), n_ctx = N + n_decode. Prefill is one eval() of the
+attention off (llama-cpp-python's default; --llamacpp-flash-attn turns it on), n_ctx = N + n_decode. Prefill is one eval() of the
 N prompt tokens; decode is n_decode single-token eval() calls, each fed the argmax of the
 previous logits; both timed with time.perf_counter.
 
@@ -44,6 +46,8 @@ DEFAULT_CORPUS = REPO_ROOT.parent / "shared" / "data" / "corpus"
 BOOK = "wells-time-machine.txt"
 START_CHAR = 10000
 N_BATCH = 512
+# Other processes using more than this many cores on average make a run unreliable.
+OTHER_LOAD_WARN_CORES = 0.2
 
 
 def fail(message):
@@ -71,11 +75,11 @@ def cpu_model():
     return platform.processor() or "unknown"
 
 
-def open_llama(model, n_ctx, threads):
+def open_llama(model, n_ctx, threads, flash_attn=False):
     import llama_cpp
     return llama_cpp.Llama(model_path=str(model), n_ctx=n_ctx, n_batch=N_BATCH, n_ubatch=N_BATCH,
                            n_threads=threads, n_threads_batch=threads, logits_all=False,
-                           verbose=False)
+                           flash_attn=flash_attn, verbose=False)
 
 
 def prompt_text(llm, corpus_dir, n_tokens):
@@ -151,6 +155,26 @@ def run_certkv(binary, model, prompt_file, n_decode, n_ctx, threads, n_tokens):
     return result
 
 
+def cpu_clock():
+    """(wall s, machine busy CPU s from /proc/stat, this process and its children's CPU s)."""
+    own = os.times()
+    own_s = own.user + own.system + own.children_user + own.children_system
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        busy_s = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        busy_s = None
+    return time.perf_counter(), busy_s, own_s
+
+
+def other_cores_busy(before, after):
+    """Average number of cores other processes kept busy between two cpu_clock() readings."""
+    if before[1] is None or after[1] is None:
+        return None
+    wall = after[0] - before[0]
+    return round(max(0.0, ((after[1] - before[1]) - (after[2] - before[2])) / wall), 3)
+
+
 def median_of(runs, key):
     return statistics.median(r[key] for r in runs)
 
@@ -167,6 +191,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--corpus-dir", type=Path, default=DEFAULT_CORPUS)
     parser.add_argument("--llamacpp-only", action="store_true", help="skip certkv")
+    parser.add_argument("--llamacpp-flash-attn", action="store_true",
+                        help="run llama.cpp with flash attention (off by default, as in "
+                             "llama-cpp-python)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the untimed first run of each engine at each context")
     args = parser.parse_args()
@@ -188,7 +215,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="certkv_bench_") as tmp:
         for n_prompt in args.contexts:
             n_ctx = n_prompt + args.n_decode
-            llm = open_llama(args.model, n_ctx, args.threads)
+            llm = open_llama(args.model, n_ctx, args.threads, args.llamacpp_flash_attn)
             text, tokens = prompt_text(llm, args.corpus_dir, n_prompt)
             prompt_file = Path(tmp) / f"prompt_{n_prompt}.txt"
             prompt_file.write_bytes(text.encode("utf-8"))
@@ -202,29 +229,42 @@ def main():
                                    args.threads, n_prompt)
             for repeat in range(args.repeats):
                 for engine in engines:
+                    clock_before = cpu_clock()
                     if engine == "llama.cpp":
                         run = run_llamacpp(llm, tokens, args.n_decode)
                     else:
                         run = run_certkv(args.certkv, args.model, prompt_file, args.n_decode,
                                          n_ctx, args.threads, n_prompt)
+                    others = other_cores_busy(clock_before, cpu_clock())
+                    run["other_processes_cores_busy"] = others
                     runs[engine].append(run)
                     print(f"  ctx {n_prompt:>6} run {repeat + 1}/{args.repeats} {engine:>9}: "
                           f"prefill {run['prefill_tok_per_s']:8.1f} tok/s, "
-                          f"decode {run['decode_tok_per_s']:7.2f} tok/s", flush=True)
+                          f"decode {run['decode_tok_per_s']:7.2f} tok/s"
+                          + ("" if others is None else f"  (other processes: {others:.2f} cores)"),
+                          flush=True)
+                    if others is not None and others > OTHER_LOAD_WARN_CORES:
+                        print(f"  warning: other processes kept {others:.2f} cores busy during "
+                              "this run; its numbers are unreliable", file=sys.stderr, flush=True)
             del llm
             for engine in engines:
+                clean = [r for r in runs[engine] if r["other_processes_cores_busy"] is None
+                         or r["other_processes_cores_busy"] <= OTHER_LOAD_WARN_CORES]
+                counted = clean or runs[engine]
                 results.append({
                     "engine": engine, "prompt_tokens": n_prompt, "n_ctx": n_ctx,
                     "decode_tokens": args.n_decode,
-                    "prefill_tok_per_s_median": median_of(runs[engine], "prefill_tok_per_s"),
-                    "decode_tok_per_s_median": median_of(runs[engine], "decode_tok_per_s"),
+                    "prefill_tok_per_s_median": median_of(counted, "prefill_tok_per_s"),
+                    "decode_tok_per_s_median": median_of(counted, "decode_tok_per_s"),
+                    "runs_in_median": len(counted),
+                    "median_over": "unshared runs" if clean else "all runs (every run shared the cores)",
                     "runs": runs[engine]})
 
     print()
-    print(f"{'engine':>10} {'prompt':>7} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    print(f"{'engine':>10} {'prompt':>7} {'prefill tok/s':>14} {'decode tok/s':>13}  median of")
     for r in results:
         print(f"{r['engine']:>10} {r['prompt_tokens']:>7} {r['prefill_tok_per_s_median']:>14.1f} "
-              f"{r['decode_tok_per_s_median']:>13.2f}")
+              f"{r['decode_tok_per_s_median']:>13.2f}  {r['runs_in_median']} {r['median_over']}")
 
     if args.out:
         report = {
@@ -238,7 +278,8 @@ def main():
             "cpu_count": os.cpu_count(),
             "llama_cpp_python": llama_cpp.__version__,
             "llama_cpp_settings": {"n_batch": N_BATCH, "n_ubatch": N_BATCH,
-                                   "kv_cache_type": "f16", "flash_attn": False},
+                                   "kv_cache_type": "f16",
+                                   "flash_attn": args.llamacpp_flash_attn},
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "results": results,
         }

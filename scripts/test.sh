@@ -3,7 +3,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/install_deps.sh"
-bash "$root/scripts/fetch_models.sh"
+bash "$root/scripts/fetch_models.sh" --all
 bash "$root/scripts/build.sh" -DCERTKV_BUILD_TESTS=ON
 cd "$root/build"
 ctest --output-on-failure -j"$(nproc)"

@@ -116,3 +116,36 @@ TEST(SmolLM2Generation, GreedyChatReplyStartsLikeLlamaCpp) {
 
 }  // namespace
 }  // namespace certkv::model
+
+namespace certkv::model {
+namespace {
+
+// Qwen2.5-Coder-0.5B (qwen2: q/k/v biases, half-split RoPE, untied output, Q5_0/Q4_K/Q6_K/Q8_0
+// weights, the qwen2 pre-tokenizer) against llama.cpp over 200 tokens of the same passage.
+TEST(Qwen2Reference, MatchesLlamaCpp) {
+  const std::string path = certkv::testing::models_path("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+  auto model = load_model(path);
+  EXPECT_EQ(model->config().architecture, "qwen2");
+  EXPECT_EQ(model->config().rope_layout, RopeLayout::kHalfSplit);
+  EXPECT_TRUE(model->config().qkv_bias);
+  EXPECT_FALSE(model->config().tied_embeddings);
+  const ReferenceLogits ref = certkv::testing::read_reference_logits(
+      certkv::testing::source_path("tests/golden/qwen2_coder_0_5b_reference_logits.bin"));
+  FILE* f = fopen(certkv::testing::source_path("tests/golden/qwen2_coder_0_5b_reference_passage.txt").c_str(), "rb");
+  ASSERT_NE(f, nullptr);
+  std::string text;
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof buf, f)) > 0;) text.append(buf, n);
+  fclose(f);
+  EXPECT_EQ(model->tokenizer().encode(text, false, false), ref.tokens);
+  for (ActivationFormat format : {ActivationFormat::kInt8, ActivationFormat::kFloat32}) {
+    const Agreement a = certkv::testing::compare_logits(ref, run_passage(*model, ref, format));
+    printf("[reference] qwen2 %s activations vs llama.cpp: %s\n", activation_format_name(format), a.summary().c_str());
+    EXPECT_GE(a.top1, 0.92);
+    EXPECT_LE(a.topk_mean_abs, 0.25);
+    EXPECT_LE(a.kl_max, 0.02);
+  }
+}
+
+}  // namespace
+}  // namespace certkv::model

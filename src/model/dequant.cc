@@ -42,10 +42,9 @@ int64_t checked_blocks(GgmlType type, int64_t n, const char* caller) {
   }
   const int64_t block = ggml_block_elements(type);
   if (n < 0 || n % block != 0) {
-    fail(StatusCode::kInvalidArgument, std::string(caller) + ": " + std::to_string(n) +
-                                           " elements of " + ggml_type_name(type) +
-                                           " is not a whole number of blocks of " +
-                                           std::to_string(block));
+    fail(StatusCode::kInvalidArgument,
+         std::string(caller) + ": " + std::to_string(n) + " elements of " + ggml_type_name(type) +
+             " is not a whole number of blocks of " + std::to_string(block));
   }
   return n / block;
 }
@@ -192,7 +191,8 @@ void dequantize_q8_0_avx512(const uint8_t* src, float* y, int64_t nb) {
     const __m512 d = _mm512_set1_ps(format::fp16_to_float(d_bits));
     for (int half = 0; half < 2; ++half) {
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 + 16 * half));
-      _mm512_storeu_ps(y + 16 * half, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
+      _mm512_storeu_ps(y + 16 * half,
+                       _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
     }
   }
 }
@@ -250,15 +250,32 @@ void dequantize_row_ref(GgmlType type, const void* src_void, float* dst, int64_t
         dst[i] = type == GgmlType::kF16 ? format::fp16_to_float(bits) : format::bf16_to_float(bits);
       }
       return;
-    case GgmlType::kQ4_0: dequantize_q4_0_ref(src, dst, nb); return;
-    case GgmlType::kQ4_1: dequantize_q4_1_ref(src, dst, nb); return;
-    case GgmlType::kQ5_0: dequantize_q5_ref(src, dst, nb, false); return;
-    case GgmlType::kQ5_1: dequantize_q5_ref(src, dst, nb, true); return;
-    case GgmlType::kQ8_0: dequantize_q8_0_ref(src, dst, nb); return;
-    case GgmlType::kQ4_K: dequantize_q45_k_ref<format::BlockQ4_K, false>(src, dst, nb); return;
-    case GgmlType::kQ5_K: dequantize_q45_k_ref<format::BlockQ5_K, true>(src, dst, nb); return;
-    case GgmlType::kQ6_K: dequantize_q6_k_ref(src, dst, nb); return;
-    default: break;
+    case GgmlType::kQ4_0:
+      dequantize_q4_0_ref(src, dst, nb);
+      return;
+    case GgmlType::kQ4_1:
+      dequantize_q4_1_ref(src, dst, nb);
+      return;
+    case GgmlType::kQ5_0:
+      dequantize_q5_ref(src, dst, nb, false);
+      return;
+    case GgmlType::kQ5_1:
+      dequantize_q5_ref(src, dst, nb, true);
+      return;
+    case GgmlType::kQ8_0:
+      dequantize_q8_0_ref(src, dst, nb);
+      return;
+    case GgmlType::kQ4_K:
+      dequantize_q45_k_ref<format::BlockQ4_K, false>(src, dst, nb);
+      return;
+    case GgmlType::kQ5_K:
+      dequantize_q45_k_ref<format::BlockQ5_K, true>(src, dst, nb);
+      return;
+    case GgmlType::kQ6_K:
+      dequantize_q6_k_ref(src, dst, nb);
+      return;
+    default:
+      break;
   }
   fail(StatusCode::kInternal, "dequantize_row_ref: type list and dispatch disagree");
 }
@@ -268,12 +285,23 @@ void dequantize_row(GgmlType type, const void* src_void, float* dst, int64_t n) 
   const int64_t nb = checked_blocks(type, n, "dequantize_row");
   const auto* src = static_cast<const uint8_t*>(src_void);
   switch (type) {
-    case GgmlType::kF16: dequantize_half_avx512(src, dst, n, false); return;
-    case GgmlType::kBF16: dequantize_half_avx512(src, dst, n, true); return;
-    case GgmlType::kQ4_0: dequantize_q4_avx512(src, dst, nb, false); return;
-    case GgmlType::kQ4_1: dequantize_q4_avx512(src, dst, nb, true); return;
-    case GgmlType::kQ8_0: dequantize_q8_0_avx512(src, dst, nb); return;
-    default: break;
+    case GgmlType::kF16:
+      dequantize_half_avx512(src, dst, n, false);
+      return;
+    case GgmlType::kBF16:
+      dequantize_half_avx512(src, dst, n, true);
+      return;
+    case GgmlType::kQ4_0:
+      dequantize_q4_avx512(src, dst, nb, false);
+      return;
+    case GgmlType::kQ4_1:
+      dequantize_q4_avx512(src, dst, nb, true);
+      return;
+    case GgmlType::kQ8_0:
+      dequantize_q8_0_avx512(src, dst, nb);
+      return;
+    default:
+      break;
   }
 #endif
   dequantize_row_ref(type, src_void, dst, n);

@@ -20,14 +20,14 @@ namespace {
 
 using format::GgmlType;
 
-constexpr uint16_t kHalfOne = 0x3C00;       // 1.0
-constexpr uint16_t kHalfMax = 0x7BFF;       // 65504, the largest finite fp16
-constexpr uint16_t kHalfNegMax = 0xFBFF;    // -65504
-constexpr uint16_t kHalfQuarter = 0x3400;   // 0.25
-constexpr uint16_t kHalfEighth = 0x3000;    // 0.125
-constexpr uint16_t kHalfHalf = 0x3800;      // 0.5
-constexpr uint16_t kHalfTwo = 0x4000;       // 2.0
-constexpr uint16_t kHalfNegOne = 0xBC00;    // -1.0
+constexpr uint16_t kHalfOne = 0x3C00;      // 1.0
+constexpr uint16_t kHalfMax = 0x7BFF;      // 65504, the largest finite fp16
+constexpr uint16_t kHalfNegMax = 0xFBFF;   // -65504
+constexpr uint16_t kHalfQuarter = 0x3400;  // 0.25
+constexpr uint16_t kHalfEighth = 0x3000;   // 0.125
+constexpr uint16_t kHalfHalf = 0x3800;     // 0.5
+constexpr uint16_t kHalfTwo = 0x4000;      // 2.0
+constexpr uint16_t kHalfNegOne = 0xBC00;   // -1.0
 
 // Both functions must give exactly `expected` (bit for bit).
 void expect_dequantizes_to(GgmlType type, const std::vector<uint8_t>& src,
@@ -56,26 +56,39 @@ TEST(DequantKnownAnswer, F32IsACopy) {
 }
 
 TEST(DequantKnownAnswer, F16) {
-  const std::vector<uint16_t> h = {0x3C00, 0xC000, kHalfMax, 0x0001, 0x8000, 0x7C00, 0x3555,
-                                   0x0400, 0x03FF, 0xFC00, 0x3C01, 0x5640, 0x2E66, 0xB800,
-                                   0x0200, 0x7A00, 0xC900};
-  const std::vector<float> expected = {1.f, -2.f, 65504.f, 5.9604645e-08f, -0.f, INFINITY,
-                                       0.333251953125f, 6.1035156e-05f, 6.0975552e-05f, -INFINITY,
-                                       1.0009765625f, 100.f, 0.0999755859375f, -0.5f,
-                                       3.0517578e-05f, 49152.f, -10.f};
+  const std::vector<uint16_t> h = {0x3C00, 0xC000, kHalfMax, 0x0001, 0x8000, 0x7C00,
+                                   0x3555, 0x0400, 0x03FF,   0xFC00, 0x3C01, 0x5640,
+                                   0x2E66, 0xB800, 0x0200,   0x7A00, 0xC900};
+  const std::vector<float> expected = {1.f,
+                                       -2.f,
+                                       65504.f,
+                                       5.9604645e-08f,
+                                       -0.f,
+                                       INFINITY,
+                                       0.333251953125f,
+                                       6.1035156e-05f,
+                                       6.0975552e-05f,
+                                       -INFINITY,
+                                       1.0009765625f,
+                                       100.f,
+                                       0.0999755859375f,
+                                       -0.5f,
+                                       3.0517578e-05f,
+                                       49152.f,
+                                       -10.f};
   std::vector<uint8_t> s(h.size() * 2);
   std::memcpy(s.data(), h.data(), s.size());
   expect_dequantizes_to(GgmlType::kF16, s, expected);
 }
 
 TEST(DequantKnownAnswer, BF16) {
-  const std::vector<uint16_t> h = {0x3F80, 0xC0A0, 0x7F7F, 0x0001, 0xFF80, 0x8000, 0x3EAB,
-                                   0x4049, 0x0080, 0x42C8, 0xBF00, 0x7F80, 0x3C23, 0x4780,
-                                   0xC2F6, 0x3F81, 0x1234};
-  const std::vector<float> expected = {1.f, -5.f, 3.3895314e38f, 9.1835496e-41f, -INFINITY, -0.f,
-                                       0.333984375f, 3.140625f, 1.1754944e-38f, 100.f, -0.5f,
-                                       INFINITY, 0.0099487305f, 65536.f, -123.f, 1.0078125f,
-                                       5.6797985e-28f};
+  const std::vector<uint16_t> h = {0x3F80, 0xC0A0, 0x7F7F, 0x0001, 0xFF80, 0x8000,
+                                   0x3EAB, 0x4049, 0x0080, 0x42C8, 0xBF00, 0x7F80,
+                                   0x3C23, 0x4780, 0xC2F6, 0x3F81, 0x1234};
+  const std::vector<float> expected = {
+      1.f,           -5.f,      3.3895314e38f,  9.1835496e-41f, -INFINITY,     -0.f,
+      0.333984375f,  3.140625f, 1.1754944e-38f, 100.f,          -0.5f,         INFINITY,
+      0.0099487305f, 65536.f,   -123.f,         1.0078125f,     5.6797985e-28f};
   std::vector<uint8_t> s(h.size() * 2);
   std::memcpy(s.data(), h.data(), s.size());
   expect_dequantizes_to(GgmlType::kBF16, s, expected);
@@ -126,7 +139,10 @@ TEST(DequantKnownAnswer, Q4_1) {
 // Q5_0 / Q5_1 blocks have no struct in format/ggml_blocks.h: d, [m,] qh (4 bytes), qs (16).
 std::vector<uint8_t> q5_block(uint16_t d, const uint16_t* m, uint32_t qh, const uint8_t qs[16]) {
   std::vector<uint8_t> b;
-  auto put16 = [&](uint16_t v) { b.push_back(uint8_t(v)); b.push_back(uint8_t(v >> 8)); };
+  auto put16 = [&](uint16_t v) {
+    b.push_back(uint8_t(v));
+    b.push_back(uint8_t(v >> 8));
+  };
   put16(d);
   if (m) put16(*m);
   for (int i = 0; i < 4; ++i) b.push_back(uint8_t(qh >> (8 * i)));
@@ -137,7 +153,8 @@ std::vector<uint8_t> q5_block(uint16_t d, const uint16_t* m, uint32_t qh, const 
 TEST(DequantKnownAnswer, Q5_0) {
   // Block 0: d = 1, qh = 0x0000FFFF, every byte 0xF3: elements 0-15 have q = 3 | 16 = 19 -> 3,
   // elements 16-31 have q = 15 -> -1. Block 1 (extreme): d = 65504, qh = 0x80000001, qs = 0xF0:
-  // element 0: q = 16 -> 0; elements 1-15: 0 -> -16 * 65504; 16-30: 15 -> -65504; 31: 31 -> 15 * 65504.
+  // element 0: q = 16 -> 0; elements 1-15: 0 -> -16 * 65504; 16-30: 15 -> -65504; 31: 31 -> 15 *
+  // 65504.
   uint8_t qs0[16], qs1[16];
   std::memset(qs0, 0xF3, 16);
   std::memset(qs1, 0xF0, 16);
@@ -403,7 +420,8 @@ std::vector<GoldenRecord> read_golden() {
   const std::string path = std::string(CERTKV_SOURCE_DIR) + "/tests/golden/dequant_golden.bin";
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error(path + ": cannot open (run scripts/make_dequant_golden.py)");
-  const std::vector<uint8_t> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::vector<uint8_t> data((std::istreambuf_iterator<char>(in)),
+                                  std::istreambuf_iterator<char>());
   size_t pos = 0;
   auto take = [&](void* dst, size_t n) {
     if (data.size() - pos < n) throw std::runtime_error(path + ": truncated");
@@ -448,9 +466,8 @@ void expect_matches_golden(const GoldenRecord& r, const uint8_t* bytes) {
     if (format::float_to_bits(ref[i]) != format::float_to_bits(r.expected[i]) ||
         format::float_to_bits(simd[i]) != format::float_to_bits(r.expected[i])) {
       if (++mismatches <= 3)
-        ADD_FAILURE() << r.name << " (" << ggml_type_name(r.type) << ") element " << i
-                      << ": ref " << ref[i] << ", vectorized " << simd[i] << ", gguf "
-                      << r.expected[i];
+        ADD_FAILURE() << r.name << " (" << ggml_type_name(r.type) << ") element " << i << ": ref "
+                      << ref[i] << ", vectorized " << simd[i] << ", gguf " << r.expected[i];
     }
   }
   EXPECT_EQ(mismatches, 0) << r.name;

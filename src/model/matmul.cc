@@ -35,9 +35,8 @@ bool is_float_type(GgmlType type) {
 
 void check_args(const WeightMatrix& w, int64_t n_tokens, const char* caller) {
   if (!matmul_supports(w.type)) {
-    fail(StatusCode::kUnsupported, std::string(caller) + ": weight type " +
-                                       ggml_type_name(w.type) + " (id " +
-                                       std::to_string(static_cast<uint32_t>(w.type)) +
+    fail(StatusCode::kUnsupported, std::string(caller) + ": weight type " + ggml_type_name(w.type) +
+                                       " (id " + std::to_string(static_cast<uint32_t>(w.type)) +
                                        ") is not supported");
   }
   const int64_t block = ggml_block_elements(w.type);
@@ -59,13 +58,14 @@ void check_args(const WeightMatrix& w, int64_t n_tokens, const char* caller) {
   }
 }
 
-// Rows per parallel_for grain: enough multiply-adds per grain that a hand-off to another thread
-// pays for itself (ThreadPool wakes its workers through a condition variable, tens of
-// microseconds), and a multiple of 16 rows.
-int64_t row_grain(const WeightMatrix& w, int64_t n_tokens) {
-  constexpr int64_t kMinMacsPerGrain = int64_t(1) << 20;
-  const int64_t macs_per_row = std::max<int64_t>(1, w.n_in * n_tokens);
-  const int64_t rows = (kMinMacsPerGrain + macs_per_row - 1) / macs_per_row;
+// Rows per parallel_for grain: the rows split evenly over as many threads as have at least
+// kMinMacsPerThread multiply-adds each (a hand-off costs the pool a few microseconds of
+// spinning), in multiples of 16 rows.
+int64_t row_grain(const WeightMatrix& w, int64_t n_tokens, int n_threads) {
+  constexpr int64_t kMinMacsPerThread = int64_t(1) << 17;
+  const int64_t macs = std::max<int64_t>(1, w.n_in * n_tokens) * w.n_out;
+  const int64_t n_chunks = std::clamp<int64_t>(macs / kMinMacsPerThread, 1, n_threads);
+  const int64_t rows = (w.n_out + n_chunks - 1) / n_chunks;
   return std::max<int64_t>(16, (rows + 15) / 16 * 16);
 }
 
@@ -100,30 +100,32 @@ Scratch& thread_scratch() {
 void matmul_portable(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y,
                      ThreadPool& pool) {
   if (is_float_type(w.type)) {
-    pool.parallel_for(w.n_out, row_grain(w, n_tokens), [&](int64_t r0, int64_t r1, int) {
-      std::vector<float> row(size_t(w.n_in));
-      for (int64_t r = r0; r < r1; ++r) {
-        dequantize_row_ref(w.type, w.data + size_t(r) * w.row_bytes, row.data(), w.n_in);
-        for (int64_t t = 0; t < n_tokens; ++t) {
-          const float* xt = x + t * w.n_in;
-          float sum = 0;
-          for (int64_t i = 0; i < w.n_in; ++i) sum += row[size_t(i)] * xt[i];
-          y[t * w.n_out + r] = sum;
-        }
-      }
-    });
+    pool.parallel_for(
+        w.n_out, row_grain(w, n_tokens, pool.n_threads()), [&](int64_t r0, int64_t r1, int) {
+          std::vector<float> row(size_t(w.n_in));
+          for (int64_t r = r0; r < r1; ++r) {
+            dequantize_row_ref(w.type, w.data + size_t(r) * w.row_bytes, row.data(), w.n_in);
+            for (int64_t t = 0; t < n_tokens; ++t) {
+              const float* xt = x + t * w.n_in;
+              float sum = 0;
+              for (int64_t i = 0; i < w.n_in; ++i) sum += row[size_t(i)] * xt[i];
+              y[t * w.n_out + r] = sum;
+            }
+          }
+        });
     return;
   }
   const int64_t block = activation_block_elements(w.type);
   std::vector<QuantizedActivation> acts(static_cast<size_t>(n_tokens));
   for (int64_t t = 0; t < n_tokens; ++t)
     acts[size_t(t)] = quantize_activation_ref(x + t * w.n_in, w.n_in, block);
-  pool.parallel_for(w.n_out, row_grain(w, n_tokens), [&](int64_t r0, int64_t r1, int) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t t = 0; t < n_tokens; ++t)
-        y[t * w.n_out + r] =
-            vec_dot_quantized_ref(w.type, w.data + size_t(r) * w.row_bytes, acts[size_t(t)]);
-  });
+  pool.parallel_for(
+      w.n_out, row_grain(w, n_tokens, pool.n_threads()), [&](int64_t r0, int64_t r1, int) {
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t t = 0; t < n_tokens; ++t)
+            y[t * w.n_out + r] =
+                vec_dot_quantized_ref(w.type, w.data + size_t(r) * w.row_bytes, acts[size_t(t)]);
+      });
 }
 
 #if defined(CERTKV_MATMUL_AVX512)
@@ -194,12 +196,14 @@ void quantize_act32_row(const float* x, int64_t n_in, uint8_t* out, const Act32L
         const __m512 v0 = _mm512_loadu_ps(x + 32 * b);
         const __m512 v1 = _mm512_loadu_ps(x + 32 * b + 16);
         if (all_finite(v0) && all_finite(v1)) {
-          const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+          const float amax =
+              _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
           d = amax / 127.f;
           const float id = d != 0.f ? 1.f / d : 0.f;
           const __m512i q0 = quantize_16(v0, id), q1 = quantize_16(v1, id);
           _mm_store_si128(reinterpret_cast<__m128i*>(codes + 32 * k), _mm512_cvtepi32_epi8(q0));
-          _mm_store_si128(reinterpret_cast<__m128i*>(codes + 32 * k + 16), _mm512_cvtepi32_epi8(q1));
+          _mm_store_si128(reinterpret_cast<__m128i*>(codes + 32 * k + 16),
+                          _mm512_cvtepi32_epi8(q1));
           s = d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
         } else {
           d = s = __builtin_nanf("");
@@ -233,16 +237,23 @@ struct Block32Fields {
 
 constexpr Block32Fields fields_of(GgmlType type) {
   switch (type) {
-    case GgmlType::kQ4_0: return {18, -1, -1, 2, 8};
-    case GgmlType::kQ4_1: return {20, 2, -1, 4, 0};
-    case GgmlType::kQ5_0: return {22, -1, 2, 6, 16};
-    case GgmlType::kQ5_1: return {24, 2, 4, 8, 0};
-    default: return {34, -1, -1, 2, 128};  // Q8_0: codes are int8, unpacked as q + 128
+    case GgmlType::kQ4_0:
+      return {18, -1, -1, 2, 8};
+    case GgmlType::kQ4_1:
+      return {20, 2, -1, 4, 0};
+    case GgmlType::kQ5_0:
+      return {22, -1, 2, 6, 16};
+    case GgmlType::kQ5_1:
+      return {24, 2, 4, 8, 0};
+    default:
+      return {34, -1, -1, 2, 128};  // Q8_0: codes are int8, unpacked as q + 128
   }
 }
 
 // Index of byte `offset` of a group in the 128-byte table formed by the loads at 0 and `second`.
-constexpr int table_index(int offset, int second) { return offset < 64 ? offset : 64 + offset - second; }
+constexpr int table_index(int offset, int second) {
+  return offset < 64 ? offset : 64 + offset - second;
+}
 
 template <GgmlType T>
 struct Group32Tables {
@@ -250,9 +261,9 @@ struct Group32Tables {
   static constexpr bool kQ8 = T == GgmlType::kQ8_0;
   static constexpr int kGroupBytes = 4 * F.block_bytes;
   static constexpr int kSecond = kQ8 ? 64 : kGroupBytes - 64;
-  alignas(64) uint8_t qs_lo[64];   // the lo codes (nibble types: the byte holding lo and hi)
-  alignas(64) uint8_t qs_hi[64];   // Q8_0 only: the hi codes, in the table of the loads at 8, 72
-  alignas(64) uint8_t qh_lo[64];   // Q5: the qh byte of each lo / hi element ...
+  alignas(64) uint8_t qs_lo[64];  // the lo codes (nibble types: the byte holding lo and hi)
+  alignas(64) uint8_t qs_hi[64];  // Q8_0 only: the hi codes, in the table of the loads at 8, 72
+  alignas(64) uint8_t qh_lo[64];  // Q5: the qh byte of each lo / hi element ...
   alignas(64) uint8_t qh_hi[64];
   alignas(64) uint8_t qh_bit[64];  // ... and its bit
   alignas(64) uint16_t dm[32];     // words 0-3: d of blocks A-D, 4-7: their m (or d again)
@@ -334,10 +345,10 @@ inline Group32 unpack_group32(const uint8_t* g, const GroupLoadMasks& masks) {
     if constexpr (F.qh_offset >= 0) {
       const __m512i bit = _mm512_load_si512(tab.qh_bit);
       const __m512i sixteen = _mm512_set1_epi8(16);
-      const __mmask64 h_lo = _mm512_test_epi8_mask(
-          _mm512_permutex2var_epi8(a, _mm512_load_si512(tab.qh_lo), b), bit);
-      const __mmask64 h_hi = _mm512_test_epi8_mask(
-          _mm512_permutex2var_epi8(a, _mm512_load_si512(tab.qh_hi), b), bit);
+      const __mmask64 h_lo =
+          _mm512_test_epi8_mask(_mm512_permutex2var_epi8(a, _mm512_load_si512(tab.qh_lo), b), bit);
+      const __mmask64 h_hi =
+          _mm512_test_epi8_mask(_mm512_permutex2var_epi8(a, _mm512_load_si512(tab.qh_hi), b), bit);
       u.lo = _mm512_mask_add_epi8(u.lo, h_lo, u.lo, sixteen);
       u.hi = _mm512_mask_add_epi8(u.hi, h_hi, u.hi, sixteen);
     }
@@ -386,7 +397,8 @@ void row_dot_q32(const uint8_t* row, int64_t nb, const GroupLoadMasks& tail, con
       m16 = _mm512_setzero_ps();
     }
   }
-  for (int t = 0; t < kT; ++t) y[t * y_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc_m[t]));
+  for (int t = 0; t < kT; ++t)
+    y[t * y_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc_m[t]));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -433,7 +445,8 @@ void quantize_act_k_row(const float* x, int64_t n_in, uint8_t* out, const ActKLa
       const __m512i q0 = quantize_16(_mm512_loadu_ps(xb + 32 * j), id);
       const __m512i q1 = quantize_16(_mm512_loadu_ps(xb + 32 * j + 16), id);
       _mm256_store_si256(reinterpret_cast<__m256i*>(q_out + 32 * j), _mm512_cvtepi32_epi16(q0));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(q_out + 32 * j + 16), _mm512_cvtepi32_epi16(q1));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q_out + 32 * j + 16),
+                         _mm512_cvtepi32_epi16(q1));
       sums_out[8 * b + j] = int16_t(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
     }
     d_out[b] = d;
@@ -564,8 +577,8 @@ inline __m512 load_weights_16(const uint8_t* row, int64_t i, __mmask16 mask) {
 }
 
 template <GgmlType T, int kR, int kT>
-void rows_dot_float(const uint8_t* rows, size_t row_bytes, int64_t n, const float* x,
-                    float* y, int64_t y_stride) {
+void rows_dot_float(const uint8_t* rows, size_t row_bytes, int64_t n, const float* x, float* y,
+                    int64_t y_stride) {
   __m512 acc[kR][kT];
   for (int r = 0; r < kR; ++r)
     for (int t = 0; t < kT; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -602,30 +615,47 @@ void for_row_tiles(const WeightMatrix& w, int64_t n_tokens, size_t act_bytes_per
   const int64_t chunk_tokens = std::max<int64_t>(
       kTileTokens, int64_t(kTokenChunkBytes / std::max<size_t>(1, act_bytes_per_token)) /
                        kTileTokens * kTileTokens);
-  pool.parallel_for(w.n_out, row_grain(w, n_tokens), [&](int64_t r0, int64_t r1, int) {
-    for (int64_t tc = 0; tc < n_tokens; tc += chunk_tokens) {
-      const int64_t te = std::min(n_tokens, tc + chunk_tokens);
-      for (int64_t rb = r0; rb < r1; rb += rows_per_block) {
-        const int64_t re = std::min(r1, rb + rows_per_block);
-        for (int64_t t0 = tc; t0 < te; t0 += kTileTokens)
-          kernel(rb, re, t0, int(std::min<int64_t>(kTileTokens, te - t0)));
-      }
-    }
-  });
+  pool.parallel_for(w.n_out, row_grain(w, n_tokens, pool.n_threads()),
+                    [&](int64_t r0, int64_t r1, int) {
+                      for (int64_t tc = 0; tc < n_tokens; tc += chunk_tokens) {
+                        const int64_t te = std::min(n_tokens, tc + chunk_tokens);
+                        for (int64_t rb = r0; rb < r1; rb += rows_per_block) {
+                          const int64_t re = std::min(r1, rb + rows_per_block);
+                          for (int64_t t0 = tc; t0 < te; t0 += kTileTokens)
+                            kernel(rb, re, t0, int(std::min<int64_t>(kTileTokens, te - t0)));
+                        }
+                      }
+                    });
 }
 
 // Calls f.template operator()<k>() for k = n in 1..8 (a run-time tile size to a template one).
 template <typename F>
 void with_tile(int n, F&& f) {
   switch (n) {
-    case 1: f.template operator()<1>(); break;
-    case 2: f.template operator()<2>(); break;
-    case 3: f.template operator()<3>(); break;
-    case 4: f.template operator()<4>(); break;
-    case 5: f.template operator()<5>(); break;
-    case 6: f.template operator()<6>(); break;
-    case 7: f.template operator()<7>(); break;
-    default: f.template operator()<8>(); break;
+    case 1:
+      f.template operator()<1>();
+      break;
+    case 2:
+      f.template operator()<2>();
+      break;
+    case 3:
+      f.template operator()<3>();
+      break;
+    case 4:
+      f.template operator()<4>();
+      break;
+    case 5:
+      f.template operator()<5>();
+      break;
+    case 6:
+      f.template operator()<6>();
+      break;
+    case 7:
+      f.template operator()<7>();
+      break;
+    default:
+      f.template operator()<8>();
+      break;
   }
 }
 
@@ -643,7 +673,8 @@ void quantize_rows(int64_t n_tokens, ThreadPool& pool, QuantizeRow quantize_row)
 }
 
 template <GgmlType T>
-void matmul_q32(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool) {
+void matmul_q32(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y,
+                ThreadPool& pool) {
   const Act32Layout L(w.n_in);
   uint8_t* act = thread_scratch().get(L.stride * size_t(n_tokens));
   quantize_rows(n_tokens, pool, [&](int64_t t) {
@@ -682,50 +713,78 @@ void matmul_float(const WeightMatrix& w, const float* x, int64_t n_tokens, float
   constexpr int kRows = 4, kTokens = 4;
   for_row_tiles(w, n_tokens, size_t(w.n_in) * sizeof(float), pool,
                 [&](int64_t rb, int64_t re, int64_t t0, int kt) {
-    for (int64_t t = t0; t < t0 + kt; t += kTokens) {
-      const int nt = int(std::min<int64_t>(kTokens, t0 + kt - t));
-      const float* xt = x + t * w.n_in;
-      float* yt = y + t * w.n_out;
-      auto run = [&]<int kR, int kT>(int64_t r) {
-        rows_dot_float<T, kR, kT>(w.data + size_t(r) * w.row_bytes, w.row_bytes, w.n_in, xt,
-                                  yt + r, w.n_out);
-      };
-      int64_t r = rb;
-      for (; r + kRows <= re; r += kRows) {
-        switch (nt) {
-          case 1: run.template operator()<kRows, 1>(r); break;
-          case 2: run.template operator()<kRows, 2>(r); break;
-          case 3: run.template operator()<kRows, 3>(r); break;
-          default: run.template operator()<kRows, 4>(r); break;
-        }
-      }
-      for (; r < re; ++r) {
-        switch (nt) {
-          case 1: run.template operator()<1, 1>(r); break;
-          case 2: run.template operator()<1, 2>(r); break;
-          case 3: run.template operator()<1, 3>(r); break;
-          default: run.template operator()<1, 4>(r); break;
-        }
-      }
-    }
-  });
+                  for (int64_t t = t0; t < t0 + kt; t += kTokens) {
+                    const int nt = int(std::min<int64_t>(kTokens, t0 + kt - t));
+                    const float* xt = x + t * w.n_in;
+                    float* yt = y + t * w.n_out;
+                    auto run = [&]<int kR, int kT>(int64_t r) {
+                      rows_dot_float<T, kR, kT>(w.data + size_t(r) * w.row_bytes, w.row_bytes,
+                                                w.n_in, xt, yt + r, w.n_out);
+                    };
+                    int64_t r = rb;
+                    for (; r + kRows <= re; r += kRows) {
+                      switch (nt) {
+                        case 1:
+                          run.template operator()<kRows, 1>(r);
+                          break;
+                        case 2:
+                          run.template operator()<kRows, 2>(r);
+                          break;
+                        case 3:
+                          run.template operator()<kRows, 3>(r);
+                          break;
+                        default:
+                          run.template operator()<kRows, 4>(r);
+                          break;
+                      }
+                    }
+                    for (; r < re; ++r) {
+                      switch (nt) {
+                        case 1:
+                          run.template operator()<1, 1>(r);
+                          break;
+                        case 2:
+                          run.template operator()<1, 2>(r);
+                          break;
+                        case 3:
+                          run.template operator()<1, 3>(r);
+                          break;
+                        default:
+                          run.template operator()<1, 4>(r);
+                          break;
+                      }
+                    }
+                  }
+                });
 }
 
 void matmul_avx512(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y,
                    ThreadPool& pool) {
   switch (w.type) {
-    case GgmlType::kF32: return matmul_float<GgmlType::kF32>(w, x, n_tokens, y, pool);
-    case GgmlType::kF16: return matmul_float<GgmlType::kF16>(w, x, n_tokens, y, pool);
-    case GgmlType::kBF16: return matmul_float<GgmlType::kBF16>(w, x, n_tokens, y, pool);
-    case GgmlType::kQ4_0: return matmul_q32<GgmlType::kQ4_0>(w, x, n_tokens, y, pool);
-    case GgmlType::kQ4_1: return matmul_q32<GgmlType::kQ4_1>(w, x, n_tokens, y, pool);
-    case GgmlType::kQ5_0: return matmul_q32<GgmlType::kQ5_0>(w, x, n_tokens, y, pool);
-    case GgmlType::kQ5_1: return matmul_q32<GgmlType::kQ5_1>(w, x, n_tokens, y, pool);
-    case GgmlType::kQ8_0: return matmul_q32<GgmlType::kQ8_0>(w, x, n_tokens, y, pool);
-    case GgmlType::kQ4_K: return matmul_k<GgmlType::kQ4_K>(w, x, n_tokens, y, pool);
-    case GgmlType::kQ5_K: return matmul_k<GgmlType::kQ5_K>(w, x, n_tokens, y, pool);
-    case GgmlType::kQ6_K: return matmul_k<GgmlType::kQ6_K>(w, x, n_tokens, y, pool);
-    default: break;
+    case GgmlType::kF32:
+      return matmul_float<GgmlType::kF32>(w, x, n_tokens, y, pool);
+    case GgmlType::kF16:
+      return matmul_float<GgmlType::kF16>(w, x, n_tokens, y, pool);
+    case GgmlType::kBF16:
+      return matmul_float<GgmlType::kBF16>(w, x, n_tokens, y, pool);
+    case GgmlType::kQ4_0:
+      return matmul_q32<GgmlType::kQ4_0>(w, x, n_tokens, y, pool);
+    case GgmlType::kQ4_1:
+      return matmul_q32<GgmlType::kQ4_1>(w, x, n_tokens, y, pool);
+    case GgmlType::kQ5_0:
+      return matmul_q32<GgmlType::kQ5_0>(w, x, n_tokens, y, pool);
+    case GgmlType::kQ5_1:
+      return matmul_q32<GgmlType::kQ5_1>(w, x, n_tokens, y, pool);
+    case GgmlType::kQ8_0:
+      return matmul_q32<GgmlType::kQ8_0>(w, x, n_tokens, y, pool);
+    case GgmlType::kQ4_K:
+      return matmul_k<GgmlType::kQ4_K>(w, x, n_tokens, y, pool);
+    case GgmlType::kQ5_K:
+      return matmul_k<GgmlType::kQ5_K>(w, x, n_tokens, y, pool);
+    case GgmlType::kQ6_K:
+      return matmul_k<GgmlType::kQ6_K>(w, x, n_tokens, y, pool);
+    default:
+      break;
   }
   fail(StatusCode::kInternal, "matmul: type list and dispatch disagree");
 }

@@ -72,7 +72,8 @@ std::vector<uint8_t> random_weights(GgmlType type, int64_t n_in, int64_t n_out, 
       if (type == GgmlType::kF32) {
         std::memcpy(data.data() + 4 * i, &v, 4);
       } else {
-        const uint16_t h = type == GgmlType::kF16 ? format::float_to_fp16(v) : format::float_to_bf16(v);
+        const uint16_t h =
+            type == GgmlType::kF16 ? format::float_to_fp16(v) : format::float_to_bf16(v);
         std::memcpy(data.data() + 2 * i, &h, 2);
       }
     }
@@ -84,7 +85,8 @@ std::vector<uint8_t> random_weights(GgmlType type, int64_t n_in, int64_t n_out, 
   for (size_t b = 0; b < data.size() / block_bytes; ++b) {
     uint8_t* p = data.data() + b * block_bytes;
     put_half(p + f.d, (rng() % 2 ? 1.f : -1.f) * scale(rng));
-    if (f.m >= 0) put_half(p + f.m, type == GgmlType::kQ4_K || type == GgmlType::kQ5_K ? scale(rng) : min(rng));
+    if (f.m >= 0)
+      put_half(p + f.m, type == GgmlType::kQ4_K || type == GgmlType::kQ5_K ? scale(rng) : min(rng));
   }
   return data;
 }
@@ -97,7 +99,8 @@ std::vector<float> random_activations(int64_t n, std::mt19937& rng) {
   return x;
 }
 
-WeightMatrix matrix_of(GgmlType type, const std::vector<uint8_t>& data, int64_t n_in, int64_t n_out) {
+WeightMatrix matrix_of(GgmlType type, const std::vector<uint8_t>& data, int64_t n_in,
+                       int64_t n_out) {
   WeightMatrix w;
   w.type = type;
   w.data = data.data();
@@ -114,15 +117,40 @@ WeightMatrix matrix_of(GgmlType type, const std::vector<uint8_t>& data, int64_t 
 double term_magnitude(GgmlType type, const uint8_t* row, const QuantizedActivation& xq) {
   double a = 0, c = 0;
   switch (type) {
-    case GgmlType::kQ4_0: a = 15; c = 8; break;
-    case GgmlType::kQ4_1: a = 15; c = 1; break;
-    case GgmlType::kQ5_0: a = 31; c = 16; break;
-    case GgmlType::kQ5_1: a = 31; c = 1; break;
-    case GgmlType::kQ8_0: a = 255; c = 128; break;
-    case GgmlType::kQ4_K: a = 63 * 15; c = 63; break;
-    case GgmlType::kQ5_K: a = 63 * 31; c = 63; break;
-    case GgmlType::kQ6_K: a = 128 * 32; c = 0; break;
-    default: break;
+    case GgmlType::kQ4_0:
+      a = 15;
+      c = 8;
+      break;
+    case GgmlType::kQ4_1:
+      a = 15;
+      c = 1;
+      break;
+    case GgmlType::kQ5_0:
+      a = 31;
+      c = 16;
+      break;
+    case GgmlType::kQ5_1:
+      a = 31;
+      c = 1;
+      break;
+    case GgmlType::kQ8_0:
+      a = 255;
+      c = 128;
+      break;
+    case GgmlType::kQ4_K:
+      a = 63 * 15;
+      c = 63;
+      break;
+    case GgmlType::kQ5_K:
+      a = 63 * 31;
+      c = 63;
+      break;
+    case GgmlType::kQ6_K:
+      a = 128 * 32;
+      c = 0;
+      break;
+    default:
+      break;
   }
   const ScaleFields f = scale_fields(type);
   const int64_t block = ggml_block_elements(type);
@@ -234,7 +262,8 @@ TEST(Matmul, ExactOnIntegerData) {
       for (size_t b = 0; b < data.size() / block_bytes; ++b) {
         uint8_t* p = data.data() + b * block_bytes;
         put_half(p + f.d, 1.f);
-        if (f.m >= 0) put_half(p + f.m, type == GgmlType::kQ4_K || type == GgmlType::kQ5_K ? 1.f : -3.f);
+        if (f.m >= 0)
+          put_half(p + f.m, type == GgmlType::kQ4_K || type == GgmlType::kQ5_K ? 1.f : -3.f);
         if (type == GgmlType::kQ4_K || type == GgmlType::kQ5_K) {
           for (int i = 4; i < 16; ++i) p[i] &= 0x03;  // sub-block scales and mins 0..3
         } else if (type == GgmlType::kQ6_K) {
@@ -248,7 +277,8 @@ TEST(Matmul, ExactOnIntegerData) {
         if (type == GgmlType::kF32) {
           std::memcpy(data.data() + 4 * i, &v, 4);
         } else {
-          const uint16_t h = type == GgmlType::kF16 ? format::float_to_fp16(v) : format::float_to_bf16(v);
+          const uint16_t h =
+              type == GgmlType::kF16 ? format::float_to_fp16(v) : format::float_to_bf16(v);
           std::memcpy(data.data() + 2 * i, &h, 2);
         }
       }
@@ -256,7 +286,8 @@ TEST(Matmul, ExactOnIntegerData) {
     std::vector<float> x(size_t(n_tokens * n_in));
     for (size_t i = 0; i < x.size(); ++i) x[i] = float(int(rng() % 255) - 127);
     const int64_t span = xblock ? xblock : 32;
-    for (size_t i = 0; i < x.size(); i += size_t(span)) x[i + rng() % span] = (rng() % 2) ? 127.f : -127.f;
+    for (size_t i = 0; i < x.size(); i += size_t(span))
+      x[i + rng() % span] = (rng() % 2) ? 127.f : -127.f;
     const WeightMatrix w = matrix_of(type, data, n_in, n_out);
     std::vector<float> y(size_t(n_tokens * n_out)), y_ref(y.size()), y_q(y.size());
     matmul(w, x.data(), n_tokens, y.data(), pool);
@@ -306,7 +337,9 @@ TEST(Matmul, NonFiniteActivationPoisonsItsTokenOnly) {
     matmul_quantized_ref(w, x.data(), n_tokens, y_q.data());
     // Quantized weights: NaN (the block scale becomes NaN). Float weights: Inf times a weight
     // is +-Inf or NaN, and NaN stays NaN.
-    auto poisoned = [&](float v) { return is_float_type(type) ? !std::isfinite(v) : std::isnan(v); };
+    auto poisoned = [&](float v) {
+      return is_float_type(type) ? !std::isfinite(v) : std::isnan(v);
+    };
     for (int64_t o = 0; o < n_out; ++o) {
       EXPECT_TRUE(std::isfinite(y[o])) << o;
       EXPECT_TRUE(poisoned(y[n_out + o])) << o;
@@ -346,17 +379,23 @@ TEST(MatmulErrors, BadArgumentsAreRejectedBeforeWriting) {
   for (GgmlType type : {GgmlType::kQ2_K, GgmlType::kQ8_K, GgmlType::kQ8_1}) {
     EXPECT_FALSE(matmul_supports(type));
     WeightMatrix w{type, data.data(), 256, 2, 256};
-    expect_error(StatusCode::kUnsupported, ggml_type_name(type), [&] { matmul(w, x.data(), 1, y.data(), pool); });
-    expect_error(StatusCode::kUnsupported, ggml_type_name(type), [&] { matmul_ref(w, x.data(), 1, y.data()); });
+    expect_error(StatusCode::kUnsupported, ggml_type_name(type),
+                 [&] { matmul(w, x.data(), 1, y.data(), pool); });
+    expect_error(StatusCode::kUnsupported, ggml_type_name(type),
+                 [&] { matmul_ref(w, x.data(), 1, y.data()); });
   }
   WeightMatrix partial{GgmlType::kQ4_1, data.data(), 48, 2, 40};
-  expect_error(StatusCode::kInvalidArgument, "48", [&] { matmul(partial, x.data(), 1, y.data(), pool); });
+  expect_error(StatusCode::kInvalidArgument, "48",
+               [&] { matmul(partial, x.data(), 1, y.data(), pool); });
   WeightMatrix short_rows{GgmlType::kQ8_0, data.data(), 64, 2, 60};
-  expect_error(StatusCode::kInvalidArgument, "row_bytes", [&] { matmul(short_rows, x.data(), 1, y.data(), pool); });
+  expect_error(StatusCode::kInvalidArgument, "row_bytes",
+               [&] { matmul(short_rows, x.data(), 1, y.data(), pool); });
   WeightMatrix null_data{GgmlType::kQ8_0, nullptr, 64, 2, 68};
-  expect_error(StatusCode::kInvalidArgument, "null", [&] { matmul(null_data, x.data(), 1, y.data(), pool); });
+  expect_error(StatusCode::kInvalidArgument, "null",
+               [&] { matmul(null_data, x.data(), 1, y.data(), pool); });
   WeightMatrix ok{GgmlType::kQ8_0, data.data(), 64, 2, 68};
-  expect_error(StatusCode::kInvalidArgument, "-1", [&] { matmul(ok, x.data(), -1, y.data(), pool); });
+  expect_error(StatusCode::kInvalidArgument, "-1",
+               [&] { matmul(ok, x.data(), -1, y.data(), pool); });
   for (float v : y) EXPECT_EQ(v, -1.f);
 }
 
@@ -391,7 +430,8 @@ TEST(QuantizedDot, ActivationQuantizationKnownAnswer) {
   for (int8_t q : c.q) EXPECT_EQ(q, 0);
   z[100] = -INFINITY;
   EXPECT_TRUE(std::isnan(quantize_activation_ref(z.data(), 256, 256).d[0]));
-  expect_error(StatusCode::kInvalidArgument, "64", [&] { quantize_activation_ref(z.data(), 48, 64); });
+  expect_error(StatusCode::kInvalidArgument, "64",
+               [&] { quantize_activation_ref(z.data(), 48, 64); });
 }
 
 TEST(QuantizedDot, Q4_1BlockByHand) {
@@ -407,8 +447,10 @@ TEST(QuantizedDot, Q4_1BlockByHand) {
   for (int i = 0; i < 32; ++i) x[i] = i % 2 ? -127.f : 127.f;
   const QuantizedActivation a = quantize_activation_ref(x.data(), 32, 32);
   EXPECT_EQ(vec_dot_quantized_ref(GgmlType::kQ4_1, &b, a), -1016.f);
-  expect_error(StatusCode::kUnsupported, "F16", [&] { vec_dot_quantized_ref(GgmlType::kF16, &b, a); });
-  expect_error(StatusCode::kInvalidArgument, "256", [&] { vec_dot_quantized_ref(GgmlType::kQ4_K, &b, a); });
+  expect_error(StatusCode::kUnsupported, "F16",
+               [&] { vec_dot_quantized_ref(GgmlType::kF16, &b, a); });
+  expect_error(StatusCode::kInvalidArgument, "256",
+               [&] { vec_dot_quantized_ref(GgmlType::kQ4_K, &b, a); });
 }
 
 }  // namespace

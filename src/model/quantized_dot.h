@@ -10,8 +10,8 @@
 //  2. Dot product with one weight row, blocks summed in order in fp32, integer sums exact:
 //       Q4_0, Q5_0, Q8_0:  (d_w * d) * sum_i c_i q_i        c = signed code (q-8, q-16, q)
 //       Q4_1, Q5_1:        (d_w * d) * sum_i c_i q_i + m_w * s
-//       Q4_K, Q5_K:        (d_w * d) * sum_j sc_j sum_{i in j} c_i q_i - (dmin_w * d) * sum_j m_j sum32_j
-//       Q6_K:              (d_w * d) * sum_j sc_j sum_{i in j} (c_i - 32) q_i
+//       Q4_K, Q5_K:        (d_w * d) * sum_j sc_j sum_{i in j} c_i q_i - (dmin_w * d) * sum_j m_j
+//       sum32_j Q6_K:              (d_w * d) * sum_j sc_j sum_{i in j} (c_i - 32) q_i
 //     with j the sub-blocks of the super-block (8 of 32, or 16 of 16 for Q6_K).
 // Thread safety: pure functions.
 #pragma once
@@ -30,10 +30,10 @@ int64_t activation_block_elements(format::GgmlType type);
 // One row of activations quantized as in step 1 above.
 struct QuantizedActivation {
   int64_t block_elements = 0;
-  std::vector<int8_t> q;         // n codes
-  std::vector<float> d;          // n / block_elements scales
-  std::vector<float> s;          // n / block_elements values d * sum(q)
-  std::vector<int32_t> sum32;    // n / 32 sums of q
+  std::vector<int8_t> q;       // n codes
+  std::vector<float> d;        // n / block_elements scales
+  std::vector<float> s;        // n / block_elements values d * sum(q)
+  std::vector<int32_t> sum32;  // n / 32 sums of q
 };
 
 // x: n floats. REQUIRES block_elements in {32, 256}, n >= 0 and a multiple of block_elements;
