@@ -11,9 +11,10 @@ meanwhile (from /proc/stat): sharing the cores makes llama.cpp's spinning thread
 slower, so such runs are flagged and left out of the medians unless every run was shared.
 
 llama.cpp (llama-cpp-python): n_batch = n_ubatch = 512, KV cache F16 (its default), flash
-attention off (llama-cpp-python's default; --llamacpp-flash-attn turns it on), n_ctx = N + n_decode. Prefill is one eval() of the
-N prompt tokens; decode is n_decode single-token eval() calls, each fed the argmax of the
-previous logits; both timed with time.perf_counter.
+attention off (llama-cpp-python's default; --llamacpp-flash-attn turns it on),
+n_ctx = N + n_decode. Prefill is one eval() of the N prompt tokens; decode is n_decode
+single-token eval() calls, each fed the argmax of the previous logits; both timed with
+time.perf_counter.
 
 certkv: `<certkv> run --model M --prompt-file F --n <n_decode> --ctx <N + n_decode>
 --threads T --raw --json`, which prints one JSON object carrying prefill_tok_per_s and
@@ -257,7 +258,8 @@ def main():
                     "prefill_tok_per_s_median": median_of(counted, "prefill_tok_per_s"),
                     "decode_tok_per_s_median": median_of(counted, "decode_tok_per_s"),
                     "runs_in_median": len(counted),
-                    "median_over": "unshared runs" if clean else "all runs (every run shared the cores)",
+                    "median_over": ("unshared runs" if clean
+                                    else "all runs (every run shared the cores)"),
                     "runs": runs[engine]})
 
     print()

@@ -376,8 +376,10 @@ def main():
     }
 
     if args.engine == "numpy":
-        meta["engine"] = f"numpy {np.__version__} F32 forward, weights dequantized, K/V rounded to BF16"
-        meta["settings"] = {"activations": "f32", "kv": "bf16 (round to nearest even, K after RoPE)"}
+        meta["engine"] = (f"numpy {np.__version__} F32 forward, weights dequantized, "
+                          "K/V rounded to BF16")
+        meta["settings"] = {"activations": "f32",
+                            "kv": "bf16 (round to nearest even, K after RoPE)"}
         meta["passage_file"] = preset["prefix"] + "_passage.txt"
     elif preset["chat_prompt"]:
         llm_gen = load_model(model_path, logits_all=True)
@@ -386,7 +388,8 @@ def main():
                                                               GENERATION_TOKENS)
         reply = llm_gen.detokenize(generated, special=True).decode("utf-8", "replace")
         lines = [
-            "# llama.cpp greedy generation (argmax, up to 64 new tokens, stop at end-of-generation)",
+            "# llama.cpp greedy generation (argmax, up to 64 new tokens, stop at "
+            "end-of-generation)",
             f"# model: {preset['model']}  engine: {meta['engine']}",
             f"# user message: {preset['chat_prompt']}",
             f"# prompt tokens ({len(prompt_tokens)}): {' '.join(map(str, prompt_tokens))}",

@@ -1,6 +1,10 @@
 // Multiplications and additions are rounded separately (no fused multiply-add), so the floats
 // equal those of ggml's dequantize_row_* and of the Python gguf package bit for bit.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off")
+#endif
 
 #include "model/dequant.h"
 
@@ -9,11 +13,15 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // GCC 12 reports its own intrinsics' deliberately undefined operands (GCC bug 105593).
+#if !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
+#if !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 #endif
 
 #include "core/status.h"

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/status.h"
 #include "core/thread_pool.h"
 #include "format/ggml_blocks.h"
 
@@ -44,8 +45,10 @@ bool matmul_supports(format::GgmlType type);
 // (kUnsupported naming the type, kInvalidArgument naming the shape) before anything is written.
 // Finite activations are expected; an Inf or NaN in a token row makes that token's outputs NaN
 // (float weights: NaN or +-Inf), and leaves the other tokens' outputs alone.
-// Uses `pool` for the rows of W (and for quantizing x when n_tokens is large); keeps per-thread
-// scratch memory between calls. Thread safety: one call at a time per pool.
+// Uses `pool` for the rows of W (and for quantizing x when n_tokens is large). The calling
+// thread keeps the quantized activations in scratch memory that lives as long as the thread
+// (about 1.3 bytes per element of x for 32-element blocks, 2 for k-quants; it only grows).
+// Thread safety: one call at a time per pool.
 void matmul(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool);
 
 // Exact reference: dequantize_row_ref on each weight row, products accumulated in double.
@@ -54,7 +57,7 @@ void matmul_ref(const WeightMatrix& w, const float* x, int64_t n_tokens, float* 
 
 // The algorithm of matmul in plain scalar code: for quantized weights, quantize_activation_ref
 // on each token row then vec_dot_quantized_ref (model/quantized_dot.h); for float weights, fp32
-// products summed in element order. matmul equals it up to the order of fp32 additions.
+// multiply-adds in element order. matmul equals it up to the order of fp32 additions.
 // Same REQUIRES and errors as matmul. Single-threaded.
 void matmul_quantized_ref(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y);
 

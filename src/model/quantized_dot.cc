@@ -1,6 +1,10 @@
 // Plain reference: every fp32 multiplication and addition rounds on its own (no fused
 // multiply-add), so the result does not depend on the compiler's contraction choices.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off")
+#endif
 
 #include "model/quantized_dot.h"
 
