@@ -40,7 +40,11 @@ open(d + '/offset.gguf', 'wb').write(hdr + b'\0' * 64)
 hdr = b'GGUF' + struct.pack('<IQQ', 3, 0, 1) + s('general.architecture') + struct.pack('<I', 8) + s('mamba')
 open(d + '/arch.gguf', 'wb').write(hdr)
 # A llama GGUF whose one matrix has an unsupported quant type (Q2_K = 10).
-hdr = b'GGUF' + struct.pack('<IQQ', 3, 1, 1) + s('general.architecture') + struct.pack('<I', 8) + s('llama')
+def u32(key, v): return s(key) + struct.pack('<II', 4, v)
+meta = [s('general.architecture') + struct.pack('<I', 8) + s('llama'), u32('llama.block_count', 1),
+        u32('llama.embedding_length', 256), u32('llama.feed_forward_length', 256),
+        u32('llama.attention.head_count', 4)]
+hdr = b'GGUF' + struct.pack('<IQQ', 3, 1, len(meta)) + b''.join(meta)
 hdr += s('token_embd.weight') + struct.pack('<I', 2) + struct.pack('<QQ', 256, 4) + struct.pack('<I', 10) + struct.pack('<Q', 0)
 hdr += b'\0' * ((32 - len(hdr) % 32) % 32)
 open(d + '/quant.gguf', 'wb').write(hdr + b'\0' * (84 * 4))
