@@ -1,9 +1,6 @@
 #include "format/safetensors.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -13,6 +10,7 @@
 #include <set>
 
 #include "core/status.h"
+#include "format/mapped_file.h"
 #include "format/json.h"
 
 namespace certkv::format {
@@ -60,38 +58,10 @@ size_t safetensors_dtype_bytes(std::string_view dtype) {
 }
 
 std::unique_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
-  struct stat st;
-  if (::stat(path.c_str(), &st) != 0) {
-    const int err = errno;
-    if (err == ENOENT || err == ENOTDIR) {
-      fail(StatusCode::kNotFound, "safetensors file '" + path + "' not found");
-    }
-    fail(StatusCode::kIo, "safetensors file '" + path + "': cannot stat: " + std::strerror(err));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    fail(StatusCode::kIo, "safetensors file '" + path + "' is not a regular file");
-  }
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    const int err = errno;
-    fail(StatusCode::kIo, "safetensors file '" + path + "': cannot open: " + std::strerror(err));
-  }
-  const size_t size = static_cast<size_t>(st.st_size);
-  void* mapping = nullptr;
-  if (size > 0) {
-    mapping = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (mapping == MAP_FAILED) {
-      const int err = errno;
-      ::close(fd);
-      fail(StatusCode::kIo, "safetensors file '" + path + "': cannot map: " + std::strerror(err));
-    }
-  }
-  ::close(fd);
   std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
   file->name_ = path;
-  file->mapping_ = mapping;  // the destructor unmaps, also when parsing throws
-  file->mapping_size_ = size;
-  file->parse_all(static_cast<const uint8_t*>(mapping), size);
+  file->mapping_ = format::MappedFile::open(path, "safetensors file");
+  file->parse_all(file->mapping_->data(), file->mapping_->size());
   return file;
 }
 
@@ -103,9 +73,7 @@ std::unique_ptr<SafetensorsFile> SafetensorsFile::parse(const uint8_t* data, siz
   return file;
 }
 
-SafetensorsFile::~SafetensorsFile() {
-  if (mapping_ != nullptr) ::munmap(mapping_, mapping_size_);
-}
+SafetensorsFile::~SafetensorsFile() = default;
 
 const SafetensorsTensor* SafetensorsFile::find(const std::string& name) const {
   auto it = index_.find(name);

@@ -17,6 +17,8 @@
 #include <string_view>
 #include <vector>
 
+#include "format/mapped_file.h"
+
 namespace certkv::format {
 
 // The largest JSON header accepted (the limit of the reference implementation).
@@ -61,8 +63,7 @@ class SafetensorsFile {
   std::vector<SafetensorsTensor> tensors_;
   std::map<std::string, size_t> index_;
   std::map<std::string, std::string> metadata_;
-  void* mapping_ = nullptr;
-  size_t mapping_size_ = 0;
+  std::unique_ptr<MappedFile> mapping_;  // null for parse()
 };
 
 struct SafetensorsTensorView {

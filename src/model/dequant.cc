@@ -12,16 +12,7 @@
 #include <string>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// GCC 12 reports its own intrinsics' deliberately undefined operands (GCC bug 105593).
-#if !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "core/x86_simd.h"
 #endif
 
 #include "core/status.h"

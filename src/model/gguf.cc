@@ -1,10 +1,5 @@
 #include "model/gguf.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <cerrno>
 #include <cstring>
 #include <limits>
@@ -12,6 +7,7 @@
 #include <utility>
 
 #include "core/status.h"
+#include "format/mapped_file.h"
 #include "model/ggml_type.h"
 
 namespace certkv::model {
@@ -238,39 +234,10 @@ int64_t GgufTensorInfo::n_elements() const {
 }
 
 std::unique_ptr<GgufFile> GgufFile::open(const std::string& path) {
-  struct stat st;
-  if (::stat(path.c_str(), &st) != 0) {
-    const int err = errno;
-    if (err == ENOENT || err == ENOTDIR) {
-      fail(StatusCode::kNotFound, "GGUF file '" + path + "' not found");
-    }
-    fail(StatusCode::kIo, "GGUF file '" + path + "': cannot stat: " + std::strerror(err));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    fail(StatusCode::kIo, "GGUF file '" + path + "' is not a regular file");
-  }
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    const int err = errno;
-    fail(StatusCode::kIo, "GGUF file '" + path + "': cannot open: " + std::strerror(err));
-  }
-  const size_t size = static_cast<size_t>(st.st_size);
-  void* mapping = nullptr;
-  if (size > 0) {
-    mapping = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (mapping == MAP_FAILED) {
-      const int err = errno;
-      ::close(fd);
-      fail(StatusCode::kIo, "GGUF file '" + path + "': cannot map: " + std::strerror(err));
-    }
-  }
-  ::close(fd);
-
   std::unique_ptr<GgufFile> file(new GgufFile());
   file->name_ = path;
-  file->mapping_ = mapping;  // the destructor unmaps, also when parsing throws
-  file->mapping_size_ = size;
-  file->parse_all(static_cast<const uint8_t*>(mapping), size);
+  file->mapping_ = format::MappedFile::open(path, "GGUF file");
+  file->parse_all(file->mapping_->data(), file->mapping_->size());
   return file;
 }
 
@@ -282,9 +249,7 @@ std::unique_ptr<GgufFile> GgufFile::parse(const uint8_t* data, size_t size,
   return file;
 }
 
-GgufFile::~GgufFile() {
-  if (mapping_ != nullptr) ::munmap(mapping_, mapping_size_);
-}
+GgufFile::~GgufFile() = default;
 
 // Layout (GGUF specification, ggml/docs/gguf.md): magic "GGUF", version u32, tensor_count u64,
 // kv_count u64, the key/values, the tensor infos, padding to `general.alignment`, tensor data.

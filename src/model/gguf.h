@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "format/ggml_blocks.h"
+#include "format/mapped_file.h"
 
 namespace certkv::model {
 
@@ -91,8 +92,7 @@ class GgufFile {
   std::map<std::string, GgufValue> metadata_;
   std::vector<GgufTensorInfo> tensors_;
   std::map<std::string, size_t> tensor_index_;
-  void* mapping_ = nullptr;
-  size_t mapping_size_ = 0;
+  std::unique_ptr<format::MappedFile> mapping_;  // null for parse()
 };
 
 }  // namespace certkv::model

@@ -34,9 +34,9 @@ format::GgmlType dtype_to_ggml(const std::string& dtype, const std::string& tens
                                      " (supported for weights: F32, F16, BF16)");
 }
 
-class HfLoader {
+class HfLoader : public TensorSource {
  public:
-  HfLoader(ModelBuilder& b, const std::string& dir) : b_(b), dir_(dir) {}
+  HfLoader(ModelBuilder& b, const std::string& dir) : b_(b), dir_(dir), dir_name_(dir) {}
 
   void load() {
     const HfConfig hf = read_hf_config((dir_ / "config.json").string());
@@ -65,7 +65,6 @@ class HfLoader {
     c.rms_eps = float(hf.rms_norm_eps);
     c.rope_theta = float(hf.rope_theta);
     c.rope_layout = RopeLayout::kHalfSplit;  // transformers' rotate_half
-    c.tied_embeddings = hf.tie_word_embeddings;
     c.qkv_bias = c.architecture == "qwen2";
     c.qk_norm = c.architecture == "qwen3";
     if (hf.rope_scaling) {
@@ -98,38 +97,9 @@ class HfLoader {
     for (const fs::path& f : files)
       files_.push_back(b_.own_safetensors(format::SafetensorsFile::open(f.string())));
 
-    b_.token_embd() = matrix("model.embed_tokens.weight", c.dim, c.n_vocab);
-    b_.output_norm() = vector("model.norm.weight", c.dim);
-    if (c.tied_embeddings) {
-      b_.output() = b_.token_embd();
-    } else {
-      b_.output() = matrix("lm_head.weight", c.dim, c.n_vocab);
-    }
-    const int q_dim = c.n_heads * c.head_dim;
-    const int kv_dim = c.n_kv_heads * c.head_dim;
-    b_.layers().resize(c.n_layers);
-    for (int i = 0; i < c.n_layers; ++i) {
-      const std::string p = "model.layers." + std::to_string(i) + ".";
-      LayerWeights& l = b_.layers()[i];
-      l.attn_norm = vector(p + "input_layernorm.weight", c.dim);
-      l.ffn_norm = vector(p + "post_attention_layernorm.weight", c.dim);
-      l.wq = matrix(p + "self_attn.q_proj.weight", c.dim, q_dim);
-      l.wk = matrix(p + "self_attn.k_proj.weight", c.dim, kv_dim);
-      l.wv = matrix(p + "self_attn.v_proj.weight", c.dim, kv_dim);
-      l.wo = matrix(p + "self_attn.o_proj.weight", q_dim, c.dim);
-      l.w_gate = matrix(p + "mlp.gate_proj.weight", c.dim, c.ffn_dim);
-      l.w_up = matrix(p + "mlp.up_proj.weight", c.dim, c.ffn_dim);
-      l.w_down = matrix(p + "mlp.down_proj.weight", c.ffn_dim, c.dim);
-      if (c.qkv_bias) {
-        l.bq = vector(p + "self_attn.q_proj.bias", q_dim);
-        l.bk = vector(p + "self_attn.k_proj.bias", kv_dim);
-        l.bv = vector(p + "self_attn.v_proj.bias", kv_dim);
-      }
-      if (c.qk_norm) {
-        l.q_norm = vector(p + "self_attn.q_norm.weight", c.head_dim);
-        l.k_norm = vector(p + "self_attn.k_norm.weight", c.head_dim);
-      }
-    }
+    b_.load_weights(*this, kHfTensorNames);
+    if (!hf.tie_word_embeddings && c.tied_embeddings)
+      fail(StatusCode::kCorrupt, dir_.string() + ": config.json says tie_word_embeddings false but there is no lm_head.weight");
 
     const fs::path tok_path = dir_ / "tokenizer.json";
     if (!fs::exists(tok_path)) fail(StatusCode::kNotFound, tok_path.string() + ": no such file");
@@ -143,38 +113,23 @@ class HfLoader {
   }
 
  private:
-  const format::SafetensorsTensor& tensor(const std::string& name) {
+  const std::string& source_name() const override { return dir_name_; }
+  // Safetensors shapes are [out, in]; TensorView dims are in ggml order.
+  std::optional<TensorView> find(const std::string& name) const override {
     for (const format::SafetensorsFile* f : files_)
-      if (const format::SafetensorsTensor* t = f->find(name)) return *t;
-    fail(StatusCode::kCorrupt, dir_.string() + ": missing tensor " + name);
-  }
-
-  WeightMatrix matrix(const std::string& name, int64_t n_in, int64_t n_out) {
-    const format::SafetensorsTensor& t = tensor(name);
-    if (t.shape.size() != 2 || t.shape[0] != n_out || t.shape[1] != n_in)
-      fail(StatusCode::kCorrupt, dir_.string() + ": tensor " + name + " has the wrong shape (expected [" +
-                                     std::to_string(n_out) + ", " + std::to_string(n_in) + "])");
-    WeightMatrix w;
-    w.type = dtype_to_ggml(t.dtype, name);
-    w.data = t.data;
-    w.n_in = n_in;
-    w.n_out = n_out;
-    w.row_bytes = ggml_row_bytes(w.type, n_in);
-    return w;
-  }
-
-  std::vector<float> vector(const std::string& name, int64_t n) {
-    const format::SafetensorsTensor& t = tensor(name);
-    if (t.shape.size() != 1 || t.shape[0] != n)
-      fail(StatusCode::kCorrupt, dir_.string() + ": tensor " + name + " must have shape [" +
-                                     std::to_string(n) + "]");
-    std::vector<float> out(n);
-    dequantize_row_ref(dtype_to_ggml(t.dtype, name), t.data, out.data(), n);
-    return out;
+      if (const format::SafetensorsTensor* t = f->find(name)) {
+        TensorView v;
+        v.type = dtype_to_ggml(t->dtype, name);
+        v.dims.assign(t->shape.rbegin(), t->shape.rend());
+        v.data = t->data;
+        return v;
+      }
+    return std::nullopt;
   }
 
   ModelBuilder& b_;
   fs::path dir_;
+  std::string dir_name_;
   std::vector<const format::SafetensorsFile*> files_;
 };
 
@@ -218,9 +173,8 @@ std::string pre_tokenizer_name(const format::JsonValue* pre_tokenizer) {
   bool individual_digits = false;
   collect_pre_tokenizer(*pre_tokenizer, types, patterns, individual_digits);
   for (const std::string& p : patterns) {
-    if (p.find("\\p{N}{1,3}") != std::string::npos || p.find("\p{N}{1,3}") != std::string::npos)
-      return "llama-bpe";
-    if (p.find("\p{N}") != std::string::npos) return "qwen2";
+    if (p.find("\\p{N}{1,3}") != std::string::npos) return "llama-bpe";
+    if (p.find("\\p{N}") != std::string::npos) return "qwen2";
   }
   if (individual_digits) return "smollm";
   return "gpt-2";

@@ -16,16 +16,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define CERTKV_MATMUL_AVX512 1
-// GCC 12 reports its own intrinsics' deliberately undefined operands (GCC bug 105593).
-#if !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "core/x86_simd.h"
 #endif
 
 namespace certkv::model {

@@ -50,14 +50,123 @@ uint64_t Model::weight_bytes() const {
   return total + 4 * output_norm_.size();
 }
 
+const TensorNames kGgufTensorNames = {
+    "token_embd.weight",        "output_norm.weight",       "output.weight",
+    "blk.{}.attn_norm.weight",  "blk.{}.ffn_norm.weight",   "blk.{}.attn_q.weight",
+    "blk.{}.attn_k.weight",     "blk.{}.attn_v.weight",     "blk.{}.attn_output.weight",
+    "blk.{}.ffn_gate.weight",   "blk.{}.ffn_up.weight",     "blk.{}.ffn_down.weight",
+    "blk.{}.attn_q.bias",       "blk.{}.attn_k.bias",       "blk.{}.attn_v.bias",
+    "blk.{}.attn_q_norm.weight", "blk.{}.attn_k_norm.weight",
+};
+
+const TensorNames kHfTensorNames = {
+    "model.embed_tokens.weight",
+    "model.norm.weight",
+    "lm_head.weight",
+    "model.layers.{}.input_layernorm.weight",
+    "model.layers.{}.post_attention_layernorm.weight",
+    "model.layers.{}.self_attn.q_proj.weight",
+    "model.layers.{}.self_attn.k_proj.weight",
+    "model.layers.{}.self_attn.v_proj.weight",
+    "model.layers.{}.self_attn.o_proj.weight",
+    "model.layers.{}.mlp.gate_proj.weight",
+    "model.layers.{}.mlp.up_proj.weight",
+    "model.layers.{}.mlp.down_proj.weight",
+    "model.layers.{}.self_attn.q_proj.bias",
+    "model.layers.{}.self_attn.k_proj.bias",
+    "model.layers.{}.self_attn.v_proj.bias",
+    "model.layers.{}.self_attn.q_norm.weight",
+    "model.layers.{}.self_attn.k_norm.weight",
+};
+
+namespace {
+
+std::string layer_name(const char* pattern, int layer) {
+  std::string s = pattern;
+  const size_t at = s.find("{}");
+  if (at != std::string::npos) s.replace(at, 2, std::to_string(layer));
+  return s;
+}
+
+}  // namespace
+
+void ModelBuilder::load_weights(const TensorSource& source, const TensorNames& names) {
+  const ModelConfig& c = model_->config_;
+  const std::string& file = source.source_name();
+  auto tensor = [&](const std::string& name) {
+    std::optional<TensorView> t = source.find(name);
+    if (!t) fail(StatusCode::kCorrupt, file + ": missing tensor " + name);
+    return *t;
+  };
+  auto matrix = [&](const std::string& name, int64_t n_in, int64_t n_out) {
+    const TensorView t = tensor(name);
+    if (t.dims.size() != 2 || t.dims[0] != n_in || t.dims[1] != n_out)
+      fail(StatusCode::kCorrupt, file + ": tensor " + name + " has the wrong shape (expected " +
+                                     std::to_string(n_out) + " rows of " + std::to_string(n_in) + ")");
+    if (!matmul_supports(t.type))
+      fail(StatusCode::kUnsupported, file + ": tensor " + name + " has type " + ggml_type_name(t.type) +
+                                         ", which certkv cannot multiply yet");
+    return WeightMatrix{t.type, t.data, n_in, n_out, ggml_row_bytes(t.type, n_in)};
+  };
+  auto vector = [&](const std::string& name, int64_t n) {
+    const TensorView t = tensor(name);
+    int64_t elements = 1;
+    for (int64_t d : t.dims) elements *= d;
+    if (elements != n)
+      fail(StatusCode::kCorrupt, file + ": tensor " + name + " has " + std::to_string(elements) +
+                                     " elements, expected " + std::to_string(n));
+    std::vector<float> out(static_cast<size_t>(n));
+    dequantize_row_ref(t.type, t.data, out.data(), n);
+    return out;
+  };
+
+  model_->token_embd_ = matrix(names.token_embd, c.dim, c.n_vocab);
+  model_->output_norm_ = vector(names.output_norm, c.dim);
+  const bool has_output = source.find(names.output).has_value();
+  model_->config_.tied_embeddings = !has_output;
+  model_->output_ = has_output ? matrix(names.output, c.dim, c.n_vocab) : model_->token_embd_;
+
+  const int64_t q_dim = int64_t(c.n_heads) * c.head_dim;
+  const int64_t kv_dim = int64_t(c.n_kv_heads) * c.head_dim;
+  model_->layers_.resize(size_t(c.n_layers));
+  for (int i = 0; i < c.n_layers; ++i) {
+    LayerWeights& l = model_->layers_[size_t(i)];
+    l.attn_norm = vector(layer_name(names.attn_norm, i), c.dim);
+    l.ffn_norm = vector(layer_name(names.ffn_norm, i), c.dim);
+    l.wq = matrix(layer_name(names.wq, i), c.dim, q_dim);
+    l.wk = matrix(layer_name(names.wk, i), c.dim, kv_dim);
+    l.wv = matrix(layer_name(names.wv, i), c.dim, kv_dim);
+    l.wo = matrix(layer_name(names.wo, i), q_dim, c.dim);
+    l.w_gate = matrix(layer_name(names.w_gate, i), c.dim, c.ffn_dim);
+    l.w_up = matrix(layer_name(names.w_up, i), c.dim, c.ffn_dim);
+    l.w_down = matrix(layer_name(names.w_down, i), c.ffn_dim, c.dim);
+    if (c.qkv_bias) {
+      l.bq = vector(layer_name(names.bq, i), q_dim);
+      l.bk = vector(layer_name(names.bk, i), kv_dim);
+      l.bv = vector(layer_name(names.bv, i), kv_dim);
+    }
+    if (c.qk_norm) {
+      l.q_norm = vector(layer_name(names.q_norm, i), c.head_dim);
+      l.k_norm = vector(layer_name(names.k_norm, i), c.head_dim);
+    }
+  }
+}
+
 namespace {
 
 // ---------------------------------------------------------------------------------------------
 // GGUF
 
-class GgufLoader {
+class GgufLoader : public TensorSource {
  public:
   GgufLoader(ModelBuilder& b, const GgufFile& f) : b_(b), f_(f) {}
+
+  const std::string& source_name() const override { return f_.name(); }
+  std::optional<TensorView> find(const std::string& name) const override {
+    const GgufTensorInfo* t = f_.find_tensor(name);
+    if (!t) return std::nullopt;
+    return TensorView{t->type, t->dims, t->data};
+  }
 
   void load() {
     ModelConfig& c = b_.config();
@@ -105,36 +214,7 @@ class GgufLoader {
     c.n_vocab = int(embd.dims[1]);
     b_.check_config();
 
-    b_.token_embd() = matrix("token_embd.weight", c.dim, c.n_vocab);
-    b_.output_norm() = vector("output_norm.weight", c.dim);
-    c.tied_embeddings = f_.find_tensor("output.weight") == nullptr;
-    b_.output() = c.tied_embeddings ? b_.token_embd() : matrix("output.weight", c.dim, c.n_vocab);
-
-    const int q_dim = c.n_heads * c.head_dim;
-    const int kv_dim = c.n_kv_heads * c.head_dim;
-    b_.layers().resize(c.n_layers);
-    for (int i = 0; i < c.n_layers; ++i) {
-      const std::string p = "blk." + std::to_string(i) + ".";
-      LayerWeights& l = b_.layers()[i];
-      l.attn_norm = vector(p + "attn_norm.weight", c.dim);
-      l.ffn_norm = vector(p + "ffn_norm.weight", c.dim);
-      l.wq = matrix(p + "attn_q.weight", c.dim, q_dim);
-      l.wk = matrix(p + "attn_k.weight", c.dim, kv_dim);
-      l.wv = matrix(p + "attn_v.weight", c.dim, kv_dim);
-      l.wo = matrix(p + "attn_output.weight", q_dim, c.dim);
-      l.w_gate = matrix(p + "ffn_gate.weight", c.dim, c.ffn_dim);
-      l.w_up = matrix(p + "ffn_up.weight", c.dim, c.ffn_dim);
-      l.w_down = matrix(p + "ffn_down.weight", c.ffn_dim, c.dim);
-      if (c.qkv_bias) {
-        l.bq = vector(p + "attn_q.bias", q_dim);
-        l.bk = vector(p + "attn_k.bias", kv_dim);
-        l.bv = vector(p + "attn_v.bias", kv_dim);
-      }
-      if (c.qk_norm) {
-        l.q_norm = vector(p + "attn_q_norm.weight", c.head_dim);
-        l.k_norm = vector(p + "attn_k_norm.weight", c.head_dim);
-      }
-    }
+    b_.load_weights(*this, kGgufTensorNames);
     if (f_.find_tensor("rope_freqs.weight")) {
       std::vector<float> freqs = vector("rope_freqs.weight", c.head_dim / 2);
       for (float v : freqs)
@@ -155,24 +235,6 @@ class GgufLoader {
     const GgufTensorInfo* t = f_.find_tensor(name);
     if (!t) fail(StatusCode::kCorrupt, f_.name() + ": missing tensor " + name);
     return *t;
-  }
-
-  WeightMatrix matrix(const std::string& name, int64_t n_in, int64_t n_out) {
-    const GgufTensorInfo& t = tensor(name);
-    if (t.dims.size() != 2 || t.dims[0] != n_in || t.dims[1] != n_out)
-      fail(StatusCode::kCorrupt, f_.name() + ": tensor " + name + " has the wrong shape (expected [" +
-                                     std::to_string(n_in) + ", " + std::to_string(n_out) + "])");
-    if (!matmul_supports(t.type))
-      fail(StatusCode::kUnsupported, f_.name() + ": tensor " + name + " has type " +
-                                         ggml_type_name(t.type) +
-                                         ", which certkv cannot multiply yet");
-    WeightMatrix w;
-    w.type = t.type;
-    w.data = t.data;
-    w.n_in = n_in;
-    w.n_out = n_out;
-    w.row_bytes = ggml_row_bytes(t.type, n_in);
-    return w;
   }
 
   std::vector<float> vector(const std::string& name, int64_t n) {

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,48 @@
 #include "model/model.h"
 
 namespace certkv::model {
+
+// One tensor as a weight source holds it. dims in ggml order: dims[0] is the contiguous one
+// (a Hugging Face [out, in] matrix is dims {in, out}).
+struct TensorView {
+  format::GgmlType type = format::GgmlType::kF32;
+  std::vector<int64_t> dims;
+  const uint8_t* data = nullptr;
+};
+
+// Tensors of one file, looked up by name.
+class TensorSource {
+ public:
+  virtual ~TensorSource() = default;
+  // Used in error messages.
+  virtual const std::string& source_name() const = 0;
+  // nullopt when absent; an Error for a tensor whose type cannot be used as a weight.
+  virtual std::optional<TensorView> find(const std::string& name) const = 0;
+};
+
+// Tensor names of one file convention; "{}" stands for the layer index.
+struct TensorNames {
+  const char* token_embd;
+  const char* output_norm;
+  const char* output;
+  const char* attn_norm;
+  const char* ffn_norm;
+  const char* wq;
+  const char* wk;
+  const char* wv;
+  const char* wo;
+  const char* w_gate;
+  const char* w_up;
+  const char* w_down;
+  const char* bq;
+  const char* bk;
+  const char* bv;
+  const char* q_norm;
+  const char* k_norm;
+};
+
+extern const TensorNames kGgufTensorNames;
+extern const TensorNames kHfTensorNames;
 
 // Fills a Model from any source; checks shapes against the config as weights arrive.
 class ModelBuilder {
@@ -88,6 +131,11 @@ class ModelBuilder {
     }
     model_->rope_inv_freq_ = std::move(inv);
   }
+
+  // Attaches every weight of the Llama-family block from `source`, checking shapes and types
+  // against the configuration (already set, with n_vocab). The output matrix is tied to the
+  // embedding when `source` has none.
+  void load_weights(const TensorSource& source, const TensorNames& names);
 
   void set_tokenizer(std::unique_ptr<Tokenizer> t) { model_->tokenizer_ = std::move(t); }
   void own_gguf(std::unique_ptr<GgufFile> f) { model_->gguf_ = std::move(f); }
