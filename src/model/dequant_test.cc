@@ -425,6 +425,7 @@ std::vector<GoldenRecord> read_golden() {
   size_t pos = 0;
   auto take = [&](void* dst, size_t n) {
     if (data.size() - pos < n) throw std::runtime_error(path + ": truncated");
+    if (n == 0) return;  // dst may be the null data() of an empty vector
     std::memcpy(dst, data.data() + pos, n);
     pos += n;
   };
