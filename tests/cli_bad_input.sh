@@ -76,5 +76,47 @@ expect_error dump-bad-layers "--layers" "$bin" dump-kv --model "$model" --text-f
 expect_error dump-short-text "--tokens" "$bin" dump-kv --model "$model" --text-file "$tmp/long.txt" --tokens 100000 --out "$tmp/x.safetensors"
 expect_error dump-unwritable "$tmp/nodir/x.safetensors" "$bin" dump-kv --model "$model" --text-file "$tmp/long.txt" --tokens 8 --out "$tmp/nodir/x.safetensors" --layers 0
 
+# certkv codec: a tiny real dump of the model, a dump and a calibration of another model's shape,
+# and damaged calibration files.
+"$bin" dump-kv --model "$model" --text-file "$tmp/long.txt" --tokens 32 --layers 0,1 --out "$tmp/kv.safetensors" 2>/dev/null
+"$bin" codec --codec gaac --calib "$tmp/kv.safetensors" --save-calibration "$tmp/cal.safetensors" 2>/dev/null
+python3 - "$tmp" <<'PY'
+import json, struct, sys
+d = sys.argv[1]
+def write(path, tensors, meta):
+    header, blobs, offset = {}, [], 0
+    for name, dtype, shape, data in tensors:
+        header[name] = {'dtype': dtype, 'shape': shape, 'data_offsets': [offset, offset + len(data)]}
+        offset += len(data)
+        blobs.append(data)
+    header['__metadata__'] = meta
+    h = json.dumps(header).encode()
+    h += b' ' * ((8 - len(h) % 8) % 8)
+    open(path, 'wb').write(struct.pack('<Q', len(h)) + h + b''.join(blobs))
+# A KV dump of another model: 2 layers, 1 kv head, head_dim 32, 32 tokens.
+rows = struct.pack('<H', 0x3f80) * (32 * 32)
+write(d + '/other.safetensors', [('layer%d.%s' % (l, kv), 'BF16', [1, 32, 32], rows) for l in range(2) for kv in 'kv'],
+      {'format': 'certkv-kv-dump/1', 'n_layers': '2', 'n_kv_heads': '1', 'head_dim': '32', 'n_tokens': '32', 'layers': '0,1'})
+cal = bytearray(open(d + '/cal.safetensors', 'rb').read())
+n = struct.unpack('<Q', cal[:8])[0]
+header = json.loads(cal[8:8 + n])
+open(d + '/cal-truncated.safetensors', 'wb').write(cal[:len(cal) // 2])
+bad = bytearray(cal)
+bad[8 + n + header['layer1.v.b4']['data_offsets'][0] + 5] ^= 1  # one base off by one
+open(d + '/cal-flipped.safetensors', 'wb').write(bad)
+open(d + '/cal-version.safetensors', 'wb').write(cal.replace(b'certkv-gaac-calibration/1', b'certkv-gaac-calibration/7'))
+PY
+"$bin" codec --codec gaac --calib "$tmp/other.safetensors" --save-calibration "$tmp/other-cal.safetensors" 2>/dev/null
+
+expect_error codec-unknown-name "unknown codec 'lzma'" "$bin" codec --codec lzma --calib "$tmp/kv.safetensors" --in "$tmp/kv.safetensors"
+expect_error codec-missing-calib "--calib" "$bin" codec --codec gaac --in "$tmp/kv.safetensors"
+expect_error codec-other-model-dump "another model" "$bin" codec --codec gaac --calib "$tmp/other.safetensors" --in "$tmp/kv.safetensors"
+expect_error codec-other-model-calibration "other-cal.safetensors" "$bin" codec --codec gaac --calib "$tmp/other-cal.safetensors" --in "$tmp/kv.safetensors"
+expect_error codec-element-mismatch "cal.safetensors" "$bin" codec --codec gaac-e5m2 --calib "$tmp/cal.safetensors" --in "$tmp/kv.safetensors"
+expect_error codec-truncated-calibration "cal-truncated.safetensors" "$bin" codec --codec gaac --calib "$tmp/cal-truncated.safetensors" --in "$tmp/kv.safetensors"
+expect_error codec-flipped-calibration "cal-flipped.safetensors" "$bin" codec --codec gaac --calib "$tmp/cal-flipped.safetensors" --in "$tmp/kv.safetensors"
+expect_error codec-calibration-version "calibration/7" "$bin" codec --codec gaac --calib "$tmp/cal-version.safetensors" --in "$tmp/kv.safetensors"
+expect_error codec-in-not-a-dump "is not a KV dump" "$bin" codec --codec gaac --calib "$tmp/kv.safetensors" --in "$tmp/cal.safetensors"
+
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

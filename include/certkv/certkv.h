@@ -95,10 +95,14 @@ typedef struct certkv_session_params {
   int32_t n_threads;             /* >= 1 */
   int32_t block_tokens;          /* tokens per KV page, default 16 */
   int32_t prefill_chunk_tokens;  /* default 512 */
-  const char* kv;                /* KV storage scheme: "bf16" */
+  const char* kv;                /* KV storage scheme: "bf16" (raw pages) or "gaac" (full blocks
+                                    in lossless GAAC slots; same logits bit for bit) */
   int capture_queries;           /* keep post-RoPE queries of the last position (for dump-kv) */
   const char* activations;       /* weight-product arithmetic: "int8" (activations quantized per
                                     32-block as llama.cpp does; default) or "f32" (exact fp32) */
+  const char* gaac_calibration;  /* kv "gaac": path of the model's GAAC calibration file
+                                    (safetensors, certkv-gaac-calibration/1); required then,
+                                    ignored otherwise. Loaded once per model and path. */
 } certkv_session_params;
 
 certkv_session_params certkv_session_default_params(void);
@@ -120,6 +124,16 @@ certkv_status certkv_session_decode(certkv_session* session, int32_t token, floa
 certkv_status certkv_session_reset(certkv_session* session);
 int64_t certkv_session_n_past(const certkv_session* session);
 
+/* Pages of one storage class of the KV cache. */
+typedef struct certkv_kv_class_stats {
+  const char* storage;            /* "bf16" (raw pages), "gaac" (GAAC slots); static string */
+  uint64_t pages_in_use;
+  uint64_t bytes_from_allocator;  /* chunks the class's pools obtained */
+  uint64_t page_bytes_in_use;     /* pages in use times their stride */
+} certkv_kv_class_stats;
+
+#define CERTKV_MAX_KV_CLASSES 8
+
 typedef struct certkv_kv_stats {
   int64_t n_tokens;                /* tokens in the cache */
   uint64_t kv_bytes;               /* bytes obtained from the allocator for KV pages and tables */
@@ -127,6 +141,8 @@ typedef struct certkv_kv_stats {
   uint64_t kv_bytes_bf16;          /* a contiguous BF16 cache of the same tokens */
   uint64_t pages_in_use;
   uint64_t pages_free;
+  int32_t n_classes;               /* entries of by_class: the classes the cache has pools for */
+  certkv_kv_class_stats by_class[CERTKV_MAX_KV_CLASSES];
 } certkv_kv_stats;
 
 certkv_status certkv_session_kv_stats(const certkv_session* session, certkv_kv_stats* stats);

@@ -6,11 +6,14 @@
 
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 #include <vector>
 
+#include "codec/gaac.h"
 #include "core/status.h"
 #include "model/chat_template.h"
 #include "model/model.h"
@@ -20,6 +23,11 @@
 struct certkv_model {
   std::unique_ptr<certkv::model::Model> model;
   std::string weight_type;
+  // GAAC calibrations loaded for this model, by path and block_tokens: each file is read once and
+  // shared by the sessions that name it.
+  mutable std::mutex calibrations_mutex;
+  mutable std::map<std::pair<std::string, int>, std::shared_ptr<const certkv::codec::GaacCalibration>>
+      calibrations;
 };
 
 struct certkv_session {
@@ -208,8 +216,33 @@ certkv_session_params certkv_session_default_params(void) {
   p.kv = "bf16";
   p.capture_queries = 0;
   p.activations = "int8";
+  p.gaac_calibration = nullptr;
   return p;
 }
+
+namespace {
+
+// The model's calibration at `path` for pages of block_tokens, loaded on first use.
+std::shared_ptr<const certkv::codec::GaacCalibration> model_calibration(const certkv_model& model,
+                                                                        const std::string& path,
+                                                                        int block_tokens) {
+  std::lock_guard<std::mutex> lock(model.calibrations_mutex);
+  auto& slot = model.calibrations[{path, block_tokens}];
+  if (!slot) {
+    const certkv::model::ModelConfig& c = model.model->config();
+    certkv::codec::GaacShape expected;
+    expected.n_layers = c.n_layers;
+    expected.n_kv_heads = c.n_kv_heads;
+    expected.head_dim = c.head_dim;
+    expected.block_tokens = block_tokens;
+    expected.element = certkv::format::GaacElement::kBf16;
+    slot = std::make_shared<const certkv::codec::GaacCalibration>(
+        certkv::codec::GaacCalibration::load(path, expected));
+  }
+  return slot;
+}
+
+}  // namespace
 
 certkv_status certkv_session_create(const certkv_model* model, const certkv_session_params* params,
                                     certkv_session** out) {
@@ -217,9 +250,13 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
   *out = nullptr;
   const certkv_session_params p = params ? *params : certkv_session_default_params();
   const std::string kv = p.kv ? p.kv : "bf16";
-  if (kv != "bf16")
-    return set_error(CERTKV_ERR_UNSUPPORTED,
-                     "KV scheme '" + kv + "' is not available in this build (available: bf16)");
+  if (kv != "bf16" && kv != "gaac")
+    return set_error(CERTKV_ERR_INVALID_ARGUMENT,
+                     "certkv_session_params.kv: unknown KV scheme '" + kv + "' (available: bf16, gaac)");
+  if (kv == "gaac" && (p.gaac_calibration == nullptr || p.gaac_calibration[0] == '\0'))
+    return set_error(CERTKV_ERR_INVALID_ARGUMENT,
+                     "KV scheme 'gaac' needs a calibration file: set "
+                     "certkv_session_params.gaac_calibration (certkv run: --gaac-calib FILE)");
   const std::string activations = p.activations ? p.activations : "int8";
   if (activations != "int8" && activations != "f32")
     return set_error(CERTKV_ERR_INVALID_ARGUMENT,
@@ -233,6 +270,9 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
     c.block_tokens = p.block_tokens;
     c.prefill_chunk_tokens = p.prefill_chunk_tokens;
     c.capture_queries = p.capture_queries != 0;
+    c.kv_scheme = certkv::cache::parse_kv_scheme(kv);
+    if (c.kv_scheme == certkv::cache::KvScheme::kGaac)
+      c.gaac_calibration = model_calibration(*model, p.gaac_calibration, p.block_tokens);
     auto s = std::make_unique<certkv_session>();
     s->model = model;
     s->session = std::make_unique<certkv::model::Session>(*model->model, c);
@@ -280,6 +320,15 @@ certkv_status certkv_session_kv_stats(const certkv_session* session, certkv_kv_s
     stats->kv_bytes_bf16 = cache.kv_bytes_bf16(stats->n_tokens);
     stats->pages_in_use = m.pages_in_use;
     stats->pages_free = m.pages_free;
+    stats->n_classes = 0;
+    for (const certkv::cache::StorageClassStats& c : m.by_class) {
+      if (stats->n_classes == CERTKV_MAX_KV_CLASSES) break;
+      certkv_kv_class_stats& out = stats->by_class[stats->n_classes++];
+      out.storage = certkv::format::storage_class_name(c.storage);
+      out.pages_in_use = c.pages_in_use;
+      out.bytes_from_allocator = c.bytes_reserved_from_allocator;
+      out.page_bytes_in_use = c.page_bytes_in_use;
+    }
   });
 }
 

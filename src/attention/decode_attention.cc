@@ -140,11 +140,10 @@ void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
   const int64_t blocks_per_split = (n_blocks + n_splits - 1) / n_splits;
   n_splits = (n_blocks + blocks_per_split - 1) / blocks_per_split;
 
-  std::vector<const format::PageRef*> k_tables(size_t(shape.n_kv_heads));
-  std::vector<const format::PageRef*> v_tables(size_t(shape.n_kv_heads));
+  std::vector<detail::TableReader> k_tables, v_tables;
   for (int h = 0; h < shape.n_kv_heads; ++h) {
-    k_tables[size_t(h)] = cache.block_table(seq, layer, KvTensor::kKey, h);
-    v_tables[size_t(h)] = cache.block_table(seq, layer, KvTensor::kValue, h);
+    k_tables.push_back(detail::table_reader(cache, seq, layer, KvTensor::kKey, h));
+    v_tables.push_back(detail::table_reader(cache, seq, layer, KvTensor::kValue, h));
   }
 
   // Partial results of split s of kv_head h, query head g of the group, at
@@ -173,8 +172,8 @@ void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
     const int64_t key_end = std::min(n_ctx, (split + 1) * blocks_per_split * bt);
     for (int64_t t0 = split * blocks_per_split * bt; t0 < key_end; t0 += bt) {
       const int64_t t1 = std::min(key_end, t0 + bt);
-      detail::load_tile(cache, k_tables[size_t(h)], t0, t1, k_tile);
-      detail::load_tile(cache, v_tables[size_t(h)], t0, t1, v_tile);
+      detail::load_tile(k_tables[size_t(h)], t0, t1, k_tile);
+      detail::load_tile(v_tables[size_t(h)], t0, t1, v_tile);
       for (int g = 0; g < group; ++g) {
         detail::update_row(qg + size_t(g) * size_t(d), k_tile, v_tile, int(t1 - t0), d, shape.scale,
                            &st[g], acc + size_t(g) * size_t(d), s);

@@ -37,15 +37,19 @@ struct DecodeOptions {
   int n_splits = 0;
 };
 
-// Double-precision reference: plain two-pass softmax over t in [0, n_ctx).
+// Double-precision reference: plain two-pass softmax over t in [0, n_ctx), reading the cache
+// through read_token_range_ref (GAAC slots through the codec's _ref decoder).
 // q: [n_q_heads][head_dim] float; out: [n_q_heads][head_dim] double.
 void decode_attention_ref(const cache::KvCache& cache, cache::SeqId seq, int layer,
                           const AttentionShape& shape, const float* q, int64_t n_ctx,
                           double* out);
 
 // Production float path: per (kv_head, split) one pass over the pages with an online softmax
-// (running max m, running sum l, accumulator); each page is converted from bf16 once and used by
-// every query head of its group; splits merge by LSE weights and run on `pool` when given.
+// (running max m, running sum l, accumulator); each page is converted to float once (a raw page
+// from bf16, a GAAC slot reconstructed by the codec into a per-thread one-page buffer; never a
+// decompressed copy of the cache) and used by every query head of its group; raw pages, slots
+// and the tail feed the same softmax in the same order, so a GAAC cache gives the same floats as
+// a BF16 cache of the same tokens. Splits merge by LSE weights and run on `pool` when given.
 // q: [n_q_heads][head_dim] float; out: [n_q_heads][head_dim] float.
 void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
                       const AttentionShape& shape, const float* q, int64_t n_ctx, float* out,
@@ -55,8 +59,9 @@ void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
 int choose_decode_splits(int64_t n_ctx, int block_tokens, int n_kv_heads, int n_threads);
 
 // Causal attention for n new query tokens at positions [pos0, pos0 + n): query i attends to
-// positions [0, pos0 + i]. Tiles a block of queries against each page (each page converted
-// once per query block), online softmax, parallel over (kv_head, query block) on `pool`.
+// positions [0, pos0 + i]. Tiles a block of queries against each tile of pages (each page
+// converted or reconstructed once per query block into a per-thread tile buffer), online
+// softmax, parallel over (kv_head, query block) on `pool`. Same floats for GAAC and BF16 caches.
 // q: [n][n_q_heads][head_dim] float; out: [n][n_q_heads][head_dim] float.
 // REQUIRES: pos0 >= 0, n >= 1, pos0 + n <= written_tokens(seq, layer).
 void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,

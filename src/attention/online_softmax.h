@@ -1,5 +1,5 @@
-// The tile step shared by decode_attention and prefill_attention: bf16 page -> float tile, and
-// the online softmax update of a set of query rows by one tile of keys and values
+// The tile step shared by decode_attention and prefill_attention: pages (bf16 or GAAC) -> float
+// tile, and the online softmax update of a set of query rows by one tile of keys and values
 // (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; the (m, l, acc) form
 // of FlashAttention, Dao et al. 2022, Algorithm 1):
 //   m' = max(m, max_j s_j),  l' = l e^{m - m'} + sum_j e^{s_j - m'},
@@ -13,7 +13,9 @@
 #include <limits>
 
 #include "cache/kv_cache.h"
+#include "codec/gaac.h"
 #include "format/numeric.h"
+#include "format/page.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -51,15 +53,47 @@ inline int64_t blocks_per_tile(int block_tokens, int head_dim) {
   return blocks > 1 ? blocks : 1;
 }
 
-// Converts positions [begin, end) of one block table (K or V) to float rows:
-// out: [end - begin][head_dim]. REQUIRES: begin % block_tokens == 0; the positions are written.
-inline void load_tile(const cache::KvCache& cache, const format::PageRef* table, int64_t begin,
-                      int64_t end, float* out) {
+// One block table (K or V of one (layer, kv_head)) as load_tile reads it: the entries and, for a
+// GAAC cache, the bases and slot bytes its slots were encoded with. Valid while the cache is not
+// mutated.
+struct TableReader {
+  const cache::KvCache* cache;
+  const format::PageRef* table;
+  const codec::GaacBases* bases;  // null unless cache->scheme() == kGaac
+  size_t slot_bytes;
+  codec::GaacKernel kernel;
+};
+
+inline TableReader table_reader(const cache::KvCache& cache, cache::SeqId seq, int layer,
+                                cache::KvTensor kv, int kv_head) {
+  TableReader r{&cache, cache.block_table(seq, layer, kv, kv_head), nullptr, 0,
+                codec::GaacKernel::kRef};
+  if (cache.scheme() == cache::KvScheme::kGaac) {
+    r.bases = &cache.gaac_bases(layer, kv, kv_head);
+    r.slot_bytes = cache.gaac_slot_bytes(layer, kv);
+    r.kernel = codec::gaac_best_kernel();
+  }
+  return r;
+}
+
+// Converts positions [begin, end) of one block table (K or V) to float rows, a page at a time:
+// raw pages from bf16, GAAC slots reconstructed by the codec straight into `out` (the same bit
+// patterns, so the same floats). out: [end - begin][head_dim].
+// REQUIRES: begin % block_tokens == 0; the positions are written.
+inline void load_tile(const TableReader& r, int64_t begin, int64_t end, float* out) {
+  const cache::KvCache& cache = *r.cache;
   const int64_t bt = cache.block_tokens();
   const size_t d = size_t(cache.head_dim());
   for (int64_t start = begin; start < end; start += bt) {
     const int64_t n = end - start < bt ? end - start : bt;
-    bf16_to_float_rows(cache.page_bf16(table[start / bt]), out + size_t(start - begin) * d, size_t(n) * d);
+    const format::PageRef ref = r.table[start / bt];
+    float* rows = out + size_t(start - begin) * d;
+    if (ref.storage == format::StorageClass::kGaac && r.bases != nullptr) {
+      codec::gaac_decode_rows(cache.page_bytes_of(ref), r.slot_bytes, int(bt), int(d), *r.bases,
+                              0, int(n), rows, r.kernel);
+    } else {
+      bf16_to_float_rows(cache.page_bf16(ref), rows, size_t(n) * d);
+    }
   }
 }
 

@@ -84,11 +84,10 @@ void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
   const int bt = cache.block_tokens();
   const int64_t n_qblocks = (n + kQueryBlockTokens - 1) / kQueryBlockTokens;
 
-  std::vector<const format::PageRef*> k_tables(size_t(shape.n_kv_heads));
-  std::vector<const format::PageRef*> v_tables(size_t(shape.n_kv_heads));
+  std::vector<detail::TableReader> k_tables, v_tables;
   for (int h = 0; h < shape.n_kv_heads; ++h) {
-    k_tables[size_t(h)] = cache.block_table(seq, layer, KvTensor::kKey, h);
-    v_tables[size_t(h)] = cache.block_table(seq, layer, KvTensor::kValue, h);
+    k_tables.push_back(detail::table_reader(cache, seq, layer, KvTensor::kKey, h));
+    v_tables.push_back(detail::table_reader(cache, seq, layer, KvTensor::kValue, h));
   }
 
   const size_t tile_keys = size_t(detail::blocks_per_tile(bt, d)) * size_t(bt);
@@ -118,8 +117,8 @@ void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
     const int64_t key_end = pos0 + i1;
     for (int64_t t0 = 0; t0 < key_end; t0 += int64_t(tile_keys)) {
       const int64_t t1 = std::min(key_end, t0 + int64_t(tile_keys));
-      detail::load_tile(cache, k_tables[size_t(h)], t0, t1, k_tile);
-      detail::load_tile(cache, v_tables[size_t(h)], t0, t1, v_tile);
+      detail::load_tile(k_tables[size_t(h)], t0, t1, k_tile);
+      detail::load_tile(v_tables[size_t(h)], t0, t1, v_tile);
       for (int64_t i = i0; i < i1; ++i) {
         // Causal: query i sees positions [0, pos0 + i].
         const int64_t visible = pos0 + i + 1 - t0;

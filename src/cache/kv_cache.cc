@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <string>
 
 #include "core/status.h"
@@ -36,7 +37,35 @@ PageRef bf16_ref(uint32_t page) {
 
 const char* kv_name(KvTensor kv) { return kv == KvTensor::kKey ? "K" : "V"; }
 
+// Slots hold byte streams read with unaligned loads; 16-byte strides waste at most 15 bytes.
+constexpr size_t kSlotAlignBytes = 16;
+
+bool is_pending(const PageRef& ref) { return ref.page == format::kNoPage; }
+
+PageRef pending_ref() {
+  PageRef ref{};
+  ref.page = format::kNoPage;
+  ref.storage = StorageClass::kBf16;
+  return ref;
+}
+
 }  // namespace
+
+const char* kv_scheme_name(KvScheme scheme) {
+  switch (scheme) {
+    case KvScheme::kBf16: return "bf16";
+    case KvScheme::kGaac: return "gaac";
+  }
+  return "unknown";
+}
+
+KvScheme parse_kv_scheme(std::string_view name) {
+  for (KvScheme s : {KvScheme::kBf16, KvScheme::kGaac}) {
+    if (name == kv_scheme_name(s)) return s;
+  }
+  fail(StatusCode::kInvalidArgument,
+       "unknown KV scheme '" + std::string(name) + "' (available: bf16, gaac)");
+}
 
 KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   check_positive(config.n_layers, "n_layers");
@@ -58,10 +87,71 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
                    std::to_string(capacity_pages) + " pages, above the limit of " +
                    std::to_string(format::kNoPage - 1));
   }
-  uint64_t pages_per_chunk = config.pages_per_chunk != 0 ? config.pages_per_chunk : 4 * n_tables;
-  pages_per_chunk = std::min<uint64_t>(pages_per_chunk, std::max<uint64_t>(capacity_pages, 1));
-  bf16_pool_ = std::make_unique<PagePool>(StorageClass::kBf16, page_bytes(),
-                                          uint32_t(capacity_pages), uint32_t(pages_per_chunk));
+  capacity_pages_ = capacity_pages;
+  const bool gaac = config.scheme == KvScheme::kGaac;
+  if (config.scheme != KvScheme::kBf16 && !gaac) {
+    fail_cache(StatusCode::kInvalidArgument,
+               "config.scheme " + std::to_string(int(config.scheme)) + " is not a KV scheme");
+  }
+  auto chunk_pages = [&](uint64_t default_pages) {
+    const uint64_t want = config.pages_per_chunk != 0 ? config.pages_per_chunk : default_pages;
+    return uint32_t(std::min<uint64_t>(want, std::max<uint64_t>(capacity_pages, 1)));
+  };
+  // The gaac scheme keeps only tails and raw fallbacks in the raw pool, and grows every pool by
+  // small chunks so that the bytes obtained follow the bytes in use closely.
+  bf16_pool_ = std::make_unique<PagePool>(
+      StorageClass::kBf16, page_bytes(), uint32_t(capacity_pages),
+      chunk_pages(gaac ? 2 * uint64_t(config.n_kv_heads) : 4 * n_tables));
+  if (!gaac) return;
+
+  const codec::GaacCalibration* cal = config.gaac_calibration.get();
+  if (cal == nullptr) {
+    fail_cache(StatusCode::kInvalidArgument,
+               "KV scheme gaac needs a calibration (config.gaac_calibration is null)");
+  }
+  if (format::gaac_tile_channels(config.head_dim) == 0) {
+    fail_cache(StatusCode::kUnsupported, "config.head_dim " + std::to_string(config.head_dim) +
+                                             " does not split into GAAC tiles of at most " +
+                                             std::to_string(format::kGaacMaxTileChannels) +
+                                             " channels (multiples of 8)");
+  }
+  const codec::GaacShape want{config.n_layers, config.n_kv_heads, config.head_dim,
+                              config.block_tokens, format::GaacElement::kBf16};
+  const codec::GaacShape& got = cal->shape();
+  if (!(got == want)) {
+    fail_cache(StatusCode::kInvalidArgument,
+               "the GAAC calibration is for n_layers " + std::to_string(got.n_layers) +
+                   ", n_kv_heads " + std::to_string(got.n_kv_heads) + ", head_dim " +
+                   std::to_string(got.head_dim) + ", block_tokens " +
+                   std::to_string(got.block_tokens) + ", element " +
+                   codec::gaac_element_name(got.element) + "; this cache has " +
+                   std::to_string(want.n_layers) + ", " + std::to_string(want.n_kv_heads) + ", " +
+                   std::to_string(want.head_dim) + ", " + std::to_string(want.block_tokens) +
+                   ", bf16 (a calibration of another model?)");
+  }
+  // One slot pool per distinct slot stride; (layer, K/V) pairs of equal stride share it.
+  const size_t n_pairs = 2 * size_t(config.n_layers);
+  slot_bytes_.resize(n_pairs);
+  slot_pool_of_.resize(n_pairs);
+  std::map<size_t, std::vector<size_t>> pairs_by_stride;
+  for (size_t pair = 0; pair < n_pairs; ++pair) {
+    slot_bytes_[pair] = cal->slot_bytes(int(pair / 2), int(pair % 2));
+    const size_t stride = (slot_bytes_[pair] + kSlotAlignBytes - 1) / kSlotAlignBytes * kSlotAlignBytes;
+    pairs_by_stride[stride].push_back(pair);
+  }
+  if (pairs_by_stride.size() > 255) {
+    fail_cache(StatusCode::kUnsupported, "the GAAC calibration has " +
+                                             std::to_string(pairs_by_stride.size()) +
+                                             " distinct slot sizes; at most 255 are supported");
+  }
+  for (const auto& [stride, pairs] : pairs_by_stride) {
+    const uint64_t tables_served = uint64_t(pairs.size()) * uint64_t(config.n_kv_heads);
+    for (size_t pair : pairs) slot_pool_of_[pair] = uint8_t(slot_pools_.size());
+    slot_pools_.push_back(std::make_unique<PagePool>(StorageClass::kGaac, stride,
+                                                     uint32_t(blocks * tables_served),
+                                                     chunk_pages(tables_served), kSlotAlignBytes));
+  }
+  block_scratch_.resize(size_t(config.block_tokens) * size_t(config.head_dim));
 }
 
 KvCache::~KvCache() = default;
@@ -102,6 +192,39 @@ size_t KvCache::table_index(int layer, KvTensor kv, int kv_head) const {
   return (size_t(layer) * 2 + size_t(kv)) * size_t(config_.n_kv_heads) + size_t(kv_head);
 }
 
+PagePool& KvCache::pool_of(PageRef ref) {
+  return const_cast<PagePool&>(static_cast<const KvCache*>(this)->pool_of(ref));
+}
+
+const PagePool& KvCache::pool_of(PageRef ref) const {
+  if (ref.storage == StorageClass::kBf16) return *bf16_pool_;
+  if (ref.storage == StorageClass::kGaac && ref.pool < slot_pools_.size()) {
+    return *slot_pools_[ref.pool];
+  }
+  fail_cache(StatusCode::kInvalidArgument,
+             std::string("no pool ") + std::to_string(ref.pool) + " of storage class " +
+                 format::storage_class_name(ref.storage) + " in this cache");
+}
+
+void KvCache::retain(PageRef ref) {
+  if (!is_pending(ref)) pool_of(ref).retain(ref.page);
+}
+
+void KvCache::release(PageRef& ref) {
+  if (is_pending(ref)) {
+    --n_pending_;
+  } else {
+    pool_of(ref).release(ref.page);
+  }
+  ref = pending_ref();
+}
+
+uint64_t KvCache::pages_in_use_all() const {
+  uint64_t n = bf16_pool_->pages_in_use();
+  for (const auto& pool : slot_pools_) n += pool->pages_in_use();
+  return n;
+}
+
 SeqId KvCache::create_sequence() {
   Sequence s;
   s.written.assign(size_t(config_.n_layers), 0);
@@ -124,7 +247,7 @@ SeqId KvCache::fork_sequence(SeqId parent) {
   child.written.assign(size_t(config_.n_layers), p.length);
   child.tables = p.tables;
   for (const auto& table : child.tables) {
-    for (const PageRef& ref : table) bf16_pool_->retain(ref.page);
+    for (const PageRef& ref : table) retain(ref);
   }
   const SeqId id = next_id_++;
   sequences_.emplace(id, std::move(child));
@@ -133,7 +256,7 @@ SeqId KvCache::fork_sequence(SeqId parent) {
 
 void KvCache::release_tables(Sequence& s) {
   for (auto& table : s.tables) {
-    for (const PageRef& ref : table) bf16_pool_->release(ref.page);
+    for (PageRef& ref : table) release(ref);
     table.clear();
   }
 }
@@ -169,13 +292,15 @@ void KvCache::reserve(SeqId seq, int64_t n) {
   const int64_t have_blocks = (s.reserved + bt - 1) / bt;
   const int64_t want_blocks = (target + bt - 1) / bt;
   // Blocks receiving positions [length, length + n) that already exist may be shared (a forked
-  // prefix's partial tail): those are copied before anything writes them.
+  // prefix's partial tail): those are copied before anything writes them. A shared block is
+  // never pending and never finalized (it is partial), so it is a raw page.
   const int64_t first_write_block = s.length / bt;
   const int64_t last_existing = std::min(have_blocks, (s.length + n + bt - 1) / bt);
   size_t n_copies = 0;
   for (const auto& table : s.tables) {
     for (int64_t b = first_write_block; b < last_existing; ++b) {
-      if (bf16_pool_->ref_count(table[size_t(b)].page) > 1) ++n_copies;
+      const PageRef& ref = table[size_t(b)];
+      if (!is_pending(ref) && pool_of(ref).ref_count(ref.page) > 1) ++n_copies;
     }
   }
   const size_t n_new = size_t(want_blocks - have_blocks) * s.tables.size();
@@ -184,20 +309,23 @@ void KvCache::reserve(SeqId seq, int64_t n) {
     s.reserved = target;
     return;
   }
-  const uint64_t available = uint64_t(bf16_pool_->capacity_pages()) - bf16_pool_->pages_in_use();
+  const bool gaac = config_.scheme == KvScheme::kGaac;
+  const uint64_t committed = pages_in_use_all() + n_pending_;
+  const uint64_t available = capacity_pages_ > committed ? capacity_pages_ - committed : 0;
   if (n_pages > available) {
     fail_cache(StatusCode::kOutOfMemory,
                "reserve of " + std::to_string(n) + " tokens for sequence " + std::to_string(seq) +
                    " needs " + std::to_string(n_pages) + " pages but only " +
-                   std::to_string(available) + " of " +
-                   std::to_string(bf16_pool_->capacity_pages()) +
+                   std::to_string(available) + " of " + std::to_string(capacity_pages_) +
                    " are free (config.max_tokens = " + std::to_string(config_.max_tokens) + ")");
   }
-  // Take every page first so that a refusal from the system allocator leaves the sequence as it was.
+  // Take every page first so that a refusal from the system allocator leaves the sequence as it
+  // was. The gaac scheme takes only the copies now; new blocks stay pending until written.
+  const size_t n_take = gaac ? n_copies : n_pages;
   std::vector<uint32_t> pages;
-  pages.reserve(n_pages);
+  pages.reserve(n_take);
   try {
-    for (size_t i = 0; i < n_pages; ++i) pages.push_back(bf16_pool_->allocate());
+    for (size_t i = 0; i < n_take; ++i) pages.push_back(bf16_pool_->allocate());
     for (auto& table : s.tables) table.reserve(size_t(want_blocks));
   } catch (...) {
     for (uint32_t p : pages) bf16_pool_->release(p);
@@ -208,16 +336,109 @@ void KvCache::reserve(SeqId seq, int64_t n) {
   for (auto& table : s.tables) {
     for (int64_t b = first_write_block; b < last_existing; ++b) {
       PageRef& ref = table[size_t(b)];
-      if (bf16_pool_->ref_count(ref.page) > 1) {
+      if (!is_pending(ref) && pool_of(ref).ref_count(ref.page) > 1) {
         const uint32_t copy = pages[next++];
         std::memcpy(bf16_pool_->data(copy), bf16_pool_->data(ref.page), bytes);
         bf16_pool_->release(ref.page);
         ref = bf16_ref(copy);
       }
     }
-    for (int64_t b = have_blocks; b < want_blocks; ++b) table.push_back(bf16_ref(pages[next++]));
+    for (int64_t b = have_blocks; b < want_blocks; ++b) {
+      table.push_back(gaac ? pending_ref() : bf16_ref(pages[next++]));
+    }
   }
+  if (gaac) n_pending_ += n_new;
   s.reserved = target;
+}
+
+void KvCache::make_raw(int layer, KvTensor kv, int kv_head, PageRef& ref) {
+  if (!is_pending(ref) && ref.storage == StorageClass::kBf16) return;
+  const uint32_t page = bf16_pool_->allocate();
+  if (is_pending(ref)) {
+    --n_pending_;
+  } else {
+    const PagePool& pool = pool_of(ref);
+    codec::gaac_decode_page(pool.data(ref.page), slot_bytes_[size_t(layer) * 2 + size_t(kv)],
+                            config_.block_tokens, config_.head_dim,
+                            gaac_bases(layer, kv, kv_head),
+                            reinterpret_cast<uint16_t*>(bf16_pool_->data(page)));
+    pool_of(ref).release(ref.page);
+  }
+  ref = bf16_ref(page);
+}
+
+void KvCache::finalize_block(int layer, KvTensor kv, int kv_head, const uint16_t* block,
+                             PageRef& ref) {
+  const size_t pair = size_t(layer) * 2 + size_t(kv);
+  const codec::GaacCalibration& cal = *config_.gaac_calibration;
+  PagePool& slots = *slot_pools_[slot_pool_of_[pair]];
+  const uint32_t slot = slots.allocate();
+  size_t used;
+  try {
+    used = codec::gaac_encode_page(block, config_.block_tokens, config_.head_dim,
+                                   gaac_bases(layer, kv, kv_head),
+                                   cal.escape_capacity_bytes(layer, int(kv)), slots.data(slot));
+  } catch (...) {
+    slots.release(slot);
+    throw;
+  }
+  if (used != codec::kGaacDoesNotFit) {
+    release(ref);
+    ref.page = slot;
+    ref.storage = StorageClass::kGaac;
+    ref.pool = slot_pool_of_[pair];
+    return;
+  }
+  slots.release(slot);
+  // Stays raw: reuse an owned raw page (the tail being finalized), else take one.
+  const bool owned_raw = !is_pending(ref) && ref.storage == StorageClass::kBf16 &&
+                         bf16_pool_->ref_count(ref.page) == 1;
+  if (!owned_raw) {
+    const uint32_t page = bf16_pool_->allocate();
+    release(ref);
+    ref = bf16_ref(page);
+  }
+  uint16_t* dst = page_bf16_mutable(ref);
+  if (dst != block) std::memcpy(dst, block, page_bytes());
+}
+
+void KvCache::write_gaac(Sequence& s, int layer, KvTensor kv, int kv_head, const float* x,
+                         int64_t n) {
+  const int64_t bt = config_.block_tokens;
+  const int d = config_.head_dim;
+  const int h_kv = config_.n_kv_heads;
+  std::vector<PageRef>& table = s.tables[table_index(layer, kv, kv_head)];
+  const int64_t begin = s.length, end = s.length + n;
+  for (int64_t b = begin / bt; b * bt < end; ++b) {
+    const int64_t row0 = std::max(begin, b * bt) - b * bt;
+    const int64_t row1 = std::min(end, (b + 1) * bt) - b * bt;
+    PageRef& ref = table[size_t(b)];
+    if (row0 == 0 && row1 == bt) {
+      // The whole block comes from this write: encode it straight from the input.
+      for (int64_t r = 0; r < bt; ++r) {
+        const float* src = x + (size_t(b * bt + r - begin) * size_t(h_kv) + size_t(kv_head)) * size_t(d);
+        uint16_t* dst = block_scratch_.data() + size_t(r) * size_t(d);
+        for (int c = 0; c < d; ++c) dst[c] = format::float_to_bf16(src[c]);
+      }
+      finalize_block(layer, kv, kv_head, block_scratch_.data(), ref);
+      continue;
+    }
+    make_raw(layer, kv, kv_head, ref);
+    if (bf16_pool_->ref_count(ref.page) != 1) {
+      fail_cache(StatusCode::kInternal, "write into page " + std::to_string(ref.page) +
+                                            " shared by " +
+                                            std::to_string(bf16_pool_->ref_count(ref.page)) +
+                                            " references");
+    }
+    uint16_t* page = page_bf16_mutable(ref);
+    for (int64_t r = row0; r < row1; ++r) {
+      const float* src = x + (size_t(b * bt + r - begin) * size_t(h_kv) + size_t(kv_head)) * size_t(d);
+      uint16_t* dst = page + size_t(r) * size_t(d);
+      for (int c = 0; c < d; ++c) dst[c] = format::float_to_bf16(src[c]);
+    }
+    // Rows [0, row0) are committed, so a block whose last row arrived is complete.
+    if (row1 == bt) finalize_block(layer, kv, kv_head, page, ref);
+  }
 }
 
 void KvCache::write(SeqId seq, int layer, const float* k, const float* v, int64_t n) {
@@ -238,6 +459,10 @@ void KvCache::write(SeqId seq, int layer, const float* k, const float* v, int64_
     const KvTensor kv = KvTensor(kvi);
     const float* src = kv == KvTensor::kKey ? k : v;
     for (int h = 0; h < h_kv; ++h) {
+      if (config_.scheme == KvScheme::kGaac) {
+        write_gaac(s, layer, kv, h, src, n);
+        continue;
+      }
       const std::vector<PageRef>& table = s.tables[table_index(layer, kv, h)];
       for (int64_t i = 0; i < n; ++i) {
         const int64_t pos = s.length + i;
@@ -290,15 +515,39 @@ const uint16_t* KvCache::page_bf16(PageRef ref) const {
                std::string("page_bf16 of a page of storage class ") +
                    format::storage_class_name(ref.storage));
   }
-  if (bf16_pool_->ref_count(ref.page) == 0) {
+  return reinterpret_cast<const uint16_t*>(page_bytes_of(ref));
+}
+
+const uint8_t* KvCache::page_bytes_of(PageRef ref) const {
+  const PagePool& pool = pool_of(ref);
+  if (pool.ref_count(ref.page) == 0) {
     fail_cache(StatusCode::kInvalidArgument,
-               "page " + std::to_string(ref.page) + " is not in use (a stale block table entry?)");
+               "page " + std::to_string(ref.page) + " of class " +
+                   format::storage_class_name(ref.storage) +
+                   " is not in use (a stale or pending block table entry?)");
   }
-  return reinterpret_cast<const uint16_t*>(bf16_pool_->data(ref.page));
+  return pool.data(ref.page);
 }
 
 uint16_t* KvCache::page_bf16_mutable(PageRef ref) {
   return const_cast<uint16_t*>(page_bf16(ref));
+}
+
+const codec::GaacBases& KvCache::gaac_bases(int layer, KvTensor kv, int kv_head) const {
+  if (config_.scheme != KvScheme::kGaac) {
+    fail_cache(StatusCode::kInvalidArgument, "gaac_bases of a cache of scheme " +
+                                                 std::string(kv_scheme_name(config_.scheme)));
+  }
+  return config_.gaac_calibration->bases(layer, int(kv), kv_head);
+}
+
+size_t KvCache::gaac_slot_bytes(int layer, KvTensor kv) const {
+  if (config_.scheme != KvScheme::kGaac) {
+    fail_cache(StatusCode::kInvalidArgument, "gaac_slot_bytes of a cache of scheme " +
+                                                 std::string(kv_scheme_name(config_.scheme)));
+  }
+  check_layer(layer, "gaac_slot_bytes");
+  return slot_bytes_[size_t(layer) * 2 + size_t(kv)];
 }
 
 void KvCache::read_token_range_ref(SeqId seq, int layer, KvTensor kv, int kv_head, int64_t begin,
@@ -317,16 +566,36 @@ void KvCache::read_token_range_ref(SeqId seq, int layer, KvTensor kv, int kv_hea
   const std::vector<PageRef>& table = s.tables[table_index(layer, kv, kv_head)];
   const int bt = config_.block_tokens;
   const int d = config_.head_dim;
+  std::vector<uint16_t> decoded;
+  int64_t decoded_block = -1;
   for (int64_t pos = begin; pos < end; ++pos) {
-    const uint16_t* row = page_bf16(table[size_t(pos / bt)]) + size_t(pos % bt) * size_t(d);
+    const int64_t b = pos / bt;
+    const PageRef ref = table[size_t(b)];
+    const uint16_t* block;
+    if (ref.storage == StorageClass::kGaac) {
+      if (decoded_block != b) {
+        decoded.resize(size_t(bt) * size_t(d));
+        codec::gaac_decode_page_ref(page_bytes_of(ref), gaac_slot_bytes(layer, kv), bt, d,
+                                    gaac_bases(layer, kv, kv_head), decoded.data());
+        decoded_block = b;
+      }
+      block = decoded.data();
+    } else {
+      block = page_bf16(ref);
+    }
+    const uint16_t* row = block + size_t(pos % bt) * size_t(d);
     float* dst = out + size_t(pos - begin) * size_t(d);
     for (int c = 0; c < d; ++c) dst[c] = format::bf16_to_float(row[c]);
   }
 }
 
 uint32_t KvCache::ref_count(PageRef ref) const {
-  if (ref.storage != StorageClass::kBf16) return 0;
-  return bf16_pool_->ref_count(ref.page);
+  if (is_pending(ref)) return 0;
+  if (ref.storage == StorageClass::kBf16) return bf16_pool_->ref_count(ref.page);
+  if (ref.storage == StorageClass::kGaac && ref.pool < slot_pools_.size()) {
+    return slot_pools_[ref.pool]->ref_count(ref.page);
+  }
+  return 0;
 }
 
 MemoryStats KvCache::memory_stats() const {
@@ -334,13 +603,23 @@ MemoryStats KvCache::memory_stats() const {
   for (const auto& [id, s] : sequences_) {
     for (const auto& table : s.tables) stats.block_table_bytes += table.size() * sizeof(PageRef);
   }
+  auto add_pool = [](StorageClassStats& c, const PagePool& pool) {
+    c.bytes_reserved_from_allocator += pool.bytes_from_allocator();
+    c.pages_in_use += pool.pages_in_use();
+    c.pages_free += pool.pages_free();
+    c.page_bytes_in_use += uint64_t(pool.pages_in_use()) * pool.page_stride_bytes();
+    ++c.n_pools;
+  };
   StorageClassStats bf16{};
   bf16.storage = StorageClass::kBf16;
-  bf16.bytes_reserved_from_allocator = bf16_pool_->bytes_from_allocator();
-  bf16.pages_in_use = bf16_pool_->pages_in_use();
-  bf16.pages_free = bf16_pool_->pages_free();
-  bf16.page_bytes_in_use = bf16.pages_in_use * bf16_pool_->page_stride_bytes();
+  add_pool(bf16, *bf16_pool_);
   stats.by_class.push_back(bf16);
+  if (config_.scheme == KvScheme::kGaac) {
+    StorageClassStats gaac{};
+    gaac.storage = StorageClass::kGaac;
+    for (const auto& pool : slot_pools_) add_pool(gaac, *pool);
+    stats.by_class.push_back(gaac);
+  }
   for (const StorageClassStats& c : stats.by_class) {
     stats.bytes_reserved_from_allocator += c.bytes_reserved_from_allocator;
     stats.bytes_in_use += c.page_bytes_in_use;
@@ -358,10 +637,19 @@ uint64_t KvCache::kv_bytes_bf16(int64_t n_tokens) const {
 
 const PagePool& KvCache::pool(StorageClass storage) const {
   if (storage != StorageClass::kBf16) {
-    fail_cache(StatusCode::kUnsupported, std::string("no pool for storage class ") +
-                                             format::storage_class_name(storage));
+    fail_cache(StatusCode::kUnsupported, std::string("no single pool for storage class ") +
+                                             format::storage_class_name(storage) +
+                                             " (see slot_pool)");
   }
   return *bf16_pool_;
+}
+
+const PagePool& KvCache::slot_pool(size_t i) const {
+  if (i >= slot_pools_.size()) {
+    fail_cache(StatusCode::kOutOfRange, "slot pool " + std::to_string(i) + " of " +
+                                            std::to_string(slot_pools_.size()));
+  }
+  return *slot_pools_[i];
 }
 
 }  // namespace certkv::cache

@@ -1,9 +1,19 @@
-// Paged KV cache: BF16 pages in a ref-counted pool, one block table per (sequence, layer, K or V,
+// Paged KV cache: pages in ref-counted pools, one block table per (sequence, layer, K or V,
 // kv_head), prefix sharing between forked sequences with copy-on-write of a shared tail block.
 //
-// A page holds one block of block_tokens tokens of one (layer, K or V, kv_head):
-//   page: [block_tokens][head_dim] bf16, token-major; token position p lives in logical block
-//   p / block_tokens at row p % block_tokens.
+// A page holds one block of block_tokens tokens of one (layer, K or V, kv_head); token position p
+// lives in logical block p / block_tokens at row p % block_tokens. Two storage classes:
+//   bf16: [block_tokens][head_dim] bf16, token-major (raw).
+//   gaac: a GAAC slot (docs/format/gaac.md) of gaac_slot_bytes(layer, kv) bytes, lossless.
+//
+// KV schemes. kBf16: every page is raw. kGaac (DESIGN.md section 2, fill-then-finalize): a block
+// that is not yet complete lives in a raw bf16 page (the tail); the write that stores a block's
+// last row finalizes it: the block is encoded once with the calibration's bases of its
+// (layer, K/V, kv_head) and, when its escape bytes fit the slot capacity of its (layer, K/V), it
+// moves to a slot of the gaac class and its raw page returns to the pool; otherwise it stays raw.
+// A block written whole by one write (prefill) is encoded straight from the input, without a raw
+// page. Finalized blocks are immutable, so they are shared by forks like any page. Every read
+// (attention, read_token_range_ref) sees the same bf16 bit patterns whatever the class.
 //
 // Writing protocol for one forward step of n new tokens of a sequence:
 //   reserve(seq, n);                           // blocks for positions [length, length + n)
@@ -12,15 +22,18 @@
 // Attention during the step reads up to written_tokens(seq, layer), which may exceed length.
 //
 // Thread safety: not thread-safe for mutation. The const readers (block_table, page_bf16,
-// read_token_range_ref, length, ...) may run concurrently with each other while nothing mutates.
+// page_bytes_of, read_token_range_ref, length, ...) may run concurrently with each other while
+// nothing mutates.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
 #include "cache/page_pool.h"
+#include "codec/gaac.h"
 #include "format/page.h"
 
 namespace certkv::cache {
@@ -28,6 +41,14 @@ namespace certkv::cache {
 using SeqId = int64_t;
 
 enum class KvTensor : int { kKey = 0, kValue = 1 };
+
+// How the cache stores complete blocks (see the top of this file).
+enum class KvScheme : int { kBf16 = 0, kGaac = 1 };
+
+// "bf16", "gaac".
+const char* kv_scheme_name(KvScheme scheme);
+// Throws certkv::Error kInvalidArgument naming the unknown scheme and the known ones.
+KvScheme parse_kv_scheme(std::string_view name);
 
 struct KvCacheConfig {
   int n_layers = 0;
@@ -37,16 +58,23 @@ struct KvCacheConfig {
   // Capacity over all sequences, in tokens; every (layer, K/V, kv_head) may hold
   // ceil(max_tokens / block_tokens) pages. A sequence's partial tail block takes a whole page.
   int64_t max_tokens = 0;
-  // Pages per allocator chunk; 0 picks 4 blocks of every (layer, K/V, kv_head).
+  // Pages per allocator chunk of each pool; 0 picks, for kBf16, 4 blocks of every (layer, K/V,
+  // kv_head); for kGaac, 1 block of every table a slot pool serves, and 2 * n_kv_heads pages
+  // (one layer's K and V) for the raw pool, which holds only tails and fallbacks.
   uint32_t pages_per_chunk = 0;
+  KvScheme scheme = KvScheme::kBf16;
+  // kGaac: bases and escape capacities (shared, immutable). REQUIRES for kGaac: not null, BF16
+  // element, and a shape equal to (n_layers, n_kv_heads, head_dim, block_tokens).
+  std::shared_ptr<const codec::GaacCalibration> gaac_calibration;
 };
 
 struct StorageClassStats {
   format::StorageClass storage;
   uint64_t bytes_reserved_from_allocator;  // sum of chunk sizes obtained from the system
-  uint64_t page_bytes_in_use;              // pages_in_use * page stride
+  uint64_t page_bytes_in_use;              // pages_in_use * page stride (summed over its pools)
   uint64_t pages_in_use;
   uint64_t pages_free;                     // obtained from the system, on the free list
+  uint64_t n_pools;                        // gaac: one pool per distinct slot stride
 };
 
 struct MemoryStats {
@@ -60,8 +88,10 @@ struct MemoryStats {
 
 class KvCache {
  public:
-  // Throws certkv::Error naming the field: kInvalidArgument for a non-positive dimension or a
-  // capacity above 2^32 - 2 pages, kUnsupported for a head_dim not a multiple of 8 or above 256.
+  // Throws certkv::Error naming the field: kInvalidArgument for a non-positive dimension, a
+  // capacity above 2^32 - 2 pages, or (gaac) a missing calibration or one of another shape or
+  // element; kUnsupported for a head_dim not a multiple of 8 or above 256, or (gaac) one that
+  // does not split into GAAC tiles.
   explicit KvCache(const KvCacheConfig& config);
   ~KvCache();
   KvCache(const KvCache&) = delete;
@@ -70,7 +100,8 @@ class KvCache {
   const KvCacheConfig& config() const { return config_; }
   int block_tokens() const { return config_.block_tokens; }
   int head_dim() const { return config_.head_dim; }
-  // Bytes of one page's data: block_tokens * head_dim * 2.
+  KvScheme scheme() const { return config_.scheme; }
+  // Bytes of one raw page's data: block_tokens * head_dim * 2.
   size_t page_bytes() const;
 
   // Sequences. Ids are never reused. Every function taking a SeqId throws certkv::Error
@@ -95,15 +126,19 @@ class KvCache {
   // Logical blocks in every block table of the sequence: ceil(reserved_tokens / block_tokens).
   int64_t n_blocks(SeqId seq) const;
 
-  // Makes pages exist for positions [length, length + n) in every (layer, K/V, kv_head); a tail
-  // block shared with another sequence is first copied. Calling again before commit extends the
-  // reservation to length + n if that is larger.
-  // REQUIRES: n >= 0. Throws kOutOfMemory, leaving the sequence unchanged, when the pool cannot
-  // supply every page needed.
+  // Makes room for positions [length, length + n) in every (layer, K/V, kv_head); a tail block
+  // shared with another sequence is first copied. Calling again before commit extends the
+  // reservation to length + n if that is larger. kBf16 takes the new blocks' pages now; kGaac
+  // counts them against the capacity and takes each page (slot or raw) when write() knows the
+  // block's class.
+  // REQUIRES: n >= 0. Throws kOutOfMemory, leaving the sequence unchanged, when the capacity
+  // (max_tokens) or the pool cannot supply every page needed.
   void reserve(SeqId seq, int64_t n);
   // k, v: [n][n_kv_heads][head_dim] float. Stores bf16 (round to nearest even) at positions
-  // [length, length + n) of this layer.
-  // REQUIRES: 0 <= layer < n_layers; 1 <= n; length + n <= reserved_tokens.
+  // [length, length + n) of this layer; kGaac finalizes the blocks whose last row it stores.
+  // REQUIRES: 0 <= layer < n_layers; 1 <= n; length + n <= reserved_tokens. kGaac may throw
+  // kOutOfMemory when the system allocator refuses a pool chunk (the capacity was checked by
+  // reserve); the sequence must then be freed.
   void write(SeqId seq, int layer, const float* k, const float* v, int64_t n);
   // length += n. REQUIRES: length + n <= reserved_tokens, and every layer written through
   // length + n.
@@ -112,11 +147,18 @@ class KvCache {
   // Block table of (seq, layer, kv, kv_head): n_blocks(seq) entries. The pointer is valid until
   // the next reserve/fork/free touching this sequence.
   const format::PageRef* block_table(SeqId seq, int layer, KvTensor kv, int kv_head) const;
-  // page: [block_tokens][head_dim] bf16. REQUIRES: ref.storage == kBf16 and a page of this
-  // cache's pool (checked, certkv::Error).
+  // page: [block_tokens][head_dim] bf16. REQUIRES: ref.storage == kBf16 and a page in use of
+  // this cache's pool (checked, certkv::Error).
   const uint16_t* page_bf16(format::PageRef ref) const;
-  // out: [end - begin][head_dim] float, decoded from bf16.
-  // REQUIRES: 0 <= begin <= end <= written_tokens(seq, layer).
+  // The bytes of a page of any class: a raw page or a GAAC slot. REQUIRES: a page in use of this
+  // cache (checked, certkv::Error).
+  const uint8_t* page_bytes_of(format::PageRef ref) const;
+  // kGaac: the bases of one (layer, K/V, kv_head) and the slot bytes of a (layer, K/V).
+  // REQUIRES: scheme() == kGaac and indices in range (certkv::Error otherwise).
+  const codec::GaacBases& gaac_bases(int layer, KvTensor kv, int kv_head) const;
+  size_t gaac_slot_bytes(int layer, KvTensor kv) const;
+  // out: [end - begin][head_dim] float, decoded from bf16 (GAAC pages through the codec's _ref
+  // decoder). REQUIRES: 0 <= begin <= end <= written_tokens(seq, layer).
   void read_token_range_ref(SeqId seq, int layer, KvTensor kv, int kv_head, int64_t begin,
                             int64_t end, float* out) const;
 
@@ -127,7 +169,12 @@ class KvCache {
   // Bytes a plain contiguous BF16 cache takes for n_tokens: K and V, 2 bytes per element.
   uint64_t kv_bytes_bf16(int64_t n_tokens) const;
 
+  // The raw pool (kBf16). REQUIRES: storage == kBf16 (certkv::Error otherwise); the gaac class
+  // has one pool per slot stride, see slot_pool.
   const PagePool& pool(format::StorageClass storage) const;
+  size_t n_slot_pools() const { return slot_pools_.size(); }
+  // REQUIRES: i < n_slot_pools() (certkv::Error otherwise).
+  const PagePool& slot_pool(size_t i) const;
 
  private:
   struct Sequence {
@@ -143,10 +190,31 @@ class KvCache {
   void check_kv_head(int kv_head, const char* what) const;
   size_t table_index(int layer, KvTensor kv, int kv_head) const;
   uint16_t* page_bf16_mutable(format::PageRef ref);
+  PagePool& pool_of(format::PageRef ref);
+  const PagePool& pool_of(format::PageRef ref) const;
+  void retain(format::PageRef ref);
+  void release(format::PageRef& ref);  // releases and marks the entry kNoPage (a no-op on kNoPage)
   void release_tables(Sequence& s);
+  uint64_t pages_in_use_all() const;
+  void reserve_pending(Sequence& s, SeqId seq, int64_t n);
+  void write_gaac(Sequence& s, int layer, KvTensor kv, int kv_head, const float* x, int64_t n);
+  // Replaces `ref` by the encoded block (a slot when it fits, else a raw page holding `block`;
+  // an owned raw `ref` is reused for that). block: [block_tokens][head_dim] bf16.
+  void finalize_block(int layer, KvTensor kv, int kv_head, const uint16_t* block,
+                      format::PageRef& ref);
+  // Makes `ref` an owned raw page holding the same rows (a pending entry gets a fresh page).
+  void make_raw(int layer, KvTensor kv, int kv_head, format::PageRef& ref);
 
   KvCacheConfig config_;
+  uint64_t capacity_pages_ = 0;  // per class pool and for all classes together
   std::unique_ptr<PagePool> bf16_pool_;
+  std::vector<std::unique_ptr<PagePool>> slot_pools_;  // gaac: one per distinct slot stride
+  std::vector<uint8_t> slot_pool_of_;                  // gaac: [layer * 2 + kv] -> slot_pools_
+  std::vector<size_t> slot_bytes_;                     // gaac: [layer * 2 + kv]
+  // gaac: block table entries reserved but not yet holding a page (kNoPage), counted against
+  // capacity_pages_.
+  uint64_t n_pending_ = 0;
+  std::vector<uint16_t> block_scratch_;  // one block of bf16, for write()
   std::unordered_map<SeqId, Sequence> sequences_;
   SeqId next_id_ = 1;
 };

@@ -10,7 +10,7 @@ namespace certkv::cache {
 
 namespace {
 
-constexpr size_t kPageAlignBytes = 64;
+constexpr size_t kChunkAlignBytes = 64;
 
 std::string pool_name(format::StorageClass storage) {
   return std::string("page pool (") + format::storage_class_name(storage) + ")";
@@ -19,17 +19,23 @@ std::string pool_name(format::StorageClass storage) {
 }  // namespace
 
 void PagePool::AlignedDelete::operator()(uint8_t* p) const {
-  ::operator delete[](p, std::align_val_t(kPageAlignBytes));
+  ::operator delete[](p, std::align_val_t(kChunkAlignBytes));
 }
 
 PagePool::PagePool(format::StorageClass storage, size_t page_bytes, uint32_t capacity_pages,
-                   uint32_t pages_per_chunk)
+                   uint32_t pages_per_chunk, size_t page_align_bytes)
     : storage_(storage),
       page_bytes_(page_bytes),
-      page_stride_bytes_((page_bytes + kPageAlignBytes - 1) / kPageAlignBytes * kPageAlignBytes),
       capacity_pages_(capacity_pages),
       pages_per_chunk_(pages_per_chunk) {
   if (page_bytes == 0) fail(StatusCode::kInvalidArgument, pool_name(storage) + ": page_bytes is 0");
+  if (page_align_bytes == 0 || page_align_bytes > kChunkAlignBytes ||
+      (page_align_bytes & (page_align_bytes - 1)) != 0) {
+    fail(StatusCode::kInvalidArgument, pool_name(storage) + ": page_align_bytes " +
+                                           std::to_string(page_align_bytes) +
+                                           " is not a power of two in [1, 64]");
+  }
+  page_stride_bytes_ = (page_bytes + page_align_bytes - 1) / page_align_bytes * page_align_bytes;
   if (pages_per_chunk == 0) {
     fail(StatusCode::kInvalidArgument, pool_name(storage) + ": pages_per_chunk is 0");
   }
@@ -41,7 +47,7 @@ void PagePool::grow() {
   const uint32_t n_pages = std::min(pages_per_chunk_, capacity_pages_ - pages_obtained_);
   const size_t chunk_bytes = size_t(n_pages) * page_stride_bytes_;
   uint8_t* chunk = static_cast<uint8_t*>(
-      ::operator new[](chunk_bytes, std::align_val_t(kPageAlignBytes), std::nothrow));
+      ::operator new[](chunk_bytes, std::align_val_t(kChunkAlignBytes), std::nothrow));
   if (chunk == nullptr) {
     fail(StatusCode::kOutOfMemory, pool_name(storage_) + ": the system allocator refused a chunk of " +
                                        std::to_string(chunk_bytes) + " bytes");

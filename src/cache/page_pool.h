@@ -4,7 +4,7 @@
 // Pages are numbered 0, 1, 2, ... in the order the pool first obtains them. Memory comes from the
 // system allocator in chunks of `pages_per_chunk` pages (the last chunk is cut to the capacity),
 // each chunk 64-byte aligned; a page starts at a multiple of `page_stride_bytes` (page_bytes rounded
-// up to 64) inside its chunk, so every page is 64-byte aligned. Chunks are never returned to the
+// up to `page_align_bytes`, 64 by default) inside its chunk, so every page is that aligned. Chunks are never returned to the
 // system before the pool is destroyed; a page whose ref count drops to zero goes to the free list,
 // and allocate() takes from the free list before it grows the pool.
 //
@@ -22,9 +22,10 @@ namespace certkv::cache {
 
 class PagePool {
  public:
-  // REQUIRES: page_bytes >= 1, pages_per_chunk >= 1. capacity_pages may be 0 (every allocate fails).
+  // REQUIRES: page_bytes >= 1, pages_per_chunk >= 1, page_align_bytes a power of two in
+  // [1, 64]. capacity_pages may be 0 (every allocate fails).
   PagePool(format::StorageClass storage, size_t page_bytes, uint32_t capacity_pages,
-           uint32_t pages_per_chunk);
+           uint32_t pages_per_chunk, size_t page_align_bytes = 64);
   ~PagePool();
   PagePool(const PagePool&) = delete;
   PagePool& operator=(const PagePool&) = delete;

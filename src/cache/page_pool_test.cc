@@ -123,6 +123,24 @@ TEST(PagePool, ZeroCapacityRefusesEveryAllocation) {
 TEST(PagePool, BadConstructionArguments) {
   EXPECT_THROW(PagePool(StorageClass::kBf16, 0, 4, 4), Error);
   EXPECT_THROW(PagePool(StorageClass::kBf16, kPageBytes, 4, 0), Error);
+  for (size_t align : {size_t(0), size_t(3), size_t(48), size_t(128)}) {
+    EXPECT_THROW(PagePool(StorageClass::kGaac, kPageBytes, 4, 4, align), Error) << align;
+  }
+}
+
+TEST(PagePool, SmallerAlignmentPacksSlotsTighter) {
+  // A GAAC slot of SmolLM2's shape: 1440 fixed bytes + 37 escape bytes.
+  constexpr size_t kSlotBytes = 1477;
+  PagePool packed(StorageClass::kGaac, kSlotBytes, 16, 8, /*page_align_bytes=*/16);
+  PagePool padded(StorageClass::kGaac, kSlotBytes, 16, 8);
+  EXPECT_EQ(packed.page_stride_bytes(), 1488u);
+  EXPECT_EQ(padded.page_stride_bytes(), 1536u);
+  PagePool unaligned(StorageClass::kGaac, kSlotBytes, 16, 8, 1);
+  EXPECT_EQ(unaligned.page_stride_bytes(), kSlotBytes);
+  const uint32_t a = packed.allocate(), b = packed.allocate();
+  EXPECT_EQ(packed.data(b) - packed.data(a), 1488);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(packed.data(b)) % 16, 0u);
+  EXPECT_EQ(packed.bytes_from_allocator(), 8u * 1488u);
 }
 
 #if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))

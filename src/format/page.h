@@ -6,24 +6,29 @@
 
 namespace certkv::format {
 
-// How a page's bytes encode its block. Only kBf16 exists in this version; the codecs of
-// DESIGN.md sections 3-4 add their classes here, and the cache and kernels dispatch on it.
+// How a page's bytes encode its block; the cache and the kernels dispatch on it. The codecs of
+// DESIGN.md section 4 add their classes here.
 enum class StorageClass : uint8_t {
   kBf16 = 0,  // raw: [block_tokens][head_dim] bf16, token-major
+  kGaac = 1,  // GAAC slot (lossless, docs/format/gaac.md): fixed part + calibrated escape capacity
 };
+
+inline constexpr int kNumStorageClasses = 2;
 
 inline const char* storage_class_name(StorageClass c) {
   switch (c) {
     case StorageClass::kBf16: return "bf16";
+    case StorageClass::kGaac: return "gaac";
   }
   return "unknown";
 }
 
 // One entry of a block table: which physical page holds a logical block, and how it is stored.
 struct PageRef {
-  uint32_t page;          // index into the pool of its storage class
+  uint32_t page;          // index into its pool
   StorageClass storage;   // class of that pool
-  uint8_t reserved[3];
+  uint8_t pool;           // which pool of the class (GAAC slot pools differ by slot size); 0 for bf16
+  uint8_t reserved[2];
 };
 static_assert(sizeof(PageRef) == 8);
 

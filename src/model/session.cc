@@ -56,6 +56,9 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
     fail(StatusCode::kInvalidArgument, "block_tokens must be in [1, 4096]");
   if (config.prefill_chunk_tokens < 1)
     fail(StatusCode::kInvalidArgument, "prefill chunk must be positive");
+  if (config.kv_scheme == cache::KvScheme::kGaac && !config.gaac_calibration)
+    fail(StatusCode::kInvalidArgument,
+         "KV scheme gaac needs a GAAC calibration of this model (SessionConfig.gaac_calibration)");
   pool_ = std::make_unique<ThreadPool>(config.n_threads);
   cache::KvCacheConfig kv;
   kv.n_layers = c.n_layers;
@@ -63,6 +66,8 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
   kv.head_dim = c.head_dim;
   kv.block_tokens = config.block_tokens;
   kv.max_tokens = context_tokens_;
+  kv.scheme = config.kv_scheme;
+  kv.gaac_calibration = config.gaac_calibration;
   cache_ = std::make_unique<cache::KvCache>(kv);
   seq_ = cache_->create_sequence();
   if (config.capture_queries) last_queries_.assign(c.n_layers, {});

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cache/kv_cache.h"
+#include "codec/gaac.h"
 #include "core/thread_pool.h"
 #include "model/matmul_float.h"
 #include "model/model.h"
@@ -28,6 +29,10 @@ struct SessionConfig {
   int prefill_chunk_tokens = 512;  // prefill runs in chunks of this many tokens
   bool capture_queries = false;    // keep the post-RoPE queries of the last position per layer
   ActivationFormat activations = ActivationFormat::kInt8;  // arithmetic of the weight products
+  cache::KvScheme kv_scheme = cache::KvScheme::kBf16;      // how the KV cache stores full blocks
+  // REQUIRED for kv_scheme kGaac: the model's calibration (codec::GaacCalibration::load), shared
+  // by every session of the model; its shape must match the model and block_tokens.
+  std::shared_ptr<const codec::GaacCalibration> gaac_calibration;
 };
 
 // progress(done_tokens, total_tokens), called after each prefill chunk.
@@ -35,7 +40,8 @@ using ProgressFn = std::function<void(int64_t done, int64_t total)>;
 
 class Session {
  public:
-  // REQUIRES: model outlives the session. Throws certkv::Error for a bad configuration.
+  // REQUIRES: model outlives the session. Throws certkv::Error for a bad configuration (a gaac
+  // scheme without a calibration, or with one of another model: kInvalidArgument).
   Session(const Model& model, const SessionConfig& config);
   ~Session();
 

@@ -2,6 +2,7 @@
 //   certkv run      generate text with a model (embedded default: SmolLM2-135M-Instruct)
 //   certkv dump-kv  write post-RoPE K/V of a prefill, and the last queries, to safetensors
 //   certkv info     print a model's configuration
+//   certkv codec    GAAC on a KV dump: calibrate, encode, verify, measure
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,95 +20,33 @@
 
 #include "certkv/certkv.hpp"
 #include "cli_json.h"
+#include "cmd_codec.h"
+#include "flags.h"
 #include "core/status.h"
 #include "format/safetensors.h"
 
 namespace {
 
+using certkv::tools::Flags;
 using certkv::tools::JsonObject;
+using certkv::tools::UsageError;
 
 constexpr const char* kUsage =
     "usage: certkv <command> [flags]\n"
     "commands:\n"
     "  run      generate text\n"
     "           [--model PATH] [--prompt TEXT | --prompt-file F] [--n N] [--ctx N] [--threads N]\n"
-    "           [--kv bf16] [--json] [--raw] [--system TEXT] [--temp T] [--top-k K] [--top-p P]\n"
+    "           [--kv bf16|gaac] [--gaac-calib CAL.safetensors] [--json] [--raw] [--system TEXT]\n"
+    "           [--temp T] [--top-k K] [--top-p P]\n"
     "           [--seed S] [--block-tokens N] [--activations int8|f32]\n"
     "  dump-kv  --model PATH --text-file F --tokens N --out FILE.safetensors [--layers LIST]\n"
     "           [--threads N]\n"
     "  info     [--model PATH] [--json]\n"
+    "  codec    --codec gaac|gaac-e4m3|gaac-e5m2 --calib CAL.safetensors[,CAL2...]\n"
+    "           --in KV.safetensors [--verify] [--json] [--save-calibration OUT]\n"
+    "           (CAL: KV dumps to calibrate from, or one saved calibration file)\n"
     "With no --model, the embedded default SmolLM2-135M-Instruct (models/, fetched by\n"
     "scripts/fetch_models.sh) is used.\n";
-
-// Thrown for a usage mistake: printed as one line, exit status 2.
-struct UsageError {
-  std::string message;
-};
-
-class Flags {
- public:
-  Flags(std::string command, std::map<std::string, bool> spec)
-      : command_(std::move(command)), spec_(std::move(spec)) {}
-
-  void parse(int argc, char** argv, int first) {
-    for (int i = first; i < argc; ++i) {
-      std::string a = argv[i];
-      if (a == "-h" || a == "--help") {
-        fputs(kUsage, stdout);
-        exit(0);
-      }
-      if (a.rfind("--", 0) != 0) throw UsageError{"unexpected argument '" + a + "'"};
-      std::string name = a.substr(2), value;
-      const size_t eq = name.find('=');
-      const bool inline_value = eq != std::string::npos;
-      if (inline_value) value = name.substr(eq + 1), name = name.substr(0, eq);
-      auto it = spec_.find(name);
-      if (it == spec_.end()) throw UsageError{"unknown flag --" + name};
-      if (it->second) {
-        if (!inline_value) {
-          if (i + 1 >= argc) throw UsageError{"flag --" + name + " needs a value"};
-          value = argv[++i];
-        }
-      } else if (inline_value) {
-        throw UsageError{"flag --" + name + " takes no value"};
-      }
-      if (values_.count(name)) throw UsageError{"flag --" + name + " given twice"};
-      values_[name] = value;
-    }
-  }
-
-  bool has(const std::string& name) const { return values_.count(name) != 0; }
-  std::string str(const std::string& name, const std::string& fallback = "") const {
-    auto it = values_.find(name);
-    return it == values_.end() ? fallback : it->second;
-  }
-  int64_t integer(const std::string& name, int64_t fallback, int64_t lo, int64_t hi) const {
-    if (!has(name)) return fallback;
-    const std::string& v = values_.at(name);
-    char* end = nullptr;
-    errno = 0;
-    const long long x = strtoll(v.c_str(), &end, 10);
-    if (v.empty() || *end != '\0' || errno != 0 || x < lo || x > hi)
-      throw UsageError{"flag --" + name + " expects an integer in [" + std::to_string(lo) + ", " +
-                       std::to_string(hi) + "], got '" + v + "'"};
-    return x;
-  }
-  double real(const std::string& name, double fallback, double lo, double hi) const {
-    if (!has(name)) return fallback;
-    const std::string& v = values_.at(name);
-    char* end = nullptr;
-    const double x = strtod(v.c_str(), &end);
-    if (v.empty() || *end != '\0' || !(x >= lo && x <= hi))
-      throw UsageError{"flag --" + name + " expects a number in [" + std::to_string(lo) + ", " +
-                       std::to_string(hi) + "], got '" + v + "'"};
-    return x;
-  }
-
- private:
-  std::string command_;
-  std::map<std::string, bool> spec_;  // name -> takes a value
-  std::map<std::string, std::string> values_;
-};
 
 std::string read_text_file(const std::string& path, const char* flag) {
   std::ifstream in(path, std::ios::binary);
@@ -126,7 +65,7 @@ std::string model_path(const Flags& flags) {
 struct ProgressBar {
   bool enabled = false;
   bool tty = false;
-  int64_t last_percent = -1;
+  int64_t last_percent = -100;  // so the first chunk always prints
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
 };
 
@@ -161,12 +100,19 @@ int on_token(void* user, int32_t, const char* piece, size_t n) {
   return 0;
 }
 
+// {"bf16": pages, "gaac": pages}: the KV pages in use per storage class.
+std::string kv_pages_by_class(const certkv_kv_stats& kvs) {
+  JsonObject o;
+  for (int32_t i = 0; i < kvs.n_classes; ++i) o.add(kvs.by_class[i].storage, kvs.by_class[i].pages_in_use);
+  return o.str();
+}
+
 int cmd_run(int argc, char** argv) {
   Flags flags("run", {{"model", true}, {"prompt", true}, {"prompt-file", true}, {"n", true},
                       {"ctx", true}, {"threads", true}, {"kv", true}, {"json", false},
                       {"raw", false}, {"system", true}, {"temp", true}, {"top-k", true},
                       {"top-p", true}, {"seed", true}, {"block-tokens", true},
-                      {"activations", true}});
+                      {"activations", true}, {"gaac-calib", true}}, kUsage);
   flags.parse(argc, argv, 2);
   if (flags.has("prompt") && flags.has("prompt-file"))
     throw UsageError{"give --prompt or --prompt-file, not both"};
@@ -178,7 +124,11 @@ int cmd_run(int argc, char** argv) {
   const int64_t threads = flags.integer("threads", 2, 1, 256);
   const int64_t block_tokens = flags.integer("block-tokens", 16, 1, 4096);
   const std::string kv = flags.str("kv", "bf16");
-  if (kv != "bf16") throw UsageError{"flag --kv: unknown KV scheme '" + kv + "' (available: bf16)"};
+  if (kv != "bf16" && kv != "gaac")
+    throw UsageError{"flag --kv: unknown KV scheme '" + kv + "' (available: bf16, gaac)"};
+  const std::string gaac_calib = flags.str("gaac-calib");
+  if (kv == "gaac" && gaac_calib.empty())
+    throw UsageError{"flag --kv gaac needs --gaac-calib FILE (a GAAC calibration of this model)"};
   const std::string activations = flags.str("activations", "int8");
   if (activations != "int8" && activations != "f32")
     throw UsageError{"flag --activations: expected int8 or f32, got '" + activations + "'"};
@@ -207,6 +157,7 @@ int cmd_run(int argc, char** argv) {
   params.n_threads = int32_t(threads);
   params.block_tokens = int32_t(block_tokens);
   params.kv = kv.c_str();
+  if (kv == "gaac") params.gaac_calibration = gaac_calib.c_str();
   params.activations = activations.c_str();
   if (int64_t(tokens.size()) > params.context_tokens)
     throw UsageError{"the prompt has " + std::to_string(tokens.size()) +
@@ -249,6 +200,7 @@ int cmd_run(int argc, char** argv) {
         .add("kv_bytes_in_use", kvs.kv_bytes_in_use)
         .add("kv_bytes_bf16", kvs.kv_bytes_bf16)
         .add("kv_tokens", int64_t(kvs.n_tokens))
+        .add_raw("kv_pages_by_class", kv_pages_by_class(kvs))
         .add("peak_rss_bytes", rss);
     printf("%s\n", o.str().c_str());
   } else {
@@ -295,7 +247,7 @@ std::vector<int> parse_layers(const std::string& spec, int n_layers) {
 
 int cmd_dump_kv(int argc, char** argv) {
   Flags flags("dump-kv", {{"model", true}, {"text-file", true}, {"tokens", true}, {"out", true},
-                          {"layers", true}, {"threads", true}});
+                          {"layers", true}, {"threads", true}}, kUsage);
   flags.parse(argc, argv, 2);
   for (const char* required : {"text-file", "tokens", "out"})
     if (!flags.has(required)) throw UsageError{std::string("flag --") + required + " is required"};
@@ -376,7 +328,7 @@ int cmd_dump_kv(int argc, char** argv) {
 }
 
 int cmd_info(int argc, char** argv) {
-  Flags flags("info", {{"model", true}, {"json", false}});
+  Flags flags("info", {{"model", true}, {"json", false}}, kUsage);
   flags.parse(argc, argv, 2);
   certkv::Model model(model_path(flags));
   const certkv_model_info i = model.info();
@@ -411,11 +363,12 @@ int main(int argc, char** argv) {
     if (command == "run") return cmd_run(argc, argv);
     if (command == "dump-kv") return cmd_dump_kv(argc, argv);
     if (command == "info") return cmd_info(argc, argv);
+    if (command == "codec") return certkv::tools::cmd_codec(argc, argv);
     if (command == "-h" || command == "--help" || command == "help") {
       fputs(kUsage, stdout);
       return 0;
     }
-    fprintf(stderr, "certkv: unknown command '%s' (run, dump-kv, info)\n", command.c_str());
+    fprintf(stderr, "certkv: unknown command '%s' (run, dump-kv, info, codec)\n", command.c_str());
     return 2;
   } catch (const UsageError& e) {
     fprintf(stderr, "certkv %s: %s\n", command.c_str(), e.message.c_str());
