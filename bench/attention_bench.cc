@@ -1,17 +1,32 @@
-// Decode and prefill attention over the paged BF16 cache, SmolLM2-135M's shape (9 query heads,
+// Decode and prefill attention over the paged cache, SmolLM2-135M's shape (9 query heads,
 // 3 KV heads, head_dim 64, 16-token blocks), one layer. Counters: time_per_token is wall time per
 // token of context (decode) or per query token (prefill); kv_read is bf16 K+V bytes per second.
+//
+// BM_DecodeAttentionScheme compares GAAC pages with BF16 pages holding the same KV. The KV is
+// real when CERTKV_BENCH_KV names a `certkv dump-kv` file of SmolLM2 and
+// CERTKV_BENCH_GAAC_CALIBRATION a GAAC calibration of SmolLM2 made from another text: layer
+// CERTKV_BENCH_LAYER (default 15) of the dump, its whole blocks repeated up to 32K tokens.
+// Otherwise it is synthetic (per-channel scales 2^-4..2^4, normal values) with a calibration on
+// other synthetic data. Extra counters: stored_bytes_per_token (measured from the cache's pools)
+// and slot_fraction (blocks in GAAC slots).
 #include <benchmark/benchmark.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "attention/decode_attention.h"
 #include "cache/kv_cache.h"
+#include "codec/gaac.h"
 #include "core/thread_pool.h"
+#include "format/numeric.h"
+#include "format/safetensors.h"
 
 namespace {
 
@@ -66,6 +81,156 @@ std::vector<float> random_queries(int64_t n_tokens) {
 
 const AttentionShape kShape{kQHeads, kKvHeads, kHeadDim, 1.f / std::sqrt(float(kHeadDim))};
 
+constexpr int kBlockTokens = 16;
+
+// K and V rows of one layer: [n_tokens][kKvHeads][kHeadDim] bf16 bits each.
+struct LayerKv {
+  int64_t n_tokens = 0;
+  std::vector<uint16_t> k, v;
+  std::string source;
+};
+
+LayerKv synthetic_kv(int64_t n_tokens, uint32_t seed) {
+  LayerKv kv;
+  kv.n_tokens = n_tokens;
+  kv.source = "synthetic";
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (std::vector<uint16_t>* x : {&kv.k, &kv.v}) {
+    x->resize(size_t(n_tokens) * kKvHeads * kHeadDim);
+    for (size_t i = 0; i < x->size(); ++i) {
+      const int c = int(i % (kKvHeads * kHeadDim));
+      (*x)[i] = certkv::format::float_to_bf16(std::ldexp(normal(rng), (c * 5) % 9 - 4));
+    }
+  }
+  return kv;
+}
+
+// Layer `layer` of a dump-kv file: tensors [kKvHeads][N][kHeadDim] -> token-major rows.
+LayerKv dumped_kv(const std::string& path, int layer) {
+  auto file = certkv::format::SafetensorsFile::open(path);
+  LayerKv kv;
+  kv.source = path + " layer " + std::to_string(layer);
+  for (int which = 0; which < 2; ++which) {
+    const std::string name = "layer" + std::to_string(layer) + (which == 0 ? ".k" : ".v");
+    const certkv::format::SafetensorsTensor* t = file->find(name);
+    if (t == nullptr || t->dtype != "BF16" || t->shape.size() != 3 || t->shape[0] != kKvHeads ||
+        t->shape[2] != kHeadDim) {
+      fprintf(stderr, "attention_bench: %s has no BF16 tensor %s [%d, N, %d]\n", path.c_str(),
+              name.c_str(), kKvHeads, kHeadDim);
+      std::exit(1);
+    }
+    const int64_t n = t->shape[1];
+    kv.n_tokens = n;
+    std::vector<uint16_t>& x = which == 0 ? kv.k : kv.v;
+    x.resize(size_t(n) * kKvHeads * kHeadDim);
+    for (int h = 0; h < kKvHeads; ++h) {
+      for (int64_t p = 0; p < n; ++p) {
+        for (int c = 0; c < kHeadDim; ++c) {
+          uint16_t bits;
+          std::memcpy(&bits, t->data + ((size_t(h) * size_t(n) + size_t(p)) * kHeadDim + size_t(c)) * 2, 2);
+          x[(size_t(p) * kKvHeads + size_t(h)) * kHeadDim + size_t(c)] = bits;
+        }
+      }
+    }
+  }
+  return kv;
+}
+
+certkv::codec::GaacShape one_layer_shape() {
+  certkv::codec::GaacShape shape;
+  shape.n_layers = 1;
+  shape.n_kv_heads = kKvHeads;
+  shape.head_dim = kHeadDim;
+  shape.block_tokens = kBlockTokens;
+  return shape;
+}
+
+std::shared_ptr<const certkv::codec::GaacCalibration> calibrate_on(const LayerKv& kv) {
+  certkv::codec::GaacCalibrator calibrator(one_layer_shape());
+  std::vector<uint16_t> rows(size_t(kv.n_tokens) * kHeadDim);
+  for (int which = 0; which < 2; ++which) {
+    const std::vector<uint16_t>& x = which == 0 ? kv.k : kv.v;
+    for (int h = 0; h < kKvHeads; ++h) {
+      for (int64_t p = 0; p < kv.n_tokens; ++p) {
+        std::memcpy(&rows[size_t(p) * kHeadDim], &x[(size_t(p) * kKvHeads + size_t(h)) * kHeadDim], kHeadDim * 2);
+      }
+      calibrator.add_bf16(0, which, h, rows.data(), int(kv.n_tokens));
+    }
+  }
+  return std::make_shared<const certkv::codec::GaacCalibration>(calibrator.finish());
+}
+
+// Layer `layer` of a SmolLM2 calibration file as a one-layer calibration.
+std::shared_ptr<const certkv::codec::GaacCalibration> calibration_layer(const std::string& path,
+                                                                        int layer) {
+  certkv::codec::GaacShape smollm2 = one_layer_shape();
+  smollm2.n_layers = 30;
+  const certkv::codec::GaacCalibration full = certkv::codec::GaacCalibration::load(path, smollm2);
+  auto one = std::make_shared<certkv::codec::GaacCalibration>(one_layer_shape());
+  for (int which = 0; which < 2; ++which) {
+    one->set_escape_capacity_bytes(0, which, full.escape_capacity_bytes(layer, which));
+    for (int h = 0; h < kKvHeads; ++h) one->bases(0, which, h) = full.bases(layer, which, h);
+  }
+  return one;
+}
+
+// The same KV in a bf16 cache and in a gaac cache.
+struct SchemeCaches {
+  std::unique_ptr<cache::KvCache> kv[2];  // indexed by KvScheme
+  cache::SeqId seq[2];
+  std::string source;
+};
+
+const SchemeCaches& scheme_caches() {
+  static const SchemeCaches caches = [] {
+    const char* dump = std::getenv("CERTKV_BENCH_KV");
+    const char* cal_path = std::getenv("CERTKV_BENCH_GAAC_CALIBRATION");
+    const char* layer_env = std::getenv("CERTKV_BENCH_LAYER");
+    const int layer = layer_env != nullptr ? std::atoi(layer_env) : 15;
+    LayerKv kv;
+    std::shared_ptr<const certkv::codec::GaacCalibration> calibration;
+    if (dump != nullptr && cal_path != nullptr) {
+      kv = dumped_kv(dump, layer);
+      calibration = calibration_layer(cal_path, layer);
+    } else {
+      kv = synthetic_kv(4096, 11);
+      calibration = calibrate_on(synthetic_kv(4096, 12));
+    }
+    SchemeCaches c;
+    c.source = kv.source;
+    const int64_t period = kv.n_tokens / kBlockTokens * kBlockTokens;  // whole blocks repeat
+    constexpr int64_t kStep = 1024;
+    std::vector<float> k(kStep * kKvHeads * kHeadDim), v(k.size());
+    for (int scheme = 0; scheme < 2; ++scheme) {
+      cache::KvCacheConfig cfg;
+      cfg.n_layers = 1;
+      cfg.n_kv_heads = kKvHeads;
+      cfg.head_dim = kHeadDim;
+      cfg.block_tokens = kBlockTokens;
+      cfg.max_tokens = kMaxTokens;
+      cfg.scheme = cache::KvScheme(scheme);
+      if (cfg.scheme == cache::KvScheme::kGaac) cfg.gaac_calibration = calibration;
+      c.kv[scheme] = std::make_unique<cache::KvCache>(cfg);
+      c.seq[scheme] = c.kv[scheme]->create_sequence();
+      for (int64_t done = 0; done < kMaxTokens; done += kStep) {
+        for (int64_t i = 0; i < kStep; ++i) {
+          const size_t src = size_t((done + i) % period) * kKvHeads * kHeadDim;
+          for (size_t e = 0; e < size_t(kKvHeads * kHeadDim); ++e) {
+            k[size_t(i) * kKvHeads * kHeadDim + e] = certkv::format::bf16_to_float(kv.k[src + e]);
+            v[size_t(i) * kKvHeads * kHeadDim + e] = certkv::format::bf16_to_float(kv.v[src + e]);
+          }
+        }
+        c.kv[scheme]->reserve(c.seq[scheme], kStep);
+        c.kv[scheme]->write(c.seq[scheme], 0, k.data(), v.data(), kStep);
+        c.kv[scheme]->commit(c.seq[scheme], kStep);
+      }
+    }
+    return c;
+  }();
+  return caches;
+}
+
 // Args: n_ctx, threads.
 void BM_DecodeAttention(benchmark::State& state) {
   const int64_t n_ctx = state.range(0);
@@ -87,6 +252,41 @@ void BM_DecodeAttention(benchmark::State& state) {
 BENCHMARK(BM_DecodeAttention)
     ->ArgNames({"n_ctx", "threads"})
     ->ArgsProduct({{512, 4096, 32768}, {1, 2}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+
+// Args: scheme (0 bf16, 1 gaac), n_ctx, threads. The same KV in both caches; compare the two
+// scheme rows of one (n_ctx, threads) for the GAAC/BF16 time ratio.
+void BM_DecodeAttentionScheme(benchmark::State& state) {
+  const int scheme = int(state.range(0));
+  const int64_t n_ctx = state.range(1);
+  const int n_threads = int(state.range(2));
+  const SchemeCaches& c = scheme_caches();
+  const cache::KvCache& kv = *c.kv[scheme];
+  ThreadPool pool(n_threads);
+  const std::vector<float> q = random_queries(1);
+  std::vector<float> out(q.size());
+  for (auto _ : state) {
+    certkv::attention::decode_attention(kv, c.seq[scheme], 0, kShape, q.data(), n_ctx, out.data(), &pool);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  const cache::MemoryStats m = kv.memory_stats();
+  uint64_t slots = 0;
+  for (const cache::StorageClassStats& s : m.by_class) {
+    if (s.storage == certkv::format::StorageClass::kGaac) slots = s.pages_in_use;
+  }
+  state.SetLabel(std::string(cache::kv_scheme_name(kv.scheme())) + " " + c.source);
+  state.counters["time_per_token"] = benchmark::Counter(
+      double(n_ctx), benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+  state.counters["kv_read"] = benchmark::Counter(double(n_ctx) * 2 * kKvHeads * kHeadDim * 2,
+                                                 benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["stored_bytes_per_token"] = double(m.bytes_in_use) / double(kMaxTokens);
+  state.counters["slot_fraction"] = m.pages_in_use > 0 ? double(slots) / double(m.pages_in_use) : 0.0;
+}
+BENCHMARK(BM_DecodeAttentionScheme)
+    ->ArgNames({"scheme", "n_ctx", "threads"})
+    ->ArgsProduct({{0, 1}, {4096, 8192, 32768}, {1, 2}})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 

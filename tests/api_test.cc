@@ -103,10 +103,14 @@ TEST(CApi, TokenBufferProtocol) {
 TEST(CApi, BadSessionAndSamplerParameters) {
   certkv::Model model(stories_checkpoint(), stories_tokenizer());
   certkv_session_params sp = certkv_session_default_params();
-  sp.kv = "gaac";
+  sp.kv = "zstd";
   certkv_session* s = nullptr;
-  EXPECT_EQ(certkv_session_create(model.get(), &sp, &s), CERTKV_ERR_UNSUPPORTED);
-  EXPECT_NE(std::string(certkv_last_error()).find("gaac"), std::string::npos);
+  EXPECT_EQ(certkv_session_create(model.get(), &sp, &s), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(certkv_last_error()).find("zstd"), std::string::npos);
+  sp.kv = "gaac";  // needs a calibration file
+  EXPECT_EQ(certkv_session_create(model.get(), &sp, &s), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(certkv_last_error()).find("gaac_calibration"), std::string::npos);
+  EXPECT_EQ(s, nullptr);
   sp = certkv_session_default_params();
   sp.n_threads = 0;
   EXPECT_EQ(certkv_session_create(model.get(), &sp, &s), CERTKV_ERR_INVALID_ARGUMENT);

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "attention/gaac_rows.h"
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
 #include "format/numeric.h"
@@ -59,26 +60,27 @@ inline int64_t blocks_per_tile(int block_tokens, int head_dim) {
 struct TableReader {
   const cache::KvCache* cache;
   const format::PageRef* table;
+  int64_t n_entries;               // block table entries (n_blocks of the sequence)
   const codec::GaacBases* bases;  // null unless cache->scheme() == kGaac
   size_t slot_bytes;
-  codec::GaacKernel kernel;
+  GaacRowsKernel kernel;
 };
 
 inline TableReader table_reader(const cache::KvCache& cache, cache::SeqId seq, int layer,
                                 cache::KvTensor kv, int kv_head) {
-  TableReader r{&cache, cache.block_table(seq, layer, kv, kv_head), nullptr, 0,
-                codec::GaacKernel::kRef};
+  TableReader r{&cache, cache.block_table(seq, layer, kv, kv_head), cache.n_blocks(seq), nullptr,
+                0, GaacRowsKernel::kPortable};
   if (cache.scheme() == cache::KvScheme::kGaac) {
     r.bases = &cache.gaac_bases(layer, kv, kv_head);
     r.slot_bytes = cache.gaac_slot_bytes(layer, kv);
-    r.kernel = codec::gaac_best_kernel();
+    r.kernel = gaac_rows_best_kernel();
   }
   return r;
 }
 
 // Converts positions [begin, end) of one block table (K or V) to float rows, a page at a time:
-// raw pages from bf16, GAAC slots reconstructed by the codec straight into `out` (the same bit
-// patterns, so the same floats). out: [end - begin][head_dim].
+// raw pages from bf16, GAAC slots reconstructed straight into the rows by gaac_rows_to_float
+// (the same bit patterns as the raw page, so the same floats). out: [end - begin][head_dim].
 // REQUIRES: begin % block_tokens == 0; the positions are written.
 inline void load_tile(const TableReader& r, int64_t begin, int64_t end, float* out) {
   const cache::KvCache& cache = *r.cache;
@@ -89,8 +91,15 @@ inline void load_tile(const TableReader& r, int64_t begin, int64_t end, float* o
     const format::PageRef ref = r.table[start / bt];
     float* rows = out + size_t(start - begin) * d;
     if (ref.storage == format::StorageClass::kGaac && r.bases != nullptr) {
-      codec::gaac_decode_rows(cache.page_bytes_of(ref), r.slot_bytes, int(bt), int(d), *r.bases,
-                              0, int(n), rows, r.kernel);
+      // A slot is read as three streams (sign+mantissa, codes, tags) and escapes: fetch the next
+      // slot of the table while this one is decoded.
+      const int64_t next = start / bt + 1;
+      if (next < r.n_entries && r.table[next].storage == format::StorageClass::kGaac) {
+        const char* p = reinterpret_cast<const char*>(cache.page_bytes_of(r.table[next]));
+        for (size_t at = 0; at < r.slot_bytes; at += 64) __builtin_prefetch(p + at);
+      }
+      gaac_rows_to_float(cache.page_bytes_of(ref), r.slot_bytes, int(bt), int(d), *r.bases, int(n),
+                         rows, r.kernel);
     } else {
       bf16_to_float_rows(cache.page_bf16(ref), rows, size_t(n) * d);
     }

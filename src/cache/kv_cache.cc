@@ -37,7 +37,9 @@ PageRef bf16_ref(uint32_t page) {
 
 const char* kv_name(KvTensor kv) { return kv == KvTensor::kKey ? "K" : "V"; }
 
-// Slots hold byte streams read with unaligned loads; 16-byte strides waste at most 15 bytes.
+// Slot strides are multiples of 16 bytes (vector loads on the device): at most 15 bytes of padding.
+// SmolLM2's calibrated slots (1440 + 18..35 bytes) fall into two strides, 1472 and 1488 bytes,
+// 0.6% above their exact sizes; one pool of the largest slot would cost 1.0% more.
 constexpr size_t kSlotAlignBytes = 16;
 
 bool is_pending(const PageRef& ref) { return ref.page == format::kNoPage; }

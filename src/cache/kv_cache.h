@@ -145,7 +145,9 @@ class KvCache {
   void commit(SeqId seq, int64_t n);
 
   // Block table of (seq, layer, kv, kv_head): n_blocks(seq) entries. The pointer is valid until
-  // the next reserve/fork/free touching this sequence.
+  // the next reserve/fork/free touching this sequence; under kGaac, write() replaces entries in
+  // place (a finalized block changes class), and entries reserved but not yet written hold
+  // page kNoPage.
   const format::PageRef* block_table(SeqId seq, int layer, KvTensor kv, int kv_head) const;
   // page: [block_tokens][head_dim] bf16. REQUIRES: ref.storage == kBf16 and a page in use of
   // this cache's pool (checked, certkv::Error).

@@ -43,7 +43,7 @@ constexpr const char* kUsage =
     "           [--threads N]\n"
     "  info     [--model PATH] [--json]\n"
     "  codec    --codec gaac|gaac-e4m3|gaac-e5m2 --calib CAL.safetensors[,CAL2...]\n"
-    "           --in KV.safetensors [--verify] [--json] [--save-calibration OUT]\n"
+    "           [--in KV.safetensors] [--verify] [--json] [--save-calibration OUT] (certkv codec -h)\n"
     "           (CAL: KV dumps to calibrate from, or one saved calibration file)\n"
     "With no --model, the embedded default SmolLM2-135M-Instruct (models/, fetched by\n"
     "scripts/fetch_models.sh) is used.\n";
