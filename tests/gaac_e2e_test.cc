@@ -3,6 +3,7 @@
 // a 512- and a 4,096-token prompt; the calibration comes from the KV of another book. Bad KV
 // configurations through the C API are clear errors.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
@@ -21,6 +22,11 @@ namespace {
 
 using certkv::testing::shared_path;
 using certkv::testing::smollm2_gguf;
+
+// A file in the test temp folder, unique to this process (test binaries may run concurrently).
+std::string temp_path(const std::string& name) {
+  return ::testing::TempDir() + "/certkv_" + std::to_string(getpid()) + "_" + name;
+}
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -65,7 +71,7 @@ class GaacEndToEnd : public ::testing::Test {
         }
       }
     }
-    calibration_path_ = ::testing::TempDir() + "/gaac_e2e_calibration.safetensors";
+    calibration_path_ = temp_path("gaac_e2e_calibration.safetensors");
     calibrator.finish().save(calibration_path_);
   }
 
@@ -182,7 +188,7 @@ TEST_F(GaacEndToEnd, BadKvConfigurationsAreClearErrors) {
   other.n_kv_heads = 2;
   other.head_dim = 64;
   other.block_tokens = 16;
-  const std::string other_path = ::testing::TempDir() + "/gaac_e2e_other_model.safetensors";
+  const std::string other_path = temp_path("gaac_e2e_other_model.safetensors");
   certkv::codec::GaacCalibration(other).save(other_path);
   params.gaac_calibration = other_path.c_str();
   expect_session_error(*model_, params, CERTKV_ERR_INVALID_ARGUMENT, {other_path, "5"});
