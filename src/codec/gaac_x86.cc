@@ -3,7 +3,10 @@
 // has the instructions (the AVX-512 path needs F, BW and VBMI). Vector code splits elements into sign+mantissa and exponent bytes, forms
 // the offsets from b3 and b4 and tests the windows for 2 (AVX2) or 4 (AVX-512) groups at once;
 // BMI2 pext/pdep pack and unpack the 3-bit codes and escape bits of a group (one 64-bit word
-// holds a group's 8 byte-sized codes). Output is bit-identical to gaac_encode_page_ref.
+// holds a group's 8 byte-sized codes). Output is bit-identical to gaac_encode_page_ref and
+// gaac_decode_rows_ref. The row decoders write BF16 bits or floats (the BF16 bits shifted up by
+// 16, so the floats equal those of the raw page); both share one decode loop, templated on the
+// output element.
 #include <bit>
 #include <cstring>
 
@@ -147,16 +150,43 @@ __attribute__((target("avx2"))) inline __m128i join_bf16_sse(__m128i sm, __m128i
       _mm_and_si128(sm, _mm_set1_epi16(0x7f)));
 }
 
+// Stores of 8, 16 and 32 BF16 values as BF16 bits or as floats (bits << 16).
+__attribute__((target("avx2"))) inline void store_bf16x8(__m128i h, uint16_t* dst) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), h);
+}
+__attribute__((target("avx2"))) inline void store_bf16x8(__m128i h, float* dst) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+__attribute__((target("avx2"))) inline void store_bf16x16(__m256i h, uint16_t* dst) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), h);
+}
+__attribute__((target("avx2"))) inline void store_bf16x16(__m256i h, float* dst) {
+  store_bf16x8(_mm256_castsi256_si128(h), dst);
+  store_bf16x8(_mm256_extracti128_si256(h, 1), dst + 8);
+}
+__attribute__((target("avx512f,avx512bw,avx2"))) inline void store_bf16x32(__m512i h,
+                                                                           uint16_t* dst) {
+  _mm512_storeu_si512(dst, h);
+}
+__attribute__((target("avx512f,avx512bw,avx2"))) inline void store_bf16x32(__m512i h,
+                                                                           float* dst) {
+  _mm512_storeu_si512(dst, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+  _mm512_storeu_si512(dst + 16,
+                      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+}
+
+template <class Out>
 __attribute__((target("avx2,bmi2"))) void decode_group_sse(DecodeState& s,
                                                             const uint8_t* tile_start, int tile,
                                                             size_t group, const uint8_t* b3,
-                                                            const uint8_t* b4, uint16_t* dst) {
+                                                            const uint8_t* b4, Out* dst) {
   uint64_t e;
   decode_group(s, tile_start, tile, group, b3, b4, e);
   const __m128i sm = _mm_cvtepu8_epi16(
       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile_start + group * 8)));
   const __m128i ew = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(e)));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), join_bf16_sse(sm, ew));
+  store_bf16x8(join_bf16_sse(sm, ew), dst);
 }
 
 // The escapes of the groups before the first decoded one must lie inside the slot, as the
@@ -177,9 +207,12 @@ size_t escape_start(const PageGeometry& g, const uint8_t* tile_start, int tile,
 // Byte permutation and bit offsets that unpack the 3-bit codes of 8 groups (24 bytes, element i
 // of the row at bits [3i, 3i + 3)) into one byte per element: 64-bit lane k receives code bytes
 // 3k .. 3k + 2 (group k) and byte j of the lane takes bits [3j, 3j + 8) of it.
+// widen[r]: the byte permutation (of lo, then hi) that makes floats 16r .. 16r + 15 of 64
+// elements from their BF16 byte planes: float i takes bytes (0, 0, lo[16r + i], hi[16r + i]).
 struct alignas(64) CodeUnpackTables {
   uint8_t gather[64];
   uint8_t shifts[64];
+  uint8_t widen[4][64];
 };
 constexpr CodeUnpackTables make_code_unpack_tables() {
   CodeUnpackTables t{};
@@ -188,16 +221,57 @@ constexpr CodeUnpackTables make_code_unpack_tables() {
     t.gather[i] = uint8_t(3 * lane + (j < 3 ? j : 0));
     t.shifts[i] = uint8_t(3 * j);
   }
+  for (int r = 0; r < 4; ++r) {
+    for (int i = 0; i < 16; ++i) {
+      t.widen[r][4 * i] = t.widen[r][4 * i + 1] = 0;
+      t.widen[r][4 * i + 2] = uint8_t(16 * r + i);
+      t.widen[r][4 * i + 3] = uint8_t(64 + 16 * r + i);
+    }
+  }
   return t;
 }
 constexpr CodeUnpackTables kCodeUnpack = make_code_unpack_tables();
 
+// 64 elements from their sign+mantissa bytes and exponent bytes.
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) inline void store_64(__m512i sm,
+                                                                                  __m512i e,
+                                                                                  uint16_t* dst) {
+  const __m512i mask_sign = _mm512_set1_epi16(0x80);
+  const __m512i mask_mantissa = _mm512_set1_epi16(0x7f);
+  for (int half = 0; half < 2; ++half) {
+    const __m512i smw = _mm512_cvtepu8_epi16(half ? _mm512_extracti64x4_epi64(sm, 1)
+                                                  : _mm512_castsi512_si256(sm));
+    const __m512i ew = _mm512_cvtepu8_epi16(half ? _mm512_extracti64x4_epi64(e, 1)
+                                                 : _mm512_castsi512_si256(e));
+    const __m512i h = _mm512_or_si512(
+        _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(smw, mask_sign), 8),
+                        _mm512_slli_epi16(ew, 7)),
+        _mm512_and_si512(smw, mask_mantissa));
+    _mm512_storeu_si512(dst + 32 * half, h);
+  }
+}
+// As floats: the BF16 as two byte planes, lo = (e & 1) << 7 | mantissa and hi = sign | e >> 1,
+// interleaved under two zero bytes by one two-source byte permute per 16 floats.
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) inline void store_64(__m512i sm,
+                                                                                  __m512i e,
+                                                                                  float* dst) {
+  const __m512i low7 = _mm512_set1_epi8(0x7f);
+  const __m512i lo = _mm512_ternarylogic_epi32(sm, _mm512_slli_epi16(e, 7), low7, 0xe4);
+  const __m512i hi = _mm512_ternarylogic_epi32(sm, _mm512_srli_epi16(e, 1), low7, 0xd8);
+  for (int r = 0; r < 4; ++r) {
+    _mm512_storeu_si512(dst + 16 * r,
+                        _mm512_maskz_permutex2var_epi8(0xccccccccccccccccull, lo,
+                                                       _mm512_load_si512(kCodeUnpack.widen[r]), hi));
+  }
+}
+
 // Decodes 8 consecutive groups (64 elements) of one token row with AVX-512 VBMI: one permute and
 // one multishift unpack all 3-bit codes; only 4-bit and raw groups take scalar work (their
 // escape bits, placed with pdep).
+template <class Out>
 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) inline void decode_8_groups_vbmi(
     DecodeState& s, const uint8_t* tile_start, int tile, size_t group0, const uint8_t* b3,
-    const uint8_t* b4, uint16_t* dst) {
+    const uint8_t* b4, Out* dst) {
   const PageGeometry& g = *s.g;
   const uint8_t* tags = tile_start + g.tag_offset;
   uint32_t tags16;
@@ -268,23 +342,8 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) inline void dec
     base = _mm512_maskz_mov_epi8(~raw, base);
   }
   e = _mm512_add_epi8(e, base);  // bytewise base + offset, no carries (windows in range)
-  const __m512i sm = _mm512_loadu_si512(tile_start + group0 * 8);
-  const __m512i mask_sign = _mm512_set1_epi16(0x80);
-  const __m512i mask_mantissa = _mm512_set1_epi16(0x7f);
-  for (int half = 0; half < 2; ++half) {
-    const __m512i smw = _mm512_cvtepu8_epi16(half ? _mm512_extracti64x4_epi64(sm, 1)
-                                                  : _mm512_castsi512_si256(sm));
-    const __m512i ew = _mm512_cvtepu8_epi16(half ? _mm512_extracti64x4_epi64(e, 1)
-                                                 : _mm512_castsi512_si256(e));
-    const __m512i h = _mm512_or_si512(
-        _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(smw, mask_sign), 8),
-                        _mm512_slli_epi16(ew, 7)),
-        _mm512_and_si512(smw, mask_mantissa));
-    _mm512_storeu_si512(dst + 32 * half, h);
-  }
+  store_64(_mm512_loadu_si512(tile_start + group0 * 8), e, dst);
 }
-
-}  // namespace
 
 __attribute__((target("avx2,bmi2"))) size_t encode_page_bf16_avx2(const uint16_t* bf16,
                                                                    const PageGeometry& g,
@@ -347,12 +406,12 @@ __attribute__((target("avx2,bmi2"))) size_t encode_page_bf16_avx2(const uint16_t
   return g.page_fixed_bytes + s.escape_used;
 }
 
-__attribute__((target("avx2,bmi2"))) void decode_rows_bf16_avx2(const uint8_t* slot,
-                                                                 size_t slot_bytes,
-                                                                 const PageGeometry& g,
-                                                                 const GaacBases& bases,
-                                                                 int token_begin, int token_end,
-                                                                 uint16_t* out) {
+template <class Out>
+__attribute__((target("avx2,bmi2"))) void decode_rows_avx2(const uint8_t* slot, size_t slot_bytes,
+                                                            const PageGeometry& g,
+                                                            const GaacBases& bases,
+                                                            int token_begin, int token_end,
+                                                            Out* out) {
   if (slot_bytes < g.page_fixed_bytes) fail_truncated_slot(g, slot_bytes);
   DecodeState s{&g, slot + g.page_fixed_bytes, slot_bytes - g.page_fixed_bytes, 0};
   const int gpt = g.groups_per_token;
@@ -364,8 +423,7 @@ __attribute__((target("avx2,bmi2"))) void decode_rows_bf16_avx2(const uint8_t* s
                                 size_t(token_begin) * size_t(gpt));
     check_escape_start(s, tile, size_t(token_begin) * size_t(gpt), token_begin < token_end);
     for (int token = token_begin; token < token_end; ++token) {
-      uint16_t* dst = out + size_t(token - token_begin) * size_t(g.head_dim) +
-                      size_t(tile_channel0);
+      Out* dst = out + size_t(token - token_begin) * size_t(g.head_dim) + size_t(tile_channel0);
       const size_t group0 = size_t(token) * size_t(gpt);
       int q = 0;
       for (; q + 2 <= gpt; q += 2) {
@@ -377,7 +435,7 @@ __attribute__((target("avx2,bmi2"))) void decode_rows_bf16_avx2(const uint8_t* s
         const __m256i sm = _mm256_cvtepu8_epi16(_mm_loadu_si128(
             reinterpret_cast<const __m128i*>(tile_start + (group0 + size_t(q)) * 8)));
         const __m256i ew = _mm256_cvtepu8_epi16(_mm_set_epi64x(int64_t(e1), int64_t(e0)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8 * q), join_bf16_avx2(sm, ew));
+        store_bf16x16(join_bf16_avx2(sm, ew), dst + 8 * q);
       }
       if (q < gpt) {
         const size_t c = size_t(tile_channel0 + 8 * q);
@@ -450,9 +508,10 @@ __attribute__((target("avx512f,avx512bw,avx2,bmi2"))) size_t encode_page_bf16_av
   return g.page_fixed_bytes + s.escape_used;
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) void decode_rows_bf16_avx512(
+template <class Out>
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) void decode_rows_avx512(
     const uint8_t* slot, size_t slot_bytes, const PageGeometry& g, const GaacBases& bases,
-    int token_begin, int token_end, uint16_t* out) {
+    int token_begin, int token_end, Out* out) {
   if (slot_bytes < g.page_fixed_bytes) fail_truncated_slot(g, slot_bytes);
   DecodeState s{&g, slot + g.page_fixed_bytes, slot_bytes - g.page_fixed_bytes, 0};
   const int gpt = g.groups_per_token;
@@ -466,8 +525,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) void decode_row
                                 size_t(token_begin) * size_t(gpt));
     check_escape_start(s, tile, size_t(token_begin) * size_t(gpt), token_begin < token_end);
     for (int token = token_begin; token < token_end; ++token) {
-      uint16_t* dst = out + size_t(token - token_begin) * size_t(g.head_dim) +
-                      size_t(tile_channel0);
+      Out* dst = out + size_t(token - token_begin) * size_t(g.head_dim) + size_t(tile_channel0);
       const size_t group0 = size_t(token) * size_t(gpt);
       int q = 0;
       for (; q + 8 <= gpt; q += 8) {
@@ -490,7 +548,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) void decode_row
             _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(sm, mask_sign), 8),
                             _mm512_slli_epi16(ew, 7)),
             _mm512_and_si512(sm, mask_mantissa));
-        _mm512_storeu_si512(dst + 8 * q, h);
+        store_bf16x32(h, dst + 8 * q);
       }
       for (; q < gpt; ++q) {
         const size_t c = size_t(tile_channel0 + 8 * q);
@@ -502,6 +560,26 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) void decode_row
       earlier_tiles_bytes += escape_bytes_of_tags(g, tile_start, tile, 0, g.tile_groups);
     }
   }
+}
+
+}  // namespace
+
+void decode_rows_bf16_avx2(const uint8_t* slot, size_t slot_bytes, const PageGeometry& g,
+                           const GaacBases& bases, int token_begin, int token_end, uint16_t* out) {
+  decode_rows_avx2(slot, slot_bytes, g, bases, token_begin, token_end, out);
+}
+void decode_rows_float_avx2(const uint8_t* slot, size_t slot_bytes, const PageGeometry& g,
+                            const GaacBases& bases, int token_begin, int token_end, float* out) {
+  decode_rows_avx2(slot, slot_bytes, g, bases, token_begin, token_end, out);
+}
+void decode_rows_bf16_avx512(const uint8_t* slot, size_t slot_bytes, const PageGeometry& g,
+                             const GaacBases& bases, int token_begin, int token_end,
+                             uint16_t* out) {
+  decode_rows_avx512(slot, slot_bytes, g, bases, token_begin, token_end, out);
+}
+void decode_rows_float_avx512(const uint8_t* slot, size_t slot_bytes, const PageGeometry& g,
+                              const GaacBases& bases, int token_begin, int token_end, float* out) {
+  decode_rows_avx512(slot, slot_bytes, g, bases, token_begin, token_end, out);
 }
 
 bool cpu_has_avx2() {
@@ -532,6 +610,14 @@ size_t encode_page_bf16_avx512(const uint16_t*, const PageGeometry&, const GaacB
 }
 void decode_rows_bf16_avx512(const uint8_t*, size_t, const PageGeometry&, const GaacBases&, int,
                              int, uint16_t*) {
+  fail_no_simd();
+}
+void decode_rows_float_avx2(const uint8_t*, size_t, const PageGeometry&, const GaacBases&, int,
+                            int, float*) {
+  fail_no_simd();
+}
+void decode_rows_float_avx512(const uint8_t*, size_t, const PageGeometry&, const GaacBases&, int,
+                              int, float*) {
   fail_no_simd();
 }
 bool cpu_has_avx2() { return false; }
