@@ -438,21 +438,22 @@ void GaacRowDecoder::decode_rows(const uint8_t* slot, size_t slot_bytes, int tok
 
 void GaacRowDecoder::decode_rows(const uint8_t* slot, size_t slot_bytes, int token_begin,
                                  int token_end, float* out) const {
-  const int head_dim = geometry_.head_dim;
-  check_rows(geometry_, token_begin, token_end);
-  // Each row is decoded as BF16 into the upper half of its own float row, then widened from
-  // the front: float c (bytes [4c, 4c + 4)) only overwrites BF16 values already read (BF16 c
-  // sits at bytes 2 * head_dim + 2c >= 4c for c < head_dim).
-  for (int token = token_begin; token < token_end; ++token) {
-    float* row = out + size_t(token - token_begin) * size_t(head_dim);
-    unsigned char* staged = reinterpret_cast<unsigned char*>(row) + 2 * size_t(head_dim);
-    decode_rows(slot, slot_bytes, token, token + 1, reinterpret_cast<uint16_t*>(staged));
-    for (int c = 0; c < head_dim; ++c) {
-      uint16_t h;
-      memcpy(&h, staged + 2 * size_t(c), sizeof h);
-      row[c] = format::bf16_to_float(h);
-    }
+  const PageGeometry& g = geometry_;
+  check_rows(g, token_begin, token_end);
+  switch (kernel_) {
+    case GaacKernel::kAvx512:
+      detail::decode_rows_float_avx512(slot, slot_bytes, g, *bases_, token_begin, token_end, out);
+      return;
+    case GaacKernel::kAvx2:
+      detail::decode_rows_float_avx2(slot, slot_bytes, g, *bases_, token_begin, token_end, out);
+      return;
+    case GaacKernel::kRef: break;
   }
+  decode_rows_ref(slot, slot_bytes, g, *bases_, token_begin, token_end,
+                  [&](int token, int channel, uint32_t v) {
+                    out[size_t(token - token_begin) * size_t(g.head_dim) + size_t(channel)] =
+                        format::bf16_to_float(static_cast<uint16_t>(v));
+                  });
 }
 
 void gaac_decode_rows(const uint8_t* slot, size_t slot_bytes, int block_tokens, int head_dim,

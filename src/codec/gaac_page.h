@@ -56,12 +56,16 @@ size_t encode_page_bf16_avx2(const uint16_t* bf16, const PageGeometry& g, const 
                              size_t escape_capacity_bytes, uint8_t* out);
 void decode_rows_bf16_avx2(const uint8_t* slot, size_t slot_bytes, const PageGeometry& g,
                            const GaacBases& bases, int token_begin, int token_end, uint16_t* out);
+void decode_rows_float_avx2(const uint8_t* slot, size_t slot_bytes, const PageGeometry& g,
+                            const GaacBases& bases, int token_begin, int token_end, float* out);
 size_t encode_page_bf16_avx512(const uint16_t* bf16, const PageGeometry& g,
                                const GaacBases& bases, size_t escape_capacity_bytes,
                                uint8_t* out);
 void decode_rows_bf16_avx512(const uint8_t* slot, size_t slot_bytes, const PageGeometry& g,
                              const GaacBases& bases, int token_begin, int token_end,
                              uint16_t* out);
+void decode_rows_float_avx512(const uint8_t* slot, size_t slot_bytes, const PageGeometry& g,
+                              const GaacBases& bases, int token_begin, int token_end, float* out);
 bool cpu_has_avx2();
 bool cpu_has_avx512();
 

@@ -345,6 +345,8 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) inline void dec
   store_64(_mm512_loadu_si512(tile_start + group0 * 8), e, dst);
 }
 
+}  // namespace
+
 __attribute__((target("avx2,bmi2"))) size_t encode_page_bf16_avx2(const uint16_t* bf16,
                                                                    const PageGeometry& g,
                                                                    const GaacBases& bases,
@@ -561,8 +563,6 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) void decode_row
     }
   }
 }
-
-}  // namespace
 
 void decode_rows_bf16_avx2(const uint8_t* slot, size_t slot_bytes, const PageGeometry& g,
                            const GaacBases& bases, int token_begin, int token_end, uint16_t* out) {
