@@ -194,7 +194,10 @@ void gaac_decode_rows(const uint8_t* slot, size_t slot_bytes, int block_tokens, 
 
 // BF16 row decoding bound to one page shape, one set of bases and one kernel, with the
 // arguments checked once at construction (as gaac_decode_rows checks them), so the calls of an
-// attention loop pay only for decoding. The bases are borrowed and must outlive the decoder.
+// attention loop pay only for decoding: build one per (page shape, bases) outside the loop over
+// pages. The float rows are the BF16 bit patterns shifted up by 16 (the floats of the raw page),
+// written by the same one-pass kernels as the BF16 rows (kAvx512 forms floats from the BF16 byte
+// planes with byte permutes). The bases are borrowed and must outlive the decoder.
 // Thread safety: const methods may run concurrently.
 class GaacRowDecoder {
  public:
