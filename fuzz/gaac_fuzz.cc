@@ -1,7 +1,7 @@
 // libFuzzer target for the GAAC page decoders: any slot bytes must either decode or throw
 // certkv::Error kCorrupt, never read past the slot (ASan), and every code path (plain, AVX2,
-// AVX-512) must agree. Also checks that encoding the decoded page and decoding again gives the
-// same values (the codec is lossless for any bases).
+// AVX-512) must agree, as BF16 bits and as floats. Also checks that encoding the decoded page
+// and decoding again gives the same values (the codec is lossless for any bases).
 // Input: 4 parameter bytes (element, block_tokens, head_dim choice, row range), 2 base bytes,
 // then the slot.
 #include <cstddef>
@@ -32,8 +32,16 @@ bool decode(GaacElement element, const std::vector<uint8_t>& slot, int t, int d,
       return true;
     }
     std::vector<uint16_t> rows(size_t(t1 - t0) * size_t(d));
-    certkv::codec::gaac_decode_rows(slot.data(), slot.size(), t, d, bases, t0, t1, rows.data(),
-                                    kernel);
+    const certkv::codec::GaacRowDecoder decoder(t, d, bases, kernel);
+    decoder.decode_rows(slot.data(), slot.size(), t0, t1, rows.data());
+    // The float rows must throw alike (they decode first) and be the BF16 bits shifted up by 16.
+    std::vector<float> floats(rows.size());
+    decoder.decode_rows(slot.data(), slot.size(), t0, t1, floats.data());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      uint32_t bits;
+      memcpy(&bits, &floats[i], sizeof bits);
+      if (bits != uint32_t(rows[i]) << 16) abort();
+    }
     out->resize(rows.size() * 2);
     memcpy(out->data(), rows.data(), out->size());
     return true;

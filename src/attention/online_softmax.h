@@ -11,8 +11,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 
-#include "attention/gaac_rows.h"
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
 #include "format/numeric.h"
@@ -60,27 +60,28 @@ inline int64_t blocks_per_tile(int block_tokens, int head_dim) {
 struct TableReader {
   const cache::KvCache* cache;
   const format::PageRef* table;
-  int64_t n_entries;               // block table entries (n_blocks of the sequence)
-  const codec::GaacBases* bases;  // null unless cache->scheme() == kGaac
+  int64_t n_entries;  // block table entries (n_blocks of the sequence)
   size_t slot_bytes;
-  GaacRowsKernel kernel;
+  // Bound to the table's bases (the cache's) and the best kernel; empty unless
+  // cache->scheme() == kGaac.
+  std::optional<codec::GaacRowDecoder> gaac;
 };
 
 inline TableReader table_reader(const cache::KvCache& cache, cache::SeqId seq, int layer,
                                 cache::KvTensor kv, int kv_head) {
-  TableReader r{&cache, cache.block_table(seq, layer, kv, kv_head), cache.n_blocks(seq), nullptr,
-                0, GaacRowsKernel::kPortable};
+  TableReader r{&cache, cache.block_table(seq, layer, kv, kv_head), cache.n_blocks(seq), 0,
+                std::nullopt};
   if (cache.scheme() == cache::KvScheme::kGaac) {
-    r.bases = &cache.gaac_bases(layer, kv, kv_head);
+    r.gaac.emplace(cache.block_tokens(), cache.head_dim(), cache.gaac_bases(layer, kv, kv_head));
     r.slot_bytes = cache.gaac_slot_bytes(layer, kv);
-    r.kernel = gaac_rows_best_kernel();
   }
   return r;
 }
 
 // Converts positions [begin, end) of one block table (K or V) to float rows, a page at a time:
-// raw pages from bf16, GAAC slots reconstructed straight into the rows by gaac_rows_to_float
-// (the same bit patterns as the raw page, so the same floats). out: [end - begin][head_dim].
+// raw pages from bf16, GAAC slots reconstructed straight into the rows by the table's
+// codec::GaacRowDecoder (the same bit patterns as the raw page, so the same floats).
+// out: [end - begin][head_dim].
 // REQUIRES: begin % block_tokens == 0; the positions are written.
 inline void load_tile(const TableReader& r, int64_t begin, int64_t end, float* out) {
   const cache::KvCache& cache = *r.cache;
@@ -90,7 +91,7 @@ inline void load_tile(const TableReader& r, int64_t begin, int64_t end, float* o
     const int64_t n = end - start < bt ? end - start : bt;
     const format::PageRef ref = r.table[start / bt];
     float* rows = out + size_t(start - begin) * d;
-    if (ref.storage == format::StorageClass::kGaac && r.bases != nullptr) {
+    if (ref.storage == format::StorageClass::kGaac && r.gaac) {
       // A slot is read as three streams (sign+mantissa, codes, tags) and escapes: fetch the next
       // slot of the table while this one is decoded.
       const int64_t next = start / bt + 1;
@@ -98,8 +99,7 @@ inline void load_tile(const TableReader& r, int64_t begin, int64_t end, float* o
         const char* p = reinterpret_cast<const char*>(cache.page_bytes_of(r.table[next]));
         for (size_t at = 0; at < r.slot_bytes; at += 64) __builtin_prefetch(p + at);
       }
-      gaac_rows_to_float(cache.page_bytes_of(ref), r.slot_bytes, int(bt), int(d), *r.bases, int(n),
-                         rows, r.kernel);
+      r.gaac->decode_rows(cache.page_bytes_of(ref), r.slot_bytes, 0, int(n), rows);
     } else {
       bf16_to_float_rows(cache.page_bf16(ref), rows, size_t(n) * d);
     }

@@ -232,10 +232,22 @@ constexpr CodeUnpackTables make_code_unpack_tables() {
 }
 constexpr CodeUnpackTables kCodeUnpack = make_code_unpack_tables();
 
+// The tables in registers, loaded once per decode call.
+struct VbmiTables {
+  __m512i gather, shifts, widen[4];
+};
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) inline VbmiTables load_vbmi_tables() {
+  return VbmiTables{_mm512_load_si512(kCodeUnpack.gather),
+                    _mm512_load_si512(kCodeUnpack.shifts),
+                    {_mm512_load_si512(kCodeUnpack.widen[0]),
+                     _mm512_load_si512(kCodeUnpack.widen[1]),
+                     _mm512_load_si512(kCodeUnpack.widen[2]),
+                     _mm512_load_si512(kCodeUnpack.widen[3])}};
+}
+
 // 64 elements from their sign+mantissa bytes and exponent bytes.
-__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) inline void store_64(__m512i sm,
-                                                                                  __m512i e,
-                                                                                  uint16_t* dst) {
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) inline void store_64(
+    const VbmiTables&, __m512i sm, __m512i e, uint16_t* dst) {
   const __m512i mask_sign = _mm512_set1_epi16(0x80);
   const __m512i mask_mantissa = _mm512_set1_epi16(0x7f);
   for (int half = 0; half < 2; ++half) {
@@ -252,16 +264,15 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) inline void store_64
 }
 // As floats: the BF16 as two byte planes, lo = (e & 1) << 7 | mantissa and hi = sign | e >> 1,
 // interleaved under two zero bytes by one two-source byte permute per 16 floats.
-__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) inline void store_64(__m512i sm,
-                                                                                  __m512i e,
-                                                                                  float* dst) {
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) inline void store_64(
+    const VbmiTables& tables, __m512i sm, __m512i e, float* dst) {
   const __m512i low7 = _mm512_set1_epi8(0x7f);
   const __m512i lo = _mm512_ternarylogic_epi32(sm, _mm512_slli_epi16(e, 7), low7, 0xe4);
   const __m512i hi = _mm512_ternarylogic_epi32(sm, _mm512_srli_epi16(e, 1), low7, 0xd8);
   for (int r = 0; r < 4; ++r) {
     _mm512_storeu_si512(dst + 16 * r,
                         _mm512_maskz_permutex2var_epi8(0xccccccccccccccccull, lo,
-                                                       _mm512_load_si512(kCodeUnpack.widen[r]), hi));
+                                                       tables.widen[r], hi));
   }
 }
 
@@ -270,8 +281,8 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) inline void store_64
 // escape bits, placed with pdep).
 template <class Out>
 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) inline void decode_8_groups_vbmi(
-    DecodeState& s, const uint8_t* tile_start, int tile, size_t group0, const uint8_t* b3,
-    const uint8_t* b4, Out* dst) {
+    DecodeState& s, const VbmiTables& tables, const uint8_t* tile_start, int tile, size_t group0,
+    const uint8_t* b3, const uint8_t* b4, Out* dst) {
   const PageGeometry& g = *s.g;
   const uint8_t* tags = tile_start + g.tag_offset;
   uint32_t tags16;
@@ -288,13 +299,30 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) inline void dec
   }
   const __m512i codes =
       _mm512_maskz_loadu_epi8(0xffffffull, tile_start + g.code_offset + group0 * 3);
-  const __m512i gathered = _mm512_permutexvar_epi8(
-      _mm512_load_si512(kCodeUnpack.gather), codes);
-  __m512i e = _mm512_and_si512(
-      _mm512_multishift_epi64_epi8(_mm512_load_si512(kCodeUnpack.shifts), gathered),
-      _mm512_set1_epi8(7));
+  const __m512i gathered = _mm512_permutexvar_epi8(tables.gather, codes);
+  __m512i e = _mm512_and_si512(_mm512_multishift_epi64_epi8(tables.shifts, gathered),
+                               _mm512_set1_epi8(7));
   __m512i base = _mm512_loadu_si512(b3);
-  if (tags16 != 0) {
+  const uint32_t four_bit_only = (tags16 & 0xaaaau) == 0 ? _pext_u32(tags16, 0x5555u) : 0;
+  const size_t n_four_bit = size_t(std::popcount(four_bit_only));
+  if (four_bit_only != 0 && s.escape_pos + n_four_bit <= s.area_bytes) {
+    // 3- and 4-bit groups only (bit k of four_bit_only: group k): their escape bytes are
+    // consecutive, one per 4-bit group in group order, bit j of it bit 3 of element j (one mask
+    // bit per byte lane).
+    const uint64_t lanes = _pdep_u64(four_bit_only, 0x0101010101010101ull) * 0xffu;
+    // Built in a register (a byte-wise memcpy into memory and a wide reload would stall store
+    // forwarding).
+    const uint8_t* escape = s.escapes + s.escape_pos;
+    uint64_t high_bytes = 0;
+    if (s.escape_pos + 8 <= s.area_bytes) {
+      high_bytes = _bzhi_u64(load_u64(escape), unsigned(8 * n_four_bit));
+    } else {
+      for (size_t i = 0; i < n_four_bit; ++i) high_bytes |= uint64_t(escape[i]) << (8 * i);
+    }
+    s.escape_pos += n_four_bit;
+    e = _mm512_mask_add_epi8(e, _pdep_u64(high_bytes, lanes), e, _mm512_set1_epi8(8));
+    base = _mm512_mask_blend_epi8(lanes, base, _mm512_loadu_si512(b4));
+  } else if (tags16 != 0) {
     const uint32_t low_bits = tags16 & 0x5555u;
     const uint32_t high_bits = (tags16 >> 1) & 0x5555u;
     const uint32_t four_bit_groups = _pext_u32(low_bits & ~high_bits, 0x5555u);  // bit k: group k
@@ -342,7 +370,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) inline void dec
     base = _mm512_maskz_mov_epi8(~raw, base);
   }
   e = _mm512_add_epi8(e, base);  // bytewise base + offset, no carries (windows in range)
-  store_64(_mm512_loadu_si512(tile_start + group0 * 8), e, dst);
+  store_64(tables, _mm512_loadu_si512(tile_start + group0 * 8), e, dst);
 }
 
 }  // namespace
@@ -519,6 +547,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) void decode_row
   const int gpt = g.groups_per_token;
   const __m512i mask_sign = _mm512_set1_epi16(0x80);
   const __m512i mask_mantissa = _mm512_set1_epi16(0x7f);
+  const VbmiTables tables = load_vbmi_tables();
   size_t earlier_tiles_bytes = 0;
   for (int tile = 0; tile < g.n_tiles; ++tile) {
     const uint8_t* tile_start = slot + size_t(tile) * g.tile_fixed_bytes;
@@ -532,8 +561,8 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) void decode_row
       int q = 0;
       for (; q + 8 <= gpt; q += 8) {
         const size_t c = size_t(tile_channel0 + 8 * q);
-        decode_8_groups_vbmi(s, tile_start, tile, group0 + size_t(q), &bases.b3[c], &bases.b4[c],
-                             dst + 8 * q);
+        decode_8_groups_vbmi(s, tables, tile_start, tile, group0 + size_t(q), &bases.b3[c],
+                             &bases.b4[c], dst + 8 * q);
       }
       for (; q + 4 <= gpt; q += 4) {
         const size_t c = size_t(tile_channel0 + 8 * q);
