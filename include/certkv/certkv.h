@@ -96,12 +96,16 @@ typedef struct certkv_session_params {
   int32_t block_tokens;          /* tokens per KV page, default 16 */
   int32_t prefill_chunk_tokens;  /* default 512 */
   const char* kv;                /* KV storage scheme: "bf16" (raw pages) or "gaac" (full blocks
-                                    in lossless GAAC slots; same logits bit for bit) */
+                                    in lossless GAAC slots; same logits bit for bit);
+                                    "fp8-e4m3" / "fp8-e5m2" (raw FP8 pages, values rounded at
+                                    write: lossy); "gaac-e4m3" / "gaac-e5m2" (FP8 pages, full
+                                    blocks in GAAC slots; same logits as fp8-*) */
   int capture_queries;           /* keep post-RoPE queries of the last position (for dump-kv) */
   const char* activations;       /* weight-product arithmetic: "int8" (activations quantized per
                                     32-block as llama.cpp does; default) or "f32" (exact fp32) */
-  const char* gaac_calibration;  /* kv "gaac": path of the model's GAAC calibration file
-                                    (safetensors, certkv-gaac-calibration/1); required then,
+  const char* gaac_calibration;  /* kv "gaac*": path of the model's GAAC calibration file
+                                    (safetensors, certkv-gaac-calibration/1) of the scheme's
+                                    element (bf16, e4m3, e5m2); required then,
                                     ignored otherwise. Loaded once per model and path. */
 } certkv_session_params;
 
@@ -126,7 +130,8 @@ int64_t certkv_session_n_past(const certkv_session* session);
 
 /* Pages of one storage class of the KV cache. */
 typedef struct certkv_kv_class_stats {
-  const char* storage;            /* "bf16" (raw pages), "gaac" (GAAC slots); static string */
+  const char* storage;            /* "bf16" / "fp8" (raw pages), "gaac" / "gaac-fp8" (GAAC
+                                    slots); static string */
   uint64_t pages_in_use;
   uint64_t bytes_from_allocator;  /* chunks the class's pools obtained */
   uint64_t page_bytes_in_use;     /* pages in use times their stride */

@@ -222,12 +222,19 @@ certkv_session_params certkv_session_default_params(void) {
 
 namespace {
 
-// The model's calibration at `path` for pages of block_tokens, loaded on first use.
-std::shared_ptr<const certkv::codec::GaacCalibration> model_calibration(const certkv_model& model,
-                                                                        const std::string& path,
-                                                                        int block_tokens) {
+// The model's calibration at `path` for pages of block_tokens and elements `element`, loaded on
+// first use; a cached calibration of another element is a clear error.
+std::shared_ptr<const certkv::codec::GaacCalibration> model_calibration(
+    const certkv_model& model, const std::string& path, int block_tokens,
+    certkv::format::GaacElement element) {
   std::lock_guard<std::mutex> lock(model.calibrations_mutex);
   auto& slot = model.calibrations[{path, block_tokens}];
+  if (slot && slot->shape().element != element) {
+    certkv::fail(certkv::StatusCode::kInvalidArgument,
+                 "GAAC calibration " + path + " has element " +
+                     certkv::codec::gaac_element_name(slot->shape().element) +
+                     "; the KV scheme needs " + certkv::codec::gaac_element_name(element));
+  }
   if (!slot) {
     const certkv::model::ModelConfig& c = model.model->config();
     certkv::codec::GaacShape expected;
@@ -235,7 +242,7 @@ std::shared_ptr<const certkv::codec::GaacCalibration> model_calibration(const ce
     expected.n_kv_heads = c.n_kv_heads;
     expected.head_dim = c.head_dim;
     expected.block_tokens = block_tokens;
-    expected.element = certkv::format::GaacElement::kBf16;
+    expected.element = element;
     slot = std::make_shared<const certkv::codec::GaacCalibration>(
         certkv::codec::GaacCalibration::load(path, expected));
   }
@@ -250,12 +257,14 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
   *out = nullptr;
   const certkv_session_params p = params ? *params : certkv_session_default_params();
   const std::string kv = p.kv ? p.kv : "bf16";
-  if (kv != "bf16" && kv != "gaac")
+  const bool kv_gaac = kv == "gaac" || kv == "gaac-e4m3" || kv == "gaac-e5m2";
+  if (kv != "bf16" && kv != "fp8-e4m3" && kv != "fp8-e5m2" && !kv_gaac)
     return set_error(CERTKV_ERR_INVALID_ARGUMENT,
-                     "certkv_session_params.kv: unknown KV scheme '" + kv + "' (available: bf16, gaac)");
-  if (kv == "gaac" && (p.gaac_calibration == nullptr || p.gaac_calibration[0] == '\0'))
+                     "certkv_session_params.kv: unknown KV scheme '" + kv +
+                         "' (available: bf16, gaac, fp8-e4m3, fp8-e5m2, gaac-e4m3, gaac-e5m2)");
+  if (kv_gaac && (p.gaac_calibration == nullptr || p.gaac_calibration[0] == '\0'))
     return set_error(CERTKV_ERR_INVALID_ARGUMENT,
-                     "KV scheme 'gaac' needs a calibration file: set "
+                     "KV scheme '" + kv + "' needs a calibration file: set "
                      "certkv_session_params.gaac_calibration (certkv run: --gaac-calib FILE)");
   const std::string activations = p.activations ? p.activations : "int8";
   if (activations != "int8" && activations != "f32")
@@ -271,8 +280,9 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
     c.prefill_chunk_tokens = p.prefill_chunk_tokens;
     c.capture_queries = p.capture_queries != 0;
     c.kv_scheme = certkv::cache::parse_kv_scheme(kv);
-    if (c.kv_scheme == certkv::cache::KvScheme::kGaac)
-      c.gaac_calibration = model_calibration(*model, p.gaac_calibration, p.block_tokens);
+    if (certkv::cache::kv_scheme_is_gaac(c.kv_scheme))
+      c.gaac_calibration = model_calibration(*model, p.gaac_calibration, p.block_tokens,
+                                             certkv::cache::kv_scheme_element(c.kv_scheme));
     auto s = std::make_unique<certkv_session>();
     s->model = model;
     s->session = std::make_unique<certkv::model::Session>(*model->model, c);

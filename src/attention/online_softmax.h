@@ -1,4 +1,4 @@
-// The tile step shared by decode_attention and prefill_attention: pages (bf16 or GAAC) -> float
+// The tile step shared by decode_attention and prefill_attention: pages (bf16, FP8 or GAAC) -> float
 // tile, and the online softmax update of a set of query rows by one tile of keys and values
 // (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; the (m, l, acc) form
 // of FlashAttention, Dao et al. 2022, Algorithm 1):
@@ -12,9 +12,11 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <vector>
 
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
+#include "format/fp8.h"
 #include "format/numeric.h"
 #include "format/page.h"
 
@@ -65,22 +67,36 @@ struct TableReader {
   // Bound to the table's bases (the cache's) and the best kernel; empty unless
   // cache->scheme() == kGaac.
   std::optional<codec::GaacRowDecoder> gaac;
+  format::GaacElement element;         // of the cache's pages
+  const codec::GaacBases* fp8_bases;   // GAAC FP8 schemes: the table's bases; else null
 };
 
 inline TableReader table_reader(const cache::KvCache& cache, cache::SeqId seq, int layer,
                                 cache::KvTensor kv, int kv_head) {
   TableReader r{&cache, cache.block_table(seq, layer, kv, kv_head), cache.n_blocks(seq), 0,
-                std::nullopt};
+                std::nullopt, cache::kv_scheme_element(cache.scheme()), nullptr};
   if (cache.scheme() == cache::KvScheme::kGaac) {
     r.gaac.emplace(cache.block_tokens(), cache.head_dim(), cache.gaac_bases(layer, kv, kv_head));
+    r.slot_bytes = cache.gaac_slot_bytes(layer, kv);
+  } else if (cache::kv_scheme_is_gaac(cache.scheme())) {
+    r.fp8_bases = &cache.gaac_bases(layer, kv, kv_head);
     r.slot_bytes = cache.gaac_slot_bytes(layer, kv);
   }
   return r;
 }
 
+// dst[i] = FP8 src[i] of `element` as float, i < n.
+inline void fp8_to_float_rows(format::GaacElement element, const uint8_t* src, float* dst,
+                              size_t n) {
+  const int exponent_bits = element == format::GaacElement::kFp8E4M3 ? 4 : 5;
+  const int mantissa_bits = element == format::GaacElement::kFp8E4M3 ? 3 : 2;
+  for (size_t i = 0; i < n; ++i) dst[i] = format::fp8_to_float(src[i], exponent_bits, mantissa_bits);
+}
+
 // Converts positions [begin, end) of one block table (K or V) to float rows, a page at a time:
-// raw pages from bf16, GAAC slots reconstructed straight into the rows by the table's
-// codec::GaacRowDecoder (the same bit patterns as the raw page, so the same floats).
+// raw pages from bf16 or FP8, GAAC slots reconstructed straight into the rows by the table's
+// codec::GaacRowDecoder (the same bit patterns as the raw page, so the same floats), GAAC FP8
+// slots decoded to FP8 bytes (codec _ref decoder, a per-thread page buffer), then to floats.
 // out: [end - begin][head_dim].
 // REQUIRES: begin % block_tokens == 0; the positions are written.
 inline void load_tile(const TableReader& r, int64_t begin, int64_t end, float* out) {
@@ -100,6 +116,14 @@ inline void load_tile(const TableReader& r, int64_t begin, int64_t end, float* o
         for (size_t at = 0; at < r.slot_bytes; at += 64) __builtin_prefetch(p + at);
       }
       r.gaac->decode_rows(cache.page_bytes_of(ref), r.slot_bytes, 0, int(n), rows);
+    } else if (ref.storage == format::StorageClass::kGaacFp8 && r.fp8_bases != nullptr) {
+      thread_local std::vector<uint8_t> page;
+      page.resize(size_t(bt) * d);
+      codec::gaac_decode_page_fp8_ref(r.element, cache.page_bytes_of(ref), r.slot_bytes, int(bt),
+                                      int(d), *r.fp8_bases, page.data());
+      fp8_to_float_rows(r.element, page.data(), rows, size_t(n) * d);
+    } else if (ref.storage == format::StorageClass::kFp8) {
+      fp8_to_float_rows(r.element, cache.page_fp8(ref), rows, size_t(n) * d);
     } else {
       bf16_to_float_rows(cache.page_bf16(ref), rows, size_t(n) * d);
     }

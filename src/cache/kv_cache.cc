@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/status.h"
+#include "format/fp8.h"
 #include "format/numeric.h"
 
 namespace certkv::cache {
@@ -28,12 +29,6 @@ void check_positive(int64_t value, const char* field) {
   }
 }
 
-PageRef bf16_ref(uint32_t page) {
-  PageRef ref{};
-  ref.page = page;
-  ref.storage = StorageClass::kBf16;
-  return ref;
-}
 
 const char* kv_name(KvTensor kv) { return kv == KvTensor::kKey ? "K" : "V"; }
 
@@ -57,16 +52,37 @@ const char* kv_scheme_name(KvScheme scheme) {
   switch (scheme) {
     case KvScheme::kBf16: return "bf16";
     case KvScheme::kGaac: return "gaac";
+    case KvScheme::kFp8E4M3: return "fp8-e4m3";
+    case KvScheme::kFp8E5M2: return "fp8-e5m2";
+    case KvScheme::kGaacE4M3: return "gaac-e4m3";
+    case KvScheme::kGaacE5M2: return "gaac-e5m2";
   }
   return "unknown";
 }
 
 KvScheme parse_kv_scheme(std::string_view name) {
-  for (KvScheme s : {KvScheme::kBf16, KvScheme::kGaac}) {
+  for (KvScheme s : {KvScheme::kBf16, KvScheme::kGaac, KvScheme::kFp8E4M3, KvScheme::kFp8E5M2,
+                     KvScheme::kGaacE4M3, KvScheme::kGaacE5M2}) {
     if (name == kv_scheme_name(s)) return s;
   }
   fail(StatusCode::kInvalidArgument,
-       "unknown KV scheme '" + std::string(name) + "' (available: bf16, gaac)");
+       "unknown KV scheme '" + std::string(name) +
+           "' (available: bf16, gaac, fp8-e4m3, fp8-e5m2, gaac-e4m3, gaac-e5m2)");
+}
+
+bool kv_scheme_is_gaac(KvScheme scheme) {
+  return scheme == KvScheme::kGaac || scheme == KvScheme::kGaacE4M3 ||
+         scheme == KvScheme::kGaacE5M2;
+}
+
+format::GaacElement kv_scheme_element(KvScheme scheme) {
+  switch (scheme) {
+    case KvScheme::kFp8E4M3:
+    case KvScheme::kGaacE4M3: return format::GaacElement::kFp8E4M3;
+    case KvScheme::kFp8E5M2:
+    case KvScheme::kGaacE5M2: return format::GaacElement::kFp8E5M2;
+    default: return format::GaacElement::kBf16;
+  }
 }
 
 KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
@@ -90,11 +106,16 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
                    std::to_string(format::kNoPage - 1));
   }
   capacity_pages_ = capacity_pages;
-  const bool gaac = config.scheme == KvScheme::kGaac;
-  if (config.scheme != KvScheme::kBf16 && !gaac) {
+  if (int(config.scheme) < int(KvScheme::kBf16) || int(config.scheme) > int(KvScheme::kGaacE5M2)) {
     fail_cache(StatusCode::kInvalidArgument,
                "config.scheme " + std::to_string(int(config.scheme)) + " is not a KV scheme");
   }
+  const bool gaac = kv_scheme_is_gaac(config.scheme);
+  gaac_ = gaac;
+  element_ = kv_scheme_element(config.scheme);
+  const bool fp8 = element_ != format::GaacElement::kBf16;
+  raw_class_ = fp8 ? StorageClass::kFp8 : StorageClass::kBf16;
+  slot_class_ = fp8 ? StorageClass::kGaacFp8 : StorageClass::kGaac;
   auto chunk_pages = [&](uint64_t default_pages) {
     const uint64_t want = config.pages_per_chunk != 0 ? config.pages_per_chunk : default_pages;
     return uint32_t(std::min<uint64_t>(want, std::max<uint64_t>(capacity_pages, 1)));
@@ -102,14 +123,16 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   // The gaac scheme keeps only tails and raw fallbacks in the raw pool, and grows every pool by
   // small chunks so that the bytes obtained follow the bytes in use closely.
   bf16_pool_ = std::make_unique<PagePool>(
-      StorageClass::kBf16, page_bytes(), uint32_t(capacity_pages),
+      raw_class_, page_bytes(), uint32_t(capacity_pages),
       chunk_pages(gaac ? 2 * uint64_t(config.n_kv_heads) : 4 * n_tables));
+  block_scratch_.resize(page_bytes());
   if (!gaac) return;
 
   const codec::GaacCalibration* cal = config.gaac_calibration.get();
   if (cal == nullptr) {
     fail_cache(StatusCode::kInvalidArgument,
-               "KV scheme gaac needs a calibration (config.gaac_calibration is null)");
+               std::string("KV scheme ") + kv_scheme_name(config.scheme) +
+                   " needs a calibration (config.gaac_calibration is null)");
   }
   if (format::gaac_tile_channels(config.head_dim) == 0) {
     fail_cache(StatusCode::kUnsupported, "config.head_dim " + std::to_string(config.head_dim) +
@@ -118,7 +141,7 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
                                              " channels (multiples of 8)");
   }
   const codec::GaacShape want{config.n_layers, config.n_kv_heads, config.head_dim,
-                              config.block_tokens, format::GaacElement::kBf16};
+                              config.block_tokens, element_};
   const codec::GaacShape& got = cal->shape();
   if (!(got == want)) {
     fail_cache(StatusCode::kInvalidArgument,
@@ -129,7 +152,8 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
                    codec::gaac_element_name(got.element) + "; this cache has " +
                    std::to_string(want.n_layers) + ", " + std::to_string(want.n_kv_heads) + ", " +
                    std::to_string(want.head_dim) + ", " + std::to_string(want.block_tokens) +
-                   ", bf16 (a calibration of another model?)");
+                   ", " + codec::gaac_element_name(want.element) +
+                   " (a calibration of another model or KV scheme?)");
   }
   // One slot pool per distinct slot stride; (layer, K/V) pairs of equal stride share it.
   const size_t n_pairs = 2 * size_t(config.n_layers);
@@ -149,17 +173,41 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   for (const auto& [stride, pairs] : pairs_by_stride) {
     const uint64_t tables_served = uint64_t(pairs.size()) * uint64_t(config.n_kv_heads);
     for (size_t pair : pairs) slot_pool_of_[pair] = uint8_t(slot_pools_.size());
-    slot_pools_.push_back(std::make_unique<PagePool>(StorageClass::kGaac, stride,
+    slot_pools_.push_back(std::make_unique<PagePool>(slot_class_, stride,
                                                      uint32_t(blocks * tables_served),
                                                      chunk_pages(tables_served), kSlotAlignBytes));
   }
-  block_scratch_.resize(size_t(config.block_tokens) * size_t(config.head_dim));
 }
 
 KvCache::~KvCache() = default;
 
 size_t KvCache::page_bytes() const {
-  return size_t(config_.block_tokens) * size_t(config_.head_dim) * sizeof(uint16_t);
+  const size_t element_bytes = kv_scheme_element(config_.scheme) == format::GaacElement::kBf16 ? 2 : 1;
+  return size_t(config_.block_tokens) * size_t(config_.head_dim) * element_bytes;
+}
+
+PageRef KvCache::raw_ref(uint32_t page) const {
+  PageRef ref{};
+  ref.page = page;
+  ref.storage = raw_class_;
+  return ref;
+}
+
+void KvCache::store_row(const float* x, uint8_t* dst) const {
+  const int d = config_.head_dim;
+  switch (element_) {
+    case format::GaacElement::kBf16: {
+      uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+      for (int c = 0; c < d; ++c) out[c] = format::float_to_bf16(x[c]);
+      break;
+    }
+    case format::GaacElement::kFp8E4M3:
+      for (int c = 0; c < d; ++c) dst[c] = format::bf16_to_fp8_e4m3_ref(format::float_to_bf16(x[c]));
+      break;
+    case format::GaacElement::kFp8E5M2:
+      for (int c = 0; c < d; ++c) dst[c] = format::bf16_to_fp8_e5m2_ref(format::float_to_bf16(x[c]));
+      break;
+  }
 }
 
 KvCache::Sequence& KvCache::sequence(SeqId seq) {
@@ -199,8 +247,8 @@ PagePool& KvCache::pool_of(PageRef ref) {
 }
 
 const PagePool& KvCache::pool_of(PageRef ref) const {
-  if (ref.storage == StorageClass::kBf16) return *bf16_pool_;
-  if (ref.storage == StorageClass::kGaac && ref.pool < slot_pools_.size()) {
+  if (ref.storage == raw_class_) return *bf16_pool_;
+  if (ref.storage == slot_class_ && ref.pool < slot_pools_.size()) {
     return *slot_pools_[ref.pool];
   }
   fail_cache(StatusCode::kInvalidArgument,
@@ -311,7 +359,7 @@ void KvCache::reserve(SeqId seq, int64_t n) {
     s.reserved = target;
     return;
   }
-  const bool gaac = config_.scheme == KvScheme::kGaac;
+  const bool gaac = gaac_;
   const uint64_t committed = pages_in_use_all() + n_pending_;
   const uint64_t available = capacity_pages_ > committed ? capacity_pages_ - committed : 0;
   if (n_pages > available) {
@@ -342,11 +390,11 @@ void KvCache::reserve(SeqId seq, int64_t n) {
         const uint32_t copy = pages[next++];
         std::memcpy(bf16_pool_->data(copy), bf16_pool_->data(ref.page), bytes);
         bf16_pool_->release(ref.page);
-        ref = bf16_ref(copy);
+        ref = raw_ref(copy);
       }
     }
     for (int64_t b = have_blocks; b < want_blocks; ++b) {
-      table.push_back(gaac ? pending_ref() : bf16_ref(pages[next++]));
+      table.push_back(gaac ? pending_ref() : raw_ref(pages[next++]));
     }
   }
   if (gaac) n_pending_ += n_new;
@@ -354,22 +402,28 @@ void KvCache::reserve(SeqId seq, int64_t n) {
 }
 
 void KvCache::make_raw(int layer, KvTensor kv, int kv_head, PageRef& ref) {
-  if (!is_pending(ref) && ref.storage == StorageClass::kBf16) return;
+  if (!is_pending(ref) && ref.storage == raw_class_) return;
   const uint32_t page = bf16_pool_->allocate();
   if (is_pending(ref)) {
     --n_pending_;
   } else {
     const PagePool& pool = pool_of(ref);
-    codec::gaac_decode_page(pool.data(ref.page), slot_bytes_[size_t(layer) * 2 + size_t(kv)],
-                            config_.block_tokens, config_.head_dim,
-                            gaac_bases(layer, kv, kv_head),
-                            reinterpret_cast<uint16_t*>(bf16_pool_->data(page)));
+    const size_t slot_bytes = slot_bytes_[size_t(layer) * 2 + size_t(kv)];
+    if (element_ == format::GaacElement::kBf16) {
+      codec::gaac_decode_page(pool.data(ref.page), slot_bytes, config_.block_tokens,
+                              config_.head_dim, gaac_bases(layer, kv, kv_head),
+                              reinterpret_cast<uint16_t*>(bf16_pool_->data(page)));
+    } else {
+      codec::gaac_decode_page_fp8_ref(element_, pool.data(ref.page), slot_bytes,
+                                      config_.block_tokens, config_.head_dim,
+                                      gaac_bases(layer, kv, kv_head), bf16_pool_->data(page));
+    }
     pool_of(ref).release(ref.page);
   }
-  ref = bf16_ref(page);
+  ref = raw_ref(page);
 }
 
-void KvCache::finalize_block(int layer, KvTensor kv, int kv_head, const uint16_t* block,
+void KvCache::finalize_block(int layer, KvTensor kv, int kv_head, const uint8_t* block,
                              PageRef& ref) {
   const size_t pair = size_t(layer) * 2 + size_t(kv);
   const codec::GaacCalibration& cal = *config_.gaac_calibration;
@@ -377,9 +431,16 @@ void KvCache::finalize_block(int layer, KvTensor kv, int kv_head, const uint16_t
   const uint32_t slot = slots.allocate();
   size_t used;
   try {
-    used = codec::gaac_encode_page(block, config_.block_tokens, config_.head_dim,
-                                   gaac_bases(layer, kv, kv_head),
-                                   cal.escape_capacity_bytes(layer, int(kv)), slots.data(slot));
+    const size_t capacity = cal.escape_capacity_bytes(layer, int(kv));
+    if (element_ == format::GaacElement::kBf16) {
+      used = codec::gaac_encode_page(reinterpret_cast<const uint16_t*>(block),
+                                     config_.block_tokens, config_.head_dim,
+                                     gaac_bases(layer, kv, kv_head), capacity, slots.data(slot));
+    } else {
+      used = codec::gaac_encode_page_fp8_ref(element_, block, config_.block_tokens,
+                                             config_.head_dim, gaac_bases(layer, kv, kv_head),
+                                             capacity, slots.data(slot));
+    }
   } catch (...) {
     slots.release(slot);
     throw;
@@ -387,20 +448,20 @@ void KvCache::finalize_block(int layer, KvTensor kv, int kv_head, const uint16_t
   if (used != codec::kGaacDoesNotFit) {
     release(ref);
     ref.page = slot;
-    ref.storage = StorageClass::kGaac;
+    ref.storage = slot_class_;
     ref.pool = slot_pool_of_[pair];
     return;
   }
   slots.release(slot);
   // Stays raw: reuse an owned raw page (the tail being finalized), else take one.
-  const bool owned_raw = !is_pending(ref) && ref.storage == StorageClass::kBf16 &&
+  const bool owned_raw = !is_pending(ref) && ref.storage == raw_class_ &&
                          bf16_pool_->ref_count(ref.page) == 1;
   if (!owned_raw) {
     const uint32_t page = bf16_pool_->allocate();
     release(ref);
-    ref = bf16_ref(page);
+    ref = raw_ref(page);
   }
-  uint16_t* dst = page_bf16_mutable(ref);
+  uint8_t* dst = raw_page_mutable(ref);
   if (dst != block) std::memcpy(dst, block, page_bytes());
 }
 
@@ -409,6 +470,7 @@ void KvCache::write_gaac(Sequence& s, int layer, KvTensor kv, int kv_head, const
   const int64_t bt = config_.block_tokens;
   const int d = config_.head_dim;
   const int h_kv = config_.n_kv_heads;
+  const size_t row_bytes = page_bytes() / size_t(bt);
   std::vector<PageRef>& table = s.tables[table_index(layer, kv, kv_head)];
   const int64_t begin = s.length, end = s.length + n;
   for (int64_t b = begin / bt; b * bt < end; ++b) {
@@ -419,8 +481,7 @@ void KvCache::write_gaac(Sequence& s, int layer, KvTensor kv, int kv_head, const
       // The whole block comes from this write: encode it straight from the input.
       for (int64_t r = 0; r < bt; ++r) {
         const float* src = x + (size_t(b * bt + r - begin) * size_t(h_kv) + size_t(kv_head)) * size_t(d);
-        uint16_t* dst = block_scratch_.data() + size_t(r) * size_t(d);
-        for (int c = 0; c < d; ++c) dst[c] = format::float_to_bf16(src[c]);
+        store_row(src, block_scratch_.data() + size_t(r) * row_bytes);
       }
       finalize_block(layer, kv, kv_head, block_scratch_.data(), ref);
       continue;
@@ -432,11 +493,10 @@ void KvCache::write_gaac(Sequence& s, int layer, KvTensor kv, int kv_head, const
                                             std::to_string(bf16_pool_->ref_count(ref.page)) +
                                             " references");
     }
-    uint16_t* page = page_bf16_mutable(ref);
+    uint8_t* page = raw_page_mutable(ref);
     for (int64_t r = row0; r < row1; ++r) {
       const float* src = x + (size_t(b * bt + r - begin) * size_t(h_kv) + size_t(kv_head)) * size_t(d);
-      uint16_t* dst = page + size_t(r) * size_t(d);
-      for (int c = 0; c < d; ++c) dst[c] = format::float_to_bf16(src[c]);
+      store_row(src, page + size_t(r) * row_bytes);
     }
     // Rows [0, row0) are committed, so a block whose last row arrived is complete.
     if (row1 == bt) finalize_block(layer, kv, kv_head, page, ref);
@@ -461,7 +521,7 @@ void KvCache::write(SeqId seq, int layer, const float* k, const float* v, int64_
     const KvTensor kv = KvTensor(kvi);
     const float* src = kv == KvTensor::kKey ? k : v;
     for (int h = 0; h < h_kv; ++h) {
-      if (config_.scheme == KvScheme::kGaac) {
+      if (gaac_) {
         write_gaac(s, layer, kv, h, src, n);
         continue;
       }
@@ -475,9 +535,9 @@ void KvCache::write(SeqId seq, int layer, const float* k, const float* v, int64_
                                                 std::to_string(bf16_pool_->ref_count(ref.page)) +
                                                 " references");
         }
-        uint16_t* dst = page_bf16_mutable(ref) + size_t(pos % bt) * size_t(d);
-        const float* x = src + (size_t(i) * size_t(h_kv) + size_t(h)) * size_t(d);
-        for (int c = 0; c < d; ++c) dst[c] = format::float_to_bf16(x[c]);
+        const size_t row_bytes = page_bytes() / size_t(bt);
+        uint8_t* dst = raw_page_mutable(ref) + size_t(pos % bt) * row_bytes;
+        store_row(src + (size_t(i) * size_t(h_kv) + size_t(h)) * size_t(d), dst);
       }
     }
   }
@@ -535,8 +595,25 @@ uint16_t* KvCache::page_bf16_mutable(PageRef ref) {
   return const_cast<uint16_t*>(page_bf16(ref));
 }
 
+const uint8_t* KvCache::page_fp8(PageRef ref) const {
+  if (ref.storage != StorageClass::kFp8) {
+    fail_cache(StatusCode::kUnsupported,
+               std::string("page_fp8 of a page of storage class ") +
+                   format::storage_class_name(ref.storage));
+  }
+  return page_bytes_of(ref);
+}
+
+uint8_t* KvCache::raw_page_mutable(PageRef ref) {
+  if (ref.storage != raw_class_) {
+    fail_cache(StatusCode::kInternal, std::string("write into a page of storage class ") +
+                                          format::storage_class_name(ref.storage));
+  }
+  return const_cast<uint8_t*>(page_bytes_of(ref));
+}
+
 const codec::GaacBases& KvCache::gaac_bases(int layer, KvTensor kv, int kv_head) const {
-  if (config_.scheme != KvScheme::kGaac) {
+  if (!gaac_) {
     fail_cache(StatusCode::kInvalidArgument, "gaac_bases of a cache of scheme " +
                                                  std::string(kv_scheme_name(config_.scheme)));
   }
@@ -544,7 +621,7 @@ const codec::GaacBases& KvCache::gaac_bases(int layer, KvTensor kv, int kv_head)
 }
 
 size_t KvCache::gaac_slot_bytes(int layer, KvTensor kv) const {
-  if (config_.scheme != KvScheme::kGaac) {
+  if (!gaac_) {
     fail_cache(StatusCode::kInvalidArgument, "gaac_slot_bytes of a cache of scheme " +
                                                  std::string(kv_scheme_name(config_.scheme)));
   }
@@ -569,10 +646,32 @@ void KvCache::read_token_range_ref(SeqId seq, int layer, KvTensor kv, int kv_hea
   const int bt = config_.block_tokens;
   const int d = config_.head_dim;
   std::vector<uint16_t> decoded;
+  std::vector<uint8_t> decoded_fp8;
   int64_t decoded_block = -1;
+  const int exponent_bits = element_ == format::GaacElement::kFp8E4M3 ? 4 : 5;
+  const int mantissa_bits = element_ == format::GaacElement::kFp8E4M3 ? 3 : 2;
   for (int64_t pos = begin; pos < end; ++pos) {
     const int64_t b = pos / bt;
     const PageRef ref = table[size_t(b)];
+    float* dst = out + size_t(pos - begin) * size_t(d);
+    const size_t row = size_t(pos % bt) * size_t(d);
+    if (ref.storage == StorageClass::kFp8 || ref.storage == StorageClass::kGaacFp8) {
+      const uint8_t* block;
+      if (ref.storage == StorageClass::kGaacFp8) {
+        if (decoded_block != b) {
+          decoded_fp8.resize(size_t(bt) * size_t(d));
+          codec::gaac_decode_page_fp8_ref(element_, page_bytes_of(ref),
+                                          gaac_slot_bytes(layer, kv), bt, d,
+                                          gaac_bases(layer, kv, kv_head), decoded_fp8.data());
+          decoded_block = b;
+        }
+        block = decoded_fp8.data();
+      } else {
+        block = page_fp8(ref);
+      }
+      for (int c = 0; c < d; ++c) dst[c] = format::fp8_to_float(block[row + c], exponent_bits, mantissa_bits);
+      continue;
+    }
     const uint16_t* block;
     if (ref.storage == StorageClass::kGaac) {
       if (decoded_block != b) {
@@ -585,16 +684,14 @@ void KvCache::read_token_range_ref(SeqId seq, int layer, KvTensor kv, int kv_hea
     } else {
       block = page_bf16(ref);
     }
-    const uint16_t* row = block + size_t(pos % bt) * size_t(d);
-    float* dst = out + size_t(pos - begin) * size_t(d);
-    for (int c = 0; c < d; ++c) dst[c] = format::bf16_to_float(row[c]);
+    for (int c = 0; c < d; ++c) dst[c] = format::bf16_to_float(block[row + c]);
   }
 }
 
 uint32_t KvCache::ref_count(PageRef ref) const {
   if (is_pending(ref)) return 0;
-  if (ref.storage == StorageClass::kBf16) return bf16_pool_->ref_count(ref.page);
-  if (ref.storage == StorageClass::kGaac && ref.pool < slot_pools_.size()) {
+  if (ref.storage == raw_class_) return bf16_pool_->ref_count(ref.page);
+  if (ref.storage == slot_class_ && ref.pool < slot_pools_.size()) {
     return slot_pools_[ref.pool]->ref_count(ref.page);
   }
   return 0;
@@ -612,13 +709,13 @@ MemoryStats KvCache::memory_stats() const {
     c.page_bytes_in_use += uint64_t(pool.pages_in_use()) * pool.page_stride_bytes();
     ++c.n_pools;
   };
-  StorageClassStats bf16{};
-  bf16.storage = StorageClass::kBf16;
-  add_pool(bf16, *bf16_pool_);
-  stats.by_class.push_back(bf16);
-  if (config_.scheme == KvScheme::kGaac) {
+  StorageClassStats raw{};
+  raw.storage = raw_class_;
+  add_pool(raw, *bf16_pool_);
+  stats.by_class.push_back(raw);
+  if (gaac_) {
     StorageClassStats gaac{};
-    gaac.storage = StorageClass::kGaac;
+    gaac.storage = slot_class_;
     for (const auto& pool : slot_pools_) add_pool(gaac, *pool);
     stats.by_class.push_back(gaac);
   }
@@ -638,7 +735,7 @@ uint64_t KvCache::kv_bytes_bf16(int64_t n_tokens) const {
 }
 
 const PagePool& KvCache::pool(StorageClass storage) const {
-  if (storage != StorageClass::kBf16) {
+  if (storage != raw_class_) {
     fail_cache(StatusCode::kUnsupported, std::string("no single pool for storage class ") +
                                              format::storage_class_name(storage) +
                                              " (see slot_pool)");

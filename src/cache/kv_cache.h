@@ -2,9 +2,11 @@
 // kv_head), prefix sharing between forked sequences with copy-on-write of a shared tail block.
 //
 // A page holds one block of block_tokens tokens of one (layer, K or V, kv_head); token position p
-// lives in logical block p / block_tokens at row p % block_tokens. Two storage classes:
+// lives in logical block p / block_tokens at row p % block_tokens. Storage classes:
 //   bf16: [block_tokens][head_dim] bf16, token-major (raw).
 //   gaac: a GAAC slot (docs/format/gaac.md) of gaac_slot_bytes(layer, kv) bytes, lossless.
+//   fp8: [block_tokens][head_dim] FP8 bytes (format/fp8.h), token-major (raw).
+//   gaac-fp8: a GAAC slot of an FP8 page, lossless on the FP8 bytes.
 //
 // KV schemes. kBf16: every page is raw. kGaac (DESIGN.md section 2, fill-then-finalize): a block
 // that is not yet complete lives in a raw bf16 page (the tail); the write that stores a block's
@@ -14,6 +16,9 @@
 // A block written whole by one write (prefill) is encoded straight from the input, without a raw
 // page. Finalized blocks are immutable, so they are shared by forks like any page. Every read
 // (attention, read_token_range_ref) sees the same bf16 bit patterns whatever the class.
+// kFp8E4M3 / kFp8E5M2: every page is raw FP8; write() rounds each value to bf16, then to FP8
+// (lossy by design). kGaacE4M3 / kGaacE5M2: the gaac scheme on FP8 pages (raw FP8 pages are the
+// tails and fallbacks, slots of class gaac-fp8); every read sees the FP8 values of the raw page.
 //
 // Writing protocol for one forward step of n new tokens of a sequence:
 //   reserve(seq, n);                           // blocks for positions [length, length + n)
@@ -43,12 +48,23 @@ using SeqId = int64_t;
 enum class KvTensor : int { kKey = 0, kValue = 1 };
 
 // How the cache stores complete blocks (see the top of this file).
-enum class KvScheme : int { kBf16 = 0, kGaac = 1 };
+enum class KvScheme : int {
+  kBf16 = 0,
+  kGaac = 1,
+  kFp8E4M3 = 2,
+  kFp8E5M2 = 3,
+  kGaacE4M3 = 4,
+  kGaacE5M2 = 5,
+};
 
-// "bf16", "gaac".
+// "bf16", "gaac", "fp8-e4m3", "fp8-e5m2", "gaac-e4m3", "gaac-e5m2".
 const char* kv_scheme_name(KvScheme scheme);
 // Throws certkv::Error kInvalidArgument naming the unknown scheme and the known ones.
 KvScheme parse_kv_scheme(std::string_view name);
+// Whether the scheme GAAC-codes complete blocks (and so needs a calibration).
+bool kv_scheme_is_gaac(KvScheme scheme);
+// The element of the scheme's pages: kBf16 for bf16 and gaac, else the FP8 element.
+format::GaacElement kv_scheme_element(KvScheme scheme);
 
 struct KvCacheConfig {
   int n_layers = 0;
@@ -58,13 +74,13 @@ struct KvCacheConfig {
   // Capacity over all sequences, in tokens; every (layer, K/V, kv_head) may hold
   // ceil(max_tokens / block_tokens) pages. A sequence's partial tail block takes a whole page.
   int64_t max_tokens = 0;
-  // Pages per allocator chunk of each pool; 0 picks, for kBf16, 4 blocks of every (layer, K/V,
-  // kv_head); for kGaac, 1 block of every table a slot pool serves, and 2 * n_kv_heads pages
+  // Pages per allocator chunk of each pool; 0 picks, for the raw schemes (bf16, fp8-*), 4 blocks
+  // of every (layer, K/V, kv_head); for the GAAC schemes, 1 block of every table a slot pool serves, and 2 * n_kv_heads pages
   // (one layer's K and V) for the raw pool, which holds only tails and fallbacks.
   uint32_t pages_per_chunk = 0;
   KvScheme scheme = KvScheme::kBf16;
-  // kGaac: bases and escape capacities (shared, immutable). REQUIRES for kGaac: not null, BF16
-  // element, and a shape equal to (n_layers, n_kv_heads, head_dim, block_tokens).
+  // GAAC schemes: bases and escape capacities (shared, immutable). REQUIRES for them: not null,
+  // the scheme's element, and a shape equal to (n_layers, n_kv_heads, head_dim, block_tokens).
   std::shared_ptr<const codec::GaacCalibration> gaac_calibration;
 };
 
@@ -101,7 +117,7 @@ class KvCache {
   int block_tokens() const { return config_.block_tokens; }
   int head_dim() const { return config_.head_dim; }
   KvScheme scheme() const { return config_.scheme; }
-  // Bytes of one raw page's data: block_tokens * head_dim * 2.
+  // Bytes of one raw page's data: block_tokens * head_dim * (2 for bf16 pages, 1 for FP8).
   size_t page_bytes() const;
 
   // Sequences. Ids are never reused. Every function taking a SeqId throws certkv::Error
@@ -128,15 +144,16 @@ class KvCache {
 
   // Makes room for positions [length, length + n) in every (layer, K/V, kv_head); a tail block
   // shared with another sequence is first copied. Calling again before commit extends the
-  // reservation to length + n if that is larger. kBf16 takes the new blocks' pages now; kGaac
-  // counts them against the capacity and takes each page (slot or raw) when write() knows the
-  // block's class.
+  // reservation to length + n if that is larger. Raw schemes take the new blocks' pages now;
+  // GAAC schemes count them against the capacity and take each page (slot or raw) when write()
+  // knows the block's class.
   // REQUIRES: n >= 0. Throws kOutOfMemory, leaving the sequence unchanged, when the capacity
   // (max_tokens) or the pool cannot supply every page needed.
   void reserve(SeqId seq, int64_t n);
-  // k, v: [n][n_kv_heads][head_dim] float. Stores bf16 (round to nearest even) at positions
-  // [length, length + n) of this layer; kGaac finalizes the blocks whose last row it stores.
-  // REQUIRES: 0 <= layer < n_layers; 1 <= n; length + n <= reserved_tokens. kGaac may throw
+  // k, v: [n][n_kv_heads][head_dim] float. Stores bf16 (round to nearest even; FP8 schemes then
+  // round that to FP8, nearest even) at positions [length, length + n) of this layer; GAAC
+  // schemes finalize the blocks whose last row it stores.
+  // REQUIRES: 0 <= layer < n_layers; 1 <= n; length + n <= reserved_tokens. GAAC schemes may throw
   // kOutOfMemory when the system allocator refuses a pool chunk (the capacity was checked by
   // reserve); the sequence must then be freed.
   void write(SeqId seq, int layer, const float* k, const float* v, int64_t n);
@@ -145,22 +162,25 @@ class KvCache {
   void commit(SeqId seq, int64_t n);
 
   // Block table of (seq, layer, kv, kv_head): n_blocks(seq) entries. The pointer is valid until
-  // the next reserve/fork/free touching this sequence; under kGaac, write() replaces entries in
+  // the next reserve/fork/free touching this sequence; under GAAC schemes, write() replaces entries in
   // place (a finalized block changes class), and entries reserved but not yet written hold
   // page kNoPage.
   const format::PageRef* block_table(SeqId seq, int layer, KvTensor kv, int kv_head) const;
   // page: [block_tokens][head_dim] bf16. REQUIRES: ref.storage == kBf16 and a page in use of
   // this cache's pool (checked, certkv::Error).
   const uint16_t* page_bf16(format::PageRef ref) const;
+  // page: [block_tokens][head_dim] FP8 bytes of element kv_scheme_element(scheme()).
+  // REQUIRES: ref.storage == kFp8 and a page in use of this cache's pool (checked, certkv::Error).
+  const uint8_t* page_fp8(format::PageRef ref) const;
   // The bytes of a page of any class: a raw page or a GAAC slot. REQUIRES: a page in use of this
   // cache (checked, certkv::Error).
   const uint8_t* page_bytes_of(format::PageRef ref) const;
-  // kGaac: the bases of one (layer, K/V, kv_head) and the slot bytes of a (layer, K/V).
-  // REQUIRES: scheme() == kGaac and indices in range (certkv::Error otherwise).
+  // GAAC schemes: the bases of one (layer, K/V, kv_head) and the slot bytes of a (layer, K/V).
+  // REQUIRES: a GAAC scheme and indices in range (certkv::Error otherwise).
   const codec::GaacBases& gaac_bases(int layer, KvTensor kv, int kv_head) const;
   size_t gaac_slot_bytes(int layer, KvTensor kv) const;
-  // out: [end - begin][head_dim] float, decoded from bf16 (GAAC pages through the codec's _ref
-  // decoder). REQUIRES: 0 <= begin <= end <= written_tokens(seq, layer).
+  // out: [end - begin][head_dim] float, decoded from bf16 or FP8 (GAAC pages through the codec's
+  // _ref decoders). REQUIRES: 0 <= begin <= end <= written_tokens(seq, layer).
   void read_token_range_ref(SeqId seq, int layer, KvTensor kv, int kv_head, int64_t begin,
                             int64_t end, float* out) const;
 
@@ -171,8 +191,9 @@ class KvCache {
   // Bytes a plain contiguous BF16 cache takes for n_tokens: K and V, 2 bytes per element.
   uint64_t kv_bytes_bf16(int64_t n_tokens) const;
 
-  // The raw pool (kBf16). REQUIRES: storage == kBf16 (certkv::Error otherwise); the gaac class
-  // has one pool per slot stride, see slot_pool.
+  // The raw pool (kBf16, or kFp8 for the FP8 schemes). REQUIRES: storage is the raw class of the
+  // scheme (certkv::Error otherwise); the GAAC classes have one pool per slot stride, see
+  // slot_pool.
   const PagePool& pool(format::StorageClass storage) const;
   size_t n_slot_pools() const { return slot_pools_.size(); }
   // REQUIRES: i < n_slot_pools() (certkv::Error otherwise).
@@ -192,6 +213,10 @@ class KvCache {
   void check_kv_head(int kv_head, const char* what) const;
   size_t table_index(int layer, KvTensor kv, int kv_head) const;
   uint16_t* page_bf16_mutable(format::PageRef ref);
+  uint8_t* raw_page_mutable(format::PageRef ref);
+  format::PageRef raw_ref(uint32_t page) const;
+  // Stores one row of head_dim floats into a raw page row (bf16, or bf16 then FP8).
+  void store_row(const float* x, uint8_t* dst) const;
   PagePool& pool_of(format::PageRef ref);
   const PagePool& pool_of(format::PageRef ref) const;
   void retain(format::PageRef ref);
@@ -201,22 +226,26 @@ class KvCache {
   void reserve_pending(Sequence& s, SeqId seq, int64_t n);
   void write_gaac(Sequence& s, int layer, KvTensor kv, int kv_head, const float* x, int64_t n);
   // Replaces `ref` by the encoded block (a slot when it fits, else a raw page holding `block`;
-  // an owned raw `ref` is reused for that). block: [block_tokens][head_dim] bf16.
-  void finalize_block(int layer, KvTensor kv, int kv_head, const uint16_t* block,
+  // an owned raw `ref` is reused for that). block: one raw page's data.
+  void finalize_block(int layer, KvTensor kv, int kv_head, const uint8_t* block,
                       format::PageRef& ref);
   // Makes `ref` an owned raw page holding the same rows (a pending entry gets a fresh page).
   void make_raw(int layer, KvTensor kv, int kv_head, format::PageRef& ref);
 
   KvCacheConfig config_;
   uint64_t capacity_pages_ = 0;  // per class pool and for all classes together
-  std::unique_ptr<PagePool> bf16_pool_;
+  std::unique_ptr<PagePool> bf16_pool_;  // the raw pool: bf16 pages, or FP8 pages (class kFp8)
+  format::StorageClass raw_class_ = format::StorageClass::kBf16;
+  format::StorageClass slot_class_ = format::StorageClass::kGaac;
+  format::GaacElement element_ = format::GaacElement::kBf16;
+  bool gaac_ = false;
   std::vector<std::unique_ptr<PagePool>> slot_pools_;  // gaac: one per distinct slot stride
   std::vector<uint8_t> slot_pool_of_;                  // gaac: [layer * 2 + kv] -> slot_pools_
   std::vector<size_t> slot_bytes_;                     // gaac: [layer * 2 + kv]
   // gaac: block table entries reserved but not yet holding a page (kNoPage), counted against
   // capacity_pages_.
   uint64_t n_pending_ = 0;
-  std::vector<uint16_t> block_scratch_;  // one block of bf16, for write()
+  std::vector<uint8_t> block_scratch_;  // one raw page of data, for write()
   std::unordered_map<SeqId, Sequence> sequences_;
   SeqId next_id_ = 1;
 };

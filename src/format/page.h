@@ -11,14 +11,18 @@ namespace certkv::format {
 enum class StorageClass : uint8_t {
   kBf16 = 0,  // raw: [block_tokens][head_dim] bf16, token-major
   kGaac = 1,  // GAAC slot (lossless, docs/format/gaac.md): fixed part + calibrated escape capacity
+  kFp8 = 2,   // raw: [block_tokens][head_dim] FP8 bytes (E4M3 or E5M2, per the cache's scheme)
+  kGaacFp8 = 3,  // GAAC slot of an FP8 page (lossless on the FP8 bytes; element per the scheme)
 };
 
-inline constexpr int kNumStorageClasses = 2;
+inline constexpr int kNumStorageClasses = 4;
 
 inline const char* storage_class_name(StorageClass c) {
   switch (c) {
     case StorageClass::kBf16: return "bf16";
     case StorageClass::kGaac: return "gaac";
+    case StorageClass::kFp8: return "fp8";
+    case StorageClass::kGaacFp8: return "gaac-fp8";
   }
   return "unknown";
 }
@@ -27,7 +31,7 @@ inline const char* storage_class_name(StorageClass c) {
 struct PageRef {
   uint32_t page;          // index into its pool
   StorageClass storage;   // class of that pool
-  uint8_t pool;           // which pool of the class (GAAC slot pools differ by slot size); 0 for bf16
+  uint8_t pool;           // which pool of the class (GAAC slot pools differ by slot size); 0 for raw
   uint8_t reserved[2];
 };
 static_assert(sizeof(PageRef) == 8);

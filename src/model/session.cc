@@ -56,9 +56,10 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
     fail(StatusCode::kInvalidArgument, "block_tokens must be in [1, 4096]");
   if (config.prefill_chunk_tokens < 1)
     fail(StatusCode::kInvalidArgument, "prefill chunk must be positive");
-  if (config.kv_scheme == cache::KvScheme::kGaac && !config.gaac_calibration)
+  if (cache::kv_scheme_is_gaac(config.kv_scheme) && !config.gaac_calibration)
     fail(StatusCode::kInvalidArgument,
-         "KV scheme gaac needs a GAAC calibration of this model (SessionConfig.gaac_calibration)");
+         std::string("KV scheme ") + cache::kv_scheme_name(config.kv_scheme) +
+             " needs a GAAC calibration of this model (SessionConfig.gaac_calibration)");
   pool_ = std::make_unique<ThreadPool>(config.n_threads);
   cache::KvCacheConfig kv;
   kv.n_layers = c.n_layers;

@@ -30,8 +30,9 @@ struct SessionConfig {
   bool capture_queries = false;    // keep the post-RoPE queries of the last position per layer
   ActivationFormat activations = ActivationFormat::kInt8;  // arithmetic of the weight products
   cache::KvScheme kv_scheme = cache::KvScheme::kBf16;      // how the KV cache stores full blocks
-  // REQUIRED for kv_scheme kGaac: the model's calibration (codec::GaacCalibration::load), shared
-  // by every session of the model; its shape must match the model and block_tokens.
+  // REQUIRED for the GAAC kv_schemes (kGaac, kGaacE4M3, kGaacE5M2): the model's calibration
+  // (codec::GaacCalibration::load) of the scheme's element, shared by every session of the model;
+  // its shape must match the model and block_tokens.
   std::shared_ptr<const codec::GaacCalibration> gaac_calibration;
 };
 

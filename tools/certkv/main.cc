@@ -36,7 +36,7 @@ constexpr const char* kUsage =
     "commands:\n"
     "  run      generate text\n"
     "           [--model PATH] [--prompt TEXT | --prompt-file F] [--n N] [--ctx N] [--threads N]\n"
-    "           [--kv bf16|gaac] [--gaac-calib CAL.safetensors] [--json] [--raw] [--system TEXT]\n"
+    "           [--kv bf16|gaac|fp8-e4m3|fp8-e5m2|gaac-e4m3|gaac-e5m2] [--gaac-calib CAL.safetensors] [--json] [--raw] [--system TEXT]\n"
     "           [--temp T] [--top-k K] [--top-p P]\n"
     "           [--seed S] [--block-tokens N] [--activations int8|f32]\n"
     "  dump-kv  --model PATH --text-file F --tokens N --out FILE.safetensors [--layers LIST]\n"
@@ -124,11 +124,13 @@ int cmd_run(int argc, char** argv) {
   const int64_t threads = flags.integer("threads", 2, 1, 256);
   const int64_t block_tokens = flags.integer("block-tokens", 16, 1, 4096);
   const std::string kv = flags.str("kv", "bf16");
-  if (kv != "bf16" && kv != "gaac")
-    throw UsageError{"flag --kv: unknown KV scheme '" + kv + "' (available: bf16, gaac)"};
+  const bool kv_gaac = kv == "gaac" || kv == "gaac-e4m3" || kv == "gaac-e5m2";
+  if (kv != "bf16" && kv != "fp8-e4m3" && kv != "fp8-e5m2" && !kv_gaac)
+    throw UsageError{"flag --kv: unknown KV scheme '" + kv +
+                     "' (available: bf16, gaac, fp8-e4m3, fp8-e5m2, gaac-e4m3, gaac-e5m2)"};
   const std::string gaac_calib = flags.str("gaac-calib");
-  if (kv == "gaac" && gaac_calib.empty())
-    throw UsageError{"flag --kv gaac needs --gaac-calib FILE (a GAAC calibration of this model)"};
+  if (kv_gaac && gaac_calib.empty())
+    throw UsageError{"flag --kv " + kv + " needs --gaac-calib FILE (a GAAC calibration of this model)"};
   const std::string activations = flags.str("activations", "int8");
   if (activations != "int8" && activations != "f32")
     throw UsageError{"flag --activations: expected int8 or f32, got '" + activations + "'"};
@@ -157,7 +159,7 @@ int cmd_run(int argc, char** argv) {
   params.n_threads = int32_t(threads);
   params.block_tokens = int32_t(block_tokens);
   params.kv = kv.c_str();
-  if (kv == "gaac") params.gaac_calibration = gaac_calib.c_str();
+  if (kv_gaac) params.gaac_calibration = gaac_calib.c_str();
   params.activations = activations.c_str();
   if (int64_t(tokens.size()) > params.context_tokens)
     throw UsageError{"the prompt has " + std::to_string(tokens.size()) +
