@@ -121,5 +121,7 @@ expect_error codec-in-not-a-dump "is not a KV dump" "$bin" codec --codec gaac --
 expect_error run-gaac-without-calibration "--gaac-calib" "$bin" run --model "$model" --kv gaac --prompt hi --n 1
 expect_error run-gaac-other-model "other-cal.safetensors" "$bin" run --model "$model" --kv gaac --gaac-calib "$tmp/other-cal.safetensors" --prompt hi --n 1
 
+expect_error run-calibration-without-gaac "--gaac-calib" "$bin" run --model "$model" --kv fp8-e5m2 --gaac-calib "$tmp/cal.safetensors" --prompt hi --n 1
+
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

@@ -131,6 +131,8 @@ int cmd_run(int argc, char** argv) {
   const std::string gaac_calib = flags.str("gaac-calib");
   if (kv_gaac && gaac_calib.empty())
     throw UsageError{"flag --kv " + kv + " needs --gaac-calib FILE (a GAAC calibration of this model)"};
+  if (!kv_gaac && flags.has("gaac-calib"))
+    throw UsageError{"flag --gaac-calib is used only with --kv gaac, gaac-e4m3 or gaac-e5m2, not --kv " + kv};
   const std::string activations = flags.str("activations", "int8");
   if (activations != "int8" && activations != "f32")
     throw UsageError{"flag --activations: expected int8 or f32, got '" + activations + "'"};
