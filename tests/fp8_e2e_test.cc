@@ -17,23 +17,15 @@
 #include "certkv/certkv.hpp"
 #include "codec/gaac.h"
 #include "format/fp8.h"
+#include "gaac_e2e_support.h"
 #include "test_paths.h"
 
 namespace {
 
-using certkv::testing::shared_path;
+using certkv::testing::book_tokens;
+using certkv::testing::save_book_calibration;
+using certkv::testing::temp_path;
 using certkv::testing::smollm2_gguf;
-
-std::string temp_path(const std::string& name) {
-  return ::testing::TempDir() + "/certkv_" + std::to_string(getpid()) + "_" + name;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // Tokens of the KV the calibration is made from (Moby-Dick; the prompt comes from Pride and
 // Prejudice): twice the prompt, so that keys at the prompt's positions are covered.
@@ -45,35 +37,9 @@ class Fp8EndToEnd : public ::testing::Test {
   static void SetUpTestSuite() {
     if (!std::ifstream(smollm2_gguf()).good()) return;
     model_ = std::make_unique<certkv::Model>(smollm2_gguf());
-    const certkv_model_info info = model_->info();
-    std::vector<int32_t> tokens =
-        model_->tokenize(read_file(shared_path("data/corpus/melville-moby-dick.txt")), true, false);
-    tokens.resize(kCalibrationTokens);
-    certkv_session_params params = certkv_session_default_params();
-    params.context_tokens = kCalibrationTokens;
-    certkv::Session session(*model_, params);
-    session.prefill(tokens, nullptr);
-    certkv::codec::GaacShape shape;
-    shape.n_layers = info.n_layers;
-    shape.n_kv_heads = info.n_kv_heads;
-    shape.head_dim = info.head_dim;
-    shape.block_tokens = params.block_tokens;
-    shape.element = certkv::format::GaacElement::kFp8E5M2;
-    certkv::codec::GaacCalibrator calibrator(shape);
-    std::vector<uint16_t> rows(size_t(kCalibrationTokens) * size_t(info.head_dim));
-    std::vector<uint8_t> fp8(rows.size());
-    for (int layer = 0; layer < info.n_layers; ++layer) {
-      for (int kv = 0; kv < 2; ++kv) {
-        for (int h = 0; h < info.n_kv_heads; ++h) {
-          certkv::check(certkv_session_read_kv(session.get(), layer, kv, h, 0, kCalibrationTokens,
-                                               rows.data()));
-          for (size_t i = 0; i < rows.size(); ++i) fp8[i] = certkv::format::bf16_to_fp8_e5m2_ref(rows[i]);
-          calibrator.add_fp8(layer, kv, h, fp8.data(), kCalibrationTokens);
-        }
-      }
-    }
     calibration_path_ = temp_path("fp8_e2e_calibration.safetensors");
-    calibrator.finish().save(calibration_path_);
+    save_book_calibration(*model_, "melville-moby-dick.txt", kCalibrationTokens,
+                          certkv::format::GaacElement::kFp8E5M2, calibration_path_);
   }
 
   static void TearDownTestSuite() {
@@ -86,10 +52,7 @@ class Fp8EndToEnd : public ::testing::Test {
   }
 
   static std::vector<int32_t> prompt(size_t n_tokens) {
-    std::vector<int32_t> tokens = model_->tokenize(
-        read_file(shared_path("data/corpus/austen-pride-and-prejudice.txt")), true, false);
-    tokens.resize(n_tokens);
-    return tokens;
+    return book_tokens(*model_, "austen-pride-and-prejudice.txt", n_tokens);
   }
 
   static std::unique_ptr<certkv::Model> model_;

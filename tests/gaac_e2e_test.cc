@@ -16,24 +16,16 @@
 #include "certkv/certkv.h"
 #include "certkv/certkv.hpp"
 #include "codec/gaac.h"
+#include "gaac_e2e_support.h"
 #include "test_paths.h"
 
 namespace {
 
+using certkv::testing::book_tokens;
+using certkv::testing::save_book_calibration;
 using certkv::testing::shared_path;
+using certkv::testing::temp_path;
 using certkv::testing::smollm2_gguf;
-
-// A file in the test temp folder, unique to this process (test binaries may run concurrently).
-std::string temp_path(const std::string& name) {
-  return ::testing::TempDir() + "/certkv_" + std::to_string(getpid()) + "_" + name;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // Tokens of the KV the calibration is made from (Moby-Dick; the prompts come from Pride and
 // Prejudice). As long as the longest prompt: keys calibrated on shorter prefixes drift out of
@@ -46,33 +38,9 @@ class GaacEndToEnd : public ::testing::Test {
   static void SetUpTestSuite() {
     if (!std::ifstream(smollm2_gguf()).good()) return;
     model_ = std::make_unique<certkv::Model>(smollm2_gguf());
-    const certkv_model_info info = model_->info();
-    // The KV of a prefill of another book, through the C API, into the codec's calibrator.
-    std::vector<int32_t> tokens =
-        model_->tokenize(read_file(shared_path("data/corpus/melville-moby-dick.txt")), true, false);
-    tokens.resize(kCalibrationTokens);
-    certkv_session_params params = certkv_session_default_params();
-    params.context_tokens = kCalibrationTokens;
-    certkv::Session session(*model_, params);
-    session.prefill(tokens, nullptr);
-    certkv::codec::GaacShape shape;
-    shape.n_layers = info.n_layers;
-    shape.n_kv_heads = info.n_kv_heads;
-    shape.head_dim = info.head_dim;
-    shape.block_tokens = params.block_tokens;
-    certkv::codec::GaacCalibrator calibrator(shape);
-    std::vector<uint16_t> rows(size_t(kCalibrationTokens) * size_t(info.head_dim));
-    for (int layer = 0; layer < info.n_layers; ++layer) {
-      for (int kv = 0; kv < 2; ++kv) {
-        for (int h = 0; h < info.n_kv_heads; ++h) {
-          certkv::check(certkv_session_read_kv(session.get(), layer, kv, h, 0, kCalibrationTokens,
-                                               rows.data()));
-          calibrator.add_bf16(layer, kv, h, rows.data(), kCalibrationTokens);
-        }
-      }
-    }
     calibration_path_ = temp_path("gaac_e2e_calibration.safetensors");
-    calibrator.finish().save(calibration_path_);
+    save_book_calibration(*model_, "melville-moby-dick.txt", kCalibrationTokens, certkv::format::GaacElement::kBf16,
+                          calibration_path_);
   }
 
   static void TearDownTestSuite() {
@@ -85,10 +53,7 @@ class GaacEndToEnd : public ::testing::Test {
   }
 
   static std::vector<int32_t> prompt(size_t n_tokens) {
-    std::vector<int32_t> tokens = model_->tokenize(
-        read_file(shared_path("data/corpus/austen-pride-and-prejudice.txt")), true, false);
-    tokens.resize(n_tokens);
-    return tokens;
+    return book_tokens(*model_, "austen-pride-and-prejudice.txt", n_tokens);
   }
 
   // Prefills `prompt` in a bf16 and a gaac session and decodes n_new tokens greedily from each;
