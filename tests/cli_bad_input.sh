@@ -121,7 +121,26 @@ expect_error codec-in-not-a-dump "is not a KV dump" "$bin" codec --codec gaac --
 expect_error run-gaac-without-calibration "--gaac-calib" "$bin" run --model "$model" --kv gaac --prompt hi --n 1
 expect_error run-gaac-other-model "other-cal.safetensors" "$bin" run --model "$model" --kv gaac --gaac-calib "$tmp/other-cal.safetensors" --prompt hi --n 1
 
-expect_error run-calibration-without-gaac "--gaac-calib" "$bin" run --model "$model" --kv fp8-e5m2 --gaac-calib "$tmp/cal.safetensors" --prompt hi --n 1
+expect_error run-calibration-without-gaac "--gaac-calib" "$bin" run --model "$model" --kv fp8-e5m2-pages --gaac-calib "$tmp/cal.safetensors" --prompt hi --n 1
+
+# The meter, the gate and the evaluations.
+corpus="$shared/data/corpus/stoker-dracula.txt"
+expect_error run-unknown-kv "unknown KV scheme 'int3'" "$bin" run --model "$model" --kv int3 --prompt hi --n 1
+expect_error run-tau-zero "--tau" "$bin" run --model "$model" --kv dither8 --tau 0 --prompt hi --n 1
+expect_error run-delta-one "--delta" "$bin" run --model "$model" --kv dither8 --delta 1 --prompt hi --n 1
+expect_error run-delta-negative "--delta" "$bin" run --model "$model" --kv dither8 --delta -0.5 --prompt hi --n 1
+expect_error run-outliers-above-half "outlier pairs 40" "$bin" run --model "$model" --kv dither8 --outlier-pairs 40 --prompt hi --n 1
+expect_error run-outliers-not-dither8 "--outlier-pairs" "$bin" run --model "$model" --kv rtn8 --outlier-pairs 2 --prompt hi --n 1
+expect_error run-gate-bf16 "--gate" "$bin" run --model "$model" --kv bf16 --gate --prompt hi --n 1
+expect_error run-window-not-block "recent_window_tokens 20" "$bin" run --model "$model" --kv kivi2 --window 20 --prompt hi --n 1
+expect_error audit-bf16 "lossy scheme" "$bin" audit --model "$model" --kv bf16 --text-file "$corpus" --tokens 64
+expect_error audit-short-text "fewer than" "$bin" audit --model "$model" --kv rtn8 --text-file "$tmp/cal.safetensors" --tokens 100000
+expect_error audit-missing-text "--text-file" "$bin" audit --model "$model" --kv rtn8 --tokens 64
+expect_error eval-unknown-task "unknown evaluation 'perplexity'" "$bin" eval perplexity --kv rtn8
+expect_error eval-tf-missing-file "cannot read file" "$bin" eval teacher-forced --model "$model" --kv rtn8 --text-file "$tmp/none.txt" --tokens 64
+expect_error eval-needle-bad-length "--lengths" "$bin" eval needle --model "$model" --kv rtn8 --lengths 1024,abc --samples 1
+expect_error eval-needle-too-long "context" "$bin" eval needle --model "$model" --kv rtn8 --lengths 100000 --samples 1
+expect_error eval-needle-variant "--variant" "$bin" eval needle --model "$model" --kv rtn8 --lengths 1024 --variant multi-everything --samples 1
 
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

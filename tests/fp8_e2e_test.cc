@@ -76,7 +76,7 @@ TEST_F(Fp8EndToEnd, GaacE5m2GivesTheFp8E5m2LogitsBitForBit) {
   const size_t n_vocab = size_t(model_->info().n_vocab);
   certkv_session_params fp8_params = certkv_session_default_params();
   fp8_params.context_tokens = kPromptTokens + kNew;
-  fp8_params.kv = "fp8-e5m2";
+  fp8_params.kv = "fp8-e5m2-pages";
   certkv_session_params gaac_params = fp8_params;
   gaac_params.kv = "gaac-e5m2";
   gaac_params.gaac_calibration = calibration_path_.c_str();
@@ -142,7 +142,7 @@ TEST_F(Fp8EndToEnd, CalibrationOfAnotherElementIsAClearError) {
     EXPECT_NE(message.find(calibration_path_), std::string::npos) << message;
   }
   // fp8 schemes need no calibration.
-  params.kv = "fp8-e4m3";
+  params.kv = "fp8-e4m3-pages";
   params.gaac_calibration = nullptr;
   certkv::Session fp8(*model_, params);
   EXPECT_STREQ(fp8.kv_stats().by_class[0].storage, "fp8");

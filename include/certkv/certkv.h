@@ -97,9 +97,14 @@ typedef struct certkv_session_params {
   int32_t prefill_chunk_tokens;  /* default 512 */
   const char* kv;                /* KV storage scheme: "bf16" (raw pages) or "gaac" (full blocks
                                     in lossless GAAC slots; same logits bit for bit);
-                                    "fp8-e4m3" / "fp8-e5m2" (raw FP8 pages, values rounded at
-                                    write: lossy); "gaac-e4m3" / "gaac-e5m2" (FP8 pages, full
-                                    blocks in GAAC slots; same logits as fp8-*) */
+                                    "fp8-e4m3-pages" / "fp8-e5m2-pages" (every page raw FP8,
+                                    values rounded at write); "gaac-e4m3" / "gaac-e5m2" (FP8
+                                    pages, full blocks in GAAC slots; same logits as
+                                    fp8-*-pages); lossy schemes with the meter (bf16 tails, full
+                                    blocks quantized, exact blocks kept in a backing store):
+                                    "fp8-e4m3", "fp8-e5m2" (raw casts), "fp8-e4m3-scaled",
+                                    "rtn8", "rtn4", "kivi2" (Tier A witness), "dither8"
+                                    (certified INT8, Tier B) */
   int capture_queries;           /* keep post-RoPE queries of the last position (for dump-kv) */
   const char* activations;       /* weight-product arithmetic: "int8" (activations quantized per
                                     32-block as llama.cpp does; default) or "f32" (exact fp32) */
@@ -107,6 +112,19 @@ typedef struct certkv_session_params {
                                     (safetensors, certkv-gaac-calibration/1) of the scheme's
                                     element (bf16, e4m3, e5m2); required then,
                                     ignored otherwise. Loaded once per model and path. */
+  int32_t outlier_pairs;         /* dither8: RoPE pairs per (layer, kv_head) kept exact; -1:
+                                    default (4) */
+  int32_t recent_window_tokens;  /* lossy schemes: newest tokens kept bf16; -1: scheme default
+                                    (kivi2 128, others 0); a multiple of block_tokens */
+  int meter;                     /* lossy schemes: meter every decode step (default 1) */
+  double meter_delta;            /* request failure budget of the Tier B certificate, (0, 1);
+                                    default 1e-2 */
+  double meter_tau;              /* coverage threshold and gate threshold, > 0 (default 0.2;
+                                    >= 1 ranks risk instead of certifying) */
+  int gate;                      /* repair from the exact backing store when a meter exceeds
+                                    tau (default 0) */
+  int64_t meter_planned_steps;   /* T of delta_loc = delta / (layers * heads * T); 0: context */
+  int64_t meter_sample_every;    /* telemetry keeps every k-th cell (default 1) */
 } certkv_session_params;
 
 certkv_session_params certkv_session_default_params(void);
@@ -153,9 +171,65 @@ typedef struct certkv_kv_stats {
 certkv_status certkv_session_kv_stats(const certkv_session* session, certkv_kv_stats* stats);
 
 /* Reads cached K (kv = 0) or V (kv = 1) of one layer and kv_head for positions [begin, end).
- * out: [end - begin][head_dim] bf16 bit patterns. */
+ * out: [end - begin][head_dim] bf16 bit patterns (lossy pages: their reconstruction rounded to
+ * bf16). */
 certkv_status certkv_session_read_kv(const certkv_session* session, int32_t layer, int32_t kv,
                                      int32_t kv_head, int64_t begin, int64_t end, uint16_t* out);
+/* As certkv_session_read_kv, in float: exact = 0 gives what attention reads (a lossy page's
+ * reconstruction), exact = 1 the exact values (lossy pages from the backing store).
+ * out: [end - begin][head_dim] float. */
+certkv_status certkv_session_read_kv_f32(const certkv_session* session, int32_t layer, int32_t kv,
+                                         int32_t kv_head, int64_t begin, int64_t end, int exact,
+                                         float* out);
+
+/* ---- The meter (lossy schemes) ------------------------------------------------------------- */
+
+/* Telemetry of the per-(layer, query head, step) meter over the decode steps so far. */
+typedef struct certkv_meter_stats {
+  int metered;               /* 1 when the session's scheme is lossy and the meter is on */
+  const char* tier;          /* "A" (witness bound, any query), "B" (dither8 certificate, valid
+                                for non-adaptive queries), or "none"; static string */
+  int certified;             /* tau < 1: coverage counts certified cells; 0: risk-ranked */
+  double tau;
+  double delta_loc;          /* per-cell failure probability of Tier B */
+  int64_t cells;             /* cells recorded (every sample_every-th) */
+  double coverage;           /* fraction of recorded cells with meter <= tau */
+  double max;                /* largest meter */
+  double p50, p99;           /* quantiles (relative error <= 0.4%) */
+  int64_t overflow;          /* cells whose A overflowed (meter 1) */
+  int64_t repairs;           /* pages the gate paged in */
+  uint64_t pagein_bytes;     /* their bytes */
+  uint64_t exact_fallback_blocks;  /* blocks kept exact (non-finite values or scale overflow) */
+} certkv_meter_stats;
+
+certkv_status certkv_session_meter_stats(const certkv_session* session, certkv_meter_stats* stats);
+certkv_status certkv_session_meter_reset(certkv_session* session);
+
+/* Audit: when enabled, every metered step also computes the true total variation between the
+ * exact attention (keys from the backing store) and the compressed one, per (layer, query head),
+ * and checks meter >= TV. Cells are counted from the call on. */
+typedef struct certkv_audit_stats {
+  int64_t cells;
+  int64_t violations;        /* cells with meter < TV - 1e-9 */
+  double coverage;           /* fraction of cells with meter <= tau */
+  double max_meter, max_tv;
+  double tightness_q01, tightness_q10, tightness_q50, tightness_q90, tightness_q99;
+                             /* quantiles of meter / TV over cells with TV > 1e-12, meter < 1 */
+  double worst_margin;       /* max over cells of TV - meter (negative: no violation) */
+} certkv_audit_stats;
+
+/* dump_cells > 0 keeps that many sampled cells (and the cells of largest TV and meter) with
+ * their query and keys for certkv_session_audit_dump. */
+certkv_status certkv_session_audit_enable(certkv_session* session, int32_t dump_cells, uint64_t seed);
+certkv_status certkv_session_audit_stats(const certkv_session* session, certkv_audit_stats* stats);
+/* Per-layer audit: n_layers entries of (cells, violations, coverage). */
+certkv_status certkv_session_audit_layer(const certkv_session* session, int32_t layer,
+                                         int64_t* cells, int64_t* violations, double* coverage);
+/* Writes the kept cells to a safetensors file: cell{i}.q [head_dim] f32, cell{i}.k [S][head_dim]
+ * f32 (exact), cell{i}.k_hat [S][head_dim] f32 (what attention read), cell{i}.scale [1] f32,
+ * cell{i}.meter [1] f64; metadata names each cell's layer, head, step and the scheme. */
+certkv_status certkv_session_audit_dump(const certkv_session* session, const char* path);
+
 /* Post-RoPE queries of the last position. out: [n_heads][head_dim] float.
  * REQUIRES: the session was created with capture_queries. */
 certkv_status certkv_session_last_queries(const certkv_session* session, int32_t layer, float* out);

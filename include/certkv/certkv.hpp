@@ -98,6 +98,16 @@ class Session {
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
+  certkv_meter_stats meter_stats() const {
+    certkv_meter_stats m;
+    check(certkv_session_meter_stats(session_, &m));
+    return m;
+  }
+  certkv_audit_stats audit_stats() const {
+    certkv_audit_stats a;
+    check(certkv_session_audit_stats(session_, &a));
+    return a;
+  }
   certkv_session* get() { return session_; }
   const certkv_session* get() const { return session_; }
   int64_t n_past() const { return certkv_session_n_past(session_); }

@@ -13,7 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "api/session_audit.h"
 #include "codec/gaac.h"
+#include "format/numeric.h"
 #include "core/status.h"
 #include "model/chat_template.h"
 #include "model/model.h"
@@ -34,6 +36,7 @@ struct certkv_session {
   const certkv_model* model;
   std::unique_ptr<certkv::model::Session> session;
   std::vector<float> logits;
+  std::unique_ptr<certkv::api::SessionAudit> audit;
 };
 
 struct certkv_sampler {
@@ -217,6 +220,14 @@ certkv_session_params certkv_session_default_params(void) {
   p.capture_queries = 0;
   p.activations = "int8";
   p.gaac_calibration = nullptr;
+  p.outlier_pairs = -1;
+  p.recent_window_tokens = -1;
+  p.meter = 1;
+  p.meter_delta = 1e-2;
+  p.meter_tau = 0.2;
+  p.gate = 0;
+  p.meter_planned_steps = 0;
+  p.meter_sample_every = 1;
   return p;
 }
 
@@ -257,11 +268,13 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
   *out = nullptr;
   const certkv_session_params p = params ? *params : certkv_session_default_params();
   const std::string kv = p.kv ? p.kv : "bf16";
-  const bool kv_gaac = kv == "gaac" || kv == "gaac-e4m3" || kv == "gaac-e5m2";
-  if (kv != "bf16" && kv != "fp8-e4m3" && kv != "fp8-e5m2" && !kv_gaac)
-    return set_error(CERTKV_ERR_INVALID_ARGUMENT,
-                     "certkv_session_params.kv: unknown KV scheme '" + kv +
-                         "' (available: bf16, gaac, fp8-e4m3, fp8-e5m2, gaac-e4m3, gaac-e5m2)");
+  certkv::cache::KvScheme scheme;
+  try {
+    scheme = certkv::cache::parse_kv_scheme(kv);
+  } catch (const certkv::Error& e) {
+    return set_error(CERTKV_ERR_INVALID_ARGUMENT, std::string("certkv_session_params.kv: ") + e.what());
+  }
+  const bool kv_gaac = certkv::cache::kv_scheme_is_gaac(scheme);
   if (kv_gaac && (p.gaac_calibration == nullptr || p.gaac_calibration[0] == '\0'))
     return set_error(CERTKV_ERR_INVALID_ARGUMENT,
                      "KV scheme '" + kv + "' needs a calibration file: set "
@@ -279,7 +292,15 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
     c.block_tokens = p.block_tokens;
     c.prefill_chunk_tokens = p.prefill_chunk_tokens;
     c.capture_queries = p.capture_queries != 0;
-    c.kv_scheme = certkv::cache::parse_kv_scheme(kv);
+    c.kv_scheme = scheme;
+    c.outlier_pairs = p.outlier_pairs;
+    c.recent_window_tokens = p.recent_window_tokens;
+    c.meter.enabled = p.meter != 0;
+    c.meter.delta_req = p.meter_delta;
+    c.meter.tau = p.meter_tau;
+    c.meter.gate = p.gate != 0;
+    c.meter.planned_steps = p.meter_planned_steps;
+    c.meter.sample_every = p.meter_sample_every;
     if (certkv::cache::kv_scheme_is_gaac(c.kv_scheme))
       c.gaac_calibration = model_calibration(*model, p.gaac_calibration, p.block_tokens,
                                              certkv::cache::kv_scheme_element(c.kv_scheme));
@@ -353,12 +374,115 @@ certkv_status certkv_session_read_kv(const certkv_session* session, int32_t laye
     cache.read_token_range_ref(session->session->sequence(), layer,
                                kv == 0 ? certkv::cache::KvTensor::kKey : certkv::cache::KvTensor::kValue,
                                kv_head, begin, end, rows.data());
-    // Pages hold bf16, so the float rows convert back to the stored bit patterns exactly.
-    for (size_t i = 0; i < rows.size(); ++i) {
-      uint32_t u;
-      memcpy(&u, &rows[i], 4);
-      out[i] = uint16_t(u >> 16);
+    // bf16 pages convert back to their stored bit patterns exactly; a lossy page's
+    // reconstruction is rounded to nearest.
+    for (size_t i = 0; i < rows.size(); ++i) out[i] = certkv::format::float_to_bf16(rows[i]);
+  });
+}
+
+certkv_status certkv_session_read_kv_f32(const certkv_session* session, int32_t layer, int32_t kv,
+                                         int32_t kv_head, int64_t begin, int64_t end, int exact,
+                                         float* out) {
+  CERTKV_REQUIRE(session && out, "certkv_session_read_kv_f32: null argument");
+  CERTKV_REQUIRE(kv == 0 || kv == 1, "certkv_session_read_kv_f32: kv must be 0 (K) or 1 (V)");
+  return guarded([&] {
+    const certkv::cache::KvCache& cache = session->session->kv_cache();
+    const auto tensor = kv == 0 ? certkv::cache::KvTensor::kKey : certkv::cache::KvTensor::kValue;
+    if (exact)
+      cache.read_token_range_exact(session->session->sequence(), layer, tensor, kv_head, begin, end, out);
+    else
+      cache.read_token_range_ref(session->session->sequence(), layer, tensor, kv_head, begin, end, out);
+  });
+}
+
+certkv_status certkv_session_meter_stats(const certkv_session* session, certkv_meter_stats* stats) {
+  CERTKV_REQUIRE(session && stats, "certkv_session_meter_stats: null argument");
+  return guarded([&] {
+    const certkv::model::Session& s = *session->session;
+    const certkv::gate::Telemetry& t = s.telemetry();
+    const certkv::cache::KvScheme scheme = s.config().kv_scheme;
+    *stats = certkv_meter_stats{};
+    stats->metered = s.metered() ? 1 : 0;
+    stats->tier = !s.metered() ? "none"
+                  : certkv::codec::lossy_scheme_is_tier_b(certkv::cache::kv_scheme_lossy(scheme)) ? "B"
+                                                                                                 : "A";
+    stats->certified = t.tau() < 1 ? 1 : 0;
+    stats->tau = t.tau();
+    stats->delta_loc = s.delta_loc();
+    stats->cells = t.cells();
+    stats->coverage = t.coverage();
+    stats->max = t.max();
+    stats->p50 = t.p50();
+    stats->p99 = t.p99();
+    stats->overflow = t.overflow();
+    stats->repairs = t.repairs();
+    stats->pagein_bytes = uint64_t(t.pagein_bytes());
+    stats->exact_fallback_blocks = s.kv_cache().memory_stats().exact_fallback_blocks;
+  });
+}
+
+certkv_status certkv_session_meter_reset(certkv_session* session) {
+  CERTKV_REQUIRE(session, "certkv_session_meter_reset: null session");
+  return guarded([&] { session->session->reset_telemetry(); });
+}
+
+certkv_status certkv_session_audit_enable(certkv_session* session, int32_t dump_cells, uint64_t seed) {
+  CERTKV_REQUIRE(session, "certkv_session_audit_enable: null session");
+  CERTKV_REQUIRE(dump_cells >= 0, "certkv_session_audit_enable: dump_cells must be >= 0");
+  return guarded([&] {
+    certkv::model::Session& s = *session->session;
+    if (!s.metered())
+      certkv::fail(certkv::StatusCode::kInvalidArgument,
+                   std::string("audit needs a metered session (a lossy KV scheme with the meter on); "
+                               "this one has kv ") + certkv::cache::kv_scheme_name(s.config().kv_scheme));
+    session->audit = std::make_unique<certkv::api::SessionAudit>(s, s.config().meter.tau, dump_cells, seed);
+    certkv::api::SessionAudit* audit = session->audit.get();
+    s.set_meter_observer([audit](const certkv::model::MeterObservation& o) { audit->observe(o); });
+  });
+}
+
+certkv_status certkv_session_audit_stats(const certkv_session* session, certkv_audit_stats* stats) {
+  CERTKV_REQUIRE(session && stats, "certkv_session_audit_stats: null argument");
+  CERTKV_REQUIRE(session->audit, "certkv_session_audit_stats: the audit is not enabled");
+  return guarded([&] {
+    const certkv::eval::AuditSummary a = session->audit->accumulator().summary();
+    *stats = certkv_audit_stats{};
+    stats->cells = a.cells;
+    stats->violations = a.violations;
+    stats->coverage = a.coverage_at_tau;
+    stats->max_meter = a.max_meter;
+    stats->max_tv = a.max_tv;
+    stats->tightness_q01 = a.tightness_q01;
+    stats->tightness_q10 = a.tightness_q10;
+    stats->tightness_q50 = a.tightness_q50;
+    stats->tightness_q90 = a.tightness_q90;
+    stats->tightness_q99 = a.tightness_q99;
+    stats->worst_margin = a.cells > 0 ? a.worst.tv - a.worst.meter : 0;
+  });
+}
+
+certkv_status certkv_session_audit_layer(const certkv_session* session, int32_t layer,
+                                         int64_t* cells, int64_t* violations, double* coverage) {
+  CERTKV_REQUIRE(session && cells && violations && coverage, "certkv_session_audit_layer: null argument");
+  CERTKV_REQUIRE(session->audit, "certkv_session_audit_layer: the audit is not enabled");
+  return guarded([&] {
+    *cells = 0;
+    *violations = 0;
+    *coverage = 0;
+    for (const certkv::eval::AuditLayerSummary& l : session->audit->accumulator().summary().layers) {
+      if (l.layer != layer) continue;
+      *cells = l.cells;
+      *violations = l.violations;
+      *coverage = l.coverage_at_tau;
     }
+  });
+}
+
+certkv_status certkv_session_audit_dump(const certkv_session* session, const char* path) {
+  CERTKV_REQUIRE(session && path, "certkv_session_audit_dump: null argument");
+  CERTKV_REQUIRE(session->audit, "certkv_session_audit_dump: the audit is not enabled");
+  return guarded([&] {
+    session->audit->dump(path, certkv::cache::kv_scheme_name(session->session->config().kv_scheme));
   });
 }
 

@@ -8,6 +8,7 @@
 #include "attention/online_softmax.h"
 #include "attention/work_queue.h"
 #include "core/status.h"
+#include "gate/meter.h"
 
 namespace certkv::attention {
 
@@ -151,16 +152,29 @@ void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
   const size_t n_partials = size_t(shape.n_kv_heads) * size_t(n_splits) * size_t(group);
   std::vector<detail::RowState> states(n_partials);
   std::vector<float> accs(n_partials * size_t(d));
+  const bool metered = options.meters != nullptr && k_tables[0].lossy.has_value();
+  if (metered && codec::lossy_scheme_is_tier_b(k_tables[0].lossy->scheme) &&
+      !(options.meter.delta_loc > 0 && options.meter.delta_loc < 1)) {
+    fail_attention(StatusCode::kInvalidArgument, "decode_attention",
+                   "meter.delta_loc " + std::to_string(options.meter.delta_loc) +
+                       " is outside (0, 1)");
+  }
+  std::vector<detail::MeterRow> meter_rows(metered ? n_partials : 0);
 
   // One page per tile: decode reads each page once, and small tiles keep its loads interleaved
   // with the arithmetic (at 32K tokens, 4-page tiles measured 1.5x slower).
   const size_t tile_keys = size_t(bt);
   detail::run_units(pool, int64_t(shape.n_kv_heads) * n_splits, [&](int64_t unit, int) {
     thread_local std::vector<float> scratch;
-    scratch.resize(2 * tile_keys * size_t(d) + tile_keys);
+    const size_t bound_width = metered ? size_t(detail::key_bound_width(*k_tables[0].lossy)) : 0;
+    scratch.resize(2 * tile_keys * size_t(d) + tile_keys +
+                   (metered ? tile_keys * (bound_width + 2) + tile_keys : 0));
     float* k_tile = scratch.data();
     float* v_tile = k_tile + tile_keys * size_t(d);
     float* s = v_tile + tile_keys * size_t(d);
+    float* bounds = s + tile_keys;           // metered: [tile_keys][bound_width]
+    float* rho = bounds + tile_keys * bound_width;  // [tile_keys]
+    float* c = rho + tile_keys;              // [tile_keys]
     const int h = int(unit / n_splits);
     const int64_t split = unit % n_splits;
     const size_t first = size_t(unit) * size_t(group);
@@ -170,15 +184,47 @@ void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
     std::fill(acc, acc + size_t(group) * size_t(d), 0.f);
     const float* qg = q + size_t(h) * size_t(group) * size_t(d);
     const int64_t key_end = std::min(n_ctx, (split + 1) * blocks_per_split * bt);
+    if (!metered) {
+      for (int64_t t0 = split * blocks_per_split * bt; t0 < key_end; t0 += bt) {
+        const int64_t t1 = std::min(key_end, t0 + bt);
+        detail::load_tile(k_tables[size_t(h)], t0, t1, k_tile);
+        detail::load_tile(v_tables[size_t(h)], t0, t1, v_tile);
+        for (int g = 0; g < group; ++g) {
+          detail::update_row(qg + size_t(g) * size_t(d), k_tile, v_tile, int(t1 - t0), d,
+                             shape.scale, &st[g], acc + size_t(g) * size_t(d), s);
+        }
+      }
+      return;
+    }
+    detail::MeterRow* mr = &meter_rows[first];
+    thread_local std::vector<detail::QueryBoundWeights> weights;
+    weights.resize(size_t(group));
+    for (int g = 0; g < group; ++g) {
+      mr[g] = {0.0, 0.f, 0.f};
+      weights[size_t(g)] = detail::query_bound_weights(*k_tables[size_t(h)].lossy,
+                                               qg + size_t(g) * size_t(d), shape.scale, n_ctx,
+                                               options.meter.delta_loc);
+    }
+    float v_norm_max = 0.f;
     for (int64_t t0 = split * blocks_per_split * bt; t0 < key_end; t0 += bt) {
       const int64_t t1 = std::min(key_end, t0 + bt);
+      const int n_keys = int(t1 - t0);
       detail::load_tile(k_tables[size_t(h)], t0, t1, k_tile);
       detail::load_tile(v_tables[size_t(h)], t0, t1, v_tile);
+      detail::load_error_data(k_tables[size_t(h)], t0, t1, bounds);
+      detail::load_error_data(v_tables[size_t(h)], t0, t1, rho);
+      for (int j = 0; j < n_keys; ++j) {
+        float sq = 0.f;
+        for (int e = 0; e < d; ++e) sq += v_tile[size_t(j) * size_t(d) + e] * v_tile[size_t(j) * size_t(d) + e];
+        v_norm_max = std::max(v_norm_max, std::sqrt(sq) + rho[j]);
+      }
       for (int g = 0; g < group; ++g) {
-        detail::update_row(qg + size_t(g) * size_t(d), k_tile, v_tile, int(t1 - t0), d, shape.scale,
-                           &st[g], acc + size_t(g) * size_t(d), s);
+        detail::logit_bounds(weights[size_t(g)], bounds, n_keys, c);
+        detail::update_row_metered(qg + size_t(g) * size_t(d), k_tile, v_tile, n_keys, d,
+                                   shape.scale, c, rho, &st[g], &mr[g], acc + size_t(g) * size_t(d), s);
       }
     }
+    for (int g = 0; g < group; ++g) mr[g].v_norm_max = v_norm_max;
   });
 
   // Merge the splits by their log-sum-exp weights: with M = max_s m_s,
@@ -202,6 +248,27 @@ void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
       }
       const float inv_l = 1.f / l_total;
       for (int c = 0; c < d; ++c) o[c] *= inv_l;
+      if (options.meters == nullptr) continue;
+      HeadMeter& hm = options.meters[size_t(h) * size_t(group) + size_t(g)];
+      hm = HeadMeter{};
+      if (!metered) continue;
+      // A - 1, the value side and max ||v|| merge like the output (the same LSE weights).
+      double d_total = 0, rho_total = 0, v_max = 0;
+      for (int64_t sp = 0; sp < n_splits; ++sp) {
+        const size_t i = partial(sp);
+        const double w = std::exp(double(states[i].m) - double(m_max));
+        d_total += w * meter_rows[i].d;
+        rho_total += w * double(meter_rows[i].rho);
+        v_max = std::max(v_max, double(meter_rows[i].v_norm_max));
+      }
+      // Float rounding of the sums above is at most a few parts in 10^6 of each: lift by 2^-16.
+      const double lift = 1.0 + 1.0 / 65536.0;
+      const double a_minus_1 = d_total / double(l_total) * lift;
+      hm.log_a = std::isfinite(a_minus_1) ? std::log1p(a_minus_1) : INFINITY;
+      hm.meter = gate::meter_from_log_a(hm.log_a);
+      hm.value_rho = rho_total / double(l_total) * lift;
+      hm.v_norm_max = v_max * lift;
+      hm.output_bound = 2 * hm.meter * hm.v_norm_max + hm.value_rho;
     }
   }
 }

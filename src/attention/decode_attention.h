@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "cache/kv_cache.h"
 #include "core/thread_pool.h"
@@ -31,10 +32,33 @@ struct AttentionShape {
 // Throws certkv::Error if the shape is unusable with this cache at this layer.
 void validate_shape(const cache::KvCache& cache, int layer, const AttentionShape& shape);
 
+// The meter of one (layer, query head, step) (DESIGN.md section 4, gate/meter.h): with
+// p~ the compressed attention and c_t >= |logit error of t| (Tier A witness bound for the
+// registered lossy schemes, Tier B dither radius for dither8, 0 for exact pages),
+//   A = sum_t p~_t e^{c_t},  meter = min(1, (A^2 - 1) / 2) >= TV(p, p~)   (Theorem 1),
+//   value side: ||y - y~|| <= 2 TV max_t ||v_t|| + sum_t p~_t rho_t.
+struct HeadMeter {
+  double log_a = 0;         // log A (+inf when a bound overflowed)
+  double meter = 0;         // min(1, (A^2 - 1) / 2)
+  double value_rho = 0;     // sum_t p~_t rho_t
+  double v_norm_max = 0;    // an upper bound of max_t ||v_t||
+  double output_bound = 0;  // 2 meter v_norm_max + value_rho
+};
+
+struct MeterOptions {
+  // Tier B (dither8): the failure probability of one (layer, head, step) cell,
+  // delta_loc = delta_req / (L H T) (gate::local_delta). REQUIRES: in (0, 1) for dither8 caches.
+  double delta_loc = 1e-8;
+};
+
 struct DecodeOptions {
   // Number of key/value splits (whole blocks each) computed independently and merged by their
   // log-sum-exp weights; 0 picks from n_ctx and the pool's thread count. Clamped to [1, n_blocks].
   int n_splits = 0;
+  // When set (with `meter`), decode_attention computes the meter of every query head in the same
+  // pass over the pages: meters: [n_q_heads]. Caches of non-lossy schemes give meter 0.
+  HeadMeter* meters = nullptr;
+  MeterOptions meter;
 };
 
 // Double-precision reference: plain two-pass softmax over t in [0, n_ctx), reading the cache
@@ -54,6 +78,21 @@ void decode_attention_ref(const cache::KvCache& cache, cache::SeqId seq, int lay
 void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
                       const AttentionShape& shape, const float* q, int64_t n_ctx, float* out,
                       ThreadPool* pool = nullptr, const DecodeOptions& options = {});
+
+// Double-precision reference of the meter: reads the reconstruction (read_token_range_ref) and
+// the pages' error data, evaluates c_t, A and the value side in double (gate::MeterState).
+// meters: [n_q_heads]. block_contributions, when not null, gets [n_q_heads][n_blocks] the share
+// of block j in A - 1: sum_{t in j} p~_t (e^{c_t} - 1) (the gate repairs in decreasing order).
+void decode_meter_ref(const cache::KvCache& cache, cache::SeqId seq, int layer,
+                      const AttentionShape& shape, const float* q, int64_t n_ctx,
+                      const MeterOptions& options, HeadMeter* meters,
+                      std::vector<double>* block_contributions = nullptr);
+
+// The true total variation between the exact attention distribution (keys from the backing
+// store, read_token_range_exact) and the compressed one (read_token_range_ref), per query head,
+// in double. tv: [n_q_heads].
+void decode_true_tv_ref(const cache::KvCache& cache, cache::SeqId seq, int layer,
+                        const AttentionShape& shape, const float* q, int64_t n_ctx, double* tv);
 
 // The split count decode_attention uses for DecodeOptions::n_splits == 0.
 int choose_decode_splits(int64_t n_ctx, int block_tokens, int n_kv_heads, int n_threads);

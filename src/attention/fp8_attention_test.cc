@@ -102,7 +102,7 @@ Caches make_caches(const CaseShape& c, GaacElement e, int64_t max_tokens) {
   Caches p;
   p.want = std::make_unique<cache::KvCache>(cfg);
   const bool e4m3 = e == GaacElement::kFp8E4M3;
-  cfg.scheme = e4m3 ? KvScheme::kFp8E4M3 : KvScheme::kFp8E5M2;
+  cfg.scheme = e4m3 ? KvScheme::kFp8PagesE4M3 : KvScheme::kFp8PagesE5M2;
   p.raw = std::make_unique<cache::KvCache>(cfg);
   cfg.scheme = e4m3 ? KvScheme::kGaacE4M3 : KvScheme::kGaacE5M2;
   cfg.gaac_calibration = calibrate(c, e);

@@ -7,6 +7,7 @@
 // Internal to the attention layer. AVX2 + FMA paths under #ifdef __AVX2__, portable loops otherwise.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -16,6 +17,7 @@
 
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
+#include "codec/lossy_page.h"
 #include "format/fp8.h"
 #include "format/numeric.h"
 #include "format/page.h"
@@ -69,13 +71,17 @@ struct TableReader {
   std::optional<codec::GaacRowDecoder> gaac;
   format::GaacElement element;         // of the cache's pages
   const codec::GaacBases* fp8_bases;   // GAAC FP8 schemes: the table's bases; else null
+  // Lossy schemes: what the table's lossy pages are (empty otherwise).
+  std::optional<codec::LossyPageSpec> lossy;
 };
 
 inline TableReader table_reader(const cache::KvCache& cache, cache::SeqId seq, int layer,
                                 cache::KvTensor kv, int kv_head) {
   TableReader r{&cache, cache.block_table(seq, layer, kv, kv_head), cache.n_blocks(seq), 0,
-                std::nullopt, cache::kv_scheme_element(cache.scheme()), nullptr};
-  if (cache.scheme() == cache::KvScheme::kGaac) {
+                std::nullopt, cache::kv_scheme_element(cache.scheme()), nullptr, std::nullopt};
+  if (cache::kv_scheme_is_lossy(cache.scheme())) {
+    r.lossy = cache.lossy_spec(layer, kv, kv_head);
+  } else if (cache.scheme() == cache::KvScheme::kGaac) {
     r.gaac.emplace(cache.block_tokens(), cache.head_dim(), cache.gaac_bases(layer, kv, kv_head));
     r.slot_bytes = cache.gaac_slot_bytes(layer, kv);
   } else if (cache::kv_scheme_is_gaac(cache.scheme())) {
@@ -124,6 +130,19 @@ inline void load_tile(const TableReader& r, int64_t begin, int64_t end, float* o
       fp8_to_float_rows(r.element, page.data(), rows, size_t(n) * d);
     } else if (ref.storage == format::StorageClass::kFp8) {
       fp8_to_float_rows(r.element, cache.page_fp8(ref), rows, size_t(n) * d);
+    } else if (r.lossy && (ref.storage == format::StorageClass::kLossy ||
+                           ref.storage == format::StorageClass::kDither8)) {
+      // Lossy pages are always whole blocks: reconstruct the page, keep the rows asked for.
+      if (n == bt) {
+        codec::lossy_decode_page_ref(*r.lossy, cache.lossy_page_slot(ref), cache.page_bytes_of(ref),
+                                     rows);
+      } else {
+        thread_local std::vector<float> page;
+        page.resize(size_t(bt) * d);
+        codec::lossy_decode_page_ref(*r.lossy, cache.lossy_page_slot(ref), cache.page_bytes_of(ref),
+                                     page.data());
+        std::copy(page.begin(), page.begin() + size_t(n) * d, rows);
+      }
     } else {
       bf16_to_float_rows(cache.page_bf16(ref), rows, size_t(n) * d);
     }
@@ -292,6 +311,159 @@ inline void update_row(const float* q, const float* k, const float* v, int n_key
   const float m_new = tile_max > state->m ? tile_max : state->m;
   const float alpha = std::exp(state->m - m_new);  // 0 on the first tile (m = -inf)
   const float tile_sum = exp_shifted_and_sum(s, n_keys, m_new);
+  state->l = state->l * alpha + tile_sum;
+  state->m = m_new;
+  rescale_and_accumulate(acc, alpha, s, v, n_keys, d);
+}
+
+// Per-token error data of positions [begin, end) of a lossy table, for the meter:
+//   K tables, Tier A: the witness w_{t,b} (out: [end - begin][witness_bands]);
+//   K tables, Tier B (dither8): the scales s_{t,g} (out: [end - begin][head_dim / kQuantGroup]);
+//   V tables: rho_t >= ||v^_t - v_t|| (out: [end - begin]).
+// Pages that are not lossy (bf16 tails, repaired or exact-fallback blocks) are exact: zeros.
+// REQUIRES: r.lossy; begin % block_tokens == 0.
+inline int key_bound_width(const codec::LossyPageSpec& spec) {
+  return codec::lossy_scheme_is_tier_b(spec.scheme) ? spec.head_dim / codec::kQuantGroup
+                                                     : codec::witness_bands(spec.head_dim);
+}
+
+inline void load_error_data(const TableReader& r, int64_t begin, int64_t end, float* out) {
+  const cache::KvCache& cache = *r.cache;
+  const codec::LossyPageSpec& spec = *r.lossy;
+  const int64_t bt = cache.block_tokens();
+  const int width = spec.key ? key_bound_width(spec) : 1;
+  thread_local std::vector<float> page;
+  for (int64_t start = begin; start < end; start += bt) {
+    const int64_t n = end - start < bt ? end - start : bt;
+    const format::PageRef ref = r.table[start / bt];
+    float* dst = out + size_t(start - begin) * size_t(width);
+    const bool lossy_page = ref.storage == format::StorageClass::kLossy ||
+                            ref.storage == format::StorageClass::kDither8;
+    if (!lossy_page) {
+      std::fill(dst, dst + size_t(n) * size_t(width), 0.f);
+      continue;
+    }
+    const uint8_t* bytes = cache.page_bytes_of(ref);
+    if (codec::lossy_scheme_is_tier_b(spec.scheme)) {
+      page.resize(size_t(bt) * size_t(spec.key ? width : 1));
+      if (spec.key) codec::dither8_scales(spec, bytes, page.data());
+      else codec::dither8_value_rho(spec, bytes, page.data());
+      std::copy(page.begin(), page.begin() + size_t(n) * size_t(width), dst);
+    } else {
+      const uint16_t* side = spec.key ? codec::lossy_witness(spec, bytes) : codec::lossy_value_rho(spec, bytes);
+      for (size_t i = 0; i < size_t(n) * size_t(width); ++i) dst[i] = format::fp16_to_float(side[i]);
+    }
+  }
+}
+
+// What one query row contributes to the per-token logit bounds c_t (DESIGN.md section 4):
+//   Tier A (Theorem 2):  c_t = |scale| sum_b ||q_b|| w_{t,b};  weight[b] = |scale| ||q_b||.
+//   Tier B (Lemma 2):    c_t = sqrt(2 sigma_t^2 log(2 S / delta_loc)) + |scale| kDither8Slack
+//                              sum_g (sum_{c in g} |q_c|) s_{t,g},
+//                        sigma_t^2 = scale^2 sum_g (sum_{c in g} q_c^2) s_{t,g}^2 / 12,
+//   sums over the channels that are not outliers (those are exact).
+struct QueryBoundWeights {
+  bool tier_b = false;
+  int width = 0;
+  float weight[64];     // Tier A: |scale| ||q_b||;  Tier B: scale^2 sum q_c^2 / 12 * 2 log(2S/delta)
+  float abs_weight[64];  // Tier B: |scale| kDither8Slack sum |q_c|
+};
+
+inline QueryBoundWeights query_bound_weights(const codec::LossyPageSpec& spec, const float* q,
+                                             float scale, int64_t n_ctx, double delta_loc) {
+  QueryBoundWeights w;
+  const int d = spec.head_dim;
+  w.tier_b = codec::lossy_scheme_is_tier_b(spec.scheme);
+  w.width = key_bound_width(spec);
+  double acc[64] = {0}, acc_abs[64] = {0};
+  if (w.tier_b) {
+    bool outlier[256] = {false};
+    for (int i = 0; i < spec.n_outlier_pairs; ++i)
+      for (int which = 0; which < 2; ++which)
+        outlier[codec::rope_pair_channel(spec.pairing, d, spec.outlier_pairs[i], which)] = true;
+    for (int c = 0; c < d; ++c) {
+      if (outlier[c]) continue;
+      acc[c / codec::kQuantGroup] += double(q[c]) * q[c];
+      acc_abs[c / codec::kQuantGroup] += std::fabs(double(q[c]));
+    }
+    const double log_term = 2.0 * std::log(2.0 * double(n_ctx) / delta_loc);
+    for (int g = 0; g < w.width; ++g) {
+      w.weight[g] = float(double(scale) * scale * acc[g] / 12.0 * log_term);
+      w.abs_weight[g] = float(std::fabs(double(scale)) * codec::kDither8Slack * acc_abs[g]);
+    }
+  } else {
+    for (int j = 0; j < d / 2; ++j) {
+      const int b = codec::witness_band_of_pair(d, j);
+      for (int which = 0; which < 2; ++which) {
+        const double x = q[codec::rope_pair_channel(spec.pairing, d, j, which)];
+        acc[b] += x * x;
+      }
+    }
+    for (int b = 0; b < w.width; ++b) {
+      w.weight[b] = float(std::fabs(double(scale)) * std::sqrt(acc[b]));
+      w.abs_weight[b] = 0.f;
+    }
+  }
+  // Float rounding of the weights and of the sums in logit_bounds (at most 64 positive terms)
+  // must not lower the bound: nudge each weight up by 2^-16 relative.
+  for (int g = 0; g < w.width; ++g) {
+    w.weight[g] *= 1.0f + 1.0f / 65536.0f;
+    w.abs_weight[g] *= 1.0f + 1.0f / 65536.0f;
+  }
+  return w;
+}
+
+// c[j] for the keys of a tile: bounds [n_keys][width] from load_error_data.
+inline void logit_bounds(const QueryBoundWeights& w, const float* bounds, int n_keys, float* c) {
+  for (int j = 0; j < n_keys; ++j) {
+    const float* b = bounds + size_t(j) * size_t(w.width);
+    if (w.tier_b) {
+      float var = 0.f, slack = 0.f;
+      for (int g = 0; g < w.width; ++g) {
+        var += w.weight[g] * b[g] * b[g];
+        slack += w.abs_weight[g] * b[g];
+      }
+      c[j] = std::sqrt(var) + slack;
+    } else {
+      float sum = 0.f;
+      for (int g = 0; g < w.width; ++g) sum += w.weight[g] * b[g];
+      c[j] = sum;
+    }
+  }
+}
+
+// Meter state of one query row beside its RowState, in the scaling of l (the running sum of
+// e^{s~_t - m}): A - 1 = sum_t p~_t (e^{c_t} - 1) = d / l, so
+//   d   = sum_t e^{s~_t - m} (e^{c_t} - 1)   (double: e^{c_t} may be large),
+//   rho = sum_t e^{s~_t - m} rho_t,   v_norm_max = max_t ||v_t|| (a bound).
+// Carrying A - 1 rather than A keeps the bound's rounding relative to its own size.
+struct MeterRow {
+  double d;
+  float rho;
+  float v_norm_max;
+};
+
+// Bounds at or above this use double exponentials (e^{c} would leave float's range).
+inline constexpr float kLargeLogitBound = 60.f;
+
+// update_row plus the meter: c: [n_keys] logit bounds, rho: [n_keys] value error bounds.
+inline void update_row_metered(const float* q, const float* k, const float* v, int n_keys, int d,
+                               float scale, const float* c, const float* rho, RowState* state,
+                               MeterRow* meter, float* acc, float* s) {
+  const float tile_max = scores_of_row(q, k, n_keys, d, scale, s);
+  const float m_new = tile_max > state->m ? tile_max : state->m;
+  const float alpha = std::exp(state->m - m_new);
+  double large = 0;
+  for (int j = 0; j < n_keys; ++j)
+    if (!(c[j] < kLargeLogitBound)) large += std::exp(double(s[j]) - double(m_new) + double(c[j]));
+  const float tile_sum = exp_shifted_and_sum(s, n_keys, m_new);
+  float d_tile = 0.f, rho_tile = 0.f;
+  for (int j = 0; j < n_keys; ++j) {
+    if (c[j] < kLargeLogitBound) d_tile += s[j] * std::expm1(c[j]);
+    rho_tile += s[j] * rho[j];
+  }
+  meter->d = meter->d * double(alpha) + double(d_tile) + large;
+  meter->rho = meter->rho * alpha + rho_tile;
   state->l = state->l * alpha + tile_sum;
   state->m = m_new;
   rescale_and_accumulate(acc, alpha, s, v, n_keys, d);

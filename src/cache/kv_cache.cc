@@ -52,22 +52,25 @@ const char* kv_scheme_name(KvScheme scheme) {
   switch (scheme) {
     case KvScheme::kBf16: return "bf16";
     case KvScheme::kGaac: return "gaac";
-    case KvScheme::kFp8E4M3: return "fp8-e4m3";
-    case KvScheme::kFp8E5M2: return "fp8-e5m2";
+    case KvScheme::kFp8PagesE4M3: return "fp8-e4m3-pages";
+    case KvScheme::kFp8PagesE5M2: return "fp8-e5m2-pages";
     case KvScheme::kGaacE4M3: return "gaac-e4m3";
     case KvScheme::kGaacE5M2: return "gaac-e5m2";
+    default: break;
   }
+  if (kv_scheme_is_lossy(scheme)) return codec::lossy_scheme_name(kv_scheme_lossy(scheme));
   return "unknown";
 }
 
 KvScheme parse_kv_scheme(std::string_view name) {
-  for (KvScheme s : {KvScheme::kBf16, KvScheme::kGaac, KvScheme::kFp8E4M3, KvScheme::kFp8E5M2,
-                     KvScheme::kGaacE4M3, KvScheme::kGaacE5M2}) {
+  std::string known;
+  for (int i = 0; i < kNumKvSchemes; ++i) {
+    const KvScheme s = KvScheme(i);
     if (name == kv_scheme_name(s)) return s;
+    known += (i ? ", " : "") + std::string(kv_scheme_name(s));
   }
   fail(StatusCode::kInvalidArgument,
-       "unknown KV scheme '" + std::string(name) +
-           "' (available: bf16, gaac, fp8-e4m3, fp8-e5m2, gaac-e4m3, gaac-e5m2)");
+       "unknown KV scheme '" + std::string(name) + "' (available: " + known + ")");
 }
 
 bool kv_scheme_is_gaac(KvScheme scheme) {
@@ -75,11 +78,23 @@ bool kv_scheme_is_gaac(KvScheme scheme) {
          scheme == KvScheme::kGaacE5M2;
 }
 
+bool kv_scheme_is_lossy(KvScheme scheme) {
+  return int(scheme) >= int(KvScheme::kFp8E4M3) && int(scheme) < kNumKvSchemes;
+}
+
+codec::LossyScheme kv_scheme_lossy(KvScheme scheme) {
+  if (!kv_scheme_is_lossy(scheme)) {
+    fail(StatusCode::kInvalidArgument,
+         std::string("KV scheme ") + kv_scheme_name(scheme) + " is not a lossy scheme");
+  }
+  return codec::LossyScheme(int(scheme) - int(KvScheme::kFp8E4M3));
+}
+
 format::GaacElement kv_scheme_element(KvScheme scheme) {
   switch (scheme) {
-    case KvScheme::kFp8E4M3:
+    case KvScheme::kFp8PagesE4M3:
     case KvScheme::kGaacE4M3: return format::GaacElement::kFp8E4M3;
-    case KvScheme::kFp8E5M2:
+    case KvScheme::kFp8PagesE5M2:
     case KvScheme::kGaacE5M2: return format::GaacElement::kFp8E5M2;
     default: return format::GaacElement::kBf16;
   }
@@ -106,12 +121,13 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
                    std::to_string(format::kNoPage - 1));
   }
   capacity_pages_ = capacity_pages;
-  if (int(config.scheme) < int(KvScheme::kBf16) || int(config.scheme) > int(KvScheme::kGaacE5M2)) {
+  if (int(config.scheme) < int(KvScheme::kBf16) || int(config.scheme) >= kNumKvSchemes) {
     fail_cache(StatusCode::kInvalidArgument,
                "config.scheme " + std::to_string(int(config.scheme)) + " is not a KV scheme");
   }
   const bool gaac = kv_scheme_is_gaac(config.scheme);
   gaac_ = gaac;
+  lossy_ = kv_scheme_is_lossy(config.scheme);
   element_ = kv_scheme_element(config.scheme);
   const bool fp8 = element_ != format::GaacElement::kBf16;
   raw_class_ = fp8 ? StorageClass::kFp8 : StorageClass::kBf16;
@@ -124,8 +140,51 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   // small chunks so that the bytes obtained follow the bytes in use closely.
   bf16_pool_ = std::make_unique<PagePool>(
       raw_class_, page_bytes(), uint32_t(capacity_pages),
-      chunk_pages(gaac ? 2 * uint64_t(config.n_kv_heads) : 4 * n_tables));
+      chunk_pages(gaac || lossy_ ? 2 * uint64_t(config.n_kv_heads) : 4 * n_tables));
   block_scratch_.resize(page_bytes());
+  if (lossy_) {
+    lossy_scheme_ = kv_scheme_lossy(config.scheme);
+    slot_class_ = codec::lossy_scheme_is_tier_b(lossy_scheme_) ? StorageClass::kDither8
+                                                                : StorageClass::kLossy;
+    const bool dither8 = lossy_scheme_ == codec::LossyScheme::kDither8;
+    n_outlier_pairs_ = dither8 ? (config.outlier_pairs < 0 ? kDefaultOutlierPairs : config.outlier_pairs) : 0;
+    if (!dither8 && config.outlier_pairs > 0) {
+      fail_cache(StatusCode::kInvalidArgument,
+                 "config.outlier_pairs applies to dither8 only (scheme " +
+                     std::string(kv_scheme_name(config.scheme)) + ")");
+    }
+    if (n_outlier_pairs_ > config.head_dim / 2 || n_outlier_pairs_ > codec::kMaxOutlierPairs) {
+      fail_cache(StatusCode::kInvalidArgument,
+                 "config.outlier_pairs " + std::to_string(n_outlier_pairs_) +
+                     " is above head_dim / 2 = " + std::to_string(config.head_dim / 2) +
+                     " (or the limit of " + std::to_string(codec::kMaxOutlierPairs) + ")");
+    }
+    window_tokens_ = config.recent_window_tokens >= 0
+                         ? config.recent_window_tokens
+                         : (lossy_scheme_ == codec::LossyScheme::kKivi2 ? 128 : 0);
+    if (window_tokens_ % config.block_tokens != 0) {
+      fail_cache(StatusCode::kInvalidArgument,
+                 "config.recent_window_tokens " + std::to_string(window_tokens_) +
+                     " is not a multiple of block_tokens " + std::to_string(config.block_tokens));
+    }
+    std::vector<uint16_t> placeholder(static_cast<size_t>(n_outlier_pairs_));
+    for (int j = 0; j < n_outlier_pairs_; ++j) placeholder[size_t(j)] = uint16_t(j);
+    outliers_.assign(size_t(config.n_layers) * size_t(config.n_kv_heads), placeholder);
+    outliers_chosen_.assign(outliers_.size(), 0);
+    const uint64_t tables_per_kv = uint64_t(config.n_layers) * uint64_t(config.n_kv_heads);
+    for (int kv = 0; kv < 2; ++kv) {
+      codec::LossyPageSpec spec = lossy_spec(0, KvTensor(kv), 0);
+      codec::validate_lossy_page_spec(spec);
+      slot_pools_.push_back(std::make_unique<PagePool>(
+          slot_class_, codec::lossy_page_bytes(spec), uint32_t(blocks * tables_per_kv),
+          chunk_pages(tables_per_kv), kSlotAlignBytes));
+    }
+    backing_of_.resize(2);
+    backing_pool_ = std::make_unique<PagePool>(StorageClass::kBf16, page_bytes(),
+                                               uint32_t(capacity_pages),
+                                               chunk_pages(2 * uint64_t(config.n_kv_heads)));
+    return;
+  }
   if (!gaac) return;
 
   const codec::GaacCalibration* cal = config.gaac_calibration.get();
@@ -264,7 +323,13 @@ void KvCache::release(PageRef& ref) {
   if (is_pending(ref)) {
     --n_pending_;
   } else {
-    pool_of(ref).release(ref.page);
+    PagePool& pool = pool_of(ref);
+    pool.release(ref.page);
+    if (lossy_ && ref.storage == slot_class_ && pool.ref_count(ref.page) == 0) {
+      uint32_t& backing = backing_of_[ref.pool][ref.page];
+      if (backing != format::kNoPage) backing_pool_->release(backing);
+      backing = format::kNoPage;
+    }
   }
   ref = pending_ref();
 }
@@ -359,7 +424,7 @@ void KvCache::reserve(SeqId seq, int64_t n) {
     s.reserved = target;
     return;
   }
-  const bool gaac = gaac_;
+  const bool gaac = gaac_ || lossy_;  // coded schemes: new blocks stay pending until written
   const uint64_t committed = pages_in_use_all() + n_pending_;
   const uint64_t available = capacity_pages_ > committed ? capacity_pages_ - committed : 0;
   if (n_pages > available) {
@@ -408,6 +473,13 @@ void KvCache::make_raw(int layer, KvTensor kv, int kv_head, PageRef& ref) {
     --n_pending_;
   } else {
     const PagePool& pool = pool_of(ref);
+    if (lossy_) {
+      std::memcpy(bf16_pool_->data(page), backing_pool_->data(backing_of_[ref.pool][ref.page]),
+                  page_bytes());
+      release(ref);
+      ref = raw_ref(page);
+      return;
+    }
     const size_t slot_bytes = slot_bytes_[size_t(layer) * 2 + size_t(kv)];
     if (element_ == format::GaacElement::kBf16) {
       codec::gaac_decode_page(pool.data(ref.page), slot_bytes, config_.block_tokens,
@@ -425,6 +497,10 @@ void KvCache::make_raw(int layer, KvTensor kv, int kv_head, PageRef& ref) {
 
 void KvCache::finalize_block(int layer, KvTensor kv, int kv_head, const uint8_t* block,
                              PageRef& ref) {
+  if (lossy_) {
+    finalize_lossy(layer, kv, kv_head, block, ref);
+    return;
+  }
   const size_t pair = size_t(layer) * 2 + size_t(kv);
   const codec::GaacCalibration& cal = *config_.gaac_calibration;
   PagePool& slots = *slot_pools_[slot_pool_of_[pair]];
@@ -465,24 +541,89 @@ void KvCache::finalize_block(int layer, KvTensor kv, int kv_head, const uint8_t*
   if (dst != block) std::memcpy(dst, block, page_bytes());
 }
 
-void KvCache::write_gaac(Sequence& s, int layer, KvTensor kv, int kv_head, const float* x,
-                         int64_t n) {
+void KvCache::choose_outliers(int layer, int kv_head, const float* x, int64_t n_rows,
+                              size_t row_stride) {
+  const size_t i = size_t(layer) * size_t(config_.n_kv_heads) + size_t(kv_head);
+  if (outliers_chosen_[i] || n_outlier_pairs_ == 0) return;
+  const int d = config_.head_dim;
+  std::vector<float> rows(size_t(n_rows) * size_t(d));
+  for (int64_t r = 0; r < n_rows; ++r)
+    std::memcpy(&rows[size_t(r) * size_t(d)], x + size_t(r) * row_stride, sizeof(float) * size_t(d));
+  codec::select_outlier_pairs(rows.data(), int(n_rows), d, config_.rope_pairing, n_outlier_pairs_,
+                              outliers_[i].data());
+  outliers_chosen_[i] = 1;
+}
+
+void KvCache::finalize_lossy(int layer, KvTensor kv, int kv_head, const uint8_t* block,
+                             PageRef& ref) {
+  const uint16_t* rows = reinterpret_cast<const uint16_t*>(block);
+  const int bt = config_.block_tokens, d = config_.head_dim;
+  if (kv == KvTensor::kKey && n_outlier_pairs_ > 0) {
+    std::vector<float> x(size_t(bt) * size_t(d));
+    for (size_t e = 0; e < x.size(); ++e) x[e] = format::bf16_to_float(rows[e]);
+    choose_outliers(layer, kv_head, x.data(), bt, size_t(d));
+  }
+  const uint8_t pool_index = uint8_t(kv);
+  PagePool& pages = *slot_pools_[pool_index];
+  const uint32_t page = pages.allocate();
+  uint32_t backing = format::kNoPage;
+  bool encoded = false;
+  try {
+    encoded = codec::lossy_encode_page_ref(lossy_spec(layer, kv, kv_head), page, rows,
+                                           pages.data(page));
+    if (encoded) backing = backing_pool_->allocate();
+  } catch (...) {
+    pages.release(page);
+    throw;
+  }
+  if (!encoded) {
+    // Not finite, or a scale beyond fp16: the block stays exact and is counted, never certified.
+    pages.release(page);
+    ++exact_fallback_blocks_;
+    const bool owned_raw = !is_pending(ref) && ref.storage == raw_class_ &&
+                           bf16_pool_->ref_count(ref.page) == 1;
+    if (!owned_raw) {
+      const uint32_t raw = bf16_pool_->allocate();
+      release(ref);
+      ref = raw_ref(raw);
+    }
+    uint8_t* dst = raw_page_mutable(ref);
+    if (dst != block) std::memcpy(dst, block, page_bytes());
+    return;
+  }
+  std::memcpy(backing_pool_->data(backing), block, page_bytes());
+  std::vector<uint32_t>& backing_of = backing_of_[pool_index];
+  if (backing_of.size() <= page) backing_of.resize(size_t(page) + 1, format::kNoPage);
+  backing_of[page] = backing;
+  release(ref);
+  ref.page = page;
+  ref.storage = slot_class_;
+  ref.pool = pool_index;
+}
+
+void KvCache::write_coded(Sequence& s, int layer, KvTensor kv, int kv_head, const float* x,
+                          int64_t n) {
   const int64_t bt = config_.block_tokens;
   const int d = config_.head_dim;
   const int h_kv = config_.n_kv_heads;
   const size_t row_bytes = page_bytes() / size_t(bt);
+  const size_t x_stride = size_t(h_kv) * size_t(d);
   std::vector<PageRef>& table = s.tables[table_index(layer, kv, kv_head)];
   const int64_t begin = s.length, end = s.length + n;
+  const int64_t window = lossy_ ? window_tokens_ : 0;
+  const float* x_head = x + size_t(kv_head) * size_t(d);
+  // dither8 picks the outlier pairs of a (layer, kv_head) from its first write of a whole block
+  // or more (else from the first block it finalizes).
+  if (lossy_ && kv == KvTensor::kKey && n >= bt) choose_outliers(layer, kv_head, x_head, n, x_stride);
   for (int64_t b = begin / bt; b * bt < end; ++b) {
     const int64_t row0 = std::max(begin, b * bt) - b * bt;
     const int64_t row1 = std::min(end, (b + 1) * bt) - b * bt;
     PageRef& ref = table[size_t(b)];
-    if (row0 == 0 && row1 == bt) {
-      // The whole block comes from this write: encode it straight from the input.
-      for (int64_t r = 0; r < bt; ++r) {
-        const float* src = x + (size_t(b * bt + r - begin) * size_t(h_kv) + size_t(kv_head)) * size_t(d);
-        store_row(src, block_scratch_.data() + size_t(r) * row_bytes);
-      }
+    const bool leaves_window = (b + 1) * bt <= end - window;
+    if (row0 == 0 && row1 == bt && leaves_window) {
+      // The whole block comes from this write and is final: encode it straight from the input.
+      for (int64_t r = 0; r < bt; ++r)
+        store_row(x_head + size_t(b * bt + r - begin) * x_stride, block_scratch_.data() + size_t(r) * row_bytes);
       finalize_block(layer, kv, kv_head, block_scratch_.data(), ref);
       continue;
     }
@@ -494,12 +635,18 @@ void KvCache::write_gaac(Sequence& s, int layer, KvTensor kv, int kv_head, const
                                             " references");
     }
     uint8_t* page = raw_page_mutable(ref);
-    for (int64_t r = row0; r < row1; ++r) {
-      const float* src = x + (size_t(b * bt + r - begin) * size_t(h_kv) + size_t(kv_head)) * size_t(d);
-      store_row(src, page + size_t(r) * row_bytes);
-    }
-    // Rows [0, row0) are committed, so a block whose last row arrived is complete.
-    if (row1 == bt) finalize_block(layer, kv, kv_head, page, ref);
+    for (int64_t r = row0; r < row1; ++r)
+      store_row(x_head + size_t(b * bt + r - begin) * x_stride, page + size_t(r) * row_bytes);
+  }
+  // Blocks whose last position leaves the recent window with this write are finalized now (with
+  // no window: the blocks this write completed). Rows before `begin` are committed.
+  const int64_t first = std::max<int64_t>(0, (begin - window) / bt);
+  for (int64_t b = first; (b + 1) * bt <= end - window; ++b) {
+    if ((b + 1) * bt <= begin - window) continue;  // left the window before this write
+    if (b * bt >= begin && (b + 1) * bt <= end) continue;  // whole in this write: handled above
+    PageRef& ref = table[size_t(b)];
+    if (is_pending(ref) || ref.storage != raw_class_) continue;  // encoded straight from the input
+    finalize_block(layer, kv, kv_head, raw_page_mutable(ref), ref);
   }
 }
 
@@ -521,8 +668,8 @@ void KvCache::write(SeqId seq, int layer, const float* k, const float* v, int64_
     const KvTensor kv = KvTensor(kvi);
     const float* src = kv == KvTensor::kKey ? k : v;
     for (int h = 0; h < h_kv; ++h) {
-      if (gaac_) {
-        write_gaac(s, layer, kv, h, src, n);
+      if (gaac_ || lossy_) {
+        write_coded(s, layer, kv, h, src, n);
         continue;
       }
       const std::vector<PageRef>& table = s.tables[table_index(layer, kv, h)];
@@ -631,9 +778,19 @@ size_t KvCache::gaac_slot_bytes(int layer, KvTensor kv) const {
 
 void KvCache::read_token_range_ref(SeqId seq, int layer, KvTensor kv, int kv_head, int64_t begin,
                                    int64_t end, float* out) const {
+  read_token_range(seq, layer, kv, kv_head, begin, end, false, out);
+}
+
+void KvCache::read_token_range_exact(SeqId seq, int layer, KvTensor kv, int kv_head,
+                                     int64_t begin, int64_t end, float* out) const {
+  read_token_range(seq, layer, kv, kv_head, begin, end, true, out);
+}
+
+void KvCache::read_token_range(SeqId seq, int layer, KvTensor kv, int kv_head, int64_t begin,
+                               int64_t end, bool exact, float* out) const {
   const Sequence& s = sequence(seq);
-  check_layer(layer, "read_token_range_ref");
-  check_kv_head(kv_head, "read_token_range_ref");
+  check_layer(layer, "read_token_range");
+  check_kv_head(kv_head, "read_token_range");
   const int64_t written = s.written[size_t(layer)];
   if (begin < 0 || begin > end || end > written) {
     fail_cache(StatusCode::kOutOfRange,
@@ -647,6 +804,7 @@ void KvCache::read_token_range_ref(SeqId seq, int layer, KvTensor kv, int kv_hea
   const int d = config_.head_dim;
   std::vector<uint16_t> decoded;
   std::vector<uint8_t> decoded_fp8;
+  std::vector<float> decoded_lossy;
   int64_t decoded_block = -1;
   const int exponent_bits = element_ == format::GaacElement::kFp8E4M3 ? 4 : 5;
   const int mantissa_bits = element_ == format::GaacElement::kFp8E4M3 ? 3 : 2;
@@ -655,6 +813,22 @@ void KvCache::read_token_range_ref(SeqId seq, int layer, KvTensor kv, int kv_hea
     const PageRef ref = table[size_t(b)];
     float* dst = out + size_t(pos - begin) * size_t(d);
     const size_t row = size_t(pos % bt) * size_t(d);
+    if (lossy_ && ref.storage == slot_class_) {
+      if (exact) {
+        const uint16_t* block = reinterpret_cast<const uint16_t*>(
+            backing_pool_->data(backing_of_[ref.pool][ref.page]));
+        for (int c = 0; c < d; ++c) dst[c] = format::bf16_to_float(block[row + c]);
+        continue;
+      }
+      if (decoded_block != b) {
+        decoded_lossy.resize(size_t(bt) * size_t(d));
+        codec::lossy_decode_page_ref(lossy_spec(layer, kv, kv_head), lossy_page_slot(ref),
+                                     page_bytes_of(ref), decoded_lossy.data());
+        decoded_block = b;
+      }
+      std::memcpy(dst, &decoded_lossy[row], sizeof(float) * size_t(d));
+      continue;
+    }
     if (ref.storage == StorageClass::kFp8 || ref.storage == StorageClass::kGaacFp8) {
       const uint8_t* block;
       if (ref.storage == StorageClass::kGaacFp8) {
@@ -688,6 +862,62 @@ void KvCache::read_token_range_ref(SeqId seq, int layer, KvTensor kv, int kv_hea
   }
 }
 
+codec::LossyPageSpec KvCache::lossy_spec(int layer, KvTensor kv, int kv_head) const {
+  if (!lossy_) {
+    fail_cache(StatusCode::kInvalidArgument, "lossy_spec of a cache of scheme " +
+                                                 std::string(kv_scheme_name(config_.scheme)));
+  }
+  check_layer(layer, "lossy_spec");
+  check_kv_head(kv_head, "lossy_spec");
+  codec::LossyPageSpec spec;
+  spec.scheme = lossy_scheme_;
+  spec.key = kv == KvTensor::kKey;
+  spec.block_tokens = config_.block_tokens;
+  spec.head_dim = config_.head_dim;
+  spec.pairing = config_.rope_pairing;
+  spec.dither_key = codec::dither8_key(layer, spec.key, kv_head);
+  if (spec.key && n_outlier_pairs_ > 0) {
+    const auto& pairs = outliers_[size_t(layer) * size_t(config_.n_kv_heads) + size_t(kv_head)];
+    spec.n_outlier_pairs = n_outlier_pairs_;
+    spec.outlier_pairs = pairs.data();
+  }
+  return spec;
+}
+
+uint64_t KvCache::repair_block(SeqId seq, int layer, int kv_head, int64_t block) {
+  Sequence& s = sequence(seq);
+  check_layer(layer, "repair_block");
+  check_kv_head(kv_head, "repair_block");
+  const int64_t n_blocks = (s.reserved + config_.block_tokens - 1) / config_.block_tokens;
+  if (block < 0 || block >= n_blocks) {
+    fail_cache(StatusCode::kOutOfRange, "repair_block: block " + std::to_string(block) +
+                                            " out of range [0, " + std::to_string(n_blocks) + ")");
+  }
+  if (!lossy_) return 0;
+  PageRef* refs[2] = {&s.tables[table_index(layer, KvTensor::kKey, kv_head)][size_t(block)],
+                      &s.tables[table_index(layer, KvTensor::kValue, kv_head)][size_t(block)]};
+  uint32_t raw[2] = {format::kNoPage, format::kNoPage};
+  try {
+    for (int i = 0; i < 2; ++i)
+      if (!is_pending(*refs[i]) && refs[i]->storage == slot_class_) raw[i] = bf16_pool_->allocate();
+  } catch (...) {
+    for (uint32_t p : raw)
+      if (p != format::kNoPage) bf16_pool_->release(p);
+    throw;
+  }
+  uint64_t bytes = 0;
+  for (int i = 0; i < 2; ++i) {
+    if (raw[i] == format::kNoPage) continue;
+    PageRef& ref = *refs[i];
+    std::memcpy(bf16_pool_->data(raw[i]), backing_pool_->data(backing_of_[ref.pool][ref.page]),
+                page_bytes());
+    bytes += page_bytes();
+    release(ref);
+    ref = raw_ref(raw[i]);
+  }
+  return bytes;
+}
+
 uint32_t KvCache::ref_count(PageRef ref) const {
   if (is_pending(ref)) return 0;
   if (ref.storage == raw_class_) return bf16_pool_->ref_count(ref.page);
@@ -713,7 +943,7 @@ MemoryStats KvCache::memory_stats() const {
   raw.storage = raw_class_;
   add_pool(raw, *bf16_pool_);
   stats.by_class.push_back(raw);
-  if (gaac_) {
+  if (gaac_ || lossy_) {
     StorageClassStats gaac{};
     gaac.storage = slot_class_;
     for (const auto& pool : slot_pools_) add_pool(gaac, *pool);
@@ -726,6 +956,11 @@ MemoryStats KvCache::memory_stats() const {
     stats.pages_free += c.pages_free;
   }
   stats.bytes_in_use += stats.block_table_bytes;
+  if (backing_pool_) {
+    stats.backing_bytes_reserved_from_allocator = backing_pool_->bytes_from_allocator();
+    stats.backing_pages_in_use = backing_pool_->pages_in_use();
+  }
+  stats.exact_fallback_blocks = exact_fallback_blocks_;
   return stats;
 }
 

@@ -39,6 +39,7 @@
 
 #include "cache/page_pool.h"
 #include "codec/gaac.h"
+#include "codec/lossy_page.h"
 #include "format/page.h"
 
 namespace certkv::cache {
@@ -51,19 +52,35 @@ enum class KvTensor : int { kKey = 0, kValue = 1 };
 enum class KvScheme : int {
   kBf16 = 0,
   kGaac = 1,
-  kFp8E4M3 = 2,
-  kFp8E5M2 = 3,
+  kFp8PagesE4M3 = 2,  // every page raw FP8 (the uncoded counterpart of gaac-e4m3); no meter
+  kFp8PagesE5M2 = 3,
   kGaacE4M3 = 4,
   kGaacE5M2 = 5,
+  // Lossy schemes (codec/lossy_page.h): bf16 tails, full blocks in lossy pages of their class,
+  // the exact blocks in the backing store, the meter's side data in each page.
+  kFp8E4M3 = 6,
+  kFp8E5M2 = 7,
+  kFp8E4M3Scaled = 8,
+  kRtn8 = 9,
+  kRtn4 = 10,
+  kKivi2 = 11,
+  kDither8 = 12,
 };
+inline constexpr int kNumKvSchemes = 13;
 
-// "bf16", "gaac", "fp8-e4m3", "fp8-e5m2", "gaac-e4m3", "gaac-e5m2".
+// "bf16", "gaac", "fp8-e4m3-pages", "fp8-e5m2-pages", "gaac-e4m3", "gaac-e5m2", and the lossy
+// schemes by their codec names: "fp8-e4m3", "fp8-e5m2", "fp8-e4m3-scaled", "rtn8", "rtn4",
+// "kivi2", "dither8".
 const char* kv_scheme_name(KvScheme scheme);
 // Throws certkv::Error kInvalidArgument naming the unknown scheme and the known ones.
 KvScheme parse_kv_scheme(std::string_view name);
 // Whether the scheme GAAC-codes complete blocks (and so needs a calibration).
 bool kv_scheme_is_gaac(KvScheme scheme);
-// The element of the scheme's pages: kBf16 for bf16 and gaac, else the FP8 element.
+// Whether the scheme stores complete blocks in lossy pages (and so has a meter).
+bool kv_scheme_is_lossy(KvScheme scheme);
+// The codec scheme of a lossy KV scheme. REQUIRES: kv_scheme_is_lossy(scheme).
+codec::LossyScheme kv_scheme_lossy(KvScheme scheme);
+// The element of the scheme's raw pages: FP8 for fp8-*-pages and gaac-e4m3/e5m2, else kBf16.
 format::GaacElement kv_scheme_element(KvScheme scheme);
 
 struct KvCacheConfig {
@@ -82,7 +99,19 @@ struct KvCacheConfig {
   // GAAC schemes: bases and escape capacities (shared, immutable). REQUIRES for them: not null,
   // the scheme's element, and a shape equal to (n_layers, n_kv_heads, head_dim, block_tokens).
   std::shared_ptr<const codec::GaacCalibration> gaac_calibration;
+  // Lossy schemes: which channels form RoPE pairs (the witness bands and dither8's outlier pairs
+  // follow the model's layout).
+  codec::RopePairing rope_pairing = codec::RopePairing::kInterleaved;
+  // dither8: RoPE pairs of each (layer, kv_head) kept exact and excluded from the scale, chosen
+  // once, from the first rows written (select_outlier_pairs). -1 picks the default (4).
+  int outlier_pairs = -1;
+  // Lossy schemes: a complete block stays raw bf16 while its last position is among the newest
+  // recent_window_tokens written (KIVI's full-precision window). -1 picks the scheme's default:
+  // 128 for kivi2, 0 for the others.
+  int recent_window_tokens = -1;
 };
+
+inline constexpr int kDefaultOutlierPairs = 4;
 
 struct StorageClassStats {
   format::StorageClass storage;
@@ -100,6 +129,13 @@ struct MemoryStats {
   uint64_t pages_in_use;
   uint64_t pages_free;
   std::vector<StorageClassStats> by_class;  // one entry per storage class with a pool
+  // Lossy schemes: the exact backing store (bf16 pages of every lossy page, host memory), not
+  // part of the totals above.
+  uint64_t backing_bytes_reserved_from_allocator;
+  uint64_t backing_pages_in_use;
+  // Lossy schemes: complete blocks kept exact because a value was not finite or a scale did not
+  // fit fp16 (never silently certified).
+  uint64_t exact_fallback_blocks;
 };
 
 class KvCache {
@@ -184,6 +220,23 @@ class KvCache {
   void read_token_range_ref(SeqId seq, int layer, KvTensor kv, int kv_head, int64_t begin,
                             int64_t end, float* out) const;
 
+  // The exact values: as read_token_range_ref, but lossy pages are read from the backing store.
+  // REQUIRES: as read_token_range_ref.
+  void read_token_range_exact(SeqId seq, int layer, KvTensor kv, int kv_head, int64_t begin,
+                              int64_t end, float* out) const;
+
+  // Lossy schemes: what the pages of (layer, K/V, kv_head) are (the outlier pairs point into the
+  // cache and are fixed once chosen). REQUIRES: a lossy scheme, indices in range.
+  codec::LossyPageSpec lossy_spec(int layer, KvTensor kv, int kv_head) const;
+  // The physical slot of a lossy page (the dither8 generator's counter). REQUIRES: a lossy page.
+  uint32_t lossy_page_slot(format::PageRef ref) const { return ref.page; }
+  // Repairs logical block `block` of (seq, layer, kv_head): K and V pages of a lossy class are
+  // replaced, in this sequence's tables only, by raw bf16 pages copied from the backing store
+  // (repaired blocks read exact values and carry no witness). Returns the bytes paged in (0 when
+  // neither page was lossy). REQUIRES: block < n_blocks(seq). Throws kOutOfMemory when no raw
+  // page is free (the tables are then unchanged).
+  uint64_t repair_block(SeqId seq, int layer, int kv_head, int64_t block);
+
   // References held on the page (1 = owned by one sequence). For tests and accounting.
   uint32_t ref_count(format::PageRef ref) const;
 
@@ -224,7 +277,12 @@ class KvCache {
   void release_tables(Sequence& s);
   uint64_t pages_in_use_all() const;
   void reserve_pending(Sequence& s, SeqId seq, int64_t n);
-  void write_gaac(Sequence& s, int layer, KvTensor kv, int kv_head, const float* x, int64_t n);
+  void read_token_range(SeqId seq, int layer, KvTensor kv, int kv_head, int64_t begin,
+                        int64_t end, bool exact, float* out) const;
+  void write_coded(Sequence& s, int layer, KvTensor kv, int kv_head, const float* x, int64_t n);
+  void finalize_lossy(int layer, KvTensor kv, int kv_head, const uint8_t* block,
+                      format::PageRef& ref);
+  void choose_outliers(int layer, int kv_head, const float* x, int64_t n_rows, size_t row_stride);
   // Replaces `ref` by the encoded block (a slot when it fits, else a raw page holding `block`;
   // an owned raw `ref` is reused for that). block: one raw page's data.
   void finalize_block(int layer, KvTensor kv, int kv_head, const uint8_t* block,
@@ -246,6 +304,18 @@ class KvCache {
   // capacity_pages_.
   uint64_t n_pending_ = 0;
   std::vector<uint8_t> block_scratch_;  // one raw page of data, for write()
+  // Lossy schemes: slot_pools_[0] holds K pages, [1] V pages; backing_of_[pool][page] is the
+  // backing_pool_ page holding the exact block (kNoPage when none).
+  bool lossy_ = false;
+  codec::LossyScheme lossy_scheme_ = codec::LossyScheme::kRtn8;
+  int window_tokens_ = 0;
+  int n_outlier_pairs_ = 0;
+  std::unique_ptr<PagePool> backing_pool_;
+  std::vector<std::vector<uint32_t>> backing_of_;
+  // dither8: [layer * n_kv_heads + kv_head] outlier pairs (empty until chosen).
+  std::vector<std::vector<uint16_t>> outliers_;
+  std::vector<uint8_t> outliers_chosen_;
+  uint64_t exact_fallback_blocks_ = 0;
   std::unordered_map<SeqId, Sequence> sequences_;
   SeqId next_id_ = 1;
 };

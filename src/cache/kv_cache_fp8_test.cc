@@ -1,4 +1,4 @@
-// The FP8 KV schemes: raw FP8 pages (fp8-e4m3, fp8-e5m2) and GAAC-coded FP8 pages (gaac-e4m3,
+// The FP8 KV schemes: raw FP8 pages (fp8-e4m3-pages, fp8-e5m2-pages) and GAAC-coded FP8 pages (gaac-e4m3,
 // gaac-e5m2): page classes, memory by class, the values read back, and calibration checks.
 #include <gtest/gtest.h>
 
@@ -103,14 +103,14 @@ std::vector<std::vector<float>> fill_cache(KvCache& cache, SeqId seq, int64_t n,
 }
 
 TEST(KvCacheFp8, SchemeNamesRoundTrip) {
-  for (KvScheme s : {KvScheme::kBf16, KvScheme::kGaac, KvScheme::kFp8E4M3, KvScheme::kFp8E5M2,
+  for (KvScheme s : {KvScheme::kBf16, KvScheme::kGaac, KvScheme::kFp8PagesE4M3, KvScheme::kFp8PagesE5M2,
                      KvScheme::kGaacE4M3, KvScheme::kGaacE5M2}) {
     EXPECT_EQ(parse_kv_scheme(kv_scheme_name(s)), s);
   }
   EXPECT_EQ(kv_scheme_element(KvScheme::kGaacE5M2), GaacElement::kFp8E5M2);
-  EXPECT_EQ(kv_scheme_element(KvScheme::kFp8E4M3), GaacElement::kFp8E4M3);
+  EXPECT_EQ(kv_scheme_element(KvScheme::kFp8PagesE4M3), GaacElement::kFp8E4M3);
   EXPECT_TRUE(kv_scheme_is_gaac(KvScheme::kGaacE4M3));
-  EXPECT_FALSE(kv_scheme_is_gaac(KvScheme::kFp8E5M2));
+  EXPECT_FALSE(kv_scheme_is_gaac(KvScheme::kFp8PagesE5M2));
   try {
     parse_kv_scheme("fp8");
     FAIL() << "no error";
@@ -163,14 +163,14 @@ TEST_P(KvCacheFp8Raw, PagesAreFp8AndReadBackRounded) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Elements, KvCacheFp8Raw,
-                         ::testing::Values(KvScheme::kFp8E4M3, KvScheme::kFp8E5M2));
+                         ::testing::Values(KvScheme::kFp8PagesE4M3, KvScheme::kFp8PagesE5M2));
 
 class KvCacheGaacFp8 : public ::testing::TestWithParam<KvScheme> {};
 
 TEST_P(KvCacheGaacFp8, SlotsAndFallbacksReadAsRawFp8) {
   const KvScheme coded_scheme = GetParam();
   const KvScheme raw_scheme =
-      coded_scheme == KvScheme::kGaacE4M3 ? KvScheme::kFp8E4M3 : KvScheme::kFp8E5M2;
+      coded_scheme == KvScheme::kGaacE4M3 ? KvScheme::kFp8PagesE4M3 : KvScheme::kFp8PagesE5M2;
   uint64_t total_slots = 0, total_raw_complete = 0;
   for (int64_t n : {1, 3, 17, 129, 501}) {
     SCOPED_TRACE("n " + std::to_string(n));

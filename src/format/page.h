@@ -13,9 +13,12 @@ enum class StorageClass : uint8_t {
   kGaac = 1,  // GAAC slot (lossless, docs/format/gaac.md): fixed part + calibrated escape capacity
   kFp8 = 2,   // raw: [block_tokens][head_dim] FP8 bytes (E4M3 or E5M2, per the cache's scheme)
   kGaacFp8 = 3,  // GAAC slot of an FP8 page (lossless on the FP8 bytes; element per the scheme)
+  kLossy = 4,    // page of a registered lossy scheme with its Tier A side data
+                 // (docs/format/lossy_pages.md); pool 0 holds K pages, pool 1 V pages
+  kDither8 = 5,  // certified INT8 page (docs/format/dither8.md); pool 0 K, pool 1 V
 };
 
-inline constexpr int kNumStorageClasses = 4;
+inline constexpr int kNumStorageClasses = 6;
 
 inline const char* storage_class_name(StorageClass c) {
   switch (c) {
@@ -23,6 +26,8 @@ inline const char* storage_class_name(StorageClass c) {
     case StorageClass::kGaac: return "gaac";
     case StorageClass::kFp8: return "fp8";
     case StorageClass::kGaacFp8: return "gaac-fp8";
+    case StorageClass::kLossy: return "lossy";
+    case StorageClass::kDither8: return "dither8";
   }
   return "unknown";
 }

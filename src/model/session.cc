@@ -6,6 +6,7 @@
 
 #include "attention/decode_attention.h"
 #include "core/status.h"
+#include "gate/meter.h"
 #include "model/dequant.h"
 
 namespace certkv::model {
@@ -69,6 +70,32 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
   kv.max_tokens = context_tokens_;
   kv.scheme = config.kv_scheme;
   kv.gaac_calibration = config.gaac_calibration;
+  kv.rope_pairing = c.rope_layout == RopeLayout::kInterleaved ? codec::RopePairing::kInterleaved
+                                                              : codec::RopePairing::kHalfSplit;
+  kv.outlier_pairs = config.outlier_pairs;
+  kv.recent_window_tokens = config.recent_window_tokens;
+  if (config.outlier_pairs > c.head_dim / 2)
+    fail(StatusCode::kInvalidArgument,
+         "outlier pairs " + std::to_string(config.outlier_pairs) + " exceed head_dim / 2 = " +
+             std::to_string(c.head_dim / 2));
+  const MeterConfig& meter = config.meter;
+  if (!(meter.tau > 0))
+    fail(StatusCode::kInvalidArgument, "meter tau must be positive, got " + std::to_string(meter.tau));
+  if (!(meter.delta_req > 0 && meter.delta_req < 1))
+    fail(StatusCode::kInvalidArgument,
+         "meter delta must be in (0, 1), got " + std::to_string(meter.delta_req));
+  if (meter.planned_steps < 0 || meter.sample_every < 1)
+    fail(StatusCode::kInvalidArgument, "meter planned_steps must be >= 0 and sample_every >= 1");
+  metered_ = meter.enabled && cache::kv_scheme_is_lossy(config.kv_scheme);
+  if (meter.gate && !cache::kv_scheme_is_lossy(config.kv_scheme))
+    fail(StatusCode::kInvalidArgument,
+         std::string("the gate needs a lossy KV scheme (this session's is ") +
+             cache::kv_scheme_name(config.kv_scheme) + ")");
+  if (meter.gate && !meter.enabled)
+    fail(StatusCode::kInvalidArgument, "the gate needs the meter (meter.enabled)");
+  delta_loc_ = gate::local_delta(meter.delta_req, c.n_layers, c.n_heads,
+                                 meter.planned_steps > 0 ? meter.planned_steps : context_tokens_);
+  telemetry_ = std::make_unique<gate::Telemetry>(meter.tau, meter.sample_every);
   cache_ = std::make_unique<cache::KvCache>(kv);
   seq_ = cache_->create_sequence();
   if (config.capture_queries) last_queries_.assign(c.n_layers, {});
@@ -81,6 +108,76 @@ int64_t Session::n_past() const { return cache_->length(seq_); }
 void Session::reset() {
   cache_->free_sequence(seq_);
   seq_ = cache_->create_sequence();
+}
+
+void Session::reset_telemetry() {
+  telemetry_ = std::make_unique<gate::Telemetry>(config_.meter.tau, config_.meter.sample_every);
+}
+
+void Session::decode_attention_metered(int layer, const attention::AttentionShape& shape,
+                                       int64_t pos0) {
+  const int64_t n_ctx = pos0 + 1;
+  meters_.resize(size_t(shape.n_q_heads));
+  attention::DecodeOptions options;
+  options.meters = meters_.data();
+  options.meter.delta_loc = delta_loc_;
+  attention::decode_attention(*cache_, seq_, layer, shape, q_.data(), n_ctx, attn_.data(),
+                              pool_.get(), options);
+  for (const attention::HeadMeter& m : meters_) telemetry_->record(m.meter, std::isinf(m.log_a));
+  if (observer_) observer_(MeterObservation{layer, pos0, q_.data(), n_ctx, meters_.data()});
+  if (!config_.meter.gate) return;
+
+  // The gate: repair the blocks with the largest share of A - 1 until every head of the group
+  // is predicted under tau; recompute; repeat while a head stays above tau and lossy blocks remain.
+  const double tau = config_.meter.tau;
+  const int group = shape.n_q_heads / shape.n_kv_heads;
+  const int64_t n_blocks = (n_ctx + cache_->block_tokens() - 1) / cache_->block_tokens();
+  for (int round = 0; round < 8; ++round) {
+    bool firing = false;
+    for (const attention::HeadMeter& m : meters_) firing |= m.meter > tau;
+    if (!firing) return;
+    std::vector<attention::HeadMeter> ref(size_t(shape.n_q_heads));
+    attention::decode_meter_ref(*cache_, seq_, layer, shape, q_.data(), n_ctx, options.meter,
+                                ref.data(), &contributions_);
+    bool repaired_any = false;
+    for (int kv_head = 0; kv_head < shape.n_kv_heads; ++kv_head) {
+      std::vector<int> heads;
+      std::vector<double> a_minus_1;
+      for (int g = 0; g < group; ++g) {
+        const int h = kv_head * group + g;
+        if (meters_[size_t(h)].meter > tau) {
+          heads.push_back(h);
+          a_minus_1.push_back(std::expm1(ref[size_t(h)].log_a));
+        }
+      }
+      if (heads.empty()) continue;
+      std::vector<double> share(size_t(n_blocks), 0.0);
+      for (int h : heads)
+        for (int64_t b = 0; b < n_blocks; ++b) share[size_t(b)] += contributions_[size_t(h) * size_t(n_blocks) + size_t(b)];
+      std::vector<int64_t> order;
+      for (int64_t b = 0; b < n_blocks; ++b)
+        if (share[size_t(b)] > 0) order.push_back(b);
+      std::sort(order.begin(), order.end(),
+                [&](int64_t x, int64_t y) { return share[size_t(x)] > share[size_t(y)]; });
+      auto predicted_over = [&] {
+        for (double d : a_minus_1)
+          if (gate::meter_from_log_a(std::log1p(std::max(d, 0.0))) > tau) return true;
+        return false;
+      };
+      for (int64_t b : order) {
+        if (!predicted_over()) break;
+        const uint64_t bytes = cache_->repair_block(seq_, layer, kv_head, b);
+        if (bytes == 0) continue;
+        repaired_any = true;
+        telemetry_->add_repairs(2, int64_t(bytes));
+        for (size_t i = 0; i < heads.size(); ++i)
+          a_minus_1[i] -= contributions_[size_t(heads[i]) * size_t(n_blocks) + size_t(b)];
+      }
+    }
+    if (!repaired_any) return;
+    attention::decode_attention(*cache_, seq_, layer, shape, q_.data(), n_ctx, attn_.data(),
+                                pool_.get(), options);
+  }
 }
 
 const std::vector<float>& Session::last_queries(int layer) const {
@@ -188,7 +285,9 @@ void Session::forward_chunk(const int32_t* tokens, int64_t n, float* last_logits
     if (config_.capture_queries)
       last_queries_[layer].assign(q_.begin() + (n - 1) * q_dim, q_.begin() + n * q_dim);
     cache_->write(seq_, layer, k_.data(), v_.data(), n);
-    if (n == 1)
+    if (n == 1 && metered_)
+      decode_attention_metered(layer, shape, pos0);
+    else if (n == 1)
       attention::decode_attention(*cache_, seq_, layer, shape, q_.data(), pos0 + 1, attn_.data(),
                                   pool_.get());
     else

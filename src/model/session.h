@@ -14,13 +14,46 @@
 #include <string>
 #include <vector>
 
+#include "attention/decode_attention.h"
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
 #include "core/thread_pool.h"
+#include "gate/telemetry.h"
 #include "model/matmul_float.h"
 #include "model/model.h"
 
 namespace certkv::model {
+
+// The meter and the gate (DESIGN.md section 4) on the decode steps of a lossy kv_scheme: every
+// step (a forward of one token) computes the meter of each (layer, query head) in the attention
+// pass and records it in the session's telemetry. Prefill chunks of several tokens are not
+// metered; run a text with prefill_chunk_tokens = 1 to meter every position.
+struct MeterConfig {
+  bool enabled = true;
+  // Request-level failure budget of the Tier B certificate (dither8), split evenly over
+  // layers x query heads x planned_steps: delta_loc = delta_req / (L H T). REQUIRES: in (0, 1).
+  double delta_req = 1e-2;
+  int64_t planned_steps = 0;  // T; 0: the session's context length
+  // Coverage threshold of the telemetry and the gate's threshold: tau < 1 certifies; tau >= 1
+  // ranks risk (a meter above 1 is never reported, so only raw scores could exceed it).
+  // REQUIRES: tau > 0.
+  double tau = 0.2;
+  // Repair when the meter of a (layer, head) exceeds tau: exact blocks are paged in from the
+  // backing store in decreasing order of their share of A - 1 until the meter is at most tau.
+  bool gate = false;
+  int64_t sample_every = 1;  // telemetry records every k-th cell
+};
+
+// Called after the attention of every metered step and layer (for audits): q: [n_heads][head_dim]
+// post-RoPE queries; meters: [n_heads] as reported before any repair; n_ctx tokens attended.
+struct MeterObservation {
+  int layer;
+  int64_t step;  // position of the query token
+  const float* q;
+  int64_t n_ctx;
+  const attention::HeadMeter* meters;
+};
+using MeterObserver = std::function<void(const MeterObservation&)>;
 
 struct SessionConfig {
   int64_t context_tokens = 0;  // 0: the model's context length
@@ -34,7 +67,13 @@ struct SessionConfig {
   // (codec::GaacCalibration::load) of the scheme's element, shared by every session of the model;
   // its shape must match the model and block_tokens.
   std::shared_ptr<const codec::GaacCalibration> gaac_calibration;
+  // Lossy kv_schemes: dither8's outlier RoPE pairs per (layer, kv_head) and the full-precision
+  // recent window (-1: the scheme's defaults, cache::KvCacheConfig).
+  int outlier_pairs = -1;
+  int recent_window_tokens = -1;
+  MeterConfig meter;
 };
+
 
 // progress(done_tokens, total_tokens), called after each prefill chunk.
 using ProgressFn = std::function<void(int64_t done, int64_t total)>;
@@ -69,9 +108,19 @@ class Session {
   // REQUIRES: config.capture_queries and at least one token processed.
   const std::vector<float>& last_queries(int layer) const;
 
+  // Meter telemetry of every metered step since the session began (or reset_telemetry).
+  const gate::Telemetry& telemetry() const { return *telemetry_; }
+  void reset_telemetry();
+  // Called on every metered (step, layer); empty to stop.
+  void set_meter_observer(MeterObserver observer) { observer_ = std::move(observer); }
+  // Whether decode steps are metered (a lossy scheme with meter.enabled).
+  bool metered() const { return metered_; }
+  double delta_loc() const { return delta_loc_; }
+
  private:
   void forward_chunk(const int32_t* tokens, int64_t n, float* last_logits, float* all_logits);
   void ensure_buffers(int64_t n);
+  void decode_attention_metered(int layer, const attention::AttentionShape& shape, int64_t pos0);
 
   const Model& model_;
   SessionConfig config_;
@@ -82,6 +131,12 @@ class Session {
   int64_t buffer_tokens_ = 0;
   std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, cos_, sin_;
   std::vector<std::vector<float>> last_queries_;
+  bool metered_ = false;
+  double delta_loc_ = 0;
+  std::unique_ptr<gate::Telemetry> telemetry_;
+  MeterObserver observer_;
+  std::vector<attention::HeadMeter> meters_;
+  std::vector<double> contributions_;
 };
 
 }  // namespace certkv::model

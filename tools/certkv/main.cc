@@ -21,6 +21,8 @@
 #include "certkv/certkv.hpp"
 #include "cli_json.h"
 #include "cmd_codec.h"
+#include "cmd_eval.h"
+#include "kv_flags.h"
 #include "flags.h"
 #include "core/status.h"
 #include "format/safetensors.h"
@@ -30,21 +32,32 @@ namespace {
 using certkv::tools::Flags;
 using certkv::tools::JsonObject;
 using certkv::tools::UsageError;
+using certkv::tools::KvFlags;
+using certkv::tools::parse_kv_flags;
+using certkv::tools::add_kv_flag_spec;
+using certkv::tools::meter_json;
 
 constexpr const char* kUsage =
     "usage: certkv <command> [flags]\n"
     "commands:\n"
     "  run      generate text\n"
     "           [--model PATH] [--prompt TEXT | --prompt-file F] [--n N] [--ctx N] [--threads N]\n"
-    "           [--kv bf16|gaac|fp8-e4m3|fp8-e5m2|gaac-e4m3|gaac-e5m2] [--gaac-calib CAL.safetensors] [--json] [--raw] [--system TEXT]\n"
+    "           [--kv SCHEME] [--gaac-calib CAL.safetensors] [--json] [--raw] [--system TEXT]\n"
+    "           [--outlier-pairs M] [--window N] [--delta D] [--tau T] [--gate] [--no-meter]\n"
     "           [--temp T] [--top-k K] [--top-p P]\n"
     "           [--seed S] [--block-tokens N] [--activations int8|f32]\n"
     "  dump-kv  --model PATH --text-file F --tokens N --out FILE.safetensors [--layers LIST]\n"
     "           [--threads N]\n"
     "  info     [--model PATH] [--json]\n"
+    "  eval     teacher-forced --kv SCHEME --text-file F --tokens N [--json] (certkv eval -h)\n"
+    "  eval     needle --kv SCHEME --lengths 1024,2048 --samples N [--gate] [--json]\n"
+    "  audit    --kv SCHEME --text-file F --tokens N [--json] [--dump FILE.safetensors]\n"
     "  codec    --codec gaac|gaac-e4m3|gaac-e5m2 --calib CAL.safetensors[,CAL2...]\n"
     "           [--in KV.safetensors] [--verify] [--json] [--save-calibration OUT] (certkv codec -h)\n"
     "           (CAL: KV dumps to calibrate from, or one saved calibration file)\n"
+    "SCHEME: bf16, gaac, gaac-e4m3, gaac-e5m2, fp8-e4m3-pages, fp8-e5m2-pages (lossless or\n"
+    "unmetered), or a lossy scheme with the meter: fp8-e4m3, fp8-e5m2, fp8-e4m3-scaled, rtn8,\n"
+    "rtn4, kivi2 (Tier A), dither8 (Tier B, certified INT8).\n"
     "With no --model, the embedded default SmolLM2-135M-Instruct (models/, fetched by\n"
     "scripts/fetch_models.sh) is used.\n";
 
@@ -108,11 +121,13 @@ std::string kv_pages_by_class(const certkv_kv_stats& kvs) {
 }
 
 int cmd_run(int argc, char** argv) {
-  Flags flags("run", {{"model", true}, {"prompt", true}, {"prompt-file", true}, {"n", true},
-                      {"ctx", true}, {"threads", true}, {"kv", true}, {"json", false},
-                      {"raw", false}, {"system", true}, {"temp", true}, {"top-k", true},
-                      {"top-p", true}, {"seed", true}, {"block-tokens", true},
-                      {"activations", true}, {"gaac-calib", true}}, kUsage);
+  std::map<std::string, bool> spec = {
+      {"model", true}, {"prompt", true}, {"prompt-file", true}, {"n", true},
+      {"ctx", true}, {"threads", true}, {"json", false}, {"raw", false}, {"system", true},
+      {"temp", true}, {"top-k", true}, {"top-p", true}, {"seed", true}, {"block-tokens", true},
+      {"activations", true}};
+  add_kv_flag_spec(spec);
+  Flags flags("run", spec, kUsage);
   flags.parse(argc, argv, 2);
   if (flags.has("prompt") && flags.has("prompt-file"))
     throw UsageError{"give --prompt or --prompt-file, not both"};
@@ -124,10 +139,8 @@ int cmd_run(int argc, char** argv) {
   const int64_t threads = flags.integer("threads", 2, 1, 256);
   const int64_t block_tokens = flags.integer("block-tokens", 16, 1, 4096);
   const std::string kv = flags.str("kv", "bf16");
-  const bool kv_gaac = kv == "gaac" || kv == "gaac-e4m3" || kv == "gaac-e5m2";
-  if (kv != "bf16" && kv != "fp8-e4m3" && kv != "fp8-e5m2" && !kv_gaac)
-    throw UsageError{"flag --kv: unknown KV scheme '" + kv +
-                     "' (available: bf16, gaac, fp8-e4m3, fp8-e5m2, gaac-e4m3, gaac-e5m2)"};
+  const KvFlags kv_flags = parse_kv_flags(flags, kv);
+  const bool kv_gaac = kv_flags.gaac;
   const std::string gaac_calib = flags.str("gaac-calib");
   if (kv_gaac && gaac_calib.empty())
     throw UsageError{"flag --kv " + kv + " needs --gaac-calib FILE (a GAAC calibration of this model)"};
@@ -163,6 +176,8 @@ int cmd_run(int argc, char** argv) {
   params.kv = kv.c_str();
   if (kv_gaac) params.gaac_calibration = gaac_calib.c_str();
   params.activations = activations.c_str();
+  kv_flags.apply(params);
+  params.meter_planned_steps = n_new > 0 ? n_new : 1;
   if (int64_t(tokens.size()) > params.context_tokens)
     throw UsageError{"the prompt has " + std::to_string(tokens.size()) +
                      " tokens, more than the context of " + std::to_string(params.context_tokens) +
@@ -206,6 +221,8 @@ int cmd_run(int argc, char** argv) {
         .add("kv_tokens", int64_t(kvs.n_tokens))
         .add_raw("kv_pages_by_class", kv_pages_by_class(kvs))
         .add("peak_rss_bytes", rss);
+    const certkv_meter_stats ms = session.meter_stats();
+    if (ms.metered) o.add_raw("meter", meter_json(ms));
     printf("%s\n", o.str().c_str());
   } else {
     printf("\n\n[certkv] %s | prompt %d tok, %.1f tok/s | generated %d tok, decode %.1f tok/s | kv %s %.2f MiB (bf16 %.2f MiB) | peak rss %.1f MiB\n",
@@ -366,6 +383,8 @@ int main(int argc, char** argv) {
   try {
     if (command == "run") return cmd_run(argc, argv);
     if (command == "dump-kv") return cmd_dump_kv(argc, argv);
+    if (command == "eval") return certkv::tools::cmd_eval(argc, argv);
+    if (command == "audit") return certkv::tools::cmd_audit(argc, argv);
     if (command == "info") return cmd_info(argc, argv);
     if (command == "codec") return certkv::tools::cmd_codec(argc, argv);
     if (command == "-h" || command == "--help" || command == "help") {

@@ -1,0 +1,211 @@
+// The meter in decode attention: the production float path against the double reference,
+// soundness against the true total variation per (head, step), split merging, exact caches,
+// and bad options.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention/attention_test_support.h"
+#include "attention/decode_attention.h"
+#include "cache/kv_cache.h"
+#include "core/status.h"
+#include "core/thread_pool.h"
+
+namespace certkv::attention {
+namespace {
+
+using cache::KvScheme;
+using testing::CaseShape;
+
+constexpr KvScheme kLossySchemes[] = {KvScheme::kFp8E4M3, KvScheme::kFp8E5M2,
+                                      KvScheme::kFp8E4M3Scaled, KvScheme::kRtn8,
+                                      KvScheme::kRtn4, KvScheme::kKivi2, KvScheme::kDither8};
+
+std::unique_ptr<cache::KvCache> lossy_cache(const CaseShape& c, KvScheme scheme, int64_t max_tokens) {
+  cache::KvCacheConfig cfg;
+  cfg.n_layers = 2;
+  cfg.n_kv_heads = c.n_kv_heads;
+  cfg.head_dim = c.head_dim;
+  cfg.block_tokens = c.block_tokens;
+  cfg.max_tokens = max_tokens;
+  cfg.scheme = scheme;
+  cfg.rope_pairing = codec::RopePairing::kInterleaved;
+  cfg.recent_window_tokens = scheme == KvScheme::kKivi2 ? 32 : -1;
+  return std::make_unique<cache::KvCache>(cfg);
+}
+
+// Keys with a few large channels; values normal.
+void append(cache::KvCache& cache, cache::SeqId seq, int64_t n, std::mt19937& rng) {
+  const cache::KvCacheConfig& cfg = cache.config();
+  std::normal_distribution<float> normal(0.f, 1.f);
+  int64_t done = 0;
+  static constexpr int64_t kSteps[] = {37, 1, 200, 3, 64};
+  for (int step = 0; done < n; ++step) {
+    const int64_t m = std::min<int64_t>(kSteps[step % 5], n - done);
+    cache.reserve(seq, m);
+    for (int layer = 0; layer < cfg.n_layers; ++layer) {
+      const size_t count = size_t(m) * size_t(cfg.n_kv_heads) * size_t(cfg.head_dim);
+      std::vector<float> k(count), v(count);
+      for (size_t i = 0; i < count; ++i) {
+        const int c = int(i % size_t(cfg.head_dim));
+        k[i] = normal(rng) * (c == 5 || c == 6 ? 12.f : 1.5f);
+        v[i] = normal(rng);
+      }
+      cache.write(seq, layer, k.data(), v.data(), m);
+    }
+    cache.commit(seq, m);
+    done += m;
+  }
+}
+
+std::vector<float> queries(const CaseShape& c, float gain, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.f, gain);
+  std::vector<float> q(size_t(c.n_q_heads) * size_t(c.head_dim));
+  for (float& x : q) x = normal(rng);
+  return q;
+}
+
+struct MeterCase {
+  KvScheme scheme;
+  CaseShape shape;
+};
+
+class DecodeMeterTest : public ::testing::TestWithParam<KvScheme> {};
+
+TEST_P(DecodeMeterTest, FloatPathMatchesTheReferenceAndBoundsTheTrueTv) {
+  const KvScheme scheme = GetParam();
+  ThreadPool pool(2);
+  std::mt19937 rng(101);
+  int checked = 0, informative = 0;
+  for (const CaseShape shape : {CaseShape{3, 3, 64, 16}, CaseShape{9, 3, 64, 16},
+                                CaseShape{7, 1, 128, 16}, CaseShape{4, 2, 32, 16}}) {
+    for (const int64_t n_ctx : {1, 17, 129, 501}) {
+      auto cache = lossy_cache(shape, scheme, 1024);
+      const cache::SeqId seq = cache->create_sequence();
+      append(*cache, seq, n_ctx, rng);
+      for (const float gain : {0.3f, 2.f}) {
+        const std::vector<float> q = queries(shape, gain, rng);
+        const AttentionShape as = testing::attention_shape(shape);
+        MeterOptions mo;
+        mo.delta_loc = 1e-6;
+        std::vector<HeadMeter> ref(size_t(shape.n_q_heads));
+        decode_meter_ref(*cache, seq, 1, as, q.data(), n_ctx, mo, ref.data());
+        std::vector<double> tv(size_t(shape.n_q_heads));
+        decode_true_tv_ref(*cache, seq, 1, as, q.data(), n_ctx, tv.data());
+        std::vector<float> plain(q.size());
+        decode_attention(*cache, seq, 1, as, q.data(), n_ctx, plain.data(), &pool);
+        for (const int splits : {1, 3}) {
+          std::vector<HeadMeter> got(size_t(shape.n_q_heads));
+          std::vector<float> out(q.size());
+          DecodeOptions options;
+          options.n_splits = splits;
+          options.meters = got.data();
+          options.meter = mo;
+          decode_attention(*cache, seq, 1, as, q.data(), n_ctx, out.data(), &pool, options);
+          EXPECT_LT(testing::max_abs_diff(out, plain), 1e-5) << "the meter changed the output";
+          for (int h = 0; h < shape.n_q_heads; ++h) {
+            const std::string where = std::string(cache::kv_scheme_name(scheme)) + " n_ctx " +
+                                      std::to_string(n_ctx) + " head " + std::to_string(h) +
+                                      " splits " + std::to_string(splits);
+            const double a_got = std::expm1(got[size_t(h)].log_a), a_ref = std::expm1(ref[size_t(h)].log_a);
+            if (std::isfinite(a_ref)) {
+              // The float path lifts each bound c_t by 2^-16 relative (its rounding margin), which
+              // moves A by about c_max 2^-16 relative: close where the meter is informative.
+              if (ref[size_t(h)].meter < 1) EXPECT_NEAR(a_got, a_ref, 2e-4 * a_ref + 1e-12) << where;
+              EXPECT_GE(a_got, a_ref * (1 - 1e-6)) << where << ": the float path must not be lower";
+            } else {
+              EXPECT_TRUE(std::isinf(got[size_t(h)].log_a)) << where;
+            }
+            EXPECT_NEAR(got[size_t(h)].value_rho, ref[size_t(h)].value_rho,
+                        2e-4 * ref[size_t(h)].value_rho + 1e-12) << where;
+            EXPECT_GE(got[size_t(h)].v_norm_max, ref[size_t(h)].v_norm_max * (1 - 1e-6)) << where;
+            // Theorem 1, per head and step.
+            EXPECT_GE(got[size_t(h)].meter, tv[size_t(h)] - 1e-12) << where;
+            ++checked;
+            informative += got[size_t(h)].meter < 1 && tv[size_t(h)] > 0;
+          }
+        }
+      }
+    }
+  }
+  // The check must have informative cells (a meter pinned at 1 proves nothing).
+  if (scheme != KvScheme::kKivi2 && scheme != KvScheme::kRtn4) EXPECT_GT(informative, checked / 4);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllLossy, DecodeMeterTest, ::testing::ValuesIn(kLossySchemes),
+                         [](const ::testing::TestParamInfo<KvScheme>& info) {
+                           std::string name = cache::kv_scheme_name(info.param);
+                           for (char& ch : name)
+                             if (ch == '-') ch = '_';
+                           return name;
+                         });
+
+TEST(DecodeMeter, ExactCachesAndExactPagesGiveZero) {
+  const CaseShape shape{6, 2, 64, 16};
+  std::mt19937 rng(5);
+  auto bf16 = testing::make_cache(shape, 512);
+  const cache::SeqId seq = bf16->create_sequence();
+  testing::append_random(*bf16, seq, 200, rng);
+  const std::vector<float> q = queries(shape, 1.f, rng);
+  std::vector<HeadMeter> m(6, HeadMeter{1, 1, 1, 1, 1});
+  std::vector<float> out(q.size());
+  DecodeOptions options;
+  options.meters = m.data();
+  decode_attention(*bf16, seq, 0, testing::attention_shape(shape), q.data(), 200, out.data(), nullptr, options);
+  for (const HeadMeter& h : m) EXPECT_EQ(h.meter, 0.0);
+  // A lossy cache whose context is all tail (under one block) is exact too.
+  auto lossy = lossy_cache(shape, KvScheme::kRtn8, 512);
+  const cache::SeqId s2 = lossy->create_sequence();
+  append(*lossy, s2, 15, rng);
+  decode_attention(*lossy, s2, 0, testing::attention_shape(shape), q.data(), 15, out.data(), nullptr, options);
+  for (const HeadMeter& h : m) EXPECT_EQ(h.meter, 0.0);
+}
+
+TEST(DecodeMeter, RepairedBlocksLowerTheMeter) {
+  const CaseShape shape{3, 1, 64, 16};
+  std::mt19937 rng(9);
+  auto cache = lossy_cache(shape, KvScheme::kRtn4, 512);
+  const cache::SeqId seq = cache->create_sequence();
+  append(*cache, seq, 160, rng);
+  const std::vector<float> q = queries(shape, 1.f, rng);
+  const AttentionShape as = testing::attention_shape(shape);
+  std::vector<HeadMeter> before(3), after(3);
+  std::vector<double> contributions;
+  decode_meter_ref(*cache, seq, 0, as, q.data(), 160, MeterOptions{}, before.data(), &contributions);
+  ASSERT_EQ(contributions.size(), size_t(3 * 10));
+  double total = 0;
+  for (int b = 0; b < 10; ++b) total += contributions[size_t(b)];
+  EXPECT_NEAR(total, std::expm1(before[0].log_a), 1e-9 * total);
+  for (int64_t b = 0; b < 10; ++b) cache->repair_block(seq, 0, 0, b);
+  decode_meter_ref(*cache, seq, 0, as, q.data(), 160, MeterOptions{}, after.data());
+  for (int h = 0; h < 3; ++h) {
+    EXPECT_GT(before[size_t(h)].log_a, 0.0);
+    EXPECT_EQ(after[size_t(h)].meter, 0.0);
+  }
+}
+
+TEST(DecodeMeter, Dither8NeedsAFailureProbabilityInRange) {
+  const CaseShape shape{2, 1, 64, 16};
+  std::mt19937 rng(3);
+  auto cache = lossy_cache(shape, KvScheme::kDither8, 256);
+  const cache::SeqId seq = cache->create_sequence();
+  append(*cache, seq, 40, rng);
+  const std::vector<float> q = queries(shape, 1.f, rng);
+  std::vector<HeadMeter> m(2);
+  std::vector<float> out(q.size());
+  for (const double delta : {0.0, 1.0, -1.0, std::nan("")}) {
+    DecodeOptions options;
+    options.meters = m.data();
+    options.meter.delta_loc = delta;
+    EXPECT_THROW(decode_attention(*cache, seq, 0, testing::attention_shape(shape), q.data(), 40,
+                                  out.data(), nullptr, options),
+                 Error)
+        << delta;
+  }
+}
+
+}  // namespace
+}  // namespace certkv::attention

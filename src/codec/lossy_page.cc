@@ -1,0 +1,727 @@
+// The plain reference coders of the lossy page schemes (codec/lossy_page.h): fp8 casts, scaled
+// fp8, rtn8, rtn4, kivi2 with their Tier A side data, and dither8 with its counter-based dither.
+// Byte layouts: docs/format/lossy_pages.md and docs/format/dither8.md.
+#include "codec/lossy_page.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "format/fp8.h"
+#include "format/numeric.h"
+
+namespace certkv::codec {
+
+static_assert(std::endian::native == std::endian::little,
+              "pages store fp16 little-endian and lossy_witness / lossy_value_rho read them in place");
+
+namespace {
+
+using format::bf16_to_float;
+using format::fp16_to_float;
+
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxBlockTokens = 4096;
+constexpr uint16_t kFp16Inf = 0x7c00;
+constexpr uint16_t kFp16NegInf = 0xfc00;
+// Top levels the scales divide amax by.
+constexpr double kE4M3Max = 448.0;
+constexpr double kRtn8Top = 127.0;
+constexpr double kRtn4Top = 7.0;
+constexpr double kKivi2Steps = 3.0;    // levels 0..3
+constexpr double kDither8Top = 126.5;  // Q - 1/2 with Q = 127: no clipping after the dither
+// The computed norms carry a relative error below 2^-44 (at most 256 squares summed in double);
+// this factor covers it before the upward rounding.
+constexpr double kNormSafety = 1.0 + 0x1p-40;
+constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ull;
+
+const char* const kSchemeNames[kNumLossySchemes] = {
+    "fp8-e4m3", "fp8-e5m2", "fp8-e4m3-scaled", "rtn8", "rtn4", "kivi2", "dither8"};
+
+// The splitmix64 output function (Steele, Lea and Flood 2014): a bijection of 64-bit words.
+uint64_t splitmix64_mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+uint16_t load_u16(const uint8_t* p) { return uint16_t(p[0] | (p[1] << 8)); }
+void store_u16(uint8_t* p, uint16_t v) {
+  p[0] = uint8_t(v);
+  p[1] = uint8_t(v >> 8);
+}
+
+bool bf16_is_finite(uint16_t h) { return (h & 0x7f80u) != 0x7f80u; }
+
+// Nearest integer, ties to even, whatever the floating-point environment.
+double round_half_even(double v) {
+  const double r = std::round(v);  // ties away from zero; r - v is exact
+  if (std::fabs(r - v) == 0.5) return 2.0 * std::round(v / 2.0);
+  return r;
+}
+
+// The smallest float >= v.
+float float_upward(double v) {
+  if (v > double(std::numeric_limits<float>::max())) return std::numeric_limits<float>::infinity();
+  float f = float(v);
+  if (double(f) < v) f = std::nextafter(f, std::numeric_limits<float>::infinity());
+  return f;
+}
+
+// The smallest fp16 >= v (+inf above 65504). Rounding up to float first loses nothing: every
+// fp16 value is a float.
+uint16_t fp16_upward(double v) { return float_to_fp16_upward(float_upward(v)); }
+
+// The largest fp16 <= f (-inf below -65504).
+uint16_t fp16_downward(float f) { return uint16_t(float_to_fp16_upward(-f) ^ 0x8000u); }
+
+// An fp16 upper bound of a norm computed in double.
+uint16_t norm_upper_bound_fp16(double norm) { return fp16_upward(norm * kNormSafety); }
+
+struct Geometry {
+  int bt = 0;       // block_tokens
+  int d = 0;        // head_dim
+  int groups = 0;   // d / kQuantGroup
+  int m = 0;        // outlier pairs
+  size_t payload_bytes = 0;
+};
+
+size_t payload_bytes_of(const LossyPageSpec& spec) {
+  const size_t bt = size_t(spec.block_tokens), d = size_t(spec.head_dim);
+  const size_t groups = d / kQuantGroup;
+  switch (spec.scheme) {
+    case LossyScheme::kFp8E4M3:
+    case LossyScheme::kFp8E5M2:
+      return bt * d;
+    case LossyScheme::kFp8E4M3Scaled:
+      return bt * (d + 2);
+    case LossyScheme::kRtn8:
+      return bt * (d + 2 * groups);
+    case LossyScheme::kRtn4:
+      return bt * (d / 2 + 2 * groups);
+    case LossyScheme::kKivi2:
+      return bt * d / 4 + 4 * (spec.key ? d : bt * groups);
+    case LossyScheme::kDither8:
+      return bt * (d + 2 * groups + 4 * size_t(spec.n_outlier_pairs));
+  }
+  return 0;
+}
+
+size_t side_bytes_of(const LossyPageSpec& spec) {
+  if (lossy_scheme_is_tier_b(spec.scheme)) return 0;
+  const size_t bt = size_t(spec.block_tokens);
+  return spec.key ? bt * size_t(witness_bands(spec.head_dim)) * 2 : bt * 2;
+}
+
+Geometry geometry_of(const LossyPageSpec& spec) {
+  validate_lossy_page_spec(spec);
+  Geometry g;
+  g.bt = spec.block_tokens;
+  g.d = spec.head_dim;
+  g.groups = spec.head_dim / kQuantGroup;
+  g.m = spec.n_outlier_pairs;
+  g.payload_bytes = payload_bytes_of(spec);
+  return g;
+}
+
+// ---- fp8 casts ----------------------------------------------------------------------------
+
+void encode_fp8_cast(const Geometry& g, int exponent_bits, int mantissa_bits, const uint16_t* x,
+                     uint8_t* page) {
+  for (size_t i = 0; i < size_t(g.bt) * size_t(g.d); ++i) {
+    page[i] = format::float_to_fp8_ref(bf16_to_float(x[i]), exponent_bits, mantissa_bits);
+  }
+}
+
+void decode_fp8_cast(const Geometry& g, int exponent_bits, int mantissa_bits, const uint8_t* page,
+                     float* out) {
+  for (size_t i = 0; i < size_t(g.bt) * size_t(g.d); ++i) {
+    out[i] = format::fp8_to_float(page[i], exponent_bits, mantissa_bits);
+  }
+}
+
+// Per token [d E4M3 codes][fp16 s], s = amax / 448 rounded up, codes of x / s with the stored s.
+// x / s is rounded to float before the E4M3 rounding; that cannot move a code: a quotient of a
+// bf16 by an fp16 is either an E4M3 tie or at least 2^-19 (relative) from one.
+bool encode_fp8_e4m3_scaled(const Geometry& g, const uint16_t* x, uint8_t* page) {
+  const size_t record = size_t(g.d) + 2;
+  for (int t = 0; t < g.bt; ++t) {
+    const uint16_t* row = x + size_t(t) * g.d;
+    uint8_t* rec = page + size_t(t) * record;
+    float amax = 0.0f;
+    for (int c = 0; c < g.d; ++c) amax = std::max(amax, std::fabs(bf16_to_float(row[c])));
+    const uint16_t s16 = fp16_upward(double(amax) / kE4M3Max);
+    if (s16 == kFp16Inf) return false;
+    const float s = fp16_to_float(s16);
+    for (int c = 0; c < g.d; ++c) {
+      rec[c] = s == 0.0f ? uint8_t(0) : format::float_to_fp8_ref(bf16_to_float(row[c]) / s, 4, 3);
+    }
+    store_u16(rec + g.d, s16);
+  }
+  return true;
+}
+
+void decode_fp8_e4m3_scaled(const Geometry& g, const uint8_t* page, float* out) {
+  const size_t record = size_t(g.d) + 2;
+  for (int t = 0; t < g.bt; ++t) {
+    const uint8_t* rec = page + size_t(t) * record;
+    const float s = fp16_to_float(load_u16(rec + g.d));
+    for (int c = 0; c < g.d; ++c) out[size_t(t) * g.d + c] = s * format::fp8_e4m3_to_float(rec[c]);
+  }
+}
+
+// ---- rtn8 / rtn4 ----------------------------------------------------------------------------
+
+// Per token [codes][d / 32 fp16 scales]; codes are int8 (rtn8) or q + 8 in a nibble, the even
+// channel in the low nibble (rtn4).
+size_t rtn_code_bytes(const Geometry& g, int bits) { return bits == 8 ? size_t(g.d) : size_t(g.d) / 2; }
+
+bool encode_rtn(const Geometry& g, int bits, const uint16_t* x, uint8_t* page) {
+  const double top = bits == 8 ? kRtn8Top : kRtn4Top;
+  const size_t code_bytes = rtn_code_bytes(g, bits);
+  const size_t record = code_bytes + 2 * size_t(g.groups);
+  std::vector<int> q(size_t(g.d));
+  for (int t = 0; t < g.bt; ++t) {
+    const uint16_t* row = x + size_t(t) * g.d;
+    uint8_t* rec = page + size_t(t) * record;
+    for (int grp = 0; grp < g.groups; ++grp) {
+      const int c0 = grp * kQuantGroup;
+      float amax = 0.0f;
+      for (int c = c0; c < c0 + kQuantGroup; ++c) amax = std::max(amax, std::fabs(bf16_to_float(row[c])));
+      const uint16_t s16 = fp16_upward(double(amax) / top);
+      if (s16 == kFp16Inf) return false;
+      const double s = fp16_to_float(s16);
+      for (int c = c0; c < c0 + kQuantGroup; ++c) {
+        // x / s in double rounds to the same integer as the exact quotient (docs/format/lossy_pages.md).
+        q[c] = s == 0.0 ? 0 : int(std::clamp(round_half_even(double(bf16_to_float(row[c])) / s), -top, top));
+      }
+      store_u16(rec + code_bytes + 2 * size_t(grp), s16);
+    }
+    if (bits == 8) {
+      for (int c = 0; c < g.d; ++c) rec[c] = uint8_t(int8_t(q[c]));
+    } else {
+      for (int c = 0; c < g.d; c += 2) rec[c / 2] = uint8_t((q[c] + 8) | ((q[c + 1] + 8) << 4));
+    }
+  }
+  return true;
+}
+
+void decode_rtn(const Geometry& g, int bits, const uint8_t* page, float* out) {
+  const size_t code_bytes = rtn_code_bytes(g, bits);
+  const size_t record = code_bytes + 2 * size_t(g.groups);
+  for (int t = 0; t < g.bt; ++t) {
+    const uint8_t* rec = page + size_t(t) * record;
+    for (int c = 0; c < g.d; ++c) {
+      const float s = fp16_to_float(load_u16(rec + code_bytes + 2 * size_t(c / kQuantGroup)));
+      const int q = bits == 8 ? int(int8_t(rec[c])) : int((rec[c / 2] >> (4 * (c & 1))) & 0xf) - 8;
+      out[size_t(t) * g.d + c] = s * float(q);
+    }
+  }
+}
+
+// ---- kivi2 ----------------------------------------------------------------------------------
+
+// KIVI's asymmetric 2-bit rule on one set of values with minimum mn and maximum mx: min rounded
+// down and step rounded up to fp16, so every value lies in [min, min + 3 step].
+bool kivi2_params(float mn, float mx, uint16_t* min16, uint16_t* step16) {
+  *min16 = fp16_downward(mn);
+  if (*min16 == kFp16NegInf) return false;
+  *step16 = fp16_upward((double(mx) - double(fp16_to_float(*min16))) / kKivi2Steps);
+  return *step16 != kFp16Inf;
+}
+
+int kivi2_code(float x, float min, float step) {
+  if (step == 0.0f) return 0;  // every value of the set equals min
+  const double q = round_half_even((double(x) - double(min)) / double(step));
+  return int(std::clamp(q, 0.0, kKivi2Steps));
+}
+
+float kivi2_recon(float min, float step, int q) { return min + step * float(q); }
+
+// Codes [bt][d / 4] bytes (channel 4i + k in bits 2k..2k+1 of byte i), then fp16 (min, step)
+// pairs: K pages one per channel [d], V pages one per token and group [bt][d / 32].
+size_t kivi2_param_offset(const Geometry& g, bool key, int t, int c) {
+  const size_t base = size_t(g.bt) * size_t(g.d) / 4;
+  const size_t pair = key ? size_t(c) : size_t(t) * g.groups + size_t(c / kQuantGroup);
+  return base + 4 * pair;
+}
+
+bool encode_kivi2(const Geometry& g, bool key, const uint16_t* x, uint8_t* page) {
+  const size_t code_bytes = size_t(g.bt) * size_t(g.d) / 4;
+  std::memset(page, 0, code_bytes);
+  // One parameter set per K channel (over the block's tokens) or per V token group.
+  const int n_sets = key ? g.d : g.bt * g.groups;
+  for (int set = 0; set < n_sets; ++set) {
+    std::vector<std::pair<int, int>> members;  // (token, channel)
+    if (key) {
+      for (int t = 0; t < g.bt; ++t) members.emplace_back(t, set);
+    } else {
+      const int t = set / g.groups, c0 = (set % g.groups) * kQuantGroup;
+      for (int c = c0; c < c0 + kQuantGroup; ++c) members.emplace_back(t, c);
+    }
+    float mn = std::numeric_limits<float>::infinity(), mx = -mn;
+    for (auto [t, c] : members) {
+      const float v = bf16_to_float(x[size_t(t) * g.d + c]);
+      mn = std::min(mn, v);
+      mx = std::max(mx, v);
+    }
+    uint16_t min16, step16;
+    if (!kivi2_params(mn, mx, &min16, &step16)) return false;
+    const float min = fp16_to_float(min16), step = fp16_to_float(step16);
+    for (auto [t, c] : members) {
+      const int q = kivi2_code(bf16_to_float(x[size_t(t) * g.d + c]), min, step);
+      page[(size_t(t) * g.d + c) / 4] |= uint8_t(q << (2 * (c & 3)));
+    }
+    const auto [t0, c0] = members.front();
+    uint8_t* params = page + kivi2_param_offset(g, key, t0, c0);
+    store_u16(params, min16);
+    store_u16(params + 2, step16);
+  }
+  return true;
+}
+
+void decode_kivi2(const Geometry& g, bool key, const uint8_t* page, float* out) {
+  for (int t = 0; t < g.bt; ++t) {
+    for (int c = 0; c < g.d; ++c) {
+      const uint8_t* params = page + kivi2_param_offset(g, key, t, c);
+      const size_t i = size_t(t) * g.d + c;
+      const int q = (page[i / 4] >> (2 * (c & 3))) & 3;
+      out[i] = kivi2_recon(fp16_to_float(load_u16(params)), fp16_to_float(load_u16(params + 2)), q);
+    }
+  }
+}
+
+// ---- dither8 --------------------------------------------------------------------------------
+
+// Per token [d int8 codes][d / 32 fp16 scales][2 m bf16 outliers, channel a then b of each pair].
+size_t dither8_record_bytes(const Geometry& g) {
+  return size_t(g.d) + 2 * size_t(g.groups) + 4 * size_t(g.m);
+}
+
+// 1 for both channels of every outlier pair of the spec.
+std::vector<uint8_t> outlier_channels(const LossyPageSpec& spec) {
+  std::vector<uint8_t> mask(size_t(spec.head_dim), 0);
+  for (int i = 0; i < spec.n_outlier_pairs; ++i) {
+    for (int which = 0; which < 2; ++which) {
+      mask[size_t(rope_pair_channel(spec.pairing, spec.head_dim, spec.outlier_pairs[i], which))] = 1;
+    }
+  }
+  return mask;
+}
+
+uint64_t dither8_counter(const Geometry& g, uint32_t page_slot, int row) {
+  return uint64_t(page_slot) * uint64_t(g.bt) + uint64_t(row);
+}
+
+// x^ = s (round(x / s + xi) - xi) with s = amax / 126.5 stored fp16 (DESIGN.md section 4, Tier B).
+// Every operand of x / s + xi is exact in double and the double result rounds to the same
+// integer as the exact value (docs/format/dither8.md), so q is round(x / s16 + xi) exactly.
+bool encode_dither8(const LossyPageSpec& spec, const Geometry& g, uint32_t page_slot,
+                    const uint16_t* x, uint8_t* page) {
+  const std::vector<uint8_t> outlier = outlier_channels(spec);
+  const size_t record = dither8_record_bytes(g);
+  for (int t = 0; t < g.bt; ++t) {
+    const uint16_t* row = x + size_t(t) * g.d;
+    uint8_t* rec = page + size_t(t) * record;
+    const uint64_t counter = dither8_counter(g, page_slot, t);
+    for (int grp = 0; grp < g.groups; ++grp) {
+      const int c0 = grp * kQuantGroup;
+      float amax = 0.0f;
+      for (int c = c0; c < c0 + kQuantGroup; ++c) {
+        if (!outlier[c]) amax = std::max(amax, std::fabs(bf16_to_float(row[c])));
+      }
+      const uint16_t s16 = fp16_upward(double(amax) / kDither8Top);
+      if (s16 == kFp16Inf) return false;
+      const double s = fp16_to_float(s16);
+      for (int c = c0; c < c0 + kQuantGroup; ++c) {
+        int q = 0;
+        if (!outlier[c] && s != 0.0) {
+          const double xi = dither8_xi(spec.dither_key, counter, c);
+          q = int(round_half_even(double(bf16_to_float(row[c])) / s + xi));
+        }
+        rec[c] = uint8_t(int8_t(q));
+      }
+      store_u16(rec + g.d + 2 * size_t(grp), s16);
+    }
+    uint8_t* outliers = rec + g.d + 2 * size_t(g.groups);
+    for (int i = 0; i < g.m; ++i) {
+      for (int which = 0; which < 2; ++which) {
+        const int c = rope_pair_channel(spec.pairing, g.d, spec.outlier_pairs[i], which);
+        store_u16(outliers + 2 * size_t(2 * i + which), row[c]);
+      }
+    }
+  }
+  return true;
+}
+
+void decode_dither8(const LossyPageSpec& spec, const Geometry& g, uint32_t page_slot,
+                    const uint8_t* page, float* out) {
+  const size_t record = dither8_record_bytes(g);
+  for (int t = 0; t < g.bt; ++t) {
+    const uint8_t* rec = page + size_t(t) * record;
+    float* row = out + size_t(t) * g.d;
+    const uint64_t counter = dither8_counter(g, page_slot, t);
+    for (int c = 0; c < g.d; ++c) {
+      const float s = fp16_to_float(load_u16(rec + g.d + 2 * size_t(c / kQuantGroup)));
+      // q - xi is exact in float (a multiple of 2^-17 below 128 in magnitude).
+      row[c] = s * (float(int8_t(rec[c])) - dither8_xi(spec.dither_key, counter, c));
+    }
+    const uint8_t* outliers = rec + g.d + 2 * size_t(g.groups);
+    for (int i = 0; i < g.m; ++i) {
+      for (int which = 0; which < 2; ++which) {
+        const int c = rope_pair_channel(spec.pairing, g.d, spec.outlier_pairs[i], which);
+        row[c] = bf16_to_float(load_u16(outliers + 2 * size_t(2 * i + which)));
+      }
+    }
+  }
+}
+
+// ---- Tier A side data -----------------------------------------------------------------------
+
+// K: w_{t,b} = ||r_{t,b}|| over the channels of band b's RoPE pairs; V: rho_t = ||r_t||; with
+// r = x^ - x, each an fp16 upper bound (DESIGN.md section 4, Tier A).
+void write_tier_a_side_data(const LossyPageSpec& spec, const Geometry& g, const uint16_t* x,
+                            const float* recon, uint8_t* side) {
+  const int n_bands = spec.key ? witness_bands(g.d) : 1;
+  std::vector<double> sum_sq(static_cast<size_t>(n_bands));
+  for (int t = 0; t < g.bt; ++t) {
+    std::fill(sum_sq.begin(), sum_sq.end(), 0.0);
+    for (int pair = 0; pair < g.d / 2; ++pair) {
+      const int b = spec.key ? witness_band_of_pair(g.d, pair) : 0;
+      for (int which = 0; which < 2; ++which) {
+        const size_t i = size_t(t) * g.d + size_t(rope_pair_channel(spec.pairing, g.d, pair, which));
+        const double r = double(recon[i]) - double(bf16_to_float(x[i]));
+        sum_sq[size_t(b)] += r * r;
+      }
+    }
+    for (int b = 0; b < n_bands; ++b) {
+      store_u16(side + 2 * (size_t(t) * n_bands + b), norm_upper_bound_fp16(std::sqrt(sum_sq[size_t(b)])));
+    }
+  }
+}
+
+}  // namespace
+
+const char* lossy_scheme_name(LossyScheme scheme) {
+  const int i = static_cast<int>(scheme);
+  return i < kNumLossySchemes ? kSchemeNames[i] : "unknown";
+}
+
+bool parse_lossy_scheme(std::string_view name, LossyScheme* scheme) {
+  for (int i = 0; i < kNumLossySchemes; ++i) {
+    if (name == kSchemeNames[i]) {
+      *scheme = static_cast<LossyScheme>(i);
+      return true;
+    }
+  }
+  return false;
+}
+
+int witness_bands(int head_dim) {
+  if (head_dim < 2) {
+    fail(StatusCode::kInvalidArgument,
+         "witness bands: head_dim must be at least 2, got " + std::to_string(head_dim));
+  }
+  return std::min(kWitnessBands, head_dim / 2);
+}
+
+int witness_band_of_pair(int head_dim, int pair) {
+  const int n_bands = witness_bands(head_dim);
+  const int n_pairs = head_dim / 2;
+  if (pair < 0 || pair >= n_pairs) {
+    fail(StatusCode::kInvalidArgument, "witness band: RoPE pair " + std::to_string(pair) +
+                                           " is outside [0, " + std::to_string(n_pairs) + ")");
+  }
+  // The largest b with floor(b * P / n_bands) <= pair.
+  return ((pair + 1) * n_bands - 1) / n_pairs;
+}
+
+void validate_lossy_page_spec(const LossyPageSpec& spec) {
+  const std::string where = "lossy page spec: ";
+  if (static_cast<int>(spec.scheme) >= kNumLossySchemes) {
+    fail(StatusCode::kInvalidArgument,
+         where + "scheme " + std::to_string(static_cast<int>(spec.scheme)) + " is unknown");
+  }
+  if (spec.pairing != RopePairing::kInterleaved && spec.pairing != RopePairing::kHalfSplit) {
+    fail(StatusCode::kInvalidArgument,
+         where + "pairing " + std::to_string(static_cast<int>(spec.pairing)) + " is unknown");
+  }
+  if (spec.head_dim <= 0 || spec.head_dim % kQuantGroup != 0) {
+    fail(StatusCode::kInvalidArgument, where + "head_dim must be a positive multiple of " +
+                                           std::to_string(kQuantGroup) + ", got " +
+                                           std::to_string(spec.head_dim));
+  }
+  if (spec.head_dim > kMaxHeadDim) {
+    fail(StatusCode::kUnsupported, where + "head_dim " + std::to_string(spec.head_dim) +
+                                       " is above the supported " + std::to_string(kMaxHeadDim));
+  }
+  if (spec.block_tokens < 1 || spec.block_tokens > kMaxBlockTokens) {
+    fail(StatusCode::kInvalidArgument, where + "block_tokens must be in [1, " +
+                                           std::to_string(kMaxBlockTokens) + "], got " +
+                                           std::to_string(spec.block_tokens));
+  }
+  const int m = spec.n_outlier_pairs;
+  if (m < 0) {
+    fail(StatusCode::kInvalidArgument, where + "n_outlier_pairs is negative: " + std::to_string(m));
+  }
+  if (m == 0) return;
+  if (spec.scheme != LossyScheme::kDither8) {
+    fail(StatusCode::kInvalidArgument, where + "n_outlier_pairs " + std::to_string(m) +
+                                           " on a " + lossy_scheme_name(spec.scheme) +
+                                           " page; only dither8 keeps outlier pairs");
+  }
+  if (!spec.key) {
+    fail(StatusCode::kInvalidArgument,
+         where + "n_outlier_pairs " + std::to_string(m) + " on a V page; only K pages keep outlier pairs");
+  }
+  const int n_pairs = spec.head_dim / 2;
+  const int max_pairs = std::min(kMaxOutlierPairs, n_pairs);
+  if (m > max_pairs) {
+    fail(StatusCode::kInvalidArgument, where + "n_outlier_pairs " + std::to_string(m) +
+                                           " is above min(kMaxOutlierPairs, head_dim / 2) = " +
+                                           std::to_string(max_pairs));
+  }
+  if (spec.outlier_pairs == nullptr) {
+    fail(StatusCode::kInvalidArgument,
+         where + "outlier_pairs is null with n_outlier_pairs " + std::to_string(m));
+  }
+  for (int i = 0; i < m; ++i) {
+    const int pair = spec.outlier_pairs[i];
+    if (pair >= n_pairs) {
+      fail(StatusCode::kInvalidArgument, where + "outlier_pairs[" + std::to_string(i) + "] = " +
+                                             std::to_string(pair) + " is outside [0, " +
+                                             std::to_string(n_pairs) + ")");
+    }
+    if (i > 0 && pair <= spec.outlier_pairs[i - 1]) {
+      fail(StatusCode::kInvalidArgument,
+           where + "outlier_pairs[" + std::to_string(i) + "] = " + std::to_string(pair) +
+               (pair == spec.outlier_pairs[i - 1] ? " repeats the previous pair"
+                                                  : " is below the previous pair (must increase)"));
+    }
+  }
+}
+
+size_t lossy_payload_bytes(const LossyPageSpec& spec) {
+  validate_lossy_page_spec(spec);
+  return payload_bytes_of(spec);
+}
+
+size_t lossy_page_bytes(const LossyPageSpec& spec) {
+  validate_lossy_page_spec(spec);
+  return payload_bytes_of(spec) + side_bytes_of(spec);
+}
+
+bool lossy_encode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const uint16_t* x,
+                           uint8_t* page) {
+  const Geometry g = geometry_of(spec);
+  const size_t n = size_t(g.bt) * size_t(g.d);
+  for (size_t i = 0; i < n; ++i) {
+    if (!bf16_is_finite(x[i])) return false;
+  }
+  bool encoded = false;
+  switch (spec.scheme) {
+    case LossyScheme::kFp8E4M3:
+      encode_fp8_cast(g, 4, 3, x, page);
+      encoded = true;
+      break;
+    case LossyScheme::kFp8E5M2:
+      encode_fp8_cast(g, 5, 2, x, page);
+      encoded = true;
+      break;
+    case LossyScheme::kFp8E4M3Scaled:
+      encoded = encode_fp8_e4m3_scaled(g, x, page);
+      break;
+    case LossyScheme::kRtn8:
+      encoded = encode_rtn(g, 8, x, page);
+      break;
+    case LossyScheme::kRtn4:
+      encoded = encode_rtn(g, 4, x, page);
+      break;
+    case LossyScheme::kKivi2:
+      encoded = encode_kivi2(g, spec.key, x, page);
+      break;
+    case LossyScheme::kDither8:
+      encoded = encode_dither8(spec, g, page_slot, x, page);
+      break;
+  }
+  if (!encoded) return false;
+  // The side data describes exactly what attention will read: the decoded page. A reconstruction
+  // that is not finite (E5M2 overflows to Inf above 57344) is refused like a non-finite input.
+  std::vector<float> recon(n);
+  lossy_decode_page_ref(spec, page_slot, page, recon.data());
+  for (float v : recon) {
+    if (!std::isfinite(v)) return false;
+  }
+  if (!lossy_scheme_is_tier_b(spec.scheme)) {
+    write_tier_a_side_data(spec, g, x, recon.data(), page + g.payload_bytes);
+  }
+  return true;
+}
+
+void lossy_decode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const uint8_t* page,
+                           float* out) {
+  const Geometry g = geometry_of(spec);
+  switch (spec.scheme) {
+    case LossyScheme::kFp8E4M3:
+      decode_fp8_cast(g, 4, 3, page, out);
+      break;
+    case LossyScheme::kFp8E5M2:
+      decode_fp8_cast(g, 5, 2, page, out);
+      break;
+    case LossyScheme::kFp8E4M3Scaled:
+      decode_fp8_e4m3_scaled(g, page, out);
+      break;
+    case LossyScheme::kRtn8:
+      decode_rtn(g, 8, page, out);
+      break;
+    case LossyScheme::kRtn4:
+      decode_rtn(g, 4, page, out);
+      break;
+    case LossyScheme::kKivi2:
+      decode_kivi2(g, spec.key, page, out);
+      break;
+    case LossyScheme::kDither8:
+      decode_dither8(spec, g, page_slot, page, out);
+      break;
+  }
+}
+
+const uint16_t* lossy_witness(const LossyPageSpec& spec, const uint8_t* page) {
+  const Geometry g = geometry_of(spec);
+  if (lossy_scheme_is_tier_b(spec.scheme) || !spec.key) {
+    fail(StatusCode::kInvalidArgument, std::string("lossy_witness: a ") +
+                                           lossy_scheme_name(spec.scheme) + (spec.key ? " K" : " V") +
+                                           " page carries no witness (Tier A K pages only)");
+  }
+  return reinterpret_cast<const uint16_t*>(page + g.payload_bytes);
+}
+
+const uint16_t* lossy_value_rho(const LossyPageSpec& spec, const uint8_t* page) {
+  const Geometry g = geometry_of(spec);
+  if (lossy_scheme_is_tier_b(spec.scheme) || spec.key) {
+    fail(StatusCode::kInvalidArgument, std::string("lossy_value_rho: a ") +
+                                           lossy_scheme_name(spec.scheme) + (spec.key ? " K" : " V") +
+                                           " page carries no rho (Tier A V pages only)");
+  }
+  return reinterpret_cast<const uint16_t*>(page + g.payload_bytes);
+}
+
+void dither8_scales(const LossyPageSpec& spec, const uint8_t* page, float* scales) {
+  const Geometry g = geometry_of(spec);
+  if (spec.scheme != LossyScheme::kDither8) {
+    fail(StatusCode::kInvalidArgument,
+         std::string("dither8_scales: the page is ") + lossy_scheme_name(spec.scheme) + ", not dither8");
+  }
+  const size_t record = dither8_record_bytes(g);
+  for (int t = 0; t < g.bt; ++t) {
+    for (int grp = 0; grp < g.groups; ++grp) {
+      scales[size_t(t) * g.groups + grp] =
+          fp16_to_float(load_u16(page + size_t(t) * record + g.d + 2 * size_t(grp)));
+    }
+  }
+}
+
+void dither8_value_rho(const LossyPageSpec& spec, const uint8_t* page, float* rho) {
+  const Geometry g = geometry_of(spec);
+  if (spec.scheme != LossyScheme::kDither8) {
+    fail(StatusCode::kInvalidArgument,
+         std::string("dither8_value_rho: the page is ") + lossy_scheme_name(spec.scheme) + ", not dither8");
+  }
+  const std::vector<uint8_t> outlier = outlier_channels(spec);
+  std::vector<float> scales(size_t(g.bt) * g.groups);
+  dither8_scales(spec, page, scales.data());
+  const double r_per_scale = 0.5 + double(kDither8Slack);  // |r_c| <= s_c (1/2 + slack)
+  for (int t = 0; t < g.bt; ++t) {
+    double sum_sq = 0.0;
+    for (int c = 0; c < g.d; ++c) {
+      if (outlier[c]) continue;  // stored exactly
+      const double r_max = double(scales[size_t(t) * g.groups + c / kQuantGroup]) * r_per_scale;
+      sum_sq += r_max * r_max;
+    }
+    rho[t] = float_upward(std::sqrt(sum_sq) * kNormSafety);
+  }
+}
+
+float dither8_xi(uint64_t key, uint64_t counter, int channel) {
+  if (channel < 0 || channel >= kMaxHeadDim) {
+    fail(StatusCode::kInvalidArgument, "dither8_xi: channel " + std::to_string(channel) +
+                                           " is outside [0, " + std::to_string(kMaxHeadDim) + ")");
+  }
+  // One 64-bit hash per counter and group of four channels (at most 64 groups in a row of
+  // head_dim <= 256); its four 16-bit quarters serve channels 4i .. 4i + 3.
+  const uint64_t word = counter * uint64_t(kMaxHeadDim / 4) + uint64_t(channel / 4);
+  const uint64_t h64 = splitmix64_mix(splitmix64_mix(word + kGolden) ^ key);
+  const uint32_t h = uint32_t(h64 >> (16 * (channel % 4))) & 0xffffu;
+  return (float(h) + 0.5f) / 65536.0f - 0.5f;
+}
+
+uint64_t dither8_key(int layer, bool key_tensor, int kv_head) {
+  if (layer < 0 || kv_head < 0) {
+    fail(StatusCode::kInvalidArgument, "dither8_key: layer " + std::to_string(layer) +
+                                           " and kv_head " + std::to_string(kv_head) +
+                                           " must be non-negative");
+  }
+  const uint64_t word =
+      (uint64_t(layer) << 32) | (uint64_t(kv_head) << 1) | uint64_t(key_tensor ? 1 : 0);
+  return splitmix64_mix(word + kGolden);
+}
+
+void select_outlier_pairs(const float* x, int n_rows, int head_dim, RopePairing pairing, int m,
+                          uint16_t* out) {
+  if (head_dim < 2 || head_dim % 2 != 0 || n_rows < 0) {
+    fail(StatusCode::kInvalidArgument, "select_outlier_pairs: head_dim " + std::to_string(head_dim) +
+                                           " (must be even and >= 2) or n_rows " +
+                                           std::to_string(n_rows) + " (must be >= 0) is invalid");
+  }
+  const int n_pairs = head_dim / 2;
+  if (m < 0 || m > n_pairs) {
+    fail(StatusCode::kInvalidArgument, "select_outlier_pairs: m " + std::to_string(m) +
+                                           " is outside [0, head_dim / 2 = " +
+                                           std::to_string(n_pairs) + "]");
+  }
+  // peak_j = max over rows of |x| on either channel of pair j (NaN never wins).
+  std::vector<float> peak(size_t(n_pairs), 0.0f);
+  for (int r = 0; r < n_rows; ++r) {
+    for (int pair = 0; pair < n_pairs; ++pair) {
+      for (int which = 0; which < 2; ++which) {
+        const float v = std::fabs(x[size_t(r) * head_dim + rope_pair_channel(pairing, head_dim, pair, which)]);
+        if (v > peak[size_t(pair)]) peak[size_t(pair)] = v;
+      }
+    }
+  }
+  std::vector<int> order(static_cast<size_t>(n_pairs));
+  std::iota(order.begin(), order.end(), 0);
+  // Largest peaks first; equal peaks in pair order.
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return peak[size_t(a)] > peak[size_t(b)]; });
+  std::sort(order.begin(), order.begin() + m);
+  for (int i = 0; i < m; ++i) out[i] = uint16_t(order[size_t(i)]);
+}
+
+uint16_t float_to_fp16_upward(float f) {
+  const uint32_t u = format::float_to_bits(f);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return uint16_t(sign | 0x7e00u);  // NaN
+  // The magnitude truncated to fp16 (rounded toward zero).
+  uint16_t truncated;
+  if (abs >= 0x47800000u) {
+    truncated = abs == 0x7f800000u ? kFp16Inf : uint16_t(0x7bffu);  // >= 65536: 65504, Inf stays
+  } else if (abs >= 0x38800000u) {
+    truncated = uint16_t((abs - (112u << 23)) >> 13);  // normal: rebias, drop 13 mantissa bits
+  } else {
+    truncated = uint16_t(format::bits_to_float(abs) * 16777216.0f);  // subnormal: quanta of 2^-24
+  }
+  // Toward +inf: a negative value truncated is already rounded up; a positive one moves up a step
+  // when truncation lost something (65504 steps to Inf).
+  if (sign == 0 && fp16_to_float(truncated) < format::bits_to_float(abs)) ++truncated;
+  return uint16_t(sign | truncated);
+}
+
+}  // namespace certkv::codec

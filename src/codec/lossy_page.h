@@ -1,0 +1,132 @@
+// Lossy KV page codecs (DESIGN.md sections 2 and 4): the registered black-box schemes that write
+// back a per-token reconstruction (fp8 casts, scaled fp8, rtn8, rtn4, kivi2), each carrying its
+// Tier A witness, and dither8, the certified INT8 class whose Tier B certificate needs only its
+// stored scales. Byte layouts: docs/format/lossy_pages.md and docs/format/dither8.md.
+//
+// A page holds one full block of block_tokens tokens of one (layer, K or V, kv_head):
+//   [payload (scheme-specific)][side data]
+// Side data: K pages of Tier A schemes: witness [block_tokens][n_bands] fp16, w_{t,b} = ||r_{t,b}||
+// of the key residual r = k^ - k over band b (a contiguous range of RoPE frequency pairs), each
+// rounded toward +inf so it stays an upper bound. V pages of Tier A schemes: rho [block_tokens]
+// fp16, rho_t >= ||v^_t - v_t|| (rounded toward +inf). dither8 pages carry no side data: their
+// error bounds follow from the stored scales.
+//
+// The exact values are the BF16 inputs; every reconstruction is what attention reads.
+// Thread safety: pure functions.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace certkv::codec {
+
+enum class LossyScheme : uint8_t {
+  kFp8E4M3 = 0,        // raw cast to FP8 E4M3 (saturating), no scale: the known-broken one
+  kFp8E5M2 = 1,        // raw cast to FP8 E5M2, no scale
+  kFp8E4M3Scaled = 2,  // per-token fp16 scale s = amax / 448, x / s cast to E4M3
+  kRtn8 = 3,           // per token, groups of 32 channels: symmetric 8-bit, fp16 scale amax / 127
+  kRtn4 = 4,           // per token, groups of 32 channels: symmetric 4-bit, fp16 scale amax / 7
+  kKivi2 = 5,          // 2-bit asymmetric: keys per channel over the block, values per token
+                       // in groups of 32 (KIVI, Liu et al. 2024); fp16 min and step
+  kDither8 = 6,        // certified INT8: subtractive dither, per-token group-of-32 fp16 scales
+                       // s = amax / 126.5, m outlier RoPE pairs kept exact (bf16)
+};
+inline constexpr int kNumLossySchemes = 7;
+
+// "fp8-e4m3", "fp8-e5m2", "fp8-e4m3-scaled", "rtn8", "rtn4", "kivi2", "dither8".
+const char* lossy_scheme_name(LossyScheme scheme);
+// Returns false for an unknown name.
+bool parse_lossy_scheme(std::string_view name, LossyScheme* scheme);
+// Tier B (dither8) or Tier A (every other scheme).
+inline bool lossy_scheme_is_tier_b(LossyScheme s) { return s == LossyScheme::kDither8; }
+
+// Which two channels of a head form RoPE frequency pair j (0 <= j < head_dim / 2):
+// interleaved (2j, 2j + 1), as GGUF Llama stores it, or half-split (j, j + head_dim / 2), as
+// Hugging Face and Qwen do. Taken from the model.
+enum class RopePairing : uint8_t { kInterleaved = 0, kHalfSplit = 1 };
+inline int rope_pair_channel(RopePairing pairing, int head_dim, int pair, int which) {
+  return pairing == RopePairing::kInterleaved ? 2 * pair + which : pair + which * (head_dim / 2);
+}
+
+inline constexpr int kWitnessBands = 16;  // B of DESIGN.md section 4 (fewer if head_dim / 2 < 16)
+inline constexpr int kQuantGroup = 32;    // channels per scale group (rtn*, kivi2 values, dither8)
+inline constexpr int kMaxOutlierPairs = 64;
+
+// Bands of a head: min(kWitnessBands, head_dim / 2). Band b covers the RoPE pairs
+// [b * P / n_bands, (b + 1) * P / n_bands) with P = head_dim / 2 (integer division).
+int witness_bands(int head_dim);
+// The band of RoPE pair j.
+int witness_band_of_pair(int head_dim, int pair);
+
+// What one page is: the scheme, K or V, the block shape, and for dither8 the generator key and
+// the outlier pairs of its (layer, kv_head).
+struct LossyPageSpec {
+  LossyScheme scheme = LossyScheme::kRtn8;
+  bool key = true;  // K page (witness; dither8 outliers) or V page (rho)
+  int block_tokens = 16;
+  int head_dim = 0;  // multiple of 32 (kQuantGroup), at most 256
+  RopePairing pairing = RopePairing::kInterleaved;
+  // dither8: the dither of element (row, channel) of the page stored at physical slot
+  // `page_slot` is dither8_xi(dither_key, page_slot * block_tokens + row, channel); the key names
+  // (layer, K/V, kv_head) (dither8_key). Never the sequence position.
+  uint64_t dither_key = 0;
+  // dither8 K pages: the m RoPE pairs kept exact (bf16) and excluded from the group amax, fixed
+  // per (layer, kv_head); n_outlier_pairs <= min(kMaxOutlierPairs, head_dim / 2). V pages: 0.
+  int n_outlier_pairs = 0;
+  const uint16_t* outlier_pairs = nullptr;  // [n_outlier_pairs] pair indices, increasing
+};
+
+// Throws certkv::Error kInvalidArgument / kUnsupported naming the field when the spec is unusable
+// (head_dim not a multiple of 32 or above 256, block_tokens outside [1, 4096], too many or
+// repeated or out-of-range outlier pairs, outliers on a non-dither8 or V page).
+void validate_lossy_page_spec(const LossyPageSpec& spec);
+
+// Bytes of one page: payload + side data.
+size_t lossy_page_bytes(const LossyPageSpec& spec);
+// Bytes of the payload alone (the side data follows at this offset).
+size_t lossy_payload_bytes(const LossyPageSpec& spec);
+
+// Encodes one full block. x: [block_tokens][head_dim] bf16 bit patterns (the exact values).
+// Writes lossy_page_bytes(spec) bytes at `page`, including the witness (Tier A K pages) or rho
+// (Tier A V pages). Returns false, leaving `page` unspecified, when a value is not finite or a
+// scale does not fit fp16 (the caller keeps the block exact and counts the event).
+// page_slot: the physical slot the page will live in (dither8; ignored by other schemes).
+bool lossy_encode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const uint16_t* x,
+                           uint8_t* page);
+
+// The reconstruction attention reads. out: [block_tokens][head_dim] float.
+void lossy_decode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const uint8_t* page,
+                           float* out);
+
+// Tier A K pages: witness [block_tokens][witness_bands(head_dim)] fp16 bits, inside the page.
+const uint16_t* lossy_witness(const LossyPageSpec& spec, const uint8_t* page);
+// Tier A V pages: rho [block_tokens] fp16 bits, inside the page.
+const uint16_t* lossy_value_rho(const LossyPageSpec& spec, const uint8_t* page);
+
+// dither8 pages: scales [block_tokens][head_dim / kQuantGroup] as float (exact fp16 values).
+void dither8_scales(const LossyPageSpec& spec, const uint8_t* page, float* scales);
+// dither8 V pages: per-token upper bound on ||v^_t - v_t||, from the scales alone:
+// |r_c| <= s_c (1/2 + kDither8Slack) on every channel. out: [block_tokens].
+void dither8_value_rho(const LossyPageSpec& spec, const uint8_t* page, float* rho);
+
+// The dither generator: xi in (-1/2, 1/2) on the grid of 2^16 cell centres,
+//   xi = (h + 1/2) / 2^16 - 1/2,  h = 16 bits of a counter-based hash of (key, counter, channel),
+// so it is exact in float and symmetric with mean zero. See docs/format/dither8.md.
+float dither8_xi(uint64_t key, uint64_t counter, int channel);
+// The generator key of (layer, K or V, kv_head).
+uint64_t dither8_key(int layer, bool key_tensor, int kv_head);
+// Per channel, the residual of the stored reconstruction differs from the ideal continuous
+// subtractive-dither residual s * e (e uniform on [-1/2, 1/2)) by a deterministic offset and float
+// rounding of at most s * kDither8Slack; the certificate adds it to its radius (docs/format/dither8.md).
+inline constexpr float kDither8Slack = 1.0f / 32768.0f;  // 2^-15
+
+// The m pairs with the largest max |x| over the rows (either channel of the pair), returned in
+// increasing pair order. x: [n_rows][head_dim] float. out: [m]. REQUIRES: 0 <= m <= head_dim / 2.
+void select_outlier_pairs(const float* x, int n_rows, int head_dim, RopePairing pairing, int m,
+                          uint16_t* out);
+
+// fp16 of a non-negative float rounded toward +inf (an upper bound; +inf when above 65504).
+uint16_t float_to_fp16_upward(float f);
+
+}  // namespace certkv::codec

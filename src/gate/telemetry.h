@@ -1,0 +1,94 @@
+// Meter telemetry (DESIGN.md section 4; WitCert, seed 000): the aggregate of the per-(layer, head,
+// step) meter values that the engine and the C API report: cells, coverage at tau (the fraction
+// of cells whose meter is at most tau), max, p50 / p99, overflow cells, and the repairs the gate
+// made (pages and bytes paged in from the exact backing store).
+//
+// Sampling: with sample_every = k, record() keeps the 1st, (k+1)-th, (2k+1)-th, ... cell offered
+// and skips the others at the cost of one counter update, so that telemetry stays far below the
+// cost of the decode it observes. Every statistic except offered() is over the kept cells.
+//
+// Overflow cells (the meter saturated because A overflowed, log A = +inf, or the value is NaN or
+// +inf) count as cells that are never covered; max and the percentiles are over the other cells,
+// and the overflow count is reported on its own.
+//
+// Percentiles come from a log-linear histogram (HdrHistogram-style): each binary octave
+// [2^e, 2^(e+1)) with kTelemetryMinExponent <= e < kTelemetryMaxExponent is split into
+// kTelemetrySubBuckets equal buckets; a bucket reports its midpoint, clamped to the recorded
+// [min, max] (ranks 1 and n report the exact min and max). Bucket bounds are exact binary
+// fractions, so a percentile p in [2^kTelemetryMinExponent, 2^kTelemetryMaxExponent) is reported
+// within relative error kTelemetryQuantileRelativeError of the exact nearest-rank value. Values
+// below 2^kTelemetryMinExponent (including 0) share one bucket reported as the recorded minimum
+// (absolute error below 2^kTelemetryMinExponent); values at or above 2^kTelemetryMaxExponent share
+// one reported as the recorded maximum. The histogram merges exactly; it costs 64 KiB, allocated
+// on the first recorded value.
+//
+// Thread safety: none; keep one Telemetry per thread and merge.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace certkv::gate {
+
+inline constexpr int kTelemetryMinExponent = -50;  // 2^-50 ~ 8.9e-16
+inline constexpr int kTelemetryMaxExponent = 14;   // 2^14 = 16384 (raw risk scores above 1)
+inline constexpr int kTelemetrySubBuckets = 128;   // buckets per octave
+// Half a bucket over its lower bound: 1 / (2 * kTelemetrySubBuckets) = 0.39%.
+inline constexpr double kTelemetryQuantileRelativeError = 1.0 / (2 * kTelemetrySubBuckets);
+
+class Telemetry {
+ public:
+  // REQUIRES: tau >= 0 (tau < 1: certified coverage; tau >= 1: risk ranking), sample_every >= 1.
+  // Throws certkv::Error kInvalidArgument otherwise.
+  explicit Telemetry(double tau, int64_t sample_every = 1);
+
+  // One (layer, head, step) cell. meter: the meter (or, for tau >= 1, the raw risk score),
+  // >= 0 or NaN; overflow: A overflowed (log A = +inf). A NaN or +inf meter counts as overflow.
+  // Throws certkv::Error kInvalidArgument on a negative meter.
+  void record(double meter) { record(meter, false); }
+  void record(double meter, bool overflow);
+
+  // The gate paged in n_pages exact pages holding pagein_bytes bytes. REQUIRES: both >= 0.
+  void add_repairs(int64_t n_pages, int64_t pagein_bytes);
+
+  // Adds the cells and repairs of `other`. REQUIRES: the same tau and sample_every (throws
+  // certkv::Error kInvalidArgument otherwise). The sampling phase stays this object's.
+  void merge(const Telemetry& other);
+
+  double tau() const { return tau_; }
+  int64_t sample_every() const { return sample_every_; }
+  int64_t offered() const { return offered_; }   // cells passed to record(), kept or not
+  int64_t cells() const { return cells_; }       // kept cells
+  int64_t covered() const { return covered_; }   // kept cells with meter <= tau, not overflow
+  int64_t overflow() const { return overflow_; }
+  double coverage() const;  // covered / cells; 0 with no cells
+  double max() const;       // over kept non-overflow cells; 0 with none
+  // Nearest-rank quantile (the value of rank ceil(q n), at least 1, of the n kept non-overflow
+  // values in increasing order), to the accuracy stated above; 0 with none. REQUIRES: 0 <= q <= 1.
+  double quantile(double q) const;
+  double p50() const { return quantile(0.5); }
+  double p99() const { return quantile(0.99); }
+  int64_t repairs() const { return repair_pages_; }
+  int64_t pagein_bytes() const { return pagein_bytes_; }
+
+ private:
+  void add_value(double meter);
+
+  double tau_;
+  int64_t sample_every_;
+  int64_t offered_ = 0;
+  int64_t until_next_ = 0;  // offered cells to skip before the next kept one
+  int64_t cells_ = 0;
+  int64_t covered_ = 0;
+  int64_t overflow_ = 0;
+  int64_t values_ = 0;  // kept non-overflow cells (the histogram's total)
+  double min_ = 0;
+  double max_ = 0;
+  // [0]: below 2^kTelemetryMinExponent; then the octave buckets; last: the top bucket.
+  // Allocated on the first value.
+  std::vector<int64_t> histogram_;
+  int64_t repair_pages_ = 0;
+  int64_t pagein_bytes_ = 0;
+};
+
+}  // namespace certkv::gate

@@ -1,0 +1,195 @@
+// The meter, the audit and the gate end to end on the embedded default (SmolLM2-135M-Instruct)
+// through the C API: a 512-token passage prefilled, then 16 teacher-forced decode steps whose every
+// (layer, head) cell is metered and audited against the true total variation; zero violations for
+// every lossy scheme; the gate brings every cell of the broken raw FP8 cast under tau and pages in
+// exact blocks; telemetry and bad parameters.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "certkv/certkv.h"
+#include "certkv/certkv.hpp"
+#include "format/safetensors.h"
+#include "gaac_e2e_support.h"
+#include "test_paths.h"
+
+namespace {
+
+using certkv::testing::book_tokens;
+using certkv::testing::smollm2_gguf;
+using certkv::testing::temp_path;
+
+constexpr int kPrefix = 512;
+constexpr int kSteps = 16;
+
+class MeterEndToEnd : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!std::ifstream(smollm2_gguf()).good()) return;
+    model_ = std::make_unique<certkv::Model>(smollm2_gguf());
+  }
+  static void TearDownTestSuite() { model_.reset(); }
+  void SetUp() override {
+    if (!model_) GTEST_FAIL() << smollm2_gguf() << " is missing: run scripts/fetch_models.sh";
+  }
+
+  static certkv_session_params params(const char* kv) {
+    certkv_session_params p = certkv_session_default_params();
+    p.context_tokens = kPrefix + kSteps;
+    p.kv = kv;
+    p.meter_planned_steps = kSteps;
+    return p;
+  }
+
+  // Prefill kPrefix tokens of Dracula, then kSteps teacher-forced decode steps.
+  static void run(certkv::Session& session) {
+    const std::vector<int32_t> tokens = book_tokens(*model_, "stoker-dracula.txt", kPrefix + kSteps);
+    std::vector<float> logits(size_t(model_->info().n_vocab));
+    session.prefill(std::vector<int32_t>(tokens.begin(), tokens.begin() + kPrefix), logits.data());
+    for (int i = kPrefix; i < kPrefix + kSteps; ++i) session.decode(tokens[size_t(i)], logits.data());
+  }
+
+  static std::unique_ptr<certkv::Model> model_;
+};
+
+std::unique_ptr<certkv::Model> MeterEndToEnd::model_;
+
+TEST_F(MeterEndToEnd, AuditFindsNoViolationForAnyLossyScheme) {
+  const certkv_model_info info = model_->info();
+  const int64_t cells = int64_t(kSteps) * info.n_layers * info.n_heads;
+  for (const char* kv : {"fp8-e4m3", "fp8-e5m2", "fp8-e4m3-scaled", "rtn8", "rtn4", "kivi2", "dither8"}) {
+    certkv::Session session(*model_, params(kv));
+    certkv::check(certkv_session_audit_enable(session.get(), 0, 1));
+    run(session);
+    const certkv_audit_stats a = session.audit_stats();
+    const certkv_meter_stats m = session.meter_stats();
+    EXPECT_EQ(a.cells, cells) << kv;
+    EXPECT_EQ(a.violations, 0) << kv << ": worst margin " << a.worst_margin;
+    EXPECT_LT(a.worst_margin, 0) << kv;
+    EXPECT_GT(a.max_tv, 0) << kv << ": the compressed cache must differ from the exact one";
+    EXPECT_EQ(m.metered, 1);
+    EXPECT_EQ(m.cells, cells) << kv;
+    EXPECT_EQ(std::string(m.tier), std::string(kv) == "dither8" ? "B" : "A");
+    EXPECT_NEAR(m.coverage, a.coverage, 1e-12) << kv;
+    if (std::string(kv) == "rtn8" || std::string(kv) == "dither8") {
+      EXPECT_GT(a.coverage, 0.5) << kv << ": 8-bit schemes are mostly certified at tau 0.2";
+      EXPECT_GT(a.tightness_q50, 1.0) << kv;
+    }
+  }
+}
+
+TEST_F(MeterEndToEnd, GateRepairsTheRawFp8CastUnderTau) {
+  certkv_session_params p = params("fp8-e4m3");
+  p.gate = 1;
+  p.meter_tau = 0.05;
+  certkv::Session gated(*model_, p);
+  certkv::check(certkv_session_audit_enable(gated.get(), 0, 1));
+  run(gated);
+  const certkv_meter_stats m = gated.meter_stats();
+  EXPECT_GT(m.repairs, 0);
+  EXPECT_EQ(uint64_t(m.repairs) * 16 * uint64_t(model_->info().head_dim) * 2, m.pagein_bytes);
+  // Every repaired block of the sequence is now exact bf16.
+  const certkv_kv_stats kvs = gated.kv_stats();
+  uint64_t bf16_pages = 0;
+  for (int i = 0; i < kvs.n_classes; ++i)
+    if (std::string(kvs.by_class[i].storage) == "bf16") bf16_pages = kvs.by_class[i].pages_in_use;
+  EXPECT_GE(bf16_pages, uint64_t(m.repairs));
+
+  certkv_session_params q = params("fp8-e4m3");
+  certkv::Session ungated(*model_, q);
+  run(ungated);
+  EXPECT_EQ(ungated.meter_stats().repairs, 0);
+}
+
+TEST_F(MeterEndToEnd, AuditDumpHoldsCellsAnIndependentCheckCanRecompute) {
+  certkv::Session session(*model_, params("rtn4"));
+  certkv::check(certkv_session_audit_enable(session.get(), 4, 7));
+  run(session);
+  const std::string path = temp_path("meter_audit_dump.safetensors");
+  certkv::check(certkv_session_audit_dump(session.get(), path.c_str()));
+  const std::unique_ptr<certkv::format::SafetensorsFile> file = certkv::format::SafetensorsFile::open(path);
+  const certkv::format::SafetensorsFile& f = *file;
+  auto tensor = [&](const std::string& name) -> const certkv::format::SafetensorsTensor& {
+    const certkv::format::SafetensorsTensor* t = f.find(name);
+    if (t == nullptr) throw std::runtime_error("no tensor " + name);
+    return *t;
+  };
+  const int d = int(model_->info().head_dim);
+  int recomputed = 0;
+  for (int i = 0; i < 6; ++i) {
+    const std::string c = "cell" + std::to_string(i);
+    const auto& q = tensor(c + ".q");
+    const auto& k = tensor(c + ".k");
+    const auto& k_hat = tensor(c + ".k_hat");
+    ASSERT_EQ(q.shape, (std::vector<int64_t>{d}));
+    ASSERT_EQ(k.shape, k_hat.shape);
+    const float* qp = reinterpret_cast<const float*>(q.data);
+    const float* kp = reinterpret_cast<const float*>(k.data);
+    const float* kh = reinterpret_cast<const float*>(k_hat.data);
+    float scale;
+    double meter;
+    std::memcpy(&scale, tensor(c + ".scale").data, 4);
+    std::memcpy(&meter, tensor(c + ".meter").data, 8);
+    const int64_t s = k.shape[0];
+    std::vector<double> a(static_cast<size_t>(s)), b(static_cast<size_t>(s));
+    double ma = -1e300, mb = -1e300;
+    for (int64_t t = 0; t < s; ++t) {
+      double x = 0, y = 0;
+      for (int e = 0; e < d; ++e) {
+        x += double(qp[e]) * kp[t * d + e];
+        y += double(qp[e]) * kh[t * d + e];
+      }
+      a[size_t(t)] = scale * x;
+      b[size_t(t)] = scale * y;
+      ma = std::max(ma, a[size_t(t)]);
+      mb = std::max(mb, b[size_t(t)]);
+    }
+    double za = 0, zb = 0;
+    for (int64_t t = 0; t < s; ++t) {
+      za += std::exp(a[size_t(t)] - ma);
+      zb += std::exp(b[size_t(t)] - mb);
+    }
+    double tv = 0;
+    for (int64_t t = 0; t < s; ++t) tv += std::fabs(std::exp(a[size_t(t)] - ma) / za - std::exp(b[size_t(t)] - mb) / zb);
+    tv *= 0.5;
+    EXPECT_GE(meter, tv - 1e-9) << c;
+    ++recomputed;
+  }
+  EXPECT_EQ(recomputed, 6);
+  EXPECT_EQ(f.metadata().at("scheme"), "rtn4");
+  std::remove(path.c_str());
+}
+
+TEST_F(MeterEndToEnd, BadMeterParametersAreClearErrors) {
+  certkv_session* s = nullptr;
+  certkv_session_params p = params("dither8");
+  p.meter_tau = 0;
+  EXPECT_EQ(certkv_session_create(model_->get(), &p, &s), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(certkv_last_error()).find("tau"), std::string::npos) << certkv_last_error();
+  p = params("dither8");
+  p.meter_delta = 1.5;
+  EXPECT_EQ(certkv_session_create(model_->get(), &p, &s), CERTKV_ERR_INVALID_ARGUMENT);
+  p = params("dither8");
+  p.outlier_pairs = 33;  // head_dim 64: 32 pairs
+  EXPECT_EQ(certkv_session_create(model_->get(), &p, &s), CERTKV_ERR_INVALID_ARGUMENT);
+  p = params("int3");
+  EXPECT_EQ(certkv_session_create(model_->get(), &p, &s), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(certkv_last_error()).find("dither8"), std::string::npos);
+  p = params("bf16");
+  p.gate = 1;
+  EXPECT_EQ(certkv_session_create(model_->get(), &p, &s), CERTKV_ERR_INVALID_ARGUMENT);
+  p = params("bf16");
+  certkv::Session bf16(*model_, p);
+  EXPECT_EQ(certkv_session_audit_enable(bf16.get(), 0, 1), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(bf16.meter_stats().metered, 0);
+  EXPECT_EQ(std::string(bf16.meter_stats().tier), "none");
+}
+
+}  // namespace

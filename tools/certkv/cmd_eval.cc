@@ -1,0 +1,399 @@
+#include "cmd_eval.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "certkv/certkv.hpp"
+#include "cli_json.h"
+#include "core/status.h"
+#include "eval/needle.h"
+#include "eval/quality.h"
+#include "flags.h"
+#include "kv_flags.h"
+
+namespace certkv::tools {
+
+namespace {
+
+constexpr const char* kEvalUsage =
+    "usage: certkv eval teacher-forced --kv SCHEME --text-file F --tokens N [--steps K]\n"
+    "                                  [--model PATH] [--threads N] [--per-position] [--json]\n"
+    "         KL(bf16 || SCHEME), top-1 and top-5 agreement per position of the first N tokens\n"
+    "         of F, against the bf16-KV run of the same model; the last K positions (default 0)\n"
+    "         run as metered decode steps and their meter telemetry is reported.\n"
+    "       certkv eval needle --kv SCHEME --lengths 1024,2048,4096 --samples N [--gate]\n"
+    "                          [--haystack noise|corpus] [--seed S] [--json]\n"
+    "       meter flags: [--outlier-pairs M] [--window N] [--delta D] [--tau T] [--gate]\n"
+    "                    [--no-meter] [--gaac-calib CAL] [--block-tokens N]\n";
+
+constexpr const char* kAuditUsage =
+    "usage: certkv audit --kv SCHEME --text-file F --tokens N [--steps K] [--json]\n"
+    "                    [--dump FILE.safetensors] [--dump-cells C] [--seed S] [--model PATH]\n"
+    "                    [--threads N] [--outlier-pairs M] [--window N] [--delta D] [--tau T]\n"
+    "  Runs the first N tokens of F through a compressed cache whose exact blocks are kept beside\n"
+    "  it; the last K positions (default 64) are decode steps whose every (layer, head) cell\n"
+    "  checks meter >= the true total variation of attention. Prints cells, violations,\n"
+    "  coverage at tau and the tightness (meter / TV) quantiles; --dump writes sampled cells.\n";
+
+std::string read_file(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw UsageError{std::string("flag --") + flag + ": cannot read file '" + path + "'"};
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string default_model(const Flags& flags) {
+  if (flags.has("model")) return flags.str("model");
+  if (const char* env = getenv("CERTKV_MODEL")) return env;
+  return CERTKV_DEFAULT_MODEL;
+}
+
+std::map<std::string, bool> common_spec() {
+  std::map<std::string, bool> spec = {{"model", true},     {"threads", true}, {"json", false},
+                                      {"text-file", true}, {"tokens", true},  {"steps", true},
+                                      {"block-tokens", true}};
+  add_kv_flag_spec(spec);
+  return spec;
+}
+
+// The first n tokens of a text file (with the model's BOS), or a usage error naming the count.
+std::vector<int32_t> text_tokens(const certkv::Model& model, const Flags& flags, int64_t n) {
+  const std::string text = read_file(flags.str("text-file"), "text-file");
+  std::vector<int32_t> tokens = model.tokenize(text, /*add_special=*/true, /*parse_special=*/false);
+  if (int64_t(tokens.size()) < n)
+    throw UsageError{"flag --tokens: " + flags.str("text-file") + " has only " +
+                     std::to_string(tokens.size()) + " tokens, fewer than " + std::to_string(n)};
+  tokens.resize(size_t(n));
+  return tokens;
+}
+
+certkv_session_params session_params(const Flags& flags, int64_t context_tokens) {
+  certkv_session_params p = certkv_session_default_params();
+  p.context_tokens = context_tokens;
+  p.n_threads = int32_t(flags.integer("threads", 2, 1, 256));
+  p.block_tokens = int32_t(flags.integer("block-tokens", 16, 1, 4096));
+  return p;
+}
+
+// Runs tokens through a session: positions [0, n - steps) as prefill chunks, the last `steps`
+// one at a time (metered decode steps). all_logits: [n][n_vocab].
+void run_tokens(certkv::Session& session, const std::vector<int32_t>& tokens, int64_t steps,
+                int n_vocab, std::vector<float>* all_logits) {
+  const int64_t n = int64_t(tokens.size());
+  const int64_t prefix = n - steps;
+  if (all_logits) all_logits->resize(size_t(n) * size_t(n_vocab));
+  float* out = all_logits ? all_logits->data() : nullptr;
+  if (prefix > 0) {
+    const std::vector<int32_t> head(tokens.begin(), tokens.begin() + prefix);
+    std::vector<float> last(static_cast<size_t>(n_vocab));
+    session.prefill(head, last.data(), out);
+  }
+  std::vector<float> logits(static_cast<size_t>(n_vocab));
+  for (int64_t i = prefix; i < n; ++i) {
+    session.decode(tokens[size_t(i)], logits.data());
+    if (out) std::copy(logits.begin(), logits.end(), out + size_t(i) * size_t(n_vocab));
+  }
+}
+
+int cmd_teacher_forced(int argc, char** argv) {
+  std::map<std::string, bool> spec = common_spec();
+  spec["per-position"] = false;
+  Flags flags("eval teacher-forced", spec, kEvalUsage);
+  flags.parse(argc, argv, 3);
+  if (!flags.has("kv")) throw UsageError{"flag --kv is required"};
+  if (!flags.has("text-file")) throw UsageError{"flag --text-file is required"};
+  const int64_t n = flags.integer("tokens", 1024, 2, int64_t(1) << 24);
+  const int64_t steps = flags.integer("steps", 0, 0, n);
+  const KvFlags kv = parse_kv_flags(flags, flags.str("kv"));
+  if (kv.gaac && !flags.has("gaac-calib"))
+    throw UsageError{"flag --kv " + kv.kv + " needs --gaac-calib FILE"};
+  const std::string calib = flags.str("gaac-calib");
+
+  certkv::Model model(default_model(flags));
+  const certkv_model_info info = model.info();
+  const std::vector<int32_t> tokens = text_tokens(model, flags, n);
+  const int n_vocab = int(info.n_vocab);
+
+  std::vector<float> ref_logits, test_logits;
+  {
+    certkv_session_params p = session_params(flags, n);
+    certkv::Session ref(model, p);
+    run_tokens(ref, tokens, 0, n_vocab, &ref_logits);
+  }
+  certkv_session_params p = session_params(flags, n);
+  kv.apply(p);
+  if (kv.gaac) p.gaac_calibration = calib.c_str();
+  p.meter_planned_steps = std::max<int64_t>(steps, 1);
+  certkv::Session test(model, p);
+  const auto t0 = std::chrono::steady_clock::now();
+  run_tokens(test, tokens, steps, n_vocab, &test_logits);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  eval::QualityAccumulator acc;
+  for (int64_t i = 0; i < n; ++i)
+    acc.add(eval::compare_logits(&ref_logits[size_t(i) * n_vocab], &test_logits[size_t(i) * n_vocab], n_vocab));
+  const eval::QualitySummary q = acc.summary();
+  const certkv_kv_stats kvs = test.kv_stats();
+  const certkv_meter_stats ms = test.meter_stats();
+  if (flags.has("json")) {
+    JsonObject o;
+    o.add("model", info.name)
+        .add("kv", kv.kv)
+        .add("tokens", n)
+        .add("metered_steps", steps)
+        .add("mean_kl", q.mean_kl)
+        .add("max_kl", q.max_kl)
+        .add("p99_kl", q.p99_kl)
+        .add("top1", q.top1)
+        .add("top5", q.top5)
+        .add("kv_bytes", kvs.kv_bytes)
+        .add("kv_bytes_bf16", kvs.kv_bytes_bf16)
+        .add("seconds", seconds);
+    if (ms.metered && steps > 0) o.add_raw("meter", meter_json(ms));
+    if (flags.has("per-position")) {
+      std::string kl = "[", top1 = "[", top5 = "[";
+      char buf[64];
+      for (size_t i = 0; i < acc.positions().size(); ++i) {
+        const eval::PositionQuality& pq = acc.positions()[i];
+        snprintf(buf, sizeof buf, "%s%.6g", i ? "," : "", pq.kl);
+        kl += buf;
+        top1 += std::string(i ? "," : "") + (pq.top1_agree ? "1" : "0");
+        snprintf(buf, sizeof buf, "%s%.2f", i ? "," : "", pq.top5_overlap);
+        top5 += buf;
+      }
+      o.add_raw("kl", kl + "]").add_raw("top1_agree", top1 + "]").add_raw("top5_overlap", top5 + "]");
+    }
+    printf("%s\n", o.str().c_str());
+  } else {
+    printf("%s kv %s, %lld tokens: mean KL %.3g, max KL %.3g, p99 KL %.3g, top-1 %.4f, top-5 %.4f\n",
+           info.name, kv.kv.c_str(), (long long)n, q.mean_kl, q.max_kl, q.p99_kl, q.top1, q.top5);
+    if (ms.metered && steps > 0)
+      printf("meter (tier %s, tau %g): coverage %.4f over %lld cells, max %.3g, p50 %.3g, p99 %.3g\n",
+             ms.tier, ms.tau, ms.coverage, (long long)ms.cells, ms.max, ms.p50, ms.p99);
+  }
+  return 0;
+}
+
+std::vector<int64_t> parse_lengths(const std::string& text) {
+  std::vector<int64_t> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    char* end = nullptr;
+    const long long v = strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || v < 64 || v > (1ll << 24))
+      throw UsageError{"flag --lengths: '" + item + "' is not a length in [64, 2^24]"};
+    out.push_back(v);
+  }
+  if (out.empty()) throw UsageError{"flag --lengths: no length given"};
+  return out;
+}
+
+int on_piece(void* user, int32_t, const char* piece, size_t n) {
+  static_cast<std::string*>(user)->append(piece, n);
+  return 0;
+}
+
+int cmd_needle(int argc, char** argv) {
+  std::map<std::string, bool> spec = common_spec();
+  for (const char* name : {"lengths", "samples", "seed", "variant", "haystack", "max-new"}) spec[name] = true;
+  Flags flags("eval needle", spec, kEvalUsage);
+  flags.parse(argc, argv, 3);
+  if (!flags.has("kv")) throw UsageError{"flag --kv is required"};
+  const std::vector<int64_t> lengths = parse_lengths(flags.str("lengths", "1024,2048"));
+  const int64_t samples = flags.integer("samples", 8, 1, 100000);
+  const uint64_t seed = uint64_t(flags.integer("seed", 1, 0, INT64_MAX));
+  const int64_t max_new = flags.integer("max-new", 16, 1, 256);
+  const KvFlags kv = parse_kv_flags(flags, flags.str("kv"));
+  if (kv.gaac && !flags.has("gaac-calib")) throw UsageError{"flag --kv " + kv.kv + " needs --gaac-calib FILE"};
+  const std::string calib = flags.str("gaac-calib");
+  eval::NeedleParams np;
+  try {
+    np.variant = eval::parse_needle_variant(flags.str("variant", "single"));
+  } catch (const Error& e) {
+    throw UsageError{std::string("flag --variant: ") + e.what()};
+  }
+  const std::string haystack = flags.str("haystack", "noise");
+  if (haystack == "corpus") {
+    np.haystack = eval::NeedleHaystack::kCorpus;
+    const std::string dir = std::string(CERTKV_SHARED_DIR) + "/data/corpus/";
+    for (const char* book : {"dickens-tale-of-two-cities.txt", "melville-moby-dick.txt", "austen-emma.txt"})
+      np.corpus_paths.push_back(dir + book);
+  } else if (haystack != "noise") {
+    throw UsageError{"flag --haystack: expected noise or corpus, got '" + haystack + "'"};
+  }
+
+  certkv::Model model(default_model(flags));
+  const certkv_model_info info = model.info();
+  // Tokens of the chat wrapping around the user's text (the prompt is counted with it).
+  const std::vector<certkv_chat_message> empty = {{"user", ""}};
+  const int64_t template_tokens = int64_t(model.tokenize(model.chat(empty, true), true, true).size());
+  const eval::CountTokens count = [&](std::string_view text) {
+    return int64_t(model.tokenize(text, false, false).size()) + template_tokens;
+  };
+  std::string rows = "[";
+  int64_t total_correct = 0, total = 0;
+  for (size_t li = 0; li < lengths.size(); ++li) {
+    const int64_t length = lengths[li];
+    if (length + max_new > info.context_length)
+      throw UsageError{"flag --lengths: " + std::to_string(length) + " + " + std::to_string(max_new) +
+                       " generated tokens exceed the model's context of " + std::to_string(info.context_length)};
+    int64_t correct = 0;
+    double recall = 0;
+    certkv_meter_stats last_meter{};
+    int64_t repairs = 0;
+    uint64_t pagein = 0;
+    for (int64_t i = 0; i < samples; ++i) {
+      np.target_tokens = length;
+      np.seed = seed * 1000003u + uint64_t(length) * 7919u + uint64_t(i);
+      const eval::NeedleTask task = eval::generate_needle_task(np, count);
+      const std::string user = task.context + "\n\n" + task.question;
+      const std::vector<certkv_chat_message> messages = {{"user", user.c_str()}};
+      const std::string text = model.chat(messages, true) + task.answer_prefix;
+      const std::vector<int32_t> tokens = model.tokenize(text, true, true);
+      certkv_session_params p = session_params(flags, int64_t(tokens.size()) + max_new);
+      kv.apply(p);
+      if (kv.gaac) p.gaac_calibration = calib.c_str();
+      p.meter_planned_steps = max_new;
+      certkv::Session session(model, p);
+      certkv_generate_params gp = certkv_generate_default_params();
+      gp.max_new_tokens = int32_t(max_new);
+      std::string generated;
+      certkv_generate_result r;
+      check(certkv_generate(session.get(), tokens.data(), int32_t(tokens.size()), &gp, on_piece,
+                            &generated, &r));
+      const bool ok = eval::needle_exact_match(task, generated);
+      correct += ok;
+      recall += eval::needle_recall(task, generated);
+      last_meter = session.meter_stats();
+      repairs += last_meter.repairs;
+      pagein += last_meter.pagein_bytes;
+      fprintf(stderr, "needle %lld tokens, sample %lld: %s (answer %s, got \"%s\")\n", (long long)length,
+              (long long)i, ok ? "ok" : "miss", task.answers[0].c_str(), generated.c_str());
+    }
+    total_correct += correct;
+    total += samples;
+    JsonObject row;
+    row.add("length", length)
+        .add("samples", samples)
+        .add("accuracy", double(correct) / double(samples))
+        .add("recall", recall / double(samples));
+    if (last_meter.metered) row.add("repairs", repairs).add("pagein_bytes", pagein);
+    rows += (li ? "," : "") + row.str();
+    if (!flags.has("json"))
+      printf("%s kv %s%s, %lld tokens: %lld/%lld exact (%.3f)%s\n", info.name, kv.kv.c_str(),
+             kv.gate ? " (gated)" : "", (long long)length, (long long)correct, (long long)samples,
+             double(correct) / double(samples),
+             last_meter.metered ? (", repairs " + std::to_string(repairs)).c_str() : "");
+  }
+  if (flags.has("json")) {
+    JsonObject o;
+    o.add("model", info.name)
+        .add("kv", kv.kv)
+        .add("gate", kv.gate)
+        .add("variant", eval::needle_variant_name(np.variant))
+        .add("haystack", haystack)
+        .add("accuracy", double(total_correct) / double(total))
+        .add_raw("lengths", rows + "]");
+    printf("%s\n", o.str().c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int cmd_eval(int argc, char** argv) {
+  if (argc < 3 || std::string(argv[2]) == "-h" || std::string(argv[2]) == "--help") {
+    fputs(kEvalUsage, argc < 3 ? stderr : stdout);
+    return argc < 3 ? 2 : 0;
+  }
+  const std::string task = argv[2];
+  if (task == "teacher-forced") return cmd_teacher_forced(argc, argv);
+  if (task == "needle") return cmd_needle(argc, argv);
+  throw UsageError{"unknown evaluation '" + task + "' (teacher-forced, needle)"};
+}
+
+int cmd_audit(int argc, char** argv) {
+  std::map<std::string, bool> spec = common_spec();
+  spec["dump"] = true;
+  spec["dump-cells"] = true;
+  spec["seed"] = true;
+  Flags flags("audit", spec, kAuditUsage);
+  flags.parse(argc, argv, 2);
+  if (!flags.has("kv")) throw UsageError{"flag --kv is required"};
+  if (!flags.has("text-file")) throw UsageError{"flag --text-file is required"};
+  const int64_t n = flags.integer("tokens", 2048, 2, int64_t(1) << 24);
+  const int64_t steps = flags.integer("steps", std::min<int64_t>(64, n - 1), 1, n);
+  const KvFlags kv = parse_kv_flags(flags, flags.str("kv"));
+  if (!kv.lossy) throw UsageError{"flag --kv " + kv.kv + ": the audit needs a lossy scheme (it has no meter)"};
+  if (!kv.meter) throw UsageError{"flag --no-meter: the audit checks the meter"};
+  if (kv.gate) throw UsageError{"flag --gate: the audit checks the meter of the ungated cache"};
+  const int32_t dump_cells = int32_t(flags.integer("dump-cells", 16, 0, 1 << 16));
+  const uint64_t seed = uint64_t(flags.integer("seed", 1, 0, INT64_MAX));
+
+  certkv::Model model(default_model(flags));
+  const certkv_model_info info = model.info();
+  const std::vector<int32_t> tokens = text_tokens(model, flags, n);
+  certkv_session_params p = session_params(flags, n);
+  kv.apply(p);
+  p.meter_planned_steps = steps;
+  certkv::Session session(model, p);
+  check(certkv_session_audit_enable(session.get(), flags.has("dump") ? dump_cells : 0, seed));
+  const auto t0 = std::chrono::steady_clock::now();
+  run_tokens(session, tokens, steps, int(info.n_vocab), nullptr);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const certkv_audit_stats a = session.audit_stats();
+  const certkv_meter_stats ms = session.meter_stats();
+  if (flags.has("dump")) check(certkv_session_audit_dump(session.get(), flags.str("dump").c_str()));
+  if (flags.has("json")) {
+    std::string layers = "[";
+    for (int32_t l = 0; l < info.n_layers; ++l) {
+      int64_t cells = 0, violations = 0;
+      double coverage = 0;
+      check(certkv_session_audit_layer(session.get(), l, &cells, &violations, &coverage));
+      JsonObject lo;
+      lo.add("layer", int64_t(l)).add("cells", cells).add("violations", violations).add("coverage", coverage);
+      layers += (l ? "," : "") + lo.str();
+    }
+    JsonObject tight;
+    tight.add("q01", a.tightness_q01).add("q10", a.tightness_q10).add("q50", a.tightness_q50)
+        .add("q90", a.tightness_q90).add("q99", a.tightness_q99);
+    JsonObject o;
+    o.add("model", info.name)
+        .add("kv", kv.kv)
+        .add("tokens", n)
+        .add("steps", steps)
+        .add("tier", ms.tier)
+        .add("tau", ms.tau)
+        .add("delta_loc", ms.delta_loc)
+        .add("cells", a.cells)
+        .add("violations", a.violations)
+        .add("coverage", a.coverage)
+        .add("max_meter", a.max_meter)
+        .add("max_tv", a.max_tv)
+        .add("worst_margin", a.worst_margin)
+        .add_raw("tightness", tight.str())
+        .add_raw("layers", layers + "]")
+        .add("seconds", seconds);
+    if (flags.has("dump")) o.add("dump", flags.str("dump"));
+    printf("%s\n", o.str().c_str());
+  } else {
+    printf("%s kv %s, %lld tokens, %lld audited steps: %lld cells, %lld violations, coverage at tau %g "
+           "%.4f, max meter %.3g, max TV %.3g, tightness median %.3g (q10 %.3g, q90 %.3g)\n",
+           info.name, kv.kv.c_str(), (long long)n, (long long)steps, (long long)a.cells,
+           (long long)a.violations, ms.tau, a.coverage, a.max_meter, a.max_tv, a.tightness_q50,
+           a.tightness_q10, a.tightness_q90);
+  }
+  return a.violations == 0 ? 0 : 1;
+}
+
+}  // namespace certkv::tools

@@ -1,0 +1,37 @@
+// The KV-scheme and meter flags shared by `certkv run`, `certkv eval` and `certkv audit`:
+//   --kv SCHEME  --gaac-calib FILE  --outlier-pairs M  --window N  --delta D  --tau T  --gate
+//   --no-meter
+#pragma once
+
+#include <string>
+
+#include "certkv/certkv.h"
+#include "flags.h"
+
+namespace certkv::tools {
+
+struct KvFlags {
+  std::string kv;
+  bool gaac = false;   // a GAAC scheme (needs --gaac-calib)
+  bool lossy = false;  // a lossy scheme (has the meter)
+  int32_t outlier_pairs = -1;
+  int32_t window = -1;
+  double delta = 1e-2;
+  double tau = 0.2;
+  bool gate = false;
+  bool meter = true;
+  // Copies the scheme and meter settings into params (kv points into this object).
+  void apply(certkv_session_params& params) const;
+};
+
+// The flag spec entries of the meter flags (to merge into a command's spec).
+void add_kv_flag_spec(std::map<std::string, bool>& spec);
+// Validates the flags against the scheme: unknown scheme, tau <= 0, delta outside (0, 1), m out
+// of range, --gate or meter flags with a scheme that has no meter: UsageError naming the flag.
+KvFlags parse_kv_flags(const Flags& flags, const std::string& kv);
+
+// {"tier": ..., "certified": ..., "tau": ..., "coverage": ..., "max": ..., "p50": ..., "p99": ...,
+//  "cells": ..., "overflow": ..., "repairs": ..., "pagein_bytes": ..., ...}
+std::string meter_json(const certkv_meter_stats& m);
+
+}  // namespace certkv::tools
