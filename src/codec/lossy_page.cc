@@ -18,8 +18,9 @@
 
 namespace certkv::codec {
 
-static_assert(std::endian::native == std::endian::little,
-              "pages store fp16 little-endian and lossy_witness / lossy_value_rho read them in place");
+static_assert(
+    std::endian::native == std::endian::little,
+    "pages store fp16 little-endian and lossy_witness / lossy_value_rho read them in place");
 
 namespace {
 
@@ -85,10 +86,10 @@ uint16_t fp16_downward(float f) { return uint16_t(float_to_fp16_upward(-f) ^ 0x8
 uint16_t norm_upper_bound_fp16(double norm) { return fp16_upward(norm * kNormSafety); }
 
 struct Geometry {
-  int bt = 0;       // block_tokens
-  int d = 0;        // head_dim
-  int groups = 0;   // d / kQuantGroup
-  int m = 0;        // outlier pairs
+  int bt = 0;      // block_tokens
+  int d = 0;       // head_dim
+  int groups = 0;  // d / kQuantGroup
+  int m = 0;       // outlier pairs
   size_t payload_bytes = 0;
 };
 
@@ -180,7 +181,9 @@ void decode_fp8_e4m3_scaled(const Geometry& g, const uint8_t* page, float* out) 
 
 // Per token [codes][d / 32 fp16 scales]; codes are int8 (rtn8) or q + 8 in a nibble, the even
 // channel in the low nibble (rtn4).
-size_t rtn_code_bytes(const Geometry& g, int bits) { return bits == 8 ? size_t(g.d) : size_t(g.d) / 2; }
+size_t rtn_code_bytes(const Geometry& g, int bits) {
+  return bits == 8 ? size_t(g.d) : size_t(g.d) / 2;
+}
 
 bool encode_rtn(const Geometry& g, int bits, const uint16_t* x, uint8_t* page) {
   const double top = bits == 8 ? kRtn8Top : kRtn4Top;
@@ -193,13 +196,17 @@ bool encode_rtn(const Geometry& g, int bits, const uint16_t* x, uint8_t* page) {
     for (int grp = 0; grp < g.groups; ++grp) {
       const int c0 = grp * kQuantGroup;
       float amax = 0.0f;
-      for (int c = c0; c < c0 + kQuantGroup; ++c) amax = std::max(amax, std::fabs(bf16_to_float(row[c])));
+      for (int c = c0; c < c0 + kQuantGroup; ++c)
+        amax = std::max(amax, std::fabs(bf16_to_float(row[c])));
       const uint16_t s16 = fp16_upward(double(amax) / top);
       if (s16 == kFp16Inf) return false;
       const double s = fp16_to_float(s16);
       for (int c = c0; c < c0 + kQuantGroup; ++c) {
-        // x / s in double rounds to the same integer as the exact quotient (docs/format/lossy_pages.md).
-        q[c] = s == 0.0 ? 0 : int(std::clamp(round_half_even(double(bf16_to_float(row[c])) / s), -top, top));
+        // x / s in double rounds to the same integer as the exact quotient
+        // (docs/format/lossy_pages.md).
+        q[c] = s == 0.0
+                   ? 0
+                   : int(std::clamp(round_half_even(double(bf16_to_float(row[c])) / s), -top, top));
       }
       store_u16(rec + code_bytes + 2 * size_t(grp), s16);
     }
@@ -309,7 +316,8 @@ std::vector<uint8_t> outlier_channels(const LossyPageSpec& spec) {
   std::vector<uint8_t> mask(size_t(spec.head_dim), 0);
   for (int i = 0; i < spec.n_outlier_pairs; ++i) {
     for (int which = 0; which < 2; ++which) {
-      mask[size_t(rope_pair_channel(spec.pairing, spec.head_dim, spec.outlier_pairs[i], which))] = 1;
+      mask[size_t(rope_pair_channel(spec.pairing, spec.head_dim, spec.outlier_pairs[i], which))] =
+          1;
     }
   }
   return mask;
@@ -395,13 +403,15 @@ void write_tier_a_side_data(const LossyPageSpec& spec, const Geometry& g, const 
     for (int pair = 0; pair < g.d / 2; ++pair) {
       const int b = spec.key ? witness_band_of_pair(g.d, pair) : 0;
       for (int which = 0; which < 2; ++which) {
-        const size_t i = size_t(t) * g.d + size_t(rope_pair_channel(spec.pairing, g.d, pair, which));
+        const size_t i =
+            size_t(t) * g.d + size_t(rope_pair_channel(spec.pairing, g.d, pair, which));
         const double r = double(recon[i]) - double(bf16_to_float(x[i]));
         sum_sq[size_t(b)] += r * r;
       }
     }
     for (int b = 0; b < n_bands; ++b) {
-      store_u16(side + 2 * (size_t(t) * n_bands + b), norm_upper_bound_fp16(std::sqrt(sum_sq[size_t(b)])));
+      store_u16(side + 2 * (size_t(t) * n_bands + b),
+                norm_upper_bound_fp16(std::sqrt(sum_sq[size_t(b)])));
     }
   }
 }
@@ -472,20 +482,20 @@ void validate_lossy_page_spec(const LossyPageSpec& spec) {
   }
   if (m == 0) return;
   if (spec.scheme != LossyScheme::kDither8) {
-    fail(StatusCode::kInvalidArgument, where + "n_outlier_pairs " + std::to_string(m) +
-                                           " on a " + lossy_scheme_name(spec.scheme) +
+    fail(StatusCode::kInvalidArgument, where + "n_outlier_pairs " + std::to_string(m) + " on a " +
+                                           lossy_scheme_name(spec.scheme) +
                                            " page; only dither8 keeps outlier pairs");
   }
   if (!spec.key) {
-    fail(StatusCode::kInvalidArgument,
-         where + "n_outlier_pairs " + std::to_string(m) + " on a V page; only K pages keep outlier pairs");
+    fail(StatusCode::kInvalidArgument, where + "n_outlier_pairs " + std::to_string(m) +
+                                           " on a V page; only K pages keep outlier pairs");
   }
   const int n_pairs = spec.head_dim / 2;
   const int max_pairs = std::min(kMaxOutlierPairs, n_pairs);
   if (m > max_pairs) {
-    fail(StatusCode::kInvalidArgument, where + "n_outlier_pairs " + std::to_string(m) +
-                                           " is above min(kMaxOutlierPairs, head_dim / 2) = " +
-                                           std::to_string(max_pairs));
+    fail(StatusCode::kInvalidArgument,
+         where + "n_outlier_pairs " + std::to_string(m) +
+             " is above min(kMaxOutlierPairs, head_dim / 2) = " + std::to_string(max_pairs));
   }
   if (spec.outlier_pairs == nullptr) {
     fail(StatusCode::kInvalidArgument,
@@ -494,8 +504,8 @@ void validate_lossy_page_spec(const LossyPageSpec& spec) {
   for (int i = 0; i < m; ++i) {
     const int pair = spec.outlier_pairs[i];
     if (pair >= n_pairs) {
-      fail(StatusCode::kInvalidArgument, where + "outlier_pairs[" + std::to_string(i) + "] = " +
-                                             std::to_string(pair) + " is outside [0, " +
+      fail(StatusCode::kInvalidArgument, where + "outlier_pairs[" + std::to_string(i) +
+                                             "] = " + std::to_string(pair) + " is outside [0, " +
                                              std::to_string(n_pairs) + ")");
     }
     if (i > 0 && pair <= spec.outlier_pairs[i - 1]) {
@@ -595,9 +605,9 @@ void lossy_decode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const 
 const uint16_t* lossy_witness(const LossyPageSpec& spec, const uint8_t* page) {
   const Geometry g = geometry_of(spec);
   if (lossy_scheme_is_tier_b(spec.scheme) || !spec.key) {
-    fail(StatusCode::kInvalidArgument, std::string("lossy_witness: a ") +
-                                           lossy_scheme_name(spec.scheme) + (spec.key ? " K" : " V") +
-                                           " page carries no witness (Tier A K pages only)");
+    fail(StatusCode::kInvalidArgument,
+         std::string("lossy_witness: a ") + lossy_scheme_name(spec.scheme) +
+             (spec.key ? " K" : " V") + " page carries no witness (Tier A K pages only)");
   }
   return reinterpret_cast<const uint16_t*>(page + g.payload_bytes);
 }
@@ -605,9 +615,9 @@ const uint16_t* lossy_witness(const LossyPageSpec& spec, const uint8_t* page) {
 const uint16_t* lossy_value_rho(const LossyPageSpec& spec, const uint8_t* page) {
   const Geometry g = geometry_of(spec);
   if (lossy_scheme_is_tier_b(spec.scheme) || spec.key) {
-    fail(StatusCode::kInvalidArgument, std::string("lossy_value_rho: a ") +
-                                           lossy_scheme_name(spec.scheme) + (spec.key ? " K" : " V") +
-                                           " page carries no rho (Tier A V pages only)");
+    fail(StatusCode::kInvalidArgument,
+         std::string("lossy_value_rho: a ") + lossy_scheme_name(spec.scheme) +
+             (spec.key ? " K" : " V") + " page carries no rho (Tier A V pages only)");
   }
   return reinterpret_cast<const uint16_t*>(page + g.payload_bytes);
 }
@@ -615,8 +625,8 @@ const uint16_t* lossy_value_rho(const LossyPageSpec& spec, const uint8_t* page) 
 void dither8_scales(const LossyPageSpec& spec, const uint8_t* page, float* scales) {
   const Geometry g = geometry_of(spec);
   if (spec.scheme != LossyScheme::kDither8) {
-    fail(StatusCode::kInvalidArgument,
-         std::string("dither8_scales: the page is ") + lossy_scheme_name(spec.scheme) + ", not dither8");
+    fail(StatusCode::kInvalidArgument, std::string("dither8_scales: the page is ") +
+                                           lossy_scheme_name(spec.scheme) + ", not dither8");
   }
   const size_t record = dither8_record_bytes(g);
   for (int t = 0; t < g.bt; ++t) {
@@ -630,8 +640,8 @@ void dither8_scales(const LossyPageSpec& spec, const uint8_t* page, float* scale
 void dither8_value_rho(const LossyPageSpec& spec, const uint8_t* page, float* rho) {
   const Geometry g = geometry_of(spec);
   if (spec.scheme != LossyScheme::kDither8) {
-    fail(StatusCode::kInvalidArgument,
-         std::string("dither8_value_rho: the page is ") + lossy_scheme_name(spec.scheme) + ", not dither8");
+    fail(StatusCode::kInvalidArgument, std::string("dither8_value_rho: the page is ") +
+                                           lossy_scheme_name(spec.scheme) + ", not dither8");
   }
   const std::vector<uint8_t> outlier = outlier_channels(spec);
   std::vector<float> scales(size_t(g.bt) * g.groups);
@@ -675,22 +685,24 @@ uint64_t dither8_key(int layer, bool key_tensor, int kv_head) {
 void select_outlier_pairs(const float* x, int n_rows, int head_dim, RopePairing pairing, int m,
                           uint16_t* out) {
   if (head_dim < 2 || head_dim % 2 != 0 || n_rows < 0) {
-    fail(StatusCode::kInvalidArgument, "select_outlier_pairs: head_dim " + std::to_string(head_dim) +
+    fail(StatusCode::kInvalidArgument, "select_outlier_pairs: head_dim " +
+                                           std::to_string(head_dim) +
                                            " (must be even and >= 2) or n_rows " +
                                            std::to_string(n_rows) + " (must be >= 0) is invalid");
   }
   const int n_pairs = head_dim / 2;
   if (m < 0 || m > n_pairs) {
-    fail(StatusCode::kInvalidArgument, "select_outlier_pairs: m " + std::to_string(m) +
-                                           " is outside [0, head_dim / 2 = " +
-                                           std::to_string(n_pairs) + "]");
+    fail(StatusCode::kInvalidArgument,
+         "select_outlier_pairs: m " + std::to_string(m) +
+             " is outside [0, head_dim / 2 = " + std::to_string(n_pairs) + "]");
   }
   // peak_j = max over rows of |x| on either channel of pair j (NaN never wins).
   std::vector<float> peak(size_t(n_pairs), 0.0f);
   for (int r = 0; r < n_rows; ++r) {
     for (int pair = 0; pair < n_pairs; ++pair) {
       for (int which = 0; which < 2; ++which) {
-        const float v = std::fabs(x[size_t(r) * head_dim + rope_pair_channel(pairing, head_dim, pair, which)]);
+        const float v =
+            std::fabs(x[size_t(r) * head_dim + rope_pair_channel(pairing, head_dim, pair, which)]);
         if (v > peak[size_t(pair)]) peak[size_t(pair)] = v;
       }
     }

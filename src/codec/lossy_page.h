@@ -100,6 +100,7 @@ void lossy_decode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const 
                            float* out);
 
 // Tier A K pages: witness [block_tokens][witness_bands(head_dim)] fp16 bits, inside the page.
+// REQUIRES (both accessors): page is 2-byte aligned (pool pages are).
 const uint16_t* lossy_witness(const LossyPageSpec& spec, const uint8_t* page);
 // Tier A V pages: rho [block_tokens] fp16 bits, inside the page.
 const uint16_t* lossy_value_rho(const LossyPageSpec& spec, const uint8_t* page);
@@ -113,6 +114,7 @@ void dither8_value_rho(const LossyPageSpec& spec, const uint8_t* page, float* rh
 // The dither generator: xi in (-1/2, 1/2) on the grid of 2^16 cell centres,
 //   xi = (h + 1/2) / 2^16 - 1/2,  h = 16 bits of a counter-based hash of (key, counter, channel),
 // so it is exact in float and symmetric with mean zero. See docs/format/dither8.md.
+// REQUIRES: counter < 2^58, 0 <= channel < 256 (certkv::Error otherwise).
 float dither8_xi(uint64_t key, uint64_t counter, int channel);
 // The generator key of (layer, K or V, kv_head).
 uint64_t dither8_key(int layer, bool key_tensor, int kv_head);

@@ -1,0 +1,1092 @@
+// Lossy KV page codecs: round trips and error bounds of every scheme on ragged shapes, Tier A
+// witness / rho soundness, the dither8 proof-kernel contract, the dither generator, page bytes,
+// and bad input (non-finite values, scale overflow, bad specs, garbage pages).
+#include "codec/lossy_page.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "format/numeric.h"
+#include "format/safetensors.h"
+
+namespace certkv::codec {
+namespace {
+
+using format::bf16_to_float;
+using format::float_to_bf16;
+using format::fp16_to_float;
+
+constexpr int kHeadDims[] = {32, 64, 96, 128, 256};
+constexpr int kBlockTokenCounts[] = {1, 3, 16, 17};
+constexpr RopePairing kPairings[] = {RopePairing::kInterleaved, RopePairing::kHalfSplit};
+constexpr uint64_t kTestDitherKey = 0x5eed5eed12345678ull;
+
+LossyScheme scheme_at(int i) { return static_cast<LossyScheme>(i); }
+
+uint16_t load_u16(const uint8_t* p) { return uint16_t(p[0] | (p[1] << 8)); }
+float fp16_at(const uint8_t* p) { return fp16_to_float(load_u16(p)); }
+
+uint32_t float_bits(float f) { return format::float_to_bits(f); }
+
+LossyPageSpec make_spec(LossyScheme scheme, bool key, int bt, int d, RopePairing pairing,
+                        const std::vector<uint16_t>& outliers = {}) {
+  LossyPageSpec spec;
+  spec.scheme = scheme;
+  spec.key = key;
+  spec.block_tokens = bt;
+  spec.head_dim = d;
+  spec.pairing = pairing;
+  spec.dither_key = kTestDitherKey;
+  spec.n_outlier_pairs = int(outliers.size());
+  spec.outlier_pairs = outliers.empty() ? nullptr : outliers.data();
+  return spec;
+}
+
+std::vector<float> to_float(const std::vector<uint16_t>& x) {
+  std::vector<float> f(x.size());
+  for (size_t i = 0; i < x.size(); ++i) f[i] = bf16_to_float(x[i]);
+  return f;
+}
+
+// One block of keys or values: every channel normal with its own log-normal scale, plus massive
+// activations on both channels of RoPE pairs 1 and P - 2, and for K pages one value of 1000
+// (beyond E4M3's 448) in token 1.
+std::vector<uint16_t> make_block(uint64_t seed, int bt, int d, RopePairing pairing, bool key) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> sigma(static_cast<size_t>(d)), massive(size_t(d), 0.0f);
+  for (float& s : sigma) s = std::exp(0.5f * normal(rng));
+  const int n_pairs = d / 2;
+  for (int pair : {1, n_pairs - 2}) {
+    for (int which = 0; which < 2; ++which) {
+      massive[size_t(rope_pair_channel(pairing, d, pair, which))] =
+          (which ? -1.0f : 1.0f) * (120.0f + float(pair % 3) * 60.0f);
+    }
+  }
+  std::vector<uint16_t> x(size_t(bt) * d);
+  for (int t = 0; t < bt; ++t) {
+    for (int c = 0; c < d; ++c) {
+      const float v =
+          massive[c] != 0.0f ? massive[c] * (1.0f + 0.05f * normal(rng)) : sigma[c] * normal(rng);
+      x[size_t(t) * d + c] = float_to_bf16(v);
+    }
+  }
+  if (key && bt >= 2)
+    x[size_t(d) + size_t(rope_pair_channel(pairing, d, 1, 0))] = float_to_bf16(1000.0f);
+  return x;
+}
+
+// The calibration-style outlier pairs of a block: its m pairs of largest magnitude.
+std::vector<uint16_t> outliers_of(const std::vector<uint16_t>& x, int d, RopePairing pairing,
+                                  int m) {
+  std::vector<uint16_t> pairs(static_cast<size_t>(m));
+  const std::vector<float> f = to_float(x);
+  select_outlier_pairs(f.data(), int(x.size()) / d, d, pairing, m, pairs.data());
+  return pairs;
+}
+
+std::vector<uint8_t> outlier_mask(const LossyPageSpec& spec) {
+  std::vector<uint8_t> mask(size_t(spec.head_dim), 0);
+  for (int i = 0; i < spec.n_outlier_pairs; ++i) {
+    for (int which = 0; which < 2; ++which) {
+      mask[size_t(rope_pair_channel(spec.pairing, spec.head_dim, spec.outlier_pairs[i], which))] =
+          1;
+    }
+  }
+  return mask;
+}
+
+// Encodes (expecting success) into a freshly poisoned page and decodes it.
+std::vector<float> round_trip(const LossyPageSpec& spec, uint32_t slot,
+                              const std::vector<uint16_t>& x, std::vector<uint8_t>* page) {
+  page->assign(lossy_page_bytes(spec), 0xa5);
+  EXPECT_TRUE(lossy_encode_page_ref(spec, slot, x.data(), page->data()));
+  std::vector<float> recon(x.size(), std::numeric_limits<float>::quiet_NaN());
+  lossy_decode_page_ref(spec, slot, page->data(), recon.data());
+  return recon;
+}
+
+// The largest |x^ - x| the scheme allows for element (t, c), read from the page's own
+// parameters as docs/format/lossy_pages.md lays them out.
+double element_bound(const LossyPageSpec& spec, const uint8_t* page,
+                     const std::vector<float>& scales, int t, int c, float x, float recon) {
+  const int d = spec.head_dim, groups = d / kQuantGroup, bt = spec.block_tokens;
+  const double ax = std::fabs(double(x));
+  switch (spec.scheme) {
+    case LossyScheme::kFp8E4M3:
+      // Saturation at 448, else half an E4M3 step: 2^-4 relative, 2^-10 among subnormals.
+      return ax > 448.0 ? ax - 448.0 : std::max(ax * 0x1p-4, 0x1p-10);
+    case LossyScheme::kFp8E5M2:
+      return std::max(ax * 0x1p-3, 0x1p-17);
+    case LossyScheme::kFp8E4M3Scaled: {
+      const double s = fp16_at(page + size_t(t) * (d + 2) + d);
+      return std::max(ax * 0x1p-4, s * 0x1p-10);
+    }
+    case LossyScheme::kRtn8:
+      return 0.5 * fp16_at(page + size_t(t) * (d + 2 * groups) + d + 2 * (c / kQuantGroup));
+    case LossyScheme::kRtn4:
+      return 0.5 * fp16_at(page + size_t(t) * (d / 2 + 2 * groups) + d / 2 + 2 * (c / kQuantGroup));
+    case LossyScheme::kKivi2: {
+      const size_t pair = spec.key ? size_t(c) : size_t(t) * groups + size_t(c / kQuantGroup);
+      const double min = fp16_at(page + size_t(bt) * d / 4 + 4 * pair);
+      const double step = fp16_at(page + size_t(bt) * d / 4 + 4 * pair + 2);
+      // min rounds down and step up: every value lies in [min, min + 3 step].
+      EXPECT_LE(min, double(x));
+      EXPECT_LE(double(x), min + 3.0 * step);
+      // min + step q is rounded once in float.
+      return 0.5 * step + std::fabs(double(recon)) * 0x1p-24;
+    }
+    case LossyScheme::kDither8:
+      return double(scales[size_t(t) * groups + c / kQuantGroup]) * (0.5 + double(kDither8Slack));
+  }
+  return 0.0;
+}
+
+// Every element within its scheme's bound; dither8 outlier channels exact with zero code bytes.
+void expect_element_bounds(const LossyPageSpec& spec, const std::vector<uint16_t>& x,
+                           const std::vector<uint8_t>& page, const std::vector<float>& recon) {
+  const int d = spec.head_dim, bt = spec.block_tokens;
+  std::vector<float> scales;
+  std::vector<uint8_t> outlier(size_t(d), 0);
+  if (spec.scheme == LossyScheme::kDither8) {
+    scales.resize(size_t(bt) * (d / kQuantGroup));
+    dither8_scales(spec, page.data(), scales.data());
+    outlier = outlier_mask(spec);
+  }
+  const size_t record = size_t(d) + 2 * size_t(d / kQuantGroup) + 4 * size_t(spec.n_outlier_pairs);
+  int violations = 0;
+  for (int t = 0; t < bt; ++t) {
+    for (int c = 0; c < d; ++c) {
+      const size_t i = size_t(t) * d + c;
+      const float xv = bf16_to_float(x[i]);
+      if (outlier[c]) {
+        EXPECT_EQ(float_bits(recon[i]), float_bits(xv))
+            << "outlier channel " << c << " token " << t;
+        EXPECT_EQ(page[size_t(t) * record + c], 0) << "outlier code byte, channel " << c;
+        continue;
+      }
+      const double r = std::fabs(double(recon[i]) - double(xv));
+      const double bound = element_bound(spec, page.data(), scales, t, c, xv, recon[i]);
+      if (!(r <= bound) && violations++ < 5) {
+        ADD_FAILURE() << lossy_scheme_name(spec.scheme) << " token " << t << " channel " << c
+                      << ": x " << xv << " recon " << recon[i] << " |r| " << r << " > bound "
+                      << bound;
+      }
+    }
+  }
+  EXPECT_EQ(violations, 0);
+}
+
+// The band of channel c, straight from the definitions: its RoPE pair, P / n_bands pairs a band.
+int band_of_channel(RopePairing pairing, int d, int c) {
+  const int n_pairs = d / 2;
+  const int pair = pairing == RopePairing::kInterleaved ? c / 2 : c % n_pairs;
+  return pair / (n_pairs / witness_bands(d));
+}
+
+// Tier A: every witness / rho entry bounds the exact residual norm from above, and by no more
+// than the fp16 upward rounding (2^-10 relative, 2^-24 absolute). dither8 V: rho bounds it.
+void expect_side_data_bounds(const LossyPageSpec& spec, const std::vector<uint16_t>& x,
+                             const std::vector<uint8_t>& page, const std::vector<float>& recon) {
+  const int d = spec.head_dim, bt = spec.block_tokens;
+  const int n_bands = spec.key ? witness_bands(d) : 1;
+  const uint16_t* side = nullptr;
+  std::vector<float> dither_rho;
+  if (spec.scheme == LossyScheme::kDither8) {
+    if (spec.key) return;
+    dither_rho.resize(size_t(bt));
+    dither8_value_rho(spec, page.data(), dither_rho.data());
+    // rho_t is sqrt(sum_c (s_c (1/2 + kDither8Slack))^2), rounded up.
+    std::vector<float> scales(size_t(bt) * (d / kQuantGroup));
+    dither8_scales(spec, page.data(), scales.data());
+    for (int t = 0; t < bt; ++t) {
+      long double sum_sq = 0.0L;
+      for (int c = 0; c < d; ++c) {
+        const long double r_max =
+            (long double)scales[size_t(t) * (d / kQuantGroup) + c / kQuantGroup] *
+            (0.5L + (long double)kDither8Slack);
+        sum_sq += r_max * r_max;
+      }
+      const long double formula = std::sqrt(sum_sq);
+      EXPECT_GE((long double)dither_rho[size_t(t)], formula) << "token " << t;
+      EXPECT_LE((long double)dither_rho[size_t(t)], formula * (1.0L + 0x1p-22L)) << "token " << t;
+    }
+  } else {
+    side = spec.key ? lossy_witness(spec, page.data()) : lossy_value_rho(spec, page.data());
+    EXPECT_EQ(reinterpret_cast<const uint8_t*>(side), page.data() + lossy_payload_bytes(spec));
+  }
+  for (int t = 0; t < bt; ++t) {
+    std::vector<long double> sum_sq(size_t(n_bands), 0.0L);
+    for (int c = 0; c < d; ++c) {
+      const size_t i = size_t(t) * d + c;
+      const long double r = (long double)recon[i] - (long double)bf16_to_float(x[i]);
+      sum_sq[size_t(spec.key ? band_of_channel(spec.pairing, d, c) : 0)] += r * r;
+    }
+    for (int b = 0; b < n_bands; ++b) {
+      const long double exact = std::sqrt(sum_sq[size_t(b)]);
+      if (side == nullptr) {
+        EXPECT_GE((long double)dither_rho[size_t(t)], exact) << "dither8 rho, token " << t;
+        continue;
+      }
+      const long double w = fp16_to_float(side[size_t(t) * n_bands + b]);
+      EXPECT_GE(w, exact) << lossy_scheme_name(spec.scheme) << " token " << t << " band " << b;
+      EXPECT_LE(w, 1.001L * exact + 0x1p-24L)
+          << lossy_scheme_name(spec.scheme) << " token " << t << " band " << b;
+    }
+  }
+}
+
+void expect_page_sound(const LossyPageSpec& spec, const std::vector<uint16_t>& x, uint32_t slot) {
+  std::vector<uint8_t> page;
+  const std::vector<float> recon = round_trip(spec, slot, x, &page);
+  expect_element_bounds(spec, x, page, recon);
+  expect_side_data_bounds(spec, x, page, recon);
+  // Deterministic: a second encode writes the same bytes, a second decode the same floats.
+  std::vector<uint8_t> again(page.size(), 0x5a);
+  ASSERT_TRUE(lossy_encode_page_ref(spec, slot, x.data(), again.data()));
+  EXPECT_EQ(again, page);
+  std::vector<float> recon_again(recon.size());
+  lossy_decode_page_ref(spec, slot, page.data(), recon_again.data());
+  EXPECT_EQ(std::memcmp(recon.data(), recon_again.data(), recon.size() * sizeof(float)), 0);
+}
+
+TEST(LossyPage, EverySchemeShapeAndPairingRoundTripsWithinItsBounds) {
+  uint64_t seed = 1;
+  for (int si = 0; si < kNumLossySchemes; ++si) {
+    const LossyScheme scheme = scheme_at(si);
+    for (bool key : {true, false}) {
+      for (int d : kHeadDims) {
+        for (int bt : kBlockTokenCounts) {
+          for (RopePairing pairing : kPairings) {
+            const std::vector<uint16_t> x = make_block(seed++, bt, d, pairing, key);
+            const bool with_outliers = scheme == LossyScheme::kDither8 && key;
+            for (int m : with_outliers ? std::vector<int>{0, 3} : std::vector<int>{0}) {
+              const std::vector<uint16_t> pairs = outliers_of(x, d, pairing, m);
+              const LossyPageSpec spec = make_spec(scheme, key, bt, d, pairing, pairs);
+              SCOPED_TRACE(std::string(lossy_scheme_name(scheme)) + (key ? " K" : " V") + " d " +
+                           std::to_string(d) + " bt " + std::to_string(bt) + " pairing " +
+                           std::to_string(int(pairing)) + " m " + std::to_string(m));
+              expect_page_sound(spec, x, uint32_t(seed % 1000));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(LossyPage, ZeroInputGivesZeroReconstructionAndSideData) {
+  for (int si = 0; si < kNumLossySchemes; ++si) {
+    for (bool key : {true, false}) {
+      const std::vector<uint16_t> x(size_t(17) * 96, 0);
+      const std::vector<uint16_t> pairs = si == int(LossyScheme::kDither8) && key
+                                              ? std::vector<uint16_t>{0, 7}
+                                              : std::vector<uint16_t>{};
+      const LossyPageSpec spec =
+          make_spec(scheme_at(si), key, 17, 96, RopePairing::kHalfSplit, pairs);
+      SCOPED_TRACE(lossy_scheme_name(spec.scheme));
+      std::vector<uint8_t> page;
+      const std::vector<float> recon = round_trip(spec, 3, x, &page);
+      for (float v : recon) ASSERT_EQ(v, 0.0f);
+      if (spec.scheme == LossyScheme::kDither8) {
+        std::vector<float> scales(size_t(17) * 3, -1.0f);
+        dither8_scales(spec, page.data(), scales.data());
+        for (float s : scales) EXPECT_EQ(s, 0.0f);
+        const size_t payload = lossy_payload_bytes(spec);
+        EXPECT_EQ(std::count(page.begin(), page.begin() + ptrdiff_t(payload), uint8_t(0)),
+                  ptrdiff_t(payload));
+      } else {
+        const uint16_t* side =
+            key ? lossy_witness(spec, page.data()) : lossy_value_rho(spec, page.data());
+        const size_t n = key ? size_t(17) * witness_bands(96) : 17;
+        for (size_t i = 0; i < n; ++i) EXPECT_EQ(side[i], 0u);
+      }
+    }
+  }
+}
+
+// Values far below fp16's normal range: scales and KIVI minima fall among fp16 subnormals (or
+// below the smallest one), where bf16 values are no longer fp16 values and the rounding
+// directions decide the bounds.
+TEST(LossyPage, TinyValuesKeepTheirBounds) {
+  for (int si = 0; si < kNumLossySchemes; ++si) {
+    for (bool key : {true, false}) {
+      for (float magnitude : {3e-6f, 1e-7f, 1e-9f}) {
+        std::vector<uint16_t> x = make_block(31, 16, 64, RopePairing::kInterleaved, key);
+        for (uint16_t& v : x) v = float_to_bf16(bf16_to_float(v) * magnitude);
+        const LossyPageSpec spec = make_spec(scheme_at(si), key, 16, 64, RopePairing::kInterleaved);
+        SCOPED_TRACE(std::string(lossy_scheme_name(spec.scheme)) + (key ? " K " : " V ") +
+                     std::to_string(magnitude));
+        expect_page_sound(spec, x, 12);
+      }
+    }
+  }
+}
+
+// Page bytes per token and head at head_dim 128, block 16 (docs/format/lossy_pages.md). dither8
+// K: 128 codes + 4 scales = 136 B, plus 4 B per outlier pair (152 B at m = 4), as WitCert's
+// packed store measures; Tier A K pages add a 32 B witness, V pages a 2 B rho.
+TEST(LossyPage, PageBytesKnownAnswer) {
+  struct Row {
+    LossyScheme scheme;
+    int m;
+    size_t k_payload_per_token, k_side_per_token, v_payload_per_token, v_side_per_token;
+  };
+  // kivi2 payloads per token: 32 code bytes, plus K (min, step) per channel over the block
+  // (128 * 4 B / 16 tokens = 32 B) or V per token group (4 groups * 4 B = 16 B).
+  const Row rows[] = {
+      {LossyScheme::kFp8E4M3, 0, 128, 32, 128, 2},
+      {LossyScheme::kFp8E5M2, 0, 128, 32, 128, 2},
+      {LossyScheme::kFp8E4M3Scaled, 0, 130, 32, 130, 2},
+      {LossyScheme::kRtn8, 0, 136, 32, 136, 2},
+      {LossyScheme::kRtn4, 0, 72, 32, 72, 2},
+      {LossyScheme::kKivi2, 0, 64, 32, 48, 2},
+      {LossyScheme::kDither8, 0, 136, 0, 136, 0},
+      {LossyScheme::kDither8, 4, 152, 0, 136, 0},
+  };
+  const std::vector<uint16_t> none, four = {3, 9, 40, 63};
+  for (const Row& row : rows) {
+    SCOPED_TRACE(std::string(lossy_scheme_name(row.scheme)) + " m " + std::to_string(row.m));
+    const LossyPageSpec k =
+        make_spec(row.scheme, true, 16, 128, RopePairing::kInterleaved, row.m ? four : none);
+    const LossyPageSpec v = make_spec(row.scheme, false, 16, 128, RopePairing::kInterleaved);
+    EXPECT_EQ(lossy_payload_bytes(k), 16 * row.k_payload_per_token);
+    EXPECT_EQ(lossy_page_bytes(k), 16 * (row.k_payload_per_token + row.k_side_per_token));
+    EXPECT_EQ(lossy_payload_bytes(v), 16 * row.v_payload_per_token);
+    EXPECT_EQ(lossy_page_bytes(v), 16 * (row.v_payload_per_token + row.v_side_per_token));
+  }
+  // rtn8 at 128: 128 codes + 8 scale bytes + 32 witness bytes = 168 B per token.
+  EXPECT_EQ(
+      lossy_page_bytes(make_spec(LossyScheme::kRtn8, true, 16, 128, RopePairing::kInterleaved)),
+      16u * 168u);
+  // kivi2 K parameters are per block, not per token: block 17 at head_dim 96.
+  EXPECT_EQ(
+      lossy_payload_bytes(make_spec(LossyScheme::kKivi2, true, 17, 96, RopePairing::kInterleaved)),
+      17u * 24u + 96u * 4u);
+}
+
+// Hand-computed rtn8 page: s = 63.5 / 127 = 0.5 exactly; ties round to even.
+TEST(LossyPage, Rtn8KnownAnswer) {
+  std::vector<uint16_t> x(32, 0);
+  const float values[] = {63.5f, -63.5f, 1.25f, 1.75f, 0.25f, 0.75f, -0.75f, -2.5f};
+  for (int c = 0; c < 8; ++c) x[size_t(c)] = float_to_bf16(values[c]);
+  const LossyPageSpec spec = make_spec(LossyScheme::kRtn8, true, 1, 32, RopePairing::kInterleaved);
+  std::vector<uint8_t> page;
+  const std::vector<float> recon = round_trip(spec, 0, x, &page);
+  std::vector<uint8_t> expected = {0x7f, 0x81, 0x02, 0x04, 0x00, 0x02, 0xfe, 0xfb};
+  expected.resize(32, 0);
+  expected.push_back(0x00);  // scale 0.5 = fp16 0x3800, little-endian
+  expected.push_back(0x38);
+  // Witness: band 0 exact; bands 1 and 2 sqrt(0.125) -> 0x35a9 (0.35376); band 3 has one
+  // residual of 0.25, bumped one fp16 step by the (1 + 2^-40) safety factor -> 0x3401.
+  const uint16_t witness[16] = {0, 0x35a9, 0x35a9, 0x3401};
+  for (uint16_t w : witness) {
+    expected.push_back(uint8_t(w));
+    expected.push_back(uint8_t(w >> 8));
+  }
+  EXPECT_EQ(page, expected);
+  EXPECT_EQ(recon[2], 1.0f);
+  EXPECT_EQ(recon[3], 2.0f);
+  EXPECT_EQ(recon[7], -2.5f);
+}
+
+// Hand-computed kivi2 V page: min 0, max 3, so step 1; codes round to even.
+TEST(LossyPage, Kivi2KnownAnswer) {
+  std::vector<uint16_t> x(32, float_to_bf16(0.25f));
+  const float values[] = {0.0f, 3.0f, 0.5f, 1.5f, 2.5f, 1.0f, 2.75f};
+  for (int c = 0; c < 7; ++c) x[size_t(c)] = float_to_bf16(values[c]);
+  const LossyPageSpec spec =
+      make_spec(LossyScheme::kKivi2, false, 1, 32, RopePairing::kInterleaved);
+  std::vector<uint8_t> page;
+  const std::vector<float> recon = round_trip(spec, 0, x, &page);
+  // Codes 0 3 0 2 | 2 1 3 0 | 0 ...: channel 4i + k in bits 2k of byte i.
+  std::vector<uint8_t> expected = {0x8c, 0x36, 0, 0, 0, 0, 0, 0};
+  const uint8_t params_and_rho[] = {0x00, 0x00, 0x00, 0x3c,  // min 0, step 1.0
+                                    0x2b, 0x3e};             // rho: sqrt(2.375) up = 1.542
+  expected.insert(expected.end(), std::begin(params_and_rho), std::end(params_and_rho));
+  EXPECT_EQ(page, expected);
+  EXPECT_EQ(recon[3], 2.0f);
+  EXPECT_EQ(recon[4], 2.0f);
+}
+
+// dither8 keeps the m outlier pairs out of the group amax: the group holding a massive channel
+// gets the scale of its ordinary channels.
+TEST(LossyPage, Dither8OutlierPairsLeaveTheGroupAmax) {
+  for (RopePairing pairing : kPairings) {
+    const int d = 128, bt = 16;
+    const std::vector<uint16_t> x = make_block(77, bt, d, pairing, true);
+    const std::vector<uint16_t> pairs = outliers_of(x, d, pairing, 2);
+    EXPECT_EQ(pairs, (std::vector<uint16_t>{1, uint16_t(d / 2 - 2)}));
+    const LossyPageSpec spec = make_spec(LossyScheme::kDither8, true, bt, d, pairing, pairs);
+    std::vector<uint8_t> page;
+    round_trip(spec, 0, x, &page);
+    std::vector<float> scales(size_t(bt) * 4);
+    dither8_scales(spec, page.data(), scales.data());
+    const std::vector<uint8_t> outlier = outlier_mask(spec);
+    const int massive_channel = rope_pair_channel(pairing, d, 1, 0);
+    for (int t = 0; t < bt; ++t) {
+      for (int g = 0; g < 4; ++g) {
+        float amax = 0.0f, amax_all = 0.0f;
+        for (int c = g * 32; c < g * 32 + 32; ++c) {
+          const float v = std::fabs(bf16_to_float(x[size_t(t) * d + c]));
+          amax_all = std::max(amax_all, v);
+          if (!outlier[c]) amax = std::max(amax, v);
+        }
+        const float s = scales[size_t(t) * 4 + g];
+        EXPECT_EQ(s, fp16_to_float(float_to_fp16_upward(float(double(amax) / 126.5))));
+        if (g == massive_channel / 32) {
+          EXPECT_LT(s * 126.5f * 5.0f, amax_all);
+        }
+      }
+    }
+  }
+}
+
+// ---- dither8 proof-kernel contract ----------------------------------------------------------
+
+struct Dither8Page {
+  LossyPageSpec spec;
+  std::vector<uint16_t> pairs;
+  std::vector<uint8_t> page;
+  std::vector<float> recon, scales;
+};
+
+Dither8Page encode_dither8(const std::vector<uint16_t>& x, bool key, int bt, int d,
+                           RopePairing pairing, int m, uint32_t slot, uint64_t dither_key) {
+  Dither8Page p;
+  p.pairs = outliers_of(x, d, pairing, key ? m : 0);
+  p.spec = make_spec(LossyScheme::kDither8, key, bt, d, pairing, p.pairs);
+  p.spec.dither_key = dither_key;
+  p.recon = round_trip(p.spec, slot, x, &p.page);
+  p.scales.resize(size_t(bt) * (d / kQuantGroup));
+  dither8_scales(p.spec, p.page.data(), p.scales.data());
+  return p;
+}
+
+int8_t code_at(const Dither8Page& p, int t, int c) {
+  const size_t record = size_t(p.spec.head_dim) + 2 * size_t(p.spec.head_dim / kQuantGroup) +
+                        4 * size_t(p.spec.n_outlier_pairs);
+  return int8_t(p.page[size_t(t) * record + c]);
+}
+
+// q is round(x / s + xi) exactly: s (q - 1/2 - xi) <= x <= s (q + 1/2 - xi). Each product is
+// exact in double (an fp16 scale times a multiple of 2^-17 below 128), so this check does not
+// share the encoder's arithmetic.
+bool code_is_nearest(double x, double s, int q, double xi) {
+  return s * (q - 0.5 - xi) <= x && x <= s * (q + 0.5 - xi);
+}
+
+// (a) The read side regenerates the write side's dither: x^ == s16 (q - xi(key, slot * bt + row,
+// c)) bit for bit, with xi recomputed here. (b) Every code is the nearest integer to x / s16 + xi
+// with the STORED fp16 scale. (c) No clipping: |x / s16| <= 126.5 and |q| <= 127.
+TEST(Dither8Contract, DecodeRegeneratesTheDitherAndCodesUseTheStoredScale) {
+  uint64_t seed = 100;
+  for (int d : kHeadDims) {
+    for (int bt : kBlockTokenCounts) {
+      for (bool key : {true, false}) {
+        const RopePairing pairing = kPairings[seed % 2];
+        const uint32_t slot = uint32_t(seed * 7919 % 100000);
+        const std::vector<uint16_t> x = make_block(seed++, bt, d, pairing, key);
+        const Dither8Page p = encode_dither8(x, key, bt, d, pairing, 4, slot, kTestDitherKey);
+        const std::vector<uint8_t> outlier = outlier_mask(p.spec);
+        int regenerated = 0, nearest = 0, clipped = 0, checked = 0;
+        for (int t = 0; t < bt; ++t) {
+          for (int c = 0; c < d; ++c) {
+            if (outlier[c]) continue;
+            const size_t i = size_t(t) * d + c;
+            const float s = p.scales[size_t(t) * (d / kQuantGroup) + c / kQuantGroup];
+            const int q = code_at(p, t, c);
+            const float xi = dither8_xi(kTestDitherKey, uint64_t(slot) * bt + uint64_t(t), c);
+            const float expected = s * (float(q) - xi);
+            regenerated += float_bits(p.recon[i]) == float_bits(expected);
+            const double xv = bf16_to_float(x[i]);
+            nearest += s == 0.0f ? q == 0 : code_is_nearest(xv, s, q, xi);
+            clipped += std::fabs(xv) > 126.5 * double(s) || q < -127 || q > 127;
+            ++checked;
+          }
+        }
+        EXPECT_EQ(regenerated, checked) << "d " << d << " bt " << bt;
+        EXPECT_EQ(nearest, checked) << "d " << d << " bt " << bt;
+        EXPECT_EQ(clipped, 0) << "d " << d << " bt " << bt;
+      }
+    }
+  }
+}
+
+// The same contract on real SmolLM2 keys and values (src/codec/testdata/README.md), and the
+// variant that quantizes with the fp32 scale amax / 126.5 while storing the fp16 one: it gives
+// different codes, and those codes break |x^ - x| <= s16 / 2, so check (b) above would catch it.
+TEST(Dither8Contract, Fp32ScaleVariantIsCaughtOnRealKv) {
+  const auto file = format::SafetensorsFile::open(
+      std::string(CERTKV_SOURCE_DIR) + "/src/codec/testdata/smollm2_kv_pages.safetensors");
+  constexpr int kHeads = 3, kTokens = 32, kBt = 16, kD = 64;
+  int pages = 0, mismatches = 0, variant_violations = 0, stored_violations = 0, values = 0;
+  for (int layer : {0, 15, 29}) {
+    for (bool key : {true, false}) {
+      const std::string suffix = ".layer" + std::to_string(layer) + (key ? ".k" : ".v");
+      const format::SafetensorsTensor* eval = file->find("eval" + suffix);
+      const format::SafetensorsTensor* calib = file->find("calib" + suffix);
+      ASSERT_NE(eval, nullptr);
+      ASSERT_NE(calib, nullptr);
+      for (int h = 0; h < kHeads; ++h) {
+        const size_t head_elems = size_t(kTokens) * kD;
+        std::vector<uint16_t> calib_rows(head_elems), eval_rows(head_elems);
+        std::memcpy(calib_rows.data(), calib->data + h * head_elems * 2, head_elems * 2);
+        std::memcpy(eval_rows.data(), eval->data + h * head_elems * 2, head_elems * 2);
+        // Outlier pairs fixed per (layer, kv_head) from the calibration book.
+        const std::vector<uint16_t> pairs =
+            key ? outliers_of(calib_rows, kD, RopePairing::kInterleaved, 2)
+                : std::vector<uint16_t>{};
+        const uint64_t dither_key = dither8_key(layer, key, h);
+        for (int first = 0; first < kTokens; first += kBt) {
+          const std::vector<uint16_t> x(eval_rows.begin() + first * kD,
+                                        eval_rows.begin() + (first + kBt) * kD);
+          LossyPageSpec spec =
+              make_spec(LossyScheme::kDither8, key, kBt, kD, RopePairing::kInterleaved, pairs);
+          spec.dither_key = dither_key;
+          const uint32_t slot = uint32_t(pages++);
+          std::vector<uint8_t> page;
+          const std::vector<float> recon = round_trip(spec, slot, x, &page);
+          expect_element_bounds(spec, x, page, recon);
+          expect_side_data_bounds(spec, x, page, recon);
+          std::vector<float> scales(size_t(kBt) * 2);
+          dither8_scales(spec, page.data(), scales.data());
+          const std::vector<uint8_t> outlier = outlier_mask(spec);
+          const size_t record = size_t(kD) + 4 + 4 * pairs.size();
+          for (int t = 0; t < kBt; ++t) {
+            for (int g = 0; g < 2; ++g) {
+              float amax = 0.0f;
+              for (int c = g * 32; c < g * 32 + 32; ++c) {
+                if (!outlier[c])
+                  amax = std::max(amax, std::fabs(bf16_to_float(x[size_t(t) * kD + c])));
+              }
+              const float s16 = scales[size_t(t) * 2 + g];
+              const float s32 = amax / 126.5f;
+              if (s16 == 0.0f) continue;
+              for (int c = g * 32; c < g * 32 + 32; ++c) {
+                if (outlier[c]) continue;
+                const double xv = bf16_to_float(x[size_t(t) * kD + c]);
+                const double xi = dither8_xi(dither_key, uint64_t(slot) * kBt + uint64_t(t), c);
+                const int q = int8_t(page[size_t(t) * record + c]);
+                const int q_variant = int(std::nearbyint(xv / double(s32) + xi));
+                ++values;
+                stored_violations += !code_is_nearest(xv, s16, q, xi);
+                mismatches += q_variant != q;
+                variant_violations += !code_is_nearest(xv, s16, q_variant, xi);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  RecordProperty("values", values);
+  RecordProperty("fp32_scale_code_mismatches", mismatches);
+  RecordProperty("fp32_scale_bound_violations", variant_violations);
+  EXPECT_GT(values, 10000);
+  EXPECT_EQ(stored_violations, 0);
+  EXPECT_GT(mismatches, 0);
+  EXPECT_GT(variant_violations, 0);
+}
+
+// (d) The dither is a function of (key, slot, row, channel) alone: the same ones give the same
+// page; another slot or another key gives other codes (about a third differ), and reading a page
+// under the wrong slot breaks the error bound.
+TEST(Dither8Contract, DitherIsKeyedBySlotAndKey) {
+  const int d = 128, bt = 16;
+  const std::vector<uint16_t> x = make_block(5, bt, d, RopePairing::kInterleaved, false);
+  const Dither8Page a =
+      encode_dither8(x, false, bt, d, RopePairing::kInterleaved, 0, 41, kTestDitherKey);
+  const Dither8Page same =
+      encode_dither8(x, false, bt, d, RopePairing::kInterleaved, 0, 41, kTestDitherKey);
+  const Dither8Page other_slot =
+      encode_dither8(x, false, bt, d, RopePairing::kInterleaved, 0, 42, kTestDitherKey);
+  const Dither8Page other_key =
+      encode_dither8(x, false, bt, d, RopePairing::kInterleaved, 0, 41, kTestDitherKey + 1);
+  EXPECT_EQ(a.page, same.page);
+  auto differing_codes = [&](const Dither8Page& b) {
+    int n = 0;
+    for (int t = 0; t < bt; ++t) {
+      for (int c = 0; c < d; ++c) n += code_at(a, t, c) != code_at(b, t, c);
+    }
+    return double(n) / double(bt * d);
+  };
+  EXPECT_GT(differing_codes(other_slot), 0.2);
+  EXPECT_LT(differing_codes(other_slot), 0.5);
+  EXPECT_GT(differing_codes(other_key), 0.2);
+  // The page of slot 41 read as if it lived in slot 42.
+  std::vector<float> wrong(x.size());
+  lossy_decode_page_ref(a.spec, 42, a.page.data(), wrong.data());
+  int outside = 0;
+  for (int t = 0; t < bt; ++t) {
+    for (int c = 0; c < d; ++c) {
+      const size_t i = size_t(t) * d + c;
+      const double s = a.scales[size_t(t) * 4 + c / 32];
+      outside +=
+          std::fabs(double(wrong[i]) - double(bf16_to_float(x[i]))) > s * (0.5 + kDither8Slack);
+    }
+  }
+  EXPECT_GT(outside, bt * d / 10);
+  // Row t of slot p uses counter p * bt + t and nothing else: row t of this page, stored alone
+  // as a one-token page in slot 41 * bt + t, gets the same codes.
+  for (int t = 0; t < bt; t += 5) {
+    const std::vector<uint16_t> row(x.begin() + t * d, x.begin() + (t + 1) * d);
+    const Dither8Page single = encode_dither8(row, false, 1, d, RopePairing::kInterleaved, 0,
+                                              uint32_t(41 * bt + t), kTestDitherKey);
+    for (int c = 0; c < d; ++c) EXPECT_EQ(code_at(single, 0, c), code_at(a, t, c)) << t << " " << c;
+  }
+  // Keys of distinct (layer, K/V, kv_head) differ.
+  std::vector<uint64_t> keys;
+  for (int layer = 0; layer < 40; ++layer) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int head = 0; head < 16; ++head) keys.push_back(dither8_key(layer, kv == 1, head));
+    }
+  }
+  std::sort(keys.begin(), keys.end());
+  EXPECT_EQ(std::adjacent_find(keys.begin(), keys.end()), keys.end());
+}
+
+// (e) Over many values the normalized residual e = (x^ - x) / s has mean 0 and variance 1/12 (the
+// uniform distribution on [-1/2, 1/2)), within 6 standard errors of the sample plus the
+// deterministic offset kDither8Slack; and so it does when every value sits at the same fraction
+// of its step, where rounding without dither would make e constant.
+void expect_uniform_residual(const std::vector<double>& e, const std::string& what) {
+  const double n = double(e.size());
+  double sum = 0.0, sum_sq = 0.0;
+  for (double v : e) {
+    sum += v;
+    sum_sq += v * v;
+  }
+  const double mean = sum / n, second = sum_sq / n;
+  // sd(e) = 1/sqrt(12); sd(e^2) = sqrt(1/80 - 1/144) = 1/sqrt(180).
+  EXPECT_LE(std::fabs(mean), 6.0 / std::sqrt(12.0 * n) + double(kDither8Slack)) << what;
+  EXPECT_LE(std::fabs(second - 1.0 / 12.0), 6.0 / std::sqrt(180.0 * n) + double(kDither8Slack))
+      << what;
+  ::testing::Test::RecordProperty(what + "_mean", std::to_string(mean));
+  ::testing::Test::RecordProperty(what + "_second_moment", std::to_string(second));
+}
+
+TEST(Dither8Contract, NormalizedResidualIsUniform) {
+  const int d = 128, bt = 16;
+  std::vector<double> e_random, e_fixed_fraction;
+  for (uint32_t slot = 0; slot < 512; ++slot) {
+    const std::vector<uint16_t> x = make_block(1000 + slot, bt, d, RopePairing::kHalfSplit, false);
+    const Dither8Page p =
+        encode_dither8(x, false, bt, d, RopePairing::kHalfSplit, 0, slot, kTestDitherKey);
+    for (int t = 0; t < bt; ++t) {
+      for (int c = 0; c < d; ++c) {
+        const double s = p.scales[size_t(t) * 4 + c / 32];
+        const size_t i = size_t(t) * d + c;
+        e_random.push_back((double(p.recon[i]) - double(bf16_to_float(x[i]))) / s);
+      }
+    }
+  }
+  // Channel 0 of each group holds amax = 126.5 (s = 1 exactly); the others hold 37.25.
+  std::vector<uint16_t> fixed(size_t(bt) * d, float_to_bf16(37.25f));
+  for (int t = 0; t < bt; ++t) {
+    for (int g = 0; g < d / 32; ++g) fixed[size_t(t) * d + g * 32] = float_to_bf16(126.5f);
+  }
+  for (uint32_t slot = 0; slot < 256; ++slot) {
+    const Dither8Page p =
+        encode_dither8(fixed, false, bt, d, RopePairing::kHalfSplit, 0, slot, kTestDitherKey);
+    for (int t = 0; t < bt; ++t) {
+      for (int c = 0; c < d; ++c) {
+        if (c % 32 == 0) continue;
+        EXPECT_EQ(p.scales[size_t(t) * 4 + c / 32], 1.0f);
+        e_fixed_fraction.push_back(double(p.recon[size_t(t) * d + c]) - 37.25);
+      }
+    }
+  }
+  expect_uniform_residual(e_random, "random");
+  expect_uniform_residual(e_fixed_fraction, "fixed_fraction");
+}
+
+// ---- the generator ----------------------------------------------------------------------------
+
+// Values frozen from an independent implementation of docs/format/dither8.md (splitmix64 in
+// Python): a change here changes every stored dither8 page.
+TEST(Dither8Generator, KnownAnswer) {
+  EXPECT_EQ(dither8_key(0, true, 0), 0x910a2dec89025cc1ull);
+  EXPECT_EQ(dither8_key(0, false, 0), 0xe220a8397b1dcdafull);
+  EXPECT_EQ(dither8_key(3, true, 5), 0xe5d3f9146c285f0dull);
+  EXPECT_EQ(dither8_key(29, false, 2), 0xfc94b0bc037884c2ull);
+  const uint64_t key = dither8_key(3, true, 5);
+  struct Case {
+    uint64_t counter;
+    int channel;
+    uint32_t h;
+  };
+  const Case cases[] = {{0, 0, 0x3b7d}, {0, 1, 0x933e},    {0, 2, 0x29b4},          {0, 3, 0x835b},
+                        {0, 4, 0xc770}, {17, 100, 0xe1a7}, {123456789, 255, 0xea95}};
+  for (const Case& c : cases) {
+    EXPECT_EQ(dither8_xi(key, c.counter, c.channel), float((c.h + 0.5) / 65536.0 - 0.5))
+        << c.counter << " " << c.channel;
+  }
+}
+
+// Values lie on the 2^16 cell centres inside (-1/2, 1/2), symmetric about 0; their mean is 0
+// and their histogram flat (chi-square over 256 bins of the high byte, of the low byte, and of
+// pairs of neighbouring channels and counters); the threshold 415 is where chi-square with 255
+// degrees of freedom has tail probability about 1e-9 (Wilson-Hilferty, z = 6).
+TEST(Dither8Generator, UniformOnTheCellCentres) {
+  const uint64_t key = dither8_key(7, false, 3);
+  constexpr int kCounters = 1 << 12, kChannels = 256;
+  std::vector<double> hist_high(256, 0), hist_low(256, 0), hist_channels(256, 0),
+      hist_counters(256, 0);
+  double sum = 0.0;
+  int off_grid = 0;
+  auto cell = [](float xi) { return double(xi) * 65536.0 + 32767.5; };  // h, from xi
+  for (int n = 0; n < kCounters; ++n) {
+    for (int c = 0; c < kChannels; ++c) {
+      const float xi = dither8_xi(key, uint64_t(n), c);
+      ASSERT_GT(xi, -0.5f);
+      ASSERT_LT(xi, 0.5f);
+      const double h = cell(xi);
+      off_grid += h != std::floor(h) || h < 0 || h > 65535;
+      // -xi is the cell centre of 65535 - h: the grid is symmetric.
+      off_grid += cell(-xi) != 65535.0 - h;
+      sum += xi;
+      const int hi = int(h);
+      hist_high[size_t(hi >> 8)] += 1;
+      hist_low[size_t(hi & 255)] += 1;
+      if (c % 2 == 0) {
+        const int next = int(cell(dither8_xi(key, uint64_t(n), c + 1)));
+        hist_channels[size_t((hi >> 12) * 16 + (next >> 12))] += 1;
+      }
+      if (n % 2 == 0) {
+        const int next = int(cell(dither8_xi(key, uint64_t(n) + 1, c)));
+        hist_counters[size_t((hi >> 12) * 16 + (next >> 12))] += 1;
+      }
+    }
+  }
+  EXPECT_EQ(off_grid, 0);
+  const double n = double(kCounters) * kChannels;
+  EXPECT_LE(std::fabs(sum / n), 6.0 / std::sqrt(12.0 * n));
+  auto chi_square = [](const std::vector<double>& hist) {
+    double total = 0.0, chi = 0.0;
+    for (double v : hist) total += v;
+    const double expected = total / double(hist.size());
+    for (double v : hist) chi += (v - expected) * (v - expected) / expected;
+    return chi;
+  };
+  EXPECT_LT(chi_square(hist_high), 415.0);
+  EXPECT_LT(chi_square(hist_low), 415.0);
+  EXPECT_LT(chi_square(hist_channels), 415.0);
+  EXPECT_LT(chi_square(hist_counters), 415.0);
+  // A flat histogram also fails a generator that is constant: the test can fail.
+  std::vector<double> constant(256, 0);
+  constant[3] = n;
+  EXPECT_GT(chi_square(constant), 415.0);
+}
+
+// ---- bad input ------------------------------------------------------------------------------
+
+TEST(LossyPage, NonFiniteInputIsRefusedByEveryScheme) {
+  const int d = 64, bt = 3;
+  const uint16_t bad_values[] = {0x7f80, 0xff80, 0x7fc0, 0xffc1};  // +Inf, -Inf, NaN, -NaN
+  for (int si = 0; si < kNumLossySchemes; ++si) {
+    for (bool key : {true, false}) {
+      const std::vector<uint16_t> base = make_block(9, bt, d, RopePairing::kInterleaved, key);
+      const std::vector<uint16_t> pairs = si == int(LossyScheme::kDither8) && key
+                                              ? outliers_of(base, d, RopePairing::kInterleaved, 2)
+                                              : std::vector<uint16_t>{};
+      const LossyPageSpec spec =
+          make_spec(scheme_at(si), key, bt, d, RopePairing::kInterleaved, pairs);
+      std::vector<uint8_t> page(lossy_page_bytes(spec));
+      ASSERT_TRUE(lossy_encode_page_ref(spec, 0, base.data(), page.data()));
+      // First, last, middle, and an outlier channel (both channels of pair 1 are outliers).
+      for (size_t at : {size_t(0), base.size() - 1, size_t(d + 17), size_t(2 * d + 2)}) {
+        for (uint16_t bad : bad_values) {
+          std::vector<uint16_t> x = base;
+          x[at] = bad;
+          EXPECT_FALSE(lossy_encode_page_ref(spec, 0, x.data(), page.data()))
+              << lossy_scheme_name(spec.scheme) << (key ? " K" : " V") << " at " << at << " value "
+              << std::hex << bad;
+        }
+      }
+    }
+  }
+}
+
+// A scale (or KIVI min / step) that does not fit fp16, and E5M2 overflow to Inf, refuse the
+// page; just below each limit it is accepted. Raw E4M3 saturates instead: accepted, with a
+// witness that saturates to +Inf when the residual passes 65504.
+TEST(LossyPage, ScaleOverflowIsRefused) {
+  struct Case {
+    LossyScheme scheme;
+    float accepted, refused;  // one value in a page of small ones
+  };
+  const Case cases[] = {
+      {LossyScheme::kFp8E4M3Scaled, 223.0f * 131072.0f, 224.0f * 131072.0f},  // 448 * 65536
+      {LossyScheme::kRtn8, 126.0f * 65536.0f, 127.0f * 65536.0f},             // 127 * 65536
+      {LossyScheme::kRtn4, 223.0f * 2048.0f, 224.0f * 2048.0f},               // 7 * 65536
+      {LossyScheme::kDither8, 126.0f * 65536.0f, 127.0f * 65536.0f},          // 126.5 * 65795
+      {LossyScheme::kKivi2, 191.0f * 1024.0f, 192.0f * 1024.0f},  // step 65536 = 196608 / 3
+      {LossyScheme::kKivi2, -65280.0f, -65536.0f},                // min below -65504
+      {LossyScheme::kFp8E5M2, 57344.0f, 61440.0f},                // 61440 rounds to Inf
+  };
+  for (const Case& c : cases) {
+    for (bool key : {true, false}) {
+      const LossyPageSpec spec = make_spec(c.scheme, key, 3, 32, RopePairing::kInterleaved);
+      SCOPED_TRACE(std::string(lossy_scheme_name(c.scheme)) + (key ? " K" : " V") + " " +
+                   std::to_string(c.refused));
+      std::vector<uint16_t> x(3 * 32, float_to_bf16(0.5f));
+      std::vector<uint8_t> page(lossy_page_bytes(spec));
+      x[40] = float_to_bf16(c.accepted);
+      ASSERT_EQ(bf16_to_float(x[40]), c.accepted);
+      EXPECT_TRUE(lossy_encode_page_ref(spec, 0, x.data(), page.data()));
+      x[40] = float_to_bf16(c.refused);
+      ASSERT_EQ(bf16_to_float(x[40]), c.refused);
+      EXPECT_FALSE(lossy_encode_page_ref(spec, 0, x.data(), page.data()));
+    }
+  }
+  const LossyPageSpec spec =
+      make_spec(LossyScheme::kFp8E4M3, true, 1, 32, RopePairing::kInterleaved);
+  std::vector<uint16_t> x(32, float_to_bf16(1.0f));
+  x[5] = float_to_bf16(1e30f);
+  std::vector<uint8_t> page;
+  const std::vector<float> recon = round_trip(spec, 0, x, &page);
+  EXPECT_EQ(recon[5], 448.0f);
+  EXPECT_EQ(lossy_witness(spec, page.data())[2], 0x7c00u);  // channel 5 is in band 2
+  EXPECT_EQ(lossy_witness(spec, page.data())[0], 0u);
+}
+
+TEST(LossyPage, ValidateRejectsUnusableSpecs) {
+  const std::vector<uint16_t> one = {3}, repeated = {3, 3}, decreasing = {5, 3}, beyond = {16};
+  std::vector<uint16_t> seventeen(17), sixty_five(65), sixty_four(64), sixteen(16);
+  for (size_t i = 0; i < 65; ++i) {
+    if (i < 17) seventeen[i] = uint16_t(i);
+    if (i < 16) sixteen[i] = uint16_t(i);
+    if (i < 64) sixty_four[i] = uint16_t(i);
+    sixty_five[i] = uint16_t(i);
+  }
+  auto spec_with = [](LossyScheme scheme, bool key, int bt, int d,
+                      const std::vector<uint16_t>& pairs) {
+    return make_spec(scheme, key, bt, d, RopePairing::kInterleaved, pairs);
+  };
+  struct Case {
+    LossyPageSpec spec;
+    StatusCode code;
+    std::string message_part;
+  };
+  std::vector<Case> cases = {
+      {spec_with(LossyScheme::kRtn8, true, 16, 48, {}), StatusCode::kInvalidArgument, "head_dim"},
+      {spec_with(LossyScheme::kRtn8, true, 16, 0, {}), StatusCode::kInvalidArgument, "head_dim"},
+      {spec_with(LossyScheme::kRtn8, true, 16, -32, {}), StatusCode::kInvalidArgument, "head_dim"},
+      {spec_with(LossyScheme::kRtn8, true, 16, 512, {}), StatusCode::kUnsupported, "head_dim"},
+      {spec_with(LossyScheme::kRtn8, true, 0, 64, {}), StatusCode::kInvalidArgument,
+       "block_tokens"},
+      {spec_with(LossyScheme::kRtn8, true, 4097, 64, {}), StatusCode::kInvalidArgument,
+       "block_tokens"},
+      {spec_with(LossyScheme::kDither8, false, 16, 64, one), StatusCode::kInvalidArgument,
+       "V page"},
+      {spec_with(LossyScheme::kRtn8, true, 16, 64, one), StatusCode::kInvalidArgument,
+       "only dither8"},
+      {spec_with(LossyScheme::kKivi2, true, 16, 64, one), StatusCode::kInvalidArgument,
+       "only dither8"},
+      {spec_with(LossyScheme::kDither8, true, 16, 64, repeated), StatusCode::kInvalidArgument,
+       "repeats"},
+      {spec_with(LossyScheme::kDither8, true, 16, 64, decreasing), StatusCode::kInvalidArgument,
+       "increase"},
+      {spec_with(LossyScheme::kDither8, true, 16, 32, beyond), StatusCode::kInvalidArgument,
+       "outside"},
+      {spec_with(LossyScheme::kDither8, true, 16, 32, seventeen), StatusCode::kInvalidArgument,
+       "n_outlier_pairs"},
+      {spec_with(LossyScheme::kDither8, true, 16, 256, sixty_five), StatusCode::kInvalidArgument,
+       "n_outlier_pairs"},
+  };
+  LossyPageSpec null_pairs = spec_with(LossyScheme::kDither8, true, 16, 64, {});
+  null_pairs.n_outlier_pairs = 2;
+  cases.push_back({null_pairs, StatusCode::kInvalidArgument, "outlier_pairs is null"});
+  LossyPageSpec negative = spec_with(LossyScheme::kDither8, true, 16, 64, {});
+  negative.n_outlier_pairs = -1;
+  cases.push_back({negative, StatusCode::kInvalidArgument, "negative"});
+  LossyPageSpec bad_scheme = spec_with(LossyScheme::kRtn8, true, 16, 64, {});
+  bad_scheme.scheme = static_cast<LossyScheme>(7);
+  cases.push_back({bad_scheme, StatusCode::kInvalidArgument, "scheme"});
+  LossyPageSpec bad_pairing = spec_with(LossyScheme::kRtn8, true, 16, 64, {});
+  bad_pairing.pairing = static_cast<RopePairing>(2);
+  cases.push_back({bad_pairing, StatusCode::kInvalidArgument, "pairing"});
+  for (const Case& c : cases) {
+    try {
+      validate_lossy_page_spec(c.spec);
+      ADD_FAILURE() << "accepted; expected an error naming " << c.message_part;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), c.code) << e.what();
+      EXPECT_NE(std::string(e.what()).find(c.message_part), std::string::npos) << e.what();
+    }
+    // Every entry point checks the spec.
+    EXPECT_THROW(lossy_page_bytes(c.spec), Error);
+    std::vector<uint16_t> x(16 * 64, 0);
+    std::vector<uint8_t> page(1 << 16);
+    EXPECT_THROW(lossy_encode_page_ref(c.spec, 0, x.data(), page.data()), Error);
+  }
+  // The limits themselves are accepted.
+  EXPECT_NO_THROW(
+      validate_lossy_page_spec(spec_with(LossyScheme::kDither8, true, 4096, 256, sixty_four)));
+  EXPECT_NO_THROW(validate_lossy_page_spec(spec_with(LossyScheme::kDither8, true, 1, 32, sixteen)));
+  // Side data accessors refuse pages without that side data; the generator refuses bad inputs.
+  std::vector<uint8_t> page(1 << 16);
+  std::vector<float> out(64);
+  EXPECT_THROW(lossy_witness(spec_with(LossyScheme::kRtn8, false, 16, 64, {}), page.data()), Error);
+  EXPECT_THROW(lossy_witness(spec_with(LossyScheme::kDither8, true, 16, 64, {}), page.data()),
+               Error);
+  EXPECT_THROW(lossy_value_rho(spec_with(LossyScheme::kRtn8, true, 16, 64, {}), page.data()),
+               Error);
+  EXPECT_THROW(
+      dither8_scales(spec_with(LossyScheme::kRtn8, true, 16, 64, {}), page.data(), out.data()),
+      Error);
+  EXPECT_THROW(
+      dither8_value_rho(spec_with(LossyScheme::kRtn4, false, 16, 64, {}), page.data(), out.data()),
+      Error);
+  EXPECT_THROW(dither8_xi(1, 0, 256), Error);
+  EXPECT_THROW(dither8_xi(1, 0, -1), Error);
+  EXPECT_THROW(dither8_key(-1, true, 0), Error);
+  std::vector<float> rows(64, 1.0f);
+  std::vector<uint16_t> picked(64);
+  EXPECT_THROW(
+      select_outlier_pairs(rows.data(), 1, 64, RopePairing::kInterleaved, 33, picked.data()),
+      Error);
+  EXPECT_THROW(witness_band_of_pair(64, 32), Error);
+}
+
+// Random bytes decode without crashing, deterministically, writing every output element.
+TEST(LossyPage, GarbagePagesDecodeWithoutCrashing) {
+  std::mt19937_64 rng(2024);
+  const uint32_t sentinel = 0x7fc0dead;
+  for (int si = 0; si < kNumLossySchemes; ++si) {
+    for (bool key : {true, false}) {
+      for (int trial = 0; trial < 1000; ++trial) {
+        const int d = kHeadDims[rng() % 5], bt = kBlockTokenCounts[rng() % 4];
+        const RopePairing pairing = kPairings[rng() % 2];
+        std::vector<uint16_t> pairs;
+        if (si == int(LossyScheme::kDither8) && key) {
+          for (int p = 0; p < d / 2; ++p) {
+            if (rng() % 16 == 0 && pairs.size() < size_t(kMaxOutlierPairs))
+              pairs.push_back(uint16_t(p));
+          }
+        }
+        const LossyPageSpec spec = make_spec(scheme_at(si), key, bt, d, pairing, pairs);
+        std::vector<uint8_t> page(lossy_page_bytes(spec));
+        for (uint8_t& b : page) b = uint8_t(rng());
+        std::vector<float> out(size_t(bt) * d, format::bits_to_float(sentinel)), again(out.size());
+        const uint32_t slot = uint32_t(rng());
+        lossy_decode_page_ref(spec, slot, page.data(), out.data());
+        lossy_decode_page_ref(spec, slot, page.data(), again.data());
+        for (float v : out) ASSERT_NE(float_bits(v), sentinel);
+        ASSERT_EQ(std::memcmp(out.data(), again.data(), out.size() * sizeof(float)), 0);
+        std::vector<float> side(static_cast<size_t>(bt));
+        if (spec.scheme == LossyScheme::kDither8) {
+          dither8_value_rho(spec, page.data(), side.data());
+        } else {
+          const uint16_t* s =
+              key ? lossy_witness(spec, page.data()) : lossy_value_rho(spec, page.data());
+          side[0] = fp16_to_float(s[0]);
+        }
+      }
+    }
+  }
+}
+
+// ---- outlier selection, bands, fp16 rounding, names -----------------------------------------
+
+TEST(LossyPage, SelectOutlierPairsKnownAnswer) {
+  // head_dim 8, three rows. Interleaved pairs (0,1) (2,3) (4,5) (6,7); half-split (0,4) (1,5)
+  // (2,6) (3,7). Peaks: channel 5 -> 9, channel 3 -> -7, channel 6 -> 5, all else <= 1.
+  const float x[3 * 8] = {0.5f, -1.0f, 0.25f, 0.0f,  1.0f, 0.5f, 0.0f, 0.75f,
+                          0.0f, 0.5f,  0.0f,  -7.0f, 0.0f, 1.0f, 5.0f, 0.0f,
+                          1.0f, 0.0f,  -0.5f, 0.0f,  0.5f, 9.0f, 0.0f, -1.0f};
+  auto pick = [&](RopePairing pairing, int m) {
+    std::vector<uint16_t> out(static_cast<size_t>(m));
+    select_outlier_pairs(x, 3, 8, pairing, m, out.data());
+    return out;
+  };
+  EXPECT_EQ(pick(RopePairing::kInterleaved, 2), (std::vector<uint16_t>{1, 2}));  // 7 and 9
+  EXPECT_EQ(pick(RopePairing::kHalfSplit, 2), (std::vector<uint16_t>{1, 3}));    // 9 and 7
+  EXPECT_EQ(pick(RopePairing::kInterleaved, 1), (std::vector<uint16_t>{2}));
+  EXPECT_EQ(pick(RopePairing::kHalfSplit, 3), (std::vector<uint16_t>{1, 2, 3}));
+  EXPECT_EQ(pick(RopePairing::kInterleaved, 0), (std::vector<uint16_t>{}));
+  EXPECT_EQ(pick(RopePairing::kHalfSplit, 4), (std::vector<uint16_t>{0, 1, 2, 3}));
+  // Equal peaks: the lower pair first.
+  const float flat[4] = {1.0f, -1.0f, 1.0f, 1.0f};
+  std::vector<uint16_t> out(1);
+  select_outlier_pairs(flat, 1, 4, RopePairing::kInterleaved, 1, out.data());
+  EXPECT_EQ(out[0], 0);
+}
+
+TEST(LossyPage, WitnessBandsCoverContiguousPairRanges) {
+  for (int d : kHeadDims) {
+    const int n_bands = witness_bands(d), n_pairs = d / 2;
+    EXPECT_EQ(n_bands, 16);
+    for (int b = 0; b < n_bands; ++b) {
+      for (int pair = b * n_pairs / n_bands; pair < (b + 1) * n_pairs / n_bands; ++pair) {
+        EXPECT_EQ(witness_band_of_pair(d, pair), b) << d << " " << pair;
+      }
+    }
+  }
+  // Fewer bands than 16 when head_dim / 2 < 16, and uneven bands: P = 5 pairs over 5 bands,
+  // P = 10 (head_dim 20) over 10.
+  EXPECT_EQ(witness_bands(10), 5);
+  EXPECT_EQ(witness_band_of_pair(10, 4), 4);
+  EXPECT_EQ(witness_bands(40), 16);  // P = 20: bands of one or two pairs
+  for (int b = 0; b < 16; ++b) {
+    for (int pair = b * 20 / 16; pair < (b + 1) * 20 / 16; ++pair)
+      EXPECT_EQ(witness_band_of_pair(40, pair), b);
+  }
+}
+
+TEST(LossyPage, Fp16UpwardExhaustive) {
+  // Every fp16 value is its own upward rounding (NaN stays NaN).
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float f = fp16_to_float(uint16_t(h));
+    const uint16_t r = float_to_fp16_upward(f);
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(fp16_to_float(r))) << std::hex << h;
+    } else {
+      ASSERT_EQ(r, h) << std::hex << h;
+    }
+  }
+  // Strictly between two neighbours: up to the upper one; for negatives toward zero (+inf).
+  for (uint32_t h = 0; h < 0x7bff; ++h) {
+    const float lo = fp16_to_float(uint16_t(h)), hi = fp16_to_float(uint16_t(h + 1));
+    const float inside[] = {std::nextafter(lo, hi), 0.5f * (lo + hi), std::nextafter(hi, lo)};
+    for (float f : inside) {
+      ASSERT_EQ(float_to_fp16_upward(f), h + 1) << std::hex << h << " " << f;
+      ASSERT_EQ(float_to_fp16_upward(-f), 0x8000u | h) << std::hex << h << " " << -f;
+    }
+  }
+  EXPECT_EQ(float_to_fp16_upward(65505.0f), 0x7c00u);
+  EXPECT_EQ(float_to_fp16_upward(std::nextafter(65504.0f, 1e9f)), 0x7c00u);
+  EXPECT_EQ(float_to_fp16_upward(1e10f), 0x7c00u);
+  EXPECT_EQ(float_to_fp16_upward(std::numeric_limits<float>::max()), 0x7c00u);
+  EXPECT_EQ(float_to_fp16_upward(-65505.0f), 0xfbffu);
+  EXPECT_EQ(float_to_fp16_upward(0.0f), 0u);
+  EXPECT_EQ(float_to_fp16_upward(std::numeric_limits<float>::denorm_min()), 1u);
+  EXPECT_EQ(float_to_fp16_upward(1.0f + 0x1p-23f), 0x3c01u);
+}
+
+TEST(LossyPage, SchemeNamesRoundTrip) {
+  for (int i = 0; i < kNumLossySchemes; ++i) {
+    LossyScheme parsed = LossyScheme::kRtn8;
+    ASSERT_TRUE(parse_lossy_scheme(lossy_scheme_name(scheme_at(i)), &parsed));
+    EXPECT_EQ(parsed, scheme_at(i));
+    EXPECT_EQ(lossy_scheme_is_tier_b(scheme_at(i)), i == int(LossyScheme::kDither8));
+  }
+  LossyScheme untouched = LossyScheme::kRtn4;
+  EXPECT_FALSE(parse_lossy_scheme("int8", &untouched));
+  EXPECT_FALSE(parse_lossy_scheme("", &untouched));
+  EXPECT_EQ(untouched, LossyScheme::kRtn4);
+  EXPECT_STREQ(lossy_scheme_name(LossyScheme::kFp8E4M3Scaled), "fp8-e4m3-scaled");
+}
+
+}  // namespace
+}  // namespace certkv::codec
