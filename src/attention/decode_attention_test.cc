@@ -15,6 +15,12 @@
 namespace certkv::attention {
 namespace {
 
+DecodeOptions splits(int n_splits) {
+  DecodeOptions options;
+  options.n_splits = n_splits;
+  return options;
+}
+
 using cache::KvTensor;
 using testing::CaseShape;
 
@@ -105,7 +111,7 @@ TEST_P(DecodeRagged, MatchesReferenceWithLargeLogits) {
   testing::expect_nondegenerate(ref, "reference output");
   for (int n_splits : {1, 4}) {
     std::vector<float> out(q.size());
-    decode_attention(*cache, seq, kLayer, shape, q.data(), 501, out.data(), nullptr, {n_splits});
+    decode_attention(*cache, seq, kLayer, shape, q.data(), 501, out.data(), nullptr, splits(n_splits));
     EXPECT_LT(testing::max_abs_diff(out, ref), 2e-5) << n_splits << " splits";
   }
 }
@@ -175,7 +181,7 @@ TEST(DecodeAttention, IntegerInputsGiveExactAnswers) {
     ThreadPool pool(2);
     for (int n_splits : {1, 3, 19}) {
       std::vector<float> out(q.size());
-      decode_attention(*cache, seq, 0, shape, q.data(), n, out.data(), &pool, {n_splits});
+      decode_attention(*cache, seq, 0, shape, q.data(), n, out.data(), &pool, splits(n_splits));
       for (int h = 0; h < c.n_q_heads; ++h) {
         const size_t src = (size_t(winner[size_t(h)]) * c.n_kv_heads + size_t(h / group)) * d;
         for (int ch = 0; ch < d; ++ch) {
@@ -209,7 +215,7 @@ TEST(DecodeAttention, TiedWinnersInDifferentSplitsMergeExactly) {
   const AttentionShape shape{1, 1, 8, 100.f};
   for (int n_splits : {1, 2, 7, 15}) {
     std::vector<float> out(8);
-    decode_attention(*cache, seq, 0, shape, q.data(), n, out.data(), nullptr, {n_splits});
+    decode_attention(*cache, seq, 0, shape, q.data(), n, out.data(), nullptr, splits(n_splits));
     for (int ch = 0; ch < 8; ++ch) {
       EXPECT_EQ(out[size_t(ch)], float(2 * ch + 10 - 4 * ch) / 2) << n_splits << " splits, channel " << ch;
     }
@@ -225,20 +231,20 @@ TEST(DecodeAttention, SplitsMatchASinglePass) {
   testing::append_random(*cache, seq, 3771, rng);
   const std::vector<float> q = testing::uniform_values(9 * 64, -2, 2, rng);
   std::vector<float> single(q.size());
-  decode_attention(*cache, seq, kLayer, shape, q.data(), 3771, single.data(), nullptr, {1});
+  decode_attention(*cache, seq, kLayer, shape, q.data(), 3771, single.data(), nullptr, splits(1));
   testing::expect_nondegenerate(single, "single-pass output");
   ThreadPool pool(2);
   for (int n_splits : {2, 3, 8, 64, 236, 1000}) {
     for (ThreadPool* p : {static_cast<ThreadPool*>(nullptr), &pool}) {
       std::vector<float> split(q.size());
-      decode_attention(*cache, seq, kLayer, shape, q.data(), 3771, split.data(), p, {n_splits});
+      decode_attention(*cache, seq, kLayer, shape, q.data(), 3771, split.data(), p, splits(n_splits));
       EXPECT_LT(testing::max_abs_diff(split, single), 1e-5) << n_splits << " splits";
     }
   }
   // The same split count gives bitwise the same answer with or without threads.
   std::vector<float> a(q.size()), b(q.size());
-  decode_attention(*cache, seq, kLayer, shape, q.data(), 3771, a.data(), nullptr, {6});
-  decode_attention(*cache, seq, kLayer, shape, q.data(), 3771, b.data(), &pool, {6});
+  decode_attention(*cache, seq, kLayer, shape, q.data(), 3771, a.data(), nullptr, splits(6));
+  decode_attention(*cache, seq, kLayer, shape, q.data(), 3771, b.data(), &pool, splits(6));
   EXPECT_EQ(a, b);
 }
 

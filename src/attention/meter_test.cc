@@ -114,7 +114,9 @@ TEST_P(DecodeMeterTest, FloatPathMatchesTheReferenceAndBoundsTheTrueTv) {
             if (std::isfinite(a_ref)) {
               // The float path lifts each bound c_t by 2^-16 relative (its rounding margin), which
               // moves A by about c_max 2^-16 relative: close where the meter is informative.
-              if (ref[size_t(h)].meter < 1) EXPECT_NEAR(a_got, a_ref, 2e-4 * a_ref + 1e-12) << where;
+              if (ref[size_t(h)].meter < 1) {
+                EXPECT_NEAR(a_got, a_ref, 2e-4 * a_ref + 1e-12) << where;
+              }
               EXPECT_GE(a_got, a_ref * (1 - 1e-6)) << where << ": the float path must not be lower";
             } else {
               EXPECT_TRUE(std::isinf(got[size_t(h)].log_a)) << where;
@@ -132,7 +134,9 @@ TEST_P(DecodeMeterTest, FloatPathMatchesTheReferenceAndBoundsTheTrueTv) {
     }
   }
   // The check must have informative cells (a meter pinned at 1 proves nothing).
-  if (scheme != KvScheme::kKivi2 && scheme != KvScheme::kRtn4) EXPECT_GT(informative, checked / 4);
+  if (scheme != KvScheme::kKivi2 && scheme != KvScheme::kRtn4) {
+    EXPECT_GT(informative, checked / 4);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllLossy, DecodeMeterTest, ::testing::ValuesIn(kLossySchemes),
