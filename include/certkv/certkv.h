@@ -110,8 +110,10 @@ typedef struct certkv_session_params {
                                     32-block as llama.cpp does; default) or "f32" (exact fp32) */
   const char* gaac_calibration;  /* kv "gaac*": path of the model's GAAC calibration file
                                     (safetensors, certkv-gaac-calibration/1) of the scheme's
-                                    element (bf16, e4m3, e5m2); required then,
-                                    ignored otherwise. Loaded once per model and path. */
+                                    element (bf16, e4m3, e5m2); required then. Lossy schemes:
+                                    optional, a bf16 calibration: the backing store keeps its
+                                    exact blocks GAAC-coded. Ignored otherwise. Loaded once per
+                                    model and path. */
   int32_t outlier_pairs;         /* dither8: RoPE pairs per (layer, kv_head) kept exact; -1:
                                     default (4) */
   int32_t recent_window_tokens;  /* lossy schemes: newest tokens kept bf16; -1: scheme default

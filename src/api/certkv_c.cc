@@ -301,7 +301,9 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
     c.meter.gate = p.gate != 0;
     c.meter.planned_steps = p.meter_planned_steps;
     c.meter.sample_every = p.meter_sample_every;
-    if (certkv::cache::kv_scheme_is_gaac(c.kv_scheme))
+    const bool backing_calibration = certkv::cache::kv_scheme_is_lossy(c.kv_scheme) &&
+                                     p.gaac_calibration != nullptr && p.gaac_calibration[0] != '\0';
+    if (certkv::cache::kv_scheme_is_gaac(c.kv_scheme) || backing_calibration)
       c.gaac_calibration = model_calibration(*model, p.gaac_calibration, p.block_tokens,
                                              certkv::cache::kv_scheme_element(c.kv_scheme));
     auto s = std::make_unique<certkv_session>();

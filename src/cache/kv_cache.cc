@@ -183,16 +183,24 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
     backing_pool_ = std::make_unique<PagePool>(StorageClass::kBf16, page_bytes(),
                                                uint32_t(capacity_pages),
                                                chunk_pages(2 * uint64_t(config.n_kv_heads)));
+    // With a GAAC calibration (of bf16 pages) the backing store keeps its blocks GAAC-coded.
+    if (config.gaac_calibration) build_gaac_slot_pools(StorageClass::kGaac, backing_slot_pools_, blocks);
     return;
   }
   if (!gaac) return;
-
-  const codec::GaacCalibration* cal = config.gaac_calibration.get();
-  if (cal == nullptr) {
+  if (config.gaac_calibration == nullptr) {
     fail_cache(StatusCode::kInvalidArgument,
                std::string("KV scheme ") + kv_scheme_name(config.scheme) +
                    " needs a calibration (config.gaac_calibration is null)");
   }
+  build_gaac_slot_pools(slot_class_, slot_pools_, blocks);
+}
+
+void KvCache::build_gaac_slot_pools(StorageClass storage,
+                                    std::vector<std::unique_ptr<PagePool>>& pools,
+                                    uint64_t blocks) {
+  const KvCacheConfig& config = config_;
+  const codec::GaacCalibration* cal = config.gaac_calibration.get();
   if (format::gaac_tile_channels(config.head_dim) == 0) {
     fail_cache(StatusCode::kUnsupported, "config.head_dim " + std::to_string(config.head_dim) +
                                              " does not split into GAAC tiles of at most " +
@@ -214,6 +222,10 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
                    ", " + codec::gaac_element_name(want.element) +
                    " (a calibration of another model or KV scheme?)");
   }
+  auto chunk_pages = [&](uint64_t default_pages) {
+    const uint64_t want_pages = config.pages_per_chunk != 0 ? config.pages_per_chunk : default_pages;
+    return uint32_t(std::min<uint64_t>(want_pages, std::max<uint64_t>(capacity_pages_, 1)));
+  };
   // One slot pool per distinct slot stride; (layer, K/V) pairs of equal stride share it.
   const size_t n_pairs = 2 * size_t(config.n_layers);
   slot_bytes_.resize(n_pairs);
@@ -231,10 +243,9 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   }
   for (const auto& [stride, pairs] : pairs_by_stride) {
     const uint64_t tables_served = uint64_t(pairs.size()) * uint64_t(config.n_kv_heads);
-    for (size_t pair : pairs) slot_pool_of_[pair] = uint8_t(slot_pools_.size());
-    slot_pools_.push_back(std::make_unique<PagePool>(slot_class_, stride,
-                                                     uint32_t(blocks * tables_served),
-                                                     chunk_pages(tables_served), kSlotAlignBytes));
+    for (size_t pair : pairs) slot_pool_of_[pair] = uint8_t(pools.size());
+    pools.push_back(std::make_unique<PagePool>(storage, stride, uint32_t(blocks * tables_served),
+                                               chunk_pages(tables_served), kSlotAlignBytes));
   }
 }
 
@@ -325,11 +336,7 @@ void KvCache::release(PageRef& ref) {
   } else {
     PagePool& pool = pool_of(ref);
     pool.release(ref.page);
-    if (lossy_ && ref.storage == slot_class_ && pool.ref_count(ref.page) == 0) {
-      uint32_t& backing = backing_of_[ref.pool][ref.page];
-      if (backing != format::kNoPage) backing_pool_->release(backing);
-      backing = format::kNoPage;
-    }
+    if (lossy_ && ref.storage == slot_class_ && pool.ref_count(ref.page) == 0) release_backing(ref);
   }
   ref = pending_ref();
 }
@@ -474,8 +481,7 @@ void KvCache::make_raw(int layer, KvTensor kv, int kv_head, PageRef& ref) {
   } else {
     const PagePool& pool = pool_of(ref);
     if (lossy_) {
-      std::memcpy(bf16_pool_->data(page), backing_pool_->data(backing_of_[ref.pool][ref.page]),
-                  page_bytes());
+      read_backing(ref, layer, kv, kv_head, reinterpret_cast<uint16_t*>(bf16_pool_->data(page)));
       release(ref);
       ref = raw_ref(page);
       return;
@@ -566,12 +572,15 @@ void KvCache::finalize_lossy(int layer, KvTensor kv, int kv_head, const uint8_t*
   const uint8_t pool_index = uint8_t(kv);
   PagePool& pages = *slot_pools_[pool_index];
   const uint32_t page = pages.allocate();
-  uint32_t backing = format::kNoPage;
   bool encoded = false;
+  PageRef lossy{};
+  lossy.page = page;
+  lossy.storage = slot_class_;
+  lossy.pool = pool_index;
   try {
     encoded = codec::lossy_encode_page_ref(lossy_spec(layer, kv, kv_head), page, rows,
                                            pages.data(page));
-    if (encoded) backing = backing_pool_->allocate();
+    if (encoded) store_backing(layer, kv, kv_head, block, lossy);
   } catch (...) {
     pages.release(page);
     throw;
@@ -591,14 +600,68 @@ void KvCache::finalize_lossy(int layer, KvTensor kv, int kv_head, const uint8_t*
     if (dst != block) std::memcpy(dst, block, page_bytes());
     return;
   }
-  std::memcpy(backing_pool_->data(backing), block, page_bytes());
-  std::vector<uint32_t>& backing_of = backing_of_[pool_index];
-  if (backing_of.size() <= page) backing_of.resize(size_t(page) + 1, format::kNoPage);
-  backing_of[page] = backing;
   release(ref);
-  ref.page = page;
-  ref.storage = slot_class_;
-  ref.pool = pool_index;
+  ref = lossy;
+}
+
+void KvCache::store_backing(int layer, KvTensor kv, int kv_head, const uint8_t* block,
+                            PageRef lossy) {
+  PageRef backing{};
+  if (!backing_slot_pools_.empty()) {
+    const size_t pair = size_t(layer) * 2 + size_t(kv);
+    PagePool& slots = *backing_slot_pools_[slot_pool_of_[pair]];
+    const uint32_t slot = slots.allocate();
+    size_t used;
+    try {
+      used = codec::gaac_encode_page(reinterpret_cast<const uint16_t*>(block), config_.block_tokens,
+                                     config_.head_dim,
+                                     config_.gaac_calibration->bases(layer, int(kv), kv_head),
+                                     config_.gaac_calibration->escape_capacity_bytes(layer, int(kv)),
+                                     slots.data(slot));
+    } catch (...) {
+      slots.release(slot);
+      throw;
+    }
+    if (used != codec::kGaacDoesNotFit) {
+      backing.page = slot;
+      backing.storage = StorageClass::kGaac;
+      backing.pool = slot_pool_of_[pair];
+    } else {
+      slots.release(slot);
+    }
+  }
+  if (backing.storage != StorageClass::kGaac) {
+    backing.page = backing_pool_->allocate();
+    backing.storage = StorageClass::kBf16;
+    std::memcpy(backing_pool_->data(backing.page), block, page_bytes());
+  }
+  std::vector<PageRef>& backing_of = backing_of_[lossy.pool];
+  if (backing_of.size() <= lossy.page) backing_of.resize(size_t(lossy.page) + 1, pending_ref());
+  backing_of[lossy.page] = backing;
+}
+
+void KvCache::read_backing(PageRef lossy, int layer, KvTensor kv, int kv_head,
+                           uint16_t* out) const {
+  const PageRef backing = backing_of_[lossy.pool][lossy.page];
+  if (backing.storage == StorageClass::kGaac) {
+    codec::gaac_decode_page(backing_slot_pools_[backing.pool]->data(backing.page),
+                            slot_bytes_[size_t(layer) * 2 + size_t(kv)], config_.block_tokens,
+                            config_.head_dim, config_.gaac_calibration->bases(layer, int(kv), kv_head),
+                            out);
+  } else {
+    std::memcpy(out, backing_pool_->data(backing.page), page_bytes());
+  }
+}
+
+void KvCache::release_backing(PageRef lossy) {
+  PageRef& backing = backing_of_[lossy.pool][lossy.page];
+  if (is_pending(backing)) return;
+  if (backing.storage == StorageClass::kGaac) {
+    backing_slot_pools_[backing.pool]->release(backing.page);
+  } else {
+    backing_pool_->release(backing.page);
+  }
+  backing = pending_ref();
 }
 
 void KvCache::write_coded(Sequence& s, int layer, KvTensor kv, int kv_head, const float* x,
@@ -815,9 +878,12 @@ void KvCache::read_token_range(SeqId seq, int layer, KvTensor kv, int kv_head, i
     const size_t row = size_t(pos % bt) * size_t(d);
     if (lossy_ && ref.storage == slot_class_) {
       if (exact) {
-        const uint16_t* block = reinterpret_cast<const uint16_t*>(
-            backing_pool_->data(backing_of_[ref.pool][ref.page]));
-        for (int c = 0; c < d; ++c) dst[c] = format::bf16_to_float(block[row + c]);
+        if (decoded_block != b) {
+          decoded.resize(size_t(bt) * size_t(d));
+          read_backing(ref, layer, kv, kv_head, decoded.data());
+          decoded_block = b;
+        }
+        for (int c = 0; c < d; ++c) dst[c] = format::bf16_to_float(decoded[row + c]);
         continue;
       }
       if (decoded_block != b) {
@@ -909,8 +975,8 @@ uint64_t KvCache::repair_block(SeqId seq, int layer, int kv_head, int64_t block)
   for (int i = 0; i < 2; ++i) {
     if (raw[i] == format::kNoPage) continue;
     PageRef& ref = *refs[i];
-    std::memcpy(bf16_pool_->data(raw[i]), backing_pool_->data(backing_of_[ref.pool][ref.page]),
-                page_bytes());
+    read_backing(ref, layer, i == 0 ? KvTensor::kKey : KvTensor::kValue, kv_head,
+                 reinterpret_cast<uint16_t*>(bf16_pool_->data(raw[i])));
     bytes += page_bytes();
     release(ref);
     ref = raw_ref(raw[i]);
@@ -959,6 +1025,10 @@ MemoryStats KvCache::memory_stats() const {
   if (backing_pool_) {
     stats.backing_bytes_reserved_from_allocator = backing_pool_->bytes_from_allocator();
     stats.backing_pages_in_use = backing_pool_->pages_in_use();
+    for (const auto& pool : backing_slot_pools_) {
+      stats.backing_bytes_reserved_from_allocator += pool->bytes_from_allocator();
+      stats.backing_pages_in_use += pool->pages_in_use();
+    }
   }
   stats.exact_fallback_blocks = exact_fallback_blocks_;
   return stats;

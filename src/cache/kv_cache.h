@@ -98,6 +98,8 @@ struct KvCacheConfig {
   KvScheme scheme = KvScheme::kBf16;
   // GAAC schemes: bases and escape capacities (shared, immutable). REQUIRES for them: not null,
   // the scheme's element, and a shape equal to (n_layers, n_kv_heads, head_dim, block_tokens).
+  // Lossy schemes: optional (bf16 element); when given, the backing store keeps its exact
+  // blocks GAAC-coded (a block whose escapes overflow stays a raw bf16 backing page).
   std::shared_ptr<const codec::GaacCalibration> gaac_calibration;
   // Lossy schemes: which channels form RoPE pairs (the witness bands and dither8's outlier pairs
   // follow the model's layout).
@@ -282,6 +284,17 @@ class KvCache {
   void write_coded(Sequence& s, int layer, KvTensor kv, int kv_head, const float* x, int64_t n);
   void finalize_lossy(int layer, KvTensor kv, int kv_head, const uint8_t* block,
                       format::PageRef& ref);
+  // The GAAC slot pools of config_.gaac_calibration (checked against the cache's shape), one per
+  // distinct slot stride, with slot_bytes_ and slot_pool_of_ for each (layer, K/V).
+  void build_gaac_slot_pools(format::StorageClass storage,
+                             std::vector<std::unique_ptr<PagePool>>& pools, uint64_t blocks);
+  // The backing store (lossy schemes): the exact block of a lossy page, kept as a GAAC slot when
+  // a calibration is given and the block fits, else as a raw bf16 page.
+  void store_backing(int layer, KvTensor kv, int kv_head, const uint8_t* block,
+                     format::PageRef lossy);
+  // out: [block_tokens][head_dim] bf16, the exact block of a lossy page.
+  void read_backing(format::PageRef lossy, int layer, KvTensor kv, int kv_head, uint16_t* out) const;
+  void release_backing(format::PageRef lossy);
   void choose_outliers(int layer, int kv_head, const float* x, int64_t n_rows, size_t row_stride);
   // Replaces `ref` by the encoded block (a slot when it fits, else a raw page holding `block`;
   // an owned raw `ref` is reused for that). block: one raw page's data.
@@ -310,8 +323,11 @@ class KvCache {
   codec::LossyScheme lossy_scheme_ = codec::LossyScheme::kRtn8;
   int window_tokens_ = 0;
   int n_outlier_pairs_ = 0;
-  std::unique_ptr<PagePool> backing_pool_;
-  std::vector<std::vector<uint32_t>> backing_of_;
+  std::unique_ptr<PagePool> backing_pool_;               // raw bf16 backing pages
+  std::vector<std::unique_ptr<PagePool>> backing_slot_pools_;  // GAAC-coded backing blocks
+  // [pool][page] of a lossy page: its backing block (kBf16 in backing_pool_, or kGaac in
+  // backing_slot_pools_[pool]); page kNoPage when none.
+  std::vector<std::vector<format::PageRef>> backing_of_;
   // dither8: [layer * n_kv_heads + kv_head] outlier pairs (empty until chosen).
   std::vector<std::vector<uint16_t>> outliers_;
   std::vector<uint8_t> outliers_chosen_;

@@ -7,11 +7,13 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "cache/kv_cache.h"
+#include "codec/gaac.h"
 #include "codec/lossy_page.h"
 #include "core/status.h"
 #include "format/numeric.h"
@@ -304,6 +306,71 @@ TEST(LossyCache, AllocatorBytesPerTokenFollowThePageLayout) {
     EXPECT_EQ(cache.slot_pool(0).page_bytes(), size_t(16) * (m == 0 ? 136 : 152));
     EXPECT_EQ(cache.slot_pool(1).page_bytes(), size_t(16) * 136);
   }
+}
+
+// A GAAC calibration of (layer, K/V, kv_head) rows drawn like kv_values.
+std::shared_ptr<const codec::GaacCalibration> calibrate(const KvCacheConfig& cfg) {
+  codec::GaacShape shape{cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.block_tokens,
+                         format::GaacElement::kBf16};
+  codec::GaacCalibrator calibrator(shape);
+  std::mt19937 rng(99);
+  for (int l = 0; l < cfg.n_layers; ++l)
+    for (int kv = 0; kv < 2; ++kv)
+      for (int h = 0; h < cfg.n_kv_heads; ++h) {
+        const std::vector<float> x = kv_values(512, cfg.head_dim, rng);
+        std::vector<uint16_t> rows(x.size());
+        for (size_t i = 0; i < x.size(); ++i) rows[i] = format::float_to_bf16(x[i]);
+        calibrator.add_bf16(l, kv, h, rows.data(), 512);
+      }
+  return std::make_shared<const codec::GaacCalibration>(calibrator.finish());
+}
+
+TEST(LossyCache, GaacCodedBackingStoreIsExactAndSmaller) {
+  for (KvScheme scheme : {KvScheme::kRtn4, KvScheme::kDither8}) {
+    KvCacheConfig plain_cfg = lossy_config(scheme);
+    KvCacheConfig coded_cfg = plain_cfg;
+    coded_cfg.gaac_calibration = calibrate(coded_cfg);
+    KvCache plain(plain_cfg), coded(coded_cfg);
+    const SeqId a = plain.create_sequence(), b = coded.create_sequence();
+    std::mt19937 rng_a(5), rng_b(5);
+    const auto written = fill(plain, a, {37, 1, 400, 3}, rng_a);
+    fill(coded, b, {37, 1, 400, 3}, rng_b);
+    const int64_t n = coded.length(b);
+    const int d = coded.head_dim();
+    for (int layer = 0; layer < 2; ++layer)
+      for (int kv = 0; kv < 2; ++kv)
+        for (int h = 0; h < 2; ++h) {
+          std::vector<float> exact(size_t(n) * d), recon_a(size_t(n) * d), recon_b(size_t(n) * d);
+          coded.read_token_range_exact(b, layer, KvTensor(kv), h, 0, n, exact.data());
+          for (int64_t t = 0; t < n; ++t)
+            for (int c = 0; c < d; ++c)
+              ASSERT_EQ(exact[size_t(t) * d + c],
+                        bf16_round(written[size_t(layer) * 2 + kv][(size_t(t) * 2 + h) * d + c]));
+          // The lossy pages do not depend on how the backing store keeps its blocks.
+          plain.read_token_range_ref(a, layer, KvTensor(kv), h, 0, n, recon_a.data());
+          coded.read_token_range_ref(b, layer, KvTensor(kv), h, 0, n, recon_b.data());
+          ASSERT_EQ(recon_a, recon_b);
+        }
+    const MemoryStats pm = plain.memory_stats(), cm = coded.memory_stats();
+    EXPECT_EQ(pm.backing_pages_in_use, cm.backing_pages_in_use);
+    EXPECT_LT(double(cm.backing_bytes_reserved_from_allocator),
+              0.85 * double(pm.backing_bytes_reserved_from_allocator))
+        << "GAAC should code normal bf16 data well below its raw size";
+    // Repair from a GAAC-coded backing block gives the exact values.
+    EXPECT_EQ(coded.repair_block(b, 1, 1, 4), 2 * coded.page_bytes());
+    std::vector<float> exact(size_t(16) * d), recon(size_t(16) * d);
+    coded.read_token_range_exact(b, 1, KvTensor::kValue, 1, 64, 80, exact.data());
+    coded.read_token_range_ref(b, 1, KvTensor::kValue, 1, 64, 80, recon.data());
+    EXPECT_EQ(recon, exact);
+    coded.free_sequence(b);
+    EXPECT_EQ(coded.memory_stats().backing_pages_in_use, 0u);
+  }
+  // A calibration of another shape is refused.
+  KvCacheConfig cfg = lossy_config(KvScheme::kRtn8);
+  KvCacheConfig other = cfg;
+  other.head_dim = 32;
+  cfg.gaac_calibration = calibrate(other);
+  EXPECT_THROW(KvCache{cfg}, Error);
 }
 
 TEST(LossyCache, BadConfigurationsAreClearErrors) {

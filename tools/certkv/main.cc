@@ -144,8 +144,9 @@ int cmd_run(int argc, char** argv) {
   const std::string gaac_calib = flags.str("gaac-calib");
   if (kv_gaac && gaac_calib.empty())
     throw UsageError{"flag --kv " + kv + " needs --gaac-calib FILE (a GAAC calibration of this model)"};
-  if (!kv_gaac && flags.has("gaac-calib"))
-    throw UsageError{"flag --gaac-calib is used only with --kv gaac, gaac-e4m3 or gaac-e5m2, not --kv " + kv};
+  if (!kv_gaac && !kv_flags.lossy && flags.has("gaac-calib"))
+    throw UsageError{"flag --gaac-calib is used only with --kv gaac, gaac-e4m3, gaac-e5m2 or a lossy "
+                     "scheme (its backing store), not --kv " + kv};
   const std::string activations = flags.str("activations", "int8");
   if (activations != "int8" && activations != "f32")
     throw UsageError{"flag --activations: expected int8 or f32, got '" + activations + "'"};
@@ -174,9 +175,9 @@ int cmd_run(int argc, char** argv) {
   params.n_threads = int32_t(threads);
   params.block_tokens = int32_t(block_tokens);
   params.kv = kv.c_str();
-  if (kv_gaac) params.gaac_calibration = gaac_calib.c_str();
   params.activations = activations.c_str();
   kv_flags.apply(params);
+  if (!gaac_calib.empty()) params.gaac_calibration = gaac_calib.c_str();
   params.meter_planned_steps = n_new > 0 ? n_new : 1;
   if (int64_t(tokens.size()) > params.context_tokens)
     throw UsageError{"the prompt has " + std::to_string(tokens.size()) +
@@ -319,7 +320,10 @@ int cmd_dump_kv(int argc, char** argv) {
   }
   views.push_back({"tokens", "I32", {n}, tokens.data(), tokens.size() * 4});
   std::string layer_list;
-  for (int l : layers) layer_list += (layer_list.empty() ? "" : ",") + std::to_string(l);
+  for (int l : layers) {
+    if (!layer_list.empty()) layer_list += ',';
+    layer_list += std::to_string(l);
+  }
   char scale[32];
   snprintf(scale, sizeof scale, "%.9g", 1.0 / std::sqrt(double(hd)));
   char theta[32];
