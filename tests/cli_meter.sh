@@ -16,6 +16,14 @@ text="$shared/data/corpus/conrad-heart-of-darkness.txt"
 "$bin" eval teacher-forced --model "$model" --kv rtn8 --text-file "$text" --tokens 300 --steps 2 \
   --json --per-position >"$tmp/tf.json"
 "$bin" eval needle --model "$model" --kv rtn8 --lengths 300 --samples 1 --json >"$tmp/needle.json" 2>/dev/null
+# The backing store GAAC-coded with a calibration of this model: same text, fewer backing bytes.
+"$bin" dump-kv --model "$model" --text-file "$shared/data/corpus/austen-emma.txt" --tokens 512 \
+  --out "$tmp/dump.safetensors" 2>/dev/null
+"$bin" codec --codec gaac --calib "$tmp/dump.safetensors" --save-calibration "$tmp/cal.safetensors" >/dev/null
+head -c 6000 "$text" >"$tmp/prompt.txt"
+"$bin" run --model "$model" --kv rtn8 --prompt-file "$tmp/prompt.txt" --raw --n 4 --json >"$tmp/backing_raw.json"
+"$bin" run --model "$model" --kv rtn8 --gaac-calib "$tmp/cal.safetensors" --prompt-file "$tmp/prompt.txt" \
+  --raw --n 4 --json >"$tmp/backing_gaac.json"
 
 python3 - "$tmp" <<'PY'
 import json, math, struct, sys
@@ -68,6 +76,9 @@ assert tf['tokens'] == 300 and len(tf['kl']) == 300 and tf['top1'] > 0.9 and tf[
 assert tf['meter']['cells'] == 2 * 30 * 9
 needle = json.load(open(d + '/needle.json'))
 assert needle['lengths'][0]['samples'] == 1 and 0 <= needle['accuracy'] <= 1
+raw, coded = json.load(open(d + '/backing_raw.json')), json.load(open(d + '/backing_gaac.json'))
+assert raw['text'] == coded['text'] and raw['kv_bytes'] == coded['kv_bytes'], (raw['text'], coded['text'])
+assert 0 < coded['kv_backing_bytes'] < 0.85 * raw['kv_backing_bytes'], (coded['kv_backing_bytes'], raw['kv_backing_bytes'])
 print('cli_meter: run, gate, audit (%d cells, tightness median %.3g), teacher-forced (KL %.2e), needle ok'
       % (audit['cells'], audit['tightness']['q50'], tf['mean_kl']))
 PY

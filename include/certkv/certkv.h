@@ -151,7 +151,7 @@ int64_t certkv_session_n_past(const certkv_session* session);
 /* Pages of one storage class of the KV cache. */
 typedef struct certkv_kv_class_stats {
   const char* storage;            /* "bf16" / "fp8" (raw pages), "gaac" / "gaac-fp8" (GAAC
-                                    slots); static string */
+                                    slots), "lossy" / "dither8" (lossy pages); static string */
   uint64_t pages_in_use;
   uint64_t bytes_from_allocator;  /* chunks the class's pools obtained */
   uint64_t page_bytes_in_use;     /* pages in use times their stride */
@@ -166,6 +166,9 @@ typedef struct certkv_kv_stats {
   uint64_t kv_bytes_bf16;          /* a contiguous BF16 cache of the same tokens */
   uint64_t pages_in_use;
   uint64_t pages_free;
+  uint64_t backing_bytes;          /* lossy schemes: the exact backing store the gate repairs
+                                      from (host memory, not part of kv_bytes) */
+  uint64_t exact_fallback_blocks;  /* lossy schemes: blocks kept exact (non-finite values) */
   int32_t n_classes;               /* entries of by_class: the classes the cache has pools for */
   certkv_kv_class_stats by_class[CERTKV_MAX_KV_CLASSES];
 } certkv_kv_stats;

@@ -353,6 +353,8 @@ certkv_status certkv_session_kv_stats(const certkv_session* session, certkv_kv_s
     stats->kv_bytes_bf16 = cache.kv_bytes_bf16(stats->n_tokens);
     stats->pages_in_use = m.pages_in_use;
     stats->pages_free = m.pages_free;
+    stats->backing_bytes = m.backing_bytes_reserved_from_allocator;
+    stats->exact_fallback_blocks = m.exact_fallback_blocks;
     stats->n_classes = 0;
     for (const certkv::cache::StorageClassStats& c : m.by_class) {
       if (stats->n_classes == CERTKV_MAX_KV_CLASSES) break;

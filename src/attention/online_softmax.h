@@ -134,12 +134,12 @@ inline void load_tile(const TableReader& r, int64_t begin, int64_t end, float* o
                            ref.storage == format::StorageClass::kDither8)) {
       // Lossy pages are always whole blocks: reconstruct the page, keep the rows asked for.
       if (n == bt) {
-        codec::lossy_decode_page_ref(*r.lossy, cache.lossy_page_slot(ref), cache.page_bytes_of(ref),
+        codec::lossy_decode_page(*r.lossy, cache.lossy_page_slot(ref), cache.page_bytes_of(ref),
                                      rows);
       } else {
         thread_local std::vector<float> page;
         page.resize(size_t(bt) * d);
-        codec::lossy_decode_page_ref(*r.lossy, cache.lossy_page_slot(ref), cache.page_bytes_of(ref),
+        codec::lossy_decode_page(*r.lossy, cache.lossy_page_slot(ref), cache.page_bytes_of(ref),
                                      page.data());
         std::copy(page.begin(), page.begin() + size_t(n) * d, rows);
       }

@@ -602,6 +602,41 @@ void lossy_decode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const 
   }
 }
 
+void lossy_decode_page(const LossyPageSpec& spec, uint32_t page_slot, const uint8_t* page,
+                       float* out) {
+  if (spec.scheme != LossyScheme::kDither8) {
+    lossy_decode_page_ref(spec, page_slot, page, out);
+    return;
+  }
+  // decode_dither8 with the generator unrolled: one 64-bit hash per four channels (dither8_xi
+  // computes the same hash for each of them) and one scale per group; the same floats.
+  const Geometry g = geometry_of(spec);
+  const size_t record = dither8_record_bytes(g);
+  for (int t = 0; t < g.bt; ++t) {
+    const uint8_t* rec = page + size_t(t) * record;
+    float* row = out + size_t(t) * g.d;
+    const uint64_t word0 = dither8_counter(g, page_slot, t) * uint64_t(kMaxHeadDim / 4);
+    for (int grp = 0; grp < g.groups; ++grp) {
+      const float s = fp16_to_float(load_u16(rec + g.d + 2 * size_t(grp)));
+      for (int c = grp * kQuantGroup; c < (grp + 1) * kQuantGroup; c += 4) {
+        const uint64_t h64 =
+            splitmix64_mix(splitmix64_mix(word0 + uint64_t(c / 4) + kGolden) ^ spec.dither_key);
+        for (int i = 0; i < 4; ++i) {
+          const float xi = (float(uint32_t(h64 >> (16 * i)) & 0xffffu) + 0.5f) / 65536.0f - 0.5f;
+          row[c + i] = s * (float(int8_t(rec[c + i])) - xi);
+        }
+      }
+    }
+    const uint8_t* outliers = rec + g.d + 2 * size_t(g.groups);
+    for (int i = 0; i < g.m; ++i) {
+      for (int which = 0; which < 2; ++which) {
+        const int c = rope_pair_channel(spec.pairing, g.d, spec.outlier_pairs[i], which);
+        row[c] = bf16_to_float(load_u16(outliers + 2 * size_t(2 * i + which)));
+      }
+    }
+  }
+}
+
 const uint16_t* lossy_witness(const LossyPageSpec& spec, const uint8_t* page) {
   const Geometry g = geometry_of(spec);
   if (lossy_scheme_is_tier_b(spec.scheme) || !spec.key) {

@@ -99,6 +99,11 @@ bool lossy_encode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const 
 void lossy_decode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const uint8_t* page,
                            float* out);
 
+// The same floats as lossy_decode_page_ref, faster (dither8 regenerates one hash per four
+// channels); what attention reads. out: [block_tokens][head_dim] float.
+void lossy_decode_page(const LossyPageSpec& spec, uint32_t page_slot, const uint8_t* page,
+                       float* out);
+
 // Tier A K pages: witness [block_tokens][witness_bands(head_dim)] fp16 bits, inside the page.
 // REQUIRES (both accessors): page is 2-byte aligned (pool pages are).
 const uint16_t* lossy_witness(const LossyPageSpec& spec, const uint8_t* page);

@@ -960,7 +960,7 @@ TEST(LossyPage, ValidateRejectsUnusableSpecs) {
 }
 
 // Random bytes decode without crashing, deterministically, writing every output element.
-TEST(LossyPage, GarbagePagesDecodeWithoutCrashing) {
+TEST(LossyPage, GarbagePagesDecodeWithoutCrashingAndBothDecodersAgree) {
   std::mt19937_64 rng(2024);
   const uint32_t sentinel = 0x7fc0dead;
   for (int si = 0; si < kNumLossySchemes; ++si) {
@@ -984,6 +984,10 @@ TEST(LossyPage, GarbagePagesDecodeWithoutCrashing) {
         lossy_decode_page_ref(spec, slot, page.data(), again.data());
         for (float v : out) ASSERT_NE(float_bits(v), sentinel);
         ASSERT_EQ(std::memcmp(out.data(), again.data(), out.size() * sizeof(float)), 0);
+        // The attention decoder gives the reference's floats bit for bit.
+        std::vector<float> fast(out.size(), format::bits_to_float(sentinel));
+        lossy_decode_page(spec, slot, page.data(), fast.data());
+        ASSERT_EQ(std::memcmp(out.data(), fast.data(), out.size() * sizeof(float)), 0);
         std::vector<float> side(static_cast<size_t>(bt));
         if (spec.scheme == LossyScheme::kDither8) {
           dither8_value_rho(spec, page.data(), side.data());

@@ -220,6 +220,7 @@ int cmd_run(int argc, char** argv) {
         .add("kv_bytes_in_use", kvs.kv_bytes_in_use)
         .add("kv_bytes_bf16", kvs.kv_bytes_bf16)
         .add("kv_tokens", int64_t(kvs.n_tokens))
+        .add("kv_backing_bytes", kvs.backing_bytes)
         .add_raw("kv_pages_by_class", kv_pages_by_class(kvs))
         .add("peak_rss_bytes", rss);
     const certkv_meter_stats ms = session.meter_stats();
