@@ -288,7 +288,8 @@ int cmd_needle(int argc, char** argv) {
         .add("accuracy", double(correct) / double(samples))
         .add("recall", recall / double(samples));
     if (last_meter.metered) row.add("repairs", repairs).add("pagein_bytes", pagein);
-    rows += (li ? "," : "") + row.str();
+    if (li) rows += ',';
+    rows += row.str();
     if (!flags.has("json"))
       printf("%s kv %s%s, %lld tokens: %lld/%lld exact (%.3f)%s\n", info.name, kv.kv.c_str(),
              kv.gate ? " (gated)" : "", (long long)length, (long long)correct, (long long)samples,
@@ -362,7 +363,8 @@ int cmd_audit(int argc, char** argv) {
       check(certkv_session_audit_layer(session.get(), l, &cells, &violations, &coverage));
       JsonObject lo;
       lo.add("layer", int64_t(l)).add("cells", cells).add("violations", violations).add("coverage", coverage);
-      layers += (l ? "," : "") + lo.str();
+      if (l) layers += ',';
+      layers += lo.str();
     }
     JsonObject tight;
     tight.add("q01", a.tightness_q01).add("q10", a.tightness_q10).add("q50", a.tightness_q50)
