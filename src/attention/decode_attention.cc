@@ -168,13 +168,14 @@ void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
     thread_local std::vector<float> scratch;
     const size_t bound_width = metered ? size_t(detail::key_bound_width(*k_tables[0].lossy)) : 0;
     scratch.resize(2 * tile_keys * size_t(d) + tile_keys +
-                   (metered ? tile_keys * (bound_width + 2) + tile_keys : 0));
+                   (metered ? 2 * tile_keys * bound_width + 2 * tile_keys : 0));
     float* k_tile = scratch.data();
     float* v_tile = k_tile + tile_keys * size_t(d);
     float* s = v_tile + tile_keys * size_t(d);
     float* bounds = s + tile_keys;           // metered: [tile_keys][bound_width]
     float* rho = bounds + tile_keys * bound_width;  // [tile_keys]
     float* c = rho + tile_keys;              // [tile_keys]
+    float* bounds_t = c + tile_keys;         // [bound_width][tile_keys]
     const int h = int(unit / n_splits);
     const int64_t split = unit % n_splits;
     const size_t first = size_t(unit) * size_t(group);
@@ -213,13 +214,10 @@ void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
       detail::load_tile(v_tables[size_t(h)], t0, t1, v_tile);
       detail::load_error_data(k_tables[size_t(h)], t0, t1, bounds);
       detail::load_error_data(v_tables[size_t(h)], t0, t1, rho);
-      for (int j = 0; j < n_keys; ++j) {
-        float sq = 0.f;
-        for (int e = 0; e < d; ++e) sq += v_tile[size_t(j) * size_t(d) + e] * v_tile[size_t(j) * size_t(d) + e];
-        v_norm_max = std::max(v_norm_max, std::sqrt(sq) + rho[j]);
-      }
+      v_norm_max = std::max(v_norm_max, detail::value_norm_bound(v_tile, rho, n_keys, d));
+      detail::transpose_bounds(bounds, n_keys, int(bound_width), tile_keys, bounds_t);
       for (int g = 0; g < group; ++g) {
-        detail::logit_bounds(weights[size_t(g)], bounds, n_keys, c);
+        detail::logit_bounds(weights[size_t(g)], bounds_t, tile_keys, n_keys, c);
         detail::update_row_metered(qg + size_t(g) * size_t(d), k_tile, v_tile, n_keys, d,
                                    shape.scale, c, rho, &st[g], &mr[g], acc + size_t(g) * size_t(d), s);
       }

@@ -327,6 +327,16 @@ inline int key_bound_width(const codec::LossyPageSpec& spec) {
                                                      : codec::witness_bands(spec.head_dim);
 }
 
+// dst[i] = fp16 src[i] as float, i < n (exact).
+inline void fp16_to_float_rows(const uint16_t* src, float* dst, size_t n) {
+  size_t i = 0;
+#if defined(__F16C__) && CERTKV_ATTENTION_AVX2
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = format::fp16_to_float(src[i]);
+}
+
 inline void load_error_data(const TableReader& r, int64_t begin, int64_t end, float* out) {
   const cache::KvCache& cache = *r.cache;
   const codec::LossyPageSpec& spec = *r.lossy;
@@ -351,7 +361,7 @@ inline void load_error_data(const TableReader& r, int64_t begin, int64_t end, fl
       std::copy(page.begin(), page.begin() + size_t(n) * size_t(width), dst);
     } else {
       const uint16_t* side = spec.key ? codec::lossy_witness(spec, bytes) : codec::lossy_value_rho(spec, bytes);
-      for (size_t i = 0; i < size_t(n) * size_t(width); ++i) dst[i] = format::fp16_to_float(side[i]);
+      fp16_to_float_rows(side, dst, size_t(n) * size_t(width));
     }
   }
 }
@@ -413,24 +423,104 @@ inline QueryBoundWeights query_bound_weights(const codec::LossyPageSpec& spec, c
   return w;
 }
 
-// c[j] for the keys of a tile: bounds [n_keys][width] from load_error_data.
-inline void logit_bounds(const QueryBoundWeights& w, const float* bounds, int n_keys, float* c) {
-  for (int j = 0; j < n_keys; ++j) {
-    const float* b = bounds + size_t(j) * size_t(w.width);
-    if (w.tier_b) {
-      float var = 0.f, slack = 0.f;
-      for (int g = 0; g < w.width; ++g) {
-        var += w.weight[g] * b[g] * b[g];
-        slack += w.abs_weight[g] * b[g];
+// bounds_t[b][j] = bounds[j][b]: the tile's error data band-major (stride tile_keys), so that the
+// bounds of eight keys come from one vector per band.
+inline void transpose_bounds(const float* bounds, int n_keys, int width, size_t tile_keys,
+                             float* bounds_t) {
+  for (int j = 0; j < n_keys; ++j)
+    for (int b = 0; b < width; ++b) bounds_t[size_t(b) * tile_keys + size_t(j)] = bounds[size_t(j) * size_t(width) + size_t(b)];
+}
+
+// c[j] for the keys of a tile. bounds_t: [width][tile_keys] (transpose_bounds).
+inline void logit_bounds(const QueryBoundWeights& w, const float* bounds_t, size_t tile_keys,
+                         int n_keys, float* c) {
+  int j = 0;
+#if CERTKV_ATTENTION_AVX2
+  for (; j + 8 <= n_keys; j += 8) {
+    __m256 var = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+    for (int g = 0; g < w.width; ++g) {
+      const __m256 b = _mm256_loadu_ps(bounds_t + size_t(g) * tile_keys + size_t(j));
+      if (w.tier_b) {
+        var = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(w.weight[g]), b), b, var);
+        sum = _mm256_fmadd_ps(_mm256_set1_ps(w.abs_weight[g]), b, sum);
+      } else {
+        sum = _mm256_fmadd_ps(_mm256_set1_ps(w.weight[g]), b, sum);
       }
-      c[j] = std::sqrt(var) + slack;
-    } else {
-      float sum = 0.f;
-      for (int g = 0; g < w.width; ++g) sum += w.weight[g] * b[g];
-      c[j] = sum;
     }
+    _mm256_storeu_ps(c + j, w.tier_b ? _mm256_add_ps(_mm256_sqrt_ps(var), sum) : sum);
+  }
+#endif
+  for (; j < n_keys; ++j) {
+    float var = 0.f, sum = 0.f;
+    for (int g = 0; g < w.width; ++g) {
+      const float b = bounds_t[size_t(g) * tile_keys + size_t(j)];
+      if (w.tier_b) {
+        var += w.weight[g] * b * b;
+        sum += w.abs_weight[g] * b;
+      } else {
+        sum += w.weight[g] * b;
+      }
+    }
+    c[j] = w.tier_b ? std::sqrt(var) + sum : sum;
   }
 }
+
+// max over the tile's rows of ||v_j|| + rho_j. v: [n_keys][d]. REQUIRES: d % 8 == 0.
+inline float value_norm_bound(const float* v, const float* rho, int n_keys, int d) {
+  float best = 0.f;
+  for (int j = 0; j < n_keys; ++j) {
+    const float* vj = v + size_t(j) * size_t(d);
+#if CERTKV_ATTENTION_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (int e = 0; e < d; e += 8) {
+      const __m256 x = _mm256_loadu_ps(vj + e);
+      acc = _mm256_fmadd_ps(x, x, acc);
+    }
+    const float sq = horizontal_sum(acc);
+#else
+    float sq = 0.f;
+    for (int e = 0; e < d; ++e) sq += vj[e] * vj[e];
+#endif
+    best = std::max(best, std::sqrt(sq) + rho[j]);
+  }
+  return best;
+}
+
+#if CERTKV_ATTENTION_AVX2
+// e^c - 1 for 0 <= c < 88, 8 lanes, relative error below 1e-6: below 1/2 its Taylor series to
+// c^9 / 9! (truncation below 3e-10 relative); above, e^c (c = n ln2 + r, |r| <= ln2 / 2, e^r by
+// the degree-7 polynomial of exp_nonpositive8) minus 1, which cancels nothing since e^c > 1.6.
+inline __m256 expm1_nonnegative8(__m256 c) {
+  __m256 t = _mm256_set1_ps(1.f / 362880.f);
+  t = _mm256_fmadd_ps(t, c, _mm256_set1_ps(1.f / 40320.f));
+  t = _mm256_fmadd_ps(t, c, _mm256_set1_ps(1.f / 5040.f));
+  t = _mm256_fmadd_ps(t, c, _mm256_set1_ps(1.f / 720.f));
+  t = _mm256_fmadd_ps(t, c, _mm256_set1_ps(1.f / 120.f));
+  t = _mm256_fmadd_ps(t, c, _mm256_set1_ps(1.f / 24.f));
+  t = _mm256_fmadd_ps(t, c, _mm256_set1_ps(1.f / 6.f));
+  t = _mm256_fmadd_ps(t, c, _mm256_set1_ps(0.5f));
+  t = _mm256_fmadd_ps(t, c, _mm256_set1_ps(1.f));
+  const __m256 small = _mm256_mul_ps(t, c);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 large = _mm256_sub_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_set1_ps(1.f));
+  return _mm256_blendv_ps(large, small, _mm256_cmp_ps(c, _mm256_set1_ps(0.5f), _CMP_LT_OQ));
+}
+#endif
+
+// sum_j p[j] (e^{c[j]} - 1) over the keys whose bound is below kLargeLogitBound.
+inline float weighted_expm1_sum(const float* p, const float* c, int n_keys);
 
 // Meter state of one query row beside its RowState, in the scaling of l (the running sum of
 // e^{s~_t - m}): A - 1 = sum_t p~_t (e^{c_t} - 1) = d / l, so
@@ -446,6 +536,25 @@ struct MeterRow {
 // Bounds at or above this use double exponentials (e^{c} would leave float's range).
 inline constexpr float kLargeLogitBound = 60.f;
 
+inline float weighted_expm1_sum(const float* p, const float* c, int n_keys) {
+  int j = 0;
+  float sum = 0.f;
+#if CERTKV_ATTENTION_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 limit = _mm256_set1_ps(kLargeLogitBound);
+  for (; j + 8 <= n_keys; j += 8) {
+    const __m256 cj = _mm256_loadu_ps(c + j);
+    const __m256 below = _mm256_cmp_ps(cj, limit, _CMP_LT_OQ);  // false for NaN and large bounds
+    const __m256 e = expm1_nonnegative8(_mm256_and_ps(cj, below));
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(p + j), _mm256_and_ps(e, below), acc);
+  }
+  sum = horizontal_sum(acc);
+#endif
+  for (; j < n_keys; ++j)
+    if (c[j] < kLargeLogitBound) sum += p[j] * std::expm1(c[j]);
+  return sum;
+}
+
 // update_row plus the meter: c: [n_keys] logit bounds, rho: [n_keys] value error bounds.
 inline void update_row_metered(const float* q, const float* k, const float* v, int n_keys, int d,
                                float scale, const float* c, const float* rho, RowState* state,
@@ -457,11 +566,9 @@ inline void update_row_metered(const float* q, const float* k, const float* v, i
   for (int j = 0; j < n_keys; ++j)
     if (!(c[j] < kLargeLogitBound)) large += std::exp(double(s[j]) - double(m_new) + double(c[j]));
   const float tile_sum = exp_shifted_and_sum(s, n_keys, m_new);
-  float d_tile = 0.f, rho_tile = 0.f;
-  for (int j = 0; j < n_keys; ++j) {
-    if (c[j] < kLargeLogitBound) d_tile += s[j] * std::expm1(c[j]);
-    rho_tile += s[j] * rho[j];
-  }
+  const float d_tile = weighted_expm1_sum(s, c, n_keys);
+  float rho_tile = 0.f;
+  for (int j = 0; j < n_keys; ++j) rho_tile += s[j] * rho[j];
   meter->d = meter->d * double(alpha) + double(d_tile) + large;
   meter->rho = meter->rho * alpha + rho_tile;
   state->l = state->l * alpha + tile_sum;

@@ -7,6 +7,9 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <limits>
 #include <numeric>
 #include <string>
@@ -453,7 +456,7 @@ int witness_band_of_pair(int head_dim, int pair) {
 }
 
 void validate_lossy_page_spec(const LossyPageSpec& spec) {
-  const std::string where = "lossy page spec: ";
+  static const std::string where = "lossy page spec: ";
   if (static_cast<int>(spec.scheme) >= kNumLossySchemes) {
     fail(StatusCode::kInvalidArgument,
          where + "scheme " + std::to_string(static_cast<int>(spec.scheme)) + " is unknown");
@@ -602,30 +605,118 @@ void lossy_decode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const 
   }
 }
 
+namespace {
+
+// The FP8 values of every byte, once: fp8_to_float is exact, so a table gives the same floats.
+struct Fp8Tables {
+  float e4m3[256];
+  float e5m2[256];
+  Fp8Tables() {
+    for (int i = 0; i < 256; ++i) {
+      e4m3[i] = format::fp8_to_float(uint8_t(i), 4, 3);
+      e5m2[i] = format::fp8_to_float(uint8_t(i), 5, 2);
+    }
+  }
+};
+
+const Fp8Tables& fp8_tables() {
+  static const Fp8Tables tables;
+  return tables;
+}
+
+// row[c] = s * q_c for the 32 codes of one group; q: int8 codes.
+inline void scale_int8_group(const int8_t* q, float s, float* row) {
+#if defined(__AVX2__)
+  const __m256 sv = _mm256_set1_ps(s);
+  for (int c = 0; c < kQuantGroup; c += 8) {
+    const __m256i qi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + c)));
+    _mm256_storeu_ps(row + c, _mm256_mul_ps(sv, _mm256_cvtepi32_ps(qi)));
+  }
+#else
+  for (int c = 0; c < kQuantGroup; ++c) row[c] = s * float(q[c]);
+#endif
+}
+
+void decode_rtn_rows(const Geometry& g, int bits, const uint8_t* page, float* out) {
+  const size_t code_bytes = rtn_code_bytes(g, bits);
+  const size_t record = code_bytes + 2 * size_t(g.groups);
+  int8_t q[kMaxHeadDim];
+  for (int t = 0; t < g.bt; ++t) {
+    const uint8_t* rec = page + size_t(t) * record;
+    float* row = out + size_t(t) * g.d;
+    if (bits == 8) {
+      std::memcpy(q, rec, size_t(g.d));
+    } else {
+      for (int c = 0; c < g.d; c += 2) {
+        q[c] = int8_t(int(rec[c / 2] & 0xf) - 8);
+        q[c + 1] = int8_t(int(rec[c / 2] >> 4) - 8);
+      }
+    }
+    for (int grp = 0; grp < g.groups; ++grp)
+      scale_int8_group(q + grp * kQuantGroup, fp16_to_float(load_u16(rec + code_bytes + 2 * size_t(grp))),
+                       row + grp * kQuantGroup);
+  }
+}
+
+}  // namespace
+
 void lossy_decode_page(const LossyPageSpec& spec, uint32_t page_slot, const uint8_t* page,
                        float* out) {
-  if (spec.scheme != LossyScheme::kDither8) {
-    lossy_decode_page_ref(spec, page_slot, page, out);
-    return;
+  const Geometry g = geometry_of(spec);
+  const size_t n = size_t(g.bt) * size_t(g.d);
+  switch (spec.scheme) {
+    case LossyScheme::kFp8E4M3:
+    case LossyScheme::kFp8E5M2: {
+      const float* table = spec.scheme == LossyScheme::kFp8E4M3 ? fp8_tables().e4m3 : fp8_tables().e5m2;
+      for (size_t i = 0; i < n; ++i) out[i] = table[page[i]];
+      return;
+    }
+    case LossyScheme::kFp8E4M3Scaled: {
+      const size_t record = size_t(g.d) + 2;
+      for (int t = 0; t < g.bt; ++t) {
+        const uint8_t* rec = page + size_t(t) * record;
+        const float s = fp16_to_float(load_u16(rec + g.d));
+        for (int c = 0; c < g.d; ++c) out[size_t(t) * g.d + c] = s * fp8_tables().e4m3[rec[c]];
+      }
+      return;
+    }
+    case LossyScheme::kRtn8:
+    case LossyScheme::kRtn4:
+      decode_rtn_rows(g, spec.scheme == LossyScheme::kRtn8 ? 8 : 4, page, out);
+      return;
+    case LossyScheme::kKivi2:
+      lossy_decode_page_ref(spec, page_slot, page, out);
+      return;
+    case LossyScheme::kDither8:
+      break;
   }
   // decode_dither8 with the generator unrolled: one 64-bit hash per four channels (dither8_xi
   // computes the same hash for each of them) and one scale per group; the same floats.
-  const Geometry g = geometry_of(spec);
   const size_t record = dither8_record_bytes(g);
+  float xi[kMaxHeadDim];
   for (int t = 0; t < g.bt; ++t) {
     const uint8_t* rec = page + size_t(t) * record;
     float* row = out + size_t(t) * g.d;
     const uint64_t word0 = dither8_counter(g, page_slot, t) * uint64_t(kMaxHeadDim / 4);
+    for (int c = 0; c < g.d; c += 4) {
+      const uint64_t h64 =
+          splitmix64_mix(splitmix64_mix(word0 + uint64_t(c / 4) + kGolden) ^ spec.dither_key);
+      for (int i = 0; i < 4; ++i)
+        xi[c + i] = (float(uint32_t(h64 >> (16 * i)) & 0xffffu) + 0.5f) / 65536.0f - 0.5f;
+    }
     for (int grp = 0; grp < g.groups; ++grp) {
       const float s = fp16_to_float(load_u16(rec + g.d + 2 * size_t(grp)));
-      for (int c = grp * kQuantGroup; c < (grp + 1) * kQuantGroup; c += 4) {
-        const uint64_t h64 =
-            splitmix64_mix(splitmix64_mix(word0 + uint64_t(c / 4) + kGolden) ^ spec.dither_key);
-        for (int i = 0; i < 4; ++i) {
-          const float xi = (float(uint32_t(h64 >> (16 * i)) & 0xffffu) + 0.5f) / 65536.0f - 0.5f;
-          row[c + i] = s * (float(int8_t(rec[c + i])) - xi);
-        }
+      const int c0 = grp * kQuantGroup;
+#if defined(__AVX2__)
+      const __m256 sv = _mm256_set1_ps(s);
+      for (int c = c0; c < c0 + kQuantGroup; c += 8) {
+        const __m256 q = _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + c))));
+        _mm256_storeu_ps(row + c, _mm256_mul_ps(sv, _mm256_sub_ps(q, _mm256_loadu_ps(xi + c))));
       }
+#else
+      for (int c = c0; c < c0 + kQuantGroup; ++c) row[c] = s * (float(int8_t(rec[c])) - xi[c]);
+#endif
     }
     const uint8_t* outliers = rec + g.d + 2 * size_t(g.groups);
     for (int i = 0; i < g.m; ++i) {
@@ -678,17 +769,22 @@ void dither8_value_rho(const LossyPageSpec& spec, const uint8_t* page, float* rh
     fail(StatusCode::kInvalidArgument, std::string("dither8_value_rho: the page is ") +
                                            lossy_scheme_name(spec.scheme) + ", not dither8");
   }
-  const std::vector<uint8_t> outlier = outlier_channels(spec);
-  std::vector<float> scales(size_t(g.bt) * g.groups);
-  dither8_scales(spec, page, scales.data());
+  // Per group, the channels that are not outliers (outliers are stored exactly).
+  int quantized[kMaxHeadDim / kQuantGroup];
+  for (int grp = 0; grp < g.groups; ++grp) quantized[grp] = kQuantGroup;
+  for (int i = 0; i < spec.n_outlier_pairs; ++i)
+    for (int which = 0; which < 2; ++which)
+      --quantized[rope_pair_channel(spec.pairing, g.d, spec.outlier_pairs[i], which) / kQuantGroup];
+  const size_t record = dither8_record_bytes(g);
   const double r_per_scale = 0.5 + double(kDither8Slack);  // |r_c| <= s_c (1/2 + slack)
   for (int t = 0; t < g.bt; ++t) {
     double sum_sq = 0.0;
-    for (int c = 0; c < g.d; ++c) {
-      if (outlier[c]) continue;  // stored exactly
-      const double r_max = double(scales[size_t(t) * g.groups + c / kQuantGroup]) * r_per_scale;
-      sum_sq += r_max * r_max;
+    for (int grp = 0; grp < g.groups; ++grp) {
+      const double r_max =
+          double(fp16_to_float(load_u16(page + size_t(t) * record + g.d + 2 * size_t(grp)))) * r_per_scale;
+      sum_sq += double(quantized[grp]) * r_max * r_max;
     }
+    // The double sum of at most 8 terms is off by far less than kNormSafety's 2^-40.
     rho[t] = float_upward(std::sqrt(sum_sq) * kNormSafety);
   }
 }
