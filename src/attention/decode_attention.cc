@@ -168,14 +168,13 @@ void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
     thread_local std::vector<float> scratch;
     const size_t bound_width = metered ? size_t(detail::key_bound_width(*k_tables[0].lossy)) : 0;
     scratch.resize(2 * tile_keys * size_t(d) + tile_keys +
-                   (metered ? 2 * tile_keys * bound_width + 2 * tile_keys : 0));
+                   (metered ? tile_keys * bound_width + 2 * tile_keys : 0));
     float* k_tile = scratch.data();
     float* v_tile = k_tile + tile_keys * size_t(d);
     float* s = v_tile + tile_keys * size_t(d);
-    float* bounds = s + tile_keys;           // metered: [tile_keys][bound_width]
+    float* bounds = s + tile_keys;           // metered: [bound_width][tile_keys] (band-major)
     float* rho = bounds + tile_keys * bound_width;  // [tile_keys]
     float* c = rho + tile_keys;              // [tile_keys]
-    float* bounds_t = c + tile_keys;         // [bound_width][tile_keys]
     const int h = int(unit / n_splits);
     const int64_t split = unit % n_splits;
     const size_t first = size_t(unit) * size_t(group);
@@ -201,28 +200,24 @@ void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
     thread_local std::vector<detail::QueryBoundWeights> weights;
     weights.resize(size_t(group));
     for (int g = 0; g < group; ++g) {
-      mr[g] = {0.0, 0.f, 0.f};
+      mr[g] = {0.0, 0.f};
       weights[size_t(g)] = detail::query_bound_weights(*k_tables[size_t(h)].lossy,
                                                qg + size_t(g) * size_t(d), shape.scale, n_ctx,
                                                options.meter.delta_loc);
     }
-    float v_norm_max = 0.f;
     for (int64_t t0 = split * blocks_per_split * bt; t0 < key_end; t0 += bt) {
       const int64_t t1 = std::min(key_end, t0 + bt);
       const int n_keys = int(t1 - t0);
       detail::load_tile(k_tables[size_t(h)], t0, t1, k_tile);
       detail::load_tile(v_tables[size_t(h)], t0, t1, v_tile);
-      detail::load_error_data(k_tables[size_t(h)], t0, t1, bounds);
-      detail::load_error_data(v_tables[size_t(h)], t0, t1, rho);
-      v_norm_max = std::max(v_norm_max, detail::value_norm_bound(v_tile, rho, n_keys, d));
-      detail::transpose_bounds(bounds, n_keys, int(bound_width), tile_keys, bounds_t);
+      detail::load_error_data(k_tables[size_t(h)], t0, t1, bounds, tile_keys);
+      detail::load_error_data(v_tables[size_t(h)], t0, t1, rho, tile_keys);
       for (int g = 0; g < group; ++g) {
-        detail::logit_bounds(weights[size_t(g)], bounds_t, tile_keys, n_keys, c);
+        detail::logit_bounds(weights[size_t(g)], bounds, tile_keys, n_keys, c);
         detail::update_row_metered(qg + size_t(g) * size_t(d), k_tile, v_tile, n_keys, d,
                                    shape.scale, c, rho, &st[g], &mr[g], acc + size_t(g) * size_t(d), s);
       }
     }
-    for (int g = 0; g < group; ++g) mr[g].v_norm_max = v_norm_max;
   });
 
   // Merge the splits by their log-sum-exp weights: with M = max_s m_s,
@@ -251,13 +246,13 @@ void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
       hm = HeadMeter{};
       if (!metered) continue;
       // A - 1, the value side and max ||v|| merge like the output (the same LSE weights).
-      double d_total = 0, rho_total = 0, v_max = 0;
+      double d_total = 0, rho_total = 0;
+      const double v_max = cache.value_norm_max(seq, layer, h);  // kept by the cache at write time
       for (int64_t sp = 0; sp < n_splits; ++sp) {
         const size_t i = partial(sp);
         const double w = std::exp(double(states[i].m) - double(m_max));
         d_total += w * meter_rows[i].d;
         rho_total += w * double(meter_rows[i].rho);
-        v_max = std::max(v_max, double(meter_rows[i].v_norm_max));
       }
       // Float rounding of the sums above is at most a few parts in 10^6 of each: lift by 2^-16.
       const double lift = 1.0 + 1.0 / 65536.0;
@@ -265,7 +260,7 @@ void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
       hm.log_a = std::isfinite(a_minus_1) ? std::log1p(a_minus_1) : INFINITY;
       hm.meter = gate::meter_from_log_a(hm.log_a);
       hm.value_rho = rho_total / double(l_total) * lift;
-      hm.v_norm_max = v_max * lift;
+      hm.v_norm_max = v_max;
       hm.output_bound = 2 * hm.meter * hm.v_norm_max + hm.value_rho;
     }
   }

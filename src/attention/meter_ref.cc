@@ -90,24 +90,29 @@ void decode_meter_ref(const cache::KvCache& cache, cache::SeqId seq, int layer,
     const codec::LossyPageSpec& spec = *k_table.lossy;
     const int width = detail::key_bound_width(spec);
     std::vector<float> bounds(size_t(n_ctx) * size_t(width));
-    detail::load_error_data(k_table, 0, n_ctx, bounds.data());
-    detail::load_error_data(v_table, 0, n_ctx, rho.data());
+    detail::load_error_data(k_table, 0, n_ctx, bounds.data(), size_t(n_ctx));  // [width][n_ctx]
+    detail::load_error_data(v_table, 0, n_ctx, rho.data(), size_t(n_ctx));
     cache.read_token_range_ref(seq, layer, KvTensor::kKey, kv_head, 0, n_ctx, k.data());
     cache.read_token_range_ref(seq, layer, KvTensor::kValue, kv_head, 0, n_ctx, v.data());
+    // max_t ||v_t|| over the exact values (the backing store for lossy pages).
+    std::vector<float> v_exact(v.size());
+    cache.read_token_range_exact(seq, layer, KvTensor::kValue, kv_head, 0, n_ctx, v_exact.data());
     double v_norm_max = 0;
     for (int64_t t = 0; t < n_ctx; ++t) {
       double sq = 0;
-      for (int e = 0; e < d; ++e) sq += double(v[size_t(t) * size_t(d) + e]) * v[size_t(t) * size_t(d) + e];
-      v_norm_max = std::max(v_norm_max, std::sqrt(sq) + double(rho[size_t(t)]));
+      for (int e = 0; e < d; ++e) sq += double(v_exact[size_t(t) * size_t(d) + e]) * v_exact[size_t(t) * size_t(d) + e];
+      v_norm_max = std::max(v_norm_max, std::sqrt(sq));
     }
     for (int g = 0; g < group; ++g) {
       const int h = kv_head * group + g;
       const float* qh = q + size_t(h) * size_t(d);
       scores_ref(qh, k.data(), n_ctx, d, double(shape.scale), s.data());
       gate::MeterState state;
+      std::vector<float> token_bounds(static_cast<size_t>(width));
       for (int64_t t = 0; t < n_ctx; ++t) {
-        c[size_t(t)] = logit_bound_ref(spec, qh, double(shape.scale), &bounds[size_t(t) * size_t(width)],
-                                       n_ctx, options.delta_loc);
+        for (int b = 0; b < width; ++b) token_bounds[size_t(b)] = bounds[size_t(b) * size_t(n_ctx) + size_t(t)];
+        c[size_t(t)] = logit_bound_ref(spec, qh, double(shape.scale), token_bounds.data(), n_ctx,
+                                       options.delta_loc);
         const double vn = 0;  // max ||v|| is taken over all tokens below
         state.add(s[size_t(t)], c[size_t(t)], double(rho[size_t(t)]), vn);
       }

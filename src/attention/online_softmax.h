@@ -71,16 +71,19 @@ struct TableReader {
   std::optional<codec::GaacRowDecoder> gaac;
   format::GaacElement element;         // of the cache's pages
   const codec::GaacBases* fp8_bases;   // GAAC FP8 schemes: the table's bases; else null
-  // Lossy schemes: what the table's lossy pages are (empty otherwise).
+  // Lossy schemes: what the table's lossy pages are (empty otherwise), and where a Tier A page's
+  // side data starts (lossy_payload_bytes).
   std::optional<codec::LossyPageSpec> lossy;
+  size_t side_offset = 0;
 };
 
 inline TableReader table_reader(const cache::KvCache& cache, cache::SeqId seq, int layer,
                                 cache::KvTensor kv, int kv_head) {
   TableReader r{&cache, cache.block_table(seq, layer, kv, kv_head), cache.n_blocks(seq), 0,
-                std::nullopt, cache::kv_scheme_element(cache.scheme()), nullptr, std::nullopt};
+                std::nullopt, cache::kv_scheme_element(cache.scheme()), nullptr, std::nullopt, 0};
   if (cache::kv_scheme_is_lossy(cache.scheme())) {
     r.lossy = cache.lossy_spec(layer, kv, kv_head);
+    r.side_offset = codec::lossy_payload_bytes(*r.lossy);
   } else if (cache.scheme() == cache::KvScheme::kGaac) {
     r.gaac.emplace(cache.block_tokens(), cache.head_dim(), cache.gaac_bases(layer, kv, kv_head));
     r.slot_bytes = cache.gaac_slot_bytes(layer, kv);
@@ -337,31 +340,46 @@ inline void fp16_to_float_rows(const uint16_t* src, float* dst, size_t n) {
   for (; i < n; ++i) dst[i] = format::fp16_to_float(src[i]);
 }
 
-inline void load_error_data(const TableReader& r, int64_t begin, int64_t end, float* out) {
+// Per-token error data of positions [begin, end) of a lossy table, band-major:
+// out[b * stride + (t - begin)] for b < width (key_bound_width for K tables, 1 for V tables):
+//   K tables, Tier A: the witness w_{t,b};  K tables, Tier B (dither8): the scales s_{t,g};
+//   V tables: rho_t >= ||v^_t - v_t||.
+// Pages that are not lossy (bf16 tails, repaired or exact-fallback blocks) are exact: zeros.
+// REQUIRES: r.lossy; begin % block_tokens == 0; stride >= end - begin.
+inline void load_error_data(const TableReader& r, int64_t begin, int64_t end, float* out,
+                            size_t stride) {
   const cache::KvCache& cache = *r.cache;
   const codec::LossyPageSpec& spec = *r.lossy;
   const int64_t bt = cache.block_tokens();
   const int width = spec.key ? key_bound_width(spec) : 1;
+  const bool tier_b = codec::lossy_scheme_is_tier_b(spec.scheme);
+  const size_t side_offset = r.side_offset;
   thread_local std::vector<float> page;
   for (int64_t start = begin; start < end; start += bt) {
     const int64_t n = end - start < bt ? end - start : bt;
     const format::PageRef ref = r.table[start / bt];
-    float* dst = out + size_t(start - begin) * size_t(width);
+    float* dst = out + size_t(start - begin);
     const bool lossy_page = ref.storage == format::StorageClass::kLossy ||
                             ref.storage == format::StorageClass::kDither8;
     if (!lossy_page) {
-      std::fill(dst, dst + size_t(n) * size_t(width), 0.f);
+      for (int b = 0; b < width; ++b) std::fill(dst + size_t(b) * stride, dst + size_t(b) * stride + size_t(n), 0.f);
       continue;
     }
     const uint8_t* bytes = cache.page_bytes_of(ref);
-    if (codec::lossy_scheme_is_tier_b(spec.scheme)) {
-      page.resize(size_t(bt) * size_t(spec.key ? width : 1));
-      if (spec.key) codec::dither8_scales(spec, bytes, page.data());
-      else codec::dither8_value_rho(spec, bytes, page.data());
-      std::copy(page.begin(), page.begin() + size_t(n) * size_t(width), dst);
+    if (tier_b) {
+      page.resize(size_t(bt) * size_t(width));
+      if (spec.key) {
+        codec::dither8_scales(spec, bytes, page.data());  // [bt][width]
+        for (int64_t j = 0; j < n; ++j)
+          for (int b = 0; b < width; ++b) dst[size_t(b) * stride + size_t(j)] = page[size_t(j) * size_t(width) + size_t(b)];
+      } else {
+        codec::dither8_value_rho(spec, bytes, page.data());
+        std::copy(page.begin(), page.begin() + n, dst);
+      }
     } else {
-      const uint16_t* side = spec.key ? codec::lossy_witness(spec, bytes) : codec::lossy_value_rho(spec, bytes);
-      fp16_to_float_rows(side, dst, size_t(n) * size_t(width));
+      // Tier A side data is band-major [width][bt] (docs/format/lossy_pages.md).
+      const uint16_t* side = reinterpret_cast<const uint16_t*>(bytes + side_offset);
+      for (int b = 0; b < width; ++b) fp16_to_float_rows(side + size_t(b) * size_t(bt), dst + size_t(b) * stride, size_t(n));
     }
   }
 }
@@ -423,31 +441,56 @@ inline QueryBoundWeights query_bound_weights(const codec::LossyPageSpec& spec, c
   return w;
 }
 
-// bounds_t[b][j] = bounds[j][b]: the tile's error data band-major (stride tile_keys), so that the
-// bounds of eight keys come from one vector per band.
-inline void transpose_bounds(const float* bounds, int n_keys, int width, size_t tile_keys,
-                             float* bounds_t) {
-  for (int j = 0; j < n_keys; ++j)
-    for (int b = 0; b < width; ++b) bounds_t[size_t(b) * tile_keys + size_t(j)] = bounds[size_t(j) * size_t(width) + size_t(b)];
-}
-
-// c[j] for the keys of a tile. bounds_t: [width][tile_keys] (transpose_bounds).
+// c[j] for the keys of a tile. bounds_t: [width][tile_keys] (load_error_data, band-major).
+// Sixteen keys at a time with four independent sums (two key halves x even and odd bands), so
+// that the loop over bands is not one chain of dependent FMAs.
 inline void logit_bounds(const QueryBoundWeights& w, const float* bounds_t, size_t tile_keys,
                          int n_keys, float* c) {
   int j = 0;
 #if CERTKV_ATTENTION_AVX2
-  for (; j + 8 <= n_keys; j += 8) {
-    __m256 var = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
-    for (int g = 0; g < w.width; ++g) {
-      const __m256 b = _mm256_loadu_ps(bounds_t + size_t(g) * tile_keys + size_t(j));
+  for (; j + 16 <= n_keys; j += 16) {
+    // a*: keys j..j+7, b*: keys j+8..j+15; *0 even bands, *1 odd bands.
+    __m256 la0 = _mm256_setzero_ps(), la1 = la0, lb0 = la0, lb1 = la0;
+    __m256 qa0 = la0, qa1 = la0, qb0 = la0, qb1 = la0;
+    int g = 0;
+    for (; g + 2 <= w.width; g += 2) {
+      const float* r0 = bounds_t + size_t(g) * tile_keys + size_t(j);
+      const float* r1 = r0 + tile_keys;
+      const __m256 a0 = _mm256_loadu_ps(r0), b0 = _mm256_loadu_ps(r0 + 8);
+      const __m256 a1 = _mm256_loadu_ps(r1), b1 = _mm256_loadu_ps(r1 + 8);
+      const __m256 w0 = _mm256_set1_ps(w.tier_b ? w.abs_weight[g] : w.weight[g]);
+      const __m256 w1 = _mm256_set1_ps(w.tier_b ? w.abs_weight[g + 1] : w.weight[g + 1]);
+      la0 = _mm256_fmadd_ps(w0, a0, la0);
+      lb0 = _mm256_fmadd_ps(w0, b0, lb0);
+      la1 = _mm256_fmadd_ps(w1, a1, la1);
+      lb1 = _mm256_fmadd_ps(w1, b1, lb1);
       if (w.tier_b) {
-        var = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(w.weight[g]), b), b, var);
-        sum = _mm256_fmadd_ps(_mm256_set1_ps(w.abs_weight[g]), b, sum);
-      } else {
-        sum = _mm256_fmadd_ps(_mm256_set1_ps(w.weight[g]), b, sum);
+        const __m256 v0 = _mm256_set1_ps(w.weight[g]), v1 = _mm256_set1_ps(w.weight[g + 1]);
+        qa0 = _mm256_fmadd_ps(_mm256_mul_ps(v0, a0), a0, qa0);
+        qb0 = _mm256_fmadd_ps(_mm256_mul_ps(v0, b0), b0, qb0);
+        qa1 = _mm256_fmadd_ps(_mm256_mul_ps(v1, a1), a1, qa1);
+        qb1 = _mm256_fmadd_ps(_mm256_mul_ps(v1, b1), b1, qb1);
       }
     }
-    _mm256_storeu_ps(c + j, w.tier_b ? _mm256_add_ps(_mm256_sqrt_ps(var), sum) : sum);
+    if (g < w.width) {
+      const float* r0 = bounds_t + size_t(g) * tile_keys + size_t(j);
+      const __m256 a0 = _mm256_loadu_ps(r0), b0 = _mm256_loadu_ps(r0 + 8);
+      const __m256 w0 = _mm256_set1_ps(w.tier_b ? w.abs_weight[g] : w.weight[g]);
+      la0 = _mm256_fmadd_ps(w0, a0, la0);
+      lb0 = _mm256_fmadd_ps(w0, b0, lb0);
+      if (w.tier_b) {
+        const __m256 v0 = _mm256_set1_ps(w.weight[g]);
+        qa0 = _mm256_fmadd_ps(_mm256_mul_ps(v0, a0), a0, qa0);
+        qb0 = _mm256_fmadd_ps(_mm256_mul_ps(v0, b0), b0, qb0);
+      }
+    }
+    __m256 ca = _mm256_add_ps(la0, la1), cb = _mm256_add_ps(lb0, lb1);
+    if (w.tier_b) {
+      ca = _mm256_add_ps(_mm256_sqrt_ps(_mm256_add_ps(qa0, qa1)), ca);
+      cb = _mm256_add_ps(_mm256_sqrt_ps(_mm256_add_ps(qb0, qb1)), cb);
+    }
+    _mm256_storeu_ps(c + j, ca);
+    _mm256_storeu_ps(c + j + 8, cb);
   }
 #endif
   for (; j < n_keys; ++j) {
@@ -463,27 +506,6 @@ inline void logit_bounds(const QueryBoundWeights& w, const float* bounds_t, size
     }
     c[j] = w.tier_b ? std::sqrt(var) + sum : sum;
   }
-}
-
-// max over the tile's rows of ||v_j|| + rho_j. v: [n_keys][d]. REQUIRES: d % 8 == 0.
-inline float value_norm_bound(const float* v, const float* rho, int n_keys, int d) {
-  float best = 0.f;
-  for (int j = 0; j < n_keys; ++j) {
-    const float* vj = v + size_t(j) * size_t(d);
-#if CERTKV_ATTENTION_AVX2
-    __m256 acc = _mm256_setzero_ps();
-    for (int e = 0; e < d; e += 8) {
-      const __m256 x = _mm256_loadu_ps(vj + e);
-      acc = _mm256_fmadd_ps(x, x, acc);
-    }
-    const float sq = horizontal_sum(acc);
-#else
-    float sq = 0.f;
-    for (int e = 0; e < d; ++e) sq += vj[e] * vj[e];
-#endif
-    best = std::max(best, std::sqrt(sq) + rho[j]);
-  }
-  return best;
 }
 
 #if CERTKV_ATTENTION_AVX2
@@ -525,16 +547,41 @@ inline float weighted_expm1_sum(const float* p, const float* c, int n_keys);
 // Meter state of one query row beside its RowState, in the scaling of l (the running sum of
 // e^{s~_t - m}): A - 1 = sum_t p~_t (e^{c_t} - 1) = d / l, so
 //   d   = sum_t e^{s~_t - m} (e^{c_t} - 1)   (double: e^{c_t} may be large),
-//   rho = sum_t e^{s~_t - m} rho_t,   v_norm_max = max_t ||v_t|| (a bound).
+//   rho = sum_t e^{s~_t - m} rho_t.
 // Carrying A - 1 rather than A keeps the bound's rounding relative to its own size.
 struct MeterRow {
   double d;
   float rho;
-  float v_norm_max;
 };
 
 // Bounds at or above this use double exponentials (e^{c} would leave float's range).
 inline constexpr float kLargeLogitBound = 60.f;
+
+// Whether some c[j] is at or above kLargeLogitBound, or NaN (an overflow: the meter is 1).
+inline bool any_large_bound(const float* c, int n_keys) {
+  int j = 0;
+#if CERTKV_ATTENTION_AVX2
+  const __m256 limit = _mm256_set1_ps(kLargeLogitBound);
+  for (; j + 8 <= n_keys; j += 8)
+    if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(c + j), limit, _CMP_NLT_UQ)) != 0) return true;
+#endif
+  for (; j < n_keys; ++j)
+    if (!(c[j] < kLargeLogitBound)) return true;
+  return false;
+}
+
+// sum_j a[j] b[j].
+inline float dot(const float* a, const float* b, int n) {
+  int j = 0;
+  float sum = 0.f;
+#if CERTKV_ATTENTION_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
+  sum = horizontal_sum(acc);
+#endif
+  for (; j < n; ++j) sum += a[j] * b[j];
+  return sum;
+}
 
 inline float weighted_expm1_sum(const float* p, const float* c, int n_keys) {
   int j = 0;
@@ -563,12 +610,13 @@ inline void update_row_metered(const float* q, const float* k, const float* v, i
   const float m_new = tile_max > state->m ? tile_max : state->m;
   const float alpha = std::exp(state->m - m_new);
   double large = 0;
-  for (int j = 0; j < n_keys; ++j)
-    if (!(c[j] < kLargeLogitBound)) large += std::exp(double(s[j]) - double(m_new) + double(c[j]));
+  if (any_large_bound(c, n_keys)) {
+    for (int j = 0; j < n_keys; ++j)
+      if (!(c[j] < kLargeLogitBound)) large += std::exp(double(s[j]) - double(m_new) + double(c[j]));
+  }
   const float tile_sum = exp_shifted_and_sum(s, n_keys, m_new);
   const float d_tile = weighted_expm1_sum(s, c, n_keys);
-  float rho_tile = 0.f;
-  for (int j = 0; j < n_keys; ++j) rho_tile += s[j] * rho[j];
+  const float rho_tile = dot(s, rho, n_keys);
   meter->d = meter->d * double(alpha) + double(d_tile) + large;
   meter->rho = meter->rho * alpha + rho_tile;
   state->l = state->l * alpha + tile_sum;

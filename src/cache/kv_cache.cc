@@ -1,6 +1,7 @@
 #include "cache/kv_cache.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <string>
@@ -351,6 +352,7 @@ SeqId KvCache::create_sequence() {
   Sequence s;
   s.written.assign(size_t(config_.n_layers), 0);
   s.tables.resize(2 * size_t(config_.n_layers) * size_t(config_.n_kv_heads));
+  s.value_norm_max.assign(size_t(config_.n_layers) * size_t(config_.n_kv_heads), 0.f);
   const SeqId id = next_id_++;
   sequences_.emplace(id, std::move(s));
   return id;
@@ -368,6 +370,7 @@ SeqId KvCache::fork_sequence(SeqId parent) {
   child.reserved = p.length;
   child.written.assign(size_t(config_.n_layers), p.length);
   child.tables = p.tables;
+  child.value_norm_max = p.value_norm_max;
   for (const auto& table : child.tables) {
     for (const PageRef& ref : table) retain(ref);
   }
@@ -751,6 +754,20 @@ void KvCache::write(SeqId seq, int layer, const float* k, const float* v, int64_
       }
     }
   }
+  // ||v_t|| of the stored bf16 values, in double, rounded up to float.
+  for (int h = 0; h < h_kv; ++h) {
+    float& norm_max = s.value_norm_max[size_t(layer) * size_t(h_kv) + size_t(h)];
+    for (int64_t i = 0; i < n; ++i) {
+      const float* row = v + (size_t(i) * size_t(h_kv) + size_t(h)) * size_t(d);
+      double sq = 0;
+      for (int c = 0; c < d; ++c) {
+        const double x = format::bf16_to_float(format::float_to_bf16(row[c]));
+        sq += x * x;
+      }
+      const float norm = std::nextafter(float(std::sqrt(sq) * (1 + 0x1p-40)), INFINITY);
+      if (!(norm <= norm_max)) norm_max = norm;  // NaN sticks: the bound is then unusable
+    }
+  }
   int64_t& written = s.written[size_t(layer)];
   written = std::max(written, s.length + n);
 }
@@ -982,6 +999,13 @@ uint64_t KvCache::repair_block(SeqId seq, int layer, int kv_head, int64_t block)
     ref = raw_ref(raw[i]);
   }
   return bytes;
+}
+
+float KvCache::value_norm_max(SeqId seq, int layer, int kv_head) const {
+  const Sequence& s = sequence(seq);
+  check_layer(layer, "value_norm_max");
+  check_kv_head(kv_head, "value_norm_max");
+  return s.value_norm_max[size_t(layer) * size_t(config_.n_kv_heads) + size_t(kv_head)];
 }
 
 uint32_t KvCache::ref_count(PageRef ref) const {

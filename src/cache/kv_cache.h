@@ -239,6 +239,10 @@ class KvCache {
   // page is free (the tables are then unchanged).
   uint64_t repair_block(SeqId seq, int layer, int kv_head, int64_t block);
 
+  // An upper bound of ||v_t|| (the exact bf16 values) over every position of (seq, layer,
+  // kv_head) written so far, kept at write time for the meter's value-side bound.
+  float value_norm_max(SeqId seq, int layer, int kv_head) const;
+
   // References held on the page (1 = owned by one sequence). For tests and accounting.
   uint32_t ref_count(format::PageRef ref) const;
 
@@ -260,6 +264,7 @@ class KvCache {
     int64_t reserved = 0;              // positions with pages: length + reservation
     std::vector<int64_t> written;      // per layer
     std::vector<std::vector<format::PageRef>> tables;  // [(layer * 2 + kv) * n_kv_heads + head]
+    std::vector<float> value_norm_max;                 // [layer * n_kv_heads + head]
   };
 
   Sequence& sequence(SeqId seq);

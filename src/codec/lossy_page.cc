@@ -413,8 +413,9 @@ void write_tier_a_side_data(const LossyPageSpec& spec, const Geometry& g, const 
       }
     }
     for (int b = 0; b < n_bands; ++b) {
-      store_u16(side + 2 * (size_t(t) * n_bands + b),
-                norm_upper_bound_fp16(std::sqrt(sum_sq[size_t(b)])));
+      // Band-major: the bounds of one band for every token of the block are contiguous, so that
+      // attention reads them as a vector per band.
+      store_u16(side + 2 * (size_t(b) * g.bt + t), norm_upper_bound_fp16(std::sqrt(sum_sq[size_t(b)])));
     }
   }
 }

@@ -5,7 +5,8 @@
 //
 // A page holds one full block of block_tokens tokens of one (layer, K or V, kv_head):
 //   [payload (scheme-specific)][side data]
-// Side data: K pages of Tier A schemes: witness [block_tokens][n_bands] fp16, w_{t,b} = ||r_{t,b}||
+// Side data: K pages of Tier A schemes: witness [n_bands][block_tokens] fp16 (band-major),
+// w_{t,b} = ||r_{t,b}||
 // of the key residual r = k^ - k over band b (a contiguous range of RoPE frequency pairs), each
 // rounded toward +inf so it stays an upper bound. V pages of Tier A schemes: rho [block_tokens]
 // fp16, rho_t >= ||v^_t - v_t|| (rounded toward +inf). dither8 pages carry no side data: their
@@ -104,7 +105,8 @@ void lossy_decode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const 
 void lossy_decode_page(const LossyPageSpec& spec, uint32_t page_slot, const uint8_t* page,
                        float* out);
 
-// Tier A K pages: witness [block_tokens][witness_bands(head_dim)] fp16 bits, inside the page.
+// Tier A K pages: witness [witness_bands(head_dim)][block_tokens] fp16 bits (band-major), inside
+// the page.
 // REQUIRES (both accessors): page is 2-byte aligned (pool pages are).
 const uint16_t* lossy_witness(const LossyPageSpec& spec, const uint8_t* page);
 // Tier A V pages: rho [block_tokens] fp16 bits, inside the page.

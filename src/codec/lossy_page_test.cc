@@ -237,7 +237,7 @@ void expect_side_data_bounds(const LossyPageSpec& spec, const std::vector<uint16
         EXPECT_GE((long double)dither_rho[size_t(t)], exact) << "dither8 rho, token " << t;
         continue;
       }
-      const long double w = fp16_to_float(side[size_t(t) * n_bands + b]);
+      const long double w = fp16_to_float(side[size_t(b) * bt + t]);  // band-major
       EXPECT_GE(w, exact) << lossy_scheme_name(spec.scheme) << " token " << t << " band " << b;
       EXPECT_LE(w, 1.001L * exact + 0x1p-24L)
           << lossy_scheme_name(spec.scheme) << " token " << t << " band " << b;
