@@ -74,7 +74,13 @@ double round_half_even(double v) {
 float float_upward(double v) {
   if (v > double(std::numeric_limits<float>::max())) return std::numeric_limits<float>::infinity();
   float f = float(v);
-  if (double(f) < v) f = std::nextafter(f, std::numeric_limits<float>::infinity());
+  if (double(f) < v) {
+    // The next float up: for f >= 0 the next bit pattern; for f < 0 the previous one.
+    if (f == 0.0f) return std::numeric_limits<float>::denorm_min();
+    uint32_t bits = std::bit_cast<uint32_t>(f);
+    bits = f > 0.0f ? bits + 1 : bits - 1;
+    f = std::bit_cast<float>(bits);
+  }
   return f;
 }
 
