@@ -98,7 +98,9 @@ void decode_true_tv_ref(const cache::KvCache& cache, cache::SeqId seq, int layer
 int choose_decode_splits(int64_t n_ctx, int block_tokens, int n_kv_heads, int n_threads);
 
 // Causal attention for n new query tokens at positions [pos0, pos0 + n): query i attends to
-// positions [0, pos0 + i]. Tiles a block of queries against each tile of pages (each page
+// positions [0, pos0 + i]. Lossy caches: blocks holding positions >= pos0 (this call's tokens)
+// are read exactly from the backing store, earlier blocks as stored, as engines with quantized
+// caches prefill (the meter and the gate act on decode steps). Tiles a block of queries against each tile of pages (each page
 // converted or reconstructed once per query block into a per-thread tile buffer), online
 // softmax, parallel over (kv_head, query block) on `pool`. Same floats for GAAC and BF16 caches.
 // q: [n][n_q_heads][head_dim] float; out: [n][n_q_heads][head_dim] float.

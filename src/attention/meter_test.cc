@@ -192,6 +192,45 @@ TEST(DecodeMeter, RepairedBlocksLowerTheMeter) {
   }
 }
 
+// Prefill over a lossy cache reads the blocks of its own chunk exactly and earlier blocks as
+// stored; the float path matches the double reference either way.
+TEST(LossyPrefill, OwnChunkExactEarlierChunksAsStored) {
+  ThreadPool pool(2);
+  const CaseShape shape{6, 2, 64, 16};
+  const AttentionShape as = testing::attention_shape(shape);
+  for (const KvScheme scheme : {KvScheme::kRtn4, KvScheme::kDither8, KvScheme::kKivi2}) {
+    auto lossy = lossy_cache(shape, scheme, 512);
+    cache::KvCacheConfig bf16_cfg = lossy->config();
+    bf16_cfg.scheme = KvScheme::kBf16;
+    cache::KvCache bf16(bf16_cfg);
+    const cache::SeqId a = lossy->create_sequence(), b = bf16.create_sequence();
+    std::mt19937 rng_a(5), rng_b(5);
+    append(*lossy, a, 250, rng_a);  // the same data in both caches (the same seed)
+    append(bf16, b, 250, rng_b);
+    std::mt19937 rng(9);
+    for (const int64_t pos0 : {int64_t(0), int64_t(100), int64_t(233)}) {
+      const int64_t n = 250 - pos0;
+      std::normal_distribution<float> normal(0.f, 1.f);
+      std::vector<float> q(size_t(n) * 6 * 64);
+      for (float& x : q) x = normal(rng);
+      std::vector<float> got(q.size()), exact(q.size());
+      std::vector<double> ref(q.size());
+      prefill_attention(*lossy, a, 1, as, q.data(), pos0, n, got.data(), &pool);
+      prefill_attention_ref(*lossy, a, 1, as, q.data(), pos0, n, ref.data());
+      prefill_attention(bf16, b, 1, as, q.data(), pos0, n, exact.data(), &pool);
+      const std::string where = std::string(cache::kv_scheme_name(scheme)) + " pos0 " + std::to_string(pos0);
+      EXPECT_LT(testing::max_abs_diff(got, ref), 2e-5) << where;
+      const double diff = testing::max_abs_diff(got, exact);
+      // kivi2 keeps its newest 32 tokens (this cache's window) exact: pos0 >= 218 sees no lossy block.
+      if (pos0 == 0) {
+        EXPECT_LT(diff, 2e-5) << where << ": a single chunk attends only exact blocks";
+      } else if (!(scheme == KvScheme::kKivi2 && pos0 >= 218)) {
+        EXPECT_GT(diff, 1e-4) << where << ": earlier chunks are read as stored";
+      }
+    }
+  }
+}
+
 TEST(DecodeMeter, Dither8NeedsAFailureProbabilityInRange) {
   const CaseShape shape{2, 1, 64, 16};
   std::mt19937 rng(3);

@@ -75,12 +75,19 @@ struct TableReader {
   // side data starts (lossy_payload_bytes).
   std::optional<codec::LossyPageSpec> lossy;
   size_t side_offset = 0;
+  // Lossy pages of blocks ending after this position are read exactly (the backing store):
+  // prefill attends the blocks of its own chunk exactly.
+  int64_t exact_from = std::numeric_limits<int64_t>::max();
+  int layer = 0;
+  cache::KvTensor kv = cache::KvTensor::kKey;
+  int kv_head = 0;
 };
 
 inline TableReader table_reader(const cache::KvCache& cache, cache::SeqId seq, int layer,
                                 cache::KvTensor kv, int kv_head) {
   TableReader r{&cache, cache.block_table(seq, layer, kv, kv_head), cache.n_blocks(seq), 0,
-                std::nullopt, cache::kv_scheme_element(cache.scheme()), nullptr, std::nullopt, 0};
+                std::nullopt, cache::kv_scheme_element(cache.scheme()), nullptr, std::nullopt, 0,
+                std::numeric_limits<int64_t>::max(), layer, kv, kv_head};
   if (cache::kv_scheme_is_lossy(cache.scheme())) {
     r.lossy = cache.lossy_spec(layer, kv, kv_head);
     r.side_offset = codec::lossy_payload_bytes(*r.lossy);
@@ -133,6 +140,13 @@ inline void load_tile(const TableReader& r, int64_t begin, int64_t end, float* o
       fp8_to_float_rows(r.element, page.data(), rows, size_t(n) * d);
     } else if (ref.storage == format::StorageClass::kFp8) {
       fp8_to_float_rows(r.element, cache.page_fp8(ref), rows, size_t(n) * d);
+    } else if (r.lossy && (ref.storage == format::StorageClass::kLossy ||
+                           ref.storage == format::StorageClass::kDither8) &&
+               (start / bt + 1) * bt > r.exact_from) {
+      thread_local std::vector<uint16_t> exact;
+      exact.resize(size_t(bt) * d);
+      cache.read_exact_page(ref, r.layer, r.kv, r.kv_head, exact.data());
+      bf16_to_float_rows(exact.data(), rows, size_t(n) * d);
     } else if (r.lossy && (ref.storage == format::StorageClass::kLossy ||
                            ref.storage == format::StorageClass::kDither8)) {
       // Lossy pages are always whole blocks: reconstruct the page, keep the rows asked for.

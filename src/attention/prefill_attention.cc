@@ -47,6 +47,12 @@ void prefill_attention_ref(const cache::KvCache& cache, cache::SeqId seq, int la
   for (int kv_head = 0; kv_head < shape.n_kv_heads; ++kv_head) {
     cache.read_token_range_ref(seq, layer, KvTensor::kKey, kv_head, 0, n_keys, k.data());
     cache.read_token_range_ref(seq, layer, KvTensor::kValue, kv_head, 0, n_keys, v.data());
+    if (cache::kv_scheme_is_lossy(cache.scheme())) {
+      // The blocks holding this call's tokens are read exactly (see prefill_attention).
+      const int64_t from = pos0 / cache.block_tokens() * cache.block_tokens();
+      cache.read_token_range_exact(seq, layer, KvTensor::kKey, kv_head, from, n_keys, &k[size_t(from) * size_t(d)]);
+      cache.read_token_range_exact(seq, layer, KvTensor::kValue, kv_head, from, n_keys, &v[size_t(from) * size_t(d)]);
+    }
     for (int64_t i = 0; i < n; ++i) {
       const int64_t n_visible = pos0 + i + 1;
       for (int g = 0; g < group; ++g) {
@@ -88,6 +94,9 @@ void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
   for (int h = 0; h < shape.n_kv_heads; ++h) {
     k_tables.push_back(detail::table_reader(cache, seq, layer, KvTensor::kKey, h));
     v_tables.push_back(detail::table_reader(cache, seq, layer, KvTensor::kValue, h));
+    // Lossy caches: the blocks holding this call's tokens are read exactly (a prompt chunk
+    // attends its own keys and values as computed, earlier chunks as stored).
+    k_tables.back().exact_from = v_tables.back().exact_from = pos0;
   }
 
   const size_t tile_keys = size_t(detail::blocks_per_tile(bt, d)) * size_t(bt);

@@ -945,6 +945,19 @@ void KvCache::read_token_range(SeqId seq, int layer, KvTensor kv, int kv_head, i
   }
 }
 
+void KvCache::read_exact_page(PageRef ref, int layer, KvTensor kv, int kv_head, uint16_t* out) const {
+  check_layer(layer, "read_exact_page");
+  check_kv_head(kv_head, "read_exact_page");
+  if (!lossy_ || ref.storage != slot_class_ || ref.pool != uint8_t(kv) || is_pending(ref) ||
+      pool_of(ref).ref_count(ref.page) == 0) {
+    fail_cache(StatusCode::kInvalidArgument,
+               std::string("read_exact_page: page ") + std::to_string(ref.page) + " of class " +
+                   format::storage_class_name(ref.storage) + " is not a lossy " + kv_name(kv) +
+                   " page in use");
+  }
+  read_backing(ref, layer, kv, kv_head, out);
+}
+
 codec::LossyPageSpec KvCache::lossy_spec(int layer, KvTensor kv, int kv_head) const {
   if (!lossy_) {
     fail_cache(StatusCode::kInvalidArgument, "lossy_spec of a cache of scheme " +

@@ -227,6 +227,11 @@ class KvCache {
   void read_token_range_exact(SeqId seq, int layer, KvTensor kv, int kv_head, int64_t begin,
                               int64_t end, float* out) const;
 
+  // Lossy schemes: the exact block of a lossy page of (layer, K/V, kv_head), from the backing
+  // store. out: [block_tokens][head_dim] bf16. REQUIRES: ref is a lossy page in use of that table
+  // (certkv::Error otherwise).
+  void read_exact_page(format::PageRef ref, int layer, KvTensor kv, int kv_head, uint16_t* out) const;
+
   // Lossy schemes: what the pages of (layer, K/V, kv_head) are (the outlier pairs point into the
   // cache and are fixed once chosen). REQUIRES: a lossy scheme, indices in range.
   codec::LossyPageSpec lossy_spec(int layer, KvTensor kv, int kv_head) const;
