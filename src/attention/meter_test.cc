@@ -123,6 +123,7 @@ TEST_P(DecodeMeterTest, FloatPathMatchesTheReferenceAndBoundsTheTrueTv) {
             }
             EXPECT_NEAR(got[size_t(h)].value_rho, ref[size_t(h)].value_rho,
                         2e-4 * ref[size_t(h)].value_rho + 1e-12) << where;
+            EXPECT_GE(got[size_t(h)].value_rho, ref[size_t(h)].value_rho) << where << ": value side lower";
             EXPECT_GE(got[size_t(h)].v_norm_max, ref[size_t(h)].v_norm_max) << where;
             EXPECT_LE(got[size_t(h)].v_norm_max, ref[size_t(h)].v_norm_max * (1 + 1e-6)) << where;
             // Theorem 1, per head and step.

@@ -381,14 +381,27 @@ inline void load_error_data(const TableReader& r, int64_t begin, int64_t end, fl
     }
     const uint8_t* bytes = cache.page_bytes_of(ref);
     if (tier_b) {
-      page.resize(size_t(bt) * size_t(width));
+      const int width_scales = spec.head_dim / codec::kQuantGroup;
+      page.resize(size_t(bt) * size_t(width_scales));
       if (spec.key) {
         codec::dither8_scales(spec, bytes, page.data());  // [bt][width]
         for (int64_t j = 0; j < n; ++j)
           for (int b = 0; b < width; ++b) dst[size_t(b) * stride + size_t(j)] = page[size_t(j) * size_t(width) + size_t(b)];
       } else {
-        codec::dither8_value_rho(spec, bytes, page.data());
-        std::copy(page.begin(), page.begin() + n, dst);
+        // codec::dither8_value_rho in float: rho_t = (1/2 + slack) sqrt(32 sum_g s_{t,g}^2) (V
+        // pages keep no outliers). s^2 and 32 s^2 are exact in float (an fp16 s has 11 bits);
+        // the sum of at most 8 terms, the square root and the product round by less than 2^-21
+        // relative, covered by lifting the result by 2^-20.
+        codec::dither8_scales(spec, bytes, page.data());  // [bt][width]
+        const float r = (0.5f + codec::kDither8Slack) * (1.0f + 1.0f / 1048576.0f);
+        for (int64_t j = 0; j < n; ++j) {
+          float sum_sq = 0.f;
+          for (int g = 0; g < width_scales; ++g) {
+            const float sg = page[size_t(j) * size_t(width_scales) + size_t(g)];
+            sum_sq += float(codec::kQuantGroup) * sg * sg;
+          }
+          dst[j] = r * std::sqrt(sum_sq);
+        }
       }
     } else {
       // Tier A side data is band-major [width][bt] (docs/format/lossy_pages.md).
