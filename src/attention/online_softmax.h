@@ -185,14 +185,10 @@ inline float horizontal_sum(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-// e^x for x <= 0, 8 lanes; lanes below -87.3 give 0 (the float range ends near e^-87.3).
-// x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two parts, Cody & Waite 1980), e^r by its
-// Taylor polynomial of degree 7 (truncation error below 6e-9 relative), 2^n built in the
-// exponent field.
-inline __m256 exp_nonpositive8(__m256 x) {
-  const __m256 lower = _mm256_set1_ps(-87.3f);
-  const __m256 underflow = _mm256_cmp_ps(x, lower, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lower);
+// e^x for |x| <= 87.3, 8 lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two parts, Cody &
+// Waite 1980), e^r by its Taylor polynomial of degree 7 (truncation error below 6e-9 relative),
+// 2^n built in the exponent field.
+inline __m256 exp_range_reduced8(__m256 x) {
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -206,7 +202,14 @@ inline __m256 exp_nonpositive8(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// e^x for x <= 0, 8 lanes; lanes below -87.3 give 0 (the float range ends near e^-87.3).
+inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 lower = _mm256_set1_ps(-87.3f);
+  const __m256 underflow = _mm256_cmp_ps(x, lower, _CMP_LT_OQ);
+  return _mm256_andnot_ps(underflow, exp_range_reduced8(_mm256_max_ps(x, lower)));
 }
 #endif
 
@@ -538,7 +541,7 @@ inline void logit_bounds(const QueryBoundWeights& w, const float* bounds_t, size
 #if CERTKV_ATTENTION_AVX2
 // e^c - 1 for 0 <= c < 88, 8 lanes, relative error below 1e-6: below 1/2 its Taylor series to
 // c^9 / 9! (truncation below 3e-10 relative); above, e^c (c = n ln2 + r, |r| <= ln2 / 2, e^r by
-// the degree-7 polynomial of exp_nonpositive8) minus 1, which cancels nothing since e^c > 1.6.
+// exp_range_reduced8) minus 1, which cancels nothing since e^c > 1.6.
 inline __m256 expm1_nonnegative8(__m256 c) {
   __m256 t = _mm256_set1_ps(1.f / 362880.f);
   t = _mm256_fmadd_ps(t, c, _mm256_set1_ps(1.f / 40320.f));
@@ -550,26 +553,10 @@ inline __m256 expm1_nonnegative8(__m256 c) {
   t = _mm256_fmadd_ps(t, c, _mm256_set1_ps(0.5f));
   t = _mm256_fmadd_ps(t, c, _mm256_set1_ps(1.f));
   const __m256 small = _mm256_mul_ps(t, c);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 5040.f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 large = _mm256_sub_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_set1_ps(1.f));
+  const __m256 large = _mm256_sub_ps(exp_range_reduced8(c), _mm256_set1_ps(1.f));
   return _mm256_blendv_ps(large, small, _mm256_cmp_ps(c, _mm256_set1_ps(0.5f), _CMP_LT_OQ));
 }
 #endif
-
-// sum_j p[j] (e^{c[j]} - 1) over the keys whose bound is below kLargeLogitBound.
-inline float weighted_expm1_sum(const float* p, const float* c, int n_keys);
 
 // Meter state of one query row beside its RowState, in the scaling of l (the running sum of
 // e^{s~_t - m}): A - 1 = sum_t p~_t (e^{c_t} - 1) = d / l, so
@@ -610,6 +597,7 @@ inline float dot(const float* a, const float* b, int n) {
   return sum;
 }
 
+// sum_j p[j] (e^{c[j]} - 1) over the keys whose bound is below kLargeLogitBound.
 inline float weighted_expm1_sum(const float* p, const float* c, int n_keys) {
   int j = 0;
   float sum = 0.f;
