@@ -62,8 +62,6 @@ void validate_shape(const cache::KvCache& cache, int layer, const AttentionShape
   }
 }
 
-namespace {
-
 void validate_decode(const char* entry, const cache::KvCache& cache, cache::SeqId seq, int layer,
                      const AttentionShape& shape, const void* q, int64_t n_ctx, const void* out) {
   validate_shape(cache, layer, shape);
@@ -78,8 +76,6 @@ void validate_decode(const char* entry, const cache::KvCache& cache, cache::SeqI
                        " of sequence " + std::to_string(seq));
   }
 }
-
-}  // namespace
 
 void decode_attention_ref(const cache::KvCache& cache, cache::SeqId seq, int layer,
                           const AttentionShape& shape, const float* q, int64_t n_ctx,

@@ -31,6 +31,10 @@ struct AttentionShape {
 
 // Throws certkv::Error if the shape is unusable with this cache at this layer.
 void validate_shape(const cache::KvCache& cache, int layer, const AttentionShape& shape);
+// validate_shape, and q, out not null and 1 <= n_ctx <= written_tokens(seq, layer); the error
+// names `entry`.
+void validate_decode(const char* entry, const cache::KvCache& cache, cache::SeqId seq, int layer,
+                     const AttentionShape& shape, const void* q, int64_t n_ctx, const void* out);
 
 // The meter of one (layer, query head, step) (DESIGN.md section 4, gate/meter.h): with
 // p~ the compressed attention and c_t >= |logit error of t| (Tier A witness bound for the

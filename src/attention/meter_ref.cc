@@ -15,17 +15,6 @@ namespace {
 
 using cache::KvTensor;
 
-void validate_meter(const char* entry, const cache::KvCache& cache, cache::SeqId seq, int layer,
-                    const AttentionShape& shape, const void* q, int64_t n_ctx, const void* out) {
-  validate_shape(cache, layer, shape);
-  if (q == nullptr || out == nullptr) fail(StatusCode::kInvalidArgument, std::string(entry) + ": null q or out");
-  const int64_t written = cache.written_tokens(seq, layer);
-  if (n_ctx < 1 || n_ctx > written) {
-    fail(StatusCode::kOutOfRange, std::string(entry) + ": n_ctx " + std::to_string(n_ctx) +
-                                      " outside [1, " + std::to_string(written) + "]");
-  }
-}
-
 // Scores scale * <q, k_t> in double. k: [n][d].
 void scores_ref(const float* q, const float* k, int64_t n, int d, double scale, double* s) {
   for (int64_t t = 0; t < n; ++t) {
@@ -70,7 +59,7 @@ void decode_meter_ref(const cache::KvCache& cache, cache::SeqId seq, int layer,
                       const AttentionShape& shape, const float* q, int64_t n_ctx,
                       const MeterOptions& options, HeadMeter* meters,
                       std::vector<double>* block_contributions) {
-  validate_meter("decode_meter_ref", cache, seq, layer, shape, q, n_ctx, meters);
+  validate_decode("decode_meter_ref", cache, seq, layer, shape, q, n_ctx, meters);
   const int d = shape.head_dim;
   const int group = shape.n_q_heads / shape.n_kv_heads;
   const int bt = cache.block_tokens();
@@ -137,7 +126,7 @@ void decode_meter_ref(const cache::KvCache& cache, cache::SeqId seq, int layer,
 
 void decode_true_tv_ref(const cache::KvCache& cache, cache::SeqId seq, int layer,
                         const AttentionShape& shape, const float* q, int64_t n_ctx, double* tv) {
-  validate_meter("decode_true_tv_ref", cache, seq, layer, shape, q, n_ctx, tv);
+  validate_decode("decode_true_tv_ref", cache, seq, layer, shape, q, n_ctx, tv);
   const int d = shape.head_dim;
   const int group = shape.n_q_heads / shape.n_kv_heads;
   std::vector<float> k(size_t(n_ctx) * size_t(d)), k_hat(size_t(n_ctx) * size_t(d));

@@ -538,7 +538,11 @@ void KvCache::finalize_block(int layer, KvTensor kv, int kv_head, const uint8_t*
     return;
   }
   slots.release(slot);
-  // Stays raw: reuse an owned raw page (the tail being finalized), else take one.
+  keep_block_raw(block, ref);
+}
+
+void KvCache::keep_block_raw(const uint8_t* block, PageRef& ref) {
+  // Reuse an owned raw page (the tail being finalized), else take one.
   const bool owned_raw = !is_pending(ref) && ref.storage == raw_class_ &&
                          bf16_pool_->ref_count(ref.page) == 1;
   if (!owned_raw) {
@@ -592,15 +596,7 @@ void KvCache::finalize_lossy(int layer, KvTensor kv, int kv_head, const uint8_t*
     // Not finite, or a scale beyond fp16: the block stays exact and is counted, never certified.
     pages.release(page);
     ++exact_fallback_blocks_;
-    const bool owned_raw = !is_pending(ref) && ref.storage == raw_class_ &&
-                           bf16_pool_->ref_count(ref.page) == 1;
-    if (!owned_raw) {
-      const uint32_t raw = bf16_pool_->allocate();
-      release(ref);
-      ref = raw_ref(raw);
-    }
-    uint8_t* dst = raw_page_mutable(ref);
-    if (dst != block) std::memcpy(dst, block, page_bytes());
+    keep_block_raw(block, ref);
     return;
   }
   release(ref);

@@ -310,6 +310,8 @@ class KvCache {
   // an owned raw `ref` is reused for that). block: one raw page's data.
   void finalize_block(int layer, KvTensor kv, int kv_head, const uint8_t* block,
                       format::PageRef& ref);
+  // A block that stays raw: `ref` becomes an owned raw page holding `block` (one raw page's data).
+  void keep_block_raw(const uint8_t* block, format::PageRef& ref);
   // Makes `ref` an owned raw page holding the same rows (a pending entry gets a fresh page).
   void make_raw(int layer, KvTensor kv, int kv_head, format::PageRef& ref);
 

@@ -56,7 +56,6 @@ float bf16_round(float x) { return format::bf16_to_float(format::float_to_bf16(x
 std::vector<std::vector<float>> fill(KvCache& cache, SeqId seq, const std::vector<int64_t>& steps,
                                      std::mt19937& rng) {
   const KvCacheConfig& cfg = cache.config();
-  const size_t row = size_t(cfg.n_kv_heads) * size_t(cfg.head_dim);
   std::vector<std::vector<float>> written(size_t(cfg.n_layers) * 2);
   for (int64_t m : steps) {
     cache.reserve(seq, m);
@@ -68,7 +67,6 @@ std::vector<std::vector<float>> fill(KvCache& cache, SeqId seq, const std::vecto
       auto& wv = written[size_t(layer) * 2 + 1];
       wk.insert(wk.end(), k.begin(), k.end());
       wv.insert(wv.end(), v.begin(), v.end());
-      (void)row;
     }
     cache.commit(seq, m);
   }

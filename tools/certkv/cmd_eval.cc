@@ -43,20 +43,6 @@ constexpr const char* kAuditUsage =
     "  checks meter >= the true total variation of attention. Prints cells, violations,\n"
     "  coverage at tau and the tightness (meter / TV) quantiles; --dump writes sampled cells.\n";
 
-std::string read_file(const std::string& path, const char* flag) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw UsageError{std::string("flag --") + flag + ": cannot read file '" + path + "'"};
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::string default_model(const Flags& flags) {
-  if (flags.has("model")) return flags.str("model");
-  if (const char* env = getenv("CERTKV_MODEL")) return env;
-  return CERTKV_DEFAULT_MODEL;
-}
-
 std::map<std::string, bool> common_spec() {
   std::map<std::string, bool> spec = {{"model", true},     {"threads", true}, {"json", false},
                                       {"text-file", true}, {"tokens", true},  {"steps", true},
@@ -67,7 +53,7 @@ std::map<std::string, bool> common_spec() {
 
 // The first n tokens of a text file (with the model's BOS), or a usage error naming the count.
 std::vector<int32_t> text_tokens(const certkv::Model& model, const Flags& flags, int64_t n) {
-  const std::string text = read_file(flags.str("text-file"), "text-file");
+  const std::string text = read_text_file(flags.str("text-file"), "text-file");
   std::vector<int32_t> tokens = model.tokenize(text, /*add_special=*/true, /*parse_special=*/false);
   if (int64_t(tokens.size()) < n)
     throw UsageError{"flag --tokens: " + flags.str("text-file") + " has only " +
@@ -118,7 +104,7 @@ int cmd_teacher_forced(int argc, char** argv) {
     throw UsageError{"flag --kv " + kv.kv + " needs --gaac-calib FILE"};
   const std::string calib = flags.str("gaac-calib");
 
-  certkv::Model model(default_model(flags));
+  certkv::Model model(model_path(flags));
   const certkv_model_info info = model.info();
   const std::vector<int32_t> tokens = text_tokens(model, flags, n);
   const int n_vocab = int(info.n_vocab);
@@ -232,7 +218,7 @@ int cmd_needle(int argc, char** argv) {
     throw UsageError{"flag --haystack: expected noise or corpus, got '" + haystack + "'"};
   }
 
-  certkv::Model model(default_model(flags));
+  certkv::Model model(model_path(flags));
   const certkv_model_info info = model.info();
   // Tokens of the chat wrapping around the user's text (the prompt is counted with it).
   const std::vector<certkv_chat_message> empty = {{"user", ""}};
@@ -341,7 +327,7 @@ int cmd_audit(int argc, char** argv) {
   const int32_t dump_cells = int32_t(flags.integer("dump-cells", 16, 0, 1 << 16));
   const uint64_t seed = uint64_t(flags.integer("seed", 1, 0, INT64_MAX));
 
-  certkv::Model model(default_model(flags));
+  certkv::Model model(model_path(flags));
   const certkv_model_info info = model.info();
   const std::vector<int32_t> tokens = text_tokens(model, flags, n);
   certkv_session_params p = session_params(flags, n);

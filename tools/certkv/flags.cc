@@ -3,6 +3,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <sstream>
 
 namespace certkv::tools {
 
@@ -59,6 +61,20 @@ double Flags::real(const std::string& name, double fallback, double lo, double h
     throw UsageError{"flag --" + name + " expects a number in [" + std::to_string(lo) + ", " +
                      std::to_string(hi) + "], got '" + v + "'"};
   return x;
+}
+
+std::string read_text_file(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw UsageError{std::string("flag --") + flag + ": cannot read file '" + path + "'"};
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string model_path(const Flags& flags) {
+  if (flags.has("model")) return flags.str("model");
+  if (const char* env = getenv("CERTKV_MODEL")) return env;
+  return CERTKV_DEFAULT_MODEL;
 }
 
 }  // namespace certkv::tools

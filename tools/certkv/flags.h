@@ -36,4 +36,10 @@ class Flags {
   std::map<std::string, std::string> values_;
 };
 
+// The whole file at `path`; a UsageError naming --flag when it cannot be read.
+std::string read_text_file(const std::string& path, const char* flag);
+
+// --model, else $CERTKV_MODEL, else the embedded default (models/SmolLM2-135M-Instruct.Q4_1.gguf).
+std::string model_path(const Flags& flags);
+
 }  // namespace certkv::tools

@@ -30,6 +30,8 @@
 namespace {
 
 using certkv::tools::Flags;
+using certkv::tools::model_path;
+using certkv::tools::read_text_file;
 using certkv::tools::JsonObject;
 using certkv::tools::UsageError;
 using certkv::tools::KvFlags;
@@ -60,20 +62,6 @@ constexpr const char* kUsage =
     "rtn4, kivi2 (Tier A), dither8 (Tier B, certified INT8).\n"
     "With no --model, the embedded default SmolLM2-135M-Instruct (models/, fetched by\n"
     "scripts/fetch_models.sh) is used.\n";
-
-std::string read_text_file(const std::string& path, const char* flag) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw UsageError{std::string("flag --") + flag + ": cannot read file '" + path + "'"};
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::string model_path(const Flags& flags) {
-  if (flags.has("model")) return flags.str("model");
-  if (const char* env = getenv("CERTKV_MODEL")) return env;
-  return CERTKV_DEFAULT_MODEL;
-}
 
 struct ProgressBar {
   bool enabled = false;
