@@ -1,0 +1,94 @@
+// The sparse tier's key index (DESIGN.md section 5, seed 002): per (layer, kv_head) the prefill
+// centroids c_q, c_k, one random rotation P shared by every head (generated once from the
+// recorded seed), and one RaBitQ record per indexed token (index/rabitq.h).
+//
+// Records are stored in index pages of page_records records (the cache's block_tokens), the pages
+// of one (layer, kv_head) adjacent in one arena so the estimator scans a single stream; bytes()
+// counts whole pages, the centroids and the rotation. Tokens are indexed in position order:
+// append() extends the indexed prefix [0, indexed_tokens) of one (layer, kv_head).
+//
+// Thread safety: not thread-safe for mutation; the const functions may run concurrently with each
+// other while nothing mutates.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "index/rabitq.h"
+#include "index/rotation.h"
+
+namespace certkv::cache {
+
+struct KeyIndexConfig {
+  int n_layers = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;        // one of 32, 64, 96, 128, 256 (the RaBitQ record sizes)
+  int page_records = 16;   // records per index page
+  index::RotationKind rotation = index::RotationKind::kHaar;
+  uint64_t seed = 0x5eed0002;  // of the rotation P
+};
+
+// Whether the index supports keys of this head_dim.
+bool key_index_supports_head_dim(int head_dim);
+// "haar" or "hadamard" (randomized Hadamard). Throws certkv::Error kInvalidArgument otherwise.
+index::RotationKind parse_rotation_kind(std::string_view name);
+
+class KeyIndex {
+ public:
+  // Throws certkv::Error: kInvalidArgument for a non-positive dimension or page_records;
+  // kUnsupported for a head_dim the records do not cover, or a Hadamard rotation of a head_dim
+  // that is not a power of two.
+  explicit KeyIndex(const KeyIndexConfig& config);
+  ~KeyIndex();
+  KeyIndex(const KeyIndex&) = delete;
+  KeyIndex& operator=(const KeyIndex&) = delete;
+
+  const KeyIndexConfig& config() const { return config_; }
+  const index::Rotation& rotation() const { return rotation_; }
+
+  // Sets the centroids of (layer, kv_head) and drops its records. c_q, c_k: [head_dim], finite.
+  void set_centroids(int layer, int kv_head, std::vector<float> c_q, std::vector<float> c_k);
+  bool has_centroids(int layer, int kv_head) const;
+  // REQUIRES: has_centroids (certkv::Error kInvalidArgument otherwise).
+  const index::RabitqHead& head(int layer, int kv_head) const;
+
+  // Indexes keys of positions [indexed_tokens, indexed_tokens + n). k: [n][head_dim], finite.
+  // REQUIRES: has_centroids, n >= 0.
+  void append(int layer, int kv_head, const float* k, int64_t n);
+  int64_t indexed_tokens(int layer, int kv_head) const;
+
+  // Estimated <q, k_t> for t in [0, indexed_tokens): the popcount estimator (Eq. 17-20, Eq. 6).
+  // The query's randomized rounding draws from rounding_seed. q: [head_dim]; scores: [indexed].
+  // query_norm_centered, when not null, gets ||q - c_q||.
+  void estimate_scores(int layer, int kv_head, const float* q, uint64_t rounding_seed,
+                       float* scores, float* query_norm_centered = nullptr) const;
+  // The same estimate through rabitq_estimate_scores_ref (float dot products), for tests.
+  void estimate_scores_ref(int layer, int kv_head, const float* q, uint64_t rounding_seed,
+                           float* scores) const;
+  // ||k_t - c_k|| of indexed token t.
+  float key_norm_centered(int layer, int kv_head, int64_t t) const;
+
+  // Drops every record and centroid.
+  void clear();
+  size_t record_bytes() const { return record_bytes_; }
+  // Index pages in use * page bytes + centroids + the rotation's parameters.
+  uint64_t bytes() const;
+
+ private:
+  struct HeadIndex {
+    std::unique_ptr<index::RabitqHead> head;
+    std::vector<uint8_t> records;  // [pages * page_records][record_bytes], the first n valid
+    int64_t n = 0;
+  };
+  HeadIndex& at(int layer, int kv_head, const char* where);
+  const HeadIndex& at(int layer, int kv_head, const char* where) const;
+
+  KeyIndexConfig config_;
+  index::Rotation rotation_;
+  size_t record_bytes_ = 0;
+  std::vector<HeadIndex> heads_;  // [layer * n_kv_heads + kv_head]
+};
+
+}  // namespace certkv::cache
