@@ -127,6 +127,14 @@ typedef struct certkv_session_params {
                                     tau (default 0) */
   int64_t meter_planned_steps;   /* T of delta_loc = delta / (layers * heads * T); 0: context */
   int64_t meter_sample_every;    /* telemetry keeps every k-th cell (default 1) */
+  double sparse_p;               /* 0 (default): dense decode; in (0, 1]: sparse decode, each
+                                    (layer, query head, step) attends the fewest indexed tokens
+                                    holding estimated attention mass sparse_p plus the window */
+  int32_t sparse_window;         /* newest tokens always attended exactly; -1: 128; at most the
+                                    context */
+  int32_t sparse_dense_layers;   /* first layers decoded densely; -1: 2 */
+  const char* sparse_rotation;   /* the key index's rotation: "haar" (default, null) or
+                                    "hadamard" (randomized Hadamard, power-of-two head_dim) */
 } certkv_session_params;
 
 certkv_session_params certkv_session_default_params(void);
@@ -234,6 +242,64 @@ certkv_status certkv_session_audit_layer(const certkv_session* session, int32_t 
  * f32 (exact), cell{i}.k_hat [S][head_dim] f32 (what attention read), cell{i}.scale [1] f32,
  * cell{i}.meter [1] f64; metadata names each cell's layer, head, step and the scheme. */
 certkv_status certkv_session_audit_dump(const certkv_session* session, const char* path);
+
+/* ---- Sparse decode ------------------------------------------------------------------------- */
+
+/* Counters of sparse decode since the session began (or certkv_session_sparse_reset). A cell is
+ * one (layer, query head, step) of a sparse layer; budget = attended tokens / context tokens. */
+typedef struct certkv_sparse_stats {
+  int sparse;                    /* 1 when the session decodes sparsely */
+  double p;
+  int32_t window_tokens, dense_layers;
+  int64_t steps;                 /* decode steps with sparse layers */
+  int64_t cells;
+  double mean_budget;            /* mean over sparse cells */
+  double mean_budget_all_layers; /* counting the dense layers' cells as budget 1 */
+  uint64_t index_bytes;          /* the key index: pages of records, centroids, rotations */
+  int64_t indexed_tokens;        /* tokens in the index (per (layer, kv_head)) */
+  double index_build_seconds;    /* centroids and records, at prefill and in lazy updates */
+  int64_t index_appended_tokens; /* tokens indexed (per (layer, kv_head)) since the start */
+} certkv_sparse_stats;
+
+certkv_status certkv_session_sparse_stats(const certkv_session* session, certkv_sparse_stats* stats);
+/* Per layer: sparse cells and their mean budget (0 cells for the dense layers). */
+certkv_status certkv_session_sparse_layer(const certkv_session* session, int32_t layer,
+                                          int64_t* cells, double* mean_budget);
+certkv_status certkv_session_sparse_reset(certkv_session* session);
+
+/* Sparse audit: when enabled, every sparse (layer, query head, step) also computes exact
+ * attention over every token beside the sparse one: recall (the exact attention mass of the
+ * attended set), the estimator's error on every indexed token, and the recall of fixed top-k
+ * (on estimated and on true logits) and of Quest-style page selection at the same mean budget. */
+typedef struct certkv_sparse_audit_stats {
+  int64_t cells;
+  double mean_budget, mean_recall;
+  double recall_q01, recall_q10, recall_q50, min_recall;
+  double budget_q50, budget_q90, max_budget;
+  int64_t estimator_samples;     /* indexed tokens scored */
+  double estimator_bias, estimator_rms;  /* of estimated - true logit */
+  double estimator_abs_q50, estimator_abs_q90, estimator_abs_q99;
+  double normalized_rms_sqrt_d;  /* rms of the cosine estimate's error times sqrt(head_dim) */
+  /* The baselines at mean_budget: fixed top-k of the estimated logits, of the true logits
+   * (oracle), and Quest page selection (budget: what they actually attended). */
+  double topk_estimated_budget, topk_estimated_recall;
+  double topk_oracle_budget, topk_oracle_recall;
+  double quest_budget, quest_recall;
+} certkv_sparse_audit_stats;
+
+/* dump_cells > 0 keeps that many sampled cells for certkv_session_sparse_audit_dump. */
+certkv_status certkv_session_sparse_audit_enable(certkv_session* session, int32_t dump_cells,
+                                                 uint64_t seed);
+certkv_status certkv_session_sparse_audit_stats(const certkv_session* session,
+                                                certkv_sparse_audit_stats* stats);
+certkv_status certkv_session_sparse_audit_layer(const certkv_session* session, int32_t layer,
+                                                int64_t* cells, double* mean_budget,
+                                                double* mean_recall, double* min_recall);
+/* Writes the kept cells to a safetensors file: cell{i}.q [head_dim] f32 (post-RoPE query),
+ * cell{i}.k [S][head_dim] f32 (exact keys), cell{i}.scale [1] f32, cell{i}.attended [n] i32
+ * (every token the sparse step attended: selected, then the window); metadata names each
+ * cell's layer, head, step and n_indexed. */
+certkv_status certkv_session_sparse_audit_dump(const certkv_session* session, const char* path);
 
 /* Post-RoPE queries of the last position. out: [n_heads][head_dim] float.
  * REQUIRES: the session was created with capture_queries. */

@@ -108,6 +108,16 @@ class Session {
     check(certkv_session_audit_stats(session_, &a));
     return a;
   }
+  certkv_sparse_stats sparse_stats() const {
+    certkv_sparse_stats s;
+    check(certkv_session_sparse_stats(session_, &s));
+    return s;
+  }
+  certkv_sparse_audit_stats sparse_audit_stats() const {
+    certkv_sparse_audit_stats a;
+    check(certkv_session_sparse_audit_stats(session_, &a));
+    return a;
+  }
   certkv_session* get() { return session_; }
   const certkv_session* get() const { return session_; }
   int64_t n_past() const { return certkv_session_n_past(session_); }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "api/session_audit.h"
+#include "api/session_sparse_audit.h"
 #include "codec/gaac.h"
 #include "format/numeric.h"
 #include "core/status.h"
@@ -37,6 +38,7 @@ struct certkv_session {
   std::unique_ptr<certkv::model::Session> session;
   std::vector<float> logits;
   std::unique_ptr<certkv::api::SessionAudit> audit;
+  std::unique_ptr<certkv::api::SessionSparseAudit> sparse_audit;
 };
 
 struct certkv_sampler {
@@ -228,6 +230,10 @@ certkv_session_params certkv_session_default_params(void) {
   p.gate = 0;
   p.meter_planned_steps = 0;
   p.meter_sample_every = 1;
+  p.sparse_p = 0;
+  p.sparse_window = -1;
+  p.sparse_dense_layers = -1;
+  p.sparse_rotation = nullptr;
   return p;
 }
 
@@ -301,6 +307,13 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
     c.meter.gate = p.gate != 0;
     c.meter.planned_steps = p.meter_planned_steps;
     c.meter.sample_every = p.meter_sample_every;
+    if (p.sparse_p != 0) {
+      c.sparse.enabled = true;
+      c.sparse.p = p.sparse_p;
+      if (p.sparse_window != -1) c.sparse.window_tokens = p.sparse_window;
+      if (p.sparse_dense_layers != -1) c.sparse.dense_layers = p.sparse_dense_layers;
+      if (p.sparse_rotation != nullptr) c.sparse.rotation = certkv::cache::parse_rotation_kind(p.sparse_rotation);
+    }
     const bool backing_calibration = certkv::cache::kv_scheme_is_lossy(c.kv_scheme) &&
                                      p.gaac_calibration != nullptr && p.gaac_calibration[0] != '\0';
     if (certkv::cache::kv_scheme_is_gaac(c.kv_scheme) || backing_calibration)
@@ -488,6 +501,133 @@ certkv_status certkv_session_audit_dump(const certkv_session* session, const cha
   return guarded([&] {
     session->audit->dump(path, certkv::cache::kv_scheme_name(session->session->config().kv_scheme));
   });
+}
+
+certkv_status certkv_session_sparse_stats(const certkv_session* session, certkv_sparse_stats* stats) {
+  CERTKV_REQUIRE(session && stats, "certkv_session_sparse_stats: null argument");
+  return guarded([&] {
+    const certkv::model::Session& s = *session->session;
+    const certkv::model::SparseConfig& cfg = s.config().sparse;
+    const certkv::model::SparseStats& st = s.sparse_stats();
+    *stats = certkv_sparse_stats{};
+    stats->sparse = s.key_index() != nullptr ? 1 : 0;
+    if (!stats->sparse) return;
+    stats->p = cfg.p;
+    stats->window_tokens = cfg.window_tokens;
+    stats->dense_layers = cfg.dense_layers;
+    stats->steps = st.steps;
+    stats->cells = st.cells;
+    stats->mean_budget = st.cells > 0 ? st.sum_budget / double(st.cells) : 0;
+    const int64_t all = st.cells + st.dense_cells;
+    stats->mean_budget_all_layers = all > 0 ? (st.sum_budget + double(st.dense_cells)) / double(all) : 0;
+    const certkv::cache::KeyIndex& index = *s.key_index();
+    stats->index_bytes = index.bytes();
+    stats->indexed_tokens = cfg.dense_layers < s.model().config().n_layers
+                                ? index.indexed_tokens(cfg.dense_layers, 0)
+                                : 0;
+    stats->index_build_seconds = st.index_build_seconds;
+    stats->index_appended_tokens = st.index_appended_tokens;
+  });
+}
+
+certkv_status certkv_session_sparse_layer(const certkv_session* session, int32_t layer,
+                                          int64_t* cells, double* mean_budget) {
+  CERTKV_REQUIRE(session && cells && mean_budget, "certkv_session_sparse_layer: null argument");
+  return guarded([&] {
+    const certkv::model::SparseStats& st = session->session->sparse_stats();
+    if (layer < 0 || layer >= session->session->model().config().n_layers)
+      certkv::fail(certkv::StatusCode::kOutOfRange,
+                   "certkv_session_sparse_layer: layer " + std::to_string(layer) + " out of range");
+    *cells = 0;
+    *mean_budget = 0;
+    if (st.layer_cells.empty()) return;
+    *cells = st.layer_cells[size_t(layer)];
+    *mean_budget = *cells > 0 ? st.layer_sum_budget[size_t(layer)] / double(*cells) : 0;
+  });
+}
+
+certkv_status certkv_session_sparse_reset(certkv_session* session) {
+  CERTKV_REQUIRE(session, "certkv_session_sparse_reset: null session");
+  return guarded([&] { session->session->reset_sparse_stats(); });
+}
+
+certkv_status certkv_session_sparse_audit_enable(certkv_session* session, int32_t dump_cells,
+                                                 uint64_t seed) {
+  CERTKV_REQUIRE(session, "certkv_session_sparse_audit_enable: null session");
+  CERTKV_REQUIRE(dump_cells >= 0, "certkv_session_sparse_audit_enable: dump_cells must be >= 0");
+  return guarded([&] {
+    certkv::model::Session& s = *session->session;
+    if (s.key_index() == nullptr)
+      certkv::fail(certkv::StatusCode::kInvalidArgument,
+                   "the sparse audit needs a sparse session (certkv_session_params.sparse_p)");
+    session->sparse_audit = std::make_unique<certkv::api::SessionSparseAudit>(s, dump_cells, seed);
+    certkv::api::SessionSparseAudit* audit = session->sparse_audit.get();
+    s.set_sparse_observer([audit](const certkv::model::SparseObservation& o) { audit->observe(o); });
+  });
+}
+
+certkv_status certkv_session_sparse_audit_stats(const certkv_session* session,
+                                                certkv_sparse_audit_stats* stats) {
+  CERTKV_REQUIRE(session && stats, "certkv_session_sparse_audit_stats: null argument");
+  CERTKV_REQUIRE(session->sparse_audit, "certkv_session_sparse_audit_stats: the audit is not enabled");
+  return guarded([&] {
+    const certkv::eval::SparseAuditSummary a = session->sparse_audit->accumulator().summary();
+    *stats = certkv_sparse_audit_stats{};
+    stats->cells = a.cells;
+    stats->mean_budget = a.mean_budget;
+    stats->mean_recall = a.mean_recall;
+    stats->recall_q01 = a.recall_q01;
+    stats->recall_q10 = a.recall_q10;
+    stats->recall_q50 = a.recall_q50;
+    stats->min_recall = a.min_recall;
+    stats->budget_q50 = a.budget_q50;
+    stats->budget_q90 = a.budget_q90;
+    stats->max_budget = a.max_budget;
+    stats->estimator_samples = a.estimator_samples;
+    stats->estimator_bias = a.estimator_bias;
+    stats->estimator_rms = a.estimator_rms;
+    stats->estimator_abs_q50 = a.estimator_abs_q50;
+    stats->estimator_abs_q90 = a.estimator_abs_q90;
+    stats->estimator_abs_q99 = a.estimator_abs_q99;
+    stats->normalized_rms_sqrt_d = a.normalized_rms_sqrt_d;
+    for (const certkv::eval::SparseBaseline& b : a.baselines) {
+      if (b.name == "topk_estimated") {
+        stats->topk_estimated_budget = b.mean_budget;
+        stats->topk_estimated_recall = b.mean_recall;
+      } else if (b.name == "topk_oracle") {
+        stats->topk_oracle_budget = b.mean_budget;
+        stats->topk_oracle_recall = b.mean_recall;
+      } else if (b.name == "quest") {
+        stats->quest_budget = b.mean_budget;
+        stats->quest_recall = b.mean_recall;
+      }
+    }
+  });
+}
+
+certkv_status certkv_session_sparse_audit_layer(const certkv_session* session, int32_t layer,
+                                                int64_t* cells, double* mean_budget,
+                                                double* mean_recall, double* min_recall) {
+  CERTKV_REQUIRE(session && cells && mean_budget && mean_recall && min_recall,
+                 "certkv_session_sparse_audit_layer: null argument");
+  CERTKV_REQUIRE(session->sparse_audit, "certkv_session_sparse_audit_layer: the audit is not enabled");
+  return guarded([&] {
+    *cells = 0;
+    *mean_budget = *mean_recall = *min_recall = 0;
+    for (const certkv::eval::SparseAuditLayer& l : session->sparse_audit->accumulator().summary().layers) {
+      if (l.layer != layer) continue;
+      *cells = l.cells;
+      *mean_budget = l.mean_budget;
+      *mean_recall = l.mean_recall;
+      *min_recall = l.min_recall;
+    }
+  });
+}
+
+certkv_status certkv_session_sparse_audit_dump(const certkv_session* session, const char* path) {
+  CERTKV_REQUIRE(session && path, "certkv_session_sparse_audit_dump: null argument");
+  CERTKV_REQUIRE(session->sparse_audit, "certkv_session_sparse_audit_dump: the audit is not enabled");
+  return guarded([&] { session->sparse_audit->dump(path); });
 }
 
 certkv_status certkv_session_last_queries(const certkv_session* session, int32_t layer, float* out) {

@@ -108,6 +108,7 @@ HfConfig parse_hf_config(std::string_view json_text, const std::string& source_n
   c.vocab_size = r.positive_int("vocab_size", std::nullopt);
   c.max_position_embeddings = r.positive_int("max_position_embeddings", c.max_position_embeddings);
   c.rms_norm_eps = r.positive_number("rms_norm_eps", c.rms_norm_eps);
+  c.rope_theta_declared = r.get("rope_theta") != nullptr;
   c.rope_theta = r.positive_number("rope_theta", c.rope_theta);
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", c.tie_word_embeddings);
 

@@ -33,6 +33,7 @@ struct HfConfig {
   int64_t max_position_embeddings = 2048;
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
+  bool rope_theta_declared = false;  // the file states rope_theta
   bool tie_word_embeddings = false;
   std::optional<HfRopeScaling> rope_scaling;  // nullopt when absent or null
 };

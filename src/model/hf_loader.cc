@@ -64,6 +64,7 @@ class HfLoader : public TensorSource {
     c.context_length = hf.max_position_embeddings;
     c.rms_eps = float(hf.rms_norm_eps);
     c.rope_theta = float(hf.rope_theta);
+    c.rope_declared = hf.rope_theta_declared;
     c.rope_layout = RopeLayout::kHalfSplit;  // transformers' rotate_half
     c.qkv_bias = c.architecture == "qwen2";
     c.qk_norm = c.architecture == "qwen3";

@@ -185,7 +185,9 @@ class GgufLoader : public TensorSource {
     c.n_kv_heads = int(f_.get_int(arch + ".attention.head_count_kv").value_or(c.n_heads));
     c.context_length = f_.get_int(arch + ".context_length").value_or(2048);
     c.rms_eps = float(f_.get_float(arch + ".attention.layer_norm_rms_epsilon").value_or(1e-5));
-    c.rope_theta = float(f_.get_float(arch + ".rope.freq_base").value_or(10000.0));
+    const std::optional<double> freq_base = f_.get_float(arch + ".rope.freq_base");
+    c.rope_theta = float(freq_base.value_or(10000.0));
+    c.rope_declared = freq_base.has_value();
     if (c.n_heads <= 0) fail(StatusCode::kCorrupt, f_.name() + ": head_count must be positive");
     c.head_dim = int(f_.get_int(arch + ".attention.key_length").value_or(c.dim / c.n_heads));
     const int64_t rope_dims = f_.get_int(arch + ".rope.dimension_count").value_or(c.head_dim);

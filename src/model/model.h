@@ -55,6 +55,9 @@ struct ModelConfig {
   int64_t context_length = 0;
   float rms_eps = 1e-5f;
   float rope_theta = 10000.f;
+  // Whether the file states the RoPE base (GGUF rope.freq_base, config.json rope_theta); false for
+  // llama2.c checkpoints, whose RoPE is implied by the format.
+  bool rope_declared = false;
   RopeLayout rope_layout = RopeLayout::kInterleaved;
   RopeScaling rope_scaling;
   bool tied_embeddings = false;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <chrono>
 #include <cstring>
 
 #include "attention/decode_attention.h"
@@ -96,9 +97,148 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
   delta_loc_ = gate::local_delta(meter.delta_req, c.n_layers, c.n_heads,
                                  meter.planned_steps > 0 ? meter.planned_steps : context_tokens_);
   telemetry_ = std::make_unique<gate::Telemetry>(meter.tau, meter.sample_every);
+  const SparseConfig& sparse = config.sparse;
+  if (sparse.enabled) {
+    if (!(sparse.p > 0 && sparse.p <= 1))
+      fail(StatusCode::kInvalidArgument,
+           "sparse p must be in (0, 1], got " + std::to_string(sparse.p));
+    if (sparse.window_tokens < 0 || sparse.window_tokens > context_tokens_)
+      fail(StatusCode::kInvalidArgument,
+           "sparse window " + std::to_string(sparse.window_tokens) +
+               " tokens must be in [0, the context = " + std::to_string(context_tokens_) + "]");
+    if (sparse.dense_layers < 0 || sparse.dense_layers > c.n_layers)
+      fail(StatusCode::kInvalidArgument, "sparse dense layers " +
+                                             std::to_string(sparse.dense_layers) +
+                                             " must be in [0, " + std::to_string(c.n_layers) + "]");
+    if (!c.rope_declared)
+      fail(StatusCode::kUnsupported,
+           "sparse decode needs the model's RoPE metadata (GGUF <arch>.rope.freq_base or "
+           "config.json rope_theta): the key index scores post-RoPE keys, and this model file "
+           "does not state its position encoding");
+    if (!cache::key_index_supports_head_dim(c.head_dim))
+      fail(StatusCode::kUnsupported, "sparse decode: head_dim " + std::to_string(c.head_dim) +
+                                         " is not supported by the key index (32, 64, 96, 128, 256)");
+    if (meter.gate && metered_)
+      fail(StatusCode::kUnsupported,
+           "the gate and sparse decode do not combine yet (the meter does: drop --gate)");
+    cache::KeyIndexConfig ic;
+    ic.n_layers = c.n_layers;
+    ic.n_kv_heads = c.n_kv_heads;
+    ic.head_dim = c.head_dim;
+    ic.page_records = config.block_tokens;
+    ic.rotation = sparse.rotation;
+    ic.seed = sparse.seed;
+    index_ = std::make_unique<cache::KeyIndex>(ic);
+    reset_sparse_stats();
+  }
   cache_ = std::make_unique<cache::KvCache>(kv);
   seq_ = cache_->create_sequence();
   if (config.capture_queries) last_queries_.assign(c.n_layers, {});
+}
+
+void Session::reset_sparse_stats() {
+  const int n_layers = model_.config().n_layers;
+  sparse_stats_ = SparseStats{};
+  sparse_stats_.layer_cells.assign(size_t(n_layers), 0);
+  sparse_stats_.layer_sum_budget.assign(size_t(n_layers), 0.0);
+}
+
+bool Session::sparse_layer(int layer) const {
+  return index_built_ && layer >= config_.sparse.dense_layers &&
+         index_->indexed_tokens(layer, 0) > 0;
+}
+
+void Session::update_key_index() {
+  const ModelConfig& c = model_.config();
+  const SparseConfig& sparse = config_.sparse;
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t n = n_past();
+  const int64_t bt = config_.block_tokens;
+  const int d = c.head_dim;
+  const int group = c.n_heads / c.n_kv_heads;
+  // Whole blocks before the window; indexed in batches of at least the window (one block when
+  // the window is under a block).
+  const int64_t target = std::max<int64_t>(0, n - sparse.window_tokens) / bt * bt;
+  const int64_t batch = std::max<int64_t>(bt, int64_t(sparse.window_tokens) / bt * bt);
+  std::vector<float> keys;
+  int64_t appended = 0;
+  for (int layer = sparse.dense_layers; layer < c.n_layers; ++layer) {
+    for (int h = 0; h < c.n_kv_heads; ++h) {
+      if (!index_built_) {
+        // Centroids: the mean of this prefill's keys, and of its group's queries.
+        keys.resize(size_t(n) * size_t(d));
+        cache_->read_token_range_exact(seq_, layer, cache::KvTensor::kKey, h, 0, n, keys.data());
+        std::vector<double> k_sum(size_t(d), 0.0);
+        for (int64_t t = 0; t < n; ++t)
+          for (int i = 0; i < d; ++i) k_sum[size_t(i)] += keys[size_t(t) * size_t(d) + size_t(i)];
+        std::vector<float> c_k(static_cast<size_t>(d)), c_q(static_cast<size_t>(d));
+        const double* q_sum = &query_sums_[(size_t(layer) * size_t(c.n_kv_heads) + size_t(h)) * size_t(d)];
+        for (int i = 0; i < d; ++i) {
+          c_k[size_t(i)] = float(k_sum[size_t(i)] / double(n));
+          c_q[size_t(i)] = float(q_sum[i] / double(query_count_ * group));
+        }
+        index_->set_centroids(layer, h, std::move(c_q), std::move(c_k));
+      }
+      const int64_t from = index_->indexed_tokens(layer, h);
+      if (target - from < (index_built_ ? batch : 1)) continue;
+      keys.resize(size_t(target - from) * size_t(d));
+      cache_->read_token_range_exact(seq_, layer, cache::KvTensor::kKey, h, from, target, keys.data());
+      index_->append(layer, h, keys.data(), target - from);
+      appended += target - from;
+    }
+  }
+  if (!index_built_) {
+    index_built_ = true;
+    query_sums_.clear();
+    query_sums_.shrink_to_fit();
+  }
+  const int heads = (c.n_layers - sparse.dense_layers) * c.n_kv_heads;
+  if (heads > 0) sparse_stats_.index_appended_tokens += appended / heads;
+  sparse_stats_.index_build_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+void Session::decode_attention_sparse(int layer, const attention::AttentionShape& shape,
+                                      int64_t pos0) {
+  const int64_t n_ctx = pos0 + 1;
+  attention::SparseDecodeOptions options;
+  options.p = config_.sparse.p;
+  options.rounding_seed = config_.sparse.seed ^
+                          ((uint64_t(pos0) * uint64_t(model_.config().n_layers) + uint64_t(layer)) *
+                           0xd1b54a32d192ed03ull);
+  if (metered_) {
+    meters_.resize(size_t(shape.n_q_heads));
+    options.meters = meters_.data();
+    options.meter.delta_loc = delta_loc_;
+  }
+  if (sparse_observer_) {
+    options.attended = &attended_;
+    options.estimated_logits = &estimated_logits_;
+  }
+  std::vector<attention::SparseHeadStats> stats(size_t(shape.n_q_heads));
+  attention::sparse_decode_attention(*cache_, seq_, layer, shape, q_.data(), n_ctx, *index_,
+                                     options, attn_.data(), stats.data(), pool_.get());
+  if (layer == config_.sparse.dense_layers) {
+    sparse_stats_.steps += 1;
+    sparse_stats_.dense_cells += int64_t(config_.sparse.dense_layers) * shape.n_q_heads;
+  }
+  for (const attention::SparseHeadStats& st : stats) {
+    const double budget = double(st.n_attended) / double(n_ctx);
+    sparse_stats_.cells += 1;
+    sparse_stats_.sum_budget += budget;
+    sparse_stats_.attended_tokens += st.n_attended;
+    sparse_stats_.context_tokens += n_ctx;
+    sparse_stats_.layer_cells[size_t(layer)] += 1;
+    sparse_stats_.layer_sum_budget[size_t(layer)] += budget;
+  }
+  if (metered_) {
+    for (const attention::HeadMeter& m : meters_) telemetry_->record(m.meter, std::isinf(m.log_a));
+    if (observer_) observer_(MeterObservation{layer, pos0, q_.data(), n_ctx, meters_.data()});
+  }
+  if (sparse_observer_)
+    sparse_observer_(SparseObservation{layer, pos0, q_.data(), n_ctx,
+                                       index_->indexed_tokens(layer, 0), &attended_,
+                                       &estimated_logits_});
 }
 
 Session::~Session() = default;
@@ -108,6 +248,12 @@ int64_t Session::n_past() const { return cache_->length(seq_); }
 void Session::reset() {
   cache_->free_sequence(seq_);
   seq_ = cache_->create_sequence();
+  if (index_) {
+    index_->clear();
+    index_built_ = false;
+    query_sums_.clear();
+    query_count_ = 0;
+  }
 }
 
 void Session::reset_telemetry() {
@@ -226,6 +372,7 @@ void Session::prefill(const int32_t* tokens, int64_t n, float* last_logits, floa
                   all_logits ? all_logits + done * c.n_vocab : nullptr);
     if (progress) progress(done + m, n);
   }
+  if (index_) update_key_index();
 }
 
 void Session::decode(int32_t token, float* logits) { prefill(&token, 1, logits); }
@@ -284,8 +431,21 @@ void Session::forward_chunk(const int32_t* tokens, int64_t n, float* last_logits
     }
     if (config_.capture_queries)
       last_queries_[layer].assign(q_.begin() + (n - 1) * q_dim, q_.begin() + n * q_dim);
+    if (index_ && !index_built_ && layer >= config_.sparse.dense_layers) {
+      // The query centroid of each (layer, kv_head): the mean over the first prefill's tokens
+      // and the group's query heads.
+      query_sums_.resize(size_t(c.n_layers) * size_t(kv_dim), 0.0);
+      const int group = c.n_heads / c.n_kv_heads;
+      double* sums = &query_sums_[size_t(layer) * size_t(kv_dim)];
+      for (int64_t t = 0; t < n; ++t)
+        for (int h = 0; h < c.n_heads; ++h)
+          for (int i = 0; i < hd; ++i)
+            sums[size_t(h / group) * size_t(hd) + size_t(i)] += q_[size_t(t * q_dim + h * hd + i)];
+    }
     cache_->write(seq_, layer, k_.data(), v_.data(), n);
-    if (n == 1 && metered_)
+    if (n == 1 && sparse_layer(layer))
+      decode_attention_sparse(layer, shape, pos0);
+    else if (n == 1 && metered_)
       decode_attention_metered(layer, shape, pos0);
     else if (n == 1)
       attention::decode_attention(*cache_, seq_, layer, shape, q_.data(), pos0 + 1, attn_.data(),
@@ -308,6 +468,7 @@ void Session::forward_chunk(const int32_t* tokens, int64_t n, float* last_logits
     for (int64_t i = 0; i < n * dim; ++i) x_[i] += xn_[i];
   }
   cache_->commit(seq_, n);
+  if (index_ && !index_built_) query_count_ += n;
 
   if (all_logits) {
     for (int64_t t = 0; t < n; ++t)

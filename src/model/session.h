@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "attention/decode_attention.h"
+#include "attention/sparse_decode.h"
+#include "cache/key_index.h"
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
 #include "core/thread_pool.h"
@@ -55,6 +57,49 @@ struct MeterObservation {
 };
 using MeterObserver = std::function<void(const MeterObservation&)>;
 
+// The sparse tier (DESIGN.md section 5): decode steps of layers >= dense_layers attend the Top-p
+// selection of the key index plus the local window (attention/sparse_decode.h). The first
+// prefill sets each (layer, kv_head)'s centroids (the mean of its keys and of its group's
+// queries) and indexes every whole block before the window; afterwards, once whole blocks
+// amounting to at least the window lie before it, they are indexed in one batch (lazy update),
+// so between window_tokens and about twice that many newest tokens are attended exactly.
+struct SparseConfig {
+  bool enabled = false;
+  double p = 0.9;           // Top-p mass, in (0, 1]
+  int window_tokens = 128;  // REQUIRES: 0 <= window_tokens <= the context
+  int dense_layers = 2;     // REQUIRES: 0 <= dense_layers <= n_layers
+  index::RotationKind rotation = index::RotationKind::kHaar;
+  uint64_t seed = 0x5eed0002;  // of the rotation and of the queries' randomized rounding
+};
+
+// Sparse decode counters since the session began (or reset_sparse_stats). A cell is one
+// (layer, query head, step) of a sparse layer; budget = attended / context tokens.
+struct SparseStats {
+  int64_t steps = 0;            // decode steps with at least one sparse layer
+  int64_t cells = 0;
+  double sum_budget = 0;        // over sparse cells
+  int64_t attended_tokens = 0;  // over sparse cells
+  int64_t context_tokens = 0;   // over sparse cells
+  int64_t dense_cells = 0;      // cells of the dense layers (budget 1) in the same steps
+  std::vector<int64_t> layer_cells;      // [n_layers]
+  std::vector<double> layer_sum_budget;  // [n_layers]
+  double index_build_seconds = 0;  // centroids and records, prefill and lazy updates
+  int64_t index_appended_tokens = 0;  // token x (layer, kv_head) records written, / heads
+};
+
+// Called after the attention of every sparse (step, layer), for audits: per query head the
+// attended indices and the estimated logits of the indexed prefix [0, n_indexed).
+struct SparseObservation {
+  int layer;
+  int64_t step;
+  const float* q;  // [n_heads][head_dim], post-RoPE
+  int64_t n_ctx;
+  int64_t n_indexed;
+  const std::vector<std::vector<int32_t>>* attended;
+  const std::vector<std::vector<float>>* estimated_logits;
+};
+using SparseObserver = std::function<void(const SparseObservation&)>;
+
 struct SessionConfig {
   int64_t context_tokens = 0;  // 0: the model's context length
   int n_threads = 2;
@@ -72,6 +117,7 @@ struct SessionConfig {
   int outlier_pairs = -1;
   int recent_window_tokens = -1;
   MeterConfig meter;
+  SparseConfig sparse;
 };
 
 
@@ -117,10 +163,21 @@ class Session {
   bool metered() const { return metered_; }
   double delta_loc() const { return delta_loc_; }
 
+  // The sparse tier (null unless config.sparse.enabled).
+  const cache::KeyIndex* key_index() const { return index_.get(); }
+  const SparseStats& sparse_stats() const { return sparse_stats_; }
+  void reset_sparse_stats();
+  void set_sparse_observer(SparseObserver observer) { sparse_observer_ = std::move(observer); }
+
  private:
   void forward_chunk(const int32_t* tokens, int64_t n, float* last_logits, float* all_logits);
   void ensure_buffers(int64_t n);
   void decode_attention_metered(int layer, const attention::AttentionShape& shape, int64_t pos0);
+  bool sparse_layer(int layer) const;
+  void decode_attention_sparse(int layer, const attention::AttentionShape& shape, int64_t pos0);
+  // After a prefill or decode call: the first one sets the centroids and indexes every whole
+  // block before the window; later ones index in batches (SparseConfig).
+  void update_key_index();
 
   const Model& model_;
   SessionConfig config_;
@@ -137,6 +194,14 @@ class Session {
   MeterObserver observer_;
   std::vector<attention::HeadMeter> meters_;
   std::vector<double> contributions_;
+  std::unique_ptr<cache::KeyIndex> index_;
+  bool index_built_ = false;
+  std::vector<double> query_sums_;  // [layer][kv_head][head_dim] until the index is built
+  int64_t query_count_ = 0;
+  SparseStats sparse_stats_;
+  SparseObserver sparse_observer_;
+  std::vector<std::vector<int32_t>> attended_;
+  std::vector<std::vector<float>> estimated_logits_;
 };
 
 }  // namespace certkv::model

@@ -32,7 +32,8 @@ constexpr const char* kEvalUsage =
     "       certkv eval needle --kv SCHEME --lengths 1024,2048,4096 --samples N [--gate]\n"
     "                          [--haystack noise|corpus] [--seed S] [--json]\n"
     "       meter flags: [--outlier-pairs M] [--window N] [--delta D] [--tau T] [--gate]\n"
-    "                    [--no-meter] [--gaac-calib CAL] [--block-tokens N]\n";
+    "                    [--no-meter] [--gaac-calib CAL] [--block-tokens N]\n"
+    "       sparse decode: [--sparse p=P[,window=N][,dense=L][,rotation=haar|hadamard]]\n";
 
 constexpr const char* kAuditUsage =
     "usage: certkv audit --kv SCHEME --text-file F --tokens N [--steps K] [--json]\n"
@@ -41,7 +42,12 @@ constexpr const char* kAuditUsage =
     "  Runs the first N tokens of F through a compressed cache whose exact blocks are kept beside\n"
     "  it; the last K positions (default 64) are decode steps whose every (layer, head) cell\n"
     "  checks meter >= the true total variation of attention. Prints cells, violations,\n"
-    "  coverage at tau and the tightness (meter / TV) quantiles; --dump writes sampled cells.\n";
+    "  coverage at tau and the tightness (meter / TV) quantiles; --dump writes sampled cells.\n"
+    "       certkv audit --sparse p=P [--kv SCHEME] --text-file F --tokens N [--steps K] [--json]\n"
+    "                    [--dump FILE.safetensors] [--dump-cells C]\n"
+    "  Sparse decode beside exact attention on the last K positions: per layer the budget\n"
+    "  (fraction of tokens attended) and recall (exact attention mass of the attended set), the\n"
+    "  key estimator's error, and fixed top-k and Quest page selection at the same mean budget.\n";
 
 std::map<std::string, bool> common_spec() {
   std::map<std::string, bool> spec = {{"model", true},     {"threads", true}, {"json", false},
@@ -255,8 +261,12 @@ int cmd_needle(int argc, char** argv) {
       gp.max_new_tokens = int32_t(max_new);
       std::string generated;
       certkv_generate_result r;
-      check(certkv_generate(session.get(), tokens.data(), int32_t(tokens.size()), &gp, on_piece,
-                            &generated, &r));
+      // The last prompt token runs as a decode step, so that the answer's first token, like the
+      // rest, comes from decode attention (what the meter, the gate and --sparse act on).
+      const std::vector<int32_t> head(tokens.begin(), tokens.end() - 1);
+      std::vector<float> head_logits(static_cast<size_t>(info.n_vocab));
+      session.prefill(head, head_logits.data());
+      check(certkv_generate(session.get(), &tokens.back(), 1, &gp, on_piece, &generated, &r));
       const bool ok = eval::needle_exact_match(task, generated);
       correct += ok;
       recall += eval::needle_recall(task, generated);
@@ -309,6 +319,94 @@ int cmd_eval(int argc, char** argv) {
   throw UsageError{"unknown evaluation '" + task + "' (teacher-forced, needle)"};
 }
 
+namespace {
+
+// certkv audit --sparse: the sparse audit (any --kv scheme).
+int sparse_audit(const Flags& flags, int64_t n, int64_t steps) {
+  const KvFlags kv = parse_kv_flags(flags, flags.str("kv", "bf16"));
+  if (kv.gaac && !flags.has("gaac-calib")) throw UsageError{"flag --kv " + kv.kv + " needs --gaac-calib FILE"};
+  if (kv.gate) throw UsageError{"flag --gate: the sparse audit measures the ungated cache"};
+  const std::string calib = flags.str("gaac-calib");
+  const int32_t dump_cells = int32_t(flags.integer("dump-cells", 16, 0, 1 << 16));
+  const uint64_t seed = uint64_t(flags.integer("seed", 1, 0, INT64_MAX));
+  certkv::Model model(model_path(flags));
+  const certkv_model_info info = model.info();
+  const std::vector<int32_t> tokens = text_tokens(model, flags, n);
+  certkv_session_params p = session_params(flags, n);
+  kv.apply(p);
+  if (!calib.empty()) p.gaac_calibration = calib.c_str();
+  p.meter_planned_steps = steps;
+  certkv::Session session(model, p);
+  check(certkv_session_sparse_audit_enable(session.get(), flags.has("dump") ? dump_cells : 0, seed));
+  const auto t0 = std::chrono::steady_clock::now();
+  run_tokens(session, tokens, steps, int(info.n_vocab), nullptr);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const certkv_sparse_audit_stats a = session.sparse_audit_stats();
+  const certkv_sparse_stats ss = session.sparse_stats();
+  if (flags.has("dump")) check(certkv_session_sparse_audit_dump(session.get(), flags.str("dump").c_str()));
+  if (flags.has("json")) {
+    std::string layers = "[";
+    for (int32_t l = 0; l < info.n_layers; ++l) {
+      int64_t cells = 0;
+      double budget = 0, recall = 0, min_recall = 0;
+      check(certkv_session_sparse_audit_layer(session.get(), l, &cells, &budget, &recall, &min_recall));
+      JsonObject lo;
+      lo.add("layer", int64_t(l)).add("cells", cells);
+      if (cells > 0) lo.add("budget", budget).add("recall", recall).add("min_recall", min_recall);
+      else lo.add("dense", true);
+      if (l) layers += ',';
+      layers += lo.str();
+    }
+    JsonObject recall, budget, estimator, baselines;
+    recall.add("mean", a.mean_recall).add("q01", a.recall_q01).add("q10", a.recall_q10)
+        .add("q50", a.recall_q50).add("min", a.min_recall);
+    budget.add("mean", a.mean_budget).add("q50", a.budget_q50).add("q90", a.budget_q90)
+        .add("max", a.max_budget).add("mean_all_layers", ss.mean_budget_all_layers);
+    estimator.add("samples", a.estimator_samples).add("bias", a.estimator_bias)
+        .add("rms", a.estimator_rms).add("abs_q50", a.estimator_abs_q50)
+        .add("abs_q90", a.estimator_abs_q90).add("abs_q99", a.estimator_abs_q99)
+        .add("normalized_rms_sqrt_d", a.normalized_rms_sqrt_d);
+    auto baseline = [](double b, double r) {
+      JsonObject o;
+      o.add("budget", b).add("recall", r);
+      return o.str();
+    };
+    baselines.add_raw("topk_estimated", baseline(a.topk_estimated_budget, a.topk_estimated_recall))
+        .add_raw("topk_oracle", baseline(a.topk_oracle_budget, a.topk_oracle_recall))
+        .add_raw("quest", baseline(a.quest_budget, a.quest_recall));
+    JsonObject o;
+    o.add("model", info.name)
+        .add("kv", kv.kv)
+        .add("tokens", n)
+        .add("steps", steps)
+        .add("p", ss.p)
+        .add("window", int64_t(ss.window_tokens))
+        .add("dense_layers", int64_t(ss.dense_layers))
+        .add("cells", a.cells)
+        .add_raw("budget", budget.str())
+        .add_raw("recall", recall.str())
+        .add_raw("estimator", estimator.str())
+        .add_raw("baselines_at_equal_budget", baselines.str())
+        .add_raw("layers", layers + "]")
+        .add("index_bytes", ss.index_bytes)
+        .add("index_build_us_per_token",
+             ss.index_appended_tokens > 0 ? 1e6 * ss.index_build_seconds / double(ss.index_appended_tokens) : 0.0)
+        .add("seconds", seconds);
+    if (flags.has("dump")) o.add("dump", flags.str("dump"));
+    printf("%s\n", o.str().c_str());
+  } else {
+    printf("%s kv %s, %lld tokens, %lld audited steps, sparse p %g: %lld cells, mean budget %.3f, "
+           "mean recall %.4f (q10 %.4f, min %.4f); at the same budget fixed top-k %.4f, oracle "
+           "top-k %.4f, Quest %.4f; estimator rms %.3g logits\n",
+           info.name, kv.kv.c_str(), (long long)n, (long long)steps, ss.p, (long long)a.cells,
+           a.mean_budget, a.mean_recall, a.recall_q10, a.min_recall, a.topk_estimated_recall,
+           a.topk_oracle_recall, a.quest_recall, a.estimator_rms);
+  }
+  return 0;
+}
+
+}  // namespace
+
 int cmd_audit(int argc, char** argv) {
   std::map<std::string, bool> spec = common_spec();
   spec["dump"] = true;
@@ -316,10 +414,11 @@ int cmd_audit(int argc, char** argv) {
   spec["seed"] = true;
   Flags flags("audit", spec, kAuditUsage);
   flags.parse(argc, argv, 2);
-  if (!flags.has("kv")) throw UsageError{"flag --kv is required"};
+  if (!flags.has("kv") && !flags.has("sparse")) throw UsageError{"flag --kv is required"};
   if (!flags.has("text-file")) throw UsageError{"flag --text-file is required"};
   const int64_t n = flags.integer("tokens", 2048, 2, int64_t(1) << 24);
   const int64_t steps = flags.integer("steps", std::min<int64_t>(64, n - 1), 1, n);
+  if (flags.has("sparse")) return sparse_audit(flags, n, steps);
   const KvFlags kv = parse_kv_flags(flags, flags.str("kv"));
   if (!kv.lossy) throw UsageError{"flag --kv " + kv.kv + ": the audit needs a lossy scheme (it has no meter)"};
   if (!kv.meter) throw UsageError{"flag --no-meter: the audit checks the meter"};

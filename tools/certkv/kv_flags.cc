@@ -1,5 +1,9 @@
 #include "kv_flags.h"
 
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+
 #include "cache/kv_cache.h"
 #include "cli_json.h"
 #include "core/status.h"
@@ -14,13 +18,66 @@ void KvFlags::apply(certkv_session_params& params) const {
   params.meter_delta = delta;
   params.meter_tau = tau;
   params.gate = gate ? 1 : 0;
+  params.sparse_p = sparse_p;
+  params.sparse_window = sparse_window;
+  params.sparse_dense_layers = sparse_dense_layers;
+  params.sparse_rotation = sparse_rotation.empty() ? nullptr : sparse_rotation.c_str();
 }
+
+namespace {
+
+// --sparse p=0.9,window=128,dense=2,rotation=haar (or a bare p: --sparse 0.9).
+void parse_sparse(const std::string& spec, KvFlags& f) {
+  auto bad = [&](const std::string& why) {
+    throw UsageError{"flag --sparse '" + spec + "': " + why +
+                     " (expected p=P[,window=N][,dense=L][,rotation=haar|hadamard])"};
+  };
+  auto number = [&](const std::string& key, const std::string& text) {
+    char* end = nullptr;
+    const double v = std::strtod(text.c_str(), &end);
+    if (text.empty() || end != text.c_str() + text.size()) bad(key + " '" + text + "' is not a number");
+    return v;
+  };
+  auto integer = [&](const std::string& key, const std::string& text, long long lo, long long hi) {
+    const double v = number(key, text);
+    if (v != std::floor(v) || v < double(lo) || v > double(hi))
+      bad(key + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+    return int32_t(v);
+  };
+  f.sparse_p = -1;
+  size_t at = 0;
+  while (at <= spec.size()) {
+    const size_t comma = std::min(spec.find(',', at), spec.size());
+    const std::string item = spec.substr(at, comma - at);
+    at = comma + 1;
+    const size_t eq = item.find('=');
+    const std::string key = eq == std::string::npos ? "p" : item.substr(0, eq);
+    const std::string value = eq == std::string::npos ? item : item.substr(eq + 1);
+    if (key == "p") {
+      f.sparse_p = number("p", value);
+      if (!(f.sparse_p > 0 && f.sparse_p <= 1)) bad("p must be in (0, 1], got " + value);
+    } else if (key == "window") {
+      f.sparse_window = integer("window", value, 0, 1 << 30);
+    } else if (key == "dense") {
+      f.sparse_dense_layers = integer("dense", value, 0, 1 << 16);
+    } else if (key == "rotation") {
+      if (value != "haar" && value != "hadamard") bad("rotation must be haar or hadamard");
+      f.sparse_rotation = value;
+    } else {
+      bad("unknown key '" + key + "'");
+    }
+  }
+  if (f.sparse_p < 0) bad("p is missing");
+}
+
+}  // namespace
 
 void add_kv_flag_spec(std::map<std::string, bool>& spec) {
   for (const char* name : {"kv", "gaac-calib", "outlier-pairs", "window", "delta", "tau"})
     spec[name] = true;
   spec["gate"] = false;
   spec["no-meter"] = false;
+  spec["sparse"] = true;
 }
 
 KvFlags parse_kv_flags(const Flags& flags, const std::string& kv) {
@@ -57,6 +114,9 @@ KvFlags parse_kv_flags(const Flags& flags, const std::string& kv) {
   f.gate = flags.has("gate");
   f.meter = !flags.has("no-meter");
   if (f.gate && !f.meter) throw UsageError{"flag --gate needs the meter (drop --no-meter)"};
+  if (flags.has("sparse")) parse_sparse(flags.str("sparse"), f);
+  if (f.gate && f.sparse_p > 0)
+    throw UsageError{"flags --gate and --sparse do not combine yet (the meter does: drop --gate)"};
   return f;
 }
 
@@ -76,6 +136,27 @@ std::string meter_json(const certkv_meter_stats& m) {
       .add("pagein_bytes", m.pagein_bytes)
       .add("exact_fallback_blocks", m.exact_fallback_blocks);
   if (m.tier[0] == 'B') o.add("note", "Tier B is valid for non-adaptive queries (teacher-forced text)");
+  return o.str();
+}
+
+}  // namespace certkv::tools
+
+namespace certkv::tools {
+
+std::string sparse_json(const certkv_sparse_stats& s) {
+  JsonObject o;
+  o.add("p", s.p)
+      .add("window", int64_t(s.window_tokens))
+      .add("dense_layers", int64_t(s.dense_layers))
+      .add("steps", s.steps)
+      .add("cells", s.cells)
+      .add("mean_budget", s.mean_budget)
+      .add("mean_budget_all_layers", s.mean_budget_all_layers)
+      .add("index_bytes", s.index_bytes)
+      .add("indexed_tokens", s.indexed_tokens)
+      .add("index_build_seconds", s.index_build_seconds)
+      .add("index_build_us_per_token",
+           s.index_appended_tokens > 0 ? 1e6 * s.index_build_seconds / double(s.index_appended_tokens) : 0.0);
   return o.str();
 }
 

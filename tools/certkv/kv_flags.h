@@ -1,6 +1,6 @@
 // The KV-scheme and meter flags shared by `certkv run`, `certkv eval` and `certkv audit`:
 //   --kv SCHEME  --gaac-calib FILE  --outlier-pairs M  --window N  --delta D  --tau T  --gate
-//   --no-meter
+//   --no-meter  --sparse p=P[,window=N][,dense=L][,rotation=haar|hadamard]
 #pragma once
 
 #include <string>
@@ -20,6 +20,11 @@ struct KvFlags {
   double tau = 0.2;
   bool gate = false;
   bool meter = true;
+  // --sparse (sparse_p 0: dense decode).
+  double sparse_p = 0;
+  int32_t sparse_window = -1;
+  int32_t sparse_dense_layers = -1;
+  std::string sparse_rotation;  // empty: the default
   // Copies the scheme and meter settings into params (kv points into this object).
   void apply(certkv_session_params& params) const;
 };
@@ -33,5 +38,7 @@ KvFlags parse_kv_flags(const Flags& flags, const std::string& kv);
 // {"tier": ..., "certified": ..., "tau": ..., "coverage": ..., "max": ..., "p50": ..., "p99": ...,
 //  "cells": ..., "overflow": ..., "repairs": ..., "pagein_bytes": ..., ...}
 std::string meter_json(const certkv_meter_stats& m);
+// {"p": ..., "window": ..., "dense_layers": ..., "mean_budget": ..., "index_bytes": ..., ...}
+std::string sparse_json(const certkv_sparse_stats& s);
 
 }  // namespace certkv::tools

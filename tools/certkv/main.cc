@@ -46,6 +46,7 @@ constexpr const char* kUsage =
     "           [--model PATH] [--prompt TEXT | --prompt-file F] [--n N] [--ctx N] [--threads N]\n"
     "           [--kv SCHEME] [--gaac-calib CAL.safetensors] [--json] [--raw] [--system TEXT]\n"
     "           [--outlier-pairs M] [--window N] [--delta D] [--tau T] [--gate] [--no-meter]\n"
+    "           [--sparse p=P[,window=N][,dense=L][,rotation=haar|hadamard]]\n"
     "           [--temp T] [--top-k K] [--top-p P]\n"
     "           [--seed S] [--block-tokens N] [--activations int8|f32]\n"
     "  dump-kv  --model PATH --text-file F --tokens N --out FILE.safetensors [--layers LIST]\n"
@@ -54,12 +55,16 @@ constexpr const char* kUsage =
     "  eval     teacher-forced --kv SCHEME --text-file F --tokens N [--json] (certkv eval -h)\n"
     "  eval     needle --kv SCHEME --lengths 1024,2048 --samples N [--gate] [--json]\n"
     "  audit    --kv SCHEME --text-file F --tokens N [--json] [--dump FILE.safetensors]\n"
+    "  audit    --sparse p=P [--kv SCHEME] --text-file F --tokens N [--json] [--dump FILE]\n"
     "  codec    --codec gaac|gaac-e4m3|gaac-e5m2 --calib CAL.safetensors[,CAL2...]\n"
     "           [--in KV.safetensors] [--verify] [--json] [--save-calibration OUT] (certkv codec -h)\n"
     "           (CAL: KV dumps to calibrate from, or one saved calibration file)\n"
     "SCHEME: bf16, gaac, gaac-e4m3, gaac-e5m2, fp8-e4m3-pages, fp8-e5m2-pages (lossless or\n"
     "unmetered), or a lossy scheme with the meter: fp8-e4m3, fp8-e5m2, fp8-e4m3-scaled, rtn8,\n"
     "rtn4, kivi2 (Tier A), dither8 (Tier B, certified INT8).\n"
+    "--sparse: decode attends, per layer and head, the fewest indexed tokens holding estimated\n"
+    "attention mass P (a 1-bit RaBitQ key index) plus the newest N tokens (default 128); the first\n"
+    "L layers (default 2) stay dense. Combines with any --kv scheme.\n"
     "With no --model, the embedded default SmolLM2-135M-Instruct (models/, fetched by\n"
     "scripts/fetch_models.sh) is used.\n";
 
@@ -213,11 +218,19 @@ int cmd_run(int argc, char** argv) {
         .add("peak_rss_bytes", rss);
     const certkv_meter_stats ms = session.meter_stats();
     if (ms.metered) o.add_raw("meter", meter_json(ms));
+    const certkv_sparse_stats ss = session.sparse_stats();
+    if (ss.sparse) o.add_raw("sparse", certkv::tools::sparse_json(ss));
     printf("%s\n", o.str().c_str());
   } else {
     printf("\n\n[certkv] %s | prompt %d tok, %.1f tok/s | generated %d tok, decode %.1f tok/s | kv %s %.2f MiB (bf16 %.2f MiB) | peak rss %.1f MiB\n",
            info.name, r.prompt_tokens, prefill_tps, r.generated_tokens, decode_tps, kv.c_str(),
            kvs.kv_bytes / 1048576.0, kvs.kv_bytes_bf16 / 1048576.0, rss / 1048576.0);
+    const certkv_sparse_stats ss = session.sparse_stats();
+    if (ss.sparse)
+      printf("[certkv] sparse p %g: mean budget %.3f of the context (%.3f with the %d dense layers), "
+             "index %.2f MiB\n",
+             ss.p, ss.mean_budget, ss.mean_budget_all_layers, ss.dense_layers,
+             ss.index_bytes / 1048576.0);
   }
   return 0;
 }

@@ -1,0 +1,45 @@
+// The audit behind certkv_session_sparse_audit_*: on every sparse (step, layer) of a session,
+// exact attention over every token beside the sparse step (eval::SparseAuditAccumulator: budget,
+// recall, estimator error, fixed top-k and Quest baselines), and optionally a sample of cells
+// kept whole (query, exact keys, attended indices) for an independent recomputation.
+// Thread safety: used by the session's thread only.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "eval/sparse_audit.h"
+#include "model/session.h"
+
+namespace certkv::api {
+
+class SessionSparseAudit {
+ public:
+  // dump_cells: cells kept by reservoir sampling.
+  SessionSparseAudit(const model::Session& session, int32_t dump_cells, uint64_t seed);
+
+  void observe(const model::SparseObservation& o);
+  const eval::SparseAuditAccumulator& accumulator() const { return accumulator_; }
+  // Writes the kept cells (format in certkv.h, certkv_session_sparse_audit_dump).
+  void dump(const std::string& path) const;
+
+ private:
+  struct KeptCell {
+    int layer = 0, head = 0;
+    int64_t step = 0, n_indexed = 0;
+    float scale = 0;
+    std::vector<float> q, k;
+    std::vector<int32_t> attended;
+  };
+
+  const model::Session& session_;
+  eval::SparseAuditAccumulator accumulator_;
+  int32_t dump_cells_;
+  std::mt19937_64 rng_;
+  int64_t seen_ = 0;
+  std::vector<KeptCell> reservoir_;
+};
+
+}  // namespace certkv::api
