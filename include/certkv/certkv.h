@@ -298,7 +298,7 @@ certkv_status certkv_session_sparse_audit_layer(const certkv_session* session, i
 /* Writes the kept cells to a safetensors file: cell{i}.q [head_dim] f32 (post-RoPE query),
  * cell{i}.k [S][head_dim] f32 (exact keys), cell{i}.scale [1] f32, cell{i}.attended [n] i32
  * (every token the sparse step attended: selected, then the window); metadata names each
- * cell's layer, head, step and n_indexed. */
+ * cell's layer, head, step, n_indexed and recall (exact attention mass of the attended set). */
 certkv_status certkv_session_sparse_audit_dump(const certkv_session* session, const char* path);
 
 /* Post-RoPE queries of the last position. out: [n_heads][head_dim] float.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 
 #include "format/safetensors.h"
@@ -68,6 +69,18 @@ void SessionSparseAudit::observe(const model::SparseObservation& o) {
       kept.q.assign(qh, qh + d);
       kept.k = k;
       kept.attended = attended;
+      // Recall, in double, for the dump's metadata (a reader recomputes it from q, k, attended).
+      std::vector<double> logit(static_cast<size_t>(o.n_ctx));
+      double l_max = -INFINITY;
+      for (int64_t t = 0; t < o.n_ctx; ++t) {
+        double dot = 0;
+        for (int i = 0; i < d; ++i) dot += double(qh[i]) * k[size_t(t) * size_t(d) + size_t(i)];
+        l_max = std::max(l_max, logit[size_t(t)] = double(scale) * dot);
+      }
+      double z = 0, mass = 0;
+      for (double& l : logit) z += (l = std::exp(l - l_max));
+      for (int32_t t : attended) mass += logit[size_t(t)];
+      kept.recall = mass / z;
     }
   }
 }
@@ -91,6 +104,9 @@ void SessionSparseAudit::dump(const std::string& path) const {
     metadata[name + ".head"] = std::to_string(k.head);
     metadata[name + ".step"] = std::to_string(k.step);
     metadata[name + ".n_indexed"] = std::to_string(k.n_indexed);
+    char recall[32];
+    snprintf(recall, sizeof recall, "%.17g", k.recall);
+    metadata[name + ".recall"] = recall;
   }
   format::write_safetensors(path, views, metadata);
 }

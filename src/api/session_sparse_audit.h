@@ -30,6 +30,7 @@ class SessionSparseAudit {
     int layer = 0, head = 0;
     int64_t step = 0, n_indexed = 0;
     float scale = 0;
+    double recall = 0;
     std::vector<float> q, k;
     std::vector<int32_t> attended;
   };

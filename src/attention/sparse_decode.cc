@@ -75,7 +75,7 @@ void select_head(const cache::KeyIndex& index, int layer, int kv_head, int head,
     if (mask[size_t(t)]) selected.push_back(int32_t(t));
   st.n_selected = sel.n_selected;
   st.estimated_mass = sel.mass;
-  st.search_passes = sel.n_search_passes;
+  st.boundary_tokens = sel.n_boundary;
 }
 
 // The rows one query head gathers before an online-softmax update.

@@ -43,7 +43,7 @@ struct SparseHeadStats {
   int64_t n_selected = 0;   // of them, selected by Top-p
   int64_t n_attended = 0;   // selected + window
   double estimated_mass = 0;  // the estimated softmax mass of the selected set (>= p)
-  int search_passes = 0;      // threshold-search passes of top_p_select
+  int64_t boundary_tokens = 0;  // tokens of top_p_select's boundary gap bucket
 };
 
 // Throws certkv::Error as decode_attention, and kInvalidArgument for p outside (0, 1], an index

@@ -191,22 +191,27 @@ void rabitq_estimate_scores_popcount(const RabitqHead& head, const RabitqQuery<D
   // Per-query constants of Eq. 20: -delta sum_i q_u[i] - D q_l.
   const float query_term = -query.delta * static_cast<float>(query.sum_q_u) -
                            static_cast<float>(D) * query.q_l;
+  // Eq. 6 with the per-query terms hoisted: score = a_t * <c', q_bar> + b + <c_q, k>, with
+  // a_t = ||q - c_q|| ||k - c_k|| / (sqrt(D) alpha) and b = <q, c_k> - <c_q, c_k>.
+  const float b = query.q_dot_ck - head.cq_dot_ck();
+  const float two_delta = 2.0f * query.delta;
+  const float two_q_l = 2.0f * query.q_l;
+  const float norm_over_sqrt_d = query.norm_q_centered / sqrt_d;
   for (int64_t t = 0; t < n_tokens; ++t) {
     const RabitqRecord<D>& r = records[t];
     int32_t cb_dot_qu = 0;  // <c_b, q_u> over the bit planes of q_u
-    for (int b = 0; b < kRabitqQueryBits; ++b) {
+    for (int bit = 0; bit < kRabitqQueryBits; ++bit) {
       int32_t plane_count = 0;
       for (int w = 0; w < kWords; ++w) {
-        plane_count += __builtin_popcountll(r.code[w] & query.bit_planes[b][w]);
+        plane_count += __builtin_popcountll(r.code[w] & query.bit_planes[bit][w]);
       }
-      cb_dot_qu += plane_count << b;
+      cb_dot_qu += plane_count << bit;
     }
     // Eq. 20: <c', q_bar> = 2 delta <c_b, q_u> + 2 q_l sum c_b - delta sum q_u - D q_l,
     // c' = sqrt(D) c_bar, so <c_bar, q_bar> / alpha = <c', q_bar> / (sqrt(D) alpha).
-    const float c_prime_dot_q_bar = 2.0f * query.delta * static_cast<float>(cb_dot_qu) +
-                                    2.0f * query.q_l * static_cast<float>(r.code_popcount) +
-                                    query_term;
-    scores[t] = eq6_score(head, query, r, c_prime_dot_q_bar / (sqrt_d * r.alpha));
+    const float c_prime_dot_q_bar = two_delta * static_cast<float>(cb_dot_qu) +
+                                    two_q_l * static_cast<float>(r.code_popcount) + query_term;
+    scores[t] = norm_over_sqrt_d * r.norm_k_centered * c_prime_dot_q_bar / r.alpha + b + r.cq_dot_k;
   }
 }
 

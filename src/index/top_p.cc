@@ -1,7 +1,7 @@
 #include "index/top_p.h"
 
 #include <algorithm>
-#include <bit>
+#include <functional>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -26,13 +26,17 @@ float validate_and_max(const float* logits, int64_t n, double p, const uint8_t* 
   if (!(p > 0.0 && p <= 1.0)) {
     fail(StatusCode::kInvalidArgument, "top_p: p must be in (0, 1], got " + std::to_string(p));
   }
+  // One branch-free pass (it vectorizes); the first non-finite logit is looked up only on error.
   float l_max = logits[0];
+  bool finite = true;
   for (int64_t t = 0; t < n; ++t) {
-    if (!std::isfinite(logits[t])) {
-      fail(StatusCode::kInvalidArgument,
-           "top_p: logits[" + std::to_string(t) + "] is not finite");
-    }
+    finite &= std::fabs(logits[t]) <= std::numeric_limits<float>::max();
     l_max = std::max(l_max, logits[t]);
+  }
+  if (!finite) {
+    for (int64_t t = 0; t < n; ++t)
+      if (!std::isfinite(logits[t]))
+        fail(StatusCode::kInvalidArgument, "top_p: logits[" + std::to_string(t) + "] is not finite");
   }
   return l_max;
 }
@@ -44,10 +48,29 @@ int weight_fraction_bits(int64_t n) {
   return 63 - ceil_log2_n;
 }
 
-// W_t = max(1, ceil(2^s * exp(l_t - l_max))), the fixed-point softmax numerator of top_p.h.
-uint64_t weight_units(float l, float l_max, int s) {
-  const double scaled = std::ldexp(std::exp(double{l} - double{l_max}), s);
-  return std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(scaled)));
+// a_t = min(kTopPGapCap, floor(64 (l_max - l_t))), the quantized gap of top_p.h.
+int gap_of(float l, float l_max) {
+  const float g = (l_max - l) * float(kTopPGapStepsPerLogit);
+  return g < float(kTopPGapCap) ? static_cast<int>(g) : kTopPGapCap;
+}
+
+// W(a) = max(1, ceil(2^s exp(-a / 64))) for a in [0, kTopPGapCap], for every s in [0, 63]:
+// tables[s][a], computed once.
+const std::vector<uint64_t>& weight_table(int s) {
+  static const std::vector<std::vector<uint64_t>> tables = [] {
+    std::vector<std::vector<uint64_t>> t(64);
+    for (int bits = 0; bits < 64; ++bits) {
+      t[size_t(bits)].resize(size_t(kTopPGapCap) + 1);
+      for (int a = 0; a <= kTopPGapCap; ++a) {
+        const double scaled =
+            std::ldexp(std::exp(-double(a) / double(kTopPGapStepsPerLogit)), bits);
+        t[size_t(bits)][size_t(a)] =
+            a == kTopPGapCap ? 1 : std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(scaled)));
+      }
+    }
+    return t;
+  }();
+  return tables[size_t(s)];
 }
 
 // T = ceil(p * Z), exactly: p = m * 2^-shift with an integer m < 2^53, m * Z < 2^116.
@@ -67,25 +90,14 @@ double mass_of(uint64_t G, uint64_t Z) {
   return static_cast<double>(static_cast<long double>(G) / static_cast<long double>(Z));
 }
 
-// Order-preserving integer image of a finite float (-0 and +0 share a key).
-uint32_t score_key(float l) {
-  const auto bits = std::bit_cast<uint32_t>(l + 0.0f);
-  return (bits & 0x80000000u) != 0 ? ~bits : (bits | 0x80000000u);
-}
-
-float score_of_key(uint32_t key) {
-  const uint32_t bits = (key & 0x80000000u) != 0 ? (key & 0x7fffffffu) : ~key;
-  return std::bit_cast<float>(bits);
-}
-
 }  // namespace
 
 TopPSelection top_p_select_ref(const float* logits, int64_t n, double p, uint8_t* mask) {
   const float l_max = validate_and_max(logits, n, p, mask);
-  const int s = weight_fraction_bits(n);
+  const std::vector<uint64_t>& weight = weight_table(weight_fraction_bits(n));
   std::vector<uint64_t> W(static_cast<size_t>(n));
   uint64_t Z = 0;
-  for (int64_t t = 0; t < n; ++t) Z += W[t] = weight_units(logits[t], l_max, s);
+  for (int64_t t = 0; t < n; ++t) Z += W[t] = weight[size_t(gap_of(logits[t], l_max))];
   const uint64_t T = target_units(p, Z);
 
   std::vector<int64_t> order(static_cast<size_t>(n));
@@ -109,79 +121,52 @@ TopPSelection top_p_select_ref(const float* logits, int64_t n, double p, uint8_t
 
 TopPSelection top_p_select(const float* logits, int64_t n, double p, uint8_t* mask) {
   const float l_max = validate_and_max(logits, n, p, mask);
-  const int s = weight_fraction_bits(n);
-  std::vector<uint64_t> W(static_cast<size_t>(n));
-  std::vector<uint32_t> key(static_cast<size_t>(n));
+  const std::vector<uint64_t>& weight = weight_table(weight_fraction_bits(n));
+  // Pass 1: the gap of every token, and tokens per gap bucket (a bucket weighs its count times
+  // W(a)).
+  thread_local std::vector<int64_t> count;
+  thread_local std::vector<uint16_t> gap;
+  count.assign(size_t(kTopPGapCap) + 1, 0);
+  gap.resize(size_t(n));
+  for (int64_t t = 0; t < n; ++t) gap[size_t(t)] = static_cast<uint16_t>(gap_of(logits[t], l_max));
+  for (int64_t t = 0; t < n; ++t) ++count[gap[size_t(t)]];
   uint64_t Z = 0;
-  uint32_t key_min = std::numeric_limits<uint32_t>::max();
-  uint32_t key_max = 0;
-  for (int64_t t = 0; t < n; ++t) {
-    Z += W[t] = weight_units(logits[t], l_max, s);
-    key[t] = score_key(logits[t]);
-    key_min = std::min(key_min, key[t]);
-    key_max = std::max(key_max, key[t]);
-  }
+  for (int a = 0; a <= kTopPGapCap; ++a) Z += uint64_t(count[size_t(a)]) * weight[size_t(a)];
   const uint64_t T = target_units(p, Z);
 
-  // Invariant: lo and hi are keys of existing scores, G(lo) = G_lo >= T, and theta (the largest
-  // key whose upper set holds mass >= T) lies in [lo, hi]. Each pass splits [lo, hi] at two
-  // integer pivots pi0 <= pi1 (lo < pi0, pi1 <= hi), sums the weight G_j of keys >= pi_j, and
-  // snaps the kept third to existing keys: a_j = min key >= pi_j (v_min), b_j = max key < pi_j
-  // (v_max). With d = hi - lo the kept range has length at most floor(d / 3), so the loop ends
-  // after at most kTopPMaxSearchPasses passes, also on ties. (As printed, Algorithm 3 compares
-  // against real-valued pivots, which can round onto low or high and stop shrinking the range
-  // while two distinct scores remain in it, and its mass test can fail for every pivot when p
-  // exceeds the rounded total; integer pivots and exact integer masses rule out both.)
-  uint64_t lo = key_min;
-  uint64_t hi = key_max;
-  uint64_t G_lo = Z;
-  int passes = 0;
-  while (lo < hi) {
-    const uint64_t d = hi - lo;
-    const uint64_t pi0 = lo + (d + 2) / 3;
-    const uint64_t pi1 = lo + (2 * d + 2) / 3;
-    uint64_t G0 = 0, G1 = 0;
-    uint64_t a0 = std::numeric_limits<uint64_t>::max(), a1 = a0;
-    uint64_t b0 = 0, b1 = 0;
-    for (int64_t t = 0; t < n; ++t) {
-      const uint64_t k = key[t];
-      if (k >= pi0) {
-        G0 += W[t];
-        a0 = std::min(a0, k);
-      } else {
-        b0 = std::max(b0, k);
-      }
-      if (k >= pi1) {
-        G1 += W[t];
-        a1 = std::min(a1, k);
-      } else {
-        b1 = std::max(b1, k);
-      }
-    }
-    ++passes;
-    if (G1 >= T) {
-      lo = a1;  // a1 <= hi: hi is an existing key >= pi1
-      G_lo = G1;
-    } else if (G0 >= T) {
-      lo = a0;  // G0 > G1: some key lies in [pi0, pi1), so a0 <= b1
-      G_lo = G0;
-      hi = b1;
-    } else {
-      hi = b0;  // G(lo) >= T > G0 puts lo below pi0, so b0 >= lo
-    }
+  // The boundary bucket: buckets above it hold G_above < T, with it >= T.
+  uint64_t G_above = 0;
+  int boundary = 0;
+  while (G_above + uint64_t(count[size_t(boundary)]) * weight[size_t(boundary)] < T) {
+    G_above += uint64_t(count[size_t(boundary)]) * weight[size_t(boundary)];
+    ++boundary;
   }
+  const uint64_t w = weight[size_t(boundary)];
+  const int64_t m = int64_t((T - G_above + w - 1) / w);  // tokens of the bucket still needed
 
-  const auto theta_key = static_cast<uint32_t>(lo);
+  // Pass 2: the bucket's logits; theta is the m-th largest (ties beyond it are taken below).
+  thread_local std::vector<float> candidates;
+  candidates.clear();
+  candidates.reserve(size_t(count[size_t(boundary)]));
+  for (int64_t t = 0; t < n; ++t)
+    if (gap[size_t(t)] == boundary) candidates.push_back(logits[t]);
+  std::nth_element(candidates.begin(), candidates.begin() + (m - 1), candidates.end(),
+                   std::greater<float>());
+  const float theta = candidates[size_t(m - 1)];
+  int64_t in_bucket = 0;
+  for (float l : candidates) in_bucket += l >= theta;
+
+  // Pass 3: the mask.
   int64_t n_selected = 0;
   for (int64_t t = 0; t < n; ++t) {
-    mask[t] = key[t] >= theta_key ? 1 : 0;
+    mask[t] = logits[t] >= theta ? 1 : 0;
     n_selected += mask[t];
   }
   TopPSelection selection;
-  selection.threshold = score_of_key(theta_key);
+  selection.threshold = theta;
   selection.n_selected = n_selected;
-  selection.mass = mass_of(G_lo, Z);
-  selection.n_search_passes = passes;
+  selection.mass = mass_of(G_above + uint64_t(in_bucket) * w, Z);
+  selection.n_boundary = int64_t(candidates.size());
   return selection;
 }
 

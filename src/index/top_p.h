@@ -8,15 +8,19 @@
 // equal to theta) always brings the mass below p.
 //
 // Masses are fixed point so that every summation order gives the same sums (a SIMD or CUDA port
-// selects exactly the tokens the reference selects). With l_max the largest logit and
-// s = 63 - ceil(log2(n)) fraction bits, token t weighs
-//   W_t = max(1, ceil(2^s * exp(logits[t] - l_max)))     (exp in double)
+// selects exactly the tokens the reference selects). With l_max the largest logit, each token's
+// gap below it is quantized down to 1/64 of a logit,
+//   a_t = min(kTopPGapCap, floor(64 (l_max - l_t)))        (float subtraction and product)
+// and with s = 63 - ceil(log2(n)) fraction bits the token weighs
+//   W_t = max(1, ceil(2^s * exp(-a_t / 64)))               (exp in double; 1 at the cap)
 // so the largest token weighs exactly 2^s, every token weighs at least one unit, and the total
 // Z = sum_t W_t <= 2^63. The mass of a set is sum W_t / Z, and "mass >= p" is decided exactly in
-// integers: sum W_t >= ceil(p * Z). Rounding weights up by at most one unit (2^-s of the largest
-// token's weight) changes a set's mass by at most n * 2^-s <= 2^-(63 - 2 ceil(log2 n)) relative,
-// e.g. below 2^-29 for n = 10^5; in exchange a token is never weightless, so p = 1 selects every
-// token and sparse attention at p = 1 equals dense attention.
+// integers: sum W_t >= ceil(p * Z). Quantizing the gap overstates a token's weight relative to
+// the largest by less than e^(1/64) - 1 = 1.6% (far below the error of the estimated logits the
+// selection runs on, docs/sparse.md); rounding up by one unit changes a set's mass by at most
+// n * 2^-s. In exchange a token is never weightless, so p = 1 selects every token and sparse
+// attention at p = 1 equals dense attention, and the weights come from a table of
+// kTopPGapCap + 1 entries per s instead of one exponential per token.
 //
 // Thread safety: both functions are pure on their arguments (they allocate O(n) scratch).
 #pragma once
@@ -25,31 +29,33 @@
 
 namespace certkv::index {
 
+// Gaps of at least 44 logits weigh one unit for every s <= 63 (2^63 e^-44 < 1).
+inline constexpr int kTopPGapStepsPerLogit = 64;
+inline constexpr int kTopPGapCap = 44 * kTopPGapStepsPerLogit;
+
 struct TopPSelection {
   float threshold = 0.0f;   // theta: selected tokens are exactly those with logits[t] >= theta
   int64_t n_selected = 0;   // number of tokens with mask[t] == 1
   double mass = 0.0;        // softmax mass of the selected set (fixed point, see above); >= p
-  int n_search_passes = 0;  // top_p_select only: ternary-search passes over the n scores (<= 21)
+  // top_p_select only: tokens of the boundary gap bucket, the only ones ordered individually.
+  int64_t n_boundary = 0;
 };
 
-// Upper bound on TopPSelection::n_search_passes of top_p_select: each pass shrinks the candidate
-// interval of float keys (a range of at most 2^32 - 1 < 3^21) to at most a third.
-inline constexpr int kTopPMaxSearchPasses = 21;
-
-// Reference: softmax weights as above, tokens sorted by logit (descending), shortest prefix with
+// Reference: weights as above, tokens sorted by logit (descending), shortest prefix with
 // mass >= p, extended by every token equal to the last one taken. O(n log n).
 // logits: [n]; mask: [n] (written: 1 selected, 0 not).
 // REQUIRES: n >= 1; logits and mask non-null; every logit finite; 0 < p <= 1.
 // Violations throw certkv::Error kInvalidArgument naming the argument.
 TopPSelection top_p_select_ref(const float* logits, int64_t n, double p, uint8_t* mask);
 
-// Linear-time threshold search (Algorithm 3 of seed 002, made exact and terminating): a ternary
-// partition of the candidate range of thresholds, where each pass sums the mass above two pivots
-// and snaps the range to existing scores (the data bounds v_min / v_max). The range is searched
-// on the order-preserving integer image of the float scores, so pivots are exact integers and
-// every pass shrinks the range to at most a third: at most kTopPMaxSearchPasses passes, plus
-// two setup passes and one mask pass, each O(n). Returns exactly the set (and theta, mass) of
-// top_p_select_ref on every input.
+// Linear-time threshold search (the threshold search of Algorithm 3 of seed 002, with one
+// kTopPGapCap + 1 -way partition instead of repeated three-way ones): one pass sums the weight of
+// every gap bucket a (all tokens of a bucket weigh the same W(a), and a bucket's logits all lie
+// below those of any bucket with a smaller gap), a scan of the buckets from the top finds the
+// bucket where the cumulative weight reaches ceil(p Z), and within it the m-th largest logit
+// (m the number of its tokens still needed, by selection, not sorting) is theta. Passes over the
+// n scores: the maximum, the buckets, the boundary bucket's tokens, the mask. Returns exactly the
+// set (and theta, mass) of top_p_select_ref on every input.
 // logits: [n]; mask: [n]. REQUIRES: as top_p_select_ref.
 TopPSelection top_p_select(const float* logits, int64_t n, double p, uint8_t* mask);
 

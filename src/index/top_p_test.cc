@@ -33,8 +33,10 @@ ContractMasses contract_masses(const Logits& logits) {
   out.s = 63 - c;
   const float l_max = *std::max_element(logits.begin(), logits.end());
   for (float l : logits) {
-    const double scaled = std::ldexp(std::exp(double{l} - double{l_max}), out.s);
-    out.W.push_back(std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(scaled))));
+    const float gap = (l_max - l) * 64.0f;
+    const int a = gap < float(kTopPGapCap) ? static_cast<int>(std::floor(gap)) : kTopPGapCap;
+    const double scaled = std::ldexp(std::exp(-double(a) / 64.0), out.s);
+    out.W.push_back(a == kTopPGapCap ? 1 : std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(scaled))));
     out.Z += out.W.back();
   }
   return out;
@@ -91,7 +93,8 @@ Selected check_case(const Logits& logits, double p, const std::string& what) {
   EXPECT_EQ(got.selection.threshold, ref.selection.threshold);
   EXPECT_EQ(got.selection.n_selected, ref.selection.n_selected);
   EXPECT_EQ(got.selection.mass, ref.selection.mass);
-  EXPECT_LE(got.selection.n_search_passes, kTopPMaxSearchPasses);
+  EXPECT_GE(got.selection.n_boundary, 1);
+  EXPECT_LE(got.selection.n_boundary, int64_t(logits.size()));
 
   const float theta = got.selection.threshold;
   int64_t n_selected = 0;
@@ -277,18 +280,22 @@ TEST(TopP, AgreesWithDoubleSoftmaxWithinTheFixedPointBound) {
           if (r.mask[t] != 0) selected += w;
         }
         // Rounding each weight up by < 2^-s moves a mass by at most n * 2^-s (top_p.h), plus
-        // the double summation error of n terms.
+        // the double summation error of n terms; quantizing the gaps to 1/64 scales each
+        // weight by a factor in [1, e^(1/64)), so a mass moves by a factor in (e^-(1/64), e^(1/64)).
         const double bound = static_cast<double>(n) * (std::ldexp(1.0, -s) + 1e-15);
-        EXPECT_GE(selected / total, p - bound) << "n=" << n << " shape=" << shape;
-        EXPECT_NEAR(selected / total, r.selection.mass, bound);
+        const double gap_factor = std::exp(1.0 / 64.0);
+        const double truth = selected / total;
+        EXPECT_GE(truth, p / gap_factor - bound) << "n=" << n << " shape=" << shape;
+        EXPECT_LE(truth, r.selection.mass * gap_factor + bound);
+        EXPECT_GE(truth, r.selection.mass / gap_factor - bound);
       }
     }
   }
 }
 
-TEST(TopP, PassCountStaysBoundedOnWideAndClusteredScores) {
-  // Scores spread over the whole float range with clusters of adjacent floats: the pivots must
-  // still separate neighbouring values.
+TEST(TopP, WideAndClusteredScoresEqualTheReference) {
+  // Scores spread over the whole float range with clusters of adjacent floats (one gap bucket
+  // holds a whole cluster; the bucket's own order decides).
   Logits logits;
   for (float base : {-std::numeric_limits<float>::max(), -1.0f, 0.0f, 1e-30f, 1.0f, 7.0f}) {
     float x = base;
@@ -299,55 +306,32 @@ TEST(TopP, PassCountStaysBoundedOnWideAndClusteredScores) {
   }
   logits.push_back(std::numeric_limits<float>::denorm_min());
   logits.push_back(-std::numeric_limits<float>::denorm_min());
-  int max_passes = 0;
   std::vector<double> ps;
   for (double p = 1e-3; p < 1.0; p += 0.01) ps.push_back(p);
   for (int k = 1; k < 50; ++k) ps.push_back(1.0 - std::ldexp(1.0, -k));
-  for (double p : ps) {
-    max_passes = std::max(max_passes, check_case(logits, p, "wide").selection.n_search_passes);
-  }
-  EXPECT_LE(max_passes, kTopPMaxSearchPasses);
-  EXPECT_GT(max_passes, 0);
+  int64_t max_boundary = 0;
+  for (double p : ps) max_boundary = std::max(max_boundary, check_case(logits, p, "wide").selection.n_boundary);
+  EXPECT_GE(max_boundary, 5);  // a cluster of adjacent floats shares a bucket
 }
 
-// Order-preserving integer image of a float and back (as the search orders scores).
-uint32_t key_of(float x) {
-  const auto bits = std::bit_cast<uint32_t>(x);
-  return (bits & 0x80000000u) != 0 ? ~bits : (bits | 0x80000000u);
-}
-
-float float_of(uint32_t key) {
-  return std::bit_cast<float>((key & 0x80000000u) != 0 ? (key & 0x7fffffffu) : ~key);
-}
-
-// Scores placed where the search's data bounds land when the threshold always lies in the middle
-// third: each pass can keep no less than a third of the range, so the pass count reaches the
-// ternary bound (and a search that failed to lower hi in that case would exceed it).
-TEST(TopP, PassCountMeetsTheBoundOnAnAdversarialInput) {
-  uint64_t lo = key_of(-1.0f);
-  uint64_t hi = key_of(1.0f);
-  Logits logits = {float_of(static_cast<uint32_t>(lo)), float_of(static_cast<uint32_t>(hi))};
-  int depth = 0;
-  while (lo < hi) {
-    const uint64_t d = hi - lo;
-    const uint64_t pi0 = lo + (d + 2) / 3;
-    const uint64_t pi1 = lo + (2 * d + 2) / 3;
-    logits.push_back(float_of(static_cast<uint32_t>(pi0)));
-    logits.push_back(float_of(static_cast<uint32_t>(pi1 - 1)));
-    lo = pi0;
-    hi = pi1 - 1;
-    ++depth;
-  }
-  const float theta = float_of(static_cast<uint32_t>(lo));
-  const ContractMasses cm = contract_masses(logits);
-  const uint64_t G = weight_at_or_above(cm, logits, theta, /*strict=*/false);
-  const double p = std::nextafter(
-      static_cast<double>(static_cast<long double>(G) / static_cast<long double>(cm.Z)), 0.0);
-  const Selected r = check_case(logits, p, "adversarial");
-  EXPECT_EQ(r.selection.threshold, theta);
-  EXPECT_EQ(r.selection.n_search_passes, depth);
-  EXPECT_GE(depth, 19);
-  EXPECT_LE(depth, kTopPMaxSearchPasses);
+TEST(TopP, OnlyTheBoundaryBucketIsOrdered) {
+  // All equal: one bucket, every token a candidate.
+  Logits equal(1000, 0.25f);
+  EXPECT_EQ(check_case(equal, 0.5, "equal").selection.n_boundary, 1000);
+  // One dominant token 50 logits above the rest: at p = 0.5 the top bucket holds only it; at
+  // p = 1 the boundary is the capped bucket of the 999 others.
+  Logits dominant(1000, -50.0f);
+  dominant[17] = 0.0f;
+  const Selected top = check_case(dominant, 0.5, "dominant");
+  EXPECT_EQ(top.selection.n_boundary, 1);
+  EXPECT_EQ(top.selection.n_selected, 1);
+  const Selected all = check_case(dominant, 1.0, "dominant p=1");
+  EXPECT_EQ(all.selection.n_boundary, 999);
+  EXPECT_EQ(all.selection.n_selected, 1000);
+  // Distinct logits 1/32 apart land in distinct buckets: one candidate.
+  Logits spread;
+  for (int i = 0; i < 300; ++i) spread.push_back(float(i) / 32.0f);
+  for (double p : {0.1, 0.5, 0.9}) EXPECT_EQ(check_case(spread, p, "spread").selection.n_boundary, 1);
 }
 
 TEST(TopP, RejectsBadInput) {
