@@ -160,15 +160,19 @@ void Session::update_key_index() {
   // the window is under a block).
   const int64_t target = std::max<int64_t>(0, n - sparse.window_tokens) / bt * bt;
   const int64_t batch = std::max<int64_t>(bt, int64_t(sparse.window_tokens) / bt * bt);
-  std::vector<float> keys;
-  int64_t appended = 0;
-  for (int layer = sparse.dense_layers; layer < c.n_layers; ++layer) {
-    for (int h = 0; h < c.n_kv_heads; ++h) {
+  // One unit per (layer, kv_head) of the sparse layers: each touches only its own index head.
+  const int64_t n_units = int64_t(c.n_layers - sparse.dense_layers) * c.n_kv_heads;
+  std::vector<int64_t> appended_by_unit(size_t(std::max<int64_t>(n_units, 0)), 0);
+  pool_->parallel_for(n_units, 1, [&](int64_t begin, int64_t end, int) {
+    std::vector<float> keys;
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int layer = sparse.dense_layers + int(unit / c.n_kv_heads);
+      const int h = int(unit % c.n_kv_heads);
       if (!index_built_) {
         // Centroids: the mean of this prefill's keys, and of its group's queries.
         keys.resize(size_t(n) * size_t(d));
         cache_->read_token_range_exact(seq_, layer, cache::KvTensor::kKey, h, 0, n, keys.data());
-        std::vector<double> k_sum(size_t(d), 0.0);
+        std::vector<double> k_sum(static_cast<size_t>(d), 0.0);
         for (int64_t t = 0; t < n; ++t)
           for (int i = 0; i < d; ++i) k_sum[size_t(i)] += keys[size_t(t) * size_t(d) + size_t(i)];
         std::vector<float> c_k(static_cast<size_t>(d)), c_q(static_cast<size_t>(d));
@@ -184,9 +188,11 @@ void Session::update_key_index() {
       keys.resize(size_t(target - from) * size_t(d));
       cache_->read_token_range_exact(seq_, layer, cache::KvTensor::kKey, h, from, target, keys.data());
       index_->append(layer, h, keys.data(), target - from);
-      appended += target - from;
+      appended_by_unit[size_t(unit)] = target - from;
     }
-  }
+  });
+  int64_t appended = 0;
+  for (int64_t a : appended_by_unit) appended += a;
   if (!index_built_) {
     index_built_ = true;
     query_sums_.clear();

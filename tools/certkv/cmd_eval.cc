@@ -130,10 +130,16 @@ int cmd_teacher_forced(int argc, char** argv) {
   run_tokens(test, tokens, steps, n_vocab, &test_logits);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
-  eval::QualityAccumulator acc;
-  for (int64_t i = 0; i < n; ++i)
-    acc.add(eval::compare_logits(&ref_logits[size_t(i) * n_vocab], &test_logits[size_t(i) * n_vocab], n_vocab));
+  // All positions, and the decode steps alone (the positions --sparse and the meter act on).
+  eval::QualityAccumulator acc, decode_acc;
+  for (int64_t i = 0; i < n; ++i) {
+    const eval::PositionQuality pq =
+        eval::compare_logits(&ref_logits[size_t(i) * n_vocab], &test_logits[size_t(i) * n_vocab], n_vocab);
+    acc.add(pq);
+    if (i >= n - steps) decode_acc.add(pq);
+  }
   const eval::QualitySummary q = acc.summary();
+  const eval::QualitySummary dq = decode_acc.summary();
   const certkv_kv_stats kvs = test.kv_stats();
   const certkv_meter_stats ms = test.meter_stats();
   if (flags.has("json")) {
@@ -147,10 +153,16 @@ int cmd_teacher_forced(int argc, char** argv) {
         .add("p99_kl", q.p99_kl)
         .add("top1", q.top1)
         .add("top5", q.top5)
+        .add("decode_mean_kl", dq.mean_kl)
+        .add("decode_max_kl", dq.max_kl)
+        .add("decode_top1", dq.top1)
+        .add("decode_top5", dq.top5)
         .add("kv_bytes", kvs.kv_bytes)
         .add("kv_bytes_bf16", kvs.kv_bytes_bf16)
         .add("seconds", seconds);
     if (ms.metered && steps > 0) o.add_raw("meter", meter_json(ms));
+    const certkv_sparse_stats ss = test.sparse_stats();
+    if (ss.sparse) o.add_raw("sparse", sparse_json(ss));
     if (flags.has("per-position")) {
       std::string kl = "[", top1 = "[", top5 = "[";
       char buf[64];
