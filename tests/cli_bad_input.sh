@@ -142,5 +142,35 @@ expect_error eval-needle-bad-length "--lengths" "$bin" eval needle --model "$mod
 expect_error eval-needle-too-long "context" "$bin" eval needle --model "$model" --kv rtn8 --lengths 100000 --samples 1
 expect_error eval-needle-variant "--variant" "$bin" eval needle --model "$model" --kv rtn8 --lengths 1024 --variant multi-everything --samples 1
 
+# Sparse decode (--ctx 256 where the spec is valid: the default window of 128 tokens must fit the
+# context): the --sparse spec, its bounds against the context and the model, the gate, and a
+# model file that does not state its RoPE (the SmolLM2 file with its rope.freq_base key renamed,
+# offsets unchanged): dense decode runs it, sparse decode refuses it.
+python3 - "$model" "$tmp/norope.gguf" <<'PY'
+import sys
+data = open(sys.argv[1], 'rb').read()
+key = b'llama.rope.freq_base'
+assert data.count(key) == 1, 'expected one llama.rope.freq_base key'
+open(sys.argv[2], 'wb').write(data.replace(key, b'llama.rope.freq_bass'))
+PY
+expect_error sparse-p-zero "p must be in (0, 1], got 0" "$bin" run --model "$model" --sparse p=0 --prompt hi --n 1
+expect_error sparse-p-above-one "p must be in (0, 1], got 1.5" "$bin" run --model "$model" --sparse p=1.5 --prompt hi --n 1
+expect_error sparse-p-not-a-number "p 'abc' is not a number" "$bin" run --model "$model" --sparse p=abc --prompt hi --n 1
+expect_error sparse-p-missing "p is missing" "$bin" run --model "$model" --sparse window=64 --prompt hi --n 1
+expect_error sparse-unknown-key "unknown key 'budget'" "$bin" run --model "$model" --sparse p=0.9,budget=3 --prompt hi --n 1
+expect_error sparse-bad-rotation "rotation must be haar or hadamard" "$bin" run --model "$model" --sparse p=0.9,rotation=qr --prompt hi --n 1
+expect_error sparse-window-above-context "sparse window 1000" "$bin" run --model "$model" --ctx 256 --sparse p=0.9,window=1000 --prompt hi --n 1
+expect_error sparse-dense-above-layers "sparse dense layers 999" "$bin" run --model "$model" --ctx 256 --sparse p=0.9,dense=999 --prompt hi --n 1
+expect_error sparse-with-gate "--gate and --sparse" "$bin" run --model "$model" --kv dither8 --gate --sparse p=0.9 --prompt hi --n 1
+expect_error sparse-audit-with-gate "--gate and --sparse" "$bin" audit --model "$model" --kv dither8 --gate --sparse p=0.9 --text-file "$corpus" --tokens 64
+expect_error sparse-without-rope "RoPE" "$bin" run --model "$tmp/norope.gguf" --ctx 256 --sparse p=0.9 --prompt hi --n 1
+if "$bin" run --model "$tmp/norope.gguf" --prompt hi --n 1 >"$tmp/out" 2>"$tmp/err"; then
+  echo "ok   dense-without-rope: runs"
+  passed=$((passed + 1))
+else
+  echo "FAIL dense-without-rope: dense decode must not need the RoPE key:"; sed 's/^/    /' "$tmp/err"
+  failures=$((failures + 1))
+fi
+
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

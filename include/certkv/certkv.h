@@ -130,8 +130,8 @@ typedef struct certkv_session_params {
   double sparse_p;               /* 0 (default): dense decode; in (0, 1]: sparse decode, each
                                     (layer, query head, step) attends the fewest indexed tokens
                                     holding estimated attention mass sparse_p plus the window */
-  int32_t sparse_window;         /* newest tokens always attended exactly; -1: 128; at most the
-                                    context */
+  int32_t sparse_window;         /* newest tokens always attended exactly; -1: 128 (or the
+                                    context when shorter); at most the context */
   int32_t sparse_dense_layers;   /* first layers decoded densely; -1: 2 */
   const char* sparse_rotation;   /* the key index's rotation: "haar" (default, null) or
                                     "hadamard" (randomized Hadamard, power-of-two head_dim) */
@@ -253,7 +253,7 @@ typedef struct certkv_sparse_stats {
   int32_t window_tokens, dense_layers;
   int64_t steps;                 /* decode steps with sparse layers */
   int64_t cells;
-  double mean_budget;            /* mean over sparse cells */
+  double mean_budget;            /* mean over sparse cells (1 when there is none) */
   double mean_budget_all_layers; /* counting the dense layers' cells as budget 1 */
   uint64_t index_bytes;          /* the key index: pages of records, centroids, rotations */
   int64_t indexed_tokens;        /* tokens in the index (per (layer, kv_head)) */

@@ -517,9 +517,10 @@ certkv_status certkv_session_sparse_stats(const certkv_session* session, certkv_
     stats->dense_layers = cfg.dense_layers;
     stats->steps = st.steps;
     stats->cells = st.cells;
-    stats->mean_budget = st.cells > 0 ? st.sum_budget / double(st.cells) : 0;
+    // No sparse cell yet: every step attended every token.
+    stats->mean_budget = st.cells > 0 ? st.sum_budget / double(st.cells) : 1;
     const int64_t all = st.cells + st.dense_cells;
-    stats->mean_budget_all_layers = all > 0 ? (st.sum_budget + double(st.dense_cells)) / double(all) : 0;
+    stats->mean_budget_all_layers = all > 0 ? (st.sum_budget + double(st.dense_cells)) / double(all) : 1;
     const certkv::cache::KeyIndex& index = *s.key_index();
     stats->index_bytes = index.bytes();
     stats->indexed_tokens = cfg.dense_layers < s.model().config().n_layers

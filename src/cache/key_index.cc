@@ -172,7 +172,9 @@ uint64_t KeyIndex::bytes() const {
   uint64_t total = 0;
   for (const HeadIndex& h : heads_) {
     if (!h.head) continue;
-    total += h.records.size() + 2 * d * sizeof(float) + rotation_floats * sizeof(float);
+    const uint64_t pages = uint64_t(h.n + config_.page_records - 1) / uint64_t(config_.page_records);
+    total += pages * uint64_t(config_.page_records) * record_bytes_ + 2 * d * sizeof(float) +
+             rotation_floats * sizeof(float);
   }
   return total;
 }

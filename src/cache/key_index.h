@@ -73,7 +73,8 @@ class KeyIndex {
   // Drops every record and centroid.
   void clear();
   size_t record_bytes() const { return record_bytes_; }
-  // Index pages in use * page bytes + centroids + the rotation's parameters.
+  // Index pages in use (ceil(indexed / page_records) per head) * page bytes + centroids + the
+  // rotation's parameters. The arena grows by doubling; its spare capacity is not counted.
   uint64_t bytes() const;
 
  private:

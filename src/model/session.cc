@@ -102,7 +102,9 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
     if (!(sparse.p > 0 && sparse.p <= 1))
       fail(StatusCode::kInvalidArgument,
            "sparse p must be in (0, 1], got " + std::to_string(sparse.p));
-    if (sparse.window_tokens < 0 || sparse.window_tokens > context_tokens_)
+    if (sparse.window_tokens == -1)
+      config_.sparse.window_tokens = int(std::min<int64_t>(128, context_tokens_));
+    else if (sparse.window_tokens < 0 || sparse.window_tokens > context_tokens_)
       fail(StatusCode::kInvalidArgument,
            "sparse window " + std::to_string(sparse.window_tokens) +
                " tokens must be in [0, the context = " + std::to_string(context_tokens_) + "]");

@@ -66,7 +66,8 @@ using MeterObserver = std::function<void(const MeterObservation&)>;
 struct SparseConfig {
   bool enabled = false;
   double p = 0.9;           // Top-p mass, in (0, 1]
-  int window_tokens = 128;  // REQUIRES: 0 <= window_tokens <= the context
+  // REQUIRES: 0 <= window_tokens <= the context; -1: 128, or the context when it is shorter.
+  int window_tokens = -1;
   int dense_layers = 2;     // REQUIRES: 0 <= dense_layers <= n_layers
   index::RotationKind rotation = index::RotationKind::kHaar;
   uint64_t seed = 0x5eed0002;  // of the rotation and of the queries' randomized rounding

@@ -226,7 +226,10 @@ int cmd_run(int argc, char** argv) {
            info.name, r.prompt_tokens, prefill_tps, r.generated_tokens, decode_tps, kv.c_str(),
            kvs.kv_bytes / 1048576.0, kvs.kv_bytes_bf16 / 1048576.0, rss / 1048576.0);
     const certkv_sparse_stats ss = session.sparse_stats();
-    if (ss.sparse)
+    if (ss.sparse && ss.cells == 0)
+      printf("[certkv] sparse p %g: no sparse decode step (the context never exceeded the %d-token "
+             "window), every step attended every token\n", ss.p, ss.window_tokens);
+    else if (ss.sparse)
       printf("[certkv] sparse p %g: mean budget %.3f of the context (%.3f with the %d dense layers), "
              "index %.2f MiB\n",
              ss.p, ss.mean_budget, ss.mean_budget_all_layers, ss.dense_layers,
