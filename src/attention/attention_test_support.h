@@ -72,6 +72,28 @@ inline void append_random(cache::KvCache& cache, cache::SeqId seq, int64_t n, st
   }
 }
 
+// Appends n tokens to every layer in steps of 37, 1, 200, 3, 64, ... tokens (steps end inside
+// blocks), committing each step; fill_row(k, v) writes one token of one kv head: k, v: [head_dim].
+template <typename FillRow>
+void append_in_ragged_steps(cache::KvCache& cache, cache::SeqId seq, int64_t n, FillRow&& fill_row) {
+  const cache::KvCacheConfig& cfg = cache.config();
+  static constexpr int64_t kSteps[] = {37, 1, 200, 3, 64};
+  int64_t done = 0;
+  for (int step = 0; done < n; ++step) {
+    const int64_t m = std::min<int64_t>(kSteps[step % 5], n - done);
+    cache.reserve(seq, m);
+    for (int layer = 0; layer < cfg.n_layers; ++layer) {
+      const size_t rows = size_t(m) * size_t(cfg.n_kv_heads);
+      std::vector<float> k(rows * size_t(cfg.head_dim)), v(rows * size_t(cfg.head_dim));
+      for (size_t row = 0; row < rows; ++row)
+        fill_row(k.data() + row * size_t(cfg.head_dim), v.data() + row * size_t(cfg.head_dim));
+      cache.write(seq, layer, k.data(), v.data(), m);
+    }
+    cache.commit(seq, m);
+    done += m;
+  }
+}
+
 // Test data must be able to make a test fail: refuse data that is all zero or constant.
 template <typename T>
 void expect_nondegenerate(const std::vector<T>& x, const char* what) {

@@ -39,26 +39,14 @@ std::unique_ptr<cache::KvCache> lossy_cache(const CaseShape& c, KvScheme scheme,
 
 // Keys with a few large channels; values normal.
 void append(cache::KvCache& cache, cache::SeqId seq, int64_t n, std::mt19937& rng) {
-  const cache::KvCacheConfig& cfg = cache.config();
+  const int d = cache.config().head_dim;
   std::normal_distribution<float> normal(0.f, 1.f);
-  int64_t done = 0;
-  static constexpr int64_t kSteps[] = {37, 1, 200, 3, 64};
-  for (int step = 0; done < n; ++step) {
-    const int64_t m = std::min<int64_t>(kSteps[step % 5], n - done);
-    cache.reserve(seq, m);
-    for (int layer = 0; layer < cfg.n_layers; ++layer) {
-      const size_t count = size_t(m) * size_t(cfg.n_kv_heads) * size_t(cfg.head_dim);
-      std::vector<float> k(count), v(count);
-      for (size_t i = 0; i < count; ++i) {
-        const int c = int(i % size_t(cfg.head_dim));
-        k[i] = normal(rng) * (c == 5 || c == 6 ? 12.f : 1.5f);
-        v[i] = normal(rng);
-      }
-      cache.write(seq, layer, k.data(), v.data(), m);
+  testing::append_in_ragged_steps(cache, seq, n, [&](float* k, float* v) {
+    for (int c = 0; c < d; ++c) {
+      k[c] = normal(rng) * (c == 5 || c == 6 ? 12.f : 1.5f);
+      v[c] = normal(rng);
     }
-    cache.commit(seq, m);
-    done += m;
-  }
+  });
 }
 
 std::vector<float> queries(const CaseShape& c, float gain, std::mt19937& rng) {

@@ -38,30 +38,16 @@ std::unique_ptr<cache::KvCache> make_cache(const CaseShape& c, KvScheme scheme, 
 // is peaked and Top-p selects a minority); values normal. Ragged write steps.
 void append(cache::KvCache& cache, cache::SeqId seq, int64_t n, const std::vector<float>& direction,
             std::mt19937& rng) {
-  const cache::KvCacheConfig& cfg = cache.config();
+  const int d = cache.config().head_dim;
   std::normal_distribution<float> normal(0.f, 1.f);
   std::uniform_real_distribution<float> u(0.f, 1.f);
-  int64_t done = 0;
-  static constexpr int64_t kSteps[] = {37, 1, 200, 3, 64};
-  for (int step = 0; done < n; ++step) {
-    const int64_t m = std::min<int64_t>(kSteps[step % 5], n - done);
-    cache.reserve(seq, m);
-    for (int layer = 0; layer < cfg.n_layers; ++layer) {
-      const size_t count = size_t(m) * size_t(cfg.n_kv_heads) * size_t(cfg.head_dim);
-      std::vector<float> k(count), v(count);
-      for (size_t row = 0; row < count / size_t(cfg.head_dim); ++row) {
-        const float gain = u(rng) < 0.05f ? 3.f : 0.f;
-        for (int c = 0; c < cfg.head_dim; ++c) {
-          const size_t i = row * size_t(cfg.head_dim) + size_t(c);
-          k[i] = normal(rng) + 0.5f + gain * direction[size_t(c)];
-          v[i] = normal(rng);
-        }
-      }
-      cache.write(seq, layer, k.data(), v.data(), m);
+  testing::append_in_ragged_steps(cache, seq, n, [&](float* k, float* v) {
+    const float gain = u(rng) < 0.05f ? 3.f : 0.f;
+    for (int c = 0; c < d; ++c) {
+      k[c] = normal(rng) + 0.5f + gain * direction[size_t(c)];
+      v[c] = normal(rng);
     }
-    cache.commit(seq, m);
-    done += m;
-  }
+  });
 }
 
 // An index of [0, n_indexed) of every (layer, kv_head), centroids from the exact keys and q.
