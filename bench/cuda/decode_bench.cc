@@ -1,0 +1,333 @@
+// Decode attention on the GPU: certkv's page formats over real KV tiled to length, timed with
+// CUDA events, with the device's copy bandwidth measured in the same run. One JSON object per
+// line (docs/bench/README.md describes the fields); scripts/cuda_bench.sh runs it with the peers.
+//
+//   certkv_cuda_decode_bench --kv KV.safetensors --calib CAL.safetensors --out FILE.jsonl
+//       [--contexts 8192,32768,65536,131072] [--batches 1,8] [--shapes 32x8,28x4]
+//       [--formats bf16,gaac,gaac-e5m2,dither8,fp8-e4m3,fp8-e4m3-nometer] [--reps 7] [--iters 20]
+//
+// KV.safetensors (scripts/make_bench_kv.py): k, v BF16 [8][N][128], q F32 [8][7][128] (7 query
+// vectors per KV head), metadata "source". CAL.safetensors: k, v of another text, for the GAAC
+// calibration. Shape "32x8" uses KV heads 0..7 with queries 0..3 of each; "28x4" KV heads 0..3
+// with all 7. Each sequence of a batch is a distinct copy of the real tokens tiled to the context.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "attention/cuda/device_kv.h"
+#include "attention/cuda/paged_decode_cuda.h"
+#include "format/fp8.h"
+#include "format/safetensors.h"
+
+using namespace certkv;
+using namespace certkv::attention::cuda;
+
+namespace {
+
+struct Source {
+  int n_kv = 0, n_tokens = 0, head_dim = 0, q_per_kv = 0;
+  const uint16_t* k = nullptr;  // [n_kv][n_tokens][head_dim]
+  const uint16_t* v = nullptr;
+  const float* q = nullptr;     // [n_kv][q_per_kv][head_dim]
+  std::string source;
+  std::unique_ptr<format::SafetensorsFile> file;
+};
+
+[[noreturn]] void die(const std::string& message) {
+  std::fprintf(stderr, "certkv_cuda_decode_bench: %s\n", message.c_str());
+  std::exit(2);
+}
+
+Source open_source(const std::string& path, bool need_q) {
+  Source s;
+  s.file = format::SafetensorsFile::open(path);
+  const auto* k = s.file->find("k");
+  const auto* v = s.file->find("v");
+  if (!k || !v || k->dtype != "BF16" || v->dtype != "BF16" || k->shape.size() != 3 || k->shape != v->shape)
+    die(path + ": needs BF16 tensors k and v of one shape [n_kv][N][head_dim]");
+  s.n_kv = int(k->shape[0]);
+  s.n_tokens = int(k->shape[1]);
+  s.head_dim = int(k->shape[2]);
+  s.k = reinterpret_cast<const uint16_t*>(k->data);
+  s.v = reinterpret_cast<const uint16_t*>(v->data);
+  if (need_q) {
+    const auto* q = s.file->find("q");
+    if (!q || q->dtype != "F32" || q->shape.size() != 3 || q->shape[0] != s.n_kv || q->shape[2] != s.head_dim)
+      die(path + ": needs F32 tensor q [n_kv][q_per_kv][head_dim]");
+    s.q_per_kv = int(q->shape[1]);
+    s.q = reinterpret_cast<const float*>(q->data);
+  }
+  const auto& meta = s.file->metadata();
+  if (auto it = meta.find("source"); it != meta.end()) s.source = it->second;
+  return s;
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, sep);)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+#define CHECK_CUDA(x)                                                                    \
+  do {                                                                                   \
+    const cudaError_t e_ = (x);                                                          \
+    if (e_ != cudaSuccess) die(std::string(#x) + ": " + cudaGetErrorString(e_));        \
+  } while (0)
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Device-to-device copy of 2 GiB: bytes read + written over time, median of 10.
+double copy_tb_s() {
+  const size_t bytes = size_t(2) << 30;
+  void *a = nullptr, *b = nullptr;
+  CHECK_CUDA(cudaMalloc(&a, bytes));
+  CHECK_CUDA(cudaMalloc(&b, bytes));
+  CHECK_CUDA(cudaMemset(a, 1, bytes));
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  std::vector<double> t;
+  for (int i = 0; i < 13; ++i) {
+    CHECK_CUDA(cudaEventRecord(e0));
+    CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+    CHECK_CUDA(cudaEventRecord(e1));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    if (i >= 3) t.push_back(2.0 * double(bytes) / (double(ms) * 1e-3) / 1e12);
+  }
+  cudaFree(a);
+  cudaFree(b);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return median(t);
+}
+
+struct FormatChoice {
+  std::string name;
+  PageFormat format;
+  bool meter;
+};
+
+FormatChoice parse_format(const std::string& name) {
+  if (name == "bf16") return {name, PageFormat::kBf16, false};
+  if (name == "gaac") return {name, PageFormat::kGaacBf16, false};
+  if (name == "gaac-e5m2") return {name, PageFormat::kGaacE5M2, false};
+  if (name == "dither8") return {name, PageFormat::kDither8, true};
+  if (name == "dither8-nometer") return {name, PageFormat::kDither8, false};
+  if (name == "fp8-e4m3") return {name, PageFormat::kFp8E4M3, true};
+  if (name == "fp8-e4m3-nometer") return {name, PageFormat::kFp8E4M3, false};
+  if (name == "fp8-e5m2") return {name, PageFormat::kFp8E5M2, true};
+  die("unknown format " + name);
+}
+
+codec::GaacCalibration calibrate(const Source& cal, format::GaacElement element, int n_kv) {
+  codec::GaacShape shape;
+  shape.n_layers = 1;
+  shape.n_kv_heads = n_kv;
+  shape.head_dim = cal.head_dim;
+  shape.block_tokens = 16;
+  shape.element = element;
+  codec::GaacCalibrator calibrator(shape);
+  std::vector<uint8_t> fp8(size_t(cal.n_tokens) * cal.head_dim);
+  for (int which = 0; which < 2; ++which)
+    for (int h = 0; h < n_kv; ++h) {
+      const uint16_t* rows = (which == 0 ? cal.k : cal.v) + size_t(h) * cal.n_tokens * cal.head_dim;
+      if (element == format::GaacElement::kBf16) {
+        calibrator.add_bf16(0, which, h, rows, cal.n_tokens);
+      } else {
+        for (size_t i = 0; i < fp8.size(); ++i) fp8[i] = format::bf16_to_fp8_e5m2_ref(rows[i]);
+        calibrator.add_fp8(0, which, h, fp8.data(), cal.n_tokens);
+      }
+    }
+  return calibrator.finish();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string kv_path, cal_path, out_path;
+  std::vector<std::string> contexts = {"8192", "32768", "65536", "131072"}, batches = {"1", "8"},
+                           shapes = {"32x8", "28x4"},
+                           formats = {"bf16", "gaac", "gaac-e5m2", "dither8", "fp8-e4m3", "fp8-e4m3-nometer"};
+  int reps = 7, iters = 20;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) die(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--kv") kv_path = next();
+    else if (a == "--calib") cal_path = next();
+    else if (a == "--out") out_path = next();
+    else if (a == "--contexts") contexts = split(next(), ',');
+    else if (a == "--batches") batches = split(next(), ',');
+    else if (a == "--shapes") shapes = split(next(), ',');
+    else if (a == "--formats") formats = split(next(), ',');
+    else if (a == "--reps") reps = std::stoi(next());
+    else if (a == "--iters") iters = std::stoi(next());
+    else die("unknown flag " + a);
+  }
+  if (kv_path.empty() || cal_path.empty() || out_path.empty()) die("--kv, --calib and --out are required");
+  const Source src = open_source(kv_path, true);
+  const Source cal = open_source(cal_path, false);
+  if (src.head_dim != 128 || cal.head_dim != 128 || cal.n_kv < src.n_kv || src.n_tokens % 16 != 0)
+    die("the KV files must hold head_dim-128 heads, the calibration as many heads, N a multiple of 16");
+
+  int device = 0;
+  CHECK_CUDA(cudaGetDevice(&device));
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
+  const double copy = copy_tb_s();
+  std::ofstream out(out_path);
+  char line[4096];
+  std::snprintf(line, sizeof line,
+                "{\"kind\": \"env\", \"gpu\": \"%s\", \"sms\": %d, \"l2_bytes\": %d, \"copy_tb_s\": %.4f, "
+                "\"kv_source\": \"%s\", \"kv_tokens\": %d}",
+                prop.name, prop.multiProcessorCount, prop.l2CacheSize, copy, src.source.c_str(), src.n_tokens);
+  out << line << "\n";
+  std::printf("%s\n", line);
+
+  const codec::GaacCalibration cal_bf16 = calibrate(cal, format::GaacElement::kBf16, src.n_kv);
+  const codec::GaacCalibration cal_e5m2 = calibrate(cal, format::GaacElement::kFp8E5M2, src.n_kv);
+  std::printf("%-6s %5s %7s %-18s %10s %10s %8s %8s\n", "shape", "batch", "ctx", "format", "us", "MB", "TB/s", "%copy");
+
+  for (const std::string& shape_name : shapes) {
+    const auto hw = split(shape_name, 'x');
+    if (hw.size() != 2) die("bad shape " + shape_name);
+    const int n_q = std::stoi(hw[0]), n_kv = std::stoi(hw[1]), group = n_q / n_kv;
+    if (n_kv > src.n_kv || group > src.q_per_kv || n_q % n_kv != 0) die("shape " + shape_name + " does not fit the KV file");
+    for (const std::string& batch_s : batches) {
+      const int batch = std::stoi(batch_s);
+      for (const std::string& ctx_s : contexts) {
+        const int64_t ctx = std::stoll(ctx_s);
+        HostLayerKv kv;
+        kv.batch = batch;
+        kv.n_kv_heads = n_kv;
+        kv.head_dim = 128;
+        kv.lens.assign(size_t(batch), ctx);
+        kv.period_blocks = src.n_tokens / 16;
+        for (int b = 0; b < batch; ++b) {
+          kv.k.emplace_back(size_t(n_kv) * size_t(ctx) * 128);
+          kv.v.emplace_back(size_t(n_kv) * size_t(ctx) * 128);
+          for (int h = 0; h < n_kv; ++h)
+            for (int64_t t = 0; t < ctx; ++t) {
+              const size_t from = (size_t(h) * src.n_tokens + size_t(t % src.n_tokens)) * 128;
+              const size_t to = (size_t(h) * size_t(ctx) + size_t(t)) * 128;
+              std::memcpy(kv.k.back().data() + to, src.k + from, 256);
+              std::memcpy(kv.v.back().data() + to, src.v + from, 256);
+            }
+        }
+        std::vector<float> q(size_t(batch) * n_q * 128);
+        for (int b = 0; b < batch; ++b)
+          for (int h = 0; h < n_q; ++h)
+            std::memcpy(q.data() + (size_t(b) * n_q + h) * 128,
+                        src.q + (size_t(h / group) * src.q_per_kv + size_t(h % group)) * 128, 512);
+        cache::cuda::DeviceBuffer q_d, out_d, meter_d, am1_d;
+        if (!cache::cuda::DeviceBuffer::allocate(q.size() * 4, &q_d).ok || !q_d.upload(0, q.data(), q.size() * 4).ok ||
+            !cache::cuda::DeviceBuffer::allocate(q.size() * 4, &out_d).ok ||
+            !cache::cuda::DeviceBuffer::allocate(size_t(batch) * n_q * 4, &meter_d).ok ||
+            !cache::cuda::DeviceBuffer::allocate(size_t(batch) * n_q * 4, &am1_d).ok)
+          die("device buffers for the queries");
+
+        for (const std::string& fname : formats) {
+          const FormatChoice fc = parse_format(fname);
+          DeviceKvOptions opt;
+          opt.format = fc.format;
+          opt.gaac = fc.format == PageFormat::kGaacE5M2 ? &cal_e5m2 : &cal_bf16;
+          opt.n_outlier_pairs = fc.format == PageFormat::kDither8 ? 4 : 0;
+          opt.pairing = codec::RopePairing::kHalfSplit;
+          // Enough independent copies that the rotation never runs from L2 (256 MB).
+          std::vector<DeviceKv> sets(1);
+          opt.seed = 1;
+          CudaStatus s = DeviceKv::build(kv, opt, &sets[0]);
+          if (!s.ok) die(fname + ": " + s.message);
+          const int64_t bytes = sets[0].bytes_read();
+          const int n_sets = int(std::max<int64_t>(1, (int64_t(256) << 20) / std::max<int64_t>(bytes, 1) + 1));
+          for (int i = 1; i < n_sets; ++i) {
+            sets.emplace_back();
+            opt.seed = uint32_t(i + 1);
+            s = DeviceKv::build(kv, opt, &sets.back());
+            if (!s.ok) die(fname + ": " + s.message);
+          }
+          std::vector<PagedDecodeParams> params(static_cast<size_t>(n_sets));
+          std::vector<cache::cuda::DeviceBuffer> workspaces(static_cast<size_t>(n_sets));
+          for (int i = 0; i < n_sets; ++i) {
+            PagedDecodeParams& p = params[size_t(i)];
+            sets[size_t(i)].describe(&p);
+            p.n_q_heads = n_q;
+            p.sm_scale = 1.f / std::sqrt(128.f);
+            p.q = reinterpret_cast<const float*>(q_d.data());
+            p.out = reinterpret_cast<float*>(out_d.data());
+            if (fc.meter) {
+              p.meter = reinterpret_cast<float*>(meter_d.data());
+              p.a_minus_1 = reinterpret_cast<float*>(am1_d.data());
+            }
+            p.delta_loc = 1e-2 / (28.0 * 28.0 * 1024.0);
+            const size_t ws = workspace_bytes(p);
+            if (!cache::cuda::DeviceBuffer::allocate(ws, &workspaces[size_t(i)]).ok) die("workspace");
+            p.workspace = workspaces[size_t(i)].data();
+            p.workspace_size = ws;
+            if (!reset_error_word(p).ok) die("workspace reset");
+          }
+          cudaEvent_t e0, e1;
+          CHECK_CUDA(cudaEventCreate(&e0));
+          CHECK_CUDA(cudaEventCreate(&e1));
+          for (int w = 0; w < 3; ++w)
+            for (auto& p : params)
+              if (!(s = paged_decode(p)).ok) die(fname + ": " + s.message);
+          CHECK_CUDA(cudaDeviceSynchronize());
+          std::vector<double> us;
+          for (int r = 0; r < reps; ++r) {
+            CHECK_CUDA(cudaEventRecord(e0));
+            for (int it = 0; it < iters; ++it)
+              for (auto& p : params) paged_decode(p);
+            CHECK_CUDA(cudaEventRecord(e1));
+            CHECK_CUDA(cudaEventSynchronize(e1));
+            float ms = 0;
+            CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+            us.push_back(double(ms) * 1e3 / double(iters * n_sets));
+          }
+          for (auto& p : params) {
+            uint32_t corrupt = 0;
+            if (!read_error_word(p, &corrupt).ok || corrupt != 0) die(fname + ": corrupt pages reported");
+          }
+          std::vector<float> meters(size_t(batch) * n_q, 0.f);
+          if (fc.meter) CHECK_CUDA(cudaMemcpy(meters.data(), meter_d.data(), meters.size() * 4, cudaMemcpyDeviceToHost));
+          const double med = median(us);
+          const double tb_s = double(bytes) / (med * 1e-6) / 1e12;
+          std::snprintf(line, sizeof line,
+                        "{\"kind\": \"certkv\", \"format\": \"%s\", \"shape\": \"%s\", \"batch\": %d, \"ctx\": %lld, "
+                        "\"us\": %.3f, \"us_min\": %.3f, \"us_max\": %.3f, \"bytes\": %lld, \"tb_s\": %.4f, "
+                        "\"copy_tb_s\": %.4f, \"pct_copy\": %.2f, \"n_sets\": %d, \"splits\": %d, "
+                        "\"raw_pages\": %lld, \"meter_max\": %.6g}",
+                        fname.c_str(), shape_name.c_str(), batch, (long long)ctx, med,
+                        *std::min_element(us.begin(), us.end()), *std::max_element(us.begin(), us.end()),
+                        (long long)bytes, tb_s, copy, 100.0 * tb_s / copy, n_sets, choose_splits(params[0]),
+                        (long long)sets[0].raw_pages(), double(*std::max_element(meters.begin(), meters.end())));
+          out << line << "\n";
+          out.flush();
+          std::printf("%-6s %5d %7lld %-18s %10.2f %10.1f %8.3f %8.1f\n", shape_name.c_str(), batch, (long long)ctx,
+                      fname.c_str(), med, double(bytes) / 1e6, tb_s, 100.0 * tb_s / copy);
+          std::fflush(stdout);
+          cudaEventDestroy(e0);
+          cudaEventDestroy(e1);
+        }
+      }
+    }
+  }
+  return 0;
+}

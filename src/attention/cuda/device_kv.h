@@ -1,0 +1,85 @@
+// One layer's KV for a batch of sequences, encoded in a device page format and placed in device
+// page pools with block tables: what paged_decode reads. Pages are encoded on the host with the
+// codecs (the `_ref` encoders: the same bytes the CPU cache writes), then uploaded; the kernels
+// never see the exact values of a lossy page.
+//
+// Every sequence's blocks get slots in one shuffled order of the pool (so a table walk is never
+// a contiguous read by accident); a partial last block is encoded padded with zeros and masked by
+// the sequence length. GAAC pages whose escapes do not fit their slot go to the raw pool.
+// Thread safety: build is internally parallel; a built DeviceKv is read-only.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "attention/cuda/paged_decode_cuda.h"
+#include "cache/cuda/device_pool.h"
+#include "codec/gaac.h"
+#include "codec/lossy_page.h"
+
+namespace certkv::attention::cuda {
+
+struct HostLayerKv {
+  int batch = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  std::vector<int64_t> lens;  // [batch], each >= 1
+  // Exact values, bf16 bits, per sequence: [n_kv_heads][len][head_dim].
+  std::vector<std::vector<uint16_t>> k, v;
+  // > 0: the caller promises that block j of every sequence holds the same values as block
+  // j % period_blocks of sequence 0 (tiled benchmark KV), so slot-independent formats encode
+  // each distinct block once. Never used for dither8 (its pages depend on their slot).
+  int64_t period_blocks = 0;
+};
+
+struct DeviceKvOptions {
+  PageFormat format = PageFormat::kBf16;
+  // GAAC formats: the calibration (its element must match the format) and the layer it describes.
+  const codec::GaacCalibration* gaac = nullptr;
+  int layer = 0;
+  // dither8: outlier RoPE pairs per KV head, chosen from sequence 0's keys; the generator keys
+  // come from (layer, K/V, kv_head).
+  int n_outlier_pairs = 0;
+  codec::RopePairing pairing = codec::RopePairing::kInterleaved;
+  uint32_t seed = 1;                 // slot shuffle
+  bool keep_reconstruction = false;  // keep host copies of what attention reads (tests)
+};
+
+class DeviceKv {
+ public:
+  // kInvalidArgument for inconsistent shapes or a missing / mismatched calibration,
+  // kOutOfMemory when the pools do not fit the device.
+  static CudaStatus build(const HostLayerKv& kv, const DeviceKvOptions& options, DeviceKv* out);
+
+  // Fills the page, table, length and codec fields of params (format, batch, n_kv_heads,
+  // head_dim, block_tokens too); the caller sets the query heads, scale, q, out, meter, workspace.
+  void describe(PagedDecodeParams* params) const;
+
+  // What attention reads (keep_reconstruction): per sequence [n_kv_heads][len][head_dim].
+  const std::vector<std::vector<float>>& k_read() const { return k_read_; }
+  const std::vector<std::vector<float>>& v_read() const { return v_read_; }
+  // Per-token bound data of K (keep_reconstruction, lossy formats): Tier A witness
+  // [n_kv_heads][len][16], Tier B scales [n_kv_heads][len][head_dim / 32].
+  const std::vector<std::vector<float>>& k_bounds() const { return k_bounds_; }
+  // dither8: the outlier pairs of kv_head (increasing pair order).
+  const std::vector<uint16_t>& outlier_pairs(int kv_head) const { return outlier_pairs_[size_t(kv_head)]; }
+  codec::LossyPageSpec lossy_spec(bool key, int kv_head) const;
+
+  // Bytes one decode step reads from the page pools over all sequences (each referenced page's
+  // stored bytes: GAAC slots count their fixed part and the escapes they use).
+  int64_t bytes_read() const { return bytes_read_; }
+  int64_t raw_pages() const { return raw_pages_; }
+  int64_t pages() const { return n_pages_; }
+
+ private:
+  HostLayerKv shape_;
+  DeviceKvOptions options_;
+  cache::cuda::DevicePagePool k_pool_, v_pool_, k_raw_, v_raw_;
+  cache::cuda::DeviceBuffer tables_, lens_, bases_, keys_, outliers_;
+  int64_t table_stride_ = 0, max_len_ = 0, n_pages_ = 0, raw_pages_ = 0, bytes_read_ = 0;
+  size_t k_capacity_ = 0, v_capacity_ = 0;
+  std::vector<std::vector<uint16_t>> outlier_pairs_;
+  std::vector<std::vector<float>> k_read_, v_read_, k_bounds_;
+};
+
+}  // namespace certkv::attention::cuda

@@ -1,0 +1,995 @@
+#include "attention/cuda/paged_decode_cuda.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+
+#include "format/dither8_generator.h"
+#include "format/gaac_layout.h"
+
+namespace certkv::attention::cuda {
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kBlockTokens = 16;
+constexpr int kMaxGroup = 8;  // query heads of one KV head: rows 0..7 of the m16 tile
+constexpr int kBands = 16;    // Tier A witness bands (codec::kWitnessBands)
+constexpr int kQuantGroup = 32;
+constexpr float kLog2e = 1.4426950408889634f;
+// The dither8 deterministic remainder per channel, in steps (codec::kDither8Slack, 2^-8).
+constexpr double kDither8Slack = 1.0 / 256.0;
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core and shared-memory primitives.
+
+template <bool kHalf>
+__device__ inline void mma16816(float (&c)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  // A rows 8..15 are zero (at most 8 query heads), so a1 = a3 = 0.
+  const uint32_t zero = 0;
+  if constexpr (kHalf) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(zero), "r"(a2), "r"(zero), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(zero), "r"(a2), "r"(zero), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ inline void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  const uint32_t a = uint32_t(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
+
+__device__ inline void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
+  const uint32_t a = uint32_t(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
+
+template <bool kHalf>
+__device__ inline uint32_t pack2(float lo, float hi) {
+  if constexpr (kHalf) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+template <bool kHalf>
+__device__ inline float round_to_element(float x) {
+  if constexpr (kHalf) return __half2float(__float2half_rn(x));
+  else return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+__device__ inline float fp16_bits_to_float(uint32_t bits) {
+  return __half2float(__ushort_as_half(uint16_t(bits)));
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Shared memory of one CTA.
+
+// One warp's tiles. Rows are D + 8 u16 long: 16 bytes of padding, so the 8 rows of an ldmatrix
+// phase fall in 8 distinct bank groups.
+template <int D, bool kDither>
+struct Tiles {
+  uint16_t k[kBlockTokens][D + 8];
+  uint16_t v[kBlockTokens][D + 8];
+};
+
+template <int D>
+struct Tiles<D, true> {
+  uint16_t k[kBlockTokens][D + 8];   // integer codes (fp16, exact)
+  uint16_t v[kBlockTokens][D + 8];
+  uint16_t w[kBlockTokens][D + 8];   // u - 128 of each K element (fp16, exact; 0 on outliers)
+  float scale[kBlockTokens][D / kQuantGroup];
+  float outlier[kBlockTokens][2 * kMaxDeviceOutlierPairs];
+};
+
+template <int D, bool kDither>
+struct CtaShared {
+  float q[kMaxGroup][D];                  // the rounded queries
+  float weight[kMaxGroup][kBands];        // Tier A: |sm| ||q_b||; Tier B: sm^2 sum q^2/12 * 2 log(2S/delta)
+  float abs_weight[kMaxGroup][kBands];    // Tier B: |sm| slack sum |q_c|
+  float dither_offset[kMaxGroup][D / kQuantGroup];  // dither8: (1/2)/256 sum_{c in g} q_c
+  uint16_t base7[2][2][D];                // GAAC: (b3, b4) << 7 of K and V channels
+  int32_t outlier_channels[2 * kMaxDeviceOutlierPairs];
+  union {
+    Tiles<D, kDither> tiles[kWarps];
+    struct {
+      float m[kWarps][kMaxGroup], l[kWarps][kMaxGroup], d[kWarps][kMaxGroup];
+      float o[kWarps][kMaxGroup][D];
+    } merge;
+  } u;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Page decoders: lane l of a warp writes token l / 2, channels [h D/2, (h + 1) D/2) with h = l % 2,
+// of the tile. Each returns false when the page is corrupt (the tile is then zero).
+
+struct PageRef {
+  const uint8_t* bytes;  // null: corrupt entry
+  bool raw;              // a GAAC page stored raw
+  int32_t slot;          // the device slot (dither8 key counter)
+};
+
+__device__ inline PageRef page_ref(const uint8_t* pages, int64_t stride, int64_t n_pages,
+                                   const uint8_t* raw_pages, int64_t raw_stride, int64_t n_raw,
+                                   int32_t entry) {
+  if (entry >= 0) {
+    if (entry < n_pages) return {pages + int64_t(entry) * stride, false, entry};
+    return {nullptr, false, entry};
+  }
+  const int64_t r = -int64_t(entry) - 1;
+  if (raw_pages != nullptr && r < n_raw) return {raw_pages + r * raw_stride, true, entry};
+  return {nullptr, true, entry};
+}
+
+template <int D>
+__device__ inline void zero_row(uint16_t* row, int h) {
+  uint4* dst = reinterpret_cast<uint4*>(row + h * (D / 2));
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) dst[i] = make_uint4(0, 0, 0, 0);
+}
+
+// Raw bf16 (or a raw GAAC bf16 page): copy.
+template <int D>
+__device__ inline void decode_bf16_row(const uint8_t* page, int t, int h, uint16_t* row) {
+  const uint4* src = reinterpret_cast<const uint4*>(page + (size_t(t) * D + size_t(h) * (D / 2)) * 2);
+  uint4* dst = reinterpret_cast<uint4*>(row + h * (D / 2));
+  uint4 x[D / 16];
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) x[i] = __ldg(src + i);
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) dst[i] = x[i];
+}
+
+// FP8 bytes to fp16 pairs: E5M2 is the top byte of fp16; E4M3 converts exactly.
+template <bool kE4M3>
+__device__ inline uint32_t fp8x2_to_half2(uint32_t word, int byte) {
+  if constexpr (kE4M3) {
+    const __nv_fp8x2_storage_t pair = __nv_fp8x2_storage_t((word >> (8 * byte)) & 0xffffu);
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+    return uint32_t(h.x) | (uint32_t(h.y) << 16);
+  } else {
+    return __byte_perm(word, 0, 0x0404 | (byte << 4) | ((byte + 1) << 12));
+  }
+}
+
+template <int D, bool kE4M3>
+__device__ inline void decode_fp8_row(const uint8_t* page, int t, int h, uint16_t* row) {
+  const uint4* src = reinterpret_cast<const uint4*>(page + size_t(t) * D + size_t(h) * (D / 2));
+  uint32_t* dst = reinterpret_cast<uint32_t*>(row + h * (D / 2));
+  uint4 x[D / 32];
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) x[i] = __ldg(src + i);
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) {
+    const uint32_t w[4] = {x[i].x, x[i].y, x[i].z, x[i].w};
+    uint32_t o[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      o[2 * k] = fp8x2_to_half2<kE4M3>(w[k], 0);
+      o[2 * k + 1] = fp8x2_to_half2<kE4M3>(w[k], 2);
+    }
+    reinterpret_cast<uint4*>(dst)[2 * i] = make_uint4(o[0], o[1], o[2], o[3]);
+    reinterpret_cast<uint4*>(dst)[2 * i + 1] = make_uint4(o[4], o[5], o[6], o[7]);
+  }
+}
+
+// 24 bits starting at bit `bit` of a little-endian word array (compile-time bit positions).
+template <int N>
+__device__ inline uint32_t bits24(const uint32_t (&w)[N], int bit) {
+  const int i = bit / 32, s = bit % 32;
+  const uint32_t hi = i + 1 < N ? w[i + 1] : 0u;
+  return __funnelshift_r(w[i], hi, s) & 0xffffffu;
+}
+
+// A GAAC slot (one tile: D <= 128). Lane l owns the D/16 consecutive groups l * D/16 ... of the
+// page, which are exactly its token-half. kElement: bf16 or e5m2 (written as fp16).
+template <int D, format::GaacElement kElement>
+__device__ inline bool decode_gaac_row(const uint8_t* slot, int64_t escape_capacity, int lane,
+                                       const uint16_t* base7, uint16_t* row) {
+  using namespace format;
+  constexpr int NG = D / 16;  // groups per lane
+  constexpr int kGroups = kBlockTokens * D / 8;
+  constexpr int S = gaac_sign_mantissa_bits(kElement);
+  constexpr size_t kCodeOffset = gaac_tile_code_offset(kElement, kBlockTokens, D);
+  constexpr size_t kTagOffset = gaac_tile_tag_offset(kElement, kBlockTokens, D);
+  constexpr size_t kEscapeOffset = gaac_page_escape_offset(kElement, kBlockTokens, D);
+  constexpr int kRawEscape = gaac_mode_escape_bytes(kElement, kGaacModeRaw);
+  static_assert(kGroups / 32 == NG, "one token-half per lane");
+
+  // Tags of the lane's groups: NG * 2 bits.
+  const uint8_t* tag_ptr = slot + kTagOffset + size_t(lane) * (NG / 4);
+  const uint32_t tags = NG == 8 ? uint32_t(*reinterpret_cast<const uint16_t*>(tag_ptr)) : uint32_t(*tag_ptr);
+  int esc = 0;
+  bool bad = false;
+#pragma unroll
+  for (int j = 0; j < NG; ++j) {
+    const uint32_t mode = (tags >> (2 * j)) & 3u;
+    bad |= !gaac_mode_valid(kElement, uint8_t(mode));
+    esc += mode == kGaacMode4Bit ? 1 : mode == kGaacModeRaw ? kRawEscape : 0;
+  }
+  int before = esc;  // inclusive scan of escape bytes over lanes (page group order)
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, before, o);
+    if (lane >= o) before += y;
+  }
+  const int total = __shfl_sync(0xffffffffu, before, 31);
+  before -= esc;
+  if (__any_sync(0xffffffffu, bad) || total > escape_capacity) return false;
+  const uint8_t* escapes = slot + kEscapeOffset + before;
+
+  constexpr int kCodeWords = NG * 3 / 4;
+  uint32_t codes[kCodeWords];
+  const uint8_t* code_ptr = slot + kCodeOffset + size_t(lane) * NG * 3;
+#pragma unroll
+  for (int i = 0; i < kCodeWords; ++i) codes[i] = __ldg(reinterpret_cast<const uint32_t*>(code_ptr) + i);
+
+  if constexpr (kElement == GaacElement::kBf16) {
+    uint4 sm[NG / 2];
+    const uint4* sm_ptr = reinterpret_cast<const uint4*>(slot + size_t(lane) * NG * S);
+#pragma unroll
+    for (int i = 0; i < NG / 2; ++i) sm[i] = __ldg(sm_ptr + i);
+#pragma unroll
+    for (int j = 0; j < NG; ++j) {
+      const uint32_t mode = (tags >> (2 * j)) & 3u;
+      const uint32_t c24 = bits24(codes, 24 * j);
+      const uint32_t sm_lo = (j & 1) ? sm[j / 2].z : sm[j / 2].x;
+      const uint32_t sm_hi = (j & 1) ? sm[j / 2].w : sm[j / 2].y;
+      const int c0 = (lane & 1) * (D / 2) + 8 * j;  // first channel of the group
+      uint32_t out[4];
+      if (mode == kGaacMode3Bit) {
+        const uint32_t* b = reinterpret_cast<const uint32_t*>(base7 + c0);  // (b3 << 7) pairs
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const uint32_t word = k < 2 ? sm_lo : sm_hi;
+          const int byte = 2 * (k & 1);
+          const uint32_t sm2 = __byte_perm(word, 0, 0x4040 | (byte << 0) | ((byte + 1) << 8));
+          const uint32_t sign_mant = (sm2 & 0x007f007fu) | ((sm2 & 0x00800080u) << 8);
+          const uint32_t code2 = ((c24 >> (6 * k)) & 7u) | (((c24 >> (6 * k + 3)) & 7u) << 16);
+          out[k] = sign_mant + (code2 << 7) + b[k];
+        }
+      } else {
+        // 4-bit and raw groups (rare): element by element, with the escape bytes.
+        const uint8_t* e = escapes;
+        uint64_t extra = 0;
+        if (mode == kGaacMode4Bit) extra = e[0];
+        else {
+#pragma unroll
+          for (int i = 0; i < 5; ++i) extra |= uint64_t(e[i]) << (8 * i);
+        }
+        const uint16_t* b4 = base7 + D;  // (b4 << 7)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          uint32_t halves[2];
+#pragma unroll
+          for (int s = 0; s < 2; ++s) {
+            const int i = 2 * k + s;
+            const uint32_t smb = ((i < 4 ? sm_lo : sm_hi) >> (8 * (i & 3))) & 0xffu;
+            uint32_t code = (c24 >> (3 * i)) & 7u;
+            uint32_t exponent7;
+            if (mode == kGaacMode4Bit) {
+              code |= uint32_t((extra >> i) & 1u) << 3;
+              exponent7 = b4[c0 + i] + (code << 7);
+            } else {
+              code |= uint32_t((extra >> (5 * i)) & 31u) << 3;
+              exponent7 = code << 7;
+            }
+            halves[s] = ((smb & 0x80u) << 8) | exponent7 | (smb & 0x7fu);
+          }
+          out[k] = halves[0] | (halves[1] << 16);
+        }
+        escapes += mode == kGaacMode4Bit ? 1 : kRawEscape;
+      }
+      *reinterpret_cast<uint4*>(row + c0) = make_uint4(out[0], out[1], out[2], out[3]);
+    }
+  } else {
+    // E5M2: 3 sign+mantissa bits per element (3 bytes per group, like the codes); the fp8 byte
+    // s e5 m2 is the top byte of the fp16 value.
+    uint32_t smw[kCodeWords];
+    const uint8_t* sm_ptr = slot + size_t(lane) * NG * 3;
+#pragma unroll
+    for (int i = 0; i < kCodeWords; ++i) smw[i] = __ldg(reinterpret_cast<const uint32_t*>(sm_ptr) + i);
+    const uint16_t* b3 = base7;
+    const uint16_t* b4 = base7 + D;
+#pragma unroll
+    for (int j = 0; j < NG; ++j) {
+      const uint32_t mode = (tags >> (2 * j)) & 3u;
+      const uint32_t c24 = bits24(codes, 24 * j);
+      const uint32_t s24 = bits24(smw, 24 * j);
+      const int c0 = (lane & 1) * (D / 2) + 8 * j;
+      uint32_t extra = 0;
+      if (mode == kGaacMode4Bit) extra = escapes[0];
+      else if (mode == kGaacModeRaw) extra = uint32_t(escapes[0]) | (uint32_t(escapes[1]) << 8);
+      escapes += mode == kGaacMode4Bit ? 1 : mode == kGaacModeRaw ? kRawEscape : 0;
+      uint32_t out[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        uint32_t halves[2];
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          const int i = 2 * k + s;
+          const uint32_t sm3 = (s24 >> (3 * i)) & 7u;
+          uint32_t code = (c24 >> (3 * i)) & 7u;
+          uint32_t exponent;
+          if (mode == kGaacMode3Bit) exponent = (b3[c0 + i] >> 7) + code;
+          else if (mode == kGaacMode4Bit) exponent = (b4[c0 + i] >> 7) + (code | (((extra >> i) & 1u) << 3));
+          else exponent = code | (((extra >> (2 * i)) & 3u) << 3);
+          const uint32_t fp8 = ((sm3 & 4u) << 5) | (exponent << 2) | (sm3 & 3u);
+          halves[s] = fp8 << 8;
+        }
+        out[k] = halves[0] | (halves[1] << 16);
+      }
+      *reinterpret_cast<uint4*>(row + c0) = make_uint4(out[0], out[1], out[2], out[3]);
+    }
+  }
+  return true;
+}
+
+// fp16 pairs from bytes: {1024 + byte i, 1024 + byte i+1} (0x64 is the high byte of 1024.0).
+__device__ inline uint32_t bytes_to_1024_plus(uint32_t word, int byte) {
+  return __byte_perm(word, 0x64646464u, 0x4040 | byte | ((byte + 1) << 8));
+}
+
+// dither8 record of token t: int8 codes [D], fp16 scales [D/32], bf16 outliers [2m].
+// K (kKey): codes -> tiles.k (fp16, exact), u - 128 -> tiles.w (fp16, exact; 0 on outliers),
+// scales -> tiles.scale, outliers -> tiles.outlier. V: s (q - xi) rounded to fp16 -> row.
+template <int D, bool kKey>
+__device__ inline void decode_dither8_row(const uint8_t* page, int m, uint64_t key, int32_t slot,
+                                          int lane, uint64_t outlier_mask, Tiles<D, true>& tiles) {
+  constexpr int G = D / kQuantGroup;
+  const int t = lane >> 1, h = lane & 1;
+  const int record = D + 2 * G + 4 * m;
+  const uint8_t* rec = page + size_t(t) * record;
+  uint32_t code_words[D / 8];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) code_words[i] = __ldg(reinterpret_cast<const uint32_t*>(rec + h * (D / 2)) + i);
+  float scales[G / 2];
+  const uint16_t* scale_ptr = reinterpret_cast<const uint16_t*>(rec + D) + h * (G / 2);
+#pragma unroll
+  for (int g = 0; g < G / 2; ++g) scales[g] = fp16_bits_to_float(__ldg(scale_ptr + g));
+  const uint32_t seed = format::dither8_row_seed(key, uint64_t(uint32_t(slot)) * kBlockTokens + uint64_t(t));
+  const __half2 k1152 = __float2half2_rn(1152.f);
+  uint32_t* dst = reinterpret_cast<uint32_t*>((kKey ? tiles.k[t] : tiles.v[t]) + h * (D / 2));
+  uint32_t* wdst = reinterpret_cast<uint32_t*>(tiles.w[t] + h * (D / 2));
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    const uint32_t word = format::dither8_word(seed, h * (D / 8) + i);  // channels h D/2 + 4i ..
+    const uint32_t codes_biased = code_words[i] ^ 0x80808080u;           // code + 128
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      uint32_t c2 = bytes_to_1024_plus(codes_biased, 2 * k);
+      uint32_t u2 = bytes_to_1024_plus(word, 2 * k);
+      const __half2 code = __hsub2(*reinterpret_cast<__half2*>(&c2), k1152);   // exact
+      const __half2 wv = __hsub2(*reinterpret_cast<__half2*>(&u2), k1152);     // u - 128, exact
+      const int pair = 2 * i + k;  // pair index within the lane's half
+      if constexpr (kKey) {
+        uint32_t w_bits = *reinterpret_cast<const uint32_t*>(&wv);
+        const uint32_t mask_bits = uint32_t(outlier_mask >> (2 * pair)) & 3u;
+        w_bits &= (mask_bits & 1u ? 0xffff0000u : 0xffffffffu) & (mask_bits & 2u ? 0x0000ffffu : 0xffffffffu);
+        dst[pair] = *reinterpret_cast<const uint32_t*>(&code);
+        wdst[pair] = w_bits;
+      } else {
+        // x^ = s (code - (u - 128 + 1/2) / 256)
+        const float s = scales[(pair * 2) / kQuantGroup];
+        const __half2 y = __hfma2(wv, __float2half2_rn(-1.f / 256.f), code);
+        const __half2 y2 = __hsub2(y, __float2half2_rn(1.f / 512.f));
+        const __half2 x = __hmul2(y2, __float2half2_rn(s));
+        dst[pair] = *reinterpret_cast<const uint32_t*>(&x);
+      }
+    }
+  }
+  if constexpr (kKey) {
+#pragma unroll
+    for (int g = 0; g < G / 2; ++g) tiles.scale[t][h * (G / 2) + g] = scales[g];
+    if (h == 0) {
+      const uint16_t* ex = reinterpret_cast<const uint16_t*>(rec + D + 2 * G);
+      for (int j = 0; j < 2 * m; ++j) tiles.outlier[t][j] = __bfloat162float(__ushort_as_bfloat16(__ldg(ex + j)));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The split kernel.
+
+struct SplitArgs {
+  PagedDecodeParams p;
+  int n_splits;
+  float* part_mld;  // [batch][n_q][n_splits][3]
+  float* part_o;    // [batch][n_q][n_splits][D]
+  unsigned int* error_word;
+};
+
+template <PageFormat F>
+struct FormatTraits {
+  static constexpr bool kHalf = F != PageFormat::kBf16 && F != PageFormat::kGaacBf16;
+  static constexpr bool kTierA = F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2;
+  static constexpr bool kTierB = F == PageFormat::kDither8;
+  static constexpr bool kGaac = F == PageFormat::kGaacBf16 || F == PageFormat::kGaacE5M2;
+};
+
+template <int D, PageFormat F>
+__device__ inline bool decode_page(const SplitArgs& a, bool key, PageRef ref, int lane, int kv_head,
+                                   const CtaShared<D, F == PageFormat::kDither8>& sh, uint64_t outlier_mask,
+                                   Tiles<D, F == PageFormat::kDither8>& tiles) {
+  const int t = lane >> 1, h = lane & 1;
+  uint16_t* row = key ? tiles.k[t] : tiles.v[t];
+  if (ref.bytes == nullptr) {
+    zero_row<D>(row, h);
+    if constexpr (F == PageFormat::kDither8) {
+      if (!key) return false;
+      zero_row<D>(tiles.w[t], h);
+      for (int g = 0; g < D / kQuantGroup / 2; ++g) tiles.scale[t][h * (D / kQuantGroup / 2) + g] = 0.f;
+      if (h == 0)
+        for (int j = 0; j < 2 * kMaxDeviceOutlierPairs; ++j) tiles.outlier[t][j] = 0.f;
+    }
+    return false;
+  }
+  if constexpr (F == PageFormat::kBf16) {
+    decode_bf16_row<D>(ref.bytes, t, h, row);
+  } else if constexpr (F == PageFormat::kGaacBf16 || F == PageFormat::kGaacE5M2) {
+    if (ref.raw) {
+      if constexpr (F == PageFormat::kGaacBf16) decode_bf16_row<D>(ref.bytes, t, h, row);
+      else decode_fp8_row<D, false>(ref.bytes, t, h, row);
+    } else {
+      constexpr format::GaacElement E =
+          F == PageFormat::kGaacBf16 ? format::GaacElement::kBf16 : format::GaacElement::kFp8E5M2;
+      const bool ok = decode_gaac_row<D, E>(ref.bytes, key ? a.p.k_escape_capacity : a.p.v_escape_capacity,
+                                            lane, &sh.base7[key ? 0 : 1][0][0], row);
+      if (!ok) {
+        zero_row<D>(row, h);
+        return false;
+      }
+    }
+  } else if constexpr (F == PageFormat::kFp8E4M3) {
+    decode_fp8_row<D, true>(ref.bytes, t, h, row);
+  } else if constexpr (F == PageFormat::kFp8E5M2) {
+    decode_fp8_row<D, false>(ref.bytes, t, h, row);
+  } else {
+    const uint64_t dkey = a.p.dither_keys[(key ? 0 : 1) * a.p.n_kv_heads + kv_head];
+    if (key) decode_dither8_row<D, true>(ref.bytes, a.p.n_outlier_pairs, dkey, ref.slot, lane, outlier_mask, tiles);
+    else decode_dither8_row<D, false>(ref.bytes, 0, dkey, ref.slot, lane, 0, tiles);
+  }
+  return true;
+}
+
+// kWithMeter: lossy formats compute the meter in the same pass (off: the same kernel without it).
+template <int D, PageFormat F, bool kWithMeter>
+__global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
+  using Traits = FormatTraits<F>;
+  constexpr bool kHalf = Traits::kHalf;
+  constexpr bool kMeter = kWithMeter && (Traits::kTierA || Traits::kTierB);
+  constexpr int G = D / kQuantGroup;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  using Shared = CtaShared<D, Traits::kTierB>;
+  Shared& sh = *reinterpret_cast<Shared*>(smem_raw);
+  const PagedDecodeParams& p = a.p;
+
+  const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = p.n_q_heads / p.n_kv_heads;
+  // A length outside the tables (or above the planned maximum) is corrupt: counted, clamped.
+  int64_t len = p.seq_lens[b];
+  const int64_t len_limit = min(p.max_seq_len, p.table_stride * kBlockTokens);
+  if (len < 0 || len > len_limit) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) atomicAdd(a.error_word, 1u);
+    len = len < 0 ? 0 : len_limit;
+  }
+  const int64_t n_blocks = (len + kBlockTokens - 1) / kBlockTokens;
+  const int64_t max_blocks = (p.max_seq_len + kBlockTokens - 1) / kBlockTokens;
+  const int64_t per_split = (max_blocks + a.n_splits - 1) / a.n_splits;
+  const int64_t block_begin = int64_t(split) * per_split;
+  const int64_t block_end = min(n_blocks, block_begin + per_split);
+
+  // Queries (rounded to the tile element), codec parameters, meter weights.
+  for (int i = threadIdx.x; i < kMaxGroup * D; i += kThreads) {
+    const int g = i / D, c = i % D;
+    sh.q[g][c] = g < group ? round_to_element<kHalf>(p.q[(int64_t(b) * p.n_q_heads + kv_head * group + g) * D + c]) : 0.f;
+  }
+  if constexpr (Traits::kGaac) {
+    for (int i = threadIdx.x; i < 2 * 2 * D; i += kThreads) {
+      const int kv = i / (2 * D), which = (i / D) % 2, c = i % D;
+      sh.base7[kv][which][c] = uint16_t(p.gaac_bases[((int64_t(kv) * p.n_kv_heads + kv_head) * 2 + which) * D + c]) << 7;
+    }
+  }
+  if constexpr (Traits::kTierB) {
+    if (threadIdx.x < 2 * p.n_outlier_pairs)
+      sh.outlier_channels[threadIdx.x] = p.outlier_channels[int64_t(kv_head) * 2 * p.n_outlier_pairs + threadIdx.x];
+  }
+  __syncthreads();
+  if constexpr (kMeter || Traits::kTierB) {
+    // One thread per (row, band or group): the weights of the query bounds (DESIGN.md section 4)
+    // in double, nudged up by 2^-16 relative like the CPU path (online_softmax.h).
+    const int g = threadIdx.x / kBands, j = threadIdx.x % kBands;
+    if (g < kMaxGroup) {
+      double w = 0, w_abs = 0, offset = 0;
+      const double sm = double(p.sm_scale);
+      if constexpr (Traits::kTierA) {
+        const int pairs = D / 2;
+        for (int pair = j * pairs / kBands; pair < (j + 1) * pairs / kBands; ++pair) {
+          for (int which = 0; which < 2; ++which) {
+            const int c = p.rope_half_split ? pair + which * (D / 2) : 2 * pair + which;
+            w += double(sh.q[g][c]) * sh.q[g][c];
+          }
+        }
+        w = fabs(sm) * sqrt(w);
+      } else if (j < G) {
+        double sq = 0, sa = 0;
+        for (int c = j * kQuantGroup; c < (j + 1) * kQuantGroup; ++c) {
+          bool outlier = false;
+          for (int o = 0; o < 2 * p.n_outlier_pairs; ++o) outlier |= sh.outlier_channels[o] == c;
+          if (outlier) continue;
+          sq += double(sh.q[g][c]) * sh.q[g][c];
+          sa += fabs(double(sh.q[g][c]));
+          offset += double(sh.q[g][c]);
+        }
+        const double log_term = 2.0 * log(2.0 * double(len) / p.delta_loc);
+        w = sm * sm * sq / 12.0 * log_term;
+        w_abs = fabs(sm) * kDither8Slack * sa;
+        sh.dither_offset[g][j] = float(offset * (0.5 / 256.0));
+      }
+      sh.weight[g][j] = float(w) * (1.0f + 1.0f / 65536.0f);
+      sh.abs_weight[g][j] = float(w_abs) * (1.0f + 1.0f / 65536.0f);
+    }
+    __syncthreads();
+  }
+
+  // Per-lane fragment roles: row gq = lane / 4 (query head of the group), column pair cq.
+  const int gq = lane >> 2, cq = lane & 3;
+  uint32_t qa[D / 16][2];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    qa[kk][0] = pack2<kHalf>(sh.q[gq][16 * kk + 2 * cq], sh.q[gq][16 * kk + 2 * cq + 1]);
+    qa[kk][1] = pack2<kHalf>(sh.q[gq][16 * kk + 2 * cq + 8], sh.q[gq][16 * kk + 2 * cq + 9]);
+  }
+  uint64_t outlier_mask = 0;  // dither8 K: bit c' set when channel h D/2 + c' is an outlier
+  if constexpr (Traits::kTierB) {
+    for (int o = 0; o < 2 * p.n_outlier_pairs; ++o) {
+      const int c = sh.outlier_channels[o] - (lane & 1) * (D / 2);
+      if (c >= 0 && c < D / 2) outlier_mask |= uint64_t(1) << c;
+    }
+  }
+
+  auto& tiles = sh.u.tiles[warp];
+  float m_run = -INFINITY, l_run = 0.f, d_run = 0.f;
+  float o_acc[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) o_acc[i][0] = o_acc[i][1] = o_acc[i][2] = o_acc[i][3] = 0.f;
+  const float log2_scale = p.sm_scale * kLog2e;
+  unsigned int corrupt = 0;
+
+  for (int64_t blk = block_begin + warp; blk < block_end; blk += kWarps) {
+    const int64_t table_index = (int64_t(b) * p.n_kv_heads + kv_head) * p.table_stride + blk;
+    const PageRef kref = page_ref(p.k_pages, p.k_page_stride, p.n_k_pages, p.k_raw_pages, p.raw_page_stride,
+                                  p.n_k_raw_pages, p.k_table[table_index]);
+    const PageRef vref = page_ref(p.v_pages, p.v_page_stride, p.n_v_pages, p.v_raw_pages, p.raw_page_stride,
+                                  p.n_v_raw_pages, p.v_table[table_index]);
+    if (!decode_page<D, F>(a, true, kref, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
+    if (!decode_page<D, F>(a, false, vref, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
+    __syncwarp();
+
+    // Scores S[row gq][tokens 8j + 2cq + e], j = 0, 1; e = 0, 1.
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    const int ld_token = (lane >> 4) * 8 + (lane & 7);  // ldmatrix row address of this lane
+    const int ld_dim = ((lane >> 3) & 1) * 8;
+    if constexpr (Traits::kTierB) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float cc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        float cw[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int kk = 2 * g; kk < 2 * g + 2; ++kk) {
+          uint32_t r[4];
+          ldsm_x4(r, &tiles.k[ld_token][16 * kk + ld_dim]);
+          mma16816<true>(cc[0], qa[kk][0], qa[kk][1], r[0], r[1]);
+          mma16816<true>(cc[1], qa[kk][0], qa[kk][1], r[2], r[3]);
+          ldsm_x4(r, &tiles.w[ld_token][16 * kk + ld_dim]);
+          mma16816<true>(cw[0], qa[kk][0], qa[kk][1], r[0], r[1]);
+          mma16816<true>(cw[1], qa[kk][0], qa[kk][1], r[2], r[3]);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int token = 8 * j + 2 * cq + e;
+            const float sc = tiles.scale[token][g];
+            s[j][e] += sc * (cc[j][e] - cw[j][e] * (1.f / 256.f) - sh.dither_offset[gq][g]);
+          }
+      }
+      for (int o = 0; o < 2 * p.n_outlier_pairs; ++o) {
+        const float qo = sh.q[gq][sh.outlier_channels[o]];
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) s[j][e] += qo * tiles.outlier[8 * j + 2 * cq + e][o];
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t r[4];
+        ldsm_x4(r, &tiles.k[ld_token][16 * kk + ld_dim]);
+        mma16816<kHalf>(s[0], qa[kk][0], qa[kk][1], r[0], r[1]);
+        mma16816<kHalf>(s[1], qa[kk][0], qa[kk][1], r[2], r[3]);
+      }
+    }
+
+    // Logit bounds c_t of this lane's 4 tokens (meter formats).
+    float c_bound[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+    if constexpr (kMeter && Traits::kTierA) {
+      if (kref.bytes != nullptr) {
+        const uint16_t* witness = reinterpret_cast<const uint16_t*>(kref.bytes + size_t(kBlockTokens) * D);
+#pragma unroll
+        for (int band = 0; band < kBands; ++band) {
+          const float wgt = sh.weight[gq][band];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const uint32_t pair = __ldg(reinterpret_cast<const uint32_t*>(witness + band * kBlockTokens + 8 * j + 2 * cq));
+            c_bound[j][0] += wgt * fp16_bits_to_float(pair & 0xffffu);
+            c_bound[j][1] += wgt * fp16_bits_to_float(pair >> 16);
+          }
+        }
+      }
+    } else if constexpr (kMeter) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int token = 8 * j + 2 * cq + e;
+          float var = 0.f, sum = 0.f;
+#pragma unroll
+          for (int g = 0; g < G; ++g) {
+            const float sc = tiles.scale[token][g];
+            var += sh.weight[gq][g] * sc * sc;
+            sum += sh.abs_weight[gq][g] * sc;
+          }
+          c_bound[j][e] = sqrtf(var) + sum;
+        }
+    }
+
+    // Online softmax (base 2) over the block; tokens past the sequence are masked.
+    const int64_t t0 = blk * kBlockTokens;
+    float row_max = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t t = t0 + 8 * j + 2 * cq + e;
+        s[j][e] = t < len ? s[j][e] * log2_scale : -INFINITY;
+        row_max = fmaxf(row_max, s[j][e]);
+      }
+    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
+    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
+    const float m_new = fmaxf(m_run, row_max);
+    const float rescale = m_run == -INFINITY ? 0.f : exp2f(m_run - m_new);
+    float prob[2][2];
+    float l_add = 0.f, d_add = 0.f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        prob[j][e] = s[j][e] == -INFINITY ? 0.f : exp2f(s[j][e] - m_new);
+        l_add += prob[j][e];
+        if constexpr (kMeter) d_add += prob[j][e] == 0.f ? 0.f : prob[j][e] * expm1f(c_bound[j][e]);
+      }
+    l_run = l_run * rescale + l_add;
+    if constexpr (kMeter) d_run = d_run * rescale + d_add;
+    m_run = m_new;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      o_acc[i][0] *= rescale;
+      o_acc[i][1] *= rescale;
+    }
+    const uint32_t pa0 = pack2<kHalf>(prob[0][0], prob[0][1]);
+    const uint32_t pa1 = pack2<kHalf>(prob[1][0], prob[1][1]);
+    const int vt_token = (lane & 7) + ((lane >> 3) & 1) * 8;
+    const int vt_dim = (lane >> 4) * 8;
+#pragma unroll
+    for (int pp = 0; pp < D / 16; ++pp) {
+      uint32_t r[4];
+      ldsm_x4_trans(r, &tiles.v[vt_token][16 * pp + vt_dim]);
+      mma16816<kHalf>(o_acc[2 * pp], pa0, pa1, r[0], r[1]);
+      mma16816<kHalf>(o_acc[2 * pp + 1], pa0, pa1, r[2], r[3]);
+    }
+    __syncwarp();
+  }
+  if (corrupt != 0 && lane == 0) atomicAdd(a.error_word, corrupt);
+
+  // Row sums over the quad, then the 4 warps merge in shared memory.
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  d_run += __shfl_xor_sync(0xffffffffu, d_run, 1);
+  d_run += __shfl_xor_sync(0xffffffffu, d_run, 2);
+  __syncthreads();  // the tiles are reused as the merge area
+  auto& mg = sh.u.merge;
+  if (cq == 0) {
+    mg.m[warp][gq] = m_run;
+    mg.l[warp][gq] = l_run;
+    mg.d[warp][gq] = d_run;
+  }
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    mg.o[warp][gq][8 * i + 2 * cq] = o_acc[i][0];
+    mg.o[warp][gq][8 * i + 2 * cq + 1] = o_acc[i][1];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < group * D; i += kThreads) {
+    const int g = i / D, c = i % D;
+    float big = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) big = fmaxf(big, mg.m[w][g]);
+    float o = 0.f, l = 0.f, d = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+      if (mg.m[w][g] == -INFINITY) continue;
+      const float f = exp2f(mg.m[w][g] - big);
+      o += f * mg.o[w][g][c];
+      l += f * mg.l[w][g];
+      d += f * mg.d[w][g];
+    }
+    const int64_t part = (int64_t(b) * p.n_q_heads + kv_head * group + g) * a.n_splits + split;
+    a.part_o[part * D + c] = o;
+    if (c == 0) {
+      a.part_mld[part * 3 + 0] = big;
+      a.part_mld[part * 3 + 1] = l;
+      a.part_mld[part * 3 + 2] = d;
+    }
+  }
+}
+
+// Merges the splits of each (sequence, query head) by their log-sum-exp weights (base 2):
+// out = sum_s 2^{m_s - M} o_s / sum_s 2^{m_s - M} l_s, and likewise A - 1 = sum 2^{..} d_s / L.
+template <int D>
+__global__ void merge_kernel(PagedDecodeParams p, int n_splits, const float* part_mld, const float* part_o) {
+  const int64_t row = blockIdx.x;  // b * n_q_heads + h
+  const float* mld = part_mld + row * n_splits * 3;
+  float big = -INFINITY;
+  for (int s = 0; s < n_splits; ++s) big = fmaxf(big, mld[3 * s]);
+  float l = 0.f, d = 0.f;
+  for (int s = 0; s < n_splits; ++s) {
+    if (mld[3 * s] == -INFINITY) continue;
+    const float f = exp2f(mld[3 * s] - big);
+    l += f * mld[3 * s + 1];
+    d += f * mld[3 * s + 2];
+  }
+  for (int c = threadIdx.x; c < D; c += blockDim.x) {
+    float o = 0.f;
+    for (int s = 0; s < n_splits; ++s) {
+      if (mld[3 * s] == -INFINITY) continue;
+      o += exp2f(mld[3 * s] - big) * part_o[(row * n_splits + s) * D + c];
+    }
+    p.out[row * D + c] = o / l;
+  }
+  if (threadIdx.x == 0 && (p.meter != nullptr || p.a_minus_1 != nullptr)) {
+    // A - 1 = d / l, lifted by 2^-12 relative for the float sums over the splits and warps
+    // (docs/cuda.md); the meter min(1, (A^2 - 1) / 2) = min(1, (A - 1) + (A - 1)^2 / 2).
+    const double am1 = double(d) / double(l) * (1.0 + 1.0 / 4096.0);
+    const double meter = isfinite(am1) ? fmin(1.0, am1 + 0.5 * am1 * am1) : 1.0;
+    if (p.a_minus_1 != nullptr) p.a_minus_1[row] = float(am1);
+    if (p.meter != nullptr) p.meter[row] = float(meter);
+  }
+}
+
+CudaStatus error(const std::string& message) {
+  return CudaStatus{false, StatusCode::kInvalidArgument, "cuda decode: " + message};
+}
+CudaStatus internal(const std::string& message) {
+  return CudaStatus{false, StatusCode::kInternal, "cuda decode: " + message};
+}
+CudaStatus unsupported(const std::string& message) {
+  return CudaStatus{false, StatusCode::kUnsupported, "cuda decode: " + message};
+}
+
+struct WorkspaceLayout {
+  size_t mld = 0, o = 0, error_word = 0, total = 0;
+};
+
+WorkspaceLayout layout_of(const PagedDecodeParams& p, int n_splits) {
+  WorkspaceLayout w;
+  const size_t parts = size_t(p.batch) * size_t(p.n_q_heads) * size_t(n_splits);
+  w.mld = 0;
+  w.o = (parts * 3 * sizeof(float) + 255) / 256 * 256;
+  w.error_word = w.o + (parts * size_t(p.head_dim) * sizeof(float) + 255) / 256 * 256;
+  w.total = w.error_word + 256;
+  return w;
+}
+
+template <int D, PageFormat F, bool kWithMeter>
+CudaStatus launch(const PagedDecodeParams& p, int n_splits) {
+  const WorkspaceLayout w = layout_of(p, n_splits);
+  char* base = static_cast<char*>(p.workspace);
+  SplitArgs a{p, n_splits, reinterpret_cast<float*>(base + w.mld), reinterpret_cast<float*>(base + w.o),
+              reinterpret_cast<unsigned int*>(base + w.error_word)};
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const size_t smem = sizeof(CtaShared<D, F == PageFormat::kDither8>);
+  static bool configured = false;  // per instantiation
+  if (!configured) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(split_kernel<D, F, kWithMeter>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (e != cudaSuccess)
+      return CudaStatus{false, StatusCode::kInternal, std::string("cuda decode: cannot set the shared memory size: ") + cudaGetErrorString(e)};
+    configured = true;
+  }
+  split_kernel<D, F, kWithMeter><<<dim3(n_splits, p.n_kv_heads, p.batch), kThreads, smem, stream>>>(a);
+  merge_kernel<D><<<p.batch * p.n_q_heads, D, 0, stream>>>(p, n_splits, a.part_mld, a.part_o);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return internal(std::string("kernel launch failed: ") + cudaGetErrorString(e));
+  return {};
+}
+
+template <int D, PageFormat F>
+CudaStatus launch_metered(const PagedDecodeParams& p, int n_splits) {
+  if (p.meter != nullptr || p.a_minus_1 != nullptr) return launch<D, F, true>(p, n_splits);
+  return launch<D, F, false>(p, n_splits);
+}
+
+template <int D>
+CudaStatus launch_format(const PagedDecodeParams& p, int n_splits) {
+  switch (p.format) {
+    case PageFormat::kBf16: return launch<D, PageFormat::kBf16, false>(p, n_splits);
+    case PageFormat::kGaacBf16: return launch<D, PageFormat::kGaacBf16, false>(p, n_splits);
+    case PageFormat::kGaacE5M2: return launch<D, PageFormat::kGaacE5M2, false>(p, n_splits);
+    case PageFormat::kFp8E4M3: return launch_metered<D, PageFormat::kFp8E4M3>(p, n_splits);
+    case PageFormat::kFp8E5M2: return launch_metered<D, PageFormat::kFp8E5M2>(p, n_splits);
+    case PageFormat::kDither8: return launch_metered<D, PageFormat::kDither8>(p, n_splits);
+  }
+  return error("unknown page format");
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+}  // namespace
+
+const char* page_format_name(PageFormat f) {
+  switch (f) {
+    case PageFormat::kBf16: return "bf16";
+    case PageFormat::kGaacBf16: return "gaac";
+    case PageFormat::kGaacE5M2: return "gaac-e5m2";
+    case PageFormat::kFp8E4M3: return "fp8-e4m3";
+    case PageFormat::kFp8E5M2: return "fp8-e5m2";
+    case PageFormat::kDither8: return "dither8";
+  }
+  return "unknown";
+}
+
+CudaStatus check(const PagedDecodeParams& p) {
+  if (p.head_dim != 64 && p.head_dim != 128)
+    return unsupported("head_dim " + std::to_string(p.head_dim) + " is unsupported (64 or 128)");
+  if (p.block_tokens != kBlockTokens)
+    return unsupported("block_tokens " + std::to_string(p.block_tokens) + " is unsupported (16)");
+  if (p.n_q_heads <= 0 || p.n_kv_heads <= 0 || p.n_q_heads % p.n_kv_heads != 0)
+    return error("GQA ratio " + std::to_string(p.n_q_heads) + "/" + std::to_string(p.n_kv_heads) + " is not integral");
+  if (p.n_q_heads / p.n_kv_heads > kMaxGroup)
+    return unsupported("GQA ratio " + std::to_string(p.n_q_heads / p.n_kv_heads) + " is unsupported (at most 8 query heads per KV head)");
+  if (p.batch < 1 || p.batch > 65535) return error("batch must be in [1, 65535]");
+  if (p.n_kv_heads > 65535) return error("n_kv_heads must be at most 65535");
+  if (!(p.sm_scale > 0.f) || !std::isfinite(p.sm_scale)) return error("sm_scale must be positive and finite");
+  if (p.table_stride < 1 || p.max_seq_len < 1 || p.max_seq_len > p.table_stride * kBlockTokens)
+    return error("max_seq_len " + std::to_string(p.max_seq_len) + " is outside the block tables (" +
+                 std::to_string(p.table_stride * kBlockTokens) + " tokens)");
+  if (!p.k_pages || !p.v_pages || !p.k_table || !p.v_table || !p.seq_lens || !p.q || !p.out)
+    return error("a device pointer is null");
+  if (!aligned16(p.k_pages) || !aligned16(p.v_pages) || p.k_page_stride % 16 != 0 || p.v_page_stride % 16 != 0)
+    return error("the page pool is misaligned (base and page stride must be multiples of 16 bytes)");
+  const bool gaac = p.format == PageFormat::kGaacBf16 || p.format == PageFormat::kGaacE5M2;
+  size_t need_k = 0, need_v = 0;
+  const int D = p.head_dim, T = kBlockTokens;
+  switch (p.format) {
+    case PageFormat::kBf16: need_k = need_v = size_t(T) * D * 2; break;
+    case PageFormat::kGaacBf16:
+      need_k = format::gaac_slot_bytes(format::GaacElement::kBf16, T, D, size_t(p.k_escape_capacity));
+      need_v = format::gaac_slot_bytes(format::GaacElement::kBf16, T, D, size_t(p.v_escape_capacity));
+      break;
+    case PageFormat::kGaacE5M2:
+      need_k = format::gaac_slot_bytes(format::GaacElement::kFp8E5M2, T, D, size_t(p.k_escape_capacity));
+      need_v = format::gaac_slot_bytes(format::GaacElement::kFp8E5M2, T, D, size_t(p.v_escape_capacity));
+      break;
+    case PageFormat::kFp8E4M3:
+    case PageFormat::kFp8E5M2:
+      need_k = size_t(T) * D + size_t(kBands) * T * 2;
+      need_v = size_t(T) * D + size_t(T) * 2;
+      break;
+    case PageFormat::kDither8:
+      need_k = size_t(T) * (D + 2 * (D / kQuantGroup) + 4 * p.n_outlier_pairs);
+      need_v = size_t(T) * (D + 2 * (D / kQuantGroup));
+      break;
+    default: return error("unknown page format");
+  }
+  if (size_t(p.k_page_stride) < need_k || size_t(p.v_page_stride) < need_v)
+    return error(std::string("page stride too small for ") + page_format_name(p.format) + " pages (K needs " +
+                 std::to_string(need_k) + " bytes, V " + std::to_string(need_v) + ")");
+  if (gaac) {
+    if (!p.gaac_bases) return error("GAAC pages need their bases");
+    if (p.k_escape_capacity < 0 || p.v_escape_capacity < 0) return error("negative escape capacity");
+    const size_t raw = size_t(T) * D * (p.format == PageFormat::kGaacBf16 ? 2 : 1);
+    if ((p.n_k_raw_pages > 0 || p.n_v_raw_pages > 0) &&
+        (!p.k_raw_pages || !p.v_raw_pages || !aligned16(p.k_raw_pages) || !aligned16(p.v_raw_pages) ||
+         p.raw_page_stride % 16 != 0 || size_t(p.raw_page_stride) < raw))
+      return error("raw GAAC pages need aligned pools with a stride of at least " + std::to_string(raw) + " bytes");
+  }
+  if (p.format == PageFormat::kDither8) {
+    if (!p.dither_keys) return error("dither8 pages need their generator keys");
+    if (p.n_outlier_pairs < 0 || p.n_outlier_pairs > kMaxDeviceOutlierPairs)
+      return unsupported("n_outlier_pairs " + std::to_string(p.n_outlier_pairs) + " is unsupported (at most " +
+                   std::to_string(kMaxDeviceOutlierPairs) + ")");
+    if (p.n_outlier_pairs > 0 && !p.outlier_channels) return error("outlier channels are missing");
+    if (!(p.delta_loc > 0 && p.delta_loc < 1)) return error("delta_loc must be in (0, 1)");
+  }
+  if (p.n_splits < 0) return error("n_splits must be >= 0");
+  const int splits = p.n_splits > 0 ? p.n_splits : choose_splits(p);
+  if (!p.workspace || p.workspace_size < workspace_bytes(p))
+    return error("workspace too small (" + std::to_string(p.workspace_size) + " bytes, needs " +
+                 std::to_string(layout_of(p, splits).total) + ")");
+  if (!aligned16(p.workspace)) return error("the workspace is misaligned");
+  return {};
+}
+
+int choose_splits(const PagedDecodeParams& p) {
+  int sms = 132;
+  int device = 0;
+  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int64_t blocks = (p.max_seq_len + kBlockTokens - 1) / kBlockTokens;
+  const int64_t ctas_per_split = int64_t(std::max(1, p.batch)) * std::max(1, p.n_kv_heads);
+  int64_t splits = (int64_t(sms) * 4 + ctas_per_split - 1) / ctas_per_split;
+  splits = std::min<int64_t>(splits, std::max<int64_t>(1, blocks / (2 * kWarps)));
+  return int(std::max<int64_t>(1, std::min<int64_t>(splits, 65535)));
+}
+
+size_t workspace_bytes(const PagedDecodeParams& p) {
+  return layout_of(p, p.n_splits > 0 ? p.n_splits : choose_splits(p)).total;
+}
+
+CudaStatus paged_decode(const PagedDecodeParams& p) {
+  const CudaStatus s = check(p);
+  if (!s.ok) return s;
+  const int splits = p.n_splits > 0 ? p.n_splits : choose_splits(p);
+  return p.head_dim == 64 ? launch_format<64>(p, splits) : launch_format<128>(p, splits);
+}
+
+CudaStatus reset_error_word(const PagedDecodeParams& p) {
+  const int splits = p.n_splits > 0 ? p.n_splits : choose_splits(p);
+  const WorkspaceLayout w = layout_of(p, splits);
+  const cudaError_t e = cudaMemsetAsync(static_cast<char*>(p.workspace) + w.error_word, 0, sizeof(uint32_t),
+                                        static_cast<cudaStream_t>(p.stream));
+  if (e != cudaSuccess) return internal(std::string("resetting the error word failed: ") + cudaGetErrorString(e));
+  return {};
+}
+
+CudaStatus read_error_word(const PagedDecodeParams& p, uint32_t* corrupt) {
+  const int splits = p.n_splits > 0 ? p.n_splits : choose_splits(p);
+  const WorkspaceLayout w = layout_of(p, splits);
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  cudaError_t e = cudaMemcpyAsync(corrupt, static_cast<char*>(p.workspace) + w.error_word, sizeof(uint32_t),
+                                  cudaMemcpyDeviceToHost, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess) return internal(std::string("reading the error word failed: ") + cudaGetErrorString(e));
+  return {};
+}
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+  return n;
+}
+
+}  // namespace certkv::attention::cuda

@@ -1,0 +1,141 @@
+// Decode attention on a CUDA device over paged, possibly compressed KV (the device half of the
+// attention layer; DESIGN.md sections 2-4). One kernel structure serves every page class through
+// a codec policy (how a page becomes a tile in shared memory, and what bounds its logit errors);
+// split-KV partials (m, l, the meter's A - 1 and the output) merge by their log-sum-exp weights.
+//
+// Grid: one CTA per (split, kv_head, sequence); its 4 warps take the split's blocks in turn, and
+// every query head of the KV head's group reads each page once (GQA). Scores and the weighted sum
+// of values run on tensor cores (mma.m16n8k16, fp32 accumulation) over tiles reconstructed in
+// shared memory, never in global memory.
+//
+// Layouts on the device (all pointers are device pointers):
+//   k_pages, v_pages:  page p at k_pages + p * k_page_stride (bytes; a multiple of 16, base
+//                      16-byte aligned). Contents per `format`:
+//     kBf16           [block_tokens][head_dim] bf16
+//     kGaacBf16       a GAAC slot (docs/format/gaac.md, element bf16)
+//     kGaacE5M2       a GAAC slot over FP8 E5M2 (element e5m2)
+//     kFp8E4M3/E5M2   the lossy raw-cast page (docs/format/lossy_pages.md): [T][D] fp8, then on
+//                     K pages the Tier A witness [bands][T] fp16 (band-major)
+//     kDither8        the dither8 page (docs/format/dither8.md): records of D + 2 D/32 + 4 m bytes
+//   k_raw_pages, v_raw_pages: GAAC pages that did not fit their slot, raw ([T][D] bf16, or
+//                      [T][D] e5m2 bytes), stride raw_page_stride; a table entry e < 0 names raw
+//                      page -e - 1.
+//   k_table, v_table:  [batch][n_kv_heads][table_stride] int32
+//   seq_lens:          [batch] int32, each in [1, table_stride * block_tokens]
+//   gaac_bases:        [2 (K, V)][n_kv_heads][2 (b3, b4)][head_dim] uint8
+//   dither_keys:       [2 (K, V)][n_kv_heads] uint64 (codec::dither8_key(layer, K/V, kv_head))
+//   outlier_channels:  [n_kv_heads][2 m] int32: the channels of the m exact RoPE pairs of K
+//                      pages, in record order (pair j: channel a then channel b)
+//   q:                 [batch][n_q_heads][head_dim] float; rounded on the device to the tiles'
+//                      element type (bf16 for kBf16 / kGaacBf16, fp16 otherwise), and every
+//                      score, meter and reference is defined with that rounded query
+//   out:               [batch][n_q_heads][head_dim] float
+//   meter, a_minus_1:  [batch][n_q_heads] float (lossy formats). Both null: the same kernel runs
+//                      without the meter (what its cost is measured against)
+// Query head h reads KV head h / (n_q_heads / n_kv_heads).
+// Thread safety: launches go to `stream`; the caller orders them and keeps the buffers alive.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "cache/cuda/device_pool.h"
+
+namespace certkv::attention::cuda {
+
+using cache::cuda::CudaStatus;
+
+enum class PageFormat : uint8_t {
+  kBf16 = 0,
+  kGaacBf16 = 1,
+  kGaacE5M2 = 2,
+  kFp8E4M3 = 3,  // lossy raw cast, Tier A meter
+  kFp8E5M2 = 4,  // lossy raw cast, Tier A meter
+  kDither8 = 5,  // certified INT8, Tier B meter
+};
+
+// "bf16", "gaac", "gaac-e5m2", "fp8-e4m3", "fp8-e5m2", "dither8".
+const char* page_format_name(PageFormat format);
+// Whether pages of this format carry a meter (the lossy ones).
+inline bool page_format_metered(PageFormat f) {
+  return f == PageFormat::kFp8E4M3 || f == PageFormat::kFp8E5M2 || f == PageFormat::kDither8;
+}
+
+struct PagedDecodeParams {
+  PageFormat format = PageFormat::kBf16;
+  int batch = 1;
+  int n_q_heads = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;       // 64 or 128
+  int block_tokens = 16;  // 16
+  float sm_scale = 0.f;   // the logit scale (1/sqrt(head_dim) for Llama)
+
+  const uint8_t* k_pages = nullptr;
+  const uint8_t* v_pages = nullptr;
+  int64_t k_page_stride = 0;
+  int64_t v_page_stride = 0;
+  int64_t n_k_pages = 0;  // entries beyond these are corrupt: flagged, never read
+  int64_t n_v_pages = 0;
+  const uint8_t* k_raw_pages = nullptr;
+  const uint8_t* v_raw_pages = nullptr;
+  int64_t raw_page_stride = 0;
+  int64_t n_k_raw_pages = 0;
+  int64_t n_v_raw_pages = 0;
+
+  const int32_t* k_table = nullptr;
+  const int32_t* v_table = nullptr;
+  int64_t table_stride = 0;
+  const int32_t* seq_lens = nullptr;
+  int64_t max_seq_len = 0;  // an upper bound of seq_lens, known on the host (plans the splits)
+
+  // GAAC
+  const uint8_t* gaac_bases = nullptr;
+  int64_t k_escape_capacity = 0;  // bytes of each slot's escape area
+  int64_t v_escape_capacity = 0;
+  // dither8
+  const uint64_t* dither_keys = nullptr;
+  int n_outlier_pairs = 0;  // m, at most kMaxDeviceOutlierPairs
+  const int32_t* outlier_channels = nullptr;
+  // Tier A bands pair channels as the model's RoPE does: interleaved (2j, 2j+1) or half-split.
+  bool rope_half_split = false;
+  double delta_loc = 1e-8;  // Tier B failure probability per (layer, head, step)
+
+  const float* q = nullptr;
+  float* out = nullptr;
+  float* meter = nullptr;
+  float* a_minus_1 = nullptr;
+
+  int n_splits = 0;  // 0: chosen from the shape and the device (choose_splits)
+  void* workspace = nullptr;
+  size_t workspace_size = 0;
+  void* stream = nullptr;  // cudaStream_t; null: the default stream
+};
+
+inline constexpr int kMaxDeviceOutlierPairs = 8;
+
+// Whether the kernels handle this shape and these buffers (head_dim 64 or 128, block_tokens 16,
+// GQA ratio integral and at most 8, aligned page pools, the codec parameters a format needs); the
+// message says what is not supported (kUnsupported for shapes, kInvalidArgument for buffers).
+// Never launches.
+CudaStatus check(const PagedDecodeParams& params);
+// The split count used when params.n_splits is 0: enough CTAs to fill the device, at least two
+// blocks per warp.
+int choose_splits(const PagedDecodeParams& params);
+// Workspace bytes for params (with its n_splits, or the chosen one when 0).
+size_t workspace_bytes(const PagedDecodeParams& params);
+// check(), then launches the split and merge kernels on params.stream. Asynchronous; a corrupt
+// page entry (outside the pools), GAAC slot (bad tag, escapes past the slot) or sequence length
+// is never read past: it counts in the workspace's error word (read_error_word).
+CudaStatus paged_decode(const PagedDecodeParams& params);
+// The workspace's error word counts corrupt pages, slots and lengths over every launch since it
+// was last reset (a launch does not reset it, so that timing loops run one kernel pair per call).
+// reset_error_word zeroes it on params.stream (asynchronous); read_error_word synchronizes
+// params.stream and reads it.
+CudaStatus reset_error_word(const PagedDecodeParams& params);
+CudaStatus read_error_word(const PagedDecodeParams& params, uint32_t* corrupt);
+
+// Number of CUDA devices visible (0 when there is no driver or device).
+int device_count();
+
+}  // namespace certkv::attention::cuda

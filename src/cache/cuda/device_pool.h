@@ -1,0 +1,70 @@
+// Device memory for paged KV (the device half of the cache layer): an owning buffer and a page
+// pool of fixed-stride slots, with allocation failures reported as statuses (out of device
+// memory names the request and what the device had free), never as crashes.
+//
+// A pool holds n_pages slots of `stride` bytes, stride = page_bytes rounded up to 16, based at a
+// cudaMalloc'ed (256-byte aligned) address: every slot is 16-byte aligned, as the decode kernels
+// require. Pages are written from the host (write_pages); the kernels read them through block
+// tables of slot indices.
+// Thread safety: one owner; calls are synchronous unless they say otherwise.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "core/status.h"
+
+namespace certkv::cache::cuda {
+
+struct CudaStatus {
+  bool ok = true;
+  StatusCode code = StatusCode::kOk;
+  std::string message;
+};
+
+inline CudaStatus cuda_error(StatusCode code, const std::string& message) { return CudaStatus{false, code, message}; }
+
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  // kOutOfMemory when the device cannot hold `bytes` (the message says how much was free).
+  static CudaStatus allocate(size_t bytes, DeviceBuffer* out);
+  // Copies host bytes to [offset, offset + n). kOutOfRange past the end.
+  CudaStatus upload(size_t offset, const void* host, size_t n);
+  CudaStatus download(size_t offset, void* host, size_t n) const;
+
+  uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+class DevicePagePool {
+ public:
+  // REQUIRES: page_bytes >= 1, n_pages >= 1 (kInvalidArgument otherwise).
+  static CudaStatus create(size_t page_bytes, int64_t n_pages, DevicePagePool* out);
+  // Writes n consecutive pages from host memory laid out with `host_stride` bytes per page
+  // (page_bytes of each are copied). kOutOfRange when [first, first + n) is outside the pool.
+  CudaStatus write_pages(int64_t first, const uint8_t* host, int64_t n, size_t host_stride);
+
+  const uint8_t* data() const { return buffer_.data(); }
+  size_t stride() const { return stride_; }
+  size_t page_bytes() const { return page_bytes_; }
+  int64_t n_pages() const { return n_pages_; }
+
+ private:
+  DeviceBuffer buffer_;
+  size_t page_bytes_ = 0, stride_ = 0;
+  int64_t n_pages_ = 0;
+};
+
+}  // namespace certkv::cache::cuda
