@@ -79,7 +79,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
   if (is_gaac(f)) {
     if (options.gaac == nullptr) return invalid("GAAC pages need a calibration");
     const codec::GaacShape& s = options.gaac->shape();
-    if (s.element != element || s.head_dim != D || s.n_kv_heads != H || s.block_tokens != kT ||
+    if (s.element != element || s.head_dim != D || s.n_kv_heads < H || s.block_tokens != kT ||
         options.layer < 0 || options.layer >= s.n_layers)
       return invalid("the GAAC calibration does not match the format, shape or layer");
   }
@@ -187,25 +187,26 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
         break;
       case PageFormat::kGaacBf16: {
         const codec::GaacBases& bases = options.gaac->bases(options.layer, key ? codec::kGaacKey : codec::kGaacValue, h);
-        const size_t used = codec::gaac_encode_page_ref(rows, kT, D, bases, key ? r.k_capacity_ : r.v_capacity_, page);
-        if (used == codec::kGaacDoesNotFit) return 0;
+        if (codec::gaac_encode_page_ref(rows, kT, D, bases, key ? r.k_capacity_ : r.v_capacity_, page) ==
+            codec::kGaacDoesNotFit)
+          return 0;
         std::vector<uint16_t> back(size_t(kT) * D);
         codec::gaac_decode_page_ref(page, key ? k_bytes : v_bytes, kT, D, bases, back.data());
         for (int i = 0; i < kT * D; ++i) read[i] = format::bf16_to_float(back[size_t(i)]);
-        stored = used;
+        stored = key ? k_bytes : v_bytes;  // the kernel stages the whole slot
         break;
       }
       case PageFormat::kGaacE5M2: {
         uint8_t fp8[kT * 128];
         for (int i = 0; i < kT * D; ++i) fp8[i] = format::bf16_to_fp8_e5m2_ref(rows[i]);
         const codec::GaacBases& bases = options.gaac->bases(options.layer, key ? codec::kGaacKey : codec::kGaacValue, h);
-        const size_t used = codec::gaac_encode_page_fp8_ref(element, fp8, kT, D, bases,
-                                                            key ? r.k_capacity_ : r.v_capacity_, page);
-        if (used == codec::kGaacDoesNotFit) return 0;
+        if (codec::gaac_encode_page_fp8_ref(element, fp8, kT, D, bases, key ? r.k_capacity_ : r.v_capacity_, page) ==
+            codec::kGaacDoesNotFit)
+          return 0;
         uint8_t back[kT * 128];
         codec::gaac_decode_page_fp8_ref(element, page, key ? k_bytes : v_bytes, kT, D, bases, back);
         for (int i = 0; i < kT * D; ++i) read[i] = format::fp8_e5m2_to_float(back[i]);
-        stored = used;
+        stored = key ? k_bytes : v_bytes;  // the kernel stages the whole slot
         break;
       }
       default: {

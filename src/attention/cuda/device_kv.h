@@ -34,7 +34,8 @@ struct HostLayerKv {
 
 struct DeviceKvOptions {
   PageFormat format = PageFormat::kBf16;
-  // GAAC formats: the calibration (its element must match the format) and the layer it describes.
+  // GAAC formats: the calibration (its element must match the format; kv heads 0 .. n_kv_heads - 1
+  // of it are used) and the layer it describes.
   const codec::GaacCalibration* gaac = nullptr;
   int layer = 0;
   // dither8: outlier RoPE pairs per KV head, chosen from sequence 0's keys; the generator keys
@@ -66,7 +67,7 @@ class DeviceKv {
   codec::LossyPageSpec lossy_spec(bool key, int kv_head) const;
 
   // Bytes one decode step reads from the page pools over all sequences (each referenced page's
-  // stored bytes: GAAC slots count their fixed part and the escapes they use).
+  // bytes as the kernel reads them: a GAAC slot whole, fixed part and escape capacity).
   int64_t bytes_read() const { return bytes_read_; }
   int64_t raw_pages() const { return raw_pages_; }
   int64_t pages() const { return n_pages_; }

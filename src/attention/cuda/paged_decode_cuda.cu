@@ -89,24 +89,64 @@ __device__ inline float fp16_bits_to_float(uint32_t bits) {
 // ---------------------------------------------------------------------------------------------
 // Shared memory of one CTA.
 
-// One warp's tiles. Rows are D + 8 u16 long: 16 bytes of padding, so the 8 rows of an ldmatrix
+// Bytes of a page staged in shared memory before it is decoded (the most a page can need): a GAAC
+// slot (fixed part and escape area), an fp8 page with its witness (K), a dither8 page with up to
+// kMaxDeviceOutlierPairs outlier pairs. Raw bf16 pages are staged straight into padded tiles.
+template <int D, PageFormat F>
+__host__ __device__ constexpr int stage_bytes(bool key) {
+  int n = 0;
+  if (F == PageFormat::kGaacBf16)
+    n = int(format::gaac_page_fixed_bytes(format::GaacElement::kBf16, kBlockTokens, D) +
+            format::gaac_page_max_escape_bytes(format::GaacElement::kBf16, kBlockTokens, D));
+  if (F == PageFormat::kGaacE5M2)
+    n = int(format::gaac_page_fixed_bytes(format::GaacElement::kFp8E5M2, kBlockTokens, D) +
+            format::gaac_page_max_escape_bytes(format::GaacElement::kFp8E5M2, kBlockTokens, D));
+  if (F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2) n = kBlockTokens * D + (key ? kBands * kBlockTokens * 2 : 0);
+  if (F == PageFormat::kDither8)
+    n = kBlockTokens * (D + 2 * (D / kQuantGroup) + (key ? 4 * kMaxDeviceOutlierPairs : 0));
+  return (n + 15) / 16 * 16;
+}
+
+// One warp's shared memory: two stages (the page pair in flight and the one being used) and the
+// decoded tiles. Tile rows are D + 8 u16 long: 16 bytes of padding, so the 8 rows of an ldmatrix
 // phase fall in 8 distinct bank groups.
-template <int D, bool kDither>
+template <int D, PageFormat F>
 struct Tiles {
-  uint16_t k[kBlockTokens][D + 8];
-  uint16_t v[kBlockTokens][D + 8];
+  alignas(16) uint8_t stage_k[2][stage_bytes<D, F>(true)];
+  alignas(16) uint8_t stage_v[2][stage_bytes<D, F>(false)];
+  alignas(16) uint16_t k[kBlockTokens][D + 8];
+  alignas(16) uint16_t v[kBlockTokens][D + 8];
+  alignas(16) uint16_t witness[kBands * kBlockTokens];  // fp8 K pages: the Tier A witness, band-major
 };
 
 template <int D>
-struct Tiles<D, true> {
-  uint16_t k[kBlockTokens][D + 8];   // integer codes (fp16, exact)
-  uint16_t v[kBlockTokens][D + 8];
-  uint16_t w[kBlockTokens][D + 8];   // u - 128 of each K element (fp16, exact; 0 on outliers)
+struct Tiles<D, PageFormat::kBf16> {  // the stages are the tiles
+  alignas(16) uint16_t k[2][kBlockTokens][D + 8];
+  alignas(16) uint16_t v[2][kBlockTokens][D + 8];
+};
+
+template <int D>
+struct Tiles<D, PageFormat::kDither8> {
+  alignas(16) uint8_t stage_k[2][stage_bytes<D, PageFormat::kDither8>(true)];
+  alignas(16) uint8_t stage_v[2][stage_bytes<D, PageFormat::kDither8>(false)];
+  alignas(16) uint16_t k[kBlockTokens][D + 8];  // integer codes (fp16, exact)
+  alignas(16) uint16_t v[kBlockTokens][D + 8];
+  alignas(16) uint16_t w[kBlockTokens][D + 8];  // u - 128 of each K element (fp16, exact; 0 on outliers)
   float scale[kBlockTokens][D / kQuantGroup];
   float outlier[kBlockTokens][2 * kMaxDeviceOutlierPairs];
 };
 
-template <int D, bool kDither>
+__device__ inline void cp_async16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(uint32_t(__cvta_generic_to_shared(smem))), "l"(gmem)
+               : "memory");
+}
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ inline void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+template <int D, PageFormat F>
 struct CtaShared {
   float q[kMaxGroup][D];                  // the rounded queries
   float weight[kMaxGroup][kBands];        // Tier A: |sm| ||q_b||; Tier B: sm^2 sum q^2/12 * 2 log(2S/delta)
@@ -115,7 +155,7 @@ struct CtaShared {
   uint16_t base7[2][2][D];                // GAAC: (b3, b4) << 7 of K and V channels
   int32_t outlier_channels[2 * kMaxDeviceOutlierPairs];
   union {
-    Tiles<D, kDither> tiles[kWarps];
+    Tiles<D, F> tiles[kWarps];
     struct {
       float m[kWarps][kMaxGroup], l[kWarps][kMaxGroup], d[kWarps][kMaxGroup];
       float o[kWarps][kMaxGroup][D];
@@ -159,7 +199,7 @@ __device__ inline void decode_bf16_row(const uint8_t* page, int t, int h, uint16
   uint4* dst = reinterpret_cast<uint4*>(row + h * (D / 2));
   uint4 x[D / 16];
 #pragma unroll
-  for (int i = 0; i < D / 16; ++i) x[i] = __ldg(src + i);
+  for (int i = 0; i < D / 16; ++i) x[i] = src[i];
 #pragma unroll
   for (int i = 0; i < D / 16; ++i) dst[i] = x[i];
 }
@@ -182,7 +222,7 @@ __device__ inline void decode_fp8_row(const uint8_t* page, int t, int h, uint16_
   uint32_t* dst = reinterpret_cast<uint32_t*>(row + h * (D / 2));
   uint4 x[D / 32];
 #pragma unroll
-  for (int i = 0; i < D / 32; ++i) x[i] = __ldg(src + i);
+  for (int i = 0; i < D / 32; ++i) x[i] = src[i];
 #pragma unroll
   for (int i = 0; i < D / 32; ++i) {
     const uint32_t w[4] = {x[i].x, x[i].y, x[i].z, x[i].w};
@@ -207,9 +247,11 @@ __device__ inline uint32_t bits24(const uint32_t (&w)[N], int bit) {
 
 // A GAAC slot (one tile: D <= 128). Lane l owns the D/16 consecutive groups l * D/16 ... of the
 // page, which are exactly its token-half. kElement: bf16 or e5m2 (written as fp16).
+// slot: the slot's fixed part; escape_slot: the slot whose escape area the 4-bit and raw groups
+// read (both the staged copy in shared memory).
 template <int D, format::GaacElement kElement>
-__device__ inline bool decode_gaac_row(const uint8_t* slot, int64_t escape_capacity, int lane,
-                                       const uint16_t* base7, uint16_t* row) {
+__device__ inline bool decode_gaac_row(const uint8_t* slot, const uint8_t* escape_slot, int64_t escape_capacity,
+                                       int lane, const uint16_t* base7, uint16_t* row) {
   using namespace format;
   constexpr int NG = D / 16;  // groups per lane
   constexpr int kGroups = kBlockTokens * D / 8;
@@ -240,19 +282,19 @@ __device__ inline bool decode_gaac_row(const uint8_t* slot, int64_t escape_capac
   const int total = __shfl_sync(0xffffffffu, before, 31);
   before -= esc;
   if (__any_sync(0xffffffffu, bad) || total > escape_capacity) return false;
-  const uint8_t* escapes = slot + kEscapeOffset + before;
+  const uint8_t* escapes = escape_slot + kEscapeOffset + before;
 
   constexpr int kCodeWords = NG * 3 / 4;
   uint32_t codes[kCodeWords];
   const uint8_t* code_ptr = slot + kCodeOffset + size_t(lane) * NG * 3;
 #pragma unroll
-  for (int i = 0; i < kCodeWords; ++i) codes[i] = __ldg(reinterpret_cast<const uint32_t*>(code_ptr) + i);
+  for (int i = 0; i < kCodeWords; ++i) codes[i] = reinterpret_cast<const uint32_t*>(code_ptr)[i];
 
   if constexpr (kElement == GaacElement::kBf16) {
     uint4 sm[NG / 2];
     const uint4* sm_ptr = reinterpret_cast<const uint4*>(slot + size_t(lane) * NG * S);
 #pragma unroll
-    for (int i = 0; i < NG / 2; ++i) sm[i] = __ldg(sm_ptr + i);
+    for (int i = 0; i < NG / 2; ++i) sm[i] = sm_ptr[i];
 #pragma unroll
     for (int j = 0; j < NG; ++j) {
       const uint32_t mode = (tags >> (2 * j)) & 3u;
@@ -260,49 +302,33 @@ __device__ inline bool decode_gaac_row(const uint8_t* slot, int64_t escape_capac
       const uint32_t sm_lo = (j & 1) ? sm[j / 2].z : sm[j / 2].x;
       const uint32_t sm_hi = (j & 1) ? sm[j / 2].w : sm[j / 2].y;
       const int c0 = (lane & 1) * (D / 2) + 8 * j;  // first channel of the group
+      // One branch-free path for every mode (groups of one warp mix modes): the escape bits above
+      // each 3-bit code (none; bit i of one byte; bits 5i .. 5i + 4 of five bytes) and the base
+      // (b3, b4 or 0) are chosen per group, the rest is the same integer arithmetic.
+      uint32_t ex_lo = 0, ex_hi = 0;
+      if (mode != kGaacMode3Bit) {
+        ex_lo = escapes[0];
+        if (mode == kGaacModeRaw) {
+          ex_lo |= (uint32_t(escapes[1]) << 8) | (uint32_t(escapes[2]) << 16) | (uint32_t(escapes[3]) << 24);
+          ex_hi = escapes[4];
+        }
+      }
+      escapes += mode == kGaacMode4Bit ? 1 : mode == kGaacModeRaw ? kRawEscape : 0;
+      const uint32_t width = mode == kGaacModeRaw ? 5u : 1u;
+      const uint32_t width_mask = (1u << width) - 1u;
+      const uint32_t* b = reinterpret_cast<const uint32_t*>(base7 + (mode == kGaacMode4Bit ? D : 0) + c0);
+      const uint32_t base_mask = mode == kGaacModeRaw ? 0u : 0xffffffffu;
       uint32_t out[4];
-      if (mode == kGaacMode3Bit) {
-        const uint32_t* b = reinterpret_cast<const uint32_t*>(base7 + c0);  // (b3 << 7) pairs
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const uint32_t word = k < 2 ? sm_lo : sm_hi;
-          const int byte = 2 * (k & 1);
-          const uint32_t sm2 = __byte_perm(word, 0, 0x4040 | (byte << 0) | ((byte + 1) << 8));
-          const uint32_t sign_mant = (sm2 & 0x007f007fu) | ((sm2 & 0x00800080u) << 8);
-          const uint32_t code2 = ((c24 >> (6 * k)) & 7u) | (((c24 >> (6 * k + 3)) & 7u) << 16);
-          out[k] = sign_mant + (code2 << 7) + b[k];
-        }
-      } else {
-        // 4-bit and raw groups (rare): element by element, with the escape bytes.
-        const uint8_t* e = escapes;
-        uint64_t extra = 0;
-        if (mode == kGaacMode4Bit) extra = e[0];
-        else {
-#pragma unroll
-          for (int i = 0; i < 5; ++i) extra |= uint64_t(e[i]) << (8 * i);
-        }
-        const uint16_t* b4 = base7 + D;  // (b4 << 7)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          uint32_t halves[2];
-#pragma unroll
-          for (int s = 0; s < 2; ++s) {
-            const int i = 2 * k + s;
-            const uint32_t smb = ((i < 4 ? sm_lo : sm_hi) >> (8 * (i & 3))) & 0xffu;
-            uint32_t code = (c24 >> (3 * i)) & 7u;
-            uint32_t exponent7;
-            if (mode == kGaacMode4Bit) {
-              code |= uint32_t((extra >> i) & 1u) << 3;
-              exponent7 = b4[c0 + i] + (code << 7);
-            } else {
-              code |= uint32_t((extra >> (5 * i)) & 31u) << 3;
-              exponent7 = code << 7;
-            }
-            halves[s] = ((smb & 0x80u) << 8) | exponent7 | (smb & 0x7fu);
-          }
-          out[k] = halves[0] | (halves[1] << 16);
-        }
-        escapes += mode == kGaacMode4Bit ? 1 : kRawEscape;
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t word = k < 2 ? sm_lo : sm_hi;
+        const int byte = 2 * (k & 1);
+        const uint32_t sm2 = __byte_perm(word, 0, 0x4040 | (byte << 0) | ((byte + 1) << 8));
+        const uint32_t sign_mant = (sm2 & 0x007f007fu) | ((sm2 & 0x00800080u) << 8);
+        const uint32_t high = __funnelshift_r(ex_lo, ex_hi, 2u * uint32_t(k) * width);
+        const uint32_t code2 = ((c24 >> (6 * k)) & 7u) | (((c24 >> (6 * k + 3)) & 7u) << 16) |
+                               ((high & width_mask) << 3) | (((high >> width) & width_mask) << 19);
+        out[k] = sign_mant + (code2 << 7) + (b[k] & base_mask);
       }
       *reinterpret_cast<uint4*>(row + c0) = make_uint4(out[0], out[1], out[2], out[3]);
     }
@@ -312,7 +338,7 @@ __device__ inline bool decode_gaac_row(const uint8_t* slot, int64_t escape_capac
     uint32_t smw[kCodeWords];
     const uint8_t* sm_ptr = slot + size_t(lane) * NG * 3;
 #pragma unroll
-    for (int i = 0; i < kCodeWords; ++i) smw[i] = __ldg(reinterpret_cast<const uint32_t*>(sm_ptr) + i);
+    for (int i = 0; i < kCodeWords; ++i) smw[i] = reinterpret_cast<const uint32_t*>(sm_ptr)[i];
     const uint16_t* b3 = base7;
     const uint16_t* b4 = base7 + D;
 #pragma unroll
@@ -359,18 +385,18 @@ __device__ inline uint32_t bytes_to_1024_plus(uint32_t word, int byte) {
 // scales -> tiles.scale, outliers -> tiles.outlier. V: s (q - xi) rounded to fp16 -> row.
 template <int D, bool kKey>
 __device__ inline void decode_dither8_row(const uint8_t* page, int m, uint64_t key, int32_t slot,
-                                          int lane, uint64_t outlier_mask, Tiles<D, true>& tiles) {
+                                          int lane, uint64_t outlier_mask, Tiles<D, PageFormat::kDither8>& tiles) {
   constexpr int G = D / kQuantGroup;
   const int t = lane >> 1, h = lane & 1;
   const int record = D + 2 * G + 4 * m;
   const uint8_t* rec = page + size_t(t) * record;
   uint32_t code_words[D / 8];
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) code_words[i] = __ldg(reinterpret_cast<const uint32_t*>(rec + h * (D / 2)) + i);
+  for (int i = 0; i < D / 8; ++i) code_words[i] = reinterpret_cast<const uint32_t*>(rec + h * (D / 2))[i];
   float scales[G / 2];
   const uint16_t* scale_ptr = reinterpret_cast<const uint16_t*>(rec + D) + h * (G / 2);
 #pragma unroll
-  for (int g = 0; g < G / 2; ++g) scales[g] = fp16_bits_to_float(__ldg(scale_ptr + g));
+  for (int g = 0; g < G / 2; ++g) scales[g] = fp16_bits_to_float(scale_ptr[g]);
   const uint32_t seed = format::dither8_row_seed(key, uint64_t(uint32_t(slot)) * kBlockTokens + uint64_t(t));
   const __half2 k1152 = __float2half2_rn(1152.f);
   uint32_t* dst = reinterpret_cast<uint32_t*>((kKey ? tiles.k[t] : tiles.v[t]) + h * (D / 2));
@@ -407,7 +433,7 @@ __device__ inline void decode_dither8_row(const uint8_t* page, int m, uint64_t k
     for (int g = 0; g < G / 2; ++g) tiles.scale[t][h * (G / 2) + g] = scales[g];
     if (h == 0) {
       const uint16_t* ex = reinterpret_cast<const uint16_t*>(rec + D + 2 * G);
-      for (int j = 0; j < 2 * m; ++j) tiles.outlier[t][j] = __bfloat162float(__ushort_as_bfloat16(__ldg(ex + j)));
+      for (int j = 0; j < 2 * m; ++j) tiles.outlier[t][j] = __bfloat162float(__ushort_as_bfloat16(ex[j]));
     }
   }
 }
@@ -431,49 +457,86 @@ struct FormatTraits {
   static constexpr bool kGaac = F == PageFormat::kGaacBf16 || F == PageFormat::kGaacE5M2;
 };
 
+// Issues the asynchronous copies of one page into stage `st` (or, for raw bf16 pages, straight
+// into the padded tile of that stage). Corrupt entries copy nothing; raw GAAC pages are decoded
+// from the pool.
 template <int D, PageFormat F>
-__device__ inline bool decode_page(const SplitArgs& a, bool key, PageRef ref, int lane, int kv_head,
-                                   const CtaShared<D, F == PageFormat::kDither8>& sh, uint64_t outlier_mask,
-                                   Tiles<D, F == PageFormat::kDither8>& tiles) {
-  const int t = lane >> 1, h = lane & 1;
-  uint16_t* row = key ? tiles.k[t] : tiles.v[t];
-  if (ref.bytes == nullptr) {
-    zero_row<D>(row, h);
-    if constexpr (F == PageFormat::kDither8) {
-      if (!key) return false;
-      zero_row<D>(tiles.w[t], h);
-      for (int g = 0; g < D / kQuantGroup / 2; ++g) tiles.scale[t][h * (D / kQuantGroup / 2) + g] = 0.f;
-      if (h == 0)
-        for (int j = 0; j < 2 * kMaxDeviceOutlierPairs; ++j) tiles.outlier[t][j] = 0.f;
-    }
-    return false;
-  }
+__device__ inline void stage_page(const SplitArgs& a, bool key, const PageRef& ref, int st, int lane,
+                                  Tiles<D, F>& tiles) {
+  if (ref.bytes == nullptr || ref.raw) return;
   if constexpr (F == PageFormat::kBf16) {
-    decode_bf16_row<D>(ref.bytes, t, h, row);
-  } else if constexpr (F == PageFormat::kGaacBf16 || F == PageFormat::kGaacE5M2) {
-    if (ref.raw) {
-      if constexpr (F == PageFormat::kGaacBf16) decode_bf16_row<D>(ref.bytes, t, h, row);
-      else decode_fp8_row<D, false>(ref.bytes, t, h, row);
-    } else {
+    uint16_t(*tile)[D + 8] = key ? tiles.k[st] : tiles.v[st];
+    constexpr int kChunksPerRow = D / 8;
+#pragma unroll
+    for (int c = lane; c < kBlockTokens * kChunksPerRow; c += 32)
+      cp_async16(&tile[c / kChunksPerRow][(c % kChunksPerRow) * 8], ref.bytes + size_t(c) * 16);
+  } else {
+    uint8_t* stage = key ? tiles.stage_k[st] : tiles.stage_v[st];
+    int bytes = stage_bytes<D, F>(key);
+    if constexpr (F == PageFormat::kGaacBf16 || F == PageFormat::kGaacE5M2) {
       constexpr format::GaacElement E =
           F == PageFormat::kGaacBf16 ? format::GaacElement::kBf16 : format::GaacElement::kFp8E5M2;
-      const bool ok = decode_gaac_row<D, E>(ref.bytes, key ? a.p.k_escape_capacity : a.p.v_escape_capacity,
-                                            lane, &sh.base7[key ? 0 : 1][0][0], row);
-      if (!ok) {
-        zero_row<D>(row, h);
-        return false;
-      }
+      bytes = int(format::gaac_slot_bytes(E, kBlockTokens, D, size_t(key ? a.p.k_escape_capacity : a.p.v_escape_capacity)) + 15) / 16 * 16;
     }
-  } else if constexpr (F == PageFormat::kFp8E4M3) {
-    decode_fp8_row<D, true>(ref.bytes, t, h, row);
-  } else if constexpr (F == PageFormat::kFp8E5M2) {
-    decode_fp8_row<D, false>(ref.bytes, t, h, row);
-  } else {
-    const uint64_t dkey = a.p.dither_keys[(key ? 0 : 1) * a.p.n_kv_heads + kv_head];
-    if (key) decode_dither8_row<D, true>(ref.bytes, a.p.n_outlier_pairs, dkey, ref.slot, lane, outlier_mask, tiles);
-    else decode_dither8_row<D, false>(ref.bytes, 0, dkey, ref.slot, lane, 0, tiles);
+    if constexpr (F == PageFormat::kDither8)
+      bytes = (kBlockTokens * (D + 2 * (D / kQuantGroup) + (key ? 4 * a.p.n_outlier_pairs : 0)) + 15) / 16 * 16;
+    for (int c = lane; c < bytes / 16; c += 32) cp_async16(stage + c * 16, ref.bytes + size_t(c) * 16);
   }
-  return true;
+}
+
+// Decodes the staged page (stage st) into the tiles. False (and zero rows) for a corrupt page.
+template <int D, PageFormat F>
+__device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& ref, int st, int lane, int kv_head,
+                                   const CtaShared<D, F>& sh, uint64_t outlier_mask, Tiles<D, F>& tiles) {
+  const int t = lane >> 1, h = lane & 1;
+  if constexpr (F == PageFormat::kBf16) {
+    if (ref.bytes == nullptr) {
+      zero_row<D>(key ? tiles.k[st][t] : tiles.v[st][t], h);
+      return false;
+    }
+    return true;
+  } else {
+    uint16_t* row = key ? tiles.k[t] : tiles.v[t];
+    const uint8_t* staged = key ? tiles.stage_k[st] : tiles.stage_v[st];
+    if (ref.bytes == nullptr) {
+      zero_row<D>(row, h);
+      if constexpr (F == PageFormat::kDither8) {
+        if (!key) return false;
+        zero_row<D>(tiles.w[t], h);
+        for (int g = 0; g < D / kQuantGroup / 2; ++g) tiles.scale[t][h * (D / kQuantGroup / 2) + g] = 0.f;
+        if (h == 0)
+          for (int j = 0; j < 2 * kMaxDeviceOutlierPairs; ++j) tiles.outlier[t][j] = 0.f;
+      }
+      return false;
+    }
+    if constexpr (F == PageFormat::kGaacBf16 || F == PageFormat::kGaacE5M2) {
+      if (ref.raw) {
+        if constexpr (F == PageFormat::kGaacBf16) decode_bf16_row<D>(ref.bytes, t, h, row);
+        else decode_fp8_row<D, false>(ref.bytes, t, h, row);
+      } else {
+        constexpr format::GaacElement E =
+            F == PageFormat::kGaacBf16 ? format::GaacElement::kBf16 : format::GaacElement::kFp8E5M2;
+        const bool ok = decode_gaac_row<D, E>(staged, staged, key ? a.p.k_escape_capacity : a.p.v_escape_capacity,
+                                              lane, &sh.base7[key ? 0 : 1][0][0], row);
+        if (!ok) {
+          zero_row<D>(row, h);
+          return false;
+        }
+      }
+    } else if constexpr (F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2) {
+      decode_fp8_row<D, F == PageFormat::kFp8E4M3>(staged, t, h, row);
+      if (key) {  // the stage is refilled before the bounds are computed: keep the witness
+        static_assert(kBands * kBlockTokens * 2 == 32 * 16, "one 16-byte piece of the witness per lane");
+        const uint4* src = reinterpret_cast<const uint4*>(staged + size_t(kBlockTokens) * D);
+        reinterpret_cast<uint4*>(tiles.witness)[lane] = src[lane];
+      }
+    } else {
+      const uint64_t dkey = a.p.dither_keys[(key ? 0 : 1) * a.p.n_kv_heads + kv_head];
+      if (key) decode_dither8_row<D, true>(staged, a.p.n_outlier_pairs, dkey, ref.slot, lane, outlier_mask, tiles);
+      else decode_dither8_row<D, false>(staged, 0, dkey, ref.slot, lane, 0, tiles);
+    }
+    return true;
+  }
 }
 
 // kWithMeter: lossy formats compute the meter in the same pass (off: the same kernel without it).
@@ -484,7 +547,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
   constexpr bool kMeter = kWithMeter && (Traits::kTierA || Traits::kTierB);
   constexpr int G = D / kQuantGroup;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  using Shared = CtaShared<D, Traits::kTierB>;
+  using Shared = CtaShared<D, F>;
   Shared& sh = *reinterpret_cast<Shared*>(smem_raw);
   const PagedDecodeParams& p = a.p;
 
@@ -581,15 +644,63 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
   const float log2_scale = p.sm_scale * kLog2e;
   unsigned int corrupt = 0;
 
-  for (int64_t blk = block_begin + warp; blk < block_end; blk += kWarps) {
-    const int64_t table_index = (int64_t(b) * p.n_kv_heads + kv_head) * p.table_stride + blk;
-    const PageRef kref = page_ref(p.k_pages, p.k_page_stride, p.n_k_pages, p.k_raw_pages, p.raw_page_stride,
-                                  p.n_k_raw_pages, p.k_table[table_index]);
-    const PageRef vref = page_ref(p.v_pages, p.v_page_stride, p.n_v_pages, p.v_raw_pages, p.raw_page_stride,
-                                  p.n_v_raw_pages, p.v_table[table_index]);
-    if (!decode_page<D, F>(a, true, kref, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
-    if (!decode_page<D, F>(a, false, vref, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
+  // This warp's blocks: first, first + kWarps, ... below block_end. Two stages: page i + 1 is in
+  // flight while page i is used (raw bf16 pages), or pages i + 1 and i + 2 (staged formats, whose
+  // stage is free again once decoded); table entries are read one page ahead of their copies.
+  const int64_t first = block_begin + warp;
+  const int n_mine = first < block_end ? int((block_end - 1 - first) / kWarps + 1) : 0;
+  const int64_t table_row = (int64_t(b) * p.n_kv_heads + kv_head) * p.table_stride;
+  auto entry_of = [&](const int32_t* table, int i) { return i < n_mine ? table[table_row + first + int64_t(i) * kWarps] : 0; };
+  auto kref_of = [&](int32_t e) {
+    return page_ref(p.k_pages, p.k_page_stride, p.n_k_pages, p.k_raw_pages, p.raw_page_stride, p.n_k_raw_pages, e);
+  };
+  auto vref_of = [&](int32_t e) {
+    return page_ref(p.v_pages, p.v_page_stride, p.n_v_pages, p.v_raw_pages, p.raw_page_stride, p.n_v_raw_pages, e);
+  };
+  // kcur / vcur: page i (stage i % 2); knext / vnext: page i + 1 (the other stage).
+  PageRef kcur = kref_of(entry_of(p.k_table, 0)), vcur = vref_of(entry_of(p.v_table, 0));
+  PageRef knext = kref_of(entry_of(p.k_table, 1)), vnext = vref_of(entry_of(p.v_table, 1));
+  if (n_mine > 0) {
+    stage_page<D, F>(a, true, kcur, 0, lane, tiles);
+    stage_page<D, F>(a, false, vcur, 0, lane, tiles);
+  }
+  cp_async_commit();
+  if (n_mine > 1) {
+    stage_page<D, F>(a, true, knext, 1, lane, tiles);
+    stage_page<D, F>(a, false, vnext, 1, lane, tiles);
+  }
+  cp_async_commit();
+
+  for (int i = 0; i < n_mine; ++i) {
+    const int st = i & 1;
+    const int64_t blk = first + int64_t(i) * kWarps;
+    const int32_t next_k = entry_of(p.k_table, i + 2), next_v = entry_of(p.v_table, i + 2);
+    cp_async_wait<1>();
     __syncwarp();
+    const PageRef kref = kcur, vref = vcur;
+    kcur = knext;
+    vcur = vnext;
+    knext = kref_of(next_k);
+    vnext = vref_of(next_v);
+    if (!decode_page<D, F>(a, true, kref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
+    if (!decode_page<D, F>(a, false, vref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
+    __syncwarp();
+    if constexpr (F != PageFormat::kBf16) {
+      if (i + 2 < n_mine) {
+        stage_page<D, F>(a, true, knext, st, lane, tiles);
+        stage_page<D, F>(a, false, vnext, st, lane, tiles);
+      }
+      cp_async_commit();
+    }
+    const uint16_t(*tile_k)[D + 8];
+    const uint16_t(*tile_v)[D + 8];
+    if constexpr (F == PageFormat::kBf16) {
+      tile_k = tiles.k[st];
+      tile_v = tiles.v[st];
+    } else {
+      tile_k = tiles.k;
+      tile_v = tiles.v;
+    }
 
     // Scores S[row gq][tokens 8j + 2cq + e], j = 0, 1; e = 0, 1.
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -603,7 +714,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
 #pragma unroll
         for (int kk = 2 * g; kk < 2 * g + 2; ++kk) {
           uint32_t r[4];
-          ldsm_x4(r, &tiles.k[ld_token][16 * kk + ld_dim]);
+          ldsm_x4(r, &tile_k[ld_token][16 * kk + ld_dim]);
           mma16816<true>(cc[0], qa[kk][0], qa[kk][1], r[0], r[1]);
           mma16816<true>(cc[1], qa[kk][0], qa[kk][1], r[2], r[3]);
           ldsm_x4(r, &tiles.w[ld_token][16 * kk + ld_dim]);
@@ -630,7 +741,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         uint32_t r[4];
-        ldsm_x4(r, &tiles.k[ld_token][16 * kk + ld_dim]);
+        ldsm_x4(r, &tile_k[ld_token][16 * kk + ld_dim]);
         mma16816<kHalf>(s[0], qa[kk][0], qa[kk][1], r[0], r[1]);
         mma16816<kHalf>(s[1], qa[kk][0], qa[kk][1], r[2], r[3]);
       }
@@ -640,13 +751,13 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
     float c_bound[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
     if constexpr (kMeter && Traits::kTierA) {
       if (kref.bytes != nullptr) {
-        const uint16_t* witness = reinterpret_cast<const uint16_t*>(kref.bytes + size_t(kBlockTokens) * D);
+        const uint16_t* witness = tiles.witness;
 #pragma unroll
         for (int band = 0; band < kBands; ++band) {
           const float wgt = sh.weight[gq][band];
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            const uint32_t pair = __ldg(reinterpret_cast<const uint32_t*>(witness + band * kBlockTokens + 8 * j + 2 * cq));
+            const uint32_t pair = *reinterpret_cast<const uint32_t*>(witness + band * kBlockTokens + 8 * j + 2 * cq);
             c_bound[j][0] += wgt * fp16_bits_to_float(pair & 0xffffu);
             c_bound[j][1] += wgt * fp16_bits_to_float(pair >> 16);
           }
@@ -692,7 +803,12 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
       for (int e = 0; e < 2; ++e) {
         prob[j][e] = s[j][e] == -INFINITY ? 0.f : exp2f(s[j][e] - m_new);
         l_add += prob[j][e];
-        if constexpr (kMeter) d_add += prob[j][e] == 0.f ? 0.f : prob[j][e] * expm1f(c_bound[j][e]);
+        // p (e^c - 1): as a product while e^c is small, else as one exponential (e^c alone
+        // would overflow float long before the product does).
+        if constexpr (kMeter)
+          if (prob[j][e] != 0.f)
+            d_add += c_bound[j][e] < 8.f ? prob[j][e] * expm1f(c_bound[j][e])
+                                         : exp2f(s[j][e] - m_new + c_bound[j][e] * kLog2e) - prob[j][e];
       }
     l_run = l_run * rescale + l_add;
     if constexpr (kMeter) d_run = d_run * rescale + d_add;
@@ -709,12 +825,20 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
 #pragma unroll
     for (int pp = 0; pp < D / 16; ++pp) {
       uint32_t r[4];
-      ldsm_x4_trans(r, &tiles.v[vt_token][16 * pp + vt_dim]);
+      ldsm_x4_trans(r, &tile_v[vt_token][16 * pp + vt_dim]);
       mma16816<kHalf>(o_acc[2 * pp], pa0, pa1, r[0], r[1]);
       mma16816<kHalf>(o_acc[2 * pp + 1], pa0, pa1, r[2], r[3]);
     }
     __syncwarp();
+    if constexpr (F == PageFormat::kBf16) {
+      if (i + 2 < n_mine) {
+        stage_page<D, F>(a, true, knext, st, lane, tiles);
+        stage_page<D, F>(a, false, vnext, st, lane, tiles);
+      }
+      cp_async_commit();
+    }
   }
+  cp_async_wait<0>();
   if (corrupt != 0 && lane == 0) atomicAdd(a.error_word, corrupt);
 
   // Row sums over the quad, then the 4 warps merge in shared memory.
@@ -821,7 +945,7 @@ CudaStatus launch(const PagedDecodeParams& p, int n_splits) {
   SplitArgs a{p, n_splits, reinterpret_cast<float*>(base + w.mld), reinterpret_cast<float*>(base + w.o),
               reinterpret_cast<unsigned int*>(base + w.error_word)};
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
-  const size_t smem = sizeof(CtaShared<D, F == PageFormat::kDither8>);
+  const size_t smem = sizeof(CtaShared<D, F>);
   static bool configured = false;  // per instantiation
   if (!configured) {
     const cudaError_t e =
@@ -944,13 +1068,56 @@ CudaStatus check(const PagedDecodeParams& p) {
   return {};
 }
 
+namespace {
+
+template <int D, PageFormat F, bool kWithMeter>
+int resident_ctas() {
+  int n = 0;
+  const size_t smem = sizeof(CtaShared<D, F>);
+  if (cudaFuncSetAttribute(split_kernel<D, F, kWithMeter>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) !=
+          cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, split_kernel<D, F, kWithMeter>, kThreads, smem) != cudaSuccess) {
+    cudaGetLastError();
+    return 2;
+  }
+  return std::max(1, n);
+}
+
+template <int D>
+int resident_ctas_of(const PagedDecodeParams& p) {
+  const bool meter = p.meter != nullptr || p.a_minus_1 != nullptr;
+  switch (p.format) {
+    case PageFormat::kBf16: return resident_ctas<D, PageFormat::kBf16, false>();
+    case PageFormat::kGaacBf16: return resident_ctas<D, PageFormat::kGaacBf16, false>();
+    case PageFormat::kGaacE5M2: return resident_ctas<D, PageFormat::kGaacE5M2, false>();
+    case PageFormat::kFp8E4M3:
+      return meter ? resident_ctas<D, PageFormat::kFp8E4M3, true>() : resident_ctas<D, PageFormat::kFp8E4M3, false>();
+    case PageFormat::kFp8E5M2:
+      return meter ? resident_ctas<D, PageFormat::kFp8E5M2, true>() : resident_ctas<D, PageFormat::kFp8E5M2, false>();
+    case PageFormat::kDither8:
+      return meter ? resident_ctas<D, PageFormat::kDither8, true>() : resident_ctas<D, PageFormat::kDither8, false>();
+  }
+  return 2;
+}
+
+// CTAs of the split kernel one multiprocessor holds at once (registers, shared memory).
+int resident_ctas_per_sm(const PagedDecodeParams& p) {
+  if (p.head_dim != 64 && p.head_dim != 128) return 2;
+  return p.head_dim == 64 ? resident_ctas_of<64>(p) : resident_ctas_of<128>(p);
+}
+
+}  // namespace
+
 int choose_splits(const PagedDecodeParams& p) {
   int sms = 132;
   int device = 0;
   if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   const int64_t blocks = (p.max_seq_len + kBlockTokens - 1) / kBlockTokens;
   const int64_t ctas_per_split = int64_t(std::max(1, p.batch)) * std::max(1, p.n_kv_heads);
-  int64_t splits = (int64_t(sms) * 4 + ctas_per_split - 1) / ctas_per_split;
+  // One full wave of resident CTAs (a second, partial wave would leave multiprocessors idle).
+  const int64_t resident = int64_t(sms) * resident_ctas_per_sm(p);
+  int64_t splits = std::max<int64_t>(1, resident / ctas_per_split);
+  if (ctas_per_split >= resident) splits = 1;
   splits = std::min<int64_t>(splits, std::max<int64_t>(1, blocks / (2 * kWarps)));
   return int(std::max<int64_t>(1, std::min<int64_t>(splits, 65535)));
 }
