@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "format/dither8_generator.h"
 #include "format/fp8.h"
 #include "format/numeric.h"
 
@@ -386,7 +387,7 @@ void decode_dither8(const LossyPageSpec& spec, const Geometry& g, uint32_t page_
     const uint64_t counter = dither8_counter(g, page_slot, t);
     for (int c = 0; c < g.d; ++c) {
       const float s = fp16_to_float(load_u16(rec + g.d + 2 * size_t(c / kQuantGroup)));
-      // q - xi is exact in float (a multiple of 2^-17 below 128 in magnitude).
+      // q - xi is exact in float (a multiple of 2^-9 below 127.5 in magnitude).
       row[c] = s * (float(int8_t(rec[c])) - dither8_xi(spec.dither_key, counter, c));
     }
     const uint8_t* outliers = rec + g.d + 2 * size_t(g.groups);
@@ -697,20 +698,22 @@ void lossy_decode_page(const LossyPageSpec& spec, uint32_t page_slot, const uint
     case LossyScheme::kDither8:
       break;
   }
-  // decode_dither8 with the generator unrolled: one 64-bit hash per four channels (dither8_xi
-  // computes the same hash for each of them) and one scale per group; the same floats.
+  // decode_dither8 with the generator unrolled: the row seed once per row and one 32-bit word
+  // per four channels (dither8_xi recomputes both for every channel), one scale per group; the
+  // same floats. The word loop and the xi loop are separate so that both vectorize; u of channel
+  // c is byte c of the little-endian words (dither8_u).
   const size_t record = dither8_record_bytes(g);
+  uint32_t words[kMaxHeadDim / 4];
+  uint8_t u[kMaxHeadDim];
   float xi[kMaxHeadDim];
   for (int t = 0; t < g.bt; ++t) {
     const uint8_t* rec = page + size_t(t) * record;
     float* row = out + size_t(t) * g.d;
-    const uint64_t word0 = dither8_counter(g, page_slot, t) * uint64_t(kMaxHeadDim / 4);
-    for (int c = 0; c < g.d; c += 4) {
-      const uint64_t h64 =
-          splitmix64_mix(splitmix64_mix(word0 + uint64_t(c / 4) + kGolden) ^ spec.dither_key);
-      for (int i = 0; i < 4; ++i)
-        xi[c + i] = (float(uint32_t(h64 >> (16 * i)) & 0xffffu) + 0.5f) / 65536.0f - 0.5f;
-    }
+    const uint32_t row_seed =
+        format::dither8_row_seed(spec.dither_key, dither8_counter(g, page_slot, t));
+    for (int w = 0; w < g.d / 4; ++w) words[w] = format::dither8_word(row_seed, w);
+    std::memcpy(u, words, size_t(g.d));
+    for (int c = 0; c < g.d; ++c) xi[c] = (float(u[c]) + 0.5f) / 256.0f - 0.5f;
     for (int grp = 0; grp < g.groups; ++grp) {
       const float s = fp16_to_float(load_u16(rec + g.d + 2 * size_t(grp)));
       const int c0 = grp * kQuantGroup;
@@ -801,12 +804,10 @@ float dither8_xi(uint64_t key, uint64_t counter, int channel) {
     fail(StatusCode::kInvalidArgument, "dither8_xi: channel " + std::to_string(channel) +
                                            " is outside [0, " + std::to_string(kMaxHeadDim) + ")");
   }
-  // One 64-bit hash per counter and group of four channels (at most 64 groups in a row of
-  // head_dim <= 256); its four 16-bit quarters serve channels 4i .. 4i + 3.
-  const uint64_t word = counter * uint64_t(kMaxHeadDim / 4) + uint64_t(channel / 4);
-  const uint64_t h64 = splitmix64_mix(splitmix64_mix(word + kGolden) ^ key);
-  const uint32_t h = uint32_t(h64 >> (16 * (channel % 4))) & 0xffffu;
-  return (float(h) + 0.5f) / 65536.0f - 0.5f;
+  // One seed per row, one 32-bit word per four channels, 8 bits per channel
+  // (format/dither8_generator.h).
+  const uint32_t word = format::dither8_word(format::dither8_row_seed(key, counter), channel / 4);
+  return (float(format::dither8_u(word, channel)) + 0.5f) / 256.0f - 0.5f;
 }
 
 uint64_t dither8_key(int layer, bool key_tensor, int kv_head) {

@@ -100,8 +100,8 @@ bool lossy_encode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const 
 void lossy_decode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const uint8_t* page,
                            float* out);
 
-// The same floats as lossy_decode_page_ref, faster (dither8 regenerates one hash per four
-// channels); what attention reads. out: [block_tokens][head_dim] float.
+// The same floats as lossy_decode_page_ref, faster (dither8 derives the row seed once per row and
+// one 32-bit word per four channels); what attention reads. out: [block_tokens][head_dim] float.
 void lossy_decode_page(const LossyPageSpec& spec, uint32_t page_slot, const uint8_t* page,
                        float* out);
 
@@ -118,17 +118,23 @@ void dither8_scales(const LossyPageSpec& spec, const uint8_t* page, float* scale
 // |r_c| <= s_c (1/2 + kDither8Slack) on every channel. out: [block_tokens].
 void dither8_value_rho(const LossyPageSpec& spec, const uint8_t* page, float* rho);
 
-// The dither generator: xi in (-1/2, 1/2) on the grid of 2^16 cell centres,
-//   xi = (h + 1/2) / 2^16 - 1/2,  h = 16 bits of a counter-based hash of (key, counter, channel),
-// so it is exact in float and symmetric with mean zero. See docs/format/dither8.md.
-// REQUIRES: counter < 2^58, 0 <= channel < 256 (certkv::Error otherwise).
+// The dither generator, scalar reference of format/dither8_generator.h: xi in (-1/2, 1/2) on the
+// grid of 2^8 cell centres,
+//   xi = (u + 1/2) / 2^8 - 1/2,  u = dither8_u(dither8_word(dither8_row_seed(key, counter),
+//                                                            channel / 4), channel),
+// 8 bits of one 32-bit hash per four channels of a row, so it is an odd multiple of 2^-9, exact
+// in float and fp16, and the grid is symmetric with mean zero. See docs/format/dither8.md.
+// counter = page_slot * block_tokens + row (below 2^44).
+// REQUIRES: 0 <= channel < 256 (certkv::Error otherwise).
 float dither8_xi(uint64_t key, uint64_t counter, int channel);
 // The generator key of (layer, K or V, kv_head).
 uint64_t dither8_key(int layer, bool key_tensor, int kv_head);
-// Per channel, the residual of the stored reconstruction differs from the ideal continuous
-// subtractive-dither residual s * e (e uniform on [-1/2, 1/2)) by a deterministic offset and float
-// rounding of at most s * kDither8Slack; the certificate adds it to its radius (docs/format/dither8.md).
-inline constexpr float kDither8Slack = 1.0f / 32768.0f;  // 2^-15
+// Per channel, the residual of the stored reconstruction is a centred term with the sub-Gaussian
+// proxy of the ideal continuous subtractive-dither residual s * e (e uniform on [-1/2, 1/2)) plus
+// a deterministic offset (the 256-cell dither's mean, at most 2^-9 s) and float rounding (below
+// 2^-17 s), together at most (2^-9 + 2^-17) s <= s * kDither8Slack (a factor ~2 to spare); the
+// certificate adds it to its radius (docs/format/dither8.md).
+inline constexpr float kDither8Slack = 1.0f / 256.0f;  // 2^-8
 
 // The m pairs with the largest max |x| over the rows (either channel of the pair), returned in
 // increasing pair order. x: [n_rows][head_dim] float. out: [m]. REQUIRES: 0 <= m <= head_dim / 2.

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "format/dither8_generator.h"
 #include "format/numeric.h"
 #include "format/safetensors.h"
 
@@ -479,7 +480,7 @@ int8_t code_at(const Dither8Page& p, int t, int c) {
 }
 
 // q is round(x / s + xi) exactly: s (q - 1/2 - xi) <= x <= s (q + 1/2 - xi). Each product is
-// exact in double (an fp16 scale times a multiple of 2^-17 below 128), so this check does not
+// exact in double (an fp16 scale times a multiple of 2^-9 below 128), so this check does not
 // share the encoder's arithmetic.
 bool code_is_nearest(double x, double s, int q, double xi) {
   return s * (q - 0.5 - xi) <= x && x <= s * (q + 0.5 - xi);
@@ -712,8 +713,28 @@ TEST(Dither8Contract, NormalizedResidualIsUniform) {
 
 // ---- the generator ----------------------------------------------------------------------------
 
-// Values frozen from an independent implementation of docs/format/dither8.md (splitmix64 in
-// Python): a change here changes every stored dither8 page.
+// Values frozen from an independent implementation of docs/format/dither8.md, these lines of
+// Python 3 (run once; the test compares with their output):
+//   M32, M64 = 2**32 - 1, 2**64 - 1
+//   def mix(z):
+//       z = ((z ^ (z >> 30)) * 0xbf58476d1ce4e5b9) & M64
+//       z = ((z ^ (z >> 27)) * 0x94d049bb133111eb) & M64
+//       return z ^ (z >> 31)
+//   def key(layer, is_key, head):
+//       return mix((((layer << 32) | (head << 1) | is_key) + 0x9e3779b97f4a7c15) & M64)
+//   def fmix32(h):
+//       h ^= h >> 16; h = (h * 0x85ebca6b) & M32
+//       h ^= h >> 13; h = (h * 0xc2b2ae35) & M32
+//       return h ^ (h >> 16)
+//   def row_seed(k, n): return fmix32(fmix32((n & M32) ^ (k >> 32)) ^ (n >> 32) ^ (k & M32))
+//   def word(seed, w): return fmix32((seed + w * 0x9e3779b9) & M32)
+//   def u(k, n, c): return (word(row_seed(k, n), c // 4) >> (8 * (c % 4))) & 0xff
+// fmix32(1) = 0x514e28b7 is also the published MurmurHash3 finalizer value. A change here changes
+// every stored dither8 page.
+static_assert(format::dither8_fmix32(0) == 0u);
+static_assert(format::dither8_fmix32(1) == 0x514e28b7u);
+static_assert(format::dither8_fmix32(0xdeadbeefu) == 0x0de5c6a9u);
+
 TEST(Dither8Generator, KnownAnswer) {
   EXPECT_EQ(dither8_key(0, true, 0), 0x910a2dec89025cc1ull);
   EXPECT_EQ(dither8_key(0, false, 0), 0xe220a8397b1dcdafull);
@@ -723,48 +744,80 @@ TEST(Dither8Generator, KnownAnswer) {
   struct Case {
     uint64_t counter;
     int channel;
-    uint32_t h;
+    uint32_t row_seed, word, u;
   };
-  const Case cases[] = {{0, 0, 0x3b7d}, {0, 1, 0x933e},    {0, 2, 0x29b4},          {0, 3, 0x835b},
-                        {0, 4, 0xc770}, {17, 100, 0xe1a7}, {123456789, 255, 0xea95}};
+  const Case cases[] = {
+      {0, 0, 0x352654f8, 0x9ccd954f, 79},
+      {0, 1, 0x352654f8, 0x9ccd954f, 149},
+      {0, 2, 0x352654f8, 0x9ccd954f, 205},
+      {0, 3, 0x352654f8, 0x9ccd954f, 156},
+      {0, 4, 0x352654f8, 0x3be57a68, 104},
+      {17, 100, 0xe9ca3b9d, 0xa8209731, 49},
+      {123456789, 255, 0x357429c0, 0x893639f5, 137},
+      {(1ull << 40) + 3, 37, 0x1c7770ee, 0x0ec98a08, 138},             // counter above 2^32
+      {(1ull << 57) + (1ull << 33) + 5, 130, 0x36f8677b, 0xe92188d2, 33},  // high word enters
+  };
   for (const Case& c : cases) {
-    EXPECT_EQ(dither8_xi(key, c.counter, c.channel), float((c.h + 0.5) / 65536.0 - 0.5))
+    EXPECT_EQ(format::dither8_row_seed(key, c.counter), c.row_seed) << c.counter;
+    EXPECT_EQ(format::dither8_word(c.row_seed, c.channel / 4), c.word)
+        << c.counter << " " << c.channel;
+    EXPECT_EQ(format::dither8_u(c.word, c.channel), c.u) << c.counter << " " << c.channel;
+    EXPECT_EQ(dither8_xi(key, c.counter, c.channel), float((c.u + 0.5) / 256.0 - 0.5))
         << c.counter << " " << c.channel;
   }
 }
 
-// Values lie on the 2^16 cell centres inside (-1/2, 1/2), symmetric about 0; their mean is 0
-// and their histogram flat (chi-square over 256 bins of the high byte, of the low byte, and of
-// pairs of neighbouring channels and counters); the threshold 415 is where chi-square with 255
-// degrees of freedom has tail probability about 1e-9 (Wilson-Hilferty, z = 6).
+// Values lie on the 2^8 cell centres (u + 1/2) / 256 - 1/2 inside (-1/2, 1/2), odd multiples of
+// 2^-9 that fp16 holds exactly, symmetric about 0; the grid's mean over all u is exactly 0 and the
+// sample mean is 0 within 6 standard errors; the histograms are flat (chi-square over 256 bins:
+// of u, and of the high nibbles of pairs of neighbouring channels of one word, of channels in
+// neighbouring words, and of neighbouring counters); the threshold 415 is where chi-square with
+// 255 degrees of freedom has tail probability about 1e-9 (Wilson-Hilferty, z = 6).
 TEST(Dither8Generator, UniformOnTheCellCentres) {
+  // The grid itself: exact in fp16, symmetric, mean exactly 0.
+  double grid_sum = 0.0;
+  int grid_bad = 0;
+  for (int u = 0; u < 256; ++u) {
+    const float xi = (float(u) + 0.5f) / 256.0f - 0.5f;
+    const float mirror = (float(255 - u) + 0.5f) / 256.0f - 0.5f;
+    grid_bad += double(xi) != (u + 0.5) / 256.0 - 0.5;
+    grid_bad += fp16_to_float(format::float_to_fp16(xi)) != xi;
+    grid_bad += mirror != -xi;
+    grid_sum += xi;
+  }
+  EXPECT_EQ(grid_bad, 0);
+  EXPECT_EQ(grid_sum, 0.0);
+
   const uint64_t key = dither8_key(7, false, 3);
   constexpr int kCounters = 1 << 12, kChannels = 256;
-  std::vector<double> hist_high(256, 0), hist_low(256, 0), hist_channels(256, 0),
+  std::vector<double> hist_u(256, 0), hist_channels(256, 0), hist_words(256, 0),
       hist_counters(256, 0);
   double sum = 0.0;
   int off_grid = 0;
-  auto cell = [](float xi) { return double(xi) * 65536.0 + 32767.5; };  // h, from xi
+  auto cell = [](float xi) { return double(xi) * 256.0 + 127.5; };  // u, from xi
   for (int n = 0; n < kCounters; ++n) {
     for (int c = 0; c < kChannels; ++c) {
       const float xi = dither8_xi(key, uint64_t(n), c);
       ASSERT_GT(xi, -0.5f);
       ASSERT_LT(xi, 0.5f);
-      const double h = cell(xi);
-      off_grid += h != std::floor(h) || h < 0 || h > 65535;
-      // -xi is the cell centre of 65535 - h: the grid is symmetric.
-      off_grid += cell(-xi) != 65535.0 - h;
+      const double u = cell(xi);
+      off_grid += u != std::floor(u) || u < 0 || u > 255;
+      // -xi is the cell centre of 255 - u: the grid is symmetric.
+      off_grid += cell(-xi) != 255.0 - u;
       sum += xi;
-      const int hi = int(h);
-      hist_high[size_t(hi >> 8)] += 1;
-      hist_low[size_t(hi & 255)] += 1;
-      if (c % 2 == 0) {
+      const int ui = int(u);
+      hist_u[size_t(ui)] += 1;
+      if (c % 2 == 0) {  // c and c + 1 share a word
         const int next = int(cell(dither8_xi(key, uint64_t(n), c + 1)));
-        hist_channels[size_t((hi >> 12) * 16 + (next >> 12))] += 1;
+        hist_channels[size_t((ui >> 4) * 16 + (next >> 4))] += 1;
+      }
+      if (c % 8 < 4) {  // c and c + 4 lie in neighbouring words
+        const int next = int(cell(dither8_xi(key, uint64_t(n), c + 4)));
+        hist_words[size_t((ui >> 4) * 16 + (next >> 4))] += 1;
       }
       if (n % 2 == 0) {
         const int next = int(cell(dither8_xi(key, uint64_t(n) + 1, c)));
-        hist_counters[size_t((hi >> 12) * 16 + (next >> 12))] += 1;
+        hist_counters[size_t((ui >> 4) * 16 + (next >> 4))] += 1;
       }
     }
   }
@@ -778,14 +831,42 @@ TEST(Dither8Generator, UniformOnTheCellCentres) {
     for (double v : hist) chi += (v - expected) * (v - expected) / expected;
     return chi;
   };
-  EXPECT_LT(chi_square(hist_high), 415.0);
-  EXPECT_LT(chi_square(hist_low), 415.0);
+  EXPECT_LT(chi_square(hist_u), 415.0);
   EXPECT_LT(chi_square(hist_channels), 415.0);
+  EXPECT_LT(chi_square(hist_words), 415.0);
   EXPECT_LT(chi_square(hist_counters), 415.0);
   // A flat histogram also fails a generator that is constant: the test can fail.
   std::vector<double> constant(256, 0);
   constant[3] = n;
   EXPECT_GT(chi_square(constant), 415.0);
+}
+
+// One word serves four channels: its bytes 0..3 are the u of channels 4w .. 4w + 3 (so byte c of
+// the row's words stored little-endian is u_c), and the 64 words of one row are distinct (the
+// finalizer is a bijection on distinct inputs), for thousands of random keys and counters.
+TEST(Dither8Generator, WordBytesServeFourChannelsAndRowWordsAreDistinct) {
+  std::mt19937_64 rng(20240917);
+  constexpr int kRows = 4000, kWords = 64;
+  int byte_mismatches = 0, rows_with_repeats = 0;
+  for (int r = 0; r < kRows; ++r) {
+    const uint64_t key = rng();
+    const uint64_t counter = rng() >> (r % 2 == 0 ? 20 : 0);  // below 2^44, and any 64 bits
+    const uint32_t row_seed = format::dither8_row_seed(key, counter);
+    uint32_t words[kWords];
+    for (int w = 0; w < kWords; ++w) words[w] = format::dither8_word(row_seed, w);
+    uint8_t bytes[4 * kWords];
+    std::memcpy(bytes, words, sizeof(bytes));
+    for (int c = 0; c < 4 * kWords; ++c) {
+      const uint32_t u = (words[c / 4] >> (8 * (c % 4))) & 0xffu;
+      byte_mismatches += format::dither8_u(words[c / 4], c) != u;
+      byte_mismatches += bytes[c] != u;
+      byte_mismatches += dither8_xi(key, counter, c) != float((u + 0.5) / 256.0 - 0.5);
+    }
+    std::sort(words, words + kWords);
+    rows_with_repeats += std::adjacent_find(words, words + kWords) != words + kWords;
+  }
+  EXPECT_EQ(byte_mismatches, 0);
+  EXPECT_EQ(rows_with_repeats, 0);
 }
 
 // ---- bad input ------------------------------------------------------------------------------
