@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The H200 decode benchmark in one device command: certkv's formats and the peers (torch SDPA,
+# FlashInfer) over the same real KV, in one run. Prepare here first:
+#   bash scripts/run_cuda_tests.sh                          # .devbin/ binaries
+#   certkv dump-kv --model models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --text-file BOOK \
+#       --tokens 4096 --layers 2,5,8,11,14,17,20,23 --out D.safetensors   (melville; austen-emma for CAL)
+#   python3 scripts/make_bench_kv.py D.safetensors .benchkv/kv.safetensors   (and .benchkv/calib.safetensors)
+#   the FlashInfer payload in .peers/ (bench/peers_setup.sh says how)
+# Then on the device (carry .devbin .benchkv .peers): bash scripts/cuda_bench.sh $OUT
+# and here: python3 scripts/cuda_bench_summary.py OUT/certkv.jsonl OUT/peers.jsonl --commit SHA \
+#   --json docs/bench/h200_decode.json --plot docs/bench/h200_decode.png
+set -uo pipefail
+out=${1:?usage: cuda_bench.sh OUT_DIR}
+.devbin/certkv_cuda_decode_bench --kv .benchkv/kv.safetensors --calib .benchkv/calib.safetensors \
+  --out "$out/certkv.jsonl" --reps 7 --iters 10 2>&1 | tee "$out/certkv.log"
+source bench/peers_setup.sh > "$out/peers_setup.log" 2>&1
+PYTHONUNBUFFERED=1 python3 bench/decode_peers.py --kv .benchkv/kv.safetensors --out "$out/peers.jsonl" \
+  --peers sdpa,flashinfer_bf16_tc,flashinfer_fp8_tc,flashinfer_bf16 2>&1 | tee "$out/peers.log"
