@@ -814,9 +814,9 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
     if constexpr (kMeter) d_run = d_run * rescale + d_add;
     m_run = m_new;
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      o_acc[i][0] *= rescale;
-      o_acc[i][1] *= rescale;
+    for (int nt = 0; nt < D / 8; ++nt) {
+      o_acc[nt][0] *= rescale;
+      o_acc[nt][1] *= rescale;
     }
     const uint32_t pa0 = pack2<kHalf>(prob[0][0], prob[0][1]);
     const uint32_t pa1 = pack2<kHalf>(prob[1][0], prob[1][1]);
