@@ -1072,15 +1072,20 @@ namespace {
 
 template <int D, PageFormat F, bool kWithMeter>
 int resident_ctas() {
-  int n = 0;
-  const size_t smem = sizeof(CtaShared<D, F>);
-  if (cudaFuncSetAttribute(split_kernel<D, F, kWithMeter>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) !=
-          cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, split_kernel<D, F, kWithMeter>, kThreads, smem) != cudaSuccess) {
-    cudaGetLastError();
-    return 2;
-  }
-  return std::max(1, n);
+  // Asked once per kernel instantiation: every launch plans its splits with it.
+  static const int resident = [] {
+    int n = 0;
+    const size_t smem = sizeof(CtaShared<D, F>);
+    if (cudaFuncSetAttribute(split_kernel<D, F, kWithMeter>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int(smem)) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, split_kernel<D, F, kWithMeter>, kThreads, smem) !=
+            cudaSuccess) {
+      cudaGetLastError();
+      return 2;
+    }
+    return std::max(1, n);
+  }();
+  return resident;
 }
 
 template <int D>
