@@ -22,6 +22,10 @@ constexpr int kBlockTokens = 16;
 constexpr int kMaxGroup = 8;  // query heads of one KV head: rows 0..7 of the m16 tile
 constexpr int kBands = 16;    // Tier A witness bands (codec::kWitnessBands)
 constexpr int kQuantGroup = 32;
+// GAAC bases are kept in shared memory shifted to the exponent field of the tile element: bf16
+// (bits 7..14) and fp16 holding an E5M2 value (bits 10..14).
+constexpr int kGaacBf16BaseShift = 7;
+constexpr int kGaacE5M2BaseShift = 10;
 constexpr float kLog2e = 1.4426950408889634f;
 // The dither8 deterministic remainder per channel, in steps (codec::kDither8Slack, 2^-8).
 constexpr double kDither8Slack = 1.0 / 256.0;
@@ -30,22 +34,28 @@ constexpr double kDither8Slack = 1.0 / 256.0;
 // Tensor-core and shared-memory primitives.
 
 template <bool kHalf>
-__device__ inline void mma16816(float (&c)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-  // A rows 8..15 are zero (at most 8 query heads), so a1 = a3 = 0.
-  const uint32_t zero = 0;
+__device__ inline void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   if constexpr (kHalf) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(zero), "r"(a2), "r"(zero), "r"(b0), "r"(b1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   } else {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(zero), "r"(a2), "r"(zero), "r"(b0), "r"(b1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+}
+
+// The transpose of an 8 x 8 matrix of 16-bit elements held in the accumulator layout (lane l:
+// row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1).
+__device__ inline uint32_t transpose8x8(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
 }
 
 __device__ inline void ldsm_x4(uint32_t (&r)[4], const void* p) {
@@ -86,6 +96,19 @@ __device__ inline float fp16_bits_to_float(uint32_t bits) {
 }
 
 
+// The meter's term p (e^c - 1) of one (head, token), c >= 0, never below the exact value by more
+// than the 2^-12 lift of A - 1 covers (docs/cuda.md). Below c = 1/4 a degree-5 upper bound:
+// e^c - 1 - sum_{k=1..4} c^k / k! = c^5 sum_j c^j / (j + 5)! <= c^5 e^c / 120 <= 0.0107003 c^5 (the
+// coefficients rounded up, all terms positive, relative rounding error below 2^-20; it exceeds
+// e^c - 1 by at most 10^-5 relative); then one exponential: e^c - 1 >= 0.28, so the subtraction
+// loses at most a factor 4.6 of its relative error; from c = 8 as one exponential of
+// log2 p + c log2 e (p e^c alone would overflow float long before the product does).
+__device__ inline float meter_term(float p, float c, float log2_p) {
+  if (c < 0.25f) return p * (c * (1.f + c * (0.5f + c * (1.f / 6.f + c * (1.f / 24.f + c * 0.0107003f)))));
+  if (c < 8.f) return p * (exp2f(c * kLog2e) - 1.f);
+  return exp2f(log2_p + c * kLog2e) - p;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Shared memory of one CTA.
 
@@ -107,31 +130,33 @@ __host__ __device__ constexpr int stage_bytes(bool key) {
   return (n + 15) / 16 * 16;
 }
 
-// One warp's shared memory: two stages (the page pair in flight and the one being used) and the
-// decoded tiles. Tile rows are D + 8 u16 long: 16 bytes of padding, so the 8 rows of an ldmatrix
+// One warp's shared memory: one stage (the page pair in flight) and the decoded tiles; the copies
+// of page i + 1 land while page i is used, and the other warps of the multiprocessor hide the rest. Tile rows are D + 8 u16 long: 16 bytes of padding, so the 8 rows of an ldmatrix
 // phase fall in 8 distinct bank groups.
 template <int D, PageFormat F>
 struct Tiles {
-  alignas(16) uint8_t stage_k[2][stage_bytes<D, F>(true)];
-  alignas(16) uint8_t stage_v[2][stage_bytes<D, F>(false)];
+  alignas(16) uint8_t stage_k[1][stage_bytes<D, F>(true)];
+  alignas(16) uint8_t stage_v[1][stage_bytes<D, F>(false)];
   alignas(16) uint16_t k[kBlockTokens][D + 8];
   alignas(16) uint16_t v[kBlockTokens][D + 8];
-  alignas(16) uint16_t witness[kBands * kBlockTokens];  // fp8 K pages: the Tier A witness, band-major
+  // fp8 K pages: the Tier A witness, band-major (one unused row for the other formats).
+  alignas(16) uint16_t witness[F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2 ? kBands : 1][kBlockTokens + 8];
 };
 
 template <int D>
-struct Tiles<D, PageFormat::kBf16> {  // the stages are the tiles
+struct Tiles<D, PageFormat::kBf16> {  // two stages, and they are the tiles
   alignas(16) uint16_t k[2][kBlockTokens][D + 8];
   alignas(16) uint16_t v[2][kBlockTokens][D + 8];
 };
 
 template <int D>
 struct Tiles<D, PageFormat::kDither8> {
-  alignas(16) uint8_t stage_k[2][stage_bytes<D, PageFormat::kDither8>(true)];
-  alignas(16) uint8_t stage_v[2][stage_bytes<D, PageFormat::kDither8>(false)];
+  alignas(16) uint8_t stage_k[1][stage_bytes<D, PageFormat::kDither8>(true)];
+  alignas(16) uint8_t stage_v[1][stage_bytes<D, PageFormat::kDither8>(false)];
   alignas(16) uint16_t k[kBlockTokens][D + 8];  // integer codes (fp16, exact)
-  alignas(16) uint16_t v[kBlockTokens][D + 8];
-  alignas(16) uint16_t w[kBlockTokens][D + 8];  // u - 128 of each K element (fp16, exact; 0 on outliers)
+  // u - 128 of each K element (fp16, exact; 0 on outliers) for the scores; then the values,
+  // decoded once the scores are done.
+  alignas(16) uint16_t w[kBlockTokens][D + 8];
   float scale[kBlockTokens][D / kQuantGroup];
   float outlier[kBlockTokens][2 * kMaxDeviceOutlierPairs];
 };
@@ -152,7 +177,8 @@ struct CtaShared {
   float weight[kMaxGroup][kBands];        // Tier A: |sm| ||q_b||; Tier B: sm^2 sum q^2/12 * 2 log(2S/delta)
   float abs_weight[kMaxGroup][kBands];    // Tier B: |sm| slack sum |q_c|
   float dither_offset[kMaxGroup][D / kQuantGroup];  // dither8: (1/2)/256 sum_{c in g} q_c
-  uint16_t base7[2][2][D];                // GAAC: (b3, b4) << 7 of K and V channels
+  uint16_t base7[2][2][D];                // GAAC: (b3, b4) << the element's exponent shift, K and V
+  uint32_t nibble_bit3[256];              // GAAC bf16: nibble_bit3_of(e)
   int32_t outlier_channels[2 * kMaxDeviceOutlierPairs];
   union {
     Tiles<D, F> tiles[kWarps];
@@ -245,13 +271,31 @@ __device__ inline uint32_t bits24(const uint32_t (&w)[N], int bit) {
   return __funnelshift_r(w[i], hi, s) & 0xffffffu;
 }
 
+// Eight 3-bit codes (bits 3i .. 3i + 2) to the low 3 bits of eight nibbles (bits 4i ..): three
+// steps that each move the upper part of every field up (x + (x & mask) (2^s - 1) adds the moved
+// copy and removes the original, with no carries since the fields never overlap).
+__device__ inline uint32_t spread_codes_to_nibbles(uint32_t x) {
+  x += (x & 0x00fff000u) * 15u;    // codes 4..7 up 4 bits: 12-bit halves at bits 0 and 16
+  x += (x & 0x0fc00fc0u) * 3u;     // codes 2, 3 (and 6, 7) up 2 bits: 6-bit quarters at 0, 8, 16, 24
+  x += (x & 0x38383838u);          // odd codes up 1 bit
+  return x;
+}
+
+// nibble_bit3[e]: bit i of the byte e moved to bit 4i + 3 (the escape bit of a 4-bit GAAC group
+// above each element's 3-bit code).
+__host__ __device__ constexpr uint32_t nibble_bit3_of(uint32_t e) {
+  uint32_t x = 0;
+  for (int i = 0; i < 8; ++i) x |= ((e >> i) & 1u) << (4 * i + 3);
+  return x;
+}
+
 // A GAAC slot (one tile: D <= 128). Lane l owns the D/16 consecutive groups l * D/16 ... of the
 // page, which are exactly its token-half. kElement: bf16 or e5m2 (written as fp16).
 // slot: the slot's fixed part; escape_slot: the slot whose escape area the 4-bit and raw groups
 // read (both the staged copy in shared memory).
 template <int D, format::GaacElement kElement>
 __device__ inline bool decode_gaac_row(const uint8_t* slot, const uint8_t* escape_slot, int64_t escape_capacity,
-                                       int lane, const uint16_t* base7, uint16_t* row) {
+                                       int lane, const uint16_t* base7, const uint32_t* nibble_bit3, uint16_t* row) {
   using namespace format;
   constexpr int NG = D / 16;  // groups per lane
   constexpr int kGroups = kBlockTokens * D / 8;
@@ -262,26 +306,31 @@ __device__ inline bool decode_gaac_row(const uint8_t* slot, const uint8_t* escap
   constexpr int kRawEscape = gaac_mode_escape_bytes(kElement, kGaacModeRaw);
   static_assert(kGroups / 32 == NG, "one token-half per lane");
 
-  // Tags of the lane's groups: NG * 2 bits.
+  // Tags of the lane's groups: NG * 2 bits. A page whose groups are all 3-bit (the common case)
+  // needs no escape offsets; otherwise the escape bytes before each lane are scanned.
   const uint8_t* tag_ptr = slot + kTagOffset + size_t(lane) * (NG / 4);
   const uint32_t tags = NG == 8 ? uint32_t(*reinterpret_cast<const uint16_t*>(tag_ptr)) : uint32_t(*tag_ptr);
-  int esc = 0;
-  bool bad = false;
+  const bool any_escape = __any_sync(0xffffffffu, tags != 0);
+  int before = 0;
+  if (any_escape) {
+    int esc = 0;
+    bool bad = false;
 #pragma unroll
-  for (int j = 0; j < NG; ++j) {
-    const uint32_t mode = (tags >> (2 * j)) & 3u;
-    bad |= !gaac_mode_valid(kElement, uint8_t(mode));
-    esc += mode == kGaacMode4Bit ? 1 : mode == kGaacModeRaw ? kRawEscape : 0;
-  }
-  int before = esc;  // inclusive scan of escape bytes over lanes (page group order)
+    for (int j = 0; j < NG; ++j) {
+      const uint32_t mode = (tags >> (2 * j)) & 3u;
+      bad |= !gaac_mode_valid(kElement, uint8_t(mode));
+      esc += mode == kGaacMode4Bit ? 1 : mode == kGaacModeRaw ? kRawEscape : 0;
+    }
+    before = esc;  // inclusive scan of escape bytes over lanes (page group order)
 #pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, before, o);
-    if (lane >= o) before += y;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, before, o);
+      if (lane >= o) before += y;
+    }
+    const int total = __shfl_sync(0xffffffffu, before, 31);
+    before -= esc;
+    if (__any_sync(0xffffffffu, bad) || total > escape_capacity) return false;
   }
-  const int total = __shfl_sync(0xffffffffu, before, 31);
-  before -= esc;
-  if (__any_sync(0xffffffffu, bad) || total > escape_capacity) return false;
   const uint8_t* escapes = escape_slot + kEscapeOffset + before;
 
   constexpr int kCodeWords = NG * 3 / 4;
@@ -298,38 +347,48 @@ __device__ inline bool decode_gaac_row(const uint8_t* slot, const uint8_t* escap
 #pragma unroll
     for (int j = 0; j < NG; ++j) {
       const uint32_t mode = (tags >> (2 * j)) & 3u;
-      const uint32_t c24 = bits24(codes, 24 * j);
       const uint32_t sm_lo = (j & 1) ? sm[j / 2].z : sm[j / 2].x;
       const uint32_t sm_hi = (j & 1) ? sm[j / 2].w : sm[j / 2].y;
       const int c0 = (lane & 1) * (D / 2) + 8 * j;  // first channel of the group
-      // One branch-free path for every mode (groups of one warp mix modes): the escape bits above
-      // each 3-bit code (none; bit i of one byte; bits 5i .. 5i + 4 of five bytes) and the base
-      // (b3, b4 or 0) are chosen per group, the rest is the same integer arithmetic.
-      uint32_t ex_lo = 0, ex_hi = 0;
-      if (mode != kGaacMode3Bit) {
-        ex_lo = escapes[0];
-        if (mode == kGaacModeRaw) {
-          ex_lo |= (uint32_t(escapes[1]) << 8) | (uint32_t(escapes[2]) << 16) | (uint32_t(escapes[3]) << 24);
-          ex_hi = escapes[4];
-        }
-      }
-      escapes += mode == kGaacMode4Bit ? 1 : mode == kGaacModeRaw ? kRawEscape : 0;
-      const uint32_t width = mode == kGaacModeRaw ? 5u : 1u;
-      const uint32_t width_mask = (1u << width) - 1u;
-      const uint32_t* b = reinterpret_cast<const uint32_t*>(base7 + (mode == kGaacMode4Bit ? D : 0) + c0);
-      const uint32_t base_mask = mode == kGaacModeRaw ? 0u : 0xffffffffu;
+      // 3-bit and 4-bit groups on one path: each element's 4-bit offset (its 3-bit code, and the
+      // escape bit of a 4-bit group as bit 3) in a nibble of one word, the base b3 or b4 by mode.
+      const bool four = mode == kGaacMode4Bit;
+      const uint32_t escape_bits = four ? uint32_t(escapes[0]) : 0u;
+      const uint32_t nibbles = spread_codes_to_nibbles(bits24(codes, 24 * j)) | nibble_bit3[escape_bits];
+      const uint4 base = *reinterpret_cast<const uint4*>(base7 + (four ? D : 0) + c0);
+      const uint32_t bw[4] = {base.x, base.y, base.z, base.w};
       uint32_t out[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
+        // Elements 2k, 2k + 1 in the halves of one word: the sign+mantissa byte s m7 with its sign
+        // replicated into the byte above (PRMT), masked to s << 15 | m7; the offsets of the pair
+        // (byte k of the nibbles) times 2^7 + 2^19 land at bits 7..10 and 23..26 (the two shifted
+        // copies do not overlap); plus the base << 7: s | (base + offset) << 7 | m7.
         const uint32_t word = k < 2 ? sm_lo : sm_hi;
-        const int byte = 2 * (k & 1);
-        const uint32_t sm2 = __byte_perm(word, 0, 0x4040 | (byte << 0) | ((byte + 1) << 8));
-        const uint32_t sign_mant = (sm2 & 0x007f007fu) | ((sm2 & 0x00800080u) << 8);
-        const uint32_t high = __funnelshift_r(ex_lo, ex_hi, 2u * uint32_t(k) * width);
-        const uint32_t code2 = ((c24 >> (6 * k)) & 7u) | (((c24 >> (6 * k + 3)) & 7u) << 16) |
-                               ((high & width_mask) << 3) | (((high >> width) & width_mask) << 19);
-        out[k] = sign_mant + (code2 << 7) + (b[k] & base_mask);
+        const uint32_t byte = 2 * (k & 1);
+        const uint32_t sm2 = __byte_perm(word, 0, byte | ((byte | 8u) << 4) | ((byte + 1) << 8) | (((byte + 1) | 8u) << 12));
+        const uint32_t pair = __byte_perm(nibbles, 0, 0x4440u | uint32_t(k));
+        const uint32_t offsets = (pair * 0x00080080u) & 0x07800780u;
+        out[k] = ((sm2 & 0x807f807fu) | offsets) + bw[k];
       }
+      if (mode == kGaacModeRaw) {  // rare: 5 escape bits above each code, no base
+        uint32_t ex_lo = uint32_t(escapes[0]) | (uint32_t(escapes[1]) << 8) | (uint32_t(escapes[2]) << 16) |
+                         (uint32_t(escapes[3]) << 24);
+        const uint32_t ex_hi = escapes[4];
+        const uint32_t c24 = bits24(codes, 24 * j);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const uint32_t word = k < 2 ? sm_lo : sm_hi;
+          const int byte = 2 * (k & 1);
+          const uint32_t sm2 = __byte_perm(word, 0, 0x4040 | (byte << 0) | ((byte + 1) << 8));
+          const uint32_t signed_mant = (sm2 & 0x00800080u) * 255u + sm2;
+          const uint32_t high = __funnelshift_r(ex_lo, ex_hi, 10u * uint32_t(k));
+          const uint32_t code2 = ((c24 >> (6 * k)) & 7u) | (((c24 >> (6 * k + 3)) & 7u) << 16) |
+                                 ((high & 31u) << 3) | (((high >> 5) & 31u) << 19);
+          out[k] = signed_mant + (code2 << 7);
+        }
+      }
+      escapes += four ? 1 : mode == kGaacModeRaw ? kRawEscape : 0;
       *reinterpret_cast<uint4*>(row + c0) = make_uint4(out[0], out[1], out[2], out[3]);
     }
   } else {
@@ -347,27 +406,42 @@ __device__ inline bool decode_gaac_row(const uint8_t* slot, const uint8_t* escap
       const uint32_t c24 = bits24(codes, 24 * j);
       const uint32_t s24 = bits24(smw, 24 * j);
       const int c0 = (lane & 1) * (D / 2) + 8 * j;
-      uint32_t extra = 0;
-      if (mode == kGaacMode4Bit) extra = escapes[0];
-      else if (mode == kGaacModeRaw) extra = uint32_t(escapes[0]) | (uint32_t(escapes[1]) << 8);
-      escapes += mode == kGaacMode4Bit ? 1 : mode == kGaacModeRaw ? kRawEscape : 0;
+      // The 3-bit mode, two elements per 32-bit word (fp16 s e5 m2 0000 0000 in each half): the
+      // 6 sign+mantissa bits of the pair times 2^8 + 2^21 put the mantissas at bits 8..9 and
+      // 24..25, times 2^13 + 2^26 the signs at bits 15 and 31; the 6 code bits times 2^10 + 2^23
+      // put the codes at bits 10..12 and 26..28 (no two shifted copies overlap, so no carries);
+      // masks keep those bits, and the base b3 << 10 completes the exponent.
+      const uint4 base = *reinterpret_cast<const uint4*>(b3 + c0);
+      const uint32_t bw[4] = {base.x, base.y, base.z, base.w};
       uint32_t out[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        uint32_t halves[2];
+        const uint32_t s6 = (s24 >> (6 * k)) & 0x3fu, c6 = (c24 >> (6 * k)) & 0x3fu;
+        const uint32_t mant = (s6 * 0x00200100u) & 0x03000300u;
+        const uint32_t sign = (s6 * 0x04002000u) & 0x80008000u;
+        const uint32_t code = (c6 * 0x00800400u) & 0x1c001c00u;
+        out[k] = (mant | sign) + code + bw[k];
+      }
+      if (any_escape && mode != kGaacMode3Bit) {
+        uint32_t extra = escapes[0];
+        if (mode == kGaacModeRaw) extra |= uint32_t(escapes[1]) << 8;
+        escapes += mode == kGaacMode4Bit ? 1 : kRawEscape;
 #pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          const int i = 2 * k + s;
-          const uint32_t sm3 = (s24 >> (3 * i)) & 7u;
-          uint32_t code = (c24 >> (3 * i)) & 7u;
-          uint32_t exponent;
-          if (mode == kGaacMode3Bit) exponent = (b3[c0 + i] >> 7) + code;
-          else if (mode == kGaacMode4Bit) exponent = (b4[c0 + i] >> 7) + (code | (((extra >> i) & 1u) << 3));
-          else exponent = code | (((extra >> (2 * i)) & 3u) << 3);
-          const uint32_t fp8 = ((sm3 & 4u) << 5) | (exponent << 2) | (sm3 & 3u);
-          halves[s] = fp8 << 8;
+        for (int k = 0; k < 4; ++k) {
+          uint32_t halves[2];
+#pragma unroll
+          for (int s = 0; s < 2; ++s) {
+            const int i = 2 * k + s;
+            const uint32_t sm3 = (s24 >> (3 * i)) & 7u;
+            const uint32_t code = (c24 >> (3 * i)) & 7u;
+            const uint32_t exponent = mode == kGaacMode4Bit
+                                          ? (b4[c0 + i] >> kGaacE5M2BaseShift) + (code | (((extra >> i) & 1u) << 3))
+                                          : code | (((extra >> (2 * i)) & 3u) << 3);
+            const uint32_t fp8 = ((sm3 & 4u) << 5) | (exponent << 2) | (sm3 & 3u);
+            halves[s] = fp8 << 8;
+          }
+          out[k] = halves[0] | (halves[1] << 16);
         }
-        out[k] = halves[0] | (halves[1] << 16);
       }
       *reinterpret_cast<uint4*>(row + c0) = make_uint4(out[0], out[1], out[2], out[3]);
     }
@@ -398,35 +472,53 @@ __device__ inline void decode_dither8_row(const uint8_t* page, int m, uint64_t k
 #pragma unroll
   for (int g = 0; g < G / 2; ++g) scales[g] = fp16_bits_to_float(scale_ptr[g]);
   const uint32_t seed = format::dither8_row_seed(key, uint64_t(uint32_t(slot)) * kBlockTokens + uint64_t(t));
-  const __half2 k1152 = __float2half2_rn(1152.f);
-  uint32_t* dst = reinterpret_cast<uint32_t*>((kKey ? tiles.k[t] : tiles.v[t]) + h * (D / 2));
-  uint32_t* wdst = reinterpret_cast<uint32_t*>(tiles.w[t] + h * (D / 2));
+  // Bytes become fp16 1024 + byte exactly (bytes_to_1024_plus); codes are stored biased by 128.
+  // Eight channels (two generator words) per step, stored as 16-byte rows.
+  const __half2 k1152 = __float2half2_rn(1152.f), k1148 = __float2half2_rn(1148.f);
+  const __half2 inv256 = __float2half2_rn(-1.f / 256.f);
+  __half2 scale2[G / 2], offset2[G / 2];
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) {
-    const uint32_t word = format::dither8_word(seed, h * (D / 8) + i);  // channels h D/2 + 4i ..
-    const uint32_t codes_biased = code_words[i] ^ 0x80808080u;           // code + 128
+  for (int g = 0; g < G / 2; ++g) {
+    scale2[g] = __float2half2_rn(scales[g]);
+    offset2[g] = __float2half2_rn(scales[g] * (255.f / 512.f));
+  }
+  uint4* dst = reinterpret_cast<uint4*>((kKey ? tiles.k[t] : tiles.w[t]) + h * (D / 2));
+  uint4* wdst = reinterpret_cast<uint4*>(tiles.w[t] + h * (D / 2));
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      uint32_t c2 = bytes_to_1024_plus(codes_biased, 2 * k);
-      uint32_t u2 = bytes_to_1024_plus(word, 2 * k);
-      const __half2 code = __hsub2(*reinterpret_cast<__half2*>(&c2), k1152);   // exact
-      const __half2 wv = __hsub2(*reinterpret_cast<__half2*>(&u2), k1152);     // u - 128, exact
-      const int pair = 2 * i + k;  // pair index within the lane's half
-      if constexpr (kKey) {
-        uint32_t w_bits = *reinterpret_cast<const uint32_t*>(&wv);
-        const uint32_t mask_bits = uint32_t(outlier_mask >> (2 * pair)) & 3u;
-        w_bits &= (mask_bits & 1u ? 0xffff0000u : 0xffffffffu) & (mask_bits & 2u ? 0x0000ffffu : 0xffffffffu);
-        dst[pair] = *reinterpret_cast<const uint32_t*>(&code);
-        wdst[pair] = w_bits;
-      } else {
-        // x^ = s (code - (u - 128 + 1/2) / 256)
-        const float s = scales[(pair * 2) / kQuantGroup];
-        const __half2 y = __hfma2(wv, __float2half2_rn(-1.f / 256.f), code);
-        const __half2 y2 = __hsub2(y, __float2half2_rn(1.f / 512.f));
-        const __half2 x = __hmul2(y2, __float2half2_rn(s));
-        dst[pair] = *reinterpret_cast<const uint32_t*>(&x);
+  for (int i = 0; i < D / 8; i += 2) {
+    uint32_t out[4], wout[4];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t word = format::dither8_word(seed, h * (D / 8) + i + half);  // channels h D/2 + 4 (i + half) ..
+      const uint32_t codes_biased = code_words[i + half] ^ 0x80808080u;          // code + 128
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        uint32_t c2 = bytes_to_1024_plus(codes_biased, 2 * k);
+        uint32_t u2 = bytes_to_1024_plus(word, 2 * k);
+        const int n = 2 * half + k;
+        if constexpr (kKey) {
+          const __half2 code = __hsub2(*reinterpret_cast<__half2*>(&c2), k1152);  // exact
+          const __half2 wv = __hsub2(*reinterpret_cast<__half2*>(&u2), k1152);    // u - 128, exact
+          out[n] = *reinterpret_cast<const uint32_t*>(&code);
+          wout[n] = *reinterpret_cast<const uint32_t*>(&wv);
+        } else {
+          // x^ = s (code - xi) = s (code - u / 256 + 255 / 512): (1024 + code + 128) - 1148 =
+          // code + 4 exactly, minus (1024 + u) / 256 = 4 + u / 256 (one rounding), then s times
+          // that plus s 255 / 512 (one rounding).
+          const int g = (4 * i) / kQuantGroup;  // the lane's group of these 8 channels
+          const __half2 code4 = __hsub2(*reinterpret_cast<__half2*>(&c2), k1148);
+          const __half2 y = __hfma2(*reinterpret_cast<__half2*>(&u2), inv256, code4);
+          const __half2 x = __hfma2(y, scale2[g], offset2[g]);
+          out[n] = *reinterpret_cast<const uint32_t*>(&x);
+        }
       }
     }
+    dst[i / 2] = make_uint4(out[0], out[1], out[2], out[3]);
+    if constexpr (kKey) wdst[i / 2] = make_uint4(wout[0], wout[1], wout[2], wout[3]);
+  }
+  if constexpr (kKey) {  // outlier channels carry no dither: their u - 128 is 0
+    for (uint64_t mask = outlier_mask; mask != 0; mask &= mask - 1)
+      tiles.w[t][h * (D / 2) + __ffsll(static_cast<long long>(mask)) - 1] = 0;
   }
   if constexpr (kKey) {
 #pragma unroll
@@ -484,6 +576,13 @@ __device__ inline void stage_page(const SplitArgs& a, bool key, const PageRef& r
   }
 }
 
+// The tile the values are decoded into (dither8: the dither tile, free once the scores are done).
+template <int D, PageFormat F>
+__device__ inline uint16_t (*value_rows(Tiles<D, F>& tiles))[D + 8] {
+  if constexpr (F == PageFormat::kDither8) return tiles.w;
+  else return tiles.v;
+}
+
 // Decodes the staged page (stage st) into the tiles. False (and zero rows) for a corrupt page.
 template <int D, PageFormat F>
 __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& ref, int st, int lane, int kv_head,
@@ -496,7 +595,7 @@ __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& 
     }
     return true;
   } else {
-    uint16_t* row = key ? tiles.k[t] : tiles.v[t];
+    uint16_t* row = key ? tiles.k[t] : value_rows(tiles)[t];
     const uint8_t* staged = key ? tiles.stage_k[st] : tiles.stage_v[st];
     if (ref.bytes == nullptr) {
       zero_row<D>(row, h);
@@ -517,7 +616,7 @@ __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& 
         constexpr format::GaacElement E =
             F == PageFormat::kGaacBf16 ? format::GaacElement::kBf16 : format::GaacElement::kFp8E5M2;
         const bool ok = decode_gaac_row<D, E>(staged, staged, key ? a.p.k_escape_capacity : a.p.v_escape_capacity,
-                                              lane, &sh.base7[key ? 0 : 1][0][0], row);
+                                              lane, &sh.base7[key ? 0 : 1][0][0], sh.nibble_bit3, row);
         if (!ok) {
           zero_row<D>(row, h);
           return false;
@@ -528,7 +627,7 @@ __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& 
       if (key) {  // the stage is refilled before the bounds are computed: keep the witness
         static_assert(kBands * kBlockTokens * 2 == 32 * 16, "one 16-byte piece of the witness per lane");
         const uint4* src = reinterpret_cast<const uint4*>(staged + size_t(kBlockTokens) * D);
-        reinterpret_cast<uint4*>(tiles.witness)[lane] = src[lane];
+        *reinterpret_cast<uint4*>(&tiles.witness[lane / 2][8 * (lane % 2)]) = src[lane];
       }
     } else {
       const uint64_t dkey = a.p.dither_keys[(key ? 0 : 1) * a.p.n_kv_heads + kv_head];
@@ -573,9 +672,11 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
     sh.q[g][c] = g < group ? round_to_element<kHalf>(p.q[(int64_t(b) * p.n_q_heads + kv_head * group + g) * D + c]) : 0.f;
   }
   if constexpr (Traits::kGaac) {
+    for (int e = threadIdx.x; e < 256; e += kThreads) sh.nibble_bit3[e] = nibble_bit3_of(uint32_t(e));
     for (int i = threadIdx.x; i < 2 * 2 * D; i += kThreads) {
       const int kv = i / (2 * D), which = (i / D) % 2, c = i % D;
-      sh.base7[kv][which][c] = uint16_t(p.gaac_bases[((int64_t(kv) * p.n_kv_heads + kv_head) * 2 + which) * D + c]) << 7;
+      sh.base7[kv][which][c] = uint16_t(p.gaac_bases[((int64_t(kv) * p.n_kv_heads + kv_head) * 2 + which) * D + c])
+                               << (F == PageFormat::kGaacE5M2 ? kGaacE5M2BaseShift : kGaacBf16BaseShift);
     }
   }
   if constexpr (Traits::kTierB) {
@@ -620,13 +721,42 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
     __syncthreads();
   }
 
-  // Per-lane fragment roles: row gq = lane / 4 (query head of the group), column pair cq.
-  const int gq = lane >> 2, cq = lane & 3;
-  uint32_t qa[D / 16][2];
+  // Fragment roles (m16n8k16 with the tokens of a page as the 16 rows and the query heads of the
+  // group as the 8 columns): lane l holds tokens tq = l / 4 and tq + 8, heads 2 hq and 2 hq + 1.
+  // Scores S^T = K Q^T; the output O^T = V^T P^T (rows: 16 channels at a time).
+  const int tq = lane >> 2, hq = lane & 3;
+  uint32_t qb[D / 16][2];  // Q^T as the B operand: channels 2 hq, 2 hq + 1 (+ 8) of head tq
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    qa[kk][0] = pack2<kHalf>(sh.q[gq][16 * kk + 2 * cq], sh.q[gq][16 * kk + 2 * cq + 1]);
-    qa[kk][1] = pack2<kHalf>(sh.q[gq][16 * kk + 2 * cq + 8], sh.q[gq][16 * kk + 2 * cq + 9]);
+    qb[kk][0] = pack2<kHalf>(sh.q[tq][16 * kk + 2 * hq], sh.q[tq][16 * kk + 2 * hq + 1]);
+    qb[kk][1] = pack2<kHalf>(sh.q[tq][16 * kk + 2 * hq + 8], sh.q[tq][16 * kk + 2 * hq + 9]);
+  }
+  // Tier A: the band weights of head tq as B operands (fp16, hi + lo >= the weight, prescaled by
+  // a power of two so that the largest fits fp16), and the factor that undoes the prescale and
+  // covers the float accumulation of the 16 nonnegative band products (2^-16 relative).
+  uint32_t wb_hi[2] = {0, 0}, wb_lo[2] = {0, 0};
+  float bound_factor = 0.f;
+  if constexpr (kMeter && Traits::kTierA) {
+    float big = 0.f;
+    for (int i = 0; i < kMaxGroup * kBands; ++i) big = fmaxf(big, (&sh.weight[0][0])[i]);
+    int e = 0;
+    if (big > 0.f && isfinite(big)) frexpf(big, &e);
+    const float down = ldexpf(1.f, 15 - e);
+    bound_factor = ldexpf(1.f, e - 15) * (1.0f + 1.0f / 65536.0f);
+    uint16_t hi[4], lo[4];
+    const int bands[4] = {2 * hq, 2 * hq + 1, 2 * hq + 8, 2 * hq + 9};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float w = sh.weight[tq][bands[k]] * down;  // exact (a power of two)
+      const __half h = __float2half_rn(w);
+      hi[k] = __half_as_ushort(h);
+      lo[k] = __half_as_ushort(__float2half_ru(w - __half2float(h)));  // w - h is exact in float
+      if (!isfinite(w)) hi[k] = lo[k] = 0x7c00u;  // +inf: the meter saturates
+    }
+    wb_hi[0] = hi[0] | (uint32_t(hi[1]) << 16);
+    wb_hi[1] = hi[2] | (uint32_t(hi[3]) << 16);
+    wb_lo[0] = lo[0] | (uint32_t(lo[1]) << 16);
+    wb_lo[1] = lo[2] | (uint32_t(lo[3]) << 16);
   }
   uint64_t outlier_mask = 0;  // dither8 K: bit c' set when channel h D/2 + c' is an outlier
   if constexpr (Traits::kTierB) {
@@ -637,16 +767,21 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
   }
 
   auto& tiles = sh.u.tiles[warp];
-  float m_run = -INFINITY, l_run = 0.f, d_run = 0.f;
-  float o_acc[D / 8][4];
+  // Running softmax state of heads 2 hq + e (e = 0, 1); l and d are this lane's partial sums
+  // (its tokens), reduced over the 8 lanes of a head at the end.
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, d_run[2] = {0.f, 0.f};
+  float o_acc[D / 16][4];  // channels 16 pp + tq (+ 8), heads 2 hq, 2 hq + 1
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) o_acc[i][0] = o_acc[i][1] = o_acc[i][2] = o_acc[i][3] = 0.f;
+  for (int i = 0; i < D / 16; ++i) o_acc[i][0] = o_acc[i][1] = o_acc[i][2] = o_acc[i][3] = 0.f;
   const float log2_scale = p.sm_scale * kLog2e;
   unsigned int corrupt = 0;
 
-  // This warp's blocks: first, first + kWarps, ... below block_end. Two stages: page i + 1 is in
-  // flight while page i is used (raw bf16 pages), or pages i + 1 and i + 2 (staged formats, whose
-  // stage is free again once decoded); table entries are read one page ahead of their copies.
+  // This warp's blocks: first, first + kWarps, ... below block_end. Raw bf16 pages are copied
+  // straight into two tiles (page i + 1 in flight while page i is used); the other formats stage
+  // page i + 1 once page i is decoded (dither8: its values once the scores are done, since they
+  // are decoded into the dither tile). Table entries are read one page ahead of their copies.
+  constexpr bool kTwoTiles = F == PageFormat::kBf16;
+  constexpr bool kValuesLate = F == PageFormat::kDither8;
   const int64_t first = block_begin + warp;
   const int n_mine = first < block_end ? int((block_end - 1 - first) / kWarps + 1) : 0;
   const int64_t table_row = (int64_t(b) * p.n_kv_heads + kv_head) * p.table_stride;
@@ -657,7 +792,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
   auto vref_of = [&](int32_t e) {
     return page_ref(p.v_pages, p.v_page_stride, p.n_v_pages, p.v_raw_pages, p.raw_page_stride, p.n_v_raw_pages, e);
   };
-  // kcur / vcur: page i (stage i % 2); knext / vnext: page i + 1 (the other stage).
+  // kcur / vcur: page i; knext / vnext: page i + 1.
   PageRef kcur = kref_of(entry_of(p.k_table, 0)), vcur = vref_of(entry_of(p.v_table, 0));
   PageRef knext = kref_of(entry_of(p.k_table, 1)), vnext = vref_of(entry_of(p.v_table, 1));
   if (n_mine > 0) {
@@ -665,17 +800,20 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
     stage_page<D, F>(a, false, vcur, 0, lane, tiles);
   }
   cp_async_commit();
-  if (n_mine > 1) {
-    stage_page<D, F>(a, true, knext, 1, lane, tiles);
-    stage_page<D, F>(a, false, vnext, 1, lane, tiles);
+  if constexpr (kTwoTiles) {
+    if (n_mine > 1) {
+      stage_page<D, F>(a, true, knext, 1, lane, tiles);
+      stage_page<D, F>(a, false, vnext, 1, lane, tiles);
+    }
+    cp_async_commit();
   }
-  cp_async_commit();
 
   for (int i = 0; i < n_mine; ++i) {
-    const int st = i & 1;
+    const int st = kTwoTiles ? i & 1 : 0;
     const int64_t blk = first + int64_t(i) * kWarps;
     const int32_t next_k = entry_of(p.k_table, i + 2), next_v = entry_of(p.v_table, i + 2);
-    cp_async_wait<1>();
+    if constexpr (kTwoTiles) cp_async_wait<1>();
+    else cp_async_wait<0>();
     __syncwarp();
     const PageRef kref = kcur, vref = vcur;
     kcur = knext;
@@ -683,154 +821,146 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
     knext = kref_of(next_k);
     vnext = vref_of(next_v);
     if (!decode_page<D, F>(a, true, kref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
-    if (!decode_page<D, F>(a, false, vref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
+    if constexpr (!kValuesLate)
+      if (!decode_page<D, F>(a, false, vref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
     __syncwarp();
-    if constexpr (F != PageFormat::kBf16) {
-      if (i + 2 < n_mine) {
-        stage_page<D, F>(a, true, knext, st, lane, tiles);
-        stage_page<D, F>(a, false, vnext, st, lane, tiles);
+    if constexpr (!kTwoTiles && !kValuesLate) {  // page i + 1 into the free stage
+      if (i + 1 < n_mine) {
+        stage_page<D, F>(a, true, kcur, 0, lane, tiles);
+        stage_page<D, F>(a, false, vcur, 0, lane, tiles);
       }
       cp_async_commit();
     }
     const uint16_t(*tile_k)[D + 8];
     const uint16_t(*tile_v)[D + 8];
-    if constexpr (F == PageFormat::kBf16) {
+    if constexpr (kTwoTiles) {
       tile_k = tiles.k[st];
       tile_v = tiles.v[st];
     } else {
       tile_k = tiles.k;
-      tile_v = tiles.v;
+      tile_v = value_rows(tiles);
     }
 
-    // Scores S[row gq][tokens 8j + 2cq + e], j = 0, 1; e = 0, 1.
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    const int ld_token = (lane >> 4) * 8 + (lane & 7);  // ldmatrix row address of this lane
-    const int ld_dim = ((lane >> 3) & 1) * 8;
+    // Scores S^T[token tq (+ 8)][head 2 hq + e]: s[0], s[1] token tq; s[2], s[3] token tq + 8.
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    const int ld_token = ((lane >> 3) & 1) * 8 + (lane & 7);  // ldmatrix row address of this lane
+    const int ld_dim = (lane >> 4) * 8;
     if constexpr (Traits::kTierB) {
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        float cc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        float cw[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        float cc[4] = {0.f, 0.f, 0.f, 0.f}, cw[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int kk = 2 * g; kk < 2 * g + 2; ++kk) {
           uint32_t r[4];
           ldsm_x4(r, &tile_k[ld_token][16 * kk + ld_dim]);
-          mma16816<true>(cc[0], qa[kk][0], qa[kk][1], r[0], r[1]);
-          mma16816<true>(cc[1], qa[kk][0], qa[kk][1], r[2], r[3]);
+          mma16816<true>(cc, r, qb[kk][0], qb[kk][1]);
           ldsm_x4(r, &tiles.w[ld_token][16 * kk + ld_dim]);
-          mma16816<true>(cw[0], qa[kk][0], qa[kk][1], r[0], r[1]);
-          mma16816<true>(cw[1], qa[kk][0], qa[kk][1], r[2], r[3]);
+          mma16816<true>(cw, r, qb[kk][0], qb[kk][1]);
         }
+        const float sc[2] = {tiles.scale[tq][g], tiles.scale[tq + 8][g]};
+        const float off[2] = {sh.dither_offset[2 * hq][g], sh.dither_offset[2 * hq + 1][g]};
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int token = 8 * j + 2 * cq + e;
-            const float sc = tiles.scale[token][g];
-            s[j][e] += sc * (cc[j][e] - cw[j][e] * (1.f / 256.f) - sh.dither_offset[gq][g]);
-          }
+        for (int k = 0; k < 4; ++k) s[k] += sc[k >> 1] * (cc[k] - cw[k] * (1.f / 256.f) - off[k & 1]);
       }
       for (int o = 0; o < 2 * p.n_outlier_pairs; ++o) {
-        const float qo = sh.q[gq][sh.outlier_channels[o]];
+        const float qo[2] = {sh.q[2 * hq][sh.outlier_channels[o]], sh.q[2 * hq + 1][sh.outlier_channels[o]]};
+        const float xo[2] = {tiles.outlier[tq][o], tiles.outlier[tq + 8][o]};
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) s[j][e] += qo * tiles.outlier[8 * j + 2 * cq + e][o];
+        for (int k = 0; k < 4; ++k) s[k] += qo[k & 1] * xo[k >> 1];
       }
     } else {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         uint32_t r[4];
         ldsm_x4(r, &tile_k[ld_token][16 * kk + ld_dim]);
-        mma16816<kHalf>(s[0], qa[kk][0], qa[kk][1], r[0], r[1]);
-        mma16816<kHalf>(s[1], qa[kk][0], qa[kk][1], r[2], r[3]);
+        mma16816<kHalf>(s, r, qb[kk][0], qb[kk][1]);
       }
     }
 
-    // Logit bounds c_t of this lane's 4 tokens (meter formats).
-    float c_bound[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+    // Logit bounds c of the same four (token, head) cells (meter formats).
+    float c_bound[4] = {0.f, 0.f, 0.f, 0.f};
     if constexpr (kMeter && Traits::kTierA) {
-      if (kref.bytes != nullptr) {
-        const uint16_t* witness = tiles.witness;
+      if (kref.bytes != nullptr) {  // witness^T (tokens x bands) times the band weights
+        uint32_t r[4];
+        ldsm_x4_trans(r, &tiles.witness[(lane >> 4) * 8 + (lane & 7)][((lane >> 3) & 1) * 8]);
+        mma16816<true>(c_bound, r, wb_hi[0], wb_hi[1]);
+        mma16816<true>(c_bound, r, wb_lo[0], wb_lo[1]);
 #pragma unroll
-        for (int band = 0; band < kBands; ++band) {
-          const float wgt = sh.weight[gq][band];
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const uint32_t pair = *reinterpret_cast<const uint32_t*>(witness + band * kBlockTokens + 8 * j + 2 * cq);
-            c_bound[j][0] += wgt * fp16_bits_to_float(pair & 0xffffu);
-            c_bound[j][1] += wgt * fp16_bits_to_float(pair >> 16);
-          }
-        }
+        for (int k = 0; k < 4; ++k) c_bound[k] = fmaxf(c_bound[k] * bound_factor, 0.f);
       }
     } else if constexpr (kMeter) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
+      for (int k = 0; k < 4; ++k) {
+        const int token = tq + 8 * (k >> 1), head = 2 * hq + (k & 1);
+        float var = 0.f, sum = 0.f;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int token = 8 * j + 2 * cq + e;
-          float var = 0.f, sum = 0.f;
-#pragma unroll
-          for (int g = 0; g < G; ++g) {
-            const float sc = tiles.scale[token][g];
-            var += sh.weight[gq][g] * sc * sc;
-            sum += sh.abs_weight[gq][g] * sc;
-          }
-          c_bound[j][e] = sqrtf(var) + sum;
+        for (int g = 0; g < G; ++g) {
+          const float sc = tiles.scale[token][g];
+          var += sh.weight[head][g] * sc * sc;
+          sum += sh.abs_weight[head][g] * sc;
         }
+        c_bound[k] = sqrtf(var) + sum;
+      }
     }
 
-    // Online softmax (base 2) over the block; tokens past the sequence are masked.
-    const int64_t t0 = blk * kBlockTokens;
-    float row_max = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int64_t t = t0 + 8 * j + 2 * cq + e;
-        s[j][e] = t < len ? s[j][e] * log2_scale : -INFINITY;
-        row_max = fmaxf(row_max, s[j][e]);
+    if constexpr (kValuesLate) {  // the dither tile is free: the values, then page i + 1's copies
+      __syncwarp();
+      if (!decode_page<D, F>(a, false, vref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
+      __syncwarp();
+      if (i + 1 < n_mine) {
+        stage_page<D, F>(a, true, kcur, 0, lane, tiles);
+        stage_page<D, F>(a, false, vcur, 0, lane, tiles);
       }
-    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
-    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
-    const float m_new = fmaxf(m_run, row_max);
-    const float rescale = m_run == -INFINITY ? 0.f : exp2f(m_run - m_new);
-    float prob[2][2];
-    float l_add = 0.f, d_add = 0.f;
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        prob[j][e] = s[j][e] == -INFINITY ? 0.f : exp2f(s[j][e] - m_new);
-        l_add += prob[j][e];
-        // p (e^c - 1): as a product while e^c is small, else as one exponential (e^c alone
-        // would overflow float long before the product does).
-        if constexpr (kMeter)
-          if (prob[j][e] != 0.f)
-            d_add += c_bound[j][e] < 8.f ? prob[j][e] * expm1f(c_bound[j][e])
-                                         : exp2f(s[j][e] - m_new + c_bound[j][e] * kLog2e) - prob[j][e];
-      }
-    l_run = l_run * rescale + l_add;
-    if constexpr (kMeter) d_run = d_run * rescale + d_add;
-    m_run = m_new;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      o_acc[nt][0] *= rescale;
-      o_acc[nt][1] *= rescale;
+      cp_async_commit();
     }
-    const uint32_t pa0 = pack2<kHalf>(prob[0][0], prob[0][1]);
-    const uint32_t pa1 = pack2<kHalf>(prob[1][0], prob[1][1]);
-    const int vt_token = (lane & 7) + ((lane >> 3) & 1) * 8;
-    const int vt_dim = (lane >> 4) * 8;
+
+    // Online softmax (base 2) over the block, per head; tokens past the sequence are masked.
+    const int64_t t0 = blk * kBlockTokens;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s[k] = t0 + tq + 8 * (k >> 1) < len ? s[k] * log2_scale : -INFINITY;
+    float prob[4], rescale[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float mx = fmaxf(s[e], s[2 + e]);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+      const float m_new = fmaxf(m_run[e], mx);
+      rescale[e] = m_run[e] == -INFINITY ? 0.f : exp2f(m_run[e] - m_new);
+      float l_add = 0.f, d_add = 0.f;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int k = 2 * j + e;
+        prob[k] = s[k] == -INFINITY ? 0.f : exp2f(s[k] - m_new);
+        l_add += prob[k];
+        if constexpr (kMeter)
+          if (prob[k] != 0.f) d_add += meter_term(prob[k], c_bound[k], s[k] - m_new);
+      }
+      l_run[e] = l_run[e] * rescale[e] + l_add;
+      if constexpr (kMeter) d_run[e] = d_run[e] * rescale[e] + d_add;
+      m_run[e] = m_new;
+    }
+#pragma unroll
+    for (int pp = 0; pp < D / 16; ++pp) {
+      o_acc[pp][0] *= rescale[0];
+      o_acc[pp][1] *= rescale[1];
+      o_acc[pp][2] *= rescale[0];
+      o_acc[pp][3] *= rescale[1];
+    }
+    // P^T as the B operand (tokens 2 hq, 2 hq + 1 (+ 8) of head tq): the transposes of the two
+    // 8 x 8 halves of the probability tile.
+    const uint32_t pb0 = transpose8x8(pack2<kHalf>(prob[0], prob[1]));
+    const uint32_t pb1 = transpose8x8(pack2<kHalf>(prob[2], prob[3]));
+    const int vt_token = (lane >> 4) * 8 + (lane & 7);
+    const int vt_dim = ((lane >> 3) & 1) * 8;
 #pragma unroll
     for (int pp = 0; pp < D / 16; ++pp) {
       uint32_t r[4];
       ldsm_x4_trans(r, &tile_v[vt_token][16 * pp + vt_dim]);
-      mma16816<kHalf>(o_acc[2 * pp], pa0, pa1, r[0], r[1]);
-      mma16816<kHalf>(o_acc[2 * pp + 1], pa0, pa1, r[2], r[3]);
+      mma16816<kHalf>(o_acc[pp], r, pb0, pb1);
     }
     __syncwarp();
-    if constexpr (F == PageFormat::kBf16) {
+    if constexpr (kTwoTiles) {
       if (i + 2 < n_mine) {
         stage_page<D, F>(a, true, knext, st, lane, tiles);
         stage_page<D, F>(a, false, vnext, st, lane, tiles);
@@ -841,22 +971,29 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
   cp_async_wait<0>();
   if (corrupt != 0 && lane == 0) atomicAdd(a.error_word, corrupt);
 
-  // Row sums over the quad, then the 4 warps merge in shared memory.
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
-  d_run += __shfl_xor_sync(0xffffffffu, d_run, 1);
-  d_run += __shfl_xor_sync(0xffffffffu, d_run, 2);
+  // Sums over the 8 lanes of each head, then the 4 warps merge in shared memory.
+#pragma unroll
+  for (int e = 0; e < 2; ++e)
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      l_run[e] += __shfl_xor_sync(0xffffffffu, l_run[e], o);
+      d_run[e] += __shfl_xor_sync(0xffffffffu, d_run[e], o);
+    }
   __syncthreads();  // the tiles are reused as the merge area
   auto& mg = sh.u.merge;
-  if (cq == 0) {
-    mg.m[warp][gq] = m_run;
-    mg.l[warp][gq] = l_run;
-    mg.d[warp][gq] = d_run;
-  }
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) {
-    mg.o[warp][gq][8 * i + 2 * cq] = o_acc[i][0];
-    mg.o[warp][gq][8 * i + 2 * cq + 1] = o_acc[i][1];
+  for (int e = 0; e < 2; ++e) {
+    const int head = 2 * hq + e;
+    if (tq == 0) {
+      mg.m[warp][head] = m_run[e];
+      mg.l[warp][head] = l_run[e];
+      mg.d[warp][head] = d_run[e];
+    }
+#pragma unroll
+    for (int pp = 0; pp < D / 16; ++pp) {
+      mg.o[warp][head][16 * pp + tq] = o_acc[pp][e];
+      mg.o[warp][head][16 * pp + tq + 8] = o_acc[pp][2 + e];
+    }
   }
   __syncthreads();
   for (int i = threadIdx.x; i < group * D; i += kThreads) {
