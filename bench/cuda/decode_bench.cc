@@ -1,5 +1,5 @@
-// Decode attention on the GPU: certkv's page formats over real KV tiled to length, timed with
-// CUDA events, with the device's copy bandwidth measured in the same run. One JSON object per
+// Decode attention on the GPU: certkv's page formats over real KV tiled to length, timed as
+// CUDA-graph replays between CUDA events (as the peers are), with the copy bandwidth measured in the same run. One JSON object per
 // line (docs/bench/README.md describes the fields); scripts/cuda_bench.sh runs it with the peers.
 //
 //   certkv_cuda_decode_bench --kv KV.safetensors --calib CAL.safetensors --out FILE.jsonl
@@ -283,24 +283,47 @@ int main(int argc, char** argv) {
             p.workspace_size = ws;
             if (!reset_error_word(p).ok) die("workspace reset");
           }
+          // Timed like the peers: one CUDA graph holding iters calls cycling the sets (both kernels
+          // of each call), replayed reps times between events; the graph's output is checked
+          // against an eager call's first.
+          cudaStream_t stream;
+          CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+          for (auto& p : params) p.stream = stream;
           cudaEvent_t e0, e1;
           CHECK_CUDA(cudaEventCreate(&e0));
           CHECK_CUDA(cudaEventCreate(&e1));
           for (int w = 0; w < 3; ++w)
             for (auto& p : params)
               if (!(s = paged_decode(p)).ok) die(fname + ": " + s.message);
-          CHECK_CUDA(cudaDeviceSynchronize());
+          CHECK_CUDA(cudaStreamSynchronize(stream));
+          std::vector<float> eager_out(q.size()), graph_out(q.size());
+          CHECK_CUDA(cudaMemcpy(eager_out.data(), out_d.data(), q.size() * 4, cudaMemcpyDeviceToHost));
+          cudaGraph_t graph;
+          cudaGraphExec_t exec;
+          CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+          for (int it = 0; it < iters; ++it)
+            for (auto& p : params)
+              if (!(s = paged_decode(p)).ok) die(fname + ": " + s.message);
+          CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+          CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+          CHECK_CUDA(cudaMemsetAsync(out_d.data(), 0xff, q.size() * 4, stream));  // NaN
+          CHECK_CUDA(cudaGraphLaunch(exec, stream));
+          CHECK_CUDA(cudaStreamSynchronize(stream));
+          CHECK_CUDA(cudaMemcpy(graph_out.data(), out_d.data(), q.size() * 4, cudaMemcpyDeviceToHost));
+          if (std::memcmp(graph_out.data(), eager_out.data(), q.size() * 4) != 0)
+            die(fname + ": the graph's output differs from an eager call's");
           std::vector<double> us;
           for (int r = 0; r < reps; ++r) {
-            CHECK_CUDA(cudaEventRecord(e0));
-            for (int it = 0; it < iters; ++it)
-              for (auto& p : params) paged_decode(p);
-            CHECK_CUDA(cudaEventRecord(e1));
+            CHECK_CUDA(cudaEventRecord(e0, stream));
+            CHECK_CUDA(cudaGraphLaunch(exec, stream));
+            CHECK_CUDA(cudaEventRecord(e1, stream));
             CHECK_CUDA(cudaEventSynchronize(e1));
             float ms = 0;
             CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
             us.push_back(double(ms) * 1e3 / double(iters * n_sets));
           }
+          CHECK_CUDA(cudaGraphExecDestroy(exec));
+          CHECK_CUDA(cudaGraphDestroy(graph));
           for (auto& p : params) {
             uint32_t corrupt = 0;
             if (!read_error_word(p, &corrupt).ok || corrupt != 0) die(fname + ": corrupt pages reported");
@@ -313,7 +336,7 @@ int main(int argc, char** argv) {
                         "{\"kind\": \"certkv\", \"format\": \"%s\", \"shape\": \"%s\", \"batch\": %d, \"ctx\": %lld, "
                         "\"us\": %.3f, \"us_min\": %.3f, \"us_max\": %.3f, \"bytes\": %lld, \"tb_s\": %.4f, "
                         "\"copy_tb_s\": %.4f, \"pct_copy\": %.2f, \"n_sets\": %d, \"splits\": %d, "
-                        "\"raw_pages\": %lld, \"meter_max\": %.6g}",
+                        "\"raw_pages\": %lld, \"meter_max\": %.6g, \"timing\": \"graph\"}",
                         fname.c_str(), shape_name.c_str(), batch, (long long)ctx, med,
                         *std::min_element(us.begin(), us.end()), *std::max_element(us.begin(), us.end()),
                         (long long)bytes, tb_s, copy, 100.0 * tb_s / copy, n_sets, choose_splits(params[0]),
@@ -325,6 +348,7 @@ int main(int argc, char** argv) {
           std::fflush(stdout);
           cudaEventDestroy(e0);
           cudaEventDestroy(e1);
+          cudaStreamDestroy(stream);
         }
       }
     }

@@ -406,26 +406,29 @@ __device__ inline bool decode_gaac_row(const uint8_t* slot, const uint8_t* escap
       const uint32_t c24 = bits24(codes, 24 * j);
       const uint32_t s24 = bits24(smw, 24 * j);
       const int c0 = (lane & 1) * (D / 2) + 8 * j;
-      // The 3-bit mode, two elements per 32-bit word (fp16 s e5 m2 0000 0000 in each half): the
-      // 6 sign+mantissa bits of the pair times 2^8 + 2^21 put the mantissas at bits 8..9 and
-      // 24..25, times 2^13 + 2^26 the signs at bits 15 and 31; the 6 code bits times 2^10 + 2^23
-      // put the codes at bits 10..12 and 26..28 (no two shifted copies overlap, so no carries);
-      // masks keep those bits, and the base b3 << 10 completes the exponent.
-      const uint4 base = *reinterpret_cast<const uint4*>(b3 + c0);
+      // 3-bit and 4-bit groups on one path (as for bf16: 4-bit offsets in nibbles, base by mode),
+      // two elements per 32-bit word (fp16 s e5 m2 0000 0000 in each half): the 6 sign+mantissa
+      // bits of the pair times 2^8 + 2^21 put the mantissas at bits 8..9 and 24..25, times
+      // 2^13 + 2^26 the signs at bits 15 and 31; the pair's offsets (byte k of the nibbles)
+      // times 2^10 + 2^22 land at bits 10..13 and 26..29 (no two shifted copies overlap, so no
+      // carries); masks keep those bits, and the base << 10 completes the exponent.
+      const bool four = mode == kGaacMode4Bit;
+      const uint32_t escape_bits = four ? uint32_t(escapes[0]) : 0u;
+      const uint32_t nibbles = spread_codes_to_nibbles(c24) | nibble_bit3[escape_bits];
+      const uint4 base = *reinterpret_cast<const uint4*>((four ? b4 : b3) + c0);
       const uint32_t bw[4] = {base.x, base.y, base.z, base.w};
       uint32_t out[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const uint32_t s6 = (s24 >> (6 * k)) & 0x3fu, c6 = (c24 >> (6 * k)) & 0x3fu;
+        const uint32_t s6 = (s24 >> (6 * k)) & 0x3fu;
         const uint32_t mant = (s6 * 0x00200100u) & 0x03000300u;
         const uint32_t sign = (s6 * 0x04002000u) & 0x80008000u;
-        const uint32_t code = (c6 * 0x00800400u) & 0x1c001c00u;
-        out[k] = (mant | sign) + code + bw[k];
+        const uint32_t pair = __byte_perm(nibbles, 0, 0x4440u | uint32_t(k));
+        const uint32_t offsets = (pair * 0x00400400u) & 0x3c003c00u;
+        out[k] = (mant | sign | offsets) + bw[k];
       }
-      if (any_escape && mode != kGaacMode3Bit) {
-        uint32_t extra = escapes[0];
-        if (mode == kGaacModeRaw) extra |= uint32_t(escapes[1]) << 8;
-        escapes += mode == kGaacMode4Bit ? 1 : kRawEscape;
+      if (mode == kGaacModeRaw) {  // rare: 2 escape bits above each code, no base
+        const uint32_t extra = uint32_t(escapes[0]) | (uint32_t(escapes[1]) << 8);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           uint32_t halves[2];
@@ -433,16 +436,14 @@ __device__ inline bool decode_gaac_row(const uint8_t* slot, const uint8_t* escap
           for (int s = 0; s < 2; ++s) {
             const int i = 2 * k + s;
             const uint32_t sm3 = (s24 >> (3 * i)) & 7u;
-            const uint32_t code = (c24 >> (3 * i)) & 7u;
-            const uint32_t exponent = mode == kGaacMode4Bit
-                                          ? (b4[c0 + i] >> kGaacE5M2BaseShift) + (code | (((extra >> i) & 1u) << 3))
-                                          : code | (((extra >> (2 * i)) & 3u) << 3);
+            const uint32_t exponent = ((c24 >> (3 * i)) & 7u) | (((extra >> (2 * i)) & 3u) << 3);
             const uint32_t fp8 = ((sm3 & 4u) << 5) | (exponent << 2) | (sm3 & 3u);
             halves[s] = fp8 << 8;
           }
           out[k] = halves[0] | (halves[1] << 16);
         }
       }
+      escapes += four ? 1 : mode == kGaacModeRaw ? kRawEscape : 0;
       *reinterpret_cast<uint4*>(row + c0) = make_uint4(out[0], out[1], out[2], out[3]);
     }
   }
