@@ -167,6 +167,14 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
   std::mutex raw_mutex;
   std::vector<std::pair<int64_t, bool>> raw_ids;  // (page id, key) that went raw
   std::atomic<int64_t> bytes_read{0};
+  std::atomic<int64_t> mode_counts[3] = {0, 0, 0}, pages_without_escapes{0};
+  auto count_modes = [&](const uint8_t* page) {  // one tile (D <= 128)
+    const uint8_t* tags = page + format::gaac_tile_tag_offset(element, kT, D);
+    int64_t counts[3] = {0, 0, 0};
+    for (int g = 0; g < kT * D / 8; ++g) ++counts[std::min(2, (tags[g / 4] >> (2 * (g % 4))) & 3)];
+    for (int m = 0; m < 3; ++m) mode_counts[m] += counts[m];
+    if (counts[1] + counts[2] == 0) ++pages_without_escapes;
+  };
   auto encode = [&](int64_t id, bool key, int32_t slot, uint8_t* page, bool record_reconstruction) -> size_t {
     int b, h;
     int64_t j;
@@ -190,6 +198,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
         if (codec::gaac_encode_page_ref(rows, kT, D, bases, key ? r.k_capacity_ : r.v_capacity_, page) ==
             codec::kGaacDoesNotFit)
           return 0;
+        count_modes(page);
         std::vector<uint16_t> back(size_t(kT) * D);
         codec::gaac_decode_page_ref(page, key ? k_bytes : v_bytes, kT, D, bases, back.data());
         for (int i = 0; i < kT * D; ++i) read[i] = format::bf16_to_float(back[size_t(i)]);
@@ -203,6 +212,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
         if (codec::gaac_encode_page_fp8_ref(element, fp8, kT, D, bases, key ? r.k_capacity_ : r.v_capacity_, page) ==
             codec::kGaacDoesNotFit)
           return 0;
+        count_modes(page);
         uint8_t back[kT * 128];
         codec::gaac_decode_page_fp8_ref(element, page, key ? k_bytes : v_bytes, kT, D, bases, back);
         for (int i = 0; i < kT * D; ++i) read[i] = format::fp8_e5m2_to_float(back[i]);
@@ -326,6 +336,8 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
     ++r.raw_pages_;
   }
   r.bytes_read_ += bytes_read.load();
+  for (int m = 0; m < 3; ++m) r.gaac_group_modes_[size_t(m)] = mode_counts[m].load();
+  r.gaac_pages_without_escapes_ = pages_without_escapes.load();
 
   // Upload.
   CudaStatus s = cache::cuda::DevicePagePool::create(k_bytes, r.n_pages_, &r.k_pool_);

@@ -9,6 +9,7 @@
 // Thread safety: build is internally parallel; a built DeviceKv is read-only.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -70,6 +71,9 @@ class DeviceKv {
   // bytes as the kernel reads them: a GAAC slot whole, fixed part and escape capacity).
   int64_t bytes_read() const { return bytes_read_; }
   int64_t raw_pages() const { return raw_pages_; }
+  // GAAC slots encoded: groups by mode (3-bit, 4-bit, raw), and pages with no 4-bit or raw group.
+  const std::array<int64_t, 3>& gaac_group_modes() const { return gaac_group_modes_; }
+  int64_t gaac_pages_without_escapes() const { return gaac_pages_without_escapes_; }
   int64_t pages() const { return n_pages_; }
 
  private:
@@ -78,6 +82,8 @@ class DeviceKv {
   cache::cuda::DevicePagePool k_pool_, v_pool_, k_raw_, v_raw_;
   cache::cuda::DeviceBuffer tables_, lens_, bases_, keys_, outliers_;
   int64_t table_stride_ = 0, max_len_ = 0, n_pages_ = 0, raw_pages_ = 0, bytes_read_ = 0;
+  std::array<int64_t, 3> gaac_group_modes_{};
+  int64_t gaac_pages_without_escapes_ = 0;
   size_t k_capacity_ = 0, v_capacity_ = 0;
   std::vector<std::vector<uint16_t>> outlier_pairs_;
   std::vector<std::vector<float>> k_read_, v_read_, k_bounds_;

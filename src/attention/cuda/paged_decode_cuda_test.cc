@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -31,7 +33,10 @@ float round_query(PageFormat f, float x) {
 
 // KV with the spread of real heads: per-channel scales over three decades, a few large RoPE
 // channels in keys, and rare spikes (so GAAC sees 4-bit and raw groups and full slots).
-HostLayerKv make_kv(int batch, int n_kv_heads, int head_dim, const std::vector<int64_t>& lens, uint32_t seed) {
+// narrow: every element of a channel has that channel's exponent (|x| in [2^e, 2^(e+1))), so every
+// GAAC group is 3-bit and every page takes the kernel's path without escapes.
+HostLayerKv make_kv(int batch, int n_kv_heads, int head_dim, const std::vector<int64_t>& lens, uint32_t seed,
+                    bool narrow = false) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.f, 1.f);
   std::uniform_real_distribution<float> uniform(0.f, 1.f);
@@ -52,6 +57,12 @@ HostLayerKv make_kv(int batch, int n_kv_heads, int head_dim, const std::vector<i
     kv.v.emplace_back(n);
     for (size_t i = 0; i < n; ++i) {
       const size_t ch = (i / (size_t(lens[size_t(b)]) * head_dim)) * head_dim + i % head_dim;
+      if (narrow) {
+        const float e_k = std::exp2(std::floor(std::log2(k_scale[ch]))), e_v = std::exp2(std::floor(std::log2(v_scale[ch])));
+        kv.k[size_t(b)][i] = format::float_to_bf16((uniform(rng) < 0.5f ? -1.f : 1.f) * e_k * (1.f + 0.99f * uniform(rng)));
+        kv.v[size_t(b)][i] = format::float_to_bf16((uniform(rng) < 0.5f ? -1.f : 1.f) * e_v * (1.f + 0.99f * uniform(rng)));
+        continue;
+      }
       const float spike = uniform(rng) < 0.002f ? 300.f : 1.f;
       kv.k[size_t(b)][i] = format::float_to_bf16(normal(rng) * k_scale[ch] * spike);
       kv.v[size_t(b)][i] = format::float_to_bf16(normal(rng) * v_scale[ch]);
@@ -91,6 +102,7 @@ struct Case {
   int n_splits;  // 0: chosen
   int n_outlier_pairs = 0;
   codec::RopePairing pairing = codec::RopePairing::kInterleaved;
+  bool narrow = false;  // make_kv(..., narrow)
 };
 
 std::string name_of(const Case& c) {
@@ -107,12 +119,14 @@ struct Result {
   double min_meter_slack = 1; // min over heads of meter - true TV (must be >= 0)
   uint32_t corrupt = 0;
   int64_t raw_pages = 0;
+  std::array<int64_t, 3> gaac_modes{};  // GAAC groups by mode (3-bit, 4-bit, raw)
+  int64_t gaac_pages_without_escapes = 0;
 };
 
 Result run_case(const Case& c, uint32_t seed) {
   Result res;
   const int batch = int(c.lens.size());
-  const HostLayerKv kv = make_kv(batch, c.n_kv_heads, c.head_dim, c.lens, seed);
+  const HostLayerKv kv = make_kv(batch, c.n_kv_heads, c.head_dim, c.lens, seed, c.narrow);
   codec::GaacCalibration calibration;
   DeviceKvOptions opt;
   opt.format = c.format;
@@ -129,6 +143,8 @@ Result run_case(const Case& c, uint32_t seed) {
   EXPECT_TRUE(built.ok) << built.message;
   if (!built.ok) return res;
   res.raw_pages = dkv.raw_pages();
+  res.gaac_modes = dkv.gaac_group_modes();
+  res.gaac_pages_without_escapes = dkv.gaac_pages_without_escapes();
 
   const int D = c.head_dim, Hq = c.n_q_heads, G = Hq / c.n_kv_heads;
   std::mt19937 rng(seed * 7 + 1);
@@ -265,10 +281,12 @@ TEST(PagedDecodeCuda, EveryFormatMatchesTheReferenceOnRaggedBatches) {
   };
   uint32_t seed = 1;
   for (PageFormat f : formats) {
+    std::array<int64_t, 3> modes{};
     for (const Shape& s : shapes) {
       Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, f == PageFormat::kDither8 ? 4 : 0,
              seed % 2 ? codec::RopePairing::kHalfSplit : codec::RopePairing::kInterleaved};
       const Result r = run_case(c, seed++);
+      for (int m = 0; m < 3; ++m) modes[size_t(m)] += r.gaac_modes[size_t(m)];
       // bf16 probabilities in the P.V product (as flash attention rounds them) and fp16 value
       // reconstructions bound the error near 2^-9 relative; 4e-3 leaves room for neither more.
       EXPECT_LT(r.max_rel_err, 4e-3) << name_of(c);
@@ -278,6 +296,25 @@ TEST(PagedDecodeCuda, EveryFormatMatchesTheReferenceOnRaggedBatches) {
         EXPECT_GE(r.min_meter_slack, 0.0) << name_of(c) << ": meter below the true TV";
       }
     }
+    if (f == PageFormat::kGaacBf16 || f == PageFormat::kGaacE5M2) {  // every decoder path ran
+      EXPECT_GT(modes[0], 0) << page_format_name(f) << ": no 3-bit group";
+      EXPECT_GT(modes[1], 0) << page_format_name(f) << ": no 4-bit group";
+      EXPECT_GT(modes[2], 0) << page_format_name(f) << ": no raw group";
+    }
+  }
+}
+
+TEST(PagedDecodeCuda, GaacPagesWithoutEscapesMatchTheReference) {
+  // Every group 3-bit: the kernel skips the escape scan (a warp-uniform branch the ragged test
+  // may never take).
+  for (PageFormat f : {PageFormat::kGaacBf16, PageFormat::kGaacE5M2}) {
+    Case c{f, 128, 12, 3, {777, 64}, 0};
+    c.narrow = true;
+    const Result r = run_case(c, 41);
+    EXPECT_GT(r.gaac_pages_without_escapes, 0) << page_format_name(f);
+    EXPECT_EQ(r.gaac_modes[1] + r.gaac_modes[2], 0) << page_format_name(f);
+    EXPECT_LT(r.max_rel_err, 4e-3) << page_format_name(f);
+    EXPECT_EQ(r.corrupt, 0u) << page_format_name(f);
   }
 }
 
