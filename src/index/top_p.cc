@@ -92,6 +92,16 @@ double mass_of(uint64_t G, uint64_t Z) {
 
 }  // namespace
 
+const std::vector<uint64_t>& top_p_weight_table(int64_t n) {
+  if (n < 1) fail(StatusCode::kInvalidArgument, "top_p_weight_table: n must be >= 1");
+  return weight_table(weight_fraction_bits(n));
+}
+
+uint64_t top_p_target_units(double p, uint64_t Z) {
+  if (!(p > 0.0 && p <= 1.0)) fail(StatusCode::kInvalidArgument, "top_p_target_units: p must be in (0, 1]");
+  return target_units(p, Z);
+}
+
 TopPSelection top_p_select_ref(const float* logits, int64_t n, double p, uint8_t* mask) {
   const float l_max = validate_and_max(logits, n, p, mask);
   const std::vector<uint64_t>& weight = weight_table(weight_fraction_bits(n));

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace certkv::index {
 
@@ -58,5 +59,13 @@ TopPSelection top_p_select_ref(const float* logits, int64_t n, double p, uint8_t
 // set (and theta, mass) of top_p_select_ref on every input.
 // logits: [n]; mask: [n]. REQUIRES: as top_p_select_ref.
 TopPSelection top_p_select(const float* logits, int64_t n, double p, uint8_t* mask);
+
+// The weights W(a), a in [0, kTopPGapCap], for n tokens (the table both selections use; a port
+// to another device takes it from here so that its selection is the same set).
+// REQUIRES: n >= 1 (else certkv::Error kInvalidArgument).
+const std::vector<uint64_t>& top_p_weight_table(int64_t n);
+
+// ceil(p Z) exactly, the unit target of the selections. REQUIRES: 0 < p <= 1.
+uint64_t top_p_target_units(double p, uint64_t Z);
 
 }  // namespace certkv::index

@@ -9,12 +9,15 @@
 #include <cfloat>
 #include <cmath>
 
+#include "attention/cuda/tile_mma.cuh"
 #include "format/dither8_generator.h"
 #include "format/gaac_layout.h"
 
 namespace certkv::attention::cuda {
 
 namespace {
+
+using namespace tile;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
@@ -29,72 +32,6 @@ constexpr int kGaacE5M2BaseShift = 10;
 constexpr float kLog2e = 1.4426950408889634f;
 // The dither8 deterministic remainder per channel, in steps (codec::kDither8Slack, 2^-8).
 constexpr double kDither8Slack = 1.0 / 256.0;
-
-// ---------------------------------------------------------------------------------------------
-// Tensor-core and shared-memory primitives.
-
-template <bool kHalf>
-__device__ inline void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (kHalf) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-// The transpose of an 8 x 8 matrix of 16-bit elements held in the accumulator layout (lane l:
-// row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1).
-__device__ inline uint32_t transpose8x8(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
-
-__device__ inline void ldsm_x4(uint32_t (&r)[4], const void* p) {
-  const uint32_t a = uint32_t(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a)
-               : "memory");
-}
-
-__device__ inline void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
-  const uint32_t a = uint32_t(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a)
-               : "memory");
-}
-
-template <bool kHalf>
-__device__ inline uint32_t pack2(float lo, float hi) {
-  if constexpr (kHalf) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  } else {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  }
-}
-
-template <bool kHalf>
-__device__ inline float round_to_element(float x) {
-  if constexpr (kHalf) return __half2float(__float2half_rn(x));
-  else return __bfloat162float(__float2bfloat16_rn(x));
-}
-
-__device__ inline float fp16_bits_to_float(uint32_t bits) {
-  return __half2float(__ushort_as_half(uint16_t(bits)));
-}
-
 
 // The meter's term p (e^c - 1) of one (head, token), c >= 0, never below the exact value by more
 // than the 2^-12 lift of A - 1 covers (docs/cuda.md). Below c = 1/4 a degree-5 upper bound:
@@ -161,16 +98,6 @@ struct Tiles<D, PageFormat::kDither8> {
   float outlier[kBlockTokens][2 * kMaxDeviceOutlierPairs];
 };
 
-__device__ inline void cp_async16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(uint32_t(__cvta_generic_to_shared(smem))), "l"(gmem)
-               : "memory");
-}
-__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ inline void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 template <int D, PageFormat F>
 struct CtaShared {
   float q[kMaxGroup][D];                  // the rounded queries
@@ -182,10 +109,7 @@ struct CtaShared {
   int32_t outlier_channels[2 * kMaxDeviceOutlierPairs];
   union {
     Tiles<D, F> tiles[kWarps];
-    struct {
-      float m[kWarps][kMaxGroup], l[kWarps][kMaxGroup], d[kWarps][kMaxGroup];
-      float o[kWarps][kMaxGroup][D];
-    } merge;
+    WarpMerge<D, kWarps> merge;
   } u;
 };
 
@@ -870,12 +794,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
         for (int k = 0; k < 4; ++k) s[k] += qo[k & 1] * xo[k >> 1];
       }
     } else {
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t r[4];
-        ldsm_x4(r, &tile_k[ld_token][16 * kk + ld_dim]);
-        mma16816<kHalf>(s, r, qb[kk][0], qb[kk][1]);
-      }
+      tile_scores<D, kHalf>(tile_k, qb, lane, s);
     }
 
     // Logit bounds c of the same four (token, head) cells (meter formats).
@@ -919,47 +838,21 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
     const int64_t t0 = blk * kBlockTokens;
 #pragma unroll
     for (int k = 0; k < 4; ++k) s[k] = t0 + tq + 8 * (k >> 1) < len ? s[k] * log2_scale : -INFINITY;
-    float prob[4], rescale[2];
+    float prob[4], rescale[2], m_new[2];
+    tile_softmax(s, m_run, l_run, prob, rescale, m_new);
+    if constexpr (kMeter) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float mx = fmaxf(s[e], s[2 + e]);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-      const float m_new = fmaxf(m_run[e], mx);
-      rescale[e] = m_run[e] == -INFINITY ? 0.f : exp2f(m_run[e] - m_new);
-      float l_add = 0.f, d_add = 0.f;
+      for (int e = 0; e < 2; ++e) {
+        float d_add = 0.f;
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int k = 2 * j + e;
-        prob[k] = s[k] == -INFINITY ? 0.f : exp2f(s[k] - m_new);
-        l_add += prob[k];
-        if constexpr (kMeter)
-          if (prob[k] != 0.f) d_add += meter_term(prob[k], c_bound[k], s[k] - m_new);
+        for (int j = 0; j < 2; ++j) {
+          const int k = 2 * j + e;
+          if (prob[k] != 0.f) d_add += meter_term(prob[k], c_bound[k], s[k] - m_new[e]);
+        }
+        d_run[e] = d_run[e] * rescale[e] + d_add;
       }
-      l_run[e] = l_run[e] * rescale[e] + l_add;
-      if constexpr (kMeter) d_run[e] = d_run[e] * rescale[e] + d_add;
-      m_run[e] = m_new;
     }
-#pragma unroll
-    for (int pp = 0; pp < D / 16; ++pp) {
-      o_acc[pp][0] *= rescale[0];
-      o_acc[pp][1] *= rescale[1];
-      o_acc[pp][2] *= rescale[0];
-      o_acc[pp][3] *= rescale[1];
-    }
-    // P^T as the B operand (tokens 2 hq, 2 hq + 1 (+ 8) of head tq): the transposes of the two
-    // 8 x 8 halves of the probability tile.
-    const uint32_t pb0 = transpose8x8(pack2<kHalf>(prob[0], prob[1]));
-    const uint32_t pb1 = transpose8x8(pack2<kHalf>(prob[2], prob[3]));
-    const int vt_token = (lane >> 4) * 8 + (lane & 7);
-    const int vt_dim = ((lane >> 3) & 1) * 8;
-#pragma unroll
-    for (int pp = 0; pp < D / 16; ++pp) {
-      uint32_t r[4];
-      ldsm_x4_trans(r, &tile_v[vt_token][16 * pp + vt_dim]);
-      mma16816<kHalf>(o_acc[pp], r, pb0, pb1);
-    }
+    tile_pv<D, kHalf>(tile_v, prob, rescale, lane, o_acc);
     __syncwarp();
     if constexpr (kTwoTiles) {
       if (i + 2 < n_mine) {
@@ -972,84 +865,10 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
   cp_async_wait<0>();
   if (corrupt != 0 && lane == 0) atomicAdd(a.error_word, corrupt);
 
-  // Sums over the 8 lanes of each head, then the 4 warps merge in shared memory.
-#pragma unroll
-  for (int e = 0; e < 2; ++e)
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-      l_run[e] += __shfl_xor_sync(0xffffffffu, l_run[e], o);
-      d_run[e] += __shfl_xor_sync(0xffffffffu, d_run[e], o);
-    }
   __syncthreads();  // the tiles are reused as the merge area
-  auto& mg = sh.u.merge;
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int head = 2 * hq + e;
-    if (tq == 0) {
-      mg.m[warp][head] = m_run[e];
-      mg.l[warp][head] = l_run[e];
-      mg.d[warp][head] = d_run[e];
-    }
-#pragma unroll
-    for (int pp = 0; pp < D / 16; ++pp) {
-      mg.o[warp][head][16 * pp + tq] = o_acc[pp][e];
-      mg.o[warp][head][16 * pp + tq + 8] = o_acc[pp][2 + e];
-    }
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < group * D; i += kThreads) {
-    const int g = i / D, c = i % D;
-    float big = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) big = fmaxf(big, mg.m[w][g]);
-    float o = 0.f, l = 0.f, d = 0.f;
-    for (int w = 0; w < kWarps; ++w) {
-      if (mg.m[w][g] == -INFINITY) continue;
-      const float f = exp2f(mg.m[w][g] - big);
-      o += f * mg.o[w][g][c];
-      l += f * mg.l[w][g];
-      d += f * mg.d[w][g];
-    }
-    const int64_t part = (int64_t(b) * p.n_q_heads + kv_head * group + g) * a.n_splits + split;
-    a.part_o[part * D + c] = o;
-    if (c == 0) {
-      a.part_mld[part * 3 + 0] = big;
-      a.part_mld[part * 3 + 1] = l;
-      a.part_mld[part * 3 + 2] = d;
-    }
-  }
-}
-
-// Merges the splits of each (sequence, query head) by their log-sum-exp weights (base 2):
-// out = sum_s 2^{m_s - M} o_s / sum_s 2^{m_s - M} l_s, and likewise A - 1 = sum 2^{..} d_s / L.
-template <int D>
-__global__ void merge_kernel(PagedDecodeParams p, int n_splits, const float* part_mld, const float* part_o) {
-  const int64_t row = blockIdx.x;  // b * n_q_heads + h
-  const float* mld = part_mld + row * n_splits * 3;
-  float big = -INFINITY;
-  for (int s = 0; s < n_splits; ++s) big = fmaxf(big, mld[3 * s]);
-  float l = 0.f, d = 0.f;
-  for (int s = 0; s < n_splits; ++s) {
-    if (mld[3 * s] == -INFINITY) continue;
-    const float f = exp2f(mld[3 * s] - big);
-    l += f * mld[3 * s + 1];
-    d += f * mld[3 * s + 2];
-  }
-  for (int c = threadIdx.x; c < D; c += blockDim.x) {
-    float o = 0.f;
-    for (int s = 0; s < n_splits; ++s) {
-      if (mld[3 * s] == -INFINITY) continue;
-      o += exp2f(mld[3 * s] - big) * part_o[(row * n_splits + s) * D + c];
-    }
-    p.out[row * D + c] = o / l;
-  }
-  if (threadIdx.x == 0 && (p.meter != nullptr || p.a_minus_1 != nullptr)) {
-    // A - 1 = d / l, lifted by 2^-12 relative for the float sums over the splits and warps
-    // (docs/cuda.md); the meter min(1, (A^2 - 1) / 2) = min(1, (A - 1) + (A - 1)^2 / 2).
-    const double am1 = double(d) / double(l) * (1.0 + 1.0 / 4096.0);
-    const double meter = isfinite(am1) ? fmin(1.0, am1 + 0.5 * am1 * am1) : 1.0;
-    if (p.a_minus_1 != nullptr) p.a_minus_1[row] = float(am1);
-    if (p.meter != nullptr) p.meter[row] = float(meter);
-  }
+  write_split_partials<D, kWarps>(sh.u.merge, warp, lane, m_run, l_run, d_run, o_acc, group,
+                                  int64_t(b) * p.n_q_heads + int64_t(kv_head) * group, a.n_splits, split, a.part_mld,
+                                  a.part_o);
 }
 
 CudaStatus error(const std::string& message) {
@@ -1093,7 +912,8 @@ CudaStatus launch(const PagedDecodeParams& p, int n_splits) {
     configured = true;
   }
   split_kernel<D, F, kWithMeter><<<dim3(n_splits, p.n_kv_heads, p.batch), kThreads, smem, stream>>>(a);
-  merge_kernel<D><<<p.batch * p.n_q_heads, D, 0, stream>>>(p, n_splits, a.part_mld, a.part_o);
+  tile::merge_splits_kernel<D><<<p.batch * p.n_q_heads, D, 0, stream>>>(p.out, p.meter, p.a_minus_1, n_splits,
+                                                                          a.part_mld, a.part_o);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return internal(std::string("kernel launch failed: ") + cudaGetErrorString(e));
   return {};

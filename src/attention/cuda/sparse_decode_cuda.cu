@@ -1,0 +1,650 @@
+#include "attention/cuda/sparse_decode_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <string>
+
+#include "attention/cuda/tile_mma.cuh"
+#include "index/top_p.h"
+
+namespace certkv::attention::cuda {
+
+namespace {
+
+using namespace tile;
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kEstimateThreads = 128;
+constexpr int kTopPThreads = 1024;
+constexpr int kGapBuckets = index::kTopPGapCap + 1;
+constexpr int kCandidates = 4096;  // boundary-bucket logits held in shared memory
+constexpr float kLog2e = 1.4426950408889634f;
+
+// ---------------------------------------------------------------------------------------------
+// 1. The estimate: one thread per indexed token, every query head of its KV head.
+
+template <int D>
+__global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecodeParams p, float* logits) {
+  constexpr int W = (D + 63) / 64;
+  const int kv_head = blockIdx.y, b = blockIdx.z;
+  const int64_t t = int64_t(blockIdx.x) * kEstimateThreads + threadIdx.x;
+  const int64_t n = p.n_indexed[b];
+  if (t >= n) return;
+  const auto* rec = static_cast<const index::RabitqRecord<D>*>(p.records) +
+                    (int64_t(b) * p.n_kv_heads + kv_head) * p.record_stride + t;
+  uint64_t code[W];
+#pragma unroll
+  for (int w = 0; w < W; ++w) code[w] = rec->code[w];
+  const float alpha = rec->alpha, norm_k = rec->norm_k_centered, cq_dot_k = rec->cq_dot_k;
+  const float popcount = float(rec->code_popcount);
+  const int group = p.n_q_heads / p.n_kv_heads;
+  const float sqrt_d = sqrtf(float(D));
+  for (int g = 0; g < group; ++g) {
+    const int h = kv_head * group + g;
+    const DeviceRabitqQuery& q = p.queries[int64_t(b) * p.n_q_heads + h];
+    int32_t cb_dot_qu = 0;  // <c_b, q_u> = sum_b 2^b popcount(c_b & plane_b), exact
+#pragma unroll
+    for (int bit = 0; bit < index::kRabitqQueryBits; ++bit) {
+      int32_t count = 0;
+#pragma unroll
+      for (int w = 0; w < W; ++w) count += __popcll(code[w] & q.planes[bit][w]);
+      cb_dot_qu += count << bit;
+    }
+    // The float steps of index::rabitq_estimate_scores_popcount (Eq. 20, then Eq. 6).
+    const float query_term = __fsub_rn(-__fmul_rn(q.delta, float(q.sum_q_u)), __fmul_rn(float(D), q.q_l));
+    const float c_prime_dot_q_bar =
+        __fadd_rn(__fadd_rn(__fmul_rn(__fmul_rn(2.f, q.delta), float(cb_dot_qu)), __fmul_rn(__fmul_rn(2.f, q.q_l), popcount)),
+                  query_term);
+    const float bias = __fsub_rn(q.q_dot_ck, q.cq_dot_ck);
+    const float product = __fdiv_rn(__fmul_rn(__fmul_rn(__fdiv_rn(q.norm_q_centered, sqrt_d), norm_k), c_prime_dot_q_bar), alpha);
+    const float score = __fadd_rn(__fadd_rn(product, bias), cq_dot_k);
+    logits[(int64_t(b) * p.n_q_heads + h) * p.max_indexed + t] = __fmul_rn(score, p.sm_scale);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. The Top-p threshold: one CTA per (sequence, query head), the fixed-point selection of
+// index::top_p_select (gap buckets of 1/64 logit, integer weights, the boundary bucket's m-th
+// largest logit by radix selection).
+
+__device__ inline int gap_of(float l, float l_max) {
+  const float g = __fmul_rn(__fsub_rn(l_max, l), float(index::kTopPGapStepsPerLogit));
+  return g < float(index::kTopPGapCap) ? int(g) : index::kTopPGapCap;
+}
+
+// Order-preserving map of floats to unsigned integers (larger float, larger key).
+__device__ inline uint32_t ordered_key(float x) {
+  const uint32_t u = __float_as_uint(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ inline float key_to_float(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// ceil(p Z) as index::top_p_target_units: p = m 2^-shift, m < 2^53.
+__device__ inline uint64_t target_units(double p, uint64_t Z) {
+  int exponent = 0;
+  const double mantissa = frexp(p, &exponent);
+  const uint64_t m = uint64_t(ldexp(mantissa, 53));
+  const int shift = 53 - exponent;
+  if (shift >= 128) return 1;
+  const uint64_t lo = m * Z, hi = __umul64hi(m, Z);
+  uint64_t T, rem;
+  if (shift < 64) {
+    T = (hi << (64 - shift)) | (lo >> shift);
+    rem = lo & ((uint64_t(1) << shift) - 1);
+  } else {
+    T = shift == 64 ? hi : hi >> (shift - 64);
+    rem = lo | (shift == 64 ? 0 : hi & ((uint64_t(1) << (shift - 64)) - 1));
+  }
+  return T + (rem != 0 ? 1 : 0);
+}
+
+template <typename T, typename Op>
+__device__ inline T block_reduce(T v, Op op, T* scratch) {  // scratch: 32 entries
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  T r = scratch[0];
+  for (int w = 1; w < int(blockDim.x >> 5); ++w) r = op(r, scratch[w]);
+  return r;
+}
+
+struct TopPShared {
+  uint32_t hist[kGapBuckets];
+  float candidates[kCandidates];
+  uint32_t digits[256];
+  unsigned long long scan[32];
+  float fscratch[32];
+  unsigned long long uscratch[32];
+  int boundary;
+  uint64_t g_above;
+  uint32_t n_candidates;
+  uint32_t prefix, prefix_mask, needed;
+};
+
+__global__ void __launch_bounds__(kTopPThreads) top_p_kernel(SparseDecodeParams p, const float* logits, float* theta_out) {
+  __shared__ TopPShared sh;
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int64_t n = p.n_indexed[b];
+  const int64_t row = int64_t(b) * p.n_q_heads + h;
+  const float* l = logits + row * p.max_indexed;
+  const uint64_t* weight = p.topp_weights + int64_t(b) * kGapBuckets;
+  if (n == 0) {
+    if (threadIdx.x == 0) {
+      theta_out[row] = INFINITY;
+      if (p.threshold) p.threshold[row] = INFINITY;
+      if (p.n_selected) p.n_selected[row] = 0;
+      if (p.mass) p.mass[row] = 0.0;
+    }
+    return;
+  }
+  float mx = -INFINITY;
+  for (int64_t t = threadIdx.x; t < n; t += kTopPThreads) mx = fmaxf(mx, l[t]);
+  const float l_max = block_reduce(mx, [](float x, float y) { return fmaxf(x, y); }, sh.fscratch);
+
+  for (int a = threadIdx.x; a < kGapBuckets; a += kTopPThreads) sh.hist[a] = 0;
+  __syncthreads();
+  for (int64_t t = threadIdx.x; t < n; t += kTopPThreads) atomicAdd(&sh.hist[gap_of(l[t], l_max)], 1u);
+  __syncthreads();
+
+  // Bucket weights: thread i owns buckets [3 i, 3 i + 3); an exclusive scan over threads gives
+  // the weight of every bucket above (smaller gap).
+  constexpr int kPer = (kGapBuckets + kTopPThreads - 1) / kTopPThreads;
+  unsigned long long mine = 0;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int a = kPer * threadIdx.x + k;
+    if (a < kGapBuckets) mine += (unsigned long long)sh.hist[a] * weight[a];
+  }
+  unsigned long long incl = mine;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned long long y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) sh.scan[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    unsigned long long w = sh.scan[lane], wi = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned long long y = __shfl_up_sync(0xffffffffu, wi, o);
+      if (lane >= o) wi += y;
+    }
+    sh.scan[lane] = wi - w;  // exclusive warp offsets
+  }
+  __syncthreads();
+  // Z, the total weight (an exact integer sum in any order).
+  const unsigned long long Ztot = block_reduce(mine, [](unsigned long long x, unsigned long long y) { return x + y; },
+                                               sh.uscratch);
+  const uint64_t T = target_units(p.p, Ztot);
+  unsigned long long before = sh.scan[warp] + incl - mine;  // weight of every bucket above mine
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int a = kPer * threadIdx.x + k;
+    if (a >= kGapBuckets) break;
+    const unsigned long long bucket = (unsigned long long)sh.hist[a] * weight[a];
+    if (bucket != 0 && before < T && before + bucket >= T) {
+      sh.boundary = a;
+      sh.g_above = before;
+    }
+    before += bucket;
+  }
+  if (threadIdx.x == 0) sh.n_candidates = 0;
+  __syncthreads();
+  const int boundary = sh.boundary;
+  const uint64_t w = weight[boundary];
+  const uint32_t m = uint32_t((T - sh.g_above + w - 1) / w);  // tokens of the bucket still needed
+  const uint32_t in_boundary = sh.hist[boundary];
+  const bool in_shared = in_boundary <= uint32_t(kCandidates);
+  if (in_shared) {
+    for (int64_t t = threadIdx.x; t < n; t += kTopPThreads) {
+      const float x = l[t];
+      if (gap_of(x, l_max) == boundary) sh.candidates[atomicAdd(&sh.n_candidates, 1u)] = x;
+    }
+  }
+  if (threadIdx.x == 0) {
+    sh.prefix = 0;
+    sh.prefix_mask = 0;
+    sh.needed = m;
+  }
+  __syncthreads();
+  // Radix selection of the m-th largest key, 8 bits at a time from the top.
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int d = threadIdx.x; d < 256; d += kTopPThreads) sh.digits[d] = 0;
+    __syncthreads();
+    const uint32_t prefix = sh.prefix, prefix_mask = sh.prefix_mask;
+    if (in_shared) {
+      for (uint32_t i = threadIdx.x; i < in_boundary; i += kTopPThreads) {
+        const uint32_t k = ordered_key(sh.candidates[i]);
+        if ((k & prefix_mask) == prefix) atomicAdd(&sh.digits[(k >> shift) & 0xffu], 1u);
+      }
+    } else {
+      for (int64_t t = threadIdx.x; t < n; t += kTopPThreads) {
+        const float x = l[t];
+        if (gap_of(x, l_max) != boundary) continue;
+        const uint32_t k = ordered_key(x);
+        if ((k & prefix_mask) == prefix) atomicAdd(&sh.digits[(k >> shift) & 0xffu], 1u);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint32_t need = sh.needed;
+      int d = 255;
+      for (; d > 0; --d) {
+        if (sh.digits[d] >= need) break;
+        need -= sh.digits[d];
+      }
+      sh.needed = need;
+      sh.prefix = prefix | (uint32_t(d) << shift);
+      sh.prefix_mask = prefix_mask | (0xffu << shift);
+    }
+    __syncthreads();
+  }
+  const float theta = key_to_float(sh.prefix);
+  // Selected: every bucket above the boundary, and the boundary's logits >= theta.
+  unsigned long long above = 0;
+  for (int a = threadIdx.x; a < boundary; a += kTopPThreads) above += sh.hist[a];
+  uint32_t taken = 0;
+  if (in_shared) {
+    for (uint32_t i = threadIdx.x; i < in_boundary; i += kTopPThreads) taken += sh.candidates[i] >= theta;
+  } else {
+    for (int64_t t = threadIdx.x; t < n; t += kTopPThreads) {
+      const float x = l[t];
+      taken += gap_of(x, l_max) == boundary && x >= theta;
+    }
+  }
+  const unsigned long long total_above =
+      block_reduce(above, [](unsigned long long x, unsigned long long y) { return x + y; }, sh.uscratch);
+  const unsigned long long total_taken =
+      block_reduce((unsigned long long)taken, [](unsigned long long x, unsigned long long y) { return x + y; }, sh.uscratch);
+  if (threadIdx.x == 0) {
+    theta_out[row] = theta;
+    if (p.threshold) p.threshold[row] = theta;
+    if (p.n_selected) p.n_selected[row] = int64_t(total_above + total_taken);
+    if (p.mass) p.mass[row] = double(sh.g_above + total_taken * w) / double(Ztot);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Selection lists: per (sequence, KV head) and chunk of 1024 indexed tokens, in token order,
+// the tokens any head of the group selected, with the heads as bits 24..31.
+
+__global__ void __launch_bounds__(kSparseChunkTokens) select_kernel(SparseDecodeParams p, const float* logits,
+                                                                    const float* theta, uint32_t* entries,
+                                                                    int32_t* counts, int64_t n_chunks) {
+  __shared__ int32_t warp_counts[32];
+  const int chunk = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+  const int group = p.n_q_heads / p.n_kv_heads;
+  const int64_t t = int64_t(chunk) * kSparseChunkTokens + threadIdx.x;
+  uint32_t heads = 0;
+  if (t < p.n_indexed[b]) {
+    for (int g = 0; g < group; ++g) {
+      const int64_t row = int64_t(b) * p.n_q_heads + kv_head * group + g;
+      heads |= uint32_t(logits[row * p.max_indexed + t] >= theta[row]) << g;
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t ballot = __ballot_sync(0xffffffffu, heads != 0);
+  if (lane == 0) warp_counts[warp] = __popc(ballot);
+  __syncthreads();
+  int offset = 0, total = 0;
+  for (int w = 0; w < kSparseChunkTokens / 32; ++w) {
+    offset += w < warp ? warp_counts[w] : 0;
+    total += warp_counts[w];
+  }
+  const int64_t list = (int64_t(b) * p.n_kv_heads + kv_head) * n_chunks + chunk;
+  if (heads != 0)
+    entries[list * kSparseChunkTokens + offset + __popc(ballot & ((1u << lane) - 1u))] = uint32_t(t) | (heads << 24);
+  if (threadIdx.x == 0) counts[list] = total;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Attention over the lists and the window: each warp takes tiles of 16 entries, gathers their
+// K and V rows (cp.async, 16-byte pieces) into the tiles of tile_mma.cuh, masks (token, head)
+// pairs the head did not select, and runs the paged kernel's tile steps.
+
+template <int D>
+struct SparseShared {
+  union {
+    struct {
+      uint16_t k[2][kTileTokens][D + 8];
+      uint16_t v[2][kTileTokens][D + 8];
+    } tiles[kWarps];
+    WarpMerge<D, kWarps> merge;
+  } u;
+  int32_t tile_start[kWarps + 1];
+};
+
+struct AttendArgs {
+  SparseDecodeParams p;
+  const uint32_t* entries;
+  const int32_t* counts;
+  int64_t n_chunks;       // indexed chunks per list
+  int64_t window_chunks;  // chunks of the window after them
+  int n_splits;
+  float* part_mld;
+  float* part_o;
+};
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) attend_kernel(AttendArgs a) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  SparseShared<D>& sh = *reinterpret_cast<SparseShared<D>*>(smem_raw);
+  const SparseDecodeParams& p = a.p;
+  const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = p.n_q_heads / p.n_kv_heads;
+  const int64_t n_indexed = p.n_indexed[b];
+  const int64_t len = min(int64_t(p.seq_lens[b]), n_indexed + p.max_window);
+  const int64_t list = int64_t(b) * p.n_kv_heads + kv_head;
+  const int64_t all_chunks = a.n_chunks + a.window_chunks;
+  const int64_t per_split = (all_chunks + a.n_splits - 1) / a.n_splits;
+  const int64_t c_begin = int64_t(split) * per_split, c_end = min(all_chunks, c_begin + per_split);
+
+  // Entries of chunk c: the list's count, or the window's tokens past n_indexed.
+  auto chunk_count = [&](int64_t c) -> int32_t {
+    if (c < a.n_chunks) return a.counts[list * a.n_chunks + c];
+    const int64_t first = n_indexed + (c - a.n_chunks) * kSparseChunkTokens;
+    const int64_t left = len - first;
+    return int32_t(left <= 0 ? 0 : left < kSparseChunkTokens ? left : kSparseChunkTokens);
+  };
+  auto entry_of = [&](int64_t c, int32_t i) -> uint32_t {
+    if (c < a.n_chunks) return a.entries[(list * a.n_chunks + c) * kSparseChunkTokens + i];
+    return uint32_t(n_indexed + (c - a.n_chunks) * kSparseChunkTokens + i) | (0xffu << 24);
+  };
+
+  // Query fragments (Q^T as B operands) of the group's heads, rounded to bf16.
+  const int tq = lane >> 2, hq = lane & 3;
+  const float* qrow = p.q + (int64_t(b) * p.n_q_heads + int64_t(kv_head) * group + tq) * D;
+  uint32_t qb[D / 16][2];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const bool live = tq < group;
+    qb[kk][0] = pack2<false>(live ? qrow[16 * kk + 2 * hq] : 0.f, live ? qrow[16 * kk + 2 * hq + 1] : 0.f);
+    qb[kk][1] = pack2<false>(live ? qrow[16 * kk + 2 * hq + 8] : 0.f, live ? qrow[16 * kk + 2 * hq + 9] : 0.f);
+  }
+
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, d_run[2] = {0.f, 0.f};
+  float o_acc[D / 16][4];
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) o_acc[i][0] = o_acc[i][1] = o_acc[i][2] = o_acc[i][3] = 0.f;
+  const float log2_scale = p.sm_scale * kLog2e;
+  const int64_t table_row = list * p.table_stride;
+
+  // The warp's tiles: tile j of the split's concatenated chunks (tiles of 16 entries, a chunk's
+  // last tile partial), j = warp, warp + 4, ...; a cursor walks the chunks forward.
+  auto& tiles = sh.u.tiles[warp];
+  int64_t cur_chunk = c_begin;
+  int32_t cur_tiles_before = 0, cur_count = c_begin < c_end ? chunk_count(c_begin) : 0;
+  // Locates tile j (increasing calls): its chunk and its first entry; false past the split.
+  auto locate = [&](int32_t j, int64_t* c, int32_t* first, int32_t* n) -> bool {
+    while (cur_chunk < c_end) {
+      const int32_t nt = (cur_count + kTileTokens - 1) / kTileTokens;
+      if (j < cur_tiles_before + nt) {
+        *c = cur_chunk;
+        *first = (j - cur_tiles_before) * kTileTokens;
+        *n = min(kTileTokens, cur_count - *first);
+        return true;
+      }
+      cur_tiles_before += nt;
+      ++cur_chunk;
+      cur_count = cur_chunk < c_end ? chunk_count(cur_chunk) : 0;
+    }
+    return false;
+  };
+  // Stages the rows of a tile into buffer st: lane l copies half l % 2 of row l / 2 of K and V;
+  // returns this lane's row's head bits (0 for padding rows, which are zero-filled).
+  auto stage = [&](int64_t c, int32_t first, int32_t n, int st) -> uint32_t {
+    const int r = lane >> 1, half = lane & 1;
+    uint32_t e = 0;
+    if (r < n) e = entry_of(c, first + r);
+    const int64_t t = int64_t(e & 0xffffffu);
+    const int32_t kpage = r < n ? p.k_table[table_row + (t >> 4)] : 0;
+    const int32_t vpage = r < n ? p.v_table[table_row + (t >> 4)] : 0;
+    const bool ok = r < n && kpage >= 0 && kpage < p.n_k_pages && vpage >= 0 && vpage < p.n_v_pages;
+    const uint8_t* ksrc = p.k_pages + int64_t(ok ? kpage : 0) * p.k_page_stride + ((t & 15) * D + half * (D / 2)) * 2;
+    const uint8_t* vsrc = p.v_pages + int64_t(ok ? vpage : 0) * p.v_page_stride + ((t & 15) * D + half * (D / 2)) * 2;
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      cp_async16_zfill(&tiles.k[st][r][half * (D / 2) + 8 * i], ksrc + 16 * i, ok);
+      cp_async16_zfill(&tiles.v[st][r][half * (D / 2) + 8 * i], vsrc + 16 * i, ok);
+    }
+    return ok ? (e >> 24) : 0u;
+  };
+
+  int64_t c0 = 0, c1 = 0;
+  int32_t f0 = 0, n0 = 0, f1 = 0, n1 = 0;
+  bool have0 = locate(warp, &c0, &f0, &n0);
+  uint32_t heads0 = have0 ? stage(c0, f0, n0, 0) : 0u;
+  cp_async_commit();
+  bool have1 = have0 && locate(warp + kWarps, &c1, &f1, &n1);
+  uint32_t heads1 = have1 ? stage(c1, f1, n1, 1) : 0u;
+  cp_async_commit();
+  int32_t j = warp;
+  for (int i = 0; have0; ++i, j += kWarps) {
+    const int st = i & 1;
+    cp_async_wait<1>();
+    __syncwarp();
+    // Head bits of rows tq and tq + 8 (the lanes 2 tq, 2 (tq + 8) staged them).
+    const uint32_t heads_lo = __shfl_sync(0xffffffffu, heads0, 2 * tq);
+    const uint32_t heads_hi = __shfl_sync(0xffffffffu, heads0, 2 * tq + 16);
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    tile_scores<D, false>(tiles.k[st], qb, lane, s);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t hb = k < 2 ? heads_lo : heads_hi;
+      s[k] = (hb >> (2 * hq + (k & 1))) & 1u ? s[k] * log2_scale : -INFINITY;
+    }
+    float prob[4], rescale[2], m_new[2];
+    tile_softmax(s, m_run, l_run, prob, rescale, m_new);
+    tile_pv<D, false>(tiles.v[st], prob, rescale, lane, o_acc);
+    __syncwarp();
+    // Tile j + 2 kWarps into this buffer.
+    int64_t c2 = 0;
+    int32_t f2 = 0, n2 = 0;
+    const bool have2 = have1 && locate(j + 2 * kWarps, &c2, &f2, &n2);
+    const uint32_t heads2 = have2 ? stage(c2, f2, n2, st) : 0u;
+    cp_async_commit();
+    have0 = have1;
+    heads0 = heads1;
+    have1 = have2;
+    heads1 = heads2;
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the tiles are reused as the merge area
+  write_split_partials<D, kWarps>(sh.u.merge, warp, lane, m_run, l_run, d_run, o_acc, group,
+                                  int64_t(b) * p.n_q_heads + int64_t(kv_head) * group, a.n_splits, split, a.part_mld,
+                                  a.part_o);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+
+CudaStatus error(const std::string& message) {
+  return CudaStatus{false, StatusCode::kInvalidArgument, "cuda sparse decode: " + message};
+}
+CudaStatus unsupported(const std::string& message) {
+  return CudaStatus{false, StatusCode::kUnsupported, "cuda sparse decode: " + message};
+}
+
+struct Layout {
+  size_t logits = 0, theta = 0, entries = 0, counts = 0, mld = 0, o = 0, total = 0;
+  int64_t n_chunks = 0, window_chunks = 0;
+  int splits = 1;
+};
+
+size_t round256(size_t x) { return (x + 255) / 256 * 256; }
+
+Layout layout_of(const SparseDecodeParams& p, int splits) {
+  Layout l;
+  l.n_chunks = (p.max_indexed + kSparseChunkTokens - 1) / kSparseChunkTokens;
+  l.window_chunks = (p.max_window + kSparseChunkTokens - 1) / kSparseChunkTokens;
+  l.splits = splits;
+  const size_t rows = size_t(p.batch) * size_t(p.n_q_heads);
+  const size_t lists = size_t(p.batch) * size_t(p.n_kv_heads);
+  size_t at = 0;
+  l.logits = at;
+  at += round256(rows * size_t(std::max<int64_t>(p.max_indexed, 1)) * 4);
+  l.theta = at;
+  at += round256(rows * 4);
+  l.entries = at;
+  at += round256(lists * size_t(std::max<int64_t>(l.n_chunks, 1)) * kSparseChunkTokens * 4);
+  l.counts = at;
+  at += round256(lists * size_t(std::max<int64_t>(l.n_chunks, 1)) * 4);
+  l.mld = at;
+  at += round256(rows * size_t(splits) * 3 * 4);
+  l.o = at;
+  at += round256(rows * size_t(splits) * size_t(p.head_dim) * 4);
+  l.total = at;
+  return l;
+}
+
+template <int D>
+int resident_attend_ctas() {
+  static const int resident = [] {
+    int n = 0;
+    const size_t smem = sizeof(SparseShared<D>);
+    if (cudaFuncSetAttribute(attend_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attend_kernel<D>, kThreads, smem) != cudaSuccess) {
+      cudaGetLastError();
+      return 2;
+    }
+    return std::max(1, n);
+  }();
+  return resident;
+}
+
+template <int D>
+CudaStatus launch(const SparseDecodeParams& p, int splits) {
+  const Layout l = layout_of(p, splits);
+  char* base = static_cast<char*>(p.workspace);
+  float* logits = reinterpret_cast<float*>(base + l.logits);
+  float* theta = reinterpret_cast<float*>(base + l.theta);
+  uint32_t* entries = reinterpret_cast<uint32_t*>(base + l.entries);
+  int32_t* counts = reinterpret_cast<int32_t*>(base + l.counts);
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  if (p.max_indexed > 0) {
+    const dim3 grid_e(unsigned((p.max_indexed + kEstimateThreads - 1) / kEstimateThreads), unsigned(p.n_kv_heads),
+                      unsigned(p.batch));
+    estimate_kernel<D><<<grid_e, kEstimateThreads, 0, stream>>>(p, logits);
+  }
+  top_p_kernel<<<dim3(unsigned(p.n_q_heads), unsigned(p.batch)), kTopPThreads, 0, stream>>>(p, logits, theta);
+  if (l.n_chunks > 0)
+    select_kernel<<<dim3(unsigned(l.n_chunks), unsigned(p.n_kv_heads), unsigned(p.batch)), kSparseChunkTokens, 0,
+                    stream>>>(p, logits, theta, entries, counts, l.n_chunks);
+  AttendArgs a{p, entries, counts, l.n_chunks, l.window_chunks, splits,
+               reinterpret_cast<float*>(base + l.mld), reinterpret_cast<float*>(base + l.o)};
+  const size_t smem = sizeof(SparseShared<D>);
+  resident_attend_ctas<D>();  // sets the shared-memory attribute once
+  attend_kernel<D><<<dim3(unsigned(splits), unsigned(p.n_kv_heads), unsigned(p.batch)), kThreads, smem, stream>>>(a);
+  merge_splits_kernel<D><<<p.batch * p.n_q_heads, D, 0, stream>>>(p.out, nullptr, nullptr, splits, a.part_mld,
+                                                                   a.part_o);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return CudaStatus{false, StatusCode::kInternal, std::string("cuda sparse decode: launch failed: ") + cudaGetErrorString(e)};
+  return {};
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+int splits_of(const SparseDecodeParams& p) { return p.n_splits > 0 ? p.n_splits : choose_splits(p); }
+
+}  // namespace
+
+template <int D>
+DeviceRabitqQuery device_rabitq_query(const index::RabitqHead& head, const index::RabitqQuery<D>& query) {
+  static_assert(D <= 128, "two code words at most");
+  DeviceRabitqQuery q;
+  for (int b = 0; b < index::kRabitqQueryBits; ++b)
+    for (int w = 0; w < 2; ++w) q.planes[b][w] = w < index::RabitqQuery<D>::kWords ? query.bit_planes[b][w] : 0;
+  q.sum_q_u = query.sum_q_u;
+  q.delta = query.delta;
+  q.q_l = query.q_l;
+  q.norm_q_centered = query.norm_q_centered;
+  q.q_dot_ck = query.q_dot_ck;
+  q.cq_dot_ck = head.cq_dot_ck();
+  return q;
+}
+template DeviceRabitqQuery device_rabitq_query<64>(const index::RabitqHead&, const index::RabitqQuery<64>&);
+template DeviceRabitqQuery device_rabitq_query<128>(const index::RabitqHead&, const index::RabitqQuery<128>&);
+
+CudaStatus check(const SparseDecodeParams& p) {
+  if (p.head_dim != 64 && p.head_dim != 128)
+    return unsupported("head_dim " + std::to_string(p.head_dim) + " is unsupported (64 or 128)");
+  if (p.block_tokens != kTileTokens)
+    return unsupported("block_tokens " + std::to_string(p.block_tokens) + " is unsupported (16)");
+  if (p.n_q_heads <= 0 || p.n_kv_heads <= 0 || p.n_q_heads % p.n_kv_heads != 0)
+    return error("GQA ratio " + std::to_string(p.n_q_heads) + "/" + std::to_string(p.n_kv_heads) + " is not integral");
+  if (p.n_q_heads / p.n_kv_heads > kTileHeads)
+    return unsupported("GQA ratio " + std::to_string(p.n_q_heads / p.n_kv_heads) +
+                       " is unsupported (at most 8 query heads per KV head)");
+  if (p.batch < 1 || p.batch > 65535 || p.n_kv_heads > 65535 || p.n_q_heads > 65535)
+    return error("batch and head counts must be in [1, 65535]");
+  if (!(p.sm_scale > 0.f) || !std::isfinite(p.sm_scale)) return error("sm_scale must be positive and finite");
+  if (!(p.p > 0.0 && p.p <= 1.0)) return error("p must be in (0, 1]");
+  if (p.table_stride < 1 || p.max_seq_len < 1 || p.max_seq_len > p.table_stride * kTileTokens)
+    return error("max_seq_len " + std::to_string(p.max_seq_len) + " is outside the block tables");
+  if (p.max_seq_len >= (int64_t(1) << 24)) return unsupported("contexts of 2^24 tokens or more");
+  if (p.max_indexed < 0 || p.max_indexed > p.max_seq_len || p.max_indexed % kTileTokens != 0)
+    return error("max_indexed must be a multiple of 16 in [0, max_seq_len]");
+  if (p.max_window < 0 || p.max_window > p.max_seq_len) return error("max_window must be in [0, max_seq_len]");
+  if (p.max_indexed > 0 && (p.record_stride < p.max_indexed || !p.records || !aligned16(p.records)))
+    return error("the index needs 16-byte-aligned records with a stride of at least max_indexed");
+  if (!p.k_pages || !p.v_pages || !p.k_table || !p.v_table || !p.seq_lens || !p.n_indexed || !p.queries ||
+      !p.topp_weights || !p.q || !p.out)
+    return error("a device pointer is null");
+  if (!aligned16(p.k_pages) || !aligned16(p.v_pages) || p.k_page_stride % 16 != 0 || p.v_page_stride % 16 != 0)
+    return error("the page pool is misaligned (base and page stride must be multiples of 16 bytes)");
+  const int64_t page = int64_t(kTileTokens) * p.head_dim * 2;
+  if (p.k_page_stride < page || p.v_page_stride < page)
+    return error("page stride too small for bf16 pages (" + std::to_string(page) + " bytes)");
+  if (p.n_splits < 0) return error("n_splits must be >= 0");
+  if (!p.workspace || p.workspace_size < workspace_bytes(p) || !aligned16(p.workspace))
+    return error("workspace too small or misaligned (needs " + std::to_string(workspace_bytes(p)) + " bytes)");
+  return {};
+}
+
+int choose_splits(const SparseDecodeParams& p) {
+  int sms = 132, device = 0;
+  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int resident = p.head_dim == 64 ? resident_attend_ctas<64>() : resident_attend_ctas<128>();
+  const int64_t lists = int64_t(std::max(1, p.batch)) * std::max(1, p.n_kv_heads);
+  const int64_t chunks = (p.max_indexed + kSparseChunkTokens - 1) / kSparseChunkTokens +
+                         (p.max_window + kSparseChunkTokens - 1) / kSparseChunkTokens;
+  // One wave of resident CTAs, and at least 4 chunks per split (a chunk's selected tokens fill a
+  // few tiles, so fewer chunks would leave the CTA's warps idle).
+  int64_t splits = std::max<int64_t>(1, int64_t(sms) * resident / lists);
+  splits = std::min<int64_t>(splits, std::max<int64_t>(1, (chunks + 3) / 4));
+  return int(std::min<int64_t>(splits, 65535));
+}
+
+size_t workspace_bytes(const SparseDecodeParams& p) { return layout_of(p, splits_of(p)).total; }
+
+CudaStatus sparse_decode(const SparseDecodeParams& p) {
+  const CudaStatus s = check(p);
+  if (!s.ok) return s;
+  const int splits = splits_of(p);
+  return p.head_dim == 64 ? launch<64>(p, splits) : launch<128>(p, splits);
+}
+
+const float* estimated_logits(const SparseDecodeParams& p) {
+  return reinterpret_cast<const float*>(static_cast<const char*>(p.workspace) + layout_of(p, splits_of(p)).logits);
+}
+const uint32_t* selection_entries(const SparseDecodeParams& p) {
+  return reinterpret_cast<const uint32_t*>(static_cast<const char*>(p.workspace) + layout_of(p, splits_of(p)).entries);
+}
+const int32_t* selection_counts(const SparseDecodeParams& p) {
+  return reinterpret_cast<const int32_t*>(static_cast<const char*>(p.workspace) + layout_of(p, splits_of(p)).counts);
+}
+int64_t selection_chunks(const SparseDecodeParams& p) { return layout_of(p, splits_of(p)).n_chunks; }
+
+}  // namespace certkv::attention::cuda

@@ -1,0 +1,92 @@
+// Sparse decode attention on the GPU (DESIGN.md section 5; docs/sparse.md, docs/cuda.md): per
+// decode step and query head, the RaBitQ index scan (binary key codes x the 4-bit query by
+// popcounts, Eq. 20 and Eq. 6), the Top-p threshold over those estimated logits (the fixed-point
+// selection of index/top_p.h, the same set as index::top_p_select on the same logits), and
+// attention over the selected tokens of the indexed prefix plus every token of the local window,
+// gathered row by row from bf16 pages onto the tensor-core tiles of the paged kernel.
+//
+// Launches (one stream): estimate -> Top-p threshold -> selection lists -> attention splits ->
+// merge. The query's rotation and 4-bit quantization are the caller's (index::rabitq_quantize_query
+// on the host; device_rabitq_query converts it).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "attention/cuda/paged_decode_cuda.h"
+#include "index/rabitq.h"
+
+namespace certkv::attention::cuda {
+
+// One query head's RaBitQ state as the estimate reads it: index::RabitqQuery without its levels,
+// and the KV head's <c_q, c_k>. Words past the head dim are 0.
+struct DeviceRabitqQuery {
+  uint64_t planes[index::kRabitqQueryBits][2];
+  int32_t sum_q_u = 0;
+  float delta = 0, q_l = 0, norm_q_centered = 0, q_dot_ck = 0, cq_dot_ck = 0;
+};
+
+template <int D>
+DeviceRabitqQuery device_rabitq_query(const index::RabitqHead& head, const index::RabitqQuery<D>& query);
+
+// Tokens of the selection lists per chunk of the indexed prefix.
+inline constexpr int kSparseChunkTokens = 1024;
+
+struct SparseDecodeParams {
+  int batch = 0, n_q_heads = 0, n_kv_heads = 0, head_dim = 0;  // head_dim 64 or 128
+  int block_tokens = 16;
+  float sm_scale = 0.f;
+  double p = 0.9;  // Top-p mass, in (0, 1]
+
+  // bf16 KV pages and block tables, as in PagedDecodeParams (format kBf16).
+  const uint8_t* k_pages = nullptr;
+  const uint8_t* v_pages = nullptr;
+  int64_t k_page_stride = 0, v_page_stride = 0, n_k_pages = 0, n_v_pages = 0;
+  const int32_t* k_table = nullptr;  // [batch][n_kv_heads][table_stride]
+  const int32_t* v_table = nullptr;
+  int64_t table_stride = 0;
+  const int32_t* seq_lens = nullptr;  // [batch]
+  int64_t max_seq_len = 0;
+
+  // The index: tokens [0, n_indexed[b]) of sequence b have records
+  // records[(b * n_kv_heads + kv_head) * record_stride + t] (index::RabitqRecord<head_dim>);
+  // tokens [n_indexed[b], seq_lens[b]) are the window, attended exactly.
+  const void* records = nullptr;
+  int64_t record_stride = 0;
+  const int32_t* n_indexed = nullptr;  // [batch], multiples of block_tokens
+  int64_t max_indexed = 0;             // >= every n_indexed[b]
+  int64_t max_window = 0;              // >= every seq_lens[b] - n_indexed[b]
+  const DeviceRabitqQuery* queries = nullptr;  // [batch][n_q_heads]
+  // [batch][index::kTopPGapCap + 1]: index::top_p_weight_table(n_indexed[b]) (any row where
+  // n_indexed[b] == 0).
+  const uint64_t* topp_weights = nullptr;
+
+  const float* q = nullptr;  // [batch][n_q_heads][head_dim]
+  float* out = nullptr;      // [batch][n_q_heads][head_dim]
+  // Optional, per (sequence, query head): theta (selected: estimated logit >= theta; +inf when
+  // nothing is indexed), tokens selected from the indexed prefix, the estimated mass of the set.
+  float* threshold = nullptr;
+  int64_t* n_selected = nullptr;
+  double* mass = nullptr;
+
+  int n_splits = 0;  // 0: chosen (one wave of resident CTAs)
+  void* workspace = nullptr;
+  size_t workspace_size = 0;
+  void* stream = nullptr;  // cudaStream_t
+};
+
+// Refuses bad shapes and buffers with a status and a message before any launch.
+CudaStatus check(const SparseDecodeParams& params);
+int choose_splits(const SparseDecodeParams& params);
+size_t workspace_bytes(const SparseDecodeParams& params);
+CudaStatus sparse_decode(const SparseDecodeParams& params);
+// After sparse_decode (stream order): the estimated logits in the workspace,
+// [batch][n_q_heads][max_indexed] (scores times sm_scale), and the selection lists
+// ([batch][n_kv_heads][chunks][kSparseChunkTokens] entries token | heads << 24, counts
+// [batch][n_kv_heads][chunks]) for tests and telemetry.
+const float* estimated_logits(const SparseDecodeParams& params);
+const uint32_t* selection_entries(const SparseDecodeParams& params);
+const int32_t* selection_counts(const SparseDecodeParams& params);
+int64_t selection_chunks(const SparseDecodeParams& params);
+
+}  // namespace certkv::attention::cuda

@@ -1,0 +1,367 @@
+// The sparse decode path on the GPU against the CPU: estimated logits against
+// index::rabitq_estimate_scores_popcount, the threshold and the selected set against
+// index::top_p_select and top_p_select_ref run on the device's own logits (the same set, exactly),
+// the selection lists against the masks, and the output against double attention over the
+// selected tokens plus the window; p = 1 against dense attention; a boundary bucket too large for
+// shared memory; refusals. Ragged batches (nothing indexed, all indexed, windows of 1 to 300
+// tokens) and GQA 1, 4, 7, 8. Needs a CUDA device.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "attention/cuda/device_kv.h"
+#include "attention/cuda/sparse_decode_cuda.h"
+#include "format/numeric.h"
+#include "index/rabitq.h"
+#include "index/rotation.h"
+#include "index/top_p.h"
+
+namespace certkv::attention::cuda {
+namespace {
+
+using cache::cuda::DeviceBuffer;
+
+struct SparseCase {
+  int head_dim, n_q_heads, n_kv_heads;
+  std::vector<int> lens, n_indexed;
+  double p;
+  uint32_t seed;
+  bool flat_keys = false;  // every key equal: all logits tie (one gap bucket of every token)
+};
+
+struct Host {
+  HostLayerKv kv;
+  std::vector<float> q;  // [batch][n_q][D], rounded to bf16
+};
+
+// Keys with a few strong directions so that attention is peaked the way real heads are, values
+// random; queries near some keys.
+Host make_inputs(const SparseCase& c) {
+  std::mt19937 rng(c.seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const int B = int(c.lens.size()), H = c.n_kv_heads, D = c.head_dim;
+  Host h;
+  h.kv.batch = B;
+  h.kv.n_kv_heads = H;
+  h.kv.head_dim = D;
+  for (int len : c.lens) h.kv.lens.push_back(len);
+  std::vector<float> directions(size_t(8) * D);
+  for (float& x : directions) x = normal(rng);
+  for (int b = 0; b < B; ++b) {
+    const size_t n = size_t(H) * size_t(c.lens[size_t(b)]) * D;
+    h.kv.k.emplace_back(n);
+    h.kv.v.emplace_back(n);
+    for (size_t i = 0; i < n; i += size_t(D)) {
+      const int dir = int(rng() % 8);
+      const float weight = (rng() % 16 == 0) ? 3.f : 0.3f;
+      for (int d = 0; d < D; ++d) {
+        const float key = c.flat_keys ? directions[size_t(d)] : weight * directions[size_t(dir) * D + d] + normal(rng);
+        h.kv.k[size_t(b)][i + size_t(d)] = format::float_to_bf16(key);
+        h.kv.v[size_t(b)][i + size_t(d)] = format::float_to_bf16(normal(rng));
+      }
+    }
+  }
+  h.q.resize(size_t(B) * c.n_q_heads * D);
+  for (size_t i = 0; i < h.q.size(); i += size_t(D)) {
+    const int dir = int(rng() % 8);
+    for (int d = 0; d < D; ++d)
+      h.q[i + size_t(d)] = format::bf16_to_float(format::float_to_bf16(1.5f * directions[size_t(dir) * D + d] + normal(rng)));
+  }
+  return h;
+}
+
+template <int D>
+struct SparseRun {
+  std::vector<float> out, logits, threshold;
+  std::vector<int64_t> n_selected;
+  std::vector<uint32_t> entries;
+  std::vector<int32_t> counts;
+  int64_t chunks = 0, max_indexed = 0;
+  // host references
+  std::vector<std::vector<float>> cpu_scores;  // [b * n_q + h][n_indexed]
+  CudaStatus status;
+};
+
+template <int D>
+SparseRun<D> run(const SparseCase& c, const Host& h) {
+  SparseRun<D> r;
+  const int B = int(c.lens.size()), H = c.n_kv_heads, Hq = c.n_q_heads, G = Hq / H;
+  const float scale = 1.f / std::sqrt(float(D));
+  DeviceKvOptions opt;
+  DeviceKv dkv;
+  r.status = DeviceKv::build(h.kv, opt, &dkv);
+  if (!r.status.ok) return r;
+  PagedDecodeParams pp;
+  dkv.describe(&pp);
+
+  int64_t max_indexed = 0, max_window = 0;
+  for (int b = 0; b < B; ++b) {
+    max_indexed = std::max<int64_t>(max_indexed, c.n_indexed[size_t(b)]);
+    max_window = std::max<int64_t>(max_window, c.lens[size_t(b)] - c.n_indexed[size_t(b)]);
+  }
+  r.max_indexed = max_indexed;
+  const int64_t stride = std::max<int64_t>(max_indexed, 16);
+  std::vector<index::RabitqRecord<D>> records(size_t(B) * H * size_t(stride));
+  std::vector<DeviceRabitqQuery> queries(size_t(B) * Hq);
+  std::vector<uint64_t> weights(size_t(B) * (index::kTopPGapCap + 1), 1);
+  r.cpu_scores.resize(size_t(B) * Hq);
+  for (int b = 0; b < B; ++b) {
+    const int len = c.lens[size_t(b)], n = c.n_indexed[size_t(b)];
+    if (n > 0) {
+      const std::vector<uint64_t>& w = index::top_p_weight_table(n);
+      std::copy(w.begin(), w.end(), weights.begin() + size_t(b) * (index::kTopPGapCap + 1));
+    }
+    for (int kvh = 0; kvh < H; ++kvh) {
+      std::vector<float> keys(static_cast<size_t>(len) * D), c_k(static_cast<size_t>(D), 0.f), c_q(static_cast<size_t>(D), 0.f);
+      for (size_t i = 0; i < keys.size(); ++i)
+        keys[i] = format::bf16_to_float(h.kv.k[size_t(b)][size_t(kvh) * size_t(len) * D + i]);
+      for (int t = 0; t < std::max(n, 1); ++t)
+        for (int d = 0; d < D; ++d) c_k[size_t(d)] += keys[size_t(t) * D + size_t(d)] / float(std::max(n, 1));
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d) c_q[size_t(d)] += h.q[(size_t(b) * Hq + size_t(kvh) * G + g) * D + size_t(d)] / float(G);
+      const index::RabitqHead head(c_q, c_k, index::Rotation(index::RotationKind::kHaar, D, 7 + uint64_t(kvh)));
+      index::RabitqRecord<D>* rec = records.data() + (size_t(b) * H + size_t(kvh)) * size_t(stride);
+      if (n > 0) index::rabitq_encode_keys<D>(head, keys.data(), n, rec);
+      for (int g = 0; g < G; ++g) {
+        const int hh = kvh * G + g;
+        const float* qv = h.q.data() + (size_t(b) * Hq + size_t(hh)) * D;
+        const index::RabitqQuery<D> query = index::rabitq_quantize_query<D>(head, qv, 1000 + uint64_t(hh));
+        queries[size_t(b) * Hq + size_t(hh)] = device_rabitq_query<D>(head, query);
+        std::vector<float>& scores = r.cpu_scores[size_t(b) * Hq + size_t(hh)];
+        scores.assign(size_t(n), 0.f);
+        if (n > 0) index::rabitq_estimate_scores_popcount<D>(head, query, rec, n, scores.data());
+      }
+    }
+  }
+
+  DeviceBuffer rec_d, q_rab_d, w_d, nidx_d, q_d, out_d, thr_d, nsel_d, ws_d;
+  std::vector<int32_t> nidx(c.n_indexed.begin(), c.n_indexed.end());
+  bool ok = DeviceBuffer::allocate(records.size() * sizeof(records[0]), &rec_d).ok &&
+            rec_d.upload(0, records.data(), records.size() * sizeof(records[0])).ok &&
+            DeviceBuffer::allocate(queries.size() * sizeof(queries[0]), &q_rab_d).ok &&
+            q_rab_d.upload(0, queries.data(), queries.size() * sizeof(queries[0])).ok &&
+            DeviceBuffer::allocate(weights.size() * 8, &w_d).ok && w_d.upload(0, weights.data(), weights.size() * 8).ok &&
+            DeviceBuffer::allocate(nidx.size() * 4, &nidx_d).ok && nidx_d.upload(0, nidx.data(), nidx.size() * 4).ok &&
+            DeviceBuffer::allocate(h.q.size() * 4, &q_d).ok && q_d.upload(0, h.q.data(), h.q.size() * 4).ok &&
+            DeviceBuffer::allocate(h.q.size() * 4, &out_d).ok && DeviceBuffer::allocate(size_t(B) * Hq * 4, &thr_d).ok &&
+            DeviceBuffer::allocate(size_t(B) * Hq * 8, &nsel_d).ok;
+  EXPECT_TRUE(ok);
+  SparseDecodeParams p;
+  p.batch = B;
+  p.n_q_heads = Hq;
+  p.n_kv_heads = H;
+  p.head_dim = D;
+  p.sm_scale = scale;
+  p.p = c.p;
+  p.k_pages = pp.k_pages;
+  p.v_pages = pp.v_pages;
+  p.k_page_stride = pp.k_page_stride;
+  p.v_page_stride = pp.v_page_stride;
+  p.n_k_pages = pp.n_k_pages;
+  p.n_v_pages = pp.n_v_pages;
+  p.k_table = pp.k_table;
+  p.v_table = pp.v_table;
+  p.table_stride = pp.table_stride;
+  p.seq_lens = pp.seq_lens;
+  p.max_seq_len = pp.max_seq_len;
+  p.records = rec_d.data();
+  p.record_stride = stride;
+  p.n_indexed = reinterpret_cast<const int32_t*>(nidx_d.data());
+  p.max_indexed = max_indexed;
+  p.max_window = max_window;
+  p.queries = reinterpret_cast<const DeviceRabitqQuery*>(q_rab_d.data());
+  p.topp_weights = reinterpret_cast<const uint64_t*>(w_d.data());
+  p.q = reinterpret_cast<const float*>(q_d.data());
+  p.out = reinterpret_cast<float*>(out_d.data());
+  p.threshold = reinterpret_cast<float*>(thr_d.data());
+  p.n_selected = reinterpret_cast<int64_t*>(nsel_d.data());
+  const size_t ws = workspace_bytes(p);
+  EXPECT_TRUE(DeviceBuffer::allocate(ws, &ws_d).ok);
+  p.workspace = ws_d.data();
+  p.workspace_size = ws;
+  std::vector<float> poison(h.q.size(), std::nanf(""));
+  EXPECT_TRUE(out_d.upload(0, poison.data(), poison.size() * 4).ok);
+  r.status = sparse_decode(p);
+  if (!r.status.ok) return r;
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  r.out.resize(h.q.size());
+  r.threshold.resize(size_t(B) * Hq);
+  r.n_selected.resize(size_t(B) * Hq);
+  r.logits.resize(size_t(B) * Hq * size_t(std::max<int64_t>(max_indexed, 1)));
+  r.chunks = selection_chunks(p);
+  r.entries.resize(size_t(B) * H * size_t(std::max<int64_t>(r.chunks, 1)) * kSparseChunkTokens);
+  r.counts.resize(size_t(B) * H * size_t(std::max<int64_t>(r.chunks, 1)));
+  EXPECT_TRUE(out_d.download(0, r.out.data(), r.out.size() * 4).ok);
+  EXPECT_TRUE(thr_d.download(0, r.threshold.data(), r.threshold.size() * 4).ok);
+  EXPECT_TRUE(nsel_d.download(0, r.n_selected.data(), r.n_selected.size() * 8).ok);
+  EXPECT_EQ(cudaMemcpy(r.logits.data(), estimated_logits(p), size_t(B) * Hq * size_t(max_indexed) * 4,
+                       cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  if (r.chunks > 0) {
+    EXPECT_EQ(cudaMemcpy(r.entries.data(), selection_entries(p), r.entries.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(r.counts.data(), selection_counts(p), r.counts.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+  return r;
+}
+
+// Checks one case end to end; dense: also compares with attention over every token (p = 1).
+template <int D>
+void check_case(const SparseCase& c, bool dense_too = false) {
+  SCOPED_TRACE("D " + std::to_string(D) + " " + std::to_string(c.n_q_heads) + "/" + std::to_string(c.n_kv_heads) +
+               " p " + std::to_string(c.p) + " seed " + std::to_string(c.seed));
+  const Host h = make_inputs(c);
+  const SparseRun<D> r = run<D>(c, h);
+  ASSERT_TRUE(r.status.ok) << r.status.message;
+  const int B = int(c.lens.size()), H = c.n_kv_heads, Hq = c.n_q_heads, G = Hq / H;
+  const float scale = 1.f / std::sqrt(float(D));
+  for (int b = 0; b < B; ++b) {
+    const int len = c.lens[size_t(b)], n = c.n_indexed[size_t(b)];
+    std::vector<std::vector<uint8_t>> masks(static_cast<size_t>(G));
+    for (int hh = 0; hh < Hq; ++hh) {
+      const size_t row = size_t(b) * Hq + size_t(hh);
+      const float* gl = r.logits.data() + row * size_t(r.max_indexed);
+      // 1. The estimate: the CPU's popcount scores times the scale (float rounding apart).
+      for (int t = 0; t < n; ++t) {
+        const float want = r.cpu_scores[row][size_t(t)] * scale;
+        ASSERT_NEAR(gl[t], want, 1e-5f * (1.f + std::fabs(want))) << "seq " << b << " head " << hh << " token " << t;
+      }
+      // 2. Top-p on the device's logits: the same threshold and set as both CPU selections.
+      std::vector<uint8_t>& mask = masks[size_t(hh % G)];
+      mask.assign(size_t(n), 0);
+      if (n == 0) {
+        EXPECT_TRUE(std::isinf(r.threshold[row]));
+        EXPECT_EQ(r.n_selected[row], 0);
+        continue;
+      }
+      std::vector<uint8_t> mask_ref(static_cast<size_t>(n));
+      const index::TopPSelection sel = index::top_p_select(gl, n, c.p, mask.data());
+      const index::TopPSelection sel_ref = index::top_p_select_ref(gl, n, c.p, mask_ref.data());
+      EXPECT_EQ(r.threshold[row], sel.threshold) << "seq " << b << " head " << hh;
+      EXPECT_EQ(r.threshold[row], sel_ref.threshold);
+      EXPECT_EQ(r.n_selected[row], sel.n_selected) << "seq " << b << " head " << hh;
+      EXPECT_EQ(mask, mask_ref);
+      if (c.p == 1.0) EXPECT_EQ(sel.n_selected, n);
+    }
+    // 3. The lists of each KV head: the tokens any head selected, in order, with their heads.
+    for (int kvh = 0; kvh < H; ++kvh) {
+      std::vector<uint32_t> want, got;
+      for (int t = 0; t < n; ++t) {
+        uint32_t heads = 0;
+        for (int g = 0; g < G; ++g) {
+          const size_t row = size_t(b) * Hq + size_t(kvh) * G + g;
+          heads |= uint32_t(r.logits[row * size_t(r.max_indexed) + size_t(t)] >= r.threshold[row]) << g;
+        }
+        if (heads) want.push_back(uint32_t(t) | (heads << 24));
+      }
+      for (int64_t ch = 0; ch < r.chunks; ++ch) {
+        const size_t list = (size_t(b) * H + size_t(kvh)) * size_t(r.chunks) + size_t(ch);
+        for (int i = 0; i < r.counts[list]; ++i) got.push_back(r.entries[list * kSparseChunkTokens + size_t(i)]);
+      }
+      EXPECT_EQ(got, want) << "seq " << b << " kv head " << kvh;
+    }
+    // 4. The output: double attention over each head's selected tokens and the window.
+    for (int hh = 0; hh < Hq; ++hh) {
+      const int kvh = hh / G;
+      const float* q = h.q.data() + (size_t(b) * Hq + size_t(hh)) * D;
+      const size_t row = size_t(b) * Hq + size_t(hh);
+      auto attend = [&](bool every) {
+        std::vector<double> s(static_cast<size_t>(len), -INFINITY), o(static_cast<size_t>(D), 0.0);
+        double mx = -INFINITY;
+        for (int t = 0; t < len; ++t) {
+          const bool take = every || t >= n || r.logits[row * size_t(r.max_indexed) + size_t(t)] >= r.threshold[row];
+          if (!take) continue;
+          double dot = 0;
+          for (int d = 0; d < D; ++d)
+            dot += double(q[d]) * format::bf16_to_float(h.kv.k[size_t(b)][(size_t(kvh) * size_t(len) + size_t(t)) * D + size_t(d)]);
+          s[size_t(t)] = dot * scale;
+          mx = std::max(mx, s[size_t(t)]);
+        }
+        double l = 0;
+        for (int t = 0; t < len; ++t) {
+          if (s[size_t(t)] == -INFINITY) continue;
+          const double w = std::exp(s[size_t(t)] - mx);
+          l += w;
+          for (int d = 0; d < D; ++d)
+            o[size_t(d)] += w * format::bf16_to_float(h.kv.v[size_t(b)][(size_t(kvh) * size_t(len) + size_t(t)) * D + size_t(d)]);
+        }
+        for (double& x : o) x /= l;
+        return o;
+      };
+      const std::vector<double> ref = attend(false);
+      double num = 0, den = 0;
+      for (int d = 0; d < D; ++d) {
+        const double got = r.out[row * D + size_t(d)];
+        ASSERT_TRUE(std::isfinite(got)) << "seq " << b << " head " << hh << " dim " << d;
+        num += (got - ref[size_t(d)]) * (got - ref[size_t(d)]);
+        den += ref[size_t(d)] * ref[size_t(d)];
+      }
+      EXPECT_LT(std::sqrt(num / den), 4e-3) << "seq " << b << " head " << hh;
+      if (dense_too) {
+        const std::vector<double> dense = attend(true);
+        double dn = 0, dd = 0;
+        for (int d = 0; d < D; ++d) {
+          dn += (r.out[row * D + size_t(d)] - dense[size_t(d)]) * (r.out[row * D + size_t(d)] - dense[size_t(d)]);
+          dd += dense[size_t(d)] * dense[size_t(d)];
+        }
+        EXPECT_LT(std::sqrt(dn / dd), 4e-3) << "p = 1 against dense, seq " << b << " head " << hh;
+      }
+    }
+  }
+}
+
+TEST(SparseDecodeCuda, RaggedBatchesMatchTheCpuSelectionAndAttention) {
+  check_case<128>({128, 32, 8, {4096 + 100, 2000}, {4096, 1792}, 0.9, 1});
+  check_case<128>({128, 28, 4, {17, 3000, 16 * 300 + 1}, {0, 2816, 16 * 300}, 0.9, 2});
+  check_case<64>({64, 7, 7, {1500, 64}, {1280, 48}, 0.95, 3});
+  check_case<64>({64, 9, 3, {9000}, {8960}, 0.5, 4});
+  check_case<128>({128, 8, 1, {2048, 333}, {1920, 320}, 0.99, 5});
+}
+
+TEST(SparseDecodeCuda, PEqualOneIsDenseAttention) {
+  check_case<128>({128, 16, 4, {3000, 517}, {2880, 512}, 1.0, 6}, true);
+  check_case<64>({64, 6, 2, {1200}, {1024}, 1.0, 7}, true);
+}
+
+TEST(SparseDecodeCuda, ABoundaryBucketLargerThanSharedMemory) {
+  // Every key the same: every logit ties, so the boundary bucket holds all 6,000+ tokens and the
+  // radix selection reads them from global memory; ties at theta are all selected.
+  SparseCase c{128, 8, 2, {6400 + 50}, {6400}, 0.9, 8};
+  c.flat_keys = true;
+  check_case<128>(c);
+}
+
+TEST(SparseDecodeCuda, BadInputIsRefused) {
+  SparseDecodeParams p;
+  p.batch = 1;
+  p.n_q_heads = 8;
+  p.n_kv_heads = 2;
+  p.head_dim = 96;
+  p.sm_scale = 0.1f;
+  EXPECT_EQ(check(p).code, StatusCode::kUnsupported);
+  p.head_dim = 128;
+  p.n_q_heads = 18;
+  EXPECT_EQ(check(p).code, StatusCode::kUnsupported);  // 9 query heads per KV head
+  p.n_q_heads = 7;
+  EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument);  // not integral
+  p.n_q_heads = 8;
+  p.p = 0.0;
+  p.table_stride = 16;
+  p.max_seq_len = 256;
+  EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument);
+  p.p = 1.5;
+  EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument);
+  p.p = 0.9;
+  p.max_indexed = 100;  // not a multiple of 16
+  EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument);
+  p.max_indexed = 128;
+  EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument);  // null pointers
+  EXPECT_NE(check(p).message.find("cuda sparse decode"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace certkv::attention::cuda

@@ -1,0 +1,262 @@
+// Tensor-core tiles of decode attention, shared by the paged kernel (paged_decode_cuda.cu) and the
+// sparse kernel (sparse_decode_cuda.cu): the mma / ldmatrix / movmatrix / cp.async primitives, the
+// three steps of attending one 16-token tile (scores, online softmax, P V) in the layout where the
+// tile's tokens are the 16 rows of mma.m16n8k16 and the query heads of one KV head its 8 columns,
+// the merge of a CTA's warps into per-split partials, and the kernel that merges the splits.
+//
+// Lane l of a warp holds tokens tq = l / 4 and tq + 8 of the tile and heads 2 hq, 2 hq + 1
+// (hq = l % 4): scores s[0], s[1] (token tq), s[2], s[3] (token tq + 8); output accumulators
+// o[pp][0..1] (channel 16 pp + tq), o[pp][2..3] (channel 16 pp + tq + 8), heads 2 hq + e.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace certkv::attention::cuda::tile {
+
+inline constexpr int kTileTokens = 16;
+inline constexpr int kTileHeads = 8;  // query heads of one KV head: the 8 columns
+
+template <bool kHalf>
+__device__ inline void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (kHalf) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// The transpose of an 8 x 8 matrix of 16-bit elements held in the accumulator layout (lane l:
+// row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1).
+__device__ inline uint32_t transpose8x8(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+__device__ inline void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  const uint32_t a = uint32_t(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
+
+__device__ inline void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
+  const uint32_t a = uint32_t(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
+
+template <bool kHalf>
+__device__ inline uint32_t pack2(float lo, float hi) {
+  if constexpr (kHalf) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+template <bool kHalf>
+__device__ inline float round_to_element(float x) {
+  if constexpr (kHalf) return __half2float(__float2half_rn(x));
+  else return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+__device__ inline float fp16_bits_to_float(uint32_t bits) {
+  return __half2float(__ushort_as_half(uint16_t(bits)));
+}
+
+__device__ inline void cp_async16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(uint32_t(__cvta_generic_to_shared(smem))), "l"(gmem)
+               : "memory");
+}
+// 16 bytes, or 16 zero bytes when !copy (nothing is read from gmem then).
+__device__ inline void cp_async16_zfill(void* smem, const void* gmem, bool copy) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(uint32_t(__cvta_generic_to_shared(smem))),
+               "l"(gmem), "r"(copy ? 16 : 0)
+               : "memory");
+}
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ inline void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Scores S^T = K Q^T of one tile (fp32, unscaled). tile_k: [16][D + 8] elements; qb: Q^T as B
+// operands (channels 2 hq, 2 hq + 1 (+ 8) of head tq, per 16-channel step).
+template <int D, bool kHalf>
+__device__ inline void tile_scores(const uint16_t (*tile_k)[D + 8], const uint32_t (&qb)[D / 16][2], int lane,
+                                   float (&s)[4]) {
+  const int ld_token = ((lane >> 3) & 1) * 8 + (lane & 7);  // ldmatrix row address of this lane
+  const int ld_dim = (lane >> 4) * 8;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t r[4];
+    ldsm_x4(r, &tile_k[ld_token][16 * kk + ld_dim]);
+    mma16816<kHalf>(s, r, qb[kk][0], qb[kk][1]);
+  }
+}
+
+// Online softmax (base 2) over one tile, per head 2 hq + e: s are logits in log2 units, -inf where
+// masked. Updates the running max and this lane's partial sum, returns the probabilities, the
+// rescale of the earlier state, and the new max (per head).
+__device__ inline void tile_softmax(const float (&s)[4], float (&m_run)[2], float (&l_run)[2], float (&prob)[4],
+                                    float (&rescale)[2], float (&m_new)[2]) {
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    float mx = fmaxf(s[e], s[2 + e]);
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+    m_new[e] = fmaxf(m_run[e], mx);
+    rescale[e] = m_run[e] == -INFINITY ? 0.f : exp2f(m_run[e] - m_new[e]);
+    float l_add = 0.f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int k = 2 * j + e;
+      prob[k] = s[k] == -INFINITY ? 0.f : exp2f(s[k] - m_new[e]);
+      l_add += prob[k];
+    }
+    l_run[e] = l_run[e] * rescale[e] + l_add;
+    m_run[e] = m_new[e];
+  }
+}
+
+// O^T = rescale O^T + V^T P^T over one tile: P^T as the B operand from the two 8 x 8 halves of
+// the probability tile (movmatrix), V^T by ldmatrix.trans. tile_v: [16][D + 8].
+template <int D, bool kHalf>
+__device__ inline void tile_pv(const uint16_t (*tile_v)[D + 8], const float (&prob)[4], const float (&rescale)[2],
+                               int lane, float (&o)[D / 16][4]) {
+#pragma unroll
+  for (int pp = 0; pp < D / 16; ++pp) {
+    o[pp][0] *= rescale[0];
+    o[pp][1] *= rescale[1];
+    o[pp][2] *= rescale[0];
+    o[pp][3] *= rescale[1];
+  }
+  const uint32_t pb0 = transpose8x8(pack2<kHalf>(prob[0], prob[1]));
+  const uint32_t pb1 = transpose8x8(pack2<kHalf>(prob[2], prob[3]));
+  const int vt_token = (lane >> 4) * 8 + (lane & 7);
+  const int vt_dim = ((lane >> 3) & 1) * 8;
+#pragma unroll
+  for (int pp = 0; pp < D / 16; ++pp) {
+    uint32_t r[4];
+    ldsm_x4_trans(r, &tile_v[vt_token][16 * pp + vt_dim]);
+    mma16816<kHalf>(o[pp], r, pb0, pb1);
+  }
+}
+
+// The partial state of the CTA's warps, merged in shared memory.
+template <int D, int kWarps>
+struct WarpMerge {
+  float m[kWarps][kTileHeads], l[kWarps][kTileHeads], d[kWarps][kTileHeads];
+  float o[kWarps][kTileHeads][D];
+};
+
+// Reduces each lane's partial sums over the 8 lanes of its heads, merges the CTA's warps in mg
+// (callers synchronize the CTA before: mg usually aliases the tiles), and writes rows
+// part_row0 + g (g < group) of the split partials: part_mld[row][split][3], part_o[row][split][D].
+template <int D, int kWarps>
+__device__ inline void write_split_partials(WarpMerge<D, kWarps>& mg, int warp, int lane, float (&m_run)[2],
+                                            float (&l_run)[2], float (&d_run)[2], const float (&o)[D / 16][4],
+                                            int group, int64_t part_row0, int n_splits, int split, float* part_mld,
+                                            float* part_o) {
+  const int tq = lane >> 2, hq = lane & 3;
+#pragma unroll
+  for (int e = 0; e < 2; ++e)
+#pragma unroll
+    for (int x = 4; x < 32; x <<= 1) {
+      l_run[e] += __shfl_xor_sync(0xffffffffu, l_run[e], x);
+      d_run[e] += __shfl_xor_sync(0xffffffffu, d_run[e], x);
+    }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int head = 2 * hq + e;
+    if (tq == 0) {
+      mg.m[warp][head] = m_run[e];
+      mg.l[warp][head] = l_run[e];
+      mg.d[warp][head] = d_run[e];
+    }
+#pragma unroll
+    for (int pp = 0; pp < D / 16; ++pp) {
+      mg.o[warp][head][16 * pp + tq] = o[pp][e];
+      mg.o[warp][head][16 * pp + tq + 8] = o[pp][2 + e];
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+    const int g = i / D, c = i % D;
+    float big = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) big = fmaxf(big, mg.m[w][g]);
+    float acc = 0.f, l = 0.f, d = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+      if (mg.m[w][g] == -INFINITY) continue;
+      const float f = exp2f(mg.m[w][g] - big);
+      acc += f * mg.o[w][g][c];
+      l += f * mg.l[w][g];
+      d += f * mg.d[w][g];
+    }
+    const int64_t part = (part_row0 + g) * n_splits + split;
+    part_o[part * D + c] = acc;
+    if (c == 0) {
+      part_mld[part * 3 + 0] = big;
+      part_mld[part * 3 + 1] = l;
+      part_mld[part * 3 + 2] = d;
+    }
+  }
+}
+
+// Merges the splits of each (sequence, query head) by their log-sum-exp weights (base 2):
+// out = sum_s 2^{m_s - M} o_s / sum_s 2^{m_s - M} l_s, and likewise A - 1 = sum 2^{..} d_s / L.
+// part_mld: [rows][n_splits][3] (m, l, d: base-2 running max, sum of p, sum of p (e^c - 1));
+// part_o: [rows][n_splits][D]; out: [rows][D]; meter, a_minus_1: [rows] or null.
+template <int D>
+__global__ void merge_splits_kernel(float* out, float* meter, float* a_minus_1, int n_splits, const float* part_mld,
+                                    const float* part_o) {
+  const int64_t row = blockIdx.x;  // b * n_q_heads + h
+  const float* mld = part_mld + row * n_splits * 3;
+  float big = -INFINITY;
+  for (int s = 0; s < n_splits; ++s) big = fmaxf(big, mld[3 * s]);
+  float l = 0.f, d = 0.f;
+  for (int s = 0; s < n_splits; ++s) {
+    if (mld[3 * s] == -INFINITY) continue;
+    const float f = exp2f(mld[3 * s] - big);
+    l += f * mld[3 * s + 1];
+    d += f * mld[3 * s + 2];
+  }
+  for (int c = threadIdx.x; c < D; c += blockDim.x) {
+    float o = 0.f;
+    for (int s = 0; s < n_splits; ++s) {
+      if (mld[3 * s] == -INFINITY) continue;
+      o += exp2f(mld[3 * s] - big) * part_o[(row * n_splits + s) * D + c];
+    }
+    out[row * D + c] = o / l;
+  }
+  if (threadIdx.x == 0 && (meter != nullptr || a_minus_1 != nullptr)) {
+    // A - 1 = d / l, lifted by 2^-12 relative for the float sums over the splits and warps
+    // (docs/cuda.md); the meter min(1, (A^2 - 1) / 2) = min(1, (A - 1) + (A - 1)^2 / 2).
+    const double am1 = double(d) / double(l) * (1.0 + 1.0 / 4096.0);
+    const double bound = isfinite(am1) ? fmin(1.0, am1 + 0.5 * am1 * am1) : 1.0;
+    if (a_minus_1 != nullptr) a_minus_1[row] = float(am1);
+    if (meter != nullptr) meter[row] = float(bound);
+  }
+}
+
+}  // namespace certkv::attention::cuda::tile
