@@ -32,7 +32,8 @@ def main():
         key = (r["shape"], r["batch"], r["ctx"])
         cells.append({"impl": "certkv " + r["format"], "shape": r["shape"], "batch": r["batch"], "ctx": r["ctx"],
                       "us": r["us"], "bytes": r["bytes"], "tb_s": r["tb_s"], "pct_copy": r["pct_copy"],
-                      "speedup_vs_sdpa": sdpa[key] / r["us"] if key in sdpa else None})
+                      "speedup_vs_sdpa": sdpa[key] / r["us"] if key in sdpa else None,
+                      **{k: r[k] for k in ("p", "window", "recall_mean", "recall_min", "budget_mean") if k in r}})
     for r in peer_rows:
         key = (r["shape"], r["batch"], r["ctx"])
         cells.append({"impl": r["peer"] + (" (tensor cores)" if r.get("variant") == "tensor_cores" and not r["peer"].endswith("_tc") else ""),
@@ -41,19 +42,20 @@ def main():
                       "speedup_vs_sdpa": sdpa[key] / r["us"] if key in sdpa else None, "rel_err": r.get("rel_err")})
     out = {"commit": args.commit, "gpu": env["gpu"], "copy_tb_s_certkv_run": env["copy_tb_s"],
            "copy_tb_s_peer_run": peer_env["copy_tb_s"], "kv_source": env["kv_source"],
-           "timing": "certkv: CUDA events around stream launches (2 kernels per call); peers: CUDA graph replay; "
-                     "median of 7 repetitions; KV sets rotated past L2",
+           "timing": "both: CUDA graph replay between CUDA events (certkv: a graph of iters calls, every kernel of "
+                     "each call; peers: torch.cuda.CUDAGraph); median of 7 repetitions; KV sets rotated past L2",
            "torch": peer_env.get("torch"), "flashinfer": peer_env.get("flashinfer"), "cells": cells}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     print(f"commit {args.commit}, {env['gpu']}, copy {env['copy_tb_s']:.2f} TB/s")
-    print("| shape | batch | ctx | impl | us | MB read | TB/s | % copy | x SDPA |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| shape | batch | ctx | impl | us | MB read | TB/s | % copy | x SDPA | recall (mean / min), budget |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for c in sorted(cells, key=lambda c: (c["shape"], c["batch"], c["ctx"], c["impl"])):
         sp = f"{c['speedup_vs_sdpa']:.2f}" if c["speedup_vs_sdpa"] else "-"
         print(f"| {c['shape']} | {c['batch']} | {c['ctx'] // 1024}K | {c['impl']} | {c['us']:.1f} | "
-              f"{c['bytes'] / 1e6:.1f} | {c['tb_s']:.2f} | {c['pct_copy']:.0f} | {sp} |")
+              f"{c['bytes'] / 1e6:.1f} | {c['tb_s']:.2f} | {c['pct_copy']:.0f} | {sp} | "
+              + (f"{c['recall_mean']:.3f} / {c['recall_min']:.3f}, {c['budget_mean']:.3f} |" if "recall_mean" in c else "- |"))
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")

@@ -4,7 +4,7 @@
 //
 //   certkv_cuda_decode_bench --kv KV.safetensors --calib CAL.safetensors --out FILE.jsonl
 //       [--contexts 8192,32768,65536,131072] [--batches 1,8] [--shapes 32x8,28x4]
-//       [--formats bf16,gaac,gaac-e5m2,dither8,fp8-e4m3,fp8-e4m3-nometer] [--reps 7] [--iters 20]
+//       [--formats bf16,gaac,gaac-e5m2,dither8,fp8-e4m3,fp8-e4m3-nometer,sparse-p0.9] [--reps 7] [--iters 20]
 //
 // KV.safetensors (scripts/make_bench_kv.py): k, v BF16 [8][N][128], q F32 [8][7][128] (7 query
 // vectors per KV head), metadata "source". CAL.safetensors: k, v of another text, for the GAAC
@@ -24,8 +24,12 @@
 
 #include "attention/cuda/device_kv.h"
 #include "attention/cuda/paged_decode_cuda.h"
+#include "attention/cuda/sparse_decode_cuda.h"
 #include "format/fp8.h"
 #include "format/safetensors.h"
+#include "index/rabitq.h"
+#include "index/rotation.h"
+#include "index/top_p.h"
 
 using namespace certkv;
 using namespace certkv::attention::cuda;
@@ -156,13 +160,223 @@ codec::GaacCalibration calibrate(const Source& cal, format::GaacElement element,
   return calibrator.finish();
 }
 
+// Times one graph of `iters` calls of fn cycling nothing else (fn launches on `stream`); returns
+// microseconds per call, median of reps.
+template <typename Fn>
+std::vector<double> time_graph(cudaStream_t stream, int iters, int reps, Fn fn) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int it = 0; it < iters; ++it) fn();
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  std::vector<double> us;
+  for (int r = 0; r < reps; ++r) {
+    CHECK_CUDA(cudaEventRecord(e0, stream));
+    CHECK_CUDA(cudaGraphLaunch(exec, stream));
+    CHECK_CUDA(cudaEventRecord(e1, stream));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    us.push_back(double(ms) * 1e3 / double(iters));
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  CHECK_CUDA(cudaGraphExecDestroy(exec));
+  CHECK_CUDA(cudaGraphDestroy(graph));
+  return us;
+}
+
+// Sparse decode (bf16 pages + RaBitQ index, Top-p p, a window of kWindow newest tokens): the
+// index is built on the host from the source's unique tokens (c_k their mean, c_q the mean of the
+// KV head's query vectors, a Haar rotation), tiled like the KV; queries quantized on the host
+// (not timed). Recall: the exact softmax mass (double, over the whole tiled context) of the
+// tokens attended, per query head of sequence 0.
+struct SparseCell {
+  double us = 0, us_min = 0, us_max = 0, recall_mean = 0, recall_min = 0, budget_mean = 0;
+  int64_t bytes = 0;
+  int n_sets = 0, splits = 0;
+};
+
+SparseCell run_sparse(const Source& src, const HostLayerKv& kv, const std::vector<float>& q, int n_q, double top_p,
+                      int reps, int iters, cache::cuda::DeviceBuffer& q_d, cache::cuda::DeviceBuffer& out_d) {
+  constexpr int D = 128;
+  constexpr int64_t kWindow = 128;
+  const int B = kv.batch, H = kv.n_kv_heads, G = n_q / H;
+  const int64_t ctx = kv.lens[0], n_idx = ctx - kWindow, N = src.n_tokens;
+  // Host index of the unique tokens, per KV head; records of the tiled context.
+  std::vector<index::RabitqRecord<D>> unique(size_t(H) * size_t(N));
+  std::vector<DeviceRabitqQuery> queries(size_t(B) * n_q);
+  std::vector<std::vector<double>> exact(static_cast<size_t>(n_q));  // exact logits of the unique tokens
+  for (int h = 0; h < H; ++h) {
+    std::vector<float> keys(static_cast<size_t>(N) * D), c_k(static_cast<size_t>(D), 0.f), c_q(static_cast<size_t>(D), 0.f);
+    for (size_t i = 0; i < keys.size(); ++i) keys[i] = format::bf16_to_float(src.k[size_t(h) * size_t(N) * D + i]);
+    for (int64_t t = 0; t < N; ++t)
+      for (int d = 0; d < D; ++d) c_k[size_t(d)] += keys[size_t(t) * D + size_t(d)] / float(N);
+    for (int g = 0; g < src.q_per_kv; ++g)
+      for (int d = 0; d < D; ++d) c_q[size_t(d)] += src.q[(size_t(h) * src.q_per_kv + size_t(g)) * D + size_t(d)] / float(src.q_per_kv);
+    const index::RabitqHead head(c_q, c_k, index::Rotation(index::RotationKind::kHaar, D, 11 + uint64_t(h)));
+    index::rabitq_encode_keys<D>(head, keys.data(), N, unique.data() + size_t(h) * size_t(N));
+    for (int g = 0; g < G; ++g) {
+      const int hh = h * G + g;
+      const float* qv = q.data() + size_t(hh) * D;  // sequence 0 (all sequences hold the same queries)
+      const index::RabitqQuery<D> rq = index::rabitq_quantize_query<D>(head, qv, 77 + uint64_t(hh));
+      for (int b = 0; b < B; ++b) queries[size_t(b) * n_q + size_t(hh)] = device_rabitq_query<D>(head, rq);
+      std::vector<double>& e = exact[size_t(hh)];
+      e.resize(size_t(N));
+      for (int64_t t = 0; t < N; ++t) {
+        double dot = 0;
+        for (int d = 0; d < D; ++d) dot += double(format::bf16_to_float(format::float_to_bf16(qv[d]))) * keys[size_t(t) * D + size_t(d)];
+        e[size_t(t)] = dot / std::sqrt(double(D));
+      }
+    }
+  }
+  std::vector<index::RabitqRecord<D>> records(size_t(B) * H * size_t(n_idx));
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h)
+      for (int64_t t = 0; t < n_idx; ++t)
+        records[(size_t(b) * H + size_t(h)) * size_t(n_idx) + size_t(t)] = unique[size_t(h) * size_t(N) + size_t(t % N)];
+  const std::vector<uint64_t>& w = index::top_p_weight_table(n_idx);
+  std::vector<uint64_t> weights;
+  for (int b = 0; b < B; ++b) weights.insert(weights.end(), w.begin(), w.end());
+  std::vector<int32_t> n_indexed(static_cast<size_t>(B), static_cast<int32_t>(n_idx));
+
+  DeviceKvOptions opt;
+  opt.format = PageFormat::kBf16;
+  std::vector<DeviceKv> sets(1);
+  if (!DeviceKv::build(kv, opt, &sets[0]).ok) die("sparse: bf16 pages");
+  const int64_t dense_bytes = sets[0].bytes_read();
+  const int64_t index_bytes = int64_t(records.size() * sizeof(records[0]));
+  const int n_sets = int(std::max<int64_t>(1, (int64_t(256) << 20) / std::max<int64_t>(index_bytes + dense_bytes / 8, 1) + 1));
+  for (int i = 1; i < n_sets; ++i) {
+    sets.emplace_back();
+    opt.seed = uint32_t(i + 1);
+    if (!DeviceKv::build(kv, opt, &sets.back()).ok) die("sparse: bf16 pages");
+  }
+  cache::cuda::DeviceBuffer q_rab, w_d, nidx_d, thr_d, nsel_d;
+  std::vector<cache::cuda::DeviceBuffer> rec_d(static_cast<size_t>(n_sets)), ws_d(static_cast<size_t>(n_sets));
+  if (!cache::cuda::DeviceBuffer::allocate(queries.size() * sizeof(queries[0]), &q_rab).ok ||
+      !q_rab.upload(0, queries.data(), queries.size() * sizeof(queries[0])).ok ||
+      !cache::cuda::DeviceBuffer::allocate(weights.size() * 8, &w_d).ok || !w_d.upload(0, weights.data(), weights.size() * 8).ok ||
+      !cache::cuda::DeviceBuffer::allocate(n_indexed.size() * 4, &nidx_d).ok ||
+      !nidx_d.upload(0, n_indexed.data(), n_indexed.size() * 4).ok ||
+      !cache::cuda::DeviceBuffer::allocate(size_t(B) * n_q * 4, &thr_d).ok ||
+      !cache::cuda::DeviceBuffer::allocate(size_t(B) * n_q * 8, &nsel_d).ok)
+    die("sparse: device buffers");
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<SparseDecodeParams> params(static_cast<size_t>(n_sets));
+  for (int i = 0; i < n_sets; ++i) {
+    if (!cache::cuda::DeviceBuffer::allocate(records.size() * sizeof(records[0]), &rec_d[size_t(i)]).ok ||
+        !rec_d[size_t(i)].upload(0, records.data(), records.size() * sizeof(records[0])).ok)
+      die("sparse: index records");
+    PagedDecodeParams pp;
+    sets[size_t(i)].describe(&pp);
+    SparseDecodeParams& p = params[size_t(i)];
+    p.batch = B;
+    p.n_q_heads = n_q;
+    p.n_kv_heads = H;
+    p.head_dim = D;
+    p.sm_scale = 1.f / std::sqrt(float(D));
+    p.p = top_p;
+    p.k_pages = pp.k_pages;
+    p.v_pages = pp.v_pages;
+    p.k_page_stride = pp.k_page_stride;
+    p.v_page_stride = pp.v_page_stride;
+    p.n_k_pages = pp.n_k_pages;
+    p.n_v_pages = pp.n_v_pages;
+    p.k_table = pp.k_table;
+    p.v_table = pp.v_table;
+    p.table_stride = pp.table_stride;
+    p.seq_lens = pp.seq_lens;
+    p.max_seq_len = pp.max_seq_len;
+    p.records = rec_d[size_t(i)].data();
+    p.record_stride = n_idx;
+    p.n_indexed = reinterpret_cast<const int32_t*>(nidx_d.data());
+    p.max_indexed = n_idx;
+    p.max_window = kWindow;
+    p.queries = reinterpret_cast<const DeviceRabitqQuery*>(q_rab.data());
+    p.topp_weights = reinterpret_cast<const uint64_t*>(w_d.data());
+    p.q = reinterpret_cast<const float*>(q_d.data());
+    p.out = reinterpret_cast<float*>(out_d.data());
+    p.threshold = reinterpret_cast<float*>(thr_d.data());
+    p.n_selected = reinterpret_cast<int64_t*>(nsel_d.data());
+    p.stream = stream;
+    const size_t ws = workspace_bytes(p);
+    if (!cache::cuda::DeviceBuffer::allocate(ws, &ws_d[size_t(i)]).ok) die("sparse: workspace");
+    p.workspace = ws_d[size_t(i)].data();
+    p.workspace_size = ws;
+  }
+  for (int w2 = 0; w2 < 2; ++w2)
+    for (auto& p : params) {
+      const CudaStatus st = sparse_decode(p);
+      if (!st.ok) die("sparse: " + st.message);
+    }
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  SparseCell cell;
+  cell.n_sets = n_sets;
+  cell.splits = choose_splits(params[0]);
+  const std::vector<double> us = time_graph(stream, iters, reps, [&] {
+    for (auto& p : params) sparse_decode(p);
+  });
+  const int calls = n_sets;
+  std::vector<double> per_call;
+  for (double u : us) per_call.push_back(u / calls);
+  cell.us = median(per_call);
+  cell.us_min = *std::min_element(per_call.begin(), per_call.end());
+  cell.us_max = *std::max_element(per_call.begin(), per_call.end());
+
+  // What the last call selected (set 0 ran first; every set holds the same KV): recall of each
+  // query head of sequence 0, the budget, the bytes read (index + selected rows + window rows).
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  if (const CudaStatus st = sparse_decode(params[0]); !st.ok) die("sparse: " + st.message);
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  std::vector<float> logits(size_t(n_q) * size_t(n_idx)), theta(size_t(B) * n_q);
+  CHECK_CUDA(cudaMemcpy(logits.data(), estimated_logits(params[0]), logits.size() * 4, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(theta.data(), thr_d.data(), theta.size() * 4, cudaMemcpyDeviceToHost));
+  const int64_t chunks = selection_chunks(params[0]);
+  std::vector<int32_t> counts(size_t(B) * H * size_t(chunks));
+  CHECK_CUDA(cudaMemcpy(counts.data(), selection_counts(params[0]), counts.size() * 4, cudaMemcpyDeviceToHost));
+  int64_t rows = 0;
+  for (int32_t c : counts) rows += c;
+  rows += int64_t(B) * H * kWindow;
+  cell.bytes = index_bytes + rows * 2 * D * 2;
+  cell.recall_min = 1.0;
+  for (int hh = 0; hh < n_q; ++hh) {
+    const std::vector<double>& e = exact[size_t(hh)];
+    const double mx = *std::max_element(e.begin(), e.end());
+    double z = 0, got = 0;
+    int64_t attended = 0;
+    for (int64_t t = 0; t < ctx; ++t) {
+      const double pt = std::exp(e[size_t(t % N)] - mx);
+      z += pt;
+      if (t >= n_idx || logits[size_t(hh) * size_t(n_idx) + size_t(t)] >= theta[size_t(hh)]) {
+        got += pt;
+        ++attended;
+      }
+    }
+    const double recall = got / z;
+    cell.recall_mean += recall / n_q;
+    cell.recall_min = std::min(cell.recall_min, recall);
+    cell.budget_mean += double(attended) / double(ctx) / n_q;
+  }
+  cudaStreamDestroy(stream);
+  return cell;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string kv_path, cal_path, out_path;
   std::vector<std::string> contexts = {"8192", "32768", "65536", "131072"}, batches = {"1", "8"},
                            shapes = {"32x8", "28x4"},
-                           formats = {"bf16", "gaac", "gaac-e5m2", "dither8", "fp8-e4m3", "fp8-e4m3-nometer"};
+                           formats = {"bf16", "gaac", "gaac-e5m2", "dither8", "fp8-e4m3", "fp8-e4m3-nometer",
+                                      "sparse-p0.9"};
   int reps = 7, iters = 20;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -244,6 +458,27 @@ int main(int argc, char** argv) {
           die("device buffers for the queries");
 
         for (const std::string& fname : formats) {
+          if (fname.rfind("sparse-p", 0) == 0) {
+            const double top_p = std::stod(fname.substr(8));
+            const SparseCell c = run_sparse(src, kv, q, n_q, top_p, reps, iters, q_d, out_d);
+            const double tb_s = double(c.bytes) / (c.us * 1e-6) / 1e12;
+            std::snprintf(line, sizeof line,
+                          "{\"kind\": \"certkv\", \"format\": \"%s\", \"shape\": \"%s\", \"batch\": %d, \"ctx\": %lld, "
+                          "\"us\": %.3f, \"us_min\": %.3f, \"us_max\": %.3f, \"bytes\": %lld, \"tb_s\": %.4f, "
+                          "\"copy_tb_s\": %.4f, \"pct_copy\": %.2f, \"n_sets\": %d, \"splits\": %d, \"p\": %.3f, "
+                          "\"window\": 128, \"recall_mean\": %.4f, \"recall_min\": %.4f, \"budget_mean\": %.4f, "
+                          "\"timing\": \"graph\"}",
+                          fname.c_str(), shape_name.c_str(), batch, (long long)ctx, c.us, c.us_min, c.us_max,
+                          (long long)c.bytes, tb_s, copy, 100.0 * tb_s / copy, c.n_sets, c.splits, top_p, c.recall_mean,
+                          c.recall_min, c.budget_mean);
+            out << line << "\n";
+            out.flush();
+            std::printf("%-6s %5d %7lld %-18s %10.2f %10.1f %8.3f %8.1f  recall %.3f (min %.3f) budget %.3f\n",
+                        shape_name.c_str(), batch, (long long)ctx, fname.c_str(), c.us, double(c.bytes) / 1e6, tb_s,
+                        100.0 * tb_s / copy, c.recall_mean, c.recall_min, c.budget_mean);
+            std::fflush(stdout);
+            continue;
+          }
           const FormatChoice fc = parse_format(fname);
           DeviceKvOptions opt;
           opt.format = fc.format;

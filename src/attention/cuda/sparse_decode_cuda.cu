@@ -19,51 +19,96 @@ using namespace tile;
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kEstimateThreads = 128;
+constexpr int kEstimateTokens = 1024;  // tokens per CTA of the estimate
 constexpr int kTopPThreads = 1024;
 constexpr int kGapBuckets = index::kTopPGapCap + 1;
-constexpr int kCandidates = 4096;  // boundary-bucket logits held in shared memory
 constexpr float kLog2e = 1.4426950408889634f;
 
 // ---------------------------------------------------------------------------------------------
 // 1. The estimate: one thread per indexed token, every query head of its KV head.
 
+// Order-preserving map of floats to unsigned integers (larger float, larger key; -inf > 0).
+__device__ inline uint32_t ordered_key(float x) {
+  const uint32_t u = __float_as_uint(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ inline float key_to_float(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// The per-query constants of Eq. 20 and Eq. 6 (index::rabitq_estimate_scores_popcount).
+struct QueryTerms {
+  uint64_t planes[index::kRabitqQueryBits][2];
+  float two_delta, two_q_l, query_term, norm_over_sqrt_d, bias;
+};
+
 template <int D>
-__global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecodeParams p, float* logits) {
+__global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecodeParams p, float* logits,
+                                                                     uint32_t* head_max) {
   constexpr int W = (D + 63) / 64;
+  __shared__ QueryTerms terms[kTileHeads];
+  __shared__ uint32_t cta_max[kTileHeads];
   const int kv_head = blockIdx.y, b = blockIdx.z;
-  const int64_t t = int64_t(blockIdx.x) * kEstimateThreads + threadIdx.x;
-  const int64_t n = p.n_indexed[b];
-  if (t >= n) return;
-  const auto* rec = static_cast<const index::RabitqRecord<D>*>(p.records) +
-                    (int64_t(b) * p.n_kv_heads + kv_head) * p.record_stride + t;
-  uint64_t code[W];
-#pragma unroll
-  for (int w = 0; w < W; ++w) code[w] = rec->code[w];
-  const float alpha = rec->alpha, norm_k = rec->norm_k_centered, cq_dot_k = rec->cq_dot_k;
-  const float popcount = float(rec->code_popcount);
   const int group = p.n_q_heads / p.n_kv_heads;
-  const float sqrt_d = sqrtf(float(D));
-  for (int g = 0; g < group; ++g) {
-    const int h = kv_head * group + g;
-    const DeviceRabitqQuery& q = p.queries[int64_t(b) * p.n_q_heads + h];
-    int32_t cb_dot_qu = 0;  // <c_b, q_u> = sum_b 2^b popcount(c_b & plane_b), exact
-#pragma unroll
-    for (int bit = 0; bit < index::kRabitqQueryBits; ++bit) {
-      int32_t count = 0;
-#pragma unroll
-      for (int w = 0; w < W; ++w) count += __popcll(code[w] & q.planes[bit][w]);
-      cb_dot_qu += count << bit;
-    }
-    // The float steps of index::rabitq_estimate_scores_popcount (Eq. 20, then Eq. 6).
-    const float query_term = __fsub_rn(-__fmul_rn(q.delta, float(q.sum_q_u)), __fmul_rn(float(D), q.q_l));
-    const float c_prime_dot_q_bar =
-        __fadd_rn(__fadd_rn(__fmul_rn(__fmul_rn(2.f, q.delta), float(cb_dot_qu)), __fmul_rn(__fmul_rn(2.f, q.q_l), popcount)),
-                  query_term);
-    const float bias = __fsub_rn(q.q_dot_ck, q.cq_dot_ck);
-    const float product = __fdiv_rn(__fmul_rn(__fmul_rn(__fdiv_rn(q.norm_q_centered, sqrt_d), norm_k), c_prime_dot_q_bar), alpha);
-    const float score = __fadd_rn(__fadd_rn(product, bias), cq_dot_k);
-    logits[(int64_t(b) * p.n_q_heads + h) * p.max_indexed + t] = __fmul_rn(score, p.sm_scale);
+  if (threadIdx.x < group) {
+    const DeviceRabitqQuery& q = p.queries[int64_t(b) * p.n_q_heads + kv_head * group + threadIdx.x];
+    QueryTerms& t = terms[threadIdx.x];
+    for (int bit = 0; bit < index::kRabitqQueryBits; ++bit)
+      for (int w = 0; w < 2; ++w) t.planes[bit][w] = q.planes[bit][w];
+    t.two_delta = 2.f * q.delta;
+    t.two_q_l = 2.f * q.q_l;
+    t.query_term = __fsub_rn(-q.delta * float(q.sum_q_u), float(D) * q.q_l);
+    t.norm_over_sqrt_d = q.norm_q_centered / sqrtf(float(D));
+    t.bias = q.q_dot_ck - q.cq_dot_ck;
+    cta_max[threadIdx.x] = 0;
   }
+  __syncthreads();
+  const int64_t n = p.n_indexed[b];
+  const auto* records = static_cast<const index::RabitqRecord<D>*>(p.records) +
+                        (int64_t(b) * p.n_kv_heads + kv_head) * p.record_stride;
+  uint32_t key_max[kTileHeads] = {};
+  for (int64_t t = int64_t(blockIdx.x) * kEstimateTokens + threadIdx.x;
+       t < min(n, int64_t(blockIdx.x + 1) * kEstimateTokens); t += kEstimateThreads) {
+    const index::RabitqRecord<D>& rec = records[t];
+    uint64_t code[W];
+#pragma unroll
+    for (int w = 0; w < W; ++w) code[w] = rec.code[w];
+    const float norm_k = rec.norm_k_centered, alpha = rec.alpha, cq_dot_k = rec.cq_dot_k;
+    const float popcount = float(rec.code_popcount);
+#pragma unroll
+    for (int g = 0; g < kTileHeads; ++g) {
+      if (g >= group) break;
+      const QueryTerms& q = terms[g];
+      int32_t cb_dot_qu = 0;  // <c_b, q_u> = sum_b 2^b popcount(c_b & plane_b), exact
+#pragma unroll
+      for (int bit = 0; bit < index::kRabitqQueryBits; ++bit) {
+        int32_t count = 0;
+#pragma unroll
+        for (int w = 0; w < W; ++w) count += __popcll(code[w] & q.planes[bit][w]);
+        cb_dot_qu += count << bit;
+      }
+      // The float steps of index::rabitq_estimate_scores_popcount, in its order and unfused:
+      // Eq. 20, <c', q_bar> = 2 delta <c_b, q_u> + 2 q_l sum c_b - delta sum q_u - D q_l; Eq. 6.
+      const float c_prime = __fadd_rn(__fadd_rn(__fmul_rn(q.two_delta, float(cb_dot_qu)), __fmul_rn(q.two_q_l, popcount)),
+                                      q.query_term);
+      const float product = __fdiv_rn(__fmul_rn(__fmul_rn(q.norm_over_sqrt_d, norm_k), c_prime), alpha);
+      const float logit = __fmul_rn(__fadd_rn(__fadd_rn(product, q.bias), cq_dot_k), p.sm_scale);
+      logits[(int64_t(b) * p.n_q_heads + kv_head * group + g) * p.max_indexed + t] = logit;
+      key_max[g] = max(key_max[g], ordered_key(logit));
+    }
+  }
+  // The rows' largest logits (for the Top-p gaps): warp maxima, the CTA's in shared memory, one
+  // atomic per row and CTA.
+#pragma unroll
+  for (int g = 0; g < kTileHeads; ++g) {
+    uint32_t k = key_max[g];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xffffffffu, k, o));
+    if ((threadIdx.x & 31) == 0 && g < group && k != 0) atomicMax(&cta_max[g], k);
+  }
+  __syncthreads();
+  if (threadIdx.x < group && cta_max[threadIdx.x] != 0)
+    atomicMax(&head_max[int64_t(b) * p.n_q_heads + kv_head * group + threadIdx.x], cta_max[threadIdx.x]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -74,15 +119,6 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecode
 __device__ inline int gap_of(float l, float l_max) {
   const float g = __fmul_rn(__fsub_rn(l_max, l), float(index::kTopPGapStepsPerLogit));
   return g < float(index::kTopPGapCap) ? int(g) : index::kTopPGapCap;
-}
-
-// Order-preserving map of floats to unsigned integers (larger float, larger key).
-__device__ inline uint32_t ordered_key(float x) {
-  const uint32_t u = __float_as_uint(x);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-__device__ inline float key_to_float(uint32_t k) {
-  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
 // ceil(p Z) as index::top_p_target_units: p = m 2^-shift, m < 2^53.
@@ -116,52 +152,60 @@ __device__ inline T block_reduce(T v, Op op, T* scratch) {  // scratch: 32 entri
   return r;
 }
 
-struct TopPShared {
-  uint32_t hist[kGapBuckets];
-  float candidates[kCandidates];
-  uint32_t digits[256];
-  unsigned long long scan[32];
-  float fscratch[32];
-  unsigned long long uscratch[32];
-  int boundary;
-  uint64_t g_above;
-  uint32_t n_candidates;
-  uint32_t prefix, prefix_mask, needed;
+// Tokens per CTA of the histogram and gather passes.
+constexpr int kPassTokens = 4096;
+constexpr int kPassThreads = 256;
+
+// The threshold plan of one (sequence, query head), from its gap histogram.
+struct TopPPlan {
+  float l_max;
+  int boundary;           // the gap bucket where the cumulative weight reaches ceil(p Z)
+  uint32_t needed;        // tokens of that bucket still needed (the m-th largest is theta)
+  uint32_t above;         // tokens of the buckets above it (all selected)
+  unsigned long long g_above, z, w;
 };
 
-__global__ void __launch_bounds__(kTopPThreads) top_p_kernel(SparseDecodeParams p, const float* logits, float* theta_out) {
-  __shared__ TopPShared sh;
-  const int h = blockIdx.x, b = blockIdx.y;
-  const int64_t n = p.n_indexed[b];
+__device__ inline float row_max(const uint32_t* head_max, int64_t row) { return key_to_float(head_max[row]); }
+
+// Gap histogram: each CTA counts kPassTokens tokens of one row in shared memory, then adds its
+// nonzero buckets to the row's global histogram.
+__global__ void __launch_bounds__(kPassThreads) hist_kernel(SparseDecodeParams p, const float* logits,
+                                                            const uint32_t* head_max, uint32_t* hist) {
+  __shared__ uint32_t local[kGapBuckets];
+  const int h = blockIdx.y, b = blockIdx.z;
   const int64_t row = int64_t(b) * p.n_q_heads + h;
+  const int64_t n = p.n_indexed[b], t0 = int64_t(blockIdx.x) * kPassTokens;
+  if (t0 >= n) return;
+  for (int a = threadIdx.x; a < kGapBuckets; a += kPassThreads) local[a] = 0;
+  __syncthreads();
+  const float l_max = row_max(head_max, row);
   const float* l = logits + row * p.max_indexed;
+  const int64_t t1 = min(n, t0 + kPassTokens);
+  for (int64_t t = t0 + threadIdx.x; t < t1; t += kPassThreads) atomicAdd(&local[gap_of(l[t], l_max)], 1u);
+  __syncthreads();
+  for (int a = threadIdx.x; a < kGapBuckets; a += kPassThreads)
+    if (local[a] != 0) atomicAdd(&hist[row * kGapBuckets + a], local[a]);
+}
+
+// The plan of each row from its histogram: Z, T = ceil(p Z), the boundary bucket (a scan of the
+// bucket weights in gap order), the tokens above it and still needed from it.
+__global__ void __launch_bounds__(kTopPThreads) plan_kernel(SparseDecodeParams p, const uint32_t* head_max,
+                                                            const uint32_t* hist_all, TopPPlan* plans) {
+  __shared__ unsigned long long scan[32];
+  __shared__ unsigned long long uscratch[32];
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int64_t row = int64_t(b) * p.n_q_heads + h;
+  if (p.n_indexed[b] == 0) return;
+  const uint32_t* hist = hist_all + row * kGapBuckets;
   const uint64_t* weight = p.topp_weights + int64_t(b) * kGapBuckets;
-  if (n == 0) {
-    if (threadIdx.x == 0) {
-      theta_out[row] = INFINITY;
-      if (p.threshold) p.threshold[row] = INFINITY;
-      if (p.n_selected) p.n_selected[row] = 0;
-      if (p.mass) p.mass[row] = 0.0;
-    }
-    return;
-  }
-  float mx = -INFINITY;
-  for (int64_t t = threadIdx.x; t < n; t += kTopPThreads) mx = fmaxf(mx, l[t]);
-  const float l_max = block_reduce(mx, [](float x, float y) { return fmaxf(x, y); }, sh.fscratch);
-
-  for (int a = threadIdx.x; a < kGapBuckets; a += kTopPThreads) sh.hist[a] = 0;
-  __syncthreads();
-  for (int64_t t = threadIdx.x; t < n; t += kTopPThreads) atomicAdd(&sh.hist[gap_of(l[t], l_max)], 1u);
-  __syncthreads();
-
-  // Bucket weights: thread i owns buckets [3 i, 3 i + 3); an exclusive scan over threads gives
-  // the weight of every bucket above (smaller gap).
+  // Thread i owns buckets [kPer i, kPer (i + 1)); an exclusive scan over threads gives the weight
+  // of every bucket above (smaller gap).
   constexpr int kPer = (kGapBuckets + kTopPThreads - 1) / kTopPThreads;
   unsigned long long mine = 0;
 #pragma unroll
   for (int k = 0; k < kPer; ++k) {
     const int a = kPer * threadIdx.x + k;
-    if (a < kGapBuckets) mine += (unsigned long long)sh.hist[a] * weight[a];
+    if (a < kGapBuckets) mine += (unsigned long long)hist[a] * weight[a];
   }
   unsigned long long incl = mine;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -170,107 +214,166 @@ __global__ void __launch_bounds__(kTopPThreads) top_p_kernel(SparseDecodeParams 
     const unsigned long long y = __shfl_up_sync(0xffffffffu, incl, o);
     if (lane >= o) incl += y;
   }
-  if (lane == 31) sh.scan[warp] = incl;
+  if (lane == 31) scan[warp] = incl;
   __syncthreads();
   if (warp == 0) {
-    unsigned long long w = sh.scan[lane], wi = w;
+    const unsigned long long w = scan[lane];
+    unsigned long long wi = w;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const unsigned long long y = __shfl_up_sync(0xffffffffu, wi, o);
       if (lane >= o) wi += y;
     }
-    sh.scan[lane] = wi - w;  // exclusive warp offsets
+    scan[lane] = wi - w;  // exclusive offsets of the warps
   }
   __syncthreads();
   // Z, the total weight (an exact integer sum in any order).
-  const unsigned long long Ztot = block_reduce(mine, [](unsigned long long x, unsigned long long y) { return x + y; },
-                                               sh.uscratch);
-  const uint64_t T = target_units(p.p, Ztot);
-  unsigned long long before = sh.scan[warp] + incl - mine;  // weight of every bucket above mine
+  const unsigned long long z =
+      block_reduce(mine, [](unsigned long long x, unsigned long long y) { return x + y; }, uscratch);
+  const uint64_t T = target_units(p.p, z);
+  unsigned long long before = scan[warp] + incl - mine;
+  int found = -1;
+  unsigned long long g_above = 0;
 #pragma unroll
   for (int k = 0; k < kPer; ++k) {
     const int a = kPer * threadIdx.x + k;
     if (a >= kGapBuckets) break;
-    const unsigned long long bucket = (unsigned long long)sh.hist[a] * weight[a];
+    const unsigned long long bucket = (unsigned long long)hist[a] * weight[a];
     if (bucket != 0 && before < T && before + bucket >= T) {
-      sh.boundary = a;
-      sh.g_above = before;
+      found = a;
+      g_above = before;
     }
     before += bucket;
   }
-  if (threadIdx.x == 0) sh.n_candidates = 0;
-  __syncthreads();
-  const int boundary = sh.boundary;
-  const uint64_t w = weight[boundary];
-  const uint32_t m = uint32_t((T - sh.g_above + w - 1) / w);  // tokens of the bucket still needed
-  const uint32_t in_boundary = sh.hist[boundary];
-  const bool in_shared = in_boundary <= uint32_t(kCandidates);
-  if (in_shared) {
-    for (int64_t t = threadIdx.x; t < n; t += kTopPThreads) {
-      const float x = l[t];
-      if (gap_of(x, l_max) == boundary) sh.candidates[atomicAdd(&sh.n_candidates, 1u)] = x;
-    }
-  }
-  if (threadIdx.x == 0) {
-    sh.prefix = 0;
-    sh.prefix_mask = 0;
-    sh.needed = m;
+  // Tokens above the boundary: the owner knows its bucket; a reduction of the counts of the
+  // buckets before it (every thread counts the buckets below the boundary it can see later).
+  __shared__ int boundary;
+  __shared__ unsigned long long boundary_g_above;
+  if (found >= 0) {
+    boundary = found;
+    boundary_g_above = g_above;
   }
   __syncthreads();
-  // Radix selection of the m-th largest key, 8 bits at a time from the top.
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int d = threadIdx.x; d < 256; d += kTopPThreads) sh.digits[d] = 0;
-    __syncthreads();
-    const uint32_t prefix = sh.prefix, prefix_mask = sh.prefix_mask;
-    if (in_shared) {
-      for (uint32_t i = threadIdx.x; i < in_boundary; i += kTopPThreads) {
-        const uint32_t k = ordered_key(sh.candidates[i]);
-        if ((k & prefix_mask) == prefix) atomicAdd(&sh.digits[(k >> shift) & 0xffu], 1u);
-      }
-    } else {
-      for (int64_t t = threadIdx.x; t < n; t += kTopPThreads) {
-        const float x = l[t];
-        if (gap_of(x, l_max) != boundary) continue;
-        const uint32_t k = ordered_key(x);
-        if ((k & prefix_mask) == prefix) atomicAdd(&sh.digits[(k >> shift) & 0xffu], 1u);
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      uint32_t need = sh.needed;
-      int d = 255;
-      for (; d > 0; --d) {
-        if (sh.digits[d] >= need) break;
-        need -= sh.digits[d];
-      }
-      sh.needed = need;
-      sh.prefix = prefix | (uint32_t(d) << shift);
-      sh.prefix_mask = prefix_mask | (0xffu << shift);
-    }
-    __syncthreads();
-  }
-  const float theta = key_to_float(sh.prefix);
-  // Selected: every bucket above the boundary, and the boundary's logits >= theta.
   unsigned long long above = 0;
-  for (int a = threadIdx.x; a < boundary; a += kTopPThreads) above += sh.hist[a];
-  uint32_t taken = 0;
-  if (in_shared) {
-    for (uint32_t i = threadIdx.x; i < in_boundary; i += kTopPThreads) taken += sh.candidates[i] >= theta;
-  } else {
-    for (int64_t t = threadIdx.x; t < n; t += kTopPThreads) {
-      const float x = l[t];
-      taken += gap_of(x, l_max) == boundary && x >= theta;
-    }
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int a = kPer * threadIdx.x + k;
+    if (a < boundary) above += hist[a];
   }
   const unsigned long long total_above =
-      block_reduce(above, [](unsigned long long x, unsigned long long y) { return x + y; }, sh.uscratch);
-  const unsigned long long total_taken =
-      block_reduce((unsigned long long)taken, [](unsigned long long x, unsigned long long y) { return x + y; }, sh.uscratch);
+      block_reduce(above, [](unsigned long long x, unsigned long long y) { return x + y; }, uscratch);
+  if (threadIdx.x == 0) {
+    TopPPlan plan;
+    plan.l_max = row_max(head_max, row);
+    plan.boundary = boundary;
+    plan.w = weight[boundary];
+    plan.g_above = boundary_g_above;
+    plan.z = z;
+    plan.needed = uint32_t((T - boundary_g_above + plan.w - 1) / plan.w);
+    plan.above = uint32_t(total_above);
+    plans[row] = plan;
+  }
+}
+
+// The boundary bucket's logits of each row, gathered (in any order) into candidates[row][...].
+__global__ void __launch_bounds__(kPassThreads) gather_kernel(SparseDecodeParams p, const float* logits,
+                                                              const TopPPlan* plans, uint32_t* cand_count,
+                                                              float* candidates) {
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int64_t row = int64_t(b) * p.n_q_heads + h;
+  const int64_t n = p.n_indexed[b], t0 = int64_t(blockIdx.x) * kPassTokens;
+  if (t0 >= n) return;
+  const TopPPlan plan = plans[row];
+  const float* l = logits + row * p.max_indexed;
+  const int64_t t1 = min(n, t0 + kPassTokens);
+  for (int64_t t = t0 + threadIdx.x; t < t1; t += kPassThreads) {
+    const float x = l[t];
+    const bool hit = gap_of(x, plan.l_max) == plan.boundary;
+    const uint32_t active = __activemask();
+    const uint32_t ballot = __ballot_sync(active, hit);
+    if (ballot == 0) continue;
+    const int lane = threadIdx.x & 31, leader = __ffs(ballot) - 1;
+    uint32_t base = 0;
+    if (lane == leader) base = atomicAdd(&cand_count[row], __popc(ballot));
+    base = __shfl_sync(active, base, leader);
+    if (hit) candidates[row * p.max_indexed + base + __popc(ballot & ((1u << lane) - 1u))] = x;
+  }
+}
+
+// theta: the needed-th largest candidate, by radix selection 8 bits at a time from the top; the
+// selected count and mass follow.
+__global__ void __launch_bounds__(kTopPThreads) theta_kernel(SparseDecodeParams p, const TopPPlan* plans,
+                                                             const uint32_t* cand_count, const float* candidates,
+                                                             float* theta_out) {
+  __shared__ uint32_t digits[256];
+  __shared__ uint32_t prefix, prefix_mask, needed;
+  __shared__ unsigned long long uscratch[32];
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int64_t row = int64_t(b) * p.n_q_heads + h;
+  if (p.n_indexed[b] == 0) {
+    if (threadIdx.x == 0) {
+      theta_out[row] = INFINITY;
+      if (p.threshold) p.threshold[row] = INFINITY;
+      if (p.n_selected) p.n_selected[row] = 0;
+      if (p.mass) p.mass[row] = 0.0;
+    }
+    return;
+  }
+  const TopPPlan plan = plans[row];
+  const uint32_t c = cand_count[row];
+  const float* cand = candidates + row * p.max_indexed;
+  if (threadIdx.x == 0) {
+    prefix = 0;
+    prefix_mask = 0;
+    needed = plan.needed;
+  }
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int d = threadIdx.x; d < 256; d += kTopPThreads) digits[d] = 0;
+    __syncthreads();
+    const uint32_t pre = prefix, mask = prefix_mask;
+    for (uint32_t i = threadIdx.x; i < c; i += kTopPThreads) {
+      const uint32_t k = ordered_key(cand[i]);
+      if ((k & mask) == pre) atomicAdd(&digits[(k >> shift) & 0xffu], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      // Digits from 255 down: lane l owns 255 - 8 l .. 248 - 8 l; a scan over lanes finds the
+      // lane where the count from the top reaches `needed`, then that lane walks its 8 digits.
+      const int lane = threadIdx.x;
+      uint32_t own = 0;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) own += digits[255 - 8 * lane - k];
+      uint32_t incl = own;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+      }
+      const uint32_t need = needed, before = incl - own;
+      const bool here = before < need && incl >= need;
+      const uint32_t ballot = __ballot_sync(0xffffffffu, here);
+      // Past every digit (it cannot happen: needed <= the candidates with the prefix): digit 0.
+      const int owner = ballot ? __ffs(ballot) - 1 : 31;
+      if (lane == owner) {
+        uint32_t left = need - (ballot ? before : 0);
+        int d = 255 - 8 * lane;
+        for (int k = 0; k < 7 && digits[d] < left; ++k, --d) left -= digits[d];
+        needed = left;
+        prefix = pre | (uint32_t(d) << shift);
+        prefix_mask = mask | (0xffu << shift);
+      }
+    }
+    __syncthreads();
+  }
+  const float theta = key_to_float(prefix);
+  unsigned long long taken = 0;
+  for (uint32_t i = threadIdx.x; i < c; i += kTopPThreads) taken += cand[i] >= theta;
+  taken = block_reduce(taken, [](unsigned long long x, unsigned long long y) { return x + y; }, uscratch);
   if (threadIdx.x == 0) {
     theta_out[row] = theta;
     if (p.threshold) p.threshold[row] = theta;
-    if (p.n_selected) p.n_selected[row] = int64_t(total_above + total_taken);
-    if (p.mass) p.mass[row] = double(sh.g_above + total_taken * w) / double(Ztot);
+    if (p.n_selected) p.n_selected[row] = int64_t(plan.above) + int64_t(taken);
+    if (p.mass) p.mass[row] = double(plan.g_above + taken * plan.w) / double(plan.z);
   }
 }
 
@@ -281,7 +384,7 @@ __global__ void __launch_bounds__(kTopPThreads) top_p_kernel(SparseDecodeParams 
 __global__ void __launch_bounds__(kSparseChunkTokens) select_kernel(SparseDecodeParams p, const float* logits,
                                                                     const float* theta, uint32_t* entries,
                                                                     int32_t* counts, int64_t n_chunks) {
-  __shared__ int32_t warp_counts[32];
+  __shared__ int32_t warp_counts[33];
   const int chunk = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int group = p.n_q_heads / p.n_kv_heads;
   const int64_t t = int64_t(chunk) * kSparseChunkTokens + threadIdx.x;
@@ -296,11 +399,19 @@ __global__ void __launch_bounds__(kSparseChunkTokens) select_kernel(SparseDecode
   const uint32_t ballot = __ballot_sync(0xffffffffu, heads != 0);
   if (lane == 0) warp_counts[warp] = __popc(ballot);
   __syncthreads();
-  int offset = 0, total = 0;
-  for (int w = 0; w < kSparseChunkTokens / 32; ++w) {
-    offset += w < warp ? warp_counts[w] : 0;
-    total += warp_counts[w];
+  if (warp == 0) {  // exclusive offsets of the 32 warps, and the total in slot 32
+    const int c = warp_counts[lane];
+    int incl = c;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    warp_counts[lane] = incl - c;
+    if (lane == 31) warp_counts[32] = incl;
   }
+  __syncthreads();
+  const int offset = warp_counts[warp], total = warp_counts[32];
   const int64_t list = (int64_t(b) * p.n_kv_heads + kv_head) * n_chunks + chunk;
   if (heads != 0)
     entries[list * kSparseChunkTokens + offset + __popc(ballot & ((1u << lane) - 1u))] = uint32_t(t) | (heads << 24);
@@ -477,7 +588,9 @@ CudaStatus unsupported(const std::string& message) {
 }
 
 struct Layout {
-  size_t logits = 0, theta = 0, entries = 0, counts = 0, mld = 0, o = 0, total = 0;
+  // zeroed before every call: head_max .. cand_count (one memset)
+  size_t head_max = 0, hist = 0, cand_count = 0, zeroed_end = 0;
+  size_t logits = 0, candidates = 0, plans = 0, theta = 0, entries = 0, counts = 0, mld = 0, o = 0, total = 0;
   int64_t n_chunks = 0, window_chunks = 0;
   int splits = 1;
 };
@@ -491,19 +604,25 @@ Layout layout_of(const SparseDecodeParams& p, int splits) {
   l.splits = splits;
   const size_t rows = size_t(p.batch) * size_t(p.n_q_heads);
   const size_t lists = size_t(p.batch) * size_t(p.n_kv_heads);
+  const size_t per_row = size_t(std::max<int64_t>(p.max_indexed, 1));
   size_t at = 0;
-  l.logits = at;
-  at += round256(rows * size_t(std::max<int64_t>(p.max_indexed, 1)) * 4);
-  l.theta = at;
-  at += round256(rows * 4);
-  l.entries = at;
-  at += round256(lists * size_t(std::max<int64_t>(l.n_chunks, 1)) * kSparseChunkTokens * 4);
-  l.counts = at;
-  at += round256(lists * size_t(std::max<int64_t>(l.n_chunks, 1)) * 4);
-  l.mld = at;
-  at += round256(rows * size_t(splits) * 3 * 4);
-  l.o = at;
-  at += round256(rows * size_t(splits) * size_t(p.head_dim) * 4);
+  auto take = [&](size_t bytes) {
+    const size_t here = at;
+    at += round256(bytes);
+    return here;
+  };
+  l.head_max = take(rows * 4);
+  l.hist = take(rows * kGapBuckets * 4);
+  l.cand_count = take(rows * 4);
+  l.zeroed_end = at;
+  l.logits = take(rows * per_row * 4);
+  l.candidates = take(rows * per_row * 4);
+  l.plans = take(rows * sizeof(TopPPlan));
+  l.theta = take(rows * 4);
+  l.entries = take(lists * size_t(std::max<int64_t>(l.n_chunks, 1)) * kSparseChunkTokens * 4);
+  l.counts = take(lists * size_t(std::max<int64_t>(l.n_chunks, 1)) * 4);
+  l.mld = take(rows * size_t(splits) * 3 * 4);
+  l.o = take(rows * size_t(splits) * size_t(p.head_dim) * 4);
   l.total = at;
   return l;
 }
@@ -527,28 +646,42 @@ template <int D>
 CudaStatus launch(const SparseDecodeParams& p, int splits) {
   const Layout l = layout_of(p, splits);
   char* base = static_cast<char*>(p.workspace);
-  float* logits = reinterpret_cast<float*>(base + l.logits);
-  float* theta = reinterpret_cast<float*>(base + l.theta);
-  uint32_t* entries = reinterpret_cast<uint32_t*>(base + l.entries);
-  int32_t* counts = reinterpret_cast<int32_t*>(base + l.counts);
+  auto at = [&](size_t offset) { return static_cast<void*>(base + offset); };
+  float* logits = static_cast<float*>(at(l.logits));
+  uint32_t* head_max = static_cast<uint32_t*>(at(l.head_max));
+  uint32_t* hist = static_cast<uint32_t*>(at(l.hist));
+  uint32_t* cand_count = static_cast<uint32_t*>(at(l.cand_count));
+  float* candidates = static_cast<float*>(at(l.candidates));
+  TopPPlan* plans = static_cast<TopPPlan*>(at(l.plans));
+  float* theta = static_cast<float*>(at(l.theta));
+  uint32_t* entries = static_cast<uint32_t*>(at(l.entries));
+  int32_t* counts = static_cast<int32_t*>(at(l.counts));
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  cudaError_t e = cudaMemsetAsync(base + l.head_max, 0, l.zeroed_end - l.head_max, stream);
+  if (e != cudaSuccess)
+    return CudaStatus{false, StatusCode::kInternal, std::string("cuda sparse decode: ") + cudaGetErrorString(e)};
   if (p.max_indexed > 0) {
-    const dim3 grid_e(unsigned((p.max_indexed + kEstimateThreads - 1) / kEstimateThreads), unsigned(p.n_kv_heads),
-                      unsigned(p.batch));
-    estimate_kernel<D><<<grid_e, kEstimateThreads, 0, stream>>>(p, logits);
+    const unsigned B = unsigned(p.batch), Hq = unsigned(p.n_q_heads), Hkv = unsigned(p.n_kv_heads);
+    const unsigned passes = unsigned((p.max_indexed + kPassTokens - 1) / kPassTokens);
+    estimate_kernel<D><<<dim3(unsigned((p.max_indexed + kEstimateTokens - 1) / kEstimateTokens), Hkv, B),
+                         kEstimateThreads, 0, stream>>>(p, logits, head_max);
+    hist_kernel<<<dim3(passes, Hq, B), kPassThreads, 0, stream>>>(p, logits, head_max, hist);
+    plan_kernel<<<dim3(Hq, B), kTopPThreads, 0, stream>>>(p, head_max, hist, plans);
+    gather_kernel<<<dim3(passes, Hq, B), kPassThreads, 0, stream>>>(p, logits, plans, cand_count, candidates);
   }
-  top_p_kernel<<<dim3(unsigned(p.n_q_heads), unsigned(p.batch)), kTopPThreads, 0, stream>>>(p, logits, theta);
+  theta_kernel<<<dim3(unsigned(p.n_q_heads), unsigned(p.batch)), kTopPThreads, 0, stream>>>(p, plans, cand_count,
+                                                                                          candidates, theta);
   if (l.n_chunks > 0)
     select_kernel<<<dim3(unsigned(l.n_chunks), unsigned(p.n_kv_heads), unsigned(p.batch)), kSparseChunkTokens, 0,
                     stream>>>(p, logits, theta, entries, counts, l.n_chunks);
   AttendArgs a{p, entries, counts, l.n_chunks, l.window_chunks, splits,
-               reinterpret_cast<float*>(base + l.mld), reinterpret_cast<float*>(base + l.o)};
+               static_cast<float*>(at(l.mld)), static_cast<float*>(at(l.o))};
   const size_t smem = sizeof(SparseShared<D>);
   resident_attend_ctas<D>();  // sets the shared-memory attribute once
   attend_kernel<D><<<dim3(unsigned(splits), unsigned(p.n_kv_heads), unsigned(p.batch)), kThreads, smem, stream>>>(a);
   merge_splits_kernel<D><<<p.batch * p.n_q_heads, D, 0, stream>>>(p.out, nullptr, nullptr, splits, a.part_mld,
                                                                    a.part_o);
-  const cudaError_t e = cudaGetLastError();
+  e = cudaGetLastError();
   if (e != cudaSuccess)
     return CudaStatus{false, StatusCode::kInternal, std::string("cuda sparse decode: launch failed: ") + cudaGetErrorString(e)};
   return {};

@@ -2,8 +2,8 @@
 // index::rabitq_estimate_scores_popcount, the threshold and the selected set against
 // index::top_p_select and top_p_select_ref run on the device's own logits (the same set, exactly),
 // the selection lists against the masks, and the output against double attention over the
-// selected tokens plus the window; p = 1 against dense attention; a boundary bucket too large for
-// shared memory; refusals. Ragged batches (nothing indexed, all indexed, windows of 1 to 300
+// selected tokens plus the window; p = 1 against dense attention; a boundary bucket holding every
+// token; refusals. Ragged batches (nothing indexed, all indexed, windows of 1 to 300
 // tokens) and GQA 1, 4, 7, 8. Needs a CUDA device.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -327,9 +327,9 @@ TEST(SparseDecodeCuda, PEqualOneIsDenseAttention) {
   check_case<64>({64, 6, 2, {1200}, {1024}, 1.0, 7}, true);
 }
 
-TEST(SparseDecodeCuda, ABoundaryBucketLargerThanSharedMemory) {
-  // Every key the same: every logit ties, so the boundary bucket holds all 6,000+ tokens and the
-  // radix selection reads them from global memory; ties at theta are all selected.
+TEST(SparseDecodeCuda, ABoundaryBucketOfEveryToken) {
+  // Every key the same: every logit ties, so the boundary bucket holds all 6,400 indexed tokens
+  // (gathered from every pass CTA) and ties at theta are all selected.
   SparseCase c{128, 8, 2, {6400 + 50}, {6400}, 0.9, 8};
   c.flat_keys = true;
   check_case<128>(c);

@@ -225,27 +225,57 @@ __device__ inline void write_split_partials(WarpMerge<D, kWarps>& mg, int warp, 
 
 // Merges the splits of each (sequence, query head) by their log-sum-exp weights (base 2):
 // out = sum_s 2^{m_s - M} o_s / sum_s 2^{m_s - M} l_s, and likewise A - 1 = sum 2^{..} d_s / L.
+// One CTA of blockDim.x threads per row: the split weights are reduced across the CTA first, then
+// every thread sums its channels with the loads of many splits in flight.
 // part_mld: [rows][n_splits][3] (m, l, d: base-2 running max, sum of p, sum of p (e^c - 1));
 // part_o: [rows][n_splits][D]; out: [rows][D]; meter, a_minus_1: [rows] or null.
 template <int D>
 __global__ void merge_splits_kernel(float* out, float* meter, float* a_minus_1, int n_splits, const float* part_mld,
                                     const float* part_o) {
+  __shared__ float red[3][32];
   const int64_t row = blockIdx.x;  // b * n_q_heads + h
   const float* mld = part_mld + row * n_splits * 3;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
   float big = -INFINITY;
-  for (int s = 0; s < n_splits; ++s) big = fmaxf(big, mld[3 * s]);
+  for (int s = threadIdx.x; s < n_splits; s += blockDim.x) big = fmaxf(big, mld[3 * s]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
+  if (lane == 0) red[0][warp] = big;
+  __syncthreads();
+  big = red[0][0];
+  for (int w = 1; w < n_warps; ++w) big = fmaxf(big, red[0][w]);
   float l = 0.f, d = 0.f;
-  for (int s = 0; s < n_splits; ++s) {
+  for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
     if (mld[3 * s] == -INFINITY) continue;
     const float f = exp2f(mld[3 * s] - big);
     l += f * mld[3 * s + 1];
     d += f * mld[3 * s + 2];
   }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    l += __shfl_xor_sync(0xffffffffu, l, o);
+    d += __shfl_xor_sync(0xffffffffu, d, o);
+  }
+  __syncthreads();
+  if (lane == 0) {
+    red[1][warp] = l;
+    red[2][warp] = d;
+  }
+  __syncthreads();
+  l = 0.f;
+  d = 0.f;
+  for (int w = 0; w < n_warps; ++w) {  // the same order in every thread
+    l += red[1][w];
+    d += red[2][w];
+  }
+  const float* po = part_o + row * int64_t(n_splits) * D;
   for (int c = threadIdx.x; c < D; c += blockDim.x) {
     float o = 0.f;
+#pragma unroll 8
     for (int s = 0; s < n_splits; ++s) {
-      if (mld[3 * s] == -INFINITY) continue;
-      o += exp2f(mld[3 * s] - big) * part_o[(row * n_splits + s) * D + c];
+      const float m = mld[3 * s];
+      const float f = m == -INFINITY ? 0.f : exp2f(m - big);
+      o += f * po[int64_t(s) * D + c];
     }
     out[row * D + c] = o / l;
   }
