@@ -366,5 +366,43 @@ TEST(TopP, RejectsBadInput) {
   }
 }
 
+// The table and target a device port reads (attention/cuda/sparse_decode_cuda): the weights the
+// selections use, and ceil(p Z) exactly.
+TEST(TopP, WeightTableAndTargetUnitsForPorts) {
+  for (int64_t n : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{1000}, int64_t{131072}, int64_t{131073}}) {
+    const std::vector<uint64_t>& w = top_p_weight_table(n);
+    ASSERT_EQ(w.size(), size_t(kTopPGapCap) + 1);
+    int ceil_log2 = 0;
+    while ((int64_t{1} << ceil_log2) < n) ++ceil_log2;
+    EXPECT_EQ(w[0], uint64_t{1} << (63 - ceil_log2)) << n;  // the largest token weighs 2^s
+    EXPECT_EQ(w[size_t(kTopPGapCap)], 1u);
+    EXPECT_TRUE(std::is_sorted(w.rbegin(), w.rend())) << n;  // heavier for smaller gaps
+    // n tokens of the largest weight sum to at most 2^63.
+    EXPECT_LE(static_cast<unsigned __int128>(w[0]) * uint64_t(n), static_cast<unsigned __int128>(1) << 63);
+  }
+  // A selection with these weights: mass >= p exactly when the weight reaches the target.
+  const std::vector<float> logits = {3.f, 1.f, 0.5f, -2.f, 3.f};
+  std::vector<uint8_t> mask(logits.size());
+  const TopPSelection sel = top_p_select(logits.data(), int64_t(logits.size()), 0.7, mask.data());
+  const std::vector<uint64_t>& w = top_p_weight_table(int64_t(logits.size()));
+  uint64_t z = 0, taken = 0;
+  for (size_t t = 0; t < logits.size(); ++t) {
+    const int gap = int((3.f - logits[t]) * float(kTopPGapStepsPerLogit));
+    z += w[size_t(std::min(gap, kTopPGapCap))];
+    if (mask[t]) taken += w[size_t(std::min(gap, kTopPGapCap))];
+  }
+  EXPECT_GE(taken, top_p_target_units(0.7, z));
+  EXPECT_EQ(top_p_target_units(1.0, z), z);
+  EXPECT_EQ(top_p_target_units(0.5, 7), 4u);            // ceil(3.5)
+  EXPECT_EQ(top_p_target_units(0.5, 8), 4u);            // exact
+  EXPECT_EQ(top_p_target_units(0.25, uint64_t{1} << 62), uint64_t{1} << 60);
+  EXPECT_EQ(top_p_target_units(1e-30, 5), 1u);          // 0 < p Z < 1 rounds up to one unit
+  EXPECT_EQ(top_p_target_units(0.1, 10), 2u);  // the double 0.1 is just above 1/10: 10 p is just above 1
+  EXPECT_GE(sel.mass, 0.7);
+  EXPECT_THROW(top_p_weight_table(0), Error);
+  EXPECT_THROW(top_p_target_units(0.0, 5), Error);
+  EXPECT_THROW(top_p_target_units(1.5, 5), Error);
+}
+
 }  // namespace
 }  // namespace certkv::index
