@@ -160,21 +160,31 @@ codec::GaacCalibration calibrate(const Source& cal, format::GaacElement element,
   return calibrator.finish();
 }
 
-// Times one graph of `iters` calls of fn cycling nothing else (fn launches on `stream`); returns
-// microseconds per call, median of reps.
+// Timed like the peers: one CUDA graph of `iters` rounds of fn (its launches on `stream`),
+// replayed reps times between events. Before the timing, the output buffer `out` (bytes) is
+// poisoned and the graph replayed once: its output must equal what an eager round left there.
+// Returns microseconds per round, one per repetition.
 template <typename Fn>
-std::vector<double> time_graph(cudaStream_t stream, int iters, int reps, Fn fn) {
+std::vector<double> time_graph(cudaStream_t stream, int iters, int reps, void* out, size_t bytes,
+                               const std::string& what, Fn fn) {
+  fn();
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  std::vector<uint8_t> eager(bytes), replayed(bytes);
+  CHECK_CUDA(cudaMemcpy(eager.data(), out, bytes, cudaMemcpyDeviceToHost));
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   for (int it = 0; it < iters; ++it) fn();
   CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
   CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  CHECK_CUDA(cudaMemsetAsync(out, 0xff, bytes, stream));  // NaN
+  CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  CHECK_CUDA(cudaMemcpy(replayed.data(), out, bytes, cudaMemcpyDeviceToHost));
+  if (replayed != eager) die(what + ": the graph's output differs from an eager call's");
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0));
   CHECK_CUDA(cudaEventCreate(&e1));
-  CHECK_CUDA(cudaGraphLaunch(exec, stream));
-  CHECK_CUDA(cudaStreamSynchronize(stream));
   std::vector<double> us;
   for (int r = 0; r < reps; ++r) {
     CHECK_CUDA(cudaEventRecord(e0, stream));
@@ -278,23 +288,10 @@ SparseCell run_sparse(const Source& src, const HostLayerKv& kv, const std::vecto
     PagedDecodeParams pp;
     sets[size_t(i)].describe(&pp);
     SparseDecodeParams& p = params[size_t(i)];
-    p.batch = B;
+    describe_pages(pp, &p);
     p.n_q_heads = n_q;
-    p.n_kv_heads = H;
-    p.head_dim = D;
     p.sm_scale = 1.f / std::sqrt(float(D));
     p.p = top_p;
-    p.k_pages = pp.k_pages;
-    p.v_pages = pp.v_pages;
-    p.k_page_stride = pp.k_page_stride;
-    p.v_page_stride = pp.v_page_stride;
-    p.n_k_pages = pp.n_k_pages;
-    p.n_v_pages = pp.n_v_pages;
-    p.k_table = pp.k_table;
-    p.v_table = pp.v_table;
-    p.table_stride = pp.table_stride;
-    p.seq_lens = pp.seq_lens;
-    p.max_seq_len = pp.max_seq_len;
     p.records = rec_d[size_t(i)].data();
     p.record_stride = n_idx;
     p.n_indexed = reinterpret_cast<const int32_t*>(nidx_d.data());
@@ -321,8 +318,9 @@ SparseCell run_sparse(const Source& src, const HostLayerKv& kv, const std::vecto
   SparseCell cell;
   cell.n_sets = n_sets;
   cell.splits = choose_splits(params[0]);
-  const std::vector<double> us = time_graph(stream, iters, reps, [&] {
-    for (auto& p : params) sparse_decode(p);
+  const std::vector<double> us = time_graph(stream, iters, reps, out_d.data(), q.size() * 4, "sparse", [&] {
+    for (auto& p : params)
+      if (const CudaStatus st = sparse_decode(p); !st.ok) die("sparse: " + st.message);
   });
   const int calls = n_sets;
   std::vector<double> per_call;
@@ -518,47 +516,18 @@ int main(int argc, char** argv) {
             p.workspace_size = ws;
             if (!reset_error_word(p).ok) die("workspace reset");
           }
-          // Timed like the peers: one CUDA graph holding iters calls cycling the sets (both kernels
-          // of each call), replayed reps times between events; the graph's output is checked
-          // against an eager call's first.
+          // A round is one call per set (both kernels of each call): time_graph.
           cudaStream_t stream;
           CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
           for (auto& p : params) p.stream = stream;
-          cudaEvent_t e0, e1;
-          CHECK_CUDA(cudaEventCreate(&e0));
-          CHECK_CUDA(cudaEventCreate(&e1));
           for (int w = 0; w < 3; ++w)
             for (auto& p : params)
               if (!(s = paged_decode(p)).ok) die(fname + ": " + s.message);
-          CHECK_CUDA(cudaStreamSynchronize(stream));
-          std::vector<float> eager_out(q.size()), graph_out(q.size());
-          CHECK_CUDA(cudaMemcpy(eager_out.data(), out_d.data(), q.size() * 4, cudaMemcpyDeviceToHost));
-          cudaGraph_t graph;
-          cudaGraphExec_t exec;
-          CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-          for (int it = 0; it < iters; ++it)
+          std::vector<double> us = time_graph(stream, iters, reps, out_d.data(), q.size() * 4, fname, [&] {
             for (auto& p : params)
               if (!(s = paged_decode(p)).ok) die(fname + ": " + s.message);
-          CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
-          CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-          CHECK_CUDA(cudaMemsetAsync(out_d.data(), 0xff, q.size() * 4, stream));  // NaN
-          CHECK_CUDA(cudaGraphLaunch(exec, stream));
-          CHECK_CUDA(cudaStreamSynchronize(stream));
-          CHECK_CUDA(cudaMemcpy(graph_out.data(), out_d.data(), q.size() * 4, cudaMemcpyDeviceToHost));
-          if (std::memcmp(graph_out.data(), eager_out.data(), q.size() * 4) != 0)
-            die(fname + ": the graph's output differs from an eager call's");
-          std::vector<double> us;
-          for (int r = 0; r < reps; ++r) {
-            CHECK_CUDA(cudaEventRecord(e0, stream));
-            CHECK_CUDA(cudaGraphLaunch(exec, stream));
-            CHECK_CUDA(cudaEventRecord(e1, stream));
-            CHECK_CUDA(cudaEventSynchronize(e1));
-            float ms = 0;
-            CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-            us.push_back(double(ms) * 1e3 / double(iters * n_sets));
-          }
-          CHECK_CUDA(cudaGraphExecDestroy(exec));
-          CHECK_CUDA(cudaGraphDestroy(graph));
+          });
+          for (double& u : us) u /= double(n_sets);
           for (auto& p : params) {
             uint32_t corrupt = 0;
             if (!read_error_word(p, &corrupt).ok || corrupt != 0) die(fname + ": corrupt pages reported");
@@ -581,8 +550,6 @@ int main(int argc, char** argv) {
           std::printf("%-6s %5d %7lld %-18s %10.2f %10.1f %8.3f %8.1f\n", shape_name.c_str(), batch, (long long)ctx,
                       fname.c_str(), med, double(bytes) / 1e6, tb_s, 100.0 * tb_s / copy);
           std::fflush(stdout);
-          cudaEventDestroy(e0);
-          cudaEventDestroy(e1);
           cudaStreamDestroy(stream);
         }
       }

@@ -710,6 +710,24 @@ DeviceRabitqQuery device_rabitq_query(const index::RabitqHead& head, const index
 template DeviceRabitqQuery device_rabitq_query<64>(const index::RabitqHead&, const index::RabitqQuery<64>&);
 template DeviceRabitqQuery device_rabitq_query<128>(const index::RabitqHead&, const index::RabitqQuery<128>&);
 
+void describe_pages(const PagedDecodeParams& pages, SparseDecodeParams* p) {
+  p->batch = pages.batch;
+  p->n_kv_heads = pages.n_kv_heads;
+  p->head_dim = pages.head_dim;
+  p->block_tokens = pages.block_tokens;
+  p->k_pages = pages.k_pages;
+  p->v_pages = pages.v_pages;
+  p->k_page_stride = pages.k_page_stride;
+  p->v_page_stride = pages.v_page_stride;
+  p->n_k_pages = pages.n_k_pages;
+  p->n_v_pages = pages.n_v_pages;
+  p->k_table = pages.k_table;
+  p->v_table = pages.v_table;
+  p->table_stride = pages.table_stride;
+  p->seq_lens = pages.seq_lens;
+  p->max_seq_len = pages.max_seq_len;
+}
+
 CudaStatus check(const SparseDecodeParams& p) {
   if (p.head_dim != 64 && p.head_dim != 128)
     return unsupported("head_dim " + std::to_string(p.head_dim) + " is unsupported (64 or 128)");

@@ -75,6 +75,10 @@ struct SparseDecodeParams {
   void* stream = nullptr;  // cudaStream_t
 };
 
+// Copies the bf16 page fields (pools, strides, block tables, lengths; batch, KV heads, head dim,
+// block tokens) of a paged description (DeviceKv::describe, format kBf16) into params.
+void describe_pages(const PagedDecodeParams& pages, SparseDecodeParams* params);
+
 // Refuses bad shapes and buffers with a status and a message before any launch.
 CudaStatus check(const SparseDecodeParams& params);
 int choose_splits(const SparseDecodeParams& params);
