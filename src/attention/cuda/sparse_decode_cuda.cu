@@ -24,6 +24,16 @@ constexpr int kTopPThreads = 1024;
 constexpr int kGapBuckets = index::kTopPGapCap + 1;
 constexpr float kLog2e = 1.4426950408889634f;
 
+// A sequence's indexed tokens and length as the kernels use them: device values outside what the
+// host planned (negative, past max_indexed, past the block tables) are clamped, never read past.
+__device__ inline int64_t indexed_of(const SparseDecodeParams& p, int b) {
+  return min(max(int64_t(p.n_indexed[b]), int64_t(0)), p.max_indexed);
+}
+__device__ inline int64_t length_of(const SparseDecodeParams& p, int b) {
+  const int64_t n = indexed_of(p, b);
+  return max(n, min(min(int64_t(p.seq_lens[b]), n + p.max_window), min(p.max_seq_len, p.table_stride * kTileTokens)));
+}
+
 // ---------------------------------------------------------------------------------------------
 // 1. The estimate: one thread per indexed token, every query head of its KV head.
 
@@ -63,7 +73,7 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecode
     cta_max[threadIdx.x] = 0;
   }
   __syncthreads();
-  const int64_t n = p.n_indexed[b];
+  const int64_t n = indexed_of(p, b);
   const auto* records = static_cast<const index::RabitqRecord<D>*>(p.records) +
                         (int64_t(b) * p.n_kv_heads + kv_head) * p.record_stride;
   uint32_t key_max[kTileHeads] = {};
@@ -174,7 +184,7 @@ __global__ void __launch_bounds__(kPassThreads) hist_kernel(SparseDecodeParams p
   __shared__ uint32_t local[kGapBuckets];
   const int h = blockIdx.y, b = blockIdx.z;
   const int64_t row = int64_t(b) * p.n_q_heads + h;
-  const int64_t n = p.n_indexed[b], t0 = int64_t(blockIdx.x) * kPassTokens;
+  const int64_t n = indexed_of(p, b), t0 = int64_t(blockIdx.x) * kPassTokens;
   if (t0 >= n) return;
   for (int a = threadIdx.x; a < kGapBuckets; a += kPassThreads) local[a] = 0;
   __syncthreads();
@@ -195,7 +205,7 @@ __global__ void __launch_bounds__(kTopPThreads) plan_kernel(SparseDecodeParams p
   __shared__ unsigned long long uscratch[32];
   const int h = blockIdx.x, b = blockIdx.y;
   const int64_t row = int64_t(b) * p.n_q_heads + h;
-  if (p.n_indexed[b] == 0) return;
+  if (indexed_of(p, b) == 0) return;
   const uint32_t* hist = hist_all + row * kGapBuckets;
   const uint64_t* weight = p.topp_weights + int64_t(b) * kGapBuckets;
   // Thread i owns buckets [kPer i, kPer (i + 1)); an exclusive scan over threads gives the weight
@@ -281,7 +291,7 @@ __global__ void __launch_bounds__(kPassThreads) gather_kernel(SparseDecodeParams
                                                               float* candidates) {
   const int h = blockIdx.y, b = blockIdx.z;
   const int64_t row = int64_t(b) * p.n_q_heads + h;
-  const int64_t n = p.n_indexed[b], t0 = int64_t(blockIdx.x) * kPassTokens;
+  const int64_t n = indexed_of(p, b), t0 = int64_t(blockIdx.x) * kPassTokens;
   if (t0 >= n) return;
   const TopPPlan plan = plans[row];
   const float* l = logits + row * p.max_indexed;
@@ -310,7 +320,7 @@ __global__ void __launch_bounds__(kTopPThreads) theta_kernel(SparseDecodeParams 
   __shared__ unsigned long long uscratch[32];
   const int h = blockIdx.x, b = blockIdx.y;
   const int64_t row = int64_t(b) * p.n_q_heads + h;
-  if (p.n_indexed[b] == 0) {
+  if (indexed_of(p, b) == 0) {
     if (threadIdx.x == 0) {
       theta_out[row] = INFINITY;
       if (p.threshold) p.threshold[row] = INFINITY;
@@ -389,7 +399,7 @@ __global__ void __launch_bounds__(kSparseChunkTokens) select_kernel(SparseDecode
   const int group = p.n_q_heads / p.n_kv_heads;
   const int64_t t = int64_t(chunk) * kSparseChunkTokens + threadIdx.x;
   uint32_t heads = 0;
-  if (t < p.n_indexed[b]) {
+  if (t < indexed_of(p, b)) {
     for (int g = 0; g < group; ++g) {
       const int64_t row = int64_t(b) * p.n_q_heads + kv_head * group + g;
       heads |= uint32_t(logits[row * p.max_indexed + t] >= theta[row]) << g;
@@ -454,8 +464,8 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(AttendArgs a) {
   const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = p.n_q_heads / p.n_kv_heads;
-  const int64_t n_indexed = p.n_indexed[b];
-  const int64_t len = min(int64_t(p.seq_lens[b]), n_indexed + p.max_window);
+  const int64_t n_indexed = indexed_of(p, b);
+  const int64_t len = length_of(p, b);
   const int64_t list = int64_t(b) * p.n_kv_heads + kv_head;
   const int64_t all_chunks = a.n_chunks + a.window_chunks;
   const int64_t per_split = (all_chunks + a.n_splits - 1) / a.n_splits;
