@@ -203,9 +203,15 @@ __global__ void __launch_bounds__(kTopPThreads) plan_kernel(SparseDecodeParams p
                                                             const uint32_t* hist_all, TopPPlan* plans) {
   __shared__ unsigned long long scan[32];
   __shared__ unsigned long long uscratch[32];
+  __shared__ int boundary;
+  __shared__ unsigned long long boundary_g_above;
   const int h = blockIdx.x, b = blockIdx.y;
   const int64_t row = int64_t(b) * p.n_q_heads + h;
   if (indexed_of(p, b) == 0) return;
+  if (threadIdx.x == 0) {  // the last bucket until the scan finds the crossing (it always does: T <= Z)
+    boundary = kGapBuckets - 1;
+    boundary_g_above = 0;
+  }
   const uint32_t* hist = hist_all + row * kGapBuckets;
   const uint64_t* weight = p.topp_weights + int64_t(b) * kGapBuckets;
   // Thread i owns buckets [kPer i, kPer (i + 1)); an exclusive scan over threads gives the weight
@@ -256,9 +262,7 @@ __global__ void __launch_bounds__(kTopPThreads) plan_kernel(SparseDecodeParams p
     before += bucket;
   }
   // Tokens above the boundary: the owner knows its bucket; a reduction of the counts of the
-  // buckets before it (every thread counts the buckets below the boundary it can see later).
-  __shared__ int boundary;
-  __shared__ unsigned long long boundary_g_above;
+  // buckets before it.
   if (found >= 0) {
     boundary = found;
     boundary_g_above = g_above;
