@@ -333,6 +333,21 @@ int cmd_eval(int argc, char** argv) {
 
 namespace {
 
+// Both audits: the session parameters for the text's n tokens with the last `steps` decoded.
+certkv_session_params audit_params(const Flags& flags, int64_t n, int64_t steps, const KvFlags& kv) {
+  certkv_session_params p = session_params(flags, n);
+  kv.apply(p);
+  p.meter_planned_steps = steps;
+  return p;
+}
+
+// Both audits: runs the tokens (prefill, then `steps` decode steps); the seconds it took.
+double timed_run(certkv::Session& session, const std::vector<int32_t>& tokens, int64_t steps, int n_vocab) {
+  const auto t0 = std::chrono::steady_clock::now();
+  run_tokens(session, tokens, steps, n_vocab, nullptr);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 // certkv audit --sparse: the sparse audit (any --kv scheme).
 int sparse_audit(const Flags& flags, int64_t n, int64_t steps) {
   const KvFlags kv = parse_kv_flags(flags, flags.str("kv", "bf16"));
@@ -344,15 +359,11 @@ int sparse_audit(const Flags& flags, int64_t n, int64_t steps) {
   certkv::Model model(model_path(flags));
   const certkv_model_info info = model.info();
   const std::vector<int32_t> tokens = text_tokens(model, flags, n);
-  certkv_session_params p = session_params(flags, n);
-  kv.apply(p);
+  certkv_session_params p = audit_params(flags, n, steps, kv);
   if (!calib.empty()) p.gaac_calibration = calib.c_str();
-  p.meter_planned_steps = steps;
   certkv::Session session(model, p);
   check(certkv_session_sparse_audit_enable(session.get(), flags.has("dump") ? dump_cells : 0, seed));
-  const auto t0 = std::chrono::steady_clock::now();
-  run_tokens(session, tokens, steps, int(info.n_vocab), nullptr);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double seconds = timed_run(session, tokens, steps, int(info.n_vocab));
   const certkv_sparse_audit_stats a = session.sparse_audit_stats();
   const certkv_sparse_stats ss = session.sparse_stats();
   if (flags.has("dump")) check(certkv_session_sparse_audit_dump(session.get(), flags.str("dump").c_str()));
@@ -441,14 +452,9 @@ int cmd_audit(int argc, char** argv) {
   certkv::Model model(model_path(flags));
   const certkv_model_info info = model.info();
   const std::vector<int32_t> tokens = text_tokens(model, flags, n);
-  certkv_session_params p = session_params(flags, n);
-  kv.apply(p);
-  p.meter_planned_steps = steps;
-  certkv::Session session(model, p);
+  certkv::Session session(model, audit_params(flags, n, steps, kv));
   check(certkv_session_audit_enable(session.get(), flags.has("dump") ? dump_cells : 0, seed));
-  const auto t0 = std::chrono::steady_clock::now();
-  run_tokens(session, tokens, steps, int(info.n_vocab), nullptr);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double seconds = timed_run(session, tokens, steps, int(info.n_vocab));
   const certkv_audit_stats a = session.audit_stats();
   const certkv_meter_stats ms = session.meter_stats();
   if (flags.has("dump")) check(certkv_session_audit_dump(session.get(), flags.str("dump").c_str()));
