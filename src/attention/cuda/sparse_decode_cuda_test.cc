@@ -230,7 +230,9 @@ void check_case(const SparseCase& c, bool dense_too = false) {
       EXPECT_EQ(r.threshold[row], sel_ref.threshold);
       EXPECT_EQ(r.n_selected[row], sel.n_selected) << "seq " << b << " head " << hh;
       EXPECT_EQ(mask, mask_ref);
-      if (c.p == 1.0) EXPECT_EQ(sel.n_selected, n);
+      if (c.p == 1.0) {
+        EXPECT_EQ(sel.n_selected, n);
+      }
     }
     // 3. The lists of each KV head: the tokens any head selected, in order, with their heads.
     for (int kvh = 0; kvh < H; ++kvh) {
