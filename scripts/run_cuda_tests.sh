@@ -1,20 +1,48 @@
 #!/usr/bin/env bash
 # Builds the CUDA tests and the GPU benchmark here (no GPU needed to build; portable x86-64 host
 # code, no -march=native) and copies them to .devbin/ (git-ignored), which a device command
-# carries. On a machine with a GPU, pass --run: the cross-backend harness, then the same under
-# compute-sanitizer memcheck (the out-of-memory test is left out there: its refused cudaMalloc
-# is reported as an API error by the sanitizer).
+# carries. With --stage-model, also stages the real model and two corpus books in .devmodel/
+# (git-ignored) for the device route's end-to-end tests, the model split in parts of at most
+# 36 MB so that each device command's working tree stays under its 64 MiB (carry the parts over
+# consecutive calls while the machine is warm; --run joins them).
+#
+# On a machine with a GPU, pass --run: the GAAC device encoder and the cross-backend attention
+# harness, then the same under compute-sanitizer memcheck (the out-of-memory test is left out
+# there: its refused cudaMalloc is reported as an API error by the sanitizer), then, when
+# .devmodel/ holds the model, the device route end to end on it.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 if [ "${1:-}" = "--run" ]; then
-  bin="$root/.devbin/certkv_attention_cuda_tests"
-  "$bin"
-  compute-sanitizer --tool memcheck --error-exitcode 9 "$bin" --gtest_filter='-*OutOfDevice*'
+  cd "$root/.devbin"
+  ./certkv_codec_cuda_tests
+  ./certkv_attention_cuda_tests
+  compute-sanitizer --tool memcheck --error-exitcode 9 ./certkv_codec_cuda_tests
+  compute-sanitizer --tool memcheck --error-exitcode 9 ./certkv_attention_cuda_tests --gtest_filter='-*OutOfDevice*'
+  staged="$root/.devmodel"
+  if ls "$staged"/model.part-* >/dev/null 2>&1; then
+    cat "$staged"/model.part-* > /tmp/certkv_model.gguf
+    CERTKV_TEST_MODEL=/tmp/certkv_model.gguf CERTKV_TEST_CORPUS="$staged" ./certkv_device_e2e_tests
+  else
+    echo "run_cuda_tests: no model staged in .devmodel/ (scripts/run_cuda_tests.sh --stage-model): device route end to end not run"
+  fi
+  exit 0
+fi
+if [ "${1:-}" = "--stage-model" ]; then
+  model="$root/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+  [ -f "$model" ] || bash "$root/scripts/fetch_models.sh"
+  rm -rf "$root/.devmodel" && mkdir -p "$root/.devmodel"
+  split -b 36000000 -d "$model" "$root/.devmodel/model.part-"
+  cp "$root/../shared/data/corpus/austen-emma.txt" "$root/../shared/data/corpus/melville-moby-dick.txt" "$root/.devmodel/"
+  grep -qx '/.devmodel/' "$root/.git/info/exclude" 2>/dev/null || echo '/.devmodel/' >> "$root/.git/info/exclude"
+  ls -la "$root/.devmodel"
   exit 0
 fi
 cmake -S "$root" -B "$root/build-cuda" -DCERTKV_CUDA=ON -DCERTKV_NATIVE=OFF -DCERTKV_BUILD_BENCH=ON >/dev/null
-cmake --build "$root/build-cuda" -j"$(nproc)" --target certkv_attention_cuda_tests certkv_cuda_decode_bench
+cmake --build "$root/build-cuda" -j"$(nproc)" --target certkv_attention_cuda_tests certkv_codec_cuda_tests \
+  certkv_device_e2e_tests certkv_cuda_decode_bench certkv_cli
 mkdir -p "$root/.devbin"
-cp "$root/build-cuda/src/attention/certkv_attention_cuda_tests" "$root/build-cuda/bench/certkv_cuda_decode_bench" "$root/.devbin/"
+cp "$root/build-cuda/src/attention/certkv_attention_cuda_tests" "$root/build-cuda/src/codec/certkv_codec_cuda_tests" \
+  "$root/build-cuda/tests/certkv_device_e2e_tests" "$root/build-cuda/bench/certkv_cuda_decode_bench" \
+  "$root/build-cuda/tools/certkv/certkv" "$root/.devbin/"
 grep -qx '/.devbin/' "$root/.git/info/exclude" 2>/dev/null || echo '/.devbin/' >> "$root/.git/info/exclude"
 echo "built .devbin/; on the GPU machine (carry .devbin): bash scripts/run_cuda_tests.sh --run"

@@ -149,3 +149,32 @@ TEST(CApi, SeededSamplingIsReproducible) {
 }
 
 }  // namespace
+
+namespace {
+
+// The device route's refusals (any machine: stories260K's head_dim of 8 is not served on a GPU
+// either, and a machine without one says so).
+TEST(CApi, DeviceRouteRefusalsAreClearErrors) {
+  certkv::Model model(stories_checkpoint(), stories_tokenizer());
+  certkv_session_params sp = certkv_session_default_params();
+  sp.context_tokens = 64;
+  certkv_session* s = nullptr;
+  sp.device = "tpu";
+  EXPECT_EQ(certkv_session_create(model.get(), &sp, &s), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(certkv_last_error()).find("'tpu'"), std::string::npos) << certkv_last_error();
+  EXPECT_NE(std::string(certkv_last_error()).find("cpu, cuda"), std::string::npos) << certkv_last_error();
+  sp.device = "cuda";
+  EXPECT_EQ(certkv_session_create(model.get(), &sp, &s), CERTKV_ERR_UNSUPPORTED);
+  EXPECT_EQ(std::string(certkv_last_error()).rfind("device cuda: ", 0), 0u) << certkv_last_error();
+  sp.kv = "dither8";
+  EXPECT_EQ(certkv_session_create(model.get(), &sp, &s), CERTKV_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(certkv_last_error()).find("with the meter is not served"), std::string::npos)
+      << certkv_last_error();
+  EXPECT_EQ(s, nullptr);
+  sp.kv = "bf16";
+  sp.device = "cpu";
+  certkv::Session cpu(model, sp);
+  EXPECT_EQ(cpu.device_stats().on_device, 0);
+}
+
+}  // namespace

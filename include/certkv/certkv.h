@@ -135,6 +135,11 @@ typedef struct certkv_session_params {
   int32_t sparse_dense_layers;   /* first layers decoded densely; -1: 2 */
   const char* sparse_rotation;   /* the key index's rotation: "haar" (default, null) or
                                     "hadamard" (randomized Hadamard, power-of-two head_dim) */
+  const char* device;            /* where decode attention runs: "cpu" (default, null) or
+                                    "cuda" (a CUDA device holds its own copy of the KV cache,
+                                    encoded there; kv "bf16", "gaac" or "gaac-e5m2", no meter,
+                                    no sparse; CERTKV_ERR_UNSUPPORTED without a CUDA build or
+                                    device). The forward pass and prefill stay on the CPU. */
 } certkv_session_params;
 
 certkv_session_params certkv_session_default_params(void);
@@ -244,6 +249,21 @@ certkv_status certkv_session_audit_layer(const certkv_session* session, int32_t 
 certkv_status certkv_session_audit_dump(const certkv_session* session, const char* path);
 
 /* ---- Sparse decode ------------------------------------------------------------------------- */
+
+/* The device route (params.device "cuda"): what ran there and what its KV cache holds. */
+typedef struct certkv_device_stats {
+  int on_device;                 /* 1 when decode attention runs on a CUDA device */
+  int64_t attention_calls;       /* (step, layer) attentions run there */
+  double attention_seconds;      /* their host wall time, copies and launches included */
+  double write_seconds;          /* appending K/V rows and encoding finalized blocks there */
+  int64_t gaac_slots;            /* GAAC slots in use on the device */
+  int64_t raw_pages;             /* raw pages (bf16 pages, tails, blocks that did not fit) */
+  int64_t blocks_not_fitting;    /* GAAC blocks kept raw */
+  uint64_t kv_bytes_in_use;      /* device pages in use plus block tables */
+  uint64_t kv_bytes_reserved;    /* device memory held for the KV cache */
+} certkv_device_stats;
+
+certkv_status certkv_session_device_stats(const certkv_session* session, certkv_device_stats* stats);
 
 /* Counters of sparse decode since the session began (or certkv_session_sparse_reset). A cell is
  * one (layer, query head, step) of a sparse layer; budget = attended tokens / context tokens. */

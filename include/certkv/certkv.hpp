@@ -108,6 +108,11 @@ class Session {
     check(certkv_session_audit_stats(session_, &a));
     return a;
   }
+  certkv_device_stats device_stats() const {
+    certkv_device_stats s;
+    check(certkv_session_device_stats(session_, &s));
+    return s;
+  }
   certkv_sparse_stats sparse_stats() const {
     certkv_sparse_stats s;
     check(certkv_session_sparse_stats(session_, &s));

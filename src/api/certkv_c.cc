@@ -234,6 +234,7 @@ certkv_session_params certkv_session_default_params(void) {
   p.sparse_window = -1;
   p.sparse_dense_layers = -1;
   p.sparse_rotation = nullptr;
+  p.device = nullptr;
   return p;
 }
 
@@ -289,8 +290,15 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
   if (activations != "int8" && activations != "f32")
     return set_error(CERTKV_ERR_INVALID_ARGUMENT,
                      "activations '" + activations + "' is unknown (int8 or f32)");
+  certkv::model::Device device = certkv::model::Device::kCpu;
+  try {
+    if (p.device != nullptr) device = certkv::model::parse_device(p.device);
+  } catch (const certkv::Error& e) {
+    return set_error(CERTKV_ERR_INVALID_ARGUMENT, std::string("certkv_session_params.device: ") + e.what());
+  }
   return guarded([&] {
     certkv::model::SessionConfig c;
+    c.device = device;
     c.activations = activations == "f32" ? certkv::model::ActivationFormat::kFloat32
                                          : certkv::model::ActivationFormat::kInt8;
     c.context_tokens = p.context_tokens;
@@ -500,6 +508,25 @@ certkv_status certkv_session_audit_dump(const certkv_session* session, const cha
   CERTKV_REQUIRE(session->audit, "certkv_session_audit_dump: the audit is not enabled");
   return guarded([&] {
     session->audit->dump(path, certkv::cache::kv_scheme_name(session->session->config().kv_scheme));
+  });
+}
+
+certkv_status certkv_session_device_stats(const certkv_session* session, certkv_device_stats* stats) {
+  CERTKV_REQUIRE(session && stats, "certkv_session_device_stats: null argument");
+  return guarded([&] {
+    *stats = certkv_device_stats{};
+    const certkv::model::DeviceDecoder* d = session->session->device_decoder();
+    if (d == nullptr) return;
+    const certkv::model::DeviceDecodeStats s = d->stats();
+    stats->on_device = 1;
+    stats->attention_calls = s.attention_calls;
+    stats->attention_seconds = s.attention_seconds;
+    stats->write_seconds = s.write_seconds;
+    stats->gaac_slots = s.slots_in_use;
+    stats->raw_pages = s.raw_pages_in_use;
+    stats->blocks_not_fitting = s.blocks_not_fitting;
+    stats->kv_bytes_in_use = s.kv_bytes_in_use;
+    stats->kv_bytes_reserved = s.kv_bytes_reserved;
   });
 }
 

@@ -133,6 +133,24 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
     index_ = std::make_unique<cache::KeyIndex>(ic);
     reset_sparse_stats();
   }
+  if (config.device == Device::kCuda) {
+    if (metered_ || meter.gate)
+      fail(StatusCode::kUnsupported, std::string("device cuda: KV scheme ") + cache::kv_scheme_name(config.kv_scheme) +
+                                         " with the meter is not served on the device yet (bf16, gaac, gaac-e5m2 are)");
+    if (sparse.enabled)
+      fail(StatusCode::kUnsupported, "device cuda: sparse decode is not routed to the device yet (drop --sparse)");
+    DeviceDecoderConfig dc;
+    dc.n_layers = c.n_layers;
+    dc.n_q_heads = c.n_heads;
+    dc.n_kv_heads = c.n_kv_heads;
+    dc.head_dim = c.head_dim;
+    dc.block_tokens = config.block_tokens;
+    dc.max_tokens = context_tokens_;
+    dc.scale = c.attention_scale();
+    dc.scheme = config.kv_scheme;
+    dc.gaac_calibration = config.gaac_calibration;
+    device_ = make_device_decoder(dc);
+  }
   cache_ = std::make_unique<cache::KvCache>(kv);
   seq_ = cache_->create_sequence();
   if (config.capture_queries) last_queries_.assign(c.n_layers, {});
@@ -256,6 +274,7 @@ int64_t Session::n_past() const { return cache_->length(seq_); }
 void Session::reset() {
   cache_->free_sequence(seq_);
   seq_ = cache_->create_sequence();
+  if (device_) device_->reset();
   if (index_) {
     index_->clear();
     index_built_ = false;
@@ -451,7 +470,10 @@ void Session::forward_chunk(const int32_t* tokens, int64_t n, float* last_logits
             sums[size_t(h / group) * size_t(hd) + size_t(i)] += q_[size_t(t * q_dim + h * hd + i)];
     }
     cache_->write(seq_, layer, k_.data(), v_.data(), n);
-    if (n == 1 && sparse_layer(layer))
+    if (device_) device_->write(layer, k_.data(), v_.data(), n);
+    if (n == 1 && device_)
+      device_->attend(layer, q_.data(), attn_.data());
+    else if (n == 1 && sparse_layer(layer))
       decode_attention_sparse(layer, shape, pos0);
     else if (n == 1 && metered_)
       decode_attention_metered(layer, shape, pos0);

@@ -16,6 +16,7 @@
 
 #include "attention/decode_attention.h"
 #include "attention/sparse_decode.h"
+#include "model/device_decode.h"
 #include "cache/key_index.h"
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
@@ -119,6 +120,10 @@ struct SessionConfig {
   int recent_window_tokens = -1;
   MeterConfig meter;
   SparseConfig sparse;
+  // kCuda: decode attention runs on a CUDA device over a device copy of the KV cache, encoded
+  // there (model/device_decode.h); the forward pass and prefill attention stay on the host.
+  // Serves the bf16, gaac and gaac-e5m2 schemes, without the meter or sparse decode.
+  Device device = Device::kCpu;
 };
 
 
@@ -170,6 +175,9 @@ class Session {
   void reset_sparse_stats();
   void set_sparse_observer(SparseObserver observer) { sparse_observer_ = std::move(observer); }
 
+  // The device route (null unless config.device is kCuda).
+  const DeviceDecoder* device_decoder() const { return device_.get(); }
+
  private:
   void forward_chunk(const int32_t* tokens, int64_t n, float* last_logits, float* all_logits);
   void ensure_buffers(int64_t n);
@@ -203,6 +211,7 @@ class Session {
   SparseObserver sparse_observer_;
   std::vector<std::vector<int32_t>> attended_;
   std::vector<std::vector<float>> estimated_logits_;
+  std::unique_ptr<DeviceDecoder> device_;
 };
 
 }  // namespace certkv::model

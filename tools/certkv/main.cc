@@ -48,7 +48,7 @@ constexpr const char* kUsage =
     "           [--outlier-pairs M] [--window N] [--delta D] [--tau T] [--gate] [--no-meter]\n"
     "           [--sparse p=P[,window=N][,dense=L][,rotation=haar|hadamard]]\n"
     "           [--temp T] [--top-k K] [--top-p P]\n"
-    "           [--seed S] [--block-tokens N] [--activations int8|f32]\n"
+    "           [--seed S] [--block-tokens N] [--activations int8|f32] [--device cpu|cuda]\n"
     "  dump-kv  --model PATH --text-file F --tokens N --out FILE.safetensors [--layers LIST]\n"
     "           [--threads N]\n"
     "  info     [--model PATH] [--json]\n"
@@ -65,6 +65,8 @@ constexpr const char* kUsage =
     "--sparse: decode attends, per layer and head, the fewest indexed tokens holding estimated\n"
     "attention mass P (a 1-bit RaBitQ key index) plus the newest N tokens (default 128); the first\n"
     "L layers (default 2) stay dense. Combines with any --kv scheme.\n"
+    "--device cuda: decode attention on a CUDA device over its own copy of the KV cache, encoded\n"
+    "there (--kv bf16, gaac, gaac-e5m2); the forward pass and prefill stay on the CPU.\n"
     "With no --model, the embedded default SmolLM2-135M-Instruct (models/, fetched by\n"
     "scripts/fetch_models.sh) is used.\n";
 
@@ -113,12 +115,25 @@ std::string kv_pages_by_class(const certkv_kv_stats& kvs) {
   return o.str();
 }
 
+std::string device_json(const certkv_device_stats& d) {
+  JsonObject o;
+  o.add("attention_calls", d.attention_calls)
+      .add("attention_seconds", d.attention_seconds)
+      .add("write_seconds", d.write_seconds)
+      .add("gaac_slots", d.gaac_slots)
+      .add("raw_pages", d.raw_pages)
+      .add("blocks_not_fitting", d.blocks_not_fitting)
+      .add("kv_bytes_in_use", d.kv_bytes_in_use)
+      .add("kv_bytes_reserved", d.kv_bytes_reserved);
+  return o.str();
+}
+
 int cmd_run(int argc, char** argv) {
   std::map<std::string, bool> spec = {
       {"model", true}, {"prompt", true}, {"prompt-file", true}, {"n", true},
       {"ctx", true}, {"threads", true}, {"json", false}, {"raw", false}, {"system", true},
       {"temp", true}, {"top-k", true}, {"top-p", true}, {"seed", true}, {"block-tokens", true},
-      {"activations", true}};
+      {"activations", true}, {"device", true}};
   add_kv_flag_spec(spec);
   Flags flags("run", spec, kUsage);
   flags.parse(argc, argv, 2);
@@ -143,6 +158,9 @@ int cmd_run(int argc, char** argv) {
   const std::string activations = flags.str("activations", "int8");
   if (activations != "int8" && activations != "f32")
     throw UsageError{"flag --activations: expected int8 or f32, got '" + activations + "'"};
+  const std::string device = flags.str("device", "cpu");
+  if (device != "cpu" && device != "cuda")
+    throw UsageError{"flag --device: expected cpu or cuda, got '" + device + "'"};
   certkv_sampler_params sp = certkv_sampler_default_params();
   sp.temperature = float(flags.real("temp", 0.0, 0.0, 100.0));
   sp.top_k = int32_t(flags.integer("top-k", 0, 0, 1 << 30));
@@ -169,6 +187,7 @@ int cmd_run(int argc, char** argv) {
   params.block_tokens = int32_t(block_tokens);
   params.kv = kv.c_str();
   params.activations = activations.c_str();
+  params.device = device.c_str();
   kv_flags.apply(params);
   if (!gaac_calib.empty()) params.gaac_calibration = gaac_calib.c_str();
   params.meter_planned_steps = n_new > 0 ? n_new : 1;
@@ -220,6 +239,9 @@ int cmd_run(int argc, char** argv) {
     if (ms.metered) o.add_raw("meter", meter_json(ms));
     const certkv_sparse_stats ss = session.sparse_stats();
     if (ss.sparse) o.add_raw("sparse", certkv::tools::sparse_json(ss));
+    o.add("device", device);
+    const certkv_device_stats ds = session.device_stats();
+    if (ds.on_device) o.add_raw("device_stats", device_json(ds));
     printf("%s\n", o.str().c_str());
   } else {
     printf("\n\n[certkv] %s | prompt %d tok, %.1f tok/s | generated %d tok, decode %.1f tok/s | kv %s %.2f MiB (bf16 %.2f MiB) | peak rss %.1f MiB\n",

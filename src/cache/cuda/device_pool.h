@@ -13,17 +13,12 @@
 #include <cstdint>
 #include <string>
 
-#include "core/status.h"
+#include "core/cuda_status.h"
 
 namespace certkv::cache::cuda {
 
-struct CudaStatus {
-  bool ok = true;
-  StatusCode code = StatusCode::kOk;
-  std::string message;
-};
-
-inline CudaStatus cuda_error(StatusCode code, const std::string& message) { return CudaStatus{false, code, message}; }
+using certkv::CudaStatus;
+using certkv::cuda_error;
 
 class DeviceBuffer {
  public:

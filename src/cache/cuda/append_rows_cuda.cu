@@ -1,0 +1,54 @@
+#include "cache/cuda/append_rows_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+
+#include "format/fp8.h"
+#include "format/numeric.h"
+
+namespace certkv::cache::cuda {
+namespace {
+
+__global__ void append_rows_kernel(AppendRowsArgs a) {
+  const int64_t per_tensor = a.n * a.n_kv_heads * a.head_dim;
+  const int64_t total = 2 * per_tensor;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+    const int kv = int(i / per_tensor);
+    const int64_t rem = i - kv * per_tensor;
+    const int64_t t = rem / (int64_t(a.n_kv_heads) * a.head_dim);
+    const int h = int(rem / a.head_dim % a.n_kv_heads);
+    const int c = int(rem % a.head_dim);
+    const int64_t pos = a.first + t;
+    const int64_t block = pos / a.block_tokens;
+    const int row = int(pos % a.block_tokens);
+    const int32_t entry = a.tables[(int64_t(kv) * a.n_kv_heads + h) * a.table_stride + block];
+    const int64_t page = entry >= 0 ? entry : -int64_t(entry) - 1;
+    uint8_t* dst = a.raw_pages + page * a.raw_page_stride;
+    const uint16_t bf16 = format::float_to_bf16(a.rows[i]);
+    const int64_t element = int64_t(row) * a.head_dim + c;
+    if (a.element == format::GaacElement::kBf16) {
+      reinterpret_cast<uint16_t*>(dst)[element] = bf16;
+    } else {
+      dst[element] = format::bf16_to_fp8_e5m2_ref(bf16);
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) *a.length = int32_t(a.first + a.n);
+}
+
+}  // namespace
+
+CudaStatus append_rows(const AppendRowsArgs& args, void* stream) {
+  const int64_t total = 2 * args.n * args.n_kv_heads * args.head_dim;
+  const int threads = 256;
+  const int blocks = int(std::min<int64_t>((total + threads - 1) / threads, 1024) + (total == 0));
+  append_rows_kernel<<<blocks, threads, 0, static_cast<cudaStream_t>(stream)>>>(args);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return cuda_error(StatusCode::kInternal, std::string("append_rows launch failed: ") + cudaGetErrorString(e));
+  return {};
+}
+
+}  // namespace certkv::cache::cuda

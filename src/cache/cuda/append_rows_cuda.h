@@ -1,0 +1,30 @@
+// The device step of DeviceKvCache::write: rows of floats rounded into the raw tail pages that
+// the block tables name, exactly as KvCache::write rounds them on the host.
+#pragma once
+
+#include <cstdint>
+
+#include "core/cuda_status.h"
+#include "format/gaac_layout.h"
+
+namespace certkv::cache::cuda {
+
+struct AppendRowsArgs {
+  const float* rows = nullptr;     // device: [2 (K, V)][n][n_kv_heads][head_dim]
+  int64_t n = 0;                   // tokens
+  int64_t first = 0;               // position of the first row
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  int block_tokens = 0;
+  format::GaacElement element = format::GaacElement::kBf16;  // bf16, or E5M2 after bf16
+  const int32_t* tables = nullptr;  // device: [2][n_kv_heads][table_stride]; r >= 0 or -r - 1
+  int64_t table_stride = 0;
+  uint8_t* raw_pages = nullptr;     // device pool of raw pages
+  int64_t raw_page_stride = 0;
+  int32_t* length = nullptr;        // device: set to first + n
+};
+
+// Asynchronous on `stream`; kInternal when the launch fails.
+CudaStatus append_rows(const AppendRowsArgs& args, void* stream);
+
+}  // namespace certkv::cache::cuda

@@ -1,0 +1,402 @@
+#include "cache/cuda/device_kv_cache.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "cache/cuda/append_rows_cuda.h"
+#include "codec/cuda/gaac_encode_cuda.h"
+#include "format/gaac_layout.h"
+
+namespace certkv::cache::cuda {
+namespace {
+
+// Table entries of blocks not written yet: read by no kernel (lengths stop before them), and
+// outside every pool if they were.
+constexpr int32_t kUnwritten = std::numeric_limits<int32_t>::min();
+
+cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+CudaStatus cuda_check(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return {};
+  return cuda_error(StatusCode::kInternal, std::string(what) + " failed: " + cudaGetErrorString(e));
+}
+
+size_t round16(size_t n) { return (n + 15) / 16 * 16; }
+
+// Replaces buf by a buffer of new_bytes holding its first old_bytes (ordered on the stream).
+CudaStatus grow(DeviceBuffer& buf, size_t old_bytes, size_t new_bytes, void* stream) {
+  DeviceBuffer bigger;
+  CudaStatus s = DeviceBuffer::allocate(new_bytes, &bigger);
+  if (!s.ok) return s;
+  if (old_bytes > 0) {
+    s = cuda_check(cudaMemcpyAsync(bigger.data(), buf.data(), old_bytes, cudaMemcpyDeviceToDevice, as_stream(stream)),
+                   "pool growth copy");
+    if (!s.ok) return s;
+    s = cuda_check(cudaStreamSynchronize(as_stream(stream)), "pool growth");
+    if (!s.ok) return s;
+  }
+  buf = std::move(bigger);
+  return {};
+}
+
+format::GaacElement scheme_element(KvScheme scheme) {
+  return scheme == KvScheme::kGaacE5M2 ? format::GaacElement::kFp8E5M2 : format::GaacElement::kBf16;
+}
+
+}  // namespace
+
+// A pool of fixed-stride pages with a host free list; pages [0, next) were handed out.
+struct PagePool {
+  DeviceBuffer buffer;
+  size_t stride = 0;
+  int64_t capacity = 0;
+  int64_t next = 0;
+  int64_t in_use = 0;
+  std::vector<int32_t> free;
+
+  CudaStatus take(int64_t first_capacity, void* stream, int32_t* page) {
+    if (!free.empty()) {
+      *page = free.back();
+      free.pop_back();
+    } else {
+      if (next == capacity) {
+        const int64_t grown = std::max<int64_t>(first_capacity, capacity * 2);
+        if (grown > std::numeric_limits<int32_t>::max())
+          return cuda_error(StatusCode::kOutOfMemory, "a device page pool would pass 2^31 pages");
+        CudaStatus s = grow(buffer, size_t(capacity) * stride, size_t(grown) * stride, stream);
+        if (!s.ok) return s;
+        capacity = grown;
+      }
+      *page = int32_t(next++);
+    }
+    ++in_use;
+    return {};
+  }
+  void give_back(int32_t page) {
+    free.push_back(page);
+    --in_use;
+  }
+  void clear() {
+    free.clear();
+    next = 0;
+    in_use = 0;
+  }
+};
+
+struct DeviceKvCache::Layer {
+  PagePool raw;                    // bf16: every page; GAAC: tails and blocks that did not fit
+  PagePool slots[2];               // GAAC: K and V slots
+  size_t escape_capacity[2] = {0, 0};
+  std::vector<uint32_t> slot_used[2];  // used bytes of each slot (read_page)
+  DeviceBuffer tables;             // [2][n_kv_heads][table_stride] int32
+  std::vector<int32_t> host_tables;
+  DeviceBuffer bases;              // [2][n_kv_heads][2][head_dim]
+};
+
+DeviceKvCache::~DeviceKvCache() = default;
+
+CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_ptr<DeviceKvCache>* out) {
+  const KvScheme scheme = config.scheme;
+  if (scheme != KvScheme::kBf16 && scheme != KvScheme::kGaac && scheme != KvScheme::kGaacE5M2)
+    return cuda_error(StatusCode::kUnsupported, std::string("device KV cache: scheme ") + kv_scheme_name(scheme) +
+                                                    " is not served on the device (bf16, gaac, gaac-e5m2 are)");
+  if (config.n_layers < 1 || config.n_kv_heads < 1 || config.head_dim < 8 || config.block_tokens < 1 ||
+      config.max_tokens < 1)
+    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: n_layers, n_kv_heads, block_tokens and "
+                                                    "max_tokens must be >= 1 and head_dim >= 8");
+  const bool gaac = scheme != KvScheme::kBf16;
+  const format::GaacElement element = scheme_element(scheme);
+  if (gaac) {
+    if (format::gaac_tile_channels(config.head_dim) == 0)
+      return cuda_error(StatusCode::kUnsupported, "device KV cache: head_dim " + std::to_string(config.head_dim) +
+                                                      " does not split into GAAC tiles");
+    const codec::GaacShape want{config.n_layers, config.n_kv_heads, config.head_dim, config.block_tokens, element};
+    if (!config.gaac_calibration || !(config.gaac_calibration->shape() == want))
+      return cuda_error(StatusCode::kInvalidArgument,
+                        std::string("device KV cache: scheme ") + kv_scheme_name(scheme) +
+                            " needs a GAAC calibration of element " + codec::gaac_element_name(element) +
+                            " and the model's shape");
+  }
+  std::unique_ptr<DeviceKvCache> c(new DeviceKvCache());
+  c->config_ = config;
+  c->table_stride_ = (config.max_tokens + config.block_tokens - 1) / config.block_tokens;
+  c->raw_bytes_ = size_t(config.block_tokens) * size_t(config.head_dim) * size_t(format::gaac_element_bytes(element));
+  c->written_.assign(size_t(config.n_layers), 0);
+  const int H = config.n_kv_heads;
+  const int D = config.head_dim;
+  CudaStatus s = DeviceBuffer::allocate(sizeof(int32_t) * size_t(config.n_layers), &c->lengths_);
+  if (s.ok) s = cuda_check(cudaMemsetAsync(c->lengths_.data(), 0, c->lengths_.size(), as_stream(config.stream)), "memset");
+  for (int l = 0; s.ok && l < config.n_layers; ++l) {
+    auto layer = std::make_unique<Layer>();
+    layer->raw.stride = round16(c->raw_bytes_);
+    layer->host_tables.assign(size_t(2) * H * size_t(c->table_stride_), kUnwritten);
+    s = DeviceBuffer::allocate(layer->host_tables.size() * sizeof(int32_t), &layer->tables);
+    if (s.ok) s = layer->tables.upload(0, layer->host_tables.data(), layer->host_tables.size() * sizeof(int32_t));
+    if (s.ok && gaac) {
+      std::vector<uint8_t> bases(size_t(2) * H * 2 * D);
+      for (int kv = 0; kv < 2; ++kv) {
+        layer->escape_capacity[kv] = config.gaac_calibration->escape_capacity_bytes(l, kv);
+        layer->slots[kv].stride =
+            round16(format::gaac_slot_bytes(element, config.block_tokens, D, layer->escape_capacity[kv]));
+        for (int h = 0; h < H; ++h) {
+          const codec::GaacBases& gb = config.gaac_calibration->bases(l, kv, h);
+          std::copy_n(gb.b3.begin(), D, bases.begin() + ((size_t(kv) * H + h) * 2 + 0) * D);
+          std::copy_n(gb.b4.begin(), D, bases.begin() + ((size_t(kv) * H + h) * 2 + 1) * D);
+        }
+      }
+      s = DeviceBuffer::allocate(bases.size(), &layer->bases);
+      if (s.ok) s = layer->bases.upload(0, bases.data(), bases.size());
+    }
+    c->layers_.push_back(std::move(layer));
+  }
+  if (!s.ok) return s;
+  *out = std::move(c);
+  return {};
+}
+
+CudaStatus DeviceKvCache::write(int layer_index, const float* k, const float* v, int64_t n) {
+  const int H = config_.n_kv_heads;
+  const int D = config_.head_dim;
+  const int T = config_.block_tokens;
+  if (layer_index < 0 || layer_index >= config_.n_layers)
+    return cuda_error(StatusCode::kOutOfRange, "device KV cache: layer " + std::to_string(layer_index) + " of " +
+                                                   std::to_string(config_.n_layers));
+  const int64_t first = written_[size_t(layer_index)];
+  if (n < 0 || n > config_.max_tokens - first)
+    return cuda_error(StatusCode::kOutOfRange, "device KV cache: " + std::to_string(n) + " tokens after " +
+                                                   std::to_string(first) + " pass the capacity of " +
+                                                   std::to_string(config_.max_tokens));
+  if (n == 0) return {};
+  Layer& layer = *layers_[size_t(layer_index)];
+  void* stream = config_.stream;
+  const bool gaac = config_.scheme != KvScheme::kBf16;
+
+  // Raw pages for the blocks that start in this write (the tail block may have one already).
+  const int64_t block_begin = first / T;
+  const int64_t block_end = (first + n + T - 1) / T;
+  const int64_t new_begin = (first + T - 1) / T;
+  for (int kv = 0; kv < 2; ++kv)
+    for (int h = 0; h < H; ++h)
+      for (int64_t b = new_begin; b < block_end; ++b) {
+        int32_t page = 0;
+        CudaStatus s = layer.raw.take(int64_t(4) * 2 * H, stream, &page);
+        if (!s.ok) return s;
+        layer.host_tables[(size_t(kv) * H + h) * size_t(table_stride_) + size_t(b)] = gaac ? -page - 1 : page;
+      }
+  CudaStatus s = {};
+  if (block_end > new_begin) {
+    const size_t pitch = sizeof(int32_t) * size_t(table_stride_);
+    s = cuda_check(cudaMemcpy2DAsync(layer.tables.data() + sizeof(int32_t) * size_t(new_begin), pitch,
+                                     layer.host_tables.data() + new_begin, pitch,
+                                     sizeof(int32_t) * size_t(block_end - new_begin), size_t(2) * H,
+                                     cudaMemcpyHostToDevice, as_stream(stream)),
+                   "block table upload");
+    if (!s.ok) return s;
+  }
+
+  const size_t row_floats = size_t(n) * H * D;
+  if (staging_.size() < 2 * row_floats * sizeof(float)) {
+    s = DeviceBuffer::allocate(2 * row_floats * sizeof(float), &staging_);
+    if (!s.ok) return s;
+  }
+  s = cuda_check(cudaMemcpyAsync(staging_.data(), k, row_floats * sizeof(float), cudaMemcpyHostToDevice, as_stream(stream)),
+                 "row upload");
+  if (s.ok)
+    s = cuda_check(cudaMemcpyAsync(staging_.data() + row_floats * sizeof(float), v, row_floats * sizeof(float),
+                                   cudaMemcpyHostToDevice, as_stream(stream)),
+                   "row upload");
+  if (!s.ok) return s;
+  AppendRowsArgs a;
+  a.rows = reinterpret_cast<const float*>(staging_.data());
+  a.n = n;
+  a.first = first;
+  a.n_kv_heads = H;
+  a.head_dim = D;
+  a.block_tokens = T;
+  a.element = scheme_element(config_.scheme);
+  a.tables = reinterpret_cast<const int32_t*>(layer.tables.data());
+  a.table_stride = table_stride_;
+  a.raw_pages = layer.raw.buffer.data();
+  a.raw_page_stride = int64_t(layer.raw.stride);
+  a.length = reinterpret_cast<int32_t*>(lengths_.data()) + layer_index;
+  s = append_rows(a, stream);
+  if (!s.ok) return s;
+  written_[size_t(layer_index)] = first + n;
+  // Blocks whose last row this write stored.
+  const int64_t done_end = (first + n) / T;
+  if (gaac && done_end > block_begin) return finalize(layer_index, block_begin, done_end);
+  return {};
+}
+
+CudaStatus DeviceKvCache::finalize(int layer_index, int64_t block_begin, int64_t block_end) {
+  Layer& layer = *layers_[size_t(layer_index)];
+  const int H = config_.n_kv_heads;
+  const int D = config_.head_dim;
+  const int T = config_.block_tokens;
+  void* stream = config_.stream;
+  const format::GaacElement element = scheme_element(config_.scheme);
+  std::vector<codec::cuda::GaacEncodeTask> tasks;
+  std::vector<int32_t> slots;
+  tasks.reserve(size_t(2) * H * size_t(block_end - block_begin));
+  for (int kv = 0; kv < 2; ++kv)
+    for (int h = 0; h < H; ++h)
+      for (int64_t b = block_begin; b < block_end; ++b) {
+        const int32_t entry = layer.host_tables[(size_t(kv) * H + h) * size_t(table_stride_) + size_t(b)];
+        int32_t slot = 0;
+        CudaStatus s = layer.slots[kv].take(int64_t(H) * 64, stream, &slot);
+        if (!s.ok) return s;
+        codec::cuda::GaacEncodeTask t;
+        t.src = layer.raw.buffer.data() + size_t(-int64_t(entry) - 1) * layer.raw.stride;
+        t.dst = layer.slots[kv].buffer.data() + size_t(slot) * layer.slots[kv].stride;
+        t.b3 = layer.bases.data() + ((size_t(kv) * H + h) * 2 + 0) * D;
+        t.b4 = layer.bases.data() + ((size_t(kv) * H + h) * 2 + 1) * D;
+        t.escape_capacity = uint32_t(layer.escape_capacity[kv]);
+        tasks.push_back(t);
+        slots.push_back(slot);
+      }
+  // A slot pool that grew while the tasks were made moved: point every task at the final pool.
+  {
+    size_t i = 0;
+    for (int kv = 0; kv < 2; ++kv)
+      for (int h = 0; h < H; ++h)
+        for (int64_t b = block_begin; b < block_end; ++b, ++i)
+          tasks[i].dst = layer.slots[kv].buffer.data() + size_t(slots[i]) * layer.slots[kv].stride;
+  }
+  const size_t task_bytes = tasks.size() * sizeof(codec::cuda::GaacEncodeTask);
+  const size_t result_offset = round16(task_bytes);
+  const size_t need = result_offset + tasks.size() * sizeof(uint32_t);
+  CudaStatus s = {};
+  if (encode_buffer_.size() < need) {
+    s = DeviceBuffer::allocate(need, &encode_buffer_);
+    if (!s.ok) return s;
+  }
+  s = cuda_check(cudaMemcpyAsync(encode_buffer_.data(), tasks.data(), task_bytes, cudaMemcpyHostToDevice, as_stream(stream)),
+                 "encode task upload");
+  if (!s.ok) return s;
+  uint32_t* results = reinterpret_cast<uint32_t*>(encode_buffer_.data() + result_offset);
+  s = codec::cuda::gaac_encode_pages(element, T, D,
+                                     reinterpret_cast<const codec::cuda::GaacEncodeTask*>(encode_buffer_.data()),
+                                     int(tasks.size()), results, stream);
+  if (!s.ok) return s;
+  std::vector<uint32_t> used(tasks.size());
+  s = cuda_check(cudaMemcpyAsync(used.data(), results, used.size() * sizeof(uint32_t), cudaMemcpyDeviceToHost,
+                                 as_stream(stream)),
+                 "encode result download");
+  if (s.ok) s = cuda_check(cudaStreamSynchronize(as_stream(stream)), "block encode");
+  if (!s.ok) return s;
+  size_t i = 0;
+  for (int kv = 0; kv < 2; ++kv)
+    for (int h = 0; h < H; ++h)
+      for (int64_t b = block_begin; b < block_end; ++b, ++i) {
+        int32_t& entry = layer.host_tables[(size_t(kv) * H + h) * size_t(table_stride_) + size_t(b)];
+        if (used[i] == codec::cuda::kGaacDeviceDoesNotFit) {
+          layer.slots[kv].give_back(slots[i]);
+          ++blocks_not_fitting_;
+          continue;
+        }
+        layer.raw.give_back(-entry - 1);
+        entry = slots[i];
+        if (layer.slot_used[kv].size() <= size_t(slots[i])) layer.slot_used[kv].resize(size_t(slots[i]) + 1);
+        layer.slot_used[kv][size_t(slots[i])] = used[i];
+      }
+  const size_t pitch = sizeof(int32_t) * size_t(table_stride_);
+  return cuda_check(cudaMemcpy2DAsync(layer.tables.data() + sizeof(int32_t) * size_t(block_begin), pitch,
+                                      layer.host_tables.data() + block_begin, pitch,
+                                      sizeof(int32_t) * size_t(block_end - block_begin), size_t(2) * H,
+                                      cudaMemcpyHostToDevice, as_stream(stream)),
+                    "block table upload");
+}
+
+CudaStatus DeviceKvCache::reset() {
+  for (auto& layer : layers_) {
+    layer->raw.clear();
+    for (PagePool& p : layer->slots) p.clear();
+    std::fill(layer->host_tables.begin(), layer->host_tables.end(), kUnwritten);
+    CudaStatus s = layer->tables.upload(0, layer->host_tables.data(), layer->host_tables.size() * sizeof(int32_t));
+    if (!s.ok) return s;
+  }
+  std::fill(written_.begin(), written_.end(), 0);
+  blocks_not_fitting_ = 0;
+  return cuda_check(cudaMemsetAsync(lengths_.data(), 0, lengths_.size(), as_stream(config_.stream)), "length reset");
+}
+
+DeviceLayerView DeviceKvCache::view(int layer_index) const {
+  const Layer& layer = *layers_[size_t(layer_index)];
+  const int H = config_.n_kv_heads;
+  DeviceLayerView v;
+  const bool gaac = config_.scheme != KvScheme::kBf16;
+  const PagePool& kp = gaac ? layer.slots[0] : layer.raw;
+  const PagePool& vp = gaac ? layer.slots[1] : layer.raw;
+  v.k_pages = kp.buffer.data();
+  v.v_pages = vp.buffer.data();
+  v.k_page_stride = int64_t(kp.stride);
+  v.v_page_stride = int64_t(vp.stride);
+  v.n_k_pages = kp.capacity;
+  v.n_v_pages = vp.capacity;
+  if (gaac) {
+    v.raw_pages = layer.raw.buffer.data();
+    v.raw_page_stride = int64_t(layer.raw.stride);
+    v.n_raw_pages = layer.raw.capacity;
+    v.gaac_bases = layer.bases.data();
+    v.k_escape_capacity = int64_t(layer.escape_capacity[0]);
+    v.v_escape_capacity = int64_t(layer.escape_capacity[1]);
+  }
+  v.k_table = reinterpret_cast<const int32_t*>(layer.tables.data());
+  v.v_table = v.k_table + size_t(H) * size_t(table_stride_);
+  v.table_stride = table_stride_;
+  v.length = reinterpret_cast<const int32_t*>(lengths_.data()) + layer_index;
+  v.host_length = written_[size_t(layer_index)];
+  return v;
+}
+
+DeviceKvStats DeviceKvCache::stats() const {
+  DeviceKvStats st;
+  st.blocks_not_fitting = blocks_not_fitting_;
+  st.bytes_reserved = staging_.size() + encode_buffer_.size() + lengths_.size();
+  for (const auto& layer : layers_) {
+    st.raw_pages_in_use += layer->raw.in_use;
+    st.bytes_in_use += uint64_t(layer->raw.in_use) * layer->raw.stride + layer->tables.size();
+    st.bytes_reserved += layer->raw.buffer.size() + layer->tables.size() + layer->bases.size();
+    for (const PagePool& p : layer->slots) {
+      st.slots_in_use += p.in_use;
+      st.bytes_in_use += uint64_t(p.in_use) * p.stride;
+      st.bytes_reserved += p.buffer.size();
+    }
+  }
+  return st;
+}
+
+CudaStatus DeviceKvCache::read_page(int layer_index, KvTensor kv, int kv_head, int64_t block,
+                                    DevicePageBytes* out) const {
+  if (layer_index < 0 || layer_index >= config_.n_layers || kv_head < 0 || kv_head >= config_.n_kv_heads ||
+      block < 0 || block * config_.block_tokens >= written_[size_t(layer_index)])
+    return cuda_error(StatusCode::kOutOfRange, "device KV cache: no page at layer " + std::to_string(layer_index) +
+                                                   ", kv head " + std::to_string(kv_head) + ", block " +
+                                                   std::to_string(block));
+  const Layer& layer = *layers_[size_t(layer_index)];
+  const int k = int(kv);
+  const int32_t entry =
+      layer.host_tables[(size_t(k) * config_.n_kv_heads + kv_head) * size_t(table_stride_) + size_t(block)];
+  const bool gaac = config_.scheme != KvScheme::kBf16;
+  out->gaac_slot = gaac && entry >= 0;
+  const uint8_t* src = nullptr;
+  size_t bytes = 0;
+  if (out->gaac_slot) {
+    src = layer.slots[k].buffer.data() + size_t(entry) * layer.slots[k].stride;
+    bytes = layer.slot_used[k][size_t(entry)];
+  } else {
+    src = layer.raw.buffer.data() + size_t(entry >= 0 ? entry : -int64_t(entry) - 1) * layer.raw.stride;
+    bytes = raw_bytes_;
+  }
+  out->bytes.resize(bytes);
+  CudaStatus s = cuda_check(cudaStreamSynchronize(as_stream(config_.stream)), "read_page");
+  if (!s.ok) return s;
+  return cuda_check(cudaMemcpy(out->bytes.data(), src, bytes, cudaMemcpyDeviceToHost), "page download");
+}
+
+}  // namespace certkv::cache::cuda

@@ -1,0 +1,157 @@
+// The device route with the CUDA backend: a DeviceKvCache per session and paged_decode per
+// (step, layer).
+#include <chrono>
+#include <string>
+
+#include "attention/cuda/paged_decode_cuda.h"
+#include "cache/cuda/device_kv_cache.h"
+#include "core/cuda_status.h"
+#include "model/device_decode.h"
+
+namespace certkv::model {
+namespace {
+
+using attention::cuda::PageFormat;
+using cache::cuda::DeviceBuffer;
+using Clock = std::chrono::steady_clock;
+
+PageFormat format_of(cache::KvScheme scheme) {
+  switch (scheme) {
+    case cache::KvScheme::kGaac: return PageFormat::kGaacBf16;
+    case cache::KvScheme::kGaacE5M2: return PageFormat::kGaacE5M2;
+    default: return PageFormat::kBf16;
+  }
+}
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+class CudaDeviceDecoder final : public DeviceDecoder {
+ public:
+  explicit CudaDeviceDecoder(const DeviceDecoderConfig& config) : config_(config) {
+    if (config.scheme != cache::KvScheme::kBf16 && config.scheme != cache::KvScheme::kGaac &&
+        config.scheme != cache::KvScheme::kGaacE5M2)
+      fail(StatusCode::kUnsupported, std::string("device cuda: KV scheme ") + cache::kv_scheme_name(config.scheme) +
+                                         " is not served on the device yet (bf16, gaac, gaac-e5m2 are)");
+    if (attention::cuda::device_count() < 1)
+      fail(StatusCode::kUnsupported, "device cuda: no CUDA device is visible to this process");
+    cache::cuda::DeviceKvCacheConfig kc;
+    kc.n_layers = config.n_layers;
+    kc.n_kv_heads = config.n_kv_heads;
+    kc.head_dim = config.head_dim;
+    kc.block_tokens = config.block_tokens;
+    kc.max_tokens = config.max_tokens;
+    kc.scheme = config.scheme;
+    kc.gaac_calibration = config.gaac_calibration;
+    // Refuse a shape the kernels do not serve (head_dim, block_tokens, GQA ratio: the checks
+    // that come before any buffer's) before device memory is taken.
+    attention::cuda::PagedDecodeParams probe = params_template();
+    probe.table_stride = 1;
+    probe.max_seq_len = 1;
+    const CudaStatus shape = attention::cuda::check(probe);
+    if (!shape.ok && shape.code == StatusCode::kUnsupported) fail(shape.code, "device cuda: " + shape.message);
+    throw_if_failed(cache::cuda::DeviceKvCache::create(kc, &cache_));
+    throw_if_failed(DeviceBuffer::allocate(sizeof(float) * size_t(config.n_q_heads) * config.head_dim, &q_));
+    throw_if_failed(DeviceBuffer::allocate(sizeof(float) * size_t(config.n_q_heads) * config.head_dim, &out_));
+  }
+
+  void write(int layer, const float* k, const float* v, int64_t n) override {
+    const auto t0 = Clock::now();
+    throw_if_failed(cache_->write(layer, k, v, n));
+    write_seconds_ += seconds_since(t0);
+  }
+
+  void attend(int layer, const float* q, float* out) override {
+    const auto t0 = Clock::now();
+    attention::cuda::PagedDecodeParams p = params_template();
+    const cache::cuda::DeviceLayerView v = cache_->view(layer);
+    p.k_pages = v.k_pages;
+    p.v_pages = v.v_pages;
+    p.k_page_stride = v.k_page_stride;
+    p.v_page_stride = v.v_page_stride;
+    p.n_k_pages = v.n_k_pages;
+    p.n_v_pages = v.n_v_pages;
+    p.k_raw_pages = p.v_raw_pages = v.raw_pages;
+    p.raw_page_stride = v.raw_page_stride;
+    p.n_k_raw_pages = p.n_v_raw_pages = v.n_raw_pages;
+    p.k_table = v.k_table;
+    p.v_table = v.v_table;
+    p.table_stride = v.table_stride;
+    p.seq_lens = v.length;
+    p.max_seq_len = v.host_length;
+    p.gaac_bases = v.gaac_bases;
+    p.k_escape_capacity = v.k_escape_capacity;
+    p.v_escape_capacity = v.v_escape_capacity;
+    p.q = reinterpret_cast<const float*>(q_.data());
+    p.out = reinterpret_cast<float*>(out_.data());
+    const size_t need = attention::cuda::workspace_bytes(p);
+    if (workspace_.size() < need) {
+      throw_if_failed(DeviceBuffer::allocate(need, &workspace_));
+      p.workspace = workspace_.data();
+      p.workspace_size = workspace_.size();
+      throw_if_failed(attention::cuda::reset_error_word(p));
+    }
+    p.workspace = workspace_.data();
+    p.workspace_size = workspace_.size();
+    throw_if_failed(q_.upload(0, q, q_.size()));
+    throw_if_failed(attention::cuda::paged_decode(p));
+    throw_if_failed(out_.download(0, out, out_.size()));
+    uint32_t corrupt = 0;
+    throw_if_failed(attention::cuda::read_error_word(p, &corrupt));
+    if (corrupt != 0)
+      fail(StatusCode::kCorrupt, "device cuda: the decode kernels found " + std::to_string(corrupt) +
+                                     " corrupt page entries, slots or lengths in layer " + std::to_string(layer));
+    ++attention_calls_;
+    attention_seconds_ += seconds_since(t0);
+  }
+
+  void reset() override { throw_if_failed(cache_->reset()); }
+
+  DeviceDecodeStats stats() const override {
+    const cache::cuda::DeviceKvStats k = cache_->stats();
+    DeviceDecodeStats s;
+    s.attention_calls = attention_calls_;
+    s.attention_seconds = attention_seconds_;
+    s.write_seconds = write_seconds_;
+    s.slots_in_use = k.slots_in_use;
+    s.raw_pages_in_use = k.raw_pages_in_use;
+    s.blocks_not_fitting = k.blocks_not_fitting;
+    s.kv_bytes_in_use = k.bytes_in_use;
+    s.kv_bytes_reserved = k.bytes_reserved;
+    return s;
+  }
+
+  DevicePage read_page(int layer, cache::KvTensor kv, int kv_head, int64_t block) const override {
+    cache::cuda::DevicePageBytes b;
+    throw_if_failed(cache_->read_page(layer, kv, kv_head, block, &b));
+    return DevicePage{b.gaac_slot, std::move(b.bytes)};
+  }
+
+ private:
+  attention::cuda::PagedDecodeParams params_template() const {
+    attention::cuda::PagedDecodeParams p;
+    p.format = format_of(config_.scheme);
+    p.batch = 1;
+    p.n_q_heads = config_.n_q_heads;
+    p.n_kv_heads = config_.n_kv_heads;
+    p.head_dim = config_.head_dim;
+    p.block_tokens = config_.block_tokens;
+    p.sm_scale = config_.scale;
+    return p;
+  }
+
+  DeviceDecoderConfig config_;
+  std::unique_ptr<cache::cuda::DeviceKvCache> cache_;
+  DeviceBuffer q_, out_, workspace_;
+  int64_t attention_calls_ = 0;
+  double attention_seconds_ = 0, write_seconds_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceDecoder> make_device_decoder(const DeviceDecoderConfig& config) {
+  return std::make_unique<CudaDeviceDecoder>(config);
+}
+
+}  // namespace certkv::model

@@ -1,0 +1,73 @@
+// Decode attention on a CUDA device for a session (the device route of DESIGN.md section 1's
+// "attention/ ... CUDA"): the session's forward pass runs on the host; each layer's new K/V rows
+// also go to a device KV cache (cache/cuda/device_kv_cache.h: filled, then finalized into GAAC
+// slots by the device encoder), and a decode step's attention for a layer runs there
+// (attention/cuda/paged_decode_cuda.h), its output copied back into the forward pass.
+//
+// Built with CUDA (CERTKV_CUDA) the route needs a CUDA device at run time; without either,
+// make_device_decoder throws kUnsupported saying which is missing.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "cache/kv_cache.h"
+#include "codec/gaac.h"
+
+namespace certkv::model {
+
+enum class Device { kCpu = 0, kCuda = 1 };
+// "cpu", "cuda".
+const char* device_name(Device device);
+// Throws certkv::Error kInvalidArgument naming the unknown device and the known ones.
+Device parse_device(std::string_view name);
+
+struct DeviceDecoderConfig {
+  int n_layers = 0;
+  int n_q_heads = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  int block_tokens = 16;
+  int64_t max_tokens = 0;
+  float scale = 0.f;  // logit scale
+  cache::KvScheme scheme = cache::KvScheme::kBf16;  // bf16, gaac or gaac-e5m2
+  std::shared_ptr<const codec::GaacCalibration> gaac_calibration;
+};
+
+struct DeviceDecodeStats {
+  int64_t attention_calls = 0;       // (step, layer) attentions run on the device
+  double attention_seconds = 0;      // their wall time on the host (copies and launches included)
+  double write_seconds = 0;          // appending rows and encoding finalized blocks
+  int64_t slots_in_use = 0;          // GAAC slots on the device
+  int64_t raw_pages_in_use = 0;      // raw pages (bf16 pages, tails, blocks that did not fit)
+  int64_t blocks_not_fitting = 0;
+  uint64_t kv_bytes_in_use = 0;      // device pages in use and block tables
+  uint64_t kv_bytes_reserved = 0;    // device memory held for the KV cache
+};
+
+// One device page as stored (tests).
+struct DevicePage {
+  bool gaac_slot = false;
+  std::vector<uint8_t> bytes;  // a slot's used bytes, or a raw page
+};
+
+class DeviceDecoder {
+ public:
+  virtual ~DeviceDecoder() = default;
+  // Appends n positions of `layer`: k, v [n][n_kv_heads][head_dim] floats (post-RoPE).
+  virtual void write(int layer, const float* k, const float* v, int64_t n) = 0;
+  // Attention of the newest position over every token written to `layer`: q [n_q_heads]
+  // [head_dim], out [n_q_heads][head_dim]. Throws kCorrupt if the kernels flagged a bad page.
+  virtual void attend(int layer, const float* q, float* out) = 0;
+  virtual void reset() = 0;
+  virtual DeviceDecodeStats stats() const = 0;
+  virtual DevicePage read_page(int layer, cache::KvTensor kv, int kv_head, int64_t block) const = 0;
+};
+
+// Throws certkv::Error: kUnsupported (built without CUDA, no CUDA device, a scheme or shape the
+// kernels do not serve), kInvalidArgument, kOutOfMemory.
+std::unique_ptr<DeviceDecoder> make_device_decoder(const DeviceDecoderConfig& config);
+
+}  // namespace certkv::model

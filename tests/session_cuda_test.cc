@@ -1,0 +1,284 @@
+// The device route end to end on the real model (runs where a CUDA device is present:
+// scripts/run_cuda_tests.sh --run): sessions with device "cuda" against the same sessions on
+// the CPU, for the bf16, gaac and gaac-e5m2 schemes, through the C API (logits and device
+// counters) and through the model layer (every device page, encoded on the device, byte for
+// byte against the host cache's page).
+//
+// Inputs: the model at $CERTKV_TEST_MODEL (default: the embedded SmolLM2-135M-Instruct under
+// models/) and two corpus books under $CERTKV_TEST_CORPUS (default: the shared corpus), one to
+// calibrate GAAC, one for the prompt.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "certkv/certkv.h"
+#include "certkv/certkv.hpp"
+#include "codec/gaac.h"
+#include "format/gaac_layout.h"
+#include "gaac_e2e_support.h"
+#include "model/model.h"
+#include "model/session.h"
+#include "test_paths.h"
+
+namespace certkv::testing {
+namespace {
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && v[0] != '\0' ? std::string(v) : fallback;
+}
+
+std::string model_file() { return env_or("CERTKV_TEST_MODEL", smollm2_gguf()); }
+std::string corpus_file(const std::string& book) {
+  return env_or("CERTKV_TEST_CORPUS", shared_path("data/corpus")) + "/" + book;
+}
+
+std::vector<int32_t> tokens_of(const certkv::Model& model, const std::string& book, size_t n) {
+  std::vector<int32_t> t = model.tokenize(read_text(corpus_file(book)), true, false);
+  EXPECT_GE(t.size(), n) << book;
+  t.resize(n);
+  return t;
+}
+
+// Saves a GAAC calibration of `element` from the first 1024 tokens of a book (as the CPU GAAC
+// end-to-end tests do), once per element.
+std::string calibration(const certkv::Model& model, format::GaacElement element) {
+  const certkv_model_info info = model.info();
+  const std::string path = temp_path(std::string("device_calib_") + codec::gaac_element_name(element) + ".safetensors");
+  const int n = 1024;
+  std::vector<int32_t> tokens = tokens_of(model, "austen-emma.txt", size_t(n));
+  certkv_session_params params = certkv_session_default_params();
+  params.context_tokens = n;
+  certkv::Session session(model, params);
+  session.prefill(tokens, nullptr);
+  codec::GaacShape shape{info.n_layers, info.n_kv_heads, info.head_dim, params.block_tokens, element};
+  codec::GaacCalibrator calibrator(shape);
+  std::vector<uint16_t> rows(size_t(n) * size_t(info.head_dim));
+  std::vector<uint8_t> fp8(rows.size());
+  for (int layer = 0; layer < info.n_layers; ++layer)
+    for (int kv = 0; kv < 2; ++kv)
+      for (int h = 0; h < info.n_kv_heads; ++h) {
+        certkv::check(certkv_session_read_kv(session.get(), layer, kv, h, 0, n, rows.data()));
+        if (element == format::GaacElement::kBf16) {
+          calibrator.add_bf16(layer, kv, h, rows.data(), n);
+        } else {
+          for (size_t i = 0; i < rows.size(); ++i) fp8[i] = format::bf16_to_fp8_e5m2_ref(rows[i]);
+          calibrator.add_fp8(layer, kv, h, fp8.data(), n);
+        }
+      }
+  calibrator.finish().save(path);
+  return path;
+}
+
+struct Scheme {
+  const char* kv;
+  format::GaacElement element;
+  bool gaac;
+};
+const Scheme kSchemes[] = {{"bf16", format::GaacElement::kBf16, false},
+                           {"gaac", format::GaacElement::kBf16, true},
+                           {"gaac-e5m2", format::GaacElement::kFp8E5M2, true}};
+
+// KL(p || q) of two logit vectors, and whether their argmax agrees.
+double kl_divergence(const std::vector<float>& p_logits, const std::vector<float>& q_logits) {
+  auto log_softmax = [](const std::vector<float>& x) {
+    const double m = *std::max_element(x.begin(), x.end());
+    double s = 0;
+    for (float v : x) s += std::exp(double(v) - m);
+    std::vector<double> out(x.size());
+    for (size_t i = 0; i < x.size(); ++i) out[i] = double(x[i]) - m - std::log(s);
+    return out;
+  };
+  const std::vector<double> lp = log_softmax(p_logits), lq = log_softmax(q_logits);
+  double kl = 0;
+  for (size_t i = 0; i < lp.size(); ++i) kl += std::exp(lp[i]) * (lp[i] - lq[i]);
+  return kl;
+}
+
+size_t argmax(const std::vector<float>& x) { return size_t(std::max_element(x.begin(), x.end()) - x.begin()); }
+
+class SessionCuda : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    model_ = new certkv::Model(model_file());
+    calib_bf16_ = new std::string(calibration(*model_, format::GaacElement::kBf16));
+    calib_e5m2_ = new std::string(calibration(*model_, format::GaacElement::kFp8E5M2));
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete calib_bf16_;
+    delete calib_e5m2_;
+  }
+  void SetUp() override {
+    certkv_session_params p = certkv_session_default_params();
+    p.device = "cuda";
+    certkv_session* s = nullptr;
+    if (certkv_session_create(model_->get(), &p, &s) != CERTKV_OK)
+      GTEST_SKIP() << "no CUDA route here: " << certkv_last_error();
+    certkv_session_free(s);
+  }
+  static const std::string& calib(const Scheme& s) {
+    return s.element == format::GaacElement::kBf16 ? *calib_bf16_ : *calib_e5m2_;
+  }
+  static certkv::Model* model_;
+  static std::string* calib_bf16_;
+  static std::string* calib_e5m2_;
+};
+certkv::Model* SessionCuda::model_ = nullptr;
+std::string* SessionCuda::calib_bf16_ = nullptr;
+std::string* SessionCuda::calib_e5m2_ = nullptr;
+
+// Through the C API: a prompt of 1,000 tokens (62 whole blocks and a tail of 8), then 40
+// teacher-forced decode steps; the device session's logits against the CPU session's at every
+// step. They differ only in decode attention's arithmetic (the device rounds the query to the
+// tiles' element and sums on tensor cores), so the distributions agree to a small KL.
+TEST_F(SessionCuda, DecodeLogitsMatchTheCpuSessionForEveryLosslessScheme) {
+  const certkv_model_info info = model_->info();
+  const int prompt = 1000, steps = 40;
+  const std::vector<int32_t> tokens = tokens_of(*model_, "melville-moby-dick.txt", size_t(prompt + steps));
+  const std::vector<int32_t> head(tokens.begin(), tokens.begin() + prompt);
+  for (const Scheme& scheme : kSchemes) {
+    SCOPED_TRACE(scheme.kv);
+    certkv_session_params p = certkv_session_default_params();
+    p.context_tokens = prompt + steps;
+    p.kv = scheme.kv;
+    if (scheme.gaac) p.gaac_calibration = calib(scheme).c_str();
+    certkv::Session cpu(*model_, p);
+    p.device = "cuda";
+    certkv::Session gpu(*model_, p);
+    std::vector<float> lc(size_t(info.n_vocab)), lg(size_t(info.n_vocab));
+    cpu.prefill(head, lc.data());
+    gpu.prefill(head, lg.data());
+    // Prefill attention runs on the host in both: the same logits bit for bit.
+    ASSERT_EQ(lc, lg);
+    double kl_sum = 0, kl_max = 0, max_abs = 0;
+    int agree = 0;
+    for (int i = 0; i < steps; ++i) {
+      certkv::check(certkv_session_decode(cpu.get(), tokens[size_t(prompt + i)], lc.data()));
+      certkv::check(certkv_session_decode(gpu.get(), tokens[size_t(prompt + i)], lg.data()));
+      for (size_t j = 0; j < lc.size(); ++j) {
+        ASSERT_TRUE(std::isfinite(lg[j]));
+        max_abs = std::max(max_abs, double(std::fabs(lc[j] - lg[j])));
+      }
+      const double kl = kl_divergence(lc, lg);
+      kl_sum += kl;
+      kl_max = std::max(kl_max, kl);
+      agree += argmax(lc) == argmax(lg);
+    }
+    const certkv_device_stats ds = gpu.device_stats();
+    printf("[device] %-9s mean KL %.3g, max KL %.3g, max |logit diff| %.4f, top-1 agree %d/%d; "
+           "%lld attention calls, %.3f s attention, %.3f s writes, %lld slots, %lld raw pages, "
+           "%lld not fitting, %.2f MiB in use\n",
+           scheme.kv, kl_sum / steps, kl_max, max_abs, agree, steps, (long long)ds.attention_calls,
+           ds.attention_seconds, ds.write_seconds, (long long)ds.gaac_slots, (long long)ds.raw_pages,
+           (long long)ds.blocks_not_fitting, ds.kv_bytes_in_use / 1048576.0);
+    EXPECT_LT(kl_max, 1e-3);
+    EXPECT_GE(agree, steps - 1);
+    EXPECT_EQ(ds.on_device, 1);
+    EXPECT_EQ(ds.attention_calls, int64_t(steps) * info.n_layers);
+    // 1,040 tokens: 65 whole blocks per (layer, K/V, kv_head), no tail.
+    const int64_t tables = int64_t(info.n_layers) * 2 * info.n_kv_heads;
+    if (scheme.gaac) {
+      EXPECT_EQ(ds.gaac_slots + ds.blocks_not_fitting, tables * 65);
+      EXPECT_EQ(ds.raw_pages, ds.blocks_not_fitting);
+      EXPECT_GT(ds.gaac_slots, tables * 65 / 2);
+    } else {
+      EXPECT_EQ(ds.gaac_slots, 0);
+      EXPECT_EQ(ds.raw_pages, tables * 65);
+    }
+    const certkv_device_stats cpu_stats = cpu.device_stats();
+    EXPECT_EQ(cpu_stats.on_device, 0);
+  }
+}
+
+// Through the model layer: after a ragged prompt and a few decode steps, every block of every
+// (layer, K/V, kv_head) on the device has the host cache's storage class (GAAC slot or raw) and
+// its bytes: GAAC slots encoded on the device equal the host codec's slots, raw tails hold the
+// host's rounded rows. Then reset empties both, and a second prompt matches again.
+TEST_F(SessionCuda, DevicePagesEqualTheHostCachePagesByteForByte) {
+  std::unique_ptr<model::Model> m = model::load_model(model_file());
+  const model::ModelConfig& c = m->config();
+  const certkv_model_info info = model_->info();
+  for (const Scheme& scheme : kSchemes) {
+    SCOPED_TRACE(scheme.kv);
+    model::SessionConfig sc;
+    sc.context_tokens = 2048;
+    sc.kv_scheme = cache::parse_kv_scheme(scheme.kv);
+    if (scheme.gaac) {
+      codec::GaacShape shape{c.n_layers, c.n_kv_heads, c.head_dim, 16, scheme.element};
+      sc.gaac_calibration = std::make_shared<codec::GaacCalibration>(codec::GaacCalibration::load(calib(scheme), shape));
+    }
+    sc.device = model::Device::kCuda;
+    model::Session session(*m, sc);
+    for (int round = 0; round < 2; ++round) {
+      const int prompt = round == 0 ? 777 : 301;  // tails of 9 and 13 tokens, then decode steps
+      const int steps = round == 0 ? 12 : 3;
+      const std::vector<int32_t> tokens =
+          tokens_of(*model_, round == 0 ? "melville-moby-dick.txt" : "austen-emma.txt", size_t(prompt + steps));
+      std::vector<float> logits(size_t(info.n_vocab));
+      session.prefill(tokens.data(), prompt, logits.data());
+      for (int i = 0; i < steps; ++i) session.decode(tokens[size_t(prompt + i)], logits.data());
+      const int64_t n = session.n_past();
+      ASSERT_EQ(n, prompt + steps);
+      const cache::KvCache& host = session.kv_cache();
+      const model::DeviceDecoder& dev = *session.device_decoder();
+      const int T = 16;
+      const size_t elem = size_t(format::gaac_element_bytes(cache::kv_scheme_element(sc.kv_scheme)));
+      int64_t slots = 0, raws = 0;
+      for (int layer = 0; layer < c.n_layers; ++layer)
+        for (int kv = 0; kv < 2; ++kv)
+          for (int h = 0; h < c.n_kv_heads; ++h) {
+            const format::PageRef* table = host.block_table(session.sequence(), layer, cache::KvTensor(kv), h);
+            for (int64_t b = 0; b * T < n; ++b) {
+              const model::DevicePage page = dev.read_page(layer, cache::KvTensor(kv), h, b);
+              const format::PageRef ref = table[b];
+              const bool host_slot =
+                  ref.storage == format::StorageClass::kGaac || ref.storage == format::StorageClass::kGaacFp8;
+              ASSERT_EQ(page.gaac_slot, host_slot) << "layer " << layer << " kv " << kv << " head " << h << " block " << b;
+              const uint8_t* bytes = host.page_bytes_of(ref);
+              // A raw page: the rows written so far (a tail's later rows are not yet defined).
+              const size_t compare =
+                  page.gaac_slot ? page.bytes.size()
+                                 : size_t(std::min<int64_t>(T, n - b * T)) * size_t(c.head_dim) * elem;
+              ASSERT_LE(compare, page.bytes.size());
+              ASSERT_TRUE(std::equal(page.bytes.begin(), page.bytes.begin() + ptrdiff_t(compare), bytes))
+                  << "layer " << layer << " kv " << kv << " head " << h << " block " << b;
+              (page.gaac_slot ? slots : raws) += 1;
+            }
+          }
+      if (scheme.gaac) EXPECT_GT(slots, raws) << "most blocks should fit their slots";
+      else EXPECT_EQ(slots, 0);
+      session.reset();
+      EXPECT_EQ(dev.stats().slots_in_use, 0);
+      EXPECT_EQ(dev.stats().raw_pages_in_use, 0);
+    }
+  }
+}
+
+// The route's refusals on a machine that has a device: schemes it does not serve, sparse.
+TEST_F(SessionCuda, UnservedConfigurationsAreClearErrors) {
+  struct Case {
+    const char* kv;
+    double sparse_p;
+    const char* says;
+  };
+  const Case cases[] = {{"dither8", 0, "meter"}, {"fp8-e4m3", 0, "meter"}, {"fp8-e4m3-pages", 0, "not served"},
+                        {"bf16", 0.9, "sparse"}};
+  for (const Case& k : cases) {
+    certkv_session_params p = certkv_session_default_params();
+    p.kv = k.kv;
+    p.sparse_p = k.sparse_p;
+    p.device = "cuda";
+    certkv_session* s = nullptr;
+    EXPECT_EQ(certkv_session_create(model_->get(), &p, &s), CERTKV_ERR_UNSUPPORTED) << k.kv;
+    EXPECT_NE(std::string(certkv_last_error()).find(k.says), std::string::npos) << certkv_last_error();
+    EXPECT_EQ(s, nullptr);
+  }
+}
+
+}  // namespace
+}  // namespace certkv::testing
