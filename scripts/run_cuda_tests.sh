@@ -2,9 +2,10 @@
 # Builds the CUDA tests and the GPU benchmark here (no GPU needed to build; portable x86-64 host
 # code, no -march=native) and copies them to .devbin/ (git-ignored), which a device command
 # carries. With --stage-model, also stages the real model and two corpus books in .devmodel/
-# (git-ignored) for the device route's end-to-end tests, the model split in parts of at most
-# 36 MB so that each device command's working tree stays under its 64 MiB (carry the parts over
-# consecutive calls while the machine is warm; --run joins them).
+# (git-ignored) for the device route's end-to-end tests, the model split in two halves so that
+# each device command's working tree stays under its 64 MiB: carry one half in a first call and
+# copy it to /tmp/certkv_model/ there, then carry the other in the next call while the machine
+# is warm; --run joins them.
 #
 # On a machine with a GPU, pass --run: the GAAC device encoder and the cross-backend attention
 # harness, then the same under compute-sanitizer memcheck (the out-of-memory test is left out
@@ -19,8 +20,10 @@ if [ "${1:-}" = "--run" ]; then
   compute-sanitizer --tool memcheck --error-exitcode 9 ./certkv_codec_cuda_tests
   compute-sanitizer --tool memcheck --error-exitcode 9 ./certkv_attention_cuda_tests --gtest_filter='-*OutOfDevice*'
   staged="$root/.devmodel"
-  if ls "$staged"/model.part-* >/dev/null 2>&1; then
-    cat "$staged"/model.part-* > /tmp/certkv_model.gguf
+  mkdir -p /tmp/certkv_model
+  cp "$staged"/model.part-* /tmp/certkv_model/ 2>/dev/null || true
+  if [ -f /tmp/certkv_model/model.part-00 ] && [ -f /tmp/certkv_model/model.part-01 ]; then
+    cat /tmp/certkv_model/model.part-0[01] > /tmp/certkv_model.gguf
     CERTKV_TEST_MODEL=/tmp/certkv_model.gguf CERTKV_TEST_CORPUS="$staged" ./certkv_device_e2e_tests
   else
     echo "run_cuda_tests: no model staged in .devmodel/ (scripts/run_cuda_tests.sh --stage-model): device route end to end not run"
@@ -31,7 +34,7 @@ if [ "${1:-}" = "--stage-model" ]; then
   model="$root/models/SmolLM2-135M-Instruct.Q4_1.gguf"
   [ -f "$model" ] || bash "$root/scripts/fetch_models.sh"
   rm -rf "$root/.devmodel" && mkdir -p "$root/.devmodel"
-  split -b 36000000 -d "$model" "$root/.devmodel/model.part-"
+  split -n 2 -d "$model" "$root/.devmodel/model.part-"
   cp "$root/../shared/data/corpus/austen-emma.txt" "$root/../shared/data/corpus/melville-moby-dick.txt" "$root/.devmodel/"
   grep -qx '/.devmodel/' "$root/.git/info/exclude" 2>/dev/null || echo '/.devmodel/' >> "$root/.git/info/exclude"
   ls -la "$root/.devmodel"

@@ -13,12 +13,15 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "certkv/certkv.h"
+#include "attention/decode_attention.h"
 #include "certkv/certkv.hpp"
 #include "codec/gaac.h"
 #include "format/gaac_layout.h"
+#include "format/numeric.h"
 #include "gaac_e2e_support.h"
 #include "model/model.h"
 #include "model/session.h"
@@ -31,6 +34,9 @@ std::string env_or(const char* name, const std::string& fallback) {
   const char* v = std::getenv(name);
   return v != nullptr && v[0] != '\0' ? std::string(v) : fallback;
 }
+
+// The forward passes run on the host: use its cores.
+int host_threads() { return int(std::max(2u, std::min(16u, std::thread::hardware_concurrency()))); }
 
 std::string model_file() { return env_or("CERTKV_TEST_MODEL", smollm2_gguf()); }
 std::string corpus_file(const std::string& book) {
@@ -53,6 +59,7 @@ std::string calibration(const certkv::Model& model, format::GaacElement element)
   std::vector<int32_t> tokens = tokens_of(model, "austen-emma.txt", size_t(n));
   certkv_session_params params = certkv_session_default_params();
   params.context_tokens = n;
+  params.n_threads = host_threads();
   certkv::Session session(model, params);
   session.prefill(tokens, nullptr);
   codec::GaacShape shape{info.n_layers, info.n_kv_heads, info.head_dim, params.block_tokens, element};
@@ -134,17 +141,26 @@ std::string* SessionCuda::calib_e5m2_ = nullptr;
 
 // Through the C API: a prompt of 1,000 tokens (62 whole blocks and a tail of 8), then 40
 // teacher-forced decode steps; the device session's logits against the CPU session's at every
-// step. They differ only in decode attention's arithmetic (the device rounds the query to the
-// tiles' element and sums on tensor cores), so the distributions agree to a small KL.
+// step. They differ only in decode attention's arithmetic (the device rounds the query and the
+// probabilities to the tiles' 16-bit element and sums on tensor cores; each layer's output is
+// checked to 4e-3 below), so the distributions agree closely (fp32 activations, so that no int8
+// re-quantization of the activations amplifies those differences). gaac-e5m2 rounds every new
+// K/V row to a 2-bit mantissa, so a difference in a layer's input that moves a row across a
+// rounding boundary becomes a quarter-step change in the cache: there the device's distance from
+// the CPU session is held to below the scheme's own distance from bf16 (the per-layer attention
+// of both schemes is checked against the double reference in the next test).
 TEST_F(SessionCuda, DecodeLogitsMatchTheCpuSessionForEveryLosslessScheme) {
   const certkv_model_info info = model_->info();
   const int prompt = 1000, steps = 40;
   const std::vector<int32_t> tokens = tokens_of(*model_, "melville-moby-dick.txt", size_t(prompt + steps));
   const std::vector<int32_t> head(tokens.begin(), tokens.begin() + prompt);
+  std::vector<std::vector<float>> bf16_logits;  // the CPU bf16 session's, per step
   for (const Scheme& scheme : kSchemes) {
     SCOPED_TRACE(scheme.kv);
     certkv_session_params p = certkv_session_default_params();
     p.context_tokens = prompt + steps;
+    p.n_threads = host_threads();
+    p.activations = "f32";
     p.kv = scheme.kv;
     if (scheme.gaac) p.gaac_calibration = calib(scheme).c_str();
     certkv::Session cpu(*model_, p);
@@ -155,8 +171,8 @@ TEST_F(SessionCuda, DecodeLogitsMatchTheCpuSessionForEveryLosslessScheme) {
     gpu.prefill(head, lg.data());
     // Prefill attention runs on the host in both: the same logits bit for bit.
     ASSERT_EQ(lc, lg);
-    double kl_sum = 0, kl_max = 0, max_abs = 0;
-    int agree = 0;
+    double kl_sum = 0, kl_max = 0, max_abs = 0, scheme_kl_sum = 0;
+    int agree = 0, scheme_agree = 0;
     for (int i = 0; i < steps; ++i) {
       certkv::check(certkv_session_decode(cpu.get(), tokens[size_t(prompt + i)], lc.data()));
       certkv::check(certkv_session_decode(gpu.get(), tokens[size_t(prompt + i)], lg.data()));
@@ -168,16 +184,28 @@ TEST_F(SessionCuda, DecodeLogitsMatchTheCpuSessionForEveryLosslessScheme) {
       kl_sum += kl;
       kl_max = std::max(kl_max, kl);
       agree += argmax(lc) == argmax(lg);
+      if (std::string(scheme.kv) == "bf16") {
+        bf16_logits.push_back(lc);
+      } else {
+        scheme_kl_sum += kl_divergence(bf16_logits[size_t(i)], lc);
+        scheme_agree += argmax(bf16_logits[size_t(i)]) == argmax(lc);
+      }
     }
     const certkv_device_stats ds = gpu.device_stats();
     printf("[device] %-9s mean KL %.3g, max KL %.3g, max |logit diff| %.4f, top-1 agree %d/%d; "
            "%lld attention calls, %.3f s attention, %.3f s writes, %lld slots, %lld raw pages, "
-           "%lld not fitting, %.2f MiB in use\n",
+           "%lld not fitting, %.2f MiB in use; the scheme on the CPU vs bf16 on the CPU: mean KL %.3g, top-1 agree %d/%d\n",
            scheme.kv, kl_sum / steps, kl_max, max_abs, agree, steps, (long long)ds.attention_calls,
            ds.attention_seconds, ds.write_seconds, (long long)ds.gaac_slots, (long long)ds.raw_pages,
-           (long long)ds.blocks_not_fitting, ds.kv_bytes_in_use / 1048576.0);
-    EXPECT_LT(kl_max, 1e-3);
-    EXPECT_GE(agree, steps - 1);
+           (long long)ds.blocks_not_fitting, ds.kv_bytes_in_use / 1048576.0, scheme_kl_sum / steps, scheme_agree,
+           steps);
+    if (scheme.element == format::GaacElement::kBf16) {
+      EXPECT_LT(kl_max, 1e-3);
+      EXPECT_GE(agree, steps - 1);
+    } else {
+      EXPECT_LT(kl_sum, scheme_kl_sum);
+      EXPECT_GE(agree, scheme_agree);
+    }
     EXPECT_EQ(ds.on_device, 1);
     EXPECT_EQ(ds.attention_calls, int64_t(steps) * info.n_layers);
     // 1,040 tokens: 65 whole blocks per (layer, K/V, kv_head), no tail.
@@ -198,7 +226,10 @@ TEST_F(SessionCuda, DecodeLogitsMatchTheCpuSessionForEveryLosslessScheme) {
 // Through the model layer: after a ragged prompt and a few decode steps, every block of every
 // (layer, K/V, kv_head) on the device has the host cache's storage class (GAAC slot or raw) and
 // its bytes: GAAC slots encoded on the device equal the host codec's slots, raw tails hold the
-// host's rounded rows. Then reset empties both, and a second prompt matches again.
+// host's rounded rows. Each layer's device attention over those pages, for the last position's
+// query, agrees with the double-precision reference over the host cache (the query rounded as the
+// device rounds it) to the kernels' bound, 4e-3 relative per head. Then reset empties both, and a
+// second prompt matches again.
 TEST_F(SessionCuda, DevicePagesEqualTheHostCachePagesByteForByte) {
   std::unique_ptr<model::Model> m = model::load_model(model_file());
   const model::ModelConfig& c = m->config();
@@ -207,6 +238,8 @@ TEST_F(SessionCuda, DevicePagesEqualTheHostCachePagesByteForByte) {
     SCOPED_TRACE(scheme.kv);
     model::SessionConfig sc;
     sc.context_tokens = 2048;
+    sc.n_threads = host_threads();
+    sc.capture_queries = true;
     sc.kv_scheme = cache::parse_kv_scheme(scheme.kv);
     if (scheme.gaac) {
       codec::GaacShape shape{c.n_layers, c.n_kv_heads, c.head_dim, 16, scheme.element};
@@ -225,7 +258,7 @@ TEST_F(SessionCuda, DevicePagesEqualTheHostCachePagesByteForByte) {
       const int64_t n = session.n_past();
       ASSERT_EQ(n, prompt + steps);
       const cache::KvCache& host = session.kv_cache();
-      const model::DeviceDecoder& dev = *session.device_decoder();
+      model::DeviceDecoder& dev = *session.device_decoder();
       const int T = 16;
       const size_t elem = size_t(format::gaac_element_bytes(cache::kv_scheme_element(sc.kv_scheme)));
       int64_t slots = 0, raws = 0;
@@ -250,6 +283,42 @@ TEST_F(SessionCuda, DevicePagesEqualTheHostCachePagesByteForByte) {
               (page.gaac_slot ? slots : raws) += 1;
             }
           }
+      attention::AttentionShape shape;
+      shape.n_q_heads = c.n_heads;
+      shape.n_kv_heads = c.n_kv_heads;
+      shape.head_dim = c.head_dim;
+      shape.scale = c.attention_scale();
+      const size_t q_size = size_t(c.n_heads) * size_t(c.head_dim);
+      std::vector<float> q(q_size), out(q_size);
+      std::vector<float> cpu(q_size);
+      std::vector<double> ref(q_size);
+      double worst = 0, worst_cpu = 0;
+      auto rel_error = [&](const std::vector<float>& x, int h) {
+        double num = 0, den = 0;
+        for (int i = 0; i < c.head_dim; ++i) {
+          const size_t j = size_t(h) * size_t(c.head_dim) + size_t(i);
+          num += (double(x[j]) - ref[j]) * (double(x[j]) - ref[j]);
+          den += ref[j] * ref[j];
+        }
+        return std::sqrt(num / std::max(den, 1e-300));
+      };
+      for (int layer = 0; layer < c.n_layers; ++layer) {
+        const std::vector<float>& captured = session.last_queries(layer);
+        for (size_t i = 0; i < q_size; ++i)
+          q[i] = scheme.element == format::GaacElement::kBf16 ? format::bf16_to_float(format::float_to_bf16(captured[i]))
+                                                              : format::fp16_to_float(format::float_to_fp16(captured[i]));
+        dev.attend(layer, q.data(), out.data());
+        attention::decode_attention_ref(host, session.sequence(), layer, shape, q.data(), n, ref.data());
+        attention::decode_attention(host, session.sequence(), layer, shape, q.data(), n, cpu.data());
+        for (int h = 0; h < c.n_heads; ++h) {
+          worst = std::max(worst, rel_error(out, h));
+          worst_cpu = std::max(worst_cpu, rel_error(cpu, h));
+        }
+      }
+      printf("[device] %-9s round %d: %lld slots, %lld raw pages compared; worst per-head attention error "
+             "%.2e (the CPU's float path: %.2e)\n",
+             scheme.kv, round, (long long)slots, (long long)raws, worst, worst_cpu);
+      EXPECT_LT(worst, 4e-3);
       if (scheme.gaac) EXPECT_GT(slots, raws) << "most blocks should fit their slots";
       else EXPECT_EQ(slots, 0);
       session.reset();

@@ -177,6 +177,7 @@ class Session {
 
   // The device route (null unless config.device is kCuda).
   const DeviceDecoder* device_decoder() const { return device_.get(); }
+  DeviceDecoder* device_decoder() { return device_.get(); }
 
  private:
   void forward_chunk(const int32_t* tokens, int64_t n, float* last_logits, float* all_logits);

@@ -86,14 +86,12 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     p.q = reinterpret_cast<const float*>(q_.data());
     p.out = reinterpret_cast<float*>(out_.data());
     const size_t need = attention::cuda::workspace_bytes(p);
-    if (workspace_.size() < need) {
-      throw_if_failed(DeviceBuffer::allocate(need, &workspace_));
-      p.workspace = workspace_.data();
-      p.workspace_size = workspace_.size();
-      throw_if_failed(attention::cuda::reset_error_word(p));
-    }
+    if (workspace_.size() < need) throw_if_failed(DeviceBuffer::allocate(need, &workspace_));
     p.workspace = workspace_.data();
     p.workspace_size = workspace_.size();
+    // The error word's place in the workspace follows the split plan, which follows the length:
+    // zero it for every call.
+    throw_if_failed(attention::cuda::reset_error_word(p));
     throw_if_failed(q_.upload(0, q, q_.size()));
     throw_if_failed(attention::cuda::paged_decode(p));
     throw_if_failed(out_.download(0, out, out_.size()));
