@@ -7,8 +7,8 @@
 # copy it to /tmp/certkv_model/ there, then carry the other in the next call while the machine
 # is warm; --run joins them.
 #
-# On a machine with a GPU, pass --run: the GAAC device encoder and the cross-backend attention
-# harness, then the same under compute-sanitizer memcheck (the out-of-memory test is left out
+# On a machine with a GPU, pass --run: the device page encoders, the device KV cache against the
+# host cache, the cross-backend attention harness, then the same under compute-sanitizer memcheck (the out-of-memory test is left out
 # there: its refused cudaMalloc is reported as an API error by the sanitizer), then, when
 # .devmodel/ holds the model, the device route end to end on it.
 set -euo pipefail
@@ -16,8 +16,10 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 if [ "${1:-}" = "--run" ]; then
   cd "$root/.devbin"
   ./certkv_codec_cuda_tests
+  ./certkv_cache_cuda_tests
   ./certkv_attention_cuda_tests
   compute-sanitizer --tool memcheck --error-exitcode 9 ./certkv_codec_cuda_tests
+  compute-sanitizer --tool memcheck --error-exitcode 9 ./certkv_cache_cuda_tests
   compute-sanitizer --tool memcheck --error-exitcode 9 ./certkv_attention_cuda_tests --gtest_filter='-*OutOfDevice*'
   staged="$root/.devmodel"
   mkdir -p /tmp/certkv_model
@@ -41,10 +43,11 @@ if [ "${1:-}" = "--stage-model" ]; then
   exit 0
 fi
 cmake -S "$root" -B "$root/build-cuda" -DCERTKV_CUDA=ON -DCERTKV_NATIVE=OFF -DCERTKV_BUILD_BENCH=ON >/dev/null
-cmake --build "$root/build-cuda" -j"$(nproc)" --target certkv_attention_cuda_tests certkv_codec_cuda_tests \
+cmake --build "$root/build-cuda" -j"$(nproc)" --target certkv_attention_cuda_tests certkv_codec_cuda_tests certkv_cache_cuda_tests \
   certkv_device_e2e_tests certkv_cuda_decode_bench certkv_cli
 mkdir -p "$root/.devbin"
 cp "$root/build-cuda/src/attention/certkv_attention_cuda_tests" "$root/build-cuda/src/codec/certkv_codec_cuda_tests" \
+  "$root/build-cuda/src/cache/certkv_cache_cuda_tests" \
   "$root/build-cuda/tests/certkv_device_e2e_tests" "$root/build-cuda/bench/certkv_cuda_decode_bench" \
   "$root/build-cuda/tools/certkv/certkv" "$root/.devbin/"
 grep -qx '/.devbin/' "$root/.git/info/exclude" 2>/dev/null || echo '/.devbin/' >> "$root/.git/info/exclude"

@@ -1,0 +1,199 @@
+// DeviceKvCache against the host KvCache: the same writes (ragged chunks, single decode steps)
+// leave every page with the host's class and bytes, for bf16, gaac and gaac-e5m2, with pools
+// that grow; reset empties it; bad input is refused with a status. The refusals run anywhere;
+// the rest needs a CUDA device (skipped otherwise).
+#include "cache/cuda/device_kv_cache.h"
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "format/fp8.h"
+#include "format/numeric.h"
+
+namespace certkv::cache::cuda {
+namespace {
+
+bool have_device() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+constexpr int kLayers = 2, kHeads = 3, kDim = 64, kT = 16;
+
+// Rows like a model's keys: per-channel scales spanning several binades, a few large channels.
+std::vector<float> random_rows(std::mt19937& rng, int64_t n) {
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> x(size_t(n) * kHeads * kDim);
+  for (size_t i = 0; i < x.size(); ++i) {
+    const int c = int(i % kDim);
+    const float scale = std::ldexp(1.f, (c * 7) % 9 - 4) * (c % 29 == 3 ? 40.f : 1.f);
+    x[i] = normal(rng) * scale;
+  }
+  return x;
+}
+
+std::shared_ptr<const codec::GaacCalibration> calibration(KvScheme scheme) {
+  const format::GaacElement element =
+      scheme == KvScheme::kGaacE5M2 ? format::GaacElement::kFp8E5M2 : format::GaacElement::kBf16;
+  codec::GaacCalibrator cal(codec::GaacShape{kLayers, kHeads, kDim, kT, element});
+  std::mt19937 rng(7);
+  const int n = 256;
+  for (int l = 0; l < kLayers; ++l)
+    for (int kv = 0; kv < 2; ++kv) {
+      const std::vector<float> x = random_rows(rng, n);
+      for (int h = 0; h < kHeads; ++h) {
+        std::vector<uint16_t> bf16(size_t(n) * kDim);
+        std::vector<uint8_t> fp8(bf16.size());
+        for (int t = 0; t < n; ++t)
+          for (int c = 0; c < kDim; ++c) {
+            const uint16_t b = format::float_to_bf16(x[(size_t(t) * kHeads + h) * kDim + c]);
+            bf16[size_t(t) * kDim + c] = b;
+            fp8[size_t(t) * kDim + c] = format::bf16_to_fp8_e5m2_ref(b);
+          }
+        if (element == format::GaacElement::kBf16) cal.add_bf16(l, kv, h, bf16.data(), n);
+        else cal.add_fp8(l, kv, h, fp8.data(), n);
+      }
+    }
+  return std::make_shared<codec::GaacCalibration>(cal.finish());
+}
+
+DeviceKvCacheConfig config_of(KvScheme scheme, int64_t max_tokens) {
+  DeviceKvCacheConfig c;
+  c.n_layers = kLayers;
+  c.n_kv_heads = kHeads;
+  c.head_dim = kDim;
+  c.block_tokens = kT;
+  c.max_tokens = max_tokens;
+  c.scheme = scheme;
+  if (kv_scheme_is_gaac(scheme)) c.gaac_calibration = calibration(scheme);
+  return c;
+}
+
+// Every written block of every (layer, K/V, kv_head): the device's class and bytes are the host's.
+void expect_same_pages(const DeviceKvCache& dev, const KvCache& host, SeqId seq, int64_t n, int* slots) {
+  const size_t elem = size_t(format::gaac_element_bytes(kv_scheme_element(host.scheme())));
+  for (int l = 0; l < kLayers; ++l)
+    for (int kv = 0; kv < 2; ++kv)
+      for (int h = 0; h < kHeads; ++h) {
+        const format::PageRef* table = host.block_table(seq, l, KvTensor(kv), h);
+        for (int64_t b = 0; b * kT < n; ++b) {
+          DevicePageBytes page;
+          const CudaStatus s = dev.read_page(l, KvTensor(kv), h, b, &page);
+          ASSERT_TRUE(s.ok) << s.message;
+          const bool host_slot = table[b].storage == format::StorageClass::kGaac ||
+                                 table[b].storage == format::StorageClass::kGaacFp8;
+          ASSERT_EQ(page.gaac_slot, host_slot) << "layer " << l << " kv " << kv << " head " << h << " block " << b;
+          const size_t compare = page.gaac_slot ? page.bytes.size()
+                                                : size_t(std::min<int64_t>(kT, n - b * kT)) * kDim * elem;
+          ASSERT_TRUE(std::equal(page.bytes.begin(), page.bytes.begin() + ptrdiff_t(compare),
+                                 host.page_bytes_of(table[b])))
+              << "layer " << l << " kv " << kv << " head " << h << " block " << b;
+          *slots += page.gaac_slot;
+        }
+      }
+}
+
+TEST(DeviceKvCache, RaggedWritesLeaveTheHostCachesPages) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  for (KvScheme scheme : {KvScheme::kBf16, KvScheme::kGaac, KvScheme::kGaacE5M2}) {
+    SCOPED_TRACE(kv_scheme_name(scheme));
+    const int64_t max_tokens = 2000;
+    const DeviceKvCacheConfig dc = config_of(scheme, max_tokens);
+    std::unique_ptr<DeviceKvCache> dev;
+    CudaStatus s = DeviceKvCache::create(dc, &dev);
+    ASSERT_TRUE(s.ok) << s.message;
+    KvCacheConfig hc;
+    hc.n_layers = kLayers;
+    hc.n_kv_heads = kHeads;
+    hc.head_dim = kDim;
+    hc.block_tokens = kT;
+    hc.max_tokens = max_tokens;
+    hc.scheme = scheme;
+    hc.gaac_calibration = dc.gaac_calibration;
+    KvCache host(hc);
+    std::mt19937 rng(11);
+    for (int round = 0; round < 2; ++round) {
+      const SeqId seq = host.create_sequence();
+      // Chunks that start and end inside blocks, whole blocks, single steps, a long prefill
+      // (pools grow past their first chunks).
+      const std::vector<int64_t> chunks = round == 0 ? std::vector<int64_t>{37, 1, 1, 16, 5, 700, 1, 1, 1, 13, 3}
+                                                     : std::vector<int64_t>{16, 1, 250};
+      int64_t n = 0;
+      int slots = 0;
+      for (int64_t m : chunks) {
+        const std::vector<float> k = random_rows(rng, m), v = random_rows(rng, m);
+        host.reserve(seq, m);
+        for (int l = 0; l < kLayers; ++l) {
+          host.write(seq, l, k.data(), v.data(), m);
+          s = dev->write(l, k.data(), v.data(), m);
+          ASSERT_TRUE(s.ok) << s.message;
+        }
+        host.commit(seq, m);
+        n += m;
+        for (int l = 0; l < kLayers; ++l) {
+          EXPECT_EQ(dev->written(l), n);
+          EXPECT_EQ(dev->view(l).host_length, n);
+        }
+        slots = 0;
+        expect_same_pages(*dev, host, seq, n, &slots);
+      }
+      const DeviceKvStats st = dev->stats();
+      const int64_t blocks = int64_t(kLayers) * 2 * kHeads * ((n + kT - 1) / kT);
+      EXPECT_EQ(st.slots_in_use + st.raw_pages_in_use, blocks);
+      if (scheme == KvScheme::kBf16) EXPECT_EQ(slots, 0);
+      else EXPECT_GT(slots, blocks / 2) << "most blocks should fit their calibrated slots";
+      host.free_sequence(seq);
+      s = dev->reset();
+      ASSERT_TRUE(s.ok) << s.message;
+      EXPECT_EQ(dev->stats().slots_in_use, 0);
+      EXPECT_EQ(dev->stats().raw_pages_in_use, 0);
+      EXPECT_EQ(dev->written(0), 0);
+    }
+    // Past the capacity, and layers outside the model: refused, nothing written.
+    const std::vector<float> big = random_rows(rng, max_tokens + 1);
+    s = dev->write(0, big.data(), big.data(), max_tokens + 1);
+    EXPECT_FALSE(s.ok);
+    EXPECT_EQ(s.code, StatusCode::kOutOfRange);
+    EXPECT_NE(s.message.find("capacity"), std::string::npos) << s.message;
+    EXPECT_EQ(dev->written(0), 0);
+    s = dev->write(kLayers, big.data(), big.data(), 1);
+    EXPECT_EQ(s.code, StatusCode::kOutOfRange);
+    DevicePageBytes page;
+    s = dev->read_page(0, KvTensor::kKey, 0, 0, &page);
+    EXPECT_EQ(s.code, StatusCode::kOutOfRange) << "nothing written yet";
+  }
+}
+
+TEST(DeviceKvCache, BadConfigurationsAreRefusedBeforeAnyAllocation) {
+  std::unique_ptr<DeviceKvCache> dev;
+  DeviceKvCacheConfig c = config_of(KvScheme::kBf16, 64);
+  c.scheme = KvScheme::kDither8;
+  CudaStatus s = DeviceKvCache::create(c, &dev);
+  EXPECT_EQ(s.code, StatusCode::kUnsupported);
+  EXPECT_NE(s.message.find("dither8"), std::string::npos) << s.message;
+  c.scheme = KvScheme::kGaac;  // no calibration
+  s = DeviceKvCache::create(c, &dev);
+  EXPECT_EQ(s.code, StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message.find("calibration"), std::string::npos) << s.message;
+  c.gaac_calibration = calibration(KvScheme::kGaacE5M2);  // another element
+  s = DeviceKvCache::create(c, &dev);
+  EXPECT_EQ(s.code, StatusCode::kInvalidArgument);
+  c = config_of(KvScheme::kBf16, 0);
+  s = DeviceKvCache::create(c, &dev);
+  EXPECT_EQ(s.code, StatusCode::kInvalidArgument);
+  c = config_of(KvScheme::kGaac, 64);
+  c.head_dim = 60;  // no GAAC tiling
+  s = DeviceKvCache::create(c, &dev);
+  EXPECT_FALSE(s.ok);
+  EXPECT_EQ(dev, nullptr);
+}
+
+}  // namespace
+}  // namespace certkv::cache::cuda
