@@ -71,26 +71,12 @@ double round_half_even(double v) {
   return r;
 }
 
-// The smallest float >= v.
-float float_upward(double v) {
-  if (v > double(std::numeric_limits<float>::max())) return std::numeric_limits<float>::infinity();
-  float f = float(v);
-  if (double(f) < v) {
-    // The next float up: for f >= 0 the next bit pattern; for f < 0 the previous one.
-    if (f == 0.0f) return std::numeric_limits<float>::denorm_min();
-    uint32_t bits = std::bit_cast<uint32_t>(f);
-    bits = f > 0.0f ? bits + 1 : bits - 1;
-    f = std::bit_cast<float>(bits);
-  }
-  return f;
-}
-
 // The smallest fp16 >= v (+inf above 65504). Rounding up to float first loses nothing: every
 // fp16 value is a float.
-uint16_t fp16_upward(double v) { return float_to_fp16_upward(float_upward(v)); }
+uint16_t fp16_upward(double v) { return format::float_to_fp16_upward(format::float_upward(v)); }
 
 // The largest fp16 <= f (-inf below -65504).
-uint16_t fp16_downward(float f) { return uint16_t(float_to_fp16_upward(-f) ^ 0x8000u); }
+uint16_t fp16_downward(float f) { return uint16_t(format::float_to_fp16_upward(-f) ^ 0x8000u); }
 
 // An fp16 upper bound of a norm computed in double.
 uint16_t norm_upper_bound_fp16(double norm) { return fp16_upward(norm * kNormSafety); }
@@ -795,7 +781,7 @@ void dither8_value_rho(const LossyPageSpec& spec, const uint8_t* page, float* rh
       sum_sq += double(quantized[grp]) * r_max * r_max;
     }
     // The double sum of at most 8 terms is off by far less than kNormSafety's 2^-40.
-    rho[t] = float_upward(std::sqrt(sum_sq) * kNormSafety);
+    rho[t] = format::float_upward(std::sqrt(sum_sq) * kNormSafety);
   }
 }
 
@@ -853,26 +839,6 @@ void select_outlier_pairs(const float* x, int n_rows, int head_dim, RopePairing 
                    [&](int a, int b) { return peak[size_t(a)] > peak[size_t(b)]; });
   std::sort(order.begin(), order.begin() + m);
   for (int i = 0; i < m; ++i) out[i] = uint16_t(order[size_t(i)]);
-}
-
-uint16_t float_to_fp16_upward(float f) {
-  const uint32_t u = format::float_to_bits(f);
-  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
-  const uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return uint16_t(sign | 0x7e00u);  // NaN
-  // The magnitude truncated to fp16 (rounded toward zero).
-  uint16_t truncated;
-  if (abs >= 0x47800000u) {
-    truncated = abs == 0x7f800000u ? kFp16Inf : uint16_t(0x7bffu);  // >= 65536: 65504, Inf stays
-  } else if (abs >= 0x38800000u) {
-    truncated = uint16_t((abs - (112u << 23)) >> 13);  // normal: rebias, drop 13 mantissa bits
-  } else {
-    truncated = uint16_t(format::bits_to_float(abs) * 16777216.0f);  // subnormal: quanta of 2^-24
-  }
-  // Toward +inf: a negative value truncated is already rounded up; a positive one moves up a step
-  // when truncation lost something (65504 steps to Inf).
-  if (sign == 0 && fp16_to_float(truncated) < format::bits_to_float(abs)) ++truncated;
-  return uint16_t(sign | truncated);
 }
 
 }  // namespace certkv::codec

@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <string_view>
 
+#include "format/numeric.h"
+
 namespace certkv::codec {
 
 enum class LossyScheme : uint8_t {
@@ -141,7 +143,8 @@ inline constexpr float kDither8Slack = 1.0f / 256.0f;  // 2^-8
 void select_outlier_pairs(const float* x, int n_rows, int head_dim, RopePairing pairing, int m,
                           uint16_t* out);
 
-// fp16 of a non-negative float rounded toward +inf (an upper bound; +inf when above 65504).
-uint16_t float_to_fp16_upward(float f);
+// fp16 of a float rounded toward +inf (an upper bound; +inf when above 65504): format/numeric.h,
+// shared with the device encoders.
+using format::float_to_fp16_upward;
 
 }  // namespace certkv::codec

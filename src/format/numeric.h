@@ -68,4 +68,40 @@ CERTKV_HD inline uint16_t float_to_fp16(float f) {
   return uint16_t(sign | ((rounded - (112u << 23)) >> 13));
 }
 
+// float -> IEEE binary16 rounded toward +inf: the smallest fp16 >= f (+Inf above 65504; NaN stays
+// NaN). For the directed bounds of the meter's side data, host and device alike.
+CERTKV_HD inline uint16_t float_to_fp16_upward(float f) {
+  const uint32_t u = float_to_bits(f);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return uint16_t(sign | 0x7e00u);  // NaN
+  // The magnitude truncated to fp16 (rounded toward zero).
+  uint16_t truncated;
+  if (abs >= 0x47800000u) {
+    truncated = abs == 0x7f800000u ? uint16_t(0x7c00u) : uint16_t(0x7bffu);  // >= 65536: 65504, Inf stays
+  } else if (abs >= 0x38800000u) {
+    truncated = uint16_t((abs - (112u << 23)) >> 13);  // normal: rebias, drop 13 mantissa bits
+  } else {
+    // Subnormal: quanta of 2^-24 (an exact product), truncated by the conversion.
+    truncated = uint16_t(uint32_t(bits_to_float(abs) * 16777216.0f));
+  }
+  // Toward +inf: a negative value truncated is already rounded up; a positive one moves up a step
+  // when truncation lost something (65504 steps to Inf).
+  if (sign == 0 && fp16_to_float(truncated) < bits_to_float(abs)) ++truncated;
+  return uint16_t(sign | truncated);
+}
+
+// double -> float rounded toward +inf: the smallest float >= v (+Inf above the largest float).
+CERTKV_HD inline float float_upward(double v) {
+  if (v > double(bits_to_float(0x7f7fffffu))) return bits_to_float(0x7f800000u);
+  float f = float(v);  // nearest even, subnormals kept (__double2float_rn on the device)
+  if (double(f) < v) {
+    // The next float up: for f >= 0 the next bit pattern; for f < 0 the previous one.
+    if (f == 0.0f) return bits_to_float(1u);  // the smallest subnormal
+    const uint32_t bits = float_to_bits(f);
+    f = bits_to_float(f > 0.0f ? bits + 1 : bits - 1);
+  }
+  return f;
+}
+
 }  // namespace certkv::format

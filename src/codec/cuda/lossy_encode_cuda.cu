@@ -1,0 +1,291 @@
+#include "codec/cuda/lossy_encode_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cfloat>
+#include <numeric>
+#include <string>
+
+#include "core/status.h"
+#include "format/dither8_generator.h"
+#include "format/fp8.h"
+#include "format/numeric.h"
+
+namespace certkv::codec::cuda {
+
+namespace {
+
+using format::bf16_to_float;
+using format::bits_to_float;
+using format::float_to_bits;
+using format::fp16_to_float;
+
+constexpr int kWarpsPerCta = 4;
+constexpr int kThreads = 32 * kWarpsPerCta;
+constexpr unsigned kFullWarp = 0xFFFFFFFFu;
+constexpr int kMaxHeadDim = 256;
+constexpr uint16_t kFp16Inf = 0x7c00;
+// The constants of codec/lossy_page.cc, with the same values.
+constexpr double kDither8Top = 126.5;          // Q - 1/2 with Q = 127
+constexpr double kNormSafety = 1.0 + 0x1p-40;  // covers the double norm's relative error
+
+// One launch's page shape, evaluated on the host. Byte counts fit in 32 bits: a page is at most
+// 4096 x (256 + 16 + 256) bytes.
+struct Geometry {
+  RopePairing pairing;
+  int block_tokens;     // T
+  int head_dim;         // D
+  int groups;           // D / kQuantGroup
+  int n_outlier_pairs;  // m (dither8 K pages)
+  int n_bands;          // fp8 side data: witness_bands(D) for K pages, 1 (rho) for V pages
+  int exponent_bits;    // fp8: 4 (E4M3) or 5 (E5M2)
+  int mantissa_bits;    // fp8: 3 or 2
+  uint32_t payload_bytes;
+  uint32_t record_bytes;  // dither8: D + 2 G + 4 m
+};
+
+// rope_pair_channel (codec/lossy_page.h) on the device.
+__device__ int pair_channel(const Geometry& g, int pair, int which) {
+  return g.pairing == RopePairing::kInterleaved ? 2 * pair + which
+                                                : pair + which * (g.head_dim / 2);
+}
+
+__device__ bool bf16_is_finite(uint16_t h) { return (h & 0x7f80u) != 0x7f80u; }
+__device__ bool float_is_finite(float f) { return (float_to_bits(f) & 0x7f800000u) != 0x7f800000u; }
+
+__device__ void store_u16(uint8_t* p, uint16_t v) {
+  p[0] = uint8_t(v);
+  p[1] = uint8_t(v >> 8);
+}
+
+// Float subnormals are values here (a bf16 subnormal's magnitude, amax / 126.5 of tiny groups):
+// this file is compiled without flush-to-zero (no -ftz=true, no --use_fast_math), like the host.
+
+// The smallest fp16 >= v (+inf above 65504), through the smallest float >= v as on the host.
+__device__ uint16_t fp16_upward(double v) { return format::float_to_fp16_upward(format::float_upward(v)); }
+
+// ---- fp8 casts with their Tier A side data ----------------------------------------------------
+
+// What lossy_decode_page_ref reads back for an element: the FP8 value of its code.
+// float_to_fp8_ref's one product (the subnormal quanta count) scales by a power of two and is
+// exact, so a contraction of its `quanta - float(q)` into an FMA cannot change the code.
+__device__ float fp8_reconstruction(const Geometry& g, uint16_t x) {
+  const uint8_t code = format::float_to_fp8_ref(bf16_to_float(x), g.exponent_bits, g.mantissa_bits);
+  return format::fp8_to_float(code, g.exponent_bits, g.mantissa_bits);
+}
+
+// One CTA per task. Codes: a thread per element. Side data (write_tier_a_side_data): a thread per
+// (band, token), item b T + t, whose norm sums r^2 over the band's pairs in increasing order,
+// channel a before channel b, in double without contraction, as the reference's loop does.
+__global__ void __launch_bounds__(kThreads)
+    fp8_cast_kernel(Geometry g, const LossyEncodeTask* tasks, uint8_t* encoded) {
+  const LossyEncodeTask task = tasks[blockIdx.x];
+  const int n = g.block_tokens * g.head_dim;
+  bool refused = false;
+  for (int i = int(threadIdx.x); i < n; i += kThreads) {
+    const uint16_t x = task.src[i];
+    if (!bf16_is_finite(x)) {
+      refused = true;
+      continue;
+    }
+    const uint8_t code =
+        format::float_to_fp8_ref(bf16_to_float(x), g.exponent_bits, g.mantissa_bits);
+    task.dst[i] = code;
+    // E5M2 does not saturate: an overflow reads back as Inf and the page is refused.
+    if (!float_is_finite(format::fp8_to_float(code, g.exponent_bits, g.mantissa_bits))) {
+      refused = true;
+    }
+  }
+  if (__syncthreads_or(refused)) {
+    if (threadIdx.x == 0) encoded[blockIdx.x] = kLossyRefused;
+    return;
+  }
+  // Band b covers the RoPE pairs [b P / n_bands, (b + 1) P / n_bands) (witness_band_of_pair).
+  const int n_pairs = g.head_dim / 2;
+  uint8_t* side = task.dst + g.payload_bytes;
+  for (int item = int(threadIdx.x); item < g.n_bands * g.block_tokens; item += kThreads) {
+    const int b = item / g.block_tokens, t = item % g.block_tokens;
+    const uint16_t* row = task.src + size_t(t) * size_t(g.head_dim);
+    double sum_sq = 0.0;
+    for (int pair = b * n_pairs / g.n_bands; pair < (b + 1) * n_pairs / g.n_bands; ++pair) {
+      for (int which = 0; which < 2; ++which) {
+        const uint16_t x = row[pair_channel(g, pair, which)];
+        const double r = __dsub_rn(double(fp8_reconstruction(g, x)), double(bf16_to_float(x)));
+        sum_sq = __dadd_rn(sum_sq, __dmul_rn(r, r));
+      }
+    }
+    // Band-major: w[b][t], or rho[t] for V pages.
+    store_u16(side + 2 * size_t(item), fp16_upward(__dmul_rn(__dsqrt_rn(sum_sq), kNormSafety)));
+  }
+  if (threadIdx.x == 0) encoded[blockIdx.x] = kLossyEncoded;
+}
+
+// ---- dither8 ------------------------------------------------------------------------------------
+
+// dither8_xi (codec/lossy_page.cc) from the row's seed: (u + 1/2) / 256 - 1/2, every step exact.
+__device__ float dither8_xi(uint32_t row_seed, int c) {
+  const uint32_t u = format::dither8_u(format::dither8_word(row_seed, c / 4), c);
+  return __fsub_rn(__fdiv_rn(__fadd_rn(float(u), 0.5f), 256.0f), 0.5f);
+}
+
+// One CTA per task; a warp per (token, group), a lane per channel (encode_dither8):
+//   amax = max |x_c| over the group's non-outlier channels (a warp max of the bits: non-negative
+//          floats order as their bit patterns; outliers count as 0, the reference's start)
+//   s    = fp16 up(amax / 126.5), in double; +inf refuses the page
+//   q_c  = round(fl(fl(x_c / s) + xi_c)), ties to even (__double2int_rn is the reference's
+//          round_half_even; |q| <= 127), in double with the stored s
+// then the outlier pairs' exact bf16 values, a thread per (token, value).
+__global__ void __launch_bounds__(kThreads)
+    dither8_kernel(Geometry g, const LossyEncodeTask* tasks, uint8_t* encoded) {
+  __shared__ uint8_t outlier[kMaxHeadDim];
+  const LossyEncodeTask task = tasks[blockIdx.x];
+  const int m = g.n_outlier_pairs;
+  const int n_pairs = g.head_dim / 2;
+  // The same for every thread: the list is read only when present.
+  const bool list_missing = m > 0 && task.outlier_pairs == nullptr;
+  for (int c = int(threadIdx.x); c < g.head_dim; c += kThreads) outlier[c] = 0;
+  __syncthreads();
+  bool refused = list_missing;
+  for (int i = int(threadIdx.x); i < m && !list_missing; i += kThreads) {
+    const int pair = task.outlier_pairs[i];
+    if (pair >= n_pairs || (i > 0 && pair <= int(task.outlier_pairs[i - 1]))) {
+      refused = true;
+      continue;
+    }
+    outlier[pair_channel(g, pair, 0)] = 1;
+    outlier[pair_channel(g, pair, 1)] = 1;
+  }
+  const int n = g.block_tokens * g.head_dim;
+  for (int i = int(threadIdx.x); i < n; i += kThreads) {
+    if (!bf16_is_finite(task.src[i])) refused = true;
+  }
+  if (__syncthreads_or(refused)) {
+    if (threadIdx.x == 0) encoded[blockIdx.x] = kLossyRefused;
+    return;
+  }
+
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  bool scale_refused = false;
+  for (int item = warp; item < g.block_tokens * g.groups; item += kWarpsPerCta) {
+    const int t = item / g.groups, grp = item % g.groups;
+    const int c = grp * kQuantGroup + lane;
+    const float x = bf16_to_float(task.src[size_t(t) * size_t(g.head_dim) + size_t(c)]);
+    const bool quantized = outlier[c] == 0;
+    const float magnitude = quantized ? fabsf(x) : 0.0f;
+    const float amax = bits_to_float(__reduce_max_sync(kFullWarp, float_to_bits(magnitude)));
+    const uint16_t s16 = fp16_upward(__ddiv_rn(double(amax), kDither8Top));
+    if (s16 == kFp16Inf) {  // the whole warp
+      scale_refused = true;
+      continue;
+    }
+    const double s = double(fp16_to_float(s16));
+    int q = 0;
+    if (quantized && s != 0.0) {
+      const uint64_t counter = uint64_t(task.page_slot) * uint64_t(g.block_tokens) + uint64_t(t);
+      const double xi = double(dither8_xi(format::dither8_row_seed(task.dither_key, counter), c));
+      q = __double2int_rn(__dadd_rn(__ddiv_rn(double(x), s), xi));
+    }
+    uint8_t* rec = task.dst + size_t(t) * g.record_bytes;
+    rec[c] = uint8_t(int8_t(q));
+    if (lane == 0) store_u16(rec + g.head_dim + 2 * grp, s16);
+  }
+  // Outliers: per token, pair i's channel a then channel b at value 2 i + which.
+  for (int item = int(threadIdx.x); item < g.block_tokens * 2 * m; item += kThreads) {
+    const int t = item / (2 * m), value = item % (2 * m);
+    const int c = pair_channel(g, task.outlier_pairs[value / 2], value % 2);
+    uint8_t* rec = task.dst + size_t(t) * g.record_bytes;
+    store_u16(rec + g.head_dim + 2 * g.groups + 2 * value,
+              task.src[size_t(t) * size_t(g.head_dim) + size_t(c)]);
+  }
+  const bool page_refused = __syncthreads_or(scale_refused);
+  if (threadIdx.x == 0) encoded[blockIdx.x] = page_refused ? kLossyRefused : kLossyEncoded;
+}
+
+// ---- host ---------------------------------------------------------------------------------------
+
+constexpr char kWhere[] = "lossy device encode: ";
+
+// The spec as validate_lossy_page_spec and lossy_payload_bytes read it: the outlier lists are the
+// tasks', on the device, so pairs 0 .. m - 1 stand in for spec.outlier_pairs (m itself is still
+// checked; the list is read only when m is within the limits).
+LossyPageSpec with_placeholder_outliers(const LossyPageSpec& spec) {
+  static const std::array<uint16_t, kMaxOutlierPairs> kPairs = [] {
+    std::array<uint16_t, kMaxOutlierPairs> pairs{};
+    std::iota(pairs.begin(), pairs.end(), uint16_t(0));
+    return pairs;
+  }();
+  LossyPageSpec s = spec;
+  s.outlier_pairs = kPairs.data();
+  return s;
+}
+
+bool has_device_encoder(LossyScheme scheme) {
+  return scheme == LossyScheme::kFp8E4M3 || scheme == LossyScheme::kFp8E5M2 ||
+         scheme == LossyScheme::kDither8;
+}
+
+Geometry geometry_of(const LossyPageSpec& spec) {
+  Geometry g{};
+  g.pairing = spec.pairing;
+  g.block_tokens = spec.block_tokens;
+  g.head_dim = spec.head_dim;
+  g.groups = spec.head_dim / kQuantGroup;
+  g.n_outlier_pairs = spec.n_outlier_pairs;
+  g.n_bands = spec.key ? witness_bands(spec.head_dim) : 1;
+  g.exponent_bits = spec.scheme == LossyScheme::kFp8E5M2 ? 5 : 4;
+  g.mantissa_bits = spec.scheme == LossyScheme::kFp8E5M2 ? 2 : 3;
+  g.payload_bytes = uint32_t(lossy_payload_bytes(with_placeholder_outliers(spec)));
+  g.record_bytes = uint32_t(spec.head_dim + 2 * g.groups + 4 * spec.n_outlier_pairs);
+  return g;
+}
+
+CudaStatus invalid(const std::string& message) {
+  return cuda_error(StatusCode::kInvalidArgument, std::string(kWhere) + message);
+}
+
+}  // namespace
+
+CudaStatus check_lossy_encode(const LossyPageSpec& spec, int n_tasks, const void* tasks,
+                              const void* encoded) {
+  try {
+    validate_lossy_page_spec(with_placeholder_outliers(spec));
+  } catch (const Error& e) {
+    return cuda_error(e.code(), std::string(kWhere) + e.what());
+  }
+  if (!has_device_encoder(spec.scheme)) {
+    return cuda_error(StatusCode::kUnsupported,
+                      std::string(kWhere) + "scheme " + lossy_scheme_name(spec.scheme) +
+                          " has no device encoder (fp8-e4m3, fp8-e5m2 and dither8 have)");
+  }
+  if (n_tasks < 0) return invalid("n_tasks must not be negative, got " + std::to_string(n_tasks));
+  if (n_tasks > 0 && tasks == nullptr) {
+    return invalid("tasks is null for " + std::to_string(n_tasks) + " tasks");
+  }
+  if (n_tasks > 0 && encoded == nullptr) {
+    return invalid("encoded is null for " + std::to_string(n_tasks) + " tasks");
+  }
+  return {};
+}
+
+CudaStatus lossy_encode_pages(const LossyPageSpec& spec, const LossyEncodeTask* tasks, int n_tasks,
+                              uint8_t* encoded, void* stream) {
+  const CudaStatus checked = check_lossy_encode(spec, n_tasks, tasks, encoded);
+  if (!checked.ok || n_tasks == 0) return checked;
+  const Geometry g = geometry_of(spec);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (spec.scheme == LossyScheme::kDither8) {
+    dither8_kernel<<<unsigned(n_tasks), kThreads, 0, s>>>(g, tasks, encoded);
+  } else {
+    fp8_cast_kernel<<<unsigned(n_tasks), kThreads, 0, s>>>(g, tasks, encoded);
+  }
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    const std::string reason = cudaGetErrorString(e);
+    return cuda_error(StatusCode::kInternal,
+                      std::string(kWhere) + "kernel launch failed: " + reason);
+  }
+  return {};
+}
+
+}  // namespace certkv::codec::cuda
