@@ -84,7 +84,7 @@ class Scratch {
   size_t capacity_ = 0;
 };
 
-Scratch& thread_scratch() {
+[[maybe_unused]] Scratch& thread_scratch() {  // unused by the portable path
   thread_local Scratch scratch;
   return scratch;
 }
