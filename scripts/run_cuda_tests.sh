@@ -15,6 +15,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 if [ "${1:-}" = "--run" ]; then
   cd "$root/.devbin"
+  export CERTKV_REQUIRE_DEVICE=1  # here a missing device or route fails the tests instead of skipping them
   ./certkv_codec_cuda_tests
   ./certkv_cache_cuda_tests
   ./certkv_attention_cuda_tests

@@ -168,7 +168,7 @@ TEST(CApi, DeviceRouteRefusalsAreClearErrors) {
   EXPECT_EQ(std::string(certkv_last_error()).rfind("device cuda: ", 0), 0u) << certkv_last_error();
   sp.kv = "dither8";
   EXPECT_EQ(certkv_session_create(model.get(), &sp, &s), CERTKV_ERR_UNSUPPORTED);
-  EXPECT_NE(std::string(certkv_last_error()).find("with the meter is not served"), std::string::npos)
+  EXPECT_NE(std::string(certkv_last_error()).find("KV scheme dither8 is not served on the device"), std::string::npos)
       << certkv_last_error();
   EXPECT_EQ(s, nullptr);
   sp.kv = "bf16";

@@ -248,7 +248,7 @@ certkv_status certkv_session_audit_layer(const certkv_session* session, int32_t 
  * cell{i}.meter [1] f64; metadata names each cell's layer, head, step and the scheme. */
 certkv_status certkv_session_audit_dump(const certkv_session* session, const char* path);
 
-/* ---- Sparse decode ------------------------------------------------------------------------- */
+/* ---- The device route ---------------------------------------------------------------------- */
 
 /* The device route (params.device "cuda"): what ran there and what its KV cache holds. */
 typedef struct certkv_device_stats {
@@ -264,6 +264,8 @@ typedef struct certkv_device_stats {
 } certkv_device_stats;
 
 certkv_status certkv_session_device_stats(const certkv_session* session, certkv_device_stats* stats);
+
+/* ---- Sparse decode ------------------------------------------------------------------------- */
 
 /* Counters of sparse decode since the session began (or certkv_session_sparse_reset). A cell is
  * one (layer, query head, step) of a sparse layer; budget = attended tokens / context tokens. */

@@ -13,4 +13,14 @@ Device parse_device(std::string_view name) {
   fail(StatusCode::kInvalidArgument, "unknown device '" + std::string(name) + "' (known: cpu, cuda)");
 }
 
+bool device_route_serves(cache::KvScheme scheme) {
+  return scheme == cache::KvScheme::kBf16 || scheme == cache::KvScheme::kGaac || scheme == cache::KvScheme::kGaacE5M2;
+}
+
+void refuse_unserved_scheme(cache::KvScheme scheme) {
+  if (!device_route_serves(scheme))
+    fail(StatusCode::kUnsupported, std::string("device cuda: KV scheme ") + cache::kv_scheme_name(scheme) +
+                                       " is not served on the device yet (bf16, gaac, gaac-e5m2 are)");
+}
+
 }  // namespace certkv::model

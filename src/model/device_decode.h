@@ -23,6 +23,10 @@ enum class Device { kCpu = 0, kCuda = 1 };
 const char* device_name(Device device);
 // Throws certkv::Error kInvalidArgument naming the unknown device and the known ones.
 Device parse_device(std::string_view name);
+// Whether the device route serves sessions of this KV scheme (bf16, gaac, gaac-e5m2).
+bool device_route_serves(cache::KvScheme scheme);
+// Throws kUnsupported, naming the scheme and the served ones, unless device_route_serves(scheme).
+void refuse_unserved_scheme(cache::KvScheme scheme);
 
 struct DeviceDecoderConfig {
   int n_layers = 0;
@@ -56,8 +60,10 @@ struct DevicePage {
 class DeviceDecoder {
  public:
   virtual ~DeviceDecoder() = default;
-  // Appends n positions of `layer`: k, v [n][n_kv_heads][head_dim] floats (post-RoPE).
-  virtual void write(int layer, const float* k, const float* v, int64_t n) = 0;
+  // Writes positions [pos, pos + n) of `layer`: k, v [n][n_kv_heads][head_dim] floats
+  // (post-RoPE). Throws kInternal when the device cache does not hold exactly pos tokens of the
+  // layer (an earlier step failed halfway: reset the session) or refuses after a failure.
+  virtual void write(int layer, int64_t pos, const float* k, const float* v, int64_t n) = 0;
   // Attention of the newest position over every token written to `layer`: q [n_q_heads]
   // [head_dim], out [n_q_heads][head_dim]. Throws kCorrupt if the kernels flagged a bad page.
   virtual void attend(int layer, const float* q, float* out) = 0;
@@ -66,8 +72,8 @@ class DeviceDecoder {
   virtual DevicePage read_page(int layer, cache::KvTensor kv, int kv_head, int64_t block) const = 0;
 };
 
-// Throws certkv::Error: kUnsupported (built without CUDA, no CUDA device, a scheme or shape the
-// kernels do not serve), kInvalidArgument, kOutOfMemory.
+// Throws certkv::Error: kUnsupported (a scheme device_route_serves refuses, a build without CUDA,
+// no CUDA device, a shape the kernels do not serve), kInvalidArgument, kOutOfMemory.
 std::unique_ptr<DeviceDecoder> make_device_decoder(const DeviceDecoderConfig& config);
 
 }  // namespace certkv::model

@@ -134,9 +134,7 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
     reset_sparse_stats();
   }
   if (config.device == Device::kCuda) {
-    if (metered_ || meter.gate)
-      fail(StatusCode::kUnsupported, std::string("device cuda: KV scheme ") + cache::kv_scheme_name(config.kv_scheme) +
-                                         " with the meter is not served on the device yet (bf16, gaac, gaac-e5m2 are)");
+    // make_device_decoder refuses the schemes it does not serve (the lossy ones among them).
     if (sparse.enabled)
       fail(StatusCode::kUnsupported, "device cuda: sparse decode is not routed to the device yet (drop --sparse)");
     DeviceDecoderConfig dc;
@@ -470,7 +468,7 @@ void Session::forward_chunk(const int32_t* tokens, int64_t n, float* last_logits
             sums[size_t(h / group) * size_t(hd) + size_t(i)] += q_[size_t(t * q_dim + h * hd + i)];
     }
     cache_->write(seq_, layer, k_.data(), v_.data(), n);
-    if (device_) device_->write(layer, k_.data(), v_.data(), n);
+    if (device_) device_->write(layer, pos0, k_.data(), v_.data(), n);
     if (n == 1 && device_)
       device_->attend(layer, q_.data(), attn_.data());
     else if (n == 1 && sparse_layer(layer))

@@ -16,12 +16,12 @@
 
 #include "attention/decode_attention.h"
 #include "attention/sparse_decode.h"
-#include "model/device_decode.h"
 #include "cache/key_index.h"
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
 #include "core/thread_pool.h"
 #include "gate/telemetry.h"
+#include "model/device_decode.h"
 #include "model/matmul_float.h"
 #include "model/model.h"
 

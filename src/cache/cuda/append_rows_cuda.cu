@@ -26,6 +26,7 @@ __global__ void append_rows_kernel(AppendRowsArgs a) {
     const int row = int(pos % a.block_tokens);
     const int32_t entry = a.tables[(int64_t(kv) * a.n_kv_heads + h) * a.table_stride + block];
     const int64_t page = entry >= 0 ? entry : -int64_t(entry) - 1;
+    if (page >= a.n_raw_pages) continue;  // a table the host never wrote: never write past the pool
     uint8_t* dst = a.raw_pages + page * a.raw_page_stride;
     const uint16_t bf16 = format::float_to_bf16(a.rows[i]);
     const int64_t element = int64_t(row) * a.head_dim + c;

@@ -21,6 +21,7 @@ struct AppendRowsArgs {
   int64_t table_stride = 0;
   uint8_t* raw_pages = nullptr;     // device pool of raw pages
   int64_t raw_page_stride = 0;
+  int64_t n_raw_pages = 0;          // entries naming a page outside the pool are not written
   int32_t* length = nullptr;        // device: set to first + n
 };
 

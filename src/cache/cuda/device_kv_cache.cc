@@ -18,6 +18,11 @@ namespace {
 // Table entries of blocks not written yet: read by no kernel (lengths stop before them), and
 // outside every pool if they were.
 constexpr int32_t kUnwritten = std::numeric_limits<int32_t>::min();
+// First capacities of the pools, in pages: raw pages for 4 blocks of each (K/V, kv_head) of a
+// layer; slots for 64 blocks of each kv_head. Both double when full (and never shrink: the raw
+// pool keeps the size of the largest prefill chunk, all raw until its blocks are encoded).
+constexpr int64_t kFirstRawBlocks = 4;
+constexpr int64_t kFirstSlotBlocks = 64;
 
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
@@ -106,9 +111,10 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
     return cuda_error(StatusCode::kUnsupported, std::string("device KV cache: scheme ") + kv_scheme_name(scheme) +
                                                     " is not served on the device (bf16, gaac, gaac-e5m2 are)");
   if (config.n_layers < 1 || config.n_kv_heads < 1 || config.head_dim < 8 || config.block_tokens < 1 ||
-      config.max_tokens < 1)
+      config.max_tokens < 1 || config.max_tokens > std::numeric_limits<int32_t>::max())
     return cuda_error(StatusCode::kInvalidArgument, "device KV cache: n_layers, n_kv_heads, block_tokens and "
-                                                    "max_tokens must be >= 1 and head_dim >= 8");
+                                                    "max_tokens must be >= 1 (max_tokens below 2^31: lengths "
+                                                    "are int32 on the device) and head_dim >= 8");
   const bool gaac = scheme != KvScheme::kBf16;
   const format::GaacElement element = scheme_element(scheme);
   if (gaac) {
@@ -136,7 +142,7 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
     layer->raw.stride = round16(c->raw_bytes_);
     layer->host_tables.assign(size_t(2) * H * size_t(c->table_stride_), kUnwritten);
     s = DeviceBuffer::allocate(layer->host_tables.size() * sizeof(int32_t), &layer->tables);
-    if (s.ok) s = layer->tables.upload(0, layer->host_tables.data(), layer->host_tables.size() * sizeof(int32_t));
+    if (s.ok) s = c->upload_tables(*layer);
     if (s.ok && gaac) {
       std::vector<uint8_t> bases(size_t(2) * H * 2 * D);
       for (int kv = 0; kv < 2; ++kv) {
@@ -159,10 +165,17 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
   return {};
 }
 
+CudaStatus DeviceKvCache::upload_tables(const Layer& layer) {
+  return cuda_check(cudaMemcpyAsync(layer.tables.data(), layer.host_tables.data(),
+                                    layer.host_tables.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                    as_stream(config_.stream)),
+                    "block table upload");
+}
+
 CudaStatus DeviceKvCache::write(int layer_index, const float* k, const float* v, int64_t n) {
-  const int H = config_.n_kv_heads;
-  const int D = config_.head_dim;
-  const int T = config_.block_tokens;
+  if (broken_)
+    return cuda_error(StatusCode::kInternal, "device KV cache: an earlier call failed (" + broken_reason_ +
+                                                 "); its pages and tables are no longer trusted: reset() it");
   if (layer_index < 0 || layer_index >= config_.n_layers)
     return cuda_error(StatusCode::kOutOfRange, "device KV cache: layer " + std::to_string(layer_index) + " of " +
                                                    std::to_string(config_.n_layers));
@@ -172,6 +185,20 @@ CudaStatus DeviceKvCache::write(int layer_index, const float* k, const float* v,
                                                    std::to_string(first) + " pass the capacity of " +
                                                    std::to_string(config_.max_tokens));
   if (n == 0) return {};
+  // From here a failure leaves pages taken and tables half updated: the cache refuses every
+  // call but reset() after one.
+  const CudaStatus s = append(layer_index, first, k, v, n);
+  if (!s.ok) {
+    broken_ = true;
+    broken_reason_ = s.message;
+  }
+  return s;
+}
+
+CudaStatus DeviceKvCache::append(int layer_index, int64_t first, const float* k, const float* v, int64_t n) {
+  const int H = config_.n_kv_heads;
+  const int D = config_.head_dim;
+  const int T = config_.block_tokens;
   Layer& layer = *layers_[size_t(layer_index)];
   void* stream = config_.stream;
   const bool gaac = config_.scheme != KvScheme::kBf16;
@@ -184,7 +211,7 @@ CudaStatus DeviceKvCache::write(int layer_index, const float* k, const float* v,
     for (int h = 0; h < H; ++h)
       for (int64_t b = new_begin; b < block_end; ++b) {
         int32_t page = 0;
-        CudaStatus s = layer.raw.take(int64_t(4) * 2 * H, stream, &page);
+        CudaStatus s = layer.raw.take(kFirstRawBlocks * 2 * H, stream, &page);
         if (!s.ok) return s;
         layer.host_tables[(size_t(kv) * H + h) * size_t(table_stride_) + size_t(b)] = gaac ? -page - 1 : page;
       }
@@ -201,7 +228,9 @@ CudaStatus DeviceKvCache::write(int layer_index, const float* k, const float* v,
 
   const size_t row_floats = size_t(n) * H * D;
   if (staging_.size() < 2 * row_floats * sizeof(float)) {
-    s = DeviceBuffer::allocate(2 * row_floats * sizeof(float), &staging_);
+    // The previous append may still read the old buffer.
+    s = cuda_check(cudaStreamSynchronize(as_stream(stream)), "staging growth");
+    if (s.ok) s = DeviceBuffer::allocate(2 * row_floats * sizeof(float), &staging_);
     if (!s.ok) return s;
   }
   s = cuda_check(cudaMemcpyAsync(staging_.data(), k, row_floats * sizeof(float), cudaMemcpyHostToDevice, as_stream(stream)),
@@ -223,13 +252,17 @@ CudaStatus DeviceKvCache::write(int layer_index, const float* k, const float* v,
   a.table_stride = table_stride_;
   a.raw_pages = layer.raw.buffer.data();
   a.raw_page_stride = int64_t(layer.raw.stride);
+  a.n_raw_pages = layer.raw.capacity;
   a.length = reinterpret_cast<int32_t*>(lengths_.data()) + layer_index;
   s = append_rows(a, stream);
   if (!s.ok) return s;
-  written_[size_t(layer_index)] = first + n;
   // Blocks whose last row this write stored.
   const int64_t done_end = (first + n) / T;
-  if (gaac && done_end > block_begin) return finalize(layer_index, block_begin, done_end);
+  if (gaac && done_end > block_begin) {
+    s = finalize(layer_index, block_begin, done_end);
+    if (!s.ok) return s;
+  }
+  written_[size_t(layer_index)] = first + n;
   return {};
 }
 
@@ -248,7 +281,7 @@ CudaStatus DeviceKvCache::finalize(int layer_index, int64_t block_begin, int64_t
       for (int64_t b = block_begin; b < block_end; ++b) {
         const int32_t entry = layer.host_tables[(size_t(kv) * H + h) * size_t(table_stride_) + size_t(b)];
         int32_t slot = 0;
-        CudaStatus s = layer.slots[kv].take(int64_t(H) * 64, stream, &slot);
+        CudaStatus s = layer.slots[kv].take(int64_t(H) * kFirstSlotBlocks, stream, &slot);
         if (!s.ok) return s;
         codec::cuda::GaacEncodeTask t;
         t.src = layer.raw.buffer.data() + size_t(-int64_t(entry) - 1) * layer.raw.stride;
@@ -313,16 +346,25 @@ CudaStatus DeviceKvCache::finalize(int layer_index, int64_t block_begin, int64_t
 }
 
 CudaStatus DeviceKvCache::reset() {
+  // Until every table is uploaded the cache stays refused (a failed reset leaves it so).
+  broken_ = true;
+  broken_reason_ = "reset() did not finish";
+  std::fill(written_.begin(), written_.end(), 0);
+  blocks_not_fitting_ = 0;
   for (auto& layer : layers_) {
     layer->raw.clear();
     for (PagePool& p : layer->slots) p.clear();
+    for (auto& used : layer->slot_used) used.clear();
     std::fill(layer->host_tables.begin(), layer->host_tables.end(), kUnwritten);
-    CudaStatus s = layer->tables.upload(0, layer->host_tables.data(), layer->host_tables.size() * sizeof(int32_t));
+    CudaStatus s = upload_tables(*layer);
     if (!s.ok) return s;
   }
-  std::fill(written_.begin(), written_.end(), 0);
-  blocks_not_fitting_ = 0;
-  return cuda_check(cudaMemsetAsync(lengths_.data(), 0, lengths_.size(), as_stream(config_.stream)), "length reset");
+  CudaStatus s = cuda_check(cudaMemsetAsync(lengths_.data(), 0, lengths_.size(), as_stream(config_.stream)), "length reset");
+  if (s.ok) s = cuda_check(cudaStreamSynchronize(as_stream(config_.stream)), "reset");
+  if (!s.ok) return s;
+  broken_ = false;
+  broken_reason_.clear();
+  return {};
 }
 
 DeviceLayerView DeviceKvCache::view(int layer_index) const {
@@ -374,7 +416,8 @@ DeviceKvStats DeviceKvCache::stats() const {
 CudaStatus DeviceKvCache::read_page(int layer_index, KvTensor kv, int kv_head, int64_t block,
                                     DevicePageBytes* out) const {
   if (layer_index < 0 || layer_index >= config_.n_layers || kv_head < 0 || kv_head >= config_.n_kv_heads ||
-      block < 0 || block * config_.block_tokens >= written_[size_t(layer_index)])
+      (kv != KvTensor::kKey && kv != KvTensor::kValue) || block < 0 ||
+      block >= (written_[size_t(layer_index)] + config_.block_tokens - 1) / config_.block_tokens)
     return cuda_error(StatusCode::kOutOfRange, "device KV cache: no page at layer " + std::to_string(layer_index) +
                                                    ", kv head " + std::to_string(kv_head) + ", block " +
                                                    std::to_string(block));

@@ -14,12 +14,14 @@
 // for the GAAC schemes a slot index s >= 0 of the (layer, K/V) slot pool, or -r - 1 for raw
 // page r of the layer's raw pool (tails and blocks that did not fit).
 //
-// Thread safety: one owner. Calls are ordered on the cache's stream; write() returns after the
-// blocks it completes are placed (it waits for their encode results).
+// Thread safety: one owner, one CUDA device (the current one at create(); calls from a thread
+// whose current device is another are not supported). Calls are ordered on the cache's stream;
+// write() returns after the blocks it completes are placed (it waits for their encode results).
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "cache/cuda/device_pool.h"
@@ -79,9 +81,12 @@ class DeviceKvCache {
   ~DeviceKvCache();
 
   // Appends positions [written(layer), written(layer) + n) of `layer`: k, v host floats
-  // [n][n_kv_heads][head_dim]. kOutOfRange (nothing written) past max_tokens.
+  // [n][n_kv_heads][head_dim]. kOutOfRange (nothing written) for a layer outside the model or
+  // past max_tokens. Any other failure (out of device memory, a failed copy or launch) leaves
+  // the cache refusing every write with kInternal until reset().
   CudaStatus write(int layer, const float* k, const float* v, int64_t n);
-  // Drops every token of every layer (pages back to the free lists; pools keep their memory).
+  // Drops every token of every layer (pages back to the free lists; pools keep their memory) and
+  // clears a failed state. Synchronizes the stream.
   CudaStatus reset();
 
   int64_t written(int layer) const { return written_[size_t(layer)]; }
@@ -94,9 +99,9 @@ class DeviceKvCache {
  private:
   struct Layer;
   DeviceKvCache() = default;
-  CudaStatus take_raw_page(Layer& layer, int32_t* page);
-  CudaStatus take_slot(Layer& layer, int kv, int32_t* slot);
+  CudaStatus append(int layer_index, int64_t first, const float* k, const float* v, int64_t n);
   CudaStatus finalize(int layer_index, int64_t block_begin, int64_t block_end);
+  CudaStatus upload_tables(const Layer& layer);
 
   DeviceKvCacheConfig config_;
   int64_t table_stride_ = 0;
@@ -107,6 +112,8 @@ class DeviceKvCache {
   DeviceBuffer encode_buffer_;  // encode tasks and their results
   DeviceBuffer lengths_;  // [n_layers] int32
   int64_t blocks_not_fitting_ = 0;
+  bool broken_ = false;  // a write or reset failed halfway
+  std::string broken_reason_;
 };
 
 }  // namespace certkv::cache::cuda

@@ -14,16 +14,14 @@
 #include <string>
 #include <vector>
 
+#include "codec/gaac.h"
+#include "core/cuda_test_support.h"
 #include "format/fp8.h"
+#include "format/gaac_layout.h"
 #include "format/numeric.h"
 
 namespace certkv::cache::cuda {
 namespace {
-
-bool have_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
 
 constexpr int kLayers = 2, kHeads = 3, kDim = 64, kT = 16;
 
@@ -76,9 +74,11 @@ DeviceKvCacheConfig config_of(KvScheme scheme, int64_t max_tokens) {
   return c;
 }
 
-// Every written block of every (layer, K/V, kv_head): the device's class and bytes are the host's.
+// Every written block of every (layer, K/V, kv_head): the device's class and bytes are the host's
+// (a slot's used bytes, fixed part and escapes, counted from the host slot's own tags).
 void expect_same_pages(const DeviceKvCache& dev, const KvCache& host, SeqId seq, int64_t n, int* slots) {
-  const size_t elem = size_t(format::gaac_element_bytes(kv_scheme_element(host.scheme())));
+  const format::GaacElement element = kv_scheme_element(host.scheme());
+  const size_t elem = size_t(format::gaac_element_bytes(element));
   for (int l = 0; l < kLayers; ++l)
     for (int kv = 0; kv < 2; ++kv)
       for (int h = 0; h < kHeads; ++h) {
@@ -90,8 +90,14 @@ void expect_same_pages(const DeviceKvCache& dev, const KvCache& host, SeqId seq,
           const bool host_slot = table[b].storage == format::StorageClass::kGaac ||
                                  table[b].storage == format::StorageClass::kGaacFp8;
           ASSERT_EQ(page.gaac_slot, host_slot) << "layer " << l << " kv " << kv << " head " << h << " block " << b;
-          const size_t compare = page.gaac_slot ? page.bytes.size()
-                                                : size_t(std::min<int64_t>(kT, n - b * kT)) * kDim * elem;
+          size_t compare = size_t(std::min<int64_t>(kT, n - b * kT)) * kDim * elem;
+          if (page.gaac_slot) {
+            const size_t slot_bytes = host.config().gaac_calibration->slot_bytes(l, kv);
+            compare = format::gaac_page_fixed_bytes(element, kT, kDim) +
+                      codec::gaac_count_modes(element, host.page_bytes_of(table[b]), slot_bytes, kT, kDim).escape_bytes;
+            ASSERT_EQ(page.bytes.size(), compare) << "used bytes, layer " << l << " kv " << kv << " block " << b;
+          }
+          ASSERT_LE(compare, page.bytes.size());
           ASSERT_TRUE(std::equal(page.bytes.begin(), page.bytes.begin() + ptrdiff_t(compare),
                                  host.page_bytes_of(table[b])))
               << "layer " << l << " kv " << kv << " head " << h << " block " << b;
@@ -101,7 +107,7 @@ void expect_same_pages(const DeviceKvCache& dev, const KvCache& host, SeqId seq,
 }
 
 TEST(DeviceKvCache, RaggedWritesLeaveTheHostCachesPages) {
-  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  CERTKV_NEED_CUDA_DEVICE();
   for (KvScheme scheme : {KvScheme::kBf16, KvScheme::kGaac, KvScheme::kGaacE5M2}) {
     SCOPED_TRACE(kv_scheme_name(scheme));
     const int64_t max_tokens = 2000;
@@ -121,10 +127,11 @@ TEST(DeviceKvCache, RaggedWritesLeaveTheHostCachesPages) {
     std::mt19937 rng(11);
     for (int round = 0; round < 2; ++round) {
       const SeqId seq = host.create_sequence();
-      // Chunks that start and end inside blocks, whole blocks, single steps, a long prefill
-      // (pools grow past their first chunks).
+      // Chunks that start and end inside blocks, whole blocks, single steps, long prefills
+      // (the raw pool grows while pages are taken; 1,100 tokens finalize 68 blocks per head in one
+      // write, past the slot pools' first 64, so they grow in the middle of an encode).
       const std::vector<int64_t> chunks = round == 0 ? std::vector<int64_t>{37, 1, 1, 16, 5, 700, 1, 1, 1, 13, 3}
-                                                     : std::vector<int64_t>{16, 1, 250};
+                                                     : std::vector<int64_t>{16, 1, 1100};
       int64_t n = 0;
       int slots = 0;
       for (int64_t m : chunks) {
@@ -191,7 +198,12 @@ TEST(DeviceKvCache, BadConfigurationsAreRefusedBeforeAnyAllocation) {
   c = config_of(KvScheme::kGaac, 64);
   c.head_dim = 60;  // no GAAC tiling
   s = DeviceKvCache::create(c, &dev);
-  EXPECT_FALSE(s.ok);
+  EXPECT_EQ(s.code, StatusCode::kUnsupported);
+  EXPECT_NE(s.message.find("does not split into GAAC tiles"), std::string::npos) << s.message;
+  c = config_of(KvScheme::kBf16, int64_t(1) << 31);  // lengths are int32 on the device
+  s = DeviceKvCache::create(c, &dev);
+  EXPECT_EQ(s.code, StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message.find("2^31"), std::string::npos) << s.message;
   EXPECT_EQ(dev, nullptr);
 }
 

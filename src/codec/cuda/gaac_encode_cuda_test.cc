@@ -18,40 +18,18 @@
 #include <string>
 #include <vector>
 
+#include "core/cuda_test_support.h"
 #include "codec/gaac.h"
 #include "format/gaac_layout.h"
 
 namespace certkv::codec::cuda {
 namespace {
 
+using ::certkv::testing::DeviceBytes;
+
 using format::GaacElement;
 
-bool device_present() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
 
-// Device bytes owned by a test.
-class DeviceBytes {
- public:
-  explicit DeviceBytes(size_t bytes) {
-    EXPECT_EQ(cudaMalloc(&data_, std::max<size_t>(bytes, 1)), cudaSuccess);
-  }
-  ~DeviceBytes() { cudaFree(data_); }
-  DeviceBytes(const DeviceBytes&) = delete;
-  DeviceBytes& operator=(const DeviceBytes&) = delete;
-
-  uint8_t* data() const { return static_cast<uint8_t*>(data_); }
-  void upload(const void* host, size_t n) {
-    EXPECT_EQ(cudaMemcpy(data_, host, n, cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  void download(void* host, size_t n) const {
-    EXPECT_EQ(cudaMemcpy(host, data_, n, cudaMemcpyDeviceToHost), cudaSuccess);
-  }
-
- private:
-  void* data_ = nullptr;
-};
 
 enum class PageKind { kMixed, kAllThreeBit, kSpecial };
 enum class Capacity { kZero, kExact, kOneShort, kMaximum };
@@ -327,7 +305,7 @@ RunSummary encode_and_compare(const Shape& s, int n_pages, uint32_t seed) {
 }
 
 TEST(GaacEncodeCuda, MatchesTheReferenceOnEveryElementAndHeadDim) {
-  if (!device_present()) GTEST_SKIP() << "no CUDA device: run these tests on the GPU machine";
+  CERTKV_NEED_CUDA_DEVICE();
   const GaacElement elements[] = {GaacElement::kBf16, GaacElement::kFp8E4M3, GaacElement::kFp8E5M2};
   uint32_t seed = 1;
   for (GaacElement element : elements) {
@@ -347,7 +325,7 @@ TEST(GaacEncodeCuda, MatchesTheReferenceOnEveryElementAndHeadDim) {
 }
 
 TEST(GaacEncodeCuda, MatchesTheReferenceOnRaggedTilings) {
-  if (!device_present()) GTEST_SKIP() << "no CUDA device: run these tests on the GPU machine";
+  CERTKV_NEED_CUDA_DEVICE();
   const GaacElement elements[] = {GaacElement::kBf16, GaacElement::kFp8E4M3, GaacElement::kFp8E5M2};
   uint32_t seed = 100;
   for (GaacElement element : elements) {

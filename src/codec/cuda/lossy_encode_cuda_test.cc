@@ -24,41 +24,19 @@
 #include <string>
 #include <vector>
 
+#include "core/cuda_test_support.h"
 #include "codec/lossy_page.h"
 #include "format/numeric.h"
 
 namespace certkv::codec::cuda {
 namespace {
 
+using ::certkv::testing::DeviceBytes;
+
 using format::bf16_to_float;
 using format::float_to_bf16;
 
-bool device_present() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
 
-// Device bytes owned by a test.
-class DeviceBytes {
- public:
-  explicit DeviceBytes(size_t bytes) {
-    EXPECT_EQ(cudaMalloc(&data_, std::max<size_t>(bytes, 1)), cudaSuccess);
-  }
-  ~DeviceBytes() { cudaFree(data_); }
-  DeviceBytes(const DeviceBytes&) = delete;
-  DeviceBytes& operator=(const DeviceBytes&) = delete;
-
-  uint8_t* data() const { return static_cast<uint8_t*>(data_); }
-  void upload(const void* host, size_t n) {
-    EXPECT_EQ(cudaMemcpy(data_, host, n, cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  void download(void* host, size_t n) const {
-    EXPECT_EQ(cudaMemcpy(host, data_, n, cudaMemcpyDeviceToHost), cudaSuccess);
-  }
-
- private:
-  void* data_ = nullptr;
-};
 
 constexpr uint16_t kBf16Max = 0x7f7f;  // 3.39e38, the largest finite bf16
 // NaN, -NaN, a signalling NaN, +Inf, -Inf.
@@ -407,7 +385,7 @@ RunSummary encode_and_compare(const Shape& s, int n_pages, uint64_t seed) {
 int kind_index(PageKind k) { return static_cast<int>(k); }
 
 TEST(LossyEncodeCuda, MatchesTheReferenceOnEverySchemeShapeAndPairing) {
-  if (!device_present()) GTEST_SKIP() << "no CUDA device: run these tests on the GPU machine";
+  CERTKV_NEED_CUDA_DEVICE();
   const LossyScheme schemes[] = {LossyScheme::kFp8E4M3, LossyScheme::kFp8E5M2,
                                  LossyScheme::kDither8};
   const int n_pages = 240;  // 40 of each kind
@@ -443,7 +421,7 @@ TEST(LossyEncodeCuda, MatchesTheReferenceOnEverySchemeShapeAndPairing) {
 }
 
 TEST(LossyEncodeCuda, MatchesTheReferenceOnRaggedShapes) {
-  if (!device_present()) GTEST_SKIP() << "no CUDA device: run these tests on the GPU machine";
+  CERTKV_NEED_CUDA_DEVICE();
   const LossyScheme schemes[] = {LossyScheme::kFp8E4M3, LossyScheme::kFp8E5M2,
                                  LossyScheme::kDither8};
   uint64_t seed = 1000;
@@ -471,7 +449,7 @@ TEST(LossyEncodeCuda, MatchesTheReferenceOnRaggedShapes) {
 }
 
 TEST(LossyEncodeCuda, Dither8OutlierListsThatBreakTheRuleAreRefused) {
-  if (!device_present()) GTEST_SKIP() << "no CUDA device: run these tests on the GPU machine";
+  CERTKV_NEED_CUDA_DEVICE();
   const Shape s{LossyScheme::kDither8, true, 16, 64, RopePairing::kHalfSplit, 4};
   const LossyPageSpec spec = spec_of(s);
   const size_t page_bytes = page_bytes_of(s);

@@ -30,10 +30,7 @@ double seconds_since(Clock::time_point t0) {
 class CudaDeviceDecoder final : public DeviceDecoder {
  public:
   explicit CudaDeviceDecoder(const DeviceDecoderConfig& config) : config_(config) {
-    if (config.scheme != cache::KvScheme::kBf16 && config.scheme != cache::KvScheme::kGaac &&
-        config.scheme != cache::KvScheme::kGaacE5M2)
-      fail(StatusCode::kUnsupported, std::string("device cuda: KV scheme ") + cache::kv_scheme_name(config.scheme) +
-                                         " is not served on the device yet (bf16, gaac, gaac-e5m2 are)");
+    refuse_unserved_scheme(config.scheme);
     if (attention::cuda::device_count() < 1)
       fail(StatusCode::kUnsupported, "device cuda: no CUDA device is visible to this process");
     cache::cuda::DeviceKvCacheConfig kc;
@@ -56,8 +53,12 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     throw_if_failed(DeviceBuffer::allocate(sizeof(float) * size_t(config.n_q_heads) * config.head_dim, &out_));
   }
 
-  void write(int layer, const float* k, const float* v, int64_t n) override {
+  void write(int layer, int64_t pos, const float* k, const float* v, int64_t n) override {
     const auto t0 = Clock::now();
+    if (cache_->written(layer) != pos)
+      fail(StatusCode::kInternal, "device cuda: the device KV cache holds " + std::to_string(cache_->written(layer)) +
+                                      " tokens of layer " + std::to_string(layer) + " but the step writes at " +
+                                      std::to_string(pos) + " (an earlier step failed halfway): reset the session");
     throw_if_failed(cache_->write(layer, k, v, n));
     write_seconds_ += seconds_since(t0);
   }
@@ -94,12 +95,12 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     throw_if_failed(attention::cuda::reset_error_word(p));
     throw_if_failed(q_.upload(0, q, q_.size()));
     throw_if_failed(attention::cuda::paged_decode(p));
-    throw_if_failed(out_.download(0, out, out_.size()));
     uint32_t corrupt = 0;
-    throw_if_failed(attention::cuda::read_error_word(p, &corrupt));
+    throw_if_failed(attention::cuda::read_error_word(p, &corrupt));  // synchronizes
     if (corrupt != 0)
       fail(StatusCode::kCorrupt, "device cuda: the decode kernels found " + std::to_string(corrupt) +
                                      " corrupt page entries, slots or lengths in layer " + std::to_string(layer));
+    throw_if_failed(out_.download(0, out, out_.size()));
     ++attention_calls_;
     attention_seconds_ += seconds_since(t0);
   }

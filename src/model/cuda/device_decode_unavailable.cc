@@ -4,7 +4,8 @@
 
 namespace certkv::model {
 
-std::unique_ptr<DeviceDecoder> make_device_decoder(const DeviceDecoderConfig&) {
+std::unique_ptr<DeviceDecoder> make_device_decoder(const DeviceDecoderConfig& config) {
+  refuse_unserved_scheme(config.scheme);
   fail(StatusCode::kUnsupported, "device cuda: this build of certkv has no CUDA backend (configure with "
                                  "-DCERTKV_CUDA=ON where nvcc is installed)");
 }
