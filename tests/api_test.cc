@@ -166,10 +166,15 @@ TEST(CApi, DeviceRouteRefusalsAreClearErrors) {
   sp.device = "cuda";
   EXPECT_EQ(certkv_session_create(model.get(), &sp, &s), CERTKV_ERR_UNSUPPORTED);
   EXPECT_EQ(std::string(certkv_last_error()).rfind("device cuda: ", 0), 0u) << certkv_last_error();
-  sp.kv = "dither8";
+  sp.kv = "rtn8";
   EXPECT_EQ(certkv_session_create(model.get(), &sp, &s), CERTKV_ERR_UNSUPPORTED);
-  EXPECT_NE(std::string(certkv_last_error()).find("KV scheme dither8 is not served on the device"), std::string::npos)
+  EXPECT_NE(std::string(certkv_last_error()).find("KV scheme rtn8 is not served on the device"), std::string::npos)
       << certkv_last_error();
+  sp.kv = "dither8";  // served, but not with the gate
+  sp.gate = 1;
+  EXPECT_EQ(certkv_session_create(model.get(), &sp, &s), CERTKV_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(certkv_last_error()).find("device cuda: the gate"), std::string::npos) << certkv_last_error();
+  sp.gate = 0;
   EXPECT_EQ(s, nullptr);
   sp.kv = "bf16";
   sp.device = "cpu";

@@ -1,8 +1,10 @@
 // The device route end to end on the real model (runs where a CUDA device is present:
 // scripts/run_cuda_tests.sh --run): sessions with device "cuda" against the same sessions on
-// the CPU, for the bf16, gaac and gaac-e5m2 schemes, through the C API (logits and device
-// counters) and through the model layer (every device page, encoded on the device, byte for
-// byte against the host cache's page).
+// the CPU, for the bf16, gaac and gaac-e5m2 schemes and the lossy fp8-e4m3, fp8-e5m2 and dither8
+// with their meters, through the C API (logits, meter telemetry and device counters) and through
+// the model layer (every device page, encoded on the device, byte for byte against the host
+// cache's page or the reference encoder; attention, meters and value sides against double
+// references; every meter above the true total variation).
 //
 // Inputs: the model at $CERTKV_TEST_MODEL (default: the embedded SmolLM2-135M-Instruct under
 // models/) and two corpus books under $CERTKV_TEST_CORPUS (default: the shared corpus), one to
@@ -20,6 +22,7 @@
 #include "attention/decode_attention.h"
 #include "certkv/certkv.hpp"
 #include "codec/gaac.h"
+#include "codec/lossy_page.h"
 #include "format/gaac_layout.h"
 #include "format/numeric.h"
 #include "gaac_e2e_support.h"
@@ -331,7 +334,7 @@ TEST_F(SessionCuda, DevicePagesEqualTheHostCachePagesByteForByte) {
         for (size_t i = 0; i < q_size; ++i)
           q[i] = scheme.element == format::GaacElement::kBf16 ? format::bf16_to_float(format::float_to_bf16(captured[i]))
                                                               : format::fp16_to_float(format::float_to_fp16(captured[i]));
-        dev.attend(layer, q.data(), out.data());
+        dev.attend(layer, q.data(), out.data(), nullptr);
         attention::decode_attention_ref(host, session.sequence(), layer, shape, q.data(), n, ref.data());
         attention::decode_attention(host, session.sequence(), layer, shape, q.data(), n, cpu.data());
         for (int h = 0; h < c.n_heads; ++h) {
@@ -352,19 +355,276 @@ TEST_F(SessionCuda, DevicePagesEqualTheHostCachePagesByteForByte) {
   }
 }
 
-// The route's refusals on a machine that has a device: schemes it does not serve, sparse.
+const char* const kLossySchemes[] = {"fp8-e4m3", "fp8-e5m2", "dither8"};
+
+// Through the C API, the lossy schemes: a 1,000-token prompt and 40 teacher-forced decode steps,
+// the device session (meter on the device, in the attention pass) against the CPU session. The
+// fp8 pages are the host's bit for bit (deterministic casts), so the logits differ only by decode
+// attention's arithmetic, as for bf16 (the same bounds); dither8's device pages carry another
+// dither realization (the generator's counter is the device's slot), so there the device
+// session's distance from the exact (bf16) session is held to the CPU session's order. The meter
+// telemetry of every (layer, head, step) cell: the device's quantiles within 2% (fp8) / 10%
+// (dither8) of the CPU's; pages kept exact counted alike on both sides.
+TEST_F(SessionCuda, LossySchemesDecodeWithTheMeterOnTheDevice) {
+  const certkv_model_info info = model_->info();
+  const int prompt = 1000, steps = 40;
+  const std::vector<int32_t> tokens = tokens_of(*model_, "melville-moby-dick.txt", size_t(prompt + steps));
+  const std::vector<int32_t> head(tokens.begin(), tokens.begin() + prompt);
+  certkv_session_params p = certkv_session_default_params();
+  p.context_tokens = prompt + steps;
+  p.n_threads = host_threads();
+  p.activations = "f32";
+  std::vector<std::vector<float>> exact_logits;  // the CPU bf16 session's, per step
+  {
+    certkv::Session exact(*model_, p);
+    std::vector<float> l(size_t(info.n_vocab));
+    exact.prefill(head, l.data());
+    for (int i = 0; i < steps; ++i) {
+      certkv::check(certkv_session_decode(exact.get(), tokens[size_t(prompt + i)], l.data()));
+      exact_logits.push_back(l);
+    }
+  }
+  for (const char* kv : kLossySchemes) {
+    SCOPED_TRACE(kv);
+    const bool dither8 = std::string(kv) == "dither8";
+    p.kv = kv;
+    p.device = nullptr;
+    certkv::Session cpu(*model_, p);
+    p.device = "cuda";
+    certkv::Session gpu(*model_, p);
+    std::vector<float> lc(size_t(info.n_vocab)), lg(size_t(info.n_vocab));
+    cpu.prefill(head, lc.data());
+    gpu.prefill(head, lg.data());
+    ASSERT_EQ(lc, lg);  // prefill attention runs on the host in both
+    double kl_sum = 0, kl_max = 0, cpu_exact_kl = 0, gpu_exact_kl = 0;
+    int agree = 0;
+    for (int i = 0; i < steps; ++i) {
+      certkv::check(certkv_session_decode(cpu.get(), tokens[size_t(prompt + i)], lc.data()));
+      certkv::check(certkv_session_decode(gpu.get(), tokens[size_t(prompt + i)], lg.data()));
+      for (float x : lg) ASSERT_TRUE(std::isfinite(x));
+      const double kl = kl_divergence(lc, lg);
+      kl_sum += kl;
+      kl_max = std::max(kl_max, kl);
+      agree += argmax(lc) == argmax(lg);
+      cpu_exact_kl += kl_divergence(exact_logits[size_t(i)], lc);
+      gpu_exact_kl += kl_divergence(exact_logits[size_t(i)], lg);
+    }
+    const certkv_meter_stats mc = cpu.meter_stats(), mg = gpu.meter_stats();
+    const certkv_device_stats ds = gpu.device_stats();
+    printf("[device] %-9s device vs CPU session: mean KL %.3g, max KL %.3g, top-1 agree %d/%d; vs the exact "
+           "session: device mean KL %.3g, CPU %.3g; meter cells %lld / %lld, p50 %.4g / %.4g, p99 %.4g / %.4g, max "
+           "%.4g / %.4g (device / CPU); %lld lossy pages, %lld kept exact; %.3f s attention for %lld calls\n",
+           kv, kl_sum / steps, kl_max, agree, steps, gpu_exact_kl / steps, cpu_exact_kl / steps, (long long)mg.cells,
+           (long long)mc.cells, mg.p50, mc.p50, mg.p99, mc.p99, mg.max, mc.max, (long long)ds.lossy_pages_in_use,
+           (long long)ds.pages_kept_exact, ds.attention_seconds, (long long)ds.attention_calls);
+    if (!dither8) {
+      EXPECT_LT(kl_max, 1e-3);
+      EXPECT_GE(agree, steps - 1);
+    } else {
+      EXPECT_LT(gpu_exact_kl, 3 * cpu_exact_kl + 1e-3 * steps);
+    }
+    ASSERT_EQ(mg.metered, 1);
+    EXPECT_EQ(std::string(mg.tier), std::string(mc.tier));
+    EXPECT_EQ(mg.cells, mc.cells);
+    EXPECT_EQ(mg.cells, int64_t(steps) * info.n_layers * info.n_heads);
+    const double tol = dither8 ? 0.10 : 0.02;
+    EXPECT_NEAR(mg.p50, mc.p50, tol * mc.p50 + 1e-9);
+    EXPECT_NEAR(mg.p99, mc.p99, tol * mc.p99 + 1e-9);
+    EXPECT_NEAR(mg.max, mc.max, tol * mc.max + 1e-9);
+    EXPECT_EQ(mg.overflow, mc.overflow);
+    EXPECT_EQ(ds.attention_calls, int64_t(steps) * info.n_layers);
+    // 1,040 tokens: 65 whole blocks per (layer, K/V, kv_head), no tail.
+    const int64_t tables = int64_t(info.n_layers) * 2 * info.n_kv_heads;
+    EXPECT_EQ(ds.lossy_pages_in_use + ds.raw_pages, tables * 65);
+    EXPECT_EQ(ds.raw_pages, ds.pages_kept_exact);
+    EXPECT_EQ(uint64_t(ds.pages_kept_exact), mg.exact_fallback_blocks);
+    EXPECT_EQ(ds.gaac_slots, 0);
+  }
+}
+
+// Through the model layer, the lossy schemes: after a 777-token prompt and 12 decode steps,
+// every device page is where the host has its class (a lossy page, or an exact raw page: tails,
+// pages kept exact), a lossy page's bytes are lossy_encode_page_ref's over the host's exact block
+// at the device's slot, raw pages the host's rows. Then, for each layer and the last query, in
+// double over the pages as the device stores them (each page class with the query rounded to its
+// tile element: fp16 on lossy pages, bf16 on raw pages): the attention output to 4e-3 per head;
+// the meter at or above the true total variation between that distribution and the one over
+// the exact keys; the meter and the value side against decode_meter_ref over the host cache
+// (fp8: the same pages; dither8: the same scales, another dither) and the value side against
+// sum_t p_t rho_t over the device's pages.
+TEST_F(SessionCuda, LossyDevicePagesAndMetersAgainstTheReferences) {
+  std::unique_ptr<model::Model> m = model::load_model(model_file());
+  const model::ModelConfig& c = m->config();
+  const certkv_model_info info = model_->info();
+  const int T = 16, D = c.head_dim, group = c.n_heads / c.n_kv_heads;
+  for (const char* kv_name : kLossySchemes) {
+    SCOPED_TRACE(kv_name);
+    const bool dither8 = std::string(kv_name) == "dither8";
+    model::SessionConfig sc;
+    sc.context_tokens = 2048;
+    sc.n_threads = host_threads();
+    sc.capture_queries = true;
+    sc.kv_scheme = cache::parse_kv_scheme(kv_name);
+    sc.device = model::Device::kCuda;
+    model::Session session(*m, sc);
+    const int prompt = 777, steps = 12;
+    const std::vector<int32_t> tokens = tokens_of(*model_, "melville-moby-dick.txt", size_t(prompt + steps));
+    std::vector<float> logits(size_t(info.n_vocab));
+    session.prefill(tokens.data(), prompt, logits.data());
+    for (int i = 0; i < steps; ++i) session.decode(tokens[size_t(prompt + i)], logits.data());
+    const int64_t n = session.n_past();
+    ASSERT_EQ(n, prompt + steps);
+    const cache::KvCache& host = session.kv_cache();
+    model::DeviceDecoder& dev = *session.device_decoder();
+    const int64_t n_blocks = (n + T - 1) / T;
+    // The device's pages decoded (what its kernels read), per (layer, K/V, kv_head): values, a
+    // flag per token (lossy page), and rho_t of V pages.
+    std::vector<uint16_t> exact_block(size_t(T) * D);
+    std::vector<float> block(size_t(T) * D);
+    int64_t lossy_pages = 0, raw_pages = 0;
+    double worst = 0, worst_meter_gap = 0, worst_rho = 0, min_slack = INFINITY;
+    for (int layer = 0; layer < c.n_layers; ++layer) {
+      std::vector<std::vector<float>> read(size_t(2) * c.n_kv_heads, std::vector<float>(size_t(n) * D));
+      std::vector<std::vector<float>> exact(size_t(2) * c.n_kv_heads, std::vector<float>(size_t(n) * D));
+      std::vector<std::vector<uint8_t>> lossy_token(size_t(c.n_kv_heads), std::vector<uint8_t>(size_t(n)));
+      std::vector<std::vector<double>> rho(size_t(c.n_kv_heads), std::vector<double>(size_t(n), 0.0));
+      for (int kv = 0; kv < 2; ++kv)
+        for (int h = 0; h < c.n_kv_heads; ++h) {
+          const format::PageRef* table = host.block_table(session.sequence(), layer, cache::KvTensor(kv), h);
+          host.read_token_range_exact(session.sequence(), layer, cache::KvTensor(kv), h, 0, n,
+                                      exact[size_t(kv) * c.n_kv_heads + h].data());
+          for (int64_t b = 0; b < n_blocks; ++b) {
+            SCOPED_TRACE("layer " + std::to_string(layer) + " kv " + std::to_string(kv) + " head " +
+                         std::to_string(h) + " block " + std::to_string(b));
+            const model::DevicePage page = dev.read_page(layer, cache::KvTensor(kv), h, b);
+            const bool host_lossy = table[b].storage == format::StorageClass::kLossy ||
+                                    table[b].storage == format::StorageClass::kDither8;
+            ASSERT_EQ(page.lossy_page, host_lossy);
+            const int64_t rows = std::min<int64_t>(T, n - b * T);
+            float* dst = read[size_t(kv) * c.n_kv_heads + h].data() + size_t(b) * T * D;
+            if (!page.lossy_page) {
+              const size_t bytes = size_t(rows) * D * 2;
+              ASSERT_TRUE(std::equal(page.bytes.begin(), page.bytes.begin() + ptrdiff_t(bytes),
+                                     host.page_bytes_of(table[b])));
+              const uint16_t* bf = reinterpret_cast<const uint16_t*>(page.bytes.data());
+              for (size_t i = 0; i < size_t(rows) * D; ++i) dst[i] = format::bf16_to_float(bf[i]);
+              ++raw_pages;
+              continue;
+            }
+            ++lossy_pages;
+            const codec::LossyPageSpec spec = host.lossy_spec(layer, cache::KvTensor(kv), h);
+            host.read_exact_page(table[b], layer, cache::KvTensor(kv), h, exact_block.data());
+            std::vector<uint8_t> want(codec::lossy_page_bytes(spec));
+            ASSERT_TRUE(codec::lossy_encode_page_ref(spec, uint32_t(page.slot), exact_block.data(), want.data()));
+            ASSERT_EQ(page.bytes, want);
+            codec::lossy_decode_page_ref(spec, uint32_t(page.slot), page.bytes.data(), block.data());
+            std::copy(block.begin(), block.end(), dst);
+            if (kv == 0) {
+              for (int t = 0; t < T; ++t) lossy_token[size_t(h)][size_t(b * T + t)] = 1;
+            } else if (dither8) {
+              std::vector<float> r(static_cast<size_t>(T));
+              codec::dither8_value_rho(spec, page.bytes.data(), r.data());
+              for (int t = 0; t < T; ++t) rho[size_t(h)][size_t(b * T + t)] = r[size_t(t)];
+            } else {
+              const uint16_t* r = codec::lossy_value_rho(spec, page.bytes.data());
+              for (int t = 0; t < T; ++t) rho[size_t(h)][size_t(b * T + t)] = format::fp16_to_float(r[t]);
+            }
+          }
+        }
+      // The last query, through the device, and in double.
+      const std::vector<float>& q = session.last_queries(layer);
+      std::vector<float> out(q.size());
+      std::vector<attention::HeadMeter> meters(size_t(c.n_heads)), ref_meters(size_t(c.n_heads));
+      dev.attend(layer, q.data(), out.data(), meters.data());
+      std::vector<float> q16(q.size());
+      for (size_t i = 0; i < q.size(); ++i) q16[i] = format::fp16_to_float(format::float_to_fp16(q[i]));
+      attention::AttentionShape shape;
+      shape.n_q_heads = c.n_heads;
+      shape.n_kv_heads = c.n_kv_heads;
+      shape.head_dim = D;
+      shape.scale = c.attention_scale();
+      attention::MeterOptions mo;
+      mo.delta_loc = session.delta_loc();
+      attention::decode_meter_ref(host, session.sequence(), layer, shape, q16.data(), n, mo, ref_meters.data());
+      for (int hq = 0; hq < c.n_heads; ++hq) {
+        const int h = hq / group;
+        const float* qh = q.data() + size_t(hq) * D;
+        const std::vector<float>& kr = read[size_t(h)];
+        const std::vector<float>& ke = exact[size_t(h)];
+        const std::vector<float>& vr = read[size_t(c.n_kv_heads + h)];
+        std::vector<double> lr(static_cast<size_t>(n)), le(static_cast<size_t>(n));
+        for (int64_t t = 0; t < n; ++t) {
+          double sr = 0, se = 0;
+          for (int i = 0; i < D; ++i) {
+            // Lossy K pages see the fp16-rounded query, exact pages the bf16-rounded one.
+            const double qi = lossy_token[size_t(h)][size_t(t)] ? double(format::fp16_to_float(format::float_to_fp16(qh[i])))
+                                                                 : double(format::bf16_to_float(format::float_to_bf16(qh[i])));
+            sr += qi * kr[size_t(t) * D + i];
+            se += qi * ke[size_t(t) * D + i];
+          }
+          lr[size_t(t)] = sr * shape.scale;
+          le[size_t(t)] = se * shape.scale;
+        }
+        auto softmax = [](std::vector<double>& l) {
+          const double mx = *std::max_element(l.begin(), l.end());
+          double sum = 0;
+          for (double& x : l) sum += (x = std::exp(x - mx));
+          for (double& x : l) x /= sum;
+        };
+        softmax(lr);
+        softmax(le);
+        double tv = 0, value_rho = 0, num = 0, den = 0;
+        for (int64_t t = 0; t < n; ++t) {
+          tv += 0.5 * std::fabs(lr[size_t(t)] - le[size_t(t)]);
+          value_rho += lr[size_t(t)] * rho[size_t(h)][size_t(t)];
+        }
+        for (int i = 0; i < D; ++i) {
+          double o = 0;
+          for (int64_t t = 0; t < n; ++t) o += lr[size_t(t)] * vr[size_t(t) * D + i];
+          const double d = double(out[size_t(hq) * D + i]) - o;
+          num += d * d;
+          den += o * o;
+        }
+        const attention::HeadMeter& hm = meters[size_t(hq)];
+        const attention::HeadMeter& rm = ref_meters[size_t(hq)];
+        worst = std::max(worst, std::sqrt(num / std::max(den, 1e-300)));
+        EXPECT_GE(hm.meter, tv) << "layer " << layer << " head " << hq << ": the meter is below the true TV";
+        min_slack = std::min(min_slack, hm.meter - tv);
+        EXPECT_GE(hm.value_rho, value_rho * (1 - 1e-5)) << "layer " << layer << " head " << hq;
+        EXPECT_NEAR(hm.value_rho, value_rho, 1e-3 * value_rho + 1e-12) << "layer " << layer << " head " << hq;
+        worst_rho = std::max(worst_rho, std::fabs(hm.value_rho - value_rho) / std::max(value_rho, 1e-300));
+        const double gap = std::fabs(hm.meter - rm.meter) / std::max(rm.meter, 1e-300);
+        worst_meter_gap = std::max(worst_meter_gap, gap);
+        EXPECT_NEAR(hm.meter, rm.meter, (dither8 ? 0.10 : 0.02) * rm.meter + 1e-9) << "layer " << layer << " head " << hq;
+        EXPECT_NEAR(hm.value_rho, rm.value_rho, (dither8 ? 0.10 : 0.02) * rm.value_rho + 1e-9)
+            << "layer " << layer << " head " << hq;
+        EXPECT_DOUBLE_EQ(hm.v_norm_max, 0.0) << "the decoder leaves max ||v|| to the session";
+      }
+    }
+    printf("[device] %-9s %lld lossy pages, %lld raw pages compared; worst per-head attention error %.2e; meter vs "
+           "decode_meter_ref worst relative gap %.2e; value side vs double worst %.2e; smallest meter - TV %.3g\n",
+           kv_name, (long long)lossy_pages, (long long)raw_pages, worst, worst_meter_gap, worst_rho, min_slack);
+    EXPECT_LT(worst, 4e-3);
+    EXPECT_GT(lossy_pages, raw_pages);
+  }
+}
+
+// The route's refusals on a machine that has a device: schemes it does not serve, sparse, the gate.
 TEST_F(SessionCuda, UnservedConfigurationsAreClearErrors) {
   struct Case {
     const char* kv;
     double sparse_p;
+    int gate;
     const char* says;
   };
-  const Case cases[] = {{"dither8", 0, "not served"}, {"fp8-e4m3", 0, "not served"}, {"fp8-e4m3-pages", 0, "not served"},
-                        {"bf16", 0.9, "sparse"}};
+  const Case cases[] = {{"rtn8", 0, 0, "not served"}, {"kivi2", 0, 0, "not served"},
+                        {"fp8-e4m3-pages", 0, 0, "not served"}, {"bf16", 0.9, 0, "sparse"},
+                        {"dither8", 0, 1, "gate"}};
   for (const Case& k : cases) {
     certkv_session_params p = certkv_session_default_params();
     p.kv = k.kv;
     p.sparse_p = k.sparse_p;
+    p.gate = k.gate;
     p.device = "cuda";
     certkv_session* s = nullptr;
     EXPECT_EQ(certkv_session_create(model_->get(), &p, &s), CERTKV_ERR_UNSUPPORTED) << k.kv;

@@ -527,6 +527,8 @@ certkv_status certkv_session_device_stats(const certkv_session* session, certkv_
     stats->blocks_not_fitting = s.blocks_not_fitting;
     stats->kv_bytes_in_use = s.kv_bytes_in_use;
     stats->kv_bytes_reserved = s.kv_bytes_reserved;
+    stats->lossy_pages_in_use = s.lossy_pages_in_use;
+    stats->pages_kept_exact = s.pages_kept_exact;
   });
 }
 

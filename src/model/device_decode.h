@@ -1,8 +1,9 @@
 // Decode attention on a CUDA device for a session (the device route of DESIGN.md section 1's
 // "attention/ ... CUDA"): the session's forward pass runs on the host; each layer's new K/V rows
 // also go to a device KV cache (cache/cuda/device_kv_cache.h: filled, then finalized into GAAC
-// slots by the device encoder), and a decode step's attention for a layer runs there
-// (attention/cuda/paged_decode_cuda.h), its output copied back into the forward pass.
+// slots or lossy pages by the device encoders), and a decode step's attention for a layer runs
+// there (attention/cuda/paged_decode_cuda.h), its output, and for the lossy schemes the meter of
+// every query head computed in the same pass, copied back into the forward pass.
 //
 // Built with CUDA (CERTKV_CUDA) the route needs a CUDA device at run time; without either,
 // make_device_decoder throws kUnsupported saying which is missing.
@@ -13,6 +14,7 @@
 #include <string_view>
 #include <vector>
 
+#include "attention/decode_attention.h"
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
 
@@ -23,7 +25,8 @@ enum class Device { kCpu = 0, kCuda = 1 };
 const char* device_name(Device device);
 // Throws certkv::Error kInvalidArgument naming the unknown device and the known ones.
 Device parse_device(std::string_view name);
-// Whether the device route serves sessions of this KV scheme (bf16, gaac, gaac-e5m2).
+// Whether the device route serves sessions of this KV scheme (bf16, gaac, gaac-e5m2; the lossy
+// fp8-e4m3, fp8-e5m2 and dither8 with their meters).
 bool device_route_serves(cache::KvScheme scheme);
 // Throws kUnsupported, naming the scheme and the served ones, unless device_route_serves(scheme).
 void refuse_unserved_scheme(cache::KvScheme scheme);
@@ -36,8 +39,13 @@ struct DeviceDecoderConfig {
   int block_tokens = 16;
   int64_t max_tokens = 0;
   float scale = 0.f;  // logit scale
-  cache::KvScheme scheme = cache::KvScheme::kBf16;  // bf16, gaac or gaac-e5m2
+  cache::KvScheme scheme = cache::KvScheme::kBf16;  // one device_route_serves
   std::shared_ptr<const codec::GaacCalibration> gaac_calibration;
+  // Lossy schemes: the model's RoPE pairing, dither8's outlier pairs per head (-1: the default),
+  // the Tier B failure probability of one (layer, head, step) cell (gate::local_delta).
+  codec::RopePairing rope_pairing = codec::RopePairing::kInterleaved;
+  int outlier_pairs = -1;
+  double delta_loc = 1e-8;
 };
 
 struct DeviceDecodeStats {
@@ -47,6 +55,8 @@ struct DeviceDecodeStats {
   int64_t slots_in_use = 0;          // GAAC slots on the device
   int64_t raw_pages_in_use = 0;      // raw pages (bf16 pages, tails, blocks that did not fit)
   int64_t blocks_not_fitting = 0;
+  int64_t lossy_pages_in_use = 0;    // lossy pages on the device
+  int64_t pages_kept_exact = 0;      // lossy pages the encoder refused (kept raw bf16)
   uint64_t kv_bytes_in_use = 0;      // device pages in use and block tables
   uint64_t kv_bytes_reserved = 0;    // device memory held for the KV cache
 };
@@ -54,7 +64,9 @@ struct DeviceDecodeStats {
 // One device page as stored (tests).
 struct DevicePage {
   bool gaac_slot = false;
-  std::vector<uint8_t> bytes;  // a slot's used bytes, or a raw page
+  bool lossy_page = false;
+  int32_t slot = -1;           // a slot's or lossy page's index in its pool (dither8's counter)
+  std::vector<uint8_t> bytes;  // a slot's used bytes, a lossy page, or a raw page
 };
 
 class DeviceDecoder {
@@ -65,8 +77,11 @@ class DeviceDecoder {
   // layer (an earlier step failed halfway: reset the session) or refuses after a failure.
   virtual void write(int layer, int64_t pos, const float* k, const float* v, int64_t n) = 0;
   // Attention of the newest position over every token written to `layer`: q [n_q_heads]
-  // [head_dim], out [n_q_heads][head_dim]. Throws kCorrupt if the kernels flagged a bad page.
-  virtual void attend(int layer, const float* q, float* out) = 0;
+  // [head_dim], out [n_q_heads][head_dim]. Lossy schemes: meters [n_q_heads] (or null) receive
+  // each head's log_a, meter and value_rho from the same pass (v_norm_max and output_bound are
+  // the caller's: the host cache keeps max ||v||). Throws kCorrupt if the kernels flagged a bad
+  // page.
+  virtual void attend(int layer, const float* q, float* out, attention::HeadMeter* meters) = 0;
   virtual void reset() = 0;
   virtual DeviceDecodeStats stats() const = 0;
   virtual DevicePage read_page(int layer, cache::KvTensor kv, int kv_head, int64_t block) const = 0;

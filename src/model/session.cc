@@ -134,9 +134,16 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
     reset_sparse_stats();
   }
   if (config.device == Device::kCuda) {
-    // make_device_decoder refuses the schemes it does not serve (the lossy ones among them).
+    // make_device_decoder refuses the schemes it does not serve.
     if (sparse.enabled)
       fail(StatusCode::kUnsupported, "device cuda: sparse decode is not routed to the device yet (drop --sparse)");
+    if (meter.gate)
+      fail(StatusCode::kUnsupported,
+           "device cuda: the gate repairs blocks from the host cache's exact store, which the device "
+           "route does not serve yet (drop --gate to run with the meter, or use --device cpu)");
+    if (config.recent_window_tokens > 0)
+      fail(StatusCode::kUnsupported,
+           "device cuda: a recent window of full-precision tokens is not served on the device yet");
     DeviceDecoderConfig dc;
     dc.n_layers = c.n_layers;
     dc.n_q_heads = c.n_heads;
@@ -147,6 +154,9 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
     dc.scale = c.attention_scale();
     dc.scheme = config.kv_scheme;
     dc.gaac_calibration = config.gaac_calibration;
+    dc.rope_pairing = kv.rope_pairing;
+    dc.outlier_pairs = config.outlier_pairs;
+    dc.delta_loc = delta_loc_;
     device_ = make_device_decoder(dc);
   }
   cache_ = std::make_unique<cache::KvCache>(kv);
@@ -283,6 +293,24 @@ void Session::reset() {
 
 void Session::reset_telemetry() {
   telemetry_ = std::make_unique<gate::Telemetry>(config_.meter.tau, config_.meter.sample_every);
+}
+
+void Session::decode_attention_device(int layer, const attention::AttentionShape& shape,
+                                      int64_t pos0) {
+  if (!metered_) {
+    device_->attend(layer, q_.data(), attn_.data(), nullptr);
+    return;
+  }
+  meters_.resize(size_t(shape.n_q_heads));
+  device_->attend(layer, q_.data(), attn_.data(), meters_.data());
+  const int group = shape.n_q_heads / shape.n_kv_heads;
+  for (int h = 0; h < shape.n_q_heads; ++h) {
+    attention::HeadMeter& m = meters_[size_t(h)];
+    m.v_norm_max = cache_->value_norm_max(seq_, layer, h / group);  // kept by the host cache
+    m.output_bound = 2 * m.meter * m.v_norm_max + m.value_rho;
+    telemetry_->record(m.meter, std::isinf(m.log_a));
+  }
+  if (observer_) observer_(MeterObservation{layer, pos0, q_.data(), pos0 + 1, meters_.data()});
 }
 
 void Session::decode_attention_metered(int layer, const attention::AttentionShape& shape,
@@ -470,7 +498,7 @@ void Session::forward_chunk(const int32_t* tokens, int64_t n, float* last_logits
     cache_->write(seq_, layer, k_.data(), v_.data(), n);
     if (device_) device_->write(layer, pos0, k_.data(), v_.data(), n);
     if (n == 1 && device_)
-      device_->attend(layer, q_.data(), attn_.data());
+      decode_attention_device(layer, shape, pos0);
     else if (n == 1 && sparse_layer(layer))
       decode_attention_sparse(layer, shape, pos0);
     else if (n == 1 && metered_)

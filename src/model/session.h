@@ -182,6 +182,9 @@ class Session {
  private:
   void forward_chunk(const int32_t* tokens, int64_t n, float* last_logits, float* all_logits);
   void ensure_buffers(int64_t n);
+  // Decode attention of one layer on the device route; lossy schemes record the meters the
+  // device computed in the same pass (telemetry, observer).
+  void decode_attention_device(int layer, const attention::AttentionShape& shape, int64_t pos0);
   void decode_attention_metered(int layer, const attention::AttentionShape& shape, int64_t pos0);
   bool sparse_layer(int layer) const;
   void decode_attention_sparse(int layer, const attention::AttentionShape& shape, int64_t pos0);

@@ -66,7 +66,8 @@ constexpr const char* kUsage =
     "attention mass P (a 1-bit RaBitQ key index) plus the newest N tokens (default 128); the first\n"
     "L layers (default 2) stay dense. Combines with any --kv scheme.\n"
     "--device cuda: decode attention on a CUDA device over its own copy of the KV cache, encoded\n"
-    "there (--kv bf16, gaac, gaac-e5m2); the forward pass and prefill stay on the CPU.\n"
+    "there (--kv bf16, gaac, gaac-e5m2, or fp8-e4m3, fp8-e5m2, dither8 with the meter computed\n"
+    "there; no --gate); the forward pass and prefill stay on the CPU.\n"
     "With no --model, the embedded default SmolLM2-135M-Instruct (models/, fetched by\n"
     "scripts/fetch_models.sh) is used.\n";
 
@@ -124,7 +125,9 @@ std::string device_json(const certkv_device_stats& d) {
       .add("raw_pages", d.raw_pages)
       .add("blocks_not_fitting", d.blocks_not_fitting)
       .add("kv_bytes_in_use", d.kv_bytes_in_use)
-      .add("kv_bytes_reserved", d.kv_bytes_reserved);
+      .add("kv_bytes_reserved", d.kv_bytes_reserved)
+      .add("lossy_pages_in_use", d.lossy_pages_in_use)
+      .add("pages_kept_exact", d.pages_kept_exact);
   return o.str();
 }
 

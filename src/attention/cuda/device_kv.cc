@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <mutex>
 #include <numeric>
 #include <random>
@@ -61,6 +62,15 @@ codec::LossyPageSpec DeviceKv::lossy_spec(bool key, int kv_head) const {
   return spec;
 }
 
+bool DeviceKv::exact_page(bool key, int b, int kv_head, int64_t block) const {
+  if (!is_lossy(options_.format)) return false;
+  const int64_t len = shape_.lens[size_t(b)];
+  if (options_.exact_tail && len % kT != 0 && block == (len - 1) / kT) return true;
+  const int64_t every = key ? options_.exact_k_every : options_.exact_v_every;
+  const int64_t phase = key ? int64_t(b) + kv_head : 2 * int64_t(b) + kv_head + 1;
+  return every > 0 && (block + phase) % every == 0;
+}
+
 CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options, DeviceKv* out) {
   const int D = kv.head_dim, H = kv.n_kv_heads;
   if (D != 64 && D != 128) return invalid("head_dim " + std::to_string(D) + " is unsupported (64 or 128)");
@@ -85,6 +95,9 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
   }
   if (dither && (options.n_outlier_pairs < 0 || options.n_outlier_pairs > kMaxDeviceOutlierPairs))
     return invalid("n_outlier_pairs must be in [0, " + std::to_string(kMaxDeviceOutlierPairs) + "]");
+  if (options.exact_k_every < 0 || options.exact_v_every < 0) return invalid("exact_k_every / exact_v_every < 0");
+  if ((options.exact_k_every > 0 || options.exact_v_every > 0 || options.exact_tail) && !is_lossy(f))
+    return invalid("exact pages are for the lossy formats");
 
   DeviceKv r;
   r.shape_ = kv;
@@ -128,6 +141,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
     default:
       k_bytes = codec::lossy_page_bytes(r.lossy_spec(true, 0));
       v_bytes = codec::lossy_page_bytes(r.lossy_spec(false, 0));
+      raw_bytes = size_t(kT) * D * 2;  // exact pages: bf16
   }
   const size_t k_stride = (k_bytes + 15) / 16 * 16, v_stride = (v_bytes + 15) / 16 * 16;
 
@@ -146,11 +160,15 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
     r.k_read_.resize(size_t(kv.batch));
     r.v_read_.resize(size_t(kv.batch));
     r.k_bounds_.resize(size_t(kv.batch));
+    r.v_rho_.resize(size_t(kv.batch));
     const int width = dither ? D / codec::kQuantGroup : kBands;
     for (int b = 0; b < kv.batch; ++b) {
       r.k_read_[size_t(b)].assign(kv.k[size_t(b)].size(), 0.f);
       r.v_read_[size_t(b)].assign(kv.v[size_t(b)].size(), 0.f);
-      if (is_lossy(f)) r.k_bounds_[size_t(b)].assign(size_t(H) * size_t(kv.lens[size_t(b)]) * width, 0.f);
+      if (is_lossy(f)) {
+        r.k_bounds_[size_t(b)].assign(size_t(H) * size_t(kv.lens[size_t(b)]) * width, 0.f);
+        r.v_rho_[size_t(b)].assign(size_t(H) * size_t(kv.lens[size_t(b)]), 0.0);
+      }
     }
   }
 
@@ -186,6 +204,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
     std::copy_n(src.begin() + (size_t(h) * size_t(len) + size_t(t0)) * size_t(D), size_t(n) * size_t(D), rows);
     float read[kT * 128];
     float bounds[kT * kBands];
+    double rho[kT];
     size_t stored = 0;
     switch (f) {
       case PageFormat::kBf16:
@@ -236,6 +255,21 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
               for (int band = 0; band < kBands; ++band) bounds[t * kBands + band] = format::fp16_to_float(w[band * kT + t]);
           }
         }
+        if (!key && record_reconstruction) {
+          if (dither) {
+            const int G = D / codec::kQuantGroup;
+            float scales[kT * 128 / codec::kQuantGroup];
+            codec::dither8_scales(spec, page, scales);
+            for (int t = 0; t < kT; ++t) {
+              double sum_sq = 0;
+              for (int g = 0; g < G; ++g) sum_sq += double(codec::kQuantGroup) * scales[t * G + g] * scales[t * G + g];
+              rho[t] = (0.5 + double(codec::kDither8Slack)) * std::sqrt(sum_sq);
+            }
+          } else {
+            const uint16_t* v_rho = codec::lossy_value_rho(spec, page);
+            for (int t = 0; t < kT; ++t) rho[t] = format::fp16_to_float(v_rho[t]);
+          }
+        }
       }
     }
     if (record_reconstruction) {
@@ -246,6 +280,8 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
         std::copy_n(bounds, size_t(n) * size_t(width),
                     r.k_bounds_[size_t(b)].begin() + (size_t(h) * size_t(len) + size_t(t0)) * size_t(width));
       }
+      if (!key && is_lossy(f))
+        std::copy_n(rho, size_t(n), r.v_rho_[size_t(b)].begin() + size_t(h) * size_t(len) + size_t(t0));
     }
     return stored;
   };
@@ -274,6 +310,11 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
     locate(id, &b, &h, &j);
     const size_t t_index = (size_t(b) * H + size_t(h)) * size_t(r.table_stride_) + size_t(j);
     for (int key = 1; key >= 0; --key) {
+      if (r.exact_page(key != 0, b, h, j)) {  // to the raw pool, as bf16
+        std::lock_guard<std::mutex> lock(raw_mutex);
+        raw_ids.emplace_back(id, key != 0);
+        continue;
+      }
       const int32_t slot = key ? k_slot[size_t(id)] : v_slot[size_t(id)];
       uint8_t* page = (key ? k_host.data() : v_host.data()) + size_t(slot) * (key ? k_stride : v_stride);
       size_t stored;
@@ -297,7 +338,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
   });
   if (failed) return invalid("a block could not be encoded (a value not finite, or a scale out of fp16 range)");
 
-  // GAAC pages that did not fit: raw pool, entries -(index + 1).
+  // GAAC pages that did not fit and a lossy format's exact pages: raw pool, entries -(index + 1).
   std::sort(raw_ids.begin(), raw_ids.end());
   std::vector<uint8_t> k_raw_host, v_raw_host;
   int64_t n_k_raw = 0, n_v_raw = 0;
@@ -316,7 +357,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
     const uint16_t* rows = src.data() + (size_t(h) * size_t(len) + size_t(t0)) * size_t(D);
     std::vector<float> read(size_t(kT) * D, 0.f);
     for (int64_t i = 0; i < n * D; ++i) {
-      if (f == PageFormat::kGaacBf16) {
+      if (f != PageFormat::kGaacE5M2) {  // bf16: gaac, and the exact pages of a lossy format
         std::copy_n(reinterpret_cast<const uint8_t*>(rows + i), 2, host.data() + at + size_t(i) * 2);
         read[size_t(i)] = format::bf16_to_float(rows[i]);
       } else {

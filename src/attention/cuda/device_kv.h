@@ -5,7 +5,8 @@
 //
 // Every sequence's blocks get slots in one shuffled order of the pool (so a table walk is never
 // a contiguous read by accident); a partial last block is encoded padded with zeros and masked by
-// the sequence length. GAAC pages whose escapes do not fit their slot go to the raw pool.
+// the sequence length. GAAC pages whose escapes do not fit their slot go to the raw pool; so do
+// the pages a lossy batch keeps exact (DeviceKvOptions::exact_*), as bf16.
 // Thread safety: build is internally parallel; a built DeviceKv is read-only.
 #pragma once
 
@@ -45,6 +46,15 @@ struct DeviceKvOptions {
   codec::RopePairing pairing = codec::RopePairing::kInterleaved;
   uint32_t seed = 1;                 // slot shuffle
   bool keep_reconstruction = false;  // keep host copies of what attention reads (tests)
+  // Lossy formats: pages kept exact, as bf16 pages of the raw pools (what a lossy session does
+  // with its incomplete tail block and with blocks it cannot encode). The K page of block j of
+  // (sequence b, kv head h) is exact when exact_k_every > 0 and (j + b + h) % exact_k_every == 0,
+  // the V page when exact_v_every > 0 and (j + 2 b + h + 1) % exact_v_every == 0 (so K and V
+  // differ: some blocks have an exact K page and a lossy V page, some the reverse; 1: every
+  // page); exact_tail: both pages of a partial last block.
+  int exact_k_every = 0;
+  int exact_v_every = 0;
+  bool exact_tail = false;
 };
 
 class DeviceKv {
@@ -61,8 +71,15 @@ class DeviceKv {
   const std::vector<std::vector<float>>& k_read() const { return k_read_; }
   const std::vector<std::vector<float>>& v_read() const { return v_read_; }
   // Per-token bound data of K (keep_reconstruction, lossy formats): Tier A witness
-  // [n_kv_heads][len][16], Tier B scales [n_kv_heads][len][head_dim / 32].
+  // [n_kv_heads][len][16], Tier B scales [n_kv_heads][len][head_dim / 32]; zeros on exact pages.
   const std::vector<std::vector<float>>& k_bounds() const { return k_bounds_; }
+  // Per-token rho_t >= ||v^_t - v_t|| of V (keep_reconstruction, lossy formats), [n_kv_heads][len]:
+  // Tier A the page's stored fp16 rho, dither8 (1/2 + 2^-8) sqrt(sum_g 32 s_{t,g}^2) in double
+  // (the bound before the kernel's float lift); 0 on exact pages.
+  const std::vector<std::vector<double>>& v_rho() const { return v_rho_; }
+  // Lossy formats: whether the K (key) or V page of block j of (sequence b, kv_head) is kept exact
+  // (DeviceKvOptions::exact_*).
+  bool exact_page(bool key, int b, int kv_head, int64_t block) const;
   // dither8: the outlier pairs of kv_head (increasing pair order).
   const std::vector<uint16_t>& outlier_pairs(int kv_head) const { return outlier_pairs_[size_t(kv_head)]; }
   codec::LossyPageSpec lossy_spec(bool key, int kv_head) const;
@@ -87,6 +104,7 @@ class DeviceKv {
   size_t k_capacity_ = 0, v_capacity_ = 0;
   std::vector<std::vector<uint16_t>> outlier_pairs_;
   std::vector<std::vector<float>> k_read_, v_read_, k_bounds_;
+  std::vector<std::vector<double>> v_rho_;
 };
 
 }  // namespace certkv::attention::cuda

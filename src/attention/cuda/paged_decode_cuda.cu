@@ -32,6 +32,20 @@ constexpr int kGaacE5M2BaseShift = 10;
 constexpr float kLog2e = 1.4426950408889634f;
 // The dither8 deterministic remainder per channel, in steps (codec::kDither8Slack, 2^-8).
 constexpr double kDither8Slack = 1.0 / 256.0;
+// dither8 V pages: rho_t = kDither8ValueRho sqrt(32 sum_g s_{t,g}^2) >= ||v^_t - v_t||, the CPU's
+// float constant (online_softmax.h, load_error_data): (1/2 + slack), lifted by 2^-20 for the float
+// sum, square root and product.
+constexpr float kDither8ValueRho = (0.5f + float(kDither8Slack)) * (1.0f + 1.0f / 1048576.0f);
+
+template <PageFormat F>
+struct FormatTraits {
+  static constexpr bool kHalf = F != PageFormat::kBf16 && F != PageFormat::kGaacBf16;
+  static constexpr bool kTierA = F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2;
+  static constexpr bool kTierB = F == PageFormat::kDither8;
+  static constexpr bool kGaac = F == PageFormat::kGaacBf16 || F == PageFormat::kGaacE5M2;
+  // Lossy pages beside exact raw bf16 pages (table entries < 0), read on the bf16 path.
+  static constexpr bool kLossy = kTierA || kTierB;
+};
 
 // The meter's term p (e^c - 1) of one (head, token), c >= 0, never below the exact value by more
 // than the 2^-12 lift of A - 1 covers (docs/cuda.md). Below c = 1/4 a degree-5 upper bound:
@@ -50,8 +64,9 @@ __device__ inline float meter_term(float p, float c, float log2_p) {
 // Shared memory of one CTA.
 
 // Bytes of a page staged in shared memory before it is decoded (the most a page can need): a GAAC
-// slot (fixed part and escape area), an fp8 page with its witness (K), a dither8 page with up to
-// kMaxDeviceOutlierPairs outlier pairs. Raw bf16 pages are staged straight into padded tiles.
+// slot (fixed part and escape area), an fp8 page with its witness (K) or rho (V), a dither8 page
+// with up to kMaxDeviceOutlierPairs outlier pairs. Pages of the bf16 format are staged straight
+// into padded tiles; raw pages of the other formats are read from the pool when decoded.
 template <int D, PageFormat F>
 __host__ __device__ constexpr int stage_bytes(bool key) {
   int n = 0;
@@ -61,7 +76,7 @@ __host__ __device__ constexpr int stage_bytes(bool key) {
   if (F == PageFormat::kGaacE5M2)
     n = int(format::gaac_page_fixed_bytes(format::GaacElement::kFp8E5M2, kBlockTokens, D) +
             format::gaac_page_max_escape_bytes(format::GaacElement::kFp8E5M2, kBlockTokens, D));
-  if (F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2) n = kBlockTokens * D + (key ? kBands * kBlockTokens * 2 : 0);
+  if (F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2) n = kBlockTokens * D + (key ? kBands : 1) * kBlockTokens * 2;
   if (F == PageFormat::kDither8)
     n = kBlockTokens * (D + 2 * (D / kQuantGroup) + (key ? 4 * kMaxDeviceOutlierPairs : 0));
   return (n + 15) / 16 * 16;
@@ -76,8 +91,10 @@ struct Tiles {
   alignas(16) uint8_t stage_v[1][stage_bytes<D, F>(false)];
   alignas(16) uint16_t k[kBlockTokens][D + 8];
   alignas(16) uint16_t v[kBlockTokens][D + 8];
-  // fp8 K pages: the Tier A witness, band-major (one unused row for the other formats).
-  alignas(16) uint16_t witness[F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2 ? kBands : 1][kBlockTokens + 8];
+  // fp8 pages' side data, kept when the stage is refilled: rows 0 .. 15 the K page's Tier A
+  // witness (band-major), row 16 the V page's rho (fp16 per token; metered launches). One unused
+  // row for the other formats.
+  alignas(16) uint16_t side[FormatTraits<F>::kTierA ? kBands + 1 : 1][kBlockTokens + 8];
 };
 
 template <int D>
@@ -96,16 +113,36 @@ struct Tiles<D, PageFormat::kDither8> {
   alignas(16) uint16_t w[kBlockTokens][D + 8];
   float scale[kBlockTokens][D / kQuantGroup];
   float outlier[kBlockTokens][2 * kMaxDeviceOutlierPairs];
+  float rho[kBlockTokens];  // the V page's rho_t (metered launches)
+};
+
+// Lossy formats: the query rounded to bf16 for their exact (raw bf16) K pages, Q^T read by
+// tile_scores_shared_q (16-byte chunks swizzled). Nothing for the other formats.
+template <int D, bool kLossy>
+struct ExactPageQuery {};
+
+template <int D>
+struct ExactPageQuery<D, true> {
+  alignas(16) uint16_t q_bf16[kMaxGroup][D];
+};
+
+// GAAC formats: the bases and the escape-bit table. Nothing for the other formats (2 KiB that
+// would cost the bf16 kernel at D = 128 its third CTA per multiprocessor).
+template <int D, bool kGaac>
+struct GaacTables {};
+
+template <int D>
+struct GaacTables<D, true> {
+  uint16_t base7[2][2][D];    // (b3, b4) << the element's exponent shift, K and V
+  uint32_t nibble_bit3[256];  // nibble_bit3_of(e)
 };
 
 template <int D, PageFormat F>
-struct CtaShared {
-  float q[kMaxGroup][D];                  // the rounded queries
+struct CtaShared : ExactPageQuery<D, FormatTraits<F>::kLossy>, GaacTables<D, FormatTraits<F>::kGaac> {
+  float q[kMaxGroup][D];                  // the queries rounded to the tile element
   float weight[kMaxGroup][kBands];        // Tier A: |sm| ||q_b||; Tier B: sm^2 sum q^2/12 * 2 log(2S/delta)
   float abs_weight[kMaxGroup][kBands];    // Tier B: |sm| slack sum |q_c|
   float dither_offset[kMaxGroup][D / kQuantGroup];  // dither8: (1/2)/256 sum_{c in g} q_c
-  uint16_t base7[2][2][D];                // GAAC: (b3, b4) << the element's exponent shift, K and V
-  uint32_t nibble_bit3[256];              // GAAC bf16: nibble_bit3_of(e)
   int32_t outlier_channels[2 * kMaxDeviceOutlierPairs];
   union {
     Tiles<D, F> tiles[kWarps];
@@ -119,7 +156,7 @@ struct CtaShared {
 
 struct PageRef {
   const uint8_t* bytes;  // null: corrupt entry
-  bool raw;              // a GAAC page stored raw
+  bool raw;              // a raw page: a GAAC page stored raw, or an exact bf16 page of a lossy format
   int32_t slot;          // the device slot (dither8 key counter)
 };
 
@@ -455,29 +492,38 @@ __device__ inline void decode_dither8_row(const uint8_t* page, int m, uint64_t k
   }
 }
 
+// dither8 V page (staged): rho_t = kDither8ValueRho sqrt(sum_g 32 s_{t,g}^2) of token t = lane / 2
+// into tiles.rho, the CPU's float steps in its order (32 s^2 is exact; the sum, square root and
+// product round correctly), so the bound is the CPU's to the bit.
+template <int D>
+__device__ inline void dither8_value_rho_row(const uint8_t* page, int lane, Tiles<D, PageFormat::kDither8>& tiles) {
+  constexpr int G = D / kQuantGroup;
+  const int t = lane >> 1;
+  const uint16_t* scales = reinterpret_cast<const uint16_t*>(page + size_t(t) * (D + 2 * G) + D);
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const float sg = fp16_bits_to_float(scales[g]);
+    sum_sq += float(kQuantGroup) * sg * sg;
+  }
+  if ((lane & 1) == 0) tiles.rho[t] = kDither8ValueRho * sqrtf(sum_sq);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The split kernel.
 
 struct SplitArgs {
   PagedDecodeParams p;
   int n_splits;
-  float* part_mld;  // [batch][n_q][n_splits][3]
-  float* part_o;    // [batch][n_q][n_splits][D]
+  float* part_mldr;  // [batch][n_q][n_splits][kSplitPartials]: m, l, d, r
+  float* part_o;     // [batch][n_q][n_splits][D]
   unsigned int* error_word;
 };
 
-template <PageFormat F>
-struct FormatTraits {
-  static constexpr bool kHalf = F != PageFormat::kBf16 && F != PageFormat::kGaacBf16;
-  static constexpr bool kTierA = F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2;
-  static constexpr bool kTierB = F == PageFormat::kDither8;
-  static constexpr bool kGaac = F == PageFormat::kGaacBf16 || F == PageFormat::kGaacE5M2;
-};
-
-// Issues the asynchronous copies of one page into stage `st` (or, for raw bf16 pages, straight
-// into the padded tile of that stage). Corrupt entries copy nothing; raw GAAC pages are decoded
-// from the pool.
-template <int D, PageFormat F>
+// Issues the asynchronous copies of one page into stage `st` (or, for bf16 pages, straight into
+// the padded tile of that stage). Corrupt entries copy nothing; raw pages of the other formats are
+// decoded from the pool. kMeter: an fp8 V page's rho comes with it.
+template <int D, PageFormat F, bool kMeter>
 __device__ inline void stage_page(const SplitArgs& a, bool key, const PageRef& ref, int st, int lane,
                                   Tiles<D, F>& tiles) {
   if (ref.bytes == nullptr || ref.raw) return;
@@ -495,6 +541,8 @@ __device__ inline void stage_page(const SplitArgs& a, bool key, const PageRef& r
           F == PageFormat::kGaacBf16 ? format::GaacElement::kBf16 : format::GaacElement::kFp8E5M2;
       bytes = int(format::gaac_slot_bytes(E, kBlockTokens, D, size_t(key ? a.p.k_escape_capacity : a.p.v_escape_capacity)) + 15) / 16 * 16;
     }
+    if constexpr (F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2)
+      bytes = kBlockTokens * D + (key ? kBands * kBlockTokens * 2 : kMeter ? kBlockTokens * 2 : 0);
     if constexpr (F == PageFormat::kDither8)
       bytes = (kBlockTokens * (D + 2 * (D / kQuantGroup) + (key ? 4 * a.p.n_outlier_pairs : 0)) + 15) / 16 * 16;
     for (int c = lane; c < bytes / 16; c += 32) cp_async16(stage + c * 16, ref.bytes + size_t(c) * 16);
@@ -508,8 +556,18 @@ __device__ inline uint16_t (*value_rows(Tiles<D, F>& tiles))[D + 8] {
   else return tiles.v;
 }
 
-// Decodes the staged page (stage st) into the tiles. False (and zero rows) for a corrupt page.
+// rho_t of token t of the decoded lossy V page (metered launches).
 template <int D, PageFormat F>
+__device__ inline float value_rho_of(const Tiles<D, F>& tiles, int t) {
+  if constexpr (F == PageFormat::kDither8) return tiles.rho[t];
+  else return fp16_bits_to_float(tiles.side[kBands][t]);
+}
+
+// Decodes the staged page (stage st) into the tiles. False (and zero rows) for a corrupt page.
+// A lossy format's raw page is the exact bf16 values, copied from the pool into the K tile or the
+// value tile (dither8 K: tiles.k alone; the scores read it on the bf16 path). kMeter: a lossy V
+// page's rho goes to the tiles (fp8: side row 16; dither8: tiles.rho).
+template <int D, PageFormat F, bool kMeter>
 __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& ref, int st, int lane, int kv_head,
                                    const CtaShared<D, F>& sh, uint64_t outlier_mask, Tiles<D, F>& tiles) {
   const int t = lane >> 1, h = lane & 1;
@@ -547,25 +605,48 @@ __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& 
           return false;
         }
       }
+    } else if (ref.raw) {
+      decode_bf16_row<D>(ref.bytes, t, h, row);
     } else if constexpr (F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2) {
       decode_fp8_row<D, F == PageFormat::kFp8E4M3>(staged, t, h, row);
-      if (key) {  // the stage is refilled before the bounds are computed: keep the witness
+      // The stage is refilled before the bounds are computed: keep the side data.
+      const uint4* side = reinterpret_cast<const uint4*>(staged + size_t(kBlockTokens) * D);
+      if (key) {
         static_assert(kBands * kBlockTokens * 2 == 32 * 16, "one 16-byte piece of the witness per lane");
-        const uint4* src = reinterpret_cast<const uint4*>(staged + size_t(kBlockTokens) * D);
-        *reinterpret_cast<uint4*>(&tiles.witness[lane / 2][8 * (lane % 2)]) = src[lane];
+        *reinterpret_cast<uint4*>(&tiles.side[lane / 2][8 * (lane % 2)]) = side[lane];
+      } else if constexpr (kMeter) {
+        if (lane < 2) *reinterpret_cast<uint4*>(&tiles.side[kBands][8 * lane]) = side[lane];
       }
     } else {
       const uint64_t dkey = a.p.dither_keys[(key ? 0 : 1) * a.p.n_kv_heads + kv_head];
-      if (key) decode_dither8_row<D, true>(staged, a.p.n_outlier_pairs, dkey, ref.slot, lane, outlier_mask, tiles);
-      else decode_dither8_row<D, false>(staged, 0, dkey, ref.slot, lane, 0, tiles);
+      if (key) {
+        decode_dither8_row<D, true>(staged, a.p.n_outlier_pairs, dkey, ref.slot, lane, outlier_mask, tiles);
+      } else {
+        decode_dither8_row<D, false>(staged, 0, dkey, ref.slot, lane, 0, tiles);
+        if constexpr (kMeter) dither8_value_rho_row<D>(staged, lane, tiles);
+      }
     }
     return true;
   }
 }
 
+// The CTAs per multiprocessor the lossy kernels are held to (__launch_bounds__: ptxas keeps their
+// registers within it, no spills): 3 at D = 128 (what their shared memory allows; dither8 needs
+// 167-168 registers, at the edge), at D = 64 6 for fp8 without the meter (its shared memory allows
+// 6; ptxas's own choice was 90 registers, 5 CTAs), 5 with it, 4 for dither8. Unconstrained
+// without the bound, ptxas's register count moved by up to 12 with small changes to the code. 0:
+// no minimum (the other formats: ptxas's own choice).
+template <int D, PageFormat F, bool kWithMeter>
+constexpr int min_ctas_per_sm() {
+  if constexpr (!FormatTraits<F>::kLossy) return 0;
+  else if constexpr (D == 128) return 3;
+  else if constexpr (F == PageFormat::kDither8) return 4;
+  else return kWithMeter ? 5 : 6;
+}
+
 // kWithMeter: lossy formats compute the meter in the same pass (off: the same kernel without it).
 template <int D, PageFormat F, bool kWithMeter>
-__global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
+__global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>()) split_kernel(SplitArgs a) {
   using Traits = FormatTraits<F>;
   constexpr bool kHalf = Traits::kHalf;
   constexpr bool kMeter = kWithMeter && (Traits::kTierA || Traits::kTierB);
@@ -591,10 +672,13 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
   const int64_t block_begin = int64_t(split) * per_split;
   const int64_t block_end = min(n_blocks, block_begin + per_split);
 
-  // Queries (rounded to the tile element), codec parameters, meter weights.
+  // Queries (rounded to the tile element; lossy formats also to bf16 for their exact pages), codec
+  // parameters, meter weights.
   for (int i = threadIdx.x; i < kMaxGroup * D; i += kThreads) {
     const int g = i / D, c = i % D;
-    sh.q[g][c] = g < group ? round_to_element<kHalf>(p.q[(int64_t(b) * p.n_q_heads + kv_head * group + g) * D + c]) : 0.f;
+    const float x = g < group ? p.q[(int64_t(b) * p.n_q_heads + kv_head * group + g) * D + c] : 0.f;
+    sh.q[g][c] = round_to_element<kHalf>(x);
+    if constexpr (Traits::kLossy) (&sh.q_bf16[0][0])[shared_q_index<D>(g, c)] = __bfloat16_as_ushort(__float2bfloat16_rn(x));
   }
   if constexpr (Traits::kGaac) {
     for (int e = threadIdx.x; e < 256; e += kThreads) sh.nibble_bit3[e] = nibble_bit3_of(uint32_t(e));
@@ -692,19 +776,24 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
   }
 
   auto& tiles = sh.u.tiles[warp];
-  // Running softmax state of heads 2 hq + e (e = 0, 1); l and d are this lane's partial sums
-  // (its tokens), reduced over the 8 lanes of a head at the end.
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, d_run[2] = {0.f, 0.f};
+  // Running softmax state of heads 2 hq + e (e = 0, 1); l, d (the meter's sum of p (e^c - 1)) and
+  // r (its value side, the sum of p rho) are this lane's partial sums (its tokens), reduced over
+  // the 8 lanes of a head at the end.
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, d_run[2] = {0.f, 0.f}, r_run[2] = {0.f, 0.f};
   float o_acc[D / 16][4];  // channels 16 pp + tq (+ 8), heads 2 hq, 2 hq + 1
 #pragma unroll
   for (int i = 0; i < D / 16; ++i) o_acc[i][0] = o_acc[i][1] = o_acc[i][2] = o_acc[i][3] = 0.f;
   const float log2_scale = p.sm_scale * kLog2e;
   unsigned int corrupt = 0;
 
-  // This warp's blocks: first, first + kWarps, ... below block_end. Raw bf16 pages are copied
+  // This warp's blocks: first, first + kWarps, ... below block_end. bf16 pages are copied
   // straight into two tiles (page i + 1 in flight while page i is used); the other formats stage
   // page i + 1 once page i is decoded (dither8: its values once the scores are done, since they
   // are decoded into the dither tile). Table entries are read one page ahead of their copies.
+  // A lossy format's raw pages (exact bf16: the tail, blocks that could not be encoded) are read
+  // from the pool when decoded and computed on the bf16 path: scores with the bf16 query from
+  // shared memory, P V with bf16 probabilities, no logit bound (c = 0) and no rho. The page
+  // classes of K and V are independent; each branch is uniform over the warp.
   constexpr bool kTwoTiles = F == PageFormat::kBf16;
   constexpr bool kValuesLate = F == PageFormat::kDither8;
   const int64_t first = block_begin + warp;
@@ -721,14 +810,14 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
   PageRef kcur = kref_of(entry_of(p.k_table, 0)), vcur = vref_of(entry_of(p.v_table, 0));
   PageRef knext = kref_of(entry_of(p.k_table, 1)), vnext = vref_of(entry_of(p.v_table, 1));
   if (n_mine > 0) {
-    stage_page<D, F>(a, true, kcur, 0, lane, tiles);
-    stage_page<D, F>(a, false, vcur, 0, lane, tiles);
+    stage_page<D, F, kMeter>(a, true, kcur, 0, lane, tiles);
+    stage_page<D, F, kMeter>(a, false, vcur, 0, lane, tiles);
   }
   cp_async_commit();
   if constexpr (kTwoTiles) {
     if (n_mine > 1) {
-      stage_page<D, F>(a, true, knext, 1, lane, tiles);
-      stage_page<D, F>(a, false, vnext, 1, lane, tiles);
+      stage_page<D, F, kMeter>(a, true, knext, 1, lane, tiles);
+      stage_page<D, F, kMeter>(a, false, vnext, 1, lane, tiles);
     }
     cp_async_commit();
   }
@@ -741,18 +830,19 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
     else cp_async_wait<0>();
     __syncwarp();
     const PageRef kref = kcur, vref = vcur;
+    const bool k_exact = Traits::kLossy && kref.raw, v_exact = Traits::kLossy && vref.raw;
     kcur = knext;
     vcur = vnext;
     knext = kref_of(next_k);
     vnext = vref_of(next_v);
-    if (!decode_page<D, F>(a, true, kref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
+    if (!decode_page<D, F, kMeter>(a, true, kref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
     if constexpr (!kValuesLate)
-      if (!decode_page<D, F>(a, false, vref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
+      if (!decode_page<D, F, kMeter>(a, false, vref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
     __syncwarp();
     if constexpr (!kTwoTiles && !kValuesLate) {  // page i + 1 into the free stage
       if (i + 1 < n_mine) {
-        stage_page<D, F>(a, true, kcur, 0, lane, tiles);
-        stage_page<D, F>(a, false, vcur, 0, lane, tiles);
+        stage_page<D, F, kMeter>(a, true, kcur, 0, lane, tiles);
+        stage_page<D, F, kMeter>(a, false, vcur, 0, lane, tiles);
       }
       cp_async_commit();
     }
@@ -770,7 +860,9 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
     float s[4] = {0.f, 0.f, 0.f, 0.f};
     const int ld_token = ((lane >> 3) & 1) * 8 + (lane & 7);  // ldmatrix row address of this lane
     const int ld_dim = (lane >> 4) * 8;
-    if constexpr (Traits::kTierB) {
+    if (k_exact) {
+      if constexpr (Traits::kLossy) tile_scores_shared_q<D, false>(tile_k, sh.q_bf16, lane, s);
+    } else if constexpr (Traits::kTierB) {
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         float cc[4] = {0.f, 0.f, 0.f, 0.f}, cw[4] = {0.f, 0.f, 0.f, 0.f};
@@ -797,39 +889,41 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
       tile_scores<D, kHalf>(tile_k, qb, lane, s);
     }
 
-    // Logit bounds c of the same four (token, head) cells (meter formats).
+    // Logit bounds c of the same four (token, head) cells (meter formats; 0 on exact pages).
     float c_bound[4] = {0.f, 0.f, 0.f, 0.f};
     if constexpr (kMeter && Traits::kTierA) {
-      if (kref.bytes != nullptr) {  // witness^T (tokens x bands) times the band weights
+      if (kref.bytes != nullptr && !k_exact) {  // witness^T (tokens x bands) times the band weights
         uint32_t r[4];
-        ldsm_x4_trans(r, &tiles.witness[(lane >> 4) * 8 + (lane & 7)][((lane >> 3) & 1) * 8]);
+        ldsm_x4_trans(r, &tiles.side[(lane >> 4) * 8 + (lane & 7)][((lane >> 3) & 1) * 8]);
         mma16816<true>(c_bound, r, wb_hi[0], wb_hi[1]);
         mma16816<true>(c_bound, r, wb_lo[0], wb_lo[1]);
 #pragma unroll
         for (int k = 0; k < 4; ++k) c_bound[k] = fmaxf(c_bound[k] * bound_factor, 0.f);
       }
     } else if constexpr (kMeter) {
+      if (!k_exact) {  // an exact page leaves tiles.scale as the last lossy page had it
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int token = tq + 8 * (k >> 1), head = 2 * hq + (k & 1);
-        float var = 0.f, sum = 0.f;
+        for (int k = 0; k < 4; ++k) {
+          const int token = tq + 8 * (k >> 1), head = 2 * hq + (k & 1);
+          float var = 0.f, sum = 0.f;
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float sc = tiles.scale[token][g];
-          var += sh.weight[head][g] * sc * sc;
-          sum += sh.abs_weight[head][g] * sc;
+          for (int g = 0; g < G; ++g) {
+            const float sc = tiles.scale[token][g];
+            var += sh.weight[head][g] * sc * sc;
+            sum += sh.abs_weight[head][g] * sc;
+          }
+          c_bound[k] = sqrtf(var) + sum;
         }
-        c_bound[k] = sqrtf(var) + sum;
       }
     }
 
     if constexpr (kValuesLate) {  // the dither tile is free: the values, then page i + 1's copies
       __syncwarp();
-      if (!decode_page<D, F>(a, false, vref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
+      if (!decode_page<D, F, kMeter>(a, false, vref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
       __syncwarp();
       if (i + 1 < n_mine) {
-        stage_page<D, F>(a, true, kcur, 0, lane, tiles);
-        stage_page<D, F>(a, false, vcur, 0, lane, tiles);
+        stage_page<D, F, kMeter>(a, true, kcur, 0, lane, tiles);
+        stage_page<D, F, kMeter>(a, false, vcur, 0, lane, tiles);
       }
       cp_async_commit();
     }
@@ -841,23 +935,32 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
     float prob[4], rescale[2], m_new[2];
     tile_softmax(s, m_run, l_run, prob, rescale, m_new);
     if constexpr (kMeter) {
+      // The value side: rho of tokens tq, tq + 8 (0 on exact and corrupt V pages).
+      float rho[2] = {0.f, 0.f};
+      if (vref.bytes != nullptr && !v_exact) {
+        rho[0] = value_rho_of<D, F>(tiles, tq);
+        rho[1] = value_rho_of<D, F>(tiles, tq + 8);
+      }
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float d_add = 0.f;
+        float d_add = 0.f, r_add = 0.f;
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int k = 2 * j + e;
           if (prob[k] != 0.f) d_add += meter_term(prob[k], c_bound[k], s[k] - m_new[e]);
+          r_add += prob[k] * rho[j];
         }
         d_run[e] = d_run[e] * rescale[e] + d_add;
+        r_run[e] = r_run[e] * rescale[e] + r_add;
       }
     }
-    tile_pv<D, kHalf>(tile_v, prob, rescale, lane, o_acc);
+    if (v_exact) tile_pv<D, false>(tile_v, prob, rescale, lane, o_acc);
+    else tile_pv<D, kHalf>(tile_v, prob, rescale, lane, o_acc);
     __syncwarp();
     if constexpr (kTwoTiles) {
       if (i + 2 < n_mine) {
-        stage_page<D, F>(a, true, knext, st, lane, tiles);
-        stage_page<D, F>(a, false, vnext, st, lane, tiles);
+        stage_page<D, F, kMeter>(a, true, knext, st, lane, tiles);
+        stage_page<D, F, kMeter>(a, false, vnext, st, lane, tiles);
       }
       cp_async_commit();
     }
@@ -866,8 +969,8 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
   if (corrupt != 0 && lane == 0) atomicAdd(a.error_word, corrupt);
 
   __syncthreads();  // the tiles are reused as the merge area
-  write_split_partials<D, kWarps>(sh.u.merge, warp, lane, m_run, l_run, d_run, o_acc, group,
-                                  int64_t(b) * p.n_q_heads + int64_t(kv_head) * group, a.n_splits, split, a.part_mld,
+  write_split_partials<D, kWarps>(sh.u.merge, warp, lane, m_run, l_run, d_run, r_run, o_acc, group,
+                                  int64_t(b) * p.n_q_heads + int64_t(kv_head) * group, a.n_splits, split, a.part_mldr,
                                   a.part_o);
 }
 
@@ -881,15 +984,17 @@ CudaStatus unsupported(const std::string& message) {
   return CudaStatus{false, StatusCode::kUnsupported, "cuda decode: " + message};
 }
 
+// The workspace: the split partials (m, l, d, r per row and split), the partial outputs, the
+// error word.
 struct WorkspaceLayout {
-  size_t mld = 0, o = 0, error_word = 0, total = 0;
+  size_t mldr = 0, o = 0, error_word = 0, total = 0;
 };
 
 WorkspaceLayout layout_of(const PagedDecodeParams& p, int n_splits) {
   WorkspaceLayout w;
   const size_t parts = size_t(p.batch) * size_t(p.n_q_heads) * size_t(n_splits);
-  w.mld = 0;
-  w.o = (parts * 3 * sizeof(float) + 255) / 256 * 256;
+  w.mldr = 0;
+  w.o = (parts * kSplitPartials * sizeof(float) + 255) / 256 * 256;
   w.error_word = w.o + (parts * size_t(p.head_dim) * sizeof(float) + 255) / 256 * 256;
   w.total = w.error_word + 256;
   return w;
@@ -899,7 +1004,7 @@ template <int D, PageFormat F, bool kWithMeter>
 CudaStatus launch(const PagedDecodeParams& p, int n_splits) {
   const WorkspaceLayout w = layout_of(p, n_splits);
   char* base = static_cast<char*>(p.workspace);
-  SplitArgs a{p, n_splits, reinterpret_cast<float*>(base + w.mld), reinterpret_cast<float*>(base + w.o),
+  SplitArgs a{p, n_splits, reinterpret_cast<float*>(base + w.mldr), reinterpret_cast<float*>(base + w.o),
               reinterpret_cast<unsigned int*>(base + w.error_word)};
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const size_t smem = sizeof(CtaShared<D, F>);
@@ -912,16 +1017,21 @@ CudaStatus launch(const PagedDecodeParams& p, int n_splits) {
     configured = true;
   }
   split_kernel<D, F, kWithMeter><<<dim3(n_splits, p.n_kv_heads, p.batch), kThreads, smem, stream>>>(a);
-  tile::merge_splits_kernel<D><<<p.batch * p.n_q_heads, D, 0, stream>>>(p.out, p.meter, p.a_minus_1, n_splits,
-                                                                          a.part_mld, a.part_o);
+  tile::merge_splits_kernel<D><<<p.batch * p.n_q_heads, D, 0, stream>>>(p.out, p.meter, p.a_minus_1, p.value_rho,
+                                                                          n_splits, a.part_mldr, a.part_o);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return internal(std::string("kernel launch failed: ") + cudaGetErrorString(e));
   return {};
 }
 
+// The meter is on when any of its outputs is asked for.
+bool meter_on(const PagedDecodeParams& p) {
+  return p.meter != nullptr || p.a_minus_1 != nullptr || p.value_rho != nullptr;
+}
+
 template <int D, PageFormat F>
 CudaStatus launch_metered(const PagedDecodeParams& p, int n_splits) {
-  if (p.meter != nullptr || p.a_minus_1 != nullptr) return launch<D, F, true>(p, n_splits);
+  if (meter_on(p)) return launch<D, F, true>(p, n_splits);
   return launch<D, F, false>(p, n_splits);
 }
 
@@ -1003,11 +1113,19 @@ CudaStatus check(const PagedDecodeParams& p) {
   if (gaac) {
     if (!p.gaac_bases) return error("GAAC pages need their bases");
     if (p.k_escape_capacity < 0 || p.v_escape_capacity < 0) return error("negative escape capacity");
-    const size_t raw = size_t(T) * D * (p.format == PageFormat::kGaacBf16 ? 2 : 1);
-    if ((p.n_k_raw_pages > 0 || p.n_v_raw_pages > 0) &&
-        (!p.k_raw_pages || !p.v_raw_pages || !aligned16(p.k_raw_pages) || !aligned16(p.v_raw_pages) ||
-         p.raw_page_stride % 16 != 0 || size_t(p.raw_page_stride) < raw))
-      return error("raw GAAC pages need aligned pools with a stride of at least " + std::to_string(raw) + " bytes");
+  }
+  if (gaac || page_format_metered(p.format)) {
+    // Raw pages: GAAC pages that did not fit their slot ([T][D] of the element), a lossy format's
+    // exact pages ([T][D] bf16). A pool with pages must be there and aligned.
+    const size_t raw = size_t(T) * D * (p.format == PageFormat::kGaacE5M2 ? 1 : 2);
+    if (p.n_k_raw_pages < 0 || p.n_v_raw_pages < 0) return error("negative raw page count");
+    if ((p.n_k_raw_pages > 0 && (!p.k_raw_pages || !aligned16(p.k_raw_pages))) ||
+        (p.n_v_raw_pages > 0 && (!p.v_raw_pages || !aligned16(p.v_raw_pages))) ||
+        ((p.n_k_raw_pages > 0 || p.n_v_raw_pages > 0) &&
+         (p.raw_page_stride % 16 != 0 || size_t(p.raw_page_stride) < raw)))
+      return error(std::string("raw ") + page_format_name(p.format) +
+                   " pages need 16-byte-aligned pools with a stride of at least " + std::to_string(raw) +
+                   " bytes, a multiple of 16");
   }
   if (p.format == PageFormat::kDither8) {
     if (!p.dither_keys) return error("dither8 pages need their generator keys");
@@ -1048,7 +1166,7 @@ int resident_ctas() {
 
 template <int D>
 int resident_ctas_of(const PagedDecodeParams& p) {
-  const bool meter = p.meter != nullptr || p.a_minus_1 != nullptr;
+  const bool meter = meter_on(p);
   switch (p.format) {
     case PageFormat::kBf16: return resident_ctas<D, PageFormat::kBf16, false>();
     case PageFormat::kGaacBf16: return resident_ctas<D, PageFormat::kGaacBf16, false>();

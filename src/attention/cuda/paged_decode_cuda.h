@@ -1,7 +1,8 @@
 // Decode attention on a CUDA device over paged, possibly compressed KV (the device half of the
 // attention layer; DESIGN.md sections 2-4). One kernel structure serves every page class through
 // a codec policy (how a page becomes a tile in shared memory, and what bounds its logit errors);
-// split-KV partials (m, l, the meter's A - 1 and the output) merge by their log-sum-exp weights.
+// split-KV partials (m, l, the meter's A - 1 and value side, and the output) merge by their
+// log-sum-exp weights.
 //
 // Grid: one CTA per (split, kv_head, sequence); its 4 warps take the split's blocks in turn, and
 // every query head of the KV head's group reads each page once (GQA). Scores and the weighted sum
@@ -15,11 +16,20 @@
 //     kGaacBf16       a GAAC slot (docs/format/gaac.md, element bf16)
 //     kGaacE5M2       a GAAC slot over FP8 E5M2 (element e5m2)
 //     kFp8E4M3/E5M2   the lossy raw-cast page (docs/format/lossy_pages.md): [T][D] fp8, then on
-//                     K pages the Tier A witness [bands][T] fp16 (band-major)
+//                     K pages the Tier A witness [bands][T] fp16 (band-major), on V pages rho
+//                     [T] fp16
 //     kDither8        the dither8 page (docs/format/dither8.md): records of D + 2 D/32 + 4 m bytes
-//   k_raw_pages, v_raw_pages: GAAC pages that did not fit their slot, raw ([T][D] bf16, or
-//                      [T][D] e5m2 bytes), stride raw_page_stride; a table entry e < 0 names raw
-//                      page -e - 1.
+//   k_raw_pages, v_raw_pages: raw pages, stride raw_page_stride (a multiple of 16, at least the
+//                      raw page; each pool 16-byte aligned, null when it has no pages); a table
+//                      entry e < 0 names raw page -e - 1 (of n_k_raw_pages / n_v_raw_pages;
+//                      beyond them the entry is corrupt). Contents per `format`:
+//     kGaacBf16       a GAAC page that did not fit its slot: [T][D] bf16
+//     kGaacE5M2       likewise: [T][D] e5m2 bytes
+//     kFp8E4M3/E5M2,  an exact page (a block kept exact: the incomplete tail block, a block that
+//     kDither8        could not be encoded): [T][D] bf16, the exact values. Read on the bf16
+//                     path (query rounded to bf16, bf16 probabilities in P V); its logit bound
+//                     is 0 and its rho 0. K and V pages of a block are raw or not independently.
+//     kBf16           unused (its pages are bf16 already)
 //   k_table, v_table:  [batch][n_kv_heads][table_stride] int32
 //   seq_lens:          [batch] int32, each in [1, table_stride * block_tokens]
 //   gaac_bases:        [2 (K, V)][n_kv_heads][2 (b3, b4)][head_dim] uint8
@@ -27,11 +37,18 @@
 //   outlier_channels:  [n_kv_heads][2 m] int32: the channels of the m exact RoPE pairs of K
 //                      pages, in record order (pair j: channel a then channel b)
 //   q:                 [batch][n_q_heads][head_dim] float; rounded on the device to the tiles'
-//                      element type (bf16 for kBf16 / kGaacBf16, fp16 otherwise), and every
-//                      score, meter and reference is defined with that rounded query
+//                      element type (bf16 for kBf16 / kGaacBf16, fp16 otherwise; bf16 for the
+//                      exact raw pages of the lossy formats), and every score, meter and reference
+//                      is defined with the query so rounded for each page
 //   out:               [batch][n_q_heads][head_dim] float
-//   meter, a_minus_1:  [batch][n_q_heads] float (lossy formats). Both null: the same kernel runs
-//                      without the meter (what its cost is measured against)
+//   meter, a_minus_1:  [batch][n_q_heads] float (lossy formats): A - 1 = sum_t p_t (e^{c_t} - 1)
+//                      lifted by 2^-12, meter = min(1, (A - 1) + (A - 1)^2 / 2)
+//   value_rho:         [batch][n_q_heads] float: the meter's value side sum_t p_t rho_t, rho_t >=
+//                      ||v^_t - v_t|| of a lossy V page (fp8: the page's stored fp16 rho;
+//                      dither8: (1/2 + 2^-8)(1 + 2^-20) sqrt(sum_g 32 s_{t,g}^2) from its scales),
+//                      0 on exact pages; p the kernel's softmax; lifted by 2^-12 (0 for the
+//                      formats without a meter). All three null: the same kernel runs without
+//                      the meter (what its cost is measured against); any one set turns it on
 // Query head h reads KV head h / (n_q_heads / n_kv_heads).
 // Thread safety: launches go to `stream`; the caller orders them and keeps the buffers alive.
 #pragma once
@@ -105,6 +122,7 @@ struct PagedDecodeParams {
   float* out = nullptr;
   float* meter = nullptr;
   float* a_minus_1 = nullptr;
+  float* value_rho = nullptr;
 
   int n_splits = 0;  // 0: chosen from the shape and the device (choose_splits)
   void* workspace = nullptr;
@@ -115,9 +133,9 @@ struct PagedDecodeParams {
 inline constexpr int kMaxDeviceOutlierPairs = 8;
 
 // Whether the kernels handle this shape and these buffers (head_dim 64 or 128, block_tokens 16,
-// GQA ratio integral and at most 8, aligned page pools, the codec parameters a format needs); the
-// message says what is not supported (kUnsupported for shapes, kInvalidArgument for buffers).
-// Never launches.
+// GQA ratio integral and at most 8, aligned page pools and raw pools of a sufficient stride, the
+// codec parameters a format needs); the message says what is not supported (kUnsupported for
+// shapes, kInvalidArgument for buffers). Never launches.
 CudaStatus check(const PagedDecodeParams& params);
 // The split count used when params.n_splits is 0: enough CTAs to fill the device, at least two
 // blocks per warp.
@@ -125,8 +143,9 @@ int choose_splits(const PagedDecodeParams& params);
 // Workspace bytes for params (with its n_splits, or the chosen one when 0).
 size_t workspace_bytes(const PagedDecodeParams& params);
 // check(), then launches the split and merge kernels on params.stream. Asynchronous; a corrupt
-// page entry (outside the pools), GAAC slot (bad tag, escapes past the slot) or sequence length
-// is never read past: it counts in the workspace's error word (read_error_word).
+// page entry (outside the pools or the raw pools), GAAC slot (bad tag, escapes past the slot) or
+// sequence length is never read past: the page reads as zeros and it counts in the workspace's
+// error word (read_error_word).
 CudaStatus paged_decode(const PagedDecodeParams& params);
 // The workspace's error word counts corrupt pages, slots and lengths over every launch since it
 // was last reset (a launch does not reset it, so that timing loops run one kernel pair per call).

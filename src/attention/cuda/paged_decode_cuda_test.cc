@@ -1,9 +1,10 @@
 // The cross-backend harness: every CUDA page format against the CPU references over the same
 // encoded pages (the codecs' `_ref` decoders, double-precision attention, the meter's double
-// formula), on ragged lengths, batches of unequal sequences, GQA ratios, head dims and split
-// counts; meter >= true TV per head; refusals of unsupported shapes and bad buffers; corrupt
-// tables, slots and lengths counted without reading out of bounds (run under compute-sanitizer
-// by scripts/run_cuda_tests.sh). Needs a CUDA device; fails (does not skip) without one.
+// formula and its value side), on ragged lengths, batches of unequal sequences, GQA ratios, head
+// dims and split counts, lossy batches with exact bf16 pages beside the lossy ones; meter >= true
+// TV per head; refusals of unsupported shapes and bad buffers; corrupt tables, slots and lengths
+// counted without reading out of bounds (run under compute-sanitizer by scripts/run_cuda_tests.sh).
+// Needs a CUDA device; fails (does not skip) without one.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -23,6 +24,10 @@ namespace certkv::attention::cuda {
 namespace {
 
 using cache::cuda::DeviceBuffer;
+
+// max and min that keep a NaN: an output never written stays the poison NaN and fails every check.
+double max_keep_nan(double a, double b) { return std::isnan(a) || std::isnan(b) ? NAN : std::max(a, b); }
+double min_keep_nan(double a, double b) { return std::isnan(a) || std::isnan(b) ? NAN : std::min(a, b); }
 
 bool tiles_are_fp16(PageFormat f) { return f != PageFormat::kBf16 && f != PageFormat::kGaacBf16; }
 
@@ -103,6 +108,9 @@ struct Case {
   int n_outlier_pairs = 0;
   codec::RopePairing pairing = codec::RopePairing::kInterleaved;
   bool narrow = false;  // make_kv(..., narrow)
+  // Lossy formats: exact (bf16 raw) pages, DeviceKvOptions::exact_*.
+  int exact_k_every = 0, exact_v_every = 0;
+  bool exact_tail = false;
 };
 
 std::string name_of(const Case& c) {
@@ -110,15 +118,24 @@ std::string name_of(const Case& c) {
   for (int64_t l : c.lens) lens += std::to_string(l) + " ";
   return std::string(page_format_name(c.format)) + " D" + std::to_string(c.head_dim) + " " +
          std::to_string(c.n_q_heads) + "/" + std::to_string(c.n_kv_heads) + " lens " + lens + "splits " +
-         std::to_string(c.n_splits) + " m " + std::to_string(c.n_outlier_pairs);
+         std::to_string(c.n_splits) + " m " + std::to_string(c.n_outlier_pairs) + " exact K 1/" +
+         std::to_string(c.exact_k_every) + " V 1/" + std::to_string(c.exact_v_every) + (c.exact_tail ? " tail" : "");
 }
 
 struct Result {
   double max_rel_err = 0;     // max over heads of ||out - ref|| / ||ref||
   double max_meter_gap = 0;   // max relative |A-1 gpu - A-1 ref|
   double min_meter_slack = 1; // min over heads of meter - true TV (must be >= 0)
+  // The value side against sum_t p_t rho_t in double: max relative gap (infinite when the
+  // reference is 0 and the device's is not), min over heads of gpu / ref - 1 (1 where ref is 0).
+  double max_value_rho_gap = 0;
+  double min_value_rho_excess = 1;
+  // Max over heads of the device's meter, A - 1 and value side (0 where every page is exact).
+  double max_meter = 0, max_a_minus_1 = 0, max_value_rho = 0;
   uint32_t corrupt = 0;
   int64_t raw_pages = 0;
+  // Tokens (per KV head) by page class, [2 k_exact + v_exact] (lossy formats: exact or lossy).
+  std::array<int64_t, 4> token_classes{};
   std::array<int64_t, 3> gaac_modes{};  // GAAC groups by mode (3-bit, 4-bit, raw)
   int64_t gaac_pages_without_escapes = 0;
 };
@@ -134,6 +151,9 @@ Result run_case(const Case& c, uint32_t seed) {
   opt.seed = seed;
   opt.n_outlier_pairs = c.n_outlier_pairs;
   opt.pairing = c.pairing;
+  opt.exact_k_every = c.exact_k_every;
+  opt.exact_v_every = c.exact_v_every;
+  opt.exact_tail = c.exact_tail;
   if (c.format == PageFormat::kGaacBf16 || c.format == PageFormat::kGaacE5M2) {
     calibration = calibrate(c.format, kv);
     opt.gaac = &calibration;
@@ -158,22 +178,29 @@ Result run_case(const Case& c, uint32_t seed) {
   p.sm_scale = 1.f / std::sqrt(float(D));
   p.n_splits = c.n_splits;
   p.delta_loc = 1e-6;
-  DeviceBuffer q_d, out_d, meter_d, am1_d, ws_d;
+  DeviceBuffer q_d, out_d, meter_d, am1_d, rho_d, ws_d;
   const size_t ws = workspace_bytes(p);
   EXPECT_TRUE(DeviceBuffer::allocate(q.size() * 4, &q_d).ok);
   EXPECT_TRUE(q_d.upload(0, q.data(), q.size() * 4).ok);
   EXPECT_TRUE(DeviceBuffer::allocate(q.size() * 4, &out_d).ok);
   EXPECT_TRUE(DeviceBuffer::allocate(size_t(batch) * Hq * 4, &meter_d).ok);
   EXPECT_TRUE(DeviceBuffer::allocate(size_t(batch) * Hq * 4, &am1_d).ok);
+  EXPECT_TRUE(DeviceBuffer::allocate(size_t(batch) * Hq * 4, &rho_d).ok);
   EXPECT_TRUE(DeviceBuffer::allocate(ws, &ws_d).ok);
   std::vector<float> poison(q.size(), std::nanf(""));
   EXPECT_TRUE(out_d.upload(0, poison.data(), poison.size() * 4).ok);  // every element must be written
+  const bool metered = page_format_metered(c.format);
+  if (metered) {  // every meter output must be written too
+    EXPECT_TRUE(meter_d.upload(0, poison.data(), size_t(batch) * Hq * 4).ok);
+    EXPECT_TRUE(am1_d.upload(0, poison.data(), size_t(batch) * Hq * 4).ok);
+    EXPECT_TRUE(rho_d.upload(0, poison.data(), size_t(batch) * Hq * 4).ok);
+  }
   p.q = reinterpret_cast<const float*>(q_d.data());
   p.out = reinterpret_cast<float*>(out_d.data());
-  const bool metered = page_format_metered(c.format);
   if (metered) {
     p.meter = reinterpret_cast<float*>(meter_d.data());
     p.a_minus_1 = reinterpret_cast<float*>(am1_d.data());
+    p.value_rho = reinterpret_cast<float*>(rho_d.data());
   }
   p.workspace = ws_d.data();
   p.workspace_size = ws;
@@ -182,29 +209,39 @@ Result run_case(const Case& c, uint32_t seed) {
   EXPECT_TRUE(s.ok) << s.message;
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_TRUE(read_error_word(p, &res.corrupt).ok);
-  std::vector<float> out(q.size()), meter(size_t(batch) * Hq), am1(meter.size());
+  std::vector<float> out(q.size()), meter(size_t(batch) * Hq), am1(meter.size()), value_rho(meter.size());
   EXPECT_TRUE(out_d.download(0, out.data(), out.size() * 4).ok);
   if (metered) {
     EXPECT_TRUE(meter_d.download(0, meter.data(), meter.size() * 4).ok);
     EXPECT_TRUE(am1_d.download(0, am1.data(), am1.size() * 4).ok);
+    EXPECT_TRUE(rho_d.download(0, value_rho.data(), value_rho.size() * 4).ok);
   }
 
   for (int b = 0; b < batch; ++b) {
     const int64_t len = c.lens[size_t(b)];
     for (int h = 0; h < Hq; ++h) {
       const int kvh = h / G;
-      std::vector<float> qr(static_cast<size_t>(D));
-      for (int d = 0; d < D; ++d) qr[size_t(d)] = round_query(c.format, q[(size_t(b) * Hq + h) * D + d]);
+      // Each K page class sees the query rounded to its tile element: the format's, and bf16 on
+      // a lossy format's exact pages.
+      std::vector<float> qr(static_cast<size_t>(D)), q_exact(static_cast<size_t>(D));
+      for (int d = 0; d < D; ++d) {
+        qr[size_t(d)] = round_query(c.format, q[(size_t(b) * Hq + h) * D + d]);
+        q_exact[size_t(d)] = format::bf16_to_float(format::float_to_bf16(q[(size_t(b) * Hq + h) * D + d]));
+      }
       const float* kr = dkv.k_read()[size_t(b)].data() + size_t(kvh) * size_t(len) * D;
       const float* vr = dkv.v_read()[size_t(b)].data() + size_t(kvh) * size_t(len) * D;
       const uint16_t* kx = kv.k[size_t(b)].data() + size_t(kvh) * size_t(len) * D;
       std::vector<double> s_read(static_cast<size_t>(len)), s_exact(static_cast<size_t>(len));
       double m_read = -INFINITY, m_exact = -INFINITY;
       for (int64_t t = 0; t < len; ++t) {
+        const bool k_exact = dkv.exact_page(true, b, kvh, t / 16);
+        const bool v_exact = dkv.exact_page(false, b, kvh, t / 16);
+        if (h % G == 0) ++res.token_classes[size_t(2 * k_exact + v_exact)];
+        const std::vector<float>& qt = k_exact ? q_exact : qr;
         double a = 0, e = 0;
         for (int d = 0; d < D; ++d) {
-          a += double(qr[size_t(d)]) * kr[size_t(t) * D + d];
-          e += double(qr[size_t(d)]) * format::bf16_to_float(kx[size_t(t) * D + d]);
+          a += double(qt[size_t(d)]) * kr[size_t(t) * D + d];
+          e += double(qt[size_t(d)]) * format::bf16_to_float(kx[size_t(t) * D + d]);
         }
         s_read[size_t(t)] = a * p.sm_scale;
         s_exact[size_t(t)] = e * p.sm_scale;
@@ -217,7 +254,7 @@ Result run_case(const Case& c, uint32_t seed) {
         l_exact += std::exp(s_exact[size_t(t)] - m_exact);
       }
       std::vector<double> ref(static_cast<size_t>(D), 0.0);
-      double tv = 0, am1_ref = 0;
+      double tv = 0, am1_ref = 0, rho_ref = 0;
       detail::QueryBoundWeights w;
       if (metered) w = detail::query_bound_weights(dkv.lossy_spec(true, kvh), qr.data(), p.sm_scale, len, p.delta_loc);
       const int width = c.format == PageFormat::kDither8 ? D / 32 : 16;
@@ -237,8 +274,9 @@ Result run_case(const Case& c, uint32_t seed) {
               sum += double(w.weight[g]) * bt[g];
             }
           }
-          const double ct = w.tier_b ? std::sqrt(var) + sum : sum;
+          const double ct = w.tier_b ? std::sqrt(var) + sum : sum;  // 0 on exact K pages (no bound data)
           am1_ref += pt * std::expm1(ct);
+          rho_ref += pt * dkv.v_rho()[size_t(b)][size_t(kvh) * size_t(len) + size_t(t)];  // 0 on exact V pages
         }
       }
       double num = 0, den = 0;
@@ -255,13 +293,30 @@ Result run_case(const Case& c, uint32_t seed) {
         // device may overflow float (+inf or NaN: meter 1, the bound's answer) but must say 1.
         const double gap = am1_ref < 1.0 ? std::fabs(gpu - am1_ref) / std::max(am1_ref, 1e-6)
                                          : (meter[size_t(b) * Hq + h] == 1.f ? 0.0 : 1.0);
-        res.max_meter_gap = std::max(res.max_meter_gap, gap);
+        res.max_meter_gap = max_keep_nan(res.max_meter_gap, gap);
         // TV is at most 1; its double sum can exceed 1 by rounding when the distributions part.
-        res.min_meter_slack = std::min(res.min_meter_slack, double(meter[size_t(b) * Hq + h]) - std::min(tv, 1.0));
+        const double meter_h = meter[size_t(b) * Hq + h];
+        EXPECT_TRUE(meter_h >= 0 && meter_h <= 1) << name_of(c) << " seq " << b << " head " << h << ": meter " << meter_h;
+        res.min_meter_slack = min_keep_nan(res.min_meter_slack, meter_h - std::min(tv, 1.0));
+        const double rho_gpu = value_rho[size_t(b) * Hq + h];
+        EXPECT_TRUE(std::isfinite(rho_gpu)) << name_of(c) << " seq " << b << " head " << h << ": value side";
+        const double rho_gap = rho_ref > 0 ? std::fabs(rho_gpu - rho_ref) / rho_ref : (rho_gpu == 0 ? 0.0 : INFINITY);
+        res.max_value_rho_gap = max_keep_nan(res.max_value_rho_gap, rho_gap);
+        res.min_value_rho_excess = min_keep_nan(res.min_value_rho_excess, rho_ref > 0 ? rho_gpu / rho_ref - 1 : 1.0);
+        res.max_meter = max_keep_nan(res.max_meter, meter_h);
+        res.max_a_minus_1 = max_keep_nan(res.max_a_minus_1, std::fabs(gpu));
+        res.max_value_rho = max_keep_nan(res.max_value_rho, std::fabs(rho_gpu));
       }
     }
   }
   return res;
+}
+
+// The value side against the double sum_t p_t rho_t: within 10^-3 (the kernel lifts it by 2^-12
+// for its float sums) and never below it beyond 10^-5 (the kernel's float logits).
+void expect_value_side_matches(const Result& r, const std::string& name) {
+  EXPECT_LT(r.max_value_rho_gap, 1e-3) << name << ": value side";
+  EXPECT_GE(r.min_value_rho_excess, -1e-5) << name << ": value side below the reference";
 }
 
 TEST(PagedDecodeCuda, DeviceIsPresent) { ASSERT_GT(device_count(), 0) << "no CUDA device: run these tests on the GPU machine"; }
@@ -294,6 +349,7 @@ TEST(PagedDecodeCuda, EveryFormatMatchesTheReferenceOnRaggedBatches) {
       if (page_format_metered(f)) {
         EXPECT_LT(r.max_meter_gap, 2e-3) << name_of(c);
         EXPECT_GE(r.min_meter_slack, 0.0) << name_of(c) << ": meter below the true TV";
+        expect_value_side_matches(r, name_of(c));
       }
     }
     if (f == PageFormat::kGaacBf16 || f == PageFormat::kGaacE5M2) {  // every decoder path ran
@@ -332,6 +388,117 @@ TEST(PagedDecodeCuda, GaacSpikesGoToEscapesAndRawPages) {
   EXPECT_GT(dkv.raw_pages(), 0);
   const Result r = run_case(c, 99);  // its own calibration: escapes in slots
   EXPECT_LT(r.max_rel_err, 4e-3);
+}
+
+// A lossy session keeps its incomplete tail block, and blocks it cannot encode, as exact bf16
+// pages beside the lossy ones: one launch reads both classes, K and V independently, the exact
+// pages on the bf16 path (bf16 query, bf16 probabilities) with c = 0 and rho = 0. The references
+// read the exact values there and compute A - 1 and the value side with 0 on those pages.
+TEST(PagedDecodeCuda, LossyFormatsWithExactPagesMatchTheReference) {
+  const PageFormat formats[] = {PageFormat::kFp8E4M3, PageFormat::kFp8E5M2, PageFormat::kDither8};
+  struct Shape {
+    int d, hq, hkv;
+    std::vector<int64_t> lens;
+    int splits, k_every, v_every;
+    bool tail;
+  };
+  const std::vector<Shape> shapes = {
+      {128, 8, 8, {300, 31}, 1, 3, 4, true},          // GQA 1, one split
+      {64, 8, 2, {17, 1601, 40}, 3, 2, 2, true},      // GQA 4: K and V exact on the same or other blocks
+      {128, 28, 4, {1, 16, 4099}, 0, 5, 0, true},     // GQA 7: exact K pages (and the tails)
+      {64, 8, 1, {2048, 33}, 0, 0, 3, false},         // GQA 8: exact V pages only
+      {128, 16, 2, {515, 129}, 3, 1, 0, false},       // every K page exact, V lossy
+      {64, 12, 3, {777, 5}, 0, 0, 1, true},           // every V page exact, K lossy but the tails
+      {128, 32, 8, {1000, 70, 3001}, 0, 7, 2, true},  // GQA 4, splits chosen
+  };
+  uint32_t seed = 500;
+  for (PageFormat f : formats) {
+    std::array<int64_t, 4> classes{};
+    for (const Shape& s : shapes) {
+      Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, f == PageFormat::kDither8 ? 4 : 0,
+             seed % 2 ? codec::RopePairing::kHalfSplit : codec::RopePairing::kInterleaved};
+      c.exact_k_every = s.k_every;
+      c.exact_v_every = s.v_every;
+      c.exact_tail = s.tail;
+      const Result r = run_case(c, seed++);
+      for (int i = 0; i < 4; ++i) classes[size_t(i)] += r.token_classes[size_t(i)];
+      EXPECT_GT(r.raw_pages, 0) << name_of(c);
+      const int64_t exact_k = r.token_classes[2] + r.token_classes[3], exact_v = r.token_classes[1] + r.token_classes[3];
+      const int64_t lossy_k = r.token_classes[0] + r.token_classes[1], lossy_v = r.token_classes[0] + r.token_classes[2];
+      EXPECT_EQ(exact_k > 0, s.k_every > 0 || s.tail) << name_of(c);
+      EXPECT_EQ(exact_v > 0, s.v_every > 0 || s.tail) << name_of(c);
+      EXPECT_EQ(lossy_k > 0, s.k_every != 1) << name_of(c);
+      EXPECT_EQ(lossy_v > 0, s.v_every != 1) << name_of(c);
+      EXPECT_LT(r.max_rel_err, 4e-3) << name_of(c);
+      EXPECT_EQ(r.corrupt, 0u) << name_of(c);
+      EXPECT_LT(r.max_meter_gap, 2e-3) << name_of(c);
+      EXPECT_GE(r.min_meter_slack, 0.0) << name_of(c) << ": meter below the true TV";
+      expect_value_side_matches(r, name_of(c));
+    }
+    // Every pairing of the classes ran: both lossy, exact K with lossy V, the reverse, both exact.
+    for (int i = 0; i < 4; ++i) EXPECT_GT(classes[size_t(i)], 0) << page_format_name(f) << ": token class " << i;
+  }
+}
+
+// Every page exact: nothing for the meter to bound, so A - 1, the meter and the value side are
+// exactly 0, and the output is bf16 attention over the exact values.
+TEST(PagedDecodeCuda, LossyBatchWithEveryPageExactHasAZeroMeter) {
+  for (PageFormat f : {PageFormat::kFp8E4M3, PageFormat::kFp8E5M2, PageFormat::kDither8}) {
+    for (const Case& shape : {Case{f, 128, 16, 4, {333, 16}, 0}, Case{f, 64, 7, 7, {1, 900}, 3}}) {
+      Case c = shape;
+      c.n_outlier_pairs = f == PageFormat::kDither8 ? 2 : 0;
+      c.exact_k_every = c.exact_v_every = 1;
+      const Result r = run_case(c, 77);
+      EXPECT_EQ(r.token_classes[0] + r.token_classes[1] + r.token_classes[2], 0) << name_of(c);
+      EXPECT_GT(r.token_classes[3], 0) << name_of(c);
+      EXPECT_LT(r.max_rel_err, 4e-3) << name_of(c);
+      EXPECT_EQ(r.corrupt, 0u) << name_of(c);
+      EXPECT_EQ(r.max_meter, 0.0) << name_of(c);
+      EXPECT_EQ(r.max_a_minus_1, 0.0) << name_of(c);
+      EXPECT_EQ(r.max_value_rho, 0.0) << name_of(c);
+      EXPECT_GE(r.min_meter_slack, 0.0) << name_of(c);
+    }
+  }
+}
+
+// Formats without lossy pages: the value side (and A - 1, the meter) are 0 when asked for.
+TEST(PagedDecodeCuda, ValueSideIsZeroWithoutLossyPages) {
+  for (PageFormat f : {PageFormat::kBf16, PageFormat::kGaacBf16}) {
+    const HostLayerKv kv = make_kv(1, 2, 64, {200}, 21);
+    codec::GaacCalibration calibration = calibrate(f, kv);
+    DeviceKvOptions opt;
+    opt.format = f;
+    opt.gaac = &calibration;
+    DeviceKv dkv;
+    ASSERT_TRUE(DeviceKv::build(kv, opt, &dkv).ok);
+    PagedDecodeParams p;
+    dkv.describe(&p);
+    p.n_q_heads = 4;
+    p.sm_scale = 0.125f;
+    DeviceBuffer q_d, out_d, side_d, ws_d;
+    const std::vector<float> q(size_t(4) * 64, 0.25f), poison(12, std::nanf(""));
+    ASSERT_TRUE(DeviceBuffer::allocate(q.size() * 4, &q_d).ok);
+    ASSERT_TRUE(q_d.upload(0, q.data(), q.size() * 4).ok);
+    ASSERT_TRUE(DeviceBuffer::allocate(q.size() * 4, &out_d).ok);
+    ASSERT_TRUE(DeviceBuffer::allocate(poison.size() * 4, &side_d).ok);
+    ASSERT_TRUE(side_d.upload(0, poison.data(), poison.size() * 4).ok);
+    ASSERT_TRUE(DeviceBuffer::allocate(workspace_bytes(p), &ws_d).ok);
+    p.q = reinterpret_cast<const float*>(q_d.data());
+    p.out = reinterpret_cast<float*>(out_d.data());
+    p.meter = reinterpret_cast<float*>(side_d.data());
+    p.a_minus_1 = p.meter + 4;
+    p.value_rho = p.meter + 8;
+    p.workspace = ws_d.data();
+    p.workspace_size = workspace_bytes(p);
+    ASSERT_TRUE(reset_error_word(p).ok);
+    ASSERT_TRUE(paged_decode(p).ok) << page_format_name(f);
+    uint32_t corrupt = 1;
+    ASSERT_TRUE(read_error_word(p, &corrupt).ok);
+    EXPECT_EQ(corrupt, 0u);
+    std::vector<float> side(poison.size());
+    ASSERT_TRUE(side_d.download(0, side.data(), side.size() * 4).ok);
+    for (float x : side) EXPECT_EQ(x, 0.f) << page_format_name(f);
+  }
 }
 
 TEST(PagedDecodeCuda, UnsupportedShapesAndBadBuffersAreRefused) {
@@ -391,6 +558,62 @@ TEST(PagedDecodeCuda, UnsupportedShapesAndBadBuffersAreRefused) {
   p = base();
   p.head_dim = 96;
   EXPECT_FALSE(paged_decode(p).ok);  // refused before any launch
+}
+
+// The raw pools of a lossy format (its exact bf16 pages): present where they have pages, aligned,
+// a stride of at least a bf16 page and a multiple of 16; a pool without pages may be absent.
+TEST(PagedDecodeCuda, LossyRawPoolsAreChecked) {
+  for (PageFormat f : {PageFormat::kFp8E4M3, PageFormat::kDither8}) {
+    const HostLayerKv kv = make_kv(1, 2, 64, {100}, 7);
+    DeviceKvOptions opt;
+    opt.format = f;
+    opt.exact_k_every = 3;
+    opt.exact_v_every = 2;
+    opt.exact_tail = true;
+    DeviceKv dkv;
+    ASSERT_TRUE(DeviceKv::build(kv, opt, &dkv).ok);
+    DeviceBuffer buf;
+    ASSERT_TRUE(DeviceBuffer::allocate(1 << 20, &buf).ok);
+    auto base = [&] {
+      PagedDecodeParams p;
+      dkv.describe(&p);
+      p.n_q_heads = 4;
+      p.sm_scale = 0.125f;
+      p.q = reinterpret_cast<const float*>(buf.data());
+      p.out = reinterpret_cast<float*>(buf.data() + 4096);
+      p.workspace = buf.data() + 65536;
+      p.workspace_size = 1 << 19;
+      return p;
+    };
+    const std::string name = page_format_name(f);
+    PagedDecodeParams p = base();
+    ASSERT_GT(p.n_k_raw_pages, 0) << name;
+    ASSERT_GT(p.n_v_raw_pages, 0) << name;
+    EXPECT_EQ(p.raw_page_stride, 16 * 64 * 2) << name;
+    EXPECT_TRUE(check(p).ok) << name << ": " << check(p).message;
+    p.raw_page_stride -= 16;  // smaller than a bf16 page
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    EXPECT_NE(check(p).message.find("raw"), std::string::npos) << name << ": " << check(p).message;
+    p = base();
+    p.raw_page_stride += 8;  // not a multiple of 16
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    p = base();
+    p.k_raw_pages += 8;  // misaligned
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    p = base();
+    p.v_raw_pages = nullptr;  // pages without a pool
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    p = base();
+    p.n_k_raw_pages = -1;
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    p = base();
+    p.v_raw_pages = nullptr;  // no V raw pool at all: fine (its entries would be corrupt)
+    p.n_v_raw_pages = 0;
+    EXPECT_TRUE(check(p).ok) << name << ": " << check(p).message;
+    p = base();
+    p.raw_page_stride -= 16;
+    EXPECT_FALSE(paged_decode(p).ok) << name;  // refused before any launch
+  }
 }
 
 TEST(PagedDecodeCuda, OutOfDeviceMemoryIsAStatus) {
@@ -462,6 +685,69 @@ TEST(PagedDecodeCuda, CorruptEntriesAreCountedNotRead) {
       ASSERT_TRUE(read_error_word(p, &corrupt).ok);
       EXPECT_EQ(corrupt, 3u);
     }
+  }
+}
+
+// A lossy format's raw entries outside its raw pools (past the K pool, into a V pool that does not
+// exist) are counted and read as zeros; outputs and the meter stay finite.
+TEST(PagedDecodeCuda, ExactPageEntriesOutsideTheRawPoolsAreCounted) {
+  for (PageFormat f : {PageFormat::kFp8E4M3, PageFormat::kDither8}) {
+    const HostLayerKv kv = make_kv(1, 2, 128, {256}, 13);
+    DeviceKvOptions opt;
+    opt.format = f;
+    opt.n_outlier_pairs = f == PageFormat::kDither8 ? 2 : 0;
+    opt.exact_k_every = 2;  // exact K pages only: no V raw pool
+    DeviceKv dkv;
+    ASSERT_TRUE(DeviceKv::build(kv, opt, &dkv).ok);
+    PagedDecodeParams p;
+    dkv.describe(&p);
+    const std::string name = page_format_name(f);
+    ASSERT_GT(p.n_k_raw_pages, 0) << name;
+    ASSERT_EQ(p.n_v_raw_pages, 0) << name;
+    ASSERT_EQ(p.v_raw_pages, nullptr) << name;
+    p.n_q_heads = 8;
+    p.sm_scale = 0.088f;
+    DeviceBuffer q_d, out_d, side_d, ws_d, table_d;
+    std::vector<float> q(size_t(8) * 128, 0.5f);
+    ASSERT_TRUE(DeviceBuffer::allocate(q.size() * 4, &q_d).ok);
+    ASSERT_TRUE(q_d.upload(0, q.data(), q.size() * 4).ok);
+    ASSERT_TRUE(DeviceBuffer::allocate(q.size() * 4, &out_d).ok);
+    ASSERT_TRUE(DeviceBuffer::allocate(3 * 8 * 4, &side_d).ok);
+    ASSERT_TRUE(DeviceBuffer::allocate(workspace_bytes(p), &ws_d).ok);
+    p.q = reinterpret_cast<const float*>(q_d.data());
+    p.out = reinterpret_cast<float*>(out_d.data());
+    p.meter = reinterpret_cast<float*>(side_d.data());
+    p.a_minus_1 = p.meter + 8;
+    p.value_rho = p.meter + 16;
+    p.workspace = ws_d.data();
+    p.workspace_size = workspace_bytes(p);
+    ASSERT_TRUE(check(p).ok) << check(p).message;
+    // Tables [K, V][kv_head][16 blocks]: an exact K entry one past the K raw pool, a lossy K entry
+    // far past it, a V entry naming a raw page of the absent V pool.
+    std::vector<int32_t> tables(size_t(2) * 2 * 16);
+    ASSERT_EQ(cudaMemcpy(tables.data(), p.k_table, tables.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    int exact_k = -1, lossy_k = -1;
+    for (int i = 0; i < 32; ++i) (tables[size_t(i)] < 0 ? exact_k : lossy_k) = i;
+    ASSERT_GE(exact_k, 0);
+    ASSERT_GE(lossy_k, 0);
+    tables[size_t(exact_k)] = -int32_t(p.n_k_raw_pages) - 1;
+    tables[size_t(lossy_k)] = -int32_t(p.n_k_raw_pages) - 1000;
+    ASSERT_GE(tables[32 + 7], 0);
+    tables[32 + 7] = -1;
+    ASSERT_TRUE(DeviceBuffer::allocate(tables.size() * 4, &table_d).ok);
+    ASSERT_TRUE(table_d.upload(0, tables.data(), tables.size() * 4).ok);
+    p.k_table = reinterpret_cast<const int32_t*>(table_d.data());
+    p.v_table = p.k_table + 32;
+    ASSERT_TRUE(reset_error_word(p).ok);
+    ASSERT_TRUE(paged_decode(p).ok);
+    uint32_t corrupt = 0;
+    ASSERT_TRUE(read_error_word(p, &corrupt).ok);
+    EXPECT_EQ(corrupt, 3u) << name;
+    std::vector<float> out(q.size()), side(3 * 8);
+    ASSERT_EQ(cudaMemcpy(out.data(), p.out, out.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_TRUE(side_d.download(0, side.data(), side.size() * 4).ok);
+    for (float x : out) EXPECT_TRUE(std::isfinite(x)) << name;
+    for (float x : side) EXPECT_TRUE(std::isfinite(x)) << name;
   }
 }
 

@@ -498,7 +498,8 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(AttendArgs a) {
     qb[kk][1] = pack2<false>(live ? qrow[16 * kk + 2 * hq + 8] : 0.f, live ? qrow[16 * kk + 2 * hq + 9] : 0.f);
   }
 
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, d_run[2] = {0.f, 0.f};
+  // No meter here: the partials d and r stay zero.
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, d_run[2] = {0.f, 0.f}, r_run[2] = {0.f, 0.f};
   float o_acc[D / 16][4];
 #pragma unroll
   for (int i = 0; i < D / 16; ++i) o_acc[i][0] = o_acc[i][1] = o_acc[i][2] = o_acc[i][3] = 0.f;
@@ -586,7 +587,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(AttendArgs a) {
   }
   cp_async_wait<0>();
   __syncthreads();  // the tiles are reused as the merge area
-  write_split_partials<D, kWarps>(sh.u.merge, warp, lane, m_run, l_run, d_run, o_acc, group,
+  write_split_partials<D, kWarps>(sh.u.merge, warp, lane, m_run, l_run, d_run, r_run, o_acc, group,
                                   int64_t(b) * p.n_q_heads + int64_t(kv_head) * group, a.n_splits, split, a.part_mld,
                                   a.part_o);
 }
@@ -635,7 +636,7 @@ Layout layout_of(const SparseDecodeParams& p, int splits) {
   l.theta = take(rows * 4);
   l.entries = take(lists * size_t(std::max<int64_t>(l.n_chunks, 1)) * kSparseChunkTokens * 4);
   l.counts = take(lists * size_t(std::max<int64_t>(l.n_chunks, 1)) * 4);
-  l.mld = take(rows * size_t(splits) * 3 * 4);
+  l.mld = take(rows * size_t(splits) * kSplitPartials * 4);
   l.o = take(rows * size_t(splits) * size_t(p.head_dim) * 4);
   l.total = at;
   return l;
@@ -693,8 +694,8 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
   const size_t smem = sizeof(SparseShared<D>);
   resident_attend_ctas<D>();  // sets the shared-memory attribute once
   attend_kernel<D><<<dim3(unsigned(splits), unsigned(p.n_kv_heads), unsigned(p.batch)), kThreads, smem, stream>>>(a);
-  merge_splits_kernel<D><<<p.batch * p.n_q_heads, D, 0, stream>>>(p.out, nullptr, nullptr, splits, a.part_mld,
-                                                                   a.part_o);
+  merge_splits_kernel<D><<<p.batch * p.n_q_heads, D, 0, stream>>>(p.out, nullptr, nullptr, nullptr, splits,
+                                                                   a.part_mld, a.part_o);
   e = cudaGetLastError();
   if (e != cudaSuccess)
     return CudaStatus{false, StatusCode::kInternal, std::string("cuda sparse decode: launch failed: ") + cudaGetErrorString(e)};

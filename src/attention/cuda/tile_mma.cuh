@@ -3,6 +3,8 @@
 // three steps of attending one 16-token tile (scores, online softmax, P V) in the layout where the
 // tile's tokens are the 16 rows of mma.m16n8k16 and the query heads of one KV head its 8 columns,
 // the merge of a CTA's warps into per-split partials, and the kernel that merges the splits.
+// Per (split, query head) the partials are m, l, d, r: the running maximum (base 2), the sum of p,
+// the meter's sum of p (e^c - 1) and its value side sum of p rho (0 where a kernel has no meter).
 //
 // Lane l of a warp holds tokens tq = l / 4 and tq + 8 of the tile and heads 2 hq, 2 hq + 1
 // (hq = l % 4): scores s[0], s[1] (token tq), s[2], s[3] (token tq + 8); output accumulators
@@ -114,6 +116,35 @@ __device__ inline void tile_scores(const uint16_t (*tile_k)[D + 8], const uint32
   }
 }
 
+// Scores S^T = K Q^T of one tile, Q^T read from shared memory by ldmatrix instead of held in
+// registers (for a page class that is rare in its kernel, whose registers hold the Q^T of another
+// element type). q_rows: [8][D] elements, head-major, each row's 16-byte chunks swizzled (chunk c
+// of row r stored at chunk c ^ r) so that the 8 rows of an ldmatrix phase hit distinct banks.
+template <int D, bool kHalf>
+__device__ inline void tile_scores_shared_q(const uint16_t (*tile_k)[D + 8], const uint16_t (*q_rows)[D], int lane,
+                                            float (&s)[4]) {
+  const int ld_token = ((lane >> 3) & 1) * 8 + (lane & 7);
+  const int ld_dim = (lane >> 4) * 8;
+  const int q_row = lane & 7, q_chunk = lane >> 3;  // matrix j of ldsm_x4: channels 32 kp + 8 j
+#pragma unroll
+  for (int kp = 0; kp < D / 32; ++kp) {
+    uint32_t qb[4];  // B operands of steps 2 kp (qb[0], qb[1]) and 2 kp + 1 (qb[2], qb[3])
+    ldsm_x4(qb, &q_rows[q_row][8 * ((4 * kp + q_chunk) ^ q_row)]);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      uint32_t r[4];
+      ldsm_x4(r, &tile_k[ld_token][16 * (2 * kp + j) + ld_dim]);
+      mma16816<kHalf>(s, r, qb[2 * j], qb[2 * j + 1]);
+    }
+  }
+}
+
+// Where channel c of head row g lives in a q_rows tile of tile_scores_shared_q.
+template <int D>
+__host__ __device__ constexpr int shared_q_index(int g, int c) {
+  return g * D + 8 * ((c / 8) ^ (g % 8)) + c % 8;
+}
+
 // Online softmax (base 2) over one tile, per head 2 hq + e: s are logits in log2 units, -inf where
 // masked. Updates the running max and this lane's partial sum, returns the probabilities, the
 // rescale of the earlier state, and the new max (per head).
@@ -163,21 +194,25 @@ __device__ inline void tile_pv(const uint16_t (*tile_v)[D + 8], const float (&pr
   }
 }
 
+// Partials per (split, query head) in the workspace: m, l, d, r.
+inline constexpr int kSplitPartials = 4;
+
 // The partial state of the CTA's warps, merged in shared memory.
 template <int D, int kWarps>
 struct WarpMerge {
-  float m[kWarps][kTileHeads], l[kWarps][kTileHeads], d[kWarps][kTileHeads];
+  float m[kWarps][kTileHeads], l[kWarps][kTileHeads], d[kWarps][kTileHeads], r[kWarps][kTileHeads];
   float o[kWarps][kTileHeads][D];
 };
 
 // Reduces each lane's partial sums over the 8 lanes of its heads, merges the CTA's warps in mg
 // (callers synchronize the CTA before: mg usually aliases the tiles), and writes rows
-// part_row0 + g (g < group) of the split partials: part_mld[row][split][3], part_o[row][split][D].
+// part_row0 + g (g < group) of the split partials: part_mldr[row][split][kSplitPartials] (m, l, d,
+// r), part_o[row][split][D]. d_run, r_run: the meter's running sums (zeros without a meter).
 template <int D, int kWarps>
 __device__ inline void write_split_partials(WarpMerge<D, kWarps>& mg, int warp, int lane, float (&m_run)[2],
-                                            float (&l_run)[2], float (&d_run)[2], const float (&o)[D / 16][4],
-                                            int group, int64_t part_row0, int n_splits, int split, float* part_mld,
-                                            float* part_o) {
+                                            float (&l_run)[2], float (&d_run)[2], float (&r_run)[2],
+                                            const float (&o)[D / 16][4], int group, int64_t part_row0, int n_splits,
+                                            int split, float* part_mldr, float* part_o) {
   const int tq = lane >> 2, hq = lane & 3;
 #pragma unroll
   for (int e = 0; e < 2; ++e)
@@ -185,6 +220,7 @@ __device__ inline void write_split_partials(WarpMerge<D, kWarps>& mg, int warp, 
     for (int x = 4; x < 32; x <<= 1) {
       l_run[e] += __shfl_xor_sync(0xffffffffu, l_run[e], x);
       d_run[e] += __shfl_xor_sync(0xffffffffu, d_run[e], x);
+      r_run[e] += __shfl_xor_sync(0xffffffffu, r_run[e], x);
     }
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
@@ -193,6 +229,7 @@ __device__ inline void write_split_partials(WarpMerge<D, kWarps>& mg, int warp, 
       mg.m[warp][head] = m_run[e];
       mg.l[warp][head] = l_run[e];
       mg.d[warp][head] = d_run[e];
+      mg.r[warp][head] = r_run[e];
     }
 #pragma unroll
     for (int pp = 0; pp < D / 16; ++pp) {
@@ -205,87 +242,98 @@ __device__ inline void write_split_partials(WarpMerge<D, kWarps>& mg, int warp, 
     const int g = i / D, c = i % D;
     float big = -INFINITY;
     for (int w = 0; w < kWarps; ++w) big = fmaxf(big, mg.m[w][g]);
-    float acc = 0.f, l = 0.f, d = 0.f;
+    float acc = 0.f, l = 0.f, d = 0.f, r = 0.f;
     for (int w = 0; w < kWarps; ++w) {
       if (mg.m[w][g] == -INFINITY) continue;
       const float f = exp2f(mg.m[w][g] - big);
       acc += f * mg.o[w][g][c];
       l += f * mg.l[w][g];
       d += f * mg.d[w][g];
+      r += f * mg.r[w][g];
     }
     const int64_t part = (part_row0 + g) * n_splits + split;
     part_o[part * D + c] = acc;
-    if (c == 0) {
-      part_mld[part * 3 + 0] = big;
-      part_mld[part * 3 + 1] = l;
-      part_mld[part * 3 + 2] = d;
-    }
+    if (c == 0)
+      *reinterpret_cast<float4*>(part_mldr + part * kSplitPartials) = make_float4(big, l, d, r);
   }
 }
 
 // Merges the splits of each (sequence, query head) by their log-sum-exp weights (base 2):
-// out = sum_s 2^{m_s - M} o_s / sum_s 2^{m_s - M} l_s, and likewise A - 1 = sum 2^{..} d_s / L.
-// One CTA of blockDim.x threads per row: the split weights are reduced across the CTA first, then
-// every thread sums its channels with the loads of many splits in flight.
-// part_mld: [rows][n_splits][3] (m, l, d: base-2 running max, sum of p, sum of p (e^c - 1));
-// part_o: [rows][n_splits][D]; out: [rows][D]; meter, a_minus_1: [rows] or null.
+// out = sum_s 2^{m_s - M} o_s / sum_s 2^{m_s - M} l_s, and likewise A - 1 = sum 2^{..} d_s / L and
+// the value side sum_t p_t rho_t = sum 2^{..} r_s / L. One CTA of blockDim.x threads per row: the
+// split weights are reduced across the CTA first, then every thread sums its channels with the
+// loads of many splits in flight.
+// part_mldr: [rows][n_splits][kSplitPartials] (m, l, d, r: base-2 running max, sum of p, sum of
+// p (e^c - 1), sum of p rho); part_o: [rows][n_splits][D]; out: [rows][D]; meter, a_minus_1,
+// value_rho: [rows] or null.
 template <int D>
-__global__ void merge_splits_kernel(float* out, float* meter, float* a_minus_1, int n_splits, const float* part_mld,
-                                    const float* part_o) {
-  __shared__ float red[3][32];
+__global__ void merge_splits_kernel(float* out, float* meter, float* a_minus_1, float* value_rho, int n_splits,
+                                    const float* part_mldr, const float* part_o) {
+  __shared__ float red[4][32];
   const int64_t row = blockIdx.x;  // b * n_q_heads + h
-  const float* mld = part_mld + row * n_splits * 3;
+  const float* mldr = part_mldr + row * n_splits * kSplitPartials;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
   float big = -INFINITY;
-  for (int s = threadIdx.x; s < n_splits; s += blockDim.x) big = fmaxf(big, mld[3 * s]);
+  for (int s = threadIdx.x; s < n_splits; s += blockDim.x) big = fmaxf(big, mldr[kSplitPartials * s]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
   if (lane == 0) red[0][warp] = big;
   __syncthreads();
   big = red[0][0];
   for (int w = 1; w < n_warps; ++w) big = fmaxf(big, red[0][w]);
-  float l = 0.f, d = 0.f;
+  float l = 0.f, d = 0.f, r = 0.f;
   for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
-    if (mld[3 * s] == -INFINITY) continue;
-    const float f = exp2f(mld[3 * s] - big);
-    l += f * mld[3 * s + 1];
-    d += f * mld[3 * s + 2];
+    const float4 x = *reinterpret_cast<const float4*>(mldr + kSplitPartials * s);
+    if (x.x == -INFINITY) continue;
+    const float f = exp2f(x.x - big);
+    l += f * x.y;
+    d += f * x.z;
+    r += f * x.w;
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     l += __shfl_xor_sync(0xffffffffu, l, o);
     d += __shfl_xor_sync(0xffffffffu, d, o);
+    r += __shfl_xor_sync(0xffffffffu, r, o);
   }
   __syncthreads();
   if (lane == 0) {
     red[1][warp] = l;
     red[2][warp] = d;
+    red[3][warp] = r;
   }
   __syncthreads();
   l = 0.f;
   d = 0.f;
+  r = 0.f;
   for (int w = 0; w < n_warps; ++w) {  // the same order in every thread
     l += red[1][w];
     d += red[2][w];
+    r += red[3][w];
   }
   const float* po = part_o + row * int64_t(n_splits) * D;
   for (int c = threadIdx.x; c < D; c += blockDim.x) {
     float o = 0.f;
 #pragma unroll 8
     for (int s = 0; s < n_splits; ++s) {
-      const float m = mld[3 * s];
+      const float m = mldr[kSplitPartials * s];
       const float f = m == -INFINITY ? 0.f : exp2f(m - big);
       o += f * po[int64_t(s) * D + c];
     }
     out[row * D + c] = o / l;
   }
-  if (threadIdx.x == 0 && (meter != nullptr || a_minus_1 != nullptr)) {
-    // A - 1 = d / l, lifted by 2^-12 relative for the float sums over the splits and warps
-    // (docs/cuda.md); the meter min(1, (A^2 - 1) / 2) = min(1, (A - 1) + (A - 1)^2 / 2).
-    const double am1 = double(d) / double(l) * (1.0 + 1.0 / 4096.0);
-    const double bound = isfinite(am1) ? fmin(1.0, am1 + 0.5 * am1 * am1) : 1.0;
-    if (a_minus_1 != nullptr) a_minus_1[row] = float(am1);
-    if (meter != nullptr) meter[row] = float(bound);
+  if (threadIdx.x == 0) {
+    // A - 1 = d / l and the value side r / l, each lifted by 2^-12 relative for the float sums
+    // over the tokens, warps and splits (docs/cuda.md); the meter min(1, (A^2 - 1) / 2) =
+    // min(1, (A - 1) + (A - 1)^2 / 2).
+    constexpr double kLift = 1.0 + 1.0 / 4096.0;
+    if (meter != nullptr || a_minus_1 != nullptr) {
+      const double am1 = double(d) / double(l) * kLift;
+      const double bound = isfinite(am1) ? fmin(1.0, am1 + 0.5 * am1 * am1) : 1.0;
+      if (a_minus_1 != nullptr) a_minus_1[row] = float(am1);
+      if (meter != nullptr) meter[row] = float(bound);
+    }
+    if (value_rho != nullptr) value_rho[row] = float(double(r) / double(l) * kLift);
   }
 }
 

@@ -10,6 +10,8 @@
 
 #include "cache/cuda/append_rows_cuda.h"
 #include "codec/cuda/gaac_encode_cuda.h"
+#include "codec/cuda/lossy_encode_cuda.h"
+#include "format/numeric.h"
 #include "format/gaac_layout.h"
 
 namespace certkv::cache::cuda {
@@ -53,7 +55,16 @@ format::GaacElement scheme_element(KvScheme scheme) {
   return scheme == KvScheme::kGaacE5M2 ? format::GaacElement::kFp8E5M2 : format::GaacElement::kBf16;
 }
 
+bool lossy_on_device(KvScheme scheme) {
+  return scheme == KvScheme::kFp8E4M3 || scheme == KvScheme::kFp8E5M2 || scheme == KvScheme::kDither8;
+}
+
 }  // namespace
+
+bool device_kv_serves(KvScheme scheme) {
+  return scheme == KvScheme::kBf16 || scheme == KvScheme::kGaac || scheme == KvScheme::kGaacE5M2 ||
+         lossy_on_device(scheme);
+}
 
 // A pool of fixed-stride pages with a host free list; pages [0, next) were handed out.
 struct PagePool {
@@ -94,29 +105,50 @@ struct PagePool {
 };
 
 struct DeviceKvCache::Layer {
-  PagePool raw;                    // bf16: every page; GAAC: tails and blocks that did not fit
-  PagePool slots[2];               // GAAC: K and V slots
+  PagePool raw;                    // bf16: every page; GAAC, lossy: tails, blocks kept raw
+  PagePool slots[2];               // GAAC: K and V slots; lossy: K and V pages
   size_t escape_capacity[2] = {0, 0};
-  std::vector<uint32_t> slot_used[2];  // used bytes of each slot (read_page)
+  std::vector<uint32_t> slot_used[2];  // GAAC: used bytes of each slot (read_page)
   DeviceBuffer tables;             // [2][n_kv_heads][table_stride] int32
   std::vector<int32_t> host_tables;
-  DeviceBuffer bases;              // [2][n_kv_heads][2][head_dim]
+  DeviceBuffer bases;              // GAAC: [2][n_kv_heads][2][head_dim]
+  DeviceBuffer dither_keys;        // dither8: [2][n_kv_heads] uint64
+  DeviceBuffer outlier_pairs;      // dither8: [n_kv_heads][m] uint16 (the encoder's lists)
+  DeviceBuffer outlier_channels;   // dither8: [n_kv_heads][2 m] int32 (the kernels' channels)
+  std::vector<uint8_t> outliers_chosen;  // dither8: [n_kv_heads]
+  // dither8: K rows of positions [0, block_tokens), rounded to bf16, of each head whose pairs are
+  // not chosen yet: [n_kv_heads][block_tokens][head_dim].
+  std::vector<float> first_rows;
 };
 
 DeviceKvCache::~DeviceKvCache() = default;
 
 CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_ptr<DeviceKvCache>* out) {
   const KvScheme scheme = config.scheme;
-  if (scheme != KvScheme::kBf16 && scheme != KvScheme::kGaac && scheme != KvScheme::kGaacE5M2)
+  if (!device_kv_serves(scheme))
     return cuda_error(StatusCode::kUnsupported, std::string("device KV cache: scheme ") + kv_scheme_name(scheme) +
-                                                    " is not served on the device (bf16, gaac, gaac-e5m2 are)");
+                                                    " is not served on the device (bf16, gaac, gaac-e5m2, "
+                                                    "fp8-e4m3, fp8-e5m2, dither8 are)");
   if (config.n_layers < 1 || config.n_kv_heads < 1 || config.head_dim < 8 || config.block_tokens < 1 ||
       config.max_tokens < 1 || config.max_tokens > std::numeric_limits<int32_t>::max())
     return cuda_error(StatusCode::kInvalidArgument, "device KV cache: n_layers, n_kv_heads, block_tokens and "
                                                     "max_tokens must be >= 1 (max_tokens below 2^31: lengths "
                                                     "are int32 on the device) and head_dim >= 8");
-  const bool gaac = scheme != KvScheme::kBf16;
+  const bool gaac = kv_scheme_is_gaac(scheme);
+  const bool lossy = lossy_on_device(scheme);
   const format::GaacElement element = scheme_element(scheme);
+  int n_outlier_pairs = 0;
+  if (lossy) {
+    if (scheme == KvScheme::kDither8)
+      n_outlier_pairs = config.outlier_pairs < 0 ? kDefaultOutlierPairs : config.outlier_pairs;
+    else if (config.outlier_pairs > 0)
+      return cuda_error(StatusCode::kInvalidArgument, std::string("device KV cache: outlier pairs apply to dither8 "
+                                                                  "only (scheme ") + kv_scheme_name(scheme) + ")");
+    if (n_outlier_pairs > kMaxOutlierPairsOnDevice)
+      return cuda_error(StatusCode::kUnsupported, "device KV cache: " + std::to_string(n_outlier_pairs) +
+                                                      " outlier pairs per head; the device serves at most " +
+                                                      std::to_string(kMaxOutlierPairsOnDevice));
+  }
   if (gaac) {
     if (format::gaac_tile_channels(config.head_dim) == 0)
       return cuda_error(StatusCode::kUnsupported, "device KV cache: head_dim " + std::to_string(config.head_dim) +
@@ -130,6 +162,15 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
   }
   std::unique_ptr<DeviceKvCache> c(new DeviceKvCache());
   c->config_ = config;
+  c->lossy_ = lossy;
+  c->n_outlier_pairs_ = n_outlier_pairs;
+  if (lossy) {
+    c->lossy_scheme_ = kv_scheme_lossy(scheme);
+    for (bool key : {true, false}) {
+      const CudaStatus spec_ok = codec::cuda::check_lossy_encode(c->lossy_spec(key), 0, nullptr, nullptr);
+      if (!spec_ok.ok) return cuda_error(spec_ok.code, "device KV cache: " + spec_ok.message);
+    }
+  }
   c->table_stride_ = (config.max_tokens + config.block_tokens - 1) / config.block_tokens;
   c->raw_bytes_ = size_t(config.block_tokens) * size_t(config.head_dim) * size_t(format::gaac_element_bytes(element));
   c->written_.assign(size_t(config.n_layers), 0);
@@ -157,6 +198,23 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
       }
       s = DeviceBuffer::allocate(bases.size(), &layer->bases);
       if (s.ok) s = layer->bases.upload(0, bases.data(), bases.size());
+    }
+    if (s.ok && lossy) {
+      for (int kv = 0; kv < 2; ++kv) layer->slots[kv].stride = round16(codec::lossy_page_bytes(c->lossy_spec(kv == 0)));
+      if (scheme == KvScheme::kDither8) {
+        std::vector<uint64_t> keys(size_t(2) * H);
+        for (int kv = 0; kv < 2; ++kv)
+          for (int h = 0; h < H; ++h) keys[size_t(kv) * H + h] = codec::dither8_key(l, kv == 0, h);
+        s = DeviceBuffer::allocate(keys.size() * sizeof(uint64_t), &layer->dither_keys);
+        if (s.ok) s = layer->dither_keys.upload(0, keys.data(), keys.size() * sizeof(uint64_t));
+        layer->outliers_chosen.assign(size_t(H), n_outlier_pairs == 0 ? 1 : 0);
+        if (n_outlier_pairs > 0) {
+          layer->first_rows.assign(size_t(H) * config.block_tokens * D, 0.f);
+          if (s.ok) s = DeviceBuffer::allocate(sizeof(uint16_t) * size_t(H) * n_outlier_pairs, &layer->outlier_pairs);
+          if (s.ok)
+            s = DeviceBuffer::allocate(sizeof(int32_t) * size_t(H) * 2 * n_outlier_pairs, &layer->outlier_channels);
+        }
+      }
     }
     c->layers_.push_back(std::move(layer));
   }
@@ -201,7 +259,12 @@ CudaStatus DeviceKvCache::append(int layer_index, int64_t first, const float* k,
   const int T = config_.block_tokens;
   Layer& layer = *layers_[size_t(layer_index)];
   void* stream = config_.stream;
-  const bool gaac = config_.scheme != KvScheme::kBf16;
+  // GAAC and lossy tables name raw pages by -r - 1.
+  const bool coded = config_.scheme != KvScheme::kBf16;
+  if (n_outlier_pairs_ > 0) {
+    CudaStatus s = note_outlier_rows(layer_index, first, k, n);
+    if (!s.ok) return s;
+  }
 
   // Raw pages for the blocks that start in this write (the tail block may have one already).
   const int64_t block_begin = first / T;
@@ -213,7 +276,7 @@ CudaStatus DeviceKvCache::append(int layer_index, int64_t first, const float* k,
         int32_t page = 0;
         CudaStatus s = layer.raw.take(kFirstRawBlocks * 2 * H, stream, &page);
         if (!s.ok) return s;
-        layer.host_tables[(size_t(kv) * H + h) * size_t(table_stride_) + size_t(b)] = gaac ? -page - 1 : page;
+        layer.host_tables[(size_t(kv) * H + h) * size_t(table_stride_) + size_t(b)] = coded ? -page - 1 : page;
       }
   CudaStatus s = {};
   if (block_end > new_begin) {
@@ -258,8 +321,8 @@ CudaStatus DeviceKvCache::append(int layer_index, int64_t first, const float* k,
   if (!s.ok) return s;
   // Blocks whose last row this write stored.
   const int64_t done_end = (first + n) / T;
-  if (gaac && done_end > block_begin) {
-    s = finalize(layer_index, block_begin, done_end);
+  if (coded && done_end > block_begin) {
+    s = lossy_ ? finalize_lossy(layer_index, block_begin, done_end) : finalize(layer_index, block_begin, done_end);
     if (!s.ok) return s;
   }
   written_[size_t(layer_index)] = first + n;
@@ -345,12 +408,157 @@ CudaStatus DeviceKvCache::finalize(int layer_index, int64_t block_begin, int64_t
                     "block table upload");
 }
 
+codec::LossyPageSpec DeviceKvCache::lossy_spec(bool key) const {
+  codec::LossyPageSpec spec;
+  spec.scheme = lossy_scheme_;
+  spec.key = key;
+  spec.block_tokens = config_.block_tokens;
+  spec.head_dim = config_.head_dim;
+  spec.pairing = config_.rope_pairing;
+  spec.n_outlier_pairs = key ? n_outlier_pairs_ : 0;  // the pairs themselves travel per task
+  return spec;
+}
+
+CudaStatus DeviceKvCache::choose_outliers(int layer_index, int kv_head, const float* rows, int n_rows,
+                                          size_t row_stride) {
+  Layer& layer = *layers_[size_t(layer_index)];
+  const int D = config_.head_dim;
+  const int m = n_outlier_pairs_;
+  std::vector<float> x(size_t(n_rows) * D);
+  for (int r = 0; r < n_rows; ++r) std::copy_n(rows + size_t(r) * row_stride, D, x.begin() + size_t(r) * D);
+  std::vector<uint16_t> pairs(static_cast<size_t>(m), 0);
+  codec::select_outlier_pairs(x.data(), n_rows, D, config_.rope_pairing, m, pairs.data());
+  // The kernels' channel list: pair j's first channel, then its second (the record's order).
+  std::vector<int32_t> channels(size_t(2) * m);
+  for (int j = 0; j < m; ++j)
+    for (int which = 0; which < 2; ++which)
+      channels[size_t(2 * j + which)] = codec::rope_pair_channel(config_.rope_pairing, D, pairs[size_t(j)], which);
+  CudaStatus s = cuda_check(cudaMemcpyAsync(layer.outlier_pairs.data() + sizeof(uint16_t) * size_t(kv_head) * m,
+                                            pairs.data(), sizeof(uint16_t) * size_t(m), cudaMemcpyHostToDevice,
+                                            as_stream(config_.stream)),
+                            "outlier pair upload");
+  if (s.ok)
+    s = cuda_check(cudaMemcpyAsync(layer.outlier_channels.data() + sizeof(int32_t) * size_t(kv_head) * 2 * m,
+                                   channels.data(), sizeof(int32_t) * channels.size(), cudaMemcpyHostToDevice,
+                                   as_stream(config_.stream)),
+                   "outlier channel upload");
+  // The uploads read pageable host memory: they complete before cudaMemcpyAsync returns.
+  if (s.ok) layer.outliers_chosen[size_t(kv_head)] = 1;
+  return s;
+}
+
+CudaStatus DeviceKvCache::note_outlier_rows(int layer_index, int64_t first, const float* k, int64_t n) {
+  Layer& layer = *layers_[size_t(layer_index)];
+  const int H = config_.n_kv_heads;
+  const int D = config_.head_dim;
+  const int T = config_.block_tokens;
+  for (int h = 0; h < H; ++h) {
+    if (layer.outliers_chosen[size_t(h)]) continue;
+    if (n >= T) {  // KvCache: the float rows of the first write that holds a whole block
+      CudaStatus s = choose_outliers(layer_index, h, k + size_t(h) * D, int(n), size_t(H) * D);
+      if (!s.ok) return s;
+      continue;
+    }
+    // Else the first block's rows as stored (bf16), for the choice when that block completes.
+    for (int64_t r = 0; r < n && first + r < T; ++r)
+      for (int c = 0; c < D; ++c)
+        layer.first_rows[(size_t(h) * T + size_t(first + r)) * D + c] =
+            format::bf16_to_float(format::float_to_bf16(k[(size_t(r) * H + h) * D + c]));
+  }
+  return {};
+}
+
+CudaStatus DeviceKvCache::finalize_lossy(int layer_index, int64_t block_begin, int64_t block_end) {
+  Layer& layer = *layers_[size_t(layer_index)];
+  const int H = config_.n_kv_heads;
+  const int D = config_.head_dim;
+  const int T = config_.block_tokens;
+  void* stream = config_.stream;
+  const int m = n_outlier_pairs_;
+  if (m > 0 && block_begin == 0) {  // KvCache: else the bf16 rows of the first block finalized
+    for (int h = 0; h < H; ++h) {
+      if (layer.outliers_chosen[size_t(h)]) continue;
+      CudaStatus s = choose_outliers(layer_index, h, layer.first_rows.data() + size_t(h) * T * D, T, size_t(D));
+      if (!s.ok) return s;
+    }
+  }
+  const bool dither8 = config_.scheme == KvScheme::kDither8;
+  const int64_t per_kv = int64_t(H) * (block_end - block_begin);
+  std::vector<codec::cuda::LossyEncodeTask> tasks;
+  std::vector<int32_t> slots;
+  tasks.reserve(size_t(2 * per_kv));
+  for (int kv = 0; kv < 2; ++kv)
+    for (int h = 0; h < H; ++h)
+      for (int64_t b = block_begin; b < block_end; ++b) {
+        const int32_t entry = layer.host_tables[(size_t(kv) * H + h) * size_t(table_stride_) + size_t(b)];
+        int32_t slot = 0;
+        CudaStatus s = layer.slots[kv].take(int64_t(H) * kFirstSlotBlocks, stream, &slot);
+        if (!s.ok) return s;
+        codec::cuda::LossyEncodeTask t;
+        t.src = reinterpret_cast<const uint16_t*>(layer.raw.buffer.data() + size_t(-int64_t(entry) - 1) * layer.raw.stride);
+        t.page_slot = uint32_t(slot);
+        if (dither8) t.dither_key = codec::dither8_key(layer_index, kv == 0, h);
+        if (kv == 0 && m > 0)
+          t.outlier_pairs = reinterpret_cast<const uint16_t*>(layer.outlier_pairs.data()) + size_t(h) * m;
+        tasks.push_back(t);
+        slots.push_back(slot);
+      }
+  // Destinations once every slot is taken (a pool that grew moved).
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const int kv = int64_t(i) < per_kv ? 0 : 1;
+    tasks[i].dst = layer.slots[kv].buffer.data() + size_t(slots[i]) * layer.slots[kv].stride;
+  }
+  const size_t task_bytes = tasks.size() * sizeof(codec::cuda::LossyEncodeTask);
+  const size_t result_offset = round16(task_bytes);
+  const size_t need = result_offset + tasks.size();
+  CudaStatus s = {};
+  if (encode_buffer_.size() < need) {
+    s = DeviceBuffer::allocate(need, &encode_buffer_);
+    if (!s.ok) return s;
+  }
+  s = cuda_check(cudaMemcpyAsync(encode_buffer_.data(), tasks.data(), task_bytes, cudaMemcpyHostToDevice, as_stream(stream)),
+                 "encode task upload");
+  if (!s.ok) return s;
+  const auto* device_tasks = reinterpret_cast<const codec::cuda::LossyEncodeTask*>(encode_buffer_.data());
+  uint8_t* results = encode_buffer_.data() + result_offset;
+  for (int kv = 0; kv < 2 && s.ok; ++kv)
+    s = codec::cuda::lossy_encode_pages(lossy_spec(kv == 0), device_tasks + kv * per_kv, int(per_kv),
+                                        results + kv * per_kv, stream);
+  if (!s.ok) return s;
+  std::vector<uint8_t> encoded(tasks.size());
+  s = cuda_check(cudaMemcpyAsync(encoded.data(), results, encoded.size(), cudaMemcpyDeviceToHost, as_stream(stream)),
+                 "encode result download");
+  if (s.ok) s = cuda_check(cudaStreamSynchronize(as_stream(stream)), "block encode");
+  if (!s.ok) return s;
+  size_t i = 0;
+  for (int kv = 0; kv < 2; ++kv)
+    for (int h = 0; h < H; ++h)
+      for (int64_t b = block_begin; b < block_end; ++b, ++i) {
+        int32_t& entry = layer.host_tables[(size_t(kv) * H + h) * size_t(table_stride_) + size_t(b)];
+        if (encoded[i] != codec::cuda::kLossyEncoded) {  // not finite, or a scale past fp16: stays exact
+          layer.slots[kv].give_back(slots[i]);
+          ++pages_kept_exact_;
+          continue;
+        }
+        layer.raw.give_back(-entry - 1);
+        entry = slots[i];
+      }
+  const size_t pitch = sizeof(int32_t) * size_t(table_stride_);
+  return cuda_check(cudaMemcpy2DAsync(layer.tables.data() + sizeof(int32_t) * size_t(block_begin), pitch,
+                                      layer.host_tables.data() + block_begin, pitch,
+                                      sizeof(int32_t) * size_t(block_end - block_begin), size_t(2) * H,
+                                      cudaMemcpyHostToDevice, as_stream(stream)),
+                    "block table upload");
+}
+
 CudaStatus DeviceKvCache::reset() {
   // Until every table is uploaded the cache stays refused (a failed reset leaves it so).
   broken_ = true;
   broken_reason_ = "reset() did not finish";
   std::fill(written_.begin(), written_.end(), 0);
   blocks_not_fitting_ = 0;
+  pages_kept_exact_ = 0;
+  // dither8's outlier pairs stay chosen, as in KvCache (fixed per (layer, kv_head) once chosen).
   for (auto& layer : layers_) {
     layer->raw.clear();
     for (PagePool& p : layer->slots) p.clear();
@@ -371,19 +579,25 @@ DeviceLayerView DeviceKvCache::view(int layer_index) const {
   const Layer& layer = *layers_[size_t(layer_index)];
   const int H = config_.n_kv_heads;
   DeviceLayerView v;
-  const bool gaac = config_.scheme != KvScheme::kBf16;
-  const PagePool& kp = gaac ? layer.slots[0] : layer.raw;
-  const PagePool& vp = gaac ? layer.slots[1] : layer.raw;
+  const bool coded = config_.scheme != KvScheme::kBf16;
+  const PagePool& kp = coded ? layer.slots[0] : layer.raw;
+  const PagePool& vp = coded ? layer.slots[1] : layer.raw;
   v.k_pages = kp.buffer.data();
   v.v_pages = vp.buffer.data();
   v.k_page_stride = int64_t(kp.stride);
   v.v_page_stride = int64_t(vp.stride);
   v.n_k_pages = kp.capacity;
   v.n_v_pages = vp.capacity;
-  if (gaac) {
+  if (coded) {
     v.raw_pages = layer.raw.buffer.data();
     v.raw_page_stride = int64_t(layer.raw.stride);
     v.n_raw_pages = layer.raw.capacity;
+  }
+  if (lossy_) {
+    v.dither_keys = reinterpret_cast<const uint64_t*>(layer.dither_keys.data());
+    v.outlier_channels = reinterpret_cast<const int32_t*>(layer.outlier_channels.data());
+    v.n_outlier_pairs = n_outlier_pairs_;
+  } else if (coded) {
     v.gaac_bases = layer.bases.data();
     v.k_escape_capacity = int64_t(layer.escape_capacity[0]);
     v.v_escape_capacity = int64_t(layer.escape_capacity[1]);
@@ -399,13 +613,15 @@ DeviceLayerView DeviceKvCache::view(int layer_index) const {
 DeviceKvStats DeviceKvCache::stats() const {
   DeviceKvStats st;
   st.blocks_not_fitting = blocks_not_fitting_;
+  st.pages_kept_exact = pages_kept_exact_;
   st.bytes_reserved = staging_.size() + encode_buffer_.size() + lengths_.size();
   for (const auto& layer : layers_) {
     st.raw_pages_in_use += layer->raw.in_use;
     st.bytes_in_use += uint64_t(layer->raw.in_use) * layer->raw.stride + layer->tables.size();
-    st.bytes_reserved += layer->raw.buffer.size() + layer->tables.size() + layer->bases.size();
+    st.bytes_reserved += layer->raw.buffer.size() + layer->tables.size() + layer->bases.size() +
+                         layer->dither_keys.size() + layer->outlier_pairs.size() + layer->outlier_channels.size();
     for (const PagePool& p : layer->slots) {
-      st.slots_in_use += p.in_use;
+      (lossy_ ? st.lossy_pages_in_use : st.slots_in_use) += p.in_use;
       st.bytes_in_use += uint64_t(p.in_use) * p.stride;
       st.bytes_reserved += p.buffer.size();
     }
@@ -425,13 +641,15 @@ CudaStatus DeviceKvCache::read_page(int layer_index, KvTensor kv, int kv_head, i
   const int k = int(kv);
   const int32_t entry =
       layer.host_tables[(size_t(k) * config_.n_kv_heads + kv_head) * size_t(table_stride_) + size_t(block)];
-  const bool gaac = config_.scheme != KvScheme::kBf16;
-  out->gaac_slot = gaac && entry >= 0;
+  const bool coded = config_.scheme != KvScheme::kBf16;
+  out->gaac_slot = coded && !lossy_ && entry >= 0;
+  out->lossy_page = lossy_ && entry >= 0;
+  out->slot = coded && entry >= 0 ? entry : -1;
   const uint8_t* src = nullptr;
   size_t bytes = 0;
-  if (out->gaac_slot) {
+  if (out->gaac_slot || out->lossy_page) {
     src = layer.slots[k].buffer.data() + size_t(entry) * layer.slots[k].stride;
-    bytes = layer.slot_used[k][size_t(entry)];
+    bytes = out->gaac_slot ? size_t(layer.slot_used[k][size_t(entry)]) : codec::lossy_page_bytes(lossy_spec(k == 0));
   } else {
     src = layer.raw.buffer.data() + size_t(entry >= 0 ? entry : -int64_t(entry) - 1) * layer.raw.stride;
     bytes = raw_bytes_;

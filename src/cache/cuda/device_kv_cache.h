@@ -7,12 +7,21 @@
 // raw. The decode kernels read the pools through block tables (DeviceLayerView).
 //
 // Schemes: bf16 (every page raw), gaac (GAAC slots over bf16), gaac-e5m2 (GAAC slots over FP8
-// E5M2, values rounded to bf16 then E5M2 at write). Pools grow by doubling (a device-to-device
-// copy); tables have a fixed width of ceil(max_tokens / block_tokens) blocks.
+// E5M2, values rounded to bf16 then E5M2 at write), and the lossy schemes the device kernels
+// read, fp8-e4m3, fp8-e5m2 (raw casts with their Tier A witness or rho) and dither8 (with its
+// outlier RoPE pairs): bf16 tails, complete blocks encoded on the device
+// (codec/cuda/lossy_encode_cuda.h) into the lossy page pool of their (layer, K/V); a page the
+// encoder refuses (a value not finite, a scale past fp16) stays an exact raw bf16 page, as on
+// the host. dither8's outlier pairs of each (layer, kv_head) are chosen on the host exactly as
+// KvCache chooses them (the float rows of the first write of at least one block, else the bf16
+// rows of the first block). The device keeps no exact copy of a lossy page (the host cache's
+// backing store does): the gate's repairs are not served here. Pools grow by doubling (a
+// device-to-device copy); tables have a fixed width of ceil(max_tokens / block_tokens) blocks.
 //
 // Table entries (int32, per (layer, K/V, kv_head), block order): for bf16 the raw page index;
-// for the GAAC schemes a slot index s >= 0 of the (layer, K/V) slot pool, or -r - 1 for raw
-// page r of the layer's raw pool (tails and blocks that did not fit).
+// for the GAAC and lossy schemes a slot index s >= 0 of the (layer, K/V) slot pool (GAAC slots,
+// lossy pages), or -r - 1 for raw page r of the layer's raw pool (tails, blocks that did not
+// fit, pages kept exact).
 //
 // Thread safety: one owner, one CUDA device (the current one at create(); calls from a thread
 // whose current device is another are not supported). Calls are ordered on the cache's stream;
@@ -27,6 +36,7 @@
 #include "cache/cuda/device_pool.h"
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
+#include "codec/lossy_page.h"
 
 namespace certkv::cache::cuda {
 
@@ -36,19 +46,29 @@ struct DeviceKvCacheConfig {
   int head_dim = 0;
   int block_tokens = 16;
   int64_t max_tokens = 0;  // the sequence's capacity
-  KvScheme scheme = KvScheme::kBf16;  // kBf16, kGaac or kGaacE5M2
+  KvScheme scheme = KvScheme::kBf16;  // kBf16, kGaac, kGaacE5M2, kFp8E4M3, kFp8E5M2, kDither8
   // GAAC schemes: the model's calibration of the scheme's element (shape as the model's).
   std::shared_ptr<const codec::GaacCalibration> gaac_calibration;
+  // Lossy schemes: the model's RoPE pairing (witness bands, outlier pairs), and dither8's outlier
+  // pairs per (layer, kv_head): -1 picks kDefaultOutlierPairs; at most kMaxOutlierPairsOnDevice.
+  codec::RopePairing rope_pairing = codec::RopePairing::kInterleaved;
+  int outlier_pairs = -1;
   void* stream = nullptr;  // cudaStream_t for every call; null: the default stream
 };
 
+// The most dither8 outlier pairs per head the device serves (the decode kernels' limit).
+inline constexpr int kMaxOutlierPairsOnDevice = 8;
+
+// Whether DeviceKvCache stores this scheme.
+bool device_kv_serves(KvScheme scheme);
+
 // What the decode kernels read of one layer; device pointers, valid until the next write().
 struct DeviceLayerView {
-  const uint8_t* k_pages = nullptr;  // bf16: the raw pool; GAAC: the K slot pool
+  const uint8_t* k_pages = nullptr;  // bf16: the raw pool; GAAC, lossy: the K slot pool
   const uint8_t* v_pages = nullptr;
   int64_t k_page_stride = 0, v_page_stride = 0;
   int64_t n_k_pages = 0, n_v_pages = 0;
-  const uint8_t* raw_pages = nullptr;  // GAAC: tails and blocks that did not fit (K and V)
+  const uint8_t* raw_pages = nullptr;  // GAAC, lossy: tails, blocks that did not fit or stay exact
   int64_t raw_page_stride = 0, n_raw_pages = 0;
   const int32_t* k_table = nullptr;  // [n_kv_heads][table_stride]
   const int32_t* v_table = nullptr;
@@ -57,26 +77,35 @@ struct DeviceLayerView {
   int64_t host_length = 0;          // the same, on the host
   const uint8_t* gaac_bases = nullptr;  // [2 (K, V)][n_kv_heads][2 (b3, b4)][head_dim]
   int64_t k_escape_capacity = 0, v_escape_capacity = 0;
+  const uint64_t* dither_keys = nullptr;       // dither8: [2 (K, V)][n_kv_heads]
+  const int32_t* outlier_channels = nullptr;   // dither8: [n_kv_heads][2 m] (pair j: a, then b)
+  int n_outlier_pairs = 0;                     // dither8: m
 };
 
 // One page as stored (tests, diagnostics).
 struct DevicePageBytes {
-  bool gaac_slot = false;      // a GAAC slot (else a raw page)
-  std::vector<uint8_t> bytes;  // the slot's used bytes (fixed part + escapes) or the raw page
+  bool gaac_slot = false;      // a GAAC slot
+  bool lossy_page = false;     // a lossy page (neither: a raw page)
+  int32_t slot = -1;           // the slot's index in its pool (a lossy page's dither8 counter)
+  std::vector<uint8_t> bytes;  // the slot's used bytes (fixed part + escapes), the lossy page, or
+                               // the raw page
 };
 
 struct DeviceKvStats {
   int64_t slots_in_use = 0;       // GAAC slots holding a block
   int64_t raw_pages_in_use = 0;   // tails, bf16 pages and blocks that did not fit
   int64_t blocks_not_fitting = 0; // GAAC blocks kept raw since the last reset
+  int64_t lossy_pages_in_use = 0; // lossy pages holding a block
+  int64_t pages_kept_exact = 0;   // lossy pages the encoder refused since the last reset
   uint64_t bytes_in_use = 0;      // pages in use times their stride, plus the tables
   uint64_t bytes_reserved = 0;    // device memory held by pools, tables and staging
 };
 
 class DeviceKvCache {
  public:
-  // kUnsupported for a scheme other than bf16 / gaac / gaac-e5m2 or a shape the GAAC codec
-  // cannot tile; kInvalidArgument for a missing or mismatched calibration; kOutOfMemory.
+  // kUnsupported for a scheme device_kv_serves refuses, a shape the GAAC or lossy codec cannot
+  // page, or more outlier pairs than kMaxOutlierPairsOnDevice; kInvalidArgument for a missing or
+  // mismatched calibration; kOutOfMemory.
   static CudaStatus create(const DeviceKvCacheConfig& config, std::unique_ptr<DeviceKvCache>* out);
   ~DeviceKvCache();
 
@@ -101,6 +130,11 @@ class DeviceKvCache {
   DeviceKvCache() = default;
   CudaStatus append(int layer_index, int64_t first, const float* k, const float* v, int64_t n);
   CudaStatus finalize(int layer_index, int64_t block_begin, int64_t block_end);
+  CudaStatus finalize_lossy(int layer_index, int64_t block_begin, int64_t block_end);
+  // dither8: notes the rows of a write for the choice of outlier pairs (KvCache's rule).
+  CudaStatus note_outlier_rows(int layer_index, int64_t first, const float* k, int64_t n);
+  CudaStatus choose_outliers(int layer_index, int kv_head, const float* rows, int n_rows, size_t row_stride);
+  codec::LossyPageSpec lossy_spec(bool key) const;
   CudaStatus upload_tables(const Layer& layer);
 
   DeviceKvCacheConfig config_;
@@ -112,6 +146,10 @@ class DeviceKvCache {
   DeviceBuffer encode_buffer_;  // encode tasks and their results
   DeviceBuffer lengths_;  // [n_layers] int32
   int64_t blocks_not_fitting_ = 0;
+  int64_t pages_kept_exact_ = 0;
+  bool lossy_ = false;
+  codec::LossyScheme lossy_scheme_ = codec::LossyScheme::kFp8E4M3;
+  int n_outlier_pairs_ = 0;  // dither8: m
   bool broken_ = false;  // a write or reset failed halfway
   std::string broken_reason_;
 };

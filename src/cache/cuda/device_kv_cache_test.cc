@@ -1,6 +1,9 @@
 // DeviceKvCache against the host KvCache: the same writes (ragged chunks, single decode steps)
 // leave every page with the host's class and bytes, for bf16, gaac and gaac-e5m2, with pools
-// that grow; reset empties it; bad input is refused with a status. The refusals run anywhere;
+// that grow, and for the lossy schemes fp8-e4m3, fp8-e5m2 and dither8 every lossy page the bytes
+// of the reference encoder over the host's exact block at the device's slot, and every page kept
+// exact (not finite, a scale past fp16) the host's; reset empties it; bad input is refused with a
+// status. The refusals run anywhere;
 // the rest needs a CUDA device (skipped otherwise).
 #include "cache/cuda/device_kv_cache.h"
 
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "codec/gaac.h"
+#include "codec/lossy_page.h"
 #include "core/cuda_test_support.h"
 #include "format/fp8.h"
 #include "format/gaac_layout.h"
@@ -178,13 +182,159 @@ TEST(DeviceKvCache, RaggedWritesLeaveTheHostCachesPages) {
   }
 }
 
+// Every written block of a lossy cache: a lossy page on the device exactly where the host has
+// one, its bytes those of lossy_encode_page_ref over the host's exact block at the device's slot
+// (the dither8 counter; the fp8 casts do not depend on it, so there the host's own bytes too);
+// raw pages (tails, pages kept exact) the host's rows.
+void expect_same_lossy_pages(const DeviceKvCache& dev, const KvCache& host, SeqId seq, int64_t n, int* lossy) {
+  std::vector<uint16_t> exact(size_t(kT) * kDim);
+  for (int l = 0; l < kLayers; ++l)
+    for (int kv = 0; kv < 2; ++kv)
+      for (int h = 0; h < kHeads; ++h) {
+        const format::PageRef* table = host.block_table(seq, l, KvTensor(kv), h);
+        for (int64_t b = 0; b * kT < n; ++b) {
+          SCOPED_TRACE("layer " + std::to_string(l) + " kv " + std::to_string(kv) + " head " + std::to_string(h) +
+                       " block " + std::to_string(b));
+          DevicePageBytes page;
+          const CudaStatus s = dev.read_page(l, KvTensor(kv), h, b, &page);
+          ASSERT_TRUE(s.ok) << s.message;
+          const bool host_lossy = table[b].storage == format::StorageClass::kLossy ||
+                                  table[b].storage == format::StorageClass::kDither8;
+          ASSERT_EQ(page.lossy_page, host_lossy);
+          ASSERT_FALSE(page.gaac_slot);
+          if (!host_lossy) {
+            const size_t rows = size_t(std::min<int64_t>(kT, n - b * kT)) * kDim * 2;
+            ASSERT_EQ(page.bytes.size(), size_t(kT) * kDim * 2);
+            ASSERT_TRUE(std::equal(page.bytes.begin(), page.bytes.begin() + ptrdiff_t(rows), host.page_bytes_of(table[b])));
+            continue;
+          }
+          ++*lossy;
+          ASSERT_GE(page.slot, 0);
+          const codec::LossyPageSpec spec = host.lossy_spec(l, KvTensor(kv), h);
+          ASSERT_EQ(page.bytes.size(), codec::lossy_page_bytes(spec));
+          host.read_exact_page(table[b], l, KvTensor(kv), h, exact.data());
+          std::vector<uint8_t> want(page.bytes.size());
+          ASSERT_TRUE(codec::lossy_encode_page_ref(spec, uint32_t(page.slot), exact.data(), want.data()));
+          ASSERT_EQ(page.bytes, want);
+          if (spec.scheme != codec::LossyScheme::kDither8) {
+            ASSERT_TRUE(std::equal(want.begin(), want.end(), host.page_bytes_of(table[b])));
+          }
+        }
+      }
+}
+
+TEST(DeviceKvCache, RaggedWritesLeaveTheHostCachesLossyPages) {
+  CERTKV_NEED_CUDA_DEVICE();
+  for (KvScheme scheme : {KvScheme::kFp8E4M3, KvScheme::kFp8E5M2, KvScheme::kDither8}) {
+    // The first write: shorter than a block (dither8 chooses its outlier pairs from the first
+    // block's bf16 rows when it completes) or longer (from that write's float rows).
+    for (int64_t first_chunk : {int64_t(5), int64_t(37)}) {
+      SCOPED_TRACE(std::string(kv_scheme_name(scheme)) + ", first write " + std::to_string(first_chunk));
+      const int64_t max_tokens = 1600;
+      DeviceKvCacheConfig dc = config_of(scheme, max_tokens);
+      dc.rope_pairing = first_chunk == 5 ? codec::RopePairing::kInterleaved : codec::RopePairing::kHalfSplit;
+      std::unique_ptr<DeviceKvCache> dev;
+      CudaStatus s = DeviceKvCache::create(dc, &dev);
+      ASSERT_TRUE(s.ok) << s.message;
+      KvCacheConfig hc;
+      hc.n_layers = kLayers;
+      hc.n_kv_heads = kHeads;
+      hc.head_dim = kDim;
+      hc.block_tokens = kT;
+      hc.max_tokens = max_tokens;
+      hc.scheme = scheme;
+      hc.rope_pairing = dc.rope_pairing;
+      KvCache host(hc);
+      std::mt19937 rng(13);
+      for (int round = 0; round < 2; ++round) {
+        const SeqId seq = host.create_sequence();
+        const uint64_t host_exact_before = host.memory_stats().exact_fallback_blocks;
+        const std::vector<int64_t> chunks =
+            round == 0 ? std::vector<int64_t>{first_chunk, 1, 1, 9, 16, 5, 300, 1, 13, 3}
+                       : std::vector<int64_t>{16, 1, 1100};  // lossy pools grow in the middle of an encode
+        int64_t n = 0;
+        int lossy = 0;
+        for (int64_t m : chunks) {
+          std::vector<float> k = random_rows(rng, m), v = random_rows(rng, m);
+          if (m == 300) {  // pages the encoders refuse: not finite, a scale past fp16 / E5M2's range
+            k[(size_t(40) * kHeads + 1) * kDim + 3] = INFINITY;
+            k[(size_t(200) * kHeads + 0) * kDim + 0] = NAN;
+            v[(size_t(100) * kHeads + 2) * kDim + 5] = 1e7f;
+          }
+          host.reserve(seq, m);
+          for (int l = 0; l < kLayers; ++l) {
+            host.write(seq, l, k.data(), v.data(), m);
+            s = dev->write(l, k.data(), v.data(), m);
+            ASSERT_TRUE(s.ok) << s.message;
+          }
+          host.commit(seq, m);
+          n += m;
+          lossy = 0;
+          expect_same_lossy_pages(*dev, host, seq, n, &lossy);
+        }
+        const DeviceKvStats st = dev->stats();
+        const int64_t blocks = int64_t(kLayers) * 2 * kHeads * ((n + kT - 1) / kT);
+        EXPECT_EQ(st.lossy_pages_in_use, lossy);
+        EXPECT_EQ(st.lossy_pages_in_use + st.raw_pages_in_use, blocks);
+        EXPECT_EQ(st.slots_in_use, 0);
+        EXPECT_EQ(uint64_t(st.pages_kept_exact), host.memory_stats().exact_fallback_blocks - host_exact_before);
+        if (round == 0) {
+          EXPECT_GT(st.pages_kept_exact, 0) << "the poisoned rows must keep pages exact";
+        }
+        EXPECT_GT(lossy, blocks / 2);
+        host.free_sequence(seq);
+        s = dev->reset();
+        ASSERT_TRUE(s.ok) << s.message;
+        EXPECT_EQ(dev->stats().lossy_pages_in_use, 0);
+        EXPECT_EQ(dev->stats().raw_pages_in_use, 0);
+      }
+      const DeviceLayerView view = dev->view(0);
+      EXPECT_NE(view.raw_pages, nullptr);
+      if (scheme == KvScheme::kDither8) {
+        EXPECT_NE(view.dither_keys, nullptr);
+        EXPECT_EQ(view.n_outlier_pairs, kDefaultOutlierPairs);
+        // The kernels' channel list is the host's pairs, channel a then b.
+        std::vector<int32_t> channels(size_t(kHeads) * 2 * kDefaultOutlierPairs);
+        ASSERT_EQ(cudaMemcpy(channels.data(), view.outlier_channels, channels.size() * sizeof(int32_t),
+                             cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        for (int h = 0; h < kHeads; ++h) {
+          const codec::LossyPageSpec spec = host.lossy_spec(0, KvTensor::kKey, h);
+          for (int j = 0; j < kDefaultOutlierPairs; ++j)
+            for (int which = 0; which < 2; ++which)
+              EXPECT_EQ(channels[size_t(h) * 2 * kDefaultOutlierPairs + 2 * j + which],
+                        codec::rope_pair_channel(dc.rope_pairing, kDim, spec.outlier_pairs[j], which));
+        }
+      } else {
+        EXPECT_EQ(view.n_outlier_pairs, 0);
+      }
+    }
+  }
+}
+
 TEST(DeviceKvCache, BadConfigurationsAreRefusedBeforeAnyAllocation) {
   std::unique_ptr<DeviceKvCache> dev;
   DeviceKvCacheConfig c = config_of(KvScheme::kBf16, 64);
-  c.scheme = KvScheme::kDither8;
+  c.scheme = KvScheme::kRtn8;
   CudaStatus s = DeviceKvCache::create(c, &dev);
   EXPECT_EQ(s.code, StatusCode::kUnsupported);
-  EXPECT_NE(s.message.find("dither8"), std::string::npos) << s.message;
+  EXPECT_NE(s.message.find("rtn8"), std::string::npos) << s.message;
+  c.scheme = KvScheme::kDither8;
+  c.outlier_pairs = kMaxOutlierPairsOnDevice + 1;
+  s = DeviceKvCache::create(c, &dev);
+  EXPECT_EQ(s.code, StatusCode::kUnsupported);
+  EXPECT_NE(s.message.find("outlier pairs"), std::string::npos) << s.message;
+  c.scheme = KvScheme::kFp8E4M3;
+  c.outlier_pairs = 2;
+  s = DeviceKvCache::create(c, &dev);
+  EXPECT_EQ(s.code, StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message.find("dither8 only"), std::string::npos) << s.message;
+  c.outlier_pairs = -1;
+  c.head_dim = 48;  // lossy pages need head_dim a multiple of 32
+  s = DeviceKvCache::create(c, &dev);
+  EXPECT_FALSE(s.ok);
+  EXPECT_NE(s.message.find("head_dim"), std::string::npos) << s.message;
+  c = config_of(KvScheme::kBf16, 64);
   c.scheme = KvScheme::kGaac;  // no calibration
   s = DeviceKvCache::create(c, &dev);
   EXPECT_EQ(s.code, StatusCode::kInvalidArgument);

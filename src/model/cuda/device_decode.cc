@@ -1,11 +1,15 @@
 // The device route with the CUDA backend: a DeviceKvCache per session and paged_decode per
 // (step, layer).
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <string>
+#include <vector>
 
 #include "attention/cuda/paged_decode_cuda.h"
 #include "cache/cuda/device_kv_cache.h"
 #include "core/cuda_status.h"
+#include "gate/meter.h"
 #include "model/device_decode.h"
 
 namespace certkv::model {
@@ -19,6 +23,9 @@ PageFormat format_of(cache::KvScheme scheme) {
   switch (scheme) {
     case cache::KvScheme::kGaac: return PageFormat::kGaacBf16;
     case cache::KvScheme::kGaacE5M2: return PageFormat::kGaacE5M2;
+    case cache::KvScheme::kFp8E4M3: return PageFormat::kFp8E4M3;
+    case cache::KvScheme::kFp8E5M2: return PageFormat::kFp8E5M2;
+    case cache::KvScheme::kDither8: return PageFormat::kDither8;
     default: return PageFormat::kBf16;
   }
 }
@@ -41,6 +48,8 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     kc.max_tokens = config.max_tokens;
     kc.scheme = config.scheme;
     kc.gaac_calibration = config.gaac_calibration;
+    kc.rope_pairing = config.rope_pairing;
+    kc.outlier_pairs = config.outlier_pairs;
     // Refuse a shape the kernels do not serve (head_dim, block_tokens, GQA ratio: the checks
     // that come before any buffer's) before device memory is taken.
     attention::cuda::PagedDecodeParams probe = params_template();
@@ -51,6 +60,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     throw_if_failed(cache::cuda::DeviceKvCache::create(kc, &cache_));
     throw_if_failed(DeviceBuffer::allocate(sizeof(float) * size_t(config.n_q_heads) * config.head_dim, &q_));
     throw_if_failed(DeviceBuffer::allocate(sizeof(float) * size_t(config.n_q_heads) * config.head_dim, &out_));
+    if (metered_) throw_if_failed(DeviceBuffer::allocate(sizeof(float) * 3 * size_t(config.n_q_heads), &meters_));
   }
 
   void write(int layer, int64_t pos, const float* k, const float* v, int64_t n) override {
@@ -63,7 +73,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     write_seconds_ += seconds_since(t0);
   }
 
-  void attend(int layer, const float* q, float* out) override {
+  void attend(int layer, const float* q, float* out, attention::HeadMeter* meters) override {
     const auto t0 = Clock::now();
     attention::cuda::PagedDecodeParams p = params_template();
     const cache::cuda::DeviceLayerView v = cache_->view(layer);
@@ -84,8 +94,18 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     p.gaac_bases = v.gaac_bases;
     p.k_escape_capacity = v.k_escape_capacity;
     p.v_escape_capacity = v.v_escape_capacity;
+    p.dither_keys = v.dither_keys;
+    p.outlier_channels = v.outlier_channels;
+    p.n_outlier_pairs = v.n_outlier_pairs;
     p.q = reinterpret_cast<const float*>(q_.data());
     p.out = reinterpret_cast<float*>(out_.data());
+    const size_t H = size_t(config_.n_q_heads);
+    if (metered_) {  // [3][n_q_heads]: the meter, A - 1, the value side
+      float* m = reinterpret_cast<float*>(meters_.data());
+      p.meter = m;
+      p.a_minus_1 = m + H;
+      p.value_rho = m + 2 * H;
+    }
     const size_t need = attention::cuda::workspace_bytes(p);
     if (workspace_.size() < need) throw_if_failed(DeviceBuffer::allocate(need, &workspace_));
     p.workspace = workspace_.data();
@@ -101,6 +121,18 @@ class CudaDeviceDecoder final : public DeviceDecoder {
       fail(StatusCode::kCorrupt, "device cuda: the decode kernels found " + std::to_string(corrupt) +
                                      " corrupt page entries, slots or lengths in layer " + std::to_string(layer));
     throw_if_failed(out_.download(0, out, out_.size()));
+    if (metered_ && meters != nullptr) {
+      std::vector<float> m(3 * H);
+      throw_if_failed(meters_.download(0, m.data(), meters_.size()));
+      for (size_t h = 0; h < H; ++h) {
+        attention::HeadMeter& hm = meters[h];
+        hm = attention::HeadMeter{};
+        const double a_minus_1 = double(m[H + h]);  // lifted on the device
+        hm.log_a = std::isfinite(a_minus_1) ? std::log1p(std::max(a_minus_1, 0.0)) : INFINITY;
+        hm.meter = gate::meter_from_log_a(hm.log_a);
+        hm.value_rho = std::isfinite(m[2 * H + h]) ? double(m[2 * H + h]) : INFINITY;
+      }
+    }
     ++attention_calls_;
     attention_seconds_ += seconds_since(t0);
   }
@@ -116,6 +148,8 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     s.slots_in_use = k.slots_in_use;
     s.raw_pages_in_use = k.raw_pages_in_use;
     s.blocks_not_fitting = k.blocks_not_fitting;
+    s.lossy_pages_in_use = k.lossy_pages_in_use;
+    s.pages_kept_exact = k.pages_kept_exact;
     s.kv_bytes_in_use = k.bytes_in_use;
     s.kv_bytes_reserved = k.bytes_reserved;
     return s;
@@ -124,7 +158,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
   DevicePage read_page(int layer, cache::KvTensor kv, int kv_head, int64_t block) const override {
     cache::cuda::DevicePageBytes b;
     throw_if_failed(cache_->read_page(layer, kv, kv_head, block, &b));
-    return DevicePage{b.gaac_slot, std::move(b.bytes)};
+    return DevicePage{b.gaac_slot, b.lossy_page, b.slot, std::move(b.bytes)};
   }
 
  private:
@@ -137,12 +171,16 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     p.head_dim = config_.head_dim;
     p.block_tokens = config_.block_tokens;
     p.sm_scale = config_.scale;
+    p.rope_half_split = config_.rope_pairing == codec::RopePairing::kHalfSplit;
+    p.delta_loc = config_.delta_loc;
     return p;
   }
 
   DeviceDecoderConfig config_;
   std::unique_ptr<cache::cuda::DeviceKvCache> cache_;
+  const bool metered_ = attention::cuda::page_format_metered(format_of(config_.scheme));
   DeviceBuffer q_, out_, workspace_;
+  DeviceBuffer meters_;  // lossy schemes: [3][n_q_heads] floats (meter, A - 1, value side)
   int64_t attention_calls_ = 0;
   double attention_seconds_ = 0, write_seconds_ = 0;
 };
