@@ -16,21 +16,30 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 if [ "${1:-}" = "--run" ]; then
   cd "$root/.devbin"
   export CERTKV_REQUIRE_DEVICE=1  # here a missing device or route fails the tests instead of skipping them
-  ./certkv_codec_cuda_tests
-  ./certkv_cache_cuda_tests
-  ./certkv_attention_cuda_tests
-  compute-sanitizer --tool memcheck --error-exitcode 9 ./certkv_codec_cuda_tests
-  compute-sanitizer --tool memcheck --error-exitcode 9 ./certkv_cache_cuda_tests
-  compute-sanitizer --tool memcheck --error-exitcode 9 ./certkv_attention_cuda_tests --gtest_filter='-*OutOfDevice*'
+  # Every step runs (one device call sees every failure); the exit status says whether any failed.
+  failed=""
+  step() { "$@" || failed="$failed [$*]"; }
+  step ./certkv_codec_cuda_tests
+  step ./certkv_cache_cuda_tests
+  step ./certkv_attention_cuda_tests
+  step compute-sanitizer --tool memcheck --error-exitcode 9 ./certkv_codec_cuda_tests
+  step compute-sanitizer --tool memcheck --error-exitcode 9 ./certkv_cache_cuda_tests
+  step compute-sanitizer --tool memcheck --error-exitcode 9 ./certkv_attention_cuda_tests --gtest_filter='-*OutOfDevice*'
   staged="$root/.devmodel"
   mkdir -p /tmp/certkv_model
   cp "$staged"/model.part-* /tmp/certkv_model/ 2>/dev/null || true
   if [ -f /tmp/certkv_model/model.part-00 ] && [ -f /tmp/certkv_model/model.part-01 ]; then
     cat /tmp/certkv_model/model.part-0[01] > /tmp/certkv_model.gguf
-    CERTKV_TEST_MODEL=/tmp/certkv_model.gguf CERTKV_TEST_CORPUS="$staged" ./certkv_device_e2e_tests
+    export CERTKV_TEST_MODEL=/tmp/certkv_model.gguf CERTKV_TEST_CORPUS="$staged"
+    step ./certkv_device_e2e_tests
   else
     echo "run_cuda_tests: no model staged in .devmodel/ (scripts/run_cuda_tests.sh --stage-model): device route end to end not run"
   fi
+  if [ -n "$failed" ]; then
+    echo "run_cuda_tests: FAILED:$failed"
+    exit 1
+  fi
+  echo "run_cuda_tests: every step passed"
   exit 0
 fi
 if [ "${1:-}" = "--stage-model" ]; then

@@ -445,13 +445,13 @@ TEST_F(SessionCuda, LossySchemesDecodeWithTheMeterOnTheDevice) {
 // Through the model layer, the lossy schemes: after a 777-token prompt and 12 decode steps,
 // every device page is where the host has its class (a lossy page, or an exact raw page: tails,
 // pages kept exact), a lossy page's bytes are lossy_encode_page_ref's over the host's exact block
-// at the device's slot, raw pages the host's rows. Then, for each layer and the last query, in
-// double over the pages as the device stores them (each page class with the query rounded to its
-// tile element: fp16 on lossy pages, bf16 on raw pages): the attention output to 4e-3 per head;
+// at the device's slot, raw pages the host's rows. Then, for each layer and the last query (rounded
+// to bf16, which both tile elements hold exactly), in double over the pages as the device stores
+// them: the attention output to 4e-3 per head;
 // the meter at or above the true total variation between that distribution and the one over
 // the exact keys; the meter and the value side against decode_meter_ref over the host cache
-// (fp8: the same pages; dither8: the same scales, another dither) and the value side against
-// sum_t p_t rho_t over the device's pages.
+// (fp8: the same pages, to 10^-3; dither8: the same scales, another dither, to 5%) and the value
+// side against sum_t p_t rho_t over the device's pages.
 TEST_F(SessionCuda, LossyDevicePagesAndMetersAgainstTheReferences) {
   std::unique_ptr<model::Model> m = model::load_model(model_file());
   const model::ModelConfig& c = m->config();
@@ -486,7 +486,6 @@ TEST_F(SessionCuda, LossyDevicePagesAndMetersAgainstTheReferences) {
     for (int layer = 0; layer < c.n_layers; ++layer) {
       std::vector<std::vector<float>> read(size_t(2) * c.n_kv_heads, std::vector<float>(size_t(n) * D));
       std::vector<std::vector<float>> exact(size_t(2) * c.n_kv_heads, std::vector<float>(size_t(n) * D));
-      std::vector<std::vector<uint8_t>> lossy_token(size_t(c.n_kv_heads), std::vector<uint8_t>(size_t(n)));
       std::vector<std::vector<double>> rho(size_t(c.n_kv_heads), std::vector<double>(size_t(n), 0.0));
       for (int kv = 0; kv < 2; ++kv)
         for (int h = 0; h < c.n_kv_heads; ++h) {
@@ -519,9 +518,8 @@ TEST_F(SessionCuda, LossyDevicePagesAndMetersAgainstTheReferences) {
             ASSERT_EQ(page.bytes, want);
             codec::lossy_decode_page_ref(spec, uint32_t(page.slot), page.bytes.data(), block.data());
             std::copy(block.begin(), block.end(), dst);
-            if (kv == 0) {
-              for (int t = 0; t < T; ++t) lossy_token[size_t(h)][size_t(b * T + t)] = 1;
-            } else if (dither8) {
+            if (kv == 0) continue;
+            if (dither8) {
               std::vector<float> r(static_cast<size_t>(T));
               codec::dither8_value_rho(spec, page.bytes.data(), r.data());
               for (int t = 0; t < T; ++t) rho[size_t(h)][size_t(b * T + t)] = r[size_t(t)];
@@ -531,13 +529,14 @@ TEST_F(SessionCuda, LossyDevicePagesAndMetersAgainstTheReferences) {
             }
           }
         }
-      // The last query, through the device, and in double.
-      const std::vector<float>& q = session.last_queries(layer);
+      // The last query, rounded to bf16 so that every page class reads it unchanged (lossy pages
+      // round the query to fp16, exact pages to bf16: both exact on it), through the device, and
+      // in double.
+      std::vector<float> q = session.last_queries(layer);
+      for (float& x : q) x = format::bf16_to_float(format::float_to_bf16(x));
       std::vector<float> out(q.size());
       std::vector<attention::HeadMeter> meters(size_t(c.n_heads)), ref_meters(size_t(c.n_heads));
       dev.attend(layer, q.data(), out.data(), meters.data());
-      std::vector<float> q16(q.size());
-      for (size_t i = 0; i < q.size(); ++i) q16[i] = format::fp16_to_float(format::float_to_fp16(q[i]));
       attention::AttentionShape shape;
       shape.n_q_heads = c.n_heads;
       shape.n_kv_heads = c.n_kv_heads;
@@ -545,7 +544,7 @@ TEST_F(SessionCuda, LossyDevicePagesAndMetersAgainstTheReferences) {
       shape.scale = c.attention_scale();
       attention::MeterOptions mo;
       mo.delta_loc = session.delta_loc();
-      attention::decode_meter_ref(host, session.sequence(), layer, shape, q16.data(), n, mo, ref_meters.data());
+      attention::decode_meter_ref(host, session.sequence(), layer, shape, q.data(), n, mo, ref_meters.data());
       for (int hq = 0; hq < c.n_heads; ++hq) {
         const int h = hq / group;
         const float* qh = q.data() + size_t(hq) * D;
@@ -556,11 +555,8 @@ TEST_F(SessionCuda, LossyDevicePagesAndMetersAgainstTheReferences) {
         for (int64_t t = 0; t < n; ++t) {
           double sr = 0, se = 0;
           for (int i = 0; i < D; ++i) {
-            // Lossy K pages see the fp16-rounded query, exact pages the bf16-rounded one.
-            const double qi = lossy_token[size_t(h)][size_t(t)] ? double(format::fp16_to_float(format::float_to_fp16(qh[i])))
-                                                                 : double(format::bf16_to_float(format::float_to_bf16(qh[i])));
-            sr += qi * kr[size_t(t) * D + i];
-            se += qi * ke[size_t(t) * D + i];
+            sr += double(qh[i]) * kr[size_t(t) * D + i];
+            se += double(qh[i]) * ke[size_t(t) * D + i];
           }
           lr[size_t(t)] = sr * shape.scale;
           le[size_t(t)] = se * shape.scale;
@@ -595,9 +591,11 @@ TEST_F(SessionCuda, LossyDevicePagesAndMetersAgainstTheReferences) {
         worst_rho = std::max(worst_rho, std::fabs(hm.value_rho - value_rho) / std::max(value_rho, 1e-300));
         const double gap = std::fabs(hm.meter - rm.meter) / std::max(rm.meter, 1e-300);
         worst_meter_gap = std::max(worst_meter_gap, gap);
-        EXPECT_NEAR(hm.meter, rm.meter, (dither8 ? 0.10 : 0.02) * rm.meter + 1e-9) << "layer " << layer << " head " << hq;
-        EXPECT_NEAR(hm.value_rho, rm.value_rho, (dither8 ? 0.10 : 0.02) * rm.value_rho + 1e-9)
-            << "layer " << layer << " head " << hq;
+        // fp8: the same pages, so only float arithmetic (A - 1 lifted 2^-12 on the device);
+        // dither8: another dither realization shifts p~ by its noise.
+        const double tol = dither8 ? 0.05 : 1e-3;
+        EXPECT_NEAR(hm.meter, rm.meter, tol * rm.meter + 1e-12) << "layer " << layer << " head " << hq;
+        EXPECT_NEAR(hm.value_rho, rm.value_rho, tol * rm.value_rho + 1e-12) << "layer " << layer << " head " << hq;
         EXPECT_DOUBLE_EQ(hm.v_norm_max, 0.0) << "the decoder leaves max ||v|| to the session";
       }
     }

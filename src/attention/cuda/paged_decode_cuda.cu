@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cfloat>
 #include <cmath>
 
@@ -149,6 +150,13 @@ struct CtaShared : ExactPageQuery<D, FormatTraits<F>::kLossy>, GaacTables<D, For
     WarpMerge<D, kWarps> merge;
   } u;
 };
+
+// The bf16 query rows of a lossy format's exact pages (null for the other formats).
+template <int D, PageFormat F>
+__device__ inline const uint16_t (*exact_page_query(const CtaShared<D, F>& sh))[D] {
+  if constexpr (FormatTraits<F>::kLossy) return sh.q_bf16;
+  else return nullptr;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Page decoders: lane l of a warp writes token l / 2, channels [h D/2, (h + 1) D/2) with h = l % 2,
@@ -565,9 +573,10 @@ __device__ inline float value_rho_of(const Tiles<D, F>& tiles, int t) {
 
 // Decodes the staged page (stage st) into the tiles. False (and zero rows) for a corrupt page.
 // A lossy format's raw page is the exact bf16 values, copied from the pool into the K tile or the
-// value tile (dither8 K: tiles.k alone; the scores read it on the bf16 path). kMeter: a lossy V
-// page's rho goes to the tiles (fp8: side row 16; dither8: tiles.rho).
-template <int D, PageFormat F, bool kMeter>
+// value tile (dither8 K: tiles.k alone; the scores read it on the bf16 path); kMixed says whether
+// the page may be one (the hot loop's pages never are). kMeter: a lossy V page's rho goes to the
+// tiles (fp8: side row 16; dither8: tiles.rho).
+template <int D, PageFormat F, bool kMeter, bool kMixed>
 __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& ref, int st, int lane, int kv_head,
                                    const CtaShared<D, F>& sh, uint64_t outlier_mask, Tiles<D, F>& tiles) {
   const int t = lane >> 1, h = lane & 1;
@@ -605,7 +614,7 @@ __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& 
           return false;
         }
       }
-    } else if (ref.raw) {
+    } else if (kMixed && ref.raw) {
       decode_bf16_row<D>(ref.bytes, t, h, row);
     } else if constexpr (F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2) {
       decode_fp8_row<D, F == PageFormat::kFp8E4M3>(staged, t, h, row);
@@ -793,7 +802,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
   // A lossy format's raw pages (exact bf16: the tail, blocks that could not be encoded) are read
   // from the pool when decoded and computed on the bf16 path: scores with the bf16 query from
   // shared memory, P V with bf16 probabilities, no logit bound (c = 0) and no rho. The page
-  // classes of K and V are independent; each branch is uniform over the warp.
+  // classes of K and V are independent. Blocks with an exact page are attended after the others,
+  // so the hot loop carries none of those branches (their cost was 5-12% of the lossy kernels'
+  // time when they sat in it: docs/cuda.md).
   constexpr bool kTwoTiles = F == PageFormat::kBf16;
   constexpr bool kValuesLate = F == PageFormat::kDither8;
   const int64_t first = block_begin + warp;
@@ -822,30 +833,19 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
     cp_async_commit();
   }
 
-  for (int i = 0; i < n_mine; ++i) {
-    const int st = kTwoTiles ? i & 1 : 0;
-    const int64_t blk = first + int64_t(i) * kWarps;
-    const int32_t next_k = entry_of(p.k_table, i + 2), next_v = entry_of(p.v_table, i + 2);
-    if constexpr (kTwoTiles) cp_async_wait<1>();
-    else cp_async_wait<0>();
-    __syncwarp();
-    const PageRef kref = kcur, vref = vcur;
-    const bool k_exact = Traits::kLossy && kref.raw, v_exact = Traits::kLossy && vref.raw;
-    kcur = knext;
-    vcur = vnext;
-    knext = kref_of(next_k);
-    vnext = vref_of(next_v);
-    if (!decode_page<D, F, kMeter>(a, true, kref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
+  // One block: decode, scores, logit bounds, online softmax, the meter's sums, P V. kMixed: the
+  // block may hold a lossy format's exact page (K or V), computed on the bf16 path; the hot loop
+  // below instantiates it without those branches. stage_next issues the copies of the warp's next
+  // block once the stage is free (after the decode; dither8: after its values).
+  auto attend_block = [&](auto mixed, const PageRef& kref, const PageRef& vref, int64_t blk, int st,
+                          auto&& stage_next) {
+    constexpr bool kMixed = decltype(mixed)::value;
+    const bool k_exact = kMixed && kref.raw, v_exact = kMixed && vref.raw;
+    if (!decode_page<D, F, kMeter, kMixed>(a, true, kref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
     if constexpr (!kValuesLate)
-      if (!decode_page<D, F, kMeter>(a, false, vref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
+      if (!decode_page<D, F, kMeter, kMixed>(a, false, vref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
     __syncwarp();
-    if constexpr (!kTwoTiles && !kValuesLate) {  // page i + 1 into the free stage
-      if (i + 1 < n_mine) {
-        stage_page<D, F, kMeter>(a, true, kcur, 0, lane, tiles);
-        stage_page<D, F, kMeter>(a, false, vcur, 0, lane, tiles);
-      }
-      cp_async_commit();
-    }
+    if constexpr (!kTwoTiles && !kValuesLate) stage_next();
     const uint16_t(*tile_k)[D + 8];
     const uint16_t(*tile_v)[D + 8];
     if constexpr (kTwoTiles) {
@@ -858,11 +858,11 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
 
     // Scores S^T[token tq (+ 8)][head 2 hq + e]: s[0], s[1] token tq; s[2], s[3] token tq + 8.
     float s[4] = {0.f, 0.f, 0.f, 0.f};
-    const int ld_token = ((lane >> 3) & 1) * 8 + (lane & 7);  // ldmatrix row address of this lane
-    const int ld_dim = (lane >> 4) * 8;
     if (k_exact) {
-      if constexpr (Traits::kLossy) tile_scores_shared_q<D, false>(tile_k, sh.q_bf16, lane, s);
+      if constexpr (kMixed) tile_scores_shared_q<D, false>(tile_k, exact_page_query(sh), lane, s);
     } else if constexpr (Traits::kTierB) {
+      const int ld_token = ((lane >> 3) & 1) * 8 + (lane & 7);  // ldmatrix row address of this lane
+      const int ld_dim = (lane >> 4) * 8;
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         float cc[4] = {0.f, 0.f, 0.f, 0.f}, cw[4] = {0.f, 0.f, 0.f, 0.f};
@@ -890,7 +890,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
     }
 
     // Logit bounds c of the same four (token, head) cells (meter formats; 0 on exact pages).
-    float c_bound[4] = {0.f, 0.f, 0.f, 0.f};
+    [[maybe_unused]] float c_bound[4] = {0.f, 0.f, 0.f, 0.f};
     if constexpr (kMeter && Traits::kTierA) {
       if (kref.bytes != nullptr && !k_exact) {  // witness^T (tokens x bands) times the band weights
         uint32_t r[4];
@@ -917,15 +917,11 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
       }
     }
 
-    if constexpr (kValuesLate) {  // the dither tile is free: the values, then page i + 1's copies
+    if constexpr (kValuesLate) {  // the dither tile is free: the values, then the next copies
       __syncwarp();
-      if (!decode_page<D, F, kMeter>(a, false, vref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
+      if (!decode_page<D, F, kMeter, kMixed>(a, false, vref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
       __syncwarp();
-      if (i + 1 < n_mine) {
-        stage_page<D, F, kMeter>(a, true, kcur, 0, lane, tiles);
-        stage_page<D, F, kMeter>(a, false, vcur, 0, lane, tiles);
-      }
-      cp_async_commit();
+      stage_next();
     }
 
     // Online softmax (base 2) over the block, per head; tokens past the sequence are masked.
@@ -947,22 +943,81 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int k = 2 * j + e;
-          if (prob[k] != 0.f) d_add += meter_term(prob[k], c_bound[k], s[k] - m_new[e]);
-          r_add += prob[k] * rho[j];
+          // Every unmasked token, also one whose p underflows float: p (e^c - 1) may still be
+          // large (meter_term takes log2 p for large c). A masked token's bound and rho may be
+          // anything (rows past the end).
+          if (s[k] != -INFINITY) {
+            d_add += meter_term(prob[k], c_bound[k], s[k] - m_new[e]);
+            r_add += prob[k] * rho[j];
+          }
         }
         d_run[e] = d_run[e] * rescale[e] + d_add;
         r_run[e] = r_run[e] * rescale[e] + r_add;
       }
     }
-    if (v_exact) tile_pv<D, false>(tile_v, prob, rescale, lane, o_acc);
-    else tile_pv<D, kHalf>(tile_v, prob, rescale, lane, o_acc);
+    if (v_exact) {
+      if constexpr (kMixed) tile_pv<D, false>(tile_v, prob, rescale, lane, o_acc);
+    } else {
+      tile_pv<D, kHalf>(tile_v, prob, rescale, lane, o_acc);
+    }
     __syncwarp();
+  };
+
+  // The hot loop: every block whose pages are of the format's class (and, for GAAC, its raw
+  // fallbacks). A lossy format's block with an exact page is left for the pass after it.
+  int n_deferred = 0;
+  for (int i = 0; i < n_mine; ++i) {
+    const int st = kTwoTiles ? i & 1 : 0;
+    const int64_t blk = first + int64_t(i) * kWarps;
+    const int32_t next_k = entry_of(p.k_table, i + 2), next_v = entry_of(p.v_table, i + 2);
+    if constexpr (kTwoTiles) cp_async_wait<1>();
+    else cp_async_wait<0>();
+    __syncwarp();
+    const PageRef kref = kcur, vref = vcur;
+    kcur = knext;
+    vcur = vnext;
+    knext = kref_of(next_k);
+    vnext = vref_of(next_v);
+    auto stage_next = [&] {  // page i + 1 into the free stage
+      if (i + 1 < n_mine) {
+        stage_page<D, F, kMeter>(a, true, kcur, 0, lane, tiles);
+        stage_page<D, F, kMeter>(a, false, vcur, 0, lane, tiles);
+      }
+      cp_async_commit();
+    };
+    if constexpr (Traits::kLossy) {
+      if (kref.raw || vref.raw) {
+        ++n_deferred;
+        __syncwarp();
+        stage_next();
+        continue;
+      }
+    }
+    attend_block(std::false_type{}, kref, vref, blk, st, stage_next);
     if constexpr (kTwoTiles) {
       if (i + 2 < n_mine) {
         stage_page<D, F, kMeter>(a, true, knext, st, lane, tiles);
         stage_page<D, F, kMeter>(a, false, vnext, st, lane, tiles);
       }
       cp_async_commit();
+    }
+  }
+  // The blocks with an exact page (the tail, blocks the encoder refused): rare, so each is staged
+  // and used in turn, off the hot loop's code.
+  if constexpr (Traits::kLossy) {
+    if (n_deferred > 0) {
+      cp_async_wait<0>();
+      __syncwarp();
+      for (int i = 0; i < n_mine; ++i) {
+        const PageRef kref = kref_of(entry_of(p.k_table, i)), vref = vref_of(entry_of(p.v_table, i));
+        if (!kref.raw && !vref.raw) continue;
+        stage_page<D, F, kMeter>(a, true, kref, 0, lane, tiles);
+        stage_page<D, F, kMeter>(a, false, vref, 0, lane, tiles);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncwarp();
+        attend_block(std::true_type{}, kref, vref, first + int64_t(i) * kWarps, 0, [] {});
+      }
     }
   }
   cp_async_wait<0>();

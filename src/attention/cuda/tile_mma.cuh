@@ -328,9 +328,13 @@ __global__ void merge_splits_kernel(float* out, float* meter, float* a_minus_1, 
     // min(1, (A - 1) + (A - 1)^2 / 2).
     constexpr double kLift = 1.0 + 1.0 / 4096.0;
     if (meter != nullptr || a_minus_1 != nullptr) {
+      // A warp's d overflows float when a token's p (e^c - 1) does relative to that warp's
+      // maximum (c >= ln FLT_MAX); scaled by a split weight that underflows, it becomes NaN. Either
+      // way A - 1 is reported as +inf and the meter as 1 (sound).
       const double am1 = double(d) / double(l) * kLift;
-      const double bound = isfinite(am1) ? fmin(1.0, am1 + 0.5 * am1 * am1) : 1.0;
-      if (a_minus_1 != nullptr) a_minus_1[row] = float(am1);
+      const bool finite = isfinite(am1);
+      const double bound = finite ? fmin(1.0, am1 + 0.5 * am1 * am1) : 1.0;
+      if (a_minus_1 != nullptr) a_minus_1[row] = finite ? float(am1) : INFINITY;
       if (meter != nullptr) meter[row] = float(bound);
     }
     if (value_rho != nullptr) value_rho[row] = float(double(r) / double(l) * kLift);

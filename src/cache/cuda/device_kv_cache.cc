@@ -164,6 +164,8 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
   c->config_ = config;
   c->lossy_ = lossy;
   c->n_outlier_pairs_ = n_outlier_pairs;
+  c->placeholder_pairs_.resize(size_t(n_outlier_pairs));
+  for (int j = 0; j < n_outlier_pairs; ++j) c->placeholder_pairs_[size_t(j)] = uint16_t(j);
   if (lossy) {
     c->lossy_scheme_ = kv_scheme_lossy(scheme);
     for (bool key : {true, false}) {
@@ -415,7 +417,10 @@ codec::LossyPageSpec DeviceKvCache::lossy_spec(bool key) const {
   spec.block_tokens = config_.block_tokens;
   spec.head_dim = config_.head_dim;
   spec.pairing = config_.rope_pairing;
-  spec.n_outlier_pairs = key ? n_outlier_pairs_ : 0;  // the pairs themselves travel per task
+  spec.n_outlier_pairs = key ? n_outlier_pairs_ : 0;
+  // The pairs of each head travel with its encode tasks; the spec's list (0, 1, ..., m - 1) only
+  // makes it valid for sizes and checks.
+  spec.outlier_pairs = spec.n_outlier_pairs > 0 ? placeholder_pairs_.data() : nullptr;
   return spec;
 }
 

@@ -150,6 +150,7 @@ class DeviceKvCache {
   bool lossy_ = false;
   codec::LossyScheme lossy_scheme_ = codec::LossyScheme::kFp8E4M3;
   int n_outlier_pairs_ = 0;  // dither8: m
+  std::vector<uint16_t> placeholder_pairs_;  // 0 .. m - 1 (lossy_spec)
   bool broken_ = false;  // a write or reset failed halfway
   std::string broken_reason_;
 };
