@@ -159,7 +159,7 @@ expect_error sparse-p-not-a-number "p 'abc' is not a number" "$bin" run --model 
 expect_error device-unknown "flag --device: expected cpu or cuda, got 'tpu'" "$bin" run --model "$model" --device tpu --prompt hi --n 1
 expect_error device-cuda-rtn8 "device cuda: KV scheme rtn8 is not served on the device yet" "$bin" run --model "$model" --device cuda --kv rtn8 --prompt hi --n 1
 expect_error device-cuda-gate "device cuda: the gate repairs blocks" "$bin" run --model "$model" --device cuda --kv dither8 --gate --prompt hi --n 1
-expect_error device-cuda-sparse "device cuda: sparse decode is not routed to the device yet" "$bin" run --model "$model" --device cuda --sparse p=0.9 --prompt hi --n 1
+expect_error device-cuda-sparse-gaac "device cuda: sparse decode on the device reads bf16 pages" "$bin" run --model "$model" --device cuda --kv dither8 --sparse p=0.9 --prompt hi --n 1
 expect_error sparse-p-missing "p is missing" "$bin" run --model "$model" --sparse window=64 --prompt hi --n 1
 expect_error sparse-unknown-key "unknown key 'budget'" "$bin" run --model "$model" --sparse p=0.9,budget=3 --prompt hi --n 1
 expect_error sparse-bad-rotation "rotation must be haar or hadamard" "$bin" run --model "$model" --sparse p=0.9,rotation=qr --prompt hi --n 1

@@ -139,9 +139,9 @@ typedef struct certkv_session_params {
                                     "cuda" (a CUDA device holds its own copy of the KV cache,
                                     encoded there; kv "bf16", "gaac", "gaac-e5m2", or the
                                     lossy "fp8-e4m3", "fp8-e5m2", "dither8" with the meter
-                                    computed there in the same pass; no gate, no sparse;
-                                    CERTKV_ERR_UNSUPPORTED without a CUDA build or device). The
-                                    forward pass and prefill stay on the CPU. */
+                                    computed there in the same pass; sparse decode with kv
+                                    "bf16"; no gate; CERTKV_ERR_UNSUPPORTED without a CUDA build
+                                    or device). The forward pass and prefill stay on the CPU. */
 } certkv_session_params;
 
 certkv_session_params certkv_session_default_params(void);
@@ -265,6 +265,7 @@ typedef struct certkv_device_stats {
   uint64_t kv_bytes_reserved;    /* device memory held for the KV cache */
   int64_t lossy_pages_in_use;    /* lossy schemes: lossy pages on the device */
   int64_t pages_kept_exact;      /* lossy schemes: pages the encoder refused, kept exact bf16 */
+  int64_t sparse_calls;          /* of attention_calls, sparse decode (kv bf16 with sparse_p) */
 } certkv_device_stats;
 
 certkv_status certkv_session_device_stats(const certkv_session* session, certkv_device_stats* stats);

@@ -529,6 +529,7 @@ certkv_status certkv_session_device_stats(const certkv_session* session, certkv_
     stats->kv_bytes_reserved = s.kv_bytes_reserved;
     stats->lossy_pages_in_use = s.lossy_pages_in_use;
     stats->pages_kept_exact = s.pages_kept_exact;
+    stats->sparse_calls = s.sparse_calls;
   });
 }
 

@@ -49,9 +49,6 @@ int64_t validate_sparse(const char* entry, const cache::KvCache& cache, cache::S
   return n_indexed;
 }
 
-uint64_t head_rounding_seed(uint64_t seed, int head) {
-  return seed + uint64_t(head) * 0x9e3779b97f4a7c15ull;
-}
 
 // Estimated logits of head h's indexed prefix and its Top-p selection (ascending indices).
 void select_head(const cache::KeyIndex& index, int layer, int kv_head, int head, const float* q,
@@ -62,7 +59,7 @@ void select_head(const cache::KeyIndex& index, int layer, int kv_head, int head,
   logits.resize(size_t(n_indexed));
   selected.clear();
   if (n_indexed == 0) return;
-  index.estimate_scores(layer, kv_head, q, head_rounding_seed(options.rounding_seed, head),
+  index.estimate_scores(layer, kv_head, q, sparse_head_rounding_seed(options.rounding_seed, head),
                         logits.data());
   for (float& l : logits) l *= scale;
   thread_local std::vector<uint8_t> mask;

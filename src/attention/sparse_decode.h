@@ -38,6 +38,12 @@ struct SparseDecodeOptions {
   std::vector<std::vector<float>>* estimated_logits = nullptr;
 };
 
+// The query rounding seed of query head `head` for a step whose SparseDecodeOptions::rounding_seed
+// is `seed` (what every path quantizes the head's query with).
+inline uint64_t sparse_head_rounding_seed(uint64_t seed, int head) {
+  return seed + uint64_t(head) * 0x9e3779b97f4a7c15ull;
+}
+
 struct SparseHeadStats {
   int64_t n_indexed = 0;    // tokens scored by the index
   int64_t n_selected = 0;   // of them, selected by Top-p

@@ -148,6 +148,10 @@ void KeyIndex::estimate_scores_ref(int layer, int kv_head, const float* q, uint6
   });
 }
 
+const uint8_t* KeyIndex::records(int layer, int kv_head) const {
+  return at(layer, kv_head, "records").records.data();
+}
+
 float KeyIndex::key_norm_centered(int layer, int kv_head, int64_t t) const {
   const HeadIndex& h = at(layer, kv_head, "key_norm_centered");
   if (t < 0 || t >= h.n)

@@ -58,6 +58,9 @@ class KeyIndex {
   // REQUIRES: has_centroids, n >= 0.
   void append(int layer, int kv_head, const float* k, int64_t n);
   int64_t indexed_tokens(int layer, int kv_head) const;
+  // The records of (layer, kv_head): [indexed_tokens][record_bytes()] bytes, index::RabitqRecord
+  // of the head_dim, in position order (valid until the next append to that head or clear).
+  const uint8_t* records(int layer, int kv_head) const;
 
   // Estimated <q, k_t> for t in [0, indexed_tokens): the popcount estimator (Eq. 17-20, Eq. 6).
   // The query's randomized rounding draws from rounding_seed. q: [head_dim]; scores: [indexed].

@@ -26,11 +26,17 @@ bool device_route_serves(cache::KvScheme scheme) {
   }
 }
 
-void refuse_unserved_scheme(cache::KvScheme scheme) {
-  if (!device_route_serves(scheme))
-    fail(StatusCode::kUnsupported, std::string("device cuda: KV scheme ") + cache::kv_scheme_name(scheme) +
+void refuse_unserved(const DeviceDecoderConfig& config) {
+  if (!device_route_serves(config.scheme))
+    fail(StatusCode::kUnsupported, std::string("device cuda: KV scheme ") + cache::kv_scheme_name(config.scheme) +
                                        " is not served on the device yet (bf16, gaac, gaac-e5m2, fp8-e4m3, fp8-e5m2, "
                                        "dither8 are)");
+  if (config.sparse && config.scheme != cache::KvScheme::kBf16)
+    fail(StatusCode::kUnsupported, std::string("device cuda: sparse decode on the device reads bf16 pages (this "
+                                               "session's KV scheme is ") +
+                                       cache::kv_scheme_name(config.scheme) + ": use --kv bf16 or --device cpu)");
+  if (config.sparse && config.max_tokens >= (int64_t(1) << 24))
+    fail(StatusCode::kUnsupported, "device cuda: sparse decode serves contexts below 2^24 tokens");
 }
 
 }  // namespace certkv::model

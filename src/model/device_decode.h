@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "attention/decode_attention.h"
+#include "attention/sparse_decode.h"
+#include "cache/key_index.h"
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
 
@@ -28,8 +30,6 @@ Device parse_device(std::string_view name);
 // Whether the device route serves sessions of this KV scheme (bf16, gaac, gaac-e5m2; the lossy
 // fp8-e4m3, fp8-e5m2 and dither8 with their meters).
 bool device_route_serves(cache::KvScheme scheme);
-// Throws kUnsupported, naming the scheme and the served ones, unless device_route_serves(scheme).
-void refuse_unserved_scheme(cache::KvScheme scheme);
 
 struct DeviceDecoderConfig {
   int n_layers = 0;
@@ -46,10 +46,19 @@ struct DeviceDecoderConfig {
   codec::RopePairing rope_pairing = codec::RopePairing::kInterleaved;
   int outlier_pairs = -1;
   double delta_loc = 1e-8;
+  // Sparse decode on the device (attend_sparse): the scheme must be bf16 (the sparse kernels read
+  // bf16 pages) and max_tokens below 2^24.
+  bool sparse = false;
 };
+
+// Throws kUnsupported, saying why, for a configuration the route does not serve whatever the
+// machine: a scheme device_route_serves refuses (naming the served ones), sparse decode with
+// another scheme than bf16 or a context of 2^24 tokens or more.
+void refuse_unserved(const DeviceDecoderConfig& config);
 
 struct DeviceDecodeStats {
   int64_t attention_calls = 0;       // (step, layer) attentions run on the device
+  int64_t sparse_calls = 0;          // of them, sparse decode
   double attention_seconds = 0;      // their wall time on the host (copies and launches included)
   double write_seconds = 0;          // appending rows and encoding finalized blocks
   int64_t slots_in_use = 0;          // GAAC slots on the device
@@ -82,6 +91,15 @@ class DeviceDecoder {
   // the caller's: the host cache keeps max ||v||). Throws kCorrupt if the kernels flagged a bad
   // page.
   virtual void attend(int layer, const float* q, float* out, attention::HeadMeter* meters) = 0;
+  // Sparse decode of the newest position (attention/cuda/sparse_decode_cuda.h), the selection of
+  // attention::sparse_decode_attention: the indexed prefix of `index` (whose new records are
+  // copied to the device), every query head's query quantized on the host with
+  // sparse_head_rounding_seed(rounding_seed, head) as the CPU path does, Top-p mass p, the window
+  // after the prefix attended exactly. stats: [n_q_heads] or null (boundary_tokens is not
+  // counted here). REQUIRES: a session configured with `sparse`; every kv head of the layer
+  // indexed to the same whole-block length, at least one block, at most the tokens written.
+  virtual void attend_sparse(int layer, const float* q, float* out, const cache::KeyIndex& index, double p,
+                             uint64_t rounding_seed, attention::SparseHeadStats* stats) = 0;
   virtual void reset() = 0;
   virtual DeviceDecodeStats stats() const = 0;
   virtual DevicePage read_page(int layer, cache::KvTensor kv, int kv_head, int64_t block) const = 0;

@@ -134,9 +134,8 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
     reset_sparse_stats();
   }
   if (config.device == Device::kCuda) {
-    // make_device_decoder refuses the schemes it does not serve.
-    if (sparse.enabled)
-      fail(StatusCode::kUnsupported, "device cuda: sparse decode is not routed to the device yet (drop --sparse)");
+    // make_device_decoder refuses the schemes it does not serve (and, with sparse decode, every
+    // scheme but bf16).
     if (meter.gate)
       fail(StatusCode::kUnsupported,
            "device cuda: the gate repairs blocks from the host cache's exact store, which the device "
@@ -157,6 +156,7 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
     dc.rope_pairing = kv.rope_pairing;
     dc.outlier_pairs = config.outlier_pairs;
     dc.delta_loc = delta_loc_;
+    dc.sparse = sparse.enabled;
     device_ = make_device_decoder(dc);
   }
   cache_ = std::make_unique<cache::KvCache>(kv);
@@ -250,8 +250,16 @@ void Session::decode_attention_sparse(int layer, const attention::AttentionShape
     options.estimated_logits = &estimated_logits_;
   }
   std::vector<attention::SparseHeadStats> stats(size_t(shape.n_q_heads));
-  attention::sparse_decode_attention(*cache_, seq_, layer, shape, q_.data(), n_ctx, *index_,
-                                     options, attn_.data(), stats.data(), pool_.get());
+  if (device_) {
+    if (sparse_observer_)
+      fail(StatusCode::kUnsupported, "device cuda: the sparse audit reads the CPU path's selections (run it "
+                                     "with --device cpu)");
+    device_->attend_sparse(layer, q_.data(), attn_.data(), *index_, options.p, options.rounding_seed,
+                           stats.data());
+  } else {
+    attention::sparse_decode_attention(*cache_, seq_, layer, shape, q_.data(), n_ctx, *index_,
+                                       options, attn_.data(), stats.data(), pool_.get());
+  }
   if (layer == config_.sparse.dense_layers) {
     sparse_stats_.steps += 1;
     sparse_stats_.dense_cells += int64_t(config_.sparse.dense_layers) * shape.n_q_heads;
@@ -497,10 +505,10 @@ void Session::forward_chunk(const int32_t* tokens, int64_t n, float* last_logits
     }
     cache_->write(seq_, layer, k_.data(), v_.data(), n);
     if (device_) device_->write(layer, pos0, k_.data(), v_.data(), n);
-    if (n == 1 && device_)
+    if (n == 1 && sparse_layer(layer))
+      decode_attention_sparse(layer, shape, pos0);  // on the device too, with device_
+    else if (n == 1 && device_)
       decode_attention_device(layer, shape, pos0);
-    else if (n == 1 && sparse_layer(layer))
-      decode_attention_sparse(layer, shape, pos0);
     else if (n == 1 && metered_)
       decode_attention_metered(layer, shape, pos0);
     else if (n == 1)

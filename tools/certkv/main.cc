@@ -67,7 +67,7 @@ constexpr const char* kUsage =
     "L layers (default 2) stay dense. Combines with any --kv scheme.\n"
     "--device cuda: decode attention on a CUDA device over its own copy of the KV cache, encoded\n"
     "there (--kv bf16, gaac, gaac-e5m2, or fp8-e4m3, fp8-e5m2, dither8 with the meter computed\n"
-    "there; no --gate); the forward pass and prefill stay on the CPU.\n"
+    "there; --sparse with --kv bf16; no --gate); the forward pass and prefill stay on the CPU.\n"
     "With no --model, the embedded default SmolLM2-135M-Instruct (models/, fetched by\n"
     "scripts/fetch_models.sh) is used.\n";
 
@@ -127,7 +127,8 @@ std::string device_json(const certkv_device_stats& d) {
       .add("kv_bytes_in_use", d.kv_bytes_in_use)
       .add("kv_bytes_reserved", d.kv_bytes_reserved)
       .add("lossy_pages_in_use", d.lossy_pages_in_use)
-      .add("pages_kept_exact", d.pages_kept_exact);
+      .add("pages_kept_exact", d.pages_kept_exact)
+      .add("sparse_calls", d.sparse_calls);
   return o.str();
 }
 

@@ -7,9 +7,12 @@
 #include <vector>
 
 #include "attention/cuda/paged_decode_cuda.h"
+#include "attention/cuda/sparse_decode_cuda.h"
 #include "cache/cuda/device_kv_cache.h"
 #include "core/cuda_status.h"
 #include "gate/meter.h"
+#include "index/rabitq.h"
+#include "index/top_p.h"
 #include "model/device_decode.h"
 
 namespace certkv::model {
@@ -37,7 +40,7 @@ double seconds_since(Clock::time_point t0) {
 class CudaDeviceDecoder final : public DeviceDecoder {
  public:
   explicit CudaDeviceDecoder(const DeviceDecoderConfig& config) : config_(config) {
-    refuse_unserved_scheme(config.scheme);
+    refuse_unserved(config);
     if (attention::cuda::device_count() < 1)
       fail(StatusCode::kUnsupported, "device cuda: no CUDA device is visible to this process");
     cache::cuda::DeviceKvCacheConfig kc;
@@ -137,12 +140,124 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     attention_seconds_ += seconds_since(t0);
   }
 
-  void reset() override { throw_if_failed(cache_->reset()); }
+  void attend_sparse(int layer, const float* q, float* out, const cache::KeyIndex& index, double p,
+                     uint64_t rounding_seed, attention::SparseHeadStats* stats) override {
+    const auto t0 = Clock::now();
+    if (!config_.sparse) fail(StatusCode::kInvalidArgument, "device cuda: this session was not configured for sparse decode");
+    const int H = config_.n_kv_heads, Hq = config_.n_q_heads, D = config_.head_dim, T = config_.block_tokens;
+    const int group = Hq / H;
+    const cache::cuda::DeviceLayerView v = cache_->view(layer);
+    const int64_t n_indexed = index.indexed_tokens(layer, 0);
+    for (int h = 1; h < H; ++h)
+      if (index.indexed_tokens(layer, h) != n_indexed)
+        fail(StatusCode::kInvalidArgument, "device cuda: the kv heads of layer " + std::to_string(layer) +
+                                               " are indexed to different lengths");
+    if (n_indexed < T || n_indexed % T != 0 || n_indexed > v.host_length)
+      fail(StatusCode::kInvalidArgument, "device cuda: an indexed prefix of " + std::to_string(n_indexed) +
+                                             " tokens is not whole blocks within the " + std::to_string(v.host_length) +
+                                             " tokens written");
+    const size_t record_bytes = index.record_bytes();
+    // The records, copied once: a head's tokens [uploaded, n_indexed) after its earlier ones.
+    SparseLayer& sl = sparse_layers_[size_t(layer)];
+    const int64_t capacity = (config_.max_tokens + T - 1) / T * T;
+    if (sl.records.size() == 0) throw_if_failed(DeviceBuffer::allocate(size_t(H) * size_t(capacity) * record_bytes, &sl.records));
+    if (sl.uploaded > n_indexed) sl.uploaded = 0;  // the index was rebuilt
+    for (int h = 0; h < H && n_indexed > sl.uploaded; ++h)
+      throw_if_failed(sl.records.upload((size_t(h) * size_t(capacity) + size_t(sl.uploaded)) * record_bytes,
+                                        index.records(layer, h) + size_t(sl.uploaded) * record_bytes,
+                                        size_t(n_indexed - sl.uploaded) * record_bytes));
+    sl.uploaded = n_indexed;
+    // Each query head's quantized query, as the CPU path draws it.
+    std::vector<attention::cuda::DeviceRabitqQuery> queries(static_cast<size_t>(Hq));
+    for (int hq = 0; hq < Hq; ++hq) {
+      const index::RabitqHead& rh = index.head(layer, hq / group);
+      const uint64_t seed = attention::sparse_head_rounding_seed(rounding_seed, hq);
+      const float* qh = q + size_t(hq) * size_t(D);
+      if (D == 64) queries[size_t(hq)] = attention::cuda::device_rabitq_query<64>(rh, index::rabitq_quantize_query<64>(rh, qh, seed));
+      else queries[size_t(hq)] = attention::cuda::device_rabitq_query<128>(rh, index::rabitq_quantize_query<128>(rh, qh, seed));
+    }
+    if (queries_.size() == 0) {
+      throw_if_failed(DeviceBuffer::allocate(sizeof(attention::cuda::DeviceRabitqQuery) * size_t(Hq), &queries_));
+      throw_if_failed(DeviceBuffer::allocate(sizeof(uint64_t) * (index::kTopPGapCap + 1), &topp_weights_));
+      throw_if_failed(DeviceBuffer::allocate(sizeof(int32_t), &n_indexed_));
+      throw_if_failed(DeviceBuffer::allocate(sizeof(int64_t) * size_t(Hq), &n_selected_));
+      throw_if_failed(DeviceBuffer::allocate(sizeof(double) * size_t(Hq), &mass_));
+    }
+    throw_if_failed(queries_.upload(0, queries.data(), queries_.size()));
+    if (topp_tokens_ != n_indexed) {
+      const std::vector<uint64_t>& w = index::top_p_weight_table(n_indexed);
+      throw_if_failed(topp_weights_.upload(0, w.data(), sizeof(uint64_t) * w.size()));
+      topp_tokens_ = n_indexed;
+    }
+    const int32_t n32 = int32_t(n_indexed);
+    throw_if_failed(n_indexed_.upload(0, &n32, sizeof(n32)));
+    throw_if_failed(q_.upload(0, q, q_.size()));
+
+    attention::cuda::SparseDecodeParams sp;
+    sp.batch = 1;
+    sp.n_q_heads = Hq;
+    sp.n_kv_heads = H;
+    sp.head_dim = D;
+    sp.block_tokens = T;
+    sp.sm_scale = config_.scale;
+    sp.p = p;
+    sp.k_pages = v.k_pages;
+    sp.v_pages = v.v_pages;
+    sp.k_page_stride = v.k_page_stride;
+    sp.v_page_stride = v.v_page_stride;
+    sp.n_k_pages = v.n_k_pages;
+    sp.n_v_pages = v.n_v_pages;
+    sp.k_table = v.k_table;
+    sp.v_table = v.v_table;
+    sp.table_stride = v.table_stride;
+    sp.seq_lens = v.length;
+    sp.max_seq_len = v.host_length;
+    sp.records = sl.records.data();
+    sp.record_stride = capacity;
+    sp.n_indexed = reinterpret_cast<const int32_t*>(n_indexed_.data());
+    sp.max_indexed = n_indexed;
+    sp.max_window = v.host_length - n_indexed;
+    sp.queries = reinterpret_cast<const attention::cuda::DeviceRabitqQuery*>(queries_.data());
+    sp.topp_weights = reinterpret_cast<const uint64_t*>(topp_weights_.data());
+    sp.q = reinterpret_cast<const float*>(q_.data());
+    sp.out = reinterpret_cast<float*>(out_.data());
+    sp.n_selected = reinterpret_cast<int64_t*>(n_selected_.data());
+    sp.mass = reinterpret_cast<double*>(mass_.data());
+    const size_t need = attention::cuda::workspace_bytes(sp);
+    if (workspace_.size() < need) throw_if_failed(DeviceBuffer::allocate(need, &workspace_));
+    sp.workspace = workspace_.data();
+    sp.workspace_size = workspace_.size();
+    throw_if_failed(attention::cuda::sparse_decode(sp));
+    throw_if_failed(out_.download(0, out, out_.size()));
+    if (stats != nullptr) {
+      std::vector<int64_t> selected(static_cast<size_t>(Hq));
+      std::vector<double> mass(static_cast<size_t>(Hq));
+      throw_if_failed(n_selected_.download(0, selected.data(), n_selected_.size()));
+      throw_if_failed(mass_.download(0, mass.data(), mass_.size()));
+      for (int hq = 0; hq < Hq; ++hq) {
+        attention::SparseHeadStats& st = stats[hq];
+        st = attention::SparseHeadStats{};
+        st.n_indexed = n_indexed;
+        st.n_selected = selected[size_t(hq)];
+        st.n_attended = st.n_selected + (v.host_length - n_indexed);
+        st.estimated_mass = mass[size_t(hq)];
+      }
+    }
+    ++attention_calls_;
+    ++sparse_calls_;
+    attention_seconds_ += seconds_since(t0);
+  }
+
+  void reset() override {
+    throw_if_failed(cache_->reset());
+    for (SparseLayer& sl : sparse_layers_) sl.uploaded = 0;
+  }
 
   DeviceDecodeStats stats() const override {
     const cache::cuda::DeviceKvStats k = cache_->stats();
     DeviceDecodeStats s;
     s.attention_calls = attention_calls_;
+    s.sparse_calls = sparse_calls_;
     s.attention_seconds = attention_seconds_;
     s.write_seconds = write_seconds_;
     s.slots_in_use = k.slots_in_use;
@@ -181,6 +296,17 @@ class CudaDeviceDecoder final : public DeviceDecoder {
   const bool metered_ = attention::cuda::page_format_metered(format_of(config_.scheme));
   DeviceBuffer q_, out_, workspace_;
   DeviceBuffer meters_;  // lossy schemes: [3][n_q_heads] floats (meter, A - 1, value side)
+  // Sparse decode: per layer the key index records ([n_kv_heads][max_tokens] records) and how many
+  // tokens of each head are there; the step's quantized queries, Top-p weight table (for
+  // topp_tokens_ indexed tokens), indexed length and per-head outputs.
+  struct SparseLayer {
+    DeviceBuffer records;
+    int64_t uploaded = 0;
+  };
+  std::vector<SparseLayer> sparse_layers_ = std::vector<SparseLayer>(size_t(config_.n_layers));
+  DeviceBuffer queries_, topp_weights_, n_indexed_, n_selected_, mass_;
+  int64_t topp_tokens_ = -1;
+  int64_t sparse_calls_ = 0;
   int64_t attention_calls_ = 0;
   double attention_seconds_ = 0, write_seconds_ = 0;
 };

@@ -5,7 +5,7 @@
 namespace certkv::model {
 
 std::unique_ptr<DeviceDecoder> make_device_decoder(const DeviceDecoderConfig& config) {
-  refuse_unserved_scheme(config.scheme);
+  refuse_unserved(config);
   fail(StatusCode::kUnsupported, "device cuda: this build of certkv has no CUDA backend (configure with "
                                  "-DCERTKV_CUDA=ON where nvcc is installed)");
 }
