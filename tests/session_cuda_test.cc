@@ -651,7 +651,10 @@ TEST_F(SessionCuda, SparseDecodeOnTheDeviceSelectsWhatTheCpuSelects) {
       SCOPED_TRACE("layer " + std::to_string(layer));
       const int64_t n_indexed = index.indexed_tokens(layer, 0);
       ASSERT_GT(n_indexed, 0);
-      const std::vector<float>& q = session.last_queries(layer);
+      // The query rounded to bf16 as the device rounds it for its tiles (its logits then differ
+      // from the float query's by the arithmetic alone).
+      std::vector<float> q = session.last_queries(layer);
+      for (float& x : q) x = format::bf16_to_float(format::float_to_bf16(x));
       attention::SparseDecodeOptions options;
       options.p = p;
       options.rounding_seed = 0x1234567ull + uint64_t(layer);
@@ -690,9 +693,11 @@ TEST_F(SessionCuda, SparseDecodeOnTheDeviceSelectsWhatTheCpuSelects) {
 }
 
 // Through the C API: the sparse session on the device against the same session on the CPU, 1,000
-// prompt tokens and 40 teacher-forced steps: the logits agree as closely as dense decode's (the
-// same sets but for a token at a rounding or Top-p boundary after the dense layers' float
-// differences) and the mean budget within 1%.
+// prompt tokens and 40 teacher-forced steps. The two sessions' queries differ by the device's
+// float arithmetic in the dense layers and the bf16 query of the sparse ones, so a token at the
+// randomized rounding's or the Top-p boundary can change sides: the device session must stay
+// closer to the CPU sparse session (mean KL) than sparse decode itself is from dense decode on
+// the CPU, agree on the top token but for one step, and keep the mean budget within 2%.
 TEST_F(SessionCuda, SparseSessionLogitsMatchTheCpuSession) {
   const certkv_model_info info = model_->info();
   const int prompt = 1000, steps = 40;
@@ -706,31 +711,38 @@ TEST_F(SessionCuda, SparseSessionLogitsMatchTheCpuSession) {
   certkv::Session cpu(*model_, p);
   p.device = "cuda";
   certkv::Session gpu(*model_, p);
-  std::vector<float> lc(size_t(info.n_vocab)), lg(size_t(info.n_vocab));
+  p.device = nullptr;
+  p.sparse_p = 0;
+  certkv::Session dense(*model_, p);
+  std::vector<float> lc(size_t(info.n_vocab)), lg(size_t(info.n_vocab)), ld(size_t(info.n_vocab));
   cpu.prefill(head, lc.data());
   gpu.prefill(head, lg.data());
+  dense.prefill(head, ld.data());
   ASSERT_EQ(lc, lg);
-  double kl_sum = 0, kl_max = 0;
+  double kl_sum = 0, kl_max = 0, sparse_kl_sum = 0;
   int agree = 0;
   for (int i = 0; i < steps; ++i) {
     certkv::check(certkv_session_decode(cpu.get(), tokens[size_t(prompt + i)], lc.data()));
     certkv::check(certkv_session_decode(gpu.get(), tokens[size_t(prompt + i)], lg.data()));
+    certkv::check(certkv_session_decode(dense.get(), tokens[size_t(prompt + i)], ld.data()));
     for (float x : lg) ASSERT_TRUE(std::isfinite(x));
     const double kl = kl_divergence(lc, lg);
     kl_sum += kl;
     kl_max = std::max(kl_max, kl);
     agree += argmax(lc) == argmax(lg);
+    sparse_kl_sum += kl_divergence(ld, lc);
   }
   const certkv_sparse_stats sc = cpu.sparse_stats(), sg = gpu.sparse_stats();
   const certkv_device_stats ds = gpu.device_stats();
-  printf("[device] sparse p 0.9 session: mean KL %.3g, max KL %.3g, top-1 agree %d/%d; mean budget %.4f (CPU %.4f), "
-         "%lld cells; %lld of %lld device attention calls sparse, %.3f s\n",
-         kl_sum / steps, kl_max, agree, steps, sg.mean_budget, sc.mean_budget, (long long)sg.cells,
-         (long long)ds.sparse_calls, (long long)ds.attention_calls, ds.attention_seconds);
-  EXPECT_LT(kl_max, 1e-3);
+  printf("[device] sparse p 0.9 session: vs the CPU sparse session mean KL %.3g, max KL %.3g, top-1 agree %d/%d; "
+         "the CPU sparse session vs dense: mean KL %.3g; mean budget %.4f (CPU %.4f), %lld cells; %lld of %lld device "
+         "attention calls sparse, %.3f s\n",
+         kl_sum / steps, kl_max, agree, steps, sparse_kl_sum / steps, sg.mean_budget, sc.mean_budget,
+         (long long)sg.cells, (long long)ds.sparse_calls, (long long)ds.attention_calls, ds.attention_seconds);
+  EXPECT_LT(kl_sum, sparse_kl_sum);
   EXPECT_GE(agree, steps - 1);
   EXPECT_EQ(sg.cells, sc.cells);
-  EXPECT_NEAR(sg.mean_budget, sc.mean_budget, 0.01 * sc.mean_budget);
+  EXPECT_NEAR(sg.mean_budget, sc.mean_budget, 0.02 * sc.mean_budget);
   EXPECT_EQ(ds.attention_calls, int64_t(steps) * info.n_layers);
   EXPECT_EQ(ds.sparse_calls, int64_t(steps) * (info.n_layers - sg.dense_layers));
 }
