@@ -232,6 +232,17 @@ CudaStatus DeviceKvCache::upload_tables(const Layer& layer) {
                     "block table upload");
 }
 
+CudaStatus DeviceKvCache::upload_table_blocks(const Layer& layer, int64_t block_begin, int64_t block_end) {
+  // Entries [block_begin, block_end) of every (K/V, kv_head) table: one 2D copy.
+  const size_t pitch = sizeof(int32_t) * size_t(table_stride_);
+  return cuda_check(cudaMemcpy2DAsync(layer.tables.data() + sizeof(int32_t) * size_t(block_begin), pitch,
+                                      layer.host_tables.data() + block_begin, pitch,
+                                      sizeof(int32_t) * size_t(block_end - block_begin),
+                                      size_t(2) * size_t(config_.n_kv_heads), cudaMemcpyHostToDevice,
+                                      as_stream(config_.stream)),
+                    "block table upload");
+}
+
 CudaStatus DeviceKvCache::write(int layer_index, const float* k, const float* v, int64_t n) {
   if (broken_)
     return cuda_error(StatusCode::kInternal, "device KV cache: an earlier call failed (" + broken_reason_ +
@@ -282,12 +293,7 @@ CudaStatus DeviceKvCache::append(int layer_index, int64_t first, const float* k,
       }
   CudaStatus s = {};
   if (block_end > new_begin) {
-    const size_t pitch = sizeof(int32_t) * size_t(table_stride_);
-    s = cuda_check(cudaMemcpy2DAsync(layer.tables.data() + sizeof(int32_t) * size_t(new_begin), pitch,
-                                     layer.host_tables.data() + new_begin, pitch,
-                                     sizeof(int32_t) * size_t(block_end - new_begin), size_t(2) * H,
-                                     cudaMemcpyHostToDevice, as_stream(stream)),
-                   "block table upload");
+    s = upload_table_blocks(layer, new_begin, block_end);
     if (!s.ok) return s;
   }
 
@@ -402,12 +408,7 @@ CudaStatus DeviceKvCache::finalize(int layer_index, int64_t block_begin, int64_t
         if (layer.slot_used[kv].size() <= size_t(slots[i])) layer.slot_used[kv].resize(size_t(slots[i]) + 1);
         layer.slot_used[kv][size_t(slots[i])] = used[i];
       }
-  const size_t pitch = sizeof(int32_t) * size_t(table_stride_);
-  return cuda_check(cudaMemcpy2DAsync(layer.tables.data() + sizeof(int32_t) * size_t(block_begin), pitch,
-                                      layer.host_tables.data() + block_begin, pitch,
-                                      sizeof(int32_t) * size_t(block_end - block_begin), size_t(2) * H,
-                                      cudaMemcpyHostToDevice, as_stream(stream)),
-                    "block table upload");
+  return upload_table_blocks(layer, block_begin, block_end);
 }
 
 codec::LossyPageSpec DeviceKvCache::lossy_spec(bool key) const {
@@ -548,12 +549,7 @@ CudaStatus DeviceKvCache::finalize_lossy(int layer_index, int64_t block_begin, i
         layer.raw.give_back(-entry - 1);
         entry = slots[i];
       }
-  const size_t pitch = sizeof(int32_t) * size_t(table_stride_);
-  return cuda_check(cudaMemcpy2DAsync(layer.tables.data() + sizeof(int32_t) * size_t(block_begin), pitch,
-                                      layer.host_tables.data() + block_begin, pitch,
-                                      sizeof(int32_t) * size_t(block_end - block_begin), size_t(2) * H,
-                                      cudaMemcpyHostToDevice, as_stream(stream)),
-                    "block table upload");
+  return upload_table_blocks(layer, block_begin, block_end);
 }
 
 CudaStatus DeviceKvCache::reset() {

@@ -136,6 +136,7 @@ class DeviceKvCache {
   CudaStatus choose_outliers(int layer_index, int kv_head, const float* rows, int n_rows, size_t row_stride);
   codec::LossyPageSpec lossy_spec(bool key) const;
   CudaStatus upload_tables(const Layer& layer);
+  CudaStatus upload_table_blocks(const Layer& layer, int64_t block_begin, int64_t block_end);
 
   DeviceKvCacheConfig config_;
   int64_t table_stride_ = 0;

@@ -78,28 +78,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
 
   void attend(int layer, const float* q, float* out, attention::HeadMeter* meters) override {
     const auto t0 = Clock::now();
-    attention::cuda::PagedDecodeParams p = params_template();
-    const cache::cuda::DeviceLayerView v = cache_->view(layer);
-    p.k_pages = v.k_pages;
-    p.v_pages = v.v_pages;
-    p.k_page_stride = v.k_page_stride;
-    p.v_page_stride = v.v_page_stride;
-    p.n_k_pages = v.n_k_pages;
-    p.n_v_pages = v.n_v_pages;
-    p.k_raw_pages = p.v_raw_pages = v.raw_pages;
-    p.raw_page_stride = v.raw_page_stride;
-    p.n_k_raw_pages = p.n_v_raw_pages = v.n_raw_pages;
-    p.k_table = v.k_table;
-    p.v_table = v.v_table;
-    p.table_stride = v.table_stride;
-    p.seq_lens = v.length;
-    p.max_seq_len = v.host_length;
-    p.gaac_bases = v.gaac_bases;
-    p.k_escape_capacity = v.k_escape_capacity;
-    p.v_escape_capacity = v.v_escape_capacity;
-    p.dither_keys = v.dither_keys;
-    p.outlier_channels = v.outlier_channels;
-    p.n_outlier_pairs = v.n_outlier_pairs;
+    attention::cuda::PagedDecodeParams p = layer_params(cache_->view(layer));
     p.q = reinterpret_cast<const float*>(q_.data());
     p.out = reinterpret_cast<float*>(out_.data());
     const size_t H = size_t(config_.n_q_heads);
@@ -194,24 +173,10 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     throw_if_failed(q_.upload(0, q, q_.size()));
 
     attention::cuda::SparseDecodeParams sp;
-    sp.batch = 1;
+    attention::cuda::describe_pages(layer_params(v), &sp);  // bf16 pages: no raw or codec fields
     sp.n_q_heads = Hq;
-    sp.n_kv_heads = H;
-    sp.head_dim = D;
-    sp.block_tokens = T;
     sp.sm_scale = config_.scale;
     sp.p = p;
-    sp.k_pages = v.k_pages;
-    sp.v_pages = v.v_pages;
-    sp.k_page_stride = v.k_page_stride;
-    sp.v_page_stride = v.v_page_stride;
-    sp.n_k_pages = v.n_k_pages;
-    sp.n_v_pages = v.n_v_pages;
-    sp.k_table = v.k_table;
-    sp.v_table = v.v_table;
-    sp.table_stride = v.table_stride;
-    sp.seq_lens = v.length;
-    sp.max_seq_len = v.host_length;
     sp.records = sl.records.data();
     sp.record_stride = capacity;
     sp.n_indexed = reinterpret_cast<const int32_t*>(n_indexed_.data());
@@ -277,6 +242,32 @@ class CudaDeviceDecoder final : public DeviceDecoder {
   }
 
  private:
+  // The kernels' view of one layer of the device cache (pools, tables, lengths, codec fields).
+  attention::cuda::PagedDecodeParams layer_params(const cache::cuda::DeviceLayerView& v) const {
+    attention::cuda::PagedDecodeParams p = params_template();
+    p.k_pages = v.k_pages;
+    p.v_pages = v.v_pages;
+    p.k_page_stride = v.k_page_stride;
+    p.v_page_stride = v.v_page_stride;
+    p.n_k_pages = v.n_k_pages;
+    p.n_v_pages = v.n_v_pages;
+    p.k_raw_pages = p.v_raw_pages = v.raw_pages;
+    p.raw_page_stride = v.raw_page_stride;
+    p.n_k_raw_pages = p.n_v_raw_pages = v.n_raw_pages;
+    p.k_table = v.k_table;
+    p.v_table = v.v_table;
+    p.table_stride = v.table_stride;
+    p.seq_lens = v.length;
+    p.max_seq_len = v.host_length;
+    p.gaac_bases = v.gaac_bases;
+    p.k_escape_capacity = v.k_escape_capacity;
+    p.v_escape_capacity = v.v_escape_capacity;
+    p.dither_keys = v.dither_keys;
+    p.outlier_channels = v.outlier_channels;
+    p.n_outlier_pairs = v.n_outlier_pairs;
+    return p;
+  }
+
   attention::cuda::PagedDecodeParams params_template() const {
     attention::cuda::PagedDecodeParams p;
     p.format = format_of(config_.scheme);
