@@ -747,8 +747,48 @@ TEST_F(SessionCuda, SparseSessionLogitsMatchTheCpuSession) {
   EXPECT_EQ(ds.sparse_calls, int64_t(steps) * (info.n_layers - sg.dense_layers));
 }
 
+// Prompts shorter than a block: the device's GAAC and lossy pools do not exist until the first
+// block is finalized (decode reads raw pages only until then), and the decode steps cross that
+// finalize. The device session's logits against the CPU session's at every step.
+TEST_F(SessionCuda, PromptsShorterThanABlockDecodeOnTheDevice) {
+  const certkv_model_info info = model_->info();
+  const int prompt = 5, steps = 24;
+  const std::vector<int32_t> tokens = tokens_of(*model_, "melville-moby-dick.txt", size_t(prompt + steps));
+  const std::vector<int32_t> head(tokens.begin(), tokens.begin() + prompt);
+  const Scheme gaac = kSchemes[1];
+  for (const char* kv : {"fp8-e4m3", "dither8", "gaac"}) {
+    SCOPED_TRACE(kv);
+    certkv_session_params p = certkv_session_default_params();
+    p.context_tokens = prompt + steps;
+    p.n_threads = host_threads();
+    p.activations = "f32";
+    p.kv = kv;
+    if (std::string(kv) == "gaac") p.gaac_calibration = calib(gaac).c_str();
+    certkv::Session cpu(*model_, p);
+    p.device = "cuda";
+    certkv::Session gpu(*model_, p);
+    std::vector<float> lc(size_t(info.n_vocab)), lg(size_t(info.n_vocab));
+    cpu.prefill(head, lc.data());
+    gpu.prefill(head, lg.data());
+    double kl_max = 0;
+    int agree = 0;
+    for (int i = 0; i < steps; ++i) {
+      certkv::check(certkv_session_decode(cpu.get(), tokens[size_t(prompt + i)], lc.data()));
+      certkv::check(certkv_session_decode(gpu.get(), tokens[size_t(prompt + i)], lg.data()));
+      for (float x : lg) ASSERT_TRUE(std::isfinite(x));
+      kl_max = std::max(kl_max, kl_divergence(lc, lg));
+      agree += argmax(lc) == argmax(lg);
+    }
+    printf("[device] %-9s prompt of %d tokens + %d steps: max KL %.3g, top-1 agree %d/%d\n", kv, prompt, steps, kl_max,
+           agree, steps);
+    EXPECT_LT(kl_max, 1e-2);
+    EXPECT_GE(agree, steps - 1);
+  }
+}
+
 // The route's refusals on a machine that has a device: schemes it does not serve, sparse over
-// another scheme than bf16, the gate.
+// another scheme than bf16, the gate; the audits (they read the host cache's pages and the CPU
+// path's selections).
 TEST_F(SessionCuda, UnservedConfigurationsAreClearErrors) {
   struct Case {
     const char* kv;
@@ -770,6 +810,17 @@ TEST_F(SessionCuda, UnservedConfigurationsAreClearErrors) {
     EXPECT_NE(std::string(certkv_last_error()).find(k.says), std::string::npos) << certkv_last_error();
     EXPECT_EQ(s, nullptr);
   }
+  certkv_session_params p = certkv_session_default_params();
+  p.device = "cuda";
+  p.kv = "dither8";
+  certkv::Session lossy(*model_, p);
+  EXPECT_EQ(certkv_session_audit_enable(lossy.get(), 0, 1), CERTKV_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(certkv_last_error()).find("audit with device cpu"), std::string::npos) << certkv_last_error();
+  p.kv = "bf16";
+  p.sparse_p = 0.9;
+  certkv::Session sparse(*model_, p);
+  EXPECT_EQ(certkv_session_sparse_audit_enable(sparse.get(), 0, 1), CERTKV_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(certkv_last_error()).find("audit with device cpu"), std::string::npos) << certkv_last_error();
 }
 
 }  // namespace

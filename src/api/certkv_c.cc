@@ -460,6 +460,11 @@ certkv_status certkv_session_audit_enable(certkv_session* session, int32_t dump_
       certkv::fail(certkv::StatusCode::kInvalidArgument,
                    std::string("audit needs a metered session (a lossy KV scheme with the meter on); "
                                "this one has kv ") + certkv::cache::kv_scheme_name(s.config().kv_scheme));
+    if (s.device_decoder() != nullptr)
+      certkv::fail(certkv::StatusCode::kUnsupported,
+                   "device cuda: the audit measures the true total variation over the host cache's pages, "
+                   "which are not the pages the device's meter bounds (dither8 draws another dither there): "
+                   "audit with device cpu");
     session->audit = std::make_unique<certkv::api::SessionAudit>(s, s.config().meter.tau, dump_cells, seed);
     certkv::api::SessionAudit* audit = session->audit.get();
     s.set_meter_observer([audit](const certkv::model::MeterObservation& o) { audit->observe(o); });
@@ -591,6 +596,9 @@ certkv_status certkv_session_sparse_audit_enable(certkv_session* session, int32_
     if (s.key_index() == nullptr)
       certkv::fail(certkv::StatusCode::kInvalidArgument,
                    "the sparse audit needs a sparse session (certkv_session_params.sparse_p)");
+    if (s.device_decoder() != nullptr)
+      certkv::fail(certkv::StatusCode::kUnsupported,
+                   "device cuda: the sparse audit reads the CPU path's selections: audit with device cpu");
     session->sparse_audit = std::make_unique<certkv::api::SessionSparseAudit>(s, dump_cells, seed);
     certkv::api::SessionSparseAudit* audit = session->sparse_audit.get();
     s.set_sparse_observer([audit](const certkv::model::SparseObservation& o) { audit->observe(o); });

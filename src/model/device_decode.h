@@ -49,6 +49,8 @@ struct DeviceDecoderConfig {
   // Sparse decode on the device (attend_sparse): the scheme must be bf16 (the sparse kernels read
   // bf16 pages) and max_tokens below 2^24.
   bool sparse = false;
+  // Lossy schemes: compute the meter in the attention pass (off: the same kernels without it).
+  bool meter = true;
 };
 
 // Throws kUnsupported, saying why, for a configuration the route does not serve whatever the

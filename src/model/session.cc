@@ -140,7 +140,7 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
       fail(StatusCode::kUnsupported,
            "device cuda: the gate repairs blocks from the host cache's exact store, which the device "
            "route does not serve yet (drop --gate to run with the meter, or use --device cpu)");
-    if (config.recent_window_tokens > 0)
+    if (config.recent_window_tokens > 0 && cache::kv_scheme_is_lossy(config.kv_scheme))
       fail(StatusCode::kUnsupported,
            "device cuda: a recent window of full-precision tokens is not served on the device yet");
     DeviceDecoderConfig dc;
@@ -157,6 +157,7 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
     dc.outlier_pairs = config.outlier_pairs;
     dc.delta_loc = delta_loc_;
     dc.sparse = sparse.enabled;
+    dc.meter = metered_;
     device_ = make_device_decoder(dc);
   }
   cache_ = std::make_unique<cache::KvCache>(kv);

@@ -1134,8 +1134,12 @@ CudaStatus check(const PagedDecodeParams& p) {
   if (p.table_stride < 1 || p.max_seq_len < 1 || p.max_seq_len > p.table_stride * kBlockTokens)
     return error("max_seq_len " + std::to_string(p.max_seq_len) + " is outside the block tables (" +
                  std::to_string(p.table_stride * kBlockTokens) + " tokens)");
-  if (!p.k_pages || !p.v_pages || !p.k_table || !p.v_table || !p.seq_lens || !p.q || !p.out)
+  // A pool may be absent while it has no pages (a GAAC or lossy cache before its first block is
+  // finalized: every table entry then names a raw page, and any other counts as corrupt).
+  if ((!p.k_pages && p.n_k_pages > 0) || (!p.v_pages && p.n_v_pages > 0) || !p.k_table || !p.v_table ||
+      !p.seq_lens || !p.q || !p.out)
     return error("a device pointer is null");
+  if (p.n_k_pages < 0 || p.n_v_pages < 0) return error("negative page count");
   if (!aligned16(p.k_pages) || !aligned16(p.v_pages) || p.k_page_stride % 16 != 0 || p.v_page_stride % 16 != 0)
     return error("the page pool is misaligned (base and page stride must be multiples of 16 bytes)");
   const bool gaac = p.format == PageFormat::kGaacBf16 || p.format == PageFormat::kGaacE5M2;

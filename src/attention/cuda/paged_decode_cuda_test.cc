@@ -719,6 +719,58 @@ TEST(PagedDecodeCuda, CorruptEntriesAreCountedNotRead) {
   }
 }
 
+// A lossy cache before its first block is finalized holds raw pages only: its lossy pools may not
+// exist yet (null, no pages). The launch is accepted and gives what it gives with the pools there.
+TEST(PagedDecodeCuda, LossyLaunchWithoutLossyPoolsReadsItsRawPages) {
+  for (PageFormat f : {PageFormat::kFp8E4M3, PageFormat::kDither8}) {
+    const HostLayerKv kv = make_kv(1, 2, 128, {13}, 29);  // less than one block
+    DeviceKvOptions opt;
+    opt.format = f;
+    opt.n_outlier_pairs = f == PageFormat::kDither8 ? 2 : 0;
+    opt.exact_tail = true;
+    DeviceKv dkv;
+    ASSERT_TRUE(DeviceKv::build(kv, opt, &dkv).ok);
+    PagedDecodeParams p;
+    dkv.describe(&p);
+    const std::string name = page_format_name(f);
+    p.n_q_heads = 8;
+    p.sm_scale = 0.088f;
+    DeviceBuffer q_d, out_d, side_d, ws_d;
+    std::vector<float> q(size_t(8) * 128);
+    for (size_t i = 0; i < q.size(); ++i) q[i] = float(int(i % 7) - 3) * 0.25f;
+    ASSERT_TRUE(DeviceBuffer::allocate(q.size() * 4, &q_d).ok);
+    ASSERT_TRUE(q_d.upload(0, q.data(), q.size() * 4).ok);
+    ASSERT_TRUE(DeviceBuffer::allocate(q.size() * 4, &out_d).ok);
+    ASSERT_TRUE(DeviceBuffer::allocate(3 * 8 * 4, &side_d).ok);
+    ASSERT_TRUE(DeviceBuffer::allocate(workspace_bytes(p), &ws_d).ok);
+    p.q = reinterpret_cast<const float*>(q_d.data());
+    p.out = reinterpret_cast<float*>(out_d.data());
+    p.meter = reinterpret_cast<float*>(side_d.data());
+    p.a_minus_1 = p.meter + 8;
+    p.value_rho = p.meter + 16;
+    p.workspace = ws_d.data();
+    p.workspace_size = workspace_bytes(p);
+    std::vector<float> with_pools(q.size()), without(q.size()), side(3 * 8);
+    for (int run = 0; run < 2; ++run) {
+      if (run == 1) {
+        p.k_pages = p.v_pages = nullptr;
+        p.n_k_pages = p.n_v_pages = 0;
+      }
+      ASSERT_TRUE(check(p).ok) << name << ": " << check(p).message;
+      ASSERT_TRUE(reset_error_word(p).ok);
+      ASSERT_TRUE(paged_decode(p).ok);
+      uint32_t corrupt = 1;
+      ASSERT_TRUE(read_error_word(p, &corrupt).ok);
+      EXPECT_EQ(corrupt, 0u) << name;
+      ASSERT_TRUE(out_d.download(0, (run == 0 ? with_pools : without).data(), q.size() * 4).ok);
+      ASSERT_TRUE(side_d.download(0, side.data(), side.size() * 4).ok);
+      for (float x : side) EXPECT_EQ(x, 0.f) << name << ": only exact pages";
+    }
+    EXPECT_EQ(with_pools, without) << name;
+    for (float x : without) EXPECT_TRUE(std::isfinite(x)) << name;
+  }
+}
+
 // A lossy format's raw entries outside its raw pools (past the K pool, into a V pool that does not
 // exist) are counted and read as zeros; outputs, the meter and the value side stay finite (A - 1
 // may be +inf, with meter 1: the spikes' e4m3 residuals pass fp16, so their witness is +inf).

@@ -36,12 +36,33 @@ __global__ void append_rows_kernel(AppendRowsArgs a) {
       dst[element] = format::bf16_to_fp8_e5m2_ref(bf16);
     }
   }
+  // The rows of the last block past this write: zero, so that a recycled page (one that held
+  // another sequence's block, non-finite values included) never puts stale values under the
+  // masked tokens of a tail (0 times Inf is NaN in P V).
+  const int64_t end = a.first + a.n;
+  const int pad_rows = int(end % a.block_tokens) == 0 ? 0 : a.block_tokens - int(end % a.block_tokens);
+  const int64_t pad_total = 2 * int64_t(a.n_kv_heads) * pad_rows * a.head_dim;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < pad_total; i += stride) {
+    const int kv = int(i / (int64_t(a.n_kv_heads) * pad_rows * a.head_dim));
+    const int64_t rem = i % (int64_t(a.n_kv_heads) * pad_rows * a.head_dim);
+    const int h = int(rem / (int64_t(pad_rows) * a.head_dim));
+    const int row = a.block_tokens - pad_rows + int(rem / a.head_dim % pad_rows);
+    const int c = int(rem % a.head_dim);
+    const int32_t entry = a.tables[(int64_t(kv) * a.n_kv_heads + h) * a.table_stride + end / a.block_tokens];
+    const int64_t page = entry >= 0 ? entry : -int64_t(entry) - 1;
+    if (page >= a.n_raw_pages) continue;
+    uint8_t* dst = a.raw_pages + page * a.raw_page_stride;
+    const int64_t element = int64_t(row) * a.head_dim + c;
+    if (a.element == format::GaacElement::kBf16) reinterpret_cast<uint16_t*>(dst)[element] = 0;
+    else dst[element] = 0;
+  }
   if (blockIdx.x == 0 && threadIdx.x == 0) *a.length = int32_t(a.first + a.n);
 }
 
 }  // namespace
 
 CudaStatus append_rows(const AppendRowsArgs& args, void* stream) {
+  // Enough threads for the rows written (the zeroed rows after them are fewer than a block's).
   const int64_t total = 2 * args.n * args.n_kv_heads * args.head_dim;
   const int threads = 256;
   const int blocks = int(std::min<int64_t>((total + threads - 1) / threads, 1024) + (total == 0));

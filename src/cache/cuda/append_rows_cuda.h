@@ -1,5 +1,7 @@
 // The device step of DeviceKvCache::write: rows of floats rounded into the raw tail pages that
-// the block tables name, exactly as KvCache::write rounds them on the host.
+// the block tables name, exactly as KvCache::write rounds them on the host; the rows of the last
+// block after them are zeroed (a recycled page keeps nothing of its former block under a tail's
+// masked tokens).
 #pragma once
 
 #include <cstdint>

@@ -105,6 +105,11 @@ void expect_same_pages(const DeviceKvCache& dev, const KvCache& host, SeqId seq,
           ASSERT_TRUE(std::equal(page.bytes.begin(), page.bytes.begin() + ptrdiff_t(compare),
                                  host.page_bytes_of(table[b])))
               << "layer " << l << " kv " << kv << " head " << h << " block " << b;
+          if (!page.gaac_slot) {  // a tail's rows not written yet are zero (recycled pages too)
+            ASSERT_TRUE(std::all_of(page.bytes.begin() + ptrdiff_t(compare), page.bytes.end(),
+                                    [](uint8_t x) { return x == 0; }))
+                << "layer " << l << " kv " << kv << " head " << h << " block " << b;
+          }
           *slots += page.gaac_slot;
         }
       }
@@ -206,6 +211,8 @@ void expect_same_lossy_pages(const DeviceKvCache& dev, const KvCache& host, SeqI
             const size_t rows = size_t(std::min<int64_t>(kT, n - b * kT)) * kDim * 2;
             ASSERT_EQ(page.bytes.size(), size_t(kT) * kDim * 2);
             ASSERT_TRUE(std::equal(page.bytes.begin(), page.bytes.begin() + ptrdiff_t(rows), host.page_bytes_of(table[b])));
+            ASSERT_TRUE(std::all_of(page.bytes.begin() + ptrdiff_t(rows), page.bytes.end(), [](uint8_t x) { return x == 0; }))
+                << "a tail's rows not written yet are zero";
             continue;
           }
           ++*lossy;

@@ -284,7 +284,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
 
   DeviceDecoderConfig config_;
   std::unique_ptr<cache::cuda::DeviceKvCache> cache_;
-  const bool metered_ = attention::cuda::page_format_metered(format_of(config_.scheme));
+  const bool metered_ = config_.meter && attention::cuda::page_format_metered(format_of(config_.scheme));
   DeviceBuffer q_, out_, workspace_;
   DeviceBuffer meters_;  // lossy schemes: [3][n_q_heads] floats (meter, A - 1, value side)
   // Sparse decode: per layer the key index records ([n_kv_heads][max_tokens] records) and how many
