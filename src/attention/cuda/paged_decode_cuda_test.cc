@@ -17,6 +17,7 @@
 #include "attention/cuda/device_kv.h"
 #include "attention/cuda/paged_decode_cuda.h"
 #include "attention/online_softmax.h"
+#include "core/cuda_test_support.h"
 #include "format/fp8.h"
 #include "format/numeric.h"
 
@@ -350,9 +351,119 @@ void expect_value_side_matches(const Result& r, const std::string& name) {
   EXPECT_GE(r.min_value_rho_excess, -1e-5) << name << ": value side below the reference";
 }
 
-TEST(PagedDecodeCuda, DeviceIsPresent) { ASSERT_GT(device_count(), 0) << "no CUDA device: run these tests on the GPU machine"; }
+TEST(PagedDecodeCuda, DeviceIsPresent) {
+  CERTKV_NEED_CUDA_DEVICE();
+  EXPECT_GT(device_count(), 0);
+}
+
+// check() on parameters whose device pointers are only addresses (it never dereferences them, and
+// runs without a device: CI runs this): the shapes it does not serve, misaligned pools, strides
+// below a page, missing buffers and codec parameters, the raw pools of the GAAC and lossy
+// formats, and slot pools that may be absent while they hold no page.
+TEST(PagedDecodeCuda, CheckRefusesBadInputWithoutADevice) {
+  auto address = [](uintptr_t a) { return reinterpret_cast<uint8_t*>(a); };
+  std::vector<int32_t> table(64), lens(1, 100);
+  std::vector<float> q(1024), out(1024);
+  std::vector<uint64_t> keys(8);
+  std::vector<int32_t> channels(64);
+  std::vector<uint8_t> bases(4096);
+  alignas(16) static uint8_t workspace[1 << 20];
+  auto base = [&](PageFormat f) {
+    PagedDecodeParams p;
+    p.format = f;
+    p.batch = 1;
+    p.n_q_heads = 8;
+    p.n_kv_heads = 2;
+    p.head_dim = 64;
+    p.sm_scale = 0.125f;
+    p.k_pages = address(0x100000);
+    p.v_pages = address(0x200000);
+    p.k_page_stride = p.v_page_stride = 4096;
+    p.n_k_pages = p.n_v_pages = 8;
+    p.k_raw_pages = address(0x300000);
+    p.v_raw_pages = address(0x400000);
+    p.raw_page_stride = 2048;
+    p.n_k_raw_pages = p.n_v_raw_pages = 4;
+    p.k_table = p.v_table = table.data();
+    p.table_stride = 32;
+    p.seq_lens = lens.data();
+    p.max_seq_len = 100;
+    p.gaac_bases = bases.data();
+    p.dither_keys = keys.data();
+    p.n_outlier_pairs = f == PageFormat::kDither8 ? 2 : 0;
+    p.outlier_channels = channels.data();
+    p.q = q.data();
+    p.out = out.data();
+    p.workspace = workspace;
+    p.workspace_size = sizeof(workspace);
+    return p;
+  };
+  for (PageFormat f : {PageFormat::kBf16, PageFormat::kGaacBf16, PageFormat::kFp8E4M3, PageFormat::kDither8}) {
+    const std::string name = page_format_name(f);
+    EXPECT_TRUE(check(base(f)).ok) << name << ": " << check(base(f)).message;
+    PagedDecodeParams p = base(f);
+    p.head_dim = 96;
+    EXPECT_EQ(check(p).code, StatusCode::kUnsupported) << name;
+    EXPECT_NE(check(p).message.find("head_dim 96"), std::string::npos) << check(p).message;
+    p = base(f);
+    p.n_q_heads = 18;  // 9 query heads per KV head
+    EXPECT_EQ(check(p).code, StatusCode::kUnsupported) << name;
+    p = base(f);
+    p.n_q_heads = 5;  // not integral
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    p = base(f);
+    p.block_tokens = 32;
+    EXPECT_EQ(check(p).code, StatusCode::kUnsupported) << name;
+    p = base(f);
+    p.k_pages += 8;
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    EXPECT_NE(check(p).message.find("misaligned"), std::string::npos) << check(p).message;
+    p = base(f);
+    p.k_page_stride = 512;  // below any page of head_dim 64
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    p = base(f);
+    p.q = nullptr;
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    p = base(f);
+    p.max_seq_len = 32 * 16 + 1;  // past the tables
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    p = base(f);
+    p.workspace_size = 16;
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    p = base(f);
+    p.k_pages = nullptr;  // a pool with pages must be there
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    p.n_k_pages = 0;  // one without pages may be absent
+    EXPECT_TRUE(check(p).ok) << name << ": " << check(p).message;
+    p = base(f);
+    p.head_dim = 96;
+    EXPECT_FALSE(paged_decode(p).ok) << name;  // refused before any launch
+    if (f == PageFormat::kBf16) continue;
+    p = base(f);
+    p.raw_page_stride = 2048 - 16;  // below a raw page
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    p = base(f);
+    p.k_raw_pages = nullptr;  // raw pages without a pool
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    p.n_k_raw_pages = 0;
+    EXPECT_TRUE(check(p).ok) << name << ": " << check(p).message;
+  }
+  PagedDecodeParams p = base(PageFormat::kGaacBf16);
+  p.gaac_bases = nullptr;
+  EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument);
+  p = base(PageFormat::kDither8);
+  p.dither_keys = nullptr;
+  EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument);
+  p = base(PageFormat::kDither8);
+  p.n_outlier_pairs = kMaxDeviceOutlierPairs + 1;
+  EXPECT_EQ(check(p).code, StatusCode::kUnsupported);
+  p = base(PageFormat::kDither8);
+  p.delta_loc = 1.0;
+  EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument);
+}
 
 TEST(PagedDecodeCuda, EveryFormatMatchesTheReferenceOnRaggedBatches) {
+  CERTKV_NEED_CUDA_DEVICE();
   const PageFormat formats[] = {PageFormat::kBf16, PageFormat::kGaacBf16, PageFormat::kGaacE5M2,
                                 PageFormat::kFp8E4M3, PageFormat::kFp8E5M2, PageFormat::kDither8};
   struct Shape {
@@ -392,6 +503,7 @@ TEST(PagedDecodeCuda, EveryFormatMatchesTheReferenceOnRaggedBatches) {
 }
 
 TEST(PagedDecodeCuda, GaacPagesWithoutEscapesMatchTheReference) {
+  CERTKV_NEED_CUDA_DEVICE();
   // Every group 3-bit: the kernel skips the escape scan (a warp-uniform branch the ragged test
   // may never take).
   for (PageFormat f : {PageFormat::kGaacBf16, PageFormat::kGaacE5M2}) {
@@ -406,6 +518,7 @@ TEST(PagedDecodeCuda, GaacPagesWithoutEscapesMatchTheReference) {
 }
 
 TEST(PagedDecodeCuda, GaacSpikesGoToEscapesAndRawPages) {
+  CERTKV_NEED_CUDA_DEVICE();
   // A calibration that leaves escape capacity 0 sends every page with an escape to the raw pool.
   Case c{PageFormat::kGaacBf16, 128, 8, 2, {4096}, 0};
   const HostLayerKv kv = make_kv(1, 2, 128, c.lens, 99);
@@ -426,6 +539,7 @@ TEST(PagedDecodeCuda, GaacSpikesGoToEscapesAndRawPages) {
 // pages on the bf16 path (bf16 query, bf16 probabilities) with c = 0 and rho = 0. The references
 // read the exact values there and compute A - 1 and the value side with 0 on those pages.
 TEST(PagedDecodeCuda, LossyFormatsWithExactPagesMatchTheReference) {
+  CERTKV_NEED_CUDA_DEVICE();
   const PageFormat formats[] = {PageFormat::kFp8E4M3, PageFormat::kFp8E5M2, PageFormat::kDither8};
   struct Shape {
     int d, hq, hkv;
@@ -474,6 +588,7 @@ TEST(PagedDecodeCuda, LossyFormatsWithExactPagesMatchTheReference) {
 // Every page exact: nothing for the meter to bound, so A - 1, the meter and the value side are
 // exactly 0, and the output is bf16 attention over the exact values.
 TEST(PagedDecodeCuda, LossyBatchWithEveryPageExactHasAZeroMeter) {
+  CERTKV_NEED_CUDA_DEVICE();
   for (PageFormat f : {PageFormat::kFp8E4M3, PageFormat::kFp8E5M2, PageFormat::kDither8}) {
     for (const Case& shape : {Case{f, 128, 16, 4, {333, 16}, 0}, Case{f, 64, 7, 7, {1, 900}, 3}}) {
       Case c = shape;
@@ -494,6 +609,7 @@ TEST(PagedDecodeCuda, LossyBatchWithEveryPageExactHasAZeroMeter) {
 
 // Formats without lossy pages: the value side (and A - 1, the meter) are 0 when asked for.
 TEST(PagedDecodeCuda, ValueSideIsZeroWithoutLossyPages) {
+  CERTKV_NEED_CUDA_DEVICE();
   for (PageFormat f : {PageFormat::kBf16, PageFormat::kGaacBf16}) {
     const HostLayerKv kv = make_kv(1, 2, 64, {200}, 21);
     codec::GaacCalibration calibration = calibrate(f, kv);
@@ -533,6 +649,7 @@ TEST(PagedDecodeCuda, ValueSideIsZeroWithoutLossyPages) {
 }
 
 TEST(PagedDecodeCuda, UnsupportedShapesAndBadBuffersAreRefused) {
+  CERTKV_NEED_CUDA_DEVICE();
   const HostLayerKv kv = make_kv(1, 2, 64, {64}, 5);
   DeviceKvOptions opt;
   DeviceKv dkv;
@@ -594,6 +711,7 @@ TEST(PagedDecodeCuda, UnsupportedShapesAndBadBuffersAreRefused) {
 // The raw pools of a lossy format (its exact bf16 pages): present where they have pages, aligned,
 // a stride of at least a bf16 page and a multiple of 16; a pool without pages may be absent.
 TEST(PagedDecodeCuda, LossyRawPoolsAreChecked) {
+  CERTKV_NEED_CUDA_DEVICE();
   for (PageFormat f : {PageFormat::kFp8E4M3, PageFormat::kDither8}) {
     const HostLayerKv kv = make_kv(1, 2, 64, {100}, 7);
     DeviceKvOptions opt;
@@ -648,6 +766,7 @@ TEST(PagedDecodeCuda, LossyRawPoolsAreChecked) {
 }
 
 TEST(PagedDecodeCuda, OutOfDeviceMemoryIsAStatus) {
+  CERTKV_NEED_CUDA_DEVICE();
   DeviceBuffer huge;
   const CudaStatus s = DeviceBuffer::allocate(size_t(1) << 50, &huge);
   EXPECT_FALSE(s.ok);
@@ -663,6 +782,7 @@ TEST(PagedDecodeCuda, OutOfDeviceMemoryIsAStatus) {
 
 // Corrupt tables, lengths and slots: counted in the error word, never read past the pools.
 TEST(PagedDecodeCuda, CorruptEntriesAreCountedNotRead) {
+  CERTKV_NEED_CUDA_DEVICE();
   for (PageFormat f : {PageFormat::kBf16, PageFormat::kGaacBf16}) {
     const HostLayerKv kv = make_kv(1, 2, 128, {256}, 11);
     codec::GaacCalibration calibration = calibrate(f, kv);
@@ -722,6 +842,7 @@ TEST(PagedDecodeCuda, CorruptEntriesAreCountedNotRead) {
 // A lossy cache before its first block is finalized holds raw pages only: its lossy pools may not
 // exist yet (null, no pages). The launch is accepted and gives what it gives with the pools there.
 TEST(PagedDecodeCuda, LossyLaunchWithoutLossyPoolsReadsItsRawPages) {
+  CERTKV_NEED_CUDA_DEVICE();
   for (PageFormat f : {PageFormat::kFp8E4M3, PageFormat::kDither8}) {
     const HostLayerKv kv = make_kv(1, 2, 128, {13}, 29);  // less than one block
     DeviceKvOptions opt;
@@ -775,6 +896,7 @@ TEST(PagedDecodeCuda, LossyLaunchWithoutLossyPoolsReadsItsRawPages) {
 // exist) are counted and read as zeros; outputs, the meter and the value side stay finite (A - 1
 // may be +inf, with meter 1: the spikes' e4m3 residuals pass fp16, so their witness is +inf).
 TEST(PagedDecodeCuda, ExactPageEntriesOutsideTheRawPoolsAreCounted) {
+  CERTKV_NEED_CUDA_DEVICE();
   for (PageFormat f : {PageFormat::kFp8E4M3, PageFormat::kDither8}) {
     const HostLayerKv kv = make_kv(1, 2, 128, {256}, 13);
     DeviceKvOptions opt;

@@ -16,6 +16,7 @@
 
 #include "attention/cuda/device_kv.h"
 #include "attention/cuda/sparse_decode_cuda.h"
+#include "core/cuda_test_support.h"
 #include "format/numeric.h"
 #include "index/rabitq.h"
 #include "index/rotation.h"
@@ -302,6 +303,7 @@ void check_case(const SparseCase& c, bool dense_too = false) {
 }
 
 TEST(SparseDecodeCuda, RaggedBatchesMatchTheCpuSelectionAndAttention) {
+  CERTKV_NEED_CUDA_DEVICE();
   check_case<128>({128, 32, 8, {4096 + 100, 2000}, {4096, 1792}, 0.9, 1});
   check_case<128>({128, 28, 4, {17, 3000, 16 * 300 + 1}, {0, 2816, 16 * 300}, 0.9, 2});
   check_case<64>({64, 7, 7, {1500, 64}, {1280, 48}, 0.95, 3});
@@ -310,11 +312,13 @@ TEST(SparseDecodeCuda, RaggedBatchesMatchTheCpuSelectionAndAttention) {
 }
 
 TEST(SparseDecodeCuda, PEqualOneIsDenseAttention) {
+  CERTKV_NEED_CUDA_DEVICE();
   check_case<128>({128, 16, 4, {3000, 517}, {2880, 512}, 1.0, 6}, true);
   check_case<64>({64, 6, 2, {1200}, {1024}, 1.0, 7}, true);
 }
 
 TEST(SparseDecodeCuda, ABoundaryBucketOfEveryToken) {
+  CERTKV_NEED_CUDA_DEVICE();
   // Every key the same: every logit ties, so the boundary bucket holds all 6,400 indexed tokens
   // (gathered from every pass CTA) and ties at theta are all selected.
   SparseCase c{128, 8, 2, {6400 + 50}, {6400}, 0.9, 8};
