@@ -233,13 +233,17 @@ void expect_same_lossy_pages(const DeviceKvCache& dev, const KvCache& host, SeqI
 TEST(DeviceKvCache, RaggedWritesLeaveTheHostCachesLossyPages) {
   CERTKV_NEED_CUDA_DEVICE();
   for (KvScheme scheme : {KvScheme::kFp8E4M3, KvScheme::kFp8E5M2, KvScheme::kDither8}) {
-    // The first write: shorter than a block (dither8 chooses its outlier pairs from the first
-    // block's bf16 rows when it completes) or longer (from that write's float rows).
-    for (int64_t first_chunk : {int64_t(5), int64_t(37)}) {
-      SCOPED_TRACE(std::string(kv_scheme_name(scheme)) + ", first write " + std::to_string(first_chunk));
+    // The first writes: shorter than a block until it completes (dither8 chooses its outlier pairs
+    // from the first block's bf16 rows then), longer than a block (from that write's float rows),
+    // or shorter and then a long one before the first block completes (from the long write's rows,
+    // poisoned ones included, as KvCache does).
+    const std::vector<std::vector<int64_t>> first_writes = {
+        {5, 1, 1, 9, 16, 5, 300, 1, 13, 3}, {37, 1, 1, 9, 16, 5, 300, 1, 13, 3}, {5, 300, 1, 13, 3}};
+    for (size_t plan = 0; plan < first_writes.size(); ++plan) {
+      SCOPED_TRACE(std::string(kv_scheme_name(scheme)) + ", writes plan " + std::to_string(plan));
       const int64_t max_tokens = 1600;
       DeviceKvCacheConfig dc = config_of(scheme, max_tokens);
-      dc.rope_pairing = first_chunk == 5 ? codec::RopePairing::kInterleaved : codec::RopePairing::kHalfSplit;
+      dc.rope_pairing = plan % 2 == 0 ? codec::RopePairing::kInterleaved : codec::RopePairing::kHalfSplit;
       std::unique_ptr<DeviceKvCache> dev;
       CudaStatus s = DeviceKvCache::create(dc, &dev);
       ASSERT_TRUE(s.ok) << s.message;
@@ -257,7 +261,7 @@ TEST(DeviceKvCache, RaggedWritesLeaveTheHostCachesLossyPages) {
         const SeqId seq = host.create_sequence();
         const uint64_t host_exact_before = host.memory_stats().exact_fallback_blocks;
         const std::vector<int64_t> chunks =
-            round == 0 ? std::vector<int64_t>{first_chunk, 1, 1, 9, 16, 5, 300, 1, 13, 3}
+            round == 0 ? first_writes[plan]
                        : std::vector<int64_t>{16, 1, 1100};  // lossy pools grow in the middle of an encode
         int64_t n = 0;
         int lossy = 0;
