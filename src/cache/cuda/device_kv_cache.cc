@@ -337,6 +337,27 @@ CudaStatus DeviceKvCache::append(int layer_index, int64_t first, const float* k,
   return {};
 }
 
+CudaStatus DeviceKvCache::stage_encode_tasks(const void* tasks, size_t task_bytes, size_t result_bytes,
+                                             uint8_t** results) {
+  // The tasks at the start of the encode buffer, the results after them (16-byte aligned).
+  const size_t result_offset = round16(task_bytes);
+  if (encode_buffer_.size() < result_offset + result_bytes) {
+    CudaStatus s = DeviceBuffer::allocate(result_offset + result_bytes, &encode_buffer_);
+    if (!s.ok) return s;
+  }
+  *results = encode_buffer_.data() + result_offset;
+  return cuda_check(cudaMemcpyAsync(encode_buffer_.data(), tasks, task_bytes, cudaMemcpyHostToDevice,
+                                    as_stream(config_.stream)),
+                    "encode task upload");
+}
+
+CudaStatus DeviceKvCache::read_encode_results(const uint8_t* results, void* host, size_t bytes) {
+  CudaStatus s = cuda_check(cudaMemcpyAsync(host, results, bytes, cudaMemcpyDeviceToHost, as_stream(config_.stream)),
+                            "encode result download");
+  if (s.ok) s = cuda_check(cudaStreamSynchronize(as_stream(config_.stream)), "block encode");
+  return s;
+}
+
 CudaStatus DeviceKvCache::finalize(int layer_index, int64_t block_begin, int64_t block_end) {
   Layer& layer = *layers_[size_t(layer_index)];
   const int H = config_.n_kv_heads;
@@ -371,27 +392,16 @@ CudaStatus DeviceKvCache::finalize(int layer_index, int64_t block_begin, int64_t
         for (int64_t b = block_begin; b < block_end; ++b, ++i)
           tasks[i].dst = layer.slots[kv].buffer.data() + size_t(slots[i]) * layer.slots[kv].stride;
   }
-  const size_t task_bytes = tasks.size() * sizeof(codec::cuda::GaacEncodeTask);
-  const size_t result_offset = round16(task_bytes);
-  const size_t need = result_offset + tasks.size() * sizeof(uint32_t);
-  CudaStatus s = {};
-  if (encode_buffer_.size() < need) {
-    s = DeviceBuffer::allocate(need, &encode_buffer_);
-    if (!s.ok) return s;
-  }
-  s = cuda_check(cudaMemcpyAsync(encode_buffer_.data(), tasks.data(), task_bytes, cudaMemcpyHostToDevice, as_stream(stream)),
-                 "encode task upload");
+  uint8_t* results = nullptr;
+  CudaStatus s = stage_encode_tasks(tasks.data(), tasks.size() * sizeof(codec::cuda::GaacEncodeTask),
+                                    tasks.size() * sizeof(uint32_t), &results);
   if (!s.ok) return s;
-  uint32_t* results = reinterpret_cast<uint32_t*>(encode_buffer_.data() + result_offset);
   s = codec::cuda::gaac_encode_pages(element, T, D,
                                      reinterpret_cast<const codec::cuda::GaacEncodeTask*>(encode_buffer_.data()),
-                                     int(tasks.size()), results, stream);
+                                     int(tasks.size()), reinterpret_cast<uint32_t*>(results), stream);
   if (!s.ok) return s;
   std::vector<uint32_t> used(tasks.size());
-  s = cuda_check(cudaMemcpyAsync(used.data(), results, used.size() * sizeof(uint32_t), cudaMemcpyDeviceToHost,
-                                 as_stream(stream)),
-                 "encode result download");
-  if (s.ok) s = cuda_check(cudaStreamSynchronize(as_stream(stream)), "block encode");
+  s = read_encode_results(results, used.data(), used.size() * sizeof(uint32_t));
   if (!s.ok) return s;
   size_t i = 0;
   for (int kv = 0; kv < 2; ++kv)
@@ -514,27 +524,17 @@ CudaStatus DeviceKvCache::finalize_lossy(int layer_index, int64_t block_begin, i
     const int kv = int64_t(i) < per_kv ? 0 : 1;
     tasks[i].dst = layer.slots[kv].buffer.data() + size_t(slots[i]) * layer.slots[kv].stride;
   }
-  const size_t task_bytes = tasks.size() * sizeof(codec::cuda::LossyEncodeTask);
-  const size_t result_offset = round16(task_bytes);
-  const size_t need = result_offset + tasks.size();
-  CudaStatus s = {};
-  if (encode_buffer_.size() < need) {
-    s = DeviceBuffer::allocate(need, &encode_buffer_);
-    if (!s.ok) return s;
-  }
-  s = cuda_check(cudaMemcpyAsync(encode_buffer_.data(), tasks.data(), task_bytes, cudaMemcpyHostToDevice, as_stream(stream)),
-                 "encode task upload");
+  uint8_t* results = nullptr;
+  CudaStatus s = stage_encode_tasks(tasks.data(), tasks.size() * sizeof(codec::cuda::LossyEncodeTask), tasks.size(),
+                                    &results);
   if (!s.ok) return s;
   const auto* device_tasks = reinterpret_cast<const codec::cuda::LossyEncodeTask*>(encode_buffer_.data());
-  uint8_t* results = encode_buffer_.data() + result_offset;
   for (int kv = 0; kv < 2 && s.ok; ++kv)
     s = codec::cuda::lossy_encode_pages(lossy_spec(kv == 0), device_tasks + kv * per_kv, int(per_kv),
                                         results + kv * per_kv, stream);
   if (!s.ok) return s;
   std::vector<uint8_t> encoded(tasks.size());
-  s = cuda_check(cudaMemcpyAsync(encoded.data(), results, encoded.size(), cudaMemcpyDeviceToHost, as_stream(stream)),
-                 "encode result download");
-  if (s.ok) s = cuda_check(cudaStreamSynchronize(as_stream(stream)), "block encode");
+  s = read_encode_results(results, encoded.data(), encoded.size());
   if (!s.ok) return s;
   size_t i = 0;
   for (int kv = 0; kv < 2; ++kv)

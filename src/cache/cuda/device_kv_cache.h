@@ -131,6 +131,10 @@ class DeviceKvCache {
   CudaStatus append(int layer_index, int64_t first, const float* k, const float* v, int64_t n);
   CudaStatus finalize(int layer_index, int64_t block_begin, int64_t block_end);
   CudaStatus finalize_lossy(int layer_index, int64_t block_begin, int64_t block_end);
+  // An encode launch's tasks uploaded to encode_buffer_ (grown when short), *results pointing at
+  // result_bytes after them; then its results read back (synchronizes the stream).
+  CudaStatus stage_encode_tasks(const void* tasks, size_t task_bytes, size_t result_bytes, uint8_t** results);
+  CudaStatus read_encode_results(const uint8_t* results, void* host, size_t bytes);
   // dither8: notes the rows of a write for the choice of outlier pairs (KvCache's rule).
   CudaStatus note_outlier_rows(int layer_index, int64_t first, const float* k, int64_t n);
   CudaStatus choose_outliers(int layer_index, int kv_head, const float* rows, int n_rows, size_t row_stride);
