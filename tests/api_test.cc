@@ -170,11 +170,6 @@ TEST(CApi, DeviceRouteRefusalsAreClearErrors) {
   EXPECT_EQ(certkv_session_create(model.get(), &sp, &s), CERTKV_ERR_UNSUPPORTED);
   EXPECT_NE(std::string(certkv_last_error()).find("KV scheme rtn8 is not served on the device"), std::string::npos)
       << certkv_last_error();
-  sp.kv = "dither8";  // served, but not with the gate
-  sp.gate = 1;
-  EXPECT_EQ(certkv_session_create(model.get(), &sp, &s), CERTKV_ERR_UNSUPPORTED);
-  EXPECT_NE(std::string(certkv_last_error()).find("device cuda: the gate"), std::string::npos) << certkv_last_error();
-  sp.gate = 0;
   EXPECT_EQ(s, nullptr);
   sp.kv = "bf16";
   sp.device = "cpu";

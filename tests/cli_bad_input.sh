@@ -158,7 +158,6 @@ expect_error sparse-p-above-one "p must be in (0, 1], got 1.5" "$bin" run --mode
 expect_error sparse-p-not-a-number "p 'abc' is not a number" "$bin" run --model "$model" --sparse p=abc --prompt hi --n 1
 expect_error device-unknown "flag --device: expected cpu or cuda, got 'tpu'" "$bin" run --model "$model" --device tpu --prompt hi --n 1
 expect_error device-cuda-rtn8 "device cuda: KV scheme rtn8 is not served on the device yet" "$bin" run --model "$model" --device cuda --kv rtn8 --prompt hi --n 1
-expect_error device-cuda-gate "device cuda: the gate repairs blocks" "$bin" run --model "$model" --device cuda --kv dither8 --gate --prompt hi --n 1
 expect_error device-cuda-sparse-gaac "device cuda: sparse decode on the device reads bf16 pages" "$bin" run --model "$model" --device cuda --kv dither8 --sparse p=0.9 --prompt hi --n 1
 expect_error sparse-p-missing "p is missing" "$bin" run --model "$model" --sparse window=64 --prompt hi --n 1
 expect_error sparse-unknown-key "unknown key 'budget'" "$bin" run --model "$model" --sparse p=0.9,budget=3 --prompt hi --n 1

@@ -26,6 +26,7 @@
 #include "codec/lossy_page.h"
 #include "format/gaac_layout.h"
 #include "format/numeric.h"
+#include "gate/telemetry.h"
 #include "gaac_e2e_support.h"
 #include "model/model.h"
 #include "model/session.h"
@@ -747,6 +748,76 @@ TEST_F(SessionCuda, SparseSessionLogitsMatchTheCpuSession) {
   EXPECT_EQ(ds.sparse_calls, int64_t(steps) * (info.n_layers - sg.dense_layers));
 }
 
+// The gate on the device (fp8-e4m3, the raw cast the gate has the most to repair in, and dither8):
+// the host cache decides and repairs as on the CPU, and each block it repairs becomes exact on the
+// device too. After a 600-token prompt and 12 steps: every device page has the host page's class
+// (lossy or exact) and an exact page the host's rows; the device session's repairs and coverage
+// against the CPU gate session's (the same decisions but where the device's meter and the CPU's
+// fall on either side of tau), its logits close to the CPU's.
+TEST_F(SessionCuda, TheGateRepairsOnTheDevice) {
+  std::unique_ptr<model::Model> m = model::load_model(model_file());
+  const model::ModelConfig& c = m->config();
+  const certkv_model_info info = model_->info();
+  const int T = 16;
+  for (const char* kv_name : {"fp8-e4m3", "dither8"}) {
+    SCOPED_TRACE(kv_name);
+    model::SessionConfig sc;
+    sc.context_tokens = 1024;
+    sc.n_threads = host_threads();
+    sc.activations = model::ActivationFormat::kFloat32;
+    sc.kv_scheme = cache::parse_kv_scheme(kv_name);
+    sc.meter.gate = true;
+    if (std::string(kv_name) == "dither8") sc.meter.tau = 0.05;  // so that it fires
+    model::Session cpu(*m, sc);
+    sc.device = model::Device::kCuda;
+    model::Session gpu(*m, sc);
+    const int prompt = 600, steps = 12;
+    const std::vector<int32_t> tokens = tokens_of(*model_, "melville-moby-dick.txt", size_t(prompt + steps));
+    std::vector<float> lc(size_t(info.n_vocab)), lg(size_t(info.n_vocab));
+    cpu.prefill(tokens.data(), prompt, lc.data());
+    gpu.prefill(tokens.data(), prompt, lg.data());
+    double kl_max = 0;
+    for (int i = 0; i < steps; ++i) {
+      cpu.decode(tokens[size_t(prompt + i)], lc.data());
+      gpu.decode(tokens[size_t(prompt + i)], lg.data());
+      kl_max = std::max(kl_max, kl_divergence(lc, lg));
+    }
+    const cache::KvCache& host = gpu.kv_cache();
+    model::DeviceDecoder& dev = *gpu.device_decoder();
+    const int64_t n = gpu.n_past();
+    int64_t exact = 0, lossy = 0;
+    for (int layer = 0; layer < c.n_layers; ++layer)
+      for (int kv = 0; kv < 2; ++kv)
+        for (int h = 0; h < c.n_kv_heads; ++h) {
+          const format::PageRef* table = host.block_table(gpu.sequence(), layer, cache::KvTensor(kv), h);
+          for (int64_t b = 0; b * T < n; ++b) {
+            const model::DevicePage page = dev.read_page(layer, cache::KvTensor(kv), h, b);
+            const bool host_lossy = table[b].storage == format::StorageClass::kLossy ||
+                                    table[b].storage == format::StorageClass::kDither8;
+            ASSERT_EQ(page.lossy_page, host_lossy) << "layer " << layer << " kv " << kv << " head " << h << " block " << b;
+            if (host_lossy) {
+              ++lossy;
+              continue;
+            }
+            ++exact;
+            const size_t rows = size_t(std::min<int64_t>(T, n - b * T)) * size_t(c.head_dim) * 2;
+            ASSERT_TRUE(std::equal(page.bytes.begin(), page.bytes.begin() + ptrdiff_t(rows), host.page_bytes_of(table[b])))
+                << "layer " << layer << " kv " << kv << " head " << h << " block " << b;
+          }
+        }
+    const gate::Telemetry& tc = cpu.telemetry();
+    const gate::Telemetry& tg = gpu.telemetry();
+    printf("[device] %-9s gate: repairs %lld (CPU %lld), covered %lld of %lld cells (CPU %lld); %lld exact and %lld "
+           "lossy pages on the device; max KL against the CPU session %.3g\n",
+           kv_name, (long long)tg.repairs(), (long long)tc.repairs(), (long long)tg.covered(), (long long)tg.cells(),
+           (long long)tc.covered(), (long long)exact, (long long)lossy, kl_max);
+    EXPECT_GT(tc.repairs(), 0) << "the gate must have had something to repair";
+    EXPECT_NEAR(double(tg.repairs()), double(tc.repairs()), 0.1 * double(tc.repairs()));
+    EXPECT_NEAR(double(tg.covered()), double(tc.covered()), 0.02 * double(tc.cells()));
+    EXPECT_LT(kl_max, std::string(kv_name) == "dither8" ? 1e-2 : 1e-3);
+  }
+}
+
 // Prompts shorter than a block: the device's GAAC and lossy pools do not exist until the first
 // block is finalized (decode reads raw pages only until then), and the decode steps cross that
 // finalize. The device session's logits against the CPU session's at every step.
@@ -787,8 +858,8 @@ TEST_F(SessionCuda, PromptsShorterThanABlockDecodeOnTheDevice) {
 }
 
 // The route's refusals on a machine that has a device: schemes it does not serve, sparse over
-// another scheme than bf16, the gate; the audits (they read the host cache's pages and the CPU
-// path's selections).
+// another scheme than bf16; the audits (they read the host cache's pages and the CPU path's
+// selections).
 TEST_F(SessionCuda, UnservedConfigurationsAreClearErrors) {
   struct Case {
     const char* kv;
@@ -797,8 +868,7 @@ TEST_F(SessionCuda, UnservedConfigurationsAreClearErrors) {
     const char* says;
   };
   const Case cases[] = {{"rtn8", 0, 0, "not served"}, {"kivi2", 0, 0, "not served"},
-                        {"fp8-e4m3-pages", 0, 0, "not served"}, {"fp8-e4m3", 0.9, 0, "sparse decode on the device reads bf16"},
-                        {"dither8", 0, 1, "gate"}};
+                        {"fp8-e4m3-pages", 0, 0, "not served"}, {"fp8-e4m3", 0.9, 0, "sparse decode on the device reads bf16"}};
   for (const Case& k : cases) {
     certkv_session_params p = certkv_session_default_params();
     p.kv = k.kv;

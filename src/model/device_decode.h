@@ -102,6 +102,11 @@ class DeviceDecoder {
   // indexed to the same whole-block length, at least one block, at most the tokens written.
   virtual void attend_sparse(int layer, const float* q, float* out, const cache::KeyIndex& index, double p,
                              uint64_t rounding_seed, attention::SparseHeadStats* stats) = 0;
+  // The gate's repair of a lossy block: the K and V pages of (layer, kv_head, block) that are lossy
+  // on the device become exact raw pages holding k_rows, v_rows ([block_tokens][head_dim] bf16,
+  // from the host cache's backing store). Returns the bytes uploaded (0 when neither was lossy).
+  virtual uint64_t repair_block(int layer, int kv_head, int64_t block, const uint16_t* k_rows,
+                                const uint16_t* v_rows) = 0;
   virtual void reset() = 0;
   virtual DeviceDecodeStats stats() const = 0;
   virtual DevicePage read_page(int layer, cache::KvTensor kv, int kv_head, int64_t block) const = 0;

@@ -136,10 +136,6 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
   if (config.device == Device::kCuda) {
     // make_device_decoder refuses the schemes it does not serve (and, with sparse decode, every
     // scheme but bf16).
-    if (meter.gate)
-      fail(StatusCode::kUnsupported,
-           "device cuda: the gate repairs blocks from the host cache's exact store, which the device "
-           "route does not serve yet (drop --gate to run with the meter, or use --device cpu)");
     if (config.recent_window_tokens > 0 && cache::kv_scheme_is_lossy(config.kv_scheme))
       fail(StatusCode::kUnsupported,
            "device cuda: a recent window of full-precision tokens is not served on the device yet");
@@ -311,15 +307,27 @@ void Session::decode_attention_device(int layer, const attention::AttentionShape
     return;
   }
   meters_.resize(size_t(shape.n_q_heads));
-  device_->attend(layer, q_.data(), attn_.data(), meters_.data());
   const int group = shape.n_q_heads / shape.n_kv_heads;
-  for (int h = 0; h < shape.n_q_heads; ++h) {
-    attention::HeadMeter& m = meters_[size_t(h)];
-    m.v_norm_max = cache_->value_norm_max(seq_, layer, h / group);  // kept by the host cache
-    m.output_bound = 2 * m.meter * m.v_norm_max + m.value_rho;
-    telemetry_->record(m.meter, std::isinf(m.log_a));
-  }
+  auto attend = [&] {
+    device_->attend(layer, q_.data(), attn_.data(), meters_.data());
+    for (int h = 0; h < shape.n_q_heads; ++h) {
+      attention::HeadMeter& m = meters_[size_t(h)];
+      m.v_norm_max = cache_->value_norm_max(seq_, layer, h / group);  // kept by the host cache
+      m.output_bound = 2 * m.meter * m.v_norm_max + m.value_rho;
+    }
+  };
+  attend();
+  for (const attention::HeadMeter& m : meters_) telemetry_->record(m.meter, std::isinf(m.log_a));
   if (observer_) observer_(MeterObservation{layer, pos0, q_.data(), pos0 + 1, meters_.data()});
+  if (!config_.meter.gate) return;
+  // The host cache decides and repairs as on the CPU (its contributions: for fp8 the device's own
+  // pages; for dither8 the same bounds over another dither); each block it repairs is copied,
+  // exact, to the device's pages.
+  gate_repairs(layer, shape, pos0, attend, [&](int kv_head, int64_t b) {
+    const format::PageRef kref = cache_->block_table(seq_, layer, cache::KvTensor::kKey, kv_head)[b];
+    const format::PageRef vref = cache_->block_table(seq_, layer, cache::KvTensor::kValue, kv_head)[b];
+    device_->repair_block(layer, kv_head, b, cache_->page_bf16(kref), cache_->page_bf16(vref));
+  });
 }
 
 void Session::decode_attention_metered(int layer, const attention::AttentionShape& shape,
@@ -329,14 +337,24 @@ void Session::decode_attention_metered(int layer, const attention::AttentionShap
   attention::DecodeOptions options;
   options.meters = meters_.data();
   options.meter.delta_loc = delta_loc_;
-  attention::decode_attention(*cache_, seq_, layer, shape, q_.data(), n_ctx, attn_.data(),
-                              pool_.get(), options);
+  auto attend = [&] {
+    attention::decode_attention(*cache_, seq_, layer, shape, q_.data(), n_ctx, attn_.data(),
+                                pool_.get(), options);
+  };
+  attend();
   for (const attention::HeadMeter& m : meters_) telemetry_->record(m.meter, std::isinf(m.log_a));
   if (observer_) observer_(MeterObservation{layer, pos0, q_.data(), n_ctx, meters_.data()});
-  if (!config_.meter.gate) return;
+  if (config_.meter.gate) gate_repairs(layer, shape, pos0, attend, [](int, int64_t) {});
+}
 
+void Session::gate_repairs(int layer, const attention::AttentionShape& shape, int64_t pos0,
+                           const std::function<void()>& attend,
+                           const std::function<void(int, int64_t)>& repaired) {
   // The gate: repair the blocks with the largest share of A - 1 until every head of the group
   // is predicted under tau; recompute; repeat while a head stays above tau and lossy blocks remain.
+  const int64_t n_ctx = pos0 + 1;
+  attention::MeterOptions meter_options;
+  meter_options.delta_loc = delta_loc_;
   const double tau = config_.meter.tau;
   const int group = shape.n_q_heads / shape.n_kv_heads;
   const int64_t n_blocks = (n_ctx + cache_->block_tokens() - 1) / cache_->block_tokens();
@@ -345,7 +363,7 @@ void Session::decode_attention_metered(int layer, const attention::AttentionShap
     for (const attention::HeadMeter& m : meters_) firing |= m.meter > tau;
     if (!firing) return;
     std::vector<attention::HeadMeter> ref(size_t(shape.n_q_heads));
-    attention::decode_meter_ref(*cache_, seq_, layer, shape, q_.data(), n_ctx, options.meter,
+    attention::decode_meter_ref(*cache_, seq_, layer, shape, q_.data(), n_ctx, meter_options,
                                 ref.data(), &contributions_);
     bool repaired_any = false;
     for (int kv_head = 0; kv_head < shape.n_kv_heads; ++kv_head) {
@@ -376,6 +394,7 @@ void Session::decode_attention_metered(int layer, const attention::AttentionShap
         if (!predicted_over()) break;
         const uint64_t bytes = cache_->repair_block(seq_, layer, kv_head, b);
         if (bytes == 0) continue;
+        repaired(kv_head, b);
         repaired_any = true;
         telemetry_->add_repairs(2, int64_t(bytes));
         for (size_t i = 0; i < heads.size(); ++i)
@@ -383,8 +402,7 @@ void Session::decode_attention_metered(int layer, const attention::AttentionShap
       }
     }
     if (!repaired_any) return;
-    attention::decode_attention(*cache_, seq_, layer, shape, q_.data(), n_ctx, attn_.data(),
-                                pool_.get(), options);
+    attend();
   }
 }
 

@@ -186,6 +186,12 @@ class Session {
   // device computed in the same pass (telemetry, observer).
   void decode_attention_device(int layer, const attention::AttentionShape& shape, int64_t pos0);
   void decode_attention_metered(int layer, const attention::AttentionShape& shape, int64_t pos0);
+  // The gate after a metered attention (meters_ filled): repairs the blocks with the largest share
+  // of A - 1 in the host cache, calls repaired(kv_head, block) for each, and attend() again, until
+  // every head is predicted under tau (at most 8 rounds).
+  void gate_repairs(int layer, const attention::AttentionShape& shape, int64_t pos0,
+                    const std::function<void()>& attend,
+                    const std::function<void(int, int64_t)>& repaired);
   bool sparse_layer(int layer) const;
   void decode_attention_sparse(int layer, const attention::AttentionShape& shape, int64_t pos0);
   // After a prefill or decode call: the first one sets the centroids and indexes every whole

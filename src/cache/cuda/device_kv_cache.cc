@@ -552,6 +552,50 @@ CudaStatus DeviceKvCache::finalize_lossy(int layer_index, int64_t block_begin, i
   return upload_table_blocks(layer, block_begin, block_end);
 }
 
+CudaStatus DeviceKvCache::store_exact_block(int layer_index, int kv_head, int64_t block, const uint16_t* k_rows,
+                                            const uint16_t* v_rows, uint64_t* bytes) {
+  *bytes = 0;
+  if (broken_)
+    return cuda_error(StatusCode::kInternal, "device KV cache: an earlier call failed (" + broken_reason_ +
+                                                 "); its pages and tables are no longer trusted: reset() it");
+  if (!lossy_)
+    return cuda_error(StatusCode::kInvalidArgument, std::string("device KV cache: store_exact_block needs a lossy "
+                                                                "scheme, not ") + kv_scheme_name(config_.scheme));
+  const int T = config_.block_tokens;
+  if (layer_index < 0 || layer_index >= config_.n_layers || kv_head < 0 || kv_head >= config_.n_kv_heads ||
+      block < 0 || (block + 1) * T > written_[size_t(layer_index)])
+    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: no whole block " + std::to_string(block) +
+                                                        " at layer " + std::to_string(layer_index) + ", kv head " +
+                                                        std::to_string(kv_head));
+  Layer& layer = *layers_[size_t(layer_index)];
+  const int H = config_.n_kv_heads;
+  const size_t page_bytes = size_t(T) * size_t(config_.head_dim) * 2;
+  CudaStatus s = {};
+  bool changed = false;
+  for (int kv = 0; kv < 2 && s.ok; ++kv) {
+    int32_t& entry = layer.host_tables[(size_t(kv) * H + kv_head) * size_t(table_stride_) + size_t(block)];
+    if (entry < 0) continue;  // already exact
+    int32_t page = 0;
+    s = layer.raw.take(kFirstRawBlocks * 2 * H, config_.stream, &page);
+    if (!s.ok) break;
+    // Pageable host rows: staged before cudaMemcpyAsync returns.
+    s = cuda_check(cudaMemcpyAsync(layer.raw.buffer.data() + size_t(page) * layer.raw.stride, kv == 0 ? k_rows : v_rows,
+                                   page_bytes, cudaMemcpyHostToDevice, as_stream(config_.stream)),
+                   "exact block upload");
+    if (!s.ok) break;
+    layer.slots[kv].give_back(entry);
+    entry = -page - 1;
+    *bytes += page_bytes;
+    changed = true;
+  }
+  if (s.ok && changed) s = upload_table_blocks(layer, block, block + 1);
+  if (!s.ok) {
+    broken_ = true;
+    broken_reason_ = s.message;
+  }
+  return s;
+}
+
 CudaStatus DeviceKvCache::reset() {
   // Until every table is uploaded the cache stays refused (a failed reset leaves it so).
   broken_ = true;

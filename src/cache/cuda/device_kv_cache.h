@@ -15,7 +15,7 @@
 // the host. dither8's outlier pairs of each (layer, kv_head) are chosen on the host exactly as
 // KvCache chooses them (the float rows of the first write of at least one block, else the bf16
 // rows of the first block). The device keeps no exact copy of a lossy page (the host cache's
-// backing store does): the gate's repairs are not served here. Pools grow by doubling (a
+// backing store does): the gate's repairs bring the exact block (store_exact_block). Pools grow by doubling (a
 // device-to-device copy); tables have a fixed width of ceil(max_tokens / block_tokens) blocks.
 //
 // Table entries (int32, per (layer, K/V, kv_head), block order): for bf16 the raw page index;
@@ -114,6 +114,13 @@ class DeviceKvCache {
   // past max_tokens. Any other failure (out of device memory, a failed copy or launch) leaves
   // the cache refusing every write with kInternal until reset().
   CudaStatus write(int layer, const float* k, const float* v, int64_t n);
+  // Lossy schemes, the gate's repair: the K and V pages of (layer, kv_head, block) that are lossy
+  // become raw bf16 pages holding k_rows, v_rows ([block_tokens][head_dim] bf16, the exact block
+  // from the host's backing store); their lossy pages return to the free lists. *bytes gets the
+  // bytes uploaded (0 when neither page was lossy). kInvalidArgument for another scheme or a block
+  // not written in whole; a failure halfway leaves the cache refusing until reset, as write().
+  CudaStatus store_exact_block(int layer, int kv_head, int64_t block, const uint16_t* k_rows, const uint16_t* v_rows,
+                               uint64_t* bytes);
   // Drops every token of every layer (pages back to the free lists; pools keep their memory) and
   // clears a failed state. Synchronizes the stream.
   CudaStatus reset();

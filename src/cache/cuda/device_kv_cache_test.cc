@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -321,6 +322,59 @@ TEST(DeviceKvCache, RaggedWritesLeaveTheHostCachesLossyPages) {
       }
     }
   }
+}
+
+// The gate's repair on the device: a lossy block's K and V pages become raw pages holding the
+// exact rows given (the lossy pages go back to the pool), an exact page stays as it is, and the
+// bad calls are refused.
+TEST(DeviceKvCache, StoreExactBlockReplacesLossyPages) {
+  CERTKV_NEED_CUDA_DEVICE();
+  for (KvScheme scheme : {KvScheme::kFp8E4M3, KvScheme::kDither8}) {
+    SCOPED_TRACE(kv_scheme_name(scheme));
+    std::unique_ptr<DeviceKvCache> dev;
+    CudaStatus s = DeviceKvCache::create(config_of(scheme, 256), &dev);
+    ASSERT_TRUE(s.ok) << s.message;
+    std::mt19937 rng(17);
+    const int64_t n = 100;  // 6 whole blocks and a tail
+    const std::vector<float> k = random_rows(rng, n), v = random_rows(rng, n);
+    for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(dev->write(l, k.data(), v.data(), n).ok);
+    const DeviceKvStats before = dev->stats();
+    std::vector<uint16_t> kx(size_t(kT) * kDim), vx(kx.size());
+    for (size_t i = 0; i < kx.size(); ++i) {
+      kx[i] = format::float_to_bf16(float(i % 97) * 0.25f);
+      vx[i] = format::float_to_bf16(-float(i % 89) * 0.5f);
+    }
+    uint64_t bytes = 0;
+    s = dev->store_exact_block(1, 2, 3, kx.data(), vx.data(), &bytes);
+    ASSERT_TRUE(s.ok) << s.message;
+    EXPECT_EQ(bytes, 2 * kx.size() * 2);
+    for (int kv = 0; kv < 2; ++kv) {
+      DevicePageBytes page;
+      ASSERT_TRUE(dev->read_page(1, KvTensor(kv), 2, 3, &page).ok);
+      EXPECT_FALSE(page.lossy_page);
+      const std::vector<uint16_t>& want = kv == 0 ? kx : vx;
+      ASSERT_EQ(page.bytes.size(), want.size() * 2);
+      EXPECT_EQ(std::memcmp(page.bytes.data(), want.data(), page.bytes.size()), 0) << "kv " << kv;
+      ASSERT_TRUE(dev->read_page(1, KvTensor(kv), 2, 2, &page).ok);  // its neighbour is untouched
+      EXPECT_TRUE(page.lossy_page);
+    }
+    const DeviceKvStats after = dev->stats();
+    EXPECT_EQ(after.lossy_pages_in_use, before.lossy_pages_in_use - 2);
+    EXPECT_EQ(after.raw_pages_in_use, before.raw_pages_in_use + 2);
+    s = dev->store_exact_block(1, 2, 3, kx.data(), vx.data(), &bytes);  // exact already
+    ASSERT_TRUE(s.ok) << s.message;
+    EXPECT_EQ(bytes, 0u);
+    EXPECT_EQ(dev->store_exact_block(0, 0, 6, kx.data(), vx.data(), &bytes).code, StatusCode::kInvalidArgument)
+        << "the tail block is not whole";
+    EXPECT_EQ(dev->store_exact_block(kLayers, 0, 0, kx.data(), vx.data(), &bytes).code, StatusCode::kInvalidArgument);
+    EXPECT_EQ(dev->store_exact_block(0, kHeads, 0, kx.data(), vx.data(), &bytes).code, StatusCode::kInvalidArgument);
+    ASSERT_TRUE(dev->write(0, k.data(), v.data(), 1).ok) << "the refusals above leave the cache usable";
+  }
+  std::unique_ptr<DeviceKvCache> bf16;
+  ASSERT_TRUE(DeviceKvCache::create(config_of(KvScheme::kBf16, 64), &bf16).ok);
+  std::vector<uint16_t> rows(size_t(kT) * kDim);
+  uint64_t bytes = 0;
+  EXPECT_EQ(bf16->store_exact_block(0, 0, 0, rows.data(), rows.data(), &bytes).code, StatusCode::kInvalidArgument);
 }
 
 TEST(DeviceKvCache, BadConfigurationsAreRefusedBeforeAnyAllocation) {

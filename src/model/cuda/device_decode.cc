@@ -213,6 +213,13 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     attention_seconds_ += seconds_since(t0);
   }
 
+  uint64_t repair_block(int layer, int kv_head, int64_t block, const uint16_t* k_rows,
+                        const uint16_t* v_rows) override {
+    uint64_t bytes = 0;
+    throw_if_failed(cache_->store_exact_block(layer, kv_head, block, k_rows, v_rows, &bytes));
+    return bytes;
+  }
+
   void reset() override {
     throw_if_failed(cache_->reset());
     for (SparseLayer& sl : sparse_layers_) sl.uploaded = 0;
