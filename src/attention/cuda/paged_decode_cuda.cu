@@ -83,15 +83,38 @@ __host__ __device__ constexpr int stage_bytes(bool key) {
   return (n + 15) / 16 * 16;
 }
 
+// Where 16-byte chunk c of a page lands in its stage. An fp8 page's codes and a GAAC bf16 slot's
+// sign-mantissa bytes are permuted inside each 128-byte row (chunk c at c ^ (c / 8 mod 4)), so that
+// the decoders' 16-byte reads hit 8 distinct bank groups per quarter warp (fp8: 4 tokens x 2 row
+// halves; GAAC: 8 lanes' runs of 64 bytes, which unpermuted fall in 2 groups); the rest of a page
+// stays in place. Both regions are whole 128-byte rows.
+template <int D, PageFormat F>
+__host__ __device__ constexpr int stage_chunk_region() {  // chunks [0, this) are permuted
+  return F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2 ? kBlockTokens * D / 16
+         : F == PageFormat::kGaacBf16 ? int(format::gaac_tile_code_offset(format::GaacElement::kBf16, kBlockTokens, D)) / 16
+                                      : 0;
+}
+template <int D, PageFormat F>
+__host__ __device__ constexpr int stage_chunk(int c) {
+  static_assert(stage_chunk_region<D, F>() % 32 == 0, "whole 128-byte rows, whole steps of 32 chunks");
+  return c < stage_chunk_region<D, F>() ? c ^ ((c >> 3) & 3) : c;
+}
+// In the permuted regions stage_chunk(c ^ i) == stage_chunk(c) ^ i for i < 8 (the row c / 8 is
+// unchanged): a decoder reads its run at one XOR per chunk.
+
+// The layout of a format's tiles (tile_mma.cuh): bf16 pages are copied straight into padded tiles;
+// the other formats' pages are decoded into swizzled ones.
+template <int D, PageFormat F>
+using TileLayout = std::conditional_t<F == PageFormat::kBf16, PaddedTile<D>, SwizzledTile<D>>;
+
 // One warp's shared memory: one stage (the page pair in flight) and the decoded tiles; the copies
-// of page i + 1 land while page i is used, and the other warps of the multiprocessor hide the rest. Tile rows are D + 8 u16 long: 16 bytes of padding, so the 8 rows of an ldmatrix
-// phase fall in 8 distinct bank groups.
+// of page i + 1 land while page i is used, and the other warps of the multiprocessor hide the rest.
 template <int D, PageFormat F>
 struct Tiles {
   alignas(16) uint8_t stage_k[1][stage_bytes<D, F>(true)];
   alignas(16) uint8_t stage_v[1][stage_bytes<D, F>(false)];
-  alignas(16) uint16_t k[kBlockTokens][D + 8];
-  alignas(16) uint16_t v[kBlockTokens][D + 8];
+  alignas(16) uint16_t k[kBlockTokens * D];
+  alignas(16) uint16_t v[kBlockTokens * D];
   // fp8 pages' side data, kept when the stage is refilled: rows 0 .. 15 the K page's Tier A
   // witness (band-major), row 16 the V page's rho (fp16 per token; metered launches). One unused
   // row for the other formats.
@@ -100,18 +123,18 @@ struct Tiles {
 
 template <int D>
 struct Tiles<D, PageFormat::kBf16> {  // two stages, and they are the tiles
-  alignas(16) uint16_t k[2][kBlockTokens][D + 8];
-  alignas(16) uint16_t v[2][kBlockTokens][D + 8];
+  alignas(16) uint16_t k[2][PaddedTile<D>::kElements];
+  alignas(16) uint16_t v[2][PaddedTile<D>::kElements];
 };
 
 template <int D>
 struct Tiles<D, PageFormat::kDither8> {
   alignas(16) uint8_t stage_k[1][stage_bytes<D, PageFormat::kDither8>(true)];
   alignas(16) uint8_t stage_v[1][stage_bytes<D, PageFormat::kDither8>(false)];
-  alignas(16) uint16_t k[kBlockTokens][D + 8];  // integer codes (fp16, exact)
+  alignas(16) uint16_t k[kBlockTokens * D];  // integer codes (fp16, exact)
   // u - 128 of each K element (fp16, exact; 0 on outliers) for the scores; then the values,
   // decoded once the scores are done.
-  alignas(16) uint16_t w[kBlockTokens][D + 8];
+  alignas(16) uint16_t w[kBlockTokens * D];
   float scale[kBlockTokens][D / kQuantGroup];
   float outlier[kBlockTokens][2 * kMaxDeviceOutlierPairs];
   float rho[kBlockTokens];  // the V page's rho_t (metered launches)
@@ -132,9 +155,17 @@ struct ExactPageQuery<D, true> {
 template <int D, bool kGaac>
 struct GaacTables {};
 
+// Where base `which` (b3, b4) of channel c lives in a K or V row of GaacTables::base7: each row
+// half followed by 8 unused elements, so that the four (base, row half) pairs a quarter warp reads
+// for one group start in 4 distinct bank groups.
+template <int D>
+__host__ __device__ constexpr int base_index(int which, int c) {
+  return which * (D + 16) + c + (c >= D / 2 ? 8 : 0);
+}
+
 template <int D>
 struct GaacTables<D, true> {
-  uint16_t base7[2][2][D];    // (b3, b4) << the element's exponent shift, K and V
+  alignas(16) uint16_t base7[2][2 * (D + 16)];  // (b3, b4) << the element's exponent shift, K and V (base_index)
   uint32_t nibble_bit3[256];  // nibble_bit3_of(e)
 };
 
@@ -160,7 +191,8 @@ __device__ inline const uint16_t (*exact_page_query(const CtaShared<D, F>& sh))[
 
 // ---------------------------------------------------------------------------------------------
 // Page decoders: lane l of a warp writes token l / 2, channels [h D/2, (h + 1) D/2) with h = l % 2,
-// of the tile. Each returns false when the page is corrupt (the tile is then zero).
+// of the tile (chunks h D/16 ... of row l / 2). Each returns false when the page is corrupt (the
+// tile is then zero).
 
 struct PageRef {
   const uint8_t* bytes;  // null: corrupt entry
@@ -180,23 +212,27 @@ __device__ inline PageRef page_ref(const uint8_t* pages, int64_t stride, int64_t
   return {nullptr, true, entry};
 }
 
-template <int D>
-__device__ inline void zero_row(uint16_t* row, int h) {
-  uint4* dst = reinterpret_cast<uint4*>(row + h * (D / 2));
-#pragma unroll
-  for (int i = 0; i < D / 16; ++i) dst[i] = make_uint4(0, 0, 0, 0);
+// Chunk i of the half h of row t of a tile of layout L (swizzled unless said).
+template <int D, class L = SwizzledTile<D>>
+__device__ inline uint4* tile_chunk(uint16_t* tile, int t, int h, int i) {
+  return reinterpret_cast<uint4*>(tile + L::at(L::offset(t, h * (D / 16)), i));
 }
 
-// Raw bf16 (or a raw GAAC bf16 page): copy.
+template <int D, class L = SwizzledTile<D>>
+__device__ inline void zero_row(uint16_t* tile, int t, int h) {
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) *tile_chunk<D, L>(tile, t, h, i) = make_uint4(0, 0, 0, 0);
+}
+
+// Raw bf16 (or a raw GAAC bf16 page, from the pool): copy.
 template <int D>
-__device__ inline void decode_bf16_row(const uint8_t* page, int t, int h, uint16_t* row) {
+__device__ inline void decode_bf16_row(const uint8_t* page, int t, int h, uint16_t* tile) {
   const uint4* src = reinterpret_cast<const uint4*>(page + (size_t(t) * D + size_t(h) * (D / 2)) * 2);
-  uint4* dst = reinterpret_cast<uint4*>(row + h * (D / 2));
   uint4 x[D / 16];
 #pragma unroll
   for (int i = 0; i < D / 16; ++i) x[i] = src[i];
 #pragma unroll
-  for (int i = 0; i < D / 16; ++i) dst[i] = x[i];
+  for (int i = 0; i < D / 16; ++i) *tile_chunk<D>(tile, t, h, i) = x[i];
 }
 
 // FP8 bytes to fp16 pairs: E5M2 is the top byte of fp16; E4M3 converts exactly.
@@ -211,13 +247,14 @@ __device__ inline uint32_t fp8x2_to_half2(uint32_t word, int byte) {
   }
 }
 
-template <int D, bool kE4M3>
-__device__ inline void decode_fp8_row(const uint8_t* page, int t, int h, uint16_t* row) {
-  const uint4* src = reinterpret_cast<const uint4*>(page + size_t(t) * D + size_t(h) * (D / 2));
-  uint32_t* dst = reinterpret_cast<uint32_t*>(row + h * (D / 2));
+// kF: the format whose stage permutation the page is read through (stage_chunk); kBf16 for a
+// page read from the pool.
+template <int D, bool kE4M3, PageFormat kF>
+__device__ inline void decode_fp8_row(const uint8_t* page, int t, int h, uint16_t* tile) {
   uint4 x[D / 32];
 #pragma unroll
-  for (int i = 0; i < D / 32; ++i) x[i] = src[i];
+  for (int i = 0; i < D / 32; ++i)
+    x[i] = *reinterpret_cast<const uint4*>(page + 16 * (stage_chunk<D, kF>(t * (D / 16) + h * (D / 32)) ^ i));
 #pragma unroll
   for (int i = 0; i < D / 32; ++i) {
     const uint32_t w[4] = {x[i].x, x[i].y, x[i].z, x[i].w};
@@ -227,8 +264,8 @@ __device__ inline void decode_fp8_row(const uint8_t* page, int t, int h, uint16_
       o[2 * k] = fp8x2_to_half2<kE4M3>(w[k], 0);
       o[2 * k + 1] = fp8x2_to_half2<kE4M3>(w[k], 2);
     }
-    reinterpret_cast<uint4*>(dst)[2 * i] = make_uint4(o[0], o[1], o[2], o[3]);
-    reinterpret_cast<uint4*>(dst)[2 * i + 1] = make_uint4(o[4], o[5], o[6], o[7]);
+    *tile_chunk<D>(tile, t, h, 2 * i) = make_uint4(o[0], o[1], o[2], o[3]);
+    *tile_chunk<D>(tile, t, h, 2 * i + 1) = make_uint4(o[4], o[5], o[6], o[7]);
   }
 }
 
@@ -258,13 +295,35 @@ __host__ __device__ constexpr uint32_t nibble_bit3_of(uint32_t e) {
   return x;
 }
 
-// A GAAC slot (one tile: D <= 128). Lane l owns the D/16 consecutive groups l * D/16 ... of the
-// page, which are exactly its token-half. kElement: bf16 or e5m2 (written as fp16).
-// slot: the slot's fixed part; escape_slot: the slot whose escape area the 4-bit and raw groups
-// read (both the staged copy in shared memory).
+// Words [0, N) of a lane's run in shared memory, as 8-byte loads when the run allows them (an even
+// count at an 8-byte aligned address: half the instructions, and runs of 24 bytes per lane then
+// take one wavefront per half warp instead of two per warp).
+template <int N>
+__device__ inline void load_words(const uint8_t* p, uint32_t (&w)[N]) {
+  if constexpr (N % 2 == 0) {
+    if ((reinterpret_cast<uintptr_t>(p) & 7u) == 0) {
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) {
+        const uint2 x = reinterpret_cast<const uint2*>(p)[i];
+        w[2 * i] = x.x;
+        w[2 * i + 1] = x.y;
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) w[i] = reinterpret_cast<const uint32_t*>(p)[i];
+}
+
+// A GAAC slot (one tile: D <= 128), staged (stage_chunk). Lane l owns the D/16 consecutive groups
+// l * D/16 ... of the page, which are exactly its token-half. kElement: bf16 or e5m2 (written as
+// fp16). slot: the slot's fixed part; escape_slot: the slot whose escape area the 4-bit and raw
+// groups read (both the staged copy in shared memory).
 template <int D, format::GaacElement kElement>
 __device__ inline bool decode_gaac_row(const uint8_t* slot, const uint8_t* escape_slot, int64_t escape_capacity,
-                                       int lane, const uint16_t* base7, const uint32_t* nibble_bit3, uint16_t* row) {
+                                       int lane, const uint16_t* base7, const uint32_t* nibble_bit3, uint16_t* tile) {
+  constexpr PageFormat kF = kElement == format::GaacElement::kBf16 ? PageFormat::kGaacBf16 : PageFormat::kGaacE5M2;
+  const int t = lane >> 1, h = lane & 1;
   using namespace format;
   constexpr int NG = D / 16;  // groups per lane
   constexpr int kGroups = kBlockTokens * D / 8;
@@ -304,27 +363,24 @@ __device__ inline bool decode_gaac_row(const uint8_t* slot, const uint8_t* escap
 
   constexpr int kCodeWords = NG * 3 / 4;
   uint32_t codes[kCodeWords];
-  const uint8_t* code_ptr = slot + kCodeOffset + size_t(lane) * NG * 3;
-#pragma unroll
-  for (int i = 0; i < kCodeWords; ++i) codes[i] = reinterpret_cast<const uint32_t*>(code_ptr)[i];
+  load_words(slot + kCodeOffset + size_t(lane) * NG * 3, codes);
 
   if constexpr (kElement == GaacElement::kBf16) {
-    uint4 sm[NG / 2];
-    const uint4* sm_ptr = reinterpret_cast<const uint4*>(slot + size_t(lane) * NG * S);
+    uint4 sm[NG / 2];  // the lane's NG * 8 sign+mantissa bytes: chunks lane NG / 2 + i
 #pragma unroll
-    for (int i = 0; i < NG / 2; ++i) sm[i] = sm_ptr[i];
+    for (int i = 0; i < NG / 2; ++i) sm[i] = *reinterpret_cast<const uint4*>(slot + 16 * (stage_chunk<D, kF>(lane * (NG / 2)) ^ i));
 #pragma unroll
     for (int j = 0; j < NG; ++j) {
       const uint32_t mode = (tags >> (2 * j)) & 3u;
       const uint32_t sm_lo = (j & 1) ? sm[j / 2].z : sm[j / 2].x;
       const uint32_t sm_hi = (j & 1) ? sm[j / 2].w : sm[j / 2].y;
-      const int c0 = (lane & 1) * (D / 2) + 8 * j;  // first channel of the group
+      const int c0 = h * (D / 2) + 8 * j;  // first channel of the group
       // 3-bit and 4-bit groups on one path: each element's 4-bit offset (its 3-bit code, and the
       // escape bit of a 4-bit group as bit 3) in a nibble of one word, the base b3 or b4 by mode.
       const bool four = mode == kGaacMode4Bit;
       const uint32_t escape_bits = four ? uint32_t(escapes[0]) : 0u;
       const uint32_t nibbles = spread_codes_to_nibbles(bits24(codes, 24 * j)) | nibble_bit3[escape_bits];
-      const uint4 base = *reinterpret_cast<const uint4*>(base7 + (four ? D : 0) + c0);
+      const uint4 base = *reinterpret_cast<const uint4*>(base7 + base_index<D>(four ? 1 : 0, c0));
       const uint32_t bw[4] = {base.x, base.y, base.z, base.w};
       uint32_t out[4];
 #pragma unroll
@@ -358,23 +414,19 @@ __device__ inline bool decode_gaac_row(const uint8_t* slot, const uint8_t* escap
         }
       }
       escapes += four ? 1 : mode == kGaacModeRaw ? kRawEscape : 0;
-      *reinterpret_cast<uint4*>(row + c0) = make_uint4(out[0], out[1], out[2], out[3]);
+      *tile_chunk<D>(tile, t, h, j) = make_uint4(out[0], out[1], out[2], out[3]);
     }
   } else {
     // E5M2: 3 sign+mantissa bits per element (3 bytes per group, like the codes); the fp8 byte
     // s e5 m2 is the top byte of the fp16 value.
     uint32_t smw[kCodeWords];
-    const uint8_t* sm_ptr = slot + size_t(lane) * NG * 3;
-#pragma unroll
-    for (int i = 0; i < kCodeWords; ++i) smw[i] = reinterpret_cast<const uint32_t*>(sm_ptr)[i];
-    const uint16_t* b3 = base7;
-    const uint16_t* b4 = base7 + D;
+    load_words(slot + size_t(lane) * NG * 3, smw);
 #pragma unroll
     for (int j = 0; j < NG; ++j) {
       const uint32_t mode = (tags >> (2 * j)) & 3u;
       const uint32_t c24 = bits24(codes, 24 * j);
       const uint32_t s24 = bits24(smw, 24 * j);
-      const int c0 = (lane & 1) * (D / 2) + 8 * j;
+      const int c0 = h * (D / 2) + 8 * j;
       // 3-bit and 4-bit groups on one path (as for bf16: 4-bit offsets in nibbles, base by mode),
       // two elements per 32-bit word (fp16 s e5 m2 0000 0000 in each half): the 6 sign+mantissa
       // bits of the pair times 2^8 + 2^21 put the mantissas at bits 8..9 and 24..25, times
@@ -384,7 +436,7 @@ __device__ inline bool decode_gaac_row(const uint8_t* slot, const uint8_t* escap
       const bool four = mode == kGaacMode4Bit;
       const uint32_t escape_bits = four ? uint32_t(escapes[0]) : 0u;
       const uint32_t nibbles = spread_codes_to_nibbles(c24) | nibble_bit3[escape_bits];
-      const uint4 base = *reinterpret_cast<const uint4*>((four ? b4 : b3) + c0);
+      const uint4 base = *reinterpret_cast<const uint4*>(base7 + base_index<D>(four ? 1 : 0, c0));
       const uint32_t bw[4] = {base.x, base.y, base.z, base.w};
       uint32_t out[4];
 #pragma unroll
@@ -413,7 +465,7 @@ __device__ inline bool decode_gaac_row(const uint8_t* slot, const uint8_t* escap
         }
       }
       escapes += four ? 1 : mode == kGaacModeRaw ? kRawEscape : 0;
-      *reinterpret_cast<uint4*>(row + c0) = make_uint4(out[0], out[1], out[2], out[3]);
+      *tile_chunk<D>(tile, t, h, j) = make_uint4(out[0], out[1], out[2], out[3]);
     }
   }
   return true;
@@ -435,8 +487,7 @@ __device__ inline void decode_dither8_row(const uint8_t* page, int m, uint64_t k
   const int record = D + 2 * G + 4 * m;
   const uint8_t* rec = page + size_t(t) * record;
   uint32_t code_words[D / 8];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) code_words[i] = reinterpret_cast<const uint32_t*>(rec + h * (D / 2))[i];
+  load_words(rec + h * (D / 2), code_words);  // 8-byte loads where the record allows: 2-way conflicts otherwise
   float scales[G / 2];
   const uint16_t* scale_ptr = reinterpret_cast<const uint16_t*>(rec + D) + h * (G / 2);
 #pragma unroll
@@ -452,8 +503,7 @@ __device__ inline void decode_dither8_row(const uint8_t* page, int m, uint64_t k
     scale2[g] = __float2half2_rn(scales[g]);
     offset2[g] = __float2half2_rn(scales[g] * (255.f / 512.f));
   }
-  uint4* dst = reinterpret_cast<uint4*>((kKey ? tiles.k[t] : tiles.w[t]) + h * (D / 2));
-  uint4* wdst = reinterpret_cast<uint4*>(tiles.w[t] + h * (D / 2));
+  uint16_t* out_tile = kKey ? tiles.k : tiles.w;
 #pragma unroll
   for (int i = 0; i < D / 8; i += 2) {
     uint32_t out[4], wout[4];
@@ -483,12 +533,12 @@ __device__ inline void decode_dither8_row(const uint8_t* page, int m, uint64_t k
         }
       }
     }
-    dst[i / 2] = make_uint4(out[0], out[1], out[2], out[3]);
-    if constexpr (kKey) wdst[i / 2] = make_uint4(wout[0], wout[1], wout[2], wout[3]);
+    *tile_chunk<D>(out_tile, t, h, i / 2) = make_uint4(out[0], out[1], out[2], out[3]);
+    if constexpr (kKey) *tile_chunk<D>(tiles.w, t, h, i / 2) = make_uint4(wout[0], wout[1], wout[2], wout[3]);
   }
   if constexpr (kKey) {  // outlier channels carry no dither: their u - 128 is 0
     for (uint64_t mask = outlier_mask; mask != 0; mask &= mask - 1)
-      tiles.w[t][h * (D / 2) + __ffsll(static_cast<long long>(mask)) - 1] = 0;
+      tiles.w[tile_element<D>(t, h * (D / 2) + __ffsll(static_cast<long long>(mask)) - 1)] = 0;
   }
   if constexpr (kKey) {
 #pragma unroll
@@ -528,19 +578,19 @@ struct SplitArgs {
   unsigned int* error_word;
 };
 
-// Issues the asynchronous copies of one page into stage `st` (or, for bf16 pages, straight into
-// the padded tile of that stage). Corrupt entries copy nothing; raw pages of the other formats are
+// Issues the asynchronous copies of one page into stage `st` (stage_chunk; bf16 pages straight
+// into the tile of that stage). Corrupt entries copy nothing; raw pages of the other formats are
 // decoded from the pool. kMeter: an fp8 V page's rho comes with it.
 template <int D, PageFormat F, bool kMeter>
 __device__ inline void stage_page(const SplitArgs& a, bool key, const PageRef& ref, int st, int lane,
                                   Tiles<D, F>& tiles) {
   if (ref.bytes == nullptr || ref.raw) return;
   if constexpr (F == PageFormat::kBf16) {
-    uint16_t(*tile)[D + 8] = key ? tiles.k[st] : tiles.v[st];
+    uint16_t* tile = key ? tiles.k[st] : tiles.v[st];
     constexpr int kChunksPerRow = D / 8;
 #pragma unroll
     for (int c = lane; c < kBlockTokens * kChunksPerRow; c += 32)
-      cp_async16(&tile[c / kChunksPerRow][(c % kChunksPerRow) * 8], ref.bytes + size_t(c) * 16);
+      cp_async16(tile + PaddedTile<D>::offset(c / kChunksPerRow, c % kChunksPerRow), ref.bytes + size_t(c) * 16);
   } else {
     uint8_t* stage = key ? tiles.stage_k[st] : tiles.stage_v[st];
     int bytes = stage_bytes<D, F>(key);
@@ -553,13 +603,17 @@ __device__ inline void stage_page(const SplitArgs& a, bool key, const PageRef& r
       bytes = kBlockTokens * D + (key ? kBands * kBlockTokens * 2 : kMeter ? kBlockTokens * 2 : 0);
     if constexpr (F == PageFormat::kDither8)
       bytes = (kBlockTokens * (D + 2 * (D / kQuantGroup) + (key ? 4 * a.p.n_outlier_pairs : 0)) + 15) / 16 * 16;
-    for (int c = lane; c < bytes / 16; c += 32) cp_async16(stage + c * 16, ref.bytes + size_t(c) * 16);
+    // stage_chunk(lane + 32 j) == stage_chunk(lane) + 32 j in the permuted region (c / 8 mod 4 is
+    // the lane's), lane + 32 j after it.
+    const int permuted = stage_chunk<D, F>(lane) - lane;  // the lane's XOR, as a difference
+    for (int c = lane; c < bytes / 16; c += 32)
+      cp_async16(stage + 16 * (c < stage_chunk_region<D, F>() ? c + permuted : c), ref.bytes + size_t(c) * 16);
   }
 }
 
 // The tile the values are decoded into (dither8: the dither tile, free once the scores are done).
 template <int D, PageFormat F>
-__device__ inline uint16_t (*value_rows(Tiles<D, F>& tiles))[D + 8] {
+__device__ inline uint16_t* value_rows(Tiles<D, F>& tiles) {
   if constexpr (F == PageFormat::kDither8) return tiles.w;
   else return tiles.v;
 }
@@ -582,18 +636,18 @@ __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& 
   const int t = lane >> 1, h = lane & 1;
   if constexpr (F == PageFormat::kBf16) {
     if (ref.bytes == nullptr) {
-      zero_row<D>(key ? tiles.k[st][t] : tiles.v[st][t], h);
+      zero_row<D, PaddedTile<D>>(key ? tiles.k[st] : tiles.v[st], t, h);
       return false;
     }
     return true;
   } else {
-    uint16_t* row = key ? tiles.k[t] : value_rows(tiles)[t];
+    uint16_t* tile = key ? tiles.k : value_rows(tiles);
     const uint8_t* staged = key ? tiles.stage_k[st] : tiles.stage_v[st];
     if (ref.bytes == nullptr) {
-      zero_row<D>(row, h);
+      zero_row<D>(tile, t, h);
       if constexpr (F == PageFormat::kDither8) {
         if (!key) return false;
-        zero_row<D>(tiles.w[t], h);
+        zero_row<D>(tiles.w, t, h);
         for (int g = 0; g < D / kQuantGroup / 2; ++g) tiles.scale[t][h * (D / kQuantGroup / 2) + g] = 0.f;
         if (h == 0)
           for (int j = 0; j < 2 * kMaxDeviceOutlierPairs; ++j) tiles.outlier[t][j] = 0.f;
@@ -602,22 +656,22 @@ __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& 
     }
     if constexpr (F == PageFormat::kGaacBf16 || F == PageFormat::kGaacE5M2) {
       if (ref.raw) {
-        if constexpr (F == PageFormat::kGaacBf16) decode_bf16_row<D>(ref.bytes, t, h, row);
-        else decode_fp8_row<D, false>(ref.bytes, t, h, row);
+        if constexpr (F == PageFormat::kGaacBf16) decode_bf16_row<D>(ref.bytes, t, h, tile);
+        else decode_fp8_row<D, false, PageFormat::kBf16>(ref.bytes, t, h, tile);
       } else {
         constexpr format::GaacElement E =
             F == PageFormat::kGaacBf16 ? format::GaacElement::kBf16 : format::GaacElement::kFp8E5M2;
         const bool ok = decode_gaac_row<D, E>(staged, staged, key ? a.p.k_escape_capacity : a.p.v_escape_capacity,
-                                              lane, &sh.base7[key ? 0 : 1][0][0], sh.nibble_bit3, row);
+                                              lane, sh.base7[key ? 0 : 1], sh.nibble_bit3, tile);
         if (!ok) {
-          zero_row<D>(row, h);
+          zero_row<D>(tile, t, h);
           return false;
         }
       }
     } else if (kMixed && ref.raw) {
-      decode_bf16_row<D>(ref.bytes, t, h, row);
+      decode_bf16_row<D>(ref.bytes, t, h, tile);
     } else if constexpr (F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2) {
-      decode_fp8_row<D, F == PageFormat::kFp8E4M3>(staged, t, h, row);
+      decode_fp8_row<D, F == PageFormat::kFp8E4M3, F>(staged, t, h, tile);
       // The stage is refilled before the bounds are computed: keep the side data.
       const uint4* side = reinterpret_cast<const uint4*>(staged + size_t(kBlockTokens) * D);
       if (key) {
@@ -640,9 +694,9 @@ __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& 
 }
 
 // The CTAs per multiprocessor the lossy kernels are held to (__launch_bounds__: ptxas keeps their
-// registers within it, no spills): 3 at D = 128 (what their shared memory allows; dither8 needs
-// 167-168 registers, at the edge), at D = 64 6 for fp8 without the meter (its shared memory allows
-// 6; ptxas's own choice was 90 registers, 5 CTAs), 5 with it, 4 for dither8. Unconstrained
+// registers within it): 3 at D = 128 (what their shared memory allows; dither8 needs 167-168
+// registers, at the edge), at D = 64 5 for fp8 (held to 6, 80 registers, the kernel without the
+// meter spilled 8-20 bytes once the decoders wrote swizzled tiles), 4 for dither8. Unconstrained
 // without the bound, ptxas's register count moved by up to 12 with small changes to the code. 0:
 // no minimum (the other formats: ptxas's own choice).
 template <int D, PageFormat F, bool kWithMeter>
@@ -650,7 +704,7 @@ constexpr int min_ctas_per_sm() {
   if constexpr (!FormatTraits<F>::kLossy) return 0;
   else if constexpr (D == 128) return 3;
   else if constexpr (F == PageFormat::kDither8) return 4;
-  else return kWithMeter ? 5 : 6;
+  else return 5;
 }
 
 // kWithMeter: lossy formats compute the meter in the same pass (off: the same kernel without it).
@@ -693,7 +747,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
     for (int e = threadIdx.x; e < 256; e += kThreads) sh.nibble_bit3[e] = nibble_bit3_of(uint32_t(e));
     for (int i = threadIdx.x; i < 2 * 2 * D; i += kThreads) {
       const int kv = i / (2 * D), which = (i / D) % 2, c = i % D;
-      sh.base7[kv][which][c] = uint16_t(p.gaac_bases[((int64_t(kv) * p.n_kv_heads + kv_head) * 2 + which) * D + c])
+      sh.base7[kv][base_index<D>(which, c)] = uint16_t(p.gaac_bases[((int64_t(kv) * p.n_kv_heads + kv_head) * 2 + which) * D + c])
                                << (F == PageFormat::kGaacE5M2 ? kGaacE5M2BaseShift : kGaacBf16BaseShift);
     }
   }
@@ -846,8 +900,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
       if (!decode_page<D, F, kMeter, kMixed>(a, false, vref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
     __syncwarp();
     if constexpr (!kTwoTiles && !kValuesLate) stage_next();
-    const uint16_t(*tile_k)[D + 8];
-    const uint16_t(*tile_v)[D + 8];
+    const uint16_t* tile_k;
+    const uint16_t* tile_v;
     if constexpr (kTwoTiles) {
       tile_k = tiles.k[st];
       tile_v = tiles.v[st];
@@ -859,19 +913,19 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
     // Scores S^T[token tq (+ 8)][head 2 hq + e]: s[0], s[1] token tq; s[2], s[3] token tq + 8.
     float s[4] = {0.f, 0.f, 0.f, 0.f};
     if (k_exact) {
-      if constexpr (kMixed) tile_scores_shared_q<D, false>(tile_k, exact_page_query(sh), lane, s);
+      if constexpr (kMixed) tile_scores_shared_q<D, false, TileLayout<D, F>>(tile_k, exact_page_query(sh), lane, s);
     } else if constexpr (Traits::kTierB) {
       const int ld_token = ((lane >> 3) & 1) * 8 + (lane & 7);  // ldmatrix row address of this lane
-      const int ld_dim = (lane >> 4) * 8;
+      const int ld = tile_index<D>(ld_token, lane >> 4);  // chunk 2 kk + (lane >> 4)
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         float cc[4] = {0.f, 0.f, 0.f, 0.f}, cw[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int kk = 2 * g; kk < 2 * g + 2; ++kk) {
           uint32_t r[4];
-          ldsm_x4(r, &tile_k[ld_token][16 * kk + ld_dim]);
+          ldsm_x4(r, tile_k + (ld ^ tile_step<D>(2 * kk)));
           mma16816<true>(cc, r, qb[kk][0], qb[kk][1]);
-          ldsm_x4(r, &tiles.w[ld_token][16 * kk + ld_dim]);
+          ldsm_x4(r, tiles.w + (ld ^ tile_step<D>(2 * kk)));
           mma16816<true>(cw, r, qb[kk][0], qb[kk][1]);
         }
         const float sc[2] = {tiles.scale[tq][g], tiles.scale[tq + 8][g]};
@@ -886,7 +940,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
         for (int k = 0; k < 4; ++k) s[k] += qo[k & 1] * xo[k >> 1];
       }
     } else {
-      tile_scores<D, kHalf>(tile_k, qb, lane, s);
+      tile_scores<D, kHalf, TileLayout<D, F>>(tile_k, qb, lane, s);
     }
 
     // Logit bounds c of the same four (token, head) cells (meter formats; 0 on exact pages).
@@ -956,9 +1010,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
       }
     }
     if (v_exact) {
-      if constexpr (kMixed) tile_pv<D, false>(tile_v, prob, rescale, lane, o_acc);
+      if constexpr (kMixed) tile_pv<D, false, TileLayout<D, F>>(tile_v, prob, rescale, lane, o_acc);
     } else {
-      tile_pv<D, kHalf>(tile_v, prob, rescale, lane, o_acc);
+      tile_pv<D, kHalf, TileLayout<D, F>>(tile_v, prob, rescale, lane, o_acc);
     }
     __syncwarp();
   };

@@ -441,8 +441,8 @@ template <int D>
 struct SparseShared {
   union {
     struct {
-      uint16_t k[2][kTileTokens][D + 8];
-      uint16_t v[2][kTileTokens][D + 8];
+      alignas(16) uint16_t k[2][PaddedTile<D>::kElements];  // whole rows copied in: the padded layout
+      alignas(16) uint16_t v[2][PaddedTile<D>::kElements];
     } tiles[kWarps];
     WarpMerge<D, kWarps> merge;
   } u;
@@ -539,10 +539,11 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(AttendArgs a) {
     const bool ok = r < n && kpage >= 0 && kpage < p.n_k_pages && vpage >= 0 && vpage < p.n_v_pages;
     const uint8_t* ksrc = p.k_pages + int64_t(ok ? kpage : 0) * p.k_page_stride + ((t & 15) * D + half * (D / 2)) * 2;
     const uint8_t* vsrc = p.v_pages + int64_t(ok ? vpage : 0) * p.v_page_stride + ((t & 15) * D + half * (D / 2)) * 2;
+    const int offset = PaddedTile<D>::offset(r, half * (D / 16));
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
-      cp_async16_zfill(&tiles.k[st][r][half * (D / 2) + 8 * i], ksrc + 16 * i, ok);
-      cp_async16_zfill(&tiles.v[st][r][half * (D / 2) + 8 * i], vsrc + 16 * i, ok);
+      cp_async16_zfill(&tiles.k[st][PaddedTile<D>::at(offset, i)], ksrc + 16 * i, ok);
+      cp_async16_zfill(&tiles.v[st][PaddedTile<D>::at(offset, i)], vsrc + 16 * i, ok);
     }
     return ok ? (e >> 24) : 0u;
   };
@@ -564,7 +565,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(AttendArgs a) {
     const uint32_t heads_lo = __shfl_sync(0xffffffffu, heads0, 2 * tq);
     const uint32_t heads_hi = __shfl_sync(0xffffffffu, heads0, 2 * tq + 16);
     float s[4] = {0.f, 0.f, 0.f, 0.f};
-    tile_scores<D, false>(tiles.k[st], qb, lane, s);
+    tile_scores<D, false, PaddedTile<D>>(tiles.k[st], qb, lane, s);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const uint32_t hb = k < 2 ? heads_lo : heads_hi;
@@ -572,7 +573,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(AttendArgs a) {
     }
     float prob[4], rescale[2], m_new[2];
     tile_softmax(s, m_run, l_run, prob, rescale, m_new);
-    tile_pv<D, false>(tiles.v[st], prob, rescale, lane, o_acc);
+    tile_pv<D, false, PaddedTile<D>>(tiles.v[st], prob, rescale, lane, o_acc);
     __syncwarp();
     // Tile j + 2 kWarps into this buffer.
     int64_t c2 = 0;

@@ -9,6 +9,13 @@
 // Lane l of a warp holds tokens tq = l / 4 and tq + 8 of the tile and heads 2 hq, 2 hq + 1
 // (hq = l % 4): scores s[0], s[1] (token tq), s[2], s[3] (token tq + 8); output accumulators
 // o[pp][0..1] (channel 16 pp + tq), o[pp][2..3] (channel 16 pp + tq + 8), heads 2 hq + e.
+//
+// A tile in shared memory is 16 rows (tokens) of D 16-bit elements in one of two layouts (the
+// steps below take the layout L as a template parameter): PaddedTile, rows of D + 8 elements
+// (the 8 rows of an ldmatrix phase fall in 8 distinct bank groups), for tiles filled by copies of
+// whole rows; SwizzledTile, rows of D elements with their 16-byte chunks permuted (tile_index),
+// for tiles the page decoders write 16 bytes per lane with a quarter warp covering 4 tokens x 2 row
+// halves, which in the padded layout is a 2-way bank conflict on every store.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -22,6 +29,56 @@ namespace certkv::attention::cuda::tile {
 
 inline constexpr int kTileTokens = 16;
 inline constexpr int kTileHeads = 8;  // query heads of one KV head: the 8 columns
+
+// Element offset of chunk `chunk` (channels 8 chunk .. 8 chunk + 7) of row `row` in a tile: the
+// chunk index XOR the row's low 3 bits, with bit 2 of that mask flipped in the upper half of a row
+// when a half spans 8 chunks or more (D >= 128). Within a row it is a permutation of the chunks
+// of each aligned group of 8, so 8 consecutive rows at one chunk, and 4 consecutive rows at one
+// chunk of each half, fall in 8 distinct 16-byte bank groups (the row stride is a multiple of 128
+// bytes).
+template <int D>
+__host__ __device__ constexpr int tile_index(int row, int chunk) {
+  const int upper = (D >= 128 && chunk >= D / 16) ? 4 : 0;
+  return row * D + 8 * (chunk ^ ((row ^ upper) & 7));
+}
+// tile_index(row, c ^ s) == tile_index(row, c) ^ tile_step<D>(s) for every chunk c and s of a row
+// (the row offset is a multiple of 128 bytes, the chunk part below it, and bit 3 of c ^ s, which
+// selects the upper half at D = 128, is bit 3 of c XOR bit 3 of s): a lane computes its chunk's
+// offset once, and the others of a static step are one XOR each.
+template <int D>
+__host__ __device__ constexpr int tile_step(int s) {
+  return 8 * (s ^ ((D >= 128 && s >= D / 16) ? 4 : 0));
+}
+template <int D>
+constexpr bool tile_step_holds() {
+  for (int row = 0; row < 16; ++row)
+    for (int c = 0; c < D / 8; ++c)
+      for (int x = 0; x < D / 8; ++x)
+        if (tile_index<D>(row, c ^ x) != (tile_index<D>(row, c) ^ tile_step<D>(x))) return false;
+  return true;
+}
+static_assert(tile_step_holds<64>() && tile_step_holds<128>(), "tile_step is an XOR of tile_index");
+// The element offset of channel c of row `row`.
+template <int D>
+__host__ __device__ constexpr int tile_element(int row, int c) {
+  return tile_index<D>(row, c / 8) + c % 8;
+}
+
+// The two layouts: kElements per tile; offset(row, chunk), the element offset of a row's 16-byte
+// chunk; at(base, s), the offset of chunk c + s from base = offset(row, c), for a static step s
+// whose bits are disjoint from c's (then c + s == c ^ s).
+template <int D>
+struct PaddedTile {
+  static constexpr int kElements = kTileTokens * (D + 8);
+  __host__ __device__ static constexpr int offset(int row, int chunk) { return row * (D + 8) + 8 * chunk; }
+  __host__ __device__ static constexpr int at(int base, int s) { return base + 8 * s; }
+};
+template <int D>
+struct SwizzledTile {
+  static constexpr int kElements = kTileTokens * D;
+  __host__ __device__ static constexpr int offset(int row, int chunk) { return tile_index<D>(row, chunk); }
+  __host__ __device__ static constexpr int at(int base, int s) { return base ^ tile_step<D>(s); }
+};
 
 template <bool kHalf>
 __device__ inline void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -101,17 +158,16 @@ __device__ inline void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// Scores S^T = K Q^T of one tile (fp32, unscaled). tile_k: [16][D + 8] elements; qb: Q^T as B
+// Scores S^T = K Q^T of one tile (fp32, unscaled). tile_k: a tile of layout L; qb: Q^T as B
 // operands (channels 2 hq, 2 hq + 1 (+ 8) of head tq, per 16-channel step).
-template <int D, bool kHalf>
-__device__ inline void tile_scores(const uint16_t (*tile_k)[D + 8], const uint32_t (&qb)[D / 16][2], int lane,
-                                   float (&s)[4]) {
+template <int D, bool kHalf, class L>
+__device__ inline void tile_scores(const uint16_t* tile_k, const uint32_t (&qb)[D / 16][2], int lane, float (&s)[4]) {
   const int ld_token = ((lane >> 3) & 1) * 8 + (lane & 7);  // ldmatrix row address of this lane
-  const int ld_dim = (lane >> 4) * 8;
+  const int ld = L::offset(ld_token, lane >> 4);              // chunk 2 kk + (lane >> 4)
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     uint32_t r[4];
-    ldsm_x4(r, &tile_k[ld_token][16 * kk + ld_dim]);
+    ldsm_x4(r, tile_k + L::at(ld, 2 * kk));
     mma16816<kHalf>(s, r, qb[kk][0], qb[kk][1]);
   }
 }
@@ -120,11 +176,11 @@ __device__ inline void tile_scores(const uint16_t (*tile_k)[D + 8], const uint32
 // registers (for a page class that is rare in its kernel, whose registers hold the Q^T of another
 // element type). q_rows: [8][D] elements, head-major, each row's 16-byte chunks swizzled (chunk c
 // of row r stored at chunk c ^ r) so that the 8 rows of an ldmatrix phase hit distinct banks.
-template <int D, bool kHalf>
-__device__ inline void tile_scores_shared_q(const uint16_t (*tile_k)[D + 8], const uint16_t (*q_rows)[D], int lane,
+template <int D, bool kHalf, class L>
+__device__ inline void tile_scores_shared_q(const uint16_t* tile_k, const uint16_t (*q_rows)[D], int lane,
                                             float (&s)[4]) {
   const int ld_token = ((lane >> 3) & 1) * 8 + (lane & 7);
-  const int ld_dim = (lane >> 4) * 8;
+  const int ld = L::offset(ld_token, lane >> 4);
   const int q_row = lane & 7, q_chunk = lane >> 3;  // matrix j of ldsm_x4: channels 32 kp + 8 j
 #pragma unroll
   for (int kp = 0; kp < D / 32; ++kp) {
@@ -133,7 +189,7 @@ __device__ inline void tile_scores_shared_q(const uint16_t (*tile_k)[D + 8], con
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       uint32_t r[4];
-      ldsm_x4(r, &tile_k[ld_token][16 * (2 * kp + j) + ld_dim]);
+      ldsm_x4(r, tile_k + L::at(ld, 2 * (2 * kp + j)));
       mma16816<kHalf>(s, r, qb[2 * j], qb[2 * j + 1]);
     }
   }
@@ -171,10 +227,10 @@ __device__ inline void tile_softmax(const float (&s)[4], float (&m_run)[2], floa
 }
 
 // O^T = rescale O^T + V^T P^T over one tile: P^T as the B operand from the two 8 x 8 halves of
-// the probability tile (movmatrix), V^T by ldmatrix.trans. tile_v: [16][D + 8].
-template <int D, bool kHalf>
-__device__ inline void tile_pv(const uint16_t (*tile_v)[D + 8], const float (&prob)[4], const float (&rescale)[2],
-                               int lane, float (&o)[D / 16][4]) {
+// the probability tile (movmatrix), V^T by ldmatrix.trans. tile_v: a tile of layout L.
+template <int D, bool kHalf, class L>
+__device__ inline void tile_pv(const uint16_t* tile_v, const float (&prob)[4], const float (&rescale)[2], int lane,
+                               float (&o)[D / 16][4]) {
 #pragma unroll
   for (int pp = 0; pp < D / 16; ++pp) {
     o[pp][0] *= rescale[0];
@@ -185,11 +241,11 @@ __device__ inline void tile_pv(const uint16_t (*tile_v)[D + 8], const float (&pr
   const uint32_t pb0 = transpose8x8(pack2<kHalf>(prob[0], prob[1]));
   const uint32_t pb1 = transpose8x8(pack2<kHalf>(prob[2], prob[3]));
   const int vt_token = (lane >> 4) * 8 + (lane & 7);
-  const int vt_dim = ((lane >> 3) & 1) * 8;
+  const int vt = L::offset(vt_token, (lane >> 3) & 1);  // chunk 2 pp + ((lane >> 3) & 1)
 #pragma unroll
   for (int pp = 0; pp < D / 16; ++pp) {
     uint32_t r[4];
-    ldsm_x4_trans(r, &tile_v[vt_token][16 * pp + vt_dim]);
+    ldsm_x4_trans(r, tile_v + L::at(vt, 2 * pp));
     mma16816<kHalf>(o[pp], r, pb0, pb1);
   }
 }
