@@ -55,10 +55,15 @@ struct FormatTraits {
 // e^c - 1 by at most 10^-5 relative); then one exponential: e^c - 1 >= 0.28, so the subtraction
 // loses at most a factor 4.6 of its relative error; from c = 8 as one exponential of
 // log2 p + c log2 e (p e^c alone would overflow float long before the product does).
+// Without branches: the lanes of a warp hold cells of every range, and the divergent version ran
+// every path anyway plus its branch overhead. The values are those of the three-way branch to the
+// bit (0 + x == x: one exponential serves both upper ranges).
 __device__ inline float meter_term(float p, float c, float log2_p) {
-  if (c < 0.25f) return p * (c * (1.f + c * (0.5f + c * (1.f / 6.f + c * (1.f / 24.f + c * 0.0107003f)))));
-  if (c < 8.f) return p * (exp2f(c * kLog2e) - 1.f);
-  return exp2f(log2_p + c * kLog2e) - p;
+  const float small = p * (c * (1.f + c * (0.5f + c * (1.f / 6.f + c * (1.f / 24.f + c * 0.0107003f)))));
+  const bool mid = c < 8.f;
+  const float e = exp2f((mid ? 0.f : log2_p) + c * kLog2e);
+  const float large = mid ? p * (e - 1.f) : e - p;
+  return c < 0.25f ? small : large;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -999,11 +1004,11 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
           const int k = 2 * j + e;
           // Every unmasked token, also one whose p underflows float: p (e^c - 1) may still be
           // large (meter_term takes log2 p for large c). A masked token's bound and rho may be
-          // anything (rows past the end).
-          if (s[k] != -INFINITY) {
-            d_add += meter_term(prob[k], c_bound[k], s[k] - m_new[e]);
-            r_add += prob[k] * rho[j];
-          }
+          // anything (rows past the end): selected away, not branched around.
+          const bool live = s[k] != -INFINITY;
+          const float term = meter_term(prob[k], c_bound[k], s[k] - m_new[e]);
+          d_add += live ? term : 0.f;
+          r_add += live ? prob[k] * rho[j] : 0.f;
         }
         d_run[e] = d_run[e] * rescale[e] + d_add;
         r_run[e] = r_run[e] * rescale[e] + r_add;
