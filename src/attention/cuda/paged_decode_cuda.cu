@@ -102,7 +102,7 @@ __host__ __device__ constexpr int stage_chunk_region() {  // chunks [0, this) ar
 template <int D, PageFormat F>
 __host__ __device__ constexpr int stage_chunk(int c) {
   static_assert(stage_chunk_region<D, F>() % 32 == 0, "whole 128-byte rows, whole steps of 32 chunks");
-  return c < stage_chunk_region<D, F>() ? c ^ ((c >> 3) & 3) : c;
+  return c < stage_chunk_region<D, F>() ? permuted_chunk(c) : c;
 }
 // In the permuted regions stage_chunk(c ^ i) == stage_chunk(c) ^ i for i < 8 (the row c / 8 is
 // unchanged): a decoder reads its run at one XOR per chunk.
@@ -168,17 +168,9 @@ struct ExactPageQuery<D, true> {
 template <int D, bool kGaac>
 struct GaacTables {};
 
-// Where base `which` (b3, b4) of channel c lives in a K or V row of GaacTables::base7: each row
-// half followed by 8 unused elements, so that the four (base, row half) pairs a quarter warp reads
-// for one group start in 4 distinct bank groups.
-template <int D>
-__host__ __device__ constexpr int base_index(int which, int c) {
-  return which * (D + 16) + c + (c >= D / 2 ? 8 : 0);
-}
-
 template <int D>
 struct GaacTables<D, true> {
-  alignas(16) uint16_t base7[2][2 * (D + 16)];  // (b3, b4) << the element's exponent shift, K and V (base_index)
+  alignas(16) uint16_t base7[2][base_row_elements<D>()];  // (b3, b4) << the element's exponent shift, K and V (base_index)
   uint32_t nibble_bit3[256];  // nibble_bit3_of(e)
 };
 

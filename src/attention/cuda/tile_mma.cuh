@@ -25,60 +25,11 @@
 #include <cmath>
 #include <cstdint>
 
+#include "attention/cuda/tile_layout.h"
+
 namespace certkv::attention::cuda::tile {
 
-inline constexpr int kTileTokens = 16;
 inline constexpr int kTileHeads = 8;  // query heads of one KV head: the 8 columns
-
-// Element offset of chunk `chunk` (channels 8 chunk .. 8 chunk + 7) of row `row` in a tile: the
-// chunk index XOR the row's low 3 bits, with bit 2 of that mask flipped in the upper half of a row
-// when a half spans 8 chunks or more (D >= 128). Within a row it is a permutation of the chunks
-// of each aligned group of 8, so 8 consecutive rows at one chunk, and 4 consecutive rows at one
-// chunk of each half, fall in 8 distinct 16-byte bank groups (the row stride is a multiple of 128
-// bytes).
-template <int D>
-__host__ __device__ constexpr int tile_index(int row, int chunk) {
-  const int upper = (D >= 128 && chunk >= D / 16) ? 4 : 0;
-  return row * D + 8 * (chunk ^ ((row ^ upper) & 7));
-}
-// tile_index(row, c ^ s) == tile_index(row, c) ^ tile_step<D>(s) for every chunk c and s of a row
-// (the row offset is a multiple of 128 bytes, the chunk part below it, and bit 3 of c ^ s, which
-// selects the upper half at D = 128, is bit 3 of c XOR bit 3 of s): a lane computes its chunk's
-// offset once, and the others of a static step are one XOR each.
-template <int D>
-__host__ __device__ constexpr int tile_step(int s) {
-  return 8 * (s ^ ((D >= 128 && s >= D / 16) ? 4 : 0));
-}
-template <int D>
-constexpr bool tile_step_holds() {
-  for (int row = 0; row < 16; ++row)
-    for (int c = 0; c < D / 8; ++c)
-      for (int x = 0; x < D / 8; ++x)
-        if (tile_index<D>(row, c ^ x) != (tile_index<D>(row, c) ^ tile_step<D>(x))) return false;
-  return true;
-}
-static_assert(tile_step_holds<64>() && tile_step_holds<128>(), "tile_step is an XOR of tile_index");
-// The element offset of channel c of row `row`.
-template <int D>
-__host__ __device__ constexpr int tile_element(int row, int c) {
-  return tile_index<D>(row, c / 8) + c % 8;
-}
-
-// The two layouts: kElements per tile; offset(row, chunk), the element offset of a row's 16-byte
-// chunk; at(base, s), the offset of chunk c + s from base = offset(row, c), for a static step s
-// whose bits are disjoint from c's (then c + s == c ^ s).
-template <int D>
-struct PaddedTile {
-  static constexpr int kElements = kTileTokens * (D + 8);
-  __host__ __device__ static constexpr int offset(int row, int chunk) { return row * (D + 8) + 8 * chunk; }
-  __host__ __device__ static constexpr int at(int base, int s) { return base + 8 * s; }
-};
-template <int D>
-struct SwizzledTile {
-  static constexpr int kElements = kTileTokens * D;
-  __host__ __device__ static constexpr int offset(int row, int chunk) { return tile_index<D>(row, chunk); }
-  __host__ __device__ static constexpr int at(int base, int s) { return base ^ tile_step<D>(s); }
-};
 
 template <bool kHalf>
 __device__ inline void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {

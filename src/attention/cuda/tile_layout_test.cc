@@ -1,0 +1,183 @@
+// Host checks of the shared-memory layouts of the decode kernels (tile_layout.h): every layout is a
+// permutation of its slots, and the 16-byte accesses the kernels make (ldmatrix rows, the
+// decoders' stores and staged reads, the GAAC base loads) fall in 8 distinct bank groups per
+// quarter warp. Negative controls show the checker failing the padded layout for the decoders'
+// stores at D = 128 and unpermuted fp8 stage reads, the conflicts the layouts remove. No device.
+#include "attention/cuda/tile_layout.h"
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <set>
+#include <vector>
+
+namespace certkv::attention::cuda::tile {
+namespace {
+
+// The 16-byte bank group of a byte offset (regions start on 128-byte rows).
+int bank_group(int byte) { return (byte / 16) % 8; }
+
+// True when the 8 byte offsets of a quarter warp's 16-byte accesses fall in 8 distinct groups.
+bool one_wavefront(const std::array<int, 8>& bytes) {
+  std::set<int> groups;
+  for (int b : bytes) groups.insert(bank_group(b));
+  return groups.size() == 8;
+}
+
+// Element offsets of every (row, chunk) of a tile of layout L: distinct, 16-byte aligned, inside
+// the tile.
+template <int D, class L>
+void expect_permutation() {
+  std::set<int> seen;
+  for (int row = 0; row < kTileTokens; ++row)
+    for (int chunk = 0; chunk < D / 8; ++chunk) {
+      const int e = L::offset(row, chunk);
+      EXPECT_EQ(e % 8, 0) << "D " << D << " row " << row << " chunk " << chunk;
+      EXPECT_GE(e, 0);
+      EXPECT_LE(e + 8, L::kElements);
+      EXPECT_TRUE(seen.insert(e).second) << "D " << D << " row " << row << " chunk " << chunk << " reused";
+    }
+}
+
+// ldmatrix as tile_scores and tile_pv address it: matrix m of an x4 load is lanes 8m .. 8m + 7,
+// each giving one row address; the steps are L::at from the lane's first chunk.
+template <int D, class L>
+void expect_ldmatrix_one_wavefront() {
+  for (int kk = 0; kk < D / 16; ++kk)
+    for (int m = 0; m < 4; ++m) {
+      std::array<int, 8> scores{}, values{};
+      for (int i = 0; i < 8; ++i) {
+        const int lane = 8 * m + i;
+        const int ld_token = ((lane >> 3) & 1) * 8 + (lane & 7);
+        const int ld = L::at(L::offset(ld_token, lane >> 4), 2 * kk);
+        EXPECT_EQ(ld, L::offset(ld_token, 2 * kk + (lane >> 4)));
+        scores[size_t(i)] = 2 * ld;
+        const int vt_token = (lane >> 4) * 8 + (lane & 7);
+        const int vt = L::at(L::offset(vt_token, (lane >> 3) & 1), 2 * kk);
+        EXPECT_EQ(vt, L::offset(vt_token, 2 * kk + ((lane >> 3) & 1)));
+        values[size_t(i)] = 2 * vt;
+      }
+      EXPECT_TRUE(one_wavefront(scores)) << "D " << D << " step " << kk << " matrix " << m;
+      EXPECT_TRUE(one_wavefront(values)) << "D " << D << " step " << kk << " matrix " << m;
+    }
+}
+
+// The decoders' stores: lane l writes chunk i of half l % 2 of row l / 2 (paged_decode_cuda.cu's
+// tile_chunk). Returns whether every quarter warp's store of every chunk is one wavefront.
+template <int D, class L>
+bool decoder_stores_one_wavefront() {
+  bool all = true;
+  for (int i = 0; i < D / 16; ++i)
+    for (int q = 0; q < 4; ++q) {
+      std::array<int, 8> bytes{};
+      for (int k = 0; k < 8; ++k) {
+        const int lane = 8 * q + k, t = lane >> 1, h = lane & 1;
+        const int e = L::at(L::offset(t, h * (D / 16)), i);
+        EXPECT_EQ(e, L::offset(t, h * (D / 16) + i));
+        bytes[size_t(k)] = 2 * e;
+      }
+      all = all && one_wavefront(bytes);
+    }
+  return all;
+}
+
+TEST(TileLayout, EveryLayoutIsAPermutationOfItsChunks) {
+  expect_permutation<64, PaddedTile<64>>();
+  expect_permutation<128, PaddedTile<128>>();
+  expect_permutation<64, SwizzledTile<64>>();
+  expect_permutation<128, SwizzledTile<128>>();
+}
+
+TEST(TileLayout, LdmatrixRowsAreOneWavefrontInBothLayouts) {
+  expect_ldmatrix_one_wavefront<64, PaddedTile<64>>();
+  expect_ldmatrix_one_wavefront<128, PaddedTile<128>>();
+  expect_ldmatrix_one_wavefront<64, SwizzledTile<64>>();
+  expect_ldmatrix_one_wavefront<128, SwizzledTile<128>>();
+}
+
+TEST(TileLayout, DecoderStoresAreOneWavefrontOnlyInTheSwizzledLayout) {
+  EXPECT_TRUE((decoder_stores_one_wavefront<64, SwizzledTile<64>>()));
+  EXPECT_TRUE((decoder_stores_one_wavefront<128, SwizzledTile<128>>()));
+  // At D = 128 the padded rows (272 bytes) put both halves of a token in one bank group: the
+  // conflict removed. At D = 64 (144-byte rows) the halves fall 4 groups apart.
+  EXPECT_FALSE((decoder_stores_one_wavefront<128, PaddedTile<128>>()));
+  EXPECT_TRUE((decoder_stores_one_wavefront<64, PaddedTile<64>>()));
+}
+
+TEST(TileLayout, TileElementIsTheChannelInsideItsChunk) {
+  for (int row = 0; row < kTileTokens; ++row)
+    for (int c = 0; c < 128; ++c) EXPECT_EQ(tile_element<128>(row, c), tile_index<128>(row, c / 8) + c % 8);
+}
+
+// The staged regions: a permutation of each 128-byte row; the copy loop's shortcut; the readers.
+TEST(TileLayout, PermutedStagesAreBijectiveAndReadInOneWavefront) {
+  for (int region : {64, 128, 256}) {  // fp8 and GAAC bf16 codes at D = 64, 128 (chunks)
+    std::vector<int> hit(size_t(region), 0);
+    for (int c = 0; c < region; ++c) {
+      const int p = permuted_chunk(c);
+      ASSERT_GE(p, 0);
+      ASSERT_LT(p, region);
+      EXPECT_EQ(p / 8, c / 8) << "chunk " << c << " left its 128-byte row";
+      ++hit[size_t(p)];
+      for (int i = 0; i < 8; ++i) EXPECT_EQ(permuted_chunk(c ^ i), permuted_chunk(c) ^ i);
+    }
+    for (int c = 0; c < region; ++c) EXPECT_EQ(hit[size_t(c)], 1);
+    // stage_page: chunk lane + 32 j lands at lane + 32 j + (permuted_chunk(lane) - lane).
+    for (int lane = 0; lane < 32; ++lane)
+      for (int c = lane; c < region; c += 32) EXPECT_EQ(permuted_chunk(c), c + (permuted_chunk(lane) - lane));
+  }
+  for (int D : {64, 128}) {
+    // fp8 codes: lane l reads chunks t D/16 + h D/32 + i of token t = l / 2, half h = l % 2.
+    for (int i = 0; i < D / 32; ++i)
+      for (int q = 0; q < 4; ++q) {
+        std::array<int, 8> permuted{}, plain{};
+        for (int k = 0; k < 8; ++k) {
+          const int lane = 8 * q + k;
+          const int c0 = (lane >> 1) * (D / 16) + (lane & 1) * (D / 32);
+          permuted[size_t(k)] = 16 * (permuted_chunk(c0) ^ i);
+          plain[size_t(k)] = 16 * (c0 + i);
+        }
+        EXPECT_TRUE(one_wavefront(permuted)) << "fp8 D " << D << " chunk " << i << " quarter " << q;
+        EXPECT_FALSE(one_wavefront(plain)) << "fp8 D " << D << ": the unpermuted read should conflict";
+      }
+    // GAAC bf16 sign-mantissa bytes: lane l reads chunks l (D/32) + i (D/16 groups of 8 bytes).
+    const int per_lane = D / 32;
+    for (int i = 0; i < per_lane; ++i)
+      for (int q = 0; q < 4; ++q) {
+        std::array<int, 8> permuted{};
+        for (int k = 0; k < 8; ++k) permuted[size_t(k)] = 16 * (permuted_chunk((8 * q + k) * per_lane) ^ i);
+        EXPECT_TRUE(one_wavefront(permuted)) << "GAAC D " << D << " chunk " << i << " quarter " << q;
+      }
+  }
+}
+
+template <int D>
+void expect_bases_in_distinct_groups() {
+  std::set<int> seen;
+  for (int which = 0; which < 2; ++which)
+    for (int c = 0; c < D; ++c) {
+      const int e = base_index<D>(which, c);
+      EXPECT_GE(e, 0);
+      EXPECT_LT(e, base_row_elements<D>());
+      EXPECT_TRUE(seen.insert(e).second);
+    }
+  // Group j of each half: a quarter warp's lanes read (b3 or b4) x (half 0 or 1), 16 bytes each.
+  for (int j = 0; j < D / 16; ++j) {
+    std::set<int> groups;
+    for (int which = 0; which < 2; ++which)
+      for (int h = 0; h < 2; ++h) {
+        const int e = base_index<D>(which, h * (D / 2) + 8 * j);
+        EXPECT_EQ(e % 8, 0);
+        groups.insert(bank_group(2 * e));
+      }
+    EXPECT_EQ(groups.size(), 4u) << "D " << D << " group " << j;
+  }
+}
+
+TEST(TileLayout, GaacBasesOfAQuarterWarpStartInFourBankGroups) {
+  expect_bases_in_distinct_groups<64>();
+  expect_bases_in_distinct_groups<128>();
+}
+
+}  // namespace
+}  // namespace certkv::attention::cuda::tile
