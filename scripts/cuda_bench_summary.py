@@ -60,8 +60,12 @@ def main():
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharey=True)
-        for ax, (shape, batch) in zip(axes.flat, [("32x8", 1), ("32x8", 8), ("28x4", 1), ("28x4", 8)]):
+        # One panel per (shape, batch) the run measured, a row per shape.
+        shapes = sorted({c["shape"] for c in cells}, key=lambda s: ("32x8", "28x4").index(s) if s in ("32x8", "28x4") else 2)
+        batches = sorted({c["batch"] for c in cells})
+        fig, axes = plt.subplots(len(shapes), len(batches), figsize=(6 * len(batches), 4 * len(shapes)),
+                                 sharey=True, squeeze=False)
+        for ax, (shape, batch) in zip(axes.flat, [(s, b) for s in shapes for b in batches]):
             impls = sorted({c["impl"] for c in cells if c["shape"] == shape and c["batch"] == batch})
             for impl in impls:
                 pts = sorted((c["ctx"], c["speedup_vs_sdpa"]) for c in cells
