@@ -57,11 +57,13 @@ struct FormatTraits {
 // log2 p + c log2 e (p e^c alone would overflow float long before the product does).
 // Without branches: the lanes of a warp hold cells of every range, and the divergent version ran
 // every path anyway plus its branch overhead. The values are those of the three-way branch to the
-// bit (0 + x == x: one exponential serves both upper ranges).
+// bit: one exponential serves both upper ranges, its argument c log2 e rounded once, plus log2 p
+// rounded once more above 8 (explicit roundings, so that no FMA contraction merges the two).
 __device__ inline float meter_term(float p, float c, float log2_p) {
   const float small = p * (c * (1.f + c * (0.5f + c * (1.f / 6.f + c * (1.f / 24.f + c * 0.0107003f)))));
   const bool mid = c < 8.f;
-  const float e = exp2f((mid ? 0.f : log2_p) + c * kLog2e);
+  const float ck = __fmul_rn(c, kLog2e);
+  const float e = exp2f(mid ? ck : __fadd_rn(log2_p, ck));
   const float large = mid ? p * (e - 1.f) : e - p;
   return c < 0.25f ? small : large;
 }
@@ -709,7 +711,8 @@ __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& 
 // The CTAs per multiprocessor the lossy kernels are held to (__launch_bounds__: ptxas keeps their
 // registers within it): 3 at D = 128 (what their shared memory allows; dither8 needs 167-168
 // registers, at the edge), at D = 64 5 for fp8 (held to 6, 80 registers, the kernel without the
-// meter spilled 8-20 bytes once the decoders wrote swizzled tiles), 4 for dither8. Unconstrained
+// meter spilled 8-20 bytes once the decoders wrote swizzled tiles; with the meter 4 bytes still
+// spill at 96 registers), 4 for dither8. Unconstrained
 // without the bound, ptxas's register count moved by up to 12 with small changes to the code. 0:
 // no minimum (the other formats: ptxas's own choice).
 template <int D, PageFormat F, bool kWithMeter>
@@ -1016,7 +1019,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
           const bool live = s[k] != -INFINITY;
           const float term = meter_term(prob[k], c_bound[k], s[k] - m_new[e]);
           d_add += live ? term : 0.f;
-          r_add += live ? prob[k] * rho[j] : 0.f;
+          r_add = live ? fmaf(prob[k], rho[j], r_add) : r_add;  // one rounding, as before the select
         }
         d_run[e] = d_run[e] * rescale[e] + d_add;
         r_run[e] = r_run[e] * rescale[e] + r_add;
@@ -1212,6 +1215,17 @@ CudaStatus check(const PagedDecodeParams& p) {
   const bool gaac = p.format == PageFormat::kGaacBf16 || p.format == PageFormat::kGaacE5M2;
   size_t need_k = 0, need_v = 0;
   const int D = p.head_dim, T = kBlockTokens;
+  if (gaac) {
+    // A slot is staged whole into shared memory sized for the largest escape area a page can
+    // need (every group raw): a capacity past it would overrun the stage.
+    const int64_t most = int64_t(format::gaac_page_max_escape_bytes(
+        p.format == PageFormat::kGaacBf16 ? format::GaacElement::kBf16 : format::GaacElement::kFp8E5M2, T, D));
+    if (p.k_escape_capacity < 0 || p.v_escape_capacity < 0) return error("negative escape capacity");
+    if (p.k_escape_capacity > most || p.v_escape_capacity > most)
+      return error("escape capacity " + std::to_string(std::max(p.k_escape_capacity, p.v_escape_capacity)) +
+                   " bytes is more than a " + page_format_name(p.format) + " page can use (" + std::to_string(most) +
+                   " at head_dim " + std::to_string(D) + ")");
+  }
   switch (p.format) {
     case PageFormat::kBf16: need_k = need_v = size_t(T) * D * 2; break;
     case PageFormat::kGaacBf16:
@@ -1236,10 +1250,7 @@ CudaStatus check(const PagedDecodeParams& p) {
   if (size_t(p.k_page_stride) < need_k || size_t(p.v_page_stride) < need_v)
     return error(std::string("page stride too small for ") + page_format_name(p.format) + " pages (K needs " +
                  std::to_string(need_k) + " bytes, V " + std::to_string(need_v) + ")");
-  if (gaac) {
-    if (!p.gaac_bases) return error("GAAC pages need their bases");
-    if (p.k_escape_capacity < 0 || p.v_escape_capacity < 0) return error("negative escape capacity");
-  }
+  if (gaac && !p.gaac_bases) return error("GAAC pages need their bases");
   if (gaac || page_format_metered(p.format)) {
     // Raw pages: GAAC pages that did not fit their slot ([T][D] of the element), a lossy format's
     // exact pages ([T][D] bf16). A pool with pages must be there and aligned.

@@ -17,6 +17,7 @@
 #include "attention/cuda/device_kv.h"
 #include "attention/cuda/paged_decode_cuda.h"
 #include "attention/online_softmax.h"
+#include "format/gaac_layout.h"
 #include "core/cuda_test_support.h"
 #include "format/fp8.h"
 #include "format/numeric.h"
@@ -451,6 +452,25 @@ TEST(PagedDecodeCuda, CheckRefusesBadInputWithoutADevice) {
   PagedDecodeParams p = base(PageFormat::kGaacBf16);
   p.gaac_bases = nullptr;
   EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument);
+  // Escape capacities: the most a page can use (every group raw) is served; one byte more would
+  // overrun the kernel's stage and is refused, as is a negative one, for K and for V.
+  for (PageFormat f : {PageFormat::kGaacBf16, PageFormat::kGaacE5M2}) {
+    const int64_t most = int64_t(format::gaac_page_max_escape_bytes(
+        f == PageFormat::kGaacBf16 ? format::GaacElement::kBf16 : format::GaacElement::kFp8E5M2, 16, 64));
+    p = base(f);
+    p.k_page_stride = p.v_page_stride = 8192;  // room for a slot with the largest escape area
+    p.k_escape_capacity = p.v_escape_capacity = most;
+    EXPECT_TRUE(check(p).ok) << page_format_name(f) << ": " << check(p).message;
+    for (int kv = 0; kv < 2; ++kv) {
+      PagedDecodeParams bad = p;
+      (kv == 0 ? bad.k_escape_capacity : bad.v_escape_capacity) = most + 1;
+      EXPECT_EQ(check(bad).code, StatusCode::kInvalidArgument) << page_format_name(f);
+      EXPECT_NE(check(bad).message.find("escape capacity"), std::string::npos) << check(bad).message;
+      (kv == 0 ? bad.k_escape_capacity : bad.v_escape_capacity) = -1;
+      EXPECT_EQ(check(bad).code, StatusCode::kInvalidArgument) << page_format_name(f);
+      EXPECT_NE(check(bad).message.find("negative escape capacity"), std::string::npos) << check(bad).message;
+    }
+  }
   p = base(PageFormat::kDither8);
   p.dither_keys = nullptr;
   EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument);
