@@ -1189,6 +1189,22 @@ const char* page_format_name(PageFormat f) {
   return "unknown";
 }
 
+namespace {
+
+// The split plan and the workspace it needs: what check() ends with, and all that
+// reset_error_word and read_error_word rely on (n_splits 0 means choose_splits).
+CudaStatus check_workspace(const PagedDecodeParams& p) {
+  if (p.n_splits < 0 || p.n_splits > 65535) return error("n_splits must be in [0, 65535]");
+  const int splits = p.n_splits > 0 ? p.n_splits : choose_splits(p);
+  if (!p.workspace || p.workspace_size < layout_of(p, splits).total)
+    return error("workspace too small (" + std::to_string(p.workspace_size) + " bytes, needs " +
+                 std::to_string(layout_of(p, splits).total) + ")");
+  if (!aligned16(p.workspace)) return error("the workspace is misaligned");
+  return {};
+}
+
+}  // namespace
+
 CudaStatus check(const PagedDecodeParams& p) {
   if (p.head_dim != 64 && p.head_dim != 128)
     return unsupported("head_dim " + std::to_string(p.head_dim) + " is unsupported (64 or 128)");
@@ -1200,7 +1216,11 @@ CudaStatus check(const PagedDecodeParams& p) {
     return unsupported("GQA ratio " + std::to_string(p.n_q_heads / p.n_kv_heads) + " is unsupported (at most 8 query heads per KV head)");
   if (p.batch < 1 || p.batch > 65535) return error("batch must be in [1, 65535]");
   if (p.n_kv_heads > 65535) return error("n_kv_heads must be at most 65535");
+  if (int64_t(p.batch) * p.n_q_heads > INT32_MAX)  // the merge kernel's grid, one CTA per row
+    return unsupported("batch x n_q_heads " + std::to_string(int64_t(p.batch) * p.n_q_heads) + " is past 2^31 - 1");
   if (!(p.sm_scale > 0.f) || !std::isfinite(p.sm_scale)) return error("sm_scale must be positive and finite");
+  if (p.table_stride > INT32_MAX)  // block indices; table_stride * 16 must not overflow either
+    return error("table_stride " + std::to_string(p.table_stride) + " is past 2^31 - 1 blocks");
   if (p.table_stride < 1 || p.max_seq_len < 1 || p.max_seq_len > p.table_stride * kBlockTokens)
     return error("max_seq_len " + std::to_string(p.max_seq_len) + " is outside the block tables (" +
                  std::to_string(p.table_stride * kBlockTokens) + " tokens)");
@@ -1247,7 +1267,7 @@ CudaStatus check(const PagedDecodeParams& p) {
       break;
     default: return error("unknown page format");
   }
-  if (size_t(p.k_page_stride) < need_k || size_t(p.v_page_stride) < need_v)
+  if (p.k_page_stride < int64_t(need_k) || p.v_page_stride < int64_t(need_v))  // signed: a negative stride too
     return error(std::string("page stride too small for ") + page_format_name(p.format) + " pages (K needs " +
                  std::to_string(need_k) + " bytes, V " + std::to_string(need_v) + ")");
   if (gaac && !p.gaac_bases) return error("GAAC pages need their bases");
@@ -1259,7 +1279,7 @@ CudaStatus check(const PagedDecodeParams& p) {
     if ((p.n_k_raw_pages > 0 && (!p.k_raw_pages || !aligned16(p.k_raw_pages))) ||
         (p.n_v_raw_pages > 0 && (!p.v_raw_pages || !aligned16(p.v_raw_pages))) ||
         ((p.n_k_raw_pages > 0 || p.n_v_raw_pages > 0) &&
-         (p.raw_page_stride % 16 != 0 || size_t(p.raw_page_stride) < raw)))
+         (p.raw_page_stride % 16 != 0 || p.raw_page_stride < int64_t(raw))))
       return error(std::string("raw ") + page_format_name(p.format) +
                    " pages need 16-byte-aligned pools with a stride of at least " + std::to_string(raw) +
                    " bytes, a multiple of 16");
@@ -1272,13 +1292,7 @@ CudaStatus check(const PagedDecodeParams& p) {
     if (p.n_outlier_pairs > 0 && !p.outlier_channels) return error("outlier channels are missing");
     if (!(p.delta_loc > 0 && p.delta_loc < 1)) return error("delta_loc must be in (0, 1)");
   }
-  if (p.n_splits < 0) return error("n_splits must be >= 0");
-  const int splits = p.n_splits > 0 ? p.n_splits : choose_splits(p);
-  if (!p.workspace || p.workspace_size < workspace_bytes(p))
-    return error("workspace too small (" + std::to_string(p.workspace_size) + " bytes, needs " +
-                 std::to_string(layout_of(p, splits).total) + ")");
-  if (!aligned16(p.workspace)) return error("the workspace is misaligned");
-  return {};
+  return check_workspace(p);
 }
 
 namespace {
@@ -1352,6 +1366,7 @@ CudaStatus paged_decode(const PagedDecodeParams& p) {
 }
 
 CudaStatus reset_error_word(const PagedDecodeParams& p) {
+  if (CudaStatus s = check_workspace(p); !s.ok) return s;
   const int splits = p.n_splits > 0 ? p.n_splits : choose_splits(p);
   const WorkspaceLayout w = layout_of(p, splits);
   const cudaError_t e = cudaMemsetAsync(static_cast<char*>(p.workspace) + w.error_word, 0, sizeof(uint32_t),
@@ -1361,6 +1376,8 @@ CudaStatus reset_error_word(const PagedDecodeParams& p) {
 }
 
 CudaStatus read_error_word(const PagedDecodeParams& p, uint32_t* corrupt) {
+  if (corrupt == nullptr) return error("read_error_word needs a place for the count");
+  if (CudaStatus s = check_workspace(p); !s.ok) return s;
   const int splits = p.n_splits > 0 ? p.n_splits : choose_splits(p);
   const WorkspaceLayout w = layout_of(p, splits);
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);

@@ -423,6 +423,32 @@ TEST(PagedDecodeCuda, CheckRefusesBadInputWithoutADevice) {
     p.k_page_stride = 512;  // below any page of head_dim 64
     EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
     p = base(f);
+    p.k_page_stride = -16;  // a negative stride would address before the pool
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    p = base(f);
+    p.v_page_stride = -4096;
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    p = base(f);
+    p.n_splits = 65536;
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    p = base(f);
+    p.table_stride = int64_t(1) << 60;  // 16 x table_stride would overflow
+    p.max_seq_len = int64_t(1) << 62;
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    // The error word's helpers check the split plan and the workspace they address.
+    p = base(f);
+    p.workspace = nullptr;
+    uint32_t count = 0;
+    EXPECT_EQ(reset_error_word(p).code, StatusCode::kInvalidArgument) << name;
+    EXPECT_EQ(read_error_word(p, &count).code, StatusCode::kInvalidArgument) << name;
+    p = base(f);
+    p.workspace_size = 16;
+    EXPECT_EQ(reset_error_word(p).code, StatusCode::kInvalidArgument) << name;
+    p = base(f);
+    p.n_splits = -1;
+    EXPECT_EQ(reset_error_word(p).code, StatusCode::kInvalidArgument) << name;
+    EXPECT_EQ(read_error_word(base(f), nullptr).code, StatusCode::kInvalidArgument) << name;
+    p = base(f);
     p.q = nullptr;
     EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
     p = base(f);
@@ -442,6 +468,9 @@ TEST(PagedDecodeCuda, CheckRefusesBadInputWithoutADevice) {
     if (f == PageFormat::kBf16) continue;
     p = base(f);
     p.raw_page_stride = 2048 - 16;  // below a raw page
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    p = base(f);
+    p.raw_page_stride = -2048;
     EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
     p = base(f);
     p.k_raw_pages = nullptr;  // raw pages without a pool

@@ -61,7 +61,25 @@ __global__ void append_rows_kernel(AppendRowsArgs a) {
 
 }  // namespace
 
+CudaStatus check_append_rows(const AppendRowsArgs& a) {
+  auto bad = [](const std::string& what) { return cuda_error(StatusCode::kInvalidArgument, "append_rows: " + what); };
+  if (a.n < 0 || a.first < 0) return bad("negative row count or position");
+  if (a.n_kv_heads < 1 || a.head_dim < 1 || a.block_tokens < 1) return bad("n_kv_heads, head_dim and block_tokens must be >= 1");
+  if (a.element != format::GaacElement::kBf16 && a.element != format::GaacElement::kFp8E5M2)
+    return bad("rows are written as bf16 or E5M2 only");
+  if (a.table_stride < 0 || a.n_raw_pages < 0) return bad("negative table stride or raw page count");
+  if (a.n > 0 && (a.first + a.n + a.block_tokens - 1) / a.block_tokens > a.table_stride)
+    return bad("rows [" + std::to_string(a.first) + ", " + std::to_string(a.first + a.n) + ") are past the tables (" +
+               std::to_string(a.table_stride) + " blocks)");
+  const int64_t page = int64_t(a.block_tokens) * a.head_dim * (a.element == format::GaacElement::kBf16 ? 2 : 1);
+  if (a.n_raw_pages > 0 && (a.raw_pages == nullptr || a.raw_page_stride < page))
+    return bad("a raw pool needs pages of at least " + std::to_string(page) + " bytes");
+  if (a.length == nullptr || (a.n > 0 && (a.rows == nullptr || a.tables == nullptr))) return bad("a device array is null");
+  return {};
+}
+
 CudaStatus append_rows(const AppendRowsArgs& args, void* stream) {
+  if (CudaStatus s = check_append_rows(args); !s.ok) return s;
   // Enough threads for the rows written (the zeroed rows after them are fewer than a block's).
   const int64_t total = 2 * args.n * args.n_kv_heads * args.head_dim;
   const int threads = 256;

@@ -27,7 +27,11 @@ struct AppendRowsArgs {
   int32_t* length = nullptr;        // device: set to first + n
 };
 
-// Asynchronous on `stream`; kInternal when the launch fails.
+// Asynchronous on `stream`. kInvalidArgument, before any launch, for arguments the kernel would
+// index past (a shape below 1, rows past the tables, a raw page stride below a page, an element
+// other than bf16 / E5M2, missing arrays); kInternal when the launch fails.
 CudaStatus append_rows(const AppendRowsArgs& args, void* stream);
+// The checks of append_rows alone (no launch).
+CudaStatus check_append_rows(const AppendRowsArgs& args);
 
 }  // namespace certkv::cache::cuda

@@ -256,6 +256,7 @@ CudaStatus DeviceKvCache::write(int layer_index, const float* k, const float* v,
                                                    std::to_string(first) + " pass the capacity of " +
                                                    std::to_string(config_.max_tokens));
   if (n == 0) return {};
+  if (k == nullptr || v == nullptr) return cuda_error(StatusCode::kInvalidArgument, "device KV cache: write needs its K and V rows");
   // From here a failure leaves pages taken and tables half updated: the cache refuses every
   // call but reset() after one.
   const CudaStatus s = append(layer_index, first, k, v, n);
@@ -554,6 +555,8 @@ CudaStatus DeviceKvCache::finalize_lossy(int layer_index, int64_t block_begin, i
 
 CudaStatus DeviceKvCache::store_exact_block(int layer_index, int kv_head, int64_t block, const uint16_t* k_rows,
                                             const uint16_t* v_rows, uint64_t* bytes) {
+  if (bytes == nullptr || k_rows == nullptr || v_rows == nullptr)
+    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: store_exact_block needs its rows and a byte count");
   *bytes = 0;
   if (broken_)
     return cuda_error(StatusCode::kInternal, "device KV cache: an earlier call failed (" + broken_reason_ +
@@ -563,7 +566,7 @@ CudaStatus DeviceKvCache::store_exact_block(int layer_index, int kv_head, int64_
                                                                 "scheme, not ") + kv_scheme_name(config_.scheme));
   const int T = config_.block_tokens;
   if (layer_index < 0 || layer_index >= config_.n_layers || kv_head < 0 || kv_head >= config_.n_kv_heads ||
-      block < 0 || (block + 1) * T > written_[size_t(layer_index)])
+      block < 0 || block >= written_[size_t(layer_index)] / T)
     return cuda_error(StatusCode::kInvalidArgument, "device KV cache: no whole block " + std::to_string(block) +
                                                         " at layer " + std::to_string(layer_index) + ", kv head " +
                                                         std::to_string(kv_head));

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "cache/cuda/append_rows_cuda.h"
 #include "codec/gaac.h"
 #include "codec/lossy_page.h"
 #include "core/cuda_test_support.h"
@@ -368,6 +369,12 @@ TEST(DeviceKvCache, StoreExactBlockReplacesLossyPages) {
         << "the tail block is not whole";
     EXPECT_EQ(dev->store_exact_block(kLayers, 0, 0, kx.data(), vx.data(), &bytes).code, StatusCode::kInvalidArgument);
     EXPECT_EQ(dev->store_exact_block(0, kHeads, 0, kx.data(), vx.data(), &bytes).code, StatusCode::kInvalidArgument);
+    // A block index whose token count would overflow, and missing arrays.
+    EXPECT_EQ(dev->store_exact_block(0, 0, int64_t(1) << 60, kx.data(), vx.data(), &bytes).code,
+              StatusCode::kInvalidArgument);
+    EXPECT_EQ(dev->store_exact_block(0, 0, 0, nullptr, vx.data(), &bytes).code, StatusCode::kInvalidArgument);
+    EXPECT_EQ(dev->store_exact_block(0, 0, 0, kx.data(), vx.data(), nullptr).code, StatusCode::kInvalidArgument);
+    EXPECT_EQ(dev->write(0, nullptr, v.data(), 1).code, StatusCode::kInvalidArgument);
     ASSERT_TRUE(dev->write(0, k.data(), v.data(), 1).ok) << "the refusals above leave the cache usable";
   }
   std::unique_ptr<DeviceKvCache> bf16;
@@ -420,6 +427,52 @@ TEST(DeviceKvCache, BadConfigurationsAreRefusedBeforeAnyAllocation) {
   EXPECT_EQ(s.code, StatusCode::kInvalidArgument);
   EXPECT_NE(s.message.find("2^31"), std::string::npos) << s.message;
   EXPECT_EQ(dev, nullptr);
+}
+
+}  // namespace
+}  // namespace certkv::cache::cuda
+
+namespace certkv::cache::cuda {
+namespace {
+
+// append_rows refuses, before any launch, what its kernel would index past (runs without a device:
+// no pointer below is dereferenced).
+TEST(AppendRows, BadArgumentsAreRefusedBeforeAnyLaunch) {
+  auto address = [](uintptr_t a) { return reinterpret_cast<uint8_t*>(a); };
+  AppendRowsArgs good;
+  good.rows = reinterpret_cast<const float*>(address(0x1000));
+  good.n = 20;
+  good.first = 5;
+  good.n_kv_heads = 2;
+  good.head_dim = 64;
+  good.block_tokens = 16;
+  good.tables = reinterpret_cast<const int32_t*>(address(0x2000));
+  good.table_stride = 2;  // 32 tokens
+  good.raw_pages = address(0x3000);
+  good.raw_page_stride = 16 * 64 * 2;
+  good.n_raw_pages = 4;
+  good.length = reinterpret_cast<int32_t*>(address(0x4000));
+  EXPECT_TRUE(check_append_rows(good).ok) << check_append_rows(good).message;
+  auto refused = [&](auto change, const char* what) {
+    AppendRowsArgs a = good;
+    change(a);
+    const CudaStatus s = check_append_rows(a);
+    EXPECT_EQ(s.code, StatusCode::kInvalidArgument) << what;
+    EXPECT_EQ(append_rows(a, nullptr).code, StatusCode::kInvalidArgument) << what << ": refused before the launch";
+  };
+  refused([](AppendRowsArgs& a) { a.n = -1; }, "negative n");
+  refused([](AppendRowsArgs& a) { a.block_tokens = 0; }, "block_tokens 0");
+  refused([](AppendRowsArgs& a) { a.head_dim = 0; }, "head_dim 0");
+  refused([](AppendRowsArgs& a) { a.n_kv_heads = 0; }, "no kv heads");
+  refused([](AppendRowsArgs& a) { a.first = 13; }, "rows past the tables (13 + 20 > 32)");
+  refused([](AppendRowsArgs& a) { a.raw_page_stride = 16 * 64 * 2 - 16; }, "raw stride below a bf16 page");
+  refused([](AppendRowsArgs& a) { a.element = format::GaacElement::kFp8E4M3; }, "E4M3 rows");
+  refused([](AppendRowsArgs& a) { a.tables = nullptr; }, "no tables");
+  refused([](AppendRowsArgs& a) { a.length = nullptr; }, "no length");
+  AppendRowsArgs e5m2 = good;
+  e5m2.element = format::GaacElement::kFp8E5M2;
+  e5m2.raw_page_stride = 16 * 64;  // one byte per element
+  EXPECT_TRUE(check_append_rows(e5m2).ok) << check_append_rows(e5m2).message;
 }
 
 }  // namespace
