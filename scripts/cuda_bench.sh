@@ -9,8 +9,21 @@
 # Then on the device (carry .devbin .benchkv .peers): bash scripts/cuda_bench.sh $OUT
 # and here: python3 scripts/cuda_bench_summary.py OUT/certkv.jsonl OUT/peers.jsonl --commit SHA \
 #   --json docs/bench/h200_decode.json --plot docs/bench/h200_decode.png
+# With --subset (carry .devbin .benchkv; .peers does not fit beside .benchkv in one command's
+# 64 MiB): the 32x8 shape at batch 1 and 8, 64K and 128K, the formats of docs/cuda.md's stop
+# tables, against torch SDPA alone (about two minutes).
 set -uo pipefail
-out=${1:?usage: cuda_bench.sh OUT_DIR}
+if [ "${1:-}" = "--subset" ]; then
+  out=${2:?usage: cuda_bench.sh --subset OUT_DIR}
+  cells=(--contexts 65536,131072 --batches 1,8 --shapes 32x8)
+  .devbin/certkv_cuda_decode_bench --kv .benchkv/kv.safetensors --calib .benchkv/calib.safetensors \
+    --out "$out/certkv.jsonl" --reps 7 --iters 10 "${cells[@]}" \
+    --formats bf16,gaac,gaac-e5m2,dither8,fp8-e4m3,fp8-e4m3-nometer,sparse-p0.9 2>&1 | tee "$out/certkv.log"
+  PYTHONUNBUFFERED=1 python3 bench/decode_peers.py --kv .benchkv/kv.safetensors --out "$out/peers.jsonl" \
+    --peers sdpa "${cells[@]}" 2>&1 | tee "$out/peers.log"
+  exit 0
+fi
+out=${1:?usage: cuda_bench.sh [--subset] OUT_DIR}
 .devbin/certkv_cuda_decode_bench --kv .benchkv/kv.safetensors --calib .benchkv/calib.safetensors \
   --out "$out/certkv.jsonl" --reps 7 --iters 10 \
   --formats bf16,gaac,gaac-e5m2,dither8,fp8-e4m3,fp8-e4m3-nometer,sparse-p0.9,sparse-p0.99 2>&1 | tee "$out/certkv.log"
