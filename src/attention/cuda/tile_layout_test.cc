@@ -104,9 +104,26 @@ TEST(TileLayout, DecoderStoresAreOneWavefrontOnlyInTheSwizzledLayout) {
   EXPECT_TRUE((decoder_stores_one_wavefront<64, PaddedTile<64>>()));
 }
 
-TEST(TileLayout, TileElementIsTheChannelInsideItsChunk) {
-  for (int row = 0; row < kTileTokens; ++row)
-    for (int c = 0; c < 128; ++c) EXPECT_EQ(tile_element<128>(row, c), tile_index<128>(row, c / 8) + c % 8);
+// tile_element (the dither8 decoder's per-channel stores) places the D channels of a row on the
+// row's own D elements, each once, and keeps the 8 channels of a chunk together in order.
+template <int D>
+void expect_elements_permute_their_row() {
+  for (int row = 0; row < kTileTokens; ++row) {
+    std::vector<int> hit(size_t(D), 0);
+    for (int c = 0; c < D; ++c) {
+      const int e = tile_element<D>(row, c);
+      ASSERT_GE(e, row * D);
+      ASSERT_LT(e, (row + 1) * D);
+      ++hit[size_t(e - row * D)];
+      if (c % 8 != 0) EXPECT_EQ(e, tile_element<D>(row, c - 1) + 1);
+    }
+    for (int n : hit) EXPECT_EQ(n, 1) << "D " << D << " row " << row;
+  }
+}
+
+TEST(TileLayout, TileElementPermutesTheChannelsOfItsRow) {
+  expect_elements_permute_their_row<64>();
+  expect_elements_permute_their_row<128>();
 }
 
 // The staged regions: a permutation of each 128-byte row; the copy loop's shortcut; the readers.
