@@ -106,18 +106,20 @@ TEST(TileLayout, DecoderStoresAreOneWavefrontOnlyInTheSwizzledLayout) {
 
 // tile_element (the dither8 decoder's per-channel stores) places the D channels of a row on the
 // row's own D elements, each once, and keeps the 8 channels of a chunk together in order.
-template <int D>
+template <int kDim>
 void expect_elements_permute_their_row() {
   for (int row = 0; row < kTileTokens; ++row) {
-    std::vector<int> hit(size_t(D), 0);
-    for (int c = 0; c < D; ++c) {
-      const int e = tile_element<D>(row, c);
-      ASSERT_GE(e, row * D);
-      ASSERT_LT(e, (row + 1) * D);
-      ++hit[size_t(e - row * D)];
-      if (c % 8 != 0) EXPECT_EQ(e, tile_element<D>(row, c - 1) + 1);
+    std::vector<int> hit(static_cast<size_t>(kDim), 0);
+    for (int c = 0; c < kDim; ++c) {
+      const int e = tile_element<kDim>(row, c);
+      ASSERT_GE(e, row * kDim);
+      ASSERT_LT(e, (row + 1) * kDim);
+      ++hit[size_t(e - row * kDim)];
+      if (c % 8 != 0) {
+        EXPECT_EQ(e, tile_element<kDim>(row, c - 1) + 1);
+      }
     }
-    for (int n : hit) EXPECT_EQ(n, 1) << "D " << D << " row " << row;
+    for (int n : hit) EXPECT_EQ(n, 1) << "D " << kDim << " row " << row;
   }
 }
 
