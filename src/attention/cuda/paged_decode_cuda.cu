@@ -650,7 +650,7 @@ __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& 
                                    const CtaShared<D, F>& sh, uint64_t outlier_mask, Tiles<D, F>& tiles) {
   const int t = lane >> 1, h = lane & 1;
   if constexpr (F == PageFormat::kBf16) {
-    if (ref.bytes == nullptr) {
+    if (ref.bytes == nullptr || ref.raw) {  // a bf16 table names no raw page: corrupt (nothing was staged)
       zero_row<D, PaddedTile<D>>(key ? tiles.k[st] : tiles.v[st], t, h);
       return false;
     }
@@ -741,9 +741,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
   // A length outside the tables (or above the planned maximum) is corrupt: counted, clamped.
   int64_t len = p.seq_lens[b];
   const int64_t len_limit = min(p.max_seq_len, p.table_stride * kBlockTokens);
-  if (len < 0 || len > len_limit) {
+  if (len < 1 || len > len_limit) {  // a sequence holds at least one token
     if (threadIdx.x == 0 && blockIdx.x == 0) atomicAdd(a.error_word, 1u);
-    len = len < 0 ? 0 : len_limit;
+    len = len < 1 ? 0 : len_limit;
   }
   const int64_t n_blocks = (len + kBlockTokens - 1) / kBlockTokens;
   const int64_t max_blocks = (p.max_seq_len + kBlockTokens - 1) / kBlockTokens;
@@ -768,8 +768,15 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
     }
   }
   if constexpr (Traits::kTierB) {
-    if (threadIdx.x < 2 * p.n_outlier_pairs)
-      sh.outlier_channels[threadIdx.x] = p.outlier_channels[int64_t(kv_head) * 2 * p.n_outlier_pairs + threadIdx.x];
+    if (threadIdx.x < 2 * p.n_outlier_pairs) {
+      // A channel outside the head is corrupt: counted, and left out of the scores (-1).
+      int32_t c = p.outlier_channels[int64_t(kv_head) * 2 * p.n_outlier_pairs + threadIdx.x];
+      if (c < 0 || c >= D) {
+        atomicAdd(a.error_word, 1u);
+        c = -1;
+      }
+      sh.outlier_channels[threadIdx.x] = c;
+    }
   }
   __syncthreads();
   if constexpr (kMeter || Traits::kTierB) {
@@ -950,7 +957,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
         for (int k = 0; k < 4; ++k) s[k] += sc[k >> 1] * (cc[k] - cw[k] * (1.f / 256.f) - off[k & 1]);
       }
       for (int o = 0; o < 2 * p.n_outlier_pairs; ++o) {
-        const float qo[2] = {sh.q[2 * hq][sh.outlier_channels[o]], sh.q[2 * hq + 1][sh.outlier_channels[o]]};
+        const int oc = sh.outlier_channels[o];
+        if (oc < 0) continue;  // corrupt (counted)
+        const float qo[2] = {sh.q[2 * hq][oc], sh.q[2 * hq + 1][oc]};
         const float xo[2] = {tiles.outlier[tq][o], tiles.outlier[tq + 8][o]};
 #pragma unroll
         for (int k = 0; k < 4; ++k) s[k] += qo[k & 1] * xo[k >> 1];

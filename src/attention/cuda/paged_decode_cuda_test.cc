@@ -888,6 +888,100 @@ TEST(PagedDecodeCuda, CorruptEntriesAreCountedNotRead) {
   }
 }
 
+// Device data the host cannot check, corrupt: counted in the error word and never read past.
+// A raw entry in a bf16 table (bf16 pages have no raw class); a sequence length 0 (every token
+// masked: the rows come out 0, not 0/0); a dither8 outlier channel outside the head (it indexes
+// the query in shared memory).
+TEST(PagedDecodeCuda, CorruptDeviceDataIsCountedNotRead) {
+  CERTKV_NEED_CUDA_DEVICE();
+  for (PageFormat f : {PageFormat::kBf16, PageFormat::kDither8}) {
+    const HostLayerKv kv = make_kv(1, 2, 128, {256}, 13);
+    DeviceKvOptions opt;
+    opt.format = f;
+    opt.n_outlier_pairs = f == PageFormat::kDither8 ? 2 : 0;
+    DeviceKv dkv;
+    ASSERT_TRUE(DeviceKv::build(kv, opt, &dkv).ok);
+    PagedDecodeParams p;
+    dkv.describe(&p);
+    const std::string name = page_format_name(f);
+    p.n_q_heads = 8;
+    p.sm_scale = 0.088f;
+    p.n_splits = 3;
+    DeviceBuffer q_d, out_d, ws_d, table_d;
+    std::vector<float> q(size_t(8) * 128, 0.5f);
+    ASSERT_TRUE(DeviceBuffer::allocate(q.size() * 4, &q_d).ok);
+    ASSERT_TRUE(q_d.upload(0, q.data(), q.size() * 4).ok);
+    ASSERT_TRUE(DeviceBuffer::allocate(q.size() * 4, &out_d).ok);
+    ASSERT_TRUE(DeviceBuffer::allocate(workspace_bytes(p), &ws_d).ok);
+    p.q = reinterpret_cast<const float*>(q_d.data());
+    p.out = reinterpret_cast<float*>(out_d.data());
+    p.workspace = ws_d.data();
+    p.workspace_size = workspace_bytes(p);
+    auto run = [&](uint32_t* corrupt, std::vector<float>* out) {
+      ASSERT_TRUE(reset_error_word(p).ok);
+      const CudaStatus s = paged_decode(p);
+      ASSERT_TRUE(s.ok) << s.message;
+      ASSERT_TRUE(read_error_word(p, corrupt).ok);
+      out->resize(q.size());
+      ASSERT_EQ(cudaMemcpy(out->data(), p.out, out->size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    };
+    uint32_t corrupt = 0;
+    std::vector<float> out;
+    run(&corrupt, &out);
+    ASSERT_EQ(corrupt, 0u) << name << ": the pages as built";
+    const std::vector<float> clean = out;
+    if (f == PageFormat::kBf16) {
+      // The K pool doubles as a raw pool, and block 2's K entry names its page 0 as raw.
+      std::vector<int32_t> tables(size_t(2) * 2 * 16);
+      ASSERT_EQ(cudaMemcpy(tables.data(), p.k_table, tables.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      tables[2] = -1;
+      ASSERT_TRUE(DeviceBuffer::allocate(tables.size() * 4, &table_d).ok);
+      ASSERT_TRUE(table_d.upload(0, tables.data(), tables.size() * 4).ok);
+      PagedDecodeParams raw = p;
+      raw.k_table = reinterpret_cast<const int32_t*>(table_d.data());
+      raw.v_table = raw.k_table + 32;
+      raw.k_raw_pages = raw.v_raw_pages = p.k_pages;
+      raw.n_k_raw_pages = raw.n_v_raw_pages = p.n_k_pages;
+      raw.raw_page_stride = p.k_page_stride;
+      std::swap(p, raw);
+      run(&corrupt, &out);
+      std::swap(p, raw);
+      EXPECT_EQ(corrupt, 1u) << "a raw entry in a bf16 table";
+      for (float x : out) EXPECT_TRUE(std::isfinite(x));
+    } else {
+      // Channel 128 (head_dim) as kv head 0's first outlier channel: counted once per CTA of
+      // that head (3 splits), and the scores leave it out.
+      std::vector<int32_t> channels(size_t(2) * 2 * opt.n_outlier_pairs);
+      ASSERT_EQ(cudaMemcpy(channels.data(), p.outlier_channels, channels.size() * 4, cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      const int32_t kept = channels[0];
+      channels[0] = 128;
+      ASSERT_EQ(cudaMemcpy(const_cast<int32_t*>(p.outlier_channels), channels.data(), channels.size() * 4,
+                           cudaMemcpyHostToDevice),
+                cudaSuccess);
+      run(&corrupt, &out);
+      EXPECT_EQ(corrupt, 3u) << "one bad channel, 3 CTAs of its head";
+      for (float x : out) EXPECT_TRUE(std::isfinite(x));
+      channels[0] = kept;
+      ASSERT_EQ(cudaMemcpy(const_cast<int32_t*>(p.outlier_channels), channels.data(), channels.size() * 4,
+                           cudaMemcpyHostToDevice),
+                cudaSuccess);
+    }
+    // Length 0: counted once per KV head (the first split's CTA), every row 0.
+    const int32_t zero = 0;
+    int32_t len = 0;
+    ASSERT_EQ(cudaMemcpy(&len, p.seq_lens, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(const_cast<int32_t*>(p.seq_lens), &zero, 4, cudaMemcpyHostToDevice), cudaSuccess);
+    run(&corrupt, &out);
+    EXPECT_EQ(corrupt, 2u) << name << ": length 0";
+    for (float x : out) EXPECT_EQ(x, 0.f) << name;
+    ASSERT_EQ(cudaMemcpy(const_cast<int32_t*>(p.seq_lens), &len, 4, cudaMemcpyHostToDevice), cudaSuccess);
+    run(&corrupt, &out);
+    EXPECT_EQ(corrupt, 0u) << name;
+    EXPECT_EQ(out, clean) << name << ": the same launch gives the same output";
+  }
+}
+
 // A lossy cache before its first block is finalized holds raw pages only: its lossy pools may not
 // exist yet (null, no pages). The launch is accepted and gives what it gives with the pools there.
 TEST(PagedDecodeCuda, LossyLaunchWithoutLossyPoolsReadsItsRawPages) {

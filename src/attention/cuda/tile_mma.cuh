@@ -327,7 +327,7 @@ __global__ void merge_splits_kernel(float* out, float* meter, float* a_minus_1, 
       const float f = m == -INFINITY ? 0.f : exp2f(m - big);
       o += f * po[int64_t(s) * D + c];
     }
-    out[row * D + c] = o / l;
+    out[row * D + c] = l > 0.f ? o / l : 0.f;  // l = 0 only when every token was masked (a corrupt length)
   }
   if (threadIdx.x == 0) {
     // A - 1 = d / l and the value side r / l, each lifted by 2^-12 relative for the float sums
