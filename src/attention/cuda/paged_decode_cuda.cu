@@ -1397,6 +1397,17 @@ CudaStatus read_error_word(const PagedDecodeParams& p, uint32_t* corrupt) {
   return {};
 }
 
+CudaStatus copy_error_word_async(const PagedDecodeParams& p, uint32_t* host) {
+  if (host == nullptr) return error("copy_error_word_async needs a place for the count");
+  if (CudaStatus s = check_workspace(p); !s.ok) return s;
+  const int splits = p.n_splits > 0 ? p.n_splits : choose_splits(p);
+  const WorkspaceLayout w = layout_of(p, splits);
+  const cudaError_t e = cudaMemcpyAsync(host, static_cast<char*>(p.workspace) + w.error_word, sizeof(uint32_t),
+                                        cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(p.stream));
+  if (e != cudaSuccess) return internal(std::string("copying the error word failed: ") + cudaGetErrorString(e));
+  return {};
+}
+
 int device_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;

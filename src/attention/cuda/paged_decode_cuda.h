@@ -153,6 +153,9 @@ CudaStatus paged_decode(const PagedDecodeParams& params);
 // params.stream and reads it.
 CudaStatus reset_error_word(const PagedDecodeParams& params);
 CudaStatus read_error_word(const PagedDecodeParams& params, uint32_t* corrupt);
+// The error word's copy to `host` enqueued on params.stream, without waiting: *host holds the
+// count once the stream has been synchronized (page-locked host memory: the caller does not block).
+CudaStatus copy_error_word_async(const PagedDecodeParams& params, uint32_t* host);
 
 // Number of CUDA devices visible (0 when there is no driver or device).
 int device_count();

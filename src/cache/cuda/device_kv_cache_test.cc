@@ -475,5 +475,28 @@ TEST(AppendRows, BadArgumentsAreRefusedBeforeAnyLaunch) {
   EXPECT_TRUE(check_append_rows(e5m2).ok) << check_append_rows(e5m2).message;
 }
 
+// The asynchronous copies through page-locked staging: a round trip after one wait, and copies
+// past a buffer refused before any CUDA call (that part runs without a device).
+TEST(DeviceBuffer, AsyncCopiesThroughPinnedStagingRoundTrip) {
+  DeviceBuffer empty;
+  uint8_t byte = 0;
+  EXPECT_EQ(empty.upload_async(0, &byte, 1, nullptr).code, StatusCode::kOutOfRange);
+  EXPECT_EQ(empty.download_async(0, &byte, 1, nullptr).code, StatusCode::kOutOfRange);
+  CERTKV_NEED_CUDA_DEVICE();
+  constexpr size_t kBytes = 4096 + 12;
+  DeviceBuffer dev;
+  ASSERT_TRUE(DeviceBuffer::allocate(kBytes, &dev).ok);
+  PinnedBuffer staging;
+  ASSERT_TRUE(PinnedBuffer::allocate(2 * kBytes, &staging).ok);
+  ASSERT_GE(staging.size(), 2 * kBytes);
+  for (size_t i = 0; i < kBytes; ++i) staging.data()[i] = uint8_t(i * 131 + 7);
+  std::memset(staging.data() + kBytes, 0, kBytes);
+  ASSERT_TRUE(dev.upload_async(0, staging.data(), kBytes, nullptr).ok);
+  ASSERT_TRUE(dev.download_async(12, staging.data() + kBytes, kBytes - 12, nullptr).ok);
+  ASSERT_TRUE(synchronize_stream(nullptr).ok);
+  for (size_t i = 0; i + 12 < kBytes; ++i) ASSERT_EQ(staging.data()[kBytes + i], uint8_t((i + 12) * 131 + 7)) << i;
+  EXPECT_EQ(dev.download_async(12, staging.data(), kBytes - 11, nullptr).code, StatusCode::kOutOfRange);
+}
+
 }  // namespace
 }  // namespace certkv::cache::cuda

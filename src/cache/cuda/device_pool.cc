@@ -61,6 +61,70 @@ CudaStatus DeviceBuffer::download(size_t offset, void* host, size_t n) const {
   return {};
 }
 
+namespace {
+
+CudaStatus range_error(const char* what, size_t offset, size_t n, size_t size) {
+  return cuda_error(StatusCode::kOutOfRange, std::string(what) + " of " + std::to_string(n) + " bytes at " +
+                                                 std::to_string(offset) + " is past the buffer (" +
+                                                 std::to_string(size) + " bytes)");
+}
+
+}  // namespace
+
+CudaStatus DeviceBuffer::upload_async(size_t offset, const void* host, size_t n, void* stream) {
+  if (offset > size_ || n > size_ - offset) return range_error("upload", offset, n, size_);
+  const cudaError_t e =
+      cudaMemcpyAsync(data_ + offset, host, n, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream));
+  if (e != cudaSuccess) return cuda_error(StatusCode::kInternal, std::string("upload failed: ") + cudaGetErrorString(e));
+  return {};
+}
+
+CudaStatus DeviceBuffer::download_async(size_t offset, void* host, size_t n, void* stream) const {
+  if (offset > size_ || n > size_ - offset) return range_error("download", offset, n, size_);
+  const cudaError_t e =
+      cudaMemcpyAsync(host, data_ + offset, n, cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream));
+  if (e != cudaSuccess) return cuda_error(StatusCode::kInternal, std::string("download failed: ") + cudaGetErrorString(e));
+  return {};
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (data_ != nullptr) cudaFreeHost(data_);
+}
+
+PinnedBuffer::PinnedBuffer(PinnedBuffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) cudaFreeHost(data_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+CudaStatus PinnedBuffer::allocate(size_t bytes, PinnedBuffer* out) {
+  if (bytes == 0) bytes = 16;
+  void* p = nullptr;
+  const cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    const StatusCode code = e == cudaErrorMemoryAllocation ? StatusCode::kOutOfMemory : StatusCode::kInternal;
+    return cuda_error(code, "page-locked host allocation of " + std::to_string(bytes) + " bytes failed (" +
+                                cudaGetErrorString(e) + ")");
+  }
+  *out = PinnedBuffer();
+  out->data_ = static_cast<uint8_t*>(p);
+  out->size_ = bytes;
+  return {};
+}
+
+CudaStatus synchronize_stream(void* stream) {
+  const cudaError_t e = cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
+  if (e != cudaSuccess) return cuda_error(StatusCode::kInternal, std::string("stream synchronization failed: ") + cudaGetErrorString(e));
+  return {};
+}
+
 CudaStatus DevicePagePool::create(size_t page_bytes, int64_t n_pages, DevicePagePool* out) {
   if (page_bytes == 0 || n_pages < 1)
     return cuda_error(StatusCode::kInvalidArgument, "a page pool needs page_bytes >= 1 and n_pages >= 1");

@@ -34,6 +34,12 @@ class DeviceBuffer {
   // Copies host bytes to [offset, offset + n). kOutOfRange past the end.
   CudaStatus upload(size_t offset, const void* host, size_t n);
   CudaStatus download(size_t offset, void* host, size_t n) const;
+  // The same, enqueued on `stream` (a cudaStream_t; null: the default stream) and returning at
+  // once: the host bytes must stay valid (upload) or are valid (download) only once the stream
+  // has reached the copy (synchronize_stream). With page-locked host memory (PinnedBuffer) the
+  // copy does not block the caller.
+  CudaStatus upload_async(size_t offset, const void* host, size_t n, void* stream);
+  CudaStatus download_async(size_t offset, void* host, size_t n, void* stream) const;
 
   uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
@@ -42,6 +48,29 @@ class DeviceBuffer {
   uint8_t* data_ = nullptr;
   size_t size_ = 0;
 };
+
+// Page-locked host memory (cudaHostAlloc): the staging area of asynchronous copies.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  ~PinnedBuffer();
+  PinnedBuffer(PinnedBuffer&& other) noexcept;
+  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+
+  // kOutOfMemory when the host cannot lock `bytes`.
+  static CudaStatus allocate(size_t bytes, PinnedBuffer* out);
+  uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Waits until every call enqueued on `stream` (null: the default stream) has finished.
+CudaStatus synchronize_stream(void* stream);
 
 class DevicePagePool {
  public:

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,7 @@ namespace {
 
 using attention::cuda::PageFormat;
 using cache::cuda::DeviceBuffer;
+using cache::cuda::PinnedBuffer;
 using Clock = std::chrono::steady_clock;
 
 PageFormat format_of(cache::KvScheme scheme) {
@@ -64,6 +66,9 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     throw_if_failed(DeviceBuffer::allocate(sizeof(float) * size_t(config.n_q_heads) * config.head_dim, &q_));
     throw_if_failed(DeviceBuffer::allocate(sizeof(float) * size_t(config.n_q_heads) * config.head_dim, &out_));
     if (metered_) throw_if_failed(DeviceBuffer::allocate(sizeof(float) * 3 * size_t(config.n_q_heads), &meters_));
+    // Page-locked staging of a dense call: the query in, the output, the meters and the error
+    // word out, so that the copies are enqueued with the launches and the call waits once.
+    throw_if_failed(PinnedBuffer::allocate(q_.size() + out_.size() + meters_.size() + sizeof(uint32_t), &staging_));
   }
 
   void write(int layer, int64_t pos, const float* k, const float* v, int64_t n) override {
@@ -88,24 +93,34 @@ class CudaDeviceDecoder final : public DeviceDecoder {
       p.a_minus_1 = m + H;
       p.value_rho = m + 2 * H;
     }
+    p.n_splits = attention::cuda::choose_splits(p);  // planned once for the call's four uses
     const size_t need = attention::cuda::workspace_bytes(p);
     if (workspace_.size() < need) throw_if_failed(DeviceBuffer::allocate(need, &workspace_));
     p.workspace = workspace_.data();
     p.workspace_size = workspace_.size();
+    // One wait per call: the query goes up, the kernels run, and the output, the meters and the
+    // error word come back to page-locked staging, all enqueued on the cache's stream.
+    uint8_t* host_q = staging_.data();
+    float* host_out = reinterpret_cast<float*>(host_q + q_.size());
+    float* host_meters = reinterpret_cast<float*>(host_q + q_.size() + out_.size());
+    uint32_t* host_error = reinterpret_cast<uint32_t*>(host_q + q_.size() + out_.size() + meters_.size());
+    std::memcpy(host_q, q, q_.size());
     // The error word's place in the workspace follows the split plan, which follows the length:
     // zero it for every call.
     throw_if_failed(attention::cuda::reset_error_word(p));
-    throw_if_failed(q_.upload(0, q, q_.size()));
+    throw_if_failed(q_.upload_async(0, host_q, q_.size(), p.stream));
     throw_if_failed(attention::cuda::paged_decode(p));
-    uint32_t corrupt = 0;
-    throw_if_failed(attention::cuda::read_error_word(p, &corrupt));  // synchronizes
-    if (corrupt != 0)
-      fail(StatusCode::kCorrupt, "device cuda: the decode kernels found " + std::to_string(corrupt) +
+    throw_if_failed(attention::cuda::copy_error_word_async(p, host_error));
+    throw_if_failed(out_.download_async(0, host_out, out_.size(), p.stream));
+    const bool want_meters = metered_ && meters != nullptr;
+    if (want_meters) throw_if_failed(meters_.download_async(0, host_meters, meters_.size(), p.stream));
+    throw_if_failed(cache::cuda::synchronize_stream(p.stream));
+    if (*host_error != 0)
+      fail(StatusCode::kCorrupt, "device cuda: the decode kernels found " + std::to_string(*host_error) +
                                      " corrupt page entries, slots or lengths in layer " + std::to_string(layer));
-    throw_if_failed(out_.download(0, out, out_.size()));
-    if (metered_ && meters != nullptr) {
-      std::vector<float> m(3 * H);
-      throw_if_failed(meters_.download(0, m.data(), meters_.size()));
+    std::memcpy(out, host_out, out_.size());
+    if (want_meters) {
+      const float* m = host_meters;
       for (size_t h = 0; h < H; ++h) {
         attention::HeadMeter& hm = meters[h];
         hm = attention::HeadMeter{};
@@ -294,6 +309,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
   const bool metered_ = config_.meter && attention::cuda::page_format_metered(format_of(config_.scheme));
   DeviceBuffer q_, out_, workspace_;
   DeviceBuffer meters_;  // lossy schemes: [3][n_q_heads] floats (meter, A - 1, value side)
+  PinnedBuffer staging_;  // a dense call's query, output, meters and error word on the host
   // Sparse decode: per layer the key index records ([n_kv_heads][max_tokens] records) and how many
   // tokens of each head are there; the step's quantized queries, Top-p weight table (for
   // topp_tokens_ indexed tokens), indexed length and per-head outputs.
