@@ -130,10 +130,8 @@ struct Tiles {
   alignas(kTileAlign<F>) uint8_t stage_v[1][stage_bytes<D, F>(false)];
   alignas(kTileAlign<F>) uint16_t k[kBlockTokens * D];
   alignas(kTileAlign<F>) uint16_t v[kBlockTokens * D];
-  // fp8 pages' side data, kept when the stage is refilled: rows 0 .. 15 the K page's Tier A
-  // witness (band-major), row 16 the V page's rho (fp16 per token; metered launches). One unused
-  // row for the other formats.
-  alignas(16) uint16_t side[FormatTraits<F>::kTierA ? kBands + 1 : 1][kBlockTokens + 8];
+  // An fp8 page's side data (the K page's witness, the V page's rho) is read from the stage
+  // before the stage is refilled (attend_block): no copy of it here.
 };
 
 template <int D>
@@ -176,13 +174,24 @@ struct GaacTables<D, true> {
   uint32_t nibble_bit3[256];  // nibble_bit3_of(e)
 };
 
-template <int D, PageFormat F>
-struct CtaShared : ExactPageQuery<D, FormatTraits<F>::kLossy>, GaacTables<D, FormatTraits<F>::kGaac> {
-  float q[kMaxGroup][D];                  // the queries rounded to the tile element
-  float weight[kMaxGroup][kBands];        // Tier A: |sm| ||q_b||; Tier B: sm^2 sum q^2/12 * 2 log(2S/delta)
-  float abs_weight[kMaxGroup][kBands];    // Tier B: |sm| slack sum |q_c|
-  float dither_offset[kMaxGroup][D / kQuantGroup];  // dither8: (1/2)/256 sum_{c in g} q_c
+// dither8: the certificate's second weights, the dither offsets of the scores and the outlier
+// channels. Nothing for the other formats.
+template <int D, bool kTierB>
+struct Dither8Tables {};
+
+template <int D>
+struct Dither8Tables<D, true> {
+  float abs_weight[kMaxGroup][kBands];              // |sm| slack sum |q_c|
+  float dither_offset[kMaxGroup][D / kQuantGroup];  // (1/2)/256 sum_{c in g} q_c
   int32_t outlier_channels[2 * kMaxDeviceOutlierPairs];
+};
+
+template <int D, PageFormat F>
+struct CtaShared : ExactPageQuery<D, FormatTraits<F>::kLossy>, GaacTables<D, FormatTraits<F>::kGaac>,
+                   Dither8Tables<D, FormatTraits<F>::kTierB> {
+  // The queries rounded to the tile element (fp16 or bf16 bits; element_value reads one).
+  alignas(16) uint16_t q[kMaxGroup][D];
+  float weight[kMaxGroup][kBands];  // Tier A: |sm| ||q_b||; Tier B: sm^2 sum q^2/12 * 2 log(2S/delta)
   union {
     Tiles<D, F> tiles[kWarps];
     WarpMerge<D, kWarps> merge;
@@ -196,6 +205,10 @@ static_assert(sizeof(CtaShared<128, PageFormat::kBf16>) <= 76800 && sizeof(CtaSh
                   sizeof(CtaShared<128, PageFormat::kFp8E4M3>) <= 76800 &&
                   sizeof(CtaShared<128, PageFormat::kDither8>) <= 76800,
               "3 CTAs per multiprocessor at D = 128");
+// fp8 at D = 128: 4 CTAs (233,472 / 4 bytes less 1,024 reserved per CTA), which the meter's side
+// data read from the stage and the 16-bit queries made room for.
+static_assert(sizeof(CtaShared<128, PageFormat::kFp8E4M3>) <= 57344 && sizeof(CtaShared<128, PageFormat::kFp8E5M2>) <= 57344,
+              "4 CTAs per multiprocessor for fp8 at D = 128");
 
 // The bf16 query rows of a lossy format's exact pages (null for the other formats).
 template <int D, PageFormat F>
@@ -633,18 +646,18 @@ __device__ inline uint16_t* value_rows(Tiles<D, F>& tiles) {
   else return tiles.v;
 }
 
-// rho_t of token t of the decoded lossy V page (metered launches).
-template <int D, PageFormat F>
-__device__ inline float value_rho_of(const Tiles<D, F>& tiles, int t) {
-  if constexpr (F == PageFormat::kDither8) return tiles.rho[t];
-  else return fp16_bits_to_float(tiles.side[kBands][t]);
+// An fp8 page's side data in its stage, after the codes: the K page's Tier A witness (fp16,
+// band-major: [band][token]) or the V page's rho (fp16 per token; metered launches).
+template <int D>
+__device__ inline const uint16_t* fp8_side(const uint8_t* stage) {
+  return reinterpret_cast<const uint16_t*>(stage + size_t(kBlockTokens) * D);
 }
 
 // Decodes the staged page (stage st) into the tiles. False (and zero rows) for a corrupt page.
 // A lossy format's raw page is the exact bf16 values, copied from the pool into the K tile or the
 // value tile (dither8 K: tiles.k alone; the scores read it on the bf16 path); kMixed says whether
-// the page may be one (the hot loop's pages never are). kMeter: a lossy V page's rho goes to the
-// tiles (fp8: side row 16; dither8: tiles.rho).
+// the page may be one (the hot loop's pages never are). kMeter: a dither8 V page's rho goes to
+// tiles.rho (an fp8 page's side data stays in its stage).
 template <int D, PageFormat F, bool kMeter, bool kMixed>
 __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& ref, int st, int lane, int kv_head,
                                    const CtaShared<D, F>& sh, uint64_t outlier_mask, Tiles<D, F>& tiles) {
@@ -687,14 +700,6 @@ __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& 
       decode_bf16_row<D>(ref.bytes, t, h, tile);
     } else if constexpr (F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2) {
       decode_fp8_row<D, F == PageFormat::kFp8E4M3, F>(staged, t, h, tile);
-      // The stage is refilled before the bounds are computed: keep the side data.
-      const uint4* side = reinterpret_cast<const uint4*>(staged + size_t(kBlockTokens) * D);
-      if (key) {
-        static_assert(kBands * kBlockTokens * 2 == 32 * 16, "one 16-byte piece of the witness per lane");
-        *reinterpret_cast<uint4*>(&tiles.side[lane / 2][8 * (lane % 2)]) = side[lane];
-      } else if constexpr (kMeter) {
-        if (lane < 2) *reinterpret_cast<uint4*>(&tiles.side[kBands][8 * lane]) = side[lane];
-      }
     } else {
       const uint64_t dkey = a.p.dither_keys[(key ? 0 : 1) * a.p.n_kv_heads + kv_head];
       if (key) {
@@ -718,7 +723,7 @@ __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& 
 template <int D, PageFormat F, bool kWithMeter>
 constexpr int min_ctas_per_sm() {
   if constexpr (!FormatTraits<F>::kLossy) return 0;
-  else if constexpr (D == 128) return 3;
+  else if constexpr (D == 128) return FormatTraits<F>::kTierA ? 4 : 3;
   else if constexpr (F == PageFormat::kDither8) return 4;
   else return 5;
 }
@@ -756,7 +761,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
   for (int i = threadIdx.x; i < kMaxGroup * D; i += kThreads) {
     const int g = i / D, c = i % D;
     const float x = g < group ? p.q[(int64_t(b) * p.n_q_heads + kv_head * group + g) * D + c] : 0.f;
-    sh.q[g][c] = round_to_element<kHalf>(x);
+    sh.q[g][c] = element_bits<kHalf>(x);
     if constexpr (Traits::kLossy) (&sh.q_bf16[0][0])[shared_q_index<D>(g, c)] = __bfloat16_as_ushort(__float2bfloat16_rn(x));
   }
   if constexpr (Traits::kGaac) {
@@ -791,7 +796,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
         for (int pair = j * pairs / kBands; pair < (j + 1) * pairs / kBands; ++pair) {
           for (int which = 0; which < 2; ++which) {
             const int c = p.rope_half_split ? pair + which * (D / 2) : 2 * pair + which;
-            w += double(sh.q[g][c]) * sh.q[g][c];
+            const double qc = element_value<kHalf>(sh.q[g][c]);
+            w += qc * qc;
           }
         }
         w = fabs(sm) * sqrt(w);
@@ -801,9 +807,10 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
           bool outlier = false;
           for (int o = 0; o < 2 * p.n_outlier_pairs; ++o) outlier |= sh.outlier_channels[o] == c;
           if (outlier) continue;
-          sq += double(sh.q[g][c]) * sh.q[g][c];
-          sa += fabs(double(sh.q[g][c]));
-          offset += double(sh.q[g][c]);
+          const double qc = element_value<kHalf>(sh.q[g][c]);
+          sq += qc * qc;
+          sa += fabs(qc);
+          offset += qc;
         }
         const double log_term = 2.0 * log(2.0 * double(len) / p.delta_loc);
         w = sm * sm * sq / 12.0 * log_term;
@@ -811,7 +818,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
         sh.dither_offset[g][j] = float(offset * (0.5 / 256.0));
       }
       sh.weight[g][j] = float(w) * (1.0f + 1.0f / 65536.0f);
-      sh.abs_weight[g][j] = float(w_abs) * (1.0f + 1.0f / 65536.0f);
+      if constexpr (Traits::kTierB) sh.abs_weight[g][j] = float(w_abs) * (1.0f + 1.0f / 65536.0f);
     }
     __syncthreads();
   }
@@ -823,8 +830,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
   uint32_t qb[D / 16][2];  // Q^T as the B operand: channels 2 hq, 2 hq + 1 (+ 8) of head tq
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    qb[kk][0] = pack2<kHalf>(sh.q[tq][16 * kk + 2 * hq], sh.q[tq][16 * kk + 2 * hq + 1]);
-    qb[kk][1] = pack2<kHalf>(sh.q[tq][16 * kk + 2 * hq + 8], sh.q[tq][16 * kk + 2 * hq + 9]);
+    qb[kk][0] = *reinterpret_cast<const uint32_t*>(&sh.q[tq][16 * kk + 2 * hq]);
+    qb[kk][1] = *reinterpret_cast<const uint32_t*>(&sh.q[tq][16 * kk + 2 * hq + 8]);
   }
   // Tier A: the band weights of head tq as B operands (fp16, hi + lo >= the weight, prescaled by
   // a power of two so that the largest fits fp16), and the factor that undoes the prescale and
@@ -921,6 +928,26 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
     if (!decode_page<D, F, kMeter, kMixed>(a, true, kref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
     if constexpr (!kValuesLate)
       if (!decode_page<D, F, kMeter, kMixed>(a, false, vref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
+    // The logit bounds c of this lane's four (token, head) cells and rho of its tokens tq, tq + 8
+    // (meter formats; 0 on exact and corrupt pages). fp8: from the pages' side data in the stages,
+    // before they are refilled; c is the witness^T (tokens x bands) times the band weights.
+    [[maybe_unused]] float c_bound[4] = {0.f, 0.f, 0.f, 0.f};
+    [[maybe_unused]] float rho[2] = {0.f, 0.f};
+    if constexpr (kMeter && Traits::kTierA) {
+      if (kref.bytes != nullptr && !k_exact) {
+        uint32_t r[4];
+        ldsm_x4_trans(r, fp8_side<D>(tiles.stage_k[st]) + ((lane >> 4) * 8 + (lane & 7)) * kBlockTokens + ((lane >> 3) & 1) * 8);
+        mma16816<true>(c_bound, r, wb_hi[0], wb_hi[1]);
+        mma16816<true>(c_bound, r, wb_lo[0], wb_lo[1]);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) c_bound[k] = fmaxf(c_bound[k] * bound_factor, 0.f);
+      }
+      if (vref.bytes != nullptr && !v_exact) {
+        const uint16_t* side = fp8_side<D>(tiles.stage_v[st]);
+        rho[0] = fp16_bits_to_float(side[tq]);
+        rho[1] = fp16_bits_to_float(side[tq + 8]);
+      }
+    }
     __syncwarp();
     if constexpr (!kTwoTiles && !kValuesLate) stage_next();
     const uint16_t* tile_k;
@@ -959,7 +986,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
       for (int o = 0; o < 2 * p.n_outlier_pairs; ++o) {
         const int oc = sh.outlier_channels[o];
         if (oc < 0) continue;  // corrupt (counted)
-        const float qo[2] = {sh.q[2 * hq][oc], sh.q[2 * hq + 1][oc]};
+        const float qo[2] = {element_value<kHalf>(sh.q[2 * hq][oc]), element_value<kHalf>(sh.q[2 * hq + 1][oc])};
         const float xo[2] = {tiles.outlier[tq][o], tiles.outlier[tq + 8][o]};
 #pragma unroll
         for (int k = 0; k < 4; ++k) s[k] += qo[k & 1] * xo[k >> 1];
@@ -968,18 +995,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
       tile_scores<D, kHalf, TileLayout<D, F>>(tile_k, qb, lane, s);
     }
 
-    // Logit bounds c of the same four (token, head) cells (meter formats; 0 on exact pages).
-    [[maybe_unused]] float c_bound[4] = {0.f, 0.f, 0.f, 0.f};
-    if constexpr (kMeter && Traits::kTierA) {
-      if (kref.bytes != nullptr && !k_exact) {  // witness^T (tokens x bands) times the band weights
-        uint32_t r[4];
-        ldsm_x4_trans(r, &tiles.side[(lane >> 4) * 8 + (lane & 7)][((lane >> 3) & 1) * 8]);
-        mma16816<true>(c_bound, r, wb_hi[0], wb_hi[1]);
-        mma16816<true>(c_bound, r, wb_lo[0], wb_lo[1]);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) c_bound[k] = fmaxf(c_bound[k] * bound_factor, 0.f);
-      }
-    } else if constexpr (kMeter) {
+    // dither8's logit bounds c, from the K page's scales.
+    if constexpr (kMeter && Traits::kTierB) {
       if (!k_exact) {  // an exact page leaves tiles.scale as the last lossy page had it
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -1010,11 +1027,11 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
     float prob[4], rescale[2], m_new[2];
     tile_softmax(s, m_run, l_run, prob, rescale, m_new);
     if constexpr (kMeter) {
-      // The value side: rho of tokens tq, tq + 8 (0 on exact and corrupt V pages).
-      float rho[2] = {0.f, 0.f};
-      if (vref.bytes != nullptr && !v_exact) {
-        rho[0] = value_rho_of<D, F>(tiles, tq);
-        rho[1] = value_rho_of<D, F>(tiles, tq + 8);
+      if constexpr (Traits::kTierB) {  // dither8's rho, from the V page decoded above
+        if (vref.bytes != nullptr && !v_exact) {
+          rho[0] = tiles.rho[tq];
+          rho[1] = tiles.rho[tq + 8];
+        }
       }
 #pragma unroll
       for (int e = 0; e < 2; ++e) {

@@ -83,10 +83,16 @@ __device__ inline uint32_t pack2(float lo, float hi) {
   }
 }
 
+// x rounded to the tile element (fp16 or bf16), as its bits; element_value reads them back.
 template <bool kHalf>
-__device__ inline float round_to_element(float x) {
-  if constexpr (kHalf) return __half2float(__float2half_rn(x));
-  else return __bfloat162float(__float2bfloat16_rn(x));
+__device__ inline uint16_t element_bits(float x) {
+  if constexpr (kHalf) return __half_as_ushort(__float2half_rn(x));
+  else return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+template <bool kHalf>
+__device__ inline float element_value(uint16_t bits) {
+  if constexpr (kHalf) return __half2float(__ushort_as_half(bits));
+  else return __bfloat162float(__ushort_as_bfloat16(bits));
 }
 
 __device__ inline float fp16_bits_to_float(uint32_t bits) {
