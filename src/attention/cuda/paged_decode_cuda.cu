@@ -1168,7 +1168,7 @@ CudaStatus launch(const PagedDecodeParams& p, int n_splits) {
     configured = true;
   }
   split_kernel<D, F, kWithMeter><<<dim3(n_splits, p.n_kv_heads, p.batch), kThreads, smem, stream>>>(a);
-  tile::merge_splits_kernel<D><<<p.batch * p.n_q_heads, D, 0, stream>>>(p.out, p.meter, p.a_minus_1, p.value_rho,
+  tile::merge_splits_kernel<D><<<p.batch * p.n_q_heads, tile::kMergeThreads, 0, stream>>>(p.out, p.meter, p.a_minus_1, p.value_rho,
                                                                           n_splits, a.part_mldr, a.part_o);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return internal(std::string("kernel launch failed: ") + cudaGetErrorString(e));

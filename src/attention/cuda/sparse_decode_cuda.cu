@@ -695,7 +695,7 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
   const size_t smem = sizeof(SparseShared<D>);
   resident_attend_ctas<D>();  // sets the shared-memory attribute once
   attend_kernel<D><<<dim3(unsigned(splits), unsigned(p.n_kv_heads), unsigned(p.batch)), kThreads, smem, stream>>>(a);
-  merge_splits_kernel<D><<<p.batch * p.n_q_heads, D, 0, stream>>>(p.out, nullptr, nullptr, nullptr, splits,
+  merge_splits_kernel<D><<<p.batch * p.n_q_heads, kMergeThreads, 0, stream>>>(p.out, nullptr, nullptr, nullptr, splits,
                                                                    a.part_mld, a.part_o);
   e = cudaGetLastError();
   if (e != cudaSuccess)
