@@ -43,6 +43,35 @@ constexpr double kFloatExpLimit = 88.72;
 double max_keep_nan(double a, double b) { return std::isnan(a) || std::isnan(b) ? NAN : std::max(a, b); }
 double min_keep_nan(double a, double b) { return std::isnan(a) || std::isnan(b) ? NAN : std::min(a, b); }
 
+// The device buffers of one launch, attached to p: the query (uploaded), the output, for
+// `meter_rows` > 0 one buffer of 3 x meter_rows floats holding p.meter, p.a_minus_1 and
+// p.value_rho in that order (filled with `side_fill` when it is given), and the workspace.
+struct LaunchBuffers {
+  DeviceBuffer q, out, side, workspace;
+};
+
+::testing::AssertionResult attach_launch_buffers(const std::vector<float>& q, int meter_rows, PagedDecodeParams* p,
+                                                LaunchBuffers* b, const std::vector<float>& side_fill = {}) {
+  const size_t side_floats = size_t(3) * size_t(meter_rows);
+  if (!side_fill.empty() && side_fill.size() != side_floats) return ::testing::AssertionFailure() << "side_fill size";
+  const bool ok = DeviceBuffer::allocate(q.size() * 4, &b->q).ok && b->q.upload(0, q.data(), q.size() * 4).ok &&
+                  DeviceBuffer::allocate(q.size() * 4, &b->out).ok &&
+                  (meter_rows == 0 || DeviceBuffer::allocate(side_floats * 4, &b->side).ok) &&
+                  (side_fill.empty() || b->side.upload(0, side_fill.data(), side_floats * 4).ok) &&
+                  DeviceBuffer::allocate(workspace_bytes(*p), &b->workspace).ok;
+  if (!ok) return ::testing::AssertionFailure() << "device buffers could not be allocated or filled";
+  p->q = reinterpret_cast<const float*>(b->q.data());
+  p->out = reinterpret_cast<float*>(b->out.data());
+  if (meter_rows > 0) {
+    p->meter = reinterpret_cast<float*>(b->side.data());
+    p->a_minus_1 = p->meter + meter_rows;
+    p->value_rho = p->meter + 2 * meter_rows;
+  }
+  p->workspace = b->workspace.data();
+  p->workspace_size = workspace_bytes(*p);
+  return ::testing::AssertionSuccess();
+}
+
 bool tiles_are_fp16(PageFormat f) { return f != PageFormat::kBf16 && f != PageFormat::kGaacBf16; }
 
 float round_query(PageFormat f, float x) {
@@ -671,28 +700,16 @@ TEST(PagedDecodeCuda, ValueSideIsZeroWithoutLossyPages) {
     dkv.describe(&p);
     p.n_q_heads = 4;
     p.sm_scale = 0.125f;
-    DeviceBuffer q_d, out_d, side_d, ws_d;
+    LaunchBuffers bufs;
     const std::vector<float> q(size_t(4) * 64, 0.25f), poison(12, std::nanf(""));
-    ASSERT_TRUE(DeviceBuffer::allocate(q.size() * 4, &q_d).ok);
-    ASSERT_TRUE(q_d.upload(0, q.data(), q.size() * 4).ok);
-    ASSERT_TRUE(DeviceBuffer::allocate(q.size() * 4, &out_d).ok);
-    ASSERT_TRUE(DeviceBuffer::allocate(poison.size() * 4, &side_d).ok);
-    ASSERT_TRUE(side_d.upload(0, poison.data(), poison.size() * 4).ok);
-    ASSERT_TRUE(DeviceBuffer::allocate(workspace_bytes(p), &ws_d).ok);
-    p.q = reinterpret_cast<const float*>(q_d.data());
-    p.out = reinterpret_cast<float*>(out_d.data());
-    p.meter = reinterpret_cast<float*>(side_d.data());
-    p.a_minus_1 = p.meter + 4;
-    p.value_rho = p.meter + 8;
-    p.workspace = ws_d.data();
-    p.workspace_size = workspace_bytes(p);
+    ASSERT_TRUE(attach_launch_buffers(q, 4, &p, &bufs, poison));
     ASSERT_TRUE(reset_error_word(p).ok);
     ASSERT_TRUE(paged_decode(p).ok) << page_format_name(f);
     uint32_t corrupt = 1;
     ASSERT_TRUE(read_error_word(p, &corrupt).ok);
     EXPECT_EQ(corrupt, 0u);
     std::vector<float> side(poison.size());
-    ASSERT_TRUE(side_d.download(0, side.data(), side.size() * 4).ok);
+    ASSERT_TRUE(bufs.side.download(0, side.data(), side.size() * 4).ok);
     for (float x : side) EXPECT_EQ(x, 0.f) << page_format_name(f);
   }
 }
@@ -844,16 +861,10 @@ TEST(PagedDecodeCuda, CorruptEntriesAreCountedNotRead) {
     dkv.describe(&p);
     p.n_q_heads = 8;
     p.sm_scale = 0.088f;
-    DeviceBuffer q_d, out_d, ws_d, table_d;
+    LaunchBuffers bufs;
+    DeviceBuffer table_d;
     std::vector<float> q(size_t(8) * 128, 0.5f);
-    ASSERT_TRUE(DeviceBuffer::allocate(q.size() * 4, &q_d).ok);
-    ASSERT_TRUE(q_d.upload(0, q.data(), q.size() * 4).ok);
-    ASSERT_TRUE(DeviceBuffer::allocate(q.size() * 4, &out_d).ok);
-    ASSERT_TRUE(DeviceBuffer::allocate(workspace_bytes(p), &ws_d).ok);
-    p.q = reinterpret_cast<const float*>(q_d.data());
-    p.out = reinterpret_cast<float*>(out_d.data());
-    p.workspace = ws_d.data();
-    p.workspace_size = workspace_bytes(p);
+    ASSERT_TRUE(attach_launch_buffers(q, 0, &p, &bufs));
     // Tables: a K entry past the pool, a V entry naming a raw page that does not exist.
     std::vector<int32_t> tables(size_t(2) * 2 * 16);
     ASSERT_EQ(cudaMemcpy(tables.data(), p.k_table, tables.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
@@ -907,16 +918,10 @@ TEST(PagedDecodeCuda, CorruptDeviceDataIsCountedNotRead) {
     p.n_q_heads = 8;
     p.sm_scale = 0.088f;
     p.n_splits = 3;
-    DeviceBuffer q_d, out_d, ws_d, table_d;
+    LaunchBuffers bufs;
+    DeviceBuffer table_d;
     std::vector<float> q(size_t(8) * 128, 0.5f);
-    ASSERT_TRUE(DeviceBuffer::allocate(q.size() * 4, &q_d).ok);
-    ASSERT_TRUE(q_d.upload(0, q.data(), q.size() * 4).ok);
-    ASSERT_TRUE(DeviceBuffer::allocate(q.size() * 4, &out_d).ok);
-    ASSERT_TRUE(DeviceBuffer::allocate(workspace_bytes(p), &ws_d).ok);
-    p.q = reinterpret_cast<const float*>(q_d.data());
-    p.out = reinterpret_cast<float*>(out_d.data());
-    p.workspace = ws_d.data();
-    p.workspace_size = workspace_bytes(p);
+    ASSERT_TRUE(attach_launch_buffers(q, 0, &p, &bufs));
     auto run = [&](uint32_t* corrupt, std::vector<float>* out) {
       ASSERT_TRUE(reset_error_word(p).ok);
       const CudaStatus s = paged_decode(p);
@@ -999,21 +1004,10 @@ TEST(PagedDecodeCuda, LossyLaunchWithoutLossyPoolsReadsItsRawPages) {
     const std::string name = page_format_name(f);
     p.n_q_heads = 8;
     p.sm_scale = 0.088f;
-    DeviceBuffer q_d, out_d, side_d, ws_d;
+    LaunchBuffers bufs;
     std::vector<float> q(size_t(8) * 128);
     for (size_t i = 0; i < q.size(); ++i) q[i] = float(int(i % 7) - 3) * 0.25f;
-    ASSERT_TRUE(DeviceBuffer::allocate(q.size() * 4, &q_d).ok);
-    ASSERT_TRUE(q_d.upload(0, q.data(), q.size() * 4).ok);
-    ASSERT_TRUE(DeviceBuffer::allocate(q.size() * 4, &out_d).ok);
-    ASSERT_TRUE(DeviceBuffer::allocate(3 * 8 * 4, &side_d).ok);
-    ASSERT_TRUE(DeviceBuffer::allocate(workspace_bytes(p), &ws_d).ok);
-    p.q = reinterpret_cast<const float*>(q_d.data());
-    p.out = reinterpret_cast<float*>(out_d.data());
-    p.meter = reinterpret_cast<float*>(side_d.data());
-    p.a_minus_1 = p.meter + 8;
-    p.value_rho = p.meter + 16;
-    p.workspace = ws_d.data();
-    p.workspace_size = workspace_bytes(p);
+    ASSERT_TRUE(attach_launch_buffers(q, 8, &p, &bufs));
     std::vector<float> with_pools(q.size()), without(q.size()), side(3 * 8);
     for (int run = 0; run < 2; ++run) {
       if (run == 1) {
@@ -1026,8 +1020,8 @@ TEST(PagedDecodeCuda, LossyLaunchWithoutLossyPoolsReadsItsRawPages) {
       uint32_t corrupt = 1;
       ASSERT_TRUE(read_error_word(p, &corrupt).ok);
       EXPECT_EQ(corrupt, 0u) << name;
-      ASSERT_TRUE(out_d.download(0, (run == 0 ? with_pools : without).data(), q.size() * 4).ok);
-      ASSERT_TRUE(side_d.download(0, side.data(), side.size() * 4).ok);
+      ASSERT_TRUE(bufs.out.download(0, (run == 0 ? with_pools : without).data(), q.size() * 4).ok);
+      ASSERT_TRUE(bufs.side.download(0, side.data(), side.size() * 4).ok);
       for (float x : side) EXPECT_EQ(x, 0.f) << name << ": only exact pages";
     }
     EXPECT_EQ(with_pools, without) << name;
@@ -1056,20 +1050,10 @@ TEST(PagedDecodeCuda, ExactPageEntriesOutsideTheRawPoolsAreCounted) {
     ASSERT_EQ(p.v_raw_pages, nullptr) << name;
     p.n_q_heads = 8;
     p.sm_scale = 0.088f;
-    DeviceBuffer q_d, out_d, side_d, ws_d, table_d;
+    LaunchBuffers bufs;
+    DeviceBuffer table_d;
     std::vector<float> q(size_t(8) * 128, 0.5f);
-    ASSERT_TRUE(DeviceBuffer::allocate(q.size() * 4, &q_d).ok);
-    ASSERT_TRUE(q_d.upload(0, q.data(), q.size() * 4).ok);
-    ASSERT_TRUE(DeviceBuffer::allocate(q.size() * 4, &out_d).ok);
-    ASSERT_TRUE(DeviceBuffer::allocate(3 * 8 * 4, &side_d).ok);
-    ASSERT_TRUE(DeviceBuffer::allocate(workspace_bytes(p), &ws_d).ok);
-    p.q = reinterpret_cast<const float*>(q_d.data());
-    p.out = reinterpret_cast<float*>(out_d.data());
-    p.meter = reinterpret_cast<float*>(side_d.data());
-    p.a_minus_1 = p.meter + 8;
-    p.value_rho = p.meter + 16;
-    p.workspace = ws_d.data();
-    p.workspace_size = workspace_bytes(p);
+    ASSERT_TRUE(attach_launch_buffers(q, 8, &p, &bufs));
     ASSERT_TRUE(check(p).ok) << check(p).message;
     // Tables [K, V][kv_head][16 blocks]: an exact K entry one past the K raw pool, a lossy K entry
     // far past it, a V entry naming a raw page of the absent V pool.
@@ -1094,7 +1078,7 @@ TEST(PagedDecodeCuda, ExactPageEntriesOutsideTheRawPoolsAreCounted) {
     EXPECT_EQ(corrupt, 3u) << name;
     std::vector<float> out(q.size()), side(3 * 8);
     ASSERT_EQ(cudaMemcpy(out.data(), p.out, out.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_TRUE(side_d.download(0, side.data(), side.size() * 4).ok);
+    ASSERT_TRUE(bufs.side.download(0, side.data(), side.size() * 4).ok);
     for (float x : out) EXPECT_TRUE(std::isfinite(x)) << name;
     for (size_t i = 0; i < side.size(); ++i) {
       const bool a_minus_1 = i >= 8 && i < 16;
