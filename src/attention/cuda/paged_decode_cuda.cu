@@ -714,8 +714,9 @@ __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& 
 }
 
 // The CTAs per multiprocessor the lossy kernels are held to (__launch_bounds__: ptxas keeps their
-// registers within it): 3 at D = 128 (what their shared memory allows; dither8 needs 167-168
-// registers, at the edge), at D = 64 5 for fp8 (held to 6, 80 registers, the kernel without the
+// registers within it): at D = 128 4 for fp8 (128 registers; ptxas spills 48-80 bytes, all in the
+// deferred exact-page pass and the epilogue, none in the hot loop: cuobjdump) and 3 for dither8
+// (what its shared memory allows; it needs 167-168 registers, at the edge), at D = 64 5 for fp8 (held to 6, 80 registers, the kernel without the
 // meter spilled 8-20 bytes once the decoders wrote swizzled tiles; with the meter 4 bytes still
 // spill at 96 registers), 4 for dither8. Unconstrained
 // without the bound, ptxas's register count moved by up to 12 with small changes to the code. 0:

@@ -756,6 +756,8 @@ CudaStatus check(const SparseDecodeParams& p) {
                        " is unsupported (at most 8 query heads per KV head)");
   if (p.batch < 1 || p.batch > 65535 || p.n_kv_heads > 65535 || p.n_q_heads > 65535)
     return error("batch and head counts must be in [1, 65535]");
+  if (int64_t(p.batch) * p.n_q_heads > INT32_MAX)  // the merge kernel's grid, one CTA per row
+    return unsupported("batch x n_q_heads " + std::to_string(int64_t(p.batch) * p.n_q_heads) + " is past 2^31 - 1");
   if (!(p.sm_scale > 0.f) || !std::isfinite(p.sm_scale)) return error("sm_scale must be positive and finite");
   if (!(p.p > 0.0 && p.p <= 1.0)) return error("p must be in (0, 1]");
   if (p.table_stride < 1 || p.max_seq_len < 1 || p.max_seq_len > p.table_stride * kTileTokens)

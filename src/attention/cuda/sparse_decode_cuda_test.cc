@@ -339,6 +339,12 @@ TEST(SparseDecodeCuda, BadInputIsRefused) {
   EXPECT_EQ(check(p).code, StatusCode::kUnsupported);  // 9 query heads per KV head
   p.n_q_heads = 7;
   EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument);  // not integral
+  p.batch = 65535;  // batch x n_q_heads past 2^31 - 1 (the merge kernel's grid has one CTA per row)
+  p.n_q_heads = p.n_kv_heads = 65535;
+  EXPECT_EQ(check(p).code, StatusCode::kUnsupported);
+  EXPECT_NE(check(p).message.find("batch x n_q_heads"), std::string::npos);
+  p.batch = 1;
+  p.n_kv_heads = 2;
   p.n_q_heads = 8;
   p.p = 0.0;
   p.table_stride = 16;
