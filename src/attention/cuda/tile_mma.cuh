@@ -298,10 +298,10 @@ __device__ inline void load_floats(const float* src, float (&dst)[N]) {
   }
 }
 
+// No __launch_bounds__: with one, ptxas held the kernel to 32 registers and spilled.
 template <int D>
-__global__ void merge_splits_kernel(float* out, float* meter, float* a_minus_1,
-                                                                     float* value_rho, int n_splits,
-                                                                     const float* part_mldr, const float* part_o) {
+__global__ void merge_splits_kernel(float* out, float* meter, float* a_minus_1, float* value_rho, int n_splits,
+                                    const float* part_mldr, const float* part_o) {
   static_assert(D == 64 || D == 128, "D / 32 channels per lane as one vector");
   constexpr int V = D / 32;
   __shared__ float red[4][kMergeWarps];
