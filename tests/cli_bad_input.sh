@@ -161,6 +161,8 @@ expect_error device-cuda-rtn8 "device cuda: KV scheme rtn8 is not served on the 
 expect_error device-cuda-sparse-gaac "device cuda: sparse decode on the device reads bf16 pages" "$bin" run --model "$model" --device cuda --kv dither8 --sparse p=0.9 --prompt hi --n 1
 expect_error sparse-p-missing "p is missing" "$bin" run --model "$model" --sparse window=64 --prompt hi --n 1
 expect_error sparse-unknown-key "unknown key 'budget'" "$bin" run --model "$model" --sparse p=0.9,budget=3 --prompt hi --n 1
+expect_error sparse-negative-deviations "deviations must be finite and >= 0, got -1" "$bin" run --model "$model" --sparse p=0.9,deviations=-1 --prompt hi --n 1
+expect_error sparse-deviations-not-a-number "deviations 'x' is not a number" "$bin" run --model "$model" --sparse p=0.9,deviations=x --prompt hi --n 1
 expect_error sparse-bad-rotation "rotation must be haar or hadamard" "$bin" run --model "$model" --sparse p=0.9,rotation=qr --prompt hi --n 1
 expect_error sparse-window-above-context "sparse window 1000" "$bin" run --model "$model" --ctx 256 --sparse p=0.9,window=1000 --prompt hi --n 1
 expect_error sparse-dense-above-layers "sparse dense layers 999" "$bin" run --model "$model" --ctx 256 --sparse p=0.9,dense=999 --prompt hi --n 1

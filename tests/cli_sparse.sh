@@ -15,6 +15,10 @@ head -c 12000 "$text" >"$tmp/prompt.txt"
   >"$tmp/run.json" 2>/dev/null
 "$bin" audit --model "$model" --sparse p=0.9 --text-file "$text" --tokens 1200 --steps 3 --json \
   --dump "$tmp/cells.safetensors" --dump-cells 4 >"$tmp/audit.json"
+"$bin" audit --model "$model" --sparse p=0.9,deviations=1.5 --text-file "$text" --tokens 1200 --steps 3 --json \
+  >"$tmp/audit_widened.json"
+"$bin" run --model "$model" --sparse p=0.9,deviations=1.5 --prompt-file "$tmp/prompt.txt" --raw --n 4 --json \
+  >"$tmp/run_widened.json" 2>/dev/null
 "$bin" audit --model "$model" --sparse p=0.9 --kv dither8 --text-file "$text" --tokens 600 --steps 2 \
   --json >"$tmp/audit_dither8.json"
 "$bin" eval teacher-forced --model "$model" --kv bf16 --sparse p=0.9 --text-file "$text" --tokens 600 \
@@ -85,6 +89,16 @@ for i in range(cells):
     mine = sum(w[t] for t in attended) / sum(w)
     assert 0 < recall <= 1 and abs(mine - recall) <= 1e-6 * recall, (c, mine, recall)
 
+# The set widened by 1.5 deviations: the first sparse layer sees the same queries and estimates
+# as the plain audit's, so its sets nest there: more budget, no less recall.
+widened = json.load(open(d + '/audit_widened.json'))
+plain_first, wide_first = audit['layers'][dense_layers], widened['layers'][dense_layers]
+assert wide_first['budget'] > plain_first['budget'] and wide_first['recall'] >= plain_first['recall'], \
+    (plain_first, wide_first)
+run_w = json.load(open(d + '/run_widened.json'))['sparse']
+assert s['deviations'] == 0 and s['widened_fraction'] == 0, s
+assert run_w['deviations'] == 1.5 and 0 < run_w['widened_fraction'] < run_w['mean_budget'], run_w
+
 dither8 = json.load(open(d + '/audit_dither8.json'))
 assert dither8['kv'] == 'dither8' and dither8['cells'] == 2 * (layers - dense_layers) * heads, dither8['cells']
 assert 0 < dither8['budget']['mean'] < 1 and 0 < dither8['recall']['mean'] <= 1, dither8
@@ -93,6 +107,7 @@ tf = json.load(open(d + '/tf.json'))
 assert tf['tokens'] == 600 and tf['metered_steps'] == 4, tf
 assert all(math.isfinite(tf[key]) and tf[key] >= 0 for key in ('mean_kl', 'max_kl', 'p99_kl')), tf
 print('cli_sparse: run (budget %.3f), audit (%d cells, recall %.4f at budget %.3f, %d cells recomputed), '
-      'dither8 audit, teacher-forced (KL %.2e) ok'
-      % (s['mean_budget'], audit['cells'], audit['recall']['mean'], audit['budget']['mean'], cells, tf['mean_kl']))
+      'widened by 1.5 deviations (recall %.4f at budget %.3f), dither8 audit, teacher-forced (KL %.2e) ok'
+      % (s['mean_budget'], audit['cells'], audit['recall']['mean'], audit['budget']['mean'], cells,
+         widened['recall']['mean'], widened['budget']['mean'], tf['mean_kl']))
 PY

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "certkv/certkv.h"
@@ -631,14 +632,16 @@ TEST_F(SessionCuda, SparseDecodeOnTheDeviceSelectsWhatTheCpuSelects) {
   std::unique_ptr<model::Model> m = model::load_model(model_file());
   const model::ModelConfig& c = m->config();
   const certkv_model_info info = model_->info();
-  for (double p : {0.9, 0.99}) {
-    SCOPED_TRACE("p " + std::to_string(p));
+  // p, and the deviations the Top-p set is widened by.
+  for (const auto& [p, deviations] : {std::pair{0.9, 0.0}, std::pair{0.99, 0.0}, std::pair{0.9, 1.5}}) {
+    SCOPED_TRACE("p " + std::to_string(p) + " deviations " + std::to_string(deviations));
     model::SessionConfig sc;
     sc.context_tokens = 2048;
     sc.n_threads = host_threads();
     sc.capture_queries = true;
     sc.sparse.enabled = true;
     sc.sparse.p = p;
+    sc.sparse.deviations = deviations;
     sc.device = model::Device::kCuda;
     model::Session session(*m, sc);
     const int prompt = 1500, steps = 20;
@@ -658,7 +661,7 @@ TEST_F(SessionCuda, SparseDecodeOnTheDeviceSelectsWhatTheCpuSelects) {
     std::vector<float> out_dev(q_size), out_cpu(q_size);
     std::vector<double> ref(q_size);
     double worst_dev = 0, worst_cpu = 0, budget = 0;
-    int64_t cells = 0;
+    int64_t cells = 0, widened = 0;
     for (int layer = sc.sparse.dense_layers; layer < c.n_layers; ++layer) {
       SCOPED_TRACE("layer " + std::to_string(layer));
       const int64_t n_indexed = index.indexed_tokens(layer, 0);
@@ -669,9 +672,10 @@ TEST_F(SessionCuda, SparseDecodeOnTheDeviceSelectsWhatTheCpuSelects) {
       for (float& x : q) x = format::bf16_to_float(format::float_to_bf16(x));
       attention::SparseDecodeOptions options;
       options.p = p;
+      options.deviations = deviations;
       options.rounding_seed = 0x1234567ull + uint64_t(layer);
       std::vector<attention::SparseHeadStats> st_dev(size_t(c.n_heads)), st_cpu(size_t(c.n_heads));
-      dev.attend_sparse(layer, q.data(), out_dev.data(), index, p, options.rounding_seed, st_dev.data());
+      dev.attend_sparse(layer, q.data(), out_dev.data(), index, p, deviations, options.rounding_seed, st_dev.data());
       attention::sparse_decode_attention(session.kv_cache(), session.sequence(), layer, shape, q.data(), n, index,
                                          options, out_cpu.data(), st_cpu.data());
       attention::sparse_decode_attention_ref(session.kv_cache(), session.sequence(), layer, shape, q.data(), n, index,
@@ -679,6 +683,8 @@ TEST_F(SessionCuda, SparseDecodeOnTheDeviceSelectsWhatTheCpuSelects) {
       for (int h = 0; h < c.n_heads; ++h) {
         EXPECT_EQ(st_dev[size_t(h)].n_indexed, st_cpu[size_t(h)].n_indexed) << "head " << h;
         EXPECT_EQ(st_dev[size_t(h)].n_selected, st_cpu[size_t(h)].n_selected) << "head " << h;
+        EXPECT_EQ(st_dev[size_t(h)].n_widened, st_cpu[size_t(h)].n_widened) << "head " << h;
+        widened += st_dev[size_t(h)].n_widened;
         EXPECT_EQ(st_dev[size_t(h)].n_attended, st_cpu[size_t(h)].n_attended) << "head " << h;
         EXPECT_NEAR(st_dev[size_t(h)].estimated_mass, st_cpu[size_t(h)].estimated_mass, 1e-9) << "head " << h;
         double nd = 0, nc = 0, den = 0;
@@ -695,9 +701,16 @@ TEST_F(SessionCuda, SparseDecodeOnTheDeviceSelectsWhatTheCpuSelects) {
       }
     }
     const model::DeviceDecodeStats ds = dev.stats();
-    printf("[device] sparse p %.2f: %lld cells, mean budget %.4f of %lld tokens; worst per-head attention error vs "
-           "the double reference %.2e (the CPU path %.2e); %lld sparse device calls in the session\n",
-           p, (long long)cells, budget / double(cells), (long long)n, worst_dev, worst_cpu, (long long)ds.sparse_calls);
+    printf("[device] sparse p %.2f + %.1f deviations: %lld cells, mean budget %.4f of %lld tokens (%lld widened); "
+           "worst per-head attention error vs the double reference %.2e (the CPU path %.2e); %lld sparse device calls "
+           "in the session\n",
+           p, deviations, (long long)cells, budget / double(cells), (long long)n, (long long)widened, worst_dev, worst_cpu,
+           (long long)ds.sparse_calls);
+    if (deviations > 0) {
+      EXPECT_GT(widened, 0);
+    } else {
+      EXPECT_EQ(widened, 0);
+    }
     EXPECT_LT(worst_dev, 4e-3);
     EXPECT_GT(ds.sparse_calls, 0);
     EXPECT_LT(budget / double(cells), 1.0);

@@ -266,6 +266,40 @@ TEST_F(SparseEndToEnd, BudgetGrowsWithP) {
   EXPECT_LT(layer_budgets[0], layer_budgets[2]);
 }
 
+// The Top-p set widened by 1.5 estimator deviations per token (certkv_session_params.
+// sparse_deviations). The first sparse layer reads only what the dense layers wrote, so its
+// queries and estimates are the same in both sessions and its sets nest: the widened session
+// attends more of it and recalls at least as much of the exact attention mass there.
+TEST_F(SparseEndToEnd, WideningByDeviationsAttendsMoreAndRecallsMore) {
+  double budget[2] = {0, 0}, recall[2] = {0, 0};
+  for (int i = 0; i < 2; ++i) {
+    certkv_session_params p = short_params(0.9);
+    p.sparse_deviations = i == 0 ? 0.0 : 1.5;
+    certkv::Session session(*model_, p);
+    certkv::check(certkv_session_sparse_audit_enable(session.get(), 0, 3));
+    run(session, tokens_, kShortPrefix, kShortSteps);
+    const certkv_sparse_stats st = session.sparse_stats();
+    EXPECT_DOUBLE_EQ(st.deviations, p.sparse_deviations);
+    if (i == 0) {
+      EXPECT_EQ(st.widened_fraction, 0.0);
+    } else {
+      EXPECT_GT(st.widened_fraction, 0.0);
+      EXPECT_LT(st.widened_fraction, st.mean_budget);
+    }
+    int64_t cells = 0;
+    double min_recall = 0;
+    ASSERT_EQ(certkv_session_sparse_audit_layer(session.get(), kDenseLayers, &cells, &budget[i], &recall[i],
+                                                &min_recall),
+              CERTKV_OK);
+    EXPECT_GT(cells, 0);
+  }
+  std::printf("[sparse] first sparse layer, p 0.9: budget %.4f recall %.4f; + 1.5 deviations: budget %.4f recall %.4f\n",
+              budget[0], recall[0], budget[1], recall[1]);
+  EXPECT_GT(budget[1], budget[0]);
+  EXPECT_GE(recall[1], recall[0]);
+  EXPECT_LT(budget[1], 1.0);
+}
+
 TEST_F(SparseEndToEnd, AuditMeasuresRecallAndTheEstimator) {
   const certkv_sparse_audit_stats a = sparse_->sparse_audit_stats();
   const certkv_sparse_stats st = sparse_->sparse_stats();
@@ -562,6 +596,16 @@ TEST_F(SparseEndToEnd, BadParametersAreClearErrors) {
   p.sparse_rotation = "qr";
   EXPECT_EQ(create(p), CERTKV_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_has("qr")) << certkv_last_error();
+  for (double bad : {-1.0, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    p = params(0.9);
+    p.sparse_deviations = bad;
+    EXPECT_EQ(create(p), CERTKV_ERR_INVALID_ARGUMENT) << bad;
+    EXPECT_TRUE(error_has("deviations")) << certkv_last_error();
+  }
+  p = params(0);
+  p.sparse_deviations = 1.5;  // widening without sparse decode
+  EXPECT_EQ(create(p), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_has("sparse_p")) << certkv_last_error();
   p = params(0.9, "dither8");
   p.gate = 1;
   EXPECT_EQ(create(p), CERTKV_ERR_UNSUPPORTED);

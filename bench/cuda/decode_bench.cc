@@ -4,7 +4,8 @@
 //
 //   certkv_cuda_decode_bench --kv KV.safetensors --calib CAL.safetensors --out FILE.jsonl
 //       [--contexts 8192,32768,65536,131072] [--batches 1,8] [--shapes 32x8,28x4]
-//       [--formats bf16,gaac,gaac-e5m2,dither8,fp8-e4m3,fp8-e4m3-nometer,sparse-p0.9] [--reps 7] [--iters 20]
+//       [--formats bf16,gaac,gaac-e5m2,dither8,fp8-e4m3,fp8-e4m3-nometer,sparse-p0.9,sparse-p0.9-z1.5]
+//       [--reps 7] [--iters 20]   (sparse-pP-zZ: the Top-p set widened by Z estimator deviations)
 //
 // KV.safetensors (scripts/make_bench_kv.py): k, v BF16 [8][N][128], q F32 [8][7][128] (7 query
 // vectors per KV head), metadata "source". CAL.safetensors: k, v of another text, for the GAAC
@@ -214,7 +215,7 @@ struct SparseCell {
 };
 
 SparseCell run_sparse(const Source& src, const HostLayerKv& kv, const std::vector<float>& q, int n_q, double top_p,
-                      int reps, int iters, cache::cuda::DeviceBuffer& q_d, cache::cuda::DeviceBuffer& out_d) {
+                      double deviations, int reps, int iters, cache::cuda::DeviceBuffer& q_d, cache::cuda::DeviceBuffer& out_d) {
   constexpr int D = 128;
   constexpr int64_t kWindow = 128;
   const int B = kv.batch, H = kv.n_kv_heads, G = n_q / H;
@@ -236,7 +237,8 @@ SparseCell run_sparse(const Source& src, const HostLayerKv& kv, const std::vecto
       const int hh = h * G + g;
       const float* qv = q.data() + size_t(hh) * D;  // sequence 0 (all sequences hold the same queries)
       const index::RabitqQuery<D> rq = index::rabitq_quantize_query<D>(head, qv, 77 + uint64_t(hh));
-      for (int b = 0; b < B; ++b) queries[size_t(b) * n_q + size_t(hh)] = device_rabitq_query<D>(head, rq);
+      const float margin = index::rabitq_logit_deviation_scale(deviations, 1.f / std::sqrt(float(D)), rq.norm_q_centered, D);
+      for (int b = 0; b < B; ++b) queries[size_t(b) * n_q + size_t(hh)] = device_rabitq_query<D>(head, rq, margin);
       std::vector<double>& e = exact[size_t(hh)];
       e.resize(size_t(N));
       for (int64_t t = 0; t < N; ++t) {
@@ -334,16 +336,27 @@ SparseCell run_sparse(const Source& src, const HostLayerKv& kv, const std::vecto
   CHECK_CUDA(cudaStreamSynchronize(stream));
   if (const CudaStatus st = sparse_decode(params[0]); !st.ok) die("sparse: " + st.message);
   CHECK_CUDA(cudaStreamSynchronize(stream));
-  std::vector<float> logits(size_t(n_q) * size_t(n_idx)), theta(size_t(B) * n_q);
-  CHECK_CUDA(cudaMemcpy(logits.data(), estimated_logits(params[0]), logits.size() * 4, cudaMemcpyDeviceToHost));
-  CHECK_CUDA(cudaMemcpy(theta.data(), thr_d.data(), theta.size() * 4, cudaMemcpyDeviceToHost));
+  // The attended set as the kernels attend it: the selection lists (entries token | heads << 24)
+  // of sequence 0, then the window.
   const int64_t chunks = selection_chunks(params[0]);
   std::vector<int32_t> counts(size_t(B) * H * size_t(chunks));
+  std::vector<uint32_t> entries(size_t(H) * size_t(chunks) * kSparseChunkTokens);
   CHECK_CUDA(cudaMemcpy(counts.data(), selection_counts(params[0]), counts.size() * 4, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(entries.data(), selection_entries(params[0]), entries.size() * 4, cudaMemcpyDeviceToHost));
   int64_t rows = 0;
   for (int32_t c : counts) rows += c;
   rows += int64_t(B) * H * kWindow;
   cell.bytes = index_bytes + rows * 2 * D * 2;
+  std::vector<std::vector<uint8_t>> taken(static_cast<size_t>(n_q), std::vector<uint8_t>(size_t(ctx), 0));
+  for (int h = 0; h < H; ++h)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const size_t list = size_t(h) * size_t(chunks) + size_t(c);
+      for (int32_t i = 0; i < counts[list]; ++i) {
+        const uint32_t e = entries[list * kSparseChunkTokens + size_t(i)];
+        for (int g = 0; g < G; ++g)
+          if ((e >> (24 + g)) & 1u) taken[size_t(h * G + g)][e & 0xffffffu] = 1;
+      }
+    }
   cell.recall_min = 1.0;
   for (int hh = 0; hh < n_q; ++hh) {
     const std::vector<double>& e = exact[size_t(hh)];
@@ -353,7 +366,7 @@ SparseCell run_sparse(const Source& src, const HostLayerKv& kv, const std::vecto
     for (int64_t t = 0; t < ctx; ++t) {
       const double pt = std::exp(e[size_t(t % N)] - mx);
       z += pt;
-      if (t >= n_idx || logits[size_t(hh) * size_t(n_idx) + size_t(t)] >= theta[size_t(hh)]) {
+      if (t >= n_idx || taken[size_t(hh)][size_t(t)]) {
         got += pt;
         ++attended;
       }
@@ -457,17 +470,20 @@ int main(int argc, char** argv) {
 
         for (const std::string& fname : formats) {
           if (fname.rfind("sparse-p", 0) == 0) {
-            const double top_p = std::stod(fname.substr(8));
-            const SparseCell c = run_sparse(src, kv, q, n_q, top_p, reps, iters, q_d, out_d);
+            // sparse-pP or sparse-pP-zZ (the Top-p set widened by Z deviations).
+            const size_t z_at = fname.find("-z", 8);
+            const double top_p = std::stod(fname.substr(8, z_at == std::string::npos ? std::string::npos : z_at - 8));
+            const double deviations = z_at == std::string::npos ? 0.0 : std::stod(fname.substr(z_at + 2));
+            const SparseCell c = run_sparse(src, kv, q, n_q, top_p, deviations, reps, iters, q_d, out_d);
             const double tb_s = double(c.bytes) / (c.us * 1e-6) / 1e12;
             std::snprintf(line, sizeof line,
                           "{\"kind\": \"certkv\", \"format\": \"%s\", \"shape\": \"%s\", \"batch\": %d, \"ctx\": %lld, "
                           "\"us\": %.3f, \"us_min\": %.3f, \"us_max\": %.3f, \"bytes\": %lld, \"tb_s\": %.4f, "
-                          "\"copy_tb_s\": %.4f, \"pct_copy\": %.2f, \"n_sets\": %d, \"splits\": %d, \"p\": %.3f, "
+                          "\"copy_tb_s\": %.4f, \"pct_copy\": %.2f, \"n_sets\": %d, \"splits\": %d, \"p\": %.3f, \"deviations\": %.3f, "
                           "\"window\": 128, \"recall_mean\": %.4f, \"recall_min\": %.4f, \"budget_mean\": %.4f, "
                           "\"timing\": \"graph\"}",
                           fname.c_str(), shape_name.c_str(), batch, (long long)ctx, c.us, c.us_min, c.us_max,
-                          (long long)c.bytes, tb_s, copy, 100.0 * tb_s / copy, c.n_sets, c.splits, top_p, c.recall_mean,
+                          (long long)c.bytes, tb_s, copy, 100.0 * tb_s / copy, c.n_sets, c.splits, top_p, deviations, c.recall_mean,
                           c.recall_min, c.budget_mean);
             out << line << "\n";
             out.flush();

@@ -135,6 +135,11 @@ typedef struct certkv_session_params {
   int32_t sparse_dense_layers;   /* first layers decoded densely; -1: 2 */
   const char* sparse_rotation;   /* the key index's rotation: "haar" (default, null) or
                                     "hadamard" (randomized Hadamard, power-of-two head_dim) */
+  double sparse_deviations;      /* the Top-p set widened per token: a token the threshold left
+                                    out is also attended when its estimated logit plus this many
+                                    standard deviations of its estimate reaches the threshold
+                                    (0, the default: no widening; 1.5 lifts recall at p 0.9,
+                                    docs/sparse.md); finite, >= 0 */
   const char* device;            /* where decode attention runs: "cpu" (default, null) or
                                     "cuda" (a CUDA device holds its own copy of the KV cache,
                                     encoded there; kv "bf16", "gaac", "gaac-e5m2", or the
@@ -286,6 +291,9 @@ typedef struct certkv_sparse_stats {
   int64_t indexed_tokens;        /* tokens in the index (per (layer, kv_head)) */
   double index_build_seconds;    /* centroids and records, at prefill and in lazy updates */
   int64_t index_appended_tokens; /* tokens indexed (per (layer, kv_head)) since the start */
+  double deviations;             /* certkv_session_params.sparse_deviations */
+  double widened_fraction;       /* tokens the widening added over every sparse cell / their
+                                    context tokens (the widening's share of the budget) */
 } certkv_sparse_stats;
 
 certkv_status certkv_session_sparse_stats(const certkv_session* session, certkv_sparse_stats* stats);

@@ -234,6 +234,7 @@ certkv_session_params certkv_session_default_params(void) {
   p.sparse_window = -1;
   p.sparse_dense_layers = -1;
   p.sparse_rotation = nullptr;
+  p.sparse_deviations = 0;
   p.device = nullptr;
   return p;
 }
@@ -290,6 +291,9 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
   if (activations != "int8" && activations != "f32")
     return set_error(CERTKV_ERR_INVALID_ARGUMENT,
                      "activations '" + activations + "' is unknown (int8 or f32)");
+  if (p.sparse_deviations != 0 && p.sparse_p == 0)
+    return set_error(CERTKV_ERR_INVALID_ARGUMENT,
+                     "certkv_session_params.sparse_deviations widens sparse decode's selection: set sparse_p too");
   certkv::model::Device device = certkv::model::Device::kCpu;
   try {
     if (p.device != nullptr) device = certkv::model::parse_device(p.device);
@@ -318,6 +322,7 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
     if (p.sparse_p != 0) {
       c.sparse.enabled = true;
       c.sparse.p = p.sparse_p;
+      c.sparse.deviations = p.sparse_deviations;
       if (p.sparse_window != -1) c.sparse.window_tokens = p.sparse_window;
       if (p.sparse_dense_layers != -1) c.sparse.dense_layers = p.sparse_dense_layers;
       if (p.sparse_rotation != nullptr) c.sparse.rotation = certkv::cache::parse_rotation_kind(p.sparse_rotation);
@@ -563,6 +568,8 @@ certkv_status certkv_session_sparse_stats(const certkv_session* session, certkv_
                                 : 0;
     stats->index_build_seconds = st.index_build_seconds;
     stats->index_appended_tokens = st.index_appended_tokens;
+    stats->deviations = cfg.deviations;
+    stats->widened_fraction = st.context_tokens > 0 ? double(st.widened_tokens) / double(st.context_tokens) : 0;
   });
 }
 

@@ -28,6 +28,10 @@ int64_t validate_sparse(const char* entry, const cache::KvCache& cache, cache::S
   if (!(options.p > 0 && options.p <= 1))
     fail(StatusCode::kInvalidArgument,
          std::string(entry) + ": p " + std::to_string(options.p) + " is outside (0, 1]");
+  if (!(options.deviations >= 0) || !std::isfinite(options.deviations))
+    fail(StatusCode::kInvalidArgument, std::string(entry) + ": deviations " +
+                                           std::to_string(options.deviations) +
+                                           " must be finite and >= 0");
   const cache::KeyIndexConfig& ic = index.config();
   if (ic.n_layers != cache.config().n_layers || ic.n_kv_heads != shape.n_kv_heads ||
       ic.head_dim != shape.head_dim)
@@ -59,18 +63,27 @@ void select_head(const cache::KeyIndex& index, int layer, int kv_head, int head,
   logits.resize(size_t(n_indexed));
   selected.clear();
   if (n_indexed == 0) return;
+  float norm_q_centered = 0;
   index.estimate_scores(layer, kv_head, q, sparse_head_rounding_seed(options.rounding_seed, head),
-                        logits.data());
+                        logits.data(), &norm_q_centered);
   for (float& l : logits) l *= scale;
   thread_local std::vector<uint8_t> mask;
   mask.resize(size_t(n_indexed));
   const index::TopPSelection sel =
       reference ? index::top_p_select_ref(logits.data(), n_indexed, options.p, mask.data())
                 : index::top_p_select(logits.data(), n_indexed, options.p, mask.data());
-  selected.reserve(size_t(sel.n_selected));
+  if (options.deviations > 0) {
+    int64_t stride = 0;
+    const float* norms = index.key_norms(layer, kv_head, &stride);
+    st.n_widened = index::top_p_widen(
+        logits.data(), n_indexed, sel.threshold,
+        index::rabitq_logit_deviation_scale(options.deviations, scale, norm_q_centered, index.config().head_dim),
+        norms, stride, mask.data());
+  }
+  selected.reserve(size_t(sel.n_selected + st.n_widened));
   for (int64_t t = 0; t < n_indexed; ++t)
     if (mask[size_t(t)]) selected.push_back(int32_t(t));
-  st.n_selected = sel.n_selected;
+  st.n_selected = sel.n_selected + st.n_widened;
   st.estimated_mass = sel.mass;
   st.boundary_tokens = sel.n_boundary;
 }

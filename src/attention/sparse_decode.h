@@ -28,6 +28,10 @@ namespace certkv::attention {
 
 struct SparseDecodeOptions {
   double p = 0.9;               // Top-p mass, in (0, 1]
+  // Widening by the estimator's deviation (index::top_p_widen): a token the Top-p threshold left
+  // out is also selected when its estimated logit plus `deviations` times its sigma_t
+  // (index::rabitq_logit_deviation_scale) reaches the threshold. 0: the Top-p set alone.
+  double deviations = 0;
   uint64_t rounding_seed = 0;   // the query's randomized rounding; head h draws from seed + h
   // Lossy caches: the meter of every query head over what it attended. meters: [n_q_heads].
   HeadMeter* meters = nullptr;
@@ -46,13 +50,15 @@ inline uint64_t sparse_head_rounding_seed(uint64_t seed, int head) {
 
 struct SparseHeadStats {
   int64_t n_indexed = 0;    // tokens scored by the index
-  int64_t n_selected = 0;   // of them, selected by Top-p
+  int64_t n_selected = 0;   // of them, selected by Top-p and its widening
+  int64_t n_widened = 0;    // of n_selected, added by the widening
   int64_t n_attended = 0;   // selected + window
-  double estimated_mass = 0;  // the estimated softmax mass of the selected set (>= p)
+  double estimated_mass = 0;  // the estimated softmax mass of the Top-p set before widening (>= p)
   int64_t boundary_tokens = 0;  // tokens of top_p_select's boundary gap bucket
 };
 
-// Throws certkv::Error as decode_attention, and kInvalidArgument for p outside (0, 1], an index
+// Throws certkv::Error as decode_attention, and kInvalidArgument for p outside (0, 1], deviations
+// negative or not finite, an index
 // of another shape than the cache, or kv heads of one layer indexed to different lengths, or an
 // indexed prefix that is not whole blocks or exceeds n_ctx.
 // q: [n_q_heads][head_dim]; out: [n_q_heads][head_dim]; stats: [n_q_heads] or null.

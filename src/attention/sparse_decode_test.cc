@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -15,6 +16,8 @@
 #include "cache/kv_cache.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
+#include "index/rabitq.h"
+#include "index/top_p.h"
 
 namespace certkv::attention {
 namespace {
@@ -203,6 +206,101 @@ INSTANTIATE_TEST_SUITE_P(
                       SparseCase{{4, 4, 96, 17}, 3771, 200}, SparseCase{{2, 1, 256, 16}, 700, 0},
                       SparseCase{{9, 3, 64, 16}, 2048, 120}));
 
+// The Top-p set widened by z deviations per token: the production path equals the reference, the
+// set is the Top-p set plus exactly the tokens with fl(l + fl(m ||k_t - c_k||)) >= theta, it grows
+// with z, and so does the recall.
+TEST_P(SparseDecodeTest, WideningAddsTheTokensWithinZDeviationsOfTheThreshold) {
+  const SparseCase sc = GetParam();
+  const CaseShape& c = sc.shape;
+  const int64_t n_indexed = sc.n_indexed_blocks * c.block_tokens;
+  if (n_indexed == 0) GTEST_SKIP() << "nothing indexed";
+  std::mt19937 rng(static_cast<uint32_t>(sc.n_ctx * 5 + c.head_dim));
+  const std::vector<float> dir = unit_direction(c.head_dim, rng);
+  auto cache = make_cache(c, KvScheme::kBf16, sc.n_ctx);
+  const cache::SeqId seq = cache->create_sequence();
+  append(*cache, seq, sc.n_ctx, dir, rng);
+  const std::vector<float> q = queries(c, dir, rng);
+  auto index = build_index(*cache, seq, n_indexed, q, c.n_q_heads);
+  const AttentionShape shape = testing::attention_shape(c);
+  ThreadPool pool(2);
+  const size_t n_out = size_t(c.n_q_heads) * size_t(c.head_dim);
+  const int group = c.n_q_heads / c.n_kv_heads;
+  std::vector<std::vector<int32_t>> previous;
+  std::vector<double> previous_recall(size_t(c.n_q_heads), 0.0);
+  int64_t widened_total = 0;
+  for (double z : {0.0, 1.0, 2.0, 4.0}) {
+    SCOPED_TRACE("z " + std::to_string(z));
+    SparseDecodeOptions opt;
+    opt.p = 0.8;
+    opt.deviations = z;
+    opt.rounding_seed = 5;
+    std::vector<std::vector<int32_t>> attended, attended_ref;
+    std::vector<std::vector<float>> logits;
+    opt.attended = &attended;
+    opt.estimated_logits = &logits;
+    std::vector<float> out(n_out);
+    std::vector<double> ref(n_out);
+    std::vector<SparseHeadStats> stats(size_t(c.n_q_heads));
+    sparse_decode_attention(*cache, seq, 1, shape, q.data(), sc.n_ctx, *index, opt, out.data(), stats.data(), &pool);
+    opt.attended = nullptr;
+    opt.estimated_logits = nullptr;
+    sparse_decode_attention_ref(*cache, seq, 1, shape, q.data(), sc.n_ctx, *index, opt, ref.data(), &attended_ref);
+    ASSERT_EQ(attended, attended_ref);
+    EXPECT_LT(testing::max_abs_diff(out, ref), 2e-5);
+    for (int h = 0; h < c.n_q_heads; ++h) {
+      const SparseHeadStats& st = stats[size_t(h)];
+      const std::vector<float>& l = logits[size_t(h)];
+      ASSERT_EQ(int64_t(l.size()), n_indexed);
+      // The expected set from the definition: the Top-p set of the logits, then the margin test
+      // with each operation rounded to float (volatile keeps the compiler from fusing them).
+      std::vector<uint8_t> mask(static_cast<size_t>(n_indexed));
+      const index::TopPSelection sel = index::top_p_select(l.data(), n_indexed, opt.p, mask.data());
+      float norm_q = 0;
+      std::vector<float> scratch(static_cast<size_t>(n_indexed));
+      index->estimate_scores(1, h / group, q.data() + size_t(h) * size_t(c.head_dim),
+                             sparse_head_rounding_seed(opt.rounding_seed, h), scratch.data(), &norm_q);
+      const float m = index::rabitq_logit_deviation_scale(z, shape.scale, norm_q, c.head_dim);
+      std::vector<int32_t> expected;
+      int64_t added = 0;
+      for (int64_t t = 0; t < n_indexed; ++t) {
+        volatile float margin = m * index->key_norm_centered(1, h / group, t);
+        volatile float reach = l[size_t(t)] + margin;
+        const bool in_top_p = mask[size_t(t)] != 0;
+        if (in_top_p || reach >= sel.threshold) expected.push_back(int32_t(t));
+        added += !in_top_p && reach >= sel.threshold;
+      }
+      for (int64_t t = n_indexed; t < sc.n_ctx; ++t) expected.push_back(int32_t(t));
+      EXPECT_EQ(attended[size_t(h)], expected) << "head " << h;
+      EXPECT_EQ(st.n_widened, added) << "head " << h;
+      EXPECT_EQ(st.n_selected, sel.n_selected + added) << "head " << h;
+      EXPECT_EQ(st.n_attended, int64_t(attended[size_t(h)].size()));
+      if (z == 0) {
+        EXPECT_EQ(st.n_widened, 0);
+      }
+      widened_total += st.n_widened;
+      // The set, and its recall, grow with z.
+      if (!previous.empty()) {
+        EXPECT_TRUE(std::includes(attended[size_t(h)].begin(), attended[size_t(h)].end(),
+                                  previous[size_t(h)].begin(), previous[size_t(h)].end()))
+            << "head " << h;
+      }
+      const std::vector<double> probs =
+          exact_probs(*cache, seq, 1, shape, q.data() + size_t(h) * size_t(c.head_dim), h / group, sc.n_ctx);
+      double recall = 0;
+      for (int32_t t : attended[size_t(h)]) recall += probs[size_t(t)];
+      EXPECT_GE(recall, previous_recall[size_t(h)] - 1e-12) << "head " << h;
+      previous_recall[size_t(h)] = recall;
+    }
+    previous = attended;
+  }
+  // At 4 deviations the widening takes tokens whenever the Top-p set left some out. With one
+  // query head per KV head the query is its own centroid (build_index), its estimate exact and
+  // its sigma 0: nothing to widen.
+  if (n_indexed >= 128 && group > 1) {
+    EXPECT_GT(widened_total, 0);
+  }
+}
+
 // Selected tokens read from fp8 pages and from dither8 pages (with the meter over what is
 // attended): the production path equals the reference (which reads read_token_range_ref), and
 // the meter bounds the true TV between attention over the attended set with exact and stored keys.
@@ -286,6 +384,11 @@ TEST(SparseDecode, BadInput) {
     EXPECT_THROW(sparse_decode_attention(*cache, seq, 0, shape, q.data(), 200, *index, opt, out.data()), Error) << p;
   }
   opt.p = 0.9;
+  for (double z : {-0.5, double(NAN), double(INFINITY)}) {
+    opt.deviations = z;
+    EXPECT_THROW(sparse_decode_attention(*cache, seq, 0, shape, q.data(), 200, *index, opt, out.data()), Error) << z;
+  }
+  opt.deviations = 0;
   // The indexed prefix beyond n_ctx.
   EXPECT_THROW(sparse_decode_attention(*cache, seq, 0, shape, q.data(), 40, *index, opt, out.data()), Error);
   // kv heads indexed to different lengths.

@@ -1,5 +1,7 @@
 #include "cache/key_index.h"
 
+#include <cstddef>
+
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -162,6 +164,20 @@ float KeyIndex::key_norm_centered(int layer, int kv_head, int64_t t) const {
     norm = reinterpret_cast<const index::RabitqRecord<D>*>(h.records.data())[t].norm_k_centered;
   });
   return norm;
+}
+
+const float* KeyIndex::key_norms(int layer, int kv_head, int64_t* stride) const {
+  const HeadIndex& h = at(layer, kv_head, "key_norms");
+  if (stride == nullptr) fail(StatusCode::kInvalidArgument, "key index: key_norms needs a stride output");
+  const float* norms = nullptr;
+  with_head_dim(config_.head_dim, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    using Record = index::RabitqRecord<D>;
+    static_assert(sizeof(Record) % sizeof(float) == 0 && offsetof(Record, norm_k_centered) % sizeof(float) == 0);
+    *stride = int64_t(sizeof(Record) / sizeof(float));
+    norms = reinterpret_cast<const float*>(h.records.data() + offsetof(Record, norm_k_centered));
+  });
+  return norms;
 }
 
 void KeyIndex::clear() {

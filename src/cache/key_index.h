@@ -73,6 +73,9 @@ class KeyIndex {
   // ||k_t - c_k|| of indexed token t.
   float key_norm_centered(int layer, int kv_head, int64_t t) const;
 
+  // The same norms as a strided view: ||k_t - c_k|| is key_norms(...)[t * stride] for t in
+  // [0, indexed_tokens), stride (in floats) written to *stride (valid as records()).
+  const float* key_norms(int layer, int kv_head, int64_t* stride) const;
   // Drops every record and centroid.
   void clear();
   size_t record_bytes() const { return record_bytes_; }

@@ -70,6 +70,11 @@ TEST(KeyIndex, EstimatesAgreeWithTheReferenceAndTrackTheTruth) {
       EXPECT_LT(rms_sqrt_d, 1.1) << "d " << d;
       EXPECT_GT(qn, 0.f);
       EXPECT_GT(idx.key_norm_centered(1, 2, 0), 0.f);
+      // The strided view of the norms holds every token's key_norm_centered.
+      int64_t stride = 0;
+      const float* norms = idx.key_norms(1, 2, &stride);
+      EXPECT_EQ(size_t(stride) * sizeof(float), idx.record_bytes()) << "d " << d;
+      for (int64_t t = 0; t < n; ++t) ASSERT_EQ(norms[t * stride], idx.key_norm_centered(1, 2, t)) << "d " << d;
     }
   }
 }
@@ -115,6 +120,9 @@ TEST(KeyIndex, BadInput) {
   bad[3] = NAN;
   EXPECT_THROW(idx.append(0, 0, bad.data(), 1), Error);
   EXPECT_THROW(idx.key_norm_centered(0, 0, 0), Error);
+  int64_t stride = 0;
+  EXPECT_THROW(idx.key_norms(0, 0, nullptr), Error);
+  EXPECT_THROW(idx.key_norms(0, 5, &stride), Error);
   EXPECT_THROW(parse_rotation_kind("qr"), Error);
   EXPECT_EQ(parse_rotation_kind("hadamard"), index::RotationKind::kRandomizedHadamard);
 }

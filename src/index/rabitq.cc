@@ -232,4 +232,14 @@ CERTKV_INSTANTIATE_RABITQ(256)
 
 #undef CERTKV_INSTANTIATE_RABITQ
 
+float rabitq_logit_deviation_scale(double deviations, float scale, float norm_q_centered, int head_dim) {
+  if (head_dim < 2)
+    fail(StatusCode::kInvalidArgument, "rabitq_logit_deviation_scale: head_dim must be >= 2, got " +
+                                           std::to_string(head_dim));
+  if (!(deviations >= 0) || !std::isfinite(deviations))
+    fail(StatusCode::kInvalidArgument, "rabitq_logit_deviation_scale: deviations must be finite and >= 0, got " +
+                                           std::to_string(deviations));
+  return float(deviations * double(scale) * double(norm_q_centered) / std::sqrt(double(head_dim - 1)));
+}
+
 }  // namespace certkv::index

@@ -344,6 +344,50 @@ TEST(Rabitq, ErrorScalesAsInverseSqrtD) {
   }
 }
 
+// rabitq_logit_deviation_scale's sigma_t = ||q - c_q|| ||k - c_k|| / sqrt(D - 1) (scale 1) is at
+// least the spread of the estimate: over a Haar rotation's tokens and queries the errors beyond
+// 1.5 and 2 sigma_t are no more frequent than a normal distribution's of standard deviation
+// sigma_t (13.4% and 4.6%) would make them.
+template <int D>
+void check_deviation_covers_error() {
+  const RabitqHead head(centroid(D, 71, 1.0f), centroid(D, 72, 1.0f), Rotation(RotationKind::kHaar, D, 73));
+  const int64_t n = 1000, m = 8;
+  const std::vector<float> keys = gaussian_rows(n, D, 74, 1.0f, head.c_k());
+  const std::vector<float> queries = gaussian_rows(m, D, 75, 1.0f, head.c_q());
+  std::vector<RabitqRecord<D>> records(n);
+  rabitq_encode_keys<D>(head, keys.data(), n, records.data());
+  int64_t beyond_15 = 0, beyond_2 = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    const float* q = &queries[j * D];
+    const RabitqQuery<D> query = rabitq_quantize_query<D>(head, q, 900 + j);
+    std::vector<float> scores(n);
+    rabitq_estimate_scores_popcount<D>(head, query, records.data(), n, scores.data());
+    const float per_norm = rabitq_logit_deviation_scale(1.0, 1.0f, query.norm_q_centered, D);
+    for (int64_t t = 0; t < n; ++t) {
+      const double sigma = double(per_norm) * records[t].norm_k_centered;
+      const double e = std::abs(scores[t] - dot(q, &keys[t * D], D));
+      beyond_15 += e > 1.5 * sigma;
+      beyond_2 += e > 2.0 * sigma;
+    }
+  }
+  const double f15 = double(beyond_15) / double(n * m), f2 = double(beyond_2) / double(n * m);
+  std::printf("[deviation] D=%d errors beyond 1.5 sigma_t %.4f, beyond 2 sigma_t %.4f\n", D, f15, f2);
+  EXPECT_LT(f15, 0.134) << "D " << D;
+  EXPECT_LT(f2, 0.046) << "D " << D;
+}
+
+TEST(Rabitq, DeviationScaleCoversTheEstimatorError) {
+  check_deviation_covers_error<64>();
+  check_deviation_covers_error<128>();
+  // The value: z * scale * ||q - c_q|| / sqrt(D - 1), in double, rounded once.
+  EXPECT_EQ(rabitq_logit_deviation_scale(1.5, 0.125f, 2.0f, 128), float(1.5 * 0.125 * 2.0 / std::sqrt(127.0)));
+  EXPECT_EQ(rabitq_logit_deviation_scale(0.0, 0.125f, 2.0f, 128), 0.0f);
+  EXPECT_EQ(rabitq_logit_deviation_scale(2.0, 0.125f, 0.0f, 64), 0.0f);  // q at its centroid
+  for (double z : {-1.0, double(NAN), double(INFINITY)})
+    EXPECT_THROW(rabitq_logit_deviation_scale(z, 0.125f, 2.0f, 128), Error) << z;
+  EXPECT_THROW(rabitq_logit_deviation_scale(1.0, 0.125f, 2.0f, 1), Error);
+}
+
 TEST(Rabitq, RecordsDoNotDependOnBatch) {
   constexpr int D = 128;
   const RabitqHead head(centroid(D, 61, 1.0f), centroid(D, 62, 1.0f),

@@ -180,4 +180,27 @@ TopPSelection top_p_select(const float* logits, int64_t n, double p, uint8_t* ma
   return selection;
 }
 
+int64_t top_p_widen(const float* logits, int64_t n, float theta, float margin_scale, const float* norms,
+                    int64_t norm_stride, uint8_t* mask) {
+  if (n < 0) fail(StatusCode::kInvalidArgument, "top_p_widen: n must be >= 0, got " + std::to_string(n));
+  if (!(margin_scale >= 0.0f) || !std::isfinite(margin_scale))
+    fail(StatusCode::kInvalidArgument,
+         "top_p_widen: margin_scale must be finite and >= 0, got " + std::to_string(margin_scale));
+  if (norm_stride < 1)
+    fail(StatusCode::kInvalidArgument, "top_p_widen: norm_stride must be >= 1, got " + std::to_string(norm_stride));
+  if (n == 0 || margin_scale == 0.0f) return 0;
+  if (logits == nullptr || norms == nullptr || mask == nullptr)
+    fail(StatusCode::kInvalidArgument, "top_p_widen: logits, norms and mask must be non-null");
+  int64_t added = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    if (mask[t]) continue;
+    const float margin = margin_scale * norms[t * norm_stride];
+    if (logits[t] + margin >= theta) {
+      mask[t] = 1;
+      ++added;
+    }
+  }
+  return added;
+}
+
 }  // namespace certkv::index

@@ -60,6 +60,21 @@ TopPSelection top_p_select_ref(const float* logits, int64_t n, double p, uint8_t
 // logits: [n]; mask: [n]. REQUIRES: as top_p_select_ref.
 TopPSelection top_p_select(const float* logits, int64_t n, double p, uint8_t* mask);
 
+// The Top-p set widened by a per-token margin (docs/sparse.md, "Widening by the estimator's
+// deviation"): a token the threshold left out is added when its logit plus its margin reaches
+// theta,
+//   margin_t = fl(margin_scale * norm_t),   selected_t = mask[t] or fl(logits[t] + margin_t) >= theta
+// in float, each operation rounded once (top_p.cc is compiled without contraction, and the CUDA
+// selection uses the same two rounded operations, so both add the same tokens). For the sparse
+// tier, norm_t = ||k_t - c_k|| and margin_scale = rabitq_logit_deviation_scale(...) times z, so
+// the margin is z estimator deviations. margin_scale 0 adds nothing.
+// logits: [n]; norms: norm_t at norms[t * norm_stride] (a stride in floats, so the norms may be a
+// field of an array of records); mask: [n], 1 for the Top-p set on entry, the widened set on exit.
+// Returns the tokens added. REQUIRES: n >= 0; finite margin_scale >= 0; non-null pointers when
+// n > 0; norm_stride >= 1 (else certkv::Error kInvalidArgument naming the argument).
+int64_t top_p_widen(const float* logits, int64_t n, float theta, float margin_scale, const float* norms,
+                    int64_t norm_stride, uint8_t* mask);
+
 // The weights W(a), a in [0, kTopPGapCap], for n tokens (the table both selections use; a port
 // to another device takes it from here so that its selection is the same set).
 // REQUIRES: n >= 1 (else certkv::Error kInvalidArgument).

@@ -368,6 +368,55 @@ TEST(TopP, RejectsBadInput) {
 
 // The table and target a device port reads (attention/cuda/sparse_decode_cuda): the weights the
 // selections use, and ceil(p Z) exactly.
+// top_p_widen: exactly the unselected tokens with fl(l + fl(m norm)) >= theta join, with norms
+// read at a stride; margin 0 adds nothing; bad arguments are refused.
+TEST(TopP, WidenAddsTheTokensWhoseMarginReachesTheThreshold) {
+  std::mt19937 rng(17);
+  std::normal_distribution<float> normal(0.f, 2.f);
+  std::uniform_real_distribution<float> uniform(0.f, 3.f);
+  for (int64_t n : {1, 2, 7, 64, 1000, 4097}) {
+    std::vector<float> logits(static_cast<size_t>(n));
+    for (float& l : logits) l = normal(rng);
+    const int64_t stride = 3;  // the norm is one field of a 3-float record
+    std::vector<float> records(static_cast<size_t>(n * stride));
+    for (float& r : records) r = uniform(rng);
+    std::vector<uint8_t> mask(static_cast<size_t>(n));
+    const TopPSelection sel = top_p_select(logits.data(), n, 0.7, mask.data());
+    const std::vector<uint8_t> top_p_mask = mask;
+    EXPECT_EQ(top_p_widen(logits.data(), n, sel.threshold, 0.f, records.data() + 1, stride, mask.data()), 0);
+    EXPECT_EQ(mask, top_p_mask);
+    int64_t previous = 0;
+    for (float m : {0.1f, 0.5f, 2.f}) {
+      std::vector<uint8_t> widened = top_p_mask;
+      const int64_t added = top_p_widen(logits.data(), n, sel.threshold, m, records.data() + 1, stride, widened.data());
+      int64_t expected = 0;
+      for (int64_t t = 0; t < n; ++t) {
+        volatile float margin = m * records[static_cast<size_t>(t * stride + 1)];
+        volatile float reach = logits[static_cast<size_t>(t)] + margin;
+        const bool take = top_p_mask[static_cast<size_t>(t)] != 0 || reach >= sel.threshold;
+        ASSERT_EQ(widened[static_cast<size_t>(t)], take ? 1 : 0) << "n " << n << " m " << m << " t " << t;
+        expected += top_p_mask[static_cast<size_t>(t)] == 0 && take;
+      }
+      EXPECT_EQ(added, expected);
+      EXPECT_GE(added, previous);  // larger margins add more
+      previous = added;
+    }
+    if (n >= 1000) EXPECT_GT(previous, 0);
+  }
+  std::vector<float> l{1.f, 0.f}, norms{1.f, 1.f};
+  std::vector<uint8_t> mask{1, 0};
+  EXPECT_THROW(top_p_widen(l.data(), 2, 1.f, -0.5f, norms.data(), 1, mask.data()), Error);
+  EXPECT_THROW(top_p_widen(l.data(), 2, 1.f, NAN, norms.data(), 1, mask.data()), Error);
+  EXPECT_THROW(top_p_widen(l.data(), 2, 1.f, INFINITY, norms.data(), 1, mask.data()), Error);
+  EXPECT_THROW(top_p_widen(l.data(), 2, 1.f, 1.f, norms.data(), 0, mask.data()), Error);
+  EXPECT_THROW(top_p_widen(l.data(), -1, 1.f, 1.f, norms.data(), 1, mask.data()), Error);
+  EXPECT_THROW(top_p_widen(nullptr, 2, 1.f, 1.f, norms.data(), 1, mask.data()), Error);
+  EXPECT_THROW(top_p_widen(l.data(), 2, 1.f, 1.f, nullptr, 1, mask.data()), Error);
+  EXPECT_THROW(top_p_widen(l.data(), 2, 1.f, 1.f, norms.data(), 1, nullptr), Error);
+  EXPECT_EQ(top_p_widen(l.data(), 2, 1.f, 1.f, norms.data(), 1, mask.data()), 1);  // 0 + 1 reaches 1
+  EXPECT_EQ(mask, (std::vector<uint8_t>{1, 1}));
+}
+
 TEST(TopP, WeightTableAndTargetUnitsForPorts) {
   for (int64_t n : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{1000}, int64_t{131072}, int64_t{131073}}) {
     const std::vector<uint64_t>& w = top_p_weight_table(n);

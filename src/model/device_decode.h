@@ -96,12 +96,13 @@ class DeviceDecoder {
   // Sparse decode of the newest position (attention/cuda/sparse_decode_cuda.h), the selection of
   // attention::sparse_decode_attention: the indexed prefix of `index` (whose new records are
   // copied to the device), every query head's query quantized on the host with
-  // sparse_head_rounding_seed(rounding_seed, head) as the CPU path does, Top-p mass p, the window
+  // sparse_head_rounding_seed(rounding_seed, head) as the CPU path does, Top-p mass p widened by
+  // `deviations` estimator deviations per token (SparseDecodeOptions::deviations), the window
   // after the prefix attended exactly. stats: [n_q_heads] or null (boundary_tokens is not
   // counted here). REQUIRES: a session configured with `sparse`; every kv head of the layer
   // indexed to the same whole-block length, at least one block, at most the tokens written.
   virtual void attend_sparse(int layer, const float* q, float* out, const cache::KeyIndex& index, double p,
-                             uint64_t rounding_seed, attention::SparseHeadStats* stats) = 0;
+                             double deviations, uint64_t rounding_seed, attention::SparseHeadStats* stats) = 0;
   // The gate's repair of a lossy block: the K and V pages of (layer, kv_head, block) that are lossy
   // on the device become exact raw pages holding k_rows, v_rows ([block_tokens][head_dim] bf16,
   // from the host cache's backing store). Returns the bytes uploaded (0 when neither was lossy).

@@ -102,6 +102,9 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
     if (!(sparse.p > 0 && sparse.p <= 1))
       fail(StatusCode::kInvalidArgument,
            "sparse p must be in (0, 1], got " + std::to_string(sparse.p));
+    if (!(sparse.deviations >= 0) || !std::isfinite(sparse.deviations))
+      fail(StatusCode::kInvalidArgument,
+           "sparse deviations must be finite and >= 0, got " + std::to_string(sparse.deviations));
     if (sparse.window_tokens == -1)
       config_.sparse.window_tokens = int(std::min<int64_t>(128, context_tokens_));
     else if (sparse.window_tokens < 0 || sparse.window_tokens > context_tokens_)
@@ -234,6 +237,7 @@ void Session::decode_attention_sparse(int layer, const attention::AttentionShape
   const int64_t n_ctx = pos0 + 1;
   attention::SparseDecodeOptions options;
   options.p = config_.sparse.p;
+  options.deviations = config_.sparse.deviations;
   options.rounding_seed = config_.sparse.seed ^
                           ((uint64_t(pos0) * uint64_t(model_.config().n_layers) + uint64_t(layer)) *
                            0xd1b54a32d192ed03ull);
@@ -251,7 +255,7 @@ void Session::decode_attention_sparse(int layer, const attention::AttentionShape
     if (sparse_observer_)
       fail(StatusCode::kUnsupported, "device cuda: the sparse audit reads the CPU path's selections (run it "
                                      "with --device cpu)");
-    device_->attend_sparse(layer, q_.data(), attn_.data(), *index_, options.p, options.rounding_seed,
+    device_->attend_sparse(layer, q_.data(), attn_.data(), *index_, options.p, options.deviations, options.rounding_seed,
                            stats.data());
   } else {
     attention::sparse_decode_attention(*cache_, seq_, layer, shape, q_.data(), n_ctx, *index_,
@@ -266,6 +270,7 @@ void Session::decode_attention_sparse(int layer, const attention::AttentionShape
     sparse_stats_.cells += 1;
     sparse_stats_.sum_budget += budget;
     sparse_stats_.attended_tokens += st.n_attended;
+    sparse_stats_.widened_tokens += st.n_widened;
     sparse_stats_.context_tokens += n_ctx;
     sparse_stats_.layer_cells[size_t(layer)] += 1;
     sparse_stats_.layer_sum_budget[size_t(layer)] += budget;

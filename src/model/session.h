@@ -67,6 +67,9 @@ using MeterObserver = std::function<void(const MeterObservation&)>;
 struct SparseConfig {
   bool enabled = false;
   double p = 0.9;           // Top-p mass, in (0, 1]
+  // The Top-p set widened by this many estimator deviations per token
+  // (attention::SparseDecodeOptions::deviations); finite, >= 0; 0: no widening.
+  double deviations = 0;
   // REQUIRES: 0 <= window_tokens <= the context; -1: 128, or the context when it is shorter.
   int window_tokens = -1;
   int dense_layers = 2;     // REQUIRES: 0 <= dense_layers <= n_layers
@@ -81,6 +84,7 @@ struct SparseStats {
   int64_t cells = 0;
   double sum_budget = 0;        // over sparse cells
   int64_t attended_tokens = 0;  // over sparse cells
+  int64_t widened_tokens = 0;   // of them, added by the widening (SparseConfig::deviations)
   int64_t context_tokens = 0;   // over sparse cells
   int64_t dense_cells = 0;      // cells of the dense layers (budget 1) in the same steps
   std::vector<int64_t> layer_cells;      // [n_layers]

@@ -22,15 +22,16 @@ void KvFlags::apply(certkv_session_params& params) const {
   params.sparse_window = sparse_window;
   params.sparse_dense_layers = sparse_dense_layers;
   params.sparse_rotation = sparse_rotation.empty() ? nullptr : sparse_rotation.c_str();
+  params.sparse_deviations = sparse_deviations;
 }
 
 namespace {
 
-// --sparse p=0.9,window=128,dense=2,rotation=haar (or a bare p: --sparse 0.9).
+// --sparse p=0.9,deviations=1.5,window=128,dense=2,rotation=haar (or a bare p: --sparse 0.9).
 void parse_sparse(const std::string& spec, KvFlags& f) {
   auto bad = [&](const std::string& why) {
     throw UsageError{"flag --sparse '" + spec + "': " + why +
-                     " (expected p=P[,window=N][,dense=L][,rotation=haar|hadamard])"};
+                     " (expected p=P[,deviations=Z][,window=N][,dense=L][,rotation=haar|hadamard])"};
   };
   auto number = [&](const std::string& key, const std::string& text) {
     char* end = nullptr;
@@ -56,6 +57,10 @@ void parse_sparse(const std::string& spec, KvFlags& f) {
     if (key == "p") {
       f.sparse_p = number("p", value);
       if (!(f.sparse_p > 0 && f.sparse_p <= 1)) bad("p must be in (0, 1], got " + value);
+    } else if (key == "deviations") {
+      f.sparse_deviations = number("deviations", value);
+      if (!(f.sparse_deviations >= 0) || !std::isfinite(f.sparse_deviations))
+        bad("deviations must be finite and >= 0, got " + value);
     } else if (key == "window") {
       f.sparse_window = integer("window", value, 0, 1 << 30);
     } else if (key == "dense") {
@@ -146,6 +151,8 @@ namespace certkv::tools {
 std::string sparse_json(const certkv_sparse_stats& s) {
   JsonObject o;
   o.add("p", s.p)
+      .add("deviations", s.deviations)
+      .add("widened_fraction", s.widened_fraction)
       .add("window", int64_t(s.window_tokens))
       .add("dense_layers", int64_t(s.dense_layers))
       .add("steps", s.steps)

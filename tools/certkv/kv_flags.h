@@ -1,6 +1,6 @@
 // The KV-scheme and meter flags shared by `certkv run`, `certkv eval` and `certkv audit`:
 //   --kv SCHEME  --gaac-calib FILE  --outlier-pairs M  --window N  --delta D  --tau T  --gate
-//   --no-meter  --sparse p=P[,window=N][,dense=L][,rotation=haar|hadamard]
+//   --no-meter  --sparse p=P[,deviations=Z][,window=N][,dense=L][,rotation=haar|hadamard]
 #pragma once
 
 #include <string>
@@ -22,6 +22,7 @@ struct KvFlags {
   bool meter = true;
   // --sparse (sparse_p 0: dense decode).
   double sparse_p = 0;
+  double sparse_deviations = 0;  // the Top-p set widened per token (certkv_session_params)
   int32_t sparse_window = -1;
   int32_t sparse_dense_layers = -1;
   std::string sparse_rotation;  // empty: the default

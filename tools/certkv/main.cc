@@ -46,7 +46,7 @@ constexpr const char* kUsage =
     "           [--model PATH] [--prompt TEXT | --prompt-file F] [--n N] [--ctx N] [--threads N]\n"
     "           [--kv SCHEME] [--gaac-calib CAL.safetensors] [--json] [--raw] [--system TEXT]\n"
     "           [--outlier-pairs M] [--window N] [--delta D] [--tau T] [--gate] [--no-meter]\n"
-    "           [--sparse p=P[,window=N][,dense=L][,rotation=haar|hadamard]]\n"
+    "           [--sparse p=P[,deviations=Z][,window=N][,dense=L][,rotation=haar|hadamard]]\n"
     "           [--temp T] [--top-k K] [--top-p P]\n"
     "           [--seed S] [--block-tokens N] [--activations int8|f32] [--device cpu|cuda]\n"
     "  dump-kv  --model PATH --text-file F --tokens N --out FILE.safetensors [--layers LIST]\n"

@@ -52,9 +52,11 @@ struct QueryTerms {
   float two_delta, two_q_l, query_term, norm_over_sqrt_d, bias;
 };
 
+// head_max: each row's largest logit (ordered_key); norm_max: each list's largest key norm (the
+// bits of a float >= 0 order as the float), the selection's bound for the widening margins.
 template <int D>
 __global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecodeParams p, float* logits,
-                                                                     uint32_t* head_max) {
+                                                                     uint32_t* head_max, uint32_t* norm_max) {
   constexpr int W = (D + 63) / 64;
   __shared__ QueryTerms terms[kTileHeads];
   __shared__ uint32_t cta_max[kTileHeads];
@@ -77,6 +79,7 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecode
   const auto* records = static_cast<const index::RabitqRecord<D>*>(p.records) +
                         (int64_t(b) * p.n_kv_heads + kv_head) * p.record_stride;
   uint32_t key_max[kTileHeads] = {};
+  float largest_norm = 0.f;
   for (int64_t t = int64_t(blockIdx.x) * kEstimateTokens + threadIdx.x;
        t < min(n, int64_t(blockIdx.x + 1) * kEstimateTokens); t += kEstimateThreads) {
     const index::RabitqRecord<D>& rec = records[t];
@@ -85,6 +88,7 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecode
     for (int w = 0; w < W; ++w) code[w] = rec.code[w];
     const float norm_k = rec.norm_k_centered, alpha = rec.alpha, cq_dot_k = rec.cq_dot_k;
     const float popcount = float(rec.code_popcount);
+    largest_norm = fmaxf(largest_norm, norm_k);
 #pragma unroll
     for (int g = 0; g < kTileHeads; ++g) {
       if (g >= group) break;
@@ -116,6 +120,10 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecode
     for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xffffffffu, k, o));
     if ((threadIdx.x & 31) == 0 && g < group && k != 0) atomicMax(&cta_max[g], k);
   }
+  uint32_t norm_bits = __float_as_uint(largest_norm);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) norm_bits = max(norm_bits, __shfl_xor_sync(0xffffffffu, norm_bits, o));
+  if ((threadIdx.x & 31) == 0 && norm_bits != 0) atomicMax(&norm_max[int64_t(b) * p.n_kv_heads + kv_head], norm_bits);
   __syncthreads();
   if (threadIdx.x < group && cta_max[threadIdx.x] != 0)
     atomicMax(&head_max[int64_t(b) * p.n_q_heads + kv_head * group + threadIdx.x], cta_max[threadIdx.x]);
@@ -329,6 +337,7 @@ __global__ void __launch_bounds__(kTopPThreads) theta_kernel(SparseDecodeParams 
       theta_out[row] = INFINITY;
       if (p.threshold) p.threshold[row] = INFINITY;
       if (p.n_selected) p.n_selected[row] = 0;
+      if (p.n_widened) p.n_widened[row] = 0;
       if (p.mass) p.mass[row] = 0.0;
     }
     return;
@@ -387,26 +396,45 @@ __global__ void __launch_bounds__(kTopPThreads) theta_kernel(SparseDecodeParams 
     theta_out[row] = theta;
     if (p.threshold) p.threshold[row] = theta;
     if (p.n_selected) p.n_selected[row] = int64_t(plan.above) + int64_t(taken);
+    if (p.n_widened) p.n_widened[row] = 0;  // select_kernel adds the widening's tokens to both
     if (p.mass) p.mass[row] = double(plan.g_above + taken * plan.w) / double(plan.z);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // 3. Selection lists: per (sequence, KV head) and chunk of 1024 indexed tokens, in token order,
-// the tokens any head of the group selected, with the heads as bits 24..31.
+// the tokens any head of the group selected, with the heads as bits 24..31. A head selects the
+// tokens of its Top-p set (logit >= theta) and, when its margin_scale m is positive, those with
+// fl(logit + fl(m ||k_t - c_k||)) >= theta (index::top_p_widen's two rounded operations). The
+// norm is read from the token's record only when the list's largest norm could reach theta: by
+// monotone rounding, fl(l + fl(m n)) <= fl(l + fl(m n_max)) for n <= n_max.
 
+template <int D>
 __global__ void __launch_bounds__(kSparseChunkTokens) select_kernel(SparseDecodeParams p, const float* logits,
-                                                                    const float* theta, uint32_t* entries,
-                                                                    int32_t* counts, int64_t n_chunks) {
+                                                                    const float* theta, const uint32_t* norm_max,
+                                                                    uint32_t* entries, int32_t* counts,
+                                                                    int64_t n_chunks) {
   __shared__ int32_t warp_counts[33];
   const int chunk = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int group = p.n_q_heads / p.n_kv_heads;
   const int64_t t = int64_t(chunk) * kSparseChunkTokens + threadIdx.x;
-  uint32_t heads = 0;
+  const int64_t list_of_head = int64_t(b) * p.n_kv_heads + kv_head;
+  const float n_max = __uint_as_float(norm_max[list_of_head]);
+  uint32_t heads = 0, widened = 0;
   if (t < indexed_of(p, b)) {
+    float norm = -1.f;  // the token's key norm, read on first need
     for (int g = 0; g < group; ++g) {
       const int64_t row = int64_t(b) * p.n_q_heads + kv_head * group + g;
-      heads |= uint32_t(logits[row * p.max_indexed + t] >= theta[row]) << g;
+      const float l = logits[row * p.max_indexed + t], th = theta[row];
+      bool take = l >= th;
+      const float m = p.queries[row].margin_scale;
+      if (!take && m > 0.f && __fadd_rn(l, __fmul_rn(m, n_max)) >= th) {
+        if (norm < 0.f)
+          norm = static_cast<const index::RabitqRecord<D>*>(p.records)[list_of_head * p.record_stride + t].norm_k_centered;
+        take = __fadd_rn(l, __fmul_rn(m, norm)) >= th;
+        widened |= uint32_t(take) << g;
+      }
+      heads |= uint32_t(take) << g;
     }
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -430,6 +458,17 @@ __global__ void __launch_bounds__(kSparseChunkTokens) select_kernel(SparseDecode
   if (heads != 0)
     entries[list * kSparseChunkTokens + offset + __popc(ballot & ((1u << lane) - 1u))] = uint32_t(t) | (heads << 24);
   if (threadIdx.x == 0) counts[list] = total;
+  // The widening's tokens per head, added to the counts theta_kernel wrote.
+  if (__ballot_sync(0xffffffffu, widened != 0) != 0 && (p.n_selected || p.n_widened)) {
+    for (int g = 0; g < group; ++g) {
+      const uint32_t w = __ballot_sync(0xffffffffu, (widened >> g) & 1u);
+      if (lane == 0 && w != 0) {
+        const int64_t row = int64_t(b) * p.n_q_heads + kv_head * group + g;
+        if (p.n_selected) atomicAdd(reinterpret_cast<unsigned long long*>(&p.n_selected[row]), (unsigned long long)__popc(w));
+        if (p.n_widened) atomicAdd(reinterpret_cast<unsigned long long*>(&p.n_widened[row]), (unsigned long long)__popc(w));
+      }
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -605,7 +644,7 @@ CudaStatus unsupported(const std::string& message) {
 
 struct Layout {
   // zeroed before every call: head_max .. cand_count (one memset)
-  size_t head_max = 0, hist = 0, cand_count = 0, zeroed_end = 0;
+  size_t head_max = 0, norm_max = 0, hist = 0, cand_count = 0, zeroed_end = 0;
   size_t logits = 0, candidates = 0, plans = 0, theta = 0, entries = 0, counts = 0, mld = 0, o = 0, total = 0;
   int64_t n_chunks = 0, window_chunks = 0;
   int splits = 1;
@@ -628,6 +667,7 @@ Layout layout_of(const SparseDecodeParams& p, int splits) {
     return here;
   };
   l.head_max = take(rows * 4);
+  l.norm_max = take(lists * 4);
   l.hist = take(rows * kGapBuckets * 4);
   l.cand_count = take(rows * 4);
   l.zeroed_end = at;
@@ -665,6 +705,7 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
   auto at = [&](size_t offset) { return static_cast<void*>(base + offset); };
   float* logits = static_cast<float*>(at(l.logits));
   uint32_t* head_max = static_cast<uint32_t*>(at(l.head_max));
+  uint32_t* norm_max = static_cast<uint32_t*>(at(l.norm_max));
   uint32_t* hist = static_cast<uint32_t*>(at(l.hist));
   uint32_t* cand_count = static_cast<uint32_t*>(at(l.cand_count));
   float* candidates = static_cast<float*>(at(l.candidates));
@@ -680,7 +721,7 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
     const unsigned B = unsigned(p.batch), Hq = unsigned(p.n_q_heads), Hkv = unsigned(p.n_kv_heads);
     const unsigned passes = unsigned((p.max_indexed + kPassTokens - 1) / kPassTokens);
     estimate_kernel<D><<<dim3(unsigned((p.max_indexed + kEstimateTokens - 1) / kEstimateTokens), Hkv, B),
-                         kEstimateThreads, 0, stream>>>(p, logits, head_max);
+                         kEstimateThreads, 0, stream>>>(p, logits, head_max, norm_max);
     hist_kernel<<<dim3(passes, Hq, B), kPassThreads, 0, stream>>>(p, logits, head_max, hist);
     plan_kernel<<<dim3(Hq, B), kTopPThreads, 0, stream>>>(p, head_max, hist, plans);
     gather_kernel<<<dim3(passes, Hq, B), kPassThreads, 0, stream>>>(p, logits, plans, cand_count, candidates);
@@ -688,8 +729,8 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
   theta_kernel<<<dim3(unsigned(p.n_q_heads), unsigned(p.batch)), kTopPThreads, 0, stream>>>(p, plans, cand_count,
                                                                                           candidates, theta);
   if (l.n_chunks > 0)
-    select_kernel<<<dim3(unsigned(l.n_chunks), unsigned(p.n_kv_heads), unsigned(p.batch)), kSparseChunkTokens, 0,
-                    stream>>>(p, logits, theta, entries, counts, l.n_chunks);
+    select_kernel<D><<<dim3(unsigned(l.n_chunks), unsigned(p.n_kv_heads), unsigned(p.batch)), kSparseChunkTokens, 0,
+                       stream>>>(p, logits, theta, norm_max, entries, counts, l.n_chunks);
   AttendArgs a{p, entries, counts, l.n_chunks, l.window_chunks, splits,
                static_cast<float*>(at(l.mld)), static_cast<float*>(at(l.o))};
   const size_t smem = sizeof(SparseShared<D>);
@@ -710,7 +751,8 @@ int splits_of(const SparseDecodeParams& p) { return p.n_splits > 0 ? p.n_splits 
 }  // namespace
 
 template <int D>
-DeviceRabitqQuery device_rabitq_query(const index::RabitqHead& head, const index::RabitqQuery<D>& query) {
+DeviceRabitqQuery device_rabitq_query(const index::RabitqHead& head, const index::RabitqQuery<D>& query,
+                                      float margin_scale) {
   static_assert(D <= 128, "two code words at most");
   DeviceRabitqQuery q;
   for (int b = 0; b < index::kRabitqQueryBits; ++b)
@@ -721,10 +763,11 @@ DeviceRabitqQuery device_rabitq_query(const index::RabitqHead& head, const index
   q.norm_q_centered = query.norm_q_centered;
   q.q_dot_ck = query.q_dot_ck;
   q.cq_dot_ck = head.cq_dot_ck();
+  q.margin_scale = margin_scale;
   return q;
 }
-template DeviceRabitqQuery device_rabitq_query<64>(const index::RabitqHead&, const index::RabitqQuery<64>&);
-template DeviceRabitqQuery device_rabitq_query<128>(const index::RabitqHead&, const index::RabitqQuery<128>&);
+template DeviceRabitqQuery device_rabitq_query<64>(const index::RabitqHead&, const index::RabitqQuery<64>&, float);
+template DeviceRabitqQuery device_rabitq_query<128>(const index::RabitqHead&, const index::RabitqQuery<128>&, float);
 
 void describe_pages(const PagedDecodeParams& pages, SparseDecodeParams* p) {
   p->batch = pages.batch;

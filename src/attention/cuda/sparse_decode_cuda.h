@@ -5,8 +5,9 @@
 // attention over the selected tokens of the indexed prefix plus every token of the local window,
 // gathered row by row from bf16 pages onto the tensor-core tiles of the paged kernel.
 //
-// Launches (one stream): estimate -> Top-p threshold -> selection lists -> attention splits ->
-// merge. The query's rotation and 4-bit quantization are the caller's (index::rabitq_quantize_query
+// Launches (one stream): estimate -> Top-p threshold -> selection lists (the Top-p set, widened
+// per token as index::top_p_widen when the query's margin_scale is positive) -> attention splits
+// -> merge. The query's rotation and 4-bit quantization are the caller's (index::rabitq_quantize_query
 // on the host; device_rabitq_query converts it).
 #pragma once
 
@@ -19,15 +20,20 @@
 namespace certkv::attention::cuda {
 
 // One query head's RaBitQ state as the estimate reads it: index::RabitqQuery without its levels,
-// and the KV head's <c_q, c_k>. Words past the head dim are 0.
+// and the KV head's <c_q, c_k>. Words past the head dim are 0. margin_scale widens the head's
+// Top-p set as index::top_p_widen does (0: no widening).
 struct DeviceRabitqQuery {
   uint64_t planes[index::kRabitqQueryBits][2];
   int32_t sum_q_u = 0;
   float delta = 0, q_l = 0, norm_q_centered = 0, q_dot_ck = 0, cq_dot_ck = 0;
+  float margin_scale = 0;
 };
 
+// margin_scale: index::rabitq_logit_deviation_scale(deviations, sm_scale, query.norm_q_centered, D)
+// for a set widened by that many deviations (the CPU path's SparseDecodeOptions::deviations).
 template <int D>
-DeviceRabitqQuery device_rabitq_query(const index::RabitqHead& head, const index::RabitqQuery<D>& query);
+DeviceRabitqQuery device_rabitq_query(const index::RabitqHead& head, const index::RabitqQuery<D>& query,
+                                      float margin_scale = 0.f);
 
 // Tokens of the selection lists per chunk of the indexed prefix.
 inline constexpr int kSparseChunkTokens = 1024;
@@ -63,10 +69,12 @@ struct SparseDecodeParams {
 
   const float* q = nullptr;  // [batch][n_q_heads][head_dim]
   float* out = nullptr;      // [batch][n_q_heads][head_dim]
-  // Optional, per (sequence, query head): theta (selected: estimated logit >= theta; +inf when
-  // nothing is indexed), tokens selected from the indexed prefix, the estimated mass of the set.
+  // Optional, per (sequence, query head): theta (the Top-p set: estimated logit >= theta; +inf
+  // when nothing is indexed), tokens selected from the indexed prefix (the widened set), of them
+  // the tokens the widening added, the estimated mass of the Top-p set before widening.
   float* threshold = nullptr;
   int64_t* n_selected = nullptr;
+  int64_t* n_widened = nullptr;
   double* mass = nullptr;
 
   int n_splits = 0;  // 0: chosen (one wave of resident CTAs)

@@ -33,6 +33,7 @@ struct SparseCase {
   double p;
   uint32_t seed;
   bool flat_keys = false;  // every key equal: all logits tie (one gap bucket of every token)
+  double deviations = 0;   // the Top-p set widened by this many estimator deviations per token
 };
 
 struct Host {
@@ -79,7 +80,9 @@ Host make_inputs(const SparseCase& c) {
 template <int D>
 struct SparseRun {
   std::vector<float> out, logits, threshold;
-  std::vector<int64_t> n_selected;
+  std::vector<int64_t> n_selected, n_widened;
+  std::vector<float> margin;                // [b * n_q + h]: the query's margin_scale
+  std::vector<std::vector<float>> norms;    // [b * n_kv + kv_head][n_indexed]: ||k_t - c_k||
   std::vector<uint32_t> entries;
   std::vector<int32_t> counts;
   int64_t chunks = 0, max_indexed = 0;
@@ -111,6 +114,8 @@ SparseRun<D> run(const SparseCase& c, const Host& h) {
   std::vector<DeviceRabitqQuery> queries(size_t(B) * Hq);
   std::vector<uint64_t> weights(size_t(B) * (index::kTopPGapCap + 1), 1);
   r.cpu_scores.resize(size_t(B) * Hq);
+  r.margin.assign(size_t(B) * Hq, 0.f);
+  r.norms.resize(size_t(B) * H);
   for (int b = 0; b < B; ++b) {
     const int len = c.lens[size_t(b)], n = c.n_indexed[size_t(b)];
     if (n > 0) {
@@ -128,11 +133,14 @@ SparseRun<D> run(const SparseCase& c, const Host& h) {
       const index::RabitqHead head(c_q, c_k, index::Rotation(index::RotationKind::kHaar, D, 7 + uint64_t(kvh)));
       index::RabitqRecord<D>* rec = records.data() + (size_t(b) * H + size_t(kvh)) * size_t(stride);
       if (n > 0) index::rabitq_encode_keys<D>(head, keys.data(), n, rec);
+      for (int t = 0; t < n; ++t) r.norms[size_t(b) * H + size_t(kvh)].push_back(rec[t].norm_k_centered);
       for (int g = 0; g < G; ++g) {
         const int hh = kvh * G + g;
         const float* qv = h.q.data() + (size_t(b) * Hq + size_t(hh)) * D;
         const index::RabitqQuery<D> query = index::rabitq_quantize_query<D>(head, qv, 1000 + uint64_t(hh));
-        queries[size_t(b) * Hq + size_t(hh)] = device_rabitq_query<D>(head, query);
+        const float margin = index::rabitq_logit_deviation_scale(c.deviations, scale, query.norm_q_centered, D);
+        r.margin[size_t(b) * Hq + size_t(hh)] = margin;
+        queries[size_t(b) * Hq + size_t(hh)] = device_rabitq_query<D>(head, query, margin);
         std::vector<float>& scores = r.cpu_scores[size_t(b) * Hq + size_t(hh)];
         scores.assign(size_t(n), 0.f);
         if (n > 0) index::rabitq_estimate_scores_popcount<D>(head, query, rec, n, scores.data());
@@ -140,7 +148,7 @@ SparseRun<D> run(const SparseCase& c, const Host& h) {
     }
   }
 
-  DeviceBuffer rec_d, q_rab_d, w_d, nidx_d, q_d, out_d, thr_d, nsel_d, ws_d;
+  DeviceBuffer rec_d, q_rab_d, w_d, nidx_d, q_d, out_d, thr_d, nsel_d, nwid_d, ws_d;
   std::vector<int32_t> nidx(c.n_indexed.begin(), c.n_indexed.end());
   bool ok = DeviceBuffer::allocate(records.size() * sizeof(records[0]), &rec_d).ok &&
             rec_d.upload(0, records.data(), records.size() * sizeof(records[0])).ok &&
@@ -150,7 +158,7 @@ SparseRun<D> run(const SparseCase& c, const Host& h) {
             DeviceBuffer::allocate(nidx.size() * 4, &nidx_d).ok && nidx_d.upload(0, nidx.data(), nidx.size() * 4).ok &&
             DeviceBuffer::allocate(h.q.size() * 4, &q_d).ok && q_d.upload(0, h.q.data(), h.q.size() * 4).ok &&
             DeviceBuffer::allocate(h.q.size() * 4, &out_d).ok && DeviceBuffer::allocate(size_t(B) * Hq * 4, &thr_d).ok &&
-            DeviceBuffer::allocate(size_t(B) * Hq * 8, &nsel_d).ok;
+            DeviceBuffer::allocate(size_t(B) * Hq * 8, &nsel_d).ok && DeviceBuffer::allocate(size_t(B) * Hq * 8, &nwid_d).ok;
   EXPECT_TRUE(ok);
   SparseDecodeParams p;
   describe_pages(pp, &p);
@@ -168,6 +176,7 @@ SparseRun<D> run(const SparseCase& c, const Host& h) {
   p.out = reinterpret_cast<float*>(out_d.data());
   p.threshold = reinterpret_cast<float*>(thr_d.data());
   p.n_selected = reinterpret_cast<int64_t*>(nsel_d.data());
+  p.n_widened = reinterpret_cast<int64_t*>(nwid_d.data());
   const size_t ws = workspace_bytes(p);
   EXPECT_TRUE(DeviceBuffer::allocate(ws, &ws_d).ok);
   p.workspace = ws_d.data();
@@ -180,6 +189,7 @@ SparseRun<D> run(const SparseCase& c, const Host& h) {
   r.out.resize(h.q.size());
   r.threshold.resize(size_t(B) * Hq);
   r.n_selected.resize(size_t(B) * Hq);
+  r.n_widened.resize(size_t(B) * Hq);
   r.logits.resize(size_t(B) * Hq * size_t(std::max<int64_t>(max_indexed, 1)));
   r.chunks = selection_chunks(p);
   r.entries.resize(size_t(B) * H * size_t(std::max<int64_t>(r.chunks, 1)) * kSparseChunkTokens);
@@ -187,6 +197,7 @@ SparseRun<D> run(const SparseCase& c, const Host& h) {
   EXPECT_TRUE(out_d.download(0, r.out.data(), r.out.size() * 4).ok);
   EXPECT_TRUE(thr_d.download(0, r.threshold.data(), r.threshold.size() * 4).ok);
   EXPECT_TRUE(nsel_d.download(0, r.n_selected.data(), r.n_selected.size() * 8).ok);
+  EXPECT_TRUE(nwid_d.download(0, r.n_widened.data(), r.n_widened.size() * 8).ok);
   EXPECT_EQ(cudaMemcpy(r.logits.data(), estimated_logits(p), size_t(B) * Hq * size_t(max_indexed) * 4,
                        cudaMemcpyDeviceToHost),
             cudaSuccess);
@@ -201,14 +212,18 @@ SparseRun<D> run(const SparseCase& c, const Host& h) {
 template <int D>
 void check_case(const SparseCase& c, bool dense_too = false) {
   SCOPED_TRACE("D " + std::to_string(D) + " " + std::to_string(c.n_q_heads) + "/" + std::to_string(c.n_kv_heads) +
-               " p " + std::to_string(c.p) + " seed " + std::to_string(c.seed));
+               " p " + std::to_string(c.p) + " deviations " + std::to_string(c.deviations) + " seed " +
+               std::to_string(c.seed));
   const Host h = make_inputs(c);
   const SparseRun<D> r = run<D>(c, h);
   ASSERT_TRUE(r.status.ok) << r.status.message;
   const int B = int(c.lens.size()), H = c.n_kv_heads, Hq = c.n_q_heads, G = Hq / H;
   const float scale = 1.f / std::sqrt(float(D));
+  int64_t widened_total = 0;
   for (int b = 0; b < B; ++b) {
     const int len = c.lens[size_t(b)], n = c.n_indexed[size_t(b)];
+    // Each head's set on the CPU: Top-p on the device's logits, widened by index::top_p_widen.
+    std::vector<std::vector<uint8_t>> chosen(static_cast<size_t>(Hq));
     for (int hh = 0; hh < Hq; ++hh) {
       const size_t row = size_t(b) * Hq + size_t(hh);
       const float* gl = r.logits.data() + row * size_t(r.max_indexed);
@@ -229,21 +244,23 @@ void check_case(const SparseCase& c, bool dense_too = false) {
       const index::TopPSelection sel_ref = index::top_p_select_ref(gl, n, c.p, mask_ref.data());
       EXPECT_EQ(r.threshold[row], sel.threshold) << "seq " << b << " head " << hh;
       EXPECT_EQ(r.threshold[row], sel_ref.threshold);
-      EXPECT_EQ(r.n_selected[row], sel.n_selected) << "seq " << b << " head " << hh;
       EXPECT_EQ(mask, mask_ref);
       if (c.p == 1.0) {
         EXPECT_EQ(sel.n_selected, n);
       }
+      const int64_t added = index::top_p_widen(gl, n, sel.threshold, r.margin[row],
+                                               r.norms[size_t(b) * H + size_t(hh / G)].data(), 1, mask.data());
+      EXPECT_EQ(r.n_selected[row], sel.n_selected + added) << "seq " << b << " head " << hh;
+      EXPECT_EQ(r.n_widened[row], added) << "seq " << b << " head " << hh;
+      widened_total += added;
+      chosen[size_t(hh)] = mask;
     }
     // 3. The lists of each KV head: the tokens any head selected, in order, with their heads.
     for (int kvh = 0; kvh < H; ++kvh) {
       std::vector<uint32_t> want, got;
       for (int t = 0; t < n; ++t) {
         uint32_t heads = 0;
-        for (int g = 0; g < G; ++g) {
-          const size_t row = size_t(b) * Hq + size_t(kvh) * G + g;
-          heads |= uint32_t(r.logits[row * size_t(r.max_indexed) + size_t(t)] >= r.threshold[row]) << g;
-        }
+        for (int g = 0; g < G; ++g) heads |= uint32_t(chosen[size_t(kvh) * G + g][size_t(t)]) << g;
         if (heads) want.push_back(uint32_t(t) | (heads << 24));
       }
       for (int64_t ch = 0; ch < r.chunks; ++ch) {
@@ -261,7 +278,7 @@ void check_case(const SparseCase& c, bool dense_too = false) {
         std::vector<double> s(static_cast<size_t>(len), -INFINITY), o(static_cast<size_t>(D), 0.0);
         double mx = -INFINITY;
         for (int t = 0; t < len; ++t) {
-          const bool take = every || t >= n || r.logits[row * size_t(r.max_indexed) + size_t(t)] >= r.threshold[row];
+          const bool take = every || t >= n || chosen[size_t(hh)][size_t(t)];
           if (!take) continue;
           double dot = 0;
           for (int d = 0; d < D; ++d)
@@ -300,6 +317,11 @@ void check_case(const SparseCase& c, bool dense_too = false) {
       }
     }
   }
+  if (c.deviations == 0) {
+    EXPECT_EQ(widened_total, 0);
+  } else if (c.p < 1.0) {
+    EXPECT_GT(widened_total, 0) << "the widening added no token";
+  }
 }
 
 TEST(SparseDecodeCuda, RaggedBatchesMatchTheCpuSelectionAndAttention) {
@@ -309,6 +331,21 @@ TEST(SparseDecodeCuda, RaggedBatchesMatchTheCpuSelectionAndAttention) {
   check_case<64>({64, 7, 7, {1500, 64}, {1280, 48}, 0.95, 3});
   check_case<64>({64, 9, 3, {9000}, {8960}, 0.5, 4});
   check_case<128>({128, 8, 1, {2048, 333}, {1920, 320}, 0.99, 5});
+}
+
+// The Top-p set widened per token (index::top_p_widen): the device adds exactly the CPU's tokens
+// (the same two rounded float operations on the same logits and norms), counts them, and attends
+// them; ragged batches and GQA 1, 4, 7.
+TEST(SparseDecodeCuda, WideningAddsTheCpuTokens) {
+  CERTKV_NEED_CUDA_DEVICE();
+  auto widened = [](SparseCase c, double z) {
+    c.deviations = z;
+    return c;
+  };
+  check_case<128>(widened({128, 32, 8, {4096 + 100, 2000}, {4096, 1792}, 0.9, 11}, 1.5));
+  check_case<128>(widened({128, 28, 4, {17, 3000, 16 * 300 + 1}, {0, 2816, 16 * 300}, 0.8, 12}, 2.0));
+  check_case<64>(widened({64, 7, 1, {1500, 64}, {1280, 48}, 0.9, 13}, 3.0));
+  check_case<64>(widened({64, 9, 3, {9000}, {8960}, 0.5, 14}, 0.5));
 }
 
 TEST(SparseDecodeCuda, PEqualOneIsDenseAttention) {

@@ -135,7 +135,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
   }
 
   void attend_sparse(int layer, const float* q, float* out, const cache::KeyIndex& index, double p,
-                     uint64_t rounding_seed, attention::SparseHeadStats* stats) override {
+                     double deviations, uint64_t rounding_seed, attention::SparseHeadStats* stats) override {
     const auto t0 = Clock::now();
     if (!config_.sparse) fail(StatusCode::kInvalidArgument, "device cuda: this session was not configured for sparse decode");
     const int H = config_.n_kv_heads, Hq = config_.n_q_heads, D = config_.head_dim, T = config_.block_tokens;
@@ -167,14 +167,22 @@ class CudaDeviceDecoder final : public DeviceDecoder {
       const index::RabitqHead& rh = index.head(layer, hq / group);
       const uint64_t seed = attention::sparse_head_rounding_seed(rounding_seed, hq);
       const float* qh = q + size_t(hq) * size_t(D);
-      if (D == 64) queries[size_t(hq)] = attention::cuda::device_rabitq_query<64>(rh, index::rabitq_quantize_query<64>(rh, qh, seed));
-      else queries[size_t(hq)] = attention::cuda::device_rabitq_query<128>(rh, index::rabitq_quantize_query<128>(rh, qh, seed));
+      if (D == 64) {
+        const index::RabitqQuery<64> rq = index::rabitq_quantize_query<64>(rh, qh, seed);
+        queries[size_t(hq)] = attention::cuda::device_rabitq_query<64>(
+            rh, rq, index::rabitq_logit_deviation_scale(deviations, config_.scale, rq.norm_q_centered, D));
+      } else {
+        const index::RabitqQuery<128> rq = index::rabitq_quantize_query<128>(rh, qh, seed);
+        queries[size_t(hq)] = attention::cuda::device_rabitq_query<128>(
+            rh, rq, index::rabitq_logit_deviation_scale(deviations, config_.scale, rq.norm_q_centered, D));
+      }
     }
     if (queries_.size() == 0) {
       throw_if_failed(DeviceBuffer::allocate(sizeof(attention::cuda::DeviceRabitqQuery) * size_t(Hq), &queries_));
       throw_if_failed(DeviceBuffer::allocate(sizeof(uint64_t) * (index::kTopPGapCap + 1), &topp_weights_));
       throw_if_failed(DeviceBuffer::allocate(sizeof(int32_t), &n_indexed_));
       throw_if_failed(DeviceBuffer::allocate(sizeof(int64_t) * size_t(Hq), &n_selected_));
+      throw_if_failed(DeviceBuffer::allocate(sizeof(int64_t) * size_t(Hq), &n_widened_));
       throw_if_failed(DeviceBuffer::allocate(sizeof(double) * size_t(Hq), &mass_));
     }
     throw_if_failed(queries_.upload(0, queries.data(), queries_.size()));
@@ -202,6 +210,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     sp.q = reinterpret_cast<const float*>(q_.data());
     sp.out = reinterpret_cast<float*>(out_.data());
     sp.n_selected = reinterpret_cast<int64_t*>(n_selected_.data());
+    sp.n_widened = reinterpret_cast<int64_t*>(n_widened_.data());
     sp.mass = reinterpret_cast<double*>(mass_.data());
     const size_t need = attention::cuda::workspace_bytes(sp);
     if (workspace_.size() < need) throw_if_failed(DeviceBuffer::allocate(need, &workspace_));
@@ -210,15 +219,17 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     throw_if_failed(attention::cuda::sparse_decode(sp));
     throw_if_failed(out_.download(0, out, out_.size()));
     if (stats != nullptr) {
-      std::vector<int64_t> selected(static_cast<size_t>(Hq));
+      std::vector<int64_t> selected(static_cast<size_t>(Hq)), widened(static_cast<size_t>(Hq));
       std::vector<double> mass(static_cast<size_t>(Hq));
       throw_if_failed(n_selected_.download(0, selected.data(), n_selected_.size()));
+      throw_if_failed(n_widened_.download(0, widened.data(), n_widened_.size()));
       throw_if_failed(mass_.download(0, mass.data(), mass_.size()));
       for (int hq = 0; hq < Hq; ++hq) {
         attention::SparseHeadStats& st = stats[hq];
         st = attention::SparseHeadStats{};
         st.n_indexed = n_indexed;
         st.n_selected = selected[size_t(hq)];
+        st.n_widened = widened[size_t(hq)];
         st.n_attended = st.n_selected + (v.host_length - n_indexed);
         st.estimated_mass = mass[size_t(hq)];
       }
@@ -318,7 +329,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     int64_t uploaded = 0;
   };
   std::vector<SparseLayer> sparse_layers_ = std::vector<SparseLayer>(size_t(config_.n_layers));
-  DeviceBuffer queries_, topp_weights_, n_indexed_, n_selected_, mass_;
+  DeviceBuffer queries_, topp_weights_, n_indexed_, n_selected_, n_widened_, mass_;
   int64_t topp_tokens_ = -1;
   int64_t sparse_calls_ = 0;
   int64_t attention_calls_ = 0;
