@@ -5,7 +5,9 @@
 //   certkv_cuda_decode_bench --kv KV.safetensors --calib CAL.safetensors --out FILE.jsonl
 //       [--contexts 8192,32768,65536,131072] [--batches 1,8] [--shapes 32x8,28x4]
 //       [--formats bf16,gaac,gaac-e5m2,dither8,fp8-e4m3,fp8-e4m3-nometer,sparse-p0.9,sparse-p0.9-z1.5]
-//       [--reps 7] [--iters 20]   (sparse-pP-zZ: the Top-p set widened by Z estimator deviations)
+//       [--reps 7] [--iters 20] [--sparse-splits N]
+//   sparse-pP-zZ: the Top-p set widened by Z estimator deviations; --sparse-splits: the sparse
+//   attention's splits per KV head (default: chosen by sparse_decode_cuda's choose_splits)
 //
 // KV.safetensors (scripts/make_bench_kv.py): k, v BF16 [8][N][128], q F32 [8][7][128] (7 query
 // vectors per KV head), metadata "source". CAL.safetensors: k, v of another text, for the GAAC
@@ -215,7 +217,7 @@ struct SparseCell {
 };
 
 SparseCell run_sparse(const Source& src, const HostLayerKv& kv, const std::vector<float>& q, int n_q, double top_p,
-                      double deviations, int reps, int iters, cache::cuda::DeviceBuffer& q_d, cache::cuda::DeviceBuffer& out_d) {
+                      double deviations, int sparse_splits, int reps, int iters, cache::cuda::DeviceBuffer& q_d, cache::cuda::DeviceBuffer& out_d) {
   constexpr int D = 128;
   constexpr int64_t kWindow = 128;
   const int B = kv.batch, H = kv.n_kv_heads, G = n_q / H;
@@ -300,6 +302,7 @@ SparseCell run_sparse(const Source& src, const HostLayerKv& kv, const std::vecto
     p.max_indexed = n_idx;
     p.max_window = kWindow;
     p.queries = reinterpret_cast<const DeviceRabitqQuery*>(q_rab.data());
+    p.n_splits = sparse_splits;
     p.topp_weights = reinterpret_cast<const uint64_t*>(w_d.data());
     p.q = reinterpret_cast<const float*>(q_d.data());
     p.out = reinterpret_cast<float*>(out_d.data());
@@ -319,7 +322,7 @@ SparseCell run_sparse(const Source& src, const HostLayerKv& kv, const std::vecto
   CHECK_CUDA(cudaStreamSynchronize(stream));
   SparseCell cell;
   cell.n_sets = n_sets;
-  cell.splits = choose_splits(params[0]);
+  cell.splits = sparse_splits > 0 ? sparse_splits : choose_splits(params[0]);
   const std::vector<double> us = time_graph(stream, iters, reps, out_d.data(), q.size() * 4, "sparse", [&] {
     for (auto& p : params)
       if (const CudaStatus st = sparse_decode(p); !st.ok) die("sparse: " + st.message);
@@ -388,7 +391,7 @@ int main(int argc, char** argv) {
                            shapes = {"32x8", "28x4"},
                            formats = {"bf16", "gaac", "gaac-e5m2", "dither8", "fp8-e4m3", "fp8-e4m3-nometer",
                                       "sparse-p0.9"};
-  int reps = 7, iters = 20;
+  int reps = 7, iters = 20, sparse_splits = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -404,6 +407,7 @@ int main(int argc, char** argv) {
     else if (a == "--formats") formats = split(next(), ',');
     else if (a == "--reps") reps = std::stoi(next());
     else if (a == "--iters") iters = std::stoi(next());
+    else if (a == "--sparse-splits") sparse_splits = std::stoi(next());
     else die("unknown flag " + a);
   }
   if (kv_path.empty() || cal_path.empty() || out_path.empty()) die("--kv, --calib and --out are required");
@@ -474,7 +478,7 @@ int main(int argc, char** argv) {
             const size_t z_at = fname.find("-z", 8);
             const double top_p = std::stod(fname.substr(8, z_at == std::string::npos ? std::string::npos : z_at - 8));
             const double deviations = z_at == std::string::npos ? 0.0 : std::stod(fname.substr(z_at + 2));
-            const SparseCell c = run_sparse(src, kv, q, n_q, top_p, deviations, reps, iters, q_d, out_d);
+            const SparseCell c = run_sparse(src, kv, q, n_q, top_p, deviations, sparse_splits, reps, iters, q_d, out_d);
             const double tb_s = double(c.bytes) / (c.us * 1e-6) / 1e12;
             std::snprintf(line, sizeof line,
                           "{\"kind\": \"certkv\", \"format\": \"%s\", \"shape\": \"%s\", \"batch\": %d, \"ctx\": %lld, "

@@ -826,16 +826,16 @@ CudaStatus check(const SparseDecodeParams& p) {
 }
 
 int choose_splits(const SparseDecodeParams& p) {
-  int sms = 132, device = 0;
-  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int resident = p.head_dim == 64 ? resident_attend_ctas<64>() : resident_attend_ctas<128>();
-  const int64_t lists = int64_t(std::max(1, p.batch)) * std::max(1, p.n_kv_heads);
   const int64_t chunks = (p.max_indexed + kSparseChunkTokens - 1) / kSparseChunkTokens +
                          (p.max_window + kSparseChunkTokens - 1) / kSparseChunkTokens;
-  // One wave of resident CTAs, and at least 4 chunks per split (a chunk's selected tokens fill a
-  // few tiles, so fewer chunks would leave the CTA's warps idle).
-  int64_t splits = std::max<int64_t>(1, int64_t(sms) * resident / lists);
-  splits = std::min<int64_t>(splits, std::max<int64_t>(1, (chunks + 3) / 4));
+  // 4 chunks per split (a chunk's selected tokens fill a few tiles, so fewer chunks would leave
+  // the CTA's warps idle), however many waves that makes. The KV heads select very different
+  // numbers of rows (a list is the union over its group's heads), so one split per resident slot
+  // (the rule until this stop) left the multiprocessors idle half of the attention's time waiting
+  // for the heavy lists (Nsight Compute, 32 / 8 at batch 8, 128K: SM active 51% of the cycles);
+  // smaller splits over several waves let the block scheduler even them out (docs/cuda.md: p 0.9
+  // + 1.5 deviations 905 -> 802 us there; batch 1 already had 4 chunks per split).
+  const int64_t splits = std::max<int64_t>(1, (chunks + 3) / 4);
   return int(std::min<int64_t>(splits, 65535));
 }
 
