@@ -44,6 +44,9 @@ struct FormatTraits {
   static constexpr bool kTierA = F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2;
   static constexpr bool kTierB = F == PageFormat::kDither8;
   static constexpr bool kGaac = F == PageFormat::kGaacBf16 || F == PageFormat::kGaacE5M2;
+  // The V page is decoded after the scores, into a tile the scores are done with (dither8: the
+  // dither tile; GAAC bf16: the K tile, which saves a tile per warp: 4 CTAs per multiprocessor).
+  static constexpr bool kValuesLate = F == PageFormat::kDither8 || F == PageFormat::kGaacBf16;
   // Lossy pages beside exact raw bf16 pages (table entries < 0), read on the bf16 path.
   static constexpr bool kLossy = kTierA || kTierB;
 };
@@ -141,6 +144,13 @@ struct Tiles<D, PageFormat::kBf16> {  // two stages, and they are the tiles
 };
 
 template <int D>
+struct Tiles<D, PageFormat::kGaacBf16> {  // one tile: the K page's rows, then the V page's
+  alignas(kTileAlign<PageFormat::kGaacBf16>) uint8_t stage_k[1][stage_bytes<D, PageFormat::kGaacBf16>(true)];
+  alignas(kTileAlign<PageFormat::kGaacBf16>) uint8_t stage_v[1][stage_bytes<D, PageFormat::kGaacBf16>(false)];
+  alignas(kTileAlign<PageFormat::kGaacBf16>) uint16_t k[kBlockTokens * D];
+};
+
+template <int D>
 struct Tiles<D, PageFormat::kDither8> {
   alignas(16) uint8_t stage_k[1][stage_bytes<D, PageFormat::kDither8>(true)];
   alignas(16) uint8_t stage_v[1][stage_bytes<D, PageFormat::kDither8>(false)];
@@ -209,6 +219,8 @@ static_assert(sizeof(CtaShared<128, PageFormat::kBf16>) <= 76800 && sizeof(CtaSh
 // data read from the stage and the 16-bit queries made room for.
 static_assert(sizeof(CtaShared<128, PageFormat::kFp8E4M3>) <= 57344 && sizeof(CtaShared<128, PageFormat::kFp8E5M2>) <= 57344,
               "4 CTAs per multiprocessor for fp8 at D = 128");
+static_assert(sizeof(CtaShared<128, PageFormat::kGaacBf16>) <= 57344,
+              "4 CTAs per multiprocessor for GAAC bf16 at D = 128 (one tile per warp)");
 
 // The bf16 query rows of a lossy format's exact pages (null for the other formats).
 template <int D, PageFormat F>
@@ -639,10 +651,12 @@ __device__ inline void stage_page(const SplitArgs& a, bool key, const PageRef& r
   }
 }
 
-// The tile the values are decoded into (dither8: the dither tile, free once the scores are done).
+// The tile the values are decoded into (dither8: the dither tile, GAAC bf16: the K tile, each
+// free once the scores are done).
 template <int D, PageFormat F>
 __device__ inline uint16_t* value_rows(Tiles<D, F>& tiles) {
   if constexpr (F == PageFormat::kDither8) return tiles.w;
+  else if constexpr (F == PageFormat::kGaacBf16) return tiles.k;
   else return tiles.v;
 }
 
@@ -723,7 +737,8 @@ __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& 
 // no minimum (the other formats: ptxas's own choice).
 template <int D, PageFormat F, bool kWithMeter>
 constexpr int min_ctas_per_sm() {
-  if constexpr (!FormatTraits<F>::kLossy) return 0;
+  if constexpr (F == PageFormat::kGaacBf16) return D == 128 ? 4 : 0;
+  else if constexpr (!FormatTraits<F>::kLossy) return 0;
   else if constexpr (D == 128) return FormatTraits<F>::kTierA ? 4 : 3;
   else if constexpr (F == PageFormat::kDither8) return 4;
   else return 5;
@@ -891,7 +906,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
   // so the hot loop carries none of those branches (their cost was 5-12% of the lossy kernels'
   // time when they sat in it: docs/cuda.md).
   constexpr bool kTwoTiles = F == PageFormat::kBf16;
-  constexpr bool kValuesLate = F == PageFormat::kDither8;
+  constexpr bool kValuesLate = Traits::kValuesLate;
   const int64_t first = block_begin + warp;
   const int n_mine = first < block_end ? int((block_end - 1 - first) / kWarps + 1) : 0;
   const int64_t table_row = (int64_t(b) * p.n_kv_heads + kv_head) * p.table_stride;
@@ -1014,7 +1029,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
       }
     }
 
-    if constexpr (kValuesLate) {  // the dither tile is free: the values, then the next copies
+    if constexpr (kValuesLate) {  // the values' tile is free: the values, then the next copies
       __syncwarp();
       if (!decode_page<D, F, kMeter, kMixed>(a, false, vref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
       __syncwarp();
