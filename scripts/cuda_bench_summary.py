@@ -33,7 +33,7 @@ def main():
         cells.append({"impl": "certkv " + r["format"], "shape": r["shape"], "batch": r["batch"], "ctx": r["ctx"],
                       "us": r["us"], "bytes": r["bytes"], "tb_s": r["tb_s"], "pct_copy": r["pct_copy"],
                       "speedup_vs_sdpa": sdpa[key] / r["us"] if key in sdpa else None,
-                      **{k: r[k] for k in ("p", "window", "recall_mean", "recall_min", "budget_mean") if k in r}})
+                      **{k: r[k] for k in ("p", "deviations", "window", "recall_mean", "recall_min", "budget_mean") if k in r}})
     for r in peer_rows:
         key = (r["shape"], r["batch"], r["ctx"])
         cells.append({"impl": r["peer"] + (" (tensor cores)" if r.get("variant") == "tensor_cores" and not r["peer"].endswith("_tc") else ""),
