@@ -9,10 +9,10 @@
 // Rules, per query head (the window's 128 last tokens always attended):
 //   p P            Top-p at mass P over the estimated logits: {t : l~_t >= theta_P}
 //   p P +d D       the Top-p set widened by a constant margin: {t : l~_t >= theta_P - D}
-//   p P +z Z       widened by Z estimator deviations of the token:
-//                  {t : l~_t + Z sigma_t >= theta_P}, sigma_t = sm_scale ||q - c_q|| ||k_t - c_k||
-//                  / sqrt(D - 1) (the spread of the estimate of <q, k_t> for a random rotation,
-//                  docs/sparse.md)
+//   p P +z Z       widened by Z estimator deviations of the token, exactly as sparse decode
+//                  widens (index::top_p_widen with index::rabitq_logit_deviation_scale, the set
+//                  the CPU path and the CUDA selection take): {t : l~_t + Z sigma_t >= theta_P},
+//                  sigma_t = sm_scale ||q - c_q|| ||k_t - c_k|| / sqrt(D - 1) (docs/sparse.md)
 // Recall: the exact softmax mass of the attended set; budget: attended tokens / context.
 #include <algorithm>
 #include <cmath>
@@ -54,11 +54,13 @@ struct Rule {
   double deviations = 0;  // multiples of sigma_t
 };
 
-// One query head: the estimated and exact logits of the unique tokens and each token's sigma.
+// One query head: the estimated and exact logits of the unique tokens, their key norms and the
+// query's.
 struct Head {
   std::vector<float> estimated;  // sm_scale * estimate, as the device computes it
   std::vector<double> exact;     // sm_scale * <bf16(q), k>
-  std::vector<double> sigma;
+  std::vector<float> key_norm;   // ||k_t - c_k||
+  float query_norm = 0;          // ||q - c_q||
 };
 
 struct Result {
@@ -75,6 +77,14 @@ Result evaluate(const std::vector<Head>& heads, int64_t ctx, const Rule& rule) {
     for (int64_t t = 0; t < n_idx; ++t) logits[size_t(t)] = h.estimated[size_t(t % n)];
     std::vector<uint8_t> mask(static_cast<size_t>(n_idx));
     const index::TopPSelection s = index::top_p_select(logits.data(), n_idx, rule.p, mask.data());
+    if (rule.deviations > 0) {
+      std::vector<float> norms(static_cast<size_t>(n_idx));
+      for (int64_t t = 0; t < n_idx; ++t) norms[size_t(t)] = h.key_norm[size_t(t % n)];
+      index::top_p_widen(logits.data(), n_idx, s.threshold,
+                         index::rabitq_logit_deviation_scale(rule.deviations, 1.f / std::sqrt(float(D)),
+                                                             h.query_norm, D),
+                         norms.data(), 1, mask.data());
+    }
     const double mx = *std::max_element(h.exact.begin(), h.exact.end());
     double z = 0, got = 0;
     int64_t attended = 0;
@@ -82,8 +92,8 @@ Result evaluate(const std::vector<Head>& heads, int64_t ctx, const Rule& rule) {
       const size_t u = size_t(t % n);
       const double pt = std::exp(h.exact[u] - mx);
       z += pt;
-      const bool take = t >= n_idx || double(h.estimated[u]) + rule.deviations * h.sigma[u] >=
-                                          double(s.threshold) - rule.margin;
+      const bool take = t >= n_idx || mask[size_t(t)] ||
+                        (rule.margin > 0 && double(h.estimated[u]) >= double(s.threshold) - rule.margin);
       if (take) {
         got += pt;
         ++attended;
@@ -155,13 +165,13 @@ int main(int argc, char** argv) {
       index::rabitq_estimate_scores_popcount<D>(head, rq, records.data(), n, out.estimated.data());
       for (float& s : out.estimated) s *= float(sm_scale);
       out.exact.resize(size_t(n));
-      out.sigma.resize(size_t(n));
+      out.key_norm.resize(size_t(n));
+      out.query_norm = rq.norm_q_centered;
       for (int t = 0; t < n; ++t) {
         double dot = 0;
         for (int d = 0; d < D; ++d) dot += double(format::bf16_to_float(format::float_to_bf16(qv[d]))) * keys[size_t(t) * D + size_t(d)];
         out.exact[size_t(t)] = dot * sm_scale;
-        out.sigma[size_t(t)] = sm_scale * double(rq.norm_q_centered) * double(records[size_t(t)].norm_k_centered) /
-                               std::sqrt(double(D - 1));
+        out.key_norm[size_t(t)] = records[size_t(t)].norm_k_centered;
       }
     }
   }

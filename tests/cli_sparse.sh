@@ -92,6 +92,8 @@ for i in range(cells):
 # The set widened by 1.5 deviations: the first sparse layer sees the same queries and estimates
 # as the plain audit's, so its sets nest there: more budget, no less recall.
 widened = json.load(open(d + '/audit_widened.json'))
+assert audit['deviations'] == 0 and audit['widened_fraction'] == 0, audit
+assert widened['deviations'] == 1.5 and 0 < widened['widened_fraction'] < widened['budget']['mean'], widened
 plain_first, wide_first = audit['layers'][dense_layers], widened['layers'][dense_layers]
 assert wide_first['budget'] > plain_first['budget'] and wide_first['recall'] >= plain_first['recall'], \
     (plain_first, wide_first)

@@ -403,6 +403,8 @@ int sparse_audit(const Flags& flags, int64_t n, int64_t steps) {
         .add("tokens", n)
         .add("steps", steps)
         .add("p", ss.p)
+        .add("deviations", ss.deviations)
+        .add("widened_fraction", ss.widened_fraction)
         .add("window", int64_t(ss.window_tokens))
         .add("dense_layers", int64_t(ss.dense_layers))
         .add("cells", a.cells)
