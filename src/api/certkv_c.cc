@@ -5,6 +5,7 @@
 #include <sys/resource.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -291,6 +292,9 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
   if (activations != "int8" && activations != "f32")
     return set_error(CERTKV_ERR_INVALID_ARGUMENT,
                      "activations '" + activations + "' is unknown (int8 or f32)");
+  if (!(p.sparse_deviations >= 0) || !std::isfinite(p.sparse_deviations))
+    return set_error(CERTKV_ERR_INVALID_ARGUMENT, "certkv_session_params.sparse_deviations must be finite and >= 0, got " +
+                                                      std::to_string(p.sparse_deviations));
   if (p.sparse_deviations != 0 && p.sparse_p == 0)
     return set_error(CERTKV_ERR_INVALID_ARGUMENT,
                      "certkv_session_params.sparse_deviations widens sparse decode's selection: set sparse_p too");

@@ -204,7 +204,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(SparseCase{{1, 1, 32, 1}, 3, 2}, SparseCase{{3, 1, 64, 16}, 17, 1},
                       SparseCase{{7, 1, 64, 3}, 129, 40}, SparseCase{{6, 2, 128, 16}, 501, 24},
                       SparseCase{{4, 4, 96, 17}, 3771, 200}, SparseCase{{2, 1, 256, 16}, 700, 0},
-                      SparseCase{{9, 3, 64, 16}, 2048, 120}));
+                      SparseCase{{9, 3, 64, 16}, 2048, 120}, SparseCase{{8, 2, 32, 3}, 301, 90}));
 
 // The Top-p set widened by z deviations per token: the production path equals the reference, the
 // set is the Top-p set plus exactly the tokens with fl(l + fl(m ||k_t - c_k||)) >= theta, it grows

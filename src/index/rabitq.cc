@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -239,7 +240,11 @@ float rabitq_logit_deviation_scale(double deviations, float scale, float norm_q_
   if (!(deviations >= 0) || !std::isfinite(deviations))
     fail(StatusCode::kInvalidArgument, "rabitq_logit_deviation_scale: deviations must be finite and >= 0, got " +
                                            std::to_string(deviations));
-  return float(deviations * double(scale) * double(norm_q_centered) / std::sqrt(double(head_dim - 1)));
+  const double factor = deviations * double(scale) * double(norm_q_centered) / std::sqrt(double(head_dim - 1));
+  if (!(factor <= double(std::numeric_limits<float>::max())))
+    fail(StatusCode::kInvalidArgument, "rabitq_logit_deviation_scale: deviations " + std::to_string(deviations) +
+                                           " give a margin past the float range");
+  return float(factor);
 }
 
 }  // namespace certkv::index

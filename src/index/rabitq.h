@@ -107,11 +107,14 @@ void rabitq_estimate_scores_popcount(const RabitqHead& head, const RabitqQuery<D
 //   est<q_c, k_c> - <q_c, k_c> = sqrt(1 - alpha^2) / alpha * sqrt(1 - <q_c, k_c>^2) * X,
 // X distributed as one coordinate of a random unit vector in D - 1 dimensions (variance
 // 1 / (D - 1)); the first factor is below 1 for alpha above 1/sqrt(2) (alpha is about 0.8 for
-// a random rotation), so scale * est<q, k_t> deviates by about at most
-//   sigma_t = scale ||q - c_q|| ||k_t - c_k|| / sqrt(D - 1).
+// a random rotation, where sigma_t below overstates the spread by about 25%). So over the random
+// rotation the standard deviation of scale * est<q, k_t> is at most about
+//   sigma_t = scale ||q - c_q|| ||k_t - c_k|| / sqrt(D - 1)
+// (a spread, not a bound on the error; the 4-bit query's rounding, Theorem A.2, adds a little).
 // Returns z sigma_t / ||k_t - c_k||, the factor top_p_widen multiplies each token's key norm by,
 // computed in double and rounded once to float (the host and the device take the same value).
-// REQUIRES: head_dim >= 2, deviations >= 0 and finite (else certkv::Error kInvalidArgument).
+// REQUIRES: head_dim >= 2, deviations >= 0 and finite, and a factor below FLT_MAX (else
+// certkv::Error kInvalidArgument naming deviations).
 float rabitq_logit_deviation_scale(double deviations, float scale, float norm_q_centered, int head_dim);
 
 // Index bytes per token per kv_head for head_dim D.

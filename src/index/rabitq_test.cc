@@ -386,6 +386,55 @@ TEST(Rabitq, DeviationScaleCoversTheEstimatorError) {
   for (double z : {-1.0, double(NAN), double(INFINITY)})
     EXPECT_THROW(rabitq_logit_deviation_scale(z, 0.125f, 2.0f, 128), Error) << z;
   EXPECT_THROW(rabitq_logit_deviation_scale(1.0, 0.125f, 2.0f, 1), Error);
+  EXPECT_THROW(rabitq_logit_deviation_scale(1e41, 0.125f, 2.0f, 128), Error);  // past the float range
+}
+
+// The popcount estimate is the unfused float sequence the CUDA estimate computes
+// (attention/cuda/sparse_decode_cuda.cu, __fmul_rn / __fadd_rn in this order), bit for bit: a
+// fused multiply-add on either side would move theta and the selected sets apart. Each step here
+// goes through a volatile so that this file's compiler cannot fuse it either.
+template <int D>
+void check_estimate_is_unfused() {
+  const RabitqHead head(centroid(D, 81, 1.0f), centroid(D, 82, 1.0f), Rotation(RotationKind::kHaar, D, 83));
+  const int64_t n = 777;
+  const std::vector<float> keys = gaussian_rows(n, D, 84, 1.0f, head.c_k());
+  const std::vector<float> q = gaussian_rows(1, D, 85, 1.5f, head.c_q());
+  std::vector<RabitqRecord<D>> records(n);
+  rabitq_encode_keys<D>(head, keys.data(), n, records.data());
+  const RabitqQuery<D> query = rabitq_quantize_query<D>(head, q.data(), 86);
+  std::vector<float> scores(n);
+  rabitq_estimate_scores_popcount<D>(head, query, records.data(), n, scores.data());
+  volatile float neg_delta_sum = -query.delta * float(query.sum_q_u);
+  volatile float d_q_l = float(D) * query.q_l;
+  const float query_term = neg_delta_sum - d_q_l;
+  const float two_delta = 2.0f * query.delta, two_q_l = 2.0f * query.q_l;
+  const float norm_over_sqrt_d = query.norm_q_centered / std::sqrt(float(D));
+  const float bias = query.q_dot_ck - head.cq_dot_ck();
+  for (int64_t t = 0; t < n; ++t) {
+    const RabitqRecord<D>& r = records[t];
+    int32_t cb_dot_qu = 0;
+    for (int bit = 0; bit < kRabitqQueryBits; ++bit) {
+      int32_t count = 0;
+      for (int w = 0; w < RabitqRecord<D>::kWords; ++w) count += __builtin_popcountll(r.code[w] & query.bit_planes[bit][w]);
+      cb_dot_qu += count << bit;
+    }
+    volatile float a = two_delta * float(cb_dot_qu);
+    volatile float c = two_q_l * float(r.code_popcount);
+    volatile float ac = a + c;
+    volatile float c_prime = ac + query_term;
+    volatile float na = norm_over_sqrt_d * r.norm_k_centered;
+    volatile float nac = na * c_prime;
+    volatile float product = nac / r.alpha;
+    volatile float with_bias = product + bias;
+    const float want = with_bias + r.cq_dot_k;
+    ASSERT_EQ(std::memcmp(&scores[t], &want, sizeof(float)), 0)
+        << "D " << D << " token " << t << ": " << scores[t] << " against " << want;
+  }
+}
+
+TEST(Rabitq, PopcountEstimateIsTheUnfusedFloatSequence) {
+  check_estimate_is_unfused<64>();
+  check_estimate_is_unfused<128>();
 }
 
 TEST(Rabitq, RecordsDoNotDependOnBatch) {

@@ -64,9 +64,9 @@ TopPSelection top_p_select(const float* logits, int64_t n, double p, uint8_t* ma
 // deviation"): a token the threshold left out is added when its logit plus its margin reaches
 // theta,
 //   margin_t = fl(margin_scale * norm_t),   selected_t = mask[t] or fl(logits[t] + margin_t) >= theta
-// in float, each operation rounded once (top_p.cc is compiled without contraction, and the CUDA
-// selection uses the same two rounded operations, so both add the same tokens). For the sparse
-// tier, norm_t = ||k_t - c_k|| and margin_scale = rabitq_logit_deviation_scale(...) times z, so
+// in float, each operation rounded once (the index layer is compiled without contraction, and the
+// CUDA selection uses the same two rounded operations, so both add the same tokens). For the
+// sparse tier, norm_t = ||k_t - c_k|| and margin_scale = rabitq_logit_deviation_scale(z, ...), so
 // the margin is z estimator deviations. margin_scale 0 adds nothing.
 // logits: [n]; norms: norm_t at norms[t * norm_stride] (a stride in floats, so the norms may be a
 // field of an array of records); mask: [n], 1 for the Top-p set on entry, the widened set on exit.

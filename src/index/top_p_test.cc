@@ -366,8 +366,6 @@ TEST(TopP, RejectsBadInput) {
   }
 }
 
-// The table and target a device port reads (attention/cuda/sparse_decode_cuda): the weights the
-// selections use, and ceil(p Z) exactly.
 // top_p_widen: exactly the unselected tokens with fl(l + fl(m norm)) >= theta join, with norms
 // read at a stride; margin 0 adds nothing; bad arguments are refused.
 TEST(TopP, WidenAddsTheTokensWhoseMarginReachesTheThreshold) {
@@ -401,7 +399,9 @@ TEST(TopP, WidenAddsTheTokensWhoseMarginReachesTheThreshold) {
       EXPECT_GE(added, previous);  // larger margins add more
       previous = added;
     }
-    if (n >= 1000) EXPECT_GT(previous, 0);
+    if (n >= 1000) {
+      EXPECT_GT(previous, 0);
+    }
   }
   std::vector<float> l{1.f, 0.f}, norms{1.f, 1.f};
   std::vector<uint8_t> mask{1, 0};
@@ -417,6 +417,8 @@ TEST(TopP, WidenAddsTheTokensWhoseMarginReachesTheThreshold) {
   EXPECT_EQ(mask, (std::vector<uint8_t>{1, 1}));
 }
 
+// The table and target a device port reads (attention/cuda/sparse_decode_cuda): the weights the
+// selections use, and ceil(p Z) exactly.
 TEST(TopP, WeightTableAndTargetUnitsForPorts) {
   for (int64_t n : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{1000}, int64_t{131072}, int64_t{131073}}) {
     const std::vector<uint64_t>& w = top_p_weight_table(n);

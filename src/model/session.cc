@@ -98,6 +98,8 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
                                  meter.planned_steps > 0 ? meter.planned_steps : context_tokens_);
   telemetry_ = std::make_unique<gate::Telemetry>(meter.tau, meter.sample_every);
   const SparseConfig& sparse = config.sparse;
+  if (!sparse.enabled && sparse.deviations != 0)
+    fail(StatusCode::kInvalidArgument, "sparse deviations widen sparse decode's selection: enable sparse decode");
   if (sparse.enabled) {
     if (!(sparse.p > 0 && sparse.p <= 1))
       fail(StatusCode::kInvalidArgument,

@@ -77,7 +77,7 @@ struct SparseDecodeParams {
   int64_t* n_widened = nullptr;
   double* mass = nullptr;
 
-  int n_splits = 0;  // 0: chosen (one wave of resident CTAs)
+  int n_splits = 0;  // 0: chosen (choose_splits: 4 chunks per split)
   void* workspace = nullptr;
   size_t workspace_size = 0;
   void* stream = nullptr;  // cudaStream_t

@@ -237,6 +237,7 @@ void check_case(const SparseCase& c, bool dense_too = false) {
       if (n == 0) {
         EXPECT_TRUE(std::isinf(r.threshold[row]));
         EXPECT_EQ(r.n_selected[row], 0);
+        EXPECT_EQ(r.n_widened[row], 0);
         continue;
       }
       std::vector<uint8_t> mask_ref(static_cast<size_t>(n));
