@@ -135,11 +135,6 @@ typedef struct certkv_session_params {
   int32_t sparse_dense_layers;   /* first layers decoded densely; -1: 2 */
   const char* sparse_rotation;   /* the key index's rotation: "haar" (default, null) or
                                     "hadamard" (randomized Hadamard, power-of-two head_dim) */
-  double sparse_deviations;      /* the Top-p set widened per token: a token the threshold left
-                                    out is also attended when its estimated logit plus this many
-                                    standard deviations of its estimate reaches the threshold
-                                    (0, the default: no widening; 1.5 lifts recall at p 0.9,
-                                    docs/sparse.md); finite, >= 0 */
   const char* device;            /* where decode attention runs: "cpu" (default, null) or
                                     "cuda" (a CUDA device holds its own copy of the KV cache,
                                     encoded there; kv "bf16", "gaac", "gaac-e5m2", or the
@@ -147,6 +142,11 @@ typedef struct certkv_session_params {
                                     computed there in the same pass; sparse decode with kv
                                     "bf16"; no gate; CERTKV_ERR_UNSUPPORTED without a CUDA build
                                     or device). The forward pass and prefill stay on the CPU. */
+  double sparse_deviations;      /* the Top-p set widened per token: a token the threshold left
+                                    out is also attended when its estimated logit plus this many
+                                    standard deviations of its estimate reaches the threshold
+                                    (0, the default: no widening; 1.5 lifts recall at p 0.9,
+                                    docs/sparse.md); finite, >= 0 */
 } certkv_session_params;
 
 certkv_session_params certkv_session_default_params(void);
