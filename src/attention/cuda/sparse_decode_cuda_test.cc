@@ -1,4 +1,4 @@
-// The sparse decode path on the GPU against the CPU: estimated logits against
+// The sparse decode path on the GPU against the CPU: estimated logits (bit for bit) against
 // index::rabitq_estimate_scores_popcount, the threshold and the selected set against
 // index::top_p_select and top_p_select_ref run on the device's own logits (the same set, exactly),
 // the selection lists against the masks, and the output against double attention over the
@@ -227,10 +227,13 @@ void check_case(const SparseCase& c, bool dense_too = false) {
     for (int hh = 0; hh < Hq; ++hh) {
       const size_t row = size_t(b) * Hq + size_t(hh);
       const float* gl = r.logits.data() + row * size_t(r.max_indexed);
-      // 1. The estimate: the CPU's popcount scores times the scale (float rounding apart).
+      // 1. The estimate: the CPU's popcount scores times the scale, bit for bit (both compute the
+      // same unfused float steps in the same order; the index layer is built without contraction,
+      // Rabitq.PopcountEstimateIsTheUnfusedFloatSequence), so both select from the same logits.
       for (int t = 0; t < n; ++t) {
         const float want = r.cpu_scores[row][size_t(t)] * scale;
-        ASSERT_NEAR(gl[t], want, 1e-5f * (1.f + std::fabs(want))) << "seq " << b << " head " << hh << " token " << t;
+        ASSERT_EQ(std::memcmp(&gl[t], &want, sizeof(float)), 0)
+            << "seq " << b << " head " << hh << " token " << t << ": " << gl[t] << " against " << want;
       }
       // 2. Top-p on the device's logits: the same threshold and set as both CPU selections.
       std::vector<uint8_t> mask(static_cast<size_t>(n));
