@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -128,17 +129,36 @@ struct SparseCase {
 
 class SparseDecodeTest : public ::testing::TestWithParam<SparseCase> {};
 
+// A case's bf16 cache of n_ctx peaked tokens, its queries, and the index of its prefix.
+struct SparseSetup {
+  std::unique_ptr<cache::KvCache> cache;
+  cache::SeqId seq;
+  std::vector<float> q;
+  std::unique_ptr<cache::KeyIndex> index;
+};
+
+SparseSetup sparse_setup(const SparseCase& sc, uint32_t seed) {
+  const CaseShape& c = sc.shape;
+  std::mt19937 rng(seed);
+  const std::vector<float> dir = unit_direction(c.head_dim, rng);
+  SparseSetup s;
+  s.cache = make_cache(c, KvScheme::kBf16, sc.n_ctx);
+  s.seq = s.cache->create_sequence();
+  append(*s.cache, s.seq, sc.n_ctx, dir, rng);
+  s.q = queries(c, dir, rng);
+  s.index = build_index(*s.cache, s.seq, sc.n_indexed_blocks * c.block_tokens, s.q, c.n_q_heads);
+  return s;
+}
+
 TEST_P(SparseDecodeTest, MatchesTheReferenceAndDenseAtPOne) {
   const SparseCase sc = GetParam();
   const CaseShape& c = sc.shape;
-  std::mt19937 rng(static_cast<uint32_t>(sc.n_ctx * 7 + c.head_dim));
-  const std::vector<float> dir = unit_direction(c.head_dim, rng);
-  auto cache = make_cache(c, KvScheme::kBf16, sc.n_ctx);
-  const cache::SeqId seq = cache->create_sequence();
-  append(*cache, seq, sc.n_ctx, dir, rng);
-  const std::vector<float> q = queries(c, dir, rng);
+  const SparseSetup setup = sparse_setup(sc, static_cast<uint32_t>(sc.n_ctx * 7 + c.head_dim));
+  const auto& cache = setup.cache;
+  const cache::SeqId seq = setup.seq;
+  const std::vector<float>& q = setup.q;
+  const auto& index = setup.index;
   const int64_t n_indexed = sc.n_indexed_blocks * c.block_tokens;
-  auto index = build_index(*cache, seq, n_indexed, q, c.n_q_heads);
   const AttentionShape shape = testing::attention_shape(c);
   ThreadPool pool(2);
   const size_t n_out = size_t(c.n_q_heads) * size_t(c.head_dim);
@@ -213,13 +233,11 @@ TEST_P(SparseDecodeTest, WideningAddsTheTokensWithinZDeviationsOfTheThreshold) {
   const SparseCase sc = GetParam();
   const CaseShape& c = sc.shape;
   const int64_t n_indexed = sc.n_indexed_blocks * c.block_tokens;
-  std::mt19937 rng(static_cast<uint32_t>(sc.n_ctx * 5 + c.head_dim));
-  const std::vector<float> dir = unit_direction(c.head_dim, rng);
-  auto cache = make_cache(c, KvScheme::kBf16, sc.n_ctx);
-  const cache::SeqId seq = cache->create_sequence();
-  append(*cache, seq, sc.n_ctx, dir, rng);
-  const std::vector<float> q = queries(c, dir, rng);
-  auto index = build_index(*cache, seq, n_indexed, q, c.n_q_heads);
+  const SparseSetup setup = sparse_setup(sc, static_cast<uint32_t>(sc.n_ctx * 5 + c.head_dim));
+  const auto& cache = setup.cache;
+  const cache::SeqId seq = setup.seq;
+  const std::vector<float>& q = setup.q;
+  const auto& index = setup.index;
   const AttentionShape shape = testing::attention_shape(c);
   ThreadPool pool(2);
   const size_t n_out = size_t(c.n_q_heads) * size_t(c.head_dim);

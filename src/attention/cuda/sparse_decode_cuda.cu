@@ -407,7 +407,8 @@ __global__ void __launch_bounds__(kTopPThreads) theta_kernel(SparseDecodeParams 
 // tokens of its Top-p set (logit >= theta) and, when its margin_scale m is positive, those with
 // fl(logit + fl(m ||k_t - c_k||)) >= theta (index::top_p_widen's two rounded operations). The
 // norm is read from the token's record only when the list's largest norm could reach theta: by
-// monotone rounding, fl(l + fl(m n)) <= fl(l + fl(m n_max)) for n <= n_max.
+// monotone rounding, fl(l + fl(m n)) <= fl(l + fl(m n_max)) for n <= n_max. A group with no
+// positive margin takes the plain comparison loop; thresholds and margins are read once per CTA.
 
 template <int D>
 __global__ void __launch_bounds__(kSparseChunkTokens) select_kernel(SparseDecodeParams p, const float* logits,
@@ -415,26 +416,39 @@ __global__ void __launch_bounds__(kSparseChunkTokens) select_kernel(SparseDecode
                                                                     uint32_t* entries, int32_t* counts,
                                                                     int64_t n_chunks) {
   __shared__ int32_t warp_counts[33];
+  __shared__ float head_theta[kTileHeads], head_margin[kTileHeads];
   const int chunk = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int group = p.n_q_heads / p.n_kv_heads;
   const int64_t t = int64_t(chunk) * kSparseChunkTokens + threadIdx.x;
   const int64_t list_of_head = int64_t(b) * p.n_kv_heads + kv_head;
-  const float n_max = __uint_as_float(norm_max[list_of_head]);
+  const int64_t row0 = int64_t(b) * p.n_q_heads + int64_t(kv_head) * group;  // the group's first row
+  // The group's thresholds and margins, read once per CTA.
+  if (threadIdx.x < group) {
+    head_theta[threadIdx.x] = theta[row0 + threadIdx.x];
+    head_margin[threadIdx.x] = p.queries[row0 + threadIdx.x].margin_scale;
+  }
+  __syncthreads();
+  bool widening = false;  // the same in every thread: a head of the group has a positive margin
+  for (int g = 0; g < group; ++g) widening |= head_margin[g] > 0.f;
   uint32_t heads = 0, widened = 0;
   if (t < indexed_of(p, b)) {
-    float norm = -1.f;  // the token's key norm, read on first need
-    for (int g = 0; g < group; ++g) {
-      const int64_t row = int64_t(b) * p.n_q_heads + kv_head * group + g;
-      const float l = logits[row * p.max_indexed + t], th = theta[row];
-      bool take = l >= th;
-      const float m = p.queries[row].margin_scale;
-      if (!take && m > 0.f && __fadd_rn(l, __fmul_rn(m, n_max)) >= th) {
-        if (norm < 0.f)
-          norm = static_cast<const index::RabitqRecord<D>*>(p.records)[list_of_head * p.record_stride + t].norm_k_centered;
-        take = __fadd_rn(l, __fmul_rn(m, norm)) >= th;
-        widened |= uint32_t(take) << g;
+    const float* l_t = logits + row0 * p.max_indexed + t;
+    if (!widening) {
+      for (int g = 0; g < group; ++g) heads |= uint32_t(l_t[g * p.max_indexed] >= head_theta[g]) << g;
+    } else {
+      const float n_max = __uint_as_float(norm_max[list_of_head]);
+      float norm = -1.f;  // the token's key norm, read on first need
+      for (int g = 0; g < group; ++g) {
+        const float l = l_t[g * p.max_indexed], th = head_theta[g], m = head_margin[g];
+        bool take = l >= th;
+        if (!take && m > 0.f && __fadd_rn(l, __fmul_rn(m, n_max)) >= th) {
+          if (norm < 0.f)
+            norm = static_cast<const index::RabitqRecord<D>*>(p.records)[list_of_head * p.record_stride + t].norm_k_centered;
+          take = __fadd_rn(l, __fmul_rn(m, norm)) >= th;
+          widened |= uint32_t(take) << g;
+        }
+        heads |= uint32_t(take) << g;
       }
-      heads |= uint32_t(take) << g;
     }
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -463,7 +477,7 @@ __global__ void __launch_bounds__(kSparseChunkTokens) select_kernel(SparseDecode
     for (int g = 0; g < group; ++g) {
       const uint32_t w = __ballot_sync(0xffffffffu, (widened >> g) & 1u);
       if (lane == 0 && w != 0) {
-        const int64_t row = int64_t(b) * p.n_q_heads + kv_head * group + g;
+        const int64_t row = row0 + g;
         if (p.n_selected) atomicAdd(reinterpret_cast<unsigned long long*>(&p.n_selected[row]), (unsigned long long)__popc(w));
         if (p.n_widened) atomicAdd(reinterpret_cast<unsigned long long*>(&p.n_widened[row]), (unsigned long long)__popc(w));
       }
@@ -683,19 +697,15 @@ Layout layout_of(const SparseDecodeParams& p, int splits) {
   return l;
 }
 
+// Allows the attention kernel its dynamic shared memory (once per head dim); a failure shows as
+// the launch's error.
 template <int D>
-int resident_attend_ctas() {
-  static const int resident = [] {
-    int n = 0;
-    const size_t smem = sizeof(SparseShared<D>);
-    if (cudaFuncSetAttribute(attend_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attend_kernel<D>, kThreads, smem) != cudaSuccess) {
-      cudaGetLastError();
-      return 2;
-    }
-    return std::max(1, n);
+void allow_attend_shared_memory() {
+  static const bool done = [] {
+    cudaFuncSetAttribute(attend_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(SparseShared<D>)));
+    return true;
   }();
-  return resident;
+  (void)done;
 }
 
 template <int D>
@@ -734,7 +744,7 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
   AttendArgs a{p, entries, counts, l.n_chunks, l.window_chunks, splits,
                static_cast<float*>(at(l.mld)), static_cast<float*>(at(l.o))};
   const size_t smem = sizeof(SparseShared<D>);
-  resident_attend_ctas<D>();  // sets the shared-memory attribute once
+  allow_attend_shared_memory<D>();
   attend_kernel<D><<<dim3(unsigned(splits), unsigned(p.n_kv_heads), unsigned(p.batch)), kThreads, smem, stream>>>(a);
   merge_splits_kernel<D><<<p.batch * p.n_q_heads, kMergeThreads, 0, stream>>>(p.out, nullptr, nullptr, nullptr, splits,
                                                                    a.part_mld, a.part_o);
