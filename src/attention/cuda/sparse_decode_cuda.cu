@@ -52,6 +52,22 @@ struct QueryTerms {
   float two_delta, two_q_l, query_term, norm_over_sqrt_d, bias;
 };
 
+// A token's record; 32-byte records (D = 128) as two 16-byte loads (the list's base is 16-byte
+// aligned: check() requires it of the records, and every record starts on a multiple of 32).
+template <int D>
+__device__ inline index::RabitqRecord<D> load_record(const index::RabitqRecord<D>* at) {
+  index::RabitqRecord<D> rec;
+  if constexpr (sizeof(rec) % 16 == 0) {
+    uint4 words[sizeof(rec) / 16];
+#pragma unroll
+    for (int i = 0; i < int(sizeof(rec) / 16); ++i) words[i] = reinterpret_cast<const uint4*>(at)[i];
+    memcpy(&rec, words, sizeof(rec));
+  } else {
+    rec = *at;
+  }
+  return rec;
+}
+
 // head_max: each row's largest logit (ordered_key); norm_max: each list's largest key norm (the
 // bits of a float >= 0 order as the float), the selection's bound for the widening margins.
 template <int D>
@@ -80,12 +96,7 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecode
                         (int64_t(b) * p.n_kv_heads + kv_head) * p.record_stride;
   uint32_t key_max[kTileHeads] = {};
   float largest_norm = 0.f;
-  for (int64_t t = int64_t(blockIdx.x) * kEstimateTokens + threadIdx.x;
-       t < min(n, int64_t(blockIdx.x + 1) * kEstimateTokens); t += kEstimateThreads) {
-    const index::RabitqRecord<D>& rec = records[t];
-    uint64_t code[W];
-#pragma unroll
-    for (int w = 0; w < W; ++w) code[w] = rec.code[w];
+  auto estimate = [&](const index::RabitqRecord<D>& rec, int64_t t) {
     const float norm_k = rec.norm_k_centered, alpha = rec.alpha, cq_dot_k = rec.cq_dot_k;
     const float popcount = float(rec.code_popcount);
     largest_norm = fmaxf(largest_norm, norm_k);
@@ -98,7 +109,7 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecode
       for (int bit = 0; bit < index::kRabitqQueryBits; ++bit) {
         int32_t count = 0;
 #pragma unroll
-        for (int w = 0; w < W; ++w) count += __popcll(code[w] & q.planes[bit][w]);
+        for (int w = 0; w < W; ++w) count += __popcll(rec.code[w] & q.planes[bit][w]);
         cb_dot_qu += count << bit;
       }
       // The float steps of index::rabitq_estimate_scores_popcount, in its order and unfused:
@@ -110,6 +121,17 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecode
       logits[(int64_t(b) * p.n_q_heads + kv_head * group + g) * p.max_indexed + t] = logit;
       key_max[g] = max(key_max[g], ordered_key(logit));
     }
+  };
+  // Two tokens per iteration, both records loaded before either token's logits are stored (the
+  // stores would otherwise order the next record's load behind them: one load in flight per thread).
+  const int64_t end = min(n, int64_t(blockIdx.x + 1) * kEstimateTokens);
+  for (int64_t t = int64_t(blockIdx.x) * kEstimateTokens + threadIdx.x; t < end; t += 2 * kEstimateThreads) {
+    const int64_t u = t + kEstimateThreads;
+    const index::RabitqRecord<D> first = load_record(records + t);
+    index::RabitqRecord<D> second{};
+    if (u < end) second = load_record(records + u);
+    estimate(first, t);
+    if (u < end) estimate(second, u);
   }
   // The rows' largest logits (for the Top-p gaps): warp maxima, the CTA's in shared memory, one
   // atomic per row and CTA.
@@ -170,9 +192,31 @@ __device__ inline T block_reduce(T v, Op op, T* scratch) {  // scratch: 32 entri
   return r;
 }
 
-// Tokens per CTA of the histogram and gather passes.
-constexpr int kPassTokens = 4096;
+// The histogram and gather passes: a CTA of kPassThreads takes pass_tokens(p) tokens of one row
+// (a multiple of 16, so every span starts on a 16-byte boundary of the row).
+constexpr int kPassQuantum = 4096;
 constexpr int kPassThreads = 256;
+
+// Calls f(x, t, valid) for the logits x = row[t] of [t0, t1), read as 16-byte vectors, two per
+// thread and iteration issued before either is used; valid is false for the vectors' tail past
+// t1 (read: a row holds max_indexed floats, a multiple of 16, and t1 <= max_indexed), so every
+// thread of an iteration makes the same calls (the gather's ballots need them converged).
+template <typename F>
+__device__ inline void for_each_logit(const float* row, int64_t t0, int64_t t1, F&& f) {
+  const float4* v = reinterpret_cast<const float4*>(row);
+  const int64_t v1 = (t1 + 3) / 4;
+  for (int64_t i = t0 / 4 + threadIdx.x; i < v1; i += 2 * kPassThreads) {
+    const int64_t j = i + kPassThreads;
+    const float4 a = v[i];
+    const float4 c = j < v1 ? v[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float xs[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int64_t t = 4 * (k < 4 ? i : j) + (k & 3);
+      f(xs[k], t, t < t1);
+    }
+  }
+}
 
 // The threshold plan of one (sequence, query head), from its gap histogram.
 struct TopPPlan {
@@ -185,21 +229,22 @@ struct TopPPlan {
 
 __device__ inline float row_max(const uint32_t* head_max, int64_t row) { return key_to_float(head_max[row]); }
 
-// Gap histogram: each CTA counts kPassTokens tokens of one row in shared memory, then adds its
-// nonzero buckets to the row's global histogram.
+// Gap histogram: each CTA counts `span` tokens of one row in shared memory, then adds its nonzero
+// buckets to the row's global histogram.
 __global__ void __launch_bounds__(kPassThreads) hist_kernel(SparseDecodeParams p, const float* logits,
-                                                            const uint32_t* head_max, uint32_t* hist) {
+                                                            const uint32_t* head_max, uint32_t* hist,
+                                                            int64_t span) {
   __shared__ uint32_t local[kGapBuckets];
   const int h = blockIdx.y, b = blockIdx.z;
   const int64_t row = int64_t(b) * p.n_q_heads + h;
-  const int64_t n = indexed_of(p, b), t0 = int64_t(blockIdx.x) * kPassTokens;
+  const int64_t n = indexed_of(p, b), t0 = int64_t(blockIdx.x) * span;
   if (t0 >= n) return;
   for (int a = threadIdx.x; a < kGapBuckets; a += kPassThreads) local[a] = 0;
   __syncthreads();
   const float l_max = row_max(head_max, row);
-  const float* l = logits + row * p.max_indexed;
-  const int64_t t1 = min(n, t0 + kPassTokens);
-  for (int64_t t = t0 + threadIdx.x; t < t1; t += kPassThreads) atomicAdd(&local[gap_of(l[t], l_max)], 1u);
+  for_each_logit(logits + row * p.max_indexed, t0, min(n, t0 + span), [&](float x, int64_t, bool valid) {
+    if (valid) atomicAdd(&local[gap_of(x, l_max)], 1u);
+  });
   __syncthreads();
   for (int a = threadIdx.x; a < kGapBuckets; a += kPassThreads)
     if (local[a] != 0) atomicAdd(&hist[row * kGapBuckets + a], local[a]);
@@ -300,26 +345,24 @@ __global__ void __launch_bounds__(kTopPThreads) plan_kernel(SparseDecodeParams p
 // The boundary bucket's logits of each row, gathered (in any order) into candidates[row][...].
 __global__ void __launch_bounds__(kPassThreads) gather_kernel(SparseDecodeParams p, const float* logits,
                                                               const TopPPlan* plans, uint32_t* cand_count,
-                                                              float* candidates) {
+                                                              float* candidates, int64_t span) {
   const int h = blockIdx.y, b = blockIdx.z;
   const int64_t row = int64_t(b) * p.n_q_heads + h;
-  const int64_t n = indexed_of(p, b), t0 = int64_t(blockIdx.x) * kPassTokens;
+  const int64_t n = indexed_of(p, b), t0 = int64_t(blockIdx.x) * span;
   if (t0 >= n) return;
   const TopPPlan plan = plans[row];
-  const float* l = logits + row * p.max_indexed;
-  const int64_t t1 = min(n, t0 + kPassTokens);
-  for (int64_t t = t0 + threadIdx.x; t < t1; t += kPassThreads) {
-    const float x = l[t];
-    const bool hit = gap_of(x, plan.l_max) == plan.boundary;
+  const int lane = threadIdx.x & 31;
+  for_each_logit(logits + row * p.max_indexed, t0, min(n, t0 + span), [&](float x, int64_t, bool valid) {
+    const bool hit = valid && gap_of(x, plan.l_max) == plan.boundary;
     const uint32_t active = __activemask();
     const uint32_t ballot = __ballot_sync(active, hit);
-    if (ballot == 0) continue;
-    const int lane = threadIdx.x & 31, leader = __ffs(ballot) - 1;
+    if (ballot == 0) return;
+    const int leader = __ffs(ballot) - 1;
     uint32_t base = 0;
     if (lane == leader) base = atomicAdd(&cand_count[row], __popc(ballot));
     base = __shfl_sync(active, base, leader);
     if (hit) candidates[row * p.max_indexed + base + __popc(ballot & ((1u << lane) - 1u))] = x;
-  }
+  });
 }
 
 // theta: the needed-th largest candidate, by radix selection 8 bits at a time from the top; the
@@ -432,19 +475,27 @@ __global__ void __launch_bounds__(kSparseChunkTokens) select_kernel(SparseDecode
   for (int g = 0; g < group; ++g) widening |= head_margin[g] > 0.f;
   uint32_t heads = 0, widened = 0;
   if (t < indexed_of(p, b)) {
+    // The group's logits of the token, all loads issued before the first comparison.
     const float* l_t = logits + row0 * p.max_indexed + t;
+    float l[kTileHeads];
+#pragma unroll
+    for (int g = 0; g < kTileHeads; ++g) l[g] = g < group ? l_t[g * p.max_indexed] : -INFINITY;
     if (!widening) {
-      for (int g = 0; g < group; ++g) heads |= uint32_t(l_t[g * p.max_indexed] >= head_theta[g]) << g;
+#pragma unroll
+      for (int g = 0; g < kTileHeads; ++g)
+        if (g < group) heads |= uint32_t(l[g] >= head_theta[g]) << g;
     } else {
       const float n_max = __uint_as_float(norm_max[list_of_head]);
       float norm = -1.f;  // the token's key norm, read on first need
-      for (int g = 0; g < group; ++g) {
-        const float l = l_t[g * p.max_indexed], th = head_theta[g], m = head_margin[g];
-        bool take = l >= th;
-        if (!take && m > 0.f && __fadd_rn(l, __fmul_rn(m, n_max)) >= th) {
+#pragma unroll
+      for (int g = 0; g < kTileHeads; ++g) {
+        if (g >= group) break;
+        const float th = head_theta[g], m = head_margin[g];
+        bool take = l[g] >= th;
+        if (!take && m > 0.f && __fadd_rn(l[g], __fmul_rn(m, n_max)) >= th) {
           if (norm < 0.f)
             norm = static_cast<const index::RabitqRecord<D>*>(p.records)[list_of_head * p.record_stride + t].norm_k_centered;
-          take = __fadd_rn(l, __fmul_rn(m, norm)) >= th;
+          take = __fadd_rn(l[g], __fmul_rn(m, norm)) >= th;
           widened |= uint32_t(take) << g;
         }
         heads |= uint32_t(take) << g;
@@ -732,6 +783,19 @@ Layout layout_of(const SparseDecodeParams& p, int splits) {
   return l;
 }
 
+// Tokens per CTA of the histogram and gather passes: kPassQuantum doubled while the grid keeps at
+// least kPassCtas CTAs, up to 8 quanta. A CTA zeroes and flushes all kGapBuckets buckets whatever
+// its span, so at batch 8 and 128K the 4096-token spans spent as long on the buckets (and on 8
+// million global atomics of the flushes) as on the logits.
+constexpr int64_t kPassCtas = 1024;
+int64_t pass_tokens(const SparseDecodeParams& p) {
+  if (p.pass_tokens > 0) return p.pass_tokens;
+  const int64_t rows = int64_t(p.batch) * p.n_q_heads;
+  int64_t span = kPassQuantum;
+  while (span < 8 * kPassQuantum && (p.max_indexed + 2 * span - 1) / (2 * span) * rows >= kPassCtas) span *= 2;
+  return span;
+}
+
 // Allows the attention kernel its dynamic shared memory (once per head dim); a failure shows as
 // the launch's error.
 template <int D>
@@ -764,12 +828,13 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
     return CudaStatus{false, StatusCode::kInternal, std::string("cuda sparse decode: ") + cudaGetErrorString(e)};
   if (p.max_indexed > 0) {
     const unsigned B = unsigned(p.batch), Hq = unsigned(p.n_q_heads), Hkv = unsigned(p.n_kv_heads);
-    const unsigned passes = unsigned((p.max_indexed + kPassTokens - 1) / kPassTokens);
+    const int64_t span = pass_tokens(p);
+    const unsigned passes = unsigned((p.max_indexed + span - 1) / span);
     estimate_kernel<D><<<dim3(unsigned((p.max_indexed + kEstimateTokens - 1) / kEstimateTokens), Hkv, B),
                          kEstimateThreads, 0, stream>>>(p, logits, head_max, norm_max);
-    hist_kernel<<<dim3(passes, Hq, B), kPassThreads, 0, stream>>>(p, logits, head_max, hist);
+    hist_kernel<<<dim3(passes, Hq, B), kPassThreads, 0, stream>>>(p, logits, head_max, hist, span);
     plan_kernel<<<dim3(Hq, B), kTopPThreads, 0, stream>>>(p, head_max, hist, plans);
-    gather_kernel<<<dim3(passes, Hq, B), kPassThreads, 0, stream>>>(p, logits, plans, cand_count, candidates);
+    gather_kernel<<<dim3(passes, Hq, B), kPassThreads, 0, stream>>>(p, logits, plans, cand_count, candidates, span);
   }
   theta_kernel<<<dim3(unsigned(p.n_q_heads), unsigned(p.batch)), kTopPThreads, 0, stream>>>(p, plans, cand_count,
                                                                                           candidates, theta);
@@ -854,6 +919,7 @@ CudaStatus check(const SparseDecodeParams& p) {
   if (p.max_indexed < 0 || p.max_indexed > p.max_seq_len || p.max_indexed % kTileTokens != 0)
     return error("max_indexed must be a multiple of 16 in [0, max_seq_len]");
   if (p.max_window < 0 || p.max_window > p.max_seq_len) return error("max_window must be in [0, max_seq_len]");
+  if (p.pass_tokens < 0 || p.pass_tokens % 16 != 0) return error("pass_tokens must be a multiple of 16, >= 0");
   if (p.max_indexed > 0 && (p.record_stride < p.max_indexed || !p.records || !aligned16(p.records)))
     return error("the index needs 16-byte-aligned records with a stride of at least max_indexed");
   if (!p.k_pages || !p.v_pages || !p.k_table || !p.v_table || !p.seq_lens || !p.n_indexed || !p.queries ||

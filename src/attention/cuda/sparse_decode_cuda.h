@@ -78,6 +78,9 @@ struct SparseDecodeParams {
   double* mass = nullptr;
 
   int n_splits = 0;  // 0: chosen (choose_splits: 4 chunks per split)
+  // Tokens per CTA of the Top-p histogram and gather passes, a positive multiple of 16; 0: chosen
+  // (4096 doubled up to 32768 while the passes keep 1024 CTAs).
+  int64_t pass_tokens = 0;
   void* workspace = nullptr;
   size_t workspace_size = 0;
   void* stream = nullptr;  // cudaStream_t

@@ -34,6 +34,7 @@ struct SparseCase {
   uint32_t seed;
   bool flat_keys = false;  // every key equal: all logits tie (one gap bucket of every token)
   double deviations = 0;   // the Top-p set widened by this many estimator deviations per token
+  int64_t pass_tokens = 0;  // tokens per CTA of the histogram and gather passes (0: chosen)
 };
 
 struct Host {
@@ -177,6 +178,7 @@ SparseRun<D> run(const SparseCase& c, const Host& h) {
   p.threshold = reinterpret_cast<float*>(thr_d.data());
   p.n_selected = reinterpret_cast<int64_t*>(nsel_d.data());
   p.n_widened = reinterpret_cast<int64_t*>(nwid_d.data());
+  p.pass_tokens = c.pass_tokens;
   const size_t ws = workspace_bytes(p);
   EXPECT_TRUE(DeviceBuffer::allocate(ws, &ws_d).ok);
   p.workspace = ws_d.data();
@@ -367,6 +369,28 @@ TEST(SparseDecodeCuda, ABoundaryBucketOfEveryToken) {
   check_case<128>(c);
 }
 
+// The histogram and gather passes split each row into spans of pass_tokens, one CTA each: every
+// span width gives the CPU's threshold, set and lists — spans of one 16-token block, ragged spans
+// that end inside the row, spans past the longest row (one CTA per row), and the boundary bucket's
+// candidates gathered from hundreds of CTAs.
+TEST(SparseDecodeCuda, EveryPassSpanSelectsTheCpuTokens) {
+  CERTKV_NEED_CUDA_DEVICE();
+  for (const int64_t span : {16, 592, 1008, 8192}) {
+    SCOPED_TRACE("pass_tokens " + std::to_string(span));
+    SparseCase c{128, 32, 8, {4096 + 100, 2000}, {4096, 1792}, 0.9, 21};
+    c.pass_tokens = span;
+    check_case<128>(c);
+  }
+  SparseCase widened{128, 28, 4, {17, 3000, 16 * 300 + 1}, {0, 2816, 16 * 300}, 0.8, 22};
+  widened.deviations = 1.5;
+  widened.pass_tokens = 592;
+  check_case<128>(widened);
+  SparseCase flat{128, 8, 2, {6400 + 50}, {6400}, 0.9, 23};
+  flat.flat_keys = true;
+  flat.pass_tokens = 48;
+  check_case<128>(flat);
+}
+
 TEST(SparseDecodeCuda, BadInputIsRefused) {
   SparseDecodeParams p;
   p.batch = 1;
@@ -397,6 +421,12 @@ TEST(SparseDecodeCuda, BadInputIsRefused) {
   p.max_indexed = 100;  // not a multiple of 16
   EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument);
   p.max_indexed = 128;
+  p.pass_tokens = 100;  // not a multiple of 16
+  EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument);
+  EXPECT_NE(check(p).message.find("pass_tokens"), std::string::npos);
+  p.pass_tokens = -16;
+  EXPECT_NE(check(p).message.find("pass_tokens"), std::string::npos);
+  p.pass_tokens = 0;
   EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument);  // null pointers
   EXPECT_NE(check(p).message.find("cuda sparse decode"), std::string::npos);
 }
