@@ -35,7 +35,7 @@ __device__ inline int64_t length_of(const SparseDecodeParams& p, int b) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 1. The estimate: one thread per indexed token, every query head of its KV head.
+// 1. The estimate: tiles of 16 indexed tokens per warp, every query head of their KV head.
 
 // Order-preserving map of floats to unsigned integers (larger float, larger key; -inf > 0).
 __device__ inline uint32_t ordered_key(float x) {
@@ -48,104 +48,182 @@ __device__ inline float key_to_float(uint32_t k) {
 
 // The per-query constants of Eq. 20 and Eq. 6 (index::rabitq_estimate_scores_popcount).
 struct QueryTerms {
-  uint64_t planes[index::kRabitqQueryBits][2];
   float two_delta, two_q_l, query_term, norm_over_sqrt_d, bias;
 };
 
-// A token's record; 32-byte records (D = 128) as two 16-byte loads (the list's base is 16-byte
-// aligned: check() requires it of the records, and every record starts on a multiple of 32).
-template <int D>
-__device__ inline index::RabitqRecord<D> load_record(const index::RabitqRecord<D>* at) {
-  index::RabitqRecord<D> rec;
-  if constexpr (sizeof(rec) % 16 == 0) {
-    uint4 words[sizeof(rec) / 16];
-#pragma unroll
-    for (int i = 0; i < int(sizeof(rec) / 16); ++i) words[i] = reinterpret_cast<const uint4*>(at)[i];
-    memcpy(&rec, words, sizeof(rec));
-  } else {
-    rec = *at;
-  }
-  return rec;
+// mma.sync m16n8k32, u8 x u8 -> s32, accumulating into d: A 16 x 32 (rows), B 32 x 8 (columns).
+__device__ inline void mma_u8(int32_t (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+
+// Bits 0..3 of x as bytes 0..3, each 0 or 1 (the four shifted copies x, x << 7, x << 14, x << 21
+// do not overlap, so the product carries nothing).
+__device__ inline uint32_t nibble_bytes(uint32_t x) { return ((x & 0xfu) * 0x00204081u) & 0x01010101u; }
+
+// 32-bit word w of a record's code (bit j of word w is coordinate 32 w + j).
+template <int D>
+__device__ inline uint32_t code_word(const index::RabitqRecord<D>& rec, int w) {
+  return uint32_t(rec.code[w / 2] >> (32 * (w % 2)));
+}
+
+// Tokens of a warp's stage of records in shared memory (4 tiles of 16).
+constexpr int kEstimateStageTokens = 64;
 
 // head_max: each row's largest logit (ordered_key); norm_max: each list's largest key norm (the
 // bits of a float >= 0 order as the float), the selection's bound for the widening margins.
+//
+// <c_b, q_u> = sum_i c_b[i] q_u[i] (Eq. 20's integer term) for 16 tokens and the group's (up to 8)
+// query heads at once on tensor cores: the tokens' code bits as 0 / 1 bytes (rows of A, a lane
+// expanding two nibbles of each 32-bit word of its two tokens), each head's q_u in [0, 15] as
+// bytes (columns of B, built once per CTA in shared memory), k = 32 dimensions per mma; the sum
+// (at most 15 D) is exact in s32, the same integer as the CPU's sum_b 2^b popcount(c_b & plane_b).
+// The popcount form took 16 POPC per (token, head), which bound the kernel (16 per clock and SM).
+// Each warp copies stages of 64 records into shared memory (cp.async, one stage in flight while
+// the other is used) and takes their tiles of 16 tokens; a lane holds tokens row and row + 8,
+// heads 2 quad and 2 quad + 1 of the mma's accumulators, and computes their float steps (with
+// at most 4 heads, half of them: below).
 template <int D>
 __global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecodeParams p, float* logits,
                                                                      uint32_t* head_max, uint32_t* norm_max) {
-  constexpr int W = (D + 63) / 64;
+  static_assert(D % 32 == 0 && D <= 128, "k-blocks of 32 dimensions, two code words at most");
+  using Record = index::RabitqRecord<D>;
+  constexpr int kBlocks = D / 32;
+  constexpr int kWarpsPerCta = kEstimateThreads / 32;
+  constexpr int kStageBytes = kEstimateStageTokens * int(sizeof(Record));
+  static_assert(kStageBytes % 16 == 0, "a stage is whole 16-byte pieces");
   __shared__ QueryTerms terms[kTileHeads];
+  __shared__ alignas(16) uint8_t q_u[kTileHeads][D];  // 0 for the heads past the group
+  __shared__ alignas(16) Record stage[kWarpsPerCta][2][kEstimateStageTokens];
   __shared__ uint32_t cta_max[kTileHeads];
   const int kv_head = blockIdx.y, b = blockIdx.z;
   const int group = p.n_q_heads / p.n_kv_heads;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, row = lane >> 2, quad = lane & 3;
+  const int64_t n = indexed_of(p, b);
+  const int64_t first = int64_t(blockIdx.x) * kEstimateTokens, end = min(n, first + kEstimateTokens);
+  const Record* records = static_cast<const Record*>(p.records) + (int64_t(b) * p.n_kv_heads + kv_head) * p.record_stride;
+  // Stage j of this warp: tokens first + 64 (warp + 4 j) onward, the bytes past `end` zero.
+  auto stage_first = [&](int j) { return first + int64_t(kEstimateStageTokens) * (warp + kWarpsPerCta * j); };
+  auto copy_stage = [&](int j) {
+    const int64_t t0 = stage_first(j);
+    const int64_t valid = max(int64_t(0), min(end - t0, int64_t(kEstimateStageTokens))) * int64_t(sizeof(Record));
+    const char* src = reinterpret_cast<const char*>(records + t0);
+    char* dst = reinterpret_cast<char*>(stage[warp][j % 2]);
+    for (int c = lane; c < kStageBytes / 16; c += 32) {
+      const int bytes = int(max(int64_t(0), min(valid - 16 * c, int64_t(16))));
+      cp_async16_bytes(dst + 16 * c, bytes > 0 ? src + 16 * c : reinterpret_cast<const char*>(records), bytes);
+    }
+    cp_async_commit();
+  };
+  copy_stage(0);  // in flight while the CTA builds the query side
+  const DeviceRabitqQuery* queries = p.queries + int64_t(b) * p.n_q_heads + kv_head * group;
   if (threadIdx.x < group) {
-    const DeviceRabitqQuery& q = p.queries[int64_t(b) * p.n_q_heads + kv_head * group + threadIdx.x];
+    const DeviceRabitqQuery& q = queries[threadIdx.x];
     QueryTerms& t = terms[threadIdx.x];
-    for (int bit = 0; bit < index::kRabitqQueryBits; ++bit)
-      for (int w = 0; w < 2; ++w) t.planes[bit][w] = q.planes[bit][w];
     t.two_delta = 2.f * q.delta;
     t.two_q_l = 2.f * q.q_l;
     t.query_term = __fsub_rn(-q.delta * float(q.sum_q_u), float(D) * q.q_l);
     t.norm_over_sqrt_d = q.norm_q_centered / sqrtf(float(D));
     t.bias = q.q_dot_ck - q.cq_dot_ck;
-    cta_max[threadIdx.x] = 0;
+  }
+  if (threadIdx.x < kTileHeads) cta_max[threadIdx.x] = 0;
+  // q_u by 8 dimensions per thread: one byte of each plane, bit e of it the bit of dimension d + e.
+  for (int i = threadIdx.x; i < kTileHeads * D / 8; i += kEstimateThreads) {
+    const int h = i / (D / 8), d = 8 * (i % (D / 8));
+    uint64_t levels = 0;  // byte e: q_u[d + e]
+    if (h < group)
+      for (int bit = 0; bit < index::kRabitqQueryBits; ++bit) {
+        const uint32_t plane = uint32_t(queries[h].planes[bit][d / 64] >> (d % 64)) & 0xffu;
+        for (int e = 0; e < 8; ++e) levels |= uint64_t((plane >> e) & 1u) << (8 * e + bit);
+      }
+    *reinterpret_cast<uint64_t*>(&q_u[h][d]) = levels;
   }
   __syncthreads();
-  const int64_t n = indexed_of(p, b);
-  const auto* records = static_cast<const index::RabitqRecord<D>*>(p.records) +
-                        (int64_t(b) * p.n_kv_heads + kv_head) * p.record_stride;
-  uint32_t key_max[kTileHeads] = {};
-  float largest_norm = 0.f;
-  auto estimate = [&](const index::RabitqRecord<D>& rec, int64_t t) {
-    const float norm_k = rec.norm_k_centered, alpha = rec.alpha, cq_dot_k = rec.cq_dot_k;
-    const float popcount = float(rec.code_popcount);
-    largest_norm = fmaxf(largest_norm, norm_k);
+  uint32_t bq[kBlocks][2];  // B: head `row`'s q_u at dimensions 32 k + 4 quad .. + 3 and 16 more
 #pragma unroll
-    for (int g = 0; g < kTileHeads; ++g) {
-      if (g >= group) break;
-      const QueryTerms& q = terms[g];
-      int32_t cb_dot_qu = 0;  // <c_b, q_u> = sum_b 2^b popcount(c_b & plane_b), exact
-#pragma unroll
-      for (int bit = 0; bit < index::kRabitqQueryBits; ++bit) {
-        int32_t count = 0;
-#pragma unroll
-        for (int w = 0; w < W; ++w) count += __popcll(rec.code[w] & q.planes[bit][w]);
-        cb_dot_qu += count << bit;
-      }
-      // The float steps of index::rabitq_estimate_scores_popcount, in its order and unfused:
-      // Eq. 20, <c', q_bar> = 2 delta <c_b, q_u> + 2 q_l sum c_b - delta sum q_u - D q_l; Eq. 6.
-      const float c_prime = __fadd_rn(__fadd_rn(__fmul_rn(q.two_delta, float(cb_dot_qu)), __fmul_rn(q.two_q_l, popcount)),
-                                      q.query_term);
-      const float product = __fdiv_rn(__fmul_rn(__fmul_rn(q.norm_over_sqrt_d, norm_k), c_prime), alpha);
-      const float logit = __fmul_rn(__fadd_rn(__fadd_rn(product, q.bias), cq_dot_k), p.sm_scale);
-      logits[(int64_t(b) * p.n_q_heads + kv_head * group + g) * p.max_indexed + t] = logit;
-      key_max[g] = max(key_max[g], ordered_key(logit));
-    }
-  };
-  // Two tokens per iteration, both records loaded before either token's logits are stored (the
-  // stores would otherwise order the next record's load behind them: one load in flight per thread).
-  const int64_t end = min(n, int64_t(blockIdx.x + 1) * kEstimateTokens);
-  for (int64_t t = int64_t(blockIdx.x) * kEstimateTokens + threadIdx.x; t < end; t += 2 * kEstimateThreads) {
-    const int64_t u = t + kEstimateThreads;
-    const index::RabitqRecord<D> first = load_record(records + t);
-    index::RabitqRecord<D> second{};
-    if (u < end) second = load_record(records + u);
-    estimate(first, t);
-    if (u < end) estimate(second, u);
+  for (int k = 0; k < kBlocks; ++k) {
+    bq[k][0] = *reinterpret_cast<const uint32_t*>(&q_u[row][32 * k + 4 * quad]);
+    bq[k][1] = *reinterpret_cast<const uint32_t*>(&q_u[row][32 * k + 16 + 4 * quad]);
   }
-  // The rows' largest logits (for the Top-p gaps): warp maxima, the CTA's in shared memory, one
-  // atomic per row and CTA.
+  float* row_logits = logits + (int64_t(b) * p.n_q_heads + kv_head * group) * p.max_indexed;
+  const bool fold = group <= 4;                   // the same in every lane
+  const int head_quad = fold ? quad & 1 : quad;  // the lane's heads: 2 head_quad, 2 head_quad + 1
+  uint32_t key_max[2] = {0, 0};
+  float largest_norm = 0.f;
+  for (int j = 0; stage_first(j) < end; ++j) {
+    if (stage_first(j + 1) < end) {
+      copy_stage(j + 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncwarp();
+    const Record* staged = stage[warp][j % 2];
+#pragma unroll 1
+    for (int tile = 0; tile < kEstimateStageTokens / 16; ++tile) {
+      const int64_t base = stage_first(j) + 16 * tile;
+      if (base >= end) break;
+      const Record tok[2] = {staged[16 * tile + row], staged[16 * tile + row + 8]};
+      int32_t acc[4] = {0, 0, 0, 0};  // (token row, head 2 quad), (row, 2 quad + 1), (row + 8, ...)
 #pragma unroll
-  for (int g = 0; g < kTileHeads; ++g) {
-    uint32_t k = key_max[g];
+      for (int k = 0; k < kBlocks; ++k) {
+        const uint32_t w0 = code_word(tok[0], k), w1 = code_word(tok[1], k);
+        const uint32_t a[4] = {nibble_bytes(w0 >> (4 * quad)), nibble_bytes(w1 >> (4 * quad)),
+                               nibble_bytes(w0 >> (16 + 4 * quad)), nibble_bytes(w1 >> (16 + 4 * quad))};
+        mma_u8(acc, a, bq[k]);
+      }
+      // A group of at most 4 heads leaves the accumulators of quads 2 and 3 empty: those lanes take
+      // the second token (row + 8) of quads 0 and 1, so every lane computes two (token, head) pairs.
+      if (fold) {
+        const int32_t second[2] = {__shfl_xor_sync(0xffffffffu, acc[2], 2), __shfl_xor_sync(0xffffffffu, acc[3], 2)};
+        if (quad >= 2) {
+          acc[0] = second[0];
+          acc[1] = second[1];
+        }
+      }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xffffffffu, k, o));
-    if ((threadIdx.x & 31) == 0 && g < group && k != 0) atomicMax(&cta_max[g], k);
+      for (int i = 0; i < 4; ++i) {
+        if (fold && i >= 2) break;
+        const int h = 2 * head_quad + (i & 1);
+        const int token = fold ? quad >> 1 : i >> 1;  // 0: row, 1: row + 8
+        const int64_t t = base + row + 8 * token;
+        if (t >= end) continue;
+        // The token's fields by selects (indexing tok[] by a run-time value would put it in local memory).
+        const float norm_k = token ? tok[1].norm_k_centered : tok[0].norm_k_centered;
+        const float alpha = token ? tok[1].alpha : tok[0].alpha;
+        const float cq_dot_k = token ? tok[1].cq_dot_k : tok[0].cq_dot_k;
+        const float popcount = float(token ? tok[1].code_popcount : tok[0].code_popcount);
+        if ((i & 1) == 0) largest_norm = fmaxf(largest_norm, norm_k);
+        if (h >= group) continue;
+        const QueryTerms& q = terms[h];
+        // The float steps of index::rabitq_estimate_scores_popcount, in its order and unfused:
+        // Eq. 20, <c', q_bar> = 2 delta <c_b, q_u> + 2 q_l sum c_b - delta sum q_u - D q_l; Eq. 6.
+        const float c_prime =
+            __fadd_rn(__fadd_rn(__fmul_rn(q.two_delta, float(acc[i])), __fmul_rn(q.two_q_l, popcount)), q.query_term);
+        const float product = __fdiv_rn(__fmul_rn(__fmul_rn(q.norm_over_sqrt_d, norm_k), c_prime), alpha);
+        const float logit = __fmul_rn(__fadd_rn(__fadd_rn(product, q.bias), cq_dot_k), p.sm_scale);
+        row_logits[int64_t(h) * p.max_indexed + t] = logit;
+        key_max[i & 1] = max(key_max[i & 1], ordered_key(logit));
+      }
+    }
+    __syncwarp();  // every lane is done with this buffer before the next copy into it
+  }
+  cp_async_wait<0>();  // a warp past `end` from the start still has its (empty) first stage
+  // The rows' largest logits (for the Top-p gaps): over the lanes of a quad position (the same
+  // heads), then the CTA's in shared memory, one atomic per row and CTA.
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    uint32_t k = key_max[j];
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) k = max(k, __shfl_xor_sync(0xffffffffu, k, o));
+    if (row == 0 && k != 0) atomicMax(&cta_max[2 * head_quad + j], k);
   }
   uint32_t norm_bits = __float_as_uint(largest_norm);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) norm_bits = max(norm_bits, __shfl_xor_sync(0xffffffffu, norm_bits, o));
-  if ((threadIdx.x & 31) == 0 && norm_bits != 0) atomicMax(&norm_max[int64_t(b) * p.n_kv_heads + kv_head], norm_bits);
+  if (lane == 0 && norm_bits != 0) atomicMax(&norm_max[int64_t(b) * p.n_kv_heads + kv_head], norm_bits);
   __syncthreads();
   if (threadIdx.x < group && cta_max[threadIdx.x] != 0)
     atomicMax(&head_max[int64_t(b) * p.n_q_heads + kv_head * group + threadIdx.x], cta_max[threadIdx.x]);
@@ -451,21 +529,25 @@ __global__ void __launch_bounds__(kTopPThreads) theta_kernel(SparseDecodeParams 
 // fl(logit + fl(m ||k_t - c_k||)) >= theta (index::top_p_widen's two rounded operations). The
 // norm is read from the token's record only when the list's largest norm could reach theta: by
 // monotone rounding, fl(l + fl(m n)) <= fl(l + fl(m n_max)) for n <= n_max. A group with no
-// positive margin takes the plain comparison loop; thresholds and margins are read once per CTA.
+// positive margin takes the plain comparisons; thresholds and margins are read once per CTA.
+// A thread takes 4 consecutive tokens (one 16-byte load per head), so a CTA of 256 threads takes
+// a chunk; with one token per thread (CTAs of 1024) the loads of two CTAs per multiprocessor
+// could not cover the latency (101 us at batch 8, 128K, 32 / 8, for 134 MB of logits).
+
+constexpr int kSelectThreads = kSparseChunkTokens / 4;
 
 template <int D>
-__global__ void __launch_bounds__(kSparseChunkTokens) select_kernel(SparseDecodeParams p, const float* logits,
-                                                                    const float* theta, const uint32_t* norm_max,
-                                                                    uint32_t* entries, int32_t* counts,
-                                                                    int64_t n_chunks) {
-  __shared__ int32_t warp_counts[33];
+__global__ void __launch_bounds__(kSelectThreads) select_kernel(SparseDecodeParams p, const float* logits,
+                                                                const float* theta, const uint32_t* norm_max,
+                                                                uint32_t* entries, int32_t* counts, int64_t n_chunks) {
+  constexpr int kWarpsPerCta = kSelectThreads / 32;
+  __shared__ int32_t warp_offsets[kWarpsPerCta + 1];
   __shared__ float head_theta[kTileHeads], head_margin[kTileHeads];
   const int chunk = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int group = p.n_q_heads / p.n_kv_heads;
-  const int64_t t = int64_t(chunk) * kSparseChunkTokens + threadIdx.x;
+  const int64_t t0 = int64_t(chunk) * kSparseChunkTokens + 4 * threadIdx.x;
   const int64_t list_of_head = int64_t(b) * p.n_kv_heads + kv_head;
   const int64_t row0 = int64_t(b) * p.n_q_heads + int64_t(kv_head) * group;  // the group's first row
-  // The group's thresholds and margins, read once per CTA.
   if (threadIdx.x < group) {
     head_theta[threadIdx.x] = theta[row0 + threadIdx.x];
     head_margin[threadIdx.x] = p.queries[row0 + threadIdx.x].margin_scale;
@@ -473,64 +555,78 @@ __global__ void __launch_bounds__(kSparseChunkTokens) select_kernel(SparseDecode
   __syncthreads();
   bool widening = false;  // the same in every thread: a head of the group has a positive margin
   for (int g = 0; g < group; ++g) widening |= head_margin[g] > 0.f;
-  uint32_t heads = 0, widened = 0;
-  if (t < indexed_of(p, b)) {
-    // The group's logits of the token, all loads issued before the first comparison.
-    const float* l_t = logits + row0 * p.max_indexed + t;
-    float l[kTileHeads];
+  uint32_t heads[4] = {0, 0, 0, 0}, widened[4] = {0, 0, 0, 0};
+  const int64_t n = indexed_of(p, b);
+  if (t0 < n) {
+    // The group's logits of the 4 tokens (t0 + 3 < max_indexed: both are multiples of 4 and
+    // t0 < n <= max_indexed), all loads issued before the first comparison.
+    float4 l[kTileHeads];
 #pragma unroll
-    for (int g = 0; g < kTileHeads; ++g) l[g] = g < group ? l_t[g * p.max_indexed] : -INFINITY;
-    if (!widening) {
+    for (int g = 0; g < kTileHeads; ++g)
+      if (g < group) l[g] = *reinterpret_cast<const float4*>(logits + (row0 + g) * p.max_indexed + t0);
+    const float n_max = widening ? __uint_as_float(norm_max[list_of_head]) : 0.f;
 #pragma unroll
-      for (int g = 0; g < kTileHeads; ++g)
-        if (g < group) heads |= uint32_t(l[g] >= head_theta[g]) << g;
-    } else {
-      const float n_max = __uint_as_float(norm_max[list_of_head]);
+    for (int e = 0; e < 4; ++e) {
+      if (t0 + e >= n) break;
       float norm = -1.f;  // the token's key norm, read on first need
 #pragma unroll
       for (int g = 0; g < kTileHeads; ++g) {
         if (g >= group) break;
-        const float th = head_theta[g], m = head_margin[g];
-        bool take = l[g] >= th;
-        if (!take && m > 0.f && __fadd_rn(l[g], __fmul_rn(m, n_max)) >= th) {
-          if (norm < 0.f)
-            norm = static_cast<const index::RabitqRecord<D>*>(p.records)[list_of_head * p.record_stride + t].norm_k_centered;
-          take = __fadd_rn(l[g], __fmul_rn(m, norm)) >= th;
-          widened |= uint32_t(take) << g;
+        const float x = e == 0 ? l[g].x : e == 1 ? l[g].y : e == 2 ? l[g].z : l[g].w;
+        const float th = head_theta[g];
+        bool take = x >= th;
+        if (widening && !take) {
+          const float m = head_margin[g];
+          if (m > 0.f && __fadd_rn(x, __fmul_rn(m, n_max)) >= th) {
+            if (norm < 0.f)
+              norm = static_cast<const index::RabitqRecord<D>*>(p.records)[list_of_head * p.record_stride + t0 + e]
+                         .norm_k_centered;
+            take = __fadd_rn(x, __fmul_rn(m, norm)) >= th;
+            widened[e] |= uint32_t(take) << g;
+          }
         }
-        heads |= uint32_t(take) << g;
+        heads[e] |= uint32_t(take) << g;
       }
     }
   }
+  // Offsets in token order: an exclusive scan of the threads' counts (0 to 4).
+  const int mine = int(heads[0] != 0) + int(heads[1] != 0) + int(heads[2] != 0) + int(heads[3] != 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const uint32_t ballot = __ballot_sync(0xffffffffu, heads != 0);
-  if (lane == 0) warp_counts[warp] = __popc(ballot);
-  __syncthreads();
-  if (warp == 0) {  // exclusive offsets of the 32 warps, and the total in slot 32
-    const int c = warp_counts[lane];
-    int incl = c;
+  int incl = mine;
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += y;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) warp_offsets[warp] = incl;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int sum = 0;
+    for (int w = 0; w < kWarpsPerCta; ++w) {
+      const int c = warp_offsets[w];
+      warp_offsets[w] = sum;
+      sum += c;
     }
-    warp_counts[lane] = incl - c;
-    if (lane == 31) warp_counts[32] = incl;
+    warp_offsets[kWarpsPerCta] = sum;
   }
   __syncthreads();
-  const int offset = warp_counts[warp], total = warp_counts[32];
-  const int64_t list = (int64_t(b) * p.n_kv_heads + kv_head) * n_chunks + chunk;
-  if (heads != 0)
-    entries[list * kSparseChunkTokens + offset + __popc(ballot & ((1u << lane) - 1u))] = uint32_t(t) | (heads << 24);
-  if (threadIdx.x == 0) counts[list] = total;
+  const int64_t list = list_of_head * n_chunks + chunk;
+  uint32_t* out = entries + list * kSparseChunkTokens + warp_offsets[warp] + incl - mine;
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    if (heads[e] != 0) *out++ = uint32_t(t0 + e) | (heads[e] << 24);
+  if (threadIdx.x == 0) counts[list] = warp_offsets[kWarpsPerCta];
   // The widening's tokens per head, added to the counts theta_kernel wrote.
-  if (__ballot_sync(0xffffffffu, widened != 0) != 0 && (p.n_selected || p.n_widened)) {
+  const uint32_t any_widened = widened[0] | widened[1] | widened[2] | widened[3];
+  if (__ballot_sync(0xffffffffu, any_widened != 0) != 0 && (p.n_selected || p.n_widened)) {
     for (int g = 0; g < group; ++g) {
-      const uint32_t w = __ballot_sync(0xffffffffu, (widened >> g) & 1u);
+      const unsigned mine_g = ((widened[0] >> g) & 1u) + ((widened[1] >> g) & 1u) + ((widened[2] >> g) & 1u) +
+                              ((widened[3] >> g) & 1u);
+      const unsigned w = __reduce_add_sync(0xffffffffu, mine_g);
       if (lane == 0 && w != 0) {
         const int64_t row = row0 + g;
-        if (p.n_selected) atomicAdd(reinterpret_cast<unsigned long long*>(&p.n_selected[row]), (unsigned long long)__popc(w));
-        if (p.n_widened) atomicAdd(reinterpret_cast<unsigned long long*>(&p.n_widened[row]), (unsigned long long)__popc(w));
+        if (p.n_selected) atomicAdd(reinterpret_cast<unsigned long long*>(&p.n_selected[row]), (unsigned long long)w);
+        if (p.n_widened) atomicAdd(reinterpret_cast<unsigned long long*>(&p.n_widened[row]), (unsigned long long)w);
       }
     }
   }
@@ -839,7 +935,7 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
   theta_kernel<<<dim3(unsigned(p.n_q_heads), unsigned(p.batch)), kTopPThreads, 0, stream>>>(p, plans, cand_count,
                                                                                           candidates, theta);
   if (l.n_chunks > 0)
-    select_kernel<D><<<dim3(unsigned(l.n_chunks), unsigned(p.n_kv_heads), unsigned(p.batch)), kSparseChunkTokens, 0,
+    select_kernel<D><<<dim3(unsigned(l.n_chunks), unsigned(p.n_kv_heads), unsigned(p.batch)), kSelectThreads, 0,
                        stream>>>(p, logits, theta, norm_max, entries, counts, l.n_chunks);
   AttendArgs a{p, entries, counts, l.n_chunks, l.window_chunks, splits,
                static_cast<float*>(at(l.mld)), static_cast<float*>(at(l.o))};

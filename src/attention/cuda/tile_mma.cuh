@@ -109,6 +109,12 @@ __device__ inline void cp_async16_zfill(void* smem, const void* gmem, bool copy)
                "l"(gmem), "r"(copy ? 16 : 0)
                : "memory");
 }
+// The first `bytes` (0 to 16) of 16 bytes, the rest zero; nothing past them is read.
+__device__ inline void cp_async16_bytes(void* smem, const void* gmem, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(uint32_t(__cvta_generic_to_shared(smem))),
+               "l"(gmem), "r"(bytes)
+               : "memory");
+}
 __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ inline void cp_async_wait() {
