@@ -51,6 +51,131 @@ struct QueryTerms {
   float two_delta, two_q_l, query_term, norm_over_sqrt_d, bias;
 };
 
+template <int D>
+__device__ inline QueryTerms query_terms(const DeviceRabitqQuery& q) {
+  QueryTerms t;
+  t.two_delta = 2.f * q.delta;
+  t.two_q_l = 2.f * q.q_l;
+  t.query_term = __fsub_rn(-q.delta * float(q.sum_q_u), float(D) * q.q_l);
+  t.norm_over_sqrt_d = q.norm_q_centered / sqrtf(float(D));
+  t.bias = q.q_dot_ck - q.cq_dot_ck;
+  return t;
+}
+
+// The float steps of index::rabitq_estimate_scores_popcount, in its order and unfused: Eq. 20,
+// <c', q_bar> = 2 delta <c_b, q_u> + 2 q_l sum c_b - delta sum q_u - D q_l; Eq. 6; times sm_scale.
+__device__ inline float estimated_logit(const QueryTerms& q, int32_t cb_dot_qu, float popcount, float norm_k,
+                                        float alpha, float cq_dot_k, float sm_scale) {
+  const float c_prime =
+      __fadd_rn(__fadd_rn(__fmul_rn(q.two_delta, float(cb_dot_qu)), __fmul_rn(q.two_q_l, popcount)), q.query_term);
+  const float product = __fdiv_rn(__fmul_rn(__fmul_rn(q.norm_over_sqrt_d, norm_k), c_prime), alpha);
+  return __fmul_rn(__fadd_rn(__fadd_rn(product, q.bias), cq_dot_k), sm_scale);
+}
+
+// Whether a head of the group widens its set (a positive margin): the estimate then writes each
+// token's key norm beside the logits for the selection, which reads it only then.
+__device__ inline bool group_widens(const DeviceRabitqQuery* group_queries, int group) {
+  bool widening = false;
+  for (int g = 0; g < group; ++g) widening |= group_queries[g].margin_scale > 0.f;
+  return widening;
+}
+
+// A token's record; 32-byte records (D = 128) as two 16-byte loads (the list's base is 16-byte
+// aligned: check() requires it of the records, and every record starts on a multiple of 32).
+template <int D>
+__device__ inline index::RabitqRecord<D> load_record(const index::RabitqRecord<D>* at) {
+  index::RabitqRecord<D> rec;
+  if constexpr (sizeof(rec) % 16 == 0) {
+    uint4 words[sizeof(rec) / 16];
+#pragma unroll
+    for (int i = 0; i < int(sizeof(rec) / 16); ++i) words[i] = reinterpret_cast<const uint4*>(at)[i];
+    memcpy(&rec, words, sizeof(rec));
+  } else {
+    rec = *at;
+  }
+  return rec;
+}
+
+// head_max: each row's largest logit (ordered_key); norm_max: each list's largest key norm (the
+// bits of a float >= 0 order as the float), the selection's bound for the widening margins;
+// norms: each token's key norm ([list][max_indexed]), written when the group widens.
+//
+// With at most 4 query heads per KV head: one thread per token, <c_b, q_u> =
+// sum_b 2^b popcount(c_b & plane_b) (16 POPC per (token, head) at D = 128), two records loaded
+// before either token's logits are stored (the stores would otherwise order the next load behind
+// them). With more heads the tensor-core form below is faster; with 4 it was slower (docs/cuda.md).
+template <int D>
+__global__ void __launch_bounds__(kEstimateThreads) estimate_by_popcount_kernel(SparseDecodeParams p, float* logits,
+                                                                                 uint32_t* head_max,
+                                                                                 uint32_t* norm_max, float* norms) {
+  constexpr int W = (D + 63) / 64;
+  __shared__ QueryTerms terms[kTileHeads];
+  __shared__ uint64_t planes[kTileHeads][index::kRabitqQueryBits][W];
+  __shared__ uint32_t cta_max[kTileHeads];
+  const int kv_head = blockIdx.y, b = blockIdx.z;
+  const int group = p.n_q_heads / p.n_kv_heads;
+  const DeviceRabitqQuery* queries = p.queries + int64_t(b) * p.n_q_heads + kv_head * group;
+  if (threadIdx.x < group) {
+    terms[threadIdx.x] = query_terms<D>(queries[threadIdx.x]);
+    for (int bit = 0; bit < index::kRabitqQueryBits; ++bit)
+      for (int w = 0; w < W; ++w) planes[threadIdx.x][bit][w] = queries[threadIdx.x].planes[bit][w];
+    cta_max[threadIdx.x] = 0;
+  }
+  __syncthreads();
+  const bool widening = group_widens(queries, group);
+  const int64_t n = indexed_of(p, b);
+  const int64_t list = int64_t(b) * p.n_kv_heads + kv_head;
+  const auto* records = static_cast<const index::RabitqRecord<D>*>(p.records) + list * p.record_stride;
+  float* row_logits = logits + (int64_t(b) * p.n_q_heads + kv_head * group) * p.max_indexed;
+  uint32_t key_max[kTileHeads] = {};
+  float largest_norm = 0.f;
+  auto estimate = [&](const index::RabitqRecord<D>& rec, int64_t t) {
+    largest_norm = fmaxf(largest_norm, rec.norm_k_centered);
+    if (widening) norms[list * p.max_indexed + t] = rec.norm_k_centered;
+#pragma unroll
+    for (int g = 0; g < kTileHeads; ++g) {
+      if (g >= group) break;
+      int32_t cb_dot_qu = 0;  // exact
+#pragma unroll
+      for (int bit = 0; bit < index::kRabitqQueryBits; ++bit) {
+        int32_t count = 0;
+#pragma unroll
+        for (int w = 0; w < W; ++w) count += __popcll(rec.code[w] & planes[g][bit][w]);
+        cb_dot_qu += count << bit;
+      }
+      const float logit = estimated_logit(terms[g], cb_dot_qu, float(rec.code_popcount), rec.norm_k_centered,
+                                          rec.alpha, rec.cq_dot_k, p.sm_scale);
+      row_logits[int64_t(g) * p.max_indexed + t] = logit;
+      key_max[g] = max(key_max[g], ordered_key(logit));
+    }
+  };
+  const int64_t end = min(n, int64_t(blockIdx.x + 1) * kEstimateTokens);
+  for (int64_t t = int64_t(blockIdx.x) * kEstimateTokens + threadIdx.x; t < end; t += 2 * kEstimateThreads) {
+    const int64_t u = t + kEstimateThreads;
+    const index::RabitqRecord<D> first = load_record(records + t);
+    index::RabitqRecord<D> second{};
+    if (u < end) second = load_record(records + u);
+    estimate(first, t);
+    if (u < end) estimate(second, u);
+  }
+  // The rows' largest logits (for the Top-p gaps): warp maxima, the CTA's in shared memory, one
+  // atomic per row and CTA.
+#pragma unroll
+  for (int g = 0; g < kTileHeads; ++g) {
+    uint32_t k = key_max[g];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xffffffffu, k, o));
+    if ((threadIdx.x & 31) == 0 && g < group && k != 0) atomicMax(&cta_max[g], k);
+  }
+  uint32_t norm_bits = __float_as_uint(largest_norm);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) norm_bits = max(norm_bits, __shfl_xor_sync(0xffffffffu, norm_bits, o));
+  if ((threadIdx.x & 31) == 0 && norm_bits != 0) atomicMax(&norm_max[list], norm_bits);
+  __syncthreads();
+  if (threadIdx.x < group && cta_max[threadIdx.x] != 0)
+    atomicMax(&head_max[int64_t(b) * p.n_q_heads + kv_head * group + threadIdx.x], cta_max[threadIdx.x]);
+}
+
 // mma.sync m16n8k32, u8 x u8 -> s32, accumulating into d: A 16 x 32 (rows), B 32 x 8 (columns).
 __device__ inline void mma_u8(int32_t (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile(
@@ -72,9 +197,7 @@ __device__ inline uint32_t code_word(const index::RabitqRecord<D>& rec, int w) {
 // Tokens of a warp's stage of records in shared memory (4 tiles of 16).
 constexpr int kEstimateStageTokens = 64;
 
-// head_max: each row's largest logit (ordered_key); norm_max: each list's largest key norm (the
-// bits of a float >= 0 order as the float), the selection's bound for the widening margins.
-//
+// With more than 4 query heads per KV head:
 // <c_b, q_u> = sum_i c_b[i] q_u[i] (Eq. 20's integer term) for 16 tokens and the group's (up to 8)
 // query heads at once on tensor cores: the tokens' code bits as 0 / 1 bytes (rows of A, a lane
 // expanding two nibbles of each 32-bit word of its two tokens), each head's q_u in [0, 15] as
@@ -83,11 +206,13 @@ constexpr int kEstimateStageTokens = 64;
 // The popcount form took 16 POPC per (token, head), which bound the kernel (16 per clock and SM).
 // Each warp copies stages of 64 records into shared memory (cp.async, one stage in flight while
 // the other is used) and takes their tiles of 16 tokens; a lane holds tokens row and row + 8,
-// heads 2 quad and 2 quad + 1 of the mma's accumulators, and computes their float steps (with
-// at most 4 heads, half of them: below).
+// heads 2 quad and 2 quad + 1 of the mma's accumulators, and computes their float steps. At 4
+// heads half the lanes would idle in those steps (a fold of the second token onto them still left
+// the kernel slower than the popcount form: 195 against 171 us, docs/cuda.md).
 template <int D>
-__global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecodeParams p, float* logits,
-                                                                     uint32_t* head_max, uint32_t* norm_max) {
+__global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(SparseDecodeParams p, float* logits,
+                                                                            uint32_t* head_max, uint32_t* norm_max,
+                                                                            float* norms) {
   static_assert(D % 32 == 0 && D <= 128, "k-blocks of 32 dimensions, two code words at most");
   using Record = index::RabitqRecord<D>;
   constexpr int kBlocks = D / 32;
@@ -119,15 +244,7 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecode
   };
   copy_stage(0);  // in flight while the CTA builds the query side
   const DeviceRabitqQuery* queries = p.queries + int64_t(b) * p.n_q_heads + kv_head * group;
-  if (threadIdx.x < group) {
-    const DeviceRabitqQuery& q = queries[threadIdx.x];
-    QueryTerms& t = terms[threadIdx.x];
-    t.two_delta = 2.f * q.delta;
-    t.two_q_l = 2.f * q.q_l;
-    t.query_term = __fsub_rn(-q.delta * float(q.sum_q_u), float(D) * q.q_l);
-    t.norm_over_sqrt_d = q.norm_q_centered / sqrtf(float(D));
-    t.bias = q.q_dot_ck - q.cq_dot_ck;
-  }
+  if (threadIdx.x < group) terms[threadIdx.x] = query_terms<D>(queries[threadIdx.x]);
   if (threadIdx.x < kTileHeads) cta_max[threadIdx.x] = 0;
   // q_u by 8 dimensions per thread: one byte of each plane, bit e of it the bit of dimension d + e.
   for (int i = threadIdx.x; i < kTileHeads * D / 8; i += kEstimateThreads) {
@@ -148,8 +265,8 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecode
     bq[k][1] = *reinterpret_cast<const uint32_t*>(&q_u[row][32 * k + 16 + 4 * quad]);
   }
   float* row_logits = logits + (int64_t(b) * p.n_q_heads + kv_head * group) * p.max_indexed;
-  const bool fold = group <= 4;                   // the same in every lane
-  const int head_quad = fold ? quad & 1 : quad;  // the lane's heads: 2 head_quad, 2 head_quad + 1
+  float* list_norms = norms + (int64_t(b) * p.n_kv_heads + kv_head) * p.max_indexed;
+  const bool widening = group_widens(queries, group);
   uint32_t key_max[2] = {0, 0};
   float largest_norm = 0.f;
   for (int j = 0; stage_first(j) < end; ++j) {
@@ -174,20 +291,10 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecode
                                nibble_bytes(w0 >> (16 + 4 * quad)), nibble_bytes(w1 >> (16 + 4 * quad))};
         mma_u8(acc, a, bq[k]);
       }
-      // A group of at most 4 heads leaves the accumulators of quads 2 and 3 empty: those lanes take
-      // the second token (row + 8) of quads 0 and 1, so every lane computes two (token, head) pairs.
-      if (fold) {
-        const int32_t second[2] = {__shfl_xor_sync(0xffffffffu, acc[2], 2), __shfl_xor_sync(0xffffffffu, acc[3], 2)};
-        if (quad >= 2) {
-          acc[0] = second[0];
-          acc[1] = second[1];
-        }
-      }
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        if (fold && i >= 2) break;
-        const int h = 2 * head_quad + (i & 1);
-        const int token = fold ? quad >> 1 : i >> 1;  // 0: row, 1: row + 8
+        const int h = 2 * quad + (i & 1);
+        const int token = i >> 1;  // 0: row, 1: row + 8
         const int64_t t = base + row + 8 * token;
         if (t >= end) continue;
         // The token's fields by selects (indexing tok[] by a run-time value would put it in local memory).
@@ -195,15 +302,12 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecode
         const float alpha = token ? tok[1].alpha : tok[0].alpha;
         const float cq_dot_k = token ? tok[1].cq_dot_k : tok[0].cq_dot_k;
         const float popcount = float(token ? tok[1].code_popcount : tok[0].code_popcount);
-        if ((i & 1) == 0) largest_norm = fmaxf(largest_norm, norm_k);
+        if ((i & 1) == 0) {
+          largest_norm = fmaxf(largest_norm, norm_k);
+          if (widening && quad == 0) list_norms[t] = norm_k;  // one lane per token
+        }
         if (h >= group) continue;
-        const QueryTerms& q = terms[h];
-        // The float steps of index::rabitq_estimate_scores_popcount, in its order and unfused:
-        // Eq. 20, <c', q_bar> = 2 delta <c_b, q_u> + 2 q_l sum c_b - delta sum q_u - D q_l; Eq. 6.
-        const float c_prime =
-            __fadd_rn(__fadd_rn(__fmul_rn(q.two_delta, float(acc[i])), __fmul_rn(q.two_q_l, popcount)), q.query_term);
-        const float product = __fdiv_rn(__fmul_rn(__fmul_rn(q.norm_over_sqrt_d, norm_k), c_prime), alpha);
-        const float logit = __fmul_rn(__fadd_rn(__fadd_rn(product, q.bias), cq_dot_k), p.sm_scale);
+        const float logit = estimated_logit(terms[h], acc[i], popcount, norm_k, alpha, cq_dot_k, p.sm_scale);
         row_logits[int64_t(h) * p.max_indexed + t] = logit;
         key_max[i & 1] = max(key_max[i & 1], ordered_key(logit));
       }
@@ -218,7 +322,7 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_kernel(SparseDecode
     uint32_t k = key_max[j];
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) k = max(k, __shfl_xor_sync(0xffffffffu, k, o));
-    if (row == 0 && k != 0) atomicMax(&cta_max[2 * head_quad + j], k);
+    if (row == 0 && k != 0) atomicMax(&cta_max[2 * quad + j], k);
   }
   uint32_t norm_bits = __float_as_uint(largest_norm);
 #pragma unroll
@@ -527,19 +631,22 @@ __global__ void __launch_bounds__(kTopPThreads) theta_kernel(SparseDecodeParams 
 // the tokens any head of the group selected, with the heads as bits 24..31. A head selects the
 // tokens of its Top-p set (logit >= theta) and, when its margin_scale m is positive, those with
 // fl(logit + fl(m ||k_t - c_k||)) >= theta (index::top_p_widen's two rounded operations). The
-// norm is read from the token's record only when the list's largest norm could reach theta: by
+// norm (the estimate's copy beside the logits) is read only when the list's largest norm could
+// reach theta: by
 // monotone rounding, fl(l + fl(m n)) <= fl(l + fl(m n_max)) for n <= n_max. A group with no
 // positive margin takes the plain comparisons; thresholds and margins are read once per CTA.
 // A thread takes 4 consecutive tokens (one 16-byte load per head), so a CTA of 256 threads takes
 // a chunk; with one token per thread (CTAs of 1024) the loads of two CTAs per multiprocessor
-// could not cover the latency (101 us at batch 8, 128K, 32 / 8, for 134 MB of logits).
+// could not cover the latency (101 us at batch 8, 128K, 32 / 8, for 134 MB of logits). The norms
+// were read from the tokens' 32-byte records until this change: a sector per token in the band.
 
 constexpr int kSelectThreads = kSparseChunkTokens / 4;
 
 template <int D>
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(SparseDecodeParams p, const float* logits,
                                                                 const float* theta, const uint32_t* norm_max,
-                                                                uint32_t* entries, int32_t* counts, int64_t n_chunks) {
+                                                                const float* norms, uint32_t* entries,
+                                                                int32_t* counts, int64_t n_chunks) {
   constexpr int kWarpsPerCta = kSelectThreads / 32;
   __shared__ int32_t warp_offsets[kWarpsPerCta + 1];
   __shared__ float head_theta[kTileHeads], head_margin[kTileHeads];
@@ -578,9 +685,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SparseDecodePara
         if (widening && !take) {
           const float m = head_margin[g];
           if (m > 0.f && __fadd_rn(x, __fmul_rn(m, n_max)) >= th) {
-            if (norm < 0.f)
-              norm = static_cast<const index::RabitqRecord<D>*>(p.records)[list_of_head * p.record_stride + t0 + e]
-                         .norm_k_centered;
+            if (norm < 0.f) norm = norms[list_of_head * p.max_indexed + t0 + e];
             take = __fadd_rn(x, __fmul_rn(m, norm)) >= th;
             widened[e] |= uint32_t(take) << g;
           }
@@ -841,7 +946,7 @@ CudaStatus unsupported(const std::string& message) {
 struct Layout {
   // zeroed before every call: head_max .. cand_count (one memset)
   size_t head_max = 0, norm_max = 0, hist = 0, cand_count = 0, zeroed_end = 0;
-  size_t logits = 0, candidates = 0, plans = 0, theta = 0, entries = 0, counts = 0, mld = 0, o = 0, total = 0;
+  size_t logits = 0, norms = 0, candidates = 0, plans = 0, theta = 0, entries = 0, counts = 0, mld = 0, o = 0, total = 0;
   int64_t n_chunks = 0, window_chunks = 0;
   int splits = 1;
 };
@@ -868,6 +973,7 @@ Layout layout_of(const SparseDecodeParams& p, int splits) {
   l.cand_count = take(rows * 4);
   l.zeroed_end = at;
   l.logits = take(rows * per_row * 4);
+  l.norms = take(lists * per_row * 4);
   l.candidates = take(rows * per_row * 4);
   l.plans = take(rows * sizeof(TopPPlan));
   l.theta = take(rows * 4);
@@ -909,6 +1015,7 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
   char* base = static_cast<char*>(p.workspace);
   auto at = [&](size_t offset) { return static_cast<void*>(base + offset); };
   float* logits = static_cast<float*>(at(l.logits));
+  float* norms = static_cast<float*>(at(l.norms));
   uint32_t* head_max = static_cast<uint32_t*>(at(l.head_max));
   uint32_t* norm_max = static_cast<uint32_t*>(at(l.norm_max));
   uint32_t* hist = static_cast<uint32_t*>(at(l.hist));
@@ -926,8 +1033,11 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
     const unsigned B = unsigned(p.batch), Hq = unsigned(p.n_q_heads), Hkv = unsigned(p.n_kv_heads);
     const int64_t span = pass_tokens(p);
     const unsigned passes = unsigned((p.max_indexed + span - 1) / span);
-    estimate_kernel<D><<<dim3(unsigned((p.max_indexed + kEstimateTokens - 1) / kEstimateTokens), Hkv, B),
-                         kEstimateThreads, 0, stream>>>(p, logits, head_max, norm_max);
+    const dim3 grid(unsigned((p.max_indexed + kEstimateTokens - 1) / kEstimateTokens), Hkv, B);
+    if (p.n_q_heads / p.n_kv_heads <= 4)
+      estimate_by_popcount_kernel<D><<<grid, kEstimateThreads, 0, stream>>>(p, logits, head_max, norm_max, norms);
+    else
+      estimate_by_mma_kernel<D><<<grid, kEstimateThreads, 0, stream>>>(p, logits, head_max, norm_max, norms);
     hist_kernel<<<dim3(passes, Hq, B), kPassThreads, 0, stream>>>(p, logits, head_max, hist, span);
     plan_kernel<<<dim3(Hq, B), kTopPThreads, 0, stream>>>(p, head_max, hist, plans);
     gather_kernel<<<dim3(passes, Hq, B), kPassThreads, 0, stream>>>(p, logits, plans, cand_count, candidates, span);
@@ -936,7 +1046,7 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
                                                                                           candidates, theta);
   if (l.n_chunks > 0)
     select_kernel<D><<<dim3(unsigned(l.n_chunks), unsigned(p.n_kv_heads), unsigned(p.batch)), kSelectThreads, 0,
-                       stream>>>(p, logits, theta, norm_max, entries, counts, l.n_chunks);
+                       stream>>>(p, logits, theta, norm_max, norms, entries, counts, l.n_chunks);
   AttendArgs a{p, entries, counts, l.n_chunks, l.window_chunks, splits,
                static_cast<float*>(at(l.mld)), static_cast<float*>(at(l.o))};
   const size_t smem = sizeof(SparseShared<D>);
