@@ -1125,9 +1125,16 @@ CudaStatus check(const SparseDecodeParams& p) {
   if (p.max_indexed < 0 || p.max_indexed > p.max_seq_len || p.max_indexed % kTileTokens != 0)
     return error("max_indexed must be a multiple of 16 in [0, max_seq_len]");
   if (p.max_window < 0 || p.max_window > p.max_seq_len) return error("max_window must be in [0, max_seq_len]");
-  if (p.pass_tokens < 0 || p.pass_tokens % 16 != 0) return error("pass_tokens must be a multiple of 16, >= 0");
-  if (p.max_indexed > 0 && (p.record_stride < p.max_indexed || !p.records || !aligned16(p.records)))
-    return error("the index needs 16-byte-aligned records with a stride of at least max_indexed");
+  if (p.pass_tokens < 0 || p.pass_tokens % 16 != 0 || p.pass_tokens > (int64_t(1) << 24))
+    return error("pass_tokens must be a multiple of 16 in [0, 2^24]");
+  // Every list starts on 16 bytes (the estimate stages a list's records by 16-byte cp.async): at
+  // head_dim 64 (24-byte records) the stride must be even.
+  const int64_t record_bytes = p.head_dim == 64 ? int64_t(sizeof(index::RabitqRecord<64>))
+                                                : int64_t(sizeof(index::RabitqRecord<128>));
+  if (p.max_indexed > 0 && (p.record_stride < p.max_indexed || !p.records || !aligned16(p.records) ||
+                            (p.record_stride * record_bytes) % 16 != 0))
+    return error("the index needs 16-byte-aligned records with a stride of at least max_indexed, and lists "
+                 "starting on 16 bytes (an even stride at head_dim 64)");
   if (!p.k_pages || !p.v_pages || !p.k_table || !p.v_table || !p.seq_lens || !p.n_indexed || !p.queries ||
       !p.topp_weights || !p.q || !p.out)
     return error("a device pointer is null");

@@ -55,7 +55,8 @@ struct SparseDecodeParams {
   int64_t max_seq_len = 0;
 
   // The index: tokens [0, n_indexed[b]) of sequence b have records
-  // records[(b * n_kv_heads + kv_head) * record_stride + t] (index::RabitqRecord<head_dim>);
+  // records[(b * n_kv_heads + kv_head) * record_stride + t] (index::RabitqRecord<head_dim>; the
+  // base 16-byte aligned, and every list too: an even record_stride at head_dim 64);
   // tokens [n_indexed[b], seq_lens[b]) are the window, attended exactly.
   const void* records = nullptr;
   int64_t record_stride = 0;
@@ -78,7 +79,7 @@ struct SparseDecodeParams {
   double* mass = nullptr;
 
   int n_splits = 0;  // 0: chosen (choose_splits: 4 chunks per split)
-  // Tokens per CTA of the Top-p histogram and gather passes, a positive multiple of 16; 0: chosen
+  // Tokens per CTA of the Top-p histogram and gather passes, a multiple of 16 up to 2^24; 0: chosen
   // (4096 doubled up to 32768 while the passes keep 1024 CTAs).
   int64_t pass_tokens = 0;
   void* workspace = nullptr;

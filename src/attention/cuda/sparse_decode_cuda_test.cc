@@ -426,7 +426,24 @@ TEST(SparseDecodeCuda, BadInputIsRefused) {
   EXPECT_NE(check(p).message.find("pass_tokens"), std::string::npos);
   p.pass_tokens = -16;
   EXPECT_NE(check(p).message.find("pass_tokens"), std::string::npos);
+  p.pass_tokens = int64_t(1) << 40;  // past 2^24 (the longest context): the passes' grid would overflow
+  EXPECT_NE(check(p).message.find("pass_tokens"), std::string::npos);
   p.pass_tokens = 0;
+  // Lists that do not start on 16 bytes: head_dim 64 (24-byte records) with an odd stride. Only
+  // the pointer's alignment is checked, so a fake aligned address serves.
+  alignas(16) static unsigned char fake_records[16];
+  p.records = fake_records;
+  p.head_dim = 64;
+  p.record_stride = 129;
+  EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument);
+  EXPECT_NE(check(p).message.find("even stride"), std::string::npos);
+  p.record_stride = 130;  // even: past this check, refused for the null pointers below
+  EXPECT_EQ(check(p).message.find("even stride"), std::string::npos);
+  p.head_dim = 128;
+  p.record_stride = 129;  // 32-byte records: any stride
+  EXPECT_EQ(check(p).message.find("even stride"), std::string::npos);
+  p.records = nullptr;
+  p.record_stride = 0;
   EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument);  // null pointers
   EXPECT_NE(check(p).message.find("cuda sparse decode"), std::string::npos);
 }
