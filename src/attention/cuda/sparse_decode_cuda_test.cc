@@ -339,6 +339,23 @@ TEST(SparseDecodeCuda, RaggedBatchesMatchTheCpuSelectionAndAttention) {
   check_case<128>({128, 8, 1, {2048, 333}, {1920, 320}, 0.99, 5});
 }
 
+// Both forms of the estimate (popcount up to 4 query heads per KV head, tensor cores above) at
+// every group size from 2 to 8 and both head dims, several KV heads each: the logits equal to the
+// CPU's bit for bit, the CPU's set and lists, the output (check_case); one widened case per form.
+TEST(SparseDecodeCuda, EveryGroupSizeAndFormOfTheEstimate) {
+  CERTKV_NEED_CUDA_DEVICE();
+  check_case<64>({64, 8, 4, {2000, 777}, {1920, 752}, 0.9, 31});      // 2 heads, popcount
+  check_case<128>({128, 10, 2, {3000, 1200}, {2880, 1088}, 0.9, 32}); // 5 heads, mma
+  check_case<64>({64, 12, 2, {2500}, {2400}, 0.8, 33});                // 6 heads, mma
+  check_case<64>({64, 16, 2, {1700, 3100}, {1600, 3072}, 0.95, 34});   // 8 heads, mma, head_dim 64
+  SparseCase widened_popcount{64, 6, 2, {2600, 900}, {2560, 896}, 0.9, 35};  // 3 heads
+  widened_popcount.deviations = 1.5;
+  check_case<64>(widened_popcount);
+  SparseCase widened_mma{128, 12, 2, {2600, 900}, {2560, 896}, 0.9, 36};  // 6 heads
+  widened_mma.deviations = 1.5;
+  check_case<128>(widened_mma);
+}
+
 // The Top-p set widened per token (index::top_p_widen): the device adds exactly the CPU's tokens
 // (the same two rounded float operations on the same logits and norms), counts them, and attends
 // them; ragged batches and GQA 1, 4, 7.
