@@ -13,7 +13,10 @@
 //                  widens (index::top_p_widen with index::rabitq_logit_deviation_scale, the set
 //                  the CPU path and the CUDA selection take): {t : l~_t + Z sigma_t >= theta_P},
 //                  sigma_t = sm_scale ||q - c_q|| ||k_t - c_k|| / sqrt(D - 1) (docs/sparse.md)
-// Recall: the exact softmax mass of the attended set; budget: attended tokens / context.
+// Recall: the exact softmax mass of the attended set; budget: attended tokens / context. Reach: the
+// largest gap bucket (1/64 logit below the row's largest estimated logit, index/top_p.h's a_t) of
+// any indexed token the rule selects, median and largest over the heads: how far below the
+// maximum a pass must look to see every selected token.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -65,12 +68,20 @@ struct Head {
 
 struct Result {
   double recall_mean = 0, recall_min = 1, budget_mean = 0;
+  int reach_median = 0, reach_max = 0;
 };
+
+// a_t of index/top_p.h: min(cap, floor(64 (l_max - l))) in float steps.
+int gap_bucket(float l_max, float l) {
+  const float g = (l_max - l) * float(index::kTopPGapStepsPerLogit);
+  return g < float(index::kTopPGapCap) ? int(g) : index::kTopPGapCap;
+}
 
 // The tiled context of `ctx` tokens: token t is unique token t % N; the indexed prefix is every
 // token but the window.
 Result evaluate(const std::vector<Head>& heads, int64_t ctx, const Rule& rule) {
   Result r;
+  std::vector<int> reach;
   for (const Head& h : heads) {
     const int64_t n = int64_t(h.estimated.size()), n_idx = ctx - kWindow;
     std::vector<float> logits(static_cast<size_t>(n_idx));
@@ -85,6 +96,12 @@ Result evaluate(const std::vector<Head>& heads, int64_t ctx, const Rule& rule) {
                                                              h.query_norm, D),
                          norms.data(), 1, mask.data());
     }
+    const float l_max = *std::max_element(logits.begin(), logits.end());
+    int head_reach = 0;
+    for (int64_t t = 0; t < n_idx; ++t)
+      if (mask[size_t(t)] || (rule.margin > 0 && double(logits[size_t(t)]) >= double(s.threshold) - rule.margin))
+        head_reach = std::max(head_reach, gap_bucket(l_max, logits[size_t(t)]));
+    reach.push_back(head_reach);
     const double mx = *std::max_element(h.exact.begin(), h.exact.end());
     double z = 0, got = 0;
     int64_t attended = 0;
@@ -102,6 +119,11 @@ Result evaluate(const std::vector<Head>& heads, int64_t ctx, const Rule& rule) {
     r.recall_mean += got / z / double(heads.size());
     r.recall_min = std::min(r.recall_min, got / z);
     r.budget_mean += double(attended) / double(ctx) / double(heads.size());
+  }
+  std::sort(reach.begin(), reach.end());
+  if (!reach.empty()) {
+    r.reach_median = reach[reach.size() / 2];
+    r.reach_max = reach.back();
   }
   return r;
 }
@@ -183,7 +205,8 @@ int main(int argc, char** argv) {
   rules.push_back({0.8, 0, 2.0});
   rules.push_back({0.95, 0, 1.0});
   std::printf("shape %s, %d unique tokens tiled; window %lld\n", shape.c_str(), n, (long long)kWindow);
-  std::printf("%8s %-16s %12s %12s %12s\n", "ctx", "rule", "recall mean", "recall min", "budget");
+  std::printf("%8s %-16s %12s %12s %12s %14s\n", "ctx", "rule", "recall mean", "recall min", "budget",
+              "reach p50/max");
   for (int64_t ctx : contexts) {
     for (const Rule& rule : rules) {
       char name[64];
@@ -191,7 +214,8 @@ int main(int argc, char** argv) {
       else if (rule.deviations > 0) std::snprintf(name, sizeof(name), "p %.2f +z %.1f", rule.p, rule.deviations);
       else std::snprintf(name, sizeof(name), "p %.2f", rule.p);
       const Result r = evaluate(heads, ctx, rule);
-      std::printf("%8lld %-16s %12.3f %12.3f %12.4f\n", (long long)ctx, name, r.recall_mean, r.recall_min, r.budget_mean);
+      std::printf("%8lld %-16s %12.3f %12.3f %12.4f %9d/%d\n", (long long)ctx, name, r.recall_mean, r.recall_min,
+                  r.budget_mean, r.reach_median, r.reach_max);
     }
   }
   return 0;
