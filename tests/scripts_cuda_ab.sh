@@ -12,13 +12,13 @@ cp "$src/scripts/cuda_ab.sh" "$src/scripts/cuda_ab_summary.py" "$work/scripts/"
 # (base 100, 104, ...; head 90, 80, ...), so the medians over 3 rounds are known.
 for tree in base head; do
   dir=.basebin; [ "$tree" = head ] && dir=.devbin
-  cat > "$work/$dir/certkv_cuda_decode_bench" <<STUB
+  cat > "$work/$dir/certkv_cuda_decode_bench" <<BENCH
 #!/usr/bin/env bash
 out=""; while [ \$# -gt 0 ]; do [ "\$1" = --out ] && out=\$2; shift; done
 n=\$(cat "$work/$tree.calls" 2>/dev/null || echo 0); echo \$((n + 1)) > "$work/$tree.calls"
 us=\$([ $tree = base ] && echo \$((100 + 4 * n)) || echo \$((90 - 10 * n)))
 printf '{"kind": "env"}\n{"kind": "certkv", "format": "sparse-p0.9", "shape": "32x8", "batch": 8, "ctx": 131072, "us": %s, "recall_mean": 0.78}\n' \$us > "\$out"
-STUB
+BENCH
   chmod +x "$work/$dir/certkv_cuda_decode_bench"
 done
 summary=$(bash "$work/scripts/cuda_ab.sh" --run "$work/out" 3 --reps 1)
