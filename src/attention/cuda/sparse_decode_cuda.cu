@@ -8,6 +8,7 @@
 #include <string>
 
 #include "attention/cuda/tile_mma.cuh"
+#include "index/code_dot.h"
 #include "index/top_p.h"
 
 namespace certkv::attention::cuda {
@@ -101,16 +102,19 @@ __device__ inline index::RabitqRecord<D> load_record(const index::RabitqRecord<D
 // norms: each token's key norm ([list][max_indexed]), written when the group widens.
 //
 // With at most 4 query heads per KV head: one thread per token, <c_b, q_u> =
-// sum_b 2^b popcount(c_b & plane_b) (16 POPC per (token, head) at D = 128), two records loaded
+// sum_b 2^b popcount(c_b & plane_b) in carry-save form (index::code_dot_planes: 6 POPC per
+// (token, head) at D = 128 where counting plane by plane took 16), two records loaded
 // before either token's logits are stored (the stores would otherwise order the next load behind
 // them). With more heads the tensor-core form below is faster; with 4 it was slower (docs/cuda.md).
 template <int D>
 __global__ void __launch_bounds__(kEstimateThreads) estimate_by_popcount_kernel(SparseDecodeParams p, float* logits,
                                                                                  uint32_t* head_max,
                                                                                  uint32_t* norm_max, float* norms) {
-  constexpr int W = (D + 63) / 64;
+  static_assert(D % 32 == 0 && D <= 128, "two 64-bit code words at most");
+  static_assert(index::kRabitqQueryBits == 4, "index::code_dot_planes adds 4 planes");
+  constexpr int kWords = D / 32;  // 32-bit words of a code and of a plane
   __shared__ QueryTerms terms[kTileHeads];
-  __shared__ uint64_t planes[kTileHeads][index::kRabitqQueryBits][W];
+  __shared__ uint32_t planes[kTileHeads][index::kRabitqQueryBits][kWords];
   __shared__ uint32_t cta_max[kTileHeads];
   const int kv_head = blockIdx.y, b = blockIdx.z;
   const int group = p.n_q_heads / p.n_kv_heads;
@@ -118,7 +122,8 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_popcount_kernel(
   if (threadIdx.x < group) {
     terms[threadIdx.x] = query_terms<D>(queries[threadIdx.x]);
     for (int bit = 0; bit < index::kRabitqQueryBits; ++bit)
-      for (int w = 0; w < W; ++w) planes[threadIdx.x][bit][w] = queries[threadIdx.x].planes[bit][w];
+      for (int w = 0; w < kWords; ++w)
+        planes[threadIdx.x][bit][w] = uint32_t(queries[threadIdx.x].planes[bit][w / 2] >> (32 * (w % 2)));
     cta_max[threadIdx.x] = 0;
   }
   __syncthreads();
@@ -132,17 +137,13 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_popcount_kernel(
   auto estimate = [&](const index::RabitqRecord<D>& rec, int64_t t) {
     largest_norm = fmaxf(largest_norm, rec.norm_k_centered);
     if (widening) norms[list * p.max_indexed + t] = rec.norm_k_centered;
+    uint32_t code[kWords];
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) code[w] = uint32_t(rec.code[w / 2] >> (32 * (w % 2)));
 #pragma unroll
     for (int g = 0; g < kTileHeads; ++g) {
       if (g >= group) break;
-      int32_t cb_dot_qu = 0;  // exact
-#pragma unroll
-      for (int bit = 0; bit < index::kRabitqQueryBits; ++bit) {
-        int32_t count = 0;
-#pragma unroll
-        for (int w = 0; w < W; ++w) count += __popcll(rec.code[w] & planes[g][bit][w]);
-        cb_dot_qu += count << bit;
-      }
+      const int32_t cb_dot_qu = index::code_dot_planes<kWords>(code, planes[g]);  // exact
       const float logit = estimated_logit(terms[g], cb_dot_qu, float(rec.code_popcount), rec.norm_k_centered,
                                           rec.alpha, rec.cq_dot_k, p.sm_scale);
       row_logits[int64_t(g) * p.max_indexed + t] = logit;
@@ -381,16 +382,18 @@ constexpr int kPassThreads = 256;
 
 // Calls f(x, t, valid) for the logits x = row[t] of [t0, t1), read as 16-byte vectors, two per
 // thread and iteration issued before either is used; valid is false for the vectors' tail past
-// t1 (read: a row holds max_indexed floats, a multiple of 16, and t1 <= max_indexed), so every
-// thread of an iteration makes the same calls (the gather's ballots need them converged).
+// t1 and for the lanes past the span. Every lane of a warp runs the same iterations (the trip
+// count is the warp's), so the gather's ballots can name the whole warp.
 template <typename F>
 __device__ inline void for_each_logit(const float* row, int64_t t0, int64_t t1, F&& f) {
   const float4* v = reinterpret_cast<const float4*>(row);
   const int64_t v1 = (t1 + 3) / 4;
-  for (int64_t i = t0 / 4 + threadIdx.x; i < v1; i += 2 * kPassThreads) {
-    const int64_t j = i + kPassThreads;
-    const float4 a = v[i];
-    const float4 c = j < v1 ? v[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+  const int lane = threadIdx.x & 31;
+  for (int64_t w = t0 / 4 + (threadIdx.x - lane); w < v1; w += 2 * kPassThreads) {
+    const int64_t i = w + lane, j = i + kPassThreads;
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 a = i < v1 ? v[i] : zero;
+    const float4 c = j < v1 ? v[j] : zero;
     const float xs[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
@@ -536,13 +539,12 @@ __global__ void __launch_bounds__(kPassThreads) gather_kernel(SparseDecodeParams
   const int lane = threadIdx.x & 31;
   for_each_logit(logits + row * p.max_indexed, t0, min(n, t0 + span), [&](float x, int64_t, bool valid) {
     const bool hit = valid && gap_of(x, plan.l_max) == plan.boundary;
-    const uint32_t active = __activemask();
-    const uint32_t ballot = __ballot_sync(active, hit);
+    const uint32_t ballot = __ballot_sync(0xffffffffu, hit);  // every lane is here (for_each_logit)
     if (ballot == 0) return;
     const int leader = __ffs(ballot) - 1;
     uint32_t base = 0;
     if (lane == leader) base = atomicAdd(&cand_count[row], __popc(ballot));
-    base = __shfl_sync(active, base, leader);
+    base = __shfl_sync(0xffffffffu, base, leader);
     if (hit) candidates[row * p.max_indexed + base + __popc(ballot & ((1u << lane) - 1u))] = x;
   });
 }
