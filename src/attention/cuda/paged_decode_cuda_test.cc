@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdio>
 #include <random>
 #include <vector>
 
@@ -183,6 +184,9 @@ struct Result {
   std::array<int64_t, 4> token_classes{};
   std::array<int64_t, 3> gaac_modes{};  // GAAC groups by mode (3-bit, 4-bit, raw)
   int64_t gaac_pages_without_escapes = 0;
+  // Metered formats: (token, head) cells of lossy K pages by the range of their bound c_t that
+  // the kernel's meter_terms evaluates: (0, 1/4), [1/4, 8), [8, inf).
+  std::array<int64_t, 3> meter_ranges{};
 };
 
 Result run_case(const Case& c, uint32_t seed) {
@@ -323,6 +327,7 @@ Result run_case(const Case& c, uint32_t seed) {
           // p (e^c - 1), through log p where e^c alone would overflow (p may underflow there).
           am1_ref += ct < 700 ? pt * std::expm1(ct) : std::exp(s_read[size_t(t)] - m_read - std::log(l_read) + ct);
           max_ct = std::max(max_ct, ct);
+          if (ct > 0) ++res.meter_ranges[ct < 0.25 ? 0 : ct < 8 ? 1 : 2];
           rho_ref += pt * dkv.v_rho()[size_t(b)][size_t(kvh) * size_t(len) + size_t(t)];  // 0 on exact V pages
         }
       }
@@ -556,12 +561,15 @@ TEST(PagedDecodeCuda, EveryFormatMatchesTheReferenceOnRaggedBatches) {
   };
   uint32_t seed = 1;
   for (PageFormat f : formats) {
-    std::array<int64_t, 3> modes{};
+    std::array<int64_t, 3> modes{}, meter_ranges{};
     for (const Shape& s : shapes) {
       Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, f == PageFormat::kDither8 ? 4 : 0,
              seed % 2 ? codec::RopePairing::kHalfSplit : codec::RopePairing::kInterleaved};
       const Result r = run_case(c, seed++);
-      for (int m = 0; m < 3; ++m) modes[size_t(m)] += r.gaac_modes[size_t(m)];
+      for (int m = 0; m < 3; ++m) {
+        modes[size_t(m)] += r.gaac_modes[size_t(m)];
+        meter_ranges[size_t(m)] += r.meter_ranges[size_t(m)];
+      }
       // bf16 probabilities in the P.V product (as flash attention rounds them) and fp16 value
       // reconstructions bound the error near 2^-9 relative; 4e-3 leaves room for neither more.
       EXPECT_LT(r.max_rel_err, 4e-3) << name_of(c);
@@ -571,6 +579,13 @@ TEST(PagedDecodeCuda, EveryFormatMatchesTheReferenceOnRaggedBatches) {
         EXPECT_GE(r.min_meter_slack, 0.0) << name_of(c) << ": meter below the true TV";
         expect_value_side_matches(r, name_of(c));
       }
+    }
+    if (page_format_metered(f)) {  // the meter's ranges below 1/4 and from 1/4 to 8 ran (8 and above: the overflow cases)
+      std::printf("%s: meter cells by c_t range (0, 1/4) %lld, [1/4, 8) %lld, [8, inf) %lld\n", page_format_name(f),
+                  static_cast<long long>(meter_ranges[0]), static_cast<long long>(meter_ranges[1]),
+                  static_cast<long long>(meter_ranges[2]));
+      EXPECT_GT(meter_ranges[0], 0) << page_format_name(f) << ": no bound below 1/4";
+      EXPECT_GT(meter_ranges[1], 0) << page_format_name(f) << ": no bound from 1/4 to 8";
     }
     if (f == PageFormat::kGaacBf16 || f == PageFormat::kGaacE5M2) {  // every decoder path ran
       EXPECT_GT(modes[0], 0) << page_format_name(f) << ": no 3-bit group";
