@@ -52,61 +52,23 @@ struct FormatTraits {
 };
 
 // The meter's term p (e^c - 1) of one (head, token), c >= 0, never below the exact value by more
-// than the 2^-12 lift of A - 1 covers (docs/cuda.md), in three ranges of c, each its own function:
-// - below 1/4 (`meter_term_small`), a degree-5 upper bound: e^c - 1 - sum_{k=1..4} c^k / k! =
-//   c^5 sum_j c^j / (j + 5)! <= c^5 e^c / 120 <= 0.0107003 c^5 (the coefficients rounded up, all
-//   terms positive, relative rounding error below 2^-20; it exceeds e^c - 1 by at most 10^-5
-//   relative);
-// - from 1/4 to 8 (`meter_term_mid`), p (2^(c log2 e) - 1): e^c - 1 >= 0.28, so the subtraction
-//   loses at most a factor 4.6 of the exponential's relative error. The argument lies in
-//   [0.36, 11.6), where exp2f is the multifunction unit's ex2 alone (its other instructions scale
-//   arguments below -126), so `ex2_normal` gives exp2f's value in one instruction;
-// - from 8 (`meter_term_large`), one exponential of log2 p + c log2 e (p e^c alone would overflow
-//   float long before the product does), minus p; an overflow or NaN gives meter 1.
-// The argument c log2 e is rounded once, plus log2 p rounded once more above 8 (explicit roundings,
-// so that no FMA contraction merges the two). `meter_terms` picks the range per cell.
-__device__ inline float ex2_normal(float x) {  // 2^x for x in [-126, 128): exp2f's value
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ inline float meter_term_small(float p, float c) {
-  return p * (c * (1.f + c * (0.5f + c * (1.f / 6.f + c * (1.f / 24.f + c * 0.0107003f)))));
-}
-__device__ inline float meter_term_mid(float p, float c) { return p * (ex2_normal(__fmul_rn(c, kLog2e)) - 1.f); }
-__device__ inline float meter_term_large(float p, float c, float log2_p) {
-  return exp2f(__fadd_rn(log2_p, __fmul_rn(c, kLog2e))) - p;
-}
-
-// The terms of a lane's four cells (live: the token is in the sequence; a masked cell's c may be
-// anything, and its term is 0). A range's function runs only when some live cell of the warp is
-// in it, so a warp whose bounds all lie in one range (fp8's, on real KV, lie from 1/4 to 8) pays
-// for that range alone; the values are those of the per-cell choice, whatever the warp holds.
-__device__ inline void meter_terms(const float (&p)[4], const float (&c)[4], const float (&log2_p)[4],
-                                   const bool (&live)[4], float (&term)[4]) {
-  bool small = false, mid = false, large = false;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    small |= live[k] && c[k] < 0.25f;
-    mid |= live[k] && c[k] >= 0.25f && c[k] < 8.f;
-    large |= live[k] && !(c[k] < 8.f);  // NaN too
-  }
-#pragma unroll
-  for (int k = 0; k < 4; ++k) term[k] = 0.f;
-  if (__any_sync(0xffffffffu, mid)) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) term[k] = meter_term_mid(p[k], c[k]);
-  }
-  if (__any_sync(0xffffffffu, small)) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) term[k] = c[k] < 0.25f ? meter_term_small(p[k], c[k]) : term[k];
-  }
-  if (__any_sync(0xffffffffu, large)) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) term[k] = c[k] < 8.f ? term[k] : meter_term_large(p[k], c[k], log2_p[k]);
-  }
-#pragma unroll
-  for (int k = 0; k < 4; ++k) term[k] = live[k] ? term[k] : 0.f;
+// than the 2^-12 lift of A - 1 covers (docs/cuda.md). Below c = 1/4 a degree-5 upper bound:
+// e^c - 1 - sum_{k=1..4} c^k / k! = c^5 sum_j c^j / (j + 5)! <= c^5 e^c / 120 <= 0.0107003 c^5 (the
+// coefficients rounded up, all terms positive, relative rounding error below 2^-20; it exceeds
+// e^c - 1 by at most 10^-5 relative); then one exponential: e^c - 1 >= 0.28, so the subtraction
+// loses at most a factor 4.6 of its relative error; from c = 8 as one exponential of
+// log2 p + c log2 e (p e^c alone would overflow float long before the product does).
+// Without branches: the lanes of a warp hold cells of every range, and the divergent version ran
+// every path anyway plus its branch overhead. The values are those of the three-way branch to the
+// bit: one exponential serves both upper ranges, its argument c log2 e rounded once, plus log2 p
+// rounded once more above 8 (explicit roundings, so that no FMA contraction merges the two).
+__device__ inline float meter_term(float p, float c, float log2_p) {
+  const float small = p * (c * (1.f + c * (0.5f + c * (1.f / 6.f + c * (1.f / 24.f + c * 0.0107003f)))));
+  const bool mid = c < 8.f;
+  const float ck = __fmul_rn(c, kLog2e);
+  const float e = exp2f(mid ? ck : __fadd_rn(log2_p, ck));
+  const float large = mid ? p * (e - 1.f) : e - p;
+  return c < 0.25f ? small : large;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1087,25 +1049,19 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
           rho[1] = tiles.rho[tq + 8];
         }
       }
-      // Every unmasked token, also one whose p underflows float: p (e^c - 1) may still be large
-      // (the large range takes log2 p). A masked token's bound and rho may be anything (rows past
-      // the end): selected away, not branched around.
-      bool live[4];
-      float log2_p[4], term[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        live[k] = s[k] != -INFINITY;
-        log2_p[k] = s[k] - m_new[k & 1];
-      }
-      meter_terms(prob, c_bound, log2_p, live, term);
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float d_add = 0.f, r_add = 0.f;
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int k = 2 * j + e;
-          d_add += term[k];
-          r_add = live[k] ? fmaf(prob[k], rho[j], r_add) : r_add;  // one rounding, as before the select
+          // Every unmasked token, also one whose p underflows float: p (e^c - 1) may still be
+          // large (meter_term takes log2 p for large c). A masked token's bound and rho may be
+          // anything (rows past the end): selected away, not branched around.
+          const bool live = s[k] != -INFINITY;
+          const float term = meter_term(prob[k], c_bound[k], s[k] - m_new[e]);
+          d_add += live ? term : 0.f;
+          r_add = live ? fmaf(prob[k], rho[j], r_add) : r_add;  // one rounding, as before the select
         }
         d_run[e] = d_run[e] * rescale[e] + d_add;
         r_run[e] = r_run[e] * rescale[e] + r_add;
