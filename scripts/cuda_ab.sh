@@ -12,10 +12,10 @@
 #     $OUT/ab.jsonl (every line of every run, tagged "tree": "base" / "head" and "round"), and
 #     prints the per-cell medians and head / base (scripts/cuda_ab_summary.py).
 #     With --tree options the runs are those trees instead, in the order given, each DIR (from the
-#     repository root) holding
-#     a certkv_cuda_decode_bench (the first is the base of the ratios): for instance main and two
-#     branches, each branch's benchmark built here by checking it out and rebuilding build-cuda
-#     (a few seconds when only kernels changed) and copied to its own folder.
+#     repository root) holding a certkv_cuda_decode_bench (the first is the base of the ratios):
+#     for instance main and two branches, each branch's benchmark built here by checking it out
+#     and rebuilding build-cuda (a few seconds when only kernels changed) and copied to its own
+#     folder.
 # Example: bash scripts/cuda_ab.sh --run $OUT 2 --kv .benchkv/kv.safetensors \
 #   --calib .benchkv/calib.safetensors --reps 5 --iters 10 --contexts 131072 --batches 1,8 \
 #   --shapes 32x8,28x4 --formats sparse-p0.9,sparse-p0.9-z1.5
