@@ -57,7 +57,7 @@ CERTKV_HD inline int32_t code_dot_planes(const uint32_t (&code)[W], const uint32
     uint32_t x[4][4];  // x[b][w]: weight 2^b
     for (int b = 0; b < 4; ++b)
       for (int w = 0; w < 4; ++w) x[b][w] = code[w] & planes[b][w];
-    uint32_t s, t, u, s1, s2, s4, s8, s16, c32;
+    uint32_t s, t, s1, s2, s4, s8, s16, s32;
     uint32_t k1, k2, m1, m2, m3, n1, n2, n3, o1, o2, o3;
     // weight 1: four words -> one, two carries of weight 2
     full_add(x[0][0], x[0][1], x[0][2], s, k1);
@@ -75,10 +75,9 @@ CERTKV_HD inline int32_t code_dot_planes(const uint32_t (&code)[W], const uint32
     full_add(x[3][3], n1, n2, t, o2);
     full_add(s, t, n3, s8, o3);
     // weight 16: three carries -> one, one of weight 32
-    full_add(o1, o2, o3, s16, u);
-    c32 = u;
+    full_add(o1, o2, o3, s16, s32);
     return popcount32(s1) + 2 * popcount32(s2) + 4 * popcount32(s4) + 8 * popcount32(s8) +
-           16 * popcount32(s16) + 32 * popcount32(c32);
+           16 * popcount32(s16) + 32 * popcount32(s32);
   } else if constexpr (W == 2) {
     uint32_t s1, s2, s4, s8, c, d;
     half_add(code[0] & planes[0][0], code[1] & planes[0][1], s1, c);
