@@ -34,7 +34,10 @@ expected="estimate_kernel  177.0 (3)  88.5 (1)  0.500
 merge_kernel  6.0 (2)  -  -
 select_kernel  -  12.5 (1)  -"
 [ "$out" = "$expected" ] || { echo "unexpected output"; exit 1; }
-python3 "$tool" "$work/base.csv" --markdown | grep -qx '| estimate_kernel | 177.0 (3) |' || { echo "markdown row missing"; exit 1; }
+# The table is captured whole before it is searched: grep -q would close the pipe at the first
+# match, and the tool's next write would fail with a broken pipe under pipefail.
+markdown=$(python3 "$tool" "$work/base.csv" --markdown)
+grep -qx '| estimate_kernel | 177.0 (3) |' <<< "$markdown" || { echo "markdown row missing"; echo "$markdown"; exit 1; }
 # Bad input: no table, a value that is not a number, a unit that is not a time, a missing file.
 expect_refusal() {  # file, message
   if python3 "$tool" "$1" > /dev/null 2> "$work/err"; then echo "accepted: $1"; exit 1; fi
