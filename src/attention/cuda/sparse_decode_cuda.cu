@@ -1163,7 +1163,7 @@ int choose_splits(const SparseDecodeParams& p) {
   // numbers of rows (a list is the union over its group's heads), so one split per resident slot
   // (the rule until this stop) left the multiprocessors idle half of the attention's time waiting
   // for the heavy lists (Nsight Compute, 32 / 8 at batch 8, 128K: SM active 51% of the cycles);
-  // smaller splits over several waves let the block scheduler even them out (docs/cuda.md: p 0.9
+  // smaller splits over several waves let the block scheduler even them out (docs/cuda_runs.md: p 0.9
   // + 1.5 deviations 905 -> 802 us there; batch 1 already had 4 chunks per split).
   const int64_t splits = std::max<int64_t>(1, (chunks + 3) / 4);
   return int(std::min<int64_t>(splits, 65535));
