@@ -10,8 +10,9 @@
 #     into .devpack/trees.tar.xz (xz: the binaries of five trees fit a device command's 64 MiB
 #     beside .benchkv).
 # On the device (carry .devpack and, for the timings, .benchkv):
-#   bash scripts/cuda_trees.sh --run OUT [--filter GTEST_FILTER] [--memcheck GTEST_FILTER]
-#     unpacks .devpack/trees.tar.xz into .devtrees/ and, tree by tree in the packed order, runs
+#   bash scripts/cuda_trees.sh --run OUT [--trees A,B] [--filter GTEST_FILTER] [--memcheck GTEST_FILTER]
+#     unpacks .devpack/trees.tar.xz into .devtrees/ and, tree by tree in the packed order (or
+#     only the trees --trees names, in its order: a call's 10 minutes may not hold them all), runs
 #     its attention harness (CERTKV_REQUIRE_DEVICE=1: a missing device fails instead of skipping;
 #     --filter, default every test) and compute-sanitizer memcheck over --memcheck (default
 #     'Sparse*'; '-' skips it), writing OUT/trees.txt: per tree its revision, each step's exit
@@ -19,7 +20,7 @@
 #     same command: bash scripts/cuda_ab.sh --run OUT ROUNDS --tree main=.devtrees/main ...
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-usage="usage: cuda_trees.sh --build NAME=REV [NAME=REV]... | --run OUT [--filter F] [--memcheck F]"
+usage="usage: cuda_trees.sh --build NAME=REV [NAME=REV]... | --run OUT [--trees A,B] [--filter F] [--memcheck F]"
 case "${1:-}" in
   --build)
     shift
@@ -61,9 +62,10 @@ case "${1:-}" in
   --run)
     out=${2:?$usage}
     shift 2
-    filter='*' memcheck='Sparse*'
+    filter='*' memcheck='Sparse*' trees=''
     while [ $# -gt 0 ]; do
       case "$1" in
+        --trees) trees=${2:?$usage}; shift 2 ;;
         --filter) filter=${2:?$usage}; shift 2 ;;
         --memcheck) memcheck=${2:?$usage}; shift 2 ;;
         *) echo "cuda_trees: unknown option '$1'" >&2; exit 2 ;;
@@ -73,6 +75,13 @@ case "${1:-}" in
     [ -d .devtrees ] || { [ -f .devpack/trees.tar.xz ] && tar -xJf .devpack/trees.tar.xz; } ||
       { echo "cuda_trees: no .devtrees and no .devpack/trees.tar.xz (cuda_trees.sh --build here first)" >&2; exit 2; }
     [ -f .devtrees/ORDER ] || { echo "cuda_trees: .devtrees/ORDER missing" >&2; exit 2; }
+    order=$(cat .devtrees/ORDER)
+    if [ -n "$trees" ]; then
+      order=$(tr ',' '\n' <<< "$trees")
+      for name in $order; do
+        grep -qx "$name" .devtrees/ORDER || { echo "cuda_trees: no tree '$name' packed ($(tr '\n' ' ' < .devtrees/ORDER))" >&2; exit 2; }
+      done
+    fi
     summary="$out/trees.txt"
     : > "$summary"
     failed=""
@@ -95,7 +104,7 @@ case "${1:-}" in
         [ "$rc" = 0 ] || failed="$failed $name:memcheck"
       fi
       rm -f "$out/$name.harness.log" "$out/$name.memcheck.log"  # the device returns few files: trees.txt holds what matters
-    done < .devtrees/ORDER
+    done <<< "$order"
     cat "$summary"
     if [ -n "$failed" ]; then
       echo "cuda_trees: FAILED:$failed" | tee -a "$summary"

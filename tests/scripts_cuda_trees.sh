@@ -56,12 +56,16 @@ good --gtest_filter=Sparse* 1
 bad --gtest_filter=Sparse* 1
 bad --gtest_filter=Sparse* 1" ] || { echo "unexpected calls:"; cat "$work/calls"; exit 1; }
 
-# Every tree passing, memcheck skipped: exit 0.
-printf 'good\n' > .devtrees/ORDER
-PATH="$work/bin:$PATH" bash scripts/cuda_trees.sh --run "$work/out" --memcheck - > "$work/run.log" 2>&1 ||
+# Only the passing tree (--trees), memcheck skipped: exit 0.
+PATH="$work/bin:$PATH" bash scripts/cuda_trees.sh --run "$work/out" --trees good --memcheck - > "$work/run.log" 2>&1 ||
   { cat "$work/run.log"; echo "a passing tree must pass"; exit 1; }
 grep -q 'cuda_trees: every tree passed' "$work/out/trees.txt" || { echo "no success line"; exit 1; }
 ! grep -q memcheck "$work/out/trees.txt" || { echo "memcheck ran though skipped"; exit 1; }
+! grep -q '== bad' "$work/out/trees.txt" || { echo "a tree not asked for ran"; exit 1; }
+# --trees in its own order.
+: > "$work/calls"
+PATH="$work/bin:$PATH" bash scripts/cuda_trees.sh --run "$work/out" --trees bad,good --memcheck - > /dev/null 2>&1 || true
+[ "$(cut -d' ' -f1 "$work/calls" | tr '\n' ' ')" = "bad good " ] || { echo "--trees order not kept"; cat "$work/calls"; exit 1; }
 
 # Refusals.
 expect_refusal() {  # message, arguments...
@@ -72,6 +76,7 @@ expect_refusal() {  # message, arguments...
 expect_refusal usage
 expect_refusal usage --build
 expect_refusal "unknown option" --run "$work/out" --bogus
+expect_refusal "no tree 'nosuch' packed" --run "$work/out" --trees good,nosuch
 expect_refusal "wants NAME=REV" --build main
 expect_refusal "letters, digits" --build 'a b=HEAD'
 git init -q . && git -c user.email=t@t -c user.name=t commit -q --allow-empty -m one
