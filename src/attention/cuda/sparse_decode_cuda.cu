@@ -850,7 +850,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(AttendArgs a) {
     uint32_t e = 0;
     int32_t kpage = 0, vpage = 0;
   };
-  const int row = lane >> 1, half = lane & 1;
+  const int row = lane >> 1;
   auto fetch_entry = [&](int32_t tile) -> Pending {  // step 1 (locate calls are in tile order)
     Pending t;
     int64_t c = 0;
@@ -866,22 +866,26 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(AttendArgs a) {
       t.vpage = p.v_table[table_row + (tok >> 4)];
     }
   };
-  // Step 3 into buffer st; returns this lane's row's head bits (0 for padding rows).
+  // Step 3 into buffer st; returns this lane's row's head bits (0 for padding rows). Lanes 2 r and
+  // 2 r + 1 hold row r's entry and pages; the copies take whole rows in row-major order
+  // (tile_layout.h's gather_row / gather_chunk: D / 8 lanes per row, whole 128-byte lines per
+  // instruction), each lane fetching the byte offsets of the row it copies from the row's lane 2 r.
+  // With a lane per row half (chunks 2 i + half), every instruction asked L2 for 16 single sectors.
   auto copy_rows = [&](const Pending& t, int st) -> uint32_t {
-    if (!t.have) return 0u;
+    if (!t.have) return 0u;  // the same for the whole warp (locate is)
     const int64_t tok = int64_t(t.e & 0xffffffu);
     const bool ok = row < t.n && t.kpage >= 0 && t.kpage < p.n_k_pages && t.vpage >= 0 && t.vpage < p.n_v_pages;
-    // The row's two lanes take its 16-byte chunks alternately (lane half h: chunks 2 i + h), so
-    // that each copy instruction reads whole 32-byte sectors: 16 rows x one sector. Chunks
-    // h * D / 16 + i (each lane a contiguous half row) asked L2 for every sector twice, by two
-    // instructions, half of it each time (ncu: 49% of the sectors excessive, L2 80% busy, DRAM 43%).
-    const uint8_t* ksrc = p.k_pages + int64_t(ok ? t.kpage : 0) * p.k_page_stride + ((tok & 15) * D + half * 8) * 2;
-    const uint8_t* vsrc = p.v_pages + int64_t(ok ? t.vpage : 0) * p.v_page_stride + ((tok & 15) * D + half * 8) * 2;
-    const int offset = PaddedTile<D>::offset(row, half);
+    // This lane's row in its pools, bytes; -1 for a padding row or a page out of range (zero fill).
+    const int64_t krow = ok ? int64_t(t.kpage) * p.k_page_stride + (tok & 15) * D * 2 : -1;
+    const int64_t vrow = ok ? int64_t(t.vpage) * p.v_page_stride + (tok & 15) * D * 2 : -1;
+    const int chunk = gather_chunk<D>(lane);
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
-      cp_async16_zfill(&tiles.k[st][PaddedTile<D>::at(offset, 2 * i)], ksrc + 32 * i, ok);
-      cp_async16_zfill(&tiles.v[st][PaddedTile<D>::at(offset, 2 * i)], vsrc + 32 * i, ok);
+      const int r = gather_row<D>(i, lane);
+      const int64_t kr = __shfl_sync(0xffffffffu, krow, 2 * r), vr = __shfl_sync(0xffffffffu, vrow, 2 * r);
+      const int offset = PaddedTile<D>::offset(r, chunk);
+      cp_async16_zfill(&tiles.k[st][offset], p.k_pages + (kr < 0 ? 0 : kr) + 16 * chunk, kr >= 0);
+      cp_async16_zfill(&tiles.v[st][offset], p.v_pages + (vr < 0 ? 0 : vr) + 16 * chunk, vr >= 0);
     }
     return ok ? (t.e >> 24) : 0u;
   };
