@@ -622,7 +622,8 @@ __global__ void __launch_bounds__(kTopPThreads) theta_kernel(SparseDecodeParams 
 // A thread takes 4 consecutive tokens (one 16-byte load per head), so a CTA of 256 threads takes
 // a chunk; with one token per thread (CTAs of 1024) the loads of two CTAs per multiprocessor
 // could not cover the latency (101 us at batch 8, 128K, 32 / 8, for 134 MB of logits). The norms
-// were read from the tokens' 32-byte records until this change: a sector per token in the band.
+// come from the estimate's 4-byte copy; until d5118ae they were read from the tokens' 32-byte
+// records, a sector per token.
 
 constexpr int kSelectThreads = kSparseChunkTokens / 4;
 
