@@ -97,9 +97,8 @@ __device__ inline index::RabitqRecord<D> load_record(const index::RabitqRecord<D
   return rec;
 }
 
-// head_max: each row's largest logit (ordered_key); norm_max: each list's largest key norm (the
-// bits of a float >= 0 order as the float), the selection's bound for the widening margins;
-// norms: each token's key norm ([list][max_indexed]), written when the group widens.
+// head_max: each row's largest logit (ordered_key); norms: each token's key norm
+// ([list][max_indexed]), written when the group widens, for the selection's widening margins.
 //
 // With at most 4 query heads per KV head: one thread per token, <c_b, q_u> =
 // sum_b 2^b popcount(c_b & plane_b) in carry-save form (index::code_dot_planes: 6 POPC per
@@ -108,8 +107,7 @@ __device__ inline index::RabitqRecord<D> load_record(const index::RabitqRecord<D
 // them). With more heads the tensor-core form below is faster; with 4 it was slower (docs/cuda.md).
 template <int D>
 __global__ void __launch_bounds__(kEstimateThreads) estimate_by_popcount_kernel(SparseDecodeParams p, float* logits,
-                                                                                 uint32_t* head_max,
-                                                                                 uint32_t* norm_max, float* norms) {
+                                                                                 uint32_t* head_max, float* norms) {
   static_assert(D % 32 == 0 && D <= 128, "two 64-bit code words at most");
   static_assert(index::kRabitqQueryBits == 4, "index::code_dot_planes adds 4 planes");
   constexpr int kWords = D / 32;  // 32-bit words of a code and of a plane
@@ -133,9 +131,7 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_popcount_kernel(
   const auto* records = static_cast<const index::RabitqRecord<D>*>(p.records) + list * p.record_stride;
   float* row_logits = logits + (int64_t(b) * p.n_q_heads + kv_head * group) * p.max_indexed;
   uint32_t key_max[kTileHeads] = {};
-  float largest_norm = 0.f;
   auto estimate = [&](const index::RabitqRecord<D>& rec, int64_t t) {
-    largest_norm = fmaxf(largest_norm, rec.norm_k_centered);
     if (widening) norms[list * p.max_indexed + t] = rec.norm_k_centered;
     uint32_t code[kWords];
 #pragma unroll
@@ -168,10 +164,6 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_popcount_kernel(
     for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xffffffffu, k, o));
     if ((threadIdx.x & 31) == 0 && g < group && k != 0) atomicMax(&cta_max[g], k);
   }
-  uint32_t norm_bits = __float_as_uint(largest_norm);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) norm_bits = max(norm_bits, __shfl_xor_sync(0xffffffffu, norm_bits, o));
-  if ((threadIdx.x & 31) == 0 && norm_bits != 0) atomicMax(&norm_max[list], norm_bits);
   __syncthreads();
   if (threadIdx.x < group && cta_max[threadIdx.x] != 0)
     atomicMax(&head_max[int64_t(b) * p.n_q_heads + kv_head * group + threadIdx.x], cta_max[threadIdx.x]);
@@ -212,8 +204,7 @@ constexpr int kEstimateStageTokens = 64;
 // the kernel slower than the popcount form: 195 against 171 us, docs/cuda.md).
 template <int D>
 __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(SparseDecodeParams p, float* logits,
-                                                                            uint32_t* head_max, uint32_t* norm_max,
-                                                                            float* norms) {
+                                                                            uint32_t* head_max, float* norms) {
   static_assert(D % 32 == 0 && D <= 128, "k-blocks of 32 dimensions, two code words at most");
   using Record = index::RabitqRecord<D>;
   constexpr int kBlocks = D / 32;
@@ -269,7 +260,6 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(Spars
   float* list_norms = norms + (int64_t(b) * p.n_kv_heads + kv_head) * p.max_indexed;
   const bool widening = group_widens(queries, group);
   uint32_t key_max[2] = {0, 0};
-  float largest_norm = 0.f;
   for (int j = 0; stage_first(j) < end; ++j) {
     if (stage_first(j + 1) < end) {
       copy_stage(j + 1);
@@ -303,10 +293,7 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(Spars
         const float alpha = token ? tok[1].alpha : tok[0].alpha;
         const float cq_dot_k = token ? tok[1].cq_dot_k : tok[0].cq_dot_k;
         const float popcount = float(token ? tok[1].code_popcount : tok[0].code_popcount);
-        if ((i & 1) == 0) {
-          largest_norm = fmaxf(largest_norm, norm_k);
-          if (widening && quad == 0) list_norms[t] = norm_k;  // one lane per token
-        }
+        if ((i & 1) == 0 && widening && quad == 0) list_norms[t] = norm_k;  // one lane per token
         if (h >= group) continue;
         const float logit = estimated_logit(terms[h], acc[i], popcount, norm_k, alpha, cq_dot_k, p.sm_scale);
         row_logits[int64_t(h) * p.max_indexed + t] = logit;
@@ -325,10 +312,6 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(Spars
     for (int o = 4; o < 32; o <<= 1) k = max(k, __shfl_xor_sync(0xffffffffu, k, o));
     if (row == 0 && k != 0) atomicMax(&cta_max[2 * quad + j], k);
   }
-  uint32_t norm_bits = __float_as_uint(largest_norm);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) norm_bits = max(norm_bits, __shfl_xor_sync(0xffffffffu, norm_bits, o));
-  if (lane == 0 && norm_bits != 0) atomicMax(&norm_max[int64_t(b) * p.n_kv_heads + kv_head], norm_bits);
   __syncthreads();
   if (threadIdx.x < group && cta_max[threadIdx.x] != 0)
     atomicMax(&head_max[int64_t(b) * p.n_q_heads + kv_head * group + threadIdx.x], cta_max[threadIdx.x]);
@@ -632,22 +615,21 @@ __global__ void __launch_bounds__(kTopPThreads) theta_kernel(SparseDecodeParams 
 // 3. Selection lists: per (sequence, KV head) and chunk of 1024 indexed tokens, in token order,
 // the tokens any head of the group selected, with the heads as bits 24..31. A head selects the
 // tokens of its Top-p set (logit >= theta) and, when its margin_scale m is positive, those with
-// fl(logit + fl(m ||k_t - c_k||)) >= theta (index::top_p_widen's two rounded operations). The
-// norm (the estimate's copy beside the logits) is read only when the list's largest norm could
-// reach theta: by
-// monotone rounding, fl(l + fl(m n)) <= fl(l + fl(m n_max)) for n <= n_max. A group with no
-// positive margin takes the plain comparisons; thresholds and margins are read once per CTA.
+// fl(logit + fl(m ||k_t - c_k||)) >= theta (index::top_p_widen's two rounded operations), with the
+// norms of a thread's 4 tokens (the estimate's copy beside the logits) in one 16-byte load. A
+// group with no positive margin takes the plain comparisons; thresholds and margins are read once
+// per CTA.
 // A thread takes 4 consecutive tokens (one 16-byte load per head), so a CTA of 256 threads takes
 // a chunk; with one token per thread (CTAs of 1024) the loads of two CTAs per multiprocessor
 // could not cover the latency (101 us at batch 8, 128K, 32 / 8, for 134 MB of logits). The norms
-// were read from the tokens' 32-byte records until this change: a sector per token in the band.
+// come from the estimate's 4-byte copy; until d5118ae they were read from the tokens' 32-byte
+// records, a sector per token.
 
 constexpr int kSelectThreads = kSparseChunkTokens / 4;
 
 template <int D>
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(SparseDecodeParams p, const float* logits,
-                                                                const float* theta, const uint32_t* norm_max,
-                                                                const float* norms, uint32_t* entries,
+                                                                const float* theta, const float* norms, uint32_t* entries,
                                                                 int32_t* counts, int64_t n_chunks) {
   constexpr int kWarpsPerCta = kSelectThreads / 32;
   __shared__ int32_t warp_offsets[kWarpsPerCta + 1];
@@ -673,24 +655,30 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SparseDecodePara
 #pragma unroll
     for (int g = 0; g < kTileHeads; ++g)
       if (g < group) l[g] = *reinterpret_cast<const float4*>(logits + (row0 + g) * p.max_indexed + t0);
-    const float n_max = widening ? __uint_as_float(norm_max[list_of_head]) : 0.f;
+    // Widening: the 4 tokens' key norms (the estimate's copy) in one 16-byte load, and every
+    // (token, head) cell tested without branches, fl(l + fl(m ||k_t - c_k||)) >= theta where the
+    // head's margin m is positive. With a branch per cell that skipped the norm's load unless the
+    // list's largest norm could lift the token past theta, the widened selection issued about 12
+    // instructions per cell and its BSSY / BSYNC pairs (ncu source view, run 6 of 2026-12-01, third
+    // session); that filter changes no cell's answer (rounding is monotone), only which cells load.
+    float4 nv = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (widening) nv = *reinterpret_cast<const float4*>(norms + list_of_head * p.max_indexed + t0);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       if (t0 + e >= n) break;
-      float norm = -1.f;  // the token's key norm, read on first need
+      const float norm = e == 0 ? nv.x : e == 1 ? nv.y : e == 2 ? nv.z : nv.w;
 #pragma unroll
       for (int g = 0; g < kTileHeads; ++g) {
         if (g >= group) break;
         const float x = e == 0 ? l[g].x : e == 1 ? l[g].y : e == 2 ? l[g].z : l[g].w;
         const float th = head_theta[g];
-        bool take = x >= th;
-        if (widening && !take) {
+        const bool plain = x >= th;
+        bool take = plain;
+        if (widening) {  // the same in every thread
           const float m = head_margin[g];
-          if (m > 0.f && __fadd_rn(x, __fmul_rn(m, n_max)) >= th) {
-            if (norm < 0.f) norm = norms[list_of_head * p.max_indexed + t0 + e];
-            take = __fadd_rn(x, __fmul_rn(m, norm)) >= th;
-            widened[e] |= uint32_t(take) << g;
-          }
+          const bool wide = m > 0.f && __fadd_rn(x, __fmul_rn(m, norm)) >= th;
+          widened[e] |= uint32_t(wide && !plain) << g;
+          take = plain || wide;
         }
         heads[e] |= uint32_t(take) << g;
       }
@@ -955,7 +943,7 @@ CudaStatus unsupported(const std::string& message) {
 
 struct Layout {
   // zeroed before every call: head_max .. cand_count (one memset)
-  size_t head_max = 0, norm_max = 0, hist = 0, cand_count = 0, zeroed_end = 0;
+  size_t head_max = 0, hist = 0, cand_count = 0, zeroed_end = 0;
   size_t logits = 0, norms = 0, candidates = 0, plans = 0, theta = 0, entries = 0, counts = 0, mld = 0, o = 0, total = 0;
   int64_t n_chunks = 0, window_chunks = 0;
   int splits = 1;
@@ -978,7 +966,6 @@ Layout layout_of(const SparseDecodeParams& p, int splits) {
     return here;
   };
   l.head_max = take(rows * 4);
-  l.norm_max = take(lists * 4);
   l.hist = take(rows * kGapBuckets * 4);
   l.cand_count = take(rows * 4);
   l.zeroed_end = at;
@@ -1027,7 +1014,6 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
   float* logits = static_cast<float*>(at(l.logits));
   float* norms = static_cast<float*>(at(l.norms));
   uint32_t* head_max = static_cast<uint32_t*>(at(l.head_max));
-  uint32_t* norm_max = static_cast<uint32_t*>(at(l.norm_max));
   uint32_t* hist = static_cast<uint32_t*>(at(l.hist));
   uint32_t* cand_count = static_cast<uint32_t*>(at(l.cand_count));
   float* candidates = static_cast<float*>(at(l.candidates));
@@ -1045,9 +1031,9 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
     const unsigned passes = unsigned((p.max_indexed + span - 1) / span);
     const dim3 grid(unsigned((p.max_indexed + kEstimateTokens - 1) / kEstimateTokens), Hkv, B);
     if (p.n_q_heads / p.n_kv_heads <= 4)
-      estimate_by_popcount_kernel<D><<<grid, kEstimateThreads, 0, stream>>>(p, logits, head_max, norm_max, norms);
+      estimate_by_popcount_kernel<D><<<grid, kEstimateThreads, 0, stream>>>(p, logits, head_max, norms);
     else
-      estimate_by_mma_kernel<D><<<grid, kEstimateThreads, 0, stream>>>(p, logits, head_max, norm_max, norms);
+      estimate_by_mma_kernel<D><<<grid, kEstimateThreads, 0, stream>>>(p, logits, head_max, norms);
     hist_kernel<<<dim3(passes, Hq, B), kPassThreads, 0, stream>>>(p, logits, head_max, hist, span);
     plan_kernel<<<dim3(Hq, B), kTopPThreads, 0, stream>>>(p, head_max, hist, plans);
     gather_kernel<<<dim3(passes, Hq, B), kPassThreads, 0, stream>>>(p, logits, plans, cand_count, candidates, span);
@@ -1056,7 +1042,7 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
                                                                                           candidates, theta);
   if (l.n_chunks > 0)
     select_kernel<D><<<dim3(unsigned(l.n_chunks), unsigned(p.n_kv_heads), unsigned(p.batch)), kSelectThreads, 0,
-                       stream>>>(p, logits, theta, norm_max, norms, entries, counts, l.n_chunks);
+                       stream>>>(p, logits, theta, norms, entries, counts, l.n_chunks);
   AttendArgs a{p, entries, counts, l.n_chunks, l.window_chunks, splits,
                static_cast<float*>(at(l.mld)), static_cast<float*>(at(l.o))};
   const size_t smem = sizeof(SparseShared<D>);
