@@ -55,6 +55,15 @@ struct Source {
   std::exit(2);
 }
 
+// The whole of `text` as a number (no trailing characters), or a clear error naming `what`.
+template <typename T>
+T number(const std::string& text, const std::string& what) {
+  std::istringstream in(text);
+  T value{};
+  if (!(in >> value) || !in.eof()) die(what + ": '" + text + "' is not a number");
+  return value;
+}
+
 Source open_source(const std::string& path, bool need_q) {
   Source s;
   s.file = format::SafetensorsFile::open(path);
@@ -411,9 +420,9 @@ int main(int argc, char** argv) {
     else if (a == "--batches") batches = split(next(), ',');
     else if (a == "--shapes") shapes = split(next(), ',');
     else if (a == "--formats") formats = split(next(), ',');
-    else if (a == "--reps") reps = std::stoi(next());
-    else if (a == "--iters") iters = std::stoi(next());
-    else if (a == "--sparse-splits") sparse_splits = std::stoi(next());
+    else if (a == "--reps") reps = number<int>(next(), "--reps");
+    else if (a == "--iters") iters = number<int>(next(), "--iters");
+    else if (a == "--sparse-splits") sparse_splits = number<int>(next(), "--sparse-splits");
     else die("unknown flag " + a);
   }
   if (kv_path.empty() || cal_path.empty() || out_path.empty()) die("--kv, --calib and --out are required");
@@ -438,17 +447,19 @@ int main(int argc, char** argv) {
 
   const codec::GaacCalibration cal_bf16 = calibrate(cal, format::GaacElement::kBf16, src.n_kv);
   const codec::GaacCalibration cal_e5m2 = calibrate(cal, format::GaacElement::kFp8E5M2, src.n_kv);
-  std::printf("%-6s %5s %7s %-18s %10s %10s %8s %8s\n", "shape", "batch", "ctx", "format", "us", "MB", "TB/s", "%copy");
+  std::printf("%-6s %5s %7s %-30s %10s %10s %8s %8s\n", "shape", "batch", "ctx", "format", "us", "MB", "TB/s", "%copy");
 
   for (const std::string& shape_name : shapes) {
     const auto hw = split(shape_name, 'x');
     if (hw.size() != 2) die("bad shape " + shape_name);
-    const int n_q = std::stoi(hw[0]), n_kv = std::stoi(hw[1]), group = n_q / n_kv;
+    const int n_q = number<int>(hw[0], "shape " + shape_name), n_kv = number<int>(hw[1], "shape " + shape_name);
+    if (n_q < 1 || n_kv < 1) die("shape " + shape_name + ": head counts must be positive");
+    const int group = n_q / n_kv;
     if (n_kv > src.n_kv || group > src.q_per_kv || n_q % n_kv != 0) die("shape " + shape_name + " does not fit the KV file");
     for (const std::string& batch_s : batches) {
-      const int batch = std::stoi(batch_s);
+      const int batch = number<int>(batch_s, "batch");
       for (const std::string& ctx_s : contexts) {
-        const int64_t ctx = std::stoll(ctx_s);
+        const int64_t ctx = number<int64_t>(ctx_s, "context");
         HostLayerKv kv;
         kv.batch = batch;
         kv.n_kv_heads = n_kv;
@@ -488,8 +499,8 @@ int main(int argc, char** argv) {
               die("format " + fname + ": the estimate form is popcount, bytes or bits");
             const std::string set = fname.substr(0, est_at);
             const size_t z_at = set.find("-z", 8);
-            const double top_p = std::stod(set.substr(8, z_at == std::string::npos ? std::string::npos : z_at - 8));
-            const double deviations = z_at == std::string::npos ? 0.0 : std::stod(set.substr(z_at + 2));
+            const double top_p = number<double>(set.substr(8, z_at == std::string::npos ? std::string::npos : z_at - 8), "format " + fname);
+            const double deviations = z_at == std::string::npos ? 0.0 : number<double>(set.substr(z_at + 2), "format " + fname);
             const SparseCell c =
                 run_sparse(src, kv, q, n_q, top_p, deviations, estimate_form, sparse_splits, reps, iters, q_d, out_d);
             const double tb_s = double(c.bytes) / (c.us * 1e-6) / 1e12;
@@ -504,7 +515,7 @@ int main(int argc, char** argv) {
                           c.recall_min, c.budget_mean, c.estimate_form);
             out << line << "\n";
             out.flush();
-            std::printf("%-6s %5d %7lld %-18s %10.2f %10.1f %8.3f %8.1f  recall %.3f (min %.3f) budget %.3f\n",
+            std::printf("%-6s %5d %7lld %-30s %10.2f %10.1f %8.3f %8.1f  recall %.3f (min %.3f) budget %.3f\n",
                         shape_name.c_str(), batch, (long long)ctx, fname.c_str(), c.us, double(c.bytes) / 1e6, tb_s,
                         100.0 * tb_s / copy, c.recall_mean, c.recall_min, c.budget_mean);
             std::fflush(stdout);
@@ -580,7 +591,7 @@ int main(int argc, char** argv) {
                         (long long)sets[0].raw_pages(), double(*std::max_element(meters.begin(), meters.end())));
           out << line << "\n";
           out.flush();
-          std::printf("%-6s %5d %7lld %-18s %10.2f %10.1f %8.3f %8.1f\n", shape_name.c_str(), batch, (long long)ctx,
+          std::printf("%-6s %5d %7lld %-30s %10.2f %10.1f %8.3f %8.1f\n", shape_name.c_str(), batch, (long long)ctx,
                       fname.c_str(), med, double(bytes) / 1e6, tb_s, 100.0 * tb_s / copy);
           std::fflush(stdout);
           cudaStreamDestroy(stream);

@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(Spars
     for (int i = threadIdx.x; i < kTileHeads * index::kRabitqQueryBits * kBitMmaWords; i += kEstimateThreads) {
       const int h = i / (index::kRabitqQueryBits * kBitMmaWords), bit = i / kBitMmaWords % index::kRabitqQueryBits,
                 w = i % kBitMmaWords;
-      planes[h][bit][w] = h < group && w < kBlocks ? uint32_t(queries[h].planes[bit][w / 2] >> (32 * (w % 2))) : 0u;
+      planes[h][bit][w] = h < group ? bit_mma_word(queries[h].planes[bit], w, kBlocks) : 0u;
     }
   } else {
     // q_u by 8 dimensions per thread: one byte of each plane, bit e of it the bit of dimension d + e.
@@ -297,19 +297,19 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(Spars
 #pragma unroll
   for (int k = 0; k < (kBits ? kBitMmaTiles : kBlocks); ++k) {
     if constexpr (kBits) {
-      bq[k][0] = planes[bit_mma_column_head(k, row)][bit_mma_column_plane(k, row)][quad];
+      bq[k][0] = bit_mma_b_register(planes, k, row, quad);
       bq[k][1] = 0;
     } else {
       bq[k][0] = *reinterpret_cast<const uint32_t*>(&q_u[row][32 * k + 4 * quad]);
       bq[k][1] = *reinterpret_cast<const uint32_t*>(&q_u[row][32 * k + 16 + 4 * quad]);
     }
   }
-  // The head of the lane's slot s (0 or 1), and its terms in registers (a lane's heads are fixed).
+  // The head of the lane's slot s (0 or 1). The bit form keeps its slots' terms in registers (59
+  // registers at D = 128, 8 CTAs per multiprocessor; its rows' logit pointers too would take 70,
+  // 7 CTAs); the byte form reads them from shared memory (in registers: 58 -> 68, 7 CTAs).
   auto slot_head = [&](int s) { return kBits ? bit_mma_lane_head(quad, s) : 2 * quad + s; };
-  const QueryTerms slot_terms[2] = {terms[slot_head(0)], terms[slot_head(1)]};
+  [[maybe_unused]] const QueryTerms slot_terms[2] = {terms[slot_head(0)], terms[slot_head(1)]};
   float* row_logits = logits + (int64_t(b) * p.n_q_heads + kv_head * group) * p.max_indexed;
-  float* const slot_logits[2] = {row_logits + int64_t(slot_head(0)) * p.max_indexed,
-                                 row_logits + int64_t(slot_head(1)) * p.max_indexed};
   float* list_norms = norms + (int64_t(b) * p.n_kv_heads + kv_head) * p.max_indexed;
   const bool widening = group_widens(queries, group);
   uint32_t key_max[2] = {0, 0};
@@ -330,19 +330,19 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(Spars
       const Record tok[2] = {staged[16 * tile + row], staged[16 * tile + row + 8]};
       int32_t dot[4];  // <c_b, q_u> of the cells (row, slot 0), (row, slot 1), (row + 8, slot 0), (row + 8, slot 1)
       if constexpr (kBits) {
-        // A: word `quad` of the two tokens' codes (0 past the head dim).
-        const uint32_t* w0 = reinterpret_cast<const uint32_t*>(staged[16 * tile + row].code);
-        const uint32_t* w1 = reinterpret_cast<const uint32_t*>(staged[16 * tile + row + 8].code);
-        const uint32_t a[2] = {quad < kBlocks ? w0[quad] : 0u, quad < kBlocks ? w1[quad] : 0u};
+        // A: word `quad` of the codes of tokens row and row + 8 (0 past the head dim), read from
+        // the staged records in shared memory.
+        const uint32_t a[2] = {bit_mma_word(staged[16 * tile + bit_mma_a_token(row, 0)].code, quad, kBlocks),
+                               bit_mma_word(staged[16 * tile + bit_mma_a_token(row, 1)].code, quad, kBlocks)};
         int32_t acc[kBitMmaTiles][4] = {};
         mma_b1(acc[0], a, bq[0][0]);
         mma_b1(acc[1], a, bq[1][0]);
-        if (group > 4) {  // uniform over the CTA
+        if (bit_mma_tiles(group) == 4) {  // uniform over the CTA
           mma_b1(acc[2], a, bq[2][0]);
           mma_b1(acc[3], a, bq[3][0]);
         }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) dot[i] = bit_mma_dot(acc[2 * (i & 1)], acc[2 * (i & 1) + 1], i >> 1);
+        for (int i = 0; i < 4; ++i) dot[i] = bit_mma_cell_dot(acc, i);
       } else {
         int32_t acc[4] = {0, 0, 0, 0};
 #pragma unroll
@@ -371,8 +371,9 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(Spars
           if (widening && quad == 0) list_norms[t] = norm_k;  // one lane per token
         }
         if (h >= group) continue;
-        const float logit = estimated_logit(slot_terms[i & 1], dot[i], popcount, norm_k, alpha, cq_dot_k, p.sm_scale);
-        slot_logits[i & 1][t] = logit;
+        const float logit = estimated_logit(kBits ? slot_terms[i & 1] : terms[h], dot[i], popcount, norm_k, alpha,
+                                            cq_dot_k, p.sm_scale);
+        row_logits[int64_t(h) * p.max_indexed + t] = logit;
         key_max[i & 1] = max(key_max[i & 1], ordered_key(logit));
       }
     }
@@ -1170,7 +1171,8 @@ constexpr const char* kEstimateFormNames[] = {"chosen", "popcount", "bytes", "bi
 // bit form is not yet timed.
 EstimateForm estimate_form_of(const SparseDecodeParams& p) {
   if (p.estimate_form != EstimateForm::kChosen) return p.estimate_form;
-  return p.n_q_heads / p.n_kv_heads <= 4 ? EstimateForm::kPopcount : EstimateForm::kByteMma;
+  const int group = p.n_kv_heads > 0 ? p.n_q_heads / p.n_kv_heads : 0;  // check() refuses 0 heads
+  return group <= 4 ? EstimateForm::kPopcount : EstimateForm::kByteMma;
 }
 
 const char* estimate_form_name(EstimateForm form) {

@@ -47,7 +47,6 @@ enum class EstimateForm : uint8_t {
   kBitMma,      // tensor cores, m16n8k128 .b1 AND-POPC: code words times the query's bit planes
 };
 
-
 struct SparseDecodeParams {
   int batch = 0, n_q_heads = 0, n_kv_heads = 0, head_dim = 0;  // head_dim 64 or 128
   int block_tokens = 16;
@@ -104,8 +103,8 @@ void describe_pages(const PagedDecodeParams& pages, SparseDecodeParams* params);
 
 // Refuses bad shapes and buffers with a status and a message before any launch.
 CudaStatus check(const SparseDecodeParams& params);
-// The form the estimate runs in: params.estimate_form, or when that is kChosen the one for the
-// group size.
+// The form the estimate runs in: params.estimate_form as it is, or when that is kChosen the one
+// for the group size (kPopcount up to 4 query heads per KV head or without KV heads, kByteMma above).
 EstimateForm estimate_form_of(const SparseDecodeParams& params);
 // "chosen", "popcount", "bytes", "bits"; parse_estimate_form returns false on any other name.
 const char* estimate_form_name(EstimateForm form);

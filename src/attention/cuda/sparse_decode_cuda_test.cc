@@ -358,12 +358,12 @@ TEST(SparseDecodeCuda, EveryGroupSizeAndFormOfTheEstimate) {
       {64, 28, 4, {1400, 350}, {1392, 336}, 0.9, 40},      // 7 heads, head_dim 64
       {128, 32, 4, {2200}, {2192}, 0.9, 41},               // 8 heads
   };
-  SparseCase widened_popcount{64, 6, 2, {2600, 900}, {2560, 896}, 0.9, 35};  // 3 heads
-  widened_popcount.deviations = 1.5;
-  cases.push_back(widened_popcount);
-  SparseCase widened_mma{128, 12, 2, {2600, 900}, {2560, 896}, 0.9, 36};  // 6 heads
-  widened_mma.deviations = 1.5;
-  cases.push_back(widened_mma);
+  SparseCase widened_3_heads{64, 6, 2, {2600, 900}, {2560, 896}, 0.9, 35};  // 3 heads
+  widened_3_heads.deviations = 1.5;
+  cases.push_back(widened_3_heads);
+  SparseCase widened_6_heads{128, 12, 2, {2600, 900}, {2560, 896}, 0.9, 36};  // 6 heads
+  widened_6_heads.deviations = 1.5;
+  cases.push_back(widened_6_heads);
   for (const EstimateForm form : {EstimateForm::kPopcount, EstimateForm::kByteMma, EstimateForm::kBitMma})
     for (SparseCase c : cases) {
       SCOPED_TRACE(std::string("estimate form ") + estimate_form_name(form) + ", " + std::to_string(c.n_q_heads) +
