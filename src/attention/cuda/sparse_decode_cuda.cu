@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <iterator>
 #include <string>
 
+#include "attention/cuda/bit_mma_layout.h"
 #include "attention/cuda/tile_mma.cuh"
 #include "index/code_dot.h"
 #include "index/top_p.h"
@@ -177,6 +179,15 @@ __device__ inline void mma_u8(int32_t (&d)[4], const uint32_t (&a)[4], const uin
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// mma.sync m16n8k128 .b1 AND-POPC, accumulating into d: A 16 x 128 bits (rows), B 128 x 8 bits
+// (columns), d[r][n] += popcount(row r & column n); the fragments are in bit_mma_layout.h.
+__device__ inline void mma_b1(int32_t (&d)[4], const uint32_t (&a)[2], uint32_t b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k128.row.col.s32.b1.b1.s32.and.popc {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(b));
+}
+
 // Bits 0..3 of x as bytes 0..3, each 0 or 1 (the four shifted copies x, x << 7, x << 14, x << 21
 // do not overlap, so the product carries nothing).
 __device__ inline uint32_t nibble_bytes(uint32_t x) { return ((x & 0xfu) * 0x00204081u) & 0x01010101u; }
@@ -190,29 +201,39 @@ __device__ inline uint32_t code_word(const index::RabitqRecord<D>& rec, int w) {
 // Tokens of a warp's stage of records in shared memory (4 tiles of 16).
 constexpr int kEstimateStageTokens = 64;
 
-// With more than 4 query heads per KV head:
-// <c_b, q_u> = sum_i c_b[i] q_u[i] (Eq. 20's integer term) for 16 tokens and the group's (up to 8)
-// query heads at once on tensor cores: the tokens' code bits as 0 / 1 bytes (rows of A, a lane
-// expanding two nibbles of each 32-bit word of its two tokens), each head's q_u in [0, 15] as
-// bytes (columns of B, built once per CTA in shared memory), k = 32 dimensions per mma; the sum
-// (at most 15 D) is exact in s32, the same integer as the CPU's sum_b 2^b popcount(c_b & plane_b).
-// The popcount form took 16 POPC per (token, head), which bound the kernel (16 per clock and SM).
+// The tensor-core forms, for tiles of 16 tokens and the group's (up to 8) query heads at once.
 // Each warp copies stages of 64 records into shared memory (cp.async, one stage in flight while
-// the other is used) and takes their tiles of 16 tokens; a lane holds tokens row and row + 8,
-// heads 2 quad and 2 quad + 1 of the mma's accumulators, and computes their float steps. At 4
-// heads half the lanes would idle in those steps (a fold of the second token onto them still left
-// the kernel slower than the popcount form: 195 against 171 us, docs/cuda.md).
-template <int D>
+// the other is used) and takes their tiles of 16 tokens; a lane holds tokens row and row + 8 of
+// a tile and two heads (its slots) of the group, and computes the float steps of those cells.
+// The sums are exact in s32 (at most 15 D), the same integers as the CPU's
+// sum_b 2^b popcount(c_b & plane_b).
+// - kByteMma: <c_b, q_u> = sum_i c_b[i] q_u[i], the tokens' code bits as 0 / 1 bytes (rows of A,
+//   a lane expanding two nibbles of each 32-bit word of its two tokens), each head's q_u in
+//   [0, 15] as bytes (columns of B, built once per CTA in shared memory), k = 32 dimensions per
+//   m16n8k32 u8 mma; a lane's slots are heads 2 quad and 2 quad + 1. The popcount form took 16
+//   POPC per (token, head), which bound the kernel (16 per clock and SM); but at 4 heads half the
+//   lanes idle in the float steps (a fold of the second token onto them still left the kernel
+//   slower than the popcount form: 195 against 171 us, docs/cuda.md).
+// - kBitMma: the code words themselves as the rows of A and the query's bit planes as the columns
+//   of B, one m16n8k128 .b1 AND-POPC per 8 (head, plane) columns: two for a group of up to 4,
+//   four up to 8, no expansion of the codes; a lane's slots are heads quad and quad + 4, so a
+//   group of 4 keeps every lane busy in the float steps (bit_mma_layout.h). Not yet timed on the
+//   device.
+template <int D, EstimateForm F>
 __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(SparseDecodeParams p, float* logits,
                                                                             uint32_t* head_max, float* norms) {
   static_assert(D % 32 == 0 && D <= 128, "k-blocks of 32 dimensions, two code words at most");
+  static_assert(F == EstimateForm::kByteMma || F == EstimateForm::kBitMma, "a tensor-core form");
+  constexpr bool kBits = F == EstimateForm::kBitMma;
   using Record = index::RabitqRecord<D>;
-  constexpr int kBlocks = D / 32;
+  constexpr int kBlocks = D / 32;  // k-blocks of the byte form; 32-bit code words
   constexpr int kWarpsPerCta = kEstimateThreads / 32;
   constexpr int kStageBytes = kEstimateStageTokens * int(sizeof(Record));
   static_assert(kStageBytes % 16 == 0, "a stage is whole 16-byte pieces");
+  static_assert(kBlocks <= kBitMmaWords, "a code fits one 128-bit row");
   __shared__ QueryTerms terms[kTileHeads];
-  __shared__ alignas(16) uint8_t q_u[kTileHeads][D];  // 0 for the heads past the group
+  __shared__ alignas(16) uint8_t q_u[kBits ? 1 : kTileHeads][D];  // bytes: 0 for the heads past the group
+  __shared__ uint32_t planes[kBits ? kTileHeads : 1][index::kRabitqQueryBits][kBitMmaWords];  // bits: likewise
   __shared__ alignas(16) Record stage[kWarpsPerCta][2][kEstimateStageTokens];
   __shared__ uint32_t cta_max[kTileHeads];
   const int kv_head = blockIdx.y, b = blockIdx.z;
@@ -236,26 +257,49 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(Spars
   };
   copy_stage(0);  // in flight while the CTA builds the query side
   const DeviceRabitqQuery* queries = p.queries + int64_t(b) * p.n_q_heads + kv_head * group;
-  if (threadIdx.x < group) terms[threadIdx.x] = query_terms<D>(queries[threadIdx.x]);
-  if (threadIdx.x < kTileHeads) cta_max[threadIdx.x] = 0;
-  // q_u by 8 dimensions per thread: one byte of each plane, bit e of it the bit of dimension d + e.
-  for (int i = threadIdx.x; i < kTileHeads * D / 8; i += kEstimateThreads) {
-    const int h = i / (D / 8), d = 8 * (i % (D / 8));
-    uint64_t levels = 0;  // byte e: q_u[d + e]
-    if (h < group)
-      for (int bit = 0; bit < index::kRabitqQueryBits; ++bit) {
-        const uint32_t plane = uint32_t(queries[h].planes[bit][d / 64] >> (d % 64)) & 0xffu;
-        for (int e = 0; e < 8; ++e) levels |= uint64_t((plane >> e) & 1u) << (8 * e + bit);
-      }
-    *reinterpret_cast<uint64_t*>(&q_u[h][d]) = levels;
+  if (threadIdx.x < kTileHeads) {
+    terms[threadIdx.x] = threadIdx.x < group ? query_terms<D>(queries[threadIdx.x]) : QueryTerms{};
+    cta_max[threadIdx.x] = 0;
+  }
+  if constexpr (kBits) {
+    // Plane `bit` of head h as 32-bit words, 0 past the group and past the head dim.
+    for (int i = threadIdx.x; i < kTileHeads * index::kRabitqQueryBits * kBitMmaWords; i += kEstimateThreads) {
+      const int h = i / (index::kRabitqQueryBits * kBitMmaWords), bit = i / kBitMmaWords % index::kRabitqQueryBits,
+                w = i % kBitMmaWords;
+      planes[h][bit][w] = h < group ? bit_mma_word(queries[h].planes[bit], w, kBlocks) : 0u;
+    }
+  } else {
+    // q_u by 8 dimensions per thread: one byte of each plane, bit e of it the bit of dimension d + e.
+    for (int i = threadIdx.x; i < kTileHeads * D / 8; i += kEstimateThreads) {
+      const int h = i / (D / 8), d = 8 * (i % (D / 8));
+      uint64_t levels = 0;  // byte e: q_u[d + e]
+      if (h < group)
+        for (int bit = 0; bit < index::kRabitqQueryBits; ++bit) {
+          const uint32_t plane = uint32_t(queries[h].planes[bit][d / 64] >> (d % 64)) & 0xffu;
+          for (int e = 0; e < 8; ++e) levels |= uint64_t((plane >> e) & 1u) << (8 * e + bit);
+        }
+      *reinterpret_cast<uint64_t*>(&q_u[h][d]) = levels;
+    }
   }
   __syncthreads();
-  uint32_t bq[kBlocks][2];  // B: head `row`'s q_u at dimensions 32 k + 4 quad .. + 3 and 16 more
+  // B. Bytes: head `row`'s q_u at dimensions 32 k + 4 quad .. + 3 and 16 more. Bits: word `quad`
+  // of column `row` of each tile.
+  uint32_t bq[kBits ? kBitMmaTiles : kBlocks][2];
 #pragma unroll
-  for (int k = 0; k < kBlocks; ++k) {
-    bq[k][0] = *reinterpret_cast<const uint32_t*>(&q_u[row][32 * k + 4 * quad]);
-    bq[k][1] = *reinterpret_cast<const uint32_t*>(&q_u[row][32 * k + 16 + 4 * quad]);
+  for (int k = 0; k < (kBits ? kBitMmaTiles : kBlocks); ++k) {
+    if constexpr (kBits) {
+      bq[k][0] = bit_mma_b_register(planes, k, row, quad);
+      bq[k][1] = 0;
+    } else {
+      bq[k][0] = *reinterpret_cast<const uint32_t*>(&q_u[row][32 * k + 4 * quad]);
+      bq[k][1] = *reinterpret_cast<const uint32_t*>(&q_u[row][32 * k + 16 + 4 * quad]);
+    }
   }
+  // The head of the lane's slot s (0 or 1). The bit form keeps its slots' terms in registers (59
+  // registers at D = 128, 8 CTAs per multiprocessor; its rows' logit pointers too would take 70,
+  // 7 CTAs); the byte form reads them from shared memory (in registers: 58 -> 68, 7 CTAs).
+  auto slot_head = [&](int s) { return kBits ? bit_mma_lane_head(quad, s) : 2 * quad + s; };
+  [[maybe_unused]] const QueryTerms slot_terms[2] = {terms[slot_head(0)], terms[slot_head(1)]};
   float* row_logits = logits + (int64_t(b) * p.n_q_heads + kv_head * group) * p.max_indexed;
   float* list_norms = norms + (int64_t(b) * p.n_kv_heads + kv_head) * p.max_indexed;
   const bool widening = group_widens(queries, group);
@@ -274,17 +318,36 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(Spars
       const int64_t base = stage_first(j) + 16 * tile;
       if (base >= end) break;
       const Record tok[2] = {staged[16 * tile + row], staged[16 * tile + row + 8]};
-      int32_t acc[4] = {0, 0, 0, 0};  // (token row, head 2 quad), (row, 2 quad + 1), (row + 8, ...)
+      int32_t dot[4];  // <c_b, q_u> of the cells (row, slot 0), (row, slot 1), (row + 8, slot 0), (row + 8, slot 1)
+      if constexpr (kBits) {
+        // A: word `quad` of the codes of tokens row and row + 8 (0 past the head dim), read from
+        // the staged records in shared memory.
+        const uint32_t a[2] = {bit_mma_word(staged[16 * tile + bit_mma_a_token(row, 0)].code, quad, kBlocks),
+                               bit_mma_word(staged[16 * tile + bit_mma_a_token(row, 1)].code, quad, kBlocks)};
+        int32_t acc[kBitMmaTiles][4] = {};
+        mma_b1(acc[0], a, bq[0][0]);
+        mma_b1(acc[1], a, bq[1][0]);
+        if (bit_mma_tiles(group) == 4) {  // uniform over the CTA
+          mma_b1(acc[2], a, bq[2][0]);
+          mma_b1(acc[3], a, bq[3][0]);
+        }
 #pragma unroll
-      for (int k = 0; k < kBlocks; ++k) {
-        const uint32_t w0 = code_word(tok[0], k), w1 = code_word(tok[1], k);
-        const uint32_t a[4] = {nibble_bytes(w0 >> (4 * quad)), nibble_bytes(w1 >> (4 * quad)),
-                               nibble_bytes(w0 >> (16 + 4 * quad)), nibble_bytes(w1 >> (16 + 4 * quad))};
-        mma_u8(acc, a, bq[k]);
+        for (int i = 0; i < 4; ++i) dot[i] = bit_mma_cell_dot(acc, i);
+      } else {
+        int32_t acc[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int k = 0; k < kBlocks; ++k) {
+          const uint32_t w0 = code_word(tok[0], k), w1 = code_word(tok[1], k);
+          const uint32_t a[4] = {nibble_bytes(w0 >> (4 * quad)), nibble_bytes(w1 >> (4 * quad)),
+                                 nibble_bytes(w0 >> (16 + 4 * quad)), nibble_bytes(w1 >> (16 + 4 * quad))};
+          mma_u8(acc, a, bq[k]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) dot[i] = acc[i];
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int h = 2 * quad + (i & 1);
+        const int h = slot_head(i & 1);
         const int token = i >> 1;  // 0: row, 1: row + 8
         const int64_t t = base + row + 8 * token;
         if (t >= end) continue;
@@ -295,7 +358,8 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(Spars
         const float popcount = float(token ? tok[1].code_popcount : tok[0].code_popcount);
         if ((i & 1) == 0 && widening && quad == 0) list_norms[t] = norm_k;  // one lane per token
         if (h >= group) continue;
-        const float logit = estimated_logit(terms[h], acc[i], popcount, norm_k, alpha, cq_dot_k, p.sm_scale);
+        const float logit = estimated_logit(kBits ? slot_terms[i & 1] : terms[h], dot[i], popcount, norm_k, alpha,
+                                            cq_dot_k, p.sm_scale);
         row_logits[int64_t(h) * p.max_indexed + t] = logit;
         key_max[i & 1] = max(key_max[i & 1], ordered_key(logit));
       }
@@ -310,7 +374,7 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(Spars
     uint32_t k = key_max[j];
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) k = max(k, __shfl_xor_sync(0xffffffffu, k, o));
-    if (row == 0 && k != 0) atomicMax(&cta_max[2 * quad + j], k);
+    if (row == 0 && k != 0) atomicMax(&cta_max[slot_head(j)], k);
   }
   __syncthreads();
   if (threadIdx.x < group && cta_max[threadIdx.x] != 0)
@@ -1030,10 +1094,18 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
     const int64_t span = pass_tokens(p);
     const unsigned passes = unsigned((p.max_indexed + span - 1) / span);
     const dim3 grid(unsigned((p.max_indexed + kEstimateTokens - 1) / kEstimateTokens), Hkv, B);
-    if (p.n_q_heads / p.n_kv_heads <= 4)
-      estimate_by_popcount_kernel<D><<<grid, kEstimateThreads, 0, stream>>>(p, logits, head_max, norms);
-    else
-      estimate_by_mma_kernel<D><<<grid, kEstimateThreads, 0, stream>>>(p, logits, head_max, norms);
+    switch (estimate_form_of(p)) {
+      case EstimateForm::kBitMma:
+        estimate_by_mma_kernel<D, EstimateForm::kBitMma>
+            <<<grid, kEstimateThreads, 0, stream>>>(p, logits, head_max, norms);
+        break;
+      case EstimateForm::kByteMma:
+        estimate_by_mma_kernel<D, EstimateForm::kByteMma>
+            <<<grid, kEstimateThreads, 0, stream>>>(p, logits, head_max, norms);
+        break;
+      default:
+        estimate_by_popcount_kernel<D><<<grid, kEstimateThreads, 0, stream>>>(p, logits, head_max, norms);
+    }
     hist_kernel<<<dim3(passes, Hq, B), kPassThreads, 0, stream>>>(p, logits, head_max, hist, span);
     plan_kernel<<<dim3(Hq, B), kTopPThreads, 0, stream>>>(p, head_max, hist, plans);
     gather_kernel<<<dim3(passes, Hq, B), kPassThreads, 0, stream>>>(p, logits, plans, cand_count, candidates, span);
@@ -1081,6 +1153,32 @@ DeviceRabitqQuery device_rabitq_query(const index::RabitqHead& head, const index
 template DeviceRabitqQuery device_rabitq_query<64>(const index::RabitqHead&, const index::RabitqQuery<64>&, float);
 template DeviceRabitqQuery device_rabitq_query<128>(const index::RabitqHead&, const index::RabitqQuery<128>&, float);
 
+namespace {
+constexpr const char* kEstimateFormNames[] = {"chosen", "popcount", "bytes", "bits"};
+}  // namespace
+
+// Device runs of 2026-12-01: the popcount form is the faster at 4 heads, the byte mma above; the
+// bit form is not yet timed.
+EstimateForm estimate_form_of(const SparseDecodeParams& p) {
+  if (p.estimate_form != EstimateForm::kChosen) return p.estimate_form;
+  const int group = p.n_kv_heads > 0 ? p.n_q_heads / p.n_kv_heads : 0;  // check() refuses 0 heads
+  return group <= 4 ? EstimateForm::kPopcount : EstimateForm::kByteMma;
+}
+
+const char* estimate_form_name(EstimateForm form) {
+  const auto i = size_t(form);
+  return i < std::size(kEstimateFormNames) ? kEstimateFormNames[i] : "unknown";
+}
+
+bool parse_estimate_form(const char* name, EstimateForm* form) {
+  for (size_t i = 0; i < std::size(kEstimateFormNames); ++i)
+    if (name != nullptr && std::string(name) == kEstimateFormNames[i]) {
+      *form = EstimateForm(i);
+      return true;
+    }
+  return false;
+}
+
 void describe_pages(const PagedDecodeParams& pages, SparseDecodeParams* p) {
   p->batch = pages.batch;
   p->n_kv_heads = pages.n_kv_heads;
@@ -1123,6 +1221,8 @@ CudaStatus check(const SparseDecodeParams& p) {
   if (p.max_window < 0 || p.max_window > p.max_seq_len) return error("max_window must be in [0, max_seq_len]");
   if (p.pass_tokens < 0 || p.pass_tokens % 16 != 0 || p.pass_tokens > (int64_t(1) << 24))
     return error("pass_tokens must be a multiple of 16 in [0, 2^24]");
+  if (uint8_t(p.estimate_form) > uint8_t(EstimateForm::kBitMma))
+    return error("estimate_form " + std::to_string(int(p.estimate_form)) + " is not an EstimateForm");
   // Every list starts on 16 bytes (the estimate stages a list's records by 16-byte cp.async): at
   // head_dim 64 (24-byte records) the stride must be even.
   const int64_t record_bytes = p.head_dim == 64 ? int64_t(sizeof(index::RabitqRecord<64>))
