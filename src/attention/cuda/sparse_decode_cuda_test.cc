@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "attention/cuda/device_kv.h"
