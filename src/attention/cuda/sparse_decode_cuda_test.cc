@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "attention/cuda/device_kv.h"
@@ -424,6 +426,34 @@ TEST(SparseDecodeCuda, EveryPassSpanSelectsTheCpuTokens) {
   flat.flat_keys = true;
   flat.pass_tokens = 48;
   check_case<128>(flat);
+}
+
+// The estimate forms' names (the benchmark's -est-FORM) round-trip, other names are refused, and
+// the chosen form follows the group size (no device needed).
+TEST(SparseDecodeCuda, EstimateFormsByName) {
+  for (const EstimateForm form :
+       {EstimateForm::kChosen, EstimateForm::kPopcount, EstimateForm::kByteMma, EstimateForm::kBitMma}) {
+    EstimateForm parsed = EstimateForm(99);
+    EXPECT_TRUE(parse_estimate_form(estimate_form_name(form), &parsed));
+    EXPECT_EQ(parsed, form);
+  }
+  EstimateForm untouched = EstimateForm::kBitMma;
+  for (const char* bad : {"", "bit", "Bits", "bits ", "popcount2", "mma"}) EXPECT_FALSE(parse_estimate_form(bad, &untouched));
+  EXPECT_FALSE(parse_estimate_form(nullptr, &untouched));
+  EXPECT_EQ(untouched, EstimateForm::kBitMma);
+  EXPECT_STREQ(estimate_form_name(EstimateForm(9)), "unknown");
+  SparseDecodeParams p;
+  p.n_kv_heads = 2;
+  for (const auto& [q_heads, expected] : std::vector<std::pair<int, EstimateForm>>{
+           {2, EstimateForm::kPopcount}, {8, EstimateForm::kPopcount}, {10, EstimateForm::kByteMma}, {16, EstimateForm::kByteMma}}) {
+    p.n_q_heads = q_heads;
+    EXPECT_EQ(estimate_form_of(p), expected) << q_heads << " query heads";
+  }
+  p.estimate_form = EstimateForm::kBitMma;
+  EXPECT_EQ(estimate_form_of(p), EstimateForm::kBitMma);
+  p.estimate_form = EstimateForm::kChosen;
+  p.n_kv_heads = 0;  // not a valid launch (check() refuses it), but no division by zero here
+  EXPECT_EQ(estimate_form_of(p), EstimateForm::kPopcount);
 }
 
 TEST(SparseDecodeCuda, BadInputIsRefused) {
