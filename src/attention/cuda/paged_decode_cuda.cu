@@ -731,8 +731,8 @@ __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& 
 // registers within it): at D = 128 4 for fp8 (128 registers; ptxas spills 48-80 bytes, all in the
 // deferred exact-page pass and the epilogue, none in the hot loop: cuobjdump) and 3 for dither8
 // (what its shared memory allows; it needs 167-168 registers, at the edge), at D = 64 5 for fp8 (held to 6, 80 registers, the kernel without the
-// meter spilled 8-20 bytes once the decoders wrote swizzled tiles; with the meter 4 bytes still
-// spill at 96 registers), 4 for dither8. Unconstrained
+// meter spilled 8-20 bytes once the decoders wrote swizzled tiles; with the meter 96 registers,
+// no spills (ptxas, CUDA 13.0, 2026-12-01)), 4 for dither8. Unconstrained
 // without the bound, ptxas's register count moved by up to 12 with small changes to the code. 0:
 // no minimum (the other formats: ptxas's own choice).
 template <int D, PageFormat F, bool kWithMeter>
