@@ -39,7 +39,8 @@ CERTKV_HD constexpr int bit_mma_lane_head(int t, int slot) { return t + 4 * slot
 CERTKV_HD constexpr int bit_mma_tiles(int group) { return group > 4 ? 4 : 2; }
 
 // Word w (0..3) of a 128-bit row or column held as 64-bit words (index::RabitqRecord::code,
-// DeviceRabitqQuery::planes), 0 from word `words` on (the head dim's 32-bit words).
+// DeviceRabitqQuery::planes), 0 from word `words` on (the head dim's 32-bit words). Every form of
+// the estimate reads codes and planes as 32-bit words through it.
 CERTKV_HD constexpr uint32_t bit_mma_word(const uint64_t* bits, int w, int words) {
   return w < words ? uint32_t(bits[w / 2] >> (32 * (w % 2))) : 0u;
 }

@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_popcount_kernel(
     terms[threadIdx.x] = query_terms<D>(queries[threadIdx.x]);
     for (int bit = 0; bit < index::kRabitqQueryBits; ++bit)
       for (int w = 0; w < kWords; ++w)
-        planes[threadIdx.x][bit][w] = uint32_t(queries[threadIdx.x].planes[bit][w / 2] >> (32 * (w % 2)));
+        planes[threadIdx.x][bit][w] = bit_mma_word(queries[threadIdx.x].planes[bit], w, kWords);
     cta_max[threadIdx.x] = 0;
   }
   __syncthreads();
@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_popcount_kernel(
     if (widening) norms[list * p.max_indexed + t] = rec.norm_k_centered;
     uint32_t code[kWords];
 #pragma unroll
-    for (int w = 0; w < kWords; ++w) code[w] = uint32_t(rec.code[w / 2] >> (32 * (w % 2)));
+    for (int w = 0; w < kWords; ++w) code[w] = bit_mma_word(rec.code, w, kWords);
 #pragma unroll
     for (int g = 0; g < kTileHeads; ++g) {
       if (g >= group) break;
@@ -195,7 +195,7 @@ __device__ inline uint32_t nibble_bytes(uint32_t x) { return ((x & 0xfu) * 0x002
 // 32-bit word w of a record's code (bit j of word w is coordinate 32 w + j).
 template <int D>
 __device__ inline uint32_t code_word(const index::RabitqRecord<D>& rec, int w) {
-  return uint32_t(rec.code[w / 2] >> (32 * (w % 2)));
+  return bit_mma_word(rec.code, w, D / 32);
 }
 
 // Tokens of a warp's stage of records in shared memory (4 tiles of 16).
