@@ -6,8 +6,10 @@
 //       [--contexts 8192,32768,65536,131072] [--batches 1,8] [--shapes 32x8,28x4]
 //       [--formats bf16,gaac,gaac-e5m2,dither8,fp8-e4m3,fp8-e4m3-nometer,sparse-p0.9,sparse-p0.9-z1.5]
 //       [--reps 7] [--iters 20] [--sparse-splits N]
-//   sparse-pP-zZ: the Top-p set widened by Z estimator deviations; --sparse-splits: the sparse
-//   attention's splits per KV head (default: chosen by sparse_decode_cuda's choose_splits)
+//   sparse-pP-zZ: the Top-p set widened by Z estimator deviations; a suffix -est-FORM (popcount,
+//   bytes, bits) runs the estimate in that form (default: chosen by the group size), so that the
+//   forms are timed in one run; --sparse-splits: the sparse attention's splits per KV head
+//   (default: chosen by sparse_decode_cuda's choose_splits)
 //
 // KV.safetensors (scripts/make_bench_kv.py): k, v BF16 [8][N][128], q F32 [8][7][128] (7 query
 // vectors per KV head), metadata "source". CAL.safetensors: k, v of another text, for the GAAC
@@ -51,6 +53,15 @@ struct Source {
 [[noreturn]] void die(const std::string& message) {
   std::fprintf(stderr, "certkv_cuda_decode_bench: %s\n", message.c_str());
   std::exit(2);
+}
+
+// The whole of `text` as a number (no trailing characters), or a clear error naming `what`.
+template <typename T>
+T number(const std::string& text, const std::string& what) {
+  std::istringstream in(text);
+  T value{};
+  if (!(in >> value) || !in.eof()) die(what + ": '" + text + "' is not a number");
+  return value;
 }
 
 Source open_source(const std::string& path, bool need_q) {
@@ -214,10 +225,12 @@ struct SparseCell {
   double us = 0, us_min = 0, us_max = 0, recall_mean = 0, recall_min = 0, budget_mean = 0;
   int64_t bytes = 0;
   int n_sets = 0, splits = 0;
+  const char* estimate_form = "";  // the form that ran (estimate_form_of)
 };
 
 SparseCell run_sparse(const Source& src, const HostLayerKv& kv, const std::vector<float>& q, int n_q, double top_p,
-                      double deviations, int sparse_splits, int reps, int iters, cache::cuda::DeviceBuffer& q_d, cache::cuda::DeviceBuffer& out_d) {
+                      double deviations, EstimateForm estimate_form, int sparse_splits, int reps, int iters,
+                      cache::cuda::DeviceBuffer& q_d, cache::cuda::DeviceBuffer& out_d) {
   constexpr int D = 128;
   constexpr int64_t kWindow = 128;
   const int B = kv.batch, H = kv.n_kv_heads, G = n_q / H;
@@ -303,6 +316,7 @@ SparseCell run_sparse(const Source& src, const HostLayerKv& kv, const std::vecto
     p.max_window = kWindow;
     p.queries = reinterpret_cast<const DeviceRabitqQuery*>(q_rab.data());
     p.n_splits = sparse_splits;
+    p.estimate_form = estimate_form;
     p.topp_weights = reinterpret_cast<const uint64_t*>(w_d.data());
     p.q = reinterpret_cast<const float*>(q_d.data());
     p.out = reinterpret_cast<float*>(out_d.data());
@@ -323,6 +337,7 @@ SparseCell run_sparse(const Source& src, const HostLayerKv& kv, const std::vecto
   SparseCell cell;
   cell.n_sets = n_sets;
   cell.splits = sparse_splits > 0 ? sparse_splits : choose_splits(params[0]);
+  cell.estimate_form = estimate_form_name(estimate_form_of(params[0]));
   const std::vector<double> us = time_graph(stream, iters, reps, out_d.data(), q.size() * 4, "sparse", [&] {
     for (auto& p : params)
       if (const CudaStatus st = sparse_decode(p); !st.ok) die("sparse: " + st.message);
@@ -405,9 +420,9 @@ int main(int argc, char** argv) {
     else if (a == "--batches") batches = split(next(), ',');
     else if (a == "--shapes") shapes = split(next(), ',');
     else if (a == "--formats") formats = split(next(), ',');
-    else if (a == "--reps") reps = std::stoi(next());
-    else if (a == "--iters") iters = std::stoi(next());
-    else if (a == "--sparse-splits") sparse_splits = std::stoi(next());
+    else if (a == "--reps") reps = number<int>(next(), "--reps");
+    else if (a == "--iters") iters = number<int>(next(), "--iters");
+    else if (a == "--sparse-splits") sparse_splits = number<int>(next(), "--sparse-splits");
     else die("unknown flag " + a);
   }
   if (kv_path.empty() || cal_path.empty() || out_path.empty()) die("--kv, --calib and --out are required");
@@ -432,17 +447,19 @@ int main(int argc, char** argv) {
 
   const codec::GaacCalibration cal_bf16 = calibrate(cal, format::GaacElement::kBf16, src.n_kv);
   const codec::GaacCalibration cal_e5m2 = calibrate(cal, format::GaacElement::kFp8E5M2, src.n_kv);
-  std::printf("%-6s %5s %7s %-18s %10s %10s %8s %8s\n", "shape", "batch", "ctx", "format", "us", "MB", "TB/s", "%copy");
+  std::printf("%-6s %5s %7s %-30s %10s %10s %8s %8s\n", "shape", "batch", "ctx", "format", "us", "MB", "TB/s", "%copy");
 
   for (const std::string& shape_name : shapes) {
     const auto hw = split(shape_name, 'x');
     if (hw.size() != 2) die("bad shape " + shape_name);
-    const int n_q = std::stoi(hw[0]), n_kv = std::stoi(hw[1]), group = n_q / n_kv;
+    const int n_q = number<int>(hw[0], "shape " + shape_name), n_kv = number<int>(hw[1], "shape " + shape_name);
+    if (n_q < 1 || n_kv < 1) die("shape " + shape_name + ": head counts must be positive");
+    const int group = n_q / n_kv;
     if (n_kv > src.n_kv || group > src.q_per_kv || n_q % n_kv != 0) die("shape " + shape_name + " does not fit the KV file");
     for (const std::string& batch_s : batches) {
-      const int batch = std::stoi(batch_s);
+      const int batch = number<int>(batch_s, "batch");
       for (const std::string& ctx_s : contexts) {
-        const int64_t ctx = std::stoll(ctx_s);
+        const int64_t ctx = number<int64_t>(ctx_s, "context");
         HostLayerKv kv;
         kv.batch = batch;
         kv.n_kv_heads = n_kv;
@@ -474,24 +491,31 @@ int main(int argc, char** argv) {
 
         for (const std::string& fname : formats) {
           if (fname.rfind("sparse-p", 0) == 0) {
-            // sparse-pP or sparse-pP-zZ (the Top-p set widened by Z deviations).
-            const size_t z_at = fname.find("-z", 8);
-            const double top_p = std::stod(fname.substr(8, z_at == std::string::npos ? std::string::npos : z_at - 8));
-            const double deviations = z_at == std::string::npos ? 0.0 : std::stod(fname.substr(z_at + 2));
-            const SparseCell c = run_sparse(src, kv, q, n_q, top_p, deviations, sparse_splits, reps, iters, q_d, out_d);
+            // sparse-pP, sparse-pP-zZ (the Top-p set widened by Z deviations), either with -est-FORM.
+            const size_t est_at = fname.find("-est-", 8);
+            EstimateForm estimate_form = EstimateForm::kChosen;
+            if (est_at != std::string::npos &&
+                !parse_estimate_form(fname.substr(est_at + 5).c_str(), &estimate_form))
+              die("format " + fname + ": the estimate form is popcount, bytes or bits");
+            const std::string set = fname.substr(0, est_at);
+            const size_t z_at = set.find("-z", 8);
+            const double top_p = number<double>(set.substr(8, z_at == std::string::npos ? std::string::npos : z_at - 8), "format " + fname);
+            const double deviations = z_at == std::string::npos ? 0.0 : number<double>(set.substr(z_at + 2), "format " + fname);
+            const SparseCell c =
+                run_sparse(src, kv, q, n_q, top_p, deviations, estimate_form, sparse_splits, reps, iters, q_d, out_d);
             const double tb_s = double(c.bytes) / (c.us * 1e-6) / 1e12;
             std::snprintf(line, sizeof line,
                           "{\"kind\": \"certkv\", \"format\": \"%s\", \"shape\": \"%s\", \"batch\": %d, \"ctx\": %lld, "
                           "\"us\": %.3f, \"us_min\": %.3f, \"us_max\": %.3f, \"bytes\": %lld, \"tb_s\": %.4f, "
                           "\"copy_tb_s\": %.4f, \"pct_copy\": %.2f, \"n_sets\": %d, \"splits\": %d, \"p\": %.3f, \"deviations\": %.3f, "
                           "\"window\": 128, \"recall_mean\": %.4f, \"recall_min\": %.4f, \"budget_mean\": %.4f, "
-                          "\"timing\": \"graph\"}",
+                          "\"estimate_form\": \"%s\", \"timing\": \"graph\"}",
                           fname.c_str(), shape_name.c_str(), batch, (long long)ctx, c.us, c.us_min, c.us_max,
                           (long long)c.bytes, tb_s, copy, 100.0 * tb_s / copy, c.n_sets, c.splits, top_p, deviations, c.recall_mean,
-                          c.recall_min, c.budget_mean);
+                          c.recall_min, c.budget_mean, c.estimate_form);
             out << line << "\n";
             out.flush();
-            std::printf("%-6s %5d %7lld %-18s %10.2f %10.1f %8.3f %8.1f  recall %.3f (min %.3f) budget %.3f\n",
+            std::printf("%-6s %5d %7lld %-30s %10.2f %10.1f %8.3f %8.1f  recall %.3f (min %.3f) budget %.3f\n",
                         shape_name.c_str(), batch, (long long)ctx, fname.c_str(), c.us, double(c.bytes) / 1e6, tb_s,
                         100.0 * tb_s / copy, c.recall_mean, c.recall_min, c.budget_mean);
             std::fflush(stdout);
@@ -567,7 +591,7 @@ int main(int argc, char** argv) {
                         (long long)sets[0].raw_pages(), double(*std::max_element(meters.begin(), meters.end())));
           out << line << "\n";
           out.flush();
-          std::printf("%-6s %5d %7lld %-18s %10.2f %10.1f %8.3f %8.1f\n", shape_name.c_str(), batch, (long long)ctx,
+          std::printf("%-6s %5d %7lld %-30s %10.2f %10.1f %8.3f %8.1f\n", shape_name.c_str(), batch, (long long)ctx,
                       fname.c_str(), med, double(bytes) / 1e6, tb_s, 100.0 * tb_s / copy);
           std::fflush(stdout);
           cudaStreamDestroy(stream);

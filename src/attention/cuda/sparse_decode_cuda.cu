@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <iterator>
 #include <string>
 
+#include "attention/cuda/bit_mma_layout.h"
 #include "attention/cuda/tile_mma.cuh"
 #include "index/code_dot.h"
 #include "index/top_p.h"
@@ -97,9 +99,8 @@ __device__ inline index::RabitqRecord<D> load_record(const index::RabitqRecord<D
   return rec;
 }
 
-// head_max: each row's largest logit (ordered_key); norm_max: each list's largest key norm (the
-// bits of a float >= 0 order as the float), the selection's bound for the widening margins;
-// norms: each token's key norm ([list][max_indexed]), written when the group widens.
+// head_max: each row's largest logit (ordered_key); norms: each token's key norm
+// ([list][max_indexed]), written when the group widens, for the selection's widening margins.
 //
 // With at most 4 query heads per KV head: one thread per token, <c_b, q_u> =
 // sum_b 2^b popcount(c_b & plane_b) in carry-save form (index::code_dot_planes: 6 POPC per
@@ -108,8 +109,7 @@ __device__ inline index::RabitqRecord<D> load_record(const index::RabitqRecord<D
 // them). With more heads the tensor-core form below is faster; with 4 it was slower (docs/cuda.md).
 template <int D>
 __global__ void __launch_bounds__(kEstimateThreads) estimate_by_popcount_kernel(SparseDecodeParams p, float* logits,
-                                                                                 uint32_t* head_max,
-                                                                                 uint32_t* norm_max, float* norms) {
+                                                                                 uint32_t* head_max, float* norms) {
   static_assert(D % 32 == 0 && D <= 128, "two 64-bit code words at most");
   static_assert(index::kRabitqQueryBits == 4, "index::code_dot_planes adds 4 planes");
   constexpr int kWords = D / 32;  // 32-bit words of a code and of a plane
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_popcount_kernel(
     terms[threadIdx.x] = query_terms<D>(queries[threadIdx.x]);
     for (int bit = 0; bit < index::kRabitqQueryBits; ++bit)
       for (int w = 0; w < kWords; ++w)
-        planes[threadIdx.x][bit][w] = uint32_t(queries[threadIdx.x].planes[bit][w / 2] >> (32 * (w % 2)));
+        planes[threadIdx.x][bit][w] = bit_mma_word(queries[threadIdx.x].planes[bit], w, kWords);
     cta_max[threadIdx.x] = 0;
   }
   __syncthreads();
@@ -133,13 +133,11 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_popcount_kernel(
   const auto* records = static_cast<const index::RabitqRecord<D>*>(p.records) + list * p.record_stride;
   float* row_logits = logits + (int64_t(b) * p.n_q_heads + kv_head * group) * p.max_indexed;
   uint32_t key_max[kTileHeads] = {};
-  float largest_norm = 0.f;
   auto estimate = [&](const index::RabitqRecord<D>& rec, int64_t t) {
-    largest_norm = fmaxf(largest_norm, rec.norm_k_centered);
     if (widening) norms[list * p.max_indexed + t] = rec.norm_k_centered;
     uint32_t code[kWords];
 #pragma unroll
-    for (int w = 0; w < kWords; ++w) code[w] = uint32_t(rec.code[w / 2] >> (32 * (w % 2)));
+    for (int w = 0; w < kWords; ++w) code[w] = bit_mma_word(rec.code, w, kWords);
 #pragma unroll
     for (int g = 0; g < kTileHeads; ++g) {
       if (g >= group) break;
@@ -168,10 +166,6 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_popcount_kernel(
     for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xffffffffu, k, o));
     if ((threadIdx.x & 31) == 0 && g < group && k != 0) atomicMax(&cta_max[g], k);
   }
-  uint32_t norm_bits = __float_as_uint(largest_norm);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) norm_bits = max(norm_bits, __shfl_xor_sync(0xffffffffu, norm_bits, o));
-  if ((threadIdx.x & 31) == 0 && norm_bits != 0) atomicMax(&norm_max[list], norm_bits);
   __syncthreads();
   if (threadIdx.x < group && cta_max[threadIdx.x] != 0)
     atomicMax(&head_max[int64_t(b) * p.n_q_heads + kv_head * group + threadIdx.x], cta_max[threadIdx.x]);
@@ -185,6 +179,15 @@ __device__ inline void mma_u8(int32_t (&d)[4], const uint32_t (&a)[4], const uin
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// mma.sync m16n8k128 .b1 AND-POPC, accumulating into d: A 16 x 128 bits (rows), B 128 x 8 bits
+// (columns), d[r][n] += popcount(row r & column n); the fragments are in bit_mma_layout.h.
+__device__ inline void mma_b1(int32_t (&d)[4], const uint32_t (&a)[2], uint32_t b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k128.row.col.s32.b1.b1.s32.and.popc {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(b));
+}
+
 // Bits 0..3 of x as bytes 0..3, each 0 or 1 (the four shifted copies x, x << 7, x << 14, x << 21
 // do not overlap, so the product carries nothing).
 __device__ inline uint32_t nibble_bytes(uint32_t x) { return ((x & 0xfu) * 0x00204081u) & 0x01010101u; }
@@ -192,36 +195,45 @@ __device__ inline uint32_t nibble_bytes(uint32_t x) { return ((x & 0xfu) * 0x002
 // 32-bit word w of a record's code (bit j of word w is coordinate 32 w + j).
 template <int D>
 __device__ inline uint32_t code_word(const index::RabitqRecord<D>& rec, int w) {
-  return uint32_t(rec.code[w / 2] >> (32 * (w % 2)));
+  return bit_mma_word(rec.code, w, D / 32);
 }
 
 // Tokens of a warp's stage of records in shared memory (4 tiles of 16).
 constexpr int kEstimateStageTokens = 64;
 
-// With more than 4 query heads per KV head:
-// <c_b, q_u> = sum_i c_b[i] q_u[i] (Eq. 20's integer term) for 16 tokens and the group's (up to 8)
-// query heads at once on tensor cores: the tokens' code bits as 0 / 1 bytes (rows of A, a lane
-// expanding two nibbles of each 32-bit word of its two tokens), each head's q_u in [0, 15] as
-// bytes (columns of B, built once per CTA in shared memory), k = 32 dimensions per mma; the sum
-// (at most 15 D) is exact in s32, the same integer as the CPU's sum_b 2^b popcount(c_b & plane_b).
-// The popcount form took 16 POPC per (token, head), which bound the kernel (16 per clock and SM).
+// The tensor-core forms, for tiles of 16 tokens and the group's (up to 8) query heads at once.
 // Each warp copies stages of 64 records into shared memory (cp.async, one stage in flight while
-// the other is used) and takes their tiles of 16 tokens; a lane holds tokens row and row + 8,
-// heads 2 quad and 2 quad + 1 of the mma's accumulators, and computes their float steps. At 4
-// heads half the lanes would idle in those steps (a fold of the second token onto them still left
-// the kernel slower than the popcount form: 195 against 171 us, docs/cuda.md).
-template <int D>
+// the other is used) and takes their tiles of 16 tokens; a lane holds tokens row and row + 8 of
+// a tile and two heads (its slots) of the group, and computes the float steps of those cells.
+// The sums are exact in s32 (at most 15 D), the same integers as the CPU's
+// sum_b 2^b popcount(c_b & plane_b).
+// - kByteMma: <c_b, q_u> = sum_i c_b[i] q_u[i], the tokens' code bits as 0 / 1 bytes (rows of A,
+//   a lane expanding two nibbles of each 32-bit word of its two tokens), each head's q_u in
+//   [0, 15] as bytes (columns of B, built once per CTA in shared memory), k = 32 dimensions per
+//   m16n8k32 u8 mma; a lane's slots are heads 2 quad and 2 quad + 1. The popcount form took 16
+//   POPC per (token, head), which bound the kernel (16 per clock and SM); but at 4 heads half the
+//   lanes idle in the float steps (a fold of the second token onto them still left the kernel
+//   slower than the popcount form: 195 against 171 us, docs/cuda.md).
+// - kBitMma: the code words themselves as the rows of A and the query's bit planes as the columns
+//   of B, one m16n8k128 .b1 AND-POPC per 8 (head, plane) columns: two for a group of up to 4,
+//   four up to 8, no expansion of the codes; a lane's slots are heads quad and quad + 4, so a
+//   group of 4 keeps every lane busy in the float steps (bit_mma_layout.h). Not yet timed on the
+//   device.
+template <int D, EstimateForm F>
 __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(SparseDecodeParams p, float* logits,
-                                                                            uint32_t* head_max, uint32_t* norm_max,
-                                                                            float* norms) {
+                                                                            uint32_t* head_max, float* norms) {
   static_assert(D % 32 == 0 && D <= 128, "k-blocks of 32 dimensions, two code words at most");
+  static_assert(F == EstimateForm::kByteMma || F == EstimateForm::kBitMma, "a tensor-core form");
+  constexpr bool kBits = F == EstimateForm::kBitMma;
   using Record = index::RabitqRecord<D>;
-  constexpr int kBlocks = D / 32;
+  constexpr int kBlocks = D / 32;  // k-blocks of the byte form; 32-bit code words
   constexpr int kWarpsPerCta = kEstimateThreads / 32;
   constexpr int kStageBytes = kEstimateStageTokens * int(sizeof(Record));
   static_assert(kStageBytes % 16 == 0, "a stage is whole 16-byte pieces");
+  static_assert(kBlocks <= kBitMmaWords, "a code fits one 128-bit row");
   __shared__ QueryTerms terms[kTileHeads];
-  __shared__ alignas(16) uint8_t q_u[kTileHeads][D];  // 0 for the heads past the group
+  __shared__ alignas(16) uint8_t q_u[kBits ? 1 : kTileHeads][D];  // bytes: 0 for the heads past the group
+  __shared__ uint32_t planes[kBits ? kTileHeads : 1][index::kRabitqQueryBits][kBitMmaWords];  // bits: likewise
   __shared__ alignas(16) Record stage[kWarpsPerCta][2][kEstimateStageTokens];
   __shared__ uint32_t cta_max[kTileHeads];
   const int kv_head = blockIdx.y, b = blockIdx.z;
@@ -245,31 +257,53 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(Spars
   };
   copy_stage(0);  // in flight while the CTA builds the query side
   const DeviceRabitqQuery* queries = p.queries + int64_t(b) * p.n_q_heads + kv_head * group;
-  if (threadIdx.x < group) terms[threadIdx.x] = query_terms<D>(queries[threadIdx.x]);
-  if (threadIdx.x < kTileHeads) cta_max[threadIdx.x] = 0;
-  // q_u by 8 dimensions per thread: one byte of each plane, bit e of it the bit of dimension d + e.
-  for (int i = threadIdx.x; i < kTileHeads * D / 8; i += kEstimateThreads) {
-    const int h = i / (D / 8), d = 8 * (i % (D / 8));
-    uint64_t levels = 0;  // byte e: q_u[d + e]
-    if (h < group)
-      for (int bit = 0; bit < index::kRabitqQueryBits; ++bit) {
-        const uint32_t plane = uint32_t(queries[h].planes[bit][d / 64] >> (d % 64)) & 0xffu;
-        for (int e = 0; e < 8; ++e) levels |= uint64_t((plane >> e) & 1u) << (8 * e + bit);
-      }
-    *reinterpret_cast<uint64_t*>(&q_u[h][d]) = levels;
+  if (threadIdx.x < kTileHeads) {
+    terms[threadIdx.x] = threadIdx.x < group ? query_terms<D>(queries[threadIdx.x]) : QueryTerms{};
+    cta_max[threadIdx.x] = 0;
+  }
+  if constexpr (kBits) {
+    // Plane `bit` of head h as 32-bit words, 0 past the group and past the head dim.
+    for (int i = threadIdx.x; i < kTileHeads * index::kRabitqQueryBits * kBitMmaWords; i += kEstimateThreads) {
+      const int h = i / (index::kRabitqQueryBits * kBitMmaWords), bit = i / kBitMmaWords % index::kRabitqQueryBits,
+                w = i % kBitMmaWords;
+      planes[h][bit][w] = h < group ? bit_mma_word(queries[h].planes[bit], w, kBlocks) : 0u;
+    }
+  } else {
+    // q_u by 8 dimensions per thread: one byte of each plane, bit e of it the bit of dimension d + e.
+    for (int i = threadIdx.x; i < kTileHeads * D / 8; i += kEstimateThreads) {
+      const int h = i / (D / 8), d = 8 * (i % (D / 8));
+      uint64_t levels = 0;  // byte e: q_u[d + e]
+      if (h < group)
+        for (int bit = 0; bit < index::kRabitqQueryBits; ++bit) {
+          const uint32_t plane = uint32_t(queries[h].planes[bit][d / 64] >> (d % 64)) & 0xffu;
+          for (int e = 0; e < 8; ++e) levels |= uint64_t((plane >> e) & 1u) << (8 * e + bit);
+        }
+      *reinterpret_cast<uint64_t*>(&q_u[h][d]) = levels;
+    }
   }
   __syncthreads();
-  uint32_t bq[kBlocks][2];  // B: head `row`'s q_u at dimensions 32 k + 4 quad .. + 3 and 16 more
+  // B. Bytes: head `row`'s q_u at dimensions 32 k + 4 quad .. + 3 and 16 more. Bits: word `quad`
+  // of column `row` of each tile.
+  uint32_t bq[kBits ? kBitMmaTiles : kBlocks][2];
 #pragma unroll
-  for (int k = 0; k < kBlocks; ++k) {
-    bq[k][0] = *reinterpret_cast<const uint32_t*>(&q_u[row][32 * k + 4 * quad]);
-    bq[k][1] = *reinterpret_cast<const uint32_t*>(&q_u[row][32 * k + 16 + 4 * quad]);
+  for (int k = 0; k < (kBits ? kBitMmaTiles : kBlocks); ++k) {
+    if constexpr (kBits) {
+      bq[k][0] = bit_mma_b_register(planes, k, row, quad);
+      bq[k][1] = 0;
+    } else {
+      bq[k][0] = *reinterpret_cast<const uint32_t*>(&q_u[row][32 * k + 4 * quad]);
+      bq[k][1] = *reinterpret_cast<const uint32_t*>(&q_u[row][32 * k + 16 + 4 * quad]);
+    }
   }
+  // The head of the lane's slot s (0 or 1). The bit form keeps its slots' terms in registers (59
+  // registers at D = 128, 8 CTAs per multiprocessor; its rows' logit pointers too would take 70,
+  // 7 CTAs); the byte form reads them from shared memory (in registers: 58 -> 68, 7 CTAs).
+  auto slot_head = [&](int s) { return kBits ? bit_mma_lane_head(quad, s) : 2 * quad + s; };
+  [[maybe_unused]] const QueryTerms slot_terms[2] = {terms[slot_head(0)], terms[slot_head(1)]};
   float* row_logits = logits + (int64_t(b) * p.n_q_heads + kv_head * group) * p.max_indexed;
   float* list_norms = norms + (int64_t(b) * p.n_kv_heads + kv_head) * p.max_indexed;
   const bool widening = group_widens(queries, group);
   uint32_t key_max[2] = {0, 0};
-  float largest_norm = 0.f;
   for (int j = 0; stage_first(j) < end; ++j) {
     if (stage_first(j + 1) < end) {
       copy_stage(j + 1);
@@ -284,17 +318,36 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(Spars
       const int64_t base = stage_first(j) + 16 * tile;
       if (base >= end) break;
       const Record tok[2] = {staged[16 * tile + row], staged[16 * tile + row + 8]};
-      int32_t acc[4] = {0, 0, 0, 0};  // (token row, head 2 quad), (row, 2 quad + 1), (row + 8, ...)
+      int32_t dot[4];  // <c_b, q_u> of the cells (row, slot 0), (row, slot 1), (row + 8, slot 0), (row + 8, slot 1)
+      if constexpr (kBits) {
+        // A: word `quad` of the codes of tokens row and row + 8 (0 past the head dim), read from
+        // the staged records in shared memory.
+        const uint32_t a[2] = {bit_mma_word(staged[16 * tile + bit_mma_a_token(row, 0)].code, quad, kBlocks),
+                               bit_mma_word(staged[16 * tile + bit_mma_a_token(row, 1)].code, quad, kBlocks)};
+        int32_t acc[kBitMmaTiles][4] = {};
+        mma_b1(acc[0], a, bq[0][0]);
+        mma_b1(acc[1], a, bq[1][0]);
+        if (bit_mma_tiles(group) == 4) {  // uniform over the CTA
+          mma_b1(acc[2], a, bq[2][0]);
+          mma_b1(acc[3], a, bq[3][0]);
+        }
 #pragma unroll
-      for (int k = 0; k < kBlocks; ++k) {
-        const uint32_t w0 = code_word(tok[0], k), w1 = code_word(tok[1], k);
-        const uint32_t a[4] = {nibble_bytes(w0 >> (4 * quad)), nibble_bytes(w1 >> (4 * quad)),
-                               nibble_bytes(w0 >> (16 + 4 * quad)), nibble_bytes(w1 >> (16 + 4 * quad))};
-        mma_u8(acc, a, bq[k]);
+        for (int i = 0; i < 4; ++i) dot[i] = bit_mma_cell_dot(acc, i);
+      } else {
+        int32_t acc[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int k = 0; k < kBlocks; ++k) {
+          const uint32_t w0 = code_word(tok[0], k), w1 = code_word(tok[1], k);
+          const uint32_t a[4] = {nibble_bytes(w0 >> (4 * quad)), nibble_bytes(w1 >> (4 * quad)),
+                                 nibble_bytes(w0 >> (16 + 4 * quad)), nibble_bytes(w1 >> (16 + 4 * quad))};
+          mma_u8(acc, a, bq[k]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) dot[i] = acc[i];
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int h = 2 * quad + (i & 1);
+        const int h = slot_head(i & 1);
         const int token = i >> 1;  // 0: row, 1: row + 8
         const int64_t t = base + row + 8 * token;
         if (t >= end) continue;
@@ -303,12 +356,10 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(Spars
         const float alpha = token ? tok[1].alpha : tok[0].alpha;
         const float cq_dot_k = token ? tok[1].cq_dot_k : tok[0].cq_dot_k;
         const float popcount = float(token ? tok[1].code_popcount : tok[0].code_popcount);
-        if ((i & 1) == 0) {
-          largest_norm = fmaxf(largest_norm, norm_k);
-          if (widening && quad == 0) list_norms[t] = norm_k;  // one lane per token
-        }
+        if ((i & 1) == 0 && widening && quad == 0) list_norms[t] = norm_k;  // one lane per token
         if (h >= group) continue;
-        const float logit = estimated_logit(terms[h], acc[i], popcount, norm_k, alpha, cq_dot_k, p.sm_scale);
+        const float logit = estimated_logit(kBits ? slot_terms[i & 1] : terms[h], dot[i], popcount, norm_k, alpha,
+                                            cq_dot_k, p.sm_scale);
         row_logits[int64_t(h) * p.max_indexed + t] = logit;
         key_max[i & 1] = max(key_max[i & 1], ordered_key(logit));
       }
@@ -323,12 +374,8 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(Spars
     uint32_t k = key_max[j];
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) k = max(k, __shfl_xor_sync(0xffffffffu, k, o));
-    if (row == 0 && k != 0) atomicMax(&cta_max[2 * quad + j], k);
+    if (row == 0 && k != 0) atomicMax(&cta_max[slot_head(j)], k);
   }
-  uint32_t norm_bits = __float_as_uint(largest_norm);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) norm_bits = max(norm_bits, __shfl_xor_sync(0xffffffffu, norm_bits, o));
-  if (lane == 0 && norm_bits != 0) atomicMax(&norm_max[int64_t(b) * p.n_kv_heads + kv_head], norm_bits);
   __syncthreads();
   if (threadIdx.x < group && cta_max[threadIdx.x] != 0)
     atomicMax(&head_max[int64_t(b) * p.n_q_heads + kv_head * group + threadIdx.x], cta_max[threadIdx.x]);
@@ -632,22 +679,21 @@ __global__ void __launch_bounds__(kTopPThreads) theta_kernel(SparseDecodeParams 
 // 3. Selection lists: per (sequence, KV head) and chunk of 1024 indexed tokens, in token order,
 // the tokens any head of the group selected, with the heads as bits 24..31. A head selects the
 // tokens of its Top-p set (logit >= theta) and, when its margin_scale m is positive, those with
-// fl(logit + fl(m ||k_t - c_k||)) >= theta (index::top_p_widen's two rounded operations). The
-// norm (the estimate's copy beside the logits) is read only when the list's largest norm could
-// reach theta: by
-// monotone rounding, fl(l + fl(m n)) <= fl(l + fl(m n_max)) for n <= n_max. A group with no
-// positive margin takes the plain comparisons; thresholds and margins are read once per CTA.
+// fl(logit + fl(m ||k_t - c_k||)) >= theta (index::top_p_widen's two rounded operations), with the
+// norms of a thread's 4 tokens (the estimate's copy beside the logits) in one 16-byte load. A
+// group with no positive margin takes the plain comparisons; thresholds and margins are read once
+// per CTA.
 // A thread takes 4 consecutive tokens (one 16-byte load per head), so a CTA of 256 threads takes
 // a chunk; with one token per thread (CTAs of 1024) the loads of two CTAs per multiprocessor
 // could not cover the latency (101 us at batch 8, 128K, 32 / 8, for 134 MB of logits). The norms
-// were read from the tokens' 32-byte records until this change: a sector per token in the band.
+// come from the estimate's 4-byte copy; until d5118ae they were read from the tokens' 32-byte
+// records, a sector per token.
 
 constexpr int kSelectThreads = kSparseChunkTokens / 4;
 
 template <int D>
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(SparseDecodeParams p, const float* logits,
-                                                                const float* theta, const uint32_t* norm_max,
-                                                                const float* norms, uint32_t* entries,
+                                                                const float* theta, const float* norms, uint32_t* entries,
                                                                 int32_t* counts, int64_t n_chunks) {
   constexpr int kWarpsPerCta = kSelectThreads / 32;
   __shared__ int32_t warp_offsets[kWarpsPerCta + 1];
@@ -673,24 +719,30 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SparseDecodePara
 #pragma unroll
     for (int g = 0; g < kTileHeads; ++g)
       if (g < group) l[g] = *reinterpret_cast<const float4*>(logits + (row0 + g) * p.max_indexed + t0);
-    const float n_max = widening ? __uint_as_float(norm_max[list_of_head]) : 0.f;
+    // Widening: the 4 tokens' key norms (the estimate's copy) in one 16-byte load, and every
+    // (token, head) cell tested without branches, fl(l + fl(m ||k_t - c_k||)) >= theta where the
+    // head's margin m is positive. With a branch per cell that skipped the norm's load unless the
+    // list's largest norm could lift the token past theta, the widened selection issued about 12
+    // instructions per cell and its BSSY / BSYNC pairs (ncu source view, run 6 of 2026-12-01, third
+    // session); that filter changes no cell's answer (rounding is monotone), only which cells load.
+    float4 nv = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (widening) nv = *reinterpret_cast<const float4*>(norms + list_of_head * p.max_indexed + t0);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       if (t0 + e >= n) break;
-      float norm = -1.f;  // the token's key norm, read on first need
+      const float norm = e == 0 ? nv.x : e == 1 ? nv.y : e == 2 ? nv.z : nv.w;
 #pragma unroll
       for (int g = 0; g < kTileHeads; ++g) {
         if (g >= group) break;
         const float x = e == 0 ? l[g].x : e == 1 ? l[g].y : e == 2 ? l[g].z : l[g].w;
         const float th = head_theta[g];
-        bool take = x >= th;
-        if (widening && !take) {
+        const bool plain = x >= th;
+        bool take = plain;
+        if (widening) {  // the same in every thread
           const float m = head_margin[g];
-          if (m > 0.f && __fadd_rn(x, __fmul_rn(m, n_max)) >= th) {
-            if (norm < 0.f) norm = norms[list_of_head * p.max_indexed + t0 + e];
-            take = __fadd_rn(x, __fmul_rn(m, norm)) >= th;
-            widened[e] |= uint32_t(take) << g;
-          }
+          const bool wide = m > 0.f && __fadd_rn(x, __fmul_rn(m, norm)) >= th;
+          widened[e] |= uint32_t(wide && !plain) << g;
+          take = plain || wide;
         }
         heads[e] |= uint32_t(take) << g;
       }
@@ -850,7 +902,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(AttendArgs a) {
     uint32_t e = 0;
     int32_t kpage = 0, vpage = 0;
   };
-  const int row = lane >> 1, half = lane & 1;
+  const int row = lane >> 1;
   auto fetch_entry = [&](int32_t tile) -> Pending {  // step 1 (locate calls are in tile order)
     Pending t;
     int64_t c = 0;
@@ -866,22 +918,26 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(AttendArgs a) {
       t.vpage = p.v_table[table_row + (tok >> 4)];
     }
   };
-  // Step 3 into buffer st; returns this lane's row's head bits (0 for padding rows).
+  // Step 3 into buffer st; returns this lane's row's head bits (0 for padding rows). Lanes 2 r and
+  // 2 r + 1 hold row r's entry and pages; the copies take whole rows in row-major order
+  // (tile_layout.h's gather_row / gather_chunk: D / 8 lanes per row, whole 128-byte lines per
+  // instruction), each lane fetching the byte offsets of the row it copies from the row's lane 2 r.
+  // With a lane per row half (chunks 2 i + half), every instruction asked L2 for 16 single sectors.
   auto copy_rows = [&](const Pending& t, int st) -> uint32_t {
-    if (!t.have) return 0u;
+    if (!t.have) return 0u;  // the same for the whole warp (locate is)
     const int64_t tok = int64_t(t.e & 0xffffffu);
     const bool ok = row < t.n && t.kpage >= 0 && t.kpage < p.n_k_pages && t.vpage >= 0 && t.vpage < p.n_v_pages;
-    // The row's two lanes take its 16-byte chunks alternately (lane half h: chunks 2 i + h), so
-    // that each copy instruction reads whole 32-byte sectors: 16 rows x one sector. Chunks
-    // h * D / 16 + i (each lane a contiguous half row) asked L2 for every sector twice, by two
-    // instructions, half of it each time (ncu: 49% of the sectors excessive, L2 80% busy, DRAM 43%).
-    const uint8_t* ksrc = p.k_pages + int64_t(ok ? t.kpage : 0) * p.k_page_stride + ((tok & 15) * D + half * 8) * 2;
-    const uint8_t* vsrc = p.v_pages + int64_t(ok ? t.vpage : 0) * p.v_page_stride + ((tok & 15) * D + half * 8) * 2;
-    const int offset = PaddedTile<D>::offset(row, half);
+    // This lane's row in its pools, bytes; -1 for a padding row or a page out of range (zero fill).
+    const int64_t krow = ok ? int64_t(t.kpage) * p.k_page_stride + (tok & 15) * D * 2 : -1;
+    const int64_t vrow = ok ? int64_t(t.vpage) * p.v_page_stride + (tok & 15) * D * 2 : -1;
+    const int chunk = gather_chunk<D>(lane);
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
-      cp_async16_zfill(&tiles.k[st][PaddedTile<D>::at(offset, 2 * i)], ksrc + 32 * i, ok);
-      cp_async16_zfill(&tiles.v[st][PaddedTile<D>::at(offset, 2 * i)], vsrc + 32 * i, ok);
+      const int r = gather_row<D>(i, lane);
+      const int64_t kr = __shfl_sync(0xffffffffu, krow, 2 * r), vr = __shfl_sync(0xffffffffu, vrow, 2 * r);
+      const int offset = PaddedTile<D>::offset(r, chunk);
+      cp_async16_zfill(&tiles.k[st][offset], p.k_pages + (kr < 0 ? 0 : kr) + 16 * chunk, kr >= 0);
+      cp_async16_zfill(&tiles.v[st][offset], p.v_pages + (vr < 0 ? 0 : vr) + 16 * chunk, vr >= 0);
     }
     return ok ? (t.e >> 24) : 0u;
   };
@@ -951,7 +1007,7 @@ CudaStatus unsupported(const std::string& message) {
 
 struct Layout {
   // zeroed before every call: head_max .. cand_count (one memset)
-  size_t head_max = 0, norm_max = 0, hist = 0, cand_count = 0, zeroed_end = 0;
+  size_t head_max = 0, hist = 0, cand_count = 0, zeroed_end = 0;
   size_t logits = 0, norms = 0, candidates = 0, plans = 0, theta = 0, entries = 0, counts = 0, mld = 0, o = 0, total = 0;
   int64_t n_chunks = 0, window_chunks = 0;
   int splits = 1;
@@ -974,7 +1030,6 @@ Layout layout_of(const SparseDecodeParams& p, int splits) {
     return here;
   };
   l.head_max = take(rows * 4);
-  l.norm_max = take(lists * 4);
   l.hist = take(rows * kGapBuckets * 4);
   l.cand_count = take(rows * 4);
   l.zeroed_end = at;
@@ -1023,7 +1078,6 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
   float* logits = static_cast<float*>(at(l.logits));
   float* norms = static_cast<float*>(at(l.norms));
   uint32_t* head_max = static_cast<uint32_t*>(at(l.head_max));
-  uint32_t* norm_max = static_cast<uint32_t*>(at(l.norm_max));
   uint32_t* hist = static_cast<uint32_t*>(at(l.hist));
   uint32_t* cand_count = static_cast<uint32_t*>(at(l.cand_count));
   float* candidates = static_cast<float*>(at(l.candidates));
@@ -1040,10 +1094,18 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
     const int64_t span = pass_tokens(p);
     const unsigned passes = unsigned((p.max_indexed + span - 1) / span);
     const dim3 grid(unsigned((p.max_indexed + kEstimateTokens - 1) / kEstimateTokens), Hkv, B);
-    if (p.n_q_heads / p.n_kv_heads <= 4)
-      estimate_by_popcount_kernel<D><<<grid, kEstimateThreads, 0, stream>>>(p, logits, head_max, norm_max, norms);
-    else
-      estimate_by_mma_kernel<D><<<grid, kEstimateThreads, 0, stream>>>(p, logits, head_max, norm_max, norms);
+    switch (estimate_form_of(p)) {
+      case EstimateForm::kBitMma:
+        estimate_by_mma_kernel<D, EstimateForm::kBitMma>
+            <<<grid, kEstimateThreads, 0, stream>>>(p, logits, head_max, norms);
+        break;
+      case EstimateForm::kByteMma:
+        estimate_by_mma_kernel<D, EstimateForm::kByteMma>
+            <<<grid, kEstimateThreads, 0, stream>>>(p, logits, head_max, norms);
+        break;
+      default:
+        estimate_by_popcount_kernel<D><<<grid, kEstimateThreads, 0, stream>>>(p, logits, head_max, norms);
+    }
     hist_kernel<<<dim3(passes, Hq, B), kPassThreads, 0, stream>>>(p, logits, head_max, hist, span);
     plan_kernel<<<dim3(Hq, B), kTopPThreads, 0, stream>>>(p, head_max, hist, plans);
     gather_kernel<<<dim3(passes, Hq, B), kPassThreads, 0, stream>>>(p, logits, plans, cand_count, candidates, span);
@@ -1052,7 +1114,7 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
                                                                                           candidates, theta);
   if (l.n_chunks > 0)
     select_kernel<D><<<dim3(unsigned(l.n_chunks), unsigned(p.n_kv_heads), unsigned(p.batch)), kSelectThreads, 0,
-                       stream>>>(p, logits, theta, norm_max, norms, entries, counts, l.n_chunks);
+                       stream>>>(p, logits, theta, norms, entries, counts, l.n_chunks);
   AttendArgs a{p, entries, counts, l.n_chunks, l.window_chunks, splits,
                static_cast<float*>(at(l.mld)), static_cast<float*>(at(l.o))};
   const size_t smem = sizeof(SparseShared<D>);
@@ -1090,6 +1152,32 @@ DeviceRabitqQuery device_rabitq_query(const index::RabitqHead& head, const index
 }
 template DeviceRabitqQuery device_rabitq_query<64>(const index::RabitqHead&, const index::RabitqQuery<64>&, float);
 template DeviceRabitqQuery device_rabitq_query<128>(const index::RabitqHead&, const index::RabitqQuery<128>&, float);
+
+namespace {
+constexpr const char* kEstimateFormNames[] = {"chosen", "popcount", "bytes", "bits"};
+}  // namespace
+
+// Device runs of 2026-12-01: the popcount form is the faster at 4 heads, the byte mma above; the
+// bit form is not yet timed.
+EstimateForm estimate_form_of(const SparseDecodeParams& p) {
+  if (p.estimate_form != EstimateForm::kChosen) return p.estimate_form;
+  const int group = p.n_kv_heads > 0 ? p.n_q_heads / p.n_kv_heads : 0;  // check() refuses 0 heads
+  return group <= 4 ? EstimateForm::kPopcount : EstimateForm::kByteMma;
+}
+
+const char* estimate_form_name(EstimateForm form) {
+  const auto i = size_t(form);
+  return i < std::size(kEstimateFormNames) ? kEstimateFormNames[i] : "unknown";
+}
+
+bool parse_estimate_form(const char* name, EstimateForm* form) {
+  for (size_t i = 0; i < std::size(kEstimateFormNames); ++i)
+    if (name != nullptr && std::string(name) == kEstimateFormNames[i]) {
+      *form = EstimateForm(i);
+      return true;
+    }
+  return false;
+}
 
 void describe_pages(const PagedDecodeParams& pages, SparseDecodeParams* p) {
   p->batch = pages.batch;
@@ -1133,6 +1221,8 @@ CudaStatus check(const SparseDecodeParams& p) {
   if (p.max_window < 0 || p.max_window > p.max_seq_len) return error("max_window must be in [0, max_seq_len]");
   if (p.pass_tokens < 0 || p.pass_tokens % 16 != 0 || p.pass_tokens > (int64_t(1) << 24))
     return error("pass_tokens must be a multiple of 16 in [0, 2^24]");
+  if (uint8_t(p.estimate_form) > uint8_t(EstimateForm::kBitMma))
+    return error("estimate_form " + std::to_string(int(p.estimate_form)) + " is not an EstimateForm");
   // Every list starts on 16 bytes (the estimate stages a list's records by 16-byte cp.async): at
   // head_dim 64 (24-byte records) the stride must be even.
   const int64_t record_bytes = p.head_dim == 64 ? int64_t(sizeof(index::RabitqRecord<64>))

@@ -38,6 +38,15 @@ DeviceRabitqQuery device_rabitq_query(const index::RabitqHead& head, const index
 // Tokens of the selection lists per chunk of the indexed prefix.
 inline constexpr int kSparseChunkTokens = 1024;
 
+// The kernel that computes the estimate's integer term <c_b, q_u> (Eq. 20). Every form computes
+// the same integers, so the logits are the same bit for bit (the CPU's); they differ in speed.
+enum class EstimateForm : uint8_t {
+  kChosen = 0,  // kPopcount up to 4 query heads per KV head, kByteMma above
+  kPopcount,    // one thread per token, carry-save popcounts (index::code_dot_planes)
+  kByteMma,     // tensor cores, m16n8k32 u8: code bits as 0 / 1 bytes times q_u as bytes
+  kBitMma,      // tensor cores, m16n8k128 .b1 AND-POPC: code words times the query's bit planes
+};
+
 struct SparseDecodeParams {
   int batch = 0, n_q_heads = 0, n_kv_heads = 0, head_dim = 0;  // head_dim 64 or 128
   int block_tokens = 16;
@@ -82,6 +91,7 @@ struct SparseDecodeParams {
   // Tokens per CTA of the Top-p histogram and gather passes, a multiple of 16 up to 2^24; 0: chosen
   // (4096 doubled up to 32768 while the passes keep 1024 CTAs).
   int64_t pass_tokens = 0;
+  EstimateForm estimate_form = EstimateForm::kChosen;
   void* workspace = nullptr;
   size_t workspace_size = 0;
   void* stream = nullptr;  // cudaStream_t
@@ -93,6 +103,12 @@ void describe_pages(const PagedDecodeParams& pages, SparseDecodeParams* params);
 
 // Refuses bad shapes and buffers with a status and a message before any launch.
 CudaStatus check(const SparseDecodeParams& params);
+// The form the estimate runs in: params.estimate_form as it is, or when that is kChosen the one
+// for the group size (kPopcount up to 4 query heads per KV head or without KV heads, kByteMma above).
+EstimateForm estimate_form_of(const SparseDecodeParams& params);
+// "chosen", "popcount", "bytes", "bits"; parse_estimate_form returns false on any other name.
+const char* estimate_form_name(EstimateForm form);
+bool parse_estimate_form(const char* name, EstimateForm* form);
 int choose_splits(const SparseDecodeParams& params);
 size_t workspace_bytes(const SparseDecodeParams& params);
 CudaStatus sparse_decode(const SparseDecodeParams& params);

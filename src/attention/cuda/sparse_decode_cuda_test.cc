@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "attention/cuda/device_kv.h"
@@ -35,6 +37,7 @@ struct SparseCase {
   bool flat_keys = false;  // every key equal: all logits tie (one gap bucket of every token)
   double deviations = 0;   // the Top-p set widened by this many estimator deviations per token
   int64_t pass_tokens = 0;  // tokens per CTA of the histogram and gather passes (0: chosen)
+  EstimateForm form = EstimateForm::kChosen;  // the estimate's kernel
 };
 
 struct Host {
@@ -179,6 +182,7 @@ SparseRun<D> run(const SparseCase& c, const Host& h) {
   p.n_selected = reinterpret_cast<int64_t*>(nsel_d.data());
   p.n_widened = reinterpret_cast<int64_t*>(nwid_d.data());
   p.pass_tokens = c.pass_tokens;
+  p.estimate_form = c.form;
   const size_t ws = workspace_bytes(p);
   EXPECT_TRUE(DeviceBuffer::allocate(ws, &ws_d).ok);
   p.workspace = ws_d.data();
@@ -339,21 +343,37 @@ TEST(SparseDecodeCuda, RaggedBatchesMatchTheCpuSelectionAndAttention) {
   check_case<128>({128, 8, 1, {2048, 333}, {1920, 320}, 0.99, 5});
 }
 
-// Both forms of the estimate (popcount up to 4 query heads per KV head, tensor cores above) at
-// every group size from 2 to 8 and both head dims, several KV heads each: the logits equal to the
-// CPU's bit for bit, the CPU's set and lists, the output (check_case); one widened case per form.
+// Every form of the estimate (popcount, byte mma, bit mma; by default popcount up to 4 query
+// heads per KV head, byte mma above) at every group size from 1 to 8 and both head dims, several
+// KV heads each: the logits equal to the CPU's bit for bit, the CPU's set and lists, the output
+// (check_case); widened cases too.
 TEST(SparseDecodeCuda, EveryGroupSizeAndFormOfTheEstimate) {
   CERTKV_NEED_CUDA_DEVICE();
-  check_case<64>({64, 8, 4, {2000, 777}, {1920, 752}, 0.9, 31});      // 2 heads, popcount
-  check_case<128>({128, 10, 2, {3000, 1200}, {2880, 1088}, 0.9, 32}); // 5 heads, mma
-  check_case<64>({64, 12, 2, {2500}, {2400}, 0.8, 33});                // 6 heads, mma
-  check_case<64>({64, 16, 2, {1700, 3100}, {1600, 3072}, 0.95, 34});   // 8 heads, mma, head_dim 64
-  SparseCase widened_popcount{64, 6, 2, {2600, 900}, {2560, 896}, 0.9, 35};  // 3 heads
-  widened_popcount.deviations = 1.5;
-  check_case<64>(widened_popcount);
-  SparseCase widened_mma{128, 12, 2, {2600, 900}, {2560, 896}, 0.9, 36};  // 6 heads
-  widened_mma.deviations = 1.5;
-  check_case<128>(widened_mma);
+  std::vector<SparseCase> cases = {
+      {64, 8, 4, {2000, 777}, {1920, 752}, 0.9, 31},      // 2 heads
+      {128, 10, 2, {3000, 1200}, {2880, 1088}, 0.9, 32},  // 5 heads
+      {64, 12, 2, {2500}, {2400}, 0.8, 33},                // 6 heads
+      {64, 16, 2, {1700, 3100}, {1600, 3072}, 0.95, 34},   // 8 heads, head_dim 64
+      {128, 3, 3, {1000, 2100}, {992, 2048}, 0.9, 37},     // 1 head
+      {128, 12, 4, {1300, 700}, {1280, 688}, 0.9, 38},     // 3 heads
+      {128, 16, 4, {1800}, {1776}, 0.9, 39},               // 4 heads
+      {64, 28, 4, {1400, 350}, {1392, 336}, 0.9, 40},      // 7 heads, head_dim 64
+      {128, 32, 4, {2200}, {2192}, 0.9, 41},               // 8 heads
+  };
+  SparseCase widened_3_heads{64, 6, 2, {2600, 900}, {2560, 896}, 0.9, 35};  // 3 heads
+  widened_3_heads.deviations = 1.5;
+  cases.push_back(widened_3_heads);
+  SparseCase widened_6_heads{128, 12, 2, {2600, 900}, {2560, 896}, 0.9, 36};  // 6 heads
+  widened_6_heads.deviations = 1.5;
+  cases.push_back(widened_6_heads);
+  for (const EstimateForm form : {EstimateForm::kPopcount, EstimateForm::kByteMma, EstimateForm::kBitMma})
+    for (SparseCase c : cases) {
+      SCOPED_TRACE(std::string("estimate form ") + estimate_form_name(form) + ", " + std::to_string(c.n_q_heads) +
+                   " / " + std::to_string(c.n_kv_heads) + " heads, head_dim " + std::to_string(c.head_dim));
+      c.form = form;
+      if (c.head_dim == 64) check_case<64>(c);
+      else check_case<128>(c);
+    }
 }
 
 // The Top-p set widened per token (index::top_p_widen): the device adds exactly the CPU's tokens
@@ -408,6 +428,34 @@ TEST(SparseDecodeCuda, EveryPassSpanSelectsTheCpuTokens) {
   check_case<128>(flat);
 }
 
+// The estimate forms' names (the benchmark's -est-FORM) round-trip, other names are refused, and
+// the chosen form follows the group size (no device needed).
+TEST(SparseDecodeCuda, EstimateFormsByName) {
+  for (const EstimateForm form :
+       {EstimateForm::kChosen, EstimateForm::kPopcount, EstimateForm::kByteMma, EstimateForm::kBitMma}) {
+    EstimateForm parsed = EstimateForm(99);
+    EXPECT_TRUE(parse_estimate_form(estimate_form_name(form), &parsed));
+    EXPECT_EQ(parsed, form);
+  }
+  EstimateForm untouched = EstimateForm::kBitMma;
+  for (const char* bad : {"", "bit", "Bits", "bits ", "popcount2", "mma"}) EXPECT_FALSE(parse_estimate_form(bad, &untouched));
+  EXPECT_FALSE(parse_estimate_form(nullptr, &untouched));
+  EXPECT_EQ(untouched, EstimateForm::kBitMma);
+  EXPECT_STREQ(estimate_form_name(EstimateForm(9)), "unknown");
+  SparseDecodeParams p;
+  p.n_kv_heads = 2;
+  for (const auto& [q_heads, expected] : std::vector<std::pair<int, EstimateForm>>{
+           {2, EstimateForm::kPopcount}, {8, EstimateForm::kPopcount}, {10, EstimateForm::kByteMma}, {16, EstimateForm::kByteMma}}) {
+    p.n_q_heads = q_heads;
+    EXPECT_EQ(estimate_form_of(p), expected) << q_heads << " query heads";
+  }
+  p.estimate_form = EstimateForm::kBitMma;
+  EXPECT_EQ(estimate_form_of(p), EstimateForm::kBitMma);
+  p.estimate_form = EstimateForm::kChosen;
+  p.n_kv_heads = 0;  // not a valid launch (check() refuses it), but no division by zero here
+  EXPECT_EQ(estimate_form_of(p), EstimateForm::kPopcount);
+}
+
 TEST(SparseDecodeCuda, BadInputIsRefused) {
   SparseDecodeParams p;
   p.batch = 1;
@@ -446,6 +494,12 @@ TEST(SparseDecodeCuda, BadInputIsRefused) {
   p.pass_tokens = int64_t(1) << 40;  // past 2^24 (the longest context): the passes' grid would overflow
   EXPECT_NE(check(p).message.find("pass_tokens"), std::string::npos);
   p.pass_tokens = 0;
+  p.estimate_form = EstimateForm(9);  // not a form
+  EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument);
+  EXPECT_NE(check(p).message.find("estimate_form"), std::string::npos);
+  p.estimate_form = EstimateForm::kBitMma;
+  EXPECT_EQ(check(p).message.find("estimate_form"), std::string::npos);
+  p.estimate_form = EstimateForm::kChosen;
   // Lists that do not start on 16 bytes: head_dim 64 (24-byte records) with an odd stride. Only
   // the pointer's alignment is checked, so a fake aligned address serves.
   alignas(16) static unsigned char fake_records[16];

@@ -64,6 +64,20 @@ struct SwizzledTile {
   CERTKV_HD static constexpr int at(int base, int s) { return base ^ tile_step<D>(s); }
 };
 
+// The sparse attention's gathered rows (D bf16 each: D / 8 chunks of 16 bytes). A tile's rows are
+// copied in D / 16 instructions of 32 lanes x 16 bytes, whole rows in row-major order: in
+// instruction i, lane l copies chunk gather_chunk<D>(l) of row gather_row<D>(i, l). So D / 8
+// consecutive lanes copy one row, and each instruction asks L2 for whole 128-byte lines (two per
+// row at D = 128, one at D = 64) where a lane per row half asked for one 32-byte sector per row.
+template <int D>
+CERTKV_HD constexpr int gather_row(int i, int lane) {
+  return i * (256 / D) + lane / (D / 8);
+}
+template <int D>
+CERTKV_HD constexpr int gather_chunk(int lane) {
+  return lane % (D / 8);
+}
+
 // Staged pages: chunk c of a page lands at permuted_chunk(c) = c ^ (c / 8 mod 4) inside the
 // regions a kernel permutes (paged_decode_cuda.cu's stage_chunk: an fp8 page's codes, a GAAC bf16
 // slot's sign-mantissa bytes): a permutation of each 128-byte row, so that a quarter warp reading

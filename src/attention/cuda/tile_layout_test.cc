@@ -8,7 +8,10 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <map>
 #include <set>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace certkv::attention::cuda::tile {
@@ -79,6 +82,39 @@ bool decoder_stores_one_wavefront() {
       all = all && one_wavefront(bytes);
     }
   return all;
+}
+
+// The sparse attention's row copies (gather_row, gather_chunk): over the D / 16 instructions every
+// (row, chunk) of a tile once; each instruction's lanes ask for whole 128-byte lines of the rows in
+// global memory (a row of D bf16 starts on a multiple of 128 bytes: D * 2 is 128 or 256); and the
+// padded tile's stores of each quarter warp are one wavefront. Checks that every (row, chunk) is
+// copied once, and returns whether every instruction reads whole lines and stores in one wavefront
+// per quarter warp (the negative control, the lane-per-row-half copy, does neither).
+struct GatherCopy {
+  bool whole_lines = true, one_wavefront = true;
+};
+template <int D, class Copy>
+GatherCopy gather_copy_of(Copy copy) {
+  GatherCopy g;
+  std::set<std::pair<int, int>> seen;
+  for (int i = 0; i < D / 16; ++i) {
+    std::map<int, int> line_bytes;  // 128-byte line of the tile's rows -> bytes asked for
+    for (int q = 0; q < 4; ++q) {
+      std::array<int, 8> bytes{};
+      for (int k = 0; k < 8; ++k) {
+        const int lane = 8 * q + k;
+        const auto [row, chunk] = copy(i, lane);
+        EXPECT_TRUE(row >= 0 && row < kTileTokens && chunk >= 0 && chunk < D / 8) << "D " << D;
+        EXPECT_TRUE(seen.insert({row, chunk}).second) << "D " << D << " row " << row << " chunk " << chunk << " twice";
+        line_bytes[(row * D * 2 + 16 * chunk) / 128] += 16;
+        bytes[size_t(k)] = 2 * PaddedTile<D>::offset(row, chunk);
+      }
+      g.one_wavefront = g.one_wavefront && one_wavefront(bytes);
+    }
+    for (const auto& [line, n] : line_bytes) g.whole_lines = g.whole_lines && n == 128;
+  }
+  EXPECT_EQ(seen.size(), size_t(kTileTokens * D / 8)) << "D " << D;
+  return g;
 }
 
 TEST(TileLayout, EveryLayoutIsAPermutationOfItsChunks) {
@@ -196,6 +232,24 @@ void expect_bases_in_distinct_groups() {
 TEST(TileLayout, GaacBasesOfAQuarterWarpStartInFourBankGroups) {
   expect_bases_in_distinct_groups<64>();
   expect_bases_in_distinct_groups<128>();
+}
+
+TEST(TileLayout, SparseRowCopiesReadWholeLinesAndStoreInOneWavefront) {
+  auto rows_in_order = [](auto d) {
+    constexpr int D = decltype(d)::value;
+    return [](int i, int lane) { return std::pair<int, int>{gather_row<D>(i, lane), gather_chunk<D>(lane)}; };
+  };
+  const GatherCopy d64 = gather_copy_of<64>(rows_in_order(std::integral_constant<int, 64>{}));
+  const GatherCopy d128 = gather_copy_of<128>(rows_in_order(std::integral_constant<int, 128>{}));
+  EXPECT_TRUE(d64.whole_lines && d64.one_wavefront);
+  EXPECT_TRUE(d128.whole_lines && d128.one_wavefront);
+  // Negative control: a lane per row half taking the row's chunks alternately (chunk 2 i + half),
+  // the copy before: a sector per row and instruction, never a whole line, and rows r and r + 1
+  // of a quarter warp in one bank group.
+  auto by_halves = [](int i, int lane) { return std::pair<int, int>{lane >> 1, 2 * i + (lane & 1)}; };
+  const GatherCopy h64 = gather_copy_of<64>(by_halves), h128 = gather_copy_of<128>(by_halves);
+  EXPECT_FALSE(h64.whole_lines || h64.one_wavefront);
+  EXPECT_FALSE(h128.whole_lines || h128.one_wavefront);
 }
 
 }  // namespace
