@@ -618,6 +618,15 @@ struct SplitArgs {
   unsigned int* error_word;
 };
 
+// Whether every lane's chunks lane + 32 j of the permuted region land at stage_chunk(lane) + 32 j
+// (the copies add 32 j to one permuted offset per lane).
+template <int D, PageFormat F>
+__host__ __device__ constexpr bool stage_rounds_hold() {
+  for (int c = 0; c < stage_chunk_region<D, F>(); ++c)
+    if (stage_chunk<D, F>(c) != stage_chunk<D, F>(c % 32) + 32 * (c / 32)) return false;
+  return true;
+}
+
 // Issues the asynchronous copies of one page into stage `st` (stage_chunk; bf16 pages straight
 // into the tile of that stage). Corrupt entries copy nothing; raw pages of the other formats are
 // decoded from the pool. fp8: the side data only with the meter (the K page's witness, the V
@@ -636,6 +645,7 @@ __device__ inline void stage_page(const SplitArgs& a, bool key, const PageRef& r
     constexpr int kRhoChunks = kBlockTokens * 2 / 16;
     static_assert(kCodeChunks % 32 == 0 && kCodeChunks == stage_chunk_region<D, F>(), "whole rounds of codes");
     static_assert(kWitnessChunks == 32, "the witness is one round");
+    static_assert(stage_rounds_hold<D, F>(), "stage_chunk(lane + 32 j) == stage_chunk(lane) + 32 j over the codes");
     static_assert(16 * (kCodeChunks + kWitnessChunks) <= stage_bytes<D, F>(true) &&
                       16 * (kCodeChunks + kRhoChunks) <= stage_bytes<D, F>(false),
                   "the stages hold the side data");
