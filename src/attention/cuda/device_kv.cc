@@ -184,7 +184,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
   std::atomic<bool> failed{false};
   std::mutex raw_mutex;
   std::vector<std::pair<int64_t, bool>> raw_ids;  // (page id, key) that went raw
-  std::atomic<int64_t> bytes_read{0};
+  std::atomic<int64_t> bytes_read{0}, meter_side_bytes{0};
   std::atomic<int64_t> mode_counts[3] = {0, 0, 0}, pages_without_escapes{0};
   auto count_modes = [&](const uint8_t* page) {  // one tile (D <= 128)
     const uint8_t* tags = page + format::gaac_tile_tag_offset(element, kT, D);
@@ -333,6 +333,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
         continue;
       }
       bytes_read += int64_t(stored);
+      if (f == PageFormat::kFp8E4M3 || f == PageFormat::kFp8E5M2) meter_side_bytes += int64_t(stored) - kT * D;
       tables[(key ? 0 : table_half) + t_index] = slot;
     }
   });
@@ -377,6 +378,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
     ++r.raw_pages_;
   }
   r.bytes_read_ += bytes_read.load();
+  r.meter_side_bytes_ = meter_side_bytes.load();
   for (int m = 0; m < 3; ++m) r.gaac_group_modes_[size_t(m)] = mode_counts[m].load();
   r.gaac_pages_without_escapes_ = pages_without_escapes.load();
 

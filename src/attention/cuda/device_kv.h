@@ -87,6 +87,9 @@ class DeviceKv {
   // Bytes one decode step reads from the page pools over all sequences (each referenced page's
   // bytes as the kernel reads them: a GAAC slot whole, fixed part and escape capacity).
   int64_t bytes_read() const { return bytes_read_; }
+  // Of those, the fp8 pages' side data that only the meter reads (the K pages' Tier A witness, the
+  // V pages' rho): a launch without the meter reads bytes_read() - meter_side_bytes().
+  int64_t meter_side_bytes() const { return meter_side_bytes_; }
   int64_t raw_pages() const { return raw_pages_; }
   // GAAC slots encoded: groups by mode (3-bit, 4-bit, raw), and pages with no 4-bit or raw group.
   const std::array<int64_t, 3>& gaac_group_modes() const { return gaac_group_modes_; }
@@ -98,7 +101,7 @@ class DeviceKv {
   DeviceKvOptions options_;
   cache::cuda::DevicePagePool k_pool_, v_pool_, k_raw_, v_raw_;
   cache::cuda::DeviceBuffer tables_, lens_, bases_, keys_, outliers_;
-  int64_t table_stride_ = 0, max_len_ = 0, n_pages_ = 0, raw_pages_ = 0, bytes_read_ = 0;
+  int64_t table_stride_ = 0, max_len_ = 0, n_pages_ = 0, raw_pages_ = 0, bytes_read_ = 0, meter_side_bytes_ = 0;
   std::array<int64_t, 3> gaac_group_modes_{};
   int64_t gaac_pages_without_escapes_ = 0;
   size_t k_capacity_ = 0, v_capacity_ = 0;

@@ -618,14 +618,48 @@ struct SplitArgs {
   unsigned int* error_word;
 };
 
+// Whether every lane's chunks lane + 32 j of the permuted region land at stage_chunk(lane) + 32 j
+// (the copies add 32 j to one permuted offset per lane).
+template <int D, PageFormat F>
+__host__ __device__ constexpr bool stage_rounds_hold() {
+  for (int c = 0; c < stage_chunk_region<D, F>(); ++c)
+    if (stage_chunk<D, F>(c) != stage_chunk<D, F>(c % 32) + 32 * (c / 32)) return false;
+  return true;
+}
+
 // Issues the asynchronous copies of one page into stage `st` (stage_chunk; bf16 pages straight
 // into the tile of that stage). Corrupt entries copy nothing; raw pages of the other formats are
-// decoded from the pool. kMeter: an fp8 V page's rho comes with it.
+// decoded from the pool. fp8: the side data only with the meter (the K page's witness, the V
+// page's rho), which alone reads it.
 template <int D, PageFormat F, bool kMeter>
 __device__ inline void stage_page(const SplitArgs& a, bool key, const PageRef& ref, int st, int lane,
                                   Tiles<D, F>& tiles) {
   if (ref.bytes == nullptr || ref.raw) return;
-  if constexpr (F == PageFormat::kBf16) {
+  if constexpr (F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2) {
+    // Whole rounds of 32 lanes, no loop: the codes (permuted, stage_chunk), then the witness (one
+    // round of 16-byte chunks) or the rho (two chunks). A loop over the V page's 130 chunks with
+    // the rho cost the metered kernel a peeled, branching copy in its hot loop (cuobjdump: about
+    // 90 instructions at each of its two sites, against 4 copies without the meter).
+    constexpr int kCodeChunks = kBlockTokens * D / 16;
+    constexpr int kWitnessChunks = kBands * kBlockTokens * 2 / 16;
+    constexpr int kRhoChunks = kBlockTokens * 2 / 16;
+    static_assert(kCodeChunks % 32 == 0 && kCodeChunks == stage_chunk_region<D, F>(), "whole rounds of codes");
+    static_assert(kWitnessChunks == 32, "the witness is one round");
+    static_assert(stage_rounds_hold<D, F>(), "stage_chunk(lane + 32 j) == stage_chunk(lane) + 32 j over the codes");
+    static_assert(16 * (kCodeChunks + kWitnessChunks) <= stage_bytes<D, F>(true) &&
+                      16 * (kCodeChunks + kRhoChunks) <= stage_bytes<D, F>(false),
+                  "the stages hold the side data");
+    uint8_t* stage = key ? tiles.stage_k[st] : tiles.stage_v[st];
+    // stage_chunk(lane + 32 j) == stage_chunk(lane) + 32 j over the codes (c / 8 mod 4 is the lane's).
+    const int permuted = stage_chunk<D, F>(lane) - lane;
+#pragma unroll
+    for (int j = 0; j < kCodeChunks / 32; ++j)
+      cp_async16(stage + 16 * (lane + 32 * j + permuted), ref.bytes + size_t(lane + 32 * j) * 16);
+    if constexpr (kMeter) {
+      const int c = kCodeChunks + lane;
+      if (key || lane < kRhoChunks) cp_async16(stage + 16 * c, ref.bytes + size_t(c) * 16);
+    }
+  } else if constexpr (F == PageFormat::kBf16) {
     uint16_t* tile = key ? tiles.k[st] : tiles.v[st];
     constexpr int kChunksPerRow = D / 8;
 #pragma unroll
@@ -639,8 +673,6 @@ __device__ inline void stage_page(const SplitArgs& a, bool key, const PageRef& r
           F == PageFormat::kGaacBf16 ? format::GaacElement::kBf16 : format::GaacElement::kFp8E5M2;
       bytes = int(format::gaac_slot_bytes(E, kBlockTokens, D, size_t(key ? a.p.k_escape_capacity : a.p.v_escape_capacity)) + 15) / 16 * 16;
     }
-    if constexpr (F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2)
-      bytes = kBlockTokens * D + (key ? kBands * kBlockTokens * 2 : kMeter ? kBlockTokens * 2 : 0);
     if constexpr (F == PageFormat::kDither8)
       bytes = (kBlockTokens * (D + 2 * (D / kQuantGroup) + (key ? 4 * a.p.n_outlier_pairs : 0)) + 15) / 16 * 16;
     // stage_chunk(lane + 32 j) == stage_chunk(lane) + 32 j in the permuted region (c / 8 mod 4 is
