@@ -1157,12 +1157,13 @@ namespace {
 constexpr const char* kEstimateFormNames[] = {"chosen", "popcount", "bytes", "bits"};
 }  // namespace
 
-// Device runs of 2026-12-01: the popcount form is the faster at 4 heads, the byte mma above; the
-// bit form is not yet timed.
+// The bit form from 4 query heads per KV head: on the H200 (128K, batches 1 and 8, the fifth
+// session of 2026-12-01, docs/cuda_runs.md) it beat the popcount form at 4 heads and the byte form
+// at 7. Below 4 the popcount form, whose work falls with the heads while the bit form's does not.
 EstimateForm estimate_form_of(const SparseDecodeParams& p) {
   if (p.estimate_form != EstimateForm::kChosen) return p.estimate_form;
   const int group = p.n_kv_heads > 0 ? p.n_q_heads / p.n_kv_heads : 0;  // check() refuses 0 heads
-  return group <= 4 ? EstimateForm::kPopcount : EstimateForm::kByteMma;
+  return group >= 4 ? EstimateForm::kBitMma : EstimateForm::kPopcount;
 }
 
 const char* estimate_form_name(EstimateForm form) {

@@ -41,7 +41,7 @@ inline constexpr int kSparseChunkTokens = 1024;
 // The kernel that computes the estimate's integer term <c_b, q_u> (Eq. 20). Every form computes
 // the same integers, so the logits are the same bit for bit (the CPU's); they differ in speed.
 enum class EstimateForm : uint8_t {
-  kChosen = 0,  // kPopcount up to 4 query heads per KV head, kByteMma above
+  kChosen = 0,  // kBitMma from 4 query heads per KV head, kPopcount below
   kPopcount,    // one thread per token, carry-save popcounts (index::code_dot_planes)
   kByteMma,     // tensor cores, m16n8k32 u8: code bits as 0 / 1 bytes times q_u as bytes
   kBitMma,      // tensor cores, m16n8k128 .b1 AND-POPC: code words times the query's bit planes
@@ -104,7 +104,7 @@ void describe_pages(const PagedDecodeParams& pages, SparseDecodeParams* params);
 // Refuses bad shapes and buffers with a status and a message before any launch.
 CudaStatus check(const SparseDecodeParams& params);
 // The form the estimate runs in: params.estimate_form as it is, or when that is kChosen the one
-// for the group size (kPopcount up to 4 query heads per KV head or without KV heads, kByteMma above).
+// for the group size (kBitMma from 4 query heads per KV head, kPopcount below or without KV heads).
 EstimateForm estimate_form_of(const SparseDecodeParams& params);
 // "chosen", "popcount", "bytes", "bits"; parse_estimate_form returns false on any other name.
 const char* estimate_form_name(EstimateForm form);

@@ -343,8 +343,8 @@ TEST(SparseDecodeCuda, RaggedBatchesMatchTheCpuSelectionAndAttention) {
   check_case<128>({128, 8, 1, {2048, 333}, {1920, 320}, 0.99, 5});
 }
 
-// Every form of the estimate (popcount, byte mma, bit mma; by default popcount up to 4 query
-// heads per KV head, byte mma above) at every group size from 1 to 8 and both head dims, several
+// Every form of the estimate (popcount, byte mma, bit mma; by default bit mma from 4 query heads
+// per KV head, popcount below) at every group size from 1 to 8 and both head dims, several
 // KV heads each: the logits equal to the CPU's bit for bit, the CPU's set and lists, the output
 // (check_case); widened cases too.
 TEST(SparseDecodeCuda, EveryGroupSizeAndFormOfTheEstimate) {
@@ -445,7 +445,8 @@ TEST(SparseDecodeCuda, EstimateFormsByName) {
   SparseDecodeParams p;
   p.n_kv_heads = 2;
   for (const auto& [q_heads, expected] : std::vector<std::pair<int, EstimateForm>>{
-           {2, EstimateForm::kPopcount}, {8, EstimateForm::kPopcount}, {10, EstimateForm::kByteMma}, {16, EstimateForm::kByteMma}}) {
+           {2, EstimateForm::kPopcount}, {6, EstimateForm::kPopcount}, {8, EstimateForm::kBitMma},
+           {10, EstimateForm::kBitMma}, {16, EstimateForm::kBitMma}}) {
     p.n_q_heads = q_heads;
     EXPECT_EQ(estimate_form_of(p), expected) << q_heads << " query heads";
   }
