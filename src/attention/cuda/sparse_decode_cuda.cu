@@ -1157,9 +1157,11 @@ namespace {
 constexpr const char* kEstimateFormNames[] = {"chosen", "popcount", "bytes", "bits"};
 }  // namespace
 
-// The bit form from 4 query heads per KV head: on the H200 (128K, batches 1 and 8, the fifth
-// session of 2026-12-01, docs/cuda_runs.md) it beat the popcount form at 4 heads and the byte form
-// at 7. Below 4 the popcount form, whose work falls with the heads while the bit form's does not.
+// The bit form from 4 query heads per KV head, the popcount form below. On the H200 at 128K
+// (docs/cuda_runs.md, the fifth session of 2026-12-01) the bit form beat the popcount form at 4
+// heads and the byte form at 7 (batches 1 and 8), and lost to the popcount form at 1, 2 and 3
+// heads (batch 8: 1.31x, 1.17x, 1.05x its time), whose work falls with the heads while the bit
+// form's does not. 5, 6 and 8 heads are not timed.
 EstimateForm estimate_form_of(const SparseDecodeParams& p) {
   if (p.estimate_form != EstimateForm::kChosen) return p.estimate_form;
   const int group = p.n_kv_heads > 0 ? p.n_q_heads / p.n_kv_heads : 0;  // check() refuses 0 heads
