@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing certkv needs on a fresh Debian machine (run as root):
 # compiler, CMake, GoogleTest, Google Benchmark, zstd and lz4 (for bench/codec_bench.cc),
-# pkg-config, Python 3, unzip; git and xz-utils (the device scripts' tests pack and check out
+# pkg-config, Python 3 with NumPy (scripts/witness_study.py), unzip; git and xz-utils (the device scripts' tests pack and check out
 # trees). Skips what is already there.
 set -euo pipefail
 need=()
@@ -13,4 +13,17 @@ if [ ${#need[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq "${need[@]}"
+fi
+# NumPy for the python3 on PATH (which may not be Debian's): Debian's package when that python3
+# is Debian's, else pip.
+if ! python3 -c 'import numpy' 2>/dev/null; then
+  echo "certkv set-up: installing NumPy for $(command -v python3)"
+  if [ "$(command -v python3)" = /usr/bin/python3 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq python3-numpy
+  else
+    python3 -m pip install -q numpy
+  fi
+  python3 -c 'import numpy' || { echo "certkv set-up: NumPy did not install" >&2; exit 1; }
 fi
