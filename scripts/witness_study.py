@@ -20,11 +20,10 @@ the check must catch).
 
 DUMP: `certkv dump-kv` output (post-RoPE K, V and the last position's queries of every layer).
 A form BxE is B bands with E-bit values: E = 16 is fp16 rounded up (the DESIGN's witness);
-E = 2, 4 or 8 is a code c in [0, L] per band (L = 2^E - 1), value = page_max * c / L with
-c = ceil(L w / page_max)
-(page_max: the page's largest band norm, stored once per page as fp16 rounded up), so that a
-kernel can feed the codes to the tensor cores as exact fp16 integers and apply the page's scale
-after the product. Bytes per token: B * E / 8 (+ 2 / 16 for the page scale of the coded forms). A suffix p
+E = 2, 4 or 8 is a code c in [0, 2^E - 1] per band, value = page_max (c + 1) / 2^E with
+c = ceil(2^E w / page_max) - 1 (page_max: the page's largest band norm, stored once per page as
+fp16 rounded up; 0 when the page's norms are all 0), exact in float, so that a kernel can feed
+c + 1 to the tensor cores as exact fp16 integers and apply the page's scale after the product. Bytes per token: B * E / 8 (+ 2 / 16 for the page scale of the coded forms). A suffix p
 (BxEp) stores one witness per page instead of per token: each band's largest norm over the
 page's 16 tokens (bytes per token B * E / 8 / 16).
 """
@@ -142,20 +141,19 @@ def witness(w, bits, per_page=False):
         w = np.broadcast_to(top, (n // BLOCK, BLOCK, w.shape[1])).reshape(n, -1).copy()
     if bits == 16:
         return fp16_up(w)
-    # E-bit codes against the page's largest band norm (fp16, rounded up): value = top * code / L
-    # with L = 2^E - 1, code = ceil(L w / top), so a zero norm is code 0 and every value is at
-    # least the norm.
-    levels = float(2 ** bits - 1)
+    # E-bit codes against the page's largest band norm (fp16, rounded up): value = top (c + 1) / 2^E
+    # with c = ceil(2^E w / top) - 1 in [0, 2^E - 1], exact in float (11 + E + 1 significant
+    # bits), at least the norm; a page whose norms are all 0 stores top = 0 (every value 0).
+    steps = float(2 ** bits)
     out = np.zeros_like(w)
     for start in range(0, w.shape[0], BLOCK):
         page = w[start:start + BLOCK]
         top = fp16_up(np.array([page.max()]))[0]
         if top == 0:
             continue
-        code = np.minimum(np.ceil(levels * page / top), levels)
-        val = top * code / levels
-        code[val < page] += 1  # guard the float steps: never below the true norm
-        out[start:start + BLOCK] = top * code / levels
+        code = np.clip(np.ceil(steps * page / top) - 1, 0, steps - 1)
+        code[top * (code + 1) / steps < page] += 1  # guard the float steps: never below the norm
+        out[start:start + BLOCK] = top * (code + 1) / steps
     return out
 
 
