@@ -13,6 +13,8 @@ text="$shared/data/corpus/conrad-heart-of-darkness.txt"
 "$bin" run --model "$model" --kv fp8-e4m3 --gate --tau 0.05 --prompt "Name three colours." --n 12 --json >"$tmp/gated.json"
 "$bin" audit --model "$model" --kv rtn4 --text-file "$text" --tokens 400 --steps 3 --json \
   --dump "$tmp/cells.safetensors" --dump-cells 3 >"$tmp/audit.json"
+"$bin" audit --model "$model" --kv rtn4 --witness u8 --text-file "$text" --tokens 400 --steps 3 --json \
+  >"$tmp/audit_u8.json"
 "$bin" eval teacher-forced --model "$model" --kv rtn8 --text-file "$text" --tokens 300 --steps 2 \
   --json --per-position >"$tmp/tf.json"
 "$bin" eval needle --model "$model" --kv rtn8 --lengths 300 --samples 1 --json >"$tmp/needle.json" 2>/dev/null
@@ -40,6 +42,11 @@ assert gated['repairs'] > 0 and gated['pagein_bytes'] == gated['repairs'] * 16 *
 audit = json.load(open(d + '/audit.json'))
 assert audit['cells'] == 3 * 30 * 9 and audit['violations'] == 0, audit
 assert len(audit['layers']) == 30 and all(l['violations'] == 0 for l in audit['layers'])
+# The page-scaled 8-bit witness: the same cells, sound, never tighter than the fp16 witness.
+coded = json.load(open(d + '/audit_u8.json'))
+assert audit['witness'] == 'fp16' and coded['witness'] == 'u8', (audit.get('witness'), coded.get('witness'))
+assert coded['cells'] == audit['cells'] and coded['violations'] == 0, coded
+assert coded['coverage'] <= audit['coverage'] and coded['tightness']['q50'] >= audit['tightness']['q50'], coded
 # An independent recomputation of TV from the dumped cells.
 raw = open(d + '/cells.safetensors', 'rb').read()
 n = struct.unpack('<Q', raw[:8])[0]

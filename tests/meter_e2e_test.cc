@@ -85,6 +85,40 @@ TEST_F(MeterEndToEnd, AuditFindsNoViolationForAnyLossyScheme) {
   }
 }
 
+// The page-scaled 8-bit witness (certkv_session_params.witness "u8"): every Tier A scheme audited
+// sound on every cell, the K pages' side data halved (the lossy class's pages smaller by the
+// bytes saved), and the meter within a few percent of the fp16 witness's: coverage at tau and the
+// median tightness (meter / TV) of the same cells.
+TEST_F(MeterEndToEnd, PageScaledWitnessIsSoundAndNearlyAsTight) {
+  const certkv_model_info info = model_->info();
+  const int64_t cells = int64_t(kSteps) * info.n_layers * info.n_heads;
+  for (const char* kv : {"fp8-e4m3", "rtn8", "kivi2"}) {  // a raw cast, per-token and per-channel scales
+    certkv_audit_stats a[2];
+    uint64_t lossy_bytes[2] = {0, 0};
+    for (int coded = 0; coded < 2; ++coded) {
+      certkv_session_params p = params(kv);
+      p.witness = coded ? "u8" : "fp16";
+      certkv::Session session(*model_, p);
+      certkv::check(certkv_session_audit_enable(session.get(), 0, 1));
+      run(session);
+      a[coded] = session.audit_stats();
+      const certkv_kv_stats kvs = session.kv_stats();
+      for (int i = 0; i < kvs.n_classes; ++i)
+        if (std::string(kvs.by_class[i].storage) == "lossy") lossy_bytes[coded] = kvs.by_class[i].page_bytes_in_use;
+    }
+    SCOPED_TRACE(kv);
+    EXPECT_EQ(a[1].cells, cells);
+    EXPECT_EQ(a[1].violations, 0) << "worst margin " << a[1].worst_margin;
+    EXPECT_GT(lossy_bytes[0], 0u);
+    EXPECT_LT(lossy_bytes[1], lossy_bytes[0]) << "the coded witness must take fewer bytes";
+    // Never tighter than the fp16 witness on the same cells, and not much looser.
+    EXPECT_LE(a[1].coverage, a[0].coverage + 1e-12);
+    EXPECT_GE(a[1].coverage, a[0].coverage - 0.02);
+    EXPECT_GE(a[1].tightness_q50, a[0].tightness_q50 * (1 - 1e-9));
+    EXPECT_LE(a[1].tightness_q50, a[0].tightness_q50 * 1.05);
+  }
+}
+
 TEST_F(MeterEndToEnd, GateRepairsTheRawFp8CastUnderTau) {
   certkv_session_params p = params("fp8-e4m3");
   p.gate = 1;
@@ -182,6 +216,22 @@ TEST_F(MeterEndToEnd, BadMeterParametersAreClearErrors) {
   p = params("int3");
   EXPECT_EQ(certkv_session_create(model_->get(), &p, &s), CERTKV_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(certkv_last_error()).find("dither8"), std::string::npos);
+  // The witness code: a name it knows, on a Tier A scheme, and (for now) on the CPU.
+  for (const auto& [kv, witness] : std::vector<std::pair<const char*, const char*>>{
+           {"rtn8", "u16"}, {"rtn8", "U8"}, {"rtn8", ""}, {"dither8", "u8"}, {"bf16", "u8"}, {"fp8-e4m3-pages", "u8"}}) {
+    p = params(kv);
+    p.witness = witness;
+    EXPECT_EQ(certkv_session_create(model_->get(), &p, &s), CERTKV_ERR_INVALID_ARGUMENT) << kv << " " << witness;
+    EXPECT_NE(std::string(certkv_last_error()).find("witness"), std::string::npos) << certkv_last_error();
+  }
+  p = params("rtn8");
+  p.witness = "u8";
+  p.device = "cuda";
+  EXPECT_NE(certkv_session_create(model_->get(), &p, &s), CERTKV_OK);
+  EXPECT_NE(std::string(certkv_last_error()).find("witness"), std::string::npos) << certkv_last_error();
+  p = params("dither8");
+  p.witness = "fp16";  // the default, named: accepted on every scheme
+  certkv::Session named_default(*model_, p);
   p = params("bf16");
   p.gate = 1;
   EXPECT_EQ(certkv_session_create(model_->get(), &p, &s), CERTKV_ERR_INVALID_ARGUMENT);

@@ -237,6 +237,7 @@ certkv_session_params certkv_session_default_params(void) {
   p.sparse_rotation = nullptr;
   p.sparse_deviations = 0;
   p.device = nullptr;
+  p.witness = nullptr;
   return p;
 }
 
@@ -298,6 +299,16 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
   if (p.sparse_deviations != 0 && p.sparse_p == 0)
     return set_error(CERTKV_ERR_INVALID_ARGUMENT,
                      "certkv_session_params.sparse_deviations widens sparse decode's selection: set sparse_p too");
+  certkv::codec::WitnessCode witness = certkv::codec::WitnessCode::kFp16;
+  if (p.witness != nullptr && !certkv::codec::parse_witness_code(p.witness, &witness))
+    return set_error(CERTKV_ERR_INVALID_ARGUMENT,
+                     std::string("certkv_session_params.witness: '") + p.witness + "' is not fp16 or u8");
+  if (witness != certkv::codec::WitnessCode::kFp16 &&
+      (!certkv::cache::kv_scheme_is_lossy(scheme) || scheme == certkv::cache::KvScheme::kDither8))
+    return set_error(CERTKV_ERR_INVALID_ARGUMENT,
+                     std::string("certkv_session_params.witness ") + p.witness +
+                         " applies to the Tier A lossy schemes (fp8-*, rtn*, kivi2), not kv " +
+                         certkv::cache::kv_scheme_name(scheme));
   certkv::model::Device device = certkv::model::Device::kCpu;
   try {
     if (p.device != nullptr) device = certkv::model::parse_device(p.device);
@@ -317,6 +328,7 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
     c.kv_scheme = scheme;
     c.outlier_pairs = p.outlier_pairs;
     c.recent_window_tokens = p.recent_window_tokens;
+    c.witness = witness;
     c.meter.enabled = p.meter != 0;
     c.meter.delta_req = p.meter_delta;
     c.meter.tau = p.meter_tau;

@@ -143,6 +143,11 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
       raw_class_, page_bytes(), uint32_t(capacity_pages),
       chunk_pages(gaac || lossy_ ? 2 * uint64_t(config.n_kv_heads) : 4 * n_tables));
   block_scratch_.resize(page_bytes());
+  if (!lossy_ && config.witness != codec::WitnessCode::kFp16) {
+    fail_cache(StatusCode::kInvalidArgument,
+               std::string("config.witness ") + codec::witness_code_name(config.witness) +
+                   " applies to lossy schemes only, not " + kv_scheme_name(config.scheme));
+  }
   if (lossy_) {
     lossy_scheme_ = kv_scheme_lossy(config.scheme);
     slot_class_ = codec::lossy_scheme_is_tier_b(lossy_scheme_) ? StorageClass::kDither8
@@ -159,6 +164,12 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
                  "config.outlier_pairs " + std::to_string(n_outlier_pairs_) +
                      " is above head_dim / 2 = " + std::to_string(config.head_dim / 2) +
                      " (or the limit of " + std::to_string(codec::kMaxOutlierPairs) + ")");
+    }
+    if (config.witness != codec::WitnessCode::kFp16 && codec::lossy_scheme_is_tier_b(lossy_scheme_)) {
+      fail_cache(StatusCode::kInvalidArgument,
+                 std::string("config.witness ") + codec::witness_code_name(config.witness) +
+                     " applies to Tier A schemes only; " + kv_scheme_name(config.scheme) +
+                     " keeps no witness (its bound comes from its scales)");
     }
     window_tokens_ = config.recent_window_tokens >= 0
                          ? config.recent_window_tokens
@@ -967,6 +978,7 @@ codec::LossyPageSpec KvCache::lossy_spec(int layer, KvTensor kv, int kv_head) co
   spec.block_tokens = config_.block_tokens;
   spec.head_dim = config_.head_dim;
   spec.pairing = config_.rope_pairing;
+  spec.witness = config_.witness;
   spec.dither_key = codec::dither8_key(layer, spec.key, kv_head);
   if (spec.key && n_outlier_pairs_ > 0) {
     const auto& pairs = outliers_[size_t(layer) * size_t(config_.n_kv_heads) + size_t(kv_head)];

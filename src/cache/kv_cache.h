@@ -111,6 +111,9 @@ struct KvCacheConfig {
   // recent_window_tokens written (KIVI's full-precision window). -1 picks the scheme's default:
   // 128 for kivi2, 0 for the others.
   int recent_window_tokens = -1;
+  // Tier A lossy schemes: how K pages store their witness (codec::WitnessCode; kFp16 is
+  // DESIGN.md's, kPageScaled8 half its bytes for a bound about 1% looser). Other schemes: kFp16.
+  codec::WitnessCode witness = codec::WitnessCode::kFp16;
 };
 
 inline constexpr int kDefaultOutlierPairs = 4;

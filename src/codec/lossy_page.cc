@@ -46,6 +46,10 @@ constexpr double kDither8Top = 126.5;  // Q - 1/2 with Q = 127: no clipping afte
 constexpr double kNormSafety = 1.0 + 0x1p-40;
 constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ull;
 
+const char* const kWitnessCodeNames[kNumWitnessCodes] = {"fp16", "u8"};
+// kPageScaled8: codes c in [0, 255], bound w_max (c + 1) / kWitnessSteps.
+constexpr double kWitnessSteps = 256.0;
+
 const char* const kSchemeNames[kNumLossySchemes] = {
     "fp8-e4m3", "fp8-e5m2", "fp8-e4m3-scaled", "rtn8", "rtn4", "kivi2", "dither8"};
 
@@ -79,7 +83,6 @@ uint16_t fp16_upward(double v) { return format::float_to_fp16_upward(format::flo
 uint16_t fp16_downward(float f) { return uint16_t(format::float_to_fp16_upward(-f) ^ 0x8000u); }
 
 // An fp16 upper bound of a norm computed in double.
-uint16_t norm_upper_bound_fp16(double norm) { return fp16_upward(norm * kNormSafety); }
 
 struct Geometry {
   int bt = 0;      // block_tokens
@@ -113,7 +116,9 @@ size_t payload_bytes_of(const LossyPageSpec& spec) {
 size_t side_bytes_of(const LossyPageSpec& spec) {
   if (lossy_scheme_is_tier_b(spec.scheme)) return 0;
   const size_t bt = size_t(spec.block_tokens);
-  return spec.key ? bt * size_t(witness_bands(spec.head_dim)) * 2 : bt * 2;
+  if (!spec.key) return bt * 2;
+  const size_t cells = bt * size_t(witness_bands(spec.head_dim));
+  return spec.witness == WitnessCode::kPageScaled8 ? cells + 2 : cells * 2;
 }
 
 Geometry geometry_of(const LossyPageSpec& spec) {
@@ -389,11 +394,14 @@ void decode_dither8(const LossyPageSpec& spec, const Geometry& g, uint32_t page_
 // ---- Tier A side data -----------------------------------------------------------------------
 
 // K: w_{t,b} = ||r_{t,b}|| over the channels of band b's RoPE pairs; V: rho_t = ||r_t||; with
-// r = x^ - x, each an fp16 upper bound (DESIGN.md section 4, Tier A).
+// r = x^ - x, each an upper bound (DESIGN.md section 4, Tier A): fp16 rounded up, or for a
+// WitnessCode::kPageScaled8 K page a code against the page's largest bound.
 void write_tier_a_side_data(const LossyPageSpec& spec, const Geometry& g, const uint16_t* x,
                             const float* recon, uint8_t* side) {
   const int n_bands = spec.key ? witness_bands(g.d) : 1;
   std::vector<double> sum_sq(static_cast<size_t>(n_bands));
+  // The norms' upper bounds, band-major [n_bands][bt]: each computed norm lifted by kNormSafety.
+  std::vector<double> bound(size_t(n_bands) * size_t(g.bt));
   for (int t = 0; t < g.bt; ++t) {
     std::fill(sum_sq.begin(), sum_sq.end(), 0.0);
     for (int pair = 0; pair < g.d / 2; ++pair) {
@@ -405,15 +413,45 @@ void write_tier_a_side_data(const LossyPageSpec& spec, const Geometry& g, const 
         sum_sq[size_t(b)] += r * r;
       }
     }
-    for (int b = 0; b < n_bands; ++b) {
-      // Band-major: the bounds of one band for every token of the block are contiguous, so that
-      // attention reads them as a vector per band.
-      store_u16(side + 2 * (size_t(b) * g.bt + t), norm_upper_bound_fp16(std::sqrt(sum_sq[size_t(b)])));
-    }
+    for (int b = 0; b < n_bands; ++b) bound[size_t(b) * g.bt + t] = std::sqrt(sum_sq[size_t(b)]) * kNormSafety;
   }
+  if (!spec.key || spec.witness == WitnessCode::kFp16) {
+    // Band-major: the bounds of one band for every token of the block are contiguous, so that
+    // attention reads them as a vector per band.
+    for (size_t i = 0; i < bound.size(); ++i) store_u16(side + 2 * i, fp16_upward(bound[i]));
+    return;
+  }
+  // kPageScaled8: w_max = the largest bound rounded up to fp16; c = ceil(256 w / w_max) - 1, raised
+  // while w_max (c + 1) / 256 (exact in double) is below the bound.
+  const uint16_t top_bits = fp16_upward(*std::max_element(bound.begin(), bound.end()));
+  const double top = fp16_to_float(top_bits);
+  for (size_t i = 0; i < bound.size(); ++i) {
+    int c = 0;
+    if (top > 0) {
+      c = std::clamp(int(std::ceil(bound[i] * kWitnessSteps / top)) - 1, 0, int(kWitnessSteps) - 1);
+      while (c < int(kWitnessSteps) - 1 && top * double(c + 1) / kWitnessSteps < bound[i]) ++c;
+    }
+    side[i] = uint8_t(c);
+  }
+  store_u16(side + bound.size(), top_bits);
 }
 
 }  // namespace
+
+const char* witness_code_name(WitnessCode code) {
+  const int i = static_cast<int>(code);
+  return i < kNumWitnessCodes ? kWitnessCodeNames[i] : "unknown";
+}
+
+bool parse_witness_code(std::string_view name, WitnessCode* code) {
+  for (int i = 0; i < kNumWitnessCodes; ++i) {
+    if (name == kWitnessCodeNames[i]) {
+      *code = static_cast<WitnessCode>(i);
+      return true;
+    }
+  }
+  return false;
+}
 
 const char* lossy_scheme_name(LossyScheme scheme) {
   const int i = static_cast<int>(scheme);
@@ -458,6 +496,10 @@ void validate_lossy_page_spec(const LossyPageSpec& spec) {
   if (spec.pairing != RopePairing::kInterleaved && spec.pairing != RopePairing::kHalfSplit) {
     fail(StatusCode::kInvalidArgument,
          where + "pairing " + std::to_string(static_cast<int>(spec.pairing)) + " is unknown");
+  }
+  if (static_cast<int>(spec.witness) >= kNumWitnessCodes) {
+    fail(StatusCode::kInvalidArgument,
+         where + "witness code " + std::to_string(static_cast<int>(spec.witness)) + " is unknown");
   }
   if (spec.head_dim <= 0 || spec.head_dim % kQuantGroup != 0) {
     fail(StatusCode::kInvalidArgument, where + "head_dim must be a positive multiple of " +
@@ -731,7 +773,31 @@ const uint16_t* lossy_witness(const LossyPageSpec& spec, const uint8_t* page) {
          std::string("lossy_witness: a ") + lossy_scheme_name(spec.scheme) +
              (spec.key ? " K" : " V") + " page carries no witness (Tier A K pages only)");
   }
+  if (spec.witness != WitnessCode::kFp16) {
+    fail(StatusCode::kInvalidArgument, std::string("lossy_witness: the page's witness is coded (") +
+                                           witness_code_name(spec.witness) +
+                                           "), not fp16; read it with lossy_witness_bounds");
+  }
   return reinterpret_cast<const uint16_t*>(page + g.payload_bytes);
+}
+
+void lossy_witness_bounds(const LossyPageSpec& spec, const uint8_t* page, float* out) {
+  const Geometry g = geometry_of(spec);
+  if (lossy_scheme_is_tier_b(spec.scheme) || !spec.key) {
+    fail(StatusCode::kInvalidArgument,
+         std::string("lossy_witness_bounds: a ") + lossy_scheme_name(spec.scheme) +
+             (spec.key ? " K" : " V") + " page carries no witness (Tier A K pages only)");
+  }
+  const uint8_t* side = page + g.payload_bytes;
+  const size_t cells = size_t(witness_bands(g.d)) * size_t(g.bt);
+  if (spec.witness == WitnessCode::kFp16) {
+    for (size_t i = 0; i < cells; ++i) out[i] = fp16_to_float(load_u16(side + 2 * i));
+    return;
+  }
+  float top = fp16_to_float(load_u16(side + cells));
+  if (!(top >= 0.f)) top = std::numeric_limits<float>::infinity();  // a corrupt scale bounds nothing
+  // top (c + 1) / 256: an fp16 times an integer up to 256, then a power of two: exact in float.
+  for (size_t i = 0; i < cells; ++i) out[i] = top * float(int(side[i]) + 1) * (1.0f / 256.0f);
 }
 
 const uint16_t* lossy_value_rho(const LossyPageSpec& spec, const uint8_t* page) {

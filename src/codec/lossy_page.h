@@ -62,14 +62,33 @@ int witness_bands(int head_dim);
 // The band of RoPE pair j.
 int witness_band_of_pair(int head_dim, int pair);
 
-// What one page is: the scheme, K or V, the block shape, and for dither8 the generator key and
-// the outlier pairs of its (layer, kv_head).
+// How a Tier A K page stores its witness (docs/format/lossy_pages.md, docs/meter.md section 7).
+enum class WitnessCode : uint8_t {
+  // [n_bands][block_tokens] fp16, each w_{t,b} rounded up (DESIGN.md section 4): 2 bytes per
+  // (token, band), 32 per token at 16 bands.
+  kFp16 = 0,
+  // [n_bands][block_tokens] u8 codes c, then the page's scale w_max (fp16, the page's largest
+  // band norm rounded up; 0 when every norm of the page is 0): the bound read back is
+  // w_max (c + 1) / 256 >= w_{t,b}, exact in float; c = ceil(256 w / w_max) - 1. 1 byte per
+  // (token, band) and 2 per page, 16.125 per token at 16 bands and 16 tokens; c_t about 1% looser
+  // on real KV (docs/meter.md section 7).
+  kPageScaled8 = 1,
+};
+inline constexpr int kNumWitnessCodes = 2;
+// "fp16", "u8".
+const char* witness_code_name(WitnessCode code);
+// Returns false for an unknown name.
+bool parse_witness_code(std::string_view name, WitnessCode* code);
+
+// What one page is: the scheme, K or V, the block shape, the witness code (Tier A K pages), and
+// for dither8 the generator key and the outlier pairs of its (layer, kv_head).
 struct LossyPageSpec {
   LossyScheme scheme = LossyScheme::kRtn8;
   bool key = true;  // K page (witness; dither8 outliers) or V page (rho)
   int block_tokens = 16;
   int head_dim = 0;  // multiple of 32 (kQuantGroup), at most 256
   RopePairing pairing = RopePairing::kInterleaved;
+  WitnessCode witness = WitnessCode::kFp16;  // Tier A K pages; ignored by other pages
   // dither8: the dither of element (row, channel) of the page stored at physical slot
   // `page_slot` is dither8_xi(dither_key, page_slot * block_tokens + row, channel); the key names
   // (layer, K/V, kv_head) (dither8_key). Never the sequence position.
@@ -107,10 +126,16 @@ void lossy_decode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const 
 void lossy_decode_page(const LossyPageSpec& spec, uint32_t page_slot, const uint8_t* page,
                        float* out);
 
-// Tier A K pages: witness [witness_bands(head_dim)][block_tokens] fp16 bits (band-major), inside
-// the page.
+// Tier A K pages of WitnessCode::kFp16: witness [witness_bands(head_dim)][block_tokens] fp16 bits
+// (band-major), inside the page (other codes: throws kInvalidArgument; read them with
+// lossy_witness_bounds).
 // REQUIRES (both accessors): page is 2-byte aligned (pool pages are).
 const uint16_t* lossy_witness(const LossyPageSpec& spec, const uint8_t* page);
+// Tier A K pages, any witness code: the bounds w_{t,b} as float, band-major:
+// out[b * block_tokens + t], b < witness_bands(head_dim). Never below the stored bound: a
+// kPageScaled8 page whose scale is negative or NaN (a corrupt page) reads as +inf, which the
+// meter turns into 1.
+void lossy_witness_bounds(const LossyPageSpec& spec, const uint8_t* page, float* out);
 // Tier A V pages: rho [block_tokens] fp16 bits, inside the page.
 const uint16_t* lossy_value_rho(const LossyPageSpec& spec, const uint8_t* page);
 

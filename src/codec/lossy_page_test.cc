@@ -201,7 +201,8 @@ void expect_side_data_bounds(const LossyPageSpec& spec, const std::vector<uint16
   const int d = spec.head_dim, bt = spec.block_tokens;
   const int n_bands = spec.key ? witness_bands(d) : 1;
   const uint16_t* side = nullptr;
-  std::vector<float> dither_rho;
+  std::vector<float> dither_rho, witness;  // witness: Tier A K pages, band-major
+  long double top = 0;                     // a kPageScaled8 page's scale
   if (spec.scheme == LossyScheme::kDither8) {
     if (spec.key) return;
     dither_rho.resize(size_t(bt));
@@ -221,8 +222,22 @@ void expect_side_data_bounds(const LossyPageSpec& spec, const std::vector<uint16
       EXPECT_GE((long double)dither_rho[size_t(t)], formula) << "token " << t;
       EXPECT_LE((long double)dither_rho[size_t(t)], formula * (1.0L + 0x1p-22L)) << "token " << t;
     }
+  } else if (spec.key) {
+    witness.resize(size_t(n_bands) * size_t(bt));
+    lossy_witness_bounds(spec, page.data(), witness.data());
+    if (spec.witness == WitnessCode::kFp16) {
+      const uint16_t* fp16 = lossy_witness(spec, page.data());
+      EXPECT_EQ(reinterpret_cast<const uint8_t*>(fp16), page.data() + lossy_payload_bytes(spec));
+      for (size_t i = 0; i < witness.size(); ++i) EXPECT_EQ(witness[i], fp16_to_float(fp16[i])) << i;
+    } else {
+      // The page's scale, after the codes, is the largest bound: at least every bound read back.
+      const size_t cells = witness.size();
+      top = fp16_to_float(uint16_t(page[lossy_payload_bytes(spec) + cells] |
+                                   (page[lossy_payload_bytes(spec) + cells + 1] << 8)));
+      for (float w : witness) EXPECT_LE(w, top);
+    }
   } else {
-    side = spec.key ? lossy_witness(spec, page.data()) : lossy_value_rho(spec, page.data());
+    side = lossy_value_rho(spec, page.data());
     EXPECT_EQ(reinterpret_cast<const uint8_t*>(side), page.data() + lossy_payload_bytes(spec));
   }
   for (int t = 0; t < bt; ++t) {
@@ -234,11 +249,20 @@ void expect_side_data_bounds(const LossyPageSpec& spec, const std::vector<uint16
     }
     for (int b = 0; b < n_bands; ++b) {
       const long double exact = std::sqrt(sum_sq[size_t(b)]);
+      if (!witness.empty()) {
+        // fp16: within its upward rounding; codes: within one step of the page's scale, 1 / 256.
+        const long double w = witness[size_t(b) * bt + t];  // band-major
+        EXPECT_GE(w, exact) << lossy_scheme_name(spec.scheme) << " token " << t << " band " << b;
+        EXPECT_LE(w, 1.001L * exact + 0x1p-24L + top / 256)
+            << lossy_scheme_name(spec.scheme) << " " << witness_code_name(spec.witness) << " token " << t
+            << " band " << b;
+        continue;
+      }
       if (side == nullptr) {
         EXPECT_GE((long double)dither_rho[size_t(t)], exact) << "dither8 rho, token " << t;
         continue;
       }
-      const long double w = fp16_to_float(side[size_t(b) * bt + t]);  // band-major
+      const long double w = fp16_to_float(side[size_t(b) * bt + t]);
       EXPECT_GE(w, exact) << lossy_scheme_name(spec.scheme) << " token " << t << " band " << b;
       EXPECT_LE(w, 1.001L * exact + 0x1p-24L)
           << lossy_scheme_name(spec.scheme) << " token " << t << " band " << b;
@@ -272,11 +296,16 @@ TEST(LossyPage, EverySchemeShapeAndPairingRoundTripsWithinItsBounds) {
             const bool with_outliers = scheme == LossyScheme::kDither8 && key;
             for (int m : with_outliers ? std::vector<int>{0, 3} : std::vector<int>{0}) {
               const std::vector<uint16_t> pairs = outliers_of(x, d, pairing, m);
-              const LossyPageSpec spec = make_spec(scheme, key, bt, d, pairing, pairs);
-              SCOPED_TRACE(std::string(lossy_scheme_name(scheme)) + (key ? " K" : " V") + " d " +
-                           std::to_string(d) + " bt " + std::to_string(bt) + " pairing " +
-                           std::to_string(int(pairing)) + " m " + std::to_string(m));
-              expect_page_sound(spec, x, uint32_t(seed % 1000));
+              LossyPageSpec spec = make_spec(scheme, key, bt, d, pairing, pairs);
+              const bool tier_a_key = key && !lossy_scheme_is_tier_b(scheme);
+              for (int code = 0; code < (tier_a_key ? kNumWitnessCodes : 1); ++code) {
+                spec.witness = WitnessCode(code);
+                SCOPED_TRACE(std::string(lossy_scheme_name(scheme)) + (key ? " K" : " V") + " d " +
+                             std::to_string(d) + " bt " + std::to_string(bt) + " pairing " +
+                             std::to_string(int(pairing)) + " m " + std::to_string(m) + " witness " +
+                             witness_code_name(spec.witness));
+                expect_page_sound(spec, x, uint32_t(seed % 1000));
+              }
             }
           }
         }
@@ -318,6 +347,108 @@ TEST(LossyPage, ZeroInputGivesZeroReconstructionAndSideData) {
 // Values far below fp16's normal range: scales and KIVI minima fall among fp16 subnormals (or
 // below the smallest one), where bf16 values are no longer fp16 values and the rounding
 // directions decide the bounds.
+// WitnessCode::kPageScaled8: the layout (codes band-major, then the page's fp16 scale), a page
+// whose residual is 0 everywhere (scale 0, every bound 0), the same payload as the fp16 witness's
+// page, and pages that are not Tier A K pages refused by the accessors.
+TEST(LossyPage, PageScaledWitnessLayoutAndZeroPage) {
+  for (const LossyScheme scheme : {LossyScheme::kFp8E4M3, LossyScheme::kRtn8, LossyScheme::kKivi2}) {
+    for (const int bt : {1, 16, 17}) {
+      SCOPED_TRACE(std::string(lossy_scheme_name(scheme)) + " bt " + std::to_string(bt));
+      LossyPageSpec spec = make_spec(scheme, true, bt, 128, RopePairing::kHalfSplit);
+      const size_t fp16_bytes = lossy_page_bytes(spec);
+      spec.witness = WitnessCode::kPageScaled8;
+      const size_t cells = size_t(bt) * size_t(witness_bands(128));
+      EXPECT_EQ(lossy_page_bytes(spec), lossy_payload_bytes(spec) + cells + 2);
+      EXPECT_EQ(fp16_bytes - lossy_page_bytes(spec), cells - 2);
+      const std::vector<uint16_t> x = make_block(uint64_t(bt) * 31 + uint64_t(scheme), bt, 128, RopePairing::kHalfSplit, true);
+      std::vector<uint8_t> coded(lossy_page_bytes(spec)), plain(fp16_bytes);
+      ASSERT_TRUE(lossy_encode_page_ref(spec, 0, x.data(), coded.data()));
+      LossyPageSpec fp16_spec = spec;
+      fp16_spec.witness = WitnessCode::kFp16;
+      ASSERT_TRUE(lossy_encode_page_ref(fp16_spec, 0, x.data(), plain.data()));
+      const size_t payload = lossy_payload_bytes(spec);
+      EXPECT_EQ(std::memcmp(coded.data(), plain.data(), payload), 0) << "the witness code changed the payload";
+      // The scale is the largest fp16 bound of the fp16 page.
+      const uint16_t* w16 = lossy_witness(fp16_spec, plain.data());
+      const uint16_t top = uint16_t(coded[payload + cells] | (coded[payload + cells + 1] << 8));
+      EXPECT_EQ(fp16_to_float(top), fp16_to_float(*std::max_element(w16, w16 + cells,
+                                                  [](uint16_t a, uint16_t b) { return fp16_to_float(a) < fp16_to_float(b); })));
+      EXPECT_THROW(lossy_witness(spec, coded.data()), Error);
+    }
+  }
+  // A block that every scheme keeps exactly (zeros): scale 0, codes 0, every bound 0.
+  LossyPageSpec spec = make_spec(LossyScheme::kFp8E4M3, true, 16, 64, RopePairing::kInterleaved);
+  spec.witness = WitnessCode::kPageScaled8;
+  const std::vector<uint16_t> zeros(size_t(16) * 64, 0);
+  std::vector<uint8_t> page(lossy_page_bytes(spec), 0xa5);
+  ASSERT_TRUE(lossy_encode_page_ref(spec, 0, zeros.data(), page.data()));
+  for (size_t i = lossy_payload_bytes(spec); i < page.size(); ++i) EXPECT_EQ(page[i], 0u) << i;
+  std::vector<float> w(size_t(16) * witness_bands(64), -1.f);
+  lossy_witness_bounds(spec, page.data(), w.data());
+  for (float v : w) EXPECT_EQ(v, 0.f);
+  // V pages and dither8 pages carry no witness.
+  LossyPageSpec v_spec = make_spec(LossyScheme::kFp8E4M3, false, 16, 64, RopePairing::kInterleaved);
+  v_spec.witness = WitnessCode::kPageScaled8;
+  EXPECT_EQ(lossy_page_bytes(v_spec), size_t(16) * 64 + 32) << "a V page keeps its fp16 rho";
+  std::vector<uint8_t> v_page(lossy_page_bytes(v_spec));
+  EXPECT_THROW(lossy_witness_bounds(v_spec, v_page.data(), w.data()), Error);
+  const LossyPageSpec d8 = make_spec(LossyScheme::kDither8, true, 16, 64, RopePairing::kInterleaved);
+  std::vector<uint8_t> d8_page(lossy_page_bytes(d8));
+  EXPECT_THROW(lossy_witness_bounds(d8, d8_page.data(), w.data()), Error);
+}
+
+// A corrupt coded witness never reads below the stored bound: any code byte reads as at most the
+// scale; a scale that is NaN or negative reads as +inf everywhere (the meter then says 1).
+TEST(LossyPage, CorruptPageScaledWitnessReadsAsALooserBound) {
+  LossyPageSpec spec = make_spec(LossyScheme::kRtn8, true, 16, 128, RopePairing::kInterleaved);
+  spec.witness = WitnessCode::kPageScaled8;
+  const std::vector<uint16_t> x = make_block(99, 16, 128, RopePairing::kInterleaved, true);
+  std::vector<uint8_t> page(lossy_page_bytes(spec));
+  ASSERT_TRUE(lossy_encode_page_ref(spec, 0, x.data(), page.data()));
+  const size_t cells = size_t(16) * witness_bands(128), at = lossy_payload_bytes(spec);
+  std::vector<float> w(cells);
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 64; ++trial) {
+    std::vector<uint8_t> bad = page;
+    for (size_t i = 0; i < cells; ++i) bad[at + i] = uint8_t(rng());
+    lossy_witness_bounds(spec, bad.data(), w.data());
+    const float top = fp16_to_float(uint16_t(bad[at + cells] | (bad[at + cells + 1] << 8)));
+    for (size_t i = 0; i < cells; ++i) {
+      ASSERT_GT(w[i], 0.f);
+      ASSERT_LE(w[i], top);
+      ASSERT_EQ(w[i], top * float(bad[at + i] + 1) / 256.f);
+    }
+  }
+  for (const uint16_t scale : {uint16_t(0x7e00), uint16_t(0xfe00), uint16_t(0xbc00), uint16_t(0x8001), uint16_t(0xfc00)}) {
+    std::vector<uint8_t> bad = page;
+    bad[at + cells] = uint8_t(scale & 0xff);
+    bad[at + cells + 1] = uint8_t(scale >> 8);
+    lossy_witness_bounds(spec, bad.data(), w.data());
+    for (float v : w) ASSERT_EQ(v, std::numeric_limits<float>::infinity()) << std::hex << scale;
+  }
+  // +inf as the scale (a bound past fp16): +inf everywhere as well.
+  std::vector<uint8_t> big = page;
+  big[at + cells] = 0x00;
+  big[at + cells + 1] = 0x7c;
+  lossy_witness_bounds(spec, big.data(), w.data());
+  for (float v : w) ASSERT_EQ(v, std::numeric_limits<float>::infinity());
+}
+
+TEST(LossyPage, WitnessCodeNamesRoundTrip) {
+  for (int i = 0; i < kNumWitnessCodes; ++i) {
+    WitnessCode parsed = WitnessCode(9);
+    ASSERT_TRUE(parse_witness_code(witness_code_name(WitnessCode(i)), &parsed));
+    EXPECT_EQ(parsed, WitnessCode(i));
+  }
+  WitnessCode untouched = WitnessCode::kPageScaled8;
+  for (const char* bad : {"", "U8", "fp8", "u8 ", "fp16x"}) EXPECT_FALSE(parse_witness_code(bad, &untouched));
+  EXPECT_EQ(untouched, WitnessCode::kPageScaled8);
+  EXPECT_STREQ(witness_code_name(WitnessCode(7)), "unknown");
+  LossyPageSpec spec = make_spec(LossyScheme::kRtn8, true, 16, 64, RopePairing::kInterleaved);
+  spec.witness = WitnessCode(2);
+  EXPECT_THROW(validate_lossy_page_spec(spec), Error);
+}
+
 TEST(LossyPage, TinyValuesKeepTheirBounds) {
   for (int si = 0; si < kNumLossySchemes; ++si) {
     for (bool key : {true, false}) {

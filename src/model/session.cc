@@ -75,6 +75,7 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
                                                               : codec::RopePairing::kHalfSplit;
   kv.outlier_pairs = config.outlier_pairs;
   kv.recent_window_tokens = config.recent_window_tokens;
+  kv.witness = config.witness;
   if (config.outlier_pairs > c.head_dim / 2)
     fail(StatusCode::kInvalidArgument,
          "outlier pairs " + std::to_string(config.outlier_pairs) + " exceed head_dim / 2 = " +
@@ -144,6 +145,9 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
     if (config.recent_window_tokens > 0 && cache::kv_scheme_is_lossy(config.kv_scheme))
       fail(StatusCode::kUnsupported,
            "device cuda: a recent window of full-precision tokens is not served on the device yet");
+    if (config.witness != codec::WitnessCode::kFp16)
+      fail(StatusCode::kUnsupported, std::string("device cuda: the ") + codec::witness_code_name(config.witness) +
+                                         " witness is not served on the device yet (fp16 only)");
     DeviceDecoderConfig dc;
     dc.n_layers = c.n_layers;
     dc.n_q_heads = c.n_heads;

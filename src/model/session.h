@@ -122,6 +122,8 @@ struct SessionConfig {
   // recent window (-1: the scheme's defaults, cache::KvCacheConfig).
   int outlier_pairs = -1;
   int recent_window_tokens = -1;
+  // Tier A lossy kv_schemes: how K pages store the meter's witness (cache::KvCacheConfig).
+  codec::WitnessCode witness = codec::WitnessCode::kFp16;
   MeterConfig meter;
   SparseConfig sparse;
   // kCuda: decode attention runs on a CUDA device over a device copy of the KV cache, encoded

@@ -31,14 +31,15 @@ constexpr const char* kEvalUsage =
     "         run as metered decode steps and their meter telemetry is reported.\n"
     "       certkv eval needle --kv SCHEME --lengths 1024,2048,4096 --samples N [--gate]\n"
     "                          [--haystack noise|corpus] [--seed S] [--json]\n"
-    "       meter flags: [--outlier-pairs M] [--window N] [--delta D] [--tau T] [--gate]\n"
+    "       meter flags: [--outlier-pairs M] [--window N] [--witness fp16|u8] [--delta D] [--tau T] [--gate]\n"
     "                    [--no-meter] [--gaac-calib CAL] [--block-tokens N]\n"
     "       sparse decode: [--sparse p=P[,window=N][,dense=L][,rotation=haar|hadamard]]\n";
 
 constexpr const char* kAuditUsage =
     "usage: certkv audit --kv SCHEME --text-file F --tokens N [--steps K] [--json]\n"
     "                    [--dump FILE.safetensors] [--dump-cells C] [--seed S] [--model PATH]\n"
-    "                    [--threads N] [--outlier-pairs M] [--window N] [--delta D] [--tau T]\n"
+    "                    [--threads N] [--outlier-pairs M] [--window N] [--witness fp16|u8]\n"
+    "                    [--delta D] [--tau T]\n"
     "  Runs the first N tokens of F through a compressed cache whose exact blocks are kept beside\n"
     "  it; the last K positions (default 64) are decode steps whose every (layer, head) cell\n"
     "  checks meter >= the true total variation of attention. Prints cells, violations,\n"
@@ -475,9 +476,9 @@ int cmd_audit(int argc, char** argv) {
     tight.add("q01", a.tightness_q01).add("q10", a.tightness_q10).add("q50", a.tightness_q50)
         .add("q90", a.tightness_q90).add("q99", a.tightness_q99);
     JsonObject o;
-    o.add("model", info.name)
-        .add("kv", kv.kv)
-        .add("tokens", n)
+    o.add("model", info.name).add("kv", kv.kv);
+    if (!kv.witness_label().empty()) o.add("witness", kv.witness_label());
+    o.add("tokens", n)
         .add("steps", steps)
         .add("tier", ms.tier)
         .add("tau", ms.tau)

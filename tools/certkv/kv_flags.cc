@@ -10,10 +10,16 @@
 
 namespace certkv::tools {
 
+std::string KvFlags::witness_label() const {
+  if (!tier_a) return "";
+  return witness.empty() ? "fp16" : witness;
+}
+
 void KvFlags::apply(certkv_session_params& params) const {
   params.kv = kv.c_str();
   params.outlier_pairs = outlier_pairs;
   params.recent_window_tokens = window;
+  params.witness = witness.empty() ? nullptr : witness.c_str();
   params.meter = meter ? 1 : 0;
   params.meter_delta = delta;
   params.meter_tau = tau;
@@ -78,7 +84,7 @@ void parse_sparse(const std::string& spec, KvFlags& f) {
 }  // namespace
 
 void add_kv_flag_spec(std::map<std::string, bool>& spec) {
-  for (const char* name : {"kv", "gaac-calib", "outlier-pairs", "window", "delta", "tau"})
+  for (const char* name : {"kv", "gaac-calib", "outlier-pairs", "window", "witness", "delta", "tau"})
     spec[name] = true;
   spec["gate"] = false;
   spec["no-meter"] = false;
@@ -97,12 +103,21 @@ KvFlags parse_kv_flags(const Flags& flags, const std::string& kv) {
   f.gaac = cache::kv_scheme_is_gaac(scheme);
   f.lossy = cache::kv_scheme_is_lossy(scheme);
   const bool dither8 = scheme == cache::KvScheme::kDither8;
+  f.tier_a = f.lossy && !dither8;
   if (flags.has("outlier-pairs") && !dither8)
     throw UsageError{"flag --outlier-pairs applies to --kv dither8 only, not --kv " + kv};
   f.outlier_pairs = int32_t(flags.integer("outlier-pairs", -1, 0, 128));
   if (flags.has("window") && !f.lossy)
     throw UsageError{"flag --window applies to lossy schemes only, not --kv " + kv};
   f.window = int32_t(flags.integer("window", -1, 0, 1 << 20));
+  if (flags.has("witness")) {
+    if (!f.tier_a)
+      throw UsageError{"flag --witness applies to the Tier A lossy schemes (fp8-*, rtn*, kivi2), not --kv " + kv};
+    f.witness = flags.str("witness");
+    codec::WitnessCode code;
+    if (!codec::parse_witness_code(f.witness, &code))
+      throw UsageError{"flag --witness: '" + f.witness + "' is not fp16 or u8"};
+  }
   for (const char* name : {"delta", "tau", "gate", "no-meter"})
     if (flags.has(name) && !f.lossy)
       throw UsageError{std::string("flag --") + name + " applies to lossy schemes (the meter) only, not --kv " + kv};

@@ -14,8 +14,10 @@ struct KvFlags {
   std::string kv;
   bool gaac = false;   // a GAAC scheme (needs --gaac-calib)
   bool lossy = false;  // a lossy scheme (has the meter)
+  bool tier_a = false; // a lossy scheme with a Tier A witness (every lossy scheme but dither8)
   int32_t outlier_pairs = -1;
   int32_t window = -1;
+  std::string witness;  // --witness fp16|u8 (Tier A schemes); empty: the default (fp16)
   double delta = 1e-2;
   double tau = 0.2;
   bool gate = false;
@@ -26,6 +28,8 @@ struct KvFlags {
   int32_t sparse_window = -1;
   int32_t sparse_dense_layers = -1;
   std::string sparse_rotation;  // empty: the default
+  // "fp16" or "u8" for a Tier A lossy scheme (the witness its K pages keep), "" otherwise.
+  std::string witness_label() const;
   // Copies the scheme and meter settings into params (kv points into this object).
   void apply(certkv_session_params& params) const;
 };

@@ -45,8 +45,8 @@ constexpr const char* kUsage =
     "  run      generate text\n"
     "           [--model PATH] [--prompt TEXT | --prompt-file F] [--n N] [--ctx N] [--threads N]\n"
     "           [--kv SCHEME] [--gaac-calib CAL.safetensors] [--json] [--raw] [--system TEXT]\n"
-    "           [--outlier-pairs M] [--window N] [--delta D] [--tau T] [--gate] [--no-meter]\n"
-    "           [--sparse p=P[,deviations=Z][,window=N][,dense=L][,rotation=haar|hadamard]]\n"
+    "           [--outlier-pairs M] [--window N] [--witness fp16|u8] [--delta D] [--tau T] [--gate]\n"
+    "           [--no-meter] [--sparse p=P[,deviations=Z][,window=N][,dense=L][,rotation=haar|hadamard]]\n"
     "           [--temp T] [--top-k K] [--top-p P]\n"
     "           [--seed S] [--block-tokens N] [--activations int8|f32] [--device cpu|cuda]\n"
     "  dump-kv  --model PATH --text-file F --tokens N --out FILE.safetensors [--layers LIST]\n"
@@ -220,10 +220,9 @@ int cmd_run(int argc, char** argv) {
   const uint64_t rss = certkv_peak_rss_bytes();
   if (json) {
     JsonObject o;
-    o.add("text", stream.text)
-        .add("model", info.name)
-        .add("kv", kv)
-        .add("activations", activations)
+    o.add("text", stream.text).add("model", info.name).add("kv", kv);
+    if (!kv_flags.witness_label().empty()) o.add("witness", kv_flags.witness_label());
+    o.add("activations", activations)
         .add("prompt_tokens", int64_t(r.prompt_tokens))
         .add("generated_tokens", int64_t(r.generated_tokens))
         .add("context_tokens", int64_t(params.context_tokens))
