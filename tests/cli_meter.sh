@@ -42,11 +42,12 @@ assert gated['repairs'] > 0 and gated['pagein_bytes'] == gated['repairs'] * 16 *
 audit = json.load(open(d + '/audit.json'))
 assert audit['cells'] == 3 * 30 * 9 and audit['violations'] == 0, audit
 assert len(audit['layers']) == 30 and all(l['violations'] == 0 for l in audit['layers'])
-# The page-scaled 8-bit witness: the same cells, sound, never tighter than the fp16 witness.
+# The page-scaled 8-bit witness: the same cells, sound, close to the fp16 witness's meter.
 coded = json.load(open(d + '/audit_u8.json'))
 assert audit['witness'] == 'fp16' and coded['witness'] == 'u8', (audit.get('witness'), coded.get('witness'))
 assert coded['cells'] == audit['cells'] and coded['violations'] == 0, coded
-assert coded['coverage'] <= audit['coverage'] and coded['tightness']['q50'] >= audit['tightness']['q50'], coded
+assert abs(coded['coverage'] - audit['coverage']) <= 0.02, (coded['coverage'], audit['coverage'])
+assert abs(coded['tightness']['q50'] / audit['tightness']['q50'] - 1) <= 0.05, (coded['tightness'], audit['tightness'])
 # An independent recomputation of TV from the dumped cells.
 raw = open(d + '/cells.safetensors', 'rb').read()
 n = struct.unpack('<Q', raw[:8])[0]

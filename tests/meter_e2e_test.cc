@@ -111,11 +111,10 @@ TEST_F(MeterEndToEnd, PageScaledWitnessIsSoundAndNearlyAsTight) {
     EXPECT_EQ(a[1].violations, 0) << "worst margin " << a[1].worst_margin;
     EXPECT_GT(lossy_bytes[0], 0u);
     EXPECT_LT(lossy_bytes[1], lossy_bytes[0]) << "the coded witness must take fewer bytes";
-    // Never tighter than the fp16 witness on the same cells, and not much looser.
-    EXPECT_LE(a[1].coverage, a[0].coverage + 1e-12);
-    EXPECT_GE(a[1].coverage, a[0].coverage - 0.02);
-    EXPECT_GE(a[1].tightness_q50, a[0].tightness_q50 * (1 - 1e-9));
-    EXPECT_LE(a[1].tightness_q50, a[0].tightness_q50 * 1.05);
+    // Close to the fp16 witness on the same cells. (Not ordered cell by cell: a code's value can
+    // land between a bound and that bound rounded up to fp16.)
+    EXPECT_NEAR(a[1].coverage, a[0].coverage, 0.02);
+    EXPECT_NEAR(a[1].tightness_q50, a[0].tightness_q50, 0.05 * a[0].tightness_q50);
   }
 }
 
@@ -230,7 +229,10 @@ TEST_F(MeterEndToEnd, BadMeterParametersAreClearErrors) {
   EXPECT_NE(certkv_session_create(model_->get(), &p, &s), CERTKV_OK);
   EXPECT_NE(std::string(certkv_last_error()).find("witness"), std::string::npos) << certkv_last_error();
   p = params("dither8");
-  p.witness = "fp16";  // the default, named: accepted on every scheme
+  p.witness = "fp16";  // even the default, named, on a scheme without a witness
+  EXPECT_EQ(certkv_session_create(model_->get(), &p, &s), CERTKV_ERR_INVALID_ARGUMENT);
+  p = params("rtn8");
+  p.witness = "fp16";
   certkv::Session named_default(*model_, p);
   p = params("bf16");
   p.gate = 1;

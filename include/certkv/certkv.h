@@ -147,11 +147,12 @@ typedef struct certkv_session_params {
                                     standard deviations of its estimate reaches the threshold
                                     (0, the default: no widening; 1.5 lifts recall at p 0.9,
                                     docs/sparse.md); finite, >= 0 */
-  const char* witness;           /* Tier A lossy schemes (fp8-*, rtn*, kivi2): how K pages store
-                                    the meter's witness: "fp16" (default, null; 32 bytes per token
-                                    and KV head) or "u8" (codes against each page's largest band
-                                    norm: 16 bytes + 2 per page, the meter about 1% looser,
-                                    docs/meter.md section 7); CPU decode only */
+  const char* witness;           /* Tier A lossy schemes (fp8-e4m3, fp8-e5m2, fp8-e4m3-scaled,
+                                    rtn8, rtn4, kivi2): how K pages store the meter's witness:
+                                    "fp16" (the default, null; 32 bytes per token and KV head) or
+                                    "u8" (codes against each page's largest band norm: 16 bytes +
+                                    2 per page, the meter about 1% looser, docs/meter.md section
+                                    7); CPU decode only. Must be null for the other schemes */
 } certkv_session_params;
 
 certkv_session_params certkv_session_default_params(void);

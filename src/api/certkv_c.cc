@@ -303,12 +303,12 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
   if (p.witness != nullptr && !certkv::codec::parse_witness_code(p.witness, &witness))
     return set_error(CERTKV_ERR_INVALID_ARGUMENT,
                      std::string("certkv_session_params.witness: '") + p.witness + "' is not fp16 or u8");
-  if (witness != certkv::codec::WitnessCode::kFp16 &&
+  if (p.witness != nullptr &&
       (!certkv::cache::kv_scheme_is_lossy(scheme) || scheme == certkv::cache::KvScheme::kDither8))
     return set_error(CERTKV_ERR_INVALID_ARGUMENT,
                      std::string("certkv_session_params.witness ") + p.witness +
-                         " applies to the Tier A lossy schemes (fp8-*, rtn*, kivi2), not kv " +
-                         certkv::cache::kv_scheme_name(scheme));
+                         " applies to the Tier A lossy schemes (fp8-e4m3, fp8-e5m2, fp8-e4m3-scaled, rtn8, "
+                         "rtn4, kivi2), not kv " + certkv::cache::kv_scheme_name(scheme) + " (leave it null)");
   certkv::model::Device device = certkv::model::Device::kCpu;
   try {
     if (p.device != nullptr) device = certkv::model::parse_device(p.device);

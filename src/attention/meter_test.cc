@@ -24,8 +24,10 @@ constexpr KvScheme kLossySchemes[] = {KvScheme::kFp8E4M3, KvScheme::kFp8E5M2,
                                       KvScheme::kFp8E4M3Scaled, KvScheme::kRtn8,
                                       KvScheme::kRtn4, KvScheme::kKivi2, KvScheme::kDither8};
 
-std::unique_ptr<cache::KvCache> lossy_cache(const CaseShape& c, KvScheme scheme, int64_t max_tokens) {
+std::unique_ptr<cache::KvCache> lossy_cache(const CaseShape& c, KvScheme scheme, int64_t max_tokens,
+                                            codec::WitnessCode witness = codec::WitnessCode::kFp16) {
   cache::KvCacheConfig cfg;
+  cfg.witness = witness;
   cfg.n_layers = 2;
   cfg.n_kv_heads = c.n_kv_heads;
   cfg.head_dim = c.head_dim;
@@ -68,10 +70,12 @@ TEST_P(DecodeMeterTest, FloatPathMatchesTheReferenceAndBoundsTheTrueTv) {
   ThreadPool pool(2);
   std::mt19937 rng(101);
   int checked = 0, informative = 0;
+  // Tier A schemes with both witness codes (the float path and the reference read the same bounds).
+  for (int code = 0; code < (scheme == KvScheme::kDither8 ? 1 : codec::kNumWitnessCodes); ++code)
   for (const CaseShape shape : {CaseShape{3, 3, 64, 16}, CaseShape{9, 3, 64, 16},
                                 CaseShape{7, 1, 128, 16}, CaseShape{4, 2, 32, 16}}) {
     for (const int64_t n_ctx : {1, 17, 129, 501}) {
-      auto cache = lossy_cache(shape, scheme, 1024);
+      auto cache = lossy_cache(shape, scheme, 1024, codec::WitnessCode(code));
       const cache::SeqId seq = cache->create_sequence();
       append(*cache, seq, n_ctx, rng);
       for (const float gain : {0.3f, 2.f}) {
@@ -95,7 +99,8 @@ TEST_P(DecodeMeterTest, FloatPathMatchesTheReferenceAndBoundsTheTrueTv) {
           decode_attention(*cache, seq, 1, as, q.data(), n_ctx, out.data(), &pool, options);
           EXPECT_LT(testing::max_abs_diff(out, plain), 1e-5) << "the meter changed the output";
           for (int h = 0; h < shape.n_q_heads; ++h) {
-            const std::string where = std::string(cache::kv_scheme_name(scheme)) + " n_ctx " +
+            const std::string where = std::string(cache::kv_scheme_name(scheme)) + " witness " +
+                                      codec::witness_code_name(codec::WitnessCode(code)) + " n_ctx " +
                                       std::to_string(n_ctx) + " head " + std::to_string(h) +
                                       " splits " + std::to_string(splits);
             const double a_got = std::expm1(got[size_t(h)].log_a), a_ref = std::expm1(ref[size_t(h)].log_a);
@@ -156,6 +161,48 @@ TEST(DecodeMeter, ExactCachesAndExactPagesGiveZero) {
   append(*lossy, s2, 15, rng);
   decode_attention(*lossy, s2, 0, testing::attention_shape(shape), q.data(), 15, out.data(), nullptr, options);
   for (const HeadMeter& h : m) EXPECT_EQ(h.meter, 0.0);
+}
+
+// A corrupt witness bounds nothing: a stored bound below 0 (fp16 witness) or a negative page scale
+// (u8 witness) reads as +inf, so the heads of that KV head get meter 1 on the float path and in the
+// reference, and the other KV head's heads keep their meters.
+TEST(DecodeMeter, CorruptWitnessBoundsNothing) {
+  const CaseShape shape{4, 2, 64, 16};
+  for (int code = 0; code < codec::kNumWitnessCodes; ++code) {
+    SCOPED_TRACE(codec::witness_code_name(codec::WitnessCode(code)));
+    std::mt19937 rng(21);
+    auto cache = lossy_cache(shape, KvScheme::kRtn8, 512, codec::WitnessCode(code));
+    const cache::SeqId seq = cache->create_sequence();
+    append(*cache, seq, 129, rng);
+    const std::vector<float> q = queries(shape, 0.3f, rng);
+    const AttentionShape as = testing::attention_shape(shape);
+    auto meters = [&](std::vector<HeadMeter>* got, std::vector<HeadMeter>* ref) {
+      got->assign(4, HeadMeter{});
+      ref->assign(4, HeadMeter{});
+      std::vector<float> out(q.size());
+      DecodeOptions options;
+      options.meters = got->data();
+      decode_attention(*cache, seq, 1, as, q.data(), 129, out.data(), nullptr, options);
+      decode_meter_ref(*cache, seq, 1, as, q.data(), 129, MeterOptions{}, ref->data());
+    };
+    std::vector<HeadMeter> got, ref;
+    meters(&got, &ref);
+    for (int h = 0; h < 4; ++h) ASSERT_LT(got[size_t(h)].meter, 1.0) << "head " << h << ": the test needs informative meters";
+    // KV head 0, layer 1, block 3: its first band's bound of token 0, or the page's scale.
+    const format::PageRef ref_k = cache->block_table(seq, 1, cache::KvTensor::kKey, 0)[3];
+    const codec::LossyPageSpec spec = cache->lossy_spec(1, cache::KvTensor::kKey, 0);
+    uint8_t* page = const_cast<uint8_t*>(cache->page_bytes_of(ref_k));
+    const size_t at = codec::lossy_payload_bytes(spec) +
+                      (spec.witness == codec::WitnessCode::kFp16 ? 0 : size_t(16) * codec::witness_bands(64));
+    page[at] = 0x00;
+    page[at + 1] = 0xbc;  // fp16 -1.0
+    meters(&got, &ref);
+    for (int h = 0; h < 4; ++h) {
+      const bool corrupt_head = h < 2;  // query heads 0 and 1 read KV head 0
+      EXPECT_EQ(got[size_t(h)].meter == 1.0, corrupt_head) << "head " << h;
+      EXPECT_EQ(ref[size_t(h)].meter == 1.0, corrupt_head) << "head " << h;
+    }
+  }
 }
 
 TEST(DecodeMeter, RepairedBlocksLowerTheMeter) {

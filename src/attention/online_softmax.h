@@ -347,14 +347,22 @@ inline int key_bound_width(const codec::LossyPageSpec& spec) {
                                                      : codec::witness_bands(spec.head_dim);
 }
 
-// dst[i] = fp16 src[i] as float, i < n (exact).
+// dst[i] = fp16 src[i] as float, i < n (exact), for side data that are upper bounds (a witness,
+// rho): a value below 0 or NaN is a corrupt page and reads as +inf (codec::lossy_witness_bounds's
+// rule), never as a smaller bound.
 inline void fp16_to_float_rows(const uint16_t* src, float* dst, size_t n) {
   size_t i = 0;
 #if defined(__F16C__) && CERTKV_ATTENTION_AVX2
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity()), zero = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_blendv_ps(v, inf, _mm256_cmp_ps(v, zero, _CMP_NGE_UQ)));
+  }
 #endif
-  for (; i < n; ++i) dst[i] = format::fp16_to_float(src[i]);
+  for (; i < n; ++i) {
+    const float v = format::fp16_to_float(src[i]);
+    dst[i] = v >= 0.f ? v : std::numeric_limits<float>::infinity();
+  }
 }
 
 // Per-token error data of positions [begin, end) of a lossy table, band-major:

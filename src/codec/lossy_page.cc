@@ -82,8 +82,6 @@ uint16_t fp16_upward(double v) { return format::float_to_fp16_upward(format::flo
 // The largest fp16 <= f (-inf below -65504).
 uint16_t fp16_downward(float f) { return uint16_t(format::float_to_fp16_upward(-f) ^ 0x8000u); }
 
-// An fp16 upper bound of a norm computed in double.
-
 struct Geometry {
   int bt = 0;      // block_tokens
   int d = 0;       // head_dim
@@ -790,12 +788,16 @@ void lossy_witness_bounds(const LossyPageSpec& spec, const uint8_t* page, float*
   }
   const uint8_t* side = page + g.payload_bytes;
   const size_t cells = size_t(witness_bands(g.d)) * size_t(g.bt);
+  // A stored bound or scale below 0, or NaN, is a corrupt page: it bounds nothing (-0 is 0).
+  auto bound_of = [](uint16_t bits) {
+    const float v = fp16_to_float(bits);
+    return v >= 0.f ? v : std::numeric_limits<float>::infinity();
+  };
   if (spec.witness == WitnessCode::kFp16) {
-    for (size_t i = 0; i < cells; ++i) out[i] = fp16_to_float(load_u16(side + 2 * i));
+    for (size_t i = 0; i < cells; ++i) out[i] = bound_of(load_u16(side + 2 * i));
     return;
   }
-  float top = fp16_to_float(load_u16(side + cells));
-  if (!(top >= 0.f)) top = std::numeric_limits<float>::infinity();  // a corrupt scale bounds nothing
+  const float top = bound_of(load_u16(side + cells));
   // top (c + 1) / 256: an fp16 times an integer up to 256, then a power of two: exact in float.
   for (size_t i = 0; i < cells; ++i) out[i] = top * float(int(side[i]) + 1) * (1.0f / 256.0f);
 }

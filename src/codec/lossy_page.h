@@ -5,10 +5,10 @@
 //
 // A page holds one full block of block_tokens tokens of one (layer, K or V, kv_head):
 //   [payload (scheme-specific)][side data]
-// Side data: K pages of Tier A schemes: witness [n_bands][block_tokens] fp16 (band-major),
-// w_{t,b} = ||r_{t,b}||
-// of the key residual r = k^ - k over band b (a contiguous range of RoPE frequency pairs), each
-// rounded toward +inf so it stays an upper bound. V pages of Tier A schemes: rho [block_tokens]
+// Side data: K pages of Tier A schemes: witness w_{t,b} >= ||r_{t,b}|| of the key residual
+// r = k^ - k over band b (a contiguous range of RoPE frequency pairs), [n_bands][block_tokens]
+// (band-major), as fp16 rounded toward +inf or as u8 codes against the page's fp16 scale
+// (WitnessCode), so that it stays an upper bound. V pages of Tier A schemes: rho [block_tokens]
 // fp16, rho_t >= ||v^_t - v_t|| (rounded toward +inf). dither8 pages carry no side data: their
 // error bounds follow from the stored scales.
 //
@@ -132,9 +132,9 @@ void lossy_decode_page(const LossyPageSpec& spec, uint32_t page_slot, const uint
 // REQUIRES (both accessors): page is 2-byte aligned (pool pages are).
 const uint16_t* lossy_witness(const LossyPageSpec& spec, const uint8_t* page);
 // Tier A K pages, any witness code: the bounds w_{t,b} as float, band-major:
-// out[b * block_tokens + t], b < witness_bands(head_dim). Never below the stored bound: a
-// kPageScaled8 page whose scale is negative or NaN (a corrupt page) reads as +inf, which the
-// meter turns into 1.
+// out[b * block_tokens + t], b < witness_bands(head_dim). Never below the stored bound: a stored
+// bound (fp16) or scale (kPageScaled8) below 0, or NaN, is a corrupt page and reads as +inf,
+// which the meter turns into 1.
 void lossy_witness_bounds(const LossyPageSpec& spec, const uint8_t* page, float* out);
 // Tier A V pages: rho [block_tokens] fp16 bits, inside the page.
 const uint16_t* lossy_value_rho(const LossyPageSpec& spec, const uint8_t* page);

@@ -344,9 +344,6 @@ TEST(LossyPage, ZeroInputGivesZeroReconstructionAndSideData) {
   }
 }
 
-// Values far below fp16's normal range: scales and KIVI minima fall among fp16 subnormals (or
-// below the smallest one), where bf16 values are no longer fp16 values and the rounding
-// directions decide the bounds.
 // WitnessCode::kPageScaled8: the layout (codes band-major, then the page's fp16 scale), a page
 // whose residual is 0 everywhere (scale 0, every bound 0), the same payload as the fp16 witness's
 // page, and pages that are not Tier A K pages refused by the accessors.
@@ -449,17 +446,50 @@ TEST(LossyPage, WitnessCodeNamesRoundTrip) {
   EXPECT_THROW(validate_lossy_page_spec(spec), Error);
 }
 
+// Values far below fp16's normal range: scales and KIVI minima fall among fp16 subnormals (or
+// below the smallest one), where bf16 values are no longer fp16 values and the rounding
+// directions decide the bounds.
+// Both witness codes: a coded page's scale among fp16 subnormals too.
 TEST(LossyPage, TinyValuesKeepTheirBounds) {
   for (int si = 0; si < kNumLossySchemes; ++si) {
     for (bool key : {true, false}) {
       for (float magnitude : {3e-6f, 1e-7f, 1e-9f}) {
         std::vector<uint16_t> x = make_block(31, 16, 64, RopePairing::kInterleaved, key);
         for (uint16_t& v : x) v = float_to_bf16(bf16_to_float(v) * magnitude);
-        const LossyPageSpec spec = make_spec(scheme_at(si), key, 16, 64, RopePairing::kInterleaved);
-        SCOPED_TRACE(std::string(lossy_scheme_name(spec.scheme)) + (key ? " K " : " V ") +
-                     std::to_string(magnitude));
-        expect_page_sound(spec, x, 12);
+        LossyPageSpec spec = make_spec(scheme_at(si), key, 16, 64, RopePairing::kInterleaved);
+        const bool tier_a_key = key && !lossy_scheme_is_tier_b(spec.scheme);
+        for (int code = 0; code < (tier_a_key ? kNumWitnessCodes : 1); ++code) {
+          spec.witness = WitnessCode(code);
+          SCOPED_TRACE(std::string(lossy_scheme_name(spec.scheme)) + (key ? " K " : " V ") +
+                       std::to_string(magnitude) + " witness " + witness_code_name(spec.witness));
+          expect_page_sound(spec, x, 12);
+        }
       }
+    }
+  }
+}
+
+// Residual norms past fp16's range (the raw E4M3 cast saturates at 448, so keys near 10^6 leave
+// residuals of that size): the fp16 witness stores +inf where a norm overflows, the coded one a
+// scale of +inf (every bound +inf).
+TEST(LossyPage, WitnessPastFp16RangeReadsAsInfinity) {
+  for (const LossyScheme scheme : {LossyScheme::kFp8E4M3}) {
+    std::vector<uint16_t> x = make_block(77, 16, 64, RopePairing::kInterleaved, true);
+    for (uint16_t& v : x) v = float_to_bf16(bf16_to_float(v) * 1e6f);
+    LossyPageSpec spec = make_spec(scheme, true, 16, 64, RopePairing::kInterleaved);
+    for (int code = 0; code < kNumWitnessCodes; ++code) {
+      spec.witness = WitnessCode(code);
+      SCOPED_TRACE(std::string(lossy_scheme_name(scheme)) + " witness " + witness_code_name(spec.witness));
+      std::vector<uint8_t> page(lossy_page_bytes(spec));
+      ASSERT_TRUE(lossy_encode_page_ref(spec, 0, x.data(), page.data()));  // the raw cast never refuses
+      std::vector<float> w(size_t(16) * witness_bands(64));
+      lossy_witness_bounds(spec, page.data(), w.data());
+      const int infinite = int(std::count(w.begin(), w.end(), std::numeric_limits<float>::infinity()));
+      EXPECT_GT(infinite, 0) << "no bound overflowed fp16: the test needs larger values";
+      if (spec.witness == WitnessCode::kPageScaled8) {
+        EXPECT_EQ(infinite, int(w.size()));
+      }
+      for (float v : w) EXPECT_GT(v, 0.f);  // the finite fp16 bounds of the tokens that did not overflow
     }
   }
 }

@@ -112,7 +112,8 @@ KvFlags parse_kv_flags(const Flags& flags, const std::string& kv) {
   f.window = int32_t(flags.integer("window", -1, 0, 1 << 20));
   if (flags.has("witness")) {
     if (!f.tier_a)
-      throw UsageError{"flag --witness applies to the Tier A lossy schemes (fp8-*, rtn*, kivi2), not --kv " + kv};
+      throw UsageError{"flag --witness applies to the Tier A lossy schemes (fp8-e4m3, fp8-e5m2, fp8-e4m3-scaled, "
+                       "rtn8, rtn4, kivi2), not --kv " + kv};
     f.witness = flags.str("witness");
     codec::WitnessCode code;
     if (!codec::parse_witness_code(f.witness, &code))

@@ -253,6 +253,10 @@ CudaStatus check_lossy_encode(const LossyPageSpec& spec, int n_tasks, const void
   } catch (const Error& e) {
     return cuda_error(e.code(), std::string(kWhere) + e.what());
   }
+  if (spec.key && spec.witness != WitnessCode::kFp16 && !lossy_scheme_is_tier_b(spec.scheme)) {
+    return cuda_error(StatusCode::kUnsupported, std::string(kWhere) + "the " + witness_code_name(spec.witness) +
+                                                    " witness has no device encoder (fp16 has)");
+  }
   if (!has_device_encoder(spec.scheme)) {
     return cuda_error(StatusCode::kUnsupported,
                       std::string(kWhere) + "scheme " + lossy_scheme_name(spec.scheme) +

@@ -514,6 +514,11 @@ TEST(LossyEncodeCuda, CheckRefusesOtherSchemesBadSpecsAndArrays) {
   const Refusal refusals[] = {
       {with([](LossyPageSpec& s) { s.scheme = LossyScheme::kRtn8; }), 1, &task, &flag,
        StatusCode::kUnsupported, "rtn8"},
+      {with([](LossyPageSpec& s) {
+         s.scheme = LossyScheme::kFp8E4M3;
+         s.witness = WitnessCode::kPageScaled8;
+       }),
+       1, &task, &flag, StatusCode::kUnsupported, "u8 witness"},
       {with([](LossyPageSpec& s) { s.scheme = LossyScheme::kRtn4; }), 1, &task, &flag,
        StatusCode::kUnsupported, "rtn4"},
       {with([](LossyPageSpec& s) { s.scheme = LossyScheme::kFp8E4M3Scaled; }), 1, &task, &flag,
