@@ -415,12 +415,8 @@ inline void load_error_data(const TableReader& r, int64_t begin, int64_t end, fl
         }
       }
     } else if (spec.key && spec.witness != codec::WitnessCode::kFp16) {
-      // A coded witness, read back as floats (band-major [width][bt]).
-      page.resize(size_t(width) * size_t(bt));
-      codec::lossy_witness_bounds(spec, bytes, page.data());
-      for (int b = 0; b < width; ++b)
-        std::copy(page.data() + size_t(b) * size_t(bt), page.data() + size_t(b) * size_t(bt) + size_t(n),
-                  dst + size_t(b) * stride);
+      // A coded witness, read back as floats straight into the band-major rows.
+      codec::page_scaled_witness_bounds(bytes + side_offset, width, int(bt), int(n), dst, stride);
     } else {
       // Tier A side data is band-major [width][bt] (docs/format/lossy_pages.md).
       const uint16_t* side = reinterpret_cast<const uint16_t*>(bytes + side_offset);

@@ -779,6 +779,36 @@ const uint16_t* lossy_witness(const LossyPageSpec& spec, const uint8_t* page) {
   return reinterpret_cast<const uint16_t*>(page + g.payload_bytes);
 }
 
+namespace {
+// A stored bound or scale below 0, or NaN, is a corrupt page: it bounds nothing (-0 is 0).
+float stored_bound(uint16_t bits) {
+  const float v = fp16_to_float(bits);
+  return v >= 0.f ? v : std::numeric_limits<float>::infinity();
+}
+}  // namespace
+
+void page_scaled_witness_bounds(const uint8_t* side, int n_bands, int block_tokens, int n_tokens, float* out,
+                                size_t out_stride) {
+  const size_t cells = size_t(n_bands) * size_t(block_tokens);
+  // top (c + 1) / 256: an fp16 times an integer up to 256, then a power of two: exact in float.
+  const float step = stored_bound(load_u16(side + cells)) * (1.0f / 256.0f);
+  for (int b = 0; b < n_bands; ++b) {
+    const uint8_t* codes = side + size_t(b) * size_t(block_tokens);
+    float* row = out + size_t(b) * out_stride;
+    int t = 0;
+#if defined(__AVX2__)
+    // Eight codes at a time, the same exact products (the meter reads every page of every step).
+    const __m256 step8 = _mm256_set1_ps(step);
+    const __m256i one = _mm256_set1_epi32(1);
+    for (; t + 8 <= n_tokens; t += 8) {
+      const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + t)));
+      _mm256_storeu_ps(row + t, _mm256_mul_ps(step8, _mm256_cvtepi32_ps(_mm256_add_epi32(c, one))));
+    }
+#endif
+    for (; t < n_tokens; ++t) row[t] = step * float(int(codes[t]) + 1);
+  }
+}
+
 void lossy_witness_bounds(const LossyPageSpec& spec, const uint8_t* page, float* out) {
   const Geometry g = geometry_of(spec);
   if (lossy_scheme_is_tier_b(spec.scheme) || !spec.key) {
@@ -787,19 +817,12 @@ void lossy_witness_bounds(const LossyPageSpec& spec, const uint8_t* page, float*
              (spec.key ? " K" : " V") + " page carries no witness (Tier A K pages only)");
   }
   const uint8_t* side = page + g.payload_bytes;
-  const size_t cells = size_t(witness_bands(g.d)) * size_t(g.bt);
-  // A stored bound or scale below 0, or NaN, is a corrupt page: it bounds nothing (-0 is 0).
-  auto bound_of = [](uint16_t bits) {
-    const float v = fp16_to_float(bits);
-    return v >= 0.f ? v : std::numeric_limits<float>::infinity();
-  };
   if (spec.witness == WitnessCode::kFp16) {
-    for (size_t i = 0; i < cells; ++i) out[i] = bound_of(load_u16(side + 2 * i));
+    const size_t cells = size_t(witness_bands(g.d)) * size_t(g.bt);
+    for (size_t i = 0; i < cells; ++i) out[i] = stored_bound(load_u16(side + 2 * i));
     return;
   }
-  const float top = bound_of(load_u16(side + cells));
-  // top (c + 1) / 256: an fp16 times an integer up to 256, then a power of two: exact in float.
-  for (size_t i = 0; i < cells; ++i) out[i] = top * float(int(side[i]) + 1) * (1.0f / 256.0f);
+  page_scaled_witness_bounds(side, witness_bands(g.d), g.bt, g.bt, out, size_t(g.bt));
 }
 
 const uint16_t* lossy_value_rho(const LossyPageSpec& spec, const uint8_t* page) {

@@ -136,6 +136,12 @@ const uint16_t* lossy_witness(const LossyPageSpec& spec, const uint8_t* page);
 // bound (fp16) or scale (kPageScaled8) below 0, or NaN, is a corrupt page and reads as +inf,
 // which the meter turns into 1.
 void lossy_witness_bounds(const LossyPageSpec& spec, const uint8_t* page, float* out);
+// The kPageScaled8 bounds of a side-data area (n_bands * block_tokens codes, then the fp16
+// scale) without checking a spec: what lossy_witness_bounds does once the spec is valid, for the
+// meter's per-page loop (the cache's specs are validated when it is built). Tokens [0, n_tokens)
+// of each band b go to out[b * out_stride + t].
+void page_scaled_witness_bounds(const uint8_t* side, int n_bands, int block_tokens, int n_tokens, float* out,
+                                size_t out_stride);
 // Tier A V pages: rho [block_tokens] fp16 bits, inside the page.
 const uint16_t* lossy_value_rho(const LossyPageSpec& spec, const uint8_t* page);
 

@@ -234,7 +234,10 @@ void expect_side_data_bounds(const LossyPageSpec& spec, const std::vector<uint16
       const size_t cells = witness.size();
       top = fp16_to_float(uint16_t(page[lossy_payload_bytes(spec) + cells] |
                                    (page[lossy_payload_bytes(spec) + cells + 1] << 8)));
-      for (float w : witness) EXPECT_LE(w, top);
+      for (size_t i = 0; i < cells; ++i) {  // exactly top (c + 1) / 256, vector and scalar tails alike
+        EXPECT_LE(witness[i], top);
+        EXPECT_EQ(witness[i], float(top) * float(page[lossy_payload_bytes(spec) + i] + 1) / 256.f) << i;
+      }
     }
   } else {
     side = lossy_value_rho(spec, page.data());
