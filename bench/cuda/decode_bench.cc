@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -221,8 +222,14 @@ std::vector<double> time_graph(cudaStream_t stream, int iters, int reps, void* o
 // KV head's query vectors, a Haar rotation), tiled like the KV; queries quantized on the host
 // (not timed). Recall: the exact softmax mass (double, over the whole tiled context) of the
 // tokens attended, per query head of sequence 0.
+// Wall-clock seconds since t0 (where a cell's device time goes besides its timed launches).
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 struct SparseCell {
   double us = 0, us_min = 0, us_max = 0, recall_mean = 0, recall_min = 0, budget_mean = 0;
+  double prep_s = 0;  // from the call to the first timed replay: index, pages, buffers, warm-up
   int64_t bytes = 0;
   int n_sets = 0, splits = 0;
   const char* estimate_form = "";  // the form that ran (estimate_form_of)
@@ -231,6 +238,7 @@ struct SparseCell {
 SparseCell run_sparse(const Source& src, const HostLayerKv& kv, const std::vector<float>& q, int n_q, double top_p,
                       double deviations, EstimateForm estimate_form, int sparse_splits, int reps, int iters,
                       cache::cuda::DeviceBuffer& q_d, cache::cuda::DeviceBuffer& out_d) {
+  const auto start = std::chrono::steady_clock::now();
   constexpr int D = 128;
   constexpr int64_t kWindow = 128;
   const int B = kv.batch, H = kv.n_kv_heads, G = n_q / H;
@@ -338,6 +346,7 @@ SparseCell run_sparse(const Source& src, const HostLayerKv& kv, const std::vecto
   cell.n_sets = n_sets;
   cell.splits = sparse_splits > 0 ? sparse_splits : choose_splits(params[0]);
   cell.estimate_form = estimate_form_name(estimate_form_of(params[0]));
+  cell.prep_s = seconds_since(start);
   const std::vector<double> us = time_graph(stream, iters, reps, out_d.data(), q.size() * 4, "sparse", [&] {
     for (auto& p : params)
       if (const CudaStatus st = sparse_decode(p); !st.ok) die("sparse: " + st.message);
@@ -460,6 +469,7 @@ int main(int argc, char** argv) {
       const int batch = number<int>(batch_s, "batch");
       for (const std::string& ctx_s : contexts) {
         const int64_t ctx = number<int64_t>(ctx_s, "context");
+        const auto fill_start = std::chrono::steady_clock::now();
         HostLayerKv kv;
         kv.batch = batch;
         kv.n_kv_heads = n_kv;
@@ -488,8 +498,10 @@ int main(int argc, char** argv) {
             !cache::cuda::DeviceBuffer::allocate(size_t(batch) * n_q * 4, &meter_d).ok ||
             !cache::cuda::DeviceBuffer::allocate(size_t(batch) * n_q * 4, &am1_d).ok)
           die("device buffers for the queries");
+        const double fill_s = seconds_since(fill_start);  // the host KV of this (shape, batch, context)
 
         for (const std::string& fname : formats) {
+          const auto cell_start = std::chrono::steady_clock::now();
           if (fname.rfind("sparse-p", 0) == 0) {
             // sparse-pP, sparse-pP-zZ (the Top-p set widened by Z deviations), either with -est-FORM.
             const size_t est_at = fname.find("-est-", 8);
@@ -509,10 +521,11 @@ int main(int argc, char** argv) {
                           "\"us\": %.3f, \"us_min\": %.3f, \"us_max\": %.3f, \"bytes\": %lld, \"tb_s\": %.4f, "
                           "\"copy_tb_s\": %.4f, \"pct_copy\": %.2f, \"n_sets\": %d, \"splits\": %d, \"p\": %.3f, \"deviations\": %.3f, "
                           "\"window\": 128, \"recall_mean\": %.4f, \"recall_min\": %.4f, \"budget_mean\": %.4f, "
-                          "\"estimate_form\": \"%s\", \"timing\": \"graph\"}",
+                          "\"estimate_form\": \"%s\", \"host_fill_s\": %.3f, \"prep_s\": %.3f, \"cell_s\": %.3f, "
+                          "\"timing\": \"graph\"}",
                           fname.c_str(), shape_name.c_str(), batch, (long long)ctx, c.us, c.us_min, c.us_max,
                           (long long)c.bytes, tb_s, copy, 100.0 * tb_s / copy, c.n_sets, c.splits, top_p, deviations, c.recall_mean,
-                          c.recall_min, c.budget_mean, c.estimate_form);
+                          c.recall_min, c.budget_mean, c.estimate_form, fill_s, c.prep_s, seconds_since(cell_start));
             out << line << "\n";
             out.flush();
             std::printf("%-6s %5d %7lld %-30s %10.2f %10.1f %8.3f %8.1f  recall %.3f (min %.3f) budget %.3f\n",
@@ -568,6 +581,7 @@ int main(int argc, char** argv) {
           for (int w = 0; w < 3; ++w)
             for (auto& p : params)
               if (!(s = paged_decode(p)).ok) die(fname + ": " + s.message);
+          const double prep_s = seconds_since(cell_start);
           std::vector<double> us = time_graph(stream, iters, reps, out_d.data(), q.size() * 4, fname, [&] {
             for (auto& p : params)
               if (!(s = paged_decode(p)).ok) die(fname + ": " + s.message);
@@ -585,11 +599,13 @@ int main(int argc, char** argv) {
                         "{\"kind\": \"certkv\", \"format\": \"%s\", \"shape\": \"%s\", \"batch\": %d, \"ctx\": %lld, "
                         "\"us\": %.3f, \"us_min\": %.3f, \"us_max\": %.3f, \"bytes\": %lld, \"tb_s\": %.4f, "
                         "\"copy_tb_s\": %.4f, \"pct_copy\": %.2f, \"n_sets\": %d, \"splits\": %d, "
-                        "\"raw_pages\": %lld, \"meter_max\": %.6g, \"timing\": \"graph\"}",
+                        "\"raw_pages\": %lld, \"meter_max\": %.6g, \"host_fill_s\": %.3f, \"prep_s\": %.3f, "
+                        "\"cell_s\": %.3f, \"timing\": \"graph\"}",
                         fname.c_str(), shape_name.c_str(), batch, (long long)ctx, med,
                         *std::min_element(us.begin(), us.end()), *std::max_element(us.begin(), us.end()),
                         (long long)bytes, tb_s, copy, 100.0 * tb_s / copy, n_sets, choose_splits(params[0]),
-                        (long long)sets[0].raw_pages(), double(*std::max_element(meters.begin(), meters.end())));
+                        (long long)sets[0].raw_pages(), double(*std::max_element(meters.begin(), meters.end())), fill_s,
+                        prep_s, seconds_since(cell_start));
           out << line << "\n";
           out.flush();
           std::printf("%-6s %5d %7lld %-30s %10.2f %10.1f %8.3f %8.1f\n", shape_name.c_str(), batch, (long long)ctx,
