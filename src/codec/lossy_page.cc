@@ -434,37 +434,31 @@ void write_tier_a_side_data(const LossyPageSpec& spec, const Geometry& g, const 
   store_u16(side + bound.size(), top_bits);
 }
 
+// The name of enumerator `value` in a table of names, "unknown" past it; and the enumerator a
+// name stands for (false, `out` untouched, for a name not in the table).
+template <typename Enum, size_t N>
+const char* name_in(const char* const (&names)[N], Enum value) {
+  const size_t i = static_cast<size_t>(value);
+  return i < N ? names[i] : "unknown";
+}
+template <typename Enum, size_t N>
+bool parse_name_in(const char* const (&names)[N], std::string_view name, Enum* out) {
+  for (size_t i = 0; i < N; ++i) {
+    if (name == names[i]) {
+      *out = static_cast<Enum>(i);
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
-const char* witness_code_name(WitnessCode code) {
-  const int i = static_cast<int>(code);
-  return i < kNumWitnessCodes ? kWitnessCodeNames[i] : "unknown";
-}
+const char* witness_code_name(WitnessCode code) { return name_in(kWitnessCodeNames, code); }
+bool parse_witness_code(std::string_view name, WitnessCode* code) { return parse_name_in(kWitnessCodeNames, name, code); }
 
-bool parse_witness_code(std::string_view name, WitnessCode* code) {
-  for (int i = 0; i < kNumWitnessCodes; ++i) {
-    if (name == kWitnessCodeNames[i]) {
-      *code = static_cast<WitnessCode>(i);
-      return true;
-    }
-  }
-  return false;
-}
-
-const char* lossy_scheme_name(LossyScheme scheme) {
-  const int i = static_cast<int>(scheme);
-  return i < kNumLossySchemes ? kSchemeNames[i] : "unknown";
-}
-
-bool parse_lossy_scheme(std::string_view name, LossyScheme* scheme) {
-  for (int i = 0; i < kNumLossySchemes; ++i) {
-    if (name == kSchemeNames[i]) {
-      *scheme = static_cast<LossyScheme>(i);
-      return true;
-    }
-  }
-  return false;
-}
+const char* lossy_scheme_name(LossyScheme scheme) { return name_in(kSchemeNames, scheme); }
+bool parse_lossy_scheme(std::string_view name, LossyScheme* scheme) { return parse_name_in(kSchemeNames, name, scheme); }
 
 int witness_bands(int head_dim) {
   if (head_dim < 2) {
