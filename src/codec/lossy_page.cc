@@ -329,6 +329,7 @@ uint64_t dither8_counter(const Geometry& g, uint32_t page_slot, int row) {
 // x^ = s (round(x / s + xi) - xi) with s = amax / 126.5 stored fp16 (DESIGN.md section 4, Tier B).
 // Every operand of x / s + xi is exact in double and the double result rounds to the same
 // integer as the exact value (docs/format/dither8.md), so q is round(x / s16 + xi) exactly.
+// V pages are not dithered (xi = 0): the certificate's value side is the deterministic rho.
 bool encode_dither8(const LossyPageSpec& spec, const Geometry& g, uint32_t page_slot,
                     const uint16_t* x, uint8_t* page) {
   const std::vector<uint8_t> outlier = outlier_channels(spec);
@@ -349,7 +350,7 @@ bool encode_dither8(const LossyPageSpec& spec, const Geometry& g, uint32_t page_
       for (int c = c0; c < c0 + kQuantGroup; ++c) {
         int q = 0;
         if (!outlier[c] && s != 0.0) {
-          const double xi = dither8_xi(spec.dither_key, counter, c);
+          const double xi = spec.key ? dither8_xi(spec.dither_key, counter, c) : 0.0;
           q = int(round_half_even(double(bf16_to_float(row[c])) / s + xi));
         }
         rec[c] = uint8_t(int8_t(q));
@@ -376,8 +377,9 @@ void decode_dither8(const LossyPageSpec& spec, const Geometry& g, uint32_t page_
     const uint64_t counter = dither8_counter(g, page_slot, t);
     for (int c = 0; c < g.d; ++c) {
       const float s = fp16_to_float(load_u16(rec + g.d + 2 * size_t(c / kQuantGroup)));
-      // q - xi is exact in float (a multiple of 2^-9 below 127.5 in magnitude).
-      row[c] = s * (float(int8_t(rec[c])) - dither8_xi(spec.dither_key, counter, c));
+      // q - xi is exact in float (a multiple of 2^-9 below 127.5 in magnitude); V: xi = 0.
+      const float xi = spec.key ? dither8_xi(spec.dither_key, counter, c) : 0.0f;
+      row[c] = s * (float(int8_t(rec[c])) - xi);
     }
     const uint8_t* outliers = rec + g.d + 2 * size_t(g.groups);
     for (int i = 0; i < g.m; ++i) {
@@ -729,11 +731,15 @@ void lossy_decode_page(const LossyPageSpec& spec, uint32_t page_slot, const uint
   for (int t = 0; t < g.bt; ++t) {
     const uint8_t* rec = page + size_t(t) * record;
     float* row = out + size_t(t) * g.d;
-    const uint32_t row_seed =
-        format::dither8_row_seed(spec.dither_key, dither8_counter(g, page_slot, t));
-    for (int w = 0; w < g.d / 4; ++w) words[w] = format::dither8_word(row_seed, w);
-    std::memcpy(u, words, size_t(g.d));
-    for (int c = 0; c < g.d; ++c) xi[c] = (float(u[c]) + 0.5f) / 256.0f - 0.5f;
+    if (spec.key) {
+      const uint32_t row_seed =
+          format::dither8_row_seed(spec.dither_key, dither8_counter(g, page_slot, t));
+      for (int w = 0; w < g.d / 4; ++w) words[w] = format::dither8_word(row_seed, w);
+      std::memcpy(u, words, size_t(g.d));
+      for (int c = 0; c < g.d; ++c) xi[c] = (float(u[c]) + 0.5f) / 256.0f - 0.5f;
+    } else {
+      std::fill(xi, xi + g.d, 0.0f);  // V pages are not dithered
+    }
     for (int grp = 0; grp < g.groups; ++grp) {
       const float s = fp16_to_float(load_u16(rec + g.d + 2 * size_t(grp)));
       const int c0 = grp * kQuantGroup;

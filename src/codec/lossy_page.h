@@ -89,9 +89,10 @@ struct LossyPageSpec {
   int head_dim = 0;  // multiple of 32 (kQuantGroup), at most 256
   RopePairing pairing = RopePairing::kInterleaved;
   WitnessCode witness = WitnessCode::kFp16;  // Tier A K pages; ignored by other pages
-  // dither8: the dither of element (row, channel) of the page stored at physical slot
+  // dither8 K pages: the dither of element (row, channel) of the page stored at physical slot
   // `page_slot` is dither8_xi(dither_key, page_slot * block_tokens + row, channel); the key names
-  // (layer, K/V, kv_head) (dither8_key). Never the sequence position.
+  // (layer, K/V, kv_head) (dither8_key). Never the sequence position. V pages are not dithered
+  // (the certificate's value side is the deterministic rho): their key is ignored.
   uint64_t dither_key = 0;
   // dither8 K pages: the m RoPE pairs kept exact (bf16) and excluded from the group amax, fixed
   // per (layer, kv_head); n_outlier_pairs <= min(kMaxOutlierPairs, head_dim / 2). V pages: 0.

@@ -651,8 +651,9 @@ bool code_is_nearest(double x, double s, int q, double xi) {
 }
 
 // (a) The read side regenerates the write side's dither: x^ == s16 (q - xi(key, slot * bt + row,
-// c)) bit for bit, with xi recomputed here. (b) Every code is the nearest integer to x / s16 + xi
-// with the STORED fp16 scale. (c) No clipping: |x / s16| <= 126.5 and |q| <= 127.
+// c)) bit for bit, with xi recomputed here (K pages; V pages are not dithered: xi = 0). (b) Every
+// code is the nearest integer to x / s16 + xi with the STORED fp16 scale. (c) No clipping:
+// |x / s16| <= 126.5 and |q| <= 127.
 TEST(Dither8Contract, DecodeRegeneratesTheDitherAndCodesUseTheStoredScale) {
   uint64_t seed = 100;
   for (int d : kHeadDims) {
@@ -670,7 +671,8 @@ TEST(Dither8Contract, DecodeRegeneratesTheDitherAndCodesUseTheStoredScale) {
             const size_t i = size_t(t) * d + c;
             const float s = p.scales[size_t(t) * (d / kQuantGroup) + c / kQuantGroup];
             const int q = code_at(p, t, c);
-            const float xi = dither8_xi(kTestDitherKey, uint64_t(slot) * bt + uint64_t(t), c);
+            const float xi =
+                key ? dither8_xi(kTestDitherKey, uint64_t(slot) * bt + uint64_t(t), c) : 0.0f;
             const float expected = s * (float(q) - xi);
             regenerated += float_bits(p.recon[i]) == float_bits(expected);
             const double xv = bf16_to_float(x[i]);
@@ -740,7 +742,8 @@ TEST(Dither8Contract, Fp32ScaleVariantIsCaughtOnRealKv) {
               for (int c = g * 32; c < g * 32 + 32; ++c) {
                 if (outlier[c]) continue;
                 const double xv = bf16_to_float(x[size_t(t) * kD + c]);
-                const double xi = dither8_xi(dither_key, uint64_t(slot) * kBt + uint64_t(t), c);
+                const double xi =
+                    key ? dither8_xi(dither_key, uint64_t(slot) * kBt + uint64_t(t), c) : 0.0;
                 const int q = int8_t(page[size_t(t) * record + c]);
                 const int q_variant = int(std::nearbyint(xv / double(s32) + xi));
                 ++values;
@@ -763,20 +766,33 @@ TEST(Dither8Contract, Fp32ScaleVariantIsCaughtOnRealKv) {
   EXPECT_GT(variant_violations, 0);
 }
 
-// (d) The dither is a function of (key, slot, row, channel) alone: the same ones give the same
-// page; another slot or another key gives other codes (about a third differ), and reading a page
-// under the wrong slot breaks the error bound.
+// (d) The dither of a K page is a function of (key, slot, row, channel) alone: the same ones give
+// the same page; another slot or another key gives other codes (about a third differ), and
+// reading a page under the wrong slot breaks the error bound. A V page is not dithered: the same
+// codes in any slot under any key, each the nearest integer to x / s16.
 TEST(Dither8Contract, DitherIsKeyedBySlotAndKey) {
   const int d = 128, bt = 16;
-  const std::vector<uint16_t> x = make_block(5, bt, d, RopePairing::kInterleaved, false);
+  const std::vector<uint16_t> x = make_block(5, bt, d, RopePairing::kInterleaved, true);
   const Dither8Page a =
-      encode_dither8(x, false, bt, d, RopePairing::kInterleaved, 0, 41, kTestDitherKey);
+      encode_dither8(x, true, bt, d, RopePairing::kInterleaved, 0, 41, kTestDitherKey);
   const Dither8Page same =
-      encode_dither8(x, false, bt, d, RopePairing::kInterleaved, 0, 41, kTestDitherKey);
+      encode_dither8(x, true, bt, d, RopePairing::kInterleaved, 0, 41, kTestDitherKey);
   const Dither8Page other_slot =
-      encode_dither8(x, false, bt, d, RopePairing::kInterleaved, 0, 42, kTestDitherKey);
+      encode_dither8(x, true, bt, d, RopePairing::kInterleaved, 0, 42, kTestDitherKey);
   const Dither8Page other_key =
-      encode_dither8(x, false, bt, d, RopePairing::kInterleaved, 0, 41, kTestDitherKey + 1);
+      encode_dither8(x, true, bt, d, RopePairing::kInterleaved, 0, 41, kTestDitherKey + 1);
+  const Dither8Page value =
+      encode_dither8(x, false, bt, d, RopePairing::kInterleaved, 0, 41, kTestDitherKey);
+  EXPECT_EQ(value.page, encode_dither8(x, false, bt, d, RopePairing::kInterleaved, 0, 42,
+                                       kTestDitherKey + 1).page);
+  for (int t = 0; t < bt; ++t) {
+    for (int c = 0; c < d; ++c) {
+      const double s = value.scales[size_t(t) * 4 + c / 32];
+      const int q = code_at(value, t, c);
+      EXPECT_TRUE(s == 0.0 ? q == 0 : code_is_nearest(bf16_to_float(x[size_t(t) * d + c]), s, q, 0.0))
+          << t << " " << c;
+    }
+  }
   EXPECT_EQ(a.page, same.page);
   auto differing_codes = [&](const Dither8Page& b) {
     int n = 0;
@@ -805,7 +821,7 @@ TEST(Dither8Contract, DitherIsKeyedBySlotAndKey) {
   // as a one-token page in slot 41 * bt + t, gets the same codes.
   for (int t = 0; t < bt; t += 5) {
     const std::vector<uint16_t> row(x.begin() + t * d, x.begin() + (t + 1) * d);
-    const Dither8Page single = encode_dither8(row, false, 1, d, RopePairing::kInterleaved, 0,
+    const Dither8Page single = encode_dither8(row, true, 1, d, RopePairing::kInterleaved, 0,
                                               uint32_t(41 * bt + t), kTestDitherKey);
     for (int c = 0; c < d; ++c) EXPECT_EQ(code_at(single, 0, c), code_at(a, t, c)) << t << " " << c;
   }
@@ -840,13 +856,14 @@ void expect_uniform_residual(const std::vector<double>& e, const std::string& wh
   ::testing::Test::RecordProperty(what + "_second_moment", std::to_string(second));
 }
 
+// (K pages: the dithered ones.)
 TEST(Dither8Contract, NormalizedResidualIsUniform) {
   const int d = 128, bt = 16;
   std::vector<double> e_random, e_fixed_fraction;
   for (uint32_t slot = 0; slot < 512; ++slot) {
-    const std::vector<uint16_t> x = make_block(1000 + slot, bt, d, RopePairing::kHalfSplit, false);
+    const std::vector<uint16_t> x = make_block(1000 + slot, bt, d, RopePairing::kHalfSplit, true);
     const Dither8Page p =
-        encode_dither8(x, false, bt, d, RopePairing::kHalfSplit, 0, slot, kTestDitherKey);
+        encode_dither8(x, true, bt, d, RopePairing::kHalfSplit, 0, slot, kTestDitherKey);
     for (int t = 0; t < bt; ++t) {
       for (int c = 0; c < d; ++c) {
         const double s = p.scales[size_t(t) * 4 + c / 32];
@@ -862,7 +879,7 @@ TEST(Dither8Contract, NormalizedResidualIsUniform) {
   }
   for (uint32_t slot = 0; slot < 256; ++slot) {
     const Dither8Page p =
-        encode_dither8(fixed, false, bt, d, RopePairing::kHalfSplit, 0, slot, kTestDitherKey);
+        encode_dither8(fixed, true, bt, d, RopePairing::kHalfSplit, 0, slot, kTestDitherKey);
     for (int t = 0; t < bt; ++t) {
       for (int c = 0; c < d; ++c) {
         if (c % 32 == 0) continue;

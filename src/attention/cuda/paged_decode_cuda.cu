@@ -151,15 +151,12 @@ struct Tiles<D, PageFormat::kGaacBf16> {  // one tile: the K page's rows, then t
 };
 
 template <int D>
-struct Tiles<D, PageFormat::kDither8> {
+struct Tiles<D, PageFormat::kDither8> {  // the K page's scores read its stage: one tile, for the values
   alignas(16) uint8_t stage_k[1][stage_bytes<D, PageFormat::kDither8>(true)];
   alignas(16) uint8_t stage_v[1][stage_bytes<D, PageFormat::kDither8>(false)];
-  alignas(16) uint16_t k[kBlockTokens * D];  // integer codes (fp16, exact)
-  // u - 128 of each K element (fp16, exact; 0 on outliers) for the scores; then the values,
-  // decoded once the scores are done.
+  // The values s (q - xi) (fp16), decoded once the scores are done; an exact (raw bf16) K page's
+  // rows before them.
   alignas(16) uint16_t w[kBlockTokens * D];
-  float scale[kBlockTokens][D / kQuantGroup];
-  float outlier[kBlockTokens][2 * kMaxDeviceOutlierPairs];
   float rho[kBlockTokens];  // the V page's rho_t (metered launches)
 };
 
@@ -516,77 +513,97 @@ __device__ inline uint32_t bytes_to_1024_plus(uint32_t word, int byte) {
   return __byte_perm(word, 0x64646464u, 0x4040 | byte | ((byte + 1) << 8));
 }
 
-// dither8 record of token t: int8 codes [D], fp16 scales [D/32], bf16 outliers [2m].
-// K (kKey): codes -> tiles.k (fp16, exact), u - 128 -> tiles.w (fp16, exact; 0 on outliers),
-// scales -> tiles.scale, outliers -> tiles.outlier. V: s (q - xi) rounded to fp16 -> row.
-template <int D, bool kKey>
-__device__ inline void decode_dither8_row(const uint8_t* page, int m, uint64_t key, int32_t slot,
-                                          int lane, uint64_t outlier_mask, Tiles<D, PageFormat::kDither8>& tiles) {
+// dither8 V record of token t = lane / 2 (int8 codes [D], fp16 scales [D/32]; V pages are not
+// dithered) into the value tile: s q rounded once to fp16, channels [h D/2, (h + 1) D/2) with
+// h = lane % 2. A code byte becomes fp16 1024 + 128 + q exactly (bytes_to_1024_plus of the code
+// biased by 128), minus 1152 is q exactly, times s rounds once (s q is exact in float: 11 by 8
+// significant bits, so this is the CPU's float value rounded to fp16).
+template <int D>
+__device__ inline void decode_dither8_values(const uint8_t* page, int lane, Tiles<D, PageFormat::kDither8>& tiles) {
   constexpr int G = D / kQuantGroup;
   const int t = lane >> 1, h = lane & 1;
-  const int record = D + 2 * G + 4 * m;
-  const uint8_t* rec = page + size_t(t) * record;
+  const uint8_t* rec = page + size_t(t) * (D + 2 * G);
   uint32_t code_words[D / 8];
   load_words(rec + h * (D / 2), code_words);  // 8-byte loads where the record allows: 2-way conflicts otherwise
-  float scales[G / 2];
+  __half2 scale2[G / 2];
   const uint16_t* scale_ptr = reinterpret_cast<const uint16_t*>(rec + D) + h * (G / 2);
 #pragma unroll
-  for (int g = 0; g < G / 2; ++g) scales[g] = fp16_bits_to_float(scale_ptr[g]);
-  const uint32_t seed = format::dither8_row_seed(key, uint64_t(uint32_t(slot)) * kBlockTokens + uint64_t(t));
-  // Bytes become fp16 1024 + byte exactly (bytes_to_1024_plus); codes are stored biased by 128.
-  // Eight channels (two generator words) per step, stored as 16-byte rows.
-  const __half2 k1152 = __float2half2_rn(1152.f), k1148 = __float2half2_rn(1148.f);
-  const __half2 inv256 = __float2half2_rn(-1.f / 256.f);
-  __half2 scale2[G / 2], offset2[G / 2];
+  for (int g = 0; g < G / 2; ++g) scale2[g] = __half2half2(__ushort_as_half(scale_ptr[g]));
+  const __half2 k1152 = __float2half2_rn(1152.f);
 #pragma unroll
-  for (int g = 0; g < G / 2; ++g) {
-    scale2[g] = __float2half2_rn(scales[g]);
-    offset2[g] = __float2half2_rn(scales[g] * (255.f / 512.f));
-  }
-  uint16_t* out_tile = kKey ? tiles.k : tiles.w;
-#pragma unroll
-  for (int i = 0; i < D / 8; i += 2) {
-    uint32_t out[4], wout[4];
+  for (int i = 0; i < D / 8; i += 2) {  // eight channels (two code words) per 16-byte tile chunk
+    uint32_t out[4];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const uint32_t word = format::dither8_word(seed, h * (D / 8) + i + half);  // channels h D/2 + 4 (i + half) ..
-      const uint32_t codes_biased = code_words[i + half] ^ 0x80808080u;          // code + 128
+      const uint32_t biased = code_words[i + half] ^ 0x80808080u;  // code + 128
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
-        uint32_t c2 = bytes_to_1024_plus(codes_biased, 2 * k);
-        uint32_t u2 = bytes_to_1024_plus(word, 2 * k);
-        const int n = 2 * half + k;
-        if constexpr (kKey) {
-          const __half2 code = __hsub2(*reinterpret_cast<__half2*>(&c2), k1152);  // exact
-          const __half2 wv = __hsub2(*reinterpret_cast<__half2*>(&u2), k1152);    // u - 128, exact
-          out[n] = *reinterpret_cast<const uint32_t*>(&code);
-          wout[n] = *reinterpret_cast<const uint32_t*>(&wv);
-        } else {
-          // x^ = s (code - xi) = s (code - u / 256 + 255 / 512): (1024 + code + 128) - 1148 =
-          // code + 4 exactly, minus (1024 + u) / 256 = 4 + u / 256 (one rounding), then s times
-          // that plus s 255 / 512 (one rounding).
-          const int g = (4 * i) / kQuantGroup;  // the lane's group of these 8 channels
-          const __half2 code4 = __hsub2(*reinterpret_cast<__half2*>(&c2), k1148);
-          const __half2 y = __hfma2(*reinterpret_cast<__half2*>(&u2), inv256, code4);
-          const __half2 x = __hfma2(y, scale2[g], offset2[g]);
-          out[n] = *reinterpret_cast<const uint32_t*>(&x);
-        }
+        uint32_t c2 = bytes_to_1024_plus(biased, 2 * k);
+        const __half2 q = __hsub2(*reinterpret_cast<__half2*>(&c2), k1152);  // exact
+        const __half2 x = __hmul2(q, scale2[(4 * i) / kQuantGroup]);
+        out[2 * half + k] = *reinterpret_cast<const uint32_t*>(&x);
       }
     }
-    *tile_chunk<D>(out_tile, t, h, i / 2) = make_uint4(out[0], out[1], out[2], out[3]);
-    if constexpr (kKey) *tile_chunk<D>(tiles.w, t, h, i / 2) = make_uint4(wout[0], wout[1], wout[2], wout[3]);
+    *tile_chunk<D>(tiles.w, t, h, i / 2) = make_uint4(out[0], out[1], out[2], out[3]);
   }
-  if constexpr (kKey) {  // outlier channels carry no dither: their u - 128 is 0
-    for (uint64_t mask = outlier_mask; mask != 0; mask &= mask - 1)
-      tiles.w[tile_element<D>(t, h * (D / 2) + __ffsll(static_cast<long long>(mask)) - 1)] = 0;
-  }
-  if constexpr (kKey) {
+}
+
+// The scores of a dither8 K page straight from its stage, without a tile: S^T = K^ Q^T, where
+// K^ = s (q - xi) per token and group of 32 channels. Lane (tq, hq) builds the A fragments of its
+// rows tq and tq + 8 itself: in 16-channel step kk the mma's k indices 2 hq, 2 hq + 1, 2 hq + 8,
+// 2 hq + 9 stand for channels 16 kk + 4 hq + 0..3 (the queries' B fragments, qb, are permuted
+// the same way), which are one 32-bit word of the row's codes and exactly generator word
+// 4 kk + hq of the row (format/dither8_generator.h). Per group g (steps 2 g, 2 g + 1 at
+// D = 128; a step never straddles two groups) one accumulator starts at -o_g (o_g =
+// (1/2)/256 sum_{c in g} q_c, neg_offset) and takes two mma per step, the codes q and the
+// dither's 1/2 - u/256 (both exact in fp16: q - xi = q + (1/2 - u/256) - 1/512), then the token's
+// scale multiplies it in fp32. Outlier channels: code 0 (stored) and dither byte 128 (`keep`
+// clears it), so neither mma sees them; their exact values are added after.
+// rows: the stage's rows tq and tq + 8; seeds: their generator row seeds; keep[kk]: byte j is 0xff
+// unless channel 16 kk + 4 hq + j is an outlier; sc: the rows' scales (out).
+template <int D>
+__device__ inline void dither8_key_scores(const uint8_t* const (&rows)[2], const uint32_t (&seeds)[2], int hq,
+                                          const uint32_t (&qb)[D / 16][2], const uint32_t (&keep)[D / 16],
+                                          const float (&neg_offset)[D / kQuantGroup][2],
+                                          float (&sc)[2][D / kQuantGroup], float (&s)[4]) {
+  constexpr int G = D / kQuantGroup;
+  constexpr int kSteps = kQuantGroup / 16;  // mma steps per group
+  const __half2 k1152 = __float2half2_rn(1152.f);
+  const __half2 minus_inv256 = __float2half2_rn(-1.f / 256.f), k4_5 = __float2half2_rn(4.5f);
 #pragma unroll
-    for (int g = 0; g < G / 2; ++g) tiles.scale[t][h * (G / 2) + g] = scales[g];
-    if (h == 0) {
-      const uint16_t* ex = reinterpret_cast<const uint16_t*>(rec + D + 2 * G);
-      for (int j = 0; j < 2 * m; ++j) tiles.outlier[t][j] = __bfloat162float(__ushort_as_bfloat16(ex[j]));
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int j = 0; j < G / 2; ++j) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(rows[r] + D + 4 * j);
+      sc[r][2 * j] = fp16_bits_to_float(w & 0xffffu);
+      sc[r][2 * j + 1] = fp16_bits_to_float(w >> 16);
     }
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    float acc[4] = {neg_offset[g][0], neg_offset[g][1], neg_offset[g][0], neg_offset[g][1]};
+#pragma unroll
+    for (int kk = kSteps * g; kk < kSteps * (g + 1); ++kk) {
+      uint32_t codes[4], dither[4];  // A fragments: [r] channels 0, 1 of the word, [r + 2] channels 2, 3
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint32_t biased = *reinterpret_cast<const uint32_t*>(rows[r] + 16 * kk + 4 * hq) ^ 0x80808080u;
+        const uint32_t word = format::dither8_word(seeds[r], 4 * kk + hq);
+        const uint32_t u = (word & keep[kk]) | (0x80808080u & ~keep[kk]);  // outliers: u = 128, 1/2 - u/256 = 0
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          uint32_t c2 = bytes_to_1024_plus(biased, 2 * k), u2 = bytes_to_1024_plus(u, 2 * k);
+          const __half2 q = __hsub2(*reinterpret_cast<__half2*>(&c2), k1152);               // exact
+          const __half2 d = __hfma2(*reinterpret_cast<__half2*>(&u2), minus_inv256, k4_5);  // 1/2 - u/256, exact
+          codes[r + 2 * k] = *reinterpret_cast<const uint32_t*>(&q);
+          dither[r + 2 * k] = *reinterpret_cast<const uint32_t*>(&d);
+        }
+      }
+      mma16816<true>(acc, codes, qb[kk][0], qb[kk][1]);
+      mma16816<true>(acc, dither, qb[kk][0], qb[kk][1]);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s[k] = fmaf(sc[k >> 1][g], acc[k], s[k]);
   }
 }
 
@@ -665,6 +682,19 @@ __device__ inline void stage_page(const SplitArgs& a, bool key, const PageRef& r
 #pragma unroll
     for (int c = lane; c < kBlockTokens * kChunksPerRow; c += 32)
       cp_async16(tile + PaddedTile<D>::offset(c / kChunksPerRow, c % kChunksPerRow), ref.bytes + size_t(c) * 16);
+  } else if constexpr (F == PageFormat::kDither8) {
+    // Whole rounds of 32 lanes, unrolled (the runtime-bounded loop cost the hot loop about 130
+    // instructions with its remainder handling: cuobjdump): a page is kBlockTokens records of
+    // D + 2 G + 4 m bytes, so D + 2 G + 4 m chunks of 16 bytes (m = 0 on V pages).
+    constexpr int kRounds = (stage_bytes<D, F>(true) / 16 + 31) / 32;
+    static_assert(kBlockTokens == 16, "a record per chunk");
+    uint8_t* stage = key ? tiles.stage_k[st] : tiles.stage_v[st];
+    const int chunks = D + 2 * (D / kQuantGroup) + (key ? 4 * a.p.n_outlier_pairs : 0);
+#pragma unroll
+    for (int j = 0; j < kRounds; ++j) {
+      const int c = lane + 32 * j;
+      if (c < chunks) cp_async16(stage + 16 * c, ref.bytes + size_t(c) * 16);
+    }
   } else {
     uint8_t* stage = key ? tiles.stage_k[st] : tiles.stage_v[st];
     int bytes = stage_bytes<D, F>(key);
@@ -673,8 +703,6 @@ __device__ inline void stage_page(const SplitArgs& a, bool key, const PageRef& r
           F == PageFormat::kGaacBf16 ? format::GaacElement::kBf16 : format::GaacElement::kFp8E5M2;
       bytes = int(format::gaac_slot_bytes(E, kBlockTokens, D, size_t(key ? a.p.k_escape_capacity : a.p.v_escape_capacity)) + 15) / 16 * 16;
     }
-    if constexpr (F == PageFormat::kDither8)
-      bytes = (kBlockTokens * (D + 2 * (D / kQuantGroup) + (key ? 4 * a.p.n_outlier_pairs : 0)) + 15) / 16 * 16;
     // stage_chunk(lane + 32 j) == stage_chunk(lane) + 32 j in the permuted region (c / 8 mod 4 is
     // the lane's), lane + 32 j after it.
     const int permuted = stage_chunk<D, F>(lane) - lane;  // the lane's XOR, as a difference
@@ -683,13 +711,20 @@ __device__ inline void stage_page(const SplitArgs& a, bool key, const PageRef& r
   }
 }
 
-// The tile the values are decoded into (dither8: the dither tile, GAAC bf16: the K tile, each
-// free once the scores are done).
+// The tile the values are decoded into (dither8: its one tile, GAAC bf16: the K tile, each free
+// once the scores are done).
 template <int D, PageFormat F>
 __device__ inline uint16_t* value_rows(Tiles<D, F>& tiles) {
   if constexpr (F == PageFormat::kDither8) return tiles.w;
   else if constexpr (F == PageFormat::kGaacBf16) return tiles.k;
   else return tiles.v;
+}
+// The tile a K page is decoded into (dither8: only an exact page, whose scores are done before
+// the values take the tile).
+template <int D, PageFormat F>
+__device__ inline uint16_t* key_rows(Tiles<D, F>& tiles) {
+  if constexpr (F == PageFormat::kDither8) return tiles.w;
+  else return tiles.k;
 }
 
 // An fp8 page's side data in its stage, after the codes: the K page's Tier A witness (fp16,
@@ -701,12 +736,13 @@ __device__ inline const uint16_t* fp8_side(const uint8_t* stage) {
 
 // Decodes the staged page (stage st) into the tiles. False (and zero rows) for a corrupt page.
 // A lossy format's raw page is the exact bf16 values, copied from the pool into the K tile or the
-// value tile (dither8 K: tiles.k alone; the scores read it on the bf16 path); kMixed says whether
-// the page may be one (the hot loop's pages never are). kMeter: a dither8 V page's rho goes to
-// tiles.rho (an fp8 page's side data stays in its stage).
+// value tile (the scores read it on the bf16 path); kMixed says whether the page may be one (the
+// hot loop's pages never are). A dither8 K page is decoded only when raw (its scores read its
+// stage: dither8_key_scores). kMeter: a dither8 V page's rho goes to tiles.rho (an fp8 page's side
+// data stays in its stage).
 template <int D, PageFormat F, bool kMeter, bool kMixed>
 __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& ref, int st, int lane, int kv_head,
-                                   const CtaShared<D, F>& sh, uint64_t outlier_mask, Tiles<D, F>& tiles) {
+                                   const CtaShared<D, F>& sh, Tiles<D, F>& tiles) {
   const int t = lane >> 1, h = lane & 1;
   if constexpr (F == PageFormat::kBf16) {
     if (ref.bytes == nullptr || ref.raw) {  // a bf16 table names no raw page: corrupt (nothing was staged)
@@ -715,17 +751,10 @@ __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& 
     }
     return true;
   } else {
-    uint16_t* tile = key ? tiles.k : value_rows(tiles);
+    uint16_t* tile = key ? key_rows(tiles) : value_rows(tiles);
     const uint8_t* staged = key ? tiles.stage_k[st] : tiles.stage_v[st];
     if (ref.bytes == nullptr) {
       zero_row<D>(tile, t, h);
-      if constexpr (F == PageFormat::kDither8) {
-        if (!key) return false;
-        zero_row<D>(tiles.w, t, h);
-        for (int g = 0; g < D / kQuantGroup / 2; ++g) tiles.scale[t][h * (D / kQuantGroup / 2) + g] = 0.f;
-        if (h == 0)
-          for (int j = 0; j < 2 * kMaxDeviceOutlierPairs; ++j) tiles.outlier[t][j] = 0.f;
-      }
       return false;
     }
     if constexpr (F == PageFormat::kGaacBf16 || F == PageFormat::kGaacE5M2) {
@@ -747,11 +776,8 @@ __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& 
     } else if constexpr (F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2) {
       decode_fp8_row<D, F == PageFormat::kFp8E4M3, F>(staged, t, h, tile);
     } else {
-      const uint64_t dkey = a.p.dither_keys[(key ? 0 : 1) * a.p.n_kv_heads + kv_head];
-      if (key) {
-        decode_dither8_row<D, true>(staged, a.p.n_outlier_pairs, dkey, ref.slot, lane, outlier_mask, tiles);
-      } else {
-        decode_dither8_row<D, false>(staged, 0, dkey, ref.slot, lane, 0, tiles);
+      if (!key) {  // (a lossy dither8 K page is never decoded: its scores read the stage)
+        decode_dither8_values<D>(staged, lane, tiles);
         if constexpr (kMeter) dither8_value_rho_row<D>(staged, lane, tiles);
       }
     }
@@ -875,11 +901,14 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
   // group as the 8 columns): lane l holds tokens tq = l / 4 and tq + 8, heads 2 hq and 2 hq + 1.
   // Scores S^T = K Q^T; the output O^T = V^T P^T (rows: 16 channels at a time).
   const int tq = lane >> 2, hq = lane & 3;
-  uint32_t qb[D / 16][2];  // Q^T as the B operand: channels 2 hq, 2 hq + 1 (+ 8) of head tq
+  // Q^T as the B operand: channels 2 hq, 2 hq + 1 (+ 8) of head tq; dither8 (whose K fragments
+  // are built in registers, dither8_key_scores): channels 4 hq + 0, 1 (+ 2, 3).
+  uint32_t qb[D / 16][2];
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    qb[kk][0] = *reinterpret_cast<const uint32_t*>(&sh.q[tq][16 * kk + 2 * hq]);
-    qb[kk][1] = *reinterpret_cast<const uint32_t*>(&sh.q[tq][16 * kk + 2 * hq + 8]);
+    const int c = Traits::kTierB ? 16 * kk + 4 * hq : 16 * kk + 2 * hq;
+    qb[kk][0] = *reinterpret_cast<const uint32_t*>(&sh.q[tq][c]);
+    qb[kk][1] = *reinterpret_cast<const uint32_t*>(&sh.q[tq][c + (Traits::kTierB ? 2 : 8)]);
   }
   // Tier A: the band weights of head tq as B operands (fp16, hi + lo >= the weight, prescaled by
   // a power of two so that the largest fits fp16), and the factor that undoes the prescale and
@@ -908,12 +937,33 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
     wb_lo[0] = lo[0] | (uint32_t(lo[1]) << 16);
     wb_lo[1] = lo[2] | (uint32_t(lo[3]) << 16);
   }
-  uint64_t outlier_mask = 0;  // dither8 K: bit c' set when channel h D/2 + c' is an outlier
+  // dither8 K (dither8_key_scores): keep[kk] byte j is 0 when channel 16 kk + 4 hq + j is an
+  // outlier; the dither offsets of heads 2 hq, 2 hq + 1, negated; the rows tq, tq + 8 of a staged
+  // page and the generator key.
+  [[maybe_unused]] uint32_t keep[D / 16];
+  [[maybe_unused]] float neg_offset[G][2];
+  [[maybe_unused]] int key_rows_at[2] = {0, 0};
+  [[maybe_unused]] uint64_t k_dither_key = 0;
   if constexpr (Traits::kTierB) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) keep[kk] = 0xffffffffu;
     for (int o = 0; o < 2 * p.n_outlier_pairs; ++o) {
-      const int c = sh.outlier_channels[o] - (lane & 1) * (D / 2);
-      if (c >= 0 && c < D / 2) outlier_mask |= uint64_t(1) << c;
+      const int c = sh.outlier_channels[o];
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const int j = c - (16 * kk + 4 * hq);
+        if (j >= 0 && j < 4) keep[kk] &= ~(0xffu << (8 * j));
+      }
     }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      neg_offset[g][0] = -sh.dither_offset[2 * hq][g];
+      neg_offset[g][1] = -sh.dither_offset[2 * hq + 1][g];
+    }
+    const int record = D + 2 * G + 4 * p.n_outlier_pairs;
+    key_rows_at[0] = tq * record;
+    key_rows_at[1] = (tq + 8) * record;
+    k_dither_key = p.dither_keys[kv_head];
   }
 
   auto& tiles = sh.u.tiles[warp];
@@ -973,13 +1023,20 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
                           auto&& stage_next) {
     constexpr bool kMixed = decltype(mixed)::value;
     const bool k_exact = kMixed && kref.raw, v_exact = kMixed && vref.raw;
-    if (!decode_page<D, F, kMeter, kMixed>(a, true, kref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
+    if constexpr (Traits::kTierB) {  // only an exact K page is decoded; a lossy one is read from its stage
+      const bool k_ok = k_exact ? decode_page<D, F, kMeter, kMixed>(a, true, kref, st, lane, kv_head, sh, tiles)
+                                : kref.bytes != nullptr;
+      if (!k_ok) corrupt += lane == 0;
+    } else if (!decode_page<D, F, kMeter, kMixed>(a, true, kref, st, lane, kv_head, sh, tiles)) {
+      corrupt += lane == 0;
+    }
     if constexpr (!kValuesLate)
-      if (!decode_page<D, F, kMeter, kMixed>(a, false, vref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
+      if (!decode_page<D, F, kMeter, kMixed>(a, false, vref, st, lane, kv_head, sh, tiles)) corrupt += lane == 0;
     // The logit bounds c of this lane's four (token, head) cells and rho of its tokens tq, tq + 8
     // (meter formats; 0 on exact and corrupt pages). fp8: from the pages' side data in the stages,
     // before they are refilled; c is the witness^T (tokens x bands) times the band weights.
     [[maybe_unused]] float c_bound[4] = {0.f, 0.f, 0.f, 0.f};
+    [[maybe_unused]] float key_scale[2][G];  // dither8: the K page's scales of tokens tq, tq + 8
     [[maybe_unused]] float rho[2] = {0.f, 0.f};
     if constexpr (kMeter && Traits::kTierA) {
       if (kref.bytes != nullptr && !k_exact) {
@@ -1004,7 +1061,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
       tile_k = tiles.k[st];
       tile_v = tiles.v[st];
     } else {
-      tile_k = tiles.k;
+      tile_k = key_rows(tiles);
       tile_v = value_rows(tiles);
     }
 
@@ -1013,31 +1070,26 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
     if (k_exact) {
       if constexpr (kMixed) tile_scores_shared_q<D, false, TileLayout<D, F>>(tile_k, exact_page_query(sh), lane, s);
     } else if constexpr (Traits::kTierB) {
-      const int ld_token = ((lane >> 3) & 1) * 8 + (lane & 7);  // ldmatrix row address of this lane
-      const int ld = tile_index<D>(ld_token, lane >> 4);  // chunk 2 kk + (lane >> 4)
+      if (kref.bytes != nullptr) {  // corrupt: scores 0, scales 0 (c = 0)
+        const uint8_t* const rows[2] = {tiles.stage_k[st] + key_rows_at[0], tiles.stage_k[st] + key_rows_at[1]};
+        const uint64_t counter = uint64_t(uint32_t(kref.slot)) * kBlockTokens + uint64_t(tq);
+        const uint32_t seeds[2] = {format::dither8_row_seed(k_dither_key, counter),
+                                   format::dither8_row_seed(k_dither_key, counter + 8)};
+        dither8_key_scores<D>(rows, seeds, hq, qb, keep, neg_offset, key_scale, s);
+        for (int o = 0; o < 2 * p.n_outlier_pairs; ++o) {
+          const int oc = sh.outlier_channels[o];
+          if (oc < 0) continue;  // corrupt (counted)
+          const float qo[2] = {element_value<kHalf>(sh.q[2 * hq][oc]), element_value<kHalf>(sh.q[2 * hq + 1][oc])};
+          float xo[2];
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float cc[4] = {0.f, 0.f, 0.f, 0.f}, cw[4] = {0.f, 0.f, 0.f, 0.f};
+          for (int r = 0; r < 2; ++r)
+            xo[r] = __bfloat162float(__ushort_as_bfloat16(reinterpret_cast<const uint16_t*>(rows[r] + D + 2 * G)[o]));
 #pragma unroll
-        for (int kk = 2 * g; kk < 2 * g + 2; ++kk) {
-          uint32_t r[4];
-          ldsm_x4(r, tile_k + (ld ^ tile_step<D>(2 * kk)));
-          mma16816<true>(cc, r, qb[kk][0], qb[kk][1]);
-          ldsm_x4(r, tiles.w + (ld ^ tile_step<D>(2 * kk)));
-          mma16816<true>(cw, r, qb[kk][0], qb[kk][1]);
+          for (int k = 0; k < 4; ++k) s[k] += qo[k & 1] * xo[k >> 1];
         }
-        const float sc[2] = {tiles.scale[tq][g], tiles.scale[tq + 8][g]};
-        const float off[2] = {sh.dither_offset[2 * hq][g], sh.dither_offset[2 * hq + 1][g]};
+      } else {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) s[k] += sc[k >> 1] * (cc[k] - cw[k] * (1.f / 256.f) - off[k & 1]);
-      }
-      for (int o = 0; o < 2 * p.n_outlier_pairs; ++o) {
-        const int oc = sh.outlier_channels[o];
-        if (oc < 0) continue;  // corrupt (counted)
-        const float qo[2] = {element_value<kHalf>(sh.q[2 * hq][oc]), element_value<kHalf>(sh.q[2 * hq + 1][oc])};
-        const float xo[2] = {tiles.outlier[tq][o], tiles.outlier[tq + 8][o]};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) s[k] += qo[k & 1] * xo[k >> 1];
+        for (int g = 0; g < G; ++g) key_scale[0][g] = key_scale[1][g] = 0.f;
       }
     } else {
       tile_scores<D, kHalf, TileLayout<D, F>>(tile_k, qb, lane, s);
@@ -1045,14 +1097,14 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
 
     // dither8's logit bounds c, from the K page's scales.
     if constexpr (kMeter && Traits::kTierB) {
-      if (!k_exact) {  // an exact page leaves tiles.scale as the last lossy page had it
+      if (!k_exact) {  // an exact page has c = 0
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          const int token = tq + 8 * (k >> 1), head = 2 * hq + (k & 1);
+          const int head = 2 * hq + (k & 1);
           float var = 0.f, sum = 0.f;
 #pragma unroll
           for (int g = 0; g < G; ++g) {
-            const float sc = tiles.scale[token][g];
+            const float sc = key_scale[k >> 1][g];
             var += sh.weight[head][g] * sc * sc;
             sum += sh.abs_weight[head][g] * sc;
           }
@@ -1063,7 +1115,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
 
     if constexpr (kValuesLate) {  // the values' tile is free: the values, then the next copies
       __syncwarp();
-      if (!decode_page<D, F, kMeter, kMixed>(a, false, vref, st, lane, kv_head, sh, outlier_mask, tiles)) corrupt += lane == 0;
+      if (!decode_page<D, F, kMeter, kMixed>(a, false, vref, st, lane, kv_head, sh, tiles)) corrupt += lane == 0;
       __syncwarp();
       stage_next();
     }

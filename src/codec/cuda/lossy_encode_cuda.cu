@@ -38,6 +38,7 @@ struct Geometry {
   int head_dim;         // D
   int groups;           // D / kQuantGroup
   int n_outlier_pairs;  // m (dither8 K pages)
+  bool dithered;        // dither8: K pages (V pages are not dithered)
   int n_bands;          // fp8 side data: witness_bands(D) for K pages, 1 (rho) for V pages
   int exponent_bits;    // fp8: 4 (E4M3) or 5 (E5M2)
   int mantissa_bits;    // fp8: 3 or 2
@@ -134,7 +135,7 @@ __device__ float dither8_xi(uint32_t row_seed, int c) {
 //          floats order as their bit patterns; outliers count as 0, the reference's start)
 //   s    = fp16 up(amax / 126.5), in double; +inf refuses the page
 //   q_c  = round(fl(fl(x_c / s) + xi_c)), ties to even (__double2int_rn is the reference's
-//          round_half_even; |q| <= 127), in double with the stored s
+//          round_half_even; |q| <= 127), in double with the stored s; xi_c = 0 on V pages
 // then the outlier pairs' exact bf16 values, a thread per (token, value).
 __global__ void __launch_bounds__(kThreads)
     dither8_kernel(Geometry g, const LossyEncodeTask* tasks, uint8_t* encoded) {
@@ -183,7 +184,7 @@ __global__ void __launch_bounds__(kThreads)
     int q = 0;
     if (quantized && s != 0.0) {
       const uint64_t counter = uint64_t(task.page_slot) * uint64_t(g.block_tokens) + uint64_t(t);
-      const double xi = double(dither8_xi(format::dither8_row_seed(task.dither_key, counter), c));
+      const double xi = g.dithered ? double(dither8_xi(format::dither8_row_seed(task.dither_key, counter), c)) : 0.0;
       q = __double2int_rn(__dadd_rn(__ddiv_rn(double(x), s), xi));
     }
     uint8_t* rec = task.dst + size_t(t) * g.record_bytes;
@@ -232,6 +233,7 @@ Geometry geometry_of(const LossyPageSpec& spec) {
   g.head_dim = spec.head_dim;
   g.groups = spec.head_dim / kQuantGroup;
   g.n_outlier_pairs = spec.n_outlier_pairs;
+  g.dithered = spec.key;
   g.n_bands = spec.key ? witness_bands(spec.head_dim) : 1;
   g.exponent_bits = spec.scheme == LossyScheme::kFp8E5M2 ? 5 : 4;
   g.mantissa_bits = spec.scheme == LossyScheme::kFp8E5M2 ? 2 : 3;
