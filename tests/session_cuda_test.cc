@@ -374,7 +374,8 @@ const char* const kLossySchemes[] = {"fp8-e4m3", "fp8-e5m2", "dither8"};
 // device's slot), so there the device session's distance from the exact (bf16) session is held
 // to the CPU session's order. The meter
 // telemetry of every (layer, head, step) cell: the device's quantiles within 2% (fp8) / 10%
-// (dither8) of the CPU's; pages kept exact counted alike on both sides.
+// (dither8) of the CPU's; pages kept exact counted alike on both sides. fp8-e4m3 runs with the u8
+// witness too (codes and page scales the host's bit for bit: the same 2%).
 TEST_F(SessionCuda, LossySchemesDecodeWithTheMeterOnTheDevice) {
   const certkv_model_info info = model_->info();
   const int prompt = 1000, steps = 40;
@@ -394,10 +395,14 @@ TEST_F(SessionCuda, LossySchemesDecodeWithTheMeterOnTheDevice) {
       exact_logits.push_back(l);
     }
   }
-  for (const char* kv : kLossySchemes) {
-    SCOPED_TRACE(kv);
+  // The lossy schemes with their default witness, then fp8-e4m3 with the u8 witness.
+  const std::pair<const char*, const char*> runs[] = {
+      {kLossySchemes[0], nullptr}, {kLossySchemes[1], nullptr}, {kLossySchemes[2], nullptr}, {"fp8-e4m3", "u8"}};
+  for (const auto& [kv, witness] : runs) {
+    SCOPED_TRACE(std::string(kv) + (witness ? std::string(" witness ") + witness : std::string()));
     const bool dither8 = std::string(kv) == "dither8";
     p.kv = kv;
+    p.witness = witness;
     p.device = nullptr;
     certkv::Session cpu(*model_, p);
     p.device = "cuda";

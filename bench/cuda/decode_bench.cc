@@ -5,6 +5,7 @@
 //   certkv_cuda_decode_bench --kv KV.safetensors --calib CAL.safetensors --out FILE.jsonl
 //       [--contexts 8192,32768,65536,131072] [--batches 1,8] [--shapes 32x8,28x4]
 //       [--formats bf16,gaac,gaac-e5m2,dither8,fp8-e4m3,fp8-e4m3-nometer,sparse-p0.9,sparse-p0.9-z1.5]
+//   fp8-e4m3-u8: fp8-e4m3 with the meter and the u8 Tier A witness (codec::WitnessCode::kPageScaled8)
 //       [--reps 7] [--iters 20] [--sparse-splits N]
 //   sparse-pP-zZ: the Top-p set widened by Z estimator deviations; a suffix -est-FORM (popcount,
 //   bytes, bits) runs the estimate in that form (default: chosen by the group size), so that the
@@ -139,6 +140,7 @@ struct FormatChoice {
   std::string name;
   PageFormat format;
   bool meter;
+  codec::WitnessCode witness = codec::WitnessCode::kFp16;  // fp8 K pages
 };
 
 FormatChoice parse_format(const std::string& name) {
@@ -149,6 +151,7 @@ FormatChoice parse_format(const std::string& name) {
   if (name == "dither8-nometer") return {name, PageFormat::kDither8, false};
   if (name == "fp8-e4m3") return {name, PageFormat::kFp8E4M3, true};
   if (name == "fp8-e4m3-nometer") return {name, PageFormat::kFp8E4M3, false};
+  if (name == "fp8-e4m3-u8") return {name, PageFormat::kFp8E4M3, true, codec::WitnessCode::kPageScaled8};
   if (name == "fp8-e5m2") return {name, PageFormat::kFp8E5M2, true};
   die("unknown format " + name);
 }
@@ -539,6 +542,7 @@ int main(int argc, char** argv) {
           opt.format = fc.format;
           opt.gaac = fc.format == PageFormat::kGaacE5M2 ? &cal_e5m2 : &cal_bf16;
           opt.n_outlier_pairs = fc.format == PageFormat::kDither8 ? 4 : 0;
+          opt.witness = fc.witness;
           opt.pairing = codec::RopePairing::kHalfSplit;
           // Enough independent copies that the rotation never runs from L2 (256 MB).
           std::vector<DeviceKv> sets(1);

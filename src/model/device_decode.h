@@ -46,6 +46,8 @@ struct DeviceDecoderConfig {
   codec::RopePairing rope_pairing = codec::RopePairing::kInterleaved;
   int outlier_pairs = -1;
   double delta_loc = 1e-8;
+  // fp8 schemes: the K pages' Tier A witness code (fp16 bounds or u8 codes).
+  codec::WitnessCode witness = codec::WitnessCode::kFp16;
   // Sparse decode on the device (attend_sparse): the scheme must be bf16 (the sparse kernels read
   // bf16 pages) and max_tokens below 2^24.
   bool sparse = false;

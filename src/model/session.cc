@@ -145,9 +145,6 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
     if (config.recent_window_tokens > 0 && cache::kv_scheme_is_lossy(config.kv_scheme))
       fail(StatusCode::kUnsupported,
            "device cuda: a recent window of full-precision tokens is not served on the device yet");
-    if (config.witness != codec::WitnessCode::kFp16)
-      fail(StatusCode::kUnsupported, std::string("device cuda: the ") + codec::witness_code_name(config.witness) +
-                                         " witness is not served on the device yet (fp16 only)");
     DeviceDecoderConfig dc;
     dc.n_layers = c.n_layers;
     dc.n_q_heads = c.n_heads;
@@ -160,6 +157,7 @@ Session::Session(const Model& model, const SessionConfig& config) : model_(model
     dc.gaac_calibration = config.gaac_calibration;
     dc.rope_pairing = kv.rope_pairing;
     dc.outlier_pairs = config.outlier_pairs;
+    dc.witness = config.witness;
     dc.delta_loc = delta_loc_;
     dc.sparse = sparse.enabled;
     dc.meter = metered_;

@@ -49,8 +49,14 @@ codec::LossyPageSpec DeviceKv::lossy_spec(bool key, int kv_head) const {
   spec.head_dim = shape_.head_dim;
   spec.pairing = options_.pairing;
   switch (options_.format) {
-    case PageFormat::kFp8E4M3: spec.scheme = codec::LossyScheme::kFp8E4M3; break;
-    case PageFormat::kFp8E5M2: spec.scheme = codec::LossyScheme::kFp8E5M2; break;
+    case PageFormat::kFp8E4M3:
+      spec.scheme = codec::LossyScheme::kFp8E4M3;
+      spec.witness = options_.witness;
+      break;
+    case PageFormat::kFp8E5M2:
+      spec.scheme = codec::LossyScheme::kFp8E5M2;
+      spec.witness = options_.witness;
+      break;
     default:
       spec.scheme = codec::LossyScheme::kDither8;
       spec.dither_key = codec::dither8_key(options_.layer, key, kv_head);
@@ -250,9 +256,10 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
           if (dither) {
             codec::dither8_scales(spec, page, bounds);
           } else {
-            const uint16_t* w = codec::lossy_witness(spec, page);
+            float w[kBands * kT];  // [band][token], either witness code read back as floats
+            codec::lossy_witness_bounds(spec, page, w);
             for (int t = 0; t < kT; ++t)
-              for (int band = 0; band < kBands; ++band) bounds[t * kBands + band] = format::fp16_to_float(w[band * kT + t]);
+              for (int band = 0; band < kBands; ++band) bounds[t * kBands + band] = w[band * kT + t];
           }
         }
         if (!key && record_reconstruction) {
@@ -463,6 +470,7 @@ void DeviceKv::describe(PagedDecodeParams* p) const {
   p->n_outlier_pairs = options_.format == PageFormat::kDither8 ? options_.n_outlier_pairs : 0;
   p->outlier_channels = reinterpret_cast<const int32_t*>(outliers_.data());
   p->rope_half_split = options_.pairing == codec::RopePairing::kHalfSplit;
+  p->witness = options_.witness;
 }
 
 }  // namespace certkv::attention::cuda

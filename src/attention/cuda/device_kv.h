@@ -44,6 +44,7 @@ struct DeviceKvOptions {
   // come from (layer, K/V, kv_head).
   int n_outlier_pairs = 0;
   codec::RopePairing pairing = codec::RopePairing::kInterleaved;
+  codec::WitnessCode witness = codec::WitnessCode::kFp16;  // fp8 K pages' Tier A witness
   uint32_t seed = 1;                 // slot shuffle
   bool keep_reconstruction = false;  // keep host copies of what attention reads (tests)
   // Lossy formats: pages kept exact, as bf16 pages of the raw pools (what a lossy session does

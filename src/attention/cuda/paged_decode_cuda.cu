@@ -647,8 +647,8 @@ __host__ __device__ constexpr bool stage_rounds_hold() {
 // Issues the asynchronous copies of one page into stage `st` (stage_chunk; bf16 pages straight
 // into the tile of that stage). Corrupt entries copy nothing; raw pages of the other formats are
 // decoded from the pool. fp8: the side data only with the meter (the K page's witness, the V
-// page's rho), which alone reads it.
-template <int D, PageFormat F, bool kMeter>
+// page's rho), which alone reads it; kCoded: the K page's witness is u8 codes and their scale.
+template <int D, PageFormat F, bool kMeter, bool kCoded>
 __device__ inline void stage_page(const SplitArgs& a, bool key, const PageRef& ref, int st, int lane,
                                   Tiles<D, F>& tiles) {
   if (ref.bytes == nullptr || ref.raw) return;
@@ -659,9 +659,10 @@ __device__ inline void stage_page(const SplitArgs& a, bool key, const PageRef& r
     // 90 instructions at each of its two sites, against 4 copies without the meter).
     constexpr int kCodeChunks = kBlockTokens * D / 16;
     constexpr int kWitnessChunks = kBands * kBlockTokens * 2 / 16;
+    constexpr int kCodedWitnessChunks = (kBands * kBlockTokens + 2 + 15) / 16;  // codes, then w_max
     constexpr int kRhoChunks = kBlockTokens * 2 / 16;
     static_assert(kCodeChunks % 32 == 0 && kCodeChunks == stage_chunk_region<D, F>(), "whole rounds of codes");
-    static_assert(kWitnessChunks == 32, "the witness is one round");
+    static_assert(kWitnessChunks == 32 && kCodedWitnessChunks <= 32, "the witness is one round");
     static_assert(stage_rounds_hold<D, F>(), "stage_chunk(lane + 32 j) == stage_chunk(lane) + 32 j over the codes");
     static_assert(16 * (kCodeChunks + kWitnessChunks) <= stage_bytes<D, F>(true) &&
                       16 * (kCodeChunks + kRhoChunks) <= stage_bytes<D, F>(false),
@@ -674,7 +675,7 @@ __device__ inline void stage_page(const SplitArgs& a, bool key, const PageRef& r
       cp_async16(stage + 16 * (lane + 32 * j + permuted), ref.bytes + size_t(lane + 32 * j) * 16);
     if constexpr (kMeter) {
       const int c = kCodeChunks + lane;
-      if (key || lane < kRhoChunks) cp_async16(stage + 16 * c, ref.bytes + size_t(c) * 16);
+      if (key ? !kCoded || lane < kCodedWitnessChunks : lane < kRhoChunks) cp_async16(stage + 16 * c, ref.bytes + size_t(c) * 16);
     }
   } else if constexpr (F == PageFormat::kBf16) {
     uint16_t* tile = key ? tiles.k[st] : tiles.v[st];
@@ -732,6 +733,37 @@ __device__ inline uint16_t* key_rows(Tiles<D, F>& tiles) {
 template <int D>
 __device__ inline const uint16_t* fp8_side(const uint8_t* stage) {
   return reinterpret_cast<const uint16_t*>(stage + size_t(kBlockTokens) * D);
+}
+
+// The Tier A logit bounds of a K page with the u8 witness (codec::WitnessCode::kPageScaled8:
+// codes c[band][token], then the page's fp16 w_max; bound w_max (c + 1) / 256) for this lane's
+// four (token, head) cells: the A fragment of (c + 1) (tokens tq, tq + 8; bands 2 hq, 2 hq + 1,
+// + 8) built from the codes as exact fp16 integers (1024 + c exactly, minus 1023), times the band
+// weights (wb_hi + wb_lo >= the prescaled weight) on tensor cores, then the factor that undoes the
+// prescale and w_max / 256, rounded up. A w_max that reads as NaN or below 0 (a corrupt page)
+// bounds nothing: +inf, as the CPU reads it (codec::lossy_witness_bounds); so does a NaN product.
+template <int D>
+__device__ inline void coded_witness_bounds(const uint8_t* stage, int tq, int hq, const uint32_t (&wb_hi)[2],
+                                            const uint32_t (&wb_lo)[2], float bound_factor, float (&c)[4]) {
+  const uint8_t* codes = stage + size_t(kBlockTokens) * D;
+  const __half2 k1023 = __float2half2_rn(1023.f);
+  uint32_t r[4];  // r[k]: token tq + 8 (k & 1), bands 2 hq + 8 (k >> 1) and the next
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int t = tq + 8 * (k & 1), band = 2 * hq + 8 * (k >> 1);
+    uint32_t w = 0x64006400u | uint32_t(codes[band * kBlockTokens + t]) | (uint32_t(codes[(band + 1) * kBlockTokens + t]) << 16);
+    const __half2 v = __hsub2(*reinterpret_cast<__half2*>(&w), k1023);
+    r[k] = *reinterpret_cast<const uint32_t*>(&v);
+  }
+  mma16816<true>(c, r, wb_hi[0], wb_hi[1]);
+  mma16816<true>(c, r, wb_lo[0], wb_lo[1]);
+  const float w_max = fp16_bits_to_float(*reinterpret_cast<const uint16_t*>(codes + kBands * kBlockTokens));
+  const float step = w_max >= 0.f ? w_max * (1.f / 256.f) : INFINITY;  // exact (a power of two)
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float bound = __fmul_ru(__fmul_ru(c[k], bound_factor), step);
+    c[k] = bound >= 0.f ? bound : INFINITY;
+  }
 }
 
 // Decodes the staged page (stage st) into the tiles. False (and zero rows) for a corrupt page.
@@ -803,11 +835,14 @@ constexpr int min_ctas_per_sm() {
 }
 
 // kWithMeter: lossy formats compute the meter in the same pass (off: the same kernel without it).
-template <int D, PageFormat F, bool kWithMeter>
+// kCodedWitness: the fp8 K pages' Tier A witness is u8 codes against the page's largest bound
+// (codec::WitnessCode::kPageScaled8) rather than fp16 bounds.
+template <int D, PageFormat F, bool kWithMeter, bool kCodedWitness>
 __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>()) split_kernel(SplitArgs a) {
   using Traits = FormatTraits<F>;
   constexpr bool kHalf = Traits::kHalf;
   constexpr bool kMeter = kWithMeter && (Traits::kTierA || Traits::kTierB);
+  constexpr bool kCoded = kCodedWitness && kMeter && Traits::kTierA;
   constexpr int G = D / kQuantGroup;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   using Shared = CtaShared<D, F>;
@@ -1003,14 +1038,14 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
   PageRef kcur = kref_of(entry_of(p.k_table, 0)), vcur = vref_of(entry_of(p.v_table, 0));
   PageRef knext = kref_of(entry_of(p.k_table, 1)), vnext = vref_of(entry_of(p.v_table, 1));
   if (n_mine > 0) {
-    stage_page<D, F, kMeter>(a, true, kcur, 0, lane, tiles);
-    stage_page<D, F, kMeter>(a, false, vcur, 0, lane, tiles);
+    stage_page<D, F, kMeter, kCoded>(a, true, kcur, 0, lane, tiles);
+    stage_page<D, F, kMeter, kCoded>(a, false, vcur, 0, lane, tiles);
   }
   cp_async_commit();
   if constexpr (kTwoTiles) {
     if (n_mine > 1) {
-      stage_page<D, F, kMeter>(a, true, knext, 1, lane, tiles);
-      stage_page<D, F, kMeter>(a, false, vnext, 1, lane, tiles);
+      stage_page<D, F, kMeter, kCoded>(a, true, knext, 1, lane, tiles);
+      stage_page<D, F, kMeter, kCoded>(a, false, vnext, 1, lane, tiles);
     }
     cp_async_commit();
   }
@@ -1040,12 +1075,16 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
     [[maybe_unused]] float rho[2] = {0.f, 0.f};
     if constexpr (kMeter && Traits::kTierA) {
       if (kref.bytes != nullptr && !k_exact) {
-        uint32_t r[4];
-        ldsm_x4_trans(r, fp8_side<D>(tiles.stage_k[st]) + ((lane >> 4) * 8 + (lane & 7)) * kBlockTokens + ((lane >> 3) & 1) * 8);
-        mma16816<true>(c_bound, r, wb_hi[0], wb_hi[1]);
-        mma16816<true>(c_bound, r, wb_lo[0], wb_lo[1]);
+        if constexpr (kCoded) {
+          coded_witness_bounds<D>(tiles.stage_k[st], tq, hq, wb_hi, wb_lo, bound_factor, c_bound);
+        } else {
+          uint32_t r[4];
+          ldsm_x4_trans(r, fp8_side<D>(tiles.stage_k[st]) + ((lane >> 4) * 8 + (lane & 7)) * kBlockTokens + ((lane >> 3) & 1) * 8);
+          mma16816<true>(c_bound, r, wb_hi[0], wb_hi[1]);
+          mma16816<true>(c_bound, r, wb_lo[0], wb_lo[1]);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) c_bound[k] = fmaxf(c_bound[k] * bound_factor, 0.f);
+          for (int k = 0; k < 4; ++k) c_bound[k] = fmaxf(c_bound[k] * bound_factor, 0.f);
+        }
       }
       if (vref.bytes != nullptr && !v_exact) {
         const uint16_t* side = fp8_side<D>(tiles.stage_v[st]);
@@ -1176,8 +1215,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
     vnext = vref_of(next_v);
     auto stage_next = [&] {  // page i + 1 into the free stage
       if (i + 1 < n_mine) {
-        stage_page<D, F, kMeter>(a, true, kcur, 0, lane, tiles);
-        stage_page<D, F, kMeter>(a, false, vcur, 0, lane, tiles);
+        stage_page<D, F, kMeter, kCoded>(a, true, kcur, 0, lane, tiles);
+        stage_page<D, F, kMeter, kCoded>(a, false, vcur, 0, lane, tiles);
       }
       cp_async_commit();
     };
@@ -1192,8 +1231,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
     attend_block(std::false_type{}, kref, vref, blk, st, stage_next);
     if constexpr (kTwoTiles) {
       if (i + 2 < n_mine) {
-        stage_page<D, F, kMeter>(a, true, knext, st, lane, tiles);
-        stage_page<D, F, kMeter>(a, false, vnext, st, lane, tiles);
+        stage_page<D, F, kMeter, kCoded>(a, true, knext, st, lane, tiles);
+        stage_page<D, F, kMeter, kCoded>(a, false, vnext, st, lane, tiles);
       }
       cp_async_commit();
     }
@@ -1207,8 +1246,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
       for (int i = 0; i < n_mine; ++i) {
         const PageRef kref = kref_of(entry_of(p.k_table, i)), vref = vref_of(entry_of(p.v_table, i));
         if (!kref.raw && !vref.raw) continue;
-        stage_page<D, F, kMeter>(a, true, kref, 0, lane, tiles);
-        stage_page<D, F, kMeter>(a, false, vref, 0, lane, tiles);
+        stage_page<D, F, kMeter, kCoded>(a, true, kref, 0, lane, tiles);
+        stage_page<D, F, kMeter, kCoded>(a, false, vref, 0, lane, tiles);
         cp_async_commit();
         cp_async_wait<0>();
         __syncwarp();
@@ -1251,7 +1290,7 @@ WorkspaceLayout layout_of(const PagedDecodeParams& p, int n_splits) {
   return w;
 }
 
-template <int D, PageFormat F, bool kWithMeter>
+template <int D, PageFormat F, bool kWithMeter, bool kCodedWitness = false>
 CudaStatus launch(const PagedDecodeParams& p, int n_splits) {
   const WorkspaceLayout w = layout_of(p, n_splits);
   char* base = static_cast<char*>(p.workspace);
@@ -1262,12 +1301,12 @@ CudaStatus launch(const PagedDecodeParams& p, int n_splits) {
   static bool configured = false;  // per instantiation
   if (!configured) {
     const cudaError_t e =
-        cudaFuncSetAttribute(split_kernel<D, F, kWithMeter>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+        cudaFuncSetAttribute(split_kernel<D, F, kWithMeter, kCodedWitness>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess)
       return CudaStatus{false, StatusCode::kInternal, std::string("cuda decode: cannot set the shared memory size: ") + cudaGetErrorString(e)};
     configured = true;
   }
-  split_kernel<D, F, kWithMeter><<<dim3(n_splits, p.n_kv_heads, p.batch), kThreads, smem, stream>>>(a);
+  split_kernel<D, F, kWithMeter, kCodedWitness><<<dim3(n_splits, p.n_kv_heads, p.batch), kThreads, smem, stream>>>(a);
   tile::merge_splits_kernel<D><<<p.batch * p.n_q_heads, tile::kMergeThreads, 0, stream>>>(p.out, p.meter, p.a_minus_1, p.value_rho,
                                                                           n_splits, a.part_mldr, a.part_o);
   const cudaError_t e = cudaGetLastError();
@@ -1280,8 +1319,16 @@ bool meter_on(const PagedDecodeParams& p) {
   return p.meter != nullptr || p.a_minus_1 != nullptr || p.value_rho != nullptr;
 }
 
+// Whether the launch reads the fp8 K pages' u8 witness (only the meter reads a witness).
+bool coded_witness(const PagedDecodeParams& p) {
+  return meter_on(p) && p.witness == codec::WitnessCode::kPageScaled8 &&
+         (p.format == PageFormat::kFp8E4M3 || p.format == PageFormat::kFp8E5M2);
+}
+
 template <int D, PageFormat F>
 CudaStatus launch_metered(const PagedDecodeParams& p, int n_splits) {
+  if constexpr (FormatTraits<F>::kTierA)
+    if (coded_witness(p)) return launch<D, F, true, true>(p, n_splits);
   if (meter_on(p)) return launch<D, F, true>(p, n_splits);
   return launch<D, F, false>(p, n_splits);
 }
@@ -1384,7 +1431,9 @@ CudaStatus check(const PagedDecodeParams& p) {
       break;
     case PageFormat::kFp8E4M3:
     case PageFormat::kFp8E5M2:
-      need_k = size_t(T) * D + size_t(kBands) * T * 2;
+      // The u8 witness: codes and w_max, staged as whole 16-byte chunks (what the kernel reads).
+      need_k = size_t(T) * D + (p.witness == codec::WitnessCode::kPageScaled8 ? (size_t(kBands) * T + 2 + 15) / 16 * 16
+                                                                              : size_t(kBands) * T * 2);
       need_v = size_t(T) * D + size_t(T) * 2;
       break;
     case PageFormat::kDither8:
@@ -1410,6 +1459,8 @@ CudaStatus check(const PagedDecodeParams& p) {
                    " pages need 16-byte-aligned pools with a stride of at least " + std::to_string(raw) +
                    " bytes, a multiple of 16");
   }
+  if (p.witness != codec::WitnessCode::kFp16 && p.witness != codec::WitnessCode::kPageScaled8)
+    return error("witness code " + std::to_string(int(p.witness)) + " is unknown (fp16 or u8)");
   if (p.format == PageFormat::kDither8) {
     if (!p.dither_keys) return error("dither8 pages need their generator keys");
     if (p.n_outlier_pairs < 0 || p.n_outlier_pairs > kMaxDeviceOutlierPairs)
@@ -1423,15 +1474,15 @@ CudaStatus check(const PagedDecodeParams& p) {
 
 namespace {
 
-template <int D, PageFormat F, bool kWithMeter>
+template <int D, PageFormat F, bool kWithMeter, bool kCodedWitness = false>
 int resident_ctas() {
   // Asked once per kernel instantiation: every launch plans its splits with it.
   static const int resident = [] {
     int n = 0;
     const size_t smem = sizeof(CtaShared<D, F>);
-    if (cudaFuncSetAttribute(split_kernel<D, F, kWithMeter>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    if (cudaFuncSetAttribute(split_kernel<D, F, kWithMeter, kCodedWitness>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              int(smem)) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, split_kernel<D, F, kWithMeter>, kThreads, smem) !=
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, split_kernel<D, F, kWithMeter, kCodedWitness>, kThreads, smem) !=
             cudaSuccess) {
       cudaGetLastError();
       return 2;
@@ -1449,8 +1500,10 @@ int resident_ctas_of(const PagedDecodeParams& p) {
     case PageFormat::kGaacBf16: return resident_ctas<D, PageFormat::kGaacBf16, false>();
     case PageFormat::kGaacE5M2: return resident_ctas<D, PageFormat::kGaacE5M2, false>();
     case PageFormat::kFp8E4M3:
+      if (coded_witness(p)) return resident_ctas<D, PageFormat::kFp8E4M3, true, true>();
       return meter ? resident_ctas<D, PageFormat::kFp8E4M3, true>() : resident_ctas<D, PageFormat::kFp8E4M3, false>();
     case PageFormat::kFp8E5M2:
+      if (coded_witness(p)) return resident_ctas<D, PageFormat::kFp8E5M2, true, true>();
       return meter ? resident_ctas<D, PageFormat::kFp8E5M2, true>() : resident_ctas<D, PageFormat::kFp8E5M2, false>();
     case PageFormat::kDither8:
       return meter ? resident_ctas<D, PageFormat::kDither8, true>() : resident_ctas<D, PageFormat::kDither8, false>();

@@ -16,8 +16,9 @@
 //     kGaacBf16       a GAAC slot (docs/format/gaac.md, element bf16)
 //     kGaacE5M2       a GAAC slot over FP8 E5M2 (element e5m2)
 //     kFp8E4M3/E5M2   the lossy raw-cast page (docs/format/lossy_pages.md): [T][D] fp8, then on
-//                     K pages the Tier A witness [bands][T] fp16 (band-major), on V pages rho
-//                     [T] fp16
+//                     K pages the Tier A witness (`witness`: [bands][T] fp16 bounds, band-major,
+//                     or [bands][T] u8 codes and the page's fp16 w_max; the stride then covers
+//                     the side data's last 16-byte chunk), on V pages rho [T] fp16
 //     kDither8        the dither8 page (docs/format/dither8.md): records of D + 2 D/32 + 4 m bytes
 //   k_raw_pages, v_raw_pages: raw pages, stride raw_page_stride (a multiple of 16, at least the
 //                      raw page; each pool 16-byte aligned, null when it has no pages); a table
@@ -58,6 +59,7 @@
 #include <string>
 
 #include "cache/cuda/device_pool.h"
+#include "codec/lossy_page.h"
 
 namespace certkv::attention::cuda {
 
@@ -116,6 +118,8 @@ struct PagedDecodeParams {
   const int32_t* outlier_channels = nullptr;
   // Tier A bands pair channels as the model's RoPE does: interleaved (2j, 2j+1) or half-split.
   bool rope_half_split = false;
+  // How the fp8 K pages store their Tier A witness (read only by the meter).
+  codec::WitnessCode witness = codec::WitnessCode::kFp16;
   double delta_loc = 1e-8;  // Tier B failure probability per (layer, head, step)
 
   const float* q = nullptr;

@@ -155,6 +155,7 @@ struct Case {
   // Lossy formats: exact (bf16 raw) pages, DeviceKvOptions::exact_*.
   int exact_k_every = 0, exact_v_every = 0;
   bool exact_tail = false;
+  codec::WitnessCode witness = codec::WitnessCode::kFp16;  // fp8 K pages
 };
 
 std::string name_of(const Case& c) {
@@ -163,7 +164,8 @@ std::string name_of(const Case& c) {
   return std::string(page_format_name(c.format)) + " D" + std::to_string(c.head_dim) + " " +
          std::to_string(c.n_q_heads) + "/" + std::to_string(c.n_kv_heads) + " lens " + lens + "splits " +
          std::to_string(c.n_splits) + " m " + std::to_string(c.n_outlier_pairs) + " exact K 1/" +
-         std::to_string(c.exact_k_every) + " V 1/" + std::to_string(c.exact_v_every) + (c.exact_tail ? " tail" : "");
+         std::to_string(c.exact_k_every) + " V 1/" + std::to_string(c.exact_v_every) + (c.exact_tail ? " tail" : "") +
+         " witness " + codec::witness_code_name(c.witness);
 }
 
 struct Result {
@@ -203,6 +205,7 @@ Result run_case(const Case& c, uint32_t seed) {
   opt.exact_k_every = c.exact_k_every;
   opt.exact_v_every = c.exact_v_every;
   opt.exact_tail = c.exact_tail;
+  opt.witness = c.witness;
   if (c.format == PageFormat::kGaacBf16 || c.format == PageFormat::kGaacE5M2) {
     calibration = calibrate(c.format, kv);
     opt.gaac = &calibration;
@@ -680,6 +683,114 @@ TEST(PagedDecodeCuda, LossyFormatsWithExactPagesMatchTheReference) {
     // Every pairing of the classes ran: both lossy, exact K with lossy V, the reverse, both exact.
     for (int i = 0; i < 4; ++i) EXPECT_GT(classes[size_t(i)], 0) << page_format_name(f) << ": token class " << i;
   }
+}
+
+// The u8 witness (codec::WitnessCode::kPageScaled8) on the fp8 formats: the kernel builds its
+// logit bounds from the codes and the page scale, and the meter matches the reference's over the
+// coded bounds read back (DeviceKv::k_bounds, codec::lossy_witness_bounds) on ragged batches,
+// every GQA ratio the kernel takes a shape of, exact pages beside the lossy ones, and both
+// pairings; it stays at or above the true TV, and not below the fp16 witness's meter on the same
+// KV by more than the fp16 rounding.
+TEST(PagedDecodeCuda, CodedWitnessMeterMatchesTheReference) {
+  CERTKV_NEED_CUDA_DEVICE();
+  struct Shape {
+    int d, hq, hkv;
+    std::vector<int64_t> lens;
+    int splits, k_every, v_every;
+    bool tail;
+  };
+  const std::vector<Shape> shapes = {
+      {128, 32, 8, {1000}, 0, 0, 0, false},       {128, 28, 4, {17, 4099}, 0, 5, 0, true},
+      {64, 9, 3, {1, 16, 33, 515}, 0, 0, 3, true}, {64, 8, 1, {15, 1601}, 3, 2, 2, true},
+      {128, 6, 2, {5000, 64, 129}, 0, 0, 0, false},
+  };
+  uint32_t seed = 900;
+  for (PageFormat f : {PageFormat::kFp8E4M3, PageFormat::kFp8E5M2}) {
+    for (const Shape& s : shapes) {
+      Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, 0,
+             seed % 2 ? codec::RopePairing::kHalfSplit : codec::RopePairing::kInterleaved};
+      c.exact_k_every = s.k_every;
+      c.exact_v_every = s.v_every;
+      c.exact_tail = s.tail;
+      c.witness = codec::WitnessCode::kPageScaled8;
+      const Result coded = run_case(c, seed);
+      EXPECT_LT(coded.max_rel_err, 4e-3) << name_of(c);
+      EXPECT_EQ(coded.corrupt, 0u) << name_of(c);
+      EXPECT_LT(coded.max_meter_gap, 2e-3) << name_of(c);
+      EXPECT_GE(coded.min_meter_slack, 0.0) << name_of(c) << ": meter below the true TV";
+      EXPECT_GT(coded.max_a_minus_1, 0.0) << name_of(c) << ": no lossy K page bounded anything";
+      expect_value_side_matches(coded, name_of(c));
+      c.witness = codec::WitnessCode::kFp16;
+      const Result fp16 = run_case(c, seed++);  // the same KV, queries and slots
+      // A coded bound is at least the exact norm's bound, which the fp16 bound exceeds by at most
+      // one fp16 step (2^-10 relative): a code may land below the fp16 bound, never by more.
+      EXPECT_GE(coded.max_a_minus_1, fp16.max_a_minus_1 * 0.99) << name_of(c) << ": coded bounds below fp16's";
+    }
+  }
+}
+
+// A u8 witness page whose scale w_max reads as NaN or below 0 (a corrupt page) bounds nothing: the
+// query heads of its KV head get meter 1 (as codec::lossy_witness_bounds reads it on the CPU),
+// the other KV head's meters are unchanged, and the outputs are unchanged (the witness is side
+// data only the meter reads).
+TEST(PagedDecodeCuda, CorruptCodedWitnessScaleSaturatesTheMeter) {
+  CERTKV_NEED_CUDA_DEVICE();
+  // Plain normal keys and values (no spikes: the meter must be below 1 as built).
+  HostLayerKv kv;
+  kv.batch = 1;
+  kv.n_kv_heads = 2;
+  kv.head_dim = 128;
+  kv.lens = {256};
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (auto* rows : {&kv.k, &kv.v}) {
+    rows->emplace_back(size_t(2) * 256 * 128);
+    for (uint16_t& x : rows->back()) x = format::float_to_bf16(normal(rng));
+  }
+  DeviceKvOptions opt;
+  opt.format = PageFormat::kFp8E4M3;
+  opt.witness = codec::WitnessCode::kPageScaled8;
+  DeviceKv dkv;
+  ASSERT_TRUE(DeviceKv::build(kv, opt, &dkv).ok);
+  PagedDecodeParams p;
+  dkv.describe(&p);
+  p.n_q_heads = 8;
+  p.sm_scale = 0.088f;
+  p.n_splits = 3;
+  LaunchBuffers bufs;
+  std::vector<float> q(size_t(8) * 128);
+  for (float& x : q) x = 0.5f * normal(rng);
+  ASSERT_TRUE(attach_launch_buffers(q, 8, &p, &bufs));
+  auto run = [&](std::vector<float>* out, std::vector<float>* meter) {
+    const CudaStatus s = paged_decode(p);
+    ASSERT_TRUE(s.ok) << s.message;
+    out->resize(q.size());
+    meter->resize(8);
+    ASSERT_EQ(cudaMemcpy(out->data(), p.out, out->size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(meter->data(), p.meter, 8 * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  };
+  std::vector<float> out_clean, meter_clean;
+  run(&out_clean, &meter_clean);
+  for (int h = 0; h < 8; ++h) ASSERT_LT(meter_clean[size_t(h)], 1.f) << "head " << h << ": saturated as built";
+  // Block 5 of KV head 0: its K page's w_max (after the codes) set to NaN, then to -1.
+  int32_t entry = 0;
+  ASSERT_EQ(cudaMemcpy(&entry, p.k_table + 5, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_GE(entry, 0);
+  uint8_t* scale = const_cast<uint8_t*>(p.k_pages) + int64_t(entry) * p.k_page_stride + 16 * 128 + 16 * 16;
+  uint16_t kept = 0;
+  ASSERT_EQ(cudaMemcpy(&kept, scale, 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (uint16_t bad : {uint16_t(0x7e00), uint16_t(0xbc00)}) {
+    ASSERT_EQ(cudaMemcpy(scale, &bad, 2, cudaMemcpyHostToDevice), cudaSuccess);
+    std::vector<float> out, meter;
+    run(&out, &meter);
+    for (int h = 0; h < 4; ++h) EXPECT_EQ(meter[size_t(h)], 1.f) << "w_max " << bad << ", head " << h;
+    for (int h = 4; h < 8; ++h) EXPECT_EQ(meter[size_t(h)], meter_clean[size_t(h)]) << "w_max " << bad << ", head " << h;
+    EXPECT_EQ(out, out_clean) << "w_max " << bad;
+  }
+  ASSERT_EQ(cudaMemcpy(scale, &kept, 2, cudaMemcpyHostToDevice), cudaSuccess);
+  std::vector<float> out, meter;
+  run(&out, &meter);
+  EXPECT_EQ(meter, meter_clean) << "restored";
 }
 
 // Every page exact: nothing for the meter to bound, so A - 1, the meter and the value side are

@@ -429,6 +429,7 @@ codec::LossyPageSpec DeviceKvCache::lossy_spec(bool key) const {
   spec.block_tokens = config_.block_tokens;
   spec.head_dim = config_.head_dim;
   spec.pairing = config_.rope_pairing;
+  if (!codec::lossy_scheme_is_tier_b(spec.scheme)) spec.witness = config_.witness;
   spec.n_outlier_pairs = key ? n_outlier_pairs_ : 0;
   // The pairs of each head travel with its encode tasks; the spec's list (0, 1, ..., m - 1) only
   // makes it valid for sizes and checks.

@@ -53,6 +53,8 @@ struct DeviceKvCacheConfig {
   // pairs per (layer, kv_head): -1 picks kDefaultOutlierPairs; at most kMaxOutlierPairsOnDevice.
   codec::RopePairing rope_pairing = codec::RopePairing::kInterleaved;
   int outlier_pairs = -1;
+  // fp8 schemes: how the K pages store their Tier A witness (fp16 bounds or u8 codes).
+  codec::WitnessCode witness = codec::WitnessCode::kFp16;
   void* stream = nullptr;  // cudaStream_t for every call; null: the default stream
 };
 

@@ -29,6 +29,7 @@ constexpr uint16_t kFp16Inf = 0x7c00;
 // The constants of codec/lossy_page.cc, with the same values.
 constexpr double kDither8Top = 126.5;          // Q - 1/2 with Q = 127
 constexpr double kNormSafety = 1.0 + 0x1p-40;  // covers the double norm's relative error
+constexpr double kWitnessSteps = 256.0;        // WitnessCode::kPageScaled8: bound w_max (c + 1) / 256
 
 // One launch's page shape, evaluated on the host. Byte counts fit in 32 bits: a page is at most
 // 4096 x (256 + 16 + 256) bytes.
@@ -40,6 +41,7 @@ struct Geometry {
   int n_outlier_pairs;  // m (dither8 K pages)
   bool dithered;        // dither8: K pages (V pages are not dithered)
   int n_bands;          // fp8 side data: witness_bands(D) for K pages, 1 (rho) for V pages
+  bool page_scaled;     // fp8 K pages: the witness as u8 codes against the page's largest bound
   int exponent_bits;    // fp8: 4 (E4M3) or 5 (E5M2)
   int mantissa_bits;    // fp8: 3 or 2
   uint32_t payload_bytes;
@@ -76,9 +78,40 @@ __device__ float fp8_reconstruction(const Geometry& g, uint16_t x) {
   return format::fp8_to_float(code, g.exponent_bits, g.mantissa_bits);
 }
 
+// The upper bound of ||r_{t,b}|| of side-data item b T + t (K: band b of token t; V: rho of token
+// t, one band): the squares of r = x^ - x over the band's pairs summed in increasing order,
+// channel a before channel b, in double without contraction, as the reference's loop does, its
+// square root lifted by kNormSafety.
+__device__ double band_bound(const Geometry& g, const uint16_t* src, int item) {
+  const int n_pairs = g.head_dim / 2;
+  const int b = item / g.block_tokens, t = item % g.block_tokens;
+  const uint16_t* row = src + size_t(t) * size_t(g.head_dim);
+  double sum_sq = 0.0;
+  for (int pair = b * n_pairs / g.n_bands; pair < (b + 1) * n_pairs / g.n_bands; ++pair) {
+    for (int which = 0; which < 2; ++which) {
+      const uint16_t x = row[pair_channel(g, pair, which)];
+      const double r = __dsub_rn(double(fp8_reconstruction(g, x)), double(bf16_to_float(x)));
+      sum_sq = __dadd_rn(sum_sq, __dmul_rn(r, r));
+    }
+  }
+  return __dmul_rn(__dsqrt_rn(sum_sq), kNormSafety);
+}
+
+// The u8 code of a bound against the page's w_max (`top`, an fp16 value): c = ceil(256 w / top) - 1
+// in [0, 255], raised while top (c + 1) / 256 (exact in double) is below w; 0 when top is 0.
+__device__ uint8_t witness_code(double w, double top) {
+  int c = 0;
+  if (top > 0) {
+    c = int(ceil(__ddiv_rn(__dmul_rn(w, kWitnessSteps), top))) - 1;
+    c = c < 0 ? 0 : c > 255 ? 255 : c;
+    while (c < 255 && __dmul_rn(top, double(c + 1)) / kWitnessSteps < w) ++c;
+  }
+  return uint8_t(c);
+}
+
 // One CTA per task. Codes: a thread per element. Side data (write_tier_a_side_data): a thread per
-// (band, token), item b T + t, whose norm sums r^2 over the band's pairs in increasing order,
-// channel a before channel b, in double without contraction, as the reference's loop does.
+// (band, token), item b T + t, its bound from band_bound; stored as fp16 rounded up, or (a K page
+// with the u8 witness) as a code against the page's largest bound (witness_code).
 __global__ void __launch_bounds__(kThreads)
     fp8_cast_kernel(Geometry g, const LossyEncodeTask* tasks, uint8_t* encoded) {
   const LossyEncodeTask task = tasks[blockIdx.x];
@@ -103,21 +136,26 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   // Band b covers the RoPE pairs [b P / n_bands, (b + 1) P / n_bands) (witness_band_of_pair).
-  const int n_pairs = g.head_dim / 2;
   uint8_t* side = task.dst + g.payload_bytes;
-  for (int item = int(threadIdx.x); item < g.n_bands * g.block_tokens; item += kThreads) {
-    const int b = item / g.block_tokens, t = item % g.block_tokens;
-    const uint16_t* row = task.src + size_t(t) * size_t(g.head_dim);
-    double sum_sq = 0.0;
-    for (int pair = b * n_pairs / g.n_bands; pair < (b + 1) * n_pairs / g.n_bands; ++pair) {
-      for (int which = 0; which < 2; ++which) {
-        const uint16_t x = row[pair_channel(g, pair, which)];
-        const double r = __dsub_rn(double(fp8_reconstruction(g, x)), double(bf16_to_float(x)));
-        sum_sq = __dadd_rn(sum_sq, __dmul_rn(r, r));
-      }
-    }
+  const int cells = g.n_bands * g.block_tokens;
+  if (!g.page_scaled) {
     // Band-major: w[b][t], or rho[t] for V pages.
-    store_u16(side + 2 * size_t(item), fp16_upward(__dmul_rn(__dsqrt_rn(sum_sq), kNormSafety)));
+    for (int item = int(threadIdx.x); item < cells; item += kThreads)
+      store_u16(side + 2 * size_t(item), fp16_upward(band_bound(g, task.src, item)));
+  } else {
+    // WitnessCode::kPageScaled8: w_max = the largest bound rounded up to fp16 (the upward rounding
+    // is monotone: the largest of the rounded bounds), then each code against it, the bounds
+    // computed again rather than kept (a page may have 4096 tokens).
+    __shared__ unsigned top_bits;
+    if (threadIdx.x == 0) top_bits = 0;
+    __syncthreads();
+    for (int item = int(threadIdx.x); item < cells; item += kThreads)
+      atomicMax(&top_bits, unsigned(fp16_upward(band_bound(g, task.src, item))));
+    __syncthreads();
+    const double top = double(fp16_to_float(uint16_t(top_bits)));
+    for (int item = int(threadIdx.x); item < cells; item += kThreads)
+      side[item] = witness_code(band_bound(g, task.src, item), top);
+    if (threadIdx.x == 0) store_u16(side + cells, uint16_t(top_bits));
   }
   if (threadIdx.x == 0) encoded[blockIdx.x] = kLossyEncoded;
 }
@@ -235,6 +273,7 @@ Geometry geometry_of(const LossyPageSpec& spec) {
   g.n_outlier_pairs = spec.n_outlier_pairs;
   g.dithered = spec.key;
   g.n_bands = spec.key ? witness_bands(spec.head_dim) : 1;
+  g.page_scaled = spec.key && spec.witness == WitnessCode::kPageScaled8;
   g.exponent_bits = spec.scheme == LossyScheme::kFp8E5M2 ? 5 : 4;
   g.mantissa_bits = spec.scheme == LossyScheme::kFp8E5M2 ? 2 : 3;
   g.payload_bytes = uint32_t(lossy_payload_bytes(with_placeholder_outliers(spec)));
@@ -254,10 +293,6 @@ CudaStatus check_lossy_encode(const LossyPageSpec& spec, int n_tasks, const void
     validate_lossy_page_spec(with_placeholder_outliers(spec));
   } catch (const Error& e) {
     return cuda_error(e.code(), std::string(kWhere) + e.what());
-  }
-  if (spec.key && spec.witness != WitnessCode::kFp16 && !lossy_scheme_is_tier_b(spec.scheme)) {
-    return cuda_error(StatusCode::kUnsupported, std::string(kWhere) + "the " + witness_code_name(spec.witness) +
-                                                    " witness has no device encoder (fp16 has)");
   }
   if (!has_device_encoder(spec.scheme)) {
     return cuda_error(StatusCode::kUnsupported,

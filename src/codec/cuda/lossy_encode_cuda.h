@@ -1,7 +1,7 @@
 // Lossy page encoding on a CUDA device (the device half of the codec layer): when a block is
 // finalized, its exact bf16 rows are encoded where they were written into the lossy pages that
 // the device decode kernels read (docs/format/lossy_pages.md, docs/format/dither8.md). Schemes:
-// fp8-e4m3 and fp8-e5m2 (raw casts with their Tier A witness or rho) and dither8 (certified INT8
+// fp8-e4m3 and fp8-e5m2 (raw casts with their Tier A witness, fp16 or u8, or rho) and dither8 (certified INT8
 // with its outlier RoPE pairs). The output is byte for byte that of lossy_encode_page_ref
 // (codec/lossy_page.h), and a page is refused exactly when that encoder returns false.
 //

@@ -49,13 +49,14 @@ struct Shape {
   int head_dim;
   RopePairing pairing;
   int n_outlier_pairs;  // dither8 K pages
+  WitnessCode witness = WitnessCode::kFp16;  // fp8 K pages
 };
 
 std::string shape_name(const Shape& s) {
   return std::string(lossy_scheme_name(s.scheme)) + (s.key ? " K" : " V") +
          " T=" + std::to_string(s.block_tokens) + " D=" + std::to_string(s.head_dim) +
          (s.pairing == RopePairing::kInterleaved ? " interleaved" : " half-split") +
-         " m=" + std::to_string(s.n_outlier_pairs);
+         " m=" + std::to_string(s.n_outlier_pairs) + " witness " + witness_code_name(s.witness);
 }
 
 // The launch's spec: the outlier lists and dither keys are per task.
@@ -67,6 +68,7 @@ LossyPageSpec spec_of(const Shape& s) {
   spec.head_dim = s.head_dim;
   spec.pairing = s.pairing;
   spec.n_outlier_pairs = s.n_outlier_pairs;
+  spec.witness = s.witness;
   return spec;
 }
 
@@ -265,6 +267,12 @@ std::string page_region(const Shape& s, size_t offset) {
   if (offset < payload) {
     return "token " + std::to_string(offset / d) + " code of channel " + std::to_string(offset % d);
   }
+  if (s.key && s.witness == WitnessCode::kPageScaled8) {
+    const size_t entry = offset - payload, cells = size_t(witness_bands(s.head_dim)) * size_t(s.block_tokens);
+    if (entry >= cells) return "the witness scale w_max";
+    return "witness code of band " + std::to_string(entry / size_t(s.block_tokens)) + " token " +
+           std::to_string(entry % size_t(s.block_tokens));
+  }
   const size_t entry = (offset - payload) / 2;
   if (!s.key) return "rho of token " + std::to_string(entry);
   return "witness of band " + std::to_string(entry / size_t(s.block_tokens)) + " token " +
@@ -396,22 +404,25 @@ TEST(LossyEncodeCuda, MatchesTheReferenceOnEverySchemeShapeAndPairing) {
         for (RopePairing pairing : {RopePairing::kInterleaved, RopePairing::kHalfSplit}) {
           for (int m : {0, 4}) {
             if (m > 0 && !(scheme == LossyScheme::kDither8 && key)) continue;
-            const Shape s{scheme, key, 16, head_dim, pairing, m};
-            const RunSummary r = encode_and_compare(s, n_pages, seed++);
-            // Every page kind took its outcome; the limit pages took both where the scheme can
-            // refuse (the reference's answers were checked against the generator's above).
-            const int per_kind = n_pages / kNumPageKinds;
-            EXPECT_EQ(r.encoded[kind_index(PageKind::kRealistic)], per_kind) << shape_name(s);
-            EXPECT_EQ(r.refused[kind_index(PageKind::kNonFinite)], per_kind) << shape_name(s);
-            EXPECT_EQ(r.encoded[kind_index(PageKind::kZero)], per_kind) << shape_name(s);
-            EXPECT_EQ(r.encoded[kind_index(PageKind::kTiny)], per_kind) << shape_name(s);
-            EXPECT_EQ(r.encoded[kind_index(PageKind::kSmall)], per_kind) << shape_name(s);
-            const int limit = kind_index(PageKind::kAtTheLimit);
-            EXPECT_GE(r.encoded[limit], per_kind / 4) << shape_name(s);
-            if (scheme == LossyScheme::kFp8E4M3) {
-              EXPECT_EQ(r.refused[limit], 0) << shape_name(s);
-            } else {
-              EXPECT_GE(r.refused[limit], per_kind / 4) << shape_name(s);
+            for (WitnessCode witness : {WitnessCode::kFp16, WitnessCode::kPageScaled8}) {  // fp8 K pages: both codes
+              if (witness != WitnessCode::kFp16 && (scheme == LossyScheme::kDither8 || !key)) continue;
+              const Shape s{scheme, key, 16, head_dim, pairing, m, witness};
+              const RunSummary r = encode_and_compare(s, n_pages, seed++);
+              // Every page kind took its outcome; the limit pages took both where the scheme can
+              // refuse (the reference's answers were checked against the generator's above).
+              const int per_kind = n_pages / kNumPageKinds;
+              EXPECT_EQ(r.encoded[kind_index(PageKind::kRealistic)], per_kind) << shape_name(s);
+              EXPECT_EQ(r.refused[kind_index(PageKind::kNonFinite)], per_kind) << shape_name(s);
+              EXPECT_EQ(r.encoded[kind_index(PageKind::kZero)], per_kind) << shape_name(s);
+              EXPECT_EQ(r.encoded[kind_index(PageKind::kTiny)], per_kind) << shape_name(s);
+              EXPECT_EQ(r.encoded[kind_index(PageKind::kSmall)], per_kind) << shape_name(s);
+              const int limit = kind_index(PageKind::kAtTheLimit);
+              EXPECT_GE(r.encoded[limit], per_kind / 4) << shape_name(s);
+              if (scheme == LossyScheme::kFp8E4M3) {
+                EXPECT_EQ(r.refused[limit], 0) << shape_name(s);
+              } else {
+                EXPECT_GE(r.refused[limit], per_kind / 4) << shape_name(s);
+              }
             }
           }
         }
@@ -437,12 +448,19 @@ TEST(LossyEncodeCuda, MatchesTheReferenceOnRaggedShapes) {
             const RopePairing pairing =
                 seed % 2 ? RopePairing::kInterleaved : RopePairing::kHalfSplit;
             encode_and_compare(Shape{scheme, key, block_tokens, head_dim, pairing, m}, 36, seed++);
+            if (scheme != LossyScheme::kDither8 && key)
+              encode_and_compare(Shape{scheme, key, block_tokens, head_dim, pairing, m, WitnessCode::kPageScaled8},
+                                 36, seed++);
           }
         }
-        // The largest block: long loops per CTA, counters far past one slot's.
+        // The largest block: long loops per CTA, counters far past one slot's (and, with the u8
+        // witness, one page scale over 4096 tokens).
         encode_and_compare(
             Shape{scheme, key, 4096, head_dim, RopePairing::kHalfSplit, outliers ? 5 : 0}, 6,
             seed++);
+        if (scheme != LossyScheme::kDither8 && key)
+          encode_and_compare(Shape{scheme, key, 4096, head_dim, RopePairing::kHalfSplit, 0, WitnessCode::kPageScaled8},
+                             6, seed++);
       }
     }
   }
@@ -514,11 +532,6 @@ TEST(LossyEncodeCuda, CheckRefusesOtherSchemesBadSpecsAndArrays) {
   const Refusal refusals[] = {
       {with([](LossyPageSpec& s) { s.scheme = LossyScheme::kRtn8; }), 1, &task, &flag,
        StatusCode::kUnsupported, "rtn8"},
-      {with([](LossyPageSpec& s) {
-         s.scheme = LossyScheme::kFp8E4M3;
-         s.witness = WitnessCode::kPageScaled8;
-       }),
-       1, &task, &flag, StatusCode::kUnsupported, "u8 witness"},
       {with([](LossyPageSpec& s) { s.scheme = LossyScheme::kRtn4; }), 1, &task, &flag,
        StatusCode::kUnsupported, "rtn4"},
       {with([](LossyPageSpec& s) { s.scheme = LossyScheme::kFp8E4M3Scaled; }), 1, &task, &flag,
@@ -570,9 +583,11 @@ TEST(LossyEncodeCuda, CheckRefusesOtherSchemesBadSpecsAndArrays) {
   for (LossyScheme scheme : {LossyScheme::kFp8E4M3, LossyScheme::kFp8E5M2, LossyScheme::kDither8}) {
     for (bool key : {true, false}) {
       const int m = scheme == LossyScheme::kDither8 && key ? 64 : 0;
-      const Shape s{scheme, key, 16, 128, RopePairing::kHalfSplit, m};
-      const CudaStatus status = check_lossy_encode(spec_of(s), 1, &task, &flag);
-      EXPECT_TRUE(status.ok) << shape_name(s) << ": " << status.message;
+      for (WitnessCode witness : {WitnessCode::kFp16, WitnessCode::kPageScaled8}) {
+        const Shape s{scheme, key, 16, 128, RopePairing::kHalfSplit, m, witness};
+        const CudaStatus status = check_lossy_encode(spec_of(s), 1, &task, &flag);
+        EXPECT_TRUE(status.ok) << shape_name(s) << ": " << status.message;
+      }
     }
   }
   // No tasks: nothing to check in the arrays, nothing launched.

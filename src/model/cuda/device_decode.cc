@@ -55,6 +55,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     kc.gaac_calibration = config.gaac_calibration;
     kc.rope_pairing = config.rope_pairing;
     kc.outlier_pairs = config.outlier_pairs;
+    kc.witness = config.witness;
     // Refuse a shape the kernels do not serve (head_dim, block_tokens, GQA ratio: the checks
     // that come before any buffer's) before device memory is taken.
     attention::cuda::PagedDecodeParams probe = params_template();
@@ -311,6 +312,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     p.block_tokens = config_.block_tokens;
     p.sm_scale = config_.scale;
     p.rope_half_split = config_.rope_pairing == codec::RopePairing::kHalfSplit;
+    p.witness = config_.witness;
     p.delta_loc = config_.delta_loc;
     return p;
   }
