@@ -634,6 +634,24 @@ TEST(PagedDecodeCuda, GaacSpikesGoToEscapesAndRawPages) {
   EXPECT_LT(r.max_rel_err, 4e-3);
 }
 
+// A lossy batch's shape and exact pages (DeviceKvOptions::exact_*), and its case: dither8 with 4
+// outlier pairs, the pairing alternating with the seed.
+struct LossyShape {
+  int d, hq, hkv;
+  std::vector<int64_t> lens;
+  int splits, k_every, v_every;
+  bool tail;
+};
+
+Case lossy_case(PageFormat f, const LossyShape& s, uint32_t seed) {
+  Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, f == PageFormat::kDither8 ? 4 : 0,
+         seed % 2 ? codec::RopePairing::kHalfSplit : codec::RopePairing::kInterleaved};
+  c.exact_k_every = s.k_every;
+  c.exact_v_every = s.v_every;
+  c.exact_tail = s.tail;
+  return c;
+}
+
 // A lossy session keeps its incomplete tail block, and blocks it cannot encode, as exact bf16
 // pages beside the lossy ones: one launch reads both classes, K and V independently, the exact
 // pages on the bf16 path (bf16 query, bf16 probabilities) with c = 0 and rho = 0. The references
@@ -641,13 +659,7 @@ TEST(PagedDecodeCuda, GaacSpikesGoToEscapesAndRawPages) {
 TEST(PagedDecodeCuda, LossyFormatsWithExactPagesMatchTheReference) {
   CERTKV_NEED_CUDA_DEVICE();
   const PageFormat formats[] = {PageFormat::kFp8E4M3, PageFormat::kFp8E5M2, PageFormat::kDither8};
-  struct Shape {
-    int d, hq, hkv;
-    std::vector<int64_t> lens;
-    int splits, k_every, v_every;
-    bool tail;
-  };
-  const std::vector<Shape> shapes = {
+  const std::vector<LossyShape> shapes = {
       {128, 8, 8, {300, 31}, 1, 3, 4, true},          // GQA 1, one split
       {64, 8, 2, {17, 1601, 40}, 3, 2, 2, true},      // GQA 4: K and V exact on the same or other blocks
       {128, 28, 4, {1, 16, 4099}, 0, 5, 0, true},     // GQA 7: exact K pages (and the tails)
@@ -659,12 +671,8 @@ TEST(PagedDecodeCuda, LossyFormatsWithExactPagesMatchTheReference) {
   uint32_t seed = 500;
   for (PageFormat f : formats) {
     std::array<int64_t, 4> classes{};
-    for (const Shape& s : shapes) {
-      Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, f == PageFormat::kDither8 ? 4 : 0,
-             seed % 2 ? codec::RopePairing::kHalfSplit : codec::RopePairing::kInterleaved};
-      c.exact_k_every = s.k_every;
-      c.exact_v_every = s.v_every;
-      c.exact_tail = s.tail;
+    for (const LossyShape& s : shapes) {
+      const Case c = lossy_case(f, s, seed);
       const Result r = run_case(c, seed++);
       for (int i = 0; i < 4; ++i) classes[size_t(i)] += r.token_classes[size_t(i)];
       EXPECT_GT(r.raw_pages, 0) << name_of(c);
@@ -693,25 +701,15 @@ TEST(PagedDecodeCuda, LossyFormatsWithExactPagesMatchTheReference) {
 // KV by more than the fp16 rounding.
 TEST(PagedDecodeCuda, CodedWitnessMeterMatchesTheReference) {
   CERTKV_NEED_CUDA_DEVICE();
-  struct Shape {
-    int d, hq, hkv;
-    std::vector<int64_t> lens;
-    int splits, k_every, v_every;
-    bool tail;
-  };
-  const std::vector<Shape> shapes = {
+  const std::vector<LossyShape> shapes = {
       {128, 32, 8, {1000}, 0, 0, 0, false},       {128, 28, 4, {17, 4099}, 0, 5, 0, true},
       {64, 9, 3, {1, 16, 33, 515}, 0, 0, 3, true}, {64, 8, 1, {15, 1601}, 3, 2, 2, true},
       {128, 6, 2, {5000, 64, 129}, 0, 0, 0, false},
   };
   uint32_t seed = 900;
   for (PageFormat f : {PageFormat::kFp8E4M3, PageFormat::kFp8E5M2}) {
-    for (const Shape& s : shapes) {
-      Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, 0,
-             seed % 2 ? codec::RopePairing::kHalfSplit : codec::RopePairing::kInterleaved};
-      c.exact_k_every = s.k_every;
-      c.exact_v_every = s.v_every;
-      c.exact_tail = s.tail;
+    for (const LossyShape& s : shapes) {
+      Case c = lossy_case(f, s, seed);
       c.witness = codec::WitnessCode::kPageScaled8;
       const Result coded = run_case(c, seed);
       EXPECT_LT(coded.max_rel_err, 4e-3) << name_of(c);
