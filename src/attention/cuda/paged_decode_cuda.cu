@@ -735,6 +735,19 @@ __device__ inline const uint16_t* fp8_side(const uint8_t* stage) {
   return reinterpret_cast<const uint16_t*>(stage + size_t(kBlockTokens) * D);
 }
 
+// A logit bound from the bound factor's product: NaN (a corrupt witness, or +inf times a zero
+// weight) bounds nothing and reads as +inf; otherwise at least 0 (the hi and lo products may sum
+// to a rounding below 0 where every witness is 0).
+__device__ inline float witness_bound(float c) { return isnan(c) ? INFINITY : fmaxf(c, 0.f); }
+
+// Two fp16 witness bounds (a half2 of the fp16 witness): one that reads as below 0 or NaN (a
+// corrupt page: its bits above 0x7c00, which is +inf, but for -0, which is 0) becomes +inf, as the
+// CPU reads it (codec::lossy_witness_bounds), so that it can neither vanish nor lower the sum.
+__device__ inline uint32_t witness_pair_or_inf(uint32_t w) {
+  const uint32_t bad = __vcmpgtu2(w, 0x7c007c00u) & ~__vcmpeq2(w, 0x80008000u);
+  return (w & ~bad) | (0x7c007c00u & bad);
+}
+
 // The Tier A logit bounds of a K page with the u8 witness (codec::WitnessCode::kPageScaled8:
 // codes c[band][token], then the page's fp16 w_max; bound w_max (c + 1) / 256) for this lane's
 // four (token, head) cells: the A fragment of (c + 1) (tokens tq, tq + 8; bands 2 hq, 2 hq + 1,
@@ -760,10 +773,7 @@ __device__ inline void coded_witness_bounds(const uint8_t* stage, int tq, int hq
   const float w_max = fp16_bits_to_float(*reinterpret_cast<const uint16_t*>(codes + kBands * kBlockTokens));
   const float step = w_max >= 0.f ? w_max * (1.f / 256.f) : INFINITY;  // exact (a power of two)
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const float bound = __fmul_ru(__fmul_ru(c[k], bound_factor), step);
-    c[k] = bound >= 0.f ? bound : INFINITY;
-  }
+  for (int k = 0; k < 4; ++k) c[k] = witness_bound(__fmul_ru(__fmul_ru(c[k], bound_factor), step));
 }
 
 // Decodes the staged page (stage st) into the tiles. False (and zero rows) for a corrupt page.
@@ -1080,10 +1090,12 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
         } else {
           uint32_t r[4];
           ldsm_x4_trans(r, fp8_side<D>(tiles.stage_k[st]) + ((lane >> 4) * 8 + (lane & 7)) * kBlockTokens + ((lane >> 3) & 1) * 8);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) r[k] = witness_pair_or_inf(r[k]);
           mma16816<true>(c_bound, r, wb_hi[0], wb_hi[1]);
           mma16816<true>(c_bound, r, wb_lo[0], wb_lo[1]);
 #pragma unroll
-          for (int k = 0; k < 4; ++k) c_bound[k] = fmaxf(c_bound[k] * bound_factor, 0.f);
+          for (int k = 0; k < 4; ++k) c_bound[k] = witness_bound(c_bound[k] * bound_factor);
         }
       }
       if (vref.bytes != nullptr && !v_exact) {

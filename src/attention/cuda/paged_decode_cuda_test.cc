@@ -727,11 +727,12 @@ TEST(PagedDecodeCuda, CodedWitnessMeterMatchesTheReference) {
   }
 }
 
-// A u8 witness page whose scale w_max reads as NaN or below 0 (a corrupt page) bounds nothing: the
-// query heads of its KV head get meter 1 (as codec::lossy_witness_bounds reads it on the CPU),
-// the other KV head's meters are unchanged, and the outputs are unchanged (the witness is side
-// data only the meter reads).
-TEST(PagedDecodeCuda, CorruptCodedWitnessScaleSaturatesTheMeter) {
+// A corrupt witness bounds nothing, with either code: an fp16 bound, or a u8 page's scale w_max,
+// that reads as NaN or below 0 gives the query heads of its KV head meter 1 (as
+// codec::lossy_witness_bounds reads it on the CPU; an fp16 NaN used to vanish in the kernel's
+// max with 0, and a negative bound to lower the sum), the other KV head's meters are unchanged,
+// and so are the outputs (the witness is side data only the meter reads).
+TEST(PagedDecodeCuda, CorruptWitnessSaturatesTheMeter) {
   CERTKV_NEED_CUDA_DEVICE();
   // Plain normal keys and values (no spikes: the meter must be below 1 as built).
   HostLayerKv kv;
@@ -745,50 +746,55 @@ TEST(PagedDecodeCuda, CorruptCodedWitnessScaleSaturatesTheMeter) {
     rows->emplace_back(size_t(2) * 256 * 128);
     for (uint16_t& x : rows->back()) x = format::float_to_bf16(normal(rng));
   }
-  DeviceKvOptions opt;
-  opt.format = PageFormat::kFp8E4M3;
-  opt.witness = codec::WitnessCode::kPageScaled8;
-  DeviceKv dkv;
-  ASSERT_TRUE(DeviceKv::build(kv, opt, &dkv).ok);
-  PagedDecodeParams p;
-  dkv.describe(&p);
-  p.n_q_heads = 8;
-  p.sm_scale = 0.088f;
-  p.n_splits = 3;
-  LaunchBuffers bufs;
   std::vector<float> q(size_t(8) * 128);
   for (float& x : q) x = 0.5f * normal(rng);
-  ASSERT_TRUE(attach_launch_buffers(q, 8, &p, &bufs));
-  auto run = [&](std::vector<float>* out, std::vector<float>* meter) {
-    const CudaStatus s = paged_decode(p);
-    ASSERT_TRUE(s.ok) << s.message;
-    out->resize(q.size());
-    meter->resize(8);
-    ASSERT_EQ(cudaMemcpy(out->data(), p.out, out->size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(meter->data(), p.meter, 8 * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-  };
-  std::vector<float> out_clean, meter_clean;
-  run(&out_clean, &meter_clean);
-  for (int h = 0; h < 8; ++h) ASSERT_LT(meter_clean[size_t(h)], 1.f) << "head " << h << ": saturated as built";
-  // Block 5 of KV head 0: its K page's w_max (after the codes) set to NaN, then to -1.
-  int32_t entry = 0;
-  ASSERT_EQ(cudaMemcpy(&entry, p.k_table + 5, 4, cudaMemcpyDeviceToHost), cudaSuccess);
-  ASSERT_GE(entry, 0);
-  uint8_t* scale = const_cast<uint8_t*>(p.k_pages) + int64_t(entry) * p.k_page_stride + 16 * 128 + 16 * 16;
-  uint16_t kept = 0;
-  ASSERT_EQ(cudaMemcpy(&kept, scale, 2, cudaMemcpyDeviceToHost), cudaSuccess);
-  for (uint16_t bad : {uint16_t(0x7e00), uint16_t(0xbc00)}) {
-    ASSERT_EQ(cudaMemcpy(scale, &bad, 2, cudaMemcpyHostToDevice), cudaSuccess);
+  for (codec::WitnessCode witness : {codec::WitnessCode::kFp16, codec::WitnessCode::kPageScaled8}) {
+    SCOPED_TRACE(codec::witness_code_name(witness));
+    DeviceKvOptions opt;
+    opt.format = PageFormat::kFp8E4M3;
+    opt.witness = witness;
+    DeviceKv dkv;
+    ASSERT_TRUE(DeviceKv::build(kv, opt, &dkv).ok);
+    PagedDecodeParams p;
+    dkv.describe(&p);
+    p.n_q_heads = 8;
+    p.sm_scale = 0.088f;
+    p.n_splits = 3;
+    LaunchBuffers bufs;
+    ASSERT_TRUE(attach_launch_buffers(q, 8, &p, &bufs));
+    auto run = [&](std::vector<float>* out, std::vector<float>* meter) {
+      const CudaStatus s = paged_decode(p);
+      ASSERT_TRUE(s.ok) << s.message;
+      out->resize(q.size());
+      meter->resize(8);
+      ASSERT_EQ(cudaMemcpy(out->data(), p.out, out->size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(meter->data(), p.meter, 8 * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    };
+    std::vector<float> out_clean, meter_clean;
+    run(&out_clean, &meter_clean);
+    for (int h = 0; h < 8; ++h) ASSERT_LT(meter_clean[size_t(h)], 1.f) << "head " << h << ": saturated as built";
+    // Block 5 of KV head 0: its K page's fp16 bound of band 3, token 2, or its u8 page's w_max (after
+    // the codes), set to NaN, then to -1.
+    int32_t entry = 0;
+    ASSERT_EQ(cudaMemcpy(&entry, p.k_table + 5, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_GE(entry, 0);
+    const int64_t side = witness == codec::WitnessCode::kFp16 ? 2 * (3 * 16 + 2) : 16 * 16;
+    uint8_t* scale = const_cast<uint8_t*>(p.k_pages) + int64_t(entry) * p.k_page_stride + 16 * 128 + side;
+    uint16_t kept = 0;
+    ASSERT_EQ(cudaMemcpy(&kept, scale, 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (uint16_t bad : {uint16_t(0x7e00), uint16_t(0xbc00)}) {
+      ASSERT_EQ(cudaMemcpy(scale, &bad, 2, cudaMemcpyHostToDevice), cudaSuccess);
+      std::vector<float> out, meter;
+      run(&out, &meter);
+      for (int h = 0; h < 4; ++h) EXPECT_EQ(meter[size_t(h)], 1.f) << "stored " << bad << ", head " << h;
+      for (int h = 4; h < 8; ++h) EXPECT_EQ(meter[size_t(h)], meter_clean[size_t(h)]) << "stored " << bad << ", head " << h;
+      EXPECT_EQ(out, out_clean) << "stored " << bad;
+    }
+    ASSERT_EQ(cudaMemcpy(scale, &kept, 2, cudaMemcpyHostToDevice), cudaSuccess);
     std::vector<float> out, meter;
     run(&out, &meter);
-    for (int h = 0; h < 4; ++h) EXPECT_EQ(meter[size_t(h)], 1.f) << "w_max " << bad << ", head " << h;
-    for (int h = 4; h < 8; ++h) EXPECT_EQ(meter[size_t(h)], meter_clean[size_t(h)]) << "w_max " << bad << ", head " << h;
-    EXPECT_EQ(out, out_clean) << "w_max " << bad;
+    EXPECT_EQ(meter, meter_clean) << "restored";
   }
-  ASSERT_EQ(cudaMemcpy(scale, &kept, 2, cudaMemcpyHostToDevice), cudaSuccess);
-  std::vector<float> out, meter;
-  run(&out, &meter);
-  EXPECT_EQ(meter, meter_clean) << "restored";
 }
 
 // Every page exact: nothing for the meter to bound, so A - 1, the meter and the value side are
