@@ -735,10 +735,15 @@ __device__ inline const uint16_t* fp8_side(const uint8_t* stage) {
   return reinterpret_cast<const uint16_t*>(stage + size_t(kBlockTokens) * D);
 }
 
-// A logit bound from the bound factor's product: NaN (a corrupt witness, or +inf times a zero
-// weight) bounds nothing and reads as +inf; otherwise at least 0 (the hi and lo products may sum
-// to a rounding below 0 where every witness is 0).
-__device__ inline float witness_bound(float c) { return isnan(c) ? INFINITY : fmaxf(c, 0.f); }
+// A logit bound from the bound factor's product: at least 0 (the hi and lo products may sum to a
+// rounding below 0 where every witness is 0), and a NaN (a NaN witness, or +inf times a zero
+// weight) stays NaN, which makes A - 1 NaN and the meter 1 (PTX max.NaN, sm_80 on: one
+// instruction, as fmaxf, which would have turned it into 0).
+__device__ inline float witness_bound(float c) {
+  float bound;
+  asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(bound) : "f"(c));
+  return bound;
+}
 
 // Two fp16 witness bounds (a half2 of the fp16 witness): one that reads as below 0 or NaN (a
 // corrupt page: its bits above 0x7c00, which is +inf, but for -0, which is 0) becomes +inf, as the
@@ -754,7 +759,8 @@ __device__ inline uint32_t witness_pair_or_inf(uint32_t w) {
 // + 8) built from the codes as exact fp16 integers (1024 + c exactly, minus 1023), times the band
 // weights (wb_hi + wb_lo >= the prescaled weight) on tensor cores, then the factor that undoes the
 // prescale and w_max / 256, rounded up. A w_max that reads as NaN or below 0 (a corrupt page)
-// bounds nothing: +inf, as the CPU reads it (codec::lossy_witness_bounds); so does a NaN product.
+// bounds nothing: +inf, as the CPU reads it (codec::lossy_witness_bounds); a NaN product stays
+// NaN (witness_bound), which gives meter 1.
 template <int D>
 __device__ inline void coded_witness_bounds(const uint8_t* stage, int tq, int hq, const uint32_t (&wb_hi)[2],
                                             const uint32_t (&wb_lo)[2], float bound_factor, float (&c)[4]) {
@@ -1090,8 +1096,12 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
         } else {
           uint32_t r[4];
           ldsm_x4_trans(r, fp8_side<D>(tiles.stage_k[st]) + ((lane >> 4) * 8 + (lane & 7)) * kBlockTokens + ((lane >> 3) & 1) * 8);
+          // A bound below 0 (a corrupt page; its sign bit, rare: -0 too) would lower the sum: then
+          // the warp's bounds go through witness_pair_or_inf (a NaN propagates to the meter).
+          if (__any_sync(0xffffffffu, ((r[0] | r[1] | r[2] | r[3]) & 0x80008000u) != 0)) {
 #pragma unroll
-          for (int k = 0; k < 4; ++k) r[k] = witness_pair_or_inf(r[k]);
+            for (int k = 0; k < 4; ++k) r[k] = witness_pair_or_inf(r[k]);
+          }
           mma16816<true>(c_bound, r, wb_hi[0], wb_hi[1]);
           mma16816<true>(c_bound, r, wb_lo[0], wb_lo[1]);
 #pragma unroll
