@@ -154,8 +154,8 @@ template <int D>
 struct Tiles<D, PageFormat::kDither8> {  // the K page's scores read its stage: one tile, for the values
   alignas(16) uint8_t stage_k[1][stage_bytes<D, PageFormat::kDither8>(true)];
   alignas(16) uint8_t stage_v[1][stage_bytes<D, PageFormat::kDither8>(false)];
-  // The values s (q - xi) (fp16), decoded once the scores are done; an exact (raw bf16) K page's
-  // rows before them.
+  // The values s q (fp16; V pages are not dithered), decoded once the scores are done; an exact
+  // (raw bf16) K page's rows before them.
   alignas(16) uint16_t w[kBlockTokens * D];
   float rho[kBlockTokens];  // the V page's rho_t (metered launches)
 };
