@@ -135,8 +135,14 @@ void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
         const int n_visible = int(std::min(t1 - t0, visible));
         for (int g = 0; g < group; ++g) {
           const size_t r = size_t(i - i0) * size_t(group) + size_t(g);
-          detail::update_row(q_rows + r * size_t(d), k_tile, v_tile, n_visible, d, shape.scale,
-                             &states[r], acc + r * size_t(d), s);
+          // One softmax update per page, as decode_attention makes them: a query's arithmetic
+          // is then the same whatever the tile, the chunk or the path (prefill or decode).
+          for (int j = 0; j < n_visible; j += bt) {
+            const size_t offset = size_t(j) * size_t(d);
+            detail::update_row(q_rows + r * size_t(d), k_tile + offset, v_tile + offset,
+                               std::min(bt, n_visible - j), d, shape.scale, &states[r],
+                               acc + r * size_t(d), s);
+          }
         }
       }
     }

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <ostream>
 #include <random>
 #include <string>
@@ -56,9 +57,10 @@ TEST_P(PrefillRagged, MatchesReference) {
   }
 }
 
-// Row i of a prefill is the decode of query i over positions [0, pos0 + i] (the two tile the
-// keys differently, so they agree to float rounding).
-TEST_P(PrefillRagged, RowsMatchDecodeOfEachPrefix) {
+// Row i of a prefill is, bit for bit, the single-split decode of query i over positions
+// [0, pos0 + i] (both update the softmax once per page, in page order), and a prefill cut into
+// ragged chunks gives the rows of the whole one.
+TEST_P(PrefillRagged, RowsAreTheDecodeOfEachPrefixBitForBit) {
   const CaseShape c = GetParam().shape;
   const AttentionShape shape = testing::attention_shape(c);
   auto cache = testing::make_cache(c, 300);
@@ -68,14 +70,25 @@ TEST_P(PrefillRagged, RowsMatchDecodeOfEachPrefix) {
   testing::append_random(*cache, seq, pos0 + n, rng);
   const size_t row = size_t(c.n_q_heads) * size_t(c.head_dim);
   const std::vector<float> q = testing::uniform_values(size_t(n) * row, -2, 2, rng);
-  std::vector<float> out(q.size()), one(row);
-  prefill_attention(*cache, seq, kLayer, shape, q.data(), pos0, n, out.data());
+  std::vector<float> out(q.size()), chunked(q.size()), one(row);
+  ThreadPool pool(2);
+  prefill_attention(*cache, seq, kLayer, shape, q.data(), pos0, n, out.data(), &pool);
   testing::expect_nondegenerate(out, "prefill output");
+  DecodeOptions single_split;
+  single_split.n_splits = 1;
   for (int64_t i = 0; i < n; ++i) {
-    decode_attention(*cache, seq, kLayer, shape, q.data() + size_t(i) * row, pos0 + i + 1, one.data());
+    decode_attention(*cache, seq, kLayer, shape, q.data() + size_t(i) * row, pos0 + i + 1, one.data(),
+                     &pool, single_split);
     const std::vector<float> prefill_row(out.begin() + size_t(i) * row, out.begin() + size_t(i + 1) * row);
-    ASSERT_LT(testing::max_abs_diff(prefill_row, one), 1e-5) << "query " << i;
+    ASSERT_EQ(prefill_row, one) << "query " << i;
   }
+  for (int64_t i = 0; i < n;) {
+    const int64_t len = std::min<int64_t>(n - i, 1 + (i * 7) % 23);  // ragged: 1, 8, 16, ...
+    prefill_attention(*cache, seq, kLayer, shape, q.data() + size_t(i) * row, pos0 + i, len,
+                      chunked.data() + size_t(i) * row);
+    i += len;
+  }
+  EXPECT_EQ(chunked, out);
 }
 
 INSTANTIATE_TEST_SUITE_P(

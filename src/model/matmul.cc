@@ -17,6 +17,9 @@
     defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define CERTKV_MATMUL_AVX512 1
 #include "core/x86_simd.h"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define CERTKV_MATMUL_AVX2 1
+#include "core/x86_simd.h"
 #endif
 
 namespace certkv::model {
@@ -335,6 +338,12 @@ GroupLoadMasks partial_group_masks(int64_t n_blocks) {
   return m;
 }
 
+// The load masks of the last group of a row of nb blocks (for the drivers below).
+template <GgmlType T>
+GroupLoadMasks q32_row_tail(int64_t nb) {
+  return partial_group_masks<T>(nb % 4);
+}
+
 template <GgmlType T, bool kPartial>
 inline __m512i load_group_bytes(const uint8_t* g, int offset, const GroupLoadMasks& masks, int i) {
   if constexpr (kPartial) return _mm512_maskz_loadu_epi8(masks.load[i], g + offset);
@@ -609,6 +618,382 @@ void rows_dot_float(const uint8_t* rows, size_t row_bytes, int64_t n, const floa
     for (int t = 0; t < kT; ++t) y[t * y_stride + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
+#elif defined(CERTKV_MATMUL_AVX2)
+
+// ---------------------------------------------------------------------------------------------
+// AVX2 path (with FMA and F16C). Integer dot products of 32 codes at a time in llama.cpp's way:
+// _mm256_maddubs_epi16 multiplies unsigned weight bytes with signed activation bytes into int16
+// pairs (|pair| <= 2 * 128 * 127 < 2^15, so it never saturates), _mm256_madd_epi16 widens them to
+// eight int32 lanes; signed weight codes go in as |c| against sign(x, c). The integer sum of a
+// block is exact; its eight lanes are scaled and added in fp32, like the AVX-512 path's lanes.
+// Activations are quantized exactly as quantize_activation_ref does, in element order.
+
+inline __m256i ones_epi16() { return _mm256_set1_epi16(1); }
+
+// Sum of the eight lanes.
+inline float lane_sum(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+// y[t * y_stride] = the lane sum of acc[t] plus extra[t], t < kT.
+template <int kT>
+inline void store_lane_sums(const __m256* acc, const float* extra, float* y, int64_t y_stride) {
+  for (int t = 0; t < kT; ++t) y[t * y_stride] = lane_sum(acc[t]) + extra[t];
+}
+
+// The products of 32 signed weight codes c with 32 signed activation codes, as eight int32 lanes.
+inline __m256i dot32_signed(__m256i c, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c)),
+                           ones_epi16());
+}
+
+// One block of activations, n = 32 or 256 elements, as quantize_activation_ref computes it:
+// codes q, scale d, and the sums of q over each 32 elements (sum32); a block holding an Inf or
+// NaN gets d = NaN and zero codes. Returns d.
+inline float quantize_block(const float* x, int n, int8_t* q, int32_t* sum32) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps();
+  __m256 finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  for (int i = 0; i < n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    // v - v is 0 for finite v and NaN for Inf or NaN.
+    finite = _mm256_and_ps(finite, _mm256_cmp_ps(_mm256_sub_ps(v, v), _mm256_setzero_ps(), _CMP_EQ_OQ));
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v));
+  }
+  if (_mm256_movemask_ps(finite) != 0xFF) {
+    std::memset(q, 0, size_t(n));
+    for (int j = 0; j < n / 32; ++j) sum32[j] = 0;
+    return __builtin_nanf("");
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float d = _mm_cvtss_f32(m) / 127.f;
+  const __m256 id = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int j = 0; j < n / 32; ++j) {
+    const float* xj = x + 32 * j;
+    // cvtps rounds to nearest even, as std::nearbyint does in the default rounding mode.
+    const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xj), id));
+    const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xj + 8), id));
+    const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xj + 16), id));
+    const __m256i q3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xj + 24), id));
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+    const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    sum32[j] = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+    // packs interleaves the 128-bit lanes; the permute puts the elements back in order.
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * j),
+                        _mm256_permutevar8x32_epi32(bytes, order));
+  }
+  return d;
+}
+
+// Layout of the quantized activations of one token row for 32-element blocks:
+// [nb x 32 int8 codes] [nb floats d] [nb floats s = d * sum(q)], 32-byte aligned parts.
+struct Act32Layout {
+  int64_t n_blocks;
+  size_t d_offset, s_offset, stride;
+  explicit Act32Layout(int64_t n_in) {
+    n_blocks = n_in / 32;
+    d_offset = size_t(n_blocks) * 32;
+    s_offset = d_offset + (size_t(n_blocks) * 4 + 31) / 32 * 32;
+    stride = s_offset + (size_t(n_blocks) * 4 + 31) / 32 * 32;
+  }
+};
+
+void quantize_act32_row(const float* x, int64_t n_in, uint8_t* out, const Act32Layout& L) {
+  (void)n_in;
+  auto* q = reinterpret_cast<int8_t*>(out);
+  auto* d = reinterpret_cast<float*>(out + L.d_offset);
+  auto* s = reinterpret_cast<float*>(out + L.s_offset);
+  for (int64_t b = 0; b < L.n_blocks; ++b) {
+    int32_t sum = 0;
+    d[b] = quantize_block(x + 32 * b, 32, q + 32 * b, &sum);
+    s[b] = d[b] * float(sum);
+  }
+}
+
+// Nothing to mask: every load of the AVX2 path stays inside its block.
+struct Q32RowTail {};
+template <GgmlType T>
+Q32RowTail q32_row_tail(int64_t) {
+  return {};
+}
+
+inline float fp16_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return format::fp16_to_float(bits);
+}
+
+// The 16 bytes at p as 32 nibbles: low nibbles in bytes 0-15, high nibbles in bytes 16-31.
+inline __m256i nibbles_32(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0xF));
+}
+
+// 16 in byte i where bit i of the 32-bit little-endian word at p is set, else 0.
+inline __m256i fifth_bits_32(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(int(bits)),
+      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202,
+                         0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+// The 32 codes of one block with the type's offset removed (w_i = d c_i + m), in element order,
+// and whether they are all >= 0 (then they multiply the activations as unsigned bytes).
+template <GgmlType T>
+inline __m256i block32_codes(const uint8_t* p) {
+  if constexpr (T == GgmlType::kQ4_0) {
+    return _mm256_sub_epi8(nibbles_32(p + 2), _mm256_set1_epi8(8));
+  } else if constexpr (T == GgmlType::kQ4_1) {
+    return nibbles_32(p + 4);
+  } else if constexpr (T == GgmlType::kQ5_0) {
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles_32(p + 6), fifth_bits_32(p + 2)),
+                           _mm256_set1_epi8(16));
+  } else if constexpr (T == GgmlType::kQ5_1) {
+    return _mm256_or_si256(nibbles_32(p + 8), fifth_bits_32(p + 4));
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+  }
+}
+
+template <GgmlType T>
+constexpr bool kUnsignedCodes = T == GgmlType::kQ4_1 || T == GgmlType::kQ5_1;
+
+// y[t * y_stride] = dot(row, activation t) for kT consecutive tokens.
+template <GgmlType T, int kT>
+void row_dot_q32(const uint8_t* row, int64_t nb, const Q32RowTail&, const uint8_t* act,
+                 const Act32Layout& L, float* y, int64_t y_stride) {
+  constexpr size_t kBlockBytes = T == GgmlType::kQ4_0   ? 18
+                                 : T == GgmlType::kQ4_1 ? 20
+                                 : T == GgmlType::kQ5_0 ? 22
+                                 : T == GgmlType::kQ5_1 ? 24
+                                                        : 34;
+  __m256 acc[kT];
+  float constant[kT];
+  for (int t = 0; t < kT; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    constant[t] = 0;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = row + b * kBlockBytes;
+    if constexpr (kT == 1) _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);
+    const __m256i c = block32_codes<T>(p);
+    const float dw = fp16_at(p);
+    for (int t = 0; t < kT; ++t) {
+      const uint8_t* a = act + size_t(t) * L.stride;
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * b));
+      const __m256i i = kUnsignedCodes<T>
+                            ? _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), ones_epi16())
+                            : dot32_signed(c, x);
+      const float dx = reinterpret_cast<const float*>(a + L.d_offset)[b];
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(dw * dx), acc[t]);
+      if constexpr (kUnsignedCodes<T>)
+        constant[t] += fp16_at(p + 2) * reinterpret_cast<const float*>(a + L.s_offset)[b];
+    }
+  }
+  store_lane_sums<kT>(acc, constant, y, y_stride);
+}
+
+// k-quants (Q4_K, Q5_K, Q6_K). Per token row: [nsb x 256 int8 codes] [nsb floats d]
+// [nsb x 8 int32 sums over 32 elements].
+struct ActKLayout {
+  int64_t n_super;
+  size_t d_offset, sum_offset, stride;
+  explicit ActKLayout(int64_t n_in) {
+    n_super = n_in / 256;
+    d_offset = size_t(n_super) * 256;
+    sum_offset = d_offset + (size_t(n_super) * 4 + 31) / 32 * 32;
+    stride = sum_offset + size_t(n_super) * 32;
+  }
+};
+
+void quantize_act_k_row(const float* x, int64_t n_in, uint8_t* out, const ActKLayout& L) {
+  (void)n_in;
+  auto* q = reinterpret_cast<int8_t*>(out);
+  auto* d = reinterpret_cast<float*>(out + L.d_offset);
+  auto* sums = reinterpret_cast<int32_t*>(out + L.sum_offset);
+  for (int64_t b = 0; b < L.n_super; ++b)
+    d[b] = quantize_block(x + 256 * b, 256, q + 256 * b, sums + 8 * b);
+}
+
+// One unpacked super-block: 256 codes in element order (Q4_K, Q5_K: unsigned; Q6_K: code - 32,
+// signed), the sub-block scales as int16 multipliers of the eight int16 pairs of each 32
+// elements (Q6_K: two scales of 16 elements each), and the mins.
+struct SuperBlock {
+  alignas(32) int8_t codes[256];
+  __m256i scales[8];
+  int32_t mins[8];
+  float d, dmin;
+};
+
+template <GgmlType T>
+inline void unpack_super_block(const uint8_t* p, SuperBlock* s) {
+  const __m256i nibble = _mm256_set1_epi8(0xF);
+  auto* codes = reinterpret_cast<__m256i*>(s->codes);
+  if constexpr (T == GgmlType::kQ6_K) {
+    const uint8_t* ql = p;
+    const uint8_t* qh = p + 128;
+    const auto* scales = reinterpret_cast<const int8_t*>(p + 192);
+    s->d = fp16_at(p + 208);
+    s->dmin = 0;
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
+      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
+      const __m256i low[4] = {_mm256_and_si256(l0, nibble), _mm256_and_si256(l1, nibble),
+                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble),
+                              _mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble)};
+      for (int quarter = 0; quarter < 4; ++quarter) {
+        const __m256i high =
+            _mm256_and_si256(_mm256_srli_epi16(hb, 2 * quarter), _mm256_set1_epi8(3));
+        const __m256i code = _mm256_or_si256(low[quarter], _mm256_slli_epi16(high, 4));
+        const int z = 4 * h + quarter;
+        _mm256_store_si256(codes + z, _mm256_sub_epi8(code, _mm256_set1_epi8(32)));
+        s->scales[z] = _mm256_set_m128i(_mm_set1_epi16(scales[2 * z + 1]), _mm_set1_epi16(scales[2 * z]));
+      }
+    }
+  } else {
+    constexpr bool kFifthBit = T == GgmlType::kQ5_K;
+    s->d = fp16_at(p);
+    s->dmin = fp16_at(p + 2);
+    const uint8_t* qs = p + (kFifthBit ? 48 : 16);
+    __m256i qh = _mm256_setzero_si256();
+    if constexpr (kFifthBit) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+      for (int half = 0; half < 2; ++half) {
+        const int j = 2 * c + half;
+        uint8_t sc, m;
+        k_quant_scale_min(j, p + 4, &sc, &m);
+        s->mins[j] = m;
+        s->scales[j] = _mm256_set1_epi16(sc);
+        __m256i code = _mm256_and_si256(half ? _mm256_srli_epi16(v, 4) : v, nibble);
+        if constexpr (kFifthBit) {
+          const __m256i bit = _mm256_set1_epi8(char(1 << j));
+          code = _mm256_or_si256(code, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit),
+                                                        _mm256_set1_epi8(16)));
+        }
+        _mm256_store_si256(codes + j, code);
+      }
+    }
+  }
+}
+
+template <GgmlType T, int kT>
+void row_dot_k(const uint8_t* row, int64_t n_super, const uint8_t* act, const ActKLayout& L,
+               float* y, int64_t y_stride) {
+  constexpr size_t kBlockBytes = T == GgmlType::kQ4_K ? 144 : T == GgmlType::kQ5_K ? 176 : 210;
+  __m256 acc[kT];
+  float mins[kT];
+  for (int t = 0; t < kT; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    mins[t] = 0;
+  }
+  SuperBlock s;
+  const auto* codes = reinterpret_cast<const __m256i*>(s.codes);
+  for (int64_t b = 0; b < n_super; ++b) {
+    unpack_super_block<T>(row + b * kBlockBytes, &s);
+    for (int t = 0; t < kT; ++t) {
+      const uint8_t* a = act + size_t(t) * L.stride;
+      const auto* xq = reinterpret_cast<const __m256i*>(a + 256 * b);
+      __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+      for (int z = 0; z < 8; z += 2) {
+        const __m256i c0 = _mm256_load_si256(codes + z), c1 = _mm256_load_si256(codes + z + 1);
+        const __m256i x0 = _mm256_loadu_si256(xq + z), x1 = _mm256_loadu_si256(xq + z + 1);
+        __m256i p0, p1;
+        if constexpr (T == GgmlType::kQ6_K) {
+          p0 = _mm256_maddubs_epi16(_mm256_abs_epi8(c0), _mm256_sign_epi8(x0, c0));
+          p1 = _mm256_maddubs_epi16(_mm256_abs_epi8(c1), _mm256_sign_epi8(x1, c1));
+        } else {
+          p0 = _mm256_maddubs_epi16(c0, x0);
+          p1 = _mm256_maddubs_epi16(c1, x1);
+        }
+        i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(p0, s.scales[z]));
+        i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(p1, s.scales[z + 1]));
+      }
+      const float dx = reinterpret_cast<const float*>(a + L.d_offset)[b];
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), _mm256_set1_ps(s.d * dx),
+                               acc[t]);
+      if constexpr (T != GgmlType::kQ6_K) {
+        const int32_t* sums = reinterpret_cast<const int32_t*>(a + L.sum_offset) + 8 * b;
+        int32_t msum = 0;
+        for (int j = 0; j < 8; ++j) msum += s.mins[j] * sums[j];
+        mins[t] -= (s.dmin * dx) * float(msum);
+      }
+    }
+  }
+  store_lane_sums<kT>(acc, mins, y, y_stride);
+}
+
+// Float weights: fp32 fused multiply-adds over 8 lanes, kR rows x kT tokens; the last n % 8
+// elements go through a zero-padded copy.
+template <GgmlType T>
+inline __m256 load_weights_8(const uint8_t* row, int64_t i) {
+  if constexpr (T == GgmlType::kF32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
+  } else if constexpr (T == GgmlType::kF16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i)));
+  } else {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i))), 16));
+  }
+}
+
+template <GgmlType T>
+inline __m256 load_weights_tail(const uint8_t* row, int64_t i, int64_t n) {
+  constexpr size_t kElementBytes = T == GgmlType::kF32 ? 4 : 2;
+  alignas(32) uint8_t padded[32] = {};
+  std::memcpy(padded, row + kElementBytes * size_t(i), kElementBytes * size_t(n - i));
+  return load_weights_8<T>(padded, 0);
+}
+
+inline __m256 load_floats_tail(const float* x, int64_t n) {
+  alignas(32) float padded[8] = {};
+  std::memcpy(padded, x, sizeof(float) * size_t(n));
+  return _mm256_load_ps(padded);
+}
+
+template <GgmlType T, int kR, int kT>
+void rows_dot_float(const uint8_t* rows, size_t row_bytes, int64_t n, const float* x, float* y,
+                    int64_t y_stride) {
+  __m256 acc[kR][kT];
+  for (int r = 0; r < kR; ++r)
+    for (int t = 0; t < kT; ++t) acc[r][t] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 wv[kR];
+    for (int r = 0; r < kR; ++r) wv[r] = load_weights_8<T>(rows + r * row_bytes, i);
+    for (int t = 0; t < kT; ++t) {
+      const __m256 xv = _mm256_loadu_ps(x + t * n + i);
+      for (int r = 0; r < kR; ++r) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+    }
+  }
+  if (i < n) {
+    __m256 wv[kR];
+    for (int r = 0; r < kR; ++r) wv[r] = load_weights_tail<T>(rows + r * row_bytes, i, n);
+    for (int t = 0; t < kT; ++t) {
+      const __m256 xv = load_floats_tail(x + t * n + i, n - i);
+      for (int r = 0; r < kR; ++r) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+    }
+  }
+  for (int r = 0; r < kR; ++r)
+    for (int t = 0; t < kT; ++t) y[t * y_stride + r] = lane_sum(acc[r][t]);
+}
+
+#endif  // CERTKV_MATMUL_AVX512, CERTKV_MATMUL_AVX2
+
+#if defined(CERTKV_MATMUL_AVX512) || defined(CERTKV_MATMUL_AVX2)
+
 // ---------------------------------------------------------------------------------------------
 // Drivers. Each thread takes a range of rows. Tokens go in chunks whose activations stay in L2
 // (about kTokenChunkBytes); within a chunk, rows go in blocks of about kRowBlockBytes of weights
@@ -695,7 +1080,7 @@ void matmul_q32(const WeightMatrix& w, const float* x, int64_t n_tokens, float* 
     quantize_act32_row(x + t * w.n_in, w.n_in, act + size_t(t) * L.stride, L);
   });
   const int64_t nb = w.n_in / 32;
-  const GroupLoadMasks tail = partial_group_masks<T>(nb % 4);
+  const auto tail = q32_row_tail<T>(nb);
   for_row_tiles(w, n_tokens, L.stride, pool, [&](int64_t rb, int64_t re, int64_t t0, int kt) {
     with_tile(kt, [&]<int kT>() {
       for (int64_t r = rb; r < re; ++r)
@@ -772,8 +1157,8 @@ void matmul_float(const WeightMatrix& w, const float* x, int64_t n_tokens, float
                 });
 }
 
-void matmul_avx512(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y,
-                   ThreadPool& pool) {
+void matmul_simd(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y,
+                 ThreadPool& pool) {
   switch (w.type) {
     case GgmlType::kF32:
       return matmul_float<GgmlType::kF32>(w, x, n_tokens, y, pool);
@@ -803,7 +1188,7 @@ void matmul_avx512(const WeightMatrix& w, const float* x, int64_t n_tokens, floa
   fail(StatusCode::kInternal, "matmul: type list and dispatch disagree");
 }
 
-#endif  // CERTKV_MATMUL_AVX512
+#endif  // CERTKV_MATMUL_AVX512 || CERTKV_MATMUL_AVX2
 
 }  // namespace
 
@@ -812,8 +1197,8 @@ bool matmul_supports(GgmlType type) { return dequantize_supports(type); }
 void matmul(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool) {
   check_args(w, n_tokens, "matmul");
   if (w.n_out == 0 || n_tokens == 0) return;
-#if defined(CERTKV_MATMUL_AVX512)
-  matmul_avx512(w, x, n_tokens, y, pool);
+#if defined(CERTKV_MATMUL_AVX512) || defined(CERTKV_MATMUL_AVX2)
+  matmul_simd(w, x, n_tokens, y, pool);
 #else
   matmul_portable(w, x, n_tokens, y, pool);
 #endif

@@ -10,9 +10,10 @@
 //    scale d = amax/127 and round-to-nearest, every activation element is off by at most d/2, so
 //      |matmul - matmul_ref| <= sum_i |W[o][i]| * amax(block of i) / 254 + fp32 rounding.
 //    Float weights (F32, F16, BF16) are multiplied in fp32 without any activation quantization.
-//    With AVX-512 (F, BW, VL, VNNI, VBMI) the kernels are vectorized and the weights of one
-//    output row are unpacked once per tile of up to 8 tokens; without it a scalar path computes
-//    the same algorithm.
+//    With AVX-512 (F, BW, VL, VNNI, VBMI), or else AVX2 with FMA and F16C, the kernels are
+//    vectorized and the weights of one output row are unpacked once per tile of up to 8 tokens;
+//    without either a scalar path computes the same algorithm. On every path each token's
+//    outputs are computed the same way whatever the number of tokens or threads in the call.
 #pragma once
 
 #include <cstddef>
