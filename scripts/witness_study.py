@@ -26,6 +26,14 @@ fp16 rounded up; 0 when the page's norms are all 0), exact in float, so that a k
 c + 1 to the tensor cores as exact fp16 integers and apply the page's scale after the product. Bytes per token: B * E / 8 (+ 2 / 16 for the page scale of the coded forms). A suffix p
 (BxEp) stores one witness per page instead of per token: each band's largest norm over the
 page's 16 tokens (bytes per token B * E / 8 / 16).
+
+The form `ulp` stores nothing: for the fp8 schemes a code's own exponent bounds its rounding
+error, |k^_i - k_i| <= u(k^_i) = s 2^(max(E_i, -6) - 4) for E4M3 (E_i the exponent of k^_i / s,
+s = 1 unscaled; 2^-10 for a zero or subnormal code), so c_t = sm_scale sum_i |q_i| u(k^_i), a
+product of |q| with the codes' exponents that a kernel can make on the tensor cores from the
+bytes it already reads. It holds only where no element saturated: a raw E4M3 element with
+|k| > 464 has an unbounded error, so its token's c_t is +inf (such a page would be kept exact;
+the table gives the share of tokens).
 """
 import argparse
 import json
@@ -88,6 +96,25 @@ def round_e4m3(x):
     r = np.round(a / q) * q  # numpy rounds half to even
     r = np.minimum(r, 448.0)
     return (np.sign(x) * r).astype(np.float32)
+
+
+def e4m3_half_ulp(kh_unscaled):
+    """u(k^) = 2^(max(E, -6) - 4) for E4M3 values (E = floor(log2 |k^|); subnormals and 0: 2^-10)."""
+    a = np.abs(kh_unscaled).astype(np.float64)
+    e = np.floor(np.log2(np.maximum(a, 2.0 ** -30)))
+    return 2.0 ** (np.maximum(e, -6.0) - 4.0)
+
+
+def ulp_bound(scheme, k):
+    """Per-element bound on |k^ - k| from the codes alone, +inf on saturated (unbounded) elements."""
+    if scheme == "fp8-e4m3":
+        u = e4m3_half_ulp(round_e4m3(k))
+        return np.where(np.abs(k) > 464.0, np.inf, u)
+    if scheme == "fp8-e4m3-scaled":
+        s = fp16_up(np.abs(k).max(axis=-1, keepdims=True) / 448.0)
+        s = np.where(s == 0, 1.0, s)
+        return e4m3_half_ulp(round_e4m3(k / s)) * s
+    sys.exit(f"witness_study: the ulp form is defined for the fp8-e4m3 schemes, not '{scheme}'")
 
 
 def fp16_up(x):
@@ -183,6 +210,12 @@ def study(paths, scheme, forms, tau, negative_control=False):
                 r = (kh - k).astype(np.float64)
                 per_form = {}
                 for f in forms:
+                    if f == ULP:
+                        per_form[f] = ulp_bound(scheme, k)
+                        results[f].setdefault("unbounded_tokens", []).append(float(np.mean(~np.isfinite(per_form[f]).all(axis=1))))
+                        if negative_control:
+                            per_form[f] = np.zeros_like(per_form[f])
+                        continue
                     b, bits, per_page = f
                     per_form[f] = witness(band_norms(r, pairs, b), bits, per_page)
                     if negative_control:
@@ -196,8 +229,13 @@ def study(paths, scheme, forms, tau, negative_control=False):
                     tv = 0.5 * np.abs(p_hat - p).sum()
                     cells += 1
                     for f in forms:
-                        qb = band_norms(q[None, :], pairs, f[0])[0]
-                        c = scale * (per_form[f] @ qb) * (1 + 2.0 ** -20)
+                        if f == ULP:
+                            with np.errstate(invalid="ignore"):
+                                c = scale * (per_form[f] @ np.abs(q)) * (1 + 2.0 ** -20)
+                            c = np.where(np.isnan(c), np.inf, c)  # inf * 0: still unbounded
+                        else:
+                            qb = band_norms(q[None, :], pairs, f[0])[0]
+                            c = scale * (per_form[f] @ qb) * (1 + 2.0 ** -20)
                         if np.any(c < err):
                             results[f]["sound"] = False
                         a = float(np.sum(p_hat * np.exp(np.minimum(c, 700.0))))
@@ -210,9 +248,15 @@ def study(paths, scheme, forms, tau, negative_control=False):
     return results, cells
 
 
+ULP = (0, 0, False)  # the zero-byte form
+
+
 def parse_forms(text):
     forms = []
     for item in text.split(","):
+        if item == "ulp":
+            forms.append(ULP)
+            continue
         per_page = item.endswith("p")
         try:
             b, e = (int(x) for x in (item[:-1] if per_page else item).split("x"))
@@ -245,13 +289,16 @@ def main():
         r = results[f]
         m = np.array(r["meter"])
         c_ratio = float(np.mean(np.array(r["c_mean"]) / np.maximum(np.array(results[base]["c_mean"]), 1e-300)))
-        nbytes = f[0] * f[1] / 8 / (BLOCK if f[2] else 1) + (2 / BLOCK if f[1] < 16 else 0)
+        nbytes = 0.0 if f == ULP else f[0] * f[1] / 8 / (BLOCK if f[2] else 1) + (2 / BLOCK if f[1] < 16 else 0)
         row = {"bands": f[0], "bits": f[1], "per_page": f[2], "bytes_per_token": nbytes, "meter_p50": float(np.median(m)),
                "meter_p90": float(np.quantile(m, 0.9)), "coverage": float(np.mean(m <= args.tau)),
                "c_ratio": c_ratio, "sound": r["sound"]}
+        if f == ULP:
+            row["unbounded_token_share"] = float(np.mean(r["unbounded_tokens"]))
         rows.append(row)
         ok &= r["sound"]
-        print(f"| {f[0]} x {f[1]}{' per page' if f[2] else ''} | {nbytes:.3g} | {row['meter_p50']:.4g} | {row['meter_p90']:.4g} | "
+        name = f"ulp (unbounded tokens {row['unbounded_token_share']:.4f})" if f == ULP else f"{f[0]} x {f[1]}{' per page' if f[2] else ''}"
+        print(f"| {name} | {nbytes:.3g} | {row['meter_p50']:.4g} | {row['meter_p90']:.4g} | "
               f"{row['coverage']:.3f} | {c_ratio:.3f} | {'yes' if r['sound'] else 'NO'} |")
     tv = np.array(results[base]["tv"])
     print(f"true TV: p50 {np.median(tv):.4g}, p90 {np.quantile(tv, 0.9):.4g}")
