@@ -23,7 +23,7 @@
 #include "format/page.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "core/x86_simd.h"
 #define CERTKV_ATTENTION_AVX2 1
 #endif
 
@@ -185,25 +185,7 @@ inline float horizontal_sum(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-// e^x for |x| <= 87.3, 8 lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two parts, Cody &
-// Waite 1980), e^r by its Taylor polynomial of degree 7 (truncation error below 6e-9 relative),
-// 2^n built in the exponent field.
-inline __m256 exp_range_reduced8(__m256 x) {
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 5040.f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+using simd::exp_range_reduced8;
 
 // e^x for x <= 0, 8 lanes; lanes below -87.3 give 0 (the float range ends near e^-87.3).
 inline __m256 exp_nonpositive8(__m256 x) {
@@ -289,6 +271,18 @@ inline void rescale_and_accumulate(float* acc, float alpha, const float* p, cons
   int c = 0;
 #if CERTKV_ATTENTION_AVX2
   const __m256 av = _mm256_set1_ps(alpha);
+  // 64 channels at a time: eight independent chains of fused multiply-adds (four left the loop
+  // bound by their latency). Every lane computes the same sequence whatever the chunk.
+  for (; c + 64 <= d; c += 64) {
+    __m256 a[8];
+    for (int u = 0; u < 8; ++u) a[u] = _mm256_mul_ps(_mm256_loadu_ps(acc + c + 8 * u), av);
+    for (int j = 0; j < n; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const float* vj = v + size_t(j) * size_t(d) + c;
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * u), a[u]);
+    }
+    for (int u = 0; u < 8; ++u) _mm256_storeu_ps(acc + c + 8 * u, a[u]);
+  }
   for (; c + 32 <= d; c += 32) {
     __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(acc + c), av);
     __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(acc + c + 8), av);
@@ -329,11 +323,70 @@ inline void update_row(const float* q, const float* k, const float* v, int n_key
                        float scale, RowState* state, float* acc, float* s) {
   const float tile_max = scores_of_row(q, k, n_keys, d, scale, s);
   const float m_new = tile_max > state->m ? tile_max : state->m;
-  const float alpha = std::exp(state->m - m_new);  // 0 on the first tile (m = -inf)
+  // 0 on the first tile (m = -inf); exactly 1, which std::exp(0) also gives, while the maximum
+  // holds (most tiles after the first few): the exponential is then not evaluated.
+  const float alpha = m_new == state->m ? 1.f : std::exp(state->m - m_new);
   const float tile_sum = exp_shifted_and_sum(s, n_keys, m_new);
   state->l = state->l * alpha + tile_sum;
   state->m = m_new;
   rescale_and_accumulate(acc, alpha, s, v, n_keys, d);
+}
+
+// acc[c] = (...((acc[c] alpha_0 + sum_{j in page 0} p[j] v[j][c]) alpha_1 + sum_{j in page 1} ...),
+// pages of page_tokens keys (the last may be shorter): per lane the same operations, in the same
+// order, as rescale_and_accumulate called once per page, with acc kept in registers between
+// pages. REQUIRES: AVX2 (the portable path calls update_row per page instead); d % 8 == 0.
+#if CERTKV_ATTENTION_AVX2
+inline void rescale_and_accumulate_pages(float* acc, const float* alphas, const float* p,
+                                         const float* v, int n, int page_tokens, int d) {
+  int c = 0;
+  auto run = [&]<int kVectors>() {
+    __m256 a[kVectors];
+    for (int u = 0; u < kVectors; ++u) a[u] = _mm256_loadu_ps(acc + c + 8 * u);
+    for (int j0 = 0, page = 0; j0 < n; j0 += page_tokens, ++page) {
+      const __m256 av = _mm256_set1_ps(alphas[page]);
+      for (int u = 0; u < kVectors; ++u) a[u] = _mm256_mul_ps(a[u], av);
+      const int j1 = j0 + page_tokens < n ? j0 + page_tokens : n;
+      for (int j = j0; j < j1; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        const float* vj = v + size_t(j) * size_t(d) + c;
+        for (int u = 0; u < kVectors; ++u) a[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * u), a[u]);
+      }
+    }
+    for (int u = 0; u < kVectors; ++u) _mm256_storeu_ps(acc + c + 8 * u, a[u]);
+  };
+  for (; c + 64 <= d; c += 64) run.template operator()<8>();
+  for (; c + 32 <= d; c += 32) run.template operator()<4>();
+  for (; c < d; c += 8) run.template operator()<1>();
+}
+#endif
+
+// The same floats as update_row called once per page of page_tokens keys of the tile, in page
+// order (what decode_attention computes page by page), without storing acc between pages.
+// k, v: [n_keys][d]; s: scratch of n_keys floats, alphas: of ceil(n_keys / page_tokens) floats.
+inline void update_row_pages(const float* q, const float* k, const float* v, int n_keys,
+                             int page_tokens, int d, float scale, RowState* state, float* acc,
+                             float* s, float* alphas) {
+#if CERTKV_ATTENTION_AVX2
+  for (int j0 = 0, page = 0; j0 < n_keys; j0 += page_tokens, ++page) {
+    const int n = n_keys - j0 < page_tokens ? n_keys - j0 : page_tokens;
+    // As update_row, for one page.
+    const float tile_max = scores_of_row(q, k + size_t(j0) * size_t(d), n, d, scale, s + j0);
+    const float m_new = tile_max > state->m ? tile_max : state->m;
+    const float alpha = m_new == state->m ? 1.f : std::exp(state->m - m_new);
+    const float tile_sum = exp_shifted_and_sum(s + j0, n, m_new);
+    state->l = state->l * alpha + tile_sum;
+    state->m = m_new;
+    alphas[page] = alpha;
+  }
+  rescale_and_accumulate_pages(acc, alphas, s, v, n_keys, page_tokens, d);
+#else
+  (void)alphas;
+  for (int j0 = 0; j0 < n_keys; j0 += page_tokens) {
+    const int n = n_keys - j0 < page_tokens ? n_keys - j0 : page_tokens;
+    update_row(q, k + size_t(j0) * size_t(d), v + size_t(j0) * size_t(d), n, d, scale, state, acc, s);
+  }
+#endif
 }
 
 // Per-token error data of positions [begin, end) of a lossy table, for the meter:

@@ -110,13 +110,15 @@ void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
 
     thread_local std::vector<float> scratch;
     thread_local std::vector<detail::RowState> states;
-    scratch.resize(2 * n_rows * size_t(d) + 2 * tile_keys * size_t(d) + tile_keys);
+    const size_t tile_pages = tile_keys / size_t(bt);
+    scratch.resize(2 * n_rows * size_t(d) + 2 * tile_keys * size_t(d) + tile_keys + tile_pages);
     states.assign(n_rows, {detail::kMinusInfinity, 0.f});
     float* q_rows = scratch.data();  // [i - i0][g][d]
     float* acc = q_rows + n_rows * size_t(d);
     float* k_tile = acc + n_rows * size_t(d);
     float* v_tile = k_tile + tile_keys * size_t(d);
     float* s = v_tile + tile_keys * size_t(d);
+    float* alphas = s + tile_keys;  // one per page of a tile
     for (int64_t i = i0; i < i1; ++i) {
       const float* src = q + (size_t(i) * size_t(shape.n_q_heads) + size_t(h) * size_t(group)) * size_t(d);
       std::copy(src, src + size_t(group) * size_t(d), q_rows + size_t(i - i0) * size_t(group) * size_t(d));
@@ -137,12 +139,8 @@ void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
           const size_t r = size_t(i - i0) * size_t(group) + size_t(g);
           // One softmax update per page, as decode_attention makes them: a query's arithmetic
           // is then the same whatever the tile, the chunk or the path (prefill or decode).
-          for (int j = 0; j < n_visible; j += bt) {
-            const size_t offset = size_t(j) * size_t(d);
-            detail::update_row(q_rows + r * size_t(d), k_tile + offset, v_tile + offset,
-                               std::min(bt, n_visible - j), d, shape.scale, &states[r],
-                               acc + r * size_t(d), s);
-          }
+          detail::update_row_pages(q_rows + r * size_t(d), k_tile, v_tile, n_visible, bt, d,
+                                   shape.scale, &states[r], acc + r * size_t(d), s, alphas);
         }
       }
     }

@@ -7,12 +7,37 @@
 
 #include "attention/decode_attention.h"
 #include "core/status.h"
+#include "core/x86_simd.h"
 #include "gate/meter.h"
 #include "model/dequant.h"
 
 namespace certkv::model {
 
 namespace {
+
+// gate[t][i] = silu(gate[t][i]) * up[t][i] = g / (1 + e^-g) * u, SwiGLU (Shazeer 2020), row by
+// row so that a token's values do not depend on the rows beside it.
+void swiglu_rows(float* gate, const float* up, int64_t n_rows, int64_t width) {
+  for (int64_t t = 0; t < n_rows; ++t) {
+    float* g = gate + t * width;
+    const float* u = up + t * width;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    // e^-g with -g clamped to +-87.3 (float's range): beyond it silu(g) is g or 0 to within
+    // e^-87 relative.
+    const __m256 limit = _mm256_set1_ps(87.3f), one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= width; i += 8) {
+      const __m256 gv = _mm256_loadu_ps(g + i);
+      const __m256 neg = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv),
+                                                     _mm256_sub_ps(_mm256_setzero_ps(), limit)),
+                                       limit);
+      const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, simd::exp_range_reduced8(neg)));
+      _mm256_storeu_ps(g + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < width; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  }
+}
 
 // y = x / sqrt(mean(x^2) + eps) * w  (Zhang & Sennrich 2019).
 void rms_norm(const float* x, const float* w, int n, float eps, float* y) {
@@ -552,10 +577,7 @@ void Session::forward_chunk(const int32_t* tokens, int64_t n, float* last_logits
       rms_norm(&x_[t * dim], w.ffn_norm.data(), dim, c.rms_eps, &xn_[t * dim]);
     matmul(w.w_gate, xn_.data(), n, gate_.data(), *pool_, config_.activations);
     matmul(w.w_up, xn_.data(), n, up_.data(), *pool_, config_.activations);
-    for (int64_t i = 0; i < n * c.ffn_dim; ++i) {
-      const float g = gate_[i];
-      gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];  // SwiGLU (Shazeer 2020)
-    }
+    swiglu_rows(gate_.data(), up_.data(), n, c.ffn_dim);
     matmul(w.w_down, gate_.data(), n, xn_.data(), *pool_, config_.activations);
     for (int64_t i = 0; i < n * dim; ++i) x_[i] += xn_[i];
   }
