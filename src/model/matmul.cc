@@ -126,6 +126,25 @@ void matmul_portable(const WeightMatrix& w, const float* x, int64_t n_tokens, fl
       });
 }
 
+#if defined(CERTKV_MATMUL_AVX512) || defined(CERTKV_MATMUL_AVX2)
+// The six-bit codes (0..63) of half h of a Q6_K super-block (ql: 128 bytes of low nibbles, qh:
+// 64 bytes of high bit pairs), 32 per vector: code[quarter] holds elements
+// 128 h + 32 quarter + l, l < 32 (quantized_dot.cc gives the element layout).
+inline void q6_k_codes(const uint8_t* ql, const uint8_t* qh, int h, __m256i code[4]) {
+  const __m256i nibble = _mm256_set1_epi8(0xF);
+  const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
+  const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
+  const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
+  const __m256i low[4] = {_mm256_and_si256(l0, nibble), _mm256_and_si256(l1, nibble),
+                          _mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble),
+                          _mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble)};
+  for (int quarter = 0; quarter < 4; ++quarter) {
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * quarter), _mm256_set1_epi8(3));
+    code[quarter] = _mm256_or_si256(low[quarter], _mm256_slli_epi16(high, 4));
+  }
+}
+#endif
+
 #if defined(CERTKV_MATMUL_AVX512)
 
 // ---------------------------------------------------------------------------------------------
@@ -501,22 +520,15 @@ inline void unpack_super_block(const uint8_t* p, SuperBlock* s) {
     s->d = fp16_at(p + 208);
     s->dmin = 0;
     s->mins = _mm_setzero_si128();
-    const __m256i three = _mm256_set1_epi8(3);
     const __m512i thirty_two = _mm512_set1_epi16(32);
     for (int h = 0; h < 2; ++h) {
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
-      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
-      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
-      const __m256i low[4] = {_mm256_and_si256(l0, nibble), _mm256_and_si256(l1, nibble),
-                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble),
-                              _mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble)};
+      __m256i code[4];
+      q6_k_codes(ql, qh, h, code);
       for (int quarter = 0; quarter < 4; ++quarter) {
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * quarter), three);
-        const __m256i code = _mm256_or_si256(low[quarter], _mm256_slli_epi16(high, 4));
         const int z = 4 * h + quarter;
         const __m512i sc = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(scales[2 * z]),
                                                    _mm512_set1_epi16(scales[2 * z + 1]));
-        s->w[z] = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(code), thirty_two), sc);
+        s->w[z] = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(code[quarter]), thirty_two), sc);
       }
     }
   } else {
@@ -847,18 +859,11 @@ inline void unpack_super_block(const uint8_t* p, SuperBlock* s) {
     s->d = fp16_at(p + 208);
     s->dmin = 0;
     for (int h = 0; h < 2; ++h) {
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
-      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
-      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
-      const __m256i low[4] = {_mm256_and_si256(l0, nibble), _mm256_and_si256(l1, nibble),
-                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble),
-                              _mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble)};
+      __m256i code[4];
+      q6_k_codes(ql, qh, h, code);
       for (int quarter = 0; quarter < 4; ++quarter) {
-        const __m256i high =
-            _mm256_and_si256(_mm256_srli_epi16(hb, 2 * quarter), _mm256_set1_epi8(3));
-        const __m256i code = _mm256_or_si256(low[quarter], _mm256_slli_epi16(high, 4));
         const int z = 4 * h + quarter;
-        _mm256_store_si256(codes + z, _mm256_sub_epi8(code, _mm256_set1_epi8(32)));
+        _mm256_store_si256(codes + z, _mm256_sub_epi8(code[quarter], _mm256_set1_epi8(32)));
         s->scales[z] = _mm256_set_m128i(_mm_set1_epi16(scales[2 * z + 1]), _mm_set1_epi16(scales[2 * z]));
       }
     }
