@@ -127,6 +127,18 @@ void matmul_portable(const WeightMatrix& w, const float* x, int64_t n_tokens, fl
 }
 
 #if defined(CERTKV_MATMUL_AVX512) || defined(CERTKV_MATMUL_AVX2)
+// The fp16 value at p (a block's scale or min), converted by F16C where present: the same value
+// as format::fp16_to_float, in one instruction instead of a branchy decode.
+inline float fp16_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return format::fp16_to_float(bits);
+#endif
+}
+
 // The six-bit codes (0..63) of half h of a Q6_K super-block (ql: 128 bytes of low nibbles, qh:
 // 64 bytes of high bit pairs), 32 per vector: code[quarter] holds elements
 // 128 h + 32 quarter + l, l < 32 (quantized_dot.cc gives the element layout).
@@ -504,12 +516,6 @@ struct SuperBlock {
   float d, dmin;
 };
 
-inline float fp16_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return format::fp16_to_float(bits);
-}
-
 template <GgmlType T>
 inline void unpack_super_block(const uint8_t* p, SuperBlock* s) {
   const __m256i nibble = _mm256_set1_epi8(0xF);
@@ -734,12 +740,6 @@ struct Q32RowTail {};
 template <GgmlType T>
 Q32RowTail q32_row_tail(int64_t) {
   return {};
-}
-
-inline float fp16_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return format::fp16_to_float(bits);
 }
 
 // The 16 bytes at p as 32 nibbles: low nibbles in bytes 0-15, high nibbles in bytes 16-31.
