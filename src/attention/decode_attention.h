@@ -109,7 +109,8 @@ int choose_decode_splits(int64_t n_ctx, int block_tokens, int n_kv_heads, int n_
 // softmax, parallel over (kv_head, query block) on `pool`. Same floats for GAAC and BF16 caches.
 // The softmax is updated once per page, in page order, as decode_attention does it with one
 // split: for a query at position p the output is bit for bit decode_attention's with n_ctx =
-// p + 1 and n_splits = 1 over the same pages, and does not depend on pos0, n or the thread count.
+// p + 1 and n_splits = 1 wherever the two read the same values (every page of a bf16 or GAAC
+// cache; of a lossy one, the blocks before pos0), and does not depend on n or the thread count.
 // q: [n][n_q_heads][head_dim] float; out: [n][n_q_heads][head_dim] float.
 // REQUIRES: pos0 >= 0, n >= 1, pos0 + n <= written_tokens(seq, layer).
 void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,

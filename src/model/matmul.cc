@@ -760,8 +760,8 @@ inline __m256i fifth_bits_32(const uint8_t* p) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
 }
 
-// The 32 codes of one block with the type's offset removed (w_i = d c_i + m), in element order,
-// and whether they are all >= 0 (then they multiply the activations as unsigned bytes).
+// The 32 codes of one block with the type's offset removed (w_i = d c_i + m), in element order.
+// Q4_1 and Q5_1 codes are >= 0 (kUnsignedCodes) and multiply the activations as unsigned bytes.
 template <GgmlType T>
 inline __m256i block32_codes(const uint8_t* p) {
   if constexpr (T == GgmlType::kQ4_0) {
