@@ -139,6 +139,38 @@ inline float fp16_at(const uint8_t* p) {
 #endif
 }
 
+// Where the fields of a 32-element block type sit. The AVX-512 path reads a group of 4 blocks
+// (kGroupBytes) with 64-byte loads at offsets 0 and kSecond (for Q8_0 also 8 and 72, for the hi
+// codes), all inside the group, and picks the fields out of those loads with byte / word
+// permutes; the AVX2 path reads one block at a time.
+struct Block32Fields {
+  int block_bytes;
+  int m_offset;     // fp16 min (Q4_1, Q5_1), or -1
+  int qh_offset;    // 32 fifth bits (Q5_0, Q5_1), or -1
+  int qs_offset;    // codes
+  int code_offset;  // subtracted from the unsigned codes: w = d * (q - code_offset) (+ m)
+};
+
+constexpr Block32Fields fields_of(GgmlType type) {
+  switch (type) {
+    case GgmlType::kQ4_0:
+      return {18, -1, -1, 2, 8};
+    case GgmlType::kQ4_1:
+      return {20, 2, -1, 4, 0};
+    case GgmlType::kQ5_0:
+      return {22, -1, 2, 6, 16};
+    case GgmlType::kQ5_1:
+      return {24, 2, 4, 8, 0};
+    default:
+      return {34, -1, -1, 2, 128};  // Q8_0: codes are int8, unpacked as q + 128
+  }
+}
+
+// Bytes of one 256-element super-block of Q4_K, Q5_K, Q6_K.
+constexpr size_t k_quant_block_bytes(GgmlType type) {
+  return type == GgmlType::kQ4_K ? 144 : type == GgmlType::kQ5_K ? 176 : 210;
+}
+
 // The six-bit codes (0..63) of half h of a Q6_K super-block (ql: 128 bytes of low nibbles, qh:
 // 64 bytes of high bit pairs), 32 per vector: code[quarter] holds elements
 // 128 h + 32 quarter + l, l < 32 (quantized_dot.cc gives the element layout).
@@ -250,32 +282,6 @@ void quantize_act32_row(const float* x, int64_t n_in, uint8_t* out, const Act32L
   for (int64_t g = L.n_groups; g % 4 != 0; ++g) {
     _mm_store_ps(d_out + 4 * g, _mm_setzero_ps());
     _mm_store_ps(s_out + 4 * g, _mm_setzero_ps());
-  }
-}
-
-// Where the fields of a 32-element block type sit. A group of 4 blocks (kGroupBytes) is read with
-// 64-byte loads at offsets 0 and kSecond (for Q8_0 also 8 and 72, for the hi codes), all inside
-// the group, and byte / word permutes pick the fields out of those loads.
-struct Block32Fields {
-  int block_bytes;
-  int m_offset;     // fp16 min (Q4_1, Q5_1), or -1
-  int qh_offset;    // 32 fifth bits (Q5_0, Q5_1), or -1
-  int qs_offset;    // codes
-  int code_offset;  // subtracted from the unsigned codes: w = d * (q - code_offset) (+ m)
-};
-
-constexpr Block32Fields fields_of(GgmlType type) {
-  switch (type) {
-    case GgmlType::kQ4_0:
-      return {18, -1, -1, 2, 8};
-    case GgmlType::kQ4_1:
-      return {20, 2, -1, 4, 0};
-    case GgmlType::kQ5_0:
-      return {22, -1, 2, 6, 16};
-    case GgmlType::kQ5_1:
-      return {24, 2, 4, 8, 0};
-    default:
-      return {34, -1, -1, 2, 128};  // Q8_0: codes are int8, unpacked as q + 128
   }
 }
 
@@ -570,7 +576,7 @@ inline void unpack_super_block(const uint8_t* p, SuperBlock* s) {
 template <GgmlType T, int kT>
 void row_dot_k(const uint8_t* row, int64_t n_super, const uint8_t* act, const ActKLayout& L,
                float* y, int64_t y_stride) {
-  constexpr size_t kBlockBytes = T == GgmlType::kQ4_K ? 144 : T == GgmlType::kQ5_K ? 176 : 210;
+  constexpr size_t kBlockBytes = k_quant_block_bytes(T);
   __m512 acc[kT];
   __m128 acc_min[kT];
   for (int t = 0; t < kT; ++t) {
@@ -785,11 +791,7 @@ constexpr bool kUnsignedCodes = T == GgmlType::kQ4_1 || T == GgmlType::kQ5_1;
 template <GgmlType T, int kT>
 void row_dot_q32(const uint8_t* row, int64_t nb, const Q32RowTail&, const uint8_t* act,
                  const Act32Layout& L, float* y, int64_t y_stride) {
-  constexpr size_t kBlockBytes = T == GgmlType::kQ4_0   ? 18
-                                 : T == GgmlType::kQ4_1 ? 20
-                                 : T == GgmlType::kQ5_0 ? 22
-                                 : T == GgmlType::kQ5_1 ? 24
-                                                        : 34;
+  constexpr size_t kBlockBytes = size_t(fields_of(T).block_bytes);
   __m256 acc[kT];
   float constant[kT];
   for (int t = 0; t < kT; ++t) {
@@ -897,7 +899,7 @@ inline void unpack_super_block(const uint8_t* p, SuperBlock* s) {
 template <GgmlType T, int kT>
 void row_dot_k(const uint8_t* row, int64_t n_super, const uint8_t* act, const ActKLayout& L,
                float* y, int64_t y_stride) {
-  constexpr size_t kBlockBytes = T == GgmlType::kQ4_K ? 144 : T == GgmlType::kQ5_K ? 176 : 210;
+  constexpr size_t kBlockBytes = k_quant_block_bytes(T);
   __m256 acc[kT];
   float mins[kT];
   for (int t = 0; t < kT; ++t) {
