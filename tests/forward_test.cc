@@ -14,11 +14,14 @@
 #include "format/safetensors.h"
 #include "model/model.h"
 #include "model/sampler.h"
-#include "model/session.h"
+#include "backend/session.h"
 #include "test_paths.h"
 
 namespace certkv::model {
 namespace {
+
+using backend::BackendConfig;
+using backend::Session;
 
 using certkv::testing::smollm2_gguf;
 using certkv::testing::stories_checkpoint;
@@ -44,7 +47,7 @@ TEST(Stories260K, GreedyOutputMatchesThePublishedOne) {
   EXPECT_EQ(model->config().n_heads, 8);
   EXPECT_EQ(model->config().n_kv_heads, 4);
   EXPECT_EQ(model->config().head_dim, 8);
-  SessionConfig sc;
+  BackendConfig sc;
   sc.context_tokens = 512;
   Session session(*model, sc);
   const std::string text = greedy(*model, session, {1}, 40);
@@ -69,7 +72,7 @@ TEST(Stories260K, ChunkedPrefillEqualsTokenByTokenDecode) {
 
   for (const int block_tokens : {16, 7}) {
     SCOPED_TRACE("block_tokens " + std::to_string(block_tokens));
-    SessionConfig whole_cfg;
+    BackendConfig whole_cfg;
     whole_cfg.context_tokens = 512;
     whole_cfg.prefill_chunk_tokens = 4096;
     whole_cfg.block_tokens = block_tokens;
@@ -80,7 +83,7 @@ TEST(Stories260K, ChunkedPrefillEqualsTokenByTokenDecode) {
     for (float v : all) max_abs = std::max(max_abs, double(std::fabs(v)));
     ASSERT_GT(max_abs, 1.0);  // real logits, not zeros
 
-    SessionConfig chunk_cfg = whole_cfg;
+    BackendConfig chunk_cfg = whole_cfg;
     chunk_cfg.prefill_chunk_tokens = 37;
     chunk_cfg.n_threads = 1;
     Session chunked(*model, chunk_cfg);
@@ -88,7 +91,7 @@ TEST(Stories260K, ChunkedPrefillEqualsTokenByTokenDecode) {
     chunked.prefill(tokens.data(), n, nullptr, all_chunked.data());
     EXPECT_EQ(all_chunked, all);
 
-    SessionConfig step_cfg = whole_cfg;
+    BackendConfig step_cfg = whole_cfg;
     step_cfg.n_threads = 1;
     Session stepwise(*model, step_cfg);
     std::vector<float> logits(V);
@@ -103,7 +106,7 @@ TEST(Stories260K, ChunkedPrefillEqualsTokenByTokenDecode) {
 
 TEST(Stories260K, PromptLongerThanContextIsRefused) {
   auto model = load_stories();
-  SessionConfig sc;
+  BackendConfig sc;
   sc.context_tokens = 16;
   Session session(*model, sc);
   std::vector<int32_t> tokens(17, 5);
@@ -219,7 +222,7 @@ TEST(HuggingFaceFolder, SameLogitsAsTheLlama2cCheckpoint) {
   ASSERT_EQ(hf->config().n_vocab, reference->config().n_vocab);
   const int V = hf->config().n_vocab;
   std::vector<int32_t> tokens = {1, 403, 407, 261, 378, 13, 400, 275, 260, 300, 42, 77, 150, 333, 9, 22, 499};
-  SessionConfig sc;
+  BackendConfig sc;
   sc.context_tokens = 64;
   Session a(*reference, sc), b(*hf, sc);
   std::vector<float> la(tokens.size() * V), lb(tokens.size() * V);

@@ -9,18 +9,21 @@
 #include "model/chat_template.h"
 #include "model/model.h"
 #include "model/sampler.h"
-#include "model/session.h"
+#include "backend/session.h"
 #include "reference_logits.h"
 #include "test_paths.h"
 
 namespace certkv::model {
 namespace {
 
+using backend::BackendConfig;
+using backend::Session;
+
 using certkv::testing::Agreement;
 using certkv::testing::ReferenceLogits;
 
 std::vector<float> run_passage(const Model& model, const ReferenceLogits& ref, ActivationFormat format) {
-  SessionConfig sc;
+  BackendConfig sc;
   sc.context_tokens = ref.n_tokens;
   sc.activations = format;
   Session session(model, sc);
@@ -95,7 +98,7 @@ TEST(SmolLM2Generation, GreedyChatReplyStartsLikeLlamaCpp) {
   const std::string text = apply_chat_template(model->tokenizer().spec(), chat, true);
   EXPECT_EQ(model->tokenizer().encode(text, true, true), prompt);
   for (ActivationFormat format : {ActivationFormat::kInt8, ActivationFormat::kFloat32}) {
-    SessionConfig sc;
+    BackendConfig sc;
     sc.context_tokens = 128;
     sc.activations = format;
     Session s(*model, sc);

@@ -30,7 +30,7 @@
 #include "gate/telemetry.h"
 #include "gaac_e2e_support.h"
 #include "model/model.h"
-#include "model/session.h"
+#include "backend/session.h"
 #include "test_paths.h"
 
 namespace certkv::testing {
@@ -259,7 +259,7 @@ TEST_F(SessionCuda, DevicePagesEqualTheHostCachePagesByteForByte) {
   const certkv_model_info info = model_->info();
   for (const Scheme& scheme : kSchemes) {
     SCOPED_TRACE(scheme.kv);
-    model::SessionConfig sc;
+    backend::BackendConfig sc;
     sc.context_tokens = 2048;
     sc.n_threads = host_threads();
     sc.capture_queries = true;
@@ -269,7 +269,7 @@ TEST_F(SessionCuda, DevicePagesEqualTheHostCachePagesByteForByte) {
       sc.gaac_calibration = std::make_shared<codec::GaacCalibration>(codec::GaacCalibration::load(calib(scheme), shape));
     }
     sc.device = model::Device::kCuda;
-    model::Session session(*m, sc);
+    backend::Session session(*m, sc);
     for (int round = 0; round < 2; ++round) {
       const int prompt = round == 0 ? 777 : 301;  // tails of 9 and 13 tokens, then decode steps
       const int steps = round == 0 ? 12 : 3;
@@ -479,13 +479,13 @@ TEST_F(SessionCuda, LossyDevicePagesAndMetersAgainstTheReferences) {
   for (const char* kv_name : kLossySchemes) {
     SCOPED_TRACE(kv_name);
     const bool dither8 = std::string(kv_name) == "dither8";
-    model::SessionConfig sc;
+    backend::BackendConfig sc;
     sc.context_tokens = 2048;
     sc.n_threads = host_threads();
     sc.capture_queries = true;
     sc.kv_scheme = cache::parse_kv_scheme(kv_name);
     sc.device = model::Device::kCuda;
-    model::Session session(*m, sc);
+    backend::Session session(*m, sc);
     const int prompt = 777, steps = 12;
     const std::vector<int32_t> tokens = tokens_of(*model_, "melville-moby-dick.txt", size_t(prompt + steps));
     std::vector<float> logits(size_t(info.n_vocab));
@@ -640,7 +640,7 @@ TEST_F(SessionCuda, SparseDecodeOnTheDeviceSelectsWhatTheCpuSelects) {
   // p, and the deviations the Top-p set is widened by.
   for (const auto& [p, deviations] : {std::pair{0.9, 0.0}, std::pair{0.99, 0.0}, std::pair{0.9, 1.5}}) {
     SCOPED_TRACE("p " + std::to_string(p) + " deviations " + std::to_string(deviations));
-    model::SessionConfig sc;
+    backend::BackendConfig sc;
     sc.context_tokens = 2048;
     sc.n_threads = host_threads();
     sc.capture_queries = true;
@@ -648,7 +648,7 @@ TEST_F(SessionCuda, SparseDecodeOnTheDeviceSelectsWhatTheCpuSelects) {
     sc.sparse.p = p;
     sc.sparse.deviations = deviations;
     sc.device = model::Device::kCuda;
-    model::Session session(*m, sc);
+    backend::Session session(*m, sc);
     const int prompt = 1500, steps = 20;
     const std::vector<int32_t> tokens = tokens_of(*model_, "melville-moby-dick.txt", size_t(prompt + steps));
     std::vector<float> logits(size_t(info.n_vocab));
@@ -790,16 +790,16 @@ TEST_F(SessionCuda, TheGateRepairsOnTheDevice) {
   const int T = 16;
   for (const char* kv_name : {"fp8-e4m3", "dither8"}) {
     SCOPED_TRACE(kv_name);
-    model::SessionConfig sc;
+    backend::BackendConfig sc;
     sc.context_tokens = 1024;
     sc.n_threads = host_threads();
     sc.activations = model::ActivationFormat::kFloat32;
     sc.kv_scheme = cache::parse_kv_scheme(kv_name);
     sc.meter.gate = true;
     if (std::string(kv_name) == "dither8") sc.meter.tau = 0.05;  // so that it fires
-    model::Session cpu(*m, sc);
+    backend::Session cpu(*m, sc);
     sc.device = model::Device::kCuda;
-    model::Session gpu(*m, sc);
+    backend::Session gpu(*m, sc);
     const int prompt = 600, steps = 12;
     const std::vector<int32_t> tokens = tokens_of(*model_, "melville-moby-dick.txt", size_t(prompt + steps));
     std::vector<float> lc(size_t(info.n_vocab)), lg(size_t(info.n_vocab));

@@ -22,7 +22,7 @@
 #include "model/chat_template.h"
 #include "model/model.h"
 #include "model/sampler.h"
-#include "model/session.h"
+#include "backend/session.h"
 
 struct certkv_model {
   std::unique_ptr<certkv::model::Model> model;
@@ -36,7 +36,7 @@ struct certkv_model {
 
 struct certkv_session {
   const certkv_model* model;
-  std::unique_ptr<certkv::model::Session> session;
+  std::unique_ptr<certkv::backend::Session> session;
   std::vector<float> logits;
   std::unique_ptr<certkv::api::SessionAudit> audit;
   std::unique_ptr<certkv::api::SessionSparseAudit> sparse_audit;
@@ -316,7 +316,7 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
     return set_error(CERTKV_ERR_INVALID_ARGUMENT, std::string("certkv_session_params.device: ") + e.what());
   }
   return guarded([&] {
-    certkv::model::SessionConfig c;
+    certkv::backend::BackendConfig c;
     c.device = device;
     c.activations = activations == "f32" ? certkv::model::ActivationFormat::kFloat32
                                          : certkv::model::ActivationFormat::kInt8;
@@ -350,7 +350,7 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
                                              certkv::cache::kv_scheme_element(c.kv_scheme));
     auto s = std::make_unique<certkv_session>();
     s->model = model;
-    s->session = std::make_unique<certkv::model::Session>(*model->model, c);
+    s->session = std::make_unique<certkv::backend::Session>(*model->model, c);
     s->logits.resize(size_t(model->model->config().n_vocab));
     *out = s.release();
   });
@@ -364,7 +364,7 @@ certkv_status certkv_session_prefill(certkv_session* session, const int32_t* tok
   CERTKV_REQUIRE(session && tokens, "certkv_session_prefill: null argument");
   CERTKV_REQUIRE(n_tokens >= 1, "certkv_session_prefill: needs at least one token");
   return guarded([&] {
-    certkv::model::ProgressFn fn;
+    certkv::backend::ProgressFn fn;
     if (progress) fn = [&](int64_t done, int64_t total) { progress(progress_user, done, total); };
     session->session->prefill(tokens, n_tokens, logits, all_logits, fn);
   });
@@ -444,7 +444,7 @@ certkv_status certkv_session_read_kv_f32(const certkv_session* session, int32_t 
 certkv_status certkv_session_meter_stats(const certkv_session* session, certkv_meter_stats* stats) {
   CERTKV_REQUIRE(session && stats, "certkv_session_meter_stats: null argument");
   return guarded([&] {
-    const certkv::model::Session& s = *session->session;
+    const certkv::backend::Session& s = *session->session;
     const certkv::gate::Telemetry& t = s.telemetry();
     const certkv::cache::KvScheme scheme = s.config().kv_scheme;
     *stats = certkv_meter_stats{};
@@ -476,7 +476,7 @@ certkv_status certkv_session_audit_enable(certkv_session* session, int32_t dump_
   CERTKV_REQUIRE(session, "certkv_session_audit_enable: null session");
   CERTKV_REQUIRE(dump_cells >= 0, "certkv_session_audit_enable: dump_cells must be >= 0");
   return guarded([&] {
-    certkv::model::Session& s = *session->session;
+    certkv::backend::Session& s = *session->session;
     if (!s.metered())
       certkv::fail(certkv::StatusCode::kInvalidArgument,
                    std::string("audit needs a metered session (a lossy KV scheme with the meter on); "
@@ -488,7 +488,7 @@ certkv_status certkv_session_audit_enable(certkv_session* session, int32_t dump_
                    "audit with device cpu");
     session->audit = std::make_unique<certkv::api::SessionAudit>(s, s.config().meter.tau, dump_cells, seed);
     certkv::api::SessionAudit* audit = session->audit.get();
-    s.set_meter_observer([audit](const certkv::model::MeterObservation& o) { audit->observe(o); });
+    s.set_meter_observer([audit](const certkv::backend::MeterObservation& o) { audit->observe(o); });
   });
 }
 
@@ -562,9 +562,9 @@ certkv_status certkv_session_device_stats(const certkv_session* session, certkv_
 certkv_status certkv_session_sparse_stats(const certkv_session* session, certkv_sparse_stats* stats) {
   CERTKV_REQUIRE(session && stats, "certkv_session_sparse_stats: null argument");
   return guarded([&] {
-    const certkv::model::Session& s = *session->session;
-    const certkv::model::SparseConfig& cfg = s.config().sparse;
-    const certkv::model::SparseStats& st = s.sparse_stats();
+    const certkv::backend::Session& s = *session->session;
+    const certkv::backend::SparseConfig& cfg = s.config().sparse;
+    const certkv::backend::SparseStats& st = s.sparse_stats();
     *stats = certkv_sparse_stats{};
     stats->sparse = s.key_index() != nullptr ? 1 : 0;
     if (!stats->sparse) return;
@@ -593,7 +593,7 @@ certkv_status certkv_session_sparse_layer(const certkv_session* session, int32_t
                                           int64_t* cells, double* mean_budget) {
   CERTKV_REQUIRE(session && cells && mean_budget, "certkv_session_sparse_layer: null argument");
   return guarded([&] {
-    const certkv::model::SparseStats& st = session->session->sparse_stats();
+    const certkv::backend::SparseStats& st = session->session->sparse_stats();
     if (layer < 0 || layer >= session->session->model().config().n_layers)
       certkv::fail(certkv::StatusCode::kOutOfRange,
                    "certkv_session_sparse_layer: layer " + std::to_string(layer) + " out of range");
@@ -615,7 +615,7 @@ certkv_status certkv_session_sparse_audit_enable(certkv_session* session, int32_
   CERTKV_REQUIRE(session, "certkv_session_sparse_audit_enable: null session");
   CERTKV_REQUIRE(dump_cells >= 0, "certkv_session_sparse_audit_enable: dump_cells must be >= 0");
   return guarded([&] {
-    certkv::model::Session& s = *session->session;
+    certkv::backend::Session& s = *session->session;
     if (s.key_index() == nullptr)
       certkv::fail(certkv::StatusCode::kInvalidArgument,
                    "the sparse audit needs a sparse session (certkv_session_params.sparse_p)");
@@ -624,7 +624,7 @@ certkv_status certkv_session_sparse_audit_enable(certkv_session* session, int32_
                    "device cuda: the sparse audit reads the CPU path's selections: audit with device cpu");
     session->sparse_audit = std::make_unique<certkv::api::SessionSparseAudit>(s, dump_cells, seed);
     certkv::api::SessionSparseAudit* audit = session->sparse_audit.get();
-    s.set_sparse_observer([audit](const certkv::model::SparseObservation& o) { audit->observe(o); });
+    s.set_sparse_observer([audit](const certkv::backend::SparseObservation& o) { audit->observe(o); });
   });
 }
 
@@ -750,11 +750,11 @@ certkv_status certkv_generate(certkv_session* session, const int32_t* tokens, in
   return guarded([&] {
     using clock = std::chrono::steady_clock;
     certkv::model::Sampler sampler(to_sampler_params(p.sampler));
-    certkv::model::Session& s = *session->session;
+    certkv::backend::Session& s = *session->session;
     const certkv::model::Tokenizer& tok = session->model->model->tokenizer();
     const int32_t n_vocab = session->model->model->config().n_vocab;
     float* logits = session->logits.data();
-    certkv::model::ProgressFn fn;
+    certkv::backend::ProgressFn fn;
     if (p.progress) fn = [&](int64_t done, int64_t total) { p.progress(p.progress_user, done, total); };
     const auto t0 = clock::now();
     s.prefill(tokens, n_tokens, logits, nullptr, fn);

@@ -8,11 +8,11 @@
 
 namespace certkv::api {
 
-SessionAudit::SessionAudit(const model::Session& session, double tau, int32_t dump_cells,
+SessionAudit::SessionAudit(const backend::Session& session, double tau, int32_t dump_cells,
                            uint64_t seed)
     : session_(session), accumulator_(tau), dump_cells_(std::max(dump_cells, 0)), rng_(seed) {}
 
-SessionAudit::KeptCell SessionAudit::keep(const model::MeterObservation& o, int head,
+SessionAudit::KeptCell SessionAudit::keep(const backend::MeterObservation& o, int head,
                                           const eval::AuditCell& cell) const {
   const cache::KvCache& cache = session_.kv_cache();
   const model::ModelConfig& c = session_.model().config();
@@ -31,7 +31,7 @@ SessionAudit::KeptCell SessionAudit::keep(const model::MeterObservation& o, int 
   return kept;
 }
 
-void SessionAudit::observe(const model::MeterObservation& o) {
+void SessionAudit::observe(const backend::MeterObservation& o) {
   const model::ModelConfig& c = session_.model().config();
   attention::AttentionShape shape;
   shape.n_q_heads = c.n_heads;

@@ -11,16 +11,16 @@
 #include <vector>
 
 #include "eval/audit.h"
-#include "model/session.h"
+#include "backend/session.h"
 
 namespace certkv::api {
 
 class SessionAudit {
  public:
   // dump_cells: cells kept by reservoir sampling (plus the cells of largest TV and meter).
-  SessionAudit(const model::Session& session, double tau, int32_t dump_cells, uint64_t seed);
+  SessionAudit(const backend::Session& session, double tau, int32_t dump_cells, uint64_t seed);
 
-  void observe(const model::MeterObservation& o);
+  void observe(const backend::MeterObservation& o);
   const eval::AuditAccumulator& accumulator() const { return accumulator_; }
   // Writes the kept cells (docs/format in certkv.h, certkv_session_audit_dump).
   void dump(const std::string& path, const std::string& scheme) const;
@@ -31,9 +31,9 @@ class SessionAudit {
     float scale = 0;
     std::vector<float> q, k, k_hat;
   };
-  KeptCell keep(const model::MeterObservation& o, int head, const eval::AuditCell& cell) const;
+  KeptCell keep(const backend::MeterObservation& o, int head, const eval::AuditCell& cell) const;
 
-  const model::Session& session_;
+  const backend::Session& session_;
   eval::AuditAccumulator accumulator_;
   int32_t dump_cells_;
   std::mt19937_64 rng_;

@@ -9,11 +9,11 @@
 
 namespace certkv::api {
 
-SessionSparseAudit::SessionSparseAudit(const model::Session& session, int32_t dump_cells,
+SessionSparseAudit::SessionSparseAudit(const backend::Session& session, int32_t dump_cells,
                                        uint64_t seed)
     : session_(session), dump_cells_(std::max(dump_cells, 0)), rng_(seed) {}
 
-void SessionSparseAudit::observe(const model::SparseObservation& o) {
+void SessionSparseAudit::observe(const backend::SparseObservation& o) {
   const model::ModelConfig& c = session_.model().config();
   const cache::KeyIndex& index = *session_.key_index();
   const int d = c.head_dim;

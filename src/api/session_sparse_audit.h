@@ -11,16 +11,16 @@
 #include <vector>
 
 #include "eval/sparse_audit.h"
-#include "model/session.h"
+#include "backend/session.h"
 
 namespace certkv::api {
 
 class SessionSparseAudit {
  public:
   // dump_cells: cells kept by reservoir sampling.
-  SessionSparseAudit(const model::Session& session, int32_t dump_cells, uint64_t seed);
+  SessionSparseAudit(const backend::Session& session, int32_t dump_cells, uint64_t seed);
 
-  void observe(const model::SparseObservation& o);
+  void observe(const backend::SparseObservation& o);
   const eval::SparseAuditAccumulator& accumulator() const { return accumulator_; }
   // Writes the kept cells (format in certkv.h, certkv_session_sparse_audit_dump).
   void dump(const std::string& path) const;
@@ -35,7 +35,7 @@ class SessionSparseAudit {
     std::vector<int32_t> attended;
   };
 
-  const model::Session& session_;
+  const backend::Session& session_;
   eval::SparseAuditAccumulator accumulator_;
   int32_t dump_cells_;
   std::mt19937_64 rng_;

@@ -369,20 +369,33 @@ SeqId KvCache::create_sequence() {
   return id;
 }
 
-SeqId KvCache::fork_sequence(SeqId parent) {
+SeqId KvCache::fork_sequence(SeqId parent) { return fork_prefix(parent, length(parent)); }
+
+SeqId KvCache::fork_prefix(SeqId parent, int64_t n_tokens) {
   const Sequence& p = sequence(parent);
   if (p.reserved != p.length) {
     fail_cache(StatusCode::kInvalidArgument,
                "fork of sequence " + std::to_string(parent) + " with an uncommitted reservation (" +
                    std::to_string(p.reserved - p.length) + " tokens); commit first");
   }
+  if (n_tokens < 0 || n_tokens > p.length ||
+      (n_tokens != p.length && n_tokens % config_.block_tokens != 0)) {
+    fail_cache(StatusCode::kInvalidArgument,
+               "fork of " + std::to_string(n_tokens) + " tokens of sequence " +
+                   std::to_string(parent) + " (length " + std::to_string(p.length) +
+                   "): a prefix must be whole blocks of " + std::to_string(config_.block_tokens) +
+                   " tokens within the sequence");
+  }
+  const size_t n_blocks = size_t((n_tokens + config_.block_tokens - 1) / config_.block_tokens);
   Sequence child;
-  child.length = p.length;
-  child.reserved = p.length;
-  child.written.assign(size_t(config_.n_layers), p.length);
+  child.length = n_tokens;
+  child.reserved = n_tokens;
+  child.written.assign(size_t(config_.n_layers), n_tokens);
   child.tables = p.tables;
+  // An upper bound over the parent's positions bounds the prefix's too.
   child.value_norm_max = p.value_norm_max;
-  for (const auto& table : child.tables) {
+  for (auto& table : child.tables) {
+    table.resize(std::min(table.size(), n_blocks));
     for (const PageRef& ref : table) retain(ref);
   }
   const SeqId id = next_id_++;
@@ -1077,6 +1090,18 @@ MemoryStats KvCache::memory_stats() const {
   }
   stats.exact_fallback_blocks = exact_fallback_blocks_;
   return stats;
+}
+
+std::vector<ClassBytes> KvCache::sequence_bytes(SeqId seq) const {
+  const Sequence& s = sequence(seq);
+  std::vector<ClassBytes> out{{raw_class_, 0}};
+  if (gaac_ || lossy_) out.push_back({slot_class_, 0});
+  for (const auto& table : s.tables)
+    for (const PageRef& ref : table) {
+      if (is_pending(ref)) continue;
+      out[ref.storage == raw_class_ ? 0 : 1].bytes += pool_of(ref).page_stride_bytes();
+    }
+  return out;
 }
 
 uint64_t KvCache::kv_bytes_bf16(int64_t n_tokens) const {

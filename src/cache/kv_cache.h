@@ -143,6 +143,11 @@ struct MemoryStats {
   uint64_t exact_fallback_blocks;
 };
 
+struct ClassBytes {
+  format::StorageClass storage;
+  uint64_t bytes;
+};
+
 class KvCache {
  public:
   // Throws certkv::Error naming the field: kInvalidArgument for a non-positive dimension, a
@@ -169,6 +174,11 @@ class KvCache {
   // REQUIRES: the parent has no uncommitted reservation (reserve without commit), else
   // certkv::Error kInvalidArgument.
   SeqId fork_sequence(SeqId parent);
+  // A new sequence holding the parent's first n_tokens positions, every block of them shared by
+  // ref count (prefix sharing between sequences that began with the same tokens).
+  // REQUIRES: n_tokens a multiple of block_tokens, 0 <= n_tokens <= length(parent), and no
+  // uncommitted reservation on the parent (certkv::Error kInvalidArgument otherwise).
+  SeqId fork_prefix(SeqId parent, int64_t n_tokens);
   // Releases the sequence's pages (and any uncommitted reservation).
   void free_sequence(SeqId seq);
   bool has_sequence(SeqId seq) const;
@@ -255,6 +265,10 @@ class KvCache {
   uint32_t ref_count(format::PageRef ref) const;
 
   MemoryStats memory_stats() const;
+  // Page bytes (pages times their stride) that one sequence's block tables reference, by storage
+  // class, in the order of memory_stats().by_class; a page shared with other sequences is counted
+  // in full here.
+  std::vector<ClassBytes> sequence_bytes(SeqId seq) const;
   // Bytes a plain contiguous BF16 cache takes for n_tokens: K and V, 2 bytes per element.
   uint64_t kv_bytes_bf16(int64_t n_tokens) const;
 

@@ -1,0 +1,195 @@
+// The backend interface (DESIGN.md section 1): what the engine asks of the machine that runs the
+// model. A backend owns the page pool of every sequence it serves and runs one batched forward
+// step at a time over any mix of sequences, each adding one token (decode) or a chunk of its
+// prompt (prefill); the engine never asks which backend it talks to.
+//
+// Contract of forward(): every sequence's rows are computed as if it ran alone. A weight product
+// reads the weights once for all rows of the step, and each row's result depends on that row only;
+// attention reads one sequence's pages. So a sequence's logits do not depend on which other
+// sequences share its steps or where it sits in the batch (batch invariance), and, for the
+// lossless schemes, not on how its prompt was cut into chunks either.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "attention/decode_attention.h"
+#include "cache/kv_cache.h"
+#include "codec/gaac.h"
+#include "index/rotation.h"
+#include "model/device_decode.h"
+#include "model/matmul_float.h"
+
+namespace certkv::backend {
+
+// The meter and the gate (DESIGN.md section 4) on the decode steps of a lossy kv_scheme: every
+// step (a forward of one token) computes the meter of each (layer, query head) in the attention
+// pass and records it in its sequence's telemetry. Prefill chunks of several tokens are not
+// metered; run a text with prefill_chunk_tokens = 1 to meter every position.
+struct MeterConfig {
+  bool enabled = true;
+  // Request-level failure budget of the Tier B certificate (dither8), split evenly over
+  // layers x query heads x planned_steps: delta_loc = delta_req / (L H T). REQUIRES: in (0, 1).
+  double delta_req = 1e-2;
+  int64_t planned_steps = 0;  // T; 0: the context length
+  // Coverage threshold of the telemetry and the gate's threshold: tau < 1 certifies; tau >= 1
+  // ranks risk (a meter above 1 is never reported, so only raw scores could exceed it).
+  // REQUIRES: tau > 0.
+  double tau = 0.2;
+  // Repair when the meter of a (layer, head) exceeds tau: exact blocks are paged in from the
+  // backing store in decreasing order of their share of A - 1 until the meter is at most tau.
+  bool gate = false;
+  int64_t sample_every = 1;  // telemetry records every k-th cell
+};
+
+// Called after the attention of every metered step and layer (for audits): q: [n_heads][head_dim]
+// post-RoPE queries; meters: [n_heads] as reported before any repair; n_ctx tokens attended.
+struct MeterObservation {
+  int layer;
+  int64_t step;  // position of the query token
+  const float* q;
+  int64_t n_ctx;
+  const attention::HeadMeter* meters;
+};
+using MeterObserver = std::function<void(const MeterObservation&)>;
+
+// The sparse tier (DESIGN.md section 5): decode steps of layers >= dense_layers attend the Top-p
+// selection of the key index plus the local window (attention/sparse_decode.h). Each sequence has
+// its own index: the end of its first prefill sets each (layer, kv_head)'s centroids (the mean of
+// its keys and of its group's queries) and indexes every whole block before the window;
+// afterwards, once whole blocks amounting to at least the window lie before it, they are indexed
+// in one batch (lazy update), so between window_tokens and about twice that many newest tokens
+// are attended exactly. A sequence that shares a prefix with another builds its own index (the
+// records of shared blocks are rebuilt, not shared).
+struct SparseConfig {
+  bool enabled = false;
+  double p = 0.9;           // Top-p mass, in (0, 1]
+  // The Top-p set widened by this many estimator deviations per token
+  // (attention::SparseDecodeOptions::deviations); finite, >= 0; 0: no widening.
+  double deviations = 0;
+  // REQUIRES: 0 <= window_tokens <= the context; -1: 128, or the context when it is shorter.
+  int window_tokens = -1;
+  int dense_layers = 2;     // REQUIRES: 0 <= dense_layers <= n_layers
+  index::RotationKind rotation = index::RotationKind::kHaar;
+  uint64_t seed = 0x5eed0002;  // of the rotation and of the queries' randomized rounding
+};
+
+// Sparse decode counters of one sequence. A cell is one (layer, query head, step) of a sparse
+// layer; budget = attended / context tokens.
+struct SparseStats {
+  int64_t steps = 0;            // decode steps with at least one sparse layer
+  int64_t cells = 0;
+  double sum_budget = 0;        // over sparse cells
+  int64_t attended_tokens = 0;  // over sparse cells
+  int64_t widened_tokens = 0;   // of them, added by the widening (SparseConfig::deviations)
+  int64_t context_tokens = 0;   // over sparse cells
+  int64_t dense_cells = 0;      // cells of the dense layers (budget 1) in the same steps
+  std::vector<int64_t> layer_cells;      // [n_layers]
+  std::vector<double> layer_sum_budget;  // [n_layers]
+  double index_build_seconds = 0;  // centroids and records, prefill and lazy updates
+  int64_t index_appended_tokens = 0;  // token x (layer, kv_head) records written, / heads
+};
+
+// Called after the attention of every sparse (step, layer), for audits: per query head the
+// attended indices and the estimated logits of the indexed prefix [0, n_indexed).
+struct SparseObservation {
+  int layer;
+  int64_t step;
+  const float* q;  // [n_heads][head_dim], post-RoPE
+  int64_t n_ctx;
+  int64_t n_indexed;
+  const std::vector<std::vector<int32_t>>* attended;
+  const std::vector<std::vector<float>>* estimated_logits;
+};
+using SparseObserver = std::function<void(const SparseObservation&)>;
+
+struct BackendConfig {
+  int64_t context_tokens = 0;  // the most tokens of one sequence; 0: the model's context length
+  // Capacity of the page pool shared by every sequence, in tokens of every (layer, K/V, kv_head)
+  // table (a sequence's partial tail block takes a whole page); 0: context_tokens.
+  // REQUIRES: 0, or at least context_tokens (one sequence must fit).
+  int64_t pool_tokens = 0;
+  int n_threads = 2;
+  int block_tokens = 16;       // tokens per KV page
+  int prefill_chunk_tokens = 512;  // a session's prefill runs in chunks of this many tokens
+  bool capture_queries = false;    // keep the post-RoPE queries of each sequence's last position
+  model::ActivationFormat activations = model::ActivationFormat::kInt8;  // weight products
+  cache::KvScheme kv_scheme = cache::KvScheme::kBf16;  // how the KV cache stores full blocks
+  // REQUIRED for the GAAC kv_schemes (kGaac, kGaacE4M3, kGaacE5M2): the model's calibration
+  // (codec::GaacCalibration::load) of the scheme's element, shared by every sequence of the
+  // model; its shape must match the model and block_tokens.
+  std::shared_ptr<const codec::GaacCalibration> gaac_calibration;
+  // Lossy kv_schemes: dither8's outlier RoPE pairs per (layer, kv_head) and the full-precision
+  // recent window (-1: the scheme's defaults, cache::KvCacheConfig).
+  int outlier_pairs = -1;
+  int recent_window_tokens = -1;
+  // Tier A lossy kv_schemes: how K pages store the meter's witness (cache::KvCacheConfig).
+  codec::WitnessCode witness = codec::WitnessCode::kFp16;
+  MeterConfig meter;
+  SparseConfig sparse;
+  // kCuda: decode attention runs on a CUDA device over a device copy of the KV cache, encoded
+  // there (model/device_decode.h); the forward pass and prefill attention stay on the host.
+  // One sequence at a time.
+  model::Device device = model::Device::kCpu;
+};
+
+// One sequence's part of a forward step: tokens[0, n) at positions [length, length + n).
+struct BatchItem {
+  cache::SeqId seq = 0;
+  const int32_t* tokens = nullptr;  // [n]
+  int64_t n = 0;
+  float* last_logits = nullptr;     // [n_vocab] of the last token, or null
+  float* all_logits = nullptr;      // [n][n_vocab], or null
+  // The last chunk of a prefill, or a decode step: the sparse tier's key index is updated after
+  // it (the first one builds the index from the whole prefill).
+  bool end_of_input = true;
+};
+
+// What one sequence's attention measured since it began: the meter over its decode steps, the
+// gate's repairs and sparse decode's budget.
+struct SequenceReport {
+  bool metered = false;
+  double meter_max = 0;
+  double meter_p99 = 0;
+  double coverage = 0;       // fraction of cells with meter <= tau (1 with no cell)
+  int64_t meter_cells = 0;
+  int64_t gate_repairs = 0;  // pages paged in
+  bool sparse = false;
+  double sparse_budget = 1;  // mean over sparse cells (1 with none)
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+  virtual const BackendConfig& config() const = 0;
+  virtual int64_t context_tokens() const = 0;
+
+  // Sequences. Every function taking a SeqId throws certkv::Error kNotFound for one not live.
+  virtual cache::SeqId create_sequence() = 0;
+  // A new sequence holding the parent's first n_tokens positions (whole blocks), shared.
+  virtual cache::SeqId fork_prefix(cache::SeqId parent, int64_t n_tokens) = 0;
+  virtual void free_sequence(cache::SeqId seq) = 0;
+  virtual int64_t length(cache::SeqId seq) const = 0;
+  // Takes the pages for n more tokens of the sequence; false, with nothing changed, when the pool
+  // cannot supply them. Calling again before the step that writes them is a no-op.
+  virtual bool reserve(cache::SeqId seq, int64_t n) = 0;
+  // Pages of the pool in use and its capacity, over every table (all classes).
+  virtual uint64_t pool_pages_in_use() const = 0;
+  virtual uint64_t pool_capacity_pages() const = 0;
+
+  // One batched step. REQUIRES: distinct live sequences, 1 <= n, tokens inside the vocabulary,
+  // length + n <= context_tokens (certkv::Error kInvalidArgument / kOutOfRange, nothing changed);
+  // kOutOfMemory, nothing changed, when a reservation cannot be made (reserve first).
+  virtual void forward(std::span<const BatchItem> items) = 0;
+
+  virtual SequenceReport report(cache::SeqId seq) const = 0;
+  // Bytes of the pages the sequence's tables reference, by class (shared pages in full).
+  virtual std::vector<cache::ClassBytes> sequence_bytes(cache::SeqId seq) const = 0;
+  virtual cache::MemoryStats memory_stats() const = 0;
+};
+
+}  // namespace certkv::backend

@@ -1,0 +1,770 @@
+#include "backend/cpu/cpu_backend.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "attention/sparse_decode.h"
+#include "core/status.h"
+#include "core/x86_simd.h"
+#include "gate/meter.h"
+#include "model/dequant.h"
+
+namespace certkv::backend {
+
+using model::LayerWeights;
+using model::ModelConfig;
+using model::RopeLayout;
+using model::WeightMatrix;
+
+namespace {
+
+// gate[t][i] = silu(gate[t][i]) * up[t][i] = g / (1 + e^-g) * u, SwiGLU (Shazeer 2020), row by
+// row so that a token's values do not depend on the rows beside it.
+void swiglu_rows(float* gate, const float* up, int64_t n_rows, int64_t width) {
+  for (int64_t t = 0; t < n_rows; ++t) {
+    float* g = gate + t * width;
+    const float* u = up + t * width;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    // e^-g with -g clamped to +-87.3 (float's range): beyond it silu(g) is g or 0 to within
+    // e^-87 relative.
+    const __m256 limit = _mm256_set1_ps(87.3f), one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= width; i += 8) {
+      const __m256 gv = _mm256_loadu_ps(g + i);
+      const __m256 neg = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv),
+                                                     _mm256_sub_ps(_mm256_setzero_ps(), limit)),
+                                       limit);
+      const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, simd::exp_range_reduced8(neg)));
+      _mm256_storeu_ps(g + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < width; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  }
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w  (Zhang & Sennrich 2019).
+void rms_norm(const float* x, const float* w, int n, float eps, float* y) {
+  double ss = 0;
+  for (int i = 0; i < n; ++i) ss += double(x[i]) * x[i];
+  const float inv = float(1.0 / std::sqrt(ss / n + eps));
+  for (int i = 0; i < n; ++i) y[i] = x[i] * inv * w[i];
+}
+
+// Rotates each head of x by the angles of its position (Su et al. 2021, RoFormer eq. 34).
+// x: [n_heads][head_dim]; cos, sin: [head_dim / 2].
+void apply_rope(float* x, int n_heads, int head_dim, RopeLayout layout, const float* cos,
+                const float* sin) {
+  const int half = head_dim / 2;
+  for (int h = 0; h < n_heads; ++h) {
+    float* v = x + int64_t(h) * head_dim;
+    for (int j = 0; j < half; ++j) {
+      const int a = layout == RopeLayout::kInterleaved ? 2 * j : j;
+      const int b = layout == RopeLayout::kInterleaved ? 2 * j + 1 : j + half;
+      const float x0 = v[a], x1 = v[b];
+      v[a] = x0 * cos[j] - x1 * sin[j];
+      v[b] = x0 * sin[j] + x1 * cos[j];
+    }
+  }
+}
+
+void add_bias(float* x, const std::vector<float>& b, int64_t n) {
+  const int64_t d = int64_t(b.size());
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < d; ++i) x[t * d + i] += b[i];
+}
+
+}  // namespace
+
+CpuBackend::CpuBackend(const model::Model& model, const BackendConfig& config)
+    : model_(model), config_(config) {
+  const ModelConfig& c = model.config();
+  if (config.context_tokens < 0)
+    fail(StatusCode::kInvalidArgument, "context size must be positive");
+  context_tokens_ = config.context_tokens > 0 ? config.context_tokens : c.context_length;
+  if (config.pool_tokens < 0 || (config.pool_tokens > 0 && config.pool_tokens < context_tokens_))
+    fail(StatusCode::kInvalidArgument,
+         "the KV pool (" + std::to_string(config.pool_tokens) +
+             " tokens) cannot hold one sequence of the context (" +
+             std::to_string(context_tokens_) + " tokens): enlarge the pool or shorten the context");
+  if (config.n_threads < 1 || config.n_threads > 256)
+    fail(StatusCode::kInvalidArgument, "thread count must be in [1, 256]");
+  if (config.block_tokens < 1 || config.block_tokens > 4096)
+    fail(StatusCode::kInvalidArgument, "block_tokens must be in [1, 4096]");
+  if (config.prefill_chunk_tokens < 1)
+    fail(StatusCode::kInvalidArgument, "prefill chunk must be positive");
+  if (cache::kv_scheme_is_gaac(config.kv_scheme) && !config.gaac_calibration)
+    fail(StatusCode::kInvalidArgument,
+         std::string("KV scheme ") + cache::kv_scheme_name(config.kv_scheme) +
+             " needs a GAAC calibration of this model (BackendConfig.gaac_calibration)");
+  pool_ = std::make_unique<ThreadPool>(config.n_threads);
+  cache::KvCacheConfig kv;
+  kv.n_layers = c.n_layers;
+  kv.n_kv_heads = c.n_kv_heads;
+  kv.head_dim = c.head_dim;
+  kv.block_tokens = config.block_tokens;
+  kv.max_tokens = config.pool_tokens > 0 ? config.pool_tokens : context_tokens_;
+  kv.scheme = config.kv_scheme;
+  kv.gaac_calibration = config.gaac_calibration;
+  kv.rope_pairing = c.rope_layout == RopeLayout::kInterleaved ? codec::RopePairing::kInterleaved
+                                                              : codec::RopePairing::kHalfSplit;
+  kv.outlier_pairs = config.outlier_pairs;
+  kv.recent_window_tokens = config.recent_window_tokens;
+  kv.witness = config.witness;
+  if (config.outlier_pairs > c.head_dim / 2)
+    fail(StatusCode::kInvalidArgument,
+         "outlier pairs " + std::to_string(config.outlier_pairs) + " exceed head_dim / 2 = " +
+             std::to_string(c.head_dim / 2));
+  const MeterConfig& meter = config.meter;
+  if (!(meter.tau > 0))
+    fail(StatusCode::kInvalidArgument, "meter tau must be positive, got " + std::to_string(meter.tau));
+  if (!(meter.delta_req > 0 && meter.delta_req < 1))
+    fail(StatusCode::kInvalidArgument,
+         "meter delta must be in (0, 1), got " + std::to_string(meter.delta_req));
+  if (meter.planned_steps < 0 || meter.sample_every < 1)
+    fail(StatusCode::kInvalidArgument, "meter planned_steps must be >= 0 and sample_every >= 1");
+  metered_ = meter.enabled && cache::kv_scheme_is_lossy(config.kv_scheme);
+  if (meter.gate && !cache::kv_scheme_is_lossy(config.kv_scheme))
+    fail(StatusCode::kInvalidArgument,
+         std::string("the gate needs a lossy KV scheme (this one is ") +
+             cache::kv_scheme_name(config.kv_scheme) + ")");
+  if (meter.gate && !meter.enabled)
+    fail(StatusCode::kInvalidArgument, "the gate needs the meter (meter.enabled)");
+  delta_loc_ = gate::local_delta(meter.delta_req, c.n_layers, c.n_heads,
+                                 meter.planned_steps > 0 ? meter.planned_steps : context_tokens_);
+  const SparseConfig& sparse = config.sparse;
+  if (!sparse.enabled && sparse.deviations != 0)
+    fail(StatusCode::kInvalidArgument, "sparse deviations widen sparse decode's selection: enable sparse decode");
+  if (sparse.enabled) {
+    if (!(sparse.p > 0 && sparse.p <= 1))
+      fail(StatusCode::kInvalidArgument,
+           "sparse p must be in (0, 1], got " + std::to_string(sparse.p));
+    if (!(sparse.deviations >= 0) || !std::isfinite(sparse.deviations))
+      fail(StatusCode::kInvalidArgument,
+           "sparse deviations must be finite and >= 0, got " + std::to_string(sparse.deviations));
+    if (sparse.window_tokens == -1)
+      config_.sparse.window_tokens = int(std::min<int64_t>(128, context_tokens_));
+    else if (sparse.window_tokens < 0 || sparse.window_tokens > context_tokens_)
+      fail(StatusCode::kInvalidArgument,
+           "sparse window " + std::to_string(sparse.window_tokens) +
+               " tokens must be in [0, the context = " + std::to_string(context_tokens_) + "]");
+    if (sparse.dense_layers < 0 || sparse.dense_layers > c.n_layers)
+      fail(StatusCode::kInvalidArgument, "sparse dense layers " +
+                                             std::to_string(sparse.dense_layers) +
+                                             " must be in [0, " + std::to_string(c.n_layers) + "]");
+    if (!c.rope_declared)
+      fail(StatusCode::kUnsupported,
+           "sparse decode needs the model's RoPE metadata (GGUF <arch>.rope.freq_base or "
+           "config.json rope_theta): the key index scores post-RoPE keys, and this model file "
+           "does not state its position encoding");
+    if (!cache::key_index_supports_head_dim(c.head_dim))
+      fail(StatusCode::kUnsupported, "sparse decode: head_dim " + std::to_string(c.head_dim) +
+                                         " is not supported by the key index (32, 64, 96, 128, 256)");
+    if (meter.gate && metered_)
+      fail(StatusCode::kUnsupported,
+           "the gate and sparse decode do not combine yet (the meter does: drop --gate)");
+  }
+  if (config.device == model::Device::kCuda) {
+    // make_device_decoder refuses the schemes it does not serve (and, with sparse decode, every
+    // scheme but bf16).
+    if (config.recent_window_tokens > 0 && cache::kv_scheme_is_lossy(config.kv_scheme))
+      fail(StatusCode::kUnsupported,
+           "device cuda: a recent window of full-precision tokens is not served on the device yet");
+    model::DeviceDecoderConfig dc;
+    dc.n_layers = c.n_layers;
+    dc.n_q_heads = c.n_heads;
+    dc.n_kv_heads = c.n_kv_heads;
+    dc.head_dim = c.head_dim;
+    dc.block_tokens = config.block_tokens;
+    dc.max_tokens = context_tokens_;
+    dc.scale = c.attention_scale();
+    dc.scheme = config.kv_scheme;
+    dc.gaac_calibration = config.gaac_calibration;
+    dc.rope_pairing = kv.rope_pairing;
+    dc.outlier_pairs = config.outlier_pairs;
+    dc.witness = config.witness;
+    dc.delta_loc = delta_loc_;
+    dc.sparse = sparse.enabled;
+    dc.meter = metered_;
+    device_ = model::make_device_decoder(dc);
+  }
+  cache_ = std::make_unique<cache::KvCache>(kv);
+}
+
+CpuBackend::~CpuBackend() = default;
+
+CpuBackend::SequenceState CpuBackend::make_state() const {
+  const ModelConfig& c = model_.config();
+  SequenceState st;
+  st.telemetry = std::make_unique<gate::Telemetry>(config_.meter.tau, config_.meter.sample_every);
+  if (config_.sparse.enabled) {
+    cache::KeyIndexConfig ic;
+    ic.n_layers = c.n_layers;
+    ic.n_kv_heads = c.n_kv_heads;
+    ic.head_dim = c.head_dim;
+    ic.page_records = config_.block_tokens;
+    ic.rotation = config_.sparse.rotation;
+    ic.seed = config_.sparse.seed;
+    st.index = std::make_unique<cache::KeyIndex>(ic);
+  }
+  st.sparse_stats.layer_cells.assign(size_t(c.n_layers), 0);
+  st.sparse_stats.layer_sum_budget.assign(size_t(c.n_layers), 0.0);
+  if (config_.capture_queries) st.last_queries.assign(size_t(c.n_layers), {});
+  return st;
+}
+
+cache::SeqId CpuBackend::create_sequence() {
+  if (device_ && !states_.empty())
+    fail(StatusCode::kUnsupported,
+         "device cuda: the device route serves one sequence at a time (free the other first)");
+  const cache::SeqId seq = cache_->create_sequence();
+  states_.emplace(seq, make_state());
+  if (device_) device_->reset();
+  return seq;
+}
+
+cache::SeqId CpuBackend::fork_prefix(cache::SeqId parent, int64_t n_tokens) {
+  state(parent);
+  if (device_)
+    fail(StatusCode::kUnsupported, "device cuda: the device route serves one sequence at a time");
+  const cache::SeqId seq = cache_->fork_prefix(parent, n_tokens);
+  states_.emplace(seq, make_state());
+  return seq;
+}
+
+void CpuBackend::free_sequence(cache::SeqId seq) {
+  state(seq);
+  cache_->free_sequence(seq);
+  states_.erase(seq);
+}
+
+cache::SeqId CpuBackend::restart_sequence(cache::SeqId seq) {
+  SequenceState old = std::move(state(seq));
+  free_sequence(seq);
+  const cache::SeqId fresh = create_sequence();
+  SequenceState& st = states_.at(fresh);
+  st.telemetry = std::move(old.telemetry);
+  st.observer = std::move(old.observer);
+  st.sparse_stats = std::move(old.sparse_stats);
+  st.sparse_observer = std::move(old.sparse_observer);
+  return fresh;
+}
+
+int64_t CpuBackend::length(cache::SeqId seq) const { return cache_->length(seq); }
+
+bool CpuBackend::reserve(cache::SeqId seq, int64_t n) {
+  state(seq);
+  try {
+    cache_->reserve(seq, n);
+  } catch (const Error& e) {
+    if (e.code() == StatusCode::kOutOfMemory) return false;
+    throw;
+  }
+  return true;
+}
+
+uint64_t CpuBackend::pool_pages_in_use() const { return cache_->memory_stats().pages_in_use; }
+
+uint64_t CpuBackend::pool_capacity_pages() const {
+  const ModelConfig& c = model_.config();
+  const int64_t pool_tokens = config_.pool_tokens > 0 ? config_.pool_tokens : context_tokens_;
+  const int64_t blocks = (pool_tokens + config_.block_tokens - 1) / config_.block_tokens;
+  return uint64_t(blocks) * uint64_t(c.n_layers) * 2 * uint64_t(c.n_kv_heads);
+}
+
+CpuBackend::SequenceState& CpuBackend::state(cache::SeqId seq) {
+  auto it = states_.find(seq);
+  if (it == states_.end())
+    fail(StatusCode::kNotFound, "sequence " + std::to_string(seq) + " is not live in the backend");
+  return it->second;
+}
+
+const CpuBackend::SequenceState& CpuBackend::state(cache::SeqId seq) const {
+  return const_cast<CpuBackend*>(this)->state(seq);
+}
+
+const std::vector<float>& CpuBackend::last_queries(cache::SeqId seq, int layer) const {
+  const SequenceState& st = state(seq);
+  if (!config_.capture_queries || layer < 0 || layer >= int(st.last_queries.size()) ||
+      st.last_queries[size_t(layer)].empty())
+    fail(StatusCode::kInvalidArgument, "queries were not captured for layer " + std::to_string(layer));
+  return st.last_queries[size_t(layer)];
+}
+
+const gate::Telemetry& CpuBackend::telemetry(cache::SeqId seq) const { return *state(seq).telemetry; }
+
+void CpuBackend::reset_telemetry(cache::SeqId seq) {
+  state(seq).telemetry =
+      std::make_unique<gate::Telemetry>(config_.meter.tau, config_.meter.sample_every);
+}
+
+void CpuBackend::set_meter_observer(cache::SeqId seq, MeterObserver observer) {
+  state(seq).observer = std::move(observer);
+}
+
+const cache::KeyIndex* CpuBackend::key_index(cache::SeqId seq) const { return state(seq).index.get(); }
+
+const SparseStats& CpuBackend::sparse_stats(cache::SeqId seq) const { return state(seq).sparse_stats; }
+
+void CpuBackend::reset_sparse_stats(cache::SeqId seq) {
+  SparseStats& s = state(seq).sparse_stats;
+  const int n_layers = model_.config().n_layers;
+  s = SparseStats{};
+  s.layer_cells.assign(size_t(n_layers), 0);
+  s.layer_sum_budget.assign(size_t(n_layers), 0.0);
+}
+
+void CpuBackend::set_sparse_observer(cache::SeqId seq, SparseObserver observer) {
+  state(seq).sparse_observer = std::move(observer);
+}
+
+SequenceReport CpuBackend::report(cache::SeqId seq) const {
+  const SequenceState& st = state(seq);
+  SequenceReport r;
+  r.metered = metered_;
+  if (metered_) {
+    const gate::Telemetry& t = *st.telemetry;
+    r.meter_cells = t.cells();
+    r.meter_max = t.overflow() > 0 ? 1.0 : t.max();
+    r.meter_p99 = t.quantile(0.99);
+    r.coverage = t.cells() > 0 ? t.coverage() : 1.0;
+    r.gate_repairs = t.repairs();
+  }
+  r.sparse = config_.sparse.enabled;
+  if (st.sparse_stats.cells > 0) r.sparse_budget = st.sparse_stats.sum_budget / double(st.sparse_stats.cells);
+  return r;
+}
+
+std::vector<cache::ClassBytes> CpuBackend::sequence_bytes(cache::SeqId seq) const {
+  state(seq);
+  return cache_->sequence_bytes(seq);
+}
+
+bool CpuBackend::sparse_layer(const SequenceState& st, int layer) const {
+  return st.index_built && layer >= config_.sparse.dense_layers &&
+         st.index->indexed_tokens(layer, 0) > 0;
+}
+
+void CpuBackend::update_key_index(cache::SeqId seq, SequenceState& st) {
+  const ModelConfig& c = model_.config();
+  const SparseConfig& sparse = config_.sparse;
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t n = cache_->length(seq);
+  const int64_t bt = config_.block_tokens;
+  const int d = c.head_dim;
+  const int group = c.n_heads / c.n_kv_heads;
+  // Whole blocks before the window; indexed in batches of at least the window (one block when
+  // the window is under a block).
+  const int64_t target = std::max<int64_t>(0, n - sparse.window_tokens) / bt * bt;
+  const int64_t batch = std::max<int64_t>(bt, int64_t(sparse.window_tokens) / bt * bt);
+  // One unit per (layer, kv_head) of the sparse layers: each touches only its own index head.
+  const int64_t n_units = int64_t(c.n_layers - sparse.dense_layers) * c.n_kv_heads;
+  std::vector<int64_t> appended_by_unit(size_t(std::max<int64_t>(n_units, 0)), 0);
+  cache::KeyIndex& index = *st.index;
+  pool_->parallel_for(n_units, 1, [&](int64_t begin, int64_t end, int) {
+    std::vector<float> keys;
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int layer = sparse.dense_layers + int(unit / c.n_kv_heads);
+      const int h = int(unit % c.n_kv_heads);
+      if (!st.index_built) {
+        // Centroids: the mean of this prefill's keys, and of its group's queries.
+        keys.resize(size_t(n) * size_t(d));
+        cache_->read_token_range_exact(seq, layer, cache::KvTensor::kKey, h, 0, n, keys.data());
+        std::vector<double> k_sum(static_cast<size_t>(d), 0.0);
+        for (int64_t t = 0; t < n; ++t)
+          for (int i = 0; i < d; ++i) k_sum[size_t(i)] += keys[size_t(t) * size_t(d) + size_t(i)];
+        std::vector<float> c_k(static_cast<size_t>(d)), c_q(static_cast<size_t>(d));
+        const double* q_sum =
+            &st.query_sums[(size_t(layer) * size_t(c.n_kv_heads) + size_t(h)) * size_t(d)];
+        for (int i = 0; i < d; ++i) {
+          c_k[size_t(i)] = float(k_sum[size_t(i)] / double(n));
+          c_q[size_t(i)] = float(q_sum[i] / double(st.query_count * group));
+        }
+        index.set_centroids(layer, h, std::move(c_q), std::move(c_k));
+      }
+      const int64_t from = index.indexed_tokens(layer, h);
+      if (target - from < (st.index_built ? batch : 1)) continue;
+      keys.resize(size_t(target - from) * size_t(d));
+      cache_->read_token_range_exact(seq, layer, cache::KvTensor::kKey, h, from, target, keys.data());
+      index.append(layer, h, keys.data(), target - from);
+      appended_by_unit[size_t(unit)] = target - from;
+    }
+  });
+  int64_t appended = 0;
+  for (int64_t a : appended_by_unit) appended += a;
+  if (!st.index_built) {
+    st.index_built = true;
+    st.query_sums.clear();
+    st.query_sums.shrink_to_fit();
+  }
+  const int heads = (c.n_layers - sparse.dense_layers) * c.n_kv_heads;
+  if (heads > 0) st.sparse_stats.index_appended_tokens += appended / heads;
+  st.sparse_stats.index_build_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+void CpuBackend::decode_attention_sparse(cache::SeqId seq, SequenceState& st, int layer,
+                                         const attention::AttentionShape& shape, int64_t pos0,
+                                         const float* q, float* out) {
+  const int64_t n_ctx = pos0 + 1;
+  attention::SparseDecodeOptions options;
+  options.p = config_.sparse.p;
+  options.deviations = config_.sparse.deviations;
+  options.rounding_seed = config_.sparse.seed ^
+                          ((uint64_t(pos0) * uint64_t(model_.config().n_layers) + uint64_t(layer)) *
+                           0xd1b54a32d192ed03ull);
+  if (metered_) {
+    meters_.resize(size_t(shape.n_q_heads));
+    options.meters = meters_.data();
+    options.meter.delta_loc = delta_loc_;
+  }
+  if (st.sparse_observer) {
+    options.attended = &attended_;
+    options.estimated_logits = &estimated_logits_;
+  }
+  std::vector<attention::SparseHeadStats> stats(size_t(shape.n_q_heads));
+  if (device_) {
+    if (st.sparse_observer)
+      fail(StatusCode::kUnsupported, "device cuda: the sparse audit reads the CPU path's selections (run it "
+                                     "with --device cpu)");
+    device_->attend_sparse(layer, q, out, *st.index, options.p, options.deviations,
+                           options.rounding_seed, stats.data());
+  } else {
+    attention::sparse_decode_attention(*cache_, seq, layer, shape, q, n_ctx, *st.index, options,
+                                       out, stats.data(), pool_.get());
+  }
+  SparseStats& ss = st.sparse_stats;
+  if (layer == config_.sparse.dense_layers) {
+    ss.steps += 1;
+    ss.dense_cells += int64_t(config_.sparse.dense_layers) * shape.n_q_heads;
+  }
+  for (const attention::SparseHeadStats& s : stats) {
+    const double budget = double(s.n_attended) / double(n_ctx);
+    ss.cells += 1;
+    ss.sum_budget += budget;
+    ss.attended_tokens += s.n_attended;
+    ss.widened_tokens += s.n_widened;
+    ss.context_tokens += n_ctx;
+    ss.layer_cells[size_t(layer)] += 1;
+    ss.layer_sum_budget[size_t(layer)] += budget;
+  }
+  if (metered_) {
+    for (const attention::HeadMeter& m : meters_) st.telemetry->record(m.meter, std::isinf(m.log_a));
+    if (st.observer) st.observer(MeterObservation{layer, pos0, q, n_ctx, meters_.data()});
+  }
+  if (st.sparse_observer)
+    st.sparse_observer(SparseObservation{layer, pos0, q, n_ctx, st.index->indexed_tokens(layer, 0),
+                                         &attended_, &estimated_logits_});
+}
+
+void CpuBackend::decode_attention_device(cache::SeqId seq, SequenceState& st, int layer,
+                                         const attention::AttentionShape& shape, int64_t pos0,
+                                         const float* q, float* out) {
+  if (!metered_) {
+    device_->attend(layer, q, out, nullptr);
+    return;
+  }
+  meters_.resize(size_t(shape.n_q_heads));
+  const int group = shape.n_q_heads / shape.n_kv_heads;
+  auto attend = [&] {
+    device_->attend(layer, q, out, meters_.data());
+    for (int h = 0; h < shape.n_q_heads; ++h) {
+      attention::HeadMeter& m = meters_[size_t(h)];
+      m.v_norm_max = cache_->value_norm_max(seq, layer, h / group);  // kept by the host cache
+      m.output_bound = 2 * m.meter * m.v_norm_max + m.value_rho;
+    }
+  };
+  attend();
+  for (const attention::HeadMeter& m : meters_) st.telemetry->record(m.meter, std::isinf(m.log_a));
+  if (st.observer) st.observer(MeterObservation{layer, pos0, q, pos0 + 1, meters_.data()});
+  if (!config_.meter.gate) return;
+  // The host cache decides and repairs as on the CPU (its contributions: for fp8 the device's own
+  // pages; for dither8 the same bounds over another dither); each block it repairs is copied,
+  // exact, to the device's pages.
+  gate_repairs(seq, st, layer, shape, pos0, q, attend, [&](int kv_head, int64_t b) {
+    const format::PageRef kref = cache_->block_table(seq, layer, cache::KvTensor::kKey, kv_head)[b];
+    const format::PageRef vref = cache_->block_table(seq, layer, cache::KvTensor::kValue, kv_head)[b];
+    device_->repair_block(layer, kv_head, b, cache_->page_bf16(kref), cache_->page_bf16(vref));
+  });
+}
+
+void CpuBackend::decode_attention_metered(cache::SeqId seq, SequenceState& st, int layer,
+                                          const attention::AttentionShape& shape, int64_t pos0,
+                                          const float* q, float* out) {
+  const int64_t n_ctx = pos0 + 1;
+  meters_.resize(size_t(shape.n_q_heads));
+  attention::DecodeOptions options;
+  options.meters = meters_.data();
+  options.meter.delta_loc = delta_loc_;
+  auto attend = [&] {
+    attention::decode_attention(*cache_, seq, layer, shape, q, n_ctx, out, pool_.get(), options);
+  };
+  attend();
+  for (const attention::HeadMeter& m : meters_) st.telemetry->record(m.meter, std::isinf(m.log_a));
+  if (st.observer) st.observer(MeterObservation{layer, pos0, q, n_ctx, meters_.data()});
+  if (config_.meter.gate) gate_repairs(seq, st, layer, shape, pos0, q, attend, [](int, int64_t) {});
+}
+
+void CpuBackend::gate_repairs(cache::SeqId seq, SequenceState& st, int layer,
+                              const attention::AttentionShape& shape, int64_t pos0, const float* q,
+                              const std::function<void()>& attend,
+                              const std::function<void(int, int64_t)>& repaired) {
+  // The gate: repair the blocks with the largest share of A - 1 until every head of the group
+  // is predicted under tau; recompute; repeat while a head stays above tau and lossy blocks remain.
+  const int64_t n_ctx = pos0 + 1;
+  attention::MeterOptions meter_options;
+  meter_options.delta_loc = delta_loc_;
+  const double tau = config_.meter.tau;
+  const int group = shape.n_q_heads / shape.n_kv_heads;
+  const int64_t n_blocks = (n_ctx + cache_->block_tokens() - 1) / cache_->block_tokens();
+  for (int round = 0; round < 8; ++round) {
+    bool firing = false;
+    for (const attention::HeadMeter& m : meters_) firing |= m.meter > tau;
+    if (!firing) return;
+    std::vector<attention::HeadMeter> ref(size_t(shape.n_q_heads));
+    attention::decode_meter_ref(*cache_, seq, layer, shape, q, n_ctx, meter_options, ref.data(),
+                                &contributions_);
+    bool repaired_any = false;
+    for (int kv_head = 0; kv_head < shape.n_kv_heads; ++kv_head) {
+      std::vector<int> heads;
+      std::vector<double> a_minus_1;
+      for (int g = 0; g < group; ++g) {
+        const int h = kv_head * group + g;
+        if (meters_[size_t(h)].meter > tau) {
+          heads.push_back(h);
+          a_minus_1.push_back(std::expm1(ref[size_t(h)].log_a));
+        }
+      }
+      if (heads.empty()) continue;
+      std::vector<double> share(size_t(n_blocks), 0.0);
+      for (int h : heads)
+        for (int64_t b = 0; b < n_blocks; ++b)
+          share[size_t(b)] += contributions_[size_t(h) * size_t(n_blocks) + size_t(b)];
+      std::vector<int64_t> order;
+      for (int64_t b = 0; b < n_blocks; ++b)
+        if (share[size_t(b)] > 0) order.push_back(b);
+      std::sort(order.begin(), order.end(),
+                [&](int64_t x, int64_t y) { return share[size_t(x)] > share[size_t(y)]; });
+      auto predicted_over = [&] {
+        for (double d : a_minus_1)
+          if (gate::meter_from_log_a(std::log1p(std::max(d, 0.0))) > tau) return true;
+        return false;
+      };
+      for (int64_t b : order) {
+        if (!predicted_over()) break;
+        const uint64_t bytes = cache_->repair_block(seq, layer, kv_head, b);
+        if (bytes == 0) continue;
+        repaired(kv_head, b);
+        repaired_any = true;
+        st.telemetry->add_repairs(2, int64_t(bytes));
+        for (size_t i = 0; i < heads.size(); ++i)
+          a_minus_1[i] -= contributions_[size_t(heads[i]) * size_t(n_blocks) + size_t(b)];
+      }
+    }
+    if (!repaired_any) return;
+    attend();
+  }
+}
+
+void CpuBackend::ensure_buffers(int64_t n) {
+  if (n <= buffer_tokens_) return;
+  const ModelConfig& c = model_.config();
+  const int64_t q_dim = int64_t(c.n_heads) * c.head_dim;
+  const int64_t kv_dim = int64_t(c.n_kv_heads) * c.head_dim;
+  x_.resize(size_t(n * c.dim));
+  xn_.resize(size_t(n * std::max<int64_t>(c.dim, q_dim)));
+  q_.resize(size_t(n * q_dim));
+  k_.resize(size_t(n * kv_dim));
+  v_.resize(size_t(n * kv_dim));
+  attn_.resize(size_t(n * q_dim));
+  gate_.resize(size_t(n * c.ffn_dim));
+  up_.resize(size_t(n * c.ffn_dim));
+  cos_.resize(size_t(n * c.head_dim / 2));
+  sin_.resize(size_t(n * c.head_dim / 2));
+  buffer_tokens_ = n;
+}
+
+void CpuBackend::attend(cache::SeqId seq, SequenceState& st, int layer,
+                        const attention::AttentionShape& shape, int64_t pos0, int64_t n,
+                        const float* q, float* out) {
+  if (n == 1 && st.index && sparse_layer(st, layer))
+    decode_attention_sparse(seq, st, layer, shape, pos0, q, out);  // on the device too, with device_
+  else if (n == 1 && device_)
+    decode_attention_device(seq, st, layer, shape, pos0, q, out);
+  else if (n == 1 && metered_)
+    decode_attention_metered(seq, st, layer, shape, pos0, q, out);
+  else if (n == 1)
+    attention::decode_attention(*cache_, seq, layer, shape, q, pos0 + 1, out, pool_.get());
+  else
+    attention::prefill_attention(*cache_, seq, layer, shape, q, pos0, n, out, pool_.get());
+}
+
+void CpuBackend::forward(std::span<const BatchItem> items) {
+  const ModelConfig& c = model_.config();
+  // Everything is checked before anything changes.
+  for (size_t i = 0; i < items.size(); ++i) {
+    const BatchItem& it = items[i];
+    state(it.seq);
+    for (size_t j = 0; j < i; ++j)
+      if (items[j].seq == it.seq)
+        fail(StatusCode::kInvalidArgument,
+             "sequence " + std::to_string(it.seq) + " appears twice in one forward step");
+    if (it.n < 1 || !it.tokens) fail(StatusCode::kInvalidArgument, "a forward item needs at least one token");
+    const int64_t past = cache_->length(it.seq);
+    if (past + it.n > context_tokens_)
+      fail(StatusCode::kOutOfRange, "the input (" + std::to_string(it.n) + " tokens, " +
+                                        std::to_string(past) +
+                                        " already in the cache) is longer than the context (" +
+                                        std::to_string(context_tokens_) + " tokens)");
+    for (int64_t t = 0; t < it.n; ++t)
+      if (it.tokens[t] < 0 || it.tokens[t] >= c.n_vocab)
+        fail(StatusCode::kInvalidArgument, "token id " + std::to_string(it.tokens[t]) +
+                                               " is outside the vocabulary (" +
+                                               std::to_string(c.n_vocab) + ")");
+  }
+  for (const BatchItem& it : items)
+    if (!reserve(it.seq, it.n))
+      fail(StatusCode::kOutOfMemory,
+           "the KV pool cannot hold " + std::to_string(it.n) + " more tokens of sequence " +
+               std::to_string(it.seq) + " (" + std::to_string(pool_pages_in_use()) + " of " +
+               std::to_string(pool_capacity_pages()) + " pages in use)");
+
+  const int dim = c.dim;
+  const int hd = c.head_dim;
+  const int half = hd / 2;
+  const int64_t q_dim = int64_t(c.n_heads) * hd;
+  const int64_t kv_dim = int64_t(c.n_kv_heads) * hd;
+  // Rows of every item, stacked: item i owns rows [row0[i], row0[i] + n).
+  std::vector<int64_t> row0(items.size()), pos0(items.size());
+  int64_t n_rows = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    row0[i] = n_rows;
+    pos0[i] = cache_->length(items[i].seq);
+    n_rows += items[i].n;
+  }
+  if (n_rows == 0) return;
+  ensure_buffers(n_rows);
+
+  const WeightMatrix& embd = model_.token_embedding();
+  const std::vector<float>& inv_freq = model_.rope_inv_freq();
+  for (size_t i = 0; i < items.size(); ++i)
+    for (int64_t t = 0; t < items[i].n; ++t) {
+      const int64_t r = row0[i] + t;
+      model::dequantize_row(embd.type, embd.data + size_t(items[i].tokens[t]) * embd.row_bytes,
+                            &x_[size_t(r * dim)], dim);
+      for (int j = 0; j < half; ++j) {
+        const double angle = double(pos0[i] + t) * inv_freq[size_t(j)];
+        cos_[size_t(r * half + j)] = float(std::cos(angle));
+        sin_[size_t(r * half + j)] = float(std::sin(angle));
+      }
+    }
+
+  attention::AttentionShape shape;
+  shape.n_q_heads = c.n_heads;
+  shape.n_kv_heads = c.n_kv_heads;
+  shape.head_dim = hd;
+  shape.scale = c.attention_scale();
+  const int group = c.n_heads / c.n_kv_heads;
+
+  for (int layer = 0; layer < c.n_layers; ++layer) {
+    const LayerWeights& w = model_.layer(layer);
+    for (int64_t t = 0; t < n_rows; ++t)
+      rms_norm(&x_[size_t(t * dim)], w.attn_norm.data(), dim, c.rms_eps, &xn_[size_t(t * dim)]);
+    model::matmul(w.wq, xn_.data(), n_rows, q_.data(), *pool_, config_.activations);
+    model::matmul(w.wk, xn_.data(), n_rows, k_.data(), *pool_, config_.activations);
+    model::matmul(w.wv, xn_.data(), n_rows, v_.data(), *pool_, config_.activations);
+    if (c.qkv_bias) {
+      add_bias(q_.data(), w.bq, n_rows);
+      add_bias(k_.data(), w.bk, n_rows);
+      add_bias(v_.data(), w.bv, n_rows);
+    }
+    for (int64_t t = 0; t < n_rows; ++t) {
+      float* qt = &q_[size_t(t * q_dim)];
+      float* kt = &k_[size_t(t * kv_dim)];
+      if (c.qk_norm) {
+        for (int h = 0; h < c.n_heads; ++h) rms_norm(qt + h * hd, w.q_norm.data(), hd, c.rms_eps, qt + h * hd);
+        for (int h = 0; h < c.n_kv_heads; ++h) rms_norm(kt + h * hd, w.k_norm.data(), hd, c.rms_eps, kt + h * hd);
+      }
+      apply_rope(qt, c.n_heads, hd, c.rope_layout, &cos_[size_t(t * half)], &sin_[size_t(t * half)]);
+      apply_rope(kt, c.n_kv_heads, hd, c.rope_layout, &cos_[size_t(t * half)], &sin_[size_t(t * half)]);
+    }
+    for (size_t i = 0; i < items.size(); ++i) {
+      const BatchItem& it = items[i];
+      SequenceState& st = states_.at(it.seq);
+      const float* q = &q_[size_t(row0[i] * q_dim)];
+      if (config_.capture_queries)
+        st.last_queries[size_t(layer)].assign(q + (it.n - 1) * q_dim, q + it.n * q_dim);
+      if (st.index && !st.index_built && layer >= config_.sparse.dense_layers) {
+        // The query centroid of each (layer, kv_head): the mean over the first prefill's tokens
+        // and the group's query heads.
+        st.query_sums.resize(size_t(c.n_layers) * size_t(kv_dim), 0.0);
+        double* sums = &st.query_sums[size_t(layer) * size_t(kv_dim)];
+        for (int64_t t = 0; t < it.n; ++t)
+          for (int h = 0; h < c.n_heads; ++h)
+            for (int d = 0; d < hd; ++d)
+              sums[size_t(h / group) * size_t(hd) + size_t(d)] += q[size_t(t * q_dim + h * hd + d)];
+      }
+      cache_->write(it.seq, layer, &k_[size_t(row0[i] * kv_dim)], &v_[size_t(row0[i] * kv_dim)], it.n);
+      if (device_) device_->write(layer, pos0[i], &k_[size_t(row0[i] * kv_dim)], &v_[size_t(row0[i] * kv_dim)], it.n);
+      attend(it.seq, st, layer, shape, pos0[i], it.n, q, &attn_[size_t(row0[i] * q_dim)]);
+    }
+    model::matmul(w.wo, attn_.data(), n_rows, xn_.data(), *pool_, config_.activations);
+    for (int64_t i = 0; i < n_rows * dim; ++i) x_[size_t(i)] += xn_[size_t(i)];
+
+    for (int64_t t = 0; t < n_rows; ++t)
+      rms_norm(&x_[size_t(t * dim)], w.ffn_norm.data(), dim, c.rms_eps, &xn_[size_t(t * dim)]);
+    model::matmul(w.w_gate, xn_.data(), n_rows, gate_.data(), *pool_, config_.activations);
+    model::matmul(w.w_up, xn_.data(), n_rows, up_.data(), *pool_, config_.activations);
+    swiglu_rows(gate_.data(), up_.data(), n_rows, c.ffn_dim);
+    model::matmul(w.w_down, gate_.data(), n_rows, xn_.data(), *pool_, config_.activations);
+    for (int64_t i = 0; i < n_rows * dim; ++i) x_[size_t(i)] += xn_[size_t(i)];
+  }
+  for (const BatchItem& it : items) {
+    cache_->commit(it.seq, it.n);
+    SequenceState& st = states_.at(it.seq);
+    if (st.index && !st.index_built) st.query_count += it.n;
+  }
+
+  // Logits: the items that want every row get their own product (straight into their buffer);
+  // the last rows of the others share one.
+  const float* out_norm = model_.output_norm().data();
+  std::vector<size_t> last_only;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const BatchItem& it = items[i];
+    if (it.all_logits) {
+      for (int64_t t = 0; t < it.n; ++t)
+        rms_norm(&x_[size_t((row0[i] + t) * dim)], out_norm, dim, c.rms_eps, &xn_[size_t(t * dim)]);
+      model::matmul(model_.output(), xn_.data(), it.n, it.all_logits, *pool_, config_.activations);
+      if (it.last_logits)
+        std::memcpy(it.last_logits, it.all_logits + (it.n - 1) * c.n_vocab, sizeof(float) * size_t(c.n_vocab));
+    } else if (it.last_logits) {
+      last_only.push_back(i);
+    }
+  }
+  if (!last_only.empty()) {
+    const int64_t m = int64_t(last_only.size());
+    for (int64_t j = 0; j < m; ++j) {
+      const size_t i = last_only[size_t(j)];
+      rms_norm(&x_[size_t((row0[i] + items[i].n - 1) * dim)], out_norm, dim, c.rms_eps,
+               &xn_[size_t(j * dim)]);
+    }
+    float* dst = items[last_only[0]].last_logits;
+    if (m > 1) {
+      logits_.resize(size_t(m) * size_t(c.n_vocab));
+      dst = logits_.data();
+    }
+    model::matmul(model_.output(), xn_.data(), m, dst, *pool_, config_.activations);
+    if (m > 1)
+      for (int64_t j = 0; j < m; ++j)
+        std::memcpy(items[last_only[size_t(j)]].last_logits, &logits_[size_t(j) * size_t(c.n_vocab)],
+                    sizeof(float) * size_t(c.n_vocab));
+  }
+
+  for (const BatchItem& it : items) {
+    SequenceState& st = states_.at(it.seq);
+    if (st.index && it.end_of_input) update_key_index(it.seq, st);
+  }
+}
+
+}  // namespace certkv::backend
