@@ -292,6 +292,11 @@ bool Engine::evict_one_prefix() {
   return true;
 }
 
+void Engine::drop_cached_prefixes() {
+  while (evict_one_prefix()) {
+  }
+}
+
 void Engine::free_sequence_of(Request& r, bool keep_prefix) {
   if (r.seq == 0) return;
   if (r.owns_entries) {
@@ -512,6 +517,7 @@ EngineStats Engine::stats() const {
   s.running = int64_t(running_.size());
   s.waiting = int64_t(waiting_.size());
   s.pool_pages_in_use = backend_->pool_pages_in_use();
+  s.cached_prefixes = int64_t(holders_.size());
   return s;
 }
 

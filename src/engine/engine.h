@@ -93,6 +93,7 @@ struct EngineStats {
   int64_t preemptions = 0;
   int64_t shared_blocks = 0;       // blocks taken from the prefix cache at admissions
   int64_t evicted_prefixes = 0;
+  int64_t cached_prefixes = 0;     // holder sequences of finished requests' prompt blocks
   int64_t running = 0, waiting = 0;
   uint64_t pool_pages_in_use = 0, pool_capacity_pages = 0;
   uint64_t peak_pages_in_use = 0;
@@ -120,6 +121,9 @@ class Engine {
   bool step(const TokenCallback& on_token = {});
   // Steps until no request remains.
   void run(const TokenCallback& on_token = {});
+
+  // Frees every cached prefix (the pages finished requests left for sharing).
+  void drop_cached_prefixes();
 
   // kNotFound for an unknown id.
   const RequestReport& report(RequestId id) const;

@@ -324,9 +324,20 @@ struct Group32Tables {
   }
 };
 
+// The sum of the 16 lanes of v in the order store_lane_sums<8> adds them: halves added, then
+// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) over the eight lanes left.
+inline float lane_sum_tree(__m512 acc) {
+  const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+  const __m256 h = _mm256_hadd_ps(v, v);
+  const __m256 h2 = _mm256_hadd_ps(h, h);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
+}
+
 // y[t * y_stride] = the sum of the 16 lanes of acc[t], t < kT. Eight accumulators are reduced
 // together (halves added, then a horizontal-add tree), which costs a third of eight separate
-// reductions; rows of 576 inputs spend a quarter of their time here otherwise.
+// reductions; rows of 576 inputs spend a quarter of their time here otherwise. Smaller tiles add
+// in the same order, so a token's result does not depend on the tile it was computed in (batch
+// invariance: backend/backend.h).
 template <int kT>
 inline void store_lane_sums(const __m512* acc, float* y, int64_t y_stride) {
   if constexpr (kT == 8) {
@@ -343,7 +354,7 @@ inline void store_lane_sums(const __m512* acc, float* y, int64_t y_stride) {
     _mm256_store_ps(out, sums);
     for (int t = 0; t < 8; ++t) y[t * y_stride] = out[t];
   } else {
-    for (int t = 0; t < kT; ++t) y[t * y_stride] = _mm512_reduce_add_ps(acc[t]);
+    for (int t = 0; t < kT; ++t) y[t * y_stride] = lane_sum_tree(acc[t]);
   }
 }
 

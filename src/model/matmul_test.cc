@@ -321,6 +321,32 @@ TEST(Matmul, ResultDoesNotDependOnThreadCount) {
   }
 }
 
+// A token's result does not depend on how many tokens share the call, nor on where it sits
+// among them (the engine's batch invariance stands on this): every token of a 19-token call
+// equals the same token computed alone and in calls of 2..9, bit for bit.
+TEST(Matmul, EachTokensResultIsIndependentOfTheOtherTokens) {
+  std::mt19937 rng(13);
+  ThreadPool pool(2);
+  for (GgmlType type : kAllTypes) {
+    SCOPED_TRACE(ggml_type_name(type));
+    const int64_t xblock = activation_block_elements(type);
+    const int64_t n_in = xblock == 256 ? 512 : 576, n_out = 67, n_tokens = 19;
+    const std::vector<uint8_t> data = random_weights(type, n_in, n_out, rng);
+    const WeightMatrix w = matrix_of(type, data, n_in, n_out);
+    const std::vector<float> x = random_activations(n_tokens * n_in, rng);
+    std::vector<float> all(size_t(n_tokens * n_out));
+    matmul(w, x.data(), n_tokens, all.data(), pool);
+    for (int64_t size = 1; size <= 9; ++size) {
+      std::vector<float> part(size_t(size * n_out));
+      for (int64_t t0 = 0; t0 + size <= n_tokens; t0 += size) {
+        matmul(w, x.data() + t0 * n_in, size, part.data(), pool);
+        ASSERT_EQ(0, std::memcmp(part.data(), all.data() + t0 * n_out, part.size() * 4))
+            << size << " tokens from token " << t0;
+      }
+    }
+  }
+}
+
 TEST(Matmul, NonFiniteActivationPoisonsItsTokenOnly) {
   std::mt19937 rng(5);
   ThreadPool pool(2);

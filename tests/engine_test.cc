@@ -1,0 +1,408 @@
+// The engine and the batched backend end to end: batch invariance of the logits (ragged batches,
+// any position in the batch, any prefill chunking), continuous batching against running each
+// request alone, prefix sharing, preemption on a small pool, cancel, stop strings and bad input.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <span>
+
+#include "backend/cpu/cpu_backend.h"
+#include "core/status.h"
+#include "engine/engine.h"
+#include "codec/gaac.h"
+#include "model/model.h"
+#include "model/sampler.h"
+#include "test_paths.h"
+
+namespace certkv::engine {
+namespace {
+
+using backend::BackendConfig;
+using backend::BatchItem;
+using backend::CpuBackend;
+
+const model::Model& stories() {
+  static std::unique_ptr<model::Model> m =
+      model::load_llama2c(testing::stories_checkpoint(), testing::stories_tokenizer());
+  return *m;
+}
+
+const model::Model& smollm2() {
+  static std::unique_ptr<model::Model> m = model::load_model(testing::smollm2_gguf());
+  return *m;
+}
+
+// Ragged prompts of distinct tokens (deterministic).
+std::vector<std::vector<int32_t>> ragged_prompts(const model::Model& m, std::vector<int> lengths,
+                                                 uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> tok(3, std::min(m.config().n_vocab, 4000) - 1);
+  std::vector<std::vector<int32_t>> out;
+  for (int n : lengths) {
+    std::vector<int32_t> p(static_cast<size_t>(n));
+    for (int32_t& t : p) t = tok(rng);
+    p[0] = 1;
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+// Runs the prompts through one backend, then decode_steps greedy tokens each; returns per
+// sequence the logits of every forward that ended its input, concatenated. chunk: prompt tokens
+// per step of each sequence; rotate: the batch order turns by one each step.
+std::vector<std::vector<float>> run_batched(const model::Model& m, const BackendConfig& cfg,
+                                            const std::vector<std::vector<int32_t>>& prompts,
+                                            const std::vector<int>& chunk, bool rotate, int decode_steps) {
+  CpuBackend be(m, cfg);
+  const int32_t nv = m.config().n_vocab;
+  const size_t n = prompts.size();
+  std::vector<cache::SeqId> seqs;
+  for (size_t i = 0; i < n; ++i) seqs.push_back(be.create_sequence());
+  std::vector<std::vector<int32_t>> tokens = prompts;
+  std::vector<int64_t> done(n, 0);
+  std::vector<int> decoded(n, 0);
+  std::vector<std::vector<float>> out(n);
+  std::vector<float> logits(n * size_t(nv));
+  for (int step = 0;; ++step) {
+    std::vector<size_t> order(n);
+    for (size_t i = 0; i < n; ++i) order[i] = rotate ? (i + size_t(step)) % n : i;
+    std::vector<BatchItem> items;
+    std::vector<size_t> who;
+    for (size_t i : order) {
+      const int64_t left = int64_t(tokens[i].size()) - done[i];
+      if (left == 0) continue;
+      BatchItem it;
+      it.seq = seqs[i];
+      it.tokens = tokens[i].data() + done[i];
+      it.n = std::min<int64_t>(left, chunk[i]);
+      it.end_of_input = done[i] + it.n == int64_t(tokens[i].size());
+      it.last_logits = it.end_of_input ? &logits[items.size() * size_t(nv)] : nullptr;
+      items.push_back(it);
+      who.push_back(i);
+    }
+    if (items.empty()) break;
+    be.forward(items);
+    for (size_t j = 0; j < items.size(); ++j) {
+      const size_t i = who[j];
+      done[i] += items[j].n;
+      if (!items[j].last_logits) continue;
+      out[i].insert(out[i].end(), items[j].last_logits, items[j].last_logits + nv);
+      if (decoded[i]++ < decode_steps) tokens[i].push_back(model::argmax(items[j].last_logits, nv));
+    }
+  }
+  return out;
+}
+
+void expect_bit_identical(const std::vector<std::vector<float>>& a,
+                          const std::vector<std::vector<float>>& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].size(), b[i].size()) << what << " sequence " << i;
+    ASSERT_FALSE(a[i].empty());
+    EXPECT_EQ(std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)), 0)
+        << what << ": sequence " << i << " differs";
+  }
+}
+
+// Every sequence alone (one per backend, whole prompt), then all of them in ragged batches with
+// ragged chunks and rotating batch positions: the same logits bit for bit.
+void check_batch_invariance(const model::Model& m, BackendConfig cfg, bool chunking_too) {
+  const std::vector<std::vector<int32_t>> prompts = ragged_prompts(m, {1, 3, 17, 40, 33}, 7);
+  const int decode_steps = 6;
+  std::vector<std::vector<float>> alone(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i)
+    alone[i] = run_batched(m, cfg, {prompts[i]}, {1 << 20}, false, decode_steps)[0];
+  const std::vector<int> whole(prompts.size(), 1 << 20);
+  expect_bit_identical(alone, run_batched(m, cfg, prompts, whole, false, decode_steps), "one batch");
+  expect_bit_identical(alone, run_batched(m, cfg, prompts, whole, true, decode_steps), "rotating batch");
+  if (chunking_too)
+    expect_bit_identical(alone, run_batched(m, cfg, prompts, {1, 2, 5, 16, 7}, true, decode_steps),
+                         "ragged chunks, rotating batch");
+}
+
+TEST(BatchInvariance, StoriesBf16AnyBatchAnyChunking) {
+  BackendConfig cfg;
+  cfg.context_tokens = 64;
+  cfg.pool_tokens = 64 * 6;
+  check_batch_invariance(stories(), cfg, true);
+}
+
+TEST(BatchInvariance, SmolLM2Fp8PagesAnyBatchAnyChunking) {
+  BackendConfig cfg;
+  cfg.context_tokens = 64;
+  cfg.pool_tokens = 64 * 6;
+  cfg.kv_scheme = cache::KvScheme::kFp8PagesE4M3;
+  check_batch_invariance(smollm2(), cfg, true);
+}
+
+TEST(BatchInvariance, SmolLM2GaacAnyBatchAnyChunking) {
+  BackendConfig cfg;
+  cfg.context_tokens = 64;
+  cfg.pool_tokens = 64 * 6;
+  cfg.kv_scheme = cache::KvScheme::kGaac;
+  const model::ModelConfig& c = smollm2().config();
+  codec::GaacShape shape;
+  shape.n_layers = c.n_layers;
+  shape.n_kv_heads = c.n_kv_heads;
+  shape.head_dim = c.head_dim;
+  cfg.gaac_calibration = std::make_shared<const codec::GaacCalibration>(codec::GaacCalibration::load(
+      testing::source_path("src/codec/testdata/smollm2_gaac_calibration.safetensors"), shape));
+  check_batch_invariance(smollm2(), cfg, true);
+}
+
+// Lossy pages: a sequence's logits do not depend on its batch (chunked prefill attends the
+// chunk's own rows exact, so the chunking is held fixed here). dither8 is not batch invariant
+// yet: its dither is keyed by the physical page (docs/engine.md).
+TEST(BatchInvariance, SmolLM2Fp8MeteredAnyBatch) {
+  BackendConfig cfg;
+  cfg.context_tokens = 64;
+  cfg.pool_tokens = 64 * 6;
+  cfg.kv_scheme = cache::KvScheme::kFp8E4M3;
+  check_batch_invariance(smollm2(), cfg, false);
+}
+
+TEST(CpuBackend, RefusesBadBatches) {
+  BackendConfig cfg;
+  cfg.context_tokens = 32;
+  CpuBackend be(stories(), cfg);
+  const cache::SeqId a = be.create_sequence();
+  std::vector<int32_t> toks(40, 5);
+  BatchItem it;
+  it.seq = a;
+  it.tokens = toks.data();
+  it.n = 40;
+  try {
+    be.forward({&it, 1});
+    FAIL() << "a too long input was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kOutOfRange) << e.what();
+  }
+  EXPECT_EQ(be.length(a), 0);
+  it.n = 4;
+  BatchItem twice[2] = {it, it};
+  EXPECT_THROW(be.forward({twice, 2}), Error);
+  it.seq = 999;
+  EXPECT_THROW(be.forward({&it, 1}), Error);
+  cfg.pool_tokens = 16;
+  try {
+    CpuBackend small(stories(), cfg);
+    FAIL() << "a pool smaller than one sequence was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("pool"), std::string::npos) << e.what();
+  }
+}
+
+// ---- The engine -------------------------------------------------------------------------------
+
+struct Outcome {
+  std::vector<int32_t> tokens;
+  std::string text;
+  FinishReason finish;
+};
+
+std::vector<Outcome> run_engine(Engine& engine, const std::vector<RequestParams>& requests,
+                                std::vector<RequestId>* ids_out = nullptr) {
+  std::vector<RequestId> ids;
+  for (const RequestParams& p : requests) ids.push_back(engine.submit(p));
+  std::map<RequestId, std::string> streamed;
+  engine.run([&](RequestId id, int32_t, std::string_view text) { streamed[id] += text; });
+  std::vector<Outcome> out;
+  for (RequestId id : ids) {
+    const RequestReport& r = engine.report(id);
+    EXPECT_EQ(r.status, RequestStatus::kFinished);
+    EXPECT_EQ(streamed[id], r.text) << "the streamed text is the report's";
+    out.push_back({r.tokens, r.text, r.finish});
+  }
+  if (ids_out) *ids_out = ids;
+  return out;
+}
+
+std::vector<Outcome> run_each_alone(const EngineConfig& cfg, const std::vector<RequestParams>& requests) {
+  std::vector<Outcome> out;
+  for (const RequestParams& p : requests) {
+    Engine e(stories(), cfg);
+    out.push_back(run_engine(e, {p})[0]);
+  }
+  return out;
+}
+
+std::vector<RequestParams> story_requests(const std::vector<int>& lengths, int max_tokens, uint64_t seed) {
+  std::vector<RequestParams> out;
+  int i = 0;
+  for (std::vector<int32_t>& p : ragged_prompts(stories(), lengths, seed)) {
+    RequestParams r;
+    r.prompt = std::move(p);
+    r.max_tokens = max_tokens + (i % 3) * 5;
+    r.ignore_end = true;
+    if (i % 2 == 1) {  // seeded sampling too: the sampler belongs to the request
+      r.sampling.temperature = 0.8f;
+      r.sampling.top_k = 40;
+      r.sampling.seed = 1234 + uint64_t(i);
+    }
+    out.push_back(std::move(r));
+    ++i;
+  }
+  return out;
+}
+
+void expect_same_outcomes(const std::vector<Outcome>& a, const std::vector<Outcome>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].tokens, b[i].tokens) << "request " << i;
+    EXPECT_EQ(a[i].text, b[i].text) << "request " << i;
+  }
+}
+
+TEST(Engine, ContinuousBatchingGivesEachRequestItsOutputAlone) {
+  EngineConfig cfg;
+  cfg.backend.context_tokens = 128;
+  cfg.backend.pool_tokens = 128 * 8;
+  cfg.step_tokens = 13;  // prompts run in chunks interleaved with the decodes
+  cfg.max_sequences = 3;  // requests join as others leave
+  const std::vector<RequestParams> requests = story_requests({1, 3, 17, 40, 33, 9, 50}, 20, 11);
+  Engine engine(stories(), cfg);
+  const std::vector<Outcome> together = run_engine(engine, requests);
+  expect_same_outcomes(together, run_each_alone(cfg, requests));
+  const EngineStats s = engine.stats();
+  EXPECT_EQ(s.running, 0);
+  EXPECT_EQ(s.waiting, 0);
+  EXPECT_EQ(s.preemptions, 0);
+  EXPECT_GT(s.steps, 0);
+  for (const Outcome& o : together) EXPECT_EQ(o.finish, FinishReason::kLength);
+}
+
+TEST(Engine, PreemptsOnASmallPoolAndStillGivesEveryOutput) {
+  EngineConfig cfg;
+  cfg.backend.context_tokens = 96;
+  cfg.backend.pool_tokens = 96;  // one whole sequence
+  cfg.step_tokens = 32;
+  cfg.max_sequences = 6;
+  const std::vector<RequestParams> requests = story_requests({30, 41, 17, 25, 33, 12}, 30, 5);
+  Engine engine(stories(), cfg);
+  const std::vector<Outcome> together = run_engine(engine, requests);
+  EXPECT_GT(engine.stats().preemptions, 0) << "the pool was meant to run out";
+  expect_same_outcomes(together, run_each_alone(cfg, requests));
+  EXPECT_GT(engine.stats().cached_prefixes, 0);
+  engine.drop_cached_prefixes();
+  EXPECT_EQ(engine.stats().pool_pages_in_use, 0u) << "every page returns to the pool";
+}
+
+TEST(Engine, SharesPromptPrefixesAndGivesTheSameOutputs) {
+  EngineConfig cfg;
+  cfg.backend.context_tokens = 256;
+  cfg.backend.pool_tokens = 256 * 8;
+  cfg.step_tokens = 64;
+  const std::vector<int32_t> prefix = ragged_prompts(stories(), {160}, 3)[0];
+  std::vector<RequestParams> requests;
+  for (const std::vector<int32_t>& tail : ragged_prompts(stories(), {5, 9, 1, 20}, 4)) {
+    RequestParams r;
+    r.prompt = prefix;
+    r.prompt.insert(r.prompt.end(), tail.begin() + 1, tail.end());
+    r.prompt.push_back(7);
+    r.max_tokens = 12;
+    r.ignore_end = true;
+    requests.push_back(r);
+  }
+  Engine engine(stories(), cfg);
+  std::vector<RequestId> ids;
+  const std::vector<Outcome> together = run_engine(engine, requests, &ids);
+  const EngineStats s = engine.stats();
+  // 160 tokens = 10 blocks; the 2nd..4th requests take them from the first.
+  EXPECT_EQ(s.shared_blocks, 30);
+  for (size_t i = 1; i < ids.size(); ++i)
+    EXPECT_EQ(engine.report(ids[i]).shared_prompt_tokens, 160) << "request " << i;
+  EXPECT_LT(s.prefill_tokens, int64_t(4 * 160));
+  // Pages at the peak: one prefix plus the tails, not four prefixes.
+  const model::ModelConfig& c = stories().config();
+  const uint64_t pages_per_block = uint64_t(c.n_layers) * 2 * uint64_t(c.n_kv_heads);
+  EXPECT_LT(s.peak_pages_in_use, 4 * 10 * pages_per_block);
+  expect_same_outcomes(together, run_each_alone(cfg, requests));
+}
+
+TEST(Engine, CancelFreesPagesAtOnce) {
+  EngineConfig cfg;
+  cfg.backend.context_tokens = 128;
+  cfg.backend.pool_tokens = 128 * 4;
+  cfg.prefix_sharing = false;
+  Engine engine(stories(), cfg);
+  const std::vector<RequestParams> requests = story_requests({40, 30}, 50, 9);
+  const RequestId a = engine.submit(requests[0]);
+  const RequestId b = engine.submit(requests[1]);
+  for (int i = 0; i < 4; ++i) engine.step();
+  const uint64_t before = engine.stats().pool_pages_in_use;
+  engine.cancel(a);
+  EXPECT_LT(engine.stats().pool_pages_in_use, before);
+  EXPECT_EQ(engine.report(a).finish, FinishReason::kCancelled);
+  engine.run();
+  EXPECT_EQ(engine.report(b).finish, FinishReason::kLength);
+  EXPECT_THROW(engine.cancel(12345), Error);
+  engine.release(a);
+  EXPECT_THROW(engine.report(a), Error);
+}
+
+TEST(Engine, StopStringEndsTheTextBeforeIt) {
+  EngineConfig cfg;
+  cfg.backend.context_tokens = 128;
+  RequestParams p;
+  p.prompt = {1};
+  p.max_tokens = 40;
+  Engine alone(stories(), cfg);
+  const Outcome full = run_engine(alone, {p})[0];
+  ASSERT_GT(full.text.size(), 30u) << full.text;
+  const std::string stop = full.text.substr(20, 6);
+  p.stop = {stop, "never appears in a story \x01"};
+  Engine engine(stories(), cfg);
+  const Outcome cut = run_engine(engine, {p})[0];
+  EXPECT_EQ(cut.finish, FinishReason::kStop);
+  EXPECT_EQ(cut.text, full.text.substr(0, full.text.find(stop)));
+}
+
+TEST(Engine, BadRequestsFailAloneAndTheOthersGoOn) {
+  EngineConfig cfg;
+  cfg.backend.context_tokens = 64;
+  Engine engine(stories(), cfg);
+  RequestParams ok;
+  ok.prompt = {1, 5, 9};
+  ok.max_tokens = 10;
+  ok.ignore_end = true;
+  const RequestId id = engine.submit(ok);
+  RequestParams too_long = ok;
+  too_long.max_tokens = 62;
+  try {
+    engine.submit(too_long);
+    FAIL() << "prompt plus max_tokens beyond the context was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kOutOfRange);
+    EXPECT_NE(std::string(e.what()).find("context"), std::string::npos) << e.what();
+  }
+  RequestParams empty;
+  EXPECT_THROW(engine.submit(empty), Error);
+  RequestParams bad_token = ok;
+  bad_token.prompt = {1, 1 << 30};
+  EXPECT_THROW(engine.submit(bad_token), Error);
+  RequestParams bad_sampling = ok;
+  bad_sampling.sampling.top_p = 2.f;
+  EXPECT_THROW(engine.submit(bad_sampling), Error);
+  engine.run();
+  EXPECT_EQ(engine.report(id).tokens.size(), 10u);
+  EngineConfig small = cfg;
+  small.backend.pool_tokens = 32;
+  EXPECT_THROW(Engine(stories(), small), Error);
+  EngineConfig cuda = cfg;
+  cuda.backend.device = model::Device::kCuda;
+  try {
+    Engine e(stories(), cuda);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kUnsupported);
+    EXPECT_NE(std::string(e.what()).find("cuda"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("bf16"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace certkv::engine
