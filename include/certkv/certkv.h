@@ -395,6 +395,114 @@ certkv_status certkv_generate(certkv_session* session, const int32_t* tokens, in
 /* Peak resident set size of this process, bytes (0 where unknown). */
 uint64_t certkv_peak_rss_bytes(void);
 
+/* "0.1.0": the library's version. */
+const char* certkv_version(void);
+
+/* ---- The engine (many sequences, continuous batching over one page pool) ----------------- */
+
+/* Requests go to a scheduler that runs one batched forward step at a time: every decoding
+ * request's next token, then chunks of the prompts being prefilled, within step_tokens. Whole
+ * prompt blocks are shared between requests that begin alike; when the pool runs out, the newest
+ * request is preempted and later recomputed. A request's logits are those of running it alone
+ * (batch invariance; docs/engine.md). */
+typedef struct certkv_engine certkv_engine;
+
+typedef struct certkv_engine_params {
+  certkv_session_params session; /* per sequence: context_tokens (the most tokens of one
+                                    request), threads, kv scheme, meter, gate, sparse; device
+                                    must be "cpu" (null) */
+  int32_t max_sequences;         /* requests running at once (default 8) */
+  int64_t step_tokens;           /* the most tokens one step runs (default 512) */
+  uint64_t pool_bytes;           /* KV pool: bytes of raw pages of the scheme's tail class (bf16,
+                                    or fp8 for the fp8-page schemes) over every layer and head;
+                                    0: room for max_sequences whole contexts. Must hold one
+                                    context */
+  int prefix_sharing;            /* default 1 */
+} certkv_engine_params;
+
+certkv_engine_params certkv_engine_default_params(void);
+certkv_status certkv_engine_create(const certkv_model* model, const certkv_engine_params* params,
+                                   certkv_engine** out);
+void certkv_engine_free(certkv_engine* engine);
+
+typedef struct certkv_request_params {
+  const int32_t* prompt;         /* [n_prompt] tokens (BOS included where the model wants it) */
+  int32_t n_prompt;
+  int32_t max_tokens;            /* >= 1; prompt + max_tokens must fit the context */
+  certkv_sampler_params sampler;
+  const char* const* stop;       /* [n_stop] stop strings, or NULL */
+  int32_t n_stop;
+  int ignore_end;                /* keep generating past end-of-generation tokens */
+} certkv_request_params;
+
+certkv_request_params certkv_request_default_params(void);
+/* Queues a request; *id names it. A bad request (too long for the context: OUT_OF_RANGE; empty,
+ * a token outside the vocabulary, bad sampling: INVALID_ARGUMENT) fails alone. */
+certkv_status certkv_engine_submit(certkv_engine* engine, const certkv_request_params* params,
+                                   int64_t* id);
+
+/* Called after each generated token with the text it completed (possibly none yet: bytes held
+ * back until a UTF-8 character or a stop string is decided; token -1: the held-back text at the
+ * end). Return non-zero to cancel that request. */
+typedef int (*certkv_engine_token_fn)(void* user, int64_t request, int32_t token, const char* text,
+                                      size_t n_bytes);
+
+/* One batched step; *active (may be NULL) is 1 while requests remain. */
+certkv_status certkv_engine_step(certkv_engine* engine, certkv_engine_token_fn on_token, void* user,
+                                 int* active);
+/* Steps until no request remains. */
+certkv_status certkv_engine_run(certkv_engine* engine, certkv_engine_token_fn on_token, void* user);
+/* Frees the request's pages at once; it finishes as "cancelled". */
+certkv_status certkv_engine_cancel(certkv_engine* engine, int64_t id);
+
+/* Pages of one storage class referenced by a request's sequence (shared pages in full). */
+typedef struct certkv_class_bytes {
+  const char* storage;           /* static string */
+  uint64_t bytes;
+} certkv_class_bytes;
+
+typedef struct certkv_request_result {
+  int finished;                  /* 0 while waiting or running */
+  const char* finish_reason;     /* "length", "stop", "end", "cancelled", "none"; static */
+  const char* text;              /* generated text (valid UTF-8), NUL-terminated; owned by the
+                                    engine until certkv_engine_release */
+  size_t text_bytes;
+  int32_t prompt_tokens;
+  int32_t generated_tokens;
+  int32_t shared_prompt_tokens;  /* taken from the prefix cache */
+  int32_t preemptions;
+  double ttft_ms;                /* submit to first token */
+  double itl_ms_mean;            /* between tokens */
+  /* The certificate of its attention (lossy schemes): over its decode steps. */
+  int metered;
+  double meter_max, meter_p99, coverage;
+  int64_t gate_repairs;
+  double sparse_budget;          /* mean fraction of the context attended (1: dense) */
+  int32_t n_classes;
+  certkv_class_bytes kv_bytes[CERTKV_MAX_KV_CLASSES];
+} certkv_request_result;
+
+certkv_status certkv_engine_result(const certkv_engine* engine, int64_t id,
+                                   certkv_request_result* result);
+/* Inter-token latencies of a request, ms. out: [capacity]; *n set to the count (OUT_OF_RANGE,
+ * with *n the count needed, when capacity is short). */
+certkv_status certkv_engine_itl(const certkv_engine* engine, int64_t id, double* out,
+                                size_t capacity, size_t* n);
+/* Forgets a finished request. */
+certkv_status certkv_engine_release(certkv_engine* engine, int64_t id);
+
+typedef struct certkv_engine_stats {
+  int64_t steps, prefill_tokens, decode_tokens;
+  double prefill_seconds, decode_seconds;
+  int64_t preemptions, shared_blocks, evicted_prefixes, cached_prefixes;
+  int64_t running, waiting;
+  uint64_t pool_pages_in_use, pool_capacity_pages, peak_pages_in_use;
+  int32_t n_classes;
+  certkv_class_bytes peak_bytes[CERTKV_MAX_KV_CLASSES]; /* per class, the most in use */
+} certkv_engine_stats;
+
+certkv_status certkv_engine_get_stats(const certkv_engine* engine, certkv_engine_stats* stats);
+
 #ifdef __cplusplus
 }
 #endif

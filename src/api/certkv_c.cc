@@ -23,6 +23,7 @@
 #include "model/model.h"
 #include "model/sampler.h"
 #include "backend/session.h"
+#include "engine/engine.h"
 
 struct certkv_model {
   std::unique_ptr<certkv::model::Model> model;
@@ -272,11 +273,11 @@ std::shared_ptr<const certkv::codec::GaacCalibration> model_calibration(
 
 }  // namespace
 
-certkv_status certkv_session_create(const certkv_model* model, const certkv_session_params* params,
-                                    certkv_session** out) {
-  CERTKV_REQUIRE(model && out, "certkv_session_create: null argument");
-  *out = nullptr;
-  const certkv_session_params p = params ? *params : certkv_session_default_params();
+namespace {
+
+// The backend configuration of session parameters (validated; the message names the field).
+certkv_status backend_config_of(const certkv_model* model, const certkv_session_params& p,
+                                certkv::backend::BackendConfig* out) {
   const std::string kv = p.kv ? p.kv : "bf16";
   certkv::cache::KvScheme scheme;
   try {
@@ -348,6 +349,20 @@ certkv_status certkv_session_create(const certkv_model* model, const certkv_sess
     if (certkv::cache::kv_scheme_is_gaac(c.kv_scheme) || backing_calibration)
       c.gaac_calibration = model_calibration(*model, p.gaac_calibration, p.block_tokens,
                                              certkv::cache::kv_scheme_element(c.kv_scheme));
+    *out = c;
+  });
+}
+
+}  // namespace
+
+certkv_status certkv_session_create(const certkv_model* model, const certkv_session_params* params,
+                                    certkv_session** out) {
+  CERTKV_REQUIRE(model && out, "certkv_session_create: null argument");
+  *out = nullptr;
+  const certkv_session_params p = params ? *params : certkv_session_default_params();
+  certkv::backend::BackendConfig c;
+  if (const certkv_status st = backend_config_of(model, p, &c); st != CERTKV_OK) return st;
+  return guarded([&] {
     auto s = std::make_unique<certkv_session>();
     s->model = model;
     s->session = std::make_unique<certkv::backend::Session>(*model->model, c);
@@ -783,3 +798,216 @@ uint64_t certkv_peak_rss_bytes(void) {
 }
 
 }  // extern "C"
+
+const char* certkv_version(void) { return CERTKV_VERSION_STRING; }
+
+// ---- The engine ------------------------------------------------------------------------------
+
+struct certkv_engine {
+  const certkv_model* model;
+  std::unique_ptr<certkv::engine::Engine> engine;
+};
+
+certkv_engine_params certkv_engine_default_params(void) {
+  certkv_engine_params p{};
+  p.session = certkv_session_default_params();
+  p.max_sequences = 8;
+  p.step_tokens = 512;
+  p.pool_bytes = 0;
+  p.prefix_sharing = 1;
+  return p;
+}
+
+certkv_status certkv_engine_create(const certkv_model* model, const certkv_engine_params* params,
+                                   certkv_engine** out) {
+  CERTKV_REQUIRE(model && out, "certkv_engine_create: null argument");
+  *out = nullptr;
+  const certkv_engine_params p = params ? *params : certkv_engine_default_params();
+  certkv::engine::EngineConfig c;
+  if (const certkv_status st = backend_config_of(model, p.session, &c.backend); st != CERTKV_OK)
+    return st;
+  c.max_sequences = p.max_sequences;
+  c.step_tokens = p.step_tokens;
+  c.prefix_sharing = p.prefix_sharing != 0;
+  return guarded([&] {
+    const certkv::model::ModelConfig& mc = model->model->config();
+    const int64_t context = c.backend.context_tokens > 0 ? c.backend.context_tokens : mc.context_length;
+    // The pool in tokens of every (layer, K/V, kv_head) table, counted at the scheme's raw page
+    // element (bf16: 2 bytes, fp8: 1).
+    const uint64_t element_bytes =
+        certkv::cache::kv_scheme_element(c.backend.kv_scheme) == certkv::format::GaacElement::kBf16 ? 2 : 1;
+    const uint64_t bytes_per_token =
+        2ull * uint64_t(mc.n_layers) * uint64_t(mc.n_kv_heads) * uint64_t(mc.head_dim) * element_bytes;
+    if (p.pool_bytes > 0) {
+      const uint64_t tokens = p.pool_bytes / bytes_per_token;
+      if (tokens < uint64_t(context))
+        certkv::fail(certkv::StatusCode::kInvalidArgument,
+                     "the KV pool of " + std::to_string(p.pool_bytes) + " bytes holds " +
+                         std::to_string(tokens) + " tokens (" + std::to_string(bytes_per_token) +
+                         " bytes each), fewer than one sequence of the context (" +
+                         std::to_string(context) + " tokens)");
+      c.backend.pool_tokens = int64_t(tokens);
+    } else {
+      c.backend.pool_tokens = context * std::max<int64_t>(1, p.max_sequences);
+    }
+    auto e = std::make_unique<certkv_engine>();
+    e->model = model;
+    e->engine = std::make_unique<certkv::engine::Engine>(*model->model, c);
+    *out = e.release();
+  });
+}
+
+void certkv_engine_free(certkv_engine* engine) { delete engine; }
+
+certkv_request_params certkv_request_default_params(void) {
+  certkv_request_params p{};
+  p.max_tokens = 128;
+  p.sampler = certkv_sampler_default_params();
+  return p;
+}
+
+certkv_status certkv_engine_submit(certkv_engine* engine, const certkv_request_params* params,
+                                   int64_t* id) {
+  CERTKV_REQUIRE(engine && params && id, "certkv_engine_submit: null argument");
+  CERTKV_REQUIRE(params->prompt || params->n_prompt == 0, "certkv_engine_submit: null prompt");
+  CERTKV_REQUIRE(params->n_prompt >= 0 && params->n_stop >= 0 && (params->stop || params->n_stop == 0),
+                 "certkv_engine_submit: negative count or null stop list");
+  return guarded([&] {
+    certkv::engine::RequestParams r;
+    r.prompt.assign(params->prompt, params->prompt + params->n_prompt);
+    r.max_tokens = params->max_tokens;
+    r.sampling = to_sampler_params(params->sampler);
+    for (int32_t i = 0; i < params->n_stop; ++i) {
+      if (!params->stop[i])
+        certkv::fail(certkv::StatusCode::kInvalidArgument, "certkv_engine_submit: null stop string");
+      r.stop.emplace_back(params->stop[i]);
+    }
+    r.ignore_end = params->ignore_end != 0;
+    *id = engine->engine->submit(std::move(r));
+  });
+}
+
+namespace {
+
+// The engine's callback over a C one; the requests whose callback asked to stop go to cancel.
+certkv::engine::TokenCallback engine_callback(certkv_engine_token_fn fn, void* user,
+                                              std::vector<int64_t>* cancel) {
+  if (!fn) return {};
+  return [=](certkv::engine::RequestId id, int32_t token, std::string_view text) {
+    if (fn(user, id, token, text.data(), text.size()) != 0) cancel->push_back(id);
+  };
+}
+
+}  // namespace
+
+certkv_status certkv_engine_step(certkv_engine* engine, certkv_engine_token_fn on_token, void* user,
+                                 int* active) {
+  CERTKV_REQUIRE(engine, "certkv_engine_step: null engine");
+  return guarded([&] {
+    std::vector<int64_t> cancel;
+    const bool more = engine->engine->step(engine_callback(on_token, user, &cancel));
+    for (int64_t id : cancel) engine->engine->cancel(id);
+    if (active) *active = more ? 1 : 0;
+  });
+}
+
+certkv_status certkv_engine_run(certkv_engine* engine, certkv_engine_token_fn on_token, void* user) {
+  CERTKV_REQUIRE(engine, "certkv_engine_run: null engine");
+  return guarded([&] {
+    std::vector<int64_t> cancel;
+    const auto cb = engine_callback(on_token, user, &cancel);
+    while (engine->engine->step(cb)) {
+      for (int64_t id : cancel) engine->engine->cancel(id);
+      cancel.clear();
+    }
+  });
+}
+
+certkv_status certkv_engine_cancel(certkv_engine* engine, int64_t id) {
+  CERTKV_REQUIRE(engine, "certkv_engine_cancel: null engine");
+  return guarded([&] { engine->engine->cancel(id); });
+}
+
+namespace {
+
+int32_t fill_class_bytes(const std::vector<certkv::cache::ClassBytes>& in, certkv_class_bytes* out) {
+  int32_t n = 0;
+  for (const certkv::cache::ClassBytes& c : in) {
+    if (n == CERTKV_MAX_KV_CLASSES) break;
+    out[n].storage = certkv::format::storage_class_name(c.storage);
+    out[n].bytes = c.bytes;
+    ++n;
+  }
+  return n;
+}
+
+}  // namespace
+
+certkv_status certkv_engine_result(const certkv_engine* engine, int64_t id,
+                                   certkv_request_result* result) {
+  CERTKV_REQUIRE(engine && result, "certkv_engine_result: null argument");
+  return guarded([&] {
+    const certkv::engine::RequestReport& r = engine->engine->report(id);
+    *result = certkv_request_result{};
+    result->finished = r.status == certkv::engine::RequestStatus::kFinished;
+    result->finish_reason = certkv::engine::finish_reason_name(r.finish);
+    result->text = r.text.c_str();
+    result->text_bytes = r.text.size();
+    result->prompt_tokens = int32_t(r.prompt_tokens);
+    result->generated_tokens = int32_t(r.tokens.size());
+    result->shared_prompt_tokens = int32_t(r.shared_prompt_tokens);
+    result->preemptions = int32_t(r.preemptions);
+    result->ttft_ms = r.ttft_ms;
+    double sum = 0;
+    for (double v : r.itl_ms) sum += v;
+    result->itl_ms_mean = r.itl_ms.empty() ? 0 : sum / double(r.itl_ms.size());
+    result->metered = r.attention.metered;
+    result->meter_max = r.attention.meter_max;
+    result->meter_p99 = r.attention.meter_p99;
+    result->coverage = r.attention.coverage;
+    result->gate_repairs = r.attention.gate_repairs;
+    result->sparse_budget = r.attention.sparse_budget;
+    result->n_classes = fill_class_bytes(r.kv_bytes, result->kv_bytes);
+  });
+}
+
+certkv_status certkv_engine_itl(const certkv_engine* engine, int64_t id, double* out,
+                                size_t capacity, size_t* n) {
+  CERTKV_REQUIRE(engine && n && (out || capacity == 0), "certkv_engine_itl: null argument");
+  return guarded([&] {
+    const std::vector<double>& itl = engine->engine->report(id).itl_ms;
+    *n = itl.size();
+    if (itl.size() > capacity)
+      certkv::fail(certkv::StatusCode::kOutOfRange, "certkv_engine_itl: " + std::to_string(itl.size()) +
+                                                        " latencies, capacity " + std::to_string(capacity));
+    std::copy(itl.begin(), itl.end(), out);
+  });
+}
+
+certkv_status certkv_engine_release(certkv_engine* engine, int64_t id) {
+  CERTKV_REQUIRE(engine, "certkv_engine_release: null engine");
+  return guarded([&] { engine->engine->release(id); });
+}
+
+certkv_status certkv_engine_get_stats(const certkv_engine* engine, certkv_engine_stats* stats) {
+  CERTKV_REQUIRE(engine && stats, "certkv_engine_get_stats: null argument");
+  return guarded([&] {
+    const certkv::engine::EngineStats s = engine->engine->stats();
+    *stats = certkv_engine_stats{};
+    stats->steps = s.steps;
+    stats->prefill_tokens = s.prefill_tokens;
+    stats->decode_tokens = s.decode_tokens;
+    stats->prefill_seconds = s.prefill_seconds;
+    stats->decode_seconds = s.decode_seconds;
+    stats->preemptions = s.preemptions;
+    stats->shared_blocks = s.shared_blocks;
+    stats->evicted_prefixes = s.evicted_prefixes;
+    stats->cached_prefixes = s.cached_prefixes;
+    stats->running = s.running;
+    stats->waiting = s.waiting;
+    stats->pool_pages_in_use = s.pool_pages_in_use;
+    stats->pool_capacity_pages = s.pool_capacity_pages;
+    stats->peak_pages_in_use = s.peak_pages_in_use;
+    stats->n_classes = fill_class_bytes(s.peak_bytes, stats->peak_bytes);
+  });
+}

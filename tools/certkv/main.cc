@@ -20,6 +20,7 @@
 
 #include "certkv/certkv.hpp"
 #include "cli_json.h"
+#include "cmd_batch.h"
 #include "cmd_codec.h"
 #include "cmd_eval.h"
 #include "kv_flags.h"
@@ -49,6 +50,7 @@ constexpr const char* kUsage =
     "           [--no-meter] [--sparse p=P[,deviations=Z][,window=N][,dense=L][,rotation=haar|hadamard]]\n"
     "           [--temp T] [--top-k K] [--top-p P]\n"
     "           [--seed S] [--block-tokens N] [--activations int8|f32] [--device cpu|cuda]\n"
+    "  batch    --prompts-file F.jsonl [--parallel N] [--pool-bytes B] [run's flags] (certkv batch -h)\n"
     "  dump-kv  --model PATH --text-file F --tokens N --out FILE.safetensors [--layers LIST]\n"
     "           [--threads N]\n"
     "  info     [--model PATH] [--json]\n"
@@ -415,7 +417,12 @@ int main(int argc, char** argv) {
   }
   const std::string command = argv[1];
   try {
+    if (command == "--version" || command == "version") {
+      printf("certkv %s\n", certkv_version());
+      return 0;
+    }
     if (command == "run") return cmd_run(argc, argv);
+    if (command == "batch") return certkv::tools::cmd_batch(argc, argv);
     if (command == "dump-kv") return cmd_dump_kv(argc, argv);
     if (command == "eval") return certkv::tools::cmd_eval(argc, argv);
     if (command == "audit") return certkv::tools::cmd_audit(argc, argv);
@@ -425,7 +432,7 @@ int main(int argc, char** argv) {
       fputs(kUsage, stdout);
       return 0;
     }
-    fprintf(stderr, "certkv: unknown command '%s' (run, dump-kv, info, codec)\n", command.c_str());
+    fprintf(stderr, "certkv: unknown command '%s' (run, batch, dump-kv, info, eval, audit, codec)\n", command.c_str());
     return 2;
   } catch (const UsageError& e) {
     fprintf(stderr, "certkv %s: %s\n", command.c_str(), e.message.c_str());
