@@ -124,45 +124,85 @@ int choose_decode_splits(int64_t n_ctx, int block_tokens, int n_kv_heads, int n_
 void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
                       const AttentionShape& shape, const float* q, int64_t n_ctx, float* out,
                       ThreadPool* pool, const DecodeOptions& options) {
-  validate_decode("decode_attention", cache, seq, layer, shape, q, n_ctx, out);
+  DecodeQuery query;
+  query.seq = seq;
+  query.q = q;
+  query.n_ctx = n_ctx;
+  query.out = out;
+  query.options = options;
+  decode_attention_batch(cache, layer, shape, {&query, 1}, pool);
+}
+
+namespace {
+
+// What one query of a batched step needs: its split plan, page tables and partial results.
+struct QueryPlan {
+  int64_t n_splits = 1, blocks_per_split = 1;
+  int64_t first_unit = 0;  // of the step's units
+  bool metered = false;
+  std::vector<detail::TableReader> k_tables, v_tables;
+  // Partial results of split s of kv_head h, query head g of the group, at
+  // index (h * n_splits + s) * group + g: state (m, l) and acc [d].
+  std::vector<detail::RowState> states;
+  std::vector<float> accs;
+  std::vector<detail::MeterRow> meter_rows;
+};
+
+}  // namespace
+
+void decode_attention_batch(const cache::KvCache& cache, int layer, const AttentionShape& shape,
+                            std::span<const DecodeQuery> queries, ThreadPool* pool) {
+  for (const DecodeQuery& dq : queries)
+    validate_decode("decode_attention", cache, dq.seq, layer, shape, dq.q, dq.n_ctx, dq.out);
   const int d = shape.head_dim;
   const int group = shape.n_q_heads / shape.n_kv_heads;
   const int bt = cache.block_tokens();
-  const int64_t n_blocks = (n_ctx + bt - 1) / bt;
   const int n_threads = pool != nullptr ? pool->n_threads() : 1;
-  int64_t n_splits = options.n_splits > 0
-                         ? options.n_splits
-                         : choose_decode_splits(n_ctx, bt, shape.n_kv_heads, n_threads);
-  n_splits = std::clamp<int64_t>(n_splits, 1, n_blocks);
-  const int64_t blocks_per_split = (n_blocks + n_splits - 1) / n_splits;
-  n_splits = (n_blocks + blocks_per_split - 1) / blocks_per_split;
-
-  std::vector<detail::TableReader> k_tables, v_tables;
-  for (int h = 0; h < shape.n_kv_heads; ++h) {
-    k_tables.push_back(detail::table_reader(cache, seq, layer, KvTensor::kKey, h));
-    v_tables.push_back(detail::table_reader(cache, seq, layer, KvTensor::kValue, h));
+  std::vector<QueryPlan> plans(queries.size());
+  int64_t n_units = 0;
+  for (size_t i = 0; i < queries.size(); ++i) {
+    const DecodeQuery& dq = queries[i];
+    QueryPlan& pl = plans[i];
+    const int64_t n_blocks = (dq.n_ctx + bt - 1) / bt;
+    int64_t n_splits = dq.options.n_splits > 0
+                           ? dq.options.n_splits
+                           : choose_decode_splits(dq.n_ctx, bt, shape.n_kv_heads, n_threads);
+    n_splits = std::clamp<int64_t>(n_splits, 1, n_blocks);
+    pl.blocks_per_split = (n_blocks + n_splits - 1) / n_splits;
+    pl.n_splits = (n_blocks + pl.blocks_per_split - 1) / pl.blocks_per_split;
+    for (int h = 0; h < shape.n_kv_heads; ++h) {
+      pl.k_tables.push_back(detail::table_reader(cache, dq.seq, layer, KvTensor::kKey, h));
+      pl.v_tables.push_back(detail::table_reader(cache, dq.seq, layer, KvTensor::kValue, h));
+    }
+    const size_t n_partials = size_t(shape.n_kv_heads) * size_t(pl.n_splits) * size_t(group);
+    pl.states.resize(n_partials);
+    pl.accs.resize(n_partials * size_t(d));
+    pl.metered = dq.options.meters != nullptr && pl.k_tables[0].lossy.has_value();
+    if (pl.metered && codec::lossy_scheme_is_tier_b(pl.k_tables[0].lossy->scheme) &&
+        !(dq.options.meter.delta_loc > 0 && dq.options.meter.delta_loc < 1)) {
+      fail_attention(StatusCode::kInvalidArgument, "decode_attention",
+                     "meter.delta_loc " + std::to_string(dq.options.meter.delta_loc) +
+                         " is outside (0, 1)");
+    }
+    pl.meter_rows.resize(pl.metered ? n_partials : 0);
+    pl.first_unit = n_units;
+    n_units += int64_t(shape.n_kv_heads) * pl.n_splits;
   }
-
-  // Partial results of split s of kv_head h, query head g of the group, at
-  // index (h * n_splits + s) * group + g: state (m, l) and acc [d].
-  const size_t n_partials = size_t(shape.n_kv_heads) * size_t(n_splits) * size_t(group);
-  std::vector<detail::RowState> states(n_partials);
-  std::vector<float> accs(n_partials * size_t(d));
-  const bool metered = options.meters != nullptr && k_tables[0].lossy.has_value();
-  if (metered && codec::lossy_scheme_is_tier_b(k_tables[0].lossy->scheme) &&
-      !(options.meter.delta_loc > 0 && options.meter.delta_loc < 1)) {
-    fail_attention(StatusCode::kInvalidArgument, "decode_attention",
-                   "meter.delta_loc " + std::to_string(options.meter.delta_loc) +
-                       " is outside (0, 1)");
-  }
-  std::vector<detail::MeterRow> meter_rows(metered ? n_partials : 0);
 
   // One page per tile: decode reads each page once, and small tiles keep its loads interleaved
   // with the arithmetic (at 32K tokens, 4-page tiles measured 1.5x slower).
   const size_t tile_keys = size_t(bt);
-  detail::run_units(pool, int64_t(shape.n_kv_heads) * n_splits, [&](int64_t unit, int) {
+  detail::run_units(pool, n_units, [&](int64_t step_unit, int) {
+    const size_t qi = size_t(std::upper_bound(plans.begin(), plans.end(), step_unit,
+                                              [](int64_t u, const QueryPlan& p) { return u < p.first_unit; }) -
+                             plans.begin()) - 1;
+    const DecodeQuery& dq = queries[qi];
+    QueryPlan& pl = plans[qi];
+    const int64_t unit = step_unit - pl.first_unit;
+    const int64_t n_splits = pl.n_splits, blocks_per_split = pl.blocks_per_split;
+    const bool metered = pl.metered;
     thread_local std::vector<float> scratch;
-    const size_t bound_width = metered ? size_t(detail::key_bound_width(*k_tables[0].lossy)) : 0;
+    const size_t bound_width = metered ? size_t(detail::key_bound_width(*pl.k_tables[0].lossy)) : 0;
     scratch.resize(2 * tile_keys * size_t(d) + tile_keys +
                    (metered ? tile_keys * bound_width + 2 * tile_keys : 0));
     float* k_tile = scratch.data();
@@ -174,17 +214,17 @@ void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
     const int h = int(unit / n_splits);
     const int64_t split = unit % n_splits;
     const size_t first = size_t(unit) * size_t(group);
-    detail::RowState* st = &states[first];
-    float* acc = &accs[first * size_t(d)];
+    detail::RowState* st = &pl.states[first];
+    float* acc = &pl.accs[first * size_t(d)];
     for (int g = 0; g < group; ++g) st[g] = {detail::kMinusInfinity, 0.f};
     std::fill(acc, acc + size_t(group) * size_t(d), 0.f);
-    const float* qg = q + size_t(h) * size_t(group) * size_t(d);
-    const int64_t key_end = std::min(n_ctx, (split + 1) * blocks_per_split * bt);
+    const float* qg = dq.q + size_t(h) * size_t(group) * size_t(d);
+    const int64_t key_end = std::min(dq.n_ctx, (split + 1) * blocks_per_split * bt);
     if (!metered) {
       for (int64_t t0 = split * blocks_per_split * bt; t0 < key_end; t0 += bt) {
         const int64_t t1 = std::min(key_end, t0 + bt);
-        detail::load_tile(k_tables[size_t(h)], t0, t1, k_tile);
-        detail::load_tile(v_tables[size_t(h)], t0, t1, v_tile);
+        detail::load_tile(pl.k_tables[size_t(h)], t0, t1, k_tile);
+        detail::load_tile(pl.v_tables[size_t(h)], t0, t1, v_tile);
         for (int g = 0; g < group; ++g) {
           detail::update_row(qg + size_t(g) * size_t(d), k_tile, v_tile, int(t1 - t0), d,
                              shape.scale, &st[g], acc + size_t(g) * size_t(d), s);
@@ -192,22 +232,22 @@ void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
       }
       return;
     }
-    detail::MeterRow* mr = &meter_rows[first];
+    detail::MeterRow* mr = &pl.meter_rows[first];
     thread_local std::vector<detail::QueryBoundWeights> weights;
     weights.resize(size_t(group));
     for (int g = 0; g < group; ++g) {
       mr[g] = {0.0, 0.f};
-      weights[size_t(g)] = detail::query_bound_weights(*k_tables[size_t(h)].lossy,
-                                               qg + size_t(g) * size_t(d), shape.scale, n_ctx,
-                                               options.meter.delta_loc);
+      weights[size_t(g)] = detail::query_bound_weights(*pl.k_tables[size_t(h)].lossy,
+                                               qg + size_t(g) * size_t(d), shape.scale, dq.n_ctx,
+                                               dq.options.meter.delta_loc);
     }
     for (int64_t t0 = split * blocks_per_split * bt; t0 < key_end; t0 += bt) {
       const int64_t t1 = std::min(key_end, t0 + bt);
       const int n_keys = int(t1 - t0);
-      detail::load_tile(k_tables[size_t(h)], t0, t1, k_tile);
-      detail::load_tile(v_tables[size_t(h)], t0, t1, v_tile);
-      detail::load_error_data(k_tables[size_t(h)], t0, t1, bounds, tile_keys);
-      detail::load_error_data(v_tables[size_t(h)], t0, t1, rho, tile_keys);
+      detail::load_tile(pl.k_tables[size_t(h)], t0, t1, k_tile);
+      detail::load_tile(pl.v_tables[size_t(h)], t0, t1, v_tile);
+      detail::load_error_data(pl.k_tables[size_t(h)], t0, t1, bounds, tile_keys);
+      detail::load_error_data(pl.v_tables[size_t(h)], t0, t1, rho, tile_keys);
       for (int g = 0; g < group; ++g) {
         detail::logit_bounds(weights[size_t(g)], bounds, tile_keys, n_keys, c);
         detail::update_row_metered(qg + size_t(g) * size_t(d), k_tile, v_tile, n_keys, d,
@@ -216,48 +256,53 @@ void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
     }
   });
 
-  // Merge the splits by their log-sum-exp weights: with M = max_s m_s,
-  // out = sum_s e^{m_s - M} acc_s / sum_s e^{m_s - M} l_s.
-  for (int h = 0; h < shape.n_kv_heads; ++h) {
-    for (int g = 0; g < group; ++g) {
-      float* o = out + (size_t(h) * size_t(group) + size_t(g)) * size_t(d);
-      auto partial = [&](int64_t split) {
-        return (size_t(h) * size_t(n_splits) + size_t(split)) * size_t(group) + size_t(g);
-      };
-      float m_max = detail::kMinusInfinity;
-      for (int64_t sp = 0; sp < n_splits; ++sp) m_max = std::max(m_max, states[partial(sp)].m);
-      float l_total = 0.f;
-      std::fill(o, o + d, 0.f);
-      for (int64_t sp = 0; sp < n_splits; ++sp) {
-        const size_t i = partial(sp);
-        const float w = std::exp(states[i].m - m_max);
-        l_total += w * states[i].l;
-        const float* a = &accs[i * size_t(d)];
-        for (int c = 0; c < d; ++c) o[c] += w * a[c];
+  for (size_t qi = 0; qi < queries.size(); ++qi) {
+    const DecodeQuery& dq = queries[qi];
+    const QueryPlan& pl = plans[qi];
+    const int64_t n_splits = pl.n_splits;
+    // Merge the splits by their log-sum-exp weights: with M = max_s m_s,
+    // out = sum_s e^{m_s - M} acc_s / sum_s e^{m_s - M} l_s.
+    for (int h = 0; h < shape.n_kv_heads; ++h) {
+      for (int g = 0; g < group; ++g) {
+        float* o = dq.out + (size_t(h) * size_t(group) + size_t(g)) * size_t(d);
+        auto partial = [&](int64_t split) {
+          return (size_t(h) * size_t(n_splits) + size_t(split)) * size_t(group) + size_t(g);
+        };
+        float m_max = detail::kMinusInfinity;
+        for (int64_t sp = 0; sp < n_splits; ++sp) m_max = std::max(m_max, pl.states[partial(sp)].m);
+        float l_total = 0.f;
+        std::fill(o, o + d, 0.f);
+        for (int64_t sp = 0; sp < n_splits; ++sp) {
+          const size_t i = partial(sp);
+          const float w = std::exp(pl.states[i].m - m_max);
+          l_total += w * pl.states[i].l;
+          const float* a = &pl.accs[i * size_t(d)];
+          for (int c = 0; c < d; ++c) o[c] += w * a[c];
+        }
+        const float inv_l = 1.f / l_total;
+        for (int c = 0; c < d; ++c) o[c] *= inv_l;
+        if (dq.options.meters == nullptr) continue;
+        HeadMeter& hm = dq.options.meters[size_t(h) * size_t(group) + size_t(g)];
+        hm = HeadMeter{};
+        if (!pl.metered) continue;
+        // A - 1, the value side and max ||v|| merge like the output (the same LSE weights).
+        double d_total = 0, rho_total = 0;
+        const double v_max = cache.value_norm_max(dq.seq, layer, h);  // kept at write time
+        for (int64_t sp = 0; sp < n_splits; ++sp) {
+          const size_t i = partial(sp);
+          const double w = std::exp(double(pl.states[i].m) - double(m_max));
+          d_total += w * pl.meter_rows[i].d;
+          rho_total += w * double(pl.meter_rows[i].rho);
+        }
+        // Float rounding of the sums above is at most a few parts in 10^6 of each: lift by 2^-16.
+        const double lift = 1.0 + 1.0 / 65536.0;
+        const double a_minus_1 = d_total / double(l_total) * lift;
+        hm.log_a = std::isfinite(a_minus_1) ? std::log1p(a_minus_1) : INFINITY;
+        hm.meter = gate::meter_from_log_a(hm.log_a);
+        hm.value_rho = rho_total / double(l_total) * lift;
+        hm.v_norm_max = v_max;
+        hm.output_bound = 2 * hm.meter * hm.v_norm_max + hm.value_rho;
       }
-      const float inv_l = 1.f / l_total;
-      for (int c = 0; c < d; ++c) o[c] *= inv_l;
-      if (options.meters == nullptr) continue;
-      HeadMeter& hm = options.meters[size_t(h) * size_t(group) + size_t(g)];
-      hm = HeadMeter{};
-      if (!metered) continue;
-      // A - 1, the value side and max ||v|| merge like the output (the same LSE weights).
-      double d_total = 0, rho_total = 0;
-      const double v_max = cache.value_norm_max(seq, layer, h);  // kept by the cache at write time
-      for (int64_t sp = 0; sp < n_splits; ++sp) {
-        const size_t i = partial(sp);
-        const double w = std::exp(double(states[i].m) - double(m_max));
-        d_total += w * meter_rows[i].d;
-        rho_total += w * double(meter_rows[i].rho);
-      }
-      // Float rounding of the sums above is at most a few parts in 10^6 of each: lift by 2^-16.
-      const double lift = 1.0 + 1.0 / 65536.0;
-      const double a_minus_1 = d_total / double(l_total) * lift;
-      hm.log_a = std::isfinite(a_minus_1) ? std::log1p(a_minus_1) : INFINITY;
-      hm.meter = gate::meter_from_log_a(hm.log_a);
-      hm.value_rho = rho_total / double(l_total) * lift;
-      hm.v_norm_max = v_max;
-      hm.output_bound = 2 * hm.meter * hm.v_norm_max + hm.value_rho;
     }
   }
 }

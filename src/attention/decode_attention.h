@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "cache/kv_cache.h"
@@ -82,6 +83,23 @@ void decode_attention_ref(const cache::KvCache& cache, cache::SeqId seq, int lay
 void decode_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
                       const AttentionShape& shape, const float* q, int64_t n_ctx, float* out,
                       ThreadPool* pool = nullptr, const DecodeOptions& options = {});
+
+// One sequence's query of a batched decode step.
+struct DecodeQuery {
+  cache::SeqId seq = 0;
+  const float* q = nullptr;  // [n_q_heads][head_dim]
+  int64_t n_ctx = 0;
+  float* out = nullptr;      // [n_q_heads][head_dim]
+  DecodeOptions options;
+};
+
+// decode_attention of several sequences of one layer in one pass over the pool: every
+// (sequence, kv_head, split) unit of the step is shared out at once (one wake-up of the pool,
+// not one per sequence). Each sequence gets the floats decode_attention gives it alone with the
+// same pool: its split count is chosen from its own n_ctx and the pool's thread count.
+// REQUIRES: as decode_attention, for every query.
+void decode_attention_batch(const cache::KvCache& cache, int layer, const AttentionShape& shape,
+                            std::span<const DecodeQuery> queries, ThreadPool* pool = nullptr);
 
 // Double-precision reference of the meter: reads the reconstruction (read_token_range_ref) and
 // the pages' error data, evaluates c_t, A and the value side in double (gate::MeterState).

@@ -489,21 +489,20 @@ void CpuBackend::decode_attention_device(cache::SeqId seq, SequenceState& st, in
   });
 }
 
-void CpuBackend::decode_attention_metered(cache::SeqId seq, SequenceState& st, int layer,
-                                          const attention::AttentionShape& shape, int64_t pos0,
-                                          const float* q, float* out) {
+void CpuBackend::after_metered_attention(cache::SeqId seq, SequenceState& st, int layer,
+                                         const attention::AttentionShape& shape, int64_t pos0,
+                                         const float* q, float* out) {
   const int64_t n_ctx = pos0 + 1;
-  meters_.resize(size_t(shape.n_q_heads));
+  for (const attention::HeadMeter& m : meters_) st.telemetry->record(m.meter, std::isinf(m.log_a));
+  if (st.observer) st.observer(MeterObservation{layer, pos0, q, n_ctx, meters_.data()});
+  if (!config_.meter.gate) return;
   attention::DecodeOptions options;
   options.meters = meters_.data();
   options.meter.delta_loc = delta_loc_;
   auto attend = [&] {
     attention::decode_attention(*cache_, seq, layer, shape, q, n_ctx, out, pool_.get(), options);
   };
-  attend();
-  for (const attention::HeadMeter& m : meters_) st.telemetry->record(m.meter, std::isinf(m.log_a));
-  if (st.observer) st.observer(MeterObservation{layer, pos0, q, n_ctx, meters_.data()});
-  if (config_.meter.gate) gate_repairs(seq, st, layer, shape, pos0, q, attend, [](int, int64_t) {});
+  gate_repairs(seq, st, layer, shape, pos0, q, attend, [](int, int64_t) {});
 }
 
 void CpuBackend::gate_repairs(cache::SeqId seq, SequenceState& st, int layer,
@@ -585,6 +584,10 @@ void CpuBackend::ensure_buffers(int64_t n) {
   buffer_tokens_ = n;
 }
 
+bool CpuBackend::plain_decode(const SequenceState& st, int layer, int64_t n) const {
+  return n == 1 && !device_ && !(st.index && sparse_layer(st, layer));
+}
+
 void CpuBackend::attend(cache::SeqId seq, SequenceState& st, int layer,
                         const attention::AttentionShape& shape, int64_t pos0, int64_t n,
                         const float* q, float* out) {
@@ -592,10 +595,6 @@ void CpuBackend::attend(cache::SeqId seq, SequenceState& st, int layer,
     decode_attention_sparse(seq, st, layer, shape, pos0, q, out);  // on the device too, with device_
   else if (n == 1 && device_)
     decode_attention_device(seq, st, layer, shape, pos0, q, out);
-  else if (n == 1 && metered_)
-    decode_attention_metered(seq, st, layer, shape, pos0, q, out);
-  else if (n == 1)
-    attention::decode_attention(*cache_, seq, layer, shape, q, pos0 + 1, out, pool_.get());
   else
     attention::prefill_attention(*cache_, seq, layer, shape, q, pos0, n, out, pool_.get());
 }
@@ -707,8 +706,41 @@ void CpuBackend::forward(std::span<const BatchItem> items) {
       }
       cache_->write(it.seq, layer, &k_[size_t(row0[i] * kv_dim)], &v_[size_t(row0[i] * kv_dim)], it.n);
       if (device_) device_->write(layer, pos0[i], &k_[size_t(row0[i] * kv_dim)], &v_[size_t(row0[i] * kv_dim)], it.n);
-      attend(it.seq, st, layer, shape, pos0[i], it.n, q, &attn_[size_t(row0[i] * q_dim)]);
     }
+    // The one-token steps of plain decode attention go to the pool together; the others (prefill
+    // chunks, sparse and device steps) one by one.
+    std::vector<attention::DecodeQuery> decodes;
+    std::vector<size_t> decode_items;
+    batch_meters_.resize(items.size() * size_t(c.n_heads));
+    for (size_t i = 0; i < items.size(); ++i) {
+      const BatchItem& it = items[i];
+      SequenceState& st = states_.at(it.seq);
+      const float* q = &q_[size_t(row0[i] * q_dim)];
+      float* out = &attn_[size_t(row0[i] * q_dim)];
+      if (!plain_decode(st, layer, it.n)) {
+        attend(it.seq, st, layer, shape, pos0[i], it.n, q, out);
+        continue;
+      }
+      attention::DecodeQuery dq;
+      dq.seq = it.seq;
+      dq.q = q;
+      dq.n_ctx = pos0[i] + 1;
+      dq.out = out;
+      if (metered_) {
+        dq.options.meters = &batch_meters_[i * size_t(c.n_heads)];
+        dq.options.meter.delta_loc = delta_loc_;
+      }
+      decodes.push_back(dq);
+      decode_items.push_back(i);
+    }
+    if (!decodes.empty()) attention::decode_attention_batch(*cache_, layer, shape, decodes, pool_.get());
+    if (metered_)
+      for (size_t j = 0; j < decodes.size(); ++j) {
+        const size_t i = decode_items[j];
+        meters_.assign(decodes[j].options.meters, decodes[j].options.meters + c.n_heads);
+        after_metered_attention(items[i].seq, states_.at(items[i].seq), layer, shape, pos0[i],
+                                decodes[j].q, decodes[j].out);
+      }
     model::matmul(w.wo, attn_.data(), n_rows, xn_.data(), *pool_, config_.activations);
     for (int64_t i = 0; i < n_rows * dim; ++i) x_[size_t(i)] += xn_[size_t(i)];
 

@@ -96,6 +96,9 @@ class CpuBackend final : public Backend {
   const SequenceState& state(cache::SeqId seq) const;
   SequenceState make_state() const;
   void ensure_buffers(int64_t n);
+  // Whether a one-token step of the sequence goes through decode_attention (batched with the
+  // step's other such sequences): not sparse, not on the device.
+  bool plain_decode(const SequenceState& st, int layer, int64_t n) const;
   // The attention of one sequence's rows of a layer: q [n][n_heads][head_dim] -> out.
   void attend(cache::SeqId seq, SequenceState& st, int layer, const attention::AttentionShape& shape,
               int64_t pos0, int64_t n, const float* q, float* out);
@@ -104,9 +107,11 @@ class CpuBackend final : public Backend {
   void decode_attention_device(cache::SeqId seq, SequenceState& st, int layer,
                                const attention::AttentionShape& shape, int64_t pos0,
                                const float* q, float* out);
-  void decode_attention_metered(cache::SeqId seq, SequenceState& st, int layer,
-                                const attention::AttentionShape& shape, int64_t pos0,
-                                const float* q, float* out);
+  // After a metered decode attention whose meters are in meters_: the telemetry, the observer
+  // and the gate (which may attend again).
+  void after_metered_attention(cache::SeqId seq, SequenceState& st, int layer,
+                               const attention::AttentionShape& shape, int64_t pos0,
+                               const float* q, float* out);
   // The gate after a metered attention (meters_ filled): repairs the blocks with the largest share
   // of A - 1 in the host cache, calls repaired(kv_head, block) for each, and attend() again, until
   // every head is predicted under tau (at most 8 rounds).
@@ -133,6 +138,7 @@ class CpuBackend final : public Backend {
   bool metered_ = false;
   double delta_loc_ = 0;
   std::vector<attention::HeadMeter> meters_;
+  std::vector<attention::HeadMeter> batch_meters_;  // [items][n_heads]: a batched decode's
   std::vector<double> contributions_;
   std::vector<std::vector<int32_t>> attended_;
   std::vector<std::vector<float>> estimated_logits_;
