@@ -2,12 +2,19 @@
 // protocol, generation through certkv_generate, KV statistics measured from the allocator.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include "certkv/certkv.h"
 #include "certkv/certkv.hpp"
+#include "codec/gaac.h"
 #include "test_paths.h"
 
 namespace {
@@ -107,9 +114,11 @@ TEST(CApi, BadSessionAndSamplerParameters) {
   certkv_session* s = nullptr;
   EXPECT_EQ(certkv_session_create(model.get(), &sp, &s), CERTKV_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(certkv_last_error()).find("zstd"), std::string::npos);
-  sp.kv = "gaac";  // needs a calibration file
-  EXPECT_EQ(certkv_session_create(model.get(), &sp, &s), CERTKV_ERR_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(certkv_last_error()).find("gaac_calibration"), std::string::npos);
+  sp.kv = "gaac";
+  sp.gaac_calibration = "/nonexistent/cal.safetensors";
+  EXPECT_NE(certkv_session_create(model.get(), &sp, &s), CERTKV_OK);
+  EXPECT_NE(std::string(certkv_last_error()).find("/nonexistent/cal.safetensors"), std::string::npos)
+      << certkv_last_error();
   EXPECT_EQ(s, nullptr);
   sp = certkv_session_default_params();
   sp.n_threads = 0;
@@ -178,3 +187,87 @@ TEST(CApi, DeviceRouteRefusalsAreClearErrors) {
 }
 
 }  // namespace
+
+namespace certkv {
+namespace {
+
+using certkv::testing::stories_checkpoint;
+using certkv::testing::stories_tokenizer;
+
+// --kv gaac without a calibration file: the model calibrates itself on the built-in text, the
+// result is cached (a second session reads the file; a corrupt file is replaced), and the
+// logits are those of bf16 pages bit for bit (GAAC is lossless).
+TEST(CApi, GaacCalibratesItselfAndCachesTheCalibration) {
+  const std::string dir = ::testing::TempDir() + "/certkv_selfcal_" + std::to_string(getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  setenv("CERTKV_CACHE_DIR", dir.c_str(), 1);
+  certkv::Model model(stories_checkpoint(), stories_tokenizer());
+  const int32_t n_vocab = model.info().n_vocab;
+  auto greedy_logits = [&](const char* kv) {
+    certkv_session_params sp = certkv_session_default_params();
+    sp.context_tokens = 256;
+    sp.kv = kv;
+    certkv::Session session(model, sp);
+    std::vector<int32_t> prompt(40);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t(1 + (i * 37) % 500);
+    std::vector<float> logits(static_cast<size_t>(n_vocab)), all;
+    session.prefill(prompt, logits.data());
+    for (int step = 0; step < 30; ++step) {
+      all.insert(all.end(), logits.begin(), logits.end());
+      const int32_t t = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      certkv::check(certkv_session_decode(session.get(), t, logits.data()));
+    }
+    certkv_kv_stats st;
+    certkv::check(certkv_session_kv_stats(session.get(), &st));
+    uint64_t gaac_pages = 0;
+    for (int32_t i = 0; i < st.n_classes; ++i)
+      if (std::string(st.by_class[i].storage) == "gaac") gaac_pages = st.by_class[i].pages_in_use;
+    return std::make_pair(all, gaac_pages);
+  };
+  const auto bf16 = greedy_logits("bf16");
+  const auto gaac = greedy_logits("gaac");
+  EXPECT_EQ(gaac.first, bf16.first) << "GAAC pages must give the bf16 logits bit for bit";
+  EXPECT_GT(gaac.second, 0u) << "no block went to a GAAC slot";
+  std::vector<std::filesystem::path> files;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) files.push_back(e.path());
+  ASSERT_EQ(files.size(), 1u) << "one cached calibration";
+  EXPECT_NE(files[0].filename().string().find(".gaac-bf16-b16.safetensors"), std::string::npos)
+      << files[0];
+  // Another model object (no in-memory copy) reads the cache: the file is not rewritten.
+  const auto written = std::filesystem::last_write_time(files[0]);
+  {
+    certkv::Model again(stories_checkpoint(), stories_tokenizer());
+    certkv_session_params sp = certkv_session_default_params();
+    sp.context_tokens = 64;
+    sp.kv = "gaac";
+    certkv::Session session(again, sp);
+  }
+  EXPECT_EQ(std::filesystem::last_write_time(files[0]), written);
+  // A corrupt cache file is replaced by a fresh calibration, not trusted.
+  {
+    std::fstream f(files[0], std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(std::streamoff(std::filesystem::file_size(files[0]) / 2));
+    f.put('\x5a');
+  }
+  certkv::Model third(stories_checkpoint(), stories_tokenizer());
+  certkv_session_params sp = certkv_session_default_params();
+  sp.context_tokens = 64;
+  sp.kv = "gaac";
+  EXPECT_NO_THROW(certkv::Session(third, sp));
+  const auto recal = certkv::codec::GaacCalibration::load(
+      files[0].string(), [&] {
+        certkv::codec::GaacShape shape;
+        const certkv_model_info info = third.info();
+        shape.n_layers = info.n_layers;
+        shape.n_kv_heads = info.n_kv_heads;
+        shape.head_dim = info.head_dim;
+        return shape;
+      }());
+  EXPECT_EQ(recal.shape().n_layers, third.info().n_layers);
+  unsetenv("CERTKV_CACHE_DIR");
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace certkv

@@ -118,7 +118,6 @@ expect_error codec-flipped-calibration "cal-flipped.safetensors" "$bin" codec --
 expect_error codec-calibration-version "calibration/7" "$bin" codec --codec gaac --calib "$tmp/cal-version.safetensors" --in "$tmp/kv.safetensors"
 expect_error codec-in-not-a-dump "is not a KV dump" "$bin" codec --codec gaac --calib "$tmp/kv.safetensors" --in "$tmp/cal.safetensors"
 
-expect_error run-gaac-without-calibration "--gaac-calib" "$bin" run --model "$model" --kv gaac --prompt hi --n 1
 expect_error run-gaac-other-model "other-cal.safetensors" "$bin" run --model "$model" --kv gaac --gaac-calib "$tmp/other-cal.safetensors" --prompt hi --n 1
 
 expect_error run-calibration-without-gaac "--gaac-calib" "$bin" run --model "$model" --kv fp8-e5m2-pages --gaac-calib "$tmp/cal.safetensors" --prompt hi --n 1

@@ -110,7 +110,10 @@ typedef struct certkv_session_params {
                                     32-block as llama.cpp does; default) or "f32" (exact fp32) */
   const char* gaac_calibration;  /* kv "gaac*": path of the model's GAAC calibration file
                                     (safetensors, certkv-gaac-calibration/1) of the scheme's
-                                    element (bf16, e4m3, e5m2); required then. Lossy schemes:
+                                    element (bf16, e4m3, e5m2); null: the model calibrates itself
+                                    on a built-in public-domain text (one prefill of up to 4,096
+                                    tokens) and caches the result beside the model file (or in
+                                    $CERTKV_CACHE_DIR). Lossy schemes:
                                     optional, a bf16 calibration: the backing store keeps its
                                     exact blocks GAAC-coded. Ignored otherwise. Loaded once per
                                     model and path. */

@@ -24,6 +24,7 @@
 #include "model/sampler.h"
 #include "backend/session.h"
 #include "engine/engine.h"
+#include "engine/gaac_self_calibration.h"
 
 struct certkv_model {
   std::unique_ptr<certkv::model::Model> model;
@@ -271,6 +272,20 @@ std::shared_ptr<const certkv::codec::GaacCalibration> model_calibration(
   return slot;
 }
 
+// The model's GAAC calibration from the built-in text (engine/gaac_self_calibration.h), made or
+// read from its cache file on first use.
+std::shared_ptr<const certkv::codec::GaacCalibration> model_self_calibration(
+    const certkv_model& model, int block_tokens, int n_threads, certkv::format::GaacElement element) {
+  std::lock_guard<std::mutex> lock(model.calibrations_mutex);
+  auto& slot = model.calibrations[{std::string("<built-in text> ") +
+                                       certkv::codec::gaac_element_name(element),
+                                   block_tokens}];
+  if (!slot)
+    slot = certkv::engine::self_calibrated_gaac(*model.model, element, block_tokens,
+                                                std::max(1, n_threads));
+  return slot;
+}
+
 }  // namespace
 
 namespace {
@@ -285,11 +300,6 @@ certkv_status backend_config_of(const certkv_model* model, const certkv_session_
   } catch (const certkv::Error& e) {
     return set_error(CERTKV_ERR_INVALID_ARGUMENT, std::string("certkv_session_params.kv: ") + e.what());
   }
-  const bool kv_gaac = certkv::cache::kv_scheme_is_gaac(scheme);
-  if (kv_gaac && (p.gaac_calibration == nullptr || p.gaac_calibration[0] == '\0'))
-    return set_error(CERTKV_ERR_INVALID_ARGUMENT,
-                     "KV scheme '" + kv + "' needs a calibration file: set "
-                     "certkv_session_params.gaac_calibration (certkv run: --gaac-calib FILE)");
   const std::string activations = p.activations ? p.activations : "int8";
   if (activations != "int8" && activations != "f32")
     return set_error(CERTKV_ERR_INVALID_ARGUMENT,
@@ -346,7 +356,12 @@ certkv_status backend_config_of(const certkv_model* model, const certkv_session_
     }
     const bool backing_calibration = certkv::cache::kv_scheme_is_lossy(c.kv_scheme) &&
                                      p.gaac_calibration != nullptr && p.gaac_calibration[0] != '\0';
-    if (certkv::cache::kv_scheme_is_gaac(c.kv_scheme) || backing_calibration)
+    const bool self_calibration = certkv::cache::kv_scheme_is_gaac(c.kv_scheme) &&
+                                  (p.gaac_calibration == nullptr || p.gaac_calibration[0] == '\0');
+    if (self_calibration)
+      c.gaac_calibration = model_self_calibration(*model, p.block_tokens, p.n_threads,
+                                                  certkv::cache::kv_scheme_element(c.kv_scheme));
+    else if (certkv::cache::kv_scheme_is_gaac(c.kv_scheme) || backing_calibration)
       c.gaac_calibration = model_calibration(*model, p.gaac_calibration, p.block_tokens,
                                              certkv::cache::kv_scheme_element(c.kv_scheme));
     *out = c;

@@ -5,6 +5,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "core/status.h"
+#include "format/utf8.h"
 
 namespace certkv::engine {
 
@@ -33,57 +34,6 @@ uint64_t chain_hash(uint64_t before, const int32_t* tokens, int64_t n) {
   h ^= h >> 27;
   h *= 0x94d049bb133111ebull;
   return h ^ (h >> 31);
-}
-
-// Length of the longest prefix of s that is whole UTF-8 characters (a malformed byte counts as
-// a whole character: it will be replaced, never waited for).
-size_t complete_utf8_prefix(std::string_view s) {
-  size_t i = s.size();
-  // Look back at most 3 bytes for the lead byte of an unfinished character.
-  for (size_t back = 1; back <= 3 && back <= s.size(); ++back) {
-    const unsigned char c = static_cast<unsigned char>(s[s.size() - back]);
-    if ((c & 0xc0) == 0x80) continue;  // continuation byte
-    const size_t need = (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 1;
-    if (need > back) i = s.size() - back;
-    break;
-  }
-  return i;
-}
-
-// s with every malformed UTF-8 sequence (a stray byte, a cut or overlong character, a
-// surrogate) replaced by U+FFFD.
-std::string valid_utf8(std::string_view s) {
-  std::string out;
-  out.reserve(s.size());
-  size_t i = 0;
-  while (i < s.size()) {
-    const unsigned char c = static_cast<unsigned char>(s[i]);
-    size_t len = 0;
-    uint32_t cp = 0, min = 0;
-    if (c < 0x80) {
-      out += char(c);
-      ++i;
-      continue;
-    }
-    if ((c & 0xe0) == 0xc0) { len = 2; cp = c & 0x1f; min = 0x80; }
-    else if ((c & 0xf0) == 0xe0) { len = 3; cp = c & 0x0f; min = 0x800; }
-    else if ((c & 0xf8) == 0xf0) { len = 4; cp = c & 0x07; min = 0x10000; }
-    bool ok = len > 0 && i + len <= s.size();
-    for (size_t k = 1; ok && k < len; ++k) {
-      const unsigned char d = static_cast<unsigned char>(s[i + k]);
-      if ((d & 0xc0) != 0x80) ok = false;
-      cp = (cp << 6) | (d & 0x3f);
-    }
-    ok = ok && cp >= min && cp <= 0x10ffff && !(cp >= 0xd800 && cp <= 0xdfff);
-    if (ok) {
-      out.append(s.substr(i, len));
-      i += len;
-    } else {
-      out += "\xef\xbf\xbd";
-      ++i;
-    }
-  }
-  return out;
 }
 
 }  // namespace
@@ -335,7 +285,7 @@ void Engine::finish(Request& r, FinishReason reason, const TokenCallback& cb) {
   }
   // What was held back is emitted now, an unfinished character as U+FFFD.
   if (!r.pending.empty() && reason != FinishReason::kStop && reason != FinishReason::kCancelled) {
-    const std::string tail = valid_utf8(r.pending);
+    const std::string tail = format::valid_utf8(r.pending);
     r.report.text += tail;
     if (cb) cb(r.id, -1, tail);
   }
@@ -367,7 +317,7 @@ void Engine::on_token(Request& r, int32_t token, const TokenCallback& cb) {
   size_t first = std::string::npos;
   for (const std::string& s : r.params.stop) first = std::min(first, r.pending.find(s));
   if (first != std::string::npos) {
-    const std::string emit = valid_utf8(std::string_view(r.pending).substr(0, first));
+    const std::string emit = format::valid_utf8(std::string_view(r.pending).substr(0, first));
     r.report.text += emit;
     r.pending.clear();
     if (cb) cb(r.id, token, emit);
@@ -375,14 +325,14 @@ void Engine::on_token(Request& r, int32_t token, const TokenCallback& cb) {
     return;
   }
   // Emit whole characters, holding back a tail that could still begin a stop string.
-  size_t emit_len = complete_utf8_prefix(r.pending);
+  size_t emit_len = format::complete_utf8_prefix(r.pending);
   for (const std::string& s : r.params.stop)
     for (size_t len = std::min(s.size() - 1, r.pending.size()); len > 0; --len)
       if (r.pending.compare(r.pending.size() - len, len, s, 0, len) == 0) {
         emit_len = std::min(emit_len, r.pending.size() - len);
         break;
       }
-  const std::string emit = valid_utf8(std::string_view(r.pending).substr(0, emit_len));
+  const std::string emit = format::valid_utf8(std::string_view(r.pending).substr(0, emit_len));
   r.pending.erase(0, emit_len);
   r.report.text += emit;
   if (cb) cb(r.id, token, emit);

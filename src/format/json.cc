@@ -1,4 +1,5 @@
 #include "format/json.h"
+#include "format/utf8.h"
 
 #include <charconv>
 #include <set>
@@ -377,8 +378,9 @@ JsonValue parse_json(std::string_view text, const std::string& source_name) {
   return Parser(text, source_name).parse_document();
 }
 
-std::string json_quote(std::string_view utf8) {
+std::string json_quote(std::string_view text) {
   static const char kHex[] = "0123456789abcdef";
+  const std::string utf8 = valid_utf8(text);
   std::string out = "\"";
   for (const char ch : utf8) {
     const auto c = static_cast<uint8_t>(ch);

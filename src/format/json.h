@@ -70,8 +70,9 @@ const char* json_kind_name(JsonValue::Kind kind);
 // error messages.
 JsonValue parse_json(std::string_view text, const std::string& source_name);
 
-// `utf8` as a JSON string literal with its quotes; escapes '"', '\\' and control characters.
-// REQUIRES: utf8 is valid UTF-8 (bytes are copied as they are).
-std::string json_quote(std::string_view utf8);
+// `text` as a JSON string literal with its quotes; escapes '"', '\\' and control characters. The
+// literal is always valid: malformed UTF-8 in text (a generation cut inside a character) is
+// written as U+FFFD (format/utf8.h).
+std::string json_quote(std::string_view text);
 
 }  // namespace certkv::format

@@ -133,3 +133,23 @@ TEST(Json, QuoteRoundTrips) {
 
 }  // namespace
 }  // namespace certkv::format
+
+namespace certkv::format {
+namespace {
+
+// A generation cut inside a character still prints valid JSON: the cut or malformed bytes become
+// U+FFFD, and what was valid is kept byte for byte.
+TEST(JsonQuote, MalformedUtf8BecomesReplacementCharacters) {
+  const std::string sea = "\xe5\xa4\xa7\xe6\xb5\xb7";  // two CJK characters
+  EXPECT_EQ(json_quote(sea), "\"" + sea + "\"");
+  EXPECT_EQ(json_quote(sea.substr(0, 4)), "\"\xe5\xa4\xa7\xef\xbf\xbd\"");  // cut after 1 byte of 3
+  EXPECT_EQ(json_quote("a\x80z"), "\"a\xef\xbf\xbdz\"");                     // stray continuation
+  EXPECT_EQ(json_quote("\xc0\xaf"), "\"\xef\xbf\xbd\xef\xbf\xbd\"");         // overlong '/'
+  EXPECT_EQ(json_quote("\xed\xa0\x80"), "\"\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd\"");  // surrogate
+  EXPECT_EQ(json_quote("\xf4\x90\x80\x80").find("\xef\xbf\xbd"), 1u);           // above U+10FFFF
+  const JsonValue parsed = parse_json("[" + json_quote(sea.substr(0, 5)) + "]", "test");
+  EXPECT_EQ(parsed.as_array()[0].as_string(), "\xe5\xa4\xa7\xef\xbf\xbd\xef\xbf\xbd");  // 2 bytes cut
+}
+
+}  // namespace
+}  // namespace certkv::format

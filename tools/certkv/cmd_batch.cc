@@ -38,7 +38,8 @@ constexpr const char* kUsage =
     "  --raw                 feed \"prompt\" as is (default: the model's chat template)\n"
     "  --no-prefix-sharing   compute every prompt in full\n"
     "  --threads N --block-tokens N --activations int8|f32\n"
-    "  --kv SCHEME --gaac-calib F --outlier-pairs M --window N --witness fp16|u8 --delta D\n"
+    "  --kv SCHEME --gaac-calib F (gaac without one: calibrated on a built-in text, cached)\n"
+    "   --outlier-pairs M --window N --witness fp16|u8 --delta D\n"
     "  --tau T --gate --no-meter --sparse p=P[,...]   as for certkv run\n";
 
 struct Line {
@@ -128,8 +129,6 @@ int cmd_batch(int argc, char** argv) {
   if (!flags.has("prompts-file")) throw UsageError{"flag --prompts-file is required"};
   const std::string kv = flags.str("kv", "bf16");
   const KvFlags kv_flags = parse_kv_flags(flags, kv);
-  if (kv_flags.gaac && !flags.has("gaac-calib"))
-    throw UsageError{"flag --kv " + kv + " needs --gaac-calib FILE (a GAAC calibration of this model)"};
   const std::string gaac_calib = flags.str("gaac-calib");
   const std::string activations = flags.str("activations", "int8");
   const int64_t parallel = flags.integer("parallel", 8, 1, 4096);

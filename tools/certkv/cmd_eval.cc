@@ -107,8 +107,6 @@ int cmd_teacher_forced(int argc, char** argv) {
   const int64_t n = flags.integer("tokens", 1024, 2, int64_t(1) << 24);
   const int64_t steps = flags.integer("steps", 0, 0, n);
   const KvFlags kv = parse_kv_flags(flags, flags.str("kv"));
-  if (kv.gaac && !flags.has("gaac-calib"))
-    throw UsageError{"flag --kv " + kv.kv + " needs --gaac-calib FILE"};
   const std::string calib = flags.str("gaac-calib");
 
   certkv::Model model(model_path(flags));
@@ -219,7 +217,6 @@ int cmd_needle(int argc, char** argv) {
   const uint64_t seed = uint64_t(flags.integer("seed", 1, 0, INT64_MAX));
   const int64_t max_new = flags.integer("max-new", 16, 1, 256);
   const KvFlags kv = parse_kv_flags(flags, flags.str("kv"));
-  if (kv.gaac && !flags.has("gaac-calib")) throw UsageError{"flag --kv " + kv.kv + " needs --gaac-calib FILE"};
   const std::string calib = flags.str("gaac-calib");
   eval::NeedleParams np;
   try {
@@ -352,7 +349,6 @@ double timed_run(certkv::Session& session, const std::vector<int32_t>& tokens, i
 // certkv audit --sparse: the sparse audit (any --kv scheme).
 int sparse_audit(const Flags& flags, int64_t n, int64_t steps) {
   const KvFlags kv = parse_kv_flags(flags, flags.str("kv", "bf16"));
-  if (kv.gaac && !flags.has("gaac-calib")) throw UsageError{"flag --kv " + kv.kv + " needs --gaac-calib FILE"};
   if (kv.gate) throw UsageError{"flag --gate: the sparse audit measures the ungated cache"};
   const std::string calib = flags.str("gaac-calib");
   const int32_t dump_cells = int32_t(flags.integer("dump-cells", 16, 0, 1 << 16));

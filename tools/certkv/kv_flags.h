@@ -12,7 +12,7 @@ namespace certkv::tools {
 
 struct KvFlags {
   std::string kv;
-  bool gaac = false;   // a GAAC scheme (needs --gaac-calib)
+  bool gaac = false;   // a GAAC scheme (--gaac-calib, or the model calibrates itself)
   bool lossy = false;  // a lossy scheme (has the meter)
   bool tier_a = false; // a lossy scheme with a Tier A witness (every lossy scheme but dither8)
   int32_t outlier_pairs = -1;

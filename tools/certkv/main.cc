@@ -156,8 +156,6 @@ int cmd_run(int argc, char** argv) {
   const KvFlags kv_flags = parse_kv_flags(flags, kv);
   const bool kv_gaac = kv_flags.gaac;
   const std::string gaac_calib = flags.str("gaac-calib");
-  if (kv_gaac && gaac_calib.empty())
-    throw UsageError{"flag --kv " + kv + " needs --gaac-calib FILE (a GAAC calibration of this model)"};
   if (!kv_gaac && !kv_flags.lossy && flags.has("gaac-calib"))
     throw UsageError{"flag --gaac-calib is used only with --kv gaac, gaac-e4m3, gaac-e5m2 or a lossy "
                      "scheme (its backing store), not --kv " + kv};
