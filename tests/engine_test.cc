@@ -10,9 +10,10 @@
 #include <span>
 
 #include "backend/cpu/cpu_backend.h"
+#include "certkv/certkv.h"
+#include "codec/gaac.h"
 #include "core/status.h"
 #include "engine/engine.h"
-#include "codec/gaac.h"
 #include "model/model.h"
 #include "model/sampler.h"
 #include "test_paths.h"
@@ -402,6 +403,104 @@ TEST(Engine, BadRequestsFailAloneAndTheOthersGoOn) {
     EXPECT_NE(std::string(e.what()).find("cuda"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("bf16"), std::string::npos) << e.what();
   }
+}
+
+}  // namespace
+}  // namespace certkv::engine
+
+// ---- The C API over the engine -----------------------------------------------------------------
+
+namespace certkv::engine {
+namespace {
+
+struct Streamed {
+  std::map<int64_t, std::string> text;
+  std::map<int64_t, int> tokens;
+  int64_t cancel_after_3 = -1;
+};
+
+int on_engine_token(void* user, int64_t request, int32_t token, const char* text, size_t n) {
+  auto* s = static_cast<Streamed*>(user);
+  s->text[request].append(text, n);
+  if (token >= 0) ++s->tokens[request];
+  return request == s->cancel_after_3 && s->tokens[request] == 3 ? 1 : 0;
+}
+
+TEST(EngineCApi, RunsRequestsTogetherCancelsAndReports) {
+  certkv_model* model = nullptr;
+  ASSERT_EQ(certkv_model_load_llama2c(testing::stories_checkpoint().c_str(),
+                                      testing::stories_tokenizer().c_str(), &model), CERTKV_OK);
+  certkv_engine_params ep = certkv_engine_default_params();
+  ep.session.context_tokens = 128;
+  ep.max_sequences = 2;
+  ep.step_tokens = 24;
+  certkv_engine* engine = nullptr;
+  ASSERT_EQ(certkv_engine_create(model, &ep, &engine), CERTKV_OK) << certkv_last_error();
+  std::vector<std::vector<int32_t>> prompts = ragged_prompts(stories(), {30, 5, 41}, 21);
+  std::vector<int64_t> ids;
+  for (const auto& p : prompts) {
+    certkv_request_params rp = certkv_request_default_params();
+    rp.prompt = p.data();
+    rp.n_prompt = int32_t(p.size());
+    rp.max_tokens = 12;
+    rp.ignore_end = 1;
+    int64_t id = 0;
+    ASSERT_EQ(certkv_engine_submit(engine, &rp, &id), CERTKV_OK) << certkv_last_error();
+    ids.push_back(id);
+  }
+  certkv_request_params too_long = certkv_request_default_params();
+  too_long.prompt = prompts[0].data();
+  too_long.n_prompt = int32_t(prompts[0].size());
+  too_long.max_tokens = 120;
+  int64_t bad_id = -1;
+  EXPECT_EQ(certkv_engine_submit(engine, &too_long, &bad_id), CERTKV_ERR_OUT_OF_RANGE);
+  EXPECT_NE(std::string(certkv_last_error()).find("context"), std::string::npos);
+  Streamed streamed;
+  streamed.cancel_after_3 = ids[1];
+  ASSERT_EQ(certkv_engine_run(engine, on_engine_token, &streamed), CERTKV_OK) << certkv_last_error();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    certkv_request_result r;
+    ASSERT_EQ(certkv_engine_result(engine, ids[i], &r), CERTKV_OK);
+    EXPECT_EQ(r.finished, 1);
+    EXPECT_EQ(std::string(r.text, r.text_bytes), streamed.text[ids[i]]);
+    EXPECT_EQ(r.prompt_tokens, int32_t(prompts[i].size()));
+    if (ids[i] == ids[1]) {
+      EXPECT_STREQ(r.finish_reason, "cancelled");
+      EXPECT_EQ(r.generated_tokens, 3);
+    } else {
+      EXPECT_STREQ(r.finish_reason, "length");
+      EXPECT_EQ(r.generated_tokens, 12);
+      EXPECT_GT(r.ttft_ms, 0);
+      size_t n_itl = 0;
+      EXPECT_EQ(certkv_engine_itl(engine, ids[i], nullptr, 0, &n_itl), CERTKV_ERR_OUT_OF_RANGE);
+      EXPECT_EQ(n_itl, 11u);
+      ASSERT_GE(r.n_classes, 1);
+      EXPECT_STREQ(r.kv_bytes[0].storage, "bf16");
+      EXPECT_GT(r.kv_bytes[0].bytes, 0u);
+    }
+  }
+  certkv_engine_stats st;
+  ASSERT_EQ(certkv_engine_get_stats(engine, &st), CERTKV_OK);
+  EXPECT_EQ(st.running + st.waiting, 0);
+  EXPECT_EQ(st.decode_tokens, 12 + 3 + 12);
+  EXPECT_GT(st.peak_pages_in_use, 0u);
+  EXPECT_EQ(certkv_engine_release(engine, ids[0]), CERTKV_OK);
+  certkv_request_result gone;
+  EXPECT_EQ(certkv_engine_result(engine, ids[0], &gone), CERTKV_ERR_NOT_FOUND);
+  certkv_engine_free(engine);
+  // A pool that cannot hold one sequence is refused at create, naming both sizes.
+  ep.pool_bytes = 1000;
+  EXPECT_EQ(certkv_engine_create(model, &ep, &engine), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(certkv_last_error()).find("fewer than one sequence"), std::string::npos)
+      << certkv_last_error();
+  // A device the engine has no backend for: the error names the device and the scheme.
+  ep = certkv_engine_default_params();
+  ep.session.context_tokens = 128;
+  ep.session.device = "cuda";
+  EXPECT_EQ(certkv_engine_create(model, &ep, &engine), CERTKV_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(certkv_last_error()).find("cuda"), std::string::npos);
+  EXPECT_STREQ(certkv_version(), "0.1.0");
+  certkv_model_free(model);
 }
 
 }  // namespace
