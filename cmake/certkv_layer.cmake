@@ -21,7 +21,7 @@ function(certkv_layer name)
     add_executable(certkv_${name}_tests ${_tests})
     target_link_libraries(certkv_${name}_tests PRIVATE certkv_${name} ${ARG_TEST_DEPS} GTest::gtest GTest::gtest_main)
     target_compile_definitions(certkv_${name}_tests PRIVATE
-      CERTKV_SHARED_DIR="${CERTKV_SHARED_DIR}" CERTKV_MODELS_DIR="${CERTKV_MODELS_DIR}"
+      CERTKV_TEST_DATA_DIR="${CERTKV_TEST_DATA_DIR}" CERTKV_MODELS_DIR="${CERTKV_MODELS_DIR}"
       CERTKV_SOURCE_DIR="${CMAKE_SOURCE_DIR}")
     gtest_discover_tests(certkv_${name}_tests DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT 600)
   endif()

@@ -8,7 +8,7 @@ set -euo pipefail
 seconds=${1:-60}
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${CERTKV_FUZZ_BUILD_DIR:-$root/build-fuzz}
-fixture=${CERTKV_FUZZ_FIXTURE:-$root/../shared/data/models/llama-2-tiny-random.gguf}
+fixture=${CERTKV_FUZZ_FIXTURE:-$root/tests/data/models/llama-2-tiny-random.gguf}
 
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \

@@ -11,9 +11,13 @@ changed), so that every pre-tokenizer certkv supports is checked against llama.c
 come from rendering the Hugging Face Jinja templates with jinja2 the way transformers does
 (trim_blocks, lstrip_blocks).
 
+The corpus passages are cut from the full books of ../shared/data/corpus (--shared) and stored
+with their text in the golden files, so that the tests need no book; llama-2-tiny-random.gguf is
+the repository's test fixture (tests/data/models).
+
 Needs: pip install llama-cpp-python gguf jinja2
 Run from the repository root:
-  python3 scripts/make_tokenizer_golden.py [--models DIR] [--shared DIR]
+  python3 scripts/make_tokenizer_golden.py [--models DIR] [--shared DIR] [--test-data DIR]
 """
 import argparse
 import json
@@ -180,11 +184,12 @@ def gguf_with_pre(src_path, pre, dst_path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="models")
-    parser.add_argument("--shared", default="../shared")
+    parser.add_argument("--shared", default="../shared", help="holds data/corpus (the full books)")
+    parser.add_argument("--test-data", default="tests/data", help="holds models/llama-2-tiny-random.gguf")
     parser.add_argument("--out", default="tests/golden")
     args = parser.parse_args()
     smollm_path = os.path.join(args.models, "SmolLM2-135M-Instruct.Q4_1.gguf")
-    llama2_path = os.path.join(args.shared, "data", "models", "llama-2-tiny-random.gguf")
+    llama2_path = os.path.join(args.test_data, "models", "llama-2-tiny-random.gguf")
     spans = passage_spans(args.shared)
     reference = "llama-cpp-python " + __import__("llama_cpp").__version__ + " (vocab_only)"
 
@@ -196,7 +201,8 @@ def main():
 
     def passages_for(llm):
         return [{"name": p["name"], "file": p["file"], "byte_offset": p["byte_offset"],
-                 "byte_length": p["byte_length"], "ids": tokenize(llm, p["text"], False, False)}
+                 "byte_length": p["byte_length"], "text": p["text"],
+                 "ids": tokenize(llm, p["text"], False, False)}
                 for p in spans]
 
     smollm = load(smollm_path)

@@ -47,7 +47,7 @@ if [ "${1:-}" = "--stage-model" ]; then
   [ -f "$model" ] || bash "$root/scripts/fetch_models.sh"
   rm -rf "$root/.devmodel" && mkdir -p "$root/.devmodel"
   split -n 2 -d "$model" "$root/.devmodel/model.part-"
-  cp "$root/../shared/data/corpus/austen-emma.txt" "$root/../shared/data/corpus/melville-moby-dick.txt" "$root/.devmodel/"
+  cp "$root/tests/data/corpus/austen-emma.txt" "$root/tests/data/corpus/melville-moby-dick.txt" "$root/.devmodel/"
   grep -qx '/.devmodel/' "$root/.git/info/exclude" 2>/dev/null || echo '/.devmodel/' >> "$root/.git/info/exclude"
   ls -la "$root/.devmodel"
   exit 0

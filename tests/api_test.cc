@@ -21,6 +21,7 @@ namespace {
 
 using certkv::testing::stories_checkpoint;
 using certkv::testing::stories_tokenizer;
+using certkv::testing::test_data_path;
 
 TEST(CApi, MissingModelFileIsNotFoundAndNamed) {
   certkv_model* m = reinterpret_cast<certkv_model*>(0x1);
@@ -38,7 +39,7 @@ TEST(CApi, NullArgumentsAreRejected) {
 }
 
 TEST(CApi, NotAModelFileIsCorrupt) {
-  const std::string path = std::string(CERTKV_SHARED_DIR) + "/data/corpus/README.md";
+  const std::string path = test_data_path("README.md");
   certkv_model* m = nullptr;
   const certkv_status s = certkv_model_load(path.c_str(), &m);
   EXPECT_TRUE(s == CERTKV_ERR_CORRUPT || s == CERTKV_ERR_UNSUPPORTED) << certkv_status_string(s);

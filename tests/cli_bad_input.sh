@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Bad input through the CLI: each case must exit non-zero with exactly one error line on stderr
 # naming the file or flag at fault, and never crash (exit >= 128) or hang.
-# usage: cli_bad_input.sh CERTKV_BINARY MODEL.gguf SHARED_DIR
+# usage: cli_bad_input.sh CERTKV_BINARY MODEL.gguf TEST_DATA_DIR (tests/data)
 set -u
-bin=$1 model=$2 shared=$3
+bin=$1 model=$2 data=$3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 failures=0 passed=0
@@ -123,7 +123,7 @@ expect_error run-gaac-other-model "other-cal.safetensors" "$bin" run --model "$m
 expect_error run-calibration-without-gaac "--gaac-calib" "$bin" run --model "$model" --kv fp8-e5m2-pages --gaac-calib "$tmp/cal.safetensors" --prompt hi --n 1
 
 # The meter, the gate and the evaluations.
-corpus="$shared/data/corpus/stoker-dracula.txt"
+corpus="$data/corpus/stoker-dracula.txt"
 expect_error run-unknown-kv "unknown KV scheme 'int3'" "$bin" run --model "$model" --kv int3 --prompt hi --n 1
 expect_error run-tau-zero "--tau" "$bin" run --model "$model" --kv dither8 --tau 0 --prompt hi --n 1
 expect_error run-delta-one "--delta" "$bin" run --model "$model" --kv dither8 --delta 1 --prompt hi --n 1

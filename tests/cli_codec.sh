@@ -2,12 +2,12 @@
 # certkv codec on real KV of the embedded default: calibrate on one book, encode another, every
 # field the issue names present and sane, a bit-exact round trip (with the _ref cross-check), a
 # saved calibration giving the same figures as calibrating in place, and the FP8 variants.
-# usage: cli_codec.sh CERTKV_BINARY MODEL.gguf SHARED_DIR
+# usage: cli_codec.sh CERTKV_BINARY MODEL.gguf TEST_DATA_DIR (tests/data)
 set -eu
-bin=$1 model=$2 shared=$3
+bin=$1 model=$2 data=$3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-corpus=$shared/data/corpus
+corpus=$data/corpus
 "$bin" dump-kv --model "$model" --text-file "$corpus/austen-emma.txt" --tokens 512 --layers 0,14,29 --out "$tmp/cal.safetensors" 2>/dev/null
 "$bin" dump-kv --model "$model" --text-file "$corpus/melville-moby-dick.txt" --tokens 500 --layers 0,14,29 --out "$tmp/kv.safetensors" 2>/dev/null
 "$bin" codec --codec gaac --calib "$tmp/cal.safetensors" --in "$tmp/kv.safetensors" --verify --json \

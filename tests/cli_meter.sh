@@ -2,12 +2,12 @@
 # The meter through the CLI on the embedded default: `run --json` reports the meter, `audit`
 # finds no violation and dumps cells an independent check recomputes, `eval teacher-forced` and
 # `eval needle` run and report their figures.
-# usage: cli_meter.sh CERTKV_BINARY MODEL.gguf SHARED_DIR
+# usage: cli_meter.sh CERTKV_BINARY MODEL.gguf TEST_DATA_DIR (tests/data)
 set -eu
-bin=$1 model=$2 shared=$3
+bin=$1 model=$2 data=$3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-text="$shared/data/corpus/conrad-heart-of-darkness.txt"
+text="$data/corpus/conrad-heart-of-darkness.txt"
 
 "$bin" run --model "$model" --kv dither8 --prompt "Name three colours." --n 12 --json >"$tmp/run.json"
 "$bin" run --model "$model" --kv fp8-e4m3 --gate --tau 0.05 --prompt "Name three colours." --n 12 --json >"$tmp/gated.json"
@@ -19,7 +19,7 @@ text="$shared/data/corpus/conrad-heart-of-darkness.txt"
   --json --per-position >"$tmp/tf.json"
 "$bin" eval needle --model "$model" --kv rtn8 --lengths 300 --samples 1 --json >"$tmp/needle.json" 2>/dev/null
 # The backing store GAAC-coded with a calibration of this model: same text, fewer backing bytes.
-"$bin" dump-kv --model "$model" --text-file "$shared/data/corpus/austen-emma.txt" --tokens 512 \
+"$bin" dump-kv --model "$model" --text-file "$data/corpus/austen-emma.txt" --tokens 512 \
   --out "$tmp/dump.safetensors" 2>/dev/null
 "$bin" codec --codec gaac --calib "$tmp/dump.safetensors" --save-calibration "$tmp/cal.safetensors" >/dev/null
 head -c 6000 "$text" >"$tmp/prompt.txt"

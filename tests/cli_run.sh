@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # certkv run on the embedded default: coherent greedy text, the JSON fields the issue names, and
 # dump-kv writing a safetensors file whose tensors have the documented shapes.
-# usage: cli_run.sh CERTKV_BINARY MODEL.gguf SHARED_DIR
+# usage: cli_run.sh CERTKV_BINARY MODEL.gguf TEST_DATA_DIR (tests/data)
 set -eu
-bin=$1 model=$2 shared=$3
+bin=$1 model=$2 data=$3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "$bin" run --model "$model" --prompt "What is the capital of France? Answer in one sentence." --n 24 --json >"$tmp/run.json"
@@ -19,7 +19,7 @@ assert r["kv_bytes"] >= r["kv_bytes_bf16"] > 0
 assert r["decode_tok_per_s"] > 0 and r["prefill_tok_per_s"] > 0
 print("run ok:", r["text"][:80].replace("\n", " "))
 PY
-head -c 20000 "$shared/data/corpus/wells-time-machine.txt" >"$tmp/text.txt"
+head -c 20000 "$data/corpus/wells-time-machine.txt" >"$tmp/text.txt"
 "$bin" dump-kv --model "$model" --text-file "$tmp/text.txt" --tokens 100 --layers 0,29 --out "$tmp/kv.safetensors"
 python3 - "$tmp/kv.safetensors" <<'PY'
 import json, struct, sys

@@ -3,12 +3,12 @@
 # query heads, head_dim 64): `run --sparse --json` reports the budget and the key index, `audit
 # --sparse` reports recall per layer and dumps cells an independent check recomputes, the sparse
 # audit runs over dither8 pages, and `eval teacher-forced --sparse` reports a finite KL.
-# usage: cli_sparse.sh CERTKV_BINARY MODEL.gguf SHARED_DIR
+# usage: cli_sparse.sh CERTKV_BINARY MODEL.gguf TEST_DATA_DIR (tests/data)
 set -eu
-bin=$1 model=$2 shared=$3
+bin=$1 model=$2 data=$3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-text="$shared/data/corpus/carroll-alice-in-wonderland.txt"
+text="$data/corpus/carroll-alice-in-wonderland.txt"
 head -c 12000 "$text" >"$tmp/prompt.txt"
 
 "$bin" run --model "$model" --sparse p=0.9 --prompt-file "$tmp/prompt.txt" --raw --n 8 --json \

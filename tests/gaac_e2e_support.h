@@ -29,9 +29,10 @@ inline std::string read_text(const std::string& path) {
   return ss.str();
 }
 
-// The first n_tokens tokens of a corpus book.
+// The first n_tokens tokens of a corpus book (fails if the stored prefix of the book is shorter).
 inline std::vector<int32_t> book_tokens(const certkv::Model& model, const std::string& book, size_t n_tokens) {
-  std::vector<int32_t> tokens = model.tokenize(read_text(shared_path("data/corpus/" + book)), true, false);
+  std::vector<int32_t> tokens = model.tokenize(read_text(corpus_path(book)), true, false);
+  EXPECT_GE(tokens.size(), n_tokens) << corpus_path(book) << ": too short for the test";
   tokens.resize(n_tokens);
   return tokens;
 }

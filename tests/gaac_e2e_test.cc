@@ -23,7 +23,7 @@ namespace {
 
 using certkv::testing::book_tokens;
 using certkv::testing::save_book_calibration;
-using certkv::testing::shared_path;
+using certkv::testing::test_data_path;
 using certkv::testing::temp_path;
 using certkv::testing::smollm2_gguf;
 
@@ -165,8 +165,8 @@ TEST_F(GaacEndToEnd, BadKvConfigurationsAreClearErrors) {
   std::remove(other_path.c_str());
 
   // Not a calibration at all: corrupt, naming the file.
-  const std::string corpus = shared_path("data/corpus/README.md");
-  params.gaac_calibration = corpus.c_str();
+  const std::string not_calibration = test_data_path("README.md");
+  params.gaac_calibration = not_calibration.c_str();
   params.block_tokens = 16;
   certkv_session* session = nullptr;
   EXPECT_NE(certkv_session_create(model_->get(), &params, &session), CERTKV_OK);

@@ -46,7 +46,7 @@ int host_threads() { return int(std::max(2u, std::min(16u, std::thread::hardware
 
 std::string model_file() { return env_or("CERTKV_TEST_MODEL", smollm2_gguf()); }
 std::string corpus_file(const std::string& book) {
-  return env_or("CERTKV_TEST_CORPUS", shared_path("data/corpus")) + "/" + book;
+  return env_or("CERTKV_TEST_CORPUS", test_data_path("corpus")) + "/" + book;
 }
 
 std::vector<int32_t> tokens_of(const certkv::Model& model, const std::string& book, size_t n) {

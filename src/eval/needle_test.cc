@@ -14,7 +14,8 @@
 namespace certkv::eval {
 namespace {
 
-const std::string kCorpusDir = std::string(CERTKV_SHARED_DIR) + "/data/corpus/";
+// Prefixes of the corpus books (tests/data/README.md).
+const std::string kCorpusDir = std::string(CERTKV_TEST_DATA_DIR) + "/corpus/";
 
 // Fake tokenizers: whitespace-separated words, and one token per 4 bytes.
 int64_t count_words(std::string_view text) {
@@ -251,10 +252,12 @@ TEST(NeedleScoring, GeneratedTaskScoresItsOwnAnswers) {
 }
 
 TEST(NeedleCorpus, SentencesOfTheBooks) {
+  // The first 12-50 KB of each book, with its front matter ("Produced by" credits, a
+  // transcriber's note, a URL): 614 sentences.
   const std::vector<std::string> sentences = load_corpus_sentences(
       {kCorpusDir + "austen-pride-and-prejudice.txt", kCorpusDir + "stoker-dracula.txt",
        kCorpusDir + "melville-moby-dick.txt", kCorpusDir + "doyle-adventures-of-sherlock-holmes.txt"});
-  EXPECT_GT(sentences.size(), 18000u);
+  EXPECT_GT(sentences.size(), 550u);
   EXPECT_EQ(sentences.front(),
             "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
             "want of a wife.");
@@ -267,7 +270,7 @@ TEST(NeedleCorpus, SentencesOfTheBooks) {
     EXPECT_FALSE(s.starts_with(" ") || s.ends_with(" ")) << s;
     titles += s.find("Mr. Bennet") != std::string::npos;
   }
-  EXPECT_GT(titles, 70u);  // "Mr. Bennet" appears 84 times on one line of the book alone
+  EXPECT_GT(titles, 10u);  // "Mr. Bennet" is on 16 lines of the first 24 KB of the book (14 sentences)
 }
 
 TEST(NeedleCorpus, SplitsAndSkipsBoilerplate) {

@@ -166,7 +166,7 @@ void expect_corrupt(const Bytes& b, std::initializer_list<std::string> needles) 
 
 std::string models_dir() { return CERTKV_MODELS_DIR; }
 std::string smollm_path() { return models_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf"; }
-std::string tiny_path() { return std::string(CERTKV_SHARED_DIR) + "/data/models/llama-2-tiny-random.gguf"; }
+std::string tiny_path() { return std::string(CERTKV_TEST_DATA_DIR) + "/models/llama-2-tiny-random.gguf"; }
 
 Bytes read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
