@@ -140,9 +140,12 @@ TEST_F(GaacEndToEnd, BadKvConfigurationsAreClearErrors) {
   params.kv = "zstd";
   expect_session_error(*model_, params, CERTKV_ERR_INVALID_ARGUMENT, {"'zstd'", "bf16, gaac"});
 
+  // Without a file the model calibrates itself (CApi.GaacCalibratesItselfAndCachesTheCalibration);
+  // a file that is not there is an error naming it.
   params.kv = "gaac";
-  expect_session_error(*model_, params, CERTKV_ERR_INVALID_ARGUMENT,
-                       {"gaac_calibration", "--gaac-calib"});
+  params.gaac_calibration = "/nonexistent/gaac-calibration.safetensors";
+  expect_session_error(*model_, params, CERTKV_ERR_NOT_FOUND, {"/nonexistent/gaac-calibration.safetensors"});
+  params.gaac_calibration = nullptr;
 
   params.gaac_calibration = "/nonexistent/calibration.safetensors";
   expect_session_error(*model_, params, CERTKV_ERR_NOT_FOUND, {"/nonexistent/calibration.safetensors"});

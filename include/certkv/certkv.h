@@ -398,6 +398,28 @@ certkv_status certkv_generate(certkv_session* session, const int32_t* tokens, in
 /* Peak resident set size of this process, bytes (0 where unknown). */
 uint64_t certkv_peak_rss_bytes(void);
 
+/* ---- KV schemes ---------------------------------------------------------------------------- */
+
+/* One entry of the scheme table: what certkv_session_params.kv accepts and what each scheme is. */
+typedef struct certkv_kv_scheme_info {
+  const char* name;        /* static string */
+  const char* summary;     /* one line; static string */
+  const char* meter_tier;  /* "none", "A" (witness bound, any query), "B" (dither8 certificate,
+                              non-adaptive queries); static string */
+  int lossless;            /* every bf16 bit written is read back (bf16, gaac) */
+  int chunking_invariant;  /* prefill chunks and decode read the same values (no block-level
+                              encoding), so logits do not depend on how a prompt is cut */
+  int needs_calibration;   /* GAAC-coded: a calibration file, or the model calibrates itself */
+  int lossy;               /* quantized pages with an exact backing store and the meter */
+  int cuda_route;          /* served by the CUDA device route (params.device "cuda") */
+  int batch_invariant;     /* a sequence's logits do not depend on the other sequences */
+  int32_t default_window_tokens; /* lossy: newest tokens kept bf16 by default */
+} certkv_kv_scheme_info;
+
+int32_t certkv_kv_scheme_count(void);
+/* index in [0, certkv_kv_scheme_count()). */
+certkv_status certkv_kv_scheme_get(int32_t index, certkv_kv_scheme_info* info);
+
 /* "0.1.0": the library's version. */
 const char* certkv_version(void);
 

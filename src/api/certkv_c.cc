@@ -314,12 +314,14 @@ certkv_status backend_config_of(const certkv_model* model, const certkv_session_
   if (p.witness != nullptr && !certkv::codec::parse_witness_code(p.witness, &witness))
     return set_error(CERTKV_ERR_INVALID_ARGUMENT,
                      std::string("certkv_session_params.witness: '") + p.witness + "' is not fp16 or u8");
-  if (p.witness != nullptr &&
-      (!certkv::cache::kv_scheme_is_lossy(scheme) || scheme == certkv::cache::KvScheme::kDither8))
+  if (p.witness != nullptr && certkv::cache::kv_scheme_info(scheme).tier != certkv::cache::MeterTier::kA)
     return set_error(CERTKV_ERR_INVALID_ARGUMENT,
                      std::string("certkv_session_params.witness ") + p.witness +
-                         " applies to the Tier A lossy schemes (fp8-e4m3, fp8-e5m2, fp8-e4m3-scaled, rtn8, "
-                         "rtn4, kivi2), not kv " + certkv::cache::kv_scheme_name(scheme) + " (leave it null)");
+                         " applies to the Tier A lossy schemes (" +
+                         certkv::cache::kv_scheme_names([](const certkv::cache::KvSchemeInfo& s) {
+                           return s.tier == certkv::cache::MeterTier::kA;
+                         }) +
+                         "), not kv " + certkv::cache::kv_scheme_name(scheme) + " (leave it null)");
   certkv::model::Device device = certkv::model::Device::kCpu;
   try {
     if (p.device != nullptr) device = certkv::model::parse_device(p.device);
@@ -1025,4 +1027,29 @@ certkv_status certkv_engine_get_stats(const certkv_engine* engine, certkv_engine
     stats->peak_pages_in_use = s.peak_pages_in_use;
     stats->n_classes = fill_class_bytes(s.peak_bytes, stats->peak_bytes);
   });
+}
+
+// ---- The scheme table ---------------------------------------------------------------------------
+
+int32_t certkv_kv_scheme_count(void) { return int32_t(certkv::cache::kv_schemes().size()); }
+
+certkv_status certkv_kv_scheme_get(int32_t index, certkv_kv_scheme_info* info) {
+  CERTKV_REQUIRE(info, "certkv_kv_scheme_get: null info");
+  CERTKV_REQUIRE(index >= 0 && index < certkv_kv_scheme_count(),
+                 "certkv_kv_scheme_get: index " + std::to_string(index) + " outside [0, " +
+                     std::to_string(certkv_kv_scheme_count()) + ")");
+  const certkv::cache::KvSchemeInfo& s = certkv::cache::kv_schemes()[size_t(index)];
+  info->name = s.name;
+  info->summary = s.summary;
+  info->meter_tier = s.tier == certkv::cache::MeterTier::kA   ? "A"
+                     : s.tier == certkv::cache::MeterTier::kB ? "B"
+                                                              : "none";
+  info->lossless = s.lossless ? 1 : 0;
+  info->chunking_invariant = s.chunking_invariant ? 1 : 0;
+  info->needs_calibration = s.gaac ? 1 : 0;
+  info->lossy = s.lossy ? 1 : 0;
+  info->cuda_route = s.cuda_route ? 1 : 0;
+  info->batch_invariant = s.batch_invariant ? 1 : 0;
+  info->default_window_tokens = s.default_window_tokens;
+  return CERTKV_OK;
 }

@@ -49,58 +49,6 @@ PageRef pending_ref() {
 
 }  // namespace
 
-const char* kv_scheme_name(KvScheme scheme) {
-  switch (scheme) {
-    case KvScheme::kBf16: return "bf16";
-    case KvScheme::kGaac: return "gaac";
-    case KvScheme::kFp8PagesE4M3: return "fp8-e4m3-pages";
-    case KvScheme::kFp8PagesE5M2: return "fp8-e5m2-pages";
-    case KvScheme::kGaacE4M3: return "gaac-e4m3";
-    case KvScheme::kGaacE5M2: return "gaac-e5m2";
-    default: break;
-  }
-  if (kv_scheme_is_lossy(scheme)) return codec::lossy_scheme_name(kv_scheme_lossy(scheme));
-  return "unknown";
-}
-
-KvScheme parse_kv_scheme(std::string_view name) {
-  std::string known;
-  for (int i = 0; i < kNumKvSchemes; ++i) {
-    const KvScheme s = KvScheme(i);
-    if (name == kv_scheme_name(s)) return s;
-    known += (i ? ", " : "") + std::string(kv_scheme_name(s));
-  }
-  fail(StatusCode::kInvalidArgument,
-       "unknown KV scheme '" + std::string(name) + "' (available: " + known + ")");
-}
-
-bool kv_scheme_is_gaac(KvScheme scheme) {
-  return scheme == KvScheme::kGaac || scheme == KvScheme::kGaacE4M3 ||
-         scheme == KvScheme::kGaacE5M2;
-}
-
-bool kv_scheme_is_lossy(KvScheme scheme) {
-  return int(scheme) >= int(KvScheme::kFp8E4M3) && int(scheme) < kNumKvSchemes;
-}
-
-codec::LossyScheme kv_scheme_lossy(KvScheme scheme) {
-  if (!kv_scheme_is_lossy(scheme)) {
-    fail(StatusCode::kInvalidArgument,
-         std::string("KV scheme ") + kv_scheme_name(scheme) + " is not a lossy scheme");
-  }
-  return codec::LossyScheme(int(scheme) - int(KvScheme::kFp8E4M3));
-}
-
-format::GaacElement kv_scheme_element(KvScheme scheme) {
-  switch (scheme) {
-    case KvScheme::kFp8PagesE4M3:
-    case KvScheme::kGaacE4M3: return format::GaacElement::kFp8E4M3;
-    case KvScheme::kFp8PagesE5M2:
-    case KvScheme::kGaacE5M2: return format::GaacElement::kFp8E5M2;
-    default: return format::GaacElement::kBf16;
-  }
-}
-
 KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   check_positive(config.n_layers, "n_layers");
   check_positive(config.n_kv_heads, "n_kv_heads");
@@ -173,7 +121,7 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
     }
     window_tokens_ = config.recent_window_tokens >= 0
                          ? config.recent_window_tokens
-                         : (lossy_scheme_ == codec::LossyScheme::kKivi2 ? 128 : 0);
+                         : kv_scheme_info(config.scheme).default_window_tokens;
     if (window_tokens_ % config.block_tokens != 0) {
       fail_cache(StatusCode::kInvalidArgument,
                  "config.recent_window_tokens " + std::to_string(window_tokens_) +

@@ -37,6 +37,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cache/kv_scheme.h"
 #include "cache/page_pool.h"
 #include "codec/gaac.h"
 #include "codec/lossy_page.h"
@@ -47,41 +48,6 @@ namespace certkv::cache {
 using SeqId = int64_t;
 
 enum class KvTensor : int { kKey = 0, kValue = 1 };
-
-// How the cache stores complete blocks (see the top of this file).
-enum class KvScheme : int {
-  kBf16 = 0,
-  kGaac = 1,
-  kFp8PagesE4M3 = 2,  // every page raw FP8 (the uncoded counterpart of gaac-e4m3); no meter
-  kFp8PagesE5M2 = 3,
-  kGaacE4M3 = 4,
-  kGaacE5M2 = 5,
-  // Lossy schemes (codec/lossy_page.h): bf16 tails, full blocks in lossy pages of their class,
-  // the exact blocks in the backing store, the meter's side data in each page.
-  kFp8E4M3 = 6,
-  kFp8E5M2 = 7,
-  kFp8E4M3Scaled = 8,
-  kRtn8 = 9,
-  kRtn4 = 10,
-  kKivi2 = 11,
-  kDither8 = 12,
-};
-inline constexpr int kNumKvSchemes = 13;
-
-// "bf16", "gaac", "fp8-e4m3-pages", "fp8-e5m2-pages", "gaac-e4m3", "gaac-e5m2", and the lossy
-// schemes by their codec names: "fp8-e4m3", "fp8-e5m2", "fp8-e4m3-scaled", "rtn8", "rtn4",
-// "kivi2", "dither8".
-const char* kv_scheme_name(KvScheme scheme);
-// Throws certkv::Error kInvalidArgument naming the unknown scheme and the known ones.
-KvScheme parse_kv_scheme(std::string_view name);
-// Whether the scheme GAAC-codes complete blocks (and so needs a calibration).
-bool kv_scheme_is_gaac(KvScheme scheme);
-// Whether the scheme stores complete blocks in lossy pages (and so has a meter).
-bool kv_scheme_is_lossy(KvScheme scheme);
-// The codec scheme of a lossy KV scheme. REQUIRES: kv_scheme_is_lossy(scheme).
-codec::LossyScheme kv_scheme_lossy(KvScheme scheme);
-// The element of the scheme's raw pages: FP8 for fp8-*-pages and gaac-e4m3/e5m2, else kBf16.
-format::GaacElement kv_scheme_element(KvScheme scheme);
 
 struct KvCacheConfig {
   int n_layers = 0;

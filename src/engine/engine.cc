@@ -81,9 +81,10 @@ Engine::Engine(const model::Model& model, const EngineConfig& config)
              "): the device route serves one sequence through a session");
   backend_ = std::make_unique<backend::CpuBackend>(model, config.backend);
   const cache::KvScheme scheme = config.backend.kv_scheme;
-  const bool window = cache::kv_scheme_is_lossy(scheme) &&
-                      (config.backend.recent_window_tokens > 0 ||
-                       (config.backend.recent_window_tokens < 0 && scheme == cache::KvScheme::kKivi2));
+  const int window_tokens = config.backend.recent_window_tokens >= 0
+                                ? config.backend.recent_window_tokens
+                                : cache::kv_scheme_info(scheme).default_window_tokens;
+  const bool window = cache::kv_scheme_is_lossy(scheme) && window_tokens > 0;
   share_prefixes_ = config.prefix_sharing && !window;
   stats_.pool_capacity_pages = backend_->pool_capacity_pages();
 }

@@ -13,24 +13,14 @@ Device parse_device(std::string_view name) {
   fail(StatusCode::kInvalidArgument, "unknown device '" + std::string(name) + "' (known: cpu, cuda)");
 }
 
-bool device_route_serves(cache::KvScheme scheme) {
-  using cache::KvScheme;
-  switch (scheme) {
-    case KvScheme::kBf16:
-    case KvScheme::kGaac:
-    case KvScheme::kGaacE5M2:
-    case KvScheme::kFp8E4M3:
-    case KvScheme::kFp8E5M2:
-    case KvScheme::kDither8: return true;
-    default: return false;
-  }
-}
+bool device_route_serves(cache::KvScheme scheme) { return cache::kv_scheme_info(scheme).cuda_route; }
 
 void refuse_unserved(const DeviceDecoderConfig& config) {
   if (!device_route_serves(config.scheme))
-    fail(StatusCode::kUnsupported, std::string("device cuda: KV scheme ") + cache::kv_scheme_name(config.scheme) +
-                                       " is not served on the device yet (bf16, gaac, gaac-e5m2, fp8-e4m3, fp8-e5m2, "
-                                       "dither8 are)");
+    fail(StatusCode::kUnsupported,
+         std::string("device cuda: KV scheme ") + cache::kv_scheme_name(config.scheme) +
+             " is not served on the device yet (" +
+             cache::kv_scheme_names([](const cache::KvSchemeInfo& s) { return s.cuda_route; }) + " are)");
   if (config.sparse && config.scheme != cache::KvScheme::kBf16)
     fail(StatusCode::kUnsupported, std::string("device cuda: sparse decode on the device reads bf16 pages (this "
                                                "session's KV scheme is ") +

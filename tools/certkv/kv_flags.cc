@@ -4,11 +4,44 @@
 #include <cmath>
 #include <cstdlib>
 
-#include "cache/kv_cache.h"
 #include "cli_json.h"
-#include "core/status.h"
 
 namespace certkv::tools {
+
+bool find_kv_scheme(const std::string& name, certkv_kv_scheme_info* info) {
+  for (int32_t i = 0; i < certkv_kv_scheme_count(); ++i) {
+    certkv_kv_scheme_info s;
+    if (certkv_kv_scheme_get(i, &s) == CERTKV_OK && name == s.name) {
+      *info = s;
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string kv_scheme_list(bool (*pick)(const certkv_kv_scheme_info&)) {
+  std::string out;
+  for (int32_t i = 0; i < certkv_kv_scheme_count(); ++i) {
+    certkv_kv_scheme_info s;
+    if (certkv_kv_scheme_get(i, &s) != CERTKV_OK || (pick && !pick(s))) continue;
+    out += (out.empty() ? "" : ", ") + std::string(s.name);
+  }
+  return out;
+}
+
+std::string kv_scheme_help() {
+  std::string out = "SCHEME (--kv):\n";
+  for (int32_t i = 0; i < certkv_kv_scheme_count(); ++i) {
+    certkv_kv_scheme_info s;
+    if (certkv_kv_scheme_get(i, &s) != CERTKV_OK) continue;
+    std::string name = "  " + std::string(s.name);
+    name.resize(std::max<size_t>(name.size() + 1, 20), ' ');
+    out += name + s.summary;
+    if (s.cuda_route) out += " [cuda]";
+    out += "\n";
+  }
+  return out;
+}
 
 std::string KvFlags::witness_label() const {
   if (!tier_a) return "";
@@ -94,29 +127,27 @@ void add_kv_flag_spec(std::map<std::string, bool>& spec) {
 KvFlags parse_kv_flags(const Flags& flags, const std::string& kv) {
   KvFlags f;
   f.kv = kv;
-  cache::KvScheme scheme;
-  try {
-    scheme = cache::parse_kv_scheme(kv);
-  } catch (const Error& e) {
-    throw UsageError{std::string("flag --kv: ") + e.what()};
-  }
-  f.gaac = cache::kv_scheme_is_gaac(scheme);
-  f.lossy = cache::kv_scheme_is_lossy(scheme);
-  const bool dither8 = scheme == cache::KvScheme::kDither8;
-  f.tier_a = f.lossy && !dither8;
+  certkv_kv_scheme_info scheme{};
+  if (!find_kv_scheme(kv, &scheme))
+    throw UsageError{"flag --kv: unknown KV scheme '" + kv + "' (available: " + kv_scheme_list() + ")"};
+  f.gaac = scheme.needs_calibration != 0;
+  f.lossy = scheme.lossy != 0;
+  const std::string tier = scheme.meter_tier;
+  const bool dither8 = tier == "B";
+  f.tier_a = tier == "A";
   if (flags.has("outlier-pairs") && !dither8)
-    throw UsageError{"flag --outlier-pairs applies to --kv dither8 only, not --kv " + kv};
+    throw UsageError{"flag --outlier-pairs applies to the Tier B scheme (dither8) only, not --kv " + kv};
   f.outlier_pairs = int32_t(flags.integer("outlier-pairs", -1, 0, 128));
   if (flags.has("window") && !f.lossy)
     throw UsageError{"flag --window applies to lossy schemes only, not --kv " + kv};
   f.window = int32_t(flags.integer("window", -1, 0, 1 << 20));
   if (flags.has("witness")) {
     if (!f.tier_a)
-      throw UsageError{"flag --witness applies to the Tier A lossy schemes (fp8-e4m3, fp8-e5m2, fp8-e4m3-scaled, "
-                       "rtn8, rtn4, kivi2), not --kv " + kv};
+      throw UsageError{"flag --witness applies to the Tier A lossy schemes (" +
+                       kv_scheme_list([](const certkv_kv_scheme_info& s) { return std::string(s.meter_tier) == "A"; }) +
+                       "), not --kv " + kv};
     f.witness = flags.str("witness");
-    codec::WitnessCode code;
-    if (!codec::parse_witness_code(f.witness, &code))
+    if (f.witness != "fp16" && f.witness != "u8")
       throw UsageError{"flag --witness: '" + f.witness + "' is not fp16 or u8"};
   }
   for (const char* name : {"delta", "tau", "gate", "no-meter"})

@@ -34,6 +34,13 @@ struct KvFlags {
   void apply(certkv_session_params& params) const;
 };
 
+// The scheme table through the C API: the entry named `name` (false when there is none); the
+// names of the entries `pick` accepts (all when null), comma-separated; the help lines of every
+// scheme (name, summary, [cuda] where the device route serves it).
+bool find_kv_scheme(const std::string& name, certkv_kv_scheme_info* info);
+std::string kv_scheme_list(bool (*pick)(const certkv_kv_scheme_info&) = nullptr);
+std::string kv_scheme_help();
+
 // The flag spec entries of the meter flags (to merge into a command's spec).
 void add_kv_flag_spec(std::map<std::string, bool>& spec);
 // Validates the flags against the scheme: unknown scheme, tau <= 0, delta outside (0, 1), m out

@@ -61,17 +61,20 @@ constexpr const char* kUsage =
     "  codec    --codec gaac|gaac-e4m3|gaac-e5m2 --calib CAL.safetensors[,CAL2...]\n"
     "           [--in KV.safetensors] [--verify] [--json] [--save-calibration OUT] (certkv codec -h)\n"
     "           (CAL: KV dumps to calibrate from, or one saved calibration file)\n"
-    "SCHEME: bf16, gaac, gaac-e4m3, gaac-e5m2, fp8-e4m3-pages, fp8-e5m2-pages (lossless or\n"
-    "unmetered), or a lossy scheme with the meter: fp8-e4m3, fp8-e5m2, fp8-e4m3-scaled, rtn8,\n"
-    "rtn4, kivi2 (Tier A), dither8 (Tier B, certified INT8).\n"
     "--sparse: decode attends, per layer and head, the fewest indexed tokens holding estimated\n"
     "attention mass P (a 1-bit RaBitQ key index) plus the newest N tokens (default 128); the first\n"
     "L layers (default 2) stay dense. Combines with any --kv scheme.\n"
     "--device cuda: decode attention on a CUDA device over its own copy of the KV cache, encoded\n"
-    "there (--kv bf16, gaac, gaac-e5m2, or fp8-e4m3, fp8-e5m2, dither8 with the meter computed\n"
-    "there; --sparse with --kv bf16; no --gate); the forward pass and prefill stay on the CPU.\n"
+    "there (the schemes marked [cuda] below, lossy ones with the meter computed there; --sparse\n"
+    "with --kv bf16; no --gate); the forward pass and prefill stay on the CPU.\n"
     "With no --model, the embedded default SmolLM2-135M-Instruct (models/, fetched by\n"
     "scripts/fetch_models.sh) is used.\n";
+
+// The usage text with the scheme table's entries (read through the C API).
+const char* usage() {
+  static const std::string text = std::string(kUsage) + certkv::tools::kv_scheme_help();
+  return text.c_str();
+}
 
 struct ProgressBar {
   bool enabled = false;
@@ -141,7 +144,7 @@ int cmd_run(int argc, char** argv) {
       {"temp", true}, {"top-k", true}, {"top-p", true}, {"seed", true}, {"block-tokens", true},
       {"activations", true}, {"device", true}};
   add_kv_flag_spec(spec);
-  Flags flags("run", spec, kUsage);
+  Flags flags("run", spec, usage());
   flags.parse(argc, argv, 2);
   if (flags.has("prompt") && flags.has("prompt-file"))
     throw UsageError{"give --prompt or --prompt-file, not both"};
@@ -299,7 +302,7 @@ std::vector<int> parse_layers(const std::string& spec, int n_layers) {
 
 int cmd_dump_kv(int argc, char** argv) {
   Flags flags("dump-kv", {{"model", true}, {"text-file", true}, {"tokens", true}, {"out", true},
-                          {"layers", true}, {"threads", true}}, kUsage);
+                          {"layers", true}, {"threads", true}}, usage());
   flags.parse(argc, argv, 2);
   for (const char* required : {"text-file", "tokens", "out"})
     if (!flags.has(required)) throw UsageError{std::string("flag --") + required + " is required"};
@@ -383,7 +386,7 @@ int cmd_dump_kv(int argc, char** argv) {
 }
 
 int cmd_info(int argc, char** argv) {
-  Flags flags("info", {{"model", true}, {"json", false}}, kUsage);
+  Flags flags("info", {{"model", true}, {"json", false}}, usage());
   flags.parse(argc, argv, 2);
   certkv::Model model(model_path(flags));
   const certkv_model_info i = model.info();
@@ -410,7 +413,7 @@ int cmd_info(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    fputs(kUsage, stderr);
+    fputs(usage(), stderr);
     return 2;
   }
   const std::string command = argv[1];
@@ -427,7 +430,7 @@ int main(int argc, char** argv) {
     if (command == "info") return cmd_info(argc, argv);
     if (command == "codec") return certkv::tools::cmd_codec(argc, argv);
     if (command == "-h" || command == "--help" || command == "help") {
-      fputs(kUsage, stdout);
+      fputs(usage(), stdout);
       return 0;
     }
     fprintf(stderr, "certkv: unknown command '%s' (run, batch, dump-kv, info, eval, audit, codec)\n", command.c_str());

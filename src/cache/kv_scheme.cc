@@ -1,0 +1,98 @@
+#include "cache/kv_scheme.h"
+
+#include "core/status.h"
+
+namespace certkv::cache {
+
+namespace {
+
+using format::GaacElement;
+using format::StorageClass;
+using codec::LossyScheme;
+
+constexpr LossyScheme kNotLossy = LossyScheme::kFp8E4M3;  // unread where lossy is false
+
+// scheme, name, summary, element, full blocks, lossless, chunking invariant, gaac, lossy, codec,
+// tier, default window, cuda route, batch invariant
+constexpr KvSchemeInfo kTable[kNumKvSchemes] = {
+    {KvScheme::kBf16, "bf16", "raw bf16 pages (the reference)", GaacElement::kBf16,
+     StorageClass::kBf16, true, true, false, false, kNotLossy, MeterTier::kNone, 0, true, true},
+    {KvScheme::kGaac, "gaac", "lossless: full blocks in GAAC slots, every bf16 bit kept",
+     GaacElement::kBf16, StorageClass::kGaac, true, true, true, false, kNotLossy, MeterTier::kNone, 0,
+     true, true},
+    {KvScheme::kFp8PagesE4M3, "fp8-e4m3-pages", "every page cast to fp8 e4m3 (lossy, unmetered)",
+     GaacElement::kFp8E4M3, StorageClass::kFp8, false, true, false, false, kNotLossy, MeterTier::kNone, 0,
+     false, true},
+    {KvScheme::kFp8PagesE5M2, "fp8-e5m2-pages", "every page cast to fp8 e5m2 (lossy, unmetered)",
+     GaacElement::kFp8E5M2, StorageClass::kFp8, false, true, false, false, kNotLossy, MeterTier::kNone, 0,
+     false, true},
+    {KvScheme::kGaacE4M3, "gaac-e4m3", "fp8 e4m3 pages, full blocks GAAC-coded (as fp8-e4m3-pages)",
+     GaacElement::kFp8E4M3, StorageClass::kGaacFp8, false, true, true, false, kNotLossy, MeterTier::kNone,
+     0, false, true},
+    {KvScheme::kGaacE5M2, "gaac-e5m2", "fp8 e5m2 pages, full blocks GAAC-coded (as fp8-e5m2-pages)",
+     GaacElement::kFp8E5M2, StorageClass::kGaacFp8, false, true, true, false, kNotLossy, MeterTier::kNone,
+     0, true, true},
+    {KvScheme::kFp8E4M3, "fp8-e4m3", "certified tier: raw fp8 e4m3 cast, Tier A meter",
+     GaacElement::kBf16, StorageClass::kLossy, false, false, false, true, LossyScheme::kFp8E4M3,
+     MeterTier::kA, 0, true, true},
+    {KvScheme::kFp8E5M2, "fp8-e5m2", "certified tier: raw fp8 e5m2 cast, Tier A meter",
+     GaacElement::kBf16, StorageClass::kLossy, false, false, false, true, LossyScheme::kFp8E5M2,
+     MeterTier::kA, 0, true, true},
+    {KvScheme::kFp8E4M3Scaled, "fp8-e4m3-scaled", "certified tier: per-token scaled fp8, Tier A meter",
+     GaacElement::kBf16, StorageClass::kLossy, false, false, false, true, LossyScheme::kFp8E4M3Scaled,
+     MeterTier::kA, 0, false, true},
+    {KvScheme::kRtn8, "rtn8", "certified tier: 8-bit round to nearest, Tier A meter",
+     GaacElement::kBf16, StorageClass::kLossy, false, false, false, true, LossyScheme::kRtn8,
+     MeterTier::kA, 0, false, true},
+    {KvScheme::kRtn4, "rtn4", "certified tier: 4-bit round to nearest, Tier A meter",
+     GaacElement::kBf16, StorageClass::kLossy, false, false, false, true, LossyScheme::kRtn4,
+     MeterTier::kA, 0, false, true},
+    {KvScheme::kKivi2, "kivi2", "certified tier: 2-bit KIVI, 128 newest tokens bf16, Tier A meter",
+     GaacElement::kBf16, StorageClass::kLossy, false, false, false, true, LossyScheme::kKivi2,
+     MeterTier::kA, 128, false, true},
+    {KvScheme::kDither8, "dither8", "certified tier: dithered int8, Tier B certificate",
+     GaacElement::kBf16, StorageClass::kDither8, false, false, false, true, LossyScheme::kDither8,
+     MeterTier::kB, 0, true, false},
+};
+
+constexpr bool table_in_enum_order() {
+  for (int i = 0; i < kNumKvSchemes; ++i)
+    if (int(kTable[i].scheme) != i) return false;
+  return true;
+}
+static_assert(table_in_enum_order(), "the scheme table is indexed by KvScheme");
+
+}  // namespace
+
+std::span<const KvSchemeInfo> kv_schemes() { return kTable; }
+
+const KvSchemeInfo& kv_scheme_info(KvScheme scheme) {
+  const int i = int(scheme);
+  if (i < 0 || i >= kNumKvSchemes)
+    fail(StatusCode::kInvalidArgument, "KV scheme " + std::to_string(i) + " is not in the table");
+  return kTable[i];
+}
+
+KvScheme parse_kv_scheme(std::string_view name) {
+  for (const KvSchemeInfo& s : kTable)
+    if (name == s.name) return s.scheme;
+  fail(StatusCode::kInvalidArgument,
+       "unknown KV scheme '" + std::string(name) + "' (available: " +
+           kv_scheme_names([](const KvSchemeInfo&) { return true; }) + ")");
+}
+
+std::string kv_scheme_names(bool (*pick)(const KvSchemeInfo&)) {
+  std::string out;
+  for (const KvSchemeInfo& s : kTable)
+    if (pick(s)) out += (out.empty() ? "" : ", ") + std::string(s.name);
+  return out;
+}
+
+codec::LossyScheme kv_scheme_lossy(KvScheme scheme) {
+  const KvSchemeInfo& s = kv_scheme_info(scheme);
+  if (!s.lossy)
+    fail(StatusCode::kInvalidArgument, std::string("KV scheme ") + s.name + " is not a lossy scheme");
+  return s.lossy_codec;
+}
+
+}  // namespace certkv::cache

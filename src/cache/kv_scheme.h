@@ -1,0 +1,80 @@
+// The KV scheme table: one record per way the cache can store complete blocks, read by every
+// layer that needs to know what a scheme is (the cache, the backends and the device route, the C
+// API, the CLI's validation and help). A new scheme is one entry here.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "codec/lossy_page.h"
+#include "format/gaac_layout.h"
+#include "format/page.h"
+
+namespace certkv::cache {
+
+enum class KvScheme : int {
+  kBf16 = 0,
+  kGaac = 1,
+  kFp8PagesE4M3 = 2,  // every page raw FP8 (the uncoded counterpart of gaac-e4m3); no meter
+  kFp8PagesE5M2 = 3,
+  kGaacE4M3 = 4,
+  kGaacE5M2 = 5,
+  // Lossy schemes (codec/lossy_page.h): bf16 tails, full blocks in lossy pages of their class,
+  // the exact blocks in the backing store, the meter's side data in each page.
+  kFp8E4M3 = 6,
+  kFp8E5M2 = 7,
+  kFp8E4M3Scaled = 8,
+  kRtn8 = 9,
+  kRtn4 = 10,
+  kKivi2 = 11,
+  kDither8 = 12,
+};
+inline constexpr int kNumKvSchemes = 13;
+
+// Which bound the meter of a scheme's pages is (DESIGN.md section 4).
+enum class MeterTier : uint8_t {
+  kNone = 0,  // no meter: lossless, or an unmetered cast (fp8-*-pages)
+  kA = 1,     // the witness bound, valid for any query
+  kB = 2,     // the dither8 certificate, valid for non-adaptive queries
+};
+
+struct KvSchemeInfo {
+  KvScheme scheme;
+  const char* name;     // what --kv and certkv_session_params.kv take
+  const char* summary;  // one line for the CLI's help
+  format::GaacElement element;       // of raw pages (every page, or the tails and fallbacks)
+  format::StorageClass full_blocks;  // the class a complete block goes to
+  bool lossless;  // every bf16 bit written is read back
+  // Attention reads the value each write stored (a cast at most, no block-level encoding): prefill
+  // chunks and decode steps see the same values, so logits do not depend on the chunking.
+  bool chunking_invariant;
+  bool gaac;      // complete blocks GAAC-coded: needs the model's calibration of `element`
+  bool lossy;     // complete blocks quantized, their exact copies in the backing store
+  codec::LossyScheme lossy_codec;  // the page codec (lossy schemes)
+  MeterTier tier;
+  int default_window_tokens;  // lossy: newest tokens kept bf16 unless configured
+  bool cuda_route;            // the CUDA device route serves it (model/device_decode.h)
+  // A sequence's logits do not depend on which other sequences share the pool: false where a
+  // page's values depend on its physical slot (dither8's dither is keyed by the slot).
+  bool batch_invariant;
+};
+
+// Every scheme, in KvScheme order.
+std::span<const KvSchemeInfo> kv_schemes();
+// REQUIRES: a KvScheme value (certkv::Error kInvalidArgument otherwise).
+const KvSchemeInfo& kv_scheme_info(KvScheme scheme);
+// Throws certkv::Error kInvalidArgument naming the unknown scheme and the known ones.
+KvScheme parse_kv_scheme(std::string_view name);
+// "a, b, c" of the schemes whose `pick` is true, in table order.
+std::string kv_scheme_names(bool (*pick)(const KvSchemeInfo&));
+
+inline const char* kv_scheme_name(KvScheme scheme) { return kv_scheme_info(scheme).name; }
+inline bool kv_scheme_is_gaac(KvScheme scheme) { return kv_scheme_info(scheme).gaac; }
+inline bool kv_scheme_is_lossy(KvScheme scheme) { return kv_scheme_info(scheme).lossy; }
+inline format::GaacElement kv_scheme_element(KvScheme scheme) { return kv_scheme_info(scheme).element; }
+// The codec scheme of a lossy KV scheme. REQUIRES: kv_scheme_is_lossy(scheme) (certkv::Error).
+codec::LossyScheme kv_scheme_lossy(KvScheme scheme);
+
+}  // namespace certkv::cache
