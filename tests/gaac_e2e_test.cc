@@ -143,10 +143,6 @@ TEST_F(GaacEndToEnd, BadKvConfigurationsAreClearErrors) {
   // Without a file the model calibrates itself (CApi.GaacCalibratesItselfAndCachesTheCalibration);
   // a file that is not there is an error naming it.
   params.kv = "gaac";
-  params.gaac_calibration = "/nonexistent/gaac-calibration.safetensors";
-  expect_session_error(*model_, params, CERTKV_ERR_NOT_FOUND, {"/nonexistent/gaac-calibration.safetensors"});
-  params.gaac_calibration = nullptr;
-
   params.gaac_calibration = "/nonexistent/calibration.safetensors";
   expect_session_error(*model_, params, CERTKV_ERR_NOT_FOUND, {"/nonexistent/calibration.safetensors"});
 
