@@ -24,10 +24,10 @@ for r in $(seq "$repeats"); do
 done
 "$bin" batch --prompts-file "$tmp/prefix8.jsonl" --raw --parallel 8 --threads 2 >"$tmp/prefix_shared.jsonl"
 "$bin" batch --prompts-file "$tmp/prefix8.jsonl" --raw --parallel 8 --threads 2 --no-prefix-sharing >"$tmp/prefix_alone.jsonl"
-# 640 tokens a sequence (prompt + 32 and margin); 23,040 bytes a token of bf16 KV for SmolLM2.
-"$bin" batch --prompts-file "$tmp/books32.jsonl" --raw --parallel 32 --threads 2 --ctx 640 \
-  --pool-bytes $((4 * 640 * 23040)) >"$tmp/pool4.jsonl"
-"$bin" batch --prompts-file "$tmp/books32.jsonl" --raw --parallel 1 --threads 2 --ctx 640 >"$tmp/alone32.jsonl"
+# 700 tokens a sequence (the longest prompt + 32, with margin); 23,040 bytes a token of bf16 KV for SmolLM2.
+"$bin" batch --prompts-file "$tmp/books32.jsonl" --raw --parallel 32 --threads 2 --ctx 700 \
+  --pool-bytes $((4 * 700 * 23040)) >"$tmp/pool4.jsonl"
+"$bin" batch --prompts-file "$tmp/books32.jsonl" --raw --parallel 1 --threads 2 --ctx 700 >"$tmp/alone32.jsonl"
 python3 - "$tmp" "$repeats" "$(git -C "$root" rev-parse --short HEAD)" <<'PY'
 import json, statistics, sys, subprocess
 tmp, repeats, commit = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -37,7 +37,7 @@ eight = [json.load(open(f"{tmp}/eight_{r}.json")) for r in range(1, repeats + 1)
 ratios = [e["decode_tok_per_s"] / o["decode_tok_per_s"] for o, e in zip(one, eight)]
 shared, unshared = lines("prefix_shared.jsonl"), lines("prefix_alone.jsonl")
 pool, alone = lines("pool4.jsonl"), lines("alone32.jsonl")
-same = sum(1 for a, b in zip(pool[:-1], alone[:-1]) if a["text"] == b["text"])
+same = sum(1 for a, b in zip(pool[:-1], alone[:-1]) if "text" in a and a.get("text") == b.get("text"))
 ttft = [r["ttft_ms"] for r in shared[:-1]]
 cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
 model_name = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name")), "?")

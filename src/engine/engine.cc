@@ -365,17 +365,21 @@ bool Engine::step(const TokenCallback& on_token_cb) {
   };
   std::vector<Planned> plan;
   int64_t budget = config_.step_tokens;
+  // Positions past the prompt always go one token a step, also when a preempted request replays
+  // its generated tokens: a decode step and a prefill chunk may round attention differently (the
+  // split-KV merge), and replaying them as decode steps recomputes the same values.
   for (RequestId id : running_) {
     const Request& r = *requests_.at(id);
-    if (r.computed == int64_t(r.tokens.size()) - 1 && budget > 0) {
+    const int64_t n_prompt = int64_t(r.params.prompt.size());
+    if (r.computed >= n_prompt && r.computed < int64_t(r.tokens.size()) && budget > 0) {
       plan.push_back({id, 1});
       budget -= 1;
     }
   }
   for (RequestId id : running_) {
     const Request& r = *requests_.at(id);
-    const int64_t left = int64_t(r.tokens.size()) - r.computed;
-    if (left > 1 && budget > 0) {
+    const int64_t left = int64_t(r.params.prompt.size()) - r.computed;
+    if (left > 0 && budget > 0) {
       const int64_t m = std::min(left, budget);
       plan.push_back({id, m});
       budget -= m;
@@ -414,7 +418,7 @@ bool Engine::step(const TokenCallback& on_token_cb) {
     const bool last = r.computed + plan[i].n == int64_t(r.tokens.size());
     it.last_logits = last ? &logits_[i * size_t(n_vocab)] : nullptr;
     it.end_of_input = last;
-    (plan[i].n == 1 && last ? n_decode : n_prefill) += plan[i].n;
+    (r.computed >= int64_t(r.params.prompt.size()) ? n_decode : n_prefill) += plan[i].n;
   }
   backend_->forward(items);
   const double seconds = std::chrono::duration<double>(clock_type::now() - start).count();

@@ -14,14 +14,13 @@
 // they are written (a lossy scheme's full-precision recent window) are not shared.
 //
 // Pool exhaustion: when a step's pages cannot be had, cached prefixes are evicted first, then the
-// newest request is preempted: its pages are freed, and it is recomputed from its tokens
-// (prompt and generated so far) when it is admitted again. A request is never lost: the pool
+// newest request is preempted: its pages are freed, and when it is admitted again its prompt is
+// prefilled again and its generated tokens replayed one a step, as they were first computed. A request is never lost: the pool
 // holds at least one sequence of the whole context, so the oldest request always completes.
 //
 // Determinism: a request's logits are those of running it alone (backend/backend.h), so with
 // greedy sampling, or a seeded sampler, its output does not depend on the other requests; with
-// the lossless schemes not even after a preemption (recomputing a prefix in chunks gives the
-// same values as decoding it).
+// the chunking-invariant schemes (cache/kv_scheme.h) not even after a preemption.
 //
 // Thread safety: an Engine is used by one thread at a time.
 #pragma once
