@@ -40,6 +40,18 @@ uint64_t file_fingerprint(const std::filesystem::path& path) {
   return fnv1a(h, buf.data(), span);
 }
 
+codec::GaacShape calibration_shape(const model::Model& model, format::GaacElement element,
+                                   int block_tokens) {
+  const model::ModelConfig& c = model.config();
+  codec::GaacShape shape;
+  shape.n_layers = c.n_layers;
+  shape.n_kv_heads = c.n_kv_heads;
+  shape.head_dim = c.head_dim;
+  shape.block_tokens = block_tokens;
+  shape.element = element;
+  return shape;
+}
+
 }  // namespace
 
 std::string_view gaac_calibration_text() { return kGaacCalibrationText; }
@@ -59,13 +71,7 @@ codec::GaacCalibration calibrate_gaac_from_text(const model::Model& model, forma
   bc.block_tokens = block_tokens;
   backend::Session session(model, bc);
   session.prefill(tokens.data(), n, nullptr);
-  codec::GaacShape shape;
-  shape.n_layers = c.n_layers;
-  shape.n_kv_heads = c.n_kv_heads;
-  shape.head_dim = c.head_dim;
-  shape.block_tokens = block_tokens;
-  shape.element = element;
-  codec::GaacCalibrator calibrator(shape);
+  codec::GaacCalibrator calibrator(calibration_shape(model, element, block_tokens));
   std::vector<float> rows(size_t(n) * size_t(c.head_dim));
   std::vector<uint16_t> bf16(rows.size());
   std::vector<uint8_t> fp8(rows.size());
@@ -108,13 +114,7 @@ std::shared_ptr<const codec::GaacCalibration> self_calibrated_gaac(const model::
                                                                    format::GaacElement element,
                                                                    int block_tokens, int n_threads,
                                                                    bool* computed) {
-  const model::ModelConfig& c = model.config();
-  codec::GaacShape shape;
-  shape.n_layers = c.n_layers;
-  shape.n_kv_heads = c.n_kv_heads;
-  shape.head_dim = c.head_dim;
-  shape.block_tokens = block_tokens;
-  shape.element = element;
+  const codec::GaacShape shape = calibration_shape(model, element, block_tokens);
   const std::string path = gaac_calibration_cache_path(model, element, block_tokens);
   if (computed) *computed = false;
   if (std::filesystem::exists(path)) {

@@ -20,13 +20,13 @@ namespace {
 using nlohmann::json;
 
 constexpr const char* kUsage =
-    "usage: certkv batch --prompts-file F.jsonl [--parallel N] [--json] [flags]\n"
+    "usage: certkv batch --prompts-file F.jsonl [--parallel N] [flags]\n"
     "  Runs every request of F (one JSON object per line: \"prompt\" or \"messages\", optional\n"
     "  \"max_tokens\", \"temperature\", \"top_p\", \"top_k\", \"seed\", \"stop\", \"id\") through the engine:\n"
     "  up to N sequences decode together over one KV pool, prompts are prefilled in chunks\n"
     "  between their steps, and whole prompt blocks are shared between requests that begin alike.\n"
     "  Prints one JSON line per request (id, text, tokens, ttft_ms, the certificate) in input\n"
-    "  order, then a summary line with \"summary\": true.\n"
+    "  order, then a summary line with \"summary\": true (--json is accepted: output is always JSON).\n"
     "flags:\n"
     "  --model PATH          GGUF or Hugging Face folder (default: the embedded SmolLM2)\n"
     "  --parallel N          sequences at once (default 8)\n"
@@ -134,8 +134,6 @@ int cmd_batch(int argc, char** argv) {
   const int64_t parallel = flags.integer("parallel", 8, 1, 4096);
   const int64_t threads = flags.integer("threads", 2, 1, 256);
   const bool raw = flags.has("raw");
-  const bool json_out = true;  // every line is JSON; --json is accepted for symmetry with run
-  (void)json_out;
 
   certkv_request_params defaults = certkv_request_default_params();
   defaults.max_tokens = int32_t(flags.integer("n", 128, 1, 1 << 24));
