@@ -20,6 +20,7 @@
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
 #include "index/rotation.h"
+#include "model/model.h"
 #include "model/device_decode.h"
 #include "model/matmul_float.h"
 
@@ -130,9 +131,10 @@ struct BackendConfig {
   codec::WitnessCode witness = codec::WitnessCode::kFp16;
   MeterConfig meter;
   SparseConfig sparse;
-  // kCuda: decode attention runs on a CUDA device over a device copy of the KV cache, encoded
-  // there (model/device_decode.h); the forward pass and prefill attention stay on the host.
-  // One sequence at a time.
+  // kCuda: attention runs on a CUDA device. make_backend gives the CUDA backend
+  // (backend/cuda/cuda_backend.h: many sequences over one device page pool); a CpuBackend (and so
+  // a Session) given kCuda keeps the one-sequence device route of model/device_decode.h, which
+  // also serves sparse decode and the gate on the device.
   model::Device device = model::Device::kCpu;
 };
 
@@ -191,5 +193,23 @@ class Backend {
   virtual std::vector<cache::ClassBytes> sequence_bytes(cache::SeqId seq) const = 0;
   virtual cache::MemoryStats memory_stats() const = 0;
 };
+
+// What every backend checks of its configuration before it takes any memory, and what follows
+// from it. Throws certkv::Error kInvalidArgument naming the field: a negative context, a pool
+// that cannot hold one sequence of the context, threads outside [1, 256], block_tokens outside
+// [1, 4096], a prefill chunk below 1, a gaac scheme without a calibration, outlier pairs past
+// head_dim / 2, meter parameters out of range, the gate without a lossy scheme or the meter.
+struct CheckedConfig {
+  int64_t context_tokens = 0;  // config.context_tokens, or the model's context length
+  bool metered = false;        // a lossy scheme with meter.enabled
+  double delta_loc = 0;        // the Tier B failure probability of one (layer, head, step) cell
+};
+CheckedConfig check_backend_config(const model::Model& model, const BackendConfig& config);
+
+// The backend for config.device: the CPU backend, or the CUDA backend. Throws certkv::Error
+// kUnsupported naming the scheme (or feature) and the backend for what that backend does not
+// serve (the scheme table's cuda_route), and for the CUDA backend in a build without CUDA or on a
+// machine without a device.
+std::unique_ptr<Backend> make_backend(const model::Model& model, const BackendConfig& config);
 
 }  // namespace certkv::backend

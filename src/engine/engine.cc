@@ -74,12 +74,7 @@ Engine::Engine(const model::Model& model, const EngineConfig& config)
          "parallel sequences must be in [1, 4096], got " + std::to_string(config.max_sequences));
   if (config.step_tokens < 1)
     fail(StatusCode::kInvalidArgument, "the step's token budget must be positive");
-  if (config.backend.device != model::Device::kCpu)
-    fail(StatusCode::kUnsupported,
-         std::string("the engine has no ") + model::device_name(config.backend.device) +
-             " backend yet (KV scheme " + cache::kv_scheme_name(config.backend.kv_scheme) +
-             "): the device route serves one sequence through a session");
-  backend_ = std::make_unique<backend::CpuBackend>(model, config.backend);
+  backend_ = backend::make_backend(model, config.backend);
   const cache::KvScheme scheme = config.backend.kv_scheme;
   const int window_tokens = config.backend.recent_window_tokens >= 0
                                 ? config.backend.recent_window_tokens

@@ -8,11 +8,23 @@
 #include <random>
 #include <thread>
 
+#include "cache/kv_scheme.h"
 #include "format/fp8.h"
 #include "format/gaac_layout.h"
 #include "format/numeric.h"
 
 namespace certkv::attention::cuda {
+
+PageFormat page_format_of(cache::KvScheme scheme) {
+  switch (scheme) {
+    case cache::KvScheme::kGaac: return PageFormat::kGaacBf16;
+    case cache::KvScheme::kGaacE5M2: return PageFormat::kGaacE5M2;
+    case cache::KvScheme::kFp8E4M3: return PageFormat::kFp8E4M3;
+    case cache::KvScheme::kFp8E5M2: return PageFormat::kFp8E5M2;
+    case cache::KvScheme::kDither8: return PageFormat::kDither8;
+    default: return PageFormat::kBf16;
+  }
+}
 
 namespace {
 

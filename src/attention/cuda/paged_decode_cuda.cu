@@ -630,6 +630,7 @@ __device__ inline void dither8_value_rho_row(const uint8_t* page, int lane, Tile
 struct SplitArgs {
   PagedDecodeParams p;
   int n_splits;
+  int64_t per_split;  // blocks of one split
   float* part_mldr;  // [batch][n_q][n_splits][kSplitPartials]: m, l, d, r
   float* part_o;     // [batch][n_q][n_splits][D]
   unsigned int* error_word;
@@ -875,9 +876,18 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
     if (threadIdx.x == 0 && blockIdx.x == 0) atomicAdd(a.error_word, 1u);
     len = len < 1 ? 0 : len_limit;
   }
+  // The row's tables (PagedDecodeParams::table_rows); a row outside them reads nothing.
+  int64_t table_block = b;
+  if (p.table_rows != nullptr) {
+    table_block = p.table_rows[b];
+    if (table_block < 0 || table_block >= p.n_table_rows) {
+      if (threadIdx.x == 0 && blockIdx.x == 0) atomicAdd(a.error_word, 1u);
+      table_block = 0;
+      len = 0;
+    }
+  }
   const int64_t n_blocks = (len + kBlockTokens - 1) / kBlockTokens;
-  const int64_t max_blocks = (p.max_seq_len + kBlockTokens - 1) / kBlockTokens;
-  const int64_t per_split = (max_blocks + a.n_splits - 1) / a.n_splits;
+  const int64_t per_split = a.per_split;
   const int64_t block_begin = int64_t(split) * per_split;
   const int64_t block_end = min(n_blocks, block_begin + per_split);
 
@@ -1042,7 +1052,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
   constexpr bool kValuesLate = Traits::kValuesLate;
   const int64_t first = block_begin + warp;
   const int n_mine = first < block_end ? int((block_end - 1 - first) / kWarps + 1) : 0;
-  const int64_t table_row = (int64_t(b) * p.n_kv_heads + kv_head) * p.table_stride;
+  const int64_t table_row =
+      table_block * (p.table_row_stride > 0 ? p.table_row_stride : int64_t(p.n_kv_heads) * p.table_stride) +
+      int64_t(kv_head) * p.table_stride;
   auto entry_of = [&](const int32_t* table, int i) { return i < n_mine ? table[table_row + first + int64_t(i) * kWarps] : 0; };
   auto kref_of = [&](int32_t e) {
     return page_ref(p.k_pages, p.k_page_stride, p.n_k_pages, p.k_raw_pages, p.raw_page_stride, p.n_k_raw_pages, e);
@@ -1316,7 +1328,9 @@ template <int D, PageFormat F, bool kWithMeter, bool kCodedWitness = false>
 CudaStatus launch(const PagedDecodeParams& p, int n_splits) {
   const WorkspaceLayout w = layout_of(p, n_splits);
   char* base = static_cast<char*>(p.workspace);
-  SplitArgs a{p, n_splits, reinterpret_cast<float*>(base + w.mldr), reinterpret_cast<float*>(base + w.o),
+  const int64_t max_blocks = (p.max_seq_len + kBlockTokens - 1) / kBlockTokens;
+  const int64_t per_split = p.split_blocks > 0 ? p.split_blocks : (max_blocks + n_splits - 1) / n_splits;
+  SplitArgs a{p, n_splits, per_split, reinterpret_cast<float*>(base + w.mldr), reinterpret_cast<float*>(base + w.o),
               reinterpret_cast<unsigned int*>(base + w.error_word)};
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const size_t smem = sizeof(CtaShared<D, F>);
@@ -1390,7 +1404,11 @@ namespace {
 // reset_error_word and read_error_word rely on (n_splits 0 means choose_splits).
 CudaStatus check_workspace(const PagedDecodeParams& p) {
   if (p.n_splits < 0 || p.n_splits > 65535) return error("n_splits must be in [0, 65535]");
-  const int splits = p.n_splits > 0 ? p.n_splits : choose_splits(p);
+  if (p.split_blocks < 0) return error("split_blocks must be >= 0");
+  if (p.n_splits > 0 && p.split_blocks > 0) return error("set n_splits or split_blocks, not both");
+  if (p.split_blocks > 0 && planned_splits(p) > 65535)
+    return error("split_blocks " + std::to_string(p.split_blocks) + " cuts max_seq_len into more than 65535 splits");
+  const int splits = planned_splits(p);
   if (!p.workspace || p.workspace_size < layout_of(p, splits).total)
     return error("workspace too small (" + std::to_string(p.workspace_size) + " bytes, needs " +
                  std::to_string(layout_of(p, splits).total) + ")");
@@ -1425,6 +1443,8 @@ CudaStatus check(const PagedDecodeParams& p) {
       !p.seq_lens || !p.q || !p.out)
     return error("a device pointer is null");
   if (p.n_k_pages < 0 || p.n_v_pages < 0) return error("negative page count");
+  if (p.table_row_stride < 0) return error("table_row_stride must be >= 0");
+  if (p.table_rows != nullptr && p.n_table_rows < 1) return error("table_rows needs n_table_rows >= 1");
   if (!aligned16(p.k_pages) || !aligned16(p.v_pages) || p.k_page_stride % 16 != 0 || p.v_page_stride % 16 != 0)
     return error("the page pool is misaligned (base and page stride must be multiples of 16 bytes)");
   const bool gaac = p.format == PageFormat::kGaacBf16 || p.format == PageFormat::kGaacE5M2;
@@ -1555,20 +1575,29 @@ int choose_splits(const PagedDecodeParams& p) {
   return int(std::max<int64_t>(1, std::min<int64_t>(splits, 65535)));
 }
 
+int planned_splits(const PagedDecodeParams& p) {
+  if (p.n_splits > 0) return p.n_splits;
+  if (p.split_blocks > 0) {
+    const int64_t blocks = (std::max<int64_t>(p.max_seq_len, 1) + kBlockTokens - 1) / kBlockTokens;
+    return int(std::min<int64_t>((blocks + p.split_blocks - 1) / p.split_blocks, INT32_MAX));
+  }
+  return choose_splits(p);
+}
+
 size_t workspace_bytes(const PagedDecodeParams& p) {
-  return layout_of(p, p.n_splits > 0 ? p.n_splits : choose_splits(p)).total;
+  return layout_of(p, planned_splits(p)).total;
 }
 
 CudaStatus paged_decode(const PagedDecodeParams& p) {
   const CudaStatus s = check(p);
   if (!s.ok) return s;
-  const int splits = p.n_splits > 0 ? p.n_splits : choose_splits(p);
+  const int splits = planned_splits(p);
   return p.head_dim == 64 ? launch_format<64>(p, splits) : launch_format<128>(p, splits);
 }
 
 CudaStatus reset_error_word(const PagedDecodeParams& p) {
   if (CudaStatus s = check_workspace(p); !s.ok) return s;
-  const int splits = p.n_splits > 0 ? p.n_splits : choose_splits(p);
+  const int splits = planned_splits(p);
   const WorkspaceLayout w = layout_of(p, splits);
   const cudaError_t e = cudaMemsetAsync(static_cast<char*>(p.workspace) + w.error_word, 0, sizeof(uint32_t),
                                         static_cast<cudaStream_t>(p.stream));
@@ -1579,7 +1608,7 @@ CudaStatus reset_error_word(const PagedDecodeParams& p) {
 CudaStatus read_error_word(const PagedDecodeParams& p, uint32_t* corrupt) {
   if (corrupt == nullptr) return error("read_error_word needs a place for the count");
   if (CudaStatus s = check_workspace(p); !s.ok) return s;
-  const int splits = p.n_splits > 0 ? p.n_splits : choose_splits(p);
+  const int splits = planned_splits(p);
   const WorkspaceLayout w = layout_of(p, splits);
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   cudaError_t e = cudaMemcpyAsync(corrupt, static_cast<char*>(p.workspace) + w.error_word, sizeof(uint32_t),
@@ -1592,7 +1621,7 @@ CudaStatus read_error_word(const PagedDecodeParams& p, uint32_t* corrupt) {
 CudaStatus copy_error_word_async(const PagedDecodeParams& p, uint32_t* host) {
   if (host == nullptr) return error("copy_error_word_async needs a place for the count");
   if (CudaStatus s = check_workspace(p); !s.ok) return s;
-  const int splits = p.n_splits > 0 ? p.n_splits : choose_splits(p);
+  const int splits = planned_splits(p);
   const WorkspaceLayout w = layout_of(p, splits);
   const cudaError_t e = cudaMemcpyAsync(host, static_cast<char*>(p.workspace) + w.error_word, sizeof(uint32_t),
                                         cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(p.stream));

@@ -61,6 +61,10 @@
 #include "cache/cuda/device_pool.h"
 #include "codec/lossy_page.h"
 
+namespace certkv::cache {
+enum class KvScheme : int;  // cache/kv_scheme.h
+}
+
 namespace certkv::attention::cuda {
 
 using cache::cuda::CudaStatus;
@@ -76,6 +80,10 @@ enum class PageFormat : uint8_t {
 
 // "bf16", "gaac", "gaac-e5m2", "fp8-e4m3", "fp8-e5m2", "dither8".
 const char* page_format_name(PageFormat format);
+// The page format of a KV scheme the device serves (the scheme table's cuda_route); kBf16 for
+// the others, which no device cache stores. (Defined in device_kv.cc: the scheme table is C++20,
+// the kernels' translation units C++17.)
+PageFormat page_format_of(cache::KvScheme scheme);
 // Whether pages of this format carry a meter (the lossy ones).
 inline bool page_format_metered(PageFormat f) {
   return f == PageFormat::kFp8E4M3 || f == PageFormat::kFp8E5M2 || f == PageFormat::kDither8;
@@ -105,6 +113,15 @@ struct PagedDecodeParams {
   const int32_t* k_table = nullptr;
   const int32_t* v_table = nullptr;
   int64_t table_stride = 0;
+  // Which tables a batch row reads: row b reads the K tables at k_table + table_rows[b] *
+  // table_row_stride + kv_head * table_stride (the V tables likewise), so that rows of one
+  // sequence (a prefill chunk's positions, each with its own length) share its tables, and a pool
+  // of many sequences keeps one table block per sequence. table_rows null: row b reads table row b.
+  // table_row_stride 0: n_kv_heads * table_stride. An entry outside [0, n_table_rows) is corrupt:
+  // counted in the error word, the row reads nothing.
+  const int32_t* table_rows = nullptr;  // [batch]
+  int64_t n_table_rows = 0;
+  int64_t table_row_stride = 0;
   const int32_t* seq_lens = nullptr;
   int64_t max_seq_len = 0;  // an upper bound of seq_lens, known on the host (plans the splits)
 
@@ -128,7 +145,12 @@ struct PagedDecodeParams {
   float* a_minus_1 = nullptr;
   float* value_rho = nullptr;
 
-  int n_splits = 0;  // 0: chosen from the shape and the device (choose_splits)
+  int n_splits = 0;  // 0: split_blocks, or chosen from the shape and the device (choose_splits)
+  // Blocks per split, fixed (n_splits then covers max_seq_len): a row's result depends on its own
+  // length and pages only, never on the batch beside it or the device (batch invariance; the
+  // engine's backends run so). 0: the split is planned from the shape. At most one of n_splits and
+  // split_blocks may be set.
+  int64_t split_blocks = 0;
   void* workspace = nullptr;
   size_t workspace_size = 0;
   void* stream = nullptr;  // cudaStream_t; null: the default stream
@@ -141,10 +163,13 @@ inline constexpr int kMaxDeviceOutlierPairs = 8;
 // codec parameters a format needs); the message says what is not supported (kUnsupported for
 // shapes, kInvalidArgument for buffers). Never launches.
 CudaStatus check(const PagedDecodeParams& params);
-// The split count used when params.n_splits is 0: enough CTAs to fill the device, at least two
-// blocks per warp.
+// The split count used when params.n_splits and split_blocks are 0: enough CTAs to fill the
+// device, at least two blocks per warp.
 int choose_splits(const PagedDecodeParams& params);
-// Workspace bytes for params (with its n_splits, or the chosen one when 0).
+// The split count a launch of params uses: n_splits, else ceil(max_seq_len blocks / split_blocks),
+// else choose_splits.
+int planned_splits(const PagedDecodeParams& params);
+// Workspace bytes for params (with its planned splits).
 size_t workspace_bytes(const PagedDecodeParams& params);
 // check(), then launches the split and merge kernels on params.stream. Asynchronous; a corrupt
 // page entry (outside the pools or the raw pools), GAAC slot (bad tag, escapes past the slot) or

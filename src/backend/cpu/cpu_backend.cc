@@ -7,98 +7,23 @@
 
 #include "attention/sparse_decode.h"
 #include "core/status.h"
-#include "core/x86_simd.h"
 #include "gate/meter.h"
-#include "model/dequant.h"
 
 namespace certkv::backend {
 
-using model::LayerWeights;
 using model::ModelConfig;
 using model::RopeLayout;
-using model::WeightMatrix;
 
-namespace {
-
-// gate[t][i] = silu(gate[t][i]) * up[t][i] = g / (1 + e^-g) * u, SwiGLU (Shazeer 2020), row by
-// row so that a token's values do not depend on the rows beside it.
-void swiglu_rows(float* gate, const float* up, int64_t n_rows, int64_t width) {
-  for (int64_t t = 0; t < n_rows; ++t) {
-    float* g = gate + t * width;
-    const float* u = up + t * width;
-    int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    // e^-g with -g clamped to +-87.3 (float's range): beyond it silu(g) is g or 0 to within
-    // e^-87 relative.
-    const __m256 limit = _mm256_set1_ps(87.3f), one = _mm256_set1_ps(1.f);
-    for (; i + 8 <= width; i += 8) {
-      const __m256 gv = _mm256_loadu_ps(g + i);
-      const __m256 neg = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv),
-                                                     _mm256_sub_ps(_mm256_setzero_ps(), limit)),
-                                       limit);
-      const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, simd::exp_range_reduced8(neg)));
-      _mm256_storeu_ps(g + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
-    }
-#endif
-    for (; i < width; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-  }
-}
-
-// y = x / sqrt(mean(x^2) + eps) * w  (Zhang & Sennrich 2019).
-void rms_norm(const float* x, const float* w, int n, float eps, float* y) {
-  double ss = 0;
-  for (int i = 0; i < n; ++i) ss += double(x[i]) * x[i];
-  const float inv = float(1.0 / std::sqrt(ss / n + eps));
-  for (int i = 0; i < n; ++i) y[i] = x[i] * inv * w[i];
-}
-
-// Rotates each head of x by the angles of its position (Su et al. 2021, RoFormer eq. 34).
-// x: [n_heads][head_dim]; cos, sin: [head_dim / 2].
-void apply_rope(float* x, int n_heads, int head_dim, RopeLayout layout, const float* cos,
-                const float* sin) {
-  const int half = head_dim / 2;
-  for (int h = 0; h < n_heads; ++h) {
-    float* v = x + int64_t(h) * head_dim;
-    for (int j = 0; j < half; ++j) {
-      const int a = layout == RopeLayout::kInterleaved ? 2 * j : j;
-      const int b = layout == RopeLayout::kInterleaved ? 2 * j + 1 : j + half;
-      const float x0 = v[a], x1 = v[b];
-      v[a] = x0 * cos[j] - x1 * sin[j];
-      v[b] = x0 * sin[j] + x1 * cos[j];
-    }
-  }
-}
-
-void add_bias(float* x, const std::vector<float>& b, int64_t n) {
-  const int64_t d = int64_t(b.size());
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t i = 0; i < d; ++i) x[t * d + i] += b[i];
-}
-
-}  // namespace
 
 CpuBackend::CpuBackend(const model::Model& model, const BackendConfig& config)
     : model_(model), config_(config) {
   const ModelConfig& c = model.config();
-  if (config.context_tokens < 0)
-    fail(StatusCode::kInvalidArgument, "context size must be positive");
-  context_tokens_ = config.context_tokens > 0 ? config.context_tokens : c.context_length;
-  if (config.pool_tokens < 0 || (config.pool_tokens > 0 && config.pool_tokens < context_tokens_))
-    fail(StatusCode::kInvalidArgument,
-         "the KV pool (" + std::to_string(config.pool_tokens) +
-             " tokens) cannot hold one sequence of the context (" +
-             std::to_string(context_tokens_) + " tokens): enlarge the pool or shorten the context");
-  if (config.n_threads < 1 || config.n_threads > 256)
-    fail(StatusCode::kInvalidArgument, "thread count must be in [1, 256]");
-  if (config.block_tokens < 1 || config.block_tokens > 4096)
-    fail(StatusCode::kInvalidArgument, "block_tokens must be in [1, 4096]");
-  if (config.prefill_chunk_tokens < 1)
-    fail(StatusCode::kInvalidArgument, "prefill chunk must be positive");
-  if (cache::kv_scheme_is_gaac(config.kv_scheme) && !config.gaac_calibration)
-    fail(StatusCode::kInvalidArgument,
-         std::string("KV scheme ") + cache::kv_scheme_name(config.kv_scheme) +
-             " needs a GAAC calibration of this model (BackendConfig.gaac_calibration)");
+  const CheckedConfig checked = check_backend_config(model, config);
+  context_tokens_ = checked.context_tokens;
+  metered_ = checked.metered;
+  delta_loc_ = checked.delta_loc;
   pool_ = std::make_unique<ThreadPool>(config.n_threads);
+  host_ = std::make_unique<HostForward>(model, *pool_, config.activations);
   cache::KvCacheConfig kv;
   kv.n_layers = c.n_layers;
   kv.n_kv_heads = c.n_kv_heads;
@@ -112,27 +37,7 @@ CpuBackend::CpuBackend(const model::Model& model, const BackendConfig& config)
   kv.outlier_pairs = config.outlier_pairs;
   kv.recent_window_tokens = config.recent_window_tokens;
   kv.witness = config.witness;
-  if (config.outlier_pairs > c.head_dim / 2)
-    fail(StatusCode::kInvalidArgument,
-         "outlier pairs " + std::to_string(config.outlier_pairs) + " exceed head_dim / 2 = " +
-             std::to_string(c.head_dim / 2));
   const MeterConfig& meter = config.meter;
-  if (!(meter.tau > 0))
-    fail(StatusCode::kInvalidArgument, "meter tau must be positive, got " + std::to_string(meter.tau));
-  if (!(meter.delta_req > 0 && meter.delta_req < 1))
-    fail(StatusCode::kInvalidArgument,
-         "meter delta must be in (0, 1), got " + std::to_string(meter.delta_req));
-  if (meter.planned_steps < 0 || meter.sample_every < 1)
-    fail(StatusCode::kInvalidArgument, "meter planned_steps must be >= 0 and sample_every >= 1");
-  metered_ = meter.enabled && cache::kv_scheme_is_lossy(config.kv_scheme);
-  if (meter.gate && !cache::kv_scheme_is_lossy(config.kv_scheme))
-    fail(StatusCode::kInvalidArgument,
-         std::string("the gate needs a lossy KV scheme (this one is ") +
-             cache::kv_scheme_name(config.kv_scheme) + ")");
-  if (meter.gate && !meter.enabled)
-    fail(StatusCode::kInvalidArgument, "the gate needs the meter (meter.enabled)");
-  delta_loc_ = gate::local_delta(meter.delta_req, c.n_layers, c.n_heads,
-                                 meter.planned_steps > 0 ? meter.planned_steps : context_tokens_);
   const SparseConfig& sparse = config.sparse;
   if (!sparse.enabled && sparse.deviations != 0)
     fail(StatusCode::kInvalidArgument, "sparse deviations widen sparse decode's selection: enable sparse decode");
@@ -566,24 +471,6 @@ void CpuBackend::gate_repairs(cache::SeqId seq, SequenceState& st, int layer,
   }
 }
 
-void CpuBackend::ensure_buffers(int64_t n) {
-  if (n <= buffer_tokens_) return;
-  const ModelConfig& c = model_.config();
-  const int64_t q_dim = int64_t(c.n_heads) * c.head_dim;
-  const int64_t kv_dim = int64_t(c.n_kv_heads) * c.head_dim;
-  x_.resize(size_t(n * c.dim));
-  xn_.resize(size_t(n * std::max<int64_t>(c.dim, q_dim)));
-  q_.resize(size_t(n * q_dim));
-  k_.resize(size_t(n * kv_dim));
-  v_.resize(size_t(n * kv_dim));
-  attn_.resize(size_t(n * q_dim));
-  gate_.resize(size_t(n * c.ffn_dim));
-  up_.resize(size_t(n * c.ffn_dim));
-  cos_.resize(size_t(n * c.head_dim / 2));
-  sin_.resize(size_t(n * c.head_dim / 2));
-  buffer_tokens_ = n;
-}
-
 bool CpuBackend::plain_decode(const SequenceState& st, int layer, int64_t n) const {
   return n == 1 && !device_ && !(st.index && sparse_layer(st, layer));
 }
@@ -602,96 +489,35 @@ void CpuBackend::attend(cache::SeqId seq, SequenceState& st, int layer,
 void CpuBackend::forward(std::span<const BatchItem> items) {
   const ModelConfig& c = model_.config();
   // Everything is checked before anything changes.
-  for (size_t i = 0; i < items.size(); ++i) {
-    const BatchItem& it = items[i];
-    state(it.seq);
-    for (size_t j = 0; j < i; ++j)
-      if (items[j].seq == it.seq)
-        fail(StatusCode::kInvalidArgument,
-             "sequence " + std::to_string(it.seq) + " appears twice in one forward step");
-    if (it.n < 1 || !it.tokens) fail(StatusCode::kInvalidArgument, "a forward item needs at least one token");
-    const int64_t past = cache_->length(it.seq);
-    if (past + it.n > context_tokens_)
-      fail(StatusCode::kOutOfRange, "the input (" + std::to_string(it.n) + " tokens, " +
-                                        std::to_string(past) +
-                                        " already in the cache) is longer than the context (" +
-                                        std::to_string(context_tokens_) + " tokens)");
-    for (int64_t t = 0; t < it.n; ++t)
-      if (it.tokens[t] < 0 || it.tokens[t] >= c.n_vocab)
-        fail(StatusCode::kInvalidArgument, "token id " + std::to_string(it.tokens[t]) +
-                                               " is outside the vocabulary (" +
-                                               std::to_string(c.n_vocab) + ")");
-  }
+  const StepRows rows = plan_step(items, c, context_tokens_, [&](cache::SeqId seq) {
+    state(seq);
+    return cache_->length(seq);
+  });
   for (const BatchItem& it : items)
     if (!reserve(it.seq, it.n))
       fail(StatusCode::kOutOfMemory,
            "the KV pool cannot hold " + std::to_string(it.n) + " more tokens of sequence " +
                std::to_string(it.seq) + " (" + std::to_string(pool_pages_in_use()) + " of " +
                std::to_string(pool_capacity_pages()) + " pages in use)");
+  if (rows.n_rows == 0) return;
 
-  const int dim = c.dim;
   const int hd = c.head_dim;
-  const int half = hd / 2;
   const int64_t q_dim = int64_t(c.n_heads) * hd;
   const int64_t kv_dim = int64_t(c.n_kv_heads) * hd;
-  // Rows of every item, stacked: item i owns rows [row0[i], row0[i] + n).
-  std::vector<int64_t> row0(items.size()), pos0(items.size());
-  int64_t n_rows = 0;
-  for (size_t i = 0; i < items.size(); ++i) {
-    row0[i] = n_rows;
-    pos0[i] = cache_->length(items[i].seq);
-    n_rows += items[i].n;
-  }
-  if (n_rows == 0) return;
-  ensure_buffers(n_rows);
-
-  const WeightMatrix& embd = model_.token_embedding();
-  const std::vector<float>& inv_freq = model_.rope_inv_freq();
-  for (size_t i = 0; i < items.size(); ++i)
-    for (int64_t t = 0; t < items[i].n; ++t) {
-      const int64_t r = row0[i] + t;
-      model::dequantize_row(embd.type, embd.data + size_t(items[i].tokens[t]) * embd.row_bytes,
-                            &x_[size_t(r * dim)], dim);
-      for (int j = 0; j < half; ++j) {
-        const double angle = double(pos0[i] + t) * inv_freq[size_t(j)];
-        cos_[size_t(r * half + j)] = float(std::cos(angle));
-        sin_[size_t(r * half + j)] = float(std::sin(angle));
-      }
-    }
-
   attention::AttentionShape shape;
   shape.n_q_heads = c.n_heads;
   shape.n_kv_heads = c.n_kv_heads;
   shape.head_dim = hd;
   shape.scale = c.attention_scale();
   const int group = c.n_heads / c.n_kv_heads;
+  const std::vector<int64_t>& row0 = rows.row0;
+  const std::vector<int64_t>& pos0 = rows.pos0;
 
-  for (int layer = 0; layer < c.n_layers; ++layer) {
-    const LayerWeights& w = model_.layer(layer);
-    for (int64_t t = 0; t < n_rows; ++t)
-      rms_norm(&x_[size_t(t * dim)], w.attn_norm.data(), dim, c.rms_eps, &xn_[size_t(t * dim)]);
-    model::matmul(w.wq, xn_.data(), n_rows, q_.data(), *pool_, config_.activations);
-    model::matmul(w.wk, xn_.data(), n_rows, k_.data(), *pool_, config_.activations);
-    model::matmul(w.wv, xn_.data(), n_rows, v_.data(), *pool_, config_.activations);
-    if (c.qkv_bias) {
-      add_bias(q_.data(), w.bq, n_rows);
-      add_bias(k_.data(), w.bk, n_rows);
-      add_bias(v_.data(), w.bv, n_rows);
-    }
-    for (int64_t t = 0; t < n_rows; ++t) {
-      float* qt = &q_[size_t(t * q_dim)];
-      float* kt = &k_[size_t(t * kv_dim)];
-      if (c.qk_norm) {
-        for (int h = 0; h < c.n_heads; ++h) rms_norm(qt + h * hd, w.q_norm.data(), hd, c.rms_eps, qt + h * hd);
-        for (int h = 0; h < c.n_kv_heads; ++h) rms_norm(kt + h * hd, w.k_norm.data(), hd, c.rms_eps, kt + h * hd);
-      }
-      apply_rope(qt, c.n_heads, hd, c.rope_layout, &cos_[size_t(t * half)], &sin_[size_t(t * half)]);
-      apply_rope(kt, c.n_kv_heads, hd, c.rope_layout, &cos_[size_t(t * half)], &sin_[size_t(t * half)]);
-    }
+  host_->run(rows, [&](int layer, const float* q_all, const float* k_all, const float* v_all, float* out_all) {
     for (size_t i = 0; i < items.size(); ++i) {
       const BatchItem& it = items[i];
       SequenceState& st = states_.at(it.seq);
-      const float* q = &q_[size_t(row0[i] * q_dim)];
+      const float* q = q_all + row0[i] * q_dim;
       if (config_.capture_queries)
         st.last_queries[size_t(layer)].assign(q + (it.n - 1) * q_dim, q + it.n * q_dim);
       if (st.index && !st.index_built && layer >= config_.sparse.dense_layers) {
@@ -704,8 +530,10 @@ void CpuBackend::forward(std::span<const BatchItem> items) {
             for (int d = 0; d < hd; ++d)
               sums[size_t(h / group) * size_t(hd) + size_t(d)] += q[size_t(t * q_dim + h * hd + d)];
       }
-      cache_->write(it.seq, layer, &k_[size_t(row0[i] * kv_dim)], &v_[size_t(row0[i] * kv_dim)], it.n);
-      if (device_) device_->write(layer, pos0[i], &k_[size_t(row0[i] * kv_dim)], &v_[size_t(row0[i] * kv_dim)], it.n);
+      const float* k = k_all + row0[i] * kv_dim;
+      const float* v = v_all + row0[i] * kv_dim;
+      cache_->write(it.seq, layer, k, v, it.n);
+      if (device_) device_->write(layer, pos0[i], k, v, it.n);
     }
     // The one-token steps of plain decode attention go to the pool together; the others (prefill
     // chunks, sparse and device steps) one by one.
@@ -715,8 +543,8 @@ void CpuBackend::forward(std::span<const BatchItem> items) {
     for (size_t i = 0; i < items.size(); ++i) {
       const BatchItem& it = items[i];
       SequenceState& st = states_.at(it.seq);
-      const float* q = &q_[size_t(row0[i] * q_dim)];
-      float* out = &attn_[size_t(row0[i] * q_dim)];
+      const float* q = q_all + row0[i] * q_dim;
+      float* out = out_all + row0[i] * q_dim;
       if (!plain_decode(st, layer, it.n)) {
         attend(it.seq, st, layer, shape, pos0[i], it.n, q, out);
         continue;
@@ -741,58 +569,12 @@ void CpuBackend::forward(std::span<const BatchItem> items) {
         after_metered_attention(items[i].seq, states_.at(items[i].seq), layer, shape, pos0[i],
                                 decodes[j].q, decodes[j].out);
       }
-    model::matmul(w.wo, attn_.data(), n_rows, xn_.data(), *pool_, config_.activations);
-    for (int64_t i = 0; i < n_rows * dim; ++i) x_[size_t(i)] += xn_[size_t(i)];
-
-    for (int64_t t = 0; t < n_rows; ++t)
-      rms_norm(&x_[size_t(t * dim)], w.ffn_norm.data(), dim, c.rms_eps, &xn_[size_t(t * dim)]);
-    model::matmul(w.w_gate, xn_.data(), n_rows, gate_.data(), *pool_, config_.activations);
-    model::matmul(w.w_up, xn_.data(), n_rows, up_.data(), *pool_, config_.activations);
-    swiglu_rows(gate_.data(), up_.data(), n_rows, c.ffn_dim);
-    model::matmul(w.w_down, gate_.data(), n_rows, xn_.data(), *pool_, config_.activations);
-    for (int64_t i = 0; i < n_rows * dim; ++i) x_[size_t(i)] += xn_[size_t(i)];
-  }
+  });
   for (const BatchItem& it : items) {
     cache_->commit(it.seq, it.n);
     SequenceState& st = states_.at(it.seq);
     if (st.index && !st.index_built) st.query_count += it.n;
   }
-
-  // Logits: the items that want every row get their own product (straight into their buffer);
-  // the last rows of the others share one.
-  const float* out_norm = model_.output_norm().data();
-  std::vector<size_t> last_only;
-  for (size_t i = 0; i < items.size(); ++i) {
-    const BatchItem& it = items[i];
-    if (it.all_logits) {
-      for (int64_t t = 0; t < it.n; ++t)
-        rms_norm(&x_[size_t((row0[i] + t) * dim)], out_norm, dim, c.rms_eps, &xn_[size_t(t * dim)]);
-      model::matmul(model_.output(), xn_.data(), it.n, it.all_logits, *pool_, config_.activations);
-      if (it.last_logits)
-        std::memcpy(it.last_logits, it.all_logits + (it.n - 1) * c.n_vocab, sizeof(float) * size_t(c.n_vocab));
-    } else if (it.last_logits) {
-      last_only.push_back(i);
-    }
-  }
-  if (!last_only.empty()) {
-    const int64_t m = int64_t(last_only.size());
-    for (int64_t j = 0; j < m; ++j) {
-      const size_t i = last_only[size_t(j)];
-      rms_norm(&x_[size_t((row0[i] + items[i].n - 1) * dim)], out_norm, dim, c.rms_eps,
-               &xn_[size_t(j * dim)]);
-    }
-    float* dst = items[last_only[0]].last_logits;
-    if (m > 1) {
-      logits_.resize(size_t(m) * size_t(c.n_vocab));
-      dst = logits_.data();
-    }
-    model::matmul(model_.output(), xn_.data(), m, dst, *pool_, config_.activations);
-    if (m > 1)
-      for (int64_t j = 0; j < m; ++j)
-        std::memcpy(items[last_only[size_t(j)]].last_logits, &logits_[size_t(j) * size_t(c.n_vocab)],
-                    sizeof(float) * size_t(c.n_vocab));
-  }
-
   for (const BatchItem& it : items) {
     SequenceState& st = states_.at(it.seq);
     if (st.index && it.end_of_input) update_key_index(it.seq, st);

@@ -1,11 +1,6 @@
-// The CPU backend: the forward pass of the Llama family on the host, batched over any set of
-// sequences that share one paged KV cache.
-//
-// Forward pass per token (Touvron et al. 2023): x = embed(token); per layer
-//   h = x + W_o attn(rope(W_q n(x)), rope(W_k n(x)), W_v n(x));  x = h + W_down(silu(W_gate n(h)) * W_up n(h))
-// with n = RMSNorm; logits = W_out n(x). Qwen2 adds q/k/v biases, Qwen3 RMS-normalizes each head
-// of q and k before RoPE. A step stacks the rows of every sequence in the batch, so each weight
-// product reads its weights once per step; attention runs sequence by sequence over its pages.
+// The CPU backend: the forward pass on the host (backend/host_forward.h), batched over any set
+// of sequences that share one paged KV cache (cache/kv_cache.h); attention runs on the host over
+// each sequence's pages, the one-token steps of a layer together.
 //
 // With config.device kCuda decode attention runs on a CUDA device over a device copy of the one
 // live sequence's KV cache (model/device_decode.h).
@@ -19,6 +14,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/host_forward.h"
 #include "cache/key_index.h"
 #include "core/thread_pool.h"
 #include "gate/telemetry.h"
@@ -95,7 +91,6 @@ class CpuBackend final : public Backend {
   SequenceState& state(cache::SeqId seq);
   const SequenceState& state(cache::SeqId seq) const;
   SequenceState make_state() const;
-  void ensure_buffers(int64_t n);
   // Whether a one-token step of the sequence goes through decode_attention (batched with the
   // step's other such sequences): not sparse, not on the device.
   bool plain_decode(const SequenceState& st, int layer, int64_t n) const;
@@ -131,10 +126,9 @@ class CpuBackend final : public Backend {
   BackendConfig config_;
   int64_t context_tokens_ = 0;
   std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<HostForward> host_;
   std::unique_ptr<cache::KvCache> cache_;
   std::unordered_map<cache::SeqId, SequenceState> states_;
-  int64_t buffer_tokens_ = 0;
-  std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, cos_, sin_, logits_;
   bool metered_ = false;
   double delta_loc_ = 0;
   std::vector<attention::HeadMeter> meters_;

@@ -74,6 +74,7 @@ struct PagePool {
   int64_t next = 0;
   int64_t in_use = 0;
   std::vector<int32_t> free;
+  std::vector<uint32_t> refs;  // [page]: tables naming it
 
   CudaStatus take(int64_t first_capacity, void* stream, int32_t* page) {
     if (!free.empty()) {
@@ -90,15 +91,21 @@ struct PagePool {
       }
       *page = int32_t(next++);
     }
+    if (refs.size() <= size_t(*page)) refs.resize(size_t(capacity), 0);
+    refs[size_t(*page)] = 1;
     ++in_use;
     return {};
   }
+  void retain(int32_t page) { ++refs[size_t(page)]; }
+  bool shared(int32_t page) const { return refs[size_t(page)] > 1; }
   void give_back(int32_t page) {
+    if (--refs[size_t(page)] > 0) return;
     free.push_back(page);
     --in_use;
   }
   void clear() {
     free.clear();
+    std::fill(refs.begin(), refs.end(), 0u);
     next = 0;
     in_use = 0;
   }
@@ -109,7 +116,7 @@ struct DeviceKvCache::Layer {
   PagePool slots[2];               // GAAC: K and V slots; lossy: K and V pages
   size_t escape_capacity[2] = {0, 0};
   std::vector<uint32_t> slot_used[2];  // GAAC: used bytes of each slot (read_page)
-  DeviceBuffer tables;             // [2][n_kv_heads][table_stride] int32
+  DeviceBuffer tables;             // [slot][2][n_kv_heads][table_stride] int32
   std::vector<int32_t> host_tables;
   DeviceBuffer bases;              // GAAC: [2][n_kv_heads][2][head_dim]
   DeviceBuffer dither_keys;        // dither8: [2][n_kv_heads] uint64
@@ -175,17 +182,14 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
   }
   c->table_stride_ = (config.max_tokens + config.block_tokens - 1) / config.block_tokens;
   c->raw_bytes_ = size_t(config.block_tokens) * size_t(config.head_dim) * size_t(format::gaac_element_bytes(element));
-  c->written_.assign(size_t(config.n_layers), 0);
+  if (config.sequences < 0)
+    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: sequences at create must be >= 0");
   const int H = config.n_kv_heads;
   const int D = config.head_dim;
-  CudaStatus s = DeviceBuffer::allocate(sizeof(int32_t) * size_t(config.n_layers), &c->lengths_);
-  if (s.ok) s = cuda_check(cudaMemsetAsync(c->lengths_.data(), 0, c->lengths_.size(), as_stream(config.stream)), "memset");
+  CudaStatus s = {};
   for (int l = 0; s.ok && l < config.n_layers; ++l) {
     auto layer = std::make_unique<Layer>();
     layer->raw.stride = round16(c->raw_bytes_);
-    layer->host_tables.assign(size_t(2) * H * size_t(c->table_stride_), kUnwritten);
-    s = DeviceBuffer::allocate(layer->host_tables.size() * sizeof(int32_t), &layer->tables);
-    if (s.ok) s = c->upload_tables(*layer);
     if (s.ok && gaac) {
       std::vector<uint8_t> bases(size_t(2) * H * 2 * D);
       for (int kv = 0; kv < 2; ++kv) {
@@ -220,9 +224,167 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
     }
     c->layers_.push_back(std::move(layer));
   }
+  if (s.ok) s = c->grow_slots(std::max(config.sequences, 1));
+  for (int i = 0; s.ok && i < config.sequences; ++i) {
+    int slot = 0;
+    s = c->create_sequence(&slot);
+  }
   if (!s.ok) return s;
   *out = std::move(c);
   return {};
+}
+
+CudaStatus DeviceKvCache::grow_slots(int64_t slots) {
+  if (slots <= slot_capacity_) return {};
+  const int64_t grown = std::max<int64_t>(slots, slot_capacity_ * 2);
+  const size_t per_slot = size_t(2) * size_t(config_.n_kv_heads) * size_t(table_stride_);
+  // The stream may still read the old tables and lengths.
+  CudaStatus s = cuda_check(cudaStreamSynchronize(as_stream(config_.stream)), "table growth");
+  for (auto& layer : layers_) {
+    if (!s.ok) return s;
+    layer->host_tables.resize(per_slot * size_t(grown), kUnwritten);
+    s = DeviceBuffer::allocate(layer->host_tables.size() * sizeof(int32_t), &layer->tables);
+    if (s.ok) s = upload_tables(*layer);
+  }
+  if (!s.ok) return s;
+  const size_t old_lengths = lengths_.size();
+  s = grow(lengths_, old_lengths, sizeof(int32_t) * size_t(grown) * size_t(config_.n_layers), config_.stream);
+  if (s.ok)
+    s = cuda_check(cudaMemsetAsync(lengths_.data() + old_lengths, 0, lengths_.size() - old_lengths,
+                                   as_stream(config_.stream)),
+                   "length growth");
+  if (!s.ok) return s;
+  written_.resize(size_t(grown) * size_t(config_.n_layers), 0);
+  live_.resize(size_t(grown), 0);
+  for (int64_t slot = grown - 1; slot >= slot_capacity_; --slot) free_slots_.push_back(int(slot));
+  slot_capacity_ = grown;
+  return {};
+}
+
+CudaStatus DeviceKvCache::upload_slot_lengths(int slot) {
+  std::vector<int32_t> lengths(size_t(config_.n_layers));
+  for (int l = 0; l < config_.n_layers; ++l) lengths[size_t(l)] = int32_t(written(slot, l));
+  // Pageable host memory: staged before cudaMemcpyAsync returns.
+  return cuda_check(cudaMemcpyAsync(lengths_.data() + sizeof(int32_t) * size_t(slot) * size_t(config_.n_layers),
+                                    lengths.data(), sizeof(int32_t) * lengths.size(), cudaMemcpyHostToDevice,
+                                    as_stream(config_.stream)),
+                    "length upload");
+}
+
+CudaStatus DeviceKvCache::create_sequence(int* slot) {
+  if (slot == nullptr) return cuda_error(StatusCode::kInvalidArgument, "device KV cache: create_sequence needs a slot");
+  if (broken_)
+    return cuda_error(StatusCode::kInternal, "device KV cache: an earlier call failed (" + broken_reason_ +
+                                                 "); its pages and tables are no longer trusted: reset() it");
+  if (free_slots_.empty()) {
+    const CudaStatus s = grow_slots(slot_capacity_ + 1);
+    if (!s.ok) return s;
+  }
+  *slot = free_slots_.back();
+  free_slots_.pop_back();
+  live_[size_t(*slot)] = 1;
+  std::fill_n(written_.begin() + ptrdiff_t(*slot) * config_.n_layers, config_.n_layers, 0);
+  // The slot's tables are unwritten (a freed slot's were reset); its lengths start at 0.
+  return upload_slot_lengths(*slot);
+}
+
+void DeviceKvCache::release_entry(Layer& layer, int kv, int32_t entry) {
+  if (entry == kUnwritten) return;
+  const bool coded = config_.scheme != KvScheme::kBf16;
+  if (!coded)
+    layer.raw.give_back(entry);
+  else if (entry < 0)
+    layer.raw.give_back(-entry - 1);
+  else
+    layer.slots[kv].give_back(entry);
+}
+
+CudaStatus DeviceKvCache::free_sequence(int slot) {
+  if (!live(slot))
+    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: slot " + std::to_string(slot) + " is not live");
+  const int H = config_.n_kv_heads;
+  CudaStatus s = {};
+  for (int l = 0; l < config_.n_layers; ++l) {
+    Layer& layer = *layers_[size_t(l)];
+    const int64_t blocks = (written(slot, l) + config_.block_tokens - 1) / config_.block_tokens;
+    for (int kv = 0; kv < 2; ++kv)
+      for (int h = 0; h < H; ++h)
+        for (int64_t b = 0; b < blocks; ++b) {
+          int32_t& entry = layer.host_tables[entry_index(slot, kv, h, b)];
+          release_entry(layer, kv, entry);
+          entry = kUnwritten;
+        }
+    if (s.ok && blocks > 0) s = upload_table_blocks(layer, slot, 0, blocks);
+  }
+  live_[size_t(slot)] = 0;
+  std::fill_n(written_.begin() + ptrdiff_t(slot) * config_.n_layers, config_.n_layers, 0);
+  free_slots_.push_back(slot);
+  if (!s.ok) {
+    broken_ = true;
+    broken_reason_ = s.message;
+  }
+  return s;
+}
+
+CudaStatus DeviceKvCache::fork_prefix(int parent, int64_t n_tokens, int* child) {
+  if (child == nullptr) return cuda_error(StatusCode::kInvalidArgument, "device KV cache: fork_prefix needs a slot");
+  if (!live(parent))
+    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: slot " + std::to_string(parent) + " is not live");
+  const int T = config_.block_tokens;
+  for (int l = 0; l < config_.n_layers; ++l)
+    if (n_tokens < 0 || n_tokens % T != 0 || n_tokens > written(parent, l))
+      return cuda_error(StatusCode::kInvalidArgument,
+                        "device KV cache: a shared prefix is whole blocks the parent has written (" +
+                            std::to_string(n_tokens) + " tokens, layer " + std::to_string(l) + " holds " +
+                            std::to_string(written(parent, l)) + ")");
+  CudaStatus s = create_sequence(child);
+  if (!s.ok) return s;
+  const int H = config_.n_kv_heads;
+  const bool coded = config_.scheme != KvScheme::kBf16;
+  const int64_t blocks = n_tokens / T;
+  for (int l = 0; l < config_.n_layers && s.ok; ++l) {
+    Layer& layer = *layers_[size_t(l)];
+    for (int kv = 0; kv < 2; ++kv)
+      for (int h = 0; h < H; ++h)
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int32_t entry = layer.host_tables[entry_index(parent, kv, h, b)];
+          if (!coded)
+            layer.raw.retain(entry);
+          else if (entry < 0)
+            layer.raw.retain(-entry - 1);
+          else
+            layer.slots[kv].retain(entry);
+          layer.host_tables[entry_index(*child, kv, h, b)] = entry;
+        }
+    written_[size_t(*child) * size_t(config_.n_layers) + size_t(l)] = n_tokens;
+    if (blocks > 0) s = upload_table_blocks(layer, *child, 0, blocks);
+  }
+  if (s.ok) s = upload_slot_lengths(*child);
+  if (!s.ok) {
+    broken_ = true;
+    broken_reason_ = s.message;
+  }
+  return s;
+}
+
+DeviceSequenceBytes DeviceKvCache::sequence_bytes(int slot) const {
+  DeviceSequenceBytes bytes;
+  if (!live(slot)) return bytes;
+  const bool coded = config_.scheme != KvScheme::kBf16;
+  for (int l = 0; l < config_.n_layers; ++l) {
+    const Layer& layer = *layers_[size_t(l)];
+    const int64_t blocks = (written(slot, l) + config_.block_tokens - 1) / config_.block_tokens;
+    for (int kv = 0; kv < 2; ++kv)
+      for (int h = 0; h < config_.n_kv_heads; ++h)
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int32_t entry = layer.host_tables[entry_index(slot, kv, h, b)];
+          if (coded && entry >= 0)
+            bytes.coded += layer.slots[kv].stride;
+          else
+            bytes.raw += layer.raw.stride;
+        }
+  }
+  return bytes;
 }
 
 CudaStatus DeviceKvCache::upload_tables(const Layer& layer) {
@@ -232,25 +394,28 @@ CudaStatus DeviceKvCache::upload_tables(const Layer& layer) {
                     "block table upload");
 }
 
-CudaStatus DeviceKvCache::upload_table_blocks(const Layer& layer, int64_t block_begin, int64_t block_end) {
-  // Entries [block_begin, block_end) of every (K/V, kv_head) table: one 2D copy.
+CudaStatus DeviceKvCache::upload_table_blocks(const Layer& layer, int slot, int64_t block_begin, int64_t block_end) {
+  // Entries [block_begin, block_end) of every (K/V, kv_head) table of the slot: one 2D copy.
   const size_t pitch = sizeof(int32_t) * size_t(table_stride_);
-  return cuda_check(cudaMemcpy2DAsync(layer.tables.data() + sizeof(int32_t) * size_t(block_begin), pitch,
-                                      layer.host_tables.data() + block_begin, pitch,
+  const size_t first = entry_index(slot, 0, 0, block_begin);
+  return cuda_check(cudaMemcpy2DAsync(layer.tables.data() + sizeof(int32_t) * first, pitch,
+                                      layer.host_tables.data() + first, pitch,
                                       sizeof(int32_t) * size_t(block_end - block_begin),
                                       size_t(2) * size_t(config_.n_kv_heads), cudaMemcpyHostToDevice,
                                       as_stream(config_.stream)),
                     "block table upload");
 }
 
-CudaStatus DeviceKvCache::write(int layer_index, const float* k, const float* v, int64_t n) {
+CudaStatus DeviceKvCache::write(int slot, int layer_index, const float* k, const float* v, int64_t n) {
+  if (!live(slot))
+    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: slot " + std::to_string(slot) + " is not live");
   if (broken_)
     return cuda_error(StatusCode::kInternal, "device KV cache: an earlier call failed (" + broken_reason_ +
                                                  "); its pages and tables are no longer trusted: reset() it");
   if (layer_index < 0 || layer_index >= config_.n_layers)
     return cuda_error(StatusCode::kOutOfRange, "device KV cache: layer " + std::to_string(layer_index) + " of " +
                                                    std::to_string(config_.n_layers));
-  const int64_t first = written_[size_t(layer_index)];
+  const int64_t first = written(slot, layer_index);
   if (n < 0 || n > config_.max_tokens - first)
     return cuda_error(StatusCode::kOutOfRange, "device KV cache: " + std::to_string(n) + " tokens after " +
                                                    std::to_string(first) + " pass the capacity of " +
@@ -259,7 +424,7 @@ CudaStatus DeviceKvCache::write(int layer_index, const float* k, const float* v,
   if (k == nullptr || v == nullptr) return cuda_error(StatusCode::kInvalidArgument, "device KV cache: write needs its K and V rows");
   // From here a failure leaves pages taken and tables half updated: the cache refuses every
   // call but reset() after one.
-  const CudaStatus s = append(layer_index, first, k, v, n);
+  const CudaStatus s = append(slot, layer_index, first, k, v, n);
   if (!s.ok) {
     broken_ = true;
     broken_reason_ = s.message;
@@ -267,7 +432,7 @@ CudaStatus DeviceKvCache::write(int layer_index, const float* k, const float* v,
   return s;
 }
 
-CudaStatus DeviceKvCache::append(int layer_index, int64_t first, const float* k, const float* v, int64_t n) {
+CudaStatus DeviceKvCache::append(int slot, int layer_index, int64_t first, const float* k, const float* v, int64_t n) {
   const int H = config_.n_kv_heads;
   const int D = config_.head_dim;
   const int T = config_.block_tokens;
@@ -290,11 +455,11 @@ CudaStatus DeviceKvCache::append(int layer_index, int64_t first, const float* k,
         int32_t page = 0;
         CudaStatus s = layer.raw.take(kFirstRawBlocks * 2 * H, stream, &page);
         if (!s.ok) return s;
-        layer.host_tables[(size_t(kv) * H + h) * size_t(table_stride_) + size_t(b)] = coded ? -page - 1 : page;
+        layer.host_tables[entry_index(slot, kv, h, b)] = coded ? -page - 1 : page;
       }
   CudaStatus s = {};
   if (block_end > new_begin) {
-    s = upload_table_blocks(layer, new_begin, block_end);
+    s = upload_table_blocks(layer, slot, new_begin, block_end);
     if (!s.ok) return s;
   }
 
@@ -320,21 +485,22 @@ CudaStatus DeviceKvCache::append(int layer_index, int64_t first, const float* k,
   a.head_dim = D;
   a.block_tokens = T;
   a.element = scheme_element(config_.scheme);
-  a.tables = reinterpret_cast<const int32_t*>(layer.tables.data());
+  a.tables = reinterpret_cast<const int32_t*>(layer.tables.data()) + entry_index(slot, 0, 0, 0);
   a.table_stride = table_stride_;
   a.raw_pages = layer.raw.buffer.data();
   a.raw_page_stride = int64_t(layer.raw.stride);
   a.n_raw_pages = layer.raw.capacity;
-  a.length = reinterpret_cast<int32_t*>(lengths_.data()) + layer_index;
+  a.length = reinterpret_cast<int32_t*>(lengths_.data()) + size_t(slot) * size_t(config_.n_layers) + size_t(layer_index);
   s = append_rows(a, stream);
   if (!s.ok) return s;
   // Blocks whose last row this write stored.
   const int64_t done_end = (first + n) / T;
   if (coded && done_end > block_begin) {
-    s = lossy_ ? finalize_lossy(layer_index, block_begin, done_end) : finalize(layer_index, block_begin, done_end);
+    s = lossy_ ? finalize_lossy(slot, layer_index, block_begin, done_end)
+               : finalize(slot, layer_index, block_begin, done_end);
     if (!s.ok) return s;
   }
-  written_[size_t(layer_index)] = first + n;
+  written_[size_t(slot) * size_t(config_.n_layers) + size_t(layer_index)] = first + n;
   return {};
 }
 
@@ -359,7 +525,7 @@ CudaStatus DeviceKvCache::read_encode_results(const uint8_t* results, void* host
   return s;
 }
 
-CudaStatus DeviceKvCache::finalize(int layer_index, int64_t block_begin, int64_t block_end) {
+CudaStatus DeviceKvCache::finalize(int slot, int layer_index, int64_t block_begin, int64_t block_end) {
   Layer& layer = *layers_[size_t(layer_index)];
   const int H = config_.n_kv_heads;
   const int D = config_.head_dim;
@@ -372,18 +538,18 @@ CudaStatus DeviceKvCache::finalize(int layer_index, int64_t block_begin, int64_t
   for (int kv = 0; kv < 2; ++kv)
     for (int h = 0; h < H; ++h)
       for (int64_t b = block_begin; b < block_end; ++b) {
-        const int32_t entry = layer.host_tables[(size_t(kv) * H + h) * size_t(table_stride_) + size_t(b)];
-        int32_t slot = 0;
-        CudaStatus s = layer.slots[kv].take(int64_t(H) * kFirstSlotBlocks, stream, &slot);
+        const int32_t entry = layer.host_tables[entry_index(slot, kv, h, b)];
+        int32_t page = 0;
+        CudaStatus s = layer.slots[kv].take(int64_t(H) * kFirstSlotBlocks, stream, &page);
         if (!s.ok) return s;
         codec::cuda::GaacEncodeTask t;
         t.src = layer.raw.buffer.data() + size_t(-int64_t(entry) - 1) * layer.raw.stride;
-        t.dst = layer.slots[kv].buffer.data() + size_t(slot) * layer.slots[kv].stride;
+        t.dst = layer.slots[kv].buffer.data() + size_t(page) * layer.slots[kv].stride;
         t.b3 = layer.bases.data() + ((size_t(kv) * H + h) * 2 + 0) * D;
         t.b4 = layer.bases.data() + ((size_t(kv) * H + h) * 2 + 1) * D;
         t.escape_capacity = uint32_t(layer.escape_capacity[kv]);
         tasks.push_back(t);
-        slots.push_back(slot);
+        slots.push_back(page);
       }
   // A slot pool that grew while the tasks were made moved: point every task at the final pool.
   {
@@ -408,7 +574,7 @@ CudaStatus DeviceKvCache::finalize(int layer_index, int64_t block_begin, int64_t
   for (int kv = 0; kv < 2; ++kv)
     for (int h = 0; h < H; ++h)
       for (int64_t b = block_begin; b < block_end; ++b, ++i) {
-        int32_t& entry = layer.host_tables[(size_t(kv) * H + h) * size_t(table_stride_) + size_t(b)];
+        int32_t& entry = layer.host_tables[entry_index(slot, kv, h, b)];
         if (used[i] == codec::cuda::kGaacDeviceDoesNotFit) {
           layer.slots[kv].give_back(slots[i]);
           ++blocks_not_fitting_;
@@ -419,7 +585,7 @@ CudaStatus DeviceKvCache::finalize(int layer_index, int64_t block_begin, int64_t
         if (layer.slot_used[kv].size() <= size_t(slots[i])) layer.slot_used[kv].resize(size_t(slots[i]) + 1);
         layer.slot_used[kv][size_t(slots[i])] = used[i];
       }
-  return upload_table_blocks(layer, block_begin, block_end);
+  return upload_table_blocks(layer, slot, block_begin, block_end);
 }
 
 codec::LossyPageSpec DeviceKvCache::lossy_spec(bool key) const {
@@ -486,7 +652,7 @@ CudaStatus DeviceKvCache::note_outlier_rows(int layer_index, int64_t first, cons
   return {};
 }
 
-CudaStatus DeviceKvCache::finalize_lossy(int layer_index, int64_t block_begin, int64_t block_end) {
+CudaStatus DeviceKvCache::finalize_lossy(int slot, int layer_index, int64_t block_begin, int64_t block_end) {
   Layer& layer = *layers_[size_t(layer_index)];
   const int H = config_.n_kv_heads;
   const int D = config_.head_dim;
@@ -508,18 +674,18 @@ CudaStatus DeviceKvCache::finalize_lossy(int layer_index, int64_t block_begin, i
   for (int kv = 0; kv < 2; ++kv)
     for (int h = 0; h < H; ++h)
       for (int64_t b = block_begin; b < block_end; ++b) {
-        const int32_t entry = layer.host_tables[(size_t(kv) * H + h) * size_t(table_stride_) + size_t(b)];
-        int32_t slot = 0;
-        CudaStatus s = layer.slots[kv].take(int64_t(H) * kFirstSlotBlocks, stream, &slot);
+        const int32_t entry = layer.host_tables[entry_index(slot, kv, h, b)];
+        int32_t page = 0;
+        CudaStatus s = layer.slots[kv].take(int64_t(H) * kFirstSlotBlocks, stream, &page);
         if (!s.ok) return s;
         codec::cuda::LossyEncodeTask t;
         t.src = reinterpret_cast<const uint16_t*>(layer.raw.buffer.data() + size_t(-int64_t(entry) - 1) * layer.raw.stride);
-        t.page_slot = uint32_t(slot);
+        t.page_slot = uint32_t(page);
         if (dither8) t.dither_key = codec::dither8_key(layer_index, kv == 0, h);
         if (kv == 0 && m > 0)
           t.outlier_pairs = reinterpret_cast<const uint16_t*>(layer.outlier_pairs.data()) + size_t(h) * m;
         tasks.push_back(t);
-        slots.push_back(slot);
+        slots.push_back(page);
       }
   // Destinations once every slot is taken (a pool that grew moved).
   for (size_t i = 0; i < tasks.size(); ++i) {
@@ -542,7 +708,7 @@ CudaStatus DeviceKvCache::finalize_lossy(int layer_index, int64_t block_begin, i
   for (int kv = 0; kv < 2; ++kv)
     for (int h = 0; h < H; ++h)
       for (int64_t b = block_begin; b < block_end; ++b, ++i) {
-        int32_t& entry = layer.host_tables[(size_t(kv) * H + h) * size_t(table_stride_) + size_t(b)];
+        int32_t& entry = layer.host_tables[entry_index(slot, kv, h, b)];
         if (encoded[i] != codec::cuda::kLossyEncoded) {  // not finite, or a scale past fp16: stays exact
           layer.slots[kv].give_back(slots[i]);
           ++pages_kept_exact_;
@@ -551,11 +717,11 @@ CudaStatus DeviceKvCache::finalize_lossy(int layer_index, int64_t block_begin, i
         layer.raw.give_back(-entry - 1);
         entry = slots[i];
       }
-  return upload_table_blocks(layer, block_begin, block_end);
+  return upload_table_blocks(layer, slot, block_begin, block_end);
 }
 
-CudaStatus DeviceKvCache::store_exact_block(int layer_index, int kv_head, int64_t block, const uint16_t* k_rows,
-                                            const uint16_t* v_rows, uint64_t* bytes) {
+CudaStatus DeviceKvCache::store_exact_block(int slot, int layer_index, int kv_head, int64_t block,
+                                            const uint16_t* k_rows, const uint16_t* v_rows, uint64_t* bytes) {
   if (bytes == nullptr || k_rows == nullptr || v_rows == nullptr)
     return cuda_error(StatusCode::kInvalidArgument, "device KV cache: store_exact_block needs its rows and a byte count");
   *bytes = 0;
@@ -566,8 +732,8 @@ CudaStatus DeviceKvCache::store_exact_block(int layer_index, int kv_head, int64_
     return cuda_error(StatusCode::kInvalidArgument, std::string("device KV cache: store_exact_block needs a lossy "
                                                                 "scheme, not ") + kv_scheme_name(config_.scheme));
   const int T = config_.block_tokens;
-  if (layer_index < 0 || layer_index >= config_.n_layers || kv_head < 0 || kv_head >= config_.n_kv_heads ||
-      block < 0 || block >= written_[size_t(layer_index)] / T)
+  if (!live(slot) || layer_index < 0 || layer_index >= config_.n_layers || kv_head < 0 ||
+      kv_head >= config_.n_kv_heads || block < 0 || block >= written(slot, layer_index) / T)
     return cuda_error(StatusCode::kInvalidArgument, "device KV cache: no whole block " + std::to_string(block) +
                                                         " at layer " + std::to_string(layer_index) + ", kv head " +
                                                         std::to_string(kv_head));
@@ -577,7 +743,7 @@ CudaStatus DeviceKvCache::store_exact_block(int layer_index, int kv_head, int64_
   CudaStatus s = {};
   bool changed = false;
   for (int kv = 0; kv < 2 && s.ok; ++kv) {
-    int32_t& entry = layer.host_tables[(size_t(kv) * H + kv_head) * size_t(table_stride_) + size_t(block)];
+    int32_t& entry = layer.host_tables[entry_index(slot, kv, kv_head, block)];
     if (entry < 0) continue;  // already exact
     int32_t page = 0;
     s = layer.raw.take(kFirstRawBlocks * 2 * H, config_.stream, &page);
@@ -592,7 +758,7 @@ CudaStatus DeviceKvCache::store_exact_block(int layer_index, int kv_head, int64_
     *bytes += page_bytes;
     changed = true;
   }
-  if (s.ok && changed) s = upload_table_blocks(layer, block, block + 1);
+  if (s.ok && changed) s = upload_table_blocks(layer, slot, block, block + 1);
   if (!s.ok) {
     broken_ = true;
     broken_reason_ = s.message;
@@ -604,7 +770,7 @@ CudaStatus DeviceKvCache::reset() {
   // Until every table is uploaded the cache stays refused (a failed reset leaves it so).
   broken_ = true;
   broken_reason_ = "reset() did not finish";
-  std::fill(written_.begin(), written_.end(), 0);
+  std::fill(written_.begin(), written_.end(), 0);  // the live sequences stay live, empty
   blocks_not_fitting_ = 0;
   pages_kept_exact_ = 0;
   // dither8's outlier pairs stay chosen, as in KvCache (fixed per (layer, kv_head) once chosen).
@@ -654,8 +820,10 @@ DeviceLayerView DeviceKvCache::view(int layer_index) const {
   v.k_table = reinterpret_cast<const int32_t*>(layer.tables.data());
   v.v_table = v.k_table + size_t(H) * size_t(table_stride_);
   v.table_stride = table_stride_;
+  v.table_row_stride = 2 * int64_t(H) * table_stride_;
+  v.n_table_rows = slot_capacity_;
   v.length = reinterpret_cast<const int32_t*>(lengths_.data()) + layer_index;
-  v.host_length = written_[size_t(layer_index)];
+  v.host_length = written(0, layer_index);
   return v;
 }
 
@@ -664,32 +832,34 @@ DeviceKvStats DeviceKvCache::stats() const {
   st.blocks_not_fitting = blocks_not_fitting_;
   st.pages_kept_exact = pages_kept_exact_;
   st.bytes_reserved = staging_.size() + encode_buffer_.size() + lengths_.size();
+  for (uint8_t l : live_) st.sequences += l;
   for (const auto& layer : layers_) {
     st.raw_pages_in_use += layer->raw.in_use;
     st.bytes_in_use += uint64_t(layer->raw.in_use) * layer->raw.stride + layer->tables.size();
+    st.raw_bytes_in_use += uint64_t(layer->raw.in_use) * layer->raw.stride;
     st.bytes_reserved += layer->raw.buffer.size() + layer->tables.size() + layer->bases.size() +
                          layer->dither_keys.size() + layer->outlier_pairs.size() + layer->outlier_channels.size();
     for (const PagePool& p : layer->slots) {
       (lossy_ ? st.lossy_pages_in_use : st.slots_in_use) += p.in_use;
       st.bytes_in_use += uint64_t(p.in_use) * p.stride;
+      st.coded_bytes_in_use += uint64_t(p.in_use) * p.stride;
       st.bytes_reserved += p.buffer.size();
     }
   }
   return st;
 }
 
-CudaStatus DeviceKvCache::read_page(int layer_index, KvTensor kv, int kv_head, int64_t block,
+CudaStatus DeviceKvCache::read_page(int slot, int layer_index, KvTensor kv, int kv_head, int64_t block,
                                     DevicePageBytes* out) const {
-  if (layer_index < 0 || layer_index >= config_.n_layers || kv_head < 0 || kv_head >= config_.n_kv_heads ||
-      (kv != KvTensor::kKey && kv != KvTensor::kValue) || block < 0 ||
-      block >= (written_[size_t(layer_index)] + config_.block_tokens - 1) / config_.block_tokens)
+  if (!live(slot) || layer_index < 0 || layer_index >= config_.n_layers || kv_head < 0 ||
+      kv_head >= config_.n_kv_heads || (kv != KvTensor::kKey && kv != KvTensor::kValue) || block < 0 ||
+      block >= (written(slot, layer_index) + config_.block_tokens - 1) / config_.block_tokens)
     return cuda_error(StatusCode::kOutOfRange, "device KV cache: no page at layer " + std::to_string(layer_index) +
                                                    ", kv head " + std::to_string(kv_head) + ", block " +
                                                    std::to_string(block));
   const Layer& layer = *layers_[size_t(layer_index)];
   const int k = int(kv);
-  const int32_t entry =
-      layer.host_tables[(size_t(k) * config_.n_kv_heads + kv_head) * size_t(table_stride_) + size_t(block)];
+  const int32_t entry = layer.host_tables[entry_index(slot, k, kv_head, block)];
   const bool coded = config_.scheme != KvScheme::kBf16;
   out->gaac_slot = coded && !lossy_ && entry >= 0;
   out->lossy_page = lossy_ && entry >= 0;

@@ -56,6 +56,8 @@ struct DeviceKvCacheConfig {
   // fp8 schemes: how the K pages store their Tier A witness (fp16 bounds or u8 codes).
   codec::WitnessCode witness = codec::WitnessCode::kFp16;
   void* stream = nullptr;  // cudaStream_t for every call; null: the default stream
+  // Sequences live at create (slots 0 .. sequences - 1); more come from create_sequence.
+  int sequences = 1;
 };
 
 // The most dither8 outlier pairs per head the device serves (the decode kernels' limit).
@@ -72,10 +74,13 @@ struct DeviceLayerView {
   int64_t n_k_pages = 0, n_v_pages = 0;
   const uint8_t* raw_pages = nullptr;  // GAAC, lossy: tails, blocks that did not fit or stay exact
   int64_t raw_page_stride = 0, n_raw_pages = 0;
-  const int32_t* k_table = nullptr;  // [n_kv_heads][table_stride]
+  // Slot s's K tables: k_table + s * table_row_stride, [n_kv_heads][table_stride]; V likewise.
+  const int32_t* k_table = nullptr;
   const int32_t* v_table = nullptr;
   int64_t table_stride = 0;
-  const int32_t* length = nullptr;  // [1]: tokens written to this layer
+  int64_t table_row_stride = 0;      // 2 * n_kv_heads * table_stride
+  int64_t n_table_rows = 0;          // slots the tables hold (live or not)
+  const int32_t* length = nullptr;  // [1]: tokens of slot 0 written to this layer
   int64_t host_length = 0;          // the same, on the host
   const uint8_t* gaac_bases = nullptr;  // [2 (K, V)][n_kv_heads][2 (b3, b4)][head_dim]
   int64_t k_escape_capacity = 0, v_escape_capacity = 0;
@@ -101,6 +106,15 @@ struct DeviceKvStats {
   int64_t pages_kept_exact = 0;   // lossy pages the encoder refused since the last reset
   uint64_t bytes_in_use = 0;      // pages in use times their stride, plus the tables
   uint64_t bytes_reserved = 0;    // device memory held by pools, tables and staging
+  uint64_t raw_bytes_in_use = 0;    // raw pages in use times their stride
+  uint64_t coded_bytes_in_use = 0;  // GAAC slots and lossy pages in use times their stride
+  int64_t sequences = 0;          // live slots
+};
+
+// Page bytes one sequence's tables reference (a page shared with other sequences in full).
+struct DeviceSequenceBytes {
+  uint64_t raw = 0;    // raw pages: bf16 (E5M2 bytes for gaac-e5m2): tails, blocks kept raw
+  uint64_t coded = 0;  // GAAC slots or lossy pages
 };
 
 class DeviceKvCache {
@@ -111,35 +125,73 @@ class DeviceKvCache {
   static CudaStatus create(const DeviceKvCacheConfig& config, std::unique_ptr<DeviceKvCache>* out);
   ~DeviceKvCache();
 
-  // Appends positions [written(layer), written(layer) + n) of `layer`: k, v host floats
+  // Sequences. A sequence lives in a slot: its tables are row `slot` of every layer's tables, its
+  // pages come from the layer's pools, which every sequence shares. Pages are ref-counted: a
+  // forked prefix shares its parent's whole blocks, and a page returns to its free list when the
+  // last table naming it lets go. The functions without a slot act on slot 0.
+  // create_sequence takes a free slot (the tables grow by doubling when none is free);
+  // free_sequence gives back every page of the slot (kInvalidArgument for a slot not live).
+  CudaStatus create_sequence(int* slot);
+  CudaStatus free_sequence(int slot);
+  // A new sequence holding the parent's first n_tokens positions of every layer, shared.
+  // kInvalidArgument unless n_tokens is a multiple of block_tokens and at most what the parent
+  // has written to every layer.
+  CudaStatus fork_prefix(int parent, int64_t n_tokens, int* child);
+  bool live(int slot) const { return slot >= 0 && size_t(slot) < live_.size() && live_[size_t(slot)] != 0; }
+
+  // Appends positions [written(slot, layer), written(slot, layer) + n) of `layer`: k, v host floats
   // [n][n_kv_heads][head_dim]. kOutOfRange (nothing written) for a layer outside the model or
-  // past max_tokens. Any other failure (out of device memory, a failed copy or launch) leaves
-  // the cache refusing every write with kInternal until reset().
-  CudaStatus write(int layer, const float* k, const float* v, int64_t n);
+  // past max_tokens; kInvalidArgument for a slot not live. Any other failure (out of device
+  // memory, a failed copy or launch) leaves the cache refusing every write with kInternal until
+  // reset().
+  CudaStatus write(int slot, int layer, const float* k, const float* v, int64_t n);
+  CudaStatus write(int layer, const float* k, const float* v, int64_t n) { return write(0, layer, k, v, n); }
   // Lossy schemes, the gate's repair: the K and V pages of (layer, kv_head, block) that are lossy
   // become raw bf16 pages holding k_rows, v_rows ([block_tokens][head_dim] bf16, the exact block
   // from the host's backing store); their lossy pages return to the free lists. *bytes gets the
   // bytes uploaded (0 when neither page was lossy). kInvalidArgument for another scheme or a block
   // not written in whole; a failure halfway leaves the cache refusing until reset, as write().
+  // A page shared with other sequences is not changed: this sequence gets its own exact page.
+  CudaStatus store_exact_block(int slot, int layer, int kv_head, int64_t block, const uint16_t* k_rows,
+                               const uint16_t* v_rows, uint64_t* bytes);
   CudaStatus store_exact_block(int layer, int kv_head, int64_t block, const uint16_t* k_rows, const uint16_t* v_rows,
-                               uint64_t* bytes);
-  // Drops every token of every layer (pages back to the free lists; pools keep their memory) and
-  // clears a failed state. Synchronizes the stream.
+                               uint64_t* bytes) {
+    return store_exact_block(0, layer, kv_head, block, k_rows, v_rows, bytes);
+  }
+  // Drops every token of every live sequence (pages back to the free lists; pools keep their
+  // memory; the sequences stay live, empty) and clears a failed state. Synchronizes the stream.
   CudaStatus reset();
 
-  int64_t written(int layer) const { return written_[size_t(layer)]; }
+  int64_t written(int slot, int layer) const {
+    return live(slot) ? written_[size_t(slot) * size_t(config_.n_layers) + size_t(layer)] : 0;
+  }
+  int64_t written(int layer) const { return written(0, layer); }
   DeviceLayerView view(int layer) const;
   const DeviceKvCacheConfig& config() const { return config_; }
   DeviceKvStats stats() const;
-  // The page of (layer, K/V, kv_head, block) as stored; synchronizes the stream.
-  CudaStatus read_page(int layer, KvTensor kv, int kv_head, int64_t block, DevicePageBytes* out) const;
+  DeviceSequenceBytes sequence_bytes(int slot) const;
+  // The page of (slot, layer, K/V, kv_head, block) as stored; synchronizes the stream.
+  CudaStatus read_page(int slot, int layer, KvTensor kv, int kv_head, int64_t block, DevicePageBytes* out) const;
+  CudaStatus read_page(int layer, KvTensor kv, int kv_head, int64_t block, DevicePageBytes* out) const {
+    return read_page(0, layer, kv, kv_head, block, out);
+  }
 
  private:
   struct Layer;
   DeviceKvCache() = default;
-  CudaStatus append(int layer_index, int64_t first, const float* k, const float* v, int64_t n);
-  CudaStatus finalize(int layer_index, int64_t block_begin, int64_t block_end);
-  CudaStatus finalize_lossy(int layer_index, int64_t block_begin, int64_t block_end);
+  CudaStatus append(int slot, int layer_index, int64_t first, const float* k, const float* v, int64_t n);
+  CudaStatus finalize(int slot, int layer_index, int64_t block_begin, int64_t block_end);
+  CudaStatus finalize_lossy(int slot, int layer_index, int64_t block_begin, int64_t block_end);
+  // Index of (slot, K/V, kv_head, block) in a layer's host tables.
+  size_t entry_index(int slot, int kv, int kv_head, int64_t block) const {
+    return ((size_t(slot) * 2 + size_t(kv)) * size_t(config_.n_kv_heads) + size_t(kv_head)) * size_t(table_stride_) +
+           size_t(block);
+  }
+  // Gives back the page a table entry names (nothing for an unwritten entry).
+  void release_entry(Layer& layer, int kv, int32_t entry);
+  // Tables and lengths for at least `slots` slots.
+  CudaStatus grow_slots(int64_t slots);
+  CudaStatus upload_slot_lengths(int slot);
   // An encode launch's tasks uploaded to encode_buffer_ (grown when short), *results pointing at
   // result_bytes after them; then its results read back (synchronizes the stream).
   CudaStatus stage_encode_tasks(const void* tasks, size_t task_bytes, size_t result_bytes, uint8_t** results);
@@ -149,16 +201,19 @@ class DeviceKvCache {
   CudaStatus choose_outliers(int layer_index, int kv_head, const float* rows, int n_rows, size_t row_stride);
   codec::LossyPageSpec lossy_spec(bool key) const;
   CudaStatus upload_tables(const Layer& layer);
-  CudaStatus upload_table_blocks(const Layer& layer, int64_t block_begin, int64_t block_end);
+  CudaStatus upload_table_blocks(const Layer& layer, int slot, int64_t block_begin, int64_t block_end);
 
   DeviceKvCacheConfig config_;
   int64_t table_stride_ = 0;
   size_t raw_bytes_ = 0;  // bytes of a raw page
-  std::vector<int64_t> written_;
+  int64_t slot_capacity_ = 0;
+  std::vector<int64_t> written_;  // [slot][layer]
+  std::vector<uint8_t> live_;     // [slot]
+  std::vector<int> free_slots_;
   std::vector<std::unique_ptr<Layer>> layers_;
   DeviceBuffer staging_;        // rows of one write
   DeviceBuffer encode_buffer_;  // encode tasks and their results
-  DeviceBuffer lengths_;  // [n_layers] int32
+  DeviceBuffer lengths_;  // [slot][n_layers] int32
   int64_t blocks_not_fitting_ = 0;
   int64_t pages_kept_exact_ = 0;
   bool lossy_ = false;

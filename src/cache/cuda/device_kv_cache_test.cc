@@ -384,6 +384,78 @@ TEST(DeviceKvCache, StoreExactBlockReplacesLossyPages) {
   EXPECT_EQ(bf16->store_exact_block(0, 0, 0, rows.data(), rows.data(), &bytes).code, StatusCode::kInvalidArgument);
 }
 
+// Sequences in slots share the layer pools; a forked prefix shares its parent's whole blocks,
+// ref-counted, so a page returns to its free list only when the last table naming it lets go; a
+// sequence's pages equal those of the same rows written alone.
+TEST(DeviceKvCache, SequencesShareThePoolsAndForkedBlocksAreRefCounted) {
+  CERTKV_NEED_CUDA_DEVICE();
+  for (KvScheme scheme : {KvScheme::kBf16, KvScheme::kGaac, KvScheme::kFp8E4M3}) {
+    SCOPED_TRACE(kv_scheme_name(scheme));
+    DeviceKvCacheConfig dc = config_of(scheme, 256);
+    dc.sequences = 0;
+    std::unique_ptr<DeviceKvCache> dev, alone;
+    ASSERT_TRUE(DeviceKvCache::create(dc, &dev).ok);
+    ASSERT_TRUE(DeviceKvCache::create(config_of(scheme, 256), &alone).ok);
+    int a = -1, b = -1, c = -1;
+    ASSERT_TRUE(dev->create_sequence(&a).ok);
+    ASSERT_TRUE(dev->create_sequence(&b).ok);
+    ASSERT_NE(a, b);
+    std::mt19937 rng(23);
+    const std::vector<float> ka = random_rows(rng, 40), va = random_rows(rng, 40);
+    const std::vector<float> kb = random_rows(rng, 20), vb = random_rows(rng, 20);
+    for (int l = 0; l < kLayers; ++l) {
+      ASSERT_TRUE(dev->write(a, l, ka.data(), va.data(), 40).ok);
+      ASSERT_TRUE(dev->write(b, l, kb.data(), vb.data(), 20).ok);
+      ASSERT_TRUE(alone->write(l, kb.data(), vb.data(), 20).ok);
+    }
+    const int64_t per_block = int64_t(kLayers) * 2 * kHeads;
+    auto pages = [&] {
+      const DeviceKvStats st = dev->stats();
+      return st.raw_pages_in_use + st.slots_in_use + st.lossy_pages_in_use;
+    };
+    EXPECT_EQ(pages(), (3 + 2) * per_block);
+    // b's pages are those of the same rows written alone.
+    for (int l = 0; l < kLayers; ++l)
+      for (int kv = 0; kv < 2; ++kv)
+        for (int h = 0; h < kHeads; ++h)
+          for (int64_t blk = 0; blk < 2; ++blk) {
+            DevicePageBytes x, y;
+            ASSERT_TRUE(dev->read_page(b, l, KvTensor(kv), h, blk, &x).ok);
+            ASSERT_TRUE(alone->read_page(l, KvTensor(kv), h, blk, &y).ok);
+            EXPECT_EQ(x.bytes, y.bytes);
+            EXPECT_EQ(x.gaac_slot, y.gaac_slot);
+            EXPECT_EQ(x.lossy_page, y.lossy_page);
+          }
+    EXPECT_EQ(dev->fork_prefix(a, 20, &c).code, StatusCode::kInvalidArgument) << "not whole blocks";
+    EXPECT_EQ(dev->fork_prefix(a, 48, &c).code, StatusCode::kInvalidArgument) << "past what a holds";
+    ASSERT_TRUE(dev->fork_prefix(a, 32, &c).ok);
+    EXPECT_EQ(pages(), (3 + 2) * per_block) << "the fork shares a's two whole blocks";
+    EXPECT_EQ(dev->written(c, 0), 32);
+    DevicePageBytes x, y;
+    ASSERT_TRUE(dev->read_page(a, 1, KvTensor::kValue, 2, 1, &x).ok);
+    ASSERT_TRUE(dev->read_page(c, 1, KvTensor::kValue, 2, 1, &y).ok);
+    EXPECT_EQ(x.bytes, y.bytes);
+    const std::vector<float> kc = random_rows(rng, 5), vc = random_rows(rng, 5);
+    for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(dev->write(c, l, kc.data(), vc.data(), 5).ok);
+    EXPECT_EQ(pages(), (3 + 2 + 1) * per_block) << "c's own tail";
+    ASSERT_TRUE(dev->free_sequence(a).ok);
+    EXPECT_EQ(pages(), (2 + 2 + 1) * per_block) << "the shared blocks stay with c";
+    ASSERT_TRUE(dev->read_page(c, 1, KvTensor::kValue, 2, 1, &y).ok);
+    EXPECT_EQ(x.bytes, y.bytes) << "c's shared page outlives a";
+    EXPECT_EQ(dev->write(a, 0, kc.data(), vc.data(), 1).code, StatusCode::kInvalidArgument) << "a is freed";
+    EXPECT_EQ(dev->free_sequence(a).code, StatusCode::kInvalidArgument);
+    ASSERT_TRUE(dev->free_sequence(c).ok);
+    ASSERT_TRUE(dev->free_sequence(b).ok);
+    EXPECT_EQ(pages(), 0);
+    // Slots come back; more sequences than the first table rows grow the tables.
+    std::vector<int> slots(9);
+    for (int& s : slots) ASSERT_TRUE(dev->create_sequence(&s).ok);
+    for (int s : slots) ASSERT_TRUE(dev->write(s, 0, kb.data(), vb.data(), 3).ok);
+    EXPECT_EQ(dev->stats().sequences, 9);
+    EXPECT_GE(dev->view(0).n_table_rows, 9);
+  }
+}
+
 TEST(DeviceKvCache, BadConfigurationsAreRefusedBeforeAnyAllocation) {
   std::unique_ptr<DeviceKvCache> dev;
   DeviceKvCacheConfig c = config_of(KvScheme::kBf16, 64);

@@ -24,17 +24,6 @@ using cache::cuda::DeviceBuffer;
 using cache::cuda::PinnedBuffer;
 using Clock = std::chrono::steady_clock;
 
-PageFormat format_of(cache::KvScheme scheme) {
-  switch (scheme) {
-    case cache::KvScheme::kGaac: return PageFormat::kGaacBf16;
-    case cache::KvScheme::kGaacE5M2: return PageFormat::kGaacE5M2;
-    case cache::KvScheme::kFp8E4M3: return PageFormat::kFp8E4M3;
-    case cache::KvScheme::kFp8E5M2: return PageFormat::kFp8E5M2;
-    case cache::KvScheme::kDither8: return PageFormat::kDither8;
-    default: return PageFormat::kBf16;
-  }
-}
-
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
@@ -304,7 +293,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
 
   attention::cuda::PagedDecodeParams params_template() const {
     attention::cuda::PagedDecodeParams p;
-    p.format = format_of(config_.scheme);
+    p.format = attention::cuda::page_format_of(config_.scheme);
     p.batch = 1;
     p.n_q_heads = config_.n_q_heads;
     p.n_kv_heads = config_.n_kv_heads;
@@ -319,7 +308,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
 
   DeviceDecoderConfig config_;
   std::unique_ptr<cache::cuda::DeviceKvCache> cache_;
-  const bool metered_ = config_.meter && attention::cuda::page_format_metered(format_of(config_.scheme));
+  const bool metered_ = config_.meter && attention::cuda::page_format_metered(attention::cuda::page_format_of(config_.scheme));
   DeviceBuffer q_, out_, workspace_;
   DeviceBuffer meters_;  // lossy schemes: [3][n_q_heads] floats (meter, A - 1, value side)
   PinnedBuffer staging_;  // a dense call's query, output, meters and error word on the host

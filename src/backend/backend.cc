@@ -1,0 +1,55 @@
+#include "backend/backend.h"
+
+#include <string>
+
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "core/status.h"
+#include "gate/meter.h"
+
+namespace certkv::backend {
+
+CheckedConfig check_backend_config(const model::Model& model, const BackendConfig& config) {
+  const model::ModelConfig& c = model.config();
+  CheckedConfig out;
+  if (config.context_tokens < 0) fail(StatusCode::kInvalidArgument, "context size must be positive");
+  out.context_tokens = config.context_tokens > 0 ? config.context_tokens : c.context_length;
+  if (config.pool_tokens < 0 || (config.pool_tokens > 0 && config.pool_tokens < out.context_tokens))
+    fail(StatusCode::kInvalidArgument,
+         "the KV pool (" + std::to_string(config.pool_tokens) + " tokens) cannot hold one sequence of the context (" +
+             std::to_string(out.context_tokens) + " tokens): enlarge the pool or shorten the context");
+  if (config.n_threads < 1 || config.n_threads > 256)
+    fail(StatusCode::kInvalidArgument, "thread count must be in [1, 256]");
+  if (config.block_tokens < 1 || config.block_tokens > 4096)
+    fail(StatusCode::kInvalidArgument, "block_tokens must be in [1, 4096]");
+  if (config.prefill_chunk_tokens < 1) fail(StatusCode::kInvalidArgument, "prefill chunk must be positive");
+  if (cache::kv_scheme_is_gaac(config.kv_scheme) && !config.gaac_calibration)
+    fail(StatusCode::kInvalidArgument, std::string("KV scheme ") + cache::kv_scheme_name(config.kv_scheme) +
+                                           " needs a GAAC calibration of this model (BackendConfig.gaac_calibration)");
+  if (config.outlier_pairs > c.head_dim / 2)
+    fail(StatusCode::kInvalidArgument, "outlier pairs " + std::to_string(config.outlier_pairs) +
+                                           " exceed head_dim / 2 = " + std::to_string(c.head_dim / 2));
+  const MeterConfig& meter = config.meter;
+  if (!(meter.tau > 0))
+    fail(StatusCode::kInvalidArgument, "meter tau must be positive, got " + std::to_string(meter.tau));
+  if (!(meter.delta_req > 0 && meter.delta_req < 1))
+    fail(StatusCode::kInvalidArgument, "meter delta must be in (0, 1), got " + std::to_string(meter.delta_req));
+  if (meter.planned_steps < 0 || meter.sample_every < 1)
+    fail(StatusCode::kInvalidArgument, "meter planned_steps must be >= 0 and sample_every >= 1");
+  const bool lossy = cache::kv_scheme_is_lossy(config.kv_scheme);
+  if (meter.gate && !lossy)
+    fail(StatusCode::kInvalidArgument, std::string("the gate needs a lossy KV scheme (this one is ") +
+                                           cache::kv_scheme_name(config.kv_scheme) + ")");
+  if (meter.gate && !meter.enabled) fail(StatusCode::kInvalidArgument, "the gate needs the meter (meter.enabled)");
+  out.metered = meter.enabled && lossy;
+  out.delta_loc = gate::local_delta(meter.delta_req, c.n_layers, c.n_heads,
+                                    meter.planned_steps > 0 ? meter.planned_steps : out.context_tokens);
+  return out;
+}
+
+std::unique_ptr<Backend> make_backend(const model::Model& model, const BackendConfig& config) {
+  if (config.device == model::Device::kCuda) return make_cuda_backend(model, config);
+  return std::make_unique<CpuBackend>(model, config);
+}
+
+}  // namespace certkv::backend

@@ -1,0 +1,37 @@
+// The CUDA backend: many sequences over one device page pool (cache/cuda/device_kv_cache.h).
+// The KV cache lives on the device only: each layer's new K/V rows go up once, are rounded and
+// stored there, and a block is encoded on the device when it fills (GAAC slots, lossy pages with
+// their witness). Attention runs on the device for every row of a step, prefill and decode
+// alike, in one paged-decode launch per layer and row class (attention/cuda/paged_decode_cuda.h):
+// a prefill row is a query over its sequence's tables with its own length, so a chunk's rows
+// attend causally. The decode rows of the metered schemes get the meter from the same pass, and
+// their telemetry. The weight products, norms, RoPE and logits run on the host for now
+// (backend/host_forward.h); the GPU runtime moves them to the device behind this interface.
+//
+// Batch invariance: the split of the KV is fixed per sequence (kSplitBlocks blocks per split),
+// never planned from the batch; a row's result therefore depends on its own length and pages
+// only. Prefix sharing: whole blocks are shared, ref-counted, in every page class.
+//
+// Served: the schemes of the scheme table with cuda_route (bf16, gaac, gaac-e5m2, fp8-e4m3,
+// fp8-e5m2, dither8), block_tokens 16, head_dim 64 or 128, at most 8 query heads per KV head.
+// Not yet: sparse decode, the gate and the lossy schemes' full-precision recent window (a
+// session's one-sequence device route serves the first two: CpuBackend with device cuda).
+// Thread safety: used by one thread at a time.
+#pragma once
+
+#include <memory>
+
+#include "backend/backend.h"
+
+namespace certkv::backend {
+
+// Blocks per split of the device attention (PagedDecodeParams::split_blocks): 32 blocks of 16
+// tokens. Fixed, so that a sequence's logits never depend on the batch beside it.
+inline constexpr int64_t kSplitBlocks = 32;
+
+// Throws certkv::Error: kUnsupported for what the backend does not serve (naming the scheme or
+// the feature and the backend), in a build without CUDA, or with no CUDA device; the errors of
+// check_backend_config; kOutOfMemory when the device cannot hold the pool.
+std::unique_ptr<Backend> make_cuda_backend(const model::Model& model, const BackendConfig& config);
+
+}  // namespace certkv::backend

@@ -1,0 +1,224 @@
+#include "backend/host_forward.h"
+
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "core/status.h"
+#include "core/x86_simd.h"
+#include "model/dequant.h"
+#include "model/matmul.h"
+
+namespace certkv::backend {
+
+using model::LayerWeights;
+using model::ModelConfig;
+using model::RopeLayout;
+using model::WeightMatrix;
+
+namespace {
+
+// gate[t][i] = silu(gate[t][i]) * up[t][i] = g / (1 + e^-g) * u, SwiGLU (Shazeer 2020), row by
+// row so that a token's values do not depend on the rows beside it.
+void swiglu_rows(float* gate, const float* up, int64_t n_rows, int64_t width) {
+  for (int64_t t = 0; t < n_rows; ++t) {
+    float* g = gate + t * width;
+    const float* u = up + t * width;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    // e^-g with -g clamped to +-87.3 (float's range): beyond it silu(g) is g or 0 to within
+    // e^-87 relative.
+    const __m256 limit = _mm256_set1_ps(87.3f), one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= width; i += 8) {
+      const __m256 gv = _mm256_loadu_ps(g + i);
+      const __m256 neg = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv),
+                                                     _mm256_sub_ps(_mm256_setzero_ps(), limit)),
+                                       limit);
+      const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, simd::exp_range_reduced8(neg)));
+      _mm256_storeu_ps(g + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < width; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  }
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w  (Zhang & Sennrich 2019).
+void rms_norm(const float* x, const float* w, int n, float eps, float* y) {
+  double ss = 0;
+  for (int i = 0; i < n; ++i) ss += double(x[i]) * x[i];
+  const float inv = float(1.0 / std::sqrt(ss / n + eps));
+  for (int i = 0; i < n; ++i) y[i] = x[i] * inv * w[i];
+}
+
+// Rotates each head of x by the angles of its position (Su et al. 2021, RoFormer eq. 34).
+// x: [n_heads][head_dim]; cos, sin: [head_dim / 2].
+void apply_rope(float* x, int n_heads, int head_dim, RopeLayout layout, const float* cos,
+                const float* sin) {
+  const int half = head_dim / 2;
+  for (int h = 0; h < n_heads; ++h) {
+    float* v = x + int64_t(h) * head_dim;
+    for (int j = 0; j < half; ++j) {
+      const int a = layout == RopeLayout::kInterleaved ? 2 * j : j;
+      const int b = layout == RopeLayout::kInterleaved ? 2 * j + 1 : j + half;
+      const float x0 = v[a], x1 = v[b];
+      v[a] = x0 * cos[j] - x1 * sin[j];
+      v[b] = x0 * sin[j] + x1 * cos[j];
+    }
+  }
+}
+
+void add_bias(float* x, const std::vector<float>& b, int64_t n) {
+  const int64_t d = int64_t(b.size());
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < d; ++i) x[t * d + i] += b[i];
+}
+
+}  // namespace
+
+StepRows plan_step(std::span<const BatchItem> items, const model::ModelConfig& c, int64_t context_tokens,
+                   const std::function<int64_t(cache::SeqId)>& length) {
+  StepRows rows;
+  rows.items = items;
+  rows.row0.resize(items.size());
+  rows.pos0.resize(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const BatchItem& it = items[i];
+    const int64_t past = length(it.seq);
+    for (size_t j = 0; j < i; ++j)
+      if (items[j].seq == it.seq)
+        fail(StatusCode::kInvalidArgument,
+             "sequence " + std::to_string(it.seq) + " appears twice in one forward step");
+    if (it.n < 1 || !it.tokens) fail(StatusCode::kInvalidArgument, "a forward item needs at least one token");
+    if (past + it.n > context_tokens)
+      fail(StatusCode::kOutOfRange, "the input (" + std::to_string(it.n) + " tokens, " + std::to_string(past) +
+                                        " already in the cache) is longer than the context (" +
+                                        std::to_string(context_tokens) + " tokens)");
+    for (int64_t t = 0; t < it.n; ++t)
+      if (it.tokens[t] < 0 || it.tokens[t] >= c.n_vocab)
+        fail(StatusCode::kInvalidArgument, "token id " + std::to_string(it.tokens[t]) +
+                                               " is outside the vocabulary (" + std::to_string(c.n_vocab) + ")");
+    rows.row0[i] = rows.n_rows;
+    rows.pos0[i] = past;
+    rows.n_rows += it.n;
+  }
+  return rows;
+}
+
+HostForward::HostForward(const model::Model& model, ThreadPool& pool, model::ActivationFormat activations)
+    : model_(model), pool_(pool), activations_(activations) {}
+
+void HostForward::ensure_buffers(int64_t n) {
+  if (n <= buffer_tokens_) return;
+  const ModelConfig& c = model_.config();
+  const int64_t q_dim = int64_t(c.n_heads) * c.head_dim;
+  const int64_t kv_dim = int64_t(c.n_kv_heads) * c.head_dim;
+  x_.resize(size_t(n * c.dim));
+  xn_.resize(size_t(n * std::max<int64_t>(c.dim, q_dim)));
+  q_.resize(size_t(n * q_dim));
+  k_.resize(size_t(n * kv_dim));
+  v_.resize(size_t(n * kv_dim));
+  attn_.resize(size_t(n * q_dim));
+  gate_.resize(size_t(n * c.ffn_dim));
+  up_.resize(size_t(n * c.ffn_dim));
+  cos_.resize(size_t(n * c.head_dim / 2));
+  sin_.resize(size_t(n * c.head_dim / 2));
+  buffer_tokens_ = n;
+}
+
+void HostForward::run(const StepRows& rows, const LayerAttention& attention) {
+  const ModelConfig& c = model_.config();
+  const std::span<const BatchItem> items = rows.items;
+  const int64_t n_rows = rows.n_rows;
+  if (n_rows == 0) return;
+  ensure_buffers(n_rows);
+  const int dim = c.dim;
+  const int hd = c.head_dim;
+  const int half = hd / 2;
+  const int64_t q_dim = int64_t(c.n_heads) * hd;
+  const int64_t kv_dim = int64_t(c.n_kv_heads) * hd;
+
+  const WeightMatrix& embd = model_.token_embedding();
+  const std::vector<float>& inv_freq = model_.rope_inv_freq();
+  for (size_t i = 0; i < items.size(); ++i)
+    for (int64_t t = 0; t < items[i].n; ++t) {
+      const int64_t r = rows.row0[i] + t;
+      model::dequantize_row(embd.type, embd.data + size_t(items[i].tokens[t]) * embd.row_bytes,
+                            &x_[size_t(r * dim)], dim);
+      for (int j = 0; j < half; ++j) {
+        const double angle = double(rows.pos0[i] + t) * inv_freq[size_t(j)];
+        cos_[size_t(r * half + j)] = float(std::cos(angle));
+        sin_[size_t(r * half + j)] = float(std::sin(angle));
+      }
+    }
+
+  for (int layer = 0; layer < c.n_layers; ++layer) {
+    const LayerWeights& w = model_.layer(layer);
+    for (int64_t t = 0; t < n_rows; ++t)
+      rms_norm(&x_[size_t(t * dim)], w.attn_norm.data(), dim, c.rms_eps, &xn_[size_t(t * dim)]);
+    model::matmul(w.wq, xn_.data(), n_rows, q_.data(), pool_, activations_);
+    model::matmul(w.wk, xn_.data(), n_rows, k_.data(), pool_, activations_);
+    model::matmul(w.wv, xn_.data(), n_rows, v_.data(), pool_, activations_);
+    if (c.qkv_bias) {
+      add_bias(q_.data(), w.bq, n_rows);
+      add_bias(k_.data(), w.bk, n_rows);
+      add_bias(v_.data(), w.bv, n_rows);
+    }
+    for (int64_t t = 0; t < n_rows; ++t) {
+      float* qt = &q_[size_t(t * q_dim)];
+      float* kt = &k_[size_t(t * kv_dim)];
+      if (c.qk_norm) {
+        for (int h = 0; h < c.n_heads; ++h) rms_norm(qt + h * hd, w.q_norm.data(), hd, c.rms_eps, qt + h * hd);
+        for (int h = 0; h < c.n_kv_heads; ++h) rms_norm(kt + h * hd, w.k_norm.data(), hd, c.rms_eps, kt + h * hd);
+      }
+      apply_rope(qt, c.n_heads, hd, c.rope_layout, &cos_[size_t(t * half)], &sin_[size_t(t * half)]);
+      apply_rope(kt, c.n_kv_heads, hd, c.rope_layout, &cos_[size_t(t * half)], &sin_[size_t(t * half)]);
+    }
+    attention(layer, q_.data(), k_.data(), v_.data(), attn_.data());
+    model::matmul(w.wo, attn_.data(), n_rows, xn_.data(), pool_, activations_);
+    for (int64_t i = 0; i < n_rows * dim; ++i) x_[size_t(i)] += xn_[size_t(i)];
+
+    for (int64_t t = 0; t < n_rows; ++t)
+      rms_norm(&x_[size_t(t * dim)], w.ffn_norm.data(), dim, c.rms_eps, &xn_[size_t(t * dim)]);
+    model::matmul(w.w_gate, xn_.data(), n_rows, gate_.data(), pool_, activations_);
+    model::matmul(w.w_up, xn_.data(), n_rows, up_.data(), pool_, activations_);
+    swiglu_rows(gate_.data(), up_.data(), n_rows, c.ffn_dim);
+    model::matmul(w.w_down, gate_.data(), n_rows, xn_.data(), pool_, activations_);
+    for (int64_t i = 0; i < n_rows * dim; ++i) x_[size_t(i)] += xn_[size_t(i)];
+  }
+
+  // Logits: the items that want every row get their own product (straight into their buffer);
+  // the last rows of the others share one.
+  const float* out_norm = model_.output_norm().data();
+  std::vector<size_t> last_only;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const BatchItem& it = items[i];
+    if (it.all_logits) {
+      for (int64_t t = 0; t < it.n; ++t)
+        rms_norm(&x_[size_t((rows.row0[i] + t) * dim)], out_norm, dim, c.rms_eps, &xn_[size_t(t * dim)]);
+      model::matmul(model_.output(), xn_.data(), it.n, it.all_logits, pool_, activations_);
+      if (it.last_logits)
+        std::memcpy(it.last_logits, it.all_logits + (it.n - 1) * c.n_vocab, sizeof(float) * size_t(c.n_vocab));
+    } else if (it.last_logits) {
+      last_only.push_back(i);
+    }
+  }
+  if (!last_only.empty()) {
+    const int64_t m = int64_t(last_only.size());
+    for (int64_t j = 0; j < m; ++j) {
+      const size_t i = last_only[size_t(j)];
+      rms_norm(&x_[size_t((rows.row0[i] + items[i].n - 1) * dim)], out_norm, dim, c.rms_eps, &xn_[size_t(j * dim)]);
+    }
+    float* dst = items[last_only[0]].last_logits;
+    if (m > 1) {
+      logits_.resize(size_t(m) * size_t(c.n_vocab));
+      dst = logits_.data();
+    }
+    model::matmul(model_.output(), xn_.data(), m, dst, pool_, activations_);
+    if (m > 1)
+      for (int64_t j = 0; j < m; ++j)
+        std::memcpy(items[last_only[size_t(j)]].last_logits, &logits_[size_t(j) * size_t(c.n_vocab)],
+                    sizeof(float) * size_t(c.n_vocab));
+  }
+}
+
+}  // namespace certkv::backend

@@ -1,0 +1,390 @@
+// The CUDA backend end to end on the real model (runs where a CUDA device is present:
+// scripts/run_cuda_tests.sh --run; skipped elsewhere unless CERTKV_REQUIRE_DEVICE is set):
+// many sequences over one device page pool, against the CPU backend and against themselves.
+//  - Batch invariance on the device: every scheme the backend serves and the table marks batch
+//    invariant gives each sequence the same logits bit for bit alone, in ragged batches and at any
+//    position; those the table marks chunking invariant also under ragged prefill chunks.
+//  - The logits agree with the CPU backend's (f32 activations, bf16 pages): teacher forced over
+//    a book passage, max KL below 1e-3 and top-1 agreement at every position but one.
+//  - The engine on the device: continuous batching, prefix sharing and preemption on a small pool
+//    give every request its output alone; cancel frees its pages; the meter's telemetry of the
+//    lossy schemes comes from the decode steps.
+//  - What the backend does not serve is refused by name.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "codec/gaac.h"
+#include "core/status.h"
+#include "engine/engine.h"
+#include "gaac_e2e_support.h"
+#include "model/model.h"
+#include "model/sampler.h"
+#include "test_paths.h"
+
+namespace certkv::backend {
+namespace {
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && v[0] != '\0' ? std::string(v) : fallback;
+}
+
+bool cuda_required() {
+  const char* v = std::getenv("CERTKV_REQUIRE_DEVICE");
+  return v != nullptr && v[0] != '\0' && v[0] != '0';
+}
+
+int host_threads() { return int(std::max(2u, std::min(16u, std::thread::hardware_concurrency()))); }
+
+const model::Model& smollm2() {
+  static std::unique_ptr<model::Model> m =
+      model::load_model(env_or("CERTKV_TEST_MODEL", testing::smollm2_gguf()));
+  return *m;
+}
+
+std::string corpus_file(const std::string& book) {
+  return env_or("CERTKV_TEST_CORPUS", testing::test_data_path("corpus")) + "/" + book;
+}
+
+BackendConfig device_config(cache::KvScheme scheme, int64_t context, int64_t pool) {
+  BackendConfig cfg;
+  cfg.device = model::Device::kCuda;
+  cfg.context_tokens = context;
+  cfg.pool_tokens = pool;
+  cfg.n_threads = host_threads();
+  cfg.kv_scheme = scheme;
+  const cache::KvSchemeInfo& s = cache::kv_scheme_info(scheme);
+  if (s.gaac) {
+    // The calibration that fits every block (bases 0, the largest escape capacity): GAAC slots
+    // for every full block.
+    const model::ModelConfig& c = smollm2().config();
+    codec::GaacShape shape;
+    shape.n_layers = c.n_layers;
+    shape.n_kv_heads = c.n_kv_heads;
+    shape.head_dim = c.head_dim;
+    shape.element = s.element;
+    cfg.gaac_calibration = std::make_shared<const codec::GaacCalibration>(shape);
+  }
+  return cfg;
+}
+
+class CudaBackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    try {
+      make_backend(smollm2(), device_config(cache::KvScheme::kBf16, 64, 64));
+    } catch (const Error& e) {
+      if (e.code() == StatusCode::kUnsupported && !cuda_required()) GTEST_SKIP() << "no cuda backend here: " << e.what();
+      FAIL() << "the cuda backend did not start: " << e.what();
+    }
+  }
+};
+
+std::vector<std::vector<int32_t>> ragged_prompts(std::vector<int> lengths, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> tok(3, 4000);
+  std::vector<std::vector<int32_t>> out;
+  for (int n : lengths) {
+    std::vector<int32_t> p(static_cast<size_t>(n));
+    for (int32_t& t : p) t = tok(rng);
+    p[0] = 1;
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+// The prompts through one backend, then decode_steps greedy tokens each; per sequence the logits
+// of every forward that ended its input. chunk: prompt tokens per step of each sequence; rotate:
+// the batch order turns by one each step.
+std::vector<std::vector<float>> run_batched(const BackendConfig& cfg, const std::vector<std::vector<int32_t>>& prompts,
+                                            const std::vector<int>& chunk, bool rotate, int decode_steps) {
+  std::unique_ptr<Backend> be = make_backend(smollm2(), cfg);
+  const int32_t nv = smollm2().config().n_vocab;
+  const size_t n = prompts.size();
+  std::vector<cache::SeqId> seqs;
+  for (size_t i = 0; i < n; ++i) seqs.push_back(be->create_sequence());
+  std::vector<std::vector<int32_t>> tokens = prompts;
+  std::vector<int64_t> done(n, 0);
+  std::vector<int> decoded(n, 0);
+  std::vector<std::vector<float>> out(n);
+  std::vector<float> logits(n * size_t(nv));
+  for (int step = 0;; ++step) {
+    std::vector<BatchItem> items;
+    std::vector<size_t> who;
+    for (size_t k = 0; k < n; ++k) {
+      const size_t i = rotate ? (k + size_t(step)) % n : k;
+      const int64_t left = int64_t(tokens[i].size()) - done[i];
+      if (left == 0) continue;
+      BatchItem it;
+      it.seq = seqs[i];
+      it.tokens = tokens[i].data() + done[i];
+      it.n = std::min<int64_t>(left, chunk[i]);
+      it.end_of_input = done[i] + it.n == int64_t(tokens[i].size());
+      it.last_logits = it.end_of_input ? &logits[items.size() * size_t(nv)] : nullptr;
+      items.push_back(it);
+      who.push_back(i);
+    }
+    if (items.empty()) break;
+    be->forward(items);
+    for (size_t j = 0; j < items.size(); ++j) {
+      const size_t i = who[j];
+      done[i] += items[j].n;
+      if (!items[j].last_logits) continue;
+      out[i].insert(out[i].end(), items[j].last_logits, items[j].last_logits + nv);
+      if (decoded[i]++ < decode_steps) tokens[i].push_back(model::argmax(items[j].last_logits, nv));
+    }
+  }
+  return out;
+}
+
+void expect_bit_identical(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b,
+                          const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].size(), b[i].size()) << what << " sequence " << i;
+    ASSERT_FALSE(a[i].empty());
+    for (float x : a[i]) ASSERT_TRUE(std::isfinite(x)) << what;
+    EXPECT_EQ(std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)), 0)
+        << what << ": sequence " << i << " differs";
+  }
+}
+
+TEST_F(CudaBackendTest, BatchInvarianceOnTheDeviceForEveryServedScheme) {
+  // Ragged prompts past one split (32 blocks = 512 tokens) so that sequences of a batch have
+  // different split counts.
+  const std::vector<std::vector<int32_t>> prompts = ragged_prompts({1, 3, 17, 40, 600}, 7);
+  const int decode_steps = 5;
+  int checked = 0;
+  for (const cache::KvSchemeInfo& s : cache::kv_schemes()) {
+    if (!s.cuda_route || !s.batch_invariant) continue;
+    SCOPED_TRACE(s.name);
+    const BackendConfig cfg = device_config(s.scheme, 640, 640 * 6);
+    std::vector<std::vector<float>> alone(prompts.size());
+    for (size_t i = 0; i < prompts.size(); ++i) alone[i] = run_batched(cfg, {prompts[i]}, {1 << 20}, false, decode_steps)[0];
+    const std::vector<int> whole(prompts.size(), 1 << 20);
+    expect_bit_identical(alone, run_batched(cfg, prompts, whole, false, decode_steps), "one batch");
+    expect_bit_identical(alone, run_batched(cfg, prompts, whole, true, decode_steps), "rotating batch");
+    if (s.chunking_invariant)
+      expect_bit_identical(alone, run_batched(cfg, prompts, {1, 2, 5, 16, 77}, true, decode_steps),
+                           "ragged chunks, rotating batch");
+    if (HasFatalFailure()) return;
+    ++checked;
+  }
+  EXPECT_GE(checked, 5);  // bf16, gaac, gaac-e5m2, fp8-e4m3, fp8-e5m2
+}
+
+double kl_divergence(const float* p_logits, const float* q_logits, int n) {
+  auto log_softmax = [n](const float* x) {
+    const double m = *std::max_element(x, x + n);
+    double s = 0;
+    for (int i = 0; i < n; ++i) s += std::exp(double(x[i]) - m);
+    std::vector<double> out(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) out[size_t(i)] = double(x[i]) - m - std::log(s);
+    return out;
+  };
+  const std::vector<double> lp = log_softmax(p_logits), lq = log_softmax(q_logits);
+  double kl = 0;
+  for (int i = 0; i < n; ++i) kl += std::exp(lp[size_t(i)]) * (lp[size_t(i)] - lq[size_t(i)]);
+  return kl;
+}
+
+TEST_F(CudaBackendTest, LogitsAgreeWithTheCpuBackend) {
+  const model::Model& m = smollm2();
+  std::vector<int32_t> tokens = m.tokenizer().encode(testing::read_text(corpus_file("melville-moby-dick.txt")), true, false);
+  const int prompt = 700, steps = 40;
+  ASSERT_GE(tokens.size(), size_t(prompt + steps));
+  tokens.resize(size_t(prompt + steps));
+  const int nv = m.config().n_vocab;
+  BackendConfig cfg = device_config(cache::KvScheme::kBf16, prompt + steps, prompt + steps);
+  cfg.activations = model::ActivationFormat::kFloat32;
+  BackendConfig cpu_cfg = cfg;
+  cpu_cfg.device = model::Device::kCpu;
+  std::unique_ptr<Backend> gpu = make_backend(m, cfg), cpu = make_backend(m, cpu_cfg);
+  EXPECT_STREQ(gpu->name(), "cuda");
+  const cache::SeqId sg = gpu->create_sequence(), sc = cpu->create_sequence();
+  // The prompt in chunks of 256 (prefill attention on the device), then one token a step.
+  std::vector<float> lg(size_t(prompt + steps) * size_t(nv)), lc(lg.size());
+  for (int64_t at = 0; at < prompt + steps;) {
+    const int64_t n = at < prompt ? std::min<int64_t>(256, prompt - at) : 1;
+    BatchItem g{sg, tokens.data() + at, n, nullptr, &lg[size_t(at) * size_t(nv)], true};
+    BatchItem c{sc, tokens.data() + at, n, nullptr, &lc[size_t(at) * size_t(nv)], true};
+    gpu->forward({&g, 1});
+    cpu->forward({&c, 1});
+    at += n;
+  }
+  double kl_max = 0, kl_sum = 0;
+  int agree = 0;
+  const int positions = prompt + steps;
+  for (int t = 0; t < positions; ++t) {
+    const float* a = &lc[size_t(t) * size_t(nv)];
+    const float* b = &lg[size_t(t) * size_t(nv)];
+    for (int i = 0; i < nv; ++i) ASSERT_TRUE(std::isfinite(b[i])) << "position " << t;
+    const double kl = kl_divergence(a, b, nv);
+    kl_max = std::max(kl_max, kl);
+    kl_sum += kl;
+    agree += model::argmax(a, nv) == model::argmax(b, nv);
+  }
+  printf("[cuda backend] bf16, %d positions: mean KL %.3g, max KL %.3g, top-1 agree %d/%d\n", positions,
+         kl_sum / positions, kl_max, agree, positions);
+  EXPECT_LT(kl_max, 1e-3);
+  EXPECT_GE(agree, positions - 1 - positions / 100);
+}
+
+// Requests of different books' lengths, greedy.
+std::vector<engine::RequestParams> requests_of(const std::vector<int>& lengths, int max_tokens, uint64_t seed) {
+  std::vector<engine::RequestParams> out;
+  for (const std::vector<int32_t>& p : ragged_prompts(lengths, seed)) {
+    engine::RequestParams r;
+    r.prompt = p;
+    r.max_tokens = max_tokens;
+    r.ignore_end = true;
+    out.push_back(r);
+  }
+  return out;
+}
+
+std::vector<std::vector<int32_t>> run_engine(engine::Engine& e, const std::vector<engine::RequestParams>& requests) {
+  std::vector<engine::RequestId> ids;
+  for (const engine::RequestParams& r : requests) ids.push_back(e.submit(r));
+  e.run();
+  std::vector<std::vector<int32_t>> out;
+  for (engine::RequestId id : ids) {
+    EXPECT_EQ(e.report(id).finish, engine::FinishReason::kLength) << e.report(id).error;
+    out.push_back(e.report(id).tokens);
+  }
+  return out;
+}
+
+std::vector<std::vector<int32_t>> run_alone(const engine::EngineConfig& cfg,
+                                            const std::vector<engine::RequestParams>& requests) {
+  std::vector<std::vector<int32_t>> out;
+  for (const engine::RequestParams& r : requests) {
+    engine::Engine e(smollm2(), cfg);
+    out.push_back(run_engine(e, {r})[0]);
+  }
+  return out;
+}
+
+TEST_F(CudaBackendTest, EngineBatchesSharesAndPreemptsOnTheDevice) {
+  for (cache::KvScheme scheme : {cache::KvScheme::kBf16, cache::KvScheme::kGaac, cache::KvScheme::kFp8E4M3}) {
+    SCOPED_TRACE(cache::kv_scheme_name(scheme));
+    engine::EngineConfig cfg;
+    cfg.backend = device_config(scheme, 256, 256 * 8);
+    cfg.step_tokens = 48;  // prompts in chunks interleaved with the decodes
+    cfg.max_sequences = 4;
+    const std::vector<engine::RequestParams> requests = requests_of({1, 3, 17, 140, 33, 9, 90}, 20, 11);
+    const std::vector<std::vector<int32_t>> alone = run_alone(cfg, requests);
+    {
+      engine::Engine e(smollm2(), cfg);
+      EXPECT_EQ(run_engine(e, requests), alone) << "continuous batching";
+      EXPECT_EQ(e.stats().preemptions, 0);
+      e.drop_cached_prefixes();
+      EXPECT_EQ(e.stats().pool_pages_in_use, 0u) << "every page returns to the pool";
+    }
+    {
+      engine::EngineConfig small = cfg;
+      small.backend.pool_tokens = 256;  // one whole sequence
+      engine::Engine e(smollm2(), small);
+      EXPECT_EQ(run_engine(e, requests), alone) << "preempted on a pool for one";
+      EXPECT_GT(e.stats().preemptions, 0) << "the pool was meant to run out";
+    }
+    {
+      // Four requests sharing a 160-token prefix.
+      const std::vector<int32_t> prefix = ragged_prompts({160}, 3)[0];
+      std::vector<engine::RequestParams> shared;
+      for (const std::vector<int32_t>& tail : ragged_prompts({5, 9, 2, 20}, 4)) {
+        engine::RequestParams r;
+        r.prompt = prefix;
+        r.prompt.insert(r.prompt.end(), tail.begin() + 1, tail.end());
+        r.max_tokens = 12;
+        r.ignore_end = true;
+        shared.push_back(r);
+      }
+      engine::Engine e(smollm2(), cfg);
+      const std::vector<std::vector<int32_t>> first = run_engine(e, {shared[0]});
+      std::vector<engine::RequestParams> rest(shared.begin() + 1, shared.end());
+      std::vector<std::vector<int32_t>> together = first;
+      for (const std::vector<int32_t>& t : run_engine(e, rest)) together.push_back(t);
+      EXPECT_EQ(together, run_alone(cfg, shared)) << "prefix sharing";
+      EXPECT_GE(e.stats().shared_blocks, 3 * 10) << "each later request shares the prefix's 10 blocks";
+    }
+  }
+}
+
+TEST_F(CudaBackendTest, CancelFreesPagesAndTheMeterComesFromTheDecodeSteps) {
+  engine::EngineConfig cfg;
+  cfg.backend = device_config(cache::KvScheme::kFp8E4M3, 256, 256 * 4);
+  cfg.prefix_sharing = false;
+  engine::Engine e(smollm2(), cfg);
+  const std::vector<engine::RequestParams> requests = requests_of({50, 70}, 16, 5);
+  const engine::RequestId a = e.submit(requests[0]), b = e.submit(requests[1]);
+  e.step();
+  e.step();
+  const uint64_t both = e.stats().pool_pages_in_use;
+  EXPECT_GT(both, 0u);
+  e.cancel(b);
+  EXPECT_LT(e.stats().pool_pages_in_use, both) << "cancel frees the request's pages at once";
+  e.run();
+  EXPECT_EQ(e.report(b).finish, engine::FinishReason::kCancelled);
+  const engine::RequestReport& r = e.report(a);
+  ASSERT_EQ(r.finish, engine::FinishReason::kLength);
+  const model::ModelConfig& c = smollm2().config();
+  EXPECT_TRUE(r.attention.metered);
+  // The 15 decode steps after the first token (which ended the prefill), every layer and head.
+  EXPECT_EQ(r.attention.meter_cells, int64_t(15) * c.n_layers * c.n_heads);
+  EXPECT_GE(r.attention.meter_max, 0.0);
+  EXPECT_LE(r.attention.meter_max, 1.0);
+  EXPECT_GT(r.attention.meter_max, 0.0) << "fp8 pages carry a nonzero witness";
+  uint64_t bytes = 0;
+  for (const cache::ClassBytes& cb : r.kv_bytes) bytes += cb.bytes;
+  EXPECT_GT(bytes, 0u);
+}
+
+TEST_F(CudaBackendTest, RefusesWhatItDoesNotServeByName) {
+  auto expect_refused = [](BackendConfig cfg, const std::string& words) {
+    try {
+      make_backend(smollm2(), cfg);
+      ADD_FAILURE() << "accepted: " << words;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), StatusCode::kUnsupported) << e.what();
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  expect_refused(device_config(cache::KvScheme::kRtn4, 64, 64), "rtn4 is not served by the cuda backend");
+  BackendConfig sparse = device_config(cache::KvScheme::kBf16, 64, 64);
+  sparse.sparse.enabled = true;
+  expect_refused(sparse, "sparse decode is not served by the cuda backend");
+  BackendConfig gate = device_config(cache::KvScheme::kFp8E4M3, 64, 64);
+  gate.meter.gate = true;
+  expect_refused(gate, "the gate is not served by the cuda backend");
+  // Bad steps leave the backend as it was.
+  std::unique_ptr<Backend> be = make_backend(smollm2(), device_config(cache::KvScheme::kBf16, 32, 64));
+  const cache::SeqId s = be->create_sequence();
+  std::vector<int32_t> toks(40, 5);
+  BatchItem it{s, toks.data(), 40, nullptr, nullptr, true};
+  EXPECT_THROW(be->forward({&it, 1}), Error);
+  EXPECT_EQ(be->length(s), 0);
+  it.n = 4;
+  BatchItem twice[2] = {it, it};
+  EXPECT_THROW(be->forward({twice, 2}), Error);
+  EXPECT_EQ(be->length(s), 0);
+  EXPECT_THROW(be->length(s + 100), Error);
+  be->forward({&it, 1});
+  EXPECT_EQ(be->length(s), 4);
+  be->free_sequence(s);
+  EXPECT_EQ(be->pool_pages_in_use(), 0u);
+}
+
+}  // namespace
+}  // namespace certkv::backend
