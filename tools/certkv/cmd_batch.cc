@@ -38,6 +38,7 @@ constexpr const char* kUsage =
     "  --raw                 feed \"prompt\" as is (default: the model's chat template)\n"
     "  --no-prefix-sharing   compute every prompt in full\n"
     "  --threads N --block-tokens N --activations int8|f32\n"
+    "  --device cpu|cuda     cuda: the KV pool and attention on the GPU (the CUDA backend)\n"
     "  --kv SCHEME --gaac-calib F (gaac without one: calibrated on a built-in text, cached)\n"
     "   --outlier-pairs M --window N --witness fp16|u8 --delta D\n"
     "  --tau T --gate --no-meter --sparse p=P[,...]   as for certkv run\n";
@@ -122,7 +123,7 @@ int cmd_batch(int argc, char** argv) {
       {"model", true}, {"prompts-file", true}, {"parallel", true}, {"json", false},
       {"ctx", true}, {"pool-bytes", true}, {"step-tokens", true}, {"n", true},
       {"temp", true}, {"top-k", true}, {"top-p", true}, {"seed", true}, {"raw", false},
-      {"no-prefix-sharing", false}, {"threads", true}, {"block-tokens", true}, {"activations", true}};
+      {"no-prefix-sharing", false}, {"threads", true}, {"block-tokens", true}, {"activations", true}, {"device", true}};
   add_kv_flag_spec(spec);
   Flags flags("batch", spec, kUsage);
   flags.parse(argc, argv, 2);
@@ -131,6 +132,7 @@ int cmd_batch(int argc, char** argv) {
   const KvFlags kv_flags = parse_kv_flags(flags, kv);
   const std::string gaac_calib = flags.str("gaac-calib");
   const std::string activations = flags.str("activations", "int8");
+  const std::string device = flags.str("device", "cpu");
   const int64_t parallel = flags.integer("parallel", 8, 1, 4096);
   const int64_t threads = flags.integer("threads", 2, 1, 256);
   const bool raw = flags.has("raw");
@@ -163,6 +165,7 @@ int cmd_batch(int argc, char** argv) {
   params.session.block_tokens = int32_t(flags.integer("block-tokens", 16, 1, 4096));
   params.session.kv = kv.c_str();
   params.session.activations = activations.c_str();
+  params.session.device = device.c_str();
   kv_flags.apply(params.session);
   if (!gaac_calib.empty()) params.session.gaac_calibration = gaac_calib.c_str();
   params.max_sequences = int32_t(parallel);
