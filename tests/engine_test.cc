@@ -515,6 +515,22 @@ TEST(EngineCApi, RunsRequestsTogetherCancelsAndReports) {
   EXPECT_EQ(st.running + st.waiting, 0);
   EXPECT_EQ(st.decode_tokens, 12 + 3 + 12);
   EXPECT_GT(st.peak_pages_in_use, 0u);
+  // Pages now, by class: the finished requests' prompt blocks kept for sharing. Every page of
+  // bf16 is a raw bf16 page, so the bf16 reference equals the bytes in use.
+  ASSERT_GE(st.n_classes_in_use, 1);
+  EXPECT_STREQ(st.in_use[0].storage, "bf16");
+  uint64_t pages_in_use = 0, page_bytes_in_use = 0;
+  for (int32_t i = 0; i < st.n_classes_in_use; ++i) {
+    pages_in_use += st.in_use[i].pages_in_use;
+    page_bytes_in_use += st.in_use[i].page_bytes_in_use;
+  }
+  EXPECT_EQ(pages_in_use, st.pool_pages_in_use);
+  EXPECT_GT(pages_in_use, 0u);
+  EXPECT_EQ(st.page_bytes_as_bf16, page_bytes_in_use);
+  certkv_request_result unmetered;
+  ASSERT_EQ(certkv_engine_result(engine, ids[0], &unmetered), CERTKV_OK);
+  EXPECT_EQ(unmetered.metered, 0);
+  EXPECT_EQ(unmetered.meter_cells, 0);
   EXPECT_EQ(certkv_engine_release(engine, ids[0]), CERTKV_OK);
   certkv_request_result gone;
   EXPECT_EQ(certkv_engine_result(engine, ids[0], &gone), CERTKV_ERR_NOT_FOUND);
