@@ -152,6 +152,9 @@ CompletionRequest parse_completion_request(const json& body, bool chat) {
       throw invalid_field("certkv.per_layer",
                           "the engine reports the meter per request, not per layer, yet; omit it or send false");
   }
+  if (!chat && present(body, "echo") && !(body["echo"].is_boolean() && !body["echo"].get<bool>()))
+    throw invalid_field("echo", "echoing the prompt is not supported");
+  if (!chat && present(body, "suffix")) throw invalid_field("suffix", "insertion with a suffix is not supported");
   if (present(body, "logprobs") && !(body["logprobs"].is_boolean() && !body["logprobs"].get<bool>()))
     throw invalid_field("logprobs", "log probabilities are not supported");
   return r;
