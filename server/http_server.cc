@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "certkv/certkv.hpp"
+#include "client_connection.h"
 #include "openai_protocol.h"
 #include "request_scheduler.h"
 #include "server_metrics.h"
@@ -17,7 +18,9 @@ namespace certkv::server {
 
 namespace {
 
-constexpr std::chrono::milliseconds kHeartbeatInterval{500};
+// How long a handler waits for text before it looks at its client (and, streaming, writes a
+// keep-alive comment).
+constexpr std::chrono::milliseconds kClientCheckInterval{500};
 
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
@@ -309,10 +312,18 @@ void HttpServer::install_routes() {
 
       const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(s.next_request++);
       const int64_t created = unix_seconds();
+      const auto connection = std::make_shared<ClientConnection>(req.remote_addr, req.remote_port, req.local_port);
       if (!r.stream) {
         std::string ignored;
-        while (!channel->wait_for_text(&ignored, std::chrono::seconds(1))) ignored.clear();
+        while (!channel->wait_for_text(&ignored, kClientCheckInterval)) {
+          ignored.clear();
+          if (!channel->cancel_requested() && connection->closed()) {
+            channel->request_cancel();
+            s.scheduler->notify_cancel();
+          }
+        }
         const GenerationResult& result = channel->result();
+        if (result.finish_reason == "cancelled") return;  // nobody is listening
         if (result.finish_reason == "error") throw OpenAiError(500, "server_error", "", "", result.error);
         send_json(res, 200, completion_response(r, id, created, s.model_id, result, s.certificate));
         return;
@@ -320,20 +331,20 @@ void HttpServer::install_routes() {
       res.set_header("Cache-Control", "no-cache");
       res.set_chunked_content_provider(
           "text/event-stream",
-          [&s, r, id, created, channel, first = true](size_t, httplib::DataSink& sink) mutable {
+          [&s, r, id, created, channel, connection, first = true](size_t, httplib::DataSink& sink) mutable {
             auto send_event = [&](const std::string& payload) {
               const std::string event = "data: " + payload + "\n\n";
               return sink.write(event.data(), event.size());
             };
             for (;;) {
               std::string text;
-              const bool finished = channel->wait_for_text(&text, kHeartbeatInterval);
+              const bool finished = channel->wait_for_text(&text, kClientCheckInterval);
               bool written = true;
               if (!text.empty() || first) {
                 written = send_event(dump(completion_chunk(r, id, created, s.model_id, text, first, "", nullptr)));
                 first = false;
               } else if (!finished) {
-                written = sink.write(": keep-alive\n\n", 14);
+                written = !connection->closed() && sink.write(": keep-alive\n\n", 14);
               }
               if (!written) {
                 channel->request_cancel();

@@ -403,6 +403,28 @@ TEST(Server, ADisconnectedStreamIsCancelledAndFreed) {
   EXPECT_LT(metric(text, "certkv:generation_tokens_total") - generated_before, 200) << text;
 }
 
+TEST(Server, AClientGoneBeforeItsWholeAnswerIsCancelled) {
+  const std::string before = metrics_text();
+  const double cancelled_before = std::max(0.0, metric(before, "certkv:requests_finished_total{reason=\"cancelled\"}"));
+  const double generated_before = metric(before, "certkv:generation_tokens_total");
+  httplib::Client c = client();
+  c.set_read_timeout(0, 300000);  // gives up after 0.3 s and closes the connection
+  auto res = c.Post("/v1/completions", json{{"prompt", "A long story:"}, {"max_tokens", 200}, {"temperature", 0}}.dump(),
+                    "application/json");
+  EXPECT_FALSE(res);
+  c.stop();
+  double cancelled = cancelled_before;
+  std::string text;
+  for (int i = 0; i < 200 && cancelled <= cancelled_before; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    text = metrics_text();
+    cancelled = metric(text, "certkv:requests_finished_total{reason=\"cancelled\"}");
+  }
+  EXPECT_EQ(cancelled, cancelled_before + 1) << text;
+  EXPECT_EQ(metric(text, "certkv:requests_running"), 0);
+  EXPECT_LT(metric(text, "certkv:generation_tokens_total") - generated_before, 200) << text;
+}
+
 TEST(Server, ApiKeyIsRequiredExceptForHealth) {
   const json body{{"prompt", "hi"}, {"max_tokens", 1}};
   const Reply missing = post("/v1/completions", body, "");
