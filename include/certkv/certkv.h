@@ -511,6 +511,20 @@ typedef struct certkv_request_result {
 
 certkv_status certkv_engine_result(const certkv_engine* engine, int64_t id,
                                    certkv_request_result* result);
+
+/* The certificate of one layer of a request: its meter over the request's decode steps. */
+typedef struct certkv_layer_meter {
+  double meter_max, meter_p99, coverage;
+  int64_t cells;                 /* (query head, step) cells of the layer (every
+                                    meter_sample_every-th) */
+  int64_t gate_repairs;          /* pages the gate paged in for the layer */
+} certkv_layer_meter;
+
+/* Per layer, the meter of a request (metered schemes). out: [capacity], layer i at out[i];
+ * *n set to the count: the model's layers, 0 when the request is not metered (OUT_OF_RANGE,
+ * with *n the count needed, when capacity is short). */
+certkv_status certkv_engine_result_layers(const certkv_engine* engine, int64_t id,
+                                          certkv_layer_meter* out, size_t capacity, size_t* n);
 /* Inter-token latencies of a request, ms. out: [capacity]; *n set to the count (OUT_OF_RANGE,
  * with *n the count needed, when capacity is short). */
 certkv_status certkv_engine_itl(const certkv_engine* engine, int64_t id, double* out,

@@ -989,6 +989,22 @@ certkv_status certkv_engine_result(const certkv_engine* engine, int64_t id,
   });
 }
 
+certkv_status certkv_engine_result_layers(const certkv_engine* engine, int64_t id,
+                                          certkv_layer_meter* out, size_t capacity, size_t* n) {
+  CERTKV_REQUIRE(engine && n && (out || capacity == 0), "certkv_engine_result_layers: null argument");
+  return guarded([&] {
+    const auto& layers = engine->engine->report(id).attention.layers;
+    *n = layers.size();
+    if (layers.size() > capacity)
+      certkv::fail(certkv::StatusCode::kOutOfRange, "certkv_engine_result_layers: " +
+                                                        std::to_string(layers.size()) + " layers, capacity " +
+                                                        std::to_string(capacity));
+    for (size_t i = 0; i < layers.size(); ++i)
+      out[i] = certkv_layer_meter{layers[i].meter_max, layers[i].meter_p99, layers[i].coverage,
+                                  layers[i].cells, layers[i].gate_repairs};
+  });
+}
+
 certkv_status certkv_engine_itl(const certkv_engine* engine, int64_t id, double* out,
                                 size_t capacity, size_t* n) {
   CERTKV_REQUIRE(engine && n && (out || capacity == 0), "certkv_engine_itl: null argument");
