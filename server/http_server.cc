@@ -59,6 +59,7 @@ class ServerState {
   std::unique_ptr<certkv::Model> model;
   certkv_model_info info{};
   std::string model_id;  // the model file's name, as /v1/models lists it
+  int64_t loaded_unix_seconds = 0;
   int64_t context_tokens = 0;
   certkv_engine* engine = nullptr;
   std::unique_ptr<ServerMetrics> metrics;
@@ -128,6 +129,7 @@ void HttpServer::load() {
     s.certificate.sparse = options_.sparse_p > 0;
     s.metrics = std::make_unique<ServerMetrics>(options_.kv, options_.tau, options_.sparse_p > 0);
     s.scheduler = std::make_unique<RequestScheduler>(s.engine, s.metrics.get());
+    s.loaded_unix_seconds = unix_seconds();
     s.phase = ServerState::Phase::kReady;
   } catch (const std::exception& e) {
     {
@@ -241,7 +243,7 @@ void HttpServer::install_routes() {
   http.Get("/v1/models", [&s](const httplib::Request&, httplib::Response& res) {
     json model{{"id", s.model_id},
                {"object", "model"},
-               {"created", 0},
+               {"created", s.loaded_unix_seconds},
                {"owned_by", "certkv"},
                {"meta",
                 {{"architecture", s.info.architecture},
@@ -304,6 +306,7 @@ void HttpServer::install_routes() {
       g.max_tokens = r.max_tokens ? *r.max_tokens : chat ? int32_t(s.context_tokens - n_prompt) : 16;
       g.sampler = r.sampler;
       g.stop = r.stop;
+      g.per_layer = r.per_layer;
       const std::shared_ptr<RequestChannel> channel = s.scheduler->submit(std::move(g));
       const RequestChannel::Submission sub = channel->wait_submitted();
       if (sub.status == CERTKV_ERR_OUT_OF_RANGE) throw context_exceeded(r, sub.error);

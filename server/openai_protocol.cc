@@ -148,9 +148,10 @@ CompletionRequest parse_completion_request(const json& body, bool chat) {
   if (present(body, "certkv")) {
     const json& c = body["certkv"];
     if (!c.is_object()) throw invalid_field("certkv", "expected an object");
-    if (present(c, "per_layer") && (!c["per_layer"].is_boolean() || c["per_layer"].get<bool>()))
-      throw invalid_field("certkv.per_layer",
-                          "the engine reports the meter per request, not per layer, yet; omit it or send false");
+    if (present(c, "per_layer")) {
+      if (!c["per_layer"].is_boolean()) throw invalid_field("certkv.per_layer", "expected true or false");
+      r.per_layer = c["per_layer"].get<bool>();
+    }
   }
   if (!chat && present(body, "echo") && !(body["echo"].is_boolean() && !body["echo"].get<bool>()))
     throw invalid_field("echo", "echoing the prompt is not supported");
@@ -179,6 +180,19 @@ json usage_json(const GenerationResult& r, const CertificateContext& c) {
     cert["coverage"] = r.coverage;
     cert["gate"] = c.gate;
     cert["gate_repairs"] = r.gate_repairs;
+    if (!r.layers.empty()) {
+      json layers = json::array();
+      for (size_t i = 0; i < r.layers.size(); ++i) {
+        const certkv_layer_meter& l = r.layers[i];
+        layers.push_back({{"layer", i},
+                          {"meter_max", l.meter_max},
+                          {"meter_p99", l.meter_p99},
+                          {"coverage", l.coverage},
+                          {"meter_cells", l.cells},
+                          {"gate_repairs", l.gate_repairs}});
+      }
+      cert["per_layer"] = layers;
+    }
   }
   if (c.sparse) cert["sparse_budget"] = r.sparse_budget;
   json bytes = json::object();

@@ -52,6 +52,7 @@ struct CompletionRequest {
   std::vector<std::string> stop;
   bool stream = false;
   bool include_usage = false;            // stream_options.include_usage
+  bool per_layer = false;                // certkv.per_layer: the certificate per layer too
 };
 
 // Throws OpenAiError (400) naming the field for anything malformed or unsupported.

@@ -100,7 +100,7 @@ void RequestScheduler::submit_queued(std::deque<Queued> queued) {
       q.channel->set_submitted(st, certkv_last_error());
       continue;
     }
-    in_flight_[id] = InFlight{q.channel};
+    in_flight_[id] = InFlight{q.channel, q.request.per_layer};
     q.channel->set_submitted(CERTKV_OK, "");
   }
 }
@@ -141,6 +141,13 @@ void RequestScheduler::collect_finished() {
     g.gate_repairs = r.gate_repairs;
     g.sparse_budget = r.sparse_budget;
     for (int32_t i = 0; i < r.n_classes; ++i) g.kv_bytes.emplace_back(r.kv_bytes[i].storage, r.kv_bytes[i].bytes);
+    if (it->second.per_layer && g.metered) {
+      size_t n_layers = 0;
+      certkv_engine_result_layers(engine_, it->first, nullptr, 0, &n_layers);
+      g.layers.resize(n_layers);
+      if (certkv_engine_result_layers(engine_, it->first, g.layers.data(), g.layers.size(), &n_layers) != CERTKV_OK)
+        g.layers.clear();
+    }
     certkv_engine_release(engine_, it->first);
     metrics_->record_finished(g);
     it->second.channel->finish(std::move(g));

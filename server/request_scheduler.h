@@ -26,6 +26,7 @@ struct GenerationRequest {
   int32_t max_tokens = 16;
   certkv_sampler_params sampler{};
   std::vector<std::string> stop;
+  bool per_layer = false;  // copy the meter per layer into the result
 };
 
 // A finished request, copied out of the engine before the scheduler releases it.
@@ -45,6 +46,7 @@ struct GenerationResult {
   int64_t gate_repairs = 0;
   double sparse_budget = 1;
   std::vector<std::pair<std::string, uint64_t>> kv_bytes;  // by page class
+  std::vector<certkv_layer_meter> layers;  // asked for (per_layer) and metered: one per layer
 };
 
 // One request between its HTTP handler and the scheduler. Thread safe.
@@ -105,6 +107,7 @@ class RequestScheduler {
   };
   struct InFlight {
     std::shared_ptr<RequestChannel> channel;
+    bool per_layer = false;
   };
 
   void loop();

@@ -255,6 +255,32 @@ TEST(Server, ChatGreedyEqualsTheEngineAloneAndCarriesTheCertificate) {
   expect_certificate(r.body.at("usage"), prompt_tokens, 8);
 }
 
+TEST(Server, TheCertificatePerLayerOnRequest) {
+  json body = chat_body("What is the capital of France?", 8);
+  const Reply plain = post("/v1/chat/completions", body);
+  ASSERT_EQ(plain.status, 200) << plain.body.dump();
+  EXPECT_FALSE(plain.body.at("usage").at("certkv").contains("per_layer"));
+  body["certkv"] = {{"per_layer", true}};
+  const Reply r = post("/v1/chat/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body.dump();
+  const json& c = r.body.at("usage").at("certkv");
+  const json& layers = c.at("per_layer");
+  ASSERT_EQ(layers.size(), 30u);
+  // The layers partition the request's cells; its maximum is theirs.
+  int64_t cells = 0;
+  double meter_max = 0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    EXPECT_EQ(layers[i].at("layer").get<size_t>(), i);
+    EXPECT_EQ(layers[i].at("meter_cells").get<int64_t>(), 7 * 9);
+    EXPECT_LE(layers[i].at("meter_p99").get<double>(), layers[i].at("meter_max").get<double>());
+    cells += layers[i].at("meter_cells").get<int64_t>();
+    meter_max = std::max(meter_max, layers[i].at("meter_max").get<double>());
+  }
+  EXPECT_EQ(cells, c.at("meter_cells").get<int64_t>());
+  EXPECT_EQ(meter_max, c.at("meter_max").get<double>());
+  EXPECT_EQ(c.at("meter_max"), plain.body.at("usage").at("certkv").at("meter_max"));
+}
+
 TEST(Server, CompletionStreamsServerSentEventsEndingInDone) {
   const json body{{"prompt", "Once upon a time"}, {"max_tokens", 6}, {"temperature", 0}};
   const Reply whole = post("/v1/completions", body);
@@ -460,7 +486,7 @@ TEST(Server, BadInputGetsOpenAiErrorsNamingTheField) {
   EXPECT_EQ(r.status, 400);
   EXPECT_EQ(field(r), "messages[0].role");
   json per_layer = chat_body("hi", 1);
-  per_layer["certkv"] = {{"per_layer", true}};
+  per_layer["certkv"] = {{"per_layer", "yes"}};
   r = post("/v1/chat/completions", per_layer);
   EXPECT_EQ(r.status, 400);
   EXPECT_EQ(field(r), "certkv.per_layer");
