@@ -96,7 +96,10 @@ int HttpServer::bind() {
 
 void HttpServer::listen() { http_->listen_after_bind(); }
 
-void HttpServer::stop() { http_->stop(); }
+void HttpServer::stop() {
+  if (state_->phase == ServerState::Phase::kReady) state_->scheduler->cancel_all();
+  http_->stop();
+}
 
 void HttpServer::load() {
   ServerState& s = *state_;
@@ -326,7 +329,9 @@ void HttpServer::install_routes() {
           }
         }
         const GenerationResult& result = channel->result();
-        if (result.finish_reason == "cancelled") return;  // nobody is listening
+        // Cancelled: the client is gone, or the server is stopping (then it hears so).
+        if (result.finish_reason == "cancelled")
+          throw OpenAiError(503, "server_error", "", "", "the request was cancelled: the server is stopping");
         if (result.finish_reason == "error") throw OpenAiError(500, "server_error", "", "", result.error);
         send_json(res, 200, completion_response(r, id, created, s.model_id, result, s.certificate));
         return;

@@ -2,8 +2,8 @@
 // endpoints, /health, /tokenize, /detokenize and /metrics (docs/server.md).
 //
 // Life cycle: bind() (the port is open; /health answers 503 "loading"), then listen() on one
-// thread and load() on another; stop() ends listen(). Thread safety: stop() and port() may be
-// called from any thread.
+// thread and load() on another; stop() cancels every request (a waiting client gets 503) and ends
+// listen(). Thread safety: stop() and port() may be called from any thread.
 #pragma once
 
 #include <atomic>

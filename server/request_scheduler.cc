@@ -73,6 +73,14 @@ std::shared_ptr<RequestChannel> RequestScheduler::submit(GenerationRequest reque
 
 void RequestScheduler::notify_cancel() { wake_.notify_all(); }
 
+void RequestScheduler::cancel_all() {
+  {
+    std::lock_guard lock(mutex_);
+    cancelling_all_ = true;
+  }
+  wake_.notify_all();
+}
+
 int RequestScheduler::on_token(void* user, int64_t request, int32_t token, const char* text,
                                size_t n_bytes) {
   auto* self = static_cast<RequestScheduler*>(user);
@@ -170,13 +178,17 @@ void RequestScheduler::fail_all(const std::string& error) {
 void RequestScheduler::loop() {
   for (;;) {
     std::deque<Queued> queued;
+    bool cancelling_all = false;
     {
       std::unique_lock lock(mutex_);
       wake_.wait(lock, [&] { return stopping_ || !queued_.empty() || !in_flight_.empty(); });
       if (stopping_) break;
       queued.swap(queued_);
+      cancelling_all = cancelling_all_;
     }
     submit_queued(std::move(queued));
+    if (cancelling_all)
+      for (auto& [id, f] : in_flight_) f.channel->request_cancel();
     cancel_abandoned();
     if (!in_flight_.empty()) {
       int active = 0;

@@ -99,6 +99,8 @@ class RequestScheduler {
   std::shared_ptr<RequestChannel> submit(GenerationRequest request);
   // Wakes the thread to look at cancellations.
   void notify_cancel();
+  // Cancels every request, queued or running, and every one submitted later (the server stops).
+  void cancel_all();
 
  private:
   struct Queued {
@@ -123,6 +125,7 @@ class RequestScheduler {
   std::condition_variable wake_;
   std::deque<Queued> queued_;
   bool stopping_ = false;
+  bool cancelling_all_ = false;
   std::map<int64_t, InFlight> in_flight_;  // scheduler thread only
   std::thread thread_;
 };

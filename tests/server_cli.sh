@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # certkv-serve as a process: bad options exit 2 naming the flag; on a free port it loads, answers
-# /health and a completion, and stops cleanly on SIGTERM.
+# /health and a completion, and stops cleanly on SIGTERM, answering a request in flight with 503.
 # usage: server_cli.sh CERTKV_SERVE MODEL
 set -euo pipefail
 serve=$1
@@ -40,8 +40,8 @@ for _ in $(seq 1 100); do
   sleep 0.1
 done
 [ -n "$port" ] || { echo "FAIL: no port in the log:"; cat "$work/log"; exit 1; }
-python3 - "$port" <<'PY'
-import json, sys, time, urllib.request, urllib.error
+python3 - "$port" "$pid" <<'PY'
+import json, os, signal, sys, threading, time, urllib.request, urllib.error
 base = f"http://127.0.0.1:{sys.argv[1]}"
 for _ in range(600):
     try:
@@ -61,8 +61,25 @@ with urllib.request.urlopen(req) as r:
 assert body["usage"]["completion_tokens"] == 3, body
 assert body["usage"]["certkv"]["scheme"] == "bf16", body
 assert body["usage"]["certkv"]["metered"] is False, body
+
+# A request still generating when the server is told to stop is cancelled and answered 503.
+status = []
+def long_request():
+    req = urllib.request.Request(base + "/v1/completions", method="POST",
+                                 data=json.dumps({"prompt": "Hello", "max_tokens": 120, "temperature": 0}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req)
+        status.append(200)
+    except urllib.error.HTTPError as e:
+        status.append(e.code)
+t = threading.Thread(target=long_request)
+t.start()
+time.sleep(0.3)
+os.kill(int(sys.argv[2]), signal.SIGTERM)
+t.join(30)
+assert status == [503], status
 PY
-kill -TERM "$pid"
 set +e
 wait "$pid"
 rc=$?
