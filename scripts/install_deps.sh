@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs what building and testing certkv needs on a fresh Debian machine (run as root):
 # compiler, CMake, GoogleTest, Google Benchmark, zstd and lz4 (for bench/codec_bench.cc), nlohmann-json
-# (certkv batch),
-# pkg-config, Python 3 with NumPy (scripts/witness_study.py), unzip; git and xz-utils (the device scripts' tests pack and check out
+# (certkv batch, the server), cpp-httplib (the server),
+# pkg-config, Python 3 with NumPy (scripts/witness_study.py) and prometheus_client (the server test
+# parses /metrics with it), unzip; git and xz-utils (the device scripts' tests pack and check out
 # trees). Skips what is already there.
 set -euo pipefail
 need=()
-for pkg in g++ cmake make libgtest-dev libgmock-dev libbenchmark-dev libzstd-dev liblz4-dev nlohmann-json3-dev pkg-config python3 unzip git xz-utils; do
+for pkg in g++ cmake make libgtest-dev libgmock-dev libbenchmark-dev libzstd-dev liblz4-dev nlohmann-json3-dev libcpp-httplib-dev pkg-config python3 unzip git xz-utils; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then
@@ -27,4 +28,16 @@ if ! python3 -c 'import numpy' 2>/dev/null; then
     python3 -m pip install -q numpy
   fi
   python3 -c 'import numpy' || { echo "certkv set-up: NumPy did not install" >&2; exit 1; }
+fi
+# prometheus_client for the same python3, the same way.
+if ! python3 -c 'import prometheus_client' 2>/dev/null; then
+  echo "certkv set-up: installing prometheus_client for $(command -v python3)"
+  if [ "$(command -v python3)" = /usr/bin/python3 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq python3-prometheus-client
+  else
+    python3 -m pip install -q prometheus_client
+  fi
+  python3 -c 'import prometheus_client' || { echo "certkv set-up: prometheus_client did not install" >&2; exit 1; }
 fi

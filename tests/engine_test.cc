@@ -519,6 +519,25 @@ TEST(EngineCApi, RunsRequestsTogetherCancelsAndReports) {
   EXPECT_EQ(st.running + st.waiting, 0);
   EXPECT_EQ(st.decode_tokens, 12 + 3 + 12);
   EXPECT_GT(st.peak_pages_in_use, 0u);
+  // Pages now, by class: the finished requests' prompt blocks kept for sharing. Every page of
+  // bf16 is a raw bf16 page, so the bf16 reference equals the bytes in use.
+  ASSERT_GE(st.n_classes_in_use, 1);
+  EXPECT_STREQ(st.in_use[0].storage, "bf16");
+  uint64_t pages_in_use = 0, page_bytes_in_use = 0;
+  for (int32_t i = 0; i < st.n_classes_in_use; ++i) {
+    pages_in_use += st.in_use[i].pages_in_use;
+    page_bytes_in_use += st.in_use[i].page_bytes_in_use;
+  }
+  EXPECT_EQ(pages_in_use, st.pool_pages_in_use);
+  EXPECT_GT(pages_in_use, 0u);
+  EXPECT_EQ(st.page_bytes_as_bf16, page_bytes_in_use);
+  certkv_request_result unmetered;
+  ASSERT_EQ(certkv_engine_result(engine, ids[0], &unmetered), CERTKV_OK);
+  EXPECT_EQ(unmetered.metered, 0);
+  EXPECT_EQ(unmetered.meter_cells, 0);
+  size_t n_layers = 99;
+  EXPECT_EQ(certkv_engine_result_layers(engine, ids[0], nullptr, 0, &n_layers), CERTKV_OK);
+  EXPECT_EQ(n_layers, 0u);
   EXPECT_EQ(certkv_engine_release(engine, ids[0]), CERTKV_OK);
   certkv_request_result gone;
   EXPECT_EQ(certkv_engine_result(engine, ids[0], &gone), CERTKV_ERR_NOT_FOUND);
@@ -535,6 +554,61 @@ TEST(EngineCApi, RunsRequestsTogetherCancelsAndReports) {
   EXPECT_EQ(certkv_engine_create(model, &ep, &engine), CERTKV_ERR_UNSUPPORTED);
   EXPECT_NE(std::string(certkv_last_error()).find("cuda"), std::string::npos);
   EXPECT_STREQ(certkv_version(), "0.1.0");
+  certkv_model_free(model);
+}
+
+TEST(EngineCApi, ReportsTheMeterPerLayer) {
+  certkv_model* model = nullptr;
+  ASSERT_EQ(certkv_model_load(testing::smollm2_gguf().c_str(), &model), CERTKV_OK) << certkv_last_error();
+  certkv_model_info info;
+  ASSERT_EQ(certkv_model_get_info(model, &info), CERTKV_OK);
+  certkv_engine_params ep = certkv_engine_default_params();
+  ep.session.context_tokens = 128;
+  ep.session.n_threads = 2;
+  ep.session.kv = "rtn4";
+  ep.max_sequences = 2;
+  certkv_engine* engine = nullptr;
+  ASSERT_EQ(certkv_engine_create(model, &ep, &engine), CERTKV_OK) << certkv_last_error();
+  const std::string text = "The quick brown fox jumps over the lazy dog while the farmer counts his sheep "
+                           "in the long grass beside the river.";
+  std::vector<int32_t> prompt(128);
+  int32_t n_prompt = 0;
+  ASSERT_EQ(certkv_tokenize(model, text.data(), text.size(), 1, 0, prompt.data(), 128, &n_prompt), CERTKV_OK);
+  prompt.resize(size_t(n_prompt));
+  ASSERT_GE(n_prompt, 17);  // a full block in rtn4 pages
+  certkv_request_params rp = certkv_request_default_params();
+  rp.prompt = prompt.data();
+  rp.n_prompt = int32_t(prompt.size());
+  rp.max_tokens = 10;
+  rp.ignore_end = 1;
+  int64_t id = 0;
+  ASSERT_EQ(certkv_engine_submit(engine, &rp, &id), CERTKV_OK) << certkv_last_error();
+  ASSERT_EQ(certkv_engine_run(engine, nullptr, nullptr), CERTKV_OK) << certkv_last_error();
+  certkv_request_result r;
+  ASSERT_EQ(certkv_engine_result(engine, id, &r), CERTKV_OK);
+  ASSERT_EQ(r.metered, 1);
+  // 9 decode steps (the first token comes from the prefill), every query head of every layer.
+  EXPECT_EQ(r.meter_cells, int64_t(9) * info.n_layers * info.n_heads);
+  size_t n = 0;
+  EXPECT_EQ(certkv_engine_result_layers(engine, id, nullptr, 0, &n), CERTKV_ERR_OUT_OF_RANGE);
+  ASSERT_EQ(n, size_t(info.n_layers));
+  std::vector<certkv_layer_meter> layers(n);
+  ASSERT_EQ(certkv_engine_result_layers(engine, id, layers.data(), layers.size(), &n), CERTKV_OK);
+  int64_t cells = 0;
+  double meter_max = 0, covered = 0;
+  for (const certkv_layer_meter& l : layers) {
+    EXPECT_EQ(l.cells, int64_t(9) * info.n_heads);
+    EXPECT_LE(l.meter_p99, l.meter_max);
+    cells += l.cells;
+    covered += l.coverage * double(l.cells);
+    meter_max = std::max(meter_max, l.meter_max);
+  }
+  EXPECT_EQ(cells, r.meter_cells);
+  EXPECT_EQ(meter_max, r.meter_max);
+  EXPECT_GT(meter_max, 0.0);  // rtn4 pages hold the prompt's full blocks: something to bound
+  EXPECT_NEAR(covered / double(cells), r.coverage, 1e-12);
+  EXPECT_EQ(certkv_engine_result_layers(engine, id + 1000, layers.data(), layers.size(), &n), CERTKV_ERR_NOT_FOUND);
+  certkv_engine_free(engine);
   certkv_model_free(model);
 }
 

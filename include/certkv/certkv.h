@@ -505,10 +505,26 @@ typedef struct certkv_request_result {
   double sparse_budget;          /* mean fraction of the context attended (1: dense) */
   int32_t n_classes;
   certkv_class_bytes kv_bytes[CERTKV_MAX_KV_CLASSES];
+  int64_t meter_cells;           /* (layer, query head, step) cells behind meter_p99 and coverage
+                                    (every meter_sample_every-th); 0 when not metered */
 } certkv_request_result;
 
 certkv_status certkv_engine_result(const certkv_engine* engine, int64_t id,
                                    certkv_request_result* result);
+
+/* The certificate of one layer of a request: its meter over the request's decode steps. */
+typedef struct certkv_layer_meter {
+  double meter_max, meter_p99, coverage;
+  int64_t cells;                 /* (query head, step) cells of the layer (every
+                                    meter_sample_every-th) */
+  int64_t gate_repairs;          /* pages the gate paged in for the layer */
+} certkv_layer_meter;
+
+/* Per layer, the meter of a request (metered schemes). out: [capacity], layer i at out[i];
+ * *n set to the count: the model's layers, 0 when the request is not metered (OUT_OF_RANGE,
+ * with *n the count needed, when capacity is short). */
+certkv_status certkv_engine_result_layers(const certkv_engine* engine, int64_t id,
+                                          certkv_layer_meter* out, size_t capacity, size_t* n);
 /* Inter-token latencies of a request, ms. out: [capacity]; *n set to the count (OUT_OF_RANGE,
  * with *n the count needed, when capacity is short). */
 certkv_status certkv_engine_itl(const certkv_engine* engine, int64_t id, double* out,
@@ -524,6 +540,11 @@ typedef struct certkv_engine_stats {
   uint64_t pool_pages_in_use, pool_capacity_pages, peak_pages_in_use;
   int32_t n_classes;
   certkv_class_bytes peak_bytes[CERTKV_MAX_KV_CLASSES]; /* per class, the most in use */
+  int32_t n_classes_in_use;      /* entries of in_use */
+  certkv_kv_class_stats in_use[CERTKV_MAX_KV_CLASSES]; /* per class now: pages in use, their
+                                    bytes, the bytes its pools obtained */
+  uint64_t page_bytes_as_bf16;   /* the pages in use were each a raw bf16 page (block_tokens x
+                                    head_dim x 2 bytes): a compression ratio's reference */
 } certkv_engine_stats;
 
 certkv_status certkv_engine_get_stats(const certkv_engine* engine, certkv_engine_stats* stats);

@@ -985,6 +985,23 @@ certkv_status certkv_engine_result(const certkv_engine* engine, int64_t id,
     result->gate_repairs = r.attention.gate_repairs;
     result->sparse_budget = r.attention.sparse_budget;
     result->n_classes = fill_class_bytes(r.kv_bytes, result->kv_bytes);
+    result->meter_cells = r.attention.meter_cells;
+  });
+}
+
+certkv_status certkv_engine_result_layers(const certkv_engine* engine, int64_t id,
+                                          certkv_layer_meter* out, size_t capacity, size_t* n) {
+  CERTKV_REQUIRE(engine && n && (out || capacity == 0), "certkv_engine_result_layers: null argument");
+  return guarded([&] {
+    const auto& layers = engine->engine->report(id).attention.layers;
+    *n = layers.size();
+    if (layers.size() > capacity)
+      certkv::fail(certkv::StatusCode::kOutOfRange, "certkv_engine_result_layers: " +
+                                                        std::to_string(layers.size()) + " layers, capacity " +
+                                                        std::to_string(capacity));
+    for (size_t i = 0; i < layers.size(); ++i)
+      out[i] = certkv_layer_meter{layers[i].meter_max, layers[i].meter_p99, layers[i].coverage,
+                                  layers[i].cells, layers[i].gate_repairs};
   });
 }
 
@@ -1026,6 +1043,19 @@ certkv_status certkv_engine_get_stats(const certkv_engine* engine, certkv_engine
     stats->pool_capacity_pages = s.pool_capacity_pages;
     stats->peak_pages_in_use = s.peak_pages_in_use;
     stats->n_classes = fill_class_bytes(s.peak_bytes, stats->peak_bytes);
+    uint64_t pages_in_use = 0;
+    for (const certkv::cache::StorageClassStats& c : s.in_use_by_class) {
+      pages_in_use += c.pages_in_use;
+      if (stats->n_classes_in_use == CERTKV_MAX_KV_CLASSES) continue;
+      certkv_kv_class_stats& out = stats->in_use[stats->n_classes_in_use++];
+      out.storage = certkv::format::storage_class_name(c.storage);
+      out.pages_in_use = c.pages_in_use;
+      out.bytes_from_allocator = c.bytes_reserved_from_allocator;
+      out.page_bytes_in_use = c.page_bytes_in_use;
+    }
+    const certkv::backend::BackendConfig& bc = engine->engine->backend().config();
+    const int32_t head_dim = engine->model->model->config().head_dim;
+    stats->page_bytes_as_bf16 = pages_in_use * uint64_t(bc.block_tokens) * uint64_t(head_dim) * 2;
   });
 }
 

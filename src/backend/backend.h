@@ -161,6 +161,15 @@ struct SequenceReport {
   int64_t gate_repairs = 0;  // pages paged in
   bool sparse = false;
   double sparse_budget = 1;  // mean over sparse cells (1 with none)
+  // Metered: the same, per layer (every sample_every-th cell of the layer).
+  struct LayerMeter {
+    double meter_max = 0;
+    double meter_p99 = 0;
+    double coverage = 1;
+    int64_t cells = 0;
+    int64_t gate_repairs = 0;
+  };
+  std::vector<LayerMeter> layers;
 };
 
 class Backend {

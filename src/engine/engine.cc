@@ -468,6 +468,7 @@ EngineStats Engine::stats() const {
   s.waiting = int64_t(waiting_.size());
   s.pool_pages_in_use = backend_->pool_pages_in_use();
   s.cached_prefixes = int64_t(holders_.size());
+  s.in_use_by_class = backend_->memory_stats().by_class;
   return s;
 }
 

@@ -96,6 +96,7 @@ struct EngineStats {
   uint64_t pool_pages_in_use = 0, pool_capacity_pages = 0;
   uint64_t peak_pages_in_use = 0;
   std::vector<cache::ClassBytes> peak_bytes;  // per class, the most page bytes in use after a step
+  std::vector<cache::StorageClassStats> in_use_by_class;  // per class, pages and bytes now
 };
 
 class Engine {

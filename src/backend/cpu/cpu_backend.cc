@@ -103,6 +103,8 @@ CpuBackend::SequenceState CpuBackend::make_state() const {
   const ModelConfig& c = model_.config();
   SequenceState st;
   st.telemetry = std::make_unique<gate::Telemetry>(config_.meter.tau, config_.meter.sample_every);
+  if (metered_)
+    st.layer_telemetry.assign(size_t(c.n_layers), gate::Telemetry(config_.meter.tau, config_.meter.sample_every));
   if (config_.sparse.enabled) {
     cache::KeyIndexConfig ic;
     ic.n_layers = c.n_layers;
@@ -150,6 +152,7 @@ cache::SeqId CpuBackend::restart_sequence(cache::SeqId seq) {
   const cache::SeqId fresh = create_sequence();
   SequenceState& st = states_.at(fresh);
   st.telemetry = std::move(old.telemetry);
+  st.layer_telemetry = std::move(old.layer_telemetry);
   st.observer = std::move(old.observer);
   st.sparse_stats = std::move(old.sparse_stats);
   st.sparse_observer = std::move(old.sparse_observer);
@@ -200,8 +203,17 @@ const std::vector<float>& CpuBackend::last_queries(cache::SeqId seq, int layer) 
 const gate::Telemetry& CpuBackend::telemetry(cache::SeqId seq) const { return *state(seq).telemetry; }
 
 void CpuBackend::reset_telemetry(cache::SeqId seq) {
-  state(seq).telemetry =
-      std::make_unique<gate::Telemetry>(config_.meter.tau, config_.meter.sample_every);
+  SequenceState& st = state(seq);
+  st.telemetry = std::make_unique<gate::Telemetry>(config_.meter.tau, config_.meter.sample_every);
+  for (gate::Telemetry& t : st.layer_telemetry) t = gate::Telemetry(config_.meter.tau, config_.meter.sample_every);
+}
+
+void CpuBackend::record_meters(SequenceState& st, int layer) const {
+  for (const attention::HeadMeter& m : meters_) {
+    const bool overflow = std::isinf(m.log_a);
+    st.telemetry->record(m.meter, overflow);
+    st.layer_telemetry[size_t(layer)].record(m.meter, overflow);
+  }
 }
 
 void CpuBackend::set_meter_observer(cache::SeqId seq, MeterObserver observer) {
@@ -235,6 +247,9 @@ SequenceReport CpuBackend::report(cache::SeqId seq) const {
     r.meter_p99 = t.quantile(0.99);
     r.coverage = t.cells() > 0 ? t.coverage() : 1.0;
     r.gate_repairs = t.repairs();
+    for (const gate::Telemetry& l : st.layer_telemetry)
+      r.layers.push_back({l.overflow() > 0 ? 1.0 : l.max(), l.quantile(0.99), l.cells() > 0 ? l.coverage() : 1.0,
+                          l.cells(), l.repairs()});
   }
   r.sparse = config_.sparse.enabled;
   if (st.sparse_stats.cells > 0) r.sparse_budget = st.sparse_stats.sum_budget / double(st.sparse_stats.cells);
@@ -355,7 +370,7 @@ void CpuBackend::decode_attention_sparse(cache::SeqId seq, SequenceState& st, in
     ss.layer_sum_budget[size_t(layer)] += budget;
   }
   if (metered_) {
-    for (const attention::HeadMeter& m : meters_) st.telemetry->record(m.meter, std::isinf(m.log_a));
+    record_meters(st, layer);
     if (st.observer) st.observer(MeterObservation{layer, pos0, q, n_ctx, meters_.data()});
   }
   if (st.sparse_observer)
@@ -381,7 +396,7 @@ void CpuBackend::decode_attention_device(cache::SeqId seq, SequenceState& st, in
     }
   };
   attend();
-  for (const attention::HeadMeter& m : meters_) st.telemetry->record(m.meter, std::isinf(m.log_a));
+  record_meters(st, layer);
   if (st.observer) st.observer(MeterObservation{layer, pos0, q, pos0 + 1, meters_.data()});
   if (!config_.meter.gate) return;
   // The host cache decides and repairs as on the CPU (its contributions: for fp8 the device's own
@@ -398,7 +413,7 @@ void CpuBackend::after_metered_attention(cache::SeqId seq, SequenceState& st, in
                                          const attention::AttentionShape& shape, int64_t pos0,
                                          const float* q, float* out) {
   const int64_t n_ctx = pos0 + 1;
-  for (const attention::HeadMeter& m : meters_) st.telemetry->record(m.meter, std::isinf(m.log_a));
+  record_meters(st, layer);
   if (st.observer) st.observer(MeterObservation{layer, pos0, q, n_ctx, meters_.data()});
   if (!config_.meter.gate) return;
   attention::DecodeOptions options;
@@ -462,6 +477,7 @@ void CpuBackend::gate_repairs(cache::SeqId seq, SequenceState& st, int layer,
         repaired(kv_head, b);
         repaired_any = true;
         st.telemetry->add_repairs(2, int64_t(bytes));
+        st.layer_telemetry[size_t(layer)].add_repairs(2, int64_t(bytes));
         for (size_t i = 0; i < heads.size(); ++i)
           a_minus_1[i] -= contributions_[size_t(heads[i]) * size_t(n_blocks) + size_t(b)];
       }

@@ -78,6 +78,7 @@ class CpuBackend final : public Backend {
  private:
   struct SequenceState {
     std::unique_ptr<gate::Telemetry> telemetry;
+    std::vector<gate::Telemetry> layer_telemetry;  // metered: per layer, the same cells
     MeterObserver observer;
     std::unique_ptr<cache::KeyIndex> index;
     bool index_built = false;
@@ -91,6 +92,8 @@ class CpuBackend final : public Backend {
   SequenceState& state(cache::SeqId seq);
   const SequenceState& state(cache::SeqId seq) const;
   SequenceState make_state() const;
+  // The meters of one metered attention (meters_) into the sequence's telemetry.
+  void record_meters(SequenceState& st, int layer) const;
   // Whether a one-token step of the sequence goes through decode_attention (batched with the
   // step's other such sequences): not sparse, not on the device.
   bool plain_decode(const SequenceState& st, int layer, int64_t n) const;

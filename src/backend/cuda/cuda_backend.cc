@@ -148,6 +148,9 @@ class CudaBackend final : public Backend {
       r.meter_max = t.overflow() > 0 ? 1.0 : t.max();
       r.meter_p99 = t.quantile(0.99);
       r.coverage = t.cells() > 0 ? t.coverage() : 1.0;
+      for (const gate::Telemetry& l : st.layer_telemetry)
+        r.layers.push_back({l.overflow() > 0 ? 1.0 : l.max(), l.quantile(0.99), l.cells() > 0 ? l.coverage() : 1.0,
+                            l.cells(), l.repairs()});
     }
     return r;
   }
@@ -191,6 +194,7 @@ class CudaBackend final : public Backend {
     int64_t length = 0;
     int64_t reserved = 0;  // tokens whose pages are promised (>= length)
     std::unique_ptr<gate::Telemetry> telemetry;
+    std::vector<gate::Telemetry> layer_telemetry;  // metered: [n_layers]
   };
 
   // The rows of one launch: a prefill chunk's rows, or the metered decode rows (the meter runs on
@@ -206,6 +210,9 @@ class CudaBackend final : public Backend {
   SequenceState make_state() const {
     SequenceState st;
     st.telemetry = std::make_unique<gate::Telemetry>(config_.meter.tau, config_.meter.sample_every);
+    if (metered_)
+      st.layer_telemetry.assign(size_t(model_.config().n_layers),
+                                gate::Telemetry(config_.meter.tau, config_.meter.sample_every));
     return st;
   }
   SequenceState& state(cache::SeqId seq) {
@@ -428,7 +435,9 @@ void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, c
     for (size_t h = 0; h < H; ++h) {
       const double a_minus_1 = double(host_meters[step_rows_ * H + j * H + h]);  // lifted on the device
       const double log_a = std::isfinite(a_minus_1) ? std::log1p(std::max(a_minus_1, 0.0)) : INFINITY;
-      st.telemetry->record(gate::meter_from_log_a(log_a), std::isinf(log_a));
+      const double meter = gate::meter_from_log_a(log_a);
+      st.telemetry->record(meter, std::isinf(log_a));
+      st.layer_telemetry[size_t(layer)].record(meter, std::isinf(log_a));
     }
   }
 }

@@ -1,0 +1,435 @@
+#include "http_server.h"
+
+#include <httplib.h>
+#include <signal.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <thread>
+
+#include "certkv/certkv.hpp"
+#include "client_connection.h"
+#include "openai_protocol.h"
+#include "request_scheduler.h"
+#include "server_metrics.h"
+
+namespace certkv::server {
+
+namespace {
+
+// How long a handler waits for text before it looks at its client (and, streaming, writes a
+// keep-alive comment).
+constexpr std::chrono::milliseconds kClientCheckInterval{500};
+
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+void send_json(httplib::Response& res, int status, const json& body) {
+  res.status = status;
+  res.set_content(dump(body), "application/json");
+}
+
+void send_error(httplib::Response& res, const OpenAiError& e) { send_json(res, e.http_status, error_body(e)); }
+
+int64_t unix_seconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+json parse_body(const httplib::Request& req) {
+  try {
+    return json::parse(req.body);
+  } catch (const json::parse_error& e) {
+    throw OpenAiError(400, "invalid_request_error", "invalid_json", "",
+                      std::string("the body is not valid JSON: ") + e.what());
+  }
+}
+
+}  // namespace
+
+// Everything load() makes, and what the handlers share.
+class ServerState {
+ public:
+  enum class Phase { kLoading, kReady, kFailed };
+
+  std::atomic<Phase> phase{Phase::kLoading};
+  std::mutex failure_mutex;
+  std::string failure;  // kFailed: why
+
+  std::unique_ptr<certkv::Model> model;
+  certkv_model_info info{};
+  std::string model_id;  // the model file's name, as /v1/models lists it
+  int64_t loaded_unix_seconds = 0;
+  int64_t context_tokens = 0;
+  certkv_engine* engine = nullptr;
+  std::unique_ptr<ServerMetrics> metrics;
+  std::unique_ptr<RequestScheduler> scheduler;
+  CertificateContext certificate;
+  std::atomic<int64_t> next_request{1};
+
+  ~ServerState() {
+    scheduler.reset();  // joins the thread before the engine goes
+    if (engine) certkv_engine_free(engine);
+  }
+};
+
+HttpServer::HttpServer(ServerOptions options)
+    : options_(std::move(options)), http_(std::make_unique<httplib::Server>()), state_(std::make_unique<ServerState>()) {
+  install_routes();
+}
+
+HttpServer::~HttpServer() {
+  stop();
+  state_.reset();
+}
+
+int HttpServer::bind() {
+  if (options_.port == 0) {
+    port_ = http_->bind_to_any_port(options_.host);
+  } else {
+    port_ = http_->bind_to_port(options_.host, options_.port) ? options_.port : -1;
+  }
+  if (port_ <= 0)
+    throw std::runtime_error("cannot listen on " + options_.host + ":" + std::to_string(options_.port));
+  return port_;
+}
+
+void HttpServer::listen() { http_->listen_after_bind(); }
+
+void HttpServer::stop() {
+  if (state_->phase == ServerState::Phase::kReady) state_->scheduler->cancel_all();
+  http_->stop();
+}
+
+void HttpServer::load() {
+  ServerState& s = *state_;
+  try {
+    s.model = std::make_unique<certkv::Model>(options_.model_path);
+    s.info = s.model->info();
+    s.model_id = std::filesystem::path(options_.model_path).filename().string();
+    certkv_engine_params p = certkv_engine_default_params();
+    p.session.context_tokens = options_.ctx_tokens;
+    p.session.n_threads = options_.threads;
+    p.session.kv = options_.kv.c_str();
+    p.session.meter_tau = options_.tau;
+    p.session.gate = options_.gate ? 1 : 0;
+    p.session.sparse_p = options_.sparse_p;
+    p.session.sparse_window = options_.sparse_window;
+    p.session.sparse_dense_layers = options_.sparse_dense_layers;
+    p.session.device = options_.device.c_str();
+    p.max_sequences = options_.parallel;
+    p.pool_bytes = options_.pool_bytes;
+    certkv::check(certkv_engine_create(s.model->get(), &p, &s.engine));
+    s.context_tokens = options_.ctx_tokens > 0 ? options_.ctx_tokens : s.info.context_length;
+    s.certificate.scheme = options_.kv;
+    s.certificate.meter_tier = "none";
+    for (int32_t i = 0; i < certkv_kv_scheme_count(); ++i) {
+      certkv_kv_scheme_info k;
+      if (certkv_kv_scheme_get(i, &k) == CERTKV_OK && options_.kv == k.name) s.certificate.meter_tier = k.meter_tier;
+    }
+    s.certificate.tau = options_.tau;
+    s.certificate.gate = options_.gate;
+    s.certificate.sparse = options_.sparse_p > 0;
+    s.metrics = std::make_unique<ServerMetrics>(options_.kv, options_.tau, options_.sparse_p > 0);
+    s.scheduler = std::make_unique<RequestScheduler>(s.engine, s.metrics.get());
+    s.loaded_unix_seconds = unix_seconds();
+    s.phase = ServerState::Phase::kReady;
+  } catch (const std::exception& e) {
+    {
+      std::lock_guard lock(s.failure_mutex);
+      s.failure = e.what();
+    }
+    s.phase = ServerState::Phase::kFailed;
+    throw std::runtime_error(e.what());
+  }
+}
+
+namespace {
+
+// The prompt's tokens: the chat template for messages, the text or token ids as given otherwise.
+std::vector<int32_t> prompt_tokens(const ServerState& s, const CompletionRequest& r) {
+  if (!r.chat && !r.prompt_tokens.empty()) {
+    for (size_t i = 0; i < r.prompt_tokens.size(); ++i)
+      if (r.prompt_tokens[i] >= s.info.n_vocab)
+        throw invalid_field("prompt", "token " + std::to_string(r.prompt_tokens[i]) + " at " + std::to_string(i) +
+                                          " is outside the vocabulary of " + std::to_string(s.info.n_vocab));
+    return r.prompt_tokens;
+  }
+  std::string text = r.prompt;
+  if (r.chat) {
+    std::vector<certkv_chat_message> messages;
+    for (const ChatMessage& m : r.messages) messages.push_back({m.role.c_str(), m.content.c_str()});
+    try {
+      text = s.model->chat(messages, true);
+    } catch (const certkv::ApiError& e) {
+      throw invalid_field("messages", std::string("the model's chat template refused them: ") + e.what());
+    }
+  }
+  std::vector<int32_t> tokens = s.model->tokenize(text, true, true);
+  if (tokens.empty()) throw invalid_field(r.chat ? "messages" : "prompt", "the prompt has no token");
+  return tokens;
+}
+
+OpenAiError context_exceeded(const CompletionRequest& r, const std::string& message) {
+  return OpenAiError(400, "invalid_request_error", "context_length_exceeded", r.chat ? "messages" : "prompt", message);
+}
+
+}  // namespace
+
+void HttpServer::install_routes() {
+  httplib::Server& http = *http_;
+  ServerState& s = *state_;
+  const ServerOptions& options = options_;
+  const size_t n_threads = size_t(std::max(32, options.parallel * 4));
+  http.new_task_queue = [n_threads] { return new httplib::ThreadPool(n_threads); };
+  http.set_payload_max_length(size_t(options.max_body_bytes));
+
+  http.set_pre_routing_handler([&s, &options](const httplib::Request& req, httplib::Response& res) {
+    if (req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
+    if (!options.api_key.empty() && req.get_header_value("Authorization") != "Bearer " + options.api_key) {
+      send_error(res, OpenAiError(401, "authentication_error", "invalid_api_key", "",
+                                  "a missing or wrong API key: send 'Authorization: Bearer KEY'"));
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    if (s.phase != ServerState::Phase::kReady) {
+      send_error(res, OpenAiError(503, "server_error", "model_not_ready", "",
+                                  s.phase == ServerState::Phase::kLoading ? "the model is loading"
+                                                                          : "the model failed to load"));
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
+
+  http.set_error_handler(httplib::Server::HandlerWithResponse(
+      [&options](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty() || res.content_provider_) return httplib::Server::HandlerResponse::Unhandled;
+    std::string message = "HTTP " + std::to_string(res.status);
+    std::string code;
+    if (res.status == 404) {
+      message = "no endpoint " + req.method + " " + req.path;
+      code = "not_found";
+    } else if (res.status == 413) {
+      message = "the request body is over the limit of " + std::to_string(options.max_body_bytes) + " bytes";
+      code = "request_too_large";
+    }
+    send_error(res, OpenAiError(res.status, res.status >= 500 ? "server_error" : "invalid_request_error", code,
+                                "", message));
+    return httplib::Server::HandlerResponse::Handled;
+  }));
+
+  http.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+    try {
+      std::rethrow_exception(ep);
+    } catch (const OpenAiError& e) {
+      send_error(res, e);
+    } catch (const std::exception& e) {
+      send_error(res, OpenAiError(500, "server_error", "", "", e.what()));
+    }
+  });
+
+  http.Get("/health", [&s](const httplib::Request&, httplib::Response& res) {
+    switch (s.phase.load()) {
+      case ServerState::Phase::kReady:
+        send_json(res, 200, {{"status", "ok"}});
+        break;
+      case ServerState::Phase::kLoading:
+        send_json(res, 503, {{"status", "loading"}});
+        break;
+      case ServerState::Phase::kFailed: {
+        std::lock_guard lock(s.failure_mutex);
+        send_json(res, 503, {{"status", "error"}, {"message", s.failure}});
+        break;
+      }
+    }
+  });
+
+  http.Get("/v1/models", [&s](const httplib::Request&, httplib::Response& res) {
+    json model{{"id", s.model_id},
+               {"object", "model"},
+               {"created", s.loaded_unix_seconds},
+               {"owned_by", "certkv"},
+               {"meta",
+                {{"architecture", s.info.architecture},
+                 {"n_layers", s.info.n_layers},
+                 {"n_vocab", s.info.n_vocab},
+                 {"context_tokens", s.context_tokens},
+                 {"kv", s.certificate.scheme},
+                 {"meter_tier", s.certificate.meter_tier}}}};
+    send_json(res, 200, {{"object", "list"}, {"data", json::array({model})}});
+  });
+
+  http.Get("/metrics", [&s](const httplib::Request&, httplib::Response& res) {
+    res.set_content(s.metrics->prometheus_text(), "text/plain; version=0.0.4");
+  });
+
+  http.Post("/tokenize", [&s](const httplib::Request& req, httplib::Response& res) {
+    const json body = parse_body(req);
+    if (!body.is_object() || !body.contains("content") || !body["content"].is_string())
+      throw invalid_field("content", "expected a string");
+    auto flag = [&](const char* name, bool fallback) {
+      if (!body.contains(name)) return fallback;
+      if (!body[name].is_boolean()) throw invalid_field(name, "expected true or false");
+      return body[name].get<bool>();
+    };
+    const bool add_special = flag("add_special", false);
+    const bool parse_special = flag("parse_special", true);
+    const std::vector<int32_t> tokens = s.model->tokenize(body["content"].get<std::string>(), add_special, parse_special);
+    send_json(res, 200, {{"tokens", tokens}});
+  });
+
+  http.Post("/detokenize", [&s](const httplib::Request& req, httplib::Response& res) {
+    const json body = parse_body(req);
+    if (!body.is_object() || !body.contains("tokens") || !body["tokens"].is_array())
+      throw invalid_field("tokens", "expected an array of token ids");
+    std::string text;
+    const json& tokens = body["tokens"];
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      const std::string param = "tokens[" + std::to_string(i) + "]";
+      if (!tokens[i].is_number_integer()) throw invalid_field(param, "expected an integer");
+      const int64_t t = tokens[i].get<int64_t>();
+      if (t < 0 || t >= s.info.n_vocab)
+        throw invalid_field(param, std::to_string(t) + " is outside the vocabulary of " + std::to_string(s.info.n_vocab));
+      text += s.model->piece(int32_t(t));
+    }
+    send_json(res, 200, {{"content", text}});
+  });
+
+  auto completion = [&s](bool chat) {
+    return [&s, chat](const httplib::Request& req, httplib::Response& res) {
+      const CompletionRequest r = parse_completion_request(parse_body(req), chat);
+      if (!r.model.empty() && r.model != s.model_id)
+        throw OpenAiError(404, "invalid_request_error", "model_not_found", "model",
+                          "model '" + r.model + "' is not served here; GET /v1/models lists '" + s.model_id + "'");
+      GenerationRequest g;
+      g.prompt = prompt_tokens(s, r);
+      const int64_t n_prompt = int64_t(g.prompt.size());
+      if (n_prompt >= s.context_tokens)
+        throw context_exceeded(r, "the prompt has " + std::to_string(n_prompt) + " tokens; the context holds " +
+                                      std::to_string(s.context_tokens) + " (prompt and output)");
+      g.max_tokens = r.max_tokens ? *r.max_tokens : chat ? int32_t(s.context_tokens - n_prompt) : 16;
+      g.sampler = r.sampler;
+      g.stop = r.stop;
+      g.per_layer = r.per_layer;
+      const std::shared_ptr<RequestChannel> channel = s.scheduler->submit(std::move(g));
+      const RequestChannel::Submission sub = channel->wait_submitted();
+      if (sub.status == CERTKV_ERR_OUT_OF_RANGE) throw context_exceeded(r, sub.error);
+      if (sub.status == CERTKV_ERR_INVALID_ARGUMENT) throw OpenAiError(400, "invalid_request_error", "", "", sub.error);
+      if (sub.status != CERTKV_OK) throw OpenAiError(500, "server_error", "", "", sub.error);
+
+      const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(s.next_request++);
+      const int64_t created = unix_seconds();
+      const auto connection = std::make_shared<ClientConnection>(req.remote_addr, req.remote_port, req.local_port);
+      if (!r.stream) {
+        std::string ignored;
+        while (!channel->wait_for_text(&ignored, kClientCheckInterval)) {
+          ignored.clear();
+          if (!channel->cancel_requested() && connection->closed()) {
+            channel->request_cancel();
+            s.scheduler->notify_cancel();
+          }
+        }
+        const GenerationResult& result = channel->result();
+        // Cancelled: the client is gone, or the server is stopping (then it hears so).
+        if (result.finish_reason == "cancelled")
+          throw OpenAiError(503, "server_error", "", "", "the request was cancelled: the server is stopping");
+        if (result.finish_reason == "error") throw OpenAiError(500, "server_error", "", "", result.error);
+        send_json(res, 200, completion_response(r, id, created, s.model_id, result, s.certificate));
+        return;
+      }
+      res.set_header("Cache-Control", "no-cache");
+      res.set_chunked_content_provider(
+          "text/event-stream",
+          [&s, r, id, created, channel, connection, first = true](size_t, httplib::DataSink& sink) mutable {
+            auto send_event = [&](const std::string& payload) {
+              const std::string event = "data: " + payload + "\n\n";
+              return sink.write(event.data(), event.size());
+            };
+            for (;;) {
+              std::string text;
+              const bool finished = channel->wait_for_text(&text, kClientCheckInterval);
+              bool written = true;
+              if (!text.empty() || first) {
+                written = send_event(dump(completion_chunk(r, id, created, s.model_id, text, first, "", nullptr)));
+                first = false;
+              } else if (!finished) {
+                written = !connection->closed() && sink.write(": keep-alive\n\n", 14);
+              }
+              if (!written) {
+                channel->request_cancel();
+                s.scheduler->notify_cancel();
+                return false;
+              }
+              if (finished) break;
+            }
+            const GenerationResult& result = channel->result();
+            if (result.finish_reason == "error") {
+              send_event(dump(error_body(OpenAiError(500, "server_error", "", "", result.error))));
+            } else {
+              const json usage = usage_json(result, s.certificate);
+              // The certificate reaches every stream: with include_usage in the usage chunk (as
+              // OpenAI sends it), otherwise in the chunk that carries the finish reason.
+              send_event(dump(completion_chunk(r, id, created, s.model_id, "", false,
+                                               openai_finish_reason(result.finish_reason),
+                                               r.include_usage ? json(nullptr) : usage)));
+              if (r.include_usage) send_event(dump(usage_chunk(r, id, created, s.model_id, usage)));
+            }
+            send_event("[DONE]");
+            sink.done();
+            return true;
+          },
+          [&s, channel](bool success) {
+            if (success) return;
+            channel->request_cancel();
+            s.scheduler->notify_cancel();
+          });
+    };
+  };
+  http.Post("/v1/completions", completion(false));
+  http.Post("/v1/chat/completions", completion(true));
+}
+
+int serve_main(int argc, char** argv) {
+  ServerOptions options;
+  try {
+    options = parse_server_options(argc, argv);
+  } catch (const OptionError& e) {
+    std::fprintf(stderr, "certkv serve: %s\n%s", e.what(), kServeUsage);
+    return 2;
+  }
+  // SIGINT and SIGTERM go to sigwait below, in every thread; a write to a closed socket is an
+  // error return, not a signal.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  HttpServer server(options);
+  int port = 0;
+  try {
+    port = server.bind();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "certkv serve: %s\n", e.what());
+    return 1;
+  }
+  std::thread listener([&] { server.listen(); });
+  std::fprintf(stderr, "certkv serve: listening on http://%s:%d (loading %s)\n", options.host.c_str(), port,
+               options.model_path.c_str());
+  int status = 0;
+  try {
+    server.load();
+    std::fprintf(stderr, "certkv serve: ready\n");
+    int signal_number = 0;
+    sigwait(&stop_signals, &signal_number);
+    std::fprintf(stderr, "certkv serve: stopping (signal %d)\n", signal_number);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "certkv serve: %s\n", e.what());
+    status = 1;
+  }
+  server.stop();
+  listener.join();
+  return status;
+}
+
+}  // namespace certkv::server

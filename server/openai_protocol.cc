@@ -1,0 +1,255 @@
+#include "openai_protocol.h"
+
+#include <cmath>
+#include <limits>
+
+namespace certkv::server {
+
+OpenAiError invalid_field(const std::string& param, const std::string& message) {
+  return OpenAiError(400, "invalid_request_error", "", param, param + ": " + message);
+}
+
+json error_body(const OpenAiError& e) {
+  json err;
+  err["message"] = e.what();
+  err["type"] = e.type;
+  err["param"] = e.param.empty() ? json(nullptr) : json(e.param);
+  err["code"] = e.code.empty() ? json(nullptr) : json(e.code);
+  return json{{"error", err}};
+}
+
+namespace {
+
+double number_field(const json& body, const char* name, double lo, double hi) {
+  const json& v = body.at(name);
+  if (!v.is_number()) throw invalid_field(name, "expected a number, got " + v.dump());
+  const double x = v.get<double>();
+  if (!(x >= lo && x <= hi))
+    throw invalid_field(name, "must be in [" + json(lo).dump() + ", " + json(hi).dump() + "], got " + v.dump());
+  return x;
+}
+
+int64_t integer_field(const json& body, const char* name, int64_t lo, int64_t hi) {
+  const json& v = body.at(name);
+  if (!v.is_number_integer()) throw invalid_field(name, "expected an integer, got " + v.dump());
+  const int64_t x = v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX) ? INT64_MAX : v.get<int64_t>();
+  if (x < lo || x > hi)
+    throw invalid_field(name, "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " + v.dump());
+  return x;
+}
+
+bool bool_field(const json& body, const char* name) {
+  const json& v = body.at(name);
+  if (!v.is_boolean()) throw invalid_field(name, "expected true or false, got " + v.dump());
+  return v.get<bool>();
+}
+
+bool present(const json& body, const char* name) { return body.contains(name) && !body.at(name).is_null(); }
+
+// Message content: a string, or an array of parts of which the "text" ones are joined.
+std::string message_content(const json& content, const std::string& param) {
+  if (content.is_string()) return content.get<std::string>();
+  if (!content.is_array()) throw invalid_field(param, "expected a string or an array of text parts");
+  std::string text;
+  for (size_t i = 0; i < content.size(); ++i) {
+    const json& part = content[i];
+    const std::string p = param + "[" + std::to_string(i) + "]";
+    if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+      throw invalid_field(p, "only {\"type\": \"text\", \"text\": \"...\"} parts are supported");
+    text += part["text"].get<std::string>();
+  }
+  return text;
+}
+
+}  // namespace
+
+CompletionRequest parse_completion_request(const json& body, bool chat) {
+  if (!body.is_object()) throw OpenAiError(400, "invalid_request_error", "", "", "the body must be a JSON object");
+  CompletionRequest r;
+  r.chat = chat;
+  r.sampler = certkv_sampler_default_params();
+  r.sampler.temperature = 1.0f;  // OpenAI's default
+  r.sampler.top_p = 1.0f;
+  if (present(body, "model")) {
+    if (!body["model"].is_string()) throw invalid_field("model", "expected a string");
+    r.model = body["model"].get<std::string>();
+  }
+  if (chat) {
+    if (!body.contains("messages")) throw invalid_field("messages", "is required");
+    const json& messages = body["messages"];
+    if (!messages.is_array() || messages.empty()) throw invalid_field("messages", "expected a non-empty array");
+    for (size_t i = 0; i < messages.size(); ++i) {
+      const std::string p = "messages[" + std::to_string(i) + "]";
+      const json& m = messages[i];
+      if (!m.is_object()) throw invalid_field(p, "expected an object");
+      if (!m.contains("role") || !m["role"].is_string()) throw invalid_field(p + ".role", "expected a string");
+      const std::string role = m["role"].get<std::string>();
+      if (role != "system" && role != "user" && role != "assistant" && role != "developer")
+        throw invalid_field(p + ".role", "expected system, developer, user or assistant, got '" + role + "'");
+      if (!m.contains("content")) throw invalid_field(p + ".content", "is required");
+      r.messages.push_back({role == "developer" ? "system" : role, message_content(m["content"], p + ".content")});
+    }
+  } else {
+    if (!body.contains("prompt")) throw invalid_field("prompt", "is required");
+    const json& prompt = body["prompt"];
+    if (prompt.is_string()) {
+      r.prompt = prompt.get<std::string>();
+    } else if (prompt.is_array() && !prompt.empty() && prompt[0].is_number_integer()) {
+      for (const json& t : prompt) {
+        if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
+          throw invalid_field("prompt", "a token list must hold non-negative integers");
+        r.prompt_tokens.push_back(t.get<int32_t>());
+      }
+    } else if (prompt.is_array() && prompt.size() == 1 && prompt[0].is_string()) {
+      r.prompt = prompt[0].get<std::string>();
+    } else {
+      throw invalid_field("prompt", "expected a string, a list of one string, or a list of token ids "
+                                    "(send several prompts as several requests)");
+    }
+  }
+  if (present(body, "max_tokens")) r.max_tokens = int32_t(integer_field(body, "max_tokens", 1, INT32_MAX));
+  if (chat && present(body, "max_completion_tokens"))
+    r.max_tokens = int32_t(integer_field(body, "max_completion_tokens", 1, INT32_MAX));
+  if (present(body, "temperature")) r.sampler.temperature = float(number_field(body, "temperature", 0, 2));
+  if (present(body, "top_p")) {
+    r.sampler.top_p = float(number_field(body, "top_p", 0, 1));
+    if (!(r.sampler.top_p > 0)) throw invalid_field("top_p", "must be in (0, 1], got 0");
+  }
+  if (present(body, "top_k")) r.sampler.top_k = int32_t(integer_field(body, "top_k", 0, INT32_MAX));
+  if (present(body, "seed")) r.sampler.seed = uint64_t(integer_field(body, "seed", 0, INT64_MAX));
+  if (present(body, "n") && integer_field(body, "n", 1, INT32_MAX) != 1)
+    throw invalid_field("n", "only 1 choice per request is supported");
+  if (present(body, "stop")) {
+    const json& stop = body["stop"];
+    if (stop.is_string()) {
+      r.stop.push_back(stop.get<std::string>());
+    } else if (stop.is_array() && stop.size() <= 4) {
+      for (const json& s : stop) {
+        if (!s.is_string()) throw invalid_field("stop", "expected a string or up to 4 strings");
+        r.stop.push_back(s.get<std::string>());
+      }
+    } else {
+      throw invalid_field("stop", "expected a string or up to 4 strings");
+    }
+    for (const std::string& s : r.stop)
+      if (s.empty()) throw invalid_field("stop", "a stop string is empty");
+  }
+  if (present(body, "stream")) r.stream = bool_field(body, "stream");
+  if (present(body, "stream_options")) {
+    const json& so = body["stream_options"];
+    if (!so.is_object()) throw invalid_field("stream_options", "expected an object");
+    if (!r.stream) throw invalid_field("stream_options", "is only allowed with stream: true");
+    if (present(so, "include_usage")) {
+      if (!so["include_usage"].is_boolean())
+        throw invalid_field("stream_options.include_usage", "expected true or false");
+      r.include_usage = so["include_usage"].get<bool>();
+    }
+  }
+  if (present(body, "certkv")) {
+    const json& c = body["certkv"];
+    if (!c.is_object()) throw invalid_field("certkv", "expected an object");
+    if (present(c, "per_layer")) {
+      if (!c["per_layer"].is_boolean()) throw invalid_field("certkv.per_layer", "expected true or false");
+      r.per_layer = c["per_layer"].get<bool>();
+    }
+  }
+  if (!chat && present(body, "echo") && !(body["echo"].is_boolean() && !body["echo"].get<bool>()))
+    throw invalid_field("echo", "echoing the prompt is not supported");
+  if (!chat && present(body, "suffix")) throw invalid_field("suffix", "insertion with a suffix is not supported");
+  if (present(body, "logprobs") && !(body["logprobs"].is_boolean() && !body["logprobs"].get<bool>()))
+    throw invalid_field("logprobs", "log probabilities are not supported");
+  return r;
+}
+
+std::string openai_finish_reason(const std::string& engine_reason) {
+  if (engine_reason == "end" || engine_reason == "stop") return "stop";
+  return engine_reason;
+}
+
+json usage_json(const GenerationResult& r, const CertificateContext& c) {
+  json cert;
+  cert["scheme"] = c.scheme;
+  cert["meter_tier"] = c.meter_tier;
+  cert["metered"] = r.metered;
+  if (r.metered) {
+    cert["tau"] = c.tau;
+    cert["certified"] = c.tau < 1;  // tau >= 1 ranks risk instead of certifying
+    cert["meter_cells"] = r.meter_cells;
+    cert["meter_max"] = r.meter_max;
+    cert["meter_p99"] = r.meter_p99;
+    cert["coverage"] = r.coverage;
+    cert["gate"] = c.gate;
+    cert["gate_repairs"] = r.gate_repairs;
+    if (!r.layers.empty()) {
+      json layers = json::array();
+      for (size_t i = 0; i < r.layers.size(); ++i) {
+        const certkv_layer_meter& l = r.layers[i];
+        layers.push_back({{"layer", i},
+                          {"meter_max", l.meter_max},
+                          {"meter_p99", l.meter_p99},
+                          {"coverage", l.coverage},
+                          {"meter_cells", l.cells},
+                          {"gate_repairs", l.gate_repairs}});
+      }
+      cert["per_layer"] = layers;
+    }
+  }
+  if (c.sparse) cert["sparse_budget"] = r.sparse_budget;
+  json bytes = json::object();
+  for (const auto& [storage, n] : r.kv_bytes) bytes[storage] = n;
+  cert["kv_bytes"] = bytes;
+  cert["prefix_cache_tokens"] = r.shared_prompt_tokens;
+  cert["preemptions"] = r.preemptions;
+  return json{{"prompt_tokens", r.prompt_tokens},
+              {"completion_tokens", r.generated_tokens},
+              {"total_tokens", r.prompt_tokens + r.generated_tokens},
+              {"certkv", cert}};
+}
+
+json completion_response(const CompletionRequest& req, const std::string& id, int64_t created,
+                         const std::string& model, const GenerationResult& r, const CertificateContext& c) {
+  json choice{{"index", 0}, {"finish_reason", openai_finish_reason(r.finish_reason)}, {"logprobs", nullptr}};
+  if (req.chat) choice["message"] = json{{"role", "assistant"}, {"content", r.text}};
+  else choice["text"] = r.text;
+  return json{{"id", id},
+              {"object", req.chat ? "chat.completion" : "text_completion"},
+              {"created", created},
+              {"model", model},
+              {"choices", json::array({choice})},
+              {"usage", usage_json(r, c)}};
+}
+
+json completion_chunk(const CompletionRequest& req, const std::string& id, int64_t created,
+                      const std::string& model, const std::string& text, bool first,
+                      const std::string& finish_reason, const json& usage) {
+  json choice{{"index", 0},
+              {"finish_reason", finish_reason.empty() ? json(nullptr) : json(finish_reason)},
+              {"logprobs", nullptr}};
+  if (req.chat) {
+    json delta = json::object();
+    if (first) delta["role"] = "assistant";
+    if (!text.empty() || first) delta["content"] = text;
+    choice["delta"] = delta;
+  } else {
+    choice["text"] = text;
+  }
+  json chunk{{"id", id},
+             {"object", req.chat ? "chat.completion.chunk" : "text_completion"},
+             {"created", created},
+             {"model", model},
+             {"choices", json::array({choice})}};
+  if (!usage.is_null()) chunk["usage"] = usage;
+  return chunk;
+}
+
+json usage_chunk(const CompletionRequest& req, const std::string& id, int64_t created,
+                 const std::string& model, const json& usage) {
+  return json{{"id", id},
+              {"object", req.chat ? "chat.completion.chunk" : "text_completion"},
+              {"created", created},
+              {"model", model},
+              {"choices", json::array()},
+              {"usage", usage}};
+}
+
+}  // namespace certkv::server

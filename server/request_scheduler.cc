@@ -1,0 +1,215 @@
+#include "request_scheduler.h"
+
+#include <cstdio>
+
+namespace certkv::server {
+
+// ---- RequestChannel -----------------------------------------------------------------------------
+
+RequestChannel::Submission RequestChannel::wait_submitted() {
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [&] { return submitted_; });
+  return submission_;
+}
+
+bool RequestChannel::wait_for_text(std::string* text, std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mutex_);
+  changed_.wait_for(lock, timeout, [&] { return finished_ || !pending_text_.empty(); });
+  text->append(pending_text_);
+  pending_text_.clear();
+  return finished_;
+}
+
+void RequestChannel::set_submitted(certkv_status status, std::string error) {
+  {
+    std::lock_guard lock(mutex_);
+    submitted_ = true;
+    submission_ = Submission{status, std::move(error)};
+  }
+  changed_.notify_all();
+}
+
+void RequestChannel::append_text(const char* text, size_t n_bytes) {
+  if (n_bytes == 0) return;
+  {
+    std::lock_guard lock(mutex_);
+    pending_text_.append(text, n_bytes);
+  }
+  changed_.notify_all();
+}
+
+void RequestChannel::finish(GenerationResult result) {
+  {
+    std::lock_guard lock(mutex_);
+    result_ = std::move(result);
+    finished_ = true;
+  }
+  changed_.notify_all();
+}
+
+// ---- RequestScheduler ---------------------------------------------------------------------------
+
+RequestScheduler::RequestScheduler(certkv_engine* engine, ServerMetrics* metrics)
+    : engine_(engine), metrics_(metrics), thread_([this] { loop(); }) {}
+
+RequestScheduler::~RequestScheduler() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+}
+
+std::shared_ptr<RequestChannel> RequestScheduler::submit(GenerationRequest request) {
+  auto channel = std::make_shared<RequestChannel>();
+  {
+    std::lock_guard lock(mutex_);
+    queued_.push_back(Queued{std::move(request), channel});
+  }
+  wake_.notify_all();
+  return channel;
+}
+
+void RequestScheduler::notify_cancel() { wake_.notify_all(); }
+
+void RequestScheduler::cancel_all() {
+  {
+    std::lock_guard lock(mutex_);
+    cancelling_all_ = true;
+  }
+  wake_.notify_all();
+}
+
+int RequestScheduler::on_token(void* user, int64_t request, int32_t token, const char* text,
+                               size_t n_bytes) {
+  auto* self = static_cast<RequestScheduler*>(user);
+  const auto it = self->in_flight_.find(request);
+  if (it == self->in_flight_.end()) return 0;
+  it->second.channel->append_text(text, n_bytes);
+  return it->second.channel->cancel_requested() ? 1 : 0;
+}
+
+void RequestScheduler::submit_queued(std::deque<Queued> queued) {
+  for (Queued& q : queued) {
+    std::vector<const char*> stop;
+    for (const std::string& s : q.request.stop) stop.push_back(s.c_str());
+    certkv_request_params p = certkv_request_default_params();
+    p.prompt = q.request.prompt.data();
+    p.n_prompt = int32_t(q.request.prompt.size());
+    p.max_tokens = q.request.max_tokens;
+    p.sampler = q.request.sampler;
+    p.stop = stop.data();
+    p.n_stop = int32_t(stop.size());
+    int64_t id = -1;
+    const certkv_status st = certkv_engine_submit(engine_, &p, &id);
+    if (st != CERTKV_OK) {
+      metrics_->record_rejected();
+      q.channel->set_submitted(st, certkv_last_error());
+      continue;
+    }
+    in_flight_[id] = InFlight{q.channel, q.request.per_layer};
+    q.channel->set_submitted(CERTKV_OK, "");
+  }
+}
+
+void RequestScheduler::cancel_abandoned() {
+  for (auto& [id, f] : in_flight_) {
+    if (!f.channel->cancel_requested()) continue;
+    certkv_request_result r;
+    if (certkv_engine_result(engine_, id, &r) == CERTKV_OK && !r.finished) certkv_engine_cancel(engine_, id);
+  }
+}
+
+void RequestScheduler::collect_finished() {
+  for (auto it = in_flight_.begin(); it != in_flight_.end();) {
+    certkv_request_result r;
+    if (certkv_engine_result(engine_, it->first, &r) != CERTKV_OK || !r.finished) {
+      ++it;
+      continue;
+    }
+    GenerationResult g;
+    g.finish_reason = r.finish_reason;
+    g.text.assign(r.text, r.text_bytes);
+    g.prompt_tokens = r.prompt_tokens;
+    g.generated_tokens = r.generated_tokens;
+    g.shared_prompt_tokens = r.shared_prompt_tokens;
+    g.preemptions = r.preemptions;
+    g.ttft_ms = r.ttft_ms;
+    size_t n_itl = 0;
+    certkv_engine_itl(engine_, it->first, nullptr, 0, &n_itl);
+    g.itl_ms.resize(n_itl);
+    if (certkv_engine_itl(engine_, it->first, g.itl_ms.data(), g.itl_ms.size(), &n_itl) != CERTKV_OK)
+      g.itl_ms.clear();
+    g.metered = r.metered != 0;
+    g.meter_max = r.meter_max;
+    g.meter_p99 = r.meter_p99;
+    g.coverage = r.coverage;
+    g.meter_cells = r.meter_cells;
+    g.gate_repairs = r.gate_repairs;
+    g.sparse_budget = r.sparse_budget;
+    for (int32_t i = 0; i < r.n_classes; ++i) g.kv_bytes.emplace_back(r.kv_bytes[i].storage, r.kv_bytes[i].bytes);
+    if (it->second.per_layer && g.metered) {
+      size_t n_layers = 0;
+      certkv_engine_result_layers(engine_, it->first, nullptr, 0, &n_layers);
+      g.layers.resize(n_layers);
+      if (certkv_engine_result_layers(engine_, it->first, g.layers.data(), g.layers.size(), &n_layers) != CERTKV_OK)
+        g.layers.clear();
+    }
+    certkv_engine_release(engine_, it->first);
+    metrics_->record_finished(g);
+    it->second.channel->finish(std::move(g));
+    it = in_flight_.erase(it);
+  }
+}
+
+void RequestScheduler::fail_all(const std::string& error) {
+  for (auto& [id, f] : in_flight_) {
+    certkv_engine_cancel(engine_, id);
+    certkv_engine_release(engine_, id);
+    GenerationResult g;
+    g.finish_reason = "error";
+    g.error = error;
+    f.channel->finish(std::move(g));
+  }
+  in_flight_.clear();
+}
+
+void RequestScheduler::loop() {
+  for (;;) {
+    std::deque<Queued> queued;
+    bool cancelling_all = false;
+    {
+      std::unique_lock lock(mutex_);
+      wake_.wait(lock, [&] { return stopping_ || !queued_.empty() || !in_flight_.empty(); });
+      if (stopping_) break;
+      queued.swap(queued_);
+      cancelling_all = cancelling_all_;
+    }
+    submit_queued(std::move(queued));
+    if (cancelling_all)
+      for (auto& [id, f] : in_flight_) f.channel->request_cancel();
+    cancel_abandoned();
+    if (!in_flight_.empty()) {
+      int active = 0;
+      if (certkv_engine_step(engine_, &RequestScheduler::on_token, this, &active) != CERTKV_OK) {
+        const std::string error = certkv_last_error();
+        std::fprintf(stderr, "certkv serve: engine step failed: %s\n", error.c_str());
+        fail_all(error);
+      }
+    }
+    collect_finished();
+    certkv_engine_stats stats;
+    if (certkv_engine_get_stats(engine_, &stats) == CERTKV_OK) metrics_->set_engine_stats(stats);
+  }
+  // Shutting down: every request left ends as cancelled, its handler answered.
+  std::deque<Queued> queued;
+  {
+    std::lock_guard lock(mutex_);
+    queued.swap(queued_);
+  }
+  for (Queued& q : queued) q.channel->set_submitted(CERTKV_ERR_INTERNAL, "the server is shutting down");
+  fail_all("the server is shutting down");
+}
+
+}  // namespace certkv::server

@@ -1,0 +1,40 @@
+// The options of `certkv serve` (the certkv-serve executable): what the server loads and how it
+// listens.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace certkv::server {
+
+struct ServerOptions {
+  std::string model_path;          // -m/--model: GGUF file or Hugging Face folder
+  std::string host = "127.0.0.1";  // --host
+  int port = 8080;                 // --port; 0: a free port chosen by the system
+  int parallel = 4;                // -np/--parallel: requests decoding at once
+  int64_t ctx_tokens = 0;          // -c/--ctx: tokens of one request; 0: the model's context
+  std::string kv = "bf16";         // --kv: KV scheme (certkv_session_params.kv)
+  double sparse_p = 0;             // --sparse p=P[,window=N][,dense=N]: 0 is dense decode
+  int32_t sparse_window = -1;
+  int32_t sparse_dense_layers = -1;
+  bool gate = false;               // --gate: repair cells whose meter exceeds tau
+  double tau = 0.2;                // --tau
+  std::string device = "cpu";      // --device cpu|cuda
+  std::string api_key;             // --api-key: required as "Authorization: Bearer KEY"
+  uint64_t pool_bytes = 0;         // --pool-bytes: KV pool; 0: parallel whole contexts
+  int threads = 2;                 // -t/--threads
+  uint64_t max_body_bytes = 1 << 20;  // --max-body-bytes: larger request bodies get 413
+};
+
+// A command line the server cannot run with; what() names the flag and the value.
+struct OptionError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+extern const char* const kServeUsage;
+
+// argv[0] is the command's name; options follow. Throws OptionError.
+ServerOptions parse_server_options(int argc, const char* const* argv);
+
+}  // namespace certkv::server

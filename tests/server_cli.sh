@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# certkv-serve as a process: bad options exit 2 naming the flag; on a free port it loads, answers
+# /health and a completion, and stops cleanly on SIGTERM, answering a request in flight with 503.
+# usage: server_cli.sh CERTKV_SERVE MODEL
+set -euo pipefail
+serve=$1
+model=$2
+work=$(mktemp -d)
+pid=
+cleanup() {
+  if [ -n "$pid" ]; then kill "$pid" 2>/dev/null || true; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+expect_usage_error() {
+  local want=$1
+  shift
+  set +e
+  "$serve" "$@" >"$work/out" 2>&1
+  local rc=$?
+  set -e
+  if [ "$rc" -ne 2 ] || ! grep -q -- "$want" "$work/out"; then
+    echo "FAIL: certkv-serve $* exited $rc, expected 2 naming '$want':"; cat "$work/out"; exit 1
+  fi
+}
+expect_usage_error "flag -m/--model is required" --port 0
+expect_usage_error "unknown flag '--bogus'" -m "$model" --bogus
+expect_usage_error "flag --port" -m "$model" --port 70000
+expect_usage_error "flag --device" -m "$model" --device tpu
+expect_usage_error "flag --sparse" -m "$model" --sparse p=2
+expect_usage_error "do not combine" -m "$model" --sparse 0.9 --gate --kv rtn8
+
+"$serve" -m "$model" --port 0 -c 128 -np 2 >"$work/log" 2>&1 &
+pid=$!
+port=
+for _ in $(seq 1 100); do
+  port=$(sed -n 's|.*listening on http://127.0.0.1:\([0-9]*\).*|\1|p' "$work/log")
+  [ -n "$port" ] && break
+  sleep 0.1
+done
+[ -n "$port" ] || { echo "FAIL: no port in the log:"; cat "$work/log"; exit 1; }
+python3 - "$port" "$pid" <<'PY'
+import json, os, signal, sys, threading, time, urllib.request, urllib.error
+base = f"http://127.0.0.1:{sys.argv[1]}"
+for _ in range(600):
+    try:
+        with urllib.request.urlopen(base + "/health") as r:
+            if json.load(r)["status"] == "ok":
+                break
+    except urllib.error.HTTPError as e:
+        assert e.code == 503, e.code
+    time.sleep(0.1)
+else:
+    sys.exit("FAIL: /health never turned 200")
+req = urllib.request.Request(base + "/v1/completions", method="POST",
+                             data=json.dumps({"prompt": "Hello", "max_tokens": 3, "temperature": 0}).encode(),
+                             headers={"Content-Type": "application/json"})
+with urllib.request.urlopen(req) as r:
+    body = json.load(r)
+assert body["usage"]["completion_tokens"] == 3, body
+assert body["usage"]["certkv"]["scheme"] == "bf16", body
+assert body["usage"]["certkv"]["metered"] is False, body
+
+# A request still generating when the server is told to stop is cancelled and answered 503.
+status = []
+def long_request():
+    req = urllib.request.Request(base + "/v1/completions", method="POST",
+                                 data=json.dumps({"prompt": "Hello", "max_tokens": 120, "temperature": 0}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req)
+        status.append(200)
+    except urllib.error.HTTPError as e:
+        status.append(e.code)
+t = threading.Thread(target=long_request)
+t.start()
+time.sleep(0.3)
+os.kill(int(sys.argv[2]), signal.SIGTERM)
+t.join(30)
+assert status == [503], status
+PY
+set +e
+wait "$pid"
+rc=$?
+set -e
+pid=
+if [ "$rc" -ne 0 ]; then echo "FAIL: certkv-serve exited $rc on SIGTERM:"; cat "$work/log"; exit 1; fi
+grep -q "stopping (signal 15)" "$work/log" || { echo "FAIL: no clean stop in the log:"; cat "$work/log"; exit 1; }
+echo "server_cli: ok"

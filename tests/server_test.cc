@@ -1,0 +1,561 @@
+// The HTTP server end to end: one server on 127.0.0.1 and a free port, shared by every test of
+// this binary (SmolLM2, a lossy scheme so the meter has something to certify), driven with
+// httplib's client.
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "certkv/certkv.hpp"
+#include "http_server.h"
+#include "test_paths.h"
+
+namespace certkv::server {
+namespace {
+
+using nlohmann::json;
+
+constexpr const char* kApiKey = "test-key";
+constexpr int64_t kContextTokens = 256;
+constexpr const char* kScheme = "fp8-e4m3";
+
+ServerOptions test_options() {
+  ServerOptions o;
+  o.model_path = testing::smollm2_gguf();
+  o.port = 0;
+  o.parallel = 4;
+  o.ctx_tokens = kContextTokens;
+  o.kv = kScheme;
+  o.api_key = kApiKey;
+  o.threads = 2;
+  return o;
+}
+
+// The server every test talks to, started once.
+class ServerEnvironment : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    signal(SIGPIPE, SIG_IGN);
+    server = std::make_unique<HttpServer>(test_options());
+    port = server->bind();
+    listener = std::thread([this] { server->listen(); });
+    server->load();
+  }
+  void TearDown() override {
+    server->stop();
+    listener.join();
+    server.reset();
+  }
+  std::unique_ptr<HttpServer> server;
+  std::thread listener;
+  int port = 0;
+};
+
+ServerEnvironment* g_env = nullptr;
+
+httplib::Client client(const std::string& key = kApiKey) {
+  httplib::Client c("127.0.0.1", g_env->port);
+  if (!key.empty()) c.set_default_headers({{"Authorization", "Bearer " + key}});
+  c.set_read_timeout(120, 0);
+  return c;
+}
+
+struct Reply {
+  int status = 0;
+  json body;
+};
+
+Reply post(const std::string& path, const json& body, const std::string& key = kApiKey) {
+  httplib::Client c = client(key);
+  auto res = c.Post(path.c_str(), body.dump(), "application/json");
+  EXPECT_TRUE(res) << "no response from " << path;
+  if (!res) return {};
+  return {res->status, json::parse(res->body)};
+}
+
+// The events of a server-sent-event stream (comments dropped); `framed` is false when an event
+// is not a "data: " line ended by a blank line.
+struct Stream {
+  int status = 0;
+  std::vector<std::string> events;
+  bool framed = true;
+};
+
+Stream post_stream(const std::string& path, const json& body) {
+  httplib::Client c = client();
+  httplib::Request req;
+  req.method = "POST";
+  req.path = path;
+  req.headers = {{"Authorization", std::string("Bearer ") + kApiKey}, {"Content-Type", "application/json"}};
+  req.body = body.dump();
+  std::string raw;
+  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    raw.append(data, n);
+    return true;
+  };
+  auto res = c.send(req);
+  Stream s;
+  EXPECT_TRUE(res);
+  if (!res) return s;
+  s.status = res->status;
+  size_t pos = 0;
+  while (pos < raw.size()) {
+    const size_t end = raw.find("\n\n", pos);
+    if (end == std::string::npos) {
+      s.framed = false;
+      break;
+    }
+    const std::string block = raw.substr(pos, end - pos);
+    pos = end + 2;
+    if (block.rfind(":", 0) == 0) continue;  // a comment (keep-alive)
+    if (block.rfind("data: ", 0) != 0 || block.find('\n') != std::string::npos) s.framed = false;
+    s.events.push_back(block.substr(6));
+  }
+  return s;
+}
+
+json chat_body(const std::string& content, int max_tokens) {
+  return json{{"model", "SmolLM2-135M-Instruct.Q4_1.gguf"},
+              {"messages", json::array({json{{"role", "user"}, {"content", content}}})},
+              {"max_tokens", max_tokens},
+              {"temperature", 0}};
+}
+
+std::string metrics_text() {
+  httplib::Client c = client();
+  auto res = c.Get("/metrics");
+  EXPECT_TRUE(res && res->status == 200);
+  return res ? res->body : "";
+}
+
+// The value of one sample line of /metrics ("name{labels}" as printed), or -1.
+double metric(const std::string& text, const std::string& series) {
+  const size_t at = text.find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::stod(text.substr(at + series.size() + 2));
+}
+
+void expect_certificate(const json& usage, int prompt_tokens, int completion_tokens) {
+  EXPECT_EQ(usage.at("prompt_tokens").get<int>(), prompt_tokens);
+  EXPECT_EQ(usage.at("completion_tokens").get<int>(), completion_tokens);
+  EXPECT_EQ(usage.at("total_tokens").get<int>(), prompt_tokens + completion_tokens);
+  const json& c = usage.at("certkv");
+  EXPECT_EQ(c.at("scheme"), kScheme);
+  EXPECT_EQ(c.at("meter_tier"), "A");
+  ASSERT_TRUE(c.at("metered").get<bool>());
+  const double meter_max = c.at("meter_max").get<double>(), meter_p99 = c.at("meter_p99").get<double>();
+  EXPECT_GE(meter_max, 0.0);
+  EXPECT_LE(meter_max, 1.0);
+  EXPECT_LE(meter_p99, meter_max);
+  EXPECT_GE(c.at("coverage").get<double>(), 0.0);
+  EXPECT_LE(c.at("coverage").get<double>(), 1.0);
+  EXPECT_EQ(c.at("tau").get<double>(), 0.2);
+  EXPECT_EQ(c.at("gate_repairs").get<int64_t>(), 0);
+  // SmolLM2: 30 layers x 9 query heads per decode step; the first token comes from the prefill.
+  EXPECT_EQ(c.at("meter_cells").get<int64_t>(), int64_t(completion_tokens - 1) * 30 * 9);
+  // Tokens in the cache: the prompt and every generated token but the last; a full block of 16
+  // is quantized into lossy pages, the rest stays in bf16 tail pages.
+  ASSERT_TRUE(c.at("kv_bytes").is_object());
+  EXPECT_GT(c.at("kv_bytes").at("bf16").get<uint64_t>(), 0u);
+  if (prompt_tokens + completion_tokens - 1 >= 16)
+    EXPECT_GT(c.at("kv_bytes").at("lossy").get<uint64_t>(), 0u);
+  else
+    EXPECT_EQ(c.at("kv_bytes").at("lossy").get<uint64_t>(), 0u);
+}
+
+// The same request run on a certkv_engine directly, alone.
+std::string engine_alone(const std::vector<certkv_chat_message>& messages, const std::string& raw_prompt,
+                         int max_tokens) {
+  certkv::Model model(testing::smollm2_gguf());
+  const std::string text = messages.empty() ? raw_prompt : model.chat(messages, true);
+  const std::vector<int32_t> prompt = model.tokenize(text, true, true);
+  certkv_engine_params p = certkv_engine_default_params();
+  p.session.context_tokens = kContextTokens;
+  p.session.n_threads = 2;
+  p.session.kv = kScheme;
+  p.max_sequences = 1;
+  certkv_engine* engine = nullptr;
+  certkv::check(certkv_engine_create(model.get(), &p, &engine));
+  certkv_request_params r = certkv_request_default_params();
+  r.prompt = prompt.data();
+  r.n_prompt = int32_t(prompt.size());
+  r.max_tokens = max_tokens;
+  r.sampler.temperature = 0;
+  int64_t id = 0;
+  certkv::check(certkv_engine_submit(engine, &r, &id));
+  certkv::check(certkv_engine_run(engine, nullptr, nullptr));
+  certkv_request_result result;
+  certkv::check(certkv_engine_result(engine, id, &result));
+  std::string out(result.text, result.text_bytes);
+  certkv_engine_free(engine);
+  return out;
+}
+
+TEST(Server, HealthAndModels) {
+  httplib::Client c = client("");
+  auto health = c.Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  EXPECT_EQ(json::parse(health->body).at("status"), "ok");
+  auto models = client().Get("/v1/models");
+  ASSERT_TRUE(models);
+  ASSERT_EQ(models->status, 200);
+  const json m = json::parse(models->body);
+  EXPECT_EQ(m.at("object"), "list");
+  EXPECT_EQ(m.at("data").at(0).at("id"), "SmolLM2-135M-Instruct.Q4_1.gguf");
+}
+
+TEST(Server, HealthIs503WhileLoadingAndAfterAFailedLoad) {
+  ServerOptions o = test_options();
+  o.model_path = testing::models_path("no-such-model.gguf");
+  HttpServer loading(o);
+  const int port = loading.bind();
+  std::thread listener([&] { loading.listen(); });
+  httplib::Client c("127.0.0.1", port);
+  auto before = c.Get("/health");
+  ASSERT_TRUE(before);
+  EXPECT_EQ(before->status, 503);
+  EXPECT_EQ(json::parse(before->body).at("status"), "loading");
+  auto completion = c.Post("/v1/completions", {{"Authorization", std::string("Bearer ") + kApiKey}},
+                           R"({"prompt": "hi"})", "application/json");
+  ASSERT_TRUE(completion);
+  EXPECT_EQ(completion->status, 503);
+  EXPECT_THROW(loading.load(), std::runtime_error);
+  auto after = c.Get("/health");
+  ASSERT_TRUE(after);
+  EXPECT_EQ(after->status, 503);
+  const json body = json::parse(after->body);
+  EXPECT_EQ(body.at("status"), "error");
+  EXPECT_NE(body.at("message").get<std::string>().find("no-such-model"), std::string::npos) << body.dump();
+  loading.stop();
+  listener.join();
+}
+
+TEST(Server, ChatGreedyEqualsTheEngineAloneAndCarriesTheCertificate) {
+  const Reply r = post("/v1/chat/completions", chat_body("What is the capital of France?", 8));
+  ASSERT_EQ(r.status, 200) << r.body.dump();
+  EXPECT_EQ(r.body.at("object"), "chat.completion");
+  const json& choice = r.body.at("choices").at(0);
+  EXPECT_EQ(choice.at("message").at("role"), "assistant");
+  EXPECT_EQ(choice.at("finish_reason"), "length");
+  const std::string expected = engine_alone({{"user", "What is the capital of France?"}}, "", 8);
+  EXPECT_EQ(choice.at("message").at("content").get<std::string>(), expected);
+  certkv::Model model(testing::smollm2_gguf());
+  const int prompt_tokens =
+      int(model.tokenize(model.chat({{"user", "What is the capital of France?"}}, true), true, true).size());
+  expect_certificate(r.body.at("usage"), prompt_tokens, 8);
+}
+
+TEST(Server, TheCertificatePerLayerOnRequest) {
+  json body = chat_body("What is the capital of France?", 8);
+  const Reply plain = post("/v1/chat/completions", body);
+  ASSERT_EQ(plain.status, 200) << plain.body.dump();
+  EXPECT_FALSE(plain.body.at("usage").at("certkv").contains("per_layer"));
+  body["certkv"] = {{"per_layer", true}};
+  const Reply r = post("/v1/chat/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body.dump();
+  const json& c = r.body.at("usage").at("certkv");
+  const json& layers = c.at("per_layer");
+  ASSERT_EQ(layers.size(), 30u);
+  // The layers partition the request's cells; its maximum is theirs.
+  int64_t cells = 0;
+  double meter_max = 0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    EXPECT_EQ(layers[i].at("layer").get<size_t>(), i);
+    EXPECT_EQ(layers[i].at("meter_cells").get<int64_t>(), 7 * 9);
+    EXPECT_LE(layers[i].at("meter_p99").get<double>(), layers[i].at("meter_max").get<double>());
+    cells += layers[i].at("meter_cells").get<int64_t>();
+    meter_max = std::max(meter_max, layers[i].at("meter_max").get<double>());
+  }
+  EXPECT_EQ(cells, c.at("meter_cells").get<int64_t>());
+  EXPECT_EQ(meter_max, c.at("meter_max").get<double>());
+  EXPECT_EQ(c.at("meter_max"), plain.body.at("usage").at("certkv").at("meter_max"));
+}
+
+TEST(Server, CompletionStreamsServerSentEventsEndingInDone) {
+  const json body{{"prompt", "Once upon a time"}, {"max_tokens", 6}, {"temperature", 0}};
+  const Reply whole = post("/v1/completions", body);
+  ASSERT_EQ(whole.status, 200) << whole.body.dump();
+  EXPECT_EQ(whole.body.at("object"), "text_completion");
+  const std::string text = whole.body.at("choices").at(0).at("text").get<std::string>();
+  EXPECT_EQ(text, engine_alone({}, "Once upon a time", 6));
+
+  json streamed_body = body;
+  streamed_body["stream"] = true;
+  streamed_body["stream_options"] = {{"include_usage", true}};
+  const Stream s = post_stream("/v1/completions", streamed_body);
+  ASSERT_EQ(s.status, 200);
+  EXPECT_TRUE(s.framed);
+  ASSERT_GE(s.events.size(), 3u);
+  EXPECT_EQ(s.events.back(), "[DONE]");
+  std::string joined;
+  std::string finish;
+  json usage;
+  for (size_t i = 0; i + 1 < s.events.size(); ++i) {
+    const json chunk = json::parse(s.events[i]);
+    EXPECT_EQ(chunk.at("object"), "text_completion");
+    if (chunk.at("choices").empty()) {
+      EXPECT_EQ(i + 2, s.events.size()) << "the usage chunk comes last";
+      usage = chunk.at("usage");
+      continue;
+    }
+    EXPECT_FALSE(chunk.contains("usage"));
+    joined += chunk.at("choices").at(0).at("text").get<std::string>();
+    if (!chunk.at("choices").at(0).at("finish_reason").is_null())
+      finish = chunk.at("choices").at(0).at("finish_reason");
+  }
+  EXPECT_EQ(joined, text);
+  EXPECT_EQ(finish, "length");
+  ASSERT_TRUE(usage.is_object());
+  expect_certificate(usage, 4, 6);
+}
+
+TEST(Server, ChatStreamWithoutIncludeUsageCarriesTheCertificateInTheFinishChunk) {
+  json body = chat_body("Say hello.", 4);
+  body["stream"] = true;
+  const Stream s = post_stream("/v1/chat/completions", body);
+  ASSERT_EQ(s.status, 200);
+  EXPECT_TRUE(s.framed);
+  ASSERT_GE(s.events.size(), 2u);
+  EXPECT_EQ(s.events.back(), "[DONE]");
+  const json first = json::parse(s.events.front());
+  EXPECT_EQ(first.at("object"), "chat.completion.chunk");
+  EXPECT_EQ(first.at("choices").at(0).at("delta").at("role"), "assistant");
+  const json last = json::parse(s.events[s.events.size() - 2]);
+  EXPECT_EQ(last.at("choices").at(0).at("finish_reason"), "length");
+  ASSERT_TRUE(last.contains("usage"));
+  EXPECT_EQ(last.at("usage").at("completion_tokens"), 4);
+  EXPECT_TRUE(last.at("usage").at("certkv").at("metered").get<bool>());
+}
+
+TEST(Server, StopStringEndsTheTextBeforeIt) {
+  const json body{{"prompt", "Once upon a time"}, {"max_tokens", 6}, {"temperature", 0}};
+  const std::string text = post("/v1/completions", body).body.at("choices").at(0).at("text");
+  ASSERT_GE(text.size(), 4u);
+  const size_t cut = text.find(' ', 1);
+  ASSERT_NE(cut, std::string::npos) << text;
+  json stopped = body;
+  stopped["stop"] = json::array({text.substr(cut, 3)});
+  const Reply r = post("/v1/completions", stopped);
+  ASSERT_EQ(r.status, 200) << r.body.dump();
+  EXPECT_EQ(r.body.at("choices").at(0).at("text"), text.substr(0, cut));
+  EXPECT_EQ(r.body.at("choices").at(0).at("finish_reason"), "stop");
+}
+
+TEST(Server, ASeedReproducesASampledCompletion) {
+  const json body{{"prompt", "The weather today"}, {"max_tokens", 6}, {"temperature", 0.9}, {"seed", 42}};
+  const Reply a = post("/v1/completions", body);
+  const Reply b = post("/v1/completions", body);
+  ASSERT_EQ(a.status, 200);
+  ASSERT_EQ(b.status, 200);
+  EXPECT_EQ(a.body.at("choices").at(0).at("text"), b.body.at("choices").at(0).at("text"));
+}
+
+TEST(Server, ConcurrentRequestsGetTheirOutputsAlone) {
+  const std::vector<std::string> prompts = {"Name a color.", "Count to three.", "What is a cat?", "Say yes."};
+  std::vector<std::string> alone;
+  for (const std::string& p : prompts)
+    alone.push_back(post("/v1/chat/completions", chat_body(p, 5)).body.at("choices").at(0).at("message").at("content"));
+  std::vector<Reply> together(prompts.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < prompts.size(); ++i)
+    threads.emplace_back([&, i] { together[i] = post("/v1/chat/completions", chat_body(prompts[i], 5)); });
+  for (std::thread& t : threads) t.join();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    ASSERT_EQ(together[i].status, 200) << together[i].body.dump();
+    EXPECT_EQ(together[i].body.at("choices").at(0).at("message").at("content"), alone[i]) << prompts[i];
+  }
+}
+
+TEST(Server, ATooLongPromptFailsAloneWhileAnotherCompletes) {
+  Reply ok;
+  std::thread other([&] { ok = post("/v1/chat/completions", chat_body("Tell me a story.", 12)); });
+  std::string long_prompt;
+  for (int i = 0; i < 300; ++i) long_prompt += "word ";
+  const Reply too_long = post("/v1/completions", json{{"prompt", long_prompt}, {"max_tokens", 4}});
+  EXPECT_EQ(too_long.status, 400);
+  EXPECT_EQ(too_long.body.at("error").at("code"), "context_length_exceeded") << too_long.body.dump();
+  EXPECT_EQ(too_long.body.at("error").at("param"), "prompt");
+  // A prompt that fits, with more output than the context leaves: refused by the engine.
+  const Reply too_much = post("/v1/completions", json{{"prompt", "Hello"}, {"max_tokens", kContextTokens}});
+  EXPECT_EQ(too_much.status, 400);
+  EXPECT_EQ(too_much.body.at("error").at("code"), "context_length_exceeded") << too_much.body.dump();
+  other.join();
+  ASSERT_EQ(ok.status, 200) << ok.body.dump();
+  EXPECT_EQ(ok.body.at("usage").at("completion_tokens"), 12);
+}
+
+TEST(Server, ADisconnectedStreamIsCancelledAndFreed) {
+  const std::string before = metrics_text();
+  const double cancelled_before = std::max(0.0, metric(before, "certkv:requests_finished_total{reason=\"cancelled\"}"));
+  const double generated_before = metric(before, "certkv:generation_tokens_total");
+  httplib::Client c = client();
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.headers = {{"Authorization", std::string("Bearer ") + kApiKey}, {"Content-Type", "application/json"}};
+  req.body = json{{"prompt", "A long story:"}, {"max_tokens", 200}, {"temperature", 0}, {"stream", true},
+                  {"stream_options", {{"include_usage", true}}}}.dump();
+  int data_events = 0;
+  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    const std::string chunk(data, n);
+    for (size_t at = chunk.find("data: "); at != std::string::npos; at = chunk.find("data: ", at + 1)) ++data_events;
+    return data_events < 2;  // hang up after two events
+  };
+  c.send(req);
+  c.stop();
+  EXPECT_GE(data_events, 2);
+  // The server notices at its next write, cancels the request and frees its pages.
+  double cancelled = cancelled_before;
+  std::string text;
+  for (int i = 0; i < 200 && cancelled <= cancelled_before; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    text = metrics_text();
+    cancelled = metric(text, "certkv:requests_finished_total{reason=\"cancelled\"}");
+  }
+  EXPECT_EQ(cancelled, cancelled_before + 1) << text;
+  EXPECT_EQ(metric(text, "certkv:requests_running"), 0);
+  EXPECT_EQ(metric(text, "certkv:requests_waiting"), 0);
+  // It stopped well before its 200 tokens.
+  EXPECT_LT(metric(text, "certkv:generation_tokens_total") - generated_before, 200) << text;
+}
+
+TEST(Server, AClientGoneBeforeItsWholeAnswerIsCancelled) {
+  const std::string before = metrics_text();
+  const double cancelled_before = std::max(0.0, metric(before, "certkv:requests_finished_total{reason=\"cancelled\"}"));
+  const double generated_before = metric(before, "certkv:generation_tokens_total");
+  httplib::Client c = client();
+  c.set_read_timeout(0, 300000);  // gives up after 0.3 s and closes the connection
+  auto res = c.Post("/v1/completions", json{{"prompt", "A long story:"}, {"max_tokens", 200}, {"temperature", 0}}.dump(),
+                    "application/json");
+  EXPECT_FALSE(res);
+  c.stop();
+  double cancelled = cancelled_before;
+  std::string text;
+  for (int i = 0; i < 200 && cancelled <= cancelled_before; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    text = metrics_text();
+    cancelled = metric(text, "certkv:requests_finished_total{reason=\"cancelled\"}");
+  }
+  EXPECT_EQ(cancelled, cancelled_before + 1) << text;
+  EXPECT_EQ(metric(text, "certkv:requests_running"), 0);
+  EXPECT_LT(metric(text, "certkv:generation_tokens_total") - generated_before, 200) << text;
+}
+
+TEST(Server, ApiKeyIsRequiredExceptForHealth) {
+  const json body{{"prompt", "hi"}, {"max_tokens", 1}};
+  const Reply missing = post("/v1/completions", body, "");
+  EXPECT_EQ(missing.status, 401);
+  EXPECT_EQ(missing.body.at("error").at("code"), "invalid_api_key");
+  EXPECT_EQ(post("/v1/completions", body, "wrong").status, 401);
+  auto metrics = client("wrong").Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_EQ(metrics->status, 401);
+  auto health = client("").Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+}
+
+TEST(Server, BadInputGetsOpenAiErrorsNamingTheField) {
+  httplib::Client c = client();
+  auto bad_json = c.Post("/v1/chat/completions", "{\"messages\": [", "application/json");
+  ASSERT_TRUE(bad_json);
+  EXPECT_EQ(bad_json->status, 400);
+  EXPECT_EQ(json::parse(bad_json->body).at("error").at("code"), "invalid_json");
+  auto field = [](const Reply& r) { return r.body.at("error").at("param").get<std::string>(); };
+  json temp = chat_body("hi", 1);
+  temp["temperature"] = "hot";
+  Reply r = post("/v1/chat/completions", temp);
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(field(r), "temperature");
+  r = post("/v1/chat/completions", json{{"max_tokens", 1}});
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(field(r), "messages");
+  json role = chat_body("hi", 1);
+  role["messages"][0]["role"] = "wizard";
+  r = post("/v1/chat/completions", role);
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(field(r), "messages[0].role");
+  json per_layer = chat_body("hi", 1);
+  per_layer["certkv"] = {{"per_layer", "yes"}};
+  r = post("/v1/chat/completions", per_layer);
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(field(r), "certkv.per_layer");
+  json unknown_model = chat_body("hi", 1);
+  unknown_model["model"] = "gpt-4";
+  r = post("/v1/chat/completions", unknown_model);
+  EXPECT_EQ(r.status, 404);
+  EXPECT_EQ(r.body.at("error").at("code"), "model_not_found");
+  auto no_route = c.Get("/v1/nothing");
+  ASSERT_TRUE(no_route);
+  EXPECT_EQ(no_route->status, 404);
+  EXPECT_TRUE(json::parse(no_route->body).at("error").is_object());
+  auto big = c.Post("/v1/completions", std::string(size_t(2) << 20, ' '), "application/json");
+  ASSERT_TRUE(big);
+  EXPECT_EQ(big->status, 413);
+  EXPECT_EQ(json::parse(big->body).at("error").at("code"), "request_too_large");
+}
+
+TEST(Server, TokenizeAndDetokenizeRoundTrip) {
+  const std::string text = "Hello, world! Caf\xc3\xa9 42.";
+  const Reply t = post("/tokenize", json{{"content", text}});
+  ASSERT_EQ(t.status, 200) << t.body.dump();
+  const std::vector<int32_t> tokens = t.body.at("tokens").get<std::vector<int32_t>>();
+  ASSERT_FALSE(tokens.empty());
+  certkv::Model model(testing::smollm2_gguf());
+  EXPECT_EQ(tokens, model.tokenize(text, false, true));
+  const Reply d = post("/detokenize", json{{"tokens", tokens}});
+  ASSERT_EQ(d.status, 200);
+  EXPECT_EQ(d.body.at("content"), text);
+  const Reply bad = post("/detokenize", json{{"tokens", {1, -5}}});
+  EXPECT_EQ(bad.status, 400);
+  EXPECT_EQ(bad.body.at("error").at("param"), "tokens[1]");
+}
+
+TEST(Server, MetricsParseAsPrometheusTextWithEverySeries) {
+  ASSERT_EQ(post("/v1/completions", json{{"prompt", "Metrics"}, {"max_tokens", 3}, {"temperature", 0}}).status, 200);
+  const std::string text = metrics_text();
+  const std::string path = ::testing::TempDir() + "/certkv_server_metrics.txt";
+  std::ofstream(path) << text;
+  // prometheus_client names a counter's family without its _total suffix.
+  const std::vector<std::string> families = {
+      "certkv:requests_running", "certkv:requests_waiting", "certkv:requests_finished",
+      "certkv:prompt_tokens", "certkv:generation_tokens", "certkv:time_to_first_token_seconds",
+      "certkv:inter_token_latency_seconds", "certkv:kv_usage_ratio", "certkv:kv_bytes_in_use",
+      "certkv:kv_pages_in_use", "certkv:kv_compression_ratio_vs_bf16", "certkv:preemptions",
+      "certkv:prefix_cache_hit_tokens", "certkv:prefix_cache_shared_blocks", "certkv:request_meter_max",
+      "certkv:request_meter_p99", "certkv:meter_cells", "certkv:meter_cells_within_tau",
+      "certkv:meter_coverage", "certkv:gate_repairs"};
+  std::string command = "python3 " + testing::source_path("tests/server_metrics_check.py") + " " + path;
+  for (const std::string& f : families) command += " " + f;
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, pipe)) out.append(buf, n);
+  EXPECT_EQ(pclose(pipe), 0) << out << "\n" << text;
+  // Values from the engine: pages in use of the lossy class, a compression above 1.
+  EXPECT_GT(metric(text, "certkv:kv_bytes_in_use{class=\"lossy\"}"), 0) << text;
+  EXPECT_GT(metric(text, "certkv:kv_compression_ratio_vs_bf16"), 1.0) << text;
+  EXPECT_GT(metric(text, "certkv:prompt_tokens_total"), 0);
+  EXPECT_GT(metric(text, "certkv:meter_cells_total{scheme=\"fp8-e4m3\"}"), 0) << text;
+}
+
+}  // namespace
+}  // namespace certkv::server
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  certkv::server::g_env = new certkv::server::ServerEnvironment();
+  ::testing::AddGlobalTestEnvironment(certkv::server::g_env);
+  return RUN_ALL_TESTS();
+}
