@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <stdexcept>
 
 #include "cpu_cores.h"
 #include "kv_flags.h"
@@ -269,8 +270,8 @@ const Option& Flags::row(const std::string& name) const {
   for (const Option& o : option_table())
     if (o.name == name && (o.commands & command_)) return o;
   // A flag the command's code reads must be in its table rows: a programming error.
-  throw UsageError{"internal: flag --" + name + " is not in the option table of certkv " +
-                   command_info(command_).name};
+  throw std::logic_error("flag --" + name + " is not in the option table of certkv " +
+                         command_info(command_).name);
 }
 
 void Flags::parse(int argc, char** argv, int first) {
@@ -301,7 +302,8 @@ void Flags::parse(int argc, char** argv, int first) {
         const std::string elsewhere = commands_taking(name);
         if (!elsewhere.empty())
           throw UsageError{"flag " + shown + " is not a flag of certkv " + command + " (" + elsewhere +
-                           " takes it; certkv " + command + " -h lists its flags)"};
+                           (elsewhere.find(',') == std::string::npos ? " takes" : " take") + " it; certkv " +
+                           command + " -h lists its flags)"};
         std::string nearest;  // a near miss: at most 2 edits away, else a flag it begins
         size_t best = 3;
         for (const Option& o : option_table()) {
