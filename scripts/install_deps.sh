@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing certkv needs on a fresh Debian machine (run as root):
 # compiler, CMake, GoogleTest, Google Benchmark, zstd and lz4 (for bench/codec_bench.cc), nlohmann-json
-# (certkv batch),
+# (the CLI's JSON input and output),
 # pkg-config, Python 3 with NumPy (scripts/witness_study.py), unzip; git and xz-utils (the device scripts' tests pack and check out
 # trees). Skips what is already there.
 set -euo pipefail
