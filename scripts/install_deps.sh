@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing certkv needs on a fresh Debian machine (run as root):
 # compiler, CMake, GoogleTest, Google Benchmark, zstd and lz4 (for bench/codec_bench.cc), nlohmann-json
-# (certkv batch, the server), cpp-httplib (the server),
+# (the CLI's JSON input and output, the server), cpp-httplib (the server),
 # pkg-config, Python 3 with NumPy (scripts/witness_study.py) and prometheus_client (the server test
 # parses /metrics with it), unzip; git and xz-utils (the device scripts' tests pack and check out
 # trees). Skips what is already there.

@@ -549,6 +549,181 @@ typedef struct certkv_engine_stats {
 
 certkv_status certkv_engine_get_stats(const certkv_engine* engine, certkv_engine_stats* stats);
 
+/* ---- Safetensors files --------------------------------------------------------------------- */
+
+/* One tensor to write; its bytes are borrowed for the call. */
+typedef struct certkv_tensor_view {
+  const char* name;
+  const char* dtype;        /* "BF16", "F16", "F32", "I32", "U8", ... (safetensors dtype names) */
+  const int64_t* shape;     /* [n_dims], row-major, outermost first */
+  int32_t n_dims;           /* 0..8 */
+  const void* data;         /* [n_bytes] */
+  size_t n_bytes;           /* the product of shape times the dtype's size */
+} certkv_tensor_view;
+
+typedef struct certkv_metadata_entry {
+  const char* key;
+  const char* value;
+} certkv_metadata_entry;
+
+/* Writes tensors (data laid out in the given order) and metadata (the "__metadata__" object of
+ * string values) to a safetensors file at path, replacing it. INVALID_ARGUMENT for a null
+ * argument, an unknown dtype, a repeated name or key, or n_bytes that do not match the shape;
+ * IO (naming the path) when the file cannot be written. */
+certkv_status certkv_safetensors_write(const char* path, const certkv_tensor_view* tensors,
+                                       size_t n_tensors, const certkv_metadata_entry* metadata,
+                                       size_t n_metadata);
+
+/* ---- Evaluation: teacher-forced quality ---------------------------------------------------- */
+
+/* One position's next-token distributions compared, reference (exact KV) against test. */
+typedef struct certkv_position_quality {
+  double kl;            /* KL(softmax(ref) || softmax(test)) in nats, >= 0 */
+  int top1_agree;       /* argmax(ref) == argmax(test), ties to the lowest index */
+  double top5_overlap;  /* |top5(ref) & top5(test)| / min(5, n_vocab), in [0, 1] */
+} certkv_position_quality;
+
+/* ref, test: [n_vocab] logits. INVALID_ARGUMENT for a null pointer, n_vocab < 1 or a non-finite
+ * logit (the message names "ref" or "test" and the index). */
+certkv_status certkv_compare_logits(const float* ref, const float* test, int32_t n_vocab,
+                                    certkv_position_quality* out);
+
+typedef struct certkv_quality_summary {
+  int64_t n_positions;
+  double mean_kl, max_kl;
+  double p99_kl;        /* linear interpolation between order statistics (numpy's default) */
+  double top1;          /* fraction of positions whose top-1 agrees */
+  double top5;          /* mean top-5 overlap */
+} certkv_quality_summary;
+
+/* positions: [n] (n may be 0: every field 0). INVALID_ARGUMENT for a value no comparison gives
+ * (negative or non-finite kl, overlap outside [0, 1]). */
+certkv_status certkv_quality_summarize(const certkv_position_quality* positions, size_t n,
+                                       certkv_quality_summary* out);
+
+/* ---- Evaluation: needle tasks ------------------------------------------------------------- */
+
+/* A haystack (noise sentences or corpus text) with needle sentences "One of the special magic
+ * numbers for <key> is: <7-digit number>." and a question asking for them (docs/meter.md). */
+typedef struct certkv_needle_task certkv_needle_task;
+
+typedef struct certkv_needle_params {
+  const char* variant;              /* "single" (default, null), "multi-key", "multi-value",
+                                       "multi-query" */
+  const char* const* corpus_paths;  /* [n_corpus_paths] text files of the haystack; none: noise */
+  size_t n_corpus_paths;
+  int64_t target_tokens;            /* the prompt has at most this many tokens, >= 90% of it */
+  uint64_t seed;
+} certkv_needle_params;
+
+/* Tokens of a text as the model will see it (wrapping included). Returns the count, or a
+ * negative value on failure. */
+typedef int64_t (*certkv_count_tokens_fn)(void* user, const char* text, size_t n_bytes);
+
+certkv_needle_params certkv_needle_default_params(void);
+/* INVALID_ARGUMENT naming the variant when it is not one of the four. */
+certkv_status certkv_needle_check_variant(const char* variant);
+/* INVALID_ARGUMENT for an unknown variant, a null count_tokens, a target too small to hold the
+ * needles and the question (the message names the tokens they need) or one that cannot be
+ * filled; NOT_FOUND / IO naming a corpus file that cannot be read. */
+certkv_status certkv_needle_task_create(const certkv_needle_params* params,
+                                        certkv_count_tokens_fn count_tokens, void* user,
+                                        certkv_needle_task** out);
+void certkv_needle_task_free(certkv_needle_task* task);
+
+/* Strings owned by the task. */
+typedef struct certkv_needle_task_info {
+  const char* context;        /* the haystack with the needles in it */
+  const char* question;
+  const char* answer_prefix;  /* the reply starts with it */
+  const char* first_answer;   /* the first number asked for */
+  int32_t n_answers;
+  double depth;               /* realized depth of the first asked needle, [0, 1] */
+  int64_t prompt_tokens;
+} certkv_needle_task_info;
+
+certkv_status certkv_needle_task_get_info(const certkv_needle_task* task,
+                                          certkv_needle_task_info* info);
+/* generated: [n_bytes]. *exact_match: every answer appears as a whole number; *recall: the
+ * fraction that does (either pointer may be NULL). */
+certkv_status certkv_needle_score(const certkv_needle_task* task, const char* generated,
+                                  size_t n_bytes, int* exact_match, double* recall);
+
+/* ---- GAAC on KV dumps ---------------------------------------------------------------------- */
+
+/* Calibrates GAAC on KV dumps (certkv dump-kv; docs/format/kv_dump.md) or loads a saved
+ * calibration, then encodes every (layer, K/V, kv_head) page of another dump, decodes it, checks
+ * it bit for bit and tallies the stored size, the mode mix and the codec speed (docs/gaac.md). */
+typedef struct certkv_gaac_measure_params {
+  const char* codec;             /* "gaac" (default, null), "gaac-e4m3", "gaac-e5m2" (the KV
+                                    cast to FP8 first) */
+  const char* calibration;       /* comma list of KV dumps, or one saved calibration file */
+  const char* in;                /* the KV dump to encode; NULL: calibrate only */
+  const char* save_calibration;  /* write the calibration there; NULL: nowhere */
+  int32_t block_tokens;          /* default 16 */
+  int32_t passes;                /* timed encode/decode passes, the fastest counts (default 3) */
+  int32_t segment_tokens;        /* position segment of the drift breakdown (default 1024) */
+  int verify_ref;                /* also run the _ref encoder and decoder on every page */
+} certkv_gaac_measure_params;
+
+/* The figures of a set of pages. */
+typedef struct certkv_gaac_tally {
+  double ratio;                  /* bf16 bytes / stored bytes (slots, raw fallbacks and tail,
+                                    block-table entries, bases) */
+  double ratio_vs_fp8;           /* FP8 codecs: FP8 bytes / stored bytes (else 0) */
+  double bits_per_element;
+  double content_ratio;          /* complete pages at their exact encoded size (the seed's) */
+  double mode_fraction_3bit, mode_fraction_4bit, mode_fraction_raw;  /* of the groups */
+  double raw_block_fraction;     /* pages kept raw (escapes past the slot) */
+  double exponent_entropy_bits;  /* empirical entropy of the exponents, bits per element */
+  double escape_bytes_per_page;
+  double encode_gbps, decode_gbps;  /* one core, element bytes per second / 1e9 */
+  uint64_t bf16_bytes, element_bytes, stored_bytes, pages, raw_pages;
+  uint64_t failed_pages;         /* pages that did not round-trip (or _ref disagreed) */
+} certkv_gaac_tally;
+
+typedef struct certkv_gaac_report certkv_gaac_report;
+
+typedef struct certkv_gaac_report_info {
+  const char* codec;             /* strings owned by the report */
+  const char* element;           /* "bf16", "e4m3", "e5m2" */
+  const char* kernel;            /* the encoder/decoder measured */
+  const char* calibration;       /* "2 KV dumps (2048 tokens)" or "calibration file PATH" */
+  double calibrate_seconds;
+  int encoded;                   /* 0: calibrated only (no in) */
+  const char* in;
+  int32_t n_layers, n_kv_heads, head_dim;
+  int64_t n_tokens;
+  int32_t block_tokens, segment_tokens, n_segments;
+  int ref_cross_checked;
+  int verify_ok;                 /* every page round-tripped */
+  const char* first_failure;     /* "" when verify_ok */
+  certkv_gaac_tally total, k, v;
+} certkv_gaac_report_info;
+
+typedef struct certkv_gaac_layer_report {
+  int32_t layer;
+  certkv_gaac_tally k, v;        /* without speeds */
+  uint64_t k_escape_capacity_bytes, v_escape_capacity_bytes;
+} certkv_gaac_layer_report;
+
+/* INVALID_ARGUMENT for an unknown codec, no calibration, neither in nor save_calibration, a
+ * calibration of another model shape or element, a file that is neither a KV dump nor a
+ * calibration; CORRUPT / NOT_FOUND / IO naming the file; UNSUPPORTED for a head_dim GAAC does
+ * not tile. Pages that fail to round-trip are reported (verify_ok 0), not an error. */
+certkv_gaac_measure_params certkv_gaac_measure_default_params(void);
+certkv_status certkv_gaac_measure(const certkv_gaac_measure_params* params,
+                                  certkv_gaac_report** out);
+void certkv_gaac_report_free(certkv_gaac_report* report);
+certkv_status certkv_gaac_report_get_info(const certkv_gaac_report* report,
+                                          certkv_gaac_report_info* info);
+/* index in [0, n_layers): the dump's layers ascending. */
+certkv_status certkv_gaac_report_layer(const certkv_gaac_report* report, int32_t index,
+                                       certkv_gaac_layer_report* out);
+/* index in [0, n_segments): tokens [index * segment_tokens, ...); k, v without speeds. */
+certkv_status certkv_gaac_report_segment(const certkv_gaac_report* report, int32_t index,
+                                         certkv_gaac_tally* k, certkv_gaac_tally* v);
+
 #ifdef __cplusplus
 }
 #endif

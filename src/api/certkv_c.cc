@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "api/api_status.h"
 #include "api/session_audit.h"
 #include "api/session_sparse_audit.h"
 #include "codec/gaac.h"
@@ -48,35 +49,26 @@ struct certkv_sampler {
   std::unique_ptr<certkv::model::Sampler> sampler;
 };
 
+namespace certkv::api {
 namespace {
-
 thread_local std::string g_last_error;
+}  // namespace
 
 certkv_status set_error(certkv_status status, const std::string& message) {
   g_last_error = message;
   return status;
 }
 
-// Runs fn; maps exceptions to status codes and records their message.
-template <typename Fn>
-certkv_status guarded(Fn&& fn) {
-  try {
-    g_last_error.clear();
-    fn();
-    return CERTKV_OK;
-  } catch (const certkv::Error& e) {
-    return set_error(static_cast<certkv_status>(e.code()), e.what());
-  } catch (const std::bad_alloc&) {
-    return set_error(CERTKV_ERR_OUT_OF_MEMORY, "out of host memory");
-  } catch (const std::exception& e) {
-    return set_error(CERTKV_ERR_INTERNAL, e.what());
-  }
-}
+void clear_error() { g_last_error.clear(); }
 
-#define CERTKV_REQUIRE(cond, message)                                           \
-  do {                                                                          \
-    if (!(cond)) return set_error(CERTKV_ERR_INVALID_ARGUMENT, (message));      \
-  } while (0)
+const char* last_error() { return g_last_error.c_str(); }
+
+}  // namespace certkv::api
+
+namespace {
+
+using certkv::api::guarded;
+using certkv::api::set_error;
 
 certkv::model::SamplerParams to_sampler_params(const certkv_sampler_params& p) {
   certkv::model::SamplerParams s;
@@ -104,11 +96,12 @@ certkv_status copy_out(const std::string& bytes, char* buf, size_t capacity, siz
 
 extern "C" {
 
+const char* certkv_last_error(void) { return certkv::api::last_error(); }
+
 const char* certkv_status_string(certkv_status status) {
   return certkv::status_code_name(static_cast<certkv::StatusCode>(status));
 }
 
-const char* certkv_last_error(void) { return g_last_error.c_str(); }
 
 certkv_status certkv_model_load(const char* path, certkv_model** out) {
   CERTKV_REQUIRE(path != nullptr && out != nullptr, "certkv_model_load: null argument");

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "certkv/certkv.hpp"
-#include "flags.h"
+#include "options.h"
 #include "kv_flags.h"
 
 namespace certkv::tools {
@@ -18,30 +18,6 @@ namespace certkv::tools {
 namespace {
 
 using nlohmann::json;
-
-constexpr const char* kUsage =
-    "usage: certkv batch --prompts-file F.jsonl [--parallel N] [flags]\n"
-    "  Runs every request of F (one JSON object per line: \"prompt\" or \"messages\", optional\n"
-    "  \"max_tokens\", \"temperature\", \"top_p\", \"top_k\", \"seed\", \"stop\", \"id\") through the engine:\n"
-    "  up to N sequences decode together over one KV pool, prompts are prefilled in chunks\n"
-    "  between their steps, and whole prompt blocks are shared between requests that begin alike.\n"
-    "  Prints one JSON line per request (id, text, tokens, ttft_ms, the certificate) in input\n"
-    "  order, then a summary line with \"summary\": true (--json is accepted: output is always JSON).\n"
-    "flags:\n"
-    "  --model PATH          GGUF or Hugging Face folder (default: the embedded SmolLM2)\n"
-    "  --parallel N          sequences at once (default 8)\n"
-    "  --ctx N               tokens of one sequence (default: the longest prompt + max_tokens)\n"
-    "  --pool-bytes B        KV pool size in bytes of raw pages (default: N whole contexts)\n"
-    "  --step-tokens N       the most tokens one step runs (prefill chunking; default 512)\n"
-    "  --n N                 max_tokens of lines without one (default 128)\n"
-    "  --temp T --top-k K --top-p P --seed S   sampling of lines without their own\n"
-    "  --raw                 feed \"prompt\" as is (default: the model's chat template)\n"
-    "  --no-prefix-sharing   compute every prompt in full\n"
-    "  --threads N --block-tokens N --activations int8|f32\n"
-    "  --device cpu|cuda     cuda: the KV pool and attention on the GPU (the CUDA backend)\n"
-    "  --kv SCHEME --gaac-calib F (gaac without one: calibrated on a built-in text, cached)\n"
-    "   --outlier-pairs M --window N --witness fp16|u8 --delta D\n"
-    "  --tau T --gate --no-meter --sparse p=P[,...]   as for certkv run\n";
 
 struct Line {
   std::string id;
@@ -119,30 +95,25 @@ Line parse_line(const certkv::Model& model, const std::string& text, int line_no
 }  // namespace
 
 int cmd_batch(int argc, char** argv) {
-  std::map<std::string, bool> spec = {
-      {"model", true}, {"prompts-file", true}, {"parallel", true}, {"json", false},
-      {"ctx", true}, {"pool-bytes", true}, {"step-tokens", true}, {"n", true},
-      {"temp", true}, {"top-k", true}, {"top-p", true}, {"seed", true}, {"raw", false},
-      {"no-prefix-sharing", false}, {"threads", true}, {"block-tokens", true}, {"activations", true}, {"device", true}};
-  add_kv_flag_spec(spec);
-  Flags flags("batch", spec, kUsage);
+  Flags flags(kBatch);
   flags.parse(argc, argv, 2);
   if (!flags.has("prompts-file")) throw UsageError{"flag --prompts-file is required"};
-  const std::string kv = flags.str("kv", "bf16");
+  const std::string kv = flags.str("kv");
   const KvFlags kv_flags = parse_kv_flags(flags, kv);
   const std::string gaac_calib = flags.str("gaac-calib");
-  const std::string activations = flags.str("activations", "int8");
-  const std::string device = flags.str("device", "cpu");
-  const int64_t parallel = flags.integer("parallel", 8, 1, 4096);
-  const int64_t threads = flags.integer("threads", 2, 1, 256);
+  const std::string activations = flags.str("activations");
+  const std::string device = flags.str("device");
+  if (device != "cpu" && device != "cuda") throw UsageError{"flag --device: expected cpu or cuda, got '" + device + "'"};
+  const int64_t parallel = flags.integer("parallel", 1, 4096);
+  const int64_t threads = flags.integer("threads", 1, 256);
   const bool raw = flags.has("raw");
 
   certkv_request_params defaults = certkv_request_default_params();
-  defaults.max_tokens = int32_t(flags.integer("n", 128, 1, 1 << 24));
-  defaults.sampler.temperature = float(flags.real("temp", 0.0, 0.0, 100.0));
-  defaults.sampler.top_k = int32_t(flags.integer("top-k", 0, 0, 1 << 30));
-  defaults.sampler.top_p = float(flags.real("top-p", 1.0, 1e-6, 1.0));
-  defaults.sampler.seed = uint64_t(flags.integer("seed", 0, 0, INT64_MAX));
+  defaults.max_tokens = int32_t(flags.integer("n", 1, 1 << 24));
+  defaults.sampler.temperature = float(flags.real("temp", 0.0, 100.0));
+  defaults.sampler.top_k = int32_t(flags.integer("top-k", 0, 1 << 30));
+  defaults.sampler.top_p = float(flags.real("top-p", 1e-6, 1.0));
+  defaults.sampler.seed = uint64_t(flags.integer("seed", 0, INT64_MAX));
 
   certkv::Model model(model_path(flags));
   const certkv_model_info info = model.info();
@@ -159,18 +130,18 @@ int cmd_batch(int argc, char** argv) {
   int64_t longest = 1;
   for (const Line& l : lines) longest = std::max<int64_t>(longest, int64_t(l.prompt.size()) + l.params.max_tokens);
   certkv_engine_params params = certkv_engine_default_params();
-  params.session.context_tokens = flags.has("ctx") ? flags.integer("ctx", 0, 1, int64_t(1) << 31)
+  params.session.context_tokens = flags.has("ctx") ? flags.integer("ctx", 1, int64_t(1) << 31)
                                                    : std::min<int64_t>(info.context_length, longest);
   params.session.n_threads = int32_t(threads);
-  params.session.block_tokens = int32_t(flags.integer("block-tokens", 16, 1, 4096));
+  params.session.block_tokens = int32_t(flags.integer("block-tokens", 1, 4096));
   params.session.kv = kv.c_str();
   params.session.activations = activations.c_str();
   params.session.device = device.c_str();
   kv_flags.apply(params.session);
   if (!gaac_calib.empty()) params.session.gaac_calibration = gaac_calib.c_str();
   params.max_sequences = int32_t(parallel);
-  params.step_tokens = flags.integer("step-tokens", 512, 1, 1 << 20);
-  params.pool_bytes = uint64_t(flags.integer("pool-bytes", 0, 1, INT64_MAX));
+  params.step_tokens = flags.integer("step-tokens", 1, 1 << 20);
+  params.pool_bytes = flags.has("pool-bytes") ? uint64_t(flags.integer("pool-bytes", 1, INT64_MAX)) : 0;
   params.prefix_sharing = flags.has("no-prefix-sharing") ? 0 : 1;
   certkv_engine* engine_raw = nullptr;
   certkv::check(certkv_engine_create(model.get(), &params, &engine_raw));
@@ -255,7 +226,7 @@ int cmd_batch(int argc, char** argv) {
   sum["preemptions"] = s.preemptions;
   sum["shared_blocks"] = s.shared_blocks;
   sum["steps"] = s.steps;
-  printf("%s\n", sum.dump().c_str());
+  printf("%s\n", sum.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
   return 0;
 }
 

@@ -1,518 +1,16 @@
 #include "cmd_codec.h"
 
-#include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <ctime>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "certkv/certkv.hpp"
 #include "cli_json.h"
-#include "codec/gaac.h"
-#include "core/status.h"
-#include "flags.h"
-#include "format/gaac_layout.h"
-#include "format/page.h"
-#include "format/safetensors.h"
+#include "options.h"
 
 namespace certkv::tools {
 namespace {
-
-namespace codec = certkv::codec;
-namespace format = certkv::format;
-using codec::GaacCalibration;
-using codec::GaacElement;
-using codec::GaacShape;
-
-constexpr const char* kCodecUsage =
-    "usage: certkv codec --codec gaac|gaac-e4m3|gaac-e5m2 --calib CAL.safetensors[,CAL2...]\n"
-    "                    [--in KV.safetensors] [--verify] [--json] [--save-calibration OUT]\n"
-    "                    [--block-tokens N] [--passes N] [--segment-tokens N]\n"
-    "  --calib   KV dumps (certkv dump-kv) to calibrate from, comma separated, or one saved\n"
-    "            calibration file (told apart by their metadata \"format\")\n"
-    "  --in      the KV dump to encode; every (layer, K/V, kv_head) page is encoded, decoded\n"
-    "            and compared bit for bit. Without --in, only calibrate (needs\n"
-    "            --save-calibration).\n"
-    "  --verify  also run the plain _ref encoder and decoder on every page and require the same\n"
-    "            bytes as the fastest kernel\n"
-    "  --passes  timed encode/decode passes (one core, thread CPU time); the fastest counts\n"
-    "            (default 3)\n"
-    "  --segment-tokens  position segment for the drift breakdown (default 1024)\n"
-    "GAAC codecs: gaac codes BF16 exponents; gaac-e4m3 / gaac-e5m2 first cast the KV to FP8\n"
-    "(round to nearest even, saturating) and code the FP8 exponents.\n";
-
-constexpr const char* kKvDumpFormat = "certkv-kv-dump/1";
-
-// ---------------------------------------------------------------------------------------------
-// KV dumps.
-
-struct KvDump {
-  std::string path;
-  std::unique_ptr<format::SafetensorsFile> file;
-  int n_layers = 0, n_kv_heads = 0, head_dim = 0;
-  int64_t n_tokens = 0;
-  std::vector<int> layers;  // dumped layers, ascending
-
-  bool has_layer(int layer) const {
-    return std::binary_search(layers.begin(), layers.end(), layer);
-  }
-  // The bf16 rows of (layer, K/V) as [n_kv_heads][n_tokens][head_dim], copied out of the mapping
-  // (safetensors data need not be aligned).
-  std::vector<uint16_t> read(int layer, int kv) const {
-    const std::string name = "layer" + std::to_string(layer) + (kv == codec::kGaacKey ? ".k" : ".v");
-    const format::SafetensorsTensor* t = file->find(name);
-    std::vector<uint16_t> out(size_t(n_kv_heads) * size_t(n_tokens) * size_t(head_dim));
-    std::memcpy(out.data(), t->data, out.size() * 2);
-    return out;
-  }
-};
-
-int metadata_int(const format::SafetensorsFile& f, const std::string& key, int64_t lo, int64_t hi) {
-  auto it = f.metadata().find(key);
-  if (it == f.metadata().end())
-    fail(StatusCode::kCorrupt, "KV dump '" + f.name() + "': metadata has no '" + key + "'");
-  char* end = nullptr;
-  const long long v = strtoll(it->second.c_str(), &end, 10);
-  if (it->second.empty() || *end != '\0' || v < lo || v > hi)
-    fail(StatusCode::kCorrupt, "KV dump '" + f.name() + "': metadata '" + key + "' = '" +
-                                   it->second + "' is not an integer in [" + std::to_string(lo) +
-                                   ", " + std::to_string(hi) + "]");
-  return int(v);
-}
-
-std::string metadata_format(const format::SafetensorsFile& f) {
-  auto it = f.metadata().find("format");
-  return it == f.metadata().end() ? std::string("(none)") : it->second;
-}
-
-KvDump open_kv_dump(std::unique_ptr<format::SafetensorsFile> file) {
-  KvDump d;
-  d.path = file->name();
-  d.file = std::move(file);
-  const format::SafetensorsFile& f = *d.file;
-  d.n_layers = metadata_int(f, "n_layers", 1, 4096);
-  d.n_kv_heads = metadata_int(f, "n_kv_heads", 1, 4096);
-  d.head_dim = metadata_int(f, "head_dim", 1, 65536);
-  d.n_tokens = metadata_int(f, "n_tokens", 1, int64_t(1) << 31);
-  auto it = f.metadata().find("layers");
-  if (it == f.metadata().end())
-    fail(StatusCode::kCorrupt, "KV dump '" + d.path + "': metadata has no 'layers'");
-  std::stringstream ss(it->second);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    char* end = nullptr;
-    const long v = strtol(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || v < 0 || v >= d.n_layers)
-      fail(StatusCode::kCorrupt, "KV dump '" + d.path + "': metadata 'layers' has '" + item +
-                                     "', not a layer in [0, " + std::to_string(d.n_layers) + ")");
-    d.layers.push_back(int(v));
-  }
-  std::sort(d.layers.begin(), d.layers.end());
-  if (d.layers.empty() || std::adjacent_find(d.layers.begin(), d.layers.end()) != d.layers.end())
-    fail(StatusCode::kCorrupt, "KV dump '" + d.path + "': metadata 'layers' is empty or repeats a layer");
-  const std::vector<int64_t> want = {d.n_kv_heads, d.n_tokens, d.head_dim};
-  for (int layer : d.layers) {
-    for (const char* suffix : {".k", ".v"}) {
-      const std::string name = "layer" + std::to_string(layer) + suffix;
-      const format::SafetensorsTensor* t = f.find(name);
-      if (t == nullptr) fail(StatusCode::kCorrupt, "KV dump '" + d.path + "': no tensor '" + name + "'");
-      if (t->dtype != "BF16" || t->shape != want)
-        fail(StatusCode::kCorrupt, "KV dump '" + d.path + "': tensor '" + name +
-                                       "' is not BF16 [n_kv_heads, n_tokens, head_dim] = [" +
-                                       std::to_string(d.n_kv_heads) + ", " +
-                                       std::to_string(d.n_tokens) + ", " +
-                                       std::to_string(d.head_dim) + "]");
-    }
-  }
-  return d;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Elements: BF16, or BF16 cast to FP8.
-
-GaacElement element_of_codec(const std::string& name) {
-  if (name == "gaac") return GaacElement::kBf16;
-  if (name == "gaac-e4m3") return GaacElement::kFp8E4M3;
-  if (name == "gaac-e5m2") return GaacElement::kFp8E5M2;
-  throw UsageError{"flag --codec: unknown codec '" + name + "' (available: gaac, gaac-e4m3, gaac-e5m2)"};
-}
-
-// The coded exponent field of one element (bf16 bits, or an fp8 byte in the low 8 bits).
-int exponent_of(GaacElement e, uint16_t x) {
-  const int mantissa_bits = format::gaac_sign_mantissa_bits(e) - 1;
-  return (x >> mantissa_bits) & ((1 << format::gaac_exponent_bits(e)) - 1);
-}
-
-// The KV of one (layer, K/V) in the codec's element: bf16 as is, or cast to fp8 bytes.
-struct ElementRows {
-  std::vector<uint16_t> bf16;
-  std::vector<uint8_t> fp8;
-};
-
-// BF16 -> OCP FP8 (E4M3: bias 7, largest 448, no infinities; E5M2: bias 15, largest 57344),
-// round to nearest even, finite values beyond the largest saturate to it, NaN stays NaN, E5M2
-// keeps infinities. (OCP 8-bit Floating Point Specification, 2023.)
-uint8_t fp8_from_bf16(GaacElement e, uint16_t bf16) {
-  const int ebits = format::gaac_exponent_bits(e), mbits = format::gaac_sign_mantissa_bits(e) - 1;
-  const int bias = (1 << (ebits - 1)) - 1;
-  const bool e4m3 = e == GaacElement::kFp8E4M3;
-  const int max_exponent_field = e4m3 ? 15 : 30, max_mantissa = e4m3 ? 6 : 3;
-  const uint8_t sign = uint8_t((bf16 >> 15) << 7);
-  const uint8_t largest = uint8_t(sign | max_exponent_field << mbits | max_mantissa);
-  const float f = format::bf16_to_float(bf16);
-  if (std::isnan(f)) return uint8_t(sign | 0x7f);
-  const float a = std::fabs(f);
-  if (std::isinf(a)) return e4m3 ? largest : uint8_t(sign | 0x7c);
-  if (a == 0.0f) return sign;
-  int x = 0;
-  std::frexp(a, &x);                           // a = m * 2^x, m in [0.5, 1)
-  int exponent = std::max(x - 1, 1 - bias);    // subnormals share the smallest normal's quantum
-  float q = std::nearbyint(std::ldexp(a, mbits - exponent));  // exact scaling, ties to even
-  if (q >= float(2 << mbits)) q /= 2, exponent += 1;
-  const int mantissa_with_lead = int(q);
-  const bool subnormal = mantissa_with_lead < (1 << mbits);
-  const int field = subnormal ? 0 : exponent + bias;
-  const int mantissa = subnormal ? mantissa_with_lead : mantissa_with_lead - (1 << mbits);
-  if (field > max_exponent_field || (field == max_exponent_field && mantissa > max_mantissa)) return largest;
-  return uint8_t(sign | field << mbits | mantissa);
-}
-
-ElementRows to_element(GaacElement e, std::vector<uint16_t> bf16) {
-  ElementRows r;
-  if (e == GaacElement::kBf16) {
-    r.bf16 = std::move(bf16);
-  } else {
-    r.fp8.resize(bf16.size());
-    for (size_t i = 0; i < bf16.size(); ++i) r.fp8[i] = fp8_from_bf16(e, bf16[i]);
-  }
-  return r;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Calibration.
-
-GaacShape shape_of(const KvDump& d, int block_tokens, GaacElement e) {
-  GaacShape s;
-  s.n_layers = d.n_layers;
-  s.n_kv_heads = d.n_kv_heads;
-  s.head_dim = d.head_dim;
-  s.block_tokens = block_tokens;
-  s.element = e;
-  return s;
-}
-
-std::string shape_text(const GaacShape& s) {
-  return std::to_string(s.n_layers) + " layers, " + std::to_string(s.n_kv_heads) + " kv heads, head_dim " +
-         std::to_string(s.head_dim);
-}
-
-std::vector<std::string> split_commas(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ','))
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-
-struct CalibrationSource {
-  GaacCalibration calibration;
-  std::string description;
-  GaacShape shape;
-};
-
-// `calib`: a comma list of KV dumps, or one calibration file. `in`: the dump to encode (may be
-// null); its shape is the one the calibration must have.
-CalibrationSource make_calibration(const std::string& calib, const KvDump* in, int block_tokens,
-                                   GaacElement element) {
-  const std::vector<std::string> paths = split_commas(calib);
-  if (paths.empty()) throw UsageError{"flag --calib: no file given"};
-  std::vector<std::unique_ptr<format::SafetensorsFile>> files;
-  for (const std::string& p : paths) files.push_back(format::SafetensorsFile::open(p));
-  const std::string first_format = metadata_format(*files[0]);
-  // Any version of the calibration format goes to the loader, which names the version it reads.
-  const std::string family = std::string(GaacCalibration::kFormat).substr(0, std::string(GaacCalibration::kFormat).find('/') + 1);
-  if (first_format.rfind(family, 0) == 0) {
-    if (paths.size() != 1)
-      throw UsageError{"flag --calib: give one calibration file, or KV dumps only"};
-    if (in == nullptr)
-      throw UsageError{"flag --calib: '" + paths[0] + "' is already a calibration; give --in to encode with it"};
-    const GaacShape expected = shape_of(*in, block_tokens, element);
-    return {GaacCalibration::load(paths[0], expected), "calibration file " + paths[0], expected};
-  }
-  std::vector<KvDump> dumps;
-  for (auto& f : files) {
-    const std::string fmt = metadata_format(*f);
-    if (fmt != kKvDumpFormat)
-      fail(StatusCode::kInvalidArgument,
-           "--calib '" + f->name() + "' is neither a KV dump (" + kKvDumpFormat +
-               ") nor a GAAC calibration (" + GaacCalibration::kFormat + "): metadata format is '" +
-               fmt + "'");
-    dumps.push_back(open_kv_dump(std::move(f)));
-  }
-  const GaacShape shape = shape_of(in != nullptr ? *in : dumps[0], block_tokens, element);
-  for (const KvDump& d : dumps) {
-    const GaacShape s = shape_of(d, block_tokens, element);
-    if (!(s == shape))
-      fail(StatusCode::kInvalidArgument,
-           "calibration dump '" + d.path + "' has " + shape_text(s) + " but " +
-               (in != nullptr ? "KV dump '" + in->path + "'" : "'" + dumps[0].path + "'") + " has " +
-               shape_text(shape) + ": a calibration of another model");
-    if (in != nullptr)
-      for (int layer : in->layers)
-        if (!d.has_layer(layer))
-          fail(StatusCode::kInvalidArgument, "calibration dump '" + d.path + "' lacks layer " +
-                                                 std::to_string(layer) + " of '" + in->path + "'");
-  }
-  codec::GaacCalibrator calibrator(shape);
-  int64_t tokens = 0;
-  for (const KvDump& d : dumps) {
-    tokens += d.n_tokens;
-    for (int layer : d.layers) {
-      for (int kv = 0; kv < 2; ++kv) {
-        const ElementRows rows = to_element(element, d.read(layer, kv));
-        const size_t head_elems = size_t(d.n_tokens) * size_t(d.head_dim);
-        for (int h = 0; h < d.n_kv_heads; ++h) {
-          if (element == GaacElement::kBf16)
-            calibrator.add_bf16(layer, kv, h, rows.bf16.data() + h * head_elems, int(d.n_tokens));
-          else
-            calibrator.add_fp8(layer, kv, h, rows.fp8.data() + h * head_elems, int(d.n_tokens));
-        }
-      }
-    }
-  }
-  std::string description = std::to_string(dumps.size()) + " KV dump" + (dumps.size() > 1 ? "s" : "") +
-                            " (" + std::to_string(tokens) + " tokens)";
-  return {calibrator.finish(), description, shape};
-}
-
-// ---------------------------------------------------------------------------------------------
-// Encoding, decoding and accounting.
-
-struct Tally {
-  uint64_t bf16_bytes = 0;     // the KV as BF16
-  uint64_t element_bytes = 0;  // the KV in the codec's element, raw (== bf16_bytes for gaac)
-  uint64_t stored_bytes = 0;   // slots, raw fallbacks, raw tail, block-table entries, bases
-  uint64_t elements = 0;
-  uint64_t pages = 0, raw_pages = 0;
-  uint64_t groups[3] = {0, 0, 0};
-  uint64_t escape_bytes = 0;   // escape bytes the pages need (fitting or not)
-  // Every complete page at its exact encoded size (fixed part + the escapes it needs), without
-  // slots, raw fallbacks, block table or bases: the seed's compression ratio.
-  uint64_t content_bytes = 0, content_bf16_bytes = 0;
-  uint64_t exponent_histogram[256] = {};
-  double encode_seconds = 0, decode_seconds = 0;
-  uint64_t coded_bytes = 0;    // element bytes that went through the timed encode and decode
-  uint64_t failed_pages = 0;   // pages that did not come back bit for bit (or where _ref disagrees)
-  std::string first_failure;
-
-  void add(const Tally& o) {
-    bf16_bytes += o.bf16_bytes;
-    element_bytes += o.element_bytes;
-    stored_bytes += o.stored_bytes;
-    elements += o.elements;
-    pages += o.pages;
-    raw_pages += o.raw_pages;
-    for (int m = 0; m < 3; ++m) groups[m] += o.groups[m];
-    escape_bytes += o.escape_bytes;
-    content_bytes += o.content_bytes;
-    content_bf16_bytes += o.content_bf16_bytes;
-    for (int i = 0; i < 256; ++i) exponent_histogram[i] += o.exponent_histogram[i];
-    encode_seconds += o.encode_seconds;
-    decode_seconds += o.decode_seconds;
-    coded_bytes += o.coded_bytes;
-    failed_pages += o.failed_pages;
-    if (first_failure.empty()) first_failure = o.first_failure;
-  }
-  double ratio() const { return stored_bytes ? double(bf16_bytes) / double(stored_bytes) : 0.0; }
-  double content_ratio() const {
-    return content_bytes ? double(content_bf16_bytes) / double(content_bytes) : 0.0;
-  }
-  double bits_per_element() const { return elements ? 8.0 * double(stored_bytes) / double(elements) : 0.0; }
-  uint64_t total_groups() const { return groups[0] + groups[1] + groups[2]; }
-  double mode_fraction(int m) const {
-    return total_groups() ? double(groups[m]) / double(total_groups()) : 0.0;
-  }
-  double raw_block_fraction() const { return pages ? double(raw_pages) / double(pages) : 0.0; }
-  // Empirical entropy of the exponent stream (Shannon, bits per element).
-  double exponent_entropy_bits() const {
-    uint64_t n = 0;
-    for (uint64_t c : exponent_histogram) n += c;
-    double h = 0;
-    for (uint64_t c : exponent_histogram)
-      if (c) h -= double(c) / double(n) * std::log2(double(c) / double(n));
-    return h;
-  }
-  double encode_gbps() const { return encode_seconds > 0 ? coded_bytes / encode_seconds / 1e9 : 0.0; }
-  double decode_gbps() const { return decode_seconds > 0 ? coded_bytes / decode_seconds / 1e9 : 0.0; }
-  double escape_bytes_per_page() const { return pages ? double(escape_bytes) / double(pages) : 0.0; }
-};
-
-struct Options {
-  GaacElement element = GaacElement::kBf16;
-  codec::GaacKernel kernel = codec::GaacKernel::kRef;
-  int block_tokens = 16;
-  int passes = 3;
-  int segment_tokens = 1024;
-  bool cross_check_ref = false;
-};
-
-// CPU time of the calling thread: the codec speeds are per core, and this machine may be shared.
-double thread_cpu_seconds() {
-  timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-}
-
-// Encodes, decodes and checks every page of one (layer, K/V). `rows`: [n_kv_heads][n_tokens]
-// [head_dim] elements. Adds per-position-segment figures to `segments` (grown as needed).
-Tally code_layer_kv(const Options& opt, const GaacCalibration& cal, int layer, int kv,
-                    const KvDump& in, const ElementRows& rows, std::vector<Tally>& segments) {
-  const GaacElement e = opt.element;
-  const int bt = opt.block_tokens, hd = in.head_dim, n_heads = in.n_kv_heads;
-  const int64_t n_tokens = in.n_tokens;
-  const bool bf16 = e == GaacElement::kBf16;
-  const size_t elem_bytes = size_t(format::gaac_element_bytes(e));
-  const size_t page_elems = size_t(bt) * size_t(hd);
-  const size_t raw_bytes = format::gaac_page_raw_bytes(e, bt, hd);
-  const size_t capacity = cal.escape_capacity_bytes(layer, kv);
-  const size_t slot_bytes = cal.slot_bytes(layer, kv);
-  const size_t max_escape = format::gaac_page_max_escape_bytes(e, bt, hd);
-  const int64_t pages_per_head = n_tokens / bt;
-  const size_t n_pages = size_t(pages_per_head) * size_t(n_heads);
-  const size_t head_elems = size_t(n_tokens) * size_t(hd);
-  auto src = [&](size_t i) -> const uint8_t* {  // page i = (head i / pages_per_head, block i % ...)
-    const size_t h = i / size_t(pages_per_head), p = i % size_t(pages_per_head);
-    const size_t off = h * head_elems + p * page_elems;
-    return bf16 ? reinterpret_cast<const uint8_t*>(rows.bf16.data() + off) : rows.fp8.data() + off;
-  };
-  auto bases = [&](size_t i) -> const codec::GaacBases& {
-    return cal.bases(layer, kv, int(i / size_t(pages_per_head)));
-  };
-  auto encode = [&](size_t i, size_t cap, uint8_t* out, bool ref) -> size_t {
-    if (bf16) {
-      const auto* p = reinterpret_cast<const uint16_t*>(src(i));
-      return ref ? codec::gaac_encode_page_ref(p, bt, hd, bases(i), cap, out)
-                 : codec::gaac_encode_page(p, bt, hd, bases(i), cap, out, opt.kernel);
-    }
-    return codec::gaac_encode_page_fp8_ref(e, src(i), bt, hd, bases(i), cap, out);
-  };
-  auto decode = [&](size_t i, const uint8_t* slot, uint8_t* out, bool ref) {
-    if (bf16) {
-      auto* o = reinterpret_cast<uint16_t*>(out);
-      if (ref)
-        codec::gaac_decode_page_ref(slot, slot_bytes, bt, hd, bases(i), o);
-      else
-        codec::gaac_decode_page(slot, slot_bytes, bt, hd, bases(i), o, opt.kernel);
-    } else {
-      codec::gaac_decode_page_fp8_ref(e, slot, slot_bytes, bt, hd, bases(i), out);
-    }
-  };
-  auto where = [&](size_t i) {
-    return "layer " + std::to_string(layer) + (kv == codec::kGaacKey ? " K" : " V") + " kv_head " +
-           std::to_string(i / size_t(pages_per_head)) + " block " + std::to_string(i % size_t(pages_per_head));
-  };
-
-  std::vector<uint8_t> slots(n_pages * slot_bytes), raw(n_pages * raw_bytes), decoded(n_pages * raw_bytes);
-  std::vector<uint8_t> fits(n_pages);
-  Tally t;
-  // Timed passes: the fastest counts. A page that does not fit is copied to raw storage, as the
-  // cache would; decoding copies it back.
-  double best_encode = INFINITY, best_decode = INFINITY;
-  for (int pass = 0; pass < opt.passes; ++pass) {
-    double t0 = thread_cpu_seconds();
-    for (size_t i = 0; i < n_pages; ++i) {
-      const size_t used = encode(i, capacity, slots.data() + i * slot_bytes, false);
-      fits[i] = used != codec::kGaacDoesNotFit;
-      if (!fits[i]) std::memcpy(raw.data() + i * raw_bytes, src(i), raw_bytes);
-    }
-    best_encode = std::min(best_encode, thread_cpu_seconds() - t0);
-    t0 = thread_cpu_seconds();
-    for (size_t i = 0; i < n_pages; ++i) {
-      if (fits[i])
-        decode(i, slots.data() + i * slot_bytes, decoded.data() + i * raw_bytes, false);
-      else
-        std::memcpy(decoded.data() + i * raw_bytes, raw.data() + i * raw_bytes, raw_bytes);
-    }
-    best_decode = std::min(best_decode, thread_cpu_seconds() - t0);
-  }
-  if (n_pages > 0) {
-    t.encode_seconds = best_encode;
-    t.decode_seconds = best_decode;
-  }
-  t.coded_bytes = n_pages * raw_bytes;
-
-  std::vector<uint8_t> scratch(format::gaac_slot_bytes(e, bt, hd, max_escape));
-  std::vector<uint8_t> scratch_out(raw_bytes);
-  auto failed = [&](size_t i, const std::string& what) {
-    if (t.failed_pages++ == 0) t.first_failure = where(i) + ": " + what;
-  };
-  for (size_t i = 0; i < n_pages; ++i) {
-    if (std::memcmp(decoded.data() + i * raw_bytes, src(i), raw_bytes) != 0)
-      failed(i, "did not decode to its original bytes");
-    if (opt.cross_check_ref) {
-      const size_t used = encode(i, capacity, scratch.data(), true);
-      if ((used != codec::kGaacDoesNotFit) != bool(fits[i]) ||
-          (fits[i] && std::memcmp(scratch.data(), slots.data() + i * slot_bytes, used) != 0))
-        failed(i, std::string("the _ref encoder and the ") + codec::gaac_kernel_name(opt.kernel) +
-                      " encoder disagree");
-      if (fits[i]) {
-        decode(i, slots.data() + i * slot_bytes, scratch_out.data(), true);
-        if (std::memcmp(scratch_out.data(), src(i), raw_bytes) != 0)
-          failed(i, "the _ref decoder did not return the original bytes");
-      }
-    }
-    // The mode mix is the codec's choice for every page, fitting or not: a page that does not
-    // fit is encoded again with room for every escape to read its tags.
-    const uint8_t* slot = slots.data() + i * slot_bytes;
-    size_t this_slot_bytes = slot_bytes;
-    if (!fits[i]) {
-      encode(i, max_escape, scratch.data(), false);
-      slot = scratch.data();
-      this_slot_bytes = scratch.size();
-    }
-    const codec::GaacModeCounts mc = codec::gaac_count_modes(e, slot, this_slot_bytes, bt, hd);
-    const size_t block = i % size_t(pages_per_head);
-    const size_t seg = block * size_t(bt) / size_t(opt.segment_tokens);
-    if (segments.size() <= seg) segments.resize(seg + 1);
-    for (Tally* x : {&t, &segments[seg]}) {
-      x->pages += 1;
-      x->raw_pages += fits[i] ? 0 : 1;
-      for (int m = 0; m < 3; ++m) x->groups[m] += mc.groups[m];
-      x->escape_bytes += mc.escape_bytes;
-      x->content_bytes += format::gaac_page_fixed_bytes(e, bt, hd) + mc.escape_bytes;
-      x->content_bf16_bytes += page_elems * 2;
-    }
-  }
-
-  // Exponent histogram over every element (the tail included).
-  const size_t total_elems = size_t(n_heads) * head_elems;
-  for (size_t j = 0; j < total_elems; ++j) {
-    const uint16_t x = bf16 ? rows.bf16[j] : rows.fp8[j];
-    t.exponent_histogram[exponent_of(e, x)] += 1;
-  }
-  // Stored bytes: a slot per fitting page, raw bytes per fallback page, the incomplete tail block
-  // raw, a block-table entry per block, and this (layer, K/V)'s bases (b3 and b4, one byte per
-  // channel each) and escape capacity (8 bytes).
-  const int64_t tail_tokens = n_tokens - pages_per_head * bt;
-  const uint64_t fitting = n_pages - t.raw_pages;
-  const uint64_t blocks = uint64_t(n_heads) * uint64_t(pages_per_head + (tail_tokens > 0 ? 1 : 0));
-  t.stored_bytes = fitting * slot_bytes + t.raw_pages * raw_bytes +
-                   uint64_t(n_heads) * uint64_t(tail_tokens) * uint64_t(hd) * elem_bytes +
-                   blocks * sizeof(format::PageRef) + uint64_t(n_heads) * uint64_t(hd) * 2 + 8;
-  t.elements = total_elems;
-  t.bf16_bytes = total_elems * 2;
-  t.element_bytes = total_elems * elem_bytes;
-  return t;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Output.
 
 std::string fixed(double v, int digits) {
   char buf[64];
@@ -520,175 +18,150 @@ std::string fixed(double v, int digits) {
   return buf;
 }
 
-// Adds a tally's figures to `o`; speeds only where they are meaningful (totals).
-void add_tally(JsonObject& o, const Tally& t, GaacElement e, bool with_speed) {
-  o.add("ratio", t.ratio());
-  if (e != GaacElement::kBf16)
-    o.add("ratio_vs_fp8", t.stored_bytes ? double(t.element_bytes) / double(t.stored_bytes) : 0.0);
-  o.add("bits_per_element", t.bits_per_element()).add("content_ratio", t.content_ratio());
+// A tally's figures; speeds only where they are meaningful (totals).
+JsonObject tally_json(const certkv_gaac_tally& t, bool fp8, bool with_speed) {
+  JsonObject o;
+  o.add("ratio", t.ratio);
+  if (fp8) o.add("ratio_vs_fp8", t.ratio_vs_fp8);
+  o.add("bits_per_element", t.bits_per_element).add("content_ratio", t.content_ratio);
   JsonObject modes;
-  modes.add("3bit", t.mode_fraction(0)).add("4bit", t.mode_fraction(1)).add("raw", t.mode_fraction(2));
-  o.add_raw("mode_fraction", modes.str());
-  o.add("raw_block_fraction", t.raw_block_fraction())
-      .add("exponent_entropy_bits", t.exponent_entropy_bits())
-      .add("escape_bytes_per_page", t.escape_bytes_per_page());
-  if (with_speed) o.add("encode_gbps", t.encode_gbps()).add("decode_gbps", t.decode_gbps());
+  modes.add("3bit", t.mode_fraction_3bit).add("4bit", t.mode_fraction_4bit).add("raw", t.mode_fraction_raw);
+  o.add("mode_fraction", modes);
+  o.add("raw_block_fraction", t.raw_block_fraction)
+      .add("exponent_entropy_bits", t.exponent_entropy_bits)
+      .add("escape_bytes_per_page", t.escape_bytes_per_page);
+  if (with_speed) o.add("encode_gbps", t.encode_gbps).add("decode_gbps", t.decode_gbps);
   o.add("bf16_bytes", t.bf16_bytes).add("stored_bytes", t.stored_bytes).add("pages", t.pages)
       .add("raw_pages", t.raw_pages);
+  return o;
 }
 
-std::string tally_json(const Tally& t, GaacElement e, bool with_speed) {
-  JsonObject o;
-  add_tally(o, t, e, with_speed);
-  return o.str();
-}
-
-std::string tally_line(const Tally& t) {
-  return "ratio " + fixed(t.ratio(), 4) + " (content " + fixed(t.content_ratio(), 4) + ")  bits/elem " + fixed(t.bits_per_element(), 3) + "  3bit " +
-         fixed(100 * t.mode_fraction(0), 2) + "%  4bit " + fixed(100 * t.mode_fraction(1), 2) +
-         "%  raw " + fixed(100 * t.mode_fraction(2), 3) + "%  raw blocks " +
-         fixed(100 * t.raw_block_fraction(), 2) + "%  entropy " + fixed(t.exponent_entropy_bits(), 3) +
-         "  escapes/page " + fixed(t.escape_bytes_per_page(), 1);
+std::string tally_line(const certkv_gaac_tally& t) {
+  return "ratio " + fixed(t.ratio, 4) + " (content " + fixed(t.content_ratio, 4) + ")  bits/elem " +
+         fixed(t.bits_per_element, 3) + "  3bit " + fixed(100 * t.mode_fraction_3bit, 2) + "%  4bit " +
+         fixed(100 * t.mode_fraction_4bit, 2) + "%  raw " + fixed(100 * t.mode_fraction_raw, 3) +
+         "%  raw blocks " + fixed(100 * t.raw_block_fraction, 2) + "%  entropy " +
+         fixed(t.exponent_entropy_bits, 3) + "  escapes/page " + fixed(t.escape_bytes_per_page, 1);
 }
 
 }  // namespace
 
 int cmd_codec(int argc, char** argv) {
-  Flags flags("codec", {{"codec", true}, {"calib", true}, {"in", true}, {"verify", false},
-                        {"json", false}, {"save-calibration", true}, {"block-tokens", true},
-                        {"passes", true}, {"segment-tokens", true}},
-              kCodecUsage);
+  Flags flags(kCodec);
   flags.parse(argc, argv, 2);
   if (!flags.has("codec")) throw UsageError{"flag --codec is required (gaac, gaac-e4m3, gaac-e5m2)"};
   if (!flags.has("calib")) throw UsageError{"flag --calib is required"};
   if (!flags.has("in") && !flags.has("save-calibration"))
     throw UsageError{"give --in (a KV dump to encode) or --save-calibration (or both)"};
-  Options opt;
-  opt.element = element_of_codec(flags.str("codec"));
-  opt.block_tokens = int(flags.integer("block-tokens", 16, 1, 4096));
-  opt.passes = int(flags.integer("passes", 3, 1, 100));
-  opt.segment_tokens = int(flags.integer("segment-tokens", 1024, 1, 1 << 30));
-  opt.cross_check_ref = flags.has("verify");
-  opt.kernel = opt.element == GaacElement::kBf16 ? codec::gaac_best_kernel() : codec::GaacKernel::kRef;
+  const std::string codec_name = flags.str("codec"), calib = flags.str("calib"), in = flags.str("in"),
+                    save = flags.str("save-calibration");
+  certkv_gaac_measure_params params = certkv_gaac_measure_default_params();
+  params.codec = codec_name.c_str();
+  params.calibration = calib.c_str();
+  params.in = flags.has("in") ? in.c_str() : nullptr;
+  params.save_calibration = flags.has("save-calibration") ? save.c_str() : nullptr;
+  params.block_tokens = int32_t(flags.integer("block-tokens", 1, 4096));
+  params.passes = int32_t(flags.integer("passes", 1, 100));
+  params.segment_tokens = int32_t(flags.integer("segment-tokens", 1, 1 << 30));
+  params.verify_ref = flags.has("verify") ? 1 : 0;
   const bool json = flags.has("json");
 
-  std::unique_ptr<KvDump> in;
-  if (flags.has("in")) {
-    auto file = format::SafetensorsFile::open(flags.str("in"));
-    const std::string fmt = metadata_format(*file);
-    if (fmt != kKvDumpFormat)
-      fail(StatusCode::kInvalidArgument, "--in '" + flags.str("in") + "' is not a KV dump: metadata format is '" +
-                                             fmt + "', expected '" + kKvDumpFormat + "'");
-    in = std::make_unique<KvDump>(open_kv_dump(std::move(file)));
-    if (format::gaac_tile_channels(in->head_dim) == 0)
-      fail(StatusCode::kUnsupported, "KV dump '" + in->path + "': head_dim " + std::to_string(in->head_dim) +
-                                         " does not split into GAAC tiles (multiples of 8, at most 128)");
-  }
-
-  const auto calibrate_start = std::chrono::steady_clock::now();
-  CalibrationSource source = make_calibration(flags.str("calib"), in.get(), opt.block_tokens, opt.element);
-  const double calibrate_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - calibrate_start).count();
-  if (flags.has("save-calibration")) source.calibration.save(flags.str("save-calibration"));
-  if (!in) {
-    fprintf(stderr, "certkv codec: calibrated on %s in %.2f s, wrote %s\n", source.description.c_str(),
-            calibrate_seconds, flags.str("save-calibration").c_str());
+  certkv_gaac_report* raw = nullptr;
+  check(certkv_gaac_measure(&params, &raw));
+  const std::unique_ptr<certkv_gaac_report, void (*)(certkv_gaac_report*)> report(raw, certkv_gaac_report_free);
+  certkv_gaac_report_info r;
+  check(certkv_gaac_report_get_info(report.get(), &r));
+  if (!r.encoded) {
+    fprintf(stderr, "certkv codec: calibrated on %s in %.2f s, wrote %s\n", r.calibration, r.calibrate_seconds,
+            save.c_str());
     return 0;
   }
-
-  std::vector<Tally> per_layer[2];  // [K/V][index in in->layers]
-  std::vector<Tally> segments[2];
-  Tally by_kv[2], total;
-  for (int layer : in->layers) {
-    for (int kv = 0; kv < 2; ++kv) {
-      const ElementRows rows = to_element(opt.element, in->read(layer, kv));
-      const Tally t = code_layer_kv(opt, source.calibration, layer, kv, *in, rows, segments[kv]);
-      per_layer[kv].push_back(t);
-      by_kv[kv].add(t);
-      total.add(t);
-    }
+  const bool fp8 = std::string(r.element) != "bf16";
+  std::vector<certkv_gaac_layer_report> layers(static_cast<size_t>(r.n_layers));
+  for (int32_t i = 0; i < r.n_layers; ++i) check(certkv_gaac_report_layer(report.get(), i, &layers[size_t(i)]));
+  std::vector<certkv_gaac_tally> segments[2];
+  for (int32_t s = 0; s < r.n_segments; ++s) {
+    certkv_gaac_tally k, v;
+    check(certkv_gaac_report_segment(report.get(), s, &k, &v));
+    segments[0].push_back(k);
+    segments[1].push_back(v);
   }
-  const bool verify_ok = total.failed_pages == 0;
 
-  const std::string codec_name = flags.str("codec");
-  const char* kernel = codec::gaac_kernel_name(opt.kernel);
   if (json) {
     JsonObject o;
     o.add("codec", codec_name)
-        .add("element", codec::gaac_element_name(opt.element))
-        .add("kernel", kernel)
-        .add("calibration", source.description)
-        .add("in", in->path)
-        .add("n_layers", int64_t(in->layers.size()))
-        .add("n_kv_heads", int64_t(in->n_kv_heads))
-        .add("head_dim", int64_t(in->head_dim))
-        .add("n_tokens", in->n_tokens)
-        .add("block_tokens", int64_t(opt.block_tokens))
-        .add("verify_ok", verify_ok)
-        .add("ref_cross_checked", opt.cross_check_ref)
-        .add("failed_pages", total.failed_pages)
-        .add("calibrate_seconds", calibrate_seconds);
-    add_tally(o, total, opt.element, true);
+        .add("element", r.element)
+        .add("kernel", r.kernel)
+        .add("calibration", r.calibration)
+        .add("in", r.in)
+        .add("n_layers", int64_t(r.n_layers))
+        .add("n_kv_heads", int64_t(r.n_kv_heads))
+        .add("head_dim", int64_t(r.head_dim))
+        .add("n_tokens", r.n_tokens)
+        .add("block_tokens", int64_t(r.block_tokens))
+        .add("verify_ok", r.verify_ok != 0)
+        .add("ref_cross_checked", r.ref_cross_checked != 0)
+        .add("failed_pages", r.total.failed_pages)
+        .add("calibrate_seconds", r.calibrate_seconds);
+    const JsonObject total = tally_json(r.total, fp8, true);
+    for (const auto& [key, value] : total.json().items()) o.add(key, value);
     JsonObject kv_split;
-    kv_split.add_raw("k", tally_json(by_kv[0], opt.element, true))
-        .add_raw("v", tally_json(by_kv[1], opt.element, true));
-    o.add_raw("by_kv", kv_split.str());
-    std::string layers_json;
-    for (size_t i = 0; i < in->layers.size(); ++i) {
-      const int layer = in->layers[i];
-      JsonObject l;
-      l.add("layer", int64_t(layer))
-          .add_raw("k", tally_json(per_layer[0][i], opt.element, false))
-          .add_raw("v", tally_json(per_layer[1][i], opt.element, false))
-          .add("k_escape_capacity_bytes", uint64_t(source.calibration.escape_capacity_bytes(layer, 0)))
-          .add("v_escape_capacity_bytes", uint64_t(source.calibration.escape_capacity_bytes(layer, 1)));
-      layers_json += (i ? ", " : "") + l.str();
+    kv_split.add("k", tally_json(r.k, fp8, true)).add("v", tally_json(r.v, fp8, true));
+    o.add("by_kv", kv_split);
+    Json layers_json = Json::array();
+    for (const certkv_gaac_layer_report& l : layers) {
+      JsonObject lo;
+      lo.add("layer", int64_t(l.layer))
+          .add("k", tally_json(l.k, fp8, false))
+          .add("v", tally_json(l.v, fp8, false))
+          .add("k_escape_capacity_bytes", l.k_escape_capacity_bytes)
+          .add("v_escape_capacity_bytes", l.v_escape_capacity_bytes);
+      layers_json.push_back(lo.json());
     }
-    o.add_raw("layers", "[" + layers_json + "]");
-    std::string segments_json;
+    o.add("layers", layers_json);
+    Json segments_json = Json::array();
     for (size_t s = 0; s < segments[0].size(); ++s) {
       JsonObject g;
-      g.add("first_token", int64_t(s) * opt.segment_tokens)
-          .add("k_escape_bytes_per_page", segments[0][s].escape_bytes_per_page())
-          .add("v_escape_bytes_per_page", segments[1][s].escape_bytes_per_page())
-          .add("k_raw_block_fraction", segments[0][s].raw_block_fraction())
-          .add("v_raw_block_fraction", segments[1][s].raw_block_fraction())
-          .add("k_3bit_fraction", segments[0][s].mode_fraction(0))
-          .add("v_3bit_fraction", segments[1][s].mode_fraction(0));
-      segments_json += (s ? ", " : "") + g.str();
+      g.add("first_token", int64_t(s) * r.segment_tokens)
+          .add("k_escape_bytes_per_page", segments[0][s].escape_bytes_per_page)
+          .add("v_escape_bytes_per_page", segments[1][s].escape_bytes_per_page)
+          .add("k_raw_block_fraction", segments[0][s].raw_block_fraction)
+          .add("v_raw_block_fraction", segments[1][s].raw_block_fraction)
+          .add("k_3bit_fraction", segments[0][s].mode_fraction_3bit)
+          .add("v_3bit_fraction", segments[1][s].mode_fraction_3bit);
+      segments_json.push_back(g.json());
     }
-    o.add("segment_tokens", int64_t(opt.segment_tokens)).add_raw("segments", "[" + segments_json + "]");
+    o.add("segment_tokens", int64_t(r.segment_tokens)).add("segments", segments_json);
     printf("%s\n", o.str().c_str());
   } else {
-    printf("codec %s (%s kernel), calibrated on %s in %.2f s\n", codec_name.c_str(), kernel,
-           source.description.c_str(), calibrate_seconds);
-    printf("KV %s: %zu layers x K/V x %d kv heads x %lld tokens, head_dim %d, %d-token blocks\n",
-           in->path.c_str(), in->layers.size(), in->n_kv_heads, (long long)in->n_tokens, in->head_dim,
-           opt.block_tokens);
-    printf("ratio %.4f  bits_per_element %.3f  content_ratio %.4f", total.ratio(), total.bits_per_element(),
-         total.content_ratio());
-    if (opt.element != GaacElement::kBf16)
-      printf("  ratio_vs_fp8 %.4f", double(total.element_bytes) / double(total.stored_bytes));
+    printf("codec %s (%s kernel), calibrated on %s in %.2f s\n", codec_name.c_str(), r.kernel, r.calibration,
+           r.calibrate_seconds);
+    printf("KV %s: %d layers x K/V x %d kv heads x %lld tokens, head_dim %d, %d-token blocks\n", r.in,
+           r.n_layers, r.n_kv_heads, (long long)r.n_tokens, r.head_dim, r.block_tokens);
+    printf("ratio %.4f  bits_per_element %.3f  content_ratio %.4f", r.total.ratio, r.total.bits_per_element,
+           r.total.content_ratio);
+    if (fp8) printf("  ratio_vs_fp8 %.4f", r.total.ratio_vs_fp8);
     printf("\nmode_fraction 3bit %.4f 4bit %.4f raw %.5f  raw_block_fraction %.4f  exponent_entropy_bits %.3f\n",
-           total.mode_fraction(0), total.mode_fraction(1), total.mode_fraction(2), total.raw_block_fraction(),
-           total.exponent_entropy_bits());
-    printf("encode_gbps %.3f  decode_gbps %.3f  (one core, %s bytes)  verify_ok %s%s\n", total.encode_gbps(),
-           total.decode_gbps(), codec::gaac_element_name(opt.element),
-           verify_ok ? "true" : "false", opt.cross_check_ref ? " (and _ref agrees)" : "");
-    printf("K: %s\nV: %s\n", tally_line(by_kv[0]).c_str(), tally_line(by_kv[1]).c_str());
-    for (size_t i = 0; i < in->layers.size(); ++i)
+           r.total.mode_fraction_3bit, r.total.mode_fraction_4bit, r.total.mode_fraction_raw,
+           r.total.raw_block_fraction, r.total.exponent_entropy_bits);
+    printf("encode_gbps %.3f  decode_gbps %.3f  (one core, %s bytes)  verify_ok %s%s\n", r.total.encode_gbps,
+           r.total.decode_gbps, r.element, r.verify_ok ? "true" : "false",
+           r.ref_cross_checked ? " (and _ref agrees)" : "");
+    printf("K: %s\nV: %s\n", tally_line(r.k).c_str(), tally_line(r.v).c_str());
+    for (const certkv_gaac_layer_report& l : layers)
       for (int kv = 0; kv < 2; ++kv)
-        printf("layer %2d %c cap %3zu  %s\n", in->layers[i], kv == 0 ? 'K' : 'V',
-               source.calibration.escape_capacity_bytes(in->layers[i], kv), tally_line(per_layer[kv][i]).c_str());
+        printf("layer %2d %c cap %3llu  %s\n", l.layer, kv == 0 ? 'K' : 'V',
+               (unsigned long long)(kv == 0 ? l.k_escape_capacity_bytes : l.v_escape_capacity_bytes),
+               tally_line(kv == 0 ? l.k : l.v).c_str());
     for (size_t s = 0; s < segments[0].size(); ++s)
       printf("tokens %6lld-: K escapes/page %6.1f raw blocks %6.2f%% | V escapes/page %6.1f raw blocks %6.2f%%\n",
-             (long long)(int64_t(s) * opt.segment_tokens), segments[0][s].escape_bytes_per_page(),
-             100 * segments[0][s].raw_block_fraction(), segments[1][s].escape_bytes_per_page(),
-             100 * segments[1][s].raw_block_fraction());
+             (long long)(int64_t(s) * r.segment_tokens), segments[0][s].escape_bytes_per_page,
+             100 * segments[0][s].raw_block_fraction, segments[1][s].escape_bytes_per_page,
+             100 * segments[1][s].raw_block_fraction);
   }
-  if (!verify_ok) {
+  if (!r.verify_ok) {
     fprintf(stderr, "certkv codec: round trip failed on %llu pages, first: %s\n",
-            (unsigned long long)total.failed_pages, total.first_failure.c_str());
+            (unsigned long long)r.total.failed_pages, r.first_failure);
     return 1;
   }
   return 0;

@@ -6,17 +6,14 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
-#include <map>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "certkv/certkv.hpp"
 #include "cli_json.h"
-#include "core/status.h"
-#include "eval/needle.h"
-#include "eval/quality.h"
-#include "flags.h"
+#include "options.h"
 #include "kv_flags.h"
 
 namespace certkv::tools {
@@ -24,39 +21,8 @@ namespace certkv::tools {
 namespace {
 
 constexpr const char* kEvalUsage =
-    "usage: certkv eval teacher-forced --kv SCHEME --text-file F --tokens N [--steps K]\n"
-    "                                  [--model PATH] [--threads N] [--per-position] [--json]\n"
-    "         KL(bf16 || SCHEME), top-1 and top-5 agreement per position of the first N tokens\n"
-    "         of F, against the bf16-KV run of the same model; the last K positions (default 0)\n"
-    "         run as metered decode steps and their meter telemetry is reported.\n"
-    "       certkv eval needle --kv SCHEME --lengths 1024,2048,4096 --samples N [--gate]\n"
-    "                          [--haystack noise|corpus] [--seed S] [--json]\n"
-    "       meter flags: [--outlier-pairs M] [--window N] [--witness fp16|u8] [--delta D] [--tau T] [--gate]\n"
-    "                    [--no-meter] [--gaac-calib CAL] [--block-tokens N]\n"
-    "       sparse decode: [--sparse p=P[,window=N][,dense=L][,rotation=haar|hadamard]]\n";
-
-constexpr const char* kAuditUsage =
-    "usage: certkv audit --kv SCHEME --text-file F --tokens N [--steps K] [--json]\n"
-    "                    [--dump FILE.safetensors] [--dump-cells C] [--seed S] [--model PATH]\n"
-    "                    [--threads N] [--outlier-pairs M] [--window N] [--witness fp16|u8]\n"
-    "                    [--delta D] [--tau T]\n"
-    "  Runs the first N tokens of F through a compressed cache whose exact blocks are kept beside\n"
-    "  it; the last K positions (default 64) are decode steps whose every (layer, head) cell\n"
-    "  checks meter >= the true total variation of attention. Prints cells, violations,\n"
-    "  coverage at tau and the tightness (meter / TV) quantiles; --dump writes sampled cells.\n"
-    "       certkv audit --sparse p=P [--kv SCHEME] --text-file F --tokens N [--steps K] [--json]\n"
-    "                    [--dump FILE.safetensors] [--dump-cells C]\n"
-    "  Sparse decode beside exact attention on the last K positions: per layer the budget\n"
-    "  (fraction of tokens attended) and recall (exact attention mass of the attended set), the\n"
-    "  key estimator's error, and fixed top-k and Quest page selection at the same mean budget.\n";
-
-std::map<std::string, bool> common_spec() {
-  std::map<std::string, bool> spec = {{"model", true},     {"threads", true}, {"json", false},
-                                      {"text-file", true}, {"tokens", true},  {"steps", true},
-                                      {"block-tokens", true}};
-  add_kv_flag_spec(spec);
-  return spec;
-}
+    "usage: certkv eval teacher-forced --kv SCHEME --text-file F [flags]   (certkv eval teacher-forced -h)\n"
+    "       certkv eval needle --kv SCHEME [flags]                         (certkv eval needle -h)\n";
 
 // The first n tokens of a text file (with the model's BOS), or a usage error naming the count.
 std::vector<int32_t> text_tokens(const certkv::Model& model, const Flags& flags, int64_t n) {
@@ -72,8 +38,8 @@ std::vector<int32_t> text_tokens(const certkv::Model& model, const Flags& flags,
 certkv_session_params session_params(const Flags& flags, int64_t context_tokens) {
   certkv_session_params p = certkv_session_default_params();
   p.context_tokens = context_tokens;
-  p.n_threads = int32_t(flags.integer("threads", 2, 1, 256));
-  p.block_tokens = int32_t(flags.integer("block-tokens", 16, 1, 4096));
+  p.n_threads = int32_t(flags.integer("threads", 1, 256));
+  p.block_tokens = int32_t(flags.integer("block-tokens", 1, 4096));
   return p;
 }
 
@@ -98,14 +64,12 @@ void run_tokens(certkv::Session& session, const std::vector<int32_t>& tokens, in
 }
 
 int cmd_teacher_forced(int argc, char** argv) {
-  std::map<std::string, bool> spec = common_spec();
-  spec["per-position"] = false;
-  Flags flags("eval teacher-forced", spec, kEvalUsage);
+  Flags flags(kEvalTeacherForced);
   flags.parse(argc, argv, 3);
   if (!flags.has("kv")) throw UsageError{"flag --kv is required"};
   if (!flags.has("text-file")) throw UsageError{"flag --text-file is required"};
-  const int64_t n = flags.integer("tokens", 1024, 2, int64_t(1) << 24);
-  const int64_t steps = flags.integer("steps", 0, 0, n);
+  const int64_t n = flags.integer("tokens", 2, int64_t(1) << 24);
+  const int64_t steps = flags.integer("steps", 0, n);
   const KvFlags kv = parse_kv_flags(flags, flags.str("kv"));
   const std::string calib = flags.str("gaac-calib");
 
@@ -130,15 +94,13 @@ int cmd_teacher_forced(int argc, char** argv) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   // All positions, and the decode steps alone (the positions --sparse and the meter act on).
-  eval::QualityAccumulator acc, decode_acc;
-  for (int64_t i = 0; i < n; ++i) {
-    const eval::PositionQuality pq =
-        eval::compare_logits(&ref_logits[size_t(i) * n_vocab], &test_logits[size_t(i) * n_vocab], n_vocab);
-    acc.add(pq);
-    if (i >= n - steps) decode_acc.add(pq);
-  }
-  const eval::QualitySummary q = acc.summary();
-  const eval::QualitySummary dq = decode_acc.summary();
+  std::vector<certkv_position_quality> positions(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    check(certkv_compare_logits(&ref_logits[size_t(i) * n_vocab], &test_logits[size_t(i) * n_vocab], n_vocab,
+                                &positions[size_t(i)]));
+  certkv_quality_summary q, dq;
+  check(certkv_quality_summarize(positions.data(), positions.size(), &q));
+  check(certkv_quality_summarize(positions.data() + (n - steps), size_t(steps), &dq));
   const certkv_kv_stats kvs = test.kv_stats();
   const certkv_meter_stats ms = test.meter_stats();
   if (flags.has("json")) {
@@ -159,21 +121,17 @@ int cmd_teacher_forced(int argc, char** argv) {
         .add("kv_bytes", kvs.kv_bytes)
         .add("kv_bytes_bf16", kvs.kv_bytes_bf16)
         .add("seconds", seconds);
-    if (ms.metered && steps > 0) o.add_raw("meter", meter_json(ms));
+    if (ms.metered && steps > 0) o.add("meter", meter_json(ms));
     const certkv_sparse_stats ss = test.sparse_stats();
-    if (ss.sparse) o.add_raw("sparse", sparse_json(ss));
+    if (ss.sparse) o.add("sparse", sparse_json(ss));
     if (flags.has("per-position")) {
-      std::string kl = "[", top1 = "[", top5 = "[";
-      char buf[64];
-      for (size_t i = 0; i < acc.positions().size(); ++i) {
-        const eval::PositionQuality& pq = acc.positions()[i];
-        snprintf(buf, sizeof buf, "%s%.6g", i ? "," : "", pq.kl);
-        kl += buf;
-        top1 += std::string(i ? "," : "") + (pq.top1_agree ? "1" : "0");
-        snprintf(buf, sizeof buf, "%s%.2f", i ? "," : "", pq.top5_overlap);
-        top5 += buf;
+      Json kl = Json::array(), top1 = Json::array(), top5 = Json::array();
+      for (const certkv_position_quality& pq : positions) {
+        kl.push_back(pq.kl);
+        top1.push_back(pq.top1_agree ? 1 : 0);
+        top5.push_back(pq.top5_overlap);
       }
-      o.add_raw("kl", kl + "]").add_raw("top1_agree", top1 + "]").add_raw("top5_overlap", top5 + "]");
+      o.add("kl", kl).add("top1_agree", top1).add("top5_overlap", top5);
     }
     printf("%s\n", o.str().c_str());
   } else {
@@ -207,42 +165,52 @@ int on_piece(void* user, int32_t, const char* piece, size_t n) {
 }
 
 int cmd_needle(int argc, char** argv) {
-  std::map<std::string, bool> spec = common_spec();
-  for (const char* name : {"lengths", "samples", "seed", "variant", "haystack", "max-new"}) spec[name] = true;
-  Flags flags("eval needle", spec, kEvalUsage);
+  Flags flags(kEvalNeedle);
   flags.parse(argc, argv, 3);
   if (!flags.has("kv")) throw UsageError{"flag --kv is required"};
-  const std::vector<int64_t> lengths = parse_lengths(flags.str("lengths", "1024,2048"));
-  const int64_t samples = flags.integer("samples", 8, 1, 100000);
-  const uint64_t seed = uint64_t(flags.integer("seed", 1, 0, INT64_MAX));
-  const int64_t max_new = flags.integer("max-new", 16, 1, 256);
+  const std::vector<int64_t> lengths = parse_lengths(flags.str("lengths"));
+  const int64_t samples = flags.integer("samples", 1, 100000);
+  const uint64_t seed = uint64_t(flags.integer("seed", 0, INT64_MAX));
+  const int64_t max_new = flags.integer("max-new", 1, 256);
   const KvFlags kv = parse_kv_flags(flags, flags.str("kv"));
   const std::string calib = flags.str("gaac-calib");
-  eval::NeedleParams np;
-  try {
-    np.variant = eval::parse_needle_variant(flags.str("variant", "single"));
-  } catch (const Error& e) {
-    throw UsageError{std::string("flag --variant: ") + e.what()};
-  }
-  const std::string haystack = flags.str("haystack", "noise");
+  const std::string variant = flags.str("variant");
+  if (certkv_needle_check_variant(variant.c_str()) != CERTKV_OK)
+    throw UsageError{std::string("flag --variant: ") + certkv_last_error()};
+  const std::string haystack = flags.str("haystack");
+  std::vector<std::string> corpus;
   if (haystack == "corpus") {
-    np.haystack = eval::NeedleHaystack::kCorpus;
     const std::string dir = std::string(CERTKV_SHARED_DIR) + "/data/corpus/";
     for (const char* book : {"dickens-tale-of-two-cities.txt", "melville-moby-dick.txt", "austen-emma.txt"})
-      np.corpus_paths.push_back(dir + book);
+      corpus.push_back(dir + book);
   } else if (haystack != "noise") {
     throw UsageError{"flag --haystack: expected noise or corpus, got '" + haystack + "'"};
   }
+  std::vector<const char*> corpus_paths;
+  for (const std::string& path : corpus) corpus_paths.push_back(path.c_str());
+  certkv_needle_params np = certkv_needle_default_params();
+  np.variant = variant.c_str();
+  np.corpus_paths = corpus_paths.data();
+  np.n_corpus_paths = corpus_paths.size();
 
   certkv::Model model(model_path(flags));
   const certkv_model_info info = model.info();
   // Tokens of the chat wrapping around the user's text (the prompt is counted with it).
   const std::vector<certkv_chat_message> empty = {{"user", ""}};
   const int64_t template_tokens = int64_t(model.tokenize(model.chat(empty, true), true, true).size());
-  const eval::CountTokens count = [&](std::string_view text) {
-    return int64_t(model.tokenize(text, false, false).size()) + template_tokens;
+  struct TokenCounter {
+    const certkv::Model* model;
+    int64_t template_tokens;
+  } counter{&model, template_tokens};
+  const certkv_count_tokens_fn count = [](void* user, const char* text, size_t n_bytes) -> int64_t {
+    const auto* c = static_cast<const TokenCounter*>(user);
+    try {
+      return int64_t(c->model->tokenize(std::string_view(text, n_bytes), false, false).size()) + c->template_tokens;
+    } catch (const certkv::ApiError&) {
+      return -1;
+    }
   };
-  std::string rows = "[";
+  Json rows = Json::array();
   int64_t total_correct = 0, total = 0;
   for (size_t li = 0; li < lengths.size(); ++li) {
     const int64_t length = lengths[li];
@@ -257,10 +225,14 @@ int cmd_needle(int argc, char** argv) {
     for (int64_t i = 0; i < samples; ++i) {
       np.target_tokens = length;
       np.seed = seed * 1000003u + uint64_t(length) * 7919u + uint64_t(i);
-      const eval::NeedleTask task = eval::generate_needle_task(np, count);
-      const std::string user = task.context + "\n\n" + task.question;
+      certkv_needle_task* task_raw = nullptr;
+      check(certkv_needle_task_create(&np, count, &counter, &task_raw));
+      const std::unique_ptr<certkv_needle_task, void (*)(certkv_needle_task*)> task(task_raw, certkv_needle_task_free);
+      certkv_needle_task_info ti;
+      check(certkv_needle_task_get_info(task.get(), &ti));
+      const std::string user = std::string(ti.context) + "\n\n" + ti.question;
       const std::vector<certkv_chat_message> messages = {{"user", user.c_str()}};
-      const std::string text = model.chat(messages, true) + task.answer_prefix;
+      const std::string text = model.chat(messages, true) + ti.answer_prefix;
       const std::vector<int32_t> tokens = model.tokenize(text, true, true);
       certkv_session_params p = session_params(flags, int64_t(tokens.size()) + max_new);
       kv.apply(p);
@@ -277,14 +249,16 @@ int cmd_needle(int argc, char** argv) {
       std::vector<float> head_logits(static_cast<size_t>(info.n_vocab));
       session.prefill(head, head_logits.data());
       check(certkv_generate(session.get(), &tokens.back(), 1, &gp, on_piece, &generated, &r));
-      const bool ok = eval::needle_exact_match(task, generated);
+      int ok = 0;
+      double sample_recall = 0;
+      check(certkv_needle_score(task.get(), generated.data(), generated.size(), &ok, &sample_recall));
       correct += ok;
-      recall += eval::needle_recall(task, generated);
+      recall += sample_recall;
       last_meter = session.meter_stats();
       repairs += last_meter.repairs;
       pagein += last_meter.pagein_bytes;
       fprintf(stderr, "needle %lld tokens, sample %lld: %s (answer %s, got \"%s\")\n", (long long)length,
-              (long long)i, ok ? "ok" : "miss", task.answers[0].c_str(), generated.c_str());
+              (long long)i, ok ? "ok" : "miss", ti.first_answer, generated.c_str());
     }
     total_correct += correct;
     total += samples;
@@ -294,8 +268,7 @@ int cmd_needle(int argc, char** argv) {
         .add("accuracy", double(correct) / double(samples))
         .add("recall", recall / double(samples));
     if (last_meter.metered) row.add("repairs", repairs).add("pagein_bytes", pagein);
-    if (li) rows += ',';
-    rows += row.str();
+    rows.push_back(row.json());
     if (!flags.has("json"))
       printf("%s kv %s%s, %lld tokens: %lld/%lld exact (%.3f)%s\n", info.name, kv.kv.c_str(),
              kv.gate ? " (gated)" : "", (long long)length, (long long)correct, (long long)samples,
@@ -307,10 +280,10 @@ int cmd_needle(int argc, char** argv) {
     o.add("model", info.name)
         .add("kv", kv.kv)
         .add("gate", kv.gate)
-        .add("variant", eval::needle_variant_name(np.variant))
+        .add("variant", variant)
         .add("haystack", haystack)
         .add("accuracy", double(total_correct) / double(total))
-        .add_raw("lengths", rows + "]");
+        .add("lengths", rows);
     printf("%s\n", o.str().c_str());
   }
   return 0;
@@ -348,11 +321,11 @@ double timed_run(certkv::Session& session, const std::vector<int32_t>& tokens, i
 
 // certkv audit --sparse: the sparse audit (any --kv scheme).
 int sparse_audit(const Flags& flags, int64_t n, int64_t steps) {
-  const KvFlags kv = parse_kv_flags(flags, flags.str("kv", "bf16"));
+  const KvFlags kv = parse_kv_flags(flags, flags.has("kv") ? flags.str("kv") : "bf16");
   if (kv.gate) throw UsageError{"flag --gate: the sparse audit measures the ungated cache"};
   const std::string calib = flags.str("gaac-calib");
-  const int32_t dump_cells = int32_t(flags.integer("dump-cells", 16, 0, 1 << 16));
-  const uint64_t seed = uint64_t(flags.integer("seed", 1, 0, INT64_MAX));
+  const int32_t dump_cells = int32_t(flags.integer("dump-cells", 0, 1 << 16));
+  const uint64_t seed = uint64_t(flags.integer("seed", 0, INT64_MAX));
   certkv::Model model(model_path(flags));
   const certkv_model_info info = model.info();
   const std::vector<int32_t> tokens = text_tokens(model, flags, n);
@@ -365,7 +338,7 @@ int sparse_audit(const Flags& flags, int64_t n, int64_t steps) {
   const certkv_sparse_stats ss = session.sparse_stats();
   if (flags.has("dump")) check(certkv_session_sparse_audit_dump(session.get(), flags.str("dump").c_str()));
   if (flags.has("json")) {
-    std::string layers = "[";
+    Json layers = Json::array();
     for (int32_t l = 0; l < info.n_layers; ++l) {
       int64_t cells = 0;
       double budget = 0, recall = 0, min_recall = 0;
@@ -374,8 +347,7 @@ int sparse_audit(const Flags& flags, int64_t n, int64_t steps) {
       lo.add("layer", int64_t(l)).add("cells", cells);
       if (cells > 0) lo.add("budget", budget).add("recall", recall).add("min_recall", min_recall);
       else lo.add("dense", true);
-      if (l) layers += ',';
-      layers += lo.str();
+      layers.push_back(lo.json());
     }
     JsonObject recall, budget, estimator, baselines;
     recall.add("mean", a.mean_recall).add("q01", a.recall_q01).add("q10", a.recall_q10)
@@ -389,11 +361,11 @@ int sparse_audit(const Flags& flags, int64_t n, int64_t steps) {
     auto baseline = [](double b, double r) {
       JsonObject o;
       o.add("budget", b).add("recall", r);
-      return o.str();
+      return o;
     };
-    baselines.add_raw("topk_estimated", baseline(a.topk_estimated_budget, a.topk_estimated_recall))
-        .add_raw("topk_oracle", baseline(a.topk_oracle_budget, a.topk_oracle_recall))
-        .add_raw("quest", baseline(a.quest_budget, a.quest_recall));
+    baselines.add("topk_estimated", baseline(a.topk_estimated_budget, a.topk_estimated_recall))
+        .add("topk_oracle", baseline(a.topk_oracle_budget, a.topk_oracle_recall))
+        .add("quest", baseline(a.quest_budget, a.quest_recall));
     JsonObject o;
     o.add("model", info.name)
         .add("kv", kv.kv)
@@ -405,11 +377,11 @@ int sparse_audit(const Flags& flags, int64_t n, int64_t steps) {
         .add("window", int64_t(ss.window_tokens))
         .add("dense_layers", int64_t(ss.dense_layers))
         .add("cells", a.cells)
-        .add_raw("budget", budget.str())
-        .add_raw("recall", recall.str())
-        .add_raw("estimator", estimator.str())
-        .add_raw("baselines_at_equal_budget", baselines.str())
-        .add_raw("layers", layers + "]")
+        .add("budget", budget)
+        .add("recall", recall)
+        .add("estimator", estimator)
+        .add("baselines_at_equal_budget", baselines)
+        .add("layers", layers)
         .add("index_bytes", ss.index_bytes)
         .add("index_build_us_per_token",
              ss.index_appended_tokens > 0 ? 1e6 * ss.index_build_seconds / double(ss.index_appended_tokens) : 0.0)
@@ -430,23 +402,19 @@ int sparse_audit(const Flags& flags, int64_t n, int64_t steps) {
 }  // namespace
 
 int cmd_audit(int argc, char** argv) {
-  std::map<std::string, bool> spec = common_spec();
-  spec["dump"] = true;
-  spec["dump-cells"] = true;
-  spec["seed"] = true;
-  Flags flags("audit", spec, kAuditUsage);
+  Flags flags(kAudit);
   flags.parse(argc, argv, 2);
   if (!flags.has("kv") && !flags.has("sparse")) throw UsageError{"flag --kv is required"};
   if (!flags.has("text-file")) throw UsageError{"flag --text-file is required"};
-  const int64_t n = flags.integer("tokens", 2048, 2, int64_t(1) << 24);
-  const int64_t steps = flags.integer("steps", std::min<int64_t>(64, n - 1), 1, n);
+  const int64_t n = flags.integer("tokens", 2, int64_t(1) << 24);
+  const int64_t steps = flags.has("steps") ? flags.integer("steps", 1, n) : std::min<int64_t>(64, n - 1);
   if (flags.has("sparse")) return sparse_audit(flags, n, steps);
   const KvFlags kv = parse_kv_flags(flags, flags.str("kv"));
   if (!kv.lossy) throw UsageError{"flag --kv " + kv.kv + ": the audit needs a lossy scheme (it has no meter)"};
   if (!kv.meter) throw UsageError{"flag --no-meter: the audit checks the meter"};
   if (kv.gate) throw UsageError{"flag --gate: the audit checks the meter of the ungated cache"};
-  const int32_t dump_cells = int32_t(flags.integer("dump-cells", 16, 0, 1 << 16));
-  const uint64_t seed = uint64_t(flags.integer("seed", 1, 0, INT64_MAX));
+  const int32_t dump_cells = int32_t(flags.integer("dump-cells", 0, 1 << 16));
+  const uint64_t seed = uint64_t(flags.integer("seed", 0, INT64_MAX));
 
   certkv::Model model(model_path(flags));
   const certkv_model_info info = model.info();
@@ -458,15 +426,14 @@ int cmd_audit(int argc, char** argv) {
   const certkv_meter_stats ms = session.meter_stats();
   if (flags.has("dump")) check(certkv_session_audit_dump(session.get(), flags.str("dump").c_str()));
   if (flags.has("json")) {
-    std::string layers = "[";
+    Json layers = Json::array();
     for (int32_t l = 0; l < info.n_layers; ++l) {
       int64_t cells = 0, violations = 0;
       double coverage = 0;
       check(certkv_session_audit_layer(session.get(), l, &cells, &violations, &coverage));
       JsonObject lo;
       lo.add("layer", int64_t(l)).add("cells", cells).add("violations", violations).add("coverage", coverage);
-      if (l) layers += ',';
-      layers += lo.str();
+      layers.push_back(lo.json());
     }
     JsonObject tight;
     tight.add("q01", a.tightness_q01).add("q10", a.tightness_q10).add("q50", a.tightness_q50)
@@ -485,8 +452,8 @@ int cmd_audit(int argc, char** argv) {
         .add("max_meter", a.max_meter)
         .add("max_tv", a.max_tv)
         .add("worst_margin", a.worst_margin)
-        .add_raw("tightness", tight.str())
-        .add_raw("layers", layers + "]")
+        .add("tightness", tight)
+        .add("layers", layers)
         .add("seconds", seconds);
     if (flags.has("dump")) o.add("dump", flags.str("dump"));
     printf("%s\n", o.str().c_str());

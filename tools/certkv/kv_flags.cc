@@ -116,14 +116,6 @@ void parse_sparse(const std::string& spec, KvFlags& f) {
 
 }  // namespace
 
-void add_kv_flag_spec(std::map<std::string, bool>& spec) {
-  for (const char* name : {"kv", "gaac-calib", "outlier-pairs", "window", "witness", "delta", "tau"})
-    spec[name] = true;
-  spec["gate"] = false;
-  spec["no-meter"] = false;
-  spec["sparse"] = true;
-}
-
 KvFlags parse_kv_flags(const Flags& flags, const std::string& kv) {
   KvFlags f;
   f.kv = kv;
@@ -137,10 +129,10 @@ KvFlags parse_kv_flags(const Flags& flags, const std::string& kv) {
   f.tier_a = tier == "A";
   if (flags.has("outlier-pairs") && !dither8)
     throw UsageError{"flag --outlier-pairs applies to the Tier B scheme (dither8) only, not --kv " + kv};
-  f.outlier_pairs = int32_t(flags.integer("outlier-pairs", -1, 0, 128));
+  if (flags.has("outlier-pairs")) f.outlier_pairs = int32_t(flags.integer("outlier-pairs", 0, 128));
   if (flags.has("window") && !f.lossy)
     throw UsageError{"flag --window applies to lossy schemes only, not --kv " + kv};
-  f.window = int32_t(flags.integer("window", -1, 0, 1 << 20));
+  if (flags.has("window")) f.window = int32_t(flags.integer("window", 0, 1 << 20));
   if (flags.has("witness")) {
     if (!f.tier_a)
       throw UsageError{"flag --witness applies to the Tier A lossy schemes (" +
@@ -154,12 +146,12 @@ KvFlags parse_kv_flags(const Flags& flags, const std::string& kv) {
     if (flags.has(name) && !f.lossy)
       throw UsageError{std::string("flag --") + name + " applies to lossy schemes (the meter) only, not --kv " + kv};
   if (flags.has("delta")) {
-    const double d = flags.real("delta", 1e-2, 0.0, 1.0);
+    const double d = flags.real("delta", 0.0, 1.0);
     if (!(d > 0 && d < 1)) throw UsageError{"flag --delta: must be in (0, 1), got " + flags.str("delta")};
     f.delta = d;
   }
   if (flags.has("tau")) {
-    const double t = flags.real("tau", 0.2, 0.0, 1e300);
+    const double t = flags.real("tau", 0.0, 1e300);
     if (!(t > 0)) throw UsageError{"flag --tau: must be positive, got " + flags.str("tau")};
     f.tau = t;
   }
@@ -172,7 +164,7 @@ KvFlags parse_kv_flags(const Flags& flags, const std::string& kv) {
   return f;
 }
 
-std::string meter_json(const certkv_meter_stats& m) {
+JsonObject meter_json(const certkv_meter_stats& m) {
   JsonObject o;
   o.add("tier", m.tier)
       .add("certified", m.certified != 0)
@@ -188,14 +180,14 @@ std::string meter_json(const certkv_meter_stats& m) {
       .add("pagein_bytes", m.pagein_bytes)
       .add("exact_fallback_blocks", m.exact_fallback_blocks);
   if (m.tier[0] == 'B') o.add("note", "Tier B is valid for non-adaptive queries (teacher-forced text)");
-  return o.str();
+  return o;
 }
 
 }  // namespace certkv::tools
 
 namespace certkv::tools {
 
-std::string sparse_json(const certkv_sparse_stats& s) {
+JsonObject sparse_json(const certkv_sparse_stats& s) {
   JsonObject o;
   o.add("p", s.p)
       .add("deviations", s.deviations)
@@ -211,7 +203,7 @@ std::string sparse_json(const certkv_sparse_stats& s) {
       .add("index_build_seconds", s.index_build_seconds)
       .add("index_build_us_per_token",
            s.index_appended_tokens > 0 ? 1e6 * s.index_build_seconds / double(s.index_appended_tokens) : 0.0);
-  return o.str();
+  return o;
 }
 
 }  // namespace certkv::tools

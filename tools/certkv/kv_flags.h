@@ -1,4 +1,4 @@
-// The KV-scheme and meter flags shared by `certkv run`, `certkv eval` and `certkv audit`:
+// The KV-scheme and meter flags (rows of the option table) shared by `certkv run`, `certkv eval` and `certkv audit`:
 //   --kv SCHEME  --gaac-calib FILE  --outlier-pairs M  --window N  --delta D  --tau T  --gate
 //   --no-meter  --sparse p=P[,deviations=Z][,window=N][,dense=L][,rotation=haar|hadamard]
 #pragma once
@@ -6,7 +6,8 @@
 #include <string>
 
 #include "certkv/certkv.h"
-#include "flags.h"
+#include "cli_json.h"
+#include "options.h"
 
 namespace certkv::tools {
 
@@ -41,16 +42,14 @@ bool find_kv_scheme(const std::string& name, certkv_kv_scheme_info* info);
 std::string kv_scheme_list(bool (*pick)(const certkv_kv_scheme_info&) = nullptr);
 std::string kv_scheme_help();
 
-// The flag spec entries of the meter flags (to merge into a command's spec).
-void add_kv_flag_spec(std::map<std::string, bool>& spec);
 // Validates the flags against the scheme: unknown scheme, tau <= 0, delta outside (0, 1), m out
 // of range, --gate or meter flags with a scheme that has no meter: UsageError naming the flag.
 KvFlags parse_kv_flags(const Flags& flags, const std::string& kv);
 
 // {"tier": ..., "certified": ..., "tau": ..., "coverage": ..., "max": ..., "p50": ..., "p99": ...,
 //  "cells": ..., "overflow": ..., "repairs": ..., "pagein_bytes": ..., ...}
-std::string meter_json(const certkv_meter_stats& m);
+JsonObject meter_json(const certkv_meter_stats& m);
 // {"p": ..., "window": ..., "dense_layers": ..., "mean_budget": ..., "index_bytes": ..., ...}
-std::string sparse_json(const certkv_sparse_stats& s);
+JsonObject sparse_json(const certkv_sparse_stats& s);
 
 }  // namespace certkv::tools

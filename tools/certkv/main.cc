@@ -3,6 +3,9 @@
 //   certkv dump-kv  write post-RoPE K/V of a prefill, and the last queries, to safetensors
 //   certkv info     print a model's configuration
 //   certkv codec    GAAC on a KV dump: calibrate, encode, verify, measure
+//   certkv batch, eval, audit (cmd_batch.cc, cmd_eval.cc)
+// The flags of every command are rows of one table (options.cc); the tool stands on the C API
+// (include/certkv) alone.
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,57 +27,19 @@
 #include "cmd_codec.h"
 #include "cmd_eval.h"
 #include "kv_flags.h"
-#include "flags.h"
-#include "core/status.h"
-#include "format/safetensors.h"
+#include "options.h"
 
 namespace {
 
+using certkv::tools::Command;
 using certkv::tools::Flags;
-using certkv::tools::model_path;
-using certkv::tools::read_text_file;
 using certkv::tools::JsonObject;
-using certkv::tools::UsageError;
 using certkv::tools::KvFlags;
-using certkv::tools::parse_kv_flags;
-using certkv::tools::add_kv_flag_spec;
+using certkv::tools::UsageError;
 using certkv::tools::meter_json;
-
-constexpr const char* kUsage =
-    "usage: certkv <command> [flags]\n"
-    "commands:\n"
-    "  run      generate text\n"
-    "           [--model PATH] [--prompt TEXT | --prompt-file F] [--n N] [--ctx N] [--threads N]\n"
-    "           [--kv SCHEME] [--gaac-calib CAL.safetensors] [--json] [--raw] [--system TEXT]\n"
-    "           [--outlier-pairs M] [--window N] [--witness fp16|u8] [--delta D] [--tau T] [--gate]\n"
-    "           [--no-meter] [--sparse p=P[,deviations=Z][,window=N][,dense=L][,rotation=haar|hadamard]]\n"
-    "           [--temp T] [--top-k K] [--top-p P]\n"
-    "           [--seed S] [--block-tokens N] [--activations int8|f32] [--device cpu|cuda]\n"
-    "  batch    --prompts-file F.jsonl [--parallel N] [--pool-bytes B] [run's flags] (certkv batch -h)\n"
-    "  dump-kv  --model PATH --text-file F --tokens N --out FILE.safetensors [--layers LIST]\n"
-    "           [--threads N]\n"
-    "  info     [--model PATH] [--json]\n"
-    "  eval     teacher-forced --kv SCHEME --text-file F --tokens N [--json] (certkv eval -h)\n"
-    "  eval     needle --kv SCHEME --lengths 1024,2048 --samples N [--gate] [--json]\n"
-    "  audit    --kv SCHEME --text-file F --tokens N [--json] [--dump FILE.safetensors]\n"
-    "  audit    --sparse p=P [--kv SCHEME] --text-file F --tokens N [--json] [--dump FILE]\n"
-    "  codec    --codec gaac|gaac-e4m3|gaac-e5m2 --calib CAL.safetensors[,CAL2...]\n"
-    "           [--in KV.safetensors] [--verify] [--json] [--save-calibration OUT] (certkv codec -h)\n"
-    "           (CAL: KV dumps to calibrate from, or one saved calibration file)\n"
-    "--sparse: decode attends, per layer and head, the fewest indexed tokens holding estimated\n"
-    "attention mass P (a 1-bit RaBitQ key index) plus the newest N tokens (default 128); the first\n"
-    "L layers (default 2) stay dense. Combines with any --kv scheme.\n"
-    "--device cuda: decode attention on a CUDA device over its own copy of the KV cache, encoded\n"
-    "there (the schemes marked [cuda] below, lossy ones with the meter computed there; --sparse\n"
-    "with --kv bf16; no --gate); the forward pass and prefill stay on the CPU.\n"
-    "With no --model, the embedded default SmolLM2-135M-Instruct (models/, fetched by\n"
-    "scripts/fetch_models.sh) is used.\n";
-
-// The usage text with the scheme table's entries (read through the C API).
-const char* usage() {
-  static const std::string text = std::string(kUsage) + certkv::tools::kv_scheme_help();
-  return text.c_str();
-}
+using certkv::tools::model_path;
+using certkv::tools::parse_kv_flags;
+using certkv::tools::read_text_file;
 
 struct ProgressBar {
   bool enabled = false;
@@ -115,13 +80,13 @@ int on_token(void* user, int32_t, const char* piece, size_t n) {
 }
 
 // {"bf16": pages, "gaac": pages}: the KV pages in use per storage class.
-std::string kv_pages_by_class(const certkv_kv_stats& kvs) {
+JsonObject kv_pages_by_class(const certkv_kv_stats& kvs) {
   JsonObject o;
   for (int32_t i = 0; i < kvs.n_classes; ++i) o.add(kvs.by_class[i].storage, kvs.by_class[i].pages_in_use);
-  return o.str();
+  return o;
 }
 
-std::string device_json(const certkv_device_stats& d) {
+JsonObject device_json(const certkv_device_stats& d) {
   JsonObject o;
   o.add("attention_calls", d.attention_calls)
       .add("attention_seconds", d.attention_seconds)
@@ -134,45 +99,39 @@ std::string device_json(const certkv_device_stats& d) {
       .add("lossy_pages_in_use", d.lossy_pages_in_use)
       .add("pages_kept_exact", d.pages_kept_exact)
       .add("sparse_calls", d.sparse_calls);
-  return o.str();
+  return o;
 }
 
 int cmd_run(int argc, char** argv) {
-  std::map<std::string, bool> spec = {
-      {"model", true}, {"prompt", true}, {"prompt-file", true}, {"n", true},
-      {"ctx", true}, {"threads", true}, {"json", false}, {"raw", false}, {"system", true},
-      {"temp", true}, {"top-k", true}, {"top-p", true}, {"seed", true}, {"block-tokens", true},
-      {"activations", true}, {"device", true}};
-  add_kv_flag_spec(spec);
-  Flags flags("run", spec, usage());
+  Flags flags(certkv::tools::kRun);
   flags.parse(argc, argv, 2);
   if (flags.has("prompt") && flags.has("prompt-file"))
     throw UsageError{"give --prompt or --prompt-file, not both"};
   const std::string prompt = flags.has("prompt-file")
                                  ? read_text_file(flags.str("prompt-file"), "prompt-file")
-                                 : flags.str("prompt", "Write a short poem about the sea.");
-  const int64_t n_new = flags.integer("n", 128, 0, 1 << 24);
-  const int64_t ctx = flags.integer("ctx", 0, 1, int64_t(1) << 31);
-  const int64_t threads = flags.integer("threads", 2, 1, 256);
-  const int64_t block_tokens = flags.integer("block-tokens", 16, 1, 4096);
-  const std::string kv = flags.str("kv", "bf16");
+                                 : flags.str("prompt");
+  const int64_t n_new = flags.integer("n", 0, 1 << 24);
+  const int64_t ctx = flags.has("ctx") ? flags.integer("ctx", 1, int64_t(1) << 31) : 0;
+  const int64_t threads = flags.integer("threads", 1, 256);
+  const int64_t block_tokens = flags.integer("block-tokens", 1, 4096);
+  const std::string kv = flags.str("kv");
   const KvFlags kv_flags = parse_kv_flags(flags, kv);
   const bool kv_gaac = kv_flags.gaac;
   const std::string gaac_calib = flags.str("gaac-calib");
   if (!kv_gaac && !kv_flags.lossy && flags.has("gaac-calib"))
     throw UsageError{"flag --gaac-calib is used only with --kv gaac, gaac-e4m3, gaac-e5m2 or a lossy "
                      "scheme (its backing store), not --kv " + kv};
-  const std::string activations = flags.str("activations", "int8");
+  const std::string activations = flags.str("activations");
   if (activations != "int8" && activations != "f32")
     throw UsageError{"flag --activations: expected int8 or f32, got '" + activations + "'"};
-  const std::string device = flags.str("device", "cpu");
+  const std::string device = flags.str("device");
   if (device != "cpu" && device != "cuda")
     throw UsageError{"flag --device: expected cpu or cuda, got '" + device + "'"};
   certkv_sampler_params sp = certkv_sampler_default_params();
-  sp.temperature = float(flags.real("temp", 0.0, 0.0, 100.0));
-  sp.top_k = int32_t(flags.integer("top-k", 0, 0, 1 << 30));
-  sp.top_p = float(flags.real("top-p", 1.0, 1e-6, 1.0));
-  sp.seed = uint64_t(flags.integer("seed", 0, 0, INT64_MAX));
+  sp.temperature = float(flags.real("temp", 0.0, 100.0));
+  sp.top_k = int32_t(flags.integer("top-k", 0, 1 << 30));
+  sp.top_p = float(flags.real("top-p", 1e-6, 1.0));
+  sp.seed = uint64_t(flags.integer("seed", 0, INT64_MAX));
   const bool json = flags.has("json");
 
   certkv::Model model(model_path(flags));
@@ -239,15 +198,15 @@ int cmd_run(int argc, char** argv) {
         .add("kv_bytes_bf16", kvs.kv_bytes_bf16)
         .add("kv_tokens", int64_t(kvs.n_tokens))
         .add("kv_backing_bytes", kvs.backing_bytes)
-        .add_raw("kv_pages_by_class", kv_pages_by_class(kvs))
+        .add("kv_pages_by_class", kv_pages_by_class(kvs))
         .add("peak_rss_bytes", rss);
     const certkv_meter_stats ms = session.meter_stats();
-    if (ms.metered) o.add_raw("meter", meter_json(ms));
+    if (ms.metered) o.add("meter", meter_json(ms));
     const certkv_sparse_stats ss = session.sparse_stats();
-    if (ss.sparse) o.add_raw("sparse", certkv::tools::sparse_json(ss));
+    if (ss.sparse) o.add("sparse", certkv::tools::sparse_json(ss));
     o.add("device", device);
     const certkv_device_stats ds = session.device_stats();
-    if (ds.on_device) o.add_raw("device_stats", device_json(ds));
+    if (ds.on_device) o.add("device_stats", device_json(ds));
     printf("%s\n", o.str().c_str());
   } else {
     printf("\n\n[certkv] %s | prompt %d tok, %.1f tok/s | generated %d tok, decode %.1f tok/s | kv %s %.2f MiB (bf16 %.2f MiB) | peak rss %.1f MiB\n",
@@ -301,19 +260,18 @@ std::vector<int> parse_layers(const std::string& spec, int n_layers) {
 }
 
 int cmd_dump_kv(int argc, char** argv) {
-  Flags flags("dump-kv", {{"model", true}, {"text-file", true}, {"tokens", true}, {"out", true},
-                          {"layers", true}, {"threads", true}}, usage());
+  Flags flags(certkv::tools::kDumpKv);
   flags.parse(argc, argv, 2);
   for (const char* required : {"text-file", "tokens", "out"})
     if (!flags.has(required)) throw UsageError{std::string("flag --") + required + " is required"};
-  const int64_t n = flags.integer("tokens", 0, 1, int64_t(1) << 24);
-  const int64_t threads = flags.integer("threads", 2, 1, 256);
+  const int64_t n = flags.integer("tokens", 1, int64_t(1) << 24);
+  const int64_t threads = flags.integer("threads", 1, 256);
   const std::string text = read_text_file(flags.str("text-file"), "text-file");
   const std::string out_path = flags.str("out");
 
   certkv::Model model(model_path(flags));
   const certkv_model_info info = model.info();
-  const std::vector<int> layers = parse_layers(flags.str("layers", "all"), info.n_layers);
+  const std::vector<int> layers = parse_layers(flags.str("layers"), info.n_layers);
   std::vector<int32_t> tokens = model.tokenize(text, true, false);
   if (int64_t(tokens.size()) < n)
     throw UsageError{"flag --tokens: '" + flags.str("text-file") + "' has only " +
@@ -336,7 +294,18 @@ int cmd_dump_kv(int argc, char** argv) {
   const int hd = info.head_dim;
   std::vector<std::vector<uint16_t>> kv_data;
   std::vector<std::vector<float>> q_data;
-  std::vector<certkv::format::SafetensorsTensorView> views;
+  // Names and shapes, reserved so that the views' pointers into them stay valid.
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<std::string> names;
+  shapes.reserve(layers.size() * 3 + 1);
+  names.reserve(layers.size() * 3 + 1);
+  std::vector<certkv_tensor_view> views;
+  auto add_view = [&](std::string name, const char* dtype, std::vector<int64_t> shape, const void* data,
+                      size_t n_bytes) {
+    names.push_back(std::move(name));
+    shapes.push_back(std::move(shape));
+    views.push_back({names.back().c_str(), dtype, shapes.back().data(), int32_t(shapes.back().size()), data, n_bytes});
+  };
   kv_data.reserve(layers.size() * 2);
   q_data.reserve(layers.size());
   for (int layer : layers) {
@@ -344,14 +313,14 @@ int cmd_dump_kv(int argc, char** argv) {
       std::vector<uint16_t>& buf = kv_data.emplace_back(size_t(info.n_kv_heads) * n * hd);
       for (int h = 0; h < info.n_kv_heads; ++h)
         certkv::check(certkv_session_read_kv(session.get(), layer, kv, h, 0, n, buf.data() + size_t(h) * n * hd));
-      views.push_back({"layer" + std::to_string(layer) + (kv == 0 ? ".k" : ".v"), "BF16",
-                       {info.n_kv_heads, n, hd}, buf.data(), buf.size() * 2});
+      add_view("layer" + std::to_string(layer) + (kv == 0 ? ".k" : ".v"), "BF16",
+               {info.n_kv_heads, n, hd}, buf.data(), buf.size() * 2);
     }
     std::vector<float>& q = q_data.emplace_back(size_t(info.n_heads) * hd);
     certkv::check(certkv_session_last_queries(session.get(), layer, q.data()));
-    views.push_back({"layer" + std::to_string(layer) + ".q", "F32", {info.n_heads, hd}, q.data(), q.size() * 4});
+    add_view("layer" + std::to_string(layer) + ".q", "F32", {info.n_heads, hd}, q.data(), q.size() * 4);
   }
-  views.push_back({"tokens", "I32", {n}, tokens.data(), tokens.size() * 4});
+  add_view("tokens", "I32", {n}, tokens.data(), tokens.size() * 4);
   std::string layer_list;
   for (int l : layers) {
     if (!layer_list.empty()) layer_list += ',';
@@ -379,14 +348,17 @@ int cmd_dump_kv(int argc, char** argv) {
       {"q_layout", "[n_heads, head_dim] post-RoPE queries of the last position, f32"},
       {"source_text", flags.str("text-file")},
   };
-  certkv::format::write_safetensors(out_path, views, meta);
+  std::vector<certkv_metadata_entry> entries;
+  for (const auto& [key, value] : meta) entries.push_back({key.c_str(), value.c_str()});
+  certkv::check(certkv_safetensors_write(out_path.c_str(), views.data(), views.size(), entries.data(),
+                                         entries.size()));
   fprintf(stderr, "certkv dump-kv: wrote %zu layers x %lld tokens to %s\n", layers.size(), (long long)n,
           out_path.c_str());
   return 0;
 }
 
 int cmd_info(int argc, char** argv) {
-  Flags flags("info", {{"model", true}, {"json", false}}, usage());
+  Flags flags(certkv::tools::kInfo);
   flags.parse(argc, argv, 2);
   certkv::Model model(model_path(flags));
   const certkv_model_info i = model.info();
@@ -413,13 +385,17 @@ int cmd_info(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    fputs(usage(), stderr);
+    fputs(certkv::tools::overview_help().c_str(), stderr);
     return 2;
   }
   const std::string command = argv[1];
   try {
     if (command == "--version" || command == "version") {
       printf("certkv %s\n", certkv_version());
+      return 0;
+    }
+    if (command == "-h" || command == "--help" || command == "help") {
+      fputs(certkv::tools::overview_help().c_str(), stdout);
       return 0;
     }
     if (command == "run") return cmd_run(argc, argv);
@@ -429,19 +405,13 @@ int main(int argc, char** argv) {
     if (command == "audit") return certkv::tools::cmd_audit(argc, argv);
     if (command == "info") return cmd_info(argc, argv);
     if (command == "codec") return certkv::tools::cmd_codec(argc, argv);
-    if (command == "-h" || command == "--help" || command == "help") {
-      fputs(usage(), stdout);
-      return 0;
-    }
-    fprintf(stderr, "certkv: unknown command '%s' (run, batch, dump-kv, info, eval, audit, codec)\n", command.c_str());
+    fprintf(stderr, "certkv: unknown command '%s' (run, batch, dump-kv, info, eval, audit, codec; certkv -h)\n",
+            command.c_str());
     return 2;
   } catch (const UsageError& e) {
     fprintf(stderr, "certkv %s: %s\n", command.c_str(), e.message.c_str());
     return 2;
   } catch (const certkv::ApiError& e) {
-    fprintf(stderr, "certkv %s: %s\n", command.c_str(), e.what());
-    return 1;
-  } catch (const certkv::Error& e) {
     fprintf(stderr, "certkv %s: %s\n", command.c_str(), e.what());
     return 1;
   } catch (const std::exception& e) {
