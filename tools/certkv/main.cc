@@ -26,6 +26,7 @@
 #include "cmd_batch.h"
 #include "cmd_codec.h"
 #include "cmd_eval.h"
+#include "http_server.h"
 #include "kv_flags.h"
 #include "options.h"
 
@@ -405,7 +406,8 @@ int main(int argc, char** argv) {
     if (command == "audit") return certkv::tools::cmd_audit(argc, argv);
     if (command == "info") return cmd_info(argc, argv);
     if (command == "codec") return certkv::tools::cmd_codec(argc, argv);
-    fprintf(stderr, "certkv: unknown command '%s' (run, batch, dump-kv, info, eval, audit, codec; certkv -h)\n",
+    if (command == "serve") return certkv::server::serve_main(argc - 1, argv + 1);
+    fprintf(stderr, "certkv: unknown command '%s' (run, batch, serve, dump-kv, info, eval, audit, codec; certkv -h)\n",
             command.c_str());
     return 2;
   } catch (const UsageError& e) {

@@ -242,6 +242,8 @@ std::string overview_help() {
     name.resize(std::max<size_t>(name.size() + 2, 24), ' ');
     out += name + c.summary + "\n";
   }
+  // `certkv serve` parses its own flags (server/server_options.h): certkv serve -h lists them.
+  out += "  serve                 the OpenAI-compatible HTTP server, the meter in every response\n";
   out += "With no --model, the embedded default SmolLM2-135M-Instruct (models/, fetched by\n"
          "scripts/fetch_models.sh) is used.\n";
   return out;
