@@ -4,7 +4,8 @@
 # (certkv batch, the server), cpp-httplib (the server),
 # pkg-config, Python 3 with NumPy (scripts/witness_study.py) and prometheus_client (the server test
 # parses /metrics with it), unzip; git and xz-utils (the device scripts' tests pack and check out
-# trees). Skips what is already there.
+# trees); chromium (the server's dashboard is tested in headless Chromium, tests/server_dashboard_check.py),
+# without its recommended packages. Skips what is already there.
 set -euo pipefail
 need=()
 for pkg in g++ cmake make libgtest-dev libgmock-dev libbenchmark-dev libzstd-dev liblz4-dev nlohmann-json3-dev libcpp-httplib-dev pkg-config python3 unzip git xz-utils; do
@@ -15,6 +16,13 @@ if [ ${#need[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq "${need[@]}"
+fi
+# Chromium for the dashboard's test, without its recommended packages (fonts, themes, extensions).
+if ! dpkg -s chromium >/dev/null 2>&1; then
+  echo "certkv set-up: installing chromium"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends chromium
 fi
 # NumPy for the python3 on PATH (which may not be Debian's): Debian's package when that python3
 # is Debian's, else pip.

@@ -49,8 +49,8 @@ void RequestChannel::finish(GenerationResult result) {
 
 // ---- RequestScheduler ---------------------------------------------------------------------------
 
-RequestScheduler::RequestScheduler(certkv_engine* engine, ServerMetrics* metrics)
-    : engine_(engine), metrics_(metrics), thread_([this] { loop(); }) {}
+RequestScheduler::RequestScheduler(certkv_engine* engine, ServerMetrics* metrics, MeterHistory* meter_history)
+    : engine_(engine), metrics_(metrics), meter_history_(meter_history), thread_([this] { loop(); }) {}
 
 RequestScheduler::~RequestScheduler() {
   {
@@ -176,6 +176,9 @@ void RequestScheduler::fail_all(const std::string& error) {
 }
 
 void RequestScheduler::loop() {
+  certkv_engine_stats stats;
+  // The pool's capacity is known before the first request.
+  if (certkv_engine_get_stats(engine_, &stats) == CERTKV_OK) metrics_->set_engine_stats(stats);
   for (;;) {
     std::deque<Queued> queued;
     bool cancelling_all = false;
@@ -199,8 +202,11 @@ void RequestScheduler::loop() {
       }
     }
     collect_finished();
-    certkv_engine_stats stats;
-    if (certkv_engine_get_stats(engine_, &stats) == CERTKV_OK) metrics_->set_engine_stats(stats);
+    if (certkv_engine_get_stats(engine_, &stats) == CERTKV_OK) {
+      metrics_->set_engine_stats(stats);
+      if (const std::string error = meter_history_->update(engine_, stats); !error.empty())
+        std::fprintf(stderr, "certkv serve: the dashboard's meter history: %s\n", error.c_str());
+    }
   }
   // Shutting down: every request left ends as cancelled, its handler answered.
   std::deque<Queued> queued;
