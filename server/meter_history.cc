@@ -5,14 +5,15 @@
 
 namespace certkv::server {
 
-std::string MeterHistory::update(certkv_engine* engine, const certkv_engine_stats& stats) {
-  if (capacity_ == 0 || stats.last_metered_step <= last_step_) return "";
+std::string MeterHistory::update(certkv_engine* engine) {
+  if (capacity_ == 0) return "";
   size_t n = 0;
   int32_t n_layers = 0, n_heads = 0;
   if (const certkv_status st = certkv_engine_recent_meters(engine, last_step_, nullptr, nullptr, 0, &n, &n_layers,
                                                            &n_heads);
       st != CERTKV_OK && st != CERTKV_ERR_OUT_OF_RANGE)
     return certkv_last_error();
+  if (n == 0) return "";
   if (n_layers != n_layers_ || n_heads != n_heads_)
     return "the engine's meters are " + std::to_string(n_layers) + " layers x " + std::to_string(n_heads) +
            " heads, the model's " + std::to_string(n_layers_) + " x " + std::to_string(n_heads_);

@@ -22,9 +22,9 @@ class MeterHistory {
   MeterHistory(int capacity, int32_t n_layers, int32_t n_heads)
       : capacity_(capacity), n_layers_(n_layers), n_heads_(n_heads) {}
 
-  // The scheduler thread, after a step: copies the steps the engine added since the last call
-  // (stats.last_metered_step says whether there are any). Returns "" or the C API's error.
-  std::string update(certkv_engine* engine, const certkv_engine_stats& stats);
+  // The scheduler thread, after a step: copies the steps the engine added since the last call.
+  // Returns "" or the C API's error.
+  std::string update(certkv_engine* engine);
 
   // {"n_layers", "n_heads", "steps": [{"step", "cells", "meters": [layer][head] (null: no cell)}]},
   // oldest step first.

@@ -200,13 +200,12 @@ void RequestScheduler::loop() {
         std::fprintf(stderr, "certkv serve: engine step failed: %s\n", error.c_str());
         fail_all(error);
       }
-    }
-    collect_finished();
-    if (certkv_engine_get_stats(engine_, &stats) == CERTKV_OK) {
-      metrics_->set_engine_stats(stats);
-      if (const std::string error = meter_history_->update(engine_, stats); !error.empty())
+      // Before any request of the step is answered, so that a client sees its steps.
+      if (const std::string error = meter_history_->update(engine_); !error.empty())
         std::fprintf(stderr, "certkv serve: the dashboard's meter history: %s\n", error.c_str());
     }
+    collect_finished();
+    if (certkv_engine_get_stats(engine_, &stats) == CERTKV_OK) metrics_->set_engine_stats(stats);
   }
   // Shutting down: every request left ends as cancelled, its handler answered.
   std::deque<Queued> queued;

@@ -89,7 +89,8 @@ class RequestChannel {
 class RequestScheduler {
  public:
   // REQUIRES: engine, metrics and meter_history outlive the scheduler; no other thread uses the
-  // engine. Starts the scheduler thread, which feeds metrics and meter_history after each step.
+  // engine. Starts the scheduler thread, which feeds meter_history after each step (before it
+  // answers the requests the step finished) and metrics after it.
   RequestScheduler(certkv_engine* engine, ServerMetrics* metrics, MeterHistory* meter_history);
   // Cancels what remains and joins the thread.
   ~RequestScheduler();
