@@ -5,7 +5,8 @@
 # pkg-config, Python 3 with NumPy (scripts/witness_study.py) and prometheus_client (the server test
 # parses /metrics with it), unzip; git and xz-utils (the device scripts' tests pack and check out
 # trees); chromium (the server's dashboard is tested in headless Chromium, tests/server_dashboard_check.py),
-# without its recommended packages. Skips what is already there.
+# without its recommended packages; the openai Python client (tests/server_openai_check.py). Skips
+# what is already there.
 set -euo pipefail
 need=()
 for pkg in g++ cmake make libgtest-dev libgmock-dev libbenchmark-dev libzstd-dev liblz4-dev nlohmann-json3-dev libcpp-httplib-dev pkg-config python3 unzip git xz-utils; do
@@ -48,4 +49,20 @@ if ! python3 -c 'import prometheus_client' 2>/dev/null; then
     python3 -m pip install -q prometheus_client
   fi
   python3 -c 'import prometheus_client' || { echo "certkv set-up: prometheus_client did not install" >&2; exit 1; }
+fi
+# The official openai client for the same python3 (the server's client test), from PyPI: Debian
+# has no package of it; Debian's own python3 needs pip and --break-system-packages (PEP 668).
+if ! python3 -c 'import openai' 2>/dev/null; then
+  echo "certkv set-up: installing openai for $(command -v python3)"
+  if [ "$(command -v python3)" = /usr/bin/python3 ]; then
+    if ! python3 -m pip --version >/dev/null 2>&1; then
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get update -qq
+      apt-get install -y -qq python3-pip
+    fi
+    python3 -m pip install -q --break-system-packages openai
+  else
+    python3 -m pip install -q openai
+  fi
+  python3 -c 'import openai' || { echo "certkv set-up: openai did not install" >&2; exit 1; }
 fi
