@@ -4,7 +4,9 @@
 # (the CLI's JSON input and output, the server), cpp-httplib (the server),
 # pkg-config, Python 3 with NumPy (scripts/witness_study.py) and prometheus_client (the server test
 # parses /metrics with it), unzip; git and xz-utils (the device scripts' tests pack and check out
-# trees). Skips what is already there.
+# trees); chromium (the server's dashboard is tested in headless Chromium, tests/server_dashboard_check.py),
+# without its recommended packages; the openai Python client (tests/server_openai_check.py). Skips
+# what is already there.
 set -euo pipefail
 need=()
 for pkg in g++ cmake make libgtest-dev libgmock-dev libbenchmark-dev libzstd-dev liblz4-dev nlohmann-json3-dev libcpp-httplib-dev pkg-config python3 unzip git xz-utils; do
@@ -15,6 +17,13 @@ if [ ${#need[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq "${need[@]}"
+fi
+# Chromium for the dashboard's test, without its recommended packages (fonts, themes, extensions).
+if ! dpkg -s chromium >/dev/null 2>&1; then
+  echo "certkv set-up: installing chromium"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends chromium
 fi
 # NumPy for the python3 on PATH (which may not be Debian's): Debian's package when that python3
 # is Debian's, else pip.
@@ -40,4 +49,20 @@ if ! python3 -c 'import prometheus_client' 2>/dev/null; then
     python3 -m pip install -q prometheus_client
   fi
   python3 -c 'import prometheus_client' || { echo "certkv set-up: prometheus_client did not install" >&2; exit 1; }
+fi
+# The official openai client for the same python3 (the server's client test), from PyPI: Debian
+# has no package of it; Debian's own python3 needs pip and --break-system-packages (PEP 668).
+if ! python3 -c 'import openai' 2>/dev/null; then
+  echo "certkv set-up: installing openai for $(command -v python3)"
+  if [ "$(command -v python3)" = /usr/bin/python3 ]; then
+    if ! python3 -m pip --version >/dev/null 2>&1; then
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get update -qq
+      apt-get install -y -qq python3-pip
+    fi
+    python3 -m pip install -q --break-system-packages openai
+  else
+    python3 -m pip install -q openai
+  fi
+  python3 -c 'import openai' || { echo "certkv set-up: openai did not install" >&2; exit 1; }
 fi

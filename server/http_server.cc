@@ -10,6 +10,8 @@
 
 #include "certkv/certkv.hpp"
 #include "client_connection.h"
+#include "dashboard_page.h"
+#include "meter_history.h"
 #include "openai_protocol.h"
 #include "request_scheduler.h"
 #include "server_metrics.h"
@@ -21,6 +23,8 @@ namespace {
 // How long a handler waits for text before it looks at its client (and, streaming, writes a
 // keep-alive comment).
 constexpr std::chrono::milliseconds kClientCheckInterval{500};
+// Decode steps of the dashboard's heatmap (the engine's meter_recent_steps).
+constexpr int32_t kDashboardMeterSteps = 64;
 
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
@@ -63,6 +67,7 @@ class ServerState {
   int64_t context_tokens = 0;
   certkv_engine* engine = nullptr;
   std::unique_ptr<ServerMetrics> metrics;
+  std::unique_ptr<MeterHistory> meter_history;
   std::unique_ptr<RequestScheduler> scheduler;
   CertificateContext certificate;
   std::atomic<int64_t> next_request{1};
@@ -119,6 +124,7 @@ void HttpServer::load() {
     p.session.device = options_.device.c_str();
     p.max_sequences = options_.parallel;
     p.pool_bytes = options_.pool_bytes;
+    p.meter_recent_steps = kDashboardMeterSteps;
     certkv::check(certkv_engine_create(s.model->get(), &p, &s.engine));
     s.context_tokens = options_.ctx_tokens > 0 ? options_.ctx_tokens : s.info.context_length;
     s.certificate.scheme = options_.kv;
@@ -131,7 +137,8 @@ void HttpServer::load() {
     s.certificate.gate = options_.gate;
     s.certificate.sparse = options_.sparse_p > 0;
     s.metrics = std::make_unique<ServerMetrics>(options_.kv, options_.tau, options_.sparse_p > 0);
-    s.scheduler = std::make_unique<RequestScheduler>(s.engine, s.metrics.get());
+    s.meter_history = std::make_unique<MeterHistory>(kDashboardMeterSteps, s.info.n_layers, s.info.n_heads);
+    s.scheduler = std::make_unique<RequestScheduler>(s.engine, s.metrics.get(), s.meter_history.get());
     s.loaded_unix_seconds = unix_seconds();
     s.phase = ServerState::Phase::kReady;
   } catch (const std::exception& e) {
@@ -185,7 +192,9 @@ void HttpServer::install_routes() {
   http.set_payload_max_length(size_t(options.max_body_bytes));
 
   http.set_pre_routing_handler([&s, &options](const httplib::Request& req, httplib::Response& res) {
-    if (req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
+    // The health check, and the dashboard page, which holds no data (it asks /dashboard/state).
+    if (req.path == "/health" || (req.path == "/" && req.method == "GET"))
+      return httplib::Server::HandlerResponse::Unhandled;
     if (!options.api_key.empty() && req.get_header_value("Authorization") != "Bearer " + options.api_key) {
       send_error(res, OpenAiError(401, "authentication_error", "invalid_api_key", "",
                                   "a missing or wrong API key: send 'Authorization: Bearer KEY'"));
@@ -256,6 +265,49 @@ void HttpServer::install_routes() {
                  {"kv", s.certificate.scheme},
                  {"meter_tier", s.certificate.meter_tier}}}};
     send_json(res, 200, {{"object", "list"}, {"data", json::array({model})}});
+  });
+
+  http.Get("/", [](const httplib::Request&, httplib::Response& res) {
+    res.set_header("Cache-Control", "no-cache");
+    res.set_content(kDashboardPage, "text/html; charset=utf-8");
+  });
+
+  http.Get("/dashboard/state", [&s](const httplib::Request&, httplib::Response& res) {
+    const certkv_engine_stats e = s.metrics->engine_stats();
+    const ServerMetrics::Totals t = s.metrics->totals();
+    json classes = json::array();
+    uint64_t bytes_in_use = 0;
+    for (int32_t i = 0; i < e.n_classes_in_use; ++i) {
+      classes.push_back({{"class", e.in_use[i].storage},
+                         {"pages", e.in_use[i].pages_in_use},
+                         {"bytes", e.in_use[i].page_bytes_in_use}});
+      bytes_in_use += e.in_use[i].page_bytes_in_use;
+    }
+    json meter = s.meter_history->to_json();
+    meter["capacity"] = kDashboardMeterSteps;
+    meter["metered"] = s.certificate.meter_tier != "none";
+    send_json(res, 200,
+              {{"model", s.model_id},
+               {"scheme", s.certificate.scheme},
+               {"meter_tier", s.certificate.meter_tier},
+               {"tau", s.certificate.tau},
+               {"gate", s.certificate.gate},
+               {"requests",
+                {{"running", e.running},
+                 {"waiting", e.waiting},
+                 {"finished", t.finished},
+                 {"rejected", t.rejected},
+                 {"prompt_tokens", t.prompt_tokens},
+                 {"generated_tokens", t.generation_tokens}}},
+               {"kv",
+                {{"pages_in_use", e.pool_pages_in_use},
+                 {"capacity_pages", e.pool_capacity_pages},
+                 {"usage_ratio", e.pool_capacity_pages > 0
+                                     ? double(e.pool_pages_in_use) / double(e.pool_capacity_pages) : 0.0},
+                 {"classes", classes},
+                 {"compression_ratio_vs_bf16",
+                  bytes_in_use > 0 ? json(double(e.page_bytes_as_bf16) / double(bytes_in_use)) : json(nullptr)}}},
+               {"meter", meter}});
   });
 
   http.Get("/metrics", [&s](const httplib::Request&, httplib::Response& res) {

@@ -49,8 +49,8 @@ void RequestChannel::finish(GenerationResult result) {
 
 // ---- RequestScheduler ---------------------------------------------------------------------------
 
-RequestScheduler::RequestScheduler(certkv_engine* engine, ServerMetrics* metrics)
-    : engine_(engine), metrics_(metrics), thread_([this] { loop(); }) {}
+RequestScheduler::RequestScheduler(certkv_engine* engine, ServerMetrics* metrics, MeterHistory* meter_history)
+    : engine_(engine), metrics_(metrics), meter_history_(meter_history), thread_([this] { loop(); }) {}
 
 RequestScheduler::~RequestScheduler() {
   {
@@ -176,6 +176,9 @@ void RequestScheduler::fail_all(const std::string& error) {
 }
 
 void RequestScheduler::loop() {
+  certkv_engine_stats stats;
+  // The pool's capacity is known before the first request.
+  if (certkv_engine_get_stats(engine_, &stats) == CERTKV_OK) metrics_->set_engine_stats(stats);
   for (;;) {
     std::deque<Queued> queued;
     bool cancelling_all = false;
@@ -197,9 +200,11 @@ void RequestScheduler::loop() {
         std::fprintf(stderr, "certkv serve: engine step failed: %s\n", error.c_str());
         fail_all(error);
       }
+      // Before any request of the step is answered, so that a client sees its steps.
+      if (const std::string error = meter_history_->update(engine_); !error.empty())
+        std::fprintf(stderr, "certkv serve: the dashboard's meter history: %s\n", error.c_str());
     }
     collect_finished();
-    certkv_engine_stats stats;
     if (certkv_engine_get_stats(engine_, &stats) == CERTKV_OK) metrics_->set_engine_stats(stats);
   }
   // Shutting down: every request left ends as cancelled, its handler answered.

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "certkv/certkv.h"
+#include "meter_history.h"
 #include "server_metrics.h"
 
 namespace certkv::server {
@@ -87,9 +88,10 @@ class RequestChannel {
 
 class RequestScheduler {
  public:
-  // REQUIRES: engine and metrics outlive the scheduler; no other thread uses the engine.
-  // Starts the scheduler thread.
-  RequestScheduler(certkv_engine* engine, ServerMetrics* metrics);
+  // REQUIRES: engine, metrics and meter_history outlive the scheduler; no other thread uses the
+  // engine. Starts the scheduler thread, which feeds meter_history after each step (before it
+  // answers the requests the step finished) and metrics after it.
+  RequestScheduler(certkv_engine* engine, ServerMetrics* metrics, MeterHistory* meter_history);
   // Cancels what remains and joins the thread.
   ~RequestScheduler();
   RequestScheduler(const RequestScheduler&) = delete;
@@ -121,6 +123,7 @@ class RequestScheduler {
 
   certkv_engine* engine_;
   ServerMetrics* metrics_;
+  MeterHistory* meter_history_;
   std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<Queued> queued_;

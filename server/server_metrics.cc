@@ -100,6 +100,21 @@ void ServerMetrics::set_engine_stats(const certkv_engine_stats& stats) {
   engine_ = stats;
 }
 
+certkv_engine_stats ServerMetrics::engine_stats() const {
+  std::lock_guard lock(mutex_);
+  return engine_;
+}
+
+ServerMetrics::Totals ServerMetrics::totals() const {
+  std::lock_guard lock(mutex_);
+  Totals t;
+  for (const auto& [reason, n] : finished_by_reason_) t.finished += n;
+  t.rejected = rejected_;
+  t.prompt_tokens = prompt_tokens_;
+  t.generation_tokens = generation_tokens_;
+  return t;
+}
+
 std::string ServerMetrics::prometheus_text() const {
   std::lock_guard lock(mutex_);
   std::string out;

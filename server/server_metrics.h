@@ -41,6 +41,15 @@ class ServerMetrics {
 
   std::string prometheus_text() const;
 
+  // For the dashboard: the engine's stats of the last step, and totals over finished requests.
+  struct Totals {
+    uint64_t finished = 0;  // every finish reason
+    uint64_t rejected = 0;
+    uint64_t prompt_tokens = 0, generation_tokens = 0;
+  };
+  certkv_engine_stats engine_stats() const;
+  Totals totals() const;
+
  private:
   const std::string scheme_;
   const double tau_;

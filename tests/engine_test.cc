@@ -3,6 +3,8 @@
 // request alone, prefix sharing, preemption on a small pool, cancel, stop strings and bad input.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -609,6 +611,169 @@ TEST(EngineCApi, ReportsTheMeterPerLayer) {
   EXPECT_NEAR(covered / double(cells), r.coverage, 1e-12);
   EXPECT_EQ(certkv_engine_result_layers(engine, id + 1000, layers.data(), layers.size(), &n), CERTKV_ERR_NOT_FOUND);
   certkv_engine_free(engine);
+  certkv_model_free(model);
+}
+
+// The recent step meters: per step and (layer, query head) the largest meter over the step's
+// requests; over all steps they hold exactly the cells the requests' own reports count.
+TEST(EngineCApi, KeepsTheMeterOfRecentStepsPerLayerAndHead) {
+  certkv_model* model = nullptr;
+  ASSERT_EQ(certkv_model_load(testing::smollm2_gguf().c_str(), &model), CERTKV_OK) << certkv_last_error();
+  certkv_model_info info;
+  ASSERT_EQ(certkv_model_get_info(model, &info), CERTKV_OK);
+  certkv_engine_params ep = certkv_engine_default_params();
+  EXPECT_EQ(ep.meter_recent_steps, 64);
+  ep.session.context_tokens = 128;
+  ep.session.n_threads = 2;
+  ep.session.kv = "rtn4";
+  ep.max_sequences = 2;
+  certkv_engine* engine = nullptr;
+  ASSERT_EQ(certkv_engine_create(model, &ep, &engine), CERTKV_OK) << certkv_last_error();
+  const size_t cells_per_step = size_t(info.n_layers) * size_t(info.n_heads);
+  size_t n = 99;
+  int32_t n_layers = 0, n_heads = 0;
+  ASSERT_EQ(certkv_engine_recent_meters(engine, 0, nullptr, nullptr, 0, &n, &n_layers, &n_heads), CERTKV_OK);
+  EXPECT_EQ(n, 0u);
+  EXPECT_EQ(n_layers, info.n_layers);
+  EXPECT_EQ(n_heads, info.n_heads);
+
+  const std::vector<std::string> texts = {
+      "The quick brown fox jumps over the lazy dog while the farmer counts his sheep in the long grass.",
+      "In the beginning of the year the river rose above its banks and the village moved its market up the "
+      "hill, where the old church stood."};
+  const std::vector<int32_t> max_tokens = {10, 6};
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<int64_t> ids;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    std::vector<int32_t> prompt(128);
+    int32_t n_prompt = 0;
+    ASSERT_EQ(certkv_tokenize(model, texts[i].data(), texts[i].size(), 1, 0, prompt.data(), 128, &n_prompt),
+              CERTKV_OK);
+    prompt.resize(size_t(n_prompt));
+    ASSERT_GE(n_prompt, 17);  // a full block in rtn4 pages: something to bound
+    prompts.push_back(std::move(prompt));
+    certkv_request_params rp = certkv_request_default_params();
+    rp.prompt = prompts.back().data();
+    rp.n_prompt = int32_t(prompts.back().size());
+    rp.max_tokens = max_tokens[i];
+    rp.ignore_end = 1;
+    int64_t id = 0;
+    ASSERT_EQ(certkv_engine_submit(engine, &rp, &id), CERTKV_OK) << certkv_last_error();
+    ids.push_back(id);
+  }
+  ASSERT_EQ(certkv_engine_run(engine, nullptr, nullptr), CERTKV_OK) << certkv_last_error();
+
+  // 9 + 5 decode rows in at most 9 steps (the first tokens come from the prefills).
+  EXPECT_EQ(certkv_engine_recent_meters(engine, 0, nullptr, nullptr, 0, &n, nullptr, nullptr),
+            CERTKV_ERR_OUT_OF_RANGE);
+  ASSERT_EQ(n, 9u);
+  std::vector<certkv_meter_step> steps(n);
+  std::vector<float> meters(n * cells_per_step);
+  ASSERT_EQ(certkv_engine_recent_meters(engine, 0, steps.data(), meters.data(), steps.size(), &n, nullptr, nullptr),
+            CERTKV_OK);
+  int64_t cells = 0;
+  std::vector<float> layer_max(size_t(info.n_layers), 0.0f);
+  for (size_t i = 0; i < n; ++i) {
+    if (i > 0) {
+      EXPECT_GT(steps[i].step, steps[i - 1].step);
+    }
+    EXPECT_TRUE(steps[i].cells == int64_t(cells_per_step) || steps[i].cells == 2 * int64_t(cells_per_step))
+        << steps[i].cells;
+    cells += steps[i].cells;
+    for (size_t c = 0; c < cells_per_step; ++c) {
+      const float m = meters[i * cells_per_step + c];
+      ASSERT_FALSE(std::isnan(m)) << "step " << i << " cell " << c;  // every head of every layer metered
+      EXPECT_GE(m, 0.0f);
+      EXPECT_LE(m, 1.0f);
+      float& l = layer_max[c / size_t(info.n_heads)];
+      l = std::max(l, m);
+    }
+  }
+  std::vector<double> expected_layer_max(size_t(info.n_layers), 0.0);
+  int64_t expected_cells = 0;
+  for (int64_t id : ids) {
+    certkv_request_result r;
+    ASSERT_EQ(certkv_engine_result(engine, id, &r), CERTKV_OK);
+    expected_cells += r.meter_cells;
+    std::vector<certkv_layer_meter> layers(size_t(info.n_layers));
+    size_t n_layer_entries = 0;
+    ASSERT_EQ(certkv_engine_result_layers(engine, id, layers.data(), layers.size(), &n_layer_entries), CERTKV_OK);
+    for (size_t l = 0; l < layers.size(); ++l)
+      expected_layer_max[l] = std::max(expected_layer_max[l], layers[l].meter_max);
+  }
+  EXPECT_EQ(cells, expected_cells);
+  float overall = 0;
+  for (size_t l = 0; l < layer_max.size(); ++l) {
+    EXPECT_EQ(layer_max[l], float(expected_layer_max[l])) << "layer " << l;
+    overall = std::max(overall, layer_max[l]);
+  }
+  EXPECT_GT(overall, 0.0f);
+
+  // The stats name the newest step; after_step filters; a short capacity is refused.
+  certkv_engine_stats stats;
+  ASSERT_EQ(certkv_engine_get_stats(engine, &stats), CERTKV_OK);
+  EXPECT_EQ(stats.last_metered_step, steps.back().step);
+  const std::vector<certkv_meter_step> all_steps = steps;
+  const std::vector<float> all_meters = meters;
+  ASSERT_EQ(certkv_engine_recent_meters(engine, all_steps[5].step, steps.data(), meters.data(), steps.size(), &n,
+                                        nullptr, nullptr),
+            CERTKV_OK);
+  ASSERT_EQ(n, 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(steps[i].step, all_steps[6 + i].step);
+    EXPECT_EQ(steps[i].cells, all_steps[6 + i].cells);
+  }
+  EXPECT_TRUE(std::equal(meters.begin(), meters.begin() + std::ptrdiff_t(3 * cells_per_step),
+                         all_meters.begin() + std::ptrdiff_t(6 * cells_per_step)));
+  ASSERT_EQ(certkv_engine_recent_meters(engine, stats.last_metered_step, steps.data(), meters.data(), steps.size(), &n,
+                                        nullptr, nullptr),
+            CERTKV_OK);
+  EXPECT_EQ(n, 0u);
+  EXPECT_EQ(certkv_engine_recent_meters(engine, 0, steps.data(), meters.data(), 2, &n, nullptr, nullptr),
+            CERTKV_ERR_OUT_OF_RANGE);
+  EXPECT_EQ(n, 9u);
+  EXPECT_EQ(certkv_engine_recent_meters(engine, -1, steps.data(), meters.data(), steps.size(), &n, nullptr, nullptr),
+            CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(certkv_engine_recent_meters(engine, 0, nullptr, meters.data(), steps.size(), &n, nullptr, nullptr),
+            CERTKV_ERR_INVALID_ARGUMENT);
+  certkv_engine_free(engine);
+
+  // A ring of 3 keeps the newest 3; bf16 and a ring of 0 keep none; a ring past the limit is refused.
+  ep.meter_recent_steps = 3;
+  ASSERT_EQ(certkv_engine_create(model, &ep, &engine), CERTKV_OK) << certkv_last_error();
+  certkv_request_params rp = certkv_request_default_params();
+  rp.prompt = prompts[0].data();
+  rp.n_prompt = int32_t(prompts[0].size());
+  rp.max_tokens = 8;
+  rp.ignore_end = 1;
+  int64_t id = 0;
+  ASSERT_EQ(certkv_engine_submit(engine, &rp, &id), CERTKV_OK);
+  ASSERT_EQ(certkv_engine_run(engine, nullptr, nullptr), CERTKV_OK);
+  ASSERT_EQ(certkv_engine_recent_meters(engine, 0, steps.data(), meters.data(), steps.size(), &n, nullptr, nullptr),
+            CERTKV_OK);
+  ASSERT_EQ(n, 3u);
+  ASSERT_EQ(certkv_engine_get_stats(engine, &stats), CERTKV_OK);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(steps[i].step, stats.last_metered_step - 2 + int64_t(i));
+  certkv_engine_free(engine);
+  for (const auto& [kv, recent] : std::vector<std::pair<const char*, int32_t>>{{"bf16", 64}, {"rtn4", 0}}) {
+    ep.session.kv = kv;
+    ep.meter_recent_steps = recent;
+    ASSERT_EQ(certkv_engine_create(model, &ep, &engine), CERTKV_OK) << certkv_last_error();
+    ASSERT_EQ(certkv_engine_submit(engine, &rp, &id), CERTKV_OK);
+    ASSERT_EQ(certkv_engine_run(engine, nullptr, nullptr), CERTKV_OK);
+    ASSERT_EQ(certkv_engine_recent_meters(engine, 0, steps.data(), meters.data(), steps.size(), &n, nullptr, nullptr),
+              CERTKV_OK);
+    EXPECT_EQ(n, 0u) << kv;
+    ASSERT_EQ(certkv_engine_get_stats(engine, &stats), CERTKV_OK);
+    EXPECT_EQ(stats.last_metered_step, 0) << kv;
+    certkv_engine_free(engine);
+  }
+  ep.session.kv = "rtn4";
+  for (int32_t bad : {-1, 4097}) {
+    ep.meter_recent_steps = bad;
+    EXPECT_EQ(certkv_engine_create(model, &ep, &engine), CERTKV_ERR_INVALID_ARGUMENT) << bad;
+    EXPECT_NE(std::string(certkv_last_error()).find("recent_steps"), std::string::npos) << certkv_last_error();
+  }
   certkv_model_free(model);
 }
 

@@ -5,10 +5,12 @@
 #include <httplib.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -463,6 +465,71 @@ TEST(Server, ApiKeyIsRequiredExceptForHealth) {
   auto health = client("").Get("/health");
   ASSERT_TRUE(health);
   EXPECT_EQ(health->status, 200);
+}
+
+// GET / is the dashboard page as built from server/dashboard.html, open without the key; its
+// numbers need the key, and after a chat hold the chat's decode steps, per (layer, query head)
+// exactly the meters the chat's own certificate reports per layer.
+TEST(Server, DashboardPageAndItsState) {
+  auto page = client("").Get("/");
+  ASSERT_TRUE(page);
+  EXPECT_EQ(page->status, 200);
+  EXPECT_EQ(page->get_header_value("Content-Type"), "text/html; charset=utf-8");
+  std::ifstream file(std::string(CERTKV_SOURCE_DIR) + "/server/dashboard.html", std::ios::binary);
+  const std::string html((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  ASSERT_FALSE(html.empty());
+  EXPECT_EQ(page->body, html);
+  auto refused = client("").Get("/dashboard/state");
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 401);
+
+  auto state = [] {
+    auto res = client().Get("/dashboard/state");
+    EXPECT_TRUE(res && res->status == 200);
+    return res ? json::parse(res->body) : json();
+  };
+  const json before = state();
+  EXPECT_EQ(before.at("scheme"), kScheme);
+  EXPECT_EQ(before.at("meter_tier"), "A");
+  EXPECT_GT(before.at("kv").at("capacity_pages").get<uint64_t>(), 0u);
+  const json& meter_before = before.at("meter");
+  EXPECT_TRUE(meter_before.at("metered").get<bool>());
+  EXPECT_EQ(meter_before.at("n_layers"), 30);
+  EXPECT_EQ(meter_before.at("n_heads"), 9);
+  const int64_t last_before =
+      meter_before.at("steps").empty() ? 0 : meter_before.at("steps").back().at("step").get<int64_t>();
+
+  json body = chat_body("Name a colour.", 6);
+  body["certkv"] = {{"per_layer", true}};
+  const Reply r = post("/v1/chat/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body.dump();
+  const json after = state();
+  EXPECT_EQ(after.at("requests").at("finished").get<uint64_t>(),
+            before.at("requests").at("finished").get<uint64_t>() + 1);
+  EXPECT_EQ(after.at("requests").at("running"), 0);
+  std::vector<double> layer_max(30, 0.0);
+  int chat_steps = 0;
+  for (const json& step : after.at("meter").at("steps")) {
+    if (step.at("step").get<int64_t>() <= last_before) continue;
+    ++chat_steps;
+    EXPECT_EQ(step.at("cells"), 30 * 9);  // the chat alone
+    const json& meters = step.at("meters");
+    ASSERT_EQ(meters.size(), 30u);
+    for (size_t l = 0; l < 30; ++l) {
+      ASSERT_EQ(meters[l].size(), 9u);
+      for (const json& m : meters[l]) {
+        ASSERT_TRUE(m.is_number()) << "layer " << l;
+        EXPECT_GE(m.get<double>(), 0.0);
+        EXPECT_LE(m.get<double>(), 1.0);
+        layer_max[l] = std::max(layer_max[l], m.get<double>());
+      }
+    }
+  }
+  EXPECT_EQ(chat_steps, 5);  // 6 tokens, the first from the prefill
+  const json& layers = r.body.at("usage").at("certkv").at("per_layer");
+  ASSERT_EQ(layers.size(), 30u);
+  for (size_t l = 0; l < 30; ++l)
+    EXPECT_EQ(float(layer_max[l]), float(layers[l].at("meter_max").get<double>())) << "layer " << l;
 }
 
 TEST(Server, BadInputGetsOpenAiErrorsNamingTheField) {

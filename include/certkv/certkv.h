@@ -443,6 +443,9 @@ typedef struct certkv_engine_params {
                                     0: room for max_sequences whole contexts. Must hold one
                                     context */
   int prefix_sharing;            /* default 1 */
+  int32_t meter_recent_steps;    /* metered schemes: the meter of this many recent decode steps
+                                    is kept for live views (certkv_engine_recent_meters); in
+                                    [0, 4096], default 64; 0: none */
 } certkv_engine_params;
 
 certkv_engine_params certkv_engine_default_params(void);
@@ -545,6 +548,7 @@ typedef struct certkv_engine_stats {
                                     bytes, the bytes its pools obtained */
   uint64_t page_bytes_as_bf16;   /* the pages in use were each a raw bf16 page (block_tokens x
                                     head_dim x 2 bytes): a compression ratio's reference */
+  int64_t last_metered_step;     /* the newest step certkv_engine_recent_meters holds; 0: none */
 } certkv_engine_stats;
 
 certkv_status certkv_engine_get_stats(const certkv_engine* engine, certkv_engine_stats* stats);
@@ -723,6 +727,25 @@ certkv_status certkv_gaac_report_layer(const certkv_gaac_report* report, int32_t
 /* index in [0, n_segments): tokens [index * segment_tokens, ...); k, v without speeds. */
 certkv_status certkv_gaac_report_segment(const certkv_gaac_report* report, int32_t index,
                                          certkv_gaac_tally* k, certkv_gaac_tally* v);
+/* One decode step of certkv_engine_recent_meters. */
+typedef struct certkv_meter_step {
+  int64_t step;                  /* its number: the engine's forward steps (steps that ran
+                                    tokens) so far, 1-based */
+  int64_t cells;                 /* metered (layer, query head) cells in it, over its requests */
+} certkv_meter_step;
+
+/* The meter of the engine's recent decode steps, for live views (a dashboard's heatmap): the
+ * last meter_recent_steps steps that metered a decode row (certkv_engine_params). Per step and
+ * (layer, query head), the largest meter over the step's requests, before any gate repair (an
+ * overflowed cell reads 1); NaN where no request was metered.
+ * Returns the steps numbered above after_step (0: all kept), oldest first: steps: [capacity],
+ * meters: [capacity][n_layers][n_heads] (step i at meters + i * n_layers * n_heads; either may be
+ * NULL when capacity is 0). *n is set to their count (OUT_OF_RANGE, with *n the count needed, when
+ * capacity is short); *n_layers and *n_heads (each may be NULL) to the shape. A scheme that is not
+ * metered, or meter_recent_steps 0, keeps none: *n = 0. after_step < 0: INVALID_ARGUMENT. */
+certkv_status certkv_engine_recent_meters(const certkv_engine* engine, int64_t after_step,
+                                          certkv_meter_step* steps, float* meters, size_t capacity,
+                                          size_t* n, int32_t* n_layers, int32_t* n_heads);
 
 #ifdef __cplusplus
 }

@@ -825,6 +825,7 @@ certkv_engine_params certkv_engine_default_params(void) {
   p.step_tokens = 512;
   p.pool_bytes = 0;
   p.prefix_sharing = 1;
+  p.meter_recent_steps = 64;
   return p;
 }
 
@@ -839,6 +840,7 @@ certkv_status certkv_engine_create(const certkv_model* model, const certkv_engin
   c.max_sequences = p.max_sequences;
   c.step_tokens = p.step_tokens;
   c.prefix_sharing = p.prefix_sharing != 0;
+  c.backend.meter.recent_steps = p.meter_recent_steps;
   return guarded([&] {
     const certkv::model::ModelConfig& mc = model->model->config();
     const int64_t context = c.backend.context_tokens > 0 ? c.backend.context_tokens : mc.context_length;
@@ -1032,6 +1034,7 @@ certkv_status certkv_engine_get_stats(const certkv_engine* engine, certkv_engine
     stats->cached_prefixes = s.cached_prefixes;
     stats->running = s.running;
     stats->waiting = s.waiting;
+    stats->last_metered_step = s.last_metered_step;
     stats->pool_pages_in_use = s.pool_pages_in_use;
     stats->pool_capacity_pages = s.pool_capacity_pages;
     stats->peak_pages_in_use = s.peak_pages_in_use;
@@ -1049,6 +1052,32 @@ certkv_status certkv_engine_get_stats(const certkv_engine* engine, certkv_engine
     const certkv::backend::BackendConfig& bc = engine->engine->backend().config();
     const int32_t head_dim = engine->model->model->config().head_dim;
     stats->page_bytes_as_bf16 = pages_in_use * uint64_t(bc.block_tokens) * uint64_t(head_dim) * 2;
+  });
+}
+
+certkv_status certkv_engine_recent_meters(const certkv_engine* engine, int64_t after_step,
+                                          certkv_meter_step* steps, float* meters, size_t capacity,
+                                          size_t* n, int32_t* n_layers, int32_t* n_heads) {
+  CERTKV_REQUIRE(engine && n && ((steps && meters) || capacity == 0), "certkv_engine_recent_meters: null argument");
+  CERTKV_REQUIRE(after_step >= 0, "certkv_engine_recent_meters: after_step " + std::to_string(after_step) +
+                                      " is negative");
+  return guarded([&] {
+    const certkv::gate::RecentStepMeters& recent = engine->engine->recent_meters();
+    if (n_layers) *n_layers = recent.n_layers();
+    if (n_heads) *n_heads = recent.n_heads();
+    int first = recent.size();  // the oldest kept step numbered above after_step
+    while (first > 0 && recent.step(first - 1).step > after_step) --first;
+    *n = size_t(recent.size() - first);
+    if (*n > capacity)
+      certkv::fail(certkv::StatusCode::kOutOfRange, "certkv_engine_recent_meters: " + std::to_string(*n) +
+                                                        " steps, capacity " + std::to_string(capacity));
+    const size_t cells_per_step = size_t(recent.n_layers()) * size_t(recent.n_heads());
+    for (int i = first; i < recent.size(); ++i) {
+      const certkv::gate::RecentStepMeters::Step s = recent.step(i);
+      const size_t at = size_t(i - first);
+      steps[at] = certkv_meter_step{s.step, s.cells};
+      std::copy(s.meters, s.meters + cells_per_step, meters + at * cells_per_step);
+    }
   });
 }
 

@@ -36,6 +36,9 @@ CheckedConfig check_backend_config(const model::Model& model, const BackendConfi
     fail(StatusCode::kInvalidArgument, "meter delta must be in (0, 1), got " + std::to_string(meter.delta_req));
   if (meter.planned_steps < 0 || meter.sample_every < 1)
     fail(StatusCode::kInvalidArgument, "meter planned_steps must be >= 0 and sample_every >= 1");
+  if (meter.recent_steps < 0 || meter.recent_steps > kMaxRecentMeterSteps)
+    fail(StatusCode::kInvalidArgument, "meter recent_steps must be in [0, " + std::to_string(kMaxRecentMeterSteps) +
+                                           "], got " + std::to_string(meter.recent_steps));
   const bool lossy = cache::kv_scheme_is_lossy(config.kv_scheme);
   if (meter.gate && !lossy)
     fail(StatusCode::kInvalidArgument, std::string("the gate needs a lossy KV scheme (this one is ") +

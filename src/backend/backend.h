@@ -19,6 +19,7 @@
 #include "attention/decode_attention.h"
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
+#include "gate/recent_step_meters.h"
 #include "index/rotation.h"
 #include "model/model.h"
 #include "model/device_decode.h"
@@ -44,7 +45,12 @@ struct MeterConfig {
   // backing store in decreasing order of their share of A - 1 until the meter is at most tau.
   bool gate = false;
   int64_t sample_every = 1;  // telemetry records every k-th cell
+  // The last recent_steps forward steps that metered a decode row are kept, per (layer, query
+  // head) the largest meter over the step's sequences (gate/recent_step_meters.h; live views).
+  // REQUIRES: 0 <= recent_steps <= kMaxRecentMeterSteps; 0: none kept.
+  int recent_steps = 0;
 };
+inline constexpr int kMaxRecentMeterSteps = 4096;
 
 // Called after the attention of every metered step and layer (for audits): q: [n_heads][head_dim]
 // post-RoPE queries; meters: [n_heads] as reported before any repair; n_ctx tokens attended.
@@ -201,6 +207,9 @@ class Backend {
   // Bytes of the pages the sequence's tables reference, by class (shared pages in full).
   virtual std::vector<cache::ClassBytes> sequence_bytes(cache::SeqId seq) const = 0;
   virtual cache::MemoryStats memory_stats() const = 0;
+  // The meter of the recent metered decode steps over every sequence (MeterConfig::recent_steps;
+  // empty when not metered). Every forward() that runs rows begins a step of it.
+  virtual const gate::RecentStepMeters& recent_meters() const = 0;
 };
 
 // What every backend checks of its configuration before it takes any memory, and what follows

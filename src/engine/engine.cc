@@ -467,6 +467,8 @@ EngineStats Engine::stats() const {
   s.running = int64_t(running_.size());
   s.waiting = int64_t(waiting_.size());
   s.pool_pages_in_use = backend_->pool_pages_in_use();
+  const gate::RecentStepMeters& recent = backend_->recent_meters();
+  s.last_metered_step = recent.size() > 0 ? recent.step(recent.size() - 1).step : 0;
   s.cached_prefixes = int64_t(holders_.size());
   s.in_use_by_class = backend_->memory_stats().by_class;
   return s;

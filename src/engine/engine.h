@@ -97,6 +97,9 @@ struct EngineStats {
   uint64_t peak_pages_in_use = 0;
   std::vector<cache::ClassBytes> peak_bytes;  // per class, the most page bytes in use after a step
   std::vector<cache::StorageClassStats> in_use_by_class;  // per class, pages and bytes now
+  // The number of the newest forward step kept in recent_meters() (0: none yet), so a reader
+  // can tell whether a step was added since it last looked.
+  int64_t last_metered_step = 0;
 };
 
 class Engine {
@@ -129,6 +132,9 @@ class Engine {
   // Forgets a finished request (its report). kInvalidArgument while it is not finished.
   void release(RequestId id);
   EngineStats stats() const;
+  // The meter of the recent metered decode steps over every request (backend::MeterConfig::
+  // recent_steps of config().backend): per step and (layer, query head), the largest meter.
+  const gate::RecentStepMeters& recent_meters() const { return backend_->recent_meters(); }
 
  private:
   struct Request;

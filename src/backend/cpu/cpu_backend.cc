@@ -22,6 +22,8 @@ CpuBackend::CpuBackend(const model::Model& model, const BackendConfig& config)
   context_tokens_ = checked.context_tokens;
   metered_ = checked.metered;
   delta_loc_ = checked.delta_loc;
+  recent_meters_ = std::make_unique<gate::RecentStepMeters>(c.n_layers, c.n_heads,
+                                                            metered_ ? config.meter.recent_steps : 0);
   pool_ = std::make_unique<ThreadPool>(config.n_threads);
   host_ = std::make_unique<HostForward>(model, *pool_, config.activations);
   cache::KvCacheConfig kv;
@@ -208,11 +210,13 @@ void CpuBackend::reset_telemetry(cache::SeqId seq) {
   for (gate::Telemetry& t : st.layer_telemetry) t = gate::Telemetry(config_.meter.tau, config_.meter.sample_every);
 }
 
-void CpuBackend::record_meters(SequenceState& st, int layer) const {
-  for (const attention::HeadMeter& m : meters_) {
+void CpuBackend::record_meters(SequenceState& st, int layer) {
+  for (size_t h = 0; h < meters_.size(); ++h) {
+    const attention::HeadMeter& m = meters_[h];
     const bool overflow = std::isinf(m.log_a);
     st.telemetry->record(m.meter, overflow);
     st.layer_telemetry[size_t(layer)].record(m.meter, overflow);
+    recent_meters_->record(layer, int(h), m.meter, overflow);
   }
 }
 
@@ -516,6 +520,7 @@ void CpuBackend::forward(std::span<const BatchItem> items) {
                std::to_string(it.seq) + " (" + std::to_string(pool_pages_in_use()) + " of " +
                std::to_string(pool_capacity_pages()) + " pages in use)");
   if (rows.n_rows == 0) return;
+  recent_meters_->begin_step();
 
   const int hd = c.head_dim;
   const int64_t q_dim = int64_t(c.n_heads) * hd;

@@ -46,6 +46,7 @@ class CpuBackend final : public Backend {
   SequenceReport report(cache::SeqId seq) const override;
   std::vector<cache::ClassBytes> sequence_bytes(cache::SeqId seq) const override;
   cache::MemoryStats memory_stats() const override { return cache_->memory_stats(); }
+  const gate::RecentStepMeters& recent_meters() const override { return *recent_meters_; }
 
   // Drops every token of the sequence and returns the sequence that replaces it, which keeps its
   // telemetry, sparse counters and observers (the key index starts over).
@@ -92,8 +93,9 @@ class CpuBackend final : public Backend {
   SequenceState& state(cache::SeqId seq);
   const SequenceState& state(cache::SeqId seq) const;
   SequenceState make_state() const;
-  // The meters of one metered attention (meters_) into the sequence's telemetry.
-  void record_meters(SequenceState& st, int layer) const;
+  // The meters of one metered attention (meters_) into the sequence's telemetry and the recent
+  // step meters.
+  void record_meters(SequenceState& st, int layer);
   // Whether a one-token step of the sequence goes through decode_attention (batched with the
   // step's other such sequences): not sparse, not on the device.
   bool plain_decode(const SequenceState& st, int layer, int64_t n) const;
@@ -134,6 +136,7 @@ class CpuBackend final : public Backend {
   std::unordered_map<cache::SeqId, SequenceState> states_;
   bool metered_ = false;
   double delta_loc_ = 0;
+  std::unique_ptr<gate::RecentStepMeters> recent_meters_;
   std::vector<attention::HeadMeter> meters_;
   std::vector<attention::HeadMeter> batch_meters_;  // [items][n_heads]: a batched decode's
   std::vector<double> contributions_;

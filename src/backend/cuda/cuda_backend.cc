@@ -61,6 +61,8 @@ class CudaBackend final : public Backend {
     context_tokens_ = checked.context_tokens;
     metered_ = checked.metered;
     delta_loc_ = checked.delta_loc;
+    recent_meters_ = std::make_unique<gate::RecentStepMeters>(model.config().n_layers, model.config().n_heads,
+                                                              metered_ ? config.meter.recent_steps : 0);
     format_ = attention::cuda::page_format_of(config.kv_scheme);
     pool_ = std::make_unique<ThreadPool>(config.n_threads);
     host_ = std::make_unique<HostForward>(model, *pool_, config.activations);
@@ -137,6 +139,7 @@ class CudaBackend final : public Backend {
   uint64_t pool_capacity_pages() const override { return capacity_pages_; }
 
   void forward(std::span<const BatchItem> items) override;
+  const gate::RecentStepMeters& recent_meters() const override { return *recent_meters_; }
 
   SequenceReport report(cache::SeqId seq) const override {
     const SequenceState& st = state(seq);
@@ -247,6 +250,7 @@ class CudaBackend final : public Backend {
   int64_t context_tokens_ = 0;
   bool metered_ = false;
   double delta_loc_ = 0;
+  std::unique_ptr<gate::RecentStepMeters> recent_meters_;
   PageFormat format_ = PageFormat::kBf16;
   uint64_t capacity_pages_ = 0;
   std::unique_ptr<ThreadPool> pool_;
@@ -324,6 +328,7 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
                                          std::to_string(it.seq) + " (" + std::to_string(pool_pages_in_use()) + " of " +
                                          std::to_string(capacity_pages_) + " pages in use)");
   if (rows.n_rows == 0) return;
+  recent_meters_->begin_step();
 
   // Row groups: the metered one-token steps in one launch, every other row in another.
   std::vector<RowGroup> groups(2);
@@ -438,6 +443,7 @@ void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, c
       const double meter = gate::meter_from_log_a(log_a);
       st.telemetry->record(meter, std::isinf(log_a));
       st.layer_telemetry[size_t(layer)].record(meter, std::isinf(log_a));
+      recent_meters_->record(layer, int(h), meter, std::isinf(log_a));
     }
   }
 }
