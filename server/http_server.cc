@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <thread>
 
@@ -441,6 +442,11 @@ void HttpServer::install_routes() {
 }
 
 int serve_main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i)
+    if (std::strcmp(argv[i], "-h") == 0 || std::strcmp(argv[i], "--help") == 0) {
+      std::fputs(kServeUsage, stdout);
+      return 0;
+    }
   ServerOptions options;
   try {
     options = parse_server_options(argc, argv);

@@ -52,11 +52,13 @@ help_case "run -h lists run's flags only" run -h -- "+usage: certkv run" "+-m, -
   "+--sparse" "+--device" "---prompts-file" "---parallel" "---codec" "---calib" "---lengths" "---text-file" "---out "
 help_case "run --help is run -h" run --help -- "+usage: certkv run" "---parallel"
 help_case "batch -h lists batch's flags only" batch -h -- "+usage: certkv batch" "+--prompts-file F.jsonl" \
-  "+--parallel N" "+--pool-bytes" "+-n, --n N" "---prompt TEXT" "---prompt-file" "---device" "---codec"
+  "+--parallel N" "+--pool-bytes" "+-n, --n N" "---prompt TEXT" "---prompt-file" "---codec"
 help_case "codec -h lists codec's flags only" codec -h -- "+usage: certkv codec" "+--calib" "+--verify" \
   "+--save-calibration" "---model" "---kv SCHEME" "---threads" "---prompt"
 help_case "eval needle -h lists needle's flags only" eval needle -h -- "+usage: certkv eval needle" "+--lengths" \
   "+--variant" "+--kv SCHEME" "---text-file" "---per-position" "---prompt"
+help_case "serve -h lists the server's flags" serve -h -- "+usage: certkv serve" "+--port" "+--api-key" "---prompts-file"
+help_case "batch -h takes --device" batch -h -- "+--device cpu|cuda"
 help_case "dump-kv -h lists dump-kv's flags only" dump-kv -h -- "+--text-file" "+--layers" "+--out" "---kv SCHEME" "---prompt"
 help_case "certkv -h lists the commands, not their flags" -h -- "+run" "+batch" "+dump-kv" "+eval needle" "+audit" \
   "+codec" "+--version" "---prompt TEXT" "---threads" "---kv SCHEME"
