@@ -832,6 +832,7 @@ certkv_engine_params certkv_engine_default_params(void) {
   p.step_tokens = 512;
   p.pool_bytes = 0;
   p.prefix_sharing = 1;
+  p.preemption = nullptr;
   return p;
 }
 
@@ -847,6 +848,7 @@ certkv_status certkv_engine_create(const certkv_model* model, const certkv_engin
   c.step_tokens = p.step_tokens;
   c.prefix_sharing = p.prefix_sharing != 0;
   return guarded([&] {
+    if (p.preemption != nullptr) c.preemption = certkv::engine::parse_preemption(p.preemption);
     const certkv::model::ModelConfig& mc = model->model->config();
     const int64_t context = c.backend.context_tokens > 0 ? c.backend.context_tokens : mc.context_length;
     // The pool in tokens of every (layer, K/V, kv_head) table, counted at the scheme's raw page
@@ -1026,6 +1028,14 @@ certkv_status certkv_engine_get_stats(const certkv_engine* engine, certkv_engine
     stats->pool_capacity_pages = s.pool_capacity_pages;
     stats->peak_pages_in_use = s.peak_pages_in_use;
     stats->n_classes = fill_class_bytes(s.peak_bytes, stats->peak_bytes);
+    stats->swap_outs = s.swap_outs;
+    stats->swap_ins = s.swap_ins;
+    stats->swapped_out_host_bytes = s.swapped_out_host_bytes;
+    stats->swapped_out_pool_bytes = s.swapped_out_pool_bytes;
+    stats->host_bytes_peak = s.host_bytes_peak;
+    stats->swap_seconds = s.swap_seconds;
+    stats->recomputed_tokens = s.recomputed_tokens;
+    stats->recompute_seconds = s.recompute_seconds;
   });
 }
 

@@ -37,6 +37,8 @@ constexpr const char* kUsage =
     "  --temp T --top-k K --top-p P --seed S   sampling of lines without their own\n"
     "  --raw                 feed \"prompt\" as is (default: the model's chat template)\n"
     "  --no-prefix-sharing   compute every prompt in full\n"
+    "  --preemption swap|recompute   when the pool runs out, the newest request's KV goes to\n"
+    "                        host memory, or is freed and computed again (default swap)\n"
     "  --threads N --block-tokens N --activations int8|f32\n"
     "  --kv SCHEME --gaac-calib F (gaac without one: calibrated on a built-in text, cached)\n"
     "   --outlier-pairs M --window N --witness fp16|u8 --delta D\n"
@@ -122,7 +124,7 @@ int cmd_batch(int argc, char** argv) {
       {"model", true}, {"prompts-file", true}, {"parallel", true}, {"json", false},
       {"ctx", true}, {"pool-bytes", true}, {"step-tokens", true}, {"n", true},
       {"temp", true}, {"top-k", true}, {"top-p", true}, {"seed", true}, {"raw", false},
-      {"no-prefix-sharing", false}, {"threads", true}, {"block-tokens", true}, {"activations", true}};
+      {"no-prefix-sharing", false}, {"preemption", true}, {"threads", true}, {"block-tokens", true}, {"activations", true}};
   add_kv_flag_spec(spec);
   Flags flags("batch", spec, kUsage);
   flags.parse(argc, argv, 2);
@@ -169,6 +171,8 @@ int cmd_batch(int argc, char** argv) {
   params.step_tokens = flags.integer("step-tokens", 512, 1, 1 << 20);
   params.pool_bytes = uint64_t(flags.integer("pool-bytes", 0, 1, INT64_MAX));
   params.prefix_sharing = flags.has("no-prefix-sharing") ? 0 : 1;
+  const std::string preemption = flags.str("preemption", "swap");
+  params.preemption = preemption.c_str();
   certkv_engine* engine_raw = nullptr;
   certkv::check(certkv_engine_create(model.get(), &params, &engine_raw));
   std::unique_ptr<certkv_engine, void (*)(certkv_engine*)> engine(engine_raw, certkv_engine_free);
@@ -250,6 +254,14 @@ int cmd_batch(int argc, char** argv) {
   sum["peak_pages_in_use"] = s.peak_pages_in_use;
   sum["pool_capacity_pages"] = s.pool_capacity_pages;
   sum["preemptions"] = s.preemptions;
+  sum["preemption"] = preemption;
+  sum["swap_outs"] = s.swap_outs;
+  sum["swapped_out_host_bytes"] = s.swapped_out_host_bytes;
+  sum["swapped_out_pool_bytes"] = s.swapped_out_pool_bytes;
+  sum["host_bytes_peak"] = s.host_bytes_peak;
+  sum["swap_seconds"] = s.swap_seconds;
+  sum["recomputed_tokens"] = s.recomputed_tokens;
+  sum["recompute_seconds"] = s.recompute_seconds;
   sum["shared_blocks"] = s.shared_blocks;
   sum["steps"] = s.steps;
   printf("%s\n", sum.dump().c_str());
