@@ -292,20 +292,187 @@ TEST(Engine, ContinuousBatchingGivesEachRequestItsOutputAlone) {
   for (const Outcome& o : together) EXPECT_EQ(o.finish, FinishReason::kLength);
 }
 
+// Both policies: swap (the pages go to host memory and come back) and recompute.
 TEST(Engine, PreemptsOnASmallPoolAndStillGivesEveryOutput) {
+  for (Preemption preemption : {Preemption::kSwap, Preemption::kRecompute}) {
+    SCOPED_TRACE(preemption_name(preemption));
+    EngineConfig cfg;
+    cfg.backend.context_tokens = 96;
+    cfg.backend.pool_tokens = 96;  // one whole sequence
+    cfg.step_tokens = 32;
+    cfg.max_sequences = 6;
+    cfg.preemption = preemption;
+    const std::vector<RequestParams> requests = story_requests({30, 41, 17, 25, 33, 12}, 30, 5);
+    Engine engine(stories(), cfg);
+    const std::vector<Outcome> together = run_engine(engine, requests);
+    const EngineStats s = engine.stats();
+    EXPECT_GT(s.preemptions, 0) << "the pool was meant to run out";
+    if (preemption == Preemption::kSwap) {
+      // Those preempted in the step that admitted them had nothing to swap.
+      EXPECT_GT(s.swap_outs, 0);
+      EXPECT_LE(s.swap_outs, s.preemptions);
+      EXPECT_EQ(s.swap_ins, s.swap_outs);
+      EXPECT_GT(s.swapped_out_host_bytes, 0u);
+      EXPECT_GT(s.host_bytes_peak, 0u);
+      EXPECT_EQ(s.recomputed_tokens, 0);
+    } else {
+      EXPECT_EQ(s.swap_outs, 0);
+      EXPECT_GT(s.recomputed_tokens, 0);
+    }
+    EXPECT_EQ(s.host_bytes_in_use, 0u);
+    expect_same_outcomes(together, run_each_alone(cfg, requests));
+    EXPECT_GT(s.cached_prefixes, 0);
+    engine.drop_cached_prefixes();
+    EXPECT_EQ(engine.stats().pool_pages_in_use, 0u) << "every page returns to the pool";
+  }
+}
+
+// Swap preemption on SmolLM2 for bf16, gaac (the model's calibration: slots, raw fallbacks and
+// tails GAAC-coded in host memory) and rtn8 with the meter: every output is the one it has alone,
+// and so is its certificate (the meter's telemetry travels with the swapped sequence). Prompts
+// are prefilled whole (rtn8 is not chunking invariant), decode runs past a partial block.
+TEST(Engine, SwapPreemptionGivesEachRequestItsOutputAndMeterAloneSmolLM2) {
+  const model::ModelConfig& c = smollm2().config();
+  codec::GaacShape shape;
+  shape.n_layers = c.n_layers;
+  shape.n_kv_heads = c.n_kv_heads;
+  shape.head_dim = c.head_dim;
+  auto calibration = std::make_shared<const codec::GaacCalibration>(codec::GaacCalibration::load(
+      testing::source_path("src/codec/testdata/smollm2_gaac_calibration.safetensors"), shape));
+  std::vector<RequestParams> requests;
+  int i = 0;
+  // The first two fit the pool together until the first one's decode needs a third block: the
+  // second, 20 tokens in, is swapped out.
+  const int max_tokens[] = {12, 14, 10};
+  for (std::vector<int32_t>& p : ragged_prompts(smollm2(), {30, 20, 14}, 31)) {
+    RequestParams r;
+    r.prompt = std::move(p);
+    r.max_tokens = max_tokens[i++];
+    r.ignore_end = true;
+    requests.push_back(std::move(r));
+  }
+  for (cache::KvScheme scheme : {cache::KvScheme::kBf16, cache::KvScheme::kGaac, cache::KvScheme::kRtn8}) {
+    SCOPED_TRACE(cache::kv_scheme_name(scheme));
+    EngineConfig cfg;
+    cfg.backend.context_tokens = 64;
+    cfg.backend.pool_tokens = 64;  // one whole sequence
+    cfg.backend.kv_scheme = scheme;
+    cfg.backend.recent_window_tokens = scheme == cache::KvScheme::kRtn8 ? 0 : -1;
+    if (scheme != cache::KvScheme::kBf16) cfg.backend.gaac_calibration = calibration;
+    cfg.max_sequences = 3;
+    cfg.preemption = Preemption::kSwap;
+    std::vector<RequestId> ids;
+    Engine engine(smollm2(), cfg);
+    const std::vector<Outcome> together = run_engine(engine, requests, &ids);
+    const EngineStats s = engine.stats();
+    EXPECT_GT(s.swap_outs, 0) << "the pool was meant to run out";
+    EXPECT_EQ(s.swap_ins, s.swap_outs);
+    EXPECT_GT(s.swapped_out_host_bytes, 0u);
+    if (scheme == cache::KvScheme::kGaac) {
+      EXPECT_LT(s.swapped_out_host_bytes, s.swapped_out_pool_bytes) << "GAAC-coded in host memory";
+    }
+    std::vector<Outcome> alone;
+    for (size_t j = 0; j < requests.size(); ++j) {
+      Engine e(smollm2(), cfg);
+      std::vector<RequestId> alone_id;
+      alone.push_back(run_engine(e, {requests[j]}, &alone_id)[0]);
+      const backend::SequenceReport& a = e.report(alone_id[0]).attention;
+      const backend::SequenceReport& t = engine.report(ids[j]).attention;
+      EXPECT_EQ(t.metered, scheme == cache::KvScheme::kRtn8);
+      EXPECT_EQ(t.meter_cells, a.meter_cells) << "request " << j;
+      EXPECT_EQ(t.meter_max, a.meter_max) << "request " << j;
+      EXPECT_EQ(t.meter_p99, a.meter_p99) << "request " << j;
+    }
+    expect_same_outcomes(together, alone);
+    if (scheme == cache::KvScheme::kRtn8) {
+      int64_t cells = 0;
+      for (RequestId id : ids) cells += engine.report(id).attention.meter_cells;
+      EXPECT_GT(cells, 0) << "decode steps were metered";
+    }
+  }
+}
+
+// A request swapped out and waiting is cancelled: its host store is freed at once.
+TEST(Engine, CancelOfASwappedOutRequestFreesItsHostStore) {
   EngineConfig cfg;
   cfg.backend.context_tokens = 96;
-  cfg.backend.pool_tokens = 96;  // one whole sequence
+  cfg.backend.pool_tokens = 96;
   cfg.step_tokens = 32;
-  cfg.max_sequences = 6;
-  const std::vector<RequestParams> requests = story_requests({30, 41, 17, 25, 33, 12}, 30, 5);
+  cfg.max_sequences = 4;
+  cfg.preemption = Preemption::kSwap;
   Engine engine(stories(), cfg);
-  const std::vector<Outcome> together = run_engine(engine, requests);
-  EXPECT_GT(engine.stats().preemptions, 0) << "the pool was meant to run out";
-  expect_same_outcomes(together, run_each_alone(cfg, requests));
-  EXPECT_GT(engine.stats().cached_prefixes, 0);
-  engine.drop_cached_prefixes();
-  EXPECT_EQ(engine.stats().pool_pages_in_use, 0u) << "every page returns to the pool";
+  std::vector<RequestId> ids;
+  for (const RequestParams& p : story_requests({40, 41, 30}, 40, 6)) ids.push_back(engine.submit(p));
+  RequestId swapped = 0;
+  for (int step = 0; step < 200 && swapped == 0; ++step) {
+    engine.step();
+    for (RequestId id : ids) {
+      const RequestReport& r = engine.report(id);
+      if (r.status == RequestStatus::kWaiting && r.swapped_host_bytes > 0) swapped = id;
+    }
+  }
+  ASSERT_NE(swapped, 0) << "no request was swapped out";
+  const EngineStats before = engine.stats();
+  const uint64_t its_bytes = engine.report(swapped).swapped_host_bytes;
+  ASSERT_GE(before.host_bytes_in_use, its_bytes);
+  engine.cancel(swapped);
+  EXPECT_EQ(engine.report(swapped).finish, FinishReason::kCancelled);
+  EXPECT_EQ(engine.report(swapped).swapped_host_bytes, 0u);
+  EXPECT_EQ(engine.stats().host_bytes_in_use, before.host_bytes_in_use - its_bytes);
+  engine.run();
+  EXPECT_EQ(engine.stats().host_bytes_in_use, 0u);
+  for (RequestId id : ids) {
+    if (id != swapped) {
+      EXPECT_EQ(engine.report(id).finish, FinishReason::kLength);
+    }
+  }
+}
+
+TEST(Engine, SwapRefusesBadInput) {
+  EngineConfig cfg;
+  cfg.backend.context_tokens = 64;
+  cfg.preemption = static_cast<Preemption>(7);
+  try {
+    Engine e(stories(), cfg);
+    FAIL() << "an unknown preemption policy was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("preemption"), std::string::npos) << e.what();
+  }
+  try {
+    parse_preemption("evict");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("swap, recompute"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(parse_preemption("recompute"), Preemption::kRecompute);
+  // The backend: a sequence swapped out of another backend, none at all, an unknown sequence.
+  BackendConfig bc;
+  bc.context_tokens = 32;
+  CpuBackend a(stories(), bc), b(stories(), bc);
+  const cache::SeqId seq = a.create_sequence();
+  std::vector<int32_t> toks = {1, 5, 9, 13};
+  BatchItem it;
+  it.seq = seq;
+  it.tokens = toks.data();
+  it.n = 4;
+  a.forward({&it, 1});
+  std::unique_ptr<backend::SwappedSequence> swapped = a.swap_out(seq);
+  EXPECT_THROW(a.length(seq), Error);
+  try {
+    b.swap_in(swapped);
+    FAIL() << "a sequence of another backend was swapped in";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
+  }
+  ASSERT_NE(swapped, nullptr) << "a refused swap in keeps the swapped sequence";
+  std::unique_ptr<backend::SwappedSequence> none;
+  EXPECT_THROW(a.swap_in(none), Error);
+  EXPECT_THROW(a.swap_out(12345), Error);
+  const cache::SeqId back = a.swap_in(swapped);
+  EXPECT_EQ(swapped, nullptr);
+  EXPECT_EQ(a.length(back), 4);
 }
 
 // Past 16 blocks decode splits the KV over the pool's threads, and a prefill row at the same

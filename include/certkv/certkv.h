@@ -428,7 +428,7 @@ const char* certkv_version(void);
 /* Requests go to a scheduler that runs one batched forward step at a time: every decoding
  * request's next token, then chunks of the prompts being prefilled, within step_tokens. Whole
  * prompt blocks are shared between requests that begin alike; when the pool runs out, the newest
- * request is preempted and later recomputed. A request's logits are those of running it alone
+ * request is preempted (swapped to host memory, or recomputed later). A request's logits are those of running it alone
  * (batch invariance; docs/engine.md). */
 typedef struct certkv_engine certkv_engine;
 
@@ -446,6 +446,9 @@ typedef struct certkv_engine_params {
   int32_t meter_recent_steps;    /* metered schemes: the meter of this many recent decode steps
                                     is kept for live views (certkv_engine_recent_meters); in
                                     [0, 4096], default 64; 0: none */
+  const char* preemption;        /* when the pool runs out, the newest request's KV is "swap"ped
+                                    to host memory (GAAC-coded where the scheme can) or freed and
+                                    "recompute"d later; NULL: the engine's default (swap) */
 } certkv_engine_params;
 
 certkv_engine_params certkv_engine_default_params(void);
@@ -549,6 +552,13 @@ typedef struct certkv_engine_stats {
   uint64_t page_bytes_as_bf16;   /* the pages in use were each a raw bf16 page (block_tokens x
                                     head_dim x 2 bytes): a compression ratio's reference */
   int64_t last_metered_step;     /* the newest step certkv_engine_recent_meters holds; 0: none */
+  /* Preemption: swaps out and in, host bytes written by swaps out (and the pool page bytes they
+   * freed), host bytes held at most, seconds in swapping; tokens recomputed and their seconds. */
+  int64_t swap_outs, swap_ins;
+  uint64_t swapped_out_host_bytes, swapped_out_pool_bytes, host_bytes_peak;
+  double swap_seconds;
+  int64_t recomputed_tokens;
+  double recompute_seconds;
 } certkv_engine_stats;
 
 certkv_status certkv_engine_get_stats(const certkv_engine* engine, certkv_engine_stats* stats);

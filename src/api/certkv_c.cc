@@ -826,6 +826,7 @@ certkv_engine_params certkv_engine_default_params(void) {
   p.pool_bytes = 0;
   p.prefix_sharing = 1;
   p.meter_recent_steps = 64;
+  p.preemption = nullptr;
   return p;
 }
 
@@ -842,6 +843,7 @@ certkv_status certkv_engine_create(const certkv_model* model, const certkv_engin
   c.prefix_sharing = p.prefix_sharing != 0;
   c.backend.meter.recent_steps = p.meter_recent_steps;
   return guarded([&] {
+    if (p.preemption != nullptr) c.preemption = certkv::engine::parse_preemption(p.preemption);
     const certkv::model::ModelConfig& mc = model->model->config();
     const int64_t context = c.backend.context_tokens > 0 ? c.backend.context_tokens : mc.context_length;
     // The pool in tokens of every (layer, K/V, kv_head) table, counted at the scheme's raw page
@@ -1049,6 +1051,14 @@ certkv_status certkv_engine_get_stats(const certkv_engine* engine, certkv_engine
       out.bytes_from_allocator = c.bytes_reserved_from_allocator;
       out.page_bytes_in_use = c.page_bytes_in_use;
     }
+    stats->swap_outs = s.swap_outs;
+    stats->swap_ins = s.swap_ins;
+    stats->swapped_out_host_bytes = s.swapped_out_host_bytes;
+    stats->swapped_out_pool_bytes = s.swapped_out_pool_bytes;
+    stats->host_bytes_peak = s.host_bytes_peak;
+    stats->swap_seconds = s.swap_seconds;
+    stats->recomputed_tokens = s.recomputed_tokens;
+    stats->recompute_seconds = s.recompute_seconds;
     const certkv::backend::BackendConfig& bc = engine->engine->backend().config();
     const int32_t head_dim = engine->model->model->config().head_dim;
     stats->page_bytes_as_bf16 = pages_in_use * uint64_t(bc.block_tokens) * uint64_t(head_dim) * 2;

@@ -178,6 +178,18 @@ struct SequenceReport {
   std::vector<LayerMeter> layers;
 };
 
+// A sequence swapped out of a backend to host memory (Backend::swap_out): its pages
+// (cache::SwappedKv, GAAC-coded where the cache can) and the backend's per-sequence state (the
+// sparse tier's key index, telemetry, the last queries, observers), to be swapped back into the
+// same backend bit for bit. Owned by the caller.
+class SwappedSequence {
+ public:
+  virtual ~SwappedSequence() = default;
+  virtual const cache::SwappedKv& kv() const = 0;
+  // Host bytes of the per-sequence state beside the pages (the key index's records).
+  virtual uint64_t state_bytes() const = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -194,6 +206,16 @@ class Backend {
   // Takes the pages for n more tokens of the sequence; false, with nothing changed, when the pool
   // cannot supply them. Calling again before the step that writes them is a no-op.
   virtual bool reserve(cache::SeqId seq, int64_t n) = 0;
+  // Swap to host memory: the sequence's committed pages and its state leave the backend (seq is
+  // no longer live; pages it shared with other sequences stay theirs). kUnsupported where the
+  // backend cannot (the device route).
+  virtual std::unique_ptr<SwappedSequence> swap_out(cache::SeqId seq) = 0;
+  // A new live sequence continuing exactly where the swapped one stopped; *swapped is consumed
+  // (null) on success. Throws kOutOfMemory, with nothing changed, when the pool cannot supply
+  // (*swapped)->kv().pages() pages; kInvalidArgument for one swapped out of another backend.
+  virtual cache::SeqId swap_in(std::unique_ptr<SwappedSequence>& swapped) = 0;
+  // Whether swap_out and swap_in work here (where not, the engine preempts by recompute).
+  virtual bool can_swap() const = 0;
   // Pages of the pool in use and its capacity, over every table (all classes).
   virtual uint64_t pool_pages_in_use() const = 0;
   virtual uint64_t pool_capacity_pages() const = 0;

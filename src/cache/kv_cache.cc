@@ -364,6 +364,208 @@ void KvCache::free_sequence(SeqId seq) {
   sequences_.erase(seq);
 }
 
+SwappedKv::HostBlock KvCache::put_host_block(int layer, KvTensor kv, int kv_head,
+                                             const uint8_t* block,
+                                             std::vector<uint8_t>& bytes) const {
+  SwappedKv::HostBlock hb;
+  hb.offset = bytes.size();
+  const size_t raw_bytes = page_bytes();
+  if (!slot_bytes_.empty()) {
+    // Host memory has no fixed slots: the block is coded with room for every escape and kept
+    // coded when that is smaller than the raw block.
+    const int bt = config_.block_tokens, d = config_.head_dim;
+    const codec::GaacCalibration& cal = *config_.gaac_calibration;
+    const codec::GaacBases& bases = cal.bases(layer, int(kv), kv_head);
+    bytes.resize(hb.offset + format::gaac_slot_bytes(element_, bt, d, raw_bytes));
+    uint8_t* dst = bytes.data() + hb.offset;
+    const size_t used =
+        element_ == format::GaacElement::kBf16
+            ? codec::gaac_encode_page(reinterpret_cast<const uint16_t*>(block), bt, d, bases,
+                                      raw_bytes, dst)
+            : codec::gaac_encode_page_fp8_ref(element_, block, bt, d, bases, raw_bytes, dst);
+    if (used != codec::kGaacDoesNotFit && used < raw_bytes) {
+      bytes.resize(hb.offset + used);
+      hb.bytes = uint32_t(used);
+      hb.gaac = true;
+      return hb;
+    }
+    bytes.resize(hb.offset);
+  }
+  bytes.insert(bytes.end(), block, block + raw_bytes);
+  hb.bytes = uint32_t(raw_bytes);
+  return hb;
+}
+
+void KvCache::get_host_block(int layer, KvTensor kv, int kv_head, const SwappedKv::HostBlock& hb,
+                             const std::vector<uint8_t>& bytes, uint8_t* block) const {
+  const uint8_t* src = bytes.data() + hb.offset;
+  if (!hb.gaac) {
+    std::memcpy(block, src, page_bytes());
+    return;
+  }
+  const int bt = config_.block_tokens, d = config_.head_dim;
+  const codec::GaacBases& bases = config_.gaac_calibration->bases(layer, int(kv), kv_head);
+  if (element_ == format::GaacElement::kBf16) {
+    codec::gaac_decode_page(src, hb.bytes, bt, d, bases, reinterpret_cast<uint16_t*>(block));
+  } else {
+    codec::gaac_decode_page_fp8_ref(element_, src, hb.bytes, bt, d, bases, block);
+  }
+}
+
+SwappedKv KvCache::swap_out(SeqId seq) {
+  Sequence& s = sequence(seq);
+  for (int l = 0; l < config_.n_layers; ++l) {
+    if (s.written[size_t(l)] > s.length) {
+      fail_cache(StatusCode::kInvalidArgument,
+                 "swap out of sequence " + std::to_string(seq) + " during a step: layer " +
+                     std::to_string(l) + " is written through position " +
+                     std::to_string(s.written[size_t(l)]) + " past its length " +
+                     std::to_string(s.length) + "; commit first");
+    }
+  }
+  const int64_t bt = config_.block_tokens;
+  const size_t n_blocks = size_t((s.length + bt - 1) / bt);
+  const size_t row_bytes = page_bytes() / size_t(bt);
+  SwappedKv out;
+  out.owner_ = this;
+  out.length_ = s.length;
+  out.value_norm_max_ = s.value_norm_max;
+  out.tables_.resize(s.tables.size());
+  std::vector<uint8_t> block(page_bytes());
+  std::vector<uint16_t> exact(size_t(bt) * size_t(config_.head_dim));
+  for (int layer = 0; layer < config_.n_layers; ++layer)
+    for (int kv_i = 0; kv_i < 2; ++kv_i)
+      for (int h = 0; h < config_.n_kv_heads; ++h) {
+        const KvTensor kv = KvTensor(kv_i);
+        const size_t t = table_index(layer, kv, h);
+        const std::vector<PageRef>& table = s.tables[t];
+        std::vector<SwappedKv::Page>& pages = out.tables_[t];
+        pages.reserve(n_blocks);
+        for (size_t b = 0; b < n_blocks; ++b) {
+          const PageRef ref = table[b];
+          if (is_pending(ref)) {
+            fail_cache(StatusCode::kInternal, "swap out of sequence " + std::to_string(seq) +
+                                                  ": committed block " + std::to_string(b) +
+                                                  " has no page");
+          }
+          SwappedKv::Page page;
+          page.ref = ref;
+          const PagePool& pool = pool_of(ref);
+          if (ref.storage == raw_class_) {
+            const int64_t rows = std::min<int64_t>(bt, s.length - int64_t(b) * bt);
+            std::memcpy(block.data(), pool.data(ref.page), size_t(rows) * row_bytes);
+            std::memset(block.data() + size_t(rows) * row_bytes, 0, size_t(bt - rows) * row_bytes);
+            page.data = put_host_block(layer, kv, h, block.data(), out.bytes_);
+            if (page.data.gaac) ++out.gaac_coded_pages_;
+          } else {
+            const size_t bytes = lossy_ ? pool.page_bytes() : slot_bytes_[size_t(layer) * 2 + size_t(kv)];
+            // dither8 pages are encoded again for the slot they get at swap_in.
+            if (!(lossy_ && lossy_scheme_ == codec::LossyScheme::kDither8)) {
+              page.data.offset = out.bytes_.size();
+              page.data.bytes = uint32_t(bytes);
+              out.bytes_.insert(out.bytes_.end(), pool.data(ref.page), pool.data(ref.page) + bytes);
+            }
+            if (lossy_) {
+              read_backing(ref, layer, kv, h, exact.data());
+              page.exact = put_host_block(layer, kv, h, reinterpret_cast<const uint8_t*>(exact.data()),
+                                          out.bytes_);
+            } else {
+              ++out.gaac_coded_pages_;
+            }
+          }
+          out.pool_bytes_ += pool.page_stride_bytes();
+          pages.push_back(page);
+        }
+        out.pages_ += pages.size();
+      }
+  out.bytes_.shrink_to_fit();
+  free_sequence(seq);
+  return out;
+}
+
+void KvCache::swap_in_page(int layer, KvTensor kv, int kv_head, const SwappedKv& swapped,
+                           const SwappedKv::Page& page, PageRef& ref) {
+  if (page.ref.storage == raw_class_) {
+    const uint32_t p = bf16_pool_->allocate();
+    try {
+      get_host_block(layer, kv, kv_head, page.data, swapped.bytes_, bf16_pool_->data(p));
+    } catch (...) {
+      bf16_pool_->release(p);
+      throw;
+    }
+    ref = raw_ref(p);
+    return;
+  }
+  PagePool& pool = *slot_pools_[page.ref.pool];
+  const uint32_t p = pool.allocate();
+  PageRef coded{};
+  coded.page = p;
+  coded.storage = slot_class_;
+  coded.pool = page.ref.pool;
+  try {
+    if (lossy_) {
+      std::vector<uint16_t> exact(size_t(config_.block_tokens) * size_t(config_.head_dim));
+      get_host_block(layer, kv, kv_head, page.exact, swapped.bytes_,
+                     reinterpret_cast<uint8_t*>(exact.data()));
+      if (lossy_scheme_ == codec::LossyScheme::kDither8) {
+        if (!codec::lossy_encode_page_ref(lossy_spec(layer, kv, kv_head), p, exact.data(), pool.data(p))) {
+          fail_cache(StatusCode::kInternal, "swap in: a dither8 block that was encoded once no longer encodes");
+        }
+      } else {
+        std::memcpy(pool.data(p), swapped.bytes_.data() + page.data.offset, page.data.bytes);
+      }
+      store_backing(layer, kv, kv_head, reinterpret_cast<const uint8_t*>(exact.data()), coded);
+    } else {
+      std::memcpy(pool.data(p), swapped.bytes_.data() + page.data.offset, page.data.bytes);
+    }
+  } catch (...) {
+    pool.release(p);
+    throw;
+  }
+  ref = coded;
+}
+
+SeqId KvCache::swap_in(const SwappedKv& swapped) {
+  if (swapped.owner_ != this) {
+    fail_cache(StatusCode::kInvalidArgument,
+               swapped.owner_ == nullptr ? "swap in of an empty SwappedKv (not made by swap_out)"
+                                         : "swap in of a sequence swapped out of another cache");
+  }
+  const uint64_t committed = pages_in_use_all() + n_pending_;
+  const uint64_t available = capacity_pages_ > committed ? capacity_pages_ - committed : 0;
+  if (swapped.pages_ > available) {
+    fail_cache(StatusCode::kOutOfMemory,
+               "swap in of " + std::to_string(swapped.length_) + " tokens needs " +
+                   std::to_string(swapped.pages_) + " pages but only " + std::to_string(available) +
+                   " of " + std::to_string(capacity_pages_) + " are free");
+  }
+  Sequence s;
+  s.length = swapped.length_;
+  s.reserved = swapped.length_;
+  s.written.assign(size_t(config_.n_layers), swapped.length_);
+  s.value_norm_max = swapped.value_norm_max_;
+  s.tables.resize(swapped.tables_.size());
+  try {
+    for (int layer = 0; layer < config_.n_layers; ++layer)
+      for (int kv_i = 0; kv_i < 2; ++kv_i)
+        for (int h = 0; h < config_.n_kv_heads; ++h) {
+          const size_t t = table_index(layer, KvTensor(kv_i), h);
+          s.tables[t].reserve(swapped.tables_[t].size());
+          for (const SwappedKv::Page& page : swapped.tables_[t]) {
+            PageRef ref{};
+            swap_in_page(layer, KvTensor(kv_i), h, swapped, page, ref);
+            s.tables[t].push_back(ref);
+          }
+        }
+  } catch (...) {
+    release_tables(s);
+    throw;
+  }
+  const SeqId id = next_id_++;
+  sequences_.emplace(id, std::move(s));
+  return id;
+}
+
 bool KvCache::has_sequence(SeqId seq) const { return sequences_.count(seq) != 0; }
 
 int64_t KvCache::length(SeqId seq) const { return sequence(seq).length; }

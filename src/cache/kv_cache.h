@@ -114,6 +114,59 @@ struct ClassBytes {
   uint64_t bytes;
 };
 
+class KvCache;
+
+// A sequence swapped out of a cache into host memory (KvCache::swap_out), to be swapped back in
+// by the same cache (KvCache::swap_in) bit for bit. What host memory holds per page:
+//   - a GAAC slot (gaac, gaac-fp8) or a lossy page: its bytes as they are (a lossy page with
+//     the exact block of its backing store, itself coded as a raw block below; dither8, whose
+//     dither is keyed by the physical slot, keeps only the exact block and is encoded again
+//     into its new slot at swap_in);
+//   - a raw page (a tail, a block that stayed raw, every page of the bf16 and fp8 schemes):
+//     GAAC-coded with the cache's calibration when the cache has one (the gaac schemes, and the
+//     lossy schemes given one for their backing store) and the block fits its slot, else raw.
+// Rows past the sequence's length in its partial last block are not kept (zeros come back).
+// Owned by the caller; move-only. Thread safety: as any value.
+class SwappedKv {
+ public:
+  SwappedKv() = default;
+  SwappedKv(SwappedKv&&) = default;
+  SwappedKv& operator=(SwappedKv&&) = default;
+  SwappedKv(const SwappedKv&) = delete;
+  SwappedKv& operator=(const SwappedKv&) = delete;
+
+  int64_t length() const { return length_; }
+  // Pages swap_in takes from the pool (one per block of every (layer, K/V, kv_head) table).
+  uint64_t pages() const { return pages_; }
+  // Bytes of host memory the pages take here, and the page bytes (strides) they took in the pool.
+  uint64_t host_bytes() const { return bytes_.size(); }
+  uint64_t pool_bytes() const { return pool_bytes_; }
+  // Of the pages, those kept GAAC-coded (slots kept as they are, and raw blocks coded here).
+  uint64_t gaac_coded_pages() const { return gaac_coded_pages_; }
+
+ private:
+  friend class KvCache;
+  // A block in bytes_: [offset, offset + bytes), GAAC-coded (bytes = the encoder's count) or raw.
+  struct HostBlock {
+    uint64_t offset = 0;
+    uint32_t bytes = 0;
+    bool gaac = false;
+  };
+  struct Page {
+    format::PageRef ref;  // what it was in the pool: its class and slot pool
+    HostBlock data;       // the page's bytes (a raw page: its block, maybe GAAC-coded)
+    HostBlock exact;      // a lossy page: its exact block
+  };
+  const KvCache* owner_ = nullptr;
+  int64_t length_ = 0;
+  uint64_t pages_ = 0;
+  uint64_t pool_bytes_ = 0;
+  uint64_t gaac_coded_pages_ = 0;
+  std::vector<float> value_norm_max_;
+  std::vector<std::vector<Page>> tables_;  // as KvCache::Sequence::tables
+  std::vector<uint8_t> bytes_;
+};
+
 class KvCache {
  public:
   // Throws certkv::Error naming the field: kInvalidArgument for a non-positive dimension, a
@@ -148,6 +201,16 @@ class KvCache {
   // Releases the sequence's pages (and any uncommitted reservation).
   void free_sequence(SeqId seq);
   bool has_sequence(SeqId seq) const;
+  // Swap to host memory: copies the sequence's committed blocks into a SwappedKv and frees the
+  // sequence (its own reference of every page: pages shared with other sequences stay theirs,
+  // and swap_in gives it its own copies). An uncommitted reservation is dropped.
+  // REQUIRES: no layer written past length (a step in progress: kInvalidArgument).
+  SwappedKv swap_out(SeqId seq);
+  // A new sequence holding the swapped blocks, bit for bit as they were (committed length
+  // swapped.length(), no reservation). Throws kOutOfMemory, with nothing changed, when the pool
+  // cannot supply swapped.pages() pages; kInvalidArgument for a SwappedKv of another cache.
+  SeqId swap_in(const SwappedKv& swapped);
+
   size_t n_sequences() const { return sequences_.size(); }
 
   // Committed tokens.
@@ -295,6 +358,15 @@ class KvCache {
                       format::PageRef& ref);
   // A block that stays raw: `ref` becomes an owned raw page holding `block` (one raw page's data).
   void keep_block_raw(const uint8_t* block, format::PageRef& ref);
+  // Swap: a raw block (one raw page's data) into host memory, GAAC-coded when the cache has a
+  // calibration and it fits, and back.
+  SwappedKv::HostBlock put_host_block(int layer, KvTensor kv, int kv_head, const uint8_t* block,
+                                      std::vector<uint8_t>& bytes) const;
+  void get_host_block(int layer, KvTensor kv, int kv_head, const SwappedKv::HostBlock& hb,
+                      const std::vector<uint8_t>& bytes, uint8_t* block) const;
+  // Swap: one page back into the pool (the caller releases `ref` on failure).
+  void swap_in_page(int layer, KvTensor kv, int kv_head, const SwappedKv& swapped,
+                    const SwappedKv::Page& page, format::PageRef& ref);
   // Makes `ref` an owned raw page holding the same rows (a pending entry gets a fresh page).
   void make_raw(int layer, KvTensor kv, int kv_head, format::PageRef& ref);
 

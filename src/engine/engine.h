@@ -14,9 +14,13 @@
 // they are written (a lossy scheme's full-precision recent window) are not shared.
 //
 // Pool exhaustion: when a step's pages cannot be had, cached prefixes are evicted first, then the
-// newest request is preempted: its pages are freed, and when it is admitted again its prompt is
-// prefilled again and its generated tokens replayed one a step, as they were first computed. A request is never lost: the pool
-// holds at least one sequence of the whole context, so the oldest request always completes.
+// newest request is preempted (EngineConfig::preemption). kSwap: its pages and the backend's state
+// of its sequence go to host memory (GAAC-coded where the cache can, backend::SwappedSequence),
+// and when it is admitted again they come back bit for bit and it goes on where it stopped (a
+// backend that cannot swap, Backend::can_swap, recomputes instead). kRecompute: its pages are freed, and when it is admitted again its prompt is prefilled again
+// and its generated tokens replayed one a step, as they were first computed. A request is never
+// lost: the pool holds at least one sequence of the whole context, so the oldest request always
+// completes.
 //
 // Determinism: a request's logits are those of running it alone (backend/backend.h), so with
 // greedy sampling, or a seeded sampler, its output does not depend on the other requests; with
@@ -43,11 +47,19 @@ namespace certkv::engine {
 
 using RequestId = int64_t;
 
+// What preemption does with the newest request's KV (docs/engine.md, "Preemption").
+enum class Preemption { kRecompute, kSwap };
+const char* preemption_name(Preemption preemption);  // "recompute", "swap"
+// kInvalidArgument naming the choices for any other name.
+Preemption parse_preemption(std::string_view name);
+
 struct EngineConfig {
   backend::BackendConfig backend;
   int max_sequences = 8;       // requests decoding or prefilling at once (-np)
   int64_t step_tokens = 512;   // the most tokens one step runs (decodes first, then prefill chunks)
   bool prefix_sharing = true;
+  // Swap won on the 32-requests-on-a-pool-for-4 goal (docs/engine.md, "Preemption").
+  Preemption preemption = Preemption::kSwap;
 };
 
 struct RequestParams {
@@ -72,6 +84,7 @@ struct RequestReport {
   int64_t prompt_tokens = 0;
   int64_t shared_prompt_tokens = 0;  // taken from the prefix cache at its (last) admission
   int64_t preemptions = 0;
+  uint64_t swapped_host_bytes = 0;  // host memory its KV takes while swapped out (else 0)
   double ttft_ms = 0;              // submit to first token
   std::vector<double> itl_ms;      // between consecutive tokens
   backend::SequenceReport attention;   // meter, gate repairs, sparse budget (of its last run)
@@ -89,6 +102,16 @@ struct EngineStats {
   double prefill_seconds = 0;      // steps' time shared out by their tokens
   double decode_seconds = 0;
   int64_t preemptions = 0;
+  // Preemption by swap: sequences swapped out and back in; the host bytes their stores took and
+  // the pool page bytes they freed (totals over every swap out); host bytes held now and at most.
+  int64_t swap_outs = 0, swap_ins = 0;
+  uint64_t swapped_out_host_bytes = 0, swapped_out_pool_bytes = 0;
+  uint64_t host_bytes_in_use = 0, host_bytes_peak = 0;
+  double swap_seconds = 0;         // in swap out and swap in
+  // Preemption by recompute: tokens computed again (prompt chunks and replayed tokens) and their
+  // share of the steps' time.
+  int64_t recomputed_tokens = 0;
+  double recompute_seconds = 0;
   int64_t shared_blocks = 0;       // blocks taken from the prefix cache at admissions
   int64_t evicted_prefixes = 0;
   int64_t cached_prefixes = 0;     // holder sequences of finished requests' prompt blocks
@@ -152,6 +175,9 @@ class Engine {
   void drop_entries_of(cache::SeqId seq);
   bool evict_one_prefix();
   void preempt(Request& r);
+  // Admits a swapped-out request if its pages can be had; false when not.
+  bool admit_swapped(Request& r);
+  void drop_swapped(Request& r);
   void finish(Request& r, FinishReason reason, const TokenCallback& on_token);
   void free_sequence_of(Request& r, bool keep_prefix);
   void on_token(Request& r, int32_t token, const TokenCallback& cb);

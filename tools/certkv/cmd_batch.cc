@@ -143,6 +143,8 @@ int cmd_batch(int argc, char** argv) {
   params.step_tokens = flags.integer("step-tokens", 1, 1 << 20);
   params.pool_bytes = flags.has("pool-bytes") ? uint64_t(flags.integer("pool-bytes", 1, INT64_MAX)) : 0;
   params.prefix_sharing = flags.has("no-prefix-sharing") ? 0 : 1;
+  const std::string preemption = flags.str("preemption");
+  params.preemption = preemption.c_str();
   certkv_engine* engine_raw = nullptr;
   certkv::check(certkv_engine_create(model.get(), &params, &engine_raw));
   std::unique_ptr<certkv_engine, void (*)(certkv_engine*)> engine(engine_raw, certkv_engine_free);
@@ -224,6 +226,14 @@ int cmd_batch(int argc, char** argv) {
   sum["peak_pages_in_use"] = s.peak_pages_in_use;
   sum["pool_capacity_pages"] = s.pool_capacity_pages;
   sum["preemptions"] = s.preemptions;
+  sum["preemption"] = preemption;
+  sum["swap_outs"] = s.swap_outs;
+  sum["swapped_out_host_bytes"] = s.swapped_out_host_bytes;
+  sum["swapped_out_pool_bytes"] = s.swapped_out_pool_bytes;
+  sum["host_bytes_peak"] = s.host_bytes_peak;
+  sum["swap_seconds"] = s.swap_seconds;
+  sum["recomputed_tokens"] = s.recomputed_tokens;
+  sum["recompute_seconds"] = s.recompute_seconds;
   sum["shared_blocks"] = s.shared_blocks;
   sum["steps"] = s.steps;
   printf("%s\n", sum.dump(-1, ' ', false, json::error_handler_t::replace).c_str());

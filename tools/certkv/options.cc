@@ -70,6 +70,9 @@ std::vector<Option> make_option_table() {
        "KV pool size in bytes of raw pages (default: --parallel whole contexts)"},
       {"step-tokens", '\0', V::kInteger, "N", "512", kBatch, "the most tokens one step runs (prefill chunking)"},
       {"no-prefix-sharing", '\0', V::kSwitch, "", "", kBatch, "compute every prompt in full"},
+      {"preemption", '\0', V::kText, "swap|recompute", "swap", kBatch,
+       "when the pool runs out, the newest request's KV goes to host memory (swap) or is freed and "
+       "computed again (recompute)"},
       // KV scheme, meter, gate, sparse decode.
       {"kv", '\0', V::kText, "SCHEME", "bf16", kGenerate, "KV cache scheme (SCHEME below)"},
       {"kv", '\0', V::kText, "SCHEME", "", kEval, "the KV cache scheme evaluated (required; SCHEME below)"},

@@ -161,6 +161,40 @@ cache::SeqId CpuBackend::restart_sequence(cache::SeqId seq) {
   return fresh;
 }
 
+class CpuBackend::CpuSwappedSequence final : public SwappedSequence {
+ public:
+  CpuSwappedSequence(const CpuBackend* owner, cache::SwappedKv kv, SequenceState state)
+      : owner_(owner), kv_(std::move(kv)), state_(std::move(state)) {}
+  const cache::SwappedKv& kv() const override { return kv_; }
+  uint64_t state_bytes() const override { return state_.index ? state_.index->bytes() : 0; }
+
+  const CpuBackend* owner_;
+  cache::SwappedKv kv_;
+  SequenceState state_;
+};
+
+std::unique_ptr<SwappedSequence> CpuBackend::swap_out(cache::SeqId seq) {
+  SequenceState& st = state(seq);
+  if (device_)
+    fail(StatusCode::kUnsupported, "device cuda: the device route does not swap sequences to host memory");
+  cache::SwappedKv kv = cache_->swap_out(seq);
+  auto swapped = std::make_unique<CpuSwappedSequence>(this, std::move(kv), std::move(st));
+  states_.erase(seq);
+  return swapped;
+}
+
+cache::SeqId CpuBackend::swap_in(std::unique_ptr<SwappedSequence>& swapped) {
+  auto* mine = dynamic_cast<CpuSwappedSequence*>(swapped.get());
+  if (mine == nullptr || mine->owner_ != this)
+    fail(StatusCode::kInvalidArgument,
+         swapped == nullptr ? "swap in of no sequence (null)"
+                            : "swap in of a sequence swapped out of another backend");
+  const cache::SeqId seq = cache_->swap_in(mine->kv_);
+  states_.emplace(seq, std::move(mine->state_));
+  swapped.reset();
+  return seq;
+}
+
 int64_t CpuBackend::length(cache::SeqId seq) const { return cache_->length(seq); }
 
 bool CpuBackend::reserve(cache::SeqId seq, int64_t n) {

@@ -40,6 +40,9 @@ class CpuBackend final : public Backend {
   void free_sequence(cache::SeqId seq) override;
   int64_t length(cache::SeqId seq) const override;
   bool reserve(cache::SeqId seq, int64_t n) override;
+  std::unique_ptr<SwappedSequence> swap_out(cache::SeqId seq) override;
+  cache::SeqId swap_in(std::unique_ptr<SwappedSequence>& swapped) override;
+  bool can_swap() const override { return device_ == nullptr; }
   uint64_t pool_pages_in_use() const override;
   uint64_t pool_capacity_pages() const override;
   void forward(std::span<const BatchItem> items) override;
@@ -89,6 +92,8 @@ class CpuBackend final : public Backend {
     SparseObserver sparse_observer;
     std::vector<std::vector<float>> last_queries;
   };
+
+  class CpuSwappedSequence;
 
   SequenceState& state(cache::SeqId seq);
   const SequenceState& state(cache::SeqId seq) const;

@@ -119,6 +119,15 @@ class CudaBackend final : public Backend {
 
   int64_t length(cache::SeqId seq) const override { return state(seq).length; }
 
+  // The device pool swaps nothing to host memory yet: the engine preempts by recompute here.
+  bool can_swap() const override { return false; }
+  std::unique_ptr<SwappedSequence> swap_out(cache::SeqId) override {
+    fail(StatusCode::kUnsupported, "the cuda backend does not swap to host memory yet (preemption recomputes)");
+  }
+  cache::SeqId swap_in(std::unique_ptr<SwappedSequence>&) override {
+    fail(StatusCode::kUnsupported, "the cuda backend does not swap to host memory yet (preemption recomputes)");
+  }
+
   bool reserve(cache::SeqId seq, int64_t n) override {
     SequenceState& st = state(seq);
     const int64_t target = st.length + n;
