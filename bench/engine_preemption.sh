@@ -4,10 +4,12 @@
 # greedy) on a pool sized for 4 sequences of 700 tokens, SmolLM2-135M-Instruct Q4_1, 2 threads.
 # For each KV scheme, each repeat runs both policies back to back (alternating which goes first);
 # every output is compared with the request run alone. Writes one JSON document to stdout.
-# usage: bench/engine_preemption.sh CORPUS_DIR [REPEATS] [KV_SCHEMES (default "bf16 gaac")]
+# usage: bench/engine_preemption.sh CORPUS_DIR [SCHEME:REPEATS ... (default "bf16:3 gaac:3")]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-corpus=$1 repeats=${2:-3} schemes=${3:-"bf16 gaac"}
+corpus=$1
+shift
+runs=${*:-"bf16:3 gaac:3"}
 bin=$root/build/tools/certkv/certkv
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -17,7 +19,8 @@ mkdir -p "$CERTKV_CACHE_DIR"
 python3 "$root/bench/batch_prompts.py" books "$corpus" 32 410 32 >"$tmp/books32.jsonl"
 # 23,040 bytes a token of bf16 KV for SmolLM2 (30 layers x 2 x 3 heads x 64 x 2 bytes).
 pool_bytes=$((4 * 700 * 23040))
-for kv in $schemes; do
+for run in $runs; do
+  kv=${run%%:*} repeats=${run##*:}
   "$bin" batch --prompts-file "$tmp/books32.jsonl" --raw --parallel 1 --threads 2 --ctx 700 \
     --kv "$kv" >"$tmp/alone_$kv.jsonl"
   for r in $(seq "$repeats"); do
@@ -28,14 +31,16 @@ for kv in $schemes; do
     done
   done
 done
-python3 - "$tmp" "$repeats" "$schemes" "$(git -C "$root" rev-parse --short HEAD)" "$corpus" <<'PY'
+python3 - "$tmp" "$runs" "$(git -C "$root" rev-parse --short HEAD)" "$corpus" <<'PY'
 import json, statistics, sys, subprocess
-tmp, repeats, schemes, commit, corpus = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), sys.argv[4], sys.argv[5]
+tmp, runs, commit, corpus = sys.argv[1], sys.argv[2].split(), sys.argv[3], sys.argv[4]
+schemes = [r.split(":")[0] for r in runs]
+repeats_of = {r.split(":")[0]: int(r.split(":")[1]) for r in runs}
 def lines(name): return [json.loads(l) for l in open(f"{tmp}/{name}") if l.strip()]
 cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
 model_name = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name")), "?")
 out = {"commit": commit, "cpu": model_name, "threads": 2, "model": "SmolLM2-135M-Instruct Q4_1",
-       "command": f"bash bench/engine_preemption.sh {corpus} {repeats} '{' '.join(schemes)}'",
+       "command": f"bash bench/engine_preemption.sh {corpus} {' '.join(runs)}",
        "setup": "32 requests, 410-word excerpts of different books, 32 new tokens, greedy, --ctx 700, "
                 "--pool-bytes 4 x 700 x 23040 (a pool for 4 sequences)",
        "schemes": {}}
@@ -43,6 +48,7 @@ keys = ["wall_seconds", "preemptions", "swap_outs", "swapped_out_host_bytes", "s
         "host_bytes_peak", "swap_seconds", "recomputed_tokens", "recompute_seconds", "prefill_tokens",
         "steps", "generated_tok_per_s"]
 for kv in schemes:
+    repeats = repeats_of[kv]
     alone = lines(f"alone_{kv}.jsonl")
     per = {}
     for policy in ("recompute", "swap"):

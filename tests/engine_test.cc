@@ -328,9 +328,10 @@ TEST(Engine, PreemptsOnASmallPoolAndStillGivesEveryOutput) {
 }
 
 // Swap preemption on SmolLM2 for bf16, gaac (the model's calibration: slots, raw fallbacks and
-// tails GAAC-coded in host memory) and rtn8 with the meter: every output is the one it has alone,
-// and so is its certificate (the meter's telemetry travels with the swapped sequence). Prompts
-// are prefilled whole (rtn8 is not chunking invariant), decode runs past a partial block.
+// tails GAAC-coded in host memory), rtn8 with the meter and bf16 with the sparse tier: every output
+// is the one it has alone, and so are its certificate and sparse budget (the meter's telemetry and
+// the key index travel with the swapped sequence). Prompts are prefilled whole (rtn8 is not
+// chunking invariant), decode runs past a partial block.
 TEST(Engine, SwapPreemptionGivesEachRequestItsOutputAndMeterAloneSmolLM2) {
   const model::ModelConfig& c = smollm2().config();
   codec::GaacShape shape;
@@ -351,9 +352,15 @@ TEST(Engine, SwapPreemptionGivesEachRequestItsOutputAndMeterAloneSmolLM2) {
     r.ignore_end = true;
     requests.push_back(std::move(r));
   }
-  for (cache::KvScheme scheme : {cache::KvScheme::kBf16, cache::KvScheme::kGaac, cache::KvScheme::kRtn8}) {
-    SCOPED_TRACE(cache::kv_scheme_name(scheme));
+  const std::pair<cache::KvScheme, bool> configs[] = {{cache::KvScheme::kBf16, false},
+                                                      {cache::KvScheme::kGaac, false},
+                                                      {cache::KvScheme::kRtn8, false},
+                                                      {cache::KvScheme::kBf16, true}};
+  for (const auto& [scheme, sparse] : configs) {
+    SCOPED_TRACE(std::string(cache::kv_scheme_name(scheme)) + (sparse ? " sparse" : ""));
     EngineConfig cfg;
+    cfg.backend.sparse.enabled = sparse;
+    cfg.backend.sparse.window_tokens = 16;
     cfg.backend.context_tokens = 64;
     cfg.backend.pool_tokens = 64;  // one whole sequence
     cfg.backend.kv_scheme = scheme;
@@ -382,6 +389,13 @@ TEST(Engine, SwapPreemptionGivesEachRequestItsOutputAndMeterAloneSmolLM2) {
       EXPECT_EQ(t.meter_cells, a.meter_cells) << "request " << j;
       EXPECT_EQ(t.meter_max, a.meter_max) << "request " << j;
       EXPECT_EQ(t.meter_p99, a.meter_p99) << "request " << j;
+      EXPECT_EQ(t.sparse, sparse);
+      EXPECT_EQ(t.sparse_budget, a.sparse_budget) << "request " << j;
+      // The first two (the second is the one swapped out) run past two windows of 16 tokens, so
+      // their decode steps attend a Top-p selection of indexed blocks; the third (24 tokens) never does.
+      if (sparse && j < 2) {
+        EXPECT_LT(t.sparse_budget, 1.0) << "request " << j << " attended a selection";
+      }
     }
     expect_same_outcomes(together, alone);
     if (scheme == cache::KvScheme::kRtn8) {

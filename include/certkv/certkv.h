@@ -428,8 +428,8 @@ const char* certkv_version(void);
 /* Requests go to a scheduler that runs one batched forward step at a time: every decoding
  * request's next token, then chunks of the prompts being prefilled, within step_tokens. Whole
  * prompt blocks are shared between requests that begin alike; when the pool runs out, the newest
- * request is preempted (swapped to host memory, or recomputed later). A request's logits are those of running it alone
- * (batch invariance; docs/engine.md). */
+ * request is preempted (swapped to host memory, or recomputed later). A request's logits are
+ * those of running it alone (batch invariance; docs/engine.md). */
 typedef struct certkv_engine certkv_engine;
 
 typedef struct certkv_engine_params {

@@ -1,6 +1,8 @@
 // GAAC without a calibration step: the model's calibration made from a public-domain text that
 // ships with certkv (a passage of Dickens' A Tale of Two Cities, gaac_calibration_text.txt),
 // run through the model once, and cached in a file so that later runs load it.
+// A calibration from the text beat one made online from the first prefill on the held-out KV of
+// other books (docs/engine.md, bench/gaac_self_calibration.sh), so there is no online mode.
 //
 // The calibration is the one `certkv codec --calib` makes from a KV dump of the same text: the
 // post-RoPE K and the V of every (layer, kv_head) of one prefill of up to 4,096 tokens (fewer when
