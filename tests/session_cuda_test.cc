@@ -533,9 +533,9 @@ TEST_F(SessionCuda, LossyDevicePagesAndMetersAgainstTheReferences) {
             const codec::LossyPageSpec spec = host.lossy_spec(layer, cache::KvTensor(kv), h);
             host.read_exact_page(table[b], layer, cache::KvTensor(kv), h, exact_block.data());
             std::vector<uint8_t> want(codec::lossy_page_bytes(spec));
-            ASSERT_TRUE(codec::lossy_encode_page_ref(spec, uint32_t(page.slot), exact_block.data(), want.data()));
+            ASSERT_TRUE(codec::lossy_encode_page_ref(spec, uint32_t(b), exact_block.data(), want.data()));
             ASSERT_EQ(page.bytes, want);
-            codec::lossy_decode_page_ref(spec, uint32_t(page.slot), page.bytes.data(), block.data());
+            codec::lossy_decode_page_ref(spec, uint32_t(b), page.bytes.data(), block.data());
             std::copy(block.begin(), block.end(), dst);
             if (kv == 0) continue;
             if (dither8) {

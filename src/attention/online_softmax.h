@@ -151,13 +151,11 @@ inline void load_tile(const TableReader& r, int64_t begin, int64_t end, float* o
                            ref.storage == format::StorageClass::kDither8)) {
       // Lossy pages are always whole blocks: reconstruct the page, keep the rows asked for.
       if (n == bt) {
-        codec::lossy_decode_page(*r.lossy, cache.lossy_page_slot(ref), cache.page_bytes_of(ref),
-                                     rows);
+        codec::lossy_decode_page(*r.lossy, uint32_t(start / bt), cache.page_bytes_of(ref), rows);
       } else {
         thread_local std::vector<float> page;
         page.resize(size_t(bt) * d);
-        codec::lossy_decode_page(*r.lossy, cache.lossy_page_slot(ref), cache.page_bytes_of(ref),
-                                     page.data());
+        codec::lossy_decode_page(*r.lossy, uint32_t(start / bt), cache.page_bytes_of(ref), page.data());
         std::copy(page.begin(), page.begin() + size_t(n) * d, rows);
       }
     } else {

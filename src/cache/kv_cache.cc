@@ -483,7 +483,7 @@ SwappedKv KvCache::swap_out(SeqId seq) {
   return out;
 }
 
-void KvCache::swap_in_page(int layer, KvTensor kv, int kv_head, const SwappedKv& swapped,
+void KvCache::swap_in_page(int layer, KvTensor kv, int kv_head, int64_t block, const SwappedKv& swapped,
                            const SwappedKv::Page& page, PageRef& ref) {
   if (page.ref.storage == raw_class_) {
     const uint32_t p = bf16_pool_->allocate();
@@ -508,7 +508,9 @@ void KvCache::swap_in_page(int layer, KvTensor kv, int kv_head, const SwappedKv&
       get_host_block(layer, kv, kv_head, page.exact, swapped.bytes_,
                      reinterpret_cast<uint8_t*>(exact.data()));
       if (lossy_scheme_ == codec::LossyScheme::kDither8) {
-        if (!codec::lossy_encode_page_ref(lossy_spec(layer, kv, kv_head), p, exact.data(), pool.data(p))) {
+        // Keyed by the block's position, the dither comes out as it was before the swap.
+        if (!codec::lossy_encode_page_ref(lossy_spec(layer, kv, kv_head), uint32_t(block), exact.data(),
+                                          pool.data(p))) {
           fail_cache(StatusCode::kInternal, "swap in: a dither8 block that was encoded once no longer encodes");
         }
       } else {
@@ -551,9 +553,9 @@ SeqId KvCache::swap_in(const SwappedKv& swapped) {
         for (int h = 0; h < config_.n_kv_heads; ++h) {
           const size_t t = table_index(layer, KvTensor(kv_i), h);
           s.tables[t].reserve(swapped.tables_[t].size());
-          for (const SwappedKv::Page& page : swapped.tables_[t]) {
+          for (size_t b = 0; b < swapped.tables_[t].size(); ++b) {
             PageRef ref{};
-            swap_in_page(layer, KvTensor(kv_i), h, swapped, page, ref);
+            swap_in_page(layer, KvTensor(kv_i), h, int64_t(b), swapped, swapped.tables_[t][b], ref);
             s.tables[t].push_back(ref);
           }
         }
@@ -678,10 +680,10 @@ void KvCache::make_raw(int layer, KvTensor kv, int kv_head, PageRef& ref) {
   ref = raw_ref(page);
 }
 
-void KvCache::finalize_block(int layer, KvTensor kv, int kv_head, const uint8_t* block,
+void KvCache::finalize_block(int layer, KvTensor kv, int kv_head, int64_t block_index, const uint8_t* block,
                              PageRef& ref) {
   if (lossy_) {
-    finalize_lossy(layer, kv, kv_head, block, ref);
+    finalize_lossy(layer, kv, kv_head, block_index, block, ref);
     return;
   }
   const size_t pair = size_t(layer) * 2 + size_t(kv);
@@ -741,7 +743,7 @@ void KvCache::choose_outliers(int layer, int kv_head, const float* x, int64_t n_
   outliers_chosen_[i] = 1;
 }
 
-void KvCache::finalize_lossy(int layer, KvTensor kv, int kv_head, const uint8_t* block,
+void KvCache::finalize_lossy(int layer, KvTensor kv, int kv_head, int64_t block_index, const uint8_t* block,
                              PageRef& ref) {
   const uint16_t* rows = reinterpret_cast<const uint16_t*>(block);
   const int bt = config_.block_tokens, d = config_.head_dim;
@@ -759,7 +761,7 @@ void KvCache::finalize_lossy(int layer, KvTensor kv, int kv_head, const uint8_t*
   lossy.storage = slot_class_;
   lossy.pool = pool_index;
   try {
-    encoded = codec::lossy_encode_page_ref(lossy_spec(layer, kv, kv_head), page, rows,
+    encoded = codec::lossy_encode_page_ref(lossy_spec(layer, kv, kv_head), uint32_t(block_index), rows,
                                            pages.data(page));
     if (encoded) store_backing(layer, kv, kv_head, block, lossy);
   } catch (...) {
@@ -860,7 +862,7 @@ void KvCache::write_coded(Sequence& s, int layer, KvTensor kv, int kv_head, cons
       // The whole block comes from this write and is final: encode it straight from the input.
       for (int64_t r = 0; r < bt; ++r)
         store_row(x_head + size_t(b * bt + r - begin) * x_stride, block_scratch_.data() + size_t(r) * row_bytes);
-      finalize_block(layer, kv, kv_head, block_scratch_.data(), ref);
+      finalize_block(layer, kv, kv_head, b, block_scratch_.data(), ref);
       continue;
     }
     make_raw(layer, kv, kv_head, ref);
@@ -882,7 +884,7 @@ void KvCache::write_coded(Sequence& s, int layer, KvTensor kv, int kv_head, cons
     if (b * bt >= begin && (b + 1) * bt <= end) continue;  // whole in this write: handled above
     PageRef& ref = table[size_t(b)];
     if (is_pending(ref) || ref.storage != raw_class_) continue;  // encoded straight from the input
-    finalize_block(layer, kv, kv_head, raw_page_mutable(ref), ref);
+    finalize_block(layer, kv, kv_head, b, raw_page_mutable(ref), ref);
   }
 }
 
@@ -1075,7 +1077,7 @@ void KvCache::read_token_range(SeqId seq, int layer, KvTensor kv, int kv_head, i
       }
       if (decoded_block != b) {
         decoded_lossy.resize(size_t(bt) * size_t(d));
-        codec::lossy_decode_page_ref(lossy_spec(layer, kv, kv_head), lossy_page_slot(ref),
+        codec::lossy_decode_page_ref(lossy_spec(layer, kv, kv_head), uint32_t(b),
                                      page_bytes_of(ref), decoded_lossy.data());
         decoded_block = b;
       }

@@ -119,9 +119,9 @@ class KvCache;
 // A sequence swapped out of a cache into host memory (KvCache::swap_out), to be swapped back in
 // by the same cache (KvCache::swap_in) bit for bit. What host memory holds per page:
 //   - a GAAC slot (gaac, gaac-fp8) or a lossy page: its bytes as they are (a lossy page with
-//     the exact block of its backing store, itself coded as a raw block below; dither8, whose
-//     dither is keyed by the physical slot, keeps only the exact block and is encoded again
-//     into its new slot at swap_in);
+//     the exact block of its backing store, itself coded as a raw block below; dither8 keeps
+//     only the exact block and is encoded again at swap_in, into the same bytes: its dither is
+//     keyed by the block's position);
 //   - a raw page (a tail, a block that stayed raw, every page of the bf16 and fp8 schemes):
 //     GAAC-coded with the cache's calibration when the cache has one (the gaac schemes, and the
 //     lossy schemes given one for their backing store) and the block fits its slot, else raw.
@@ -277,8 +277,6 @@ class KvCache {
   // Lossy schemes: what the pages of (layer, K/V, kv_head) are (the outlier pairs point into the
   // cache and are fixed once chosen). REQUIRES: a lossy scheme, indices in range.
   codec::LossyPageSpec lossy_spec(int layer, KvTensor kv, int kv_head) const;
-  // The physical slot of a lossy page (the dither8 generator's counter). REQUIRES: a lossy page.
-  uint32_t lossy_page_slot(format::PageRef ref) const { return ref.page; }
   // Repairs logical block `block` of (seq, layer, kv_head): K and V pages of a lossy class are
   // replaced, in this sequence's tables only, by raw bf16 pages copied from the backing store
   // (repaired blocks read exact values and carry no witness). Returns the bytes paged in (0 when
@@ -338,7 +336,7 @@ class KvCache {
   void read_token_range(SeqId seq, int layer, KvTensor kv, int kv_head, int64_t begin,
                         int64_t end, bool exact, float* out) const;
   void write_coded(Sequence& s, int layer, KvTensor kv, int kv_head, const float* x, int64_t n);
-  void finalize_lossy(int layer, KvTensor kv, int kv_head, const uint8_t* block,
+  void finalize_lossy(int layer, KvTensor kv, int kv_head, int64_t block_index, const uint8_t* block,
                       format::PageRef& ref);
   // The GAAC slot pools of config_.gaac_calibration (checked against the cache's shape), one per
   // distinct slot stride, with slot_bytes_ and slot_pool_of_ for each (layer, K/V).
@@ -353,8 +351,9 @@ class KvCache {
   void release_backing(format::PageRef lossy);
   void choose_outliers(int layer, int kv_head, const float* x, int64_t n_rows, size_t row_stride);
   // Replaces `ref` by the encoded block (a slot when it fits, else a raw page holding `block`;
-  // an owned raw `ref` is reused for that). block: one raw page's data.
-  void finalize_block(int layer, KvTensor kv, int kv_head, const uint8_t* block,
+  // an owned raw `ref` is reused for that). block: one raw page's data; block_index: its index in
+  // the sequence (dither8's counter: a page's values never depend on its physical slot).
+  void finalize_block(int layer, KvTensor kv, int kv_head, int64_t block_index, const uint8_t* block,
                       format::PageRef& ref);
   // A block that stays raw: `ref` becomes an owned raw page holding `block` (one raw page's data).
   void keep_block_raw(const uint8_t* block, format::PageRef& ref);
@@ -365,7 +364,7 @@ class KvCache {
   void get_host_block(int layer, KvTensor kv, int kv_head, const SwappedKv::HostBlock& hb,
                       const std::vector<uint8_t>& bytes, uint8_t* block) const;
   // Swap: one page back into the pool (the caller releases `ref` on failure).
-  void swap_in_page(int layer, KvTensor kv, int kv_head, const SwappedKv& swapped,
+  void swap_in_page(int layer, KvTensor kv, int kv_head, int64_t block, const SwappedKv& swapped,
                     const SwappedKv::Page& page, format::PageRef& ref);
   // Makes `ref` an owned raw page holding the same rows (a pending entry gets a fresh page).
   void make_raw(int layer, KvTensor kv, int kv_head, format::PageRef& ref);

@@ -141,7 +141,7 @@ TEST_P(LossyCacheTest, ReconstructionIsTheCodecsDecodeOfTheStoredPage) {
     const PageRef ref = cache.block_table(seq, 1, KvTensor(kv), 1)[3];
     ASSERT_NE(ref.storage, StorageClass::kBf16);
     std::vector<float> want(size_t(bt) * d), got(size_t(bt) * d);
-    codec::lossy_decode_page_ref(cache.lossy_spec(1, KvTensor(kv), 1), cache.lossy_page_slot(ref),
+    codec::lossy_decode_page_ref(cache.lossy_spec(1, KvTensor(kv), 1), 3,
                                  cache.page_bytes_of(ref), want.data());
     cache.read_token_range_ref(seq, 1, KvTensor(kv), 1, 3 * bt, 4 * bt, got.data());
     EXPECT_EQ(got, want);

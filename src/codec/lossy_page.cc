@@ -322,22 +322,22 @@ std::vector<uint8_t> outlier_channels(const LossyPageSpec& spec) {
   return mask;
 }
 
-uint64_t dither8_counter(const Geometry& g, uint32_t page_slot, int row) {
-  return uint64_t(page_slot) * uint64_t(g.bt) + uint64_t(row);
+uint64_t dither8_counter(const Geometry& g, uint32_t block, int row) {
+  return uint64_t(block) * uint64_t(g.bt) + uint64_t(row);
 }
 
 // x^ = s (round(x / s + xi) - xi) with s = amax / 126.5 stored fp16 (DESIGN.md section 4, Tier B).
 // Every operand of x / s + xi is exact in double and the double result rounds to the same
 // integer as the exact value (docs/format/dither8.md), so q is round(x / s16 + xi) exactly.
 // V pages are not dithered (xi = 0): the certificate's value side is the deterministic rho.
-bool encode_dither8(const LossyPageSpec& spec, const Geometry& g, uint32_t page_slot,
+bool encode_dither8(const LossyPageSpec& spec, const Geometry& g, uint32_t block,
                     const uint16_t* x, uint8_t* page) {
   const std::vector<uint8_t> outlier = outlier_channels(spec);
   const size_t record = dither8_record_bytes(g);
   for (int t = 0; t < g.bt; ++t) {
     const uint16_t* row = x + size_t(t) * g.d;
     uint8_t* rec = page + size_t(t) * record;
-    const uint64_t counter = dither8_counter(g, page_slot, t);
+    const uint64_t counter = dither8_counter(g, block, t);
     for (int grp = 0; grp < g.groups; ++grp) {
       const int c0 = grp * kQuantGroup;
       float amax = 0.0f;
@@ -368,13 +368,13 @@ bool encode_dither8(const LossyPageSpec& spec, const Geometry& g, uint32_t page_
   return true;
 }
 
-void decode_dither8(const LossyPageSpec& spec, const Geometry& g, uint32_t page_slot,
+void decode_dither8(const LossyPageSpec& spec, const Geometry& g, uint32_t block,
                     const uint8_t* page, float* out) {
   const size_t record = dither8_record_bytes(g);
   for (int t = 0; t < g.bt; ++t) {
     const uint8_t* rec = page + size_t(t) * record;
     float* row = out + size_t(t) * g.d;
-    const uint64_t counter = dither8_counter(g, page_slot, t);
+    const uint64_t counter = dither8_counter(g, block, t);
     for (int c = 0; c < g.d; ++c) {
       const float s = fp16_to_float(load_u16(rec + g.d + 2 * size_t(c / kQuantGroup)));
       // q - xi is exact in float (a multiple of 2^-9 below 127.5 in magnitude); V: xi = 0.
@@ -560,7 +560,7 @@ size_t lossy_page_bytes(const LossyPageSpec& spec) {
   return payload_bytes_of(spec) + side_bytes_of(spec);
 }
 
-bool lossy_encode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const uint16_t* x,
+bool lossy_encode_page_ref(const LossyPageSpec& spec, uint32_t block, const uint16_t* x,
                            uint8_t* page) {
   const Geometry g = geometry_of(spec);
   const size_t n = size_t(g.bt) * size_t(g.d);
@@ -590,14 +590,14 @@ bool lossy_encode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const 
       encoded = encode_kivi2(g, spec.key, x, page);
       break;
     case LossyScheme::kDither8:
-      encoded = encode_dither8(spec, g, page_slot, x, page);
+      encoded = encode_dither8(spec, g, block, x, page);
       break;
   }
   if (!encoded) return false;
   // The side data describes exactly what attention will read: the decoded page. A reconstruction
   // that is not finite (E5M2 overflows to Inf above 57344) is refused like a non-finite input.
   std::vector<float> recon(n);
-  lossy_decode_page_ref(spec, page_slot, page, recon.data());
+  lossy_decode_page_ref(spec, block, page, recon.data());
   for (float v : recon) {
     if (!std::isfinite(v)) return false;
   }
@@ -607,7 +607,7 @@ bool lossy_encode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const 
   return true;
 }
 
-void lossy_decode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const uint8_t* page,
+void lossy_decode_page_ref(const LossyPageSpec& spec, uint32_t block, const uint8_t* page,
                            float* out) {
   const Geometry g = geometry_of(spec);
   switch (spec.scheme) {
@@ -630,7 +630,7 @@ void lossy_decode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const 
       decode_kivi2(g, spec.key, page, out);
       break;
     case LossyScheme::kDither8:
-      decode_dither8(spec, g, page_slot, page, out);
+      decode_dither8(spec, g, block, page, out);
       break;
   }
 }
@@ -690,7 +690,7 @@ void decode_rtn_rows(const Geometry& g, int bits, const uint8_t* page, float* ou
 
 }  // namespace
 
-void lossy_decode_page(const LossyPageSpec& spec, uint32_t page_slot, const uint8_t* page,
+void lossy_decode_page(const LossyPageSpec& spec, uint32_t block, const uint8_t* page,
                        float* out) {
   const Geometry g = geometry_of(spec);
   const size_t n = size_t(g.bt) * size_t(g.d);
@@ -715,7 +715,7 @@ void lossy_decode_page(const LossyPageSpec& spec, uint32_t page_slot, const uint
       decode_rtn_rows(g, spec.scheme == LossyScheme::kRtn8 ? 8 : 4, page, out);
       return;
     case LossyScheme::kKivi2:
-      lossy_decode_page_ref(spec, page_slot, page, out);
+      lossy_decode_page_ref(spec, block, page, out);
       return;
     case LossyScheme::kDither8:
       break;
@@ -733,7 +733,7 @@ void lossy_decode_page(const LossyPageSpec& spec, uint32_t page_slot, const uint
     float* row = out + size_t(t) * g.d;
     if (spec.key) {
       const uint32_t row_seed =
-          format::dither8_row_seed(spec.dither_key, dither8_counter(g, page_slot, t));
+          format::dither8_row_seed(spec.dither_key, dither8_counter(g, block, t));
       for (int w = 0; w < g.d / 4; ++w) words[w] = format::dither8_word(row_seed, w);
       std::memcpy(u, words, size_t(g.d));
       for (int c = 0; c < g.d; ++c) xi[c] = (float(u[c]) + 0.5f) / 256.0f - 0.5f;

@@ -89,9 +89,11 @@ struct LossyPageSpec {
   int head_dim = 0;  // multiple of 32 (kQuantGroup), at most 256
   RopePairing pairing = RopePairing::kInterleaved;
   WitnessCode witness = WitnessCode::kFp16;  // Tier A K pages; ignored by other pages
-  // dither8 K pages: the dither of element (row, channel) of the page stored at physical slot
-  // `page_slot` is dither8_xi(dither_key, page_slot * block_tokens + row, channel); the key names
-  // (layer, K/V, kv_head) (dither8_key). Never the sequence position. V pages are not dithered
+  // dither8 K pages: the dither of element (row, channel) of the page of block `block` (its
+  // position in its sequence / block_tokens) is dither8_xi(dither_key, block * block_tokens + row,
+  // channel); the key names (layer, K/V, kv_head) (dither8_key). Never the physical slot: a page's
+  // values do not depend on where it is stored (batch invariance, swapping, shared prefixes, which
+  // sit at the same positions in every sequence sharing them). V pages are not dithered
   // (the certificate's value side is the deterministic rho): their key is ignored.
   uint64_t dither_key = 0;
   // dither8 K pages: the m RoPE pairs kept exact (bf16) and excluded from the group amax, fixed
@@ -114,17 +116,18 @@ size_t lossy_payload_bytes(const LossyPageSpec& spec);
 // Writes lossy_page_bytes(spec) bytes at `page`, including the witness (Tier A K pages) or rho
 // (Tier A V pages). Returns false, leaving `page` unspecified, when a value is not finite or a
 // scale does not fit fp16 (the caller keeps the block exact and counts the event).
-// page_slot: the physical slot the page will live in (dither8; ignored by other schemes).
-bool lossy_encode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const uint16_t* x,
+// block: the block's index in its sequence (position / block_tokens; dither8's counter, ignored
+// by other schemes).
+bool lossy_encode_page_ref(const LossyPageSpec& spec, uint32_t block, const uint16_t* x,
                            uint8_t* page);
 
 // The reconstruction attention reads. out: [block_tokens][head_dim] float.
-void lossy_decode_page_ref(const LossyPageSpec& spec, uint32_t page_slot, const uint8_t* page,
+void lossy_decode_page_ref(const LossyPageSpec& spec, uint32_t block, const uint8_t* page,
                            float* out);
 
 // The same floats as lossy_decode_page_ref, faster (dither8 derives the row seed once per row and
 // one 32-bit word per four channels); what attention reads. out: [block_tokens][head_dim] float.
-void lossy_decode_page(const LossyPageSpec& spec, uint32_t page_slot, const uint8_t* page,
+void lossy_decode_page(const LossyPageSpec& spec, uint32_t block, const uint8_t* page,
                        float* out);
 
 // Tier A K pages of WitnessCode::kFp16: witness [witness_bands(head_dim)][block_tokens] fp16 bits
@@ -158,7 +161,7 @@ void dither8_value_rho(const LossyPageSpec& spec, const uint8_t* page, float* rh
 //                                                            channel / 4), channel),
 // 8 bits of one 32-bit hash per four channels of a row, so it is an odd multiple of 2^-9, exact
 // in float and fp16, and the grid is symmetric with mean zero. See docs/format/dither8.md.
-// counter = page_slot * block_tokens + row (below 2^44).
+// counter = block * block_tokens + row (below 2^44).
 // REQUIRES: 0 <= channel < 256 (certkv::Error otherwise).
 float dither8_xi(uint64_t key, uint64_t counter, int channel);
 // The generator key of (layer, K or V, kv_head).

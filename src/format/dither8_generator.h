@@ -5,7 +5,7 @@
 //
 // One 32-bit seed per page row, then one 32-bit word per four channels, 8 bits each:
 //   row_seed = dither8_row_seed(key, counter)      key = dither8_key(layer, K/V, kv_head)
-//                                                  counter = page_slot * block_tokens + row
+//                                                  counter = block * block_tokens + row
 //   word_w   = dither8_word(row_seed, w)           serves channels 4w .. 4w + 3 (w < 64)
 //   u_c      = dither8_u(word_{c / 4}, c)          byte c % 4 of the word
 //   xi_c     = (u_c + 1/2) / 256 - 1/2             an odd multiple of 2^-9 in (-1/2, 1/2),
@@ -31,7 +31,7 @@ CERTKV_HD constexpr uint32_t dither8_fmix32(uint32_t h) {
 }
 
 // The seed of one page row. Every bit of the 64-bit key and of the 64-bit counter enters it
-// (the counter is below 2^44: page_slot < 2^32, block_tokens <= 4096).
+// (the counter is below 2^44: block < 2^32, block_tokens <= 4096).
 CERTKV_HD constexpr uint32_t dither8_row_seed(uint64_t key, uint64_t counter) {
   const uint32_t r = dither8_fmix32(uint32_t(counter) ^ uint32_t(key >> 32));
   return dither8_fmix32(r ^ uint32_t(counter >> 32) ^ uint32_t(key));

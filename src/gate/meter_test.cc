@@ -911,7 +911,7 @@ TEST(TierB, DitherMonteCarloStaysWithinDelta) {
 }
 
 // The same check on the codec's dither8 pages (src/codec/lossy_page.h): each draw encodes the
-// same block at another physical slot, which regenerates its dither. The radius adds the
+// same block at another block position, which regenerates its dither. The radius adds the
 // codec's deterministic slack sm_scale sum_c |q_c| s_c kDither8Slack (its 2^8-cell dither);
 // outlier pairs are exact and leave sigma2.
 struct Dither8Run {

@@ -78,7 +78,7 @@ struct DeviceDecodeStats {
 struct DevicePage {
   bool gaac_slot = false;
   bool lossy_page = false;
-  int32_t slot = -1;           // a slot's or lossy page's index in its pool (dither8's counter)
+  int32_t slot = -1;           // a slot's or lossy page's index in its pool
   std::vector<uint8_t> bytes;  // a slot's used bytes, a lossy page, or a raw page
 };
 

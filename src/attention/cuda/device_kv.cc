@@ -211,7 +211,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
     for (int m = 0; m < 3; ++m) mode_counts[m] += counts[m];
     if (counts[1] + counts[2] == 0) ++pages_without_escapes;
   };
-  auto encode = [&](int64_t id, bool key, int32_t slot, uint8_t* page, bool record_reconstruction) -> size_t {
+  auto encode = [&](int64_t id, bool key, uint8_t* page, bool record_reconstruction) -> size_t {
     int b, h;
     int64_t j;
     locate(id, &b, &h, &j);
@@ -258,11 +258,11 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
       }
       default: {
         const codec::LossyPageSpec spec = r.lossy_spec(key, h);
-        if (!codec::lossy_encode_page_ref(spec, uint32_t(slot), rows, page)) {
+        if (!codec::lossy_encode_page_ref(spec, uint32_t(j), rows, page)) {  // dither8: keyed by the block
           failed = true;
           return 0;
         }
-        codec::lossy_decode_page_ref(spec, uint32_t(slot), page, read);
+        codec::lossy_decode_page_ref(spec, uint32_t(j), page, read);
         stored = codec::lossy_page_bytes(spec);
         if (key && record_reconstruction) {
           if (dither) {
@@ -305,7 +305,8 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
     return stored;
   };
 
-  // Tiled KV: encode the distinct blocks once (slot-independent formats only).
+  // Tiled KV: encode the distinct blocks once (not dither8, whose pages depend on the block's
+  // position).
   const bool reuse = kv.period_blocks > 0 && !dither && !options.keep_reconstruction;
   std::vector<uint8_t> k_unique, v_unique;
   std::vector<size_t> k_unique_used, v_unique_used;
@@ -318,8 +319,8 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
     const int64_t per_head = n_unique / H;
     parallel_for(n_unique, [&](int64_t u) {
       const int64_t id = (u / per_head) * blocks[0] + u % per_head;  // sequence 0, head u / per_head
-      k_unique_used[size_t(u)] = encode(id, true, 0, k_unique.data() + size_t(u) * k_stride, false);
-      v_unique_used[size_t(u)] = encode(id, false, 0, v_unique.data() + size_t(u) * v_stride, false);
+      k_unique_used[size_t(u)] = encode(id, true, k_unique.data() + size_t(u) * k_stride, false);
+      v_unique_used[size_t(u)] = encode(id, false, v_unique.data() + size_t(u) * v_stride, false);
     });
   }
 
@@ -344,7 +345,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
         std::copy_n((key ? k_unique : v_unique).data() + u * stride, stride, page);
         stored = (key ? k_unique_used : v_unique_used)[u];
       } else {
-        stored = encode(id, key != 0, slot, page, options.keep_reconstruction);
+        stored = encode(id, key != 0, page, options.keep_reconstruction);
       }
       if (stored == 0) {
         std::lock_guard<std::mutex> lock(raw_mutex);

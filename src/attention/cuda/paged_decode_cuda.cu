@@ -234,7 +234,7 @@ __device__ inline const uint16_t (*exact_page_query(const CtaShared<D, F>& sh))[
 struct PageRef {
   const uint8_t* bytes;  // null: corrupt entry
   bool raw;              // a raw page: a GAAC page stored raw, or an exact bf16 page of a lossy format
-  int32_t slot;          // the device slot (dither8 key counter)
+  int32_t slot;          // the table entry
 };
 
 __device__ inline PageRef page_ref(const uint8_t* pages, int64_t stride, int64_t n_pages,
@@ -1145,7 +1145,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
     } else if constexpr (Traits::kTierB) {
       if (kref.bytes != nullptr) {  // corrupt: scores 0, scales 0 (c = 0)
         const uint8_t* const rows[2] = {tiles.stage_k[st] + key_rows_at[0], tiles.stage_k[st] + key_rows_at[1]};
-        const uint64_t counter = uint64_t(uint32_t(kref.slot)) * kBlockTokens + uint64_t(tq);
+        const uint64_t counter = uint64_t(blk) * kBlockTokens + uint64_t(tq);  // the block's position
         const uint32_t seeds[2] = {format::dither8_row_seed(k_dither_key, counter),
                                    format::dither8_row_seed(k_dither_key, counter + 8)};
         dither8_key_scores<D>(rows, seeds, hq, qb, keep, neg_offset, key_scale, s);

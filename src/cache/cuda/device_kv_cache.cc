@@ -680,7 +680,7 @@ CudaStatus DeviceKvCache::finalize_lossy(int slot, int layer_index, int64_t bloc
         if (!s.ok) return s;
         codec::cuda::LossyEncodeTask t;
         t.src = reinterpret_cast<const uint16_t*>(layer.raw.buffer.data() + size_t(-int64_t(entry) - 1) * layer.raw.stride);
-        t.page_slot = uint32_t(page);
+        t.block = uint32_t(b);  // dither8's counter: the block's position, never the slot
         if (dither8) t.dither_key = codec::dither8_key(layer_index, kv == 0, h);
         if (kv == 0 && m > 0)
           t.outlier_pairs = reinterpret_cast<const uint16_t*>(layer.outlier_pairs.data()) + size_t(h) * m;

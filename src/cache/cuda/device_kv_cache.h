@@ -93,7 +93,7 @@ struct DeviceLayerView {
 struct DevicePageBytes {
   bool gaac_slot = false;      // a GAAC slot
   bool lossy_page = false;     // a lossy page (neither: a raw page)
-  int32_t slot = -1;           // the slot's index in its pool (a lossy page's dither8 counter)
+  int32_t slot = -1;           // the slot's index in its pool
   std::vector<uint8_t> bytes;  // the slot's used bytes (fixed part + escapes), the lossy page, or
                                // the raw page
 };

@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(kThreads)
     const double s = double(fp16_to_float(s16));
     int q = 0;
     if (quantized && s != 0.0) {
-      const uint64_t counter = uint64_t(task.page_slot) * uint64_t(g.block_tokens) + uint64_t(t);
+      const uint64_t counter = uint64_t(task.block) * uint64_t(g.block_tokens) + uint64_t(t);
       const double xi = g.dithered ? double(dither8_xi(format::dither8_row_seed(task.dither_key, counter), c)) : 0.0;
       q = __double2int_rn(__dadd_rn(__ddiv_rn(double(x), s), xi));
     }

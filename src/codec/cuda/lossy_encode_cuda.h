@@ -27,8 +27,8 @@ struct LossyEncodeTask {
   const uint16_t* src = nullptr;
   // lossy_page_bytes(spec) bytes, any alignment; nothing past them is written.
   uint8_t* dst = nullptr;
-  // The physical slot the page will live in: lossy_encode_page_ref's page_slot (dither8 counter).
-  uint32_t page_slot = 0;
+  // The block's index in its sequence: lossy_encode_page_ref's block (dither8's counter).
+  uint32_t block = 0;
   // dither8: dither8_key(layer, K or V, kv_head) of the page's head. Ignored by the fp8 casts.
   uint64_t dither_key = 0;
   // dither8 K pages with spec.n_outlier_pairs = m > 0: [m] pair indices of the page's head,

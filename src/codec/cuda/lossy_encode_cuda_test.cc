@@ -339,7 +339,7 @@ RunSummary encode_and_compare(const Shape& s, int n_pages, uint64_t seed) {
     LossyEncodeTask& t = tasks[i];
     t.src = reinterpret_cast<const uint16_t*>(d_src.data()) + src_offset[i];
     t.dst = d_dst.data() + dst_offset[i];
-    t.page_slot = pages[i].slot;
+    t.block = pages[i].slot;
     t.dither_key = pages[i].dither_key;
     t.outlier_pairs = m > 0 ? reinterpret_cast<const uint16_t*>(d_lists.data()) + i * m : nullptr;
   }
@@ -493,7 +493,7 @@ TEST(LossyEncodeCuda, Dither8OutlierListsThatBreakTheRuleAreRefused) {
   for (int i = 0; i < n_tasks; ++i) {
     tasks[size_t(i)].src = reinterpret_cast<const uint16_t*>(d_src.data());
     tasks[size_t(i)].dst = d_dst.data() + size_t(i) * page_bytes;
-    tasks[size_t(i)].page_slot = page.slot;
+    tasks[size_t(i)].block = page.slot;
     tasks[size_t(i)].dither_key = page.dither_key;
     tasks[size_t(i)].outlier_pairs = task_lists[i];
   }
