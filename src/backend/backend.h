@@ -133,6 +133,11 @@ struct BackendConfig {
   // recent window (-1: the scheme's defaults, cache::KvCacheConfig).
   int outlier_pairs = -1;
   int recent_window_tokens = -1;
+  // dither8: the outlier pairs fixed for the model ([n_layers][n_kv_heads][m] pair indices,
+  // cache::KvCacheConfig::fixed_outlier_pairs), so that a page depends on its block alone and
+  // dither8 is batch invariant; the engine fixes them from the built-in calibration text
+  // (engine/outlier_pair_calibration.h). Null: chosen from the first rows the pool holds.
+  std::shared_ptr<const std::vector<uint16_t>> outlier_pair_table;
   // Tier A lossy kv_schemes: how K pages store the meter's witness (cache::KvCacheConfig).
   codec::WitnessCode witness = codec::WitnessCode::kFp16;
   MeterConfig meter;

@@ -131,6 +131,21 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
     for (int j = 0; j < n_outlier_pairs_; ++j) placeholder[size_t(j)] = uint16_t(j);
     outliers_.assign(size_t(config.n_layers) * size_t(config.n_kv_heads), placeholder);
     outliers_chosen_.assign(outliers_.size(), 0);
+    if (config.fixed_outlier_pairs) {
+      const std::vector<uint16_t>& fixed = *config.fixed_outlier_pairs;
+      if (fixed.size() != outliers_.size() * size_t(n_outlier_pairs_))
+        fail(StatusCode::kInvalidArgument,
+             "config.fixed_outlier_pairs holds " + std::to_string(fixed.size()) + " pair indices, not " +
+                 std::to_string(outliers_.size() * size_t(n_outlier_pairs_)) +
+                 " (n_layers x n_kv_heads x outlier pairs)");
+      for (size_t i = 0; i < outliers_.size(); ++i) {
+        std::copy_n(fixed.begin() + ptrdiff_t(i * size_t(n_outlier_pairs_)), n_outlier_pairs_, outliers_[i].begin());
+        outliers_chosen_[i] = 1;
+      }
+      // Each head's list as a page spec takes it (in range, increasing).
+      for (int layer = 0; layer < config.n_layers; ++layer)
+        for (int h = 0; h < config.n_kv_heads; ++h) codec::validate_lossy_page_spec(lossy_spec(layer, KvTensor::kKey, h));
+    }
     const uint64_t tables_per_kv = uint64_t(config.n_layers) * uint64_t(config.n_kv_heads);
     for (int kv = 0; kv < 2; ++kv) {
       codec::LossyPageSpec spec = lossy_spec(0, KvTensor(kv), 0);

@@ -73,6 +73,10 @@ struct KvCacheConfig {
   // dither8: RoPE pairs of each (layer, kv_head) kept exact and excluded from the scale, chosen
   // once, from the first rows written (select_outlier_pairs). -1 picks the default (4).
   int outlier_pairs = -1;
+  // dither8: the pairs fixed for the model, [n_layers][n_kv_heads][m] pair indices (each head's
+  // increasing), m the count above; null: chosen from the first rows written, whichever sequence
+  // writes them (then a page depends on which sequence wrote first: not batch invariant).
+  std::shared_ptr<const std::vector<uint16_t>> fixed_outlier_pairs;
   // Lossy schemes: a complete block stays raw bf16 while its last position is among the newest
   // recent_window_tokens written (KIVI's full-precision window). -1 picks the scheme's default:
   // 128 for kivi2, 0 for the others.

@@ -394,3 +394,52 @@ TEST(LossyCache, BadConfigurationsAreClearErrors) {
 
 }  // namespace
 }  // namespace certkv::cache
+
+namespace certkv::cache {
+namespace {
+
+// dither8 with its outlier pairs fixed for the model: every head's pairs are the given ones from
+// the start, whatever is written first; a table of the wrong size or with a bad list is refused.
+TEST(LossyCacheFixedOutlierPairs, TheGivenPairsHoldFromTheStart) {
+  KvCacheConfig config;
+  config.n_layers = 2;
+  config.n_kv_heads = 2;
+  config.head_dim = 64;
+  config.block_tokens = 16;
+  config.max_tokens = 64;
+  config.scheme = KvScheme::kDither8;
+  config.outlier_pairs = 3;
+  auto table = std::make_shared<std::vector<uint16_t>>();
+  for (int i = 0; i < 4; ++i)
+    for (uint16_t p : {uint16_t(1 + i), uint16_t(7 + i), uint16_t(20 + i)}) table->push_back(p);
+  config.fixed_outlier_pairs = table;
+  KvCache cache(config);
+  for (int layer = 0; layer < 2; ++layer)
+    for (int h = 0; h < 2; ++h) {
+      const codec::LossyPageSpec spec = cache.lossy_spec(layer, KvTensor::kKey, h);
+      ASSERT_EQ(spec.n_outlier_pairs, 3);
+      const int i = layer * 2 + h;
+      EXPECT_EQ(std::vector<uint16_t>(spec.outlier_pairs, spec.outlier_pairs + 3),
+                (std::vector<uint16_t>{uint16_t(1 + i), uint16_t(7 + i), uint16_t(20 + i)}));
+    }
+  // A write of large keys on other channels leaves them as they were.
+  const SeqId seq = cache.create_sequence();
+  std::vector<float> k(size_t(32) * 2 * 64, 0.5f), v(k.size(), 0.25f);
+  for (size_t e = 0; e < k.size(); e += 64) k[e + 40] = 1000.f;
+  cache.reserve(seq, 32);
+  for (int layer = 0; layer < 2; ++layer) cache.write(seq, layer, k.data(), v.data(), 32);
+  cache.commit(seq, 32);
+  const codec::LossyPageSpec after = cache.lossy_spec(1, KvTensor::kKey, 1);
+  EXPECT_EQ(std::vector<uint16_t>(after.outlier_pairs, after.outlier_pairs + 3), (std::vector<uint16_t>{4, 10, 23}));
+  KvCacheConfig short_table = config;
+  short_table.fixed_outlier_pairs = std::make_shared<std::vector<uint16_t>>(table->begin(), table->end() - 1);
+  EXPECT_THROW(KvCache{short_table}, Error);
+  KvCacheConfig unordered = config;
+  auto bad = std::make_shared<std::vector<uint16_t>>(*table);
+  (*bad)[1] = 0;  // head 0: 1, 0, 20
+  unordered.fixed_outlier_pairs = bad;
+  EXPECT_THROW(KvCache{unordered}, Error);
+}
+
+}  // namespace
+}  // namespace certkv::cache

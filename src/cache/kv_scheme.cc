@@ -52,7 +52,7 @@ constexpr KvSchemeInfo kTable[kNumKvSchemes] = {
      MeterTier::kA, 128, false, true},
     {KvScheme::kDither8, "dither8", "certified tier: dithered int8, Tier B certificate",
      GaacElement::kBf16, StorageClass::kDither8, false, false, false, true, LossyScheme::kDither8,
-     MeterTier::kB, 0, true, false},
+     MeterTier::kB, 0, true, true},
 };
 
 constexpr bool table_in_enum_order() {

@@ -58,10 +58,9 @@ struct KvSchemeInfo {
   MeterTier tier;
   int default_window_tokens;  // lossy: newest tokens kept bf16 unless configured
   bool cuda_route;            // the CUDA device route serves it (model/device_decode.h)
-  // A sequence's logits do not depend on which other sequences share the pool. dither8 is not:
-  // its dither is keyed by the block's position (docs/format/dither8.md), but its outlier RoPE
-  // pairs are chosen once per (layer, kv_head) for the whole cache, from whichever sequence
-  // writes a block there first.
+  // A sequence's logits do not depend on which other sequences share the pool. dither8 holds
+  // it with its outlier pairs fixed for the model (BackendConfig::outlier_pair_table, which the
+  // engine sets); its dither is keyed by the block's position (docs/format/dither8.md).
   bool batch_invariant;
 };
 

@@ -5,6 +5,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "core/status.h"
+#include "engine/outlier_pair_calibration.h"
 #include "format/utf8.h"
 
 namespace certkv::engine {
@@ -94,7 +95,16 @@ Engine::Engine(const model::Model& model, const EngineConfig& config)
   if (config.preemption != Preemption::kRecompute && config.preemption != Preemption::kSwap)
     fail(StatusCode::kInvalidArgument,
          "preemption " + std::to_string(int(config.preemption)) + " is not one of: swap, recompute");
-  backend_ = backend::make_backend(model, config.backend);
+  backend::check_backend_config(model, config_.backend);
+  // dither8: the outlier pairs fixed for the model, so that a sequence's pages never depend on
+  // which other sequence wrote first (engine/outlier_pair_calibration.h).
+  if (config_.backend.kv_scheme == cache::KvScheme::kDither8 && !config_.backend.outlier_pair_table) {
+    const int m = config_.backend.outlier_pairs < 0 ? cache::kDefaultOutlierPairs : config_.backend.outlier_pairs;
+    if (m > 0)
+      config_.backend.outlier_pair_table =
+          outlier_pairs_from_text(model, m, config_.backend.block_tokens, config_.backend.n_threads);
+  }
+  backend_ = backend::make_backend(model, config_.backend);
   const cache::KvScheme scheme = config.backend.kv_scheme;
   const int window_tokens = config.backend.recent_window_tokens >= 0
                                 ? config.backend.recent_window_tokens

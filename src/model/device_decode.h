@@ -45,6 +45,7 @@ struct DeviceDecoderConfig {
   // the Tier B failure probability of one (layer, head, step) cell (gate::local_delta).
   codec::RopePairing rope_pairing = codec::RopePairing::kInterleaved;
   int outlier_pairs = -1;
+  std::shared_ptr<const std::vector<uint16_t>> fixed_outlier_pairs;  // dither8 (KvCacheConfig's)
   double delta_loc = 1e-8;
   // fp8 schemes: the K pages' Tier A witness code (fp16 bounds or u8 codes).
   codec::WitnessCode witness = codec::WitnessCode::kFp16;

@@ -37,6 +37,7 @@ CpuBackend::CpuBackend(const model::Model& model, const BackendConfig& config)
   kv.rope_pairing = c.rope_layout == RopeLayout::kInterleaved ? codec::RopePairing::kInterleaved
                                                               : codec::RopePairing::kHalfSplit;
   kv.outlier_pairs = config.outlier_pairs;
+  kv.fixed_outlier_pairs = config.outlier_pair_table;
   kv.recent_window_tokens = config.recent_window_tokens;
   kv.witness = config.witness;
   const MeterConfig& meter = config.meter;
@@ -90,6 +91,7 @@ CpuBackend::CpuBackend(const model::Model& model, const BackendConfig& config)
     dc.gaac_calibration = config.gaac_calibration;
     dc.rope_pairing = kv.rope_pairing;
     dc.outlier_pairs = config.outlier_pairs;
+    dc.fixed_outlier_pairs = config.outlier_pair_table;
     dc.witness = config.witness;
     dc.delta_loc = delta_loc_;
     dc.sparse = sparse.enabled;

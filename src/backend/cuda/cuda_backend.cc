@@ -78,6 +78,7 @@ class CudaBackend final : public Backend {
     kc.rope_pairing = c.rope_layout == model::RopeLayout::kInterleaved ? codec::RopePairing::kInterleaved
                                                                       : codec::RopePairing::kHalfSplit;
     kc.outlier_pairs = config.outlier_pairs;
+    kc.fixed_outlier_pairs = config.outlier_pair_table;
     kc.witness = config.witness;
     kc.sequences = 0;
     throw_if_failed(cache::cuda::DeviceKvCache::create(kc, &cache_));

@@ -224,6 +224,23 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
     }
     c->layers_.push_back(std::move(layer));
   }
+  if (s.ok && n_outlier_pairs > 0 && config.fixed_outlier_pairs) {
+    const std::vector<uint16_t>& fixed = *config.fixed_outlier_pairs;
+    if (fixed.size() != size_t(config.n_layers) * size_t(H) * size_t(n_outlier_pairs))
+      return cuda_error(StatusCode::kInvalidArgument,
+                        "device KV cache: fixed_outlier_pairs holds " + std::to_string(fixed.size()) +
+                            " pair indices, not n_layers x n_kv_heads x " + std::to_string(n_outlier_pairs));
+    for (int l = 0; s.ok && l < config.n_layers; ++l)
+      for (int h = 0; s.ok && h < H; ++h) {
+        const uint16_t* pairs = fixed.data() + (size_t(l) * size_t(H) + size_t(h)) * size_t(n_outlier_pairs);
+        for (int j = 0; j < n_outlier_pairs; ++j)
+          if (pairs[j] >= D / 2 || (j > 0 && pairs[j] <= pairs[j - 1]))
+            return cuda_error(StatusCode::kInvalidArgument,
+                              "device KV cache: fixed outlier pairs of layer " + std::to_string(l) + ", kv head " +
+                                  std::to_string(h) + " are not increasing pair indices below head_dim / 2");
+        s = c->set_outliers(l, h, pairs);
+      }
+  }
   if (s.ok) s = c->grow_slots(std::max(config.sequences, 1));
   for (int i = 0; s.ok && i < config.sequences; ++i) {
     int slot = 0;
@@ -605,20 +622,26 @@ codec::LossyPageSpec DeviceKvCache::lossy_spec(bool key) const {
 
 CudaStatus DeviceKvCache::choose_outliers(int layer_index, int kv_head, const float* rows, int n_rows,
                                           size_t row_stride) {
-  Layer& layer = *layers_[size_t(layer_index)];
   const int D = config_.head_dim;
   const int m = n_outlier_pairs_;
   std::vector<float> x(size_t(n_rows) * D);
   for (int r = 0; r < n_rows; ++r) std::copy_n(rows + size_t(r) * row_stride, D, x.begin() + size_t(r) * D);
   std::vector<uint16_t> pairs(static_cast<size_t>(m), 0);
   codec::select_outlier_pairs(x.data(), n_rows, D, config_.rope_pairing, m, pairs.data());
+  return set_outliers(layer_index, kv_head, pairs.data());
+}
+
+CudaStatus DeviceKvCache::set_outliers(int layer_index, int kv_head, const uint16_t* pairs) {
+  Layer& layer = *layers_[size_t(layer_index)];
+  const int D = config_.head_dim;
+  const int m = n_outlier_pairs_;
   // The kernels' channel list: pair j's first channel, then its second (the record's order).
   std::vector<int32_t> channels(size_t(2) * m);
   for (int j = 0; j < m; ++j)
     for (int which = 0; which < 2; ++which)
       channels[size_t(2 * j + which)] = codec::rope_pair_channel(config_.rope_pairing, D, pairs[size_t(j)], which);
   CudaStatus s = cuda_check(cudaMemcpyAsync(layer.outlier_pairs.data() + sizeof(uint16_t) * size_t(kv_head) * m,
-                                            pairs.data(), sizeof(uint16_t) * size_t(m), cudaMemcpyHostToDevice,
+                                            pairs, sizeof(uint16_t) * size_t(m), cudaMemcpyHostToDevice,
                                             as_stream(config_.stream)),
                             "outlier pair upload");
   if (s.ok)

@@ -55,6 +55,9 @@ struct DeviceKvCacheConfig {
   int outlier_pairs = -1;
   // fp8 schemes: how the K pages store their Tier A witness (fp16 bounds or u8 codes).
   codec::WitnessCode witness = codec::WitnessCode::kFp16;
+  // dither8: the outlier pairs fixed for the model (KvCacheConfig::fixed_outlier_pairs, the same
+  // layout); null: chosen from the first rows written, as KvCache does.
+  std::shared_ptr<const std::vector<uint16_t>> fixed_outlier_pairs;
   void* stream = nullptr;  // cudaStream_t for every call; null: the default stream
   // Sequences live at create (slots 0 .. sequences - 1); more come from create_sequence.
   int sequences = 1;
@@ -199,6 +202,8 @@ class DeviceKvCache {
   // dither8: notes the rows of a write for the choice of outlier pairs (KvCache's rule).
   CudaStatus note_outlier_rows(int layer_index, int64_t first, const float* k, int64_t n);
   CudaStatus choose_outliers(int layer_index, int kv_head, const float* rows, int n_rows, size_t row_stride);
+  // Uploads the m pairs of (layer, kv_head) (and the kernels' channels) and marks them chosen.
+  CudaStatus set_outliers(int layer_index, int kv_head, const uint16_t* pairs);
   codec::LossyPageSpec lossy_spec(bool key) const;
   CudaStatus upload_tables(const Layer& layer);
   CudaStatus upload_table_blocks(const Layer& layer, int slot, int64_t block_begin, int64_t block_end);

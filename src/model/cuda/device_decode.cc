@@ -44,6 +44,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     kc.gaac_calibration = config.gaac_calibration;
     kc.rope_pairing = config.rope_pairing;
     kc.outlier_pairs = config.outlier_pairs;
+    kc.fixed_outlier_pairs = config.fixed_outlier_pairs;
     kc.witness = config.witness;
     // Refuse a shape the kernels do not serve (head_dim, block_tokens, GQA ratio: the checks
     // that come before any buffer's) before device memory is taken.
