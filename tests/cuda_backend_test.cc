@@ -28,6 +28,7 @@
 #include "core/status.h"
 #include "engine/engine.h"
 #include "engine/outlier_pair_calibration.h"
+#include "backend_test_support.h"
 #include "gaac_e2e_support.h"
 #include "model/model.h"
 #include "model/sampler.h"
@@ -35,6 +36,10 @@
 
 namespace certkv::backend {
 namespace {
+
+using testing::expect_bit_identical;
+using testing::ragged_prompts;
+using testing::run_batched;
 
 std::string env_or(const char* name, const std::string& fallback) {
   const char* v = std::getenv(name);
@@ -95,79 +100,10 @@ class CudaBackendTest : public ::testing::Test {
   }
 };
 
-std::vector<std::vector<int32_t>> ragged_prompts(std::vector<int> lengths, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int32_t> tok(3, 4000);
-  std::vector<std::vector<int32_t>> out;
-  for (int n : lengths) {
-    std::vector<int32_t> p(static_cast<size_t>(n));
-    for (int32_t& t : p) t = tok(rng);
-    p[0] = 1;
-    out.push_back(std::move(p));
-  }
-  return out;
-}
-
-// The prompts through one backend, then decode_steps greedy tokens each; per sequence the logits
-// of every forward that ended its input. chunk: prompt tokens per step of each sequence; rotate:
-// the batch order turns by one each step.
-std::vector<std::vector<float>> run_batched(const BackendConfig& cfg, const std::vector<std::vector<int32_t>>& prompts,
-                                            const std::vector<int>& chunk, bool rotate, int decode_steps) {
-  std::unique_ptr<Backend> be = make_backend(smollm2(), cfg);
-  const int32_t nv = smollm2().config().n_vocab;
-  const size_t n = prompts.size();
-  std::vector<cache::SeqId> seqs;
-  for (size_t i = 0; i < n; ++i) seqs.push_back(be->create_sequence());
-  std::vector<std::vector<int32_t>> tokens = prompts;
-  std::vector<int64_t> done(n, 0);
-  std::vector<int> decoded(n, 0);
-  std::vector<std::vector<float>> out(n);
-  std::vector<float> logits(n * size_t(nv));
-  for (int step = 0;; ++step) {
-    std::vector<BatchItem> items;
-    std::vector<size_t> who;
-    for (size_t k = 0; k < n; ++k) {
-      const size_t i = rotate ? (k + size_t(step)) % n : k;
-      const int64_t left = int64_t(tokens[i].size()) - done[i];
-      if (left == 0) continue;
-      BatchItem it;
-      it.seq = seqs[i];
-      it.tokens = tokens[i].data() + done[i];
-      it.n = std::min<int64_t>(left, chunk[i]);
-      it.end_of_input = done[i] + it.n == int64_t(tokens[i].size());
-      it.last_logits = it.end_of_input ? &logits[items.size() * size_t(nv)] : nullptr;
-      items.push_back(it);
-      who.push_back(i);
-    }
-    if (items.empty()) break;
-    be->forward(items);
-    for (size_t j = 0; j < items.size(); ++j) {
-      const size_t i = who[j];
-      done[i] += items[j].n;
-      if (!items[j].last_logits) continue;
-      out[i].insert(out[i].end(), items[j].last_logits, items[j].last_logits + nv);
-      if (decoded[i]++ < decode_steps) tokens[i].push_back(model::argmax(items[j].last_logits, nv));
-    }
-  }
-  return out;
-}
-
-void expect_bit_identical(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b,
-                          const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (size_t i = 0; i < a.size(); ++i) {
-    ASSERT_EQ(a[i].size(), b[i].size()) << what << " sequence " << i;
-    ASSERT_FALSE(a[i].empty());
-    for (float x : a[i]) ASSERT_TRUE(std::isfinite(x)) << what;
-    EXPECT_EQ(std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)), 0)
-        << what << ": sequence " << i << " differs";
-  }
-}
-
 TEST_F(CudaBackendTest, BatchInvarianceOnTheDeviceForEveryServedScheme) {
   // Ragged prompts past one split (32 blocks = 512 tokens) so that sequences of a batch have
   // different split counts.
-  const std::vector<std::vector<int32_t>> prompts = ragged_prompts({1, 3, 17, 40, 530}, 7);
+  const std::vector<std::vector<int32_t>> prompts = ragged_prompts(smollm2(), {1, 3, 17, 40, 530}, 7);
   const int decode_steps = 4;
   int checked = 0;
   for (const cache::KvSchemeInfo& s : cache::kv_schemes()) {
@@ -175,12 +111,12 @@ TEST_F(CudaBackendTest, BatchInvarianceOnTheDeviceForEveryServedScheme) {
     SCOPED_TRACE(s.name);
     const BackendConfig cfg = device_config(s.scheme, 544, 544 * 6);
     std::vector<std::vector<float>> alone(prompts.size());
-    for (size_t i = 0; i < prompts.size(); ++i) alone[i] = run_batched(cfg, {prompts[i]}, {1 << 20}, false, decode_steps)[0];
+    for (size_t i = 0; i < prompts.size(); ++i) alone[i] = run_batched(smollm2(), cfg, {prompts[i]}, {1 << 20}, false, decode_steps)[0];
     const std::vector<int> whole(prompts.size(), 1 << 20);
-    expect_bit_identical(alone, run_batched(cfg, prompts, whole, false, decode_steps), "one batch");
-    expect_bit_identical(alone, run_batched(cfg, prompts, whole, true, decode_steps), "rotating batch");
+    expect_bit_identical(alone, run_batched(smollm2(), cfg, prompts, whole, false, decode_steps), "one batch");
+    expect_bit_identical(alone, run_batched(smollm2(), cfg, prompts, whole, true, decode_steps), "rotating batch");
     if (s.chunking_invariant)
-      expect_bit_identical(alone, run_batched(cfg, prompts, {1, 2, 5, 16, 97}, true, decode_steps),
+      expect_bit_identical(alone, run_batched(smollm2(), cfg, prompts, {1, 2, 5, 16, 97}, true, decode_steps),
                            "ragged chunks, rotating batch");
     if (HasFatalFailure()) return;
     ++checked;
@@ -248,7 +184,7 @@ TEST_F(CudaBackendTest, LogitsAgreeWithTheCpuBackend) {
 // Requests of different books' lengths, greedy.
 std::vector<engine::RequestParams> requests_of(const std::vector<int>& lengths, int max_tokens, uint64_t seed) {
   std::vector<engine::RequestParams> out;
-  for (const std::vector<int32_t>& p : ragged_prompts(lengths, seed)) {
+  for (const std::vector<int32_t>& p : ragged_prompts(smollm2(), lengths, seed)) {
     engine::RequestParams r;
     r.prompt = p;
     r.max_tokens = max_tokens;
@@ -319,9 +255,9 @@ TEST_F(CudaBackendTest, EngineBatchesSharesAndPreemptsOnTheDevice) {
     }
     {
       // Four requests sharing a 160-token prefix.
-      const std::vector<int32_t> prefix = ragged_prompts({160}, 3)[0];
+      const std::vector<int32_t> prefix = ragged_prompts(smollm2(), {160}, 3)[0];
       std::vector<engine::RequestParams> shared;
-      for (const std::vector<int32_t>& tail : ragged_prompts({5, 9, 2, 20}, 4)) {
+      for (const std::vector<int32_t>& tail : ragged_prompts(smollm2(), {5, 9, 2, 20}, 4)) {
         engine::RequestParams r;
         r.prompt = prefix;
         r.prompt.insert(r.prompt.end(), tail.begin() + 1, tail.end());

@@ -9,6 +9,19 @@
 
 namespace certkv::backend {
 
+void report_meter(const gate::Telemetry& all, const std::vector<gate::Telemetry>& layers, SequenceReport& r) {
+  r.metered = true;
+  r.meter_cells = all.cells();
+  r.meter_max = all.overflow() > 0 ? 1.0 : all.max();
+  r.meter_p99 = all.quantile(0.99);
+  r.coverage = all.cells() > 0 ? all.coverage() : 1.0;
+  r.gate_repairs = all.repairs();
+  r.layers.clear();
+  for (const gate::Telemetry& l : layers)
+    r.layers.push_back({l.overflow() > 0 ? 1.0 : l.max(), l.quantile(0.99), l.cells() > 0 ? l.coverage() : 1.0,
+                        l.cells(), l.repairs()});
+}
+
 CheckedConfig check_backend_config(const model::Model& model, const BackendConfig& config) {
   const model::ModelConfig& c = model.config();
   CheckedConfig out;

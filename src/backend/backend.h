@@ -19,6 +19,7 @@
 #include "attention/decode_attention.h"
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
+#include "gate/telemetry.h"
 #include "gate/recent_step_meters.h"
 #include "index/rotation.h"
 #include "model/model.h"
@@ -238,6 +239,10 @@ class Backend {
   // empty when not metered). Every forward() that runs rows begins a step of it.
   virtual const gate::RecentStepMeters& recent_meters() const = 0;
 };
+
+// The meter part of a SequenceReport (metered, cells, max, p99, coverage, gate repairs and the
+// same per layer) from a sequence's telemetry over all its cells and per layer.
+void report_meter(const gate::Telemetry& all, const std::vector<gate::Telemetry>& layers, SequenceReport& report);
 
 // What every backend checks of its configuration before it takes any memory, and what follows
 // from it. Throws certkv::Error kInvalidArgument naming the field: a negative context, a pool

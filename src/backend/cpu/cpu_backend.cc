@@ -280,17 +280,7 @@ SequenceReport CpuBackend::report(cache::SeqId seq) const {
   const SequenceState& st = state(seq);
   SequenceReport r;
   r.metered = metered_;
-  if (metered_) {
-    const gate::Telemetry& t = *st.telemetry;
-    r.meter_cells = t.cells();
-    r.meter_max = t.overflow() > 0 ? 1.0 : t.max();
-    r.meter_p99 = t.quantile(0.99);
-    r.coverage = t.cells() > 0 ? t.coverage() : 1.0;
-    r.gate_repairs = t.repairs();
-    for (const gate::Telemetry& l : st.layer_telemetry)
-      r.layers.push_back({l.overflow() > 0 ? 1.0 : l.max(), l.quantile(0.99), l.cells() > 0 ? l.coverage() : 1.0,
-                          l.cells(), l.repairs()});
-  }
+  if (metered_) report_meter(*st.telemetry, st.layer_telemetry, r);
   r.sparse = config_.sparse.enabled;
   if (st.sparse_stats.cells > 0) r.sparse_budget = st.sparse_stats.sum_budget / double(st.sparse_stats.cells);
   return r;

@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "attention/cuda/device_layer_params.h"
 #include "attention/cuda/paged_decode_cuda.h"
 #include "backend/host_forward.h"
 #include "cache/cuda/device_kv_cache.h"
@@ -155,16 +156,7 @@ class CudaBackend final : public Backend {
     const SequenceState& st = state(seq);
     SequenceReport r;
     r.metered = metered_;
-    if (metered_) {
-      const gate::Telemetry& t = *st.telemetry;
-      r.meter_cells = t.cells();
-      r.meter_max = t.overflow() > 0 ? 1.0 : t.max();
-      r.meter_p99 = t.quantile(0.99);
-      r.coverage = t.cells() > 0 ? t.coverage() : 1.0;
-      for (const gate::Telemetry& l : st.layer_telemetry)
-        r.layers.push_back({l.overflow() > 0 ? 1.0 : l.max(), l.quantile(0.99), l.cells() > 0 ? l.coverage() : 1.0,
-                            l.cells(), l.repairs()});
-    }
+    if (metered_) report_meter(*st.telemetry, st.layer_telemetry, r);
     return r;
   }
 
@@ -288,26 +280,7 @@ PagedDecodeParams CudaBackend::layer_params(int layer) const {
   p.rope_half_split = c.rope_layout != model::RopeLayout::kInterleaved;
   p.witness = config_.witness;
   p.delta_loc = delta_loc_;
-  p.k_pages = v.k_pages;
-  p.v_pages = v.v_pages;
-  p.k_page_stride = v.k_page_stride;
-  p.v_page_stride = v.v_page_stride;
-  p.n_k_pages = v.n_k_pages;
-  p.n_v_pages = v.n_v_pages;
-  p.k_raw_pages = p.v_raw_pages = v.raw_pages;
-  p.raw_page_stride = v.raw_page_stride;
-  p.n_k_raw_pages = p.n_v_raw_pages = v.n_raw_pages;
-  p.k_table = v.k_table;
-  p.v_table = v.v_table;
-  p.table_stride = v.table_stride;
-  p.table_row_stride = v.table_row_stride;
-  p.n_table_rows = v.n_table_rows;
-  p.gaac_bases = v.gaac_bases;
-  p.k_escape_capacity = v.k_escape_capacity;
-  p.v_escape_capacity = v.v_escape_capacity;
-  p.dither_keys = v.dither_keys;
-  p.outlier_channels = v.outlier_channels;
-  p.n_outlier_pairs = v.n_outlier_pairs;
+  attention::cuda::set_layer_pages(v, p);
   p.split_blocks = kSplitBlocks;
   return p;
 }

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "attention/cuda/device_layer_params.h"
 #include "attention/cuda/paged_decode_cuda.h"
 #include "attention/cuda/sparse_decode_cuda.h"
 #include "cache/cuda/device_kv_cache.h"
@@ -269,26 +270,9 @@ class CudaDeviceDecoder final : public DeviceDecoder {
   // The kernels' view of one layer of the device cache (pools, tables, lengths, codec fields).
   attention::cuda::PagedDecodeParams layer_params(const cache::cuda::DeviceLayerView& v) const {
     attention::cuda::PagedDecodeParams p = params_template();
-    p.k_pages = v.k_pages;
-    p.v_pages = v.v_pages;
-    p.k_page_stride = v.k_page_stride;
-    p.v_page_stride = v.v_page_stride;
-    p.n_k_pages = v.n_k_pages;
-    p.n_v_pages = v.n_v_pages;
-    p.k_raw_pages = p.v_raw_pages = v.raw_pages;
-    p.raw_page_stride = v.raw_page_stride;
-    p.n_k_raw_pages = p.n_v_raw_pages = v.n_raw_pages;
-    p.k_table = v.k_table;
-    p.v_table = v.v_table;
-    p.table_stride = v.table_stride;
+    attention::cuda::set_layer_pages(v, p);
     p.seq_lens = v.length;
     p.max_seq_len = v.host_length;
-    p.gaac_bases = v.gaac_bases;
-    p.k_escape_capacity = v.k_escape_capacity;
-    p.v_escape_capacity = v.v_escape_capacity;
-    p.dither_keys = v.dither_keys;
-    p.outlier_channels = v.outlier_channels;
-    p.n_outlier_pairs = v.n_outlier_pairs;
     return p;
   }
 
