@@ -28,8 +28,6 @@ case "${1:-}" in
     wt=/tmp/certkv-ab-base
     git -C "$root" worktree remove --force "$wt" 2>/dev/null || rm -rf "$wt"
     git -C "$root" worktree add --detach "$wt" "$rev" >/dev/null
-    # The base tree's tests read ../shared as the main tree does.
-    [ -e /tmp/shared ] || ln -sfn "$root/../shared" /tmp/shared
     cmake -S "$wt" -B "$wt/build-cuda" -DCERTKV_CUDA=ON -DCERTKV_NATIVE=OFF -DCERTKV_BUILD_BENCH=ON >/dev/null
     cmake --build "$wt/build-cuda" -j"$(nproc)" --target certkv_cuda_decode_bench
     mkdir -p "$root/.basebin"
