@@ -163,7 +163,7 @@ class CudaBackend final : public Backend {
   std::vector<cache::ClassBytes> sequence_bytes(cache::SeqId seq) const override {
     const cache::cuda::DeviceSequenceBytes b = cache_->sequence_bytes(state(seq).slot);
     std::vector<cache::ClassBytes> out{{raw_class(), b.raw}};
-    if (config_.kv_scheme != cache::KvScheme::kBf16) out.push_back({coded_class(), b.coded});
+    if (coded_class() != raw_class()) out.push_back({coded_class(), b.coded});
     return out;
   }
 
@@ -181,7 +181,7 @@ class CudaBackend final : public Backend {
     raw.pages_in_use = uint64_t(s.raw_pages_in_use);
     raw.n_pools = 1;
     m.by_class.push_back(raw);
-    if (config_.kv_scheme != cache::KvScheme::kBf16) {
+    if (coded_class() != raw_class()) {
       cache::StorageClassStats coded{};
       coded.storage = coded_class();
       coded.page_bytes_in_use = s.coded_bytes_in_use;
@@ -231,17 +231,12 @@ class CudaBackend final : public Backend {
   uint64_t pages_per_block() const {
     return uint64_t(model_.config().n_layers) * 2 * uint64_t(model_.config().n_kv_heads);
   }
+  // The classes of the device's raw pages and of its coded full blocks, from the scheme table.
   format::StorageClass raw_class() const {
-    return config_.kv_scheme == cache::KvScheme::kGaacE5M2 ? format::StorageClass::kFp8 : format::StorageClass::kBf16;
+    return cache::kv_scheme_info(config_.kv_scheme).element == format::GaacElement::kBf16 ? format::StorageClass::kBf16
+                                                                                         : format::StorageClass::kFp8;
   }
-  format::StorageClass coded_class() const {
-    switch (config_.kv_scheme) {
-      case cache::KvScheme::kGaac: return format::StorageClass::kGaac;
-      case cache::KvScheme::kGaacE5M2: return format::StorageClass::kGaacFp8;
-      case cache::KvScheme::kDither8: return format::StorageClass::kDither8;
-      default: return format::StorageClass::kLossy;
-    }
-  }
+  format::StorageClass coded_class() const { return cache::kv_scheme_info(config_.kv_scheme).full_blocks; }
   PagedDecodeParams layer_params(int layer) const;
   void ensure_step_buffers(size_t n_rows);
   void attend_layer(int layer, const std::vector<RowGroup>& groups, const float* q_all, float* out_all,
