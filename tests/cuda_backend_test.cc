@@ -3,7 +3,7 @@
 // many sequences over one device page pool, against the CPU backend and against themselves.
 //  - Batch invariance on the device: every scheme the backend serves and the table marks batch
 //    invariant gives each sequence the same logits bit for bit alone, in ragged batches and at any
-//    position; those the table marks chunking invariant also under ragged prefill chunks.
+//    position, and under ragged prefill chunks (lossy pages too).
 //  - The logits agree with the CPU backend's (f32 activations, bf16 pages): teacher forced over
 //    a book passage, max KL below 1e-3 and top-1 agreement at every position but one.
 //  - The engine on the device: continuous batching, prefix sharing and preemption on a small pool
@@ -115,9 +115,8 @@ TEST_F(CudaBackendTest, BatchInvarianceOnTheDeviceForEveryServedScheme) {
     const std::vector<int> whole(prompts.size(), 1 << 20);
     expect_bit_identical(alone, run_batched(smollm2(), cfg, prompts, whole, false, decode_steps), "one batch");
     expect_bit_identical(alone, run_batched(smollm2(), cfg, prompts, whole, true, decode_steps), "rotating batch");
-    if (s.chunking_invariant)
-      expect_bit_identical(alone, run_batched(smollm2(), cfg, prompts, {1, 2, 5, 16, 97}, true, decode_steps),
-                           "ragged chunks, rotating batch");
+    expect_bit_identical(alone, run_batched(smollm2(), cfg, prompts, {1, 2, 5, 16, 97}, true, decode_steps),
+                         "ragged chunks, rotating batch");
     if (HasFatalFailure()) return;
     ++checked;
   }
@@ -226,17 +225,13 @@ TEST_F(CudaBackendTest, EngineBatchesSharesAndPreemptsOnTheDevice) {
     const std::vector<engine::RequestParams> requests = requests_of({1, 3, 17, 140, 33, 9, 90}, 20, 11);
     const std::vector<std::vector<int32_t>> alone = run_alone(cfg, requests);
     // The engine cuts prompts into chunks by the step's budget, which the other requests share:
-    // outputs equal those alone where the table marks the scheme chunking invariant (bf16, gaac).
-    // A lossy scheme's prefill rows read the blocks their chunk completed as quantized pages, so
-    // there the chunking shows (as on the CPU): every request must still complete.
-    const bool invariant = cache::kv_scheme_info(scheme).chunking_invariant;
+    // outputs still equal those alone (a lossy scheme's prefill rows read what a decode step at
+    // their position reads: the block their chunk completed exact, from its held raw page).
     auto expect_alone = [&](const std::vector<std::vector<int32_t>>& got, const char* what) {
       ASSERT_EQ(got.size(), alone.size()) << what;
       for (size_t i = 0; i < got.size(); ++i) {
         EXPECT_EQ(got[i].size(), alone[i].size()) << what;
-        if (invariant) {
-          EXPECT_EQ(got[i], alone[i]) << what << ": request " << i;
-        }
+        EXPECT_EQ(got[i], alone[i]) << what << ": request " << i;
       }
     };
     {
@@ -272,9 +267,7 @@ TEST_F(CudaBackendTest, EngineBatchesSharesAndPreemptsOnTheDevice) {
       for (const std::vector<int32_t>& t : run_engine(e, rest)) together.push_back(t);
       const std::vector<std::vector<int32_t>> shared_alone = run_alone(cfg, shared);
       for (size_t i = 0; i < together.size(); ++i)
-        if (invariant || i == 0) {
-          EXPECT_EQ(together[i], shared_alone[i]) << "prefix sharing: request " << i;
-        }
+        EXPECT_EQ(together[i], shared_alone[i]) << "prefix sharing: request " << i;
       EXPECT_GE(e.stats().shared_blocks, 3 * 10) << "each later request shares the prefix's 10 blocks";
     }
   }

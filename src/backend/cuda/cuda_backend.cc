@@ -81,6 +81,7 @@ class CudaBackend final : public Backend {
     kc.outlier_pairs = config.outlier_pairs;
     kc.fixed_outlier_pairs = config.outlier_pair_table;
     kc.witness = config.witness;
+    kc.hold_completed_exact = cache::kv_scheme_is_lossy(config.kv_scheme);
     kc.sequences = 0;
     throw_if_failed(cache::cuda::DeviceKvCache::create(kc, &cache_));
     const int64_t pool_tokens = config.pool_tokens > 0 ? config.pool_tokens : context_tokens_;
@@ -202,8 +203,12 @@ class CudaBackend final : public Backend {
     std::vector<gate::Telemetry> layer_telemetry;  // metered: [n_layers]
   };
 
-  // The rows of one launch: a prefill chunk's rows, or the metered decode rows (the meter runs on
-  // the one-token steps only, as on the CPU; which launch a row goes to depends on its own item).
+  // The rows of one launch: the metered decode rows (the meter runs on the one-token steps only,
+  // as on the CPU; which launch a row goes to depends on its own item), the other rows reading
+  // their sequence's tables, and (lossy schemes) the prefill rows whose own block their write
+  // completed: they read that block exact, as a decode step at their position reads it (the
+  // incomplete tail then), through tables of their own (`own_block_tables`).
+  enum Group : size_t { kMeteredDecode = 0, kOther = 1, kOwnBlockExact = 2, kGroups = 3 };
   struct RowGroup {
     bool metered = false;
     std::vector<int64_t> rows;  // step rows, in launch order
@@ -241,6 +246,10 @@ class CudaBackend final : public Backend {
   void ensure_step_buffers(size_t n_rows);
   void attend_layer(int layer, const std::vector<RowGroup>& groups, const float* q_all, float* out_all,
                     const std::vector<size_t>& item_of_row, std::span<const BatchItem> items);
+  // The tables of the kOwnBlockExact rows of a layer: per (sequence slot, block) their slot's
+  // tables with the block's entries naming its held exact raw pages; uploaded to
+  // own_block_tables_.
+  void upload_own_block_tables(int layer, const std::vector<std::pair<int, int64_t>>& own_blocks);
 
   const model::Model& model_;
   BackendConfig config_;
@@ -258,9 +267,35 @@ class CudaBackend final : public Backend {
   // Step buffers: queries, outputs, the meters ([3][rows][n_heads]: meter, A - 1, value side),
   // per row its length and table row; their page-locked staging; the split workspace.
   size_t step_rows_ = 0;
-  DeviceBuffer q_, out_, meters_, lens_, workspace_;
+  DeviceBuffer q_, out_, meters_, lens_, workspace_, own_block_tables_;
+  std::vector<int32_t> host_own_block_tables_;
   PinnedBuffer staging_;
 };
+
+void CudaBackend::upload_own_block_tables(int layer, const std::vector<std::pair<int, int64_t>>& own_blocks) {
+  const int64_t H = model_.config().n_kv_heads;
+  const int64_t stride = cache_->view(layer).table_stride;
+  const size_t row = size_t(2 * H * stride);
+  host_own_block_tables_.resize(own_blocks.size() * row);
+  for (size_t j = 0; j < own_blocks.size(); ++j) {
+    const int32_t* tables = cache_->host_table_row(own_blocks[j].first, layer);
+    std::copy(tables, tables + row, host_own_block_tables_.begin() + std::ptrdiff_t(j * row));
+  }
+  // The block's pages the encoder took (an entry it refused stays raw, exact already).
+  for (const cache::cuda::CompletedExactPage& page : cache_->completed_exact(layer)) {
+    for (size_t j = 0; j < own_blocks.size(); ++j) {
+      if (own_blocks[j] != std::pair<int, int64_t>{page.slot, page.block}) continue;
+      host_own_block_tables_[j * row + size_t((page.kv * H + page.kv_head) * stride + page.block)] = -page.raw_page - 1;
+    }
+  }
+  const size_t bytes = host_own_block_tables_.size() * sizeof(int32_t);
+  if (own_block_tables_.size() < bytes) {
+    throw_if_failed(cache::cuda::synchronize_stream(nullptr));  // an earlier launch may read the old one
+    throw_if_failed(DeviceBuffer::allocate(bytes, &own_block_tables_));
+  }
+  // Synchronous: the host vector is refilled by the next layer.
+  throw_if_failed(own_block_tables_.upload(0, host_own_block_tables_.data(), bytes));
+}
 
 PagedDecodeParams CudaBackend::layer_params(int layer) const {
   const model::ModelConfig& c = model_.config();
@@ -292,7 +327,8 @@ void CudaBackend::ensure_step_buffers(size_t n_rows) {
   if (meter_bytes > 0) throw_if_failed(DeviceBuffer::allocate(meter_bytes, &meters_));
   throw_if_failed(DeviceBuffer::allocate(lens_bytes, &lens_));
   // Staging: queries in, outputs and meters out, lengths and table rows in, two error words.
-  throw_if_failed(PinnedBuffer::allocate(2 * q_bytes + meter_bytes + lens_bytes + 2 * sizeof(uint32_t), &staging_));
+  throw_if_failed(
+      PinnedBuffer::allocate(2 * q_bytes + meter_bytes + lens_bytes + kGroups * sizeof(uint32_t), &staging_));
   step_rows_ = n_rows;
 }
 
@@ -308,27 +344,43 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
   if (rows.n_rows == 0) return;
   recent_meters_->begin_step();
 
-  // Row groups: the metered one-token steps in one launch, every other row in another.
-  std::vector<RowGroup> groups(2);
-  groups[0].metered = metered_;
+  // Row groups (RowGroup): the metered one-token steps, the rows reading their own block exact
+  // from a block their write completed (lossy schemes), every other row.
+  std::vector<RowGroup> groups(kGroups);
+  groups[kMeteredDecode].metered = metered_;
   std::vector<size_t> item_of_row(size_t(rows.n_rows));
+  std::vector<std::pair<int, int64_t>> own_blocks;  // (slot, block) of each kOwnBlockExact table
+  const bool lossy = cache::kv_scheme_is_lossy(config_.kv_scheme);
+  const int64_t bt = config_.block_tokens;
   for (size_t i = 0; i < items.size(); ++i) {
     const SequenceState& st = state(items[i].seq);
-    RowGroup& g = groups[metered_ && items[i].n == 1 ? 0 : 1];
+    const int64_t end = rows.pos0[i] + items[i].n;
     for (int64_t t = 0; t < items[i].n; ++t) {
-      const int64_t r = rows.row0[i] + t;
+      const int64_t r = rows.row0[i] + t, p = rows.pos0[i] + t;
+      const int64_t block_end = (p / bt + 1) * bt;
+      // A decode step at p reads its block as the incomplete tail unless p is the block's last.
+      const bool own_block_exact = lossy && block_end <= end && p + 1 < block_end;
+      RowGroup& g = groups[own_block_exact                 ? kOwnBlockExact
+                           : metered_ && items[i].n == 1 ? kMeteredDecode
+                                                           : kOther];
+      int32_t table_row = int32_t(st.slot);
+      if (own_block_exact) {
+        if (own_blocks.empty() || own_blocks.back() != std::pair<int, int64_t>{st.slot, p / bt})
+          own_blocks.emplace_back(st.slot, p / bt);
+        table_row = int32_t(own_blocks.size() - 1);
+      }
       item_of_row[size_t(r)] = i;
       g.rows.push_back(r);
-      g.seq_lens.push_back(int32_t(rows.pos0[i] + t + 1));
-      g.table_rows.push_back(int32_t(st.slot));
-      g.max_len = std::max(g.max_len, rows.pos0[i] + t + 1);
+      g.seq_lens.push_back(int32_t(p + 1));
+      g.table_rows.push_back(table_row);
+      g.max_len = std::max(g.max_len, p + 1);
     }
   }
-  groups[1].first = groups[0].rows.size();
+  for (size_t gi = 1; gi < kGroups; ++gi) groups[gi].first = groups[gi - 1].first + groups[gi - 1].rows.size();
   ensure_step_buffers(size_t(rows.n_rows));
   // Lengths and table rows, the same for every layer: uploaded once per step.
   {
-    int32_t* lens = reinterpret_cast<int32_t*>(staging_.data() + staging_.size() - 2 * sizeof(uint32_t) -
+    int32_t* lens = reinterpret_cast<int32_t*>(staging_.data() + staging_.size() - kGroups * sizeof(uint32_t) -
                                                sizeof(int32_t) * 2 * step_rows_);
     size_t at = 0;
     for (const RowGroup& g : groups) {
@@ -346,7 +398,9 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
       throw_if_failed(cache_->write(st.slot, layer, k_all + rows.row0[i] * kv_dim, v_all + rows.row0[i] * kv_dim,
                                     items[i].n));
     }
+    if (!own_blocks.empty()) upload_own_block_tables(layer, own_blocks);
     attend_layer(layer, groups, q_all, out_all, item_of_row, items);
+    cache_->release_completed_exact(layer);
   });
   for (const BatchItem& it : items) {
     SequenceState& st = state(it.seq);
@@ -363,7 +417,7 @@ void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, c
   float* host_q = reinterpret_cast<float*>(staging_.data());
   float* host_out = host_q + step_rows_ * q_dim;
   float* host_meters = host_out + step_rows_ * q_dim;
-  uint32_t* host_error = reinterpret_cast<uint32_t*>(staging_.data() + staging_.size() - 2 * sizeof(uint32_t));
+  uint32_t* host_error = reinterpret_cast<uint32_t*>(staging_.data() + staging_.size() - kGroups * sizeof(uint32_t));
   // The queries in launch order.
   size_t n_rows = 0;
   for (const RowGroup& g : groups)
@@ -381,6 +435,13 @@ void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, c
     p.seq_lens = lens + g.first;
     p.table_rows = lens + step_rows_ + g.first;
     p.max_seq_len = g.max_len;
+    if (gi == kOwnBlockExact) {
+      const int64_t row_stride = 2 * int64_t(c.n_kv_heads) * p.table_stride;
+      p.k_table = reinterpret_cast<const int32_t*>(own_block_tables_.data());
+      p.v_table = p.k_table + int64_t(c.n_kv_heads) * p.table_stride;
+      p.table_row_stride = row_stride;
+      p.n_table_rows = int64_t(host_own_block_tables_.size()) / row_stride;
+    }
     p.q = reinterpret_cast<const float*>(q_.data()) + g.first * q_dim;
     p.out = reinterpret_cast<float*>(out_.data()) + g.first * q_dim;
     if (g.metered) {
@@ -403,9 +464,10 @@ void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, c
   if (metered_ && !groups[0].rows.empty())
     throw_if_failed(meters_.download_async(0, host_meters, sizeof(float) * 3 * step_rows_ * H, nullptr));
   throw_if_failed(cache::cuda::synchronize_stream(nullptr));
-  if (host_error[0] != 0 || host_error[1] != 0)
-    fail(StatusCode::kCorrupt, "cuda backend: the attention kernels found " +
-                                   std::to_string(host_error[0] + host_error[1]) +
+  uint64_t errors = 0;
+  for (size_t gi = 0; gi < groups.size(); ++gi) errors += host_error[gi];
+  if (errors != 0)
+    fail(StatusCode::kCorrupt, "cuda backend: the attention kernels found " + std::to_string(errors) +
                                    " corrupt page entries, slots or lengths in layer " + std::to_string(layer));
   size_t at = 0;
   for (const RowGroup& g : groups)

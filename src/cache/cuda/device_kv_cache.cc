@@ -118,6 +118,7 @@ struct DeviceKvCache::Layer {
   std::vector<uint32_t> slot_used[2];  // GAAC: used bytes of each slot (read_page)
   DeviceBuffer tables;             // [slot][2][n_kv_heads][table_stride] int32
   std::vector<int32_t> host_tables;
+  std::vector<CompletedExactPage> completed_exact;  // hold_completed_exact: held raw pages
   DeviceBuffer bases;              // GAAC: [2][n_kv_heads][2][head_dim]
   DeviceBuffer dither_keys;        // dither8: [2][n_kv_heads] uint64
   DeviceBuffer outlier_pairs;      // dither8: [n_kv_heads][m] uint16 (the encoder's lists)
@@ -737,7 +738,10 @@ CudaStatus DeviceKvCache::finalize_lossy(int slot, int layer_index, int64_t bloc
           ++pages_kept_exact_;
           continue;
         }
-        layer.raw.give_back(-entry - 1);
+        if (config_.hold_completed_exact)
+          layer.completed_exact.push_back({slot, kv, h, b, -entry - 1});
+        else
+          layer.raw.give_back(-entry - 1);
         entry = slots[i];
       }
   return upload_table_blocks(layer, slot, block_begin, block_end);
@@ -789,6 +793,20 @@ CudaStatus DeviceKvCache::store_exact_block(int slot, int layer_index, int kv_he
   return s;
 }
 
+const int32_t* DeviceKvCache::host_table_row(int slot, int layer) const {
+  return layers_[size_t(layer)]->host_tables.data() + entry_index(slot, 0, 0, 0);
+}
+
+const std::vector<CompletedExactPage>& DeviceKvCache::completed_exact(int layer) const {
+  return layers_[size_t(layer)]->completed_exact;
+}
+
+void DeviceKvCache::release_completed_exact(int layer) {
+  Layer& l = *layers_[size_t(layer)];
+  for (const CompletedExactPage& page : l.completed_exact) l.raw.give_back(page.raw_page);
+  l.completed_exact.clear();
+}
+
 CudaStatus DeviceKvCache::reset() {
   // Until every table is uploaded the cache stays refused (a failed reset leaves it so).
   broken_ = true;
@@ -798,6 +816,7 @@ CudaStatus DeviceKvCache::reset() {
   pages_kept_exact_ = 0;
   // dither8's outlier pairs stay chosen, as in KvCache (fixed per (layer, kv_head) once chosen).
   for (auto& layer : layers_) {
+    layer->completed_exact.clear();
     layer->raw.clear();
     for (PagePool& p : layer->slots) p.clear();
     for (auto& used : layer->slot_used) used.clear();

@@ -58,6 +58,11 @@ struct DeviceKvCacheConfig {
   // dither8: the outlier pairs fixed for the model (KvCacheConfig::fixed_outlier_pairs, the same
   // layout); null: chosen from the first rows written, as KvCache does.
   std::shared_ptr<const std::vector<uint16_t>> fixed_outlier_pairs;
+  // Lossy schemes: the exact raw page of each block a write completes stays held, out of the
+  // free list, after the block's table entries name its lossy page, until
+  // release_completed_exact(layer): prefill rows of that write read their own block exactly from
+  // it, as a decode step at their position would (backend/cuda/cuda_backend.h).
+  bool hold_completed_exact = false;
   void* stream = nullptr;  // cudaStream_t for every call; null: the default stream
   // Sequences live at create (slots 0 .. sequences - 1); more come from create_sequence.
   int sequences = 1;
@@ -112,6 +117,16 @@ struct DeviceKvStats {
   uint64_t raw_bytes_in_use = 0;    // raw pages in use times their stride
   uint64_t coded_bytes_in_use = 0;  // GAAC slots and lossy pages in use times their stride
   int64_t sequences = 0;          // live slots
+};
+
+// The exact raw page of a block a write completed and encoded into a lossy page, held until
+// release_completed_exact (DeviceKvCacheConfig::hold_completed_exact).
+struct CompletedExactPage {
+  int slot = 0;
+  int kv = 0;  // 0: K, 1: V
+  int kv_head = 0;
+  int64_t block = 0;
+  int32_t raw_page = 0;  // index in the layer's raw pool (DeviceLayerView::raw_pages)
 };
 
 // Page bytes one sequence's tables reference (a page shared with other sequences in full).
@@ -170,6 +185,13 @@ class DeviceKvCache {
   }
   int64_t written(int layer) const { return written(0, layer); }
   DeviceLayerView view(int layer) const;
+  // One slot's tables of a layer as the host holds them: [2 (K, V)][n_kv_heads][table_stride]
+  // entries (DeviceLayerView's encoding; entries past the written blocks are unwritten).
+  const int32_t* host_table_row(int slot, int layer) const;
+  // hold_completed_exact: the exact pages of the blocks the writes to `layer` completed since its
+  // last release, and their release (back to the free list; reset() releases every one too).
+  const std::vector<CompletedExactPage>& completed_exact(int layer) const;
+  void release_completed_exact(int layer);
   const DeviceKvCacheConfig& config() const { return config_; }
   DeviceKvStats stats() const;
   DeviceSequenceBytes sequence_bytes(int slot) const;
