@@ -28,6 +28,9 @@ namespace certkv::backend {
 // Blocks per split of the device attention (PagedDecodeParams::split_blocks): 32 blocks of 16
 // tokens. Fixed, so that a sequence's logits never depend on the batch beside it.
 inline constexpr int64_t kSplitBlocks = 32;
+// Chunks of 1,024 tokens per split of sparse decode (SparseDecodeParams::split_chunks), fixed
+// for the same reason.
+inline constexpr int64_t kSplitChunks = 4;
 
 // Throws certkv::Error: kUnsupported for what the backend does not serve (naming the scheme or
 // the feature and the backend), in a build without CUDA, or with no CUDA device; the errors of
