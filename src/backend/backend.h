@@ -232,6 +232,8 @@ class Backend {
   virtual void forward(std::span<const BatchItem> items) = 0;
 
   virtual SequenceReport report(cache::SeqId seq) const = 0;
+  // The sparse tier's counters of the sequence (all zero without sparse decode).
+  virtual const SparseStats& sparse_stats(cache::SeqId seq) const = 0;
   // Bytes of the pages the sequence's tables reference, by class (shared pages in full).
   virtual std::vector<cache::ClassBytes> sequence_bytes(cache::SeqId seq) const = 0;
   virtual cache::MemoryStats memory_stats() const = 0;

@@ -191,10 +191,7 @@ class CudaBackend final : public Backend {
     return r;
   }
 
-  // The sparse tier of a sequence (tests): its counters, and how many tokens of every sparse
-  // (layer, kv head) its index holds.
-  const SparseStats& sparse_stats(cache::SeqId seq) const { return state(seq).sparse_stats; }
-  int64_t indexed_tokens(cache::SeqId seq) const { return state(seq).indexed; }
+  const SparseStats& sparse_stats(cache::SeqId seq) const override { return state(seq).sparse_stats; }
 
   std::vector<cache::ClassBytes> sequence_bytes(cache::SeqId seq) const override {
     const cache::cuda::DeviceSequenceBytes b = cache_->sequence_bytes(state(seq).slot);
