@@ -38,6 +38,7 @@ struct SparseCase {
   double deviations = 0;   // the Top-p set widened by this many estimator deviations per token
   int64_t pass_tokens = 0;  // tokens per CTA of the histogram and gather passes (0: chosen)
   EstimateForm form = EstimateForm::kChosen;  // the estimate's kernel
+  int64_t split_chunks = 0;  // SparseDecodeParams::split_chunks (0: the batch's plan)
 };
 
 struct Host {
@@ -183,6 +184,7 @@ SparseRun<D> run(const SparseCase& c, const Host& h) {
   p.n_widened = reinterpret_cast<int64_t*>(nwid_d.data());
   p.pass_tokens = c.pass_tokens;
   p.estimate_form = c.form;
+  p.split_chunks = c.split_chunks;
   const size_t ws = workspace_bytes(p);
   EXPECT_TRUE(DeviceBuffer::allocate(ws, &ws_d).ok);
   p.workspace = ws_d.data();
@@ -389,6 +391,39 @@ TEST(SparseDecodeCuda, WideningAddsTheCpuTokens) {
   check_case<128>(widened({128, 28, 4, {17, 3000, 16 * 300 + 1}, {0, 2816, 16 * 300}, 0.8, 12}, 2.0));
   check_case<64>(widened({64, 7, 1, {1500, 64}, {1280, 48}, 0.9, 13}, 3.0));
   check_case<64>(widened({64, 9, 3, {9000}, {8960}, 0.5, 14}, 0.5));
+}
+
+// With split_chunks a row's splits are its own chunks (indexed, then its window's): its output is
+// the same bit for bit alone and beside rows with longer indexes and windows, and still the
+// CPU's selection and attention (check_case).
+TEST(SparseDecodeCuda, FixedSplitsMakeARowsOutputIndependentOfTheBatch) {
+  CERTKV_NEED_CUDA_DEVICE();
+  for (int64_t split_chunks : {1, 4}) {
+    SparseCase c{64, 9, 3, {9000, 1500, 64, 4096 + 1100}, {8960, 1280, 48, 4096}, 0.9, 51};
+    c.split_chunks = split_chunks;
+    check_case<64>(c);
+    const Host h = make_inputs(c);
+    const SparseRun<64> batch = run<64>(c, h);
+    ASSERT_TRUE(batch.status.ok) << batch.status.message;
+    const size_t q_row = size_t(c.n_q_heads) * 64;
+    for (size_t b = 0; b < c.lens.size(); ++b) {
+      SparseCase one = c;
+      one.lens = {c.lens[b]};
+      one.n_indexed = {c.n_indexed[b]};
+      Host alone;
+      alone.kv.batch = 1;
+      alone.kv.n_kv_heads = c.n_kv_heads;
+      alone.kv.head_dim = 64;
+      alone.kv.lens = {c.lens[b]};
+      alone.kv.k = {h.kv.k[b]};
+      alone.kv.v = {h.kv.v[b]};
+      alone.q.assign(h.q.begin() + long(b * q_row), h.q.begin() + long((b + 1) * q_row));
+      const SparseRun<64> r = run<64>(one, alone);
+      ASSERT_TRUE(r.status.ok) << r.status.message;
+      EXPECT_EQ(std::memcmp(r.out.data(), batch.out.data() + b * q_row, q_row * sizeof(float)), 0)
+          << "split_chunks " << split_chunks << ": row " << b << " differs alone";
+    }
+  }
 }
 
 TEST(SparseDecodeCuda, PEqualOneIsDenseAttention) {
