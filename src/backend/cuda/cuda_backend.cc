@@ -247,8 +247,9 @@ class CudaBackend final : public Backend {
   // Whether a one-token step of the sequence attends sparsely in the sparse layers.
   bool sparse_row(const SequenceState& st, int64_t n) const { return n == 1 && st.index_built && st.indexed > 0; }
 
-  // The rows of one launch: a prefill chunk's rows, or the metered decode rows (the meter runs on
-  // the one-token steps only, as on the CPU; which launch a row goes to depends on its own item).
+  // The rows of one launch: a prefill chunk's rows, the metered decode rows (the meter runs on
+  // the one-token steps only, as on the CPU), or the decode rows of sparse sequences with an index
+  // (sparse_decode in the sparse layers); which launch a row goes to depends on its own item.
   struct RowGroup {
     bool metered = false;
     std::vector<int64_t> rows;  // step rows, in launch order
@@ -257,7 +258,7 @@ class CudaBackend final : public Backend {
     size_t first = 0;  // the group's first row in the staging order
     int64_t max_indexed = 0, max_window = 0;  // sparse rows: the longest index and window
   };
-  static constexpr size_t kErrorWords = 4;  // the paged groups' three, the query quantizer's
+  static constexpr size_t kErrorWords = 3;  // one per row group (staging_'s last words)
 
   SequenceState make_state() const {
     SequenceState st;
