@@ -1265,6 +1265,12 @@ CudaStatus check(const SparseDecodeParams& p) {
     return error("pass_tokens must be a multiple of 16 in [0, 2^24]");
   if (uint8_t(p.estimate_form) > uint8_t(EstimateForm::kBitMma))
     return error("estimate_form " + std::to_string(int(p.estimate_form)) + " is not an EstimateForm");
+  if (p.n_splits < 0 || p.split_chunks < 0) return error("n_splits and split_chunks must be >= 0");
+  if (p.n_splits > 0 && p.split_chunks > 0) return error("set n_splits or split_chunks, not both");
+  if (splits_of(p) > 65535) return error("split_chunks cuts the chunks into more than 65535 splits");
+  if (p.table_rows != nullptr && p.n_table_rows < 1) return error("table_rows needs n_table_rows >= 1");
+  if (p.table_row_stride < 0 || (p.table_row_stride > 0 && p.table_row_stride < int64_t(p.n_kv_heads) * p.table_stride))
+    return error("table_row_stride must be 0 or at least n_kv_heads x table_stride");
   // Every list starts on 16 bytes (the estimate stages a list's records by 16-byte cp.async): at
   // head_dim 64 (24-byte records) the stride must be even.
   const int64_t record_bytes = p.head_dim == 64 ? int64_t(sizeof(index::RabitqRecord<64>))
@@ -1281,13 +1287,6 @@ CudaStatus check(const SparseDecodeParams& p) {
   const int64_t page = int64_t(kTileTokens) * p.head_dim * 2;
   if (p.k_page_stride < page || p.v_page_stride < page)
     return error("page stride too small for bf16 pages (" + std::to_string(page) + " bytes)");
-  if (p.n_splits < 0) return error("n_splits must be >= 0");
-  if (p.split_chunks < 0) return error("split_chunks must be >= 0");
-  if (p.n_splits > 0 && p.split_chunks > 0) return error("set n_splits or split_chunks, not both");
-  if (splits_of(p) > 65535) return error("split_chunks cuts the chunks into more than 65535 splits");
-  if (p.table_rows != nullptr && p.n_table_rows < 1) return error("table_rows needs n_table_rows >= 1");
-  if (p.table_row_stride < 0 || (p.table_row_stride > 0 && p.table_row_stride < int64_t(p.n_kv_heads) * p.table_stride))
-    return error("table_row_stride must be 0 or at least n_kv_heads x table_stride");
   if (!p.workspace || p.workspace_size < workspace_bytes(p) || !aligned16(p.workspace))
     return error("workspace too small or misaligned (needs " + std::to_string(workspace_bytes(p)) + " bytes)");
   return {};

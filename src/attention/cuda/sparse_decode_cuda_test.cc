@@ -536,6 +536,22 @@ TEST(SparseDecodeCuda, BadInputIsRefused) {
   p.estimate_form = EstimateForm::kBitMma;
   EXPECT_EQ(check(p).message.find("estimate_form"), std::string::npos);
   p.estimate_form = EstimateForm::kChosen;
+  // Fixed splits and table rows (the engine's backend).
+  p.split_chunks = -1;
+  EXPECT_NE(check(p).message.find("split_chunks must be >= 0"), std::string::npos) << check(p).message;
+  p.split_chunks = 4;
+  p.n_splits = 2;
+  EXPECT_NE(check(p).message.find("not both"), std::string::npos) << check(p).message;
+  p.n_splits = 0;
+  alignas(16) static int32_t fake_rows[1];
+  p.table_rows = fake_rows;
+  EXPECT_NE(check(p).message.find("n_table_rows"), std::string::npos) << check(p).message;
+  p.n_table_rows = 1;
+  p.table_row_stride = 1;  // below n_kv_heads x table_stride
+  EXPECT_NE(check(p).message.find("table_row_stride"), std::string::npos) << check(p).message;
+  p.table_row_stride = 0;
+  p.table_rows = nullptr;
+  p.split_chunks = 0;
   // Lists that do not start on 16 bytes: head_dim 64 (24-byte records) with an odd stride. Only
   // the pointer's alignment is checked, so a fake aligned address serves.
   alignas(16) static unsigned char fake_records[16];
