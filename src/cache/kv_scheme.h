@@ -57,6 +57,9 @@ struct KvSchemeInfo {
   // it with its outlier pairs fixed for the model (BackendConfig::outlier_pair_table, which the
   // engine sets); its dither is keyed by the block's position (docs/format/dither8.md).
   bool batch_invariant;
+  // The device's sparse decode reads its pages (attention/cuda/sparse_decode_cuda.h gathers rows
+  // of raw bf16 pages): sparse decode on the cuda backend and the device route takes these only.
+  bool cuda_sparse;
 };
 
 // Every scheme, in KvScheme order.

@@ -120,6 +120,8 @@ struct DeviceKvCache::Layer {
   std::vector<int32_t> host_tables;
   std::vector<CompletedExactPage> completed_exact;  // hold_completed_exact: held raw pages
   DeviceBuffer bases;              // GAAC: [2][n_kv_heads][2][head_dim]
+  DeviceBuffer index_records;      // key index: [slot][n_kv_heads][table_stride * block_tokens] records
+  DeviceBuffer index_centroids;    // key index: [slot][n_kv_heads][2][head_dim] float
   DeviceBuffer dither_keys;        // dither8: [2][n_kv_heads] uint64
   DeviceBuffer outlier_pairs;      // dither8: [n_kv_heads][m] uint16 (the encoder's lists)
   DeviceBuffer outlier_channels;   // dither8: [n_kv_heads][2 m] int32 (the kernels' channels)
@@ -142,6 +144,10 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
     return cuda_error(StatusCode::kInvalidArgument, "device KV cache: n_layers, n_kv_heads, block_tokens and "
                                                     "max_tokens must be >= 1 (max_tokens below 2^31: lengths "
                                                     "are int32 on the device) and head_dim >= 8");
+  if (config.index_record_bytes % 8 != 0 || config.index_record_bytes > 256)
+    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: index_record_bytes " +
+                                                        std::to_string(config.index_record_bytes) +
+                                                        " is not a record size (a multiple of 8, at most 256)");
   const bool gaac = kv_scheme_is_gaac(scheme);
   const bool lossy = lossy_on_device(scheme);
   const format::GaacElement element = scheme_element(scheme);
@@ -265,6 +271,17 @@ CudaStatus DeviceKvCache::grow_slots(int64_t slots) {
     if (s.ok) s = upload_tables(*layer);
   }
   if (!s.ok) return s;
+  if (config_.index_record_bytes > 0) {
+    const size_t records = size_t(config_.n_kv_heads) * size_t(table_stride_) * size_t(config_.block_tokens) *
+                           config_.index_record_bytes;
+    const size_t centroids = size_t(config_.n_kv_heads) * 2 * size_t(config_.head_dim) * sizeof(float);
+    for (auto& layer : layers_) {
+      s = grow(layer->index_records, records * size_t(slot_capacity_), records * size_t(grown), config_.stream);
+      if (s.ok)
+        s = grow(layer->index_centroids, centroids * size_t(slot_capacity_), centroids * size_t(grown), config_.stream);
+      if (!s.ok) return s;
+    }
+  }
   const size_t old_lengths = lengths_.size();
   s = grow(lengths_, old_lengths, sizeof(int32_t) * size_t(grown) * size_t(config_.n_layers), config_.stream);
   if (s.ok)
@@ -864,6 +881,11 @@ DeviceLayerView DeviceKvCache::view(int layer_index) const {
   v.table_stride = table_stride_;
   v.table_row_stride = 2 * int64_t(H) * table_stride_;
   v.n_table_rows = slot_capacity_;
+  if (config_.index_record_bytes > 0) {
+    v.index_records = layer.index_records.data();
+    v.index_record_stride = table_stride_ * config_.block_tokens;
+    v.index_centroids = reinterpret_cast<float*>(layer.index_centroids.data());
+  }
   v.length = reinterpret_cast<const int32_t*>(lengths_.data()) + layer_index;
   v.host_length = written(0, layer_index);
   return v;
@@ -880,7 +902,8 @@ DeviceKvStats DeviceKvCache::stats() const {
     st.bytes_in_use += uint64_t(layer->raw.in_use) * layer->raw.stride + layer->tables.size();
     st.raw_bytes_in_use += uint64_t(layer->raw.in_use) * layer->raw.stride;
     st.bytes_reserved += layer->raw.buffer.size() + layer->tables.size() + layer->bases.size() +
-                         layer->dither_keys.size() + layer->outlier_pairs.size() + layer->outlier_channels.size();
+                         layer->dither_keys.size() + layer->outlier_pairs.size() + layer->outlier_channels.size() +
+                         layer->index_records.size() + layer->index_centroids.size();
     for (const PagePool& p : layer->slots) {
       (lossy_ ? st.lossy_pages_in_use : st.slots_in_use) += p.in_use;
       st.bytes_in_use += uint64_t(p.in_use) * p.stride;

@@ -66,6 +66,11 @@ struct DeviceKvCacheConfig {
   void* stream = nullptr;  // cudaStream_t for every call; null: the default stream
   // Sequences live at create (slots 0 .. sequences - 1); more come from create_sequence.
   int sequences = 1;
+  // The sparse tier's key index beside the pages (DeviceLayerView::index_records): bytes of one
+  // record (sizeof index::RabitqRecord of head_dim, a multiple of 8); 0: no index. Every slot of
+  // every layer holds a record per position of the context and its centroids; the records of a
+  // slot are its sequence's own (built from its own centroids), never shared by a fork.
+  size_t index_record_bytes = 0;
 };
 
 // The most dither8 outlier pairs per head the device serves (the decode kernels' limit).
@@ -92,6 +97,13 @@ struct DeviceLayerView {
   int64_t host_length = 0;          // the same, on the host
   const uint8_t* gaac_bases = nullptr;  // [2 (K, V)][n_kv_heads][2 (b3, b4)][head_dim]
   int64_t k_escape_capacity = 0, v_escape_capacity = 0;
+  // The key index (index_record_bytes > 0), written by the index builder
+  // (attention/cuda/key_index_cuda.h): slot s, kv head h, token t at
+  // index_records + ((s * n_kv_heads + h) * index_record_stride + t) * index_record_bytes; the
+  // centroids [slot][n_kv_heads][2 (c_q, c_k)][head_dim] floats. Null without an index.
+  uint8_t* index_records = nullptr;
+  int64_t index_record_stride = 0;  // records per (slot, kv head): the context in whole blocks
+  float* index_centroids = nullptr;
   const uint64_t* dither_keys = nullptr;       // dither8: [2 (K, V)][n_kv_heads]
   const int32_t* outlier_channels = nullptr;   // dither8: [n_kv_heads][2 m] (pair j: a, then b)
   int n_outlier_pairs = 0;                     // dither8: m
