@@ -235,6 +235,40 @@ TEST(DeviceMatmul, MatchesTheDoubleReferenceOnRaggedRows) {
   }
 }
 
+// Batch invariance of the weight products: a row's outputs must not depend on how many rows
+// share the product. Rows of SmolLM2's shapes, 1 to 512 of them; the first rows compared bit for
+// bit with the same rows alone.
+TEST(DeviceMatmul, ARowsProductDoesNotDependOnTheRowCount) {
+  CERTKV_NEED_CUDA_DEVICE();
+  std::unique_ptr<DeviceMatmul> mm;
+  ASSERT_TRUE(DeviceMatmul::create(nullptr, &mm).ok);
+  for (const auto& [n_in, n_out] : {std::pair<int64_t, int64_t>{576, 576}, {576, 1536}, {1536, 576}, {576, 49152}}) {
+    const std::vector<float> wf = normal_values(size_t(n_in * n_out), 0.05f, 51);
+    model::WeightMatrix w;
+    w.type = format::GgmlType::kF32;
+    w.data = reinterpret_cast<const uint8_t*>(wf.data());
+    w.n_in = n_in;
+    w.n_out = n_out;
+    w.row_bytes = size_t(n_in) * 4;
+    DeviceMatrix dm;
+    ASSERT_TRUE(upload_matrix(w, &dm).ok);
+    const int64_t max_rows = 512;
+    const std::vector<float> xf = normal_values(size_t(max_rows * n_in), 1.f, 52);
+    std::vector<uint16_t> x(xf.size());
+    for (size_t i = 0; i < x.size(); ++i) x[i] = format::float_to_bf16(xf[i]);
+    DeviceBytes dx(x.size() * 2), dy(size_t(max_rows * n_out) * 4);
+    dx.upload(x.data(), x.size() * 2);
+    std::vector<float> alone;
+    for (const int64_t rows : {int64_t(1), int64_t(2), int64_t(3), int64_t(8), int64_t(17), int64_t(64), int64_t(512)}) {
+      ASSERT_TRUE(mm->multiply(dm, reinterpret_cast<uint16_t*>(dx.data()), rows, reinterpret_cast<float*>(dy.data())).ok);
+      const std::vector<float> y = run_and_read<float>(dy, size_t(n_out));  // row 0
+      if (alone.empty()) alone = y;
+      EXPECT_TRUE(std::equal(y.begin(), y.end(), alone.begin()))
+          << n_in << " -> " << n_out << ": row 0 among " << rows << " rows differs from row 0 alone";
+    }
+  }
+}
+
 TEST(ForwardKernels, RefuseBadShapesBeforeAnyLaunch) {
   float* p = reinterpret_cast<float*>(uintptr_t(256));  // never dereferenced: refused first
   uint16_t* b = reinterpret_cast<uint16_t*>(uintptr_t(256));
