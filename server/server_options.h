@@ -19,11 +19,13 @@ struct ServerOptions {
   int32_t sparse_window = -1;
   int32_t sparse_dense_layers = -1;
   bool gate = false;               // --gate: repair cells whose meter exceeds tau
+  bool meter = true;               // --no-meter: lossy schemes compute no meter (no certificate)
   double tau = 0.2;                // --tau
   std::string device = "cpu";      // --device cpu|cuda
   std::string api_key;             // --api-key: required as "Authorization: Bearer KEY"
   uint64_t pool_bytes = 0;         // --pool-bytes: KV pool; 0: parallel whole contexts
   int threads = 2;                 // -t/--threads
+  int http_threads = 0;            // --threads-http: connections served at once; 0: max(32, 4 x parallel)
   uint64_t max_body_bytes = 1 << 20;  // --max-body-bytes: larger request bodies get 413
 };
 

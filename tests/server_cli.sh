@@ -30,6 +30,8 @@ expect_usage_error "flag --port" -m "$model" --port 70000
 expect_usage_error "flag --device" -m "$model" --device tpu
 expect_usage_error "flag --sparse" -m "$model" --sparse p=2
 expect_usage_error "do not combine" -m "$model" --sparse 0.9 --gate --kv rtn8
+expect_usage_error "flags --gate and --no-meter contradict" -m "$model" --gate --no-meter --kv rtn8
+expect_usage_error "flag --threads-http" -m "$model" --threads-http 0
 
 "$serve" -m "$model" --port 0 -c 128 -np 2 >"$work/log" 2>&1 &
 pid=$!
