@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# certkv-serve as a process: bad options exit 2 naming the flag; on a free port it loads, answers
-# /health and a completion, and stops cleanly on SIGTERM, answering a request in flight with 503.
+# certkv-serve as a process: bad options exit 2 naming the flag; on a free port (sparse decode) it
+# loads, answers /health and completions, with the sparse budget and estimated mass in the
+# certificate and on /metrics, and stops cleanly on SIGTERM, answering a request in flight with 503.
 # usage: server_cli.sh CERTKV_SERVE MODEL
 set -euo pipefail
 serve=$1
@@ -33,7 +34,7 @@ expect_usage_error "do not combine" -m "$model" --sparse 0.9 --gate --kv rtn8
 expect_usage_error "flags --gate and --no-meter contradict" -m "$model" --gate --no-meter --kv rtn8
 expect_usage_error "flag --threads-http" -m "$model" --threads-http 0
 
-"$serve" -m "$model" --port 0 -c 128 -np 2 >"$work/log" 2>&1 &
+"$serve" -m "$model" --port 0 -c 128 -np 2 --sparse p=0.9,window=16 >"$work/log" 2>&1 &
 pid=$!
 port=
 for _ in $(seq 1 100); do
@@ -63,6 +64,25 @@ with urllib.request.urlopen(req) as r:
 assert body["usage"]["completion_tokens"] == 3, body
 assert body["usage"]["certkv"]["scheme"] == "bf16", body
 assert body["usage"]["certkv"]["metered"] is False, body
+
+# Sparse decode over a prompt long enough to index blocks before the 16-token window: the
+# certificate carries the budget and the index's estimated mass of the Top-p selections, at
+# least p = 0.9 by construction; /metrics has both per-request histograms.
+prompt = " ".join(["The river ran past the mill and under the old stone bridge."] * 8)
+req = urllib.request.Request(base + "/v1/completions", method="POST",
+                             data=json.dumps({"prompt": prompt, "max_tokens": 6, "temperature": 0}).encode(),
+                             headers={"Content-Type": "application/json"})
+with urllib.request.urlopen(req) as r:
+    cert = json.load(r)["usage"]["certkv"]
+assert 0 < cert["sparse_budget"] < 1, cert
+assert 0.9 <= cert["sparse_estimated_mass"] <= 1 + 1e-9, cert
+with urllib.request.urlopen(base + "/metrics") as r:
+    metrics = r.read().decode()
+def sample(name):
+    return float(next(l.split()[-1] for l in metrics.splitlines() if l.startswith(name + " ")))
+assert sample("certkv:request_sparse_estimated_mass_count") == 1, metrics
+assert abs(sample("certkv:request_sparse_estimated_mass_sum") - cert["sparse_estimated_mass"]) < 1e-9, metrics
+assert sample("certkv:request_sparse_budget_count") == 2, metrics
 
 # A request still generating when the server is told to stop is cancelled and answered 503.
 status = []
