@@ -111,6 +111,14 @@ def main():
     os.makedirs(work, exist_ok=True)
     root = pathlib.Path(__file__).resolve().parent.parent
 
+    def git(*a):
+        return subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True).stdout.strip()
+
+    # The tree as it was when the runs began.
+    commit = git("rev-parse", "--short", "HEAD")
+    modified = len([l for l in git("status", "--porcelain", "--untracked-files=no").splitlines() if l])
+    certkv_sha = subprocess.run(["sha256sum", args.certkv], capture_output=True, text=True).stdout[:16]
+
     prompt_commands, requests_by_clients = {}, {}
     for c in args.clients:
         cmd = ["python3", str(root / "bench/batch_prompts.py"), "books", args.corpus, str(c), str(WORDS), str(MAX_TOKENS)]
@@ -140,15 +148,13 @@ def main():
                  for c in texts}
     stable = {c: {s: all(t == texts[c][s][0] for t in texts[c][s]) for s in texts[c]} for c in texts}
 
-    def git(*a):
-        return subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True).stdout.strip()
-
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
     llama_version = subprocess.run([args.llama_server, "--version"], capture_output=True, text=True)
     out = {
         "benchmark": "certkv serve vs llama-server, OpenAI completions endpoint, streaming, CPU",
-        "commit": git("rev-parse", "--short", "HEAD"),
-        "worktree_modified_tracked_files": len([l for l in git("status", "--porcelain", "--untracked-files=no").splitlines() if l]),
+        "commit": commit,
+        "worktree_modified_tracked_files": modified,
+        "certkv_binary": {"path": args.certkv, "sha256_16": certkv_sha},
         "time_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "cpu": cpu, "cpu_count": os.cpu_count(), "model": os.path.basename(args.model), "threads": args.threads,
         "repeats": args.repeats,
