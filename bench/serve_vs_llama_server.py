@@ -39,7 +39,7 @@ def commands(args, system, clients, port):
     if system == "llama_server":
         return [args.llama_server, "-m", args.model, "-t", str(args.threads), "-np", str(clients), "-cb",
                 "-c", str(clients * CTX_PER_SLOT), "--threads-http", str(clients + 8), "--host", "127.0.0.1",
-                "--port", str(port)]
+                "--port", str(port)] + (["--poll", str(args.llama_poll)] if args.llama_poll is not None else [])
     return [args.certkv, "serve", "-m", args.model, "-t", str(args.threads), "-np", str(clients), "-c",
             str(CTX_PER_SLOT), "--threads-http", str(clients + 8), "--host", "127.0.0.1", "--port", str(port)]
 
@@ -103,6 +103,9 @@ def main():
     ap.add_argument("--out", default="docs/bench/serve_vs_llama_server_cpu.json")
     ap.add_argument("--plot", default="docs/bench/serve_vs_llama_server_cpu.png")
     ap.add_argument("--work", default=None)
+    ap.add_argument("--llama-poll", type=int, default=None,
+                    help="llama-server --poll (0: its threads sleep while they wait for work; its default 50 "
+                         "spins, which a shared machine punishes)")
     args = ap.parse_args()
     for path in (args.llama_server, args.certkv, args.model):
         if not os.path.exists(path):
@@ -128,6 +131,56 @@ def main():
 
     runs = {str(c): {"llama_server": [], "certkv": []} for c in args.clients}
     texts = {str(c): {"llama_server": [], "certkv": []} for c in args.clients}
+
+    def write(repeats_done):
+        medians, ratios = {}, {}
+        for c in map(str, args.clients):
+            medians[c] = {s: {k: statistics.median(x[k] for x in runs[c][s]) for k in FIELDS} for s in runs[c]}
+            ratios[c] = {k: medians[c]["certkv"][k] / medians[c]["llama_server"][k] for k in FIELDS
+                         if medians[c]["llama_server"][k]}
+        goal = {c: {"tok_per_s_ratio_at_least_1.5": ratios[c]["generated_tok_per_s"] >= 1.5,
+                    "ttft_p50_no_worse": ratios[c]["ttft_ms_p50"] <= 1.0,
+                    "ttft_p99_no_worse": ratios[c]["ttft_ms_p99"] <= 1.0} for c in ratios}
+        same_text = {c: sum(a == b for a, b in zip(texts[c]["certkv"][0], texts[c]["llama_server"][0]))
+                     for c in texts}
+        stable = {c: {s: all(t == texts[c][s][0] for t in texts[c][s]) for s in texts[c]} for c in texts}
+
+        cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
+        llama_version = subprocess.run([args.llama_server, "--version"], capture_output=True, text=True)
+        out = {
+            "benchmark": "certkv serve vs llama-server, OpenAI completions endpoint, streaming, CPU",
+            "commit": commit,
+            "worktree_modified_tracked_files": modified,
+            "certkv_binary": {"path": args.certkv, "sha256_16": certkv_sha},
+            "time_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "cpu": cpu, "cpu_count": os.cpu_count(), "model": os.path.basename(args.model), "threads": args.threads,
+            "repeats": repeats_done,
+            "order": "alternating: llama-server first in odd repeats, certkv first in even ones; no warm-up run",
+            "requests": {"per_client_count": "one request per client, all sent at once", "words": WORDS,
+                         "max_tokens": MAX_TOKENS, "sampling": "greedy (temperature 0), ignore_eos",
+                         "prompts_commands": prompt_commands},
+            "llama_server_version": (llama_version.stdout + llama_version.stderr).strip().splitlines()[-1:],
+            "llama_server_build": "see docs/bench/engine_vs_llama_server_cpu.json, llama_cpp.version (the same binary)",
+            "commands": {c: {s: " ".join(commands(args, s, int(c), 0)).replace("--port 0", "--port PORT")
+                             for s in ("llama_server", "certkv")} for c in map(str, args.clients)},
+            "client_command": "python3 bench/openai_stream_client.py --url http://127.0.0.1:PORT --prompts-file "
+                              "<prompts> --parallel CLIENTS (run_load, in process)",
+            "script_command": "python3 " + " ".join(sys.argv),
+            "metric_notes": client.__doc__.split("What is measured")[1].strip(),
+            "medians": medians,
+            "ratios_certkv_over_llama_server": ratios,
+            "goal": goal,
+            "outputs": {"same_text_first_run_of": {c: f"{same_text[c]} of {len(texts[c]['certkv'][0])}" for c in texts},
+                        "texts_identical_across_runs": stable},
+            "runs": runs,
+            "work_dir": work,
+        }
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=2)
+            f.write("\n")
+        plot(args.plot, args.clients, medians)
+        return out
+
     for r in range(1, args.repeats + 1):
         order = ("llama_server", "certkv") if r % 2 else ("certkv", "llama_server")
         for c in args.clients:
@@ -135,54 +188,9 @@ def main():
                 summary, t = run_one(args, system, c, requests_by_clients[c], work, f"{system}_{c}_{r}")
                 runs[str(c)][system].append(summary)
                 texts[str(c)][system].append(t)
-
-    medians, ratios = {}, {}
-    for c in map(str, args.clients):
-        medians[c] = {s: {k: statistics.median(x[k] for x in runs[c][s]) for k in FIELDS} for s in runs[c]}
-        ratios[c] = {k: medians[c]["certkv"][k] / medians[c]["llama_server"][k] for k in FIELDS
-                     if medians[c]["llama_server"][k]}
-    goal = {c: {"tok_per_s_ratio_at_least_1.5": ratios[c]["generated_tok_per_s"] >= 1.5,
-                "ttft_p50_no_worse": ratios[c]["ttft_ms_p50"] <= 1.0,
-                "ttft_p99_no_worse": ratios[c]["ttft_ms_p99"] <= 1.0} for c in ratios}
-    same_text = {c: sum(a == b for a, b in zip(texts[c]["certkv"][0], texts[c]["llama_server"][0]))
-                 for c in texts}
-    stable = {c: {s: all(t == texts[c][s][0] for t in texts[c][s]) for s in texts[c]} for c in texts}
-
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
-    llama_version = subprocess.run([args.llama_server, "--version"], capture_output=True, text=True)
-    out = {
-        "benchmark": "certkv serve vs llama-server, OpenAI completions endpoint, streaming, CPU",
-        "commit": commit,
-        "worktree_modified_tracked_files": modified,
-        "certkv_binary": {"path": args.certkv, "sha256_16": certkv_sha},
-        "time_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "cpu": cpu, "cpu_count": os.cpu_count(), "model": os.path.basename(args.model), "threads": args.threads,
-        "repeats": args.repeats,
-        "order": "alternating: llama-server first in odd repeats, certkv first in even ones; no warm-up run",
-        "requests": {"per_client_count": "one request per client, all sent at once", "words": WORDS,
-                     "max_tokens": MAX_TOKENS, "sampling": "greedy (temperature 0), ignore_eos",
-                     "prompts_commands": prompt_commands},
-        "llama_server_version": (llama_version.stdout + llama_version.stderr).strip().splitlines()[-1:],
-        "llama_server_build": "see docs/bench/engine_vs_llama_server_cpu.json, llama_cpp.version (the same binary)",
-        "commands": {c: {s: " ".join(commands(args, s, int(c), 0)).replace("--port 0", "--port PORT")
-                         for s in ("llama_server", "certkv")} for c in map(str, args.clients)},
-        "client_command": "python3 bench/openai_stream_client.py --url http://127.0.0.1:PORT --prompts-file "
-                          "<prompts> --parallel CLIENTS (run_load, in process)",
-        "script_command": "python3 " + " ".join(sys.argv),
-        "metric_notes": client.__doc__.split("What is measured")[1].strip(),
-        "medians": medians,
-        "ratios_certkv_over_llama_server": ratios,
-        "goal": goal,
-        "outputs": {"same_text_first_run_of": {c: f"{same_text[c]} of {len(texts[c]['certkv'][0])}" for c in texts},
-                    "texts_identical_across_runs": stable},
-        "runs": runs,
-        "work_dir": work,
-    }
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(out, f, indent=2)
-        f.write("\n")
-    plot(args.plot, args.clients, medians)
-    print(json.dumps({"medians": medians, "ratios": ratios, "goal": goal}, indent=1))
+        # Written after every repeat, so that an interrupted run keeps what it measured.
+        out = write(r)
+    print(json.dumps({k: out[k] for k in ("medians", "ratios_certkv_over_llama_server", "goal")}, indent=1))
 
 
 if __name__ == "__main__":
