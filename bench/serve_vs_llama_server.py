@@ -68,7 +68,8 @@ def run_one(args, system, clients, requests, work, tag):
     return summary, [r["text"] for r in results]
 
 
-def plot(out_png, clients_list, medians):
+def plot(out_png, clients_list, medians, runs=None):
+    """Bars: the medians; dots: every run (runs[clients][system] lists of summaries)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -81,12 +82,16 @@ def plot(out_png, clients_list, medians):
         for k, (system, colour) in enumerate((("llama_server", "#888888"), ("certkv", "#1f77b4"))):
             vals = [medians[str(c)][system][key] for c in clients_list]
             ax.bar([x + (k - 0.5) * width for x in xs], vals, width, label=system.replace("_", "-"), color=colour)
+            if runs:
+                for x, c in zip(xs, clients_list):
+                    ys = [r[key] for r in runs[str(c)][system]]
+                    ax.plot([x + (k - 0.5) * width] * len(ys), ys, "k.", markersize=4)
         ax.set_xticks(list(xs))
         ax.set_xticklabels([f"{c} clients" for c in clients_list])
         ax.set_title(title)
     axes[0].legend()
     fig.suptitle("certkv serve vs llama-server: SmolLM2-135M Q4_1, 2 CPU threads, 512-token prompts, 128 out "
-                 "(medians)")
+                 "(bars: medians; dots: runs)")
     fig.tight_layout()
     fig.savefig(out_png, dpi=100)
 
@@ -103,10 +108,16 @@ def main():
     ap.add_argument("--out", default="docs/bench/serve_vs_llama_server_cpu.json")
     ap.add_argument("--plot", default="docs/bench/serve_vs_llama_server_cpu.png")
     ap.add_argument("--work", default=None)
+    ap.add_argument("--plot-only", metavar="JSON", default=None,
+                    help="draw --plot from a JSON this script wrote, and run nothing")
     ap.add_argument("--llama-poll", type=int, default=None,
                     help="llama-server --poll (0: its threads sleep while they wait for work; its default 50 "
                          "spins, which a shared machine punishes)")
     args = ap.parse_args()
+    if args.plot_only:
+        done = json.load(open(args.plot_only))
+        plot(args.plot, [int(c) for c in done["medians"]], done["medians"], done["runs"])
+        return
     for path in (args.llama_server, args.certkv, args.model):
         if not os.path.exists(path):
             sys.exit(f"serve_vs_llama_server.py: no {path}")
@@ -178,7 +189,7 @@ def main():
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2)
             f.write("\n")
-        plot(args.plot, args.clients, medians)
+        plot(args.plot, args.clients, medians, runs)
         return out
 
     for r in range(1, args.repeats + 1):

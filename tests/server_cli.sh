@@ -109,4 +109,40 @@ set -e
 pid=
 if [ "$rc" -ne 0 ]; then echo "FAIL: certkv-serve exited $rc on SIGTERM:"; cat "$work/log"; exit 1; fi
 grep -q "stopping (signal 15)" "$work/log" || { echo "FAIL: no clean stop in the log:"; cat "$work/log"; exit 1; }
+
+# --no-meter: a lossy scheme serves without the meter; the certificate says so, /metrics counts
+# no metered cell.
+"$serve" -m "$model" --port 0 -c 128 -np 1 --kv fp8-e4m3 --no-meter >"$work/log_no_meter" 2>&1 &
+pid=$!
+port=
+for _ in $(seq 1 100); do
+  port=$(sed -n 's|.*listening on http://127.0.0.1:\([0-9]*\).*|\1|p' "$work/log_no_meter")
+  [ -n "$port" ] && break
+  sleep 0.1
+done
+[ -n "$port" ] || { echo "FAIL: no port in the log:"; cat "$work/log_no_meter"; exit 1; }
+python3 - "$port" <<'PY'
+import json, sys, time, urllib.request, urllib.error
+base = f"http://127.0.0.1:{sys.argv[1]}"
+for _ in range(600):
+    try:
+        with urllib.request.urlopen(base + "/health") as r:
+            break
+    except urllib.error.HTTPError:
+        time.sleep(0.1)
+req = urllib.request.Request(base + "/v1/completions", method="POST",
+                             data=json.dumps({"prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode(),
+                             headers={"Content-Type": "application/json"})
+with urllib.request.urlopen(req) as r:
+    cert = json.load(r)["usage"]["certkv"]
+assert cert["scheme"] == "fp8-e4m3" and cert["metered"] is False and cert["meter_tier"] == "none", cert
+assert "meter_max" not in cert, cert
+with urllib.request.urlopen(base + "/metrics") as r:
+    metrics = r.read().decode()
+assert 'certkv:meter_cells_total{scheme="fp8-e4m3"} 0' in metrics, metrics
+assert "certkv:meter_coverage" not in metrics, metrics
+PY
+kill "$pid"
+wait "$pid" || { echo "FAIL: certkv-serve --no-meter did not stop cleanly:"; cat "$work/log_no_meter"; exit 1; }
+pid=
 echo "server_cli: ok"
