@@ -7,8 +7,8 @@
 // bytes read per second. "hot" runs repeat one matrix (it stays in cache); "cold" runs rotate
 // through copies filling 128 MiB, so every call streams its weights from DRAM as a real decode
 // step does. BM_DecodeAllMatmuls runs every matrix product of one SmolLM2 decode step (30 layers
-// of 7 products, then the output head) on distinct weights: tokens/s is the ceiling that the
-// matrix products alone put on decode speed. BM_PrefillAllMatmuls does the same for a 512-token
+// of 7 products, then the output head) on distinct weights, for 1 and 8 sequences: tokens/s is the
+// ceiling that the matrix products alone put on decode speed. BM_PrefillAllMatmuls does the same for a 512-token
 // prompt (the 210 layer products; the head only sees the last token, so it is left out).
 // On a shared machine run with --benchmark_repetitions=N: the "min" statistic (fastest
 // repetition) is the least disturbed by other processes.
@@ -135,13 +135,15 @@ std::vector<Weights> layer_weights() {
   return weights;
 }
 
-// One decode step's matrix products. Arg: threads.
+// One decode step's matrix products for a batch of sequences (one token each: the engine's
+// decode step). Args: threads, tokens.
 void BM_DecodeAllMatmuls(benchmark::State& state) {
   const int threads = int(state.range(0));
+  const int64_t tokens = state.range(1);
   const std::vector<Weights> weights = layer_weights();
   const Weights head = make_weights(kShapes[4], 1, 99);
-  const std::vector<float> x = make_activations(1536, 4);
-  std::vector<float> y(49152);
+  const std::vector<float> x = make_activations(size_t(tokens) * 1536, 4);
+  std::vector<float> y(size_t(tokens) * 49152);
   ThreadPool pool(threads);
   double bytes = 0;
   for (const Weights& w : weights) bytes += double(w.bytes.size());
@@ -149,18 +151,17 @@ void BM_DecodeAllMatmuls(benchmark::State& state) {
   for (auto _ : state) {
     for (int l = 0; l < kLayers; ++l)
       for (const Weights& w : weights)
-        certkv::model::matmul(w.matrices[size_t(l)], x.data(), 1, y.data(), pool);
-    certkv::model::matmul(head.matrices[0], x.data(), 1, y.data(), pool);
+        certkv::model::matmul(w.matrices[size_t(l)], x.data(), tokens, y.data(), pool);
+    certkv::model::matmul(head.matrices[0], x.data(), tokens, y.data(), pool);
     benchmark::DoNotOptimize(y.data());
   }
-  state.counters["tokens/s"] = benchmark::Counter(1, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens/s"] = benchmark::Counter(double(tokens), benchmark::Counter::kIsIterationInvariantRate);
   state.counters["weight_GB/s"] =
       benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_DecodeAllMatmuls)
-    ->Arg(1)
-    ->Arg(2)
-    ->ArgName("threads")
+    ->ArgsProduct({{1, 2}, {1, 8}})
+    ->ArgNames({"threads", "tokens"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime()
     ->ComputeStatistics("min", fastest);

@@ -22,9 +22,11 @@ if [ "${1:-}" = "--run" ]; then
   step ./certkv_codec_cuda_tests
   step ./certkv_cache_cuda_tests
   step ./certkv_attention_cuda_tests
+  step ./certkv_backend_cuda_tests
   step compute-sanitizer --tool memcheck --error-exitcode 9 ./certkv_codec_cuda_tests
   step compute-sanitizer --tool memcheck --error-exitcode 9 ./certkv_cache_cuda_tests
   step compute-sanitizer --tool memcheck --error-exitcode 9 ./certkv_attention_cuda_tests --gtest_filter='-*OutOfDevice*'
+  step compute-sanitizer --tool memcheck --error-exitcode 9 ./certkv_backend_cuda_tests
   staged="$root/.devmodel"
   mkdir -p /tmp/certkv_model
   cp "$staged"/model.part-* /tmp/certkv_model/ 2>/dev/null || true
@@ -56,11 +58,11 @@ fi
 # tests and benchmarks would crawl on baseline x86-64.
 cmake -S "$root" -B "$root/build-cuda" -DCERTKV_CUDA=ON -DCERTKV_NATIVE=OFF -DCERTKV_BUILD_BENCH=ON \
   "-DCMAKE_CXX_FLAGS=-march=x86-64-v3" >/dev/null
-cmake --build "$root/build-cuda" -j"$(nproc)" --target certkv_attention_cuda_tests certkv_codec_cuda_tests certkv_cache_cuda_tests \
+cmake --build "$root/build-cuda" -j"$(nproc)" --target certkv_attention_cuda_tests certkv_codec_cuda_tests certkv_cache_cuda_tests certkv_backend_cuda_tests \
   certkv_device_e2e_tests certkv_cuda_decode_bench certkv_cli
 mkdir -p "$root/.devbin"
 cp "$root/build-cuda/src/attention/certkv_attention_cuda_tests" "$root/build-cuda/src/codec/certkv_codec_cuda_tests" \
-  "$root/build-cuda/src/cache/certkv_cache_cuda_tests" \
+  "$root/build-cuda/src/cache/certkv_cache_cuda_tests" "$root/build-cuda/src/backend/certkv_backend_cuda_tests" \
   "$root/build-cuda/tests/certkv_device_e2e_tests" "$root/build-cuda/bench/certkv_cuda_decode_bench" \
   "$root/build-cuda/tools/certkv/certkv" "$root/.devbin/"
 grep -qx '/.devbin/' "$root/.git/info/exclude" 2>/dev/null || echo '/.devbin/' >> "$root/.git/info/exclude"

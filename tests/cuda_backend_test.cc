@@ -3,12 +3,15 @@
 // many sequences over one device page pool, against the CPU backend and against themselves.
 //  - Batch invariance on the device: every scheme the backend serves and the table marks batch
 //    invariant gives each sequence the same logits bit for bit alone, in ragged batches and at any
-//    position; those the table marks chunking invariant also under ragged prefill chunks.
+//    position, and under ragged prefill chunks (lossy pages too).
 //  - The logits agree with the CPU backend's (f32 activations, bf16 pages): teacher forced over
 //    a book passage, max KL below 1e-3 and top-1 agreement at every position but one.
 //  - The engine on the device: continuous batching, prefix sharing and preemption on a small pool
 //    give every request its output alone; cancel frees its pages; the meter's telemetry of the
 //    lossy schemes comes from the decode steps.
+//  - Sparse decode on the device: batch invariant like the dense path; against the CPU backend's
+//    sparse decode, layer 0 (the same inputs) selects the same tokens, and the logits stay much
+//    closer to the CPU's sparse run than sparse is to dense.
 //  - What the backend does not serve is refused by name.
 #include <gtest/gtest.h>
 
@@ -115,13 +118,60 @@ TEST_F(CudaBackendTest, BatchInvarianceOnTheDeviceForEveryServedScheme) {
     const std::vector<int> whole(prompts.size(), 1 << 20);
     expect_bit_identical(alone, run_batched(smollm2(), cfg, prompts, whole, false, decode_steps), "one batch");
     expect_bit_identical(alone, run_batched(smollm2(), cfg, prompts, whole, true, decode_steps), "rotating batch");
-    if (s.chunking_invariant)
-      expect_bit_identical(alone, run_batched(smollm2(), cfg, prompts, {1, 2, 5, 16, 97}, true, decode_steps),
-                           "ragged chunks, rotating batch");
+    expect_bit_identical(alone, run_batched(smollm2(), cfg, prompts, {1, 2, 5, 16, 97}, true, decode_steps),
+                         "ragged chunks, rotating batch");
     if (HasFatalFailure()) return;
     ++checked;
   }
   EXPECT_GE(checked, 6);  // bf16, gaac, gaac-e5m2, fp8-e4m3, fp8-e5m2, dither8
+}
+
+// Sparse decode from early on: a window of 16 tokens (so 16-token prompts are indexed and every
+// 16 decode steps index a block more), the first two layers dense.
+BackendConfig sparse_config(int64_t context, int64_t pool) {
+  BackendConfig cfg = device_config(cache::KvScheme::kBf16, context, pool);
+  cfg.sparse.enabled = true;
+  cfg.sparse.p = 0.9;
+  cfg.sparse.window_tokens = 16;
+  cfg.sparse.dense_layers = 2;
+  return cfg;
+}
+
+TEST_F(CudaBackendTest, SparseBatchInvarianceOnTheDevice) {
+  // Ragged prompts, two past one split of sparse decode (4 chunks of 1,024 tokens) is not needed:
+  // what varies with the batch is the longest index and window, which these do.
+  const std::vector<std::vector<int32_t>> prompts = ragged_prompts(smollm2(), {1, 3, 17, 40, 530}, 17);
+  const int decode_steps = 20;  // lazy updates of the index for every prompt
+  BackendConfig cfg = sparse_config(576, 576 * 6);
+  std::vector<std::vector<float>> alone(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i)
+    alone[i] = run_batched(smollm2(), cfg, {prompts[i]}, {1 << 20}, false, decode_steps)[0];
+  const std::vector<int> whole(prompts.size(), 1 << 20);
+  expect_bit_identical(alone, run_batched(smollm2(), cfg, prompts, whole, false, decode_steps), "sparse, one batch");
+  expect_bit_identical(alone, run_batched(smollm2(), cfg, prompts, whole, true, decode_steps), "sparse, rotating batch");
+  // bf16 is chunking invariant, and so is the index: its centroids sum the first input's
+  // queries and keys in token order however the input was cut.
+  expect_bit_identical(alone, run_batched(smollm2(), cfg, prompts, {1, 2, 5, 16, 97}, true, decode_steps),
+                       "sparse, ragged chunks, rotating batch");
+  // And it was sparse: the 530-token prompt attends a fraction of its context.
+  std::unique_ptr<Backend> be = make_backend(smollm2(), cfg);
+  const cache::SeqId s = be->create_sequence();
+  BatchItem it{s, prompts[4].data(), int64_t(prompts[4].size()), nullptr, nullptr, true};
+  be->forward({&it, 1});
+  int32_t next = prompts[4][5];
+  for (int step = 0; step < 3; ++step) {
+    BatchItem d{s, &next, 1, nullptr, nullptr, true};
+    be->forward({&d, 1});
+  }
+  const SparseStats& ss = be->sparse_stats(s);
+  const model::ModelConfig& c = smollm2().config();
+  EXPECT_EQ(ss.steps, 3);
+  EXPECT_EQ(ss.cells, int64_t(3) * (c.n_layers - 2) * c.n_heads);
+  EXPECT_EQ(ss.index_appended_tokens, (530 - 16) / 16 * 16);
+  const SequenceReport r = be->report(s);
+  EXPECT_TRUE(r.sparse);
+  EXPECT_GT(r.sparse_budget, 0.0);
+  EXPECT_LT(r.sparse_budget, 0.5) << "p 0.9 attends a fraction of 530 tokens";
 }
 
 double kl_divergence(const float* p_logits, const float* q_logits, int n) {
@@ -181,6 +231,95 @@ TEST_F(CudaBackendTest, LogitsAgreeWithTheCpuBackend) {
   EXPECT_GE(agree, positions - 1 - positions / 100);
 }
 
+// Sparse decode on the cuda backend against the CPU backend's, three sequences of a book in one
+// ragged batch, teacher forced (f32 activations). Layer 0 is sparse too and sees the same inputs
+// on both backends (the embedding, bf16 keys): there the index (device records and queries), the
+// estimate and the Top-p set are the CPU's bit for bit, so every cell of layer 0 selects the same
+// tokens and the layer's budgets sum to the same double. Above it the device's attention rounds
+// otherwise (bf16 P V products), so the queries differ in their last bits: the logits must stay
+// far closer to the CPU's sparse run than sparse decode is to dense decode, with the same top-1.
+TEST_F(CudaBackendTest, SparseAgreesWithTheCpuBackend) {
+  const model::Model& m = smollm2();
+  const std::vector<int32_t> book =
+      m.tokenizer().encode(testing::read_text(corpus_file("melville-moby-dick.txt")), true, false);
+  const std::vector<int> prompt_lens{300, 520, 150};
+  const int steps = 24, nv = m.config().n_vocab;
+  const size_t n = prompt_lens.size();
+  std::vector<std::vector<int32_t>> tokens;
+  for (size_t i = 0; i < n; ++i) {
+    const size_t from = 2000 * (i + 1);
+    ASSERT_GE(book.size(), from + size_t(prompt_lens[i] + steps));
+    tokens.emplace_back(book.begin() + long(from), book.begin() + long(from) + prompt_lens[i] + steps);
+  }
+  BackendConfig cfg = sparse_config(600, 600 * 4);
+  cfg.sparse.dense_layers = 0;
+  cfg.sparse.window_tokens = 32;
+  cfg.sparse.deviations = 1.0;  // the widening too, with the device's margins
+  cfg.activations = model::ActivationFormat::kFloat32;
+  BackendConfig cpu_cfg = cfg;
+  cpu_cfg.device = model::Device::kCpu;
+  BackendConfig dense_cfg = cpu_cfg;
+  dense_cfg.sparse = SparseConfig{};
+  std::unique_ptr<Backend> gpu = make_backend(m, cfg), cpu = make_backend(m, cpu_cfg), dense = make_backend(m, dense_cfg);
+  std::vector<cache::SeqId> sg, sc, sd;
+  for (size_t i = 0; i < n; ++i) {
+    sg.push_back(gpu->create_sequence());
+    sc.push_back(cpu->create_sequence());
+    sd.push_back(dense->create_sequence());
+  }
+  // Logits of the decode positions: [sequence][step][vocab] per backend.
+  std::vector<std::vector<float>> lg(n, std::vector<float>(size_t(steps) * size_t(nv))), lc = lg, ld = lg;
+  for (int step = -1; step < steps; ++step) {  // the prompts in one batch, then a token a step
+    auto run = [&](Backend& be, const std::vector<cache::SeqId>& seqs, std::vector<std::vector<float>>& logits) {
+      std::vector<BatchItem> items;
+      for (size_t i = 0; i < n; ++i) {
+        const int64_t at = step < 0 ? 0 : prompt_lens[i] + step;
+        const int64_t len = step < 0 ? prompt_lens[i] : 1;
+        float* out = step < 0 ? nullptr : &logits[i][size_t(step) * size_t(nv)];
+        items.push_back({seqs[i], tokens[i].data() + at, len, out, nullptr, true});
+      }
+      be.forward(items);
+    };
+    run(*gpu, sg, lg);
+    run(*cpu, sc, lc);
+    run(*dense, sd, ld);
+  }
+  double kl_device = 0, kl_sparse = 0;
+  int agree = 0, positions = 0;
+  for (size_t i = 0; i < n; ++i)
+    for (int t = 0; t < steps; ++t) {
+      const float* g = &lg[i][size_t(t) * size_t(nv)];
+      const float* c = &lc[i][size_t(t) * size_t(nv)];
+      for (int v = 0; v < nv; ++v) ASSERT_TRUE(std::isfinite(g[v])) << "sequence " << i << " step " << t;
+      kl_device += kl_divergence(c, g, nv);
+      kl_sparse += kl_divergence(&ld[i][size_t(t) * size_t(nv)], c, nv);
+      agree += model::argmax(c, nv) == model::argmax(g, nv);
+      ++positions;
+    }
+  printf("[cuda backend] sparse p 0.9 (window 32, 1 deviation), %d decode positions: mean KL device vs cpu sparse "
+         "%.3g, cpu sparse vs dense %.3g, top-1 agree %d/%d\n",
+         positions, kl_device / positions, kl_sparse / positions, agree, positions);
+  EXPECT_GT(kl_sparse, 0.0) << "sparse decode changed nothing: not sparse";
+  EXPECT_LT(kl_device, 0.2 * kl_sparse);
+  EXPECT_GE(agree, positions - 1 - positions / 50);
+  for (size_t i = 0; i < n; ++i) {
+    const SparseStats& a = gpu->sparse_stats(sg[i]);
+    const SparseStats& b = cpu->sparse_stats(sc[i]);
+    SCOPED_TRACE(::testing::Message() << "sequence " << i);
+    EXPECT_EQ(a.steps, steps);
+    EXPECT_EQ(a.cells, b.cells);
+    EXPECT_EQ(a.index_appended_tokens, b.index_appended_tokens);
+    EXPECT_EQ(a.layer_cells[0], b.layer_cells[0]);
+    EXPECT_EQ(a.layer_sum_budget[0], b.layer_sum_budget[0]) << "layer 0 selects the CPU's tokens";
+    EXPECT_LT(a.layer_sum_budget[0], 0.9 * double(a.layer_cells[0])) << "layer 0 is sparse";
+    const double budget_a = a.sum_budget / double(a.cells), budget_b = b.sum_budget / double(b.cells);
+    printf("[cuda backend] sequence %zu: mean budget %.4f (cpu %.4f), layer 0 %.4f (cpu %.4f), widened %lld (cpu %lld)\n",
+           i, budget_a, budget_b, a.layer_sum_budget[0] / double(a.layer_cells[0]),
+           b.layer_sum_budget[0] / double(b.layer_cells[0]), (long long)a.widened_tokens, (long long)b.widened_tokens);
+    EXPECT_NEAR(budget_a, budget_b, 0.02);
+  }
+}
+
 // Requests of different books' lengths, greedy.
 std::vector<engine::RequestParams> requests_of(const std::vector<int>& lengths, int max_tokens, uint64_t seed) {
   std::vector<engine::RequestParams> out;
@@ -226,17 +365,13 @@ TEST_F(CudaBackendTest, EngineBatchesSharesAndPreemptsOnTheDevice) {
     const std::vector<engine::RequestParams> requests = requests_of({1, 3, 17, 140, 33, 9, 90}, 20, 11);
     const std::vector<std::vector<int32_t>> alone = run_alone(cfg, requests);
     // The engine cuts prompts into chunks by the step's budget, which the other requests share:
-    // outputs equal those alone where the table marks the scheme chunking invariant (bf16, gaac).
-    // A lossy scheme's prefill rows read the blocks their chunk completed as quantized pages, so
-    // there the chunking shows (as on the CPU): every request must still complete.
-    const bool invariant = cache::kv_scheme_info(scheme).chunking_invariant;
+    // outputs still equal those alone (a lossy scheme's prefill rows read what a decode step at
+    // their position reads: the block their chunk completed exact, from its held raw page).
     auto expect_alone = [&](const std::vector<std::vector<int32_t>>& got, const char* what) {
       ASSERT_EQ(got.size(), alone.size()) << what;
       for (size_t i = 0; i < got.size(); ++i) {
         EXPECT_EQ(got[i].size(), alone[i].size()) << what;
-        if (invariant) {
-          EXPECT_EQ(got[i], alone[i]) << what << ": request " << i;
-        }
+        EXPECT_EQ(got[i], alone[i]) << what << ": request " << i;
       }
     };
     {
@@ -272,9 +407,7 @@ TEST_F(CudaBackendTest, EngineBatchesSharesAndPreemptsOnTheDevice) {
       for (const std::vector<int32_t>& t : run_engine(e, rest)) together.push_back(t);
       const std::vector<std::vector<int32_t>> shared_alone = run_alone(cfg, shared);
       for (size_t i = 0; i < together.size(); ++i)
-        if (invariant || i == 0) {
-          EXPECT_EQ(together[i], shared_alone[i]) << "prefix sharing: request " << i;
-        }
+        EXPECT_EQ(together[i], shared_alone[i]) << "prefix sharing: request " << i;
       EXPECT_GE(e.stats().shared_blocks, 3 * 10) << "each later request shares the prefix's 10 blocks";
     }
   }
@@ -320,9 +453,14 @@ TEST_F(CudaBackendTest, RefusesWhatItDoesNotServeByName) {
     }
   };
   expect_refused(device_config(cache::KvScheme::kRtn4, 64, 64), "rtn4 is not served by the cuda backend");
-  BackendConfig sparse = device_config(cache::KvScheme::kBf16, 64, 64);
-  sparse.sparse.enabled = true;
-  expect_refused(sparse, "sparse decode is not served by the cuda backend");
+  // Sparse decode reads bf16 pages on the device: a scheme the backend serves otherwise is
+  // refused with sparse decode, naming the scheme and the backend.
+  for (cache::KvScheme scheme : {cache::KvScheme::kGaac, cache::KvScheme::kDither8}) {
+    BackendConfig sparse = device_config(scheme, 64, 64);
+    sparse.sparse.enabled = true;
+    expect_refused(sparse, std::string("sparse decode on the cuda backend reads bf16 pages, not KV scheme ") +
+                               cache::kv_scheme_name(scheme));
+  }
   BackendConfig gate = device_config(cache::KvScheme::kFp8E4M3, 64, 64);
   gate.meter.gate = true;
   expect_refused(gate, "the gate is not served by the cuda backend");

@@ -45,7 +45,7 @@ const model::Model& smollm2() {
 
 // Every sequence alone (one per backend, whole prompt), then all of them in ragged batches with
 // ragged chunks and rotating batch positions: the same logits bit for bit.
-void check_batch_invariance(const model::Model& m, BackendConfig cfg, bool chunking_too) {
+void check_batch_invariance(const model::Model& m, BackendConfig cfg) {
   const std::vector<std::vector<int32_t>> prompts = ragged_prompts(m, {1, 3, 17, 40, 33}, 7);
   const int decode_steps = 6;
   std::vector<std::vector<float>> alone(prompts.size());
@@ -54,9 +54,8 @@ void check_batch_invariance(const model::Model& m, BackendConfig cfg, bool chunk
   const std::vector<int> whole(prompts.size(), 1 << 20);
   expect_bit_identical(alone, run_batched(m, cfg, prompts, whole, false, decode_steps), "one batch");
   expect_bit_identical(alone, run_batched(m, cfg, prompts, whole, true, decode_steps), "rotating batch");
-  if (chunking_too)
-    expect_bit_identical(alone, run_batched(m, cfg, prompts, {1, 2, 5, 16, 7}, true, decode_steps),
-                         "ragged chunks, rotating batch");
+  expect_bit_identical(alone, run_batched(m, cfg, prompts, {1, 2, 5, 16, 7}, true, decode_steps),
+                       "ragged chunks, rotating batch");
 }
 
 constexpr int kNumKvSchemesCheckedAtLeast = 13;  // every scheme, dither8 included
@@ -65,11 +64,11 @@ TEST(BatchInvariance, StoriesBf16AnyBatchAnyChunking) {
   BackendConfig cfg;
   cfg.context_tokens = 64;
   cfg.pool_tokens = 64 * 6;
-  check_batch_invariance(stories(), cfg, true);
+  check_batch_invariance(stories(), cfg);
 }
 
 // Every scheme the table marks batch invariant gives each sequence its logits alone in ragged,
-// rotating batches; those it marks chunking invariant also under ragged prefill chunks. GAAC
+// rotating batches and ragged prefill chunks (lossy pages too: prefill_attention). GAAC
 // schemes use the calibration that fits every block (bases 0, the largest escape capacity).
 TEST(BatchInvariance, SmolLM2EverySchemeTheTableMarks) {
   const model::ModelConfig& c = smollm2().config();
@@ -93,11 +92,26 @@ TEST(BatchInvariance, SmolLM2EverySchemeTheTableMarks) {
       shape.element = s.element;
       cfg.gaac_calibration = std::make_shared<const codec::GaacCalibration>(shape);
     }
-    check_batch_invariance(smollm2(), cfg, s.chunking_invariant);
+    check_batch_invariance(smollm2(), cfg);
     if (HasFatalFailure()) return;
     ++checked;
   }
   EXPECT_GE(checked, kNumKvSchemesCheckedAtLeast);
+}
+
+// Lossy pages with a recent window: a prompt row reads the blocks the window keeps exact at its
+// own position, whatever the chunk (prefill_attention), so chunking still does not show.
+TEST(BatchInvariance, SmolLM2LossyPagesWithARecentWindow) {
+  for (cache::KvScheme scheme : {cache::KvScheme::kKivi2, cache::KvScheme::kRtn4}) {
+    SCOPED_TRACE(cache::kv_scheme_name(scheme));
+    BackendConfig cfg;
+    cfg.context_tokens = 64;
+    cfg.pool_tokens = 64 * 6;
+    cfg.kv_scheme = scheme;
+    cfg.recent_window_tokens = 16;
+    check_batch_invariance(smollm2(), cfg);
+    if (HasFatalFailure()) return;
+  }
 }
 
 // With the model's own calibration too (blocks that overflow their slot stay raw, and still the
@@ -114,7 +128,7 @@ TEST(BatchInvariance, SmolLM2GaacWithItsCalibration) {
   shape.head_dim = c.head_dim;
   cfg.gaac_calibration = std::make_shared<const codec::GaacCalibration>(codec::GaacCalibration::load(
       testing::source_path("src/codec/testdata/smollm2_gaac_calibration.safetensors"), shape));
-  check_batch_invariance(smollm2(), cfg, true);
+  check_batch_invariance(smollm2(), cfg);
 }
 
 TEST(CpuBackend, RefusesBadBatches) {
@@ -174,10 +188,11 @@ std::vector<Outcome> run_engine(Engine& engine, const std::vector<RequestParams>
   return out;
 }
 
-std::vector<Outcome> run_each_alone(const EngineConfig& cfg, const std::vector<RequestParams>& requests) {
+std::vector<Outcome> run_each_alone(const EngineConfig& cfg, const std::vector<RequestParams>& requests,
+                                    const model::Model& m = stories()) {
   std::vector<Outcome> out;
   for (const RequestParams& p : requests) {
-    Engine e(stories(), cfg);
+    Engine e(m, cfg);
     out.push_back(run_engine(e, {p})[0]);
   }
   return out;
@@ -266,8 +281,7 @@ TEST(Engine, PreemptsOnASmallPoolAndStillGivesEveryOutput) {
 // Swap preemption on SmolLM2 for bf16, gaac (the model's calibration: slots, raw fallbacks and
 // tails GAAC-coded in host memory), rtn8 with the meter and bf16 with the sparse tier: every output
 // is the one it has alone, and so are its certificate and sparse budget (the meter's telemetry and
-// the key index travel with the swapped sequence). Prompts are prefilled whole (rtn8 is not
-// chunking invariant), decode runs past a partial block.
+// the key index travel with the swapped sequence). Decode runs past a partial block.
 TEST(Engine, SwapPreemptionGivesEachRequestItsOutputAndMeterAloneSmolLM2) {
   const model::ModelConfig& c = smollm2().config();
   codec::GaacShape shape;
@@ -443,37 +457,52 @@ TEST(Engine, PreemptionPastTheSplitLengthStillGivesEveryOutput) {
   expect_same_outcomes(together, run_each_alone(cfg, requests));
 }
 
-TEST(Engine, SharesPromptPrefixesAndGivesTheSameOutputs) {
+// Page classes raw and lossy: a shared prefix's blocks are read as their first request stored
+// them, and a prompt row reads what a decode step at its position reads, so sharing does not
+// show. (Lossy schemes with a recent window share nothing: Engine.)
+class EngineSharing : public ::testing::TestWithParam<cache::KvScheme> {};
+
+TEST_P(EngineSharing, SharesPromptPrefixesAndGivesTheSameOutputs) {
   EngineConfig cfg;
+  cfg.backend.kv_scheme = GetParam();
   cfg.backend.context_tokens = 256;
   cfg.backend.pool_tokens = 256 * 8;
-  cfg.step_tokens = 64;
-  const std::vector<int32_t> prefix = ragged_prompts(stories(), {160}, 3)[0];
+  cfg.step_tokens = 128;  // a prompt alone in one chunk; with a shared prefix, its tail alone
+  const std::vector<int32_t> prefix = ragged_prompts(smollm2(), {64}, 3)[0];
   std::vector<RequestParams> requests;
-  for (const std::vector<int32_t>& tail : ragged_prompts(stories(), {5, 9, 1, 20}, 4)) {
+  for (const std::vector<int32_t>& tail : ragged_prompts(smollm2(), {5, 9, 1, 20}, 4)) {
     RequestParams r;
     r.prompt = prefix;
     r.prompt.insert(r.prompt.end(), tail.begin() + 1, tail.end());
-    r.prompt.push_back(7);
-    r.max_tokens = 12;
+    r.prompt.push_back(r.prompt[1]);
+    r.max_tokens = 6;
     r.ignore_end = true;
     requests.push_back(r);
   }
-  Engine engine(stories(), cfg);
+  Engine engine(smollm2(), cfg);
   std::vector<RequestId> ids;
   const std::vector<Outcome> together = run_engine(engine, requests, &ids);
   const EngineStats s = engine.stats();
-  // 160 tokens = 10 blocks; the 2nd..4th requests take them from the first.
-  EXPECT_EQ(s.shared_blocks, 30);
+  // 64 tokens = 4 blocks; the 2nd..4th requests take them from the first.
+  EXPECT_EQ(s.shared_blocks, 12);
   for (size_t i = 1; i < ids.size(); ++i)
-    EXPECT_EQ(engine.report(ids[i]).shared_prompt_tokens, 160) << "request " << i;
-  EXPECT_LT(s.prefill_tokens, int64_t(4 * 160));
+    EXPECT_EQ(engine.report(ids[i]).shared_prompt_tokens, 64) << "request " << i;
+  EXPECT_LT(s.prefill_tokens, int64_t(4 * 64));
   // Pages at the peak: one prefix plus the tails, not four prefixes.
-  const model::ModelConfig& c = stories().config();
+  const model::ModelConfig& c = smollm2().config();
   const uint64_t pages_per_block = uint64_t(c.n_layers) * 2 * uint64_t(c.n_kv_heads);
-  EXPECT_LT(s.peak_pages_in_use, 4 * 10 * pages_per_block);
-  expect_same_outcomes(together, run_each_alone(cfg, requests));
+  EXPECT_LT(s.peak_pages_in_use, 4 * 4 * pages_per_block);
+  expect_same_outcomes(together, run_each_alone(cfg, requests, smollm2()));
 }
+
+INSTANTIATE_TEST_SUITE_P(PageClasses, EngineSharing,
+                         ::testing::Values(cache::KvScheme::kBf16, cache::KvScheme::kFp8E4M3, cache::KvScheme::kRtn4,
+                                           cache::KvScheme::kDither8),
+                         [](const ::testing::TestParamInfo<cache::KvScheme>& info) {
+                           std::string name = cache::kv_scheme_name(info.param);
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
 
 TEST(Engine, CancelFreesPagesAtOnce) {
   EngineConfig cfg;

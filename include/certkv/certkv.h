@@ -407,8 +407,6 @@ typedef struct certkv_kv_scheme_info {
   const char* meter_tier;  /* "none", "A" (witness bound, any query), "B" (dither8 certificate,
                               non-adaptive queries); static string */
   int lossless;            /* every bf16 bit written is read back (bf16, gaac) */
-  int chunking_invariant;  /* prefill chunks and decode read the same values (no block-level
-                              encoding), so logits do not depend on how a prompt is cut */
   int needs_calibration;   /* GAAC-coded: a calibration file, or the model calibrates itself */
   int lossy;               /* quantized pages with an exact backing store and the meter */
   int cuda_route;          /* served by the CUDA device route (params.device "cuda") */

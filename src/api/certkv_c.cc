@@ -1110,7 +1110,6 @@ certkv_status certkv_kv_scheme_get(int32_t index, certkv_kv_scheme_info* info) {
                      : s.tier == certkv::cache::MeterTier::kB ? "B"
                                                               : "none";
   info->lossless = s.lossless ? 1 : 0;
-  info->chunking_invariant = s.chunking_invariant ? 1 : 0;
   info->needs_calibration = s.gaac ? 1 : 0;
   info->lossy = s.lossy ? 1 : 0;
   info->cuda_route = s.cuda_route ? 1 : 0;

@@ -120,15 +120,17 @@ void decode_true_tv_ref(const cache::KvCache& cache, cache::SeqId seq, int layer
 int choose_decode_splits(int64_t n_ctx, int block_tokens, int n_kv_heads, int n_threads);
 
 // Causal attention for n new query tokens at positions [pos0, pos0 + n): query i attends to
-// positions [0, pos0 + i]. Lossy caches: blocks holding positions >= pos0 (this call's tokens)
-// are read exactly from the backing store, earlier blocks as stored, as engines with quantized
-// caches prefill (the meter and the gate act on decode steps). Tiles a block of queries against each tile of pages (each page
-// converted or reconstructed once per query block into a per-thread tile buffer), online
-// softmax, parallel over (kv_head, query block) on `pool`. Same floats for GAAC and BF16 caches.
-// The softmax is updated once per page, in page order, as decode_attention does it with one
-// split: for a query at position p the output is bit for bit decode_attention's with n_ctx =
-// p + 1 and n_splits = 1 wherever the two read the same values (every page of a bf16 or GAAC
-// cache; of a lossy one, the blocks before pos0), and does not depend on n or the thread count.
+// positions [0, pos0 + i]. Lossy caches: query i reads what a decode step at its position reads
+// (the cache holding pos0 + i + 1 tokens): the blocks ending after pos0 + i + 1 -
+// recent_window_tokens() exactly, from the backing store (its incomplete block and the recent
+// window), earlier blocks as stored; so a prompt's logits do not depend on how it is cut into
+// chunks (the meter and the gate act on decode steps). Tiles a block of queries against each
+// tile of pages (each page converted or reconstructed once per query block into a per-thread
+// tile buffer), online softmax, parallel over (kv_head, query block) on `pool`. Same floats for
+// GAAC and BF16 caches. The softmax is updated once per page, in page order, as
+// decode_attention does it with one split: for a query at position p the output is bit for bit
+// decode_attention's with n_ctx = p + 1 and n_splits = 1 over the same values, and does not
+// depend on n, pos0 or the thread count.
 // q: [n][n_q_heads][head_dim] float; out: [n][n_q_heads][head_dim] float.
 // REQUIRES: pos0 >= 0, n >= 1, pos0 + n <= written_tokens(seq, layer).
 void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,

@@ -228,42 +228,95 @@ TEST(DecodeMeter, RepairedBlocksLowerTheMeter) {
   }
 }
 
-// Prefill over a lossy cache reads the blocks of its own chunk exactly and earlier blocks as
-// stored; the float path matches the double reference either way.
-TEST(LossyPrefill, OwnChunkExactEarlierChunksAsStored) {
+// Writes positions [0, n) in ragged steps, each row's values a function of (position, layer,
+// kv_head) alone, so that caches holding different lengths hold the same rows.
+void append_by_position(cache::KvCache& cache, cache::SeqId seq, int64_t n) {
+  const cache::KvCacheConfig& cfg = cache.config();
+  const int d = cfg.head_dim;
+  static constexpr int64_t kSteps[] = {37, 1, 200, 3, 64};
+  for (int64_t done = 0, step = 0; done < n; ++step) {
+    const int64_t m = std::min<int64_t>(kSteps[step % 5], n - done);
+    cache.reserve(seq, m);
+    for (int layer = 0; layer < cfg.n_layers; ++layer) {
+      std::vector<float> k(size_t(m) * size_t(cfg.n_kv_heads) * size_t(d)), v(k.size());
+      for (int64_t t = 0; t < m; ++t) {
+        for (int h = 0; h < cfg.n_kv_heads; ++h) {
+          std::mt19937 rng(uint32_t((done + t) * 131 + layer * 17 + h));
+          std::normal_distribution<float> normal(0.f, 1.f);
+          const size_t row = (size_t(t) * size_t(cfg.n_kv_heads) + size_t(h)) * size_t(d);
+          for (int c = 0; c < d; ++c) {
+            k[row + size_t(c)] = normal(rng) * (c == 5 || c == 6 ? 12.f : 1.5f);
+            v[row + size_t(c)] = normal(rng);
+          }
+        }
+      }
+      cache.write(seq, layer, k.data(), v.data(), m);
+    }
+    cache.commit(seq, m);
+    done += m;
+  }
+}
+
+// Prefill over a lossy cache: query i reads what a decode step at its position reads (blocks
+// ending after p + 1 - window exact, earlier ones as stored), so
+//  - its output does not depend on where the chunk starts (bit for bit),
+//  - it equals decode_attention with one split over a cache that holds p + 1 tokens (bit for bit),
+//  - the float path matches the double reference,
+//  - and it differs from attention over the exact values once a block before it is lossy.
+TEST(LossyPrefill, EachQueryReadsWhatADecodeStepAtItsPositionReads) {
   ThreadPool pool(2);
   const CaseShape shape{6, 2, 64, 16};
   const AttentionShape as = testing::attention_shape(shape);
+  constexpr int64_t kTokens = 250;
   for (const KvScheme scheme : {KvScheme::kRtn4, KvScheme::kDither8, KvScheme::kKivi2}) {
+    SCOPED_TRACE(cache::kv_scheme_name(scheme));
     auto lossy = lossy_cache(shape, scheme, 512);
     cache::KvCacheConfig bf16_cfg = lossy->config();
     bf16_cfg.scheme = KvScheme::kBf16;
     cache::KvCache bf16(bf16_cfg);
     const cache::SeqId a = lossy->create_sequence(), b = bf16.create_sequence();
-    std::mt19937 rng_a(5), rng_b(5);
-    append(*lossy, a, 250, rng_a);  // the same data in both caches (the same seed)
-    append(bf16, b, 250, rng_b);
+    append_by_position(*lossy, a, kTokens);
+    append_by_position(bf16, b, kTokens);
     std::mt19937 rng(9);
-    for (const int64_t pos0 : {int64_t(0), int64_t(100), int64_t(233)}) {
-      const int64_t n = 250 - pos0;
-      std::normal_distribution<float> normal(0.f, 1.f);
-      std::vector<float> q(size_t(n) * 6 * 64);
-      for (float& x : q) x = normal(rng);
-      std::vector<float> got(q.size()), exact(q.size());
-      std::vector<double> ref(q.size());
-      prefill_attention(*lossy, a, 1, as, q.data(), pos0, n, got.data(), &pool);
-      prefill_attention_ref(*lossy, a, 1, as, q.data(), pos0, n, ref.data());
-      prefill_attention(bf16, b, 1, as, q.data(), pos0, n, exact.data(), &pool);
-      const std::string where = std::string(cache::kv_scheme_name(scheme)) + " pos0 " + std::to_string(pos0);
-      EXPECT_LT(testing::max_abs_diff(got, ref), 2e-5) << where;
-      const double diff = testing::max_abs_diff(got, exact);
-      // kivi2 keeps its newest 32 tokens (this cache's window) exact: pos0 >= 218 sees no lossy block.
-      if (pos0 == 0) {
-        EXPECT_LT(diff, 2e-5) << where << ": a single chunk attends only exact blocks";
-      } else if (!(scheme == KvScheme::kKivi2 && pos0 >= 218)) {
-        EXPECT_GT(diff, 1e-4) << where << ": earlier chunks are read as stored";
-      }
+    std::normal_distribution<float> normal(0.f, 1.f);
+    const size_t row = size_t(as.n_q_heads) * size_t(as.head_dim);
+    std::vector<float> q(size_t(kTokens) * row);
+    for (float& x : q) x = normal(rng);
+    std::vector<float> whole(q.size()), exact(q.size());
+    prefill_attention(*lossy, a, 1, as, q.data(), 0, kTokens, whole.data(), &pool);
+    prefill_attention(bf16, b, 1, as, q.data(), 0, kTokens, exact.data(), &pool);
+    std::vector<double> ref(q.size());
+    prefill_attention_ref(*lossy, a, 1, as, q.data(), 0, kTokens, ref.data());
+    EXPECT_LT(testing::max_abs_diff(whole, ref), 2e-5);
+
+    for (const int64_t pos0 : {int64_t(1), int64_t(100), int64_t(233), int64_t(249)}) {
+      const int64_t n = kTokens - pos0;
+      std::vector<float> part(size_t(n) * row);
+      prefill_attention(*lossy, a, 1, as, q.data() + size_t(pos0) * row, pos0, n, part.data(), &pool);
+      EXPECT_TRUE(std::equal(part.begin(), part.end(), whole.begin() + std::ptrdiff_t(size_t(pos0) * row)))
+          << "a chunk from " << pos0 << " reads other values than the whole prompt";
+      std::vector<double> part_ref(part.size());
+      prefill_attention_ref(*lossy, a, 1, as, q.data() + size_t(pos0) * row, pos0, n, part_ref.data());
+      EXPECT_LT(testing::max_abs_diff(part, part_ref), 2e-5) << "pos0 " << pos0;
     }
+
+    // The last position of a block (its block complete and lossy at that step), the first of
+    // the next, and others.
+    for (const int64_t p : {int64_t(40), int64_t(47), int64_t(48), int64_t(143), int64_t(249)}) {
+      auto shorter = lossy_cache(shape, scheme, 512);
+      const cache::SeqId c = shorter->create_sequence();
+      append_by_position(*shorter, c, p + 1);
+      std::vector<float> step(row);
+      DecodeOptions one_split;
+      one_split.n_splits = 1;
+      decode_attention(*shorter, c, 1, as, q.data() + size_t(p) * row, p + 1, step.data(), nullptr, one_split);
+      EXPECT_TRUE(std::equal(step.begin(), step.end(), whole.begin() + std::ptrdiff_t(size_t(p) * row)))
+          << "position " << p << ": prefill and a decode step there read different values";
+    }
+    // Past the first blocks (and kivi2's 32-token window) the lossy pages show.
+    const std::vector<float> late_whole(whole.begin() + std::ptrdiff_t(100 * row), whole.end());
+    const std::vector<float> late_exact(exact.begin() + std::ptrdiff_t(100 * row), exact.end());
+    EXPECT_GT(testing::max_abs_diff(late_whole, late_exact), 1e-4) << "every block read exact";
   }
 }
 

@@ -75,9 +75,6 @@ struct TableReader {
   // side data starts (lossy_payload_bytes).
   std::optional<codec::LossyPageSpec> lossy;
   size_t side_offset = 0;
-  // Lossy pages of blocks ending after this position are read exactly (the backing store):
-  // prefill attends the blocks of its own chunk exactly.
-  int64_t exact_from = std::numeric_limits<int64_t>::max();
   int layer = 0;
   cache::KvTensor kv = cache::KvTensor::kKey;
   int kv_head = 0;
@@ -87,7 +84,7 @@ inline TableReader table_reader(const cache::KvCache& cache, cache::SeqId seq, i
                                 cache::KvTensor kv, int kv_head) {
   TableReader r{&cache, cache.block_table(seq, layer, kv, kv_head), cache.n_blocks(seq), 0,
                 std::nullopt, cache::kv_scheme_element(cache.scheme()), nullptr, std::nullopt, 0,
-                std::numeric_limits<int64_t>::max(), layer, kv, kv_head};
+                layer, kv, kv_head};
   if (cache::kv_scheme_is_lossy(cache.scheme())) {
     r.lossy = cache.lossy_spec(layer, kv, kv_head);
     r.side_offset = codec::lossy_payload_bytes(*r.lossy);
@@ -113,9 +110,12 @@ inline void fp8_to_float_rows(format::GaacElement element, const uint8_t* src, f
 // raw pages from bf16 or FP8, GAAC slots reconstructed straight into the rows by the table's
 // codec::GaacRowDecoder (the same bit patterns as the raw page, so the same floats), GAAC FP8
 // slots decoded to FP8 bytes (codec _ref decoder, a per-thread page buffer), then to floats.
+// Lossy pages of blocks ending after `exact_from` are read exactly, from the backing store
+// (prefill: what a decode step at a query's position reads, prefill_attention).
 // out: [end - begin][head_dim].
 // REQUIRES: begin % block_tokens == 0; the positions are written.
-inline void load_tile(const TableReader& r, int64_t begin, int64_t end, float* out) {
+inline void load_tile(const TableReader& r, int64_t begin, int64_t end, float* out,
+                      int64_t exact_from = std::numeric_limits<int64_t>::max()) {
   const cache::KvCache& cache = *r.cache;
   const int64_t bt = cache.block_tokens();
   const size_t d = size_t(cache.head_dim());
@@ -142,7 +142,7 @@ inline void load_tile(const TableReader& r, int64_t begin, int64_t end, float* o
       fp8_to_float_rows(r.element, cache.page_fp8(ref), rows, size_t(n) * d);
     } else if (r.lossy && (ref.storage == format::StorageClass::kLossy ||
                            ref.storage == format::StorageClass::kDither8) &&
-               (start / bt + 1) * bt > r.exact_from) {
+               (start / bt + 1) * bt > exact_from) {
       thread_local std::vector<uint16_t> exact;
       exact.resize(size_t(bt) * d);
       cache.read_exact_page(ref, r.layer, r.kv, r.kv_head, exact.data());

@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,22 @@ void validate_prefill(const char* entry, const cache::KvCache& cache, cache::Seq
   }
 }
 
+// Lossy caches read a block exactly while it ends after this position of a sequence of n_tokens
+// (the incomplete block and the recent window): KvCache::recent_window_tokens.
+int64_t exact_from_of(const cache::KvCache& cache, int64_t n_tokens) {
+  return n_tokens - cache.recent_window_tokens();
+}
+
+int64_t block_end(int64_t t, int64_t block_tokens) { return (t / block_tokens + 1) * block_tokens; }
+
+// The start of the first page of [t0, t1) (page starts t0 + k block_tokens) that ends after
+// `exact_from`; t1 when none does.
+int64_t first_page_ending_after(int64_t exact_from, int64_t t0, int64_t t1, int64_t block_tokens) {
+  for (int64_t start = t0; start < t1; start += block_tokens)
+    if (block_end(start, block_tokens) > exact_from) return start;
+  return t1;
+}
+
 }  // namespace
 
 void prefill_attention_ref(const cache::KvCache& cache, cache::SeqId seq, int layer,
@@ -44,24 +61,39 @@ void prefill_attention_ref(const cache::KvCache& cache, cache::SeqId seq, int la
   const int64_t n_keys = pos0 + n;
   std::vector<float> k(size_t(n_keys) * size_t(d)), v(size_t(n_keys) * size_t(d));
   std::vector<double> s(static_cast<size_t>(n_keys));
+  const bool lossy = cache::kv_scheme_is_lossy(cache.scheme());
+  std::vector<float> k_exact, v_exact;
+  if (lossy) {
+    k_exact.resize(k.size());
+    v_exact.resize(v.size());
+  }
   for (int kv_head = 0; kv_head < shape.n_kv_heads; ++kv_head) {
     cache.read_token_range_ref(seq, layer, KvTensor::kKey, kv_head, 0, n_keys, k.data());
     cache.read_token_range_ref(seq, layer, KvTensor::kValue, kv_head, 0, n_keys, v.data());
-    if (cache::kv_scheme_is_lossy(cache.scheme())) {
-      // The blocks holding this call's tokens are read exactly (see prefill_attention).
-      const int64_t from = pos0 / cache.block_tokens() * cache.block_tokens();
-      cache.read_token_range_exact(seq, layer, KvTensor::kKey, kv_head, from, n_keys, &k[size_t(from) * size_t(d)]);
-      cache.read_token_range_exact(seq, layer, KvTensor::kValue, kv_head, from, n_keys, &v[size_t(from) * size_t(d)]);
+    if (lossy) {
+      cache.read_token_range_exact(seq, layer, KvTensor::kKey, kv_head, 0, n_keys, k_exact.data());
+      cache.read_token_range_exact(seq, layer, KvTensor::kValue, kv_head, 0, n_keys, v_exact.data());
     }
     for (int64_t i = 0; i < n; ++i) {
       const int64_t n_visible = pos0 + i + 1;
+      // Lossy caches: what a decode step at this position reads (see prefill_attention).
+      const int64_t exact_from = exact_from_of(cache, n_visible);
+      const auto key = [&](int64_t t) {
+        const bool exact = lossy && block_end(t, cache.block_tokens()) > exact_from;
+        return &(exact ? k_exact : k)[size_t(t) * size_t(d)];
+      };
+      const auto value = [&](int64_t t) {
+        const bool exact = lossy && block_end(t, cache.block_tokens()) > exact_from;
+        return &(exact ? v_exact : v)[size_t(t) * size_t(d)];
+      };
       for (int g = 0; g < group; ++g) {
         const size_t row = size_t(i) * size_t(shape.n_q_heads) + size_t(kv_head * group + g);
         const float* qh = q + row * size_t(d);
         double s_max = -INFINITY;
         for (int64_t t = 0; t < n_visible; ++t) {
           double dot = 0;
-          for (int c = 0; c < d; ++c) dot += double(qh[c]) * double(k[size_t(t) * size_t(d) + c]);
+          const float* kt = key(t);
+          for (int c = 0; c < d; ++c) dot += double(qh[c]) * double(kt[c]);
           s[size_t(t)] = double(shape.scale) * dot;
           s_max = std::max(s_max, s[size_t(t)]);
         }
@@ -74,7 +106,8 @@ void prefill_attention_ref(const cache::KvCache& cache, cache::SeqId seq, int la
         for (int c = 0; c < d; ++c) oh[c] = 0;
         for (int64_t t = 0; t < n_visible; ++t) {
           const double p = s[size_t(t)] / sum;
-          for (int c = 0; c < d; ++c) oh[c] += p * double(v[size_t(t) * size_t(d) + c]);
+          const float* vt = value(t);
+          for (int c = 0; c < d; ++c) oh[c] += p * double(vt[c]);
         }
       }
     }
@@ -94,10 +127,8 @@ void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
   for (int h = 0; h < shape.n_kv_heads; ++h) {
     k_tables.push_back(detail::table_reader(cache, seq, layer, KvTensor::kKey, h));
     v_tables.push_back(detail::table_reader(cache, seq, layer, KvTensor::kValue, h));
-    // Lossy caches: the blocks holding this call's tokens are read exactly (a prompt chunk
-    // attends its own keys and values as computed, earlier chunks as stored).
-    k_tables.back().exact_from = v_tables.back().exact_from = pos0;
   }
+  const bool lossy = cache::kv_scheme_is_lossy(cache.scheme());
 
   const size_t tile_keys = size_t(detail::blocks_per_tile(bt, d)) * size_t(bt);
   // Units are (query block, kv_head), the last query blocks (which see the most keys) first.
@@ -107,11 +138,18 @@ void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
     const int64_t i0 = qblock * kQueryBlockTokens;
     const int64_t i1 = std::min(n, i0 + kQueryBlockTokens);
     const size_t n_rows = size_t(i1 - i0) * size_t(group);
+    // Lossy caches: query i reads what a decode step at its position reads, whatever the chunk
+    // (blocks ending after exact_from_of(cache, pos0 + i + 1) exact, earlier ones as stored).
+    // The block's queries share tile A, in which only the pages exact for every one of them are
+    // exact; tile B holds the pages exact for some of them.
+    const int64_t exact_lo = exact_from_of(cache, pos0 + i0 + 1);
+    const int64_t exact_hi = exact_from_of(cache, pos0 + i1);
 
     thread_local std::vector<float> scratch;
     thread_local std::vector<detail::RowState> states;
     const size_t tile_pages = tile_keys / size_t(bt);
-    scratch.resize(2 * n_rows * size_t(d) + 2 * tile_keys * size_t(d) + tile_keys + tile_pages);
+    const size_t tiles = lossy ? 4 : 2;
+    scratch.resize(2 * n_rows * size_t(d) + tiles * tile_keys * size_t(d) + tile_keys + tile_pages);
     states.assign(n_rows, {detail::kMinusInfinity, 0.f});
     float* q_rows = scratch.data();  // [i - i0][g][d]
     float* acc = q_rows + n_rows * size_t(d);
@@ -119,6 +157,8 @@ void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
     float* v_tile = k_tile + tile_keys * size_t(d);
     float* s = v_tile + tile_keys * size_t(d);
     float* alphas = s + tile_keys;  // one per page of a tile
+    float* k_exact = alphas + tile_pages;
+    float* v_exact = k_exact + (lossy ? tile_keys * size_t(d) : 0);
     for (int64_t i = i0; i < i1; ++i) {
       const float* src = q + (size_t(i) * size_t(shape.n_q_heads) + size_t(h) * size_t(group)) * size_t(d);
       std::copy(src, src + size_t(group) * size_t(d), q_rows + size_t(i - i0) * size_t(group) * size_t(d));
@@ -128,19 +168,41 @@ void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
     const int64_t key_end = pos0 + i1;
     for (int64_t t0 = 0; t0 < key_end; t0 += int64_t(tile_keys)) {
       const int64_t t1 = std::min(key_end, t0 + int64_t(tile_keys));
-      detail::load_tile(k_tables[size_t(h)], t0, t1, k_tile);
-      detail::load_tile(v_tables[size_t(h)], t0, t1, v_tile);
+      detail::load_tile(k_tables[size_t(h)], t0, t1, k_tile, exact_hi);
+      detail::load_tile(v_tables[size_t(h)], t0, t1, v_tile, exact_hi);
+      // Pages [mixed0, mixed1) are exact for some of the block's queries only.
+      const int64_t mixed0 = lossy ? first_page_ending_after(exact_lo, t0, t1, bt) : t1;
+      const int64_t mixed1 = lossy ? first_page_ending_after(exact_hi, t0, t1, bt) : t1;
+      if (mixed0 < mixed1) {
+        const int64_t min_exact = std::numeric_limits<int64_t>::min();
+        detail::load_tile(k_tables[size_t(h)], mixed0, mixed1, k_exact + size_t(mixed0 - t0) * size_t(d), min_exact);
+        detail::load_tile(v_tables[size_t(h)], mixed0, mixed1, v_exact + size_t(mixed0 - t0) * size_t(d), min_exact);
+      }
       for (int64_t i = i0; i < i1; ++i) {
         // Causal: query i sees positions [0, pos0 + i].
         const int64_t visible = pos0 + i + 1 - t0;
         if (visible <= 0) continue;
-        const int n_visible = int(std::min(t1 - t0, visible));
+        const int64_t t_end = t0 + std::min(t1 - t0, visible);
+        // Pages [t0, split) as tile A holds them, [split, mixed1) exact from tile B, the rest A.
+        const int64_t split =
+            mixed0 < mixed1 ? first_page_ending_after(exact_from_of(cache, pos0 + i + 1), mixed0, mixed1, bt) : mixed1;
+        const struct {
+          int64_t begin, end;
+          const float *k, *v;
+        } ranges[3] = {{t0, std::min(split, t_end), k_tile, v_tile},
+                       {split, std::min(mixed1, t_end), k_exact, v_exact},
+                       {std::max(split, mixed1), t_end, k_tile, v_tile}};
         for (int g = 0; g < group; ++g) {
           const size_t r = size_t(i - i0) * size_t(group) + size_t(g);
           // One softmax update per page, as decode_attention makes them: a query's arithmetic
           // is then the same whatever the tile, the chunk or the path (prefill or decode).
-          detail::update_row_pages(q_rows + r * size_t(d), k_tile, v_tile, n_visible, bt, d,
-                                   shape.scale, &states[r], acc + r * size_t(d), s, alphas);
+          for (const auto& range : ranges) {
+            if (range.begin >= range.end) continue;
+            const size_t at = size_t(range.begin - t0);
+            detail::update_row_pages(q_rows + r * size_t(d), range.k + at * size_t(d), range.v + at * size_t(d),
+                                     int(range.end - range.begin), bt, d, shape.scale, &states[r],
+                                     acc + r * size_t(d), s + at, alphas + at / size_t(bt));
+          }
         }
       }
     }

@@ -42,6 +42,12 @@ struct SparseDecodeOptions {
   std::vector<std::vector<float>>* estimated_logits = nullptr;
 };
 
+// A decode step's SparseDecodeOptions::rounding_seed in the backends: the sparse config's seed
+// mixed with the query's position and layer (every backend draws the same roundings).
+inline uint64_t sparse_step_rounding_seed(uint64_t seed, int64_t position, int n_layers, int layer) {
+  return seed ^ ((uint64_t(position) * uint64_t(n_layers) + uint64_t(layer)) * 0xd1b54a32d192ed03ull);
+}
+
 // The query rounding seed of query head `head` for a step whose SparseDecodeOptions::rounding_seed
 // is `seed` (what every path quantizes the head's query with).
 inline uint64_t sparse_head_rounding_seed(uint64_t seed, int head) {

@@ -1,9 +1,12 @@
 #include "backend/backend.h"
 
+#include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "cache/key_index.h"
 #include "core/status.h"
 #include "gate/meter.h"
 
@@ -58,6 +61,37 @@ CheckedConfig check_backend_config(const model::Model& model, const BackendConfi
                                            cache::kv_scheme_name(config.kv_scheme) + ")");
   if (meter.gate && !meter.enabled) fail(StatusCode::kInvalidArgument, "the gate needs the meter (meter.enabled)");
   out.metered = meter.enabled && lossy;
+  const SparseConfig& sparse = config.sparse;
+  if (!sparse.enabled && sparse.deviations != 0)
+    fail(StatusCode::kInvalidArgument, "sparse deviations widen sparse decode's selection: enable sparse decode");
+  if (sparse.enabled) {
+    if (!(sparse.p > 0 && sparse.p <= 1))
+      fail(StatusCode::kInvalidArgument, "sparse p must be in (0, 1], got " + std::to_string(sparse.p));
+    if (!(sparse.deviations >= 0) || !std::isfinite(sparse.deviations))
+      fail(StatusCode::kInvalidArgument,
+           "sparse deviations must be finite and >= 0, got " + std::to_string(sparse.deviations));
+    if (sparse.window_tokens == -1)
+      out.sparse_window_tokens = int(std::min<int64_t>(128, out.context_tokens));
+    else if (sparse.window_tokens < 0 || sparse.window_tokens > out.context_tokens)
+      fail(StatusCode::kInvalidArgument, "sparse window " + std::to_string(sparse.window_tokens) +
+                                             " tokens must be in [0, the context = " +
+                                             std::to_string(out.context_tokens) + "]");
+    else
+      out.sparse_window_tokens = sparse.window_tokens;
+    if (sparse.dense_layers < 0 || sparse.dense_layers > c.n_layers)
+      fail(StatusCode::kInvalidArgument, "sparse dense layers " + std::to_string(sparse.dense_layers) +
+                                             " must be in [0, " + std::to_string(c.n_layers) + "]");
+    if (!c.rope_declared)
+      fail(StatusCode::kUnsupported,
+           "sparse decode needs the model's RoPE metadata (GGUF <arch>.rope.freq_base or "
+           "config.json rope_theta): the key index scores post-RoPE keys, and this model file "
+           "does not state its position encoding");
+    if (!cache::key_index_supports_head_dim(c.head_dim))
+      fail(StatusCode::kUnsupported, "sparse decode: head_dim " + std::to_string(c.head_dim) +
+                                         " is not supported by the key index (32, 64, 96, 128, 256)");
+    if (meter.gate && out.metered)
+      fail(StatusCode::kUnsupported, "the gate and sparse decode do not combine yet (the meter does: drop --gate)");
+  }
   out.delta_loc = gate::local_delta(meter.delta_req, c.n_layers, c.n_heads,
                                     meter.planned_steps > 0 ? meter.planned_steps : out.context_tokens);
   return out;

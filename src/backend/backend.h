@@ -245,6 +245,8 @@ class Backend {
   virtual void forward(std::span<const BatchItem> items) = 0;
 
   virtual SequenceReport report(cache::SeqId seq) const = 0;
+  // The sparse tier's counters of the sequence (all zero without sparse decode).
+  virtual const SparseStats& sparse_stats(cache::SeqId seq) const = 0;
   // Bytes of the pages the sequence's tables reference, by class (shared pages in full).
   virtual std::vector<cache::ClassBytes> sequence_bytes(cache::SeqId seq) const = 0;
   virtual cache::MemoryStats memory_stats() const = 0;
@@ -261,11 +263,16 @@ void report_meter(const gate::Telemetry& all, const std::vector<gate::Telemetry>
 // from it. Throws certkv::Error kInvalidArgument naming the field: a negative context, a pool
 // that cannot hold one sequence of the context, threads outside [1, 256], block_tokens outside
 // [1, 4096], a prefill chunk below 1, a gaac scheme without a calibration, outlier pairs past
-// head_dim / 2, meter parameters out of range, the gate without a lossy scheme or the meter.
+// head_dim / 2, meter parameters out of range, the gate without a lossy scheme or the meter; with
+// sparse decode, p outside (0, 1], deviations negative or not finite (or without sparse decode),
+// a window outside [0, the context], dense layers outside [0, n_layers] (kInvalidArgument), a
+// model that does not state its RoPE, a head_dim the key index does not cover, the gate
+// (kUnsupported).
 struct CheckedConfig {
   int64_t context_tokens = 0;  // config.context_tokens, or the model's context length
   bool metered = false;        // a lossy scheme with meter.enabled
   double delta_loc = 0;        // the Tier B failure probability of one (layer, head, step) cell
+  int sparse_window_tokens = 0;  // sparse.window_tokens with -1 resolved (sparse decode)
 };
 CheckedConfig check_backend_config(const model::Model& model, const BackendConfig& config);
 

@@ -187,6 +187,10 @@ class KvCache {
   int block_tokens() const { return config_.block_tokens; }
   int head_dim() const { return config_.head_dim; }
   KvScheme scheme() const { return config_.scheme; }
+  // Lossy schemes: the newest tokens whose complete blocks stay raw bf16 (the resolved
+  // recent_window_tokens); 0 for the other schemes. With n tokens written, a block is read
+  // exactly while it ends after n - recent_window_tokens().
+  int recent_window_tokens() const { return lossy_ ? window_tokens_ : 0; }
   // Bytes of one raw page's data: block_tokens * head_dim * (2 for bf16 pages, 1 for FP8).
   size_t page_bytes() const;
 

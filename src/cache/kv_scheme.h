@@ -47,11 +47,6 @@ struct KvSchemeInfo {
   format::GaacElement element;       // of raw pages (every page, or the tails and fallbacks)
   format::StorageClass full_blocks;  // the class a complete block goes to
   bool lossless;  // every bf16 bit written is read back
-  // Attention reads the value each write stored (a cast at most, no block-level encoding), so a
-  // prompt's logits do not depend on how it is cut into prefill chunks. (A decode step may still
-  // round differently from a prefill row at the same position once decode splits the KV over
-  // threads: the engine computes generated positions as decode steps only.)
-  bool chunking_invariant;
   bool gaac;      // complete blocks GAAC-coded: needs the model's calibration of `element`
   bool lossy;     // complete blocks quantized, their exact copies in the backing store
   codec::LossyScheme lossy_codec;  // the page codec (lossy schemes)
@@ -62,6 +57,9 @@ struct KvSchemeInfo {
   // it with its outlier pairs fixed for the model (BackendConfig::outlier_pair_table, which the
   // engine sets); its dither is keyed by the block's position (docs/format/dither8.md).
   bool batch_invariant;
+  // The device's sparse decode reads its pages (attention/cuda/sparse_decode_cuda.h gathers rows
+  // of raw bf16 pages): sparse decode on the cuda backend and the device route takes these only.
+  bool cuda_sparse;
 };
 
 // Every scheme, in KvScheme order.

@@ -25,13 +25,9 @@ TEST(KvSchemeTable, EveryEntryIsConsistent) {
       EXPECT_EQ(std::string(codec::lossy_scheme_name(s.lossy_codec)), s.name);
       EXPECT_EQ(kv_scheme_lossy(s.scheme), s.lossy_codec);
       EXPECT_EQ(s.element, format::GaacElement::kBf16) << "lossy schemes keep bf16 tails";
-      EXPECT_FALSE(s.chunking_invariant) << "prefill reads its own chunk exact, decode the pages";
     } else {
       EXPECT_THROW(kv_scheme_lossy(s.scheme), Error);
       EXPECT_EQ(s.default_window_tokens, 0);
-    }
-    if (s.lossless) {
-      EXPECT_TRUE(s.chunking_invariant);
     }
     if (s.gaac) {
       EXPECT_TRUE(s.full_blocks == format::StorageClass::kGaac ||

@@ -9,14 +9,6 @@
 namespace certkv::index {
 namespace {
 
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
-
-uint64_t splitmix64_mix(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
 bool is_power_of_two(int n) { return n > 0 && (n & (n - 1)) == 0; }
 
 // In-place unnormalized Walsh-Hadamard transform: x <- H x. x: [n], n a power of two.
@@ -62,15 +54,6 @@ std::vector<double> haar_matrix(int dim, uint64_t seed) {
 }
 
 }  // namespace
-
-uint64_t counter_random_u64(uint64_t seed, uint64_t counter) {
-  const uint64_t key = splitmix64_mix(seed + kGolden);
-  return splitmix64_mix(key + (counter + 1) * kGolden);
-}
-
-double counter_uniform(uint64_t seed, uint64_t counter) {
-  return (static_cast<double>(counter_random_u64(seed, counter) >> 11) + 0.5) * 0x1.0p-53;
-}
 
 double counter_standard_normal(uint64_t seed, uint64_t counter) {
   const double u1 = counter_uniform(seed, 2 * counter);

@@ -9,12 +9,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "index/counter_random.h"
+
 namespace certkv::index {
 
-// SplitMix64 finalizer applied to (seed, counter): draw number `counter` of stream `seed`.
-uint64_t counter_random_u64(uint64_t seed, uint64_t counter);
-// Uniform on the open interval (0, 1), 53 random bits.
-double counter_uniform(uint64_t seed, uint64_t counter);
 // Standard normal by Box-Muller from the uniforms at counters 2*counter and 2*counter + 1.
 double counter_standard_normal(uint64_t seed, uint64_t counter);
 
@@ -45,6 +43,12 @@ class Rotation {
   // P itself, row-major: P[i * dim + j]. Computed independently of rotate() for the Hadamard kind
   // (explicit matrix products), so tests can compare the two.
   std::vector<double> matrix() const;
+
+  // What rotate() applies, for a port to another device: kHaar, P^T as floats, row-major
+  // [dim][dim]; kRandomizedHadamard, the signs S_1, S_2, S_3 as +-1, [3][dim] (the other kind's
+  // vector is empty).
+  const std::vector<float>& p_transpose() const { return p_transpose_; }
+  const std::vector<float>& signs() const { return signs_; }
 
  private:
   RotationKind kind_;

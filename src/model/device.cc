@@ -21,10 +21,13 @@ void refuse_unserved(const DeviceDecoderConfig& config) {
          std::string("device cuda: KV scheme ") + cache::kv_scheme_name(config.scheme) +
              " is not served on the device yet (" +
              cache::kv_scheme_names([](const cache::KvSchemeInfo& s) { return s.cuda_route; }) + " are)");
-  if (config.sparse && config.scheme != cache::KvScheme::kBf16)
-    fail(StatusCode::kUnsupported, std::string("device cuda: sparse decode on the device reads bf16 pages (this "
-                                               "session's KV scheme is ") +
-                                       cache::kv_scheme_name(config.scheme) + ": use --kv bf16 or --device cpu)");
+  if (config.sparse && !cache::kv_scheme_info(config.scheme).cuda_sparse)
+    fail(StatusCode::kUnsupported,
+         "device cuda: sparse decode on the device reads " +
+             cache::kv_scheme_names([](const cache::KvSchemeInfo& s) { return s.cuda_sparse; }) +
+             " pages, not KV scheme " + cache::kv_scheme_name(config.scheme) + " (use --kv " +
+             cache::kv_scheme_names([](const cache::KvSchemeInfo& s) { return s.cuda_sparse; }) +
+             " or --device cpu)");
   if (config.sparse && config.max_tokens >= (int64_t(1) << 24))
     fail(StatusCode::kUnsupported, "device cuda: sparse decode serves contexts below 2^24 tokens");
 }

@@ -29,12 +29,33 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 // A sequence's indexed tokens and length as the kernels use them: device values outside what the
 // host planned (negative, past max_indexed, past the block tables) are clamped, never read past.
+// A row whose table row lies outside the tables has nothing (no index, no window).
+__device__ inline int64_t table_row_of(const SparseDecodeParams& p, int b) {
+  return p.table_rows != nullptr ? int64_t(p.table_rows[b]) : int64_t(b);
+}
+__device__ inline bool row_readable(const SparseDecodeParams& p, int b) {
+  const int64_t r = table_row_of(p, b);
+  return p.table_rows == nullptr || (r >= 0 && r < p.n_table_rows);
+}
 __device__ inline int64_t indexed_of(const SparseDecodeParams& p, int b) {
+  if (!row_readable(p, b)) return 0;
   return min(max(int64_t(p.n_indexed[b]), int64_t(0)), p.max_indexed);
 }
 __device__ inline int64_t length_of(const SparseDecodeParams& p, int b) {
+  if (!row_readable(p, b)) return 0;
   const int64_t n = indexed_of(p, b);
   return max(n, min(min(int64_t(p.seq_lens[b]), n + p.max_window), min(p.max_seq_len, p.table_stride * kTileTokens)));
+}
+// The records of (row b, kv_head) and the first entry of its block tables.
+template <typename Record>
+__device__ inline const Record* records_of(const SparseDecodeParams& p, int b, int kv_head) {
+  const int64_t r = row_readable(p, b) ? table_row_of(p, b) : 0;
+  return static_cast<const Record*>(p.records) + (r * p.n_kv_heads + kv_head) * p.record_stride;
+}
+__device__ inline int64_t table_start_of(const SparseDecodeParams& p, int b, int kv_head) {
+  const int64_t r = row_readable(p, b) ? table_row_of(p, b) : 0;
+  const int64_t row_stride = p.table_row_stride > 0 ? p.table_row_stride : int64_t(p.n_kv_heads) * p.table_stride;
+  return r * row_stride + int64_t(kv_head) * p.table_stride;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -130,7 +151,7 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_popcount_kernel(
   const bool widening = group_widens(queries, group);
   const int64_t n = indexed_of(p, b);
   const int64_t list = int64_t(b) * p.n_kv_heads + kv_head;
-  const auto* records = static_cast<const index::RabitqRecord<D>*>(p.records) + list * p.record_stride;
+  const auto* records = records_of<index::RabitqRecord<D>>(p, b, kv_head);
   float* row_logits = logits + (int64_t(b) * p.n_q_heads + kv_head * group) * p.max_indexed;
   uint32_t key_max[kTileHeads] = {};
   auto estimate = [&](const index::RabitqRecord<D>& rec, int64_t t) {
@@ -241,7 +262,7 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(Spars
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, row = lane >> 2, quad = lane & 3;
   const int64_t n = indexed_of(p, b);
   const int64_t first = int64_t(blockIdx.x) * kEstimateTokens, end = min(n, first + kEstimateTokens);
-  const Record* records = static_cast<const Record*>(p.records) + (int64_t(b) * p.n_kv_heads + kv_head) * p.record_stride;
+  const Record* records = records_of<Record>(p, b, kv_head);
   // Stage j of this warp: tokens first + 64 (warp + 4 j) onward, the bytes past `end` zero.
   auto stage_first = [&](int j) { return first + int64_t(kEstimateStageTokens) * (warp + kWarpsPerCta * j); };
   auto copy_stage = [&](int j) {
@@ -815,6 +836,7 @@ struct AttendArgs {
   int64_t n_chunks;       // indexed chunks per list
   int64_t window_chunks;  // chunks of the window after them
   int n_splits;
+  int64_t split_chunks;   // > 0: chunks per split, over the row's own chunks (SparseDecodeParams)
   float* part_mld;
   float* part_o;
 };
@@ -830,20 +852,26 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(AttendArgs a) {
   const int64_t n_indexed = indexed_of(p, b);
   const int64_t len = length_of(p, b);
   const int64_t list = int64_t(b) * p.n_kv_heads + kv_head;
-  const int64_t all_chunks = a.n_chunks + a.window_chunks;
-  const int64_t per_split = (all_chunks + a.n_splits - 1) / a.n_splits;
+  // The chunks split: the batch's (indexed chunks of the longest index, then the window's), or
+  // with split_chunks the row's own (its indexed chunks, then its window's).
+  const int64_t own_chunks = (n_indexed + kSparseChunkTokens - 1) / kSparseChunkTokens;
+  const int64_t indexed_chunks = a.split_chunks > 0 ? own_chunks : a.n_chunks;
+  const int64_t all_chunks =
+      a.split_chunks > 0 ? own_chunks + (len - n_indexed + kSparseChunkTokens - 1) / kSparseChunkTokens
+                         : a.n_chunks + a.window_chunks;
+  const int64_t per_split = a.split_chunks > 0 ? a.split_chunks : (all_chunks + a.n_splits - 1) / a.n_splits;
   const int64_t c_begin = int64_t(split) * per_split, c_end = min(all_chunks, c_begin + per_split);
 
   // Entries of chunk c: the list's count, or the window's tokens past n_indexed.
   auto chunk_count = [&](int64_t c) -> int32_t {
-    if (c < a.n_chunks) return a.counts[list * a.n_chunks + c];
-    const int64_t first = n_indexed + (c - a.n_chunks) * kSparseChunkTokens;
+    if (c < indexed_chunks) return a.counts[list * a.n_chunks + c];
+    const int64_t first = n_indexed + (c - indexed_chunks) * kSparseChunkTokens;
     const int64_t left = len - first;
     return int32_t(left <= 0 ? 0 : left < kSparseChunkTokens ? left : kSparseChunkTokens);
   };
   auto entry_of = [&](int64_t c, int32_t i) -> uint32_t {
-    if (c < a.n_chunks) return a.entries[(list * a.n_chunks + c) * kSparseChunkTokens + i];
-    return uint32_t(n_indexed + (c - a.n_chunks) * kSparseChunkTokens + i) | (0xffu << 24);
+    if (c < indexed_chunks) return a.entries[(list * a.n_chunks + c) * kSparseChunkTokens + i];
+    return uint32_t(n_indexed + (c - indexed_chunks) * kSparseChunkTokens + i) | (0xffu << 24);
   };
 
   // Query fragments (Q^T as B operands) of the group's heads, rounded to bf16.
@@ -863,7 +891,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(AttendArgs a) {
 #pragma unroll
   for (int i = 0; i < D / 16; ++i) o_acc[i][0] = o_acc[i][1] = o_acc[i][2] = o_acc[i][3] = 0.f;
   const float log2_scale = p.sm_scale * kLog2e;
-  const int64_t table_row = list * p.table_stride;
+  const int64_t table_row = table_start_of(p, b, kv_head);
 
   // The warp's tiles: tile j of the split's concatenated chunks (tiles of 16 entries, a chunk's
   // last tile partial), j = warp, warp + 4, ...; a cursor walks the chunks forward, the next
@@ -1115,7 +1143,7 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
   if (l.n_chunks > 0)
     select_kernel<D><<<dim3(unsigned(l.n_chunks), unsigned(p.n_kv_heads), unsigned(p.batch)), kSelectThreads, 0,
                        stream>>>(p, logits, theta, norms, entries, counts, l.n_chunks);
-  AttendArgs a{p, entries, counts, l.n_chunks, l.window_chunks, splits,
+  AttendArgs a{p, entries, counts, l.n_chunks, l.window_chunks, splits, p.split_chunks,
                static_cast<float*>(at(l.mld)), static_cast<float*>(at(l.o))};
   const size_t smem = sizeof(SparseShared<D>);
   allow_attend_shared_memory<D>();
@@ -1130,7 +1158,18 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-int splits_of(const SparseDecodeParams& p) { return p.n_splits > 0 ? p.n_splits : choose_splits(p); }
+// The chunks of the batch's longest index plus its longest window: every row's own chunks fit.
+int64_t batch_chunks(const SparseDecodeParams& p) {
+  return (p.max_indexed + kSparseChunkTokens - 1) / kSparseChunkTokens +
+         (p.max_window + kSparseChunkTokens - 1) / kSparseChunkTokens;
+}
+
+int splits_of(const SparseDecodeParams& p) {
+  if (p.n_splits > 0) return p.n_splits;
+  if (p.split_chunks > 0)
+    return int(std::min<int64_t>(std::max<int64_t>(1, (batch_chunks(p) + p.split_chunks - 1) / p.split_chunks), INT32_MAX));
+  return choose_splits(p);
+}
 
 }  // namespace
 
@@ -1226,6 +1265,12 @@ CudaStatus check(const SparseDecodeParams& p) {
     return error("pass_tokens must be a multiple of 16 in [0, 2^24]");
   if (uint8_t(p.estimate_form) > uint8_t(EstimateForm::kBitMma))
     return error("estimate_form " + std::to_string(int(p.estimate_form)) + " is not an EstimateForm");
+  if (p.n_splits < 0 || p.split_chunks < 0) return error("n_splits and split_chunks must be >= 0");
+  if (p.n_splits > 0 && p.split_chunks > 0) return error("set n_splits or split_chunks, not both");
+  if (splits_of(p) > 65535) return error("split_chunks cuts the chunks into more than 65535 splits");
+  if (p.table_rows != nullptr && p.n_table_rows < 1) return error("table_rows needs n_table_rows >= 1");
+  if (p.table_row_stride < 0 || (p.table_row_stride > 0 && p.table_row_stride < int64_t(p.n_kv_heads) * p.table_stride))
+    return error("table_row_stride must be 0 or at least n_kv_heads x table_stride");
   // Every list starts on 16 bytes (the estimate stages a list's records by 16-byte cp.async): at
   // head_dim 64 (24-byte records) the stride must be even.
   const int64_t record_bytes = p.head_dim == 64 ? int64_t(sizeof(index::RabitqRecord<64>))
@@ -1242,15 +1287,13 @@ CudaStatus check(const SparseDecodeParams& p) {
   const int64_t page = int64_t(kTileTokens) * p.head_dim * 2;
   if (p.k_page_stride < page || p.v_page_stride < page)
     return error("page stride too small for bf16 pages (" + std::to_string(page) + " bytes)");
-  if (p.n_splits < 0) return error("n_splits must be >= 0");
   if (!p.workspace || p.workspace_size < workspace_bytes(p) || !aligned16(p.workspace))
     return error("workspace too small or misaligned (needs " + std::to_string(workspace_bytes(p)) + " bytes)");
   return {};
 }
 
 int choose_splits(const SparseDecodeParams& p) {
-  const int64_t chunks = (p.max_indexed + kSparseChunkTokens - 1) / kSparseChunkTokens +
-                         (p.max_window + kSparseChunkTokens - 1) / kSparseChunkTokens;
+  const int64_t chunks = batch_chunks(p);
   // 4 chunks per split (a chunk's selected tokens fill a few tiles, so fewer chunks would leave
   // the CTA's warps idle), however many waves that makes. The KV heads select very different
   // numbers of rows (a list is the union over its group's heads), so one split per resident slot

@@ -62,9 +62,16 @@ struct SparseDecodeParams {
   int64_t table_stride = 0;
   const int32_t* seq_lens = nullptr;  // [batch]
   int64_t max_seq_len = 0;
+  // Which tables and records a batch row reads (as PagedDecodeParams::table_rows): row b reads the
+  // tables at k_table + table_rows[b] * table_row_stride + kv_head * table_stride and the records
+  // of row table_rows[b]. table_rows null: row b; table_row_stride 0: n_kv_heads * table_stride.
+  // A row outside [0, n_table_rows) reads nothing (its output is not defined).
+  const int32_t* table_rows = nullptr;  // [batch]
+  int64_t n_table_rows = 0;
+  int64_t table_row_stride = 0;
 
   // The index: tokens [0, n_indexed[b]) of sequence b have records
-  // records[(b * n_kv_heads + kv_head) * record_stride + t] (index::RabitqRecord<head_dim>; the
+  // records[(r * n_kv_heads + kv_head) * record_stride + t], r = b or table_rows[b] (index::RabitqRecord<head_dim>; the
   // base 16-byte aligned, and every list too: an even record_stride at head_dim 64);
   // tokens [n_indexed[b], seq_lens[b]) are the window, attended exactly.
   const void* records = nullptr;
@@ -87,7 +94,12 @@ struct SparseDecodeParams {
   int64_t* n_widened = nullptr;
   double* mass = nullptr;
 
-  int n_splits = 0;  // 0: chosen (choose_splits: 4 chunks per split)
+  int n_splits = 0;  // 0: split_chunks, or chosen (choose_splits: 4 chunks per split)
+  // > 0: every split takes this many chunks of its own row, the row's indexed chunks then its
+  // window's, so that a row's output depends on its own lengths only, never on the batch beside
+  // it (the engine's batch invariance). 0: the chunks of the batch's longest index and window,
+  // split evenly. Not with n_splits.
+  int64_t split_chunks = 0;
   // Tokens per CTA of the Top-p histogram and gather passes, a multiple of 16 up to 2^24; 0: chosen
   // (4096 doubled up to 32768 while the passes keep 1024 CTAs).
   int64_t pass_tokens = 0;

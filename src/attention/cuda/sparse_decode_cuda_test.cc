@@ -38,6 +38,7 @@ struct SparseCase {
   double deviations = 0;   // the Top-p set widened by this many estimator deviations per token
   int64_t pass_tokens = 0;  // tokens per CTA of the histogram and gather passes (0: chosen)
   EstimateForm form = EstimateForm::kChosen;  // the estimate's kernel
+  int64_t split_chunks = 0;  // SparseDecodeParams::split_chunks (0: the batch's plan)
 };
 
 struct Host {
@@ -183,6 +184,7 @@ SparseRun<D> run(const SparseCase& c, const Host& h) {
   p.n_widened = reinterpret_cast<int64_t*>(nwid_d.data());
   p.pass_tokens = c.pass_tokens;
   p.estimate_form = c.form;
+  p.split_chunks = c.split_chunks;
   const size_t ws = workspace_bytes(p);
   EXPECT_TRUE(DeviceBuffer::allocate(ws, &ws_d).ok);
   p.workspace = ws_d.data();
@@ -391,6 +393,39 @@ TEST(SparseDecodeCuda, WideningAddsTheCpuTokens) {
   check_case<64>(widened({64, 9, 3, {9000}, {8960}, 0.5, 14}, 0.5));
 }
 
+// With split_chunks a row's splits are its own chunks (indexed, then its window's): its output is
+// the same bit for bit alone and beside rows with longer indexes and windows, and still the
+// CPU's selection and attention (check_case).
+TEST(SparseDecodeCuda, FixedSplitsMakeARowsOutputIndependentOfTheBatch) {
+  CERTKV_NEED_CUDA_DEVICE();
+  for (int64_t split_chunks : {1, 4}) {
+    SparseCase c{64, 9, 3, {9000, 1500, 64, 4096 + 1100}, {8960, 1280, 48, 4096}, 0.9, 51};
+    c.split_chunks = split_chunks;
+    check_case<64>(c);
+    const Host h = make_inputs(c);
+    const SparseRun<64> batch = run<64>(c, h);
+    ASSERT_TRUE(batch.status.ok) << batch.status.message;
+    const size_t q_row = size_t(c.n_q_heads) * 64;
+    for (size_t b = 0; b < c.lens.size(); ++b) {
+      SparseCase one = c;
+      one.lens = {c.lens[b]};
+      one.n_indexed = {c.n_indexed[b]};
+      Host alone;
+      alone.kv.batch = 1;
+      alone.kv.n_kv_heads = c.n_kv_heads;
+      alone.kv.head_dim = 64;
+      alone.kv.lens = {c.lens[b]};
+      alone.kv.k = {h.kv.k[b]};
+      alone.kv.v = {h.kv.v[b]};
+      alone.q.assign(h.q.begin() + long(b * q_row), h.q.begin() + long((b + 1) * q_row));
+      const SparseRun<64> r = run<64>(one, alone);
+      ASSERT_TRUE(r.status.ok) << r.status.message;
+      EXPECT_EQ(std::memcmp(r.out.data(), batch.out.data() + b * q_row, q_row * sizeof(float)), 0)
+          << "split_chunks " << split_chunks << ": row " << b << " differs alone";
+    }
+  }
+}
+
 TEST(SparseDecodeCuda, PEqualOneIsDenseAttention) {
   CERTKV_NEED_CUDA_DEVICE();
   check_case<128>({128, 16, 4, {3000, 517}, {2880, 512}, 1.0, 6}, true);
@@ -501,6 +536,22 @@ TEST(SparseDecodeCuda, BadInputIsRefused) {
   p.estimate_form = EstimateForm::kBitMma;
   EXPECT_EQ(check(p).message.find("estimate_form"), std::string::npos);
   p.estimate_form = EstimateForm::kChosen;
+  // Fixed splits and table rows (the engine's backend).
+  p.split_chunks = -1;
+  EXPECT_NE(check(p).message.find("split_chunks must be >= 0"), std::string::npos) << check(p).message;
+  p.split_chunks = 4;
+  p.n_splits = 2;
+  EXPECT_NE(check(p).message.find("not both"), std::string::npos) << check(p).message;
+  p.n_splits = 0;
+  alignas(16) static int32_t fake_rows[1];
+  p.table_rows = fake_rows;
+  EXPECT_NE(check(p).message.find("n_table_rows"), std::string::npos) << check(p).message;
+  p.n_table_rows = 1;
+  p.table_row_stride = 1;  // below n_kv_heads x table_stride
+  EXPECT_NE(check(p).message.find("table_row_stride"), std::string::npos) << check(p).message;
+  p.table_row_stride = 0;
+  p.table_rows = nullptr;
+  p.split_chunks = 0;
   // Lists that do not start on 16 bytes: head_dim 64 (24-byte records) with an odd stride. Only
   // the pointer's alignment is checked, so a fake aligned address serves.
   alignas(16) static unsigned char fake_records[16];

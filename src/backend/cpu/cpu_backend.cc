@@ -40,39 +40,8 @@ CpuBackend::CpuBackend(const model::Model& model, const BackendConfig& config)
   kv.fixed_outlier_pairs = config.outlier_pair_table;
   kv.recent_window_tokens = config.recent_window_tokens;
   kv.witness = config.witness;
-  const MeterConfig& meter = config.meter;
   const SparseConfig& sparse = config.sparse;
-  if (!sparse.enabled && sparse.deviations != 0)
-    fail(StatusCode::kInvalidArgument, "sparse deviations widen sparse decode's selection: enable sparse decode");
-  if (sparse.enabled) {
-    if (!(sparse.p > 0 && sparse.p <= 1))
-      fail(StatusCode::kInvalidArgument,
-           "sparse p must be in (0, 1], got " + std::to_string(sparse.p));
-    if (!(sparse.deviations >= 0) || !std::isfinite(sparse.deviations))
-      fail(StatusCode::kInvalidArgument,
-           "sparse deviations must be finite and >= 0, got " + std::to_string(sparse.deviations));
-    if (sparse.window_tokens == -1)
-      config_.sparse.window_tokens = int(std::min<int64_t>(128, context_tokens_));
-    else if (sparse.window_tokens < 0 || sparse.window_tokens > context_tokens_)
-      fail(StatusCode::kInvalidArgument,
-           "sparse window " + std::to_string(sparse.window_tokens) +
-               " tokens must be in [0, the context = " + std::to_string(context_tokens_) + "]");
-    if (sparse.dense_layers < 0 || sparse.dense_layers > c.n_layers)
-      fail(StatusCode::kInvalidArgument, "sparse dense layers " +
-                                             std::to_string(sparse.dense_layers) +
-                                             " must be in [0, " + std::to_string(c.n_layers) + "]");
-    if (!c.rope_declared)
-      fail(StatusCode::kUnsupported,
-           "sparse decode needs the model's RoPE metadata (GGUF <arch>.rope.freq_base or "
-           "config.json rope_theta): the key index scores post-RoPE keys, and this model file "
-           "does not state its position encoding");
-    if (!cache::key_index_supports_head_dim(c.head_dim))
-      fail(StatusCode::kUnsupported, "sparse decode: head_dim " + std::to_string(c.head_dim) +
-                                         " is not supported by the key index (32, 64, 96, 128, 256)");
-    if (meter.gate && metered_)
-      fail(StatusCode::kUnsupported,
-           "the gate and sparse decode do not combine yet (the meter does: drop --gate)");
-  }
+  if (sparse.enabled) config_.sparse.window_tokens = checked.sparse_window_tokens;
   if (config.device == model::Device::kCuda) {
     // make_device_decoder refuses the schemes it does not serve (and, with sparse decode, every
     // scheme but bf16).
@@ -369,9 +338,7 @@ void CpuBackend::decode_attention_sparse(cache::SeqId seq, SequenceState& st, in
   attention::SparseDecodeOptions options;
   options.p = config_.sparse.p;
   options.deviations = config_.sparse.deviations;
-  options.rounding_seed = config_.sparse.seed ^
-                          ((uint64_t(pos0) * uint64_t(model_.config().n_layers) + uint64_t(layer)) *
-                           0xd1b54a32d192ed03ull);
+  options.rounding_seed = attention::sparse_step_rounding_seed(config_.sparse.seed, pos0, model_.config().n_layers, layer);
   if (metered_) {
     meters_.resize(size_t(shape.n_q_heads));
     options.meters = meters_.data();

@@ -72,7 +72,7 @@ class CpuBackend final : public Backend {
   void set_meter_observer(cache::SeqId seq, MeterObserver observer);
   // The sparse tier (null unless config.sparse.enabled).
   const cache::KeyIndex* key_index(cache::SeqId seq) const;
-  const SparseStats& sparse_stats(cache::SeqId seq) const;
+  const SparseStats& sparse_stats(cache::SeqId seq) const override;
   void reset_sparse_stats(cache::SeqId seq);
   void set_sparse_observer(cache::SeqId seq, SparseObserver observer);
 

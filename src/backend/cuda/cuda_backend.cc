@@ -1,6 +1,7 @@
 #include "backend/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -8,7 +9,10 @@
 #include <vector>
 
 #include "attention/cuda/device_layer_params.h"
+#include "attention/cuda/key_index_cuda.h"
 #include "attention/cuda/paged_decode_cuda.h"
+#include "attention/cuda/sparse_decode_cuda.h"
+#include "attention/sparse_decode.h"
 #include "backend/host_forward.h"
 #include "cache/cuda/device_kv_cache.h"
 #include "core/cuda_status.h"
@@ -16,6 +20,9 @@
 #include "core/thread_pool.h"
 #include "gate/meter.h"
 #include "gate/telemetry.h"
+#include "index/rabitq.h"
+#include "index/rotation.h"
+#include "index/top_p.h"
 
 namespace certkv::backend {
 namespace {
@@ -26,16 +33,19 @@ using cache::cuda::DeviceBuffer;
 using cache::cuda::PinnedBuffer;
 
 // The features this backend does not serve yet, refused by name before any memory is taken.
-void refuse_unserved(const model::Model& model, const BackendConfig& config) {
+void refuse_unserved(const model::Model& model, const BackendConfig& config, int64_t checked_context) {
   const cache::KvSchemeInfo& info = cache::kv_scheme_info(config.kv_scheme);
   if (!info.cuda_route)
     fail(StatusCode::kUnsupported,
          std::string("KV scheme ") + info.name + " is not served by the cuda backend (" +
              cache::kv_scheme_names([](const cache::KvSchemeInfo& s) { return s.cuda_route; }) + " are)");
-  if (config.sparse.enabled)
+  if (config.sparse.enabled && !info.cuda_sparse)
     fail(StatusCode::kUnsupported,
-         "sparse decode is not served by the cuda backend yet (a session's one-sequence device route serves it: "
-         "certkv run --device cuda --sparse)");
+         std::string("sparse decode on the cuda backend reads ") +
+             cache::kv_scheme_names([](const cache::KvSchemeInfo& s) { return s.cuda_sparse; }) +
+             " pages, not KV scheme " + info.name + " (use --kv " +
+             cache::kv_scheme_names([](const cache::KvSchemeInfo& s) { return s.cuda_sparse; }) +
+             ", or the cpu backend, which serves sparse decode over every scheme)");
   if (config.meter.gate)
     fail(StatusCode::kUnsupported,
          "the gate is not served by the cuda backend yet (a session's one-sequence device route serves it: "
@@ -50,6 +60,8 @@ void refuse_unserved(const model::Model& model, const BackendConfig& config) {
     fail(StatusCode::kUnsupported, "the cuda backend serves head_dim 64 or 128, not " + std::to_string(c.head_dim));
   if (c.n_heads % c.n_kv_heads != 0 || c.n_heads / c.n_kv_heads > 8)  // the decode kernels' largest group
     fail(StatusCode::kUnsupported, "the cuda backend serves at most 8 query heads per KV head");
+  if (config.sparse.enabled && checked_context >= (int64_t(1) << 24))
+    fail(StatusCode::kUnsupported, "sparse decode on the cuda backend serves contexts below 2^24 tokens");
   if (attention::cuda::device_count() < 1)
     fail(StatusCode::kUnsupported, "the cuda backend needs a CUDA device, and none is visible to this process");
 }
@@ -58,7 +70,7 @@ class CudaBackend final : public Backend {
  public:
   CudaBackend(const model::Model& model, const BackendConfig& config) : model_(model), config_(config) {
     const CheckedConfig checked = check_backend_config(model, config);
-    refuse_unserved(model, config);
+    refuse_unserved(model, config, checked.context_tokens);
     context_tokens_ = checked.context_tokens;
     metered_ = checked.metered;
     delta_loc_ = checked.delta_loc;
@@ -81,8 +93,26 @@ class CudaBackend final : public Backend {
     kc.outlier_pairs = config.outlier_pairs;
     kc.fixed_outlier_pairs = config.outlier_pair_table;
     kc.witness = config.witness;
+    kc.hold_completed_exact = cache::kv_scheme_is_lossy(config.kv_scheme);
     kc.sequences = 0;
+    sparse_ = config.sparse.enabled;
+    if (sparse_) {
+      config_.sparse.window_tokens = checked.sparse_window_tokens;
+      kc.index_record_bytes = c.head_dim == 64 ? sizeof(index::RabitqRecord<64>) : sizeof(index::RabitqRecord<128>);
+    }
     throw_if_failed(cache::cuda::DeviceKvCache::create(kc, &cache_));
+    if (sparse_) {
+      // The key index's rotation P (cache::KeyIndex's: one for every head, from the sparse seed).
+      const index::Rotation rotation(config.sparse.rotation, c.head_dim, config.sparse.seed);
+      const std::vector<float>& params =
+          rotation.kind() == index::RotationKind::kHaar ? rotation.p_transpose() : rotation.signs();
+      throw_if_failed(DeviceBuffer::allocate(sizeof(float) * params.size(), &rotation_));
+      throw_if_failed(rotation_.upload(0, params.data(), sizeof(float) * params.size()));
+      rotation_view_.kind = rotation.kind();
+      (rotation.kind() == index::RotationKind::kHaar ? rotation_view_.p_transpose : rotation_view_.signs) =
+          reinterpret_cast<const float*>(rotation_.data());
+      throw_if_failed(DeviceBuffer::allocate(sizeof(uint32_t), &index_error_));
+    }
     const int64_t pool_tokens = config.pool_tokens > 0 ? config.pool_tokens : context_tokens_;
     capacity_pages_ = uint64_t((pool_tokens + config.block_tokens - 1) / config.block_tokens) * pages_per_block();
   }
@@ -167,8 +197,12 @@ class CudaBackend final : public Backend {
     SequenceReport r;
     r.metered = metered_;
     if (metered_) report_meter(*st.telemetry, st.layer_telemetry, r);
+    r.sparse = sparse_;
+    if (st.sparse_stats.cells > 0) r.sparse_budget = st.sparse_stats.sum_budget / double(st.sparse_stats.cells);
     return r;
   }
+
+  const SparseStats& sparse_stats(cache::SeqId seq) const override { return state(seq).sparse_stats; }
 
   std::vector<cache::ClassBytes> sequence_bytes(cache::SeqId seq) const override {
     const cache::cuda::DeviceSequenceBytes b = cache_->sequence_bytes(state(seq).slot);
@@ -210,20 +244,44 @@ class CudaBackend final : public Backend {
     int64_t reserved = 0;  // tokens whose pages are promised (>= length)
     std::unique_ptr<gate::Telemetry> telemetry;
     std::vector<gate::Telemetry> layer_telemetry;  // metered: [n_layers]
+    // The sparse tier (CpuBackend's rule): the end of the first input sets the centroids and
+    // indexes every whole block before the window, later inputs index in batches of the window.
+    // The records and centroids live on the device beside the slot's pages
+    // (DeviceLayerView::index_records); the host keeps the query sums until the centroids are set.
+    bool index_built = false;
+    int64_t indexed = 0;             // tokens indexed in every sparse (layer, kv head)
+    std::vector<double> query_sums;  // [layer][kv_head][head_dim] until the index is built
+    int64_t query_count = 0;
+    SparseStats sparse_stats;
   };
 
-  // The rows of one launch: a prefill chunk's rows, or the metered decode rows (the meter runs on
-  // the one-token steps only, as on the CPU; which launch a row goes to depends on its own item).
+  // Whether a one-token step of the sequence attends sparsely in the sparse layers.
+  bool sparse_row(const SequenceState& st, int64_t n) const { return n == 1 && st.index_built && st.indexed > 0; }
+
+  // The rows of one launch (which launch a row goes to depends on its own item):
+  //  - kMeteredDecode: the one-token steps of a metered scheme (the meter runs on them only, as on
+  //    the CPU);
+  //  - kSparseDecode: the one-token steps of sparse sequences with an index (sparse_decode in the
+  //    sparse layers);
+  //  - kOwnBlockExact (lossy schemes): the prompt rows whose own block their write completed;
+  //    they read that block exact, as a decode step at their position reads it (the incomplete
+  //    tail then), through tables of their own (own_block_tables_);
+  //  - kOther: every other row.
+  enum Group : size_t { kMeteredDecode = 0, kOther = 1, kSparseDecode = 2, kOwnBlockExact = 3, kGroups = 4 };
   struct RowGroup {
     bool metered = false;
     std::vector<int64_t> rows;  // step rows, in launch order
     std::vector<int32_t> seq_lens, table_rows;
     int64_t max_len = 0;
     size_t first = 0;  // the group's first row in the staging order
+    int64_t max_indexed = 0, max_window = 0;  // sparse rows: the longest index and window
   };
+  static constexpr size_t kErrorWords = kGroups;  // one per row group (staging_'s last words)
 
   SequenceState make_state() const {
     SequenceState st;
+    st.sparse_stats.layer_cells.assign(size_t(model_.config().n_layers), 0);
+    st.sparse_stats.layer_sum_budget.assign(size_t(model_.config().n_layers), 0.0);
     st.telemetry = std::make_unique<gate::Telemetry>(config_.meter.tau, config_.meter.sample_every);
     if (metered_)
       st.layer_telemetry.assign(size_t(model_.config().n_layers),
@@ -248,9 +306,39 @@ class CudaBackend final : public Backend {
   }
   format::StorageClass coded_class() const { return cache::kv_scheme_info(config_.kv_scheme).full_blocks; }
   PagedDecodeParams layer_params(int layer) const;
+  // The sparse staging (page-locked), per step row: its indexed length (8 bytes), its Top-p
+  // weight table, per head a rounding seed and the selected and widened counts; then a zero word
+  // and the quantizer's error word.
+  static constexpr size_t kTopPBuckets = index::kTopPGapCap + 1;
+  size_t sparse_staging_bytes(size_t n_rows) const {
+    return n_rows * (8 + 8 * kTopPBuckets + 8 * 3 * size_t(model_.config().n_heads)) + 2 * sizeof(uint32_t);
+  }
+  int32_t* staged_indexed() const { return reinterpret_cast<int32_t*>(sparse_staging_.data()); }
+  uint64_t* staged_weights() const { return reinterpret_cast<uint64_t*>(sparse_staging_.data() + 8 * step_rows_); }
+  uint64_t* staged_seeds() const { return staged_weights() + step_rows_ * kTopPBuckets; }
+  int64_t* staged_counts() const {
+    return reinterpret_cast<int64_t*>(staged_seeds() + step_rows_ * size_t(model_.config().n_heads));
+  }
+  uint32_t* staged_words() const {
+    return reinterpret_cast<uint32_t*>(staged_counts() + 2 * step_rows_ * size_t(model_.config().n_heads));
+  }
   void ensure_step_buffers(size_t n_rows);
   void attend_layer(int layer, const std::vector<RowGroup>& groups, const float* q_all, float* out_all,
                     const std::vector<size_t>& item_of_row, std::span<const BatchItem> items);
+  // The tables of the kOwnBlockExact rows of a layer: per (sequence slot, block) their slot's
+  // tables with the block's entries naming its held exact raw pages; uploaded to
+  // own_block_tables_.
+  void upload_own_block_tables(int layer, const std::vector<std::pair<int, int64_t>>& own_blocks);
+  // The sparse rows' per-step data (indexed lengths, Top-p weight tables) up to the device.
+  void stage_sparse_step(RowGroup& g, const std::vector<size_t>& item_of_row, std::span<const BatchItem> items);
+  // Enqueues one sparse layer for the rows of g: their rounding seeds up, the queries quantized,
+  // sparse_decode; the counts come down with the outputs.
+  void launch_sparse_layer(int layer, const RowGroup& g);
+  // The selections of the sparse rows into each sequence's sparse counters (after the sync).
+  void record_sparse_layer(int layer, const RowGroup& g, const std::vector<size_t>& item_of_row,
+                           std::span<const BatchItem> items);
+  // After a step: the key index of every sparse sequence that ended an input, on the device.
+  void update_key_indexes(std::span<const BatchItem> items);
 
   const model::Model& model_;
   BackendConfig config_;
@@ -268,9 +356,43 @@ class CudaBackend final : public Backend {
   // Step buffers: queries, outputs, the meters ([3][rows][n_heads]: meter, A - 1, value side),
   // per row its length and table row; their page-locked staging; the split workspace.
   size_t step_rows_ = 0;
-  DeviceBuffer q_, out_, meters_, lens_, workspace_;
+  DeviceBuffer q_, out_, meters_, lens_, workspace_, own_block_tables_;
+  std::vector<int32_t> host_own_block_tables_;
   PinnedBuffer staging_;
+  // The sparse tier: the rotation's parameters, the index builder's error word; per step the
+  // sparse rows' indexed lengths, Top-p weight tables, rounding seeds, quantized queries, selected
+  // and widened counts ([2][rows][n_heads]) and their page-locked staging; the split workspace.
+  bool sparse_ = false;
+  DeviceBuffer rotation_, index_error_, index_ranges_;
+  attention::cuda::DeviceRotation rotation_view_;
+  DeviceBuffer sparse_indexed_, topp_weights_, seeds_, rabitq_queries_, selected_, sparse_workspace_;
+  PinnedBuffer sparse_staging_;
 };
+
+void CudaBackend::upload_own_block_tables(int layer, const std::vector<std::pair<int, int64_t>>& own_blocks) {
+  const int64_t H = model_.config().n_kv_heads;
+  const int64_t stride = cache_->view(layer).table_stride;
+  const size_t row = size_t(2 * H * stride);
+  host_own_block_tables_.resize(own_blocks.size() * row);
+  for (size_t j = 0; j < own_blocks.size(); ++j) {
+    const int32_t* tables = cache_->host_table_row(own_blocks[j].first, layer);
+    std::copy(tables, tables + row, host_own_block_tables_.begin() + std::ptrdiff_t(j * row));
+  }
+  // The block's pages the encoder took (an entry it refused stays raw, exact already).
+  for (const cache::cuda::CompletedExactPage& page : cache_->completed_exact(layer)) {
+    for (size_t j = 0; j < own_blocks.size(); ++j) {
+      if (own_blocks[j] != std::pair<int, int64_t>{page.slot, page.block}) continue;
+      host_own_block_tables_[j * row + size_t((page.kv * H + page.kv_head) * stride + page.block)] = -page.raw_page - 1;
+    }
+  }
+  const size_t bytes = host_own_block_tables_.size() * sizeof(int32_t);
+  if (own_block_tables_.size() < bytes) {
+    throw_if_failed(cache::cuda::synchronize_stream(nullptr));  // an earlier launch may read the old one
+    throw_if_failed(DeviceBuffer::allocate(bytes, &own_block_tables_));
+  }
+  // Synchronous: the host vector is refilled by the next layer.
+  throw_if_failed(own_block_tables_.upload(0, host_own_block_tables_.data(), bytes));
+}
 
 PagedDecodeParams CudaBackend::layer_params(int layer) const {
   const model::ModelConfig& c = model_.config();
@@ -301,8 +423,18 @@ void CudaBackend::ensure_step_buffers(size_t n_rows) {
   throw_if_failed(DeviceBuffer::allocate(q_bytes, &out_));
   if (meter_bytes > 0) throw_if_failed(DeviceBuffer::allocate(meter_bytes, &meters_));
   throw_if_failed(DeviceBuffer::allocate(lens_bytes, &lens_));
-  // Staging: queries in, outputs and meters out, lengths and table rows in, two error words.
-  throw_if_failed(PinnedBuffer::allocate(2 * q_bytes + meter_bytes + lens_bytes + 2 * sizeof(uint32_t), &staging_));
+  // Staging: queries in, outputs and meters out, lengths and table rows in, the error words.
+  throw_if_failed(PinnedBuffer::allocate(2 * q_bytes + meter_bytes + lens_bytes + kErrorWords * sizeof(uint32_t),
+                                         &staging_));
+  if (sparse_) {
+    const size_t cells = n_rows * size_t(c.n_heads);
+    throw_if_failed(DeviceBuffer::allocate(sizeof(int32_t) * n_rows, &sparse_indexed_));
+    throw_if_failed(DeviceBuffer::allocate(sizeof(uint64_t) * n_rows * kTopPBuckets, &topp_weights_));
+    throw_if_failed(DeviceBuffer::allocate(sizeof(uint64_t) * cells, &seeds_));
+    throw_if_failed(DeviceBuffer::allocate(sizeof(attention::cuda::DeviceRabitqQuery) * cells, &rabitq_queries_));
+    throw_if_failed(DeviceBuffer::allocate(sizeof(int64_t) * 2 * cells, &selected_));
+    throw_if_failed(PinnedBuffer::allocate(sparse_staging_bytes(n_rows), &sparse_staging_));
+  }
   step_rows_ = n_rows;
 }
 
@@ -318,27 +450,43 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
   if (rows.n_rows == 0) return;
   recent_meters_->begin_step();
 
-  // Row groups: the metered one-token steps in one launch, every other row in another.
-  std::vector<RowGroup> groups(2);
-  groups[0].metered = metered_;
+  // Row groups (RowGroup).
+  std::vector<RowGroup> groups(kGroups);
+  groups[kMeteredDecode].metered = metered_;
   std::vector<size_t> item_of_row(size_t(rows.n_rows));
+  std::vector<std::pair<int, int64_t>> own_blocks;  // (slot, block) of each kOwnBlockExact table
+  const bool lossy = cache::kv_scheme_is_lossy(config_.kv_scheme);
+  const int64_t bt = config_.block_tokens;
   for (size_t i = 0; i < items.size(); ++i) {
     const SequenceState& st = state(items[i].seq);
-    RowGroup& g = groups[metered_ && items[i].n == 1 ? 0 : 1];
+    const int64_t end = rows.pos0[i] + items[i].n;
+    const Group item_group = metered_ && items[i].n == 1                     ? kMeteredDecode
+                             : sparse_ && sparse_row(st, items[i].n) ? kSparseDecode
+                                                                     : kOther;
     for (int64_t t = 0; t < items[i].n; ++t) {
-      const int64_t r = rows.row0[i] + t;
+      const int64_t r = rows.row0[i] + t, p = rows.pos0[i] + t;
+      const int64_t block_end = (p / bt + 1) * bt;
+      // A decode step at p reads its block as the incomplete tail unless p is the block's last.
+      const bool own_block_exact = lossy && block_end <= end && p + 1 < block_end;
+      RowGroup& g = groups[own_block_exact ? kOwnBlockExact : item_group];
+      int32_t table_row = int32_t(st.slot);
+      if (own_block_exact) {
+        if (own_blocks.empty() || own_blocks.back() != std::pair<int, int64_t>{st.slot, p / bt})
+          own_blocks.emplace_back(st.slot, p / bt);
+        table_row = int32_t(own_blocks.size() - 1);
+      }
       item_of_row[size_t(r)] = i;
       g.rows.push_back(r);
-      g.seq_lens.push_back(int32_t(rows.pos0[i] + t + 1));
-      g.table_rows.push_back(int32_t(st.slot));
-      g.max_len = std::max(g.max_len, rows.pos0[i] + t + 1);
+      g.seq_lens.push_back(int32_t(p + 1));
+      g.table_rows.push_back(table_row);
+      g.max_len = std::max(g.max_len, p + 1);
     }
   }
-  groups[1].first = groups[0].rows.size();
+  for (size_t gi = 1; gi < kGroups; ++gi) groups[gi].first = groups[gi - 1].first + groups[gi - 1].rows.size();
   ensure_step_buffers(size_t(rows.n_rows));
   // Lengths and table rows, the same for every layer: uploaded once per step.
   {
-    int32_t* lens = reinterpret_cast<int32_t*>(staging_.data() + staging_.size() - 2 * sizeof(uint32_t) -
+    int32_t* lens = reinterpret_cast<int32_t*>(staging_.data() + staging_.size() - kErrorWords * sizeof(uint32_t) -
                                                sizeof(int32_t) * 2 * step_rows_);
     size_t at = 0;
     for (const RowGroup& g : groups) {
@@ -348,21 +496,42 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
     }
     throw_if_failed(lens_.upload_async(0, lens, sizeof(int32_t) * 2 * step_rows_, nullptr));
   }
+  if (!groups[kSparseDecode].rows.empty()) stage_sparse_step(groups[kSparseDecode], item_of_row, items);
 
   const int64_t kv_dim = int64_t(c.n_kv_heads) * c.head_dim;
+  const int64_t q_dim = int64_t(c.n_heads) * c.head_dim;
+  const int group = c.n_heads / c.n_kv_heads;
   host_->run(rows, [&](int layer, const float* q_all, const float* k_all, const float* v_all, float* out_all) {
+    if (sparse_ && layer >= config_.sparse.dense_layers)
+      for (size_t i = 0; i < items.size(); ++i) {
+        SequenceState& st = state(items[i].seq);
+        if (st.index_built) continue;
+        // The query centroid of each (layer, kv_head): the mean over the first input's tokens and
+        // the group's query heads (CpuBackend's sums, in its order).
+        st.query_sums.resize(size_t(c.n_layers) * size_t(kv_dim), 0.0);
+        double* sums = &st.query_sums[size_t(layer) * size_t(kv_dim)];
+        const float* q = q_all + rows.row0[i] * q_dim;
+        for (int64_t t = 0; t < items[i].n; ++t)
+          for (int h = 0; h < c.n_heads; ++h)
+            for (int d = 0; d < c.head_dim; ++d)
+              sums[size_t(h / group) * size_t(c.head_dim) + size_t(d)] += q[size_t(t * q_dim + h * c.head_dim + d)];
+      }
     for (size_t i = 0; i < items.size(); ++i) {
       const SequenceState& st = state(items[i].seq);
       throw_if_failed(cache_->write(st.slot, layer, k_all + rows.row0[i] * kv_dim, v_all + rows.row0[i] * kv_dim,
                                     items[i].n));
     }
+    if (!own_blocks.empty()) upload_own_block_tables(layer, own_blocks);
     attend_layer(layer, groups, q_all, out_all, item_of_row, items);
+    cache_->release_completed_exact(layer);
   });
   for (const BatchItem& it : items) {
     SequenceState& st = state(it.seq);
     st.length += it.n;
     st.reserved = std::max(st.reserved, st.length);
+    if (sparse_ && !st.index_built) st.query_count += it.n;
   }
+  if (sparse_) update_key_indexes(items);
 }
 
 void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, const float* q_all, float* out_all,
@@ -373,7 +542,7 @@ void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, c
   float* host_q = reinterpret_cast<float*>(staging_.data());
   float* host_out = host_q + step_rows_ * q_dim;
   float* host_meters = host_out + step_rows_ * q_dim;
-  uint32_t* host_error = reinterpret_cast<uint32_t*>(staging_.data() + staging_.size() - 2 * sizeof(uint32_t));
+  uint32_t* host_error = reinterpret_cast<uint32_t*>(staging_.data() + staging_.size() - kErrorWords * sizeof(uint32_t));
   // The queries in launch order.
   size_t n_rows = 0;
   for (const RowGroup& g : groups)
@@ -382,15 +551,24 @@ void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, c
   const PagedDecodeParams base = layer_params(layer);
   const int32_t* lens = reinterpret_cast<const int32_t*>(lens_.data());
   float* meters = reinterpret_cast<float*>(meters_.data());
+  // The sparse rows attend sparsely from the first sparse layer on, densely before it.
+  const bool sparse_layer = sparse_ && layer >= config_.sparse.dense_layers && !groups[kSparseDecode].rows.empty();
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const RowGroup& g = groups[gi];
     host_error[gi] = 0;
-    if (g.rows.empty()) continue;
+    if (g.rows.empty() || (gi == kSparseDecode && sparse_layer)) continue;
     PagedDecodeParams p = base;
     p.batch = int(g.rows.size());
     p.seq_lens = lens + g.first;
     p.table_rows = lens + step_rows_ + g.first;
     p.max_seq_len = g.max_len;
+    if (gi == kOwnBlockExact) {
+      const int64_t row_stride = 2 * int64_t(c.n_kv_heads) * p.table_stride;
+      p.k_table = reinterpret_cast<const int32_t*>(own_block_tables_.data());
+      p.v_table = p.k_table + int64_t(c.n_kv_heads) * p.table_stride;
+      p.table_row_stride = row_stride;
+      p.n_table_rows = int64_t(host_own_block_tables_.size()) / row_stride;
+    }
     p.q = reinterpret_cast<const float*>(q_.data()) + g.first * q_dim;
     p.out = reinterpret_cast<float*>(out_.data()) + g.first * q_dim;
     if (g.metered) {
@@ -409,20 +587,28 @@ void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, c
     throw_if_failed(attention::cuda::paged_decode(p));
     throw_if_failed(attention::cuda::copy_error_word_async(p, &host_error[gi]));
   }
+  if (sparse_layer) launch_sparse_layer(layer, groups[kSparseDecode]);
   throw_if_failed(out_.download_async(0, host_out, sizeof(float) * n_rows * q_dim, nullptr));
-  if (metered_ && !groups[0].rows.empty())
+  if (metered_ && !groups[kMeteredDecode].rows.empty())
     throw_if_failed(meters_.download_async(0, host_meters, sizeof(float) * 3 * step_rows_ * H, nullptr));
   throw_if_failed(cache::cuda::synchronize_stream(nullptr));
-  if (host_error[0] != 0 || host_error[1] != 0)
-    fail(StatusCode::kCorrupt, "cuda backend: the attention kernels found " +
-                                   std::to_string(host_error[0] + host_error[1]) +
+  uint64_t errors = 0;
+  for (size_t gi = 0; gi < groups.size(); ++gi) errors += host_error[gi];
+  if (errors != 0)
+    fail(StatusCode::kCorrupt, "cuda backend: the attention kernels found " + std::to_string(errors) +
                                    " corrupt page entries, slots or lengths in layer " + std::to_string(layer));
+  if (sparse_layer && staged_words()[1] != 0)
+    fail(StatusCode::kInvalidArgument, "cuda backend: " + std::to_string(staged_words()[1]) +
+                                           " sparse queries of layer " + std::to_string(layer) +
+                                           " are not finite or widen past the float range (sparse deviations " +
+                                           std::to_string(config_.sparse.deviations) + ")");
   size_t at = 0;
   for (const RowGroup& g : groups)
     for (int64_t r : g.rows) std::memcpy(out_all + size_t(r) * q_dim, host_out + (at++) * q_dim, sizeof(float) * q_dim);
+  if (sparse_layer) record_sparse_layer(layer, groups[kSparseDecode], item_of_row, items);
   if (!metered_) return;
   // The meters of the decode rows: each row is one sequence's step.
-  const RowGroup& g = groups[0];
+  const RowGroup& g = groups[kMeteredDecode];
   for (size_t j = 0; j < g.rows.size(); ++j) {
     SequenceState& st = state(items[item_of_row[size_t(g.rows[j])]].seq);
     for (size_t h = 0; h < H; ++h) {
@@ -434,6 +620,229 @@ void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, c
       recent_meters_->record(layer, int(h), meter, std::isinf(log_a));
     }
   }
+}
+
+void CudaBackend::stage_sparse_step(RowGroup& g, const std::vector<size_t>& item_of_row,
+                                    std::span<const BatchItem> items) {
+  int32_t* indexed = staged_indexed();
+  uint64_t* weights = staged_weights();
+  g.max_indexed = g.max_window = 0;
+  for (size_t j = 0; j < g.rows.size(); ++j) {
+    const SequenceState& st = state(items[item_of_row[size_t(g.rows[j])]].seq);
+    indexed[j] = int32_t(st.indexed);
+    const std::vector<uint64_t>& w = index::top_p_weight_table(st.indexed);  // st.indexed >= 1: sparse_row
+    std::copy(w.begin(), w.end(), weights + j * kTopPBuckets);
+    g.max_indexed = std::max(g.max_indexed, st.indexed);
+    g.max_window = std::max<int64_t>(g.max_window, g.seq_lens[j] - st.indexed);
+  }
+  throw_if_failed(sparse_indexed_.upload_async(0, indexed, sizeof(int32_t) * g.rows.size(), nullptr));
+  throw_if_failed(topp_weights_.upload_async(0, weights, sizeof(uint64_t) * kTopPBuckets * g.rows.size(), nullptr));
+}
+
+void CudaBackend::launch_sparse_layer(int layer, const RowGroup& g) {
+  const model::ModelConfig& c = model_.config();
+  const size_t Hq = size_t(c.n_heads), q_dim = Hq * size_t(c.head_dim), n = g.rows.size();
+  const cache::cuda::DeviceLayerView v = cache_->view(layer);
+  const int32_t* lens = reinterpret_cast<const int32_t*>(lens_.data());
+  // Each head's rounding seed, as the CPU backend draws it (the step's seed of the row's position
+  // and layer, then the head's).
+  uint64_t* seeds = staged_seeds();
+  for (size_t j = 0; j < n; ++j) {
+    const uint64_t step = attention::sparse_step_rounding_seed(config_.sparse.seed, g.seq_lens[j] - 1, c.n_layers, layer);
+    for (size_t h = 0; h < Hq; ++h) seeds[j * Hq + h] = attention::sparse_head_rounding_seed(step, int(h));
+  }
+  throw_if_failed(seeds_.upload_async(0, seeds, sizeof(uint64_t) * n * Hq, nullptr));
+  uint32_t* words = staged_words();
+  words[0] = 0;
+  throw_if_failed(index_error_.upload_async(0, &words[0], sizeof(uint32_t), nullptr));
+
+  attention::cuda::QueryQuantizeParams qp;
+  qp.batch = int(n);
+  qp.n_q_heads = c.n_heads;
+  qp.n_kv_heads = c.n_kv_heads;
+  qp.head_dim = c.head_dim;
+  qp.q = reinterpret_cast<const float*>(q_.data()) + g.first * q_dim;
+  qp.table_rows = lens + step_rows_ + g.first;
+  qp.n_table_rows = v.n_table_rows;
+  qp.centroids = v.index_centroids;
+  qp.rotation = rotation_view_;
+  qp.rounding_seeds = reinterpret_cast<const uint64_t*>(seeds_.data());
+  qp.deviations = config_.sparse.deviations;
+  qp.sm_scale = c.attention_scale();
+  qp.queries = reinterpret_cast<attention::cuda::DeviceRabitqQuery*>(rabitq_queries_.data());
+  qp.error_word = reinterpret_cast<uint32_t*>(index_error_.data());
+  throw_if_failed(attention::cuda::quantize_queries(qp));
+  throw_if_failed(index_error_.download_async(0, &words[1], sizeof(uint32_t), nullptr));
+
+  attention::cuda::SparseDecodeParams sp;
+  attention::cuda::describe_pages(layer_params(layer), &sp);  // bf16 pages (the table's cuda_sparse)
+  sp.batch = int(n);
+  sp.n_q_heads = c.n_heads;
+  sp.sm_scale = c.attention_scale();
+  sp.p = config_.sparse.p;
+  sp.seq_lens = lens + g.first;
+  sp.max_seq_len = g.max_len;
+  sp.table_rows = lens + step_rows_ + g.first;
+  sp.n_table_rows = v.n_table_rows;
+  sp.table_row_stride = v.table_row_stride;
+  sp.records = v.index_records;
+  sp.record_stride = v.index_record_stride;
+  sp.n_indexed = reinterpret_cast<const int32_t*>(sparse_indexed_.data());
+  sp.max_indexed = g.max_indexed;
+  sp.max_window = g.max_window;
+  sp.queries = qp.queries;
+  sp.topp_weights = reinterpret_cast<const uint64_t*>(topp_weights_.data());
+  sp.q = qp.q;
+  sp.out = reinterpret_cast<float*>(out_.data()) + g.first * q_dim;
+  sp.n_selected = reinterpret_cast<int64_t*>(selected_.data());
+  sp.n_widened = sp.n_selected + n * Hq;
+  sp.split_chunks = kSplitChunks;
+  const size_t need = attention::cuda::workspace_bytes(sp);
+  if (sparse_workspace_.size() < need) {
+    throw_if_failed(cache::cuda::synchronize_stream(nullptr));  // an earlier layer may use the old one
+    throw_if_failed(DeviceBuffer::allocate(need, &sparse_workspace_));
+  }
+  sp.workspace = sparse_workspace_.data();
+  sp.workspace_size = sparse_workspace_.size();
+  throw_if_failed(attention::cuda::sparse_decode(sp));
+  throw_if_failed(selected_.download_async(0, staged_counts(), sizeof(int64_t) * 2 * n * Hq, nullptr));
+}
+
+void CudaBackend::record_sparse_layer(int layer, const RowGroup& g, const std::vector<size_t>& item_of_row,
+                                      std::span<const BatchItem> items) {
+  const model::ModelConfig& c = model_.config();
+  const size_t Hq = size_t(c.n_heads), n = g.rows.size();
+  const int64_t* selected = staged_counts();
+  const int64_t* widened = selected + n * Hq;
+  for (size_t j = 0; j < n; ++j) {
+    SequenceState& st = state(items[item_of_row[size_t(g.rows[j])]].seq);
+    const int64_t n_ctx = g.seq_lens[j];
+    SparseStats& ss = st.sparse_stats;
+    if (layer == config_.sparse.dense_layers) {
+      ss.steps += 1;
+      ss.dense_cells += int64_t(config_.sparse.dense_layers) * c.n_heads;
+    }
+    for (size_t h = 0; h < Hq; ++h) {
+      const int64_t attended = selected[j * Hq + h] + (n_ctx - st.indexed);  // the Top-p set and the window
+      const double budget = double(attended) / double(n_ctx);
+      ss.cells += 1;
+      ss.sum_budget += budget;
+      ss.attended_tokens += attended;
+      ss.widened_tokens += widened[j * Hq + h];
+      ss.context_tokens += n_ctx;
+      ss.layer_cells[size_t(layer)] += 1;
+      ss.layer_sum_budget[size_t(layer)] += budget;
+    }
+  }
+}
+
+void CudaBackend::update_key_indexes(std::span<const BatchItem> items) {
+  const model::ModelConfig& c = model_.config();
+  const SparseConfig& sparse = config_.sparse;
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t bt = config_.block_tokens;
+  const int H = c.n_kv_heads, D = c.head_dim, group = c.n_heads / c.n_kv_heads;
+  // CpuBackend::update_key_index's rule: whole blocks before the window; the first input indexes
+  // them all, later ones in batches of at least the window (one block under a block).
+  const int64_t batch = std::max<int64_t>(bt, int64_t(sparse.window_tokens) / bt * bt);
+  struct Update {
+    SequenceState* st;
+    int64_t from, target;
+  };
+  std::vector<Update> updates;
+  std::vector<attention::cuda::KeyIndexRange> ranges;  // the centroid ranges, then the record ranges
+  std::vector<SequenceState*> first_builds;
+  for (const BatchItem& it : items) {
+    if (!it.end_of_input) continue;
+    SequenceState& st = state(it.seq);
+    const int64_t target = std::max<int64_t>(0, st.length - sparse.window_tokens) / bt * bt;
+    if (!st.index_built) {
+      first_builds.push_back(&st);
+      ranges.push_back({int32_t(st.slot), 0, int32_t(st.length)});
+      if (target >= 1) updates.push_back({&st, 0, target});
+    } else if (target - st.indexed >= batch) {
+      updates.push_back({&st, st.indexed, target});
+    }
+  }
+  const size_t n_centroids = ranges.size();
+  int64_t max_tokens = 0;
+  for (const SequenceState* st : first_builds) max_tokens = std::max(max_tokens, st->length);
+  for (const Update& u : updates) {
+    ranges.push_back({int32_t(u.st->slot), int32_t(u.from), int32_t(u.target)});
+    max_tokens = std::max(max_tokens, u.target - u.from);
+  }
+  if (!ranges.empty()) {
+    // The query centroids of the first builds, [sparse layer][build][kv head][head_dim].
+    const int sparse_layers = c.n_layers - sparse.dense_layers;
+    std::vector<float> c_q(size_t(std::max(sparse_layers, 0)) * first_builds.size() * size_t(H) * size_t(D));
+    for (int l = 0; l < sparse_layers; ++l)
+      for (size_t b = 0; b < first_builds.size(); ++b) {
+        const SequenceState& st = *first_builds[b];
+        const double* sums = &st.query_sums[size_t(sparse.dense_layers + l) * size_t(H) * size_t(D)];
+        float* out = &c_q[((size_t(l) * first_builds.size() + b) * size_t(H)) * size_t(D)];
+        for (size_t i = 0; i < size_t(H) * size_t(D); ++i) out[i] = float(sums[i] / double(st.query_count * group));
+      }
+    DeviceBuffer c_q_d;
+    if (!c_q.empty()) {
+      throw_if_failed(DeviceBuffer::allocate(sizeof(float) * c_q.size(), &c_q_d));
+      throw_if_failed(c_q_d.upload(0, c_q.data(), sizeof(float) * c_q.size()));
+    }
+    if (index_ranges_.size() < sizeof(attention::cuda::KeyIndexRange) * ranges.size())
+      throw_if_failed(DeviceBuffer::allocate(sizeof(attention::cuda::KeyIndexRange) * ranges.size(), &index_ranges_));
+    throw_if_failed(index_ranges_.upload(0, ranges.data(), sizeof(attention::cuda::KeyIndexRange) * ranges.size()));
+    const uint32_t zero = 0;
+    throw_if_failed(index_error_.upload(0, &zero, sizeof(zero)));
+    const auto* device_ranges = reinterpret_cast<const attention::cuda::KeyIndexRange*>(index_ranges_.data());
+    for (int layer = sparse.dense_layers; layer < c.n_layers; ++layer) {
+      const cache::cuda::DeviceLayerView v = cache_->view(layer);
+      attention::cuda::KeyIndexBuildParams p;
+      p.n_kv_heads = H;
+      p.head_dim = D;
+      p.block_tokens = config_.block_tokens;
+      p.k_pages = v.k_pages;  // bf16: the raw pool
+      p.k_page_stride = v.k_page_stride;
+      p.n_k_pages = v.n_k_pages;
+      p.k_table = v.k_table;
+      p.table_stride = v.table_stride;
+      p.table_row_stride = v.table_row_stride;
+      p.n_table_rows = v.n_table_rows;
+      p.max_range_tokens = max_tokens;
+      p.centroids = v.index_centroids;
+      p.rotation = rotation_view_;
+      p.records = v.index_records;
+      p.record_stride = v.index_record_stride;
+      p.error_word = reinterpret_cast<uint32_t*>(index_error_.data());
+      if (n_centroids > 0) {
+        p.ranges = device_ranges;
+        p.n_ranges = int(n_centroids);
+        p.query_centroids =
+            reinterpret_cast<const float*>(c_q_d.data()) + size_t(layer - sparse.dense_layers) * n_centroids * H * D;
+        throw_if_failed(attention::cuda::set_key_centroids(p));
+      }
+      if (ranges.size() > n_centroids) {
+        p.ranges = device_ranges + n_centroids;
+        p.n_ranges = int(ranges.size() - n_centroids);
+        throw_if_failed(attention::cuda::build_key_records(p));
+      }
+    }
+    uint32_t errors = 0;
+    throw_if_failed(index_error_.download(0, &errors, sizeof(errors)));  // waits for the builds
+    if (errors != 0)
+      fail(StatusCode::kInvalidArgument, "cuda backend: the key index builder found " + std::to_string(errors) +
+                                             " keys that are not finite, or ranges or pages outside the pools");
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (SequenceState* st : first_builds) {
+    st->index_built = true;
+    st->query_sums.clear();
+    st->query_sums.shrink_to_fit();
+  }
+  for (const Update& u : updates) {
+    u.st->indexed = u.target;
+    u.st->sparse_stats.index_appended_tokens += u.target - u.from;
+  }
+  for (const BatchItem& it : items)
+    if (it.end_of_input) state(it.seq).sparse_stats.index_build_seconds += seconds;
 }
 
 }  // namespace

@@ -12,10 +12,19 @@
 // never planned from the batch; a row's result therefore depends on its own length and pages
 // only. Prefix sharing: whole blocks are shared, ref-counted, in every page class.
 //
+// Sparse decode (BackendConfig::sparse, the CPU backend's rule for what is indexed when): each
+// slot's key index lives on the device beside its pages (DeviceLayerView::index_records), built
+// there from the stored keys (attention/cuda/key_index_cuda.h: the centroids, then the records,
+// one launch of each per sparse layer for every sequence that ended an input); the decode rows of
+// the sparse sequences are quantized on the device and attend through one sparse_decode launch
+// per sparse layer for all of them (a fixed kSplitChunks per split: batch invariant), prefill rows
+// stay dense. A forked sequence builds its own index (records depend on its own centroids).
+//
 // Served: the schemes of the scheme table with cuda_route (bf16, gaac, gaac-e5m2, fp8-e4m3,
-// fp8-e5m2, dither8), block_tokens 16, head_dim 64 or 128, at most 8 query heads per KV head.
-// Not yet: sparse decode, the gate and the lossy schemes' full-precision recent window (a
-// session's one-sequence device route serves the first two: CpuBackend with device cuda).
+// fp8-e5m2, dither8), block_tokens 16, head_dim 64 or 128, at most 8 query heads per KV head;
+// sparse decode over the schemes with cuda_sparse (bf16), contexts below 2^24 tokens.
+// Not yet: the gate and the lossy schemes' full-precision recent window (a session's
+// one-sequence device route serves the gate: CpuBackend with device cuda), swapping.
 // Thread safety: used by one thread at a time.
 #pragma once
 
@@ -28,6 +37,9 @@ namespace certkv::backend {
 // Blocks per split of the device attention (PagedDecodeParams::split_blocks): 32 blocks of 16
 // tokens. Fixed, so that a sequence's logits never depend on the batch beside it.
 inline constexpr int64_t kSplitBlocks = 32;
+// Chunks of 1,024 tokens per split of sparse decode (SparseDecodeParams::split_chunks), fixed
+// for the same reason.
+inline constexpr int64_t kSplitChunks = 4;
 
 // Throws certkv::Error: kUnsupported for what the backend does not serve (naming the scheme or
 // the feature and the backend), in a build without CUDA, or with no CUDA device; the errors of

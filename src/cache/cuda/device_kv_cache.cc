@@ -118,7 +118,10 @@ struct DeviceKvCache::Layer {
   std::vector<uint32_t> slot_used[2];  // GAAC: used bytes of each slot (read_page)
   DeviceBuffer tables;             // [slot][2][n_kv_heads][table_stride] int32
   std::vector<int32_t> host_tables;
+  std::vector<CompletedExactPage> completed_exact;  // hold_completed_exact: held raw pages
   DeviceBuffer bases;              // GAAC: [2][n_kv_heads][2][head_dim]
+  DeviceBuffer index_records;      // key index: [slot][n_kv_heads][table_stride * block_tokens] records
+  DeviceBuffer index_centroids;    // key index: [slot][n_kv_heads][2][head_dim] float
   DeviceBuffer dither_keys;        // dither8: [2][n_kv_heads] uint64
   DeviceBuffer outlier_pairs;      // dither8: [n_kv_heads][m] uint16 (the encoder's lists)
   DeviceBuffer outlier_channels;   // dither8: [n_kv_heads][2 m] int32 (the kernels' channels)
@@ -141,6 +144,10 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
     return cuda_error(StatusCode::kInvalidArgument, "device KV cache: n_layers, n_kv_heads, block_tokens and "
                                                     "max_tokens must be >= 1 (max_tokens below 2^31: lengths "
                                                     "are int32 on the device) and head_dim >= 8");
+  if (config.index_record_bytes % 8 != 0 || config.index_record_bytes > 256)
+    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: index_record_bytes " +
+                                                        std::to_string(config.index_record_bytes) +
+                                                        " is not a record size (a multiple of 8, at most 256)");
   const bool gaac = kv_scheme_is_gaac(scheme);
   const bool lossy = lossy_on_device(scheme);
   const format::GaacElement element = scheme_element(scheme);
@@ -264,6 +271,17 @@ CudaStatus DeviceKvCache::grow_slots(int64_t slots) {
     if (s.ok) s = upload_tables(*layer);
   }
   if (!s.ok) return s;
+  if (config_.index_record_bytes > 0) {
+    const size_t records = size_t(config_.n_kv_heads) * size_t(table_stride_) * size_t(config_.block_tokens) *
+                           config_.index_record_bytes;
+    const size_t centroids = size_t(config_.n_kv_heads) * 2 * size_t(config_.head_dim) * sizeof(float);
+    for (auto& layer : layers_) {
+      s = grow(layer->index_records, records * size_t(slot_capacity_), records * size_t(grown), config_.stream);
+      if (s.ok)
+        s = grow(layer->index_centroids, centroids * size_t(slot_capacity_), centroids * size_t(grown), config_.stream);
+      if (!s.ok) return s;
+    }
+  }
   const size_t old_lengths = lengths_.size();
   s = grow(lengths_, old_lengths, sizeof(int32_t) * size_t(grown) * size_t(config_.n_layers), config_.stream);
   if (s.ok)
@@ -761,7 +779,10 @@ CudaStatus DeviceKvCache::finalize_lossy(int slot, int layer_index, int64_t bloc
           ++pages_kept_exact_;
           continue;
         }
-        layer.raw.give_back(-entry - 1);
+        if (config_.hold_completed_exact)
+          layer.completed_exact.push_back({slot, kv, h, b, -entry - 1});
+        else
+          layer.raw.give_back(-entry - 1);
         entry = slots[i];
       }
   return upload_table_blocks(layer, slot, block_begin, block_end);
@@ -813,6 +834,20 @@ CudaStatus DeviceKvCache::store_exact_block(int slot, int layer_index, int kv_he
   return s;
 }
 
+const int32_t* DeviceKvCache::host_table_row(int slot, int layer) const {
+  return layers_[size_t(layer)]->host_tables.data() + entry_index(slot, 0, 0, 0);
+}
+
+const std::vector<CompletedExactPage>& DeviceKvCache::completed_exact(int layer) const {
+  return layers_[size_t(layer)]->completed_exact;
+}
+
+void DeviceKvCache::release_completed_exact(int layer) {
+  Layer& l = *layers_[size_t(layer)];
+  for (const CompletedExactPage& page : l.completed_exact) l.raw.give_back(page.raw_page);
+  l.completed_exact.clear();
+}
+
 CudaStatus DeviceKvCache::reset() {
   // Until every table is uploaded the cache stays refused (a failed reset leaves it so).
   broken_ = true;
@@ -822,6 +857,7 @@ CudaStatus DeviceKvCache::reset() {
   pages_kept_exact_ = 0;
   // dither8's outlier pairs stay chosen, as in KvCache (fixed per (layer, kv_head) once chosen).
   for (auto& layer : layers_) {
+    layer->completed_exact.clear();
     layer->raw.clear();
     for (PagePool& p : layer->slots) p.clear();
     for (auto& used : layer->slot_used) used.clear();
@@ -869,6 +905,11 @@ DeviceLayerView DeviceKvCache::view(int layer_index) const {
   v.table_stride = table_stride_;
   v.table_row_stride = 2 * int64_t(H) * table_stride_;
   v.n_table_rows = slot_capacity_;
+  if (config_.index_record_bytes > 0) {
+    v.index_records = layer.index_records.data();
+    v.index_record_stride = table_stride_ * config_.block_tokens;
+    v.index_centroids = reinterpret_cast<float*>(layer.index_centroids.data());
+  }
   v.length = reinterpret_cast<const int32_t*>(lengths_.data()) + layer_index;
   v.host_length = written(0, layer_index);
   return v;
@@ -885,7 +926,8 @@ DeviceKvStats DeviceKvCache::stats() const {
     st.bytes_in_use += uint64_t(layer->raw.in_use) * layer->raw.stride + layer->tables.size();
     st.raw_bytes_in_use += uint64_t(layer->raw.in_use) * layer->raw.stride;
     st.bytes_reserved += layer->raw.buffer.size() + layer->tables.size() + layer->bases.size() +
-                         layer->dither_keys.size() + layer->outlier_pairs.size() + layer->outlier_channels.size();
+                         layer->dither_keys.size() + layer->outlier_pairs.size() + layer->outlier_channels.size() +
+                         layer->index_records.size() + layer->index_centroids.size();
     for (const PagePool& p : layer->slots) {
       (lossy_ ? st.lossy_pages_in_use : st.slots_in_use) += p.in_use;
       st.bytes_in_use += uint64_t(p.in_use) * p.stride;

@@ -59,9 +59,19 @@ struct DeviceKvCacheConfig {
   // dither8: the outlier pairs fixed for the model (KvCacheConfig::fixed_outlier_pairs, the same
   // layout); null: chosen from the first rows written, as KvCache does.
   std::shared_ptr<const std::vector<uint16_t>> fixed_outlier_pairs;
+  // Lossy schemes: the exact raw page of each block a write completes stays held, out of the
+  // free list, after the block's table entries name its lossy page, until
+  // release_completed_exact(layer): prefill rows of that write read their own block exactly from
+  // it, as a decode step at their position would (backend/cuda/cuda_backend.h).
+  bool hold_completed_exact = false;
   void* stream = nullptr;  // cudaStream_t for every call; null: the default stream
   // Sequences live at create (slots 0 .. sequences - 1); more come from create_sequence.
   int sequences = 1;
+  // The sparse tier's key index beside the pages (DeviceLayerView::index_records): bytes of one
+  // record (sizeof index::RabitqRecord of head_dim, a multiple of 8); 0: no index. Every slot of
+  // every layer holds a record per position of the context and its centroids; the records of a
+  // slot are its sequence's own (built from its own centroids), never shared by a fork.
+  size_t index_record_bytes = 0;
 };
 
 // The most dither8 outlier pairs per head the device serves (the decode kernels' limit).
@@ -88,6 +98,13 @@ struct DeviceLayerView {
   int64_t host_length = 0;          // the same, on the host
   const uint8_t* gaac_bases = nullptr;  // [2 (K, V)][n_kv_heads][2 (b3, b4)][head_dim]
   int64_t k_escape_capacity = 0, v_escape_capacity = 0;
+  // The key index (index_record_bytes > 0), written by the index builder
+  // (attention/cuda/key_index_cuda.h): slot s, kv head h, token t at
+  // index_records + ((s * n_kv_heads + h) * index_record_stride + t) * index_record_bytes; the
+  // centroids [slot][n_kv_heads][2 (c_q, c_k)][head_dim] floats. Null without an index.
+  uint8_t* index_records = nullptr;
+  int64_t index_record_stride = 0;  // records per (slot, kv head): the context in whole blocks
+  float* index_centroids = nullptr;
   const uint64_t* dither_keys = nullptr;       // dither8: [2 (K, V)][n_kv_heads]
   const int32_t* outlier_channels = nullptr;   // dither8: [n_kv_heads][2 m] (pair j: a, then b)
   int n_outlier_pairs = 0;                     // dither8: m
@@ -113,6 +130,16 @@ struct DeviceKvStats {
   uint64_t raw_bytes_in_use = 0;    // raw pages in use times their stride
   uint64_t coded_bytes_in_use = 0;  // GAAC slots and lossy pages in use times their stride
   int64_t sequences = 0;          // live slots
+};
+
+// The exact raw page of a block a write completed and encoded into a lossy page, held until
+// release_completed_exact (DeviceKvCacheConfig::hold_completed_exact).
+struct CompletedExactPage {
+  int slot = 0;
+  int kv = 0;  // 0: K, 1: V
+  int kv_head = 0;
+  int64_t block = 0;
+  int32_t raw_page = 0;  // index in the layer's raw pool (DeviceLayerView::raw_pages)
 };
 
 // Page bytes one sequence's tables reference (a page shared with other sequences in full).
@@ -171,6 +198,13 @@ class DeviceKvCache {
   }
   int64_t written(int layer) const { return written(0, layer); }
   DeviceLayerView view(int layer) const;
+  // One slot's tables of a layer as the host holds them: [2 (K, V)][n_kv_heads][table_stride]
+  // entries (DeviceLayerView's encoding; entries past the written blocks are unwritten).
+  const int32_t* host_table_row(int slot, int layer) const;
+  // hold_completed_exact: the exact pages of the blocks the writes to `layer` completed since its
+  // last release, and their release (back to the free list; reset() releases every one too).
+  const std::vector<CompletedExactPage>& completed_exact(int layer) const;
+  void release_completed_exact(int layer);
   const DeviceKvCacheConfig& config() const { return config_; }
   DeviceKvStats stats() const;
   DeviceSequenceBytes sequence_bytes(int slot) const;

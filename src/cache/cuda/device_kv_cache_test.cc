@@ -493,6 +493,11 @@ TEST(DeviceKvCache, BadConfigurationsAreRefusedBeforeAnyAllocation) {
   s = DeviceKvCache::create(c, &dev);
   EXPECT_EQ(s.code, StatusCode::kUnsupported);
   EXPECT_NE(s.message.find("does not split into GAAC tiles"), std::string::npos) << s.message;
+  c = config_of(KvScheme::kBf16, 64);
+  c.index_record_bytes = 20;  // not a RaBitQ record's size
+  s = DeviceKvCache::create(c, &dev);
+  EXPECT_EQ(s.code, StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message.find("index_record_bytes 20"), std::string::npos) << s.message;
   c = config_of(KvScheme::kBf16, int64_t(1) << 31);  // lengths are int32 on the device
   s = DeviceKvCache::create(c, &dev);
   EXPECT_EQ(s.code, StatusCode::kInvalidArgument);

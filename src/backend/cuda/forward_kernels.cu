@@ -1,0 +1,219 @@
+// The device forward kernels (backend/cuda/forward_kernels.h): one thread block per row for the
+// row reductions (RMSNorm, argmax), a flat grid for the elementwise operations.
+#include "backend/cuda/forward_kernels.h"
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "format/numeric.h"
+
+namespace certkv::backend::cuda {
+
+namespace {
+
+constexpr int kRowThreads = 256;
+constexpr int kFlatThreads = 256;
+
+CudaStatus launched(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return {};
+  return cuda_error(StatusCode::kInternal, std::string(what) + ": launch failed: " + cudaGetErrorString(e));
+}
+
+CudaStatus refuse(const char* what, const std::string& why) {
+  return cuda_error(StatusCode::kInvalidArgument, std::string(what) + ": " + why);
+}
+
+unsigned flat_blocks(int64_t n) { return unsigned((n + kFlatThreads - 1) / kFlatThreads); }
+
+// The sum of v over the block's threads, by a fixed tree (the same order for every row).
+__device__ float block_sum(float v, float* shared) {
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < kRowThreads / 32 ? shared[lane] : 0.f;
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    if (lane == 0) shared[0] = v;
+  }
+  __syncthreads();
+  const float total = shared[0];
+  __syncthreads();
+  return total;
+}
+
+__global__ void rms_norm_kernel(const float* x, int n, const float* w, float eps, float* y, uint16_t* y_bf16) {
+  __shared__ float shared[kRowThreads / 32];
+  const int64_t row = blockIdx.x;
+  const float* xr = x + row * n;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < n; i += kRowThreads) ss = fmaf(xr[i], xr[i], ss);
+  const float inv = 1.f / sqrtf(block_sum(ss, shared) / float(n) + eps);
+  for (int i = threadIdx.x; i < n; i += kRowThreads) {
+    const float v = xr[i] * inv * w[i];
+    if (y) y[row * n + i] = v;
+    if (y_bf16) y_bf16[row * n + i] = format::float_to_bf16(v);
+  }
+}
+
+__global__ void rope_kernel(float* x, int64_t rows, int n_heads, int head_dim, bool half_split, const float* cos,
+                            const float* sin) {
+  const int half = head_dim / 2;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // (row, head, j)
+  if (i >= rows * n_heads * half) return;
+  const int j = int(i % half);
+  const int64_t row_head = i / half;
+  const int64_t row = row_head / n_heads;
+  float* v = x + row_head * head_dim;
+  const int a = half_split ? j : 2 * j, b = half_split ? j + half : 2 * j + 1;
+  const float c = cos[row * half + j], s = sin[row * half + j];
+  const float x0 = v[a], x1 = v[b];
+  v[a] = x0 * c - x1 * s;
+  v[b] = x0 * s + x1 * c;
+}
+
+__global__ void swiglu_kernel(const float* gate, const float* up, int64_t n, uint16_t* out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float g = gate[i];
+  out[i] = format::float_to_bf16(g / (1.f + expf(-g)) * up[i]);
+}
+
+__global__ void add_kernel(float* x, const float* y, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] += y[i];
+}
+
+__global__ void add_bias_kernel(float* x, const float* b, int64_t n, int width) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] += b[i % width];
+}
+
+__global__ void to_bf16_kernel(const float* x, int64_t n, uint16_t* y) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = format::float_to_bf16(x[i]);
+}
+
+__global__ void embed_kernel(const int32_t* tokens, int64_t n, const uint16_t* table, int n_vocab, int dim, float* x) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int32_t token = tokens[i / dim];
+  x[i] = token >= 0 && token < n_vocab ? format::bf16_to_float(table[int64_t(token) * dim + i % dim]) : __int_as_float(0x7fc00000);
+}
+
+// (value, index) with NaN absent: the larger value wins, then the lower index.
+struct Best {
+  float v;
+  int i;  // -1: none
+};
+
+__device__ Best better(Best a, Best b) {
+  if (a.i < 0) return b;
+  if (b.i < 0) return a;
+  if (b.v > a.v || (b.v == a.v && b.i < a.i)) return b;
+  return a;
+}
+
+__global__ void argmax_kernel(const float* logits, int n, int32_t* out) {
+  __shared__ float values[kRowThreads / 32];
+  __shared__ int indices[kRowThreads / 32];
+  const int64_t row = blockIdx.x;
+  const float* l = logits + row * n;
+  Best best{0.f, -1};
+  for (int i = threadIdx.x; i < n; i += kRowThreads)
+    if (!isnan(l[i])) best = better(best, Best{l[i], i});
+  for (int offset = 16; offset > 0; offset /= 2)
+    best = better(best, Best{__shfl_xor_sync(0xffffffffu, best.v, offset), __shfl_xor_sync(0xffffffffu, best.i, offset)});
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    values[warp] = best.v;
+    indices[warp] = best.i;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    best = lane < kRowThreads / 32 ? Best{values[lane], indices[lane]} : Best{0.f, -1};
+    for (int offset = 16; offset > 0; offset /= 2)
+      best = better(best, Best{__shfl_xor_sync(0xffffffffu, best.v, offset), __shfl_xor_sync(0xffffffffu, best.i, offset)});
+    // model::argmax scans from index 0: a NaN there is never beaten; nothing else present gives 0.
+    if (lane == 0) out[row] = isnan(l[0]) || best.i < 0 ? 0 : best.i;
+  }
+}
+
+}  // namespace
+
+CudaStatus rms_norm_rows(const float* x, int64_t rows, int n, const float* w, float eps, float* y, uint16_t* y_bf16,
+                         void* stream) {
+  if (rows < 0 || n < 1) return refuse("rms_norm_rows", "needs rows >= 0 and n >= 1");
+  if (!x || !w || (!y && !y_bf16)) return refuse("rms_norm_rows", "null input, weights or both outputs");
+  if (!(eps >= 0.f)) return refuse("rms_norm_rows", "eps must be >= 0");
+  if (rows == 0) return {};
+  rms_norm_kernel<<<unsigned(rows), kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, n, w, eps, y, y_bf16);
+  return launched("rms_norm_rows");
+}
+
+CudaStatus rope_rows(float* x, int64_t rows, int n_heads, int head_dim, bool half_split, const float* cos,
+                     const float* sin, void* stream) {
+  if (rows < 0 || n_heads < 1 || head_dim < 2 || head_dim % 2 != 0)
+    return refuse("rope_rows", "needs rows >= 0, n_heads >= 1 and an even head_dim >= 2");
+  if (!x || !cos || !sin) return refuse("rope_rows", "null rows or angle tables");
+  const int64_t n = rows * n_heads * (head_dim / 2);
+  if (n == 0) return {};
+  rope_kernel<<<flat_blocks(n), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, rows, n_heads, head_dim,
+                                                                                      half_split, cos, sin);
+  return launched("rope_rows");
+}
+
+CudaStatus swiglu_rows(const float* gate, const float* up, int64_t rows, int width, uint16_t* out, void* stream) {
+  if (rows < 0 || width < 1) return refuse("swiglu_rows", "needs rows >= 0 and width >= 1");
+  if (!gate || !up || !out) return refuse("swiglu_rows", "null gate, up or output");
+  const int64_t n = rows * width;
+  if (n == 0) return {};
+  swiglu_kernel<<<flat_blocks(n), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(gate, up, n, out);
+  return launched("swiglu_rows");
+}
+
+CudaStatus add_rows(float* x, const float* y, int64_t n, void* stream) {
+  if (n < 0 || ((!x || !y) && n > 0)) return refuse("add_rows", "needs n >= 0 and both arrays");
+  if (n == 0) return {};
+  add_kernel<<<flat_blocks(n), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, y, n);
+  return launched("add_rows");
+}
+
+CudaStatus add_bias_rows(float* x, const float* b, int64_t rows, int width, void* stream) {
+  if (rows < 0 || width < 1) return refuse("add_bias_rows", "needs rows >= 0 and width >= 1");
+  if (!x || !b) return refuse("add_bias_rows", "null rows or bias");
+  const int64_t n = rows * width;
+  if (n == 0) return {};
+  add_bias_kernel<<<flat_blocks(n), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, b, n, width);
+  return launched("add_bias_rows");
+}
+
+CudaStatus to_bf16(const float* x, int64_t n, uint16_t* y, void* stream) {
+  if (n < 0 || ((!x || !y) && n > 0)) return refuse("to_bf16", "needs n >= 0, input and output");
+  if (n == 0) return {};
+  to_bf16_kernel<<<flat_blocks(n), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, n, y);
+  return launched("to_bf16");
+}
+
+CudaStatus embed_rows(const int32_t* tokens, int64_t rows, const uint16_t* table, int n_vocab, int dim, float* x,
+                      void* stream) {
+  if (rows < 0 || n_vocab < 1 || dim < 1) return refuse("embed_rows", "needs rows >= 0, n_vocab >= 1 and dim >= 1");
+  if (!tokens || !table || !x) return refuse("embed_rows", "null tokens, table or rows");
+  const int64_t n = rows * dim;
+  if (n == 0) return {};
+  embed_kernel<<<flat_blocks(n), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(tokens, n, table, n_vocab,
+                                                                                       dim, x);
+  return launched("embed_rows");
+}
+
+CudaStatus argmax_rows(const float* logits, int64_t rows, int n, int32_t* out, void* stream) {
+  if (rows < 0 || n < 1) return refuse("argmax_rows", "needs rows >= 0 and n >= 1");
+  if (!logits || !out) return refuse("argmax_rows", "null logits or output");
+  if (rows == 0) return {};
+  argmax_kernel<<<unsigned(rows), kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(logits, n, out);
+  return launched("argmax_rows");
+}
+
+}  // namespace certkv::backend::cuda

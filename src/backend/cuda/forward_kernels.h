@@ -1,0 +1,54 @@
+// The per-row operations of the forward pass on a CUDA device, for the CUDA backend's whole
+// forward pass (the GPU runtime): embedding rows, RMSNorm, RoPE, SwiGLU, bias and residual adds,
+// the bf16 rounding of activations for the weight products, and greedy argmax. Each is the host
+// operation of backend/forward_ops.h (or model::argmax, format::float_to_bf16) computed on the
+// device, row by row, so that a row's result depends on that row alone (batch invariance):
+//  - rms_norm_rows: the sum of squares in float by a fixed tree per row (the host sums in
+//    double), y = x * (1 / sqrt(ss / n + eps)) * w; relative difference to the host about 1e-6;
+//  - rope_rows: the host's arithmetic (x0 c - x1 s, x0 s + x1 c) with the host's cos / sin
+//    tables (the caller uploads them: the model's frequencies stay in one place);
+//  - swiglu_rows: g / (1 + e^-g) * u with the device's expf;
+//  - to_bf16, argmax_rows, add_rows, add_bias_rows, embed_rows: exact (the same bits as the host).
+// Pointers are device pointers; every launch goes to `stream` (a cudaStream_t; null: the default
+// stream) and returns at once. Bad shapes or null pointers are refused with kInvalidArgument
+// before any launch. Host code only includes this header (the kernels' translation unit is C++17).
+#pragma once
+
+#include <cstdint>
+
+#include "core/cuda_status.h"
+
+namespace certkv::backend::cuda {
+
+// y[r][i] = x[r][i] * inv_rms(x[r]) * w[i], r < rows, i < n; y_bf16 (optional) gets y rounded to
+// bf16, y (optional, may be x) the floats. At least one output.
+CudaStatus rms_norm_rows(const float* x, int64_t rows, int n, const float* w, float eps, float* y, uint16_t* y_bf16,
+                         void* stream);
+
+// Rotates every head of rows x[r][n_heads][head_dim] in place by the angles of row r:
+// cos, sin [rows][head_dim / 2]. half_split: pairs (j, j + head_dim / 2), else (2j, 2j + 1).
+CudaStatus rope_rows(float* x, int64_t rows, int n_heads, int head_dim, bool half_split, const float* cos,
+                     const float* sin, void* stream);
+
+// out[r][i] = bf16(silu(gate[r][i]) * up[r][i]), r < rows, i < width.
+CudaStatus swiglu_rows(const float* gate, const float* up, int64_t rows, int width, uint16_t* out, void* stream);
+
+// x[i] += y[i], i < n.
+CudaStatus add_rows(float* x, const float* y, int64_t n, void* stream);
+
+// x[r][i] += b[i], r < rows, i < width.
+CudaStatus add_bias_rows(float* x, const float* b, int64_t rows, int width, void* stream);
+
+// y[i] = bf16(x[i]) (round to nearest even, format::float_to_bf16), i < n.
+CudaStatus to_bf16(const float* x, int64_t n, uint16_t* y, void* stream);
+
+// x[r][i] = float(table[tokens[r]][i]), r < rows, i < dim: the embedding rows of a bf16 table of
+// n_vocab rows. A token outside [0, n_vocab) gives a row of NaN (the caller checks tokens first).
+CudaStatus embed_rows(const int32_t* tokens, int64_t rows, const uint16_t* table, int n_vocab, int dim, float* x,
+                      void* stream);
+
+// out[r] = the first index of the largest of logits[r][0 .. n), as model::argmax (NaN never wins
+// over an earlier value).
+CudaStatus argmax_rows(const float* logits, int64_t rows, int n, int32_t* out, void* stream);
+
+}  // namespace certkv::backend::cuda

@@ -1,0 +1,293 @@
+// The device forward kernels and the device weight product against their host references
+// (backend/forward_ops.h, model::argmax, format::float_to_bf16, device_matmul_ref), on ragged row
+// counts; their refusals of bad shapes run anywhere, the device cases skip without a device.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "backend/cuda/device_matmul.h"
+#include "backend/cuda/forward_kernels.h"
+#include "backend/forward_ops.h"
+#include "core/cuda_test_support.h"
+#include "format/ggml_blocks.h"
+#include "format/numeric.h"
+#include "model/sampler.h"
+
+namespace certkv::backend::cuda {
+namespace {
+
+using testing::DeviceBytes;
+
+std::vector<float> normal_values(size_t n, float sigma, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, sigma);
+  std::vector<float> x(n);
+  for (float& v : x) v = normal(rng);
+  return x;
+}
+
+template <typename T>
+std::vector<T> run_and_read(const DeviceBytes& bytes, size_t n) {
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<T> out(n);
+  bytes.download(out.data(), n * sizeof(T));
+  return out;
+}
+
+constexpr int64_t kRaggedRows[] = {1, 3, 17, 100};
+
+TEST(ForwardKernels, RmsNormMatchesTheHostRowByRow) {
+  CERTKV_NEED_CUDA_DEVICE();
+  for (const int n : {64, 576, 896}) {
+    for (const int64_t rows : kRaggedRows) {
+      const std::vector<float> x = normal_values(size_t(rows * n), 3.f, uint32_t(n + rows));
+      const std::vector<float> w = normal_values(size_t(n), 1.f, 7);
+      DeviceBytes dx(x.size() * 4), dw(w.size() * 4), dy(x.size() * 4), dyb(x.size() * 2);
+      dx.upload(x.data(), x.size() * 4);
+      dw.upload(w.data(), w.size() * 4);
+      ASSERT_TRUE(rms_norm_rows(reinterpret_cast<float*>(dx.data()), rows, n, reinterpret_cast<float*>(dw.data()),
+                                1e-5f, reinterpret_cast<float*>(dy.data()), reinterpret_cast<uint16_t*>(dyb.data()),
+                                nullptr)
+                      .ok);
+      const std::vector<float> y = run_and_read<float>(dy, x.size());
+      const std::vector<uint16_t> yb = run_and_read<uint16_t>(dyb, x.size());
+      std::vector<float> ref(x.size());
+      for (int64_t r = 0; r < rows; ++r) backend::rms_norm(&x[size_t(r * n)], w.data(), n, 1e-5f, &ref[size_t(r * n)]);
+      for (size_t i = 0; i < x.size(); ++i) {
+        // The float sum of squares differs from the host's double one by a few ulps (relative).
+        ASSERT_NEAR(y[i], ref[i], 1e-5f * std::fabs(ref[i]) + 1e-30f) << "n " << n << " rows " << rows << " i " << i;
+        ASSERT_EQ(yb[i], format::float_to_bf16(y[i])) << "the bf16 output is the float output rounded";
+      }
+    }
+  }
+}
+
+TEST(ForwardKernels, RopeMatchesTheHostInBothLayouts) {
+  CERTKV_NEED_CUDA_DEVICE();
+  for (const bool half_split : {false, true}) {
+    for (const int64_t rows : kRaggedRows) {
+      const int heads = 3, hd = 64, half = hd / 2;
+      std::vector<float> x = normal_values(size_t(rows * heads * hd), 2.f, uint32_t(rows));
+      std::vector<float> cos(size_t(rows * half)), sin(size_t(rows * half));
+      for (int64_t r = 0; r < rows; ++r)
+        for (int j = 0; j < half; ++j) {
+          const double angle = double(r * 37 + 5) * std::pow(10000.0, -2.0 * j / hd);
+          cos[size_t(r * half + j)] = float(std::cos(angle));
+          sin[size_t(r * half + j)] = float(std::sin(angle));
+        }
+      DeviceBytes dx(x.size() * 4), dc(cos.size() * 4), ds(sin.size() * 4);
+      dx.upload(x.data(), x.size() * 4);
+      dc.upload(cos.data(), cos.size() * 4);
+      ds.upload(sin.data(), sin.size() * 4);
+      ASSERT_TRUE(rope_rows(reinterpret_cast<float*>(dx.data()), rows, heads, hd, half_split,
+                            reinterpret_cast<float*>(dc.data()), reinterpret_cast<float*>(ds.data()), nullptr)
+                      .ok);
+      const std::vector<float> got = run_and_read<float>(dx, x.size());
+      const model::RopeLayout layout = half_split ? model::RopeLayout::kHalfSplit : model::RopeLayout::kInterleaved;
+      std::vector<float> ref = x;
+      for (int64_t r = 0; r < rows; ++r)
+        apply_rope(&ref[size_t(r * heads * hd)], heads, hd, layout, &cos[size_t(r * half)], &sin[size_t(r * half)]);
+      for (size_t i = 0; i < x.size(); ++i) {
+        // The same two products and a sum; a fused multiply-add may round once where the host
+        // rounds twice: within 2^-22 of the inputs' magnitude.
+        const size_t j = i % size_t(hd);
+        const size_t partner = half_split ? (j < size_t(half) ? i + size_t(half) : i - size_t(half)) : (i ^ 1u);
+        const float scale = std::fabs(x[i]) + std::fabs(x[partner]);
+        ASSERT_NEAR(got[i], ref[i], std::ldexp(scale, -22) + 1e-30f) << "rows " << rows << " i " << i;
+      }
+    }
+  }
+}
+
+TEST(ForwardKernels, SwigluMatchesTheHostWithinOneBf16Rounding) {
+  CERTKV_NEED_CUDA_DEVICE();
+  for (const int64_t rows : kRaggedRows) {
+    const int width = 1536;
+    std::vector<float> gate = normal_values(size_t(rows * width), 4.f, 11);
+    const std::vector<float> up = normal_values(gate.size(), 2.f, 12);
+    gate[0] = 200.f;  // silu saturates: g, and 0 for -200
+    if (gate.size() > 1) gate[1] = -200.f;
+    DeviceBytes dg(gate.size() * 4), du(up.size() * 4), dout(gate.size() * 2);
+    dg.upload(gate.data(), gate.size() * 4);
+    du.upload(up.data(), up.size() * 4);
+    ASSERT_TRUE(swiglu_rows(reinterpret_cast<float*>(dg.data()), reinterpret_cast<float*>(du.data()), rows, width,
+                            reinterpret_cast<uint16_t*>(dout.data()), nullptr)
+                    .ok);
+    const std::vector<uint16_t> got = run_and_read<uint16_t>(dout, gate.size());
+    std::vector<float> ref = gate;
+    backend::swiglu_rows(ref.data(), up.data(), rows, width);
+    for (size_t i = 0; i < gate.size(); ++i) {
+      // The float values agree to a few ulps (expf against the host's exp); after rounding to
+      // bf16 they are equal or one bf16 step apart.
+      const float g = format::bf16_to_float(got[i]);
+      ASSERT_NEAR(g, ref[i], std::ldexp(std::fabs(ref[i]), -8) + 1e-30f) << "rows " << rows << " i " << i;
+    }
+  }
+}
+
+TEST(ForwardKernels, ElementwiseKernelsAreExact) {
+  CERTKV_NEED_CUDA_DEVICE();
+  const int64_t rows = 17;
+  const int width = 192, n_vocab = 50;
+  const std::vector<float> x = normal_values(size_t(rows * width), 1.f, 21);
+  const std::vector<float> y = normal_values(x.size(), 1.f, 22);
+  const std::vector<float> b = normal_values(size_t(width), 1.f, 23);
+  DeviceBytes dx(x.size() * 4), dy(y.size() * 4), db(b.size() * 4), dbf(x.size() * 2);
+  dx.upload(x.data(), x.size() * 4);
+  dy.upload(y.data(), y.size() * 4);
+  db.upload(b.data(), b.size() * 4);
+  float* px = reinterpret_cast<float*>(dx.data());
+  ASSERT_TRUE(to_bf16(px, int64_t(x.size()), reinterpret_cast<uint16_t*>(dbf.data()), nullptr).ok);
+  const std::vector<uint16_t> bf = run_and_read<uint16_t>(dbf, x.size());
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(bf[i], format::float_to_bf16(x[i]));
+  ASSERT_TRUE(add_rows(px, reinterpret_cast<float*>(dy.data()), int64_t(x.size()), nullptr).ok);
+  ASSERT_TRUE(add_bias_rows(px, reinterpret_cast<float*>(db.data()), rows, width, nullptr).ok);
+  const std::vector<float> sum = run_and_read<float>(dx, x.size());
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(sum[i], (x[i] + y[i]) + b[i % size_t(width)]);
+
+  // Embedding rows of a bf16 table, tokens at both ends of the vocabulary.
+  std::vector<uint16_t> table(size_t(n_vocab * width));
+  for (size_t i = 0; i < table.size(); ++i) table[i] = format::float_to_bf16(float(int(i % 997) - 498) / 64.f);
+  const std::vector<int32_t> tokens = {0, 49, 7, 7, 23};
+  DeviceBytes dt(table.size() * 2), dtok(tokens.size() * 4), de(tokens.size() * width * 4);
+  dt.upload(table.data(), table.size() * 2);
+  dtok.upload(tokens.data(), tokens.size() * 4);
+  ASSERT_TRUE(embed_rows(reinterpret_cast<int32_t*>(dtok.data()), int64_t(tokens.size()),
+                         reinterpret_cast<uint16_t*>(dt.data()), n_vocab, width, reinterpret_cast<float*>(de.data()),
+                         nullptr)
+                  .ok);
+  const std::vector<float> e = run_and_read<float>(de, tokens.size() * width);
+  for (size_t r = 0; r < tokens.size(); ++r)
+    for (int i = 0; i < width; ++i)
+      ASSERT_EQ(e[r * width + size_t(i)], format::bf16_to_float(table[size_t(tokens[r]) * width + size_t(i)]));
+}
+
+TEST(ForwardKernels, ArgmaxIsTheHostsFirstLargest) {
+  CERTKV_NEED_CUDA_DEVICE();
+  const int n = 49152;
+  std::vector<std::vector<float>> rows;
+  rows.push_back(normal_values(size_t(n), 5.f, 31));
+  std::vector<float> tie(size_t(n), 1.f);
+  tie[40000] = 2.f;
+  tie[300] = 2.f;  // the first of two equal maxima
+  rows.push_back(tie);
+  std::vector<float> nan_first = normal_values(size_t(n), 1.f, 32);
+  nan_first[0] = std::numeric_limits<float>::quiet_NaN();  // never beaten on the host
+  rows.push_back(nan_first);
+  std::vector<float> nan_later = normal_values(size_t(n), 1.f, 33);
+  nan_later[n - 1] = std::numeric_limits<float>::quiet_NaN();
+  nan_later[12345] = 100.f;
+  rows.push_back(nan_later);
+  rows.push_back(std::vector<float>(size_t(n), -std::numeric_limits<float>::infinity()));
+  std::vector<float> flat;
+  for (const auto& r : rows) flat.insert(flat.end(), r.begin(), r.end());
+  DeviceBytes dl(flat.size() * 4), dout(rows.size() * 4);
+  dl.upload(flat.data(), flat.size() * 4);
+  ASSERT_TRUE(argmax_rows(reinterpret_cast<float*>(dl.data()), int64_t(rows.size()), n,
+                          reinterpret_cast<int32_t*>(dout.data()), nullptr)
+                  .ok);
+  const std::vector<int32_t> got = run_and_read<int32_t>(dout, rows.size());
+  for (size_t r = 0; r < rows.size(); ++r) EXPECT_EQ(got[r], model::argmax(rows[r].data(), n)) << "row " << r;
+}
+
+TEST(DeviceMatmul, MatchesTheDoubleReferenceOnRaggedRows) {
+  CERTKV_NEED_CUDA_DEVICE();
+  std::unique_ptr<DeviceMatmul> mm;
+  ASSERT_TRUE(DeviceMatmul::create(nullptr, &mm).ok);
+  const int64_t n_in = 576, n_out = 192;
+  // An F32 weight matrix (upload_matrix rounds it to bf16).
+  const std::vector<float> wf = normal_values(size_t(n_in * n_out), 0.05f, 41);
+  model::WeightMatrix w;
+  w.type = format::GgmlType::kF32;
+  w.data = reinterpret_cast<const uint8_t*>(wf.data());
+  w.n_in = n_in;
+  w.n_out = n_out;
+  w.row_bytes = size_t(n_in) * 4;
+  DeviceMatrix dm;
+  ASSERT_TRUE(upload_matrix(w, &dm).ok);
+  const std::vector<uint16_t> wb = bf16_weights(w);
+  for (size_t i = 0; i < wb.size(); ++i) ASSERT_EQ(wb[i], format::float_to_bf16(wf[i]));
+  for (const int64_t rows : kRaggedRows) {
+    const std::vector<float> xf = normal_values(size_t(rows * n_in), 1.f, uint32_t(rows));
+    std::vector<uint16_t> x(xf.size());
+    for (size_t i = 0; i < x.size(); ++i) x[i] = format::float_to_bf16(xf[i]);
+    DeviceBytes dx(x.size() * 2), dy(size_t(rows * n_out) * 4);
+    dx.upload(x.data(), x.size() * 2);
+    ASSERT_TRUE(mm->multiply(dm, reinterpret_cast<uint16_t*>(dx.data()), rows, reinterpret_cast<float*>(dy.data())).ok);
+    const std::vector<float> y = run_and_read<float>(dy, size_t(rows * n_out));
+    std::vector<double> ref(y.size());
+    device_matmul_ref(wb.data(), n_in, n_out, x.data(), rows, ref.data());
+    for (int64_t t = 0; t < rows; ++t)
+      for (int64_t o = 0; o < n_out; ++o) {
+        double magnitude = 0;
+        for (int64_t i = 0; i < n_in; ++i)
+          magnitude += std::fabs(double(format::bf16_to_float(x[size_t(t * n_in + i)])) *
+                                 double(format::bf16_to_float(wb[size_t(o * n_in + i)])));
+        // Exact products summed in fp32 in any order: within n_in * 2^-24 of the magnitude per
+        // rounding, times 4 for adders that truncate (tensor cores) rather than round.
+        const double bound = double(n_in) * std::ldexp(magnitude, -22);
+        ASSERT_NEAR(y[size_t(t * n_out + o)], ref[size_t(t * n_out + o)], bound) << "rows " << rows;
+      }
+  }
+}
+
+// Batch invariance of the weight products: a row's outputs must not depend on how many rows
+// share the product. Rows of SmolLM2's shapes, 1 to 512 of them; the first rows compared bit for
+// bit with the same rows alone.
+TEST(DeviceMatmul, ARowsProductDoesNotDependOnTheRowCount) {
+  CERTKV_NEED_CUDA_DEVICE();
+  std::unique_ptr<DeviceMatmul> mm;
+  ASSERT_TRUE(DeviceMatmul::create(nullptr, &mm).ok);
+  for (const auto& [n_in, n_out] : {std::pair<int64_t, int64_t>{576, 576}, {576, 1536}, {1536, 576}, {576, 49152}}) {
+    const std::vector<float> wf = normal_values(size_t(n_in * n_out), 0.05f, 51);
+    model::WeightMatrix w;
+    w.type = format::GgmlType::kF32;
+    w.data = reinterpret_cast<const uint8_t*>(wf.data());
+    w.n_in = n_in;
+    w.n_out = n_out;
+    w.row_bytes = size_t(n_in) * 4;
+    DeviceMatrix dm;
+    ASSERT_TRUE(upload_matrix(w, &dm).ok);
+    const int64_t max_rows = 512;
+    const std::vector<float> xf = normal_values(size_t(max_rows * n_in), 1.f, 52);
+    std::vector<uint16_t> x(xf.size());
+    for (size_t i = 0; i < x.size(); ++i) x[i] = format::float_to_bf16(xf[i]);
+    DeviceBytes dx(x.size() * 2), dy(size_t(max_rows * n_out) * 4);
+    dx.upload(x.data(), x.size() * 2);
+    std::vector<float> alone;
+    for (const int64_t rows : {int64_t(1), int64_t(2), int64_t(3), int64_t(8), int64_t(17), int64_t(64), int64_t(512)}) {
+      ASSERT_TRUE(mm->multiply(dm, reinterpret_cast<uint16_t*>(dx.data()), rows, reinterpret_cast<float*>(dy.data())).ok);
+      const std::vector<float> y = run_and_read<float>(dy, size_t(n_out));  // row 0
+      if (alone.empty()) alone = y;
+      EXPECT_TRUE(std::equal(y.begin(), y.end(), alone.begin()))
+          << n_in << " -> " << n_out << ": row 0 among " << rows << " rows differs from row 0 alone";
+    }
+  }
+}
+
+TEST(ForwardKernels, RefuseBadShapesBeforeAnyLaunch) {
+  float* p = reinterpret_cast<float*>(uintptr_t(256));  // never dereferenced: refused first
+  uint16_t* b = reinterpret_cast<uint16_t*>(uintptr_t(256));
+  EXPECT_EQ(rms_norm_rows(p, 2, 0, p, 1e-5f, p, nullptr, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(rms_norm_rows(p, 2, 8, p, 1e-5f, nullptr, nullptr, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(rms_norm_rows(p, -1, 8, p, 1e-5f, p, nullptr, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(rope_rows(p, 2, 3, 63, false, p, p, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(rope_rows(p, 2, 0, 64, false, p, p, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(rope_rows(nullptr, 2, 3, 64, false, p, p, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(swiglu_rows(p, nullptr, 2, 8, b, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(add_rows(nullptr, p, 4, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(add_bias_rows(p, p, 2, 0, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(to_bf16(p, -1, b, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(embed_rows(nullptr, 2, b, 10, 8, p, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(argmax_rows(p, 2, 0, reinterpret_cast<int32_t*>(p), nullptr).code, StatusCode::kInvalidArgument);
+  // Nothing to do is not an error.
+  EXPECT_TRUE(rms_norm_rows(p, 0, 8, p, 1e-5f, p, nullptr, nullptr).ok);
+  EXPECT_TRUE(add_rows(nullptr, nullptr, 0, nullptr).ok);
+}
+
+}  // namespace
+}  // namespace certkv::backend::cuda
