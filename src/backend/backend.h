@@ -178,7 +178,8 @@ struct SequenceReport {
   bool sparse = false;
   double sparse_budget = 1;  // mean over sparse cells (1 with none)
   // Mean over sparse cells that scored indexed tokens of the estimated mass of their Top-p
-  // selection (>= p; 0 with no such cell), and those cells.
+  // selection (>= p; 0 with no such cell), and those cells. The CPU backend; the CUDA backend
+  // reports no such cell yet.
   double sparse_estimated_mass = 0;
   int64_t sparse_indexed_cells = 0;
   // Metered: the same, per layer (every sample_every-th cell of the layer).
