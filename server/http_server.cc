@@ -125,6 +125,7 @@ void HttpServer::load() {
     p.session.sparse_dense_layers = options_.sparse_dense_layers;
     p.session.device = options_.device.c_str();
     p.max_sequences = options_.parallel;
+    p.step_tokens = options_.step_tokens;
     p.pool_bytes = options_.pool_bytes;
     p.meter_recent_steps = options_.meter ? kDashboardMeterSteps : 0;
     certkv::check(certkv_engine_create(s.model->get(), &p, &s.engine));

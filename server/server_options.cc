@@ -18,6 +18,9 @@ const char* const kServeUsage =
     "  --port N               port (default 8080; 0: a free port, printed at start)\n"
     "  -np, --parallel N      requests decoding at once (default 4)\n"
     "  -c, --ctx N            tokens of one request, prompt and output (default: the model's)\n"
+    "  --step-tokens N        the most tokens one engine step runs: every decode, then prompt\n"
+    "                         chunks (default 512; smaller: shorter gaps between tokens, later\n"
+    "                         first tokens)\n"
     "  --kv SCHEME            KV scheme: bf16 (default), gaac, fp8-e4m3, rtn8, dither8, ...\n"
     "  --sparse p=P[,window=N][,dense=N]   sparse decode keeping attention mass P (or --sparse P)\n"
     "  --gate                 repair from exact KV when a meter exceeds tau (lossy schemes)\n"
@@ -89,6 +92,7 @@ ServerOptions parse_server_options(int argc, const char* const* argv) {
     else if (flag == "--port") o.port = int(parse_integer(flag, value(), 0, 65535));
     else if (flag == "-np" || flag == "--parallel") o.parallel = int(parse_integer(flag, value(), 1, 4096));
     else if (flag == "-c" || flag == "--ctx") o.ctx_tokens = parse_integer(flag, value(), 1, int64_t(1) << 31);
+    else if (flag == "--step-tokens") o.step_tokens = parse_integer(flag, value(), 1, int64_t(1) << 31);
     else if (flag == "--kv") o.kv = value();
     else if (flag == "--sparse") parse_sparse(value(), o);
     else if (flag == "--gate") o.gate = true;

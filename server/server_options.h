@@ -13,6 +13,7 @@ struct ServerOptions {
   std::string host = "127.0.0.1";  // --host
   int port = 8080;                 // --port; 0: a free port chosen by the system
   int parallel = 4;                // -np/--parallel: requests decoding at once
+  int64_t step_tokens = 512;       // --step-tokens: the most tokens one engine step runs
   int64_t ctx_tokens = 0;          // -c/--ctx: tokens of one request; 0: the model's context
   std::string kv = "bf16";         // --kv: KV scheme (certkv_session_params.kv)
   double sparse_p = 0;             // --sparse p=P[,window=N][,dense=N]: 0 is dense decode

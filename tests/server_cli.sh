@@ -33,6 +33,7 @@ expect_usage_error "flag --sparse" -m "$model" --sparse p=2
 expect_usage_error "do not combine" -m "$model" --sparse 0.9 --gate --kv rtn8
 expect_usage_error "flags --gate and --no-meter contradict" -m "$model" --gate --no-meter --kv rtn8
 expect_usage_error "flag --threads-http" -m "$model" --threads-http 0
+expect_usage_error "flag --step-tokens" -m "$model" --step-tokens 0
 
 "$serve" -m "$model" --port 0 -c 128 -np 2 --sparse p=0.9,window=16 >"$work/log" 2>&1 &
 pid=$!
