@@ -12,9 +12,9 @@ Meanwhile a monitor polls /health and /metrics. It checks:
   - every completed stream is well formed: each `data:` event parses as JSON of the endpoint's
     chunk object under one id, one finish_reason, a usage chunk (include_usage) with
     total = prompt + completion tokens, completion tokens within max_tokens (equal to it when
-    the finish reason is "length"), the same prompt_tokens for the same prompt, the
-    certificate's meter_cells = (completion tokens - 1) x 30 layers x 9 heads, and the stream
-    ends with `data: [DONE]`;
+    the finish reason is "length", fewer only with "stop"), the same prompt_tokens for the same
+    prompt, the certificate's meter_cells = 30 layers x 9 heads per one-token forward, and the
+    stream ends with `data: [DONE]`;
   - every hung-up request is cancelled: /metrics counts exactly that many
     requests_finished_total{reason="cancelled"}, and every request finished;
   - the page pool: kv_pool_pages_in_use (pages running requests hold, measured from their block
@@ -187,7 +187,9 @@ def check_stream(lines, chat, max_tokens, hang_up, where, outcome, key):
     n = u["completion_tokens"]
     if u["total_tokens"] != u["prompt_tokens"] + n or not 1 <= n <= max_tokens:
         return f"{where}: usage {u} with max_tokens {max_tokens}"
-    if (finishes[0] == "length") != (n == max_tokens) or finishes[0] not in ("length", "stop"):
+    # "stop" may come with max_tokens tokens too: an end token generated last (it counts).
+    if finishes[0] not in ("length", "stop") or (finishes[0] == "length") and n != max_tokens or \
+            n < max_tokens and finishes[0] != "stop":
         return f"{where}: finish reason {finishes[0]} with {n} of {max_tokens} tokens"
     # Every forward of one token is a metered decode step: each token after the first, and the
     # first too when the prefix cache left one prompt token to compute.
