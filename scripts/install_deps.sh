@@ -66,3 +66,16 @@ if ! python3 -c 'import openai' 2>/dev/null; then
   fi
   python3 -c 'import openai' || { echo "certkv set-up: openai did not install" >&2; exit 1; }
 fi
+# matplotlib for the same python3, the same way as NumPy: the plots of the benchmarks
+# (bench/serve_vs_llama_server.py, scripts/cuda_bench_summary.py --plot).
+if ! python3 -c 'import matplotlib' 2>/dev/null; then
+  echo "certkv set-up: installing matplotlib for $(command -v python3)"
+  if [ "$(command -v python3)" = /usr/bin/python3 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq python3-matplotlib
+  else
+    python3 -m pip install -q matplotlib
+  fi
+  python3 -c 'import matplotlib' || { echo "certkv set-up: matplotlib did not install" >&2; exit 1; }
+fi

@@ -119,20 +119,23 @@ void HttpServer::load() {
     p.session.kv = options_.kv.c_str();
     p.session.meter_tau = options_.tau;
     p.session.gate = options_.gate ? 1 : 0;
+    p.session.meter = options_.meter ? 1 : 0;
     p.session.sparse_p = options_.sparse_p;
     p.session.sparse_window = options_.sparse_window;
     p.session.sparse_dense_layers = options_.sparse_dense_layers;
     p.session.device = options_.device.c_str();
     p.max_sequences = options_.parallel;
+    p.step_tokens = options_.step_tokens;
     p.pool_bytes = options_.pool_bytes;
-    p.meter_recent_steps = kDashboardMeterSteps;
+    p.meter_recent_steps = options_.meter ? kDashboardMeterSteps : 0;
     certkv::check(certkv_engine_create(s.model->get(), &p, &s.engine));
     s.context_tokens = options_.ctx_tokens > 0 ? options_.ctx_tokens : s.info.context_length;
     s.certificate.scheme = options_.kv;
     s.certificate.meter_tier = "none";
     for (int32_t i = 0; i < certkv_kv_scheme_count(); ++i) {
       certkv_kv_scheme_info k;
-      if (certkv_kv_scheme_get(i, &k) == CERTKV_OK && options_.kv == k.name) s.certificate.meter_tier = k.meter_tier;
+      if (certkv_kv_scheme_get(i, &k) == CERTKV_OK && options_.kv == k.name && options_.meter)
+        s.certificate.meter_tier = k.meter_tier;
     }
     s.certificate.tau = options_.tau;
     s.certificate.gate = options_.gate;
@@ -188,7 +191,8 @@ void HttpServer::install_routes() {
   httplib::Server& http = *http_;
   ServerState& s = *state_;
   const ServerOptions& options = options_;
-  const size_t n_threads = size_t(std::max(32, options.parallel * 4));
+  const size_t n_threads =
+      size_t(options.http_threads > 0 ? options.http_threads : std::max(32, options.parallel * 4));
   http.new_task_queue = [n_threads] { return new httplib::ThreadPool(n_threads); };
   http.set_payload_max_length(size_t(options.max_body_bytes));
 
@@ -301,10 +305,11 @@ void HttpServer::install_routes() {
                  {"prompt_tokens", t.prompt_tokens},
                  {"generated_tokens", t.generation_tokens}}},
                {"kv",
-                {{"pages_in_use", e.pool_pages_in_use},
+                {{"pages_in_use", e.live_pages_in_use},
+                 {"pages_cached", e.pool_pages_in_use - e.live_pages_in_use},
                  {"capacity_pages", e.pool_capacity_pages},
                  {"usage_ratio", e.pool_capacity_pages > 0
-                                     ? double(e.pool_pages_in_use) / double(e.pool_capacity_pages) : 0.0},
+                                     ? double(e.live_pages_in_use) / double(e.pool_capacity_pages) : 0.0},
                  {"classes", classes},
                  {"compression_ratio_vs_bf16",
                   bytes_in_use > 0 ? json(double(e.page_bytes_as_bf16) / double(bytes_in_use)) : json(nullptr)}}},
@@ -362,6 +367,7 @@ void HttpServer::install_routes() {
       g.max_tokens = r.max_tokens ? *r.max_tokens : chat ? int32_t(s.context_tokens - n_prompt) : 16;
       g.sampler = r.sampler;
       g.stop = r.stop;
+      g.ignore_end = r.ignore_eos;
       g.per_layer = r.per_layer;
       const std::shared_ptr<RequestChannel> channel = s.scheduler->submit(std::move(g));
       const RequestChannel::Submission sub = channel->wait_submitted();
@@ -400,12 +406,15 @@ void HttpServer::install_routes() {
             for (;;) {
               std::string text;
               const bool finished = channel->wait_for_text(&text, kClientCheckInterval);
-              bool written = true;
-              if (!text.empty() || first) {
+              // A write to a client that has hung up may still succeed (the kernel buffers it), so
+              // the connection is looked at before every write: the request is cancelled at the
+              // first token after the hang-up.
+              bool written = !connection->closed();
+              if (written && (!text.empty() || first)) {
                 written = send_event(dump(completion_chunk(r, id, created, s.model_id, text, first, "", nullptr)));
                 first = false;
-              } else if (!finished) {
-                written = !connection->closed() && sink.write(": keep-alive\n\n", 14);
+              } else if (written && !finished) {
+                written = sink.write(": keep-alive\n\n", 14);
               }
               if (!written) {
                 channel->request_cancel();

@@ -134,6 +134,7 @@ CompletionRequest parse_completion_request(const json& body, bool chat) {
     for (const std::string& s : r.stop)
       if (s.empty()) throw invalid_field("stop", "a stop string is empty");
   }
+  if (present(body, "ignore_eos")) r.ignore_eos = bool_field(body, "ignore_eos");
   if (present(body, "stream")) r.stream = bool_field(body, "stream");
   if (present(body, "stream_options")) {
     const json& so = body["stream_options"];
@@ -194,7 +195,10 @@ json usage_json(const GenerationResult& r, const CertificateContext& c) {
       cert["per_layer"] = layers;
     }
   }
-  if (c.sparse) cert["sparse_budget"] = r.sparse_budget;
+  if (c.sparse) {
+    cert["sparse_budget"] = r.sparse_budget;
+    if (r.sparse_indexed_cells > 0) cert["sparse_estimated_mass"] = r.sparse_estimated_mass;
+  }
   json bytes = json::object();
   for (const auto& [storage, n] : r.kv_bytes) bytes[storage] = n;
   cert["kv_bytes"] = bytes;

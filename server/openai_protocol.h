@@ -50,6 +50,8 @@ struct CompletionRequest {
   std::optional<int32_t> max_tokens;     // none: the rest of the context (chat) or 16
   certkv_sampler_params sampler{};
   std::vector<std::string> stop;
+  bool ignore_eos = false;               // vLLM's and llama-server's extension: generate past
+                                         // end-of-generation tokens, to max_tokens
   bool stream = false;
   bool include_usage = false;            // stream_options.include_usage
   bool per_layer = false;                // certkv.per_layer: the certificate per layer too

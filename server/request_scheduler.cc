@@ -101,6 +101,7 @@ void RequestScheduler::submit_queued(std::deque<Queued> queued) {
     p.sampler = q.request.sampler;
     p.stop = stop.data();
     p.n_stop = int32_t(stop.size());
+    p.ignore_end = q.request.ignore_end ? 1 : 0;
     int64_t id = -1;
     const certkv_status st = certkv_engine_submit(engine_, &p, &id);
     if (st != CERTKV_OK) {
@@ -148,6 +149,8 @@ void RequestScheduler::collect_finished() {
     g.meter_cells = r.meter_cells;
     g.gate_repairs = r.gate_repairs;
     g.sparse_budget = r.sparse_budget;
+    g.sparse_estimated_mass = r.sparse_estimated_mass;
+    g.sparse_indexed_cells = r.sparse_indexed_cells;
     for (int32_t i = 0; i < r.n_classes; ++i) g.kv_bytes.emplace_back(r.kv_bytes[i].storage, r.kv_bytes[i].bytes);
     if (it->second.per_layer && g.metered) {
       size_t n_layers = 0;
@@ -204,8 +207,9 @@ void RequestScheduler::loop() {
       if (const std::string error = meter_history_->update(engine_); !error.empty())
         std::fprintf(stderr, "certkv serve: the dashboard's meter history: %s\n", error.c_str());
     }
-    collect_finished();
+    // The gauges first: a client answered below finds its request gone from them.
     if (certkv_engine_get_stats(engine_, &stats) == CERTKV_OK) metrics_->set_engine_stats(stats);
+    collect_finished();
   }
   // Shutting down: every request left ends as cancelled, its handler answered.
   std::deque<Queued> queued;

@@ -27,6 +27,7 @@ struct GenerationRequest {
   int32_t max_tokens = 16;
   certkv_sampler_params sampler{};
   std::vector<std::string> stop;
+  bool ignore_end = false;  // generate past end-of-generation tokens
   bool per_layer = false;  // copy the meter per layer into the result
 };
 
@@ -46,6 +47,8 @@ struct GenerationResult {
   int64_t meter_cells = 0;
   int64_t gate_repairs = 0;
   double sparse_budget = 1;
+  double sparse_estimated_mass = 0;  // mean over sparse_indexed_cells (0 with none)
+  int64_t sparse_indexed_cells = 0;
   std::vector<std::pair<std::string, uint64_t>> kv_bytes;  // by page class
   std::vector<certkv_layer_meter> layers;  // asked for (per_layer) and metered: one per layer
 };

@@ -70,7 +70,8 @@ ServerMetrics::ServerMetrics(std::string scheme, double tau, bool sparse)
       itl_seconds_({0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5}),
       request_meter_max_({1e-4, 1e-3, 1e-2, 0.05, 0.1, 0.2, 0.5, 0.99, 1}),
       request_meter_p99_({1e-4, 1e-3, 1e-2, 0.05, 0.1, 0.2, 0.5, 0.99, 1}),
-      request_sparse_budget_({0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1}) {}
+      request_sparse_budget_({0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1}),
+      request_sparse_estimated_mass_({0.5, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99, 1}) {}
 
 void ServerMetrics::record_finished(const GenerationResult& r) {
   std::lock_guard lock(mutex_);
@@ -88,6 +89,7 @@ void ServerMetrics::record_finished(const GenerationResult& r) {
   }
   gate_repairs_ += uint64_t(r.gate_repairs);
   if (sparse_ && r.generated_tokens > 1) request_sparse_budget_.observe(r.sparse_budget);
+  if (sparse_ && r.sparse_indexed_cells > 0) request_sparse_estimated_mass_.observe(r.sparse_estimated_mass);
 }
 
 void ServerMetrics::record_rejected() {
@@ -140,19 +142,26 @@ std::string ServerMetrics::prometheus_text() const {
   header(&out, "certkv:inter_token_latency_seconds", "histogram", "Time between consecutive tokens.");
   itl_seconds_.write(&out, "certkv:inter_token_latency_seconds", "");
 
-  single(&out, "certkv:kv_pool_pages_in_use", "gauge", "KV pages in use over every page class.",
-         double(engine_.pool_pages_in_use));
+  single(&out, "certkv:kv_pool_pages_in_use", "gauge",
+         "KV pages the running requests hold (a page they share counted once), every page class.",
+         double(engine_.live_pages_in_use));
+  single(&out, "certkv:kv_pool_pages_cached", "gauge",
+         "KV pages only the prefix cache holds (finished requests' prompt blocks; evicted when "
+         "pages are needed).",
+         double(engine_.pool_pages_in_use - engine_.live_pages_in_use));
   single(&out, "certkv:kv_pool_capacity_pages", "gauge", "KV pages the pool can hold.",
          double(engine_.pool_capacity_pages));
-  single(&out, "certkv:kv_usage_ratio", "gauge", "KV pages in use over the pool's capacity.",
+  single(&out, "certkv:kv_usage_ratio", "gauge", "KV pages the running requests hold over the pool's capacity.",
          engine_.pool_capacity_pages > 0
-             ? double(engine_.pool_pages_in_use) / double(engine_.pool_capacity_pages)
+             ? double(engine_.live_pages_in_use) / double(engine_.pool_capacity_pages)
              : 0.0);
-  header(&out, "certkv:kv_bytes_in_use", "gauge", "Bytes of the KV pages in use, by page class.");
+  header(&out, "certkv:kv_bytes_in_use", "gauge",
+         "Bytes of the KV pages allocated (running requests and prefix cache), by page class.");
   for (int32_t i = 0; i < engine_.n_classes_in_use; ++i)
     sample(&out, "certkv:kv_bytes_in_use", std::string("class=\"") + engine_.in_use[i].storage + "\"",
            double(engine_.in_use[i].page_bytes_in_use));
-  header(&out, "certkv:kv_pages_in_use", "gauge", "KV pages in use, by page class.");
+  header(&out, "certkv:kv_pages_in_use", "gauge",
+         "KV pages allocated (running requests and prefix cache), by page class.");
   for (int32_t i = 0; i < engine_.n_classes_in_use; ++i)
     sample(&out, "certkv:kv_pages_in_use", std::string("class=\"") + engine_.in_use[i].storage + "\"",
            double(engine_.in_use[i].pages_in_use));
@@ -160,7 +169,7 @@ std::string ServerMetrics::prometheus_text() const {
   for (int32_t i = 0; i < engine_.n_classes_in_use; ++i) bytes_in_use += engine_.in_use[i].page_bytes_in_use;
   if (bytes_in_use > 0)
     single(&out, "certkv:kv_compression_ratio_vs_bf16", "gauge",
-           "The KV pages in use as raw bf16 pages over their bytes (absent while no page is in use).",
+           "The KV pages allocated as raw bf16 pages over their bytes (absent while none is).",
            double(engine_.page_bytes_as_bf16) / double(bytes_in_use));
   single(&out, "certkv:preemptions_total", "counter", "Requests preempted when the pool ran out.",
          double(engine_.preemptions));
@@ -170,6 +179,8 @@ std::string ServerMetrics::prometheus_text() const {
          "Prompt blocks taken from the prefix cache at admissions.", double(engine_.shared_blocks));
   single(&out, "certkv:prefix_cache_cached_prefixes", "gauge",
          "Finished requests' prompt blocks kept for sharing.", double(engine_.cached_prefixes));
+  single(&out, "certkv:prefix_cache_evictions_total", "counter",
+         "Cached prefixes evicted to free pages for running requests.", double(engine_.evicted_prefixes));
 
   header(&out, "certkv:request_meter_max", "histogram",
          "Per metered request, the largest meter (bound on attention total variation) over its "
@@ -196,6 +207,11 @@ std::string ServerMetrics::prometheus_text() const {
     header(&out, "certkv:request_sparse_budget", "histogram",
            "Per request, the mean fraction of the context its sparse decode attended.");
     request_sparse_budget_.write(&out, "certkv:request_sparse_budget", "");
+    header(&out, "certkv:request_sparse_estimated_mass", "histogram",
+           "Per request, the mean over its sparse cells of the key index's estimated softmax mass of "
+           "the Top-p selection within the indexed tokens (>= p by construction): a recall proxy, not "
+           "the recall an audit measures.");
+    request_sparse_estimated_mass_.write(&out, "certkv:request_sparse_estimated_mass", "");
   }
   return out;
 }

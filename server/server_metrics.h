@@ -60,7 +60,7 @@ class ServerMetrics {
   uint64_t rejected_ = 0;
   std::map<std::string, uint64_t> finished_by_reason_;
   Histogram ttft_seconds_, itl_seconds_;
-  Histogram request_meter_max_, request_meter_p99_, request_sparse_budget_;
+  Histogram request_meter_max_, request_meter_p99_, request_sparse_budget_, request_sparse_estimated_mass_;
   uint64_t meter_cells_ = 0, meter_cells_within_tau_ = 0, gate_repairs_ = 0;
 };
 

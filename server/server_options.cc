@@ -18,14 +18,20 @@ const char* const kServeUsage =
     "  --port N               port (default 8080; 0: a free port, printed at start)\n"
     "  -np, --parallel N      requests decoding at once (default 4)\n"
     "  -c, --ctx N            tokens of one request, prompt and output (default: the model's)\n"
+    "  --step-tokens N        the most tokens one engine step runs: every decode, then prompt\n"
+    "                         chunks (default 512; smaller: shorter gaps between tokens, later\n"
+    "                         first tokens)\n"
     "  --kv SCHEME            KV scheme: bf16 (default), gaac, fp8-e4m3, rtn8, dither8, ...\n"
     "  --sparse p=P[,window=N][,dense=N]   sparse decode keeping attention mass P (or --sparse P)\n"
     "  --gate                 repair from exact KV when a meter exceeds tau (lossy schemes)\n"
     "  --tau T                coverage and gate threshold (default 0.2)\n"
+    "  --no-meter             lossy schemes: compute no meter (no certificate, no heatmap)\n"
     "  --device cpu|cuda      where decode attention runs (default cpu)\n"
     "  --api-key KEY          require 'Authorization: Bearer KEY' (all but /health)\n"
     "  --pool-bytes B         KV pool in bytes of raw pages (default: N whole contexts)\n"
     "  -t, --threads N        CPU threads of the forward pass (default 2)\n"
+    "  --threads-http N       connections served at once, a streaming one holding its thread\n"
+    "                         (default max(32, 4 x parallel))\n"
     "  --max-body-bytes B     larger request bodies are refused with 413 (default 1048576)\n";
 
 namespace {
@@ -86,9 +92,11 @@ ServerOptions parse_server_options(int argc, const char* const* argv) {
     else if (flag == "--port") o.port = int(parse_integer(flag, value(), 0, 65535));
     else if (flag == "-np" || flag == "--parallel") o.parallel = int(parse_integer(flag, value(), 1, 4096));
     else if (flag == "-c" || flag == "--ctx") o.ctx_tokens = parse_integer(flag, value(), 1, int64_t(1) << 31);
+    else if (flag == "--step-tokens") o.step_tokens = parse_integer(flag, value(), 1, int64_t(1) << 31);
     else if (flag == "--kv") o.kv = value();
     else if (flag == "--sparse") parse_sparse(value(), o);
     else if (flag == "--gate") o.gate = true;
+    else if (flag == "--no-meter") o.meter = false;
     else if (flag == "--tau") {
       o.tau = parse_real(flag, value());
       if (!(o.tau > 0)) throw OptionError("flag --tau: must be positive, got " + std::string(argv[i]));
@@ -101,11 +109,13 @@ ServerOptions parse_server_options(int argc, const char* const* argv) {
       if (o.api_key.empty()) throw OptionError("flag --api-key: the key is empty");
     } else if (flag == "--pool-bytes") o.pool_bytes = uint64_t(parse_integer(flag, value(), 1, INT64_MAX));
     else if (flag == "-t" || flag == "--threads") o.threads = int(parse_integer(flag, value(), 1, 256));
+    else if (flag == "--threads-http") o.http_threads = int(parse_integer(flag, value(), 1, 4096));
     else if (flag == "--max-body-bytes") o.max_body_bytes = uint64_t(parse_integer(flag, value(), 1024, INT64_MAX));
     else throw OptionError("unknown flag '" + flag + "'");
   }
   if (o.model_path.empty()) throw OptionError("flag -m/--model is required");
   if (o.gate && o.sparse_p > 0) throw OptionError("flags --gate and --sparse do not combine yet (drop --gate)");
+  if (o.gate && !o.meter) throw OptionError("flags --gate and --no-meter contradict: the gate repairs by the meter");
   return o;
 }
 

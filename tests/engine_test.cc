@@ -504,6 +504,35 @@ INSTANTIATE_TEST_SUITE_P(PageClasses, EngineSharing,
                            return name;
                          });
 
+// Of the pages in use, those the running requests hold (a page they share counted once); the
+// rest, held by cached prefixes alone, are not theirs.
+TEST(Engine, LivePagesAreTheRunningRequestsAndNotTheCachedPrefixes) {
+  EngineConfig cfg;
+  cfg.backend.context_tokens = 128;
+  cfg.backend.pool_tokens = 128 * 4;
+  Engine engine(stories(), cfg);
+  const RequestParams request = story_requests({40}, 20, 11)[0];  // 2 whole blocks and a tail
+  EXPECT_EQ(engine.stats().live_pages_in_use, 0u);
+  engine.submit(request);
+  engine.step();
+  EngineStats s = engine.stats();
+  EXPECT_GT(s.live_pages_in_use, 0u);
+  EXPECT_EQ(s.live_pages_in_use, s.pool_pages_in_use) << "nothing is cached yet";
+  engine.submit(request);  // takes the first request's blocks
+  engine.step();
+  s = engine.stats();
+  EXPECT_EQ(s.running, 2);
+  EXPECT_EQ(s.shared_blocks, 2);
+  EXPECT_EQ(s.live_pages_in_use, s.pool_pages_in_use) << "a page two running requests share is one page";
+  engine.run();
+  s = engine.stats();
+  EXPECT_EQ(s.live_pages_in_use, 0u);
+  EXPECT_GT(s.cached_prefixes, 0);
+  EXPECT_GT(s.pool_pages_in_use, 0u) << "the prefix cache keeps the prompt's blocks";
+  engine.drop_cached_prefixes();
+  EXPECT_EQ(engine.stats().pool_pages_in_use, 0u);
+}
+
 TEST(Engine, CancelFreesPagesAtOnce) {
   EngineConfig cfg;
   cfg.backend.context_tokens = 128;

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# certkv-serve as a process: bad options exit 2 naming the flag; on a free port it loads, answers
-# /health and a completion, and stops cleanly on SIGTERM, answering a request in flight with 503.
+# certkv-serve as a process: bad options exit 2 naming the flag; on a free port (sparse decode) it
+# loads, answers /health and completions, with the sparse budget and estimated mass in the
+# certificate and on /metrics, and stops cleanly on SIGTERM, answering a request in flight with 503.
 # usage: server_cli.sh CERTKV_SERVE MODEL
 set -euo pipefail
 serve=$1
@@ -30,8 +31,11 @@ expect_usage_error "flag --port" -m "$model" --port 70000
 expect_usage_error "flag --device" -m "$model" --device tpu
 expect_usage_error "flag --sparse" -m "$model" --sparse p=2
 expect_usage_error "do not combine" -m "$model" --sparse 0.9 --gate --kv rtn8
+expect_usage_error "flags --gate and --no-meter contradict" -m "$model" --gate --no-meter --kv rtn8
+expect_usage_error "flag --threads-http" -m "$model" --threads-http 0
+expect_usage_error "flag --step-tokens" -m "$model" --step-tokens 0
 
-"$serve" -m "$model" --port 0 -c 128 -np 2 >"$work/log" 2>&1 &
+"$serve" -m "$model" --port 0 -c 128 -np 2 --sparse p=0.9,window=16 >"$work/log" 2>&1 &
 pid=$!
 port=
 for _ in $(seq 1 100); do
@@ -62,6 +66,25 @@ assert body["usage"]["completion_tokens"] == 3, body
 assert body["usage"]["certkv"]["scheme"] == "bf16", body
 assert body["usage"]["certkv"]["metered"] is False, body
 
+# Sparse decode over a prompt long enough to index blocks before the 16-token window: the
+# certificate carries the budget and the index's estimated mass of the Top-p selections, at
+# least p = 0.9 by construction; /metrics has both per-request histograms.
+prompt = " ".join(["The river ran past the mill and under the old stone bridge."] * 8)
+req = urllib.request.Request(base + "/v1/completions", method="POST",
+                             data=json.dumps({"prompt": prompt, "max_tokens": 6, "temperature": 0}).encode(),
+                             headers={"Content-Type": "application/json"})
+with urllib.request.urlopen(req) as r:
+    cert = json.load(r)["usage"]["certkv"]
+assert 0 < cert["sparse_budget"] < 1, cert
+assert 0.9 <= cert["sparse_estimated_mass"] <= 1 + 1e-9, cert
+with urllib.request.urlopen(base + "/metrics") as r:
+    metrics = r.read().decode()
+def sample(name):
+    return float(next(l.split()[-1] for l in metrics.splitlines() if l.startswith(name + " ")))
+assert sample("certkv:request_sparse_estimated_mass_count") == 1, metrics
+assert abs(sample("certkv:request_sparse_estimated_mass_sum") - cert["sparse_estimated_mass"]) < 1e-9, metrics
+assert sample("certkv:request_sparse_budget_count") == 2, metrics
+
 # A request still generating when the server is told to stop is cancelled and answered 503.
 status = []
 def long_request():
@@ -87,4 +110,40 @@ set -e
 pid=
 if [ "$rc" -ne 0 ]; then echo "FAIL: certkv-serve exited $rc on SIGTERM:"; cat "$work/log"; exit 1; fi
 grep -q "stopping (signal 15)" "$work/log" || { echo "FAIL: no clean stop in the log:"; cat "$work/log"; exit 1; }
+
+# --no-meter: a lossy scheme serves without the meter; the certificate says so, /metrics counts
+# no metered cell.
+"$serve" -m "$model" --port 0 -c 128 -np 1 --kv fp8-e4m3 --no-meter >"$work/log_no_meter" 2>&1 &
+pid=$!
+port=
+for _ in $(seq 1 100); do
+  port=$(sed -n 's|.*listening on http://127.0.0.1:\([0-9]*\).*|\1|p' "$work/log_no_meter")
+  [ -n "$port" ] && break
+  sleep 0.1
+done
+[ -n "$port" ] || { echo "FAIL: no port in the log:"; cat "$work/log_no_meter"; exit 1; }
+python3 - "$port" <<'PY'
+import json, sys, time, urllib.request, urllib.error
+base = f"http://127.0.0.1:{sys.argv[1]}"
+for _ in range(600):
+    try:
+        with urllib.request.urlopen(base + "/health") as r:
+            break
+    except urllib.error.HTTPError:
+        time.sleep(0.1)
+req = urllib.request.Request(base + "/v1/completions", method="POST",
+                             data=json.dumps({"prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode(),
+                             headers={"Content-Type": "application/json"})
+with urllib.request.urlopen(req) as r:
+    cert = json.load(r)["usage"]["certkv"]
+assert cert["scheme"] == "fp8-e4m3" and cert["metered"] is False and cert["meter_tier"] == "none", cert
+assert "meter_max" not in cert, cert
+with urllib.request.urlopen(base + "/metrics") as r:
+    metrics = r.read().decode()
+assert 'certkv:meter_cells_total{scheme="fp8-e4m3"} 0' in metrics, metrics
+assert "certkv:meter_coverage" not in metrics, metrics
+PY
+kill "$pid"
+wait "$pid" || { echo "FAIL: certkv-serve --no-meter did not stop cleanly:"; cat "$work/log_no_meter"; exit 1; }
+pid=
 echo "server_cli: ok"

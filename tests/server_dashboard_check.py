@@ -261,7 +261,7 @@ def main():
         if scheme != "fp8-e4m3":
             fail(f"the page shows KV scheme {scheme!r}, expected fp8-e4m3")
         pool = page.evaluate("document.getElementById('pool-text').textContent")
-        if not re.fullmatch(r"\d+ of [1-9]\d* pages in use", pool):
+        if not re.fullmatch(r"\d+ of [1-9]\d* pages in use, \d+ cached", pool):
             fail(f"the KV pool line reads {pool!r}")
         before = page.evaluate(HEATMAP_PIXELS)
         if before["steps"] != 0:

@@ -4,6 +4,8 @@
 Starts certkv-serve on a free loopback port (fp8-e4m3, an API key) and checks, with greedy
 decoding unless said otherwise:
   - /v1/models lists the model file;
+  - greedy answers equal `certkv run`'s on the same prompt, context, threads and scheme: a chat
+    (run applies the chat template) and a completion (run --raw), each prompt's first request;
   - chat and completion, streaming and not: the streamed text equals the whole answer, the
     finish reasons and usage counts are right, and usage carries the certificate (usage.certkv),
     in the stream's usage chunk too;
@@ -11,9 +13,10 @@ decoding unless said otherwise:
   - errors reach the client as its exceptions: a wrong key, an unknown model, a prompt too long.
 
 Exit status: 0 passed, 1 failed, 77 skipped (the openai package is not installed).
-usage: server_openai_check.py --serve CERTKV_SERVE --model GGUF
+usage: server_openai_check.py --serve CERTKV_SERVE --certkv CERTKV --model GGUF
 """
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -25,6 +28,7 @@ import urllib.request
 
 API_KEY = "openai-client-test-key"
 CONTEXT_TOKENS = 256
+THREADS = 2
 
 
 def check(condition, message):
@@ -36,7 +40,8 @@ def check(condition, message):
 def start_server(serve, model, log_path):
     log = open(log_path, "w+")
     proc = subprocess.Popen([serve, "-m", model, "--port", "0", "-c", str(CONTEXT_TOKENS), "-np", "2", "--kv",
-                             "fp8-e4m3", "--api-key", API_KEY], stdout=log, stderr=subprocess.STDOUT)
+                             "fp8-e4m3", "-t", str(THREADS), "--api-key", API_KEY], stdout=log,
+                            stderr=subprocess.STDOUT)
     deadline = time.time() + 60
     port = None
     while time.time() < deadline and port is None:
@@ -72,9 +77,19 @@ def certificate(usage, completion_tokens):
     return c
 
 
+def certkv_run(certkv, model, prompt, max_tokens, raw):
+    """`certkv run`'s greedy text: the same scheme, context and threads as the server."""
+    command = [certkv, "run", "-m", model, "-p", prompt, "-n", str(max_tokens), "-c", str(CONTEXT_TOKENS),
+               "-t", str(THREADS), "--kv", "fp8-e4m3", "--json"] + (["--raw"] if raw else [])
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    check(done.returncode == 0, f"{' '.join(command)} exited {done.returncode}: {done.stderr[-500:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--serve", required=True)
+    parser.add_argument("--certkv", required=True)
     parser.add_argument("--model", required=True)
     args = parser.parse_args()
     try:
@@ -88,6 +103,23 @@ def main():
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0, timeout=120)
         model_id = os.path.basename(args.model)
         check([m.id for m in client.models.list().data] == [model_id], "models.list")
+
+        # Greedy answers equal certkv run's. First requests of their prompts: with fp8-e4m3 a
+        # prompt whose blocks come from the prefix cache attends their fp8 pages (see below).
+        for raw, prompt in ((False, "Name three rivers of Europe."), (True, "The oldest bridge in the city")):
+            if raw:
+                served = client.completions.create(model=model_id, prompt=prompt, max_tokens=20, temperature=0)
+                text, usage = served.choices[0].text, served.usage
+            else:
+                served = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompt}],
+                                                        max_tokens=20, temperature=0)
+                text, usage = served.choices[0].message.content, served.usage
+            run = certkv_run(args.certkv, args.model, prompt, 20, raw)
+            what = "completion" if raw else "chat"
+            check(text == run["text"], f"greedy {what} {text!r} != certkv run's {run['text']!r}")
+            check((usage.prompt_tokens, usage.completion_tokens) == (run["prompt_tokens"], run["generated_tokens"]),
+                  f"greedy {what}: usage {usage} against certkv run's {run['prompt_tokens']} prompt and "
+                  f"{run['generated_tokens']} generated tokens")
 
         # Each prompt runs once before the answers compared: a lossy scheme's greedy output differs
         # between a prompt prefilled whole and one whose first blocks come from the prefix cache
@@ -159,7 +191,8 @@ def main():
             check(False, "a prompt longer than the context was accepted")
         except openai.BadRequestError as e:
             check(e.body.get("code") == "context_length_exceeded", f"too long: {e.body}")
-        print("PASS: chat and completion, streaming and not, stop, seed and errors through the openai client "
+        print("PASS: greedy answers equal certkv run's; chat and completion, streaming and not, stop, seed and errors "
+              "through the openai client "
               f"{openai.__version__}")
         return 0
     finally:

@@ -511,6 +511,13 @@ typedef struct certkv_request_result {
   certkv_class_bytes kv_bytes[CERTKV_MAX_KV_CLASSES];
   int64_t meter_cells;           /* (layer, query head, step) cells behind meter_p99 and coverage
                                     (every meter_sample_every-th); 0 when not metered */
+  double sparse_estimated_mass;  /* sparse decode: the mean over its sparse cells that scored
+                                    indexed tokens of the key index's estimated softmax mass of
+                                    the Top-p selection within the indexed tokens (>= sparse_p by
+                                    construction; a recall proxy, not the recall an audit
+                                    measures); 0 with no such cell. The CPU backend reports
+                                    it; the cuda backend not yet (0 cells) */
+  int64_t sparse_indexed_cells;  /* those cells */
 } certkv_request_result;
 
 certkv_status certkv_engine_result(const certkv_engine* engine, int64_t id,
@@ -557,6 +564,9 @@ typedef struct certkv_engine_stats {
   double swap_seconds;
   int64_t recomputed_tokens;
   double recompute_seconds;
+  uint64_t live_pages_in_use;    /* of pool_pages_in_use, the pages the running requests hold (a
+                                    page they share counted once); the rest are held by cached
+                                    prefixes alone (evictable) */
 } certkv_engine_stats;
 
 certkv_status certkv_engine_get_stats(const certkv_engine* engine, certkv_engine_stats* stats);

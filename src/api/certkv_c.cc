@@ -981,6 +981,8 @@ certkv_status certkv_engine_result(const certkv_engine* engine, int64_t id,
     result->coverage = r.attention.coverage;
     result->gate_repairs = r.attention.gate_repairs;
     result->sparse_budget = r.attention.sparse_budget;
+    result->sparse_estimated_mass = r.attention.sparse_estimated_mass;
+    result->sparse_indexed_cells = r.attention.sparse_indexed_cells;
     result->n_classes = fill_class_bytes(r.kv_bytes, result->kv_bytes);
     result->meter_cells = r.attention.meter_cells;
   });
@@ -1059,6 +1061,7 @@ certkv_status certkv_engine_get_stats(const certkv_engine* engine, certkv_engine
     stats->swap_seconds = s.swap_seconds;
     stats->recomputed_tokens = s.recomputed_tokens;
     stats->recompute_seconds = s.recompute_seconds;
+    stats->live_pages_in_use = s.live_pages_in_use;
     const certkv::backend::BackendConfig& bc = engine->engine->backend().config();
     const int32_t head_dim = engine->model->model->config().head_dim;
     stats->page_bytes_as_bf16 = pages_in_use * uint64_t(bc.block_tokens) * uint64_t(head_dim) * 2;

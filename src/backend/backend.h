@@ -91,6 +91,10 @@ struct SparseStats {
   int64_t steps = 0;            // decode steps with at least one sparse layer
   int64_t cells = 0;
   double sum_budget = 0;        // over sparse cells
+  // Cells that scored indexed tokens, and the sum over them of the estimated softmax mass of
+  // the Top-p selection within the indexed tokens (attention::SparseHeadStats::estimated_mass).
+  int64_t indexed_cells = 0;
+  double sum_estimated_mass = 0;
   int64_t attended_tokens = 0;  // over sparse cells
   int64_t widened_tokens = 0;   // of them, added by the widening (SparseConfig::deviations)
   int64_t context_tokens = 0;   // over sparse cells
@@ -173,6 +177,11 @@ struct SequenceReport {
   int64_t gate_repairs = 0;  // pages paged in
   bool sparse = false;
   double sparse_budget = 1;  // mean over sparse cells (1 with none)
+  // Mean over sparse cells that scored indexed tokens of the estimated mass of their Top-p
+  // selection (>= p; 0 with no such cell), and those cells. The CPU backend; the CUDA backend
+  // reports no such cell yet.
+  double sparse_estimated_mass = 0;
+  int64_t sparse_indexed_cells = 0;
   // Metered: the same, per layer (every sample_every-th cell of the layer).
   struct LayerMeter {
     double meter_max = 0;
@@ -225,6 +234,11 @@ class Backend {
   // Pages of the pool in use and its capacity, over every table (all classes).
   virtual uint64_t pool_pages_in_use() const = 0;
   virtual uint64_t pool_capacity_pages() const = 0;
+  // Pages of pool_pages_in_use() that these live sequences hold: every page their tables
+  // reference, a page shared among them counted once (and pages reserved for tokens not written
+  // yet where pool_pages_in_use counts those). The rest of pool_pages_in_use is held by other
+  // sequences alone.
+  virtual uint64_t pages_referenced(std::span<const cache::SeqId> seqs) const = 0;
 
   // One batched step. REQUIRES: distinct live sequences, 1 <= n, tokens inside the vocabulary,
   // length + n <= context_tokens (certkv::Error kInvalidArgument / kOutOfRange, nothing changed);

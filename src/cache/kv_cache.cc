@@ -1271,6 +1271,26 @@ std::vector<ClassBytes> KvCache::sequence_bytes(SeqId seq) const {
   return out;
 }
 
+uint64_t KvCache::pages_referenced(std::span<const SeqId> seqs) const {
+  // One mark per page obtained, per pool: the raw pool, then each slot pool (pool_of's order).
+  std::vector<std::vector<bool>> marked(1 + slot_pools_.size());
+  marked[0].assign(bf16_pool_->pages_obtained(), false);
+  for (size_t i = 0; i < slot_pools_.size(); ++i) marked[1 + i].assign(slot_pools_[i]->pages_obtained(), false);
+  uint64_t n = 0;
+  for (SeqId seq : seqs)
+    for (const auto& table : sequence(seq).tables)
+      for (const PageRef& ref : table) {
+        if (is_pending(ref)) continue;
+        pool_of(ref);  // checks the class and pool
+        std::vector<bool>& m = marked[ref.storage == raw_class_ ? 0 : 1 + size_t(ref.pool)];
+        if (!m[ref.page]) {
+          m[ref.page] = true;
+          ++n;
+        }
+      }
+  return n;
+}
+
 uint64_t KvCache::kv_bytes_bf16(int64_t n_tokens) const {
   return 2ull * uint64_t(config_.n_layers) * uint64_t(config_.n_kv_heads) *
          uint64_t(config_.head_dim) * sizeof(uint16_t) * uint64_t(std::max<int64_t>(n_tokens, 0));

@@ -33,6 +33,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string_view>
 #include <unordered_map>
 #include <vector>
@@ -304,6 +305,9 @@ class KvCache {
   // class, in the order of memory_stats().by_class; a page shared with other sequences is counted
   // in full here.
   std::vector<ClassBytes> sequence_bytes(SeqId seq) const;
+  // Pages of the pool the block tables of these sequences reference, a page shared among them
+  // counted once (a GAAC entry reserved but not yet written holds no page and is not counted).
+  uint64_t pages_referenced(std::span<const SeqId> seqs) const;
   // Bytes a plain contiguous BF16 cache takes for n_tokens: K and V, 2 bytes per element.
   uint64_t kv_bytes_bf16(int64_t n_tokens) const;
 

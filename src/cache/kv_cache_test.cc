@@ -224,6 +224,24 @@ TEST(KvCache, ForkAtABlockBoundaryCopiesNothing) {
   expect_values(cache, b, 8, 9, 1);
 }
 
+TEST(KvCache, PagesReferencedCountsAPageSharedAmongTheSequencesOnce) {
+  KvCache cache(small_config());  // 2 layers x K/V x 2 kv heads: 8 tables, 4-token blocks
+  const SeqId a = cache.create_sequence();
+  append(cache, a, 8);
+  const SeqId b = cache.fork_prefix(a, 4);
+  append(cache, b, 3, 1);
+  const std::vector<SeqId> none, only_a{a}, only_b{b}, both{a, b};
+  EXPECT_EQ(cache.pages_referenced(none), 0u);
+  EXPECT_EQ(cache.pages_referenced(only_a), 16u);
+  EXPECT_EQ(cache.pages_referenced(only_b), 16u);  // block 0 shared with a, block 1 its own
+  EXPECT_EQ(cache.pages_referenced(both), 24u);
+  EXPECT_EQ(cache.pages_referenced(both), cache.memory_stats().pages_in_use);
+  cache.free_sequence(a);
+  EXPECT_EQ(cache.pages_referenced(only_b), 16u);
+  EXPECT_EQ(cache.memory_stats().pages_in_use, 16u);
+  EXPECT_THROW(cache.pages_referenced(only_a), Error);
+}
+
 TEST(KvCache, ForkRefusesAnUncommittedReservation) {
   KvCache cache(small_config());
   const SeqId a = cache.create_sequence();

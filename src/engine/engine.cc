@@ -562,6 +562,10 @@ EngineStats Engine::stats() const {
   s.running = int64_t(running_.size());
   s.waiting = int64_t(waiting_.size());
   s.pool_pages_in_use = backend_->pool_pages_in_use();
+  std::vector<cache::SeqId> live;
+  for (RequestId id : running_)
+    if (const cache::SeqId seq = requests_.at(id)->seq; seq != 0) live.push_back(seq);
+  s.live_pages_in_use = backend_->pages_referenced(live);
   const gate::RecentStepMeters& recent = backend_->recent_meters();
   s.last_metered_step = recent.size() > 0 ? recent.step(recent.size() - 1).step : 0;
   s.cached_prefixes = int64_t(holders_.size());

@@ -117,6 +117,9 @@ struct EngineStats {
   int64_t cached_prefixes = 0;     // holder sequences of finished requests' prompt blocks
   int64_t running = 0, waiting = 0;
   uint64_t pool_pages_in_use = 0, pool_capacity_pages = 0;
+  // Of pool_pages_in_use: the pages the running requests' sequences hold (a page they share
+  // counted once). The rest are held by cached prefixes alone, and eviction can free them.
+  uint64_t live_pages_in_use = 0;
   uint64_t peak_pages_in_use = 0;
   std::vector<cache::ClassBytes> peak_bytes;  // per class, the most page bytes in use after a step
   std::vector<cache::StorageClassStats> in_use_by_class;  // per class, pages and bytes now

@@ -181,6 +181,11 @@ bool CpuBackend::reserve(cache::SeqId seq, int64_t n) {
 
 uint64_t CpuBackend::pool_pages_in_use() const { return cache_->memory_stats().pages_in_use; }
 
+uint64_t CpuBackend::pages_referenced(std::span<const cache::SeqId> seqs) const {
+  for (cache::SeqId seq : seqs) state(seq);
+  return cache_->pages_referenced(seqs);
+}
+
 uint64_t CpuBackend::pool_capacity_pages() const {
   const ModelConfig& c = model_.config();
   const int64_t pool_tokens = config_.pool_tokens > 0 ? config_.pool_tokens : context_tokens_;
@@ -252,6 +257,9 @@ SequenceReport CpuBackend::report(cache::SeqId seq) const {
   if (metered_) report_meter(*st.telemetry, st.layer_telemetry, r);
   r.sparse = config_.sparse.enabled;
   if (st.sparse_stats.cells > 0) r.sparse_budget = st.sparse_stats.sum_budget / double(st.sparse_stats.cells);
+  r.sparse_indexed_cells = st.sparse_stats.indexed_cells;
+  if (st.sparse_stats.indexed_cells > 0)
+    r.sparse_estimated_mass = st.sparse_stats.sum_estimated_mass / double(st.sparse_stats.indexed_cells);
   return r;
 }
 
@@ -365,6 +373,10 @@ void CpuBackend::decode_attention_sparse(cache::SeqId seq, SequenceState& st, in
     ss.context_tokens += n_ctx;
     ss.layer_cells[size_t(layer)] += 1;
     ss.layer_sum_budget[size_t(layer)] += budget;
+    if (s.n_indexed > 0) {
+      ss.indexed_cells += 1;
+      ss.sum_estimated_mass += s.estimated_mass;
+    }
   }
   if (metered_) {
     record_meters(st, layer);

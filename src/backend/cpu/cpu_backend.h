@@ -45,6 +45,7 @@ class CpuBackend final : public Backend {
   bool can_swap() const override { return device_ == nullptr; }
   uint64_t pool_pages_in_use() const override;
   uint64_t pool_capacity_pages() const override;
+  uint64_t pages_referenced(std::span<const cache::SeqId> seqs) const override;
   void forward(std::span<const BatchItem> items) override;
   SequenceReport report(cache::SeqId seq) const override;
   std::vector<cache::ClassBytes> sequence_bytes(cache::SeqId seq) const override;

@@ -178,6 +178,16 @@ class CudaBackend final : public Backend {
     return pages;
   }
   uint64_t pool_capacity_pages() const override { return capacity_pages_; }
+  uint64_t pages_referenced(std::span<const cache::SeqId> seqs) const override {
+    std::vector<int> slots;
+    uint64_t reserved = 0;
+    for (cache::SeqId seq : seqs) {
+      const SequenceState& st = state(seq);
+      slots.push_back(st.slot);
+      reserved += uint64_t(blocks(st.reserved) - blocks(st.length)) * pages_per_block();
+    }
+    return cache_->pages_referenced(slots) + reserved;
+  }
 
   void forward(std::span<const BatchItem> items) override;
   const gate::RecentStepMeters& recent_meters() const override { return *recent_meters_; }

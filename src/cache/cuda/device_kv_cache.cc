@@ -422,6 +422,30 @@ DeviceSequenceBytes DeviceKvCache::sequence_bytes(int slot) const {
   return bytes;
 }
 
+uint64_t DeviceKvCache::pages_referenced(std::span<const int> slots) const {
+  // A page is (layer, pool, index): a coded scheme's K or V slot pool (entry >= 0), else the
+  // layer's raw pool.
+  const bool coded = config_.scheme != KvScheme::kBf16;
+  std::vector<uint64_t> pages;
+  for (int slot : slots) {
+    if (!live(slot)) continue;
+    for (int l = 0; l < config_.n_layers; ++l) {
+      const Layer& layer = *layers_[size_t(l)];
+      const int64_t blocks = (written(slot, l) + config_.block_tokens - 1) / config_.block_tokens;
+      for (int kv = 0; kv < 2; ++kv)
+        for (int h = 0; h < config_.n_kv_heads; ++h)
+          for (int64_t b = 0; b < blocks; ++b) {
+            const int32_t entry = layer.host_tables[entry_index(slot, kv, h, b)];
+            if (entry == kUnwritten) continue;
+            const uint64_t pool = coded && entry >= 0 ? uint64_t(kv) : 2;
+            pages.push_back(uint64_t(l) << 40 | pool << 32 | uint32_t(entry));
+          }
+    }
+  }
+  std::sort(pages.begin(), pages.end());
+  return uint64_t(std::unique(pages.begin(), pages.end()) - pages.begin());
+}
+
 CudaStatus DeviceKvCache::upload_tables(const Layer& layer) {
   return cuda_check(cudaMemcpyAsync(layer.tables.data(), layer.host_tables.data(),
                                     layer.host_tables.size() * sizeof(int32_t), cudaMemcpyHostToDevice,

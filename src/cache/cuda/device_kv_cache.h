@@ -30,6 +30,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -207,6 +208,8 @@ class DeviceKvCache {
   const DeviceKvCacheConfig& config() const { return config_; }
   DeviceKvStats stats() const;
   DeviceSequenceBytes sequence_bytes(int slot) const;
+  // Pages the tables of these live slots reference, a page shared among them counted once.
+  uint64_t pages_referenced(std::span<const int> slots) const;
   // The page of (slot, layer, K/V, kv_head, block) as stored; synchronizes the stream.
   CudaStatus read_page(int slot, int layer, KvTensor kv, int kv_head, int64_t block, DevicePageBytes* out) const;
   CudaStatus read_page(int layer, KvTensor kv, int kv_head, int64_t block, DevicePageBytes* out) const {
