@@ -317,6 +317,14 @@ TEST_F(CudaBackendTest, SparseAgreesWithTheCpuBackend) {
            i, budget_a, budget_b, a.layer_sum_budget[0] / double(a.layer_cells[0]),
            b.layer_sum_budget[0] / double(b.layer_cells[0]), (long long)a.widened_tokens, (long long)b.widened_tokens);
     EXPECT_NEAR(budget_a, budget_b, 0.02);
+    // The estimated mass of the Top-p sets: at least p where the index was scored, and close to
+    // the CPU's (the same estimator over keys that drift apart after layer 0).
+    ASSERT_EQ(a.indexed_cells, b.indexed_cells);
+    const double mass_a = a.sum_estimated_mass / double(a.indexed_cells);
+    const double mass_b = b.sum_estimated_mass / double(b.indexed_cells);
+    printf("[cuda backend] sequence %zu: mean estimated mass %.4f (cpu %.4f)\n", i, mass_a, mass_b);
+    EXPECT_GE(mass_a, 0.9);
+    EXPECT_NEAR(mass_a, mass_b, 0.01);
   }
 }
 

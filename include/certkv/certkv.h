@@ -515,8 +515,7 @@ typedef struct certkv_request_result {
                                     indexed tokens of the key index's estimated softmax mass of
                                     the Top-p selection within the indexed tokens (>= sparse_p by
                                     construction; a recall proxy, not the recall an audit
-                                    measures); 0 with no such cell. The CPU backend reports
-                                    it; the cuda backend not yet (0 cells) */
+                                    measures); 0 with no such cell */
   int64_t sparse_indexed_cells;  /* those cells */
 } certkv_request_result;
 

@@ -12,6 +12,13 @@
 
 namespace certkv::backend {
 
+void report_sparse(bool enabled, const SparseStats& s, SequenceReport& r) {
+  r.sparse = enabled;
+  if (s.cells > 0) r.sparse_budget = s.sum_budget / double(s.cells);
+  r.sparse_indexed_cells = s.indexed_cells;
+  if (s.indexed_cells > 0) r.sparse_estimated_mass = s.sum_estimated_mass / double(s.indexed_cells);
+}
+
 void report_meter(const gate::Telemetry& all, const std::vector<gate::Telemetry>& layers, SequenceReport& r) {
   r.metered = true;
   r.meter_cells = all.cells();

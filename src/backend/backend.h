@@ -178,8 +178,7 @@ struct SequenceReport {
   bool sparse = false;
   double sparse_budget = 1;  // mean over sparse cells (1 with none)
   // Mean over sparse cells that scored indexed tokens of the estimated mass of their Top-p
-  // selection (>= p; 0 with no such cell), and those cells. The CPU backend; the CUDA backend
-  // reports no such cell yet.
+  // selection (>= p; 0 with no such cell), and those cells (report_sparse).
   double sparse_estimated_mass = 0;
   int64_t sparse_indexed_cells = 0;
   // Metered: the same, per layer (every sample_every-th cell of the layer).
@@ -259,6 +258,10 @@ class Backend {
 // The meter part of a SequenceReport (metered, cells, max, p99, coverage, gate repairs and the
 // same per layer) from a sequence's telemetry over all its cells and per layer.
 void report_meter(const gate::Telemetry& all, const std::vector<gate::Telemetry>& layers, SequenceReport& report);
+
+// The sparse part of a SequenceReport (mean budget, indexed cells, mean estimated mass) from a
+// sequence's sparse counters; `enabled` is the backend's SparseConfig::enabled.
+void report_sparse(bool enabled, const SparseStats& stats, SequenceReport& report);
 
 // What every backend checks of its configuration before it takes any memory, and what follows
 // from it. Throws certkv::Error kInvalidArgument naming the field: a negative context, a pool

@@ -255,11 +255,7 @@ SequenceReport CpuBackend::report(cache::SeqId seq) const {
   SequenceReport r;
   r.metered = metered_;
   if (metered_) report_meter(*st.telemetry, st.layer_telemetry, r);
-  r.sparse = config_.sparse.enabled;
-  if (st.sparse_stats.cells > 0) r.sparse_budget = st.sparse_stats.sum_budget / double(st.sparse_stats.cells);
-  r.sparse_indexed_cells = st.sparse_stats.indexed_cells;
-  if (st.sparse_stats.indexed_cells > 0)
-    r.sparse_estimated_mass = st.sparse_stats.sum_estimated_mass / double(st.sparse_stats.indexed_cells);
+  report_sparse(config_.sparse.enabled, st.sparse_stats, r);
   return r;
 }
 

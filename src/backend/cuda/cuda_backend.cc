@@ -197,8 +197,7 @@ class CudaBackend final : public Backend {
     SequenceReport r;
     r.metered = metered_;
     if (metered_) report_meter(*st.telemetry, st.layer_telemetry, r);
-    r.sparse = sparse_;
-    if (st.sparse_stats.cells > 0) r.sparse_budget = st.sparse_stats.sum_budget / double(st.sparse_stats.cells);
+    report_sparse(sparse_, st.sparse_stats, r);
     return r;
   }
 
@@ -307,11 +306,11 @@ class CudaBackend final : public Backend {
   format::StorageClass coded_class() const { return cache::kv_scheme_info(config_.kv_scheme).full_blocks; }
   PagedDecodeParams layer_params(int layer) const;
   // The sparse staging (page-locked), per step row: its indexed length (8 bytes), its Top-p
-  // weight table, per head a rounding seed and the selected and widened counts; then a zero word
-  // and the quantizer's error word.
+  // weight table, per head a rounding seed, the selected and widened counts and the estimated
+  // mass of the Top-p set; then a zero word and the quantizer's error word.
   static constexpr size_t kTopPBuckets = index::kTopPGapCap + 1;
   size_t sparse_staging_bytes(size_t n_rows) const {
-    return n_rows * (8 + 8 * kTopPBuckets + 8 * 3 * size_t(model_.config().n_heads)) + 2 * sizeof(uint32_t);
+    return n_rows * (8 + 8 * kTopPBuckets + 8 * 4 * size_t(model_.config().n_heads)) + 2 * sizeof(uint32_t);
   }
   int32_t* staged_indexed() const { return reinterpret_cast<int32_t*>(sparse_staging_.data()); }
   uint64_t* staged_weights() const { return reinterpret_cast<uint64_t*>(sparse_staging_.data() + 8 * step_rows_); }
@@ -320,7 +319,7 @@ class CudaBackend final : public Backend {
     return reinterpret_cast<int64_t*>(staged_seeds() + step_rows_ * size_t(model_.config().n_heads));
   }
   uint32_t* staged_words() const {
-    return reinterpret_cast<uint32_t*>(staged_counts() + 2 * step_rows_ * size_t(model_.config().n_heads));
+    return reinterpret_cast<uint32_t*>(staged_counts() + 3 * step_rows_ * size_t(model_.config().n_heads));
   }
   void ensure_step_buffers(size_t n_rows);
   void attend_layer(int layer, const std::vector<RowGroup>& groups, const float* q_all, float* out_all,
@@ -432,7 +431,7 @@ void CudaBackend::ensure_step_buffers(size_t n_rows) {
     throw_if_failed(DeviceBuffer::allocate(sizeof(uint64_t) * n_rows * kTopPBuckets, &topp_weights_));
     throw_if_failed(DeviceBuffer::allocate(sizeof(uint64_t) * cells, &seeds_));
     throw_if_failed(DeviceBuffer::allocate(sizeof(attention::cuda::DeviceRabitqQuery) * cells, &rabitq_queries_));
-    throw_if_failed(DeviceBuffer::allocate(sizeof(int64_t) * 2 * cells, &selected_));
+    throw_if_failed(DeviceBuffer::allocate(sizeof(int64_t) * 3 * cells, &selected_));  // selected, widened, mass
     throw_if_failed(PinnedBuffer::allocate(sparse_staging_bytes(n_rows), &sparse_staging_));
   }
   step_rows_ = n_rows;
@@ -696,6 +695,7 @@ void CudaBackend::launch_sparse_layer(int layer, const RowGroup& g) {
   sp.out = reinterpret_cast<float*>(out_.data()) + g.first * q_dim;
   sp.n_selected = reinterpret_cast<int64_t*>(selected_.data());
   sp.n_widened = sp.n_selected + n * Hq;
+  sp.mass = reinterpret_cast<double*>(sp.n_widened + n * Hq);
   sp.split_chunks = kSplitChunks;
   const size_t need = attention::cuda::workspace_bytes(sp);
   if (sparse_workspace_.size() < need) {
@@ -705,7 +705,7 @@ void CudaBackend::launch_sparse_layer(int layer, const RowGroup& g) {
   sp.workspace = sparse_workspace_.data();
   sp.workspace_size = sparse_workspace_.size();
   throw_if_failed(attention::cuda::sparse_decode(sp));
-  throw_if_failed(selected_.download_async(0, staged_counts(), sizeof(int64_t) * 2 * n * Hq, nullptr));
+  throw_if_failed(selected_.download_async(0, staged_counts(), sizeof(int64_t) * 3 * n * Hq, nullptr));
 }
 
 void CudaBackend::record_sparse_layer(int layer, const RowGroup& g, const std::vector<size_t>& item_of_row,
@@ -714,6 +714,7 @@ void CudaBackend::record_sparse_layer(int layer, const RowGroup& g, const std::v
   const size_t Hq = size_t(c.n_heads), n = g.rows.size();
   const int64_t* selected = staged_counts();
   const int64_t* widened = selected + n * Hq;
+  const double* mass = reinterpret_cast<const double*>(widened + n * Hq);
   for (size_t j = 0; j < n; ++j) {
     SequenceState& st = state(items[item_of_row[size_t(g.rows[j])]].seq);
     const int64_t n_ctx = g.seq_lens[j];
@@ -732,6 +733,8 @@ void CudaBackend::record_sparse_layer(int layer, const RowGroup& g, const std::v
       ss.context_tokens += n_ctx;
       ss.layer_cells[size_t(layer)] += 1;
       ss.layer_sum_budget[size_t(layer)] += budget;
+      ss.indexed_cells += 1;  // a sparse row has an index (sparse_row)
+      ss.sum_estimated_mass += mass[j * Hq + h];
     }
   }
 }
