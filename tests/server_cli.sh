@@ -89,7 +89,8 @@ assert sample("certkv:request_sparse_budget_count") == 2, metrics
 status = []
 def long_request():
     req = urllib.request.Request(base + "/v1/completions", method="POST",
-                                 data=json.dumps({"prompt": "Hello", "max_tokens": 120, "temperature": 0}).encode(),
+                                 data=json.dumps({"prompt": "Hello", "max_tokens": 120, "temperature": 0,
+                                                  "ignore_eos": True}).encode(),
                                  headers={"Content-Type": "application/json"})
     try:
         urllib.request.urlopen(req)
@@ -98,7 +99,16 @@ def long_request():
         status.append(e.code)
 t = threading.Thread(target=long_request)
 t.start()
-time.sleep(0.3)
+# Told to stop once the request is running (a fixed sleep could fire before it arrived on a
+# loaded machine, and then nothing is in flight).
+deadline = time.time() + 30
+while time.time() < deadline:
+    with urllib.request.urlopen(base + "/metrics") as r:
+        if "certkv:requests_running 1" in r.read().decode():
+            break
+    time.sleep(0.02)
+else:
+    raise AssertionError("the long request never ran")
 os.kill(int(sys.argv[2]), signal.SIGTERM)
 t.join(30)
 assert status == [503], status

@@ -25,8 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
+
+import serve_process
 
 API_KEY = "dashboard-test-key"
 
@@ -153,31 +154,11 @@ def find_chromium():
 
 
 def start_server(serve, model, work):
-    log = open(os.path.join(work, "serve.log"), "w+")
-    proc = subprocess.Popen([serve, "-m", model, "--port", "0", "-c", "256", "-np", "2", "--kv", "fp8-e4m3",
-                             "--api-key", API_KEY], stdout=log, stderr=subprocess.STDOUT)
-    port = None
-    deadline = time.time() + 60
-    while time.time() < deadline and port is None:
-        log.seek(0)
-        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", log.read())
-        if m:
-            port = int(m.group(1))
-        elif proc.poll() is not None:
-            log.seek(0)
-            fail("certkv-serve exited:\n" + log.read())
-        else:
-            time.sleep(0.1)
-    if port is None:
-        fail("certkv-serve printed no port")
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc, port
-        except urllib.error.HTTPError:
-            time.sleep(0.2)
-    fail("certkv-serve did not become healthy within 60 s")
+    try:
+        return serve_process.start_server(serve, ["-m", model, "-c", "256", "-np", "2", "--kv", "fp8-e4m3",
+                                                  "--api-key", API_KEY], os.path.join(work, "serve.log"))
+    except serve_process.ServeError as e:
+        fail(str(e))
 
 
 def start_chromium(chromium, work):

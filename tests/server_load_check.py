@@ -33,14 +33,14 @@ import json
 import os
 import pathlib
 import random
-import re
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 
 from prometheus_client.parser import text_string_to_metric_families
+
+import serve_process
 
 CONTEXT_TOKENS = 256
 PARALLEL = 16
@@ -63,32 +63,12 @@ def fail(message):
 
 
 def start_server(serve, model, log_path, clients):
-    log = open(log_path, "w+")
-    proc = subprocess.Popen([serve, "-m", model, "--port", "0", "-c", str(CONTEXT_TOKENS), "-np", str(PARALLEL),
-                             "--kv", "fp8-e4m3", "--pool-bytes", str(POOL_BYTES), "-t", str(THREADS),
-                             "--threads-http", str(clients + 8)], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 60
-    port = None
-    while time.time() < deadline and port is None:
-        log.seek(0)
-        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", log.read())
-        if m:
-            port = int(m.group(1))
-        elif proc.poll() is not None:
-            fail("certkv-serve exited:\n" + open(log_path).read())
-        else:
-            time.sleep(0.1)
-    if port is None:
-        fail("certkv-serve printed no port")
-    while time.time() < deadline:
-        try:
-            status, _ = get(port, "/health")
-            if status == 200:
-                return proc, port
-        except OSError:
-            pass
-        time.sleep(0.2)
-    fail("certkv-serve did not become healthy within 60 s")
+    try:
+        return serve_process.start_server(
+            serve, ["-m", model, "-c", str(CONTEXT_TOKENS), "-np", str(PARALLEL), "--kv", "fp8-e4m3", "--pool-bytes",
+                    str(POOL_BYTES), "-t", str(THREADS), "--threads-http", str(clients + 8)], log_path)
+    except serve_process.ServeError as e:
+        fail(str(e))
 
 
 def get(port, path):
@@ -372,11 +352,7 @@ def main():
               f"{value(m, 'certkv:engine_steps_total'):.0f} steps")
         return 0
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        serve_process.stop_server(proc)
 
 
 if __name__ == "__main__":

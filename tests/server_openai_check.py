@@ -18,13 +18,11 @@ usage: server_openai_check.py --serve CERTKV_SERVE --certkv CERTKV --model GGUF
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
+
+import serve_process
 
 API_KEY = "openai-client-test-key"
 CONTEXT_TOKENS = 256
@@ -38,29 +36,11 @@ def check(condition, message):
 
 
 def start_server(serve, model, log_path):
-    log = open(log_path, "w+")
-    proc = subprocess.Popen([serve, "-m", model, "--port", "0", "-c", str(CONTEXT_TOKENS), "-np", "2", "--kv",
-                             "fp8-e4m3", "-t", str(THREADS), "--api-key", API_KEY], stdout=log,
-                            stderr=subprocess.STDOUT)
-    deadline = time.time() + 60
-    port = None
-    while time.time() < deadline and port is None:
-        log.seek(0)
-        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", log.read())
-        if m:
-            port = int(m.group(1))
-        else:
-            check(proc.poll() is None, "certkv-serve exited:\n" + open(log_path).read())
-            time.sleep(0.1)
-    check(port is not None, "certkv-serve printed no port")
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc, port
-        except urllib.error.HTTPError:
-            time.sleep(0.2)
-    check(False, "certkv-serve did not become healthy within 60 s")
+    try:
+        return serve_process.start_server(serve, ["-m", model, "-c", str(CONTEXT_TOKENS), "-np", "2", "--kv",
+                                                  "fp8-e4m3", "-t", str(THREADS), "--api-key", API_KEY], log_path)
+    except serve_process.ServeError as e:
+        check(False, str(e))
 
 
 def certificate(usage, completion_tokens):
@@ -196,11 +176,7 @@ def main():
               f"{openai.__version__}")
         return 0
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        serve_process.stop_server(proc)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,23 @@ std::vector<T> run_and_read(const DeviceBytes& bytes, size_t n) {
   return out;
 }
 
+// An F32 weight matrix over w ([n_out][n_in]); upload_matrix rounds it to bf16.
+model::WeightMatrix f32_matrix(const std::vector<float>& w, int64_t n_in, int64_t n_out) {
+  model::WeightMatrix m;
+  m.type = format::GgmlType::kF32;
+  m.data = reinterpret_cast<const uint8_t*>(w.data());
+  m.n_in = n_in;
+  m.n_out = n_out;
+  m.row_bytes = size_t(n_in) * 4;
+  return m;
+}
+
+std::vector<uint16_t> bf16_values(const std::vector<float>& x) {
+  std::vector<uint16_t> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = format::float_to_bf16(x[i]);
+  return out;
+}
+
 constexpr int64_t kRaggedRows[] = {1, 3, 17, 100};
 
 TEST(ForwardKernels, RmsNormMatchesTheHostRowByRow) {
@@ -199,22 +216,15 @@ TEST(DeviceMatmul, MatchesTheDoubleReferenceOnRaggedRows) {
   std::unique_ptr<DeviceMatmul> mm;
   ASSERT_TRUE(DeviceMatmul::create(nullptr, &mm).ok);
   const int64_t n_in = 576, n_out = 192;
-  // An F32 weight matrix (upload_matrix rounds it to bf16).
   const std::vector<float> wf = normal_values(size_t(n_in * n_out), 0.05f, 41);
-  model::WeightMatrix w;
-  w.type = format::GgmlType::kF32;
-  w.data = reinterpret_cast<const uint8_t*>(wf.data());
-  w.n_in = n_in;
-  w.n_out = n_out;
-  w.row_bytes = size_t(n_in) * 4;
+  const model::WeightMatrix w = f32_matrix(wf, n_in, n_out);
   DeviceMatrix dm;
   ASSERT_TRUE(upload_matrix(w, &dm).ok);
   const std::vector<uint16_t> wb = bf16_weights(w);
   for (size_t i = 0; i < wb.size(); ++i) ASSERT_EQ(wb[i], format::float_to_bf16(wf[i]));
   for (const int64_t rows : kRaggedRows) {
     const std::vector<float> xf = normal_values(size_t(rows * n_in), 1.f, uint32_t(rows));
-    std::vector<uint16_t> x(xf.size());
-    for (size_t i = 0; i < x.size(); ++i) x[i] = format::float_to_bf16(xf[i]);
+    const std::vector<uint16_t> x = bf16_values(xf);
     DeviceBytes dx(x.size() * 2), dy(size_t(rows * n_out) * 4);
     dx.upload(x.data(), x.size() * 2);
     ASSERT_TRUE(mm->multiply(dm, reinterpret_cast<uint16_t*>(dx.data()), rows, reinterpret_cast<float*>(dy.data())).ok);
@@ -244,18 +254,12 @@ TEST(DeviceMatmul, ARowsProductDoesNotDependOnTheRowCount) {
   ASSERT_TRUE(DeviceMatmul::create(nullptr, &mm).ok);
   for (const auto& [n_in, n_out] : {std::pair<int64_t, int64_t>{576, 576}, {576, 1536}, {1536, 576}, {576, 49152}}) {
     const std::vector<float> wf = normal_values(size_t(n_in * n_out), 0.05f, 51);
-    model::WeightMatrix w;
-    w.type = format::GgmlType::kF32;
-    w.data = reinterpret_cast<const uint8_t*>(wf.data());
-    w.n_in = n_in;
-    w.n_out = n_out;
-    w.row_bytes = size_t(n_in) * 4;
+    const model::WeightMatrix w = f32_matrix(wf, n_in, n_out);
     DeviceMatrix dm;
     ASSERT_TRUE(upload_matrix(w, &dm).ok);
     const int64_t max_rows = 512;
     const std::vector<float> xf = normal_values(size_t(max_rows * n_in), 1.f, 52);
-    std::vector<uint16_t> x(xf.size());
-    for (size_t i = 0; i < x.size(); ++i) x[i] = format::float_to_bf16(xf[i]);
+    const std::vector<uint16_t> x = bf16_values(xf);
     DeviceBytes dx(x.size() * 2), dy(size_t(max_rows * n_out) * 4);
     dx.upload(x.data(), x.size() * 2);
     std::vector<float> alone;
