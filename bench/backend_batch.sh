@@ -2,7 +2,8 @@
 # The engine on each backend, cpu against cuda, with certkv batch on the same machine (the H200
 # host: bash scripts/run_cuda_tests.sh builds the binary): greedy, the embedded default model
 # (SmolLM2-135M-Instruct Q4_1) or $CERTKV_BENCH_MODEL, the host's threads (default 16).
-#   short: 8 requests of ~512-token prompts from different books, 128 new tokens, 1 and 8 at once
+#   short: 8 requests of ~512-token prompts from different books, 128 new tokens, 1 and 8 at once;
+#          32 requests of them (the books cycling), 32 at once
 #   long:  8 requests of ~4,000-token prompts, 64 new tokens, 8 at once
 # Each cell runs REPEATS times; writes one JSON document (every summary line) to stdout.
 # usage: bench/backend_batch.sh CERTKV_BIN CORPUS_DIR [REPEATS] [THREADS]
@@ -15,6 +16,7 @@ trap 'rm -rf "$tmp"' EXIT
 py=$root/bench/batch_prompts.py
 python3 "$py" books "$corpus" 8 410 128 >"$tmp/short8.jsonl"
 head -1 "$tmp/short8.jsonl" >"$tmp/short1.jsonl"
+python3 "$py" books "$corpus" 32 410 128 >"$tmp/short32.jsonl"
 python3 "$py" books "$corpus" 8 3000 64 >"$tmp/long8.jsonl"
 model_flag=()
 [ -n "$model" ] && model_flag=(--model "$model")
@@ -32,6 +34,7 @@ for r in $(seq "$repeats"); do
   for device in cpu cuda; do
     run short "$device" 1 short1.jsonl
     run short "$device" 8 short8.jsonl
+    run short "$device" 32 short32.jsonl
     run long "$device" 8 long8.jsonl
   done
 done

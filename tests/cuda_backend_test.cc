@@ -232,12 +232,14 @@ TEST_F(CudaBackendTest, LogitsAgreeWithTheCpuBackend) {
 }
 
 // Sparse decode on the cuda backend against the CPU backend's, three sequences of a book in one
-// ragged batch, teacher forced (f32 activations). Layer 0 is sparse too and sees the same inputs
-// on both backends (the embedding, bf16 keys): there the index (device records and queries), the
-// estimate and the Top-p set are the CPU's bit for bit, so every cell of layer 0 selects the same
-// tokens and the layer's budgets sum to the same double. Above it the device's attention rounds
-// otherwise (bf16 P V products), so the queries differ in their last bits: the logits must stay
-// far closer to the CPU's sparse run than sparse decode is to dense decode, with the same top-1.
+// ragged batch, teacher forced (f32 activations on the CPU). The device computes its queries and
+// keys with bf16 weight products, so even layer 0's inputs differ from the CPU's in their last
+// bits and a token at the Top-p threshold may fall on either side: the selections are compared
+// by their budgets (per layer 0 and overall), and the logits must stay far closer to the CPU's
+// sparse run than sparse decode is to dense decode, with the same top-1. (That the device selects
+// the CPU's tokens bit for bit from the same inputs is tested where the inputs are the same: the
+// session's device route, SessionCuda.SparseDecodeOnTheDeviceSelectsWhatTheCpuSelects, and the
+// kernels' own tests.)
 TEST_F(CudaBackendTest, SparseAgreesWithTheCpuBackend) {
   const model::Model& m = smollm2();
   const std::vector<int32_t> book =
@@ -310,7 +312,8 @@ TEST_F(CudaBackendTest, SparseAgreesWithTheCpuBackend) {
     EXPECT_EQ(a.cells, b.cells);
     EXPECT_EQ(a.index_appended_tokens, b.index_appended_tokens);
     EXPECT_EQ(a.layer_cells[0], b.layer_cells[0]);
-    EXPECT_EQ(a.layer_sum_budget[0], b.layer_sum_budget[0]) << "layer 0 selects the CPU's tokens";
+    EXPECT_NEAR(a.layer_sum_budget[0] / double(a.layer_cells[0]), b.layer_sum_budget[0] / double(b.layer_cells[0]),
+                0.02);
     EXPECT_LT(a.layer_sum_budget[0], 0.9 * double(a.layer_cells[0])) << "layer 0 is sparse";
     const double budget_a = a.sum_budget / double(a.cells), budget_b = b.sum_budget / double(b.cells);
     printf("[cuda backend] sequence %zu: mean budget %.4f (cpu %.4f), layer 0 %.4f (cpu %.4f), widened %lld (cpu %lld)\n",

@@ -13,11 +13,12 @@
 #include "attention/cuda/paged_decode_cuda.h"
 #include "attention/cuda/sparse_decode_cuda.h"
 #include "attention/sparse_decode.h"
+#include "backend/cuda/device_forward.h"
+#include "backend/cuda/forward_kernels.h"
 #include "backend/host_forward.h"
 #include "cache/cuda/device_kv_cache.h"
 #include "core/cuda_status.h"
 #include "core/status.h"
-#include "core/thread_pool.h"
 #include "gate/meter.h"
 #include "gate/telemetry.h"
 #include "index/rabitq.h"
@@ -77,8 +78,6 @@ class CudaBackend final : public Backend {
     recent_meters_ = std::make_unique<gate::RecentStepMeters>(model.config().n_layers, model.config().n_heads,
                                                               metered_ ? config.meter.recent_steps : 0);
     format_ = attention::cuda::page_format_of(config.kv_scheme);
-    pool_ = std::make_unique<ThreadPool>(config.n_threads);
-    host_ = std::make_unique<HostForward>(model, *pool_, config.activations);
     const model::ModelConfig& c = model.config();
     cache::cuda::DeviceKvCacheConfig kc;
     kc.n_layers = c.n_layers;
@@ -101,6 +100,7 @@ class CudaBackend final : public Backend {
       kc.index_record_bytes = c.head_dim == 64 ? sizeof(index::RabitqRecord<64>) : sizeof(index::RabitqRecord<128>);
     }
     throw_if_failed(cache::cuda::DeviceKvCache::create(kc, &cache_));
+    forward_ = cuda::DeviceForward::create(model, nullptr);
     if (sparse_) {
       // The key index's rotation P (cache::KeyIndex's: one for every head, from the sparse seed).
       const index::Rotation rotation(config.sparse.rotation, c.head_dim, config.sparse.seed);
@@ -275,7 +275,6 @@ class CudaBackend final : public Backend {
     size_t first = 0;  // the group's first row in the staging order
     int64_t max_indexed = 0, max_window = 0;  // sparse rows: the longest index and window
   };
-  static constexpr size_t kErrorWords = kGroups;  // one per row group (staging_'s last words)
 
   SequenceState make_state() const {
     SequenceState st;
@@ -305,25 +304,50 @@ class CudaBackend final : public Backend {
   }
   format::StorageClass coded_class() const { return cache::kv_scheme_info(config_.kv_scheme).full_blocks; }
   PagedDecodeParams layer_params(int layer) const;
-  // The sparse staging (page-locked), per step row: its indexed length (8 bytes), its Top-p
-  // weight table, per head a rounding seed, the selected and widened counts and the estimated
-  // mass of the Top-p set; then a zero word and the quantizer's error word.
+  // The step's staging (page-locked). A step enqueues every layer without waiting and reads
+  // what came back once, at its end, so each layer has its own part:
+  //  - per step row, in launch order: its length, its table row and its row in the step;
+  //  - per layer, the row groups' error words, and (metered) the meters [3][rows][n_heads].
+  size_t layer_meter_floats() const { return metered_ ? 3 * step_rows_ * size_t(model_.config().n_heads) : 0; }
+  int32_t* staged_lens() const { return reinterpret_cast<int32_t*>(staging_.data()); }
+  uint32_t* staged_errors(int layer) const {
+    return reinterpret_cast<uint32_t*>(staged_lens() + 3 * step_rows_) + size_t(layer) * kGroups;
+  }
+  float* staged_meters(int layer) const {
+    return reinterpret_cast<float*>(staged_errors(model_.config().n_layers)) + size_t(layer) * layer_meter_floats();
+  }
+  size_t staging_bytes() const {
+    return 3 * step_rows_ * sizeof(int32_t) + size_t(model_.config().n_layers) * (kGroups * sizeof(uint32_t) + layer_meter_floats() * sizeof(float));
+  }
+  // The sparse staging (page-locked): per step row its indexed length (8 bytes) and its Top-p
+  // weight table; per layer, per row and head a rounding seed, the selected and widened counts and
+  // the estimated mass of the Top-p set, then a zero word and the quantizer's error word.
   static constexpr size_t kTopPBuckets = index::kTopPGapCap + 1;
-  size_t sparse_staging_bytes(size_t n_rows) const {
-    return n_rows * (8 + 8 * kTopPBuckets + 8 * 4 * size_t(model_.config().n_heads)) + 2 * sizeof(uint32_t);
+  size_t sparse_layer_bytes() const { return 32 * step_rows_ * size_t(model_.config().n_heads) + 2 * sizeof(uint32_t); }
+  size_t sparse_staging_bytes() const {
+    return step_rows_ * (8 + 8 * kTopPBuckets) + size_t(model_.config().n_layers) * sparse_layer_bytes();
   }
   int32_t* staged_indexed() const { return reinterpret_cast<int32_t*>(sparse_staging_.data()); }
   uint64_t* staged_weights() const { return reinterpret_cast<uint64_t*>(sparse_staging_.data() + 8 * step_rows_); }
-  uint64_t* staged_seeds() const { return staged_weights() + step_rows_ * kTopPBuckets; }
-  int64_t* staged_counts() const {
-    return reinterpret_cast<int64_t*>(staged_seeds() + step_rows_ * size_t(model_.config().n_heads));
+  uint8_t* staged_sparse_layer(int layer) const {
+    return sparse_staging_.data() + step_rows_ * (8 + 8 * kTopPBuckets) + size_t(layer) * sparse_layer_bytes();
   }
-  uint32_t* staged_words() const {
-    return reinterpret_cast<uint32_t*>(staged_counts() + 3 * step_rows_ * size_t(model_.config().n_heads));
+  uint64_t* staged_seeds(int layer) const { return reinterpret_cast<uint64_t*>(staged_sparse_layer(layer)); }
+  int64_t* staged_counts(int layer) const {
+    return reinterpret_cast<int64_t*>(staged_seeds(layer) + step_rows_ * size_t(model_.config().n_heads));
+  }
+  uint32_t* staged_words(int layer) const {
+    return reinterpret_cast<uint32_t*>(staged_counts(layer) + 3 * step_rows_ * size_t(model_.config().n_heads));
   }
   void ensure_step_buffers(size_t n_rows);
-  void attend_layer(int layer, const std::vector<RowGroup>& groups, const float* q_all, float* out_all,
-                    const std::vector<size_t>& item_of_row, std::span<const BatchItem> items);
+  // Enqueues one layer's attention for every row group: the step's queries (device, step order)
+  // gathered into launch order, the launches, the outputs scattered back into out_all (device);
+  // the error words, meters and sparse counts come down into the layer's staging.
+  void attend_layer(int layer, const std::vector<RowGroup>& groups, const float* q_all, float* out_all);
+  // After the step's work has finished: the error words of every layer checked, the meters into
+  // the telemetry, the sparse selections into the sparse counters.
+  void read_back_step(const std::vector<RowGroup>& groups, const std::vector<size_t>& item_of_row,
+                      std::span<const BatchItem> items);
   // The tables of the kOwnBlockExact rows of a layer: per (sequence slot, block) their slot's
   // tables with the block's entries naming its held exact raw pages; uploaded to
   // own_block_tables_.
@@ -347,13 +371,13 @@ class CudaBackend final : public Backend {
   std::unique_ptr<gate::RecentStepMeters> recent_meters_;
   PageFormat format_ = PageFormat::kBf16;
   uint64_t capacity_pages_ = 0;
-  std::unique_ptr<ThreadPool> pool_;
-  std::unique_ptr<HostForward> host_;
+  std::unique_ptr<cuda::DeviceForward> forward_;
   std::unique_ptr<cache::cuda::DeviceKvCache> cache_;
   std::unordered_map<cache::SeqId, SequenceState> states_;
   cache::SeqId next_id_ = 1;
-  // Step buffers: queries, outputs, the meters ([3][rows][n_heads]: meter, A - 1, value side),
-  // per row its length and table row; their page-locked staging; the split workspace.
+  // Step buffers: queries and outputs in launch order, the meters ([3][rows][n_heads]: meter,
+  // A - 1, value side), per row its length, table row and row in the step; their page-locked
+  // staging; the split workspace.
   size_t step_rows_ = 0;
   DeviceBuffer q_, out_, meters_, lens_, workspace_, own_block_tables_;
   std::vector<int32_t> host_own_block_tables_;
@@ -416,15 +440,14 @@ void CudaBackend::ensure_step_buffers(size_t n_rows) {
   const model::ModelConfig& c = model_.config();
   const size_t q_bytes = sizeof(float) * n_rows * size_t(c.n_heads) * size_t(c.head_dim);
   const size_t meter_bytes = metered_ ? sizeof(float) * 3 * n_rows * size_t(c.n_heads) : 0;
-  const size_t lens_bytes = sizeof(int32_t) * 2 * n_rows;
+  const size_t lens_bytes = sizeof(int32_t) * 3 * n_rows;
   throw_if_failed(cache::cuda::synchronize_stream(nullptr));
   throw_if_failed(DeviceBuffer::allocate(q_bytes, &q_));
   throw_if_failed(DeviceBuffer::allocate(q_bytes, &out_));
   if (meter_bytes > 0) throw_if_failed(DeviceBuffer::allocate(meter_bytes, &meters_));
   throw_if_failed(DeviceBuffer::allocate(lens_bytes, &lens_));
-  // Staging: queries in, outputs and meters out, lengths and table rows in, the error words.
-  throw_if_failed(PinnedBuffer::allocate(2 * q_bytes + meter_bytes + lens_bytes + kErrorWords * sizeof(uint32_t),
-                                         &staging_));
+  step_rows_ = n_rows;
+  throw_if_failed(PinnedBuffer::allocate(staging_bytes(), &staging_));
   if (sparse_) {
     const size_t cells = n_rows * size_t(c.n_heads);
     throw_if_failed(DeviceBuffer::allocate(sizeof(int32_t) * n_rows, &sparse_indexed_));
@@ -432,9 +455,8 @@ void CudaBackend::ensure_step_buffers(size_t n_rows) {
     throw_if_failed(DeviceBuffer::allocate(sizeof(uint64_t) * cells, &seeds_));
     throw_if_failed(DeviceBuffer::allocate(sizeof(attention::cuda::DeviceRabitqQuery) * cells, &rabitq_queries_));
     throw_if_failed(DeviceBuffer::allocate(sizeof(int64_t) * 3 * cells, &selected_));  // selected, widened, mass
-    throw_if_failed(PinnedBuffer::allocate(sparse_staging_bytes(n_rows), &sparse_staging_));
+    throw_if_failed(PinnedBuffer::allocate(sparse_staging_bytes(), &sparse_staging_));
   }
-  step_rows_ = n_rows;
 }
 
 void CudaBackend::forward(std::span<const BatchItem> items) {
@@ -483,33 +505,37 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
   }
   for (size_t gi = 1; gi < kGroups; ++gi) groups[gi].first = groups[gi - 1].first + groups[gi - 1].rows.size();
   ensure_step_buffers(size_t(rows.n_rows));
-  // Lengths and table rows, the same for every layer: uploaded once per step.
+  // Lengths, table rows and step rows in launch order, the same for every layer: uploaded once.
   {
-    int32_t* lens = reinterpret_cast<int32_t*>(staging_.data() + staging_.size() - kErrorWords * sizeof(uint32_t) -
-                                               sizeof(int32_t) * 2 * step_rows_);
+    int32_t* lens = staged_lens();
     size_t at = 0;
     for (const RowGroup& g : groups) {
       std::copy(g.seq_lens.begin(), g.seq_lens.end(), lens + at);
       std::copy(g.table_rows.begin(), g.table_rows.end(), lens + step_rows_ + at);
-      at += g.rows.size();
+      for (int64_t r : g.rows) lens[2 * step_rows_ + at++] = int32_t(r);
     }
-    throw_if_failed(lens_.upload_async(0, lens, sizeof(int32_t) * 2 * step_rows_, nullptr));
+    throw_if_failed(lens_.upload_async(0, lens, sizeof(int32_t) * 3 * step_rows_, nullptr));
   }
   if (!groups[kSparseDecode].rows.empty()) stage_sparse_step(groups[kSparseDecode], item_of_row, items);
 
   const int64_t kv_dim = int64_t(c.n_kv_heads) * c.head_dim;
   const int64_t q_dim = int64_t(c.n_heads) * c.head_dim;
   const int group = c.n_heads / c.n_kv_heads;
-  host_->run(rows, [&](int layer, const float* q_all, const float* k_all, const float* v_all, float* out_all) {
+  std::vector<float> host_q;
+  forward_->run(rows, [&](int layer, float* q_all, const float* k_all, const float* v_all, float* out_all) {
     if (sparse_ && layer >= config_.sparse.dense_layers)
       for (size_t i = 0; i < items.size(); ++i) {
         SequenceState& st = state(items[i].seq);
         if (st.index_built) continue;
         // The query centroid of each (layer, kv_head): the mean over the first input's tokens and
-        // the group's query heads (CpuBackend's sums, in its order).
+        // the group's query heads (CpuBackend's sums, in its order), from the queries brought
+        // down for it.
         st.query_sums.resize(size_t(c.n_layers) * size_t(kv_dim), 0.0);
         double* sums = &st.query_sums[size_t(layer) * size_t(kv_dim)];
-        const float* q = q_all + rows.row0[i] * q_dim;
+        host_q.resize(size_t(items[i].n * q_dim));
+        throw_if_failed(cache::cuda::copy_to_host(q_all + rows.row0[i] * q_dim, host_q.data(),
+                                                  sizeof(float) * host_q.size()));
+        const float* q = host_q.data();
         for (int64_t t = 0; t < items[i].n; ++t)
           for (int h = 0; h < c.n_heads; ++h)
             for (int d = 0; d < c.head_dim; ++d)
@@ -521,9 +547,12 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
                                     items[i].n));
     }
     if (!own_blocks.empty()) upload_own_block_tables(layer, own_blocks);
-    attend_layer(layer, groups, q_all, out_all, item_of_row, items);
+    attend_layer(layer, groups, q_all, out_all);
+    // The held pages go back to the free lists; the launches that read them run first (one
+    // stream), and a later write reuses them only after.
     cache_->release_completed_exact(layer);
   });
+  read_back_step(groups, item_of_row, items);
   for (const BatchItem& it : items) {
     SequenceState& st = state(it.seq);
     st.length += it.n;
@@ -533,22 +562,19 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
   if (sparse_) update_key_indexes(items);
 }
 
-void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, const float* q_all, float* out_all,
-                               const std::vector<size_t>& item_of_row, std::span<const BatchItem> items) {
+void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, const float* q_all, float* out_all) {
   const model::ModelConfig& c = model_.config();
   const size_t q_dim = size_t(c.n_heads) * size_t(c.head_dim);
   const size_t H = size_t(c.n_heads);
-  float* host_q = reinterpret_cast<float*>(staging_.data());
-  float* host_out = host_q + step_rows_ * q_dim;
-  float* host_meters = host_out + step_rows_ * q_dim;
-  uint32_t* host_error = reinterpret_cast<uint32_t*>(staging_.data() + staging_.size() - kErrorWords * sizeof(uint32_t));
-  // The queries in launch order.
+  uint32_t* host_error = staged_errors(layer);
   size_t n_rows = 0;
-  for (const RowGroup& g : groups)
-    for (int64_t r : g.rows) std::memcpy(host_q + (n_rows++) * q_dim, q_all + size_t(r) * q_dim, sizeof(float) * q_dim);
-  throw_if_failed(q_.upload_async(0, host_q, sizeof(float) * n_rows * q_dim, nullptr));
-  const PagedDecodeParams base = layer_params(layer);
+  for (const RowGroup& g : groups) n_rows += g.rows.size();
   const int32_t* lens = reinterpret_cast<const int32_t*>(lens_.data());
+  const int32_t* launch_rows = lens + 2 * step_rows_;
+  // The queries in launch order.
+  throw_if_failed(cuda::gather_rows(q_all, launch_rows, int64_t(n_rows), int(q_dim), reinterpret_cast<float*>(q_.data()),
+                                    nullptr));
+  const PagedDecodeParams base = layer_params(layer);
   float* meters = reinterpret_cast<float*>(meters_.data());
   // The sparse rows attend sparsely from the first sparse layer on, densely before it.
   const bool sparse_layer = sparse_ && layer >= config_.sparse.dense_layers && !groups[kSparseDecode].rows.empty();
@@ -587,36 +613,50 @@ void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, c
     throw_if_failed(attention::cuda::copy_error_word_async(p, &host_error[gi]));
   }
   if (sparse_layer) launch_sparse_layer(layer, groups[kSparseDecode]);
-  throw_if_failed(out_.download_async(0, host_out, sizeof(float) * n_rows * q_dim, nullptr));
+  throw_if_failed(cuda::scatter_rows(reinterpret_cast<const float*>(out_.data()), launch_rows, int64_t(n_rows), int(q_dim),
+                                     out_all, nullptr));
   if (metered_ && !groups[kMeteredDecode].rows.empty())
-    throw_if_failed(meters_.download_async(0, host_meters, sizeof(float) * 3 * step_rows_ * H, nullptr));
-  throw_if_failed(cache::cuda::synchronize_stream(nullptr));
-  uint64_t errors = 0;
-  for (size_t gi = 0; gi < groups.size(); ++gi) errors += host_error[gi];
-  if (errors != 0)
-    fail(StatusCode::kCorrupt, "cuda backend: the attention kernels found " + std::to_string(errors) +
-                                   " corrupt page entries, slots or lengths in layer " + std::to_string(layer));
-  if (sparse_layer && staged_words()[1] != 0)
-    fail(StatusCode::kInvalidArgument, "cuda backend: " + std::to_string(staged_words()[1]) +
-                                           " sparse queries of layer " + std::to_string(layer) +
-                                           " are not finite or widen past the float range (sparse deviations " +
-                                           std::to_string(config_.sparse.deviations) + ")");
-  size_t at = 0;
-  for (const RowGroup& g : groups)
-    for (int64_t r : g.rows) std::memcpy(out_all + size_t(r) * q_dim, host_out + (at++) * q_dim, sizeof(float) * q_dim);
-  if (sparse_layer) record_sparse_layer(layer, groups[kSparseDecode], item_of_row, items);
+    throw_if_failed(meters_.download_async(0, staged_meters(layer), sizeof(float) * 3 * step_rows_ * H, nullptr));
+}
+
+void CudaBackend::read_back_step(const std::vector<RowGroup>& groups, const std::vector<size_t>& item_of_row,
+                                 std::span<const BatchItem> items) {
+  const model::ModelConfig& c = model_.config();
+  const size_t H = size_t(c.n_heads);
+  // DeviceForward::run has waited for the step's work.
+  for (int layer = 0; layer < c.n_layers; ++layer) {
+    uint64_t errors = 0;
+    for (size_t gi = 0; gi < groups.size(); ++gi) errors += staged_errors(layer)[gi];
+    if (errors != 0)
+      fail(StatusCode::kCorrupt, "cuda backend: the attention kernels found " + std::to_string(errors) +
+                                     " corrupt page entries, slots or lengths in layer " + std::to_string(layer));
+  }
+  const bool any_sparse = sparse_ && !groups[kSparseDecode].rows.empty();
+  if (any_sparse)
+    for (int layer = config_.sparse.dense_layers; layer < c.n_layers; ++layer) {
+      if (staged_words(layer)[1] != 0)
+        fail(StatusCode::kInvalidArgument, "cuda backend: " + std::to_string(staged_words(layer)[1]) +
+                                               " sparse queries of layer " + std::to_string(layer) +
+                                               " are not finite or widen past the float range (sparse deviations " +
+                                               std::to_string(config_.sparse.deviations) + ")");
+      record_sparse_layer(layer, groups[kSparseDecode], item_of_row, items);
+    }
   if (!metered_) return;
   // The meters of the decode rows: each row is one sequence's step.
   const RowGroup& g = groups[kMeteredDecode];
-  for (size_t j = 0; j < g.rows.size(); ++j) {
-    SequenceState& st = state(items[item_of_row[size_t(g.rows[j])]].seq);
-    for (size_t h = 0; h < H; ++h) {
-      const double a_minus_1 = double(host_meters[step_rows_ * H + j * H + h]);  // lifted on the device
-      const double log_a = std::isfinite(a_minus_1) ? std::log1p(std::max(a_minus_1, 0.0)) : INFINITY;
-      const double meter = gate::meter_from_log_a(log_a);
-      st.telemetry->record(meter, std::isinf(log_a));
-      st.layer_telemetry[size_t(layer)].record(meter, std::isinf(log_a));
-      recent_meters_->record(layer, int(h), meter, std::isinf(log_a));
+  if (g.rows.empty()) return;
+  for (int layer = 0; layer < c.n_layers; ++layer) {
+    const float* host_meters = staged_meters(layer);
+    for (size_t j = 0; j < g.rows.size(); ++j) {
+      SequenceState& st = state(items[item_of_row[size_t(g.rows[j])]].seq);
+      for (size_t h = 0; h < H; ++h) {
+        const double a_minus_1 = double(host_meters[step_rows_ * H + j * H + h]);  // lifted on the device
+        const double log_a = std::isfinite(a_minus_1) ? std::log1p(std::max(a_minus_1, 0.0)) : INFINITY;
+        const double meter = gate::meter_from_log_a(log_a);
+        st.telemetry->record(meter, std::isinf(log_a));
+        st.layer_telemetry[size_t(layer)].record(meter, std::isinf(log_a));
+        recent_meters_->record(layer, int(h), meter, std::isinf(log_a));
+      }
     }
   }
 }
@@ -645,13 +685,13 @@ void CudaBackend::launch_sparse_layer(int layer, const RowGroup& g) {
   const int32_t* lens = reinterpret_cast<const int32_t*>(lens_.data());
   // Each head's rounding seed, as the CPU backend draws it (the step's seed of the row's position
   // and layer, then the head's).
-  uint64_t* seeds = staged_seeds();
+  uint64_t* seeds = staged_seeds(layer);
   for (size_t j = 0; j < n; ++j) {
     const uint64_t step = attention::sparse_step_rounding_seed(config_.sparse.seed, g.seq_lens[j] - 1, c.n_layers, layer);
     for (size_t h = 0; h < Hq; ++h) seeds[j * Hq + h] = attention::sparse_head_rounding_seed(step, int(h));
   }
   throw_if_failed(seeds_.upload_async(0, seeds, sizeof(uint64_t) * n * Hq, nullptr));
-  uint32_t* words = staged_words();
+  uint32_t* words = staged_words(layer);
   words[0] = 0;
   throw_if_failed(index_error_.upload_async(0, &words[0], sizeof(uint32_t), nullptr));
 
@@ -705,14 +745,14 @@ void CudaBackend::launch_sparse_layer(int layer, const RowGroup& g) {
   sp.workspace = sparse_workspace_.data();
   sp.workspace_size = sparse_workspace_.size();
   throw_if_failed(attention::cuda::sparse_decode(sp));
-  throw_if_failed(selected_.download_async(0, staged_counts(), sizeof(int64_t) * 3 * n * Hq, nullptr));
+  throw_if_failed(selected_.download_async(0, staged_counts(layer), sizeof(int64_t) * 3 * n * Hq, nullptr));
 }
 
 void CudaBackend::record_sparse_layer(int layer, const RowGroup& g, const std::vector<size_t>& item_of_row,
                                       std::span<const BatchItem> items) {
   const model::ModelConfig& c = model_.config();
   const size_t Hq = size_t(c.n_heads), n = g.rows.size();
-  const int64_t* selected = staged_counts();
+  const int64_t* selected = staged_counts(layer);
   const int64_t* widened = selected + n * Hq;
   const double* mass = reinterpret_cast<const double*>(widened + n * Hq);
   for (size_t j = 0; j < n; ++j) {

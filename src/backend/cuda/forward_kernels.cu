@@ -74,6 +74,20 @@ __global__ void rope_kernel(float* x, int64_t rows, int n_heads, int head_dim, b
   v[b] = x0 * s + x1 * c;
 }
 
+__global__ void gather_kernel(const float* src, const int32_t* index, int64_t n, int width, float* dst) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int64_t j = i / width;
+  dst[i] = src[int64_t(index[j]) * width + i % width];
+}
+
+__global__ void scatter_kernel(const float* src, const int32_t* index, int64_t n, int width, float* dst) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int64_t j = i / width;
+  dst[int64_t(index[j]) * width + i % width] = src[i];
+}
+
 __global__ void swiglu_kernel(const float* gate, const float* up, int64_t n, uint16_t* out) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
@@ -206,6 +220,24 @@ CudaStatus embed_rows(const int32_t* tokens, int64_t rows, const uint16_t* table
   embed_kernel<<<flat_blocks(n), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(tokens, n, table, n_vocab,
                                                                                        dim, x);
   return launched("embed_rows");
+}
+
+CudaStatus gather_rows(const float* src, const int32_t* index, int64_t n, int width, float* dst, void* stream) {
+  if (n < 0 || width < 1) return refuse("gather_rows", "needs n >= 0 and width >= 1");
+  if (n == 0) return {};
+  if (!src || !index || !dst) return refuse("gather_rows", "null rows, index or output");
+  gather_kernel<<<flat_blocks(n * width), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(src, index, n * width,
+                                                                                                width, dst);
+  return launched("gather_rows");
+}
+
+CudaStatus scatter_rows(const float* src, const int32_t* index, int64_t n, int width, float* dst, void* stream) {
+  if (n < 0 || width < 1) return refuse("scatter_rows", "needs n >= 0 and width >= 1");
+  if (n == 0) return {};
+  if (!src || !index || !dst) return refuse("scatter_rows", "null rows, index or output");
+  scatter_kernel<<<flat_blocks(n * width), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(src, index, n * width,
+                                                                                                 width, dst);
+  return launched("scatter_rows");
 }
 
 CudaStatus argmax_rows(const float* logits, int64_t rows, int n, int32_t* out, void* stream) {

@@ -8,7 +8,7 @@
 //  - rope_rows: the host's arithmetic (x0 c - x1 s, x0 s + x1 c) with the host's cos / sin
 //    tables (the caller uploads them: the model's frequencies stay in one place);
 //  - swiglu_rows: g / (1 + e^-g) * u with the device's expf;
-//  - to_bf16, argmax_rows, add_rows, add_bias_rows, embed_rows: exact (the same bits as the host).
+//  - to_bf16, argmax_rows, add_rows, add_bias_rows, embed_rows, gather_rows, scatter_rows: exact (the same bits as the host).
 // Pointers are device pointers; every launch goes to `stream` (a cudaStream_t; null: the default
 // stream) and returns at once. Bad shapes or null pointers are refused with kInvalidArgument
 // before any launch. Host code only includes this header (the kernels' translation unit is C++17).
@@ -46,6 +46,12 @@ CudaStatus to_bf16(const float* x, int64_t n, uint16_t* y, void* stream);
 // n_vocab rows. A token outside [0, n_vocab) gives a row of NaN (the caller checks tokens first).
 CudaStatus embed_rows(const int32_t* tokens, int64_t rows, const uint16_t* table, int n_vocab, int dim, float* x,
                       void* stream);
+
+// dst[j][i] = src[index[j]][i], j < n, i < width: rows of a step gathered into launch order.
+CudaStatus gather_rows(const float* src, const int32_t* index, int64_t n, int width, float* dst, void* stream);
+
+// dst[index[j]][i] = src[j][i], j < n, i < width: the inverse of gather_rows (distinct indices).
+CudaStatus scatter_rows(const float* src, const int32_t* index, int64_t n, int width, float* dst, void* stream);
 
 // out[r] = the first index of the largest of logits[r][0 .. n), as model::argmax (NaN never wins
 // over an earlier value).

@@ -183,6 +183,37 @@ TEST(ForwardKernels, ElementwiseKernelsAreExact) {
       ASSERT_EQ(e[r * width + size_t(i)], format::bf16_to_float(table[size_t(tokens[r]) * width + size_t(i)]));
 }
 
+TEST(ForwardKernels, GatherAndScatterMoveWholeRows) {
+  CERTKV_NEED_CUDA_DEVICE();
+  const int64_t rows = 11;
+  const int width = 77;  // not a multiple of the block
+  const std::vector<float> x = normal_values(size_t(rows * width), 1.f, 41);
+  const std::vector<int32_t> index = {10, 3, 0, 7, 4, 9, 1};  // a subset, out of order
+  const int64_t n = int64_t(index.size());
+  DeviceBytes dx(x.size() * 4), di(index.size() * 4), dg(size_t(n) * width * 4), ds(x.size() * 4);
+  dx.upload(x.data(), x.size() * 4);
+  di.upload(index.data(), index.size() * 4);
+  const std::vector<float> zeros(x.size(), 0.f);
+  ds.upload(zeros.data(), zeros.size() * 4);
+  const int32_t* pi = reinterpret_cast<int32_t*>(di.data());
+  ASSERT_TRUE(gather_rows(reinterpret_cast<float*>(dx.data()), pi, n, width, reinterpret_cast<float*>(dg.data()),
+                          nullptr)
+                  .ok);
+  ASSERT_TRUE(scatter_rows(reinterpret_cast<float*>(dg.data()), pi, n, width, reinterpret_cast<float*>(ds.data()),
+                           nullptr)
+                  .ok);
+  const std::vector<float> g = run_and_read<float>(dg, size_t(n) * width);
+  const std::vector<float> back = run_and_read<float>(ds, x.size());
+  for (int64_t j = 0; j < n; ++j)
+    for (int i = 0; i < width; ++i)
+      ASSERT_EQ(g[size_t(j * width + i)], x[size_t(index[size_t(j)] * width + i)]) << "row " << j;
+  std::vector<bool> gathered(size_t(rows), false);
+  for (int32_t r : index) gathered[size_t(r)] = true;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int i = 0; i < width; ++i)
+      ASSERT_EQ(back[size_t(r * width + i)], gathered[size_t(r)] ? x[size_t(r * width + i)] : 0.f) << "row " << r;
+}
+
 TEST(ForwardKernels, ArgmaxIsTheHostsFirstLargest) {
   CERTKV_NEED_CUDA_DEVICE();
   const int n = 49152;
@@ -288,6 +319,8 @@ TEST(ForwardKernels, RefuseBadShapesBeforeAnyLaunch) {
   EXPECT_EQ(to_bf16(p, -1, b, nullptr).code, StatusCode::kInvalidArgument);
   EXPECT_EQ(embed_rows(nullptr, 2, b, 10, 8, p, nullptr).code, StatusCode::kInvalidArgument);
   EXPECT_EQ(argmax_rows(p, 2, 0, reinterpret_cast<int32_t*>(p), nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(gather_rows(p, nullptr, 2, 8, p, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(scatter_rows(p, reinterpret_cast<int32_t*>(p), 2, 0, p, nullptr).code, StatusCode::kInvalidArgument);
   // Nothing to do is not an error.
   EXPECT_TRUE(rms_norm_rows(p, 0, 8, p, 1e-5f, p, nullptr, nullptr).ok);
   EXPECT_TRUE(add_rows(nullptr, nullptr, 0, nullptr).ok);

@@ -28,6 +28,16 @@ constexpr int64_t kFirstSlotBlocks = 64;
 
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
+// Whether p points into device memory (rows written by the device's own forward pass).
+bool on_device(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();  // an unregistered host pointer on older runtimes: not an error to keep
+    return false;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
 CudaStatus cuda_check(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return {};
   return cuda_error(StatusCode::kInternal, std::string(what) + " failed: " + cudaGetErrorString(e));
@@ -126,6 +136,9 @@ struct DeviceKvCache::Layer {
   DeviceBuffer outlier_pairs;      // dither8: [n_kv_heads][m] uint16 (the encoder's lists)
   DeviceBuffer outlier_channels;   // dither8: [n_kv_heads][2 m] int32 (the kernels' channels)
   std::vector<uint8_t> outliers_chosen;  // dither8: [n_kv_heads]
+  bool all_outliers_chosen() const {
+    return std::all_of(outliers_chosen.begin(), outliers_chosen.end(), [](uint8_t c) { return c != 0; });
+  }
   // dither8: K rows of positions [0, block_tokens), rounded to bf16, of each head whose pairs are
   // not chosen yet: [n_kv_heads][block_tokens][head_dim].
   std::vector<float> first_rows;
@@ -499,8 +512,18 @@ CudaStatus DeviceKvCache::append(int slot, int layer_index, int64_t first, const
   void* stream = config_.stream;
   // GAAC and lossy tables name raw pages by -r - 1.
   const bool coded = config_.scheme != KvScheme::kBf16;
-  if (n_outlier_pairs_ > 0) {
-    CudaStatus s = note_outlier_rows(layer_index, first, k, n);
+  if (n_outlier_pairs_ > 0 && !layer.all_outliers_chosen()) {
+    // The choice reads the rows on the host: device rows come down for it (until it is made).
+    const float* host_k = k;
+    std::vector<float> copy;
+    if (on_device(k)) {
+      copy.resize(size_t(n) * H * D);
+      CudaStatus s = cuda_check(cudaMemcpy(copy.data(), k, copy.size() * sizeof(float), cudaMemcpyDeviceToHost),
+                                "outlier rows download");
+      if (!s.ok) return s;
+      host_k = copy.data();
+    }
+    CudaStatus s = note_outlier_rows(layer_index, first, host_k, n);
     if (!s.ok) return s;
   }
 
@@ -529,11 +552,12 @@ CudaStatus DeviceKvCache::append(int slot, int layer_index, int64_t first, const
     if (s.ok) s = DeviceBuffer::allocate(2 * row_floats * sizeof(float), &staging_);
     if (!s.ok) return s;
   }
-  s = cuda_check(cudaMemcpyAsync(staging_.data(), k, row_floats * sizeof(float), cudaMemcpyHostToDevice, as_stream(stream)),
+  // Host or device rows (cudaMemcpyDefault: the pointer says which).
+  s = cuda_check(cudaMemcpyAsync(staging_.data(), k, row_floats * sizeof(float), cudaMemcpyDefault, as_stream(stream)),
                  "row upload");
   if (s.ok)
     s = cuda_check(cudaMemcpyAsync(staging_.data() + row_floats * sizeof(float), v, row_floats * sizeof(float),
-                                   cudaMemcpyHostToDevice, as_stream(stream)),
+                                   cudaMemcpyDefault, as_stream(stream)),
                    "row upload");
   if (!s.ok) return s;
   AppendRowsArgs a;

@@ -170,8 +170,9 @@ class DeviceKvCache {
   CudaStatus fork_prefix(int parent, int64_t n_tokens, int* child);
   bool live(int slot) const { return slot >= 0 && size_t(slot) < live_.size() && live_[size_t(slot)] != 0; }
 
-  // Appends positions [written(slot, layer), written(slot, layer) + n) of `layer`: k, v host floats
-  // [n][n_kv_heads][head_dim]. kOutOfRange (nothing written) for a layer outside the model or
+  // Appends positions [written(slot, layer), written(slot, layer) + n) of `layer`: k, v floats
+  // [n][n_kv_heads][head_dim], on the host or on the device (enqueued on the cache's stream after
+  // the work that writes them). kOutOfRange (nothing written) for a layer outside the model or
   // past max_tokens; kInvalidArgument for a slot not live. Any other failure (out of device
   // memory, a failed copy or launch) leaves the cache refusing every write with kInternal until
   // reset().

@@ -125,6 +125,13 @@ CudaStatus synchronize_stream(void* stream) {
   return {};
 }
 
+CudaStatus copy_to_host(const void* device, void* host, size_t n) {
+  if (n == 0) return {};
+  const cudaError_t e = cudaMemcpy(host, device, n, cudaMemcpyDeviceToHost);
+  if (e != cudaSuccess) return cuda_error(StatusCode::kInternal, std::string("device to host copy failed: ") + cudaGetErrorString(e));
+  return {};
+}
+
 CudaStatus DevicePagePool::create(size_t page_bytes, int64_t n_pages, DevicePagePool* out) {
   if (page_bytes == 0 || n_pages < 1)
     return cuda_error(StatusCode::kInvalidArgument, "a page pool needs page_bytes >= 1 and n_pages >= 1");

@@ -72,6 +72,9 @@ class PinnedBuffer {
 // Waits until every call enqueued on `stream` (null: the default stream) has finished.
 CudaStatus synchronize_stream(void* stream);
 
+// Copies n bytes of device memory to the host after the default stream's work (synchronous).
+CudaStatus copy_to_host(const void* device, void* host, size_t n);
+
 class DevicePagePool {
  public:
   // REQUIRES: page_bytes >= 1, n_pages >= 1 (kInvalidArgument otherwise).

@@ -1,0 +1,251 @@
+#include "backend/cuda/device_forward.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "backend/cuda/forward_kernels.h"
+#include "core/cuda_status.h"
+#include "core/status.h"
+
+namespace certkv::backend::cuda {
+
+using cache::cuda::DeviceBuffer;
+using cache::cuda::PinnedBuffer;
+using model::ModelConfig;
+
+namespace {
+
+uint64_t matrix_bytes(const model::WeightMatrix& w) { return uint64_t(w.n_in) * uint64_t(w.n_out) * 2; }
+
+DeviceBuffer upload_floats(const std::vector<float>& v) {
+  DeviceBuffer b;
+  if (v.empty()) return b;
+  throw_if_failed(DeviceBuffer::allocate(sizeof(float) * v.size(), &b));
+  throw_if_failed(b.upload(0, v.data(), sizeof(float) * v.size()));
+  return b;
+}
+
+DeviceMatrix upload(const model::WeightMatrix& w) {
+  DeviceMatrix m;
+  throw_if_failed(upload_matrix(w, &m));
+  return m;
+}
+
+const float* floats(const DeviceBuffer& b) { return reinterpret_cast<const float*>(b.data()); }
+float* floats_mut(const DeviceBuffer& b) { return reinterpret_cast<float*>(b.data()); }
+uint16_t* bf16s(const DeviceBuffer& b) { return reinterpret_cast<uint16_t*>(b.data()); }
+
+void grow(DeviceBuffer& b, size_t bytes) {
+  if (b.size() < bytes) throw_if_failed(DeviceBuffer::allocate(bytes, &b));
+}
+
+}  // namespace
+
+uint64_t device_weight_bytes(const model::Model& model) {
+  const ModelConfig& c = model.config();
+  uint64_t bytes = matrix_bytes(model.token_embedding()) + uint64_t(c.dim) * 4;
+  if (model.output().data != model.token_embedding().data) bytes += matrix_bytes(model.output());
+  for (int l = 0; l < c.n_layers; ++l) {
+    const model::LayerWeights& w = model.layer(l);
+    for (const model::WeightMatrix* m : {&w.wq, &w.wk, &w.wv, &w.wo, &w.w_gate, &w.w_up, &w.w_down})
+      bytes += matrix_bytes(*m);
+    for (const std::vector<float>* v : {&w.attn_norm, &w.ffn_norm, &w.bq, &w.bk, &w.bv, &w.q_norm, &w.k_norm})
+      bytes += 4 * uint64_t(v->size());
+  }
+  return bytes;
+}
+
+std::unique_ptr<DeviceForward> DeviceForward::create(const model::Model& model, void* stream) {
+  const uint64_t need = device_weight_bytes(model);
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess)
+    fail(StatusCode::kInternal, "the device's free memory could not be read");
+  if (need > free_bytes)
+    fail(StatusCode::kOutOfMemory, "the model's weights take " + std::to_string(need >> 20) +
+                                       " MiB on the device as bf16, and the device has " +
+                                       std::to_string(free_bytes >> 20) + " MiB free of " +
+                                       std::to_string(total_bytes >> 20));
+  std::unique_ptr<DeviceForward> f(new DeviceForward(model, stream));
+  throw_if_failed(DeviceMatmul::create(stream, &f->matmul_));
+  const ModelConfig& c = model.config();
+  f->layers_.resize(size_t(c.n_layers));
+  for (int l = 0; l < c.n_layers; ++l) {
+    const model::LayerWeights& w = model.layer(l);
+    Layer& d = f->layers_[size_t(l)];
+    d.wq = upload(w.wq);
+    d.wk = upload(w.wk);
+    d.wv = upload(w.wv);
+    d.wo = upload(w.wo);
+    d.w_gate = upload(w.w_gate);
+    d.w_up = upload(w.w_up);
+    d.w_down = upload(w.w_down);
+    d.attn_norm = upload_floats(w.attn_norm);
+    d.ffn_norm = upload_floats(w.ffn_norm);
+    d.bq = upload_floats(w.bq);
+    d.bk = upload_floats(w.bk);
+    d.bv = upload_floats(w.bv);
+    d.q_norm = upload_floats(w.q_norm);
+    d.k_norm = upload_floats(w.k_norm);
+  }
+  // The embedding table, bf16: also the output matrix when the model ties them.
+  DeviceMatrix embedding = upload(model.token_embedding());
+  if (model.output().data == model.token_embedding().data) {
+    f->output_ = std::move(embedding);
+  } else {
+    f->output_ = upload(model.output());
+    f->embedding_ = std::move(embedding.data);
+  }
+  f->output_norm_ = upload_floats(model.output_norm());
+  f->weight_bytes_ = need;
+  return f;
+}
+
+void DeviceForward::ensure_buffers(int64_t rows, int64_t logit_rows) {
+  const ModelConfig& c = model_.config();
+  if (rows > buffer_rows_) {
+    const size_t n = size_t(rows);
+    const size_t q_dim = size_t(c.n_heads) * size_t(c.head_dim), kv_dim = size_t(c.n_kv_heads) * size_t(c.head_dim);
+    const size_t widest = std::max({size_t(c.dim), q_dim, size_t(c.ffn_dim)});
+    throw_if_failed(cache::cuda::synchronize_stream(stream_));  // a running step may read the old buffers
+    throw_if_failed(PinnedBuffer::allocate(n * (sizeof(int32_t) + sizeof(float) * size_t(c.head_dim)), &staging_));
+    grow(tokens_, n * sizeof(int32_t));
+    grow(angles_, n * sizeof(float) * size_t(c.head_dim));  // cos, then sin: [2][rows][head_dim / 2]
+    grow(x_, n * sizeof(float) * size_t(c.dim));
+    grow(xb_, n * 2 * widest);
+    grow(q_, n * sizeof(float) * q_dim);
+    grow(k_, n * sizeof(float) * kv_dim);
+    grow(v_, n * sizeof(float) * kv_dim);
+    grow(attn_, n * sizeof(float) * q_dim);
+    grow(proj_, n * sizeof(float) * size_t(c.dim));
+    grow(gate_, n * sizeof(float) * size_t(c.ffn_dim));
+    grow(up_, n * sizeof(float) * size_t(c.ffn_dim));
+    buffer_rows_ = rows;
+  }
+  if (logit_rows > buffer_logit_rows_) {
+    const size_t n = size_t(logit_rows);
+    throw_if_failed(cache::cuda::synchronize_stream(stream_));  // a running step may read the old buffers
+    grow(logit_index_, n * sizeof(int32_t));
+    grow(logit_x_, n * sizeof(float) * size_t(c.dim));
+    grow(logits_, n * sizeof(float) * size_t(c.n_vocab));
+    throw_if_failed(PinnedBuffer::allocate(n * (sizeof(int32_t) + sizeof(float) * size_t(c.n_vocab)), &logits_host_));
+    buffer_logit_rows_ = logit_rows;
+  }
+}
+
+void DeviceForward::multiply(const DeviceMatrix& w, const uint16_t* x, int64_t rows, float* y) {
+  throw_if_failed(matmul_->multiply(w, x, rows, y));
+}
+
+void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attention) {
+  const ModelConfig& c = model_.config();
+  const std::span<const BatchItem> items = rows.items;
+  const int64_t n = rows.n_rows;
+  if (n == 0) return;
+  // The rows whose logits are wanted, in the order of their destinations.
+  struct LogitRow {
+    int64_t row;
+    float* dst;
+  };
+  std::vector<LogitRow> wanted;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const BatchItem& it = items[i];
+    if (it.all_logits) {
+      for (int64_t t = 0; t < it.n; ++t) wanted.push_back({rows.row0[i] + t, it.all_logits + t * c.n_vocab});
+    } else if (it.last_logits) {
+      wanted.push_back({rows.row0[i] + it.n - 1, it.last_logits});
+    }
+  }
+  ensure_buffers(n, int64_t(wanted.size()));
+  const int hd = c.head_dim, half = hd / 2;
+  const int64_t q_dim = int64_t(c.n_heads) * hd, kv_dim = int64_t(c.n_kv_heads) * hd;
+
+  // Tokens and angles up.
+  int32_t* tokens = reinterpret_cast<int32_t*>(staging_.data());
+  float* cos = reinterpret_cast<float*>(tokens + buffer_rows_);
+  float* sin = cos + n * half;
+  const std::vector<float>& inv_freq = model_.rope_inv_freq();
+  for (size_t i = 0; i < items.size(); ++i)
+    for (int64_t t = 0; t < items[i].n; ++t) {
+      const int64_t r = rows.row0[i] + t;
+      tokens[r] = items[i].tokens[t];
+      for (int j = 0; j < half; ++j) {
+        const double angle = double(rows.pos0[i] + t) * inv_freq[size_t(j)];
+        cos[r * half + j] = float(std::cos(angle));
+        sin[r * half + j] = float(std::sin(angle));
+      }
+    }
+  throw_if_failed(tokens_.upload_async(0, tokens, sizeof(int32_t) * size_t(n), stream_));
+  throw_if_failed(angles_.upload_async(0, cos, sizeof(float) * size_t(n) * size_t(hd), stream_));
+  const float* dcos = floats(angles_);
+  const float* dsin = dcos + n * half;
+
+  const uint16_t* table = bf16s(embedding_.data() ? embedding_ : output_.data);
+  float* x = floats_mut(x_);
+  uint16_t* xb = bf16s(xb_);
+  float* q = floats_mut(q_);
+  float* k = floats_mut(k_);
+  float* v = floats_mut(v_);
+  float* attn = floats_mut(attn_);
+  float* proj = floats_mut(proj_);
+  float* gate = floats_mut(gate_);
+  float* up = floats_mut(up_);
+  const float eps = c.rms_eps;
+  const bool half_split = c.rope_layout == model::RopeLayout::kHalfSplit;
+  throw_if_failed(embed_rows(reinterpret_cast<const int32_t*>(tokens_.data()), n, table, c.n_vocab, c.dim, x, stream_));
+  for (int l = 0; l < c.n_layers; ++l) {
+    const Layer& w = layers_[size_t(l)];
+    throw_if_failed(rms_norm_rows(x, n, c.dim, floats(w.attn_norm), eps, nullptr, xb, stream_));
+    multiply(w.wq, xb, n, q);
+    multiply(w.wk, xb, n, k);
+    multiply(w.wv, xb, n, v);
+    if (c.qkv_bias) {
+      throw_if_failed(add_bias_rows(q, floats(w.bq), n, int(q_dim), stream_));
+      throw_if_failed(add_bias_rows(k, floats(w.bk), n, int(kv_dim), stream_));
+      throw_if_failed(add_bias_rows(v, floats(w.bv), n, int(kv_dim), stream_));
+    }
+    if (c.qk_norm) {  // each head a row
+      throw_if_failed(rms_norm_rows(q, n * c.n_heads, hd, floats(w.q_norm), eps, q, nullptr, stream_));
+      throw_if_failed(rms_norm_rows(k, n * c.n_kv_heads, hd, floats(w.k_norm), eps, k, nullptr, stream_));
+    }
+    throw_if_failed(rope_rows(q, n, c.n_heads, hd, half_split, dcos, dsin, stream_));
+    throw_if_failed(rope_rows(k, n, c.n_kv_heads, hd, half_split, dcos, dsin, stream_));
+    attention(l, q, k, v, attn);
+    throw_if_failed(to_bf16(attn, n * q_dim, xb, stream_));
+    multiply(w.wo, xb, n, proj);
+    throw_if_failed(add_rows(x, proj, n * c.dim, stream_));
+
+    throw_if_failed(rms_norm_rows(x, n, c.dim, floats(w.ffn_norm), eps, nullptr, xb, stream_));
+    multiply(w.w_gate, xb, n, gate);
+    multiply(w.w_up, xb, n, up);
+    throw_if_failed(swiglu_rows(gate, up, n, c.ffn_dim, xb, stream_));
+    multiply(w.w_down, xb, n, proj);
+    throw_if_failed(add_rows(x, proj, n * c.dim, stream_));
+  }
+
+  if (!wanted.empty()) {
+    const int64_t m = int64_t(wanted.size());
+    int32_t* index = reinterpret_cast<int32_t*>(logits_host_.data());
+    for (int64_t j = 0; j < m; ++j) index[j] = int32_t(wanted[size_t(j)].row);
+    throw_if_failed(logit_index_.upload_async(0, index, sizeof(int32_t) * size_t(m), stream_));
+    float* lx = floats_mut(logit_x_);
+    throw_if_failed(gather_rows(x, reinterpret_cast<const int32_t*>(logit_index_.data()), m, c.dim, lx, stream_));
+    throw_if_failed(rms_norm_rows(lx, m, c.dim, floats(output_norm_), eps, nullptr, xb, stream_));
+    multiply(output_, xb, m, floats_mut(logits_));
+    float* host = reinterpret_cast<float*>(index + buffer_logit_rows_);
+    throw_if_failed(logits_.download_async(0, host, sizeof(float) * size_t(m) * size_t(c.n_vocab), stream_));
+    throw_if_failed(cache::cuda::synchronize_stream(stream_));
+    for (int64_t j = 0; j < m; ++j)
+      std::memcpy(wanted[size_t(j)].dst, host + j * c.n_vocab, sizeof(float) * size_t(c.n_vocab));
+    for (const BatchItem& it : items)
+      if (it.all_logits && it.last_logits)
+        std::memcpy(it.last_logits, it.all_logits + (it.n - 1) * c.n_vocab, sizeof(float) * size_t(c.n_vocab));
+  } else {
+    throw_if_failed(cache::cuda::synchronize_stream(stream_));
+  }
+}
+
+}  // namespace certkv::backend::cuda

@@ -1,0 +1,81 @@
+// The forward pass of the Llama family on a CUDA device, batched over the rows of several
+// sequences: HostForward's steps (backend/host_forward.h) with every weight and activation on the
+// device. The weights go up once, at create: each GGUF matrix dequantized and rounded to bf16
+// (backend/cuda/device_matmul.h), the norms and biases as floats. A step uploads its tokens and
+// the rows' RoPE angles (computed on the host in double, as HostForward computes them), runs
+//   embed -> per layer: RMSNorm -> q, k, v products (+ bias, q/k norms) -> RoPE -> attention
+//   -> W_o -> residual -> RMSNorm -> gate, up -> SwiGLU -> W_down -> residual
+// and ends with the logits of the rows the items ask for, downloaded into their buffers.
+// Attention is the caller's: each layer hands it device pointers to the post-RoPE queries, keys
+// and values of the step's rows and takes back the attention output rows.
+//
+// Numerics: activations are rounded to bf16 before each weight product (bf16 x bf16 products,
+// exact in fp32, summed in fp32 by cuBLAS); norms, RoPE, SwiGLU and residuals run in float
+// (backend/cuda/forward_kernels.h). Every kernel computes a row from that row alone and cuBLAS's
+// products of one row do not depend on the row count (DeviceMatmul's test), so a sequence's
+// logits do not depend on the batch beside it.
+// Thread safety: one owner; every launch goes to the stream given at create.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "backend/cuda/device_matmul.h"
+#include "backend/host_forward.h"
+#include "cache/cuda/device_pool.h"
+#include "model/model.h"
+
+namespace certkv::backend::cuda {
+
+// One layer's attention on the device: q [n_rows][n_heads][head_dim] (post-RoPE; the callee may
+// overwrite it), k, v [n_rows][n_kv_heads][head_dim], out [n_rows][n_heads][head_dim]; rows in
+// step order (StepRows). The callee enqueues its work on the forward's stream (or synchronizes).
+using DeviceLayerAttention = std::function<void(int layer, float* q, const float* k, const float* v, float* out)>;
+
+// Bytes the device needs for the model's weights as DeviceForward holds them.
+uint64_t device_weight_bytes(const model::Model& model);
+
+class DeviceForward {
+ public:
+  // Uploads the model's weights. Throws certkv::Error: kUnsupported for a weight type the
+  // dequantizer does not read; kOutOfMemory, before any upload, when the device's free memory
+  // cannot hold device_weight_bytes(model) (both sizes named).
+  static std::unique_ptr<DeviceForward> create(const model::Model& model, void* stream);
+  DeviceForward(const DeviceForward&) = delete;
+  DeviceForward& operator=(const DeviceForward&) = delete;
+
+  // Runs every layer over the step's rows (tokens checked already: plan_step), calling attention
+  // once per layer, then writes the logits the items ask for (BatchItem::last_logits,
+  // all_logits). Returns after the logits are on the host. Throws certkv::Error for a failed
+  // launch or copy.
+  void run(const StepRows& rows, const DeviceLayerAttention& attention);
+
+  uint64_t weight_bytes() const { return weight_bytes_; }
+
+ private:
+  struct Layer {
+    DeviceMatrix wq, wk, wv, wo, w_gate, w_up, w_down;
+    cache::cuda::DeviceBuffer attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm;
+  };
+  DeviceForward(const model::Model& model, void* stream) : model_(model), stream_(stream) {}
+  void ensure_buffers(int64_t rows, int64_t logit_rows);
+  void multiply(const DeviceMatrix& w, const uint16_t* x, int64_t rows, float* y);
+
+  const model::Model& model_;
+  void* stream_ = nullptr;
+  std::unique_ptr<DeviceMatmul> matmul_;
+  std::vector<Layer> layers_;
+  DeviceMatrix output_;
+  cache::cuda::DeviceBuffer embedding_, output_norm_;  // bf16 [n_vocab][dim]; float [dim]
+  uint64_t weight_bytes_ = 0;
+  // Step buffers, grown to the largest step: token ids and angles (page-locked staging and their
+  // device copies), the residual stream, bf16 product inputs, products' outputs, logits.
+  int64_t buffer_rows_ = 0, buffer_logit_rows_ = 0;
+  cache::cuda::PinnedBuffer staging_, logits_host_;
+  cache::cuda::DeviceBuffer tokens_, angles_, x_, xb_, q_, k_, v_, attn_, proj_, gate_, up_, logit_index_, logit_x_,
+      logits_;
+};
+
+}  // namespace certkv::backend::cuda
