@@ -19,7 +19,6 @@ using model::ModelConfig;
 
 namespace {
 
-uint64_t matrix_bytes(const model::WeightMatrix& w) { return uint64_t(w.n_in) * uint64_t(w.n_out) * 2; }
 
 DeviceBuffer upload_floats(const std::vector<float>& v) {
   DeviceBuffer b;
@@ -37,7 +36,6 @@ DeviceMatrix upload(const model::WeightMatrix& w) {
 
 const float* floats(const DeviceBuffer& b) { return reinterpret_cast<const float*>(b.data()); }
 float* floats_mut(const DeviceBuffer& b) { return reinterpret_cast<float*>(b.data()); }
-uint16_t* bf16s(const DeviceBuffer& b) { return reinterpret_cast<uint16_t*>(b.data()); }
 
 void grow(DeviceBuffer& b, size_t bytes) {
   if (b.size() < bytes) throw_if_failed(DeviceBuffer::allocate(bytes, &b));
@@ -47,12 +45,13 @@ void grow(DeviceBuffer& b, size_t bytes) {
 
 uint64_t device_weight_bytes(const model::Model& model) {
   const ModelConfig& c = model.config();
-  uint64_t bytes = matrix_bytes(model.token_embedding()) + uint64_t(c.dim) * 4;
-  if (model.output().data != model.token_embedding().data) bytes += matrix_bytes(model.output());
+  const bool tied = model.output().data == model.token_embedding().data;
+  uint64_t bytes = device_matrix_bytes(model.token_embedding()) + uint64_t(c.dim) * 4;
+  if (!tied) bytes += device_matrix_bytes(model.output());
   for (int l = 0; l < c.n_layers; ++l) {
     const model::LayerWeights& w = model.layer(l);
     for (const model::WeightMatrix* m : {&w.wq, &w.wk, &w.wv, &w.wo, &w.w_gate, &w.w_up, &w.w_down})
-      bytes += matrix_bytes(*m);
+      bytes += device_matrix_bytes(*m);
     for (const std::vector<float>* v : {&w.attn_norm, &w.ffn_norm, &w.bq, &w.bk, &w.bv, &w.q_norm, &w.k_norm})
       bytes += 4 * uint64_t(v->size());
   }
@@ -66,7 +65,7 @@ std::unique_ptr<DeviceForward> DeviceForward::create(const model::Model& model, 
     fail(StatusCode::kInternal, "the device's free memory could not be read");
   if (need > free_bytes)
     fail(StatusCode::kOutOfMemory, "the model's weights take " + std::to_string(need >> 20) +
-                                       " MiB on the device as bf16, and the device has " +
+                                       " MiB on the device (two bf16 terms a weight), and the device has " +
                                        std::to_string(free_bytes >> 20) + " MiB free of " +
                                        std::to_string(total_bytes >> 20));
   std::unique_ptr<DeviceForward> f(new DeviceForward(model, stream));
@@ -91,14 +90,9 @@ std::unique_ptr<DeviceForward> DeviceForward::create(const model::Model& model, 
     d.q_norm = upload_floats(w.q_norm);
     d.k_norm = upload_floats(w.k_norm);
   }
-  // The embedding table, bf16: also the output matrix when the model ties them.
-  DeviceMatrix embedding = upload(model.token_embedding());
-  if (model.output().data == model.token_embedding().data) {
-    f->output_ = std::move(embedding);
-  } else {
-    f->output_ = upload(model.output());
-    f->embedding_ = std::move(embedding.data);
-  }
+  // The embedding rows come from a two-term table: the output matrix's when the model ties them.
+  f->output_ = upload(model.output());
+  if (model.output().data != model.token_embedding().data) f->embedding_ = upload(model.token_embedding());
   f->output_norm_ = upload_floats(model.output_norm());
   f->weight_bytes_ = need;
   return f;
@@ -115,7 +109,7 @@ void DeviceForward::ensure_buffers(int64_t rows, int64_t logit_rows) {
     grow(tokens_, n * sizeof(int32_t));
     grow(angles_, n * sizeof(float) * size_t(c.head_dim));  // cos, then sin: [2][rows][head_dim / 2]
     grow(x_, n * sizeof(float) * size_t(c.dim));
-    grow(xb_, n * 2 * widest);
+    grow(xn_, n * sizeof(float) * widest);
     grow(q_, n * sizeof(float) * q_dim);
     grow(k_, n * sizeof(float) * kv_dim);
     grow(v_, n * sizeof(float) * kv_dim);
@@ -136,7 +130,7 @@ void DeviceForward::ensure_buffers(int64_t rows, int64_t logit_rows) {
   }
 }
 
-void DeviceForward::multiply(const DeviceMatrix& w, const uint16_t* x, int64_t rows, float* y) {
+void DeviceForward::multiply(const DeviceMatrix& w, const float* x, int64_t rows, float* y) {
   throw_if_failed(matmul_->multiply(w, x, rows, y));
 }
 
@@ -183,9 +177,10 @@ void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attent
   const float* dcos = floats(angles_);
   const float* dsin = dcos + n * half;
 
-  const uint16_t* table = bf16s(embedding_.data() ? embedding_ : output_.data);
+  const DeviceMatrix& embedding = embedding_.data.data() ? embedding_ : output_;
+  const uint16_t* table = reinterpret_cast<const uint16_t*>(embedding.data.data());
   float* x = floats_mut(x_);
-  uint16_t* xb = bf16s(xb_);
+  float* xn = floats_mut(xn_);
   float* q = floats_mut(q_);
   float* k = floats_mut(k_);
   float* v = floats_mut(v_);
@@ -195,13 +190,14 @@ void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attent
   float* up = floats_mut(up_);
   const float eps = c.rms_eps;
   const bool half_split = c.rope_layout == model::RopeLayout::kHalfSplit;
-  throw_if_failed(embed_rows(reinterpret_cast<const int32_t*>(tokens_.data()), n, table, c.n_vocab, c.dim, x, stream_));
+  throw_if_failed(embed_rows(reinterpret_cast<const int32_t*>(tokens_.data()), n, table, table + embedding.n_in * embedding.n_out,
+                             c.n_vocab, c.dim, x, stream_));
   for (int l = 0; l < c.n_layers; ++l) {
     const Layer& w = layers_[size_t(l)];
-    throw_if_failed(rms_norm_rows(x, n, c.dim, floats(w.attn_norm), eps, nullptr, xb, stream_));
-    multiply(w.wq, xb, n, q);
-    multiply(w.wk, xb, n, k);
-    multiply(w.wv, xb, n, v);
+    throw_if_failed(rms_norm_rows(x, n, c.dim, floats(w.attn_norm), eps, xn, nullptr, stream_));
+    multiply(w.wq, xn, n, q);
+    multiply(w.wk, xn, n, k);
+    multiply(w.wv, xn, n, v);
     if (c.qkv_bias) {
       throw_if_failed(add_bias_rows(q, floats(w.bq), n, int(q_dim), stream_));
       throw_if_failed(add_bias_rows(k, floats(w.bk), n, int(kv_dim), stream_));
@@ -214,15 +210,14 @@ void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attent
     throw_if_failed(rope_rows(q, n, c.n_heads, hd, half_split, dcos, dsin, stream_));
     throw_if_failed(rope_rows(k, n, c.n_kv_heads, hd, half_split, dcos, dsin, stream_));
     attention(l, q, k, v, attn);
-    throw_if_failed(to_bf16(attn, n * q_dim, xb, stream_));
-    multiply(w.wo, xb, n, proj);
+    multiply(w.wo, attn, n, proj);
     throw_if_failed(add_rows(x, proj, n * c.dim, stream_));
 
-    throw_if_failed(rms_norm_rows(x, n, c.dim, floats(w.ffn_norm), eps, nullptr, xb, stream_));
-    multiply(w.w_gate, xb, n, gate);
-    multiply(w.w_up, xb, n, up);
-    throw_if_failed(swiglu_rows(gate, up, n, c.ffn_dim, xb, stream_));
-    multiply(w.w_down, xb, n, proj);
+    throw_if_failed(rms_norm_rows(x, n, c.dim, floats(w.ffn_norm), eps, xn, nullptr, stream_));
+    multiply(w.w_gate, xn, n, gate);
+    multiply(w.w_up, xn, n, up);
+    throw_if_failed(swiglu_rows(gate, up, n, c.ffn_dim, gate, stream_));
+    multiply(w.w_down, gate, n, proj);
     throw_if_failed(add_rows(x, proj, n * c.dim, stream_));
   }
 
@@ -233,8 +228,8 @@ void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attent
     throw_if_failed(logit_index_.upload_async(0, index, sizeof(int32_t) * size_t(m), stream_));
     float* lx = floats_mut(logit_x_);
     throw_if_failed(gather_rows(x, reinterpret_cast<const int32_t*>(logit_index_.data()), m, c.dim, lx, stream_));
-    throw_if_failed(rms_norm_rows(lx, m, c.dim, floats(output_norm_), eps, nullptr, xb, stream_));
-    multiply(output_, xb, m, floats_mut(logits_));
+    throw_if_failed(rms_norm_rows(lx, m, c.dim, floats(output_norm_), eps, lx, nullptr, stream_));
+    multiply(output_, lx, m, floats_mut(logits_));
     float* host = reinterpret_cast<float*>(index + buffer_logit_rows_);
     throw_if_failed(logits_.download_async(0, host, sizeof(float) * size_t(m) * size_t(c.n_vocab), stream_));
     throw_if_failed(cache::cuda::synchronize_stream(stream_));

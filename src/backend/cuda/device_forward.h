@@ -1,7 +1,8 @@
 // The forward pass of the Llama family on a CUDA device, batched over the rows of several
 // sequences: HostForward's steps (backend/host_forward.h) with every weight and activation on the
-// device. The weights go up once, at create: each GGUF matrix dequantized and rounded to bf16
-// (backend/cuda/device_matmul.h), the norms and biases as floats. A step uploads its tokens and
+// device. The weights go up once, at create: each GGUF matrix dequantized and kept as two bf16
+// terms (backend/cuda/device_matmul.h), the norms and biases as floats; the embedding rows are
+// the sum of the table's two terms. A step uploads its tokens and
 // the rows' RoPE angles (computed on the host in double, as HostForward computes them), runs
 //   embed -> per layer: RMSNorm -> q, k, v products (+ bias, q/k norms) -> RoPE -> attention
 //   -> W_o -> residual -> RMSNorm -> gate, up -> SwiGLU -> W_down -> residual
@@ -9,9 +10,8 @@
 // Attention is the caller's: each layer hands it device pointers to the post-RoPE queries, keys
 // and values of the step's rows and takes back the attention output rows.
 //
-// Numerics: activations are rounded to bf16 before each weight product (bf16 x bf16 products,
-// exact in fp32, summed in fp32 by cuBLAS); norms, RoPE, SwiGLU and residuals run in float
-// (backend/cuda/forward_kernels.h). Every kernel computes a row from that row alone and cuBLAS's
+// Numerics: the weight products are fp32-accurate (two-term bf16 products on the tensor cores,
+// DeviceMatmul); norms, RoPE, SwiGLU and residuals run in float (backend/cuda/forward_kernels.h). Every kernel computes a row from that row alone and cuBLAS's
 // products of one row do not depend on the row count (DeviceMatmul's test), so a sequence's
 // logits do not depend on the batch beside it.
 // Thread safety: one owner; every launch goes to the stream given at create.
@@ -61,20 +61,20 @@ class DeviceForward {
   };
   DeviceForward(const model::Model& model, void* stream) : model_(model), stream_(stream) {}
   void ensure_buffers(int64_t rows, int64_t logit_rows);
-  void multiply(const DeviceMatrix& w, const uint16_t* x, int64_t rows, float* y);
+  void multiply(const DeviceMatrix& w, const float* x, int64_t rows, float* y);
 
   const model::Model& model_;
   void* stream_ = nullptr;
   std::unique_ptr<DeviceMatmul> matmul_;
   std::vector<Layer> layers_;
-  DeviceMatrix output_;
-  cache::cuda::DeviceBuffer embedding_, output_norm_;  // bf16 [n_vocab][dim]; float [dim]
+  DeviceMatrix output_, embedding_;  // embedding_: when the model does not tie it to the output
+  cache::cuda::DeviceBuffer output_norm_;
   uint64_t weight_bytes_ = 0;
   // Step buffers, grown to the largest step: token ids and angles (page-locked staging and their
-  // device copies), the residual stream, bf16 product inputs, products' outputs, logits.
+  // device copies), the residual stream, the products' float inputs and outputs, logits.
   int64_t buffer_rows_ = 0, buffer_logit_rows_ = 0;
   cache::cuda::PinnedBuffer staging_, logits_host_;
-  cache::cuda::DeviceBuffer tokens_, angles_, x_, xb_, q_, k_, v_, attn_, proj_, gate_, up_, logit_index_, logit_x_,
+  cache::cuda::DeviceBuffer tokens_, angles_, x_, xn_, q_, k_, v_, attn_, proj_, gate_, up_, logit_index_, logit_x_,
       logits_;
 };
 

@@ -5,33 +5,37 @@
 
 #include <string>
 
+#include "backend/cuda/forward_kernels.h"
 #include "core/status.h"
 #include "format/numeric.h"
 #include "model/dequant.h"
 
 namespace certkv::backend::cuda {
 
-std::vector<uint16_t> bf16_weights(const model::WeightMatrix& w) {
-  std::vector<uint16_t> out(size_t(w.n_in) * size_t(w.n_out));
-  std::vector<float> row(size_t(w.n_in));
-  for (int64_t o = 0; o < w.n_out; ++o) {
-    model::dequantize_row(w.type, w.data + size_t(o) * w.row_bytes, row.data(), w.n_in);
-    for (int64_t i = 0; i < w.n_in; ++i) out[size_t(o) * size_t(w.n_in) + size_t(i)] = format::float_to_bf16(row[size_t(i)]);
-  }
+std::vector<float> dequantized_weights(const model::WeightMatrix& w) {
+  std::vector<float> out(size_t(w.n_in) * size_t(w.n_out));
+  for (int64_t o = 0; o < w.n_out; ++o)
+    model::dequantize_row(w.type, w.data + size_t(o) * w.row_bytes, &out[size_t(o) * size_t(w.n_in)], w.n_in);
   return out;
 }
 
 CudaStatus upload_matrix(const model::WeightMatrix& w, DeviceMatrix* out) {
   if (!out || !w.data || w.n_in < 1 || w.n_out < 1)
     return cuda_error(StatusCode::kInvalidArgument, "upload_matrix: an empty weight matrix or no output");
-  std::vector<uint16_t> host;
+  std::vector<float> values;
   try {
-    host = bf16_weights(w);
+    values = dequantized_weights(w);
   } catch (const Error& e) {
     return cuda_error(e.code(), std::string("upload_matrix: ") + e.what());
   }
-  CudaStatus s = cache::cuda::DeviceBuffer::allocate(host.size() * sizeof(uint16_t), &out->data);
-  if (s.ok) s = out->data.upload(0, host.data(), host.size() * sizeof(uint16_t));
+  std::vector<uint16_t> terms(2 * values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    const uint16_t hi = format::float_to_bf16(values[i]);
+    terms[i] = hi;
+    terms[values.size() + i] = format::float_to_bf16(values[i] - format::bf16_to_float(hi));
+  }
+  CudaStatus s = cache::cuda::DeviceBuffer::allocate(terms.size() * sizeof(uint16_t), &out->data);
+  if (s.ok) s = out->data.upload(0, terms.data(), terms.size() * sizeof(uint16_t));
   out->n_in = w.n_in;
   out->n_out = w.n_out;
   return s;
@@ -56,27 +60,49 @@ DeviceMatmul::~DeviceMatmul() {
   if (handle_) cublasDestroy(static_cast<cublasHandle_t>(handle_));
 }
 
-CudaStatus DeviceMatmul::multiply(const DeviceMatrix& w, const uint16_t* x, int64_t rows, float* y) {
-  if (rows < 0 || !x || !y || !w.data.data())
-    return cuda_error(StatusCode::kInvalidArgument, "device matmul: null weights, rows or output, or rows < 0");
-  if (rows == 0) return {};
+CudaStatus DeviceMatmul::gemm(const uint16_t* w, int64_t n_in, int64_t n_out, const uint16_t* x, int64_t rows,
+                              float* y) {
   // Column-major: Y^T [n_out x rows] = W [n_in x n_out]^T X^T [n_in x rows].
   const float alpha = 1.f, beta = 0.f;
   const cublasStatus_t st =
-      cublasGemmEx(static_cast<cublasHandle_t>(handle_), CUBLAS_OP_T, CUBLAS_OP_N, int(w.n_out), int(rows), int(w.n_in),
-                   &alpha, w.data.data(), CUDA_R_16BF, int(w.n_in), x, CUDA_R_16BF, int(w.n_in), &beta, y, CUDA_R_32F,
-                   int(w.n_out), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+      cublasGemmEx(static_cast<cublasHandle_t>(handle_), CUBLAS_OP_T, CUBLAS_OP_N, int(n_out), int(rows), int(n_in),
+                   &alpha, w, CUDA_R_16BF, int(n_in), x, CUDA_R_16BF, int(n_in), &beta, y, CUDA_R_32F, int(n_out),
+                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   if (st != CUBLAS_STATUS_SUCCESS)
     return cuda_error(StatusCode::kInternal, std::string("device matmul: cuBLAS: ") + cublasGetStatusString(st));
   return {};
 }
 
-void device_matmul_ref(const uint16_t* w, int64_t n_in, int64_t n_out, const uint16_t* x, int64_t rows, double* y) {
+CudaStatus DeviceMatmul::multiply(const DeviceMatrix& w, const float* x, int64_t rows, float* y) {
+  if (rows < 0 || !x || !y || !w.data.data())
+    return cuda_error(StatusCode::kInvalidArgument, "device matmul: null weights, rows or output, or rows < 0");
+  if (rows == 0) return {};
+  const size_t split_bytes = size_t(rows) * size_t(w.n_in) * 2 * sizeof(uint16_t);
+  const size_t partial_bytes = size_t(rows) * size_t(w.n_out) * 3 * sizeof(float);
+  if (split_.size() < split_bytes || partial_.size() < partial_bytes) {
+    // An earlier product may still read the old scratch.
+    CudaStatus s = cache::cuda::synchronize_stream(stream_);
+    if (s.ok && split_.size() < split_bytes) s = cache::cuda::DeviceBuffer::allocate(split_bytes, &split_);
+    if (s.ok && partial_.size() < partial_bytes) s = cache::cuda::DeviceBuffer::allocate(partial_bytes, &partial_);
+    if (!s.ok) return s;
+  }
+  uint16_t* terms = reinterpret_cast<uint16_t*>(split_.data());  // [2][rows][n_in]: x_hi, x_lo
+  float* t = reinterpret_cast<float*>(partial_.data());            // [2][rows][n_out]: W_hi x_hi, W_hi x_lo
+  float* u = t + 2 * rows * w.n_out;                               // [rows][n_out]: W_lo x_hi
+  const uint16_t* w_hi = reinterpret_cast<const uint16_t*>(w.data.data());
+  const uint16_t* w_lo = w_hi + w.n_in * w.n_out;
+  CudaStatus s = split_bf16_rows(x, rows, int(w.n_in), terms, stream_);
+  if (s.ok) s = gemm(w_hi, w.n_in, w.n_out, terms, 2 * rows, t);
+  if (s.ok) s = gemm(w_lo, w.n_in, w.n_out, terms, rows, u);
+  if (s.ok) s = sum_split_products(t, u, rows, int(w.n_out), y, stream_);
+  return s;
+}
+
+void device_matmul_ref(const float* w, int64_t n_in, int64_t n_out, const float* x, int64_t rows, double* y) {
   for (int64_t t = 0; t < rows; ++t)
     for (int64_t o = 0; o < n_out; ++o) {
       double sum = 0;
-      for (int64_t i = 0; i < n_in; ++i)
-        sum += double(format::bf16_to_float(x[t * n_in + i])) * double(format::bf16_to_float(w[o * n_in + i]));
+      for (int64_t i = 0; i < n_in; ++i) sum += double(x[t * n_in + i]) * double(w[o * n_in + i]);
       y[t * n_out + o] = sum;
     }
 }

@@ -1,10 +1,14 @@
-// Weight products on a CUDA device for the CUDA backend's whole forward pass: a GGUF weight
-// matrix dequantized once at load (model::dequantize_row, then rounded to bf16 with
-// format::float_to_bf16) and kept on the device, multiplied with bf16 activation rows by cuBLAS
-// (bf16 inputs, fp32 accumulation and output: the products of bf16 values are exact in fp32,
-// the sums are fp32 in cuBLAS's order).
-//   y[t][o] = sum_i x[t][i] W[o][i],  t < rows, o < n_out
-// Reference: device_matmul_ref (the same bf16 weights and activations, sums in double).
+// Weight products on a CUDA device for the CUDA backend's forward pass. A GGUF weight matrix is
+// dequantized once at load (model::dequantize_row, the values the CPU backend multiplies) and
+// kept on the device as two bf16 terms, W = W_hi + W_lo (W_hi = bf16(W), W_lo = bf16(W - W_hi));
+// float activation rows are split the same way, and three bf16 tensor-core products through
+// cuBLAS, with fp32 accumulation, give
+//   y[t][o] = (W_hi x_hi + W_hi x_lo) + W_lo x_hi,  t < rows, o < n_out
+// (x_hi and x_lo stacked as one product's rows, so W_hi is read once). The terms left out,
+// W_lo x_lo and the lows' own rounding, are about 2^-16 of |W| |x| per product: the products are
+// fp32-accurate, where a plain bf16 product (each operand rounded to 8 bits) moved SmolLM2's
+// logits by a KL of up to 4e-3 against the CPU's f32 activations (docs/cuda.md).
+// Reference: device_matmul_ref (the float weights and activations, sums in double).
 // Thread safety: one owner; launches go to the stream given at create.
 #pragma once
 
@@ -18,17 +22,20 @@
 
 namespace certkv::backend::cuda {
 
-// One weight matrix on the device: n_out rows of n_in bf16 values.
+// One weight matrix on the device: [2 (hi, lo)][n_out][n_in] bf16.
 struct DeviceMatrix {
   cache::cuda::DeviceBuffer data;
   int64_t n_in = 0, n_out = 0;
 };
 
-// The bf16 values a DeviceMatrix holds for w, on the host: [n_out][n_in].
-std::vector<uint16_t> bf16_weights(const model::WeightMatrix& w);
+// The float values of w ([n_out][n_in]), as model::dequantize_row gives them.
+std::vector<float> dequantized_weights(const model::WeightMatrix& w);
 
-// Uploads bf16_weights(w). kUnsupported for a type model::dequantize_row does not read,
-// kOutOfMemory when the device cannot hold it.
+// Bytes a DeviceMatrix of w takes on the device.
+inline uint64_t device_matrix_bytes(const model::WeightMatrix& w) { return uint64_t(w.n_in) * uint64_t(w.n_out) * 4; }
+
+// Uploads the two bf16 terms of dequantized_weights(w). kUnsupported for a type
+// model::dequantize_row does not read, kOutOfMemory when the device cannot hold it.
 CudaStatus upload_matrix(const model::WeightMatrix& w, DeviceMatrix* out);
 
 class DeviceMatmul {
@@ -39,17 +46,20 @@ class DeviceMatmul {
   DeviceMatmul(const DeviceMatmul&) = delete;
   DeviceMatmul& operator=(const DeviceMatmul&) = delete;
 
-  // y = x W^T: x [rows][w.n_in] bf16, y [rows][w.n_out] float (device pointers). Enqueued on the
-  // stream. kInvalidArgument for null pointers or rows < 0.
-  CudaStatus multiply(const DeviceMatrix& w, const uint16_t* x, int64_t rows, float* y);
+  // y = x W^T: x [rows][w.n_in] float, y [rows][w.n_out] float (device pointers; y must not be
+  // x). Enqueued on the stream; its scratch grows to the largest product. kInvalidArgument for
+  // null pointers or rows < 0.
+  CudaStatus multiply(const DeviceMatrix& w, const float* x, int64_t rows, float* y);
 
  private:
   DeviceMatmul() = default;
+  CudaStatus gemm(const uint16_t* w, int64_t n_in, int64_t n_out, const uint16_t* x, int64_t rows, float* y);
   void* handle_ = nullptr;  // cublasHandle_t
   void* stream_ = nullptr;
+  cache::cuda::DeviceBuffer split_, partial_;  // the activations' terms; the three products
 };
 
-// y[t][o] = sum_i bf16 x[t][i] * bf16 w[o][i] in double; x, w as bf16 bit patterns on the host.
-void device_matmul_ref(const uint16_t* w, int64_t n_in, int64_t n_out, const uint16_t* x, int64_t rows, double* y);
+// y[t][o] = sum_i x[t][i] * w[o][i] in double over the float values.
+void device_matmul_ref(const float* w, int64_t n_in, int64_t n_out, const float* x, int64_t rows, double* y);
 
 }  // namespace certkv::backend::cuda

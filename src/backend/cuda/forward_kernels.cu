@@ -88,11 +88,26 @@ __global__ void scatter_kernel(const float* src, const int32_t* index, int64_t n
   dst[int64_t(index[j]) * width + i % width] = src[i];
 }
 
-__global__ void swiglu_kernel(const float* gate, const float* up, int64_t n, uint16_t* out) {
+__global__ void swiglu_kernel(const float* gate, const float* up, int64_t n, float* out) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float g = gate[i];
-  out[i] = format::float_to_bf16(g / (1.f + expf(-g)) * up[i]);
+  out[i] = g / (1.f + expf(-g)) * up[i];
+}
+
+__global__ void split_bf16_kernel(const float* x, int64_t n, uint16_t* hi, uint16_t* lo) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float v = x[i];
+  const uint16_t h = format::float_to_bf16(v);
+  hi[i] = h;
+  lo[i] = format::float_to_bf16(v - format::bf16_to_float(h));
+}
+
+__global__ void sum_split_kernel(const float* t, const float* u, int64_t n, float* y) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  y[i] = (t[i] + t[n + i]) + u[i];
 }
 
 __global__ void add_kernel(float* x, const float* y, int64_t n) {
@@ -105,16 +120,18 @@ __global__ void add_bias_kernel(float* x, const float* b, int64_t n, int width) 
   if (i < n) x[i] += b[i % width];
 }
 
-__global__ void to_bf16_kernel(const float* x, int64_t n, uint16_t* y) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) y[i] = format::float_to_bf16(x[i]);
-}
-
-__global__ void embed_kernel(const int32_t* tokens, int64_t n, const uint16_t* table, int n_vocab, int dim, float* x) {
+__global__ void embed_kernel(const int32_t* tokens, int64_t n, const uint16_t* table, const uint16_t* table_lo,
+                             int n_vocab, int dim, float* x) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const int32_t token = tokens[i / dim];
-  x[i] = token >= 0 && token < n_vocab ? format::bf16_to_float(table[int64_t(token) * dim + i % dim]) : __int_as_float(0x7fc00000);
+  if (token < 0 || token >= n_vocab) {
+    x[i] = __int_as_float(0x7fc00000);
+    return;
+  }
+  const int64_t at = int64_t(token) * dim + i % dim;
+  const float hi = format::bf16_to_float(table[at]);
+  x[i] = table_lo ? hi + format::bf16_to_float(table_lo[at]) : hi;
 }
 
 // (value, index) with NaN absent: the larger value wins, then the lower index.
@@ -179,7 +196,25 @@ CudaStatus rope_rows(float* x, int64_t rows, int n_heads, int head_dim, bool hal
   return launched("rope_rows");
 }
 
-CudaStatus swiglu_rows(const float* gate, const float* up, int64_t rows, int width, uint16_t* out, void* stream) {
+CudaStatus split_bf16_rows(const float* x, int64_t rows, int width, uint16_t* hi_lo, void* stream) {
+  if (rows < 0 || width < 1) return refuse("split_bf16_rows", "needs rows >= 0 and width >= 1");
+  if (!x || !hi_lo) return refuse("split_bf16_rows", "null rows or output");
+  const int64_t n = rows * width;
+  if (n == 0) return {};
+  split_bf16_kernel<<<flat_blocks(n), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, n, hi_lo, hi_lo + n);
+  return launched("split_bf16_rows");
+}
+
+CudaStatus sum_split_products(const float* t, const float* u, int64_t rows, int width, float* y, void* stream) {
+  if (rows < 0 || width < 1) return refuse("sum_split_products", "needs rows >= 0 and width >= 1");
+  if (!t || !u || !y) return refuse("sum_split_products", "null products or output");
+  const int64_t n = rows * width;
+  if (n == 0) return {};
+  sum_split_kernel<<<flat_blocks(n), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(t, u, n, y);
+  return launched("sum_split_products");
+}
+
+CudaStatus swiglu_rows(const float* gate, const float* up, int64_t rows, int width, float* out, void* stream) {
   if (rows < 0 || width < 1) return refuse("swiglu_rows", "needs rows >= 0 and width >= 1");
   if (!gate || !up || !out) return refuse("swiglu_rows", "null gate, up or output");
   const int64_t n = rows * width;
@@ -204,21 +239,14 @@ CudaStatus add_bias_rows(float* x, const float* b, int64_t rows, int width, void
   return launched("add_bias_rows");
 }
 
-CudaStatus to_bf16(const float* x, int64_t n, uint16_t* y, void* stream) {
-  if (n < 0 || ((!x || !y) && n > 0)) return refuse("to_bf16", "needs n >= 0, input and output");
-  if (n == 0) return {};
-  to_bf16_kernel<<<flat_blocks(n), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, n, y);
-  return launched("to_bf16");
-}
-
-CudaStatus embed_rows(const int32_t* tokens, int64_t rows, const uint16_t* table, int n_vocab, int dim, float* x,
-                      void* stream) {
+CudaStatus embed_rows(const int32_t* tokens, int64_t rows, const uint16_t* table, const uint16_t* table_lo, int n_vocab,
+                      int dim, float* x, void* stream) {
   if (rows < 0 || n_vocab < 1 || dim < 1) return refuse("embed_rows", "needs rows >= 0, n_vocab >= 1 and dim >= 1");
   if (!tokens || !table || !x) return refuse("embed_rows", "null tokens, table or rows");
   const int64_t n = rows * dim;
   if (n == 0) return {};
-  embed_kernel<<<flat_blocks(n), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(tokens, n, table, n_vocab,
-                                                                                       dim, x);
+  embed_kernel<<<flat_blocks(n), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(tokens, n, table, table_lo,
+                                                                                       n_vocab, dim, x);
   return launched("embed_rows");
 }
 
