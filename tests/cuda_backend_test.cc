@@ -235,8 +235,10 @@ TEST_F(CudaBackendTest, LogitsAgreeWithTheCpuBackend) {
 // ragged batch, teacher forced (f32 activations on the CPU). The device computes its queries and
 // keys with bf16 weight products, so even layer 0's inputs differ from the CPU's in their last
 // bits and a token at the Top-p threshold may fall on either side: the selections are compared
-// by their budgets (per layer 0 and overall), and the logits must stay far closer to the CPU's
-// sparse run than sparse decode is to dense decode, with the same top-1. (That the device selects
+// by their budgets (per layer 0 and overall), the logits must stay far closer to the CPU's sparse
+// run than sparse decode is to dense decode, and the device's sparse run must predict the dense
+// run's top-1 as well as the CPU's sparse run does (a flipped threshold token may change a near
+// tie's top-1 either way, so the two sparse runs are not held to each other's). (That the device selects
 // the CPU's tokens bit for bit from the same inputs is tested where the inputs are the same: the
 // session's device route, SessionCuda.SparseDecodeOnTheDeviceSelectsWhatTheCpuSelects, and the
 // kernels' own tests.)
@@ -287,7 +289,7 @@ TEST_F(CudaBackendTest, SparseAgreesWithTheCpuBackend) {
     run(*dense, sd, ld);
   }
   double kl_device = 0, kl_sparse = 0;
-  int agree = 0, positions = 0;
+  int agree = 0, positions = 0, device_dense = 0, cpu_dense = 0;
   for (size_t i = 0; i < n; ++i)
     for (int t = 0; t < steps; ++t) {
       const float* g = &lg[i][size_t(t) * size_t(nv)];
@@ -295,15 +297,18 @@ TEST_F(CudaBackendTest, SparseAgreesWithTheCpuBackend) {
       for (int v = 0; v < nv; ++v) ASSERT_TRUE(std::isfinite(g[v])) << "sequence " << i << " step " << t;
       kl_device += kl_divergence(c, g, nv);
       kl_sparse += kl_divergence(&ld[i][size_t(t) * size_t(nv)], c, nv);
+      const int32_t dense_top = model::argmax(&ld[i][size_t(t) * size_t(nv)], nv);
       agree += model::argmax(c, nv) == model::argmax(g, nv);
+      device_dense += model::argmax(g, nv) == dense_top;
+      cpu_dense += model::argmax(c, nv) == dense_top;
       ++positions;
     }
   printf("[cuda backend] sparse p 0.9 (window 32, 1 deviation), %d decode positions: mean KL device vs cpu sparse "
-         "%.3g, cpu sparse vs dense %.3g, top-1 agree %d/%d\n",
-         positions, kl_device / positions, kl_sparse / positions, agree, positions);
+         "%.3g, cpu sparse vs dense %.3g, top-1 agree %d/%d; top-1 of dense: device sparse %d, cpu sparse %d\n",
+         positions, kl_device / positions, kl_sparse / positions, agree, positions, device_dense, cpu_dense);
   EXPECT_GT(kl_sparse, 0.0) << "sparse decode changed nothing: not sparse";
   EXPECT_LT(kl_device, 0.2 * kl_sparse);
-  EXPECT_GE(agree, positions - 1 - positions / 50);
+  EXPECT_GE(device_dense, cpu_dense - 1 - positions / 50);
   for (size_t i = 0; i < n; ++i) {
     const SparseStats& a = gpu->sparse_stats(sg[i]);
     const SparseStats& b = cpu->sparse_stats(sc[i]);

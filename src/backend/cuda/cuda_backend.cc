@@ -522,6 +522,7 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
   const int64_t q_dim = int64_t(c.n_heads) * c.head_dim;
   const int group = c.n_heads / c.n_kv_heads;
   std::vector<float> host_q;
+  std::vector<cache::cuda::DeviceKvCache::SlotRows> writes(items.size());
   forward_->run(rows, [&](int layer, float* q_all, const float* k_all, const float* v_all, float* out_all) {
     if (sparse_ && layer >= config_.sparse.dense_layers)
       for (size_t i = 0; i < items.size(); ++i) {
@@ -541,11 +542,9 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
             for (int d = 0; d < c.head_dim; ++d)
               sums[size_t(h / group) * size_t(c.head_dim) + size_t(d)] += q[size_t(t * q_dim + h * c.head_dim + d)];
       }
-    for (size_t i = 0; i < items.size(); ++i) {
-      const SequenceState& st = state(items[i].seq);
-      throw_if_failed(cache_->write(st.slot, layer, k_all + rows.row0[i] * kv_dim, v_all + rows.row0[i] * kv_dim,
-                                    items[i].n));
-    }
+    for (size_t i = 0; i < items.size(); ++i)
+      writes[i] = {state(items[i].seq).slot, k_all + rows.row0[i] * kv_dim, v_all + rows.row0[i] * kv_dim, items[i].n};
+    throw_if_failed(cache_->write_rows(layer, writes.data(), writes.size()));
     if (!own_blocks.empty()) upload_own_block_tables(layer, own_blocks);
     attend_layer(layer, groups, q_all, out_all);
     // The held pages go back to the free lists; the launches that read them run first (one

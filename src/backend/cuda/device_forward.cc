@@ -75,12 +75,9 @@ std::unique_ptr<DeviceForward> DeviceForward::create(const model::Model& model, 
   for (int l = 0; l < c.n_layers; ++l) {
     const model::LayerWeights& w = model.layer(l);
     Layer& d = f->layers_[size_t(l)];
-    d.wq = upload(w.wq);
-    d.wk = upload(w.wk);
-    d.wv = upload(w.wv);
+    throw_if_failed(upload_stacked({&w.wq, &w.wk, &w.wv}, &d.wqkv));
     d.wo = upload(w.wo);
-    d.w_gate = upload(w.w_gate);
-    d.w_up = upload(w.w_up);
+    throw_if_failed(upload_stacked({&w.w_gate, &w.w_up}, &d.w_gate_up));
     d.w_down = upload(w.w_down);
     d.attn_norm = upload_floats(w.attn_norm);
     d.ffn_norm = upload_floats(w.ffn_norm);
@@ -110,13 +107,14 @@ void DeviceForward::ensure_buffers(int64_t rows, int64_t logit_rows) {
     grow(angles_, n * sizeof(float) * size_t(c.head_dim));  // cos, then sin: [2][rows][head_dim / 2]
     grow(x_, n * sizeof(float) * size_t(c.dim));
     grow(xn_, n * sizeof(float) * widest);
+    grow(qkv_, n * sizeof(float) * (q_dim + 2 * kv_dim));
     grow(q_, n * sizeof(float) * q_dim);
     grow(k_, n * sizeof(float) * kv_dim);
     grow(v_, n * sizeof(float) * kv_dim);
     grow(attn_, n * sizeof(float) * q_dim);
     grow(proj_, n * sizeof(float) * size_t(c.dim));
-    grow(gate_, n * sizeof(float) * size_t(c.ffn_dim));
-    grow(up_, n * sizeof(float) * size_t(c.ffn_dim));
+    grow(gate_up_, n * sizeof(float) * 2 * size_t(c.ffn_dim));
+    grow(act_, n * sizeof(float) * size_t(c.ffn_dim));
     buffer_rows_ = rows;
   }
   if (logit_rows > buffer_logit_rows_) {
@@ -186,8 +184,10 @@ void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attent
   float* v = floats_mut(v_);
   float* attn = floats_mut(attn_);
   float* proj = floats_mut(proj_);
-  float* gate = floats_mut(gate_);
-  float* up = floats_mut(up_);
+  float* qkv = floats_mut(qkv_);
+  float* gate_up = floats_mut(gate_up_);
+  float* act = floats_mut(act_);
+  const ColumnPart qkv_parts[3] = {{q, 0, int(q_dim)}, {k, int(q_dim), int(kv_dim)}, {v, int(q_dim + kv_dim), int(kv_dim)}};
   const float eps = c.rms_eps;
   const bool half_split = c.rope_layout == model::RopeLayout::kHalfSplit;
   throw_if_failed(embed_rows(reinterpret_cast<const int32_t*>(tokens_.data()), n, table, table + embedding.n_in * embedding.n_out,
@@ -195,9 +195,8 @@ void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attent
   for (int l = 0; l < c.n_layers; ++l) {
     const Layer& w = layers_[size_t(l)];
     throw_if_failed(rms_norm_rows(x, n, c.dim, floats(w.attn_norm), eps, xn, nullptr, stream_));
-    multiply(w.wq, xn, n, q);
-    multiply(w.wk, xn, n, k);
-    multiply(w.wv, xn, n, v);
+    multiply(w.wqkv, xn, n, qkv);
+    throw_if_failed(split_columns(qkv, n, int(q_dim + 2 * kv_dim), qkv_parts, 3, stream_));
     if (c.qkv_bias) {
       throw_if_failed(add_bias_rows(q, floats(w.bq), n, int(q_dim), stream_));
       throw_if_failed(add_bias_rows(k, floats(w.bk), n, int(kv_dim), stream_));
@@ -214,10 +213,9 @@ void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attent
     throw_if_failed(add_rows(x, proj, n * c.dim, stream_));
 
     throw_if_failed(rms_norm_rows(x, n, c.dim, floats(w.ffn_norm), eps, xn, nullptr, stream_));
-    multiply(w.w_gate, xn, n, gate);
-    multiply(w.w_up, xn, n, up);
-    throw_if_failed(swiglu_rows(gate, up, n, c.ffn_dim, gate, stream_));
-    multiply(w.w_down, gate, n, proj);
+    multiply(w.w_gate_up, xn, n, gate_up);
+    throw_if_failed(swiglu_rows(gate_up, gate_up + c.ffn_dim, n, c.ffn_dim, 2 * int64_t(c.ffn_dim), act, stream_));
+    multiply(w.w_down, act, n, proj);
     throw_if_failed(add_rows(x, proj, n * c.dim, stream_));
   }
 

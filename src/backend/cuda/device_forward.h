@@ -4,8 +4,9 @@
 // terms (backend/cuda/device_matmul.h), the norms and biases as floats; the embedding rows are
 // the sum of the table's two terms. A step uploads its tokens and
 // the rows' RoPE angles (computed on the host in double, as HostForward computes them), runs
-//   embed -> per layer: RMSNorm -> q, k, v products (+ bias, q/k norms) -> RoPE -> attention
-//   -> W_o -> residual -> RMSNorm -> gate, up -> SwiGLU -> W_down -> residual
+//   embed -> per layer: RMSNorm -> q, k, v product (+ bias, q/k norms) -> RoPE -> attention
+//   -> W_o -> residual -> RMSNorm -> gate, up product -> SwiGLU -> W_down -> residual
+// (the products that share an input are one product over their stacked weights)
 // and ends with the logits of the rows the items ask for, downloaded into their buffers.
 // Attention is the caller's: each layer hands it device pointers to the post-RoPE queries, keys
 // and values of the step's rows and takes back the attention output rows.
@@ -56,7 +57,7 @@ class DeviceForward {
 
  private:
   struct Layer {
-    DeviceMatrix wq, wk, wv, wo, w_gate, w_up, w_down;
+    DeviceMatrix wqkv, wo, w_gate_up, w_down;  // q, k, v stacked; gate, up stacked
     cache::cuda::DeviceBuffer attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm;
   };
   DeviceForward(const model::Model& model, void* stream) : model_(model), stream_(stream) {}
@@ -74,8 +75,8 @@ class DeviceForward {
   // device copies), the residual stream, the products' float inputs and outputs, logits.
   int64_t buffer_rows_ = 0, buffer_logit_rows_ = 0;
   cache::cuda::PinnedBuffer staging_, logits_host_;
-  cache::cuda::DeviceBuffer tokens_, angles_, x_, xn_, q_, k_, v_, attn_, proj_, gate_, up_, logit_index_, logit_x_,
-      logits_;
+  cache::cuda::DeviceBuffer tokens_, angles_, x_, xn_, qkv_, q_, k_, v_, attn_, proj_, gate_up_, act_, logit_index_,
+      logit_x_, logits_;
 };
 
 }  // namespace certkv::backend::cuda

@@ -19,25 +19,41 @@ std::vector<float> dequantized_weights(const model::WeightMatrix& w) {
   return out;
 }
 
-CudaStatus upload_matrix(const model::WeightMatrix& w, DeviceMatrix* out) {
-  if (!out || !w.data || w.n_in < 1 || w.n_out < 1)
-    return cuda_error(StatusCode::kInvalidArgument, "upload_matrix: an empty weight matrix or no output");
-  std::vector<float> values;
-  try {
-    values = dequantized_weights(w);
-  } catch (const Error& e) {
-    return cuda_error(e.code(), std::string("upload_matrix: ") + e.what());
+CudaStatus upload_matrix(const model::WeightMatrix& w, DeviceMatrix* out) { return upload_stacked({&w}, out); }
+
+CudaStatus upload_stacked(const std::vector<const model::WeightMatrix*>& ws, DeviceMatrix* out) {
+  if (!out || ws.empty()) return cuda_error(StatusCode::kInvalidArgument, "upload_matrix: no matrix or no output");
+  int64_t n_out = 0;
+  for (const model::WeightMatrix* w : ws) {
+    if (!w || !w->data || w->n_in < 1 || w->n_out < 1)
+      return cuda_error(StatusCode::kInvalidArgument, "upload_matrix: an empty weight matrix");
+    if (w->n_in != ws[0]->n_in)
+      return cuda_error(StatusCode::kInvalidArgument, "upload_matrix: stacked matrices of different input widths (" +
+                                                          std::to_string(w->n_in) + ", " +
+                                                          std::to_string(ws[0]->n_in) + ")");
+    n_out += w->n_out;
   }
-  std::vector<uint16_t> terms(2 * values.size());
-  for (size_t i = 0; i < values.size(); ++i) {
-    const uint16_t hi = format::float_to_bf16(values[i]);
-    terms[i] = hi;
-    terms[values.size() + i] = format::float_to_bf16(values[i] - format::bf16_to_float(hi));
+  const int64_t n_in = ws[0]->n_in;
+  const size_t n = size_t(n_in) * size_t(n_out);
+  std::vector<uint16_t> terms(2 * n);
+  size_t at = 0;
+  for (const model::WeightMatrix* w : ws) {
+    std::vector<float> values;
+    try {
+      values = dequantized_weights(*w);
+    } catch (const Error& e) {
+      return cuda_error(e.code(), std::string("upload_matrix: ") + e.what());
+    }
+    for (size_t i = 0; i < values.size(); ++i, ++at) {
+      const uint16_t hi = format::float_to_bf16(values[i]);
+      terms[at] = hi;
+      terms[n + at] = format::float_to_bf16(values[i] - format::bf16_to_float(hi));
+    }
   }
   CudaStatus s = cache::cuda::DeviceBuffer::allocate(terms.size() * sizeof(uint16_t), &out->data);
   if (s.ok) s = out->data.upload(0, terms.data(), terms.size() * sizeof(uint16_t));
-  out->n_in = w.n_in;
-  out->n_out = w.n_out;
+  out->n_in = n_in;
+  out->n_out = n_out;
   return s;
 }
 

@@ -37,6 +37,9 @@ inline uint64_t device_matrix_bytes(const model::WeightMatrix& w) { return uint6
 // Uploads the two bf16 terms of dequantized_weights(w). kUnsupported for a type
 // model::dequantize_row does not read, kOutOfMemory when the device cannot hold it.
 CudaStatus upload_matrix(const model::WeightMatrix& w, DeviceMatrix* out);
+// The same for matrices of one input width stacked as one ([w0 rows; w1 rows; ...]): products
+// that share their input (q, k, v; gate, up) in one. kInvalidArgument for differing n_in.
+CudaStatus upload_stacked(const std::vector<const model::WeightMatrix*>& ws, DeviceMatrix* out);
 
 class DeviceMatmul {
  public:

@@ -88,11 +88,29 @@ __global__ void scatter_kernel(const float* src, const int32_t* index, int64_t n
   dst[int64_t(index[j]) * width + i % width] = src[i];
 }
 
-__global__ void swiglu_kernel(const float* gate, const float* up, int64_t n, float* out) {
+__global__ void swiglu_kernel(const float* gate, const float* up, int64_t n, int width, int64_t stride, float* out) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const float g = gate[i];
-  out[i] = g / (1.f + expf(-g)) * up[i];
+  const int64_t at = i / width * stride + i % width;
+  const float g = gate[at];
+  out[i] = g / (1.f + expf(-g)) * up[at];
+}
+
+constexpr int kMaxColumnParts = 4;
+struct ColumnParts {
+  ColumnPart part[kMaxColumnParts];
+  int count;
+};
+
+__global__ void split_columns_kernel(const float* src, int64_t rows, int width, ColumnParts parts) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * width) return;
+  const int64_t r = i / width;
+  const int c = int(i % width);
+  for (int j = 0; j < parts.count; ++j) {
+    const ColumnPart& p = parts.part[j];
+    if (c >= p.from && c < p.from + p.width) p.dst[r * p.width + (c - p.from)] = src[i];
+  }
 }
 
 __global__ void split_bf16_kernel(const float* x, int64_t n, uint16_t* hi, uint16_t* lo) {
@@ -214,13 +232,32 @@ CudaStatus sum_split_products(const float* t, const float* u, int64_t rows, int 
   return launched("sum_split_products");
 }
 
-CudaStatus swiglu_rows(const float* gate, const float* up, int64_t rows, int width, float* out, void* stream) {
-  if (rows < 0 || width < 1) return refuse("swiglu_rows", "needs rows >= 0 and width >= 1");
+CudaStatus swiglu_rows(const float* gate, const float* up, int64_t rows, int width, int64_t stride, float* out,
+                       void* stream) {
+  if (rows < 0 || width < 1 || stride < width) return refuse("swiglu_rows", "needs rows >= 0, width >= 1 and stride >= width");
   if (!gate || !up || !out) return refuse("swiglu_rows", "null gate, up or output");
   const int64_t n = rows * width;
   if (n == 0) return {};
-  swiglu_kernel<<<flat_blocks(n), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(gate, up, n, out);
+  swiglu_kernel<<<flat_blocks(n), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(gate, up, n, width, stride, out);
   return launched("swiglu_rows");
+}
+
+CudaStatus split_columns(const float* src, int64_t rows, int width, const ColumnPart* parts, int n_parts,
+                         void* stream) {
+  if (rows < 0 || width < 1 || n_parts < 1 || n_parts > kMaxColumnParts || !parts)
+    return refuse("split_columns", "needs rows >= 0, width >= 1 and 1 to 4 parts");
+  ColumnParts p{};
+  p.count = n_parts;
+  for (int j = 0; j < n_parts; ++j) {
+    if (!parts[j].dst || parts[j].from < 0 || parts[j].width < 1 || parts[j].from + parts[j].width > width)
+      return refuse("split_columns", "a part outside the rows or without an output");
+    p.part[j] = parts[j];
+  }
+  if (!src) return refuse("split_columns", "null rows");
+  const int64_t n = rows * width;
+  if (n == 0) return {};
+  split_columns_kernel<<<flat_blocks(n), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(src, rows, width, p);
+  return launched("split_columns");
 }
 
 CudaStatus add_rows(float* x, const float* y, int64_t n, void* stream) {

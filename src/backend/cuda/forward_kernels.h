@@ -30,8 +30,21 @@ CudaStatus rms_norm_rows(const float* x, int64_t rows, int n, const float* w, fl
 CudaStatus rope_rows(float* x, int64_t rows, int n_heads, int head_dim, bool half_split, const float* cos,
                      const float* sin, void* stream);
 
-// out[r][i] = silu(gate[r][i]) * up[r][i], r < rows, i < width; out may be gate.
-CudaStatus swiglu_rows(const float* gate, const float* up, int64_t rows, int width, float* out, void* stream);
+// out[r][i] = silu(gate[r * stride + i]) * up[r * stride + i], r < rows, i < width (stride >=
+// width: gate and up may be the two halves of one product's rows); out [rows][width] may be gate
+// when stride is width.
+CudaStatus swiglu_rows(const float* gate, const float* up, int64_t rows, int width, int64_t stride, float* out,
+                       void* stream);
+
+// The column ranges of rows [rows][width] copied out, one launch: parts[j].dst[r][i] =
+// src[r][parts[j].from + i], i < parts[j].width (the q, k, v of one product).
+struct ColumnPart {
+  float* dst = nullptr;
+  int from = 0;
+  int width = 0;
+};
+CudaStatus split_columns(const float* src, int64_t rows, int width, const ColumnPart* parts, int n_parts,
+                         void* stream);
 
 // x[i] += y[i], i < n.
 CudaStatus add_rows(float* x, const float* y, int64_t n, void* stream);

@@ -126,7 +126,7 @@ TEST(ForwardKernels, SwigluMatchesTheHostToAFewUlps) {
     dg.upload(gate.data(), gate.size() * 4);
     du.upload(up.data(), up.size() * 4);
     float* pg = reinterpret_cast<float*>(dg.data());
-    ASSERT_TRUE(swiglu_rows(pg, reinterpret_cast<float*>(du.data()), rows, width, pg, nullptr).ok);  // in place
+    ASSERT_TRUE(swiglu_rows(pg, reinterpret_cast<float*>(du.data()), rows, width, width, pg, nullptr).ok);  // in place
     const std::vector<float> got = run_and_read<float>(dg, gate.size());
     std::vector<float> ref = gate;
     backend::swiglu_rows(ref.data(), up.data(), rows, width);
@@ -226,6 +226,37 @@ TEST(ForwardKernels, GatherAndScatterMoveWholeRows) {
       ASSERT_EQ(back[size_t(r * width + i)], gathered[size_t(r)] ? x[size_t(r * width + i)] : 0.f) << "row " << r;
 }
 
+TEST(ForwardKernels, SplitColumnsAndStridedSwiglu) {
+  CERTKV_NEED_CUDA_DEVICE();
+  const int64_t rows = 5;
+  const int width = 2 * 96;  // [gate | up] of 96, and q, k, v of 64, 64, 64
+  const std::vector<float> y = normal_values(size_t(rows * width), 2.f, 61);
+  DeviceBytes dy(y.size() * 4), dq(size_t(rows) * 64 * 4), dk(size_t(rows) * 64 * 4), dv(size_t(rows) * 64 * 4),
+      ds(size_t(rows) * 96 * 4);
+  dy.upload(y.data(), y.size() * 4);
+  const ColumnPart parts[3] = {{reinterpret_cast<float*>(dq.data()), 0, 64},
+                               {reinterpret_cast<float*>(dk.data()), 64, 64},
+                               {reinterpret_cast<float*>(dv.data()), 128, 64}};
+  const float* py = reinterpret_cast<float*>(dy.data());
+  ASSERT_TRUE(split_columns(py, rows, width, parts, 3, nullptr).ok);
+  ASSERT_TRUE(swiglu_rows(py, py + 96, rows, 96, width, reinterpret_cast<float*>(ds.data()), nullptr).ok);
+  const DeviceBytes* outs[3] = {&dq, &dk, &dv};
+  for (int j = 0; j < 3; ++j) {
+    const std::vector<float> got = run_and_read<float>(*outs[j], size_t(rows) * 64);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int i = 0; i < 64; ++i) ASSERT_EQ(got[size_t(r * 64 + i)], y[size_t(r * width + 64 * j + i)]) << "part " << j;
+  }
+  const std::vector<float> got = run_and_read<float>(ds, size_t(rows) * 96);
+  std::vector<float> gate(size_t(rows) * 96), up(gate.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int i = 0; i < 96; ++i) {
+      gate[size_t(r * 96 + i)] = y[size_t(r * width + i)];
+      up[size_t(r * 96 + i)] = y[size_t(r * width + 96 + i)];
+    }
+  backend::swiglu_rows(gate.data(), up.data(), rows, 96);
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], gate[i], std::ldexp(std::fabs(gate[i]), -20) + 1e-30f);
+}
+
 TEST(ForwardKernels, ArgmaxIsTheHostsFirstLargest) {
   CERTKV_NEED_CUDA_DEVICE();
   const int n = 49152;
@@ -293,13 +324,15 @@ TEST(DeviceMatmul, MatchesTheDoubleReferenceOnRaggedRows) {
 }
 
 // Batch invariance of the weight products: a row's outputs must not depend on how many rows
-// share the product. Rows of SmolLM2's shapes, 1 to 512 of them; the first rows compared bit for
-// bit with the same rows alone.
+// share the product. Rows of SmolLM2's shapes (q, k, v stacked: 576 -> 960; gate, up: 576 ->
+// 3072) and Qwen2.5-0.5B's (896 -> 1152, 896 -> 9728, 4864 -> 896), 1 to 512 of them; the first
+// row compared bit for bit with the same row alone.
 TEST(DeviceMatmul, ARowsProductDoesNotDependOnTheRowCount) {
   CERTKV_NEED_CUDA_DEVICE();
   std::unique_ptr<DeviceMatmul> mm;
   ASSERT_TRUE(DeviceMatmul::create(nullptr, &mm).ok);
-  for (const auto& [n_in, n_out] : {std::pair<int64_t, int64_t>{576, 576}, {576, 1536}, {1536, 576}, {576, 49152}}) {
+  for (const auto& [n_in, n_out] : {std::pair<int64_t, int64_t>{576, 576}, {576, 960}, {576, 3072}, {1536, 576},
+                                    {576, 49152}, {896, 1152}, {896, 9728}, {4864, 896}}) {
     const std::vector<float> wf = normal_values(size_t(n_in * n_out), 0.05f, 51);
     const model::WeightMatrix w = f32_matrix(wf, n_in, n_out);
     DeviceMatrix dm;
@@ -328,7 +361,10 @@ TEST(ForwardKernels, RefuseBadShapesBeforeAnyLaunch) {
   EXPECT_EQ(rope_rows(p, 2, 3, 63, false, p, p, nullptr).code, StatusCode::kInvalidArgument);
   EXPECT_EQ(rope_rows(p, 2, 0, 64, false, p, p, nullptr).code, StatusCode::kInvalidArgument);
   EXPECT_EQ(rope_rows(nullptr, 2, 3, 64, false, p, p, nullptr).code, StatusCode::kInvalidArgument);
-  EXPECT_EQ(swiglu_rows(p, nullptr, 2, 8, p, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(swiglu_rows(p, nullptr, 2, 8, 8, p, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(swiglu_rows(p, p, 2, 8, 7, p, nullptr).code, StatusCode::kInvalidArgument);
+  const ColumnPart outside{p, 5, 4};
+  EXPECT_EQ(split_columns(p, 2, 8, &outside, 1, nullptr).code, StatusCode::kInvalidArgument);
   EXPECT_EQ(add_rows(nullptr, p, 4, nullptr).code, StatusCode::kInvalidArgument);
   EXPECT_EQ(add_bias_rows(p, p, 2, 0, nullptr).code, StatusCode::kInvalidArgument);
   EXPECT_EQ(split_bf16_rows(p, -1, 8, b, nullptr).code, StatusCode::kInvalidArgument);

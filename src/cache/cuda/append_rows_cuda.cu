@@ -11,7 +11,12 @@
 namespace certkv::cache::cuda {
 namespace {
 
-__global__ void append_rows_kernel(AppendRowsArgs a) {
+struct AppendBatch {
+  AppendRowsArgs items[kMaxAppendBatch];
+};
+
+// One write, by the blocks of one grid row (blockIdx.y picks the write in a batch).
+__device__ void append_one(const AppendRowsArgs& a) {
   const int64_t per_tensor = a.n * a.n_kv_heads * a.head_dim;
   const int64_t total = 2 * per_tensor;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -28,7 +33,7 @@ __global__ void append_rows_kernel(AppendRowsArgs a) {
     const int64_t page = entry >= 0 ? entry : -int64_t(entry) - 1;
     if (page >= a.n_raw_pages) continue;  // a table the host never wrote: never write past the pool
     uint8_t* dst = a.raw_pages + page * a.raw_page_stride;
-    const uint16_t bf16 = format::float_to_bf16(a.rows[i]);
+    const uint16_t bf16 = format::float_to_bf16(kv == 0 ? a.k_rows[rem] : a.v_rows[rem]);
     const int64_t element = int64_t(row) * a.head_dim + c;
     if (a.element == format::GaacElement::kBf16) {
       reinterpret_cast<uint16_t*>(dst)[element] = bf16;
@@ -59,6 +64,14 @@ __global__ void append_rows_kernel(AppendRowsArgs a) {
   if (blockIdx.x == 0 && threadIdx.x == 0) *a.length = int32_t(a.first + a.n);
 }
 
+__global__ void append_rows_kernel(AppendRowsArgs a) { append_one(a); }
+
+__global__ void append_batch_kernel(AppendBatch b) { append_one(b.items[blockIdx.y]); }
+
+int grid_blocks(int64_t rows_values) {
+  return int(std::min<int64_t>((rows_values + 255) / 256, 1024) + (rows_values == 0));
+}
+
 }  // namespace
 
 CudaStatus check_append_rows(const AppendRowsArgs& a) {
@@ -74,7 +87,8 @@ CudaStatus check_append_rows(const AppendRowsArgs& a) {
   const int64_t page = int64_t(a.block_tokens) * a.head_dim * (a.element == format::GaacElement::kBf16 ? 2 : 1);
   if (a.n_raw_pages > 0 && (a.raw_pages == nullptr || a.raw_page_stride < page))
     return bad("a raw pool needs pages of at least " + std::to_string(page) + " bytes");
-  if (a.length == nullptr || (a.n > 0 && (a.rows == nullptr || a.tables == nullptr))) return bad("a device array is null");
+  if (a.length == nullptr || (a.n > 0 && (a.k_rows == nullptr || a.v_rows == nullptr || a.tables == nullptr)))
+    return bad("a device array is null");
   return {};
 }
 
@@ -82,12 +96,29 @@ CudaStatus append_rows(const AppendRowsArgs& args, void* stream) {
   if (CudaStatus s = check_append_rows(args); !s.ok) return s;
   // Enough threads for the rows written (the zeroed rows after them are fewer than a block's).
   const int64_t total = 2 * args.n * args.n_kv_heads * args.head_dim;
-  const int threads = 256;
-  const int blocks = int(std::min<int64_t>((total + threads - 1) / threads, 1024) + (total == 0));
-  append_rows_kernel<<<blocks, threads, 0, static_cast<cudaStream_t>(stream)>>>(args);
+  append_rows_kernel<<<grid_blocks(total), 256, 0, static_cast<cudaStream_t>(stream)>>>(args);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     return cuda_error(StatusCode::kInternal, std::string("append_rows launch failed: ") + cudaGetErrorString(e));
+  return {};
+}
+
+CudaStatus append_rows_batch(const AppendRowsArgs* args, int count, void* stream) {
+  if (count < 0 || count > kMaxAppendBatch || (count > 0 && args == nullptr))
+    return cuda_error(StatusCode::kInvalidArgument, "append_rows_batch: between 0 and " +
+                                                        std::to_string(kMaxAppendBatch) + " writes");
+  if (count == 0) return {};
+  AppendBatch b;
+  int64_t most = 0;
+  for (int i = 0; i < count; ++i) {
+    if (CudaStatus s = check_append_rows(args[i]); !s.ok) return s;
+    b.items[i] = args[i];
+    most = std::max(most, 2 * args[i].n * args[i].n_kv_heads * args[i].head_dim);
+  }
+  append_batch_kernel<<<dim3(unsigned(grid_blocks(most)), unsigned(count)), 256, 0, static_cast<cudaStream_t>(stream)>>>(b);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return cuda_error(StatusCode::kInternal, std::string("append_rows_batch launch failed: ") + cudaGetErrorString(e));
   return {};
 }
 

@@ -12,7 +12,8 @@
 namespace certkv::cache::cuda {
 
 struct AppendRowsArgs {
-  const float* rows = nullptr;     // device: [2 (K, V)][n][n_kv_heads][head_dim]
+  const float* k_rows = nullptr;   // device: [n][n_kv_heads][head_dim]
+  const float* v_rows = nullptr;   // device: [n][n_kv_heads][head_dim]
   int64_t n = 0;                   // tokens
   int64_t first = 0;               // position of the first row
   int n_kv_heads = 0;
@@ -31,6 +32,10 @@ struct AppendRowsArgs {
 // index past (a shape below 1, rows past the tables, a raw page stride below a page, an element
 // other than bf16 / E5M2, missing arrays); kInternal when the launch fails.
 CudaStatus append_rows(const AppendRowsArgs& args, void* stream);
+// Several writes (distinct sequences' tables) in one launch, at most kMaxAppendBatch of them;
+// each is checked as append_rows checks one, all before the launch.
+inline constexpr int kMaxAppendBatch = 24;
+CudaStatus append_rows_batch(const AppendRowsArgs* args, int count, void* stream);
 // The checks of append_rows alone (no launch).
 CudaStatus check_append_rows(const AppendRowsArgs& args);
 

@@ -479,24 +479,42 @@ CudaStatus DeviceKvCache::upload_table_blocks(const Layer& layer, int slot, int6
 }
 
 CudaStatus DeviceKvCache::write(int slot, int layer_index, const float* k, const float* v, int64_t n) {
-  if (!live(slot))
-    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: slot " + std::to_string(slot) + " is not live");
+  const SlotRows w{slot, k, v, n};
+  return write_rows(layer_index, &w, 1);
+}
+
+CudaStatus DeviceKvCache::write_rows(int layer_index, const SlotRows* writes, size_t count) {
   if (broken_)
     return cuda_error(StatusCode::kInternal, "device KV cache: an earlier call failed (" + broken_reason_ +
                                                  "); its pages and tables are no longer trusted: reset() it");
   if (layer_index < 0 || layer_index >= config_.n_layers)
     return cuda_error(StatusCode::kOutOfRange, "device KV cache: layer " + std::to_string(layer_index) + " of " +
                                                    std::to_string(config_.n_layers));
-  const int64_t first = written(slot, layer_index);
-  if (n < 0 || n > config_.max_tokens - first)
-    return cuda_error(StatusCode::kOutOfRange, "device KV cache: " + std::to_string(n) + " tokens after " +
-                                                   std::to_string(first) + " pass the capacity of " +
-                                                   std::to_string(config_.max_tokens));
-  if (n == 0) return {};
-  if (k == nullptr || v == nullptr) return cuda_error(StatusCode::kInvalidArgument, "device KV cache: write needs its K and V rows");
+  for (size_t i = 0; i < count; ++i) {
+    const SlotRows& w = writes[i];
+    if (!live(w.slot))
+      return cuda_error(StatusCode::kInvalidArgument, "device KV cache: slot " + std::to_string(w.slot) + " is not live");
+    for (size_t j = 0; j < i; ++j)
+      if (writes[j].slot == w.slot)
+        return cuda_error(StatusCode::kInvalidArgument,
+                          "device KV cache: slot " + std::to_string(w.slot) + " is written twice in one call");
+    const int64_t first = written(w.slot, layer_index);
+    if (w.n < 0 || w.n > config_.max_tokens - first)
+      return cuda_error(StatusCode::kOutOfRange, "device KV cache: " + std::to_string(w.n) + " tokens after " +
+                                                     std::to_string(first) + " pass the capacity of " +
+                                                     std::to_string(config_.max_tokens));
+    if (w.n > 0 && (w.k == nullptr || w.v == nullptr))
+      return cuda_error(StatusCode::kInvalidArgument, "device KV cache: write needs its K and V rows");
+  }
   // From here a failure leaves pages taken and tables half updated: the cache refuses every
   // call but reset() after one.
-  const CudaStatus s = append(slot, layer_index, first, k, v, n);
+  // While dither8's outlier pairs are being chosen, the writes go one after another (each one's
+  // blocks finalized before the next one's rows are noted: KvCache's order).
+  CudaStatus s = {};
+  if (n_outlier_pairs_ > 0 && !layers_[size_t(layer_index)]->all_outliers_chosen())
+    for (size_t i = 0; i < count && s.ok; ++i) s = append(layer_index, writes + i, 1);
+  else
+    s = append(layer_index, writes, count);
   if (!s.ok) {
     broken_ = true;
     broken_reason_ = s.message;
@@ -504,7 +522,7 @@ CudaStatus DeviceKvCache::write(int slot, int layer_index, const float* k, const
   return s;
 }
 
-CudaStatus DeviceKvCache::append(int slot, int layer_index, int64_t first, const float* k, const float* v, int64_t n) {
+CudaStatus DeviceKvCache::append(int layer_index, const SlotRows* writes, size_t count) {
   const int H = config_.n_kv_heads;
   const int D = config_.head_dim;
   const int T = config_.block_tokens;
@@ -512,78 +530,107 @@ CudaStatus DeviceKvCache::append(int slot, int layer_index, int64_t first, const
   void* stream = config_.stream;
   // GAAC and lossy tables name raw pages by -r - 1.
   const bool coded = config_.scheme != KvScheme::kBf16;
-  if (n_outlier_pairs_ > 0 && !layer.all_outliers_chosen()) {
-    // The choice reads the rows on the host: device rows come down for it (until it is made).
-    const float* host_k = k;
-    std::vector<float> copy;
-    if (on_device(k)) {
-      copy.resize(size_t(n) * H * D);
-      CudaStatus s = cuda_check(cudaMemcpy(copy.data(), k, copy.size() * sizeof(float), cudaMemcpyDeviceToHost),
-                                "outlier rows download");
-      if (!s.ok) return s;
-      host_k = copy.data();
-    }
-    CudaStatus s = note_outlier_rows(layer_index, first, host_k, n);
-    if (!s.ok) return s;
-  }
-
-  // Raw pages for the blocks that start in this write (the tail block may have one already).
-  const int64_t block_begin = first / T;
-  const int64_t block_end = (first + n + T - 1) / T;
-  const int64_t new_begin = (first + T - 1) / T;
-  for (int kv = 0; kv < 2; ++kv)
-    for (int h = 0; h < H; ++h)
-      for (int64_t b = new_begin; b < block_end; ++b) {
-        int32_t page = 0;
-        CudaStatus s = layer.raw.take(kFirstRawBlocks * 2 * H, stream, &page);
+  std::vector<int64_t> firsts(count);
+  std::vector<uint8_t> device_rows(count);
+  size_t host_floats = 0;  // rows to stage
+  for (size_t i = 0; i < count; ++i) {
+    const SlotRows& w = writes[i];
+    const int64_t first = firsts[i] = written(w.slot, layer_index);
+    if (w.n == 0) continue;
+    device_rows[i] = on_device(w.k) && on_device(w.v);
+    if (!device_rows[i]) host_floats += 2 * size_t(w.n) * H * D;
+    if (n_outlier_pairs_ > 0 && !layer.all_outliers_chosen()) {
+      // The choice reads the rows on the host: device rows come down for it (until it is made).
+      const float* host_k = w.k;
+      std::vector<float> copy;
+      if (on_device(w.k)) {
+        copy.resize(size_t(w.n) * H * D);
+        CudaStatus s = cuda_check(cudaMemcpy(copy.data(), w.k, copy.size() * sizeof(float), cudaMemcpyDeviceToHost),
+                                  "outlier rows download");
         if (!s.ok) return s;
-        layer.host_tables[entry_index(slot, kv, h, b)] = coded ? -page - 1 : page;
+        host_k = copy.data();
       }
-  CudaStatus s = {};
-  if (block_end > new_begin) {
-    s = upload_table_blocks(layer, slot, new_begin, block_end);
-    if (!s.ok) return s;
+      CudaStatus s = note_outlier_rows(layer_index, first, host_k, w.n);
+      if (!s.ok) return s;
+    }
+    // Raw pages for the blocks that start in this write (the tail block may have one already).
+    const int64_t block_end = (first + w.n + T - 1) / T;
+    const int64_t new_begin = (first + T - 1) / T;
+    for (int kv = 0; kv < 2; ++kv)
+      for (int h = 0; h < H; ++h)
+        for (int64_t b = new_begin; b < block_end; ++b) {
+          int32_t page = 0;
+          CudaStatus s = layer.raw.take(kFirstRawBlocks * 2 * H, stream, &page);
+          if (!s.ok) return s;
+          layer.host_tables[entry_index(w.slot, kv, h, b)] = coded ? -page - 1 : page;
+        }
+    if (block_end > new_begin) {
+      CudaStatus s = upload_table_blocks(layer, w.slot, new_begin, block_end);
+      if (!s.ok) return s;
+    }
   }
-
-  const size_t row_floats = size_t(n) * H * D;
-  if (staging_.size() < 2 * row_floats * sizeof(float)) {
+  CudaStatus s = {};
+  if (staging_.size() < host_floats * sizeof(float)) {
     // The previous append may still read the old buffer.
     s = cuda_check(cudaStreamSynchronize(as_stream(stream)), "staging growth");
-    if (s.ok) s = DeviceBuffer::allocate(2 * row_floats * sizeof(float), &staging_);
+    if (s.ok) s = DeviceBuffer::allocate(host_floats * sizeof(float), &staging_);
     if (!s.ok) return s;
   }
-  // Host or device rows (cudaMemcpyDefault: the pointer says which).
-  s = cuda_check(cudaMemcpyAsync(staging_.data(), k, row_floats * sizeof(float), cudaMemcpyDefault, as_stream(stream)),
-                 "row upload");
-  if (s.ok)
-    s = cuda_check(cudaMemcpyAsync(staging_.data() + row_floats * sizeof(float), v, row_floats * sizeof(float),
-                                   cudaMemcpyDefault, as_stream(stream)),
-                   "row upload");
-  if (!s.ok) return s;
-  AppendRowsArgs a;
-  a.rows = reinterpret_cast<const float*>(staging_.data());
-  a.n = n;
-  a.first = first;
-  a.n_kv_heads = H;
-  a.head_dim = D;
-  a.block_tokens = T;
-  a.element = scheme_element(config_.scheme);
-  a.tables = reinterpret_cast<const int32_t*>(layer.tables.data()) + entry_index(slot, 0, 0, 0);
-  a.table_stride = table_stride_;
-  a.raw_pages = layer.raw.buffer.data();
-  a.raw_page_stride = int64_t(layer.raw.stride);
-  a.n_raw_pages = layer.raw.capacity;
-  a.length = reinterpret_cast<int32_t*>(lengths_.data()) + size_t(slot) * size_t(config_.n_layers) + size_t(layer_index);
-  s = append_rows(a, stream);
-  if (!s.ok) return s;
-  // Blocks whose last row this write stored.
-  const int64_t done_end = (first + n) / T;
-  if (coded && done_end > block_begin) {
-    s = lossy_ ? finalize_lossy(slot, layer_index, block_begin, done_end)
-               : finalize(slot, layer_index, block_begin, done_end);
+  // The writes' arguments once every page is taken (a raw pool that grew moved); host rows
+  // go up into the staging first, device rows are read where they are.
+  std::vector<AppendRowsArgs> args;
+  size_t staged = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const SlotRows& w = writes[i];
+    if (w.n == 0) continue;
+    AppendRowsArgs a;
+    a.k_rows = w.k;
+    a.v_rows = w.v;
+    if (!device_rows[i]) {
+      const size_t floats = size_t(w.n) * H * D;
+      float* k_stage = reinterpret_cast<float*>(staging_.data()) + staged;
+      s = cuda_check(cudaMemcpyAsync(k_stage, w.k, floats * sizeof(float), cudaMemcpyDefault, as_stream(stream)),
+                     "row upload");
+      if (s.ok)
+        s = cuda_check(cudaMemcpyAsync(k_stage + floats, w.v, floats * sizeof(float), cudaMemcpyDefault,
+                                       as_stream(stream)),
+                       "row upload");
+      if (!s.ok) return s;
+      a.k_rows = k_stage;
+      a.v_rows = k_stage + floats;
+      staged += 2 * floats;
+    }
+    a.n = w.n;
+    a.first = firsts[i];
+    a.n_kv_heads = H;
+    a.head_dim = D;
+    a.block_tokens = T;
+    a.element = scheme_element(config_.scheme);
+    a.tables = reinterpret_cast<const int32_t*>(layer.tables.data()) + entry_index(w.slot, 0, 0, 0);
+    a.table_stride = table_stride_;
+    a.raw_pages = layer.raw.buffer.data();
+    a.raw_page_stride = int64_t(layer.raw.stride);
+    a.n_raw_pages = layer.raw.capacity;
+    a.length = reinterpret_cast<int32_t*>(lengths_.data()) + size_t(w.slot) * size_t(config_.n_layers) + size_t(layer_index);
+    args.push_back(a);
+  }
+  for (size_t at = 0; at < args.size(); at += kMaxAppendBatch) {
+    s = append_rows_batch(args.data() + at, int(std::min<size_t>(kMaxAppendBatch, args.size() - at)), stream);
     if (!s.ok) return s;
   }
-  written_[size_t(slot) * size_t(config_.n_layers) + size_t(layer_index)] = first + n;
+  for (size_t i = 0; i < count; ++i) {
+    const SlotRows& w = writes[i];
+    if (w.n == 0) continue;
+    // Blocks whose last row this write stored.
+    const int64_t block_begin = firsts[i] / T;
+    const int64_t done_end = (firsts[i] + w.n) / T;
+    if (coded && done_end > block_begin) {
+      s = lossy_ ? finalize_lossy(w.slot, layer_index, block_begin, done_end)
+                 : finalize(w.slot, layer_index, block_begin, done_end);
+      if (!s.ok) return s;
+    }
+    written_[size_t(w.slot) * size_t(config_.n_layers) + size_t(layer_index)] = firsts[i] + w.n;
+  }
   return {};
 }
 

@@ -178,6 +178,16 @@ class DeviceKvCache {
   // reset().
   CudaStatus write(int slot, int layer, const float* k, const float* v, int64_t n);
   CudaStatus write(int layer, const float* k, const float* v, int64_t n) { return write(0, layer, k, v, n); }
+  // Several sequences' writes to one layer (a forward step's), their rows stored by one launch
+  // per kMaxAppendBatch writes. Each is write()'s, checked as write() checks it, all before any
+  // change; kInvalidArgument for a slot named twice.
+  struct SlotRows {
+    int slot = 0;
+    const float* k = nullptr;
+    const float* v = nullptr;
+    int64_t n = 0;
+  };
+  CudaStatus write_rows(int layer, const SlotRows* writes, size_t count);
   // Lossy schemes, the gate's repair: the K and V pages of (layer, kv_head, block) that are lossy
   // become raw bf16 pages holding k_rows, v_rows ([block_tokens][head_dim] bf16, the exact block
   // from the host's backing store); their lossy pages return to the free lists. *bytes gets the
@@ -220,7 +230,7 @@ class DeviceKvCache {
  private:
   struct Layer;
   DeviceKvCache() = default;
-  CudaStatus append(int slot, int layer_index, int64_t first, const float* k, const float* v, int64_t n);
+  CudaStatus append(int layer_index, const SlotRows* writes, size_t count);
   CudaStatus finalize(int slot, int layer_index, int64_t block_begin, int64_t block_end);
   CudaStatus finalize_lossy(int slot, int layer_index, int64_t block_begin, int64_t block_end);
   // Index of (slot, K/V, kv_head, block) in a layer's host tables.

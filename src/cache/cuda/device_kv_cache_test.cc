@@ -516,7 +516,8 @@ namespace {
 TEST(AppendRows, BadArgumentsAreRefusedBeforeAnyLaunch) {
   auto address = [](uintptr_t a) { return reinterpret_cast<uint8_t*>(a); };
   AppendRowsArgs good;
-  good.rows = reinterpret_cast<const float*>(address(0x1000));
+  good.k_rows = reinterpret_cast<const float*>(address(0x1000));
+  good.v_rows = reinterpret_cast<const float*>(address(0x1800));
   good.n = 20;
   good.first = 5;
   good.n_kv_heads = 2;
@@ -537,6 +538,13 @@ TEST(AppendRows, BadArgumentsAreRefusedBeforeAnyLaunch) {
     EXPECT_EQ(append_rows(a, nullptr).code, StatusCode::kInvalidArgument) << what << ": refused before the launch";
   };
   refused([](AppendRowsArgs& a) { a.n = -1; }, "negative n");
+  refused([](AppendRowsArgs& a) { a.v_rows = nullptr; }, "no V rows");
+  {
+    AppendRowsArgs two[2] = {good, good};
+    two[1].k_rows = nullptr;
+    EXPECT_EQ(append_rows_batch(two, 2, nullptr).code, StatusCode::kInvalidArgument) << "a bad write in a batch";
+    EXPECT_EQ(append_rows_batch(two, kMaxAppendBatch + 1, nullptr).code, StatusCode::kInvalidArgument) << "too many";
+  }
   refused([](AppendRowsArgs& a) { a.block_tokens = 0; }, "block_tokens 0");
   refused([](AppendRowsArgs& a) { a.head_dim = 0; }, "head_dim 0");
   refused([](AppendRowsArgs& a) { a.n_kv_heads = 0; }, "no kv heads");
