@@ -100,7 +100,7 @@ class CudaBackend final : public Backend {
       kc.index_record_bytes = c.head_dim == 64 ? sizeof(index::RabitqRecord<64>) : sizeof(index::RabitqRecord<128>);
     }
     throw_if_failed(cache::cuda::DeviceKvCache::create(kc, &cache_));
-    forward_ = cuda::DeviceForward::create(model, nullptr);
+    forward_ = cuda::DeviceForward::create(model);
     if (sparse_) {
       // The key index's rotation P (cache::KeyIndex's: one for every head, from the sparse seed).
       const index::Rotation rotation(config.sparse.rotation, c.head_dim, config.sparse.seed);

@@ -1,12 +1,14 @@
-// The CUDA backend: many sequences over one device page pool (cache/cuda/device_kv_cache.h).
-// The KV cache lives on the device only: each layer's new K/V rows go up once, are rounded and
-// stored there, and a block is encoded on the device when it fills (GAAC slots, lossy pages with
-// their witness). Attention runs on the device for every row of a step, prefill and decode
+// The CUDA backend: many sequences over one device page pool (cache/cuda/device_kv_cache.h),
+// the whole model on the device. The forward pass (backend/cuda/device_forward.h: weights
+// uploaded once, fp32-accurate products through cuBLAS, the norms, RoPE, SwiGLU and residuals)
+// hands each layer's K/V rows to the device cache, which rounds and stores them (one launch for
+// the step's sequences) and encodes a block on the device when it fills (GAAC slots, lossy pages
+// with their witness). Attention runs on the device for every row of a step, prefill and decode
 // alike, in one paged-decode launch per layer and row class (attention/cuda/paged_decode_cuda.h):
 // a prefill row is a query over its sequence's tables with its own length, so a chunk's rows
 // attend causally. The decode rows of the metered schemes get the meter from the same pass, and
-// their telemetry. The weight products, norms, RoPE and logits run on the host for now
-// (backend/host_forward.h); the GPU runtime moves them to the device behind this interface.
+// their telemetry. A step runs without waiting for the device until its end, where the logits
+// the items ask for, the error words, meters and sparse counts come back together.
 //
 // Batch invariance: the split of the KV is fixed per sequence (kSplitBlocks blocks per split),
 // never planned from the batch; a row's result therefore depends on its own length and pages

@@ -58,7 +58,7 @@ uint64_t device_weight_bytes(const model::Model& model) {
   return bytes;
 }
 
-std::unique_ptr<DeviceForward> DeviceForward::create(const model::Model& model, void* stream) {
+std::unique_ptr<DeviceForward> DeviceForward::create(const model::Model& model, bool graphs) {
   const uint64_t need = device_weight_bytes(model);
   size_t free_bytes = 0, total_bytes = 0;
   if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess)
@@ -68,7 +68,10 @@ std::unique_ptr<DeviceForward> DeviceForward::create(const model::Model& model, 
                                        " MiB on the device (two bf16 terms a weight), and the device has " +
                                        std::to_string(free_bytes >> 20) + " MiB free of " +
                                        std::to_string(total_bytes >> 20));
-  std::unique_ptr<DeviceForward> f(new DeviceForward(model, stream));
+  std::unique_ptr<DeviceForward> f(new DeviceForward(model, graphs));
+  cudaStream_t stream = nullptr;
+  if (cudaStreamCreate(&stream) != cudaSuccess) fail(StatusCode::kInternal, "the device forward's stream could not be made");
+  f->stream_ = stream;
   throw_if_failed(DeviceMatmul::create(stream, &f->matmul_));
   const ModelConfig& c = model.config();
   f->layers_.resize(size_t(c.n_layers));
@@ -95,8 +98,21 @@ std::unique_ptr<DeviceForward> DeviceForward::create(const model::Model& model, 
   return f;
 }
 
+DeviceForward::~DeviceForward() {
+  drop_graphs();
+  matmul_.reset();
+  if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+}
+
+void DeviceForward::drop_graphs() {
+  for (auto& [n, execs] : graphs_)
+    for (void* e : execs) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(e));
+  graphs_.clear();
+}
+
 void DeviceForward::ensure_buffers(int64_t rows, int64_t logit_rows) {
   const ModelConfig& c = model_.config();
+  if (rows > buffer_rows_ || logit_rows > buffer_logit_rows_) drop_graphs();  // they name the old buffers
   if (rows > buffer_rows_) {
     const size_t n = size_t(rows);
     const size_t q_dim = size_t(c.n_heads) * size_t(c.head_dim), kv_dim = size_t(c.n_kv_heads) * size_t(c.head_dim);
@@ -115,6 +131,7 @@ void DeviceForward::ensure_buffers(int64_t rows, int64_t logit_rows) {
     grow(proj_, n * sizeof(float) * size_t(c.dim));
     grow(gate_up_, n * sizeof(float) * 2 * size_t(c.ffn_dim));
     grow(act_, n * sizeof(float) * size_t(c.ffn_dim));
+    throw_if_failed(matmul_->reserve(rows, int64_t(widest), int64_t(std::max(q_dim + 2 * kv_dim, 2 * size_t(c.ffn_dim)))));
     buffer_rows_ = rows;
   }
   if (logit_rows > buffer_logit_rows_) {
@@ -124,12 +141,95 @@ void DeviceForward::ensure_buffers(int64_t rows, int64_t logit_rows) {
     grow(logit_x_, n * sizeof(float) * size_t(c.dim));
     grow(logits_, n * sizeof(float) * size_t(c.n_vocab));
     throw_if_failed(PinnedBuffer::allocate(n * (sizeof(int32_t) + sizeof(float) * size_t(c.n_vocab)), &logits_host_));
+    throw_if_failed(matmul_->reserve(logit_rows, c.dim, c.n_vocab));
     buffer_logit_rows_ = logit_rows;
   }
 }
 
 void DeviceForward::multiply(const DeviceMatrix& w, const float* x, int64_t rows, float* y) {
   throw_if_failed(matmul_->multiply(w, x, rows, y));
+}
+
+void DeviceForward::segment(int l, int64_t n) {
+  const ModelConfig& c = model_.config();
+  const int hd = c.head_dim, half = hd / 2;
+  const int64_t q_dim = int64_t(c.n_heads) * hd, kv_dim = int64_t(c.n_kv_heads) * hd;
+  const float eps = c.rms_eps;
+  float* x = floats_mut(x_);
+  float* xn = floats_mut(xn_);
+  float* q = floats_mut(q_);
+  float* k = floats_mut(k_);
+  float* v = floats_mut(v_);
+  float* proj = floats_mut(proj_);
+  if (l > 0) {  // the end of layer l - 1: attention's output through W_o, then the FFN
+    const Layer& w = layers_[size_t(l - 1)];
+    float* gate_up = floats_mut(gate_up_);
+    float* act = floats_mut(act_);
+    multiply(w.wo, floats(attn_), n, proj);
+    throw_if_failed(add_rows(x, proj, n * c.dim, stream_));
+    throw_if_failed(rms_norm_rows(x, n, c.dim, floats(w.ffn_norm), eps, xn, nullptr, stream_));
+    multiply(w.w_gate_up, xn, n, gate_up);
+    throw_if_failed(swiglu_rows(gate_up, gate_up + c.ffn_dim, n, c.ffn_dim, 2 * int64_t(c.ffn_dim), act, stream_));
+    multiply(w.w_down, act, n, proj);
+    throw_if_failed(add_rows(x, proj, n * c.dim, stream_));
+  }
+  if (l == c.n_layers) return;
+  // The start of layer l: its queries, keys and values.
+  const Layer& w = layers_[size_t(l)];
+  const float* dcos = floats(angles_);
+  const float* dsin = dcos + n * half;
+  const bool half_split = c.rope_layout == model::RopeLayout::kHalfSplit;
+  float* qkv = floats_mut(qkv_);
+  const ColumnPart qkv_parts[3] = {{q, 0, int(q_dim)}, {k, int(q_dim), int(kv_dim)}, {v, int(q_dim + kv_dim), int(kv_dim)}};
+  throw_if_failed(rms_norm_rows(x, n, c.dim, floats(w.attn_norm), eps, xn, nullptr, stream_));
+  multiply(w.wqkv, xn, n, qkv);
+  throw_if_failed(split_columns(qkv, n, int(q_dim + 2 * kv_dim), qkv_parts, 3, stream_));
+  if (c.qkv_bias) {
+    throw_if_failed(add_bias_rows(q, floats(w.bq), n, int(q_dim), stream_));
+    throw_if_failed(add_bias_rows(k, floats(w.bk), n, int(kv_dim), stream_));
+    throw_if_failed(add_bias_rows(v, floats(w.bv), n, int(kv_dim), stream_));
+  }
+  if (c.qk_norm) {  // each head a row
+    throw_if_failed(rms_norm_rows(q, n * c.n_heads, hd, floats(w.q_norm), eps, q, nullptr, stream_));
+    throw_if_failed(rms_norm_rows(k, n * c.n_kv_heads, hd, floats(w.k_norm), eps, k, nullptr, stream_));
+  }
+  throw_if_failed(rope_rows(q, n, c.n_heads, hd, half_split, dcos, dsin, stream_));
+  throw_if_failed(rope_rows(k, n, c.n_kv_heads, hd, half_split, dcos, dsin, stream_));
+}
+
+const std::vector<void*>& DeviceForward::graphs_of(int64_t n) {
+  if (graph_generation_ != matmul_->scratch_generation()) drop_graphs();
+  for (const auto& [rows, execs] : graphs_)
+    if (rows == n) return execs;
+  graph_generation_ = matmul_->scratch_generation();
+  std::vector<void*> execs;
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_);
+  for (int l = 0; l <= model_.config().n_layers; ++l) {
+    cudaGraph_t graph = nullptr;
+    cudaError_t e = cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
+    if (e == cudaSuccess) {
+      try {
+        segment(l, n);
+      } catch (...) {
+        cudaStreamEndCapture(stream, &graph);
+        if (graph) cudaGraphDestroy(graph);
+        for (void* x : execs) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(x));
+        throw;
+      }
+      e = cudaStreamEndCapture(stream, &graph);
+    }
+    cudaGraphExec_t exec = nullptr;
+    if (e == cudaSuccess) e = cudaGraphInstantiate(&exec, graph, 0);
+    if (graph) cudaGraphDestroy(graph);
+    if (e != cudaSuccess) {
+      for (void* x : execs) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(x));
+      fail(StatusCode::kInternal, std::string("device forward: capturing a step of ") + std::to_string(n) +
+                                      " rows: " + cudaGetErrorString(e));
+    }
+    execs.push_back(exec);
+  }
+  graphs_.emplace_back(n, std::move(execs));
+  return graphs_.back().second;
 }
 
 void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attention) {
@@ -153,7 +253,6 @@ void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attent
   }
   ensure_buffers(n, int64_t(wanted.size()));
   const int hd = c.head_dim, half = hd / 2;
-  const int64_t q_dim = int64_t(c.n_heads) * hd, kv_dim = int64_t(c.n_kv_heads) * hd;
 
   // Tokens and angles up.
   int32_t* tokens = reinterpret_cast<int32_t*>(staging_.data());
@@ -172,52 +271,24 @@ void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attent
     }
   throw_if_failed(tokens_.upload_async(0, tokens, sizeof(int32_t) * size_t(n), stream_));
   throw_if_failed(angles_.upload_async(0, cos, sizeof(float) * size_t(n) * size_t(hd), stream_));
-  const float* dcos = floats(angles_);
-  const float* dsin = dcos + n * half;
 
   const DeviceMatrix& embedding = embedding_.data.data() ? embedding_ : output_;
   const uint16_t* table = reinterpret_cast<const uint16_t*>(embedding.data.data());
-  float* x = floats_mut(x_);
-  float* xn = floats_mut(xn_);
-  float* q = floats_mut(q_);
-  float* k = floats_mut(k_);
-  float* v = floats_mut(v_);
-  float* attn = floats_mut(attn_);
-  float* proj = floats_mut(proj_);
-  float* qkv = floats_mut(qkv_);
-  float* gate_up = floats_mut(gate_up_);
-  float* act = floats_mut(act_);
-  const ColumnPart qkv_parts[3] = {{q, 0, int(q_dim)}, {k, int(q_dim), int(kv_dim)}, {v, int(q_dim + kv_dim), int(kv_dim)}};
-  const float eps = c.rms_eps;
-  const bool half_split = c.rope_layout == model::RopeLayout::kHalfSplit;
   throw_if_failed(embed_rows(reinterpret_cast<const int32_t*>(tokens_.data()), n, table, table + embedding.n_in * embedding.n_out,
-                             c.n_vocab, c.dim, x, stream_));
-  for (int l = 0; l < c.n_layers; ++l) {
-    const Layer& w = layers_[size_t(l)];
-    throw_if_failed(rms_norm_rows(x, n, c.dim, floats(w.attn_norm), eps, xn, nullptr, stream_));
-    multiply(w.wqkv, xn, n, qkv);
-    throw_if_failed(split_columns(qkv, n, int(q_dim + 2 * kv_dim), qkv_parts, 3, stream_));
-    if (c.qkv_bias) {
-      throw_if_failed(add_bias_rows(q, floats(w.bq), n, int(q_dim), stream_));
-      throw_if_failed(add_bias_rows(k, floats(w.bk), n, int(kv_dim), stream_));
-      throw_if_failed(add_bias_rows(v, floats(w.bv), n, int(kv_dim), stream_));
+                             c.n_vocab, c.dim, floats_mut(x_), stream_));
+  const std::vector<void*>* graphs = use_graphs_ && n <= kMaxGraphRows ? &graphs_of(n) : nullptr;
+  for (int l = 0; l <= c.n_layers; ++l) {
+    if (graphs) {
+      const cudaError_t e = cudaGraphLaunch(static_cast<cudaGraphExec_t>((*graphs)[size_t(l)]),
+                                            static_cast<cudaStream_t>(stream_));
+      if (e != cudaSuccess) fail(StatusCode::kInternal, std::string("device forward: graph launch: ") + cudaGetErrorString(e));
+    } else {
+      segment(l, n);
     }
-    if (c.qk_norm) {  // each head a row
-      throw_if_failed(rms_norm_rows(q, n * c.n_heads, hd, floats(w.q_norm), eps, q, nullptr, stream_));
-      throw_if_failed(rms_norm_rows(k, n * c.n_kv_heads, hd, floats(w.k_norm), eps, k, nullptr, stream_));
-    }
-    throw_if_failed(rope_rows(q, n, c.n_heads, hd, half_split, dcos, dsin, stream_));
-    throw_if_failed(rope_rows(k, n, c.n_kv_heads, hd, half_split, dcos, dsin, stream_));
-    attention(l, q, k, v, attn);
-    multiply(w.wo, attn, n, proj);
-    throw_if_failed(add_rows(x, proj, n * c.dim, stream_));
-
-    throw_if_failed(rms_norm_rows(x, n, c.dim, floats(w.ffn_norm), eps, xn, nullptr, stream_));
-    multiply(w.w_gate_up, xn, n, gate_up);
-    throw_if_failed(swiglu_rows(gate_up, gate_up + c.ffn_dim, n, c.ffn_dim, 2 * int64_t(c.ffn_dim), act, stream_));
-    multiply(w.w_down, act, n, proj);
-    throw_if_failed(add_rows(x, proj, n * c.dim, stream_));
+    if (l < c.n_layers) attention(l, floats_mut(q_), floats(k_), floats(v_), floats_mut(attn_));
   }
+  const float eps = c.rms_eps;
+  float* x = floats_mut(x_);
 
   if (!wanted.empty()) {
     const int64_t m = int64_t(wanted.size());

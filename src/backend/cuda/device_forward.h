@@ -15,7 +15,14 @@
 // DeviceMatmul); norms, RoPE, SwiGLU and residuals run in float (backend/cuda/forward_kernels.h). Every kernel computes a row from that row alone and cuBLAS's
 // products of one row do not depend on the row count (DeviceMatmul's test), so a sequence's
 // logits do not depend on the batch beside it.
-// Thread safety: one owner; every launch goes to the stream given at create.
+// Launches: the forward's own stream, ordered with the null (legacy default) stream, where the
+// attention and the cache work, in both directions. A step's layers run as segments between
+// attentions (the end of one layer and the start of the next: norms, products, RoPE, residuals);
+// for steps of up to kMaxGraphRows rows each segment is a CUDA graph, captured once per row
+// count and replayed (a decode step at batch 8 launches 31 graphs instead of ~700 kernels). The
+// graphs run the same kernels on the same buffers: the logits are the same bits with or without
+// them (DeviceForward's test).
+// Thread safety: one owner.
 #pragma once
 
 #include <cstdint>
@@ -43,7 +50,8 @@ class DeviceForward {
   // Uploads the model's weights. Throws certkv::Error: kUnsupported for a weight type the
   // dequantizer does not read; kOutOfMemory, before any upload, when the device's free memory
   // cannot hold device_weight_bytes(model) (both sizes named).
-  static std::unique_ptr<DeviceForward> create(const model::Model& model, void* stream);
+  static std::unique_ptr<DeviceForward> create(const model::Model& model, bool graphs = true);
+  ~DeviceForward();
   DeviceForward(const DeviceForward&) = delete;
   DeviceForward& operator=(const DeviceForward&) = delete;
 
@@ -54,18 +62,29 @@ class DeviceForward {
   void run(const StepRows& rows, const DeviceLayerAttention& attention);
 
   uint64_t weight_bytes() const { return weight_bytes_; }
+  // Steps of at most this many rows replay captured segments.
+  static constexpr int64_t kMaxGraphRows = 64;
 
  private:
   struct Layer {
     DeviceMatrix wqkv, wo, w_gate_up, w_down;  // q, k, v stacked; gate, up stacked
     cache::cuda::DeviceBuffer attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm;
   };
-  DeviceForward(const model::Model& model, void* stream) : model_(model), stream_(stream) {}
+  DeviceForward(const model::Model& model, bool graphs) : model_(model), use_graphs_(graphs) {}
   void ensure_buffers(int64_t rows, int64_t logit_rows);
+  // Enqueues segment l of a step of n rows: the end of layer l - 1 (W_o, residual, the FFN) when
+  // l > 0, the start of layer l (RMSNorm, q k v, RoPE) when l < n_layers.
+  void segment(int l, int64_t n);
+  // The captured segments of steps of n rows (captured now if missing or stale).
+  const std::vector<void*>& graphs_of(int64_t n);
+  void drop_graphs();
   void multiply(const DeviceMatrix& w, const float* x, int64_t rows, float* y);
 
   const model::Model& model_;
-  void* stream_ = nullptr;
+  bool use_graphs_ = true;
+  void* stream_ = nullptr;  // cudaStream_t, owned
+  std::vector<std::pair<int64_t, std::vector<void*>>> graphs_;  // per row count: cudaGraphExec_t per segment
+  uint64_t graph_generation_ = 0;  // DeviceMatmul::scratch_generation() when captured
   std::unique_ptr<DeviceMatmul> matmul_;
   std::vector<Layer> layers_;
   DeviceMatrix output_, embedding_;  // embedding_: when the model does not tie it to the output

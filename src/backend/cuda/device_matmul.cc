@@ -68,6 +68,12 @@ CudaStatus DeviceMatmul::create(void* stream, std::unique_ptr<DeviceMatmul>* out
   st = cublasSetStream(h, static_cast<cudaStream_t>(stream));
   if (st != CUBLAS_STATUS_SUCCESS)
     return cuda_error(StatusCode::kInternal, std::string("cuBLAS stream: ") + cublasGetStatusString(st));
+  constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+  CudaStatus s = cache::cuda::DeviceBuffer::allocate(kWorkspaceBytes, &m->workspace_);
+  if (!s.ok) return s;
+  st = cublasSetWorkspace(h, m->workspace_.data(), kWorkspaceBytes);
+  if (st != CUBLAS_STATUS_SUCCESS)
+    return cuda_error(StatusCode::kInternal, std::string("cuBLAS workspace: ") + cublasGetStatusString(st));
   *out = std::move(m);
   return {};
 }
@@ -93,24 +99,29 @@ CudaStatus DeviceMatmul::multiply(const DeviceMatrix& w, const float* x, int64_t
   if (rows < 0 || !x || !y || !w.data.data())
     return cuda_error(StatusCode::kInvalidArgument, "device matmul: null weights, rows or output, or rows < 0");
   if (rows == 0) return {};
-  const size_t split_bytes = size_t(rows) * size_t(w.n_in) * 2 * sizeof(uint16_t);
-  const size_t partial_bytes = size_t(rows) * size_t(w.n_out) * 3 * sizeof(float);
-  if (split_.size() < split_bytes || partial_.size() < partial_bytes) {
-    // An earlier product may still read the old scratch.
-    CudaStatus s = cache::cuda::synchronize_stream(stream_);
-    if (s.ok && split_.size() < split_bytes) s = cache::cuda::DeviceBuffer::allocate(split_bytes, &split_);
-    if (s.ok && partial_.size() < partial_bytes) s = cache::cuda::DeviceBuffer::allocate(partial_bytes, &partial_);
-    if (!s.ok) return s;
-  }
+  CudaStatus s = reserve(rows, w.n_in, w.n_out);
+  if (!s.ok) return s;
   uint16_t* terms = reinterpret_cast<uint16_t*>(split_.data());  // [2][rows][n_in]: x_hi, x_lo
   float* t = reinterpret_cast<float*>(partial_.data());            // [2][rows][n_out]: W_hi x_hi, W_hi x_lo
   float* u = t + 2 * rows * w.n_out;                               // [rows][n_out]: W_lo x_hi
   const uint16_t* w_hi = reinterpret_cast<const uint16_t*>(w.data.data());
   const uint16_t* w_lo = w_hi + w.n_in * w.n_out;
-  CudaStatus s = split_bf16_rows(x, rows, int(w.n_in), terms, stream_);
+  s = split_bf16_rows(x, rows, int(w.n_in), terms, stream_);
   if (s.ok) s = gemm(w_hi, w.n_in, w.n_out, terms, 2 * rows, t);
   if (s.ok) s = gemm(w_lo, w.n_in, w.n_out, terms, rows, u);
   if (s.ok) s = sum_split_products(t, u, rows, int(w.n_out), y, stream_);
+  return s;
+}
+
+CudaStatus DeviceMatmul::reserve(int64_t rows, int64_t n_in, int64_t n_out) {
+  const size_t split_bytes = size_t(rows) * size_t(n_in) * 2 * sizeof(uint16_t);
+  const size_t partial_bytes = size_t(rows) * size_t(n_out) * 3 * sizeof(float);
+  if (split_.size() >= split_bytes && partial_.size() >= partial_bytes) return {};
+  // An earlier product may still read the old scratch.
+  CudaStatus s = cache::cuda::synchronize_stream(stream_);
+  if (s.ok && split_.size() < split_bytes) s = cache::cuda::DeviceBuffer::allocate(split_bytes, &split_);
+  if (s.ok && partial_.size() < partial_bytes) s = cache::cuda::DeviceBuffer::allocate(partial_bytes, &partial_);
+  ++generation_;
   return s;
 }
 

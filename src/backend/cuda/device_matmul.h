@@ -53,6 +53,11 @@ class DeviceMatmul {
   // x). Enqueued on the stream; its scratch grows to the largest product. kInvalidArgument for
   // null pointers or rows < 0.
   CudaStatus multiply(const DeviceMatrix& w, const float* x, int64_t rows, float* y);
+  // Grows the scratch to products of up to `rows` rows, n_in inputs and n_out outputs now, so that
+  // multiply() allocates nothing (and can be captured in a CUDA graph).
+  CudaStatus reserve(int64_t rows, int64_t n_in, int64_t n_out);
+  // Counts the scratch's moves: graphs captured before a move are stale.
+  uint64_t scratch_generation() const { return generation_; }
 
  private:
   DeviceMatmul() = default;
@@ -60,6 +65,8 @@ class DeviceMatmul {
   void* handle_ = nullptr;  // cublasHandle_t
   void* stream_ = nullptr;
   cache::cuda::DeviceBuffer split_, partial_;  // the activations' terms; the three products
+  cache::cuda::DeviceBuffer workspace_;        // cuBLAS's, set once (no allocation in a capture)
+  uint64_t generation_ = 0;
 };
 
 // y[t][o] = sum_i x[t][i] * w[o][i] in double over the float values.
