@@ -3,6 +3,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 
 #include "backend/cuda/forward_kernels.h"
@@ -101,19 +102,25 @@ CudaStatus DeviceMatmul::multiply(const DeviceMatrix& w, const float* x, int64_t
   if (rows == 0) return {};
   CudaStatus s = reserve(rows, w.n_in, w.n_out);
   if (!s.ok) return s;
-  uint16_t* terms = reinterpret_cast<uint16_t*>(split_.data());  // [2][rows][n_in]: x_hi, x_lo
-  float* t = reinterpret_cast<float*>(partial_.data());            // [2][rows][n_out]: W_hi x_hi, W_hi x_lo
-  float* u = t + 2 * rows * w.n_out;                               // [rows][n_out]: W_lo x_hi
   const uint16_t* w_hi = reinterpret_cast<const uint16_t*>(w.data.data());
   const uint16_t* w_lo = w_hi + w.n_in * w.n_out;
-  s = split_bf16_rows(x, rows, int(w.n_in), terms, stream_);
-  if (s.ok) s = gemm(w_hi, w.n_in, w.n_out, terms, 2 * rows, t);
-  if (s.ok) s = gemm(w_lo, w.n_in, w.n_out, terms, rows, u);
-  if (s.ok) s = sum_split_products(t, u, rows, int(w.n_out), y, stream_);
+  // Chunks of at most kProductRows rows, each its own split and products (a row's result then
+  // comes from a product of 1 to kProductRows rows, whatever the step's row count).
+  for (int64_t r0 = 0; r0 < rows && s.ok; r0 += kProductRows) {
+    const int64_t m = std::min(kProductRows, rows - r0);
+    uint16_t* terms = reinterpret_cast<uint16_t*>(split_.data());  // [2][m][n_in]: x_hi, x_lo
+    float* t = reinterpret_cast<float*>(partial_.data());            // [2][m][n_out]: W_hi x_hi, W_hi x_lo
+    float* u = t + 2 * m * w.n_out;                                  // [m][n_out]: W_lo x_hi
+    s = split_bf16_rows(x + r0 * w.n_in, m, int(w.n_in), terms, stream_);
+    if (s.ok) s = gemm(w_hi, w.n_in, w.n_out, terms, 2 * m, t);
+    if (s.ok) s = gemm(w_lo, w.n_in, w.n_out, terms, m, u);
+    if (s.ok) s = sum_split_products(t, u, m, int(w.n_out), y + r0 * w.n_out, stream_);
+  }
   return s;
 }
 
 CudaStatus DeviceMatmul::reserve(int64_t rows, int64_t n_in, int64_t n_out) {
+  rows = std::min(rows, kProductRows);
   const size_t split_bytes = size_t(rows) * size_t(n_in) * 2 * sizeof(uint16_t);
   const size_t partial_bytes = size_t(rows) * size_t(n_out) * 3 * sizeof(float);
   if (split_.size() >= split_bytes && partial_.size() >= partial_bytes) return {};

@@ -8,6 +8,12 @@
 // W_lo x_lo and the lows' own rounding, are about 2^-16 of |W| |x| per product: the products are
 // fp32-accurate, where a plain bf16 product (each operand rounded to 8 bits) moved SmolLM2's
 // logits by a KL of up to 4e-3 against the CPU's f32 activations (docs/cuda.md).
+// Batch invariance: cuBLAS picks its kernel per shape, and another kernel sums a row's products
+// in another order. On the H200 with CUDA 13.0 a product's rows kept their bits from 1 to 64 rows
+// on every shape tested, but not at 512 (Qwen2.5-0.5B's 4,864 -> 896 down projection): products
+// run in chunks of at most kProductRows rows, so a row's result never depends on the step's row
+// count past that (DeviceMatmul.ARowsProductDoesNotDependOnTheRowCount checks every count from 1
+// to 64, and 100 and 512, on SmolLM2's and Qwen2.5-0.5B's shapes).
 // Reference: device_matmul_ref (the float weights and activations, sums in double).
 // Thread safety: one owner; launches go to the stream given at create.
 #pragma once
@@ -40,6 +46,9 @@ CudaStatus upload_matrix(const model::WeightMatrix& w, DeviceMatrix* out);
 // The same for matrices of one input width stacked as one ([w0 rows; w1 rows; ...]): products
 // that share their input (q, k, v; gate, up) in one. kInvalidArgument for differing n_in.
 CudaStatus upload_stacked(const std::vector<const model::WeightMatrix*>& ws, DeviceMatrix* out);
+
+// The most rows one product runs at once.
+inline constexpr int64_t kProductRows = 64;
 
 class DeviceMatmul {
  public:

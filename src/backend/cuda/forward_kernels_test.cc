@@ -325,8 +325,8 @@ TEST(DeviceMatmul, MatchesTheDoubleReferenceOnRaggedRows) {
 
 // Batch invariance of the weight products: a row's outputs must not depend on how many rows
 // share the product. Rows of SmolLM2's shapes (q, k, v stacked: 576 -> 960; gate, up: 576 ->
-// 3072) and Qwen2.5-0.5B's (896 -> 1152, 896 -> 9728, 4864 -> 896), 1 to 512 of them; the first
-// row compared bit for bit with the same row alone.
+// 3072) and Qwen2.5-0.5B's (896 -> 1152, 896 -> 9728, 4864 -> 896), every count from 1 to 64
+// rows, then 100 and 512; the first row compared bit for bit with the same row alone.
 TEST(DeviceMatmul, ARowsProductDoesNotDependOnTheRowCount) {
   CERTKV_NEED_CUDA_DEVICE();
   std::unique_ptr<DeviceMatmul> mm;
@@ -342,7 +342,11 @@ TEST(DeviceMatmul, ARowsProductDoesNotDependOnTheRowCount) {
     DeviceBytes dx(x.size() * 4), dy(size_t(max_rows * n_out) * 4);
     dx.upload(x.data(), x.size() * 4);
     std::vector<float> alone;
-    for (const int64_t rows : {int64_t(1), int64_t(2), int64_t(3), int64_t(8), int64_t(17), int64_t(64), int64_t(512)}) {
+    std::vector<int64_t> counts;
+    for (int64_t rows = 1; rows <= kProductRows; ++rows) counts.push_back(rows);
+    counts.push_back(100);
+    counts.push_back(max_rows);
+    for (const int64_t rows : counts) {
       ASSERT_TRUE(mm->multiply(dm, reinterpret_cast<float*>(dx.data()), rows, reinterpret_cast<float*>(dy.data())).ok);
       const std::vector<float> y = run_and_read<float>(dy, size_t(n_out));  // row 0
       if (alone.empty()) alone = y;
