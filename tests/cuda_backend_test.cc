@@ -5,7 +5,8 @@
 //    invariant gives each sequence the same logits bit for bit alone, in ragged batches and at any
 //    position, and under ragged prefill chunks (lossy pages too).
 //  - The logits agree with the CPU backend's (f32 activations, bf16 pages): teacher forced over
-//    a book passage, max KL below 1e-3 and top-1 agreement at every position but one.
+//    1,000 positions of a book passage, max KL below 1e-3 and top-1 agreement >= 0.99 (with
+//    CERTKV_TEST_MODEL naming another model, e.g. Qwen2.5-0.5B, the same bar on it).
 //  - The engine on the device: continuous batching, prefix sharing and preemption on a small pool
 //    give every request its output alone; cancel frees its pages; the meter's telemetry of the
 //    lossy schemes comes from the decode steps.
@@ -195,7 +196,7 @@ double kl_divergence(const float* p_logits, const float* q_logits, int n) {
 TEST_F(CudaBackendTest, LogitsAgreeWithTheCpuBackend) {
   const model::Model& m = smollm2();
   std::vector<int32_t> tokens = m.tokenizer().encode(testing::read_text(corpus_file("melville-moby-dick.txt")), true, false);
-  const int prompt = 700, steps = 40;
+  const int prompt = 960, steps = 40;  // 1,000 teacher-forced positions
   ASSERT_GE(tokens.size(), size_t(prompt + steps));
   tokens.resize(size_t(prompt + steps));
   const int nv = m.config().n_vocab;
@@ -231,7 +232,7 @@ TEST_F(CudaBackendTest, LogitsAgreeWithTheCpuBackend) {
   printf("[cuda backend] bf16, %d positions: mean KL %.3g, max KL %.3g, top-1 agree %d/%d\n", positions,
          kl_sum / positions, kl_max, agree, positions);
   EXPECT_LT(kl_max, 1e-3);
-  EXPECT_GE(agree, positions - 1 - positions / 100);
+  EXPECT_GE(agree, positions * 99 / 100);
 }
 
 // Sparse decode on the cuda backend against the CPU backend's, three sequences of a book in one
