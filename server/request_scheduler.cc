@@ -131,6 +131,7 @@ void RequestScheduler::collect_finished() {
     }
     GenerationResult g;
     g.finish_reason = r.finish_reason;
+    g.error = r.error ? r.error : "";
     g.text.assign(r.text, r.text_bytes);
     g.prompt_tokens = r.prompt_tokens;
     g.generated_tokens = r.generated_tokens;

@@ -571,6 +571,92 @@ TEST(Engine, StopStringEndsTheTextBeforeIt) {
   EXPECT_EQ(cut.text, full.text.substr(0, full.text.find(stop)));
 }
 
+// A backend that fails one forward step, as a device error mid-run would (a failed launch, a
+// corrupt page): everything else is the CPU backend's.
+class StepFailingBackend final : public backend::Backend {
+ public:
+  StepFailingBackend(std::unique_ptr<backend::Backend> inner, int64_t failing_step)
+      : inner_(std::move(inner)), failing_step_(failing_step) {}
+  const char* name() const override { return inner_->name(); }
+  const BackendConfig& config() const override { return inner_->config(); }
+  int64_t context_tokens() const override { return inner_->context_tokens(); }
+  cache::SeqId create_sequence() override { return inner_->create_sequence(); }
+  cache::SeqId fork_prefix(cache::SeqId parent, int64_t n) override { return inner_->fork_prefix(parent, n); }
+  void free_sequence(cache::SeqId seq) override { inner_->free_sequence(seq); }
+  int64_t length(cache::SeqId seq) const override { return inner_->length(seq); }
+  bool reserve(cache::SeqId seq, int64_t n) override { return inner_->reserve(seq, n); }
+  std::unique_ptr<backend::SwappedSequence> swap_out(cache::SeqId seq) override { return inner_->swap_out(seq); }
+  cache::SeqId swap_in(std::unique_ptr<backend::SwappedSequence>& s) override { return inner_->swap_in(s); }
+  bool can_swap() const override { return inner_->can_swap(); }
+  uint64_t pool_pages_in_use() const override { return inner_->pool_pages_in_use(); }
+  uint64_t pool_capacity_pages() const override { return inner_->pool_capacity_pages(); }
+  uint64_t pages_referenced(std::span<const cache::SeqId> seqs) const override { return inner_->pages_referenced(seqs); }
+  void forward(std::span<const BatchItem> items) override {
+    if (steps_++ == failing_step_) {
+      // Part of the step done, as a launch failing halfway through the layers leaves it.
+      inner_->forward(items);
+      for (const BatchItem& it : items) failed_.push_back(it.seq);
+      fail(StatusCode::kInternal, "simulated device error: an illegal memory access in layer 7");
+    }
+    inner_->forward(items);
+  }
+  backend::SequenceReport report(cache::SeqId seq) const override { return inner_->report(seq); }
+  const backend::SparseStats& sparse_stats(cache::SeqId seq) const override { return inner_->sparse_stats(seq); }
+  std::vector<cache::ClassBytes> sequence_bytes(cache::SeqId seq) const override { return inner_->sequence_bytes(seq); }
+  cache::MemoryStats memory_stats() const override { return inner_->memory_stats(); }
+  const gate::RecentStepMeters& recent_meters() const override { return inner_->recent_meters(); }
+  const std::vector<cache::SeqId>& failed() const { return failed_; }
+
+ private:
+  std::unique_ptr<backend::Backend> inner_;
+  int64_t failing_step_;
+  int64_t steps_ = 0;
+  std::vector<cache::SeqId> failed_;
+};
+
+// A forward step that fails mid-run: the requests of that step end with the error and its
+// message, the others finish with their outputs alone, the failed requests' pages come back, and
+// the engine serves the requests submitted after it.
+TEST(Engine, AFailedStepEndsItsRequestsAndTheOthersGoOn) {
+  EngineConfig cfg;
+  cfg.backend.context_tokens = 128;
+  cfg.backend.pool_tokens = 128 * 8;
+  cfg.step_tokens = 13;
+  cfg.max_sequences = 3;  // the later requests are not in the failing step
+  const std::vector<RequestParams> requests = story_requests({1, 3, 17, 40, 33, 9}, 20, 11);
+  const std::vector<Outcome> alone = run_each_alone(cfg, requests);
+  auto faulty = std::make_unique<StepFailingBackend>(backend::make_backend(stories(), cfg.backend), 4);
+  StepFailingBackend* backend = faulty.get();
+  Engine engine(stories(), cfg, std::move(faulty));
+  std::vector<RequestId> ids;
+  for (const RequestParams& p : requests) ids.push_back(engine.submit(p));
+  engine.run();
+  ASSERT_FALSE(backend->failed().empty());
+  int failed = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const RequestReport& r = engine.report(ids[i]);
+    EXPECT_EQ(r.status, RequestStatus::kFinished) << "request " << i;
+    if (r.finish == FinishReason::kError) {
+      ++failed;
+      EXPECT_NE(r.error.find("simulated device error"), std::string::npos) << r.error;
+      EXPECT_LT(r.tokens.size(), alone[i].tokens.size()) << "request " << i << " ended early";
+      continue;
+    }
+    EXPECT_EQ(r.finish, FinishReason::kLength) << "request " << i;
+    EXPECT_EQ(r.tokens, alone[i].tokens) << "request " << i << " is its output alone";
+  }
+  EXPECT_EQ(size_t(failed), backend->failed().size()) << "exactly the step's requests failed";
+  EXPECT_LT(size_t(failed), ids.size()) << "the others went on";
+  // Every page is back but the cached prefixes of the requests that finished.
+  engine.drop_cached_prefixes();
+  EXPECT_EQ(engine.stats().pool_pages_in_use, 0u);
+  // And a request after the failure is served.
+  const RequestId later = engine.submit(requests[2]);
+  engine.run();
+  EXPECT_EQ(engine.report(later).finish, FinishReason::kLength);
+  EXPECT_EQ(engine.report(later).tokens, alone[2].tokens);
+}
+
 TEST(Engine, BadRequestsFailAloneAndTheOthersGoOn) {
   EngineConfig cfg;
   cfg.backend.context_tokens = 64;
@@ -675,6 +761,7 @@ TEST(EngineCApi, RunsRequestsTogetherCancelsAndReports) {
     certkv_request_result r;
     ASSERT_EQ(certkv_engine_result(engine, ids[i], &r), CERTKV_OK);
     EXPECT_EQ(r.finished, 1);
+    EXPECT_STREQ(r.error, "") << "no error, and never a null one";
     EXPECT_EQ(std::string(r.text, r.text_bytes), streamed.text[ids[i]]);
     EXPECT_EQ(r.prompt_tokens, int32_t(prompts[i].size()));
     if (ids[i] == ids[1]) {

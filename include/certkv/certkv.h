@@ -492,7 +492,7 @@ typedef struct certkv_class_bytes {
 
 typedef struct certkv_request_result {
   int finished;                  /* 0 while waiting or running */
-  const char* finish_reason;     /* "length", "stop", "end", "cancelled", "none"; static */
+  const char* finish_reason;     /* "length", "stop", "end", "cancelled", "error", "none"; static */
   const char* text;              /* generated text (valid UTF-8), NUL-terminated; owned by the
                                     engine until certkv_engine_release */
   size_t text_bytes;
@@ -517,6 +517,9 @@ typedef struct certkv_request_result {
                                     construction; a recall proxy, not the recall an audit
                                     measures); 0 with no such cell */
   int64_t sparse_indexed_cells;  /* those cells */
+  const char* error;             /* finish_reason "error": why (a failed forward step: the
+                                    requests of that step end with it, the others go on);
+                                    "" otherwise; owned by the engine until certkv_engine_release */
 } certkv_request_result;
 
 certkv_status certkv_engine_result(const certkv_engine* engine, int64_t id,

@@ -983,6 +983,7 @@ certkv_status certkv_engine_result(const certkv_engine* engine, int64_t id,
     result->sparse_budget = r.attention.sparse_budget;
     result->sparse_estimated_mass = r.attention.sparse_estimated_mass;
     result->sparse_indexed_cells = r.attention.sparse_indexed_cells;
+    result->error = r.error.c_str();
     result->n_classes = fill_class_bytes(r.kv_bytes, result->kv_bytes);
     result->meter_cells = r.attention.meter_cells;
   });

@@ -85,7 +85,9 @@ struct Engine::Request {
   Request(RequestId i, RequestParams p) : id(i), params(std::move(p)), sampler(params.sampling) {}
 };
 
-Engine::Engine(const model::Model& model, const EngineConfig& config)
+Engine::Engine(const model::Model& model, const EngineConfig& config) : Engine(model, config, nullptr) {}
+
+Engine::Engine(const model::Model& model, const EngineConfig& config, std::unique_ptr<backend::Backend> backend)
     : model_(model), config_(config) {
   if (config.max_sequences < 1 || config.max_sequences > 4096)
     fail(StatusCode::kInvalidArgument,
@@ -104,7 +106,7 @@ Engine::Engine(const model::Model& model, const EngineConfig& config)
       config_.backend.outlier_pair_table =
           outlier_pairs_from_text(model, m, config_.backend.block_tokens, config_.backend.n_threads);
   }
-  backend_ = backend::make_backend(model, config_.backend);
+  backend_ = backend ? std::move(backend) : backend::make_backend(model, config_.backend);
   const cache::KvScheme scheme = config.backend.kv_scheme;
   const int window_tokens = config.backend.recent_window_tokens >= 0
                                 ? config.backend.recent_window_tokens
@@ -365,7 +367,7 @@ void Engine::preempt(Request& r) {
 }
 
 void Engine::finish(Request& r, FinishReason reason, const TokenCallback& cb) {
-  if (r.seq != 0) {
+  if (r.seq != 0 && reason != FinishReason::kError) {
     r.report.attention = backend_->report(r.seq);
     r.report.kv_bytes = backend_->sequence_bytes(r.seq);
   }
@@ -377,7 +379,17 @@ void Engine::finish(Request& r, FinishReason reason, const TokenCallback& cb) {
   }
   r.pending.clear();
   drop_swapped(r);
-  free_sequence_of(r, reason != FinishReason::kCancelled);
+  if (reason == FinishReason::kError) {
+    // Its pages may hold part of a failed step: nothing of them is kept for sharing. A backend
+    // that cannot free them any more (a device in a failed state) keeps them; the request ends.
+    try {
+      free_sequence_of(r, false);
+    } catch (const Error&) {
+      r.seq = 0;
+    }
+  } else {
+    free_sequence_of(r, reason != FinishReason::kCancelled);
+  }
   r.report.status = RequestStatus::kFinished;
   r.report.finish = reason;
   auto it = std::find(running_.begin(), running_.end(), r.id);
@@ -507,7 +519,17 @@ bool Engine::step(const TokenCallback& on_token_cb) {
     (r.computed >= int64_t(r.params.prompt.size()) ? n_decode : n_prefill) += plan[i].n;
     n_recomputed += std::max<int64_t>(0, std::min(r.computed + plan[i].n, r.high_water) - r.computed);
   }
-  backend_->forward(items);
+  try {
+    backend_->forward(items);
+  } catch (const Error& e) {
+    // The step's sequences may hold part of it: they end with the error, the others go on.
+    for (const Planned& p : plan) {
+      Request& r = *requests_.at(p.id);
+      r.report.error = e.what();
+      finish(r, FinishReason::kError, on_token_cb);
+    }
+    return !running_.empty() || !waiting_.empty();
+  }
   const double seconds = std::chrono::duration<double>(clock_type::now() - start).count();
   const double per_token = seconds / double(n_prefill + n_decode);
   stats_.prefill_seconds += per_token * double(n_prefill);

@@ -133,6 +133,9 @@ class Engine {
   // REQUIRES: model outlives the engine. Throws certkv::Error (kInvalidArgument) for a bad
   // configuration, including a pool that cannot hold one sequence of the context.
   Engine(const model::Model& model, const EngineConfig& config);
+  // An engine over a backend the caller made for model and config.backend (a backend of its own,
+  // or one wrapped to inject faults); the same checks.
+  Engine(const model::Model& model, const EngineConfig& config, std::unique_ptr<backend::Backend> backend);
   ~Engine();
 
   const backend::Backend& backend() const { return *backend_; }
@@ -145,7 +148,10 @@ class Engine {
   // Frees the request's pages at once and finishes it (kCancelled). kNotFound for an unknown id;
   // a finished request is left as it is.
   void cancel(RequestId id);
-  // One batched step. Returns whether requests remain (running or waiting).
+  // One batched step. Returns whether requests remain (running or waiting). When the backend's
+  // forward step fails (certkv::Error: a corrupt page, a failed device launch), the requests of
+  // that step end with FinishReason::kError and the error's message (their pages freed, nothing
+  // of them kept for sharing), and the others go on.
   bool step(const TokenCallback& on_token = {});
   // Steps until no request remains.
   void run(const TokenCallback& on_token = {});
