@@ -463,8 +463,9 @@ TEST_F(CudaBackendTest, CancelFreesPagesAndTheMeterComesFromTheDecodeSteps) {
 }
 
 // The device forward pass alone (attention replaced by out = q): the captured segments replay
-// the eager launches bit for bit, and a row's logits do not depend on the rows beside it (1, 3
-// and 8 rows of different tokens and positions, the first row compared).
+// the eager launches bit for bit, and a row's logits do not depend on the rows beside it (1, 3, 8
+// and 80 rows of different tokens and positions, the first row compared; 80 runs eagerly, past
+// the graphs' rows, and in two product chunks).
 TEST_F(CudaBackendTest, DeviceForwardGraphsReplayTheEagerLaunches) {
   const model::Model& m = smollm2();
   const int nv = m.config().n_vocab;
@@ -486,7 +487,9 @@ TEST_F(CudaBackendTest, DeviceForwardGraphsReplayTheEagerLaunches) {
   std::unique_ptr<cuda::DeviceForward> graphed = cuda::DeviceForward::create(m, true);
   std::unique_ptr<cuda::DeviceForward> eager = cuda::DeviceForward::create(m, false);
   std::vector<float> first;
-  for (const int64_t n_rows : {int64_t(1), int64_t(3), int64_t(8), int64_t(3)}) {  // 3 again: a replay
+  // Each count twice (the second run replays the first's graphs), and row counts that grow past
+  // earlier ones.
+  for (const int64_t n_rows : {int64_t(1), int64_t(1), int64_t(3), int64_t(8), int64_t(3), int64_t(80), int64_t(8)}) {
     const std::vector<float> a = logits(*graphed, n_rows), b = logits(*eager, n_rows);
     ASSERT_EQ(a, b) << n_rows << " rows: the graphs differ from the eager launches";
     for (float v : a) ASSERT_TRUE(std::isfinite(v));

@@ -571,8 +571,8 @@ TEST(Engine, StopStringEndsTheTextBeforeIt) {
   EXPECT_EQ(cut.text, full.text.substr(0, full.text.find(stop)));
 }
 
-// A backend that fails one forward step, as a device error mid-run would (a failed launch, a
-// corrupt page): everything else is the CPU backend's.
+// A backend that fails one forward step, as a device error the backend recovers from would (the
+// attention kernels' error word counting a corrupt page): everything else is the CPU backend's.
 class StepFailingBackend final : public backend::Backend {
  public:
   StepFailingBackend(std::unique_ptr<backend::Backend> inner, int64_t failing_step)
@@ -596,7 +596,7 @@ class StepFailingBackend final : public backend::Backend {
       // Part of the step done, as a launch failing halfway through the layers leaves it.
       inner_->forward(items);
       for (const BatchItem& it : items) failed_.push_back(it.seq);
-      fail(StatusCode::kInternal, "simulated device error: an illegal memory access in layer 7");
+      fail(StatusCode::kCorrupt, "simulated device error: the attention kernels found 1 corrupt page entry in layer 7");
     }
     inner_->forward(items);
   }

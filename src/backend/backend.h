@@ -128,7 +128,9 @@ struct BackendConfig {
   int block_tokens = 16;       // tokens per KV page
   int prefill_chunk_tokens = 512;  // a session's prefill runs in chunks of this many tokens
   bool capture_queries = false;    // keep the post-RoPE queries of each sequence's last position
-  model::ActivationFormat activations = model::ActivationFormat::kInt8;  // weight products
+  // The CPU backend's weight products (the cuda backend's are fp32-accurate whatever this says:
+  // backend/cuda/device_matmul.h).
+  model::ActivationFormat activations = model::ActivationFormat::kInt8;
   cache::KvScheme kv_scheme = cache::KvScheme::kBf16;  // how the KV cache stores full blocks
   // REQUIRED for the GAAC kv_schemes (kGaac, kGaacE4M3, kGaacE5M2): the model's calibration
   // (codec::GaacCalibration::load) of the scheme's element, shared by every sequence of the

@@ -1,5 +1,7 @@
 #include "backend/cuda/cuda_backend.h"
 
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -308,7 +310,8 @@ class CudaBackend final : public Backend {
   // what came back once, at its end, so each layer has its own part:
   //  - per step row, in launch order: its length, its table row and its row in the step;
   //  - per layer, the row groups' error words, and (metered) the meters [3][rows][n_heads].
-  size_t layer_meter_floats() const { return metered_ ? 3 * step_rows_ * size_t(model_.config().n_heads) : 0; }
+  size_t layer_meter_floats(size_t n) const { return metered_ ? 3 * n * size_t(model_.config().n_heads) : 0; }
+  size_t layer_meter_floats() const { return layer_meter_floats(step_rows_); }
   int32_t* staged_lens() const { return reinterpret_cast<int32_t*>(staging_.data()); }
   uint32_t* staged_errors(int layer) const {
     return reinterpret_cast<uint32_t*>(staged_lens() + 3 * step_rows_) + size_t(layer) * kGroups;
@@ -316,16 +319,18 @@ class CudaBackend final : public Backend {
   float* staged_meters(int layer) const {
     return reinterpret_cast<float*>(staged_errors(model_.config().n_layers)) + size_t(layer) * layer_meter_floats();
   }
-  size_t staging_bytes() const {
-    return 3 * step_rows_ * sizeof(int32_t) + size_t(model_.config().n_layers) * (kGroups * sizeof(uint32_t) + layer_meter_floats() * sizeof(float));
+  size_t staging_bytes(size_t n) const {
+    return 3 * n * sizeof(int32_t) +
+           size_t(model_.config().n_layers) * (kGroups * sizeof(uint32_t) + layer_meter_floats(n) * sizeof(float));
   }
   // The sparse staging (page-locked): per step row its indexed length (8 bytes) and its Top-p
   // weight table; per layer, per row and head a rounding seed, the selected and widened counts and
   // the estimated mass of the Top-p set, then a zero word and the quantizer's error word.
   static constexpr size_t kTopPBuckets = index::kTopPGapCap + 1;
-  size_t sparse_layer_bytes() const { return 32 * step_rows_ * size_t(model_.config().n_heads) + 2 * sizeof(uint32_t); }
-  size_t sparse_staging_bytes() const {
-    return step_rows_ * (8 + 8 * kTopPBuckets) + size_t(model_.config().n_layers) * sparse_layer_bytes();
+  size_t sparse_layer_bytes(size_t n) const { return 32 * n * size_t(model_.config().n_heads) + 2 * sizeof(uint32_t); }
+  size_t sparse_layer_bytes() const { return sparse_layer_bytes(step_rows_); }
+  size_t sparse_staging_bytes(size_t n) const {
+    return n * (8 + 8 * kTopPBuckets) + size_t(model_.config().n_layers) * sparse_layer_bytes(n);
   }
   int32_t* staged_indexed() const { return reinterpret_cast<int32_t*>(sparse_staging_.data()); }
   uint64_t* staged_weights() const { return reinterpret_cast<uint64_t*>(sparse_staging_.data() + 8 * step_rows_); }
@@ -442,21 +447,38 @@ void CudaBackend::ensure_step_buffers(size_t n_rows) {
   const size_t meter_bytes = metered_ ? sizeof(float) * 3 * n_rows * size_t(c.n_heads) : 0;
   const size_t lens_bytes = sizeof(int32_t) * 3 * n_rows;
   throw_if_failed(cache::cuda::synchronize_stream(nullptr));
-  throw_if_failed(DeviceBuffer::allocate(q_bytes, &q_));
-  throw_if_failed(DeviceBuffer::allocate(q_bytes, &out_));
-  if (meter_bytes > 0) throw_if_failed(DeviceBuffer::allocate(meter_bytes, &meters_));
-  throw_if_failed(DeviceBuffer::allocate(lens_bytes, &lens_));
-  step_rows_ = n_rows;
-  throw_if_failed(PinnedBuffer::allocate(staging_bytes(), &staging_));
+  // Every buffer allocated first, then all taken at once: a failed allocation leaves the step
+  // buffers as they were, step_rows_ with them.
+  DeviceBuffer q, out, meters, lens, indexed, weights, seeds, queries, selected;
+  PinnedBuffer staging, sparse_staging;
+  throw_if_failed(DeviceBuffer::allocate(q_bytes, &q));
+  throw_if_failed(DeviceBuffer::allocate(q_bytes, &out));
+  if (meter_bytes > 0) throw_if_failed(DeviceBuffer::allocate(meter_bytes, &meters));
+  throw_if_failed(DeviceBuffer::allocate(lens_bytes, &lens));
+  throw_if_failed(PinnedBuffer::allocate(staging_bytes(n_rows), &staging));
   if (sparse_) {
     const size_t cells = n_rows * size_t(c.n_heads);
-    throw_if_failed(DeviceBuffer::allocate(sizeof(int32_t) * n_rows, &sparse_indexed_));
-    throw_if_failed(DeviceBuffer::allocate(sizeof(uint64_t) * n_rows * kTopPBuckets, &topp_weights_));
-    throw_if_failed(DeviceBuffer::allocate(sizeof(uint64_t) * cells, &seeds_));
-    throw_if_failed(DeviceBuffer::allocate(sizeof(attention::cuda::DeviceRabitqQuery) * cells, &rabitq_queries_));
-    throw_if_failed(DeviceBuffer::allocate(sizeof(int64_t) * 3 * cells, &selected_));  // selected, widened, mass
-    throw_if_failed(PinnedBuffer::allocate(sparse_staging_bytes(), &sparse_staging_));
+    throw_if_failed(DeviceBuffer::allocate(sizeof(int32_t) * n_rows, &indexed));
+    throw_if_failed(DeviceBuffer::allocate(sizeof(uint64_t) * n_rows * kTopPBuckets, &weights));
+    throw_if_failed(DeviceBuffer::allocate(sizeof(uint64_t) * cells, &seeds));
+    throw_if_failed(DeviceBuffer::allocate(sizeof(attention::cuda::DeviceRabitqQuery) * cells, &queries));
+    throw_if_failed(DeviceBuffer::allocate(sizeof(int64_t) * 3 * cells, &selected));  // selected, widened, mass
+    throw_if_failed(PinnedBuffer::allocate(sparse_staging_bytes(n_rows), &sparse_staging));
   }
+  q_ = std::move(q);
+  out_ = std::move(out);
+  if (meter_bytes > 0) meters_ = std::move(meters);
+  lens_ = std::move(lens);
+  staging_ = std::move(staging);
+  if (sparse_) {
+    sparse_indexed_ = std::move(indexed);
+    topp_weights_ = std::move(weights);
+    seeds_ = std::move(seeds);
+    rabitq_queries_ = std::move(queries);
+    selected_ = std::move(selected);
+    sparse_staging_ = std::move(sparse_staging);
+  }
+  step_rows_ = n_rows;
 }
 
 void CudaBackend::forward(std::span<const BatchItem> items) {
@@ -469,7 +491,6 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
                                          std::to_string(it.seq) + " (" + std::to_string(pool_pages_in_use()) + " of " +
                                          std::to_string(capacity_pages_) + " pages in use)");
   if (rows.n_rows == 0) return;
-  recent_meters_->begin_step();
 
   // Row groups (RowGroup).
   std::vector<RowGroup> groups(kGroups);
@@ -523,7 +544,8 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
   const int group = c.n_heads / c.n_kv_heads;
   std::vector<float> host_q;
   std::vector<cache::cuda::DeviceKvCache::SlotRows> writes(items.size());
-  forward_->run(rows, [&](int layer, float* q_all, const float* k_all, const float* v_all, float* out_all) {
+  const cuda::DeviceLayerAttention attend_layers = [&](int layer, float* q_all, const float* k_all, const float* v_all,
+                                                       float* out_all) {
     if (sparse_ && layer >= config_.sparse.dense_layers)
       for (size_t i = 0; i < items.size(); ++i) {
         SequenceState& st = state(items[i].seq);
@@ -550,7 +572,18 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
     // The held pages go back to the free lists; the launches that read them run first (one
     // stream), and a later write reuses them only after.
     cache_->release_completed_exact(layer);
-  });
+  };
+  try {
+    forward_->run(rows, attend_layers);
+  } catch (...) {
+    // The step failed halfway: its launches drain (errors ignored: the step's error is the one
+    // to report) before the staging is reused, and no held exact page outlives it.
+    cudaDeviceSynchronize();
+    cudaGetLastError();
+    for (int layer = 0; layer < c.n_layers; ++layer) cache_->release_completed_exact(layer);
+    throw;
+  }
+  recent_meters_->begin_step();
   read_back_step(groups, item_of_row, items);
   for (const BatchItem& it : items) {
     SequenceState& st = state(it.seq);

@@ -4,12 +4,19 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <string>
 
 #include "backend/cuda/forward_kernels.h"
 #include "core/cuda_status.h"
 #include "core/status.h"
+
+// The forward's stream is ordered with the null stream (attention, the KV cache) by the legacy
+// default stream's implicit synchronization: a per-thread default stream would drop that order.
+#ifdef CUDA_API_PER_THREAD_DEFAULT_STREAM
+#error "the device forward pass relies on the legacy default stream (no --default-stream per-thread)"
+#endif
 
 namespace certkv::backend::cuda {
 
@@ -94,6 +101,11 @@ std::unique_ptr<DeviceForward> DeviceForward::create(const model::Model& model, 
   f->output_ = upload(model.output());
   if (model.output().data != model.token_embedding().data) f->embedding_ = upload(model.token_embedding());
   f->output_norm_ = upload_floats(model.output_norm());
+  // The products' scratch for every shape at once: it never moves, so captured segments stay valid.
+  const int64_t widest_in = std::max<int64_t>({c.dim, int64_t(c.n_heads) * c.head_dim, c.ffn_dim});
+  const int64_t widest_out = std::max<int64_t>(
+      {int64_t(c.n_heads + 2 * c.n_kv_heads) * c.head_dim, 2 * int64_t(c.ffn_dim), c.dim, c.n_vocab});
+  throw_if_failed(f->matmul_->reserve(kProductRows, widest_in, widest_out));
   f->weight_bytes_ = need;
   return f;
 }
@@ -112,12 +124,14 @@ void DeviceForward::drop_graphs() {
 
 void DeviceForward::ensure_buffers(int64_t rows, int64_t logit_rows) {
   const ModelConfig& c = model_.config();
-  if (rows > buffer_rows_ || logit_rows > buffer_logit_rows_) drop_graphs();  // they name the old buffers
+  // At least a graph step's rows: a batch that grows up to it captures its segments once.
+  rows = std::max(rows, kMaxGraphRows);
   if (rows > buffer_rows_) {
     const size_t n = size_t(rows);
     const size_t q_dim = size_t(c.n_heads) * size_t(c.head_dim), kv_dim = size_t(c.n_kv_heads) * size_t(c.head_dim);
     const size_t widest = std::max({size_t(c.dim), q_dim, size_t(c.ffn_dim)});
     throw_if_failed(cache::cuda::synchronize_stream(stream_));  // a running step may read the old buffers
+    drop_graphs();  // they name the old buffers
     throw_if_failed(PinnedBuffer::allocate(n * (sizeof(int32_t) + sizeof(float) * size_t(c.head_dim)), &staging_));
     grow(tokens_, n * sizeof(int32_t));
     grow(angles_, n * sizeof(float) * size_t(c.head_dim));  // cos, then sin: [2][rows][head_dim / 2]
@@ -131,7 +145,6 @@ void DeviceForward::ensure_buffers(int64_t rows, int64_t logit_rows) {
     grow(proj_, n * sizeof(float) * size_t(c.dim));
     grow(gate_up_, n * sizeof(float) * 2 * size_t(c.ffn_dim));
     grow(act_, n * sizeof(float) * size_t(c.ffn_dim));
-    throw_if_failed(matmul_->reserve(rows, int64_t(widest), int64_t(std::max(q_dim + 2 * kv_dim, 2 * size_t(c.ffn_dim)))));
     buffer_rows_ = rows;
   }
   if (logit_rows > buffer_logit_rows_) {
@@ -141,7 +154,6 @@ void DeviceForward::ensure_buffers(int64_t rows, int64_t logit_rows) {
     grow(logit_x_, n * sizeof(float) * size_t(c.dim));
     grow(logits_, n * sizeof(float) * size_t(c.n_vocab));
     throw_if_failed(PinnedBuffer::allocate(n * (sizeof(int32_t) + sizeof(float) * size_t(c.n_vocab)), &logits_host_));
-    throw_if_failed(matmul_->reserve(logit_rows, c.dim, c.n_vocab));
     buffer_logit_rows_ = logit_rows;
   }
 }
@@ -276,7 +288,17 @@ void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attent
   const uint16_t* table = reinterpret_cast<const uint16_t*>(embedding.data.data());
   throw_if_failed(embed_rows(reinterpret_cast<const int32_t*>(tokens_.data()), n, table, table + embedding.n_in * embedding.n_out,
                              c.n_vocab, c.dim, floats_mut(x_), stream_));
-  const std::vector<void*>* graphs = use_graphs_ && n <= kMaxGraphRows ? &graphs_of(n) : nullptr;
+  const std::vector<void*>* graphs = nullptr;
+  if (use_graphs_ && n <= kMaxGraphRows) {
+    try {
+      graphs = &graphs_of(n);
+    } catch (const Error& e) {
+      // A capture this device or driver refuses: the same launches, eagerly, from now on.
+      std::fprintf(stderr, "certkv: the device forward runs without CUDA graphs: %s\n", e.what());
+      cudaGetLastError();
+      use_graphs_ = false;
+    }
+  }
   for (int l = 0; l <= c.n_layers; ++l) {
     if (graphs) {
       const cudaError_t e = cudaGraphLaunch(static_cast<cudaGraphExec_t>((*graphs)[size_t(l)]),

@@ -39,7 +39,8 @@ namespace certkv::backend::cuda {
 
 // One layer's attention on the device: q [n_rows][n_heads][head_dim] (post-RoPE; the callee may
 // overwrite it), k, v [n_rows][n_kv_heads][head_dim], out [n_rows][n_heads][head_dim]; rows in
-// step order (StepRows). The callee enqueues its work on the forward's stream (or synchronizes).
+// step order (StepRows). The callee enqueues its work on the null (legacy default) stream, which
+// the forward's stream is ordered with both ways.
 using DeviceLayerAttention = std::function<void(int layer, float* q, const float* k, const float* v, float* out)>;
 
 // Bytes the device needs for the model's weights as DeviceForward holds them.

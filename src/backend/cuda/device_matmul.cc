@@ -83,6 +83,8 @@ DeviceMatmul::~DeviceMatmul() {
   if (handle_) cublasDestroy(static_cast<cublasHandle_t>(handle_));
 }
 
+int64_t DeviceMatmul::lo_product_offset(int64_t n_out) { return (2 * kProductRows * n_out + 63) / 64 * 64; }
+
 CudaStatus DeviceMatmul::gemm(const uint16_t* w, int64_t n_in, int64_t n_out, const uint16_t* x, int64_t rows,
                               float* y) {
   // Column-major: Y^T [n_out x rows] = W [n_in x n_out]^T X^T [n_in x rows].
@@ -110,7 +112,7 @@ CudaStatus DeviceMatmul::multiply(const DeviceMatrix& w, const float* x, int64_t
     const int64_t m = std::min(kProductRows, rows - r0);
     uint16_t* terms = reinterpret_cast<uint16_t*>(split_.data());  // [2][m][n_in]: x_hi, x_lo
     float* t = reinterpret_cast<float*>(partial_.data());            // [2][m][n_out]: W_hi x_hi, W_hi x_lo
-    float* u = t + 2 * m * w.n_out;                                  // [m][n_out]: W_lo x_hi
+    float* u = t + lo_product_offset(w.n_out);                       // [m][n_out]: W_lo x_hi
     s = split_bf16_rows(x + r0 * w.n_in, m, int(w.n_in), terms, stream_);
     if (s.ok) s = gemm(w_hi, w.n_in, w.n_out, terms, 2 * m, t);
     if (s.ok) s = gemm(w_lo, w.n_in, w.n_out, terms, m, u);
@@ -120,9 +122,11 @@ CudaStatus DeviceMatmul::multiply(const DeviceMatrix& w, const float* x, int64_t
 }
 
 CudaStatus DeviceMatmul::reserve(int64_t rows, int64_t n_in, int64_t n_out) {
-  rows = std::min(rows, kProductRows);
-  const size_t split_bytes = size_t(rows) * size_t(n_in) * 2 * sizeof(uint16_t);
-  const size_t partial_bytes = size_t(rows) * size_t(n_out) * 3 * sizeof(float);
+  // Room for whole chunks whatever `rows` is: the third product's output sits at a fixed offset
+  // (its alignment, which cuBLAS may choose a kernel by, never depends on the chunk's rows).
+  (void)rows;
+  const size_t split_bytes = size_t(kProductRows) * size_t(n_in) * 2 * sizeof(uint16_t);
+  const size_t partial_bytes = (size_t(lo_product_offset(n_out)) + size_t(kProductRows) * size_t(n_out)) * sizeof(float);
   if (split_.size() >= split_bytes && partial_.size() >= partial_bytes) return {};
   // An earlier product may still read the old scratch.
   CudaStatus s = cache::cuda::synchronize_stream(stream_);

@@ -62,14 +62,17 @@ class DeviceMatmul {
   // x). Enqueued on the stream; its scratch grows to the largest product. kInvalidArgument for
   // null pointers or rows < 0.
   CudaStatus multiply(const DeviceMatrix& w, const float* x, int64_t rows, float* y);
-  // Grows the scratch to products of up to `rows` rows, n_in inputs and n_out outputs now, so that
-  // multiply() allocates nothing (and can be captured in a CUDA graph).
+  // Grows the scratch to products of n_in inputs and n_out outputs now (chunks of kProductRows
+  // rows, whatever `rows` is), so that multiply() allocates nothing (and can be captured in a
+  // CUDA graph).
   CudaStatus reserve(int64_t rows, int64_t n_in, int64_t n_out);
   // Counts the scratch's moves: graphs captured before a move are stale.
   uint64_t scratch_generation() const { return generation_; }
 
  private:
   DeviceMatmul() = default;
+  // Floats from the scratch's start to the third product's output (256-byte aligned).
+  static int64_t lo_product_offset(int64_t n_out);
   CudaStatus gemm(const uint16_t* w, int64_t n_in, int64_t n_out, const uint16_t* x, int64_t rows, float* y);
   void* handle_ = nullptr;  // cublasHandle_t
   void* stream_ = nullptr;

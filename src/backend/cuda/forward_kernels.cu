@@ -101,6 +101,7 @@ struct ColumnParts {
   ColumnPart part[kMaxColumnParts];
   int count;
 };
+static_assert(sizeof(ColumnParts) <= 4096, "a kernel's parameters by value fit in 4 KiB");
 
 __global__ void split_columns_kernel(const float* src, int64_t rows, int width, ColumnParts parts) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;

@@ -14,6 +14,7 @@ namespace {
 struct AppendBatch {
   AppendRowsArgs items[kMaxAppendBatch];
 };
+static_assert(sizeof(AppendBatch) <= 4096, "a kernel's parameters by value fit in 4 KiB");
 
 // One write, by the blocks of one grid row (blockIdx.y picks the write in a batch).
 __device__ void append_one(const AppendRowsArgs& a) {
