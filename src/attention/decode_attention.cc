@@ -223,6 +223,10 @@ void decode_attention_batch(const cache::KvCache& cache, int layer, const Attent
     if (!metered) {
       for (int64_t t0 = split * blocks_per_split * bt; t0 < key_end; t0 += bt) {
         const int64_t t1 = std::min(key_end, t0 + bt);
+        if (t1 < key_end) {
+          detail::prefetch_page(pl.k_tables[size_t(h)], t1 / bt);
+          detail::prefetch_page(pl.v_tables[size_t(h)], t1 / bt);
+        }
         detail::load_tile(pl.k_tables[size_t(h)], t0, t1, k_tile);
         detail::load_tile(pl.v_tables[size_t(h)], t0, t1, v_tile);
         for (int g = 0; g < group; ++g) {
@@ -244,10 +248,12 @@ void decode_attention_batch(const cache::KvCache& cache, int layer, const Attent
     for (int64_t t0 = split * blocks_per_split * bt; t0 < key_end; t0 += bt) {
       const int64_t t1 = std::min(key_end, t0 + bt);
       const int n_keys = int(t1 - t0);
-      detail::load_tile(pl.k_tables[size_t(h)], t0, t1, k_tile);
-      detail::load_tile(pl.v_tables[size_t(h)], t0, t1, v_tile);
-      detail::load_error_data(pl.k_tables[size_t(h)], t0, t1, bounds, tile_keys);
-      detail::load_error_data(pl.v_tables[size_t(h)], t0, t1, rho, tile_keys);
+      if (t1 < key_end) {
+        detail::prefetch_page(pl.k_tables[size_t(h)], t1 / bt);
+        detail::prefetch_page(pl.v_tables[size_t(h)], t1 / bt);
+      }
+      detail::load_tile_metered(pl.k_tables[size_t(h)], t0, t1, k_tile, bounds, tile_keys);
+      detail::load_tile_metered(pl.v_tables[size_t(h)], t0, t1, v_tile, rho, tile_keys);
       for (int g = 0; g < group; ++g) {
         detail::logit_bounds(weights[size_t(g)], bounds, tile_keys, n_keys, c);
         detail::update_row_metered(qg + size_t(g) * size_t(d), k_tile, v_tile, n_keys, d,

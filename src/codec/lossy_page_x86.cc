@@ -40,7 +40,6 @@ struct Isa {
   static __m256 add_f(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
   static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
-  static void store_i(uint32_t* p, __m256i x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x); }
   static __m256i add(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
   static __m256i sub(__m256i a, __m256i b) { return _mm256_sub_epi32(a, b); }
   static __m256i mullo(__m256i a, __m256i b) { return _mm256_mullo_epi32(a, b); }
@@ -49,6 +48,12 @@ struct Isa {
   static __m256i srli(__m256i a, int n) { return _mm256_srli_epi32(a, n); }
   static __m256i iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
   static float half1(uint16_t h) { return format::fp16_to_float(h); }
+  // Lane j: byte j % 4 of word 2 k + j / 4 of h (the dither bytes of channels 8 k .. 8 k + 7 of
+  // the words' 32 channels).
+  static __m256i word_bytes(__m256i h, int k) {
+    const __m256i w = _mm256_permutevar8x32_epi32(h, _mm256_add_epi32(_mm256_set1_epi32(2 * k), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)));
+    return _mm256_and_si256(_mm256_srlv_epi32(w, _mm256_setr_epi32(0, 8, 16, 24, 0, 8, 16, 24)), _mm256_set1_epi32(0xff));
+  }
   // Eight E4M3 codes: fp16 bits (sign, then the seven bits one place down) times 2^8; 0x7f and
   // 0xff are NaN (format/fp8.h's sign | 0x7fc00000).
   static __m256 e4m3(const uint8_t* p) {
@@ -129,7 +134,6 @@ struct Isa {
   static __m512 add_f(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
   static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-  static void store_i(uint32_t* p, __m512i x) { _mm512_storeu_si512(p, x); }
   static __m512i add(__m512i a, __m512i b) { return _mm512_add_epi32(a, b); }
   static __m512i sub(__m512i a, __m512i b) { return _mm512_sub_epi32(a, b); }
   static __m512i mullo(__m512i a, __m512i b) { return _mm512_mullo_epi32(a, b); }
@@ -138,6 +142,13 @@ struct Isa {
   static __m512i srli(__m512i a, int n) { return _mm512_srli_epi32(a, unsigned(n)); }
   static __m512i iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
   static float half1(uint16_t h) { return format::fp16_to_float(h); }
+  // Lane j: byte j % 4 of word 4 k + j / 4 of h.
+  static __m512i word_bytes(__m512i h, int k) {
+    const __m512i w = _mm512_permutexvar_epi32(
+        _mm512_add_epi32(_mm512_set1_epi32(4 * k), _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)), h);
+    return _mm512_and_si512(_mm512_srlv_epi32(w, _mm512_setr_epi32(0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24)),
+                            _mm512_set1_epi32(0xff));
+  }
   static __m512 e4m3(const uint8_t* p) {
     const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(0x3f80)),
