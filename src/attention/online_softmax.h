@@ -15,6 +15,7 @@
 #include <optional>
 #include <vector>
 
+#include "attention/page_meter.h"
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
 #include "codec/lossy_page.h"
@@ -647,6 +648,8 @@ inline QueryBoundWeights query_bound_weights(const codec::LossyPageSpec& spec, c
 // c[j] for the keys of a tile. bounds_t: [width][tile_keys] (load_error_data, band-major).
 // Sixteen keys at a time with four independent sums (two key halves x even and odd bands), so
 // that the loop over bands is not one chain of dependent FMAs.
+// kTierB: w.tier_b, fixed per page class (decode_attention's policies).
+template <bool kTierB>
 inline void logit_bounds(const QueryBoundWeights& w, const float* bounds_t, size_t tile_keys,
                          int n_keys, float* c) {
   int j = 0;
@@ -661,13 +664,13 @@ inline void logit_bounds(const QueryBoundWeights& w, const float* bounds_t, size
       const float* r1 = r0 + tile_keys;
       const __m256 a0 = _mm256_loadu_ps(r0), b0 = _mm256_loadu_ps(r0 + 8);
       const __m256 a1 = _mm256_loadu_ps(r1), b1 = _mm256_loadu_ps(r1 + 8);
-      const __m256 w0 = _mm256_set1_ps(w.tier_b ? w.abs_weight[g] : w.weight[g]);
-      const __m256 w1 = _mm256_set1_ps(w.tier_b ? w.abs_weight[g + 1] : w.weight[g + 1]);
+      const __m256 w0 = _mm256_set1_ps(kTierB ? w.abs_weight[g] : w.weight[g]);
+      const __m256 w1 = _mm256_set1_ps(kTierB ? w.abs_weight[g + 1] : w.weight[g + 1]);
       la0 = _mm256_fmadd_ps(w0, a0, la0);
       lb0 = _mm256_fmadd_ps(w0, b0, lb0);
       la1 = _mm256_fmadd_ps(w1, a1, la1);
       lb1 = _mm256_fmadd_ps(w1, b1, lb1);
-      if (w.tier_b) {
+      if constexpr (kTierB) {
         const __m256 v0 = _mm256_set1_ps(w.weight[g]), v1 = _mm256_set1_ps(w.weight[g + 1]);
         qa0 = _mm256_fmadd_ps(_mm256_mul_ps(v0, a0), a0, qa0);
         qb0 = _mm256_fmadd_ps(_mm256_mul_ps(v0, b0), b0, qb0);
@@ -678,17 +681,17 @@ inline void logit_bounds(const QueryBoundWeights& w, const float* bounds_t, size
     if (g < w.width) {
       const float* r0 = bounds_t + size_t(g) * tile_keys + size_t(j);
       const __m256 a0 = _mm256_loadu_ps(r0), b0 = _mm256_loadu_ps(r0 + 8);
-      const __m256 w0 = _mm256_set1_ps(w.tier_b ? w.abs_weight[g] : w.weight[g]);
+      const __m256 w0 = _mm256_set1_ps(kTierB ? w.abs_weight[g] : w.weight[g]);
       la0 = _mm256_fmadd_ps(w0, a0, la0);
       lb0 = _mm256_fmadd_ps(w0, b0, lb0);
-      if (w.tier_b) {
+      if constexpr (kTierB) {
         const __m256 v0 = _mm256_set1_ps(w.weight[g]);
         qa0 = _mm256_fmadd_ps(_mm256_mul_ps(v0, a0), a0, qa0);
         qb0 = _mm256_fmadd_ps(_mm256_mul_ps(v0, b0), b0, qb0);
       }
     }
     __m256 ca = _mm256_add_ps(la0, la1), cb = _mm256_add_ps(lb0, lb1);
-    if (w.tier_b) {
+    if constexpr (kTierB) {
       ca = _mm256_add_ps(_mm256_sqrt_ps(_mm256_add_ps(qa0, qa1)), ca);
       cb = _mm256_add_ps(_mm256_sqrt_ps(_mm256_add_ps(qb0, qb1)), cb);
     }
@@ -700,14 +703,23 @@ inline void logit_bounds(const QueryBoundWeights& w, const float* bounds_t, size
     float var = 0.f, sum = 0.f;
     for (int g = 0; g < w.width; ++g) {
       const float b = bounds_t[size_t(g) * tile_keys + size_t(j)];
-      if (w.tier_b) {
+      if constexpr (kTierB) {
         var += w.weight[g] * b * b;
         sum += w.abs_weight[g] * b;
       } else {
         sum += w.weight[g] * b;
       }
     }
-    c[j] = w.tier_b ? std::sqrt(var) + sum : sum;
+    c[j] = kTierB ? std::sqrt(var) + sum : sum;
+  }
+}
+
+// The same, choosing the tier at run time (meter_ref).
+inline void logit_bounds(const QueryBoundWeights& w, const float* bounds_t, size_t tile_keys, int n_keys, float* c) {
+  if (w.tier_b) {
+    logit_bounds<true>(w, bounds_t, tile_keys, n_keys, c);
+  } else {
+    logit_bounds<false>(w, bounds_t, tile_keys, n_keys, c);
   }
 }
 
@@ -726,8 +738,11 @@ inline __m256 expm1_nonnegative8(__m256 c) {
   t = _mm256_fmadd_ps(t, c, _mm256_set1_ps(0.5f));
   t = _mm256_fmadd_ps(t, c, _mm256_set1_ps(1.f));
   const __m256 small = _mm256_mul_ps(t, c);
+  const __m256 is_small = _mm256_cmp_ps(c, _mm256_set1_ps(0.5f), _CMP_LT_OQ);
+  // Every lane below 1/2 (the usual case of an informative meter): the exponential is not needed.
+  if (_mm256_movemask_ps(is_small) == 0xff) return small;
   const __m256 large = _mm256_sub_ps(exp_range_reduced8(c), _mm256_set1_ps(1.f));
-  return _mm256_blendv_ps(large, small, _mm256_cmp_ps(c, _mm256_set1_ps(0.5f), _CMP_LT_OQ));
+  return _mm256_blendv_ps(large, small, is_small);
 }
 #endif
 
@@ -741,8 +756,6 @@ struct MeterRow {
   float rho;
 };
 
-// Bounds at or above this use double exponentials (e^{c} would leave float's range).
-inline constexpr float kLargeLogitBound = 60.f;
 
 // Whether some c[j] is at or above kLargeLogitBound, or NaN (an overflow: the meter is 1).
 inline bool any_large_bound(const float* c, int n_keys) {
@@ -790,21 +803,39 @@ inline float weighted_expm1_sum(const float* p, const float* c, int n_keys) {
   return sum;
 }
 
+// The meter kernels decode attention uses: AVX-512 where codec::lossy_best_kernel() is (the page
+// decoders' choice, so CERTKV_LOSSY_KERNEL caps both), else the paths above.
+inline const MeterKernels& meter_kernels() {
+  static const MeterKernels* const chosen = [] {
+    static const MeterKernels inline_paths{
+        &logit_bounds<false>, &logit_bounds<true>, &any_large_bound,
+        [](const float* p, const float* c, const float* rho, int n_keys, float* d, float* r) {
+          *d = weighted_expm1_sum(p, c, n_keys);
+          *r = dot(p, rho, n_keys);
+        }};
+    const MeterKernels* avx512 = meter_kernels_avx512();
+    return avx512 != nullptr && codec::lossy_best_kernel() == codec::LossyKernel::kAvx512 ? avx512 : &inline_paths;
+  }();
+  return *chosen;
+}
+
 // update_row plus the meter: c: [n_keys] logit bounds, rho: [n_keys] value error bounds.
 inline void update_row_metered(const float* q, const float* k, const float* v, int n_keys, int d,
                                float scale, const float* c, const float* rho, RowState* state,
                                MeterRow* meter, float* acc, float* s) {
   const float tile_max = scores_of_row(q, k, n_keys, d, scale, s);
   const float m_new = tile_max > state->m ? tile_max : state->m;
-  const float alpha = std::exp(state->m - m_new);
+  // As in update_row: exactly 1, std::exp(0)'s value, while the maximum holds.
+  const float alpha = m_new == state->m ? 1.f : std::exp(state->m - m_new);
+  const MeterKernels& mk = meter_kernels();
   double large = 0;
-  if (any_large_bound(c, n_keys)) {
+  if (mk.any_large_bound(c, n_keys)) {
     for (int j = 0; j < n_keys; ++j)
       if (!(c[j] < kLargeLogitBound)) large += std::exp(double(s[j]) - double(m_new) + double(c[j]));
   }
   const float tile_sum = exp_shifted_and_sum(s, n_keys, m_new);
-  const float d_tile = weighted_expm1_sum(s, c, n_keys);
-  const float rho_tile = dot(s, rho, n_keys);
+  float d_tile, rho_tile;
+  mk.sums(s, c, rho, n_keys, &d_tile, &rho_tile);
   meter->d = meter->d * double(alpha) + double(d_tile) + large;
   meter->rho = meter->rho * alpha + rho_tile;
   state->l = state->l * alpha + tile_sum;

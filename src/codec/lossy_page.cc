@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -808,9 +809,16 @@ bool lossy_kernel_supported(LossyKernel kernel) {
 }
 
 LossyKernel lossy_best_kernel() {
-  static const LossyKernel best = lossy_kernel_supported(LossyKernel::kAvx512) ? LossyKernel::kAvx512
-                                  : lossy_kernel_supported(LossyKernel::kAvx2) ? LossyKernel::kAvx2
-                                                                               : LossyKernel::kPortable;
+  static const LossyKernel best = [] {
+    LossyKernel cap = LossyKernel::kAvx512;
+    if (const char* env = std::getenv("CERTKV_LOSSY_KERNEL")) {
+      for (LossyKernel k : {LossyKernel::kPortable, LossyKernel::kAvx2, LossyKernel::kAvx512})
+        if (std::string_view(env) == lossy_kernel_name(k)) cap = k;
+    }
+    for (LossyKernel k : {LossyKernel::kAvx512, LossyKernel::kAvx2})
+      if (uint8_t(k) <= uint8_t(cap) && lossy_kernel_supported(k)) return k;
+    return LossyKernel::kPortable;
+  }();
   return best;
 }
 

@@ -157,7 +157,9 @@ enum class LossyKernel : uint8_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 const char* lossy_kernel_name(LossyKernel kernel);
 // Whether this CPU (and build) runs the kernel.
 bool lossy_kernel_supported(LossyKernel kernel);
-// The widest supported kernel.
+// The widest supported kernel, capped by the environment variable CERTKV_LOSSY_KERNEL when it
+// names one ("portable", "avx2", "avx512"; read once per process; for tests and for measuring
+// one kernel against another). An unknown name is ignored.
 LossyKernel lossy_best_kernel();
 
 // Page decoding bound to one spec (validated once, at construction) and one kernel: what decode
