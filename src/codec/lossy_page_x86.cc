@@ -39,6 +39,7 @@ struct Isa {
   static __m256 mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
   static __m256 add_f(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
   static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store_i(uint32_t* p, __m256i x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x); }
   static void store(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
   static __m256i add(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
   static __m256i sub(__m256i a, __m256i b) { return _mm256_sub_epi32(a, b); }
@@ -47,7 +48,8 @@ struct Isa {
   static __m256i slli(__m256i a, int n) { return _mm256_slli_epi32(a, n); }
   static __m256i srli(__m256i a, int n) { return _mm256_srli_epi32(a, n); }
   static __m256i iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
-  static float half1(uint16_t h) { return format::fp16_to_float(h); }
+  // One fp16 as float: the F16C conversion, and format::fp16_to_float's bits for Inf/NaN.
+  static float half1(uint16_t h) { return (h & 0x7c00) == 0x7c00 ? format::fp16_to_float(h) : _cvtsh_ss(h); }
   // Lane j: byte j % 4 of word 2 k + j / 4 of h (the dither bytes of channels 8 k .. 8 k + 7 of
   // the words' 32 channels).
   static __m256i word_bytes(__m256i h, int k) {
@@ -133,6 +135,7 @@ struct Isa {
   static __m512 mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
   static __m512 add_f(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
   static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store_i(uint32_t* p, __m512i x) { _mm512_storeu_si512(p, x); }
   static void store(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
   static __m512i add(__m512i a, __m512i b) { return _mm512_add_epi32(a, b); }
   static __m512i sub(__m512i a, __m512i b) { return _mm512_sub_epi32(a, b); }
@@ -141,7 +144,8 @@ struct Isa {
   static __m512i slli(__m512i a, int n) { return _mm512_slli_epi32(a, unsigned(n)); }
   static __m512i srli(__m512i a, int n) { return _mm512_srli_epi32(a, unsigned(n)); }
   static __m512i iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
-  static float half1(uint16_t h) { return format::fp16_to_float(h); }
+  // One fp16 as float: the F16C conversion, and format::fp16_to_float's bits for Inf/NaN.
+  static float half1(uint16_t h) { return (h & 0x7c00) == 0x7c00 ? format::fp16_to_float(h) : _cvtsh_ss(h); }
   // Lane j: byte j % 4 of word 4 k + j / 4 of h.
   static __m512i word_bytes(__m512i h, int k) {
     const __m512i w = _mm512_permutexvar_epi32(
