@@ -25,6 +25,7 @@
 #include "attention/decode_attention.h"
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
+#include "codec/lossy_page.h"
 #include "core/thread_pool.h"
 #include "format/numeric.h"
 #include "format/safetensors.h"
@@ -418,6 +419,57 @@ BENCHMARK(BM_DecodePages)
     ->Apply(pages_args)
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
+
+// The decode step of the lossy page classes alone: one 16 x 64 page per call, 4096 pages of
+// synthetic (normal) values encoded by the reference coder, decoded by one kernel of
+// codec::LossyPageDecoder (dither8 also writes its scales for the meter). Args: scheme
+// (codec::LossyScheme), K (1) or V (0), kernel (codec::LossyKernel). Counter: ns per page.
+void BM_LossyPageDecode(benchmark::State& state) {
+  namespace codec = certkv::codec;
+  codec::LossyPageSpec spec;
+  spec.scheme = codec::LossyScheme(state.range(0));
+  spec.key = state.range(1) != 0;
+  spec.block_tokens = kBlockTokens;
+  spec.head_dim = 64;
+  spec.dither_key = codec::dither8_key(3, spec.key, 1);
+  static const uint16_t kPairs[4] = {2, 9, 17, 30};
+  if (spec.scheme == codec::LossyScheme::kDither8 && spec.key) {
+    spec.n_outlier_pairs = 4;
+    spec.outlier_pairs = kPairs;
+  }
+  const codec::LossyKernel kernel = codec::LossyKernel(state.range(2));
+  if (!codec::lossy_kernel_supported(kernel)) {
+    state.SkipWithError("the CPU does not run this kernel");
+    return;
+  }
+  constexpr int kPages = 4096;
+  const size_t page_bytes = codec::lossy_page_bytes(spec);
+  std::vector<uint8_t> pages(kPages * page_bytes);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<uint16_t> x(size_t(kBlockTokens) * 64);
+  for (int p = 0; p < kPages; ++p) {
+    for (uint16_t& e : x) e = certkv::format::float_to_bf16(normal(rng));
+    codec::lossy_encode_page_ref(spec, uint32_t(p), x.data(), pages.data() + size_t(p) * page_bytes);
+  }
+  const codec::LossyPageDecoder decoder(spec, kernel);
+  std::vector<float> out(x.size()), scales(2 * kBlockTokens);
+  const bool dither8 = spec.scheme == codec::LossyScheme::kDither8;
+  for (auto _ : state) {
+    for (int p = 0; p < kPages; ++p)
+      decoder.decode(uint32_t(p), pages.data() + size_t(p) * page_bytes, kBlockTokens, out.data(),
+                     dither8 ? scales.data() : nullptr, kBlockTokens);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetLabel(std::string(codec::lossy_scheme_name(spec.scheme)) + (spec.key ? " K " : " V ") +
+                 codec::lossy_kernel_name(kernel));
+  state.counters["ns_per_page"] = benchmark::Counter(
+      double(kPages) * 1e-9, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+BENCHMARK(BM_LossyPageDecode)
+    ->ArgNames({"scheme", "key", "kernel"})
+    ->ArgsProduct({{0, 3, 4, 5, 6}, {1, 0}, {0, 1, 2}})
+    ->Unit(benchmark::kMicrosecond);
 
 // Args: n query tokens (a prompt from position 0), threads.
 void BM_PrefillAttention(benchmark::State& state) {
