@@ -170,7 +170,7 @@ class LossyPageDecoder {
   // Throws as validate_lossy_page_spec; kUnsupported when the kernel is not supported.
   explicit LossyPageDecoder(const LossyPageSpec& spec, LossyKernel kernel = lossy_best_kernel());
   // Rows [0, n_rows) of a page of block `block`: out [n_rows][head_dim], the floats of
-  // lossy_decode_page_ref bit for bit (a NaN of a corrupt page may carry another payload).
+  // lossy_decode_page_ref bit for bit, NaNs of corrupt pages included.
   // dither8 pages: when scales is not null, also the stored scales s_{t,g} (as dither8_scales)
   // band-major, scales[g * scales_stride + t] for g < head_dim / kQuantGroup: the meter's Tier B
   // data from the same pass over the page. REQUIRES: 1 <= n_rows <= block_tokens.

@@ -1,6 +1,6 @@
 // Internal to the codec layer: the lossy page decoders' kernels (lossy_page_x86.cc), bound to one
 // validated spec by codec::LossyPageDecoder (lossy_page.h). Each kernel writes the floats of
-// lossy_decode_page_ref bit for bit (a NaN read from a corrupt page may carry another payload).
+// lossy_decode_page_ref bit for bit, NaNs of corrupt pages included.
 #pragma once
 
 #include <cstddef>
