@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -24,6 +25,7 @@
 #include "attention/decode_attention.h"
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
+#include "codec/lossy_page.h"
 #include "core/thread_pool.h"
 #include "format/numeric.h"
 #include "format/safetensors.h"
@@ -289,6 +291,185 @@ BENCHMARK(BM_DecodeAttentionScheme)
     ->ArgsProduct({{0, 1}, {4096, 8192, 32768}, {1, 2}})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
+
+// Decode attention of one layer per KV scheme, for the page classes' CPU paths
+// (docs/attention.md). Two shapes: SmolLM2-135M (9 query / 3 KV heads, head_dim 64) and
+// Qwen2.5-0.5B (14 / 2, head_dim 64, GQA 7), 16-token blocks, synthetic KV (keys normal with
+// per-channel scales 2^-2..2^2 and two massive RoPE pairs, values normal), the same KV in every
+// scheme's cache. Args: model (0 SmolLM2, 1 Qwen2.5-0.5B), scheme (cache::KvScheme), n_ctx,
+// threads, metered (the meter of every head in the same pass; lossy schemes only). Compare the
+// scheme rows of one (model, n_ctx, threads) with bf16's in the same run.
+struct PagesShape {
+  int n_q_heads, n_kv_heads, head_dim;
+};
+constexpr PagesShape kPagesShapes[] = {{9, 3, 64}, {14, 2, 64}};
+
+struct PagesCache {
+  std::unique_ptr<cache::KvCache> kv;
+  cache::SeqId seq = 0;
+};
+
+const PagesCache& pages_cache(int model, cache::KvScheme scheme) {
+  static std::map<std::pair<int, int>, PagesCache> caches;
+  auto it = caches.find({model, int(scheme)});
+  if (it != caches.end()) return it->second;
+  const PagesShape sh = kPagesShapes[model];
+  const size_t row = size_t(sh.n_kv_heads) * size_t(sh.head_dim);
+  auto make_rows = [&](uint32_t seed, int64_t n, std::vector<float>* k, std::vector<float>* v) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    k->resize(size_t(n) * row);
+    v->resize(size_t(n) * row);
+    for (size_t i = 0; i < k->size(); ++i) {
+      const int c = int(i % size_t(sh.head_dim));
+      const bool massive = c == 5 || c == 5 + sh.head_dim / 2 || c == 29 || c == 29 + sh.head_dim / 2;
+      (*k)[i] = massive ? 40.f + normal(rng) : std::ldexp(normal(rng), (c * 5) % 5 - 2);
+      (*v)[i] = normal(rng);
+    }
+  };
+  cache::KvCacheConfig cfg;
+  cfg.n_layers = 1;
+  cfg.n_kv_heads = sh.n_kv_heads;
+  cfg.head_dim = sh.head_dim;
+  cfg.block_tokens = kBlockTokens;
+  cfg.max_tokens = kMaxTokens;
+  cfg.scheme = scheme;
+  cfg.rope_pairing = certkv::codec::RopePairing::kHalfSplit;
+  std::vector<float> k, v;
+  if (scheme == cache::KvScheme::kGaac) {
+    // Calibrated on other synthetic rows of the same law.
+    certkv::codec::GaacShape gs;
+    gs.n_layers = 1;
+    gs.n_kv_heads = sh.n_kv_heads;
+    gs.head_dim = sh.head_dim;
+    gs.block_tokens = kBlockTokens;
+    certkv::codec::GaacCalibrator calibrator(gs);
+    make_rows(12, 4096, &k, &v);
+    std::vector<uint16_t> rows(size_t(4096) * size_t(sh.head_dim));
+    for (int which = 0; which < 2; ++which) {
+      for (int h = 0; h < sh.n_kv_heads; ++h) {
+        const std::vector<float>& x = which == 0 ? k : v;
+        for (int64_t p = 0; p < 4096; ++p)
+          for (int c = 0; c < sh.head_dim; ++c)
+            rows[size_t(p) * size_t(sh.head_dim) + size_t(c)] =
+                certkv::format::float_to_bf16(x[size_t(p) * row + size_t(h) * size_t(sh.head_dim) + size_t(c)]);
+        calibrator.add_bf16(0, which, h, rows.data(), 4096);
+      }
+    }
+    cfg.gaac_calibration = std::make_shared<const certkv::codec::GaacCalibration>(calibrator.finish());
+  }
+  PagesCache c;
+  c.kv = std::make_unique<cache::KvCache>(cfg);
+  c.seq = c.kv->create_sequence();
+  constexpr int64_t kStep = 1024;
+  for (int64_t done = 0; done < kMaxTokens; done += kStep) {
+    make_rows(uint32_t(100 + done / kStep), kStep, &k, &v);
+    c.kv->reserve(c.seq, kStep);
+    c.kv->write(c.seq, 0, k.data(), v.data(), kStep);
+    c.kv->commit(c.seq, kStep);
+  }
+  return caches.emplace(std::make_pair(model, int(scheme)), std::move(c)).first->second;
+}
+
+void BM_DecodePages(benchmark::State& state) {
+  const int model = int(state.range(0));
+  const cache::KvScheme scheme = cache::KvScheme(state.range(1));
+  const int64_t n_ctx = state.range(2);
+  const int n_threads = int(state.range(3));
+  const bool metered = state.range(4) != 0;
+  if (metered && !cache::kv_scheme_is_lossy(scheme)) {
+    state.SkipWithError("the meter needs a lossy scheme");
+    return;
+  }
+  const PagesShape sh = kPagesShapes[model];
+  const PagesCache& c = pages_cache(model, scheme);
+  ThreadPool pool(n_threads);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> q(size_t(sh.n_q_heads) * size_t(sh.head_dim)), out(q.size());
+  for (float& e : q) e = normal(rng);
+  std::vector<certkv::attention::HeadMeter> meters(size_t(sh.n_q_heads));
+  certkv::attention::DecodeOptions options;
+  if (metered) options.meters = meters.data();
+  options.meter.delta_loc = 1e-10;
+  const AttentionShape shape{sh.n_q_heads, sh.n_kv_heads, sh.head_dim, 1.f / std::sqrt(float(sh.head_dim))};
+  for (auto _ : state) {
+    certkv::attention::decode_attention(*c.kv, c.seq, 0, shape, q.data(), n_ctx, out.data(), &pool, options);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetLabel(std::string(model == 0 ? "smollm2 " : "qwen2.5-0.5b ") + cache::kv_scheme_name(scheme) +
+                 (metered ? " metered" : ""));
+  state.counters["time_per_token"] = benchmark::Counter(
+      double(n_ctx), benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+
+void pages_args(benchmark::internal::Benchmark* b) {
+  using S = cache::KvScheme;
+  const S schemes[] = {S::kBf16, S::kGaac, S::kFp8E4M3, S::kDither8, S::kRtn4, S::kKivi2};
+  for (int model : {0, 1})
+    for (S s : schemes)
+      for (int64_t n : {4096, 16384, 32768})
+        for (int threads : {1, 2})
+          for (int metered : {0, 1})
+            if (metered == 0 || cache::kv_scheme_is_lossy(s)) b->Args({model, int64_t(s), n, threads, metered});
+}
+BENCHMARK(BM_DecodePages)
+    ->ArgNames({"model", "scheme", "n_ctx", "threads", "metered"})
+    ->Apply(pages_args)
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+
+// The decode step of the lossy page classes alone: one 16 x 64 page per call, 4096 pages of
+// synthetic (normal) values encoded by the reference coder, decoded by one kernel of
+// codec::LossyPageDecoder (dither8 also writes its scales for the meter). Args: scheme
+// (codec::LossyScheme), K (1) or V (0), kernel (codec::LossyKernel). Counter: ns per page.
+void BM_LossyPageDecode(benchmark::State& state) {
+  namespace codec = certkv::codec;
+  codec::LossyPageSpec spec;
+  spec.scheme = codec::LossyScheme(state.range(0));
+  spec.key = state.range(1) != 0;
+  spec.block_tokens = kBlockTokens;
+  spec.head_dim = 64;
+  spec.dither_key = codec::dither8_key(3, spec.key, 1);
+  static const uint16_t kPairs[4] = {2, 9, 17, 30};
+  if (spec.scheme == codec::LossyScheme::kDither8 && spec.key) {
+    spec.n_outlier_pairs = 4;
+    spec.outlier_pairs = kPairs;
+  }
+  const codec::LossyKernel kernel = codec::LossyKernel(state.range(2));
+  if (!codec::lossy_kernel_supported(kernel)) {
+    state.SkipWithError("the CPU does not run this kernel");
+    return;
+  }
+  constexpr int kPages = 4096;
+  const size_t page_bytes = codec::lossy_page_bytes(spec);
+  std::vector<uint8_t> pages(kPages * page_bytes);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<uint16_t> x(size_t(kBlockTokens) * 64);
+  for (int p = 0; p < kPages; ++p) {
+    for (uint16_t& e : x) e = certkv::format::float_to_bf16(normal(rng));
+    codec::lossy_encode_page_ref(spec, uint32_t(p), x.data(), pages.data() + size_t(p) * page_bytes);
+  }
+  const codec::LossyPageDecoder decoder(spec, kernel);
+  std::vector<float> out(x.size()), scales(2 * kBlockTokens);
+  const bool dither8 = spec.scheme == codec::LossyScheme::kDither8;
+  for (auto _ : state) {
+    for (int p = 0; p < kPages; ++p)
+      decoder.decode(uint32_t(p), pages.data() + size_t(p) * page_bytes, kBlockTokens, out.data(),
+                     dither8 ? scales.data() : nullptr, kBlockTokens);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetLabel(std::string(codec::lossy_scheme_name(spec.scheme)) + (spec.key ? " K " : " V ") +
+                 codec::lossy_kernel_name(kernel));
+  state.counters["ns_per_page"] = benchmark::Counter(
+      double(kPages) * 1e-9, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+BENCHMARK(BM_LossyPageDecode)
+    ->ArgNames({"scheme", "key", "kernel"})
+    ->ArgsProduct({{0, 3, 4, 5, 6}, {1, 0}, {0, 1, 2}})
+    ->Unit(benchmark::kMicrosecond);
 
 // Args: n query tokens (a prompt from position 0), threads.
 void BM_PrefillAttention(benchmark::State& state) {

@@ -150,6 +150,106 @@ struct QueryPlan {
 
 }  // namespace
 
+// Page classes of decode attention, in the shape of the device kernels' (the FormatTraits and
+// hooks of attention/cuda/paged_decode_cuda.cu): a class says how a page pair is loaded and
+// decoded and what its meter term reads; one loop (decode_split) runs every class, and the
+// epilogue (the softmax update of each query row, the merge of splits and the meter's) is
+// shared. docs/attention.md.
+//   load:        start fetching the next K and V pages while this pair is decoded;
+//   decode:      a page's rows as floats, one page per tile (decode reads each page once, and
+//                small tiles keep its loads interleaved with the arithmetic: at 32K tokens, 4-page
+//                tiles measured 1.5x slower), and for a metered class its error data band-major;
+//   meter term:  c_t of a query row from that data (Tier A witness or Tier B scales).
+
+// One (kv_head, split) of a step: its tables, its query rows and where its partials go.
+struct SplitWork {
+  const detail::TableReader* k = nullptr;
+  const detail::TableReader* v = nullptr;
+  const float* qg = nullptr;  // [group][d]
+  int h = 0, group = 0, d = 0, bt = 0;
+  float scale = 0.f;
+  int64_t t_begin = 0, t_end = 0;
+  detail::RowState* st = nullptr;  // [group]
+  float* acc = nullptr;            // [group][d]
+  detail::MeterRow* mr = nullptr;  // [group], metered classes
+  int64_t n_ctx = 0;
+  double delta_loc = 0;
+};
+
+// Every page without the meter: bf16, GAAC slots, FP8 pages, and lossy pages of an unmetered call.
+struct UnmeteredPages {
+  static constexpr bool kMeter = false;
+  static constexpr bool kTierB = false;
+  static void decode(const detail::TableReader& r, int64_t t0, int64_t t1, float* rows, float*, size_t) {
+    detail::load_tile(r, t0, t1, rows);
+  }
+};
+
+// Tier A lossy pages (fp8 casts, fp8-e4m3-scaled, rtn8, rtn4, kivi2): rows from the page decoder,
+// the witness w_{t,b} (K) or rho_t (V) from the page's side data.
+struct TierAPages {
+  static constexpr bool kMeter = true;
+  static constexpr bool kTierB = false;
+  static void decode(const detail::TableReader& r, int64_t t0, int64_t t1, float* rows, float* err, size_t stride) {
+    detail::load_tile_metered(r, t0, t1, rows, err, stride);
+  }
+};
+
+// dither8 pages: rows and the stored scales s_{t,g} in one pass of the page decoder (K), rho_t
+// from the scales (V).
+struct Dither8Pages {
+  static constexpr bool kMeter = true;
+  static constexpr bool kTierB = true;
+  static void decode(const detail::TableReader& r, int64_t t0, int64_t t1, float* rows, float* err, size_t stride) {
+    detail::load_tile_metered(r, t0, t1, rows, err, stride);
+  }
+};
+
+template <class Pages>
+void decode_split(const SplitWork& w) {
+  const size_t tile_keys = size_t(w.bt), d = size_t(w.d);
+  const size_t bound_width = Pages::kMeter ? size_t(detail::key_bound_width(*w.k->lossy)) : 0;
+  thread_local std::vector<float> scratch;
+  scratch.resize(2 * tile_keys * d + tile_keys + (Pages::kMeter ? tile_keys * bound_width + 2 * tile_keys : 0));
+  float* k_tile = scratch.data();
+  float* v_tile = k_tile + tile_keys * d;
+  float* s = v_tile + tile_keys * d;
+  float* bounds = s + tile_keys;                  // metered: [bound_width][tile_keys] (band-major)
+  float* rho = bounds + tile_keys * bound_width;  // [tile_keys]
+  float* c = rho + tile_keys;                     // [tile_keys]
+  for (int g = 0; g < w.group; ++g) w.st[g] = {detail::kMinusInfinity, 0.f};
+  std::fill(w.acc, w.acc + size_t(w.group) * d, 0.f);
+  thread_local std::vector<detail::QueryBoundWeights> weights;
+  if constexpr (Pages::kMeter) {
+    weights.resize(size_t(w.group));
+    for (int g = 0; g < w.group; ++g) {
+      w.mr[g] = {0.0, 0.f};
+      weights[size_t(g)] = detail::query_bound_weights(*w.k->lossy, w.qg + size_t(g) * d, w.scale, w.n_ctx, w.delta_loc);
+    }
+  }
+  for (int64_t t0 = w.t_begin; t0 < w.t_end; t0 += w.bt) {
+    const int64_t t1 = std::min(w.t_end, t0 + w.bt);
+    const int n_keys = int(t1 - t0);
+    if (t1 < w.t_end) {  // load
+      detail::prefetch_page(*w.k, t1 / w.bt);
+      detail::prefetch_page(*w.v, t1 / w.bt);
+    }
+    Pages::decode(*w.k, t0, t1, k_tile, bounds, tile_keys);
+    Pages::decode(*w.v, t0, t1, v_tile, rho, tile_keys);
+    for (int g = 0; g < w.group; ++g) {
+      const float* q = w.qg + size_t(g) * d;
+      float* acc = w.acc + size_t(g) * d;
+      if constexpr (Pages::kMeter) {
+        const detail::MeterKernels& mk = detail::meter_kernels();
+        (Pages::kTierB ? mk.logit_bounds_b : mk.logit_bounds_a)(weights[size_t(g)], bounds, tile_keys, n_keys, c);  // meter term
+        detail::update_row_metered(q, k_tile, v_tile, n_keys, w.d, w.scale, c, rho, &w.st[g], &w.mr[g], acc, s);
+      } else {
+        detail::update_row(q, k_tile, v_tile, n_keys, w.d, w.scale, &w.st[g], acc, s);
+      }
+    }
+  }
+}
+
 void decode_attention_batch(const cache::KvCache& cache, int layer, const AttentionShape& shape,
                             std::span<const DecodeQuery> queries, ThreadPool* pool) {
   for (const DecodeQuery& dq : queries)
@@ -189,9 +289,6 @@ void decode_attention_batch(const cache::KvCache& cache, int layer, const Attent
     n_units += int64_t(shape.n_kv_heads) * pl.n_splits;
   }
 
-  // One page per tile: decode reads each page once, and small tiles keep its loads interleaved
-  // with the arithmetic (at 32K tokens, 4-page tiles measured 1.5x slower).
-  const size_t tile_keys = size_t(bt);
   detail::run_units(pool, n_units, [&](int64_t step_unit, int) {
     const size_t qi = size_t(std::upper_bound(plans.begin(), plans.end(), step_unit,
                                               [](int64_t u, const QueryPlan& p) { return u < p.first_unit; }) -
@@ -199,60 +296,32 @@ void decode_attention_batch(const cache::KvCache& cache, int layer, const Attent
     const DecodeQuery& dq = queries[qi];
     QueryPlan& pl = plans[qi];
     const int64_t unit = step_unit - pl.first_unit;
-    const int64_t n_splits = pl.n_splits, blocks_per_split = pl.blocks_per_split;
-    const bool metered = pl.metered;
-    thread_local std::vector<float> scratch;
-    const size_t bound_width = metered ? size_t(detail::key_bound_width(*pl.k_tables[0].lossy)) : 0;
-    scratch.resize(2 * tile_keys * size_t(d) + tile_keys +
-                   (metered ? tile_keys * bound_width + 2 * tile_keys : 0));
-    float* k_tile = scratch.data();
-    float* v_tile = k_tile + tile_keys * size_t(d);
-    float* s = v_tile + tile_keys * size_t(d);
-    float* bounds = s + tile_keys;           // metered: [bound_width][tile_keys] (band-major)
-    float* rho = bounds + tile_keys * bound_width;  // [tile_keys]
-    float* c = rho + tile_keys;              // [tile_keys]
-    const int h = int(unit / n_splits);
-    const int64_t split = unit % n_splits;
+    SplitWork w;
+    w.h = int(unit / pl.n_splits);
+    const int64_t split = unit % pl.n_splits;
+    w.k = &pl.k_tables[size_t(w.h)];
+    w.v = &pl.v_tables[size_t(w.h)];
+    w.qg = dq.q + size_t(w.h) * size_t(group) * size_t(d);
+    w.group = group;
+    w.d = d;
+    w.bt = bt;
+    w.scale = shape.scale;
+    w.t_begin = split * pl.blocks_per_split * bt;
+    w.t_end = std::min(dq.n_ctx, (split + 1) * pl.blocks_per_split * bt);
     const size_t first = size_t(unit) * size_t(group);
-    detail::RowState* st = &pl.states[first];
-    float* acc = &pl.accs[first * size_t(d)];
-    for (int g = 0; g < group; ++g) st[g] = {detail::kMinusInfinity, 0.f};
-    std::fill(acc, acc + size_t(group) * size_t(d), 0.f);
-    const float* qg = dq.q + size_t(h) * size_t(group) * size_t(d);
-    const int64_t key_end = std::min(dq.n_ctx, (split + 1) * blocks_per_split * bt);
-    if (!metered) {
-      for (int64_t t0 = split * blocks_per_split * bt; t0 < key_end; t0 += bt) {
-        const int64_t t1 = std::min(key_end, t0 + bt);
-        detail::load_tile(pl.k_tables[size_t(h)], t0, t1, k_tile);
-        detail::load_tile(pl.v_tables[size_t(h)], t0, t1, v_tile);
-        for (int g = 0; g < group; ++g) {
-          detail::update_row(qg + size_t(g) * size_t(d), k_tile, v_tile, int(t1 - t0), d,
-                             shape.scale, &st[g], acc + size_t(g) * size_t(d), s);
-        }
-      }
+    w.st = &pl.states[first];
+    w.acc = &pl.accs[first * size_t(d)];
+    if (!pl.metered) {
+      decode_split<UnmeteredPages>(w);
       return;
     }
-    detail::MeterRow* mr = &pl.meter_rows[first];
-    thread_local std::vector<detail::QueryBoundWeights> weights;
-    weights.resize(size_t(group));
-    for (int g = 0; g < group; ++g) {
-      mr[g] = {0.0, 0.f};
-      weights[size_t(g)] = detail::query_bound_weights(*pl.k_tables[size_t(h)].lossy,
-                                               qg + size_t(g) * size_t(d), shape.scale, dq.n_ctx,
-                                               dq.options.meter.delta_loc);
-    }
-    for (int64_t t0 = split * blocks_per_split * bt; t0 < key_end; t0 += bt) {
-      const int64_t t1 = std::min(key_end, t0 + bt);
-      const int n_keys = int(t1 - t0);
-      detail::load_tile(pl.k_tables[size_t(h)], t0, t1, k_tile);
-      detail::load_tile(pl.v_tables[size_t(h)], t0, t1, v_tile);
-      detail::load_error_data(pl.k_tables[size_t(h)], t0, t1, bounds, tile_keys);
-      detail::load_error_data(pl.v_tables[size_t(h)], t0, t1, rho, tile_keys);
-      for (int g = 0; g < group; ++g) {
-        detail::logit_bounds(weights[size_t(g)], bounds, tile_keys, n_keys, c);
-        detail::update_row_metered(qg + size_t(g) * size_t(d), k_tile, v_tile, n_keys, d,
-                                   shape.scale, c, rho, &st[g], &mr[g], acc + size_t(g) * size_t(d), s);
-      }
+    w.mr = &pl.meter_rows[first];
+    w.n_ctx = dq.n_ctx;
+    w.delta_loc = dq.options.meter.delta_loc;
+    if (codec::lossy_scheme_is_tier_b(w.k->lossy->scheme)) {
+      decode_split<Dither8Pages>(w);
+    } else {
+      decode_split<TierAPages>(w);
     }
   });
 

@@ -15,6 +15,7 @@
 #include <optional>
 #include <vector>
 
+#include "attention/page_meter.h"
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
 #include "codec/lossy_page.h"
@@ -75,6 +76,13 @@ struct TableReader {
   // side data starts (lossy_payload_bytes).
   std::optional<codec::LossyPageSpec> lossy;
   size_t side_offset = 0;
+  size_t lossy_side_bytes = 0;  // lossy_page_bytes - lossy_payload_bytes
+  // Lossy schemes: the page decoder bound to `lossy` (validated once, not per page) and the
+  // widest kernel this CPU runs.
+  std::optional<codec::LossyPageDecoder> lossy_decoder;
+  // Schemes with raw FP8 pages (fp8-*-pages, gaac-e4m3/e5m2) and head_dim a multiple of 32: the
+  // FP8 cast decoder for those pages (the floats of format::fp8_to_float).
+  std::optional<codec::LossyPageDecoder> fp8_decoder;
   int layer = 0;
   cache::KvTensor kv = cache::KvTensor::kKey;
   int kv_head = 0;
@@ -83,11 +91,21 @@ struct TableReader {
 inline TableReader table_reader(const cache::KvCache& cache, cache::SeqId seq, int layer,
                                 cache::KvTensor kv, int kv_head) {
   TableReader r{&cache, cache.block_table(seq, layer, kv, kv_head), cache.n_blocks(seq), 0,
-                std::nullopt, cache::kv_scheme_element(cache.scheme()), nullptr, std::nullopt, 0,
-                layer, kv, kv_head};
+                std::nullopt, cache::kv_scheme_element(cache.scheme()), nullptr, std::nullopt, 0, 0,
+                std::nullopt, std::nullopt, layer, kv, kv_head};
+  if (r.element != format::GaacElement::kBf16 && cache.head_dim() % codec::kQuantGroup == 0) {
+    codec::LossyPageSpec cast;
+    cast.scheme = r.element == format::GaacElement::kFp8E4M3 ? codec::LossyScheme::kFp8E4M3
+                                                             : codec::LossyScheme::kFp8E5M2;
+    cast.block_tokens = cache.block_tokens();
+    cast.head_dim = cache.head_dim();
+    r.fp8_decoder.emplace(cast);
+  }
   if (cache::kv_scheme_is_lossy(cache.scheme())) {
     r.lossy = cache.lossy_spec(layer, kv, kv_head);
     r.side_offset = codec::lossy_payload_bytes(*r.lossy);
+    r.lossy_side_bytes = codec::lossy_page_bytes(*r.lossy) - r.side_offset;
+    r.lossy_decoder.emplace(*r.lossy);
   } else if (cache.scheme() == cache::KvScheme::kGaac) {
     r.gaac.emplace(cache.block_tokens(), cache.head_dim(), cache.gaac_bases(layer, kv, kv_head));
     r.slot_bytes = cache.gaac_slot_bytes(layer, kv);
@@ -104,6 +122,46 @@ inline void fp8_to_float_rows(format::GaacElement element, const uint8_t* src, f
   const int exponent_bits = element == format::GaacElement::kFp8E4M3 ? 4 : 5;
   const int mantissa_bits = element == format::GaacElement::kFp8E4M3 ? 3 : 2;
   for (size_t i = 0; i < n; ++i) dst[i] = format::fp8_to_float(src[i], exponent_bits, mantissa_bits);
+}
+
+// Bytes of a page of the table in `storage` (what prefetch_page fetches).
+inline size_t page_bytes_of_class(const TableReader& r, format::StorageClass storage) {
+  const size_t elements = size_t(r.cache->block_tokens()) * size_t(r.cache->head_dim());
+  switch (storage) {
+    case format::StorageClass::kBf16:
+      return 2 * elements;
+    case format::StorageClass::kFp8:
+      return elements;
+    case format::StorageClass::kGaac:
+    case format::StorageClass::kGaacFp8:
+      return r.slot_bytes;
+    case format::StorageClass::kLossy:
+    case format::StorageClass::kDither8:
+      return r.lossy ? r.side_offset + r.lossy_side_bytes : 0;
+  }
+  return 0;
+}
+
+// The "load" step of a page class: starts fetching page `index` of the table into the caches, so
+// that its bytes arrive while the page before it is decoded (pages of a pool are not adjacent in
+// table order, which the hardware prefetchers do not follow). REQUIRES: the block is written.
+inline void prefetch_page(const TableReader& r, int64_t index) {
+  const format::PageRef ref = r.table[index];
+  // Raw bf16 pages are left to the hardware prefetchers (no measured gain); GAAC slots are
+  // fetched by load_tile itself.
+  if (ref.storage == format::StorageClass::kBf16 || ref.storage == format::StorageClass::kGaac) return;
+  const char* p = reinterpret_cast<const char*>(r.cache->page_bytes_of(ref));
+  const size_t bytes = page_bytes_of_class(r, ref.storage);
+  for (size_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at);
+}
+
+// Rows [0, n) of a raw FP8 page of the table as floats.
+inline void fp8_page_rows(const TableReader& r, const uint8_t* page, int64_t n, float* rows) {
+  if (r.fp8_decoder) {
+    r.fp8_decoder->decode(0, page, int(n), rows);
+  } else {
+    fp8_to_float_rows(r.element, page, rows, size_t(n) * size_t(r.cache->head_dim()));
+  }
 }
 
 // Converts positions [begin, end) of one block table (K or V) to float rows, a page at a time:
@@ -137,9 +195,9 @@ inline void load_tile(const TableReader& r, int64_t begin, int64_t end, float* o
       page.resize(size_t(bt) * d);
       codec::gaac_decode_page_fp8_ref(r.element, cache.page_bytes_of(ref), r.slot_bytes, int(bt),
                                       int(d), *r.fp8_bases, page.data());
-      fp8_to_float_rows(r.element, page.data(), rows, size_t(n) * d);
+      fp8_page_rows(r, page.data(), n, rows);
     } else if (ref.storage == format::StorageClass::kFp8) {
-      fp8_to_float_rows(r.element, cache.page_fp8(ref), rows, size_t(n) * d);
+      fp8_page_rows(r, cache.page_fp8(ref), n, rows);
     } else if (r.lossy && (ref.storage == format::StorageClass::kLossy ||
                            ref.storage == format::StorageClass::kDither8) &&
                (start / bt + 1) * bt > exact_from) {
@@ -149,15 +207,7 @@ inline void load_tile(const TableReader& r, int64_t begin, int64_t end, float* o
       bf16_to_float_rows(exact.data(), rows, size_t(n) * d);
     } else if (r.lossy && (ref.storage == format::StorageClass::kLossy ||
                            ref.storage == format::StorageClass::kDither8)) {
-      // Lossy pages are always whole blocks: reconstruct the page, keep the rows asked for.
-      if (n == bt) {
-        codec::lossy_decode_page(*r.lossy, uint32_t(start / bt), cache.page_bytes_of(ref), rows);
-      } else {
-        thread_local std::vector<float> page;
-        page.resize(size_t(bt) * d);
-        codec::lossy_decode_page(*r.lossy, uint32_t(start / bt), cache.page_bytes_of(ref), page.data());
-        std::copy(page.begin(), page.begin() + size_t(n) * d, rows);
-      }
+      r.lossy_decoder->decode(uint32_t(start / bt), cache.page_bytes_of(ref), int(n), rows);
     } else {
       bf16_to_float_rows(cache.page_bf16(ref), rows, size_t(n) * d);
     }
@@ -416,11 +466,45 @@ inline void fp16_to_float_rows(const uint16_t* src, float* dst, size_t n) {
   }
 }
 
+// rho_t of a dither8 V page from its scales, codec::dither8_value_rho in float:
+// rho_t = (1/2 + slack) sqrt(32 sum_g s_{t,g}^2) (V pages keep no outliers). s^2 and 32 s^2 are
+// exact in float (an fp16 s has 11 bits); the sum of at most 8 terms, the square root and the
+// product round by less than 2^-21 relative, covered by lifting the result by 2^-20.
+// scales: [groups][stride] band-major; rho: [n].
+inline void dither8_rho_from_scales(const float* scales, size_t stride, int groups, int64_t n, float* rho) {
+  const float r = (0.5f + codec::kDither8Slack) * (1.0f + 1.0f / 1048576.0f);
+  for (int64_t j = 0; j < n; ++j) {
+    float sum_sq = 0.f;
+    for (int g = 0; g < groups; ++g) {
+      const float sg = scales[size_t(g) * stride + size_t(j)];
+      sum_sq += float(codec::kQuantGroup) * sg * sg;
+    }
+    rho[j] = r * std::sqrt(sum_sq);
+  }
+}
+
+// The Tier A side data of rows [0, n) of one lossy page, band-major: K pages the witness
+// w_{t,b} (dst[b * stride + t], b < key_bound_width), V pages rho_t (dst[t]).
+inline void tier_a_error_data(const TableReader& r, const uint8_t* bytes, int64_t n, float* dst, size_t stride) {
+  const codec::LossyPageSpec& spec = *r.lossy;
+  const int bt = spec.block_tokens;
+  const int width = spec.key ? key_bound_width(spec) : 1;
+  if (spec.key && spec.witness != codec::WitnessCode::kFp16) {
+    // A coded witness, read back as floats straight into the band-major rows.
+    codec::page_scaled_witness_bounds(bytes + r.side_offset, width, bt, int(n), dst, stride);
+    return;
+  }
+  // Tier A side data is band-major [width][bt] (docs/format/lossy_pages.md).
+  const uint16_t* side = reinterpret_cast<const uint16_t*>(bytes + r.side_offset);
+  for (int b = 0; b < width; ++b) fp16_to_float_rows(side + size_t(b) * size_t(bt), dst + size_t(b) * stride, size_t(n));
+}
+
 // Per-token error data of positions [begin, end) of a lossy table, band-major:
 // out[b * stride + (t - begin)] for b < width (key_bound_width for K tables, 1 for V tables):
 //   K tables, Tier A: the witness w_{t,b};  K tables, Tier B (dither8): the scales s_{t,g};
 //   V tables: rho_t >= ||v^_t - v_t||.
 // Pages that are not lossy (bf16 tails, repaired or exact-fallback blocks) are exact: zeros.
+// The reference meter's reader; decode attention gets the same data from load_tile_metered.
 // REQUIRES: r.lossy; begin % block_tokens == 0; stride >= end - begin.
 inline void load_error_data(const TableReader& r, int64_t begin, int64_t end, float* out,
                             size_t stride) {
@@ -429,7 +513,6 @@ inline void load_error_data(const TableReader& r, int64_t begin, int64_t end, fl
   const int64_t bt = cache.block_tokens();
   const int width = spec.key ? key_bound_width(spec) : 1;
   const bool tier_b = codec::lossy_scheme_is_tier_b(spec.scheme);
-  const size_t side_offset = r.side_offset;
   thread_local std::vector<float> page;
   for (int64_t start = begin; start < end; start += bt) {
     const int64_t n = end - start < bt ? end - start : bt;
@@ -445,33 +528,65 @@ inline void load_error_data(const TableReader& r, int64_t begin, int64_t end, fl
     if (tier_b) {
       const int width_scales = spec.head_dim / codec::kQuantGroup;
       page.resize(size_t(bt) * size_t(width_scales));
+      codec::dither8_scales(spec, bytes, page.data());  // [bt][width]
       if (spec.key) {
-        codec::dither8_scales(spec, bytes, page.data());  // [bt][width]
         for (int64_t j = 0; j < n; ++j)
           for (int b = 0; b < width; ++b) dst[size_t(b) * stride + size_t(j)] = page[size_t(j) * size_t(width) + size_t(b)];
       } else {
-        // codec::dither8_value_rho in float: rho_t = (1/2 + slack) sqrt(32 sum_g s_{t,g}^2) (V
-        // pages keep no outliers). s^2 and 32 s^2 are exact in float (an fp16 s has 11 bits);
-        // the sum of at most 8 terms, the square root and the product round by less than 2^-21
-        // relative, covered by lifting the result by 2^-20.
-        codec::dither8_scales(spec, bytes, page.data());  // [bt][width]
-        const float r = (0.5f + codec::kDither8Slack) * (1.0f + 1.0f / 1048576.0f);
-        for (int64_t j = 0; j < n; ++j) {
-          float sum_sq = 0.f;
-          for (int g = 0; g < width_scales; ++g) {
-            const float sg = page[size_t(j) * size_t(width_scales) + size_t(g)];
-            sum_sq += float(codec::kQuantGroup) * sg * sg;
-          }
-          dst[j] = r * std::sqrt(sum_sq);
-        }
+        // Band-major, then rho from the scales.
+        std::vector<float> band_major(size_t(width_scales) * size_t(bt));
+        for (int64_t j = 0; j < n; ++j)
+          for (int g = 0; g < width_scales; ++g)
+            band_major[size_t(g) * size_t(bt) + size_t(j)] = page[size_t(j) * size_t(width_scales) + size_t(g)];
+        dither8_rho_from_scales(band_major.data(), size_t(bt), width_scales, n, dst);
       }
-    } else if (spec.key && spec.witness != codec::WitnessCode::kFp16) {
-      // A coded witness, read back as floats straight into the band-major rows.
-      codec::page_scaled_witness_bounds(bytes + side_offset, width, int(bt), int(n), dst, stride);
     } else {
-      // Tier A side data is band-major [width][bt] (docs/format/lossy_pages.md).
-      const uint16_t* side = reinterpret_cast<const uint16_t*>(bytes + side_offset);
-      for (int b = 0; b < width; ++b) fp16_to_float_rows(side + size_t(b) * size_t(bt), dst + size_t(b) * stride, size_t(n));
+      tier_a_error_data(r, bytes, n, dst, stride);
+    }
+  }
+}
+
+// load_tile and load_error_data of a lossy table in one pass over its pages (decode attention's
+// metered path): rows [end - begin][head_dim] as load_tile gives them, and the error data
+// band-major, err[b * stride + (t - begin)], as load_error_data gives it. dither8 pages give
+// their scales from the decoding pass itself (no second read of the page's scales).
+// REQUIRES: r.lossy; begin % block_tokens == 0; stride >= end - begin.
+inline void load_tile_metered(const TableReader& r, int64_t begin, int64_t end, float* rows_out,
+                              float* err, size_t stride) {
+  const cache::KvCache& cache = *r.cache;
+  const codec::LossyPageSpec& spec = *r.lossy;
+  const int64_t bt = cache.block_tokens();
+  const size_t d = size_t(cache.head_dim());
+  const int width = spec.key ? key_bound_width(spec) : 1;
+  const bool tier_b = codec::lossy_scheme_is_tier_b(spec.scheme);
+  for (int64_t start = begin; start < end; start += bt) {
+    const int64_t n = end - start < bt ? end - start : bt;
+    const format::PageRef ref = r.table[start / bt];
+    float* rows = rows_out + size_t(start - begin) * d;
+    float* dst = err + size_t(start - begin);
+    const bool lossy_page = ref.storage == format::StorageClass::kLossy ||
+                            ref.storage == format::StorageClass::kDither8;
+    if (!lossy_page) {
+      load_tile(r, start, start + n, rows);
+      for (int b = 0; b < width; ++b) std::fill(dst + size_t(b) * stride, dst + size_t(b) * stride + size_t(n), 0.f);
+      continue;
+    }
+    const uint8_t* bytes = cache.page_bytes_of(ref);
+    const uint32_t block = uint32_t(start / bt);
+    if (!tier_b) {
+      r.lossy_decoder->decode(block, bytes, int(n), rows);
+      tier_a_error_data(r, bytes, n, dst, stride);
+    } else if (spec.key) {
+      r.lossy_decoder->decode(block, bytes, int(n), rows, dst, stride);
+    } else {
+      float scales[(256 / codec::kQuantGroup) * 64];  // [groups][bt], bt <= 64 here
+      if (bt <= 64) {
+        r.lossy_decoder->decode(block, bytes, int(n), rows, scales, size_t(bt));
+        dither8_rho_from_scales(scales, size_t(bt), spec.head_dim / codec::kQuantGroup, n, dst);
+      } else {
+        r.lossy_decoder->decode(block, bytes, int(n), rows);
+        load_error_data(r, start, start + n, dst, stride);
+      }
     }
   }
 }
@@ -536,6 +651,8 @@ inline QueryBoundWeights query_bound_weights(const codec::LossyPageSpec& spec, c
 // c[j] for the keys of a tile. bounds_t: [width][tile_keys] (load_error_data, band-major).
 // Sixteen keys at a time with four independent sums (two key halves x even and odd bands), so
 // that the loop over bands is not one chain of dependent FMAs.
+// kTierB: w.tier_b, fixed per page class (decode_attention's policies).
+template <bool kTierB>
 inline void logit_bounds(const QueryBoundWeights& w, const float* bounds_t, size_t tile_keys,
                          int n_keys, float* c) {
   int j = 0;
@@ -550,13 +667,13 @@ inline void logit_bounds(const QueryBoundWeights& w, const float* bounds_t, size
       const float* r1 = r0 + tile_keys;
       const __m256 a0 = _mm256_loadu_ps(r0), b0 = _mm256_loadu_ps(r0 + 8);
       const __m256 a1 = _mm256_loadu_ps(r1), b1 = _mm256_loadu_ps(r1 + 8);
-      const __m256 w0 = _mm256_set1_ps(w.tier_b ? w.abs_weight[g] : w.weight[g]);
-      const __m256 w1 = _mm256_set1_ps(w.tier_b ? w.abs_weight[g + 1] : w.weight[g + 1]);
+      const __m256 w0 = _mm256_set1_ps(kTierB ? w.abs_weight[g] : w.weight[g]);
+      const __m256 w1 = _mm256_set1_ps(kTierB ? w.abs_weight[g + 1] : w.weight[g + 1]);
       la0 = _mm256_fmadd_ps(w0, a0, la0);
       lb0 = _mm256_fmadd_ps(w0, b0, lb0);
       la1 = _mm256_fmadd_ps(w1, a1, la1);
       lb1 = _mm256_fmadd_ps(w1, b1, lb1);
-      if (w.tier_b) {
+      if constexpr (kTierB) {
         const __m256 v0 = _mm256_set1_ps(w.weight[g]), v1 = _mm256_set1_ps(w.weight[g + 1]);
         qa0 = _mm256_fmadd_ps(_mm256_mul_ps(v0, a0), a0, qa0);
         qb0 = _mm256_fmadd_ps(_mm256_mul_ps(v0, b0), b0, qb0);
@@ -567,17 +684,17 @@ inline void logit_bounds(const QueryBoundWeights& w, const float* bounds_t, size
     if (g < w.width) {
       const float* r0 = bounds_t + size_t(g) * tile_keys + size_t(j);
       const __m256 a0 = _mm256_loadu_ps(r0), b0 = _mm256_loadu_ps(r0 + 8);
-      const __m256 w0 = _mm256_set1_ps(w.tier_b ? w.abs_weight[g] : w.weight[g]);
+      const __m256 w0 = _mm256_set1_ps(kTierB ? w.abs_weight[g] : w.weight[g]);
       la0 = _mm256_fmadd_ps(w0, a0, la0);
       lb0 = _mm256_fmadd_ps(w0, b0, lb0);
-      if (w.tier_b) {
+      if constexpr (kTierB) {
         const __m256 v0 = _mm256_set1_ps(w.weight[g]);
         qa0 = _mm256_fmadd_ps(_mm256_mul_ps(v0, a0), a0, qa0);
         qb0 = _mm256_fmadd_ps(_mm256_mul_ps(v0, b0), b0, qb0);
       }
     }
     __m256 ca = _mm256_add_ps(la0, la1), cb = _mm256_add_ps(lb0, lb1);
-    if (w.tier_b) {
+    if constexpr (kTierB) {
       ca = _mm256_add_ps(_mm256_sqrt_ps(_mm256_add_ps(qa0, qa1)), ca);
       cb = _mm256_add_ps(_mm256_sqrt_ps(_mm256_add_ps(qb0, qb1)), cb);
     }
@@ -589,14 +706,23 @@ inline void logit_bounds(const QueryBoundWeights& w, const float* bounds_t, size
     float var = 0.f, sum = 0.f;
     for (int g = 0; g < w.width; ++g) {
       const float b = bounds_t[size_t(g) * tile_keys + size_t(j)];
-      if (w.tier_b) {
+      if constexpr (kTierB) {
         var += w.weight[g] * b * b;
         sum += w.abs_weight[g] * b;
       } else {
         sum += w.weight[g] * b;
       }
     }
-    c[j] = w.tier_b ? std::sqrt(var) + sum : sum;
+    c[j] = kTierB ? std::sqrt(var) + sum : sum;
+  }
+}
+
+// The same, choosing the tier at run time (meter_ref).
+inline void logit_bounds(const QueryBoundWeights& w, const float* bounds_t, size_t tile_keys, int n_keys, float* c) {
+  if (w.tier_b) {
+    logit_bounds<true>(w, bounds_t, tile_keys, n_keys, c);
+  } else {
+    logit_bounds<false>(w, bounds_t, tile_keys, n_keys, c);
   }
 }
 
@@ -615,8 +741,11 @@ inline __m256 expm1_nonnegative8(__m256 c) {
   t = _mm256_fmadd_ps(t, c, _mm256_set1_ps(0.5f));
   t = _mm256_fmadd_ps(t, c, _mm256_set1_ps(1.f));
   const __m256 small = _mm256_mul_ps(t, c);
+  const __m256 is_small = _mm256_cmp_ps(c, _mm256_set1_ps(0.5f), _CMP_LT_OQ);
+  // Every lane below 1/2 (the usual case of an informative meter): the exponential is not needed.
+  if (_mm256_movemask_ps(is_small) == 0xff) return small;
   const __m256 large = _mm256_sub_ps(exp_range_reduced8(c), _mm256_set1_ps(1.f));
-  return _mm256_blendv_ps(large, small, _mm256_cmp_ps(c, _mm256_set1_ps(0.5f), _CMP_LT_OQ));
+  return _mm256_blendv_ps(large, small, is_small);
 }
 #endif
 
@@ -630,8 +759,6 @@ struct MeterRow {
   float rho;
 };
 
-// Bounds at or above this use double exponentials (e^{c} would leave float's range).
-inline constexpr float kLargeLogitBound = 60.f;
 
 // Whether some c[j] is at or above kLargeLogitBound, or NaN (an overflow: the meter is 1).
 inline bool any_large_bound(const float* c, int n_keys) {
@@ -679,21 +806,39 @@ inline float weighted_expm1_sum(const float* p, const float* c, int n_keys) {
   return sum;
 }
 
+// The meter kernels decode attention uses: AVX-512 where codec::lossy_best_kernel() is (the page
+// decoders' choice, so CERTKV_LOSSY_KERNEL caps both), else the paths above.
+inline const MeterKernels& meter_kernels() {
+  static const MeterKernels* const chosen = [] {
+    static const MeterKernels inline_paths{
+        &logit_bounds<false>, &logit_bounds<true>, &any_large_bound,
+        [](const float* p, const float* c, const float* rho, int n_keys, float* d, float* r) {
+          *d = weighted_expm1_sum(p, c, n_keys);
+          *r = dot(p, rho, n_keys);
+        }};
+    const MeterKernels* avx512 = meter_kernels_avx512();
+    return avx512 != nullptr && codec::lossy_best_kernel() == codec::LossyKernel::kAvx512 ? avx512 : &inline_paths;
+  }();
+  return *chosen;
+}
+
 // update_row plus the meter: c: [n_keys] logit bounds, rho: [n_keys] value error bounds.
 inline void update_row_metered(const float* q, const float* k, const float* v, int n_keys, int d,
                                float scale, const float* c, const float* rho, RowState* state,
                                MeterRow* meter, float* acc, float* s) {
   const float tile_max = scores_of_row(q, k, n_keys, d, scale, s);
   const float m_new = tile_max > state->m ? tile_max : state->m;
-  const float alpha = std::exp(state->m - m_new);
+  // As in update_row: exactly 1, std::exp(0)'s value, while the maximum holds.
+  const float alpha = m_new == state->m ? 1.f : std::exp(state->m - m_new);
+  const MeterKernels& mk = meter_kernels();
   double large = 0;
-  if (any_large_bound(c, n_keys)) {
+  if (mk.any_large_bound(c, n_keys)) {
     for (int j = 0; j < n_keys; ++j)
       if (!(c[j] < kLargeLogitBound)) large += std::exp(double(s[j]) - double(m_new) + double(c[j]));
   }
   const float tile_sum = exp_shifted_and_sum(s, n_keys, m_new);
-  const float d_tile = weighted_expm1_sum(s, c, n_keys);
-  const float rho_tile = dot(s, rho, n_keys);
+  float d_tile, rho_tile;
+  mk.sums(s, c, rho, n_keys, &d_tile, &rho_tile);
   meter->d = meter->d * double(alpha) + double(d_tile) + large;
   meter->rho = meter->rho * alpha + rho_tile;
   state->l = state->l * alpha + tile_sum;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "codec/lossy_page_kernels.h"
 #include "core/status.h"
 #include "format/dither8_generator.h"
 #include "format/fp8.h"
@@ -667,56 +669,64 @@ inline void scale_int8_group(const int8_t* q, float s, float* row) {
 #endif
 }
 
-void decode_rtn_rows(const Geometry& g, int bits, const uint8_t* page, float* out) {
-  const size_t code_bytes = rtn_code_bytes(g, bits);
-  const size_t record = code_bytes + 2 * size_t(g.groups);
+void decode_rtn_rows(const detail::LossyDecodeArgs& a, int n_rows, const uint8_t* page, float* out) {
+  const int bits = a.scheme == LossyScheme::kRtn8 ? 8 : 4;
+  const size_t code_bytes = bits == 8 ? size_t(a.head_dim) : size_t(a.head_dim) / 2;
   int8_t q[kMaxHeadDim];
-  for (int t = 0; t < g.bt; ++t) {
-    const uint8_t* rec = page + size_t(t) * record;
-    float* row = out + size_t(t) * g.d;
+  for (int t = 0; t < n_rows; ++t) {
+    const uint8_t* rec = page + size_t(t) * a.record_bytes;
+    float* row = out + size_t(t) * a.head_dim;
     if (bits == 8) {
-      std::memcpy(q, rec, size_t(g.d));
+      std::memcpy(q, rec, size_t(a.head_dim));
     } else {
-      for (int c = 0; c < g.d; c += 2) {
+      for (int c = 0; c < a.head_dim; c += 2) {
         q[c] = int8_t(int(rec[c / 2] & 0xf) - 8);
         q[c + 1] = int8_t(int(rec[c / 2] >> 4) - 8);
       }
     }
-    for (int grp = 0; grp < g.groups; ++grp)
+    for (int grp = 0; grp < a.groups; ++grp)
       scale_int8_group(q + grp * kQuantGroup, fp16_to_float(load_u16(rec + code_bytes + 2 * size_t(grp))),
                        row + grp * kQuantGroup);
   }
 }
 
-}  // namespace
-
-void lossy_decode_page(const LossyPageSpec& spec, uint32_t block, const uint8_t* page,
-                       float* out) {
-  const Geometry g = geometry_of(spec);
-  const size_t n = size_t(g.bt) * size_t(g.d);
-  switch (spec.scheme) {
+// The portable kernel (detail::LossyDecodeKernel): plain loops, AVX2 intrinsics where the build
+// targets them; the same floats as lossy_decode_page_ref.
+void decode_page_portable(const detail::LossyDecodeArgs& a, uint32_t block, const uint8_t* page,
+                          int n_rows, float* out, float* scales, size_t scales_stride) {
+  const size_t n = size_t(n_rows) * size_t(a.head_dim);
+  const int d = a.head_dim;
+  switch (a.scheme) {
     case LossyScheme::kFp8E4M3:
     case LossyScheme::kFp8E5M2: {
-      const float* table = spec.scheme == LossyScheme::kFp8E4M3 ? fp8_tables().e4m3 : fp8_tables().e5m2;
+      const float* table = a.scheme == LossyScheme::kFp8E4M3 ? fp8_tables().e4m3 : fp8_tables().e5m2;
       for (size_t i = 0; i < n; ++i) out[i] = table[page[i]];
       return;
     }
     case LossyScheme::kFp8E4M3Scaled: {
-      const size_t record = size_t(g.d) + 2;
-      for (int t = 0; t < g.bt; ++t) {
-        const uint8_t* rec = page + size_t(t) * record;
-        const float s = fp16_to_float(load_u16(rec + g.d));
-        for (int c = 0; c < g.d; ++c) out[size_t(t) * g.d + c] = s * fp8_tables().e4m3[rec[c]];
+      for (int t = 0; t < n_rows; ++t) {
+        const uint8_t* rec = page + size_t(t) * a.record_bytes;
+        const float s = fp16_to_float(load_u16(rec + d));
+        for (int c = 0; c < d; ++c) out[size_t(t) * d + c] = s * fp8_tables().e4m3[rec[c]];
       }
       return;
     }
     case LossyScheme::kRtn8:
     case LossyScheme::kRtn4:
-      decode_rtn_rows(g, spec.scheme == LossyScheme::kRtn8 ? 8 : 4, page, out);
+      decode_rtn_rows(a, n_rows, page, out);
       return;
-    case LossyScheme::kKivi2:
-      lossy_decode_page_ref(spec, block, page, out);
+    case LossyScheme::kKivi2: {
+      const uint8_t* params = page + size_t(a.block_tokens) * size_t(d) / 4;
+      for (int t = 0; t < n_rows; ++t) {
+        for (int c = 0; c < d; ++c) {
+          const size_t pair = a.key ? size_t(c) : size_t(t) * a.groups + size_t(c / kQuantGroup);
+          const int q = (page[(size_t(t) * d + c) / 4] >> (2 * (c & 3))) & 3;
+          out[size_t(t) * d + c] = kivi2_recon(fp16_to_float(load_u16(params + 4 * pair)),
+                                               fp16_to_float(load_u16(params + 4 * pair + 2)), q);
+        }
+      }
       return;
+    }
     case LossyScheme::kDither8:
       break;
   }
@@ -724,24 +734,24 @@ void lossy_decode_page(const LossyPageSpec& spec, uint32_t block, const uint8_t*
   // per four channels (dither8_xi recomputes both for every channel), one scale per group; the
   // same floats. The word loop and the xi loop are separate so that both vectorize; u of channel
   // c is byte c of the little-endian words (dither8_u).
-  const size_t record = dither8_record_bytes(g);
   uint32_t words[kMaxHeadDim / 4];
   uint8_t u[kMaxHeadDim];
   float xi[kMaxHeadDim];
-  for (int t = 0; t < g.bt; ++t) {
-    const uint8_t* rec = page + size_t(t) * record;
-    float* row = out + size_t(t) * g.d;
-    if (spec.key) {
+  for (int t = 0; t < n_rows; ++t) {
+    const uint8_t* rec = page + size_t(t) * a.record_bytes;
+    float* row = out + size_t(t) * d;
+    if (a.key) {
       const uint32_t row_seed =
-          format::dither8_row_seed(spec.dither_key, dither8_counter(g, block, t));
-      for (int w = 0; w < g.d / 4; ++w) words[w] = format::dither8_word(row_seed, w);
-      std::memcpy(u, words, size_t(g.d));
-      for (int c = 0; c < g.d; ++c) xi[c] = (float(u[c]) + 0.5f) / 256.0f - 0.5f;
+          format::dither8_row_seed(a.dither_key, uint64_t(block) * uint64_t(a.block_tokens) + uint64_t(t));
+      for (int w = 0; w < d / 4; ++w) words[w] = format::dither8_word(row_seed, w);
+      std::memcpy(u, words, size_t(d));
+      for (int c = 0; c < d; ++c) xi[c] = (float(u[c]) + 0.5f) / 256.0f - 0.5f;
     } else {
-      std::fill(xi, xi + g.d, 0.0f);  // V pages are not dithered
+      std::fill(xi, xi + d, 0.0f);  // V pages are not dithered
     }
-    for (int grp = 0; grp < g.groups; ++grp) {
-      const float s = fp16_to_float(load_u16(rec + g.d + 2 * size_t(grp)));
+    for (int grp = 0; grp < a.groups; ++grp) {
+      const float s = fp16_to_float(load_u16(rec + d + 2 * size_t(grp)));
+      if (scales != nullptr) scales[size_t(grp) * scales_stride + size_t(t)] = s;
       const int c0 = grp * kQuantGroup;
 #if defined(__AVX2__)
       const __m256 sv = _mm256_set1_ps(s);
@@ -754,14 +764,114 @@ void lossy_decode_page(const LossyPageSpec& spec, uint32_t block, const uint8_t*
       for (int c = c0; c < c0 + kQuantGroup; ++c) row[c] = s * (float(int8_t(rec[c])) - xi[c]);
 #endif
     }
-    const uint8_t* outliers = rec + g.d + 2 * size_t(g.groups);
-    for (int i = 0; i < g.m; ++i) {
-      for (int which = 0; which < 2; ++which) {
-        const int c = rope_pair_channel(spec.pairing, g.d, spec.outlier_pairs[i], which);
-        row[c] = bf16_to_float(load_u16(outliers + 2 * size_t(2 * i + which)));
-      }
-    }
+    const uint8_t* outliers = rec + d + 2 * size_t(a.groups);
+    for (int i = 0; i < a.n_outlier_channels; ++i)
+      row[a.outlier_channels[i]] = bf16_to_float(load_u16(outliers + 2 * size_t(i)));
   }
+}
+
+detail::LossyDecodeKernel kernel_function(LossyKernel kernel) {
+  switch (kernel) {
+    case LossyKernel::kAvx2:
+      return detail::lossy_decode_kernel_avx2();
+    case LossyKernel::kAvx512:
+      return detail::lossy_decode_kernel_avx512();
+    case LossyKernel::kPortable:
+      break;
+  }
+  return &decode_page_portable;
+}
+
+}  // namespace
+
+const char* lossy_kernel_name(LossyKernel kernel) {
+  switch (kernel) {
+    case LossyKernel::kAvx2:
+      return "avx2";
+    case LossyKernel::kAvx512:
+      return "avx512";
+    case LossyKernel::kPortable:
+      break;
+  }
+  return "portable";
+}
+
+bool lossy_kernel_supported(LossyKernel kernel) {
+  switch (kernel) {
+    case LossyKernel::kAvx2:
+      return detail::cpu_runs_lossy_avx2();
+    case LossyKernel::kAvx512:
+      return detail::cpu_runs_lossy_avx512();
+    case LossyKernel::kPortable:
+      break;
+  }
+  return true;
+}
+
+LossyKernel lossy_best_kernel() {
+  static const LossyKernel best = [] {
+    LossyKernel cap = LossyKernel::kAvx512;
+    if (const char* env = std::getenv("CERTKV_LOSSY_KERNEL")) {
+      for (LossyKernel k : {LossyKernel::kPortable, LossyKernel::kAvx2, LossyKernel::kAvx512})
+        if (std::string_view(env) == lossy_kernel_name(k)) cap = k;
+    }
+    for (LossyKernel k : {LossyKernel::kAvx512, LossyKernel::kAvx2})
+      if (uint8_t(k) <= uint8_t(cap) && lossy_kernel_supported(k)) return k;
+    return LossyKernel::kPortable;
+  }();
+  return best;
+}
+
+LossyPageDecoder::LossyPageDecoder(const LossyPageSpec& spec, LossyKernel kernel) : kernel_(kernel) {
+  const Geometry g = geometry_of(spec);
+  if (!lossy_kernel_supported(kernel)) {
+    fail(StatusCode::kUnsupported, std::string("LossyPageDecoder: kernel ") + lossy_kernel_name(kernel) +
+                                       " does not run on this CPU");
+  }
+  args_.scheme = spec.scheme;
+  args_.key = spec.key;
+  args_.block_tokens = g.bt;
+  args_.head_dim = g.d;
+  args_.groups = g.groups;
+  switch (spec.scheme) {
+    case LossyScheme::kFp8E4M3:
+    case LossyScheme::kFp8E5M2:
+      args_.record_bytes = size_t(g.d);
+      break;
+    case LossyScheme::kFp8E4M3Scaled:
+      args_.record_bytes = size_t(g.d) + 2;
+      break;
+    case LossyScheme::kRtn8:
+    case LossyScheme::kRtn4: {
+      const int bits = spec.scheme == LossyScheme::kRtn8 ? 8 : 4;
+      args_.record_bytes = rtn_code_bytes(g, bits) + 2 * size_t(g.groups);
+      break;
+    }
+    case LossyScheme::kKivi2:
+      args_.record_bytes = 0;
+      break;
+    case LossyScheme::kDither8:
+      args_.record_bytes = dither8_record_bytes(g);
+      break;
+  }
+  args_.dither_key = spec.dither_key;
+  args_.n_outlier_channels = 2 * spec.n_outlier_pairs;
+  for (int i = 0; i < spec.n_outlier_pairs; ++i)
+    for (int which = 0; which < 2; ++which)
+      args_.outlier_channels[2 * i + which] =
+          uint8_t(rope_pair_channel(spec.pairing, g.d, spec.outlier_pairs[i], which));
+  decode_ = kernel_function(kernel);
+}
+
+void LossyPageDecoder::decode(uint32_t block, const uint8_t* page, int n_rows, float* out,
+                              float* scales, size_t scales_stride) const {
+  decode_(args_, block, page, n_rows, out, scales, scales_stride);
+}
+
+void lossy_decode_page(const LossyPageSpec& spec, uint32_t block, const uint8_t* page,
+                       float* out) {
+  const LossyPageDecoder decoder(spec);
+  decoder.decode(block, page, spec.block_tokens, out);
 }
 
 const uint16_t* lossy_witness(const LossyPageSpec& spec, const uint8_t* page) {

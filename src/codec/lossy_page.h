@@ -130,6 +130,60 @@ void lossy_decode_page_ref(const LossyPageSpec& spec, uint32_t block, const uint
 void lossy_decode_page(const LossyPageSpec& spec, uint32_t block, const uint8_t* page,
                        float* out);
 
+namespace detail {
+// What a decoding kernel needs of a spec, derived once (lossy_page_kernels.h).
+struct LossyDecodeArgs {
+  LossyScheme scheme = LossyScheme::kRtn8;
+  bool key = true;
+  int block_tokens = 0;
+  int head_dim = 0;
+  int groups = 0;           // head_dim / kQuantGroup
+  size_t record_bytes = 0;  // per token (token-major payloads; 0 for kivi2)
+  uint64_t dither_key = 0;  // dither8 K pages
+  int n_outlier_channels = 0;                      // dither8 K pages: 2 m
+  uint8_t outlier_channels[2 * kMaxOutlierPairs];  // pair i: channels [2 i] (a) and [2 i + 1] (b)
+};
+// Rows [0, n_rows) of one page: out [n_rows][head_dim]; dither8 pages: when scales is not null,
+// also the group scales band-major, scales[g * scales_stride + t].
+using LossyDecodeKernel = void (*)(const LossyDecodeArgs& args, uint32_t block, const uint8_t* page,
+                                   int n_rows, float* out, float* scales, size_t scales_stride);
+}  // namespace detail
+
+// The instruction sets a LossyPageDecoder can use: kPortable (plain C++, with AVX2 intrinsics where
+// the build targets them), kAvx2 (AVX2, FMA, F16C) and kAvx512 (AVX-512 F, BW, VL, DQ), the last two
+// compiled for their own targets and chosen at run time.
+enum class LossyKernel : uint8_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+// "portable", "avx2", "avx512".
+const char* lossy_kernel_name(LossyKernel kernel);
+// Whether this CPU (and build) runs the kernel.
+bool lossy_kernel_supported(LossyKernel kernel);
+// The widest supported kernel, capped by the environment variable CERTKV_LOSSY_KERNEL when it
+// names one ("portable", "avx2", "avx512"; read once per process; for tests and for measuring
+// one kernel against another). An unknown name is ignored.
+LossyKernel lossy_best_kernel();
+
+// Page decoding bound to one spec (validated once, at construction) and one kernel: what decode
+// attention calls for every page. Thread safety: const methods may run concurrently. The spec's
+// outlier_pairs are copied.
+class LossyPageDecoder {
+ public:
+  // Throws as validate_lossy_page_spec; kUnsupported when the kernel is not supported.
+  explicit LossyPageDecoder(const LossyPageSpec& spec, LossyKernel kernel = lossy_best_kernel());
+  // Rows [0, n_rows) of a page of block `block`: out [n_rows][head_dim], the floats of
+  // lossy_decode_page_ref bit for bit, NaNs of corrupt pages included.
+  // dither8 pages: when scales is not null, also the stored scales s_{t,g} (as dither8_scales)
+  // band-major, scales[g * scales_stride + t] for g < head_dim / kQuantGroup: the meter's Tier B
+  // data from the same pass over the page. REQUIRES: 1 <= n_rows <= block_tokens.
+  void decode(uint32_t block, const uint8_t* page, int n_rows, float* out, float* scales = nullptr,
+              size_t scales_stride = 0) const;
+  LossyKernel kernel() const { return kernel_; }
+
+ private:
+  detail::LossyDecodeArgs args_;
+  detail::LossyDecodeKernel decode_;
+  LossyKernel kernel_;
+};
+
 // Tier A K pages of WitnessCode::kFp16: witness [witness_bands(head_dim)][block_tokens] fp16 bits
 // (band-major), inside the page (other codes: throws kInvalidArgument; read them with
 // lossy_witness_bounds).

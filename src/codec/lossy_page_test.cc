@@ -1263,6 +1263,76 @@ TEST(LossyPage, GarbagePagesDecodeWithoutCrashingAndBothDecodersAgree) {
   }
 }
 
+// ---- LossyPageDecoder: every kernel against the reference ------------------------------------
+
+// Every kernel this CPU runs (the AVX2 one also where AVX-512 is there), on encoded and on garbage
+// pages of every scheme, ragged shapes and row counts: the reference's floats bit for bit, and for
+// dither8 the stored scales band-major as dither8_scales gives them.
+TEST(LossyPageDecoder, EveryKernelGivesTheReferenceFloatsOnRaggedRows) {
+  std::mt19937_64 rng(31);
+  int kernels_run = 0;
+  for (LossyKernel kernel : {LossyKernel::kPortable, LossyKernel::kAvx2, LossyKernel::kAvx512}) {
+    if (!lossy_kernel_supported(kernel)) {
+      EXPECT_THROW(LossyPageDecoder(make_spec(LossyScheme::kRtn8, true, 16, 64, RopePairing::kInterleaved), kernel),
+                   Error);
+      continue;
+    }
+    ++kernels_run;
+    for (int si = 0; si < kNumLossySchemes; ++si) {
+      for (bool key : {true, false}) {
+        for (int d : kHeadDims) {
+          for (int bt : kBlockTokenCounts) {
+            for (int garbage = 0; garbage < 2; ++garbage) {
+              SCOPED_TRACE(std::string(lossy_kernel_name(kernel)) + " " + lossy_scheme_name(scheme_at(si)) +
+                           (key ? " K" : " V") + " d " + std::to_string(d) + " bt " + std::to_string(bt) +
+                           (garbage ? " garbage" : ""));
+              const RopePairing pairing = kPairings[rng() % 2];
+              const std::vector<uint16_t> x = make_block(rng(), bt, d, pairing, key);
+              std::vector<uint16_t> pairs;
+              if (si == int(LossyScheme::kDither8) && key) pairs = outliers_of(x, d, pairing, int(rng() % 5));
+              const LossyPageSpec spec = make_spec(scheme_at(si), key, bt, d, pairing, pairs);
+              std::vector<uint8_t> page(lossy_page_bytes(spec));
+              // Odd blocks where the low 32 bits of the counters (block * bt + row) wrap inside
+              // the page: the dither8 kernels form row seeds several rows at a time.
+              const uint32_t block = rng() % 2 ? uint32_t(rng()) : uint32_t(0xffffffffu / uint32_t(bt));
+              if (garbage) {
+                for (uint8_t& b : page) b = uint8_t(rng());
+              } else if (!lossy_encode_page_ref(spec, block, x.data(), page.data())) {
+                continue;  // refused (e.g. E5M2 past its range): nothing to read
+              }
+              std::vector<float> ref(size_t(bt) * size_t(d));
+              lossy_decode_page_ref(spec, block, page.data(), ref.data());
+              const LossyPageDecoder decoder(spec, kernel);
+              ASSERT_EQ(decoder.kernel(), kernel);
+              for (int n_rows : {1, (bt + 1) / 2, bt}) {
+                std::vector<float> out(size_t(bt) * size_t(d), format::bits_to_float(0x7fc0dead));
+                const int groups = d / kQuantGroup;
+                const size_t stride = size_t(bt) + 3;
+                std::vector<float> scales(size_t(groups) * stride, -1.f);
+                decoder.decode(block, page.data(), n_rows, out.data(), scales.data(), stride);
+                ASSERT_EQ(std::memcmp(out.data(), ref.data(), size_t(n_rows) * size_t(d) * sizeof(float)), 0)
+                    << "n_rows " << n_rows;
+                for (size_t i = size_t(n_rows) * size_t(d); i < out.size(); ++i)
+                  ASSERT_EQ(float_bits(out[i]), 0x7fc0deadu) << "wrote past row " << n_rows;
+                if (spec.scheme != LossyScheme::kDither8) continue;
+                std::vector<float> want(size_t(bt) * size_t(groups));
+                dither8_scales(spec, page.data(), want.data());
+                for (int t = 0; t < n_rows; ++t)
+                  for (int g = 0; g < groups; ++g)
+                    ASSERT_EQ(float_bits(scales[size_t(g) * stride + size_t(t)]),
+                              float_bits(want[size_t(t) * size_t(groups) + size_t(g)]));
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GE(kernels_run, 1);
+  EXPECT_STREQ(lossy_kernel_name(LossyKernel::kAvx512), "avx512");
+  EXPECT_TRUE(lossy_kernel_supported(lossy_best_kernel()));
+}
+
 // ---- outlier selection, bands, fp16 rounding, names -----------------------------------------
 
 TEST(LossyPage, SelectOutlierPairsKnownAnswer) {

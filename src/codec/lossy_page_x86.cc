@@ -1,0 +1,227 @@
+// The x86 kernels of the lossy page decoders (lossy_page_kernels.h): the decoders of
+// lossy_page_kernels.inc compiled twice, for AVX2 (with FMA and F16C; 8 float lanes) and for
+// AVX-512 (F, BW, VL, DQ; 16 lanes), each under its own `#pragma GCC target`, so that the build
+// needs no -march flag; LossyPageDecoder picks one at run time (__builtin_cpu_supports). FP8 codes
+// become fp16 bit patterns (E5M2 is the top byte of an fp16; E4M3's seven exponent and mantissa
+// bits move down one place and the result is scaled by 2^8, exact for normals and subnormals)
+// and the hardware converts them; 2- and 4-bit codes come out of one broadcast word by
+// per-lane shifts.
+#include <cstring>
+
+#include "codec/lossy_page_kernels.h"
+#include "core/x86_simd.h"
+#include "format/dither8_generator.h"
+#include "format/numeric.h"
+
+namespace certkv::codec::detail {
+
+#if defined(__x86_64__)
+
+namespace {
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,bmi2")
+namespace avx2 {
+
+struct Isa {
+  static constexpr int W = 8;
+  static __m256i load_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static __m256i load_i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static __m256 cvt(__m256i x) { return _mm256_cvtepi32_ps(x); }
+  static __m256 set1(float x) { return _mm256_set1_ps(x); }
+  static __m256i set1i(int32_t x) { return _mm256_set1_epi32(x); }
+  static __m256 mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+  static __m256 add_f(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+  static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store_i(uint32_t* p, __m256i x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x); }
+  static void store(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+  static __m256i add(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
+  static __m256i sub(__m256i a, __m256i b) { return _mm256_sub_epi32(a, b); }
+  static __m256i mullo(__m256i a, __m256i b) { return _mm256_mullo_epi32(a, b); }
+  static __m256i xor_(__m256i a, __m256i b) { return _mm256_xor_si256(a, b); }
+  static __m256i slli(__m256i a, int n) { return _mm256_slli_epi32(a, n); }
+  static __m256i srli(__m256i a, int n) { return _mm256_srli_epi32(a, n); }
+  static __m256i iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  // One fp16 as float: the F16C conversion, and format::fp16_to_float's bits for Inf/NaN.
+  static float half1(uint16_t h) { return (h & 0x7c00) == 0x7c00 ? format::fp16_to_float(h) : _cvtsh_ss(h); }
+  // Lane j: byte j % 4 of word 2 k + j / 4 of h (the dither bytes of channels 8 k .. 8 k + 7 of
+  // the words' 32 channels).
+  static __m256i word_bytes(__m256i h, int k) {
+    const __m256i w = _mm256_permutevar8x32_epi32(h, _mm256_add_epi32(_mm256_set1_epi32(2 * k), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)));
+    return _mm256_and_si256(_mm256_srlv_epi32(w, _mm256_setr_epi32(0, 8, 16, 24, 0, 8, 16, 24)), _mm256_set1_epi32(0xff));
+  }
+  // Eight E4M3 codes: fp16 bits (sign, then the seven bits one place down) times 2^8; 0x7f and
+  // 0xff are NaN (format/fp8.h's sign | 0x7fc00000).
+  static __m256 e4m3(const uint8_t* p) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i h = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(0x3f80)),
+                                   _mm_and_si128(_mm_slli_epi16(b, 8), _mm_set1_epi16(int16_t(0x8000))));
+    const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+    const __m128i nan16 = _mm_cmpeq_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7f));
+    const __m256 nan = _mm256_or_ps(_mm256_and_ps(f, _mm256_castsi256_ps(_mm256_set1_epi32(int32_t(0x80000000u)))),
+                                    _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)));
+    return _mm256_blendv_ps(f, nan, _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan16)));
+  }
+  // Eight E5M2 codes (the top byte of an fp16); NaN keeps format/fp8.h's payload (the hardware
+  // would set the quiet bit).
+  static __m256 e5m2(const uint8_t* p) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256 f = _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8));
+    return _mm256_blendv_ps(f, _mm256_castsi256_ps(special_bits(b, 8, 0x7c, 21)),
+                            _mm256_castsi256_ps(is_special(b, 0x7c)));
+  }
+  // For codes x in 32-bit lanes with sign bit `sign_bit`, exponent mask `e_mask` and mantissa
+  // below it: the reference's Inf/NaN bits sign | 0x7f800000 | mantissa << shift, and which lanes
+  // have an all-ones exponent.
+  static __m256i special_bits(__m256i x, int sign_bit, int e_mask, int shift) {
+    const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(x, sign_bit - 1), 31);
+    const __m256i mant = _mm256_and_si256(x, _mm256_set1_epi32(~(e_mask | (1 << (sign_bit - 1))) & ((1 << sign_bit) - 1)));
+    return _mm256_or_si256(_mm256_or_si256(sign, _mm256_set1_epi32(0x7f800000)), _mm256_slli_epi32(mant, shift));
+  }
+  static __m256i is_special(__m256i x, int e_mask) {
+    const __m256i m = _mm256_set1_epi32(e_mask);
+    return _mm256_cmpeq_epi32(_mm256_and_si256(x, m), m);
+  }
+  // Eight 4-bit fields, channel c at bits [4c, 4c + 4) of the little-endian bytes.
+  static __m256i nibbles(const uint8_t* p) {
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int32_t(load_u32(p))),
+                                              _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                            _mm256_set1_epi32(0xf));
+  }
+  // Eight 2-bit fields, channel c at bits [2c, 2c + 2).
+  static __m256i crumbs(const uint8_t* p) {
+    const int32_t bits = int32_t(p[0] | (p[1] << 8));
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(bits), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                            _mm256_set1_epi32(3));
+  }
+  // Eight (first, second) fp16 pairs as floats.
+  static void fp16_pairs(const uint8_t* p, float* first, float* second) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi32(0xffff)), hi = _mm256_srli_epi32(v, 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xd8);
+    _mm256_storeu_ps(first, fix_fp16_nan(_mm256_cvtph_ps(_mm256_castsi256_si128(packed)), lo));
+    _mm256_storeu_ps(second, fix_fp16_nan(_mm256_cvtph_ps(_mm256_extracti128_si256(packed, 1)), hi));
+  }
+  // f = fp16 h (32-bit lanes) converted by the hardware; Inf/NaN lanes get format::fp16_to_float's
+  // bits (no quiet bit added).
+  static __m256 fix_fp16_nan(__m256 f, __m256i h) {
+    return _mm256_blendv_ps(f, _mm256_castsi256_ps(special_bits(h, 16, 0x7c00, 13)),
+                            _mm256_castsi256_ps(is_special(h, 0x7c00)));
+  }
+};
+
+#include "codec/lossy_page_kernels.inc"
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
+namespace avx512 {
+
+struct Isa {
+  static constexpr int W = 16;
+  static __m512i load_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static __m512i load_i8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static __m512 cvt(__m512i x) { return _mm512_cvtepi32_ps(x); }
+  static __m512 set1(float x) { return _mm512_set1_ps(x); }
+  static __m512i set1i(int32_t x) { return _mm512_set1_epi32(x); }
+  static __m512 mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+  static __m512 add_f(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store_i(uint32_t* p, __m512i x) { _mm512_storeu_si512(p, x); }
+  static void store(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+  static __m512i add(__m512i a, __m512i b) { return _mm512_add_epi32(a, b); }
+  static __m512i sub(__m512i a, __m512i b) { return _mm512_sub_epi32(a, b); }
+  static __m512i mullo(__m512i a, __m512i b) { return _mm512_mullo_epi32(a, b); }
+  static __m512i xor_(__m512i a, __m512i b) { return _mm512_xor_si512(a, b); }
+  static __m512i slli(__m512i a, int n) { return _mm512_slli_epi32(a, unsigned(n)); }
+  static __m512i srli(__m512i a, int n) { return _mm512_srli_epi32(a, unsigned(n)); }
+  static __m512i iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  // One fp16 as float: the F16C conversion, and format::fp16_to_float's bits for Inf/NaN.
+  static float half1(uint16_t h) { return (h & 0x7c00) == 0x7c00 ? format::fp16_to_float(h) : _cvtsh_ss(h); }
+  // Lane j: byte j % 4 of word 4 k + j / 4 of h.
+  static __m512i word_bytes(__m512i h, int k) {
+    const __m512i w = _mm512_permutexvar_epi32(
+        _mm512_add_epi32(_mm512_set1_epi32(4 * k), _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)), h);
+    return _mm512_and_si512(_mm512_srlv_epi32(w, _mm512_setr_epi32(0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24)),
+                            _mm512_set1_epi32(0xff));
+  }
+  static __m512 e4m3(const uint8_t* p) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(0x3f80)),
+                                      _mm256_and_si256(_mm256_slli_epi16(b, 8), _mm256_set1_epi16(int16_t(0x8000))));
+    const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+    const __mmask16 is_nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7f));
+    const __m512i nan = _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(f), _mm512_set1_epi32(int32_t(0x80000000u))),
+                                        _mm512_set1_epi32(0x7fc00000));
+    return _mm512_mask_mov_ps(f, is_nan, _mm512_castsi512_ps(nan));
+  }
+  static __m512 e5m2(const uint8_t* p) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m512 f = _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8));
+    const __m512i b = _mm512_cvtepu8_epi32(raw);
+    return _mm512_mask_mov_ps(f, is_special(b, 0x7c), _mm512_castsi512_ps(special_bits(b, 8, 0x7c, 21)));
+  }
+  static __m512i special_bits(__m512i x, int sign_bit, int e_mask, int shift) {
+    const __m512i sign = _mm512_slli_epi32(_mm512_srli_epi32(x, unsigned(sign_bit - 1)), 31);
+    const __m512i mant = _mm512_and_si512(x, _mm512_set1_epi32(~(e_mask | (1 << (sign_bit - 1))) & ((1 << sign_bit) - 1)));
+    return _mm512_or_si512(_mm512_or_si512(sign, _mm512_set1_epi32(0x7f800000)), _mm512_slli_epi32(mant, unsigned(shift)));
+  }
+  static __mmask16 is_special(__m512i x, int e_mask) {
+    const __m512i m = _mm512_set1_epi32(e_mask);
+    return _mm512_cmpeq_epi32_mask(_mm512_and_si512(x, m), m);
+  }
+  static __m512 fix_fp16_nan(__m512 f, __m512i h) {
+    return _mm512_mask_mov_ps(f, is_special(h, 0x7c00), _mm512_castsi512_ps(special_bits(h, 16, 0x7c00, 13)));
+  }
+  static __m512i nibbles(const uint8_t* p) {
+    const __m512i both = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                                  _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    return _mm512_and_si512(_mm512_srlv_epi32(both, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28)),
+                            _mm512_set1_epi32(0xf));
+  }
+  static __m512i crumbs(const uint8_t* p) {
+    return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(int32_t(load_u32(p))),
+                                              _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)),
+                            _mm512_set1_epi32(3));
+  }
+  static void fp16_pairs(const uint8_t* p, float* first, float* second) {
+    const __m512i v = _mm512_loadu_si512(p);
+    const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(0xffff)), hi = _mm512_srli_epi32(v, 16);
+    _mm512_storeu_ps(first, fix_fp16_nan(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(lo)), lo));
+    _mm512_storeu_ps(second, fix_fp16_nan(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(hi)), hi));
+  }
+};
+
+#include "codec/lossy_page_kernels.inc"
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+LossyDecodeKernel lossy_decode_kernel_avx2() { return &avx2::decode_page; }
+LossyDecodeKernel lossy_decode_kernel_avx512() { return &avx512::decode_page; }
+bool cpu_runs_lossy_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+bool cpu_runs_lossy_avx512() {
+  return cpu_runs_lossy_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+#else  // not x86-64: the portable decoder only
+
+LossyDecodeKernel lossy_decode_kernel_avx2() { return nullptr; }
+LossyDecodeKernel lossy_decode_kernel_avx512() { return nullptr; }
+bool cpu_runs_lossy_avx2() { return false; }
+bool cpu_runs_lossy_avx512() { return false; }
+
+#endif
+
+}  // namespace certkv::codec::detail
