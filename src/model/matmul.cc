@@ -207,21 +207,22 @@ constexpr int slot_block(int p) { return (p / 4) % 4; }                  // bloc
 // Layout of the quantized activations of one token row for 32-element blocks, when the weights
 // are read in n_sets leading sets of 16 blocks (the set layout below) and then in groups of 4:
 //   [n_sets x 8 x 64 bytes: vector j of a set, lane k = elements 4j..4j+3 of its block k]
-//   [n_groups x (64 bytes lo codes, 64 bytes hi codes)] [d per block] [s = d * sum(q) per block];
-// the d and s arrays are padded to a multiple of 16 floats, and everything past the end of the
-// row is zero.
+//   [n_groups x (64 bytes lo codes, 64 bytes hi codes)]
+//   [d: 16 floats per set (one per block), then 16 per group (its 4 blocks' d, 4 times over)]
+//   [s = d * sum(q) per block, padded to a multiple of 16 floats];
+// everything past the end of the row is zero.
 struct Act32Layout {
   int64_t n_sets, n_groups;
-  size_t groups_offset, d_offset, s_offset, stride;
+  size_t groups_offset, d_offset, d_groups_offset, s_offset, stride;
   Act32Layout(int64_t n_in, bool sets) {
     const int64_t nb = n_in / 32;
     n_sets = sets ? nb / 16 : 0;
     n_groups = (nb - 16 * n_sets + 3) / 4;
-    const size_t scale_bytes = size_t((nb + 15) / 16) * 64;
     groups_offset = size_t(n_sets) * 512;
     d_offset = groups_offset + size_t(n_groups) * 128;
-    s_offset = d_offset + scale_bytes;
-    stride = s_offset + scale_bytes;
+    d_groups_offset = d_offset + size_t(n_sets) * 64;
+    s_offset = d_groups_offset + size_t(n_groups) * 64;
+    stride = s_offset + size_t((nb + 15) / 16) * 64;
   }
 };
 
@@ -271,6 +272,7 @@ void quantize_act32_row(const float* x, int64_t n_in, uint8_t* out, const Act32L
   static constexpr Act32Tables tables;
   const int64_t nb = n_in / 32;
   auto* d_out = reinterpret_cast<float*>(out + L.d_offset);
+  auto* d_groups = reinterpret_cast<float*>(out + L.d_groups_offset);
   auto* s_out = reinterpret_cast<float*>(out + L.s_offset);
   for (int64_t b = 0; b < 16 * L.n_sets; ++b) {
     alignas(16) int8_t q[32];
@@ -282,7 +284,9 @@ void quantize_act32_row(const float* x, int64_t n_in, uint8_t* out, const Act32L
     alignas(64) int8_t codes[128] = {};
     for (int k = 0; k < 4; ++k) {
       const int64_t b = 16 * L.n_sets + 4 * g + k;
-      if (b < nb) quantize_block32(x + 32 * b, codes + 32 * k, d_out + b, s_out + b);
+      float d = 0;
+      if (b < nb) quantize_block32(x + 32 * b, codes + 32 * k, &d, s_out + b);
+      for (int r = 0; r < 4; ++r) d_groups[16 * g + 4 * r + k] = d;
     }
     const __m512i c0 = _mm512_load_si512(codes), c1 = _mm512_load_si512(codes + 64);
     const __m512i lo = _mm512_permutex2var_epi8(c0, _mm512_load_si512(tables.lo), c1);
@@ -290,7 +294,7 @@ void quantize_act32_row(const float* x, int64_t n_in, uint8_t* out, const Act32L
     _mm512_store_si512(out + L.groups_offset + 128 * g, lo);
     _mm512_store_si512(out + L.groups_offset + 128 * g + 64, hi);
   }
-  for (int64_t b = nb; b % 16 != 0; ++b) d_out[b] = s_out[b] = 0.f;
+  for (int64_t b = nb; b % 16 != 0; ++b) s_out[b] = 0.f;
 }
 
 // Index of byte `offset` of a group in the 128-byte table formed by the loads at 0 and `second`.
@@ -552,6 +556,15 @@ inline void unpack_set(const uint8_t* p, SetCodes* u) {
     u->m = _mm512_mul_ps(u->d, _mm512_set1_ps(-float(Tab::F.code_offset)));
 }
 
+// Decode streams each weight once from memory: ask early for the kBytes that lie 4 KiB past p,
+// every cache line of them (with one request per group or set, only part of the lines came
+// early and the 8-token tile waited on memory for most of the rest).
+template <int kBytes>
+inline void prefetch_ahead(const uint8_t* p) {
+  for (int offset = 0; offset < kBytes; offset += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p + 4096 + offset), _MM_HINT_T0);
+}
+
 // y[t * y_stride] = dot(row, activation t) for kT consecutive tokens: the row's first
 // L.n_sets sets of 16 blocks, then its other blocks in groups of 4. `tail` holds the load
 // masks of the row's last group when nb is not a multiple of 4.
@@ -567,8 +580,7 @@ template <GgmlType T, int kT>
   for (int t = 0; t < kT; ++t) acc[t] = _mm512_setzero_ps();
   if constexpr (kBlockSets<T>) {
     for (int64_t set = 0; set < L.n_sets; ++set) {
-      if constexpr (kT == 1)
-        _mm_prefetch(reinterpret_cast<const char*>(row + set * 4 * kGroupBytes + 4096), _MM_HINT_T0);
+      prefetch_ahead<4 * kGroupBytes>(row + set * 4 * kGroupBytes);
       SetCodes u;
       unpack_set<T>(row + set * 4 * kGroupBytes, &u);
       for (int t = 0; t < kT; ++t) {
@@ -592,29 +604,26 @@ template <GgmlType T, int kT>
   // The groups after the sets: block 16 n_sets onwards.
   const uint8_t* groups = row + L.n_sets * 4 * kGroupBytes;
   const int64_t nb_groups = nb - 16 * L.n_sets;
-  const size_t scale0 = size_t(16 * L.n_sets) * sizeof(float);
+  const size_t s0 = size_t(16 * L.n_sets) * sizeof(float);  // the groups' first s
   __m512 m16 = _mm512_setzero_ps();
   for (int64_t g = 0; g < L.n_groups; ++g) {
-    // Decode streams each weight once from memory: ask for the bytes ~4 KiB ahead early (it
-    // measured 5-30% faster than leaving it to the hardware prefetcher).
-    if constexpr (kT == 1)
-      _mm_prefetch(reinterpret_cast<const char*>(groups + g * kGroupBytes + 4096), _MM_HINT_T0);
+    prefetch_ahead<kGroupBytes>(groups + g * kGroupBytes);
     const Group32 u = g < nb_groups / 4 ? unpack_group32<T, false>(groups + g * kGroupBytes, tail)
                                         : unpack_group32<T, true>(groups + g * kGroupBytes, tail);
+    const __m512 dw = _mm512_shuffle_f32x4(u.dm, u.dm, 0x00);  // [dA dB dC dD] 4 times
     for (int t = 0; t < kT; ++t) {
       const uint8_t* a = act + size_t(t) * L.stride;
       const uint8_t* codes = a + L.groups_offset + 128 * g;
       __m512i i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.lo, _mm512_load_si512(codes));
       i = _mm512_dpbusd_epi32(i, u.hi, _mm512_load_si512(codes + 64));
-      const __m128 dx = _mm_load_ps(reinterpret_cast<const float*>(a + L.d_offset + scale0) + 4 * g);
-      const __m512 scale = _mm512_broadcast_f32x4(_mm_mul_ps(_mm512_castps512_ps128(u.dm), dx));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), scale, acc[t]);
+      const __m512 dx = _mm512_load_ps(reinterpret_cast<const float*>(a + L.d_groups_offset) + 16 * g);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(dw, dx), acc[t]);
     }
     m16 = _mm512_mask_shuffle_f32x4(m16, __mmask16(0xF << (4 * (g % 4))), u.dm, u.dm, 0x55);
     if (g % 4 == 3 || g == L.n_groups - 1) {
       if constexpr (F.m_offset < 0) m16 = _mm512_mul_ps(m16, _mm512_set1_ps(-float(F.code_offset)));
       for (int t = 0; t < kT; ++t) {
-        const float* s = reinterpret_cast<const float*>(act + size_t(t) * L.stride + L.s_offset + scale0);
+        const float* s = reinterpret_cast<const float*>(act + size_t(t) * L.stride + L.s_offset + s0);
         acc[t] = _mm512_fmadd_ps(m16, _mm512_load_ps(s + 4 * (g & ~int64_t(3))), acc[t]);
       }
       m16 = _mm512_setzero_ps();
