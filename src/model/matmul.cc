@@ -508,7 +508,7 @@ struct SetCodes {
   __m512 d, m;  // per block: the scale, and the min (Q4_1, Q5_1) or -code_offset * d
 };
 
-// Vector p of a set from its loads: each window's bytes where its mask says.
+// One vector of a set, picked out of its loads: from each window, the bytes its mask marks.
 template <int kWindows>
 inline __m512i pick_bytes(const __m512i* loads, const uint8_t (*table)[64], const uint64_t* mask) {
   __m512i r = _mm512_maskz_permutex2var_epi8(mask[0], loads[0], _mm512_load_si512(table[0]), loads[1]);
@@ -973,7 +973,8 @@ template <GgmlType T, int kT>
   }
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = row + b * kBlockBytes;
-    if constexpr (kT == 1) _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);
+    // One request per block (blocks are under 64 bytes): every weight line is asked for early.
+    _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);
     const __m256i c = block32_codes<T>(p);
     const float dw = fp16_at(p);
     for (int t = 0; t < kT; ++t) {
