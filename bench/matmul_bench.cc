@@ -111,6 +111,8 @@ void matmul_args(benchmark::internal::Benchmark* b) {
     for (int64_t threads : {1, 2}) {
       b->Args({shape, 1, threads, 0});
       b->Args({shape, 1, threads, 1});
+      b->Args({shape, 8, threads, 0});
+      b->Args({shape, 8, threads, 1});
       b->Args({shape, 512, threads, 0});
     }
 }

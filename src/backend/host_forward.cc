@@ -96,9 +96,9 @@ void HostForward::run(const StepRows& rows, const LayerAttention& attention) {
     const LayerWeights& w = model_.layer(layer);
     for (int64_t t = 0; t < n_rows; ++t)
       rms_norm(&x_[size_t(t * dim)], w.attn_norm.data(), dim, c.rms_eps, &xn_[size_t(t * dim)]);
-    model::matmul(w.wq, xn_.data(), n_rows, q_.data(), pool_, activations_);
-    model::matmul(w.wk, xn_.data(), n_rows, k_.data(), pool_, activations_);
-    model::matmul(w.wv, xn_.data(), n_rows, v_.data(), pool_, activations_);
+    const WeightMatrix qkv[3] = {w.wq, w.wk, w.wv};
+    float* const qkv_out[3] = {q_.data(), k_.data(), v_.data()};
+    model::matmul(qkv, xn_.data(), n_rows, qkv_out, pool_, activations_);
     if (c.qkv_bias) {
       add_bias(q_.data(), w.bq, n_rows);
       add_bias(k_.data(), w.bk, n_rows);
@@ -120,8 +120,9 @@ void HostForward::run(const StepRows& rows, const LayerAttention& attention) {
 
     for (int64_t t = 0; t < n_rows; ++t)
       rms_norm(&x_[size_t(t * dim)], w.ffn_norm.data(), dim, c.rms_eps, &xn_[size_t(t * dim)]);
-    model::matmul(w.w_gate, xn_.data(), n_rows, gate_.data(), pool_, activations_);
-    model::matmul(w.w_up, xn_.data(), n_rows, up_.data(), pool_, activations_);
+    const WeightMatrix gate_up[2] = {w.w_gate, w.w_up};
+    float* const gate_up_out[2] = {gate_.data(), up_.data()};
+    model::matmul(gate_up, xn_.data(), n_rows, gate_up_out, pool_, activations_);
     swiglu_rows(gate_.data(), up_.data(), n_rows, c.ffn_dim);
     model::matmul(w.w_down, gate_.data(), n_rows, xn_.data(), pool_, activations_);
     for (int64_t i = 0; i < n_rows * dim; ++i) x_[size_t(i)] += xn_[size_t(i)];

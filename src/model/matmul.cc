@@ -56,14 +56,14 @@ void check_args(const WeightMatrix& w, int64_t n_tokens, const char* caller) {
   }
 }
 
-// Rows per parallel_for grain: the rows split evenly over as many threads as have at least
-// kMinMacsPerThread multiply-adds each (a hand-off costs the pool a few microseconds of
-// spinning), in multiples of 16 rows.
-int64_t row_grain(const WeightMatrix& w, int64_t n_tokens, int n_threads) {
+// Rows per parallel_for grain for n_rows rows of n_in inputs against n_tokens tokens: the rows
+// split evenly over as many threads as have at least kMinMacsPerThread multiply-adds each (a
+// hand-off costs the pool a few microseconds of spinning), in multiples of 16 rows.
+int64_t row_grain(int64_t n_in, int64_t n_rows, int64_t n_tokens, int n_threads) {
   constexpr int64_t kMinMacsPerThread = int64_t(1) << 17;
-  const int64_t macs = std::max<int64_t>(1, w.n_in * n_tokens) * w.n_out;
+  const int64_t macs = std::max<int64_t>(1, n_in * n_tokens) * n_rows;
   const int64_t n_chunks = std::clamp<int64_t>(macs / kMinMacsPerThread, 1, n_threads);
-  const int64_t rows = (w.n_out + n_chunks - 1) / n_chunks;
+  const int64_t rows = (n_rows + n_chunks - 1) / n_chunks;
   return std::max<int64_t>(16, (rows + 15) / 16 * 16);
 }
 
@@ -99,7 +99,7 @@ void matmul_portable(const WeightMatrix& w, const float* x, int64_t n_tokens, fl
                      ThreadPool& pool) {
   if (is_float_type(w.type)) {
     pool.parallel_for(
-        w.n_out, row_grain(w, n_tokens, pool.n_threads()), [&](int64_t r0, int64_t r1, int) {
+        w.n_out, row_grain(w.n_in, w.n_out, n_tokens, pool.n_threads()), [&](int64_t r0, int64_t r1, int) {
           std::vector<float> row(size_t(w.n_in));
           for (int64_t r = r0; r < r1; ++r) {
             dequantize_row_ref(w.type, w.data + size_t(r) * w.row_bytes, row.data(), w.n_in);
@@ -118,7 +118,7 @@ void matmul_portable(const WeightMatrix& w, const float* x, int64_t n_tokens, fl
   for (int64_t t = 0; t < n_tokens; ++t)
     acts[size_t(t)] = quantize_activation_ref(x + t * w.n_in, w.n_in, block);
   pool.parallel_for(
-      w.n_out, row_grain(w, n_tokens, pool.n_threads()), [&](int64_t r0, int64_t r1, int) {
+      w.n_out, row_grain(w.n_in, w.n_out, n_tokens, pool.n_threads()), [&](int64_t r0, int64_t r1, int) {
         for (int64_t r = r0; r < r1; ++r)
           for (int64_t t = 0; t < n_tokens; ++t)
             y[t * w.n_out + r] =
@@ -204,19 +204,25 @@ inline void q6_k_codes(const uint8_t* ql, const uint8_t* qh, int h, __m256i code
 constexpr int slot_element(int p) { return 4 * ((p / 4) / 4) + p % 4; }  // element of byte p, 0..15
 constexpr int slot_block(int p) { return (p / 4) % 4; }                  // block of byte p, 0..3
 
-// Layout of the quantized activations of one token row for 32-element blocks:
-//   [n_groups x (64 bytes lo codes, 64 bytes hi codes)] [4 floats d per group] [4 floats
-//   s = d * sum(q) per group]; the d and s arrays are padded to a multiple of 16 floats (4
-//   groups), and everything past the end of the row is zero.
+// Layout of the quantized activations of one token row for 32-element blocks, when the weights
+// are read in n_sets leading sets of 16 blocks (the set layout below) and then in groups of 4:
+//   [n_sets x 8 x 64 bytes: vector j of a set, lane k = elements 4j..4j+3 of its block k]
+//   [n_groups x (64 bytes lo codes, 64 bytes hi codes)]
+//   [d: 16 floats per set (one per block), then 16 per group (its 4 blocks' d, 4 times over)]
+//   [s = d * sum(q) per block, padded to a multiple of 16 floats];
+// everything past the end of the row is zero.
 struct Act32Layout {
-  int64_t n_groups;
-  size_t d_offset, s_offset, stride;
-  explicit Act32Layout(int64_t n_in) {
-    n_groups = (n_in / 32 + 3) / 4;
-    const size_t scale_bytes = size_t((n_groups + 3) / 4) * 64;
-    d_offset = size_t(n_groups) * 128;
-    s_offset = d_offset + scale_bytes;
-    stride = s_offset + scale_bytes;
+  int64_t n_sets, n_groups;
+  size_t groups_offset, d_offset, d_groups_offset, s_offset, stride;
+  Act32Layout(int64_t n_in, bool sets) {
+    const int64_t nb = n_in / 32;
+    n_sets = sets ? nb / 16 : 0;
+    n_groups = (nb - 16 * n_sets + 3) / 4;
+    groups_offset = size_t(n_sets) * 512;
+    d_offset = groups_offset + size_t(n_groups) * 128;
+    d_groups_offset = d_offset + size_t(n_sets) * 64;
+    s_offset = d_groups_offset + size_t(n_groups) * 64;
+    stride = s_offset + size_t((nb + 15) / 16) * 64;
   }
 };
 
@@ -228,6 +234,25 @@ inline bool all_finite(__m512 v) {
 inline __m512i quantize_16(__m512 v, float id) {
   return _mm512_cvt_roundps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(id)),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// One block of 32 activations (quantized_dot.h, step 1): codes in element order into q, scale
+// into *d and d * sum(q) into *s.
+inline void quantize_block32(const float* x, int8_t* q, float* d, float* s) {
+  const __m512 v0 = _mm512_loadu_ps(x);
+  const __m512 v1 = _mm512_loadu_ps(x + 16);
+  if (!all_finite(v0) || !all_finite(v1)) {
+    std::memset(q, 0, 32);
+    *d = *s = __builtin_nanf("");
+    return;
+  }
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  *d = amax / 127.f;
+  const float id = *d != 0.f ? 1.f / *d : 0.f;
+  const __m512i q0 = quantize_16(v0, id), q1 = quantize_16(v1, id);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+  *s = *d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
 }
 
 // Byte tables that move the natural-order codes of four blocks (128 bytes: A0..31 B0..31 ...)
@@ -247,42 +272,29 @@ void quantize_act32_row(const float* x, int64_t n_in, uint8_t* out, const Act32L
   static constexpr Act32Tables tables;
   const int64_t nb = n_in / 32;
   auto* d_out = reinterpret_cast<float*>(out + L.d_offset);
+  auto* d_groups = reinterpret_cast<float*>(out + L.d_groups_offset);
   auto* s_out = reinterpret_cast<float*>(out + L.s_offset);
+  for (int64_t b = 0; b < 16 * L.n_sets; ++b) {
+    alignas(16) int8_t q[32];
+    quantize_block32(x + 32 * b, q, d_out + b, s_out + b);
+    uint8_t* set = out + 512 * (b / 16) + 4 * (b % 16);
+    for (int j = 0; j < 8; ++j) std::memcpy(set + 64 * j, q + 4 * j, 4);
+  }
   for (int64_t g = 0; g < L.n_groups; ++g) {
     alignas(64) int8_t codes[128] = {};
     for (int k = 0; k < 4; ++k) {
-      const int64_t b = 4 * g + k;
-      float d = 0, s = 0;
-      if (b < nb) {
-        const __m512 v0 = _mm512_loadu_ps(x + 32 * b);
-        const __m512 v1 = _mm512_loadu_ps(x + 32 * b + 16);
-        if (all_finite(v0) && all_finite(v1)) {
-          const float amax =
-              _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-          d = amax / 127.f;
-          const float id = d != 0.f ? 1.f / d : 0.f;
-          const __m512i q0 = quantize_16(v0, id), q1 = quantize_16(v1, id);
-          _mm_store_si128(reinterpret_cast<__m128i*>(codes + 32 * k), _mm512_cvtepi32_epi8(q0));
-          _mm_store_si128(reinterpret_cast<__m128i*>(codes + 32 * k + 16),
-                          _mm512_cvtepi32_epi8(q1));
-          s = d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
-        } else {
-          d = s = __builtin_nanf("");
-        }
-      }
-      d_out[4 * g + k] = d;
-      s_out[4 * g + k] = s;
+      const int64_t b = 16 * L.n_sets + 4 * g + k;
+      float d = 0;
+      if (b < nb) quantize_block32(x + 32 * b, codes + 32 * k, &d, s_out + b);
+      for (int r = 0; r < 4; ++r) d_groups[16 * g + 4 * r + k] = d;
     }
     const __m512i c0 = _mm512_load_si512(codes), c1 = _mm512_load_si512(codes + 64);
     const __m512i lo = _mm512_permutex2var_epi8(c0, _mm512_load_si512(tables.lo), c1);
     const __m512i hi = _mm512_permutex2var_epi8(c0, _mm512_load_si512(tables.hi), c1);
-    _mm512_store_si512(out + 128 * g, lo);
-    _mm512_store_si512(out + 128 * g + 64, hi);
+    _mm512_store_si512(out + L.groups_offset + 128 * g, lo);
+    _mm512_store_si512(out + L.groups_offset + 128 * g + 64, hi);
   }
-  for (int64_t g = L.n_groups; g % 4 != 0; ++g) {
-    _mm_store_ps(d_out + 4 * g, _mm_setzero_ps());
-    _mm_store_ps(s_out + 4 * g, _mm_setzero_ps());
-  }
+  for (int64_t b = nb; b % 16 != 0; ++b) s_out[b] = 0.f;
 }
 
 // Index of byte `offset` of a group in the 128-byte table formed by the loads at 0 and `second`.
@@ -434,39 +446,184 @@ inline Group32 unpack_group32(const uint8_t* g, const GroupLoadMasks& masks) {
   return u;
 }
 
-// y[t * y_stride] = dot(row, activation t) for kT consecutive tokens. `tail` holds the load
+// Sets of 16 blocks. Sixteen consecutive blocks form a set, unpacked into eight vectors c_0..c_7
+// of 64 unsigned codes: 32-bit lane k of c_j holds elements 4j..4j+3 of block k of the set. The
+// activations of a set are stored in the same order (Act32Layout), so eight chained dpbusd leave
+// the whole integer dot product of block k in lane k, and one conversion, one scale product and
+// two multiply-adds per token finish 16 blocks, where groups of 4 blocks need four times as many.
+// Unpacking a set costs more than unpacking its four groups (its bytes are picked out of 128-byte
+// windows with byte permutes), which the tile's tokens share. Q8_0 rows stay in groups: their
+// 34-byte blocks need five windows a vector, and sets measured slower for them (the output head:
+// 1.5x at one token, 1.1x at eight).
+constexpr bool block_sets(GgmlType type) { return type != GgmlType::kQ8_0; }
+template <GgmlType T>
+constexpr bool kBlockSets = block_sets(T);
+
+// Where the bytes of a set's vectors come from. The set is read by 64-byte loads at 64 i
+// (i < 2 kWindows); window w is the 128-byte table of loads 2w, 2w + 1. For byte p of a vector,
+// its window supplies it where bit p of the window's mask is set, from index table[w][p].
+template <GgmlType T>
+struct SetTables {
+  static_assert(kBlockSets<T>);
+  static constexpr Block32Fields F = fields_of(T);
+  static constexpr int kSetBytes = 16 * F.block_bytes;
+  static constexpr int kWindows = (kSetBytes + 127) / 128;
+  // The packed codes: bytes 4v..4v+3 of the qs of each block (v < 4), whose low nibbles are c_v
+  // and high nibbles c_{v+4}.
+  alignas(64) uint8_t qs[4][kWindows][64];
+  uint64_t qs_mask[4][kWindows];
+  alignas(64) uint8_t qh[kWindows][64];  // Q5: lane k = the 4 bytes of fifth bits of block k
+  uint64_t qh_mask[kWindows];
+  alignas(64) uint8_t qh_byte[8][64];  // c_j, byte p: the byte of lane p / 4 holding its fifth bit
+  alignas(64) uint8_t qh_bit[8][64];   // ... and the bit
+  alignas(64) uint16_t dm[kWindows][32];  // words 0-15: d of blocks 0-15; 16-31: their m (or d)
+  uint32_t dm_mask[kWindows];
+
+  static constexpr void place(int offset, int p, uint8_t (*table)[64], uint64_t* mask) {
+    table[offset / 128][p] = uint8_t(offset % 128);
+    mask[offset / 128] |= uint64_t(1) << p;
+  }
+  constexpr SetTables() : qs{}, qs_mask{}, qh{}, qh_mask{}, qh_byte{}, qh_bit{}, dm{}, dm_mask{} {
+    for (int p = 0; p < 64; ++p) {
+      const int k = p / 4, base = k * F.block_bytes;
+      for (int v = 0; v < 4; ++v) place(base + F.qs_offset + 4 * v + p % 4, p, qs[v], qs_mask[v]);
+      if (F.qh_offset >= 0) place(base + F.qh_offset + p % 4, p, qh, qh_mask);
+      for (int j = 0; j < 8; ++j) {
+        const int e = 4 * j + p % 4;  // element of byte p of c_j
+        qh_byte[j][p] = uint8_t(4 * (k % 4) + e / 8);  // within the byte's 128-bit lane
+        qh_bit[j][p] = uint8_t(1u << (e % 8));
+      }
+    }
+    for (int q = 0; q < 32; ++q) {
+      const int base = (q % 16) * F.block_bytes;
+      const int offset = q >= 16 && F.m_offset >= 0 ? base + F.m_offset : base;
+      dm[offset / 128][q] = uint16_t((offset % 128) / 2);
+      dm_mask[offset / 128] |= uint32_t(1) << q;
+    }
+  }
+};
+
+struct SetCodes {
+  __m512i c[8];
+  __m512 d, m;  // per block: the scale, and the min (Q4_1, Q5_1) or -code_offset * d
+};
+
+// One vector of a set, picked out of its loads: from each window, the bytes its mask marks.
+template <int kWindows>
+inline __m512i pick_bytes(const __m512i* loads, const uint8_t (*table)[64], const uint64_t* mask) {
+  __m512i r = _mm512_maskz_permutex2var_epi8(mask[0], loads[0], _mm512_load_si512(table[0]), loads[1]);
+  for (int w = 1; w < kWindows; ++w)
+    r = _mm512_mask_blend_epi8(mask[w], r,
+                               _mm512_permutex2var_epi8(loads[2 * w], _mm512_load_si512(table[w]),
+                                                        loads[2 * w + 1]));
+  return r;
+}
+
+// The set of 16 blocks at p (the loads stay inside it).
+template <GgmlType T>
+inline void unpack_set(const uint8_t* p, SetCodes* u) {
+  static constexpr SetTables<T> tab;
+  using Tab = SetTables<T>;
+  constexpr int W = Tab::kWindows;
+  __m512i loads[2 * W];
+  for (int i = 0; i < 2 * W; ++i)
+    loads[i] = Tab::kSetBytes >= 64 * (i + 1) ? _mm512_loadu_si512(p + 64 * i)
+                                               : _mm512_maskz_loadu_epi8(bytes_below(Tab::kSetBytes - 64 * i), p + 64 * i);
+  const __m512i nibble = _mm512_set1_epi8(0xF);
+  for (int v = 0; v < 4; ++v) {
+    const __m512i q = pick_bytes<W>(loads, tab.qs[v], tab.qs_mask[v]);
+    u->c[v] = _mm512_and_si512(q, nibble);
+    u->c[v + 4] = _mm512_and_si512(_mm512_srli_epi16(q, 4), nibble);
+  }
+  if constexpr (Tab::F.qh_offset >= 0) {
+    const __m512i qh = pick_bytes<W>(loads, tab.qh, tab.qh_mask);
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    for (int j = 0; j < 8; ++j) {
+      const __m512i bits = _mm512_shuffle_epi8(qh, _mm512_load_si512(tab.qh_byte[j]));
+      const __mmask64 high = _mm512_test_epi8_mask(bits, _mm512_load_si512(tab.qh_bit[j]));
+      u->c[j] = _mm512_mask_add_epi8(u->c[j], high, u->c[j], sixteen);
+    }
+  }
+  __m512i dm = _mm512_maskz_permutex2var_epi16(tab.dm_mask[0], loads[0], _mm512_load_si512(tab.dm[0]), loads[1]);
+  for (int w = 1; w < W; ++w)
+    dm = _mm512_mask_blend_epi16(tab.dm_mask[w], dm,
+                                 _mm512_permutex2var_epi16(loads[2 * w], _mm512_load_si512(tab.dm[w]),
+                                                           loads[2 * w + 1]));
+  u->d = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
+  if constexpr (Tab::F.m_offset >= 0)
+    u->m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1));
+  else
+    u->m = _mm512_mul_ps(u->d, _mm512_set1_ps(-float(Tab::F.code_offset)));
+}
+
+// Decode streams each weight once from memory: ask early for the kBytes that lie 4 KiB past p,
+// every cache line of them (with one request per group or set, only part of the lines came
+// early and the 8-token tile waited on memory for most of the rest).
+template <int kBytes>
+inline void prefetch_ahead(const uint8_t* p) {
+  for (int offset = 0; offset < kBytes; offset += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p + 4096 + offset), _MM_HINT_T0);
+}
+
+// y[t * y_stride] = dot(row, activation t) for kT consecutive tokens: the row's first
+// L.n_sets sets of 16 blocks, then its other blocks in groups of 4. `tail` holds the load
 // masks of the row's last group when nb is not a multiple of 4.
-// The constant terms sum_b m_b s_b are gathered 16 blocks (4 groups) at a time: the m of each
-// group go to lanes 4 (g % 4) .. 4 (g % 4) + 3 of `m16`, which then meets 16 consecutive s values.
+// In the groups, the constant terms sum_b m_b s_b are gathered 16 blocks (4 groups) at a time:
+// the m of each group go to lanes 4 (g % 4) .. 4 (g % 4) + 3 of `m16`, which then meets 16
+// consecutive s values.
 template <GgmlType T, int kT>
-void row_dot_q32(const uint8_t* row, int64_t nb, const GroupLoadMasks& tail, const uint8_t* act,
+[[gnu::always_inline]] inline void row_dot_q32(const uint8_t* row, int64_t nb, const GroupLoadMasks& tail, const uint8_t* act,
                  const Act32Layout& L, float* y, int64_t y_stride) {
   constexpr Block32Fields F = Group32Tables<T>::F;
   constexpr int kGroupBytes = Group32Tables<T>::kGroupBytes;
   __m512 acc[kT];
   for (int t = 0; t < kT; ++t) acc[t] = _mm512_setzero_ps();
+  if constexpr (kBlockSets<T>) {
+    for (int64_t set = 0; set < L.n_sets; ++set) {
+      prefetch_ahead<4 * kGroupBytes>(row + set * 4 * kGroupBytes);
+      SetCodes u;
+      unpack_set<T>(row + set * 4 * kGroupBytes, &u);
+      for (int t = 0; t < kT; ++t) {
+        const uint8_t* a = act + size_t(t) * L.stride;
+        const auto* xq = reinterpret_cast<const __m512i*>(a + 512 * set);
+        // Two chains of four, so that a token's products do not wait on one long dependency.
+        __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.c[0], _mm512_load_si512(xq));
+        __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.c[1], _mm512_load_si512(xq + 1));
+        for (int j = 2; j < 8; j += 2) {
+          i0 = _mm512_dpbusd_epi32(i0, u.c[j], _mm512_load_si512(xq + j));
+          i1 = _mm512_dpbusd_epi32(i1, u.c[j + 1], _mm512_load_si512(xq + j + 1));
+        }
+        const float* dx = reinterpret_cast<const float*>(a + L.d_offset) + 16 * set;
+        const float* sx = reinterpret_cast<const float*>(a + L.s_offset) + 16 * set;
+        const __m512 scale = _mm512_mul_ps(u.d, _mm512_load_ps(dx));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), scale, acc[t]);
+        acc[t] = _mm512_fmadd_ps(u.m, _mm512_load_ps(sx), acc[t]);
+      }
+    }
+  }
+  // The groups after the sets: block 16 n_sets onwards.
+  const uint8_t* groups = row + L.n_sets * 4 * kGroupBytes;
+  const int64_t nb_groups = nb - 16 * L.n_sets;
+  const size_t s0 = size_t(16 * L.n_sets) * sizeof(float);  // the groups' first s
   __m512 m16 = _mm512_setzero_ps();
-  const int64_t n_groups = (nb + 3) / 4;
-  for (int64_t g = 0; g < n_groups; ++g) {
-    // Decode streams each weight once from memory: ask for the bytes ~4 KiB ahead early (it
-    // measured 5-30% faster than leaving it to the hardware prefetcher).
-    if constexpr (kT == 1)
-      _mm_prefetch(reinterpret_cast<const char*>(row + g * kGroupBytes + 4096), _MM_HINT_T0);
-    const Group32 u = g < nb / 4 ? unpack_group32<T, false>(row + g * kGroupBytes, tail)
-                                 : unpack_group32<T, true>(row + g * kGroupBytes, tail);
+  for (int64_t g = 0; g < L.n_groups; ++g) {
+    prefetch_ahead<kGroupBytes>(groups + g * kGroupBytes);
+    const Group32 u = g < nb_groups / 4 ? unpack_group32<T, false>(groups + g * kGroupBytes, tail)
+                                        : unpack_group32<T, true>(groups + g * kGroupBytes, tail);
+    const __m512 dw = _mm512_shuffle_f32x4(u.dm, u.dm, 0x00);  // [dA dB dC dD] 4 times
     for (int t = 0; t < kT; ++t) {
       const uint8_t* a = act + size_t(t) * L.stride;
-      __m512i i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.lo, _mm512_load_si512(a + 128 * g));
-      i = _mm512_dpbusd_epi32(i, u.hi, _mm512_load_si512(a + 128 * g + 64));
-      const __m128 dx = _mm_load_ps(reinterpret_cast<const float*>(a + L.d_offset) + 4 * g);
-      const __m512 scale = _mm512_broadcast_f32x4(_mm_mul_ps(_mm512_castps512_ps128(u.dm), dx));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), scale, acc[t]);
+      const uint8_t* codes = a + L.groups_offset + 128 * g;
+      __m512i i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.lo, _mm512_load_si512(codes));
+      i = _mm512_dpbusd_epi32(i, u.hi, _mm512_load_si512(codes + 64));
+      const __m512 dx = _mm512_load_ps(reinterpret_cast<const float*>(a + L.d_groups_offset) + 16 * g);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(dw, dx), acc[t]);
     }
     m16 = _mm512_mask_shuffle_f32x4(m16, __mmask16(0xF << (4 * (g % 4))), u.dm, u.dm, 0x55);
-    if (g % 4 == 3 || g == n_groups - 1) {
+    if (g % 4 == 3 || g == L.n_groups - 1) {
       if constexpr (F.m_offset < 0) m16 = _mm512_mul_ps(m16, _mm512_set1_ps(-float(F.code_offset)));
       for (int t = 0; t < kT; ++t) {
-        const float* s = reinterpret_cast<const float*>(act + size_t(t) * L.stride + L.s_offset);
+        const float* s = reinterpret_cast<const float*>(act + size_t(t) * L.stride + L.s_offset + s0);
         acc[t] = _mm512_fmadd_ps(m16, _mm512_load_ps(s + 4 * (g & ~int64_t(3))), acc[t]);
       }
       m16 = _mm512_setzero_ps();
@@ -585,7 +742,7 @@ inline void unpack_super_block(const uint8_t* p, SuperBlock* s) {
 }
 
 template <GgmlType T, int kT>
-void row_dot_k(const uint8_t* row, int64_t n_super, const uint8_t* act, const ActKLayout& L,
+[[gnu::always_inline]] inline void row_dot_k(const uint8_t* row, int64_t n_super, const uint8_t* act, const ActKLayout& L,
                float* y, int64_t y_stride) {
   constexpr size_t kBlockBytes = k_quant_block_bytes(T);
   __m512 acc[kT];
@@ -727,12 +884,17 @@ inline float quantize_block(const float* x, int n, int8_t* q, int32_t* sum32) {
   return d;
 }
 
+// The AVX2 path reads every row block by block.
+constexpr bool block_sets(GgmlType) { return false; }
+template <GgmlType T>
+constexpr bool kBlockSets = false;
+
 // Layout of the quantized activations of one token row for 32-element blocks:
 // [nb x 32 int8 codes] [nb floats d] [nb floats s = d * sum(q)], 32-byte aligned parts.
 struct Act32Layout {
   int64_t n_blocks;
   size_t d_offset, s_offset, stride;
-  explicit Act32Layout(int64_t n_in) {
+  Act32Layout(int64_t n_in, bool /*sets: none on this path*/) {
     n_blocks = n_in / 32;
     d_offset = size_t(n_blocks) * 32;
     s_offset = d_offset + (size_t(n_blocks) * 4 + 31) / 32 * 32;
@@ -800,7 +962,7 @@ constexpr bool kUnsignedCodes = T == GgmlType::kQ4_1 || T == GgmlType::kQ5_1;
 
 // y[t * y_stride] = dot(row, activation t) for kT consecutive tokens.
 template <GgmlType T, int kT>
-void row_dot_q32(const uint8_t* row, int64_t nb, const Q32RowTail&, const uint8_t* act,
+[[gnu::always_inline]] inline void row_dot_q32(const uint8_t* row, int64_t nb, const Q32RowTail&, const uint8_t* act,
                  const Act32Layout& L, float* y, int64_t y_stride) {
   constexpr size_t kBlockBytes = size_t(fields_of(T).block_bytes);
   __m256 acc[kT];
@@ -811,7 +973,8 @@ void row_dot_q32(const uint8_t* row, int64_t nb, const Q32RowTail&, const uint8_
   }
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = row + b * kBlockBytes;
-    if constexpr (kT == 1) _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);
+    // One request per block (blocks are under 64 bytes): every weight line is asked for early.
+    _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);
     const __m256i c = block32_codes<T>(p);
     const float dw = fp16_at(p);
     for (int t = 0; t < kT; ++t) {
@@ -908,7 +1071,7 @@ inline void unpack_super_block(const uint8_t* p, SuperBlock* s) {
 }
 
 template <GgmlType T, int kT>
-void row_dot_k(const uint8_t* row, int64_t n_super, const uint8_t* act, const ActKLayout& L,
+[[gnu::always_inline]] inline void row_dot_k(const uint8_t* row, int64_t n_super, const uint8_t* act, const ActKLayout& L,
                float* y, int64_t y_stride) {
   constexpr size_t kBlockBytes = k_quant_block_bytes(T);
   __m256 acc[kT];
@@ -1013,36 +1176,45 @@ void rows_dot_float(const uint8_t* rows, size_t row_bytes, int64_t n, const floa
 #if defined(CERTKV_MATMUL_AVX512) || defined(CERTKV_MATMUL_AVX2)
 
 // ---------------------------------------------------------------------------------------------
-// Drivers. Each thread takes a range of rows. Tokens go in chunks whose activations stay in L2
-// (about kTokenChunkBytes); within a chunk, rows go in blocks of about kRowBlockBytes of weights
-// (also kept in L2), and tiles of up to kTileTokens tokens (activations in L1) pass over the
-// rows of a block.
+// Drivers. The rows of the matrices of one call are numbered one after the other and each thread
+// takes a range of them. Tokens go in chunks whose activations stay in L2 (about
+// kTokenChunkBytes); within a chunk, rows go in blocks of about kRowBlockBytes of weights (also
+// kept in L2), and tiles of up to kTileTokens tokens (activations in L1) pass over the rows of a
+// block.
 
 constexpr int kTileTokens = 8;
 constexpr size_t kRowBlockBytes = 48 * 1024;
 constexpr size_t kTokenChunkBytes = 512 * 1024;
 
-// kernel(row_begin, row_end, token_begin, n_tile_tokens); act_bytes_per_token: the size of one
-// token's (quantized) activations.
+// kernel(m, row_begin, row_end, token_begin, n_tile_tokens) over rows of w[m];
+// act_bytes_per_token: the size of one token's activations (quantized, or float).
+// REQUIRES: all w[m].n_in equal.
 template <typename RowKernel>
-void for_row_tiles(const WeightMatrix& w, int64_t n_tokens, size_t act_bytes_per_token,
+void for_row_tiles(std::span<const WeightMatrix> w, int64_t n_tokens, size_t act_bytes_per_token,
                    ThreadPool& pool, RowKernel kernel) {
-  const int64_t rows_per_block =
-      std::max<int64_t>(4, int64_t(kRowBlockBytes / std::max<size_t>(1, w.row_bytes)));
+  int64_t n_rows = 0;
+  for (const WeightMatrix& wm : w) n_rows += wm.n_out;
   const int64_t chunk_tokens = std::max<int64_t>(
       kTileTokens, int64_t(kTokenChunkBytes / std::max<size_t>(1, act_bytes_per_token)) /
                        kTileTokens * kTileTokens);
-  pool.parallel_for(w.n_out, row_grain(w, n_tokens, pool.n_threads()),
-                    [&](int64_t r0, int64_t r1, int) {
-                      for (int64_t tc = 0; tc < n_tokens; tc += chunk_tokens) {
-                        const int64_t te = std::min(n_tokens, tc + chunk_tokens);
-                        for (int64_t rb = r0; rb < r1; rb += rows_per_block) {
-                          const int64_t re = std::min(r1, rb + rows_per_block);
-                          for (int64_t t0 = tc; t0 < te; t0 += kTileTokens)
-                            kernel(rb, re, t0, int(std::min<int64_t>(kTileTokens, te - t0)));
-                        }
-                      }
-                    });
+  const int64_t grain = row_grain(w[0].n_in, n_rows, n_tokens, pool.n_threads());
+  pool.parallel_for(n_rows, grain, [&](int64_t r0, int64_t r1, int) {
+    for (int64_t tc = 0; tc < n_tokens; tc += chunk_tokens) {
+      const int64_t te = std::min(n_tokens, tc + chunk_tokens);
+      int64_t first = 0;  // number of w[m]'s first row in the call
+      for (size_t m = 0; m < w.size(); first += w[m].n_out, ++m) {
+        const int64_t begin = std::max(r0, first) - first;
+        const int64_t end = std::min(r1, first + w[m].n_out) - first;
+        const int64_t rows_per_block =
+            std::max<int64_t>(4, int64_t(kRowBlockBytes / std::max<size_t>(1, w[m].row_bytes)));
+        for (int64_t rb = begin; rb < end; rb += rows_per_block) {
+          const int64_t re = std::min(end, rb + rows_per_block);
+          for (int64_t t0 = tc; t0 < te; t0 += kTileTokens)
+            kernel(m, rb, re, t0, int(std::min<int64_t>(kTileTokens, te - t0)));
+        }
+      }
+    }
+  });
 }
 
 // Calls f.template operator()<k>() for k = n in 1..8 (a run-time tile size to a template one).
@@ -1089,47 +1261,104 @@ void quantize_rows(int64_t n_tokens, ThreadPool& pool, QuantizeRow quantize_row)
   });
 }
 
-template <GgmlType T>
-void matmul_q32(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y,
-                ThreadPool& pool) {
-  const Act32Layout L(w.n_in);
-  uint8_t* act = thread_scratch().get(L.stride * size_t(n_tokens));
-  quantize_rows(n_tokens, pool, [&](int64_t t) {
-    quantize_act32_row(x + t * w.n_in, w.n_in, act + size_t(t) * L.stride, L);
-  });
+// The quantized activations of one call, one row of each layout per token: for 32-element blocks
+// read in groups (act32[0]) or in sets then groups (act32[1], kBlockSets), and for k-quant
+// super-blocks (act_k); null where no matrix of the call needs it.
+struct QuantizedInput {
+  Act32Layout l32[2];
+  ActKLayout l_k;
+  const uint8_t* act32[2] = {nullptr, nullptr};
+  const uint8_t* act_k = nullptr;
+  explicit QuantizedInput(int64_t n_in) : l32{{n_in, false}, {n_in, true}}, l_k(n_in) {}
+};
+
+// y[t * w.n_out + r] for rows r in [rb, re) of w and tokens t0 .. t0 + kT - 1 (y points at token
+// t0's outputs). The row kernel is inlined here, so that its tables, masks and constants are
+// loaded once per range of rows rather than once per row; this function is not inlined into the
+// dispatch over types and tile sizes (64 kernels in one function measured 30% slower).
+template <GgmlType T, int kT>
+[[gnu::noinline]] void rows_q32(const WeightMatrix& w, int64_t rb, int64_t re, const QuantizedInput& in, int64_t t0,
+              float* y) {
   const int64_t nb = w.n_in / 32;
   const auto tail = q32_row_tail<T>(nb);
-  for_row_tiles(w, n_tokens, L.stride, pool, [&](int64_t rb, int64_t re, int64_t t0, int kt) {
-    with_tile(kt, [&]<int kT>() {
-      for (int64_t r = rb; r < re; ++r)
-        row_dot_q32<T, kT>(w.data + size_t(r) * w.row_bytes, nb, tail, act + size_t(t0) * L.stride,
-                           L, y + t0 * w.n_out + r, w.n_out);
-    });
-  });
+  const Act32Layout& L = in.l32[kBlockSets<T>];
+  const uint8_t* act = in.act32[kBlockSets<T>] + size_t(t0) * L.stride;
+  for (int64_t r = rb; r < re; ++r)
+    row_dot_q32<T, kT>(w.data + size_t(r) * w.row_bytes, nb, tail, act, L, y + r, w.n_out);
 }
 
-template <GgmlType T>
-void matmul_k(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool) {
-  const ActKLayout L(w.n_in);
-  uint8_t* act = thread_scratch().get(L.stride * size_t(n_tokens));
+template <GgmlType T, int kT>
+[[gnu::noinline]] void rows_k(const WeightMatrix& w, int64_t rb, int64_t re, const QuantizedInput& in, int64_t t0,
+            float* y) {
+  const uint8_t* act = in.act_k + size_t(t0) * in.l_k.stride;
+  for (int64_t r = rb; r < re; ++r)
+    row_dot_k<T, kT>(w.data + size_t(r) * w.row_bytes, in.l_k.n_super, act, in.l_k, y + r,
+                     w.n_out);
+}
+
+template <int kT>
+void rows_quantized(const WeightMatrix& w, int64_t rb, int64_t re, const QuantizedInput& in,
+                    int64_t t0, float* y) {
+  switch (w.type) {
+    case GgmlType::kQ4_0:
+      return rows_q32<GgmlType::kQ4_0, kT>(w, rb, re, in, t0, y);
+    case GgmlType::kQ4_1:
+      return rows_q32<GgmlType::kQ4_1, kT>(w, rb, re, in, t0, y);
+    case GgmlType::kQ5_0:
+      return rows_q32<GgmlType::kQ5_0, kT>(w, rb, re, in, t0, y);
+    case GgmlType::kQ5_1:
+      return rows_q32<GgmlType::kQ5_1, kT>(w, rb, re, in, t0, y);
+    case GgmlType::kQ8_0:
+      return rows_q32<GgmlType::kQ8_0, kT>(w, rb, re, in, t0, y);
+    case GgmlType::kQ4_K:
+      return rows_k<GgmlType::kQ4_K, kT>(w, rb, re, in, t0, y);
+    case GgmlType::kQ5_K:
+      return rows_k<GgmlType::kQ5_K, kT>(w, rb, re, in, t0, y);
+    case GgmlType::kQ6_K:
+      return rows_k<GgmlType::kQ6_K, kT>(w, rb, re, in, t0, y);
+    default:
+      fail(StatusCode::kInternal, "matmul: type list and dispatch disagree");
+  }
+}
+
+// Quantized weights only: x quantized once per layout that some w[m] needs, then every row of
+// every matrix in one parallel section.
+void matmul_quantized(std::span<const WeightMatrix> w, const float* x, int64_t n_tokens,
+                      std::span<float* const> y, ThreadPool& pool) {
+  const int64_t n_in = w[0].n_in;
+  QuantizedInput in(n_in);
+  bool need32[2] = {false, false}, need_k = false;
+  for (const WeightMatrix& wm : w) {
+    if (activation_block_elements(wm.type) == 32) need32[block_sets(wm.type)] = true;
+    need_k = need_k || activation_block_elements(wm.type) == 256;
+  }
+  const size_t bytes[3] = {need32[0] ? in.l32[0].stride : 0, need32[1] ? in.l32[1].stride : 0,
+                           need_k ? in.l_k.stride : 0};
+  const size_t bytes_per_token = bytes[0] + bytes[1] + bytes[2];
+  uint8_t* act = thread_scratch().get(bytes_per_token * size_t(n_tokens));
+  uint8_t* act32[2] = {act, act + bytes[0] * size_t(n_tokens)};
+  uint8_t* act_k = act32[1] + bytes[1] * size_t(n_tokens);
   quantize_rows(n_tokens, pool, [&](int64_t t) {
-    quantize_act_k_row(x + t * w.n_in, w.n_in, act + size_t(t) * L.stride, L);
+    for (int sets = 0; sets < 2; ++sets)
+      if (need32[sets])
+        quantize_act32_row(x + t * n_in, n_in, act32[sets] + size_t(t) * bytes[sets], in.l32[sets]);
+    if (need_k) quantize_act_k_row(x + t * n_in, n_in, act_k + size_t(t) * bytes[2], in.l_k);
   });
-  for_row_tiles(w, n_tokens, L.stride, pool, [&](int64_t rb, int64_t re, int64_t t0, int kt) {
-    with_tile(kt, [&]<int kT>() {
-      for (int64_t r = rb; r < re; ++r)
-        row_dot_k<T, kT>(w.data + size_t(r) * w.row_bytes, L.n_super, act + size_t(t0) * L.stride,
-                         L, y + t0 * w.n_out + r, w.n_out);
-    });
-  });
+  for (int sets = 0; sets < 2; ++sets) in.act32[sets] = need32[sets] ? act32[sets] : nullptr;
+  in.act_k = need_k ? act_k : nullptr;
+  for_row_tiles(w, n_tokens, bytes_per_token, pool,
+                [&](size_t m, int64_t rb, int64_t re, int64_t t0, int kt) {
+                  float* ym = y[m] + t0 * w[m].n_out;
+                  with_tile(kt, [&]<int kT>() { rows_quantized<kT>(w[m], rb, re, in, t0, ym); });
+                });
 }
 
 template <GgmlType T>
 void matmul_float(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y,
                   ThreadPool& pool) {
   constexpr int kRows = 4, kTokens = 4;
-  for_row_tiles(w, n_tokens, size_t(w.n_in) * sizeof(float), pool,
-                [&](int64_t rb, int64_t re, int64_t t0, int kt) {
+  for_row_tiles(std::span<const WeightMatrix>(&w, 1), n_tokens, size_t(w.n_in) * sizeof(float), pool,
+                [&](size_t, int64_t rb, int64_t re, int64_t t0, int kt) {
                   for (int64_t t = t0; t < t0 + kt; t += kTokens) {
                     const int nt = int(std::min<int64_t>(kTokens, t0 + kt - t));
                     const float* xt = x + t * w.n_in;
@@ -1175,35 +1404,31 @@ void matmul_float(const WeightMatrix& w, const float* x, int64_t n_tokens, float
                 });
 }
 
-void matmul_simd(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y,
-                 ThreadPool& pool) {
-  switch (w.type) {
-    case GgmlType::kF32:
-      return matmul_float<GgmlType::kF32>(w, x, n_tokens, y, pool);
-    case GgmlType::kF16:
-      return matmul_float<GgmlType::kF16>(w, x, n_tokens, y, pool);
-    case GgmlType::kBF16:
-      return matmul_float<GgmlType::kBF16>(w, x, n_tokens, y, pool);
-    case GgmlType::kQ4_0:
-      return matmul_q32<GgmlType::kQ4_0>(w, x, n_tokens, y, pool);
-    case GgmlType::kQ4_1:
-      return matmul_q32<GgmlType::kQ4_1>(w, x, n_tokens, y, pool);
-    case GgmlType::kQ5_0:
-      return matmul_q32<GgmlType::kQ5_0>(w, x, n_tokens, y, pool);
-    case GgmlType::kQ5_1:
-      return matmul_q32<GgmlType::kQ5_1>(w, x, n_tokens, y, pool);
-    case GgmlType::kQ8_0:
-      return matmul_q32<GgmlType::kQ8_0>(w, x, n_tokens, y, pool);
-    case GgmlType::kQ4_K:
-      return matmul_k<GgmlType::kQ4_K>(w, x, n_tokens, y, pool);
-    case GgmlType::kQ5_K:
-      return matmul_k<GgmlType::kQ5_K>(w, x, n_tokens, y, pool);
-    case GgmlType::kQ6_K:
-      return matmul_k<GgmlType::kQ6_K>(w, x, n_tokens, y, pool);
-    default:
-      break;
+// Float matrices take a section each (they read x as floats); the quantized ones share one.
+void matmul_simd(std::span<const WeightMatrix> w, const float* x, int64_t n_tokens,
+                 std::span<float* const> y, ThreadPool& pool) {
+  if (std::none_of(w.begin(), w.end(), [](const WeightMatrix& m) { return is_float_type(m.type); }))
+    return matmul_quantized(w, x, n_tokens, y, pool);
+  std::vector<WeightMatrix> quantized;
+  std::vector<float*> quantized_y;
+  for (size_t m = 0; m < w.size(); ++m) {
+    switch (w[m].type) {
+      case GgmlType::kF32:
+        matmul_float<GgmlType::kF32>(w[m], x, n_tokens, y[m], pool);
+        break;
+      case GgmlType::kF16:
+        matmul_float<GgmlType::kF16>(w[m], x, n_tokens, y[m], pool);
+        break;
+      case GgmlType::kBF16:
+        matmul_float<GgmlType::kBF16>(w[m], x, n_tokens, y[m], pool);
+        break;
+      default:
+        quantized.push_back(w[m]);
+        quantized_y.push_back(y[m]);
+        break;
+    }
   }
-  fail(StatusCode::kInternal, "matmul: type list and dispatch disagree");
+  if (!quantized.empty()) matmul_quantized(quantized, x, n_tokens, quantized_y, pool);
 }
 
 #endif  // CERTKV_MATMUL_AVX512 || CERTKV_MATMUL_AVX2
@@ -1213,12 +1438,28 @@ void matmul_simd(const WeightMatrix& w, const float* x, int64_t n_tokens, float*
 bool matmul_supports(GgmlType type) { return dequantize_supports(type); }
 
 void matmul(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool) {
-  check_args(w, n_tokens, "matmul");
-  if (w.n_out == 0 || n_tokens == 0) return;
+  matmul(std::span<const WeightMatrix>(&w, 1), x, n_tokens, std::span<float* const>(&y, 1), pool);
+}
+
+void matmul(std::span<const WeightMatrix> w, const float* x, int64_t n_tokens,
+            std::span<float* const> y, ThreadPool& pool) {
+  if (w.size() != y.size())
+    fail(StatusCode::kInvalidArgument, "matmul: " + std::to_string(w.size()) + " matrices but " +
+                                           std::to_string(y.size()) + " outputs");
+  for (const WeightMatrix& wm : w) {
+    check_args(wm, n_tokens, "matmul");
+    if (wm.n_in != w[0].n_in)
+      fail(StatusCode::kInvalidArgument,
+           "matmul: matrices sharing one input have " + std::to_string(w[0].n_in) + " and " +
+               std::to_string(wm.n_in) + " inputs");
+  }
+  if (n_tokens == 0 || std::all_of(w.begin(), w.end(), [](const WeightMatrix& m) { return m.n_out == 0; }))
+    return;
 #if defined(CERTKV_MATMUL_AVX512) || defined(CERTKV_MATMUL_AVX2)
   matmul_simd(w, x, n_tokens, y, pool);
 #else
-  matmul_portable(w, x, n_tokens, y, pool);
+  for (size_t m = 0; m < w.size(); ++m)
+    if (w[m].n_out > 0) matmul_portable(w[m], x, n_tokens, y[m], pool);
 #endif
 }
 

@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "core/status.h"
 #include "core/thread_pool.h"
@@ -51,6 +52,16 @@ bool matmul_supports(format::GgmlType type);
 // (about 1.3 bytes per element of x for 32-element blocks, 2 for k-quants; it only grows).
 // Thread safety: one call at a time per pool.
 void matmul(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool);
+
+// The products of one input with several matrices, y[m] = x w[m]^T for m < w.size() (a layer's
+// q, k and v, or its gate and up): x is quantized once per activation block length, and the rows
+// of all the matrices are spread over the pool as one parallel section. y[m] is bit-identical to
+// what matmul(w[m], x, n_tokens, y[m], pool) writes.
+// x: [n_tokens][n_in] floats, y[m]: [n_tokens][w[m].n_out] floats (none overlapping x or another).
+// REQUIRES: w.size() == y.size(); each w[m] meets matmul's REQUIRES; all w[m].n_in are equal.
+// Violations throw certkv::Error before anything is written. Thread safety: as matmul.
+void matmul(std::span<const WeightMatrix> w, const float* x, int64_t n_tokens,
+            std::span<float* const> y, ThreadPool& pool);
 
 // Exact reference: dequantize_row_ref on each weight row, products accumulated in double.
 // Same REQUIRES and errors as matmul. Single-threaded.

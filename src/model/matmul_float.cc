@@ -82,4 +82,11 @@ void matmul(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y, T
     matmul(w, x, n_tokens, y, pool);
 }
 
+void matmul(std::span<const WeightMatrix> w, const float* x, int64_t n_tokens,
+            std::span<float* const> y, ThreadPool& pool, ActivationFormat format) {
+  if (format == ActivationFormat::kInt8) return matmul(w, x, n_tokens, y, pool);
+  if (w.size() != y.size()) fail(StatusCode::kInvalidArgument, "matmul: matrices and outputs differ in number");
+  for (size_t m = 0; m < w.size(); ++m) matmul_float(w[m], x, n_tokens, y[m], pool);
+}
+
 }  // namespace certkv::model

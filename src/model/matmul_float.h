@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 #include "core/thread_pool.h"
 #include "model/matmul.h"
@@ -27,5 +28,10 @@ void matmul_float(const WeightMatrix& w, const float* x, int64_t n_tokens, float
 // Dispatches on the format.
 void matmul(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool,
             ActivationFormat format);
+
+// Several matrices sharing one input (same contract as matmul's list form): kInt8 quantizes x
+// once for all of them; kFloat32 runs matmul_float on each.
+void matmul(std::span<const WeightMatrix> w, const float* x, int64_t n_tokens,
+            std::span<float* const> y, ThreadPool& pool, ActivationFormat format);
 
 }  // namespace certkv::model

@@ -232,14 +232,16 @@ TEST(Matmul, MatchesReferencesOnRaggedShapes) {
   ThreadPool pool(2);
   for (GgmlType type : kAllTypes) {
     const int64_t block = activation_block_elements(type) ? ggml_block_elements(type) : 1;
-    // Inputs: one block, a partial group of blocks, and a longer row with a partial group
-    // (float weights: lengths that leave a partial vector of 16).
-    const int64_t n_ins[3] = {block == 1 ? 5 : block, block == 1 ? 33 : 3 * block,
-                              block == 1 ? 577 : (block == 32 ? 18 : 3) * block};
+    // Inputs: one block, a partial group of blocks, a longer row with a partial group, and
+    // (32-element blocks) three sets of 16 blocks and one block more (float weights: lengths
+    // that leave a partial vector of 16).
+    const int64_t n_ins[4] = {block == 1 ? 5 : block, block == 1 ? 33 : 3 * block,
+                              block == 1 ? 577 : (block == 32 ? 18 : 3) * block,
+                              block == 1 ? 1571 : (block == 32 ? 49 : 5) * block};
     int which = 0;
-    for (int64_t n_tokens : {1, 3, 17, 129}) {
+    for (int64_t n_tokens : {1, 3, 8, 9, 17, 129}) {
       for (int64_t n_out : {1, 7, 577}) {
-        check_shape(type, {n_tokens, n_ins[which++ % 3], n_out}, rng, pool);
+        check_shape(type, {n_tokens, n_ins[which++ % 4], n_out}, rng, pool);
         if (HasFatalFailure()) return;
       }
     }
@@ -345,6 +347,68 @@ TEST(Matmul, EachTokensResultIsIndependentOfTheOtherTokens) {
       }
     }
   }
+}
+
+// The list form (one input, several matrices: q, k, v) writes what separate calls write, bit
+// for bit, for every token count and thread count, with matrices of one type or of mixed types
+// (both activation layouts and float weights in one call).
+TEST(Matmul, SharedInputProductsEqualSeparateProducts) {
+  std::mt19937 rng(17);
+  ThreadPool one(1), two(2);
+  const std::vector<std::vector<GgmlType>> lists = {
+      {GgmlType::kQ4_1, GgmlType::kQ4_1, GgmlType::kQ4_1},
+      {GgmlType::kQ8_0},
+      {GgmlType::kQ4_K, GgmlType::kQ6_K, GgmlType::kQ5_0, GgmlType::kF16, GgmlType::kQ8_0}};
+  const int64_t n_outs[] = {67, 17, 130, 5, 33};
+  for (const std::vector<GgmlType>& types : lists) {
+    const int64_t n_in = 512;
+    std::vector<std::vector<uint8_t>> data;
+    std::vector<WeightMatrix> w;
+    for (size_t m = 0; m < types.size(); ++m) data.push_back(random_weights(types[m], n_in, n_outs[m], rng));
+    for (size_t m = 0; m < types.size(); ++m) w.push_back(matrix_of(types[m], data[m], n_in, n_outs[m]));
+    for (int64_t n_tokens = 1; n_tokens <= 9; ++n_tokens) {
+      SCOPED_TRACE(std::string(ggml_type_name(types[0])) + " + " + std::to_string(types.size() - 1) +
+                   " more, tokens=" + std::to_string(n_tokens));
+      const std::vector<float> x = random_activations(n_tokens * n_in, rng);
+      for (ThreadPool* pool : {&one, &two}) {
+        std::vector<std::vector<float>> separate, shared;
+        std::vector<float*> y;
+        for (const WeightMatrix& wm : w) {
+          separate.emplace_back(size_t(n_tokens * wm.n_out));
+          shared.emplace_back(size_t(n_tokens * wm.n_out), NAN);
+          matmul(wm, x.data(), n_tokens, separate.back().data(), *pool);
+          y.push_back(shared.back().data());
+        }
+        matmul(w, x.data(), n_tokens, y, *pool);
+        for (size_t m = 0; m < w.size(); ++m)
+          ASSERT_EQ(0, std::memcmp(separate[m].data(), shared[m].data(), separate[m].size() * 4)) << "matrix " << m;
+      }
+    }
+  }
+}
+
+TEST(MatmulErrors, SharedInputNeedsOneInputLength) {
+  ThreadPool pool(2);
+  std::mt19937 rng(19);
+  const std::vector<uint8_t> a = random_weights(GgmlType::kQ4_1, 64, 2, rng);
+  const std::vector<uint8_t> b = random_weights(GgmlType::kQ4_1, 96, 2, rng);
+  const WeightMatrix w[2] = {matrix_of(GgmlType::kQ4_1, a, 64, 2), matrix_of(GgmlType::kQ4_1, b, 96, 2)};
+  std::vector<float> x(96, 1.f), y0(2, -1.f), y1(2, -1.f);
+  float* const y[2] = {y0.data(), y1.data()};
+  try {
+    matmul(w, x.data(), 1, y, pool);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
+  }
+  try {
+    matmul(std::span<const WeightMatrix>(w, 1), x.data(), 1, y, pool);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
+  }
+  for (float v : y0) EXPECT_EQ(v, -1.f);
+  for (float v : y1) EXPECT_EQ(v, -1.f);
 }
 
 TEST(Matmul, NonFiniteActivationPoisonsItsTokenOnly) {
