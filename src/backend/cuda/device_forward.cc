@@ -105,7 +105,7 @@ std::unique_ptr<DeviceForward> DeviceForward::create(const model::Model& model, 
   const int64_t widest_in = std::max<int64_t>({c.dim, int64_t(c.n_heads) * c.head_dim, c.ffn_dim});
   const int64_t widest_out = std::max<int64_t>(
       {int64_t(c.n_heads + 2 * c.n_kv_heads) * c.head_dim, 2 * int64_t(c.ffn_dim), c.dim, c.n_vocab});
-  throw_if_failed(f->matmul_->reserve(kProductRows, widest_in, widest_out));
+  throw_if_failed(f->matmul_->reserve(widest_in, widest_out));
   f->weight_bytes_ = need;
   return f;
 }
@@ -129,14 +129,13 @@ void DeviceForward::ensure_buffers(int64_t rows, int64_t logit_rows) {
   if (rows > buffer_rows_) {
     const size_t n = size_t(rows);
     const size_t q_dim = size_t(c.n_heads) * size_t(c.head_dim), kv_dim = size_t(c.n_kv_heads) * size_t(c.head_dim);
-    const size_t widest = std::max({size_t(c.dim), q_dim, size_t(c.ffn_dim)});
     throw_if_failed(cache::cuda::synchronize_stream(stream_));  // a running step may read the old buffers
     drop_graphs();  // they name the old buffers
     throw_if_failed(PinnedBuffer::allocate(n * (sizeof(int32_t) + sizeof(float) * size_t(c.head_dim)), &staging_));
     grow(tokens_, n * sizeof(int32_t));
     grow(angles_, n * sizeof(float) * size_t(c.head_dim));  // cos, then sin: [2][rows][head_dim / 2]
     grow(x_, n * sizeof(float) * size_t(c.dim));
-    grow(xn_, n * sizeof(float) * widest);
+    grow(xn_, n * sizeof(float) * size_t(c.dim));
     grow(qkv_, n * sizeof(float) * (q_dim + 2 * kv_dim));
     grow(q_, n * sizeof(float) * q_dim);
     grow(k_, n * sizeof(float) * kv_dim);
@@ -179,7 +178,7 @@ void DeviceForward::segment(int l, int64_t n) {
     float* act = floats_mut(act_);
     multiply(w.wo, floats(attn_), n, proj);
     throw_if_failed(add_rows(x, proj, n * c.dim, stream_));
-    throw_if_failed(rms_norm_rows(x, n, c.dim, floats(w.ffn_norm), eps, xn, nullptr, stream_));
+    throw_if_failed(rms_norm_rows(x, n, c.dim, floats(w.ffn_norm), eps, xn, stream_));
     multiply(w.w_gate_up, xn, n, gate_up);
     throw_if_failed(swiglu_rows(gate_up, gate_up + c.ffn_dim, n, c.ffn_dim, 2 * int64_t(c.ffn_dim), act, stream_));
     multiply(w.w_down, act, n, proj);
@@ -193,7 +192,7 @@ void DeviceForward::segment(int l, int64_t n) {
   const bool half_split = c.rope_layout == model::RopeLayout::kHalfSplit;
   float* qkv = floats_mut(qkv_);
   const ColumnPart qkv_parts[3] = {{q, 0, int(q_dim)}, {k, int(q_dim), int(kv_dim)}, {v, int(q_dim + kv_dim), int(kv_dim)}};
-  throw_if_failed(rms_norm_rows(x, n, c.dim, floats(w.attn_norm), eps, xn, nullptr, stream_));
+  throw_if_failed(rms_norm_rows(x, n, c.dim, floats(w.attn_norm), eps, xn, stream_));
   multiply(w.wqkv, xn, n, qkv);
   throw_if_failed(split_columns(qkv, n, int(q_dim + 2 * kv_dim), qkv_parts, 3, stream_));
   if (c.qkv_bias) {
@@ -202,8 +201,8 @@ void DeviceForward::segment(int l, int64_t n) {
     throw_if_failed(add_bias_rows(v, floats(w.bv), n, int(kv_dim), stream_));
   }
   if (c.qk_norm) {  // each head a row
-    throw_if_failed(rms_norm_rows(q, n * c.n_heads, hd, floats(w.q_norm), eps, q, nullptr, stream_));
-    throw_if_failed(rms_norm_rows(k, n * c.n_kv_heads, hd, floats(w.k_norm), eps, k, nullptr, stream_));
+    throw_if_failed(rms_norm_rows(q, n * c.n_heads, hd, floats(w.q_norm), eps, q, stream_));
+    throw_if_failed(rms_norm_rows(k, n * c.n_kv_heads, hd, floats(w.k_norm), eps, k, stream_));
   }
   throw_if_failed(rope_rows(q, n, c.n_heads, hd, half_split, dcos, dsin, stream_));
   throw_if_failed(rope_rows(k, n, c.n_kv_heads, hd, half_split, dcos, dsin, stream_));
@@ -319,7 +318,7 @@ void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attent
     throw_if_failed(logit_index_.upload_async(0, index, sizeof(int32_t) * size_t(m), stream_));
     float* lx = floats_mut(logit_x_);
     throw_if_failed(gather_rows(x, reinterpret_cast<const int32_t*>(logit_index_.data()), m, c.dim, lx, stream_));
-    throw_if_failed(rms_norm_rows(lx, m, c.dim, floats(output_norm_), eps, lx, nullptr, stream_));
+    throw_if_failed(rms_norm_rows(lx, m, c.dim, floats(output_norm_), eps, lx, stream_));
     multiply(output_, lx, m, floats_mut(logits_));
     float* host = reinterpret_cast<float*>(index + buffer_logit_rows_);
     throw_if_failed(logits_.download_async(0, host, sizeof(float) * size_t(m) * size_t(c.n_vocab), stream_));

@@ -102,7 +102,7 @@ CudaStatus DeviceMatmul::multiply(const DeviceMatrix& w, const float* x, int64_t
   if (rows < 0 || !x || !y || !w.data.data())
     return cuda_error(StatusCode::kInvalidArgument, "device matmul: null weights, rows or output, or rows < 0");
   if (rows == 0) return {};
-  CudaStatus s = reserve(rows, w.n_in, w.n_out);
+  CudaStatus s = reserve(w.n_in, w.n_out);
   if (!s.ok) return s;
   const uint16_t* w_hi = reinterpret_cast<const uint16_t*>(w.data.data());
   const uint16_t* w_lo = w_hi + w.n_in * w.n_out;
@@ -121,10 +121,9 @@ CudaStatus DeviceMatmul::multiply(const DeviceMatrix& w, const float* x, int64_t
   return s;
 }
 
-CudaStatus DeviceMatmul::reserve(int64_t rows, int64_t n_in, int64_t n_out) {
-  // Room for whole chunks whatever `rows` is: the third product's output sits at a fixed offset
-  // (its alignment, which cuBLAS may choose a kernel by, never depends on the chunk's rows).
-  (void)rows;
+CudaStatus DeviceMatmul::reserve(int64_t n_in, int64_t n_out) {
+  // Room for whole chunks: the third product's output sits at a fixed offset (its alignment,
+  // which cuBLAS may choose a kernel by, never depends on the chunk's rows).
   const size_t split_bytes = size_t(kProductRows) * size_t(n_in) * 2 * sizeof(uint16_t);
   const size_t partial_bytes = (size_t(lo_product_offset(n_out)) + size_t(kProductRows) * size_t(n_out)) * sizeof(float);
   if (split_.size() >= split_bytes && partial_.size() >= partial_bytes) return {};

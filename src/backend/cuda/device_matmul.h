@@ -63,9 +63,8 @@ class DeviceMatmul {
   // null pointers or rows < 0.
   CudaStatus multiply(const DeviceMatrix& w, const float* x, int64_t rows, float* y);
   // Grows the scratch to products of n_in inputs and n_out outputs now (chunks of kProductRows
-  // rows, whatever `rows` is), so that multiply() allocates nothing (and can be captured in a
-  // CUDA graph).
-  CudaStatus reserve(int64_t rows, int64_t n_in, int64_t n_out);
+  // rows), so that multiply() allocates nothing (and can be captured in a CUDA graph).
+  CudaStatus reserve(int64_t n_in, int64_t n_out);
   // Counts the scratch's moves: graphs captured before a move are stale.
   uint64_t scratch_generation() const { return generation_; }
 

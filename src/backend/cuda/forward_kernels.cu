@@ -44,7 +44,7 @@ __device__ float block_sum(float v, float* shared) {
   return total;
 }
 
-__global__ void rms_norm_kernel(const float* x, int n, const float* w, float eps, float* y, uint16_t* y_bf16) {
+__global__ void rms_norm_kernel(const float* x, int n, const float* w, float eps, float* y) {
   __shared__ float shared[kRowThreads / 32];
   const int64_t row = blockIdx.x;
   const float* xr = x + row * n;
@@ -52,9 +52,7 @@ __global__ void rms_norm_kernel(const float* x, int n, const float* w, float eps
   for (int i = threadIdx.x; i < n; i += kRowThreads) ss = fmaf(xr[i], xr[i], ss);
   const float inv = 1.f / sqrtf(block_sum(ss, shared) / float(n) + eps);
   for (int i = threadIdx.x; i < n; i += kRowThreads) {
-    const float v = xr[i] * inv * w[i];
-    if (y) y[row * n + i] = v;
-    if (y_bf16) y_bf16[row * n + i] = format::float_to_bf16(v);
+    y[row * n + i] = xr[i] * inv * w[i];
   }
 }
 
@@ -193,13 +191,12 @@ __global__ void argmax_kernel(const float* logits, int n, int32_t* out) {
 
 }  // namespace
 
-CudaStatus rms_norm_rows(const float* x, int64_t rows, int n, const float* w, float eps, float* y, uint16_t* y_bf16,
-                         void* stream) {
+CudaStatus rms_norm_rows(const float* x, int64_t rows, int n, const float* w, float eps, float* y, void* stream) {
   if (rows < 0 || n < 1) return refuse("rms_norm_rows", "needs rows >= 0 and n >= 1");
-  if (!x || !w || (!y && !y_bf16)) return refuse("rms_norm_rows", "null input, weights or both outputs");
+  if (!x || !w || !y) return refuse("rms_norm_rows", "null input, weights or output");
   if (!(eps >= 0.f)) return refuse("rms_norm_rows", "eps must be >= 0");
   if (rows == 0) return {};
-  rms_norm_kernel<<<unsigned(rows), kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, n, w, eps, y, y_bf16);
+  rms_norm_kernel<<<unsigned(rows), kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, n, w, eps, y);
   return launched("rms_norm_rows");
 }
 

@@ -20,10 +20,8 @@
 
 namespace certkv::backend::cuda {
 
-// y[r][i] = x[r][i] * inv_rms(x[r]) * w[i], r < rows, i < n; y_bf16 (optional) gets y rounded to
-// bf16, y (optional, may be x) the floats. At least one output.
-CudaStatus rms_norm_rows(const float* x, int64_t rows, int n, const float* w, float eps, float* y, uint16_t* y_bf16,
-                         void* stream);
+// y[r][i] = x[r][i] * inv_rms(x[r]) * w[i], r < rows, i < n (y may be x).
+CudaStatus rms_norm_rows(const float* x, int64_t rows, int n, const float* w, float eps, float* y, void* stream);
 
 // Rotates every head of rows x[r][n_heads][head_dim] in place by the angles of row r:
 // cos, sin [rows][head_dim / 2]. half_split: pairs (j, j + head_dim / 2), else (2j, 2j + 1).
