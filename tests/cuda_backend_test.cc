@@ -13,6 +13,8 @@
 //  - Sparse decode on the device: batch invariant like the dense path; against the CPU backend's
 //    sparse decode, layer 0 (the same inputs) selects the same tokens, and the logits stay much
 //    closer to the CPU's sparse run than sparse is to dense.
+//  - Sampling on the device draws the host sampler's tokens from the same logits; gaac pages give
+//    the text of bf16 pages.
 //  - What the backend does not serve is refused by name.
 #include <gtest/gtest.h>
 
@@ -495,6 +497,36 @@ TEST_F(CudaBackendTest, DeviceForwardGraphsReplayTheEagerLaunches) {
     for (float v : a) ASSERT_TRUE(std::isfinite(v));
     if (first.empty()) first.assign(a.begin(), a.begin() + nv);
     EXPECT_TRUE(std::equal(first.begin(), first.end(), a.begin())) << "row 0 among " << n_rows << " rows";
+  }
+}
+
+// Sampling on the device draws what the host's sampler draws from the same logits, greedy and
+// seeded, with top-k and top-p; a sequence that takes no logits draws the same.
+TEST_F(CudaBackendTest, DrawsTokensOnTheDeviceAsTheHostSamplerDoes) {
+  testing::expect_draws_as_the_host(smollm2(), device_config(cache::KvScheme::kBf16, 128, 128 * 10), 12);
+}
+
+// The lossless tier on the device: gaac pages give the text of bf16 pages, token for token, for
+// greedy and seeded requests run together through the engine.
+TEST_F(CudaBackendTest, GaacAndBf16PagesGiveTheSameTextOnTheDevice) {
+  std::vector<engine::RequestParams> requests = requests_of({40, 200, 7, 130}, 48, 5);
+  for (size_t i = 1; i < requests.size(); i += 2) {
+    requests[i].sampling.temperature = 0.9f;
+    requests[i].sampling.top_p = 0.95f;
+    requests[i].sampling.seed = 100 + i;
+  }
+  std::vector<std::vector<int32_t>> texts[2];
+  int k = 0;
+  for (cache::KvScheme scheme : {cache::KvScheme::kBf16, cache::KvScheme::kGaac}) {
+    engine::EngineConfig cfg;
+    cfg.backend = device_config(scheme, 320, 320 * 4);
+    engine::Engine e(smollm2(), cfg);
+    texts[k++] = run_engine(e, requests);
+  }
+  ASSERT_EQ(texts[0].size(), requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_EQ(texts[0][i].size(), 48u);
+    EXPECT_EQ(texts[1][i], texts[0][i]) << "request " << i;
   }
 }
 

@@ -131,6 +131,13 @@ TEST(BatchInvariance, SmolLM2GaacWithItsCalibration) {
   check_batch_invariance(smollm2(), cfg);
 }
 
+TEST(CpuBackend, DrawsTokensInTheStepAsTheHostSamplerDoes) {
+  BackendConfig cfg;
+  cfg.context_tokens = 128;
+  cfg.pool_tokens = 128 * 10;
+  testing::expect_draws_as_the_host(stories(), cfg, 12);
+}
+
 TEST(CpuBackend, RefusesBadBatches) {
   BackendConfig cfg;
   cfg.context_tokens = 32;

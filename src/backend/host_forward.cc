@@ -38,6 +38,7 @@ StepRows plan_step(std::span<const BatchItem> items, const model::ModelConfig& c
       if (it.tokens[t] < 0 || it.tokens[t] >= c.n_vocab)
         fail(StatusCode::kInvalidArgument, "token id " + std::to_string(it.tokens[t]) +
                                                " is outside the vocabulary (" + std::to_string(c.n_vocab) + ")");
+    if (it.token) model::check_sampler_params(it.sampling);
     rows.row0[i] = rows.n_rows;
     rows.pos0[i] = past;
     rows.n_rows += it.n;
@@ -129,7 +130,7 @@ void HostForward::run(const StepRows& rows, const LayerAttention& attention) {
   }
 
   // Logits: the items that want every row get their own product (straight into their buffer);
-  // the last rows of the others share one.
+  // the last rows of the others share one. Then the tokens the items draw.
   const float* out_norm = model_.output_norm().data();
   std::vector<size_t> last_only;
   for (size_t i = 0; i < items.size(); ++i) {
@@ -140,26 +141,34 @@ void HostForward::run(const StepRows& rows, const LayerAttention& attention) {
       model::matmul(model_.output(), xn_.data(), it.n, it.all_logits, pool_, activations_);
       if (it.last_logits)
         std::memcpy(it.last_logits, it.all_logits + (it.n - 1) * c.n_vocab, sizeof(float) * size_t(c.n_vocab));
-    } else if (it.last_logits) {
+    } else if (it.last_logits || it.token) {
       last_only.push_back(i);
     }
   }
+  const auto last_row_logits = [&](size_t i, size_t j) -> const float* {
+    if (items[i].all_logits) return items[i].all_logits + (items[i].n - 1) * c.n_vocab;
+    return &logits_[j * size_t(c.n_vocab)];
+  };
   if (!last_only.empty()) {
     const int64_t m = int64_t(last_only.size());
     for (int64_t j = 0; j < m; ++j) {
       const size_t i = last_only[size_t(j)];
       rms_norm(&x_[size_t((rows.row0[i] + items[i].n - 1) * dim)], out_norm, dim, c.rms_eps, &xn_[size_t(j * dim)]);
     }
-    float* dst = items[last_only[0]].last_logits;
-    if (m > 1) {
-      logits_.resize(size_t(m) * size_t(c.n_vocab));
-      dst = logits_.data();
-    }
-    model::matmul(model_.output(), xn_.data(), m, dst, pool_, activations_);
-    if (m > 1)
-      for (int64_t j = 0; j < m; ++j)
-        std::memcpy(items[last_only[size_t(j)]].last_logits, &logits_[size_t(j) * size_t(c.n_vocab)],
-                    sizeof(float) * size_t(c.n_vocab));
+    logits_.resize(size_t(m) * size_t(c.n_vocab));
+    model::matmul(model_.output(), xn_.data(), m, logits_.data(), pool_, activations_);
+    for (int64_t j = 0; j < m; ++j)
+      if (float* dst = items[last_only[size_t(j)]].last_logits)
+        std::memcpy(dst, &logits_[size_t(j) * size_t(c.n_vocab)], sizeof(float) * size_t(c.n_vocab));
+  }
+  size_t j = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const BatchItem& it = items[i];
+    const bool in_last_only = j < last_only.size() && last_only[j] == i;
+    if (it.token)
+      *it.token = model::sample_token(last_row_logits(i, j), c.n_vocab, it.sampling,
+                                      model::sample_uniform(it.sampling.seed, it.draw), &candidates_);
+    if (in_last_only) ++j;
   }
 }
 

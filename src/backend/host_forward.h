@@ -47,7 +47,8 @@ class HostForward {
   HostForward(const model::Model& model, ThreadPool& pool, model::ActivationFormat activations);
 
   // Runs every layer over the step's rows, calling attention once per layer, then writes the
-  // logits the items ask for (BatchItem::last_logits, all_logits).
+  // logits the items ask for (BatchItem::last_logits, all_logits) and the tokens they draw
+  // (BatchItem::token).
   void run(const StepRows& rows, const LayerAttention& attention);
 
  private:
@@ -58,6 +59,7 @@ class HostForward {
   model::ActivationFormat activations_;
   int64_t buffer_tokens_ = 0;
   std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, cos_, sin_, logits_;
+  std::vector<std::pair<float, int32_t>> candidates_;  // the sampler's scratch
 };
 
 }  // namespace certkv::backend

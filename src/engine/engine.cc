@@ -504,8 +504,7 @@ bool Engine::step(const TokenCallback& on_token_cb) {
   if (plan.empty()) return true;
 
   std::vector<backend::BatchItem> items(plan.size());
-  const int32_t n_vocab = model_.config().n_vocab;
-  logits_.resize(plan.size() * size_t(n_vocab));
+  tokens_.assign(plan.size(), -1);
   int64_t n_prefill = 0, n_decode = 0, n_recomputed = 0;
   for (size_t i = 0; i < plan.size(); ++i) {
     Request& r = *requests_.at(plan[i].id);
@@ -514,7 +513,11 @@ bool Engine::step(const TokenCallback& on_token_cb) {
     it.tokens = r.tokens.data() + r.computed;
     it.n = plan[i].n;
     const bool last = r.computed + plan[i].n == int64_t(r.tokens.size());
-    it.last_logits = last ? &logits_[i * size_t(n_vocab)] : nullptr;
+    if (last) {  // the backend draws the next token
+      it.token = &tokens_[i];
+      it.sampling = r.sampler.params();
+      it.draw = r.sampler.draws();
+    }
     it.end_of_input = last;
     (r.computed >= int64_t(r.params.prompt.size()) ? n_decode : n_prefill) += plan[i].n;
     n_recomputed += std::max<int64_t>(0, std::min(r.computed + plan[i].n, r.high_water) - r.computed);
@@ -545,10 +548,10 @@ bool Engine::step(const TokenCallback& on_token_cb) {
     r.computed += plan[i].n;
     r.high_water = std::max(r.high_water, r.computed);
     register_blocks(r);
-    if (!items[i].last_logits) continue;
-    const int32_t token = r.sampler.sample(items[i].last_logits, n_vocab);
+    if (!items[i].token) continue;
+    r.sampler.count_draw();
     ++stats_.decode_tokens;
-    on_token(r, token, on_token_cb);
+    on_token(r, tokens_[i], on_token_cb);
   }
   return !running_.empty() || !waiting_.empty();
 }

@@ -204,7 +204,7 @@ class Engine {
   RequestId next_id_ = 1;
   std::unordered_map<uint64_t, PrefixEntry> prefixes_;
   std::deque<cache::SeqId> holders_;  // least recently used first
-  std::vector<float> logits_;
+  std::vector<int32_t> tokens_;  // the tokens the step's items draw
   EngineStats stats_;
 };
 

@@ -14,56 +14,74 @@ int32_t argmax(const float* logits, int32_t n) {
   return best;
 }
 
-Sampler::Sampler(const SamplerParams& params) : params_(params), rng_(params.seed) {
+void check_sampler_params(const SamplerParams& params) {
   if (!(params.temperature >= 0.f) || !std::isfinite(params.temperature))
     fail(StatusCode::kInvalidArgument, "temperature must be a finite number >= 0");
   if (params.top_k < 0) fail(StatusCode::kInvalidArgument, "top-k must be >= 0");
-  if (!(params.top_p > 0.f && params.top_p <= 1.f))
-    fail(StatusCode::kInvalidArgument, "top-p must be in (0, 1]");
+  if (!(params.top_p > 0.f && params.top_p <= 1.f)) fail(StatusCode::kInvalidArgument, "top-p must be in (0, 1]");
 }
 
-int32_t Sampler::sample(const float* logits, int32_t n_vocab) {
-  if (n_vocab < 1) fail(StatusCode::kInvalidArgument, "sampling needs at least one logit");
-  if (params_.temperature == 0.f) return argmax(logits, n_vocab);
+double sample_uniform(uint64_t seed, uint64_t draw) {
+  // SplitMix64 (Steele, Lea, Flood 2014): the finalizer of the draw-th state of the seed's stream.
+  uint64_t z = seed + (draw + 1) * 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return double(z >> 11) * 0x1.0p-53;
+}
 
-  candidates_.resize(size_t(n_vocab));
-  for (int32_t i = 0; i < n_vocab; ++i) candidates_[i] = {logits[i] / params_.temperature, i};
-  auto by_logit = [](const auto& a, const auto& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  };
-  size_t n = candidates_.size();
-  if (params_.top_k > 0 && size_t(params_.top_k) < n) {
-    std::partial_sort(candidates_.begin(), candidates_.begin() + params_.top_k, candidates_.end(), by_logit);
-    n = size_t(params_.top_k);
+float sample_key(float logit, float temperature) {
+  const float x = logit / temperature + 0.f;  // + 0.f: -0 becomes +0
+  return std::isnan(x) ? -INFINITY : x;
+}
+
+int32_t sample_token(const float* logits, int32_t n_vocab, const SamplerParams& params, double u,
+                     std::vector<std::pair<float, int32_t>>* scratch) {
+  if (n_vocab < 1) fail(StatusCode::kInvalidArgument, "sampling needs at least one logit");
+  if (params.temperature == 0.f) return argmax(logits, n_vocab);
+
+  std::vector<std::pair<float, int32_t>> local;
+  std::vector<std::pair<float, int32_t>>& candidates = scratch ? *scratch : local;
+  candidates.resize(size_t(n_vocab));
+  for (int32_t i = 0; i < n_vocab; ++i) candidates[size_t(i)] = {sample_key(logits[i], params.temperature), i};
+  auto by_logit = [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
+  size_t n = candidates.size();
+  if (params.top_k > 0 && size_t(params.top_k) < n) {
+    std::partial_sort(candidates.begin(), candidates.begin() + params.top_k, candidates.end(), by_logit);
+    n = size_t(params.top_k);
   } else {
-    std::sort(candidates_.begin(), candidates_.end(), by_logit);
+    std::sort(candidates.begin(), candidates.end(), by_logit);
   }
-  const float max_logit = candidates_[0].first;
+  const float max_x = candidates[0].first;
   double total = 0;
-  std::vector<double> prob(n);
-  for (size_t i = 0; i < n; ++i) total += prob[i] = std::exp(double(candidates_[i].first - max_logit));
-  // Nucleus: the shortest prefix (by probability) whose mass reaches top_p.
-  if (params_.top_p < 1.f) {
+  for (size_t i = 0; i < n; ++i) total += std::exp(double(candidates[i].first - max_x));
+  // Nucleus: the shortest prefix whose mass reaches top_p.
+  size_t keep = n;
+  double kept = total;
+  if (params.top_p < 1.f) {
     double mass = 0;
-    size_t keep = n;
     for (size_t i = 0; i < n; ++i) {
-      mass += prob[i] / total;
-      if (mass >= params_.top_p) {
+      mass += std::exp(double(candidates[i].first - max_x));
+      if (mass / total >= params.top_p) {
         keep = i + 1;
+        kept = mass;
         break;
       }
     }
-    n = keep;
-    total = 0;
-    for (size_t i = 0; i < n; ++i) total += prob[i];
   }
-  std::uniform_real_distribution<double> uniform(0.0, total);
-  double r = uniform(rng_);
-  for (size_t i = 0; i < n; ++i) {
-    r -= prob[i];
-    if (r < 0) return candidates_[i].second;
+  const double r = u * kept;
+  double cumulative = 0;
+  for (size_t i = 0; i < keep; ++i) {
+    cumulative += std::exp(double(candidates[i].first - max_x));
+    if (cumulative > r) return candidates[i].second;
   }
-  return candidates_[n - 1].second;
+  return candidates[keep - 1].second;
+}
+
+Sampler::Sampler(const SamplerParams& params) : params_(params) { check_sampler_params(params); }
+
+int32_t Sampler::sample(const float* logits, int32_t n_vocab) {
+  return sample_token(logits, n_vocab, params_, sample_uniform(params_.seed, draws_++), &candidates_);
 }
 
 }  // namespace certkv::model

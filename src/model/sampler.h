@@ -1,10 +1,22 @@
 // Picks the next token from logits: greedy, or temperature with optional top-k and top-p
-// (nucleus, Holtzman et al. 2020) truncation, from a seeded generator (same seed, same tokens).
-// Thread safety: a Sampler is used by one thread at a time.
+// (nucleus, Holtzman et al. 2020) truncation. A seeded stream of draws is counter-based: draw i of
+// seed s uses the uniform sample_uniform(s, i), so a token depends on its logits, the parameters
+// and its draw's index only, and any backend that implements sample_token draws the same tokens
+// from the same logits (the CUDA backend does, on the device: backend/cuda/sample_kernels.h).
+//
+// sample_token's definition, for temperature T > 0:
+//   x_i = sample_key(logit_i, T) (float division, -0 as +0, NaN as -inf); candidates sorted by x
+//   descending, lower id first on equal x; the first top_k of them when top_k > 0; w_i = exp(double(x_i -
+//   x_0)) (float subtraction, double exp); with top_p < 1 the shortest prefix whose cumulative
+//   mass sum w / W reaches top_p (W the sum over the candidates); then r = u * (sum of the kept
+//   w) and the first kept candidate whose cumulative w exceeds r (the last kept one if none:
+//   rounding).
+// Thread safety: sample_uniform and sample_token are pure; a Sampler is used by one thread at a
+// time.
 #pragma once
 
 #include <cstdint>
-#include <random>
+#include <utility>
 #include <vector>
 
 namespace certkv::model {
@@ -16,16 +28,40 @@ struct SamplerParams {
   uint64_t seed = 0;
 };
 
+// A candidate's sort key: logit / temperature, -0 as +0 and NaN as -inf (so that the keys are
+// totally ordered).
+float sample_key(float logit, float temperature);
+
+// Throws certkv::Error kInvalidArgument for a negative or non-finite temperature, a negative
+// top_k, or top_p outside (0, 1].
+void check_sampler_params(const SamplerParams& params);
+
+// The uniform in [0, 1) of draw `draw` of stream `seed`: 53 bits of a SplitMix64 finalizer of
+// (seed, draw), a multiple of 2^-53.
+double sample_uniform(uint64_t seed, uint64_t draw);
+
+// The token params draw from logits [n_vocab] with uniform u in [0, 1) (the definition above).
+// scratch: candidate storage reused between calls (may be null). REQUIRES: n_vocab >= 1 (else
+// kInvalidArgument), params checked.
+int32_t sample_token(const float* logits, int32_t n_vocab, const SamplerParams& params, double u,
+                     std::vector<std::pair<float, int32_t>>* scratch = nullptr);
+
+// A request's stream of draws: sample() uses draw draws() and counts it.
 class Sampler {
  public:
-  // Throws certkv::Error kInvalidArgument for a negative temperature or top_k, or top_p outside (0, 1].
+  // Throws as check_sampler_params.
   explicit Sampler(const SamplerParams& params);
   // logits: [n_vocab]. REQUIRES: n_vocab >= 1.
   int32_t sample(const float* logits, int32_t n_vocab);
+  const SamplerParams& params() const { return params_; }
+  // Draws made so far (the index of the next one).
+  uint64_t draws() const { return draws_; }
+  // Counts a draw made elsewhere (a backend that sampled the token: BatchItem::draw).
+  void count_draw() { ++draws_; }
 
  private:
   SamplerParams params_;
-  std::mt19937_64 rng_;
+  uint64_t draws_ = 0;
   std::vector<std::pair<float, int32_t>> candidates_;
 };
 

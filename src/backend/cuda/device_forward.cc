@@ -9,6 +9,7 @@
 #include <string>
 
 #include "backend/cuda/forward_kernels.h"
+#include "backend/cuda/sample_kernels.h"
 #include "core/cuda_status.h"
 #include "core/status.h"
 
@@ -248,20 +249,31 @@ void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attent
   const std::span<const BatchItem> items = rows.items;
   const int64_t n = rows.n_rows;
   if (n == 0) return;
-  // The rows whose logits are wanted, in the order of their destinations.
+  // The rows whose logits are computed: first those that come down, in the order of their
+  // destinations, then the last rows of the items that only draw a token.
   struct LogitRow {
     int64_t row;
-    float* dst;
+    float* dst;  // null: only sampled
   };
   std::vector<LogitRow> wanted;
+  std::vector<int32_t> last_logit_row(items.size(), -1);  // an item's last row among them
   for (size_t i = 0; i < items.size(); ++i) {
     const BatchItem& it = items[i];
     if (it.all_logits) {
       for (int64_t t = 0; t < it.n; ++t) wanted.push_back({rows.row0[i] + t, it.all_logits + t * c.n_vocab});
     } else if (it.last_logits) {
       wanted.push_back({rows.row0[i] + it.n - 1, it.last_logits});
+    } else {
+      continue;
     }
+    last_logit_row[i] = int32_t(wanted.size() - 1);
   }
+  const int64_t m_download = int64_t(wanted.size());
+  for (size_t i = 0; i < items.size(); ++i)
+    if (items[i].token && last_logit_row[i] < 0) {
+      wanted.push_back({rows.row0[i] + items[i].n - 1, nullptr});
+      last_logit_row[i] = int32_t(wanted.size() - 1);
+    }
   ensure_buffers(n, int64_t(wanted.size()));
   const int hd = c.head_dim, half = hd / 2;
 
@@ -310,27 +322,73 @@ void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attent
   }
   const float eps = c.rms_eps;
   float* x = floats_mut(x_);
-
-  if (!wanted.empty()) {
-    const int64_t m = int64_t(wanted.size());
-    int32_t* index = reinterpret_cast<int32_t*>(logits_host_.data());
-    for (int64_t j = 0; j < m; ++j) index[j] = int32_t(wanted[size_t(j)].row);
-    throw_if_failed(logit_index_.upload_async(0, index, sizeof(int32_t) * size_t(m), stream_));
-    float* lx = floats_mut(logit_x_);
-    throw_if_failed(gather_rows(x, reinterpret_cast<const int32_t*>(logit_index_.data()), m, c.dim, lx, stream_));
-    throw_if_failed(rms_norm_rows(lx, m, c.dim, floats(output_norm_), eps, lx, stream_));
-    multiply(output_, lx, m, floats_mut(logits_));
-    float* host = reinterpret_cast<float*>(index + buffer_logit_rows_);
-    throw_if_failed(logits_.download_async(0, host, sizeof(float) * size_t(m) * size_t(c.n_vocab), stream_));
+  if (wanted.empty()) {
     throw_if_failed(cache::cuda::synchronize_stream(stream_));
-    for (int64_t j = 0; j < m; ++j)
-      std::memcpy(wanted[size_t(j)].dst, host + j * c.n_vocab, sizeof(float) * size_t(c.n_vocab));
-    for (const BatchItem& it : items)
-      if (it.all_logits && it.last_logits)
-        std::memcpy(it.last_logits, it.all_logits + (it.n - 1) * c.n_vocab, sizeof(float) * size_t(c.n_vocab));
-  } else {
-    throw_if_failed(cache::cuda::synchronize_stream(stream_));
+    return;
   }
+  const int64_t m = int64_t(wanted.size());
+  int32_t* index = reinterpret_cast<int32_t*>(logits_host_.data());
+  for (int64_t j = 0; j < m; ++j) index[j] = int32_t(wanted[size_t(j)].row);
+  throw_if_failed(logit_index_.upload_async(0, index, sizeof(int32_t) * size_t(m), stream_));
+  float* lx = floats_mut(logit_x_);
+  throw_if_failed(gather_rows(x, reinterpret_cast<const int32_t*>(logit_index_.data()), m, c.dim, lx, stream_));
+  throw_if_failed(rms_norm_rows(lx, m, c.dim, floats(output_norm_), eps, lx, stream_));
+  multiply(output_, lx, m, floats_mut(logits_));
+  float* host = reinterpret_cast<float*>(index + buffer_logit_rows_);
+  if (m_download > 0)
+    throw_if_failed(logits_.download_async(0, host, sizeof(float) * size_t(m_download) * size_t(c.n_vocab), stream_));
+  const std::vector<size_t> drawing = draw_tokens(items, last_logit_row);
+  throw_if_failed(cache::cuda::synchronize_stream(stream_));
+  for (int64_t j = 0; j < m_download; ++j)
+    std::memcpy(wanted[size_t(j)].dst, host + j * c.n_vocab, sizeof(float) * size_t(c.n_vocab));
+  for (const BatchItem& it : items)
+    if (it.all_logits && it.last_logits)
+      std::memcpy(it.last_logits, it.all_logits + (it.n - 1) * c.n_vocab, sizeof(float) * size_t(c.n_vocab));
+  const int32_t* drawn = sample_host_tokens(drawing.size());
+  for (size_t j = 0; j < drawing.size(); ++j) *items[drawing[j]].token = drawn[j];
+}
+
+}  // namespace certkv::backend::cuda
+
+namespace certkv::backend::cuda {
+
+std::vector<size_t> DeviceForward::draw_tokens(std::span<const BatchItem> items,
+                                               const std::vector<int32_t>& last_logit_row) {
+  // The rows to sample, the greedy ones first (sample_rows' order), and the items they belong to.
+  std::vector<size_t> drawing;
+  for (int greedy = 1; greedy >= 0; --greedy)
+    for (size_t i = 0; i < items.size(); ++i)
+      if (items[i].token && (items[i].sampling.temperature == 0.f) == bool(greedy)) drawing.push_back(i);
+  if (drawing.empty()) return drawing;
+  const int m = int(drawing.size());
+  int n_greedy = 0;
+  while (n_greedy < m && items[drawing[size_t(n_greedy)]].sampling.temperature == 0.f) ++n_greedy;
+  const int32_t n_vocab = model_.config().n_vocab;
+  const size_t host_bytes = size_t(m) * (sizeof(SampleRow) + sizeof(int32_t));
+  if (sample_host_.size() < host_bytes) {
+    throw_if_failed(cache::cuda::synchronize_stream(stream_));  // an earlier step may read the old one
+    throw_if_failed(PinnedBuffer::allocate(host_bytes, &sample_host_));
+  }
+  grow(sample_rows_, size_t(m) * sizeof(SampleRow));
+  grow(sampled_, size_t(m) * sizeof(int32_t));
+  grow(sample_workspace_, sample_rows_workspace_bytes(m - n_greedy, n_vocab));
+  SampleRow* rows = reinterpret_cast<SampleRow*>(sample_host_.data());
+  for (int j = 0; j < m; ++j) {
+    const BatchItem& it = items[drawing[size_t(j)]];
+    rows[j] = SampleRow{last_logit_row[drawing[size_t(j)]], it.sampling.top_k, it.sampling.temperature,
+                        it.sampling.top_p, model::sample_uniform(it.sampling.seed, it.draw)};
+  }
+  throw_if_failed(sample_rows_.upload_async(0, rows, size_t(m) * sizeof(SampleRow), stream_));
+  throw_if_failed(sample_rows(floats(logits_), n_vocab, reinterpret_cast<const SampleRow*>(sample_rows_.data()), m,
+                              n_greedy, reinterpret_cast<int32_t*>(sampled_.data()), sample_workspace_.data(),
+                              sample_workspace_.size(), stream_));
+  throw_if_failed(sampled_.download_async(0, sample_host_tokens(size_t(m)), size_t(m) * sizeof(int32_t), stream_));
+  return drawing;
+}
+
+int32_t* DeviceForward::sample_host_tokens(size_t m) const {
+  // After the m rows in the same page-locked buffer (draw_tokens sized it for both).
+  return reinterpret_cast<int32_t*>(sample_host_.data() + m * sizeof(SampleRow));
 }
 
 }  // namespace certkv::backend::cuda

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "backend/cuda/device_matmul.h"
@@ -58,7 +59,8 @@ class DeviceForward {
 
   // Runs every layer over the step's rows (tokens checked already: plan_step), calling attention
   // once per layer, then writes the logits the items ask for (BatchItem::last_logits,
-  // all_logits). Returns after the logits are on the host. Throws certkv::Error for a failed
+  // all_logits) and the tokens they draw (BatchItem::token, sampled on the device:
+  // backend/cuda/sample_kernels.h). Returns after the logits and tokens are on the host. Throws certkv::Error for a failed
   // launch or copy.
   void run(const StepRows& rows, const DeviceLayerAttention& attention);
 
@@ -80,6 +82,11 @@ class DeviceForward {
   const std::vector<void*>& graphs_of(int64_t n);
   void drop_graphs();
   void multiply(const DeviceMatrix& w, const float* x, int64_t rows, float* y);
+  // Enqueues the draws of the items with a token from logits_ (an item's last row at
+  // last_logit_row[i]) and their copy into sample_host_tokens; returns the drawing items in the
+  // order of those tokens.
+  std::vector<size_t> draw_tokens(std::span<const BatchItem> items, const std::vector<int32_t>& last_logit_row);
+  int32_t* sample_host_tokens(size_t m) const;
 
   const model::Model& model_;
   bool use_graphs_ = true;
@@ -97,6 +104,10 @@ class DeviceForward {
   cache::cuda::PinnedBuffer staging_, logits_host_;
   cache::cuda::DeviceBuffer tokens_, angles_, x_, xn_, qkv_, q_, k_, v_, attn_, proj_, gate_up_, act_, logit_index_,
       logit_x_, logits_;
+  // Sampling: the rows (page-locked, then the drawn tokens after them) and their device copies,
+  // the drawn tokens, the sort's workspace.
+  cache::cuda::PinnedBuffer sample_host_;
+  cache::cuda::DeviceBuffer sample_rows_, sampled_, sample_workspace_;
 };
 
 }  // namespace certkv::backend::cuda

@@ -1,5 +1,5 @@
 // The device forward kernels (backend/cuda/forward_kernels.h): one thread block per row for the
-// row reductions (RMSNorm, argmax), a flat grid for the elementwise operations.
+// row reductions (RMSNorm), a flat grid for the elementwise operations.
 #include "backend/cuda/forward_kernels.h"
 
 #include <cuda_runtime.h>
@@ -151,44 +151,6 @@ __global__ void embed_kernel(const int32_t* tokens, int64_t n, const uint16_t* t
   x[i] = table_lo ? hi + format::bf16_to_float(table_lo[at]) : hi;
 }
 
-// (value, index) with NaN absent: the larger value wins, then the lower index.
-struct Best {
-  float v;
-  int i;  // -1: none
-};
-
-__device__ Best better(Best a, Best b) {
-  if (a.i < 0) return b;
-  if (b.i < 0) return a;
-  if (b.v > a.v || (b.v == a.v && b.i < a.i)) return b;
-  return a;
-}
-
-__global__ void argmax_kernel(const float* logits, int n, int32_t* out) {
-  __shared__ float values[kRowThreads / 32];
-  __shared__ int indices[kRowThreads / 32];
-  const int64_t row = blockIdx.x;
-  const float* l = logits + row * n;
-  Best best{0.f, -1};
-  for (int i = threadIdx.x; i < n; i += kRowThreads)
-    if (!isnan(l[i])) best = better(best, Best{l[i], i});
-  for (int offset = 16; offset > 0; offset /= 2)
-    best = better(best, Best{__shfl_xor_sync(0xffffffffu, best.v, offset), __shfl_xor_sync(0xffffffffu, best.i, offset)});
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) {
-    values[warp] = best.v;
-    indices[warp] = best.i;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    best = lane < kRowThreads / 32 ? Best{values[lane], indices[lane]} : Best{0.f, -1};
-    for (int offset = 16; offset > 0; offset /= 2)
-      best = better(best, Best{__shfl_xor_sync(0xffffffffu, best.v, offset), __shfl_xor_sync(0xffffffffu, best.i, offset)});
-    // model::argmax scans from index 0: a NaN there is never beaten; nothing else present gives 0.
-    if (lane == 0) out[row] = isnan(l[0]) || best.i < 0 ? 0 : best.i;
-  }
-}
-
 }  // namespace
 
 CudaStatus rms_norm_rows(const float* x, int64_t rows, int n, const float* w, float eps, float* y, void* stream) {
@@ -301,14 +263,6 @@ CudaStatus scatter_rows(const float* src, const int32_t* index, int64_t n, int w
   scatter_kernel<<<flat_blocks(n * width), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(src, index, n * width,
                                                                                                  width, dst);
   return launched("scatter_rows");
-}
-
-CudaStatus argmax_rows(const float* logits, int64_t rows, int n, int32_t* out, void* stream) {
-  if (rows < 0 || n < 1) return refuse("argmax_rows", "needs rows >= 0 and n >= 1");
-  if (!logits || !out) return refuse("argmax_rows", "null logits or output");
-  if (rows == 0) return {};
-  argmax_kernel<<<unsigned(rows), kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(logits, n, out);
-  return launched("argmax_rows");
 }
 
 }  // namespace certkv::backend::cuda

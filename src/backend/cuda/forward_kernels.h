@@ -8,7 +8,7 @@
 //  - rope_rows: the host's arithmetic (x0 c - x1 s, x0 s + x1 c) with the host's cos / sin
 //    tables (the caller uploads them: the model's frequencies stay in one place);
 //  - swiglu_rows: g / (1 + e^-g) * u with the device's expf (a few ulps from the host's exp);
-//  - split_bf16_rows, sum_split_products, argmax_rows, add_rows, add_bias_rows, embed_rows, gather_rows, scatter_rows: exact (the same bits as the host).
+//  - split_bf16_rows, sum_split_products, add_rows, add_bias_rows, embed_rows, gather_rows, scatter_rows: exact (the same bits as the host).
 // Pointers are device pointers; every launch goes to `stream` (a cudaStream_t; null: the default
 // stream) and returns at once. Bad shapes or null pointers are refused with kInvalidArgument
 // before any launch. Host code only includes this header (the kernels' translation unit is C++17).
@@ -71,9 +71,5 @@ CudaStatus split_bf16_rows(const float* x, int64_t rows, int width, uint16_t* hi
 // y[r][o] = (t[r][o] + t[rows + r][o]) + u[r][o], r < rows, o < width: the three partial products
 // of a split weight product (W_hi x_hi, W_hi x_lo, W_lo x_hi) summed in that order.
 CudaStatus sum_split_products(const float* t, const float* u, int64_t rows, int width, float* y, void* stream);
-
-// out[r] = the first index of the largest of logits[r][0 .. n), as model::argmax (NaN never wins
-// over an earlier value).
-CudaStatus argmax_rows(const float* logits, int64_t rows, int n, int32_t* out, void* stream);
 
 }  // namespace certkv::backend::cuda

@@ -1,5 +1,6 @@
 // The device forward kernels and the device weight product against their host references
-// (backend/forward_ops.h, model::argmax, format::float_to_bf16, device_matmul_ref), on ragged row
+// (backend/forward_ops.h, model::argmax, model::sample_token, format::float_to_bf16,
+// device_matmul_ref), on ragged row
 // counts; their refusals of bad shapes run anywhere, the device cases skip without a device.
 #include <gtest/gtest.h>
 
@@ -11,6 +12,7 @@
 
 #include "backend/cuda/device_matmul.h"
 #include "backend/cuda/forward_kernels.h"
+#include "backend/cuda/sample_kernels.h"
 #include "backend/forward_ops.h"
 #include "core/cuda_test_support.h"
 #include "format/ggml_blocks.h"
@@ -280,6 +282,113 @@ TEST(ForwardKernels, ArgmaxIsTheHostsFirstLargest) {
                   .ok);
   const std::vector<int32_t> got = run_and_read<int32_t>(dout, rows.size());
   for (size_t r = 0; r < rows.size(); ++r) EXPECT_EQ(got[r], model::argmax(rows[r].data(), n)) << "row " << r;
+}
+
+// Draws rows of `logits` ([*][n]) on the device for `params` (one SampleRow each, logit rows
+// given), greedy rows first as sample_rows wants them; returns the tokens in params' order.
+std::vector<int32_t> device_draws(const std::vector<float>& logits, int n, const std::vector<SampleRow>& params) {
+  std::vector<size_t> order;
+  for (int greedy = 1; greedy >= 0; --greedy)
+    for (size_t j = 0; j < params.size(); ++j)
+      if ((params[j].temperature == 0.f) == bool(greedy)) order.push_back(j);
+  std::vector<SampleRow> rows;
+  int n_greedy = 0;
+  for (size_t j : order) {
+    rows.push_back(params[j]);
+    n_greedy += params[j].temperature == 0.f;
+  }
+  const int m = int(rows.size());
+  const size_t ws = sample_rows_workspace_bytes(m - n_greedy, n);
+  DeviceBytes dl(logits.size() * 4), dr(rows.size() * sizeof(SampleRow)), dt(rows.size() * 4), dw(std::max<size_t>(ws, 1));
+  dl.upload(logits.data(), logits.size() * 4);
+  dr.upload(rows.data(), rows.size() * sizeof(SampleRow));
+  const CudaStatus st = sample_rows(reinterpret_cast<float*>(dl.data()), n, reinterpret_cast<SampleRow*>(dr.data()), m,
+                                    n_greedy, reinterpret_cast<int32_t*>(dt.data()), dw.data(), ws, nullptr);
+  EXPECT_TRUE(st.ok) << st.message;
+  const std::vector<int32_t> got = run_and_read<int32_t>(dt, rows.size());
+  std::vector<int32_t> out(params.size());
+  for (size_t k = 0; k < order.size(); ++k) out[order[k]] = got[k];
+  return out;
+}
+
+model::SamplerParams host_params(const SampleRow& r) {
+  model::SamplerParams p;
+  p.temperature = r.temperature;
+  p.top_k = r.top_k;
+  p.top_p = r.top_p;
+  return p;
+}
+
+// Every draw equals model::sample_token's from the same logits and uniform: ragged vocabularies
+// (up to Qwen2.5's 151,936), temperatures, top-k and top-p cuts, greedy rows mixed in.
+TEST(SampleKernels, DrawTheHostsTokensFromTheSameLogits) {
+  CERTKV_NEED_CUDA_DEVICE();
+  for (const int n : {7, 1000, 49152, 151936}) {
+    std::vector<float> logits;
+    std::vector<SampleRow> params;
+    std::mt19937_64 rng(uint64_t(n));
+    std::uniform_real_distribution<double> unit(0.0, 1.0);
+    int row = 0;
+    for (const float t : {0.f, 0.3f, 1.f, 2.5f})
+      for (const int k : {0, 1, 5, 40})
+        for (const float p : {1.f, 0.9f, 0.3f}) {
+          const std::vector<float> l = normal_values(size_t(n), 4.f, uint32_t(n + row));
+          logits.insert(logits.end(), l.begin(), l.end());
+          params.push_back(SampleRow{row++, k, t, p, unit(rng)});
+        }
+    const std::vector<int32_t> got = device_draws(logits, n, params);
+    for (size_t j = 0; j < params.size(); ++j) {
+      const SampleRow& r = params[j];
+      EXPECT_EQ(got[j], model::sample_token(&logits[size_t(r.logit_row) * size_t(n)], n, host_params(r), r.u))
+          << "n " << n << " T " << r.temperature << " top_k " << r.top_k << " top_p " << r.top_p << " u " << r.u;
+    }
+  }
+}
+
+// The order of equal keys (lower id first), -0 equal to +0, NaN logits as -inf, and uniforms at
+// the ends of [0, 1): the same tokens as the host.
+TEST(SampleKernels, TiesZerosAndNansAsTheHost) {
+  CERTKV_NEED_CUDA_DEVICE();
+  const int n = 3000;
+  std::vector<float> ties(size_t(n), -5.f);
+  for (int i : {2999, 17, 1500, 3}) ties[size_t(i)] = 1.f;  // four equal maxima
+  std::vector<float> zeros(size_t(n), -30.f);
+  zeros[10] = -0.f;
+  zeros[5] = 0.f;
+  zeros[2000] = -0.f;
+  std::vector<float> nans = normal_values(size_t(n), 2.f, 5);
+  for (int i = 0; i < n; i += 7) nans[size_t(i)] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> logits;
+  for (const auto* l : {&ties, &zeros, &nans}) logits.insert(logits.end(), l->begin(), l->end());
+  std::vector<SampleRow> params;
+  for (int row = 0; row < 3; ++row)
+    for (const double u : {0.0, 0.1, 0.26, 0.49, 0.51, 0.74, 0.76, 0.999, 1.0 - 0x1.0p-53})
+      for (const int k : {0, 2})
+        params.push_back(SampleRow{row, k, 1.f, 1.f, u});
+  params.push_back(SampleRow{2, 0, 0.f, 1.f, 0.5});  // greedy over NaNs
+  const std::vector<int32_t> got = device_draws(logits, n, params);
+  for (size_t j = 0; j < params.size(); ++j) {
+    const SampleRow& r = params[j];
+    const int32_t want = model::sample_token(&logits[size_t(r.logit_row) * size_t(n)], n, host_params(r), r.u);
+    EXPECT_EQ(got[j], want) << "row " << r.logit_row << " top_k " << r.top_k << " u " << r.u;
+    if (r.logit_row == 2) EXPECT_NE(got[j] % 7, 0) << "a NaN logit was drawn";
+  }
+}
+
+TEST(SampleKernels, RefusesBadCountsAndASmallWorkspace) {
+  float* p = reinterpret_cast<float*>(uintptr_t(256));
+  SampleRow* rows = reinterpret_cast<SampleRow*>(uintptr_t(512));
+  int32_t* t = reinterpret_cast<int32_t*>(uintptr_t(768));
+  EXPECT_EQ(sample_rows(p, 0, rows, 1, 1, t, nullptr, 0, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(sample_rows(p, 10, rows, 2, 3, t, nullptr, 0, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(sample_rows(p, 10, nullptr, 2, 1, t, nullptr, 0, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(sample_rows(p, 151936, rows, 20000, 0, t, nullptr, 0, nullptr).code, StatusCode::kInvalidArgument);
+  // One row with a temperature needs its keys and the sort's storage.
+  EXPECT_GT(sample_rows_workspace_bytes(1, 10), size_t(0));
+  EXPECT_EQ(sample_rows(p, 10, rows, 2, 1, t, p, sample_rows_workspace_bytes(1, 10) - 1, nullptr).code,
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(sample_rows_workspace_bytes(0, 10), size_t(0));
+  EXPECT_TRUE(sample_rows(p, 10, rows, 0, 0, t, nullptr, 0, nullptr).ok);  // nothing to do
 }
 
 TEST(DeviceMatmul, MatchesTheDoubleReferenceOnRaggedRows) {
