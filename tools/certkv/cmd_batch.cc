@@ -81,6 +81,7 @@ Line parse_line(const certkv::Model& model, const std::string& text, int line_no
     if (j.contains("top_p")) line.params.sampler.top_p = j.at("top_p").get<float>();
     if (j.contains("top_k")) line.params.sampler.top_k = j.at("top_k").get<int32_t>();
     if (j.contains("seed")) line.params.sampler.seed = j.at("seed").get<uint64_t>();
+    if (j.contains("ignore_eos")) line.params.ignore_end = j.at("ignore_eos").get<bool>() ? 1 : 0;
     if (j.contains("stop")) {
       const json& s = j.at("stop");
       if (s.is_string()) line.stop.push_back(s.get<std::string>());

@@ -136,9 +136,9 @@ constexpr const char* kRunDescription =
 
 constexpr const char* kBatchDescription =
     "Runs every request of F (one JSON object per line: \"prompt\" or \"messages\", optional\n"
-    "\"max_tokens\", \"temperature\", \"top_p\", \"top_k\", \"seed\", \"stop\", \"id\") through the engine:\n"
-    "up to N sequences decode together over one KV pool, prompts are prefilled in chunks\n"
-    "between their steps, and whole prompt blocks are shared between requests that begin alike.\n"
+    "\"max_tokens\", \"temperature\", \"top_p\", \"top_k\", \"seed\", \"stop\", \"ignore_eos\", \"id\") through\n"
+    "the engine: up to N sequences decode together over one KV pool, prompts are prefilled in\n"
+    "chunks between their steps, and whole prompt blocks are shared between requests that begin alike.\n"
     "Prints one JSON line per request (id, text, tokens, ttft_ms, the certificate) in input\n"
     "order, then a summary line with \"summary\": true.\n";
 
