@@ -164,16 +164,16 @@ struct BatchItem {
   int64_t n = 0;
   float* last_logits = nullptr;     // [n_vocab] of the last token, or null
   float* all_logits = nullptr;      // [n][n_vocab], or null
+  // The last chunk of a prefill, or a decode step: the sparse tier's key index is updated after
+  // it (the first one builds the index from the whole prefill).
+  bool end_of_input = true;
   // Sampling in the step: with `token` set, the backend draws the next token from the last row's
   // logits, model::sample_token(logits, sampling, sample_uniform(sampling.seed, draw)), and writes
   // it there, whether or not last_logits is set (the CUDA backend samples on the device and
   // brings back only the token).
   int32_t* token = nullptr;
-  model::SamplerParams sampling;  // checked (model::check_sampler_params) when token is set
+  model::SamplerParams sampling{};  // checked (model::check_sampler_params) when token is set
   uint64_t draw = 0;
-  // The last chunk of a prefill, or a decode step: the sparse tier's key index is updated after
-  // it (the first one builds the index from the whole prefill).
-  bool end_of_input = true;
 };
 
 // What one sequence's attention measured since it began: the meter over its decode steps, the
