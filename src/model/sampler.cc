@@ -71,11 +71,14 @@ int32_t sample_token(const float* logits, int32_t n_vocab, const SamplerParams& 
   }
   const double r = u * kept;
   double cumulative = 0;
+  size_t last_positive = 0;
   for (size_t i = 0; i < keep; ++i) {
-    cumulative += std::exp(double(candidates[i].first - max_x));
+    const double w = std::exp(double(candidates[i].first - max_x));
+    cumulative += w;
     if (cumulative > r) return candidates[i].second;
+    if (w > 0) last_positive = i;
   }
-  return candidates[keep - 1].second;
+  return candidates[last_positive].second;
 }
 
 Sampler::Sampler(const SamplerParams& params) : params_(params) { check_sampler_params(params); }

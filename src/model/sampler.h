@@ -9,8 +9,8 @@
 //   descending, lower id first on equal x; the first top_k of them when top_k > 0; w_i = exp(double(x_i -
 //   x_0)) (float subtraction, double exp); with top_p < 1 the shortest prefix whose cumulative
 //   mass sum w / W reaches top_p (W the sum over the candidates); then r = u * (sum of the kept
-//   w) and the first kept candidate whose cumulative w exceeds r (the last kept one if none:
-//   rounding).
+//   w) and the first kept candidate whose cumulative w exceeds r; if none does (rounding), the
+//   last kept candidate whose w is positive (the first candidate if none is: NaN weights).
 // Thread safety: sample_uniform and sample_token are pure; a Sampler is used by one thread at a
 // time.
 #pragma once

@@ -84,6 +84,11 @@ TEST(Sampler, NanLogitsAreNeverDrawn) {
     const int32_t t = sample_token(logits, 5, with(1.5f), sample_uniform(3, uint64_t(i)));
     EXPECT_TRUE(t == 1 || t == 3) << t;
   }
+  // Past the last boundary (u at its largest): the last candidate of positive weight, not a NaN.
+  EXPECT_EQ(sample_token(logits, 5, with(1.5f), 1.0 - 0x1.0p-53), 1);
+  // No positive weight at all: the first candidate.
+  const float all_nan[3] = {nan, nan, nan};
+  EXPECT_EQ(sample_token(all_nan, 3, with(1.f), 0.5), 0);
 }
 
 // A seeded stream's frequencies against softmax(logits / T) within top-k and top-p: Pearson's

@@ -191,7 +191,25 @@ __global__ void select_kernel(const float* keys_sorted, const int32_t* ids_sorte
     }
   }
   const Found pick = walk(keys, keep, key0, Exceeds{r.u * kept}, shared, nullptr);
-  if (threadIdx.x == 0) tokens[j] = ids[pick.index >= 0 ? pick.index : keep - 1];
+  if (threadIdx.x != 0) return;
+  if (pick.index >= 0) {
+    tokens[j] = ids[pick.index];
+    return;
+  }
+  // No cumulative weight exceeded r (rounding): the last kept candidate of positive weight, found
+  // by bisection (w falls along the sorted keys), else the first.
+  int lo = 0, hi = keep;  // the answer lies in [lo - 1, hi): w positive before lo, not from hi on
+  if (!(exp(double(keys[0] - key0)) > 0.0)) {
+    tokens[j] = ids[0];
+    return;
+  }
+  lo = 1;
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (exp(double(keys[mid] - key0)) > 0.0) lo = mid + 1;
+    else hi = mid;
+  }
+  tokens[j] = ids[lo - 1];
 }
 
 struct Workspace {

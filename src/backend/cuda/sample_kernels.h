@@ -5,7 +5,8 @@
 // equal keys keep the lower id first, then one thread block per row sums exp(x - x_0) in double
 // over the kept candidates in chunks, finds the nucleus cut and the draw. The sums are those of
 // the host's definition in another order: a draw whose uniform lies within rounding (about 1e-15
-// of the row's mass) of a boundary between two candidates may take the neighbour.
+// of the row's mass) of a boundary between two candidates may take the neighbour; past the last
+// boundary both take the last candidate of positive weight.
 // Pointers are device pointers unless said; launches go to `stream` and return at once. Host
 // code only includes this header (the kernels' translation unit is C++17).
 #pragma once
