@@ -108,7 +108,8 @@ struct Found {
 // One chunk [base, base + kSelectThreads * kSelectItems) of the walk over the candidates i < n
 // with w_i = exp(double(key_i - key_0)), in order: thread t takes kSelectItems consecutive ones;
 // the running prefix P_i = (carry + the sums of the threads before t) + the w's of t up to i is
-// tested by want(P_i). Adds the chunk's sum (the scan's aggregate) to *carry.
+// tested by want(P_i) where w_i > 0 (a candidate of weight 0 adds nothing: on the host it never
+// ends a walk). Adds the chunk's sum (the scan's aggregate) to *carry.
 template <typename Want>
 __device__ Found walk_chunk(const float* keys, int n, int64_t base, float key0, double* carry, Want want,
                             WalkShared& shared) {
@@ -127,7 +128,7 @@ __device__ Found walk_chunk(const float* keys, int n, int64_t base, float key0, 
   int mine = INT_MAX;
   for (int k = 0; k < kSelectItems && at + k < n; ++k) {
     running += w[k];
-    if (want(running)) {
+    if (w[k] > 0.0 && want(running)) {  // the running sums of two threads meet only to rounding
       mine = int(at + k);
       atomicMin(&shared.first, mine);
       break;
