@@ -110,7 +110,8 @@ int main(int argc, char** argv) {
 
     backend::BackendConfig cfg;
     cfg.device = device == "cuda" ? model::Device::kCuda : model::Device::kCpu;
-    cfg.context_tokens = max_c + steps + warmup + 16;
+    // Each batch's cell decodes the first sequences again: room for every cell's steps.
+    cfg.context_tokens = max_c + int64_t(steps + warmup) * int64_t(bs.size()) + 16;
     cfg.pool_tokens = pool_tokens > 0 ? pool_tokens : cfg.context_tokens * max_b;
     cfg.n_threads = threads;
     cfg.kv_scheme = cache::parse_kv_scheme(kv);
@@ -187,7 +188,7 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       }
     }
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {  // certkv::Error, and the corpus folder's filesystem errors
     std::fprintf(stderr, "certkv_backend_decode: %s\n", e.what());
     return 1;
   }
