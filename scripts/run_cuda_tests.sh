@@ -59,12 +59,12 @@ fi
 cmake -S "$root" -B "$root/build-cuda" -DCERTKV_CUDA=ON -DCERTKV_NATIVE=OFF -DCERTKV_BUILD_BENCH=ON \
   "-DCMAKE_CXX_FLAGS=-march=x86-64-v3" >/dev/null
 cmake --build "$root/build-cuda" -j"$(nproc)" --target certkv_attention_cuda_tests certkv_codec_cuda_tests certkv_cache_cuda_tests certkv_backend_cuda_tests \
-  certkv_device_e2e_tests certkv_cuda_decode_bench certkv_backend_decode certkv_cli
+  certkv_device_e2e_tests certkv_cuda_decode_bench certkv_cuda_matmul_bench certkv_backend_decode certkv_cli
 mkdir -p "$root/.devbin"
 cp "$root/build-cuda/src/attention/certkv_attention_cuda_tests" "$root/build-cuda/src/codec/certkv_codec_cuda_tests" \
   "$root/build-cuda/src/cache/certkv_cache_cuda_tests" "$root/build-cuda/src/backend/certkv_backend_cuda_tests" \
   "$root/build-cuda/tests/certkv_device_e2e_tests" "$root/build-cuda/bench/certkv_cuda_decode_bench" \
-  "$root/build-cuda/bench/certkv_backend_decode" \
+  "$root/build-cuda/bench/certkv_backend_decode" "$root/build-cuda/bench/certkv_cuda_matmul_bench" \
   "$root/build-cuda/tools/certkv/certkv" "$root/.devbin/"
 grep -qx '/.devbin/' "$root/.git/info/exclude" 2>/dev/null || echo '/.devbin/' >> "$root/.git/info/exclude"
 echo "built .devbin/; on the GPU machine (carry .devbin): bash scripts/run_cuda_tests.sh --run"

@@ -80,7 +80,7 @@ std::unique_ptr<DeviceForward> DeviceForward::create(const model::Model& model, 
   cudaStream_t stream = nullptr;
   if (cudaStreamCreate(&stream) != cudaSuccess) fail(StatusCode::kInternal, "the device forward's stream could not be made");
   f->stream_ = stream;
-  throw_if_failed(DeviceMatmul::create(stream, &f->matmul_));
+  throw_if_failed(DeviceMatmul::create(stream, &f->matmul_, ProductKernel::kPinned));
   const ModelConfig& c = model.config();
   f->layers_.resize(size_t(c.n_layers));
   for (int l = 0; l < c.n_layers; ++l) {
@@ -102,11 +102,22 @@ std::unique_ptr<DeviceForward> DeviceForward::create(const model::Model& model, 
   f->output_ = upload(model.output());
   if (model.output().data != model.token_embedding().data) f->embedding_ = upload(model.token_embedding());
   f->output_norm_ = upload_floats(model.output_norm());
-  // The products' scratch for every shape at once: it never moves, so captured segments stay valid.
-  const int64_t widest_in = std::max<int64_t>({c.dim, int64_t(c.n_heads) * c.head_dim, c.ffn_dim});
-  const int64_t widest_out = std::max<int64_t>(
-      {int64_t(c.n_heads + 2 * c.n_kv_heads) * c.head_dim, 2 * int64_t(c.ffn_dim), c.dim, c.n_vocab});
-  throw_if_failed(f->matmul_->reserve(widest_in, widest_out));
+  // Every product's shape reserved now (its algorithm pinned, the scratch grown to the widest):
+  // the scratch never moves afterwards, so captured segments stay valid. Where cuBLASLt cannot pin
+  // a shape, every product takes the heuristic kernel in its short chunks instead.
+  std::vector<const DeviceMatrix*> shapes = {&f->output_};
+  for (const Layer& d : f->layers_)
+    for (const DeviceMatrix* m : {&d.wqkv, &d.wo, &d.w_gate_up, &d.w_down}) shapes.push_back(m);
+  auto reserve_all = [&]() -> CudaStatus {
+    for (const DeviceMatrix* m : shapes)
+      if (CudaStatus s = f->matmul_->reserve(m->n_in, m->n_out); !s.ok) return s;
+    return {};
+  };
+  if (const CudaStatus s = reserve_all(); !s.ok) {
+    std::fprintf(stderr, "certkv: the device forward's products take cuBLAS's heuristic kernel: %s\n", s.message.c_str());
+    throw_if_failed(DeviceMatmul::create(stream, &f->matmul_, ProductKernel::kHeuristic));
+    throw_if_failed(reserve_all());
+  }
   f->weight_bytes_ = need;
   return f;
 }

@@ -8,12 +8,16 @@
 // W_lo x_lo and the lows' own rounding, are about 2^-16 of |W| |x| per product: the products are
 // fp32-accurate, where a plain bf16 product (each operand rounded to 8 bits) moved SmolLM2's
 // logits by a KL of up to 4e-3 against the CPU's f32 activations (docs/cuda.md).
-// Batch invariance: cuBLAS picks its kernel per shape, and another kernel sums a row's products
-// in another order. On the H200 with CUDA 13.0 a product's rows kept their bits from 1 to 64 rows
-// on every shape tested, but not at 512 (Qwen2.5-0.5B's 4,864 -> 896 down projection): products
-// run in chunks of at most kProductRows rows, so a row's result never depends on the step's row
-// count past that (DeviceMatmul.ARowsProductDoesNotDependOnTheRowCount checks every count from 1
-// to 64, and 100 and 512, on SmolLM2's and Qwen2.5-0.5B's shapes).
+// Batch invariance: cublasGemmEx picks its kernel per shape, and another kernel sums a row's
+// products in another order (on the H200 with CUDA 13.0 rows kept their bits from 1 to 64 rows,
+// not at 512). The forward pass therefore pins one cuBLASLt algorithm per weight shape
+// (ProductKernel::kPinned: chosen once, split-K off) and runs every row count through it, so a
+// row's sums never depend on the rows beside it, by construction; the test is
+// DeviceMatmul.APinnedRowsProductDoesNotDependOnTheRowCount (every count from 1 to 80, and up to
+// two chunks and a row). Pinned at 64 rows, its products take as long as the heuristic's at 1 to
+// 64 rows and 3-8x less at 1,024 rows on Qwen2.5-0.5B's shapes (bench/cuda/matmul_bench.cc,
+// docs/bench/h200_device_matmul_*.jsonl). The heuristic kernel, in chunks of kProductRows
+// rows, remains for a cuBLASLt that cannot pin a shape.
 // Reference: device_matmul_ref (the float weights and activations, sums in double).
 // Thread safety: one owner; launches go to the stream given at create.
 #pragma once
@@ -47,13 +51,24 @@ CudaStatus upload_matrix(const model::WeightMatrix& w, DeviceMatrix* out);
 // that share their input (q, k, v; gate, up) in one. kInvalidArgument for differing n_in.
 CudaStatus upload_stacked(const std::vector<const model::WeightMatrix*>& ws, DeviceMatrix* out);
 
-// The most rows one product runs at once.
+// The most rows one product runs at once (ProductKernel::kHeuristic).
 inline constexpr int64_t kProductRows = 64;
+// The most rows one product runs at once with ProductKernel::kPinned.
+inline constexpr int64_t kPinnedProductRows = 2048;
+
+// How the three bf16 products run:
+//  - kHeuristic: cublasGemmEx, whose kernel cuBLAS picks per shape, in chunks of kProductRows rows
+//    (rows kept their bits up to 64 on the H200, not at 512);
+//  - kPinned: cublasLt with one algorithm per weight shape, chosen once (from cuBLASLt's
+//    heuristic at pin_rows rows, split-K off) and used for every row count, in chunks of
+//    kPinnedProductRows: a row's sums run through the same kernel whatever the rows beside it.
+enum class ProductKernel : uint8_t { kHeuristic = 0, kPinned = 1 };
 
 class DeviceMatmul {
  public:
   // kInternal when cuBLAS cannot start (its status named).
-  static CudaStatus create(void* stream, std::unique_ptr<DeviceMatmul>* out);
+  static CudaStatus create(void* stream, std::unique_ptr<DeviceMatmul>* out,
+                           ProductKernel kernel = ProductKernel::kHeuristic, int64_t pin_rows = 64);
   ~DeviceMatmul();
   DeviceMatmul(const DeviceMatmul&) = delete;
   DeviceMatmul& operator=(const DeviceMatmul&) = delete;
@@ -62,19 +77,33 @@ class DeviceMatmul {
   // x). Enqueued on the stream; its scratch grows to the largest product. kInvalidArgument for
   // null pointers or rows < 0.
   CudaStatus multiply(const DeviceMatrix& w, const float* x, int64_t rows, float* y);
-  // Grows the scratch to products of n_in inputs and n_out outputs now (chunks of kProductRows
-  // rows), so that multiply() allocates nothing (and can be captured in a CUDA graph).
+  // Grows the scratch to products of n_in inputs and n_out outputs now (whole chunks), and pins
+  // the shape's algorithm (kPinned), so that multiply() allocates nothing (and can be captured in
+  // a CUDA graph). kInternal (kPinned) when cuBLASLt offers no algorithm for the shape that runs
+  // every row count without split-K.
   CudaStatus reserve(int64_t n_in, int64_t n_out);
+  ProductKernel kernel() const { return kernel_; }
+  int64_t chunk_rows() const { return kernel_ == ProductKernel::kPinned ? kPinnedProductRows : kProductRows; }
   // Counts the scratch's moves: graphs captured before a move are stale.
   uint64_t scratch_generation() const { return generation_; }
 
  private:
   DeviceMatmul() = default;
   // Floats from the scratch's start to the third product's output (256-byte aligned).
-  static int64_t lo_product_offset(int64_t n_out);
+  int64_t lo_product_offset(int64_t n_out) const;
   CudaStatus gemm(const uint16_t* w, int64_t n_in, int64_t n_out, const uint16_t* x, int64_t rows, float* y);
-  void* handle_ = nullptr;  // cublasHandle_t
+  CudaStatus pin(int64_t n_in, int64_t n_out);
+  struct Pinned {
+    int64_t n_in = 0, n_out = 0;
+    uint64_t algo[8] = {};  // cublasLtMatmulAlgo_t
+  };
+  const Pinned* pinned(int64_t n_in, int64_t n_out) const;
+  void* handle_ = nullptr;     // cublasHandle_t
+  void* lt_handle_ = nullptr;  // cublasLtHandle_t (kPinned)
   void* stream_ = nullptr;
+  ProductKernel kernel_ = ProductKernel::kHeuristic;
+  int64_t pin_rows_ = 64;
+  std::vector<Pinned> pinned_;
   cache::cuda::DeviceBuffer split_, partial_;  // the activations' terms; the three products
   cache::cuda::DeviceBuffer workspace_;        // cuBLAS's, set once (no allocation in a capture)
   uint64_t generation_ = 0;

@@ -465,6 +465,51 @@ TEST(DeviceMatmul, ARowsProductDoesNotDependOnTheRowCount) {
   }
 }
 
+// The pinned kernel: one cuBLASLt algorithm per shape for every row count, so a row keeps its
+// bits from 1 row to several chunks of kPinnedProductRows.
+TEST(DeviceMatmul, APinnedRowsProductDoesNotDependOnTheRowCount) {
+  CERTKV_NEED_CUDA_DEVICE();
+  std::unique_ptr<DeviceMatmul> mm;
+  ASSERT_TRUE(DeviceMatmul::create(nullptr, &mm, ProductKernel::kPinned).ok);
+  for (const auto& [n_in, n_out] : {std::pair<int64_t, int64_t>{576, 576}, {576, 3072}, {1536, 576}, {576, 49152},
+                                    {896, 1152}, {896, 9728}, {4864, 896}}) {
+    const std::vector<float> wf = normal_values(size_t(n_in * n_out), 0.05f, 53);
+    const model::WeightMatrix w = f32_matrix(wf, n_in, n_out);
+    DeviceMatrix dm;
+    ASSERT_TRUE(upload_matrix(w, &dm).ok);
+    const CudaStatus pinned = mm->reserve(n_in, n_out);
+    ASSERT_TRUE(pinned.ok) << pinned.message;
+    const int64_t max_rows = 2 * kPinnedProductRows + 1;
+    const std::vector<float> x = normal_values(size_t(max_rows * n_in), 1.f, 54);
+    DeviceBytes dx(x.size() * 4), dy(size_t(max_rows * n_out) * 4);
+    dx.upload(x.data(), x.size() * 4);
+    std::vector<float> alone;
+    std::vector<int64_t> counts;
+    for (int64_t rows = 1; rows <= 80; ++rows) counts.push_back(rows);
+    for (const int64_t rows : {int64_t(100), int64_t(512), int64_t(1000), kPinnedProductRows, kPinnedProductRows + 1,
+                               max_rows})
+      counts.push_back(rows);
+    for (const int64_t rows : counts) {
+      ASSERT_TRUE(mm->multiply(dm, reinterpret_cast<float*>(dx.data()), rows, reinterpret_cast<float*>(dy.data())).ok);
+      const std::vector<float> y = run_and_read<float>(dy, size_t(n_out));  // row 0
+      if (alone.empty()) alone = y;
+      EXPECT_TRUE(std::equal(y.begin(), y.end(), alone.begin()))
+          << n_in << " -> " << n_out << ": row 0 among " << rows << " rows differs from row 0 alone";
+    }
+    // Within the same bound as the heuristic kernel's products (MatchesTheDoubleReference...).
+    std::vector<double> ref(static_cast<size_t>(n_out));
+    device_matmul_ref(wf.data(), n_in, n_out, x.data(), 1, ref.data());
+    for (int64_t o = 0; o < n_out; ++o) {
+      double magnitude = 0;
+      for (int64_t i = 0; i < n_in; ++i) magnitude += std::fabs(double(x[size_t(i)]) * double(wf[size_t(o * n_in + i)]));
+      ASSERT_LE(std::fabs(double(alone[size_t(o)]) - ref[size_t(o)]),
+                magnitude * (3 * std::ldexp(1.0, -18) + 3 * double(n_in) * std::ldexp(1.0, -22)))
+          << n_in << " -> " << n_out << " output " << o;
+    }
+  }
+  EXPECT_EQ(DeviceMatmul::create(nullptr, &mm, ProductKernel::kPinned, 0).code, StatusCode::kInvalidArgument);
+}
+
 TEST(ForwardKernels, RefuseBadShapesBeforeAnyLaunch) {
   float* p = reinterpret_cast<float*>(uintptr_t(256));  // never dereferenced: refused first
   uint16_t* b = reinterpret_cast<uint16_t*>(uintptr_t(256));
