@@ -24,6 +24,7 @@ What is measured (client clock, time.perf_counter):
 import argparse
 import http.client
 import json
+import os
 import math
 import socket
 import subprocess
@@ -197,6 +198,13 @@ class Server:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+
+
+def process_cpu_seconds(pid):
+    """User plus system CPU seconds a process has used so far (/proc/PID/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_times():
