@@ -66,7 +66,7 @@ uint64_t device_weight_bytes(const model::Model& model) {
   return bytes;
 }
 
-std::unique_ptr<DeviceForward> DeviceForward::create(const model::Model& model, bool graphs) {
+std::unique_ptr<DeviceForward> DeviceForward::create(const model::Model& model, bool graphs, bool fused) {
   const uint64_t need = device_weight_bytes(model);
   size_t free_bytes = 0, total_bytes = 0;
   if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess)
@@ -76,7 +76,7 @@ std::unique_ptr<DeviceForward> DeviceForward::create(const model::Model& model, 
                                        " MiB on the device (two bf16 terms a weight), and the device has " +
                                        std::to_string(free_bytes >> 20) + " MiB free of " +
                                        std::to_string(total_bytes >> 20));
-  std::unique_ptr<DeviceForward> f(new DeviceForward(model, graphs));
+  std::unique_ptr<DeviceForward> f(new DeviceForward(model, graphs, fused));
   cudaStream_t stream = nullptr;
   if (cudaStreamCreate(&stream) != cudaSuccess) fail(StatusCode::kInternal, "the device forward's stream could not be made");
   f->stream_ = stream;
@@ -184,6 +184,12 @@ void DeviceForward::segment(int l, int64_t n) {
   float* k = floats_mut(k_);
   float* v = floats_mut(v_);
   float* proj = floats_mut(proj_);
+  // Steps the pinned products take in one chunk run the fused forms (forward_kernels.h): the same
+  // bits in about 40% fewer launches.
+  if (fused_ && matmul_->kernel() == ProductKernel::kPinned && n <= kPinnedProductRows) {
+    fused_segment(l, n);
+    return;
+  }
   if (l > 0) {  // the end of layer l - 1: attention's output through W_o, then the FFN
     const Layer& w = layers_[size_t(l - 1)];
     float* gate_up = floats_mut(gate_up_);
@@ -212,6 +218,46 @@ void DeviceForward::segment(int l, int64_t n) {
     throw_if_failed(add_bias_rows(k, floats(w.bk), n, int(kv_dim), stream_));
     throw_if_failed(add_bias_rows(v, floats(w.bv), n, int(kv_dim), stream_));
   }
+  if (c.qk_norm) {  // each head a row
+    throw_if_failed(rms_norm_rows(q, n * c.n_heads, hd, floats(w.q_norm), eps, q, stream_));
+    throw_if_failed(rms_norm_rows(k, n * c.n_kv_heads, hd, floats(w.k_norm), eps, k, stream_));
+  }
+  throw_if_failed(rope_rows(q, n, c.n_heads, hd, half_split, dcos, dsin, stream_));
+  throw_if_failed(rope_rows(k, n, c.n_kv_heads, hd, half_split, dcos, dsin, stream_));
+}
+
+void DeviceForward::fused_segment(int l, int64_t n) {
+  const ModelConfig& c = model_.config();
+  const int hd = c.head_dim, half = hd / 2;
+  const int64_t q_dim = int64_t(c.n_heads) * hd, kv_dim = int64_t(c.n_kv_heads) * hd;
+  const float eps = c.rms_eps;
+  float* x = floats_mut(x_);
+  float* q = floats_mut(q_);
+  float* k = floats_mut(k_);
+  float* v = floats_mut(v_);
+  uint16_t* terms = matmul_->input_terms();
+  const float *t = nullptr, *u = nullptr;
+  if (l > 0) {  // the end of layer l - 1: W_o and the residual, then the FFN
+    const Layer& w = layers_[size_t(l - 1)];
+    throw_if_failed(split_bf16_rows(floats(attn_), n, int(q_dim), terms, stream_));
+    throw_if_failed(matmul_->products(w.wo, terms, n, &t, &u));
+    throw_if_failed(sum_split_add_rows(t, u, n, c.dim, x, stream_));
+    throw_if_failed(rms_norm_split_rows(x, n, c.dim, floats(w.ffn_norm), eps, terms, stream_));
+    throw_if_failed(matmul_->products(w.w_gate_up, terms, n, &t, &u));
+    throw_if_failed(sum_split_swiglu_split_rows(t, u, n, c.ffn_dim, terms, stream_));
+    throw_if_failed(matmul_->products(w.w_down, terms, n, &t, &u));
+    throw_if_failed(sum_split_add_rows(t, u, n, c.dim, x, stream_));
+  }
+  if (l == c.n_layers) return;
+  const Layer& w = layers_[size_t(l)];
+  const float* dcos = floats(angles_);
+  const float* dsin = dcos + n * half;
+  const bool half_split = c.rope_layout == model::RopeLayout::kHalfSplit;
+  throw_if_failed(rms_norm_split_rows(x, n, c.dim, floats(w.attn_norm), eps, terms, stream_));
+  throw_if_failed(matmul_->products(w.wqkv, terms, n, &t, &u));
+  throw_if_failed(sum_split_qkv_rows(t, u, n, int(q_dim), int(kv_dim), c.qkv_bias ? floats(w.bq) : nullptr,
+                                     c.qkv_bias ? floats(w.bk) : nullptr, c.qkv_bias ? floats(w.bv) : nullptr, q, k, v,
+                                     stream_));
   if (c.qk_norm) {  // each head a row
     throw_if_failed(rms_norm_rows(q, n * c.n_heads, hd, floats(w.q_norm), eps, q, stream_));
     throw_if_failed(rms_norm_rows(k, n * c.n_kv_heads, hd, floats(w.k_norm), eps, k, stream_));

@@ -52,7 +52,10 @@ class DeviceForward {
   // Uploads the model's weights. Throws certkv::Error: kUnsupported for a weight type the
   // dequantizer does not read; kOutOfMemory, before any upload, when the device's free memory
   // cannot hold device_weight_bytes(model) (both sizes named).
-  static std::unique_ptr<DeviceForward> create(const model::Model& model, bool graphs = true);
+  // fused: the fused kernels where they apply (forward_kernels.h; steps of at most
+  // kPinnedProductRows rows on the pinned products); false runs the unfused kernels everywhere,
+  // what the fused must equal bit for bit (DeviceForward's test).
+  static std::unique_ptr<DeviceForward> create(const model::Model& model, bool graphs = true, bool fused = true);
   ~DeviceForward();
   DeviceForward(const DeviceForward&) = delete;
   DeviceForward& operator=(const DeviceForward&) = delete;
@@ -73,11 +76,14 @@ class DeviceForward {
     DeviceMatrix wqkv, wo, w_gate_up, w_down;  // q, k, v stacked; gate, up stacked
     cache::cuda::DeviceBuffer attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm;
   };
-  DeviceForward(const model::Model& model, bool graphs) : model_(model), use_graphs_(graphs) {}
+  DeviceForward(const model::Model& model, bool graphs, bool fused) : model_(model), use_graphs_(graphs), fused_(fused) {}
   void ensure_buffers(int64_t rows, int64_t logit_rows);
   // Enqueues segment l of a step of n rows: the end of layer l - 1 (W_o, residual, the FFN) when
   // l > 0, the start of layer l (RMSNorm, q k v, RoPE) when l < n_layers.
   void segment(int l, int64_t n);
+  // segment() through the fused kernels and DeviceMatmul::products (the pinned kernel, n within
+  // one chunk).
+  void fused_segment(int l, int64_t n);
   // The captured segments of steps of n rows (captured now if missing or stale).
   const std::vector<void*>& graphs_of(int64_t n);
   void drop_graphs();
@@ -90,6 +96,7 @@ class DeviceForward {
 
   const model::Model& model_;
   bool use_graphs_ = true;
+  bool fused_ = true;
   void* stream_ = nullptr;  // cudaStream_t, owned
   std::vector<std::pair<int64_t, std::vector<void*>>> graphs_;  // per row count: cudaGraphExec_t per segment
   uint64_t graph_generation_ = 0;  // DeviceMatmul::scratch_generation() when captured

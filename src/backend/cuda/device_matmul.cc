@@ -238,6 +238,26 @@ CudaStatus DeviceMatmul::multiply(const DeviceMatrix& w, const float* x, int64_t
   return s;
 }
 
+CudaStatus DeviceMatmul::products(const DeviceMatrix& w, const uint16_t* hi_lo, int64_t rows, const float** t,
+                                  const float** u) {
+  if (kernel_ != ProductKernel::kPinned || rows < 1 || rows > kPinnedProductRows || !hi_lo || !t || !u ||
+      !w.data.data())
+    return cuda_error(StatusCode::kInvalidArgument,
+                      "device matmul: products() needs the pinned kernel, 1 to " + std::to_string(kPinnedProductRows) +
+                          " rows, the input's terms and outputs");
+  CudaStatus s = reserve(w.n_in, w.n_out);
+  if (!s.ok) return s;
+  const uint16_t* w_hi = reinterpret_cast<const uint16_t*>(w.data.data());
+  const uint16_t* w_lo = w_hi + w.n_in * w.n_out;
+  float* tt = reinterpret_cast<float*>(partial_.data());
+  float* uu = tt + lo_product_offset(w.n_out);
+  s = gemm(w_hi, w.n_in, w.n_out, hi_lo, 2 * rows, tt);
+  if (s.ok) s = gemm(w_lo, w.n_in, w.n_out, hi_lo, rows, uu);
+  *t = tt;
+  *u = uu;
+  return s;
+}
+
 CudaStatus DeviceMatmul::reserve(int64_t n_in, int64_t n_out) {
   // Room for whole chunks: the third product's output sits at a fixed offset (its alignment,
   // which cuBLAS may choose a kernel by, never depends on the chunk's rows).

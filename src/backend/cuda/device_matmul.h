@@ -82,6 +82,16 @@ class DeviceMatmul {
   // a CUDA graph). kInternal (kPinned) when cuBLASLt offers no algorithm for the shape that runs
   // every row count without split-K.
   CudaStatus reserve(int64_t n_in, int64_t n_out);
+  // The three products of an input already split in its two bf16 terms (hi_lo [2][rows][n_in],
+  // e.g. rms_norm_split_rows's), as multiply() runs them on one chunk: *t = [2][rows][n_out]
+  // (W_hi x_hi, W_hi x_lo), *u = [rows][n_out] (W_lo x_hi), in the scratch until the next product.
+  // The caller sums them (sum_split_products or a fused form): multiply()'s bits. kInvalidArgument
+  // for the heuristic kernel (whose chunks are not one product) or rows outside [1,
+  // kPinnedProductRows].
+  CudaStatus products(const DeviceMatrix& w, const uint16_t* hi_lo, int64_t rows, const float** t, const float** u);
+  // Scratch for an input's terms, [2][kPinnedProductRows][the widest n_in reserved]: what
+  // products() may read (multiply() overwrites it).
+  uint16_t* input_terms() const { return reinterpret_cast<uint16_t*>(split_.data()); }
   ProductKernel kernel() const { return kernel_; }
   int64_t chunk_rows() const { return kernel_ == ProductKernel::kPinned ? kPinnedProductRows : kProductRows; }
   // Counts the scratch's moves: graphs captured before a move are stale.

@@ -44,7 +44,30 @@ __device__ float block_sum(float v, float* shared) {
   return total;
 }
 
-__global__ void rms_norm_kernel(const float* x, int n, const float* w, float eps, float* y) {
+// The two bf16 terms of v: hi = bf16(v), lo = bf16(v - hi) (v - hi is exact in float).
+__device__ __forceinline__ void split_value(float v, uint16_t* hi, uint16_t* lo) {
+  const uint16_t h = format::float_to_bf16(v);
+  *hi = h;
+  *lo = format::float_to_bf16(v - format::bf16_to_float(h));
+}
+
+// A split product's three partial sums in their order: (W_hi x_hi + W_hi x_lo) + W_lo x_hi.
+__device__ __forceinline__ float sum_split_value(float t_hi, float t_lo, float u) { return (t_hi + t_lo) + u; }
+
+__device__ __forceinline__ float swiglu_value(float g, float up) { return g / (1.f + expf(-g)) * up; }
+
+// Where an RMSNorm row goes: floats, or the two bf16 terms of a product's input ([2][rows][n]).
+struct FloatRows {
+  float* y;
+  __device__ void put(int64_t i, float v, int64_t) const { y[i] = v; }
+};
+struct SplitRows {
+  uint16_t* hi_lo;
+  __device__ void put(int64_t i, float v, int64_t total) const { split_value(v, hi_lo + i, hi_lo + total + i); }
+};
+
+template <typename Out>
+__global__ void rms_norm_kernel(const float* x, int n, const float* w, float eps, Out out, int64_t total) {
   __shared__ float shared[kRowThreads / 32];
   const int64_t row = blockIdx.x;
   const float* xr = x + row * n;
@@ -52,7 +75,7 @@ __global__ void rms_norm_kernel(const float* x, int n, const float* w, float eps
   for (int i = threadIdx.x; i < n; i += kRowThreads) ss = fmaf(xr[i], xr[i], ss);
   const float inv = 1.f / sqrtf(block_sum(ss, shared) / float(n) + eps);
   for (int i = threadIdx.x; i < n; i += kRowThreads) {
-    y[row * n + i] = xr[i] * inv * w[i];
+    out.put(row * n + i, xr[i] * inv * w[i], total);
   }
 }
 
@@ -91,7 +114,7 @@ __global__ void swiglu_kernel(const float* gate, const float* up, int64_t n, int
   if (i >= n) return;
   const int64_t at = i / width * stride + i % width;
   const float g = gate[at];
-  out[i] = g / (1.f + expf(-g)) * up[at];
+  out[i] = swiglu_value(g, up[at]);
 }
 
 constexpr int kMaxColumnParts = 4;
@@ -115,16 +138,53 @@ __global__ void split_columns_kernel(const float* src, int64_t rows, int width, 
 __global__ void split_bf16_kernel(const float* x, int64_t n, uint16_t* hi, uint16_t* lo) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const float v = x[i];
-  const uint16_t h = format::float_to_bf16(v);
-  hi[i] = h;
-  lo[i] = format::float_to_bf16(v - format::bf16_to_float(h));
+  split_value(x[i], hi + i, lo + i);
 }
 
 __global__ void sum_split_kernel(const float* t, const float* u, int64_t n, float* y) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  y[i] = (t[i] + t[n + i]) + u[i];
+  y[i] = sum_split_value(t[i], t[n + i], u[i]);
+}
+
+__global__ void sum_split_add_kernel(const float* t, const float* u, int64_t n, float* x) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  x[i] += sum_split_value(t[i], t[n + i], u[i]);
+}
+
+// [gate | up] products of width 2 w a row, summed, through SwiGLU, split: hi_lo [2][rows][w].
+__global__ void sum_split_swiglu_split_kernel(const float* t, const float* u, int64_t rows, int w, uint16_t* hi_lo) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t n = rows * w;
+  if (i >= n) return;
+  const int64_t at = i / w * (2 * int64_t(w)) + i % w;  // the gate column; up is w further
+  const int64_t m = rows * 2 * int64_t(w);                // t's second half
+  const float g = sum_split_value(t[at], t[m + at], u[at]);
+  const float up = sum_split_value(t[at + w], t[m + at + w], u[at + w]);
+  split_value(swiglu_value(g, up), hi_lo + i, hi_lo + n + i);
+}
+
+// [q | k | v] products summed, each part's bias added (where given), into q, k, v.
+__global__ void sum_split_qkv_kernel(const float* t, const float* u, int64_t rows, int qw, int kw, const float* bq,
+                                     const float* bk, const float* bv, float* q, float* k, float* v) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int width = qw + 2 * kw;
+  const int64_t n = rows * width;
+  if (i >= n) return;
+  const int64_t r = i / width;
+  const int c = int(i % width);
+  float x = sum_split_value(t[i], t[n + i], u[i]);
+  if (c < qw) {
+    if (bq) x += bq[c];
+    q[r * qw + c] = x;
+  } else if (c < qw + kw) {
+    if (bk) x += bk[c - qw];
+    k[r * kw + (c - qw)] = x;
+  } else {
+    if (bv) x += bv[c - qw - kw];
+    v[r * kw + (c - qw - kw)] = x;
+  }
 }
 
 __global__ void add_kernel(float* x, const float* y, int64_t n) {
@@ -158,8 +218,51 @@ CudaStatus rms_norm_rows(const float* x, int64_t rows, int n, const float* w, fl
   if (!x || !w || !y) return refuse("rms_norm_rows", "null input, weights or output");
   if (!(eps >= 0.f)) return refuse("rms_norm_rows", "eps must be >= 0");
   if (rows == 0) return {};
-  rms_norm_kernel<<<unsigned(rows), kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, n, w, eps, y);
+  rms_norm_kernel<<<unsigned(rows), kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, n, w, eps, FloatRows{y},
+                                                                                        rows * n);
   return launched("rms_norm_rows");
+}
+
+CudaStatus rms_norm_split_rows(const float* x, int64_t rows, int n, const float* w, float eps, uint16_t* hi_lo,
+                               void* stream) {
+  if (rows < 0 || n < 1) return refuse("rms_norm_split_rows", "needs rows >= 0 and n >= 1");
+  if (!x || !w || !hi_lo) return refuse("rms_norm_split_rows", "null input, weights or output");
+  if (!(eps >= 0.f)) return refuse("rms_norm_split_rows", "eps must be >= 0");
+  if (rows == 0) return {};
+  rms_norm_kernel<<<unsigned(rows), kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, n, w, eps,
+                                                                                        SplitRows{hi_lo}, rows * n);
+  return launched("rms_norm_split_rows");
+}
+
+CudaStatus sum_split_add_rows(const float* t, const float* u, int64_t rows, int width, float* x, void* stream) {
+  if (rows < 0 || width < 1) return refuse("sum_split_add_rows", "needs rows >= 0 and width >= 1");
+  if (!t || !u || !x) return refuse("sum_split_add_rows", "null products or rows");
+  const int64_t n = rows * width;
+  if (n == 0) return {};
+  sum_split_add_kernel<<<flat_blocks(n), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(t, u, n, x);
+  return launched("sum_split_add_rows");
+}
+
+CudaStatus sum_split_swiglu_split_rows(const float* t, const float* u, int64_t rows, int width, uint16_t* hi_lo,
+                                       void* stream) {
+  if (rows < 0 || width < 1) return refuse("sum_split_swiglu_split_rows", "needs rows >= 0 and width >= 1");
+  if (!t || !u || !hi_lo) return refuse("sum_split_swiglu_split_rows", "null products or output");
+  const int64_t n = rows * width;
+  if (n == 0) return {};
+  sum_split_swiglu_split_kernel<<<flat_blocks(n), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(t, u, rows,
+                                                                                                        width, hi_lo);
+  return launched("sum_split_swiglu_split_rows");
+}
+
+CudaStatus sum_split_qkv_rows(const float* t, const float* u, int64_t rows, int q_width, int kv_width, const float* bq,
+                              const float* bk, const float* bv, float* q, float* k, float* v, void* stream) {
+  if (rows < 0 || q_width < 1 || kv_width < 1) return refuse("sum_split_qkv_rows", "needs rows >= 0 and widths >= 1");
+  if (!t || !u || !q || !k || !v) return refuse("sum_split_qkv_rows", "null products or outputs");
+  const int64_t n = rows * (int64_t(q_width) + 2 * int64_t(kv_width));
+  if (n == 0) return {};
+  sum_split_qkv_kernel<<<flat_blocks(n), kFlatThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      t, u, rows, q_width, kv_width, bq, bk, bv, q, k, v);
+  return launched("sum_split_qkv_rows");
 }
 
 CudaStatus rope_rows(float* x, int64_t rows, int n_heads, int head_dim, bool half_split, const float* cos,

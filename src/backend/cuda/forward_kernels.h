@@ -72,4 +72,21 @@ CudaStatus split_bf16_rows(const float* x, int64_t rows, int width, uint16_t* hi
 // of a split weight product (W_hi x_hi, W_hi x_lo, W_lo x_hi) summed in that order.
 CudaStatus sum_split_products(const float* t, const float* u, int64_t rows, int width, float* y, void* stream);
 
+// Fused forms, one launch each where the unfused take two or more, with the same arithmetic (the
+// same bits; ForwardKernels.FusedFormsGiveTheUnfusedBits):
+//  - rms_norm_split_rows: split_bf16_rows of rms_norm_rows's output, hi_lo [2][rows][n];
+//  - sum_split_add_rows: x += sum_split_products (a product's sum into the residual stream);
+//  - sum_split_swiglu_split_rows: the summed [gate | up] products (t [2][rows][2 width], u [rows]
+//    [2 width]) through swiglu_rows, split for the next product: hi_lo [2][rows][width];
+//  - sum_split_qkv_rows: the summed [q | k | v] products (width q_width + 2 kv_width) into q, k, v
+//    ([rows][q_width], [rows][kv_width]) with each part's bias added where one is given (split_columns
+//    then add_bias_rows).
+CudaStatus rms_norm_split_rows(const float* x, int64_t rows, int n, const float* w, float eps, uint16_t* hi_lo,
+                               void* stream);
+CudaStatus sum_split_add_rows(const float* t, const float* u, int64_t rows, int width, float* x, void* stream);
+CudaStatus sum_split_swiglu_split_rows(const float* t, const float* u, int64_t rows, int width, uint16_t* hi_lo,
+                                       void* stream);
+CudaStatus sum_split_qkv_rows(const float* t, const float* u, int64_t rows, int q_width, int kv_width, const float* bq,
+                              const float* bk, const float* bv, float* q, float* k, float* v, void* stream);
+
 }  // namespace certkv::backend::cuda

@@ -510,6 +510,121 @@ TEST(DeviceMatmul, APinnedRowsProductDoesNotDependOnTheRowCount) {
   EXPECT_EQ(DeviceMatmul::create(nullptr, &mm, ProductKernel::kPinned, 0).code, StatusCode::kInvalidArgument);
 }
 
+// Each fused form against the kernels it replaces, bit for bit, on ragged rows; the qkv form with
+// and without biases.
+TEST(ForwardKernels, FusedFormsGiveTheUnfusedBits) {
+  CERTKV_NEED_CUDA_DEVICE();
+  auto floats_of = [](const DeviceBytes& b) { return reinterpret_cast<float*>(b.data()); };
+  auto terms_of = [](const DeviceBytes& b) { return reinterpret_cast<uint16_t*>(b.data()); };
+  for (const int64_t rows : kRaggedRows) {
+    SCOPED_TRACE(rows);
+    const int n = 896, ffn = 320, qw = 448, kw = 64;
+    // RMSNorm, then split.
+    {
+      const std::vector<float> x = normal_values(size_t(rows * n), 2.f, 61), w = normal_values(size_t(n), 1.f, 62);
+      DeviceBytes dx(x.size() * 4), dw(w.size() * 4), dy(x.size() * 4), a(x.size() * 4), b(x.size() * 4);
+      dx.upload(x.data(), x.size() * 4);
+      dw.upload(w.data(), w.size() * 4);
+      ASSERT_TRUE(rms_norm_rows(floats_of(dx), rows, n, floats_of(dw), 1e-6f, floats_of(dy), nullptr).ok);
+      ASSERT_TRUE(split_bf16_rows(floats_of(dy), rows, n, terms_of(a), nullptr).ok);
+      ASSERT_TRUE(rms_norm_split_rows(floats_of(dx), rows, n, floats_of(dw), 1e-6f, terms_of(b), nullptr).ok);
+      EXPECT_EQ(run_and_read<uint16_t>(a, size_t(2 * rows * n)), run_and_read<uint16_t>(b, size_t(2 * rows * n)));
+    }
+    // A product's sum into the residual stream.
+    {
+      const std::vector<float> t = normal_values(size_t(2 * rows * n), 3.f, 63), u = normal_values(size_t(rows * n), 1.f, 64),
+                               x = normal_values(size_t(rows * n), 5.f, 65);
+      DeviceBytes dt(t.size() * 4), du(u.size() * 4), x1(x.size() * 4), x2(x.size() * 4), y(x.size() * 4);
+      dt.upload(t.data(), t.size() * 4);
+      du.upload(u.data(), u.size() * 4);
+      x1.upload(x.data(), x.size() * 4);
+      x2.upload(x.data(), x.size() * 4);
+      ASSERT_TRUE(sum_split_products(floats_of(dt), floats_of(du), rows, n, floats_of(y), nullptr).ok);
+      ASSERT_TRUE(add_rows(floats_of(x1), floats_of(y), rows * n, nullptr).ok);
+      ASSERT_TRUE(sum_split_add_rows(floats_of(dt), floats_of(du), rows, n, floats_of(x2), nullptr).ok);
+      EXPECT_EQ(run_and_read<uint32_t>(x1, x.size()), run_and_read<uint32_t>(x2, x.size()));
+    }
+    // [gate | up] sums through SwiGLU, split.
+    {
+      const std::vector<float> t = normal_values(size_t(2 * rows * 2 * ffn), 2.f, 66),
+                               u = normal_values(size_t(rows * 2 * ffn), 0.5f, 67);
+      DeviceBytes dt(t.size() * 4), du(u.size() * 4), y(u.size() * 4), act(size_t(rows * ffn) * 4),
+          a(size_t(2 * rows * ffn) * 2), b(size_t(2 * rows * ffn) * 2);
+      dt.upload(t.data(), t.size() * 4);
+      du.upload(u.data(), u.size() * 4);
+      ASSERT_TRUE(sum_split_products(floats_of(dt), floats_of(du), rows, 2 * ffn, floats_of(y), nullptr).ok);
+      ASSERT_TRUE(swiglu_rows(floats_of(y), floats_of(y) + ffn, rows, ffn, 2 * int64_t(ffn), floats_of(act), nullptr).ok);
+      ASSERT_TRUE(split_bf16_rows(floats_of(act), rows, ffn, terms_of(a), nullptr).ok);
+      ASSERT_TRUE(sum_split_swiglu_split_rows(floats_of(dt), floats_of(du), rows, ffn, terms_of(b), nullptr).ok);
+      EXPECT_EQ(run_and_read<uint16_t>(a, size_t(2 * rows * ffn)), run_and_read<uint16_t>(b, size_t(2 * rows * ffn)));
+    }
+    // [q | k | v] sums into q, k, v, with biases and without.
+    for (const bool bias : {true, false}) {
+      const int width = qw + 2 * kw;
+      const std::vector<float> t = normal_values(size_t(2 * rows * width), 2.f, 68),
+                               u = normal_values(size_t(rows * width), 0.5f, 69),
+                               bs = normal_values(size_t(width), 1.f, 70);
+      DeviceBytes dt(t.size() * 4), du(u.size() * 4), db(bs.size() * 4), y(u.size() * 4);
+      DeviceBytes q1(size_t(rows * qw) * 4), k1(size_t(rows * kw) * 4), v1(size_t(rows * kw) * 4);
+      DeviceBytes q2(size_t(rows * qw) * 4), k2(size_t(rows * kw) * 4), v2(size_t(rows * kw) * 4);
+      dt.upload(t.data(), t.size() * 4);
+      du.upload(u.data(), u.size() * 4);
+      db.upload(bs.data(), bs.size() * 4);
+      ASSERT_TRUE(sum_split_products(floats_of(dt), floats_of(du), rows, width, floats_of(y), nullptr).ok);
+      const ColumnPart parts[3] = {{floats_of(q1), 0, qw}, {floats_of(k1), qw, kw}, {floats_of(v1), qw + kw, kw}};
+      ASSERT_TRUE(split_columns(floats_of(y), rows, width, parts, 3, nullptr).ok);
+      const float* bq = floats_of(db);
+      if (bias) {
+        ASSERT_TRUE(add_bias_rows(floats_of(q1), bq, rows, qw, nullptr).ok);
+        ASSERT_TRUE(add_bias_rows(floats_of(k1), bq + qw, rows, kw, nullptr).ok);
+        ASSERT_TRUE(add_bias_rows(floats_of(v1), bq + qw + kw, rows, kw, nullptr).ok);
+      }
+      ASSERT_TRUE(sum_split_qkv_rows(floats_of(dt), floats_of(du), rows, qw, kw, bias ? bq : nullptr,
+                                     bias ? bq + qw : nullptr, bias ? bq + qw + kw : nullptr, floats_of(q2),
+                                     floats_of(k2), floats_of(v2), nullptr)
+                      .ok);
+      EXPECT_EQ(run_and_read<uint32_t>(q1, size_t(rows * qw)), run_and_read<uint32_t>(q2, size_t(rows * qw)));
+      EXPECT_EQ(run_and_read<uint32_t>(k1, size_t(rows * kw)), run_and_read<uint32_t>(k2, size_t(rows * kw)));
+      EXPECT_EQ(run_and_read<uint32_t>(v1, size_t(rows * kw)), run_and_read<uint32_t>(v2, size_t(rows * kw)));
+    }
+  }
+}
+
+// The products of an input split ahead (what the fused forward runs) give multiply()'s bits once
+// summed; they need the pinned kernel and one chunk.
+TEST(DeviceMatmul, ProductsOfASplitInputGiveMultiplysBits) {
+  CERTKV_NEED_CUDA_DEVICE();
+  std::unique_ptr<DeviceMatmul> mm;
+  ASSERT_TRUE(DeviceMatmul::create(nullptr, &mm, ProductKernel::kPinned).ok);
+  const int64_t n_in = 896, n_out = 1152;
+  const std::vector<float> wf = normal_values(size_t(n_in * n_out), 0.05f, 71);
+  DeviceMatrix dm;
+  ASSERT_TRUE(upload_matrix(f32_matrix(wf, n_in, n_out), &dm).ok);
+  ASSERT_TRUE(mm->reserve(n_in, n_out).ok);
+  for (const int64_t rows : {int64_t(1), int64_t(7), int64_t(64), int64_t(300), kPinnedProductRows}) {
+    const std::vector<float> x = normal_values(size_t(rows * n_in), 1.f, uint32_t(72 + rows));
+    DeviceBytes dx(x.size() * 4), y1(size_t(rows * n_out) * 4), y2(size_t(rows * n_out) * 4), terms(x.size() * 4);
+    dx.upload(x.data(), x.size() * 4);
+    ASSERT_TRUE(mm->multiply(dm, reinterpret_cast<float*>(dx.data()), rows, reinterpret_cast<float*>(y1.data())).ok);
+    uint16_t* hi_lo = reinterpret_cast<uint16_t*>(terms.data());
+    ASSERT_TRUE(split_bf16_rows(reinterpret_cast<float*>(dx.data()), rows, int(n_in), hi_lo, nullptr).ok);
+    const float *t = nullptr, *u = nullptr;
+    ASSERT_TRUE(mm->products(dm, hi_lo, rows, &t, &u).ok);
+    ASSERT_TRUE(sum_split_products(t, u, rows, int(n_out), reinterpret_cast<float*>(y2.data()), nullptr).ok);
+    EXPECT_EQ(run_and_read<uint32_t>(y1, size_t(rows * n_out)), run_and_read<uint32_t>(y2, size_t(rows * n_out)))
+        << rows << " rows";
+  }
+  const float* t = nullptr;
+  const float* u = nullptr;
+  DeviceBytes one(size_t(2 * n_in) * 2);
+  const uint16_t* hi_lo = reinterpret_cast<const uint16_t*>(one.data());
+  EXPECT_EQ(mm->products(dm, hi_lo, 0, &t, &u).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(mm->products(dm, hi_lo, kPinnedProductRows + 1, &t, &u).code, StatusCode::kInvalidArgument);
+  std::unique_ptr<DeviceMatmul> heuristic;
+  ASSERT_TRUE(DeviceMatmul::create(nullptr, &heuristic, ProductKernel::kHeuristic).ok);
+  EXPECT_EQ(heuristic->products(dm, hi_lo, 1, &t, &u).code, StatusCode::kInvalidArgument);
+}
+
 TEST(ForwardKernels, RefuseBadShapesBeforeAnyLaunch) {
   float* p = reinterpret_cast<float*>(uintptr_t(256));  // never dereferenced: refused first
   uint16_t* b = reinterpret_cast<uint16_t*>(uintptr_t(256));
@@ -527,6 +642,14 @@ TEST(ForwardKernels, RefuseBadShapesBeforeAnyLaunch) {
   EXPECT_EQ(add_bias_rows(p, p, 2, 0, nullptr).code, StatusCode::kInvalidArgument);
   EXPECT_EQ(split_bf16_rows(p, -1, 8, b, nullptr).code, StatusCode::kInvalidArgument);
   EXPECT_EQ(sum_split_products(p, nullptr, 2, 8, p, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(rms_norm_split_rows(p, 2, 8, p, -1.f, b, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(rms_norm_split_rows(p, 2, 8, p, 1e-5f, nullptr, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(sum_split_add_rows(p, p, 2, 0, p, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(sum_split_swiglu_split_rows(p, nullptr, 2, 8, b, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(sum_split_qkv_rows(p, p, 2, 8, 0, nullptr, nullptr, nullptr, p, p, p, nullptr).code,
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(sum_split_qkv_rows(p, p, 2, 8, 4, nullptr, nullptr, nullptr, p, nullptr, p, nullptr).code,
+            StatusCode::kInvalidArgument);
   EXPECT_EQ(embed_rows(nullptr, 2, b, nullptr, 10, 8, p, nullptr).code, StatusCode::kInvalidArgument);
   EXPECT_EQ(argmax_rows(p, 2, 0, reinterpret_cast<int32_t*>(p), nullptr).code, StatusCode::kInvalidArgument);
   EXPECT_EQ(gather_rows(p, nullptr, 2, 8, p, nullptr).code, StatusCode::kInvalidArgument);
