@@ -2,7 +2,8 @@
 // are prefilled to a context of C tokens, then every decode step runs all B together (one token
 // each, greedy, drawn in the step) and is timed by the wall clock (a step returns once its tokens
 // are on the host). One JSON line per (context, batch): the median step in ms, aggregate decode
-// tokens/s (B / step), the prefill rate, KV bytes by class and the engine's shape.
+// tokens/s (B / step), the prefill rate, KV bytes by class, the engine's shape and the timed steps'
+// host time by phase (`host_ms`, ms a step: Backend::step_times).
 //
 // The largest batch's sequences are prefilled once per context, in ascending contexts (a longer
 // context continues the same sequences); each batch then decodes the first B of them for --steps
@@ -156,7 +157,9 @@ int main(int argc, char** argv) {
         std::vector<backend::BatchItem> items(static_cast<size_t>(b), backend::BatchItem{});
         std::vector<double> step_ms;
         int64_t len_sum = 0;
+        backend::StepTimes before;
         for (int s = 0; s < warmup + steps; ++s) {
+          if (s == warmup) before = be->step_times();
           for (int64_t i = 0; i < b; ++i) {
             backend::BatchItem& it = items[size_t(i)];
             it = backend::BatchItem{};
@@ -173,6 +176,17 @@ int main(int argc, char** argv) {
         }
         std::sort(step_ms.begin(), step_ms.end());
         const double median = step_ms[step_ms.size() / 2];
+        // The timed steps' host time by phase (Backend::step_times), ms a step.
+        const backend::StepTimes after = be->step_times();
+        const double per_step = after.steps > before.steps ? 1e3 / double(after.steps - before.steps) : 0.0;
+        char host[320];
+        std::snprintf(host, sizeof(host),
+                      "\"plan\": %.4f, \"enqueue\": %.4f, \"attention\": %.4f, \"wait\": %.4f, \"read_back\": %.4f",
+                      per_step * (after.plan_seconds - before.plan_seconds),
+                      per_step * (after.enqueue_seconds - before.enqueue_seconds),
+                      per_step * (after.attention_seconds - before.attention_seconds),
+                      per_step * (after.wait_seconds - before.wait_seconds),
+                      per_step * (after.read_back_seconds - before.read_back_seconds));
         std::string bytes;
         for (const cache::StorageClassStats& c : be->memory_stats().by_class)
           bytes += std::string(bytes.empty() ? "" : ", ") + "\"" + format::storage_class_name(c.storage) +
@@ -181,10 +195,10 @@ int main(int argc, char** argv) {
             "{\"engine\": \"certkv\", \"device\": \"%s\", \"kv\": \"%s\", \"sparse_p\": %g, \"batch\": %lld, "
             "\"ctx\": %lld, \"ctx_decoded_mean\": %.1f, \"steps\": %d, \"step_ms\": %.4f, \"step_ms_min\": %.4f, "
             "\"step_ms_max\": %.4f, \"tok_per_s\": %.2f, \"prefill_tokens\": %lld, \"prefill_tok_per_s\": %.1f, "
-            "\"sequences_held\": %lld, \"kv_bytes_in_use\": {%s}}\n",
+            "\"sequences_held\": %lld, \"kv_bytes_in_use\": {%s}, \"host_ms\": {%s}}\n",
             device.c_str(), kv.c_str(), sparse_p, (long long)b, (long long)ctx, double(len_sum) / double(b * steps),
             steps, median, step_ms.front(), step_ms.back(), 1e3 * double(b) / median, (long long)prefilled,
-            prefilled > 0 ? double(prefilled) / prefill_s : 0.0, (long long)max_b, bytes.c_str());
+            prefilled > 0 ? double(prefilled) / prefill_s : 0.0, (long long)max_b, bytes.c_str(), host);
         std::fflush(stdout);
       }
     }

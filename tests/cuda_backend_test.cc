@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -568,6 +569,36 @@ TEST_F(CudaBackendTest, RefusesWhatItDoesNotServeByName) {
   EXPECT_EQ(be->length(s), 4);
   be->free_sequence(s);
   EXPECT_EQ(be->pool_pages_in_use(), 0u);
+}
+
+TEST_F(CudaBackendTest, KeepsItsStepsHostTimeByPhase) {
+  std::unique_ptr<Backend> be = make_backend(smollm2(), device_config(cache::KvScheme::kBf16, 64, 128));
+  EXPECT_EQ(be->step_times().steps, 0);
+  const cache::SeqId a = be->create_sequence(), b = be->create_sequence();
+  std::vector<int32_t> toks(9, 5);
+  int32_t next_a = 0, next_b = 0;
+  BatchItem prefill{a, toks.data(), 9, nullptr, nullptr, true};
+  prefill.token = &next_a;
+  const auto t0 = std::chrono::steady_clock::now();
+  be->forward({&prefill, 1});
+  BatchItem step[2] = {{a, &next_a, 1, nullptr, nullptr, true}, {b, toks.data(), 3, nullptr, nullptr, true}};
+  step[0].token = &next_a;
+  step[1].token = &next_b;
+  be->forward({step, 2});
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const StepTimes t = be->step_times();
+  EXPECT_EQ(t.steps, 2);
+  for (double phase : {t.plan_seconds, t.enqueue_seconds, t.attention_seconds, t.wait_seconds, t.read_back_seconds})
+    EXPECT_GE(phase, 0.0);
+  // The phases are disjoint spans of the two calls: together no more than their wall time, and the
+  // launches and the wait take some of it.
+  EXPECT_LE(t.plan_seconds + t.enqueue_seconds + t.attention_seconds + t.wait_seconds + t.read_back_seconds, wall);
+  EXPECT_GT(t.enqueue_seconds, 0.0);
+  EXPECT_GT(t.attention_seconds, 0.0);
+  // A refused step counts nothing.
+  BatchItem bad{a, toks.data(), 100, nullptr, nullptr, true};
+  EXPECT_THROW(be->forward({&bad, 1}), Error);
+  EXPECT_EQ(be->step_times().steps, 2);
 }
 
 }  // namespace

@@ -214,6 +214,17 @@ class SwappedSequence {
   virtual uint64_t state_bytes() const = 0;
 };
 
+// Host wall-clock seconds of a backend's forward steps so far, by phase: where a step's time goes
+// when it is short (a backend that does not keep them leaves every field zero).
+struct StepTimes {
+  int64_t steps = 0;              // forward() calls that ran rows
+  double plan_seconds = 0;        // checks, reservations, row groups, the step's host staging
+  double enqueue_seconds = 0;     // the forward pass's launches (graph replays, eager kernels), attention's excluded
+  double attention_seconds = 0;   // the host side of every layer's K/V writes and attention launches
+  double wait_seconds = 0;        // waiting for the device at the step's end
+  double read_back_seconds = 0;   // after the wait: logits, tokens, meters, index updates
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -263,6 +274,8 @@ class Backend {
   // The meter of the recent metered decode steps over every sequence (MeterConfig::recent_steps;
   // empty when not metered). Every forward() that runs rows begins a step of it.
   virtual const gate::RecentStepMeters& recent_meters() const = 0;
+  // Where the steps' host time went (StepTimes); zero where the backend does not keep it.
+  virtual StepTimes step_times() const { return {}; }
 };
 
 // The meter part of a SequenceReport (metered, cells, max, p99, coverage, gate repairs and the

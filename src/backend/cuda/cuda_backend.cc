@@ -193,6 +193,7 @@ class CudaBackend final : public Backend {
 
   void forward(std::span<const BatchItem> items) override;
   const gate::RecentStepMeters& recent_meters() const override { return *recent_meters_; }
+  StepTimes step_times() const override { return step_times_; }
 
   SequenceReport report(cache::SeqId seq) const override {
     const SequenceState& st = state(seq);
@@ -377,6 +378,7 @@ class CudaBackend final : public Backend {
   PageFormat format_ = PageFormat::kBf16;
   uint64_t capacity_pages_ = 0;
   std::unique_ptr<cuda::DeviceForward> forward_;
+  StepTimes step_times_;
   std::unique_ptr<cache::cuda::DeviceKvCache> cache_;
   std::unordered_map<cache::SeqId, SequenceState> states_;
   cache::SeqId next_id_ = 1;
@@ -483,6 +485,12 @@ void CudaBackend::ensure_step_buffers(size_t n_rows) {
 
 void CudaBackend::forward(std::span<const BatchItem> items) {
   const model::ModelConfig& c = model_.config();
+  using step_clock = std::chrono::steady_clock;
+  const auto seconds = [](step_clock::time_point a, step_clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+  };
+  const step_clock::time_point t_begin = step_clock::now();
+  double attention_seconds = 0;
   // Everything is checked before anything changes.
   const StepRows rows = plan_step(items, c, context_tokens_, [&](cache::SeqId seq) { return state(seq).length; });
   for (const BatchItem& it : items)
@@ -546,6 +554,7 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
   std::vector<cache::cuda::DeviceKvCache::SlotRows> writes(items.size());
   const cuda::DeviceLayerAttention attend_layers = [&](int layer, float* q_all, const float* k_all, const float* v_all,
                                                        float* out_all) {
+    const step_clock::time_point t_layer = step_clock::now();
     if (sparse_ && layer >= config_.sparse.dense_layers)
       for (size_t i = 0; i < items.size(); ++i) {
         SequenceState& st = state(items[i].seq);
@@ -572,7 +581,9 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
     // The held pages go back to the free lists; the launches that read them run first (one
     // stream), and a later write reuses them only after.
     cache_->release_completed_exact(layer);
+    attention_seconds += seconds(t_layer, step_clock::now());
   };
+  const step_clock::time_point t_run = step_clock::now();
   try {
     forward_->run(rows, attend_layers);
   } catch (...) {
@@ -583,6 +594,7 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
     for (int layer = 0; layer < c.n_layers; ++layer) cache_->release_completed_exact(layer);
     throw;
   }
+  const step_clock::time_point t_ran = step_clock::now();
   recent_meters_->begin_step();
   read_back_step(groups, item_of_row, items);
   for (const BatchItem& it : items) {
@@ -592,6 +604,13 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
     if (sparse_ && !st.index_built) st.query_count += it.n;
   }
   if (sparse_) update_key_indexes(items);
+  const double run_seconds = seconds(t_run, t_ran), wait_seconds = forward_->last_wait_seconds();
+  step_times_.steps += 1;
+  step_times_.plan_seconds += seconds(t_begin, t_run);
+  step_times_.attention_seconds += attention_seconds;
+  step_times_.wait_seconds += wait_seconds;
+  step_times_.enqueue_seconds += std::max(0.0, run_seconds - attention_seconds - wait_seconds);
+  step_times_.read_back_seconds += seconds(t_ran, step_clock::now());
 }
 
 void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, const float* q_all, float* out_all) {

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -305,6 +306,7 @@ void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attent
   const ModelConfig& c = model_.config();
   const std::span<const BatchItem> items = rows.items;
   const int64_t n = rows.n_rows;
+  last_wait_seconds_ = 0;
   if (n == 0) return;
   // The rows whose logits are computed: first those that come down, in the order of their
   // destinations, then the last rows of the items that only draw a token.
@@ -379,8 +381,13 @@ void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attent
   }
   const float eps = c.rms_eps;
   float* x = floats_mut(x_);
-  if (wanted.empty()) {
+  const auto wait = [&]() {
+    const auto t0 = std::chrono::steady_clock::now();
     throw_if_failed(cache::cuda::synchronize_stream(stream_));
+    last_wait_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  if (wanted.empty()) {
+    wait();
     return;
   }
   const int64_t m = int64_t(wanted.size());
@@ -395,7 +402,7 @@ void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attent
   if (m_download > 0)
     throw_if_failed(logits_.download_async(0, host, sizeof(float) * size_t(m_download) * size_t(c.n_vocab), stream_));
   const std::vector<size_t> drawing = draw_tokens(items, last_logit_row);
-  throw_if_failed(cache::cuda::synchronize_stream(stream_));
+  wait();
   for (int64_t j = 0; j < m_download; ++j)
     std::memcpy(wanted[size_t(j)].dst, host + j * c.n_vocab, sizeof(float) * size_t(c.n_vocab));
   for (const BatchItem& it : items)

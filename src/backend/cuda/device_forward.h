@@ -68,6 +68,8 @@ class DeviceForward {
   void run(const StepRows& rows, const DeviceLayerAttention& attention);
 
   uint64_t weight_bytes() const { return weight_bytes_; }
+  // Host seconds the last run() spent waiting for the device at its end.
+  double last_wait_seconds() const { return last_wait_seconds_; }
   // Steps of at most this many rows replay captured segments.
   static constexpr int64_t kMaxGraphRows = 64;
 
@@ -105,6 +107,7 @@ class DeviceForward {
   DeviceMatrix output_, embedding_;  // embedding_: when the model does not tie it to the output
   cache::cuda::DeviceBuffer output_norm_;
   uint64_t weight_bytes_ = 0;
+  double last_wait_seconds_ = 0;
   // Step buffers, grown to the largest step: token ids and angles (page-locked staging and their
   // device copies), the residual stream, the products' float inputs and outputs, logits.
   int64_t buffer_rows_ = 0, buffer_logit_rows_ = 0;
