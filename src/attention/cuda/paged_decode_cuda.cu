@@ -1324,6 +1324,12 @@ WorkspaceLayout layout_of(const PagedDecodeParams& p, int n_splits) {
   return w;
 }
 
+// The word a launch counts corrupt entries in: the caller's, else the workspace's.
+unsigned int* error_word_of(const PagedDecodeParams& p, const WorkspaceLayout& w) {
+  return p.error_word != nullptr ? reinterpret_cast<unsigned int*>(p.error_word)
+                                 : reinterpret_cast<unsigned int*>(static_cast<char*>(p.workspace) + w.error_word);
+}
+
 template <int D, PageFormat F, bool kWithMeter, bool kCodedWitness = false>
 CudaStatus launch(const PagedDecodeParams& p, int n_splits) {
   const WorkspaceLayout w = layout_of(p, n_splits);
@@ -1331,7 +1337,7 @@ CudaStatus launch(const PagedDecodeParams& p, int n_splits) {
   const int64_t max_blocks = (p.max_seq_len + kBlockTokens - 1) / kBlockTokens;
   const int64_t per_split = p.split_blocks > 0 ? p.split_blocks : (max_blocks + n_splits - 1) / n_splits;
   SplitArgs a{p, n_splits, per_split, reinterpret_cast<float*>(base + w.mldr), reinterpret_cast<float*>(base + w.o),
-              reinterpret_cast<unsigned int*>(base + w.error_word)};
+              error_word_of(p, w)};
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const size_t smem = sizeof(CtaShared<D, F>);
   static bool configured = false;  // per instantiation
@@ -1599,8 +1605,7 @@ CudaStatus reset_error_word(const PagedDecodeParams& p) {
   if (CudaStatus s = check_workspace(p); !s.ok) return s;
   const int splits = planned_splits(p);
   const WorkspaceLayout w = layout_of(p, splits);
-  const cudaError_t e = cudaMemsetAsync(static_cast<char*>(p.workspace) + w.error_word, 0, sizeof(uint32_t),
-                                        static_cast<cudaStream_t>(p.stream));
+  const cudaError_t e = cudaMemsetAsync(error_word_of(p, w), 0, sizeof(uint32_t), static_cast<cudaStream_t>(p.stream));
   if (e != cudaSuccess) return internal(std::string("resetting the error word failed: ") + cudaGetErrorString(e));
   return {};
 }
@@ -1611,8 +1616,7 @@ CudaStatus read_error_word(const PagedDecodeParams& p, uint32_t* corrupt) {
   const int splits = planned_splits(p);
   const WorkspaceLayout w = layout_of(p, splits);
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
-  cudaError_t e = cudaMemcpyAsync(corrupt, static_cast<char*>(p.workspace) + w.error_word, sizeof(uint32_t),
-                                  cudaMemcpyDeviceToHost, stream);
+  cudaError_t e = cudaMemcpyAsync(corrupt, error_word_of(p, w), sizeof(uint32_t), cudaMemcpyDeviceToHost, stream);
   if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
   if (e != cudaSuccess) return internal(std::string("reading the error word failed: ") + cudaGetErrorString(e));
   return {};
@@ -1623,8 +1627,8 @@ CudaStatus copy_error_word_async(const PagedDecodeParams& p, uint32_t* host) {
   if (CudaStatus s = check_workspace(p); !s.ok) return s;
   const int splits = planned_splits(p);
   const WorkspaceLayout w = layout_of(p, splits);
-  const cudaError_t e = cudaMemcpyAsync(host, static_cast<char*>(p.workspace) + w.error_word, sizeof(uint32_t),
-                                        cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(p.stream));
+  const cudaError_t e = cudaMemcpyAsync(host, error_word_of(p, w), sizeof(uint32_t), cudaMemcpyDeviceToHost,
+                                        static_cast<cudaStream_t>(p.stream));
   if (e != cudaSuccess) return internal(std::string("copying the error word failed: ") + cudaGetErrorString(e));
   return {};
 }

@@ -154,6 +154,10 @@ struct PagedDecodeParams {
   void* workspace = nullptr;
   size_t workspace_size = 0;
   void* stream = nullptr;  // cudaStream_t; null: the default stream
+  // Where the launch counts corrupt entries (device memory, zeroed by the caller); null: the
+  // workspace's error word. A caller that runs many launches before it reads their counts (a
+  // step's layers) gives each its own word and zeroes and reads them all at once.
+  uint32_t* error_word = nullptr;
 };
 
 inline constexpr int kMaxDeviceOutlierPairs = 8;
@@ -176,10 +180,10 @@ size_t workspace_bytes(const PagedDecodeParams& params);
 // sequence length is never read past: the page reads as zeros and it counts in the workspace's
 // error word (read_error_word).
 CudaStatus paged_decode(const PagedDecodeParams& params);
-// The workspace's error word counts corrupt pages, slots and lengths over every launch since it
-// was last reset (a launch does not reset it, so that timing loops run one kernel pair per call).
-// reset_error_word zeroes it on params.stream (asynchronous); read_error_word synchronizes
-// params.stream and reads it.
+// The error word (params.error_word, else the workspace's) counts corrupt pages, slots and
+// lengths over every launch since it was last reset (a launch does not reset it, so that timing
+// loops run one kernel pair per call). reset_error_word zeroes it on params.stream
+// (asynchronous); read_error_word synchronizes params.stream and reads it.
 CudaStatus reset_error_word(const PagedDecodeParams& params);
 CudaStatus read_error_word(const PagedDecodeParams& params, uint32_t* corrupt);
 // The error word's copy to `host` enqueued on params.stream, without waiting: *host holds the

@@ -310,7 +310,9 @@ class CudaBackend final : public Backend {
   // The step's staging (page-locked). A step enqueues every layer without waiting and reads
   // what came back once, at its end, so each layer has its own part:
   //  - per step row, in launch order: its length, its table row and its row in the step;
-  //  - per layer, the row groups' error words, and (metered) the meters [3][rows][n_heads].
+  //  - per layer, the row groups' error words, then per layer (metered) the meters
+  //    [3][rows][n_heads]: step_results_ on the device holds these two parts in the same layout,
+  //    so that one copy after the last layer brings back every layer's.
   size_t layer_meter_floats(size_t n) const { return metered_ ? 3 * n * size_t(model_.config().n_heads) : 0; }
   size_t layer_meter_floats() const { return layer_meter_floats(step_rows_); }
   int32_t* staged_lens() const { return reinterpret_cast<int32_t*>(staging_.data()); }
@@ -386,7 +388,10 @@ class CudaBackend final : public Backend {
   // A - 1, value side), per row its length, table row and row in the step; their page-locked
   // staging; the split workspace.
   size_t step_rows_ = 0;
-  DeviceBuffer q_, out_, meters_, lens_, workspace_, own_block_tables_;
+  DeviceBuffer q_, out_, step_results_, lens_, workspace_, own_block_tables_;
+  // Whether the step's launch order is its row order (one row group, or groups in row order, no
+  // sparse rows): attention then reads the forward's queries and writes its output in place.
+  bool launch_in_step_order_ = false;
   std::vector<int32_t> host_own_block_tables_;
   PinnedBuffer staging_;
   // The sparse tier: the rotation's parameters, the index builder's error word; per step the
@@ -446,16 +451,16 @@ void CudaBackend::ensure_step_buffers(size_t n_rows) {
   if (n_rows <= step_rows_) return;
   const model::ModelConfig& c = model_.config();
   const size_t q_bytes = sizeof(float) * n_rows * size_t(c.n_heads) * size_t(c.head_dim);
-  const size_t meter_bytes = metered_ ? sizeof(float) * 3 * n_rows * size_t(c.n_heads) : 0;
+  const size_t result_bytes = size_t(c.n_layers) * (kGroups * sizeof(uint32_t) + layer_meter_floats(n_rows) * sizeof(float));
   const size_t lens_bytes = sizeof(int32_t) * 3 * n_rows;
   throw_if_failed(cache::cuda::synchronize_stream(nullptr));
   // Every buffer allocated first, then all taken at once: a failed allocation leaves the step
   // buffers as they were, step_rows_ with them.
-  DeviceBuffer q, out, meters, lens, indexed, weights, seeds, queries, selected;
+  DeviceBuffer q, out, results, lens, indexed, weights, seeds, queries, selected;
   PinnedBuffer staging, sparse_staging;
   throw_if_failed(DeviceBuffer::allocate(q_bytes, &q));
   throw_if_failed(DeviceBuffer::allocate(q_bytes, &out));
-  if (meter_bytes > 0) throw_if_failed(DeviceBuffer::allocate(meter_bytes, &meters));
+  throw_if_failed(DeviceBuffer::allocate(result_bytes, &results));
   throw_if_failed(DeviceBuffer::allocate(lens_bytes, &lens));
   throw_if_failed(PinnedBuffer::allocate(staging_bytes(n_rows), &staging));
   if (sparse_) {
@@ -469,7 +474,7 @@ void CudaBackend::ensure_step_buffers(size_t n_rows) {
   }
   q_ = std::move(q);
   out_ = std::move(out);
-  if (meter_bytes > 0) meters_ = std::move(meters);
+  step_results_ = std::move(results);
   lens_ = std::move(lens);
   staging_ = std::move(staging);
   if (sparse_) {
@@ -544,7 +549,12 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
       for (int64_t r : g.rows) lens[2 * step_rows_ + at++] = int32_t(r);
     }
     throw_if_failed(lens_.upload_async(0, lens, sizeof(int32_t) * 3 * step_rows_, nullptr));
+    launch_in_step_order_ = groups[kSparseDecode].rows.empty();
+    for (size_t j = 0; j < at && launch_in_step_order_; ++j) launch_in_step_order_ = lens[2 * step_rows_ + j] == int32_t(j);
   }
+  // Every layer's error words zeroed at once (attend_layer brings them back after the last).
+  if (cudaMemsetAsync(step_results_.data(), 0, sizeof(uint32_t) * kGroups * size_t(c.n_layers), nullptr) != cudaSuccess)
+    fail(StatusCode::kInternal, "cuda backend: zeroing the step's error words failed");
   if (!groups[kSparseDecode].rows.empty()) stage_sparse_step(groups[kSparseDecode], item_of_row, items);
 
   const int64_t kv_dim = int64_t(c.n_kv_heads) * c.head_dim;
@@ -617,21 +627,29 @@ void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, c
   const model::ModelConfig& c = model_.config();
   const size_t q_dim = size_t(c.n_heads) * size_t(c.head_dim);
   const size_t H = size_t(c.n_heads);
-  uint32_t* host_error = staged_errors(layer);
+  const size_t L = size_t(c.n_layers);
   size_t n_rows = 0;
   for (const RowGroup& g : groups) n_rows += g.rows.size();
   const int32_t* lens = reinterpret_cast<const int32_t*>(lens_.data());
   const int32_t* launch_rows = lens + 2 * step_rows_;
-  // The queries in launch order.
-  throw_if_failed(cuda::gather_rows(q_all, launch_rows, int64_t(n_rows), int(q_dim), reinterpret_cast<float*>(q_.data()),
-                                    nullptr));
+  // The queries in launch order (where that is not the step's own).
+  const float* q_launch = q_all;
+  float* out_launch = out_all;
+  if (!launch_in_step_order_) {
+    throw_if_failed(cuda::gather_rows(q_all, launch_rows, int64_t(n_rows), int(q_dim), reinterpret_cast<float*>(q_.data()),
+                                      nullptr));
+    q_launch = reinterpret_cast<const float*>(q_.data());
+    out_launch = reinterpret_cast<float*>(out_.data());
+  }
   const PagedDecodeParams base = layer_params(layer);
-  float* meters = reinterpret_cast<float*>(meters_.data());
+  // This layer's error words and meters in step_results_ (staged_errors / staged_meters' layout).
+  uint32_t* words = reinterpret_cast<uint32_t*>(step_results_.data()) + size_t(layer) * kGroups;
+  float* meters = reinterpret_cast<float*>(step_results_.data() + L * kGroups * sizeof(uint32_t)) +
+                  size_t(layer) * layer_meter_floats();
   // The sparse rows attend sparsely from the first sparse layer on, densely before it.
   const bool sparse_layer = sparse_ && layer >= config_.sparse.dense_layers && !groups[kSparseDecode].rows.empty();
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const RowGroup& g = groups[gi];
-    host_error[gi] = 0;
     if (g.rows.empty() || (gi == kSparseDecode && sparse_layer)) continue;
     PagedDecodeParams p = base;
     p.batch = int(g.rows.size());
@@ -645,8 +663,9 @@ void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, c
       p.table_row_stride = row_stride;
       p.n_table_rows = int64_t(host_own_block_tables_.size()) / row_stride;
     }
-    p.q = reinterpret_cast<const float*>(q_.data()) + g.first * q_dim;
-    p.out = reinterpret_cast<float*>(out_.data()) + g.first * q_dim;
+    p.q = q_launch + g.first * q_dim;
+    p.out = out_launch + g.first * q_dim;
+    p.error_word = words + gi;
     if (g.metered) {
       p.meter = meters;
       p.a_minus_1 = meters + step_rows_ * H;
@@ -659,15 +678,17 @@ void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, c
     }
     p.workspace = workspace_.data();
     p.workspace_size = workspace_.size();
-    throw_if_failed(attention::cuda::reset_error_word(p));
     throw_if_failed(attention::cuda::paged_decode(p));
-    throw_if_failed(attention::cuda::copy_error_word_async(p, &host_error[gi]));
   }
   if (sparse_layer) launch_sparse_layer(layer, groups[kSparseDecode]);
-  throw_if_failed(cuda::scatter_rows(reinterpret_cast<const float*>(out_.data()), launch_rows, int64_t(n_rows), int(q_dim),
-                                     out_all, nullptr));
-  if (metered_ && !groups[kMeteredDecode].rows.empty())
-    throw_if_failed(meters_.download_async(0, staged_meters(layer), sizeof(float) * 3 * step_rows_ * H, nullptr));
+  if (!launch_in_step_order_)
+    throw_if_failed(cuda::scatter_rows(out_launch, launch_rows, int64_t(n_rows), int(q_dim), out_all, nullptr));
+  // After the last layer, every layer's error words (and meters) come back in one copy.
+  if (layer + 1 == c.n_layers) {
+    const bool meters_back = metered_ && !groups[kMeteredDecode].rows.empty();
+    const size_t bytes = L * (kGroups * sizeof(uint32_t) + (meters_back ? layer_meter_floats() * sizeof(float) : 0));
+    throw_if_failed(step_results_.download_async(0, staged_errors(0), bytes, nullptr));
+  }
 }
 
 void CudaBackend::read_back_step(const std::vector<RowGroup>& groups, const std::vector<size_t>& item_of_row,
