@@ -11,9 +11,15 @@
 // reads the corpus's token stream from offset i * 7919 on (wrapping), so no two sequences hold the
 // same KV.
 //
+// With --pool-bytes B (equal memory, table b of docs/cuda.md): the pool holds B bytes of pages,
+// each class at its own page size (BackendConfig::pool_bytes); sequences are admitted one after
+// another, each reserving its whole context and steps up front and then prefilled, until the pool
+// refuses one; then all the admitted sequences decode together. One line with `table` "b",
+// `pool_bytes` and `sequences` (the admitted count) besides the decode figures.
+//
 // usage: certkv_backend_decode --model M.gguf --corpus DIR [--device cuda|cpu] [--kv SCHEME]
 //          [--sparse P] [--batch 1,8,32,64] [--ctx 8192,32768] [--steps 64] [--warmup 4]
-//          [--chunk 2048] [--threads N] [--pool-tokens T]
+//          [--chunk 2048] [--threads N] [--pool-tokens T | --pool-bytes B]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -71,7 +77,7 @@ int main(int argc, char** argv) {
   std::string model_path, corpus, device = "cuda", kv = "bf16", batches = "1,8,32,64", contexts = "8192,32768";
   double sparse_p = 0;
   int steps = 64, warmup = 4, chunk = 2048, threads = 16;
-  int64_t pool_tokens = 0;
+  int64_t pool_tokens = 0, pool_bytes = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -93,6 +99,7 @@ int main(int argc, char** argv) {
     else if (a == "--chunk") chunk = std::stoi(value());
     else if (a == "--threads") threads = std::stoi(value());
     else if (a == "--pool-tokens") pool_tokens = std::stoll(value());
+    else if (a == "--pool-bytes") pool_bytes = std::stoll(value());
     else {
       std::fprintf(stderr, "unknown flag %s (see the header of bench/backend_decode.cc)\n", a.c_str());
       return 2;
@@ -103,7 +110,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    const std::vector<int64_t> bs = parse_list(batches), cs = parse_list(contexts);
+    std::vector<int64_t> bs = parse_list(batches), cs = parse_list(contexts);
     const int64_t max_b = *std::max_element(bs.begin(), bs.end());
     const int64_t max_c = *std::max_element(cs.begin(), cs.end());
     std::unique_ptr<model::Model> m = model::load_model(model_path);
@@ -113,7 +120,13 @@ int main(int argc, char** argv) {
     cfg.device = device == "cuda" ? model::Device::kCuda : model::Device::kCpu;
     // Each batch's cell decodes the first sequences again: room for every cell's steps.
     cfg.context_tokens = max_c + int64_t(steps + warmup) * int64_t(bs.size()) + 16;
-    cfg.pool_tokens = pool_tokens > 0 ? pool_tokens : cfg.context_tokens * max_b;
+    if (pool_bytes > 0) {
+      cfg.pool_bytes = uint64_t(pool_bytes);
+      bs = {1};  // one cell: every admitted sequence decodes
+      cs = {max_c};
+    } else {
+      cfg.pool_tokens = pool_tokens > 0 ? pool_tokens : cfg.context_tokens * max_b;
+    }
     cfg.n_threads = threads;
     cfg.kv_scheme = cache::parse_kv_scheme(kv);
     const cache::KvSchemeInfo& info = cache::kv_scheme_info(cfg.kv_scheme);
@@ -127,15 +140,31 @@ int main(int argc, char** argv) {
     std::unique_ptr<backend::Backend> be = backend::make_backend(*m, cfg);
 
     std::vector<cache::SeqId> seqs;
-    std::vector<int32_t> next(size_t(max_b), 0);  // each sequence's next input token
-    for (int64_t i = 0; i < max_b; ++i) seqs.push_back(be->create_sequence());
+    std::vector<int32_t> next;  // each sequence's next input token
+    if (pool_bytes > 0) {
+      // Admit while the pool can hold a whole sequence: its context and every step.
+      for (;;) {
+        const cache::SeqId seq = be->create_sequence();
+        if (!be->reserve(seq, max_c + steps + warmup)) {
+          be->free_sequence(seq);
+          break;
+        }
+        seqs.push_back(seq);
+      }
+      if (seqs.empty()) fail(StatusCode::kOutOfMemory, "the pool admits no sequence of the context");
+      bs = {int64_t(seqs.size())};
+    } else {
+      for (int64_t i = 0; i < max_b; ++i) seqs.push_back(be->create_sequence());
+    }
+    next.assign(seqs.size(), 0);
+    const int64_t n_seqs = int64_t(seqs.size());
     std::vector<int32_t> input;
     for (const int64_t ctx : cs) {
       // Prefill every sequence up to ctx, one chunk of one sequence per step (as llama-batched-bench
       // prefills each sequence's prompt).
       const clock_type::time_point t0 = clock_type::now();
       int64_t prefilled = 0;
-      for (int64_t i = 0; i < max_b; ++i) {
+      for (int64_t i = 0; i < n_seqs; ++i) {
         while (be->length(seqs[size_t(i)]) < ctx) {
           const int64_t at = be->length(seqs[size_t(i)]);
           const int64_t n = std::min<int64_t>(chunk, ctx - at);
@@ -192,13 +221,13 @@ int main(int argc, char** argv) {
           bytes += std::string(bytes.empty() ? "" : ", ") + "\"" + format::storage_class_name(c.storage) +
                    "\": " + std::to_string(c.page_bytes_in_use);
         std::printf(
-            "{\"engine\": \"certkv\", \"device\": \"%s\", \"kv\": \"%s\", \"sparse_p\": %g, \"batch\": %lld, "
+            "{\"engine\": \"certkv\", \"table\": \"%s\", \"pool_bytes\": %lld, \"sequences\": %lld, \"device\": \"%s\", \"kv\": \"%s\", \"sparse_p\": %g, \"batch\": %lld, "
             "\"ctx\": %lld, \"ctx_decoded_mean\": %.1f, \"steps\": %d, \"step_ms\": %.4f, \"step_ms_min\": %.4f, "
             "\"step_ms_max\": %.4f, \"tok_per_s\": %.2f, \"prefill_tokens\": %lld, \"prefill_tok_per_s\": %.1f, "
             "\"sequences_held\": %lld, \"kv_bytes_in_use\": {%s}, \"host_ms\": {%s}}\n",
-            device.c_str(), kv.c_str(), sparse_p, (long long)b, (long long)ctx, double(len_sum) / double(b * steps),
+            pool_bytes > 0 ? "b" : "a", (long long)pool_bytes, (long long)b, device.c_str(), kv.c_str(), sparse_p, (long long)b, (long long)ctx, double(len_sum) / double(b * steps),
             steps, median, step_ms.front(), step_ms.back(), 1e3 * double(b) / median, (long long)prefilled,
-            prefilled > 0 ? double(prefilled) / prefill_s : 0.0, (long long)max_b, bytes.c_str(), host);
+            prefilled > 0 ? double(prefilled) / prefill_s : 0.0, (long long)n_seqs, bytes.c_str(), host);
         std::fflush(stdout);
       }
     }

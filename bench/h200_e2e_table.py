@@ -34,9 +34,9 @@ def main():
                           "prompt_shared": d["is_pp_shared"]})
             continue
         kv = d["kv"] + (f"+sparse p={d['sparse_p']:g}" if d.get("sparse_p") else "")
-        cell = {"table": "a", "engine": d["engine"], "kv": kv, "batch": d["batch"], "ctx": d["ctx"],
-                "tok_per_s": d["tok_per_s"], "step_ms": d["step_ms"], "sequences": d["batch"]}
-        for extra in ("prefill_tok_per_s", "weights", "kv_bytes_in_use", "ctx_decoded_mean", "host_ms"):
+        cell = {"table": d.get("table", "a"), "engine": d["engine"], "kv": kv, "batch": d["batch"], "ctx": d["ctx"],
+                "tok_per_s": d["tok_per_s"], "step_ms": d["step_ms"], "sequences": d.get("sequences", d["batch"])}
+        for extra in ("prefill_tok_per_s", "weights", "kv_bytes_in_use", "ctx_decoded_mean", "host_ms", "pool_bytes"):
             if extra in d:
                 cell[extra] = d[extra]
         cells.append(cell)
@@ -50,6 +50,7 @@ def main():
     except ImportError:
         print("no matplotlib: no plot")
         return
+    cells = [c for c in cells if c["table"] == "a"]  # the plot: table a
     ctxs = sorted({c["ctx"] for c in cells})
     fig, axes = plt.subplots(1, len(ctxs), figsize=(6 * len(ctxs), 4.5), squeeze=False)
     for ax, ctx in zip(axes[0], ctxs):

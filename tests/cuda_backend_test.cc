@@ -601,5 +601,66 @@ TEST_F(CudaBackendTest, KeepsItsStepsHostTimeByPhase) {
   EXPECT_EQ(be->step_times().steps, 2);
 }
 
+// BackendConfig::pool_bytes: each class charged at its own page bytes, so that at equal memory a
+// compressed scheme admits more sequences; what the pool holds never passes the bytes (pages on
+// the device plus what the reservations will add); bad sizes and mixes are refused.
+TEST_F(CudaBackendTest, PoolBytesAdmitsByEachClasssPageBytes) {
+  const int64_t context = 200;  // 12 whole blocks and a tail of 8
+  auto admitted = [&](cache::KvScheme scheme, uint64_t bytes, bool write) {
+    BackendConfig cfg = device_config(scheme, context, 0);
+    cfg.pool_bytes = bytes;
+    std::unique_ptr<Backend> be = make_backend(smollm2(), cfg);
+    std::vector<cache::SeqId> seqs;
+    std::vector<int32_t> toks(context, 7);
+    for (;;) {
+      const cache::SeqId s = be->create_sequence();
+      if (!be->reserve(s, context)) {
+        be->free_sequence(s);
+        break;
+      }
+      seqs.push_back(s);
+      if (write) {
+        BatchItem it{s, toks.data(), context, nullptr, nullptr, true};
+        be->forward({&it, 1});
+      }
+      const cache::MemoryStats m = be->memory_stats();
+      uint64_t page_bytes = 0;
+      for (const cache::StorageClassStats& c : m.by_class) page_bytes += c.page_bytes_in_use;
+      EXPECT_LE(page_bytes, bytes) << cache::kv_scheme_name(scheme);
+    }
+    return seqs.size();
+  };
+  const model::ModelConfig& c = smollm2().config();
+  // bf16: a block of every table is 2 * layers * kv_heads pages of 16 x head_dim bf16.
+  const uint64_t bf16_block = uint64_t(2 * c.n_layers * c.n_kv_heads) * 16 * uint64_t(c.head_dim) * 2;
+  const uint64_t bf16_sequence = 13 * bf16_block;
+  const uint64_t budget = 6 * bf16_sequence + bf16_sequence / 2;
+  EXPECT_EQ(admitted(cache::KvScheme::kBf16, budget, false), 6u);
+  EXPECT_EQ(admitted(cache::KvScheme::kBf16, budget, true), 6u);
+  // fp8 and dither8 pages (a byte an element, with their scales and witness) hold more sequences
+  // in the same bytes; the GAAC calibration here gives every slot the largest escape area, so it
+  // is only held to the bytes.
+  EXPECT_GT(admitted(cache::KvScheme::kFp8E4M3, budget, true), 6u);
+  EXPECT_GT(admitted(cache::KvScheme::kDither8, budget, true), 6u);
+  EXPECT_GE(admitted(cache::KvScheme::kGaac, budget, true), 1u);
+  // Too small for one sequence, or bounded twice: refused by name.
+  BackendConfig small = device_config(cache::KvScheme::kBf16, context, 0);
+  small.pool_bytes = bf16_sequence - 1;
+  EXPECT_THROW(
+      {
+        try {
+          make_backend(smollm2(), small);
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
+          EXPECT_NE(std::string(e.what()).find("cannot hold one sequence"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
+  BackendConfig both = device_config(cache::KvScheme::kBf16, context, 4 * context);
+  both.pool_bytes = budget;
+  EXPECT_THROW(make_backend(smollm2(), both), Error);
+}
+
 }  // namespace
 }  // namespace certkv::backend

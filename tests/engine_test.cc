@@ -168,6 +168,24 @@ TEST(CpuBackend, RefusesBadBatches) {
     EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
     EXPECT_NE(std::string(e.what()).find("pool"), std::string::npos) << e.what();
   }
+  // A pool in bytes of each class's pages is the cuda backend's; bounded twice, refused anywhere.
+  cfg.pool_tokens = 0;
+  cfg.pool_bytes = uint64_t(1) << 24;
+  try {
+    CpuBackend bytes(stories(), cfg);
+    FAIL() << "pool_bytes was accepted by the cpu backend";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kUnsupported);
+    EXPECT_NE(std::string(e.what()).find("pool_bytes"), std::string::npos) << e.what();
+  }
+  cfg.pool_tokens = 64;
+  try {
+    CpuBackend both(stories(), cfg);
+    FAIL() << "pool_tokens and pool_bytes together were accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("not both"), std::string::npos) << e.what();
+  }
 }
 
 // ---- The engine -------------------------------------------------------------------------------

@@ -41,6 +41,12 @@ CheckedConfig check_backend_config(const model::Model& model, const BackendConfi
     fail(StatusCode::kInvalidArgument,
          "the KV pool (" + std::to_string(config.pool_tokens) + " tokens) cannot hold one sequence of the context (" +
              std::to_string(out.context_tokens) + " tokens): enlarge the pool or shorten the context");
+  if (config.pool_bytes > 0 && config.pool_tokens > 0)
+    fail(StatusCode::kInvalidArgument, "the KV pool is bounded by pool_tokens or by pool_bytes, not both");
+  if (config.pool_bytes > 0 && config.device != model::Device::kCuda)
+    fail(StatusCode::kUnsupported,
+         "pool_bytes (a pool in bytes of each class's pages) is served by the cuda backend; the cpu backend's pool "
+         "is counted in tokens (pool_tokens)");
   if (config.n_threads < 1 || config.n_threads > 256)
     fail(StatusCode::kInvalidArgument, "thread count must be in [1, 256]");
   if (config.block_tokens < 1 || config.block_tokens > 4096)

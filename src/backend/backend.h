@@ -125,6 +125,14 @@ struct BackendConfig {
   // table (a sequence's partial tail block takes a whole page); 0: context_tokens.
   // REQUIRES: 0, or at least context_tokens (one sequence must fit).
   int64_t pool_tokens = 0;
+  // Capacity of the page pool in bytes of pages, each class at its own page size (the CUDA
+  // backend): a sequence is charged what its tables will hold, its whole blocks at the scheme's
+  // coded page bytes and a partial tail block at the raw page bytes, so that a compressed scheme
+  // holds more tokens in the same memory (the equal-memory comparison). The pages in use are
+  // counted as they are on the device (a block a GAAC slot could not hold stays raw, and costs
+  // so). 0: pool_tokens bounds the pool. REQUIRES: 0 or, with pool_tokens 0, at least one
+  // sequence of the context; the CPU backend takes 0 only.
+  uint64_t pool_bytes = 0;
   int n_threads = 2;
   int block_tokens = 16;       // tokens per KV page
   int prefill_chunk_tokens = 512;  // a session's prefill runs in chunks of this many tokens

@@ -1013,6 +1013,22 @@ TEST(PagedDecodeCuda, CorruptEntriesAreCountedNotRead) {
     uint32_t corrupt = 0;
     ASSERT_TRUE(read_error_word(p, &corrupt).ok);
     EXPECT_EQ(corrupt, 2u) << page_format_name(f);
+    {
+      // A caller-owned word (PagedDecodeParams::error_word) takes the counts instead, the
+      // workspace's stays as it was, and the word accumulates over launches until it is reset.
+      DeviceBuffer word;
+      ASSERT_TRUE(DeviceBuffer::allocate(sizeof(uint32_t), &word).ok);
+      PagedDecodeParams own = p;
+      own.error_word = reinterpret_cast<uint32_t*>(word.data());
+      ASSERT_TRUE(reset_error_word(own).ok);
+      ASSERT_TRUE(paged_decode(own).ok);
+      ASSERT_TRUE(paged_decode(own).ok);
+      uint32_t counted = 0;
+      ASSERT_TRUE(read_error_word(own, &counted).ok);
+      EXPECT_EQ(counted, 4u) << page_format_name(f);
+      ASSERT_TRUE(read_error_word(p, &corrupt).ok);
+      EXPECT_EQ(corrupt, 2u) << page_format_name(f);
+    }
     std::vector<float> out(q.size());
     ASSERT_EQ(cudaMemcpy(out.data(), p.out, out.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
     for (float x : out) EXPECT_TRUE(std::isfinite(x));

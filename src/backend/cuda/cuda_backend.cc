@@ -115,8 +115,27 @@ class CudaBackend final : public Backend {
           reinterpret_cast<const float*>(rotation_.data());
       throw_if_failed(DeviceBuffer::allocate(sizeof(uint32_t), &index_error_));
     }
-    const int64_t pool_tokens = config.pool_tokens > 0 ? config.pool_tokens : context_tokens_;
-    capacity_pages_ = uint64_t((pool_tokens + config.block_tokens - 1) / config.block_tokens) * pages_per_block();
+    // A block's pages over every (layer, K/V, kv_head) table: coded (what a whole block is stored
+    // as) and raw (a partial tail block); the same for bf16 pages.
+    for (int l = 0; l < c.n_layers; ++l) {
+      const cache::cuda::DeviceLayerView v = cache_->view(l);
+      coded_block_bytes_ += uint64_t(c.n_kv_heads) * uint64_t(v.k_page_stride + v.v_page_stride);
+      raw_block_bytes_ += uint64_t(2 * c.n_kv_heads) * uint64_t(v.raw_page_stride > 0 ? v.raw_page_stride : v.k_page_stride);
+    }
+    if (config.pool_bytes > 0) {
+      capacity_bytes_ = config.pool_bytes;
+      if (charge(context_tokens_) > capacity_bytes_)
+        fail(StatusCode::kInvalidArgument,
+             "the KV pool of " + std::to_string(capacity_bytes_) + " bytes cannot hold one sequence of the context (" +
+                 std::to_string(context_tokens_) + " tokens take " + std::to_string(charge(context_tokens_)) +
+                 " bytes of " + cache::kv_scheme_name(config.kv_scheme) + " pages)");
+      // Pages are bounded by the bytes: as many as the smallest page allows.
+      capacity_pages_ = capacity_bytes_ / std::max<uint64_t>(1, std::min(coded_block_bytes_, raw_block_bytes_) /
+                                                                      pages_per_block()) + pages_per_block();
+    } else {
+      const int64_t pool_tokens = config.pool_tokens > 0 ? config.pool_tokens : context_tokens_;
+      capacity_pages_ = uint64_t((pool_tokens + config.block_tokens - 1) / config.block_tokens) * pages_per_block();
+    }
   }
 
   const char* name() const override { return "cuda"; }
@@ -168,8 +187,24 @@ class CudaBackend final : public Backend {
     if (target <= st.reserved) return true;
     const uint64_t more = uint64_t(blocks(target) - blocks(st.reserved)) * pages_per_block();
     if (pool_pages_in_use() + more > capacity_pages_) return false;
+    if (capacity_bytes_ > 0) {
+      const uint64_t before = charge(st.reserved), after = charge(target);
+      if (after > before && pool_bytes_in_use() + (after - before) > capacity_bytes_) return false;
+    }
     st.reserved = target;
     return true;
+  }
+
+  // Bytes of the pages on the device (a shared page once) plus what the reserved tokens not written
+  // yet will add (BackendConfig::pool_bytes).
+  uint64_t pool_bytes_in_use() const {
+    const cache::cuda::DeviceKvStats s = cache_->stats();
+    uint64_t bytes = s.raw_bytes_in_use + s.coded_bytes_in_use;
+    for (const auto& [id, st] : states_) {
+      const uint64_t reserved = charge(st.reserved), written = charge(st.length);
+      if (reserved > written) bytes += reserved - written;
+    }
+    return bytes;
   }
 
   // Pages on the device (a shared page once) plus the pages reserved for blocks not written yet.
@@ -297,6 +332,12 @@ class CudaBackend final : public Backend {
   }
   const SequenceState& state(cache::SeqId seq) const { return const_cast<CudaBackend*>(this)->state(seq); }
   int64_t blocks(int64_t tokens) const { return (tokens + config_.block_tokens - 1) / config_.block_tokens; }
+  // The page bytes a sequence's tables hold once n tokens are written: its whole blocks coded, a
+  // partial tail block raw.
+  uint64_t charge(int64_t n) const {
+    const int64_t T = config_.block_tokens;
+    return uint64_t(n / T) * coded_block_bytes_ + (n % T != 0 ? raw_block_bytes_ : 0);
+  }
   uint64_t pages_per_block() const {
     return uint64_t(model_.config().n_layers) * 2 * uint64_t(model_.config().n_kv_heads);
   }
@@ -381,6 +422,8 @@ class CudaBackend final : public Backend {
   uint64_t capacity_pages_ = 0;
   std::unique_ptr<cuda::DeviceForward> forward_;
   StepTimes step_times_;
+  // BackendConfig::pool_bytes: the capacity (0: none), and a block's page bytes over every table.
+  uint64_t capacity_bytes_ = 0, coded_block_bytes_ = 0, raw_block_bytes_ = 0;
   std::unique_ptr<cache::cuda::DeviceKvCache> cache_;
   std::unordered_map<cache::SeqId, SequenceState> states_;
   cache::SeqId next_id_ = 1;
