@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Folds the JSON lines of certkv_backend_decode, bench/transformers_decode.py and llama-batched-bench
-(tagged by bench/h200_table_a.sh) from one H200 run into docs/bench/h200_e2e.json (`commit`, `gpu`, `cells`,
+(tagged by bench/h200_e2e_run.sh) from one H200 run into docs/bench/h200_e2e.json (`commit`, `gpu`, `cells`,
 each cell {table, engine, kv, batch, ctx, tok_per_s, step_ms, sequences}) and draws the
 aggregate decode tokens/s per engine and KV class beside it (h200_e2e.png).
 
@@ -26,7 +26,7 @@ def main():
         if not line.startswith("{"):
             continue
         d = json.loads(line)
-        if d.get("engine") == "llama.cpp":  # llama-batched-bench's jsonl, tagged by bench/h200_table_a.sh
+        if d.get("engine") == "llama.cpp":  # llama-batched-bench's jsonl, tagged by bench/h200_e2e_run.sh
             cells.append({"table": "a", "engine": "llama.cpp", "kv": d["kv"], "batch": d["pl"], "ctx": d["pp"],
                           "tok_per_s": round(d["speed_tg"], 2), "step_ms": round(1e3 * d["t_tg"] / d["tg"], 4),
                           "sequences": d["pl"], "ctx_decoded_mean": d["pp"] + (d["tg"] - 1) / 2,
