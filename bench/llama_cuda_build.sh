@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's CUDA tools (llama-batched-bench, llama-bench) on the device machine, offline,
+# Builds llama.cpp's CUDA llama-batched-bench on the device machine, offline,
 # from the llama.cpp sources inside the llama-cpp-python sdist on PyPI: the peer of the H200
 # end-to-end benchmarks (docs/cuda.md). sm_90 only; flash attention kernels for the f16 and q8_0
 # KV types the benchmarks use (GGML_CUDA_FA_ALL_QUANTS off).
@@ -13,6 +13,7 @@
 #   cd /tmp/lcp/llama_cpp_python-0.3.36/vendor && tar czf .../.peers/llama-cpp-src.tar.gz \
 #     --exclude='llama.cpp/models' --exclude='llama.cpp/docs' --exclude='llama.cpp/tests' \
 #     --exclude='llama.cpp/examples' --exclude='llama.cpp/tools/ui' --exclude='llama.cpp/benches' \
+#     --exclude='llama.cpp/app' --exclude='llama.cpp/tools/server' \
 #     --exclude='llama.cpp/ggml/src/ggml-'{sycl,vulkan,opencl,metal,cann,hexagon} \
 #     --exclude='llama.cpp/.git*' llama.cpp
 set -euo pipefail
@@ -25,7 +26,7 @@ rm -rf "$src" && mkdir -p "$src"
 tar xzf "$payload" -C "$src"
 cmake -S "$src/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-  -DLLAMA_BUILD_SERVER=OFF >"$build.configure.log"
-cmake --build "$build" -j"$(nproc)" --target llama-batched-bench llama-bench >"$build.build.log" 2>&1 ||
+  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >"$build.configure.log"
+cmake --build "$build" -j"$(nproc)" --target llama-batched-bench >"$build.build.log" 2>&1 ||
   { tail -30 "$build.build.log" >&2; exit 1; }
 echo "$build/bin"

@@ -223,16 +223,20 @@ CudaStatus DeviceMatmul::multiply(const DeviceMatrix& w, const float* x, int64_t
   const uint16_t* w_hi = reinterpret_cast<const uint16_t*>(w.data.data());
   const uint16_t* w_lo = w_hi + w.n_in * w.n_out;
   // Chunks of at most chunk_rows() rows, each its own split and products (a row's result then
-  // comes from a product of 1 to chunk_rows() rows, whatever the step's row count).
+  // comes from a product of 1 to chunk_rows() rows, whatever the step's row count). The pinned
+  // kernel runs one algorithm for every row count; the heuristic kernel's products run at the whole
+  // chunk's size, so that cuBLAS picks the same kernel whatever the chunk's rows (the columns past
+  // them read stale scratch; a column's sums never read another's).
   const int64_t chunk = chunk_rows();
   for (int64_t r0 = 0; r0 < rows && s.ok; r0 += chunk) {
     const int64_t m = std::min(chunk, rows - r0);
+    const int64_t run = kernel_ == ProductKernel::kPinned ? m : chunk;
     uint16_t* terms = reinterpret_cast<uint16_t*>(split_.data());  // [2][m][n_in]: x_hi, x_lo
     float* t = reinterpret_cast<float*>(partial_.data());            // [2][m][n_out]: W_hi x_hi, W_hi x_lo
     float* u = t + lo_product_offset(w.n_out);                       // [m][n_out]: W_lo x_hi
     s = split_bf16_rows(x + r0 * w.n_in, m, int(w.n_in), terms, stream_);
-    if (s.ok) s = gemm(w_hi, w.n_in, w.n_out, terms, 2 * m, t);
-    if (s.ok) s = gemm(w_lo, w.n_in, w.n_out, terms, m, u);
+    if (s.ok) s = gemm(w_hi, w.n_in, w.n_out, terms, 2 * run, t);
+    if (s.ok) s = gemm(w_lo, w.n_in, w.n_out, terms, run, u);
     if (s.ok) s = sum_split_products(t, u, m, int(w.n_out), y + r0 * w.n_out, stream_);
   }
   return s;
@@ -272,6 +276,9 @@ CudaStatus DeviceMatmul::reserve(int64_t n_in, int64_t n_out) {
   CudaStatus s = cache::cuda::synchronize_stream(stream_);
   if (s.ok && split_.size() < split_bytes) s = cache::cuda::DeviceBuffer::allocate(split_bytes, &split_);
   if (s.ok && partial_.size() < partial_bytes) s = cache::cuda::DeviceBuffer::allocate(partial_bytes, &partial_);
+  // Zeroed once: the heuristic kernel's whole-chunk products read rows past a short chunk's own.
+  if (s.ok && cudaMemset(split_.data(), 0, split_.size()) != cudaSuccess)
+    s = cuda_error(StatusCode::kInternal, "device matmul: zeroing the scratch failed");
   ++generation_;
   return s;
 }

@@ -57,8 +57,11 @@ inline constexpr int64_t kProductRows = 64;
 inline constexpr int64_t kPinnedProductRows = 2048;
 
 // How the three bf16 products run:
-//  - kHeuristic: cublasGemmEx, whose kernel cuBLAS picks per shape, in chunks of kProductRows rows
-//    (rows kept their bits up to 64 on the H200, not at 512);
+//  - kHeuristic: cublasGemmEx, whose kernel cuBLAS picks per shape and row count, in chunks of
+//    kProductRows rows, every chunk's products run at the whole chunk's size (the rows past the
+//    chunk's own read stale scratch and are not used): cuBLAS then picks one kernel per shape, so a
+//    row keeps its bits whatever the rows beside it (on the H100 the kernel picked per row count
+//    moved row 0's bits at 60 rows);
 //  - kPinned: cublasLt with one algorithm per weight shape, chosen once (from cuBLASLt's
 //    heuristic at pin_rows rows, split-K off) and used for every row count, in chunks of
 //    kPinnedProductRows: a row's sums run through the same kernel whatever the rows beside it.
