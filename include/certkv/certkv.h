@@ -436,10 +436,12 @@ typedef struct certkv_engine_params {
                                     must be "cpu" (null) */
   int32_t max_sequences;         /* requests running at once (default 8) */
   int64_t step_tokens;           /* the most tokens one step runs (default 512) */
-  uint64_t pool_bytes;           /* KV pool: bytes of raw pages of the scheme's tail class (bf16,
-                                    or fp8 for the fp8-page schemes) over every layer and head;
-                                    0: room for max_sequences whole contexts. Must hold one
-                                    context */
+  uint64_t pool_bytes;           /* KV pool in bytes over every layer and head. On the CPU:
+                                    bytes of raw pages of the scheme's tail class (bf16, or fp8
+                                    for the fp8-page schemes); on the cuda device: bytes of each
+                                    class's own pages (whole blocks at the scheme's coded page
+                                    size), so compressed schemes hold more. 0: room for
+                                    max_sequences whole contexts. Must hold one context */
   int prefix_sharing;            /* default 1 */
   int32_t meter_recent_steps;    /* metered schemes: the meter of this many recent decode steps
                                     is kept for live views (certkv_engine_recent_meters); in

@@ -852,7 +852,9 @@ certkv_status certkv_engine_create(const certkv_model* model, const certkv_engin
         certkv::cache::kv_scheme_element(c.backend.kv_scheme) == certkv::format::GaacElement::kBf16 ? 2 : 1;
     const uint64_t bytes_per_token =
         2ull * uint64_t(mc.n_layers) * uint64_t(mc.n_kv_heads) * uint64_t(mc.head_dim) * element_bytes;
-    if (p.pool_bytes > 0) {
+    if (p.pool_bytes > 0 && c.backend.device == certkv::model::Device::kCuda) {
+      c.backend.pool_bytes = p.pool_bytes;  // each class at its own page bytes (BackendConfig::pool_bytes)
+    } else if (p.pool_bytes > 0) {
       const uint64_t tokens = p.pool_bytes / bytes_per_token;
       if (tokens < uint64_t(context))
         certkv::fail(certkv::StatusCode::kInvalidArgument,

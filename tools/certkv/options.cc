@@ -67,7 +67,7 @@ std::vector<Option> make_option_table() {
       // The engine.
       {"parallel", '\0', V::kInteger, "N", "8", kBatch, "sequences decoding at once"},
       {"pool-bytes", '\0', V::kInteger, "B", "", kBatch,
-       "KV pool size in bytes of raw pages (default: --parallel whole contexts)"},
+       "KV pool in bytes: of raw pages on the CPU, of each class's own pages with --device cuda (default: --parallel whole contexts)"},
       {"step-tokens", '\0', V::kInteger, "N", "512", kBatch, "the most tokens one step runs (prefill chunking)"},
       {"no-prefix-sharing", '\0', V::kSwitch, "", "", kBatch, "compute every prompt in full"},
       {"preemption", '\0', V::kText, "swap|recompute", "swap", kBatch,
