@@ -55,9 +55,11 @@ if [ "${1:-}" = "--stage-model" ]; then
   exit 0
 fi
 # x86-64-v3 (AVX2, FMA): any H200 host has it, and the host forward pass of the CUDA backend's
-# tests and benchmarks would crawl on baseline x86-64.
+# tests and benchmarks would crawl on baseline x86-64. The CLI links libcertkv.so: its copy goes
+# beside it in .devbin/, where the RPATH entry $ORIGIN finds it (this build tree's path does not
+# exist on the device).
 cmake -S "$root" -B "$root/build-cuda" -DCERTKV_CUDA=ON -DCERTKV_NATIVE=OFF -DCERTKV_BUILD_BENCH=ON \
-  "-DCMAKE_CXX_FLAGS=-march=x86-64-v3" >/dev/null
+  "-DCMAKE_CXX_FLAGS=-march=x86-64-v3" '-DCMAKE_BUILD_RPATH=$ORIGIN' >/dev/null
 cmake --build "$root/build-cuda" -j"$(nproc)" --target certkv_attention_cuda_tests certkv_codec_cuda_tests certkv_cache_cuda_tests certkv_backend_cuda_tests \
   certkv_device_e2e_tests certkv_cuda_decode_bench certkv_cuda_matmul_bench certkv_backend_decode certkv_cli
 mkdir -p "$root/.devbin"
@@ -66,5 +68,7 @@ cp "$root/build-cuda/src/attention/certkv_attention_cuda_tests" "$root/build-cud
   "$root/build-cuda/tests/certkv_device_e2e_tests" "$root/build-cuda/bench/certkv_cuda_decode_bench" \
   "$root/build-cuda/bench/certkv_backend_decode" "$root/build-cuda/bench/certkv_cuda_matmul_bench" \
   "$root/build-cuda/tools/certkv/certkv" "$root/.devbin/"
+soname=$(readelf -d "$root/build-cuda/tools/certkv/certkv" | sed -n 's/.*Shared library: \[\(libcertkv\.so[^]]*\)\].*/\1/p')
+cp -L "$root/build-cuda/src/api/$soname" "$root/.devbin/$soname"
 grep -qx '/.devbin/' "$root/.git/info/exclude" 2>/dev/null || echo '/.devbin/' >> "$root/.git/info/exclude"
 echo "built .devbin/; on the GPU machine (carry .devbin): bash scripts/run_cuda_tests.sh --run"

@@ -2,7 +2,9 @@
 
 #include <httplib.h>
 #include <signal.h>
+#include <sys/socket.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -20,6 +22,9 @@
 namespace certkv::server {
 
 namespace {
+
+// Connections the kernel queues for accept (see HttpServer::bind); 64 clients starting at once fit.
+constexpr int kListenBacklog = 1024;
 
 // How long a handler waits for text before it looks at its client (and, streaming, writes a
 // keep-alive comment).
@@ -90,13 +95,27 @@ HttpServer::~HttpServer() {
 }
 
 int HttpServer::bind() {
+  // Debian's cpp-httplib is a compiled library whose bind listens with a backlog of 5, fixed when
+  // it was built (CPPHTTPLIB_LISTEN_BACKLOG in this unit cannot reach it): connections arriving
+  // together past that are reset, as 64 streaming clients starting at once found on a busy machine.
+  // The socket-options hook sees the socket before bind; a second listen() on the bound socket
+  // sets its backlog (Linux updates the backlog of a listening socket).
+  socket_t listening = INVALID_SOCKET;
+  http_->set_socket_options([&listening](socket_t sock) {
+    httplib::default_socket_options(sock);
+    listening = sock;
+  });
   if (options_.port == 0) {
     port_ = http_->bind_to_any_port(options_.host);
   } else {
     port_ = http_->bind_to_port(options_.host, options_.port) ? options_.port : -1;
   }
+  http_->set_socket_options(httplib::default_socket_options);
   if (port_ <= 0)
     throw std::runtime_error("cannot listen on " + options_.host + ":" + std::to_string(options_.port));
+  if (::listen(listening, kListenBacklog) != 0)
+    throw std::runtime_error("listen(backlog " + std::to_string(kListenBacklog) + ") on " + options_.host + ":" +
+                             std::to_string(port_) + ": " + std::strerror(errno));
   return port_;
 }
 

@@ -2,13 +2,20 @@
 // this binary (SmolLM2, a lossy scheme so the meter has something to certify), driven with
 // httplib's client.
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <httplib.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -239,6 +246,50 @@ TEST(Server, HealthIs503WhileLoadingAndAfterAFailedLoad) {
   EXPECT_EQ(body.at("status"), "error");
   EXPECT_NE(body.at("message").get<std::string>().find("no-such-model"), std::string::npos) << body.dump();
   loading.stop();
+  listener.join();
+}
+
+// Regression: Debian's compiled cpp-httplib listens with a backlog of 5, and 64 streaming clients
+// starting at once on a busy machine were reset (server_load). Bound but not yet accepting, the
+// server's socket must let 64 connections complete, as they do with a backlog of 64 or more
+// (with 5, the kernel completes 6 and drops the other SYNs).
+TEST(Server, SixtyFourConnectionsQueueBeforeTheFirstAccept) {
+  ServerOptions o = test_options();
+  o.model_path = testing::models_path("no-such-model.gguf");
+  HttpServer queued(o);
+  const int port = queued.bind();
+  constexpr int kClients = 64;
+  std::vector<pollfd> clients;
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(uint16_t(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  for (int i = 0; i < kClients; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    const int rc = connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address);
+    ASSERT_TRUE(rc == 0 || errno == EINPROGRESS) << std::strerror(errno);
+    clients.push_back(pollfd{fd, POLLOUT, 0});
+  }
+  // Completed handshakes are writable at once; a dropped SYN is retried only after a second.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+  int connected = 0;
+  for (pollfd& p : clients) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (poll(&p, 1, int(std::max<int64_t>(0, left.count()))) == 1 && (p.revents & POLLOUT)) {
+      int error = 0;
+      socklen_t n = sizeof error;
+      getsockopt(p.fd, SOL_SOCKET, SO_ERROR, &error, &n);
+      connected += error == 0;
+    }
+  }
+  for (pollfd& p : clients) close(p.fd);
+  EXPECT_EQ(connected, kClients);
+  std::thread listener([&] { queued.listen(); });
+  auto health = httplib::Client("127.0.0.1", port).Get("/health");
+  ASSERT_TRUE(health);  // listening: stop() ends it
+  queued.stop();
   listener.join();
 }
 

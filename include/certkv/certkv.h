@@ -11,6 +11,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "certkv/certkv_export.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -28,9 +30,9 @@ typedef enum certkv_status {
 } certkv_status;
 
 /* Static string for a status ("ok", "not found", ...). */
-const char* certkv_status_string(certkv_status status);
+CERTKV_API const char* certkv_status_string(certkv_status status);
 /* Message of the last failed call on this thread ("" if none). Valid until the next call. */
-const char* certkv_last_error(void);
+CERTKV_API const char* certkv_last_error(void);
 
 /* ---- Models ------------------------------------------------------------------------------ */
 
@@ -54,25 +56,25 @@ typedef struct certkv_model_info {
 } certkv_model_info;
 
 /* Loads a GGUF file or a Hugging Face folder (config.json, *.safetensors, tokenizer.json). */
-certkv_status certkv_model_load(const char* path, certkv_model** out);
+CERTKV_API certkv_status certkv_model_load(const char* path, certkv_model** out);
 /* Loads a llama2.c legacy checkpoint and its tokenizer.bin. */
-certkv_status certkv_model_load_llama2c(const char* checkpoint_path, const char* tokenizer_path,
-                                        certkv_model** out);
-void certkv_model_free(certkv_model* model);
-certkv_status certkv_model_get_info(const certkv_model* model, certkv_model_info* info);
+CERTKV_API certkv_status certkv_model_load_llama2c(const char* checkpoint_path,
+                                                   const char* tokenizer_path, certkv_model** out);
+CERTKV_API void certkv_model_free(certkv_model* model);
+CERTKV_API certkv_status certkv_model_get_info(const certkv_model* model, certkv_model_info* info);
 
 /* add_special: add BOS when the model's vocabulary asks for it (tokenizer.ggml.add_bos_token).
  * parse_special: control-token text such as "<|im_start|>" becomes that token.
  * tokens: [capacity]. On success *n_tokens is the count written. If capacity is too small,
  * returns CERTKV_ERR_OUT_OF_RANGE with *n_tokens set to the count needed. */
-certkv_status certkv_tokenize(const certkv_model* model, const char* text, size_t text_bytes,
-                              int add_special, int parse_special, int32_t* tokens,
-                              int32_t capacity, int32_t* n_tokens);
+CERTKV_API certkv_status certkv_tokenize(const certkv_model* model, const char* text,
+                                         size_t text_bytes, int add_special, int parse_special,
+                                         int32_t* tokens, int32_t capacity, int32_t* n_tokens);
 /* Bytes of one token (no NUL added). buf: [capacity]; *n_bytes as for certkv_tokenize. */
-certkv_status certkv_token_to_piece(const certkv_model* model, int32_t token, char* buf,
-                                    size_t capacity, size_t* n_bytes);
+CERTKV_API certkv_status certkv_token_to_piece(const certkv_model* model, int32_t token, char* buf,
+                                               size_t capacity, size_t* n_bytes);
 /* 1 if the token ends a generation (end of sequence / end of turn), else 0. */
-int certkv_token_is_end(const certkv_model* model, int32_t token);
+CERTKV_API int certkv_token_is_end(const certkv_model* model, int32_t token);
 
 typedef struct certkv_chat_message {
   const char* role; /* "system", "user", "assistant" */
@@ -81,10 +83,10 @@ typedef struct certkv_chat_message {
 
 /* Formats messages with the model's chat template (NUL-terminated into buf[capacity]);
  * *n_bytes excludes the NUL; too small a buffer: CERTKV_ERR_OUT_OF_RANGE, *n_bytes = needed. */
-certkv_status certkv_apply_chat_template(const certkv_model* model,
-                                         const certkv_chat_message* messages, size_t n_messages,
-                                         int add_generation_prompt, char* buf, size_t capacity,
-                                         size_t* n_bytes);
+CERTKV_API certkv_status certkv_apply_chat_template(const certkv_model* model,
+                                                    const certkv_chat_message* messages,
+                                                    size_t n_messages, int add_generation_prompt,
+                                                    char* buf, size_t capacity, size_t* n_bytes);
 
 /* ---- Sessions (one sequence with its own paged KV cache) ---------------------------------- */
 
@@ -158,10 +160,11 @@ typedef struct certkv_session_params {
                                     7); CPU decode only. Must be null for the other schemes */
 } certkv_session_params;
 
-certkv_session_params certkv_session_default_params(void);
-certkv_status certkv_session_create(const certkv_model* model, const certkv_session_params* params,
-                                    certkv_session** out);
-void certkv_session_free(certkv_session* session);
+CERTKV_API certkv_session_params certkv_session_default_params(void);
+CERTKV_API certkv_status certkv_session_create(const certkv_model* model,
+                                               const certkv_session_params* params,
+                                               certkv_session** out);
+CERTKV_API void certkv_session_free(certkv_session* session);
 
 /* Progress of a long prefill, called after each chunk: tokens done and in all. */
 typedef void (*certkv_progress_fn)(void* user, int64_t done_tokens, int64_t total_tokens);
@@ -169,13 +172,14 @@ typedef void (*certkv_progress_fn)(void* user, int64_t done_tokens, int64_t tota
 /* Appends tokens to the session's sequence.
  * tokens: [n_tokens]; logits: [n_vocab] of the last token, or NULL; all_logits: [n_tokens][n_vocab]
  * or NULL. progress may be NULL. */
-certkv_status certkv_session_prefill(certkv_session* session, const int32_t* tokens,
-                                     int32_t n_tokens, float* logits, float* all_logits,
-                                     certkv_progress_fn progress, void* progress_user);
+CERTKV_API certkv_status certkv_session_prefill(certkv_session* session, const int32_t* tokens,
+                                                int32_t n_tokens, float* logits, float* all_logits,
+                                                certkv_progress_fn progress, void* progress_user);
 /* One token; logits: [n_vocab]. */
-certkv_status certkv_session_decode(certkv_session* session, int32_t token, float* logits);
-certkv_status certkv_session_reset(certkv_session* session);
-int64_t certkv_session_n_past(const certkv_session* session);
+CERTKV_API certkv_status certkv_session_decode(certkv_session* session, int32_t token,
+                                               float* logits);
+CERTKV_API certkv_status certkv_session_reset(certkv_session* session);
+CERTKV_API int64_t certkv_session_n_past(const certkv_session* session);
 
 /* Pages of one storage class of the KV cache. */
 typedef struct certkv_kv_class_stats {
@@ -202,19 +206,21 @@ typedef struct certkv_kv_stats {
   certkv_kv_class_stats by_class[CERTKV_MAX_KV_CLASSES];
 } certkv_kv_stats;
 
-certkv_status certkv_session_kv_stats(const certkv_session* session, certkv_kv_stats* stats);
+CERTKV_API certkv_status certkv_session_kv_stats(const certkv_session* session,
+                                                 certkv_kv_stats* stats);
 
 /* Reads cached K (kv = 0) or V (kv = 1) of one layer and kv_head for positions [begin, end).
  * out: [end - begin][head_dim] bf16 bit patterns (lossy pages: their reconstruction rounded to
  * bf16). */
-certkv_status certkv_session_read_kv(const certkv_session* session, int32_t layer, int32_t kv,
-                                     int32_t kv_head, int64_t begin, int64_t end, uint16_t* out);
+CERTKV_API certkv_status certkv_session_read_kv(const certkv_session* session, int32_t layer,
+                                                int32_t kv, int32_t kv_head, int64_t begin,
+                                                int64_t end, uint16_t* out);
 /* As certkv_session_read_kv, in float: exact = 0 gives what attention reads (a lossy page's
  * reconstruction), exact = 1 the exact values (lossy pages from the backing store).
  * out: [end - begin][head_dim] float. */
-certkv_status certkv_session_read_kv_f32(const certkv_session* session, int32_t layer, int32_t kv,
-                                         int32_t kv_head, int64_t begin, int64_t end, int exact,
-                                         float* out);
+CERTKV_API certkv_status certkv_session_read_kv_f32(const certkv_session* session, int32_t layer,
+                                                    int32_t kv, int32_t kv_head, int64_t begin,
+                                                    int64_t end, int exact, float* out);
 
 /* ---- The meter (lossy schemes) ------------------------------------------------------------- */
 
@@ -236,8 +242,9 @@ typedef struct certkv_meter_stats {
   uint64_t exact_fallback_blocks;  /* blocks kept exact (non-finite values or scale overflow) */
 } certkv_meter_stats;
 
-certkv_status certkv_session_meter_stats(const certkv_session* session, certkv_meter_stats* stats);
-certkv_status certkv_session_meter_reset(certkv_session* session);
+CERTKV_API certkv_status certkv_session_meter_stats(const certkv_session* session,
+                                                    certkv_meter_stats* stats);
+CERTKV_API certkv_status certkv_session_meter_reset(certkv_session* session);
 
 /* Audit: when enabled, every metered step also computes the true total variation between the
  * exact attention (keys from the backing store) and the compressed one, per (layer, query head),
@@ -254,15 +261,18 @@ typedef struct certkv_audit_stats {
 
 /* dump_cells > 0 keeps that many sampled cells (and the cells of largest TV and meter) with
  * their query and keys for certkv_session_audit_dump. */
-certkv_status certkv_session_audit_enable(certkv_session* session, int32_t dump_cells, uint64_t seed);
-certkv_status certkv_session_audit_stats(const certkv_session* session, certkv_audit_stats* stats);
+CERTKV_API certkv_status certkv_session_audit_enable(certkv_session* session, int32_t dump_cells,
+                                                     uint64_t seed);
+CERTKV_API certkv_status certkv_session_audit_stats(const certkv_session* session,
+                                                    certkv_audit_stats* stats);
 /* Per-layer audit: n_layers entries of (cells, violations, coverage). */
-certkv_status certkv_session_audit_layer(const certkv_session* session, int32_t layer,
-                                         int64_t* cells, int64_t* violations, double* coverage);
+CERTKV_API certkv_status certkv_session_audit_layer(const certkv_session* session, int32_t layer,
+                                                    int64_t* cells, int64_t* violations,
+                                                    double* coverage);
 /* Writes the kept cells to a safetensors file: cell{i}.q [head_dim] f32, cell{i}.k [S][head_dim]
  * f32 (exact), cell{i}.k_hat [S][head_dim] f32 (what attention read), cell{i}.scale [1] f32,
  * cell{i}.meter [1] f64; metadata names each cell's layer, head, step and the scheme. */
-certkv_status certkv_session_audit_dump(const certkv_session* session, const char* path);
+CERTKV_API certkv_status certkv_session_audit_dump(const certkv_session* session, const char* path);
 
 /* ---- The device route ---------------------------------------------------------------------- */
 
@@ -282,7 +292,8 @@ typedef struct certkv_device_stats {
   int64_t sparse_calls;          /* of attention_calls, sparse decode (kv bf16 with sparse_p) */
 } certkv_device_stats;
 
-certkv_status certkv_session_device_stats(const certkv_session* session, certkv_device_stats* stats);
+CERTKV_API certkv_status certkv_session_device_stats(const certkv_session* session,
+                                                     certkv_device_stats* stats);
 
 /* ---- Sparse decode ------------------------------------------------------------------------- */
 
@@ -305,11 +316,12 @@ typedef struct certkv_sparse_stats {
                                     context tokens (the widening's share of the budget) */
 } certkv_sparse_stats;
 
-certkv_status certkv_session_sparse_stats(const certkv_session* session, certkv_sparse_stats* stats);
+CERTKV_API certkv_status certkv_session_sparse_stats(const certkv_session* session,
+                                                     certkv_sparse_stats* stats);
 /* Per layer: sparse cells and their mean budget (0 cells for the dense layers). */
-certkv_status certkv_session_sparse_layer(const certkv_session* session, int32_t layer,
-                                          int64_t* cells, double* mean_budget);
-certkv_status certkv_session_sparse_reset(certkv_session* session);
+CERTKV_API certkv_status certkv_session_sparse_layer(const certkv_session* session, int32_t layer,
+                                                     int64_t* cells, double* mean_budget);
+CERTKV_API certkv_status certkv_session_sparse_reset(certkv_session* session);
 
 /* Sparse audit: when enabled, every sparse (layer, query head, step) also computes exact
  * attention over every token beside the sparse one: recall (the exact attention mass of the
@@ -332,22 +344,25 @@ typedef struct certkv_sparse_audit_stats {
 } certkv_sparse_audit_stats;
 
 /* dump_cells > 0 keeps that many sampled cells for certkv_session_sparse_audit_dump. */
-certkv_status certkv_session_sparse_audit_enable(certkv_session* session, int32_t dump_cells,
-                                                 uint64_t seed);
-certkv_status certkv_session_sparse_audit_stats(const certkv_session* session,
-                                                certkv_sparse_audit_stats* stats);
-certkv_status certkv_session_sparse_audit_layer(const certkv_session* session, int32_t layer,
-                                                int64_t* cells, double* mean_budget,
-                                                double* mean_recall, double* min_recall);
+CERTKV_API certkv_status certkv_session_sparse_audit_enable(certkv_session* session,
+                                                            int32_t dump_cells, uint64_t seed);
+CERTKV_API certkv_status certkv_session_sparse_audit_stats(const certkv_session* session,
+                                                           certkv_sparse_audit_stats* stats);
+CERTKV_API certkv_status certkv_session_sparse_audit_layer(const certkv_session* session,
+                                                           int32_t layer, int64_t* cells,
+                                                           double* mean_budget, double* mean_recall,
+                                                           double* min_recall);
 /* Writes the kept cells to a safetensors file: cell{i}.q [head_dim] f32 (post-RoPE query),
  * cell{i}.k [S][head_dim] f32 (exact keys), cell{i}.scale [1] f32, cell{i}.attended [n] i32
  * (every token the sparse step attended: selected, then the window); metadata names each
  * cell's layer, head, step, n_indexed and recall (exact attention mass of the attended set). */
-certkv_status certkv_session_sparse_audit_dump(const certkv_session* session, const char* path);
+CERTKV_API certkv_status certkv_session_sparse_audit_dump(const certkv_session* session,
+                                                          const char* path);
 
 /* Post-RoPE queries of the last position. out: [n_heads][head_dim] float.
  * REQUIRES: the session was created with capture_queries. */
-certkv_status certkv_session_last_queries(const certkv_session* session, int32_t layer, float* out);
+CERTKV_API certkv_status certkv_session_last_queries(const certkv_session* session, int32_t layer,
+                                                     float* out);
 
 /* ---- Sampling ------------------------------------------------------------------------------ */
 
@@ -360,12 +375,13 @@ typedef struct certkv_sampler_params {
   uint64_t seed;
 } certkv_sampler_params;
 
-certkv_sampler_params certkv_sampler_default_params(void);
-certkv_status certkv_sampler_create(const certkv_sampler_params* params, certkv_sampler** out);
-void certkv_sampler_free(certkv_sampler* sampler);
+CERTKV_API certkv_sampler_params certkv_sampler_default_params(void);
+CERTKV_API certkv_status certkv_sampler_create(const certkv_sampler_params* params,
+                                               certkv_sampler** out);
+CERTKV_API void certkv_sampler_free(certkv_sampler* sampler);
 /* logits: [n_vocab] */
-certkv_status certkv_sampler_sample(certkv_sampler* sampler, const float* logits, int32_t n_vocab,
-                                    int32_t* token);
+CERTKV_API certkv_status certkv_sampler_sample(certkv_sampler* sampler, const float* logits,
+                                               int32_t n_vocab, int32_t* token);
 
 /* ---- Generation -------------------------------------------------------------------------- */
 
@@ -388,15 +404,16 @@ typedef struct certkv_generate_result {
   double decode_seconds;  /* those decode steps with their sampling */
 } certkv_generate_result;
 
-certkv_generate_params certkv_generate_default_params(void);
+CERTKV_API certkv_generate_params certkv_generate_default_params(void);
 /* Prefills prompt tokens (tokens: [n_tokens]) and generates up to max_new_tokens. The first
  * generated token comes from the prefill logits; decode_seconds covers the remaining ones. */
-certkv_status certkv_generate(certkv_session* session, const int32_t* tokens, int32_t n_tokens,
-                              const certkv_generate_params* params, certkv_token_fn on_token,
-                              void* user, certkv_generate_result* result);
+CERTKV_API certkv_status certkv_generate(certkv_session* session, const int32_t* tokens,
+                                         int32_t n_tokens, const certkv_generate_params* params,
+                                         certkv_token_fn on_token, void* user,
+                                         certkv_generate_result* result);
 
 /* Peak resident set size of this process, bytes (0 where unknown). */
-uint64_t certkv_peak_rss_bytes(void);
+CERTKV_API uint64_t certkv_peak_rss_bytes(void);
 
 /* ---- KV schemes ---------------------------------------------------------------------------- */
 
@@ -414,12 +431,12 @@ typedef struct certkv_kv_scheme_info {
   int32_t default_window_tokens; /* lossy: newest tokens kept bf16 by default */
 } certkv_kv_scheme_info;
 
-int32_t certkv_kv_scheme_count(void);
+CERTKV_API int32_t certkv_kv_scheme_count(void);
 /* index in [0, certkv_kv_scheme_count()). */
-certkv_status certkv_kv_scheme_get(int32_t index, certkv_kv_scheme_info* info);
+CERTKV_API certkv_status certkv_kv_scheme_get(int32_t index, certkv_kv_scheme_info* info);
 
 /* "0.1.0": the library's version. */
-const char* certkv_version(void);
+CERTKV_API const char* certkv_version(void);
 
 /* ---- The engine (many sequences, continuous batching over one page pool) ----------------- */
 
@@ -451,10 +468,11 @@ typedef struct certkv_engine_params {
                                     "recompute"d later; NULL: the engine's default (swap) */
 } certkv_engine_params;
 
-certkv_engine_params certkv_engine_default_params(void);
-certkv_status certkv_engine_create(const certkv_model* model, const certkv_engine_params* params,
-                                   certkv_engine** out);
-void certkv_engine_free(certkv_engine* engine);
+CERTKV_API certkv_engine_params certkv_engine_default_params(void);
+CERTKV_API certkv_status certkv_engine_create(const certkv_model* model,
+                                              const certkv_engine_params* params,
+                                              certkv_engine** out);
+CERTKV_API void certkv_engine_free(certkv_engine* engine);
 
 typedef struct certkv_request_params {
   const int32_t* prompt;         /* [n_prompt] tokens (BOS included where the model wants it) */
@@ -466,11 +484,11 @@ typedef struct certkv_request_params {
   int ignore_end;                /* keep generating past end-of-generation tokens */
 } certkv_request_params;
 
-certkv_request_params certkv_request_default_params(void);
+CERTKV_API certkv_request_params certkv_request_default_params(void);
 /* Queues a request; *id names it. A bad request (too long for the context: OUT_OF_RANGE; empty,
  * a token outside the vocabulary, bad sampling: INVALID_ARGUMENT) fails alone. */
-certkv_status certkv_engine_submit(certkv_engine* engine, const certkv_request_params* params,
-                                   int64_t* id);
+CERTKV_API certkv_status certkv_engine_submit(certkv_engine* engine,
+                                              const certkv_request_params* params, int64_t* id);
 
 /* Called after each generated token with the text it completed (possibly none yet: bytes held
  * back until a UTF-8 character or a stop string is decided; token -1: the held-back text at the
@@ -479,12 +497,13 @@ typedef int (*certkv_engine_token_fn)(void* user, int64_t request, int32_t token
                                       size_t n_bytes);
 
 /* One batched step; *active (may be NULL) is 1 while requests remain. */
-certkv_status certkv_engine_step(certkv_engine* engine, certkv_engine_token_fn on_token, void* user,
-                                 int* active);
+CERTKV_API certkv_status certkv_engine_step(certkv_engine* engine, certkv_engine_token_fn on_token,
+                                            void* user, int* active);
 /* Steps until no request remains. */
-certkv_status certkv_engine_run(certkv_engine* engine, certkv_engine_token_fn on_token, void* user);
+CERTKV_API certkv_status certkv_engine_run(certkv_engine* engine, certkv_engine_token_fn on_token,
+                                           void* user);
 /* Frees the request's pages at once; it finishes as "cancelled". */
-certkv_status certkv_engine_cancel(certkv_engine* engine, int64_t id);
+CERTKV_API certkv_status certkv_engine_cancel(certkv_engine* engine, int64_t id);
 
 /* Pages of one storage class referenced by a request's sequence (shared pages in full). */
 typedef struct certkv_class_bytes {
@@ -524,8 +543,8 @@ typedef struct certkv_request_result {
                                     "" otherwise; owned by the engine until certkv_engine_release */
 } certkv_request_result;
 
-certkv_status certkv_engine_result(const certkv_engine* engine, int64_t id,
-                                   certkv_request_result* result);
+CERTKV_API certkv_status certkv_engine_result(const certkv_engine* engine, int64_t id,
+                                              certkv_request_result* result);
 
 /* The certificate of one layer of a request: its meter over the request's decode steps. */
 typedef struct certkv_layer_meter {
@@ -538,14 +557,15 @@ typedef struct certkv_layer_meter {
 /* Per layer, the meter of a request (metered schemes). out: [capacity], layer i at out[i];
  * *n set to the count: the model's layers, 0 when the request is not metered (OUT_OF_RANGE,
  * with *n the count needed, when capacity is short). */
-certkv_status certkv_engine_result_layers(const certkv_engine* engine, int64_t id,
-                                          certkv_layer_meter* out, size_t capacity, size_t* n);
+CERTKV_API certkv_status certkv_engine_result_layers(const certkv_engine* engine, int64_t id,
+                                                     certkv_layer_meter* out, size_t capacity,
+                                                     size_t* n);
 /* Inter-token latencies of a request, ms. out: [capacity]; *n set to the count (OUT_OF_RANGE,
  * with *n the count needed, when capacity is short). */
-certkv_status certkv_engine_itl(const certkv_engine* engine, int64_t id, double* out,
-                                size_t capacity, size_t* n);
+CERTKV_API certkv_status certkv_engine_itl(const certkv_engine* engine, int64_t id, double* out,
+                                           size_t capacity, size_t* n);
 /* Forgets a finished request. */
-certkv_status certkv_engine_release(certkv_engine* engine, int64_t id);
+CERTKV_API certkv_status certkv_engine_release(certkv_engine* engine, int64_t id);
 
 typedef struct certkv_engine_stats {
   int64_t steps, prefill_tokens, decode_tokens;
@@ -573,7 +593,8 @@ typedef struct certkv_engine_stats {
                                     prefixes alone (evictable) */
 } certkv_engine_stats;
 
-certkv_status certkv_engine_get_stats(const certkv_engine* engine, certkv_engine_stats* stats);
+CERTKV_API certkv_status certkv_engine_get_stats(const certkv_engine* engine,
+                                                 certkv_engine_stats* stats);
 
 /* ---- Safetensors files --------------------------------------------------------------------- */
 
@@ -596,9 +617,11 @@ typedef struct certkv_metadata_entry {
  * string values) to a safetensors file at path, replacing it. INVALID_ARGUMENT for a null
  * argument, an unknown dtype, a repeated name or key, or n_bytes that do not match the shape;
  * IO (naming the path) when the file cannot be written. */
-certkv_status certkv_safetensors_write(const char* path, const certkv_tensor_view* tensors,
-                                       size_t n_tensors, const certkv_metadata_entry* metadata,
-                                       size_t n_metadata);
+CERTKV_API certkv_status certkv_safetensors_write(const char* path,
+                                                  const certkv_tensor_view* tensors,
+                                                  size_t n_tensors,
+                                                  const certkv_metadata_entry* metadata,
+                                                  size_t n_metadata);
 
 /* ---- Evaluation: teacher-forced quality ---------------------------------------------------- */
 
@@ -611,8 +634,8 @@ typedef struct certkv_position_quality {
 
 /* ref, test: [n_vocab] logits. INVALID_ARGUMENT for a null pointer, n_vocab < 1 or a non-finite
  * logit (the message names "ref" or "test" and the index). */
-certkv_status certkv_compare_logits(const float* ref, const float* test, int32_t n_vocab,
-                                    certkv_position_quality* out);
+CERTKV_API certkv_status certkv_compare_logits(const float* ref, const float* test, int32_t n_vocab,
+                                               certkv_position_quality* out);
 
 typedef struct certkv_quality_summary {
   int64_t n_positions;
@@ -624,8 +647,8 @@ typedef struct certkv_quality_summary {
 
 /* positions: [n] (n may be 0: every field 0). INVALID_ARGUMENT for a value no comparison gives
  * (negative or non-finite kl, overlap outside [0, 1]). */
-certkv_status certkv_quality_summarize(const certkv_position_quality* positions, size_t n,
-                                       certkv_quality_summary* out);
+CERTKV_API certkv_status certkv_quality_summarize(const certkv_position_quality* positions,
+                                                  size_t n, certkv_quality_summary* out);
 
 /* ---- Evaluation: needle tasks ------------------------------------------------------------- */
 
@@ -646,16 +669,16 @@ typedef struct certkv_needle_params {
  * negative value on failure. */
 typedef int64_t (*certkv_count_tokens_fn)(void* user, const char* text, size_t n_bytes);
 
-certkv_needle_params certkv_needle_default_params(void);
+CERTKV_API certkv_needle_params certkv_needle_default_params(void);
 /* INVALID_ARGUMENT naming the variant when it is not one of the four. */
-certkv_status certkv_needle_check_variant(const char* variant);
+CERTKV_API certkv_status certkv_needle_check_variant(const char* variant);
 /* INVALID_ARGUMENT for an unknown variant, a null count_tokens, a target too small to hold the
  * needles and the question (the message names the tokens they need) or one that cannot be
  * filled; NOT_FOUND / IO naming a corpus file that cannot be read. */
-certkv_status certkv_needle_task_create(const certkv_needle_params* params,
-                                        certkv_count_tokens_fn count_tokens, void* user,
-                                        certkv_needle_task** out);
-void certkv_needle_task_free(certkv_needle_task* task);
+CERTKV_API certkv_status certkv_needle_task_create(const certkv_needle_params* params,
+                                                   certkv_count_tokens_fn count_tokens, void* user,
+                                                   certkv_needle_task** out);
+CERTKV_API void certkv_needle_task_free(certkv_needle_task* task);
 
 /* Strings owned by the task. */
 typedef struct certkv_needle_task_info {
@@ -668,12 +691,12 @@ typedef struct certkv_needle_task_info {
   int64_t prompt_tokens;
 } certkv_needle_task_info;
 
-certkv_status certkv_needle_task_get_info(const certkv_needle_task* task,
-                                          certkv_needle_task_info* info);
+CERTKV_API certkv_status certkv_needle_task_get_info(const certkv_needle_task* task,
+                                                     certkv_needle_task_info* info);
 /* generated: [n_bytes]. *exact_match: every answer appears as a whole number; *recall: the
  * fraction that does (either pointer may be NULL). */
-certkv_status certkv_needle_score(const certkv_needle_task* task, const char* generated,
-                                  size_t n_bytes, int* exact_match, double* recall);
+CERTKV_API certkv_status certkv_needle_score(const certkv_needle_task* task, const char* generated,
+                                             size_t n_bytes, int* exact_match, double* recall);
 
 /* ---- GAAC on KV dumps ---------------------------------------------------------------------- */
 
@@ -737,18 +760,18 @@ typedef struct certkv_gaac_layer_report {
  * calibration of another model shape or element, a file that is neither a KV dump nor a
  * calibration; CORRUPT / NOT_FOUND / IO naming the file; UNSUPPORTED for a head_dim GAAC does
  * not tile. Pages that fail to round-trip are reported (verify_ok 0), not an error. */
-certkv_gaac_measure_params certkv_gaac_measure_default_params(void);
-certkv_status certkv_gaac_measure(const certkv_gaac_measure_params* params,
-                                  certkv_gaac_report** out);
-void certkv_gaac_report_free(certkv_gaac_report* report);
-certkv_status certkv_gaac_report_get_info(const certkv_gaac_report* report,
-                                          certkv_gaac_report_info* info);
+CERTKV_API certkv_gaac_measure_params certkv_gaac_measure_default_params(void);
+CERTKV_API certkv_status certkv_gaac_measure(const certkv_gaac_measure_params* params,
+                                             certkv_gaac_report** out);
+CERTKV_API void certkv_gaac_report_free(certkv_gaac_report* report);
+CERTKV_API certkv_status certkv_gaac_report_get_info(const certkv_gaac_report* report,
+                                                     certkv_gaac_report_info* info);
 /* index in [0, n_layers): the dump's layers ascending. */
-certkv_status certkv_gaac_report_layer(const certkv_gaac_report* report, int32_t index,
-                                       certkv_gaac_layer_report* out);
+CERTKV_API certkv_status certkv_gaac_report_layer(const certkv_gaac_report* report, int32_t index,
+                                                  certkv_gaac_layer_report* out);
 /* index in [0, n_segments): tokens [index * segment_tokens, ...); k, v without speeds. */
-certkv_status certkv_gaac_report_segment(const certkv_gaac_report* report, int32_t index,
-                                         certkv_gaac_tally* k, certkv_gaac_tally* v);
+CERTKV_API certkv_status certkv_gaac_report_segment(const certkv_gaac_report* report, int32_t index,
+                                                    certkv_gaac_tally* k, certkv_gaac_tally* v);
 /* One decode step of certkv_engine_recent_meters. */
 typedef struct certkv_meter_step {
   int64_t step;                  /* its number: the engine's forward steps (steps that ran
@@ -765,9 +788,10 @@ typedef struct certkv_meter_step {
  * NULL when capacity is 0). *n is set to their count (OUT_OF_RANGE, with *n the count needed, when
  * capacity is short); *n_layers and *n_heads (each may be NULL) to the shape. A scheme that is not
  * metered, or meter_recent_steps 0, keeps none: *n = 0. after_step < 0: INVALID_ARGUMENT. */
-certkv_status certkv_engine_recent_meters(const certkv_engine* engine, int64_t after_step,
-                                          certkv_meter_step* steps, float* meters, size_t capacity,
-                                          size_t* n, int32_t* n_layers, int32_t* n_heads);
+CERTKV_API certkv_status certkv_engine_recent_meters(const certkv_engine* engine,
+                                                     int64_t after_step, certkv_meter_step* steps,
+                                                     float* meters, size_t capacity, size_t* n,
+                                                     int32_t* n_layers, int32_t* n_heads);
 
 #ifdef __cplusplus
 }
