@@ -50,7 +50,8 @@ if [ "${1:-}" = "--stage-model" ]; then
   rm -rf "$root/.devmodel" && mkdir -p "$root/.devmodel"
   split -n 2 -d "$model" "$root/.devmodel/model.part-"
   cp "$root/tests/data/corpus/austen-emma.txt" "$root/tests/data/corpus/melville-moby-dick.txt" "$root/.devmodel/"
-  grep -qx '/.devmodel/' "$root/.git/info/exclude" 2>/dev/null || echo '/.devmodel/' >> "$root/.git/info/exclude"
+  exclude=$(git -C "$root" rev-parse --path-format=absolute --git-path info/exclude)  # a worktree's .git is a file
+  grep -qx '/.devmodel/' "$exclude" 2>/dev/null || echo '/.devmodel/' >> "$exclude"
   ls -la "$root/.devmodel"
   exit 0
 fi
@@ -70,5 +71,7 @@ cp "$root/build-cuda/src/attention/certkv_attention_cuda_tests" "$root/build-cud
   "$root/build-cuda/tools/certkv/certkv" "$root/.devbin/"
 soname=$(readelf -d "$root/build-cuda/tools/certkv/certkv" | sed -n 's/.*Shared library: \[\(libcertkv\.so[^]]*\)\].*/\1/p')
 cp -L "$root/build-cuda/src/api/$soname" "$root/.devbin/$soname"
-grep -qx '/.devbin/' "$root/.git/info/exclude" 2>/dev/null || echo '/.devbin/' >> "$root/.git/info/exclude"
+exclude=$(git -C "$root" rev-parse --path-format=absolute --git-path info/exclude)  # a worktree's .git is a file
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.devbin/' "$exclude" 2>/dev/null || echo '/.devbin/' >> "$exclude"
 echo "built .devbin/; on the GPU machine (carry .devbin): bash scripts/run_cuda_tests.sh --run"
