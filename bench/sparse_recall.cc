@@ -5,6 +5,12 @@
 // estimator's error. No GPU needed.
 //
 //   certkv_sparse_recall --kv .benchkv/kv.safetensors [--shape 32x8] [--contexts 65536,131072]
+//                        [--jsonl OUT] [--label TEXT]
+//
+// A context longer than the file's tokens tiles them (the benchmark's KV of 4,096 real tokens tiled
+// 32 times at 128K); a context of the file's length (an untiled dump) reads each token once.
+// --jsonl also writes one JSON object per (context, rule): label, source, tokens, tiles, ctx, p,
+// margin, deviations, recall_mean, recall_min, budget_mean, reach_median, reach_max.
 //
 // Rules, per query head (the window's 128 last tokens always attended):
 //   p P            Top-p at mass P over the estimated logits: {t : l~_t >= theta_P}
@@ -14,7 +20,7 @@
 //                  the CPU path and the CUDA selection take): {t : l~_t + Z sigma_t >= theta_P},
 //                  sigma_t = sm_scale ||q - c_q|| ||k_t - c_k|| / sqrt(D - 1) (docs/sparse.md)
 // Recall: the exact softmax mass of the attended set; budget: attended tokens / context. Reach: the
-// largest gap bucket (1/64 logit below the row's largest estimated logit, index/top_p.h's a_t) of
+// largest gap bucket (1/256 logit below the row's largest estimated logit, index/top_p.h's a_t) of
 // any indexed token the rule selects, median and largest over the heads: how far below the
 // maximum a pass must look to see every selected token.
 #include <algorithm>
@@ -71,11 +77,8 @@ struct Result {
   int reach_median = 0, reach_max = 0;
 };
 
-// a_t of index/top_p.h: min(cap, floor(64 (l_max - l))) in float steps.
-int gap_bucket(float l_max, float l) {
-  const float g = (l_max - l) * float(index::kTopPGapStepsPerLogit);
-  return g < float(index::kTopPGapCap) ? int(g) : index::kTopPGapCap;
-}
+// a_t of index/top_p.h.
+int gap_bucket(float l_max, float l) { return index::top_p_gap_bucket(l, l_max); }
 
 // The tiled context of `ctx` tokens: token t is unique token t % N; the indexed prefix is every
 // token but the window.
@@ -131,7 +134,7 @@ Result evaluate(const std::vector<Head>& heads, int64_t ctx, const Rule& rule) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string kv_path, shape = "32x8", contexts_text = "65536,131072";
+  std::string kv_path, shape = "32x8", contexts_text = "65536,131072", jsonl_path, label;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -141,7 +144,9 @@ int main(int argc, char** argv) {
     if (a == "--kv") kv_path = value();
     else if (a == "--shape") shape = value();
     else if (a == "--contexts") contexts_text = value();
-    else die("unknown flag " + a + " (usage: --kv FILE [--shape QxKV] [--contexts N,N])");
+    else if (a == "--jsonl") jsonl_path = value();
+    else if (a == "--label") label = value();
+    else die("unknown flag " + a + " (usage: --kv FILE [--shape QxKV] [--contexts N,N] [--jsonl OUT] [--label TEXT])");
   }
   if (kv_path.empty()) die("--kv is required");
   const size_t x = shape.find('x');
@@ -204,6 +209,21 @@ int main(int argc, char** argv) {
   for (double z : {0.5, 1.0, 1.5, 2.0, 3.0}) rules.push_back({0.9, 0, z});
   rules.push_back({0.8, 0, 2.0});
   rules.push_back({0.95, 0, 1.0});
+  rules.push_back({0.95, 0, 1.5});
+  rules.push_back({0.99, 0, 1.0});
+  FILE* jsonl = nullptr;
+  if (!jsonl_path.empty() && (jsonl = std::fopen(jsonl_path.c_str(), "w")) == nullptr) die("cannot write " + jsonl_path);
+  const auto json_escape = [](const std::string& text) {
+    std::string out;
+    for (char c : text) {
+      if (c == '"' || c == '\\') out += '\\';
+      out += c;
+    }
+    return out;
+  };
+  const auto found = file->metadata().find("source");
+  const std::string source = json_escape(found != file->metadata().end() ? found->second : "");
+  label = json_escape(label);
   std::printf("shape %s, %d unique tokens tiled; window %lld\n", shape.c_str(), n, (long long)kWindow);
   std::printf("%8s %-16s %12s %12s %12s %14s\n", "ctx", "rule", "recall mean", "recall min", "budget",
               "reach p50/max");
@@ -214,9 +234,18 @@ int main(int argc, char** argv) {
       else if (rule.deviations > 0) std::snprintf(name, sizeof(name), "p %.2f +z %.1f", rule.p, rule.deviations);
       else std::snprintf(name, sizeof(name), "p %.2f", rule.p);
       const Result r = evaluate(heads, ctx, rule);
+      if (jsonl != nullptr)
+        std::fprintf(jsonl,
+                     "{\"label\": \"%s\", \"source\": \"%s\", \"tokens\": %d, \"tiles\": %.4f, \"ctx\": %lld, "
+                     "\"p\": %g, \"margin\": %g, \"deviations\": %g, \"recall_mean\": %.6f, \"recall_min\": %.6f, "
+                     "\"budget_mean\": %.6f, \"reach_median\": %d, \"reach_max\": %d}\n",
+                     label.c_str(), source.c_str(), n, double(ctx) / double(n), (long long)ctx,
+                     rule.p, rule.margin, rule.deviations, r.recall_mean, r.recall_min, r.budget_mean, r.reach_median,
+                     r.reach_max);
       std::printf("%8lld %-16s %12.3f %12.3f %12.4f %9d/%d\n", (long long)ctx, name, r.recall_mean, r.recall_min,
                   r.budget_mean, r.reach_median, r.reach_max);
     }
   }
+  if (jsonl != nullptr) std::fclose(jsonl);
   return 0;
 }

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sparse decode through the CLI on the embedded default (SmolLM2-135M-Instruct: 30 layers, 9
 # query heads, head_dim 64): `run --sparse --json` reports the budget and the key index, `audit
-# --sparse` reports recall per layer and dumps cells an independent check recomputes, the sparse
-# audit runs over dither8 pages, and `eval teacher-forced --sparse` reports a finite KL.
+# --sparse` reports recall per layer and dumps cells an independent check recomputes, its --rules
+# audit other Top-p rules on the same cells, the sparse audit runs over dither8 pages, and `eval
+# teacher-forced --sparse` reports a finite KL.
 # usage: cli_sparse.sh CERTKV_BINARY MODEL.gguf TEST_DATA_DIR (tests/data)
 set -eu
 bin=$1 model=$2 data=$3
@@ -14,7 +15,18 @@ head -c 12000 "$text" >"$tmp/prompt.txt"
 "$bin" run --model "$model" --sparse p=0.9 --prompt-file "$tmp/prompt.txt" --raw --n 8 --json \
   >"$tmp/run.json" 2>/dev/null
 "$bin" audit --model "$model" --sparse p=0.9 --text-file "$text" --tokens 1200 --steps 3 --json \
-  --dump "$tmp/cells.safetensors" --dump-cells 4 >"$tmp/audit.json"
+  --dump "$tmp/cells.safetensors" --dump-cells 4 --rules 0.9,0.9z1.5 >"$tmp/audit.json"
+for bad in 0.9x 1.5 z1 0.9z-1; do
+  if "$bin" audit --model "$model" --sparse p=0.9 --text-file "$text" --tokens 40 --steps 1 --rules "$bad" \
+      >/dev/null 2>"$tmp/err"; then
+    echo "cli_sparse: --rules $bad accepted"; exit 1
+  fi
+  grep -q "rule" "$tmp/err" || { echo "cli_sparse: --rules $bad: no message naming the rule"; cat "$tmp/err"; exit 1; }
+done
+if "$bin" audit --model "$model" --kv rtn8 --text-file "$text" --tokens 40 --steps 1 --rules 0.9 >/dev/null 2>"$tmp/err"; then
+  echo "cli_sparse: --rules without --sparse accepted"; exit 1
+fi
+grep -q -- "--rules needs --sparse" "$tmp/err" || { cat "$tmp/err"; exit 1; }
 "$bin" audit --model "$model" --sparse p=0.9,deviations=1.5 --text-file "$text" --tokens 1200 --steps 3 --json \
   >"$tmp/audit_widened.json"
 "$bin" run --model "$model" --sparse p=0.9,deviations=1.5 --prompt-file "$tmp/prompt.txt" --raw --n 4 --json \
@@ -97,6 +109,17 @@ assert widened['deviations'] == 1.5 and 0 < widened['widened_fraction'] < widene
 plain_first, wide_first = audit['layers'][dense_layers], widened['layers'][dense_layers]
 assert wide_first['budget'] > plain_first['budget'] and wide_first['recall'] >= plain_first['recall'], \
     (plain_first, wide_first)
+# The rules on the plain audit's cells: p 0.9 is the audit's own selection, to the last bit; p 0.9
+# widened by 1.5 deviations selects on the first sparse layer what the widened audit selected.
+rules = audit['rules']
+assert [(r['p'], r['deviations']) for r in rules] == [(0.9, 0), (0.9, 1.5)], rules
+assert rules[0]['cells'] == audit['cells'] and rules[0]['budget'] == audit['budget']['mean'], rules[0]
+assert rules[0]['recall'] == audit['recall']['mean'] and rules[0]['recall_q10'] == audit['recall']['q10'], rules[0]
+assert len(rules[1]['layers']) == layers - dense_layers, rules[1]
+rule_first = rules[1]['layers'][0]
+assert rule_first['layer'] == dense_layers and rule_first['budget'] == wide_first['budget'], (rule_first, wide_first)
+assert rule_first['recall'] == wide_first['recall'], (rule_first, wide_first)
+assert rules[1]['budget'] > rules[0]['budget'] and rules[1]['recall'] >= rules[0]['recall'], rules
 run_w = json.load(open(d + '/run_widened.json'))['sparse']
 assert s['deviations'] == 0 and s['widened_fraction'] == 0, s
 assert run_w['deviations'] == 1.5 and 0 < run_w['widened_fraction'] < run_w['mean_budget'], run_w
@@ -108,8 +131,9 @@ assert 0 < dither8['budget']['mean'] < 1 and 0 < dither8['recall']['mean'] <= 1,
 tf = json.load(open(d + '/tf.json'))
 assert tf['tokens'] == 600 and tf['metered_steps'] == 4, tf
 assert all(math.isfinite(tf[key]) and tf[key] >= 0 for key in ('mean_kl', 'max_kl', 'p99_kl')), tf
-print('cli_sparse: run (budget %.3f), audit (%d cells, recall %.4f at budget %.3f, %d cells recomputed), '
+print('cli_sparse: run (budget %.3f), audit (%d cells, recall %.4f at budget %.3f, %d cells recomputed, '
+      'rule p 0.9 + 1.5 deviations recall %.4f at budget %.3f), '
       'widened by 1.5 deviations (recall %.4f at budget %.3f), dither8 audit, teacher-forced (KL %.2e) ok'
       % (s['mean_budget'], audit['cells'], audit['recall']['mean'], audit['budget']['mean'], cells,
-         widened['recall']['mean'], widened['budget']['mean'], tf['mean_kl']))
+         rules[1]['recall'], rules[1]['budget'], widened['recall']['mean'], widened['budget']['mean'], tf['mean_kl']))
 PY

@@ -64,6 +64,10 @@ class SparseEndToEnd : public ::testing::Test {
     // The p = 0.9 session most tests read: audited, keeping cells for the dump.
     sparse_ = std::make_unique<certkv::Session>(*model_, params(0.9));
     certkv::check(certkv_session_sparse_audit_enable(sparse_->get(), kDumpCells, 11));
+    int32_t rule = -1;  // other rules on the same cells: the session's own, widened, a larger p
+    certkv::check(certkv_session_sparse_audit_add_rule(sparse_->get(), 0.9, 0.0, &rule));
+    certkv::check(certkv_session_sparse_audit_add_rule(sparse_->get(), 0.9, 1.5, &rule));
+    certkv::check(certkv_session_sparse_audit_add_rule(sparse_->get(), 0.99, 0.0, &rule));
     sparse_logits_ = run(*sparse_, tokens_, kPrefix, kSteps);
   }
   static void TearDownTestSuite() {
@@ -272,12 +276,26 @@ TEST_F(SparseEndToEnd, BudgetGrowsWithP) {
 // attends more of it and recalls at least as much of the exact attention mass there.
 TEST_F(SparseEndToEnd, WideningByDeviationsAttendsMoreAndRecallsMore) {
   double budget[2] = {0, 0}, recall[2] = {0, 0};
+  double rule_budget = 0, rule_recall = 0;
   for (int i = 0; i < 2; ++i) {
     certkv_session_params p = short_params(0.9);
     p.sparse_deviations = i == 0 ? 0.0 : 1.5;
     certkv::Session session(*model_, p);
     certkv::check(certkv_session_sparse_audit_enable(session.get(), 0, 3));
+    int32_t rule = -1;
+    if (i == 0) {  // the widened rule audited on the plain session's cells
+      certkv::check(certkv_session_sparse_audit_add_rule(session.get(), 0.9, 1.5, &rule));
+      EXPECT_EQ(rule, 0);
+    }
     run(session, tokens_, kShortPrefix, kShortSteps);
+    if (i == 0) {
+      int64_t cells = 0;
+      double unused = 0;
+      ASSERT_EQ(certkv_session_sparse_audit_rule(session.get(), 0, kDenseLayers, &cells, &rule_budget, &rule_recall,
+                                                 &unused),
+                CERTKV_OK);
+      EXPECT_EQ(cells, int64_t(kShortSteps) * n_heads_);
+    }
     const certkv_sparse_stats st = session.sparse_stats();
     EXPECT_DOUBLE_EQ(st.deviations, p.sparse_deviations);
     if (i == 0) {
@@ -298,6 +316,55 @@ TEST_F(SparseEndToEnd, WideningByDeviationsAttendsMoreAndRecallsMore) {
   EXPECT_GT(budget[1], budget[0]);
   EXPECT_GE(recall[1], recall[0]);
   EXPECT_LT(budget[1], 1.0);
+  // On the first sparse layer both sessions see the same queries: the rule widened there (from
+  // the same logits, key norms and query norms) attends what the widened session attended.
+  EXPECT_EQ(rule_budget, budget[1]);
+  EXPECT_EQ(rule_recall, recall[1]);
+}
+
+// Rules audited on the shared session's cells: the session's own rule gives its own figures in
+// every layer; the widened rule and p 0.99 take supersets of it, cell by cell; a rule added
+// after cells were audited, a bad p or deviation, and an unknown rule are refused.
+TEST_F(SparseEndToEnd, AuditRulesSelectOnTheSameCells) {
+  const certkv_sparse_audit_stats a = sparse_->sparse_audit_stats();
+  int64_t cells[3] = {0, 0, 0};
+  double budget[3] = {0, 0, 0}, recall[3] = {0, 0, 0}, q10[3] = {0, 0, 0};
+  for (int32_t r = 0; r < 3; ++r)
+    ASSERT_EQ(certkv_session_sparse_audit_rule(sparse_->get(), r, -1, &cells[r], &budget[r], &recall[r], &q10[r]),
+              CERTKV_OK);
+  EXPECT_EQ(cells[0], a.cells);
+  EXPECT_EQ(budget[0], a.mean_budget);
+  EXPECT_EQ(recall[0], a.mean_recall);
+  EXPECT_EQ(q10[0], a.recall_q10);
+  for (int r = 1; r < 3; ++r) {
+    EXPECT_EQ(cells[r], a.cells) << r;
+    EXPECT_GT(budget[r], budget[0]) << r;
+    EXPECT_GE(recall[r], recall[0]) << r;
+  }
+  std::printf("[sparse] rules on the p 0.9 cells: p 0.9 budget %.4f recall %.4f; + 1.5 deviations %.4f / %.4f; "
+              "p 0.99 %.4f / %.4f\n", budget[0], recall[0], budget[1], recall[1], budget[2], recall[2]);
+  for (int layer = kDenseLayers; layer < n_layers_; ++layer) {
+    int64_t layer_cells = 0, rule_cells = 0;
+    double lb = 0, lr = 0, lmin = 0, rb = 0, rr = 0, unused = 0;
+    ASSERT_EQ(certkv_session_sparse_audit_layer(sparse_->get(), layer, &layer_cells, &lb, &lr, &lmin), CERTKV_OK);
+    ASSERT_EQ(certkv_session_sparse_audit_rule(sparse_->get(), 0, layer, &rule_cells, &rb, &rr, &unused), CERTKV_OK);
+    EXPECT_EQ(rule_cells, layer_cells) << layer;
+    EXPECT_EQ(rb, lb) << layer;
+    EXPECT_EQ(rr, lr) << layer;
+  }
+  int32_t rule = -1;
+  EXPECT_EQ(certkv_session_sparse_audit_add_rule(sparse_->get(), 0.95, 0.0, &rule), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(certkv_last_error()).find("before the first audited step"), std::string::npos)
+      << certkv_last_error();
+  int64_t c = 0;
+  double b = 0, r = 0, q = 0;
+  EXPECT_EQ(certkv_session_sparse_audit_rule(sparse_->get(), 3, -1, &c, &b, &r, &q), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(certkv_session_sparse_audit_rule(sparse_->get(), -1, -1, &c, &b, &r, &q), CERTKV_ERR_INVALID_ARGUMENT);
+  certkv::Session fresh(*model_, short_params(0.9));
+  ASSERT_EQ(certkv_session_sparse_audit_add_rule(fresh.get(), 0.9, 0.0, &rule), CERTKV_ERR_INVALID_ARGUMENT);  // not enabled
+  certkv::check(certkv_session_sparse_audit_enable(fresh.get(), 0, 1));
+  for (const auto& [p, z] : std::vector<std::pair<double, double>>{{0.0, 0.0}, {1.5, 0.0}, {0.9, -1.0}, {0.9, NAN}})
+    EXPECT_EQ(certkv_session_sparse_audit_add_rule(fresh.get(), p, z, &rule), CERTKV_ERR_INVALID_ARGUMENT) << p << " " << z;
 }
 
 TEST_F(SparseEndToEnd, AuditMeasuresRecallAndTheEstimator) {

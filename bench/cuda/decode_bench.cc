@@ -279,9 +279,7 @@ SparseCell run_sparse(const Source& src, const HostLayerKv& kv, const std::vecto
     for (int h = 0; h < H; ++h)
       for (int64_t t = 0; t < n_idx; ++t)
         records[(size_t(b) * H + size_t(h)) * size_t(n_idx) + size_t(t)] = unique[size_t(h) * size_t(N) + size_t(t % N)];
-  const std::vector<uint64_t>& w = index::top_p_weight_table(n_idx);
-  std::vector<uint64_t> weights;
-  for (int b = 0; b < B; ++b) weights.insert(weights.end(), w.begin(), w.end());
+  const std::vector<uint64_t>& weights = index::top_p_bucket_weights();
   std::vector<int32_t> n_indexed(static_cast<size_t>(B), static_cast<int32_t>(n_idx));
 
   DeviceKvOptions opt;

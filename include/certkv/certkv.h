@@ -352,6 +352,21 @@ CERTKV_API certkv_status certkv_session_sparse_audit_layer(const certkv_session*
                                                            int32_t layer, int64_t* cells,
                                                            double* mean_budget, double* mean_recall,
                                                            double* min_recall);
+/* Audits another Top-p rule on the same cells: each cell's indexed prefix is also selected at mass
+ * p, widened by `deviations` estimator deviations (as certkv_session_params.sparse_p and
+ * sparse_deviations select), and that set plus the window is set beside exact attention. The
+ * decode follows the session's own rule. Call after certkv_session_sparse_audit_enable and before
+ * the first decode step; *rule gets the rule's index (0, 1, ... in the order added).
+ * CERTKV_ERR_INVALID_ARGUMENT for p outside (0, 1], deviations negative or not finite, or a call
+ * after cells were audited. */
+CERTKV_API certkv_status certkv_session_sparse_audit_add_rule(certkv_session* session, double p,
+                                                              double deviations, int32_t* rule);
+/* A rule's means over the audited cells of `layer` (-1: every layer): cells, budget, recall,
+ * and over every layer the 10% quantile of recall (0 for one layer). */
+CERTKV_API certkv_status certkv_session_sparse_audit_rule(const certkv_session* session, int32_t rule,
+                                                          int32_t layer, int64_t* cells,
+                                                          double* mean_budget, double* mean_recall,
+                                                          double* recall_q10);
 /* Writes the kept cells to a safetensors file: cell{i}.q [head_dim] f32 (post-RoPE query),
  * cell{i}.k [S][head_dim] f32 (exact keys), cell{i}.scale [1] f32, cell{i}.attended [n] i32
  * (every token the sparse step attended: selected, then the window); metadata names each

@@ -711,6 +711,44 @@ certkv_status certkv_session_sparse_audit_layer(const certkv_session* session, i
   });
 }
 
+certkv_status certkv_session_sparse_audit_add_rule(certkv_session* session, double p,
+                                                   double deviations, int32_t* rule) {
+  CERTKV_REQUIRE(session && rule, "certkv_session_sparse_audit_add_rule: null argument");
+  CERTKV_REQUIRE(session->sparse_audit, "certkv_session_sparse_audit_add_rule: the audit is not enabled");
+  return guarded([&] { *rule = int32_t(session->sparse_audit->add_rule(p, deviations)); });
+}
+
+certkv_status certkv_session_sparse_audit_rule(const certkv_session* session, int32_t rule,
+                                               int32_t layer, int64_t* cells, double* mean_budget,
+                                               double* mean_recall, double* recall_q10) {
+  CERTKV_REQUIRE(session && cells && mean_budget && mean_recall && recall_q10,
+                 "certkv_session_sparse_audit_rule: null argument");
+  CERTKV_REQUIRE(session->sparse_audit, "certkv_session_sparse_audit_rule: the audit is not enabled");
+  return guarded([&] {
+    if (rule < 0 || rule >= session->sparse_audit->rules())
+      certkv::fail(certkv::StatusCode::kInvalidArgument,
+                   "certkv_session_sparse_audit_rule: no rule " + std::to_string(rule));
+    *cells = 0;
+    *mean_budget = *mean_recall = *recall_q10 = 0;
+    const certkv::eval::SparseAuditSummary a = session->sparse_audit->accumulator().summary();
+    if (a.rules.empty()) return;  // no cell audited yet
+    const certkv::eval::SparseRuleSummary& r = a.rules[size_t(rule)];
+    if (layer < 0) {
+      *cells = r.cells;
+      *mean_budget = r.mean_budget;
+      *mean_recall = r.mean_recall;
+      *recall_q10 = r.recall_q10;
+      return;
+    }
+    for (const certkv::eval::SparseRuleLayer& l : r.layers) {
+      if (l.layer != layer) continue;
+      *cells = l.cells;
+      *mean_budget = l.mean_budget;
+      *mean_recall = l.mean_recall;
+    }
+  });
+}
+
 certkv_status certkv_session_sparse_audit_dump(const certkv_session* session, const char* path) {
   CERTKV_REQUIRE(session && path, "certkv_session_sparse_audit_dump: null argument");
   CERTKV_REQUIRE(session->sparse_audit, "certkv_session_sparse_audit_dump: the audit is not enabled");

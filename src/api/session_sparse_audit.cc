@@ -5,13 +5,35 @@
 #include <cstdio>
 #include <map>
 
+#include "core/status.h"
 #include "format/safetensors.h"
+#include "index/rabitq.h"
+#include "index/top_p.h"
 
 namespace certkv::api {
 
 SessionSparseAudit::SessionSparseAudit(const backend::Session& session, int32_t dump_cells,
                                        uint64_t seed)
     : session_(session), dump_cells_(std::max(dump_cells, 0)), rng_(seed) {}
+
+int SessionSparseAudit::add_rule(double p, double deviations) {
+  if (seen_ > 0 || accumulator_.summary().cells > 0)
+    fail(StatusCode::kInvalidArgument, "sparse audit: rules must be added before the first audited step");
+  if (!(p > 0 && p <= 1)) fail(StatusCode::kInvalidArgument, "sparse audit rule: p must be in (0, 1], got " + std::to_string(p));
+  if (!(std::isfinite(deviations) && deviations >= 0))
+    fail(StatusCode::kInvalidArgument,
+         "sparse audit rule: deviations must be finite and >= 0, got " + std::to_string(deviations));
+  rules_.push_back({p, deviations});
+  std::vector<std::string> names;
+  for (const Rule& r : rules_) {
+    char name[64];
+    if (r.deviations > 0) snprintf(name, sizeof name, "p%gz%g", r.p, r.deviations);
+    else snprintf(name, sizeof name, "p%g", r.p);
+    names.push_back(name);
+  }
+  accumulator_ = eval::SparseAuditAccumulator(std::move(names));
+  return int(rules_.size()) - 1;
+}
 
 void SessionSparseAudit::observe(const backend::SparseObservation& o) {
   const model::ModelConfig& c = session_.model().config();
@@ -21,6 +43,9 @@ void SessionSparseAudit::observe(const backend::SparseObservation& o) {
   const float scale = c.attention_scale();
   std::vector<float> k(size_t(o.n_ctx) * size_t(d));
   std::vector<float> error_scale(size_t(o.n_indexed));
+  std::vector<std::vector<uint8_t>> masks(rules_.size(), std::vector<uint8_t>(size_t(o.n_indexed)));
+  std::vector<const uint8_t*> mask_ptrs;
+  for (const std::vector<uint8_t>& m : masks) mask_ptrs.push_back(m.data());
   for (int kv_head = 0; kv_head < c.n_kv_heads; ++kv_head) {
     session_.kv_cache().read_token_range_exact(session_.sequence(), o.layer, cache::KvTensor::kKey,
                                                kv_head, 0, o.n_ctx, k.data());
@@ -34,6 +59,18 @@ void SessionSparseAudit::observe(const backend::SparseObservation& o) {
       for (int64_t t = 0; t < o.n_indexed; ++t)
         error_scale[size_t(t)] = float(double(scale) * q_norm * index.key_norm_centered(o.layer, kv_head, t));
       const std::vector<int32_t>& attended = (*o.attended)[size_t(h)];
+      const float* estimated = (*o.estimated_logits)[size_t(h)].data();
+      for (size_t r = 0; r < rules_.size() && o.n_indexed > 0; ++r) {
+        const index::TopPSelection sel = index::top_p_select(estimated, o.n_indexed, rules_[r].p, masks[r].data());
+        if (rules_[r].deviations > 0) {
+          int64_t stride = 0;
+          const float* norms = index.key_norms(o.layer, kv_head, &stride);
+          index::top_p_widen(estimated, o.n_indexed, sel.threshold,
+                             index::rabitq_logit_deviation_scale(rules_[r].deviations, scale,
+                                                                 (*o.query_norms)[size_t(h)], d),
+                             norms, stride, masks[r].data());
+        }
+      }
       eval::SparseAuditCell cell;
       cell.layer = o.layer;
       cell.head = h;
@@ -45,10 +82,11 @@ void SessionSparseAudit::observe(const backend::SparseObservation& o) {
       cell.block_tokens = session_.kv_cache().block_tokens();
       cell.q = qh;
       cell.k = k.data();
-      cell.estimated_logits = (*o.estimated_logits)[size_t(h)].data();
+      cell.estimated_logits = estimated;
       cell.error_scale = error_scale.data();
       cell.attended = attended.data();
       cell.n_attended = int64_t(attended.size());
+      cell.rule_masks = mask_ptrs.data();
       accumulator_.add(cell);
       if (dump_cells_ == 0) continue;
       // Reservoir sampling (Vitter's algorithm R): cell i is kept with probability n / i.

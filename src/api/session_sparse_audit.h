@@ -1,7 +1,10 @@
 // The audit behind certkv_session_sparse_audit_*: on every sparse (step, layer) of a session,
 // exact attention over every token beside the sparse step (eval::SparseAuditAccumulator: budget,
 // recall, estimator error, fixed top-k and Quest baselines), and optionally a sample of cells
-// kept whole (query, exact keys, attended indices) for an independent recomputation.
+// kept whole (query, exact keys, attended indices) for an independent recomputation. Other
+// Top-p rules (p, deviations) can be audited on the same cells: each selects from the cell's
+// estimated logits as sparse decode would (index::top_p_select, then index::top_p_widen with the
+// step's query norm), and its budget and recall are reported beside the session's own.
 // Thread safety: used by the session's thread only.
 #pragma once
 
@@ -20,6 +23,10 @@ class SessionSparseAudit {
   // dump_cells: cells kept by reservoir sampling.
   SessionSparseAudit(const backend::Session& session, int32_t dump_cells, uint64_t seed);
 
+  // Adds a rule (named "pP" or "pPzZ"); returns its index. REQUIRES: no cell observed yet (else
+  // certkv::Error kInvalidArgument), 0 < p <= 1, finite deviations >= 0.
+  int add_rule(double p, double deviations);
+  int rules() const { return int(rules_.size()); }
   void observe(const backend::SparseObservation& o);
   const eval::SparseAuditAccumulator& accumulator() const { return accumulator_; }
   // Writes the kept cells (format in certkv.h, certkv_session_sparse_audit_dump).
@@ -35,7 +42,12 @@ class SessionSparseAudit {
     std::vector<int32_t> attended;
   };
 
+  struct Rule {
+    double p = 0, deviations = 0;
+  };
+
   const backend::Session& session_;
+  std::vector<Rule> rules_;
   eval::SparseAuditAccumulator accumulator_;
   int32_t dump_cells_;
   std::mt19937_64 rng_;

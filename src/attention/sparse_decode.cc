@@ -86,6 +86,7 @@ void select_head(const cache::KeyIndex& index, int layer, int kv_head, int head,
   st.n_selected = sel.n_selected + st.n_widened;
   st.estimated_mass = sel.mass;
   st.boundary_tokens = sel.n_boundary;
+  st.norm_q_centered = norm_q_centered;
 }
 
 // The rows one query head gathers before an online-softmax update.
@@ -289,6 +290,10 @@ void sparse_decode_attention(const cache::KvCache& cache, cache::SeqId seq, int 
     }
   }
   if (options.estimated_logits != nullptr) *options.estimated_logits = std::move(logits);
+  if (options.query_norms != nullptr) {
+    options.query_norms->resize(size_t(shape.n_q_heads));
+    for (int h = 0; h < shape.n_q_heads; ++h) (*options.query_norms)[size_t(h)] = head_stats[size_t(h)].norm_q_centered;
+  }
 }
 
 void sparse_decode_attention_ref(const cache::KvCache& cache, cache::SeqId seq, int layer,

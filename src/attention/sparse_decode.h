@@ -40,6 +40,9 @@ struct SparseDecodeOptions {
   // window; ascending) and the estimated logits of the indexed prefix. [n_q_heads] vectors each.
   std::vector<std::vector<int32_t>>* attended = nullptr;
   std::vector<std::vector<float>>* estimated_logits = nullptr;
+  // [n_q_heads]: each head's ||q - c_q|| as the quantized query holds it (the argument of
+  // index::rabitq_logit_deviation_scale), for audits that widen other rules the same way.
+  std::vector<float>* query_norms = nullptr;
 };
 
 // A decode step's SparseDecodeOptions::rounding_seed in the backends: the sparse config's seed
@@ -60,7 +63,8 @@ struct SparseHeadStats {
   int64_t n_widened = 0;    // of n_selected, added by the widening
   int64_t n_attended = 0;   // selected + window
   double estimated_mass = 0;  // the estimated softmax mass of the Top-p set before widening (>= p)
-  int64_t boundary_tokens = 0;  // tokens of top_p_select's boundary gap bucket
+  int64_t boundary_tokens = 0;  // tokens of top_p_select's threshold bucket
+  float norm_q_centered = 0;    // ||q - c_q|| of the quantized query
 };
 
 // Throws certkv::Error as decode_attention, and kInvalidArgument for p outside (0, 1], deviations

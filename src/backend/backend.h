@@ -116,6 +116,7 @@ struct SparseObservation {
   int64_t n_indexed;
   const std::vector<std::vector<int32_t>>* attended;
   const std::vector<std::vector<float>>* estimated_logits;
+  const std::vector<float>* query_norms;  // [n_heads]: ||q - c_q|| of each quantized query
 };
 using SparseObserver = std::function<void(const SparseObservation&)>;
 

@@ -33,7 +33,7 @@ void check_finite(const SparseAuditCell& c, const float* x, int64_t n, const cha
       reject(c, std::string(field) + "[" + std::to_string(i) + "] is not finite (" + std::to_string(x[i]) + ")");
 }
 
-void check_cell(const SparseAuditCell& c) {
+void check_cell(const SparseAuditCell& c, size_t n_rules) {
   if (c.layer < 0 || c.head < 0 || c.step < 0) reject(c, "layer, head and step must be >= 0");
   if (c.n_ctx < 1) reject(c, "n_ctx must be >= 1, got " + std::to_string(c.n_ctx));
   if (c.n_indexed < 0 || c.n_indexed > c.n_ctx)
@@ -47,6 +47,11 @@ void check_cell(const SparseAuditCell& c) {
   if (c.n_attended < 0 || c.n_attended > c.n_ctx)
     reject(c, "n_attended must be in [0, n_ctx = " + std::to_string(c.n_ctx) + "], got " + std::to_string(c.n_attended));
   if (c.attended == nullptr && c.n_attended > 0) reject(c, "attended is null but n_attended > 0");
+  if (n_rules > 0 && c.n_indexed > 0) {
+    if (c.rule_masks == nullptr) reject(c, "rule_masks is null but the audit has rules");
+    for (size_t r = 0; r < n_rules; ++r)
+      if (c.rule_masks[r] == nullptr) reject(c, "rule_masks[" + std::to_string(r) + "] is null");
+  }
 
   check_finite(c, c.q, c.head_dim, "q");
   check_finite(c, c.k, c.n_ctx * c.head_dim, "k");
@@ -115,10 +120,13 @@ double interpolate_mean(const Curve& sums, int64_t cells, double f) {
 
 }  // namespace
 
-SparseAuditAccumulator::SparseAuditAccumulator() : reservoir_rng_(kSparseAuditReservoirSeed) {}
+SparseAuditAccumulator::SparseAuditAccumulator(std::vector<std::string> rule_names)
+    : reservoir_rng_(kSparseAuditReservoirSeed) {
+  for (std::string& name : rule_names) rules_.push_back(RuleSums{std::move(name), {}, 0, {}});
+}
 
 void SparseAuditAccumulator::add(const SparseAuditCell& cell) {
-  check_cell(cell);
+  check_cell(cell, rules_.size());
   const int64_t n_ctx = cell.n_ctx;
   const int64_t n_indexed = cell.n_indexed;
   const int64_t window = n_ctx - n_indexed;
@@ -211,6 +219,28 @@ void SparseAuditAccumulator::add(const SparseAuditCell& cell) {
   trace_curve(page_tokens, page_mass, n_ctx, window, window_mass, cell_curves.recall_sum[kQuest],
               cell_curves.budget_sum[kQuest]);
 
+  for (size_t r = 0; r < rules_.size(); ++r) {
+    // Summed in the order sparse decode lists what it attends (selected tokens, then the window),
+    // so a rule that selects what the step attended gives its recall to the last bit.
+    double rule_recall = 0;
+    int64_t rule_tokens = window;
+    for (int64_t t = 0; t < n_indexed; ++t)
+      if (cell.rule_masks[r][t] != 0) {
+        rule_recall += P[size_t(t)];
+        ++rule_tokens;
+      }
+    for (int64_t t = n_indexed; t < n_ctx; ++t) rule_recall += P[size_t(t)];
+    const double rule_budget = double(rule_tokens) / double(n_ctx);
+    RuleSums& rule = rules_[r];
+    rule.recall.push_back(rule_recall);
+    rule.budget_sum += rule_budget;
+    SparseRuleLayer& rl = rule.layers[cell.layer];
+    rl.layer = cell.layer;
+    ++rl.cells;
+    rl.mean_budget += rule_budget;
+    rl.mean_recall += rule_recall;
+  }
+
   recall_.push_back(recall);
   budget_.push_back(budget);
   LayerSums& layer = layers_[cell.layer];
@@ -282,6 +312,24 @@ SparseAuditSummary SparseAuditAccumulator::summary() const {
     layer.min_recall = sums.min_recall;
     layer.baselines = baselines_at(sums.curves, sums.cells, layer.mean_budget);
     s.layers.push_back(layer);
+  }
+  for (const RuleSums& rule : rules_) {
+    SparseRuleSummary r;
+    r.name = rule.name;
+    r.cells = int64_t(rule.recall.size());
+    r.mean_budget = rule.budget_sum / double(r.cells);
+    r.mean_recall = std::accumulate(rule.recall.begin(), rule.recall.end(), 0.0) / double(r.cells);
+    sorted = rule.recall;
+    std::sort(sorted.begin(), sorted.end());
+    r.recall_q10 = sorted_quantile(sorted, 0.10);
+    r.min_recall = sorted.front();
+    for (const auto& [index, sums] : rule.layers) {
+      SparseRuleLayer l = sums;
+      l.mean_budget /= double(sums.cells);
+      l.mean_recall /= double(sums.cells);
+      r.layers.push_back(l);
+    }
+    s.rules.push_back(r);
   }
   return s;
 }

@@ -9,6 +9,10 @@
 //   topk_estimated  top-k of the estimated logits (the same scores, spent as a fixed budget),
 //   topk_oracle     top-k of the true logits (the best any k-token selection can do),
 //   quest           Quest page selection (Tang et al. 2024) by a per-page upper bound on <q, k>.
+// Other selection rules can be audited on the same cells (certkv audit --sparse ... --rules):
+// each cell then also carries one mask of the indexed prefix per rule, and the rule's budget and
+// recall are the cell's as if the step had attended that mask plus the window. The decode itself
+// follows the session's own rule, so later layers and steps see its outputs, not the rules'.
 // Thread safety: a SparseAuditAccumulator is used by one thread at a time.
 #pragma once
 
@@ -56,6 +60,9 @@ struct SparseAuditCell {
   const int32_t* attended = nullptr;        // attended: [n_attended] distinct indices in [0, n_ctx)
   int64_t n_attended = 0;                   // that the sparse step attended: the Top-p selection
                                             // plus the whole window; null allowed only when 0
+  // One mask per rule of the accumulator (in its order), each [n_indexed], 1 for a selected
+  // token. Null allowed only when the accumulator has no rules.
+  const uint8_t* const* rule_masks = nullptr;
 };
 
 // A baseline read off its mean recall curve at one budget fraction: mean_recall is the mean over
@@ -66,6 +73,20 @@ struct SparseBaseline {
   std::string name;
   double mean_budget = 0;
   double mean_recall = 0;
+};
+
+// One rule's means over the cells (and per layer): what the session's own figures would be had it
+// attended the rule's masks plus the window.
+struct SparseRuleLayer {
+  int layer = 0;
+  int64_t cells = 0;
+  double mean_budget = 0, mean_recall = 0;
+};
+struct SparseRuleSummary {
+  std::string name;
+  int64_t cells = 0;
+  double mean_budget = 0, mean_recall = 0, recall_q10 = 0, min_recall = 0;
+  std::vector<SparseRuleLayer> layers;  // by increasing layer
 };
 
 struct SparseAuditLayer {
@@ -93,11 +114,13 @@ struct SparseAuditSummary {
   double normalized_rms_sqrt_d = 0;
   std::vector<SparseBaseline> baselines;  // kSparseBaselineNames order, at mean_budget
   std::vector<SparseAuditLayer> layers;   // one per layer seen, by increasing layer
+  std::vector<SparseRuleSummary> rules;   // one per rule, in the accumulator's order
 };
 
 class SparseAuditAccumulator {
  public:
-  SparseAuditAccumulator();
+  // rule_names: the other rules audited on every cell (SparseAuditCell::rule_masks), in order.
+  explicit SparseAuditAccumulator(std::vector<std::string> rule_names = {});
 
   // Computes, in double, the true logits l_t = scale * <q, k_t>, the exact softmax over all n_ctx
   // tokens, the cell's budget and recall, the estimator errors on the indexed prefix and the three
@@ -107,7 +130,8 @@ class SparseAuditAccumulator {
   // > 0; a null q, k or estimated_logits (when n_indexed > 0) or attended (when n_attended > 0);
   // n_attended outside [0, n_ctx]; an attended index out of range or repeated; a window token
   // missing from attended; a non-finite q, k or estimated logit; an error_scale entry that is not
-  // finite and >= 0. A rejected cell changes nothing.
+  // finite and >= 0; null rule_masks (or a null mask) when the accumulator has rules and
+  // n_indexed > 0. A rejected cell changes nothing.
   void add(const SparseAuditCell& cell);
 
   SparseAuditSummary summary() const;
@@ -130,6 +154,14 @@ class SparseAuditAccumulator {
     double min_recall = 0;
     Curves curves;
   };
+
+  struct RuleSums {
+    std::string name;
+    std::vector<double> recall;  // per cell
+    double budget_sum = 0;
+    std::map<int, SparseRuleLayer> layers;  // sums in mean_budget and mean_recall until summary()
+  };
+  std::vector<RuleSums> rules_;
 
   std::vector<double> recall_;  // per cell, in the order added
   std::vector<double> budget_;  // per cell

@@ -258,6 +258,58 @@ TEST(SparseAudit, HandComputedFourTokenCell) {
   EXPECT_EQ(s.normalized_rms_sqrt_d, 0.0);
 }
 
+// Rules: each mask plus the window, set beside exact attention, per cell and per layer; a rule
+// that selects what the cell attended gives the cell's own figures.
+TEST(SparseAudit, RulesAreTheirMasksPlusTheWindow) {
+  CellData c = four_token_cell();  // P = (0.1, 0.2, 0.3, 0.4); token 3 the window
+  const std::vector<double> P = exact_attention(c);
+  SparseAuditAccumulator acc({"same", "none", "all"});
+  const std::vector<uint8_t> same = {0, 1, 0}, none = {0, 0, 0}, all = {1, 1, 1};
+  const uint8_t* masks[3] = {same.data(), none.data(), all.data()};
+  SparseAuditCell cell = c.view();
+  cell.rule_masks = masks;
+  acc.add(cell);
+  c.layer = 5;  // a second cell, in another layer: attends token 2
+  c.attended = {3, 2};
+  const std::vector<uint8_t> same2 = {0, 0, 1};
+  const uint8_t* masks2[3] = {same2.data(), none.data(), all.data()};
+  cell = c.view();
+  cell.rule_masks = masks2;
+  acc.add(cell);
+  const SparseAuditSummary s = acc.summary();
+  ASSERT_EQ(s.rules.size(), 3u);
+  EXPECT_EQ(s.rules[0].name, "same");
+  EXPECT_EQ(s.rules[0].cells, 2);
+  EXPECT_EQ(s.rules[0].mean_budget, s.mean_budget);
+  EXPECT_EQ(s.rules[0].mean_recall, s.mean_recall);
+  EXPECT_EQ(s.rules[0].min_recall, s.min_recall);
+  EXPECT_EQ(s.rules[0].recall_q10, s.recall_q10);
+  EXPECT_EQ(s.rules[1].mean_budget, 0.25);
+  EXPECT_NEAR(s.rules[1].mean_recall, P[3], 1e-15);
+  EXPECT_EQ(s.rules[2].mean_budget, 1.0);
+  EXPECT_NEAR(s.rules[2].mean_recall, 1.0, 1e-15);
+  ASSERT_EQ(s.rules[0].layers.size(), 2u);
+  EXPECT_EQ(s.rules[0].layers[0].layer, 0);
+  EXPECT_EQ(s.rules[0].layers[1].layer, 5);
+  EXPECT_EQ(s.rules[0].layers[1].cells, 1);
+  EXPECT_NEAR(s.rules[0].layers[0].mean_recall, P[1] + P[3], 1e-15);
+  EXPECT_NEAR(s.rules[0].layers[1].mean_recall, P[2] + P[3], 1e-15);
+  EXPECT_EQ(s.rules[0].layers[1].mean_budget, 0.5);
+  // A cell without its masks is refused and changes nothing.
+  try {
+    acc.add(c.view());
+    ADD_FAILURE() << "accepted a cell without rule masks";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rule_masks"), std::string::npos) << e.what();
+  }
+  const uint8_t* missing[3] = {same2.data(), nullptr, all.data()};
+  cell = c.view();
+  cell.rule_masks = missing;
+  EXPECT_THROW(acc.add(cell), Error);
+  EXPECT_EQ(acc.summary().cells, 2);
+  EXPECT_EQ(acc.summary().rules[0].cells, 2);
+}
+
 TEST(SparseAudit, AttendingEveryTokenGivesRecallOne) {
   std::mt19937 rng(7);
   SparseAuditAccumulator acc;

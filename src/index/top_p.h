@@ -1,63 +1,77 @@
 // Top-p token selection for sparse decode (seed 002, Section 4.1, Algorithm 3; DESIGN.md section
-// 5): per decode step and head, the smallest set of tokens whose softmax mass reaches p.
+// 5): per decode step and head, a set of tokens whose softmax mass reaches p, chosen on the
+// logits quantized to 16-bit fixed point (docs/sparse.md, "Top-p on quantized logits"). The
+// CPU functions here and the CUDA selection share the arithmetic of top_p_buckets.h and select
+// the same set.
 //
-// The selected set is always a threshold set {t : logits[t] >= theta} where theta is one of the
-// logits: theta is the largest logit v with G(v) >= p, G(v) the softmax mass of {t : logits[t] >= v}.
-// Tokens tied with theta are all selected, so the set may hold more than the strictly smallest
-// number of tokens when the boundary is a tie; dropping the whole lowest tie group (the tokens
-// equal to theta) always brings the mass below p.
+// Buckets. With l_max the largest logit, each token's gap below it is rounded down to 1/256 logit,
+//   a_t = min(kTopPGapCap, floor(256 fl(l_max - l_t)))                    (top_p_gap_bucket)
+// so bucket a < kTopPGapCap holds the logits whose float gap lies in [a / 256, (a + 1) / 256), and
+// the last bucket every gap of 44 logits or more.
 //
-// Masses are fixed point so that every summation order gives the same sums (a SIMD or CUDA port
-// selects exactly the tokens the reference selects). With l_max the largest logit, each token's
-// gap below it is quantized down to 1/64 of a logit,
-//   a_t = min(kTopPGapCap, floor(64 (l_max - l_t)))        (float subtraction and product)
-// and with s = 63 - ceil(log2(n)) fraction bits the token weighs
-//   W_t = max(1, ceil(2^s * exp(-a_t / 64)))               (exp in double; 1 at the cap)
-// so the largest token weighs exactly 2^s, every token weighs at least one unit, and the total
-// Z = sum_t W_t <= 2^63. The mass of a set is sum W_t / Z, and "mass >= p" is decided exactly in
-// integers: sum W_t >= ceil(p * Z). Quantizing the gap overstates a token's weight relative to
-// the largest by less than e^(1/64) - 1 = 1.6% (far below the error of the estimated logits the
-// selection runs on, docs/sparse.md); rounding up by one unit changes a set's mass by at most
-// n * 2^-s. In exchange a token is never weightless, so p = 1 selects every token and sparse
-// attention at p = 1 equals dense attention, and the weights come from a table of
-// kTopPGapCap + 1 entries per s instead of one exponential per token.
+// Weights. With n tokens and s = 63 - ceil(log2 n) fraction bits, a token's exact weight in units
+// of 2^-s, w_t = 2^s exp(-(l_max - l_t)) (the real gap), lies between two integer weights of its
+// bucket:
+//   L(a) = floor(2^s exp(-(a + 1) (1 + 2^-23) / 256) (1 - 2^-50)),  L(kTopPGapCap) = 0,
+//   U(a) = ceil (2^s exp(-a (1 - 2^-23) / 256) (1 + 2^-50))          (U(kTopPGapCap) = 1)
+// (1 -+ 2^-23 covers the float subtraction's rounding, a relative 2^-24 of the gap; 1 -+ 2^-50
+// covers exp in double). They come from the s = 63 tables of top_p_bucket_weights shifted right
+// by 63 - s (rounding up for U, down for L), which equals the formulas evaluated at s.
 //
-// Thread safety: both functions are pure on their arguments (they allocate O(n) scratch).
+// Selection. The threshold bucket B is the smallest bucket whose upper set A_B = {t : a_t <= B}
+// certainly holds mass p:
+//   lower >= ceil(p (lower + upper)),  lower = sum_{t in A_B} L(a_t),  upper = sum_{t not in A_B} U(a_t),
+// decided exactly in integers (top_p_reaches). The selected set is A_B: every token of bucket B
+// is taken, so tokens tied in the threshold bucket are never split. It is the threshold set
+// {t : logits[t] >= theta} for theta the smallest float whose bucket is at most B
+// (top_p_bucket_threshold; the widening below compares against it).
+//
+// Guarantee. lower / (lower + upper) is at most the exact softmax mass of A_B, so the selection
+// holds exact mass >= p: it contains the exact Top-p set of the same float logits (the smallest
+// threshold set of real softmax mass >= p, ties included); the quantization never drops a token
+// that exact Top-p keeps. It stops within one bucket of it: A_B' for the nonempty bucket B' before
+// B failed the test, and since U(a) / L(a) ~ e^(1/256), its exact mass m' has
+// m' / (1 - m') < e^(1/128) p / (1 - p) (plus at most one unit of 2^-s per token): m' < 0.90070
+// at p = 0.9. p = 1 selects every token (U >= 1 everywhere), so sparse attention at p = 1 equals
+// dense attention.
+//
+// Cost: one pass over the tokens for their buckets and a histogram of kTopPBuckets counts, a scan
+// of the histogram, a 32-step bisection for theta, one pass for the mask; nothing is sorted or
+// ordered within a bucket.
+//
+// Thread safety: the functions are pure on their arguments (top_p_select keeps thread_local
+// scratch).
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
-namespace certkv::index {
+#include "index/top_p_buckets.h"
 
-// Gaps of at least 44 logits weigh one unit for every s <= 63 (2^63 e^-44 < 1).
-inline constexpr int kTopPGapStepsPerLogit = 64;
-inline constexpr int kTopPGapCap = 44 * kTopPGapStepsPerLogit;
+namespace certkv::index {
 
 struct TopPSelection {
   float threshold = 0.0f;   // theta: selected tokens are exactly those with logits[t] >= theta
+  int32_t bucket = 0;       // B, the threshold bucket: selected tokens are those with a_t <= B
   int64_t n_selected = 0;   // number of tokens with mask[t] == 1
-  double mass = 0.0;        // softmax mass of the selected set (fixed point, see above); >= p
-  // top_p_select only: tokens of the boundary gap bucket, the only ones ordered individually.
-  int64_t n_boundary = 0;
+  // lower / (lower + upper) at B, rounded to the nearest double (top_p_mass): a lower bound on the
+  // exact softmax mass of the selected set, and >= p.
+  double mass = 0.0;
+  int64_t n_boundary = 0;   // tokens of the threshold bucket B
 };
 
-// Reference: weights as above, tokens sorted by logit (descending), shortest prefix with
-// mass >= p, extended by every token equal to the last one taken. O(n log n).
-// logits: [n]; mask: [n] (written: 1 selected, 0 not).
+// Reference: each token's bucket and weights as above, the tokens sorted by bucket, the buckets
+// walked from the top keeping lower and upper, the first that passes is B; the mask from theta.
+// O(n log n). logits: [n]; mask: [n] (written: 1 selected, 0 not).
 // REQUIRES: n >= 1; logits and mask non-null; every logit finite; 0 < p <= 1.
 // Violations throw certkv::Error kInvalidArgument naming the argument.
 TopPSelection top_p_select_ref(const float* logits, int64_t n, double p, uint8_t* mask);
 
-// Linear-time threshold search (the threshold search of Algorithm 3 of seed 002, with one
-// kTopPGapCap + 1 -way partition instead of repeated three-way ones): one pass sums the weight of
-// every gap bucket a (all tokens of a bucket weigh the same W(a), and a bucket's logits all lie
-// below those of any bucket with a smaller gap), a scan of the buckets from the top finds the
-// bucket where the cumulative weight reaches ceil(p Z), and within it the m-th largest logit
-// (m the number of its tokens still needed, by selection, not sorting) is theta. Passes over the
-// n scores: the maximum, the buckets, the boundary bucket's tokens, the mask. Returns exactly the
-// set (and theta, mass) of top_p_select_ref on every input.
-// logits: [n]; mask: [n]. REQUIRES: as top_p_select_ref.
+// The threshold search of Algorithm 3 of seed 002 on the histogram of the buckets: one pass counts
+// the tokens of every bucket (all tokens of a bucket have the same weights), a scan of the counts
+// from the top finds B, and the mask is a_t <= B. Returns exactly top_p_select_ref's selection
+// (mask, theta, B, counts, mass) on every input. logits: [n]; mask: [n]. REQUIRES: as
+// top_p_select_ref.
 TopPSelection top_p_select(const float* logits, int64_t n, double p, uint8_t* mask);
 
 // The Top-p set widened by a per-token margin (docs/sparse.md, "Widening by the estimator's
@@ -65,9 +79,11 @@ TopPSelection top_p_select(const float* logits, int64_t n, double p, uint8_t* ma
 // theta,
 //   margin_t = fl(margin_scale * norm_t),   selected_t = mask[t] or fl(logits[t] + margin_t) >= theta
 // in float, each operation rounded once (the index layer is compiled without contraction, and the
-// CUDA selection uses the same two rounded operations, so both add the same tokens). For the
-// sparse tier, norm_t = ||k_t - c_k|| and margin_scale = rabitq_logit_deviation_scale(z, ...), so
-// the margin is z estimator deviations. margin_scale 0 adds nothing.
+// CUDA selection uses the same two rounded operations, so both add the same tokens). With theta
+// from top_p_select, fl(l + margin) >= theta exactly when fl(l + margin) lies at or above the
+// threshold bucket. For the sparse tier, norm_t = ||k_t - c_k|| and margin_scale =
+// rabitq_logit_deviation_scale(z, ...), so the margin is z estimator deviations. margin_scale 0
+// adds nothing.
 // logits: [n]; norms: norm_t at norms[t * norm_stride] (a stride in floats, so the norms may be a
 // field of an array of records); mask: [n], 1 for the Top-p set on entry, the widened set on exit.
 // Returns the tokens added. REQUIRES: n >= 0; finite margin_scale >= 0; non-null pointers when
@@ -75,12 +91,12 @@ TopPSelection top_p_select(const float* logits, int64_t n, double p, uint8_t* ma
 int64_t top_p_widen(const float* logits, int64_t n, float theta, float margin_scale, const float* norms,
                     int64_t norm_stride, uint8_t* mask);
 
-// The weights W(a), a in [0, kTopPGapCap], for n tokens (the table both selections use; a port
-// to another device takes it from here so that its selection is the same set).
-// REQUIRES: n >= 1 (else certkv::Error kInvalidArgument).
-const std::vector<uint64_t>& top_p_weight_table(int64_t n);
+// The bucket weights at s = 63, [2][kTopPBuckets]: U(a) for a in [0, kTopPGapCap], then L(a).
+// One table for every n (top_p_upper_weight / top_p_lower_weight shift it to s = 63 - ceil(log2 n));
+// a device port uploads it once.
+const std::vector<uint64_t>& top_p_bucket_weights();
 
-// ceil(p Z) exactly, the unit target of the selections. REQUIRES: 0 < p <= 1.
+// ceil(p Z) exactly (top_p_target). REQUIRES: 0 < p <= 1 (else certkv::Error kInvalidArgument).
 uint64_t top_p_target_units(double p, uint64_t Z);
 
 }  // namespace certkv::index

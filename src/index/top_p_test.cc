@@ -4,11 +4,14 @@
 
 #include <algorithm>
 #include <bit>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/status.h"
@@ -18,26 +21,45 @@ namespace {
 
 using Logits = std::vector<float>;
 
-// The fixed-point weights stated in top_p.h, recomputed here from the contract.
-struct ContractMasses {
-  std::vector<uint64_t> W;
-  uint64_t Z = 0;
+// The buckets and weights stated in top_p.h, recomputed here from the contract: the bucket by
+// std::floor, the weights by the formulas at s (not by shifting the s = 63 tables).
+struct Contract {
+  std::vector<int> a;          // a_t
+  std::vector<uint64_t> L, U;  // L(a_t), U(a_t)
   int s = 0;
+  float l_max = 0;
 };
 
-ContractMasses contract_masses(const Logits& logits) {
+uint64_t formula_upper(int a, int s) {
+  return static_cast<uint64_t>(std::ceil(std::ldexp(
+      std::exp(-double(a) * (1.0 - std::ldexp(1.0, -23)) / 256.0) * (1.0 + std::ldexp(1.0, -50)), s)));
+}
+uint64_t formula_lower(int a, int s) {
+  if (a == kTopPGapCap) return 0;
+  return static_cast<uint64_t>(std::floor(std::ldexp(
+      std::exp(-double(a + 1) * (1.0 + std::ldexp(1.0, -23)) / 256.0) * (1.0 - std::ldexp(1.0, -50)), s)));
+}
+
+int contract_bucket(float l, float l_max) {
+  const float g = (l_max - l) * 256.0f;
+  return g < float(kTopPGapCap) ? static_cast<int>(std::floor(g)) : kTopPGapCap;
+}
+
+Contract contract_of(const Logits& logits) {
   const auto n = static_cast<int64_t>(logits.size());
-  ContractMasses out;
+  Contract out;
   int c = 0;
   while ((int64_t{1} << c) < n) ++c;
   out.s = 63 - c;
-  const float l_max = *std::max_element(logits.begin(), logits.end());
+  out.l_max = *std::max_element(logits.begin(), logits.end());
+  std::map<int, std::pair<uint64_t, uint64_t>> memo;  // bucket -> (L, U)
   for (float l : logits) {
-    const float gap = (l_max - l) * 64.0f;
-    const int a = gap < float(kTopPGapCap) ? static_cast<int>(std::floor(gap)) : kTopPGapCap;
-    const double scaled = std::ldexp(std::exp(-double(a) / 64.0), out.s);
-    out.W.push_back(a == kTopPGapCap ? 1 : std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(scaled))));
-    out.Z += out.W.back();
+    const int a = contract_bucket(l, out.l_max);
+    auto it = memo.find(a);
+    if (it == memo.end()) it = memo.emplace(a, std::make_pair(formula_lower(a, out.s), formula_upper(a, out.s))).first;
+    out.a.push_back(a);
+    out.L.push_back(it->second.first);
+    out.U.push_back(it->second.second);
   }
   return out;
 }
@@ -55,13 +77,25 @@ bool reaches_p(uint64_t G, uint64_t Z, double p) {
   return q < G || (q == G && exact);
 }
 
-uint64_t weight_at_or_above(const ContractMasses& cm, const Logits& logits, float theta,
-                            bool strict) {
-  uint64_t G = 0;
-  for (size_t t = 0; t < logits.size(); ++t) {
-    if (strict ? logits[t] > theta : logits[t] >= theta) G += cm.W[t];
+// lower and upper (top_p.h) of the tokens at or above bucket b.
+std::pair<uint64_t, uint64_t> lower_upper(const Contract& c, int b) {
+  uint64_t lower = 0, upper = 0;
+  for (size_t t = 0; t < c.a.size(); ++t) {
+    if (c.a[t] <= b) lower += c.L[t];
+    else upper += c.U[t];
   }
-  return G;
+  return {lower, upper};
+}
+
+// The exact softmax mass of {t : a_t <= b} (long double; 0 for b < 0).
+long double exact_mass(const Logits& logits, const Contract& c, int b) {
+  long double taken = 0, total = 0;
+  for (size_t t = 0; t < logits.size(); ++t) {
+    const long double w = std::exp(static_cast<long double>(logits[t]) - static_cast<long double>(c.l_max));
+    total += w;
+    if (c.a[t] <= b) taken += w;
+  }
+  return taken / total;
 }
 
 struct Selected {
@@ -79,8 +113,7 @@ Selected run_search(const Logits& logits, double p) {
 Selected run_ref(const Logits& logits, double p) {
   Selected r;
   r.mask.assign(logits.size(), 7);
-  r.selection =
-      top_p_select_ref(logits.data(), static_cast<int64_t>(logits.size()), p, r.mask.data());
+  r.selection = top_p_select_ref(logits.data(), static_cast<int64_t>(logits.size()), p, r.mask.data());
   return r;
 }
 
@@ -90,31 +123,52 @@ Selected check_case(const Logits& logits, double p, const std::string& what) {
   const Selected ref = run_ref(logits, p);
   const Selected got = run_search(logits, p);
   EXPECT_EQ(got.mask, ref.mask);
-  EXPECT_EQ(got.selection.threshold, ref.selection.threshold);
+  EXPECT_EQ(std::bit_cast<uint32_t>(got.selection.threshold), std::bit_cast<uint32_t>(ref.selection.threshold));
+  EXPECT_EQ(got.selection.bucket, ref.selection.bucket);
   EXPECT_EQ(got.selection.n_selected, ref.selection.n_selected);
   EXPECT_EQ(got.selection.mass, ref.selection.mass);
-  EXPECT_GE(got.selection.n_boundary, 1);
-  EXPECT_LE(got.selection.n_boundary, int64_t(logits.size()));
+  EXPECT_EQ(got.selection.n_boundary, ref.selection.n_boundary);
 
+  // The selection is {t : a_t <= B} = {t : logits[t] >= theta}, B the first bucket that passes.
+  const Contract c = contract_of(logits);
+  const int B = got.selection.bucket;
   const float theta = got.selection.threshold;
-  int64_t n_selected = 0;
-  bool theta_is_a_score = false;
+  int64_t n_selected = 0, in_bucket = 0;
+  int previous = -1;  // the nonempty bucket before B
   for (size_t t = 0; t < logits.size(); ++t) {
+    EXPECT_EQ(got.mask[t], c.a[t] <= B ? 1 : 0) << "not the bucket set at t=" << t;
     EXPECT_EQ(got.mask[t], logits[t] >= theta ? 1 : 0) << "not the threshold set at t=" << t;
     n_selected += got.mask[t];
-    theta_is_a_score |= logits[t] == theta;
+    in_bucket += c.a[t] == B;
+    if (c.a[t] < B) previous = std::max(previous, c.a[t]);
   }
-  EXPECT_TRUE(theta_is_a_score);
+  EXPECT_GE(in_bucket, 1) << "the threshold bucket is empty";
   EXPECT_EQ(got.selection.n_selected, n_selected);
-
-  const ContractMasses cm = contract_masses(logits);
-  const uint64_t G = weight_at_or_above(cm, logits, theta, /*strict=*/false);
-  const uint64_t G_without_theta = weight_at_or_above(cm, logits, theta, /*strict=*/true);
-  EXPECT_TRUE(reaches_p(G, cm.Z, p)) << "selected mass below p";
-  EXPECT_FALSE(reaches_p(G_without_theta, cm.Z, p)) << "not minimal: tie group at theta unneeded";
+  EXPECT_EQ(got.selection.n_boundary, in_bucket);
+  EXPECT_LE(contract_bucket(theta, c.l_max), B);
+  if (theta != -FLT_MAX) {
+    EXPECT_GT(contract_bucket(std::nextafter(theta, -INFINITY), c.l_max), B) << "theta is not the bucket's lowest float";
+  }
+  const auto [lower, upper] = lower_upper(c, B);
+  EXPECT_TRUE(reaches_p(lower, lower + upper, p)) << "B does not pass";
+  if (previous >= 0) {
+    const auto [lower_before, upper_before] = lower_upper(c, previous);
+    EXPECT_FALSE(reaches_p(lower_before, lower_before + upper_before, p)) << "an earlier bucket passes";
+  }
   EXPECT_GE(got.selection.mass, p);
   EXPECT_EQ(got.selection.mass,
-            static_cast<double>(static_cast<long double>(G) / static_cast<long double>(cm.Z)));
+            static_cast<double>(static_cast<long double>(lower) / static_cast<long double>(lower + upper)));
+
+  // The guarantee: exact mass >= p (the exact Top-p set is inside), and without its threshold
+  // bucket the set's exact mass m' has (1 - p) m' e^(-1/256) < p (1 - m') e^(1/256) (top_p.h; the
+  // factors 1 -+ 1e-4 hold the tables' margins, n 2^-s the units' rounding).
+  const long double m = exact_mass(logits, c, B);
+  EXPECT_GE(m, static_cast<long double>(p) - 1e-12L) << "the selection holds less than p";
+  const long double m_before = exact_mass(logits, c, B - 1);
+  const long double slack = static_cast<long double>(logits.size()) * std::ldexp(1.0L, -c.s) + 1e-15L;
+  EXPECT_LT((1 - p) * m_before * std::exp(-1.0L / 256) * (1 - 1e-4L),
+            p * (1 - m_before) * std::exp(1.0L / 256) * (1 + 1e-4L) + slack)
+      << "the threshold bucket was not needed";
   return got;
 }
 
@@ -152,6 +206,8 @@ double random_p(std::mt19937_64& rng) {
 
 TEST(TopP, KnownAnswerOnIntegerLogits) {
   // Weights e^3, e^2, e^1, e^0 over Z = e^3 + e^2 + e + 1: masses 0.6439, 0.8808, 0.9679, 1.
+  // The gaps are whole logits (256 buckets apart); the certified lower bounds of those masses
+  // (0.6430, 0.8804, 0.9678) decide the same sets.
   const Logits logits = {1.0f, 3.0f, 0.0f, 2.0f};
   const std::vector<std::pair<double, std::vector<uint8_t>>> cases = {
       {0.5, {0, 1, 0, 0}}, {0.7, {0, 1, 0, 1}}, {0.9, {1, 1, 0, 1}}, {0.98, {1, 1, 1, 1}}};
@@ -166,7 +222,11 @@ TEST(TopP, TiesAtTheBoundaryAreAllSelected) {
   const Logits logits = {1.0f, 2.0f, 1.0f, 1.0f};
   const Selected r = check_case(logits, 0.6, "tie group");
   EXPECT_EQ(r.selection.n_selected, 4);
-  EXPECT_EQ(r.selection.threshold, 1.0f);
+  EXPECT_EQ(r.selection.bucket, 256);  // one logit below the top
+  // theta is the lowest float of bucket 256, a little below the tied logits.
+  EXPECT_EQ(r.selection.threshold, top_p_bucket_threshold(2.0f, 256));
+  EXPECT_GT(r.selection.threshold, 2.0f - 257.0f / 256.0f);
+  EXPECT_LE(r.selection.threshold, 1.0f);
   EXPECT_EQ(check_case(logits, 0.4, "above the tie").selection.n_selected, 1);
 }
 
@@ -264,38 +324,105 @@ TEST(TopP, SelectedSetGrowsWithP) {
   }
 }
 
-TEST(TopP, AgreesWithDoubleSoftmaxWithinTheFixedPointBound) {
-  std::mt19937_64 rng(14);
-  for (int64_t n : {17, 501, 3771}) {
-    for (int shape = 0; shape < 5; ++shape) {
-      const Logits logits = random_logits(rng, n, shape);
-      const float l_max = *std::max_element(logits.begin(), logits.end());
-      const int s = contract_masses(logits).s;
-      for (double p : {0.3, 0.9, 0.999}) {
-        const Selected r = run_search(logits, p);
-        double selected = 0.0, total = 0.0;
-        for (size_t t = 0; t < logits.size(); ++t) {
-          const double w = std::exp(double{logits[t]} - double{l_max});
-          total += w;
-          if (r.mask[t] != 0) selected += w;
-        }
-        // Rounding each weight up by < 2^-s moves a mass by at most n * 2^-s (top_p.h), plus
-        // the double summation error of n terms; quantizing the gaps to 1/64 scales each
-        // weight by a factor in [1, e^(1/64)), so a mass moves by a factor in (e^-(1/64), e^(1/64)).
-        const double bound = static_cast<double>(n) * (std::ldexp(1.0, -s) + 1e-15);
-        const double gap_factor = std::exp(1.0 / 64.0);
-        const double truth = selected / total;
-        EXPECT_GE(truth, p / gap_factor - bound) << "n=" << n << " shape=" << shape;
-        EXPECT_LE(truth, r.selection.mass * gap_factor + bound);
-        EXPECT_GE(truth, r.selection.mass / gap_factor - bound);
+// Quantization never drops a token that exact Top-p keeps. The top bucket holds the maximum and
+// 1000 tokens just inside its lower edge (gap 0.999 / 256), 100 tokens sit exactly on the upper
+// edge of bucket 1280 (gap 5): counting every token of a bucket at its bucket's top weight would
+// overstate the top bucket's mass past p and stop there, although its exact mass is below p.
+TEST(TopP, NeverDropsATokenThatExactTopPKeeps) {
+  Logits logits(1101, -5.0f);
+  logits[0] = 0.0f;
+  const float inner = -0.999f / 256.0f;
+  for (int i = 1; i <= 1000; ++i) logits[size_t(i)] = inner;
+  const long double w_inner = std::exp(static_cast<long double>(inner)), w_far = std::exp(-5.0L);
+  const long double exact_top = (1 + 1000 * w_inner) / (1 + 1000 * w_inner + 100 * w_far);
+  const long double top_edge = 1001.0L / (1001 + 100 * w_far);
+  const double p = static_cast<double>((exact_top + top_edge) / 2);
+  ASSERT_LT(exact_top, p);  // exact Top-p needs the far tokens
+  ASSERT_GT(top_edge, p);   // the top-edge count would not
+  const Selected r = check_case(logits, p, "adversarial edges");
+  EXPECT_EQ(r.selection.n_selected, 1101);
+  EXPECT_EQ(r.selection.bucket, 1280);
+}
+
+// Gaps on and next to bucket edges: l_max - a / 256 lies in bucket a; with l_max = 0 (the
+// subtraction exact) the next float above it lies in a - 1 and is theta(a - 1); elsewhere the
+// subtraction rounds floats just above the edge back onto it, and theta(a - 1) is the first float
+// that lands below (within the rounding of the gap and of l_max); the cap.
+TEST(TopP, BucketsAndThresholdAtTheEdges) {
+  for (float l_max : {0.0f, 1.0f, -3.5f, 1000.0f}) {
+    for (int a : {1, 2, 255, 256, 257, 1280, kTopPGapCap - 1, kTopPGapCap}) {
+      const float edge = l_max - float(a) / 256.0f;  // exact: l_max and a / 256 on a 2^-8 grid
+      ASSERT_EQ(edge + float(a) / 256.0f, l_max);
+      EXPECT_EQ(top_p_gap_bucket(edge, l_max), a) << l_max << " " << a;
+      const float theta = top_p_bucket_threshold(l_max, a - 1);
+      EXPECT_GT(theta, edge);
+      EXPECT_LT(double(theta) - double(edge), std::ldexp(1.0, -13)) << l_max << " " << a;  // 2 ulp of 1000
+      EXPECT_EQ(top_p_gap_bucket(theta, l_max), a - 1) << l_max << " " << a;
+      EXPECT_EQ(top_p_gap_bucket(std::nextafter(theta, -INFINITY), l_max), a) << l_max << " " << a;
+      if (l_max == 0.0f) {
+        EXPECT_EQ(theta, std::nextafter(edge, INFINITY)) << a;
       }
+    }
+    EXPECT_EQ(top_p_gap_bucket(l_max, l_max), 0);
+    EXPECT_EQ(top_p_gap_bucket(l_max - 1e30f, l_max), kTopPGapCap);
+    EXPECT_EQ(top_p_gap_bucket(-FLT_MAX, l_max), kTopPGapCap);
+    EXPECT_EQ(top_p_bucket_threshold(l_max, kTopPGapCap), -FLT_MAX);
+  }
+  // Random maxima and buckets: theta is in bucket B and the float below it is not.
+  std::mt19937_64 rng(21);
+  std::normal_distribution<float> normal(0.0f, 30.0f);
+  std::uniform_int_distribution<int> any_bucket(0, kTopPGapCap);
+  for (int i = 0; i < 2000; ++i) {
+    const float l_max = normal(rng) * (i % 3 == 0 ? 1e4f : 1.0f);
+    const int B = any_bucket(rng);
+    const float theta = top_p_bucket_threshold(l_max, B);
+    EXPECT_LE(top_p_gap_bucket(theta, l_max), B);
+    if (theta != -FLT_MAX) {
+      EXPECT_GT(top_p_gap_bucket(std::nextafter(theta, -INFINITY), l_max), B);
+    }
+  }
+}
+
+// top_p_mass: lower / total rounded to the nearest double, ties to even, checked against its
+// two neighbours in exact integers (x 2^63 every double involved is an integer).
+TEST(TopP, MassIsTheRoundedQuotient) {
+  EXPECT_EQ(top_p_mass(1, 2), 0.5);
+  EXPECT_EQ(top_p_mass(3, 4), 0.75);
+  EXPECT_EQ(top_p_mass(7, 7), 1.0);
+  EXPECT_EQ(top_p_mass(1, 3), 1.0 / 3.0);
+  EXPECT_EQ(top_p_mass(1, UINT64_MAX), std::ldexp(1.0, -64));
+  auto scaled = [](double x) {  // x 2^63, for doubles in [2^-10, 1]
+    int e = 0;
+    const double f = std::frexp(x, &e);
+    return static_cast<unsigned __int128>(std::ldexp(f, 53)) << (e - 53 + 63);
+  };
+  auto even = [](double x) {
+    int e = 0;
+    return (static_cast<uint64_t>(std::ldexp(std::frexp(x, &e), 53)) & 1) == 0;
+  };
+  std::mt19937_64 rng(22);
+  for (int i = 0; i < 100000; ++i) {
+    const uint64_t total = (rng() >> (4 + rng() % 50)) | 1024;  // below 2^60
+    const uint64_t lower = total - rng() % (total - total / 512);  // lower / total >= 2^-9
+    const double got = top_p_mass(lower, total);
+    ASSERT_GE(got, std::ldexp(1.0, -10));
+    // 2 lower 2^63 against (x + neighbour) 2^63 total: below 2^124.
+    const unsigned __int128 twice = static_cast<unsigned __int128>(lower) << 64;
+    const unsigned __int128 g = scaled(got);
+    const unsigned __int128 below = (g + scaled(std::nextafter(got, 0.0))) * total;
+    ASSERT_TRUE(twice > below || (twice == below && even(got)))
+        << lower << " / " << total << " rounds below " << got;
+    if (got < 1.0) {
+      const unsigned __int128 above = (g + scaled(std::nextafter(got, 2.0))) * total;
+      ASSERT_TRUE(twice < above || (twice == above && even(got)))
+          << lower << " / " << total << " rounds above " << got;
     }
   }
 }
 
 TEST(TopP, WideAndClusteredScoresEqualTheReference) {
   // Scores spread over the whole float range with clusters of adjacent floats (one gap bucket
-  // holds a whole cluster; the bucket's own order decides).
+  // holds a whole cluster, taken whole).
   Logits logits;
   for (float base : {-std::numeric_limits<float>::max(), -1.0f, 0.0f, 1e-30f, 1.0f, 7.0f}) {
     float x = base;
@@ -314,8 +441,8 @@ TEST(TopP, WideAndClusteredScoresEqualTheReference) {
   EXPECT_GE(max_boundary, 5);  // a cluster of adjacent floats shares a bucket
 }
 
-TEST(TopP, OnlyTheBoundaryBucketIsOrdered) {
-  // All equal: one bucket, every token a candidate.
+TEST(TopP, TheThresholdBucketIsTakenWhole) {
+  // All equal: one bucket, every token in it.
   Logits equal(1000, 0.25f);
   EXPECT_EQ(check_case(equal, 0.5, "equal").selection.n_boundary, 1000);
   // One dominant token 50 logits above the rest: at p = 0.5 the top bucket holds only it; at
@@ -328,7 +455,7 @@ TEST(TopP, OnlyTheBoundaryBucketIsOrdered) {
   const Selected all = check_case(dominant, 1.0, "dominant p=1");
   EXPECT_EQ(all.selection.n_boundary, 999);
   EXPECT_EQ(all.selection.n_selected, 1000);
-  // Distinct logits 1/32 apart land in distinct buckets: one candidate.
+  // Distinct logits 1/32 apart land in distinct buckets: one token in the threshold bucket.
   Logits spread;
   for (int i = 0; i < 300; ++i) spread.push_back(float(i) / 32.0f);
   for (double p : {0.1, 0.5, 0.9}) EXPECT_EQ(check_case(spread, p, "spread").selection.n_boundary, 1);
@@ -417,40 +544,54 @@ TEST(TopP, WidenAddsTheTokensWhoseMarginReachesTheThreshold) {
   EXPECT_EQ(mask, (std::vector<uint8_t>{1, 1}));
 }
 
-// The table and target a device port reads (attention/cuda/sparse_decode_cuda): the weights the
-// selections use, and ceil(p Z) exactly.
-TEST(TopP, WeightTableAndTargetUnitsForPorts) {
-  for (int64_t n : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{1000}, int64_t{131072}, int64_t{131073}}) {
-    const std::vector<uint64_t>& w = top_p_weight_table(n);
-    ASSERT_EQ(w.size(), size_t(kTopPGapCap) + 1);
-    int ceil_log2 = 0;
-    while ((int64_t{1} << ceil_log2) < n) ++ceil_log2;
-    EXPECT_EQ(w[0], uint64_t{1} << (63 - ceil_log2)) << n;  // the largest token weighs 2^s
-    EXPECT_EQ(w[size_t(kTopPGapCap)], 1u);
-    EXPECT_TRUE(std::is_sorted(w.rbegin(), w.rend())) << n;  // heavier for smaller gaps
-    // n tokens of the largest weight sum to at most 2^63.
-    EXPECT_LE(static_cast<unsigned __int128>(w[0]) * uint64_t(n), static_cast<unsigned __int128>(1) << 63);
+// The table and target a device port reads (attention/cuda/sparse_decode_cuda): the weights at
+// s = 63, shifted to any s they equal the formulas at s; ceil(p Z) exactly.
+TEST(TopP, BucketWeightsAndTargetUnitsForPorts) {
+  const std::vector<uint64_t>& w = top_p_bucket_weights();
+  ASSERT_EQ(w.size(), 2 * size_t(kTopPBuckets));
+  const uint64_t* upper = w.data();
+  const uint64_t* lower = w.data() + kTopPBuckets;
+  EXPECT_EQ(upper[0], (uint64_t{1} << 63) + (uint64_t{1} << 13));  // 2^63 (1 + 2^-50)
+  EXPECT_EQ(upper[kTopPGapCap], 1u);
+  EXPECT_EQ(lower[kTopPGapCap], 0u);
+  EXPECT_EQ(lower[kTopPGapCap - 1], 0u);  // 2^63 e^-44 < 1
+  for (int a = 0; a < kTopPGapCap; ++a) {
+    ASSERT_GE(upper[a], upper[a + 1]) << a;  // heavier for smaller gaps
+    if (upper[a] > (uint64_t{1} << 20)) {
+      ASSERT_GT(upper[a], upper[a + 1]) << a;
+    }
+    ASSERT_LT(lower[a], upper[a]) << a;
+    ASSERT_LT(lower[a], upper[a + 1]) << a;  // the bucket below starts above this one's floor
+    // The two edges of a bucket are e^(1/256) apart, plus the margins.
+    if (lower[a] > (uint64_t{1} << 40)) {
+      ASSERT_NEAR(double(upper[a]) / double(lower[a]), std::exp(1.0 / 256.0), 1e-5) << a;
+    }
   }
-  // A selection with these weights: mass >= p exactly when the weight reaches the target.
-  const std::vector<float> logits = {3.f, 1.f, 0.5f, -2.f, 3.f};
-  std::vector<uint8_t> mask(logits.size());
-  const TopPSelection sel = top_p_select(logits.data(), int64_t(logits.size()), 0.7, mask.data());
-  const std::vector<uint64_t>& w = top_p_weight_table(int64_t(logits.size()));
-  uint64_t z = 0, taken = 0;
-  for (size_t t = 0; t < logits.size(); ++t) {
-    const int gap = int((3.f - logits[t]) * float(kTopPGapStepsPerLogit));
-    z += w[size_t(std::min(gap, kTopPGapCap))];
-    if (mask[t]) taken += w[size_t(std::min(gap, kTopPGapCap))];
+  for (int64_t n : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{1000}, int64_t{131072}, int64_t{131073},
+                    int64_t{1} << 24}) {
+    const int k = top_p_weight_shift(n);
+    EXPECT_EQ(int64_t{1} << k >= n && (k == 0 || int64_t{1} << (k - 1) < n), true) << n;
+    for (int a = 0; a <= kTopPGapCap; a += (a < 512 ? 1 : 37)) {
+      ASSERT_EQ(top_p_upper_weight(upper[a], k), formula_upper(a, 63 - k)) << n << " " << a;
+      ASSERT_EQ(top_p_lower_weight(lower[a], k), formula_lower(a, 63 - k)) << n << " " << a;
+    }
+    EXPECT_EQ(top_p_upper_weight(upper[kTopPGapCap], k), 1u);
+    // n tokens of the largest weight sum below 2^64.
+    EXPECT_LT(static_cast<unsigned __int128>(top_p_upper_weight(upper[0], k)) * uint64_t(n),
+              static_cast<unsigned __int128>(1) << 64);
   }
-  EXPECT_GE(taken, top_p_target_units(0.7, z));
-  EXPECT_EQ(top_p_target_units(1.0, z), z);
+  EXPECT_EQ(top_p_target_units(1.0, 12345), 12345u);
   EXPECT_EQ(top_p_target_units(0.5, 7), 4u);            // ceil(3.5)
   EXPECT_EQ(top_p_target_units(0.5, 8), 4u);            // exact
   EXPECT_EQ(top_p_target_units(0.25, uint64_t{1} << 62), uint64_t{1} << 60);
+  EXPECT_EQ(top_p_target_units(0.5, UINT64_MAX), uint64_t{1} << 63);
   EXPECT_EQ(top_p_target_units(1e-30, 5), 1u);          // 0 < p Z < 1 rounds up to one unit
   EXPECT_EQ(top_p_target_units(0.1, 10), 2u);  // the double 0.1 is just above 1/10: 10 p is just above 1
-  EXPECT_GE(sel.mass, 0.7);
-  EXPECT_THROW(top_p_weight_table(0), Error);
+  EXPECT_TRUE(top_p_reaches(3, 1, 0.75));
+  EXPECT_FALSE(top_p_reaches(2, 1, 0.75));
+  EXPECT_FALSE(top_p_reaches(9, 1, 0.9));  // the double 0.9 is just above 9 / 10
+  EXPECT_TRUE(top_p_reaches(5, 0, 1.0));
+  EXPECT_FALSE(top_p_reaches(5, 1, 1.0));
   EXPECT_THROW(top_p_target_units(0.0, 5), Error);
   EXPECT_THROW(top_p_target_units(1.5, 5), Error);
 }

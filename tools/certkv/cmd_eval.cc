@@ -333,6 +333,30 @@ int sparse_audit(const Flags& flags, int64_t n, int64_t steps) {
   if (!calib.empty()) p.gaac_calibration = calib.c_str();
   certkv::Session session(model, p);
   check(certkv_session_sparse_audit_enable(session.get(), flags.has("dump") ? dump_cells : 0, seed));
+  // --rules P[zZ],...: other Top-p rules audited on the same cells.
+  std::vector<std::pair<double, double>> rules;
+  if (flags.has("rules")) {
+    std::stringstream list(flags.str("rules"));
+    std::string item;
+    while (std::getline(list, item, ',')) {
+      const size_t z = item.find('z');
+      double p = 0, deviations = 0;
+      try {
+        size_t used = 0;
+        p = std::stod(item.substr(0, z), &used);
+        if (used != (z == std::string::npos ? item.size() : z)) throw std::invalid_argument(item);
+        if (z != std::string::npos) {
+          deviations = std::stod(item.substr(z + 1), &used);
+          if (used != item.size() - z - 1) throw std::invalid_argument(item);
+        }
+      } catch (const std::exception&) {
+        throw UsageError{"flag --rules: '" + item + "' is not P or PzZ (for example 0.9 or 0.9z1.5)"};
+      }
+      int32_t index = 0;
+      check(certkv_session_sparse_audit_add_rule(session.get(), p, deviations, &index));
+      rules.emplace_back(p, deviations);
+    }
+  }
   const double seconds = timed_run(session, tokens, steps, int(info.n_vocab));
   const certkv_sparse_audit_stats a = session.sparse_audit_stats();
   const certkv_sparse_stats ss = session.sparse_stats();
@@ -386,6 +410,34 @@ int sparse_audit(const Flags& flags, int64_t n, int64_t steps) {
         .add("index_build_us_per_token",
              ss.index_appended_tokens > 0 ? 1e6 * ss.index_build_seconds / double(ss.index_appended_tokens) : 0.0)
         .add("seconds", seconds);
+    if (!rules.empty()) {
+      Json rule_rows = Json::array();
+      for (int32_t r = 0; r < int32_t(rules.size()); ++r) {
+        int64_t cells = 0;
+        double budget_mean = 0, recall_mean = 0, recall_q10 = 0;
+        check(certkv_session_sparse_audit_rule(session.get(), r, -1, &cells, &budget_mean, &recall_mean, &recall_q10));
+        Json per_layer = Json::array();
+        for (int32_t l = 0; l < info.n_layers; ++l) {
+          int64_t layer_cells = 0;
+          double lb = 0, lr = 0, unused = 0;
+          check(certkv_session_sparse_audit_rule(session.get(), r, l, &layer_cells, &lb, &lr, &unused));
+          if (layer_cells == 0) continue;
+          JsonObject lo;
+          lo.add("layer", int64_t(l)).add("cells", layer_cells).add("budget", lb).add("recall", lr);
+          per_layer.push_back(lo.json());
+        }
+        JsonObject ro;
+        ro.add("p", rules[size_t(r)].first)
+            .add("deviations", rules[size_t(r)].second)
+            .add("cells", cells)
+            .add("budget", budget_mean)
+            .add("recall", recall_mean)
+            .add("recall_q10", recall_q10)
+            .add("layers", per_layer);
+        rule_rows.push_back(ro.json());
+      }
+      o.add("rules", rule_rows);
+    }
     if (flags.has("dump")) o.add("dump", flags.str("dump"));
     printf("%s\n", o.str().c_str());
   } else {
@@ -395,6 +447,13 @@ int sparse_audit(const Flags& flags, int64_t n, int64_t steps) {
            info.name, kv.kv.c_str(), (long long)n, (long long)steps, ss.p, (long long)a.cells,
            a.mean_budget, a.mean_recall, a.recall_q10, a.min_recall, a.topk_estimated_recall,
            a.topk_oracle_recall, a.quest_recall, a.estimator_rms);
+    for (int32_t r = 0; r < int32_t(rules.size()); ++r) {
+      int64_t cells = 0;
+      double budget_mean = 0, recall_mean = 0, recall_q10 = 0;
+      check(certkv_session_sparse_audit_rule(session.get(), r, -1, &cells, &budget_mean, &recall_mean, &recall_q10));
+      printf("  rule p %g, %g deviations: mean budget %.3f, mean recall %.4f (q10 %.4f)\n", rules[size_t(r)].first,
+             rules[size_t(r)].second, budget_mean, recall_mean, recall_q10);
+    }
   }
   return 0;
 }
@@ -408,6 +467,7 @@ int cmd_audit(int argc, char** argv) {
   if (!flags.has("text-file")) throw UsageError{"flag --text-file is required"};
   const int64_t n = flags.integer("tokens", 2, int64_t(1) << 24);
   const int64_t steps = flags.has("steps") ? flags.integer("steps", 1, n) : std::min<int64_t>(64, n - 1);
+  if (flags.has("rules") && !flags.has("sparse")) throw UsageError{"flag --rules needs --sparse"};
   if (flags.has("sparse")) return sparse_audit(flags, n, steps);
   const KvFlags kv = parse_kv_flags(flags, flags.str("kv"));
   if (!kv.lossy) throw UsageError{"flag --kv " + kv.kv + ": the audit needs a lossy scheme (it has no meter)"};

@@ -92,6 +92,8 @@ std::vector<Option> make_option_table() {
       {"no-meter", '\0', V::kSwitch, "", "", kKvCommands, "lossy schemes: no meter"},
       {"sparse", '\0', V::kText, "p=P[,...]", "", kKvCommands,
        "sparse decode: p=P[,deviations=Z][,window=N][,dense=L][,rotation=haar|hadamard]"},
+      {"rules", '\0', V::kText, "P[zZ],...", "", kAudit,
+       "with --sparse: also audit these Top-p rules on the same cells (p P widened by Z deviations)"},
       // Output.
       {"json", '\0', V::kSwitch, "", "", kRun | kInfo | kEval | kAudit | kCodec, "print one JSON object"},
       {"json", '\0', V::kSwitch, "", "", kBatch, "accepted: the output is always JSON lines"},
@@ -158,7 +160,9 @@ constexpr const char* kAuditDescription =
     "tightness (meter / TV) quantiles; --dump writes sampled cells.\n"
     "With --sparse: sparse decode beside exact attention on the last K positions: per layer the\n"
     "budget (fraction of tokens attended) and recall (exact attention mass of the attended set),\n"
-    "the key estimator's error, and fixed top-k and Quest page selection at the same mean budget.\n";
+    "the key estimator's error, and fixed top-k and Quest page selection at the same mean budget;\n"
+    "--rules: budget and recall of other Top-p rules selecting on the same cells (the decode\n"
+    "follows --sparse).\n";
 
 constexpr const char* kCodecDescription =
     "GAAC on real KV dumps: calibrates on some dumps (or loads a saved calibration), encodes every\n"

@@ -11,7 +11,7 @@
 #include "attention/cuda/bit_mma_layout.h"
 #include "attention/cuda/tile_mma.cuh"
 #include "index/code_dot.h"
-#include "index/top_p.h"
+#include "index/top_p_buckets.h"
 
 namespace certkv::attention::cuda {
 
@@ -24,7 +24,6 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kEstimateThreads = 128;
 constexpr int kEstimateTokens = 1024;  // tokens per CTA of the estimate
 constexpr int kTopPThreads = 1024;
-constexpr int kGapBuckets = index::kTopPGapCap + 1;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // A sequence's indexed tokens and length as the kernels use them: device values outside what the
@@ -403,33 +402,11 @@ __global__ void __launch_bounds__(kEstimateThreads) estimate_by_mma_kernel(Spars
 }
 
 // ---------------------------------------------------------------------------------------------
-// 2. The Top-p threshold: one CTA per (sequence, query head), the fixed-point selection of
-// index::top_p_select (gap buckets of 1/64 logit, integer weights, the boundary bucket's m-th
-// largest logit by radix selection).
-
-__device__ inline int gap_of(float l, float l_max) {
-  const float g = __fmul_rn(__fsub_rn(l_max, l), float(index::kTopPGapStepsPerLogit));
-  return g < float(index::kTopPGapCap) ? int(g) : index::kTopPGapCap;
-}
-
-// ceil(p Z) as index::top_p_target_units: p = m 2^-shift, m < 2^53.
-__device__ inline uint64_t target_units(double p, uint64_t Z) {
-  int exponent = 0;
-  const double mantissa = frexp(p, &exponent);
-  const uint64_t m = uint64_t(ldexp(mantissa, 53));
-  const int shift = 53 - exponent;
-  if (shift >= 128) return 1;
-  const uint64_t lo = m * Z, hi = __umul64hi(m, Z);
-  uint64_t T, rem;
-  if (shift < 64) {
-    T = (hi << (64 - shift)) | (lo >> shift);
-    rem = lo & ((uint64_t(1) << shift) - 1);
-  } else {
-    T = shift == 64 ? hi : hi >> (shift - 64);
-    rem = lo | (shift == 64 ? 0 : hi & ((uint64_t(1) << (shift - 64)) - 1));
-  }
-  return T + (rem != 0 ? 1 : 0);
-}
+// 2. The Top-p threshold: index::top_p_select on the device (index/top_p.h, the arithmetic of
+// index/top_p_buckets.h): a histogram of each row's logits in 16-bit fixed point (1/256 logit
+// below the row's largest), then one CTA per (sequence, query head) finds the first bucket B
+// whose upper set certainly holds mass p, and theta, the lowest float of B. Every token of B is
+// selected (select_kernel compares with theta).
 
 template <typename T, typename Op>
 __device__ inline T block_reduce(T v, Op op, T* scratch) {  // scratch: 32 entries
@@ -443,7 +420,37 @@ __device__ inline T block_reduce(T v, Op op, T* scratch) {  // scratch: 32 entri
   return r;
 }
 
-// The histogram and gather passes: a CTA of kPassThreads takes pass_tokens(p) tokens of one row
+// The sum of v over the CTA's threads before this one (in thread order), and the total.
+// scratch: 33 entries.
+__device__ inline unsigned long long block_exclusive_sum(unsigned long long v, unsigned long long* total,
+                                                         unsigned long long* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  unsigned long long incl = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned long long y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  __syncthreads();  // the previous call's readers are done with scratch
+  if (lane == 31) scratch[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const unsigned long long w = lane < int(blockDim.x >> 5) ? scratch[lane] : 0;
+    unsigned long long wi = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned long long y = __shfl_up_sync(0xffffffffu, wi, o);
+      if (lane >= o) wi += y;
+    }
+    scratch[lane] = wi - w;  // the warps before this one
+    if (lane == 31) scratch[32] = wi;
+  }
+  __syncthreads();
+  *total = scratch[32];
+  return scratch[warp] + incl - v;
+}
+
+// The histogram and threshold passes: a CTA of kPassThreads takes pass_tokens(p) tokens of one row
 // (a multiple of 16, so every span starts on a 16-byte boundary of the row).
 constexpr int kPassQuantum = 4096;
 constexpr int kPassThreads = 256;
@@ -451,7 +458,7 @@ constexpr int kPassThreads = 256;
 // Calls f(x, t, valid) for the logits x = row[t] of [t0, t1), read as 16-byte vectors, two per
 // thread and iteration issued before either is used; valid is false for the vectors' tail past
 // t1 and for the lanes past the span. Every lane of a warp runs the same iterations (the trip
-// count is the warp's), so the gather's ballots can name the whole warp.
+// count is the warp's).
 template <typename F>
 __device__ inline void for_each_logit(const float* row, int64_t t0, int64_t t1, F&& f) {
   const float4* v = reinterpret_cast<const float4*>(row);
@@ -471,163 +478,66 @@ __device__ inline void for_each_logit(const float* row, int64_t t0, int64_t t1, 
   }
 }
 
-// The threshold plan of one (sequence, query head), from its gap histogram.
-struct TopPPlan {
-  float l_max;
-  int boundary;           // the gap bucket where the cumulative weight reaches ceil(p Z)
-  uint32_t needed;        // tokens of that bucket still needed (the m-th largest is theta)
-  uint32_t above;         // tokens of the buckets above it (all selected)
-  unsigned long long g_above, z, w;
-};
-
 __device__ inline float row_max(const uint32_t* head_max, int64_t row) { return key_to_float(head_max[row]); }
 
-// Gap histogram: each CTA counts `span` tokens of one row in shared memory, then adds its nonzero
-// buckets to the row's global histogram.
+// Bucket histogram: each CTA counts `span` tokens of one row in shared memory (kTopPBuckets
+// counters, 45,060 bytes), then adds its nonzero buckets to the row's global histogram.
 __global__ void __launch_bounds__(kPassThreads) hist_kernel(SparseDecodeParams p, const float* logits,
                                                             const uint32_t* head_max, uint32_t* hist,
                                                             int64_t span) {
-  __shared__ uint32_t local[kGapBuckets];
+  __shared__ uint32_t local[index::kTopPBuckets];
   const int h = blockIdx.y, b = blockIdx.z;
   const int64_t row = int64_t(b) * p.n_q_heads + h;
   const int64_t n = indexed_of(p, b), t0 = int64_t(blockIdx.x) * span;
   if (t0 >= n) return;
-  for (int a = threadIdx.x; a < kGapBuckets; a += kPassThreads) local[a] = 0;
+  for (int a = threadIdx.x; a < index::kTopPBuckets; a += kPassThreads) local[a] = 0;
   __syncthreads();
   const float l_max = row_max(head_max, row);
   for_each_logit(logits + row * p.max_indexed, t0, min(n, t0 + span), [&](float x, int64_t, bool valid) {
-    if (valid) atomicAdd(&local[gap_of(x, l_max)], 1u);
+    if (valid) atomicAdd(&local[index::top_p_gap_bucket(x, l_max)], 1u);
   });
   __syncthreads();
-  for (int a = threadIdx.x; a < kGapBuckets; a += kPassThreads)
-    if (local[a] != 0) atomicAdd(&hist[row * kGapBuckets + a], local[a]);
+  for (int a = threadIdx.x; a < index::kTopPBuckets; a += kPassThreads)
+    if (local[a] != 0) atomicAdd(&hist[row * index::kTopPBuckets + a], local[a]);
 }
 
-// The plan of each row from its histogram: Z, T = ceil(p Z), the boundary bucket (a scan of the
-// bucket weights in gap order), the tokens above it and still needed from it.
-__global__ void __launch_bounds__(kTopPThreads) plan_kernel(SparseDecodeParams p, const uint32_t* head_max,
-                                                            const uint32_t* hist_all, TopPPlan* plans) {
-  __shared__ unsigned long long scan[32];
-  __shared__ unsigned long long uscratch[32];
-  __shared__ int boundary;
-  __shared__ unsigned long long boundary_g_above;
-  const int h = blockIdx.x, b = blockIdx.y;
-  const int64_t row = int64_t(b) * p.n_q_heads + h;
-  if (indexed_of(p, b) == 0) return;
-  if (threadIdx.x == 0) {  // the last bucket until the scan finds the crossing (it always does: T <= Z)
-    boundary = kGapBuckets - 1;
-    boundary_g_above = 0;
-  }
-  const uint32_t* hist = hist_all + row * kGapBuckets;
-  const uint64_t* weight = p.topp_weights + int64_t(b) * kGapBuckets;
-  // Thread i owns buckets [kPer i, kPer (i + 1)); an exclusive scan over threads gives the weight
-  // of every bucket above (smaller gap).
-  constexpr int kPer = (kGapBuckets + kTopPThreads - 1) / kTopPThreads;
-  unsigned long long mine = 0;
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) {
-    const int a = kPer * threadIdx.x + k;
-    if (a < kGapBuckets) mine += (unsigned long long)hist[a] * weight[a];
-  }
-  unsigned long long incl = mine;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const unsigned long long y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
-  if (lane == 31) scan[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    const unsigned long long w = scan[lane];
-    unsigned long long wi = w;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const unsigned long long y = __shfl_up_sync(0xffffffffu, wi, o);
-      if (lane >= o) wi += y;
-    }
-    scan[lane] = wi - w;  // exclusive offsets of the warps
-  }
-  __syncthreads();
-  // Z, the total weight (an exact integer sum in any order).
-  const unsigned long long z =
-      block_reduce(mine, [](unsigned long long x, unsigned long long y) { return x + y; }, uscratch);
-  const uint64_t T = target_units(p.p, z);
-  unsigned long long before = scan[warp] + incl - mine;
-  int found = -1;
-  unsigned long long g_above = 0;
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) {
-    const int a = kPer * threadIdx.x + k;
-    if (a >= kGapBuckets) break;
-    const unsigned long long bucket = (unsigned long long)hist[a] * weight[a];
-    if (bucket != 0 && before < T && before + bucket >= T) {
-      found = a;
-      g_above = before;
-    }
-    before += bucket;
-  }
-  // Tokens above the boundary: the owner knows its bucket; a reduction of the counts of the
-  // buckets before it.
-  if (found >= 0) {
-    boundary = found;
-    boundary_g_above = g_above;
-  }
-  __syncthreads();
-  unsigned long long above = 0;
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) {
-    const int a = kPer * threadIdx.x + k;
-    if (a < boundary) above += hist[a];
-  }
-  const unsigned long long total_above =
-      block_reduce(above, [](unsigned long long x, unsigned long long y) { return x + y; }, uscratch);
-  if (threadIdx.x == 0) {
-    TopPPlan plan;
-    plan.l_max = row_max(head_max, row);
-    plan.boundary = boundary;
-    plan.w = weight[boundary];
-    plan.g_above = boundary_g_above;
-    plan.z = z;
-    plan.needed = uint32_t((T - boundary_g_above + plan.w - 1) / plan.w);
-    plan.above = uint32_t(total_above);
-    plans[row] = plan;
-  }
-}
-
-// The boundary bucket's logits of each row, gathered (in any order) into candidates[row][...].
-__global__ void __launch_bounds__(kPassThreads) gather_kernel(SparseDecodeParams p, const float* logits,
-                                                              const TopPPlan* plans, uint32_t* cand_count,
-                                                              float* candidates, int64_t span) {
+// The largest logit of each row as an ordered key (what the estimate kernels leave in head_max),
+// for top_p_rows: one CTA per span of a row.
+__global__ void __launch_bounds__(kPassThreads) row_max_kernel(SparseDecodeParams p, const float* logits,
+                                                               uint32_t* head_max, int64_t span) {
+  __shared__ uint32_t cta_max;
   const int h = blockIdx.y, b = blockIdx.z;
   const int64_t row = int64_t(b) * p.n_q_heads + h;
   const int64_t n = indexed_of(p, b), t0 = int64_t(blockIdx.x) * span;
   if (t0 >= n) return;
-  const TopPPlan plan = plans[row];
-  const int lane = threadIdx.x & 31;
+  if (threadIdx.x == 0) cta_max = 0;
+  __syncthreads();
+  uint32_t k = 0;
   for_each_logit(logits + row * p.max_indexed, t0, min(n, t0 + span), [&](float x, int64_t, bool valid) {
-    const bool hit = valid && gap_of(x, plan.l_max) == plan.boundary;
-    const uint32_t ballot = __ballot_sync(0xffffffffu, hit);  // every lane is here (for_each_logit)
-    if (ballot == 0) return;
-    const int leader = __ffs(ballot) - 1;
-    uint32_t base = 0;
-    if (lane == leader) base = atomicAdd(&cand_count[row], __popc(ballot));
-    base = __shfl_sync(0xffffffffu, base, leader);
-    if (hit) candidates[row * p.max_indexed + base + __popc(ballot & ((1u << lane) - 1u))] = x;
+    if (valid) k = max(k, ordered_key(x));
   });
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xffffffffu, k, o));
+  if ((threadIdx.x & 31) == 0) atomicMax(&cta_max, k);
+  __syncthreads();
+  if (threadIdx.x == 0) atomicMax(&head_max[row], cta_max);
 }
 
-// theta: the needed-th largest candidate, by radix selection 8 bits at a time from the top; the
-// selected count and mass follow.
-__global__ void __launch_bounds__(kTopPThreads) theta_kernel(SparseDecodeParams p, const TopPPlan* plans,
-                                                             const uint32_t* cand_count, const float* candidates,
-                                                             float* theta_out) {
-  __shared__ uint32_t digits[256];
-  __shared__ uint32_t prefix, prefix_mask, needed;
-  __shared__ unsigned long long uscratch[32];
+// The threshold of each row from its histogram: thread i owns buckets [kPer i, kPer (i + 1)); the
+// upper and lower weights of every bucket (index::top_p_upper_weight / top_p_lower_weight of the
+// table in p.topp_weights at the row's shift) summed in bucket order by two exclusive scans; each
+// thread tests its nonempty buckets with index::top_p_reaches and the smallest passing bucket is
+// B (the test is monotone in the bucket, so that is the CPU's first passing bucket). Then theta
+// (index::top_p_bucket_threshold), the selected count and the mass (index::top_p_mass).
+__global__ void __launch_bounds__(kTopPThreads) plan_kernel(SparseDecodeParams p, const uint32_t* head_max,
+                                                            const uint32_t* hist_all, float* theta_out) {
+  __shared__ unsigned long long scratch[33];
+  __shared__ int first;
+  __shared__ unsigned long long first_lower, first_upper_rest;
   const int h = blockIdx.x, b = blockIdx.y;
   const int64_t row = int64_t(b) * p.n_q_heads + h;
-  if (indexed_of(p, b) == 0) {
+  const int64_t n = indexed_of(p, b);
+  if (n == 0) {
     if (threadIdx.x == 0) {
       theta_out[row] = INFINITY;
       if (p.threshold) p.threshold[row] = INFINITY;
@@ -637,62 +547,65 @@ __global__ void __launch_bounds__(kTopPThreads) theta_kernel(SparseDecodeParams 
     }
     return;
   }
-  const TopPPlan plan = plans[row];
-  const uint32_t c = cand_count[row];
-  const float* cand = candidates + row * p.max_indexed;
-  if (threadIdx.x == 0) {
-    prefix = 0;
-    prefix_mask = 0;
-    needed = plan.needed;
-  }
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int d = threadIdx.x; d < 256; d += kTopPThreads) digits[d] = 0;
-    __syncthreads();
-    const uint32_t pre = prefix, mask = prefix_mask;
-    for (uint32_t i = threadIdx.x; i < c; i += kTopPThreads) {
-      const uint32_t k = ordered_key(cand[i]);
-      if ((k & mask) == pre) atomicAdd(&digits[(k >> shift) & 0xffu], 1u);
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      // Digits from 255 down: lane l owns 255 - 8 l .. 248 - 8 l; a scan over lanes finds the
-      // lane where the count from the top reaches `needed`, then that lane walks its 8 digits.
-      const int lane = threadIdx.x;
-      uint32_t own = 0;
+  if (threadIdx.x == 0) first = index::kTopPBuckets;
+  const uint32_t* hist = hist_all + row * index::kTopPBuckets;
+  const uint64_t* upper63 = p.topp_weights;
+  const uint64_t* lower63 = p.topp_weights + index::kTopPBuckets;
+  const int k = index::top_p_weight_shift(n);
+  constexpr int kPer = (index::kTopPBuckets + kTopPThreads - 1) / kTopPThreads;
+  const int a0 = kPer * int(threadIdx.x);
+  uint32_t count[kPer];
+  unsigned long long mine_upper = 0, mine_lower = 0;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) own += digits[255 - 8 * lane - k];
-      uint32_t incl = own;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
-      }
-      const uint32_t need = needed, before = incl - own;
-      const bool here = before < need && incl >= need;
-      const uint32_t ballot = __ballot_sync(0xffffffffu, here);
-      // Past every digit (it cannot happen: needed <= the candidates with the prefix): digit 0.
-      const int owner = ballot ? __ffs(ballot) - 1 : 31;
-      if (lane == owner) {
-        uint32_t left = need - (ballot ? before : 0);
-        int d = 255 - 8 * lane;
-        for (int k = 0; k < 7 && digits[d] < left; ++k, --d) left -= digits[d];
-        needed = left;
-        prefix = pre | (uint32_t(d) << shift);
-        prefix_mask = mask | (0xffu << shift);
-      }
+  for (int j = 0; j < kPer; ++j) {
+    const int a = a0 + j;
+    count[j] = a < index::kTopPBuckets ? hist[a] : 0u;
+    if (count[j] != 0) {
+      mine_upper += (unsigned long long)count[j] * index::top_p_upper_weight(upper63[a], k);
+      mine_lower += (unsigned long long)count[j] * index::top_p_lower_weight(lower63[a], k);
     }
-    __syncthreads();
   }
-  const float theta = key_to_float(prefix);
+  unsigned long long total_upper = 0, total_lower = 0;
+  const unsigned long long upper_before = block_exclusive_sum(mine_upper, &total_upper, scratch);
+  const unsigned long long lower_before = block_exclusive_sum(mine_lower, &total_lower, scratch);
+  unsigned long long upper_in = upper_before, lower_in = lower_before;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (count[j] == 0) continue;
+    const int a = a0 + j;
+    upper_in += (unsigned long long)count[j] * index::top_p_upper_weight(upper63[a], k);
+    lower_in += (unsigned long long)count[j] * index::top_p_lower_weight(lower63[a], k);
+    if (index::top_p_reaches(lower_in, total_upper - upper_in, p.p)) {
+      atomicMin(&first, a);
+      break;
+    }
+  }
+  __syncthreads();
+  const int B = first;  // every row has a passing bucket: its last nonempty one
+  if (B >= a0 && B < a0 + kPer) {  // the owner of B: the sums at B
+    upper_in = upper_before;
+    lower_in = lower_before;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      if (a0 + j > B) break;
+      upper_in += (unsigned long long)count[j] * index::top_p_upper_weight(upper63[a0 + j], k);
+      lower_in += (unsigned long long)count[j] * index::top_p_lower_weight(lower63[a0 + j], k);
+    }
+    first_lower = lower_in;
+    first_upper_rest = total_upper - upper_in;
+  }
   unsigned long long taken = 0;
-  for (uint32_t i = threadIdx.x; i < c; i += kTopPThreads) taken += cand[i] >= theta;
-  taken = block_reduce(taken, [](unsigned long long x, unsigned long long y) { return x + y; }, uscratch);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j)
+    if (a0 + j <= B) taken += count[j];
+  taken = block_reduce(taken, [](unsigned long long x, unsigned long long y) { return x + y; }, scratch);
   if (threadIdx.x == 0) {
+    const float theta = index::top_p_bucket_threshold(row_max(head_max, row), B);
     theta_out[row] = theta;
     if (p.threshold) p.threshold[row] = theta;
-    if (p.n_selected) p.n_selected[row] = int64_t(plan.above) + int64_t(taken);
+    if (p.n_selected) p.n_selected[row] = int64_t(taken);
     if (p.n_widened) p.n_widened[row] = 0;  // select_kernel adds the widening's tokens to both
-    if (p.mass) p.mass[row] = double(plan.g_above + taken * plan.w) / double(plan.z);
+    if (p.mass) p.mass[row] = index::top_p_mass(first_lower, first_lower + first_upper_rest);
   }
 }
 
@@ -796,7 +709,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SparseDecodePara
   for (int e = 0; e < 4; ++e)
     if (heads[e] != 0) *out++ = uint32_t(t0 + e) | (heads[e] << 24);
   if (threadIdx.x == 0) counts[list] = warp_offsets[kWarpsPerCta];
-  // The widening's tokens per head, added to the counts theta_kernel wrote.
+  // The widening's tokens per head, added to the counts plan_kernel wrote.
   const uint32_t any_widened = widened[0] | widened[1] | widened[2] | widened[3];
   if (__ballot_sync(0xffffffffu, any_widened != 0) != 0 && (p.n_selected || p.n_widened)) {
     for (int g = 0; g < group; ++g) {
@@ -1034,9 +947,9 @@ CudaStatus unsupported(const std::string& message) {
 }
 
 struct Layout {
-  // zeroed before every call: head_max .. cand_count (one memset)
-  size_t head_max = 0, hist = 0, cand_count = 0, zeroed_end = 0;
-  size_t logits = 0, norms = 0, candidates = 0, plans = 0, theta = 0, entries = 0, counts = 0, mld = 0, o = 0, total = 0;
+  // zeroed before every call: head_max .. hist (one memset)
+  size_t head_max = 0, hist = 0, zeroed_end = 0;
+  size_t logits = 0, norms = 0, theta = 0, entries = 0, counts = 0, mld = 0, o = 0, total = 0;
   int64_t n_chunks = 0, window_chunks = 0;
   int splits = 1;
 };
@@ -1058,13 +971,10 @@ Layout layout_of(const SparseDecodeParams& p, int splits) {
     return here;
   };
   l.head_max = take(rows * 4);
-  l.hist = take(rows * kGapBuckets * 4);
-  l.cand_count = take(rows * 4);
+  l.hist = take(rows * index::kTopPBuckets * 4);  // 45,060 bytes per row
   l.zeroed_end = at;
   l.logits = take(rows * per_row * 4);
   l.norms = take(lists * per_row * 4);
-  l.candidates = take(rows * per_row * 4);
-  l.plans = take(rows * sizeof(TopPPlan));
   l.theta = take(rows * 4);
   l.entries = take(lists * size_t(std::max<int64_t>(l.n_chunks, 1)) * kSparseChunkTokens * 4);
   l.counts = take(lists * size_t(std::max<int64_t>(l.n_chunks, 1)) * 4);
@@ -1074,8 +984,8 @@ Layout layout_of(const SparseDecodeParams& p, int splits) {
   return l;
 }
 
-// Tokens per CTA of the histogram and gather passes: kPassQuantum doubled while the grid keeps at
-// least kPassCtas CTAs, up to 8 quanta. A CTA zeroes and flushes all kGapBuckets buckets whatever
+// Tokens per CTA of the histogram pass: kPassQuantum doubled while the grid keeps at
+// least kPassCtas CTAs, up to 8 quanta. A CTA zeroes and flushes all kTopPBuckets buckets whatever
 // its span, so at batch 8 and 128K the 4096-token spans spent as long on the buckets (and on 8
 // million global atomics of the flushes) as on the logits.
 constexpr int64_t kPassCtas = 1024;
@@ -1107,9 +1017,6 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
   float* norms = static_cast<float*>(at(l.norms));
   uint32_t* head_max = static_cast<uint32_t*>(at(l.head_max));
   uint32_t* hist = static_cast<uint32_t*>(at(l.hist));
-  uint32_t* cand_count = static_cast<uint32_t*>(at(l.cand_count));
-  float* candidates = static_cast<float*>(at(l.candidates));
-  TopPPlan* plans = static_cast<TopPPlan*>(at(l.plans));
   float* theta = static_cast<float*>(at(l.theta));
   uint32_t* entries = static_cast<uint32_t*>(at(l.entries));
   int32_t* counts = static_cast<int32_t*>(at(l.counts));
@@ -1135,11 +1042,8 @@ CudaStatus launch(const SparseDecodeParams& p, int splits) {
         estimate_by_popcount_kernel<D><<<grid, kEstimateThreads, 0, stream>>>(p, logits, head_max, norms);
     }
     hist_kernel<<<dim3(passes, Hq, B), kPassThreads, 0, stream>>>(p, logits, head_max, hist, span);
-    plan_kernel<<<dim3(Hq, B), kTopPThreads, 0, stream>>>(p, head_max, hist, plans);
-    gather_kernel<<<dim3(passes, Hq, B), kPassThreads, 0, stream>>>(p, logits, plans, cand_count, candidates, span);
   }
-  theta_kernel<<<dim3(unsigned(p.n_q_heads), unsigned(p.batch)), kTopPThreads, 0, stream>>>(p, plans, cand_count,
-                                                                                          candidates, theta);
+  plan_kernel<<<dim3(unsigned(p.n_q_heads), unsigned(p.batch)), kTopPThreads, 0, stream>>>(p, head_max, hist, theta);
   if (l.n_chunks > 0)
     select_kernel<D><<<dim3(unsigned(l.n_chunks), unsigned(p.n_kv_heads), unsigned(p.batch)), kSelectThreads, 0,
                        stream>>>(p, logits, theta, norms, entries, counts, l.n_chunks);
@@ -1306,6 +1210,74 @@ int choose_splits(const SparseDecodeParams& p) {
 }
 
 size_t workspace_bytes(const SparseDecodeParams& p) { return layout_of(p, splits_of(p)).total; }
+
+namespace {
+
+// top_p_rows as a sparse decode of rows sequences with one query head and nothing but an index.
+SparseDecodeParams top_p_rows_as_sparse(const TopPRowsParams& t) {
+  SparseDecodeParams p;
+  p.batch = t.rows;
+  p.n_q_heads = p.n_kv_heads = 1;
+  p.p = t.p;
+  p.n_indexed = t.n;
+  p.max_indexed = t.stride;
+  p.topp_weights = t.topp_weights;
+  p.threshold = t.threshold;
+  p.n_selected = t.n_selected;
+  p.mass = t.mass;
+  p.pass_tokens = t.pass_tokens;
+  return p;
+}
+
+// head_max [rows], hist [rows][kTopPBuckets] (zeroed), theta [rows].
+size_t top_p_rows_bytes(int rows, size_t* hist, size_t* theta) {
+  *hist = round256(size_t(rows) * 4);
+  *theta = *hist + round256(size_t(rows) * index::kTopPBuckets * 4);
+  return *theta + round256(size_t(rows) * 4);
+}
+
+}  // namespace
+
+size_t top_p_rows_workspace_bytes(const TopPRowsParams& t) {
+  size_t hist = 0, theta = 0;
+  return top_p_rows_bytes(std::max(t.rows, 0), &hist, &theta);
+}
+
+CudaStatus top_p_rows(const TopPRowsParams& t) {
+  if (t.rows < 0 || t.rows > 65535) return error("top_p_rows: rows must be in [0, 65535]");
+  if (!(t.p > 0.0 && t.p <= 1.0)) return error("top_p_rows: p must be in (0, 1]");
+  if (t.stride < 0 || t.stride % 16 != 0 || t.stride >= (int64_t(1) << 24))
+    return error("top_p_rows: stride must be a multiple of 16 below 2^24");
+  if (t.pass_tokens < 0 || t.pass_tokens % 16 != 0 || t.pass_tokens > (int64_t(1) << 24))
+    return error("top_p_rows: pass_tokens must be a multiple of 16 in [0, 2^24]");
+  if (t.rows == 0) return {};
+  if (!t.logits || !aligned16(t.logits) || !t.n || !t.topp_weights || !t.threshold || !t.n_selected || !t.mass)
+    return error("top_p_rows: a device pointer is null or the logits misaligned");
+  size_t hist_at = 0, theta_at = 0;
+  const size_t need = top_p_rows_bytes(t.rows, &hist_at, &theta_at);
+  if (!t.workspace || t.workspace_size < need || !aligned16(t.workspace))
+    return error("top_p_rows: workspace too small or misaligned (needs " + std::to_string(need) + " bytes)");
+  const SparseDecodeParams p = top_p_rows_as_sparse(t);
+  char* base = static_cast<char*>(t.workspace);
+  uint32_t* head_max = reinterpret_cast<uint32_t*>(base);
+  uint32_t* hist = reinterpret_cast<uint32_t*>(base + hist_at);
+  float* theta = reinterpret_cast<float*>(base + theta_at);
+  cudaStream_t stream = static_cast<cudaStream_t>(t.stream);
+  cudaError_t e = cudaMemsetAsync(base, 0, theta_at, stream);
+  if (e != cudaSuccess)
+    return CudaStatus{false, StatusCode::kInternal, std::string("cuda top_p_rows: ") + cudaGetErrorString(e)};
+  if (t.stride > 0) {
+    const int64_t span = pass_tokens(p);
+    const dim3 grid(unsigned((t.stride + span - 1) / span), 1, unsigned(t.rows));
+    row_max_kernel<<<grid, kPassThreads, 0, stream>>>(p, t.logits, head_max, span);
+    hist_kernel<<<grid, kPassThreads, 0, stream>>>(p, t.logits, head_max, hist, span);
+  }
+  plan_kernel<<<dim3(1, unsigned(t.rows)), kTopPThreads, 0, stream>>>(p, head_max, hist, theta);
+  e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return CudaStatus{false, StatusCode::kInternal, std::string("cuda top_p_rows: launch failed: ") + cudaGetErrorString(e)};
+  return {};
+}
 
 CudaStatus sparse_decode(const SparseDecodeParams& p) {
   const CudaStatus s = check(p);

@@ -1,13 +1,14 @@
 // Sparse decode attention on the GPU (DESIGN.md section 5; docs/sparse.md, docs/cuda.md): per
 // decode step and query head, the RaBitQ index scan (binary key codes x the 4-bit query by
-// popcounts, Eq. 20 and Eq. 6), the Top-p threshold over those estimated logits (the fixed-point
-// selection of index/top_p.h, the same set as index::top_p_select on the same logits), and
+// popcounts, Eq. 20 and Eq. 6), Top-p over those estimated logits quantized to 16-bit fixed point
+// (index/top_p.h: the same buckets, threshold bucket, threshold and set as index::top_p_select on
+// the same logits, through the shared arithmetic of index/top_p_buckets.h), and
 // attention over the selected tokens of the indexed prefix plus every token of the local window,
 // gathered row by row from bf16 pages onto the tensor-core tiles of the paged kernel.
 //
-// Launches (one stream): estimate -> Top-p threshold -> selection lists (the Top-p set, widened
-// per token as index::top_p_widen when the query's margin_scale is positive) -> attention splits
-// -> merge. The query's rotation and 4-bit quantization are the caller's (index::rabitq_quantize_query
+// Launches (one stream): memset -> estimate -> bucket histogram -> Top-p threshold -> selection
+// lists (the Top-p set, widened per token as index::top_p_widen when the query's margin_scale is
+// positive) -> attention splits -> merge. The query's rotation and 4-bit quantization are the caller's (index::rabitq_quantize_query
 // on the host; device_rabitq_query converts it).
 #pragma once
 
@@ -80,8 +81,8 @@ struct SparseDecodeParams {
   int64_t max_indexed = 0;             // >= every n_indexed[b]
   int64_t max_window = 0;              // >= every seq_lens[b] - n_indexed[b]
   const DeviceRabitqQuery* queries = nullptr;  // [batch][n_q_heads]
-  // [batch][index::kTopPGapCap + 1]: index::top_p_weight_table(n_indexed[b]) (any row where
-  // n_indexed[b] == 0).
+  // [2][index::kTopPBuckets]: index::top_p_bucket_weights(), one table for every row (uploaded
+  // once; each row shifts it to its n_indexed).
   const uint64_t* topp_weights = nullptr;
 
   const float* q = nullptr;  // [batch][n_q_heads][head_dim]
@@ -100,7 +101,7 @@ struct SparseDecodeParams {
   // it (the engine's batch invariance). 0: the chunks of the batch's longest index and window,
   // split evenly. Not with n_splits.
   int64_t split_chunks = 0;
-  // Tokens per CTA of the Top-p histogram and gather passes, a multiple of 16 up to 2^24; 0: chosen
+  // Tokens per CTA of the Top-p histogram pass, a multiple of 16 up to 2^24; 0: chosen
   // (4096 doubled up to 32768 while the passes keep 1024 CTAs).
   int64_t pass_tokens = 0;
   EstimateForm estimate_form = EstimateForm::kChosen;
@@ -132,5 +133,29 @@ const float* estimated_logits(const SparseDecodeParams& params);
 const uint32_t* selection_entries(const SparseDecodeParams& params);
 const int32_t* selection_counts(const SparseDecodeParams& params);
 int64_t selection_chunks(const SparseDecodeParams& params);
+
+// The Top-p stage of sparse_decode alone, on logits the caller chooses (tests of bucket edges,
+// ties and the cap bucket against index::top_p_select): per row the largest logit, the bucket
+// histogram and the threshold, with sparse_decode's kernels. Row r holds n[r] logits at
+// logits + r * stride. Outputs per row as sparse_decode's: theta (+inf when n[r] == 0), the
+// selected count, the mass.
+struct TopPRowsParams {
+  int rows = 0;
+  const float* logits = nullptr;  // [rows][stride], 16-byte aligned; finite where read
+  int64_t stride = 0;             // a multiple of 16
+  const int32_t* n = nullptr;     // [rows], each in [0, stride]
+  double p = 0.9;                 // in (0, 1]
+  const uint64_t* topp_weights = nullptr;  // index::top_p_bucket_weights()
+  int64_t pass_tokens = 0;        // as SparseDecodeParams::pass_tokens
+  float* threshold = nullptr;     // [rows]
+  int64_t* n_selected = nullptr;  // [rows]
+  double* mass = nullptr;         // [rows]
+  void* workspace = nullptr;
+  size_t workspace_size = 0;
+  void* stream = nullptr;  // cudaStream_t
+};
+size_t top_p_rows_workspace_bytes(const TopPRowsParams& params);
+// Refuses bad shapes and null or misaligned buffers with a status before any launch.
+CudaStatus top_p_rows(const TopPRowsParams& params);
 
 }  // namespace certkv::attention::cuda

@@ -1,14 +1,16 @@
 // The sparse decode path on the GPU against the CPU: estimated logits (bit for bit) against
-// index::rabitq_estimate_scores_popcount, the threshold and the selected set against
-// index::top_p_select and top_p_select_ref run on the device's own logits (the same set, exactly),
-// the selection lists against the masks, and the output against double attention over the
-// selected tokens plus the window; p = 1 against dense attention; a boundary bucket holding every
-// token; refusals. Ragged batches (nothing indexed, all indexed, windows of 1 to 300
-// tokens) and GQA 1, 4, 7, 8. Needs a CUDA device.
+// index::rabitq_estimate_scores_popcount, Top-p on the quantized logits (theta, the selected
+// count and the mass bit for bit, the set exactly) against index::top_p_select and
+// top_p_select_ref run on the device's own logits, the selection lists against the masks, and the
+// output against double attention over the selected tokens plus the window; p = 1 against dense
+// attention; a threshold bucket holding every token; the Top-p stage alone on chosen logits (bucket
+// edges, ties, the cap bucket, ragged rows); refusals. Ragged batches (nothing indexed, all
+// indexed, windows of 1 to 300 tokens) and GQA 1 to 8. Needs a CUDA device.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -85,6 +87,7 @@ Host make_inputs(const SparseCase& c) {
 template <int D>
 struct SparseRun {
   std::vector<float> out, logits, threshold;
+  std::vector<double> mass;
   std::vector<int64_t> n_selected, n_widened;
   std::vector<float> margin;                // [b * n_q + h]: the query's margin_scale
   std::vector<std::vector<float>> norms;    // [b * n_kv + kv_head][n_indexed]: ||k_t - c_k||
@@ -117,16 +120,12 @@ SparseRun<D> run(const SparseCase& c, const Host& h) {
   const int64_t stride = std::max<int64_t>(max_indexed, 16);
   std::vector<index::RabitqRecord<D>> records(size_t(B) * H * size_t(stride));
   std::vector<DeviceRabitqQuery> queries(size_t(B) * Hq);
-  std::vector<uint64_t> weights(size_t(B) * (index::kTopPGapCap + 1), 1);
+  const std::vector<uint64_t>& weights = index::top_p_bucket_weights();
   r.cpu_scores.resize(size_t(B) * Hq);
   r.margin.assign(size_t(B) * Hq, 0.f);
   r.norms.resize(size_t(B) * H);
   for (int b = 0; b < B; ++b) {
     const int len = c.lens[size_t(b)], n = c.n_indexed[size_t(b)];
-    if (n > 0) {
-      const std::vector<uint64_t>& w = index::top_p_weight_table(n);
-      std::copy(w.begin(), w.end(), weights.begin() + size_t(b) * (index::kTopPGapCap + 1));
-    }
     for (int kvh = 0; kvh < H; ++kvh) {
       std::vector<float> keys(static_cast<size_t>(len) * D), c_k(static_cast<size_t>(D), 0.f), c_q(static_cast<size_t>(D), 0.f);
       for (size_t i = 0; i < keys.size(); ++i)
@@ -153,7 +152,7 @@ SparseRun<D> run(const SparseCase& c, const Host& h) {
     }
   }
 
-  DeviceBuffer rec_d, q_rab_d, w_d, nidx_d, q_d, out_d, thr_d, nsel_d, nwid_d, ws_d;
+  DeviceBuffer rec_d, q_rab_d, w_d, nidx_d, q_d, out_d, thr_d, nsel_d, nwid_d, mass_d, ws_d;
   std::vector<int32_t> nidx(c.n_indexed.begin(), c.n_indexed.end());
   bool ok = DeviceBuffer::allocate(records.size() * sizeof(records[0]), &rec_d).ok &&
             rec_d.upload(0, records.data(), records.size() * sizeof(records[0])).ok &&
@@ -163,7 +162,8 @@ SparseRun<D> run(const SparseCase& c, const Host& h) {
             DeviceBuffer::allocate(nidx.size() * 4, &nidx_d).ok && nidx_d.upload(0, nidx.data(), nidx.size() * 4).ok &&
             DeviceBuffer::allocate(h.q.size() * 4, &q_d).ok && q_d.upload(0, h.q.data(), h.q.size() * 4).ok &&
             DeviceBuffer::allocate(h.q.size() * 4, &out_d).ok && DeviceBuffer::allocate(size_t(B) * Hq * 4, &thr_d).ok &&
-            DeviceBuffer::allocate(size_t(B) * Hq * 8, &nsel_d).ok && DeviceBuffer::allocate(size_t(B) * Hq * 8, &nwid_d).ok;
+            DeviceBuffer::allocate(size_t(B) * Hq * 8, &nsel_d).ok && DeviceBuffer::allocate(size_t(B) * Hq * 8, &nwid_d).ok &&
+            DeviceBuffer::allocate(size_t(B) * Hq * 8, &mass_d).ok;
   EXPECT_TRUE(ok);
   SparseDecodeParams p;
   describe_pages(pp, &p);
@@ -182,6 +182,7 @@ SparseRun<D> run(const SparseCase& c, const Host& h) {
   p.threshold = reinterpret_cast<float*>(thr_d.data());
   p.n_selected = reinterpret_cast<int64_t*>(nsel_d.data());
   p.n_widened = reinterpret_cast<int64_t*>(nwid_d.data());
+  p.mass = reinterpret_cast<double*>(mass_d.data());
   p.pass_tokens = c.pass_tokens;
   p.estimate_form = c.form;
   p.split_chunks = c.split_chunks;
@@ -198,6 +199,7 @@ SparseRun<D> run(const SparseCase& c, const Host& h) {
   r.threshold.resize(size_t(B) * Hq);
   r.n_selected.resize(size_t(B) * Hq);
   r.n_widened.resize(size_t(B) * Hq);
+  r.mass.resize(size_t(B) * Hq);
   r.logits.resize(size_t(B) * Hq * size_t(std::max<int64_t>(max_indexed, 1)));
   r.chunks = selection_chunks(p);
   r.entries.resize(size_t(B) * H * size_t(std::max<int64_t>(r.chunks, 1)) * kSparseChunkTokens);
@@ -206,6 +208,7 @@ SparseRun<D> run(const SparseCase& c, const Host& h) {
   EXPECT_TRUE(thr_d.download(0, r.threshold.data(), r.threshold.size() * 4).ok);
   EXPECT_TRUE(nsel_d.download(0, r.n_selected.data(), r.n_selected.size() * 8).ok);
   EXPECT_TRUE(nwid_d.download(0, r.n_widened.data(), r.n_widened.size() * 8).ok);
+  EXPECT_TRUE(mass_d.download(0, r.mass.data(), r.mass.size() * 8).ok);
   EXPECT_EQ(cudaMemcpy(r.logits.data(), estimated_logits(p), size_t(B) * Hq * size_t(max_indexed) * 4,
                        cudaMemcpyDeviceToHost),
             cudaSuccess);
@@ -243,7 +246,8 @@ void check_case(const SparseCase& c, bool dense_too = false) {
         ASSERT_EQ(std::memcmp(&gl[t], &want, sizeof(float)), 0)
             << "seq " << b << " head " << hh << " token " << t << ": " << gl[t] << " against " << want;
       }
-      // 2. Top-p on the device's logits: the same threshold and set as both CPU selections.
+      // 2. Top-p on the device's logits: the same threshold (bit for bit), count, mass and set as
+      // both CPU selections.
       std::vector<uint8_t> mask(static_cast<size_t>(n));
       if (n == 0) {
         EXPECT_TRUE(std::isinf(r.threshold[row]));
@@ -254,8 +258,11 @@ void check_case(const SparseCase& c, bool dense_too = false) {
       std::vector<uint8_t> mask_ref(static_cast<size_t>(n));
       const index::TopPSelection sel = index::top_p_select(gl, n, c.p, mask.data());
       const index::TopPSelection sel_ref = index::top_p_select_ref(gl, n, c.p, mask_ref.data());
-      EXPECT_EQ(r.threshold[row], sel.threshold) << "seq " << b << " head " << hh;
-      EXPECT_EQ(r.threshold[row], sel_ref.threshold);
+      EXPECT_EQ(std::memcmp(&r.threshold[row], &sel.threshold, sizeof(float)), 0)
+          << "seq " << b << " head " << hh << ": theta " << r.threshold[row] << " against " << sel.threshold;
+      EXPECT_EQ(std::memcmp(&sel_ref.threshold, &sel.threshold, sizeof(float)), 0);
+      EXPECT_EQ(std::memcmp(&r.mass[row], &sel.mass, sizeof(double)), 0)
+          << "seq " << b << " head " << hh << ": mass " << r.mass[row] << " against " << sel.mass;
       EXPECT_EQ(mask, mask_ref);
       if (c.p == 1.0) {
         EXPECT_EQ(sel.n_selected, n);
@@ -432,19 +439,19 @@ TEST(SparseDecodeCuda, PEqualOneIsDenseAttention) {
   check_case<64>({64, 6, 2, {1200}, {1024}, 1.0, 7}, true);
 }
 
-TEST(SparseDecodeCuda, ABoundaryBucketOfEveryToken) {
+TEST(SparseDecodeCuda, AThresholdBucketOfEveryToken) {
   CERTKV_NEED_CUDA_DEVICE();
-  // Every key the same: every logit ties, so the boundary bucket holds all 6,400 indexed tokens
-  // (gathered from every pass CTA) and ties at theta are all selected.
+  // Every key the same: every logit ties, so the threshold bucket holds all 6,400 indexed tokens
+  // (counted by every pass CTA), and all are selected.
   SparseCase c{128, 8, 2, {6400 + 50}, {6400}, 0.9, 8};
   c.flat_keys = true;
   check_case<128>(c);
 }
 
-// The histogram and gather passes split each row into spans of pass_tokens, one CTA each: every
-// span width gives the CPU's threshold, set and lists — spans of one 16-token block, ragged spans
-// that end inside the row, spans past the longest row (one CTA per row), and the boundary bucket's
-// candidates gathered from hundreds of CTAs.
+// The histogram pass splits each row into spans of pass_tokens, one CTA each: every span width
+// gives the CPU's threshold, set and lists — spans of one 16-token block, ragged spans that end
+// inside the row, spans past the longest row (one CTA per row), and a threshold bucket counted by
+// hundreds of CTAs.
 TEST(SparseDecodeCuda, EveryPassSpanSelectsTheCpuTokens) {
   CERTKV_NEED_CUDA_DEVICE();
   for (const int64_t span : {16, 592, 1008, 8192}) {
@@ -461,6 +468,107 @@ TEST(SparseDecodeCuda, EveryPassSpanSelectsTheCpuTokens) {
   flat.flat_keys = true;
   flat.pass_tokens = 48;
   check_case<128>(flat);
+}
+
+// The Top-p stage alone (top_p_rows, sparse_decode's histogram and threshold kernels) on chosen
+// logits: each row's theta, selected count and mass bit for bit those of index::top_p_select.
+void check_top_p_rows(const std::vector<std::vector<float>>& rows, double p, int64_t pass_tokens,
+                      const std::string& what) {
+  SCOPED_TRACE(what + " p " + std::to_string(p) + " pass_tokens " + std::to_string(pass_tokens));
+  int64_t stride = 16;
+  for (const std::vector<float>& r : rows) stride = std::max<int64_t>(stride, (int64_t(r.size()) + 15) / 16 * 16);
+  std::vector<float> logits(rows.size() * size_t(stride), 0.f);
+  std::vector<int32_t> n(rows.size());
+  for (size_t r = 0; r < rows.size(); ++r) {
+    std::copy(rows[r].begin(), rows[r].end(), logits.begin() + long(r * size_t(stride)));
+    n[r] = int32_t(rows[r].size());
+  }
+  const std::vector<uint64_t>& weights = index::top_p_bucket_weights();
+  TopPRowsParams t;
+  t.rows = int(rows.size());
+  t.stride = stride;
+  t.p = p;
+  t.pass_tokens = pass_tokens;
+  DeviceBuffer l_d, n_d, w_d, thr_d, sel_d, mass_d, ws_d;
+  const size_t R = rows.size();
+  ASSERT_TRUE(DeviceBuffer::allocate(logits.size() * 4, &l_d).ok && l_d.upload(0, logits.data(), logits.size() * 4).ok &&
+              DeviceBuffer::allocate(R * 4, &n_d).ok && n_d.upload(0, n.data(), R * 4).ok &&
+              DeviceBuffer::allocate(weights.size() * 8, &w_d).ok && w_d.upload(0, weights.data(), weights.size() * 8).ok &&
+              DeviceBuffer::allocate(R * 4, &thr_d).ok && DeviceBuffer::allocate(R * 8, &sel_d).ok &&
+              DeviceBuffer::allocate(R * 8, &mass_d).ok &&
+              DeviceBuffer::allocate(top_p_rows_workspace_bytes(t), &ws_d).ok);
+  t.logits = reinterpret_cast<const float*>(l_d.data());
+  t.n = reinterpret_cast<const int32_t*>(n_d.data());
+  t.topp_weights = reinterpret_cast<const uint64_t*>(w_d.data());
+  t.threshold = reinterpret_cast<float*>(thr_d.data());
+  t.n_selected = reinterpret_cast<int64_t*>(sel_d.data());
+  t.mass = reinterpret_cast<double*>(mass_d.data());
+  t.workspace = ws_d.data();
+  t.workspace_size = top_p_rows_workspace_bytes(t);
+  const CudaStatus st = top_p_rows(t);
+  ASSERT_TRUE(st.ok) << st.message;
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<float> theta(R);
+  std::vector<int64_t> selected(R);
+  std::vector<double> mass(R);
+  ASSERT_TRUE(thr_d.download(0, theta.data(), R * 4).ok && sel_d.download(0, selected.data(), R * 8).ok &&
+              mass_d.download(0, mass.data(), R * 8).ok);
+  for (size_t r = 0; r < R; ++r) {
+    if (rows[r].empty()) {
+      EXPECT_TRUE(std::isinf(theta[r])) << "row " << r;
+      EXPECT_EQ(selected[r], 0) << "row " << r;
+      continue;
+    }
+    std::vector<uint8_t> mask(rows[r].size());
+    const index::TopPSelection sel = index::top_p_select(rows[r].data(), int64_t(rows[r].size()), p, mask.data());
+    EXPECT_EQ(std::memcmp(&theta[r], &sel.threshold, sizeof(float)), 0)
+        << "row " << r << ": theta " << theta[r] << " against " << sel.threshold << " (bucket " << sel.bucket << ")";
+    EXPECT_EQ(selected[r], sel.n_selected) << "row " << r;
+    EXPECT_EQ(std::memcmp(&mass[r], &sel.mass, sizeof(double)), 0) << "row " << r << ": " << mass[r] << " against " << sel.mass;
+  }
+}
+
+TEST(SparseDecodeCuda, TopPOnChosenLogitsIsTheCpuSelection) {
+  CERTKV_NEED_CUDA_DEVICE();
+  std::vector<std::vector<float>> rows;
+  // Bucket edges: gaps a / 256 exactly, and the floats just above and below them.
+  for (float l_max : {0.0f, 1.0f, -3.5f, 1000.0f}) {
+    std::vector<float> r = {l_max};
+    for (int a = 1; a < 3000; a += 7) {
+      const float edge = l_max - float(a) / 256.0f;
+      r.push_back(edge);
+      r.push_back(std::nextafter(edge, INFINITY));
+      r.push_back(std::nextafter(edge, -INFINITY));
+    }
+    rows.push_back(r);
+  }
+  // Ties: a whole row equal; two tied groups; a tied group inside one bucket across its width.
+  rows.push_back(std::vector<float>(5000, -2.25f));
+  {
+    std::vector<float> r(3000, 1.0f);
+    for (size_t i = 0; i < r.size(); i += 2) r[i] = 0.5f;
+    rows.push_back(r);
+    std::vector<float> w(4000);
+    for (size_t i = 0; i < w.size(); ++i) w[i] = -float(i % 256) / 65536.0f;  // all in bucket 0
+    rows.push_back(w);
+  }
+  // The cap bucket: gaps of 44 logits and more, down to the lowest float.
+  rows.push_back({0.0f, -43.99f, -44.0f, -45.0f, -1e30f, -FLT_MAX, -FLT_MAX, -50.0f});
+  // Ragged random rows (normal x 12, heavy-tailed, integer-valued) and an empty one.
+  std::mt19937 rng(91);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::cauchy_distribution<float> cauchy(0.f, 2.f);
+  for (int64_t n : {int64_t(1), int64_t(3), int64_t(17), int64_t(129), int64_t(501), int64_t(3771), int64_t(40000)}) {
+    for (int shape = 0; shape < 3; ++shape) {
+      std::vector<float> r(static_cast<size_t>(n));
+      for (float& x : r)
+        x = shape == 0 ? 12.f * normal(rng) : shape == 1 ? std::clamp(cauchy(rng), -1e6f, 1e6f) : std::round(3.f * normal(rng));
+      rows.push_back(r);
+    }
+  }
+  rows.push_back({});
+  for (double p : {1e-300, 0.25, 0.5, 0.9, 0.95, 0.99, 1.0 - std::ldexp(1.0, -40), 1.0})
+    for (int64_t pass : {int64_t(0), int64_t(16), int64_t(1008)}) check_top_p_rows(rows, p, pass, "chosen logits");
 }
 
 // The estimate forms' names (the benchmark's -est-FORM) round-trip, other names are refused, and

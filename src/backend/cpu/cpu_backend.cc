@@ -343,6 +343,7 @@ void CpuBackend::decode_attention_sparse(cache::SeqId seq, SequenceState& st, in
   if (st.sparse_observer) {
     options.attended = &attended_;
     options.estimated_logits = &estimated_logits_;
+    options.query_norms = &query_norms_;
   }
   std::vector<attention::SparseHeadStats> stats(size_t(shape.n_q_heads));
   if (device_) {
@@ -380,7 +381,7 @@ void CpuBackend::decode_attention_sparse(cache::SeqId seq, SequenceState& st, in
   }
   if (st.sparse_observer)
     st.sparse_observer(SparseObservation{layer, pos0, q, n_ctx, st.index->indexed_tokens(layer, 0),
-                                         &attended_, &estimated_logits_});
+                                         &attended_, &estimated_logits_, &query_norms_});
 }
 
 void CpuBackend::decode_attention_device(cache::SeqId seq, SequenceState& st, int layer,

@@ -148,6 +148,7 @@ class CpuBackend final : public Backend {
   std::vector<double> contributions_;
   std::vector<std::vector<int32_t>> attended_;
   std::vector<std::vector<float>> estimated_logits_;
+  std::vector<float> query_norms_;
   std::unique_ptr<model::DeviceDecoder> device_;
 };
 

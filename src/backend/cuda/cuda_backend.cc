@@ -367,19 +367,18 @@ class CudaBackend final : public Backend {
     return 3 * n * sizeof(int32_t) +
            size_t(model_.config().n_layers) * (kGroups * sizeof(uint32_t) + layer_meter_floats(n) * sizeof(float));
   }
-  // The sparse staging (page-locked): per step row its indexed length (8 bytes) and its Top-p
-  // weight table; per layer, per row and head a rounding seed, the selected and widened counts and
-  // the estimated mass of the Top-p set, then a zero word and the quantizer's error word.
-  static constexpr size_t kTopPBuckets = index::kTopPGapCap + 1;
+  // The sparse staging (page-locked): per step row its indexed length (8 bytes); per layer, per
+  // row and head a rounding seed, the selected and widened counts and the estimated mass of the
+  // Top-p set, then a zero word and the quantizer's error word. (The Top-p bucket weights are one
+  // table for every row, uploaded with the first step buffers.)
   size_t sparse_layer_bytes(size_t n) const { return 32 * n * size_t(model_.config().n_heads) + 2 * sizeof(uint32_t); }
   size_t sparse_layer_bytes() const { return sparse_layer_bytes(step_rows_); }
   size_t sparse_staging_bytes(size_t n) const {
-    return n * (8 + 8 * kTopPBuckets) + size_t(model_.config().n_layers) * sparse_layer_bytes(n);
+    return n * 8 + size_t(model_.config().n_layers) * sparse_layer_bytes(n);
   }
   int32_t* staged_indexed() const { return reinterpret_cast<int32_t*>(sparse_staging_.data()); }
-  uint64_t* staged_weights() const { return reinterpret_cast<uint64_t*>(sparse_staging_.data() + 8 * step_rows_); }
   uint8_t* staged_sparse_layer(int layer) const {
-    return sparse_staging_.data() + step_rows_ * (8 + 8 * kTopPBuckets) + size_t(layer) * sparse_layer_bytes();
+    return sparse_staging_.data() + step_rows_ * 8 + size_t(layer) * sparse_layer_bytes();
   }
   uint64_t* staged_seeds(int layer) const { return reinterpret_cast<uint64_t*>(staged_sparse_layer(layer)); }
   int64_t* staged_counts(int layer) const {
@@ -509,7 +508,11 @@ void CudaBackend::ensure_step_buffers(size_t n_rows) {
   if (sparse_) {
     const size_t cells = n_rows * size_t(c.n_heads);
     throw_if_failed(DeviceBuffer::allocate(sizeof(int32_t) * n_rows, &indexed));
-    throw_if_failed(DeviceBuffer::allocate(sizeof(uint64_t) * n_rows * kTopPBuckets, &weights));
+    if (topp_weights_.size() == 0) {  // the Top-p bucket weights: one table for every row, once
+      const std::vector<uint64_t>& w = index::top_p_bucket_weights();
+      throw_if_failed(DeviceBuffer::allocate(sizeof(uint64_t) * w.size(), &weights));
+      throw_if_failed(weights.upload(0, w.data(), sizeof(uint64_t) * w.size()));
+    }
     throw_if_failed(DeviceBuffer::allocate(sizeof(uint64_t) * cells, &seeds));
     throw_if_failed(DeviceBuffer::allocate(sizeof(attention::cuda::DeviceRabitqQuery) * cells, &queries));
     throw_if_failed(DeviceBuffer::allocate(sizeof(int64_t) * 3 * cells, &selected));  // selected, widened, mass
@@ -521,8 +524,8 @@ void CudaBackend::ensure_step_buffers(size_t n_rows) {
   lens_ = std::move(lens);
   staging_ = std::move(staging);
   if (sparse_) {
+    if (weights.size() > 0) topp_weights_ = std::move(weights);
     sparse_indexed_ = std::move(indexed);
-    topp_weights_ = std::move(weights);
     seeds_ = std::move(seeds);
     rabitq_queries_ = std::move(queries);
     selected_ = std::move(selected);
@@ -779,18 +782,14 @@ void CudaBackend::read_back_step(const std::vector<RowGroup>& groups, const std:
 void CudaBackend::stage_sparse_step(RowGroup& g, const std::vector<size_t>& item_of_row,
                                     std::span<const BatchItem> items) {
   int32_t* indexed = staged_indexed();
-  uint64_t* weights = staged_weights();
   g.max_indexed = g.max_window = 0;
   for (size_t j = 0; j < g.rows.size(); ++j) {
     const SequenceState& st = state(items[item_of_row[size_t(g.rows[j])]].seq);
     indexed[j] = int32_t(st.indexed);
-    const std::vector<uint64_t>& w = index::top_p_weight_table(st.indexed);  // st.indexed >= 1: sparse_row
-    std::copy(w.begin(), w.end(), weights + j * kTopPBuckets);
     g.max_indexed = std::max(g.max_indexed, st.indexed);
     g.max_window = std::max<int64_t>(g.max_window, g.seq_lens[j] - st.indexed);
   }
   throw_if_failed(sparse_indexed_.upload_async(0, indexed, sizeof(int32_t) * g.rows.size(), nullptr));
-  throw_if_failed(topp_weights_.upload_async(0, weights, sizeof(uint64_t) * kTopPBuckets * g.rows.size(), nullptr));
 }
 
 void CudaBackend::launch_sparse_layer(int layer, const RowGroup& g) {

@@ -171,18 +171,15 @@ class CudaDeviceDecoder final : public DeviceDecoder {
     }
     if (queries_.size() == 0) {
       throw_if_failed(DeviceBuffer::allocate(sizeof(attention::cuda::DeviceRabitqQuery) * size_t(Hq), &queries_));
-      throw_if_failed(DeviceBuffer::allocate(sizeof(uint64_t) * (index::kTopPGapCap + 1), &topp_weights_));
+      const std::vector<uint64_t>& w = index::top_p_bucket_weights();  // one table for every length
+      throw_if_failed(DeviceBuffer::allocate(sizeof(uint64_t) * w.size(), &topp_weights_));
+      throw_if_failed(topp_weights_.upload(0, w.data(), sizeof(uint64_t) * w.size()));
       throw_if_failed(DeviceBuffer::allocate(sizeof(int32_t), &n_indexed_));
       throw_if_failed(DeviceBuffer::allocate(sizeof(int64_t) * size_t(Hq), &n_selected_));
       throw_if_failed(DeviceBuffer::allocate(sizeof(int64_t) * size_t(Hq), &n_widened_));
       throw_if_failed(DeviceBuffer::allocate(sizeof(double) * size_t(Hq), &mass_));
     }
     throw_if_failed(queries_.upload(0, queries.data(), queries_.size()));
-    if (topp_tokens_ != n_indexed) {
-      const std::vector<uint64_t>& w = index::top_p_weight_table(n_indexed);
-      throw_if_failed(topp_weights_.upload(0, w.data(), sizeof(uint64_t) * w.size()));
-      topp_tokens_ = n_indexed;
-    }
     const int32_t n32 = int32_t(n_indexed);
     throw_if_failed(n_indexed_.upload(0, &n32, sizeof(n32)));
     throw_if_failed(q_.upload(0, q, q_.size()));
@@ -298,15 +295,14 @@ class CudaDeviceDecoder final : public DeviceDecoder {
   DeviceBuffer meters_;  // lossy schemes: [3][n_q_heads] floats (meter, A - 1, value side)
   PinnedBuffer staging_;  // a dense call's query, output, meters and error word on the host
   // Sparse decode: per layer the key index records ([n_kv_heads][max_tokens] records) and how many
-  // tokens of each head are there; the step's quantized queries, Top-p weight table (for
-  // topp_tokens_ indexed tokens), indexed length and per-head outputs.
+  // tokens of each head are there; the step's quantized queries, the Top-p bucket weights
+  // (index::top_p_bucket_weights, uploaded once), indexed length and per-head outputs.
   struct SparseLayer {
     DeviceBuffer records;
     int64_t uploaded = 0;
   };
   std::vector<SparseLayer> sparse_layers_ = std::vector<SparseLayer>(size_t(config_.n_layers));
   DeviceBuffer queries_, topp_weights_, n_indexed_, n_selected_, n_widened_, mass_;
-  int64_t topp_tokens_ = -1;
   int64_t sparse_calls_ = 0;
   int64_t attention_calls_ = 0;
   double attention_seconds_ = 0, write_seconds_ = 0;
