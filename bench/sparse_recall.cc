@@ -9,7 +9,7 @@
 //
 // A context longer than the file's tokens tiles them (the benchmark's KV of 4,096 real tokens tiled
 // 32 times at 128K); a context of the file's length (an untiled dump) reads each token once.
-// --jsonl also writes one JSON object per (context, rule): label, source, tokens, tiles, ctx, p,
+// --jsonl also writes one JSON object per (context, rule): label, source, shape, tokens, tiles, ctx, p,
 // margin, deviations, recall_mean, recall_min, budget_mean, reach_median, reach_max.
 //
 // Rules, per query head (the window's 128 last tokens always attended):
@@ -236,10 +236,10 @@ int main(int argc, char** argv) {
       const Result r = evaluate(heads, ctx, rule);
       if (jsonl != nullptr)
         std::fprintf(jsonl,
-                     "{\"label\": \"%s\", \"source\": \"%s\", \"tokens\": %d, \"tiles\": %.4f, \"ctx\": %lld, "
+                     "{\"label\": \"%s\", \"source\": \"%s\", \"shape\": \"%s\", \"tokens\": %d, \"tiles\": %.4f, \"ctx\": %lld, "
                      "\"p\": %g, \"margin\": %g, \"deviations\": %g, \"recall_mean\": %.6f, \"recall_min\": %.6f, "
                      "\"budget_mean\": %.6f, \"reach_median\": %d, \"reach_max\": %d}\n",
-                     label.c_str(), source.c_str(), n, double(ctx) / double(n), (long long)ctx,
+                     label.c_str(), source.c_str(), json_escape(shape).c_str(), n, double(ctx) / double(n), (long long)ctx,
                      rule.p, rule.margin, rule.deviations, r.recall_mean, r.recall_min, r.budget_mean, r.reach_median,
                      r.reach_max);
       std::printf("%8lld %-16s %12.3f %12.3f %12.4f %9d/%d\n", (long long)ctx, name, r.recall_mean, r.recall_min,
