@@ -160,32 +160,24 @@ TEST(CpuBackend, RefusesBadBatches) {
   EXPECT_THROW(be.forward({twice, 2}), Error);
   it.seq = 999;
   EXPECT_THROW(be.forward({&it, 1}), Error);
-  cfg.pool_tokens = 16;
-  try {
-    CpuBackend small(stories(), cfg);
-    FAIL() << "a pool smaller than one sequence was accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("pool"), std::string::npos) << e.what();
-  }
+  // A configuration the CPU backend refuses, with the code and words of its error.
+  auto expect_refused = [](const BackendConfig& bad, StatusCode code, const std::string& words) {
+    try {
+      CpuBackend refused(stories(), bad);
+      ADD_FAILURE() << "accepted; expected an error naming '" << words << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), code) << e.what();
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  cfg.pool_tokens = 16;  // smaller than one sequence
+  expect_refused(cfg, StatusCode::kInvalidArgument, "pool");
   // A pool in bytes of each class's pages is the cuda backend's; bounded twice, refused anywhere.
   cfg.pool_tokens = 0;
   cfg.pool_bytes = uint64_t(1) << 24;
-  try {
-    CpuBackend bytes(stories(), cfg);
-    FAIL() << "pool_bytes was accepted by the cpu backend";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kUnsupported);
-    EXPECT_NE(std::string(e.what()).find("pool_bytes"), std::string::npos) << e.what();
-  }
+  expect_refused(cfg, StatusCode::kUnsupported, "pool_bytes");
   cfg.pool_tokens = 64;
-  try {
-    CpuBackend both(stories(), cfg);
-    FAIL() << "pool_tokens and pool_bytes together were accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("not both"), std::string::npos) << e.what();
-  }
+  expect_refused(cfg, StatusCode::kInvalidArgument, "not both");
 }
 
 // ---- The engine -------------------------------------------------------------------------------
