@@ -1,6 +1,8 @@
 #include "attention/decode_attention.h"
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -207,24 +209,42 @@ struct Dither8Pages {
 
 template <class Pages>
 void decode_split(const SplitWork& w) {
-  const size_t tile_keys = size_t(w.bt), d = size_t(w.d);
+  const size_t tile_keys = size_t(w.bt), d = size_t(w.d), group = size_t(w.group);
   const size_t bound_width = Pages::kMeter ? size_t(detail::key_bound_width(*w.k->lossy)) : 0;
-  thread_local std::vector<float> scratch;
-  scratch.resize(2 * tile_keys * d + tile_keys + (Pages::kMeter ? tile_keys * bound_width + 2 * tile_keys : 0));
-  float* k_tile = scratch.data();
+  // Metered, each row of the group keeps its probabilities until the page's sums (one call for
+  // the group), so s and c are [group][tile_keys].
+  const size_t rows_kept = Pages::kMeter ? group : 1;
+  // One thread-local object (each thread-local of a shared library is a lookup).
+  struct Scratch {
+    std::vector<float> tiles;
+    std::vector<detail::QueryBoundWeights> weights;
+    // Per row of the group: alpha, the sums and the large term of a page, whether it has one.
+    std::vector<float> alpha, d, rho;
+    std::vector<double> large;
+    std::vector<uint8_t> has_large;
+  };
+  thread_local Scratch scratch;
+  scratch.tiles.resize(2 * tile_keys * d + rows_kept * tile_keys +
+                       (Pages::kMeter ? tile_keys * bound_width + tile_keys + group * tile_keys : 0));
+  float* k_tile = scratch.tiles.data();
   float* v_tile = k_tile + tile_keys * d;
-  float* s = v_tile + tile_keys * d;
-  float* bounds = s + tile_keys;                  // metered: [bound_width][tile_keys] (band-major)
+  float* s = v_tile + tile_keys * d;              // [rows_kept][tile_keys]
+  float* bounds = s + rows_kept * tile_keys;      // metered: [bound_width][tile_keys] (band-major)
   float* rho = bounds + tile_keys * bound_width;  // [tile_keys]
-  float* c = rho + tile_keys;                     // [tile_keys]
+  float* c = rho + tile_keys;                     // [group][tile_keys]
   for (int g = 0; g < w.group; ++g) w.st[g] = {detail::kMinusInfinity, 0.f};
-  std::fill(w.acc, w.acc + size_t(w.group) * d, 0.f);
-  thread_local std::vector<detail::QueryBoundWeights> weights;
+  std::fill(w.acc, w.acc + group * d, 0.f);
   if constexpr (Pages::kMeter) {
-    weights.resize(size_t(w.group));
+    scratch.weights.resize(group);
+    scratch.alpha.resize(group);
+    scratch.d.resize(group);
+    scratch.rho.resize(group);
+    scratch.large.resize(group);
+    scratch.has_large.resize(group);
     for (int g = 0; g < w.group; ++g) {
       w.mr[g] = {0.0, 0.f};
-      weights[size_t(g)] = detail::query_bound_weights(*w.k->lossy, w.qg + size_t(g) * d, w.scale, w.n_ctx, w.delta_loc);
+      scratch.weights[size_t(g)] =
+          detail::query_bound_weights(*w.k->lossy, w.qg + size_t(g) * d, w.scale, w.n_ctx, w.delta_loc);
     }
   }
   for (int64_t t0 = w.t_begin; t0 < w.t_end; t0 += w.bt) {
@@ -236,16 +256,26 @@ void decode_split(const SplitWork& w) {
     }
     Pages::decode(*w.k, t0, t1, k_tile, bounds, tile_keys);
     Pages::decode(*w.v, t0, t1, v_tile, rho, tile_keys);
-    for (int g = 0; g < w.group; ++g) {
-      const float* q = w.qg + size_t(g) * d;
-      float* acc = w.acc + size_t(g) * d;
-      if constexpr (Pages::kMeter) {
-        const detail::MeterKernels& mk = detail::meter_kernels();
-        (Pages::kTierB ? mk.logit_bounds_b : mk.logit_bounds_a)(weights[size_t(g)], bounds, tile_keys, n_keys, c);  // meter term
-        detail::update_row_metered(q, k_tile, v_tile, n_keys, w.d, w.scale, c, rho, &w.st[g], &w.mr[g], acc, s);
-      } else {
-        detail::update_row(q, k_tile, v_tile, n_keys, w.d, w.scale, &w.st[g], acc, s);
+    if constexpr (Pages::kMeter) {
+      // The meter term of every row at once, the softmax update of each, then the sums at once.
+      const detail::MeterKernels& mk = detail::meter_kernels();
+      uint8_t* has_large = scratch.has_large.data();
+      (Pages::kTierB ? mk.group_bounds_b : mk.group_bounds_a)(scratch.weights.data(), w.group, bounds, tile_keys,
+                                                              n_keys, c, has_large);
+      for (int g = 0; g < w.group; ++g) {
+        const size_t row = size_t(g) * tile_keys;
+        scratch.large[size_t(g)] =
+            detail::update_row_unsummed(w.qg + size_t(g) * d, k_tile, v_tile, n_keys, w.d, w.scale, c + row,
+                                        has_large[g] != 0, &w.st[g], w.acc + size_t(g) * d, s + row, &scratch.alpha[size_t(g)]);
       }
+      mk.group_sums(s, c, rho, tile_keys, w.group, n_keys, scratch.d.data(), scratch.rho.data());
+      for (int g = 0; g < w.group; ++g)
+        detail::add_meter_tile(&w.mr[g], scratch.alpha[size_t(g)], scratch.d[size_t(g)], scratch.rho[size_t(g)],
+                               scratch.large[size_t(g)]);
+    } else {
+      for (int g = 0; g < w.group; ++g)
+        detail::update_row(w.qg + size_t(g) * d, k_tile, v_tile, n_keys, w.d, w.scale, &w.st[g], w.acc + size_t(g) * d,
+                           s);
     }
   }
 }
@@ -289,49 +319,17 @@ void decode_attention_batch(const cache::KvCache& cache, int layer, const Attent
     n_units += int64_t(shape.n_kv_heads) * pl.n_splits;
   }
 
-  detail::run_units(pool, n_units, [&](int64_t step_unit, int) {
-    const size_t qi = size_t(std::upper_bound(plans.begin(), plans.end(), step_unit,
-                                              [](int64_t u, const QueryPlan& p) { return u < p.first_unit; }) -
-                             plans.begin()) - 1;
-    const DecodeQuery& dq = queries[qi];
-    QueryPlan& pl = plans[qi];
-    const int64_t unit = step_unit - pl.first_unit;
-    SplitWork w;
-    w.h = int(unit / pl.n_splits);
-    const int64_t split = unit % pl.n_splits;
-    w.k = &pl.k_tables[size_t(w.h)];
-    w.v = &pl.v_tables[size_t(w.h)];
-    w.qg = dq.q + size_t(w.h) * size_t(group) * size_t(d);
-    w.group = group;
-    w.d = d;
-    w.bt = bt;
-    w.scale = shape.scale;
-    w.t_begin = split * pl.blocks_per_split * bt;
-    w.t_end = std::min(dq.n_ctx, (split + 1) * pl.blocks_per_split * bt);
-    const size_t first = size_t(unit) * size_t(group);
-    w.st = &pl.states[first];
-    w.acc = &pl.accs[first * size_t(d)];
-    if (!pl.metered) {
-      decode_split<UnmeteredPages>(w);
-      return;
-    }
-    w.mr = &pl.meter_rows[first];
-    w.n_ctx = dq.n_ctx;
-    w.delta_loc = dq.options.meter.delta_loc;
-    if (codec::lossy_scheme_is_tier_b(w.k->lossy->scheme)) {
-      decode_split<Dither8Pages>(w);
-    } else {
-      decode_split<TierAPages>(w);
-    }
-  });
-
-  for (size_t qi = 0; qi < queries.size(); ++qi) {
+  // The merge of a query's splits (and of its meter), run by the unit that finishes the query's
+  // last split: in parallel over the queries, and the same arithmetic whichever thread runs it.
+  auto merge = [&](size_t qi) {
     const DecodeQuery& dq = queries[qi];
     const QueryPlan& pl = plans[qi];
     const int64_t n_splits = pl.n_splits;
     // Merge the splits by their log-sum-exp weights: with M = max_s m_s,
     // out = sum_s e^{m_s - M} acc_s / sum_s e^{m_s - M} l_s.
     for (int h = 0; h < shape.n_kv_heads; ++h) {
+      // max ||v||, kept at write time.
+      const double v_max = pl.metered ? cache.value_norm_max(dq.seq, layer, h) : 0.0;
       for (int g = 0; g < group; ++g) {
         float* o = dq.out + (size_t(h) * size_t(group) + size_t(g)) * size_t(d);
         auto partial = [&](int64_t split) {
@@ -356,7 +354,6 @@ void decode_attention_batch(const cache::KvCache& cache, int layer, const Attent
         if (!pl.metered) continue;
         // A - 1, the value side and max ||v|| merge like the output (the same LSE weights).
         double d_total = 0, rho_total = 0;
-        const double v_max = cache.value_norm_max(dq.seq, layer, h);  // kept at write time
         for (int64_t sp = 0; sp < n_splits; ++sp) {
           const size_t i = partial(sp);
           const double w = std::exp(double(pl.states[i].m) - double(m_max));
@@ -373,7 +370,46 @@ void decode_attention_batch(const cache::KvCache& cache, int layer, const Attent
         hm.output_bound = 2 * hm.meter * hm.v_norm_max + hm.value_rho;
       }
     }
-  }
+  };
+  std::unique_ptr<std::atomic<int64_t>[]> units_left(new std::atomic<int64_t>[queries.size()]);
+  for (size_t qi = 0; qi < queries.size(); ++qi)
+    units_left[qi].store(int64_t(shape.n_kv_heads) * plans[qi].n_splits, std::memory_order_relaxed);
+  detail::run_units(pool, n_units, [&](int64_t step_unit, int) {
+    const size_t qi = size_t(std::upper_bound(plans.begin(), plans.end(), step_unit,
+                                              [](int64_t u, const QueryPlan& p) { return u < p.first_unit; }) -
+                             plans.begin()) - 1;
+    const DecodeQuery& dq = queries[qi];
+    QueryPlan& pl = plans[qi];
+    const int64_t unit = step_unit - pl.first_unit;
+    SplitWork w;
+    w.h = int(unit / pl.n_splits);
+    const int64_t split = unit % pl.n_splits;
+    w.k = &pl.k_tables[size_t(w.h)];
+    w.v = &pl.v_tables[size_t(w.h)];
+    w.qg = dq.q + size_t(w.h) * size_t(group) * size_t(d);
+    w.group = group;
+    w.d = d;
+    w.bt = bt;
+    w.scale = shape.scale;
+    w.t_begin = split * pl.blocks_per_split * bt;
+    w.t_end = std::min(dq.n_ctx, (split + 1) * pl.blocks_per_split * bt);
+    const size_t first = size_t(unit) * size_t(group);
+    w.st = &pl.states[first];
+    w.acc = &pl.accs[first * size_t(d)];
+    if (!pl.metered) {
+      decode_split<UnmeteredPages>(w);
+    } else {
+      w.mr = &pl.meter_rows[first];
+      w.n_ctx = dq.n_ctx;
+      w.delta_loc = dq.options.meter.delta_loc;
+      if (codec::lossy_scheme_is_tier_b(w.k->lossy->scheme)) {
+        decode_split<Dither8Pages>(w);
+      } else {
+        decode_split<TierAPages>(w);
+      }
+    }
+    if (units_left[qi].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(qi);
+  });
 }
 
 }  // namespace certkv::attention

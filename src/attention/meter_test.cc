@@ -4,12 +4,15 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "attention/attention_test_support.h"
 #include "attention/decode_attention.h"
+#include "attention/online_softmax.h"
+#include "attention/page_meter.h"
 #include "cache/kv_cache.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
@@ -141,6 +144,103 @@ INSTANTIATE_TEST_SUITE_P(AllLossy, DecodeMeterTest, ::testing::ValuesIn(kLossySc
                              if (ch == '-') ch = '_';
                            return name;
                          });
+
+// The group forms of the meter kernels (decode attention's: one call per page for the rows of a
+// GQA group) give each row exactly the floats of the one-row kernels, for both kernel sets the
+// CPU may pick, every group size up to 9 (fours and the rests), ragged tiles, and large and NaN
+// bounds (flagged per row).
+TEST(MeterKernels, GroupFormsGiveEachRowTheOneRowFloats) {
+  const detail::MeterKernels inline_paths{&detail::logit_bounds<false>, &detail::logit_bounds<true>,
+                                          &detail::any_large_bound,     nullptr,
+                                          &detail::group_bounds<false>, &detail::group_bounds<true>,
+                                          &detail::group_sums,          &detail::bounds_from_fp16};
+  std::vector<const detail::MeterKernels*> sets = {&inline_paths};
+  if (detail::meter_kernels_avx512() != nullptr) sets.push_back(detail::meter_kernels_avx512());
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> unit(0.f, 1.f);
+  int large_rows = 0;
+  for (const detail::MeterKernels* mk : sets) {
+    for (const bool tier_b : {false, true}) {
+      for (const int width : {16, 4, 3}) {
+        for (const size_t tile_keys : {size_t(16), size_t(32), size_t(64)}) {
+          for (const int n_keys : {1, 7, 16, int(tile_keys)}) {
+            for (int group = 1; group <= 9; ++group) {
+              std::vector<detail::QueryBoundWeights> w(static_cast<size_t>(group));
+              for (detail::QueryBoundWeights& x : w) {
+                x.tier_b = tier_b;
+                x.width = width;
+                for (int b = 0; b < width; ++b) {
+                  x.weight[b] = unit(rng) * 0.3f;
+                  x.abs_weight[b] = unit(rng) * 0.1f;
+                }
+              }
+              // A row with a weight that makes one bound large, another with a NaN bound.
+              if (group >= 2) w[1].weight[0] = w[1].abs_weight[0] = 500.f;
+              std::vector<float> bounds(size_t(width) * tile_keys), p(size_t(group) * tile_keys), rho(tile_keys);
+              for (float& x : bounds) x = unit(rng) * 0.5f;
+              for (float& x : p) x = unit(rng);
+              for (float& x : rho) x = unit(rng);
+              std::vector<float> c(size_t(group) * tile_keys, -1.f);
+              std::vector<uint8_t> large(static_cast<size_t>(group), 7);
+              (tier_b ? mk->group_bounds_b : mk->group_bounds_a)(w.data(), group, bounds.data(), tile_keys, n_keys,
+                                                                  c.data(), large.data());
+              std::vector<float> d(static_cast<size_t>(group)), r(static_cast<size_t>(group));
+              mk->group_sums(p.data(), c.data(), rho.data(), tile_keys, group, n_keys, d.data(), r.data());
+              for (int g = 0; g < group; ++g) {
+                const std::string where = "tier " + std::string(tier_b ? "B" : "A") + " width " +
+                                          std::to_string(width) + " tile " + std::to_string(tile_keys) + " keys " +
+                                          std::to_string(n_keys) + " group " + std::to_string(group) + " row " +
+                                          std::to_string(g);
+                std::vector<float> one(tile_keys, -1.f);
+                (tier_b ? mk->logit_bounds_b : mk->logit_bounds_a)(w[size_t(g)], bounds.data(), tile_keys, n_keys,
+                                                                    one.data());
+                for (int j = 0; j < n_keys; ++j)
+                  ASSERT_EQ(c[size_t(g) * tile_keys + size_t(j)], one[size_t(j)]) << where << " key " << j;
+                const bool is_large = mk->any_large_bound(one.data(), n_keys);
+                ASSERT_EQ(large[size_t(g)], is_large ? 1 : 0) << where;
+                large_rows += is_large;
+                float d_one = 0.f, r_one = 0.f;
+                if (mk->sums != nullptr) {
+                  mk->sums(p.data() + size_t(g) * tile_keys, one.data(), rho.data(), n_keys, &d_one, &r_one);
+                } else {
+                  d_one = detail::weighted_expm1_sum(p.data() + size_t(g) * tile_keys, one.data(), n_keys);
+                  r_one = detail::dot(p.data() + size_t(g) * tile_keys, rho.data(), n_keys);
+                }
+                ASSERT_EQ(d[size_t(g)], d_one) << where;
+                ASSERT_EQ(r[size_t(g)], r_one) << where;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(large_rows, 0) << "no row had a large bound: the flag went untested";
+}
+
+// A NaN bound (a corrupt page read as such) is flagged large in its row only.
+TEST(MeterKernels, GroupFormsFlagANanBoundInItsRowOnly) {
+  std::vector<const detail::MeterKernels*> sets = {&detail::meter_kernels()};
+  if (detail::meter_kernels_avx512() != nullptr) sets.push_back(detail::meter_kernels_avx512());
+  for (const detail::MeterKernels* mk : sets) {
+    constexpr int kGroup = 5, kWidth = 16;
+    constexpr size_t kTile = 16;
+    std::vector<detail::QueryBoundWeights> w(kGroup);
+    for (int g = 0; g < kGroup; ++g) {
+      w[size_t(g)].width = kWidth;
+      for (int b = 0; b < kWidth; ++b) w[size_t(g)].weight[b] = g == 3 && b == 2 ? 0.f : 0.01f;
+    }
+    std::vector<float> bounds(kWidth * kTile, 0.1f);
+    bounds[5 * kTile + 9] = std::numeric_limits<float>::quiet_NaN();  // band 5, key 9: every row reads it
+    std::vector<float> c(kGroup * kTile);
+    std::vector<uint8_t> large(kGroup, 0);
+    mk->group_bounds_a(w.data(), kGroup, bounds.data(), kTile, 16, c.data(), large.data());
+    for (int g = 0; g < kGroup; ++g) EXPECT_EQ(large[size_t(g)], 1) << g;
+    // Only the keys before the NaN: no row is large.
+    mk->group_bounds_a(w.data(), kGroup, bounds.data(), kTile, 9, c.data(), large.data());
+    for (int g = 0; g < kGroup; ++g) EXPECT_EQ(large[size_t(g)], 0) << g;
+  }
+}
 
 TEST(DecodeMeter, ExactCachesAndExactPagesGiveZero) {
   const CaseShape shape{6, 2, 64, 16};

@@ -448,9 +448,8 @@ inline int key_bound_width(const codec::LossyPageSpec& spec) {
                                                      : codec::witness_bands(spec.head_dim);
 }
 
-// dst[i] = fp16 src[i] as float, i < n (exact), for side data that are upper bounds (a witness,
-// rho): a value below 0 or NaN is a corrupt page and reads as +inf (codec::lossy_witness_bounds's
-// rule), never as a smaller bound.
+// MeterKernels::bounds_from_fp16's inline path: dst[i] = fp16 src[i] as float, i < n (exact), a
+// value below 0 or NaN read as +inf.
 inline void fp16_to_float_rows(const uint16_t* src, float* dst, size_t n) {
   size_t i = 0;
 #if defined(__F16C__) && CERTKV_ATTENTION_AVX2
@@ -464,6 +463,10 @@ inline void fp16_to_float_rows(const uint16_t* src, float* dst, size_t n) {
     const float v = format::fp16_to_float(src[i]);
     dst[i] = v >= 0.f ? v : std::numeric_limits<float>::infinity();
   }
+}
+
+inline void bounds_from_fp16(const uint16_t* src, size_t src_stride, int rows, int n, float* dst, size_t dst_stride) {
+  for (int i = 0; i < rows; ++i) fp16_to_float_rows(src + size_t(i) * src_stride, dst + size_t(i) * dst_stride, size_t(n));
 }
 
 // rho_t of a dither8 V page from its scales, codec::dither8_value_rho in float:
@@ -483,6 +486,8 @@ inline void dither8_rho_from_scales(const float* scales, size_t stride, int grou
   }
 }
 
+inline const MeterKernels& meter_kernels();  // below, with the inline paths it may choose
+
 // The Tier A side data of rows [0, n) of one lossy page, band-major: K pages the witness
 // w_{t,b} (dst[b * stride + t], b < key_bound_width), V pages rho_t (dst[t]).
 inline void tier_a_error_data(const TableReader& r, const uint8_t* bytes, int64_t n, float* dst, size_t stride) {
@@ -495,8 +500,8 @@ inline void tier_a_error_data(const TableReader& r, const uint8_t* bytes, int64_
     return;
   }
   // Tier A side data is band-major [width][bt] (docs/format/lossy_pages.md).
-  const uint16_t* side = reinterpret_cast<const uint16_t*>(bytes + r.side_offset);
-  for (int b = 0; b < width; ++b) fp16_to_float_rows(side + size_t(b) * size_t(bt), dst + size_t(b) * stride, size_t(n));
+  meter_kernels().bounds_from_fp16(reinterpret_cast<const uint16_t*>(bytes + r.side_offset), size_t(bt), width, int(n),
+                                   dst, stride);
 }
 
 // Per-token error data of positions [begin, end) of a lossy table, band-major:
@@ -627,11 +632,14 @@ inline QueryBoundWeights query_bound_weights(const codec::LossyPageSpec& spec, c
       w.abs_weight[g] = float(std::fabs(double(scale)) * codec::kDither8Slack * acc_abs[g]);
     }
   } else {
-    for (int j = 0; j < d / 2; ++j) {
-      const int b = codec::witness_band_of_pair(d, j);
-      for (int which = 0; which < 2; ++which) {
-        const double x = q[codec::rope_pair_channel(spec.pairing, d, j, which)];
-        acc[b] += x * x;
+    // Band by band over its pairs, in pair order (a division per band, not per pair: this runs
+    // for every query row of every split).
+    for (int b = 0, j = 0; b < w.width; ++b) {
+      for (const int end = codec::witness_band_first_pair(d, b + 1); j < end; ++j) {
+        for (int which = 0; which < 2; ++which) {
+          const double x = q[codec::rope_pair_channel(spec.pairing, d, j, which)];
+          acc[b] += x * x;
+        }
       }
     }
     for (int b = 0; b < w.width; ++b) {
@@ -806,44 +814,89 @@ inline float weighted_expm1_sum(const float* p, const float* c, int n_keys) {
   return sum;
 }
 
+// The group forms of the paths above: each row's floats those of the one-row calls.
+template <bool kTierB>
+inline void group_bounds(const QueryBoundWeights* w, int group, const float* bounds_t, size_t tile_keys, int n_keys,
+                         float* c, uint8_t* large) {
+  for (int g = 0; g < group; ++g) {
+    float* cg = c + size_t(g) * tile_keys;
+    logit_bounds<kTierB>(w[g], bounds_t, tile_keys, n_keys, cg);
+    large[g] = any_large_bound(cg, n_keys) ? 1 : 0;
+  }
+}
+
+inline void group_sums(const float* p, const float* c, const float* rho, size_t tile_keys, int group, int n_keys,
+                       float* d, float* r) {
+  for (int g = 0; g < group; ++g) {
+    d[g] = weighted_expm1_sum(p + size_t(g) * tile_keys, c + size_t(g) * tile_keys, n_keys);
+    r[g] = dot(p + size_t(g) * tile_keys, rho, n_keys);
+  }
+}
+
 // The meter kernels decode attention uses: AVX-512 where codec::lossy_best_kernel() is (the page
 // decoders' choice, so CERTKV_LOSSY_KERNEL caps both), else the paths above.
 inline const MeterKernels& meter_kernels() {
   static const MeterKernels* const chosen = [] {
     static const MeterKernels inline_paths{
-        &logit_bounds<false>, &logit_bounds<true>, &any_large_bound,
+        &logit_bounds<false>,
+        &logit_bounds<true>,
+        &any_large_bound,
         [](const float* p, const float* c, const float* rho, int n_keys, float* d, float* r) {
           *d = weighted_expm1_sum(p, c, n_keys);
           *r = dot(p, rho, n_keys);
-        }};
+        },
+        &group_bounds<false>,
+        &group_bounds<true>,
+        &group_sums,
+        &bounds_from_fp16};
     const MeterKernels* avx512 = meter_kernels_avx512();
     return avx512 != nullptr && codec::lossy_best_kernel() == codec::LossyKernel::kAvx512 ? avx512 : &inline_paths;
   }();
   return *chosen;
 }
 
-// update_row plus the meter: c: [n_keys] logit bounds, rho: [n_keys] value error bounds.
-inline void update_row_metered(const float* q, const float* k, const float* v, int n_keys, int d,
-                               float scale, const float* c, const float* rho, RowState* state,
-                               MeterRow* meter, float* acc, float* s) {
+// update_row of a metered tile, less the meter's sums: with c: [n_keys] the row's logit bounds
+// and has_large whether one of them is at or above kLargeLogitBound (or NaN), returns the
+// contribution of those keys to the meter's d in double, sum_j e^{s~_j - m' + c_j} (e^{c_j} would
+// leave float's range; NaN when a bound is NaN), and sets alpha = e^{m - m'}. s holds the row's
+// e^{s~_j - m'} afterwards, for the sums (MeterKernels::sums or group_sums).
+inline double update_row_unsummed(const float* q, const float* k, const float* v, int n_keys, int d, float scale,
+                                  const float* c, bool has_large, RowState* state, float* acc, float* s,
+                                  float* alpha_out) {
   const float tile_max = scores_of_row(q, k, n_keys, d, scale, s);
   const float m_new = tile_max > state->m ? tile_max : state->m;
   // As in update_row: exactly 1, std::exp(0)'s value, while the maximum holds.
   const float alpha = m_new == state->m ? 1.f : std::exp(state->m - m_new);
-  const MeterKernels& mk = meter_kernels();
   double large = 0;
-  if (mk.any_large_bound(c, n_keys)) {
+  if (has_large) {
     for (int j = 0; j < n_keys; ++j)
       if (!(c[j] < kLargeLogitBound)) large += std::exp(double(s[j]) - double(m_new) + double(c[j]));
   }
   const float tile_sum = exp_shifted_and_sum(s, n_keys, m_new);
-  float d_tile, rho_tile;
-  mk.sums(s, c, rho, n_keys, &d_tile, &rho_tile);
-  meter->d = meter->d * double(alpha) + double(d_tile) + large;
-  meter->rho = meter->rho * alpha + rho_tile;
   state->l = state->l * alpha + tile_sum;
   state->m = m_new;
   rescale_and_accumulate(acc, alpha, s, v, n_keys, d);
+  *alpha_out = alpha;
+  return large;
+}
+
+// The meter row's update by a tile whose sums are d_tile, rho_tile and large term `large`.
+inline void add_meter_tile(MeterRow* meter, float alpha, float d_tile, float rho_tile, double large) {
+  meter->d = meter->d * double(alpha) + double(d_tile) + large;
+  meter->rho = meter->rho * alpha + rho_tile;
+}
+
+// update_row plus the meter: c: [n_keys] logit bounds, rho: [n_keys] value error bounds.
+inline void update_row_metered(const float* q, const float* k, const float* v, int n_keys, int d,
+                               float scale, const float* c, const float* rho, RowState* state,
+                               MeterRow* meter, float* acc, float* s) {
+  const MeterKernels& mk = meter_kernels();
+  float alpha;
+  const double large =
+      update_row_unsummed(q, k, v, n_keys, d, scale, c, mk.any_large_bound(c, n_keys), state, acc, s, &alpha);
+  float d_tile, rho_tile;
+  mk.sums(s, c, rho, n_keys, &d_tile, &rho_tile);
+  add_meter_tile(meter, alpha, d_tile, rho_tile, large);
 }
 
 }  // namespace certkv::attention::detail

@@ -9,6 +9,7 @@
 #include "attention/online_softmax.h"
 
 #include <cmath>
+#include <limits>
 
 #include "core/x86_simd.h"
 
@@ -58,41 +59,81 @@ inline __m512 expm1_nonnegative16(__m512 c) {
   return _mm512_mask_mov_ps(large, is_small, small);
 }
 
-template <bool kTierB>
-void logit_bounds_avx512(const QueryBoundWeights& w, const float* bounds_t, size_t tile_keys, int n_keys, float* c) {
+// c[j] of R query rows (w[r], c + r * c_stride), j < n_keys, the bands of each 16 keys loaded once
+// for the R rows; large[r]: whether some c of row r is at or above kLargeLogitBound, or NaN (NaN
+// compares "not less than" too: an overflow, the meter is 1). Each row's arithmetic is the one-row
+// path's (two chains, even and odd bands), so its floats do not depend on R.
+template <bool kTierB, int R>
+void logit_bounds_rows(const QueryBoundWeights* w, const float* bounds_t, size_t tile_keys, int n_keys, float* c,
+                       size_t c_stride, uint8_t* large) {
+  const __m512 limit = _mm512_set1_ps(kLargeLogitBound);
+  const int width = w[0].width;
+  __mmask16 over[R] = {};
   for (int j = 0; j < n_keys; j += 16) {
     const __mmask16 m = lanes_below(n_keys - j);
-    // *0 even bands, *1 odd bands: two independent chains.
-    __m512 l0 = _mm512_setzero_ps(), l1 = l0, q0 = l0, q1 = l0;
+    __m512 l0[R], l1[R], q0[R], q1[R];
+    for (int r = 0; r < R; ++r) l0[r] = l1[r] = q0[r] = q1[r] = _mm512_setzero_ps();
     int g = 0;
-    for (; g + 2 <= w.width; g += 2) {
+    for (; g + 2 <= width; g += 2) {
       const __m512 a0 = _mm512_maskz_loadu_ps(m, bounds_t + size_t(g) * tile_keys + size_t(j));
       const __m512 a1 = _mm512_maskz_loadu_ps(m, bounds_t + size_t(g + 1) * tile_keys + size_t(j));
-      l0 = _mm512_fmadd_ps(_mm512_set1_ps(kTierB ? w.abs_weight[g] : w.weight[g]), a0, l0);
-      l1 = _mm512_fmadd_ps(_mm512_set1_ps(kTierB ? w.abs_weight[g + 1] : w.weight[g + 1]), a1, l1);
-      if constexpr (kTierB) {
-        q0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(w.weight[g]), a0), a0, q0);
-        q1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(w.weight[g + 1]), a1), a1, q1);
+      for (int r = 0; r < R; ++r) {
+        l0[r] = _mm512_fmadd_ps(_mm512_set1_ps(kTierB ? w[r].abs_weight[g] : w[r].weight[g]), a0, l0[r]);
+        l1[r] = _mm512_fmadd_ps(_mm512_set1_ps(kTierB ? w[r].abs_weight[g + 1] : w[r].weight[g + 1]), a1, l1[r]);
+        if constexpr (kTierB) {
+          q0[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(w[r].weight[g]), a0), a0, q0[r]);
+          q1[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(w[r].weight[g + 1]), a1), a1, q1[r]);
+        }
       }
     }
-    if (g < w.width) {
+    if (g < width) {
       const __m512 a0 = _mm512_maskz_loadu_ps(m, bounds_t + size_t(g) * tile_keys + size_t(j));
-      l0 = _mm512_fmadd_ps(_mm512_set1_ps(kTierB ? w.abs_weight[g] : w.weight[g]), a0, l0);
-      if constexpr (kTierB) q0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(w.weight[g]), a0), a0, q0);
+      for (int r = 0; r < R; ++r) {
+        l0[r] = _mm512_fmadd_ps(_mm512_set1_ps(kTierB ? w[r].abs_weight[g] : w[r].weight[g]), a0, l0[r]);
+        if constexpr (kTierB) q0[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(w[r].weight[g]), a0), a0, q0[r]);
+      }
     }
-    __m512 sum = _mm512_add_ps(l0, l1);
-    if constexpr (kTierB) sum = _mm512_add_ps(_mm512_sqrt_ps(_mm512_add_ps(q0, q1)), sum);
-    _mm512_mask_storeu_ps(c + j, m, sum);
+    for (int r = 0; r < R; ++r) {
+      __m512 sum = _mm512_add_ps(l0[r], l1[r]);
+      if constexpr (kTierB) sum = _mm512_add_ps(_mm512_sqrt_ps(_mm512_add_ps(q0[r], q1[r])), sum);
+      _mm512_mask_storeu_ps(c + size_t(r) * c_stride + size_t(j), m, sum);
+      over[r] |= _mm512_mask_cmp_ps_mask(m, sum, limit, _CMP_NLT_UQ);
+    }
   }
+  for (int r = 0; r < R; ++r) large[r] = over[r] != 0 ? 1 : 0;
 }
 
 void logit_bounds_a_avx512(const QueryBoundWeights& w, const float* b, size_t tile_keys, int n_keys, float* c) {
-  logit_bounds_avx512<false>(w, b, tile_keys, n_keys, c);
+  uint8_t large;
+  logit_bounds_rows<false, 1>(&w, b, tile_keys, n_keys, c, 0, &large);
 }
 void logit_bounds_b_avx512(const QueryBoundWeights& w, const float* b, size_t tile_keys, int n_keys, float* c) {
-  logit_bounds_avx512<true>(w, b, tile_keys, n_keys, c);
+  uint8_t large;
+  logit_bounds_rows<true, 1>(&w, b, tile_keys, n_keys, c, 0, &large);
 }
 
+// Rows in fours, then the rest (GQA groups are 1 to 8 rows).
+template <bool kTierB>
+void group_bounds_avx512(const QueryBoundWeights* w, int group, const float* b, size_t tile_keys, int n_keys,
+                         float* c, uint8_t* large) {
+  int g = 0;
+  for (; g + 4 <= group; g += 4)
+    logit_bounds_rows<kTierB, 4>(w + g, b, tile_keys, n_keys, c + size_t(g) * tile_keys, tile_keys, large + g);
+  switch (group - g) {
+    case 3: logit_bounds_rows<kTierB, 3>(w + g, b, tile_keys, n_keys, c + size_t(g) * tile_keys, tile_keys, large + g); break;
+    case 2: logit_bounds_rows<kTierB, 2>(w + g, b, tile_keys, n_keys, c + size_t(g) * tile_keys, tile_keys, large + g); break;
+    case 1: logit_bounds_rows<kTierB, 1>(w + g, b, tile_keys, n_keys, c + size_t(g) * tile_keys, tile_keys, large + g); break;
+    default: break;
+  }
+}
+void group_bounds_a_avx512(const QueryBoundWeights* w, int group, const float* b, size_t tile_keys, int n_keys,
+                           float* c, uint8_t* large) {
+  group_bounds_avx512<false>(w, group, b, tile_keys, n_keys, c, large);
+}
+void group_bounds_b_avx512(const QueryBoundWeights* w, int group, const float* b, size_t tile_keys, int n_keys,
+                           float* c, uint8_t* large) {
+  group_bounds_avx512<true>(w, group, b, tile_keys, n_keys, c, large);
+}
 bool any_large_bound_avx512(const float* c, int n_keys) {
   for (int j = 0; j < n_keys; j += 16) {
     const __mmask16 m = lanes_below(n_keys - j);
@@ -103,20 +144,63 @@ bool any_large_bound_avx512(const float* c, int n_keys) {
   return false;
 }
 
-void meter_sums_avx512(const float* p, const float* c, const float* rho, int n_keys, float* d_sum, float* rho_sum) {
-  __m512 d_acc = _mm512_setzero_ps(), r_acc = d_acc;
+
+// meter_sums_row of R rows (p + r * tile_keys, c + r * tile_keys), interleaved.
+template <int R>
+void meter_sums_rows(const float* p, const float* c, const float* rho, size_t tile_keys, int n_keys, float* d_sum,
+                     float* rho_sum) {
+  __m512 d_acc[R], r_acc[R];
+  for (int r = 0; r < R; ++r) d_acc[r] = r_acc[r] = _mm512_setzero_ps();
   const __m512 limit = _mm512_set1_ps(kLargeLogitBound);
   for (int j = 0; j < n_keys; j += 16) {
     const __mmask16 m = lanes_below(n_keys - j);
-    const __m512 cj = _mm512_maskz_loadu_ps(m, c + j);
-    const __m512 pj = _mm512_maskz_loadu_ps(m, p + j);
-    const __mmask16 below = _mm512_mask_cmp_ps_mask(m, cj, limit, _CMP_LT_OQ);  // not NaN, not large
-    const __m512 e = expm1_nonnegative16(_mm512_maskz_mov_ps(below, cj));
-    d_acc = _mm512_mask3_fmadd_ps(pj, e, d_acc, below);
-    r_acc = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m, rho + j), r_acc);
+    const __m512 rho_j = _mm512_maskz_loadu_ps(m, rho + j);
+    for (int r = 0; r < R; ++r) {
+      const __m512 cj = _mm512_maskz_loadu_ps(m, c + size_t(r) * tile_keys + size_t(j));
+      const __m512 pj = _mm512_maskz_loadu_ps(m, p + size_t(r) * tile_keys + size_t(j));
+      const __mmask16 below = _mm512_mask_cmp_ps_mask(m, cj, limit, _CMP_LT_OQ);  // not NaN, not large
+      const __m512 e = expm1_nonnegative16(_mm512_maskz_mov_ps(below, cj));
+      d_acc[r] = _mm512_mask3_fmadd_ps(pj, e, d_acc[r], below);
+      r_acc[r] = _mm512_fmadd_ps(pj, rho_j, r_acc[r]);
+    }
   }
-  *d_sum = _mm512_reduce_add_ps(d_acc);
-  *rho_sum = _mm512_reduce_add_ps(r_acc);
+  for (int r = 0; r < R; ++r) {
+    d_sum[r] = _mm512_reduce_add_ps(d_acc[r]);
+    rho_sum[r] = _mm512_reduce_add_ps(r_acc[r]);
+  }
+}
+
+void meter_sums_avx512(const float* p, const float* c, const float* rho, int n_keys, float* d_sum, float* rho_sum) {
+  meter_sums_rows<1>(p, c, rho, 0, n_keys, d_sum, rho_sum);
+}
+
+void group_sums_avx512(const float* p, const float* c, const float* rho, size_t tile_keys, int group, int n_keys,
+                       float* d, float* r) {
+  int g = 0;
+  for (; g + 4 <= group; g += 4)
+    meter_sums_rows<4>(p + size_t(g) * tile_keys, c + size_t(g) * tile_keys, rho, tile_keys, n_keys, d + g, r + g);
+  const float* pg = p + size_t(g) * tile_keys;
+  const float* cg = c + size_t(g) * tile_keys;
+  switch (group - g) {
+    case 3: meter_sums_rows<3>(pg, cg, rho, tile_keys, n_keys, d + g, r + g); break;
+    case 2: meter_sums_rows<2>(pg, cg, rho, tile_keys, n_keys, d + g, r + g); break;
+    case 1: meter_sums_rows<1>(pg, cg, rho, tile_keys, n_keys, d + g, r + g); break;
+    default: break;
+  }
+}
+
+void bounds_from_fp16_avx512(const uint16_t* src, size_t src_stride, int rows, int n, float* dst, size_t dst_stride) {
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity()), zero = _mm512_setzero_ps();
+  for (int i = 0; i < rows; ++i) {
+    const uint16_t* from = src + size_t(i) * src_stride;
+    float* to = dst + size_t(i) * dst_stride;
+    for (int j = 0; j < n; j += 16) {
+      const __mmask16 m = lanes_below(n - j);
+      const __m512 v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, from + j));
+      // Below 0 or NaN ("not greater or equal", unordered): +inf.
+      _mm512_mask_storeu_ps(to + j, m, _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, zero, _CMP_NGE_UQ), inf));
+    }
+  }
 }
 
 }  // namespace
@@ -124,7 +208,8 @@ void meter_sums_avx512(const float* p, const float* c, const float* rho, int n_k
 
 const MeterKernels* meter_kernels_avx512() {
   static const MeterKernels kernels{&logit_bounds_a_avx512, &logit_bounds_b_avx512, &any_large_bound_avx512,
-                                    &meter_sums_avx512};
+                                    &meter_sums_avx512,     &group_bounds_a_avx512, &group_bounds_b_avx512,
+                                    &group_sums_avx512,     &bounds_from_fp16_avx512};
   return &kernels;
 }
 

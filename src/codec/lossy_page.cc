@@ -464,23 +464,13 @@ bool parse_witness_code(std::string_view name, WitnessCode* code) { return parse
 const char* lossy_scheme_name(LossyScheme scheme) { return name_in(kSchemeNames, scheme); }
 bool parse_lossy_scheme(std::string_view name, LossyScheme* scheme) { return parse_name_in(kSchemeNames, name, scheme); }
 
-int witness_bands(int head_dim) {
-  if (head_dim < 2) {
-    fail(StatusCode::kInvalidArgument,
-         "witness bands: head_dim must be at least 2, got " + std::to_string(head_dim));
-  }
-  return std::min(kWitnessBands, head_dim / 2);
+void fail_witness_bands(int head_dim) {
+  fail(StatusCode::kInvalidArgument, "witness bands: head_dim must be at least 2, got " + std::to_string(head_dim));
 }
 
-int witness_band_of_pair(int head_dim, int pair) {
-  const int n_bands = witness_bands(head_dim);
-  const int n_pairs = head_dim / 2;
-  if (pair < 0 || pair >= n_pairs) {
-    fail(StatusCode::kInvalidArgument, "witness band: RoPE pair " + std::to_string(pair) +
-                                           " is outside [0, " + std::to_string(n_pairs) + ")");
-  }
-  // The largest b with floor(b * P / n_bands) <= pair.
-  return ((pair + 1) * n_bands - 1) / n_pairs;
+void fail_witness_pair(int pair, int n_pairs) {
+  fail(StatusCode::kInvalidArgument,
+       "witness band: RoPE pair " + std::to_string(pair) + " is outside [0, " + std::to_string(n_pairs) + ")");
 }
 
 void validate_lossy_page_spec(const LossyPageSpec& spec) {

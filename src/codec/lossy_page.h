@@ -58,9 +58,22 @@ inline constexpr int kMaxOutlierPairs = 64;
 
 // Bands of a head: min(kWitnessBands, head_dim / 2). Band b covers the RoPE pairs
 // [b * P / n_bands, (b + 1) * P / n_bands) with P = head_dim / 2 (integer division).
-int witness_bands(int head_dim);
-// The band of RoPE pair j.
-int witness_band_of_pair(int head_dim, int pair);
+// (Inline: the meter's weights ask for the band of every pair of every query row.)
+[[noreturn]] void fail_witness_bands(int head_dim);
+[[noreturn]] void fail_witness_pair(int pair, int n_pairs);
+inline int witness_bands(int head_dim) {
+  if (head_dim < 2) fail_witness_bands(head_dim);
+  return head_dim / 2 < kWitnessBands ? head_dim / 2 : kWitnessBands;
+}
+// The band of RoPE pair j: the largest b with floor(b * P / n_bands) <= j.
+inline int witness_band_of_pair(int head_dim, int pair) {
+  const int n_bands = witness_bands(head_dim);
+  const int n_pairs = head_dim / 2;
+  if (pair < 0 || pair >= n_pairs) fail_witness_pair(pair, n_pairs);
+  return ((pair + 1) * n_bands - 1) / n_pairs;
+}
+// The first RoPE pair of band b, floor(b * P / n_bands) (P for b = n_bands: the pairs' end).
+inline int witness_band_first_pair(int head_dim, int band) { return band * (head_dim / 2) / witness_bands(head_dim); }
 
 // How a Tier A K page stores its witness (docs/format/lossy_pages.md, docs/meter.md section 7).
 enum class WitnessCode : uint8_t {

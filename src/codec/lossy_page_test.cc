@@ -1380,6 +1380,20 @@ TEST(LossyPage, WitnessBandsCoverContiguousPairRanges) {
   }
 }
 
+TEST(LossyPage, WitnessBandFirstPairIsTheInverseOfTheBandOfAPair) {
+  // Every head_dim from 2 to 256, even and odd, power of two or not.
+  for (int d = 2; d <= 256; ++d) {
+    const int n_bands = witness_bands(d), n_pairs = d / 2;
+    EXPECT_EQ(witness_band_first_pair(d, 0), 0) << d;
+    EXPECT_EQ(witness_band_first_pair(d, n_bands), n_pairs) << d;
+    for (int b = 0; b < n_bands; ++b) {
+      EXPECT_LT(witness_band_first_pair(d, b), witness_band_first_pair(d, b + 1)) << d << " " << b;
+      for (int pair = witness_band_first_pair(d, b); pair < witness_band_first_pair(d, b + 1); ++pair)
+        ASSERT_EQ(witness_band_of_pair(d, pair), b) << d << " " << pair;
+    }
+  }
+}
+
 TEST(LossyPage, Fp16UpwardExhaustive) {
   // Every fp16 value is its own upward rounding (NaN stays NaN).
   for (uint32_t h = 0; h < 0x10000; ++h) {
