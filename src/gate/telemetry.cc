@@ -58,11 +58,19 @@ void Telemetry::record(double meter, bool overflow) {
 }
 
 void Telemetry::add_value(double meter) {
-  if (histogram_.empty()) histogram_.assign(kBuckets, 0);
   min_ = values_ == 0 ? meter : std::min(min_, meter);
   max_ = values_ == 0 ? meter : std::max(max_, meter);
   ++values_;
-  ++histogram_[bucket_of(meter)];
+  if (pending_.capacity() == 0) pending_.reserve(kTelemetryPendingValues);
+  pending_.push_back(meter);
+  if (pending_.size() == size_t(kTelemetryPendingValues)) fold_pending();
+}
+
+void Telemetry::fold_pending() const {
+  if (pending_.empty()) return;
+  if (histogram_.empty()) histogram_.assign(kBuckets, 0);
+  for (const double v : pending_) ++histogram_[bucket_of(v)];
+  pending_.clear();
 }
 
 void Telemetry::add_repairs(int64_t n_pages, int64_t pagein_bytes) {
@@ -85,6 +93,8 @@ void Telemetry::merge(const Telemetry& other) {
   repair_pages_ += other.repair_pages_;
   pagein_bytes_ += other.pagein_bytes_;
   if (other.values_ == 0) return;
+  other.fold_pending();
+  fold_pending();
   if (histogram_.empty()) histogram_.assign(kBuckets, 0);
   for (size_t b = 0; b < kBuckets; ++b) histogram_[b] += other.histogram_[b];
   min_ = values_ == 0 ? other.min_ : std::min(min_, other.min_);
@@ -100,6 +110,7 @@ double Telemetry::quantile(double q) const {
   if (!(q >= 0 && q <= 1))
     fail(StatusCode::kInvalidArgument, "Telemetry::quantile: q must lie in [0, 1]");
   if (values_ == 0) return 0;
+  fold_pending();
   const int64_t rank = std::max<int64_t>(1, int64_t(std::ceil(q * double(values_))));
   if (rank == 1) return min_;
   if (rank == values_) return max_;

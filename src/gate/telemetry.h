@@ -22,7 +22,13 @@
 // one reported as the recorded maximum. The histogram merges exactly; it costs 64 KiB, allocated
 // on the first recorded value.
 //
-// Thread safety: none; keep one Telemetry per thread and merge.
+// Values reach the histogram in batches of kTelemetryPendingValues: a decode step records one
+// value per (layer, query head) into many telemetries whose histograms the step's weight and KV
+// reads have evicted from cache, and a batch touches each histogram's lines once instead of once
+// per value. Every statistic includes the values still pending.
+//
+// Thread safety: none, not even between const calls (quantile and merge fold the pending values
+// in); keep one Telemetry per thread and merge.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +41,7 @@ inline constexpr int kTelemetryMaxExponent = 14;   // 2^14 = 16384 (raw risk sco
 inline constexpr int kTelemetrySubBuckets = 128;   // buckets per octave
 // Half a bucket over its lower bound: 1 / (2 * kTelemetrySubBuckets) = 0.39%.
 inline constexpr double kTelemetryQuantileRelativeError = 1.0 / (2 * kTelemetrySubBuckets);
+inline constexpr int kTelemetryPendingValues = 256;
 
 class Telemetry {
  public:
@@ -73,6 +80,8 @@ class Telemetry {
 
  private:
   void add_value(double meter);
+  // Moves the pending values into the histogram.
+  void fold_pending() const;
 
   double tau_;
   int64_t sample_every_;
@@ -85,8 +94,10 @@ class Telemetry {
   double min_ = 0;
   double max_ = 0;
   // [0]: below 2^kTelemetryMinExponent; then the octave buckets; last: the top bucket.
-  // Allocated on the first value.
-  std::vector<int64_t> histogram_;
+  // Allocated on the first value. Without the pending values (below).
+  mutable std::vector<int64_t> histogram_;
+  // Recorded values not yet in the histogram, fewer than kTelemetryPendingValues.
+  mutable std::vector<double> pending_;
   int64_t repair_pages_ = 0;
   int64_t pagein_bytes_ = 0;
 };

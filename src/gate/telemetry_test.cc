@@ -205,6 +205,42 @@ TEST(Telemetry, MergeEqualsSinglePass) {
   EXPECT_GT(single.coverage(), 0.5);
 }
 
+// Values reach the histogram in batches: reading a quantile (which folds the pending values in)
+// at any point of the recording, merging while values are pending, and copying a telemetry with
+// pending values change no statistic.
+TEST(Telemetry, PendingValuesCountWhereverTheyAreRead) {
+  std::mt19937_64 gen(78);
+  std::uniform_real_distribution<double> unit(0, 1);
+  Telemetry quiet(0.2), read_often(0.2);
+  std::vector<double> values;
+  const int n = 3 * kTelemetryPendingValues + 17;
+  for (int i = 0; i < n; ++i) {
+    const double v = std::pow(unit(gen), 4);
+    values.push_back(v);
+    quiet.record(v);
+    read_often.record(v);
+    if (i % 37 == 0 || i == kTelemetryPendingValues - 1) {
+      // A copy taken now holds the values recorded so far, pending ones included.
+      const Telemetry snapshot = read_often;
+      std::vector<double> so_far(values.begin(), values.end());
+      expect_quantiles_close(snapshot, so_far);
+      EXPECT_EQ(read_often.quantile(1.0), *std::max_element(so_far.begin(), so_far.end()));
+    }
+  }
+  for (double q : {0.0, 0.01, 0.5, 0.9, 0.99, 1.0}) EXPECT_EQ(read_often.quantile(q), quiet.quantile(q)) << q;
+  expect_quantiles_close(quiet, values);
+  // Merging two telemetries that both hold pending values.
+  Telemetry a(0.2), b(0.2), whole(0.2);
+  for (int i = 0; i < n; ++i) {
+    (i < kTelemetryPendingValues + 5 ? a : b).record(values[size_t(i)]);
+    whole.record(values[size_t(i)]);
+  }
+  a.merge(b);
+  for (double q : {0.0, 0.01, 0.5, 0.9, 0.99, 1.0}) EXPECT_EQ(a.quantile(q), whole.quantile(q)) << q;
+  EXPECT_EQ(a.cells(), whole.cells());
+  EXPECT_EQ(a.covered(), whole.covered());
+}
+
 TEST(Telemetry, RepairsAccumulate) {
   Telemetry telemetry(0.2);
   telemetry.add_repairs(0, 0);
