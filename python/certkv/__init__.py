@@ -191,7 +191,9 @@ class Session:
         pieces, r = self._session.generate(tokens, max_tokens, stop_at_end, float(temperature),
                                            int(top_k), float(top_p), int(seed))
         text = b"".join(pieces).decode("utf-8", errors="replace")
-        finish = "length" if r["generated_tokens"] >= max_tokens else "end"
+        # certkv_generate stops at max_tokens, at the context's end, or at an end token.
+        full = r["generated_tokens"] >= max_tokens or self._session.n_past() >= self._context
+        finish = "length" if full else "end"
         timings = {k: r[k] for k in ("prefill_seconds", "decode_seconds")}
         return GenerateResult(text, r["prompt_tokens"], r["generated_tokens"], finish, self.certificate(), timings)
 
