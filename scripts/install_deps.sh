@@ -5,7 +5,8 @@
 # pkg-config, Python 3 with NumPy (scripts/witness_study.py) and prometheus_client (the server test
 # parses /metrics with it), unzip; git and xz-utils (the device scripts' tests pack and check out
 # trees); chromium (the server's dashboard is tested in headless Chromium, tests/server_dashboard_check.py),
-# without its recommended packages; the openai Python client (tests/server_openai_check.py). Skips
+# without its recommended packages; the openai Python client (tests/server_openai_check.py);
+# nanobind, scikit-build-core, pytest and ml_dtypes (the Python package, tests/python). Skips
 # what is already there.
 set -euo pipefail
 need=()
@@ -65,6 +66,24 @@ if ! python3 -c 'import openai' 2>/dev/null; then
     python3 -m pip install -q openai
   fi
   python3 -c 'import openai' || { echo "certkv set-up: openai did not install" >&2; exit 1; }
+fi
+# The Python package's build and tests (docs/python.md) for the same python3, from PyPI: nanobind
+# (the bindings), scikit-build-core (pip wheel ., tests/python_wheel_check.sh), pytest, ml_dtypes
+# (its bfloat16 arrays in tests/python); Debian's python3 also
+# needs its headers (python3-dev) and pip's --break-system-packages (PEP 668).
+if ! python3 -c 'import nanobind, scikit_build_core, pytest, ml_dtypes' 2>/dev/null; then
+  echo "certkv set-up: installing nanobind, scikit-build-core, pytest and ml_dtypes for $(command -v python3)"
+  if [ "$(command -v python3)" = /usr/bin/python3 ]; then
+    if ! dpkg -s python3-dev python3-pip >/dev/null 2>&1; then
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get update -qq
+      apt-get install -y -qq python3-dev python3-pip
+    fi
+    python3 -m pip install -q --break-system-packages nanobind scikit-build-core pytest ml_dtypes
+  else
+    python3 -m pip install -q nanobind scikit-build-core pytest ml_dtypes
+  fi
+  python3 -c 'import nanobind, scikit_build_core, pytest, ml_dtypes' || { echo "certkv set-up: nanobind, scikit-build-core, pytest or ml_dtypes did not install" >&2; exit 1; }
 fi
 # matplotlib for the same python3, the same way as NumPy: the plots of the benchmarks
 # (bench/serve_vs_llama_server.py, scripts/cuda_bench_summary.py --plot).

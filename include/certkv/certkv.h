@@ -808,6 +808,82 @@ CERTKV_API certkv_status certkv_engine_recent_meters(const certkv_engine* engine
                                                      float* meters, size_t capacity, size_t* n,
                                                      int32_t* n_layers, int32_t* n_heads);
 
+/* ---- GAAC pages ---------------------------------------------------------------------------- */
+
+/* GAAC (docs/gaac.md) on the rows of one (layer, K/V, kv_head) stream, a page at a time: a page
+ * is block_tokens rows of head_dim elements, token-major, coded into a slot of fixed size. */
+typedef struct certkv_gaac_page_codec {
+  const char* element;            /* "bf16" (rows of bf16 bit patterns, uint16), "e4m3" or
+                                     "e5m2" (FP8 bytes, uint8) */
+  int32_t block_tokens;           /* rows per page, >= 1 */
+  int32_t head_dim;               /* a multiple of 8 that GAAC tiles (64, 128, 256, ...) */
+  const uint8_t* b3;              /* [head_dim] 3-bit window bases, b3 + 8 <= 2^exponent_bits */
+  const uint8_t* b4;              /* [head_dim] 4-bit window bases, b4 + 16 <= 2^exponent_bits */
+  uint64_t escape_capacity_bytes; /* escape bytes a slot holds beyond its fixed part */
+} certkv_gaac_page_codec;
+
+/* Calibrates GAAC on rows: [n_tokens][head_dim] elements of `element` (uint16 bf16 bits or FP8
+ * bytes) of one stream, in token order; its complete pages of block_tokens rows size the escape
+ * capacity, a partial last page feeds only the exponent histograms. b3, b4: [head_dim] get the
+ * bases; *escape_capacity_bytes the capacity: together a certkv_gaac_page_codec.
+ * INVALID_ARGUMENT naming the value for an unknown element, a head_dim GAAC does not tile,
+ * block_tokens < 1 or n_tokens outside [1, 2^31). */
+CERTKV_API certkv_status certkv_gaac_calibrate(const char* element, int32_t block_tokens,
+                                               int32_t head_dim, const void* rows, int64_t n_tokens,
+                                               uint8_t* b3, uint8_t* b4,
+                                               uint64_t* escape_capacity_bytes);
+/* The slot size of the codec's pages (fixed part plus escape capacity). */
+CERTKV_API certkv_status certkv_gaac_slot_bytes(const certkv_gaac_page_codec* codec,
+                                                size_t* slot_bytes);
+/* Encodes one page: page [block_tokens][head_dim] elements; slot: [slot_bytes] bytes. *used_bytes
+ * is the bytes written, or 0 when the page's escapes exceed the capacity (the page does not fit:
+ * keep it raw; the slot's contents are then unspecified). INVALID_ARGUMENT for bases out of
+ * range. */
+CERTKV_API certkv_status certkv_gaac_encode_page(const certkv_gaac_page_codec* codec,
+                                                 const void* page, uint8_t* slot,
+                                                 size_t* used_bytes);
+/* Decodes one page: slot: [slot_bytes] bytes as certkv_gaac_encode_page wrote them; out:
+ * [block_tokens][head_dim] elements. CORRUPT naming the group for a slot the format rejects. */
+CERTKV_API certkv_status certkv_gaac_decode_page(const certkv_gaac_page_codec* codec,
+                                                 const uint8_t* slot, size_t slot_bytes, void* out);
+
+/* ---- The meter of one attention row ------------------------------------------------------- */
+
+/* The meter (docs/meter.md) of one query against n_tokens keys, in double, as the engine's
+ * reference computes it: p~ = softmax(sm_scale q . k_hat_t), c_t the tier's bound on the logit
+ * error, A = sum_t p~_t e^{c_t}, meter = min(1, (A^2 - 1) / 2) (Theorem 1), and the true total
+ * variation against the exact keys for comparison. */
+typedef struct certkv_meter_row {
+  double meter;   /* min(1, (A^2 - 1) / 2): the bound on tv */
+  double log_a;   /* log A (+inf when A overflowed) */
+  double tv;      /* the true total variation between softmax(sm_scale q . k) and p~ */
+  double max_bound; /* max_t c_t */
+} certkv_meter_row;
+
+/* Tier A (Theorem 2): c_t = |sm_scale| sum_b ||q_b|| w_{t,b}, w_{t,b} the norm of the key residual
+ * k_hat_t - k_t over band b of RoPE frequency pairs (computed here in double, rounded up to
+ * float as a stored witness is). q: [head_dim]; k, k_hat: [n_tokens][head_dim] (exact and stored
+ * keys); rope_layout: "interleaved" (pairs (2j, 2j+1)) or "half-split" (j, j + head_dim / 2);
+ * bounds: [n_tokens] gets c_t, or NULL. INVALID_ARGUMENT for an odd head_dim, n_tokens < 1, an
+ * unknown layout or a non-finite input. */
+CERTKV_API certkv_status certkv_meter_tier_a(const float* q, const float* k, const float* k_hat,
+                                             int64_t n_tokens, int32_t head_dim,
+                                             const char* rope_layout, double sm_scale,
+                                             double* bounds, certkv_meter_row* out);
+/* Tier B (Lemma 2, dither8): c_t = sqrt(2 sigma_t^2 log(2 n_tokens / delta_loc)) + the dither
+ * grid's slack, sigma_t^2 = sm_scale^2 sum_c q_c^2 s_{c,t}^2 / 12 over the channels outside the
+ * outlier pairs, s_{c,t} the scale of channel c's group of 32 at token t. scales:
+ * [n_tokens][head_dim / 32]; outlier_pairs: [n_outlier_pairs] increasing RoPE pair indices (may
+ * be NULL when 0); delta_loc in (0, 1); the rest as certkv_meter_tier_a. head_dim: a multiple of
+ * 32, at most 256. */
+CERTKV_API certkv_status certkv_meter_tier_b(const float* q, const float* k, const float* k_hat,
+                                             const float* scales, int64_t n_tokens,
+                                             int32_t head_dim, const char* rope_layout,
+                                             const uint16_t* outlier_pairs,
+                                             int32_t n_outlier_pairs, double sm_scale,
+                                             double delta_loc, double* bounds,
+                                             certkv_meter_row* out);
+
 #ifdef __cplusplus
 }
 #endif

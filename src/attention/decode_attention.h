@@ -110,6 +110,14 @@ void decode_meter_ref(const cache::KvCache& cache, cache::SeqId seq, int layer,
                       const MeterOptions& options, HeadMeter* meters,
                       std::vector<double>* block_contributions = nullptr);
 
+// c_t >= |s~_t - s_t| of one token, in double, from its page's error data. Tier A (Theorem 2):
+// bounds = the token's witness w_{t,b}, [codec::witness_bands(head_dim)]. Tier B (Lemma 2, a
+// dither8 spec with its outlier pairs): bounds = the token's group scales, [head_dim /
+// codec::kQuantGroup], over n_ctx tokens at failure probability delta_loc, plus the dither
+// grid's slack. q: [head_dim]; scale: the softmax scale (its magnitude counts).
+double meter_logit_bound_ref(const codec::LossyPageSpec& spec, const float* q, double scale,
+                             const float* bounds, int64_t n_ctx, double delta_loc);
+
 // The true total variation between the exact attention distribution (keys from the backing
 // store, read_token_range_exact) and the compressed one (read_token_range_ref), per query head,
 // in double. tv: [n_q_heads].

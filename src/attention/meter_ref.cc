@@ -24,9 +24,10 @@ void scores_ref(const float* q, const float* k, int64_t n, int d, double scale, 
   }
 }
 
-// c_t in double from the pages' error data (Theorem 2 for Tier A, Lemma 2 for Tier B).
-double logit_bound_ref(const codec::LossyPageSpec& spec, const float* q, double scale,
-                       const float* bounds, int64_t n_ctx, double delta_loc) {
+}  // namespace
+
+double meter_logit_bound_ref(const codec::LossyPageSpec& spec, const float* q, double scale,
+                             const float* bounds, int64_t n_ctx, double delta_loc) {
   const int d = spec.head_dim;
   if (codec::lossy_scheme_is_tier_b(spec.scheme)) {
     std::vector<bool> outlier(size_t(d), false);
@@ -52,8 +53,6 @@ double logit_bound_ref(const codec::LossyPageSpec& spec, const float* q, double 
   for (double& b : q_band) b = std::sqrt(b);
   return gate::tier_a_bound(q_band.data(), bounds, n_bands, std::fabs(scale));
 }
-
-}  // namespace
 
 void decode_meter_ref(const cache::KvCache& cache, cache::SeqId seq, int layer,
                       const AttentionShape& shape, const float* q, int64_t n_ctx,
@@ -100,7 +99,7 @@ void decode_meter_ref(const cache::KvCache& cache, cache::SeqId seq, int layer,
       std::vector<float> token_bounds(static_cast<size_t>(width));
       for (int64_t t = 0; t < n_ctx; ++t) {
         for (int b = 0; b < width; ++b) token_bounds[size_t(b)] = bounds[size_t(b) * size_t(n_ctx) + size_t(t)];
-        c[size_t(t)] = logit_bound_ref(spec, qh, double(shape.scale), token_bounds.data(), n_ctx,
+        c[size_t(t)] = meter_logit_bound_ref(spec, qh, double(shape.scale), token_bounds.data(), n_ctx,
                                        options.delta_loc);
         const double vn = 0;  // max ||v|| is taken over all tokens below
         state.add(s[size_t(t)], c[size_t(t)], double(rho[size_t(t)]), vn);

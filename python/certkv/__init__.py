@@ -1,0 +1,377 @@
+"""certkv: long-context LLM inference with a compressed, certified KV cache.
+
+Python bindings of certkv's C API (include/certkv/certkv.h; docs/python.md):
+
+- :class:`Model` loads a GGUF file or a Hugging Face folder (the embedded default,
+  SmolLM2-135M-Instruct, when no path is given);
+- :class:`Session` runs one sequence with its own KV cache: ``generate`` returns the text and
+  the certificate of its attention, ``stream`` yields the text piece by piece, ``prefill`` and
+  ``decode`` give logits;
+- :class:`Engine` serves many requests over one page pool (continuous batching, prefix sharing,
+  preemption); each request's certificate is its own;
+- :mod:`certkv.codec` (GAAC on NumPy arrays) and :mod:`certkv.meter` (Tier A / Tier B bounds).
+
+    import certkv
+    session = certkv.Session(kv="dither8", gate=True)
+    result = session.generate("Write one sentence about the sea.", max_tokens=32)
+    print(result.text, result.certificate["meter_max"])
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+from . import _certkv
+from ._errors import (CertkvError, CorruptError, InvalidArgumentError, NotFoundError,
+                      OutOfRangeError, UnsupportedError)
+from . import codec, meter
+
+__all__ = ["Model", "Session", "Engine", "GenerateResult", "kv_schemes", "default_model_path",
+           "__version__", "CertkvError", "InvalidArgumentError", "NotFoundError", "CorruptError",
+           "UnsupportedError", "OutOfRangeError", "codec", "meter"]
+
+__version__: str = _certkv.version()
+
+
+def kv_schemes() -> list[dict[str, Any]]:
+    """The KV storage schemes (``kv=``): name, summary, meter_tier ("none", "A", "B"), lossless,
+    lossy, needs_calibration, cuda_route, batch_invariant, default_window_tokens."""
+    return _certkv.kv_schemes()
+
+
+def default_model_path() -> str:
+    """$CERTKV_MODEL, else the embedded default model that scripts/fetch_models.sh puts in the
+    checkout's models/ (SmolLM2-135M-Instruct.Q4_1.gguf)."""
+    return os.environ.get("CERTKV_MODEL") or _certkv.default_model_path()
+
+
+class Model:
+    """A loaded model (read-only; sessions and engines share it)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        """Loads a GGUF file or a Hugging Face folder; None: :func:`default_model_path`.
+        A missing file raises :class:`NotFoundError` naming it."""
+        self.path = os.fspath(path) if path is not None else default_model_path()
+        self._model = _certkv.Model(self.path)
+        self.info: dict[str, Any] = self._model.info()
+        """architecture, name, rope_layout, weight_type, n_layers, dim, n_heads, n_kv_heads,
+        head_dim, ffn_dim, n_vocab, context_length, rope_theta, weight_bytes."""
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids of text; add_special adds BOS where the model asks for it; parse_special
+        reads control-token text ("<|im_start|>") as those tokens."""
+        return self._model.tokenize(_text("text", text), add_special, parse_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """The text of tokens (bytes that are not valid UTF-8 are replaced)."""
+        return b"".join(self._model.piece(int(t)) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_end(self, token: int) -> bool:
+        """Whether token ends a generation (end of sequence or of turn)."""
+        return self._model.is_end(int(token))
+
+    def chat_prompt(self, prompt: str, *, system: str | None = None) -> str:
+        """prompt as a user turn in the model's chat template, ready for the assistant's reply."""
+        messages = ([("system", _text("system", system))] if system is not None else []) + [("user", _text("prompt", prompt))]
+        return self._model.chat(messages, True)
+
+    def _prompt_tokens(self, prompt: str | Sequence[int], chat: bool, system: str | None) -> list[int]:
+        if isinstance(prompt, str):
+            text = self.chat_prompt(prompt, system=system) if chat else prompt
+            tokens = self.tokenize(text, add_special=True, parse_special=chat)
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            tokens = list(prompt)
+        else:
+            raise TypeError(f"prompt: expected a str or a sequence of token ids, got {type(prompt).__name__}")
+        if not tokens:
+            raise ValueError("prompt: it has no tokens")
+        return tokens
+
+
+@dataclass
+class GenerateResult:
+    """One generation: its text and the certificate of its attention."""
+
+    text: str
+    prompt_tokens: int
+    generated_tokens: int
+    finish_reason: str  #: "length", "end", "stop" (Engine), "cancelled", "error"
+    certificate: dict[str, Any]
+    """scheme, metered, and for a metered (lossy) scheme tier, tau, coverage (the fraction of
+    (layer, head, step) cells with meter <= tau), meter_max, meter_p99, cells, gate_repairs; for
+    every scheme kv_bytes_by_class (bytes of the KV pages per storage class)."""
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected a str, got {type(value).__name__}")
+    return value
+
+
+def _session_options(kv: str, sparse: float | Mapping[str, Any] | None, gate: bool,
+                     tau: float | None, delta: float | None, meter: bool, window: int | None,
+                     outlier_pairs: int | None, witness: str | None, gaac_calibration: str | None,
+                     threads: int | None, context_tokens: int | None, block_tokens: int | None,
+                     activations: str | None) -> dict[str, Any]:
+    """The certkv_session_params of the keyword arguments, checked against the scheme table."""
+    schemes = {s["name"]: s for s in kv_schemes()}
+    kv = _text("kv", kv)
+    if kv not in schemes:
+        raise ValueError(f"kv: unknown KV scheme {kv!r} (available: {', '.join(schemes)})")
+    lossy = schemes[kv]["lossy"]
+    for name, value in (("gate", gate or None), ("tau", tau), ("delta", delta), ("window", window)):
+        if value is not None and not lossy:
+            raise ValueError(f"{name}: applies to lossy schemes (the meter) only, not kv={kv!r}")
+    options: dict[str, Any] = {"kv": kv, "gate": bool(gate), "meter": bool(meter), "meter_tau": tau,
+                               "meter_delta": delta, "recent_window_tokens": window,
+                               "outlier_pairs": outlier_pairs, "witness": witness,
+                               "gaac_calibration": os.fspath(gaac_calibration) if gaac_calibration else None,
+                               "n_threads": threads, "context_tokens": context_tokens,
+                               "block_tokens": block_tokens, "activations": activations}
+    if sparse is not None:
+        spec = {"p": sparse} if isinstance(sparse, (int, float)) else dict(sparse)
+        known = {"p", "deviations", "window", "dense_layers", "rotation"}
+        if not isinstance(sparse, (int, float, Mapping)) or set(spec) - known or "p" not in spec:
+            raise ValueError(f"sparse: expected p in (0, 1] or a dict with p and any of deviations, window, "
+                             f"dense_layers, rotation; got {sparse!r}")
+        options.update(sparse_p=float(spec["p"]), sparse_deviations=spec.get("deviations"),
+                       sparse_window=spec.get("window"), sparse_dense_layers=spec.get("dense_layers"),
+                       sparse_rotation=spec.get("rotation"))
+    return options
+
+
+def _model_of(model: Model | str | os.PathLike[str] | None) -> Model:
+    return model if isinstance(model, Model) else Model(model)
+
+
+_OPTIONS_DOC = """
+        kv: the KV storage scheme (:func:`kv_schemes`): "bf16", "gaac" (lossless), "fp8-e4m3",
+            "dither8", ... (lossy, with the meter).
+        sparse: sparse decode: p in (0, 1], or a dict with p and any of deviations, window,
+            dense_layers, rotation ("haar" or "hadamard").
+        gate: repair from the exact backing store where a meter exceeds tau (lossy schemes).
+        tau, delta: the coverage / gate threshold (default 0.2) and the Tier B failure budget
+            (default 1e-2) of lossy schemes; meter=False turns the meter off.
+        window: lossy schemes: newest tokens kept bf16; outlier_pairs: dither8's exact RoPE
+            pairs; witness: "fp16" or "u8" (Tier A schemes); gaac_calibration: a calibration
+            file (GAAC schemes calibrate themselves without one).
+        threads, context_tokens, block_tokens, activations ("int8" or "f32"): as
+            certkv_session_params."""
+
+
+class Session:
+    """One sequence with its own paged KV cache. Not thread-safe: one thread at a time."""
+
+    def __init__(self, model: Model | str | os.PathLike[str] | None = None, *, kv: str = "bf16",
+                 sparse: float | Mapping[str, Any] | None = None, gate: bool = False,
+                 tau: float | None = None, delta: float | None = None, meter: bool = True,
+                 window: int | None = None, outlier_pairs: int | None = None,
+                 witness: str | None = None, gaac_calibration: str | None = None,
+                 threads: int | None = None, context_tokens: int | None = 4096,
+                 block_tokens: int | None = None, activations: str | None = None) -> None:
+        self.model = _model_of(model)
+        self.kv = kv
+        self._context = context_tokens or self.model.info["context_length"]
+        self._session = _certkv.Session(self.model._model, _session_options(
+            kv, sparse, gate, tau, delta, meter, window, outlier_pairs, witness, gaac_calibration,
+            threads, context_tokens, block_tokens, activations))
+
+    __init__.__doc__ = """model: a Model, a path, or None (the default model).""" + _OPTIONS_DOC
+
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 64, *, chat: bool = True,
+                 system: str | None = None, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, stop_at_end: bool = True) -> GenerateResult:
+        """Generates from a fresh sequence (the session is reset first). prompt: text (in the
+        chat template unless chat=False) or token ids. Greedy unless temperature > 0."""
+        tokens = self._start(prompt, max_tokens, chat, system)
+        pieces, r = self._session.generate(tokens, max_tokens, stop_at_end, float(temperature),
+                                           int(top_k), float(top_p), int(seed))
+        text = b"".join(pieces).decode("utf-8", errors="replace")
+        # certkv_generate stops at max_tokens, at the context's end, or at an end token.
+        full = r["generated_tokens"] >= max_tokens or self._session.n_past() >= self._context
+        finish = "length" if full else "end"
+        timings = {k: r[k] for k in ("prefill_seconds", "decode_seconds")}
+        return GenerateResult(text, r["prompt_tokens"], r["generated_tokens"], finish, self.certificate(), timings)
+
+    def stream(self, prompt: str | Sequence[int], max_tokens: int = 64, *, chat: bool = True,
+               system: str | None = None, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0, stop_at_end: bool = True) -> Iterator[str]:
+        """As :meth:`generate`, yielding the text as it comes (whole UTF-8 characters); the same
+        tokens as generate for the same arguments. :meth:`certificate` afterwards."""
+        tokens = self._start(prompt, max_tokens, chat, system)
+        sampler = _certkv.Sampler(float(temperature), int(top_k), float(top_p), int(seed))
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        logits = self._session.prefill(tokens)
+        # The loop of certkv_generate: the first token from the prefill's logits.
+        for i in range(max_tokens):
+            token = sampler.sample(logits)
+            end = stop_at_end and self.model.is_end(token)
+            if not end:
+                piece = decoder.decode(self.model._model.piece(token))
+                if piece:
+                    yield piece
+            if end or i + 1 == max_tokens or self._session.n_past() >= self._context:
+                break
+            logits = self._session.decode(token)
+        rest = decoder.decode(b"", final=True)
+        if rest:
+            yield rest
+
+    def prefill(self, tokens: Sequence[int]) -> Any:
+        """Appends tokens to the sequence; returns the last token's logits, [n_vocab] float32."""
+        return self._session.prefill([int(t) for t in tokens])
+
+    def decode(self, token: int) -> Any:
+        """Appends one token; returns its logits, [n_vocab] float32."""
+        return self._session.decode(int(token))
+
+    def reset(self) -> None:
+        """Empties the sequence and its meter and sparse counters."""
+        self._session.reset()
+
+    @property
+    def n_past(self) -> int:
+        """Tokens in the sequence."""
+        return self._session.n_past()
+
+    def certificate(self) -> dict[str, Any]:
+        """The certificate of the sequence's decode steps so far (see GenerateResult)."""
+        m = self._session.meter_stats()
+        kv = self._session.kv_stats()
+        cert: dict[str, Any] = {"scheme": self.kv, "metered": m["metered"]}
+        if m["metered"]:
+            cert.update(tier=m["tier"], certified=m["certified"], tau=m["tau"], delta_loc=m["delta_loc"],
+                        coverage=m["coverage"], meter_max=m["max"], meter_p50=m["p50"], meter_p99=m["p99"],
+                        cells=m["cells"], overflow=m["overflow"], gate_repairs=m["gate_repairs"],
+                        pagein_bytes=m["pagein_bytes"], exact_fallback_blocks=m["exact_fallback_blocks"])
+            if m["tier"] == "B":
+                cert["note"] = "Tier B is valid for non-adaptive queries (teacher-forced text)"
+        cert.update(kv_bytes_by_class=kv["page_bytes_by_class"], kv_bytes=kv["kv_bytes"],
+                    kv_bytes_bf16=kv["kv_bytes_bf16"], kv_tokens=kv["n_tokens"])
+        sparse = self._session.sparse_stats()
+        if sparse["sparse"]:
+            cert["sparse"] = sparse
+        return cert
+
+    def _start(self, prompt: str | Sequence[int], max_tokens: int, chat: bool, system: str | None) -> list[int]:
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens: expected an integer >= 1, got {max_tokens!r}")
+        tokens = self.model._prompt_tokens(prompt, chat, system)
+        self._session.reset()
+        return tokens
+
+
+class Engine:
+    """Many requests over one page pool: continuous batching, chunked prefill, prefix sharing,
+    preemption. Each request's logits, and so its greedy text, are those it would get alone.
+    Not thread-safe: one thread at a time."""
+
+    def __init__(self, model: Model | str | os.PathLike[str] | None = None, *, kv: str = "bf16",
+                 sparse: float | Mapping[str, Any] | None = None, gate: bool = False,
+                 tau: float | None = None, delta: float | None = None, meter: bool = True,
+                 window: int | None = None, outlier_pairs: int | None = None,
+                 witness: str | None = None, gaac_calibration: str | None = None,
+                 threads: int | None = None, context_tokens: int | None = 2048,
+                 block_tokens: int | None = None, activations: str | None = None,
+                 max_sequences: int = 4, step_tokens: int = 512, pool_bytes: int = 0,
+                 prefix_sharing: bool = True) -> None:
+        self.model = _model_of(model)
+        self.kv = kv
+        self._tier = {s["name"]: s["meter_tier"] for s in kv_schemes()}.get(kv)
+        self._tau = _certkv.default_meter_tau() if tau is None else float(tau)
+        self._engine = _certkv.Engine(self.model._model, _session_options(
+            kv, sparse, gate, tau, delta, meter, window, outlier_pairs, witness, gaac_calibration,
+            threads, context_tokens, block_tokens, activations), int(max_sequences), int(step_tokens),
+            int(pool_bytes), bool(prefix_sharing))
+        self._pieces: dict[int, list[bytes]] = {}
+        self.last_result: GenerateResult | None = None
+        """The result of the last :meth:`stream`, once it ended (finished or cancelled)."""
+
+    __init__.__doc__ = """model: a Model, a path, or None (the default model). context_tokens: the
+        most tokens of one request; max_sequences: requests running at once; step_tokens: the
+        most tokens one step runs; pool_bytes: the KV pool (0: room for max_sequences
+        contexts); prefix_sharing: share whole prompt blocks between requests.""" + _OPTIONS_DOC
+
+    def submit(self, prompt: str | Sequence[int], max_tokens: int = 64, *, chat: bool = True,
+               system: str | None = None, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0, stop: Sequence[str] = (),
+               ignore_end: bool = False) -> int:
+        """Queues a request; returns its id (see :meth:`run`, :meth:`result`)."""
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens: expected an integer >= 1, got {max_tokens!r}")
+        stop_list = [stop] if isinstance(stop, str) else [_text("stop", s) for s in stop]
+        tokens = self.model._prompt_tokens(prompt, chat, system)
+        request = self._engine.submit(tokens, max_tokens, float(temperature), int(top_k), float(top_p),
+                                      int(seed), stop_list, bool(ignore_end))
+        self._pieces[request] = []
+        return request
+
+    def step(self) -> bool:
+        """Runs one batched step; True while requests remain."""
+        pieces, active = self._engine.step()
+        for request, text in pieces:
+            self._pieces.setdefault(request, []).append(text)
+        return active
+
+    def run(self) -> None:
+        """Steps until no request remains."""
+        while self.step():
+            pass
+
+    def result(self, request: int, *, release: bool = True) -> GenerateResult:
+        """A finished request's result (release: forget it afterwards)."""
+        r = self._engine.result(int(request))
+        if not r["finished"]:
+            raise ValueError(f"request {request} has not finished (call run() or step())")
+        cert: dict[str, Any] = {"scheme": self.kv, "metered": r["metered"]}
+        if r["metered"]:
+            cert.update(tier=self._tier, tau=self._tau, coverage=r["coverage"], meter_max=r["meter_max"], meter_p99=r["meter_p99"],
+                        cells=r["meter_cells"], gate_repairs=r["gate_repairs"])
+        cert["kv_bytes_by_class"] = r["kv_bytes"]
+        if r["sparse_budget"] < 1:
+            cert.update(sparse_budget=r["sparse_budget"], sparse_estimated_mass=r["sparse_estimated_mass"])
+        if r["error"]:
+            cert["error"] = r["error"]
+        timings = {"ttft_ms": r["ttft_ms"], "itl_ms_mean": r["itl_ms_mean"]}
+        result = GenerateResult(r["text"].decode("utf-8", errors="replace"), r["prompt_tokens"],
+                                r["generated_tokens"], r["finish_reason"], cert, timings)
+        if release:
+            self._engine.release(int(request))
+            self._pieces.pop(int(request), None)
+        return result
+
+    def generate(self, prompt: str | Sequence[int] | Sequence[str], max_tokens: int = 64,
+                 **kwargs: Any) -> Any:
+        """One prompt: its GenerateResult; a list of prompts (str): a list of results, run
+        together. kwargs: as :meth:`submit`."""
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            ids = [self.submit(p, max_tokens, **kwargs) for p in prompt]
+            self.run()
+            return [self.result(i) for i in ids]
+        request = self.submit(prompt, max_tokens, **kwargs)
+        self.run()
+        return self.result(request)
+
+    def stream(self, prompt: str | Sequence[int], max_tokens: int = 64, **kwargs: Any) -> Iterator[str]:
+        """Submits a request and yields its text as the steps complete it (whole UTF-8
+        characters; held back while a stop string may be starting). Other queued requests run
+        alongside. Abandoning the iterator cancels the request."""
+        request = self.submit(prompt, max_tokens, **kwargs)
+        finished = False
+        try:
+            while True:
+                active = self.step()
+                for piece in self._pieces.get(request, []):
+                    yield piece.decode("utf-8", errors="replace")
+                self._pieces[request] = []
+                if self._engine.result(request)["finished"] or not active:
+                    finished = True
+                    break
+        finally:
+            if not finished:
+                self._engine.cancel(request)
+            self.last_result = self.result(request)

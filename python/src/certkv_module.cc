@@ -1,0 +1,551 @@
+// certkv._certkv: the nanobind module under the Python package certkv. It stands on the C API
+// (certkv/certkv.h, through the C++ wrapper certkv.hpp) alone, as every front end does; the
+// Python layer (python/certkv/*.py) checks arguments and shapes the results.
+//
+// Failures of the C API raise the exception certkv._errors.error_for_status builds (its message
+// is certkv_last_error()). Long calls (model load, prefill, decode, generation, engine steps)
+// release the GIL; no callback of the C API calls into Python.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "certkv/certkv.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using certkv::ApiError;
+using certkv::check;
+
+template <typename T>
+using Array = nb::ndarray<T, nb::numpy, nb::c_contig>;
+template <typename T>
+using In = nb::ndarray<const T, nb::c_contig, nb::device::cpu>;
+
+// A NumPy array that owns a vector's storage.
+template <typename T>
+Array<T> to_numpy(std::vector<T>&& v, std::initializer_list<size_t> shape) {
+  auto* owned = new std::vector<T>(std::move(v));
+  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return Array<T>(owned->data(), shape.size(), shape.begin(), owner);
+}
+
+nb::bytes to_bytes(const std::string& s) { return nb::bytes(s.data(), s.size()); }
+
+// ---- Sessions and engines: their settings from the Python layer's dict ----------------------
+
+// certkv_session_params with the strings it points at.
+struct SessionOptions {
+  certkv_session_params params = certkv_session_default_params();
+  std::string kv, activations, gaac_calibration, sparse_rotation, witness, device;
+};
+
+std::unique_ptr<SessionOptions> session_options(const nb::dict& d) {
+  auto o = std::make_unique<SessionOptions>();
+  certkv_session_params& p = o->params;
+  for (auto [key_obj, value] : d) {
+    const std::string key = nb::cast<std::string>(key_obj);
+    if (value.is_none()) continue;
+    if (key == "kv") p.kv = (o->kv = nb::cast<std::string>(value)).c_str();
+    else if (key == "activations") p.activations = (o->activations = nb::cast<std::string>(value)).c_str();
+    else if (key == "gaac_calibration") p.gaac_calibration = (o->gaac_calibration = nb::cast<std::string>(value)).c_str();
+    else if (key == "sparse_rotation") p.sparse_rotation = (o->sparse_rotation = nb::cast<std::string>(value)).c_str();
+    else if (key == "witness") p.witness = (o->witness = nb::cast<std::string>(value)).c_str();
+    else if (key == "device") p.device = (o->device = nb::cast<std::string>(value)).c_str();
+    else if (key == "context_tokens") p.context_tokens = nb::cast<int64_t>(value);
+    else if (key == "n_threads") p.n_threads = nb::cast<int32_t>(value);
+    else if (key == "block_tokens") p.block_tokens = nb::cast<int32_t>(value);
+    else if (key == "prefill_chunk_tokens") p.prefill_chunk_tokens = nb::cast<int32_t>(value);
+    else if (key == "outlier_pairs") p.outlier_pairs = nb::cast<int32_t>(value);
+    else if (key == "recent_window_tokens") p.recent_window_tokens = nb::cast<int32_t>(value);
+    else if (key == "meter") p.meter = nb::cast<bool>(value) ? 1 : 0;
+    else if (key == "meter_delta") p.meter_delta = nb::cast<double>(value);
+    else if (key == "meter_tau") p.meter_tau = nb::cast<double>(value);
+    else if (key == "gate") p.gate = nb::cast<bool>(value) ? 1 : 0;
+    else if (key == "meter_planned_steps") p.meter_planned_steps = nb::cast<int64_t>(value);
+    else if (key == "sparse_p") p.sparse_p = nb::cast<double>(value);
+    else if (key == "sparse_window") p.sparse_window = nb::cast<int32_t>(value);
+    else if (key == "sparse_dense_layers") p.sparse_dense_layers = nb::cast<int32_t>(value);
+    else if (key == "sparse_deviations") p.sparse_deviations = nb::cast<double>(value);
+    else throw nb::value_error(("unknown session option '" + key + "'").c_str());
+  }
+  return o;
+}
+
+certkv_sampler_params sampler_params(float temperature, int32_t top_k, float top_p, uint64_t seed) {
+  certkv_sampler_params s = certkv_sampler_default_params();
+  s.temperature = temperature;
+  s.top_k = top_k;
+  s.top_p = top_p;
+  s.seed = seed;
+  return s;
+}
+
+nb::dict kv_stats_dict(const certkv_kv_stats& s) {
+  nb::dict d, pages, bytes;
+  for (int32_t i = 0; i < s.n_classes; ++i) {
+    pages[s.by_class[i].storage] = s.by_class[i].pages_in_use;
+    bytes[s.by_class[i].storage] = s.by_class[i].page_bytes_in_use;
+  }
+  d["n_tokens"] = s.n_tokens;
+  d["kv_bytes"] = s.kv_bytes;
+  d["kv_bytes_in_use"] = s.kv_bytes_in_use;
+  d["kv_bytes_bf16"] = s.kv_bytes_bf16;
+  d["backing_bytes"] = s.backing_bytes;
+  d["exact_fallback_blocks"] = s.exact_fallback_blocks;
+  d["pages_by_class"] = pages;
+  d["page_bytes_by_class"] = bytes;
+  return d;
+}
+
+nb::dict meter_stats_dict(const certkv_meter_stats& m) {
+  nb::dict d;
+  d["metered"] = m.metered != 0;
+  d["tier"] = m.tier;
+  d["certified"] = m.certified != 0;
+  d["tau"] = m.tau;
+  d["delta_loc"] = m.delta_loc;
+  d["cells"] = m.cells;
+  d["coverage"] = m.coverage;
+  d["max"] = m.max;
+  d["p50"] = m.p50;
+  d["p99"] = m.p99;
+  d["overflow"] = m.overflow;
+  d["gate_repairs"] = m.repairs;
+  d["pagein_bytes"] = m.pagein_bytes;
+  d["exact_fallback_blocks"] = m.exact_fallback_blocks;
+  return d;
+}
+
+nb::dict sparse_stats_dict(const certkv_sparse_stats& s) {
+  nb::dict d;
+  d["sparse"] = s.sparse != 0;
+  d["p"] = s.p;
+  d["deviations"] = s.deviations;
+  d["window_tokens"] = s.window_tokens;
+  d["dense_layers"] = s.dense_layers;
+  d["steps"] = s.steps;
+  d["cells"] = s.cells;
+  d["mean_budget"] = s.mean_budget;
+  d["mean_budget_all_layers"] = s.mean_budget_all_layers;
+  d["index_bytes"] = s.index_bytes;
+  d["widened_fraction"] = s.widened_fraction;
+  return d;
+}
+
+// ---- Model -----------------------------------------------------------------------------------
+
+struct Model {
+  std::unique_ptr<certkv::Model> model;
+  explicit Model(const std::string& path) {
+    nb::gil_scoped_release release;
+    model = std::make_unique<certkv::Model>(path);
+  }
+  const certkv_model* get() const { return model->get(); }
+};
+
+nb::dict model_info(const Model& m) {
+  const certkv_model_info i = m.model->info();
+  nb::dict d;
+  d["architecture"] = i.architecture;
+  d["name"] = i.name;
+  d["rope_layout"] = i.rope_layout;
+  d["weight_type"] = i.weight_type;
+  d["n_layers"] = i.n_layers;
+  d["dim"] = i.dim;
+  d["n_heads"] = i.n_heads;
+  d["n_kv_heads"] = i.n_kv_heads;
+  d["head_dim"] = i.head_dim;
+  d["ffn_dim"] = i.ffn_dim;
+  d["n_vocab"] = i.n_vocab;
+  d["context_length"] = i.context_length;
+  d["rope_theta"] = i.rope_theta;
+  d["weight_bytes"] = i.weight_bytes;
+  return d;
+}
+
+std::string chat(const Model& m, const std::vector<std::pair<std::string, std::string>>& messages,
+                 bool add_generation_prompt) {
+  std::vector<certkv_chat_message> c;
+  for (const auto& [role, content] : messages) c.push_back({role.c_str(), content.c_str()});
+  return m.model->chat(c, add_generation_prompt);
+}
+
+// ---- Session ---------------------------------------------------------------------------------
+
+struct Session {
+  nb::object model_ref;  // keeps the Model alive while the session lives
+  const Model* model;
+  std::unique_ptr<SessionOptions> options;
+  certkv_session* session = nullptr;
+  int32_t n_vocab = 0;
+
+  Session(nb::object model_obj, const nb::dict& opts)
+      : model_ref(model_obj), model(nb::cast<const Model*>(model_obj)), options(session_options(opts)) {
+    n_vocab = model->model->info().n_vocab;
+    nb::gil_scoped_release release;
+    check(certkv_session_create(model->get(), &options->params, &session));
+  }
+  ~Session() { certkv_session_free(session); }
+
+  Array<float> prefill(const std::vector<int32_t>& tokens) {
+    std::vector<float> logits(static_cast<size_t>(n_vocab));
+    {
+      nb::gil_scoped_release release;
+      check(certkv_session_prefill(session, tokens.data(), int32_t(tokens.size()), logits.data(), nullptr,
+                                   nullptr, nullptr));
+    }
+    return to_numpy(std::move(logits), {size_t(n_vocab)});
+  }
+  Array<float> decode(int32_t token) {
+    std::vector<float> logits(static_cast<size_t>(n_vocab));
+    {
+      nb::gil_scoped_release release;
+      check(certkv_session_decode(session, token, logits.data()));
+    }
+    return to_numpy(std::move(logits), {size_t(n_vocab)});
+  }
+  // certkv_generate: the pieces of the generated tokens and the counts and times.
+  std::pair<std::vector<nb::bytes>, nb::dict> generate(const std::vector<int32_t>& tokens, int32_t max_new_tokens,
+                                                       bool stop_at_end, float temperature, int32_t top_k,
+                                                       float top_p, uint64_t seed) {
+    certkv_generate_params gp = certkv_generate_default_params();
+    gp.max_new_tokens = max_new_tokens;
+    gp.stop_at_end = stop_at_end ? 1 : 0;
+    gp.sampler = sampler_params(temperature, top_k, top_p, seed);
+    std::vector<std::string> pieces;
+    certkv_generate_result r;
+    {
+      nb::gil_scoped_release release;
+      check(certkv_generate(
+          session, tokens.data(), int32_t(tokens.size()), &gp,
+          [](void* user, int32_t, const char* piece, size_t n) {
+            static_cast<std::vector<std::string>*>(user)->emplace_back(piece, n);
+            return 0;
+          },
+          &pieces, &r));
+    }
+    std::vector<nb::bytes> out;
+    for (const std::string& p : pieces) out.push_back(to_bytes(p));
+    nb::dict d;
+    d["prompt_tokens"] = r.prompt_tokens;
+    d["generated_tokens"] = r.generated_tokens;
+    d["prefill_seconds"] = r.prefill_seconds;
+    d["decode_steps"] = r.decode_steps;
+    d["decode_seconds"] = r.decode_seconds;
+    return {out, d};
+  }
+  nb::dict kv_stats() const {
+    certkv_kv_stats s;
+    check(certkv_session_kv_stats(session, &s));
+    return kv_stats_dict(s);
+  }
+  nb::dict meter_stats() const {
+    certkv_meter_stats s;
+    check(certkv_session_meter_stats(session, &s));
+    return meter_stats_dict(s);
+  }
+  nb::dict sparse_stats() const {
+    certkv_sparse_stats s;
+    check(certkv_session_sparse_stats(session, &s));
+    return sparse_stats_dict(s);
+  }
+};
+
+struct Sampler {
+  certkv_sampler* sampler = nullptr;
+  Sampler(float temperature, int32_t top_k, float top_p, uint64_t seed) {
+    const certkv_sampler_params p = sampler_params(temperature, top_k, top_p, seed);
+    check(certkv_sampler_create(&p, &sampler));
+  }
+  ~Sampler() { certkv_sampler_free(sampler); }
+  int32_t sample(In<float> logits) {
+    int32_t token = 0;
+    check(certkv_sampler_sample(sampler, logits.data(), int32_t(logits.size()), &token));
+    return token;
+  }
+};
+
+// ---- Engine ----------------------------------------------------------------------------------
+
+struct Engine {
+  nb::object model_ref;
+  std::unique_ptr<SessionOptions> options;
+  certkv_engine* engine = nullptr;
+
+  Engine(nb::object model_obj, const nb::dict& opts, int32_t max_sequences, int64_t step_tokens,
+         uint64_t pool_bytes, bool prefix_sharing)
+      : model_ref(model_obj), options(session_options(opts)) {
+    const Model* model = nb::cast<const Model*>(model_obj);
+    certkv_engine_params p = certkv_engine_default_params();
+    p.session = options->params;
+    p.max_sequences = max_sequences;
+    p.step_tokens = step_tokens;
+    p.pool_bytes = pool_bytes;
+    p.prefix_sharing = prefix_sharing ? 1 : 0;
+    nb::gil_scoped_release release;
+    check(certkv_engine_create(model->get(), &p, &engine));
+  }
+  ~Engine() { certkv_engine_free(engine); }
+
+  int64_t submit(const std::vector<int32_t>& prompt, int32_t max_tokens, float temperature, int32_t top_k,
+                 float top_p, uint64_t seed, const std::vector<std::string>& stop, bool ignore_end) {
+    std::vector<const char*> stop_ptrs;
+    for (const std::string& s : stop) stop_ptrs.push_back(s.c_str());
+    certkv_request_params r = certkv_request_default_params();
+    r.prompt = prompt.data();
+    r.n_prompt = int32_t(prompt.size());
+    r.max_tokens = max_tokens;
+    r.sampler = sampler_params(temperature, top_k, top_p, seed);
+    r.stop = stop_ptrs.empty() ? nullptr : stop_ptrs.data();
+    r.n_stop = int32_t(stop_ptrs.size());
+    r.ignore_end = ignore_end ? 1 : 0;
+    int64_t id = 0;
+    check(certkv_engine_submit(engine, &r, &id));
+    return id;
+  }
+  // One batched step: the text each request completed in it, in order, and whether requests remain.
+  std::pair<std::vector<std::pair<int64_t, nb::bytes>>, bool> step() {
+    std::vector<std::pair<int64_t, std::string>> pieces;
+    int active = 0;
+    {
+      nb::gil_scoped_release release;
+      check(certkv_engine_step(
+          engine,
+          [](void* user, int64_t request, int32_t, const char* text, size_t n) {
+            if (n > 0) static_cast<std::vector<std::pair<int64_t, std::string>>*>(user)->emplace_back(
+                request, std::string(text, n));
+            return 0;
+          },
+          &pieces, &active));
+    }
+    std::vector<std::pair<int64_t, nb::bytes>> out;
+    for (const auto& [id, text] : pieces) out.emplace_back(id, to_bytes(text));
+    return {out, active != 0};
+  }
+  nb::dict result(int64_t id) const {
+    certkv_request_result r;
+    check(certkv_engine_result(engine, id, &r));
+    nb::dict d, kv_bytes;
+    d["finished"] = r.finished != 0;
+    d["finish_reason"] = r.finish_reason;
+    d["text"] = to_bytes(std::string(r.text ? r.text : "", r.text_bytes));
+    d["prompt_tokens"] = r.prompt_tokens;
+    d["generated_tokens"] = r.generated_tokens;
+    d["shared_prompt_tokens"] = r.shared_prompt_tokens;
+    d["preemptions"] = r.preemptions;
+    d["ttft_ms"] = r.ttft_ms;
+    d["itl_ms_mean"] = r.itl_ms_mean;
+    d["metered"] = r.metered != 0;
+    d["meter_max"] = r.meter_max;
+    d["meter_p99"] = r.meter_p99;
+    d["coverage"] = r.coverage;
+    d["meter_cells"] = r.meter_cells;
+    d["gate_repairs"] = r.gate_repairs;
+    d["sparse_budget"] = r.sparse_budget;
+    d["sparse_estimated_mass"] = r.sparse_estimated_mass;
+    for (int32_t i = 0; i < r.n_classes; ++i) kv_bytes[r.kv_bytes[i].storage] = r.kv_bytes[i].bytes;
+    d["kv_bytes"] = kv_bytes;
+    d["error"] = r.error ? r.error : "";
+    return d;
+  }
+  void cancel(int64_t id) { check(certkv_engine_cancel(engine, id)); }
+  void release(int64_t id) { check(certkv_engine_release(engine, id)); }
+};
+
+// ---- GAAC pages ------------------------------------------------------------------------------
+
+struct GaacCodec {
+  std::string element;
+  std::vector<uint8_t> b3, b4;
+  certkv_gaac_page_codec c{};
+  GaacCodec(std::string e, int32_t block_tokens, int32_t head_dim, In<uint8_t> b3_in, In<uint8_t> b4_in,
+            uint64_t capacity)
+      : element(std::move(e)), b3(b3_in.data(), b3_in.data() + b3_in.size()),
+        b4(b4_in.data(), b4_in.data() + b4_in.size()) {
+    if (b3.size() != size_t(head_dim) || b4.size() != size_t(head_dim))
+      throw nb::value_error("b3 and b4 must have head_dim entries");
+    c = {element.c_str(), block_tokens, head_dim, b3.data(), b4.data(), capacity};
+  }
+  size_t element_bytes() const { return element == "bf16" ? 2 : 1; }
+  size_t page_bytes() const { return size_t(c.block_tokens) * size_t(c.head_dim) * element_bytes(); }
+  size_t slot_bytes() const {
+    size_t n = 0;
+    check(certkv_gaac_slot_bytes(&c, &n));
+    return n;
+  }
+};
+
+// rows: [n_tokens][head_dim] elements (bytes of uint16 or uint8): the bases and the capacity.
+std::tuple<Array<uint8_t>, Array<uint8_t>, uint64_t> gaac_calibrate(const std::string& element, int32_t block_tokens,
+                                                                   int32_t head_dim, nb::ndarray<nb::c_contig> rows,
+                                                                   int64_t n_tokens) {
+  std::vector<uint8_t> b3(size_t(head_dim > 0 ? head_dim : 0)), b4(b3.size());
+  uint64_t capacity = 0;
+  {
+    nb::gil_scoped_release release;
+    check(certkv_gaac_calibrate(element.c_str(), block_tokens, head_dim, rows.data(), n_tokens, b3.data(),
+                                b4.data(), &capacity));
+  }
+  const size_t d = b3.size();
+  return {to_numpy(std::move(b3), {d}), to_numpy(std::move(b4), {d}), capacity};
+}
+
+// pages: [n_pages][block_tokens][head_dim]: slots [n_pages][slot_bytes] and bytes used per page
+// (0: did not fit).
+std::pair<Array<uint8_t>, Array<uint64_t>> gaac_encode(const GaacCodec& codec, nb::ndarray<nb::c_contig> pages,
+                                                       size_t n_pages) {
+  const size_t slot_bytes = codec.slot_bytes();
+  std::vector<uint8_t> slots(n_pages * slot_bytes);
+  std::vector<uint64_t> used(n_pages);
+  {
+    nb::gil_scoped_release release;
+    const auto* base = static_cast<const uint8_t*>(pages.data());
+    for (size_t p = 0; p < n_pages; ++p) {
+      size_t u = 0;
+      check(certkv_gaac_encode_page(&codec.c, base + p * codec.page_bytes(), slots.data() + p * slot_bytes, &u));
+      used[p] = u;
+    }
+  }
+  return {to_numpy(std::move(slots), {n_pages, slot_bytes}), to_numpy(std::move(used), {n_pages})};
+}
+
+// slots: [n_pages][slot_bytes] into out: [n_pages][block_tokens][head_dim] elements.
+void gaac_decode(const GaacCodec& codec, In<uint8_t> slots, size_t n_pages, nb::ndarray<nb::c_contig> out) {
+  const size_t slot_bytes = codec.slot_bytes();
+  if (slots.size() != n_pages * slot_bytes) throw nb::value_error("slots: expected n_pages x slot_bytes bytes");
+  nb::gil_scoped_release release;
+  auto* base = static_cast<uint8_t*>(out.data());
+  for (size_t p = 0; p < n_pages; ++p)
+    check(certkv_gaac_decode_page(&codec.c, slots.data() + p * slot_bytes, slot_bytes, base + p * codec.page_bytes()));
+}
+
+// ---- The meter -------------------------------------------------------------------------------
+
+nb::dict meter_row_dict(const certkv_meter_row& r, std::vector<double>&& bounds) {
+  const size_t n = bounds.size();
+  nb::dict d;
+  d["meter"] = r.meter;
+  d["log_a"] = r.log_a;
+  d["tv"] = r.tv;
+  d["max_bound"] = r.max_bound;
+  d["bounds"] = to_numpy(std::move(bounds), {n});
+  return d;
+}
+
+nb::dict meter_tier_a(In<float> q, In<float> k, In<float> k_hat, int64_t n_tokens, int32_t head_dim,
+                      const std::string& rope_layout, double sm_scale) {
+  std::vector<double> bounds(size_t(n_tokens > 0 ? n_tokens : 0));
+  certkv_meter_row row;
+  check(certkv_meter_tier_a(q.data(), k.data(), k_hat.data(), n_tokens, head_dim, rope_layout.c_str(), sm_scale,
+                            bounds.data(), &row));
+  return meter_row_dict(row, std::move(bounds));
+}
+
+nb::dict meter_tier_b(In<float> q, In<float> k, In<float> k_hat, In<float> scales, int64_t n_tokens,
+                      int32_t head_dim, const std::string& rope_layout, In<uint16_t> outlier_pairs, double sm_scale,
+                      double delta_loc) {
+  std::vector<double> bounds(size_t(n_tokens > 0 ? n_tokens : 0));
+  certkv_meter_row row;
+  check(certkv_meter_tier_b(q.data(), k.data(), k_hat.data(), scales.data(), n_tokens, head_dim,
+                            rope_layout.c_str(), outlier_pairs.size() ? outlier_pairs.data() : nullptr,
+                            int32_t(outlier_pairs.size()), sm_scale, delta_loc, bounds.data(), &row));
+  return meter_row_dict(row, std::move(bounds));
+}
+
+std::vector<nb::dict> kv_schemes() {
+  std::vector<nb::dict> out;
+  for (int32_t i = 0; i < certkv_kv_scheme_count(); ++i) {
+    certkv_kv_scheme_info s;
+    check(certkv_kv_scheme_get(i, &s));
+    nb::dict d;
+    d["name"] = s.name;
+    d["summary"] = s.summary;
+    d["meter_tier"] = s.meter_tier;
+    d["lossless"] = s.lossless != 0;
+    d["needs_calibration"] = s.needs_calibration != 0;
+    d["lossy"] = s.lossy != 0;
+    d["cuda_route"] = s.cuda_route != 0;
+    d["batch_invariant"] = s.batch_invariant != 0;
+    d["default_window_tokens"] = s.default_window_tokens;
+    out.push_back(d);
+  }
+  return out;
+}
+
+}  // namespace
+
+NB_MODULE(_certkv, m) {
+  m.doc() = "certkv's C API for the Python package certkv (use the package, not this module)";
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const ApiError& e) {
+      nb::object error = nb::module_::import_("certkv._errors").attr("error_for_status")(
+          certkv_status_string(e.status()), int(e.status()), e.what());
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+    }
+  });
+  m.def("version", [] { return std::string(certkv_version()); });
+  m.def("default_model_path", [] { return std::string(CERTKV_DEFAULT_MODEL); });
+  m.def("kv_schemes", &kv_schemes);
+  m.def("default_meter_tau", [] { return certkv_session_default_params().meter_tau; });
+
+  nb::class_<Model>(m, "Model")
+      .def(nb::init<const std::string&>(), "path"_a)
+      .def("info", &model_info)
+      .def("tokenize", [](const Model& mo, const std::string& text, bool add_special, bool parse_special) {
+        return mo.model->tokenize(text, add_special, parse_special);
+      })
+      .def("piece", [](const Model& mo, int32_t token) { return to_bytes(mo.model->piece(token)); })
+      .def("is_end", [](const Model& mo, int32_t token) { return certkv_token_is_end(mo.get(), token) != 0; })
+      .def("chat", &chat);
+
+  nb::class_<Session>(m, "Session")
+      .def(nb::init<nb::object, const nb::dict&>())
+      .def("prefill", &Session::prefill)
+      .def("decode", &Session::decode)
+      .def("generate", &Session::generate)
+      .def("reset", [](Session& s) {
+        check(certkv_session_reset(s.session));
+        check(certkv_session_meter_reset(s.session));
+        check(certkv_session_sparse_reset(s.session));
+      })
+      .def("n_past", [](const Session& s) { return certkv_session_n_past(s.session); })
+      .def("kv_stats", &Session::kv_stats)
+      .def("meter_stats", &Session::meter_stats)
+      .def("sparse_stats", &Session::sparse_stats);
+
+  nb::class_<Sampler>(m, "Sampler")
+      .def(nb::init<float, int32_t, float, uint64_t>())
+      .def("sample", &Sampler::sample);
+
+  nb::class_<Engine>(m, "Engine")
+      .def(nb::init<nb::object, const nb::dict&, int32_t, int64_t, uint64_t, bool>())
+      .def("submit", &Engine::submit)
+      .def("step", &Engine::step)
+      .def("result", &Engine::result)
+      .def("cancel", &Engine::cancel)
+      .def("release", &Engine::release);
+
+  nb::class_<GaacCodec>(m, "GaacCodec")
+      .def(nb::init<std::string, int32_t, int32_t, In<uint8_t>, In<uint8_t>, uint64_t>())
+      .def_prop_ro("slot_bytes", &GaacCodec::slot_bytes);
+  m.def("gaac_calibrate", &gaac_calibrate);
+  m.def("gaac_encode", &gaac_encode);
+  m.def("gaac_decode", &gaac_decode);
+  m.def("meter_tier_a", &meter_tier_a);
+  m.def("meter_tier_b", &meter_tier_b);
+}

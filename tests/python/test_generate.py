@@ -1,0 +1,99 @@
+"""certkv.Model, Session and Engine on the default model: text, certificates, streaming."""
+
+import pytest
+
+import certkv
+
+from conftest import PROMPT
+
+
+def test_version_and_schemes():
+    assert certkv.__version__.count(".") == 2
+    names = [s["name"] for s in certkv.kv_schemes()]
+    assert {"bf16", "gaac", "fp8-e4m3", "dither8"} <= set(names)
+
+
+def test_model_info_and_tokens(model):
+    info = model.info
+    assert info["n_layers"] == 30 and info["head_dim"] == 64 and info["rope_layout"] in ("interleaved", "half-split")
+    tokens = model.tokenize("The sea.", add_special=False)
+    assert model.detokenize(tokens) == "The sea."
+
+
+def test_session_lossy_generate_has_a_certificate(model):
+    session = certkv.Session(model, kv="fp8-e4m3")
+    result = session.generate(PROMPT, max_tokens=8)
+    assert result.text.strip()
+    assert result.generated_tokens == 8 and result.finish_reason == "length"
+    cert = result.certificate
+    assert cert["scheme"] == "fp8-e4m3" and cert["metered"] and cert["tier"] == "A"
+    assert cert["cells"] > 0 and 0.0 <= cert["coverage"] <= 1.0
+    assert 0.0 <= cert["meter_p99"] <= cert["meter_max"] <= 1.0
+    assert cert["kv_bytes_by_class"]["lossy"] > 0
+
+
+def test_session_stream_yields_the_generated_text(model):
+    session = certkv.Session(model, kv="dither8")
+    generated = session.generate(PROMPT, max_tokens=10)
+    pieces = list(session.stream(PROMPT, max_tokens=10))
+    assert len(pieces) > 1 and all(isinstance(p, str) for p in pieces)
+    assert "".join(pieces) == generated.text
+    assert session.certificate()["tier"] == "B"
+
+
+def test_session_prefill_decode_logits(model):
+    session = certkv.Session(model)
+    logits = session.prefill(model.tokenize(PROMPT))
+    assert logits.shape == (model.info["n_vocab"],) and logits.dtype.name == "float32"
+    session.decode(int(logits.argmax()))
+    assert session.n_past == len(model.tokenize(PROMPT)) + 1
+    assert not session.certificate()["metered"]
+
+
+def test_engine_batch_matches_alone_and_streams(model):
+    engine = certkv.Engine(model, kv="dither8", gate=True, max_sequences=2)
+    results = engine.generate([PROMPT, "Name a colour."], max_tokens=8)
+    assert all(r.text and r.finish_reason == "length" for r in results)
+    cert = results[0].certificate
+    assert cert["metered"] and cert["tier"] == "B" and cert["tau"] == pytest.approx(0.2)
+    assert cert["meter_max"] <= 1.0 and cert["kv_bytes_by_class"]["dither8"] > 0
+    # Streaming gives the text of the same request on a fresh engine (gate repairs change
+    # shared prefix pages, so a second request on the same engine may read other keys).
+    streamed = certkv.Engine(model, kv="dither8", gate=True, max_sequences=2)
+    assert "".join(streamed.stream(PROMPT, max_tokens=8)) == results[0].text
+    assert streamed.last_result.text == results[0].text
+
+
+def test_engine_stream_abandoned_is_cancelled(model):
+    engine = certkv.Engine(model, max_sequences=1)
+    stream = engine.stream(PROMPT, max_tokens=32)
+    next(stream)
+    stream.close()
+    assert engine.last_result.finish_reason == "cancelled"
+
+
+def test_sparse_option_reaches_the_session(model):
+    session = certkv.Session(model, sparse={"p": 0.9, "window": 16, "dense_layers": 2})
+    session.generate(PROMPT, max_tokens=4)
+    assert session.certificate()["sparse"]["p"] == pytest.approx(0.9)
+
+
+def test_bad_options_raise_with_the_reason(model):
+    with pytest.raises(ValueError, match="unknown KV scheme 'fp7'.*dither8"):
+        certkv.Session(model, kv="fp7")
+    with pytest.raises(ValueError, match="gate: applies to lossy schemes"):
+        certkv.Session(model, kv="bf16", gate=True)
+    with pytest.raises(ValueError, match="sparse"):
+        certkv.Session(model, sparse={"q": 0.9})
+    with pytest.raises(certkv.InvalidArgumentError):
+        certkv.Session(model, kv="dither8", tau=-1.0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        certkv.Session(model).generate(PROMPT, max_tokens=0)
+    with pytest.raises(TypeError, match="prompt"):
+        certkv.Session(model).generate(3.5)
+
+
+def test_missing_model_names_the_file():
+    with pytest.raises(certkv.NotFoundError, match="/nonexistent/model.gguf") as info:
+        certkv.Model("/nonexistent/model.gguf")
+    assert isinstance(info.value, FileNotFoundError) and info.value.status == "not found"
