@@ -409,7 +409,7 @@ void pages_args(benchmark::internal::Benchmark* b) {
   const S schemes[] = {S::kBf16, S::kGaac, S::kFp8E4M3, S::kDither8, S::kRtn4, S::kKivi2};
   for (int model : {0, 1})
     for (S s : schemes)
-      for (int64_t n : {4096, 16384, 32768})
+      for (int64_t n : {256, 4096, 16384, 32768})
         for (int threads : {1, 2})
           for (int metered : {0, 1})
             if (metered == 0 || cache::kv_scheme_is_lossy(s)) b->Args({model, int64_t(s), n, threads, metered});
