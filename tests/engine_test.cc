@@ -521,6 +521,59 @@ INSTANTIATE_TEST_SUITE_P(PageClasses, EngineSharing,
                            return name;
                          });
 
+// The gate repairs a request's blocks with exact copies in its own tables: a request that shares
+// its prompt blocks, while it runs or after it finished, still reads them as computed, so every
+// output is the one it has alone (a prefix holder that took the repaired pages made the second
+// request's text differ).
+TEST(Engine, GateRepairsDoNotReachTheRequestsThatShareThePrefix) {
+  EngineConfig cfg;
+  cfg.backend.kv_scheme = cache::KvScheme::kFp8E5M2;
+  cfg.backend.meter.gate = true;
+  cfg.backend.meter.tau = 0.02;
+  cfg.backend.context_tokens = 256;
+  cfg.backend.pool_tokens = 256 * 8;
+  const std::vector<int32_t> prefix = ragged_prompts(smollm2(), {64}, 5)[0];
+  std::vector<RequestParams> requests;
+  for (const std::vector<int32_t>& tail : ragged_prompts(smollm2(), {1, 9, 4}, 6)) {
+    RequestParams r;
+    r.prompt = prefix;
+    r.prompt.insert(r.prompt.end(), tail.begin() + 1, tail.end());
+    r.prompt.push_back(r.prompt[1]);
+    r.max_tokens = 10;
+    r.ignore_end = true;
+    requests.push_back(r);
+  }
+  // Alone: each request's output and certificate (its repairs and largest meter, which a request
+  // reading pages another one repaired would show first: it needs fewer repairs).
+  std::vector<Outcome> alone;
+  std::vector<backend::SequenceReport> alone_reports;
+  for (const RequestParams& p : requests) {
+    Engine e(smollm2(), cfg);
+    std::vector<RequestId> id;
+    alone.push_back(run_engine(e, {p}, &id)[0]);
+    alone_reports.push_back(e.report(id[0]).attention);
+    EXPECT_GT(alone_reports.back().gate_repairs, 0) << "the gate was meant to repair";
+  }
+  for (const int max_sequences : {1, 3}) {  // after the first finished; while it runs
+    SCOPED_TRACE("max_sequences " + std::to_string(max_sequences));
+    EngineConfig c = cfg;
+    c.max_sequences = max_sequences;
+    Engine engine(smollm2(), c);
+    std::vector<RequestId> ids;
+    const std::vector<Outcome> together = run_engine(engine, requests, &ids);
+    EXPECT_EQ(engine.stats().shared_blocks, 8) << "the 2nd and 3rd requests take the prefix's 4 blocks";
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const backend::SequenceReport& got = engine.report(ids[i]).attention;
+      EXPECT_EQ(got.gate_repairs, alone_reports[i].gate_repairs) << "request " << i;
+      EXPECT_EQ(got.meter_max, alone_reports[i].meter_max) << "request " << i;
+      EXPECT_EQ(got.meter_cells, alone_reports[i].meter_cells) << "request " << i;
+    }
+    expect_same_outcomes(together, alone);
+    engine.drop_cached_prefixes();
+    EXPECT_EQ(engine.stats().pool_pages_in_use, 0u) << "every page returns to the pool";
+  }
+}
+
 // Of the pages in use, those the running requests hold (a page they share counted once); the
 // rest, held by cached prefixes alone, are not theirs.
 TEST(Engine, LivePagesAreTheRunningRequestsAndNotTheCachedPrefixes) {

@@ -292,6 +292,21 @@ void Engine::register_blocks(Request& r) {
     }
   }
   r.registered_blocks = std::max(r.registered_blocks, done);
+  // With the gate, the request's decode steps may repair its blocks (exact copies in its own
+  // tables): once its prompt blocks are all registered, before its first decode step, the prefix
+  // cache keeps them as they were computed, in a holder of their own, so that a request sharing
+  // them reads what it would read alone.
+  if (config_.backend.meter.gate && r.owns_entries && r.registered_blocks == int64_t(r.hashes.size()))
+    move_entries_to_a_holder(r);
+}
+
+void Engine::move_entries_to_a_holder(Request& r) {
+  const int64_t bt = config_.backend.block_tokens;
+  const cache::SeqId holder = backend_->fork_prefix(r.seq, r.registered_blocks * bt);
+  for (auto& [hash, entry] : prefixes_)
+    if (entry.holder == r.seq) entry.holder = holder;
+  holders_.push_back(holder);
+  r.owns_entries = false;
 }
 
 void Engine::drop_entries_of(cache::SeqId seq) {
@@ -321,11 +336,7 @@ void Engine::free_sequence_of(Request& r, bool keep_prefix) {
   if (r.owns_entries) {
     if (keep_prefix) {
       // Its registered blocks outlive it in a holder that shares their pages.
-      const int64_t bt = config_.backend.block_tokens;
-      const cache::SeqId holder = backend_->fork_prefix(r.seq, r.registered_blocks * bt);
-      for (auto& [hash, entry] : prefixes_)
-        if (entry.holder == r.seq) entry.holder = holder;
-      holders_.push_back(holder);
+      move_entries_to_a_holder(r);
     } else {
       drop_entries_of(r.seq);
     }

@@ -10,7 +10,9 @@
 // sequence that shares those pages (ref-counted, any page class) and prefills only the rest; a
 // request whose prompt shares blocks that another request is still prefilling waits for them.
 // When a request finishes, the blocks it registered stay cached in a holder sequence until the
-// pool needs their pages (least recently used first). Schemes whose complete blocks change after
+// pool needs their pages (least recently used first). With the gate, whose repairs give a
+// request exact copies of its blocks, a request's blocks move to such a holder as soon as they
+// are all registered, so that the cache holds them as computed. Schemes whose complete blocks change after
 // they are written (a lossy scheme's full-precision recent window) are not shared.
 //
 // Pool exhaustion: when a step's pages cannot be had, cached prefixes are evicted first, then the
@@ -114,7 +116,7 @@ struct EngineStats {
   double recompute_seconds = 0;
   int64_t shared_blocks = 0;       // blocks taken from the prefix cache at admissions
   int64_t evicted_prefixes = 0;
-  int64_t cached_prefixes = 0;     // holder sequences of finished requests' prompt blocks
+  int64_t cached_prefixes = 0;     // holder sequences of prompt blocks (finished requests', and gated ones')
   int64_t running = 0, waiting = 0;
   uint64_t pool_pages_in_use = 0, pool_capacity_pages = 0;
   // Of pool_pages_in_use: the pages the running requests' sequences hold (a page they share
@@ -181,6 +183,9 @@ class Engine {
   int64_t lookup_prefix(const Request& r, cache::SeqId* holder);
   bool waits_for_a_prefill(const Request& r, int64_t cached_blocks) const;
   void register_blocks(Request& r);
+  // The prefix entries naming r's sequence move to a new holder sharing their pages (cached,
+  // evicted first when the pool runs out).
+  void move_entries_to_a_holder(Request& r);
   void drop_entries_of(cache::SeqId seq);
   bool evict_one_prefix();
   void preempt(Request& r);
