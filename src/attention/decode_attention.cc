@@ -341,7 +341,7 @@ void decode_attention_batch(const cache::KvCache& cache, int layer, const Attent
         std::fill(o, o + d, 0.f);
         for (int64_t sp = 0; sp < n_splits; ++sp) {
           const size_t i = partial(sp);
-          const float w = std::exp(pl.states[i].m - m_max);
+          const float w = pl.states[i].m == m_max ? 1.f : std::exp(pl.states[i].m - m_max);
           l_total += w * pl.states[i].l;
           const float* a = &pl.accs[i * size_t(d)];
           for (int c = 0; c < d; ++c) o[c] += w * a[c];
@@ -356,7 +356,8 @@ void decode_attention_batch(const cache::KvCache& cache, int layer, const Attent
         double d_total = 0, rho_total = 0;
         for (int64_t sp = 0; sp < n_splits; ++sp) {
           const size_t i = partial(sp);
-          const double w = std::exp(double(pl.states[i].m) - double(m_max));
+          // e^0 is 1: a query of one split (short contexts) evaluates no exponential.
+          const double w = pl.states[i].m == m_max ? 1.0 : std::exp(double(pl.states[i].m) - double(m_max));
           d_total += w * pl.meter_rows[i].d;
           rho_total += w * double(pl.meter_rows[i].rho);
         }
@@ -364,7 +365,7 @@ void decode_attention_batch(const cache::KvCache& cache, int layer, const Attent
         const double lift = 1.0 + 1.0 / 65536.0;
         const double a_minus_1 = d_total / double(l_total) * lift;
         hm.log_a = std::isfinite(a_minus_1) ? std::log1p(a_minus_1) : INFINITY;
-        hm.meter = gate::meter_from_log_a(hm.log_a);
+        hm.meter = std::isfinite(a_minus_1) ? gate::meter_from_a_minus_1(a_minus_1) : 1.0;
         hm.value_rho = rho_total / double(l_total) * lift;
         hm.v_norm_max = v_max;
         hm.output_bound = 2 * hm.meter * hm.v_norm_max + hm.value_rho;

@@ -23,6 +23,13 @@ double meter_from_log_a(double log_a) {
   return std::min(1.0, 0.5 * std::expm1(two_log_a));
 }
 
+double meter_from_a_minus_1(double a_minus_1) {
+  if (std::isnan(a_minus_1)) return 1;  // never certify NaN
+  if (a_minus_1 <= 0) return 0;
+  // (A^2 - 1) / 2 = (A - 1)(A + 1) / 2 = a (2 + a) / 2, which reaches 1 at A^2 = 3.
+  return std::min(1.0, 0.5 * a_minus_1 * (2.0 + a_minus_1));
+}
+
 double meter_two_sided_from_logs(double log_a, double log_a_minus) {
   // Proposition 1: (A / A- - A- / A) / 2 = sinh(D) with D = log A - log A-.
   const double d = log_a - log_a_minus;

@@ -26,6 +26,9 @@ namespace certkv::gate {
 // Theorem 1 from log A (log A >= 0 up to rounding): min(1, (e^{2 log A} - 1) / 2), evaluated
 // without overflow (log A = +inf gives 1). A negative log A (rounding) gives 0.
 double meter_from_log_a(double log_a);
+// The same function of A, from A - 1 (what decode attention accumulates): (A^2 - 1) / 2 =
+// (A - 1)(A + 1) / 2 without a logarithm or an exponential; NaN gives 1, A - 1 <= 0 gives 0.
+double meter_from_a_minus_1(double a_minus_1);
 
 // Proposition 1 from log A and log A-: min(1, (A / A- - A- / A) / 2).
 double meter_two_sided_from_logs(double log_a, double log_a_minus);

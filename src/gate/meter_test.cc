@@ -110,6 +110,33 @@ TEST(MeterFromLogA, MatchesTheoremOneAndIsMonotone) {
   EXPECT_EQ(previous, 1.0);
 }
 
+// meter_from_a_minus_1 is meter_from_log_a of log1p(A - 1) without the logarithm and exponential:
+// the same values to a few units of the last place, the same edges, monotone.
+TEST(MeterFromAMinus1, IsMeterFromLogAOfTheSameA) {
+  EXPECT_EQ(meter_from_a_minus_1(0), 0);
+  EXPECT_EQ(meter_from_a_minus_1(-1e-17), 0);
+  EXPECT_EQ(meter_from_a_minus_1(1e-300), 1e-300);
+  EXPECT_EQ(meter_from_a_minus_1(kInf), 1.0);
+  EXPECT_EQ(meter_from_a_minus_1(kNaN), 1.0);  // never certify NaN
+  EXPECT_EQ(meter_from_a_minus_1(1.0), 1.0);
+  EXPECT_EQ(meter_from_a_minus_1(std::sqrt(3.0) - 1 + 1e-12), 1.0);  // past A^2 = 3
+  EXPECT_LT(meter_from_a_minus_1(std::sqrt(3.0) - 1 - 1e-9), 1.0);
+  double previous = 0;
+  for (int e = -300; e <= 2; ++e) {
+    for (const double m : {1.0, 1.37, 2.9, 7.77}) {
+      const double a_minus_1 = m * std::pow(10.0, e);
+      const double value = meter_from_a_minus_1(a_minus_1);
+      const double via_logs = meter_from_log_a(std::log1p(a_minus_1));
+      EXPECT_NEAR(value, via_logs, 8e-16 * via_logs) << a_minus_1;
+      // (A^2 - 1) / 2 = a + a^2 / 2, in long double.
+      const long double a = a_minus_1;
+      if (value < 1) EXPECT_NEAR(value, double(a + a * a / 2), 4e-16 * value) << a_minus_1;
+      ASSERT_GE(value, previous) << a_minus_1;
+      previous = value;
+    }
+  }
+}
+
 TEST(MeterTwoSided, KnownValuesAndEdges) {
   // A = e^{0.1}, A- = e^{-0.1}: (A / A- - A- / A) / 2 = sinh(0.2).
   EXPECT_NEAR(meter_two_sided_from_logs(0.1, -0.1), std::sinh(0.2), 1e-16);
