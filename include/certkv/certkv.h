@@ -884,6 +884,76 @@ CERTKV_API certkv_status certkv_meter_tier_b(const float* q, const float* k, con
                                              double delta_loc, double* bounds,
                                              certkv_meter_row* out);
 
+/* ---- The RaBitQ key index and Top-p selection on arrays ----------------------------------- */
+
+/* One (layer, kv_head) of the sparse tier's key index (docs/sparse.md; record layout:
+ * docs/format/rabitq_index.md): the prefill centroids and the rotation P. The arrays are
+ * borrowed for the call. */
+typedef struct certkv_rabitq_head {
+  int32_t head_dim;         /* 32, 64, 96, 128 or 256 */
+  const float* c_q;         /* [head_dim] centroid of the queries, finite */
+  const float* c_k;         /* [head_dim] centroid of the keys, finite */
+  const char* rotation;     /* "haar" or "hadamard" (randomized Hadamard; head_dim a power of 2) */
+  uint64_t rotation_seed;   /* P is a pure function of (rotation, head_dim, rotation_seed) */
+} certkv_rabitq_head;
+
+/* Bytes of one key's record at head_dim (24 at 64, 32 at 128). INVALID_ARGUMENT for a head_dim
+ * the index does not serve. */
+CERTKV_API certkv_status certkv_rabitq_record_bytes(int32_t head_dim, size_t* record_bytes);
+/* One record per key. k: [n_tokens][head_dim] finite floats; records: [n_tokens][record_bytes]
+ * as docs/format/rabitq_index.md lays them out. INVALID_ARGUMENT naming the argument for a null
+ * pointer, n_tokens < 0, a bad head, or a non-finite key. */
+CERTKV_API certkv_status certkv_rabitq_encode_keys(const certkv_rabitq_head* head, const float* k,
+                                                   int64_t n_tokens, void* records);
+/* The estimated <q, k_t> of every record (Eq. 6 over the binary x 4-bit product by popcounts,
+ * Eq. 17-20), the query quantized with randomized rounding drawn from rounding_seed.
+ * records: [n_tokens][record_bytes] from certkv_rabitq_encode_keys with the same head; q:
+ * [head_dim] finite; scores: [n_tokens]; scores_ref: [n_tokens] the float reference estimate of
+ * the same quantized query (index::rabitq_estimate_scores_ref), or NULL. INVALID_ARGUMENT as
+ * certkv_rabitq_encode_keys. */
+CERTKV_API certkv_status certkv_rabitq_estimate_scores(const certkv_rabitq_head* head,
+                                                       const void* records, int64_t n_tokens,
+                                                       const float* q, uint64_t rounding_seed,
+                                                       float* scores, float* scores_ref);
+
+/* Top-p selection on logits quantized to 1/256 logit (docs/sparse.md, "Top-p on quantized
+ * logits"): the threshold bucket B is the first bucket below the largest logit whose upper set
+ * certainly holds softmax mass p, and every token of bucket B is taken. */
+typedef struct certkv_top_p_selection {
+  float threshold;      /* theta: the selected tokens are those with logits[t] >= theta */
+  int32_t bucket;       /* B: the selected tokens are those with floor(256 (l_max - l_t)) <= B */
+  int64_t n_selected;   /* tokens with mask[t] == 1 */
+  double mass;          /* a lower bound on the selected set's softmax mass, >= p */
+  int64_t n_boundary;   /* tokens of bucket B */
+} certkv_top_p_selection;
+
+/* logits: [n] finite; mask: [n] gets 1 for a selected token, 0 otherwise. INVALID_ARGUMENT
+ * naming the argument for n < 1, a null pointer, a non-finite logit, or p outside (0, 1]. */
+CERTKV_API certkv_status certkv_top_p_select(const float* logits, int64_t n, double p, uint8_t* mask,
+                                             certkv_top_p_selection* out);
+
+/* ---- Reading safetensors files (KV dumps: docs/format/kv_dump.md) ------------------------- */
+
+typedef struct certkv_safetensors certkv_safetensors;
+
+/* Maps and parses a safetensors file, checking every offset and size against the file.
+ * NOT_FOUND for a missing file, IO for an unreadable one, CORRUPT (naming the file and what is
+ * wrong) for malformed contents, UNSUPPORTED for an unknown dtype. */
+CERTKV_API certkv_status certkv_safetensors_open(const char* path, certkv_safetensors** out);
+CERTKV_API void certkv_safetensors_free(certkv_safetensors* file);
+/* The number of tensors and of metadata entries. */
+CERTKV_API certkv_status certkv_safetensors_count(const certkv_safetensors* file, size_t* n_tensors,
+                                                  size_t* n_metadata);
+/* Tensor `index` in [0, n_tensors), in the header's order. Its name, dtype, shape and data point
+ * into the file and stay valid until certkv_safetensors_free; the data may be unaligned.
+ * OUT_OF_RANGE for an index past the count. */
+CERTKV_API certkv_status certkv_safetensors_tensor(const certkv_safetensors* file, size_t index,
+                                                   certkv_tensor_view* out);
+/* Metadata entry `index` in [0, n_metadata), keys in ascending order; the strings stay valid
+ * until certkv_safetensors_free. OUT_OF_RANGE for an index past the count. */
+CERTKV_API certkv_status certkv_safetensors_metadata(const certkv_safetensors* file, size_t index,
+                                                     certkv_metadata_entry* out);
+
 #ifdef __cplusplus
 }
 #endif

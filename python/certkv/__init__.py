@@ -9,7 +9,9 @@ Python bindings of certkv's C API (include/certkv/certkv.h; docs/python.md):
   ``decode`` give logits;
 - :class:`Engine` serves many requests over one page pool (continuous batching, prefix sharing,
   preemption); each request's certificate is its own;
-- :mod:`certkv.codec` (GAAC on NumPy arrays) and :mod:`certkv.meter` (Tier A / Tier B bounds).
+- :mod:`certkv.codec` (GAAC on NumPy arrays), :mod:`certkv.meter` (Tier A / Tier B bounds),
+  :mod:`certkv.index` (RaBitQ records, estimates, Top-p selection) and :mod:`certkv.kvdump`
+  (KV dumps and safetensors files).
 
     import certkv
     session = certkv.Session(kv="dither8", gate=True)
@@ -27,11 +29,11 @@ from typing import Any, Iterator, Mapping, Sequence
 from . import _certkv
 from ._errors import (CertkvError, CorruptError, InvalidArgumentError, NotFoundError,
                       OutOfRangeError, UnsupportedError)
-from . import codec, meter
+from . import codec, index, kvdump, meter
 
 __all__ = ["Model", "Session", "Engine", "GenerateResult", "kv_schemes", "default_model_path",
            "__version__", "CertkvError", "InvalidArgumentError", "NotFoundError", "CorruptError",
-           "UnsupportedError", "OutOfRangeError", "codec", "meter"]
+           "UnsupportedError", "OutOfRangeError", "codec", "index", "kvdump", "meter"]
 
 __version__: str = _certkv.version()
 

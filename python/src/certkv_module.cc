@@ -7,6 +7,7 @@
 // release the GIL; no callback of the C API calls into Python.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -465,6 +466,121 @@ nb::dict meter_tier_b(In<float> q, In<float> k, In<float> k_hat, In<float> scale
   return meter_row_dict(row, std::move(bounds));
 }
 
+// ---- The key index and Top-p selection -----------------------------------------------------
+
+certkv_rabitq_head rabitq_head(In<float> c_q, In<float> c_k, const std::string& rotation, uint64_t seed) {
+  if (c_q.size() != c_k.size()) throw nb::value_error("c_k: expected as many values as c_q");
+  return {int32_t(c_q.size()), c_q.data(), c_k.data(), rotation.c_str(), seed};
+}
+
+size_t rabitq_record_bytes(int32_t head_dim) {
+  size_t bytes = 0;
+  check(certkv_rabitq_record_bytes(head_dim, &bytes));
+  return bytes;
+}
+
+// k: [n_tokens][head_dim]: the records [n_tokens][record_bytes] as bytes.
+Array<uint8_t> rabitq_encode_keys(In<float> c_q, In<float> c_k, const std::string& rotation, uint64_t seed,
+                                  In<float> k, int64_t n_tokens) {
+  const certkv_rabitq_head head = rabitq_head(c_q, c_k, rotation, seed);
+  const size_t record_bytes = rabitq_record_bytes(head.head_dim);
+  if (n_tokens < 0 || k.size() != size_t(n_tokens) * c_q.size())
+    throw nb::value_error("k: expected n_tokens x head_dim values");
+  std::vector<uint8_t> records(size_t(n_tokens) * record_bytes);
+  {
+    nb::gil_scoped_release release;
+    check(certkv_rabitq_encode_keys(&head, k.data(), n_tokens, records.data()));
+  }
+  return to_numpy(std::move(records), {size_t(n_tokens), record_bytes});
+}
+
+// The estimated scores, and the float reference's beside them when asked for.
+std::pair<Array<float>, std::optional<Array<float>>> rabitq_estimate_scores(
+    In<float> c_q, In<float> c_k, const std::string& rotation, uint64_t seed, In<uint8_t> records,
+    int64_t n_tokens, In<float> q, uint64_t rounding_seed, bool reference) {
+  const certkv_rabitq_head head = rabitq_head(c_q, c_k, rotation, seed);
+  const size_t record_bytes = rabitq_record_bytes(head.head_dim);
+  if (n_tokens < 0 || records.size() != size_t(n_tokens) * record_bytes)
+    throw nb::value_error("records: expected n_tokens records of the head's record size");
+  if (q.size() != c_q.size()) throw nb::value_error("q: expected head_dim values");
+  std::vector<float> scores(static_cast<size_t>(n_tokens)), scores_ref(reference ? static_cast<size_t>(n_tokens) : 0);
+  {
+    nb::gil_scoped_release release;
+    check(certkv_rabitq_estimate_scores(&head, records.data(), n_tokens, q.data(), rounding_seed, scores.data(),
+                                        reference ? scores_ref.data() : nullptr));
+  }
+  std::optional<Array<float>> ref;
+  if (reference) ref = to_numpy(std::move(scores_ref), {size_t(n_tokens)});
+  return {to_numpy(std::move(scores), {size_t(n_tokens)}), std::move(ref)};
+}
+
+std::pair<Array<uint8_t>, nb::dict> top_p_select(In<float> logits, double p) {
+  const size_t n = logits.size();
+  std::vector<uint8_t> mask(n);
+  certkv_top_p_selection s;
+  {
+    nb::gil_scoped_release release;
+    check(certkv_top_p_select(logits.data(), int64_t(n), p, mask.data(), &s));
+  }
+  nb::dict d;
+  d["threshold"] = s.threshold;
+  d["bucket"] = s.bucket;
+  d["n_selected"] = s.n_selected;
+  d["mass"] = s.mass;
+  d["n_boundary"] = s.n_boundary;
+  return {to_numpy(std::move(mask), {n}), d};
+}
+
+// ---- safetensors files (KV dumps) ------------------------------------------------------------
+
+// The tensors (name, dtype, shape, bytes) in the header's order, and the metadata.
+std::pair<std::vector<nb::tuple>, nb::dict> safetensors_read(const std::string& path) {
+  certkv_safetensors* raw = nullptr;
+  check(certkv_safetensors_open(path.c_str(), &raw));
+  std::unique_ptr<certkv_safetensors, void (*)(certkv_safetensors*)> file(raw, certkv_safetensors_free);
+  size_t n_tensors = 0, n_metadata = 0;
+  check(certkv_safetensors_count(file.get(), &n_tensors, &n_metadata));
+  std::vector<nb::tuple> tensors;
+  for (size_t i = 0; i < n_tensors; ++i) {
+    certkv_tensor_view t;
+    check(certkv_safetensors_tensor(file.get(), i, &t));
+    std::vector<int64_t> shape(t.shape, t.shape + t.n_dims);
+    tensors.push_back(nb::make_tuple(std::string(t.name), std::string(t.dtype), shape,
+                                     nb::bytes(static_cast<const char*>(t.data), t.n_bytes)));
+  }
+  nb::dict metadata;
+  for (size_t i = 0; i < n_metadata; ++i) {
+    certkv_metadata_entry e;
+    check(certkv_safetensors_metadata(file.get(), i, &e));
+    metadata[e.key] = e.value;
+  }
+  return {tensors, metadata};
+}
+
+// tensors: (name, dtype, shape, C-contiguous array of the dtype's bytes).
+void safetensors_write(const std::string& path, const std::vector<nb::tuple>& tensors,
+                       const std::vector<std::pair<std::string, std::string>>& metadata) {
+  std::vector<std::string> names, dtypes;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<nb::ndarray<nb::c_contig, nb::device::cpu>> arrays;
+  names.reserve(tensors.size());
+  dtypes.reserve(tensors.size());
+  shapes.reserve(tensors.size());
+  arrays.reserve(tensors.size());
+  std::vector<certkv_tensor_view> views;
+  for (const nb::tuple& t : tensors) {
+    names.push_back(nb::cast<std::string>(t[0]));
+    dtypes.push_back(nb::cast<std::string>(t[1]));
+    shapes.push_back(nb::cast<std::vector<int64_t>>(t[2]));
+    arrays.push_back(nb::cast<nb::ndarray<nb::c_contig, nb::device::cpu>>(t[3]));
+    views.push_back({names.back().c_str(), dtypes.back().c_str(), shapes.back().data(),
+                     int32_t(shapes.back().size()), arrays.back().data(), arrays.back().nbytes()});
+  }
+  std::vector<certkv_metadata_entry> entries;
+  for (const auto& [key, value] : metadata) entries.push_back({key.c_str(), value.c_str()});
+  check(certkv_safetensors_write(path.c_str(), views.data(), views.size(), entries.data(), entries.size()));
+}
+
 std::vector<nb::dict> kv_schemes() {
   std::vector<nb::dict> out;
   for (int32_t i = 0; i < certkv_kv_scheme_count(); ++i) {
@@ -548,4 +664,10 @@ NB_MODULE(_certkv, m) {
   m.def("gaac_decode", &gaac_decode);
   m.def("meter_tier_a", &meter_tier_a);
   m.def("meter_tier_b", &meter_tier_b);
+  m.def("rabitq_record_bytes", &rabitq_record_bytes);
+  m.def("rabitq_encode_keys", &rabitq_encode_keys);
+  m.def("rabitq_estimate_scores", &rabitq_estimate_scores);
+  m.def("top_p_select", &top_p_select);
+  m.def("safetensors_read", &safetensors_read);
+  m.def("safetensors_write", &safetensors_write);
 }

@@ -1,5 +1,7 @@
-// The C API's file writers: safetensors (certkv dump-kv writes KV dumps with it).
+// The C API's safetensors files: writing (certkv dump-kv writes KV dumps with it) and reading
+// (the Python package reads KV dumps with it).
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -9,6 +11,12 @@
 
 using certkv::api::guarded;
 using certkv::api::set_error;
+
+// A parsed file and its metadata as an array, for access by index.
+struct certkv_safetensors {
+  std::unique_ptr<certkv::format::SafetensorsFile> file;
+  std::vector<std::pair<std::string, std::string>> metadata;  // ascending keys
+};
 
 extern "C" {
 
@@ -37,6 +45,48 @@ certkv_status certkv_safetensors_write(const char* path, const certkv_tensor_vie
                    std::string("certkv_safetensors_write: metadata key '") + metadata[i].key + "' given twice");
   }
   return guarded([&] { certkv::format::write_safetensors(path, views, meta); });
+}
+
+certkv_status certkv_safetensors_open(const char* path, certkv_safetensors** out) {
+  CERTKV_REQUIRE(path != nullptr && out != nullptr, "certkv_safetensors_open: null path or out");
+  *out = nullptr;
+  return guarded([&] {
+    auto f = std::make_unique<certkv_safetensors>();
+    f->file = certkv::format::SafetensorsFile::open(path);
+    f->metadata.assign(f->file->metadata().begin(), f->file->metadata().end());
+    *out = f.release();
+  });
+}
+
+void certkv_safetensors_free(certkv_safetensors* file) { delete file; }
+
+certkv_status certkv_safetensors_count(const certkv_safetensors* file, size_t* n_tensors, size_t* n_metadata) {
+  CERTKV_REQUIRE(file != nullptr && n_tensors != nullptr && n_metadata != nullptr,
+                 "certkv_safetensors_count: null file, n_tensors or n_metadata");
+  *n_tensors = file->file->tensors().size();
+  *n_metadata = file->metadata.size();
+  return CERTKV_OK;
+}
+
+certkv_status certkv_safetensors_tensor(const certkv_safetensors* file, size_t index, certkv_tensor_view* out) {
+  CERTKV_REQUIRE(file != nullptr && out != nullptr, "certkv_safetensors_tensor: null file or out");
+  const auto& tensors = file->file->tensors();
+  if (index >= tensors.size())
+    return set_error(CERTKV_ERR_OUT_OF_RANGE, "certkv_safetensors_tensor: index " + std::to_string(index) +
+                                                  " is past the " + std::to_string(tensors.size()) + " tensors");
+  const certkv::format::SafetensorsTensor& t = tensors[index];
+  *out = {t.name.c_str(), t.dtype.c_str(), t.shape.data(), int32_t(t.shape.size()), t.data, t.n_bytes};
+  return CERTKV_OK;
+}
+
+certkv_status certkv_safetensors_metadata(const certkv_safetensors* file, size_t index, certkv_metadata_entry* out) {
+  CERTKV_REQUIRE(file != nullptr && out != nullptr, "certkv_safetensors_metadata: null file or out");
+  if (index >= file->metadata.size())
+    return set_error(CERTKV_ERR_OUT_OF_RANGE, "certkv_safetensors_metadata: index " + std::to_string(index) +
+                                                  " is past the " + std::to_string(file->metadata.size()) +
+                                                  " entries");
+  *out = {file->metadata[index].first.c_str(), file->metadata[index].second.c_str()};
+  return CERTKV_OK;
 }
 
 }  // extern "C"
