@@ -188,48 +188,12 @@ struct UnmeteredPages {
 };
 
 // Tier A lossy pages (fp8 casts, fp8-e4m3-scaled, rtn8, rtn4, kivi2): rows from the page decoder,
-// the witness w_{t,b} (K) or rho_t (V) from the page's side data; the meter term of the group's
-// rows from the witness as decode left it, band-major floats.
+// the witness w_{t,b} (K) or rho_t (V) from the page's side data.
 struct TierAPages {
   static constexpr bool kMeter = true;
   static constexpr bool kTierB = false;
   static void decode(const detail::TableReader& r, int64_t t0, int64_t t1, float* rows, float* err, size_t stride) {
     detail::load_tile_metered(r, t0, t1, rows, err, stride);
-  }
-  static void group_bounds(const detail::MeterKernels& mk, const detail::TableReader&, int64_t,
-                           const detail::QueryBoundWeights* w, int group, const float* bounds, size_t tile_keys,
-                           int n_keys, float* c, uint8_t* large) {
-    mk.group_bounds_a(w, group, bounds, tile_keys, n_keys, c, large);
-  }
-};
-
-// Tier A with the fp16 witness (the default): K pages decode their rows alone, and the meter term
-// reads the witness from the page itself (no float copy of it); V pages as TierAPages.
-struct TierAFp16Pages {
-  static constexpr bool kMeter = true;
-  static constexpr bool kTierB = false;
-  static void decode(const detail::TableReader& r, int64_t t0, int64_t t1, float* rows, float* err, size_t stride) {
-    if (r.lossy->key) {
-      detail::load_tile(r, t0, t1, rows);
-    } else {
-      detail::load_tile_metered(r, t0, t1, rows, err, stride);
-    }
-  }
-  // REQUIRES: [t0, t0 + n_keys) within one page (a decode tile).
-  static void group_bounds(const detail::MeterKernels& mk, const detail::TableReader& k, int64_t t0,
-                           const detail::QueryBoundWeights* w, int group, const float*, size_t tile_keys, int n_keys,
-                           float* c, uint8_t* large) {
-    const int64_t bt = k.cache->block_tokens();
-    const format::PageRef ref = k.table[t0 / bt];
-    if (ref.storage != format::StorageClass::kLossy) {  // an exact page (tail, repaired, fallback): c = 0
-      for (int g = 0; g < group; ++g) {
-        std::fill_n(c + size_t(g) * tile_keys, n_keys, 0.f);
-        large[g] = 0;
-      }
-      return;
-    }
-    const auto* witness = reinterpret_cast<const uint16_t*>(k.cache->page_bytes_of(ref) + k.side_offset);
-    mk.group_bounds_a_fp16(w, group, witness, size_t(bt), n_keys, c, tile_keys, large);
   }
 };
 
@@ -240,11 +204,6 @@ struct Dither8Pages {
   static constexpr bool kTierB = true;
   static void decode(const detail::TableReader& r, int64_t t0, int64_t t1, float* rows, float* err, size_t stride) {
     detail::load_tile_metered(r, t0, t1, rows, err, stride);
-  }
-  static void group_bounds(const detail::MeterKernels& mk, const detail::TableReader&, int64_t,
-                           const detail::QueryBoundWeights* w, int group, const float* bounds, size_t tile_keys,
-                           int n_keys, float* c, uint8_t* large) {
-    mk.group_bounds_b(w, group, bounds, tile_keys, n_keys, c, large);
   }
 };
 
@@ -301,7 +260,8 @@ void decode_split(const SplitWork& w) {
       // The meter term of every row at once, the softmax update of each, then the sums at once.
       const detail::MeterKernels& mk = detail::meter_kernels();
       uint8_t* has_large = scratch.has_large.data();
-      Pages::group_bounds(mk, *w.k, t0, scratch.weights.data(), w.group, bounds, tile_keys, n_keys, c, has_large);
+      (Pages::kTierB ? mk.group_bounds_b : mk.group_bounds_a)(scratch.weights.data(), w.group, bounds, tile_keys,
+                                                              n_keys, c, has_large);
       for (int g = 0; g < w.group; ++g) {
         const size_t row = size_t(g) * tile_keys;
         scratch.large[size_t(g)] =
@@ -445,8 +405,6 @@ void decode_attention_batch(const cache::KvCache& cache, int layer, const Attent
       w.delta_loc = dq.options.meter.delta_loc;
       if (codec::lossy_scheme_is_tier_b(w.k->lossy->scheme)) {
         decode_split<Dither8Pages>(w);
-      } else if (w.k->lossy->witness == codec::WitnessCode::kFp16) {
-        decode_split<TierAFp16Pages>(w);
       } else {
         decode_split<TierAPages>(w);
       }

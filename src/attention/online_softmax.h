@@ -833,14 +833,6 @@ inline void group_sums(const float* p, const float* c, const float* rho, size_t 
   }
 }
 
-inline void group_bounds_a_fp16(const QueryBoundWeights* w, int group, const uint16_t* witness, size_t stride,
-                                int n_keys, float* c, size_t tile_keys, uint8_t* large) {
-  thread_local std::vector<float> bands;
-  bands.resize(size_t(w[0].width) * tile_keys);
-  bounds_from_fp16(witness, stride, w[0].width, n_keys, bands.data(), tile_keys);
-  group_bounds<false>(w, group, bands.data(), tile_keys, n_keys, c, large);
-}
-
 // The meter kernels decode attention uses: AVX-512 where codec::lossy_best_kernel() is (the page
 // decoders' choice, so CERTKV_LOSSY_KERNEL caps both), else the paths above.
 inline const MeterKernels& meter_kernels() {
@@ -856,8 +848,7 @@ inline const MeterKernels& meter_kernels() {
         &group_bounds<false>,
         &group_bounds<true>,
         &group_sums,
-        &bounds_from_fp16,
-        &group_bounds_a_fp16};
+        &bounds_from_fp16};
     const MeterKernels* avx512 = meter_kernels_avx512();
     return avx512 != nullptr && codec::lossy_best_kernel() == codec::LossyKernel::kAvx512 ? avx512 : &inline_paths;
   }();

@@ -38,11 +38,6 @@ struct MeterKernels {
   // side data that are upper bounds (a witness, rho): a value below 0 or NaN is a corrupt page and
   // reads as +inf, never as a smaller bound (codec::lossy_witness_bounds's rule).
   void (*bounds_from_fp16)(const uint16_t* src, size_t src_stride, int rows, int n, float* dst, size_t dst_stride);
-  // group_bounds_a straight from a Tier A page's fp16 witness (band-major, [w[0].width][stride]):
-  // the floats of bounds_from_fp16 then group_bounds_a, without the float copy of the witness.
-  // REQUIRES: w[0].width <= codec::kWitnessBands.
-  void (*group_bounds_a_fp16)(const QueryBoundWeights* w, int group, const uint16_t* witness, size_t stride,
-                              int n_keys, float* c, size_t tile_keys, uint8_t* large);
 };
 
 // The AVX-512 kernels, or null where the build has none.

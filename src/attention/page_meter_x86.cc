@@ -63,28 +63,9 @@ inline __m512 expm1_nonnegative16(__m512 c) {
 // for the R rows; large[r]: whether some c of row r is at or above kLargeLogitBound, or NaN (NaN
 // compares "not less than" too: an overflow, the meter is 1). Each row's arithmetic is the one-row
 // path's (two chains, even and odd bands), so its floats do not depend on R.
-// Band g of keys [j, j + 16) (lanes past n_keys zero): from a float tile, or from fp16 (exact; a
-// value below 0 or NaN reads as +inf, as bounds_from_fp16 has it).
-struct FloatBands {
-  const float* bounds_t;
-  size_t tile_keys;
-  __m512 load(int g, int j, __mmask16 m) const {
-    return _mm512_maskz_loadu_ps(m, bounds_t + size_t(g) * tile_keys + size_t(j));
-  }
-};
-struct Fp16Bands {
-  const uint16_t* witness;
-  size_t stride;
-  __m512 load(int g, int j, __mmask16 m) const {
-    const __m512 v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, witness + size_t(g) * stride + size_t(j)));
-    const __mmask16 bad = _mm512_mask_cmp_ps_mask(m, v, _mm512_setzero_ps(), _CMP_NGE_UQ);
-    return _mm512_mask_mov_ps(v, bad, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
-  }
-};
-
-template <bool kTierB, int R, class Bands>
-void logit_bounds_rows(const QueryBoundWeights* w, const Bands& bands, int n_keys, float* c, size_t c_stride,
-                       uint8_t* large) {
+template <bool kTierB, int R>
+void logit_bounds_rows(const QueryBoundWeights* w, const float* bounds_t, size_t tile_keys, int n_keys, float* c,
+                       size_t c_stride, uint8_t* large) {
   const __m512 limit = _mm512_set1_ps(kLargeLogitBound);
   const int width = w[0].width;
   __mmask16 over[R] = {};
@@ -94,8 +75,8 @@ void logit_bounds_rows(const QueryBoundWeights* w, const Bands& bands, int n_key
     for (int r = 0; r < R; ++r) l0[r] = l1[r] = q0[r] = q1[r] = _mm512_setzero_ps();
     int g = 0;
     for (; g + 2 <= width; g += 2) {
-      const __m512 a0 = bands.load(g, j, m);
-      const __m512 a1 = bands.load(g + 1, j, m);
+      const __m512 a0 = _mm512_maskz_loadu_ps(m, bounds_t + size_t(g) * tile_keys + size_t(j));
+      const __m512 a1 = _mm512_maskz_loadu_ps(m, bounds_t + size_t(g + 1) * tile_keys + size_t(j));
       for (int r = 0; r < R; ++r) {
         l0[r] = _mm512_fmadd_ps(_mm512_set1_ps(kTierB ? w[r].abs_weight[g] : w[r].weight[g]), a0, l0[r]);
         l1[r] = _mm512_fmadd_ps(_mm512_set1_ps(kTierB ? w[r].abs_weight[g + 1] : w[r].weight[g + 1]), a1, l1[r]);
@@ -106,7 +87,7 @@ void logit_bounds_rows(const QueryBoundWeights* w, const Bands& bands, int n_key
       }
     }
     if (g < width) {
-      const __m512 a0 = bands.load(g, j, m);
+      const __m512 a0 = _mm512_maskz_loadu_ps(m, bounds_t + size_t(g) * tile_keys + size_t(j));
       for (int r = 0; r < R; ++r) {
         l0[r] = _mm512_fmadd_ps(_mm512_set1_ps(kTierB ? w[r].abs_weight[g] : w[r].weight[g]), a0, l0[r]);
         if constexpr (kTierB) q0[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(w[r].weight[g]), a0), a0, q0[r]);
@@ -124,39 +105,34 @@ void logit_bounds_rows(const QueryBoundWeights* w, const Bands& bands, int n_key
 
 void logit_bounds_a_avx512(const QueryBoundWeights& w, const float* b, size_t tile_keys, int n_keys, float* c) {
   uint8_t large;
-  logit_bounds_rows<false, 1>(&w, FloatBands{b, tile_keys}, n_keys, c, 0, &large);
+  logit_bounds_rows<false, 1>(&w, b, tile_keys, n_keys, c, 0, &large);
 }
 void logit_bounds_b_avx512(const QueryBoundWeights& w, const float* b, size_t tile_keys, int n_keys, float* c) {
   uint8_t large;
-  logit_bounds_rows<true, 1>(&w, FloatBands{b, tile_keys}, n_keys, c, 0, &large);
+  logit_bounds_rows<true, 1>(&w, b, tile_keys, n_keys, c, 0, &large);
 }
 
 // Rows in fours, then the rest (GQA groups are 1 to 8 rows).
-template <bool kTierB, class Bands>
-void group_bounds_avx512(const QueryBoundWeights* w, int group, const Bands& bands, int n_keys, float* c,
-                         size_t tile_keys, uint8_t* large) {
+template <bool kTierB>
+void group_bounds_avx512(const QueryBoundWeights* w, int group, const float* b, size_t tile_keys, int n_keys,
+                         float* c, uint8_t* large) {
   int g = 0;
   for (; g + 4 <= group; g += 4)
-    logit_bounds_rows<kTierB, 4>(w + g, bands, n_keys, c + size_t(g) * tile_keys, tile_keys, large + g);
-  float* cg = c + size_t(g) * tile_keys;
+    logit_bounds_rows<kTierB, 4>(w + g, b, tile_keys, n_keys, c + size_t(g) * tile_keys, tile_keys, large + g);
   switch (group - g) {
-    case 3: logit_bounds_rows<kTierB, 3>(w + g, bands, n_keys, cg, tile_keys, large + g); break;
-    case 2: logit_bounds_rows<kTierB, 2>(w + g, bands, n_keys, cg, tile_keys, large + g); break;
-    case 1: logit_bounds_rows<kTierB, 1>(w + g, bands, n_keys, cg, tile_keys, large + g); break;
+    case 3: logit_bounds_rows<kTierB, 3>(w + g, b, tile_keys, n_keys, c + size_t(g) * tile_keys, tile_keys, large + g); break;
+    case 2: logit_bounds_rows<kTierB, 2>(w + g, b, tile_keys, n_keys, c + size_t(g) * tile_keys, tile_keys, large + g); break;
+    case 1: logit_bounds_rows<kTierB, 1>(w + g, b, tile_keys, n_keys, c + size_t(g) * tile_keys, tile_keys, large + g); break;
     default: break;
   }
 }
 void group_bounds_a_avx512(const QueryBoundWeights* w, int group, const float* b, size_t tile_keys, int n_keys,
                            float* c, uint8_t* large) {
-  group_bounds_avx512<false>(w, group, FloatBands{b, tile_keys}, n_keys, c, tile_keys, large);
+  group_bounds_avx512<false>(w, group, b, tile_keys, n_keys, c, large);
 }
 void group_bounds_b_avx512(const QueryBoundWeights* w, int group, const float* b, size_t tile_keys, int n_keys,
                            float* c, uint8_t* large) {
-  group_bounds_avx512<true>(w, group, FloatBands{b, tile_keys}, n_keys, c, tile_keys, large);
-}
-void group_bounds_a_fp16_avx512(const QueryBoundWeights* w, int group, const uint16_t* witness, size_t stride,
-                                int n_keys, float* c, size_t tile_keys, uint8_t* large) {
-  group_bounds_avx512<false>(w, group, Fp16Bands{witness, stride}, n_keys, c, tile_keys, large);
+  group_bounds_avx512<true>(w, group, b, tile_keys, n_keys, c, large);
 }
 bool any_large_bound_avx512(const float* c, int n_keys) {
   for (int j = 0; j < n_keys; j += 16) {
@@ -233,8 +209,7 @@ void bounds_from_fp16_avx512(const uint16_t* src, size_t src_stride, int rows, i
 const MeterKernels* meter_kernels_avx512() {
   static const MeterKernels kernels{&logit_bounds_a_avx512, &logit_bounds_b_avx512, &any_large_bound_avx512,
                                     &meter_sums_avx512,     &group_bounds_a_avx512, &group_bounds_b_avx512,
-                                    &group_sums_avx512,     &bounds_from_fp16_avx512,
-                                    &group_bounds_a_fp16_avx512};
+                                    &group_sums_avx512,     &bounds_from_fp16_avx512};
   return &kernels;
 }
 
