@@ -143,6 +143,30 @@ TEST(CApiIndex, BadInputIsRefusedNamingTheArgument) {
   q[0] = std::numeric_limits<float>::infinity();
   expect_refused(certkv_rabitq_estimate_scores(&head, records.data(), 2, q.data(), 0, scores, nullptr),
                  CERTKV_ERR_INVALID_ARGUMENT, "q has a non-finite value");
+  // Records that did not come from the encoder (a file, a caller's bytes): refused naming the token
+  // and the field, where they would give inf, NaN or wrong scores.
+  q[0] = 0.5f;
+  k[5] = 1.0f;
+  ASSERT_EQ(certkv_rabitq_encode_keys(&head, k.data(), 2, records.data()), CERTKV_OK) << certkv_last_error();
+  ASSERT_EQ(certkv_rabitq_estimate_scores(&head, records.data(), 2, q.data(), 0, scores, nullptr), CERTKV_OK)
+      << certkv_last_error();
+  auto* rec = reinterpret_cast<certkv::index::RabitqRecord<64>*>(records.data());
+  const certkv::index::RabitqRecord<64> good = rec[1];
+  rec[1].alpha = 0.f;
+  expect_refused(certkv_rabitq_estimate_scores(&head, records.data(), 2, q.data(), 0, scores, nullptr),
+                 CERTKV_ERR_INVALID_ARGUMENT, "record 1: alpha");
+  rec[1] = good;
+  rec[1].norm_k_centered = std::numeric_limits<float>::quiet_NaN();
+  expect_refused(certkv_rabitq_estimate_scores(&head, records.data(), 2, q.data(), 0, scores, nullptr),
+                 CERTKV_ERR_INVALID_ARGUMENT, "record 1: norm_k_centered");
+  rec[1] = good;
+  rec[1].code_popcount += 1;
+  expect_refused(certkv_rabitq_estimate_scores(&head, records.data(), 2, q.data(), 0, scores, nullptr),
+                 CERTKV_ERR_INVALID_ARGUMENT, "record 1: code_popcount");
+  rec[1] = good;
+  rec[0].cq_dot_k = std::numeric_limits<float>::infinity();
+  expect_refused(certkv_rabitq_estimate_scores(&head, records.data(), 2, q.data(), 0, scores, nullptr),
+                 CERTKV_ERR_INVALID_ARGUMENT, "record 0: cq_dot_k");
 
   float logits[3] = {1, 2, 3};
   uint8_t mask[3];

@@ -910,7 +910,9 @@ CERTKV_API certkv_status certkv_rabitq_encode_keys(const certkv_rabitq_head* hea
  * records: [n_tokens][record_bytes] from certkv_rabitq_encode_keys with the same head; q:
  * [head_dim] finite; scores: [n_tokens]; scores_ref: [n_tokens] the float reference estimate of
  * the same quantized query (index::rabitq_estimate_scores_ref), or NULL. INVALID_ARGUMENT as
- * certkv_rabitq_encode_keys. */
+ * certkv_rabitq_encode_keys, and for a record the encoder could not have written (alpha outside
+ * (0, 1], a norm or <c_q, k> not finite, a code bit past head_dim, a wrong popcount), naming the
+ * record and the field. */
 CERTKV_API certkv_status certkv_rabitq_estimate_scores(const certkv_rabitq_head* head,
                                                        const void* records, int64_t n_tokens,
                                                        const float* q, uint64_t rounding_seed,

@@ -98,7 +98,9 @@ def estimate_scores(head: Head, records: np.ndarray, q: Any, rounding_seed: int 
     scale). The query is centered, normalized, rotated and quantized to 4 bits with randomized
     rounding drawn from ``rounding_seed``; over the rotation's seed and the rounding, the
     estimate is unbiased. ``reference=True`` also returns the float reference estimate of the
-    same quantized query (``index::rabitq_estimate_scores_ref``), equal up to float rounding."""
+    same quantized query (``index::rabitq_estimate_scores_ref``), equal up to float rounding.
+    Records are checked as the encoder writes them (alpha in (0, 1], finite norm and <c_q, k>, no
+    code bit past head_dim, the code's popcount): InvalidArgumentError names a record that is not."""
     if not isinstance(head, Head):
         raise TypeError(f"head: expected a certkv.index.Head, got {type(head).__name__}")
     dtype = record_dtype(head.head_dim)

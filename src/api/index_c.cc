@@ -10,6 +10,7 @@
 #include "api/api_status.h"
 #include "cache/key_index.h"
 #include "certkv/certkv.h"
+#include "core/status.h"
 #include "index/rabitq.h"
 #include "index/top_p.h"
 
@@ -105,6 +106,10 @@ certkv_status certkv_rabitq_estimate_scores(const certkv_rabitq_head* head, cons
       constexpr int D = decltype(dim)::value;
       std::vector<certkv::index::RabitqRecord<D>> in(static_cast<size_t>(n_tokens));
       if (n_tokens > 0) std::memcpy(in.data(), records, in.size() * sizeof(in[0]));
+      for (size_t t = 0; t < in.size(); ++t)
+        if (const char* problem = certkv::index::rabitq_record_problem<D>(in[t]))
+          certkv::fail(certkv::StatusCode::kInvalidArgument,
+                       where + ": record " + std::to_string(t) + ": " + problem);
       const certkv::index::RabitqQuery<D> query = certkv::index::rabitq_quantize_query<D>(h, q, rounding_seed);
       certkv::index::rabitq_estimate_scores_popcount<D>(h, query, in.data(), n_tokens, scores);
       if (scores_ref != nullptr) certkv::index::rabitq_estimate_scores_ref<D>(h, query, in.data(), n_tokens, scores_ref);

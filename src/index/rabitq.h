@@ -117,6 +117,25 @@ void rabitq_estimate_scores_popcount(const RabitqHead& head, const RabitqQuery<D
 // certkv::Error kInvalidArgument naming deviations).
 float rabitq_logit_deviation_scale(double deviations, float scale, float norm_q_centered, int head_dim);
 
+// What is wrong with a record that did not come from rabitq_encode_keys (one read from a file or
+// made by a caller), or null when nothing is: alpha in (0, 1], a finite norm >= 0 and <c_q, k>,
+// no code bit at or past D, and the popcount of the code. A record that fails would give scores
+// that are inf, NaN or simply wrong.
+template <int D>
+const char* rabitq_record_problem(const RabitqRecord<D>& r) {
+  if (!(r.alpha > 0.f && r.alpha <= 1.f)) return "alpha is not in (0, 1]";
+  if (!(r.norm_k_centered >= 0.f && r.norm_k_centered <= 3.4e38f)) return "norm_k_centered is not finite and >= 0";
+  if (!(r.cq_dot_k >= -3.4e38f && r.cq_dot_k <= 3.4e38f)) return "cq_dot_k is not finite";
+  int popcount = 0;
+  for (int w = 0; w < RabitqRecord<D>::kWords; ++w) {
+    const int bits_in_word = D - 64 * w < 64 ? D - 64 * w : 64;
+    if (bits_in_word < 64 && (r.code[w] >> bits_in_word) != 0) return "code has a bit at or past head_dim";
+    popcount += __builtin_popcountll(r.code[w]);
+  }
+  if (popcount != r.code_popcount) return "code_popcount is not the code's popcount";
+  return nullptr;
+}
+
 // Index bytes per token per kv_head for head_dim D.
 template <int D>
 constexpr size_t rabitq_bytes_per_token() {

@@ -137,6 +137,15 @@ def test_bad_input_names_the_argument():
         index.estimate_scores(head, records, k[0, :32].copy())
     with pytest.raises(ValueError, match="rounding_seed"):
         index.estimate_scores(head, records, k[0], rounding_seed=-1)
+    # Records that did not come from encode_keys: refused naming the token and the field.
+    broken = records.copy()
+    broken["alpha"][1] = 0.0
+    with pytest.raises(certkv.InvalidArgumentError, match="record 1: alpha is not in"):
+        index.estimate_scores(head, broken, k[0])
+    broken = records.copy()
+    broken["code_popcount"][0] += 1
+    with pytest.raises(certkv.InvalidArgumentError, match="record 0: code_popcount"):
+        index.estimate_scores(head, broken, k[0])
     with pytest.raises(ValueError, match="p: expected a number in"):
         index.top_p_select(np.zeros(3, np.float32), 0.0)
     with pytest.raises(ValueError, match="p: expected a number in"):
