@@ -365,7 +365,7 @@ void decode_attention_batch(const cache::KvCache& cache, int layer, const Attent
         const double lift = 1.0 + 1.0 / 65536.0;
         const double a_minus_1 = d_total / double(l_total) * lift;
         hm.log_a = std::isfinite(a_minus_1) ? std::log1p(a_minus_1) : INFINITY;
-        hm.meter = std::isfinite(a_minus_1) ? gate::meter_from_a_minus_1(a_minus_1) : 1.0;
+        hm.meter = gate::meter_from_a_minus_1(a_minus_1);  // 1 for +inf and NaN
         hm.value_rho = rho_total / double(l_total) * lift;
         hm.v_norm_max = v_max;
         hm.output_bound = 2 * hm.meter * hm.v_norm_max + hm.value_rho;

@@ -146,12 +146,11 @@ INSTANTIATE_TEST_SUITE_P(AllLossy, DecodeMeterTest, ::testing::ValuesIn(kLossySc
                          });
 
 // The group forms of the meter kernels (decode attention's: one call per page for the rows of a
-// GQA group) give each row exactly the floats of the one-row kernels, for both kernel sets the
-// CPU may pick, every group size up to 9 (fours and the rests), ragged tiles, and large and NaN
-// bounds (flagged per row).
-TEST(MeterKernels, GroupFormsGiveEachRowTheOneRowFloats) {
-  const detail::MeterKernels inline_paths{&detail::logit_bounds<false>, &detail::logit_bounds<true>,
-                                          &detail::any_large_bound,     nullptr,
+// GQA group, in fours and the rests) give each row exactly the floats it gets alone (a group of
+// one), for both kernel sets the CPU may pick, every group size up to 9, ragged tiles, and large
+// bounds (flagged per row); and a row alone gets logit_bounds' and the sums' floats.
+TEST(MeterKernels, GroupFormsGiveEachRowItsFloatsAlone) {
+  const detail::MeterKernels inline_paths{&detail::any_large_bound,     nullptr,
                                           &detail::group_bounds<false>, &detail::group_bounds<true>,
                                           &detail::group_sums,          &detail::bounds_from_fp16};
   std::vector<const detail::MeterKernels*> sets = {&inline_paths};
@@ -192,12 +191,23 @@ TEST(MeterKernels, GroupFormsGiveEachRowTheOneRowFloats) {
                                           std::to_string(n_keys) + " group " + std::to_string(group) + " row " +
                                           std::to_string(g);
                 std::vector<float> one(tile_keys, -1.f);
-                (tier_b ? mk->logit_bounds_b : mk->logit_bounds_a)(w[size_t(g)], bounds.data(), tile_keys, n_keys,
-                                                                    one.data());
+                uint8_t one_large = 7;
+                (tier_b ? mk->group_bounds_b : mk->group_bounds_a)(&w[size_t(g)], 1, bounds.data(), tile_keys, n_keys,
+                                                                    one.data(), &one_large);
                 for (int j = 0; j < n_keys; ++j)
                   ASSERT_EQ(c[size_t(g) * tile_keys + size_t(j)], one[size_t(j)]) << where << " key " << j;
                 const bool is_large = mk->any_large_bound(one.data(), n_keys);
+                ASSERT_EQ(one_large, is_large ? 1 : 0) << where;
                 ASSERT_EQ(large[size_t(g)], is_large ? 1 : 0) << where;
+                if (mk == &inline_paths) {  // a row alone: logit_bounds' floats
+                  std::vector<float> plain(tile_keys, -1.f);
+                  if (tier_b) {
+                    detail::logit_bounds<true>(w[size_t(g)], bounds.data(), tile_keys, n_keys, plain.data());
+                  } else {
+                    detail::logit_bounds<false>(w[size_t(g)], bounds.data(), tile_keys, n_keys, plain.data());
+                  }
+                  for (int j = 0; j < n_keys; ++j) ASSERT_EQ(one[size_t(j)], plain[size_t(j)]) << where << " key " << j;
+                }
                 large_rows += is_large;
                 float d_one = 0.f, r_one = 0.f;
                 if (mk->sums != nullptr) {

@@ -838,8 +838,6 @@ inline void group_sums(const float* p, const float* c, const float* rho, size_t 
 inline const MeterKernels& meter_kernels() {
   static const MeterKernels* const chosen = [] {
     static const MeterKernels inline_paths{
-        &logit_bounds<false>,
-        &logit_bounds<true>,
         &any_large_bound,
         [](const float* p, const float* c, const float* rho, int n_keys, float* d, float* r) {
           *d = weighted_expm1_sum(p, c, n_keys);

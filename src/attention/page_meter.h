@@ -15,18 +15,16 @@ struct QueryBoundWeights;
 inline constexpr float kLargeLogitBound = 60.f;
 
 struct MeterKernels {
-  // c[j] for the keys of a tile, Tier A and Tier B (logit_bounds<false> / <true>).
-  void (*logit_bounds_a)(const QueryBoundWeights& w, const float* bounds_t, size_t tile_keys, int n_keys, float* c);
-  void (*logit_bounds_b)(const QueryBoundWeights& w, const float* bounds_t, size_t tile_keys, int n_keys, float* c);
   // Whether some c[j] is at or above kLargeLogitBound, or NaN.
   bool (*any_large_bound)(const float* c, int n_keys);
   // d = sum_j p[j] (e^{c[j]} - 1) over the keys whose bound is below kLargeLogitBound, and
   // r = sum_j p[j] rho[j].
   void (*sums)(const float* p, const float* c, const float* rho, int n_keys, float* d, float* r);
-  // The same for the query rows of a group at once (decode attention: one call per page, the
-  // page's bounds read once for every row), each row's floats those of the calls above:
-  //   group_bounds_*: c[g * tile_keys + j] = the bounds of row g (w[g]), and large[g] =
-  //                   1 when any_large_bound of them, else 0;
+  // For the query rows of a group at once (decode attention: one call per page, the page's
+  // bounds read once for every row), each row's floats those it gets alone (group 1):
+  //   group_bounds_*: c[g * tile_keys + j] = the Tier A / Tier B bounds of row g (w[g];
+  //                   logit_bounds<false> / <true>), and large[g] = 1 when any_large_bound of
+  //                   them, else 0;
   //   group_sums:     d[g], r[g] = sums of p + g * tile_keys and c + g * tile_keys.
   void (*group_bounds_a)(const QueryBoundWeights* w, int group, const float* bounds_t, size_t tile_keys, int n_keys,
                          float* c, uint8_t* large);

@@ -103,15 +103,6 @@ void logit_bounds_rows(const QueryBoundWeights* w, const float* bounds_t, size_t
   for (int r = 0; r < R; ++r) large[r] = over[r] != 0 ? 1 : 0;
 }
 
-void logit_bounds_a_avx512(const QueryBoundWeights& w, const float* b, size_t tile_keys, int n_keys, float* c) {
-  uint8_t large;
-  logit_bounds_rows<false, 1>(&w, b, tile_keys, n_keys, c, 0, &large);
-}
-void logit_bounds_b_avx512(const QueryBoundWeights& w, const float* b, size_t tile_keys, int n_keys, float* c) {
-  uint8_t large;
-  logit_bounds_rows<true, 1>(&w, b, tile_keys, n_keys, c, 0, &large);
-}
-
 // Rows in fours, then the rest (GQA groups are 1 to 8 rows).
 template <bool kTierB>
 void group_bounds_avx512(const QueryBoundWeights* w, int group, const float* b, size_t tile_keys, int n_keys,
@@ -207,9 +198,8 @@ void bounds_from_fp16_avx512(const uint16_t* src, size_t src_stride, int rows, i
 #pragma GCC pop_options
 
 const MeterKernels* meter_kernels_avx512() {
-  static const MeterKernels kernels{&logit_bounds_a_avx512, &logit_bounds_b_avx512, &any_large_bound_avx512,
-                                    &meter_sums_avx512,     &group_bounds_a_avx512, &group_bounds_b_avx512,
-                                    &group_sums_avx512,     &bounds_from_fp16_avx512};
+  static const MeterKernels kernels{&any_large_bound_avx512, &meter_sums_avx512,  &group_bounds_a_avx512,
+                                    &group_bounds_b_avx512,  &group_sums_avx512,  &bounds_from_fp16_avx512};
   return &kernels;
 }
 
