@@ -6,8 +6,8 @@
 # parses /metrics with it), unzip; git and xz-utils (the device scripts' tests pack and check out
 # trees); chromium (the server's dashboard is tested in headless Chromium, tests/server_dashboard_check.py),
 # without its recommended packages; the openai Python client (tests/server_openai_check.py);
-# nanobind, scikit-build-core, pytest and ml_dtypes (the Python package, tests/python). Skips
-# what is already there.
+# nanobind, scikit-build-core, pytest and ml_dtypes (the Python package, tests/python); torch
+# (CPU wheel) and transformers where PyTorch's wheel index is reached. Skips what is already there.
 set -euo pipefail
 need=()
 for pkg in g++ cmake make libgtest-dev libgmock-dev libbenchmark-dev libzstd-dev liblz4-dev nlohmann-json3-dev libcpp-httplib-dev pkg-config python3 unzip git xz-utils; do
@@ -84,6 +84,22 @@ if ! python3 -c 'import nanobind, scikit_build_core, pytest, ml_dtypes' 2>/dev/n
     python3 -m pip install -q nanobind scikit-build-core pytest ml_dtypes
   fi
   python3 -c 'import nanobind, scikit_build_core, pytest, ml_dtypes' || { echo "certkv set-up: nanobind, scikit-build-core, pytest or ml_dtypes did not install" >&2; exit 1; }
+fi
+# PyTorch (CPU wheel) and transformers for the same python3: certkv.transformers and
+# certkv.torch_ops, and their tests (tests/python/test_transformers.py, test_torch_ops.py, which
+# are skipped without them). torch comes from PyTorch's CPU wheel index, never PyPI's CUDA build;
+# where that index cannot be reached the set-up says so and goes on without them.
+pip_user_flags=()
+[ "$(command -v python3)" = /usr/bin/python3 ] && pip_user_flags=(--break-system-packages)
+if ! python3 -c 'import torch' 2>/dev/null; then
+  echo "certkv set-up: installing torch (CPU wheel) for $(command -v python3)"
+  python3 -m pip install -q "${pip_user_flags[@]}" torch --index-url https://download.pytorch.org/whl/cpu ||
+    echo "certkv set-up: torch's CPU wheel index could not be reached; certkv.transformers' tests will be skipped" >&2
+fi
+if python3 -c 'import torch' 2>/dev/null && ! python3 -c 'import transformers' 2>/dev/null; then
+  echo "certkv set-up: installing transformers for $(command -v python3)"
+  python3 -m pip install -q "${pip_user_flags[@]}" transformers
+  python3 -c 'import transformers' || { echo "certkv set-up: transformers did not install" >&2; exit 1; }
 fi
 # matplotlib for the same python3, the same way as NumPy: the plots of the benchmarks
 # (bench/serve_vs_llama_server.py, scripts/cuda_bench_summary.py --plot).

@@ -884,6 +884,115 @@ CERTKV_API certkv_status certkv_meter_tier_b(const float* q, const float* k, con
                                              double delta_loc, double* bounds,
                                              certkv_meter_row* out);
 
+/* ---- KV stores: the paged KV cache without a model ---------------------------------------- */
+
+/* A KV store keeps the K and V rows that a front end computes itself (a PyTorch model, say) in
+ * certkv's pages of one KV scheme, and runs certkv's decode attention over them with the meter:
+ * the cache layer (page pools, block tables, fill-then-finalize, the codecs) behind the scheme
+ * table, without the model. It holds n_sequences sequences (0, 1, ...; a batch's rows) and, per
+ * layer, one paged cache: each layer is appended on its own, as a model's attention layers
+ * produce their rows one after another. A layer's rows are appended, read and attended in
+ * positions [0, length(seq, layer)).
+ * Thread safety: one thread at a time per store. */
+typedef struct certkv_kv_store certkv_kv_store;
+
+typedef struct certkv_kv_store_params {
+  const char* kv;                /* a scheme of certkv_kv_scheme_get (null: "bf16"), as
+                                    certkv_session_params.kv */
+  int32_t n_layers;              /* >= 1 */
+  int32_t n_heads;               /* query heads of certkv_kv_store_attend: a multiple of
+                                    n_kv_heads */
+  int32_t n_kv_heads;            /* >= 1 */
+  int32_t head_dim;              /* a multiple of 8, at most 256 (lossy schemes: of 32) */
+  int32_t block_tokens;          /* tokens per page (default 16) */
+  int32_t n_sequences;           /* sequences held (default 1) */
+  int64_t max_tokens;            /* capacity of each layer, all sequences together, in tokens;
+                                    a sequence's partial last block takes a whole page
+                                    (default 4096 per sequence) */
+  const char* rope_layout;       /* which channels are RoPE pairs (the witness bands, dither8's
+                                    outlier pairs): "interleaved" (null; GGUF Llama) or
+                                    "half-split" (Hugging Face) */
+  double sm_scale;               /* softmax scale of attend; 0: 1/sqrt(head_dim) */
+  int32_t outlier_pairs;         /* dither8: RoPE pairs per (layer, kv_head) kept exact, chosen
+                                    from the first rows of the layer; -1: default (4) */
+  int32_t recent_window_tokens;  /* lossy schemes: newest tokens kept bf16; -1: scheme default */
+  const char* witness;           /* Tier A lossy schemes: "fp16" (null) or "u8"; null for others */
+  const char* gaac_calibration;  /* gaac schemes: a calibration file of the scheme's element and
+                                    this shape (certkv-gaac-calibration/1); null: each layer is
+                                    calibrated on its first append (its rows of every sequence
+                                    appended there: a prompt, best as long as deployment).
+                                    Lossy schemes: optional (the backing store's blocks
+                                    GAAC-coded). Must be null for the other schemes */
+  double meter_delta;            /* Tier B request failure budget, (0, 1) (default 1e-2) */
+  double meter_tau;              /* coverage threshold, > 0 (default 0.2) */
+  int64_t meter_planned_steps;   /* T of delta_loc = delta / (n_layers n_heads T); 0: max_tokens */
+  int32_t n_threads;             /* threads of attend, >= 1 (default 1) */
+} certkv_kv_store_params;
+
+/* The meter of one (layer, query head) of a decode step (docs/meter.md): meter >= the total
+ * variation between the attention over the stored keys and over the exact keys, and
+ * output_bound >= || attention output - exact attention output ||. 0 for lossless schemes. */
+typedef struct certkv_head_meter {
+  double meter;         /* min(1, (A^2 - 1) / 2) (Theorem 1) */
+  double log_a;         /* log A (+inf when a bound overflowed: meter 1) */
+  double value_rho;     /* sum_t p~_t rho_t: the value pages' share */
+  double v_norm_max;    /* an upper bound of max_t ||v_t|| */
+  double output_bound;  /* 2 meter v_norm_max + value_rho */
+} certkv_head_meter;
+
+CERTKV_API certkv_kv_store_params certkv_kv_store_default_params(void);
+/* INVALID_ARGUMENT naming the field for an unknown scheme or layout, a non-positive dimension,
+ * n_heads not a multiple of n_kv_heads, a witness or calibration the scheme does not take;
+ * UNSUPPORTED for a head_dim the scheme's pages do not serve; NOT_FOUND / CORRUPT for a
+ * calibration file. */
+CERTKV_API certkv_status certkv_kv_store_create(const certkv_kv_store_params* params,
+                                                certkv_kv_store** out);
+CERTKV_API void certkv_kv_store_free(certkv_kv_store* store);
+
+/* Appends n_tokens rows to (seq, layer) at positions [length, length + n_tokens): complete
+ * blocks are encoded once (fill-then-finalize, as a session's cache does); values are rounded to
+ * bf16 (nearest even; NaN quieted) and, for the fp8 schemes, to FP8.
+ * k, v: [n_kv_heads][n_tokens][head_dim], bf16 bit patterns (_bf16) or float (_f32).
+ * OUT_OF_MEMORY when the layer's capacity (max_tokens) is reached, nothing then appended. */
+CERTKV_API certkv_status certkv_kv_store_append_bf16(certkv_kv_store* store, int32_t seq,
+                                                     int32_t layer, const uint16_t* k,
+                                                     const uint16_t* v, int64_t n_tokens);
+CERTKV_API certkv_status certkv_kv_store_append_f32(certkv_kv_store* store, int32_t seq,
+                                                    int32_t layer, const float* k, const float* v,
+                                                    int64_t n_tokens);
+/* Positions stored in (seq, layer). */
+CERTKV_API certkv_status certkv_kv_store_length(const certkv_kv_store* store, int32_t seq,
+                                                int32_t layer, int64_t* n_tokens);
+/* K (kv = 0) or V (kv = 1) of (seq, layer) at positions [begin, end): exact = 0 what attention
+ * reads (a lossy page's reconstruction), 1 the exact values (a lossy page from the backing
+ * store). out: [n_kv_heads][end - begin][head_dim] float. */
+CERTKV_API certkv_status certkv_kv_store_read(const certkv_kv_store* store, int32_t seq,
+                                              int32_t layer, int32_t kv, int64_t begin, int64_t end,
+                                              int exact, float* out);
+/* Attention of n_queries query positions, the last n_queries of (seq, layer) (query i at
+ * position length - n_queries + i attends to positions [0, length - n_queries + i], causal),
+ * over the stored pages: certkv's decode attention for one query (with the meter of every head),
+ * its prefill attention for several. q: [n_queries][n_heads][head_dim] float (after RoPE);
+ * out: [n_queries][n_heads][head_dim] float; meters: [n_heads] or NULL, only with n_queries 1
+ * (a lossy scheme's decode step is metered and recorded in certkv_kv_store_meter_stats whether
+ * meters is given or not; a prefill is not metered, as in a session). */
+CERTKV_API certkv_status certkv_kv_store_attend(certkv_kv_store* store, int32_t seq,
+                                                int32_t layer, const float* q, int32_t n_queries,
+                                                float* out, certkv_head_meter* meters);
+/* Keeps the first n_tokens positions of seq in every layer. REQUIRES: n_tokens <= the length of
+ * every layer. */
+CERTKV_API certkv_status certkv_kv_store_crop(certkv_kv_store* store, int32_t seq, int64_t n_tokens);
+/* Sequence i becomes what sequence src[i] was, for every i in [0, n_sequences) (beam search):
+ * pages are shared by reference count, not copied. src: [n_sequences], each in range. */
+CERTKV_API certkv_status certkv_kv_store_reorder(certkv_kv_store* store, const int32_t* src);
+/* The meter of the decode steps attended so far (certkv_meter_stats, as a session's), and the
+ * KV pages of every layer by storage class (certkv_kv_stats: n_tokens the positions of layer 0
+ * over the sequences, kv_bytes_bf16 a contiguous bf16 cache of every layer's positions). */
+CERTKV_API certkv_status certkv_kv_store_meter_stats(const certkv_kv_store* store,
+                                                     certkv_meter_stats* stats);
+CERTKV_API certkv_status certkv_kv_store_kv_stats(const certkv_kv_store* store,
+                                                  certkv_kv_stats* stats);
+
 /* ---- The RaBitQ key index and Top-p selection on arrays ----------------------------------- */
 
 /* One (layer, kv_head) of the sparse tier's key index (docs/sparse.md; record layout:

@@ -29,9 +29,10 @@ from typing import Any, Iterator, Mapping, Sequence
 from . import _certkv
 from ._errors import (CertkvError, CorruptError, InvalidArgumentError, NotFoundError,
                       OutOfRangeError, UnsupportedError)
-from . import codec, index, kvdump, meter
+from . import _certificate, codec, index, kvdump, meter
+from .kv_store import KvStore
 
-__all__ = ["Model", "Session", "Engine", "GenerateResult", "kv_schemes", "default_model_path",
+__all__ = ["Model", "Session", "Engine", "KvStore", "GenerateResult", "kv_schemes", "default_model_path",
            "__version__", "CertkvError", "InvalidArgumentError", "NotFoundError", "CorruptError",
            "UnsupportedError", "OutOfRangeError", "codec", "index", "kvdump", "meter"]
 
@@ -242,18 +243,7 @@ class Session:
 
     def certificate(self) -> dict[str, Any]:
         """The certificate of the sequence's decode steps so far (see GenerateResult)."""
-        m = self._session.meter_stats()
-        kv = self._session.kv_stats()
-        cert: dict[str, Any] = {"scheme": self.kv, "metered": m["metered"]}
-        if m["metered"]:
-            cert.update(tier=m["tier"], certified=m["certified"], tau=m["tau"], delta_loc=m["delta_loc"],
-                        coverage=m["coverage"], meter_max=m["max"], meter_p50=m["p50"], meter_p99=m["p99"],
-                        cells=m["cells"], overflow=m["overflow"], gate_repairs=m["gate_repairs"],
-                        pagein_bytes=m["pagein_bytes"], exact_fallback_blocks=m["exact_fallback_blocks"])
-            if m["tier"] == "B":
-                cert["note"] = "Tier B is valid for non-adaptive queries (teacher-forced text)"
-        cert.update(kv_bytes_by_class=kv["page_bytes_by_class"], kv_bytes=kv["kv_bytes"],
-                    kv_bytes_bf16=kv["kv_bytes_bf16"], kv_tokens=kv["n_tokens"])
+        cert = _certificate.certificate(self.kv, self._session.meter_stats(), self._session.kv_stats())
         sparse = self._session.sparse_stats()
         if sparse["sparse"]:
             cert["sparse"] = sparse

@@ -466,6 +466,135 @@ nb::dict meter_tier_b(In<float> q, In<float> k, In<float> k_hat, In<float> scale
   return meter_row_dict(row, std::move(bounds));
 }
 
+// ---- KV stores -------------------------------------------------------------------------------
+
+// certkv_kv_store_params with the strings it points at.
+struct KvStoreOptions {
+  certkv_kv_store_params params = certkv_kv_store_default_params();
+  std::string kv, rope_layout, witness, gaac_calibration;
+};
+
+std::unique_ptr<KvStoreOptions> kv_store_options(const nb::dict& d) {
+  auto o = std::make_unique<KvStoreOptions>();
+  certkv_kv_store_params& p = o->params;
+  for (auto [key_obj, value] : d) {
+    const std::string key = nb::cast<std::string>(key_obj);
+    if (value.is_none()) continue;
+    if (key == "kv") p.kv = (o->kv = nb::cast<std::string>(value)).c_str();
+    else if (key == "rope_layout") p.rope_layout = (o->rope_layout = nb::cast<std::string>(value)).c_str();
+    else if (key == "witness") p.witness = (o->witness = nb::cast<std::string>(value)).c_str();
+    else if (key == "gaac_calibration") p.gaac_calibration = (o->gaac_calibration = nb::cast<std::string>(value)).c_str();
+    else if (key == "n_layers") p.n_layers = nb::cast<int32_t>(value);
+    else if (key == "n_heads") p.n_heads = nb::cast<int32_t>(value);
+    else if (key == "n_kv_heads") p.n_kv_heads = nb::cast<int32_t>(value);
+    else if (key == "head_dim") p.head_dim = nb::cast<int32_t>(value);
+    else if (key == "block_tokens") p.block_tokens = nb::cast<int32_t>(value);
+    else if (key == "n_sequences") p.n_sequences = nb::cast<int32_t>(value);
+    else if (key == "max_tokens") p.max_tokens = nb::cast<int64_t>(value);
+    else if (key == "sm_scale") p.sm_scale = nb::cast<double>(value);
+    else if (key == "outlier_pairs") p.outlier_pairs = nb::cast<int32_t>(value);
+    else if (key == "recent_window_tokens") p.recent_window_tokens = nb::cast<int32_t>(value);
+    else if (key == "meter_delta") p.meter_delta = nb::cast<double>(value);
+    else if (key == "meter_tau") p.meter_tau = nb::cast<double>(value);
+    else if (key == "meter_planned_steps") p.meter_planned_steps = nb::cast<int64_t>(value);
+    else if (key == "n_threads") p.n_threads = nb::cast<int32_t>(value);
+    else throw nb::value_error(("unknown KV store option '" + key + "'").c_str());
+  }
+  return o;
+}
+
+// One certkv_kv_store. Array shapes are checked by the Python layer (certkv.KvStore); here the
+// sizes are checked again against the store's before any pointer is passed on.
+struct KvStore {
+  certkv_kv_store* store = nullptr;
+  certkv_kv_store_params params;
+
+  explicit KvStore(const nb::dict& options) {
+    std::unique_ptr<KvStoreOptions> o = kv_store_options(options);
+    check(certkv_kv_store_create(&o->params, &store));
+    params = o->params;
+    params.kv = params.rope_layout = params.witness = params.gaac_calibration = nullptr;  // not kept
+  }
+  ~KvStore() { certkv_kv_store_free(store); }
+  KvStore(const KvStore&) = delete;
+  KvStore& operator=(const KvStore&) = delete;
+
+  size_t row_elements(int64_t n_tokens) const {
+    return size_t(params.n_kv_heads) * size_t(n_tokens) * size_t(params.head_dim);
+  }
+  template <typename T>
+  void require_rows(const char* name, const In<T>& a, int64_t n_tokens) const {
+    if (n_tokens < 1 || a.size() != row_elements(n_tokens))
+      throw nb::value_error((std::string(name) + ": expected n_kv_heads x n_tokens x head_dim elements").c_str());
+  }
+  void append_bf16(int32_t seq, int32_t layer, In<uint16_t> k, In<uint16_t> v, int64_t n_tokens) {
+    require_rows("k", k, n_tokens);
+    require_rows("v", v, n_tokens);
+    nb::gil_scoped_release release;
+    check(certkv_kv_store_append_bf16(store, seq, layer, k.data(), v.data(), n_tokens));
+  }
+  void append_f32(int32_t seq, int32_t layer, In<float> k, In<float> v, int64_t n_tokens) {
+    require_rows("k", k, n_tokens);
+    require_rows("v", v, n_tokens);
+    nb::gil_scoped_release release;
+    check(certkv_kv_store_append_f32(store, seq, layer, k.data(), v.data(), n_tokens));
+  }
+  int64_t length(int32_t seq, int32_t layer) const {
+    int64_t n = 0;
+    check(certkv_kv_store_length(store, seq, layer, &n));
+    return n;
+  }
+  Array<float> read(int32_t seq, int32_t layer, int32_t kv, int64_t begin, int64_t end, bool exact) const {
+    const int64_t n = end > begin ? end - begin : 0;
+    std::vector<float> out(row_elements(n));
+    {
+      nb::gil_scoped_release release;
+      check(certkv_kv_store_read(store, seq, layer, kv, begin, end, exact ? 1 : 0, out.data()));
+    }
+    return to_numpy(std::move(out), {size_t(params.n_kv_heads), size_t(n), size_t(params.head_dim)});
+  }
+  // q: [n_queries][n_heads][head_dim] into out (the same size); meters: [n_heads][5] float64
+  // (meter, log_a, value_rho, v_norm_max, output_bound), or None.
+  void attend(int32_t seq, int32_t layer, In<float> q, int32_t n_queries,
+              nb::ndarray<float, nb::c_contig, nb::device::cpu> out,
+              std::optional<nb::ndarray<double, nb::c_contig, nb::device::cpu>> meters) {
+    const size_t elements = size_t(n_queries > 0 ? n_queries : 0) * size_t(params.n_heads) * size_t(params.head_dim);
+    if (q.size() != elements) throw nb::value_error("q: expected n_queries x n_heads x head_dim elements");
+    if (out.size() != elements) throw nb::value_error("out: expected n_queries x n_heads x head_dim elements");
+    std::vector<certkv_head_meter> m(meters ? size_t(params.n_heads) : 0);
+    if (meters && meters->size() != size_t(params.n_heads) * 5) throw nb::value_error("meters: expected n_heads x 5");
+    {
+      nb::gil_scoped_release release;
+      check(certkv_kv_store_attend(store, seq, layer, q.data(), n_queries, out.data(), meters ? m.data() : nullptr));
+    }
+    if (meters) {
+      double* d = meters->data();
+      for (size_t h = 0; h < m.size(); ++h) {
+        d[h * 5 + 0] = m[h].meter;
+        d[h * 5 + 1] = m[h].log_a;
+        d[h * 5 + 2] = m[h].value_rho;
+        d[h * 5 + 3] = m[h].v_norm_max;
+        d[h * 5 + 4] = m[h].output_bound;
+      }
+    }
+  }
+  void crop(int32_t seq, int64_t n_tokens) { check(certkv_kv_store_crop(store, seq, n_tokens)); }
+  void reorder(const std::vector<int32_t>& src) {
+    if (src.size() != size_t(params.n_sequences)) throw nb::value_error("src: expected n_sequences entries");
+    check(certkv_kv_store_reorder(store, src.data()));
+  }
+  nb::dict meter_stats() const {
+    certkv_meter_stats m;
+    check(certkv_kv_store_meter_stats(store, &m));
+    return meter_stats_dict(m);
+  }
+  nb::dict kv_stats() const {
+    certkv_kv_stats s;
+    check(certkv_kv_store_kv_stats(store, &s));
+    return kv_stats_dict(s);
+  }
+};
+
 // ---- The key index and Top-p selection -----------------------------------------------------
 
 certkv_rabitq_head rabitq_head(In<float> c_q, In<float> c_k, const std::string& rotation, uint64_t seed) {
@@ -664,6 +793,17 @@ NB_MODULE(_certkv, m) {
   m.def("gaac_decode", &gaac_decode);
   m.def("meter_tier_a", &meter_tier_a);
   m.def("meter_tier_b", &meter_tier_b);
+  nb::class_<KvStore>(m, "KvStore")
+      .def(nb::init<const nb::dict&>())
+      .def("append_bf16", &KvStore::append_bf16)
+      .def("append_f32", &KvStore::append_f32)
+      .def("length", &KvStore::length)
+      .def("read", &KvStore::read)
+      .def("attend", &KvStore::attend, "seq"_a, "layer"_a, "q"_a, "n_queries"_a, "out"_a, "meters"_a.none())
+      .def("crop", &KvStore::crop)
+      .def("reorder", &KvStore::reorder)
+      .def("meter_stats", &KvStore::meter_stats)
+      .def("kv_stats", &KvStore::kv_stats);
   m.def("rabitq_record_bytes", &rabitq_record_bytes);
   m.def("rabitq_encode_keys", &rabitq_encode_keys);
   m.def("rabitq_estimate_scores", &rabitq_estimate_scores);

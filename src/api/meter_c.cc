@@ -20,11 +20,7 @@ using certkv::codec::RopePairing;
 namespace {
 
 bool parse_rope_layout(const char* name, RopePairing* pairing) {
-  if (name == nullptr) return false;
-  if (std::strcmp(name, "interleaved") == 0) *pairing = RopePairing::kInterleaved;
-  else if (std::strcmp(name, "half-split") == 0) *pairing = RopePairing::kHalfSplit;
-  else return false;
-  return true;
+  return name != nullptr && certkv::codec::parse_rope_pairing(name, pairing);
 }
 
 bool all_finite(const float* x, size_t n) {

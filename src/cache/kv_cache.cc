@@ -55,6 +55,9 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   check_positive(config.head_dim, "head_dim");
   check_positive(config.block_tokens, "block_tokens");
   check_positive(config.max_tokens, "max_tokens");
+  if (config.first_model_layer < 0)
+    fail_cache(StatusCode::kInvalidArgument,
+               "config.first_model_layer " + std::to_string(config.first_model_layer) + " is negative");
   if (config.head_dim % 8 != 0 || config.head_dim > kMaxHeadDim) {
     fail_cache(StatusCode::kUnsupported, "config.head_dim " + std::to_string(config.head_dim) +
                                              " is not supported (need a multiple of 8, at most " +
@@ -1159,7 +1162,7 @@ codec::LossyPageSpec KvCache::lossy_spec(int layer, KvTensor kv, int kv_head) co
   spec.head_dim = config_.head_dim;
   spec.pairing = config_.rope_pairing;
   spec.witness = config_.witness;
-  spec.dither_key = codec::dither8_key(layer, spec.key, kv_head);
+  spec.dither_key = codec::dither8_key(config_.first_model_layer + layer, spec.key, kv_head);
   if (spec.key && n_outlier_pairs_ > 0) {
     const auto& pairs = outliers_[size_t(layer) * size_t(config_.n_kv_heads) + size_t(kv_head)];
     spec.n_outlier_pairs = n_outlier_pairs_;

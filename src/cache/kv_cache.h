@@ -85,6 +85,10 @@ struct KvCacheConfig {
   // Tier A lossy schemes: how K pages store their witness (codec::WitnessCode; kFp16 is
   // DESIGN.md's, kPageScaled8 half its bytes for a bound about 1% looser). Other schemes: kFp16.
   codec::WitnessCode witness = codec::WitnessCode::kFp16;
+  // The model layer of this cache's layer 0. dither8's dither is keyed by the model's layer
+  // (codec::dither8_key), so a cache holding one layer of a model (certkv_kv_store keeps one
+  // cache per layer) dithers that layer's pages as a cache of the whole model does. REQUIRES: >= 0.
+  int first_model_layer = 0;
 };
 
 inline constexpr int kDefaultOutlierPairs = 4;

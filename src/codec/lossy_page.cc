@@ -49,6 +49,7 @@ constexpr double kNormSafety = 1.0 + 0x1p-40;
 constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ull;
 
 const char* const kWitnessCodeNames[kNumWitnessCodes] = {"fp16", "u8"};
+const char* const kRopePairingNames[2] = {"interleaved", "half-split"};
 // kPageScaled8: codes c in [0, 255], bound w_max (c + 1) / kWitnessSteps.
 constexpr double kWitnessSteps = 256.0;
 
@@ -460,6 +461,7 @@ bool parse_name_in(const char* const (&names)[N], std::string_view name, Enum* o
 
 const char* witness_code_name(WitnessCode code) { return name_in(kWitnessCodeNames, code); }
 bool parse_witness_code(std::string_view name, WitnessCode* code) { return parse_name_in(kWitnessCodeNames, name, code); }
+bool parse_rope_pairing(std::string_view name, RopePairing* pairing) { return parse_name_in(kRopePairingNames, name, pairing); }
 
 const char* lossy_scheme_name(LossyScheme scheme) { return name_in(kSchemeNames, scheme); }
 bool parse_lossy_scheme(std::string_view name, LossyScheme* scheme) { return parse_name_in(kSchemeNames, name, scheme); }

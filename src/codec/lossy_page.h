@@ -51,6 +51,8 @@ enum class RopePairing : uint8_t { kInterleaved = 0, kHalfSplit = 1 };
 inline int rope_pair_channel(RopePairing pairing, int head_dim, int pair, int which) {
   return pairing == RopePairing::kInterleaved ? 2 * pair + which : pair + which * (head_dim / 2);
 }
+// "interleaved", "half-split" (the names of model_info's rope_layout); false for another name.
+bool parse_rope_pairing(std::string_view name, RopePairing* pairing);
 
 inline constexpr int kWitnessBands = 16;  // B of DESIGN.md section 4 (fewer if head_dim / 2 < 16)
 inline constexpr int kQuantGroup = 32;    // channels per scale group (rtn*, kivi2 values, dither8)

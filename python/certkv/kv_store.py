@@ -1,0 +1,182 @@
+"""certkv's paged KV cache without a model: keep K and V rows that you compute (a PyTorch model's,
+say) in the pages of a KV scheme, read them back, and run certkv's decode attention over them
+with the meter (the C API's certkv_kv_store_*).
+
+    store = certkv.KvStore("dither8", n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
+                           rope_layout="half-split")
+    store.append(0, layer, k, v)           # [n_kv_heads, n_tokens, head_dim] bf16 bits or float
+    out, meters = store.attend(0, layer, q)  # q [n_heads, head_dim] at the last position
+    assert (meters["meter"] >= 0).all()
+    print(store.certificate())
+
+A store holds ``n_sequences`` sequences (a batch's rows), each layer of each appended on its own.
+Complete blocks of ``block_tokens`` rows are encoded once (fill-then-finalize); GAAC schemes
+without ``gaac_calibration`` calibrate each layer on its first append.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import _arrays
+from . import _certificate
+from . import _certkv
+
+__all__ = ["KvStore", "METER_DTYPE"]
+
+#: The meter of each query head of a decode step (certkv_head_meter): meter >= the total
+#: variation between attention over the stored and over the exact keys; output_bound >= the
+#: norm of the attention output's error.
+METER_DTYPE = np.dtype([("meter", np.float64), ("log_a", np.float64), ("value_rho", np.float64),
+                        ("v_norm_max", np.float64), ("output_bound", np.float64)])
+
+_ROPE_LAYOUTS = ("interleaved", "half-split")
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return int(value)
+
+
+class KvStore:
+    """Paged, compressed K and V of ``n_sequences`` sequences of a model's ``n_layers`` layers."""
+
+    def __init__(self, kv: str = "bf16", *, n_layers: int, n_heads: int, n_kv_heads: int,
+                 head_dim: int, block_tokens: int = 16, n_sequences: int = 1,
+                 max_tokens: int | None = None, rope_layout: str = "interleaved",
+                 sm_scale: float | None = None, outlier_pairs: int | None = None,
+                 recent_window_tokens: int | None = None, witness: str | None = None,
+                 gaac_calibration: str | os.PathLike[str] | None = None,
+                 meter_delta: float | None = None, meter_tau: float | None = None,
+                 meter_planned_steps: int | None = None, n_threads: int = 1) -> None:
+        if not isinstance(kv, str):
+            raise TypeError(f"kv: expected a scheme name (str), got {type(kv).__name__}")
+        if rope_layout not in _ROPE_LAYOUTS:
+            raise ValueError(f"rope_layout: expected one of {', '.join(_ROPE_LAYOUTS)}, got {rope_layout!r}")
+        self.kv = kv
+        self.n_layers = _int("n_layers", n_layers, 1)
+        self.n_heads = _int("n_heads", n_heads, 1)
+        self.n_kv_heads = _int("n_kv_heads", n_kv_heads, 1)
+        self.head_dim = _int("head_dim", head_dim, 1)
+        self.n_sequences = _int("n_sequences", n_sequences, 1)
+        options = {
+            "kv": kv, "n_layers": self.n_layers, "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
+            "head_dim": self.head_dim, "block_tokens": _int("block_tokens", block_tokens, 1),
+            "n_sequences": self.n_sequences, "rope_layout": rope_layout, "n_threads": _int("n_threads", n_threads, 1),
+            "max_tokens": None if max_tokens is None else _int("max_tokens", max_tokens, 1),
+            "sm_scale": None if sm_scale is None else float(sm_scale),
+            "outlier_pairs": outlier_pairs, "recent_window_tokens": recent_window_tokens, "witness": witness,
+            "gaac_calibration": None if gaac_calibration is None else os.fspath(gaac_calibration),
+            "meter_delta": meter_delta, "meter_tau": meter_tau, "meter_planned_steps": meter_planned_steps,
+        }
+        self._store = _certkv.KvStore(options)
+
+    # -- rows ---------------------------------------------------------------------------------
+
+    def _rows(self, name: str, value: Any) -> np.ndarray:
+        array = _arrays.require_array(name, value)
+        _arrays.require_ndim(name, array, 3, "[n_kv_heads, n_tokens, head_dim]")
+        if array.shape[0] != self.n_kv_heads or array.shape[2] != self.head_dim or array.shape[1] < 1:
+            raise ValueError(f"{name}: expected shape [{self.n_kv_heads}, n_tokens >= 1, {self.head_dim}] "
+                             f"([n_kv_heads, n_tokens, head_dim]), got {array.shape}")
+        _arrays.require_contiguous(name, array)
+        if array.dtype.name == "bfloat16":
+            return array.view(np.uint16)
+        if array.dtype == np.int16:  # torch.bfloat16 viewed as int16
+            return array.view(np.uint16)
+        if array.dtype == np.uint16:
+            return array
+        if array.dtype.kind == "f":
+            return np.ascontiguousarray(array, dtype=np.float32)
+        raise TypeError(f"{name}: expected bf16 bit patterns (uint16 or int16, or ml_dtypes.bfloat16) or "
+                        f"floating-point values, got {array.dtype}")
+
+    def append(self, seq: int, layer: int, k: Any, v: Any) -> None:
+        """Appends n_tokens rows of K and V to (seq, layer). k, v: [n_kv_heads, n_tokens,
+        head_dim], bf16 bit patterns (uint16, int16, ml_dtypes.bfloat16) or floats (rounded to
+        bf16, nearest even), both of one kind."""
+        k = self._rows("k", k)
+        v = self._rows("v", v)
+        if k.shape != v.shape:
+            raise ValueError(f"v: expected the shape of k {k.shape}, got {v.shape}")
+        if k.dtype != v.dtype:
+            raise TypeError(f"v: expected the kind of k ({'bf16 bits' if k.dtype == np.uint16 else 'float'}), "
+                            f"got {v.dtype}")
+        if k.dtype == np.uint16:
+            self._store.append_bf16(int(seq), int(layer), k, v, k.shape[1])
+        else:
+            self._store.append_f32(int(seq), int(layer), k, v, k.shape[1])
+
+    def length(self, seq: int = 0, layer: int = 0) -> int:
+        """Positions stored in (seq, layer)."""
+        return self._store.length(int(seq), int(layer))
+
+    def read(self, seq: int, layer: int, kv: str = "k", begin: int = 0, end: int | None = None, *,
+             exact: bool = False) -> np.ndarray:
+        """K or V of (seq, layer) at positions [begin, end) as float32 [n_kv_heads, n, head_dim]:
+        what attention reads (a lossy page's reconstruction), or with exact=True the exact values
+        (a lossy page's from the backing store)."""
+        if kv not in ("k", "v"):
+            raise ValueError(f"kv: expected 'k' or 'v', got {kv!r}")
+        if end is None:
+            end = self.length(seq, layer)
+        return self._store.read(int(seq), int(layer), 0 if kv == "k" else 1, int(begin), int(end), bool(exact))
+
+    # -- attention ----------------------------------------------------------------------------
+
+    def attend(self, seq: int, layer: int, q: Any, *, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """Attention over (seq, layer)'s pages. q: [n_heads, head_dim], the query of the last
+        position (a decode step): returns the output [n_heads, head_dim] and the meter of every
+        head (a structured array of METER_DTYPE). q: [n_queries, n_heads, head_dim], the last
+        n_queries positions, causal (a prefill): the output [n_queries, n_heads, head_dim] and
+        None (prefills are not metered). out, when given, receives the output (float32,
+        C-contiguous, q's shape)."""
+        q_array = _arrays.require_array("q", q)
+        if q_array.ndim not in (2, 3) or q_array.shape[-2:] != (self.n_heads, self.head_dim):
+            raise ValueError(f"q: expected shape [{self.n_heads}, {self.head_dim}] ([n_heads, head_dim]) or "
+                             f"[n_queries, {self.n_heads}, {self.head_dim}], got {q_array.shape}")
+        q_array = _arrays.float32_array("q", q_array, q_array.ndim, "")
+        n_queries = 1 if q_array.ndim == 2 else q_array.shape[0]
+        if out is None:
+            out = np.empty(q_array.shape, dtype=np.float32)
+        else:
+            _arrays.require_array("out", out)
+            if out.dtype != np.float32 or out.shape != q_array.shape:
+                raise ValueError(f"out: expected float32 of shape {q_array.shape}, got {out.dtype} {out.shape}")
+            _arrays.require_contiguous("out", out)
+        meters = np.empty((self.n_heads, 5), dtype=np.float64) if n_queries == 1 else None
+        self._store.attend(int(seq), int(layer), q_array, n_queries, out, meters)
+        return out, None if meters is None else meters.view(METER_DTYPE).reshape(self.n_heads)
+
+    # -- sequences ----------------------------------------------------------------------------
+
+    def crop(self, seq: int, n_tokens: int) -> None:
+        """Keeps the first n_tokens positions of seq in every layer."""
+        self._store.crop(int(seq), int(n_tokens))
+
+    def reorder(self, src: Sequence[int]) -> None:
+        """Sequence i becomes what sequence src[i] was (beam search); pages are shared, not copied."""
+        src = [int(i) for i in src]
+        if len(src) != self.n_sequences:
+            raise ValueError(f"src: expected {self.n_sequences} entries (n_sequences), got {len(src)}")
+        self._store.reorder(src)
+
+    # -- reports ------------------------------------------------------------------------------
+
+    def meter_stats(self) -> dict[str, Any]:
+        return self._store.meter_stats()
+
+    def kv_stats(self) -> dict[str, Any]:
+        return self._store.kv_stats()
+
+    def certificate(self) -> dict[str, Any]:
+        """The certificate of the decode steps attended so far: scheme, metered; for a lossy
+        scheme its tier, tau, coverage at tau, meter_max, meter_p50, meter_p99 over the
+        (layer, query head, step) cells; the KV bytes by storage class."""
+        return _certificate.certificate(self.kv, self.meter_stats(), self.kv_stats())

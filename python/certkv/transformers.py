@@ -1,0 +1,284 @@
+"""certkv as the KV cache of a Hugging Face transformers model (PyTorch, CPU tensors).
+
+    import certkv.transformers as ct
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="certkv")
+    cache = ct.CertkvCache(model.config, scheme="dither8")
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32, do_sample=False)
+    print(cache.certificate())
+
+``CertkvCache`` is a ``transformers.Cache`` whose layers keep K and V in the pages of a certkv KV
+scheme (a :class:`certkv.KvStore`, one store sequence per batch row). With
+``attn_implementation="certkv"`` (registered through ``transformers.AttentionInterface`` when this
+module is imported) attention runs in certkv's decode attention over the pages, with the meter of
+every (layer, query head, decode step); the cache's ``certificate()`` reports it. With another
+attention implementation the cache hands the model its K and V read back from the pages (what
+attention would read: lossless for gaac, the reconstruction for a lossy scheme), unmetered.
+
+Batches: left padding (generate's default for decoder-only models) is read from the attention
+mask; padded positions are not stored. transformers and torch are imported by this module only.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from . import _certkv
+from .kv_store import KvStore
+
+__all__ = ["CertkvCache", "certkv_attention", "ATTENTION_NAME"]
+
+#: The name of certkv's attention function in transformers.AttentionInterface.
+ATTENTION_NAME = "certkv"
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# certkv_attention receives the model's tensors, not its cache: CertkvCache's update records
+# itself here, per thread and layer, for the attention call that follows it.
+_current = threading.local()
+
+
+def _current_caches() -> dict[int, "CertkvCache"]:
+    if not hasattr(_current, "caches"):
+        _current.caches = {}
+    return _current.caches
+
+
+def _numpy_rows(name: str, x: torch.Tensor) -> np.ndarray:
+    """[n_kv_heads, n, head_dim] of one batch row as NumPy: bf16 as its bits (a view through
+    int16), float16 and float32 as float32."""
+    x = x.detach().contiguous()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy()
+    return x.to(torch.float32).numpy()
+
+
+class _CertkvLayer(CacheLayerMixin):
+    """One layer of a CertkvCache: positions seen (padding included), as transformers counts them;
+    the rows live in the cache's store."""
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, cache: "CertkvCache", layer_idx: int) -> None:
+        super().__init__()
+        self._cache = cache
+        self.layer_idx = layer_idx
+        self.seen = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._cache._start(key_states)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self._cache._update(self, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._cache.crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._cache.reorder_cache(beam_idx)
+
+    def reset(self) -> None:
+        raise NotImplementedError("CertkvCache: make a new cache instead of reset()")
+
+
+class CertkvCache(Cache):
+    """A transformers Cache keeping K and V in certkv pages of ``scheme`` (a name of
+    ``certkv.kv_schemes()``: "bf16", "gaac", "dither8", "fp8-e4m3", ...).
+
+    config: the model's config (layers, heads, head_dim). Options are those of
+    :class:`certkv.KvStore` (block_tokens, max_tokens, gaac_calibration, meter_tau, ...);
+    rope_layout defaults to "half-split", Hugging Face's RoPE layout."""
+
+    def __init__(self, config: Any, scheme: str = "gaac", **store_options: Any) -> None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.n_layers = int(text.num_hidden_layers)
+        self.n_heads = int(text.num_attention_heads)
+        self.n_kv_heads = int(getattr(text, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // self.n_heads)
+        names = [s["name"] for s in _certkv.kv_schemes()]
+        if scheme not in names:
+            raise ValueError(f"scheme: unknown KV scheme {scheme!r} (available: {', '.join(names)})")
+        self.scheme = scheme
+        self._config = config
+        self._options = dict(store_options)
+        self._options.setdefault("rope_layout", "half-split")
+        self._options.setdefault("sm_scale", self.head_dim ** -0.5)
+        self.store: KvStore | None = None
+        self._pads: list[int] = []  # per batch row: padded positions not stored (left padding)
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        super().__init__(layers=[_CertkvLayer(self, i) for i in range(self.n_layers)])
+
+    # -- the store ------------------------------------------------------------------------------
+
+    def _start(self, key_states: torch.Tensor) -> None:
+        if self.store is not None:
+            return
+        if key_states.device.type != "cpu":
+            raise ValueError(f"CertkvCache: scheme {self.scheme!r} is served on the CPU in this build of certkv "
+                             f"(no CUDA support), not on device {key_states.device}; run the model on the CPU")
+        if key_states.dtype not in _DTYPES:
+            raise TypeError(f"key_states: expected bfloat16, float16 or float32, got {key_states.dtype}")
+        if key_states.ndim != 4 or key_states.shape[1] != self.n_kv_heads or key_states.shape[3] != self.head_dim:
+            raise ValueError(f"key_states: expected shape [batch, {self.n_kv_heads}, n_tokens, {self.head_dim}] "
+                             f"(the config's num_key_value_heads and head_dim), got {tuple(key_states.shape)}")
+        batch = key_states.shape[0]
+        options = dict(self._options)
+        options.setdefault("max_tokens", max(4096, int(getattr(self._config, "max_position_embeddings", 0) or 0)) * batch)
+        self.store = KvStore(self.scheme, n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+                             head_dim=self.head_dim, n_sequences=batch, **options)
+        self._pads = [0] * batch
+
+    def _check(self, name: str, x: torch.Tensor, like: torch.Tensor | None = None) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: scheme {self.scheme!r} is served on the CPU in this build of certkv "
+                             f"(no CUDA support), not on device {x.device}")
+        if x.dtype not in _DTYPES:
+            raise TypeError(f"{name}: expected bfloat16, float16 or float32, got {x.dtype}")
+        batch = self.store.n_sequences if self.store is not None else x.shape[0]
+        if x.ndim != 4 or x.shape[0] != batch or x.shape[1] != self.n_kv_heads or x.shape[3] != self.head_dim:
+            raise ValueError(f"{name}: expected shape [{batch}, {self.n_kv_heads}, n_tokens, {self.head_dim}] "
+                             f"([batch, num_key_value_heads, n_tokens, head_dim]), got {tuple(x.shape)}")
+        if like is not None and (x.shape != like.shape or x.dtype != like.dtype):
+            raise ValueError(f"{name}: expected the shape and dtype of key_states {tuple(like.shape)} {like.dtype}, "
+                             f"got {tuple(x.shape)} {x.dtype}")
+
+    def _attention_is_certkv(self) -> bool:
+        text = self._config.get_text_config() if hasattr(self._config, "get_text_config") else self._config
+        return getattr(text, "_attn_implementation", None) == ATTENTION_NAME
+
+    def _update(self, layer: _CertkvLayer, key_states: torch.Tensor, value_states: torch.Tensor):
+        self._check("key_states", key_states)
+        self._check("value_states", value_states, key_states)
+        if self._attention_is_certkv():
+            # certkv_attention appends them (it sees the mask, hence the padding) and attends.
+            if layer.layer_idx in self._pending:
+                raise RuntimeError(f"CertkvCache: layer {layer.layer_idx}'s previous K and V were not used by "
+                                   f"attn_implementation {ATTENTION_NAME!r}")
+            self._pending[layer.layer_idx] = (key_states, value_states)
+            _current_caches()[layer.layer_idx] = self
+            layer.seen += key_states.shape[2]
+            return key_states, value_states
+        # Another attention implementation: store every position, hand back what the pages hold.
+        n = key_states.shape[2]
+        for b in range(self.store.n_sequences):
+            self.store.append(b, layer.layer_idx, _numpy_rows("key_states", key_states[b]),
+                              _numpy_rows("value_states", value_states[b]))
+        layer.seen += n
+        keys = torch.stack([torch.from_numpy(self.store.read(b, layer.layer_idx, "k")) for b in range(self.store.n_sequences)])
+        values = torch.stack([torch.from_numpy(self.store.read(b, layer.layer_idx, "v")) for b in range(self.store.n_sequences)])
+        return keys.to(key_states.dtype), values.to(value_states.dtype)
+
+    # -- what transformers asks of a cache ------------------------------------------------------
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Removes the last ``-tokens_to_remove`` positions (transformers >= 5.17), or keeps the
+        first ``tokens_to_remove`` when it is positive (the older convention)."""
+        seen = self.layers[0].seen
+        keep = seen + tokens_to_remove if tokens_to_remove <= 0 else min(tokens_to_remove, seen)
+        if keep < 0:
+            raise ValueError(f"tokens_to_remove: {tokens_to_remove} removes more than the {seen} positions held")
+        if keep == seen or self.store is None:
+            return
+        for b in range(self.store.n_sequences):
+            self.store.crop(b, max(0, keep - self._pads[b]))
+            self._pads[b] = min(self._pads[b], keep)
+        for layer in self.layers:
+            layer.seen = keep
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Sequence i becomes what sequence beam_idx[i] was (beam search); pages are shared."""
+        if self.store is None:
+            return
+        src = [int(i) for i in beam_idx.tolist()]
+        self.store.reorder(src)
+        self._pads = [self._pads[i] for i in src]
+
+    def certificate(self) -> dict[str, Any]:
+        """The certificate of the attention so far: scheme, metered; for a lossy scheme with
+        attn_implementation "certkv" the tier, tau, coverage, meter_max, meter_p50, meter_p99
+        over the (layer, query head, decode step) cells; the KV bytes by storage class."""
+        if self.store is None:
+            return {"scheme": self.scheme, "metered": False, "kv_tokens": 0}
+        return self.store.certificate()
+
+
+def _valid_suffix(attention_mask: torch.Tensor | None, b: int, n_new: int, kv_length: int) -> int:
+    """How many of the n_new positions of batch row b are real tokens, from the mask (True or 0:
+    attend) of the row's last query: with left padding, the real tokens are a suffix."""
+    if attention_mask is None:
+        return n_new
+    row = attention_mask[b if attention_mask.shape[0] > 1 else 0, 0, -1, kv_length - n_new:kv_length]
+    valid = row if row.dtype == torch.bool else row == 0
+    count = int(valid.sum())
+    if count and not bool(valid[n_new - count:].all()):
+        raise ValueError("attention_mask: certkv attention takes left padding (each row's padding before its "
+                         "tokens); this mask has padding after a token")
+    return count
+
+
+def certkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention function (AttentionInterface "certkv"): appends the layer's new K and V
+    to the CertkvCache's pages and runs certkv's attention over them: decode attention with the
+    meter for one new token, causal prefill attention for several. query: [batch, n_heads, n_new,
+    head_dim]; returns [batch, n_new, n_heads, head_dim]."""
+    past = kwargs.get("past_key_values")
+    layer_idx = getattr(module, "layer_idx", None)
+    cache = _current_caches().pop(layer_idx, None) if layer_idx is not None else None
+    if cache is None or layer_idx not in cache._pending:
+        raise RuntimeError(f"attn_implementation {ATTENTION_NAME!r} needs past_key_values=CertkvCache(...) "
+                           f"(and use_cache=True); got {type(past).__name__ if past is not None else 'no cache'}")
+    if dropout and module.training:
+        raise ValueError("dropout: certkv attention is for inference (dropout must be 0)")
+    k_new, v_new = cache._pending.pop(layer_idx)
+    store = cache.store
+    if scaling is not None and not math.isclose(float(scaling), cache._options["sm_scale"], rel_tol=1e-6):
+        raise ValueError(f"scaling: the model's softmax scale {scaling} is not the cache's sm_scale "
+                         f"{cache._options['sm_scale']} (pass sm_scale= to CertkvCache)")
+    if query.device.type != "cpu":
+        raise ValueError(f"query: scheme {cache.scheme!r} is served on the CPU in this build of certkv, not on "
+                         f"device {query.device}")
+    batch, n_heads, n_new, head_dim = query.shape
+    kv_length = cache.layers[layer_idx].seen
+    out = torch.zeros((batch, n_new, n_heads, head_dim), dtype=torch.float32)
+    for b in range(batch):
+        n_valid = _valid_suffix(attention_mask, b, n_new, kv_length)
+        if layer_idx == 0:
+            cache._pads[b] += n_new - n_valid
+        if n_valid == 0:
+            continue
+        store.append(b, layer_idx, _numpy_rows("key", k_new[b, :, n_new - n_valid:]),
+                     _numpy_rows("value", v_new[b, :, n_new - n_valid:]))
+        q = query[b, :, n_new - n_valid:].transpose(0, 1).to(torch.float32).contiguous().numpy()
+        rows = out[b, n_new - n_valid:].numpy()
+        store.attend(b, layer_idx, q[0] if n_valid == 1 else q, out=rows[0] if n_valid == 1 else rows)
+    return out.to(query.dtype), None
+
+
+transformers.AttentionInterface.register(ATTENTION_NAME, certkv_attention)
+# The mask certkv_attention reads: sdpa's (a boolean mask, or none for plain causal attention).
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)

@@ -1,0 +1,449 @@
+// The C API's KV store (certkv_kv_store_*): rows appended in ragged pieces read back bit for bit
+// (bf16, gaac), attention equal to a plain double-precision softmax over the rows read back, the
+// meter of lossy schemes at or above the true total variation and output error it bounds, crop
+// and reorder, and refusals that name the value.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "certkv/certkv.h"
+
+namespace {
+
+constexpr int kLayers = 2, kHeads = 6, kKvHeads = 2, kHeadDim = 64, kBlock = 16;
+
+uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+float from_bf16(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Rows [n_kv_heads][n][head_dim] of bf16 bits: RoPE-like keys (a few large channels), or values;
+// `specials` mixes in -0, subnormals, infinities and quiet NaN (a GAAC page must keep them).
+std::vector<uint16_t> rows_bf16(int n, uint32_t seed, bool specials) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const uint16_t special[] = {0x8000, 0x0001, 0x807f, 0x7f80, 0xff80, 0x7fc1, 0x7f7f};
+  std::vector<uint16_t> x(size_t(kKvHeads) * size_t(n) * kHeadDim);
+  for (size_t i = 0; i < x.size(); ++i) {
+    const int c = int(i % kHeadDim);
+    const float scale = c % 16 == 3 ? 6.f : 1.f;
+    x[i] = to_bf16(scale * normal(rng));
+    if (specials && rng() % 97 == 0) x[i] = special[rng() % 7];
+  }
+  return x;
+}
+
+struct Store {
+  certkv_kv_store* s = nullptr;
+  explicit Store(const char* kv, int n_sequences = 1, int64_t max_tokens = 0, const char* layout = "half-split") {
+    certkv_kv_store_params p = certkv_kv_store_default_params();
+    p.kv = kv;
+    p.n_layers = kLayers;
+    p.n_heads = kHeads;
+    p.n_kv_heads = kKvHeads;
+    p.head_dim = kHeadDim;
+    p.block_tokens = kBlock;
+    p.n_sequences = n_sequences;
+    p.max_tokens = max_tokens;
+    p.rope_layout = layout;
+    p.n_threads = 2;
+    EXPECT_EQ(certkv_kv_store_create(&p, &s), CERTKV_OK) << certkv_last_error();
+  }
+  ~Store() { certkv_kv_store_free(s); }
+};
+
+// Appends the positions [begin, end) of full [n_kv_heads][n][head_dim] rows.
+certkv_status append_range(certkv_kv_store* s, int seq, int layer, const std::vector<uint16_t>& k,
+                           const std::vector<uint16_t>& v, int n, int begin, int end) {
+  std::vector<uint16_t> kp, vp;
+  for (int h = 0; h < kKvHeads; ++h)
+    for (int t = begin; t < end; ++t)
+      for (int c = 0; c < kHeadDim; ++c) {
+        kp.push_back(k[(size_t(h) * n + t) * kHeadDim + c]);
+        vp.push_back(v[(size_t(h) * n + t) * kHeadDim + c]);
+      }
+  return certkv_kv_store_append_bf16(s, seq, layer, kp.data(), vp.data(), end - begin);
+}
+
+// Ragged pieces, none a multiple of the block: 129, 1, 3, 17 (150 tokens); or 1, 3, 17, 129
+// (a first append too short to calibrate GAAC on: its blocks stay raw, still bit for bit).
+constexpr int kTokens = 150;
+
+void append_ragged(certkv_kv_store* s, int seq, int layer, const std::vector<uint16_t>& k,
+                   const std::vector<uint16_t>& v, bool short_first = false) {
+  const int long_first[] = {129, 1, 3, 17}, short_pieces[] = {1, 3, 17, 129};
+  int at = 0;
+  for (int piece : short_first ? short_pieces : long_first) {
+    ASSERT_EQ(append_range(s, seq, layer, k, v, kTokens, at, at + piece), CERTKV_OK) << certkv_last_error();
+    at += piece;
+  }
+}
+
+std::vector<float> read(certkv_kv_store* s, int seq, int layer, int kv, int64_t begin, int64_t end, int exact) {
+  std::vector<float> out(size_t(kKvHeads) * size_t(end - begin) * kHeadDim);
+  EXPECT_EQ(certkv_kv_store_read(s, seq, layer, kv, begin, end, exact, out.data()), CERTKV_OK) << certkv_last_error();
+  return out;
+}
+
+std::vector<uint16_t> bits_of(const std::vector<float>& x) {
+  std::vector<uint16_t> b(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &x[i], 4);
+    b[i] = uint16_t(u >> 16);
+  }
+  return b;
+}
+
+uint64_t class_pages(const certkv_kv_stats& st, const char* storage) {
+  for (int i = 0; i < st.n_classes; ++i)
+    if (std::strcmp(st.by_class[i].storage, storage) == 0) return st.by_class[i].pages_in_use;
+  return 0;
+}
+
+TEST(CApiKvStore, Bf16AndGaacReadBackBitForBit) {
+  for (const char* kv : {"bf16", "gaac", "gaac short first"}) {
+    const bool short_first = std::string(kv) == "gaac short first";
+    Store st(short_first ? "gaac" : kv, 2);
+    std::vector<std::vector<uint16_t>> ks, vs;
+    for (int seq = 0; seq < 2; ++seq)
+      for (int layer = 0; layer < kLayers; ++layer) {
+        ks.push_back(rows_bf16(kTokens, 11 + 7 * seq + layer, true));
+        vs.push_back(rows_bf16(kTokens, 101 + 7 * seq + layer, true));
+        append_ragged(st.s, seq, layer, ks.back(), vs.back(), short_first);
+      }
+    for (int seq = 0; seq < 2; ++seq)
+      for (int layer = 0; layer < kLayers; ++layer) {
+        int64_t n = 0;
+        ASSERT_EQ(certkv_kv_store_length(st.s, seq, layer, &n), CERTKV_OK);
+        EXPECT_EQ(n, kTokens);
+        const size_t i = size_t(seq * kLayers + layer);
+        EXPECT_EQ(bits_of(read(st.s, seq, layer, 0, 0, kTokens, 0)), ks[i]) << kv << " K seq " << seq << " layer " << layer;
+        EXPECT_EQ(bits_of(read(st.s, seq, layer, 1, 0, kTokens, 0)), vs[i]) << kv << " V seq " << seq << " layer " << layer;
+      }
+    certkv_kv_stats stats;
+    ASSERT_EQ(certkv_kv_store_kv_stats(st.s, &stats), CERTKV_OK);
+    EXPECT_EQ(stats.n_tokens, 2 * kTokens);
+    EXPECT_EQ(stats.kv_bytes_bf16, uint64_t(2) * kTokens * kLayers * kKvHeads * kHeadDim * 2 * 2);
+    if (std::string(kv) == "gaac") {
+      // Not a pass on raw pages alone: complete blocks went to GAAC slots, in fewer bytes.
+      EXPECT_GT(class_pages(stats, "gaac"), 0u);
+      EXPECT_LT(stats.kv_bytes_in_use, stats.kv_bytes_bf16);
+    }
+  }
+}
+
+TEST(CApiKvStore, F32RowsRoundToBf16) {
+  Store st("bf16");
+  std::vector<float> k(size_t(kKvHeads) * 5 * kHeadDim), v(k.size());
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = 0.1f * float(i) + 1e-4f;
+    v[i] = -0.37f * float(i);
+  }
+  ASSERT_EQ(certkv_kv_store_append_f32(st.s, 0, 1, k.data(), v.data(), 5), CERTKV_OK) << certkv_last_error();
+  const std::vector<float> kr = read(st.s, 0, 1, 0, 0, 5, 0), vr = read(st.s, 0, 1, 1, 0, 5, 0);
+  for (size_t i = 0; i < k.size(); ++i) {
+    ASSERT_EQ(kr[i], from_bf16(to_bf16(k[i]))) << i;
+    ASSERT_EQ(vr[i], from_bf16(to_bf16(v[i]))) << i;
+  }
+  int64_t n = -1;
+  ASSERT_EQ(certkv_kv_store_length(st.s, 0, 0, &n), CERTKV_OK);
+  EXPECT_EQ(n, 0);  // layers are appended on their own
+}
+
+// Plain softmax attention in double of query heads q [n_heads][head_dim] over rows
+// [n_kv_heads][n][head_dim] (positions [0, n_ctx)), GQA heads h -> h / (n_heads / n_kv_heads).
+std::vector<double> softmax_attention(const float* q, const std::vector<float>& k, const std::vector<float>& v,
+                                      int n, int n_ctx, double scale, std::vector<std::vector<double>>* p_out = nullptr) {
+  std::vector<double> out(size_t(kHeads) * kHeadDim, 0.0);
+  const int group = kHeads / kKvHeads;
+  for (int h = 0; h < kHeads; ++h) {
+    const int g = h / group;
+    std::vector<double> s(static_cast<size_t>(n_ctx), 0.0);
+    double m = -INFINITY;
+    for (int t = 0; t < n_ctx; ++t) {
+      double dot = 0;
+      for (int c = 0; c < kHeadDim; ++c) dot += double(q[h * kHeadDim + c]) * double(k[(size_t(g) * n + t) * kHeadDim + c]);
+      s[size_t(t)] = scale * dot;
+      m = std::max(m, s[size_t(t)]);
+    }
+    double z = 0;
+    for (double& x : s) z += (x = std::exp(x - m));
+    for (double& x : s) x /= z;
+    for (int t = 0; t < n_ctx; ++t)
+      for (int c = 0; c < kHeadDim; ++c)
+        out[size_t(h) * kHeadDim + c] += s[size_t(t)] * double(v[(size_t(g) * n + t) * kHeadDim + c]);
+    if (p_out) p_out->push_back(s);
+  }
+  return out;
+}
+
+std::vector<float> queries(int n_queries, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.5f);
+  std::vector<float> q(size_t(n_queries) * kHeads * kHeadDim);
+  for (float& x : q) x = normal(rng);
+  return q;
+}
+
+TEST(CApiKvStore, AttendEqualsDoubleSoftmaxOverReadBackRows) {
+  const double scale = 1.0 / std::sqrt(double(kHeadDim));
+  for (const char* kv : {"bf16", "gaac", "fp8-e4m3-pages", "dither8", "rtn4"}) {
+    Store st(kv);
+    const std::vector<uint16_t> k = rows_bf16(kTokens, 3, false), v = rows_bf16(kTokens, 4, false);
+    append_ragged(st.s, 0, 1, k, v);
+    const std::vector<float> kr = read(st.s, 0, 1, 0, 0, kTokens, 0), vr = read(st.s, 0, 1, 1, 0, kTokens, 0);
+    // A decode step: the last position's query.
+    const std::vector<float> q = queries(1, 9);
+    std::vector<float> out(size_t(kHeads) * kHeadDim);
+    ASSERT_EQ(certkv_kv_store_attend(st.s, 0, 1, q.data(), 1, out.data(), nullptr), CERTKV_OK) << certkv_last_error();
+    const std::vector<double> want = softmax_attention(q.data(), kr, vr, kTokens, kTokens, scale);
+    for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], want[i], 2e-5 * (1 + std::fabs(want[i]))) << kv << " " << i;
+    // A prefill of the last 5 positions: query i attends to positions [0, kTokens - 5 + i].
+    const std::vector<float> q5 = queries(5, 10);
+    std::vector<float> out5(q5.size());
+    ASSERT_EQ(certkv_kv_store_attend(st.s, 0, 1, q5.data(), 5, out5.data(), nullptr), CERTKV_OK) << certkv_last_error();
+    if (std::string(kv) == "bf16" || std::string(kv) == "gaac" || std::string(kv) == "fp8-e4m3-pages") {
+      for (int i = 0; i < 5; ++i) {
+        const std::vector<double> w = softmax_attention(q5.data() + size_t(i) * kHeads * kHeadDim, kr, vr, kTokens,
+                                                        kTokens - 5 + i + 1, scale);
+        for (size_t j = 0; j < w.size(); ++j)
+          ASSERT_NEAR(out5[size_t(i) * kHeads * kHeadDim + j], w[j], 2e-5 * (1 + std::fabs(w[j]))) << kv << " query " << i;
+      }
+    }
+  }
+}
+
+TEST(CApiKvStore, LossyMeterBoundsTheTrueError) {
+  const double scale = 1.0 / std::sqrt(double(kHeadDim));
+  for (const char* kv : {"dither8", "rtn4", "fp8-e4m3", "kivi2"}) {
+    Store st(kv);
+    const std::vector<uint16_t> k = rows_bf16(kTokens + 40, 21, false), v = rows_bf16(kTokens + 40, 22, false);
+    constexpr int kSteps = 40;
+    double largest = 0;
+    // The prompt, then decode steps of one token each: every step's meter over the true error.
+    ASSERT_EQ(append_range(st.s, 0, 0, k, v, kTokens + kSteps, 0, kTokens), CERTKV_OK) << certkv_last_error();
+    for (int step = 0; step < kSteps; ++step) {
+      const int n = kTokens + step + 1;
+      ASSERT_EQ(append_range(st.s, 0, 0, k, v, kTokens + kSteps, n - 1, n), CERTKV_OK) << certkv_last_error();
+      const std::vector<float> q = queries(1, 1000 + uint32_t(n));
+      std::vector<float> out(size_t(kHeads) * kHeadDim);
+      certkv_head_meter meters[kHeads];
+      ASSERT_EQ(certkv_kv_store_attend(st.s, 0, 0, q.data(), 1, out.data(), meters), CERTKV_OK) << certkv_last_error();
+      const std::vector<float> kr = read(st.s, 0, 0, 0, 0, n, 0), vr = read(st.s, 0, 0, 1, 0, n, 0);
+      const std::vector<float> ke = read(st.s, 0, 0, 0, 0, n, 1), ve = read(st.s, 0, 0, 1, 0, n, 1);
+      std::vector<std::vector<double>> p_hat, p;
+      const std::vector<double> y_hat = softmax_attention(q.data(), kr, vr, n, n, scale, &p_hat);
+      const std::vector<double> y = softmax_attention(q.data(), ke, ve, n, n, scale, &p);
+      for (int h = 0; h < kHeads; ++h) {
+        double tv = 0, err2 = 0;
+        for (int t = 0; t < n; ++t) tv += 0.5 * std::fabs(p[size_t(h)][size_t(t)] - p_hat[size_t(h)][size_t(t)]);
+        for (int c = 0; c < kHeadDim; ++c) {
+          const double d = y_hat[size_t(h) * kHeadDim + c] - y[size_t(h) * kHeadDim + c];
+          err2 += d * d;
+        }
+        EXPECT_GE(meters[h].meter, tv) << kv << " step " << n << " head " << h;
+        EXPECT_GE(meters[h].output_bound, std::sqrt(err2)) << kv << " step " << n << " head " << h;
+        largest = std::max(largest, meters[h].meter);
+      }
+    }
+    // Not a pass on exact pages: the pages were lossy and the meter saw it.
+    EXPECT_GT(largest, 0.0) << kv;
+    certkv_meter_stats ms;
+    ASSERT_EQ(certkv_kv_store_meter_stats(st.s, &ms), CERTKV_OK);
+    EXPECT_EQ(ms.metered, 1);
+    EXPECT_EQ(ms.cells, int64_t(kSteps) * kHeads);
+    EXPECT_EQ(std::string(ms.tier), std::string(kv) == "dither8" ? "B" : "A");
+    EXPECT_NEAR(ms.max, largest, largest * 0.004 + 1e-300);
+    certkv_kv_stats ks;
+    ASSERT_EQ(certkv_kv_store_kv_stats(st.s, &ks), CERTKV_OK);
+    EXPECT_GT(ks.backing_bytes, 0u) << kv;
+  }
+}
+
+TEST(CApiKvStore, LosslessSchemesAreNotMetered) {
+  Store st("gaac");
+  const std::vector<uint16_t> k = rows_bf16(40, 5, false), v = rows_bf16(40, 6, false);
+  ASSERT_EQ(append_range(st.s, 0, 0, k, v, 40, 0, 40), CERTKV_OK);
+  const std::vector<float> q = queries(1, 3);
+  std::vector<float> out(size_t(kHeads) * kHeadDim);
+  certkv_head_meter meters[kHeads];
+  ASSERT_EQ(certkv_kv_store_attend(st.s, 0, 0, q.data(), 1, out.data(), meters), CERTKV_OK);
+  for (const certkv_head_meter& m : meters) EXPECT_EQ(m.meter, 0.0);
+  certkv_meter_stats ms;
+  ASSERT_EQ(certkv_kv_store_meter_stats(st.s, &ms), CERTKV_OK);
+  EXPECT_EQ(ms.metered, 0);
+  EXPECT_EQ(std::string(ms.tier), "none");
+  EXPECT_EQ(ms.cells, 0);
+}
+
+TEST(CApiKvStore, CropKeepsAPrefixAndAppendsAfterIt) {
+  for (const char* kv : {"bf16", "gaac", "dither8"}) {
+    Store st(kv);
+    const std::vector<uint16_t> k = rows_bf16(kTokens, 31, false), v = rows_bf16(kTokens, 32, false);
+    for (int layer = 0; layer < kLayers; ++layer) append_ragged(st.s, 0, layer, k, v);
+    const std::vector<float> exact_k = read(st.s, 0, 1, 0, 0, kTokens, 1);
+    for (int64_t keep : {int64_t(149), int64_t(37), int64_t(32), int64_t(0)}) {
+      ASSERT_EQ(certkv_kv_store_crop(st.s, 0, keep), CERTKV_OK) << kv << ": " << certkv_last_error();
+      for (int layer = 0; layer < kLayers; ++layer) {
+        int64_t n = -1;
+        ASSERT_EQ(certkv_kv_store_length(st.s, 0, layer, &n), CERTKV_OK);
+        EXPECT_EQ(n, keep);
+      }
+      const std::vector<float> now = read(st.s, 0, 1, 0, 0, keep, 1);
+      for (int h = 0; h < kKvHeads; ++h)
+        for (int64_t t = 0; t < keep; ++t)
+          for (int c = 0; c < kHeadDim; ++c)
+            ASSERT_EQ(now[(size_t(h) * keep + t) * kHeadDim + c], exact_k[(size_t(h) * kTokens + t) * kHeadDim + c])
+                << kv << " keep " << keep;
+    }
+    // Appending after a crop continues the sequence: the same rows as appended from the start.
+    for (int layer = 0; layer < kLayers; ++layer) append_ragged(st.s, 0, layer, k, v);
+    EXPECT_EQ(bits_of(read(st.s, 0, 1, 0, 0, kTokens, 1)), k) << kv;
+    if (std::string(kv) != "dither8") EXPECT_EQ(bits_of(read(st.s, 0, 1, 1, 0, kTokens, 0)), v) << kv;
+  }
+}
+
+TEST(CApiKvStore, ReorderSharesPages) {
+  Store st("gaac", 3);
+  std::vector<std::vector<uint16_t>> ks;
+  for (int seq = 0; seq < 3; ++seq) {
+    ks.push_back(rows_bf16(40 + seq, 50 + seq, false));
+    for (int layer = 0; layer < kLayers; ++layer)
+      ASSERT_EQ(append_range(st.s, seq, layer, ks.back(), ks.back(), 40 + seq, 0, 40 + seq), CERTKV_OK);
+  }
+  certkv_kv_stats before;
+  ASSERT_EQ(certkv_kv_store_kv_stats(st.s, &before), CERTKV_OK);
+  const int32_t src[3] = {2, 0, 2};
+  ASSERT_EQ(certkv_kv_store_reorder(st.s, src), CERTKV_OK) << certkv_last_error();
+  for (int i = 0; i < 3; ++i) {
+    int64_t n = 0;
+    ASSERT_EQ(certkv_kv_store_length(st.s, i, 1, &n), CERTKV_OK);
+    ASSERT_EQ(n, 40 + src[i]);
+    EXPECT_EQ(bits_of(read(st.s, i, 1, 0, 0, n, 0)), ks[size_t(src[i])]) << i;
+  }
+  certkv_kv_stats after;
+  ASSERT_EQ(certkv_kv_store_kv_stats(st.s, &after), CERTKV_OK);
+  EXPECT_LE(after.pages_in_use, before.pages_in_use);  // the copy of sequence 2 shares its pages
+  // Each copy is its own sequence from here on.
+  const std::vector<uint16_t> more = rows_bf16(1, 77, false);
+  ASSERT_EQ(append_range(st.s, 0, 1, more, more, 1, 0, 1), CERTKV_OK);
+  int64_t n0 = 0, n2 = 0;
+  ASSERT_EQ(certkv_kv_store_length(st.s, 0, 1, &n0), CERTKV_OK);
+  ASSERT_EQ(certkv_kv_store_length(st.s, 2, 1, &n2), CERTKV_OK);
+  EXPECT_EQ(n0, 43);
+  EXPECT_EQ(n2, 42);
+  EXPECT_EQ(bits_of(read(st.s, 2, 1, 0, 0, 42, 0)), ks[2]);
+}
+
+bool error_names(const char* text) { return std::string(certkv_last_error()).find(text) != std::string::npos; }
+
+TEST(CApiKvStore, RefusalsNameTheValue) {
+  certkv_kv_store* s = nullptr;
+  certkv_kv_store_params p = certkv_kv_store_default_params();
+  p.n_layers = 2;
+  p.n_heads = 6;
+  p.n_kv_heads = 2;
+  p.head_dim = 64;
+  EXPECT_EQ(certkv_kv_store_create(nullptr, &s), CERTKV_ERR_INVALID_ARGUMENT);
+  certkv_kv_store_params bad = p;
+  bad.kv = "int3";
+  EXPECT_EQ(certkv_kv_store_create(&bad, &s), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("'int3'")) << certkv_last_error();
+  EXPECT_TRUE(error_names("dither8")) << certkv_last_error();  // the known schemes are listed
+  bad = p;
+  bad.n_heads = 5;
+  EXPECT_EQ(certkv_kv_store_create(&bad, &s), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("n_heads 5")) << certkv_last_error();
+  bad = p;
+  bad.n_layers = 0;
+  EXPECT_EQ(certkv_kv_store_create(&bad, &s), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("n_layers 0")) << certkv_last_error();
+  bad = p;
+  bad.kv = "dither8";
+  bad.witness = "u8";
+  EXPECT_EQ(certkv_kv_store_create(&bad, &s), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("witness u8")) << certkv_last_error();
+  bad = p;
+  bad.gaac_calibration = "/nonexistent.safetensors";
+  EXPECT_EQ(certkv_kv_store_create(&bad, &s), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("not kv bf16")) << certkv_last_error();
+  bad = p;
+  bad.kv = "gaac";
+  bad.gaac_calibration = "/nonexistent.safetensors";
+  EXPECT_EQ(certkv_kv_store_create(&bad, &s), CERTKV_ERR_NOT_FOUND) << certkv_last_error();
+  bad = p;
+  bad.rope_layout = "neox";
+  EXPECT_EQ(certkv_kv_store_create(&bad, &s), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("'neox'")) << certkv_last_error();
+  bad = p;
+  bad.head_dim = 12;
+  EXPECT_EQ(certkv_kv_store_create(&bad, &s), CERTKV_ERR_UNSUPPORTED) << certkv_last_error();
+  bad = p;
+  bad.kv = "gaac";
+  bad.head_dim = 12;
+  EXPECT_EQ(certkv_kv_store_create(&bad, &s), CERTKV_ERR_UNSUPPORTED) << certkv_last_error();
+  bad = p;
+  bad.kv = "dither8";
+  bad.head_dim = 40;  // lossy pages quantize groups of 32 channels
+  EXPECT_NE(certkv_kv_store_create(&bad, &s), CERTKV_OK);
+  EXPECT_TRUE(error_names("head_dim")) << certkv_last_error();
+  EXPECT_EQ(s, nullptr);
+
+  p.max_tokens = 64;
+  ASSERT_EQ(certkv_kv_store_create(&p, &s), CERTKV_OK) << certkv_last_error();
+  std::vector<uint16_t> rows(size_t(2) * 80 * 64, 0x3f80);
+  EXPECT_EQ(certkv_kv_store_append_bf16(s, 0, 2, rows.data(), rows.data(), 1), CERTKV_ERR_OUT_OF_RANGE);
+  EXPECT_TRUE(error_names("layer 2 outside [0, 2)")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_append_bf16(s, 1, 0, rows.data(), rows.data(), 1), CERTKV_ERR_OUT_OF_RANGE);
+  EXPECT_TRUE(error_names("seq 1 outside [0, 1)")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_append_bf16(s, 0, 0, rows.data(), nullptr, 1), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(certkv_kv_store_append_bf16(s, 0, 0, rows.data(), rows.data(), 0), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("n_tokens 0")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_append_bf16(nullptr, 0, 0, rows.data(), rows.data(), 1), CERTKV_ERR_INVALID_ARGUMENT);
+  // Past the capacity: refused, nothing appended.
+  EXPECT_EQ(certkv_kv_store_append_bf16(s, 0, 0, rows.data(), rows.data(), 80), CERTKV_ERR_OUT_OF_MEMORY);
+  int64_t n = -1;
+  ASSERT_EQ(certkv_kv_store_length(s, 0, 0, &n), CERTKV_OK);
+  EXPECT_EQ(n, 0);
+  ASSERT_EQ(certkv_kv_store_append_bf16(s, 0, 0, rows.data(), rows.data(), 10), CERTKV_OK);
+  std::vector<float> out(size_t(2) * 20 * 64);
+  EXPECT_EQ(certkv_kv_store_read(s, 0, 0, 0, 0, 11, 0, out.data()), CERTKV_ERR_OUT_OF_RANGE);
+  EXPECT_TRUE(error_names("[0, 11) outside the 10 stored")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_read(s, 0, 0, 2, 0, 1, 0, out.data()), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(certkv_kv_store_read(s, 0, 0, 0, 0, 1, 0, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  std::vector<float> q(size_t(11) * 6 * 64, 0.5f), o(q.size());
+  EXPECT_EQ(certkv_kv_store_attend(s, 0, 0, q.data(), 11, o.data(), nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("n_queries 11")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_attend(s, 0, 1, q.data(), 1, o.data(), nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  certkv_head_meter meters[6];
+  EXPECT_EQ(certkv_kv_store_attend(s, 0, 0, q.data(), 2, o.data(), meters), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("decode steps")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_crop(s, 0, 11), CERTKV_ERR_OUT_OF_RANGE);
+  EXPECT_TRUE(error_names("n_tokens 11")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_crop(s, 0, 1), CERTKV_ERR_OUT_OF_RANGE);  // layer 1 holds 0
+  EXPECT_TRUE(error_names("layer 1")) << certkv_last_error();
+  const int32_t src[1] = {1};
+  EXPECT_EQ(certkv_kv_store_reorder(s, src), CERTKV_ERR_OUT_OF_RANGE);
+  EXPECT_EQ(certkv_kv_store_reorder(s, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(certkv_kv_store_meter_stats(s, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(certkv_kv_store_kv_stats(nullptr, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  certkv_kv_store_free(s);
+  certkv_kv_store_free(nullptr);
+}
+
+}  // namespace

@@ -1,0 +1,156 @@
+"""certkv.KvStore: rows in, the same rows out (bf16, gaac), attention against NumPy's softmax over
+the rows read back, the meter over the true error of a lossy scheme, crop and reorder, and
+refusals that name the argument."""
+
+import numpy as np
+import pytest
+
+import certkv
+
+SHAPE = dict(n_layers=2, n_heads=6, n_kv_heads=2, head_dim=64)
+
+
+def bf16_rows(n_tokens, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, n_tokens, 64)).astype(np.float32)
+    x[:, :, 3::16] *= 6
+    return (x.view(np.uint32) >> 16).astype(np.uint16)  # truncated to bf16: exact bf16 values
+
+
+def bf16_to_f32(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def softmax_attention(q, k, v, scale):
+    # q [n_heads, d]; k, v [n_kv_heads, n, d]; GQA groups of n_heads / n_kv_heads.
+    group = q.shape[0] // k.shape[0]
+    kk = np.repeat(k.astype(np.float64), group, axis=0)
+    vv = np.repeat(v.astype(np.float64), group, axis=0)
+    s = np.einsum("hd,hnd->hn", q.astype(np.float64), kk) * scale
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    return np.einsum("hn,hnd->hd", p, vv), p
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "gaac"])
+def test_rows_come_back_bit_for_bit(scheme):
+    store = certkv.KvStore(scheme, n_sequences=2, **SHAPE)
+    rows = {}
+    for seq in range(2):
+        for layer in range(2):
+            k, v = bf16_rows(150, 10 * seq + layer), bf16_rows(150, 100 + 10 * seq + layer)
+            rows[seq, layer] = (k, v)
+            for begin, end in ((0, 129), (129, 130), (130, 133), (133, 150)):
+                store.append(seq, layer, np.ascontiguousarray(k[:, begin:end]), np.ascontiguousarray(v[:, begin:end]))
+    for (seq, layer), (k, v) in rows.items():
+        assert store.length(seq, layer) == 150
+        assert np.array_equal(store.read(seq, layer, "k").view(np.uint32) >> 16, k.astype(np.uint32))
+        assert np.array_equal(store.read(seq, layer, "v").view(np.uint32) >> 16, v.astype(np.uint32))
+    cert = store.certificate()
+    assert cert["scheme"] == scheme and cert["metered"] is False
+    if scheme == "gaac":
+        assert cert["kv_bytes_by_class"].get("gaac", 0) > 0
+        assert sum(cert["kv_bytes_by_class"].values()) < cert["kv_bytes_bf16"]
+
+
+def test_float_rows_and_ml_dtypes():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    store = certkv.KvStore("bf16", **SHAPE)
+    x = np.linspace(-3, 3, 2 * 5 * 64, dtype=np.float32).reshape(2, 5, 64)
+    store.append(0, 0, x, x)
+    assert np.array_equal(store.read(0, 0, "k"), x.astype(ml_dtypes.bfloat16).astype(np.float32))
+    store.append(0, 1, x.astype(ml_dtypes.bfloat16), x.astype(ml_dtypes.bfloat16))
+    assert np.array_equal(store.read(0, 1, "v"), store.read(0, 0, "v"))
+
+
+@pytest.mark.parametrize("scheme", ["gaac", "dither8", "fp8-e4m3"])
+def test_attend_matches_softmax_and_the_meter_bounds_the_error(scheme):
+    store = certkv.KvStore(scheme, rope_layout="half-split", **SHAPE)
+    k, v = bf16_rows(200, 1), bf16_rows(200, 2)
+    store.append(0, 0, np.ascontiguousarray(k[:, :180]), np.ascontiguousarray(v[:, :180]))
+    rng = np.random.default_rng(3)
+    largest = 0.0
+    for n in range(181, 201):
+        store.append(0, 0, np.ascontiguousarray(k[:, n - 1:n]), np.ascontiguousarray(v[:, n - 1:n]))
+        q = rng.standard_normal((6, 64)).astype(np.float32) * 1.5
+        out, meters = store.attend(0, 0, q)
+        assert out.shape == (6, 64) and meters.shape == (6,)
+        want, p_hat = softmax_attention(q, store.read(0, 0, "k"), store.read(0, 0, "v"), 1 / 8)
+        np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+        exact, p = softmax_attention(q, store.read(0, 0, "k", exact=True), store.read(0, 0, "v", exact=True), 1 / 8)
+        tv = 0.5 * np.abs(p - p_hat).sum(axis=1)
+        assert (meters["meter"] >= tv).all()
+        assert (meters["output_bound"] >= np.linalg.norm(want - exact, axis=1)).all()
+        largest = max(largest, meters["meter"].max())
+    cert = store.certificate()
+    if scheme == "gaac":
+        assert largest == 0 and cert["metered"] is False
+    else:
+        assert largest > 0
+        assert cert["metered"] and cert["cells"] == 20 * 6
+        assert cert["meter_max"] == pytest.approx(largest, rel=0.004)
+        assert cert["tier"] == ("B" if scheme == "dither8" else "A")
+    # A prefill of the last 4 positions, causal.
+    q4 = rng.standard_normal((4, 6, 64)).astype(np.float32)
+    out4, none = store.attend(0, 0, q4)
+    assert none is None and out4.shape == (4, 6, 64)
+    if scheme == "gaac":
+        kr, vr = store.read(0, 0, "k"), store.read(0, 0, "v")
+        for i in range(4):
+            n = 197 + i
+            want, _ = softmax_attention(q4[i], kr[:, :n], vr[:, :n], 1 / 8)
+            np.testing.assert_allclose(out4[i], want, rtol=2e-5, atol=2e-5)
+
+
+def test_crop_and_reorder():
+    store = certkv.KvStore("gaac", n_sequences=2, **SHAPE)
+    a, b = bf16_rows(70, 5), bf16_rows(90, 6)
+    for layer in range(2):
+        store.append(0, layer, a, a)
+        store.append(1, layer, b, b)
+    store.crop(0, 37)
+    assert [store.length(0, layer) for layer in range(2)] == [37, 37]
+    assert np.array_equal(store.read(0, 1, "k"), bf16_to_f32(a[:, :37]))
+    store.reorder([1, 1])
+    assert store.length(0, 0) == 90 and np.array_equal(store.read(0, 0, "v"), bf16_to_f32(b))
+    store.crop(1, 0)
+    assert store.length(1, 1) == 0 and store.length(0, 1) == 90
+
+
+def test_refusals_name_the_argument():
+    with pytest.raises(ValueError, match="'int3'"):
+        certkv.KvStore("int3", **SHAPE)
+    with pytest.raises(ValueError, match="n_heads 5"):
+        certkv.KvStore("bf16", n_layers=1, n_heads=5, n_kv_heads=2, head_dim=64)
+    with pytest.raises(ValueError, match="rope_layout"):
+        certkv.KvStore("bf16", rope_layout="neox", **SHAPE)
+    with pytest.raises(TypeError, match="n_layers"):
+        certkv.KvStore("bf16", n_layers=2.0, n_heads=6, n_kv_heads=2, head_dim=64)
+    with pytest.raises(certkv.UnsupportedError, match="head_dim 12"):
+        certkv.KvStore("gaac", n_layers=1, n_heads=2, n_kv_heads=2, head_dim=12)
+    store = certkv.KvStore("bf16", max_tokens=64, **SHAPE)
+    rows = bf16_rows(3, 0)
+    with pytest.raises(ValueError, match=r"k: expected shape \[2, n_tokens >= 1, 64\]"):
+        store.append(0, 0, rows[:1], rows[:1])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        store.append(0, 0, rows[:, ::2], rows[:, ::2])
+    with pytest.raises(TypeError, match="k: expected bf16 bit patterns"):
+        store.append(0, 0, rows.astype(np.int32), rows.astype(np.int32))
+    with pytest.raises(TypeError, match="v: expected the kind of k"):
+        store.append(0, 0, rows, bf16_to_f32(rows))
+    with pytest.raises(IndexError, match="layer 2 outside"):
+        store.append(0, 2, rows, rows)
+    with pytest.raises(certkv.OutOfRangeError, match="seq 1 outside"):
+        store.append(1, 0, rows, rows)
+    with pytest.raises(ValueError, match=r"q: expected shape \[6, 64\]"):
+        store.attend(0, 0, np.zeros((6, 32), np.float32))
+    with pytest.raises(TypeError, match="q: expected a floating-point array"):
+        store.attend(0, 0, np.zeros((6, 64), np.int32))
+    with pytest.raises(ValueError, match="n_queries 1"):  # nothing stored yet
+        store.attend(0, 0, np.zeros((6, 64), np.float32))
+    with pytest.raises(certkv.CertkvError, match="capacity|pages|out of"):
+        store.append(0, 0, bf16_rows(80, 1), bf16_rows(80, 1))
+    with pytest.raises(ValueError, match="kv: expected 'k' or 'v'"):
+        store.read(0, 0, "q")
+    with pytest.raises(ValueError, match="src: expected 1 entries"):
+        store.reorder([0, 0])

@@ -1,0 +1,77 @@
+"""certkv's torch custom operators on CPU tensors: the same results as the NumPy API, the same
+under torch.compile (their fake kernels trace), and a clear refusal of CUDA tensors. Skipped
+where torch is not installed."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import certkv  # noqa: E402
+import certkv.codec  # noqa: E402
+import certkv.torch_ops as ops  # noqa: E402
+
+
+def bf16_rows(n_tokens, seed, heads=2):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((heads, n_tokens, 64)).astype(np.float32)
+    return (x.view(np.uint32) >> 16).astype(np.uint16)
+
+
+@pytest.fixture(scope="module")
+def store():
+    s = certkv.KvStore("dither8", n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64, rope_layout="half-split")
+    s.append(0, 0, bf16_rows(70, 1), bf16_rows(70, 2))
+    return s
+
+
+def test_kv_store_attend_op_equals_the_store(store):
+    handle = ops.register_store(store)
+    q = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    out, meters = torch.ops.certkv.kv_store_attend(handle, 0, 0, q)
+    want, want_meters = store.attend(0, 0, q.numpy())
+    assert torch.equal(out, torch.from_numpy(want))
+    assert np.array_equal(meters[:, 0].numpy(), want_meters["meter"]) and (meters[:, 0] > 0).all()
+    assert np.array_equal(meters[:, 4].numpy(), want_meters["output_bound"])
+
+    def step(q):
+        out, meters = torch.ops.certkv.kv_store_attend(handle, 0, 0, q * 2)
+        return out.sum(-1), meters[:, 0].max()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    got = compiled(q)
+    plain = step(q)
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+
+
+def test_gaac_page_ops_round_trip_under_compile():
+    rows = bf16_rows(64, 5, heads=1)[0]
+    cal = certkv.codec.calibrate(rows, block_tokens=16)
+    b3, b4 = torch.from_numpy(cal.b3), torch.from_numpy(cal.b4)
+    pages = torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16).reshape(4, 16, 64)
+
+    def round_trip(pages):
+        slots, used = torch.ops.certkv.gaac_encode_pages(pages, b3, b4, cal.escape_capacity_bytes)
+        return torch.ops.certkv.gaac_decode_pages(slots, b3, b4, cal.escape_capacity_bytes, 16, 64), used
+
+    for fn in (round_trip, torch.compile(round_trip, backend="aot_eager", fullgraph=True)):
+        back, used = fn(pages)
+        fitted = used > 0
+        assert fitted.any()
+        assert torch.equal(back[fitted].view(torch.int16), pages[fitted].view(torch.int16))
+
+
+def test_refusals(store):
+    with pytest.raises(ValueError, match="names no live certkv.KvStore"):
+        torch.ops.certkv.kv_store_attend(10 ** 6, 0, 0, torch.zeros(4, 64))
+    handle = ops.register_store(store)
+    with pytest.raises(TypeError, match="q: expected torch.float32"):
+        torch.ops.certkv.kv_store_attend(handle, 0, 0, torch.zeros(4, 64, dtype=torch.float64))
+    with pytest.raises(TypeError, match="store: expected a certkv.KvStore"):
+        ops.register_store(object())
+    with pytest.raises(TypeError, match="pages: expected torch.bfloat16"):
+        torch.ops.certkv.gaac_encode_pages(torch.zeros(1, 16, 64), torch.zeros(64, dtype=torch.uint8),
+                                           torch.zeros(64, dtype=torch.uint8), 0)
+    if torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no CUDA operators"):
+            torch.ops.certkv.kv_store_attend(handle, 0, 0, torch.zeros(4, 64, device="cuda"))

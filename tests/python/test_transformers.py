@@ -1,0 +1,162 @@
+"""certkv.transformers on CPU with a small Llama that the test makes (random weights saved as
+safetensors and loaded by transformers itself, head_dim 64, bf16): CertkvCache("gaac") greedy
+tokens equal to DynamicCache's on every prompt (batch 1 and a left-padded batch), dither8's
+teacher-forced KL against DynamicCache and its certificate, crop against a fresh prefill, and
+refusals. Skipped where torch or transformers is not installed."""
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import certkv.transformers as ct  # noqa: E402  (after the skips)
+
+PROMPTS = [[5, 17, 250, 3, 99], list(range(30, 53)), [int(x) for x in np.random.default_rng(1).integers(3, 500, 40)]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                      max_position_embeddings=1024, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:  # sharper attention than at initialization, so that KV errors show
+            layer.self_attn.q_proj.weight.mul_(2)
+            layer.self_attn.k_proj.weight.mul_(2)
+        model.lm_head.weight.mul_(20)  # well separated logits: greedy ties are not the question
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load(model_dir, attn):
+    m = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=attn)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def sdpa_model(model_dir):
+    return load(model_dir, "sdpa")
+
+
+@pytest.fixture(scope="module")
+def certkv_model(model_dir):
+    return load(model_dir, ct.ATTENTION_NAME)
+
+
+def greedy(model, ids, cache, n=16, attention_mask=None):
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+    return out[:, ids.shape[1]:]
+
+
+def test_gaac_greedy_equals_dynamic_cache(sdpa_model, certkv_model):
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        want = greedy(sdpa_model, ids, transformers.DynamicCache(config=sdpa_model.config))
+        cache = ct.CertkvCache(certkv_model.config, scheme="gaac")
+        got = greedy(certkv_model, ids, cache)
+        assert got.tolist() == want.tolist(), f"prompt of {len(prompt)} tokens"
+        cert = cache.certificate()
+        assert cert["scheme"] == "gaac" and cert["metered"] is False
+        assert cert["kv_tokens"] == len(prompt) + 15  # the last token is not fed back
+    # The longest prompt filled complete blocks: GAAC slots, in fewer bytes than bf16.
+    assert cert["kv_bytes_by_class"].get("gaac", 0) > 0
+
+
+def test_gaac_batch_with_left_padding(sdpa_model, certkv_model):
+    a, b = PROMPTS[2], PROMPTS[1]
+    ids = torch.tensor([a, [0] * (len(a) - len(b)) + b])
+    mask = torch.tensor([[1] * len(a), [0] * (len(a) - len(b)) + [1] * len(b)])
+    want = greedy(sdpa_model, ids, transformers.DynamicCache(config=sdpa_model.config), attention_mask=mask)
+    cache = ct.CertkvCache(certkv_model.config, scheme="gaac")
+    got = greedy(certkv_model, ids, cache, attention_mask=mask)
+    assert got.tolist() == want.tolist()
+    assert cache.store.length(0, 3) == len(a) + 15 and cache.store.length(1, 3) == len(b) + 15  # no padding stored
+
+
+def test_gaac_pages_under_another_attention(sdpa_model):
+    # With sdpa the cache hands the model the K and V its pages hold: lossless for gaac.
+    ids = torch.tensor([PROMPTS[2]])
+    want = greedy(sdpa_model, ids, transformers.DynamicCache(config=sdpa_model.config))
+    got = greedy(sdpa_model, ids, ct.CertkvCache(sdpa_model.config, scheme="gaac"))
+    assert got.tolist() == want.tolist()
+
+
+def teacher_forced_logits(model, tokens, cache, prompt_tokens):
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([tokens[:prompt_tokens]]), past_key_values=cache, use_cache=True)
+        logits = [out.logits[0, -1].float()]
+        for t in tokens[prompt_tokens:-1]:
+            out = model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+            logits.append(out.logits[0, -1].float())
+    return torch.stack(logits)
+
+
+def test_dither8_kl_and_certificate(sdpa_model, certkv_model):
+    tokens = [int(x) for x in np.random.default_rng(7).integers(3, 500, 112)]
+    want = teacher_forced_logits(sdpa_model, tokens, transformers.DynamicCache(config=sdpa_model.config), 48)
+    cache = ct.CertkvCache(certkv_model.config, scheme="dither8")
+    got = teacher_forced_logits(certkv_model, tokens, cache, 48)
+    log_p, log_q = torch.log_softmax(want, -1), torch.log_softmax(got, -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
+    assert kl <= 5e-3
+    cert = cache.certificate()
+    steps = len(tokens) - 48 - 1
+    assert cert["metered"] and cert["tier"] == "B" and "note" in cert
+    assert cert["cells"] == 4 * 4 * steps  # layers x query heads x decode steps
+    assert cert["meter_max"] > 0 and cert["meter_p99"] <= cert["meter_max"]
+    assert 0 <= cert["coverage"] <= 1
+    assert cert["kv_bytes_by_class"].get("dither8", 0) > 0
+
+
+def test_crop_equals_a_fresh_prefill(certkv_model, sdpa_model):
+    # Lossless schemes: bit for bit. (dither8 chooses each layer's outlier pairs from its first
+    # rows, so a fresh prefill of fewer rows may choose others: not compared bit for bit.)
+    tokens = PROMPTS[2]
+    for scheme in ("bf16", "gaac"):
+        cache = ct.CertkvCache(certkv_model.config, scheme=scheme)
+        with torch.no_grad():
+            certkv_model(input_ids=torch.tensor([tokens]), past_key_values=cache)
+            cache.crop(-7)
+            assert cache.get_seq_length() == len(tokens) - 7
+            cropped = certkv_model(input_ids=torch.tensor([[tokens[-7]]]), past_key_values=cache).logits[0, -1]
+            fresh_cache = ct.CertkvCache(certkv_model.config, scheme=scheme)
+            certkv_model(input_ids=torch.tensor([tokens[:-7]]), past_key_values=fresh_cache)
+            fresh = certkv_model(input_ids=torch.tensor([[tokens[-7]]]), past_key_values=fresh_cache).logits[0, -1]
+        assert torch.equal(cropped, fresh), scheme
+    # And against DynamicCache's crop: the same next token, for gaac and dither8.
+    dyn = transformers.DynamicCache(config=sdpa_model.config)
+    with torch.no_grad():
+        sdpa_model(input_ids=torch.tensor([tokens]), past_key_values=dyn)
+        dyn.crop(-7)
+        want = sdpa_model(input_ids=torch.tensor([[tokens[-7]]]), past_key_values=dyn).logits[0, -1]
+        cache = ct.CertkvCache(certkv_model.config, scheme="dither8")
+        certkv_model(input_ids=torch.tensor([tokens]), past_key_values=cache)
+        cache.crop(-7)
+        lossy = certkv_model(input_ids=torch.tensor([[tokens[-7]]]), past_key_values=cache).logits[0, -1]
+    assert cache.get_seq_length() == dyn.get_seq_length() == len(tokens) - 6
+    assert int(want.argmax()) == int(cropped.argmax()) == int(lossy.argmax())
+
+
+def test_refusals(certkv_model):
+    cache = ct.CertkvCache(certkv_model.config, scheme="gaac")
+    k = torch.zeros((1, 2, 3, 64), dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="key_states: expected bfloat16, float16 or float32"):
+        cache.update(k.to(torch.int32), k.to(torch.int32), 0)
+    with pytest.raises(ValueError, match=r"key_states: expected shape \[batch, 2, n_tokens, 64\]"):
+        cache.update(torch.zeros((1, 3, 3, 64), dtype=torch.bfloat16), k, 0)
+    with pytest.raises(ValueError, match="scheme: unknown KV scheme 'int3'"):
+        ct.CertkvCache(certkv_model.config, scheme="int3")
+    with pytest.raises(RuntimeError, match="needs past_key_values=CertkvCache"):
+        with torch.no_grad():
+            certkv_model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"'dither8'.*cuda"):
+            ct.CertkvCache(certkv_model.config, scheme="dither8").update(k.cuda(), k.cuda(), 0)
