@@ -314,7 +314,9 @@ TEST(CApiKvStore, CropKeepsAPrefixAndAppendsAfterIt) {
     // Appending after a crop continues the sequence: the same rows as appended from the start.
     for (int layer = 0; layer < kLayers; ++layer) append_ragged(st.s, 0, layer, k, v);
     EXPECT_EQ(bits_of(read(st.s, 0, 1, 0, 0, kTokens, 1)), k) << kv;
-    if (std::string(kv) != "dither8") EXPECT_EQ(bits_of(read(st.s, 0, 1, 1, 0, kTokens, 0)), v) << kv;
+    if (std::string(kv) != "dither8") {
+      EXPECT_EQ(bits_of(read(st.s, 0, 1, 1, 0, kTokens, 0)), v) << kv;
+    }
   }
 }
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "attention/online_softmax.h"
+#include "attention/page_rows.h"
 #include "attention/work_queue.h"
 #include "core/status.h"
 #include "gate/meter.h"
@@ -207,8 +208,69 @@ struct Dither8Pages {
   }
 };
 
+// decode_split through the page-rows kernels (page_rows.h): every row of the group updated by a
+// page in one call, a metered page's meter sums kept in per-row lanes across the split.
+template <class Pages>
+void decode_split_rows(const SplitWork& w, const detail::PageRowsKernels& kernels) {
+  const size_t tile_keys = size_t(w.bt), d = size_t(w.d), group = size_t(w.group);
+  const size_t bound_width = Pages::kMeter ? size_t(detail::key_bound_width(*w.k->lossy)) : 0;
+  struct Scratch {
+    std::vector<float> tiles;
+    std::vector<detail::QueryBoundWeights> weights;
+    std::vector<detail::MeterLanes> lanes;
+  };
+  thread_local Scratch scratch;
+  const size_t p_stride = detail::page_rows_stride(w.bt);
+  scratch.tiles.resize(2 * tile_keys * d + group * p_stride + (Pages::kMeter ? tile_keys * bound_width + tile_keys : 0));
+  float* k_tile = scratch.tiles.data();
+  float* v_tile = k_tile + tile_keys * d;
+  float* p = v_tile + tile_keys * d;        // [group][p_stride]
+  float* bounds = p + group * p_stride;      // metered: [bound_width][tile_keys] (band-major)
+  float* rho = bounds + tile_keys * bound_width;  // [tile_keys]
+  for (int g = 0; g < w.group; ++g) w.st[g] = {detail::kMinusInfinity, 0.f};
+  std::fill(w.acc, w.acc + group * d, 0.f);
+  detail::PageRows rows;
+  rows.q = w.qg;
+  rows.n_rows = w.group;
+  rows.d = w.d;
+  rows.scale = w.scale;
+  rows.st = w.st;
+  rows.acc = w.acc;
+  rows.p = p;
+  if constexpr (Pages::kMeter) {
+    scratch.weights.resize(group);
+    scratch.lanes.resize(group);
+    for (int g = 0; g < w.group; ++g) {
+      detail::clear_meter_lanes(&scratch.lanes[size_t(g)]);
+      scratch.weights[size_t(g)] =
+          detail::query_bound_weights(*w.k->lossy, w.qg + size_t(g) * d, w.scale, w.n_ctx, w.delta_loc);
+    }
+    rows.w = scratch.weights.data();
+    rows.lanes = scratch.lanes.data();
+  }
+  auto* const update = !Pages::kMeter ? kernels.update : Pages::kTierB ? kernels.update_tier_b : kernels.update_tier_a;
+  for (int64_t t0 = w.t_begin; t0 < w.t_end; t0 += w.bt) {
+    const int64_t t1 = std::min(w.t_end, t0 + w.bt);
+    if (t1 < w.t_end) {  // load
+      detail::prefetch_page(*w.k, t1 / w.bt);
+      detail::prefetch_page(*w.v, t1 / w.bt);
+    }
+    Pages::decode(*w.k, t0, t1, k_tile, bounds, tile_keys);
+    Pages::decode(*w.v, t0, t1, v_tile, rho, tile_keys);
+    detail::PageTiles page{k_tile, v_tile, int(t1 - t0), bounds, tile_keys, rho};
+    update(rows, page);
+  }
+  if constexpr (Pages::kMeter) {
+    for (int g = 0; g < w.group; ++g) detail::meter_row_from_lanes(scratch.lanes[size_t(g)], &w.mr[g]);
+  }
+}
+
 template <class Pages>
 void decode_split(const SplitWork& w) {
+  if (const detail::PageRowsKernels* kernels = detail::page_rows_kernels(w.d); kernels != nullptr) {
+    decode_split_rows<Pages>(w, *kernels);
+    return;
+  }
   const size_t tile_keys = size_t(w.bt), d = size_t(w.d), group = size_t(w.group);
   const size_t bound_width = Pages::kMeter ? size_t(detail::key_bound_width(*w.k->lossy)) : 0;
   // Metered, each row of the group keeps its probabilities until the page's sums (one call for

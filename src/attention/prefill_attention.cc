@@ -6,6 +6,7 @@
 
 #include "attention/decode_attention.h"
 #include "attention/online_softmax.h"
+#include "attention/page_rows.h"
 #include "attention/work_queue.h"
 #include "core/status.h"
 
@@ -131,6 +132,8 @@ void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
   const bool lossy = cache::kv_scheme_is_lossy(cache.scheme());
 
   const size_t tile_keys = size_t(detail::blocks_per_tile(bt, d)) * size_t(bt);
+  // The kernels decode_attention uses for this head_dim, or null for the inline paths.
+  const detail::PageRowsKernels* const rows_kernels = detail::page_rows_kernels(d);
   // Units are (query block, kv_head), the last query blocks (which see the most keys) first.
   detail::run_units(pool, n_qblocks * shape.n_kv_heads, [&](int64_t unit, int) {
     const int64_t qblock = n_qblocks - 1 - unit / shape.n_kv_heads;
@@ -149,7 +152,9 @@ void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
     thread_local std::vector<detail::RowState> states;
     const size_t tile_pages = tile_keys / size_t(bt);
     const size_t tiles = lossy ? 4 : 2;
-    scratch.resize(2 * n_rows * size_t(d) + tiles * tile_keys * size_t(d) + tile_keys + tile_pages);
+    const size_t p_stride = detail::page_rows_stride(bt);
+    scratch.resize(2 * n_rows * size_t(d) + tiles * tile_keys * size_t(d) + tile_keys + tile_pages +
+                   size_t(group) * p_stride);
     states.assign(n_rows, {detail::kMinusInfinity, 0.f});
     float* q_rows = scratch.data();  // [i - i0][g][d]
     float* acc = q_rows + n_rows * size_t(d);
@@ -159,6 +164,7 @@ void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
     float* alphas = s + tile_keys;  // one per page of a tile
     float* k_exact = alphas + tile_pages;
     float* v_exact = k_exact + (lossy ? tile_keys * size_t(d) : 0);
+    float* p_rows = v_exact + (lossy ? tile_keys * size_t(d) : 0);  // page_rows' p: [group][p_stride]
     for (int64_t i = i0; i < i1; ++i) {
       const float* src = q + (size_t(i) * size_t(shape.n_q_heads) + size_t(h) * size_t(group)) * size_t(d);
       std::copy(src, src + size_t(group) * size_t(d), q_rows + size_t(i - i0) * size_t(group) * size_t(d));
@@ -192,6 +198,26 @@ void prefill_attention(const cache::KvCache& cache, cache::SeqId seq, int layer,
         } ranges[3] = {{t0, std::min(split, t_end), k_tile, v_tile},
                        {split, std::min(mixed1, t_end), k_exact, v_exact},
                        {std::max(split, mixed1), t_end, k_tile, v_tile}};
+        if (rows_kernels != nullptr) {
+          // The query's group in one call per page, as decode_attention's splits make them.
+          detail::PageRows rows;
+          const size_t r = size_t(i - i0) * size_t(group);
+          rows.q = q_rows + r * size_t(d);
+          rows.n_rows = group;
+          rows.d = d;
+          rows.scale = shape.scale;
+          rows.st = &states[r];
+          rows.acc = acc + r * size_t(d);
+          rows.p = p_rows;
+          for (const auto& range : ranges) {
+            for (int64_t t = range.begin; t < range.end; t += bt) {
+              const size_t at = size_t(t - t0);
+              const int n_keys = int(std::min<int64_t>(bt, range.end - t));
+              rows_kernels->update(rows, {range.k + at * size_t(d), range.v + at * size_t(d), n_keys, nullptr, 0, nullptr});
+            }
+          }
+          continue;
+        }
         for (int g = 0; g < group; ++g) {
           const size_t r = size_t(i - i0) * size_t(group) + size_t(g);
           // One softmax update per page, as decode_attention makes them: a query's arithmetic

@@ -1,0 +1,259 @@
+// One page's softmax update of a KV head's query rows for AVX-512 (page_rows.h): sixteen keys to a
+// vector, the arithmetic page_rows_update_ref writes out lane by lane. Compiled under
+// `#pragma GCC target` and with -ffp-contract=off (src/attention/CMakeLists.txt: a product and a
+// sum stay two roundings unless written as one fused multiply-add, as in the reference), chosen
+// at run time by page_rows_kernels.
+#include "attention/page_rows.h"
+
+#include <cmath>
+
+#include "attention/online_softmax.h"
+#include "core/x86_simd.h"
+
+namespace certkv::attention::detail {
+
+#if defined(__x86_64__)
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512vl,avx512bw,avx2,fma")
+namespace {
+
+#include "attention/avx512_math.h"
+
+constexpr int kRowBlock = 8;  // rows whose probabilities a page keeps at once
+
+// The reduction below leaves the sum of slot m's vector in lane kSlotKey[m]; the map is its own
+// inverse, so slot m holds key kSlotKey[m] and lane j ends with key j.
+constexpr int kSlotKey[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+// Lane j of the result = the tree sum (page_rows.h) of the lanes of a[m] with kSlotKey[m] = j.
+inline __m512 tree_sums16(const __m512 a[16]) {
+  __m512 b[8], c[4], e[2];
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k)  // t8: lanes i and i + 8 of each vector
+    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[k], a[k + 8], 0x44), _mm512_shuffle_f32x4(a[k], a[k + 8], 0xEE));
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k)  // t4: lanes i and i + 4
+    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[k], b[k + 4], 0x88), _mm512_shuffle_f32x4(b[k], b[k + 4], 0xDD));
+#pragma GCC unroll 2
+  for (int k = 0; k < 2; ++k)  // t2: lanes i and i + 2 of each 128-bit quarter
+    e[k] = _mm512_add_ps(_mm512_shuffle_ps(c[k], c[k + 2], 0x44), _mm512_shuffle_ps(c[k], c[k + 2], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD));  // t1
+}
+
+// The tree sum of one vector's lanes.
+inline float tree_sum(__m512 x) {
+  const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+}
+
+// e^x for x <= 0, 0 below -87.3 (online_softmax.h's exp_nonpositive8).
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 lower = _mm512_set1_ps(-87.3f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lower, _CMP_LT_OQ);
+  return _mm512_maskz_mov_ps(__mmask16(~underflow), exp_range_reduced16(_mm512_max_ps(x, lower)));
+}
+
+template <int kChunks>
+inline __m512 dot16(const __m512 q[kChunks], const float* k) {
+  __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int ch = 0; ch < kChunks; ++ch) a = _mm512_fmadd_ps(q[ch], _mm512_loadu_ps(k + 16 * ch), a);
+  return a;
+}
+
+// c of sixteen keys of one row: the bands in four chains (b mod 4), added as (0 + 1) + (2 + 3).
+template <bool kTierB>
+inline __m512 logit_bounds16(const QueryBoundWeights& w, const float* bounds, size_t stride, int j0, __mmask16 valid) {
+  __m512 l[4], q[4];
+  for (int i = 0; i < 4; ++i) l[i] = q[i] = _mm512_setzero_ps();
+  for (int g = 0; g < w.width; ++g) {
+    const __m512 a = _mm512_maskz_loadu_ps(valid, bounds + size_t(g) * stride + size_t(j0));
+    l[g % 4] = _mm512_fmadd_ps(_mm512_set1_ps(kTierB ? w.abs_weight[g] : w.weight[g]), a, l[g % 4]);
+    if constexpr (kTierB) q[g % 4] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(w.weight[g]), a), a, q[g % 4]);
+  }
+  __m512 sum = _mm512_add_ps(_mm512_add_ps(l[0], l[1]), _mm512_add_ps(l[2], l[3]));
+  if constexpr (kTierB)
+    sum = _mm512_add_ps(_mm512_sqrt_ps(_mm512_add_ps(_mm512_add_ps(q[0], q[1]), _mm512_add_ps(q[2], q[3]))), sum);
+  return sum;
+}
+
+// An upper bound of e^c - 1 for c >= 0 (page_rows.h): below 1/2, c Q(c) with Q in Estrin's form;
+// above, e^c - 1 as expm1_nonnegative16.
+inline __m512 expm1_upper16(__m512 c) {
+  const __m512 a = _mm512_fmadd_ps(c, _mm512_set1_ps(0.5f), _mm512_set1_ps(1.f));
+  const __m512 b = _mm512_fmadd_ps(c, _mm512_set1_ps(1.f / 24.f), _mm512_set1_ps(1.f / 6.f));
+  const __m512 e = _mm512_fmadd_ps(c, _mm512_set1_ps(kExpm1RemainderCoefficient), _mm512_set1_ps(1.f / 120.f));
+  const __m512 c2 = _mm512_mul_ps(c, c);
+  const __m512 c4 = _mm512_mul_ps(c2, c2);
+  const __m512 small = _mm512_mul_ps(_mm512_fmadd_ps(c4, e, _mm512_fmadd_ps(c2, b, a)), c);
+  const __mmask16 is_small = _mm512_cmp_ps_mask(c, _mm512_set1_ps(0.5f), _CMP_LT_OQ);
+  if (is_small == 0xffff) return small;
+  const __m512 large = _mm512_sub_ps(exp_range_reduced16(c), _mm512_set1_ps(1.f));
+  return _mm512_mask_mov_ps(large, is_small, small);
+}
+
+// Row r's scores, softmax state and (metered) meter lanes for the page; p gets its p_j, and
+// returns alpha. kMeter: 0 none, 1 Tier A, 2 Tier B.
+template <int kChunks, int kMeter>
+float softmax_row(const PageRows& rows, const PageTiles& page, int r) {
+  constexpr int d = 16 * kChunks;
+  const int n = page.n_keys;
+  const int n_vec = (n + 15) / 16;
+  __m512 q[kChunks];
+  for (int ch = 0; ch < kChunks; ++ch) q[ch] = _mm512_loadu_ps(rows.q + size_t(r) * d + 16 * ch);
+  float* p = rows.p + size_t(r) * page_rows_stride(n);
+  const __m512 scale = _mm512_set1_ps(rows.scale);
+  const __m512 minus_inf = _mm512_set1_ps(kMinusInfinity);
+  __m512 vmax = minus_inf;
+  for (int v = 0; v < n_vec; ++v) {
+    const int j0 = 16 * v;
+    __m512 a[16];
+    if (n - j0 >= 16) {
+#pragma GCC unroll 16
+      for (int m = 0; m < 16; ++m) a[m] = dot16<kChunks>(q, page.k + size_t(j0 + kSlotKey[m]) * d);
+    } else {
+#pragma GCC unroll 16
+      for (int m = 0; m < 16; ++m)
+        a[m] = j0 + kSlotKey[m] < n ? dot16<kChunks>(q, page.k + size_t(j0 + kSlotKey[m]) * d) : _mm512_setzero_ps();
+    }
+    const __m512 s = _mm512_mask_mov_ps(minus_inf, lanes_below(n - j0), _mm512_mul_ps(tree_sums16(a), scale));
+    _mm512_storeu_ps(p + j0, s);
+    vmax = _mm512_max_ps(vmax, s);
+  }
+  RowState& st = rows.st[r];
+  const float tile_max = _mm512_reduce_max_ps(vmax);
+  const float m_new = tile_max > st.m ? tile_max : st.m;
+  const float alpha = m_new == st.m ? 1.f : std::exp(st.m - m_new);
+  const __m512 mv = _mm512_set1_ps(m_new);
+  __m512 lsum = _mm512_setzero_ps();
+  __m512 dl = _mm512_setzero_ps(), rl = dl;
+  double large = 0;
+  MeterLanes* lanes = kMeter != 0 ? &rows.lanes[r] : nullptr;
+  if constexpr (kMeter != 0) {
+    const __m512 av = _mm512_set1_ps(alpha);
+    dl = _mm512_mul_ps(_mm512_loadu_ps(lanes->d), av);
+    rl = _mm512_mul_ps(_mm512_loadu_ps(lanes->rho), av);
+  }
+  for (int v = 0; v < n_vec; ++v) {
+    const int j0 = 16 * v;
+    const __m512 s = _mm512_loadu_ps(p + j0);
+    const __m512 pv = exp_nonpositive16(_mm512_sub_ps(s, mv));
+    _mm512_storeu_ps(p + j0, pv);
+    lsum = _mm512_add_ps(lsum, pv);
+    if constexpr (kMeter != 0) {
+      const __mmask16 valid = lanes_below(n - j0);
+      const __m512 c = logit_bounds16<kMeter == 2>(rows.w[r], page.bounds, page.bounds_stride, j0, valid);
+      const __mmask16 below = _mm512_mask_cmp_ps_mask(valid, c, _mm512_set1_ps(kLargeLogitBound), _CMP_LT_OQ);
+      if (__mmask16 over = valid & __mmask16(~below); over != 0) {
+        alignas(64) float s_lanes[16], c_lanes[16];
+        _mm512_store_ps(s_lanes, s);
+        _mm512_store_ps(c_lanes, c);
+        for (int i = 0; i < 16; ++i)
+          if (over >> i & 1) large += std::exp(double(s_lanes[i]) - double(m_new) + double(c_lanes[i]));
+      }
+      const __m512 e = expm1_upper16(_mm512_maskz_mov_ps(below, c));
+      dl = _mm512_mask3_fmadd_ps(pv, e, dl, below);
+      rl = _mm512_fmadd_ps(pv, _mm512_maskz_loadu_ps(valid, page.rho + j0), rl);
+    }
+  }
+  st.l = std::fma(st.l, alpha, tree_sum(lsum));
+  st.m = m_new;
+  if constexpr (kMeter != 0) {
+    _mm512_storeu_ps(lanes->d, dl);
+    _mm512_storeu_ps(lanes->rho, rl);
+    lanes->large = (lanes->large != 0 ? lanes->large * double(alpha) : 0.0) + large;
+    lanes->roundings += 2 * n_vec + 6;
+  }
+  return alpha;
+}
+
+// acc of R rows, chunks [c0, c0 + C) of 16 channels: acc alpha, then fma(p_j, v_j, acc) for j
+// ascending; v read once for the R rows.
+template <int R, int C>
+void values_block(const float* const* p, const float* alpha, float* const* acc, const float* v, int n, int d, int c0) {
+  __m512 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * (c0 + c)), _mm512_set1_ps(alpha[r]));
+  for (int j = 0; j < n; ++j) {
+    __m512 vj[C];
+    for (int c = 0; c < C; ++c) vj[c] = _mm512_loadu_ps(v + size_t(j) * size_t(d) + 16 * (c0 + c));
+    for (int r = 0; r < R; ++r) {
+      const __m512 pj = _mm512_set1_ps(p[r][j]);
+      for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(pj, vj[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc[r] + 16 * (c0 + c), a[r][c]);
+}
+
+template <int R>
+void values_rows(const float* const* p, const float* alpha, float* const* acc, const float* v, int n, int d) {
+  const int chunks = d / 16;
+  int c0 = 0;
+  for (; c0 + 4 <= chunks; c0 += 4) values_block<R, 4>(p, alpha, acc, v, n, d, c0);
+  switch (chunks - c0) {
+    case 3: values_block<R, 3>(p, alpha, acc, v, n, d, c0); break;
+    case 2: values_block<R, 2>(p, alpha, acc, v, n, d, c0); break;
+    case 1: values_block<R, 1>(p, alpha, acc, v, n, d, c0); break;
+    default: break;
+  }
+}
+
+template <int kChunks, int kMeter>
+void update_rows(const PageRows& rows, const PageTiles& page) {
+  const size_t stride = page_rows_stride(page.n_keys);
+  for (int r0 = 0; r0 < rows.n_rows; r0 += kRowBlock) {
+    const int rb = rows.n_rows - r0 < kRowBlock ? rows.n_rows - r0 : kRowBlock;
+    float alpha[kRowBlock];
+    const float* p[kRowBlock];
+    float* acc[kRowBlock];
+    for (int i = 0; i < rb; ++i) {
+      alpha[i] = softmax_row<kChunks, kMeter>(rows, page, r0 + i);
+      p[i] = rows.p + size_t(r0 + i) * stride;
+      acc[i] = rows.acc + size_t(r0 + i) * size_t(16 * kChunks);
+    }
+    int i = 0;
+    for (; i + 4 <= rb; i += 4) values_rows<4>(p + i, alpha + i, acc + i, page.v, page.n_keys, 16 * kChunks);
+    switch (rb - i) {
+      case 3: values_rows<3>(p + i, alpha + i, acc + i, page.v, page.n_keys, 16 * kChunks); break;
+      case 2: values_rows<2>(p + i, alpha + i, acc + i, page.v, page.n_keys, 16 * kChunks); break;
+      case 1: values_rows<1>(p + i, alpha + i, acc + i, page.v, page.n_keys, 16 * kChunks); break;
+      default: break;
+    }
+  }
+}
+
+template <int kMeter>
+void update_any(const PageRows& rows, const PageTiles& page) {
+  switch (rows.d / 16) {
+    case 1: update_rows<1, kMeter>(rows, page); break;
+    case 2: update_rows<2, kMeter>(rows, page); break;
+    case 3: update_rows<3, kMeter>(rows, page); break;
+    case 4: update_rows<4, kMeter>(rows, page); break;
+    case 5: update_rows<5, kMeter>(rows, page); break;
+    case 6: update_rows<6, kMeter>(rows, page); break;
+    case 7: update_rows<7, kMeter>(rows, page); break;
+    case 8: update_rows<8, kMeter>(rows, page); break;
+    default: break;  // page_rows_kernels refuses other head_dims
+  }
+}
+
+}  // namespace
+#pragma GCC pop_options
+
+const PageRowsKernels* page_rows_kernels_avx512() {
+  static const PageRowsKernels kernels{&update_any<0>, &update_any<1>, &update_any<2>};
+  return &kernels;
+}
+
+#else
+
+const PageRowsKernels* page_rows_kernels_avx512() { return nullptr; }
+
+#endif
+
+}  // namespace certkv::attention::detail
