@@ -67,16 +67,26 @@ inline __m512 dot16(const __m512 q[kChunks], const float* k) {
 // c of sixteen keys of one row: the bands in four chains (b mod 4), added as (0 + 1) + (2 + 3).
 template <bool kTierB>
 inline __m512 logit_bounds16(const QueryBoundWeights& w, const float* bounds, size_t stride, int j0, __mmask16 valid) {
-  __m512 l[4], q[4];
-  for (int i = 0; i < 4; ++i) l[i] = q[i] = _mm512_setzero_ps();
-  for (int g = 0; g < w.width; ++g) {
+  __m512 l0 = _mm512_setzero_ps(), l1 = l0, l2 = l0, l3 = l0, q0 = l0, q1 = l0, q2 = l0, q3 = l0;
+  // Band g into chain g mod 4.
+  const auto band = [&](int g, __m512& l, __m512& q) {
     const __m512 a = _mm512_maskz_loadu_ps(valid, bounds + size_t(g) * stride + size_t(j0));
-    l[g % 4] = _mm512_fmadd_ps(_mm512_set1_ps(kTierB ? w.abs_weight[g] : w.weight[g]), a, l[g % 4]);
-    if constexpr (kTierB) q[g % 4] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(w.weight[g]), a), a, q[g % 4]);
+    l = _mm512_fmadd_ps(_mm512_set1_ps(kTierB ? w.abs_weight[g] : w.weight[g]), a, l);
+    if constexpr (kTierB) q = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(w.weight[g]), a), a, q);
+  };
+  int g = 0;
+  for (; g + 4 <= w.width; g += 4) {
+    band(g, l0, q0);
+    band(g + 1, l1, q1);
+    band(g + 2, l2, q2);
+    band(g + 3, l3, q3);
   }
-  __m512 sum = _mm512_add_ps(_mm512_add_ps(l[0], l[1]), _mm512_add_ps(l[2], l[3]));
+  if (g < w.width) band(g, l0, q0);
+  if (g + 1 < w.width) band(g + 1, l1, q1);
+  if (g + 2 < w.width) band(g + 2, l2, q2);
+  __m512 sum = _mm512_add_ps(_mm512_add_ps(l0, l1), _mm512_add_ps(l2, l3));
   if constexpr (kTierB)
-    sum = _mm512_add_ps(_mm512_sqrt_ps(_mm512_add_ps(_mm512_add_ps(q[0], q[1]), _mm512_add_ps(q[2], q[3]))), sum);
+    sum = _mm512_add_ps(_mm512_sqrt_ps(_mm512_add_ps(_mm512_add_ps(q0, q1), _mm512_add_ps(q2, q3))), sum);
   return sum;
 }
 

@@ -68,6 +68,10 @@ struct Isa {
                                     _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)));
     return _mm256_blendv_ps(f, nan, _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan16)));
   }
+  // Thirty-two E4M3 codes to out[0, 32).
+  static void e4m3_x32(const uint8_t* p, float* out) {
+    for (int k = 0; k < 32; k += 8) _mm256_storeu_ps(out + k, e4m3(p + k));
+  }
   // Eight E5M2 codes (the top byte of an fp16); NaN keeps format/fp8.h's payload (the hardware
   // would set the quiet bit).
   static __m256 e5m2(const uint8_t* p) {
@@ -162,6 +166,21 @@ struct Isa {
     const __m512i nan = _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(f), _mm512_set1_epi32(int32_t(0x80000000u))),
                                         _mm512_set1_epi32(0x7fc00000));
     return _mm512_mask_mov_ps(f, is_nan, _mm512_castsi512_ps(nan));
+  }
+  // Thirty-two E4M3 codes to out[0, 32): e4m3's floats, the fp16 bits made in 16-bit lanes. A
+  // sign-extended code shifted up 7 is the sign at bit 15 (the extension's ones), the seven
+  // exponent and mantissa bits at 7..13, and the sign again at bit 14, which the mask clears.
+  static void e4m3_x32(const uint8_t* p, float* out) {
+    const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    __m512i h = _mm512_and_si512(_mm512_slli_epi16(b, 7), _mm512_set1_epi16(int16_t(0xbfff)));
+    // 0x7f and 0xff: fp16's quiet NaN with the code's sign, which converts and scales to e4m3's.
+    const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h, _mm512_set1_epi16(0x7fff)), _mm512_set1_epi16(0x3f80));
+    if (nan != 0)
+      h = _mm512_mask_mov_epi16(h, nan, _mm512_or_si512(_mm512_and_si512(h, _mm512_set1_epi16(int16_t(0x8000))),
+                                                        _mm512_set1_epi16(0x7e00)));
+    const __m512 scale = _mm512_set1_ps(256.f);
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), scale));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), scale));
   }
   static __m512 e5m2(const uint8_t* p) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
