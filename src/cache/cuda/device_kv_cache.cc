@@ -749,7 +749,7 @@ CudaStatus DeviceKvCache::place_deferred(int layer_index, const DeferredEncode& 
   for (const PendingEncode& p : d.blocks) {
     pending_.push_back(p);
     // Listed whatever the result: the block's exact page is its raw page until reconcile_encodes.
-    if (config_.hold_completed_exact)
+    if (config_.hold_completed_exact && lossy_)  // as finalize_lossy holds them (GAAC holds none)
       layer.completed_exact.push_back({p.slot, p.kv, p.kv_head, p.block, p.raw_page});
   }
   return {};
