@@ -462,8 +462,9 @@ void CudaBackend::upload_own_block_tables(int layer, const std::vector<std::pair
     }
     // On the cache's stream (the null stream, as the attention launches): after this layer's
     // placements, after the previous layer's launches that read the buffer.
-    throw_if_failed(cache_->copy_exact_block_tables(layer, own_blocks, reinterpret_cast<int32_t*>(own_block_tables_.data()),
-                                                    own_block_tables_.size() / sizeof(int32_t)));
+    int32_t* tables = reinterpret_cast<int32_t*>(own_block_tables_.data());
+    throw_if_failed(
+        cache_->copy_exact_block_tables(layer, own_blocks, tables, own_block_tables_.size() / sizeof(int32_t)));
     return;
   }
   host_own_block_tables_.resize(own_blocks.size() * row);
@@ -669,7 +670,7 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
     for (int layer = 0; layer < c.n_layers; ++layer) cache_->release_completed_exact(layer);
     // The encodes enqueued before the failure are placed on the host too (a failure here leaves
     // the cache refusing until reset, and the step's error is the one to report).
-    cache_->reconcile_encodes();
+    (void)cache_->reconcile_encodes();
     throw;
   }
   // The step's wait is behind us: the host's tables, free lists and counters catch up with this

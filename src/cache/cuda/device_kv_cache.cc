@@ -769,7 +769,8 @@ CudaStatus DeviceKvCache::download_encode_results() {
     // A copy in flight may still write the old page-locked buffer.
     if (downloaded_pending_ > 0)
       s = cuda_check(cudaEventSynchronize(static_cast<cudaEvent_t>(results_event_)), "encode result download");
-    if (s.ok) s = PinnedBuffer::allocate(std::max(encode_results_used_, 2 * host_encode_results_.size()), &host_encode_results_);
+    if (s.ok)
+      s = PinnedBuffer::allocate(std::max(encode_results_used_, 2 * host_encode_results_.size()), &host_encode_results_);
     if (!s.ok) return mark_broken(s);
   }
   s = cuda_check(cudaMemcpyAsync(host_encode_results_.data(), encode_results_.data(), encode_results_used_,
@@ -1129,9 +1130,10 @@ CudaStatus DeviceKvCache::copy_exact_block_tables(int layer_index, std::span<con
   const size_t row = size_t(2) * size_t(H) * size_t(table_stride_);
   if (blocks.empty()) return {};
   if (dst == nullptr || dst_entries / row < blocks.size())
-    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: " + std::to_string(blocks.size()) +
-                                                        " exact-block tables need " + std::to_string(blocks.size() * row) +
-                                                        " entries, the destination holds " + std::to_string(dst_entries));
+    return cuda_error(StatusCode::kInvalidArgument,
+                      "device KV cache: " + std::to_string(blocks.size()) + " exact-block tables need " +
+                          std::to_string(blocks.size() * row) + " entries, the destination holds " +
+                          std::to_string(dst_entries));
   const Layer& layer = *layers_[size_t(layer_index)];
   // The held pages by their entry's index (completed_exact: the blocks encoded and held; a block
   // refused, or pending, still has its raw page in the host tables).
@@ -1161,7 +1163,8 @@ CudaStatus DeviceKvCache::copy_exact_block_tables(int layer_index, std::span<con
                                                               " of slot " + std::to_string(slot) + " at layer " +
                                                               std::to_string(layer_index) +
                                                               " is encoded and its exact page is not held");
-        patches[n_patches++] = TablePlacement{int64_t(j * row + size_t(kv * H + h) * size_t(table_stride_)) + block, entry, 0};
+        const size_t at_patch = j * row + size_t(kv * H + h) * size_t(table_stride_) + size_t(block);
+        patches[n_patches++] = TablePlacement{int64_t(at_patch), entry, 0};
       }
   }
   cudaStream_t stream = as_stream(config_.stream);
@@ -1169,7 +1172,8 @@ CudaStatus DeviceKvCache::copy_exact_block_tables(int layer_index, std::span<con
   if (exact_table_placements_.size() < upload.size()) {
     // A launch in flight (the previous layer's) may still read the old patches.
     s = cuda_check(cudaStreamSynchronize(stream), "exact-block table staging growth");
-    if (s.ok) s = DeviceBuffer::allocate(std::max(upload.size(), 2 * exact_table_placements_.size()), &exact_table_placements_);
+    if (s.ok)
+      s = DeviceBuffer::allocate(std::max(upload.size(), 2 * exact_table_placements_.size()), &exact_table_placements_);
     if (!s.ok) return s;
   }
   // Ordered after the launches before it: the encode placements of this layer's write, and the

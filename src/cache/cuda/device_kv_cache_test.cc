@@ -595,7 +595,8 @@ TEST(DeviceKvCache, DeferredEncodeResultsPlaceThePagesOfWaitingOnes) {
         // The device tables, before the host has read a result.
         for (int q = 0; q < kSeqs; ++q) {
           const DeviceLayerView view = dev->view(l);
-          const std::vector<int32_t> tables = device_rows(view.k_table + size_t(q) * size_t(view.table_row_stride), row);
+          const std::vector<int32_t> tables =
+              device_rows(view.k_table + size_t(q) * size_t(view.table_row_stride), row);
           expect_tables_name_reference_pages(*dev, l, tables, *ref, q, (written[q] + steps[step][size_t(q)]) / kT, -1,
                                              nullptr, "device tables before reconcile, sequence " + std::to_string(q));
         }
@@ -613,13 +614,16 @@ TEST(DeviceKvCache, DeferredEncodeResultsPlaceThePagesOfWaitingOnes) {
               device_rows(reinterpret_cast<const int32_t*>(ref_exact_tables.data()), own.size() * row);
           for (size_t j = 0; j < own.size(); ++j) {
             // The waiting cache's own-block table as the backend made it from the host tables.
-            std::vector<int32_t> host_made(ref->host_table_row(own[j].first, l), ref->host_table_row(own[j].first, l) + row);
+            const int32_t* ref_row = ref->host_table_row(own[j].first, l);
+            std::vector<int32_t> host_made(ref_row, ref_row + row);
             for (const CompletedExactPage& p : ref->completed_exact(l))
               if (p.slot == own[j].first && p.block == own[j].second)
                 host_made[size_t((p.kv * kHeads + p.kv_head) * stride + p.block)] = -p.raw_page - 1;
-            const std::vector<int32_t> theirs_j(theirs.begin() + ptrdiff_t(j * row), theirs.begin() + ptrdiff_t((j + 1) * row));
+            const std::vector<int32_t> theirs_j(theirs.begin() + ptrdiff_t(j * row),
+                                                theirs.begin() + ptrdiff_t((j + 1) * row));
             EXPECT_EQ(theirs_j, host_made) << "copy_exact_block_tables of a waiting cache: the host-made tables";
-            const std::vector<int32_t> mine_j(mine.begin() + ptrdiff_t(j * row), mine.begin() + ptrdiff_t((j + 1) * row));
+            const std::vector<int32_t> mine_j(mine.begin() + ptrdiff_t(j * row),
+                                              mine.begin() + ptrdiff_t((j + 1) * row));
             expect_tables_name_reference_pages(*dev, l, mine_j, *ref, own[j].first, own[j].second + 1, own[j].second,
                                                &host_made, "own-block tables " + std::to_string(j));
           }
@@ -658,7 +662,8 @@ TEST(DeviceKvCache, DeferredEncodeResultsPlaceThePagesOfWaitingOnes) {
       for (int l = 0; l < kLayers; ++l)
         for (int q = 0; q < kSeqs; ++q) {
           const DeviceLayerView view = dev->view(l);
-          const std::vector<int32_t> tables = device_rows(view.k_table + size_t(q) * size_t(view.table_row_stride), row);
+          const std::vector<int32_t> tables =
+              device_rows(view.k_table + size_t(q) * size_t(view.table_row_stride), row);
           const int32_t* host = dev->host_table_row(q, l);
           for (int kv = 0; kv < 2; ++kv)
             for (int h = 0; h < kHeads; ++h)
