@@ -19,7 +19,10 @@
 //
 // usage: certkv_backend_decode --model M.gguf --corpus DIR [--device cuda|cpu] [--kv SCHEME]
 //          [--sparse P] [--batch 1,8,32,64] [--ctx 8192,32768] [--steps 64] [--warmup 4]
-//          [--chunk 2048] [--threads N] [--pool-tokens T | --pool-bytes B]
+//          [--chunk 2048] [--threads N] [--pool-tokens T | --pool-bytes B] [--defer-encode-results]
+//
+// --defer-encode-results: the cuda backend reads the encode results of the blocks a step
+// completes once, after the step (BackendConfig::defer_encode_results); the line says which.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -78,6 +81,7 @@ int main(int argc, char** argv) {
   double sparse_p = 0;
   int steps = 64, warmup = 4, chunk = 2048, threads = 16;
   int64_t pool_tokens = 0, pool_bytes = 0;
+  bool defer_encode_results = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -100,6 +104,7 @@ int main(int argc, char** argv) {
     else if (a == "--threads") threads = std::stoi(value());
     else if (a == "--pool-tokens") pool_tokens = std::stoll(value());
     else if (a == "--pool-bytes") pool_bytes = std::stoll(value());
+    else if (a == "--defer-encode-results") defer_encode_results = true;
     else {
       std::fprintf(stderr, "unknown flag %s (see the header of bench/backend_decode.cc)\n", a.c_str());
       return 2;
@@ -128,6 +133,7 @@ int main(int argc, char** argv) {
       cfg.pool_tokens = pool_tokens > 0 ? pool_tokens : cfg.context_tokens * max_b;
     }
     cfg.n_threads = threads;
+    cfg.defer_encode_results = defer_encode_results;
     cfg.kv_scheme = cache::parse_kv_scheme(kv);
     const cache::KvSchemeInfo& info = cache::kv_scheme_info(cfg.kv_scheme);
     if (info.gaac) cfg.gaac_calibration = engine::self_calibrated_gaac(*m, info.element, cfg.block_tokens, threads);
@@ -221,11 +227,12 @@ int main(int argc, char** argv) {
           bytes += std::string(bytes.empty() ? "" : ", ") + "\"" + format::storage_class_name(c.storage) +
                    "\": " + std::to_string(c.page_bytes_in_use);
         std::printf(
-            "{\"engine\": \"certkv\", \"table\": \"%s\", \"pool_bytes\": %lld, \"sequences\": %lld, \"device\": \"%s\", \"kv\": \"%s\", \"sparse_p\": %g, \"batch\": %lld, "
+            "{\"engine\": \"certkv\", \"table\": \"%s\", \"pool_bytes\": %lld, \"sequences\": %lld, \"device\": \"%s\", \"kv\": \"%s\", \"sparse_p\": %g, \"defer_encode_results\": %s, \"batch\": %lld, "
             "\"ctx\": %lld, \"ctx_decoded_mean\": %.1f, \"steps\": %d, \"step_ms\": %.4f, \"step_ms_min\": %.4f, "
             "\"step_ms_max\": %.4f, \"tok_per_s\": %.2f, \"prefill_tokens\": %lld, \"prefill_tok_per_s\": %.1f, "
             "\"sequences_held\": %lld, \"kv_bytes_in_use\": {%s}, \"host_ms\": {%s}}\n",
-            pool_bytes > 0 ? "b" : "a", (long long)pool_bytes, (long long)b, device.c_str(), kv.c_str(), sparse_p, (long long)b, (long long)ctx, double(len_sum) / double(b * steps),
+            pool_bytes > 0 ? "b" : "a", (long long)pool_bytes, (long long)b, device.c_str(), kv.c_str(), sparse_p,
+            defer_encode_results ? "true" : "false", (long long)b, (long long)ctx, double(len_sum) / double(b * steps),
             steps, median, step_ms.front(), step_ms.back(), 1e3 * double(b) / median, (long long)prefilled,
             prefilled > 0 ? double(prefilled) / prefill_s : 0.0, (long long)n_seqs, bytes.c_str(), host);
         std::fflush(stdout);

@@ -39,10 +39,12 @@ inline std::vector<std::vector<int32_t>> ragged_prompts(const model::Model& m, s
 
 // Runs the prompts through one backend, then decode_steps greedy tokens each; returns per
 // sequence the logits of every forward that ended its input, concatenated. chunk: prompt tokens
-// per step of each sequence; rotate: the batch order turns by one each step.
+// per step of each sequence; rotate: the batch order turns by one each step. memory: the
+// backend's memory_stats at the end, every sequence still live (null: not wanted).
 inline std::vector<std::vector<float>> run_batched(const model::Model& m, const BackendConfig& cfg,
                                             const std::vector<std::vector<int32_t>>& prompts,
-                                            const std::vector<int>& chunk, bool rotate, int decode_steps) {
+                                            const std::vector<int>& chunk, bool rotate, int decode_steps,
+                                            cache::MemoryStats* memory = nullptr) {
   std::unique_ptr<backend::Backend> be = backend::make_backend(m, cfg);
   const int32_t nv = m.config().n_vocab;
   const size_t n = prompts.size();
@@ -80,6 +82,7 @@ inline std::vector<std::vector<float>> run_batched(const model::Model& m, const 
       if (decoded[i]++ < decode_steps) tokens[i].push_back(model::argmax(items[j].last_logits, nv));
     }
   }
+  if (memory != nullptr) *memory = be->memory_stats();
   return out;
 }
 

@@ -16,6 +16,8 @@
 //  - Sampling on the device draws the host sampler's tokens from the same logits; gaac pages give
 //    the text of bf16 pages.
 //  - What the backend does not serve is refused by name.
+//  - Deferred encode results give the logits and pages of waiting for them, and the engine's
+//    batching, sharing and preemption over them.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -27,6 +29,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
@@ -131,6 +134,58 @@ TEST_F(CudaBackendTest, BatchInvarianceOnTheDeviceForEveryServedScheme) {
     ++checked;
   }
   EXPECT_GE(checked, 6);  // bf16, gaac, gaac-e5m2, fp8-e4m3, fp8-e5m2, dither8
+}
+
+// Deferred encode results (BackendConfig::defer_encode_results) against waiting for them in every
+// layer: the same logits bit for bit and the same pages by class, for gaac (with layers whose
+// escape capacity no block fits, so that their blocks stay raw while the others' become slots),
+// fp8-e4m3 and dither8, over ragged prompts (a partial block, whole blocks, past one split) in one
+// batch and in ragged chunks, and decode steps that cross block boundaries in different steps for
+// different sequences (the prompt rows that read their own block exact included).
+TEST_F(CudaBackendTest, DeferredEncodeResultsGiveTheLogitsAndPagesOfWaitingOnes) {
+  const std::vector<std::vector<int32_t>> prompts = ragged_prompts(smollm2(), {1, 3, 17, 40, 530}, 29);
+  const int decode_steps = 40;
+  const model::ModelConfig& c = smollm2().config();
+  for (cache::KvScheme scheme : {cache::KvScheme::kGaac, cache::KvScheme::kFp8E4M3, cache::KvScheme::kDither8}) {
+    SCOPED_TRACE(cache::kv_scheme_name(scheme));
+    BackendConfig waiting = device_config(scheme, 576, 576 * 6);
+    if (scheme == cache::KvScheme::kGaac) {
+      auto cal = std::make_shared<codec::GaacCalibration>(*waiting.gaac_calibration);
+      // Bases 0: every element escapes, so no block fits a capacity of 0 (layer 0, and layer 1's V).
+      cal->set_escape_capacity_bytes(0, codec::kGaacKey, 0);
+      cal->set_escape_capacity_bytes(0, codec::kGaacValue, 0);
+      cal->set_escape_capacity_bytes(1, codec::kGaacValue, 0);
+      waiting.gaac_calibration = cal;
+    }
+    BackendConfig deferred = waiting;
+    deferred.defer_encode_results = true;
+    const std::vector<std::vector<int>> chunkings = {std::vector<int>(prompts.size(), 1 << 20), {1, 2, 5, 16, 97}};
+    for (size_t ci = 0; ci < chunkings.size(); ++ci) {
+      SCOPED_TRACE(ci == 0 ? "whole prompts" : "ragged chunks");
+      cache::MemoryStats want{}, got{};
+      const std::vector<std::vector<float>> a =
+          run_batched(smollm2(), waiting, prompts, chunkings[ci], true, decode_steps, &want);
+      const std::vector<std::vector<float>> b =
+          run_batched(smollm2(), deferred, prompts, chunkings[ci], true, decode_steps, &got);
+      expect_bit_identical(a, b, "deferred encode results");
+      EXPECT_EQ(got.pages_in_use, want.pages_in_use);
+      EXPECT_EQ(got.bytes_in_use, want.bytes_in_use);
+      EXPECT_EQ(got.exact_fallback_blocks, want.exact_fallback_blocks);
+      ASSERT_EQ(got.by_class.size(), want.by_class.size());
+      ASSERT_EQ(want.by_class.size(), 2u);
+      for (size_t k = 0; k < want.by_class.size(); ++k) {
+        EXPECT_EQ(got.by_class[k].storage, want.by_class[k].storage);
+        EXPECT_EQ(got.by_class[k].pages_in_use, want.by_class[k].pages_in_use) << "class " << k;
+        EXPECT_EQ(got.by_class[k].page_bytes_in_use, want.by_class[k].page_bytes_in_use) << "class " << k;
+      }
+      // Whole blocks were coded, and (gaac) more blocks stayed raw than the tails hold.
+      EXPECT_GT(want.by_class[1].pages_in_use, 0u);
+      if (scheme == cache::KvScheme::kGaac)
+        EXPECT_GT(want.by_class[0].pages_in_use, uint64_t(prompts.size()) * uint64_t(c.n_layers) * 2 * uint64_t(c.n_kv_heads))
+            << "the layers of capacity 0 keep their blocks raw";
+      if (HasFatalFailure()) return;
+    }
+  }
 }
 
 // Sparse decode from early on: a window of 16 tokens (so 16-token prompts are indexed and every
@@ -379,10 +434,18 @@ std::vector<std::vector<int32_t>> run_alone(const engine::EngineConfig& cfg,
 }
 
 TEST_F(CudaBackendTest, EngineBatchesSharesAndPreemptsOnTheDevice) {
-  for (cache::KvScheme scheme : {cache::KvScheme::kBf16, cache::KvScheme::kGaac, cache::KvScheme::kFp8E4M3}) {
-    SCOPED_TRACE(cache::kv_scheme_name(scheme));
+  // The coded schemes again with deferred encode results: preemption, prefix sharing and frees
+  // between steps read host tables the step's reconcile brought up to date.
+  const std::vector<std::pair<cache::KvScheme, bool>> runs = {{cache::KvScheme::kBf16, false},
+                                                              {cache::KvScheme::kGaac, false},
+                                                              {cache::KvScheme::kFp8E4M3, false},
+                                                              {cache::KvScheme::kGaac, true},
+                                                              {cache::KvScheme::kFp8E4M3, true}};
+  for (const auto& [scheme, defer] : runs) {
+    SCOPED_TRACE(std::string(cache::kv_scheme_name(scheme)) + (defer ? ", deferred encode results" : ""));
     engine::EngineConfig cfg;
     cfg.backend = device_config(scheme, 256, 256 * 8);
+    cfg.backend.defer_encode_results = defer;
     cfg.step_tokens = 48;  // prompts in chunks interleaved with the decodes
     cfg.max_sequences = 4;
     const std::vector<engine::RequestParams> requests = requests_of({1, 3, 17, 140, 33, 9, 90}, 20, 11);

@@ -164,6 +164,10 @@ struct BackendConfig {
   // a Session) given kCuda keeps the one-sequence device route of model/device_decode.h, which
   // also serves sparse decode and the gate on the device.
   model::Device device = model::Device::kCpu;
+  // The CUDA backend, GAAC and lossy schemes: the encode results of the blocks a step completes
+  // come back once, after the step's wait, instead of a wait in every layer that completes a
+  // block (cache::cuda::DeviceKvCacheConfig::defer_encode_results). Ignored elsewhere.
+  bool defer_encode_results = false;
 };
 
 // One sequence's part of a forward step: tokens[0, n) at positions [length, length + n).

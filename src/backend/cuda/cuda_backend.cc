@@ -95,6 +95,7 @@ class CudaBackend final : public Backend {
     kc.fixed_outlier_pairs = config.outlier_pair_table;
     kc.witness = config.witness;
     kc.hold_completed_exact = cache::kv_scheme_is_lossy(config.kv_scheme);
+    kc.defer_encode_results = config.defer_encode_results;
     kc.sequences = 0;
     sparse_ = config.sparse.enabled;
     if (sparse_) {
@@ -397,8 +398,9 @@ class CudaBackend final : public Backend {
   void read_back_step(const std::vector<RowGroup>& groups, const std::vector<size_t>& item_of_row,
                       std::span<const BatchItem> items);
   // The tables of the kOwnBlockExact rows of a layer: per (sequence slot, block) their slot's
-  // tables with the block's entries naming its held exact raw pages; uploaded to
-  // own_block_tables_.
+  // tables with the block's entries naming its held exact raw pages, in own_block_tables_. With
+  // deferred encode results they are copied from the device's tables (the host's do not know this
+  // step's encodes yet); else made from the host's and uploaded.
   void upload_own_block_tables(int layer, const std::vector<std::pair<int, int64_t>>& own_blocks);
   // The sparse rows' per-step data (indexed lengths, Top-p weight tables) up to the device.
   void stage_sparse_step(RowGroup& g, const std::vector<size_t>& item_of_row, std::span<const BatchItem> items);
@@ -435,6 +437,7 @@ class CudaBackend final : public Backend {
   // sparse rows): attention then reads the forward's queries and writes its output in place.
   bool launch_in_step_order_ = false;
   std::vector<int32_t> host_own_block_tables_;
+  int64_t own_block_table_rows_ = 0;  // the tables in own_block_tables_ (one per own block)
   PinnedBuffer staging_;
   // The sparse tier: the rotation's parameters, the index builder's error word; per step the
   // sparse rows' indexed lengths, Top-p weight tables, rounding seeds, quantized queries, selected
@@ -450,6 +453,20 @@ void CudaBackend::upload_own_block_tables(int layer, const std::vector<std::pair
   const int64_t H = model_.config().n_kv_heads;
   const int64_t stride = cache_->view(layer).table_stride;
   const size_t row = size_t(2 * H * stride);
+  own_block_table_rows_ = int64_t(own_blocks.size());
+  if (config_.defer_encode_results) {
+    const size_t bytes = own_blocks.size() * row * sizeof(int32_t);
+    if (own_block_tables_.size() < bytes) {
+      throw_if_failed(cache::cuda::synchronize_stream(nullptr));  // an earlier launch may read the old one
+      throw_if_failed(DeviceBuffer::allocate(bytes, &own_block_tables_));
+    }
+    // On the cache's stream (the null stream, as the attention launches): after this layer's
+    // placements, after the previous layer's launches that read the buffer.
+    int32_t* tables = reinterpret_cast<int32_t*>(own_block_tables_.data());
+    throw_if_failed(
+        cache_->copy_exact_block_tables(layer, own_blocks, tables, own_block_tables_.size() / sizeof(int32_t)));
+    return;
+  }
   host_own_block_tables_.resize(own_blocks.size() * row);
   for (size_t j = 0; j < own_blocks.size(); ++j) {
     const int32_t* tables = cache_->host_table_row(own_blocks[j].first, layer);
@@ -637,6 +654,9 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
     // The held pages go back to the free lists; the launches that read them run first (one
     // stream), and a later write reuses them only after.
     cache_->release_completed_exact(layer);
+    // Deferred encode results: every layer's come back in one copy after the last layer, which
+    // the step's wait at the end of DeviceForward::run covers.
+    if (layer + 1 == c.n_layers) throw_if_failed(cache_->download_encode_results());
     attention_seconds += seconds(t_layer, step_clock::now());
   };
   const step_clock::time_point t_run = step_clock::now();
@@ -648,9 +668,18 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
     cudaDeviceSynchronize();
     cudaGetLastError();
     for (int layer = 0; layer < c.n_layers; ++layer) cache_->release_completed_exact(layer);
+    // The encodes enqueued before the failure are placed on the host too (a failure here leaves
+    // the cache refusing until reset, and the step's error is the one to report).
+    (void)cache_->reconcile_encodes();
     throw;
   }
+  // The step's wait is behind us: the host's tables, free lists and counters catch up with this
+  // step's encodes (DeviceForward::run's wait covered the results' copy, since its last segment
+  // runs after the null stream's work; the event wait in reconcile_encodes only confirms it),
+  // before anything reads the host tables (the key indexes, the engine's free_sequence and
+  // fork_prefix, the next step's reserve and own-block tables).
   const step_clock::time_point t_ran = step_clock::now();
+  throw_if_failed(cache_->reconcile_encodes());
   recent_meters_->begin_step();
   read_back_step(groups, item_of_row, items);
   for (const BatchItem& it : items) {
@@ -707,7 +736,7 @@ void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, c
       p.k_table = reinterpret_cast<const int32_t*>(own_block_tables_.data());
       p.v_table = p.k_table + int64_t(c.n_kv_heads) * p.table_stride;
       p.table_row_stride = row_stride;
-      p.n_table_rows = int64_t(host_own_block_tables_.size()) / row_stride;
+      p.n_table_rows = own_block_table_rows_;
     }
     p.q = q_launch + g.first * q_dim;
     p.out = out_launch + g.first * q_dim;

@@ -8,7 +8,10 @@
 // a prefill row is a query over its sequence's tables with its own length, so a chunk's rows
 // attend causally. The decode rows of the metered schemes get the meter from the same pass, and
 // their telemetry. A step runs without waiting for the device until its end, where the logits
-// the items ask for, the error words, meters and sparse counts come back together.
+// the items ask for, the error words, meters and sparse counts come back together. A layer whose
+// write completes a block waits for the block's encode result, unless
+// BackendConfig::defer_encode_results: then the device places the encoded pages in its tables and
+// the results come back with the rest, the host's tables catching up after the step's wait.
 //
 // Batch invariance: the split of the KV is fixed per sequence (kSplitBlocks blocks per split),
 // never planned from the batch; a row's result therefore depends on its own length and pages

@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <unordered_map>
 #include <string>
 #include <utility>
 
 #include "cache/cuda/append_rows_cuda.h"
+#include "cache/cuda/place_encoded_cuda.h"
 #include "codec/cuda/gaac_encode_cuda.h"
 #include "codec/cuda/lossy_encode_cuda.h"
 #include "format/numeric.h"
@@ -144,7 +146,9 @@ struct DeviceKvCache::Layer {
   std::vector<float> first_rows;
 };
 
-DeviceKvCache::~DeviceKvCache() = default;
+DeviceKvCache::~DeviceKvCache() {
+  if (results_event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(results_event_));
+}
 
 CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_ptr<DeviceKvCache>* out) {
   const KvScheme scheme = config.scheme;
@@ -275,8 +279,11 @@ CudaStatus DeviceKvCache::grow_slots(int64_t slots) {
   if (slots <= slot_capacity_) return {};
   const int64_t grown = std::max<int64_t>(slots, slot_capacity_ * 2);
   const size_t per_slot = size_t(2) * size_t(config_.n_kv_heads) * size_t(table_stride_);
+  // The host tables go up whole below: they must hold the deferred placements first.
+  CudaStatus s = reconcile_encodes();
+  if (!s.ok) return s;
   // The stream may still read the old tables and lengths.
-  CudaStatus s = cuda_check(cudaStreamSynchronize(as_stream(config_.stream)), "table growth");
+  s = cuda_check(cudaStreamSynchronize(as_stream(config_.stream)), "table growth");
   for (auto& layer : layers_) {
     if (!s.ok) return s;
     layer->host_tables.resize(per_slot * size_t(grown), kUnwritten);
@@ -351,7 +358,9 @@ CudaStatus DeviceKvCache::free_sequence(int slot) {
   if (!live(slot))
     return cuda_error(StatusCode::kInvalidArgument, "device KV cache: slot " + std::to_string(slot) + " is not live");
   const int H = config_.n_kv_heads;
-  CudaStatus s = {};
+  // The pages to give back are those the reconciled host tables name.
+  CudaStatus s = reconcile_encodes();
+  if (!s.ok) return s;
   for (int l = 0; l < config_.n_layers; ++l) {
     Layer& layer = *layers_[size_t(l)];
     const int64_t blocks = (written(slot, l) + config_.block_tokens - 1) / config_.block_tokens;
@@ -385,7 +394,9 @@ CudaStatus DeviceKvCache::fork_prefix(int parent, int64_t n_tokens, int* child) 
                         "device KV cache: a shared prefix is whole blocks the parent has written (" +
                             std::to_string(n_tokens) + " tokens, layer " + std::to_string(l) + " holds " +
                             std::to_string(written(parent, l)) + ")");
-  CudaStatus s = create_sequence(child);
+  // The parent's entries are copied from the host tables: reconciled first.
+  CudaStatus s = reconcile_encodes();
+  if (s.ok) s = create_sequence(child);
   if (!s.ok) return s;
   const int H = config_.n_kv_heads;
   const bool coded = config_.scheme != KvScheme::kBf16;
@@ -655,6 +666,170 @@ CudaStatus DeviceKvCache::read_encode_results(const uint8_t* results, void* host
   return s;
 }
 
+CudaStatus DeviceKvCache::mark_broken(const CudaStatus& s) {
+  if (!s.ok) {
+    broken_ = true;
+    broken_reason_ = s.message;
+  }
+  return s;
+}
+
+CudaStatus DeviceKvCache::stage_deferred_encode(int slot, int layer_index, int64_t block_begin, int64_t block_end,
+                                                const std::vector<int32_t>& coded_pages, const void* tasks,
+                                                size_t task_bytes, size_t result_bytes, DeferredEncode* out) {
+  Layer& layer = *layers_[size_t(layer_index)];
+  const int H = config_.n_kv_heads;
+  cudaStream_t stream = as_stream(config_.stream);
+  const size_t n = coded_pages.size();
+  if (n > size_t(std::numeric_limits<int32_t>::max()))
+    return cuda_error(StatusCode::kInternal, "device KV cache: more than 2^31 encode tasks in one write");
+  // One upload: the tasks, then (16-byte aligned) their placements.
+  const size_t placements_offset = round16(task_bytes);
+  std::vector<uint8_t> upload(placements_offset + n * sizeof(TablePlacement));
+  std::memcpy(upload.data(), tasks, task_bytes);
+  auto* placements = reinterpret_cast<TablePlacement*>(upload.data() + placements_offset);
+  // This finalize's results after every pending one's; encode_results_used_ stays a multiple of 16.
+  const size_t result_offset = encode_results_used_;
+  out->blocks.clear();
+  out->blocks.reserve(n);
+  size_t i = 0;
+  for (int kv = 0; kv < 2; ++kv)
+    for (int h = 0; h < H; ++h)
+      for (int64_t b = block_begin; b < block_end; ++b, ++i) {
+        const size_t at = entry_index(slot, kv, h, b);
+        const int32_t entry = layer.host_tables[at];
+        if (entry >= 0 || entry == kUnwritten)
+          return cuda_error(StatusCode::kInternal, "device KV cache: a block finalized twice or never written (entry " +
+                                                       std::to_string(entry) + ")");
+        placements[i] = TablePlacement{int64_t(at), coded_pages[i], int32_t(i)};
+        out->blocks.push_back(PendingEncode{layer_index, slot, kv, h, b, coded_pages[i], -entry - 1,
+                                            result_offset + i * result_bytes});
+      }
+  if (i != n) return cuda_error(StatusCode::kInternal, "device KV cache: encode tasks and blocks disagree");
+  CudaStatus s = {};
+  if (encode_tasks_.size() < upload.size()) {
+    // The launches of an earlier finalize of this step may still read the old tasks.
+    s = cuda_check(cudaStreamSynchronize(stream), "encode task staging growth");
+    if (s.ok) s = DeviceBuffer::allocate(std::max(upload.size(), 2 * encode_tasks_.size()), &encode_tasks_);
+    if (!s.ok) return s;
+  }
+  const size_t results_end = result_offset + round16(n * result_bytes);
+  if (encode_results_.size() < results_end) {
+    // The pending results move with a copy ordered after the launches that wrote them; grow()
+    // waits for it before the old buffer is freed. Offsets stay valid.
+    s = grow(encode_results_, encode_results_used_, std::max<size_t>({results_end, 2 * encode_results_.size(), 4096}),
+             config_.stream);
+    if (!s.ok) return s;
+  }
+  // Ordered after every launch enqueued before on the stream, those that read the previous tasks
+  // included (pageable memory: staged before cudaMemcpyAsync returns).
+  s = cuda_check(cudaMemcpyAsync(encode_tasks_.data(), upload.data(), upload.size(), cudaMemcpyHostToDevice, stream),
+                 "encode task upload");
+  if (!s.ok) return s;
+  encode_results_used_ = results_end;
+  out->tasks = encode_tasks_.data();
+  out->placements = reinterpret_cast<const TablePlacement*>(encode_tasks_.data() + placements_offset);
+  out->results = encode_results_.data() + result_offset;
+  out->n = int(n);
+  return {};
+}
+
+CudaStatus DeviceKvCache::place_deferred(int layer_index, const DeferredEncode& d, EncodeResult kind) {
+  Layer& layer = *layers_[size_t(layer_index)];
+  PlaceEncodedArgs a;
+  a.tables = reinterpret_cast<int32_t*>(layer.tables.data());
+  a.n_entries = int64_t(layer.host_tables.size());
+  a.placements = d.placements;
+  a.n = d.n;
+  a.kind = kind;
+  a.results = d.results;
+  a.n_results = d.n;
+  const CudaStatus s = place_encoded_pages(a, config_.stream);
+  if (!s.ok) return s;
+  for (const PendingEncode& p : d.blocks) {
+    pending_.push_back(p);
+    // Listed whatever the result: the block's exact page is its raw page until reconcile_encodes.
+    if (config_.hold_completed_exact && lossy_)  // as finalize_lossy holds them (GAAC holds none)
+      layer.completed_exact.push_back({p.slot, p.kv, p.kv_head, p.block, p.raw_page});
+  }
+  return {};
+}
+
+CudaStatus DeviceKvCache::download_encode_results() {
+  if (pending_.empty()) return {};
+  cudaStream_t stream = as_stream(config_.stream);
+  CudaStatus s = {};
+  if (results_event_ == nullptr) {
+    cudaEvent_t e = nullptr;
+    s = cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "encode result event");
+    if (!s.ok) return mark_broken(s);
+    results_event_ = e;
+  }
+  if (host_encode_results_.size() < encode_results_used_) {
+    // A copy in flight may still write the old page-locked buffer.
+    if (downloaded_pending_ > 0)
+      s = cuda_check(cudaEventSynchronize(static_cast<cudaEvent_t>(results_event_)), "encode result download");
+    if (s.ok)
+      s = PinnedBuffer::allocate(std::max(encode_results_used_, 2 * host_encode_results_.size()), &host_encode_results_);
+    if (!s.ok) return mark_broken(s);
+  }
+  s = cuda_check(cudaMemcpyAsync(host_encode_results_.data(), encode_results_.data(), encode_results_used_,
+                                 cudaMemcpyDeviceToHost, stream),
+                 "encode result download");
+  if (s.ok) s = cuda_check(cudaEventRecord(static_cast<cudaEvent_t>(results_event_), stream), "encode result event");
+  if (!s.ok) return mark_broken(s);
+  downloaded_pending_ = pending_.size();
+  return {};
+}
+
+CudaStatus DeviceKvCache::reconcile_encodes() {
+  if (pending_.empty()) return {};
+  CudaStatus s = {};
+  // The copy must cover every pending block (a write after the last download added some).
+  if (downloaded_pending_ != pending_.size()) s = download_encode_results();
+  if (s.ok) s = cuda_check(cudaEventSynchronize(static_cast<cudaEvent_t>(results_event_)), "encode result download");
+  const uint8_t* host = host_encode_results_.data();
+  for (size_t i = 0; s.ok && i < pending_.size(); ++i) {
+    const PendingEncode& p = pending_[i];
+    Layer& layer = *layers_[size_t(p.layer)];
+    int32_t& entry = layer.host_tables[entry_index(p.slot, p.kv, p.kv_head, p.block)];
+    // Every call that changes a host entry reconciles first: a pending entry still names its raw page.
+    if (entry != -p.raw_page - 1) {
+      s = cuda_error(StatusCode::kInternal, "device KV cache: the entry of a pending block changed before its "
+                                            "encode result was read (layer " + std::to_string(p.layer) + ", slot " +
+                                            std::to_string(p.slot) + ", block " + std::to_string(p.block) + ")");
+      break;
+    }
+    // The same test as the placement launch's (place_encoded_cuda.cu).
+    bool encoded = false;
+    uint32_t used = 0;
+    if (lossy_) {
+      encoded = host[p.result_offset] == codec::cuda::kLossyEncoded;
+    } else {
+      std::memcpy(&used, host + p.result_offset, sizeof(used));
+      encoded = used != codec::cuda::kGaacDeviceDoesNotFit;
+    }
+    if (!encoded) {  // the block stays raw: its entry is the raw page already, on both sides
+      layer.slots[p.kv].give_back(p.coded_page);
+      ++(lossy_ ? pages_kept_exact_ : blocks_not_fitting_);
+      continue;
+    }
+    layer.raw.give_back(p.raw_page);
+    entry = p.coded_page;
+    if (!lossy_) {
+      std::vector<uint32_t>& slot_used = layer.slot_used[p.kv];
+      if (slot_used.size() <= size_t(p.coded_page)) slot_used.resize(size_t(p.coded_page) + 1);
+      slot_used[size_t(p.coded_page)] = used;
+    }
+  }
+  // Every listed exact page was a pending block's: the hold ends here (see the header).
+  for (auto& layer : layers_) layer->completed_exact.clear();
+  pending_.clear();
+  encode_results_used_ = 0;
+  downloaded_pending_ = 0;
+  return mark_broken(s);
+}
+
 CudaStatus DeviceKvCache::finalize(int slot, int layer_index, int64_t block_begin, int64_t block_end) {
   Layer& layer = *layers_[size_t(layer_index)];
   const int H = config_.n_kv_heads;
@@ -688,6 +863,16 @@ CudaStatus DeviceKvCache::finalize(int slot, int layer_index, int64_t block_begi
       for (int h = 0; h < H; ++h)
         for (int64_t b = block_begin; b < block_end; ++b, ++i)
           tasks[i].dst = layer.slots[kv].buffer.data() + size_t(slots[i]) * layer.slots[kv].stride;
+  }
+  if (config_.defer_encode_results) {
+    DeferredEncode d;
+    CudaStatus s = stage_deferred_encode(slot, layer_index, block_begin, block_end, slots, tasks.data(),
+                                         tasks.size() * sizeof(codec::cuda::GaacEncodeTask), sizeof(uint32_t), &d);
+    if (s.ok)
+      s = codec::cuda::gaac_encode_pages(element, T, D, reinterpret_cast<const codec::cuda::GaacEncodeTask*>(d.tasks),
+                                         d.n, reinterpret_cast<uint32_t*>(d.results), stream);
+    if (s.ok) s = place_deferred(layer_index, d, EncodeResult::kGaacUsedBytes);
+    return s;
   }
   uint8_t* results = nullptr;
   CudaStatus s = stage_encode_tasks(tasks.data(), tasks.size() * sizeof(codec::cuda::GaacEncodeTask),
@@ -828,6 +1013,17 @@ CudaStatus DeviceKvCache::finalize_lossy(int slot, int layer_index, int64_t bloc
     const int kv = int64_t(i) < per_kv ? 0 : 1;
     tasks[i].dst = layer.slots[kv].buffer.data() + size_t(slots[i]) * layer.slots[kv].stride;
   }
+  if (config_.defer_encode_results) {
+    DeferredEncode d;
+    CudaStatus s = stage_deferred_encode(slot, layer_index, block_begin, block_end, slots, tasks.data(),
+                                         tasks.size() * sizeof(codec::cuda::LossyEncodeTask), 1, &d);
+    const auto* device_tasks = reinterpret_cast<const codec::cuda::LossyEncodeTask*>(d.tasks);
+    for (int kv = 0; kv < 2 && s.ok; ++kv)
+      s = codec::cuda::lossy_encode_pages(lossy_spec(kv == 0), device_tasks + kv * per_kv, int(per_kv),
+                                          d.results + kv * per_kv, stream);
+    if (s.ok) s = place_deferred(layer_index, d, EncodeResult::kLossyStatus);
+    return s;
+  }
   uint8_t* results = nullptr;
   CudaStatus s = stage_encode_tasks(tasks.data(), tasks.size() * sizeof(codec::cuda::LossyEncodeTask), tasks.size(),
                                     &results);
@@ -879,7 +1075,9 @@ CudaStatus DeviceKvCache::store_exact_block(int slot, int layer_index, int kv_he
   Layer& layer = *layers_[size_t(layer_index)];
   const int H = config_.n_kv_heads;
   const size_t page_bytes = size_t(T) * size_t(config_.head_dim) * 2;
-  CudaStatus s = {};
+  // Whether a page is lossy is read from the host tables, and the block's entries go up from them.
+  CudaStatus s = reconcile_encodes();
+  if (!s.ok) return s;
   bool changed = false;
   for (int kv = 0; kv < 2 && s.ok; ++kv) {
     int32_t& entry = layer.host_tables[entry_index(slot, kv, kv_head, block)];
@@ -915,8 +1113,93 @@ const std::vector<CompletedExactPage>& DeviceKvCache::completed_exact(int layer)
 
 void DeviceKvCache::release_completed_exact(int layer) {
   Layer& l = *layers_[size_t(layer)];
-  for (const CompletedExactPage& page : l.completed_exact) l.raw.give_back(page.raw_page);
+  // Deferred: a listed page is still pending (reconcile_encodes empties every list), and whether
+  // it goes back (its block encoded) or stays in the tables (refused) is reconcile's to decide.
+  if (!config_.defer_encode_results)
+    for (const CompletedExactPage& page : l.completed_exact) l.raw.give_back(page.raw_page);
   l.completed_exact.clear();
+}
+
+CudaStatus DeviceKvCache::copy_exact_block_tables(int layer_index, std::span<const std::pair<int, int64_t>> blocks,
+                                                  int32_t* dst, size_t dst_entries) {
+  if (layer_index < 0 || layer_index >= config_.n_layers)
+    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: layer " + std::to_string(layer_index) + " of " +
+                                                        std::to_string(config_.n_layers));
+  const int H = config_.n_kv_heads;
+  const int64_t T = config_.block_tokens;
+  const size_t row = size_t(2) * size_t(H) * size_t(table_stride_);
+  if (blocks.empty()) return {};
+  if (dst == nullptr || dst_entries / row < blocks.size())
+    return cuda_error(StatusCode::kInvalidArgument,
+                      "device KV cache: " + std::to_string(blocks.size()) + " exact-block tables need " +
+                          std::to_string(blocks.size() * row) + " entries, the destination holds " +
+                          std::to_string(dst_entries));
+  const Layer& layer = *layers_[size_t(layer_index)];
+  // The held pages by their entry's index (completed_exact: the blocks encoded and held; a block
+  // refused, or pending, still has its raw page in the host tables).
+  std::unordered_map<size_t, int32_t> held;
+  for (const CompletedExactPage& page : layer.completed_exact)
+    held[entry_index(page.slot, page.kv, page.kv_head, page.block)] = -page.raw_page - 1;
+  // One upload: the slots of the rows, then (16-byte aligned) the patches of each row's block.
+  const size_t patches_offset = round16(sizeof(int32_t) * blocks.size());
+  std::vector<uint8_t> upload(patches_offset + sizeof(TablePlacement) * blocks.size() * size_t(2 * H));
+  auto* rows = reinterpret_cast<int32_t*>(upload.data());
+  auto* patches = reinterpret_cast<TablePlacement*>(upload.data() + patches_offset);
+  size_t n_patches = 0;
+  for (size_t j = 0; j < blocks.size(); ++j) {
+    const auto [slot, block] = blocks[j];
+    if (!live(slot) || block < 0 || block >= written(slot, layer_index) / T)
+      return cuda_error(StatusCode::kInvalidArgument, "device KV cache: no whole block " + std::to_string(block) +
+                                                          " of slot " + std::to_string(slot) + " at layer " +
+                                                          std::to_string(layer_index));
+    rows[j] = int32_t(slot);
+    for (int kv = 0; kv < 2; ++kv)
+      for (int h = 0; h < H; ++h) {
+        const size_t at = entry_index(slot, kv, h, block);
+        const auto it = held.find(at);
+        const int32_t entry = it != held.end() ? it->second : layer.host_tables[at];
+        if (entry >= 0 || entry == kUnwritten)
+          return cuda_error(StatusCode::kInvalidArgument, "device KV cache: block " + std::to_string(block) +
+                                                              " of slot " + std::to_string(slot) + " at layer " +
+                                                              std::to_string(layer_index) +
+                                                              " is encoded and its exact page is not held");
+        const size_t at_patch = j * row + size_t(kv * H + h) * size_t(table_stride_) + size_t(block);
+        patches[n_patches++] = TablePlacement{int64_t(at_patch), entry, 0};
+      }
+  }
+  cudaStream_t stream = as_stream(config_.stream);
+  CudaStatus s = {};
+  if (exact_table_placements_.size() < upload.size()) {
+    // A launch in flight (the previous layer's) may still read the old patches.
+    s = cuda_check(cudaStreamSynchronize(stream), "exact-block table staging growth");
+    if (s.ok)
+      s = DeviceBuffer::allocate(std::max(upload.size(), 2 * exact_table_placements_.size()), &exact_table_placements_);
+    if (!s.ok) return s;
+  }
+  // Ordered after the launches before it: the encode placements of this layer's write, and the
+  // previous reader of the staging.
+  s = cuda_check(cudaMemcpyAsync(exact_table_placements_.data(), upload.data(), upload.size(), cudaMemcpyHostToDevice,
+                                 stream),
+                 "exact-block table upload");
+  constexpr size_t kRowsPerLaunch = 65535;  // copy_table_rows' grid
+  for (size_t j = 0; s.ok && j < blocks.size(); j += kRowsPerLaunch) {
+    CopyTableRowsArgs c;
+    c.tables = reinterpret_cast<const int32_t*>(layer.tables.data());
+    c.n_table_rows = slot_capacity_;
+    c.row_entries = int64_t(row);
+    c.rows = reinterpret_cast<const int32_t*>(exact_table_placements_.data()) + j;
+    c.n = int(std::min(kRowsPerLaunch, blocks.size() - j));
+    c.dst = dst + j * row;
+    s = copy_table_rows(c, config_.stream);
+  }
+  if (!s.ok) return s;
+  PlaceEncodedArgs a;
+  a.tables = dst;
+  a.n_entries = int64_t(blocks.size() * row);
+  a.placements = reinterpret_cast<const TablePlacement*>(exact_table_placements_.data() + patches_offset);
+  a.n = int(n_patches);
+  a.kind = EncodeResult::kAlways;
+  return place_encoded_pages(a, config_.stream);
 }
 
 CudaStatus DeviceKvCache::reset() {
@@ -926,6 +1209,11 @@ CudaStatus DeviceKvCache::reset() {
   std::fill(written_.begin(), written_.end(), 0);  // the live sequences stay live, empty
   blocks_not_fitting_ = 0;
   pages_kept_exact_ = 0;
+  // Pending encodes are dropped: their placements may still run, but the tables go up as
+  // unwritten after them (stream order), and the pools are emptied below.
+  pending_.clear();
+  encode_results_used_ = 0;
+  downloaded_pending_ = 0;
   // dither8's outlier pairs stay chosen, as in KvCache (fixed per (layer, kv_head) once chosen).
   for (auto& layer : layers_) {
     layer->completed_exact.clear();
@@ -990,7 +1278,8 @@ DeviceKvStats DeviceKvCache::stats() const {
   DeviceKvStats st;
   st.blocks_not_fitting = blocks_not_fitting_;
   st.pages_kept_exact = pages_kept_exact_;
-  st.bytes_reserved = staging_.size() + encode_buffer_.size() + lengths_.size();
+  st.bytes_reserved = staging_.size() + encode_buffer_.size() + lengths_.size() + encode_tasks_.size() +
+                     encode_results_.size() + exact_table_placements_.size();
   for (uint8_t l : live_) st.sequences += l;
   for (const auto& layer : layers_) {
     st.raw_pages_in_use += layer->raw.in_use;
@@ -1017,6 +1306,10 @@ CudaStatus DeviceKvCache::read_page(int slot, int layer_index, KvTensor kv, int 
     return cuda_error(StatusCode::kOutOfRange, "device KV cache: no page at layer " + std::to_string(layer_index) +
                                                    ", kv head " + std::to_string(kv_head) + ", block " +
                                                    std::to_string(block));
+  if (!pending_.empty())
+    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: read_page with " +
+                                                        std::to_string(pending_.size()) +
+                                                        " encodes pending: reconcile_encodes() first");
   const Layer& layer = *layers_[size_t(layer_index)];
   const int k = int(kv);
   const int32_t entry = layer.host_tables[entry_index(slot, k, kv_head, block)];

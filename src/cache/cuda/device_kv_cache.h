@@ -23,18 +23,29 @@
 // lossy pages), or -r - 1 for raw page r of the layer's raw pool (tails, blocks that did not
 // fit, pages kept exact).
 //
+// Encode results (DeviceKvCacheConfig::defer_encode_results). By default write() returns after
+// the blocks it completes are placed: it waits for their encode results (one round trip per call
+// that completes a block). Deferred: the encode launch is followed by a placement launch
+// (cache/cuda/place_encoded_cuda.h) that points each encoded block's device table entries at its
+// page, a refused block keeping its raw page, so that launches enqueued after write() read the
+// right tables; write() returns without waiting, and the host's copy of the tables, the free lists
+// and the counters catch up in reconcile_encodes() (once a forward step, after the step's own
+// wait: backend/cuda/cuda_backend.cc). Until then a completed block holds both its raw page and
+// its encoded page.
+//
 // Thread safety: one owner, one CUDA device (the current one at create(); calls from a thread
-// whose current device is another are not supported). Calls are ordered on the cache's stream;
-// write() returns after the blocks it completes are placed (it waits for their encode results).
+// whose current device is another are not supported). Calls are ordered on the cache's stream.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cache/cuda/device_pool.h"
+#include "cache/cuda/place_encoded_cuda.h"
 #include "cache/kv_cache.h"
 #include "codec/gaac.h"
 #include "codec/lossy_page.h"
@@ -64,6 +75,10 @@ struct DeviceKvCacheConfig {
   // release_completed_exact(layer): prefill rows of that write read their own block exactly from
   // it, as a decode step at their position would (backend/cuda/cuda_backend.h).
   bool hold_completed_exact = false;
+  // GAAC and lossy schemes: write() returns before the encode results of the blocks it completes
+  // reach the host; the device tables are placed on the device and reconcile_encodes() brings the
+  // host up to date (see the top of this file). false: write() waits for the results.
+  bool defer_encode_results = false;
   void* stream = nullptr;  // cudaStream_t for every call; null: the default stream
   // Sequences live at create (slots 0 .. sequences - 1); more come from create_sequence.
   int sequences = 1;
@@ -201,8 +216,31 @@ class DeviceKvCache {
     return store_exact_block(0, layer, kv_head, block, k_rows, v_rows, bytes);
   }
   // Drops every token of every live sequence (pages back to the free lists; pools keep their
-  // memory; the sequences stay live, empty) and clears a failed state. Synchronizes the stream.
+  // memory; the sequences stay live, empty) and clears a failed state; pending encode results are
+  // dropped with them. Synchronizes the stream.
   CudaStatus reset();
+
+  // defer_encode_results: the encodes enqueued since the last reconcile_encodes.
+  //  - pending_encodes(): the blocks (one per (K/V, kv_head) page) whose results the host has not
+  //    read yet.
+  //  - download_encode_results(): enqueues one copy of every pending result to page-locked host
+  //    memory, on the cache's stream; no wait. Call it after the last write of a step, before the
+  //    step's wait, so that the wait covers the copy.
+  //  - reconcile_encodes(): waits for that copy (enqueuing it first when the pending encodes are
+  //    not all in it: then it waits for the encodes too), then per pending block: encoded, its
+  //    host entries name the encoded page and the raw page goes back to its free list (the hold of
+  //    hold_completed_exact ends with it: call this after the launches that read the held pages);
+  //    refused, the encoded page goes back and blocks_not_fitting / pages_kept_exact count it.
+  //    Nothing to do without pending encodes (the default mode never has any). A failure leaves
+  //    the cache refusing until reset(), as write().
+  // Every call that reads or uploads the host tables (free_sequence, fork_prefix,
+  // create_sequence when the tables grow, store_exact_block) reconciles first. The const readers
+  // (stats, sequence_bytes, pages_referenced, host_table_row, completed_exact) describe the cache
+  // as of the last reconcile: a pending block counts both of its pages and its host entries name
+  // its raw page; read_page refuses while encodes are pending.
+  size_t pending_encodes() const { return pending_.size(); }
+  CudaStatus download_encode_results();
+  CudaStatus reconcile_encodes();
 
   int64_t written(int slot, int layer) const {
     return live(slot) ? written_[size_t(slot) * size_t(config_.n_layers) + size_t(layer)] : 0;
@@ -214,14 +252,27 @@ class DeviceKvCache {
   const int32_t* host_table_row(int slot, int layer) const;
   // hold_completed_exact: the exact pages of the blocks the writes to `layer` completed since its
   // last release, and their release (back to the free list; reset() releases every one too).
+  // defer_encode_results: every block completed since the last reconcile is listed (whether its
+  // encode succeeds is not known yet); release_completed_exact only empties the list, and the raw
+  // pages of the blocks encoded go back to the free list at reconcile_encodes().
   const std::vector<CompletedExactPage>& completed_exact(int layer) const;
   void release_completed_exact(int layer);
+  // The tables of `layer` for rows that read their own block exact (hold_completed_exact): for
+  // each (slot, block) pair j, the slot's [2][n_kv_heads][table_stride] entries as the device
+  // holds them once the work enqueued so far has run (deferred placements included), with the
+  // entries of block j naming the block's exact raw page, written to dst + j * 2 * n_kv_heads *
+  // table_stride (device memory of dst_entries int32 entries), on the cache's stream.
+  // kInvalidArgument for a slot not live, a block the slot has not written in whole, a block
+  // whose pages are encoded and not held, or too small a dst.
+  CudaStatus copy_exact_block_tables(int layer, std::span<const std::pair<int, int64_t>> blocks, int32_t* dst,
+                                     size_t dst_entries);
   const DeviceKvCacheConfig& config() const { return config_; }
   DeviceKvStats stats() const;
   DeviceSequenceBytes sequence_bytes(int slot) const;
   // Pages the tables of these live slots reference, a page shared among them counted once.
   uint64_t pages_referenced(std::span<const int> slots) const;
   // The page of (slot, layer, K/V, kv_head, block) as stored; synchronizes the stream.
+  // kInvalidArgument while encodes are pending (reconcile_encodes first).
   CudaStatus read_page(int slot, int layer, KvTensor kv, int kv_head, int64_t block, DevicePageBytes* out) const;
   CudaStatus read_page(int layer, KvTensor kv, int kv_head, int64_t block, DevicePageBytes* out) const {
     return read_page(0, layer, kv, kv_head, block, out);
@@ -247,6 +298,37 @@ class DeviceKvCache {
   // result_bytes after them; then its results read back (synchronizes the stream).
   CudaStatus stage_encode_tasks(const void* tasks, size_t task_bytes, size_t result_bytes, uint8_t** results);
   CudaStatus read_encode_results(const uint8_t* results, void* host, size_t bytes);
+  // defer_encode_results. A block finalized and not yet reconciled: its pages and where its result is.
+  struct PendingEncode {
+    int layer = 0;
+    int slot = 0;
+    int kv = 0;
+    int kv_head = 0;
+    int64_t block = 0;
+    int32_t coded_page = 0;    // the GAAC slot or lossy page taken for it
+    int32_t raw_page = 0;      // its raw page (what its entries name until reconciled)
+    size_t result_offset = 0;  // bytes into encode_results_ / host_encode_results_
+  };
+  // One finalize's deferred encode: its tasks and placements on the device, where its results go,
+  // and its blocks, pending once its launches are enqueued (place_deferred).
+  struct DeferredEncode {
+    const uint8_t* tasks = nullptr;               // device: the encode tasks
+    uint8_t* results = nullptr;                   // device: their results
+    const TablePlacement* placements = nullptr;   // device: [n], result i for placement i
+    int n = 0;
+    std::vector<PendingEncode> blocks;            // [n], finalize's task order
+  };
+  // The tasks (task_bytes) of blocks [block_begin, block_end) of every (K/V, kv_head) of the slot,
+  // in finalize's task order (coded_pages: the page taken for each), and their placements go up
+  // in one copy to encode_tasks_; their results (result_bytes each) are appended to
+  // encode_results_.
+  CudaStatus stage_deferred_encode(int slot, int layer_index, int64_t block_begin, int64_t block_end,
+                                   const std::vector<int32_t>& coded_pages, const void* tasks, size_t task_bytes,
+                                   size_t result_bytes, DeferredEncode* out);
+  // The placement launch after d's encode launches; then d's blocks are pending.
+  CudaStatus place_deferred(int layer_index, const DeferredEncode& d, EncodeResult kind);
+  // Marks the cache refusing every call but reset() (a call failed halfway).
+  CudaStatus mark_broken(const CudaStatus& s);
   // dither8: notes the rows of a write for the choice of outlier pairs (KvCache's rule).
   CudaStatus note_outlier_rows(int layer_index, int64_t first, const float* k, int64_t n);
   CudaStatus choose_outliers(int layer_index, int kv_head, const float* rows, int n_rows, size_t row_stride);
@@ -265,7 +347,26 @@ class DeviceKvCache {
   std::vector<int> free_slots_;
   std::vector<std::unique_ptr<Layer>> layers_;
   DeviceBuffer staging_;        // rows of one write
-  DeviceBuffer encode_buffer_;  // encode tasks and their results
+  DeviceBuffer encode_buffer_;  // encode tasks and their results (write() waits for them)
+  std::vector<PendingEncode> pending_;  // defer_encode_results: every block not reconciled yet
+  // Buffer lifetimes (all on the cache's stream):
+  //  - encode_tasks_: one finalize's tasks, then its placements; every finalize writes it from
+  //    offset 0 again. The upload is stream-ordered after the launches of the previous finalize
+  //    that read it, so no launch sees the next one's tasks. Grown only after a stream sync (a
+  //    launch in flight may read the old buffer).
+  //  - encode_results_: every pending block's result, appended (encode_results_used_ bytes), so
+  //    that one copy brings back the whole step's. Grown by a copy ordered after the launches
+  //    that wrote it, then a sync, before the old buffer is freed; offsets stay valid.
+  //  - host_encode_results_: the page-locked copy; results_event_ is recorded after the copy into
+  //    it; downloaded_pending_ counts the pending blocks that copy covers. Replaced only after
+  //    that event has completed.
+  DeviceBuffer encode_tasks_;
+  DeviceBuffer encode_results_;
+  size_t encode_results_used_ = 0;
+  PinnedBuffer host_encode_results_;
+  void* results_event_ = nullptr;  // cudaEvent_t, made at the first download
+  size_t downloaded_pending_ = 0;
+  DeviceBuffer exact_table_placements_;  // copy_exact_block_tables' patches (reused as encode_tasks_)
   DeviceBuffer lengths_;  // [slot][n_layers] int32
   int64_t blocks_not_fitting_ = 0;
   int64_t pages_kept_exact_ = 0;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cache/cuda/append_rows_cuda.h"
+#include "cache/cuda/place_encoded_cuda.h"
 #include "codec/gaac.h"
 #include "codec/lossy_page.h"
 #include "core/cuda_test_support.h"
@@ -453,6 +454,285 @@ TEST(DeviceKvCache, SequencesShareThePoolsAndForkedBlocksAreRefCounted) {
     EXPECT_EQ(dev->stats().sequences, 9);
     EXPECT_GE(dev->view(0).n_table_rows, 9);
   }
+}
+
+// The bytes of the page a device table entry names: a coded page (entry >= 0) of the layer's
+// K or V pool, `coded_bytes` of them, else the raw page it names, whole.
+std::vector<uint8_t> device_page(const DeviceKvCache& dev, int layer, int kv, int32_t entry, size_t coded_bytes) {
+  const DeviceLayerView v = dev.view(layer);
+  const uint8_t* src = nullptr;
+  size_t bytes = 0;
+  if (entry >= 0) {
+    src = (kv == 0 ? v.k_pages : v.v_pages) + size_t(entry) * size_t(kv == 0 ? v.k_page_stride : v.v_page_stride);
+    bytes = coded_bytes;
+  } else {
+    src = v.raw_pages + size_t(-int64_t(entry) - 1) * size_t(v.raw_page_stride);
+    bytes = size_t(kT) * kDim * size_t(format::gaac_element_bytes(kv_scheme_element(dev.config().scheme)));
+  }
+  std::vector<uint8_t> out(bytes);
+  EXPECT_EQ(cudaMemcpy(out.data(), src, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  return out;
+}
+
+// One slot's [2][kHeads][table_stride] device tables of a layer, or rows of a device copy.
+std::vector<int32_t> device_rows(const int32_t* tables, size_t entries) {
+  std::vector<int32_t> out(entries);
+  EXPECT_EQ(cudaMemcpy(out.data(), tables, entries * sizeof(int32_t), cudaMemcpyDeviceToHost), cudaSuccess);
+  return out;
+}
+
+// row: a [2][kHeads][table_stride] table row of `dev` (device or host copy). Every block b <
+// blocks of every (K/V, kv_head) names a page of the class and bytes of the reference's page of
+// `ref_slot` (a cache that waits for its encode results: its tables are its host's). Blocks in
+// `raw_blocks` must name raw pages equal to the raw page of `raw_ref` at the same place instead
+// (the own-block tables' exact pages).
+void expect_tables_name_reference_pages(const DeviceKvCache& dev, int layer, const std::vector<int32_t>& row,
+                                        const DeviceKvCache& ref, int ref_slot, int64_t blocks, int64_t raw_block,
+                                        const std::vector<int32_t>* raw_ref, const std::string& what) {
+  const int64_t stride = dev.view(layer).table_stride;
+  for (int kv = 0; kv < 2; ++kv)
+    for (int h = 0; h < kHeads; ++h)
+      for (int64_t b = 0; b < blocks; ++b) {
+        SCOPED_TRACE(what + ": layer " + std::to_string(layer) + " kv " + std::to_string(kv) + " head " +
+                     std::to_string(h) + " block " + std::to_string(b));
+        const int32_t entry = row[size_t((kv * kHeads + h) * stride + b)];
+        if (b == raw_block) {
+          ASSERT_LT(entry, 0) << "an own block reads its exact raw page";
+          const int32_t want = (*raw_ref)[size_t((kv * kHeads + h) * stride + b)];
+          ASSERT_LT(want, 0);
+          ASSERT_EQ(device_page(dev, layer, kv, entry, 0), device_page(ref, layer, kv, want, 0));
+          continue;
+        }
+        DevicePageBytes page;
+        const CudaStatus s = ref.read_page(ref_slot, layer, KvTensor(kv), h, b, &page);
+        ASSERT_TRUE(s.ok) << s.message;
+        ASSERT_EQ(entry >= 0, page.gaac_slot || page.lossy_page);
+        ASSERT_EQ(device_page(dev, layer, kv, entry, page.bytes.size()), page.bytes);
+      }
+}
+
+// Deferred encode results against a cache that waits for them, over forward-step-shaped writes
+// (every layer written once a step by one write_rows of several sequences, ragged prefill chunks
+// then decode steps, blocks completed in the middle of a step by some sequences only): after
+// each layer's write, before any reconcile, the device tables name pages of the class and bytes
+// of the waiting cache's (blocks that do not fit and pages kept exact included), and so do the
+// own-block tables of copy_exact_block_tables; after reconcile_encodes the host tables are the
+// device's, entry for entry, and the counters and every page are the waiting cache's. Host calls
+// in the middle of a step (fork_prefix, free_sequence) reconcile first; read_page refuses while
+// results are pending.
+TEST(DeviceKvCache, DeferredEncodeResultsPlaceThePagesOfWaitingOnes) {
+  CERTKV_NEED_CUDA_DEVICE();
+  constexpr int kSeqs = 4;
+  for (KvScheme scheme : {KvScheme::kGaac, KvScheme::kFp8E4M3, KvScheme::kDither8}) {
+    SCOPED_TRACE(kv_scheme_name(scheme));
+    const bool lossy = !kv_scheme_is_gaac(scheme);
+    DeviceKvCacheConfig dc = config_of(scheme, 512);
+    dc.sequences = kSeqs;
+    dc.hold_completed_exact = lossy;  // as the cuda backend holds them
+    std::unique_ptr<DeviceKvCache> ref, dev;
+    ASSERT_TRUE(DeviceKvCache::create(dc, &ref).ok);
+    dc.defer_encode_results = true;
+    CudaStatus s = DeviceKvCache::create(dc, &dev);
+    ASSERT_TRUE(s.ok) << s.message;
+    const int64_t stride = dev->view(0).table_stride;
+    const size_t row = size_t(2) * kHeads * size_t(stride);
+    DeviceBuffer exact_tables, ref_exact_tables;
+    ASSERT_TRUE(DeviceBuffer::allocate(row * sizeof(int32_t) * 64, &exact_tables).ok);
+    ASSERT_TRUE(DeviceBuffer::allocate(row * sizeof(int32_t) * 64, &ref_exact_tables).ok);
+    // Per step, the tokens of each sequence: ragged prefills, a second chunk of three blocks for
+    // sequence 1 among decode steps, then decode steps (every sequence crosses block boundaries,
+    // not all in the same step).
+    std::vector<std::vector<int64_t>> steps = {{37, 5, 16, 100}, {1, 1, 1, 1}, {1, 1, 0, 1}, {1, 48, 1, 1}};
+    for (int i = 0; i < 36; ++i) steps.push_back({1, 1, 1, 1});
+    std::mt19937 rng(31);
+    int64_t written[kSeqs] = {0, 0, 0, 0};
+    for (size_t step = 0; step < steps.size(); ++step) {
+      SCOPED_TRACE("step " + std::to_string(step));
+      std::vector<std::vector<float>> k(kSeqs), v(kSeqs);
+      for (int q = 0; q < kSeqs; ++q) {
+        k[size_t(q)] = random_rows(rng, steps[step][size_t(q)]);
+        v[size_t(q)] = random_rows(rng, steps[step][size_t(q)]);
+      }
+      if (step == 0) {
+        // Sequence 3's prefill: blocks the encoders refuse. Lossy: values not finite, a scale past
+        // fp16. GAAC: rows of head 1 in block 2 spread over 2^120, past any escape capacity.
+        std::vector<float>& k3 = k[3];
+        std::vector<float>& v3 = v[3];
+        if (lossy) {
+          k3[(size_t(40) * kHeads + 1) * kDim + 3] = INFINITY;
+          k3[(size_t(70) * kHeads + 0) * kDim + 0] = NAN;
+          v3[(size_t(90) * kHeads + 2) * kDim + 5] = 1e7f;
+        } else {
+          for (int t = 32; t < 48; ++t)
+            for (int c = 0; c < kDim; ++c) {
+              k3[(size_t(t) * kHeads + 1) * kDim + c] = std::ldexp(1.5f, (c * 37 + t * 11) % 120 - 60);
+              v3[(size_t(t) * kHeads + 1) * kDim + c] = std::ldexp(-1.25f, (c * 53 + t * 7) % 120 - 60);
+            }
+        }
+      }
+      std::vector<DeviceKvCache::SlotRows> writes;
+      for (int q = 0; q < kSeqs; ++q)
+        if (steps[step][size_t(q)] > 0)
+          writes.push_back({q, k[size_t(q)].data(), v[size_t(q)].data(), steps[step][size_t(q)]});
+      for (int l = 0; l < kLayers; ++l) {
+        SCOPED_TRACE("layer " + std::to_string(l));
+        s = ref->write_rows(l, writes.data(), writes.size());
+        ASSERT_TRUE(s.ok) << s.message;
+        s = dev->write_rows(l, writes.data(), writes.size());
+        ASSERT_TRUE(s.ok) << s.message;
+        EXPECT_EQ(ref->pending_encodes(), 0u) << "a cache that waits never has results pending";
+        // The blocks this write completed (the own blocks of the prompt rows).
+        std::vector<std::pair<int, int64_t>> own;
+        for (const DeviceKvCache::SlotRows& w : writes)
+          for (int64_t b = written[w.slot] / kT; b < (written[w.slot] + w.n) / kT; ++b) own.emplace_back(w.slot, b);
+        if (!own.empty()) {
+          EXPECT_GE(dev->pending_encodes(), own.size() * 2 * kHeads);
+          DevicePageBytes page;
+          EXPECT_EQ(dev->read_page(own[0].first, l, KvTensor::kKey, 0, own[0].second, &page).code,
+                    StatusCode::kInvalidArgument)
+              << "read_page refuses while results are pending";
+        }
+        // The device tables, before the host has read a result.
+        for (int q = 0; q < kSeqs; ++q) {
+          const DeviceLayerView view = dev->view(l);
+          const std::vector<int32_t> tables =
+              device_rows(view.k_table + size_t(q) * size_t(view.table_row_stride), row);
+          expect_tables_name_reference_pages(*dev, l, tables, *ref, q, (written[q] + steps[step][size_t(q)]) / kT, -1,
+                                             nullptr, "device tables before reconcile, sequence " + std::to_string(q));
+        }
+        if (lossy && !own.empty()) {
+          ASSERT_LE(own.size(), 64u);
+          s = dev->copy_exact_block_tables(l, own, reinterpret_cast<int32_t*>(exact_tables.data()),
+                                           exact_tables.size() / sizeof(int32_t));
+          ASSERT_TRUE(s.ok) << s.message;
+          s = ref->copy_exact_block_tables(l, own, reinterpret_cast<int32_t*>(ref_exact_tables.data()),
+                                           ref_exact_tables.size() / sizeof(int32_t));
+          ASSERT_TRUE(s.ok) << s.message;
+          const std::vector<int32_t> mine =
+              device_rows(reinterpret_cast<const int32_t*>(exact_tables.data()), own.size() * row);
+          const std::vector<int32_t> theirs =
+              device_rows(reinterpret_cast<const int32_t*>(ref_exact_tables.data()), own.size() * row);
+          for (size_t j = 0; j < own.size(); ++j) {
+            // The waiting cache's own-block table as the backend made it from the host tables.
+            const int32_t* ref_row = ref->host_table_row(own[j].first, l);
+            std::vector<int32_t> host_made(ref_row, ref_row + row);
+            for (const CompletedExactPage& p : ref->completed_exact(l))
+              if (p.slot == own[j].first && p.block == own[j].second)
+                host_made[size_t((p.kv * kHeads + p.kv_head) * stride + p.block)] = -p.raw_page - 1;
+            const std::vector<int32_t> theirs_j(theirs.begin() + ptrdiff_t(j * row),
+                                                theirs.begin() + ptrdiff_t((j + 1) * row));
+            EXPECT_EQ(theirs_j, host_made) << "copy_exact_block_tables of a waiting cache: the host-made tables";
+            const std::vector<int32_t> mine_j(mine.begin() + ptrdiff_t(j * row),
+                                              mine.begin() + ptrdiff_t((j + 1) * row));
+            expect_tables_name_reference_pages(*dev, l, mine_j, *ref, own[j].first, own[j].second + 1, own[j].second,
+                                               &host_made, "own-block tables " + std::to_string(j));
+          }
+        }
+        ref->release_completed_exact(l);
+        dev->release_completed_exact(l);
+      }
+      for (const DeviceKvCache::SlotRows& w : writes) written[w.slot] += w.n;
+      if (step == 3) {
+        // A host call in the middle of a step (every layer written, the results not read):
+        // fork_prefix reads the host tables, so it reconciles first (the tables grow too: every
+        // slot is taken); the child's pages are the waiting cache's.
+        ASSERT_GT(dev->pending_encodes(), 0u);
+        int child = -1, ref_child = -1;
+        s = dev->fork_prefix(1, 48, &child);
+        ASSERT_TRUE(s.ok) << s.message;
+        EXPECT_EQ(dev->pending_encodes(), 0u);
+        ASSERT_TRUE(ref->fork_prefix(1, 48, &ref_child).ok);
+        for (int l = 0; l < kLayers; ++l)
+          for (int64_t b = 0; b < 3; ++b) {
+            DevicePageBytes x, y;
+            ASSERT_TRUE(dev->read_page(child, l, KvTensor::kValue, 2, b, &x).ok);
+            ASSERT_TRUE(ref->read_page(ref_child, l, KvTensor::kValue, 2, b, &y).ok);
+            EXPECT_EQ(x.bytes, y.bytes);
+            EXPECT_EQ(x.lossy_page || x.gaac_slot, y.lossy_page || y.gaac_slot);
+          }
+        ASSERT_TRUE(dev->free_sequence(child).ok);
+        ASSERT_TRUE(ref->free_sequence(ref_child).ok);
+      }
+      // The end of the step: one copy of every result, then the host catches up.
+      s = dev->download_encode_results();
+      ASSERT_TRUE(s.ok) << s.message;
+      s = dev->reconcile_encodes();
+      ASSERT_TRUE(s.ok) << s.message;
+      ASSERT_EQ(dev->pending_encodes(), 0u);
+      for (int l = 0; l < kLayers; ++l)
+        for (int q = 0; q < kSeqs; ++q) {
+          const DeviceLayerView view = dev->view(l);
+          const std::vector<int32_t> tables =
+              device_rows(view.k_table + size_t(q) * size_t(view.table_row_stride), row);
+          const int32_t* host = dev->host_table_row(q, l);
+          for (int kv = 0; kv < 2; ++kv)
+            for (int h = 0; h < kHeads; ++h)
+              for (int64_t b = 0; b < (written[q] + kT - 1) / kT; ++b) {
+                const size_t at = size_t((kv * kHeads + h) * stride + b);
+                ASSERT_EQ(tables[at], host[at]) << "host and device tables after reconcile: layer " << l << " sequence "
+                                                << q << " kv " << kv << " head " << h << " block " << b;
+              }
+          expect_tables_name_reference_pages(*dev, l, tables, *ref, q, (written[q] + kT - 1) / kT, -1, nullptr,
+                                             "after reconcile, sequence " + std::to_string(q));
+        }
+      const DeviceKvStats a = ref->stats(), b = dev->stats();
+      EXPECT_EQ(a.slots_in_use, b.slots_in_use);
+      EXPECT_EQ(a.lossy_pages_in_use, b.lossy_pages_in_use);
+      EXPECT_EQ(a.raw_pages_in_use, b.raw_pages_in_use);
+      EXPECT_EQ(a.blocks_not_fitting, b.blocks_not_fitting);
+      EXPECT_EQ(a.pages_kept_exact, b.pages_kept_exact);
+      EXPECT_EQ(a.bytes_in_use, b.bytes_in_use);
+      if (HasFatalFailure()) return;
+    }
+    const DeviceKvStats st = dev->stats();
+    if (lossy) {
+      EXPECT_GT(st.pages_kept_exact, 0) << "the poisoned rows must keep pages exact";
+      EXPECT_GT(st.lossy_pages_in_use, st.raw_pages_in_use);
+    } else {
+      EXPECT_GT(st.blocks_not_fitting, 0) << "the spread rows must not fit their slots";
+      EXPECT_GT(st.slots_in_use, st.raw_pages_in_use);
+    }
+    // A free and a reset with results pending: the pages all come back.
+    const std::vector<float> one = random_rows(rng, 16);
+    ASSERT_TRUE(dev->write(0, 0, one.data(), one.data(), 16).ok);
+    ASSERT_GT(dev->pending_encodes(), 0u);
+    ASSERT_TRUE(dev->free_sequence(0).ok);
+    EXPECT_EQ(dev->pending_encodes(), 0u);
+    ASSERT_TRUE(dev->write(1, 0, one.data(), one.data(), 16).ok);
+    ASSERT_GT(dev->pending_encodes(), 0u);
+    ASSERT_TRUE(dev->reset().ok);
+    EXPECT_EQ(dev->pending_encodes(), 0u);
+    EXPECT_EQ(dev->stats().raw_pages_in_use, 0);
+    EXPECT_EQ(dev->stats().slots_in_use + dev->stats().lossy_pages_in_use, 0);
+    EXPECT_EQ(dev->stats().blocks_not_fitting + dev->stats().pages_kept_exact, 0);
+  }
+}
+
+// The placement launch's refusals (no device needed).
+TEST(PlaceEncodedPages, BadArgumentsAreRefusedBeforeAnyLaunch) {
+  PlaceEncodedArgs a;
+  a.n = -1;
+  EXPECT_EQ(check_place_encoded_pages(a).code, StatusCode::kInvalidArgument);
+  a.n = 0;
+  EXPECT_TRUE(check_place_encoded_pages(a).ok) << "nothing to place";
+  a.n = 3;
+  EXPECT_EQ(check_place_encoded_pages(a).code, StatusCode::kInvalidArgument) << "null arrays";
+  int32_t fake = 0;
+  TablePlacement p;
+  a.tables = &fake;
+  a.placements = &p;
+  a.kind = EncodeResult::kLossyStatus;
+  EXPECT_EQ(check_place_encoded_pages(a).code, StatusCode::kInvalidArgument) << "no results for a kind that reads them";
+  a.kind = EncodeResult(7);
+  EXPECT_EQ(check_place_encoded_pages(a).code, StatusCode::kInvalidArgument) << "an unknown kind";
+  a.kind = EncodeResult::kAlways;
+  EXPECT_TRUE(check_place_encoded_pages(a).ok);
+  CopyTableRowsArgs c;
+  c.n = -2;
+  EXPECT_EQ(copy_table_rows(c, nullptr).code, StatusCode::kInvalidArgument);
+  c.n = 2;
+  c.row_entries = 4;
+  EXPECT_EQ(copy_table_rows(c, nullptr).code, StatusCode::kInvalidArgument) << "null arrays";
 }
 
 TEST(DeviceKvCache, BadConfigurationsAreRefusedBeforeAnyAllocation) {
