@@ -727,7 +727,9 @@ TEST_F(SessionCuda, SparseDecodeOnTheDeviceSelectsWhatTheCpuSelects) {
 // float arithmetic in the dense layers and the bf16 query of the sparse ones, so a token at the
 // randomized rounding's or the Top-p boundary can change sides: the device session must stay
 // closer to the CPU sparse session (mean KL) than sparse decode itself is from dense decode on
-// the CPU, agree on the top token but for one step, and keep the mean budget within 2%.
+// the CPU, agree on the top token at every step but near ties (each session's margin between the
+// two tokens within the largest logit difference between the sessions at that step; at most one
+// step in twenty), and keep the mean budget within 2%.
 TEST_F(SessionCuda, SparseSessionLogitsMatchTheCpuSession) {
   const certkv_model_info info = model_->info();
   const int prompt = 1000, steps = 40;
@@ -750,7 +752,7 @@ TEST_F(SessionCuda, SparseSessionLogitsMatchTheCpuSession) {
   dense.prefill(head, ld.data());
   ASSERT_EQ(lc, lg);
   double kl_sum = 0, kl_max = 0, sparse_kl_sum = 0;
-  int agree = 0;
+  int agree = 0, near_ties = 0;
   for (int i = 0; i < steps; ++i) {
     certkv::check(certkv_session_decode(cpu.get(), tokens[size_t(prompt + i)], lc.data()));
     certkv::check(certkv_session_decode(gpu.get(), tokens[size_t(prompt + i)], lg.data()));
@@ -760,6 +762,20 @@ TEST_F(SessionCuda, SparseSessionLogitsMatchTheCpuSession) {
     kl_sum += kl;
     kl_max = std::max(kl_max, kl);
     agree += argmax(lc) == argmax(lg);
+    if (argmax(lc) != argmax(lg)) {
+      // A step where the two top tokens differ must be a near tie on both sides: each session's
+      // margin between the two tokens within the largest logit difference between the sessions
+      // at that step (what their arithmetic moves a logit by), never a token one of them
+      // clearly rejects.
+      const size_t a = size_t(argmax(lc)), b = size_t(argmax(lg));
+      float diff = 0.f;
+      for (size_t t = 0; t < lc.size(); ++t) diff = std::max(diff, std::fabs(lc[t] - lg[t]));
+      printf("[device] step %d: CPU top %zu (%.4f, the device's top %.4f), device top %zu (%.4f, the CPU's %.4f); "
+             "largest logit difference %.4f\n", i, a, lc[a], lc[b], b, lg[b], lg[a], diff);
+      EXPECT_LE(lc[a] - lc[b], diff) << "step " << i << ": the CPU's top token clearly ahead";
+      EXPECT_LE(lg[b] - lg[a], diff) << "step " << i << ": the device's top token clearly ahead";
+      ++near_ties;
+    }
     sparse_kl_sum += kl_divergence(ld, lc);
   }
   const certkv_sparse_stats sc = cpu.sparse_stats(), sg = gpu.sparse_stats();
@@ -770,7 +786,9 @@ TEST_F(SessionCuda, SparseSessionLogitsMatchTheCpuSession) {
          kl_sum / steps, kl_max, agree, steps, sparse_kl_sum / steps, sg.mean_budget, sc.mean_budget,
          (long long)sg.cells, (long long)ds.sparse_calls, (long long)ds.attention_calls, ds.attention_seconds);
   EXPECT_LT(kl_sum, sparse_kl_sum);
-  EXPECT_GE(agree, steps - 1);
+  // Near ties are rare: at most one step in twenty.
+  EXPECT_EQ(agree + near_ties, steps);
+  EXPECT_LE(near_ties, steps / 20);
   EXPECT_EQ(sg.cells, sc.cells);
   EXPECT_NEAR(sg.mean_budget, sc.mean_budget, 0.02 * sc.mean_budget);
   EXPECT_EQ(ds.attention_calls, int64_t(steps) * info.n_layers);
