@@ -221,12 +221,15 @@ void decode_split_rows(const SplitWork& w, const detail::PageRowsKernels& kernel
   };
   thread_local Scratch scratch;
   const size_t p_stride = detail::page_rows_stride(w.bt);
-  scratch.tiles.resize(2 * tile_keys * d + group * p_stride + (Pages::kMeter ? tile_keys * bound_width + tile_keys : 0));
+  const size_t terms_floats = Pages::kMeter ? 2 * std::min<size_t>(group, 8) * p_stride : 0;
+  scratch.tiles.resize(2 * tile_keys * d + group * p_stride +
+                       (Pages::kMeter ? tile_keys * bound_width + tile_keys : 0) + terms_floats);
   float* k_tile = scratch.tiles.data();
   float* v_tile = k_tile + tile_keys * d;
   float* p = v_tile + tile_keys * d;        // [group][p_stride]
   float* bounds = p + group * p_stride;      // metered: [bound_width][tile_keys] (band-major)
   float* rho = bounds + tile_keys * bound_width;  // [tile_keys]
+  float* terms = rho + (Pages::kMeter ? tile_keys : 0);  // metered: PageRows::meter_terms
   for (int g = 0; g < w.group; ++g) w.st[g] = {detail::kMinusInfinity, 0.f};
   std::fill(w.acc, w.acc + group * d, 0.f);
   detail::PageRows rows;
@@ -247,6 +250,7 @@ void decode_split_rows(const SplitWork& w, const detail::PageRowsKernels& kernel
     }
     rows.w = scratch.weights.data();
     rows.lanes = scratch.lanes.data();
+    rows.meter_terms = terms;
   }
   auto* const update = !Pages::kMeter ? kernels.update : Pages::kTierB ? kernels.update_tier_b : kernels.update_tier_a;
   for (int64_t t0 = w.t_begin; t0 < w.t_end; t0 += w.bt) {

@@ -66,6 +66,9 @@ struct PageRows {
   float* p = nullptr;
   const QueryBoundWeights* w = nullptr;
   MeterLanes* lanes = nullptr;
+  // Metered calls: scratch of 2 min(n_rows, 8) page_rows_stride(n_keys) floats (each row's c and
+  // E(c), made for up to eight rows at once).
+  float* meter_terms = nullptr;
 };
 
 // Floats of p per row for a page of n_keys keys (whole vectors of 16).

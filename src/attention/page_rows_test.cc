@@ -34,13 +34,14 @@ const detail::PageRowsKernels* kernels_or_null() {
 
 struct RowsCase {
   int d = 64, n_rows = 1, metered = 0;
-  std::vector<float> q, acc, p;
+  std::vector<float> q, acc, p, terms;
   std::vector<RowState> st;
   std::vector<QueryBoundWeights> w;
   std::vector<MeterLanes> lanes;
 
   PageRows rows(int max_keys) {
     p.assign(size_t(n_rows) * detail::page_rows_stride(max_keys), 0.f);
+    terms.assign(2 * size_t(std::min(n_rows, 8)) * detail::page_rows_stride(max_keys), 0.f);
     PageRows r;
     r.q = q.data();
     r.n_rows = n_rows;
@@ -51,6 +52,7 @@ struct RowsCase {
     r.p = p.data();
     r.w = metered != 0 ? w.data() : nullptr;
     r.lanes = metered != 0 ? lanes.data() : nullptr;
+    r.meter_terms = terms.data();
     return r;
   }
 };

@@ -64,30 +64,38 @@ inline __m512 dot16(const __m512 q[kChunks], const float* k) {
   return a;
 }
 
-// c of sixteen keys of one row: the bands in four chains (b mod 4), added as (0 + 1) + (2 + 3).
-template <bool kTierB>
-inline __m512 logit_bounds16(const QueryBoundWeights& w, const float* bounds, size_t stride, int j0, __mmask16 valid) {
-  __m512 l0 = _mm512_setzero_ps(), l1 = l0, l2 = l0, l3 = l0, q0 = l0, q1 = l0, q2 = l0, q3 = l0;
-  // Band g into chain g mod 4.
-  const auto band = [&](int g, __m512& l, __m512& q) {
+// c of sixteen keys of R rows at once (each band's vector loaded once for the R rows): per row the
+// bands in four chains (b mod 4), added as (0 + 1) + (2 + 3); a row's floats do not depend on R.
+template <bool kTierB, int R>
+inline void logit_bounds16(const QueryBoundWeights* w, const float* bounds, size_t stride, int j0, __mmask16 valid,
+                           __m512 c[R]) {
+  __m512 l[R][4], q[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) l[r][i] = q[r][i] = _mm512_setzero_ps();
+  const int width = w[0].width;
+  // Band g into chain g mod 4 of every row.
+  const auto band = [&](int g, int chain) {
     const __m512 a = _mm512_maskz_loadu_ps(valid, bounds + size_t(g) * stride + size_t(j0));
-    l = _mm512_fmadd_ps(_mm512_set1_ps(kTierB ? w.abs_weight[g] : w.weight[g]), a, l);
-    if constexpr (kTierB) q = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(w.weight[g]), a), a, q);
+    for (int r = 0; r < R; ++r) {
+      l[r][chain] = _mm512_fmadd_ps(_mm512_set1_ps(kTierB ? w[r].abs_weight[g] : w[r].weight[g]), a, l[r][chain]);
+      if constexpr (kTierB)
+        q[r][chain] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(w[r].weight[g]), a), a, q[r][chain]);
+    }
   };
   int g = 0;
-  for (; g + 4 <= w.width; g += 4) {
-    band(g, l0, q0);
-    band(g + 1, l1, q1);
-    band(g + 2, l2, q2);
-    band(g + 3, l3, q3);
+  for (; g + 4 <= width; g += 4) {
+    band(g, 0);
+    band(g + 1, 1);
+    band(g + 2, 2);
+    band(g + 3, 3);
   }
-  if (g < w.width) band(g, l0, q0);
-  if (g + 1 < w.width) band(g + 1, l1, q1);
-  if (g + 2 < w.width) band(g + 2, l2, q2);
-  __m512 sum = _mm512_add_ps(_mm512_add_ps(l0, l1), _mm512_add_ps(l2, l3));
-  if constexpr (kTierB)
-    sum = _mm512_add_ps(_mm512_sqrt_ps(_mm512_add_ps(_mm512_add_ps(q0, q1), _mm512_add_ps(q2, q3))), sum);
-  return sum;
+  for (int chain = 0; g < width; ++g, ++chain) band(g, chain);
+  for (int r = 0; r < R; ++r) {
+    c[r] = _mm512_add_ps(_mm512_add_ps(l[r][0], l[r][1]), _mm512_add_ps(l[r][2], l[r][3]));
+    if constexpr (kTierB)
+      c[r] = _mm512_add_ps(
+          _mm512_sqrt_ps(_mm512_add_ps(_mm512_add_ps(q[r][0], q[r][1]), _mm512_add_ps(q[r][2], q[r][3]))), c[r]);
+  }
 }
 
 // An upper bound of e^c - 1 for c >= 0 (page_rows.h): below 1/2, c Q(c) with Q in Estrin's form;
@@ -107,12 +115,16 @@ inline __m512 expm1_upper16(__m512 c) {
 
 // Row r's scores, softmax state and (metered) meter lanes for the page; p gets its p_j, and
 // returns alpha. kMeter: 0 none, 1 Tier A, 2 Tier B.
+// meter_c, meter_e (metered): the row's c and E(c) of every key of the page (meter_terms).
 template <int kChunks, int kMeter>
-float softmax_row(const PageRows& rows, const PageTiles& page, int r) {
+float softmax_row(const PageRows& rows, const PageTiles& page, int r, const float* meter_c, const float* meter_e) {
   constexpr int d = 16 * kChunks;
   const int n = page.n_keys;
   const int n_vec = (n + 15) / 16;
+  // Unrolled, so that q stays in registers (a loop left the array in memory, written in halves
+  // and read whole: a store-forwarding stall per row and page).
   __m512 q[kChunks];
+#pragma GCC unroll 8
   for (int ch = 0; ch < kChunks; ++ch) q[ch] = _mm512_loadu_ps(rows.q + size_t(r) * d + 16 * ch);
   float* p = rows.p + size_t(r) * page_rows_stride(n);
   const __m512 scale = _mm512_set1_ps(rows.scale);
@@ -155,7 +167,7 @@ float softmax_row(const PageRows& rows, const PageTiles& page, int r) {
     lsum = _mm512_add_ps(lsum, pv);
     if constexpr (kMeter != 0) {
       const __mmask16 valid = lanes_below(n - j0);
-      const __m512 c = logit_bounds16<kMeter == 2>(rows.w[r], page.bounds, page.bounds_stride, j0, valid);
+      const __m512 c = _mm512_loadu_ps(meter_c + j0);
       const __mmask16 below = _mm512_mask_cmp_ps_mask(valid, c, _mm512_set1_ps(kLargeLogitBound), _CMP_LT_OQ);
       if (__mmask16 over = valid & __mmask16(~below); over != 0) {
         alignas(64) float s_lanes[16], c_lanes[16];
@@ -164,7 +176,7 @@ float softmax_row(const PageRows& rows, const PageTiles& page, int r) {
         for (int i = 0; i < 16; ++i)
           if (over >> i & 1) large += std::exp(double(s_lanes[i]) - double(m_new) + double(c_lanes[i]));
       }
-      const __m512 e = expm1_upper16(_mm512_maskz_mov_ps(below, c));
+      const __m512 e = _mm512_loadu_ps(meter_e + j0);
       dl = _mm512_mask3_fmadd_ps(pv, e, dl, below);
       rl = _mm512_fmadd_ps(pv, _mm512_maskz_loadu_ps(valid, page.rho + j0), rl);
     }
@@ -178,6 +190,36 @@ float softmax_row(const PageRows& rows, const PageTiles& page, int r) {
     lanes->roundings += 2 * n_vec + 6;
   }
   return alpha;
+}
+
+// c and E(c) (c below kLargeLogitBound, else 0) of rows [0, n_rows) of a page: terms[2 i stride + j]
+// and terms[(2 i + 1) stride + j], the rows in fours.
+template <bool kTierB, int R>
+void meter_terms_rows(const QueryBoundWeights* w, const PageTiles& page, size_t stride, float* terms) {
+  for (int j0 = 0; j0 < page.n_keys; j0 += 16) {
+    const __mmask16 valid = lanes_below(page.n_keys - j0);
+    __m512 c[R];
+    logit_bounds16<kTierB, R>(w, page.bounds, page.bounds_stride, j0, valid, c);
+    for (int r = 0; r < R; ++r) {
+      const __mmask16 below = _mm512_mask_cmp_ps_mask(valid, c[r], _mm512_set1_ps(kLargeLogitBound), _CMP_LT_OQ);
+      _mm512_storeu_ps(terms + 2 * size_t(r) * stride + size_t(j0), c[r]);
+      _mm512_storeu_ps(terms + (2 * size_t(r) + 1) * stride + size_t(j0),
+                       expm1_upper16(_mm512_maskz_mov_ps(below, c[r])));
+    }
+  }
+}
+
+template <bool kTierB>
+void meter_terms(const QueryBoundWeights* w, int n_rows, const PageTiles& page, size_t stride, float* terms) {
+  int r = 0;
+  for (; r + 4 <= n_rows; r += 4) meter_terms_rows<kTierB, 4>(w + r, page, stride, terms + 2 * size_t(r) * stride);
+  float* at = terms + 2 * size_t(r) * stride;
+  switch (n_rows - r) {
+    case 3: meter_terms_rows<kTierB, 3>(w + r, page, stride, at); break;
+    case 2: meter_terms_rows<kTierB, 2>(w + r, page, stride, at); break;
+    case 1: meter_terms_rows<kTierB, 1>(w + r, page, stride, at); break;
+    default: break;
+  }
 }
 
 // acc of R rows, chunks [c0, c0 + C) of 16 channels: acc alpha, then fma(p_j, v_j, acc) for j
@@ -221,8 +263,12 @@ void update_rows(const PageRows& rows, const PageTiles& page) {
     float alpha[kRowBlock];
     const float* p[kRowBlock];
     float* acc[kRowBlock];
+    // Metered: c and E(c) of the block's rows, [row][stride] each, c then E(c).
+    float* terms = rows.meter_terms;
+    if constexpr (kMeter != 0) meter_terms<kMeter == 2>(rows.w + r0, rb, page, stride, terms);
     for (int i = 0; i < rb; ++i) {
-      alpha[i] = softmax_row<kChunks, kMeter>(rows, page, r0 + i);
+      alpha[i] = softmax_row<kChunks, kMeter>(rows, page, r0 + i, terms + 2 * size_t(i) * stride,
+                                              terms + (2 * size_t(i) + 1) * stride);
       p[i] = rows.p + size_t(r0 + i) * stride;
       acc[i] = rows.acc + size_t(r0 + i) * size_t(16 * kChunks);
     }
