@@ -180,9 +180,10 @@ TEST_F(CudaBackendTest, DeferredEncodeResultsGiveTheLogitsAndPagesOfWaitingOnes)
       }
       // Whole blocks were coded, and (gaac) more blocks stayed raw than the tails hold.
       EXPECT_GT(want.by_class[1].pages_in_use, 0u);
-      if (scheme == cache::KvScheme::kGaac)
+      if (scheme == cache::KvScheme::kGaac) {
         EXPECT_GT(want.by_class[0].pages_in_use, uint64_t(prompts.size()) * uint64_t(c.n_layers) * 2 * uint64_t(c.n_kv_heads))
             << "the layers of capacity 0 keep their blocks raw";
+      }
       if (HasFatalFailure()) return;
     }
   }
