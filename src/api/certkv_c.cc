@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "api/api_meter_stats.h"
 #include "api/api_status.h"
 #include "api/session_audit.h"
 #include "api/session_sparse_audit.h"
@@ -471,23 +472,7 @@ certkv_status certkv_session_meter_stats(const certkv_session* session, certkv_m
   return guarded([&] {
     const certkv::backend::Session& s = *session->session;
     const certkv::gate::Telemetry& t = s.telemetry();
-    const certkv::cache::KvScheme scheme = s.config().kv_scheme;
-    *stats = certkv_meter_stats{};
-    stats->metered = s.metered() ? 1 : 0;
-    stats->tier = !s.metered() ? "none"
-                  : certkv::codec::lossy_scheme_is_tier_b(certkv::cache::kv_scheme_lossy(scheme)) ? "B"
-                                                                                                 : "A";
-    stats->certified = t.tau() < 1 ? 1 : 0;
-    stats->tau = t.tau();
-    stats->delta_loc = s.delta_loc();
-    stats->cells = t.cells();
-    stats->coverage = t.coverage();
-    stats->max = t.max();
-    stats->p50 = t.p50();
-    stats->p99 = t.p99();
-    stats->overflow = t.overflow();
-    stats->repairs = t.repairs();
-    stats->pagein_bytes = uint64_t(t.pagein_bytes());
+    *stats = certkv::api::meter_stats_of(t, s.config().kv_scheme, s.metered(), s.delta_loc());
     stats->exact_fallback_blocks = s.kv_cache().memory_stats().exact_fallback_blocks;
   });
 }

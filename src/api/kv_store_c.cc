@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "api/api_meter_stats.h"
 #include "api/api_status.h"
 #include "attention/decode_attention.h"
 #include "cache/kv_cache.h"
@@ -471,22 +472,7 @@ certkv_status certkv_kv_store_meter_stats(const certkv_kv_store* store, certkv_m
   CERTKV_REQUIRE(store && stats, "certkv_kv_store_meter_stats: null argument");
   return guarded([&] {
     const certkv::gate::Telemetry& t = *store->telemetry;
-    *stats = certkv_meter_stats{};
-    stats->metered = store->metered ? 1 : 0;
-    stats->tier = !store->metered ? "none"
-                  : codec::lossy_scheme_is_tier_b(cache::kv_scheme_lossy(store->scheme)) ? "B"
-                                                                                          : "A";
-    stats->certified = t.tau() < 1 ? 1 : 0;
-    stats->tau = t.tau();
-    stats->delta_loc = store->delta_loc;
-    stats->cells = t.cells();
-    stats->coverage = t.coverage();
-    stats->max = t.max();
-    stats->p50 = t.p50();
-    stats->p99 = t.p99();
-    stats->overflow = t.overflow();
-    stats->repairs = t.repairs();
-    stats->pagein_bytes = uint64_t(t.pagein_bytes());
+    *stats = certkv::api::meter_stats_of(t, store->scheme, store->metered, store->delta_loc);
     for (const auto& c : store->layers)
       if (c) stats->exact_fallback_blocks += c->memory_stats().exact_fallback_blocks;
   });
