@@ -208,6 +208,34 @@ struct Dither8Pages {
   }
 };
 
+// The start of a split: its rows' softmax states and accumulators cleared; metered, each row's
+// query bound weights (weights: [group]).
+void start_split(const SplitWork& w, detail::QueryBoundWeights* weights) {
+  for (int g = 0; g < w.group; ++g) w.st[g] = {detail::kMinusInfinity, 0.f};
+  std::fill(w.acc, w.acc + size_t(w.group) * size_t(w.d), 0.f);
+  if (weights == nullptr) return;
+  for (int g = 0; g < w.group; ++g)
+    weights[g] = detail::query_bound_weights(*w.k->lossy, w.qg + size_t(g) * size_t(w.d), w.scale, w.n_ctx,
+                                             w.delta_loc);
+}
+
+// The split's pages in order, one page per tile: the next K and V pages fetched (load), this
+// one's rows decoded into k_tile and v_tile and, metered, its error data into bounds
+// ([width][bt], band-major) and rho (decode); then epilogue(n_keys).
+template <class Pages, class Epilogue>
+void for_each_page(const SplitWork& w, float* k_tile, float* v_tile, float* bounds, float* rho, Epilogue&& epilogue) {
+  for (int64_t t0 = w.t_begin; t0 < w.t_end; t0 += w.bt) {
+    const int64_t t1 = std::min(w.t_end, t0 + w.bt);
+    if (t1 < w.t_end) {
+      detail::prefetch_page(*w.k, t1 / w.bt);
+      detail::prefetch_page(*w.v, t1 / w.bt);
+    }
+    Pages::decode(*w.k, t0, t1, k_tile, bounds, size_t(w.bt));
+    Pages::decode(*w.v, t0, t1, v_tile, rho, size_t(w.bt));
+    epilogue(int(t1 - t0));
+  }
+}
+
 // decode_split through the page-rows kernels (page_rows.h): every row of the group updated by a
 // page in one call, a metered page's meter sums kept in per-row lanes across the split.
 template <class Pages>
@@ -230,8 +258,12 @@ void decode_split_rows(const SplitWork& w, const detail::PageRowsKernels& kernel
   float* bounds = p + group * p_stride;      // metered: [bound_width][tile_keys] (band-major)
   float* rho = bounds + tile_keys * bound_width;  // [tile_keys]
   float* terms = rho + (Pages::kMeter ? tile_keys : 0);  // metered: PageRows::meter_terms
-  for (int g = 0; g < w.group; ++g) w.st[g] = {detail::kMinusInfinity, 0.f};
-  std::fill(w.acc, w.acc + group * d, 0.f);
+  if constexpr (Pages::kMeter) {
+    scratch.weights.resize(group);
+    scratch.lanes.resize(group);
+    for (detail::MeterLanes& lanes : scratch.lanes) detail::clear_meter_lanes(&lanes);
+  }
+  start_split(w, Pages::kMeter ? scratch.weights.data() : nullptr);
   detail::PageRows rows;
   rows.q = w.qg;
   rows.n_rows = w.group;
@@ -241,29 +273,14 @@ void decode_split_rows(const SplitWork& w, const detail::PageRowsKernels& kernel
   rows.acc = w.acc;
   rows.p = p;
   if constexpr (Pages::kMeter) {
-    scratch.weights.resize(group);
-    scratch.lanes.resize(group);
-    for (int g = 0; g < w.group; ++g) {
-      detail::clear_meter_lanes(&scratch.lanes[size_t(g)]);
-      scratch.weights[size_t(g)] =
-          detail::query_bound_weights(*w.k->lossy, w.qg + size_t(g) * d, w.scale, w.n_ctx, w.delta_loc);
-    }
     rows.w = scratch.weights.data();
     rows.lanes = scratch.lanes.data();
     rows.meter_terms = terms;
   }
   auto* const update = !Pages::kMeter ? kernels.update : Pages::kTierB ? kernels.update_tier_b : kernels.update_tier_a;
-  for (int64_t t0 = w.t_begin; t0 < w.t_end; t0 += w.bt) {
-    const int64_t t1 = std::min(w.t_end, t0 + w.bt);
-    if (t1 < w.t_end) {  // load
-      detail::prefetch_page(*w.k, t1 / w.bt);
-      detail::prefetch_page(*w.v, t1 / w.bt);
-    }
-    Pages::decode(*w.k, t0, t1, k_tile, bounds, tile_keys);
-    Pages::decode(*w.v, t0, t1, v_tile, rho, tile_keys);
-    detail::PageTiles page{k_tile, v_tile, int(t1 - t0), bounds, tile_keys, rho};
-    update(rows, page);
-  }
+  for_each_page<Pages>(w, k_tile, v_tile, bounds, rho, [&](int n_keys) {
+    update(rows, detail::PageTiles{k_tile, v_tile, n_keys, bounds, tile_keys, rho});
+  });
   if constexpr (Pages::kMeter) {
     for (int g = 0; g < w.group; ++g) detail::meter_row_from_lanes(scratch.lanes[size_t(g)], &w.mr[g]);
   }
@@ -298,8 +315,6 @@ void decode_split(const SplitWork& w) {
   float* bounds = s + rows_kept * tile_keys;      // metered: [bound_width][tile_keys] (band-major)
   float* rho = bounds + tile_keys * bound_width;  // [tile_keys]
   float* c = rho + tile_keys;                     // [group][tile_keys]
-  for (int g = 0; g < w.group; ++g) w.st[g] = {detail::kMinusInfinity, 0.f};
-  std::fill(w.acc, w.acc + group * d, 0.f);
   if constexpr (Pages::kMeter) {
     scratch.weights.resize(group);
     scratch.alpha.resize(group);
@@ -307,21 +322,10 @@ void decode_split(const SplitWork& w) {
     scratch.rho.resize(group);
     scratch.large.resize(group);
     scratch.has_large.resize(group);
-    for (int g = 0; g < w.group; ++g) {
-      w.mr[g] = {0.0, 0.f};
-      scratch.weights[size_t(g)] =
-          detail::query_bound_weights(*w.k->lossy, w.qg + size_t(g) * d, w.scale, w.n_ctx, w.delta_loc);
-    }
+    for (int g = 0; g < w.group; ++g) w.mr[g] = {0.0, 0.f};
   }
-  for (int64_t t0 = w.t_begin; t0 < w.t_end; t0 += w.bt) {
-    const int64_t t1 = std::min(w.t_end, t0 + w.bt);
-    const int n_keys = int(t1 - t0);
-    if (t1 < w.t_end) {  // load
-      detail::prefetch_page(*w.k, t1 / w.bt);
-      detail::prefetch_page(*w.v, t1 / w.bt);
-    }
-    Pages::decode(*w.k, t0, t1, k_tile, bounds, tile_keys);
-    Pages::decode(*w.v, t0, t1, v_tile, rho, tile_keys);
+  start_split(w, Pages::kMeter ? scratch.weights.data() : nullptr);
+  for_each_page<Pages>(w, k_tile, v_tile, bounds, rho, [&](int n_keys) {
     if constexpr (Pages::kMeter) {
       // The meter term of every row at once, the softmax update of each, then the sums at once.
       const detail::MeterKernels& mk = detail::meter_kernels();
@@ -343,7 +347,7 @@ void decode_split(const SplitWork& w) {
         detail::update_row(w.qg + size_t(g) * d, k_tile, v_tile, n_keys, w.d, w.scale, &w.st[g], w.acc + size_t(g) * d,
                            s);
     }
-  }
+  });
 }
 
 void decode_attention_batch(const cache::KvCache& cache, int layer, const AttentionShape& shape,
