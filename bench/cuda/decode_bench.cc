@@ -4,12 +4,13 @@
 //
 //   certkv_cuda_decode_bench --kv KV.safetensors --calib CAL.safetensors --out FILE.jsonl
 //       [--contexts 8192,32768,65536,131072] [--batches 1,8] [--shapes 32x8,28x4]
-//       [--formats bf16,gaac,gaac-e5m2,dither8,fp8-e4m3,fp8-e4m3-nometer,sparse-p0.9,sparse-p0.9-z1.5]
+//       [--formats bf16,bf16-fragments,gaac,gaac-e5m2,dither8,fp8-e4m3,fp8-e4m3-nometer,sparse-p0.9,sparse-p0.9-z1.5]
 //   fp8-e4m3-u8: fp8-e4m3 with the meter and the u8 Tier A witness (codec::WitnessCode::kPageScaled8)
-//       [--reps 7] [--iters 20] [--sparse-splits N]
+//       [--reps 7] [--iters 20] [--splits N] [--sparse-splits N]
 //   sparse-pP-zZ: the Top-p set widened by Z estimator deviations; a suffix -est-FORM (popcount,
 //   bytes, bits) runs the estimate in that form (default: chosen by the group size), so that the
-//   forms are timed in one run; --sparse-splits: the sparse attention's splits per KV head
+//   forms are timed in one run; --splits: the dense formats' splits (default: paged_decode's
+//   choice); --sparse-splits: the sparse attention's splits per KV head
 //   (default: chosen by sparse_decode_cuda's choose_splits)
 //
 // KV.safetensors (scripts/make_bench_kv.py): k, v BF16 [8][N][128], q F32 [8][7][128] (7 query
@@ -145,6 +146,7 @@ struct FormatChoice {
 
 FormatChoice parse_format(const std::string& name) {
   if (name == "bf16") return {name, PageFormat::kBf16, false};
+  if (name == "bf16-fragments") return {name, PageFormat::kBf16Fragments, false};
   if (name == "gaac") return {name, PageFormat::kGaacBf16, false};
   if (name == "gaac-e5m2") return {name, PageFormat::kGaacE5M2, false};
   if (name == "dither8") return {name, PageFormat::kDither8, true};
@@ -416,7 +418,7 @@ int main(int argc, char** argv) {
                            shapes = {"32x8", "28x4"},
                            formats = {"bf16", "gaac", "gaac-e5m2", "dither8", "fp8-e4m3", "fp8-e4m3-nometer",
                                       "sparse-p0.9"};
-  int reps = 7, iters = 20, sparse_splits = 0;
+  int reps = 7, iters = 20, sparse_splits = 0, splits = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -430,6 +432,7 @@ int main(int argc, char** argv) {
     else if (a == "--batches") batches = split(next(), ',');
     else if (a == "--shapes") shapes = split(next(), ',');
     else if (a == "--formats") formats = split(next(), ',');
+    else if (a == "--splits") splits = number<int>(next(), "--splits");
     else if (a == "--reps") reps = number<int>(next(), "--reps");
     else if (a == "--iters") iters = number<int>(next(), "--iters");
     else if (a == "--sparse-splits") sparse_splits = number<int>(next(), "--sparse-splits");
@@ -562,6 +565,7 @@ int main(int argc, char** argv) {
             PagedDecodeParams& p = params[size_t(i)];
             sets[size_t(i)].describe(&p);
             p.n_q_heads = n_q;
+            p.n_splits = splits;
             p.sm_scale = 1.f / std::sqrt(128.f);
             p.q = reinterpret_cast<const float*>(q_d.data());
             p.out = reinterpret_cast<float*>(out_d.data());
@@ -605,7 +609,7 @@ int main(int argc, char** argv) {
                         "\"cell_s\": %.3f, \"timing\": \"graph\"}",
                         fname.c_str(), shape_name.c_str(), batch, (long long)ctx, med,
                         *std::min_element(us.begin(), us.end()), *std::max_element(us.begin(), us.end()),
-                        (long long)bytes, tb_s, copy, 100.0 * tb_s / copy, n_sets, choose_splits(params[0]),
+                        (long long)bytes, tb_s, copy, 100.0 * tb_s / copy, n_sets, planned_splits(params[0]),
                         (long long)sets[0].raw_pages(), double(*std::max_element(meters.begin(), meters.end())), fill_s,
                         prep_s, seconds_since(cell_start));
           out << line << "\n";

@@ -8,6 +8,7 @@
 #include <random>
 #include <thread>
 
+#include "attention/cuda/fragment_layout.h"
 #include "cache/kv_scheme.h"
 #include "format/fp8.h"
 #include "format/gaac_layout.h"
@@ -147,7 +148,8 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
   // Page sizes.
   size_t k_bytes = 0, v_bytes = 0, raw_bytes = 0;
   switch (f) {
-    case PageFormat::kBf16: k_bytes = v_bytes = size_t(kT) * D * 2; break;
+    case PageFormat::kBf16:
+    case PageFormat::kBf16Fragments: k_bytes = v_bytes = size_t(kT) * D * 2; break;
     case PageFormat::kGaacBf16:
     case PageFormat::kGaacE5M2:
       r.k_capacity_ = options.gaac->escape_capacity_bytes(options.layer, codec::kGaacKey);
@@ -230,6 +232,18 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
         for (int i = 0; i < kT * D; ++i) read[i] = format::bf16_to_float(rows[i]);
         stored = size_t(kT) * D * 2;
         break;
+      case PageFormat::kBf16Fragments: {
+        // Rows past the length hold NaN here: the kernel must mask them (a device page past its
+        // sequence's length may hold anything).
+        for (int64_t t = n; t < kT; ++t) std::fill_n(rows + t * D, D, uint16_t(0x7fc0));
+        uint16_t fragments[kT * 128];
+        if (D == 64) fragment::fragment_page_from_rows<64>(rows, key, fragments);
+        else fragment::fragment_page_from_rows<128>(rows, key, fragments);
+        std::copy_n(reinterpret_cast<const uint8_t*>(fragments), size_t(kT) * D * 2, page);
+        for (int i = 0; i < kT * D; ++i) read[i] = format::bf16_to_float(rows[i]);
+        stored = size_t(kT) * D * 2;
+        break;
+      }
       case PageFormat::kGaacBf16: {
         const codec::GaacBases& bases = options.gaac->bases(options.layer, key ? codec::kGaacKey : codec::kGaacValue, h);
         if (codec::gaac_encode_page_ref(rows, kT, D, bases, key ? r.k_capacity_ : r.v_capacity_, page) ==

@@ -10,6 +10,7 @@
 #include <cfloat>
 #include <cmath>
 
+#include "attention/cuda/fragment_decode_cuda.h"
 #include "attention/cuda/tile_mma.cuh"
 #include "format/dither8_generator.h"
 #include "format/gaac_layout.h"
@@ -1309,9 +1310,9 @@ CudaStatus unsupported(const std::string& message) {
 }
 
 // The workspace: the split partials (m, l, d, r per row and split), the partial outputs, the
-// error word.
+// error word, the split counters of the fragment kernel (one per sequence and KV head).
 struct WorkspaceLayout {
-  size_t mldr = 0, o = 0, error_word = 0, total = 0;
+  size_t mldr = 0, o = 0, error_word = 0, counters = 0, total = 0;
 };
 
 WorkspaceLayout layout_of(const PagedDecodeParams& p, int n_splits) {
@@ -1320,7 +1321,8 @@ WorkspaceLayout layout_of(const PagedDecodeParams& p, int n_splits) {
   w.mldr = 0;
   w.o = (parts * kSplitPartials * sizeof(float) + 255) / 256 * 256;
   w.error_word = w.o + (parts * size_t(p.head_dim) * sizeof(float) + 255) / 256 * 256;
-  w.total = w.error_word + 256;
+  w.counters = w.error_word + 256;
+  w.total = w.counters + (size_t(std::max(p.batch, 0)) * size_t(std::max(p.n_kv_heads, 0)) * sizeof(uint32_t) + 255) / 256 * 256;
   return w;
 }
 
@@ -1375,9 +1377,25 @@ CudaStatus launch_metered(const PagedDecodeParams& p, int n_splits) {
   return launch<D, F, false>(p, n_splits);
 }
 
+CudaStatus launch_fragments(const PagedDecodeParams& p, int n_splits) {
+  const WorkspaceLayout w = layout_of(p, n_splits);
+  char* base = static_cast<char*>(p.workspace);
+  const int64_t max_blocks = (p.max_seq_len + kBlockTokens - 1) / kBlockTokens;
+  FragmentSplitArgs a;
+  a.p = p;
+  a.n_splits = n_splits;
+  a.per_split = p.split_blocks > 0 ? p.split_blocks : (max_blocks + n_splits - 1) / n_splits;
+  a.part_mldr = reinterpret_cast<float*>(base + w.mldr);
+  a.part_o = reinterpret_cast<float*>(base + w.o);
+  a.split_counters = reinterpret_cast<unsigned int*>(base + w.counters);
+  a.error_word = error_word_of(p, w);
+  return launch_fragment_split(a);
+}
+
 template <int D>
 CudaStatus launch_format(const PagedDecodeParams& p, int n_splits) {
   switch (p.format) {
+    case PageFormat::kBf16Fragments: return launch_fragments(p, n_splits);
     case PageFormat::kBf16: return launch<D, PageFormat::kBf16, false>(p, n_splits);
     case PageFormat::kGaacBf16: return launch<D, PageFormat::kGaacBf16, false>(p, n_splits);
     case PageFormat::kGaacE5M2: return launch<D, PageFormat::kGaacE5M2, false>(p, n_splits);
@@ -1395,6 +1413,7 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 const char* page_format_name(PageFormat f) {
   switch (f) {
     case PageFormat::kBf16: return "bf16";
+    case PageFormat::kBf16Fragments: return "bf16-fragments";
     case PageFormat::kGaacBf16: return "gaac";
     case PageFormat::kGaacE5M2: return "gaac-e5m2";
     case PageFormat::kFp8E4M3: return "fp8-e4m3";
@@ -1468,7 +1487,8 @@ CudaStatus check(const PagedDecodeParams& p) {
                    " at head_dim " + std::to_string(D) + ")");
   }
   switch (p.format) {
-    case PageFormat::kBf16: need_k = need_v = size_t(T) * D * 2; break;
+    case PageFormat::kBf16:
+    case PageFormat::kBf16Fragments: need_k = need_v = size_t(T) * D * 2; break;
     case PageFormat::kGaacBf16:
       need_k = format::gaac_slot_bytes(format::GaacElement::kBf16, T, D, size_t(p.k_escape_capacity));
       need_v = format::gaac_slot_bytes(format::GaacElement::kBf16, T, D, size_t(p.v_escape_capacity));
@@ -1544,6 +1564,7 @@ template <int D>
 int resident_ctas_of(const PagedDecodeParams& p) {
   const bool meter = meter_on(p);
   switch (p.format) {
+    case PageFormat::kBf16Fragments: return fragment_resident_ctas(D);
     case PageFormat::kBf16: return resident_ctas<D, PageFormat::kBf16, false>();
     case PageFormat::kGaacBf16: return resident_ctas<D, PageFormat::kGaacBf16, false>();
     case PageFormat::kGaacE5M2: return resident_ctas<D, PageFormat::kGaacE5M2, false>();
@@ -1605,7 +1626,9 @@ CudaStatus reset_error_word(const PagedDecodeParams& p) {
   if (CudaStatus s = check_workspace(p); !s.ok) return s;
   const int splits = planned_splits(p);
   const WorkspaceLayout w = layout_of(p, splits);
-  const cudaError_t e = cudaMemsetAsync(error_word_of(p, w), 0, sizeof(uint32_t), static_cast<cudaStream_t>(p.stream));
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  cudaError_t e = cudaMemsetAsync(error_word_of(p, w), 0, sizeof(uint32_t), stream);
+  if (e == cudaSuccess) e = cudaMemsetAsync(static_cast<char*>(p.workspace) + w.counters, 0, w.total - w.counters, stream);
   if (e != cudaSuccess) return internal(std::string("resetting the error word failed: ") + cudaGetErrorString(e));
   return {};
 }

@@ -13,6 +13,8 @@
 //   k_pages, v_pages:  page p at k_pages + p * k_page_stride (bytes; a multiple of 16, base
 //                      16-byte aligned). Contents per `format`:
 //     kBf16           [block_tokens][head_dim] bf16
+//     kBf16Fragments  [block_tokens x head_dim] bf16 in fragment-major order: K pages by
+//                     fragment::key_index, V pages by fragment::value_index (fragment_layout.h)
 //     kGaacBf16       a GAAC slot (docs/format/gaac.md, element bf16)
 //     kGaacE5M2       a GAAC slot over FP8 E5M2 (element e5m2)
 //     kFp8E4M3/E5M2   the lossy raw-cast page (docs/format/lossy_pages.md): [T][D] fp8, then on
@@ -76,9 +78,12 @@ enum class PageFormat : uint8_t {
   kFp8E4M3 = 3,  // lossy raw cast, Tier A meter
   kFp8E5M2 = 4,  // lossy raw cast, Tier A meter
   kDither8 = 5,  // certified INT8, Tier B meter
+  // bf16 pages in fragment-major order (fragment_layout.h), read by the bulk-copy kernel
+  // (fragment_decode_cuda.h): the skeleton the other classes move onto (docs/cuda.md)
+  kBf16Fragments = 6,
 };
 
-// "bf16", "gaac", "gaac-e5m2", "fp8-e4m3", "fp8-e5m2", "dither8".
+// "bf16", "gaac", "gaac-e5m2", "fp8-e4m3", "fp8-e5m2", "dither8", "bf16-fragments".
 const char* page_format_name(PageFormat format);
 // The page format of a KV scheme the device serves (the scheme table's cuda_route); kBf16 for
 // the others, which no device cache stores. (Defined in device_kv.cc: the scheme table is C++20,
@@ -183,7 +188,9 @@ CudaStatus paged_decode(const PagedDecodeParams& params);
 // The error word (params.error_word, else the workspace's) counts corrupt pages, slots and
 // lengths over every launch since it was last reset (a launch does not reset it, so that timing
 // loops run one kernel pair per call). reset_error_word zeroes it on params.stream
-// (asynchronous); read_error_word synchronizes params.stream and reads it.
+// (asynchronous), and with it the workspace's split counters (kBf16Fragments: the last CTA of a
+// row group merges its splits; every launch leaves them zero, and a new workspace needs this
+// once before its first launch); read_error_word synchronizes params.stream and reads it.
 CudaStatus reset_error_word(const PagedDecodeParams& params);
 CudaStatus read_error_word(const PagedDecodeParams& params, uint32_t* corrupt);
 // The error word's copy to `host` enqueued on params.stream, without waiting: *host holds the

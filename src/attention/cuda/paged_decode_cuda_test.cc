@@ -73,7 +73,9 @@ struct LaunchBuffers {
   return ::testing::AssertionSuccess();
 }
 
-bool tiles_are_fp16(PageFormat f) { return f != PageFormat::kBf16 && f != PageFormat::kGaacBf16; }
+bool tiles_are_fp16(PageFormat f) {
+  return f != PageFormat::kBf16 && f != PageFormat::kBf16Fragments && f != PageFormat::kGaacBf16;
+}
 
 float round_query(PageFormat f, float x) {
   return tiles_are_fp16(f) ? format::fp16_to_float(format::float_to_fp16(x))
@@ -550,8 +552,9 @@ TEST(PagedDecodeCuda, CheckRefusesBadInputWithoutADevice) {
 
 TEST(PagedDecodeCuda, EveryFormatMatchesTheReferenceOnRaggedBatches) {
   CERTKV_NEED_CUDA_DEVICE();
-  const PageFormat formats[] = {PageFormat::kBf16, PageFormat::kGaacBf16, PageFormat::kGaacE5M2,
-                                PageFormat::kFp8E4M3, PageFormat::kFp8E5M2, PageFormat::kDither8};
+  const PageFormat formats[] = {PageFormat::kBf16,    PageFormat::kBf16Fragments, PageFormat::kGaacBf16,
+                                PageFormat::kGaacE5M2, PageFormat::kFp8E4M3,      PageFormat::kFp8E5M2,
+                                PageFormat::kDither8};
   struct Shape {
     int d, hq, hkv;
     std::vector<int64_t> lens;
@@ -600,6 +603,59 @@ TEST(PagedDecodeCuda, EveryFormatMatchesTheReferenceOnRaggedBatches) {
   EXPECT_GT(all_meter_ranges[0], 0) << "no bound below 1/4";
   EXPECT_GT(all_meter_ranges[1], 0) << "no bound from 1/4 to 8";
   EXPECT_GT(all_meter_ranges[2], 0) << "no bound from 8";
+}
+
+// The fragment kernel merges a row group's splits in the last of its CTAs to finish, counted on
+// the workspace's counters: launch after launch (the counters back at zero each time) the outputs
+// are the same bits, for one split, a few and many; and with a fixed split size a sequence's rows
+// are the same bits alone and beside others (batch invariance).
+TEST(PagedDecodeCuda, FragmentPagesMergeTheirSplitsLaunchAfterLaunch) {
+  CERTKV_NEED_CUDA_DEVICE();
+  const std::vector<int64_t> lens = {4099, 17, 1000};
+  const HostLayerKv kv = make_kv(3, 4, 128, lens, 21);
+  DeviceKvOptions opt;
+  opt.format = PageFormat::kBf16Fragments;
+  DeviceKv dkv;
+  ASSERT_TRUE(DeviceKv::build(kv, opt, &dkv).ok);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> q(size_t(3) * 28 * 128);
+  for (auto& x : q) x = normal(rng);
+  auto run = [&](PagedDecodeParams p, int launches) {
+    LaunchBuffers bufs;
+    std::vector<std::vector<float>> outs;
+    EXPECT_TRUE(attach_launch_buffers(q, 0, &p, &bufs));
+    EXPECT_TRUE(reset_error_word(p).ok);
+    for (int i = 0; i < launches; ++i) {
+      EXPECT_TRUE(paged_decode(p).ok);
+      outs.emplace_back(q.size());
+      EXPECT_EQ(cudaMemcpy(outs.back().data(), p.out, q.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+    uint32_t corrupt = 1;
+    EXPECT_TRUE(read_error_word(p, &corrupt).ok);
+    EXPECT_EQ(corrupt, 0u);
+    return outs;
+  };
+  PagedDecodeParams base;
+  dkv.describe(&base);
+  base.n_q_heads = 28;
+  base.sm_scale = 0.088f;
+  for (int splits : {1, 3, 40}) {
+    PagedDecodeParams p = base;
+    p.n_splits = splits;
+    const auto outs = run(p, 3);
+    for (float x : outs[0]) ASSERT_TRUE(std::isfinite(x)) << splits << " splits";
+    EXPECT_EQ(outs[1], outs[0]) << splits << " splits";
+    EXPECT_EQ(outs[2], outs[0]) << splits << " splits";
+  }
+  // Sequence 0 alone (batch 1, its tables and length) against the batch, 8 blocks per split.
+  PagedDecodeParams p = base;
+  p.split_blocks = 8;
+  const std::vector<float> together = run(p, 1)[0];
+  PagedDecodeParams alone = p;
+  alone.batch = 1;
+  const std::vector<float> single = run(alone, 1)[0];
+  for (size_t i = 0; i < size_t(28) * 128; ++i) ASSERT_EQ(single[i], together[i]) << "element " << i;
 }
 
 TEST(PagedDecodeCuda, GaacPagesWithoutEscapesMatchTheReference) {
@@ -983,7 +1039,7 @@ TEST(PagedDecodeCuda, OutOfDeviceMemoryIsAStatus) {
 // Corrupt tables, lengths and slots: counted in the error word, never read past the pools.
 TEST(PagedDecodeCuda, CorruptEntriesAreCountedNotRead) {
   CERTKV_NEED_CUDA_DEVICE();
-  for (PageFormat f : {PageFormat::kBf16, PageFormat::kGaacBf16}) {
+  for (PageFormat f : {PageFormat::kBf16, PageFormat::kBf16Fragments, PageFormat::kGaacBf16}) {
     const HostLayerKv kv = make_kv(1, 2, 128, {256}, 11);
     codec::GaacCalibration calibration = calibrate(f, kv);
     DeviceKvOptions opt;

@@ -189,11 +189,9 @@ __device__ inline void tile_softmax(const float (&s)[4], float (&m_run)[2], floa
   }
 }
 
-// O^T = rescale O^T + V^T P^T over one tile: P^T as the B operand from the two 8 x 8 halves of
-// the probability tile (movmatrix), V^T by ldmatrix.trans. tile_v: a tile of layout L.
-template <int D, bool kHalf, class L>
-__device__ inline void tile_pv(const uint16_t* tile_v, const float (&prob)[4], const float (&rescale)[2], int lane,
-                               float (&o)[D / 16][4]) {
+// O^T *= rescale (per head 2 hq + e): the earlier tiles' output under the new maximum.
+template <int D>
+__device__ inline void rescale_output(const float (&rescale)[2], float (&o)[D / 16][4]) {
 #pragma unroll
   for (int pp = 0; pp < D / 16; ++pp) {
     o[pp][0] *= rescale[0];
@@ -201,8 +199,24 @@ __device__ inline void tile_pv(const uint16_t* tile_v, const float (&prob)[4], c
     o[pp][2] *= rescale[0];
     o[pp][3] *= rescale[1];
   }
-  const uint32_t pb0 = transpose8x8(pack2<kHalf>(prob[0], prob[1]));
-  const uint32_t pb1 = transpose8x8(pack2<kHalf>(prob[2], prob[3]));
+}
+
+// P^T as the B operand of O^T = V^T P^T: the two 8 x 8 halves of the probability tile (tokens
+// 0..7 and 8..15), transposed by movmatrix from the accumulator layout of the scores.
+template <bool kHalf>
+__device__ inline void probability_operands(const float (&prob)[4], uint32_t& pb0, uint32_t& pb1) {
+  pb0 = transpose8x8(pack2<kHalf>(prob[0], prob[1]));
+  pb1 = transpose8x8(pack2<kHalf>(prob[2], prob[3]));
+}
+
+// O^T = rescale O^T + V^T P^T over one tile: P^T as the B operand from the two 8 x 8 halves of
+// the probability tile (movmatrix), V^T by ldmatrix.trans. tile_v: a tile of layout L.
+template <int D, bool kHalf, class L>
+__device__ inline void tile_pv(const uint16_t* tile_v, const float (&prob)[4], const float (&rescale)[2], int lane,
+                               float (&o)[D / 16][4]) {
+  rescale_output<D>(rescale, o);
+  uint32_t pb0, pb1;
+  probability_operands<kHalf>(prob, pb0, pb1);
   const int vt_token = (lane >> 4) * 8 + (lane & 7);
   const int vt = L::offset(vt_token, (lane >> 3) & 1);  // chunk 2 pp + ((lane >> 3) & 1)
 #pragma unroll
@@ -275,6 +289,26 @@ __device__ inline void write_split_partials(WarpMerge<D, kWarps>& mg, int warp, 
     if (c == 0)
       *reinterpret_cast<float4*>(part_mldr + part * kSplitPartials) = make_float4(big, l, d, r);
   }
+}
+
+// A merged row's meter from its sums over every split: A - 1 = d / l and the value side r / l,
+// each lifted by 2^-12 relative for the float sums over the tokens, warps and splits
+// (docs/cuda.md); the meter min(1, (A^2 - 1) / 2) = min(1, (A - 1) + (A - 1)^2 / 2). Each output
+// may be null.
+__device__ inline void write_row_meter(int64_t row, float l, float d, float r, float* meter, float* a_minus_1,
+                                       float* value_rho) {
+  constexpr double kLift = 1.0 + 1.0 / 4096.0;
+  if (meter != nullptr || a_minus_1 != nullptr) {
+    // A warp's d overflows float when a token's p (e^c - 1) does relative to that warp's
+    // maximum (c >= ln FLT_MAX); scaled by a split weight that underflows, it becomes NaN. Either
+    // way A - 1 is reported as +inf and the meter as 1 (sound).
+    const double am1 = double(d) / double(l) * kLift;
+    const bool finite = isfinite(am1);
+    const double bound = finite ? fmin(1.0, am1 + 0.5 * am1 * am1) : 1.0;
+    if (a_minus_1 != nullptr) a_minus_1[row] = finite ? float(am1) : INFINITY;
+    if (meter != nullptr) meter[row] = float(bound);
+  }
+  if (value_rho != nullptr) value_rho[row] = float(double(r) / double(l) * kLift);
 }
 
 // Merges the splits of each (sequence, query head) by their log-sum-exp weights (base 2):
@@ -383,23 +417,7 @@ __global__ void merge_splits_kernel(float* out, float* meter, float* a_minus_1, 
     for (int w = 0; w < kMergeWarps; ++w) acc += warp_sum[w][c];
     out[row * D + c] = l > 0.f ? acc / l : 0.f;  // l = 0 only when every token was masked (a corrupt length)
   }
-  if (threadIdx.x == 0) {
-    // A - 1 = d / l and the value side r / l, each lifted by 2^-12 relative for the float sums
-    // over the tokens, warps and splits (docs/cuda.md); the meter min(1, (A^2 - 1) / 2) =
-    // min(1, (A - 1) + (A - 1)^2 / 2).
-    constexpr double kLift = 1.0 + 1.0 / 4096.0;
-    if (meter != nullptr || a_minus_1 != nullptr) {
-      // A warp's d overflows float when a token's p (e^c - 1) does relative to that warp's
-      // maximum (c >= ln FLT_MAX); scaled by a split weight that underflows, it becomes NaN. Either
-      // way A - 1 is reported as +inf and the meter as 1 (sound).
-      const double am1 = double(d) / double(l) * kLift;
-      const bool finite = isfinite(am1);
-      const double bound = finite ? fmin(1.0, am1 + 0.5 * am1 * am1) : 1.0;
-      if (a_minus_1 != nullptr) a_minus_1[row] = finite ? float(am1) : INFINITY;
-      if (meter != nullptr) meter[row] = float(bound);
-    }
-    if (value_rho != nullptr) value_rho[row] = float(double(r) / double(l) * kLift);
-  }
+  if (threadIdx.x == 0) write_row_meter(row, l, d, r, meter, a_minus_1, value_rho);
 }
 
 }  // namespace certkv::attention::cuda::tile

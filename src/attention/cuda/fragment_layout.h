@@ -1,0 +1,62 @@
+// Fragment-major device pages: a page's 16 tokens x D elements stored in the order in which the
+// lanes of a warp hold them as mma.m16n8k16 A operands, so that a lane's four operand registers
+// of one 16-wide step are 16 contiguous bytes and a warp's operands of one step are 512
+// contiguous bytes. A kernel loads them with one 16-byte shared-memory load per lane and step
+// (conflict-free: each quarter warp reads 128 contiguous bytes) and feeds the mma from there; no
+// tile is written, no ldmatrix reads one back. Device pages are written by the device (append,
+// block finalize), so their byte order is free; the CPU's page formats stay row-major and a device
+// page is their transcoding (fragment_page_from_rows, the host form of what the device writes).
+//
+// The A operand of m16n8k16 (16 x 16, 16-bit elements): lane l, register r (0..3), half h (0, 1)
+// holds element (row g + 8 (r & 1), column 2 t + h + 8 (r >> 1)) with g = l / 4, t = l % 4.
+// Pages use it two ways (docs/cuda.md, "Fragment-major pages"):
+//   K: S^T = K Q^T, A = K: rows are the page's tokens, columns channels 16 s .. 16 s + 15 of step s;
+//   V: O^T = V^T P^T, A = V^T: rows are channels 16 s .. 16 s + 15 of step s, columns the tokens.
+// Element (lane l, register r, half h) of step s lives at s * 256 + l * 8 + 2 r + h.
+// No CUDA headers: the host tests (fragment_layout_test.cc) check these maps.
+#pragma once
+
+#include <cstdint>
+
+#include "format/numeric.h"
+
+namespace certkv::attention::cuda::fragment {
+
+inline constexpr int kPageTokens = 16;
+inline constexpr int kStepElements = 256;  // 16 x 16: a warp's A operand of one step
+inline constexpr int kLaneElements = 8;    // a lane's four 32-bit registers
+
+// Where the A-operand element (row, column) of a 16 x 16 step lives within the step: lane
+// 4 (row % 8) + (column % 8) / 2, register (row / 8) + 2 (column / 8), half column % 2.
+CERTKV_HD constexpr int operand_index(int row, int column) {
+  const int lane = 4 * (row % 8) + (column % 8) / 2;
+  const int reg = row / 8 + 2 * (column / 8);
+  return lane * kLaneElements + 2 * reg + column % 2;
+}
+
+// The element of token `token`, channel `channel` in a fragment-major K page of head_dim D.
+template <int D>
+CERTKV_HD constexpr int key_index(int token, int channel) {
+  return (channel / 16) * kStepElements + operand_index(token, channel % 16);
+}
+// ... and in a fragment-major V page.
+template <int D>
+CERTKV_HD constexpr int value_index(int token, int channel) {
+  return (channel / 16) * kStepElements + operand_index(channel % 16, token);
+}
+
+// A row-major page [kPageTokens][D] (16-bit elements) transcoded to fragment-major order; `key`
+// chooses the K map, else the V map. rows and out are distinct, kPageTokens * D elements each.
+template <int D>
+inline void fragment_page_from_rows(const uint16_t* rows, bool key, uint16_t* out) {
+  for (int t = 0; t < kPageTokens; ++t)
+    for (int c = 0; c < D; ++c) out[key ? key_index<D>(t, c) : value_index<D>(t, c)] = rows[t * D + c];
+}
+// The inverse: fragment-major back to row-major.
+template <int D>
+inline void rows_from_fragment_page(const uint16_t* page, bool key, uint16_t* rows) {
+  for (int t = 0; t < kPageTokens; ++t)
+    for (int c = 0; c < D; ++c) rows[t * D + c] = page[key ? key_index<D>(t, c) : value_index<D>(t, c)];
+}
+
+}  // namespace certkv::attention::cuda::fragment

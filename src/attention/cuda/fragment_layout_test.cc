@@ -1,0 +1,167 @@
+// Host checks of the fragment-major page maps (fragment_layout.h): each map is a permutation of
+// the page; a tensor-core product emulated lane by lane from the PTX ISA's operand layouts of
+// mma.m16n8k16 (written out here, independently of the maps) over fragment-major pages gives
+// K Q^T and V^T P^T of the row-major pages; the kernels' 16-byte operand loads are one wavefront
+// per quarter warp; and the transcoding round-trips. No device.
+#include "attention/cuda/fragment_layout.h"
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <random>
+#include <set>
+#include <vector>
+
+namespace certkv::attention::cuda::fragment {
+namespace {
+
+template <int D>
+void expect_permutation(bool key) {
+  std::set<int> seen;
+  for (int t = 0; t < kPageTokens; ++t)
+    for (int c = 0; c < D; ++c) {
+      const int e = key ? key_index<D>(t, c) : value_index<D>(t, c);
+      EXPECT_GE(e, 0);
+      EXPECT_LT(e, kPageTokens * D);
+      seen.insert(e);
+    }
+  EXPECT_EQ(int(seen.size()), kPageTokens * D) << "D " << D << (key ? " K" : " V");
+}
+
+TEST(FragmentLayout, EveryMapIsAPermutationOfThePage) {
+  expect_permutation<64>(true);
+  expect_permutation<64>(false);
+  expect_permutation<128>(true);
+  expect_permutation<128>(false);
+}
+
+// The PTX ISA's fragments of mma.m16n8k16 with 16-bit operands (groupID g = lane / 4, t = lane % 4):
+// A element a_i (i = 0..7, register i / 2): row g for i in {0, 1, 4, 5}, else g + 8; column 2 t +
+// (i & 1), plus 8 for i >= 4. B element b_i (i = 0..3): row (k) 2 t + (i & 1), plus 8 for i >= 2;
+// column g. C element c_i: row g for i < 2, else g + 8; column 2 t + (i & 1).
+int a_row(int lane, int i) { return lane / 4 + ((i == 2 || i == 3 || i == 6 || i == 7) ? 8 : 0); }
+int a_col(int lane, int i) { return 2 * (lane % 4) + (i & 1) + (i >= 4 ? 8 : 0); }
+int b_row(int lane, int i) { return 2 * (lane % 4) + (i & 1) + (i >= 2 ? 8 : 0); }
+int b_col(int lane) { return lane / 4; }
+int c_row(int lane, int i) { return lane / 4 + (i >= 2 ? 8 : 0); }
+int c_col(int lane, int i) { return 2 * (lane % 4) + (i & 1); }
+
+// One emulated mma: the lanes' A elements (8 per lane) and B elements (4 per lane) as matrices,
+// their product added to the lanes' C elements.
+void mma_emulated(const std::array<std::array<float, 8>, 32>& a, const std::array<std::array<float, 4>, 32>& b,
+                  std::array<std::array<double, 4>, 32>& c) {
+  double A[16][16] = {}, B[16][8] = {};
+  for (int l = 0; l < 32; ++l) {
+    for (int i = 0; i < 8; ++i) A[a_row(l, i)][a_col(l, i)] = a[l][i];
+    for (int i = 0; i < 4; ++i) B[b_row(l, i)][b_col(l)] = b[l][i];
+  }
+  for (int l = 0; l < 32; ++l)
+    for (int i = 0; i < 4; ++i)
+      for (int k = 0; k < 16; ++k) c[l][i] += A[c_row(l, i)][k] * B[k][c_col(l, i)];
+}
+
+// Small integers: every product and sum below is exact in double.
+std::vector<uint16_t> random_values(std::mt19937& rng, size_t n) {
+  std::uniform_int_distribution<int> d(-64, 64);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = uint16_t(int16_t(d(rng)));
+  return v;
+}
+float value_of(uint16_t x) { return float(int16_t(x)); }
+
+// S^T = K Q^T from a fragment-major K page, step by step: A from the page (lane l's 8 elements of
+// step s at s * 256 + 8 l), B = Q^T (channels of step s, heads 0..7).
+template <int D>
+void check_scores(std::mt19937& rng) {
+  const std::vector<uint16_t> k_rows = random_values(rng, kPageTokens * D);
+  const std::vector<uint16_t> q = random_values(rng, 8 * D);
+  std::vector<uint16_t> page(kPageTokens * D);
+  fragment_page_from_rows<D>(k_rows.data(), true, page.data());
+  std::array<std::array<double, 4>, 32> c{};
+  for (int s = 0; s < D / 16; ++s) {
+    std::array<std::array<float, 8>, 32> a{};
+    std::array<std::array<float, 4>, 32> b{};
+    for (int l = 0; l < 32; ++l) {
+      for (int i = 0; i < 8; ++i) a[l][i] = value_of(page[s * kStepElements + l * kLaneElements + i]);
+      for (int i = 0; i < 4; ++i) b[l][i] = value_of(q[b_col(l) * D + 16 * s + b_row(l, i)]);
+    }
+    mma_emulated(a, b, c);
+  }
+  for (int l = 0; l < 32; ++l)
+    for (int i = 0; i < 4; ++i) {
+      const int token = c_row(l, i), head = c_col(l, i);
+      double want = 0;
+      for (int ch = 0; ch < D; ++ch) want += double(value_of(k_rows[token * D + ch])) * value_of(q[head * D + ch]);
+      EXPECT_EQ(c[l][i], want) << "D " << D << " lane " << l << " c" << i;
+    }
+}
+
+// O^T = V^T P^T from a fragment-major V page: step s gives channels 16 s .. 16 s + 15 (A from the
+// page), B = P^T (tokens, heads).
+template <int D>
+void check_values(std::mt19937& rng) {
+  const std::vector<uint16_t> v_rows = random_values(rng, kPageTokens * D);
+  const std::vector<uint16_t> p = random_values(rng, 8 * kPageTokens);  // [head][token]
+  std::vector<uint16_t> page(kPageTokens * D);
+  fragment_page_from_rows<D>(v_rows.data(), false, page.data());
+  for (int s = 0; s < D / 16; ++s) {
+    std::array<std::array<float, 8>, 32> a{};
+    std::array<std::array<float, 4>, 32> b{};
+    for (int l = 0; l < 32; ++l) {
+      for (int i = 0; i < 8; ++i) a[l][i] = value_of(page[s * kStepElements + l * kLaneElements + i]);
+      for (int i = 0; i < 4; ++i) b[l][i] = value_of(p[b_col(l) * kPageTokens + b_row(l, i)]);
+    }
+    std::array<std::array<double, 4>, 32> c{};
+    mma_emulated(a, b, c);
+    for (int l = 0; l < 32; ++l)
+      for (int i = 0; i < 4; ++i) {
+        const int channel = 16 * s + c_row(l, i), head = c_col(l, i);
+        double want = 0;
+        for (int t = 0; t < kPageTokens; ++t) want += double(value_of(v_rows[t * D + channel])) * value_of(p[head * kPageTokens + t]);
+        EXPECT_EQ(c[l][i], want) << "D " << D << " step " << s << " lane " << l << " c" << i;
+      }
+  }
+}
+
+TEST(FragmentLayout, TensorCoreProductsOverFragmentPagesAreTheRowMajorProducts) {
+  std::mt19937 rng(7);
+  for (int rep = 0; rep < 3; ++rep) {
+    check_scores<64>(rng);
+    check_scores<128>(rng);
+    check_values<64>(rng);
+    check_values<128>(rng);
+  }
+}
+
+TEST(FragmentLayout, AStepsOperandLoadsAreOneWavefrontPerQuarterWarp) {
+  // Lane l loads 16 bytes at byte s * 512 + 16 l of a page (a multiple of 128 bytes in shared
+  // memory): the 8 lanes of a quarter warp fall in 8 distinct 16-byte bank groups.
+  for (int s = 0; s < 128 / 16; ++s)
+    for (int quarter = 0; quarter < 4; ++quarter) {
+      std::set<int> groups;
+      for (int l = 8 * quarter; l < 8 * quarter + 8; ++l) groups.insert(((s * 512 + 16 * l) / 16) % 8);
+      EXPECT_EQ(groups.size(), 8u);
+    }
+  // And a lane's 8 elements of a step are its own: the element (lane, register, half) sits at
+  // 8 lane + 2 register + half in both maps.
+  for (int l = 0; l < 32; ++l)
+    for (int i = 0; i < 8; ++i) {
+      EXPECT_EQ(operand_index(a_row(l, i), a_col(l, i)), l * kLaneElements + i);
+    }
+}
+
+TEST(FragmentLayout, TranscodingRoundTrips) {
+  std::mt19937 rng(3);
+  for (bool key : {true, false}) {
+    std::vector<uint16_t> rows(kPageTokens * 128), page(rows.size()), back(rows.size());
+    for (auto& x : rows) x = uint16_t(rng());
+    fragment_page_from_rows<128>(rows.data(), key, page.data());
+    rows_from_fragment_page<128>(page.data(), key, back.data());
+    EXPECT_EQ(back, rows);
+    EXPECT_NE(page, rows);  // a different order
+  }
+}
+
+}  // namespace
+}  // namespace certkv::attention::cuda::fragment
