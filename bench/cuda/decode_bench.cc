@@ -4,13 +4,14 @@
 //
 //   certkv_cuda_decode_bench --kv KV.safetensors --calib CAL.safetensors --out FILE.jsonl
 //       [--contexts 8192,32768,65536,131072] [--batches 1,8] [--shapes 32x8,28x4]
-//       [--formats bf16,bf16-fragments,gaac,gaac-e5m2,dither8,fp8-e4m3,fp8-e4m3-nometer,sparse-p0.9,sparse-p0.9-z1.5]
+//       [--formats bf16,bf16-fragments,fp8-e4m3-fragments[-nometer],gaac,gaac-e5m2,dither8,fp8-e4m3,fp8-e4m3-nometer,sparse-p0.9,sparse-p0.9-z1.5]
 //   fp8-e4m3-u8: fp8-e4m3 with the meter and the u8 Tier A witness (codec::WitnessCode::kPageScaled8)
-//       [--reps 7] [--iters 20] [--splits N] [--sparse-splits N]
+//       [--reps 7] [--iters 20] [--splits N] [--sparse-splits N] [--contiguous-pages]
 //   sparse-pP-zZ: the Top-p set widened by Z estimator deviations; a suffix -est-FORM (popcount,
 //   bytes, bits) runs the estimate in that form (default: chosen by the group size), so that the
 //   forms are timed in one run; --splits: the dense formats' splits (default: paged_decode's
-//   choice); --sparse-splits: the sparse attention's splits per KV head
+//   choice); --contiguous-pages: the dense formats' pages in table order instead of shuffled
+//   slots; --sparse-splits: the sparse attention's splits per KV head
 //   (default: chosen by sparse_decode_cuda's choose_splits)
 //
 // KV.safetensors (scripts/make_bench_kv.py): k, v BF16 [8][N][128], q F32 [8][7][128] (7 query
@@ -147,6 +148,8 @@ struct FormatChoice {
 FormatChoice parse_format(const std::string& name) {
   if (name == "bf16") return {name, PageFormat::kBf16, false};
   if (name == "bf16-fragments") return {name, PageFormat::kBf16Fragments, false};
+  if (name == "fp8-e4m3-fragments") return {name, PageFormat::kFp8Fragments, true};
+  if (name == "fp8-e4m3-fragments-nometer") return {name, PageFormat::kFp8Fragments, false};
   if (name == "gaac") return {name, PageFormat::kGaacBf16, false};
   if (name == "gaac-e5m2") return {name, PageFormat::kGaacE5M2, false};
   if (name == "dither8") return {name, PageFormat::kDither8, true};
@@ -419,6 +422,7 @@ int main(int argc, char** argv) {
                            formats = {"bf16", "gaac", "gaac-e5m2", "dither8", "fp8-e4m3", "fp8-e4m3-nometer",
                                       "sparse-p0.9"};
   int reps = 7, iters = 20, sparse_splits = 0, splits = 0;
+  bool contiguous = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -433,6 +437,7 @@ int main(int argc, char** argv) {
     else if (a == "--shapes") shapes = split(next(), ',');
     else if (a == "--formats") formats = split(next(), ',');
     else if (a == "--splits") splits = number<int>(next(), "--splits");
+    else if (a == "--contiguous-pages") contiguous = true;
     else if (a == "--reps") reps = number<int>(next(), "--reps");
     else if (a == "--iters") iters = number<int>(next(), "--iters");
     else if (a == "--sparse-splits") sparse_splits = number<int>(next(), "--sparse-splits");
@@ -545,6 +550,7 @@ int main(int argc, char** argv) {
           opt.n_outlier_pairs = fc.format == PageFormat::kDither8 ? 4 : 0;
           opt.witness = fc.witness;
           opt.pairing = codec::RopePairing::kHalfSplit;
+          opt.contiguous_slots = contiguous;
           // Enough independent copies that the rotation never runs from L2 (256 MB).
           std::vector<DeviceKv> sets(1);
           opt.seed = 1;

@@ -37,7 +37,7 @@ CudaStatus invalid(const std::string& message) {
 }
 
 bool is_gaac(PageFormat f) { return f == PageFormat::kGaacBf16 || f == PageFormat::kGaacE5M2; }
-bool is_lossy(PageFormat f) { return f == PageFormat::kFp8E4M3 || f == PageFormat::kFp8E5M2 || f == PageFormat::kDither8; }
+bool is_lossy(PageFormat f) { return page_format_metered(f); }
 
 // Runs body(i) for i in [0, n) on all hardware threads.
 template <typename Body>
@@ -63,6 +63,7 @@ codec::LossyPageSpec DeviceKv::lossy_spec(bool key, int kv_head) const {
   spec.pairing = options_.pairing;
   switch (options_.format) {
     case PageFormat::kFp8E4M3:
+    case PageFormat::kFp8Fragments:  // its codes and rho; the witness is not stored
       spec.scheme = codec::LossyScheme::kFp8E4M3;
       spec.witness = options_.witness;
       break;
@@ -82,6 +83,13 @@ codec::LossyPageSpec DeviceKv::lossy_spec(bool key, int kv_head) const {
 }
 
 bool DeviceKv::exact_page(bool key, int b, int kv_head, int64_t block) const {
+  if (!is_lossy(options_.format)) return false;
+  const int64_t blocks = (shape_.lens[size_t(b)] + kT - 1) / kT;
+  const size_t id = size_t(first_page_[size_t(b)] + int64_t(kv_head) * blocks + block);
+  return (key ? exact_k_ : exact_v_)[id] != 0;
+}
+
+bool DeviceKv::exact_by_option(bool key, int b, int kv_head, int64_t block) const {
   if (!is_lossy(options_.format)) return false;
   const int64_t len = shape_.lens[size_t(b)];
   if (options_.exact_tail && len % kT != 0 && block == (len - 1) / kT) return true;
@@ -150,6 +158,11 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
   switch (f) {
     case PageFormat::kBf16:
     case PageFormat::kBf16Fragments: k_bytes = v_bytes = size_t(kT) * D * 2; break;
+    case PageFormat::kFp8Fragments:
+      k_bytes = size_t(kT) * D;
+      v_bytes = size_t(kT) * D + size_t(kT) * 2;
+      raw_bytes = size_t(kT) * D * 2;  // exact pages: bf16, fragment-major
+      break;
     case PageFormat::kGaacBf16:
     case PageFormat::kGaacE5M2:
       r.k_capacity_ = options.gaac->escape_capacity_bytes(options.layer, codec::kGaacKey);
@@ -170,8 +183,10 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
   std::iota(k_slot.begin(), k_slot.end(), 0);
   std::iota(v_slot.begin(), v_slot.end(), 0);
   std::mt19937 rng(options.seed);
-  std::shuffle(k_slot.begin(), k_slot.end(), rng);
-  std::shuffle(v_slot.begin(), v_slot.end(), rng);
+  if (!options.contiguous_slots) {
+    std::shuffle(k_slot.begin(), k_slot.end(), rng);
+    std::shuffle(v_slot.begin(), v_slot.end(), rng);
+  }
 
   std::vector<uint8_t> k_host(size_t(r.n_pages_) * k_stride, 0), v_host(size_t(r.n_pages_) * v_stride, 0);
   std::vector<int32_t> tables(size_t(2) * kv.batch * H * size_t(r.table_stride_), 0);
@@ -237,11 +252,40 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
         // sequence's length may hold anything).
         for (int64_t t = n; t < kT; ++t) std::fill_n(rows + t * D, D, uint16_t(0x7fc0));
         uint16_t fragments[kT * 128];
-        if (D == 64) fragment::fragment_page_from_rows<64>(rows, key, fragments);
-        else fragment::fragment_page_from_rows<128>(rows, key, fragments);
+        if (D == 64) fragment::fragment_page_from_rows<64, uint16_t>(rows, key, fragments);
+        else fragment::fragment_page_from_rows<128, uint16_t>(rows, key, fragments);
         std::copy_n(reinterpret_cast<const uint8_t*>(fragments), size_t(kT) * D * 2, page);
         for (int i = 0; i < kT * D; ++i) read[i] = format::bf16_to_float(rows[i]);
         stored = size_t(kT) * D * 2;
+        break;
+      }
+      case PageFormat::kFp8Fragments: {
+        // The raw cast's codes (and a V page's rho), fragment-major. A K page where the cast
+        // saturated (|k| > 464, the largest code 448 plus its half-step) goes exact: there a code
+        // would not bound its error.
+        const codec::LossyPageSpec spec = r.lossy_spec(key, h);
+        std::vector<uint8_t> encoded(codec::lossy_page_bytes(spec));
+        if (key)
+          for (int64_t i = 0; i < n * D; ++i)
+            if (!(std::fabs(format::bf16_to_float(rows[i])) <= 464.f)) return 0;
+        if (!codec::lossy_encode_page_ref(spec, uint32_t(j), rows, encoded.data())) {
+          failed = true;
+          return 0;
+        }
+        codec::lossy_decode_page_ref(spec, uint32_t(j), encoded.data(), read);
+        std::fill_n(bounds, kT * kBands, 0.f);  // no witness: a code's bound is its half-step
+        // Codes past the length are NaN here, rho there too: the kernel must mask them.
+        for (int64_t i = n * D; i < kT * D; ++i) encoded[size_t(i)] = 0x7f;
+        if (D == 64) fragment::fragment_page_from_rows<64, uint8_t>(encoded.data(), key, page);
+        else fragment::fragment_page_from_rows<128, uint8_t>(encoded.data(), key, page);
+        if (!key) {
+          uint16_t side[kT];
+          std::copy_n(codec::lossy_value_rho(spec, encoded.data()), kT, side);
+          for (int64_t t = n; t < kT; ++t) side[t] = 0x7e00;
+          std::copy_n(reinterpret_cast<const uint8_t*>(side), sizeof side, page + size_t(kT) * D);
+          for (int t = 0; t < kT; ++t) rho[t] = format::fp16_to_float(side[t]);
+        }
+        stored = key ? k_bytes : v_bytes;
         break;
       }
       case PageFormat::kGaacBf16: {
@@ -344,7 +388,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
     locate(id, &b, &h, &j);
     const size_t t_index = (size_t(b) * H + size_t(h)) * size_t(r.table_stride_) + size_t(j);
     for (int key = 1; key >= 0; --key) {
-      if (r.exact_page(key != 0, b, h, j)) {  // to the raw pool, as bf16
+      if (r.exact_by_option(key != 0, b, h, j)) {  // to the raw pool, as bf16
         std::lock_guard<std::mutex> lock(raw_mutex);
         raw_ids.emplace_back(id, key != 0);
         continue;
@@ -367,7 +411,8 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
         continue;
       }
       bytes_read += int64_t(stored);
-      if (f == PageFormat::kFp8E4M3 || f == PageFormat::kFp8E5M2) meter_side_bytes += int64_t(stored) - kT * D;
+      if (f == PageFormat::kFp8E4M3 || f == PageFormat::kFp8E5M2 || f == PageFormat::kFp8Fragments)
+        meter_side_bytes += int64_t(stored) - kT * D;
       tables[(key ? 0 : table_half) + t_index] = slot;
     }
   });
@@ -375,6 +420,10 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
 
   // GAAC pages that did not fit and a lossy format's exact pages: raw pool, entries -(index + 1).
   std::sort(raw_ids.begin(), raw_ids.end());
+  r.first_page_ = first;
+  r.exact_k_.assign(size_t(r.n_pages_), 0);
+  r.exact_v_.assign(size_t(r.n_pages_), 0);
+  for (const auto& [id, key] : raw_ids) (key ? r.exact_k_ : r.exact_v_)[size_t(id)] = 1;
   std::vector<uint8_t> k_raw_host, v_raw_host;
   int64_t n_k_raw = 0, n_v_raw = 0;
   const size_t raw_stride = (std::max<size_t>(raw_bytes, 16) + 15) / 16 * 16;
@@ -404,6 +453,13 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
     if (options.keep_reconstruction) {
       std::vector<float>& dst = key ? r.k_read_[size_t(b)] : r.v_read_[size_t(b)];
       std::copy_n(read.begin(), size_t(n) * size_t(D), dst.begin() + (size_t(h) * size_t(len) + size_t(t0)) * size_t(D));
+    }
+    if (f == PageFormat::kFp8Fragments) {  // exact pages fragment-major, as bf16 pages of the format
+      std::vector<uint16_t> row_major(size_t(kT) * D), fragments(size_t(kT) * D);
+      std::copy_n(reinterpret_cast<const uint16_t*>(host.data() + at), size_t(kT) * D, row_major.data());
+      if (D == 64) fragment::fragment_page_from_rows<64, uint16_t>(row_major.data(), key, fragments.data());
+      else fragment::fragment_page_from_rows<128, uint16_t>(row_major.data(), key, fragments.data());
+      std::copy_n(reinterpret_cast<const uint8_t*>(fragments.data()), size_t(kT) * D * 2, host.data() + at);
     }
     const size_t t_index = (size_t(b) * H + size_t(h)) * size_t(r.table_stride_) + size_t(j);
     tables[(key ? 0 : table_half) + t_index] = -int32_t(count) - 1;

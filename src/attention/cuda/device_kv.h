@@ -46,6 +46,9 @@ struct DeviceKvOptions {
   codec::RopePairing pairing = codec::RopePairing::kInterleaved;
   codec::WitnessCode witness = codec::WitnessCode::kFp16;  // fp8 K pages' Tier A witness
   uint32_t seed = 1;                 // slot shuffle
+  // Slots in table order instead (a sequence's pages contiguous in the pool, K and V alike): what
+  // the benchmark compares the shuffled pools against, to see what scattered pages cost.
+  bool contiguous_slots = false;
   bool keep_reconstruction = false;  // keep host copies of what attention reads (tests)
   // Lossy formats: pages kept exact, as bf16 pages of the raw pools (what a lossy session does
   // with its incomplete tail block and with blocks it cannot encode). The K page of block j of
@@ -79,7 +82,7 @@ class DeviceKv {
   // (the bound before the kernel's float lift); 0 on exact pages.
   const std::vector<std::vector<double>>& v_rho() const { return v_rho_; }
   // Lossy formats: whether the K (key) or V page of block j of (sequence b, kv_head) is kept exact
-  // (DeviceKvOptions::exact_*).
+  // (DeviceKvOptions::exact_*, and kFp8Fragments's K pages where the cast saturated).
   bool exact_page(bool key, int b, int kv_head, int64_t block) const;
   // dither8: the outlier pairs of kv_head (increasing pair order).
   const std::vector<uint16_t>& outlier_pairs(int kv_head) const { return outlier_pairs_[size_t(kv_head)]; }
@@ -109,6 +112,9 @@ class DeviceKv {
   std::vector<std::vector<uint16_t>> outlier_pairs_;
   std::vector<std::vector<float>> k_read_, v_read_, k_bounds_;
   std::vector<std::vector<double>> v_rho_;
+  std::vector<int64_t> first_page_;            // [batch]: the page id of each sequence's head 0, block 0
+  std::vector<uint8_t> exact_k_, exact_v_;     // [page id]: lossy formats' pages kept exact
+  bool exact_by_option(bool key, int b, int kv_head, int64_t block) const;
 };
 
 }  // namespace certkv::attention::cuda

@@ -14,10 +14,12 @@
 #include "attention/cuda/fragment_decode_cuda.h"
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "attention/cuda/fragment_layout.h"
 #include "attention/cuda/tile_mma.cuh"
@@ -76,21 +78,104 @@ __device__ inline void bulk_copy(void* dst, const void* src, uint32_t bytes, uin
 constexpr int kMergeChunk = 256;  // splits whose weights the last CTA stages at once
 constexpr int kMergeLoads = 8;    // its partial outputs in flight per thread
 
-template <int D>
-constexpr uint32_t kPageBytes = kBlockTokens * D * 2;
+// ---------------------------------------------------------------------------------------------
+// Page classes: how many bytes a page pair holds, what a lane loads of a page (16 bytes at a
+// time, from shared or global memory alike) and how the loads become its mma A operands.
 
-template <int D, int kStages>
+// bf16, fragment-major: a lane's four registers of step s are its 16 bytes of the step.
+struct Bf16Pages {
+  static constexpr bool kHalf = false;        // the mma element (and the query's rounding)
+  static constexpr bool kExactPages = false;  // raw entries are corrupt
+  template <int D>
+  __host__ __device__ static constexpr uint32_t k_bytes() { return kBlockTokens * D * 2; }
+  template <int D>
+  __host__ __device__ static constexpr uint32_t v_bytes() { return kBlockTokens * D * 2; }
+  template <int D>
+  __host__ __device__ static constexpr int loads() { return D / 16; }
+  template <int D>
+  __device__ static void load(const unsigned char* page, int lane, uint4 (&x)[D / 16]) {
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) x[i] = reinterpret_cast<const uint4*>(page)[32 * i + lane];
+  }
+  template <int D>
+  __device__ static void operands(const uint4 (&x)[D / 16], uint32_t (&a)[D / 16][4]) {
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      a[i][0] = x[i].x;
+      a[i][1] = x[i].y;
+      a[i][2] = x[i].z;
+      a[i][3] = x[i].w;
+    }
+  }
+};
+
+// E4M3 codes, fragment-major (two steps per 16 bytes), converted exactly to fp16 pairs; V pages
+// end with rho [16] fp16. Exact pages (entries < 0) are bf16 pages of Bf16Pages's layout.
+struct Fp8Pages {
+  static constexpr bool kHalf = true;
+  static constexpr bool kExactPages = true;
+  template <int D>
+  __host__ __device__ static constexpr uint32_t k_bytes() { return kBlockTokens * D; }
+  template <int D>
+  __host__ __device__ static constexpr uint32_t v_bytes() { return kBlockTokens * D + kBlockTokens * 2; }
+  template <int D>
+  __host__ __device__ static constexpr int loads() { return D / 32; }
+  template <int D>
+  __device__ static void load(const unsigned char* page, int lane, uint4 (&x)[D / 32]) {
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) x[i] = reinterpret_cast<const uint4*>(page)[32 * i + lane];
+  }
+  __device__ static uint32_t half2_of(uint32_t word, int byte) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t((word >> (8 * byte)) & 0xffffu), __NV_E4M3);
+    return uint32_t(h.x) | (uint32_t(h.y) << 16);
+  }
+  template <int D>
+  __device__ static void operands(const uint4 (&x)[D / 32], uint32_t (&a)[D / 16][4]) {
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+      a[2 * i][0] = half2_of(x[i].x, 0);
+      a[2 * i][1] = half2_of(x[i].x, 2);
+      a[2 * i][2] = half2_of(x[i].y, 0);
+      a[2 * i][3] = half2_of(x[i].y, 2);
+      a[2 * i + 1][0] = half2_of(x[i].z, 0);
+      a[2 * i + 1][1] = half2_of(x[i].z, 2);
+      a[2 * i + 1][2] = half2_of(x[i].w, 0);
+      a[2 * i + 1][3] = half2_of(x[i].w, 2);
+    }
+  }
+};
+
+// The zero-byte Tier A bound of an fp8 K page: |k^_i - k_i| <= 2^(E_i - 4) + 2^-10 for a code k^_i
+// of exponent E_i (half its step; 2^-10 covers subnormal and zero codes), so c_t = sm_scale
+// (2^-4 sum_i |q_i| 2^E_i + 2^-10 sum_i |q_i|). The first sum is one more tensor-core product per
+// step: the codes' fp16 operands with sign and mantissa cleared (a & 0x7c007c00 is 2^E_i exactly,
+// +inf for a NaN code) against |q| (the query's operands with the sign cleared); its at most 128
+// exact products sum in fp32 within 2^-16 relative, covered by the lift 1 + 2^-15.
+constexpr float kCodeBoundScale = 0.0625f * (1.0f + 1.0f / 32768.0f);
+
+template <int D, class Page, int kStages>
 struct FragmentShared {
+  struct Stage {
+    alignas(16) unsigned char k[Page::template k_bytes<D>()];
+    alignas(16) unsigned char v[Page::template v_bytes<D>()];
+  };
   union {
-    uint16_t ring[kWarps][kStages][2][kBlockTokens * D];  // [warp][stage][K, V]
+    Stage ring[kWarps][kStages];
     WarpMerge<D, kWarps> merge;
     float merge_weight[kMaxGroup][kMergeChunk];  // the last CTA's split weights, a chunk at a time
   } u;
-  float row_max[kMaxGroup], row_l[kMaxGroup];
   uint64_t full[kWarps][kStages];
-  uint16_t q[kMaxGroup][D];  // bf16 bits
+  int32_t entries[kWarps][kStages][2];  // the K and V table entries staged (pages with exact ones)
+  uint16_t q[kMaxGroup][D];             // the query in the pages' element (bf16 or fp16 bits)
+  uint16_t q_exact[Page::kExactPages ? kMaxGroup : 1][D];  // bf16 bits, for exact pages
+  float q_term[kMaxGroup];              // 2^-10 sum_i |q_i| rounded up (the bound's second term)
+  float row_max[kMaxGroup], row_l[kMaxGroup];
   int last;
 };
+static_assert(sizeof(FragmentShared<128, Bf16Pages, 2>::Stage) % 16 == 0 &&
+                  sizeof(FragmentShared<128, Fp8Pages, 2>::Stage) % 16 == 0 &&
+                  sizeof(FragmentShared<64, Fp8Pages, 2>::Stage) % 16 == 0,
+              "stages of whole 16-byte chunks (bulk copies)");
 
 // The splits of rows row0 .. row0 + rows - 1 merged by one CTA (the last of the row group to
 // finish): out = sum_s 2^{m_s - M} o_s / sum_s 2^{m_s - M} l_s per row, A - 1 and the value side
@@ -98,8 +183,8 @@ struct FragmentShared {
 // rows go side by side: a warp per row for the maxima and sums, then every thread a few (row,
 // 4 channels) items over a chunk of splits at a time, kMergeLoads loads in flight.
 
-template <int D, int kStages>
-__device__ void merge_row_group(FragmentShared<D, kStages>& sh, const FragmentSplitArgs& a, int64_t row0, int rows) {
+template <int D, class Page, int kStages>
+__device__ void merge_row_group(FragmentShared<D, Page, kStages>& sh, const FragmentSplitArgs& a, int64_t row0, int rows) {
   const PagedDecodeParams& p = a.p;
   const int n_splits = a.n_splits;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -188,12 +273,15 @@ __device__ void merge_row_group(FragmentShared<D, kStages>& sh, const FragmentSp
   }
 }
 
-template <int D, int kStages>
+template <int D, class Page, bool kMeter, int kStages>
 __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitArgs a) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  using Shared = FragmentShared<D, kStages>;
+  using Shared = FragmentShared<D, Page, kStages>;
   Shared& sh = *reinterpret_cast<Shared*>(smem_raw);
   const PagedDecodeParams& p = a.p;
+  constexpr bool kHalf = Page::kHalf;
+  constexpr int kLoads = Page::template loads<D>();
+  constexpr uint32_t kBytesK = Page::template k_bytes<D>(), kBytesV = Page::template v_bytes<D>();
 
   const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -217,10 +305,22 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
   const int64_t block_begin = int64_t(split) * a.per_split;
   const int64_t block_end = min(n_blocks, block_begin + a.per_split);
 
+  // The query rounded to the pages' element (and to bf16 for exact pages); the bound's second
+  // term per head, in double, rounded up.
+  const float* q_row = p.q + (int64_t(b) * p.n_q_heads + int64_t(kv_head) * group) * D;
   for (int i = threadIdx.x; i < kMaxGroup * D; i += kThreads) {
     const int g = i / D, c = i % D;
-    const float x = g < group ? p.q[(int64_t(b) * p.n_q_heads + kv_head * group + g) * D + c] : 0.f;
-    sh.q[g][c] = __bfloat16_as_ushort(__float2bfloat16_rn(x));
+    const float x = g < group ? q_row[int64_t(g) * D + c] : 0.f;
+    sh.q[g][c] = element_bits<kHalf>(x);
+    if constexpr (Page::kExactPages) sh.q_exact[g][c] = element_bits<false>(x);
+  }
+  if constexpr (kMeter) {
+    if (threadIdx.x < kMaxGroup) {
+      const int g = threadIdx.x;
+      double sum = 0;
+      for (int c = 0; c < D && g < group; ++c) sum += fabs(double(element_value<kHalf>(element_bits<kHalf>(q_row[int64_t(g) * D + c]))));
+      sh.q_term[g] = __double2float_ru(sum * (1.0 / 1024.0));
+    }
   }
   if (lane == 0) {
 #pragma unroll
@@ -244,36 +344,118 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
   const float log2_scale = p.sm_scale * kLog2e;
   unsigned int corrupt = 0;
 
+  // One page pair: scores, the logit bounds of a lossy K page (kMeter), the tail's masks, the
+  // online softmax, the meter's sums, P V. The page classes of K and V are compile-time (exact:
+  // bf16 operands with the bf16 query and bf16 probabilities, bound 0, rho 0).
+  auto attend = [&](auto exact_k, auto exact_v, const uint32_t (&ka)[D / 16][4], uint32_t (&va)[D / 16][4],
+                    const float (&rho)[2], int64_t blk) {
+    constexpr bool kExactK = decltype(exact_k)::value, kExactV = decltype(exact_v)::value;
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      if constexpr (kExactK) {
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(&sh.q_exact[tq][16 * kk + 2 * hq]);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(&sh.q_exact[tq][16 * kk + 2 * hq + 8]);
+        mma16816<false>(s, ka[kk], b0, b1);
+      } else {
+        mma16816<kHalf>(s, ka[kk], qb[kk][0], qb[kk][1]);
+      }
+    }
+    [[maybe_unused]] float c[4] = {0.f, 0.f, 0.f, 0.f};
+    if constexpr (kMeter && !kExactK) {
+      float cw[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t e[4] = {ka[kk][0] & 0x7c007c00u, ka[kk][1] & 0x7c007c00u, ka[kk][2] & 0x7c007c00u,
+                               ka[kk][3] & 0x7c007c00u};
+        mma16816<true>(cw, e, qb[kk][0] & 0x7fff7fffu, qb[kk][1] & 0x7fff7fffu);
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) c[k] = __fmul_ru(p.sm_scale, __fmaf_ru(cw[k], kCodeBoundScale, sh.q_term[2 * hq + (k & 1)]));
+    }
+    const int64_t t0 = blk * kBlockTokens;
+    if (t0 + kBlockTokens > len) {  // the sequence's last page, partly past the length
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[k] = t0 + tq + 8 * (k >> 1) < len ? s[k] * log2_scale : -INFINITY;
+      // The values' columns are tokens: registers 0, 1 hold tokens 2 hq, 2 hq + 1; 2, 3 those + 8.
+      const int64_t n = len - t0;
+      const uint32_t keep01 = (2 * hq < n ? 0xffffu : 0u) | (2 * hq + 1 < n ? 0xffff0000u : 0u);
+      const uint32_t keep23 = (2 * hq + 8 < n ? 0xffffu : 0u) | (2 * hq + 9 < n ? 0xffff0000u : 0u);
+#pragma unroll
+      for (int pp = 0; pp < D / 16; ++pp) {
+        va[pp][0] &= keep01;
+        va[pp][1] &= keep01;
+        va[pp][2] &= keep23;
+        va[pp][3] &= keep23;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[k] *= log2_scale;
+    }
+    float prob[4], rescale[2], m_new[2];
+    tile_softmax(s, m_run, l_run, prob, rescale, m_new);
+    if constexpr (kMeter) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float d_add = 0.f, r_add = 0.f;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int k = 2 * j + e;
+          // Every unmasked token, also one whose p underflows float (meter_term takes log2 p for
+          // large c); a masked token's bound and rho may be anything: selected away.
+          const bool live = s[k] != -INFINITY;
+          const float term = meter_term(prob[k], c[k], s[k] - m_new[e]);
+          d_add += live ? term : 0.f;
+          r_add = live ? fmaf(prob[k], rho[j], r_add) : r_add;
+        }
+        d_run[e] = d_run[e] * rescale[e] + d_add;
+        r_run[e] = r_run[e] * rescale[e] + r_add;
+      }
+    }
+    rescale_output<D>(rescale, o_acc);
+    constexpr bool kHalfV = kExactV ? false : kHalf;
+    uint32_t pb0, pb1;
+    probability_operands<kHalfV>(prob, pb0, pb1);
+#pragma unroll
+    for (int pp = 0; pp < D / 16; ++pp) mma16816<kHalfV>(o_acc[pp], va[pp], pb0, pb1);
+  };
+
   const int64_t first = block_begin + warp;
   const int n_mine = first < block_end ? int((block_end - 1 - first) / kWarps + 1) : 0;
   const int64_t table_row =
       table_block * (p.table_row_stride > 0 ? p.table_row_stride : int64_t(p.n_kv_heads) * p.table_stride) +
       int64_t(kv_head) * p.table_stride;
+  auto entry_of = [&](const int32_t* table, int j) { return table[table_row + first + int64_t(j) * kWarps]; };
 
   // Page j of this warp (table entries ke, ve) into stage j % kStages. A corrupt entry is zeroed
   // in place by the lanes (no copy is issued for it) before lane 0 arrives, so the stage's phase
-  // completes either way. The entries are read one page ahead of their issue (entry_of).
-  auto entry_of = [&](const int32_t* table, int j) { return table[table_row + first + int64_t(j) * kWarps]; };
+  // completes either way. A block with an exact page (Page::kExactPages, an entry < 0) copies
+  // nothing: it is attended after the others. The entries are read one page ahead (entry_of).
   auto issue = [&](int j, int32_t ke, int32_t ve) {
     const int st = j % kStages;
+    const bool deferred = Page::kExactPages && (ke < 0 || ve < 0);
     const bool k_ok = ke >= 0 && ke < p.n_k_pages, v_ok = ve >= 0 && ve < p.n_v_pages;
-    uint16_t* k_stage = sh.u.ring[warp][st][0];
-    uint16_t* v_stage = sh.u.ring[warp][st][1];
-    if (!k_ok || !v_ok) {
-      constexpr int kChunks = kPageBytes<D> / 16;
+    unsigned char* k_stage = sh.u.ring[warp][st].k;
+    unsigned char* v_stage = sh.u.ring[warp][st].v;
+    if (!deferred && (!k_ok || !v_ok)) {
 #pragma unroll
-      for (int c = lane; c < kChunks; c += 32) {
-        if (!k_ok) reinterpret_cast<uint4*>(k_stage)[c] = make_uint4(0, 0, 0, 0);
-        if (!v_ok) reinterpret_cast<uint4*>(v_stage)[c] = make_uint4(0, 0, 0, 0);
+      for (uint32_t c = lane; c < kBytesV / 16 || c < kBytesK / 16; c += 32) {
+        if (!k_ok && c < kBytesK / 16) reinterpret_cast<uint4*>(k_stage)[c] = make_uint4(0, 0, 0, 0);
+        if (!v_ok && c < kBytesV / 16) reinterpret_cast<uint4*>(v_stage)[c] = make_uint4(0, 0, 0, 0);
       }
       corrupt += lane == 0 ? unsigned(!k_ok) + unsigned(!v_ok) : 0u;
       __syncwarp();
     }
     if (lane == 0) {
+      if constexpr (Page::kExactPages) {
+        sh.entries[warp][st][0] = ke;
+        sh.entries[warp][st][1] = ve;
+      }
       fence_async_proxy();
-      barrier_arrive_expect(&sh.full[warp][st], (unsigned(k_ok) + unsigned(v_ok)) * kPageBytes<D>);
-      if (k_ok) bulk_copy(k_stage, p.k_pages + int64_t(ke) * p.k_page_stride, kPageBytes<D>, &sh.full[warp][st]);
-      if (v_ok) bulk_copy(v_stage, p.v_pages + int64_t(ve) * p.v_page_stride, kPageBytes<D>, &sh.full[warp][st]);
+      const bool copy_k = !deferred && k_ok, copy_v = !deferred && v_ok;
+      barrier_arrive_expect(&sh.full[warp][st], (copy_k ? kBytesK : 0u) + (copy_v ? kBytesV : 0u));
+      if (copy_k) bulk_copy(k_stage, p.k_pages + int64_t(ke) * p.k_page_stride, kBytesK, &sh.full[warp][st]);
+      if (copy_v) bulk_copy(v_stage, p.v_pages + int64_t(ve) * p.v_page_stride, kBytesV, &sh.full[warp][st]);
     }
   };
 
@@ -283,18 +465,7 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
     k_next = entry_of(p.k_table, kStages);
     v_next = entry_of(p.v_table, kStages);
   }
-  for (int i = 0; i < n_mine; ++i) {
-    const int st = i % kStages;
-    barrier_wait(&sh.full[warp][st], uint32_t(i / kStages) & 1u);
-    const int64_t blk = first + int64_t(i) * kWarps;
-    const uint4* k_ops = reinterpret_cast<const uint4*>(sh.u.ring[warp][st][0]) + lane;  // step kk: k_ops[32 kk]
-    const uint4* v_ops = reinterpret_cast<const uint4*>(sh.u.ring[warp][st][1]) + lane;
-    uint4 kf[D / 16], vf[D / 16];
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) kf[kk] = k_ops[32 * kk];
-#pragma unroll
-    for (int pp = 0; pp < D / 16; ++pp) vf[pp] = v_ops[32 * pp];
-    __syncwarp();
+  auto issue_next = [&](int i) {
     if (i + kStages < n_mine) {
       issue(i + kStages, k_next, v_next);
       if (i + kStages + 1 < n_mine) {
@@ -302,42 +473,80 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
         v_next = entry_of(p.v_table, i + kStages + 1);
       }
     }
-
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t r[4] = {kf[kk].x, kf[kk].y, kf[kk].z, kf[kk].w};
-      mma16816<false>(s, r, qb[kk][0], qb[kk][1]);
-    }
-    const int64_t t0 = blk * kBlockTokens;
-    const bool tail = t0 + kBlockTokens > len;  // the sequence's last page, partly past the length
-    if (tail) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) s[k] = t0 + tq + 8 * (k >> 1) < len ? s[k] * log2_scale : -INFINITY;
-      // The values' columns are tokens: registers 0, 1 hold tokens 2 hq, 2 hq + 1; 2, 3 those + 8.
-      const int64_t n = len - t0;
-      const uint32_t keep01 = (2 * hq < n ? 0xffffu : 0u) | (2 * hq + 1 < n ? 0xffff0000u : 0u);
-      const uint32_t keep23 = (2 * hq + 8 < n ? 0xffffu : 0u) | (2 * hq + 9 < n ? 0xffff0000u : 0u);
-#pragma unroll
-      for (int pp = 0; pp < D / 16; ++pp) {
-        vf[pp].x &= keep01;
-        vf[pp].y &= keep01;
-        vf[pp].z &= keep23;
-        vf[pp].w &= keep23;
+  };
+  int n_deferred = 0;
+  for (int i = 0; i < n_mine; ++i) {
+    const int st = i % kStages;
+    barrier_wait(&sh.full[warp][st], uint32_t(i / kStages) & 1u);
+    const int64_t blk = first + int64_t(i) * kWarps;
+    if constexpr (Page::kExactPages) {
+      if (sh.entries[warp][st][0] < 0 || sh.entries[warp][st][1] < 0) {
+        ++n_deferred;
+        __syncwarp();
+        issue_next(i);
+        continue;
       }
-    } else {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) s[k] *= log2_scale;
     }
-    float prob[4], rescale[2], m_new[2];
-    tile_softmax(s, m_run, l_run, prob, rescale, m_new);
-    rescale_output<D>(rescale, o_acc);
-    uint32_t pb0, pb1;
-    probability_operands<false>(prob, pb0, pb1);
+    uint4 kx[kLoads], vx[kLoads];
+    Page::template load<D>(sh.u.ring[warp][st].k, lane, kx);
+    Page::template load<D>(sh.u.ring[warp][st].v, lane, vx);
+    float rho[2] = {0.f, 0.f};
+    if constexpr (kMeter) {
+      const __half* side = reinterpret_cast<const __half*>(sh.u.ring[warp][st].v + kBlockTokens * D);
+      rho[0] = __half2float(side[tq]);
+      rho[1] = __half2float(side[tq + 8]);
+    }
+    __syncwarp();
+    issue_next(i);
+    uint32_t ka[D / 16][4], va[D / 16][4];
+    Page::template operands<D>(kx, ka);
+    Page::template operands<D>(vx, va);
+    attend(std::false_type{}, std::false_type{}, ka, va, rho, blk);
+  }
+
+  // The blocks with an exact page, each read straight from its pools.
+  if constexpr (Page::kExactPages) {
+    if (n_deferred > 0) {
+      for (int i = 0; i < n_mine; ++i) {
+        const int32_t ke = entry_of(p.k_table, i), ve = entry_of(p.v_table, i);
+        if (ke >= 0 && ve >= 0) continue;
+        const int64_t blk = first + int64_t(i) * kWarps;
+        uint32_t ka[D / 16][4], va[D / 16][4];
+        float rho[2] = {0.f, 0.f};
+        auto read = [&](bool key, int32_t e, uint32_t (&ops)[D / 16][4]) {
+          const uint8_t* raw = key ? p.k_raw_pages : p.v_raw_pages;
+          const uint8_t* pool = key ? p.k_pages : p.v_pages;
+          if (e < 0) {
+            const int64_t r = -int64_t(e) - 1;
+            const bool ok = raw != nullptr && r < (key ? p.n_k_raw_pages : p.n_v_raw_pages);
+            uint4 x[D / 16];
 #pragma unroll
-    for (int pp = 0; pp < D / 16; ++pp) {
-      const uint32_t r[4] = {vf[pp].x, vf[pp].y, vf[pp].z, vf[pp].w};
-      mma16816<false>(o_acc[pp], r, pb0, pb1);
+            for (int k = 0; k < D / 16; ++k) x[k] = make_uint4(0, 0, 0, 0);
+            if (ok) Bf16Pages::load<D>(raw + r * p.raw_page_stride, lane, x);
+            else corrupt += lane == 0;
+            Bf16Pages::operands<D>(x, ops);
+          } else {
+            const bool ok = e < (key ? p.n_k_pages : p.n_v_pages);
+            uint4 x[kLoads];
+#pragma unroll
+            for (int k = 0; k < kLoads; ++k) x[k] = make_uint4(0, 0, 0, 0);
+            const uint8_t* page = pool + int64_t(e) * (key ? p.k_page_stride : p.v_page_stride);
+            if (ok) Page::template load<D>(page, lane, x);
+            else corrupt += lane == 0;
+            Page::template operands<D>(x, ops);
+            if (kMeter && !key && ok) {
+              const __half* side = reinterpret_cast<const __half*>(page + kBlockTokens * D);
+              rho[0] = __half2float(side[tq]);
+              rho[1] = __half2float(side[tq + 8]);
+            }
+          }
+        };
+        read(true, ke, ka);
+        read(false, ve, va);
+        if (ke < 0 && ve < 0) attend(std::true_type{}, std::true_type{}, ka, va, rho, blk);
+        else if (ke < 0) attend(std::true_type{}, std::false_type{}, ka, va, rho, blk);
+        else attend(std::false_type{}, std::true_type{}, ka, va, rho, blk);
+      }
     }
   }
   if (corrupt != 0 && lane == 0) atomicAdd(a.error_word, corrupt);
@@ -356,50 +565,47 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
   __syncthreads();
   if (!sh.last) return;
   __threadfence();
-  merge_row_group<D, kStages>(sh, a, row0, group);
+  merge_row_group<D, Page, kStages>(sh, a, row0, group);
 }
 
-template <int D, int kStages>
-size_t shared_bytes() {
-  return sizeof(FragmentShared<D, kStages>);
+template <int D, class Page, bool kMeter, int kStages>
+constexpr size_t shared_bytes() {
+  return sizeof(FragmentShared<D, Page, kStages>);
 }
 
-template <int D, int kStages>
+template <int D, class Page, bool kMeter, int kStages>
 cudaError_t configure() {
-  static const cudaError_t e = cudaFuncSetAttribute(fragment_split_kernel<D, kStages>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes<D, kStages>()));
+  static const cudaError_t e = cudaFuncSetAttribute(fragment_split_kernel<D, Page, kMeter, kStages>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    int(shared_bytes<D, Page, kMeter, kStages>()));
   return e;
 }
 
-// Stages of each warp's ring: CERTKV_FRAGMENT_STAGES (2 or 3) for the benchmark's comparisons,
-// else 2.
-int stages() {
-  static const int n = [] {
-    const char* s = std::getenv("CERTKV_FRAGMENT_STAGES");
-    return s != nullptr && std::string(s) == "3" ? 3 : 2;
-  }();
-  return n;
-}
+// Stages of each warp's ring. Measured on an H100 (bf16 and fp8 pages, 32 / 8 heads, 64K and
+// 128K, batch 1 and 8): 3 and 4 stages were 2-8% slower than 2 (fewer CTAs per multiprocessor
+// for bf16, more registers for fp8; docs/bench/h100_fragment_pages_*.jsonl).
+constexpr int kRingStages = 2;
 
-template <int D, int kStages>
+template <int D, class Page, bool kMeter, int kStages>
 CudaStatus launch(const FragmentSplitArgs& a) {
-  if (const cudaError_t e = configure<D, kStages>(); e != cudaSuccess)
+  if (const cudaError_t e = configure<D, Page, kMeter, kStages>(); e != cudaSuccess)
     return CudaStatus{false, StatusCode::kInternal, std::string("cuda decode: cannot set the shared memory size: ") + cudaGetErrorString(e)};
-  fragment_split_kernel<D, kStages><<<dim3(a.n_splits, a.p.n_kv_heads, a.p.batch), kThreads, shared_bytes<D, kStages>(),
-                                      static_cast<cudaStream_t>(a.p.stream)>>>(a);
+  fragment_split_kernel<D, Page, kMeter, kStages><<<dim3(a.n_splits, a.p.n_kv_heads, a.p.batch), kThreads,
+                                                    shared_bytes<D, Page, kMeter, kStages>(),
+                                                    static_cast<cudaStream_t>(a.p.stream)>>>(a);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     return CudaStatus{false, StatusCode::kInternal, std::string("cuda decode: kernel launch failed: ") + cudaGetErrorString(e)};
   return {};
 }
 
-template <int D, int kStages>
+template <int D, class Page, bool kMeter, int kStages>
 int resident() {
   static const int n = [] {
     int r = 0;
-    if (configure<D, kStages>() != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r, fragment_split_kernel<D, kStages>, kThreads,
-                                                      shared_bytes<D, kStages>()) != cudaSuccess) {
+    if (configure<D, Page, kMeter, kStages>() != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r, fragment_split_kernel<D, Page, kMeter, kStages>, kThreads,
+                                                      shared_bytes<D, Page, kMeter, kStages>()) != cudaSuccess) {
       cudaGetLastError();
       return 2;
     }
@@ -408,18 +614,35 @@ int resident() {
   return n;
 }
 
+bool meter_on(const PagedDecodeParams& p) { return p.meter != nullptr || p.a_minus_1 != nullptr || p.value_rho != nullptr; }
+
+// Calls f with the kernel's template arguments for p (format, head_dim, meter, stages).
+template <class F>
+auto with_kernel(const PagedDecodeParams& p, F&& f) {
+  auto by_stages = [&](auto d, auto page, auto meter) { return f(d, page, meter, std::integral_constant<int, kRingStages>{}); };
+  auto by_format = [&](auto d) {
+    if (p.format == PageFormat::kFp8Fragments) {
+      if (meter_on(p)) return by_stages(d, Fp8Pages{}, std::true_type{});
+      return by_stages(d, Fp8Pages{}, std::false_type{});
+    }
+    return by_stages(d, Bf16Pages{}, std::false_type{});
+  };
+  if (p.head_dim == 64) return by_format(std::integral_constant<int, 64>{});
+  return by_format(std::integral_constant<int, 128>{});
+}
+
 }  // namespace
 
 CudaStatus launch_fragment_split(const FragmentSplitArgs& a) {
-  const bool three = stages() == 3;
-  if (a.p.head_dim == 64) return three ? launch<64, 3>(a) : launch<64, 2>(a);
-  return three ? launch<128, 3>(a) : launch<128, 2>(a);
+  return with_kernel(a.p, [&](auto d, auto page, auto meter, auto st) {
+    return launch<decltype(d)::value, decltype(page), decltype(meter)::value, decltype(st)::value>(a);
+  });
 }
 
-int fragment_resident_ctas(int head_dim) {
-  const bool three = stages() == 3;
-  if (head_dim == 64) return three ? resident<64, 3>() : resident<64, 2>();
-  return three ? resident<128, 3>() : resident<128, 2>();
+int fragment_resident_ctas(const PagedDecodeParams& p) {
+  return with_kernel(p, [&](auto d, auto page, auto meter, auto st) {
+    return resident<decltype(d)::value, decltype(page), decltype(meter)::value, decltype(st)::value>();
+  });
 }
 
 }  // namespace certkv::attention::cuda

@@ -25,7 +25,7 @@ struct FragmentSplitArgs {
 
 // Launches the kernel on a.p.stream (head_dim 64 or 128, checked by the caller).
 CudaStatus launch_fragment_split(const FragmentSplitArgs& a);
-// CTAs of the kernel one multiprocessor holds at once.
-int fragment_resident_ctas(int head_dim);
+// CTAs of the kernel one multiprocessor holds at once (for p's format, head_dim and meter).
+int fragment_resident_ctas(const PagedDecodeParams& p);
 
 }  // namespace certkv::attention::cuda

@@ -13,6 +13,9 @@
 //   K: S^T = K Q^T, A = K: rows are the page's tokens, columns channels 16 s .. 16 s + 15 of step s;
 //   V: O^T = V^T P^T, A = V^T: rows are channels 16 s .. 16 s + 15 of step s, columns the tokens.
 // Element (lane l, register r, half h) of step s lives at s * 256 + l * 8 + 2 r + h.
+// Pages of 8-bit codes (fp8) put two steps in a lane's 16 bytes: code (l, r, h) of step s at byte
+// (s / 2) * 512 + l * 16 + (s % 2) * 8 + 2 r + h, so that one 16-byte load gives a lane both
+// steps' codes, a register's pair of halves from one 16-bit pair of codes.
 // No CUDA headers: the host tests (fragment_layout_test.cc) check these maps.
 #pragma once
 
@@ -45,18 +48,34 @@ CERTKV_HD constexpr int value_index(int token, int channel) {
   return (channel / 16) * kStepElements + operand_index(channel % 16, token);
 }
 
-// A row-major page [kPageTokens][D] (16-bit elements) transcoded to fragment-major order; `key`
-// chooses the K map, else the V map. rows and out are distinct, kPageTokens * D elements each.
-template <int D>
-inline void fragment_page_from_rows(const uint16_t* rows, bool key, uint16_t* out) {
+// The byte of an 8-bit code at element index e of the 16-bit maps above.
+CERTKV_HD constexpr int code_byte(int e) {
+  const int step = e / kStepElements, within = e % kStepElements;
+  return (step / 2) * 2 * kStepElements + (within / kLaneElements) * 16 + (step % 2) * kLaneElements +
+         within % kLaneElements;
+}
+
+// Where token t, channel c of a K page (`key`) or a V page of head_dim D lives: the element index
+// for 16-bit elements, the byte for 8-bit codes.
+template <int D, class Element>
+CERTKV_HD constexpr int fragment_position(bool key, int token, int channel) {
+  const int e = key ? key_index<D>(token, channel) : value_index<D>(token, channel);
+  return sizeof(Element) == 1 ? code_byte(e) : e;
+}
+
+// A row-major page [kPageTokens][D] (16-bit elements or 8-bit codes) transcoded to fragment-major
+// order; `key` chooses the K map, else the V map. rows and out are distinct, kPageTokens * D
+// elements each.
+template <int D, class Element>
+inline void fragment_page_from_rows(const Element* rows, bool key, Element* out) {
   for (int t = 0; t < kPageTokens; ++t)
-    for (int c = 0; c < D; ++c) out[key ? key_index<D>(t, c) : value_index<D>(t, c)] = rows[t * D + c];
+    for (int c = 0; c < D; ++c) out[fragment_position<D, Element>(key, t, c)] = rows[t * D + c];
 }
 // The inverse: fragment-major back to row-major.
-template <int D>
-inline void rows_from_fragment_page(const uint16_t* page, bool key, uint16_t* rows) {
+template <int D, class Element>
+inline void rows_from_fragment_page(const Element* page, bool key, Element* rows) {
   for (int t = 0; t < kPageTokens; ++t)
-    for (int c = 0; c < D; ++c) rows[t * D + c] = page[key ? key_index<D>(t, c) : value_index<D>(t, c)];
+    for (int c = 0; c < D; ++c) rows[t * D + c] = page[fragment_position<D, Element>(key, t, c)];
 }
 
 }  // namespace certkv::attention::cuda::fragment

@@ -16,12 +16,12 @@
 namespace certkv::attention::cuda::fragment {
 namespace {
 
-template <int D>
+template <int D, class Element = uint16_t>
 void expect_permutation(bool key) {
   std::set<int> seen;
   for (int t = 0; t < kPageTokens; ++t)
     for (int c = 0; c < D; ++c) {
-      const int e = key ? key_index<D>(t, c) : value_index<D>(t, c);
+      const int e = fragment_position<D, Element>(key, t, c);
       EXPECT_GE(e, 0);
       EXPECT_LT(e, kPageTokens * D);
       seen.insert(e);
@@ -34,6 +34,10 @@ TEST(FragmentLayout, EveryMapIsAPermutationOfThePage) {
   expect_permutation<64>(false);
   expect_permutation<128>(true);
   expect_permutation<128>(false);
+  expect_permutation<64, uint8_t>(true);
+  expect_permutation<64, uint8_t>(false);
+  expect_permutation<128, uint8_t>(true);
+  expect_permutation<128, uint8_t>(false);
 }
 
 // The PTX ISA's fragments of mma.m16n8k16 with 16-bit operands (groupID g = lane / 4, t = lane % 4):
@@ -69,21 +73,32 @@ std::vector<uint16_t> random_values(std::mt19937& rng, size_t n) {
   return v;
 }
 float value_of(uint16_t x) { return float(int16_t(x)); }
+float element_value(uint16_t x) { return float(int16_t(x)); }
+float element_value(uint8_t x) { return float(int8_t(x)); }
 
-// S^T = K Q^T from a fragment-major K page, step by step: A from the page (lane l's 8 elements of
-// step s at s * 256 + 8 l), B = Q^T (channels of step s, heads 0..7).
-template <int D>
+// Lane l's element i (register i / 2, half i % 2) of step s in a page: 16-bit pages at
+// s * 256 + 8 l + i; pages of 8-bit codes at byte (s / 2) * 512 + 16 l + (s % 2) * 8 + i.
+template <class Element>
+int lane_element(int s, int l, int i) {
+  return sizeof(Element) == 1 ? (s / 2) * 512 + 16 * l + (s % 2) * 8 + i : s * kStepElements + l * kLaneElements + i;
+}
+
+// S^T = K Q^T from a fragment-major K page, step by step: A from the page (lane_element), B = Q^T
+// (channels of step s, heads 0..7). Codes are small integers in both element widths.
+template <int D, class Element = uint16_t>
 void check_scores(std::mt19937& rng) {
-  const std::vector<uint16_t> k_rows = random_values(rng, kPageTokens * D);
+  std::vector<uint16_t> k_rows = random_values(rng, kPageTokens * D);
+  if (sizeof(Element) == 1)
+    for (auto& x : k_rows) x = uint16_t(int16_t(int8_t(uint8_t(x))));
   const std::vector<uint16_t> q = random_values(rng, 8 * D);
-  std::vector<uint16_t> page(kPageTokens * D);
-  fragment_page_from_rows<D>(k_rows.data(), true, page.data());
+  std::vector<Element> rows(k_rows.begin(), k_rows.end()), page(kPageTokens * D);
+  fragment_page_from_rows<D, Element>(rows.data(), true, page.data());
   std::array<std::array<double, 4>, 32> c{};
   for (int s = 0; s < D / 16; ++s) {
     std::array<std::array<float, 8>, 32> a{};
     std::array<std::array<float, 4>, 32> b{};
     for (int l = 0; l < 32; ++l) {
-      for (int i = 0; i < 8; ++i) a[l][i] = value_of(page[s * kStepElements + l * kLaneElements + i]);
+      for (int i = 0; i < 8; ++i) a[l][i] = element_value(page[size_t(lane_element<Element>(s, l, i))]);
       for (int i = 0; i < 4; ++i) b[l][i] = value_of(q[b_col(l) * D + 16 * s + b_row(l, i)]);
     }
     mma_emulated(a, b, c);
@@ -99,17 +114,19 @@ void check_scores(std::mt19937& rng) {
 
 // O^T = V^T P^T from a fragment-major V page: step s gives channels 16 s .. 16 s + 15 (A from the
 // page), B = P^T (tokens, heads).
-template <int D>
+template <int D, class Element = uint16_t>
 void check_values(std::mt19937& rng) {
-  const std::vector<uint16_t> v_rows = random_values(rng, kPageTokens * D);
+  std::vector<uint16_t> v_rows = random_values(rng, kPageTokens * D);
+  if (sizeof(Element) == 1)
+    for (auto& x : v_rows) x = uint16_t(int16_t(int8_t(uint8_t(x))));
   const std::vector<uint16_t> p = random_values(rng, 8 * kPageTokens);  // [head][token]
-  std::vector<uint16_t> page(kPageTokens * D);
-  fragment_page_from_rows<D>(v_rows.data(), false, page.data());
+  std::vector<Element> rows(v_rows.begin(), v_rows.end()), page(kPageTokens * D);
+  fragment_page_from_rows<D, Element>(rows.data(), false, page.data());
   for (int s = 0; s < D / 16; ++s) {
     std::array<std::array<float, 8>, 32> a{};
     std::array<std::array<float, 4>, 32> b{};
     for (int l = 0; l < 32; ++l) {
-      for (int i = 0; i < 8; ++i) a[l][i] = value_of(page[s * kStepElements + l * kLaneElements + i]);
+      for (int i = 0; i < 8; ++i) a[l][i] = element_value(page[size_t(lane_element<Element>(s, l, i))]);
       for (int i = 0; i < 4; ++i) b[l][i] = value_of(p[b_col(l) * kPageTokens + b_row(l, i)]);
     }
     std::array<std::array<double, 4>, 32> c{};
@@ -131,6 +148,10 @@ TEST(FragmentLayout, TensorCoreProductsOverFragmentPagesAreTheRowMajorProducts) 
     check_scores<128>(rng);
     check_values<64>(rng);
     check_values<128>(rng);
+    check_scores<64, uint8_t>(rng);
+    check_scores<128, uint8_t>(rng);
+    check_values<64, uint8_t>(rng);
+    check_values<128, uint8_t>(rng);
   }
 }
 
@@ -143,6 +164,13 @@ TEST(FragmentLayout, AStepsOperandLoadsAreOneWavefrontPerQuarterWarp) {
       for (int l = 8 * quarter; l < 8 * quarter + 8; ++l) groups.insert(((s * 512 + 16 * l) / 16) % 8);
       EXPECT_EQ(groups.size(), 8u);
     }
+  // A lane's 16 bytes of codes (two steps) are one load too: byte (s / 2) * 512 + 16 l.
+  for (int s = 0; s < 128 / 16; s += 2)
+    for (int l = 0; l < 32; ++l)
+      for (int i = 0; i < 8; ++i) {
+        EXPECT_EQ(code_byte(s * kStepElements + l * kLaneElements + i), (s / 2) * 512 + 16 * l + i);
+        EXPECT_EQ(code_byte((s + 1) * kStepElements + l * kLaneElements + i), (s / 2) * 512 + 16 * l + 8 + i);
+      }
   // And a lane's 8 elements of a step are its own: the element (lane, register, half) sits at
   // 8 lane + 2 register + half in both maps.
   for (int l = 0; l < 32; ++l)
@@ -156,8 +184,8 @@ TEST(FragmentLayout, TranscodingRoundTrips) {
   for (bool key : {true, false}) {
     std::vector<uint16_t> rows(kPageTokens * 128), page(rows.size()), back(rows.size());
     for (auto& x : rows) x = uint16_t(rng());
-    fragment_page_from_rows<128>(rows.data(), key, page.data());
-    rows_from_fragment_page<128>(page.data(), key, back.data());
+    fragment_page_from_rows<128, uint16_t>(rows.data(), key, page.data());
+    rows_from_fragment_page<128, uint16_t>(page.data(), key, back.data());
     EXPECT_EQ(back, rows);
     EXPECT_NE(page, rows);  // a different order
   }

@@ -52,26 +52,6 @@ struct FormatTraits {
   static constexpr bool kLossy = kTierA || kTierB;
 };
 
-// The meter's term p (e^c - 1) of one (head, token), c >= 0, never below the exact value by more
-// than the 2^-12 lift of A - 1 covers (docs/cuda.md). Below c = 1/4 a degree-5 upper bound:
-// e^c - 1 - sum_{k=1..4} c^k / k! = c^5 sum_j c^j / (j + 5)! <= c^5 e^c / 120 <= 0.0107003 c^5 (the
-// coefficients rounded up, all terms positive, relative rounding error below 2^-20; it exceeds
-// e^c - 1 by at most 10^-5 relative); then one exponential: e^c - 1 >= 0.28, so the subtraction
-// loses at most a factor 4.6 of its relative error; from c = 8 as one exponential of
-// log2 p + c log2 e (p e^c alone would overflow float long before the product does).
-// Without branches: the lanes of a warp hold cells of every range, and the divergent version ran
-// every path anyway plus its branch overhead. The values are those of the three-way branch to the
-// bit: one exponential serves both upper ranges, its argument c log2 e rounded once, plus log2 p
-// rounded once more above 8 (explicit roundings, so that no FMA contraction merges the two).
-__device__ inline float meter_term(float p, float c, float log2_p) {
-  const float small = p * (c * (1.f + c * (0.5f + c * (1.f / 6.f + c * (1.f / 24.f + c * 0.0107003f)))));
-  const bool mid = c < 8.f;
-  const float ck = __fmul_rn(c, kLog2e);
-  const float e = exp2f(mid ? ck : __fadd_rn(log2_p, ck));
-  const float large = mid ? p * (e - 1.f) : e - p;
-  return c < 0.25f ? small : large;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Shared memory of one CTA.
 
@@ -1395,7 +1375,8 @@ CudaStatus launch_fragments(const PagedDecodeParams& p, int n_splits) {
 template <int D>
 CudaStatus launch_format(const PagedDecodeParams& p, int n_splits) {
   switch (p.format) {
-    case PageFormat::kBf16Fragments: return launch_fragments(p, n_splits);
+    case PageFormat::kBf16Fragments:
+    case PageFormat::kFp8Fragments: return launch_fragments(p, n_splits);
     case PageFormat::kBf16: return launch<D, PageFormat::kBf16, false>(p, n_splits);
     case PageFormat::kGaacBf16: return launch<D, PageFormat::kGaacBf16, false>(p, n_splits);
     case PageFormat::kGaacE5M2: return launch<D, PageFormat::kGaacE5M2, false>(p, n_splits);
@@ -1414,6 +1395,7 @@ const char* page_format_name(PageFormat f) {
   switch (f) {
     case PageFormat::kBf16: return "bf16";
     case PageFormat::kBf16Fragments: return "bf16-fragments";
+    case PageFormat::kFp8Fragments: return "fp8-e4m3-fragments";
     case PageFormat::kGaacBf16: return "gaac";
     case PageFormat::kGaacE5M2: return "gaac-e5m2";
     case PageFormat::kFp8E4M3: return "fp8-e4m3";
@@ -1489,6 +1471,10 @@ CudaStatus check(const PagedDecodeParams& p) {
   switch (p.format) {
     case PageFormat::kBf16:
     case PageFormat::kBf16Fragments: need_k = need_v = size_t(T) * D * 2; break;
+    case PageFormat::kFp8Fragments:
+      need_k = size_t(T) * D;
+      need_v = size_t(T) * D + size_t(T) * 2;
+      break;
     case PageFormat::kGaacBf16:
       need_k = format::gaac_slot_bytes(format::GaacElement::kBf16, T, D, size_t(p.k_escape_capacity));
       need_v = format::gaac_slot_bytes(format::GaacElement::kBf16, T, D, size_t(p.v_escape_capacity));
@@ -1564,7 +1550,8 @@ template <int D>
 int resident_ctas_of(const PagedDecodeParams& p) {
   const bool meter = meter_on(p);
   switch (p.format) {
-    case PageFormat::kBf16Fragments: return fragment_resident_ctas(D);
+    case PageFormat::kBf16Fragments:
+    case PageFormat::kFp8Fragments: return fragment_resident_ctas(p);
     case PageFormat::kBf16: return resident_ctas<D, PageFormat::kBf16, false>();
     case PageFormat::kGaacBf16: return resident_ctas<D, PageFormat::kGaacBf16, false>();
     case PageFormat::kGaacE5M2: return resident_ctas<D, PageFormat::kGaacE5M2, false>();

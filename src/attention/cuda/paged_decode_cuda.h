@@ -15,6 +15,10 @@
 //     kBf16           [block_tokens][head_dim] bf16
 //     kBf16Fragments  [block_tokens x head_dim] bf16 in fragment-major order: K pages by
 //                     fragment::key_index, V pages by fragment::value_index (fragment_layout.h)
+//     kFp8Fragments   [block_tokens x head_dim] E4M3 codes in fragment-major order
+//                     (fragment::fragment_position for 8-bit codes); V pages then rho [T] fp16.
+//                     No code of a lossy K page came from a saturating cast (|k| <= 464): each
+//                     code k^ bounds its error, |k^ - k| <= 2^(E(k^) - 4) + 2^-10
 //     kGaacBf16       a GAAC slot (docs/format/gaac.md, element bf16)
 //     kGaacE5M2       a GAAC slot over FP8 E5M2 (element e5m2)
 //     kFp8E4M3/E5M2   the lossy raw-cast page (docs/format/lossy_pages.md): [T][D] fp8, then on
@@ -32,7 +36,8 @@
 //     kDither8        could not be encoded): [T][D] bf16, the exact values. Read on the bf16
 //                     path (query rounded to bf16, bf16 probabilities in P V); its logit bound
 //                     is 0 and its rho 0. K and V pages of a block are raw or not independently.
-//     kBf16           unused (its pages are bf16 already)
+//     kFp8Fragments   an exact page: bf16 in fragment-major order
+//     kBf16, kBf16Fragments  unused (their pages are bf16 already)
 //   k_table, v_table:  [batch][n_kv_heads][table_stride] int32
 //   seq_lens:          [batch] int32, each in [1, table_stride * block_tokens]
 //   gaac_bases:        [2 (K, V)][n_kv_heads][2 (b3, b4)][head_dim] uint8
@@ -81,9 +86,13 @@ enum class PageFormat : uint8_t {
   // bf16 pages in fragment-major order (fragment_layout.h), read by the bulk-copy kernel
   // (fragment_decode_cuda.h): the skeleton the other classes move onto (docs/cuda.md)
   kBf16Fragments = 6,
+  // fp8 E4M3 codes in fragment-major order on the same kernel, metered with the zero-byte Tier A
+  // bound (each code bounds its own rounding, docs/cuda.md): no witness bytes
+  kFp8Fragments = 7,
 };
 
-// "bf16", "gaac", "gaac-e5m2", "fp8-e4m3", "fp8-e5m2", "dither8", "bf16-fragments".
+// "bf16", "gaac", "gaac-e5m2", "fp8-e4m3", "fp8-e5m2", "dither8", "bf16-fragments",
+// "fp8-e4m3-fragments".
 const char* page_format_name(PageFormat format);
 // The page format of a KV scheme the device serves (the scheme table's cuda_route); kBf16 for
 // the others, which no device cache stores. (Defined in device_kv.cc: the scheme table is C++20,
@@ -91,7 +100,8 @@ const char* page_format_name(PageFormat format);
 PageFormat page_format_of(cache::KvScheme scheme);
 // Whether pages of this format carry a meter (the lossy ones).
 inline bool page_format_metered(PageFormat f) {
-  return f == PageFormat::kFp8E4M3 || f == PageFormat::kFp8E5M2 || f == PageFormat::kDither8;
+  return f == PageFormat::kFp8E4M3 || f == PageFormat::kFp8E5M2 || f == PageFormat::kDither8 ||
+         f == PageFormat::kFp8Fragments;
 }
 
 struct PagedDecodeParams {

@@ -189,6 +189,26 @@ __device__ inline void tile_softmax(const float (&s)[4], float (&m_run)[2], floa
   }
 }
 
+// The meter's term p (e^c - 1) of one (head, token), c >= 0, never below the exact value by more
+// than the 2^-12 lift of A - 1 covers (docs/cuda.md). Below c = 1/4 a degree-5 upper bound:
+// e^c - 1 - sum_{k=1..4} c^k / k! = c^5 sum_j c^j / (j + 5)! <= c^5 e^c / 120 <= 0.0107003 c^5 (the
+// coefficients rounded up, all terms positive, relative rounding error below 2^-20; it exceeds
+// e^c - 1 by at most 10^-5 relative); then one exponential: e^c - 1 >= 0.28, so the subtraction
+// loses at most a factor 4.6 of its relative error; from c = 8 as one exponential of
+// log2 p + c log2 e (p e^c alone would overflow float long before the product does).
+// Without branches: the lanes of a warp hold cells of every range, and the divergent version ran
+// every path anyway plus its branch overhead. The values are those of the three-way branch to the
+// bit: one exponential serves both upper ranges, its argument c log2 e rounded once, plus log2 p
+// rounded once more above 8 (explicit roundings, so that no FMA contraction merges the two).
+__device__ inline float meter_term(float p, float c, float log2_p) {
+  const float small = p * (c * (1.f + c * (0.5f + c * (1.f / 6.f + c * (1.f / 24.f + c * 0.0107003f)))));
+  const bool mid = c < 8.f;
+  const float ck = __fmul_rn(c, 1.4426950408889634f);  // log2 e
+  const float e = exp2f(mid ? ck : __fadd_rn(log2_p, ck));
+  const float large = mid ? p * (e - 1.f) : e - p;
+  return c < 0.25f ? small : large;
+}
+
 // O^T *= rescale (per head 2 hq + e): the earlier tiles' output under the new maximum.
 template <int D>
 __device__ inline void rescale_output(const float (&rescale)[2], float (&o)[D / 16][4]) {
