@@ -39,6 +39,29 @@ CudaStatus invalid(const std::string& message) {
 bool is_gaac(PageFormat f) { return f == PageFormat::kGaacBf16 || f == PageFormat::kGaacE5M2; }
 bool is_lossy(PageFormat f) { return page_format_metered(f); }
 
+// A dither8 page (token-major records: D codes, G fp16 scales, 2 m bf16 outlier values) moved to
+// PageFormat::kDither8Fragments in place: the codes fragment-major (K by words, V as 8-bit codes),
+// then the scales [T][G], then (K) the outliers [T][2 m]. Tokens from n on hold garbage (codes
+// -128, NaN scales and outliers): the kernel must mask them.
+void dither8_fragment_page(const codec::LossyPageSpec& spec, int64_t n, uint8_t* page) {
+  const int D = spec.head_dim, G = D / codec::kQuantGroup, m = spec.key ? spec.n_outlier_pairs : 0;
+  const size_t record = size_t(D) + 2 * G + 4 * m;
+  const std::vector<uint8_t> records(page, page + size_t(kT) * record);
+  for (int t = 0; t < kT; ++t) {
+    const uint8_t* rec = records.data() + size_t(t) * record;
+    const bool live = t < n;
+    for (int c = 0; c < D; ++c) {
+      const int at = spec.key ? fragment::word_key_byte(t, c)
+                              : (D == 64 ? fragment::fragment_position<64, uint8_t>(false, t, c)
+                                         : fragment::fragment_position<128, uint8_t>(false, t, c));
+      page[at] = live ? rec[c] : 0x80;
+    }
+    for (int i = 0; i < 2 * G; ++i) page[size_t(kT) * D + size_t(t) * 2 * G + i] = live ? rec[D + i] : (i % 2 ? 0x7e : 0x00);
+    for (int i = 0; i < 4 * m; ++i)
+      page[size_t(kT) * (D + 2 * G) + size_t(t) * 4 * m + i] = live ? rec[D + 2 * G + i] : (i % 2 ? 0x7f : 0xc0);
+  }
+}
+
 // Runs body(i) for i in [0, n) on all hardware threads.
 template <typename Body>
 void parallel_for(int64_t n, Body body) {
@@ -111,7 +134,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
       return invalid("sequence " + std::to_string(b) + " holds the wrong number of values");
   }
   const PageFormat f = options.format;
-  const bool dither = f == PageFormat::kDither8;
+  const bool dither = f == PageFormat::kDither8 || f == PageFormat::kDither8Fragments;
   const format::GaacElement element = f == PageFormat::kGaacE5M2 ? format::GaacElement::kFp8E5M2 : format::GaacElement::kBf16;
   if (is_gaac(f)) {
     if (options.gaac == nullptr) return invalid("GAAC pages need a calibration");
@@ -347,6 +370,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
             for (int t = 0; t < kT; ++t) rho[t] = format::fp16_to_float(v_rho[t]);
           }
         }
+        if (f == PageFormat::kDither8Fragments) dither8_fragment_page(spec, n, page);
       }
     }
     if (record_reconstruction) {
@@ -454,7 +478,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
       std::vector<float>& dst = key ? r.k_read_[size_t(b)] : r.v_read_[size_t(b)];
       std::copy_n(read.begin(), size_t(n) * size_t(D), dst.begin() + (size_t(h) * size_t(len) + size_t(t0)) * size_t(D));
     }
-    if (f == PageFormat::kFp8Fragments) {  // exact pages fragment-major, as bf16 pages of the format
+    if (f == PageFormat::kFp8Fragments || f == PageFormat::kDither8Fragments) {  // exact pages: bf16, fragment-major
       std::vector<uint16_t> row_major(size_t(kT) * D), fragments(size_t(kT) * D);
       std::copy_n(reinterpret_cast<const uint16_t*>(host.data() + at), size_t(kT) * D, row_major.data());
       if (D == 64) fragment::fragment_page_from_rows<64, uint16_t>(row_major.data(), key, fragments.data());
@@ -550,7 +574,9 @@ void DeviceKv::describe(PagedDecodeParams* p) const {
   p->k_escape_capacity = int64_t(k_capacity_);
   p->v_escape_capacity = int64_t(v_capacity_);
   p->dither_keys = reinterpret_cast<const uint64_t*>(keys_.data());
-  p->n_outlier_pairs = options_.format == PageFormat::kDither8 ? options_.n_outlier_pairs : 0;
+  p->n_outlier_pairs = options_.format == PageFormat::kDither8 || options_.format == PageFormat::kDither8Fragments
+                           ? options_.n_outlier_pairs
+                           : 0;
   p->outlier_channels = reinterpret_cast<const int32_t*>(outliers_.data());
   p->rope_half_split = options_.pairing == codec::RopePairing::kHalfSplit;
   p->witness = options_.witness;

@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "attention/cuda/fragment_layout.h"
+#include "format/dither8_generator.h"
 #include "attention/cuda/tile_mma.cuh"
 
 namespace certkv::attention::cuda {
@@ -86,10 +87,14 @@ constexpr int kMergeLoads = 8;    // its partial outputs in flight per thread
 struct Bf16Pages {
   static constexpr bool kHalf = false;        // the mma element (and the query's rounding)
   static constexpr bool kExactPages = false;  // raw entries are corrupt
+  static constexpr bool kDither = false;      // dither8: its own scores and values (below)
+  static constexpr int kStages = 2;           // pages of each warp's ring (see with_kernel)
   template <int D>
-  __host__ __device__ static constexpr uint32_t k_bytes() { return kBlockTokens * D * 2; }
+  __host__ __device__ static constexpr uint32_t k_bytes() { return kBlockTokens * D * 2; }  // a stage's room
   template <int D>
   __host__ __device__ static constexpr uint32_t v_bytes() { return kBlockTokens * D * 2; }
+  template <int D>
+  __host__ __device__ static constexpr uint32_t k_copy_bytes(int) { return k_bytes<D>(); }  // what a page holds
   template <int D>
   __host__ __device__ static constexpr int loads() { return D / 16; }
   template <int D>
@@ -114,10 +119,14 @@ struct Bf16Pages {
 struct Fp8Pages {
   static constexpr bool kHalf = true;
   static constexpr bool kExactPages = true;
+  static constexpr bool kDither = false;
+  static constexpr int kStages = 2;
   template <int D>
   __host__ __device__ static constexpr uint32_t k_bytes() { return kBlockTokens * D; }
   template <int D>
   __host__ __device__ static constexpr uint32_t v_bytes() { return kBlockTokens * D + kBlockTokens * 2; }
+  template <int D>
+  __host__ __device__ static constexpr uint32_t k_copy_bytes(int) { return k_bytes<D>(); }
   template <int D>
   __host__ __device__ static constexpr int loads() { return D / 32; }
   template <int D>
@@ -145,6 +154,34 @@ struct Fp8Pages {
   }
 };
 
+
+// dither8 (docs/format/dither8.md), its codes fragment-major: K by generator words
+// (fragment::word_key_byte), V as 8-bit codes; after the codes the scales [T][G] fp16 and (K) the
+// outlier pairs' exact values [T][2 m] bf16. A page's scores and values read its scales, outliers
+// and the generator (dither8_scores, dither8_values), so the stage is held until they are done.
+struct Dither8Pages {
+  static constexpr bool kHalf = true;
+  static constexpr bool kExactPages = true;
+  static constexpr bool kDither = true;
+  static constexpr int kStages = 3;  // a stage is held while its page is attended
+  template <int D>
+  __host__ __device__ static constexpr uint32_t k_bytes() {
+    return kBlockTokens * (D + 2 * (D / kQuantGroupChannels) + 4 * kMaxDeviceOutlierPairs);
+  }
+  template <int D>
+  __host__ __device__ static constexpr uint32_t v_bytes() { return kBlockTokens * (D + 2 * (D / kQuantGroupChannels)); }
+  template <int D>
+  __host__ __device__ static constexpr uint32_t k_copy_bytes(int outlier_pairs) {
+    return kBlockTokens * (D + 2 * (D / kQuantGroupChannels) + 4 * outlier_pairs);
+  }
+  template <int D>
+  __host__ __device__ static constexpr int loads() { return D / 32; }
+  template <int D>
+  __device__ static void load(const unsigned char* page, int lane, uint4 (&x)[D / 32]) {
+    Fp8Pages::load<D>(page, lane, x);
+  }
+};
+
 // The zero-byte Tier A bound of an fp8 K page: |k^_i - k_i| <= 2^(E_i - 4) + 2^-10 for a code k^_i
 // of exponent E_i (half its step; 2^-10 covers subnormal and zero codes), so c_t = sm_scale
 // (2^-4 sum_i |q_i| 2^E_i + 2^-10 sum_i |q_i|). The first sum is one more tensor-core product per
@@ -169,12 +206,19 @@ struct FragmentShared {
   uint16_t q[kMaxGroup][D];             // the query in the pages' element (bf16 or fp16 bits)
   uint16_t q_exact[Page::kExactPages ? kMaxGroup : 1][D];  // bf16 bits, for exact pages
   float q_term[kMaxGroup];              // 2^-10 sum_i |q_i| rounded up (the bound's second term)
+  // dither8: the outlier channels (-1: corrupt), the Tier B weights per (head, group) nudged up,
+  // the dither's offsets (1/2)/256 sum_{c in g} q_c
+  int32_t outlier_channels[2 * kMaxDeviceOutlierPairs];
+  float weight[kMaxGroup][D / kQuantGroupChannels], abs_weight[kMaxGroup][D / kQuantGroupChannels];
+  float dither_offset[kMaxGroup][D / kQuantGroupChannels];
   float row_max[kMaxGroup], row_l[kMaxGroup];
   int last;
 };
 static_assert(sizeof(FragmentShared<128, Bf16Pages, 2>::Stage) % 16 == 0 &&
                   sizeof(FragmentShared<128, Fp8Pages, 2>::Stage) % 16 == 0 &&
-                  sizeof(FragmentShared<64, Fp8Pages, 2>::Stage) % 16 == 0,
+                  sizeof(FragmentShared<64, Fp8Pages, 2>::Stage) % 16 == 0 &&
+                  sizeof(FragmentShared<128, Dither8Pages, 2>::Stage) % 16 == 0 &&
+                  sizeof(FragmentShared<64, Dither8Pages, 2>::Stage) % 16 == 0,
               "stages of whole 16-byte chunks (bulk copies)");
 
 // The splits of rows row0 .. row0 + rows - 1 merged by one CTA (the last of the row group to
@@ -273,6 +317,136 @@ __device__ void merge_row_group(FragmentShared<D, Page, kStages>& sh, const Frag
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// dither8 pages' scores and values (Dither8Pages), from a lane's code loads and the page's side
+// data (in its stage, or in its pool for the blocks attended after the others).
+
+// S^T = K^ Q^T with K^ = s (q - xi) per token and group of 32 channels: in step kk the lane's A
+// operand is its rows' generator word 4 kk + hq (channels 16 kk + 4 hq .. + 3, the query's B
+// operand permuted alike): the codes q and the dither's 1/2 - u/256 (both exact in fp16:
+// q - xi = q + (1/2 - u/256) - 1/512), two mma per step into one accumulator per group that
+// starts at -(1/2)/256 sum_{c in g} q_c, then the token's scale in fp32. Outlier channels: code 0
+// and dither byte 128 (keep), so neither mma sees them; their exact values are added after.
+// c (kMeter): the Tier B bound sqrt(sum_g w_g s_g^2) + sum_g w'_g s_g of each cell.
+template <int D, bool kMeter, class Shared>
+__device__ inline void dither8_scores(const Shared& sh, const uint4 (&kx)[D / 32], const unsigned char* page,
+                                      int outlier_pairs, uint64_t key, int64_t blk, int tq, int hq,
+                                      const uint32_t (&qb)[D / 16][2], const uint32_t (&keep)[D / 16], float (&s)[4],
+                                      float (&c)[4]) {
+  constexpr int G = D / kQuantGroupChannels;
+  const __half2 k1152 = __float2half2_rn(1152.f);
+  const __half2 minus_inv256 = __float2half2_rn(-1.f / 256.f), k4_5 = __float2half2_rn(4.5f);
+  const uint64_t counter = uint64_t(blk) * kBlockTokens + uint64_t(tq);  // the token's position
+  const uint32_t seeds[2] = {format::dither8_row_seed(key, counter), format::dither8_row_seed(key, counter + 8)};
+  float sc[2][G];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const __half* scales = reinterpret_cast<const __half*>(page + kBlockTokens * D) + (tq + 8 * r) * G;
+#pragma unroll
+    for (int g = 0; g < G; ++g) sc[r][g] = __half2float(scales[g]);
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const float o0 = -sh.dither_offset[2 * hq][g], o1 = -sh.dither_offset[2 * hq + 1][g];
+    float acc[4] = {o0, o1, o0, o1};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int kk = 2 * g + half;
+      const uint32_t words[2] = {half ? kx[g].z : kx[g].x, half ? kx[g].w : kx[g].y};
+      uint32_t codes[4], dither[4];  // [r]: channels 0, 1 of row r's word; [r + 2]: channels 2, 3
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint32_t biased = words[r] ^ 0x80808080u;  // code + 128
+        const uint32_t word = format::dither8_word(seeds[r], 4 * kk + hq);
+        const uint32_t u = (word & keep[kk]) | (0x80808080u & ~keep[kk]);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          uint32_t c2 = bytes_to_1024_plus(biased, 2 * k), u2 = bytes_to_1024_plus(u, 2 * k);
+          const __half2 q = __hsub2(*reinterpret_cast<__half2*>(&c2), k1152);
+          const __half2 d = __hfma2(*reinterpret_cast<__half2*>(&u2), minus_inv256, k4_5);
+          codes[r + 2 * k] = *reinterpret_cast<const uint32_t*>(&q);
+          dither[r + 2 * k] = *reinterpret_cast<const uint32_t*>(&d);
+        }
+      }
+      mma16816<true>(acc, codes, qb[kk][0], qb[kk][1]);
+      mma16816<true>(acc, dither, qb[kk][0], qb[kk][1]);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s[k] = fmaf(sc[k >> 1][g], acc[k], s[k]);
+  }
+  const uint16_t* exact = reinterpret_cast<const uint16_t*>(page + kBlockTokens * (D + 2 * G));
+  for (int o = 0; o < 2 * outlier_pairs; ++o) {
+    const int oc = sh.outlier_channels[o];
+    if (oc < 0) continue;  // corrupt (counted)
+    const float qo[2] = {element_value<true>(sh.q[2 * hq][oc]), element_value<true>(sh.q[2 * hq + 1][oc])};
+    const float xo[2] = {__bfloat162float(__ushort_as_bfloat16(exact[tq * 2 * outlier_pairs + o])),
+                         __bfloat162float(__ushort_as_bfloat16(exact[(tq + 8) * 2 * outlier_pairs + o]))};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s[k] += qo[k & 1] * xo[k >> 1];
+  }
+  if constexpr (kMeter) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int head = 2 * hq + (k & 1);
+      float var = 0.f, sum = 0.f;
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float x = sc[k >> 1][g];
+        var += sh.weight[head][g] * x * x;
+        sum += sh.abs_weight[head][g] * x;
+      }
+      c[k] = sqrtf(var) + sum;
+    }
+  }
+}
+
+// A dither8 V page's scales of the lane's tokens tq, tq + 8 (0 from token n on: a tail's rows past
+// the length hold anything) and, kMeter, their rho_t = kDither8ValueRho sqrt(sum_g 32 s_{t,g}^2),
+// the CPU's float steps in its order.
+template <int D, bool kMeter>
+__device__ inline void dither8_value_scales(const unsigned char* page, int tq, int64_t n, float (&sv)[2][D / 32],
+                                            float (&rho)[2]) {
+  constexpr int G = D / kQuantGroupChannels;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const __half* scales = reinterpret_cast<const __half*>(page + kBlockTokens * D) + (tq + 8 * r) * G;
+    float sum_sq = 0.f;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      sv[r][g] = tq + 8 * r < n ? __half2float(scales[g]) : 0.f;
+      sum_sq += float(kQuantGroupChannels) * sv[r][g] * sv[r][g];
+    }
+    if constexpr (kMeter) rho[r] = kDither8ValueRho * sqrtf(sum_sq);
+  }
+}
+
+// O^T += V^T P'^T over a dither8 V page: the codes as fp16 operands (exact integers), and the
+// token's scale of each group folded into the probabilities: P'_t = p_t s_{t,g}, one pair of B
+// operands per group. keep01 / keep23: the tail's masks of the operands (all ones elsewhere).
+template <int D>
+__device__ inline void dither8_values(const uint4 (&vx)[D / 32], const float (&sv)[2][D / 32], const float (&prob)[4],
+                                      uint32_t keep01, uint32_t keep23, float (&o)[D / 16][4]) {
+  constexpr int G = D / kQuantGroupChannels;
+  const __half2 k1152 = __float2half2_rn(1152.f);
+  auto pair = [&](uint32_t word, int byte) {
+    uint32_t c2 = bytes_to_1024_plus(word ^ 0x80808080u, byte);
+    const __half2 q = __hsub2(*reinterpret_cast<__half2*>(&c2), k1152);
+    return *reinterpret_cast<const uint32_t*>(&q);
+  };
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const uint32_t pb0 = transpose8x8(pack2<true>(prob[0] * sv[0][g], prob[1] * sv[0][g]));
+    const uint32_t pb1 = transpose8x8(pack2<true>(prob[2] * sv[1][g], prob[3] * sv[1][g]));
+    const uint32_t w[2][2] = {{vx[g].x, vx[g].y}, {vx[g].z, vx[g].w}};  // steps 2 g, 2 g + 1
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t a[4] = {pair(w[half][0], 0) & keep01, pair(w[half][0], 2) & keep01, pair(w[half][1], 0) & keep23,
+                             pair(w[half][1], 2) & keep23};
+      mma16816<true>(o[2 * g + half], a, pb0, pb1);
+    }
+  }
+}
+
 template <int D, class Page, bool kMeter, int kStages>
 __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitArgs a) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -281,7 +455,9 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
   const PagedDecodeParams& p = a.p;
   constexpr bool kHalf = Page::kHalf;
   constexpr int kLoads = Page::template loads<D>();
-  constexpr uint32_t kBytesK = Page::template k_bytes<D>(), kBytesV = Page::template v_bytes<D>();
+  constexpr int G = D / kQuantGroupChannels;
+  const uint32_t bytes_k = Page::template k_copy_bytes<D>(p.n_outlier_pairs);
+  constexpr uint32_t kBytesV = Page::template v_bytes<D>();
 
   const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -305,8 +481,8 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
   const int64_t block_begin = int64_t(split) * a.per_split;
   const int64_t block_end = min(n_blocks, block_begin + a.per_split);
 
-  // The query rounded to the pages' element (and to bf16 for exact pages); the bound's second
-  // term per head, in double, rounded up.
+  // The query rounded to the pages' element (and to bf16 for exact pages); the zero-byte bound's
+  // second term per head, in double, rounded up; dither8's outlier channels.
   const float* q_row = p.q + (int64_t(b) * p.n_q_heads + int64_t(kv_head) * group) * D;
   for (int i = threadIdx.x; i < kMaxGroup * D; i += kThreads) {
     const int g = i / D, c = i % D;
@@ -314,12 +490,23 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
     sh.q[g][c] = element_bits<kHalf>(x);
     if constexpr (Page::kExactPages) sh.q_exact[g][c] = element_bits<false>(x);
   }
-  if constexpr (kMeter) {
+  if constexpr (kMeter && !Page::kDither) {
     if (threadIdx.x < kMaxGroup) {
       const int g = threadIdx.x;
       double sum = 0;
       for (int c = 0; c < D && g < group; ++c) sum += fabs(double(element_value<kHalf>(element_bits<kHalf>(q_row[int64_t(g) * D + c]))));
       sh.q_term[g] = __double2float_ru(sum * (1.0 / 1024.0));
+    }
+  }
+  if constexpr (Page::kDither) {
+    if (threadIdx.x < 2 * p.n_outlier_pairs) {
+      // A channel outside the head is corrupt: counted, and left out of the scores (-1).
+      int32_t c = p.outlier_channels[int64_t(kv_head) * 2 * p.n_outlier_pairs + threadIdx.x];
+      if (c < 0 || c >= D) {
+        atomicAdd(a.error_word, 1u);
+        c = -1;
+      }
+      sh.outlier_channels[threadIdx.x] = c;
     }
   }
   if (lane == 0) {
@@ -328,13 +515,45 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
     barrier_init_fence();
   }
   __syncthreads();
+  if constexpr (Page::kDither) {
+    // One thread per (row, group): the Tier B weights (nudged up by 2^-16 like the CPU path) and
+    // the dither's offsets, which the scores need with the meter or without.
+    const int g = threadIdx.x / G, j = threadIdx.x % G;
+    if (g < kMaxGroup) {
+      const TierBWeights tb =
+          tier_b_weights<D, kHalf>(sh.q[g], j, sh.outlier_channels, 2 * p.n_outlier_pairs, p.sm_scale, len, p.delta_loc);
+      sh.weight[g][j] = float(tb.w) * (1.0f + 1.0f / 65536.0f);
+      sh.abs_weight[g][j] = float(tb.w_abs) * (1.0f + 1.0f / 65536.0f);
+      sh.dither_offset[g][j] = tb.offset;
+    }
+    __syncthreads();
+  }
 
   const int tq = lane >> 2, hq = lane & 3;
-  uint32_t qb[D / 16][2];  // Q^T as the B operand: channels 2 hq, 2 hq + 1 (+ 8) of head tq
+  // Q^T as the B operand: channels 2 hq, 2 hq + 1 (+ 8) of head tq; dither8: channels 4 hq + 0, 1
+  // (+ 2, 3), its K operands' words.
+  uint32_t qb[D / 16][2];
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    qb[kk][0] = *reinterpret_cast<const uint32_t*>(&sh.q[tq][16 * kk + 2 * hq]);
-    qb[kk][1] = *reinterpret_cast<const uint32_t*>(&sh.q[tq][16 * kk + 2 * hq + 8]);
+    const int c = Page::kDither ? 16 * kk + 4 * hq : 16 * kk + 2 * hq;
+    qb[kk][0] = *reinterpret_cast<const uint32_t*>(&sh.q[tq][c]);
+    qb[kk][1] = *reinterpret_cast<const uint32_t*>(&sh.q[tq][c + (Page::kDither ? 2 : 8)]);
+  }
+  // dither8: keep[kk] byte j is 0 when channel 16 kk + 4 hq + j is an outlier.
+  [[maybe_unused]] uint32_t keep[D / 16];
+  [[maybe_unused]] uint64_t dither_key = 0;
+  if constexpr (Page::kDither) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) keep[kk] = 0xffffffffu;
+    for (int o = 0; o < 2 * p.n_outlier_pairs; ++o) {
+      const int c = sh.outlier_channels[o];
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const int j = c - (16 * kk + 4 * hq);
+        if (j >= 0 && j < 4) keep[kk] &= ~(0xffu << (8 * j));
+      }
+    }
+    dither_key = p.dither_keys[kv_head];
   }
 
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, d_run[2] = {0.f, 0.f}, r_run[2] = {0.f, 0.f};
@@ -344,25 +563,22 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
   const float log2_scale = p.sm_scale * kLog2e;
   unsigned int corrupt = 0;
 
-  // One page pair: scores, the logit bounds of a lossy K page (kMeter), the tail's masks, the
-  // online softmax, the meter's sums, P V. The page classes of K and V are compile-time (exact:
-  // bf16 operands with the bf16 query and bf16 probabilities, bound 0, rho 0).
-  auto attend = [&](auto exact_k, auto exact_v, const uint32_t (&ka)[D / 16][4], uint32_t (&va)[D / 16][4],
-                    const float (&rho)[2], int64_t blk) {
-    constexpr bool kExactK = decltype(exact_k)::value, kExactV = decltype(exact_v)::value;
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
+  // The three steps of a page pair. Scores: exact pages (bf16 operands, the bf16 query, bound 0),
+  // lossy bf16 / fp8 pages (operands, and fp8's zero-byte bound), dither8 pages (dither8_scores).
+  // Then softmax: the tail's masks (scores past the length -inf; the values' operand masks for
+  // tokens past it), the online softmax and the meter's sums. Then the values' product.
+  auto scores_exact = [&](const uint32_t (&ka)[D / 16][4], float (&s)[4]) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      if constexpr (kExactK) {
-        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(&sh.q_exact[tq][16 * kk + 2 * hq]);
-        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(&sh.q_exact[tq][16 * kk + 2 * hq + 8]);
-        mma16816<false>(s, ka[kk], b0, b1);
-      } else {
-        mma16816<kHalf>(s, ka[kk], qb[kk][0], qb[kk][1]);
-      }
+      const uint32_t b0 = *reinterpret_cast<const uint32_t*>(&sh.q_exact[tq][16 * kk + 2 * hq]);
+      const uint32_t b1 = *reinterpret_cast<const uint32_t*>(&sh.q_exact[tq][16 * kk + 2 * hq + 8]);
+      mma16816<false>(s, ka[kk], b0, b1);
     }
-    [[maybe_unused]] float c[4] = {0.f, 0.f, 0.f, 0.f};
-    if constexpr (kMeter && !kExactK) {
+  };
+  auto scores_operands = [&](const uint32_t (&ka)[D / 16][4], float (&s)[4], float (&c)[4]) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) mma16816<kHalf>(s, ka[kk], qb[kk][0], qb[kk][1]);
+    if constexpr (kMeter) {
       float cw[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
@@ -373,26 +589,26 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
 #pragma unroll
       for (int k = 0; k < 4; ++k) c[k] = __fmul_ru(p.sm_scale, __fmaf_ru(cw[k], kCodeBoundScale, sh.q_term[2 * hq + (k & 1)]));
     }
+  };
+  struct Masks {
+    bool tail;
+    uint32_t keep01, keep23;
+    int64_t n;  // tokens of the page within the length
+  };
+  auto softmax = [&](float (&s)[4], const float (&c)[4], const float (&rho)[2], int64_t blk, float (&prob)[4]) {
     const int64_t t0 = blk * kBlockTokens;
-    if (t0 + kBlockTokens > len) {  // the sequence's last page, partly past the length
+    Masks mk{t0 + kBlockTokens > len, 0xffffffffu, 0xffffffffu, min(int64_t(kBlockTokens), len - t0)};
+    if (mk.tail) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) s[k] = t0 + tq + 8 * (k >> 1) < len ? s[k] * log2_scale : -INFINITY;
       // The values' columns are tokens: registers 0, 1 hold tokens 2 hq, 2 hq + 1; 2, 3 those + 8.
-      const int64_t n = len - t0;
-      const uint32_t keep01 = (2 * hq < n ? 0xffffu : 0u) | (2 * hq + 1 < n ? 0xffff0000u : 0u);
-      const uint32_t keep23 = (2 * hq + 8 < n ? 0xffffu : 0u) | (2 * hq + 9 < n ? 0xffff0000u : 0u);
-#pragma unroll
-      for (int pp = 0; pp < D / 16; ++pp) {
-        va[pp][0] &= keep01;
-        va[pp][1] &= keep01;
-        va[pp][2] &= keep23;
-        va[pp][3] &= keep23;
-      }
+      mk.keep01 = (2 * hq < mk.n ? 0xffffu : 0u) | (2 * hq + 1 < mk.n ? 0xffff0000u : 0u);
+      mk.keep23 = (2 * hq + 8 < mk.n ? 0xffffu : 0u) | (2 * hq + 9 < mk.n ? 0xffff0000u : 0u);
     } else {
 #pragma unroll
       for (int k = 0; k < 4; ++k) s[k] *= log2_scale;
     }
-    float prob[4], rescale[2], m_new[2];
+    float rescale[2], m_new[2];
     tile_softmax(s, m_run, l_run, prob, rescale, m_new);
     if constexpr (kMeter) {
 #pragma unroll
@@ -413,7 +629,19 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
       }
     }
     rescale_output<D>(rescale, o_acc);
-    constexpr bool kHalfV = kExactV ? false : kHalf;
+    return mk;
+  };
+  auto values_operands = [&](auto half_t, uint32_t (&va)[D / 16][4], const float (&prob)[4], const Masks& mk) {
+    constexpr bool kHalfV = decltype(half_t)::value;
+    if (mk.tail) {
+#pragma unroll
+      for (int pp = 0; pp < D / 16; ++pp) {
+        va[pp][0] &= mk.keep01;
+        va[pp][1] &= mk.keep01;
+        va[pp][2] &= mk.keep23;
+        va[pp][3] &= mk.keep23;
+      }
+    }
     uint32_t pb0, pb1;
     probability_operands<kHalfV>(prob, pb0, pb1);
 #pragma unroll
@@ -438,9 +666,8 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
     unsigned char* k_stage = sh.u.ring[warp][st].k;
     unsigned char* v_stage = sh.u.ring[warp][st].v;
     if (!deferred && (!k_ok || !v_ok)) {
-#pragma unroll
-      for (uint32_t c = lane; c < kBytesV / 16 || c < kBytesK / 16; c += 32) {
-        if (!k_ok && c < kBytesK / 16) reinterpret_cast<uint4*>(k_stage)[c] = make_uint4(0, 0, 0, 0);
+      for (uint32_t c = lane; c < kBytesV / 16 || c < bytes_k / 16; c += 32) {
+        if (!k_ok && c < bytes_k / 16) reinterpret_cast<uint4*>(k_stage)[c] = make_uint4(0, 0, 0, 0);
         if (!v_ok && c < kBytesV / 16) reinterpret_cast<uint4*>(v_stage)[c] = make_uint4(0, 0, 0, 0);
       }
       corrupt += lane == 0 ? unsigned(!k_ok) + unsigned(!v_ok) : 0u;
@@ -453,8 +680,8 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
       }
       fence_async_proxy();
       const bool copy_k = !deferred && k_ok, copy_v = !deferred && v_ok;
-      barrier_arrive_expect(&sh.full[warp][st], (copy_k ? kBytesK : 0u) + (copy_v ? kBytesV : 0u));
-      if (copy_k) bulk_copy(k_stage, p.k_pages + int64_t(ke) * p.k_page_stride, kBytesK, &sh.full[warp][st]);
+      barrier_arrive_expect(&sh.full[warp][st], (copy_k ? bytes_k : 0u) + (copy_v ? kBytesV : 0u));
+      if (copy_k) bulk_copy(k_stage, p.k_pages + int64_t(ke) * p.k_page_stride, bytes_k, &sh.full[warp][st]);
       if (copy_v) bulk_copy(v_stage, p.v_pages + int64_t(ve) * p.v_page_stride, kBytesV, &sh.full[warp][st]);
     }
   };
@@ -487,65 +714,119 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
         continue;
       }
     }
+    const unsigned char* k_stage = sh.u.ring[warp][st].k;
+    const unsigned char* v_stage = sh.u.ring[warp][st].v;
     uint4 kx[kLoads], vx[kLoads];
-    Page::template load<D>(sh.u.ring[warp][st].k, lane, kx);
-    Page::template load<D>(sh.u.ring[warp][st].v, lane, vx);
-    float rho[2] = {0.f, 0.f};
-    if constexpr (kMeter) {
-      const __half* side = reinterpret_cast<const __half*>(sh.u.ring[warp][st].v + kBlockTokens * D);
-      rho[0] = __half2float(side[tq]);
-      rho[1] = __half2float(side[tq + 8]);
+    Page::template load<D>(k_stage, lane, kx);
+    Page::template load<D>(v_stage, lane, vx);
+    if constexpr (Page::kDither) {  // its scales and outliers are read from the stage: held until done
+      float s[4] = {0.f, 0.f, 0.f, 0.f}, c[4] = {0.f, 0.f, 0.f, 0.f}, rho[2] = {0.f, 0.f}, prob[4], sv[2][G];
+      dither8_scores<D, kMeter>(sh, kx, k_stage, p.n_outlier_pairs, dither_key, blk, tq, hq, qb, keep, s, c);
+      dither8_value_scales<D, kMeter>(v_stage, tq, min(int64_t(kBlockTokens), len - blk * kBlockTokens), sv, rho);
+      const Masks mk = softmax(s, c, rho, blk, prob);
+      dither8_values<D>(vx, sv, prob, mk.keep01, mk.keep23, o_acc);
+      __syncwarp();
+      issue_next(i);
+    } else {
+      // The stage is released once its loads are in registers (fp8's rho too).
+      float rho_side[2] = {0.f, 0.f};
+      if constexpr (kMeter) {
+        const __half* side = reinterpret_cast<const __half*>(v_stage + kBlockTokens * D);
+        rho_side[0] = __half2float(side[tq]);
+        rho_side[1] = __half2float(side[tq + 8]);
+      }
+      __syncwarp();
+      issue_next(i);
+      uint32_t ka[D / 16][4], va[D / 16][4];
+      Page::template operands<D>(kx, ka);
+      Page::template operands<D>(vx, va);
+      float s[4] = {0.f, 0.f, 0.f, 0.f}, c[4] = {0.f, 0.f, 0.f, 0.f}, prob[4];
+      scores_operands(ka, s, c);
+      const Masks mk = softmax(s, c, rho_side, blk, prob);
+      values_operands(std::integral_constant<bool, kHalf>{}, va, prob, mk);
     }
-    __syncwarp();
-    issue_next(i);
-    uint32_t ka[D / 16][4], va[D / 16][4];
-    Page::template operands<D>(kx, ka);
-    Page::template operands<D>(vx, va);
-    attend(std::false_type{}, std::false_type{}, ka, va, rho, blk);
   }
 
-  // The blocks with an exact page, each read straight from its pools.
+  // The blocks with an exact page, each read straight from its pools: an exact page on the bf16
+  // path, a lossy one through the page class.
   if constexpr (Page::kExactPages) {
     if (n_deferred > 0) {
       for (int i = 0; i < n_mine; ++i) {
         const int32_t ke = entry_of(p.k_table, i), ve = entry_of(p.v_table, i);
         if (ke >= 0 && ve >= 0) continue;
         const int64_t blk = first + int64_t(i) * kWarps;
-        uint32_t ka[D / 16][4], va[D / 16][4];
-        float rho[2] = {0.f, 0.f};
-        auto read = [&](bool key, int32_t e, uint32_t (&ops)[D / 16][4]) {
-          const uint8_t* raw = key ? p.k_raw_pages : p.v_raw_pages;
-          const uint8_t* pool = key ? p.k_pages : p.v_pages;
+        // A page's pool address, or null (counted) for an entry outside its pool.
+        auto page_of = [&](bool key, int32_t e) -> const unsigned char* {
+          const unsigned char* at = nullptr;
           if (e < 0) {
             const int64_t r = -int64_t(e) - 1;
-            const bool ok = raw != nullptr && r < (key ? p.n_k_raw_pages : p.n_v_raw_pages);
-            uint4 x[D / 16];
-#pragma unroll
-            for (int k = 0; k < D / 16; ++k) x[k] = make_uint4(0, 0, 0, 0);
-            if (ok) Bf16Pages::load<D>(raw + r * p.raw_page_stride, lane, x);
-            else corrupt += lane == 0;
-            Bf16Pages::operands<D>(x, ops);
-          } else {
-            const bool ok = e < (key ? p.n_k_pages : p.n_v_pages);
-            uint4 x[kLoads];
-#pragma unroll
-            for (int k = 0; k < kLoads; ++k) x[k] = make_uint4(0, 0, 0, 0);
-            const uint8_t* page = pool + int64_t(e) * (key ? p.k_page_stride : p.v_page_stride);
-            if (ok) Page::template load<D>(page, lane, x);
-            else corrupt += lane == 0;
-            Page::template operands<D>(x, ops);
-            if (kMeter && !key && ok) {
-              const __half* side = reinterpret_cast<const __half*>(page + kBlockTokens * D);
-              rho[0] = __half2float(side[tq]);
-              rho[1] = __half2float(side[tq + 8]);
-            }
+            const uint8_t* raw = key ? p.k_raw_pages : p.v_raw_pages;
+            if (raw != nullptr && r < (key ? p.n_k_raw_pages : p.n_v_raw_pages)) at = raw + r * p.raw_page_stride;
+          } else if (e < (key ? p.n_k_pages : p.n_v_pages)) {
+            at = (key ? p.k_pages : p.v_pages) + int64_t(e) * (key ? p.k_page_stride : p.v_page_stride);
           }
+          corrupt += at == nullptr && lane == 0;
+          return at;
         };
-        read(true, ke, ka);
-        read(false, ve, va);
-        if (ke < 0 && ve < 0) attend(std::true_type{}, std::true_type{}, ka, va, rho, blk);
-        else if (ke < 0) attend(std::true_type{}, std::false_type{}, ka, va, rho, blk);
-        else attend(std::false_type{}, std::true_type{}, ka, va, rho, blk);
+        const unsigned char* k_page = page_of(true, ke);
+        const unsigned char* v_page = page_of(false, ve);
+        float s[4] = {0.f, 0.f, 0.f, 0.f}, c[4] = {0.f, 0.f, 0.f, 0.f}, rho[2] = {0.f, 0.f}, prob[4];
+        uint4 vx[kLoads];
+        [[maybe_unused]] float sv[2][G];
+        // K: an exact page's scores on the bf16 path; a lossy one's through the class (a corrupt
+        // page reads as zeros).
+        if (ke < 0) {
+          uint4 x[D / 16];
+#pragma unroll
+          for (int k = 0; k < D / 16; ++k) x[k] = make_uint4(0, 0, 0, 0);
+          if (k_page != nullptr) Bf16Pages::load<D>(k_page, lane, x);
+          uint32_t ka[D / 16][4];
+          Bf16Pages::operands<D>(x, ka);
+          scores_exact(ka, s);
+        } else if (k_page != nullptr) {
+          uint4 kx[kLoads];
+          Page::template load<D>(k_page, lane, kx);
+          if constexpr (Page::kDither) {
+            dither8_scores<D, kMeter>(sh, kx, k_page, p.n_outlier_pairs, dither_key, blk, tq, hq, qb, keep, s, c);
+          } else {
+            uint32_t ka[D / 16][4];
+            Page::template operands<D>(kx, ka);
+            scores_operands(ka, s, c);
+          }
+        }
+        if (ve >= 0 && v_page != nullptr) {
+          Page::template load<D>(v_page, lane, vx);
+          if constexpr (Page::kDither) {
+            dither8_value_scales<D, kMeter>(v_page, tq, min(int64_t(kBlockTokens), len - blk * kBlockTokens), sv, rho);
+          } else if constexpr (kMeter) {
+            const __half* side = reinterpret_cast<const __half*>(v_page + kBlockTokens * D);
+            rho[0] = __half2float(side[tq]);
+            rho[1] = __half2float(side[tq + 8]);
+          }
+        } else {
+#pragma unroll
+          for (int k = 0; k < kLoads; ++k) vx[k] = make_uint4(0, 0, 0, 0);
+          if constexpr (Page::kDither) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) sv[0][g] = sv[1][g] = 0.f;
+          }
+        }
+        const Masks mk = softmax(s, c, rho, blk, prob);
+        if (ve < 0) {
+          uint4 x[D / 16];
+#pragma unroll
+          for (int k = 0; k < D / 16; ++k) x[k] = make_uint4(0, 0, 0, 0);
+          if (v_page != nullptr) Bf16Pages::load<D>(v_page, lane, x);
+          uint32_t va[D / 16][4];
+          Bf16Pages::operands<D>(x, va);
+          values_operands(std::false_type{}, va, prob, mk);
+        } else if constexpr (Page::kDither) {
+          dither8_values<D>(vx, sv, prob, mk.keep01, mk.keep23, o_acc);
+        } else {
+          uint32_t va[D / 16][4];
+          Page::template operands<D>(vx, va);
+          values_operands(std::integral_constant<bool, kHalf>{}, va, prob, mk);
+        }
       }
     }
   }
@@ -581,10 +862,11 @@ cudaError_t configure() {
   return e;
 }
 
-// Stages of each warp's ring. Measured on an H100 (bf16 and fp8 pages, 32 / 8 heads, 64K and
-// 128K, batch 1 and 8): 3 and 4 stages were 2-8% slower than 2 (fewer CTAs per multiprocessor
-// for bf16, more registers for fp8; docs/bench/h100_fragment_pages_*.jsonl).
-constexpr int kRingStages = 2;
+// Stages of each warp's ring (Page::kStages). Measured on an H100 (bf16 and fp8 pages, 32 / 8
+// heads, 64K and 128K, batch 1 and 8): with the stage released once its loads are in registers,
+// 3 and 4 stages were 2-8% slower than 2 (fewer CTAs per multiprocessor for bf16, more registers
+// for fp8; docs/bench/h100_fragment_pages_2b54244.jsonl). dither8 holds its stage while the page
+// is attended (its scales and outliers are read there): 3.
 
 template <int D, class Page, bool kMeter, int kStages>
 CudaStatus launch(const FragmentSplitArgs& a) {
@@ -619,11 +901,17 @@ bool meter_on(const PagedDecodeParams& p) { return p.meter != nullptr || p.a_min
 // Calls f with the kernel's template arguments for p (format, head_dim, meter, stages).
 template <class F>
 auto with_kernel(const PagedDecodeParams& p, F&& f) {
-  auto by_stages = [&](auto d, auto page, auto meter) { return f(d, page, meter, std::integral_constant<int, kRingStages>{}); };
+  auto by_stages = [&](auto d, auto page, auto meter) {
+    return f(d, page, meter, std::integral_constant<int, decltype(page)::kStages>{});
+  };
   auto by_format = [&](auto d) {
     if (p.format == PageFormat::kFp8Fragments) {
       if (meter_on(p)) return by_stages(d, Fp8Pages{}, std::true_type{});
       return by_stages(d, Fp8Pages{}, std::false_type{});
+    }
+    if (p.format == PageFormat::kDither8Fragments) {
+      if (meter_on(p)) return by_stages(d, Dither8Pages{}, std::true_type{});
+      return by_stages(d, Dither8Pages{}, std::false_type{});
     }
     return by_stages(d, Bf16Pages{}, std::false_type{});
   };

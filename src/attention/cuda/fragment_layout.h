@@ -48,6 +48,17 @@ CERTKV_HD constexpr int value_index(int token, int channel) {
   return (channel / 16) * kStepElements + operand_index(channel % 16, token);
 }
 
+// dither8 K pages take a step's channels a 32-bit word (4 channels, one generator word) per token:
+// lane l holds tokens l / 4 and l / 4 + 8, channels 16 s + 4 (l % 4) .. + 3 of step s, as the A
+// operand of an mma whose k indices 2 t, 2 t + 1, 2 t + 8, 2 t + 9 (t = l % 4) stand for channels
+// 16 s + 4 t + 0, 1, 2, 3 (the query's B operand permuted alike). Its 8 bytes of step s: the word
+// of token l / 4, then that of token l / 4 + 8; two steps per 16 bytes as for other codes.
+// Registers: 0 = bytes 0, 1; 1 = bytes 4, 5; 2 = bytes 2, 3; 3 = bytes 6, 7.
+CERTKV_HD constexpr int word_key_byte(int token, int channel) {
+  const int step = channel / 16, lane = 4 * (token % 8) + (channel % 16) / 4;
+  return (step / 2) * 2 * kStepElements + lane * 16 + (step % 2) * kLaneElements + (token / 8) * 4 + channel % 4;
+}
+
 // The byte of an 8-bit code at element index e of the 16-bit maps above.
 CERTKV_HD constexpr int code_byte(int e) {
   const int step = e / kStepElements, within = e % kStepElements;

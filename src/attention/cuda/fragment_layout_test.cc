@@ -141,6 +141,53 @@ void check_values(std::mt19937& rng) {
   }
 }
 
+// The word map of dither8 K pages: a permutation, and the product of its A operands (registers 0..3
+// from bytes {0, 1}, {4, 5}, {2, 3}, {6, 7} of a lane's 8 bytes of a step) with the query's B
+// operand permuted alike (k index 2 t + (i & 1) + 8 (i >= 2) is channel 4 t + (i & 1) + 2 (i >= 2))
+// is K Q^T.
+template <int D>
+void check_word_scores(std::mt19937& rng) {
+  std::set<int> seen;
+  for (int t = 0; t < kPageTokens; ++t)
+    for (int c = 0; c < D; ++c) seen.insert(word_key_byte(t, c));
+  EXPECT_EQ(int(seen.size()), kPageTokens * D);
+  EXPECT_EQ(*seen.rbegin(), kPageTokens * D - 1);
+  std::vector<uint16_t> k_rows = random_values(rng, kPageTokens * D);
+  for (auto& x : k_rows) x = uint16_t(int16_t(int8_t(uint8_t(x))));
+  const std::vector<uint16_t> q = random_values(rng, 8 * D);
+  std::vector<uint8_t> page(kPageTokens * D);
+  for (int t = 0; t < kPageTokens; ++t)
+    for (int c = 0; c < D; ++c) page[size_t(word_key_byte(t, c))] = uint8_t(k_rows[size_t(t * D + c)]);
+  const int byte_of_element[8] = {0, 1, 4, 5, 2, 3, 6, 7};
+  std::array<std::array<double, 4>, 32> c{};
+  for (int s = 0; s < D / 16; ++s) {
+    std::array<std::array<float, 8>, 32> a{};
+    std::array<std::array<float, 4>, 32> b{};
+    for (int l = 0; l < 32; ++l) {
+      for (int i = 0; i < 8; ++i)
+        a[l][i] = element_value(page[size_t((s / 2) * 512 + 16 * l + (s % 2) * 8 + byte_of_element[i])]);
+      for (int i = 0; i < 4; ++i) {
+        const int k = b_row(l, i), channel = 16 * s + 4 * ((k % 8) / 2) + (k % 2) + 2 * (k / 8);
+        b[l][i] = value_of(q[b_col(l) * D + channel]);
+      }
+    }
+    mma_emulated(a, b, c);
+  }
+  for (int l = 0; l < 32; ++l)
+    for (int i = 0; i < 4; ++i) {
+      const int token = c_row(l, i), head = c_col(l, i);
+      double want = 0;
+      for (int ch = 0; ch < D; ++ch) want += double(value_of(k_rows[token * D + ch])) * value_of(q[head * D + ch]);
+      EXPECT_EQ(c[l][i], want) << "D " << D << " lane " << l << " c" << i;
+    }
+}
+
+TEST(FragmentLayout, WordMapOfDither8KeysGivesTheScores) {
+  std::mt19937 rng(11);
+  check_word_scores<64>(rng);
+  check_word_scores<128>(rng);
+}
+
 TEST(FragmentLayout, TensorCoreProductsOverFragmentPagesAreTheRowMajorProducts) {
   std::mt19937 rng(7);
   for (int rep = 0; rep < 3; ++rep) {

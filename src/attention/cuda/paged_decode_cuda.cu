@@ -32,12 +32,6 @@ constexpr int kQuantGroup = 32;
 constexpr int kGaacBf16BaseShift = 7;
 constexpr int kGaacE5M2BaseShift = 10;
 constexpr float kLog2e = 1.4426950408889634f;
-// The dither8 deterministic remainder per channel, in steps (codec::kDither8Slack, 2^-8).
-constexpr double kDither8Slack = 1.0 / 256.0;
-// dither8 V pages: rho_t = kDither8ValueRho sqrt(32 sum_g s_{t,g}^2) >= ||v^_t - v_t||, the CPU's
-// float constant (online_softmax.h, load_error_data): (1/2 + slack), lifted by 2^-20 for the float
-// sum, square root and product.
-constexpr float kDither8ValueRho = (0.5f + float(kDither8Slack)) * (1.0f + 1.0f / 1048576.0f);
 
 template <PageFormat F>
 struct FormatTraits {
@@ -489,10 +483,6 @@ __device__ inline bool decode_gaac_row(const uint8_t* slot, const uint8_t* escap
   return true;
 }
 
-// fp16 pairs from bytes: {1024 + byte i, 1024 + byte i+1} (0x64 is the high byte of 1024.0).
-__device__ inline uint32_t bytes_to_1024_plus(uint32_t word, int byte) {
-  return __byte_perm(word, 0x64646464u, 0x4040 | byte | ((byte + 1) << 8));
-}
 
 // dither8 V record of token t = lane / 2 (int8 codes [D], fp16 scales [D/32]; V pages are not
 // dithered) into the value tile: s q rounded once to fp16, channels [h D/2, (h + 1) D/2) with
@@ -905,7 +895,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
     // in double, nudged up by 2^-16 relative like the CPU path (online_softmax.h).
     const int g = threadIdx.x / kBands, j = threadIdx.x % kBands;
     if (g < kMaxGroup) {
-      double w = 0, w_abs = 0, offset = 0;
+      double w = 0, w_abs = 0;
       const double sm = double(p.sm_scale);
       if constexpr (Traits::kTierA) {
         const int pairs = D / 2;
@@ -918,20 +908,11 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
         }
         w = fabs(sm) * sqrt(w);
       } else if (j < G) {
-        double sq = 0, sa = 0;
-        for (int c = j * kQuantGroup; c < (j + 1) * kQuantGroup; ++c) {
-          bool outlier = false;
-          for (int o = 0; o < 2 * p.n_outlier_pairs; ++o) outlier |= sh.outlier_channels[o] == c;
-          if (outlier) continue;
-          const double qc = element_value<kHalf>(sh.q[g][c]);
-          sq += qc * qc;
-          sa += fabs(qc);
-          offset += qc;
-        }
-        const double log_term = 2.0 * log(2.0 * double(len) / p.delta_loc);
-        w = sm * sm * sq / 12.0 * log_term;
-        w_abs = fabs(sm) * kDither8Slack * sa;
-        sh.dither_offset[g][j] = float(offset * (0.5 / 256.0));
+        const TierBWeights tb = tier_b_weights<D, kHalf>(sh.q[g], j, sh.outlier_channels, 2 * p.n_outlier_pairs,
+                                                         p.sm_scale, len, p.delta_loc);
+        w = tb.w;
+        w_abs = tb.w_abs;
+        sh.dither_offset[g][j] = tb.offset;
       }
       sh.weight[g][j] = float(w) * (1.0f + 1.0f / 65536.0f);
       if constexpr (Traits::kTierB) sh.abs_weight[g][j] = float(w_abs) * (1.0f + 1.0f / 65536.0f);
@@ -1376,7 +1357,8 @@ template <int D>
 CudaStatus launch_format(const PagedDecodeParams& p, int n_splits) {
   switch (p.format) {
     case PageFormat::kBf16Fragments:
-    case PageFormat::kFp8Fragments: return launch_fragments(p, n_splits);
+    case PageFormat::kFp8Fragments:
+    case PageFormat::kDither8Fragments: return launch_fragments(p, n_splits);
     case PageFormat::kBf16: return launch<D, PageFormat::kBf16, false>(p, n_splits);
     case PageFormat::kGaacBf16: return launch<D, PageFormat::kGaacBf16, false>(p, n_splits);
     case PageFormat::kGaacE5M2: return launch<D, PageFormat::kGaacE5M2, false>(p, n_splits);
@@ -1396,6 +1378,7 @@ const char* page_format_name(PageFormat f) {
     case PageFormat::kBf16: return "bf16";
     case PageFormat::kBf16Fragments: return "bf16-fragments";
     case PageFormat::kFp8Fragments: return "fp8-e4m3-fragments";
+    case PageFormat::kDither8Fragments: return "dither8-fragments";
     case PageFormat::kGaacBf16: return "gaac";
     case PageFormat::kGaacE5M2: return "gaac-e5m2";
     case PageFormat::kFp8E4M3: return "fp8-e4m3";
@@ -1491,6 +1474,7 @@ CudaStatus check(const PagedDecodeParams& p) {
       need_v = size_t(T) * D + size_t(T) * 2;
       break;
     case PageFormat::kDither8:
+    case PageFormat::kDither8Fragments:  // the same bytes, moved
       need_k = size_t(T) * (D + 2 * (D / kQuantGroup) + 4 * p.n_outlier_pairs);
       need_v = size_t(T) * (D + 2 * (D / kQuantGroup));
       break;
@@ -1515,7 +1499,7 @@ CudaStatus check(const PagedDecodeParams& p) {
   }
   if (p.witness != codec::WitnessCode::kFp16 && p.witness != codec::WitnessCode::kPageScaled8)
     return error("witness code " + std::to_string(int(p.witness)) + " is unknown (fp16 or u8)");
-  if (p.format == PageFormat::kDither8) {
+  if (p.format == PageFormat::kDither8 || p.format == PageFormat::kDither8Fragments) {
     if (!p.dither_keys) return error("dither8 pages need their generator keys");
     if (p.n_outlier_pairs < 0 || p.n_outlier_pairs > kMaxDeviceOutlierPairs)
       return unsupported("n_outlier_pairs " + std::to_string(p.n_outlier_pairs) + " is unsupported (at most " +
@@ -1551,7 +1535,8 @@ int resident_ctas_of(const PagedDecodeParams& p) {
   const bool meter = meter_on(p);
   switch (p.format) {
     case PageFormat::kBf16Fragments:
-    case PageFormat::kFp8Fragments: return fragment_resident_ctas(p);
+    case PageFormat::kFp8Fragments:
+    case PageFormat::kDither8Fragments: return fragment_resident_ctas(p);
     case PageFormat::kBf16: return resident_ctas<D, PageFormat::kBf16, false>();
     case PageFormat::kGaacBf16: return resident_ctas<D, PageFormat::kGaacBf16, false>();
     case PageFormat::kGaacE5M2: return resident_ctas<D, PageFormat::kGaacE5M2, false>();

@@ -15,6 +15,10 @@
 //     kBf16           [block_tokens][head_dim] bf16
 //     kBf16Fragments  [block_tokens x head_dim] bf16 in fragment-major order: K pages by
 //                     fragment::key_index, V pages by fragment::value_index (fragment_layout.h)
+//     kDither8Fragments  K: [block_tokens x head_dim] int8 codes by fragment::word_key_byte, then
+//                     scales [T][D/32] fp16, then the outlier pairs' exact values [T][2 m] bf16;
+//                     V: codes by fragment::fragment_position (8-bit), then scales [T][D/32] fp16
+//                     (the codes, scales and outliers of the dither8 page, moved)
 //     kFp8Fragments   [block_tokens x head_dim] E4M3 codes in fragment-major order
 //                     (fragment::fragment_position for 8-bit codes); V pages then rho [T] fp16.
 //                     No code of a lossy K page came from a saturating cast (|k| <= 464): each
@@ -36,7 +40,8 @@
 //     kDither8        could not be encoded): [T][D] bf16, the exact values. Read on the bf16
 //                     path (query rounded to bf16, bf16 probabilities in P V); its logit bound
 //                     is 0 and its rho 0. K and V pages of a block are raw or not independently.
-//     kFp8Fragments   an exact page: bf16 in fragment-major order
+//     kFp8Fragments,  an exact page: bf16 in fragment-major order
+//     kDither8Fragments
 //     kBf16, kBf16Fragments  unused (their pages are bf16 already)
 //   k_table, v_table:  [batch][n_kv_heads][table_stride] int32
 //   seq_lens:          [batch] int32, each in [1, table_stride * block_tokens]
@@ -89,10 +94,13 @@ enum class PageFormat : uint8_t {
   // fp8 E4M3 codes in fragment-major order on the same kernel, metered with the zero-byte Tier A
   // bound (each code bounds its own rounding, docs/cuda.md): no witness bytes
   kFp8Fragments = 7,
+  // dither8 pages in fragment-major order on the same kernel (K codes a generator word per
+  // token and step, V codes as fp8 codes), their scales and outliers token-major after them
+  kDither8Fragments = 8,
 };
 
 // "bf16", "gaac", "gaac-e5m2", "fp8-e4m3", "fp8-e5m2", "dither8", "bf16-fragments",
-// "fp8-e4m3-fragments".
+// "fp8-e4m3-fragments", "dither8-fragments".
 const char* page_format_name(PageFormat format);
 // The page format of a KV scheme the device serves (the scheme table's cuda_route); kBf16 for
 // the others, which no device cache stores. (Defined in device_kv.cc: the scheme table is C++20,
@@ -101,7 +109,7 @@ PageFormat page_format_of(cache::KvScheme scheme);
 // Whether pages of this format carry a meter (the lossy ones).
 inline bool page_format_metered(PageFormat f) {
   return f == PageFormat::kFp8E4M3 || f == PageFormat::kFp8E5M2 || f == PageFormat::kDither8 ||
-         f == PageFormat::kFp8Fragments;
+         f == PageFormat::kFp8Fragments || f == PageFormat::kDither8Fragments;
 }
 
 struct PagedDecodeParams {

@@ -73,6 +73,8 @@ struct LaunchBuffers {
   return ::testing::AssertionSuccess();
 }
 
+bool is_dither8(PageFormat f) { return f == PageFormat::kDither8 || f == PageFormat::kDither8Fragments; }
+
 bool tiles_are_fp16(PageFormat f) {
   return f != PageFormat::kBf16 && f != PageFormat::kBf16Fragments && f != PageFormat::kGaacBf16;
 }
@@ -311,7 +313,7 @@ Result run_case(const Case& c, uint32_t seed) {
       double tv = 0, am1_ref = 0, rho_ref = 0, max_ct = 0;
       detail::QueryBoundWeights w;
       if (metered) w = detail::query_bound_weights(dkv.lossy_spec(true, kvh), qr.data(), p.sm_scale, len, p.delta_loc);
-      const int width = c.format == PageFormat::kDither8 ? D / 32 : 16;
+      const int width = is_dither8(c.format) ? D / 32 : 16;
       for (int64_t t = 0; t < len; ++t) {
         const double pt = std::exp(s_read[size_t(t)] - m_read) / l_read;
         const double pe = std::exp(s_exact[size_t(t)] - m_exact) / l_exact;
@@ -567,7 +569,7 @@ TEST(PagedDecodeCuda, EveryFormatMatchesTheReferenceOnRaggedBatches) {
   CERTKV_NEED_CUDA_DEVICE();
   const PageFormat formats[] = {PageFormat::kBf16,     PageFormat::kBf16Fragments, PageFormat::kGaacBf16,
                                 PageFormat::kGaacE5M2, PageFormat::kFp8E4M3,      PageFormat::kFp8E5M2,
-                                PageFormat::kDither8,  PageFormat::kFp8Fragments};
+                                PageFormat::kDither8,  PageFormat::kFp8Fragments,    PageFormat::kDither8Fragments};
   struct Shape {
     int d, hq, hkv;
     std::vector<int64_t> lens;
@@ -583,7 +585,7 @@ TEST(PagedDecodeCuda, EveryFormatMatchesTheReferenceOnRaggedBatches) {
   for (PageFormat f : formats) {
     std::array<int64_t, 3> modes{}, meter_ranges{};
     for (const Shape& s : shapes) {
-      Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, f == PageFormat::kDither8 ? 4 : 0,
+      Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, is_dither8(f) ? 4 : 0,
              seed % 2 ? codec::RopePairing::kHalfSplit : codec::RopePairing::kInterleaved};
       const Result r = run_case(c, seed++);
       for (int m = 0; m < 3; ++m) {
@@ -713,7 +715,7 @@ struct LossyShape {
 };
 
 Case lossy_case(PageFormat f, const LossyShape& s, uint32_t seed) {
-  Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, f == PageFormat::kDither8 ? 4 : 0,
+  Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, is_dither8(f) ? 4 : 0,
          seed % 2 ? codec::RopePairing::kHalfSplit : codec::RopePairing::kInterleaved};
   c.exact_k_every = s.k_every;
   c.exact_v_every = s.v_every;
@@ -727,7 +729,8 @@ Case lossy_case(PageFormat f, const LossyShape& s, uint32_t seed) {
 // read the exact values there and compute A - 1 and the value side with 0 on those pages.
 TEST(PagedDecodeCuda, LossyFormatsWithExactPagesMatchTheReference) {
   CERTKV_NEED_CUDA_DEVICE();
-  const PageFormat formats[] = {PageFormat::kFp8E4M3, PageFormat::kFp8E5M2, PageFormat::kDither8, PageFormat::kFp8Fragments};
+  const PageFormat formats[] = {PageFormat::kFp8E4M3, PageFormat::kFp8E5M2, PageFormat::kDither8,
+                                PageFormat::kFp8Fragments, PageFormat::kDither8Fragments};
   const std::vector<LossyShape> shapes = {
       {128, 8, 8, {300, 31}, 1, 3, 4, true},          // GQA 1, one split
       {64, 8, 2, {17, 1601, 40}, 3, 2, 2, true},      // GQA 4: K and V exact on the same or other blocks
@@ -1127,11 +1130,11 @@ TEST(PagedDecodeCuda, CorruptEntriesAreCountedNotRead) {
 // the query in shared memory).
 TEST(PagedDecodeCuda, CorruptDeviceDataIsCountedNotRead) {
   CERTKV_NEED_CUDA_DEVICE();
-  for (PageFormat f : {PageFormat::kBf16, PageFormat::kDither8}) {
+  for (PageFormat f : {PageFormat::kBf16, PageFormat::kDither8, PageFormat::kDither8Fragments}) {
     const HostLayerKv kv = make_kv(1, 2, 128, {256}, 13);
     DeviceKvOptions opt;
     opt.format = f;
-    opt.n_outlier_pairs = f == PageFormat::kDither8 ? 2 : 0;
+    opt.n_outlier_pairs = is_dither8(f) ? 2 : 0;
     DeviceKv dkv;
     ASSERT_TRUE(DeviceKv::build(kv, opt, &dkv).ok);
     PagedDecodeParams p;

@@ -121,6 +121,46 @@ __device__ inline void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// fp16 pairs from bytes: {1024 + byte i, 1024 + byte i+1} (0x64 is the high byte of 1024.0).
+__device__ inline uint32_t bytes_to_1024_plus(uint32_t word, int byte) {
+  return __byte_perm(word, 0x64646464u, 0x4040 | byte | ((byte + 1) << 8));
+}
+
+// dither8 (docs/format/dither8.md). The deterministic remainder per channel, in steps
+// (codec::kDither8Slack, 2^-8). V pages: rho_t = kDither8ValueRho sqrt(32 sum_g s_{t,g}^2) >=
+// ||v^_t - v_t||, the CPU's float constant (online_softmax.h, load_error_data): (1/2 + slack),
+// lifted by 2^-20 for the float sum, square root and product.
+inline constexpr double kDither8Slack = 1.0 / 256.0;
+inline constexpr float kDither8ValueRho = (0.5f + float(kDither8Slack)) * (1.0f + 1.0f / 1048576.0f);
+inline constexpr int kQuantGroupChannels = 32;
+
+// The Tier B weights of one query row over quantization group j (DESIGN.md section 4), in double
+// like the CPU path (online_softmax.h): w = sm^2 sum q_c^2 / 12 * 2 ln(2 len / delta) and w_abs =
+// |sm| 2^-8 sum |q_c| over the group's channels that are not outliers (the caller nudges both up),
+// and the dither's offset (1/2)/256 sum q_c. q: the row's element bits (fp16 when kHalf);
+// outliers: n channel indices (-1: none).
+struct TierBWeights {
+  double w, w_abs;
+  float offset;
+};
+template <int D, bool kHalf>
+__device__ inline TierBWeights tier_b_weights(const uint16_t* q, int j, const int32_t* outliers, int n, float sm_scale,
+                                              int64_t len, double delta_loc) {
+  double sq = 0, sa = 0, offset = 0;
+  for (int c = j * kQuantGroupChannels; c < (j + 1) * kQuantGroupChannels; ++c) {
+    bool outlier = false;
+    for (int o = 0; o < n; ++o) outlier |= outliers[o] == c;
+    if (outlier) continue;
+    const double qc = element_value<kHalf>(q[c]);
+    sq += qc * qc;
+    sa += fabs(qc);
+    offset += qc;
+  }
+  const double sm = double(sm_scale);
+  const double log_term = 2.0 * log(2.0 * double(len) / delta_loc);
+  return {sm * sm * sq / 12.0 * log_term, fabs(sm) * kDither8Slack * sa, float(offset * (0.5 / 256.0))};
+}
+
 // Scores S^T = K Q^T of one tile (fp32, unscaled). tile_k: a tile of layout L; qb: Q^T as B
 // operands (channels 2 hq, 2 hq + 1 (+ 8) of head tq, per 16-channel step).
 template <int D, bool kHalf, class L>
