@@ -18,6 +18,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 
@@ -89,6 +90,7 @@ struct Bf16Pages {
   static constexpr bool kExactPages = false;  // raw entries are corrupt
   static constexpr bool kDither = false;      // dither8: its own scores and values (below)
   static constexpr int kStages = 2;           // pages of each warp's ring (see with_kernel)
+  static constexpr int kPlannedCtasPerSm = 1; // the split plan's wave (fragment_planned_ctas_per_sm)
   template <int D>
   __host__ __device__ static constexpr uint32_t k_bytes() { return kBlockTokens * D * 2; }  // a stage's room
   template <int D>
@@ -121,6 +123,7 @@ struct Fp8Pages {
   static constexpr bool kExactPages = true;
   static constexpr bool kDither = false;
   static constexpr int kStages = 2;
+  static constexpr int kPlannedCtasPerSm = 3;
   template <int D>
   __host__ __device__ static constexpr uint32_t k_bytes() { return kBlockTokens * D; }
   template <int D>
@@ -164,6 +167,7 @@ struct Dither8Pages {
   static constexpr bool kExactPages = true;
   static constexpr bool kDither = true;
   static constexpr int kStages = 3;  // a stage is held while its page is attended
+  static constexpr int kPlannedCtasPerSm = 3;
   template <int D>
   __host__ __device__ static constexpr uint32_t k_bytes() {
     return kBlockTokens * (D + 2 * (D / kQuantGroupChannels) + 4 * kMaxDeviceOutlierPairs);
@@ -930,6 +934,13 @@ CudaStatus launch_fragment_split(const FragmentSplitArgs& a) {
 int fragment_resident_ctas(const PagedDecodeParams& p) {
   return with_kernel(p, [&](auto d, auto page, auto meter, auto st) {
     return resident<decltype(d)::value, decltype(page), decltype(meter)::value, decltype(st)::value>();
+  });
+}
+
+int fragment_planned_ctas_per_sm(const PagedDecodeParams& p) {
+  return with_kernel(p, [&](auto d, auto page, auto meter, auto st) {
+    return std::min(decltype(page)::kPlannedCtasPerSm,
+                    resident<decltype(d)::value, decltype(page), decltype(meter)::value, decltype(st)::value>());
   });
 }
 

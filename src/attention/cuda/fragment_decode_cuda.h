@@ -27,5 +27,10 @@ struct FragmentSplitArgs {
 CudaStatus launch_fragment_split(const FragmentSplitArgs& a);
 // CTAs of the kernel one multiprocessor holds at once (for p's format, head_dim and meter).
 int fragment_resident_ctas(const PagedDecodeParams& p);
+// CTAs per multiprocessor the split plan fills (at most the resident ones), per page class:
+// measured on an H100 (32 / 8 heads, 64K and 128K): bf16 pages 1 (batch 1 2-4% faster than a
+// full wave of 3, batch 8 the same), fp8 and dither8 3 (at 1, 1.4-2x slower at batch 8: too few
+// warps for their arithmetic; fp8 at 4 CTAs, 66 splits, 5-9% slower at batch 1 than at 33-49).
+int fragment_planned_ctas_per_sm(const PagedDecodeParams& p);
 
 }  // namespace certkv::attention::cuda

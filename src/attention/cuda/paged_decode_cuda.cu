@@ -1371,6 +1371,10 @@ CudaStatus launch_format(const PagedDecodeParams& p, int n_splits) {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
+bool fragment_format(PageFormat f) {
+  return f == PageFormat::kBf16Fragments || f == PageFormat::kFp8Fragments || f == PageFormat::kDither8Fragments;
+}
+
 }  // namespace
 
 const char* page_format_name(PageFormat f) {
@@ -1566,8 +1570,10 @@ int choose_splits(const PagedDecodeParams& p) {
   if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   const int64_t blocks = (p.max_seq_len + kBlockTokens - 1) / kBlockTokens;
   const int64_t ctas_per_split = int64_t(std::max(1, p.batch)) * std::max(1, p.n_kv_heads);
-  // One full wave of resident CTAs (a second, partial wave would leave multiprocessors idle).
-  const int64_t resident = int64_t(sms) * resident_ctas_per_sm(p);
+  // One full wave of resident CTAs (a second, partial wave would leave multiprocessors idle); the
+  // fragment kernel's wave per page class (fragment_planned_ctas_per_sm).
+  const int64_t resident =
+      int64_t(sms) * (fragment_format(p.format) ? fragment_planned_ctas_per_sm(p) : resident_ctas_per_sm(p));
   int64_t splits = std::max<int64_t>(1, resident / ctas_per_split);
   if (ctas_per_split >= resident) splits = 1;
   splits = std::min<int64_t>(splits, std::max<int64_t>(1, blocks / (2 * kWarps)));
