@@ -866,11 +866,11 @@ cudaError_t configure() {
   return e;
 }
 
-// Stages of each warp's ring (Page::kStages). Measured on an H100 (bf16 and fp8 pages, 32 / 8
-// heads, 64K and 128K, batch 1 and 8): with the stage released once its loads are in registers,
-// 3 and 4 stages were 2-8% slower than 2 (fewer CTAs per multiprocessor for bf16, more registers
-// for fp8; docs/bench/h100_fragment_pages_2b54244.jsonl). dither8 holds its stage while the page
-// is attended (its scales and outliers are read there): 3.
+// Stages of each warp's ring (Page::kStages). Measured on an H100 (32 / 8 heads, 64K and 128K,
+// batch 1 and 8): with the stage released once its loads are in registers, 3 and 4 stages were
+// 1-8% slower than 2, for bf16 pages at one CTA per multiprocessor as at three, and for fp8
+// (docs/bench/h100_fragment_pages_2b54244.jsonl, h100_fragment_stages_1cf7d1d.jsonl). dither8
+// holds its stage while the page is attended (its scales and outliers are read there): 3.
 
 template <int D, class Page, bool kMeter, int kStages>
 CudaStatus launch(const FragmentSplitArgs& a) {
