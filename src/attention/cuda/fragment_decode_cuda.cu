@@ -466,21 +466,8 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
   const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = p.n_q_heads / p.n_kv_heads;
-  int64_t len = p.seq_lens[b];
-  const int64_t len_limit = min(p.max_seq_len, p.table_stride * kBlockTokens);
-  if (len < 1 || len > len_limit) {
-    if (threadIdx.x == 0 && blockIdx.x == 0) atomicAdd(a.error_word, 1u);
-    len = len < 1 ? 0 : len_limit;
-  }
-  int64_t table_block = b;
-  if (p.table_rows != nullptr) {
-    table_block = p.table_rows[b];
-    if (table_block < 0 || table_block >= p.n_table_rows) {
-      if (threadIdx.x == 0 && blockIdx.x == 0) atomicAdd(a.error_word, 1u);
-      table_block = 0;
-      len = 0;
-    }
-  }
+  const RowExtent extent = row_extent(p, b, a.error_word);
+  const int64_t len = extent.len, table_block = extent.table_block;
   const int64_t n_blocks = (len + kBlockTokens - 1) / kBlockTokens;
   const int64_t block_begin = int64_t(split) * a.per_split;
   const int64_t block_end = min(n_blocks, block_begin + a.per_split);
@@ -779,13 +766,17 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
         [[maybe_unused]] float sv[2][G];
         // K: an exact page's scores on the bf16 path; a lossy one's through the class (a corrupt
         // page reads as zeros).
-        if (ke < 0) {
+        // An exact page's bf16 operands (zeros for a corrupt one).
+        auto exact_operands = [&](const unsigned char* page, uint32_t (&ops)[D / 16][4]) {
           uint4 x[D / 16];
 #pragma unroll
           for (int k = 0; k < D / 16; ++k) x[k] = make_uint4(0, 0, 0, 0);
-          if (k_page != nullptr) Bf16Pages::load<D>(k_page, lane, x);
+          if (page != nullptr) Bf16Pages::load<D>(page, lane, x);
+          Bf16Pages::operands<D>(x, ops);
+        };
+        if (ke < 0) {
           uint32_t ka[D / 16][4];
-          Bf16Pages::operands<D>(x, ka);
+          exact_operands(k_page, ka);
           scores_exact(ka, s);
         } else if (k_page != nullptr) {
           uint4 kx[kLoads];
@@ -817,12 +808,8 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
         }
         const Masks mk = softmax(s, c, rho, blk, prob);
         if (ve < 0) {
-          uint4 x[D / 16];
-#pragma unroll
-          for (int k = 0; k < D / 16; ++k) x[k] = make_uint4(0, 0, 0, 0);
-          if (v_page != nullptr) Bf16Pages::load<D>(v_page, lane, x);
           uint32_t va[D / 16][4];
-          Bf16Pages::operands<D>(x, va);
+          exact_operands(v_page, va);
           values_operands(std::false_type{}, va, prob, mk);
         } else if constexpr (Page::kDither) {
           dither8_values<D>(vx, sv, prob, mk.keep01, mk.keep23, o_acc);

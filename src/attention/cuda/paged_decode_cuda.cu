@@ -841,22 +841,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = p.n_q_heads / p.n_kv_heads;
   // A length outside the tables (or above the planned maximum) is corrupt: counted, clamped.
-  int64_t len = p.seq_lens[b];
-  const int64_t len_limit = min(p.max_seq_len, p.table_stride * kBlockTokens);
-  if (len < 1 || len > len_limit) {  // a sequence holds at least one token
-    if (threadIdx.x == 0 && blockIdx.x == 0) atomicAdd(a.error_word, 1u);
-    len = len < 1 ? 0 : len_limit;
-  }
-  // The row's tables (PagedDecodeParams::table_rows); a row outside them reads nothing.
-  int64_t table_block = b;
-  if (p.table_rows != nullptr) {
-    table_block = p.table_rows[b];
-    if (table_block < 0 || table_block >= p.n_table_rows) {
-      if (threadIdx.x == 0 && blockIdx.x == 0) atomicAdd(a.error_word, 1u);
-      table_block = 0;
-      len = 0;
-    }
-  }
+  const RowExtent extent = row_extent(p, b, a.error_word);
+  const int64_t len = extent.len, table_block = extent.table_block;
   const int64_t n_blocks = (len + kBlockTokens - 1) / kBlockTokens;
   const int64_t per_split = a.per_split;
   const int64_t block_begin = int64_t(split) * per_split;

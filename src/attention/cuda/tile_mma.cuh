@@ -161,6 +161,34 @@ __device__ inline TierBWeights tier_b_weights(const uint16_t* q, int j, const in
   return {sm * sm * sq / 12.0 * log_term, fabs(sm) * kDither8Slack * sa, float(offset * (0.5 / 256.0))};
 }
 
+// A batch row's length and its tables' row, checked (PagedDecodeParams' fields): a length outside
+// [1, min(max_seq_len, table_stride * 16)] is corrupt, counted once (by thread 0 of the row's
+// first split) and clamped; a table row outside [0, n_table_rows) is corrupt, counted, and the
+// row reads nothing (length 0).
+struct RowExtent {
+  int64_t len, table_block;
+};
+template <class Params>
+__device__ inline RowExtent row_extent(const Params& p, int b, unsigned int* error_word) {
+  const bool counts = threadIdx.x == 0 && blockIdx.x == 0;
+  int64_t len = p.seq_lens[b];
+  const int64_t len_limit = min(p.max_seq_len, p.table_stride * int64_t(16));
+  if (len < 1 || len > len_limit) {  // a sequence holds at least one token
+    if (counts) atomicAdd(error_word, 1u);
+    len = len < 1 ? 0 : len_limit;
+  }
+  int64_t table_block = b;
+  if (p.table_rows != nullptr) {
+    table_block = p.table_rows[b];
+    if (table_block < 0 || table_block >= p.n_table_rows) {
+      if (counts) atomicAdd(error_word, 1u);
+      table_block = 0;
+      len = 0;
+    }
+  }
+  return {len, table_block};
+}
+
 // Scores S^T = K Q^T of one tile (fp32, unscaled). tile_k: a tile of layout L; qb: Q^T as B
 // operands (channels 2 hq, 2 hq + 1 (+ 8) of head tq, per 16-channel step).
 template <int D, bool kHalf, class L>
