@@ -39,29 +39,6 @@ CudaStatus invalid(const std::string& message) {
 bool is_gaac(PageFormat f) { return f == PageFormat::kGaacBf16 || f == PageFormat::kGaacE5M2; }
 bool is_lossy(PageFormat f) { return page_format_metered(f); }
 
-// A dither8 page (token-major records: D codes, G fp16 scales, 2 m bf16 outlier values) moved to
-// PageFormat::kDither8Fragments in place: the codes fragment-major (K by words, V as 8-bit codes),
-// then the scales [T][G], then (K) the outliers [T][2 m]. Tokens from n on hold garbage (codes
-// -128, NaN scales and outliers): the kernel must mask them.
-void dither8_fragment_page(const codec::LossyPageSpec& spec, int64_t n, uint8_t* page) {
-  const int D = spec.head_dim, G = D / codec::kQuantGroup, m = spec.key ? spec.n_outlier_pairs : 0;
-  const size_t record = size_t(D) + 2 * G + 4 * m;
-  const std::vector<uint8_t> records(page, page + size_t(kT) * record);
-  for (int t = 0; t < kT; ++t) {
-    const uint8_t* rec = records.data() + size_t(t) * record;
-    const bool live = t < n;
-    for (int c = 0; c < D; ++c) {
-      const int at = spec.key ? fragment::word_key_byte(t, c)
-                              : (D == 64 ? fragment::fragment_position<64, uint8_t>(false, t, c)
-                                         : fragment::fragment_position<128, uint8_t>(false, t, c));
-      page[at] = live ? rec[c] : 0x80;
-    }
-    for (int i = 0; i < 2 * G; ++i) page[size_t(kT) * D + size_t(t) * 2 * G + i] = live ? rec[D + i] : (i % 2 ? 0x7e : 0x00);
-    for (int i = 0; i < 4 * m; ++i)
-      page[size_t(kT) * (D + 2 * G) + size_t(t) * 4 * m + i] = live ? rec[D + 2 * G + i] : (i % 2 ? 0x7f : 0xc0);
-  }
-}
-
 // Runs body(i) for i in [0, n) on all hardware threads.
 template <typename Body>
 void parallel_for(int64_t n, Body body) {
@@ -297,17 +274,13 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
         }
         codec::lossy_decode_page_ref(spec, uint32_t(j), encoded.data(), read);
         std::fill_n(bounds, kT * kBands, 0.f);  // no witness: a code's bound is its half-step
-        // Codes past the length are NaN here, rho there too: the kernel must mask them.
-        for (int64_t i = n * D; i < kT * D; ++i) encoded[size_t(i)] = 0x7f;
-        if (D == 64) fragment::fragment_page_from_rows<64, uint8_t>(encoded.data(), key, page);
-        else fragment::fragment_page_from_rows<128, uint8_t>(encoded.data(), key, page);
         if (!key) {
-          uint16_t side[kT];
-          std::copy_n(codec::lossy_value_rho(spec, encoded.data()), kT, side);
-          for (int64_t t = n; t < kT; ++t) side[t] = 0x7e00;
-          std::copy_n(reinterpret_cast<const uint8_t*>(side), sizeof side, page + size_t(kT) * D);
-          for (int t = 0; t < kT; ++t) rho[t] = format::fp16_to_float(side[t]);
+          const uint16_t* v_rho = codec::lossy_value_rho(spec, encoded.data());
+          for (int t = 0; t < kT; ++t) rho[t] = format::fp16_to_float(v_rho[t]);
         }
+        // (Rows past the length are poisoned: the kernel must mask them.)
+        if (D == 64) fragment::fp8_fragment_page<64>(spec, encoded.data(), n, page);
+        else fragment::fp8_fragment_page<128>(spec, encoded.data(), n, page);
         stored = key ? k_bytes : v_bytes;
         break;
       }
@@ -370,7 +343,10 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
             for (int t = 0; t < kT; ++t) rho[t] = format::fp16_to_float(v_rho[t]);
           }
         }
-        if (f == PageFormat::kDither8Fragments) dither8_fragment_page(spec, n, page);
+        if (f == PageFormat::kDither8Fragments) {
+          if (D == 64) fragment::dither8_fragment_page<64>(spec, page, n, page);
+          else fragment::dither8_fragment_page<128>(spec, page, n, page);
+        }
       }
     }
     if (record_reconstruction) {
