@@ -35,6 +35,13 @@ T = 16
 
 def load(path):
     """{(name, 'k'|'v'): uint16 array [heads, N, D]} from either dump form."""
+    try:
+        return read_dump(path)
+    except (OSError, ValueError, KeyError, struct.error) as e:
+        sys.exit(f"gaac_d_study: cannot read {path} as a KV dump: {e}")
+
+
+def read_dump(path):
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(n))
@@ -50,6 +57,11 @@ def load(path):
                 out[("bench", name)] = arr
             elif name.startswith("layer") and name[-2:] in (".k", ".v"):
                 out[(name[:-2], name[-1])] = arr
+        if not out:
+            raise ValueError("no BF16 k / v tensors")
+        for (name, kv), arr in out.items():
+            if arr.ndim != 3 or arr.shape[2] % 8 != 0:
+                raise ValueError(f"{name}.{kv}: shape {list(arr.shape)}, want [heads, tokens, head_dim (a multiple of 8)]")
         return out
 
 
@@ -122,6 +134,8 @@ def main():
     acc = {(name, kv): [] for name, _, _ in layouts for kv in "kv"}
     for key in sorted(ev):
         name, kv = key
+        if not any(key in c for c in calib):
+            sys.exit(f"gaac_d_study: {name}.{kv} of {args.eval} is in no calibration dump")
         e_eval = exponents(ev[key])
         n = e_eval.shape[1] // T * T
         e_eval = e_eval[:, :n]
