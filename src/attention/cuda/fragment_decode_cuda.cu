@@ -1,16 +1,18 @@
 // The split kernel over fragment-major pages (fragment_decode_cuda.h). One CTA per (split, KV
 // head, sequence), 4 warps; a warp takes the split's blocks first, first + 4, ... Each warp owns
-// a ring of kStages page pairs (K page then V page, fragment-major) in shared memory, filled by
-// cp.async.bulk copies that complete on one mbarrier per stage: lane 0 issues page i + kStages as
-// soon as page i's operands are loaded, so kStages - 1 pages stay in flight while a page is used.
-// A page pair's scores and output products run on tensor cores (mma.m16n8k16, bf16, fp32
-// accumulation) in the layout of tile_mma.cuh (tokens as the 16 rows, the group's query heads as
-// the 8 columns), their A operands read from the ring with one 16-byte load per lane and step.
-// The last page of a sequence masks its scores past the length and zeroes its values there (a
-// device page past the length may hold anything, NaN too). A corrupt table entry (outside the
-// pool; a raw entry, which bf16 pages never have) reads as a zero page and counts in the error word.
-// After the warps' merge (write_split_partials) each CTA counts itself done on its row group's
-// counter; the last one merges the group's splits into the outputs and leaves the counter at zero.
+// a ring of page pairs (K page then V page) in shared memory, filled by cp.async.bulk copies that
+// complete on one mbarrier per stage; lane 0 issues the next page once a stage is free. A page
+// class is a policy (Bf16Pages, Fp8Pages, Dither8Pages): its bytes, what a lane loads, how the
+// loads become mma operands, and dither8's own scores and values. The scores and output products
+// run on tensor cores (mma.m16n8k16, fp32 accumulation) in the layout of tile_mma.cuh (tokens as
+// the 16 rows, the group's query heads as the 8 columns), the A operands read from the ring with
+// one 16-byte load per lane and step. The last page of a sequence masks its scores past the
+// length and zeroes its values' operands there (a device page past the length may hold anything,
+// NaN too). A corrupt table entry reads as a zero page and counts in the error word; a block with
+// an exact page (the lossy classes' raw pools: bf16, fragment-major) is attended after the
+// others, read straight from its pools. After the warps' merge (write_split_partials) each CTA
+// counts itself done on its row group's counter; the last one merges the group's splits into the
+// outputs and leaves the counter at zero.
 #include "attention/cuda/fragment_decode_cuda.h"
 
 #include <cuda_bf16.h>
