@@ -446,7 +446,7 @@ template <class Out>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,avx2,bmi2,popcnt"))) bool decode_rows_expanded(
     const uint8_t* slot, const PageGeometry& g, const GaacBases& bases, const VbmiTables& tables,
     const size_t* start, int token_begin, int token_end, Out* out) {
-  constexpr size_t kMaxRuns = 256;
+  constexpr size_t kMaxRuns = 64;
   const size_t runs_per_token = size_t(g.groups_per_token) / 8;
   const size_t n_runs = size_t(token_end - token_begin) * runs_per_token;
   if (n_runs > kMaxRuns) return false;
@@ -496,19 +496,10 @@ bool cpu_has_vbmi2() {
 // overrun, or the shape does not qualify: the checked loop then decodes the page and reports
 // what it finds.
 template <class Out>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,bmi2,popcnt"))) bool decode_rows_counted(
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,bmi2,popcnt"), noinline)) void decode_rows_by_runs(
     const uint8_t* slot, size_t slot_bytes, const PageGeometry& g, const GaacBases& bases,
-    const VbmiTables& tables, int token_begin, int token_end, Out* out) {
+    const VbmiTables& tables, const size_t* start, int token_begin, int token_end, Out* out) {
   const int gpt = g.groups_per_token;
-  if (gpt % 8 != 0 || g.n_tiles > kCountedMaxTiles || token_begin >= token_end) return false;
-  size_t start[kCountedMaxTiles];
-  bool raw = false;
-  if (!count_page_tags(slot, slot_bytes, g, size_t(token_begin) * size_t(gpt), size_t(token_end) * size_t(gpt),
-                       start, &raw)) {
-    return false;
-  }
-  if (!raw && cpu_has_vbmi2() && decode_rows_expanded(slot, g, bases, tables, start, token_begin, token_end, out))
-    return true;
   const size_t area_bytes = slot_bytes - g.page_fixed_bytes;
   const uint8_t* escapes = slot + g.page_fixed_bytes;
   for (int tile = 0; tile < g.n_tiles; ++tile) {
@@ -539,6 +530,22 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,bmi2,popcnt")))
       }
     }
   }
+}
+
+template <class Out>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,bmi2,popcnt"))) bool decode_rows_counted(
+    const uint8_t* slot, size_t slot_bytes, const PageGeometry& g, const GaacBases& bases,
+    const VbmiTables& tables, int token_begin, int token_end, Out* out) {
+  const int gpt = g.groups_per_token;
+  if (gpt % 8 != 0 || g.n_tiles > kCountedMaxTiles || token_begin >= token_end) return false;
+  size_t start[kCountedMaxTiles];
+  bool raw = false;
+  if (!count_page_tags(slot, slot_bytes, g, size_t(token_begin) * size_t(gpt), size_t(token_end) * size_t(gpt),
+                       start, &raw)) {
+    return false;
+  }
+  if (raw || !cpu_has_vbmi2() || !decode_rows_expanded(slot, g, bases, tables, start, token_begin, token_end, out))
+    decode_rows_by_runs(slot, slot_bytes, g, bases, tables, start, token_begin, token_end, out);
   return true;
 }
 
@@ -708,16 +715,13 @@ __attribute__((target("avx512f,avx512bw,avx2,bmi2"))) size_t encode_page_bf16_av
 }
 
 template <class Out>
-__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) void decode_rows_avx512(
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"), noinline)) void decode_rows_checked_avx512(
     const uint8_t* slot, size_t slot_bytes, const PageGeometry& g, const GaacBases& bases,
-    int token_begin, int token_end, Out* out) {
-  if (slot_bytes < g.page_fixed_bytes) fail_truncated_slot(g, slot_bytes);
+    const VbmiTables& tables, int token_begin, int token_end, Out* out) {
   DecodeState s{&g, slot + g.page_fixed_bytes, slot_bytes - g.page_fixed_bytes, 0};
   const int gpt = g.groups_per_token;
   const __m512i mask_sign = _mm512_set1_epi16(0x80);
   const __m512i mask_mantissa = _mm512_set1_epi16(0x7f);
-  const VbmiTables tables = load_vbmi_tables();
-  if (decode_rows_counted(slot, slot_bytes, g, bases, tables, token_begin, token_end, out)) return;
   size_t earlier_tiles_bytes = 0;
   for (int tile = 0; tile < g.n_tiles; ++tile) {
     const uint8_t* tile_start = slot + size_t(tile) * g.tile_fixed_bytes;
@@ -761,6 +765,17 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) void decode_row
       earlier_tiles_bytes += escape_bytes_of_tags(g, tile_start, tile, 0, g.tile_groups);
     }
   }
+}
+
+// The rows through decode_rows_counted where it takes them, else through the checked loop.
+template <class Out>
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) void decode_rows_avx512(
+    const uint8_t* slot, size_t slot_bytes, const PageGeometry& g, const GaacBases& bases,
+    int token_begin, int token_end, Out* out) {
+  if (slot_bytes < g.page_fixed_bytes) fail_truncated_slot(g, slot_bytes);
+  const VbmiTables tables = load_vbmi_tables();
+  if (decode_rows_counted(slot, slot_bytes, g, bases, tables, token_begin, token_end, out)) return;
+  decode_rows_checked_avx512(slot, slot_bytes, g, bases, tables, token_begin, token_end, out);
 }
 
 void decode_rows_bf16_avx2(const uint8_t* slot, size_t slot_bytes, const PageGeometry& g,
