@@ -224,8 +224,147 @@ struct Isa {
 }  // namespace avx512
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma,f16c,bmi2")
+namespace avx512_vbmi {
+
+using avx512::Isa;
+
+// The byte permute's indices per 16 channels k of 64: 255 - u of channel 16 k + j (first source)
+// into byte 2 of dword j, its code (second source) into byte 3.
+struct alignas(64) Dither8CodeIndex {
+  uint8_t bytes[4][64];
+};
+constexpr Dither8CodeIndex make_dither8_code_index() {
+  Dither8CodeIndex t{};
+  for (int k = 0; k < 4; ++k)
+    for (int j = 0; j < 16; ++j) {
+      t.bytes[k][4 * j + 2] = uint8_t(16 * k + j);
+      t.bytes[k][4 * j + 3] = uint8_t(64 + 16 * k + j);
+    }
+  return t;
+}
+constexpr Dither8CodeIndex kDither8CodeIndex = make_dither8_code_index();
+
+// The rows of decode_dither8_key, head_dim = 64 kBlocks, with the factors of its scales
+// (s_low[t][g] = s 2^-24, s_offset[t][g] = s 2^-8 127.5).
+template <int kBlocks>
+void dither8_key_rows(const LossyDecodeArgs& a, uint32_t block, const uint8_t* page, int n_rows, float* out,
+                      const float (*s_low)[256 / kQuantGroup], const float (*s_offset)[256 / kQuantGroup]) {
+  constexpr int d = 64 * kBlocks, kChunks = 4 * kBlocks;
+  __m512i index[4];
+  for (int k = 0; k < 4; ++k) index[k] = _mm512_load_si512(kDither8CodeIndex.bytes[k]);
+  // Per chunk of 16 channels: its outlier lanes, and the words of their values (value i of channel
+  // 16 k + j into the high word of dword j).
+  __mmask16 outlier_lanes[kChunks];
+  __m512i outlier_at[kChunks];
+  for (int k = 0; k < kChunks; ++k) {
+    outlier_lanes[k] = a.outlier_lanes[k];
+    outlier_at[k] = _mm512_slli_epi32(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.outlier_index + 16 * k))), 16);
+  }
+  const __mmask32 outlier_words =
+      a.n_outlier_channels >= 32 ? ~__mmask32(0) : (__mmask32(1) << a.n_outlier_channels) - 1;
+  // The generator's word w of a row is fmix32(seed + w 0x9e3779b9): the products per block.
+  __m512i golden_words[kBlocks];
+  for (int b = 0; b < kBlocks; ++b)
+    golden_words[b] = _mm512_mullo_epi32(_mm512_add_epi32(Isa::iota(), _mm512_set1_epi32(16 * b)),
+                                         _mm512_set1_epi32(int32_t(0x9e3779b9u)));
+  const __mmask64 high_bytes = 0xccccccccccccccccull;
+  const __m512i all_ones = _mm512_set1_epi32(-1);
+  const uint64_t counter0 = uint64_t(block) * uint64_t(a.block_tokens);
+  const bool seeds_in_vectors = uint32_t(counter0) <= 0xffffffffu - uint32_t(a.block_tokens);
+  alignas(64) uint32_t seeds[16];
+  for (int t = 0; t < n_rows; ++t) {
+    if (seeds_in_vectors && t % 16 == 0) {
+      const __m512i lo = _mm512_add_epi32(_mm512_set1_epi32(int32_t(uint32_t(counter0))),
+                                          _mm512_add_epi32(Isa::iota(), _mm512_set1_epi32(t)));
+      const __m512i r = avx512::fmix32(_mm512_xor_si512(lo, _mm512_set1_epi32(int32_t(uint32_t(a.dither_key >> 32)))));
+      _mm512_store_si512(seeds, avx512::fmix32(_mm512_xor_si512(
+                                    r, _mm512_set1_epi32(int32_t(uint32_t(counter0 >> 32) ^ uint32_t(a.dither_key))))));
+    }
+    const uint32_t seed =
+        seeds_in_vectors ? seeds[t % 16] : format::dither8_row_seed(a.dither_key, counter0 + uint64_t(t));
+    const uint8_t* rec = page + size_t(t) * a.record_bytes;
+    const __m512i outliers = _mm512_maskz_loadu_epi16(outlier_words, rec + d + 2 * a.groups);
+    float* row = out + size_t(t) * size_t(d);
+    for (int b = 0; b < kBlocks; ++b) {
+      // Byte i of the block's 16 generator words is u of channel 64 b + i.
+      const __m512i not_u =
+          _mm512_xor_si512(avx512::fmix32(_mm512_add_epi32(_mm512_set1_epi32(int32_t(seed)), golden_words[b])), all_ones);
+      const __m512i q = _mm512_loadu_si512(rec + 64 * b);
+      for (int k = 0; k < 4; ++k) {
+        const int g = 2 * b + k / 2, chunk = 4 * b + k;
+        const __m512 m = _mm512_cvtepi32_ps(_mm512_maskz_permutex2var_epi8(high_bytes, not_u, index[k], q));
+        __m512 v = _mm512_fmsub_ps(_mm512_set1_ps(s_low[t][g]), m, _mm512_set1_ps(s_offset[t][g]));
+        if (outlier_lanes[chunk] != 0)
+          v = _mm512_mask_mov_ps(v, outlier_lanes[chunk],
+                                 _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xaaaaaaaau, outlier_at[chunk], outliers)));
+        _mm512_storeu_ps(row + 16 * chunk, v);
+      }
+    }
+  }
+}
+
+// dither8 K rows with AVX-512 VBMI, for head_dim a multiple of 64, at most 64 rows and 32 outlier
+// channels, and every scale of the rows finite and nonzero (else false, nothing written, and
+// decode_dither8 takes the page). The floats are decode_dither8's: with m = 256 q + (255 - u) (q
+// the int8 code, u the dither byte), 512 q + 255 - 2 u = 2 m - 255, so
+//   (s 2^-9)(512 q + 255 - 2 u) = (s 2^-24)(m 2^16) - s 2^-8 127.5,
+// one fused multiply-add of exact operands (m 2^16 is an int32 of 16 significant bits, s 2^-24 and
+// s 2^-8 127.5 exact for an fp16 s), rounded once to the same float; and m 2^16 is one two-source
+// byte permute of the codes and of the complemented generator bytes (q into byte 3, 255 - u into
+// byte 2, zeros below), 16 channels at a time. The outlier channels take their bf16 values through
+// a word permute.
+bool decode_dither8_key(const LossyDecodeArgs& a, uint32_t block, const uint8_t* page, int n_rows, float* out,
+                        float* scales, size_t scales_stride) {
+  constexpr int kMaxRows = 64, kMaxGroups = 256 / kQuantGroup;
+  const int d = a.head_dim;
+  if (!a.key || d % 64 != 0 || n_rows > kMaxRows || a.n_outlier_channels > 32) return false;
+  // The scales of the rows first (nothing is written before they are known to qualify): per
+  // row its G fp16 scales in one load and one conversion, and the two factors above.
+  alignas(64) float s_low[kMaxRows][kMaxGroups], s_offset[kMaxRows][kMaxGroups];
+  const __mmask8 groups = __mmask8((1u << a.groups) - 1u);
+  for (int t = 0; t < n_rows; ++t) {
+    const __m128i h = _mm_maskz_loadu_epi16(groups, page + size_t(t) * a.record_bytes + d);
+    // Inf, NaN and zero scales: decode_dither8 (s 2^-24 (m 2^16) - s 2^-8 127.5 is not its float
+    // there).
+    const __m128i magnitude = _mm_and_si128(h, _mm_set1_epi16(0x7fff));
+    if ((_mm_mask_cmpge_epu16_mask(groups, magnitude, _mm_set1_epi16(0x7c00)) |
+         _mm_mask_cmpeq_epi16_mask(groups, magnitude, _mm_setzero_si128())) != 0)
+      return false;
+    const __m256 s = _mm256_cvtph_ps(h);
+    _mm256_store_ps(s_low[t], _mm256_mul_ps(s, _mm256_set1_ps(1.f / 16777216.f)));
+    _mm256_store_ps(s_offset[t], _mm256_mul_ps(s, _mm256_set1_ps(127.5f / 256.f)));
+    if (scales != nullptr) {
+      alignas(32) float s_row[kMaxGroups];
+      _mm256_store_ps(s_row, s);
+      for (int g = 0; g < a.groups; ++g) scales[size_t(g) * scales_stride + size_t(t)] = s_row[g];
+    }
+  }
+  switch (d / 64) {
+    case 1: dither8_key_rows<1>(a, block, page, n_rows, out, s_low, s_offset); break;
+    case 2: dither8_key_rows<2>(a, block, page, n_rows, out, s_low, s_offset); break;
+    case 4: dither8_key_rows<4>(a, block, page, n_rows, out, s_low, s_offset); break;
+    default: dither8_key_rows<3>(a, block, page, n_rows, out, s_low, s_offset); break;
+  }
+  return true;
+}
+
+void decode_page(const LossyDecodeArgs& a, uint32_t block, const uint8_t* page, int n_rows, float* out, float* scales,
+                 size_t scales_stride) {
+  if (a.scheme == LossyScheme::kDither8 && decode_dither8_key(a, block, page, n_rows, out, scales, scales_stride))
+    return;
+  avx512::decode_page(a, block, page, n_rows, out, scales, scales_stride);
+}
+
+}  // namespace avx512_vbmi
+#pragma GCC pop_options
+
 LossyDecodeKernel lossy_decode_kernel_avx2() { return &avx2::decode_page; }
-LossyDecodeKernel lossy_decode_kernel_avx512() { return &avx512::decode_page; }
+LossyDecodeKernel lossy_decode_kernel_avx512() {
+  return __builtin_cpu_supports("avx512vbmi") ? &avx512_vbmi::decode_page : &avx512::decode_page;
+}
 bool cpu_runs_lossy_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
