@@ -351,9 +351,47 @@ bool decode_dither8_key(const LossyDecodeArgs& a, uint32_t block, const uint8_t*
   return true;
 }
 
+// dither8 V rows (not dithered: s q, one product of exact operands), head_dim = 64 kBlocks: a
+// row's scales in one load and one conversion (format::fp16_to_float's bits where one is Inf or
+// NaN), its values sixteen at a time. Needs no VBMI; it lives beside the K rows, which do.
+template <int kBlocks>
+void dither8_value_rows(const LossyDecodeArgs& a, const uint8_t* page, int n_rows, float* out, float* scales,
+                        size_t scales_stride) {
+  constexpr int d = 64 * kBlocks, kGroups = 2 * kBlocks;
+  const __mmask8 groups = __mmask8((1u << kGroups) - 1u);
+  for (int t = 0; t < n_rows; ++t) {
+    const uint8_t* rec = page + size_t(t) * a.record_bytes;
+    const __m128i h = _mm_maskz_loadu_epi16(groups, rec + d);
+    alignas(32) float s[8];
+    _mm256_store_ps(s, _mm256_cvtph_ps(h));
+    if (_mm_mask_cmpeq_epi16_mask(groups, _mm_and_si128(h, _mm_set1_epi16(0x7c00)), _mm_set1_epi16(0x7c00)) != 0)
+      for (int g = 0; g < kGroups; ++g) s[g] = format::fp16_to_float(avx512::load_u16(rec + d + 2 * g));
+    if (scales != nullptr)
+      for (int g = 0; g < kGroups; ++g) scales[size_t(g) * scales_stride + size_t(t)] = s[g];
+    float* row = out + size_t(t) * size_t(d);
+    for (int k = 0; k < 4 * kBlocks; ++k) {
+      const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * k)));
+      _mm512_storeu_ps(row + 16 * k, _mm512_mul_ps(_mm512_set1_ps(s[k / 2]), _mm512_cvtepi32_ps(q)));
+    }
+  }
+}
+
+bool decode_dither8_value(const LossyDecodeArgs& a, const uint8_t* page, int n_rows, float* out, float* scales,
+                          size_t scales_stride) {
+  switch (a.key ? 0 : a.head_dim % 64 == 0 ? a.head_dim / 64 : 0) {
+    case 1: dither8_value_rows<1>(a, page, n_rows, out, scales, scales_stride); return true;
+    case 2: dither8_value_rows<2>(a, page, n_rows, out, scales, scales_stride); return true;
+    case 3: dither8_value_rows<3>(a, page, n_rows, out, scales, scales_stride); return true;
+    case 4: dither8_value_rows<4>(a, page, n_rows, out, scales, scales_stride); return true;
+    default: return false;
+  }
+}
+
 void decode_page(const LossyDecodeArgs& a, uint32_t block, const uint8_t* page, int n_rows, float* out, float* scales,
                  size_t scales_stride) {
-  if (a.scheme == LossyScheme::kDither8 && decode_dither8_key(a, block, page, n_rows, out, scales, scales_stride))
+  if (a.scheme == LossyScheme::kDither8 &&
+      (a.key ? decode_dither8_key(a, block, page, n_rows, out, scales, scales_stride)
+             : decode_dither8_value(a, page, n_rows, out, scales, scales_stride)))
     return;
   avx512::decode_page(a, block, page, n_rows, out, scales, scales_stride);
 }
