@@ -246,12 +246,20 @@ constexpr Dither8CodeIndex make_dither8_code_index() {
 }
 constexpr Dither8CodeIndex kDither8CodeIndex = make_dither8_code_index();
 
-// The rows of decode_dither8_key, head_dim = 64 kBlocks, with the factors of its scales
-// (s_low[t][g] = s 2^-24, s_offset[t][g] = s 2^-8 127.5).
-template <int kBlocks>
+// dither8 K rows with AVX-512 VBMI, head_dim = 64 kBlocks, at most 32 outlier channels. The
+// floats are decode_dither8's, (s 2^-9)(512 q + 255 - 2 u) with q the int8 code and u the dither
+// byte. With m = 256 q + (255 - u), 512 q + 255 - 2 u = 2 m - 255, and m 2^16 is one two-source
+// byte permute of the codes and of the complemented generator bytes (q into byte 3, 255 - u into
+// byte 2, zeros below), 16 channels at a time. For a row whose scales are finite and nonzero
+//   (s 2^-9)(2 m - 255) = (s 2^-24)(m 2^16) - s 2^-8 127.5,
+// one fused multiply-add of exact operands (m 2^16 an int32 of 16 significant bits, s 2^-24 and
+// s 2^-8 127.5 exact for an fp16 s), rounded once to the same float; a row with a scale 0, Inf or
+// NaN takes the product itself, (s 2^-9)((m 2^16 >> 15) - 255). The outlier channels take their
+// bf16 values through a word permute.
+template <int kBlocks, bool kOutliers>
 void dither8_key_rows(const LossyDecodeArgs& a, uint32_t block, const uint8_t* page, int n_rows, float* out,
-                      const float (*s_low)[256 / kQuantGroup], const float (*s_offset)[256 / kQuantGroup]) {
-  constexpr int d = 64 * kBlocks, kChunks = 4 * kBlocks;
+                      float* scales, size_t scales_stride) {
+  constexpr int d = 64 * kBlocks, kGroups = 2 * kBlocks, kChunks = 4 * kBlocks;
   __m512i index[4];
   for (int k = 0; k < 4; ++k) index[k] = _mm512_load_si512(kDither8CodeIndex.bytes[k]);
   // Per chunk of 16 channels: its outlier lanes, and the words of their values (value i of channel
@@ -271,6 +279,7 @@ void dither8_key_rows(const LossyDecodeArgs& a, uint32_t block, const uint8_t* p
     golden_words[b] = _mm512_mullo_epi32(_mm512_add_epi32(Isa::iota(), _mm512_set1_epi32(16 * b)),
                                          _mm512_set1_epi32(int32_t(0x9e3779b9u)));
   const __mmask64 high_bytes = 0xccccccccccccccccull;
+  const __mmask8 groups = __mmask8((1u << kGroups) - 1u);
   const __m512i all_ones = _mm512_set1_epi32(-1);
   const uint64_t counter0 = uint64_t(block) * uint64_t(a.block_tokens);
   const bool seeds_in_vectors = uint32_t(counter0) <= 0xffffffffu - uint32_t(a.block_tokens);
@@ -286,69 +295,78 @@ void dither8_key_rows(const LossyDecodeArgs& a, uint32_t block, const uint8_t* p
     const uint32_t seed =
         seeds_in_vectors ? seeds[t % 16] : format::dither8_row_seed(a.dither_key, counter0 + uint64_t(t));
     const uint8_t* rec = page + size_t(t) * a.record_bytes;
-    const __m512i outliers = _mm512_maskz_loadu_epi16(outlier_words, rec + d + 2 * a.groups);
+    // The row's scales in one load and one conversion, and their factors.
+    const __m128i h = _mm_maskz_loadu_epi16(groups, rec + d);
+    const __m128i magnitude = _mm_and_si128(h, _mm_set1_epi16(0x7fff));
+    const bool fused = (_mm_mask_cmpge_epu16_mask(groups, magnitude, _mm_set1_epi16(0x7c00)) |
+                        _mm_mask_cmpeq_epi16_mask(groups, magnitude, _mm_setzero_si128())) == 0;
+    alignas(32) float s[8], s_low[8], s_offset[8];
+    if (fused) {
+      const __m256 sv = _mm256_cvtph_ps(h);
+      _mm256_store_ps(s, sv);
+      _mm256_store_ps(s_low, _mm256_mul_ps(sv, _mm256_set1_ps(1.f / 16777216.f)));
+      _mm256_store_ps(s_offset, _mm256_mul_ps(sv, _mm256_set1_ps(127.5f / 256.f)));
+    } else {
+      for (int g = 0; g < kGroups; ++g) {
+        s[g] = format::fp16_to_float(avx512::load_u16(rec + d + 2 * g));
+        s_low[g] = s[g] * (1.f / 512.f);  // the product's factor
+      }
+    }
+    if (scales != nullptr)
+      for (int g = 0; g < kGroups; ++g) scales[size_t(g) * scales_stride + size_t(t)] = s[g];
+    const __m512i outliers = kOutliers ? _mm512_maskz_loadu_epi16(outlier_words, rec + d + 2 * kGroups) : __m512i{};
     float* row = out + size_t(t) * size_t(d);
     for (int b = 0; b < kBlocks; ++b) {
       // Byte i of the block's 16 generator words is u of channel 64 b + i.
       const __m512i not_u =
           _mm512_xor_si512(avx512::fmix32(_mm512_add_epi32(_mm512_set1_epi32(int32_t(seed)), golden_words[b])), all_ones);
       const __m512i q = _mm512_loadu_si512(rec + 64 * b);
+      __m512 v[4];
+      if (fused) {
+        for (int k = 0; k < 4; ++k) {
+          const int g = 2 * b + k / 2;
+          const __m512i m = _mm512_maskz_permutex2var_epi8(high_bytes, not_u, index[k], q);  // m 2^16
+          v[k] = _mm512_fmsub_ps(_mm512_set1_ps(s_low[g]), _mm512_cvtepi32_ps(m), _mm512_set1_ps(s_offset[g]));
+        }
+      } else {
+        for (int k = 0; k < 4; ++k) {
+          const int g = 2 * b + k / 2;
+          const __m512i m = _mm512_maskz_permutex2var_epi8(high_bytes, not_u, index[k], q);
+          v[k] = _mm512_mul_ps(_mm512_set1_ps(s_low[g]),
+                               _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srai_epi32(m, 15), _mm512_set1_epi32(255))));
+        }
+      }
       for (int k = 0; k < 4; ++k) {
-        const int g = 2 * b + k / 2, chunk = 4 * b + k;
-        const __m512 m = _mm512_cvtepi32_ps(_mm512_maskz_permutex2var_epi8(high_bytes, not_u, index[k], q));
-        __m512 v = _mm512_fmsub_ps(_mm512_set1_ps(s_low[t][g]), m, _mm512_set1_ps(s_offset[t][g]));
-        if (outlier_lanes[chunk] != 0)
-          v = _mm512_mask_mov_ps(v, outlier_lanes[chunk],
-                                 _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xaaaaaaaau, outlier_at[chunk], outliers)));
-        _mm512_storeu_ps(row + 16 * chunk, v);
+        const int chunk = 4 * b + k;
+        if constexpr (kOutliers)
+          v[k] = _mm512_mask_mov_ps(v[k], outlier_lanes[chunk],
+                                    _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xaaaaaaaau, outlier_at[chunk], outliers)));
+        _mm512_storeu_ps(row + 16 * chunk, v[k]);
       }
     }
   }
 }
 
-// dither8 K rows with AVX-512 VBMI, for head_dim a multiple of 64, at most 64 rows and 32 outlier
-// channels, and every scale of the rows finite and nonzero (else false, nothing written, and
-// decode_dither8 takes the page). The floats are decode_dither8's: with m = 256 q + (255 - u) (q
-// the int8 code, u the dither byte), 512 q + 255 - 2 u = 2 m - 255, so
-//   (s 2^-9)(512 q + 255 - 2 u) = (s 2^-24)(m 2^16) - s 2^-8 127.5,
-// one fused multiply-add of exact operands (m 2^16 is an int32 of 16 significant bits, s 2^-24 and
-// s 2^-8 127.5 exact for an fp16 s), rounded once to the same float; and m 2^16 is one two-source
-// byte permute of the codes and of the complemented generator bytes (q into byte 3, 255 - u into
-// byte 2, zeros below), 16 channels at a time. The outlier channels take their bf16 values through
-// a word permute.
 bool decode_dither8_key(const LossyDecodeArgs& a, uint32_t block, const uint8_t* page, int n_rows, float* out,
                         float* scales, size_t scales_stride) {
-  constexpr int kMaxRows = 64, kMaxGroups = 256 / kQuantGroup;
-  const int d = a.head_dim;
-  if (!a.key || d % 64 != 0 || n_rows > kMaxRows || a.n_outlier_channels > 32) return false;
-  // The scales of the rows first (nothing is written before they are known to qualify): per
-  // row its G fp16 scales in one load and one conversion, and the two factors above.
-  alignas(64) float s_low[kMaxRows][kMaxGroups], s_offset[kMaxRows][kMaxGroups];
-  const __mmask8 groups = __mmask8((1u << a.groups) - 1u);
-  for (int t = 0; t < n_rows; ++t) {
-    const __m128i h = _mm_maskz_loadu_epi16(groups, page + size_t(t) * a.record_bytes + d);
-    // Inf, NaN and zero scales: decode_dither8 (s 2^-24 (m 2^16) - s 2^-8 127.5 is not its float
-    // there).
-    const __m128i magnitude = _mm_and_si128(h, _mm_set1_epi16(0x7fff));
-    if ((_mm_mask_cmpge_epu16_mask(groups, magnitude, _mm_set1_epi16(0x7c00)) |
-         _mm_mask_cmpeq_epi16_mask(groups, magnitude, _mm_setzero_si128())) != 0)
+  if (a.n_outlier_channels > 32) return false;
+  const bool outliers = a.n_outlier_channels > 0;
+  switch (a.head_dim % 64 == 0 ? a.head_dim / 64 : 0) {
+    case 1:
+      (outliers ? dither8_key_rows<1, true> : dither8_key_rows<1, false>)(a, block, page, n_rows, out, scales, scales_stride);
+      return true;
+    case 2:
+      (outliers ? dither8_key_rows<2, true> : dither8_key_rows<2, false>)(a, block, page, n_rows, out, scales, scales_stride);
+      return true;
+    case 3:
+      (outliers ? dither8_key_rows<3, true> : dither8_key_rows<3, false>)(a, block, page, n_rows, out, scales, scales_stride);
+      return true;
+    case 4:
+      (outliers ? dither8_key_rows<4, true> : dither8_key_rows<4, false>)(a, block, page, n_rows, out, scales, scales_stride);
+      return true;
+    default:
       return false;
-    const __m256 s = _mm256_cvtph_ps(h);
-    _mm256_store_ps(s_low[t], _mm256_mul_ps(s, _mm256_set1_ps(1.f / 16777216.f)));
-    _mm256_store_ps(s_offset[t], _mm256_mul_ps(s, _mm256_set1_ps(127.5f / 256.f)));
-    if (scales != nullptr) {
-      alignas(32) float s_row[kMaxGroups];
-      _mm256_store_ps(s_row, s);
-      for (int g = 0; g < a.groups; ++g) scales[size_t(g) * scales_stride + size_t(t)] = s_row[g];
-    }
   }
-  switch (d / 64) {
-    case 1: dither8_key_rows<1>(a, block, page, n_rows, out, s_low, s_offset); break;
-    case 2: dither8_key_rows<2>(a, block, page, n_rows, out, s_low, s_offset); break;
-    case 4: dither8_key_rows<4>(a, block, page, n_rows, out, s_low, s_offset); break;
-    default: dither8_key_rows<3>(a, block, page, n_rows, out, s_low, s_offset); break;
-  }
-  return true;
 }
 
 // dither8 V rows (not dithered: s q, one product of exact operands), head_dim = 64 kBlocks: a
