@@ -7,6 +7,7 @@
 // and the hardware converts them; 2- and 4-bit codes come out of one broadcast word by
 // per-lane shifts.
 #include <cstring>
+#include <type_traits>
 
 #include "codec/lossy_page_kernels.h"
 #include "core/x86_simd.h"
@@ -405,12 +406,134 @@ bool decode_dither8_value(const LossyDecodeArgs& a, const uint8_t* page, int n_r
   }
 }
 
+// The byte permute and bit offsets that unpack fields of w bits (w = 2 or 4; channel c at bits
+// [w c, w c + w) of the little-endian code bytes) 64 channels at a time: qword lane l gathers the
+// code bytes of channels 8 l .. 8 l + 7, and byte j of the lane takes bits [w j, w j + 8) of it.
+struct alignas(64) FieldUnpack {
+  uint8_t gather[64];
+  uint8_t shifts[64];
+};
+constexpr FieldUnpack make_field_unpack(int w) {
+  FieldUnpack t{};
+  for (int i = 0; i < 64; ++i) {
+    const int lane = i / 8, j = i % 8;
+    t.gather[i] = uint8_t(w * lane + (j < w ? j : w - 1));
+    t.shifts[i] = uint8_t(w * j);
+  }
+  return t;
+}
+constexpr FieldUnpack kNibbles = make_field_unpack(4);
+constexpr FieldUnpack kCrumbs = make_field_unpack(2);
+
+// The fields of 64 channels, one byte each: codes holds 8 w bytes.
+template <int kBits>
+inline __m512i unpack_fields(const uint8_t* codes) {
+  const FieldUnpack& t = kBits == 4 ? kNibbles : kCrumbs;
+  const __m512i bytes = _mm512_maskz_loadu_epi8(kBits == 4 ? 0xffffffffull : 0xffffull, codes);
+  return _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(t.shifts),
+                                                       _mm512_permutexvar_epi8(_mm512_load_si512(t.gather), bytes)),
+                          _mm512_set1_epi8(char((1 << kBits) - 1)));
+}
+
+// Bytes 16 k .. 16 k + 15 of x as 16 int32 (signed or not); k < 4 (the extract takes an
+// immediate: one case each, folded where k is known).
+template <bool kSigned>
+inline __m512i widen_bytes(__m512i x, int k) {
+  __m128i part;
+  switch (k) {
+    case 0: part = _mm512_castsi512_si128(x); break;
+    case 1: part = _mm512_extracti32x4_epi32(x, 1); break;
+    case 2: part = _mm512_extracti32x4_epi32(x, 2); break;
+    default: part = _mm512_extracti32x4_epi32(x, 3); break;
+  }
+  return kSigned ? _mm512_cvtepi8_epi32(part) : _mm512_cvtepu8_epi32(part);
+}
+
+// rtn8 and rtn4 rows (K and V alike), head_dim = 64 kBlocks: s q, q the int8 code or the nibble
+// less 8, one product of exact operands as decode_rtn; a row's scales in one load and one
+// conversion (an Inf or NaN scale converts to the NaN or Inf the product makes of
+// format::fp16_to_float's), rtn4's nibbles of 64 channels in one byte permute and one multishift.
+template <int kBlocks, int kBits>
+void rtn_rows(const LossyDecodeArgs& a, const uint8_t* page, int n_rows, float* out) {
+  constexpr int d = 64 * kBlocks, kGroups = 2 * kBlocks;
+  constexpr size_t code_bytes = size_t(d) * kBits / 8;
+  for (int t = 0; t < n_rows; ++t) {
+    const uint8_t* rec = page + size_t(t) * a.record_bytes;
+    alignas(32) float s[8];
+    _mm256_store_ps(s, _mm256_cvtph_ps(_mm_maskz_loadu_epi16(__mmask8((1u << kGroups) - 1u), rec + code_bytes)));
+    float* row = out + size_t(t) * size_t(d);
+    for (int b = 0; b < kBlocks; ++b) {
+      const __m512i q = kBits == 8 ? _mm512_loadu_si512(rec + 64 * b)
+                                   : _mm512_sub_epi8(unpack_fields<4>(rec + 32 * b), _mm512_set1_epi8(8));
+      for (int k = 0; k < 4; ++k)
+        _mm512_storeu_ps(row + 64 * b + 16 * k,
+                         _mm512_mul_ps(_mm512_set1_ps(s[2 * b + k / 2]), _mm512_cvtepi32_ps(widen_bytes<true>(q, k))));
+    }
+  }
+}
+
+// kivi2 rows, head_dim = 64 kBlocks: min + step q (a product, then a sum, as decode_kivi2), the
+// 2-bit codes of 64 channels in one byte permute and one multishift. K pages: one (min, step) per
+// channel for the page; V pages: per token and group, a row's in one load and one conversion.
+template <int kBlocks, bool kKey>
+void kivi2_rows(const LossyDecodeArgs& a, const uint8_t* page, int n_rows, float* out) {
+  constexpr int d = 64 * kBlocks, kGroups = 2 * kBlocks;
+  const uint8_t* params = page + size_t(a.block_tokens) * size_t(d) / 4;
+  alignas(64) float mins[kKey ? d : 1], steps[kKey ? d : 1];
+  if constexpr (kKey)
+    for (int c = 0; c < d; c += 16) Isa::fp16_pairs(params + 4 * size_t(c), mins + c, steps + c);
+  for (int t = 0; t < n_rows; ++t) {
+    const uint8_t* row_codes = page + size_t(t) * size_t(d) / 4;
+    float* row = out + size_t(t) * size_t(d);
+    alignas(64) float pairs[2 * kGroups];  // V: (min, step) of each group
+    if constexpr (!kKey)
+      _mm512_store_ps(pairs, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(__mmask16((1u << (2 * kGroups)) - 1u),
+                                                                      params + 4 * size_t(t) * size_t(kGroups))));
+    for (int b = 0; b < kBlocks; ++b) {
+      const __m512i q = unpack_fields<2>(row_codes + 16 * b);
+      for (int k = 0; k < 4; ++k) {
+        const int c = 64 * b + 16 * k, g = c / kQuantGroup;
+        const __m512 mn = kKey ? _mm512_load_ps(mins + c) : _mm512_set1_ps(pairs[2 * g]);
+        const __m512 step = kKey ? _mm512_load_ps(steps + c) : _mm512_set1_ps(pairs[2 * g + 1]);
+        _mm512_storeu_ps(row + c, _mm512_add_ps(mn, _mm512_mul_ps(step, _mm512_cvtepi32_ps(widen_bytes<false>(q, k)))));
+      }
+    }
+  }
+}
+
+// The rows of rtn8, rtn4 and kivi2 pages whose head_dim is a multiple of 64 (false otherwise).
+bool decode_codes(const LossyDecodeArgs& a, const uint8_t* page, int n_rows, float* out) {
+  const int blocks = a.head_dim % 64 == 0 ? a.head_dim / 64 : 0;
+  if (blocks == 0) return false;
+  const auto by_blocks = [&](auto rows_of) {
+    switch (blocks) {
+      case 1: rows_of(std::integral_constant<int, 1>{}); return true;
+      case 2: rows_of(std::integral_constant<int, 2>{}); return true;
+      case 3: rows_of(std::integral_constant<int, 3>{}); return true;
+      case 4: rows_of(std::integral_constant<int, 4>{}); return true;
+      default: return false;
+    }
+  };
+  switch (a.scheme) {
+    case LossyScheme::kRtn8:
+      return by_blocks([&](auto b) { rtn_rows<decltype(b)::value, 8>(a, page, n_rows, out); });
+    case LossyScheme::kRtn4:
+      return by_blocks([&](auto b) { rtn_rows<decltype(b)::value, 4>(a, page, n_rows, out); });
+    case LossyScheme::kKivi2:
+      return a.key ? by_blocks([&](auto b) { kivi2_rows<decltype(b)::value, true>(a, page, n_rows, out); })
+                   : by_blocks([&](auto b) { kivi2_rows<decltype(b)::value, false>(a, page, n_rows, out); });
+    default:
+      return false;
+  }
+}
+
 void decode_page(const LossyDecodeArgs& a, uint32_t block, const uint8_t* page, int n_rows, float* out, float* scales,
                  size_t scales_stride) {
   if (a.scheme == LossyScheme::kDither8 &&
       (a.key ? decode_dither8_key(a, block, page, n_rows, out, scales, scales_stride)
              : decode_dither8_value(a, page, n_rows, out, scales, scales_stride)))
     return;
+  if (decode_codes(a, page, n_rows, out)) return;
   avx512::decode_page(a, block, page, n_rows, out, scales, scales_stride);
 }
 
