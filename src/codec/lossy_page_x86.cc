@@ -5,7 +5,11 @@
 // become fp16 bit patterns (E5M2 is the top byte of an fp16; E4M3's seven exponent and mantissa
 // bits move down one place and the result is scaled by 2^8, exact for normals and subnormals)
 // and the hardware converts them; 2- and 4-bit codes come out of one broadcast word by
-// per-lane shifts.
+// per-lane shifts. On CPUs with AVX-512 VBMI the AVX-512 kernel first offers a page to row loops
+// written for head_dim a multiple of 64 (namespace avx512_vbmi): dither8 K rows from one byte
+// permute of codes and generator bytes per 16 channels, dither8 V, rtn8, rtn4 and kivi2 rows with a
+// row's scales in one load and one conversion and 2- and 4-bit codes of 64 channels in one byte
+// permute and one multishift; any other page goes to the AVX-512 decoders of the .inc.
 #include <cstring>
 #include <type_traits>
 
