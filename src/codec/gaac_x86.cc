@@ -7,6 +7,7 @@
 // gaac_decode_rows_ref. The row decoders write BF16 bits or floats (the BF16 bits shifted up by
 // 16, so the floats equal those of the raw page); both share one decode loop, templated on the
 // output element.
+#include <algorithm>
 #include <bit>
 #include <cstring>
 
@@ -373,6 +374,181 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) inline void dec
   store_64(tables, _mm512_loadu_si512(tile_start + group0 * 8), e, dst);
 }
 
+// Escape bytes of groups [0, group_end) of a tile, counted from its tags a word at a time, and
+// whether a tag of 3, or a raw tag, is among them. REQUIRES: group_end % 4 == 0.
+struct TagCount {
+  size_t escape_bytes;
+  bool invalid;
+  bool raw;
+};
+__attribute__((target("popcnt"))) inline TagCount count_tags(const uint8_t* tags, size_t group_end) {
+  constexpr uint64_t kLowBits = 0x5555555555555555ull;
+  const size_t n_bytes = group_end / 4;
+  size_t four_bit = 0, raw = 0;
+  uint64_t invalid = 0;
+  for (size_t i = 0; i < n_bytes; i += 8) {
+    const uint64_t w = i + 8 <= n_bytes ? load_u64(tags + i) : load_le(tags + i, int(n_bytes - i));
+    const uint64_t low = w & kLowBits, high = (w >> 1) & kLowBits;
+    four_bit += size_t(std::popcount(low & ~high));
+    raw += size_t(std::popcount(high & ~low));
+    invalid |= low & high;
+  }
+  return TagCount{four_bit + 5 * raw, invalid != 0, raw != 0};
+}
+
+// One run of 8 groups (64 elements) of a row, its 3-bit codes from the code stream and its modes
+// as two 64-bit lane masks: four_bit (the bytes of its 4-bit groups) and bit3 (bit 3 of each
+// element's code, from the escape bytes).
+template <class Out>
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2"))) inline void decode_run(
+    const VbmiTables& tables, const uint8_t* tile_start, const PageGeometry& g, size_t group0, const uint8_t* b3,
+    const uint8_t* b4, __mmask64 four_bit, __mmask64 bit3, Out* dst) {
+  const __m512i codes = _mm512_maskz_loadu_epi8(0xffffffull, tile_start + g.code_offset + group0 * 3);
+  __m512i e = _mm512_and_si512(
+      _mm512_multishift_epi64_epi8(tables.shifts, _mm512_permutexvar_epi8(tables.gather, codes)),
+      _mm512_set1_epi8(7));
+  e = _mm512_mask_add_epi8(e, bit3, e, _mm512_set1_epi8(8));
+  const __m512i base = _mm512_mask_blend_epi8(four_bit, _mm512_loadu_si512(b3), _mm512_loadu_si512(b4));
+  // Bytewise base + offset, no carries (the windows lie inside the exponent range).
+  store_64(tables, _mm512_loadu_si512(tile_start + group0 * 8), _mm512_add_epi8(e, base), dst);
+}
+
+// The tag counts of decode_rows_counted: each tile's escape position at its first decoded group
+// (the whole of the earlier tiles, then its groups before the rows), false where a tag of 3 is
+// among the groups the checked loop reads or the decoded rows' escapes end past the slot.
+constexpr int kCountedMaxTiles = 4;
+inline bool count_page_tags(const uint8_t* slot, size_t slot_bytes, const PageGeometry& g, size_t group_begin,
+                            size_t group_end, size_t* start, bool* raw) {
+  size_t earlier = 0, end = 0;
+  *raw = false;
+  for (int tile = 0; tile < g.n_tiles; ++tile) {
+    const uint8_t* tags = slot + size_t(tile) * g.tile_fixed_bytes + g.tag_offset;
+    const TagCount before = count_tags(tags, group_begin);
+    const TagCount through = count_tags(tags, group_end);
+    if (through.invalid) return false;
+    *raw = *raw || through.raw;
+    start[tile] = earlier + before.escape_bytes;
+    end = earlier + through.escape_bytes;
+    if (tile + 1 < g.n_tiles) {
+      const TagCount whole = count_tags(tags, g.tile_groups);
+      if (whole.invalid) return false;
+      earlier += whole.escape_bytes;
+    }
+  }
+  return end <= slot_bytes - g.page_fixed_bytes;
+}
+
+// decode_rows_counted for pages whose decoded rows have no raw group, with AVX-512 VBMI2: the
+// lane masks of every run come from whole vectors of tags, 64 groups at a time (vpmovm2b of the
+// 4-bit groups' bits, and vpexpandb of their escape bytes, one per 4-bit group in group order,
+// into the bytes of those groups). false where the rows are too many for its buffers.
+template <class Out>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,avx2,bmi2,popcnt"))) bool decode_rows_expanded(
+    const uint8_t* slot, const PageGeometry& g, const GaacBases& bases, const VbmiTables& tables,
+    const size_t* start, int token_begin, int token_end, Out* out) {
+  constexpr size_t kMaxRuns = 64;
+  const size_t runs_per_token = size_t(g.groups_per_token) / 8;
+  const size_t n_runs = size_t(token_end - token_begin) * runs_per_token;
+  if (n_runs > kMaxRuns) return false;
+  alignas(64) uint64_t four_bit[kMaxRuns + 8], bit3[kMaxRuns + 8];
+  const uint8_t* escapes = slot + g.page_fixed_bytes;
+  const size_t group_begin = size_t(token_begin) * size_t(g.groups_per_token);
+  for (int tile = 0; tile < g.n_tiles; ++tile) {
+    const uint8_t* tile_start = slot + size_t(tile) * g.tile_fixed_bytes;
+    const uint8_t* tags = tile_start + g.tag_offset;
+    size_t pos = start[tile];
+    // 64 groups (8 runs, 16 tag bytes) at a time; a last part of fewer masked.
+    for (size_t run = 0; run < n_runs; run += 8) {
+      const size_t tag_bytes = std::min<size_t>(16, 2 * (n_runs - run));
+      const __m128i t = _mm_maskz_loadu_epi8(__mmask16((1u << tag_bytes) - 1u), tags + group_begin / 4 + 2 * run);
+      // 4-bit tags are 01 (no raw tag or tag of 3 here): their low bits, one per group.
+      const uint64_t m = _pext_u64(uint64_t(_mm_cvtsi128_si64(t)), 0x5555555555555555ull) |
+                         _pext_u64(uint64_t(_mm_extract_epi64(t, 1)), 0x5555555555555555ull) << 32;
+      _mm512_store_si512(four_bit + run, _mm512_movm_epi8(m));
+      _mm512_store_si512(bit3 + run, _mm512_maskz_expandloadu_epi8(m, escapes + pos));
+      pos += size_t(std::popcount(m));
+    }
+    const int tile_channel0 = tile * g.tile_channels;
+    size_t run = 0;
+    for (int token = token_begin; token < token_end; ++token) {
+      Out* dst = out + size_t(token - token_begin) * size_t(g.head_dim) + size_t(tile_channel0);
+      for (size_t q = 0; q < runs_per_token; ++q, ++run) {
+        const size_t c = size_t(tile_channel0) + 64 * q;
+        decode_run(tables, tile_start, g, size_t(token) * size_t(g.groups_per_token) + 8 * q, &bases.b3[c],
+                   &bases.b4[c], _cvtu64_mask64(four_bit[run]), _cvtu64_mask64(bit3[run]), dst + 64 * q);
+      }
+    }
+  }
+  return true;
+}
+
+bool cpu_has_vbmi2() {
+  static const bool has = __builtin_cpu_supports("avx512vbmi2");
+  return has;
+}
+
+// Rows [token_begin, token_end) of a page whose rows are whole runs of 8 groups, with every
+// escape position known before the first row: the tags are counted first (no tag of 3, the
+// decoded rows' escapes inside the slot), so a run of 3- and 4-bit groups needs no check and no
+// branch on its modes: its escape bytes, one per 4-bit group, are one masked load placed with
+// pdep (or, with no raw group in the rows, decode_rows_expanded); a run with a raw group takes
+// decode_8_groups_vbmi. false, with nothing written, where the counting finds a tag of 3 or an
+// overrun, or the shape does not qualify: the checked loop then decodes the page and reports
+// what it finds.
+template <class Out>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,bmi2,popcnt"), noinline)) void decode_rows_by_runs(
+    const uint8_t* slot, size_t slot_bytes, const PageGeometry& g, const GaacBases& bases,
+    const VbmiTables& tables, const size_t* start, int token_begin, int token_end, Out* out) {
+  const int gpt = g.groups_per_token;
+  const size_t area_bytes = slot_bytes - g.page_fixed_bytes;
+  const uint8_t* escapes = slot + g.page_fixed_bytes;
+  for (int tile = 0; tile < g.n_tiles; ++tile) {
+    const uint8_t* tile_start = slot + size_t(tile) * g.tile_fixed_bytes;
+    const uint8_t* tags = tile_start + g.tag_offset;
+    const int tile_channel0 = tile * g.tile_channels;
+    size_t pos = start[tile];
+    for (int token = token_begin; token < token_end; ++token) {
+      Out* dst = out + size_t(token - token_begin) * size_t(g.head_dim) + size_t(tile_channel0);
+      for (int q = 0; q < gpt; q += 8) {
+        const size_t group0 = size_t(token) * size_t(gpt) + size_t(q);
+        const size_t c = size_t(tile_channel0 + 8 * q);
+        const uint32_t tags16 = uint32_t(tags[group0 / 4]) | uint32_t(tags[group0 / 4 + 1]) << 8;
+        if ((tags16 & 0xaaaau) != 0) {
+          DecodeState s{&g, escapes, area_bytes, pos};
+          decode_8_groups_vbmi(s, tables, tile_start, tile, group0, &bases.b3[c], &bases.b4[c], dst + 8 * q);
+          pos = s.escape_pos;
+          continue;
+        }
+        const uint32_t four_bit = _pext_u32(tags16, 0x5555u);
+        const unsigned n_four_bit = unsigned(std::popcount(four_bit));
+        const uint64_t lanes = _pdep_u64(four_bit, 0x0101010101010101ull) * 0xffu;
+        const uint64_t escape_bytes = uint64_t(
+            _mm_cvtsi128_si64(_mm_maskz_loadu_epi8(__mmask16((1u << n_four_bit) - 1u), escapes + pos)));
+        pos += n_four_bit;
+        decode_run(tables, tile_start, g, group0, &bases.b3[c], &bases.b4[c], lanes, _pdep_u64(escape_bytes, lanes),
+                   dst + 8 * q);
+      }
+    }
+  }
+}
+
+template <class Out>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,bmi2,popcnt"))) bool decode_rows_counted(
+    const uint8_t* slot, size_t slot_bytes, const PageGeometry& g, const GaacBases& bases,
+    const VbmiTables& tables, int token_begin, int token_end, Out* out) {
+  const int gpt = g.groups_per_token;
+  if (gpt % 8 != 0 || g.n_tiles > kCountedMaxTiles || token_begin >= token_end) return false;
+  size_t start[kCountedMaxTiles];
+  bool raw = false;
+  if (!count_page_tags(slot, slot_bytes, g, size_t(token_begin) * size_t(gpt), size_t(token_end) * size_t(gpt),
+                       start, &raw)) {
+    return false;
+  }
+  if (raw || !cpu_has_vbmi2() || !decode_rows_expanded(slot, g, bases, tables, start, token_begin, token_end, out))
+    decode_rows_by_runs(slot, slot_bytes, g, bases, tables, start, token_begin, token_end, out);
+  return true;
+}
+
 }  // namespace
 
 __attribute__((target("avx2,bmi2"))) size_t encode_page_bf16_avx2(const uint16_t* bf16,
@@ -539,15 +715,13 @@ __attribute__((target("avx512f,avx512bw,avx2,bmi2"))) size_t encode_page_bf16_av
 }
 
 template <class Out>
-__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) void decode_rows_avx512(
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"), noinline)) void decode_rows_checked_avx512(
     const uint8_t* slot, size_t slot_bytes, const PageGeometry& g, const GaacBases& bases,
-    int token_begin, int token_end, Out* out) {
-  if (slot_bytes < g.page_fixed_bytes) fail_truncated_slot(g, slot_bytes);
+    const VbmiTables& tables, int token_begin, int token_end, Out* out) {
   DecodeState s{&g, slot + g.page_fixed_bytes, slot_bytes - g.page_fixed_bytes, 0};
   const int gpt = g.groups_per_token;
   const __m512i mask_sign = _mm512_set1_epi16(0x80);
   const __m512i mask_mantissa = _mm512_set1_epi16(0x7f);
-  const VbmiTables tables = load_vbmi_tables();
   size_t earlier_tiles_bytes = 0;
   for (int tile = 0; tile < g.n_tiles; ++tile) {
     const uint8_t* tile_start = slot + size_t(tile) * g.tile_fixed_bytes;
@@ -591,6 +765,17 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) void decode_row
       earlier_tiles_bytes += escape_bytes_of_tags(g, tile_start, tile, 0, g.tile_groups);
     }
   }
+}
+
+// The rows through decode_rows_counted where it takes them, else through the checked loop.
+template <class Out>
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,bmi2"))) void decode_rows_avx512(
+    const uint8_t* slot, size_t slot_bytes, const PageGeometry& g, const GaacBases& bases,
+    int token_begin, int token_end, Out* out) {
+  if (slot_bytes < g.page_fixed_bytes) fail_truncated_slot(g, slot_bytes);
+  const VbmiTables tables = load_vbmi_tables();
+  if (decode_rows_counted(slot, slot_bytes, g, bases, tables, token_begin, token_end, out)) return;
+  decode_rows_checked_avx512(slot, slot_bytes, g, bases, tables, token_begin, token_end, out);
 }
 
 void decode_rows_bf16_avx2(const uint8_t* slot, size_t slot_bytes, const PageGeometry& g,

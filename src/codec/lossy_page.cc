@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -852,6 +853,13 @@ LossyPageDecoder::LossyPageDecoder(const LossyPageSpec& spec, LossyKernel kernel
     for (int which = 0; which < 2; ++which)
       args_.outlier_channels[2 * i + which] =
           uint8_t(rope_pair_channel(spec.pairing, g.d, spec.outlier_pairs[i], which));
+  std::fill(std::begin(args_.outlier_lanes), std::end(args_.outlier_lanes), uint16_t(0));
+  std::fill(std::begin(args_.outlier_index), std::end(args_.outlier_index), uint8_t(0));
+  for (int i = 0; i < args_.n_outlier_channels; ++i) {
+    const int c = args_.outlier_channels[i];
+    args_.outlier_lanes[c / 16] = uint16_t(args_.outlier_lanes[c / 16] | 1u << (c % 16));
+    args_.outlier_index[c] = uint8_t(i);
+  }
   decode_ = kernel_function(kernel);
 }
 

@@ -157,6 +157,10 @@ struct LossyDecodeArgs {
   uint64_t dither_key = 0;  // dither8 K pages
   int n_outlier_channels = 0;                      // dither8 K pages: 2 m
   uint8_t outlier_channels[2 * kMaxOutlierPairs];  // pair i: channels [2 i] (a) and [2 i + 1] (b)
+  // The same by channel: outlier_lanes[k] bit j set when channel 16 k + j is an outlier channel,
+  // outlier_index[c] its index i (outlier_channels[i] == c); 0 elsewhere.
+  uint16_t outlier_lanes[256 / 16];
+  uint8_t outlier_index[256];
 };
 // Rows [0, n_rows) of one page: out [n_rows][head_dim]; dither8 pages: when scales is not null,
 // also the group scales band-major, scales[g * scales_stride + t].

@@ -1268,6 +1268,78 @@ TEST(LossyPage, GarbagePagesDecodeWithoutCrashingAndBothDecodersAgree) {
 // Every kernel this CPU runs (the AVX2 one also where AVX-512 is there), on encoded and on garbage
 // pages of every scheme, ragged shapes and row counts: the reference's floats bit for bit, and for
 // dither8 the stored scales band-major as dither8_scales gives them.
+// dither8 K and V pages on every kernel, through every path of the AVX-512 one (head_dim a
+// multiple of 64 or not, up to 64 rows and 16 outlier pairs or more, scales finite and nonzero or
+// not): encoded pages, and pages whose codes, scales and outlier values are adversarial bytes
+// (every code, fp16 scales from subnormal to 65504, one scale 0, -0, Inf or NaN, bf16 outliers of
+// any bits).
+TEST(LossyPageDecoder, Dither8PagesGiveTheReferenceFloatsOnEveryKernel) {
+  std::mt19937_64 rng(77);
+  for (bool key : {true, false}) {
+    for (int d : {64, 96, 128, 192, 256}) {
+      for (int bt : {1, 3, 16, 17, 64, 65}) {
+        for (int m : {0, 1, 4, 16, 17}) {
+          if (m > d / 2 || (!key && m > 0)) continue;
+          for (int variant = 0; variant < 6; ++variant) {
+            SCOPED_TRACE(std::string(key ? "K" : "V") + " d " + std::to_string(d) + " bt " + std::to_string(bt) + " m " + std::to_string(m) +
+                         " variant " + std::to_string(variant));
+            const RopePairing pairing = kPairings[rng() % 2];
+            const std::vector<uint16_t> x = make_block(rng(), bt, d, pairing, key);
+            const std::vector<uint16_t> pairs = outliers_of(x, d, pairing, m);
+            const LossyPageSpec spec = make_spec(LossyScheme::kDither8, key, bt, d, pairing, pairs);
+            std::vector<uint8_t> page(lossy_page_bytes(spec));
+            const uint32_t block = variant % 2 ? uint32_t(0xffffffffu / uint32_t(bt)) : uint32_t(rng());
+            if (!lossy_encode_page_ref(spec, block, x.data(), page.data())) continue;
+            const int groups = d / kQuantGroup;
+            const size_t record = page.size() / size_t(bt);
+            if (variant >= 1) {
+              // Every byte of a record random; then finite nonzero scales, but for variants 2-5 one
+              // scale of one row is 0, -0, Inf or NaN.
+              for (uint8_t& b : page) b = uint8_t(rng());
+              for (int t = 0; t < bt; ++t)
+                for (int g = 0; g < groups; ++g) {
+                  uint16_t h = uint16_t(rng());
+                  if ((h & 0x7c00) == 0x7c00) h = uint16_t(h & ~0x4000);  // finite
+                  if ((h & 0x7fff) == 0) h = 0x0001;                       // nonzero (subnormal)
+                  if (t == 0 && g == 0) h = 0x7bff;                        // 65504
+                  std::memcpy(&page[size_t(t) * record + size_t(d) + 2 * size_t(g)], &h, 2);
+                }
+              const uint16_t special[] = {0x0000, 0x8000, 0x7c00, 0xfe01};
+              if (variant >= 2) {
+                const size_t t = size_t(rng() % uint64_t(bt)), g = size_t(rng() % uint64_t(groups));
+                std::memcpy(&page[t * record + size_t(d) + 2 * g], &special[variant - 2], 2);
+              }
+            }
+            std::vector<float> ref(size_t(bt) * size_t(d));
+            lossy_decode_page_ref(spec, block, page.data(), ref.data());
+            std::vector<float> want_scales(size_t(bt) * size_t(groups));
+            dither8_scales(spec, page.data(), want_scales.data());
+            for (LossyKernel kernel : {LossyKernel::kPortable, LossyKernel::kAvx2, LossyKernel::kAvx512}) {
+              if (!lossy_kernel_supported(kernel)) continue;
+              const LossyPageDecoder decoder(spec, kernel);
+              for (int n_rows : {1, (bt + 1) / 2, bt}) {
+                std::vector<float> out(size_t(bt) * size_t(d) + 1, format::bits_to_float(0x7fc0dead));
+                const size_t stride = size_t(bt) + 3;
+                std::vector<float> scales(size_t(groups) * stride, -1.f);
+                decoder.decode(block, page.data(), n_rows, out.data(), scales.data(), stride);
+                ASSERT_EQ(std::memcmp(out.data(), ref.data(), size_t(n_rows) * size_t(d) * sizeof(float)), 0)
+                    << lossy_kernel_name(kernel) << " n_rows " << n_rows;
+                for (size_t i = size_t(n_rows) * size_t(d); i < out.size(); ++i)
+                  ASSERT_EQ(float_bits(out[i]), 0x7fc0deadu) << lossy_kernel_name(kernel) << " wrote past row " << n_rows;
+                for (int t = 0; t < n_rows; ++t)
+                  for (int g = 0; g < groups; ++g)
+                    ASSERT_EQ(float_bits(scales[size_t(g) * stride + size_t(t)]),
+                              float_bits(want_scales[size_t(t) * size_t(groups) + size_t(g)]))
+                        << lossy_kernel_name(kernel) << " scale of row " << t << " group " << g;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(LossyPageDecoder, EveryKernelGivesTheReferenceFloatsOnRaggedRows) {
   std::mt19937_64 rng(31);
   int kernels_run = 0;
