@@ -489,7 +489,9 @@ void kivi2_rows(const LossyDecodeArgs& a, const uint8_t* page, int n_rows, float
   for (int t = 0; t < n_rows; ++t) {
     const uint8_t* row_codes = page + size_t(t) * size_t(d) / 4;
     float* row = out + size_t(t) * size_t(d);
-    alignas(64) float pairs[2 * kGroups];  // V: (min, step) of each group
+    // V: (min, step) of each group; the whole vector is stored (16 floats), 2 kGroups are used.
+    static_assert(2 * kGroups <= 16, "a row's (min, step) pairs fit one vector");
+    alignas(64) float pairs[16];
     if constexpr (!kKey)
       _mm512_store_ps(pairs, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(__mmask16((1u << (2 * kGroups)) - 1u),
                                                                       params + 4 * size_t(t) * size_t(kGroups))));

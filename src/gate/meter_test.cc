@@ -130,7 +130,9 @@ TEST(MeterFromAMinus1, IsMeterFromLogAOfTheSameA) {
       EXPECT_NEAR(value, via_logs, 8e-16 * via_logs) << a_minus_1;
       // (A^2 - 1) / 2 = a + a^2 / 2, in long double.
       const long double a = a_minus_1;
-      if (value < 1) EXPECT_NEAR(value, double(a + a * a / 2), 4e-16 * value) << a_minus_1;
+      if (value < 1) {
+        EXPECT_NEAR(value, double(a + a * a / 2), 4e-16 * value) << a_minus_1;
+      }
       ASSERT_GE(value, previous) << a_minus_1;
       previous = value;
     }

@@ -492,15 +492,7 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
     }
   }
   if constexpr (Page::kDither) {
-    if (threadIdx.x < 2 * p.n_outlier_pairs) {
-      // A channel outside the head is corrupt: counted, and left out of the scores (-1).
-      int32_t c = p.outlier_channels[int64_t(kv_head) * 2 * p.n_outlier_pairs + threadIdx.x];
-      if (c < 0 || c >= D) {
-        atomicAdd(a.error_word, 1u);
-        c = -1;
-      }
-      sh.outlier_channels[threadIdx.x] = c;
-    }
+    load_outlier_channels(p, kv_head, a.error_word, sh.outlier_channels);
   }
   if (lane == 0) {
 #pragma unroll
@@ -526,26 +518,11 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
   // Q^T as the B operand: channels 2 hq, 2 hq + 1 (+ 8) of head tq; dither8: channels 4 hq + 0, 1
   // (+ 2, 3), its K operands' words.
   uint32_t qb[D / 16][2];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const int c = Page::kDither ? 16 * kk + 4 * hq : 16 * kk + 2 * hq;
-    qb[kk][0] = *reinterpret_cast<const uint32_t*>(&sh.q[tq][c]);
-    qb[kk][1] = *reinterpret_cast<const uint32_t*>(&sh.q[tq][c + (Page::kDither ? 2 : 8)]);
-  }
-  // dither8: keep[kk] byte j is 0 when channel 16 kk + 4 hq + j is an outlier.
+  query_operands<D, Page::kDither>(sh.q, tq, hq, qb);
   [[maybe_unused]] uint32_t keep[D / 16];
   [[maybe_unused]] uint64_t dither_key = 0;
   if constexpr (Page::kDither) {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) keep[kk] = 0xffffffffu;
-    for (int o = 0; o < 2 * p.n_outlier_pairs; ++o) {
-      const int c = sh.outlier_channels[o];
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const int j = c - (16 * kk + 4 * hq);
-        if (j >= 0 && j < 4) keep[kk] &= ~(0xffu << (8 * j));
-      }
-    }
+    outlier_keep_masks<D>(sh.outlier_channels, 2 * p.n_outlier_pairs, hq, keep);
     dither_key = p.dither_keys[kv_head];
   }
 

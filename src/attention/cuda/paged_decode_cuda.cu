@@ -865,15 +865,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
     }
   }
   if constexpr (Traits::kTierB) {
-    if (threadIdx.x < 2 * p.n_outlier_pairs) {
-      // A channel outside the head is corrupt: counted, and left out of the scores (-1).
-      int32_t c = p.outlier_channels[int64_t(kv_head) * 2 * p.n_outlier_pairs + threadIdx.x];
-      if (c < 0 || c >= D) {
-        atomicAdd(a.error_word, 1u);
-        c = -1;
-      }
-      sh.outlier_channels[threadIdx.x] = c;
-    }
+    load_outlier_channels(p, kv_head, a.error_word, sh.outlier_channels);
   }
   __syncthreads();
   if constexpr (kMeter || Traits::kTierB) {
@@ -913,12 +905,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
   // Q^T as the B operand: channels 2 hq, 2 hq + 1 (+ 8) of head tq; dither8 (whose K fragments
   // are built in registers, dither8_key_scores): channels 4 hq + 0, 1 (+ 2, 3).
   uint32_t qb[D / 16][2];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const int c = Traits::kTierB ? 16 * kk + 4 * hq : 16 * kk + 2 * hq;
-    qb[kk][0] = *reinterpret_cast<const uint32_t*>(&sh.q[tq][c]);
-    qb[kk][1] = *reinterpret_cast<const uint32_t*>(&sh.q[tq][c + (Traits::kTierB ? 2 : 8)]);
-  }
+  query_operands<D, Traits::kTierB>(sh.q, tq, hq, qb);
   // Tier A: the band weights of head tq as B operands (fp16, hi + lo >= the weight, prescaled by
   // a power of two so that the largest fits fp16), and the factor that undoes the prescale and
   // covers the float accumulation of the 16 nonnegative band products (2^-16 relative).
@@ -954,16 +941,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
   [[maybe_unused]] int key_rows_at[2] = {0, 0};
   [[maybe_unused]] uint64_t k_dither_key = 0;
   if constexpr (Traits::kTierB) {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) keep[kk] = 0xffffffffu;
-    for (int o = 0; o < 2 * p.n_outlier_pairs; ++o) {
-      const int c = sh.outlier_channels[o];
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const int j = c - (16 * kk + 4 * hq);
-        if (j >= 0 && j < 4) keep[kk] &= ~(0xffu << (8 * j));
-      }
-    }
+    outlier_keep_masks<D>(sh.outlier_channels, 2 * p.n_outlier_pairs, hq, keep);
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       neg_offset[g][0] = -sh.dither_offset[2 * hq][g];

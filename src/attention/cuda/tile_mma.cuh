@@ -189,6 +189,50 @@ __device__ inline RowExtent row_extent(const Params& p, int b, unsigned int* err
   return {len, table_block};
 }
 
+// Q^T as the B operand of the scores, from the query rows in shared memory (element bits, 8 rows
+// of D): channels 2 hq, 2 hq + 1 (+ 8) of head tq per 16-channel step; with word channels (dither8,
+// whose K operands are a generator word of 4 channels per token and step) channels 4 hq + 0, 1
+// (+ 2, 3).
+template <int D, bool kWordChannels>
+__device__ inline void query_operands(const uint16_t (*q)[D], int tq, int hq, uint32_t (&qb)[D / 16][2]) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int c = kWordChannels ? 16 * kk + 4 * hq : 16 * kk + 2 * hq;
+    qb[kk][0] = *reinterpret_cast<const uint32_t*>(&q[tq][c]);
+    qb[kk][1] = *reinterpret_cast<const uint32_t*>(&q[tq][c + (kWordChannels ? 2 : 8)]);
+  }
+}
+
+// dither8: the KV head's outlier channels into shared memory, one thread each; a channel outside
+// the head is corrupt: counted, and left out of the scores (-1).
+template <class Params>
+__device__ inline void load_outlier_channels(const Params& p, int kv_head, unsigned int* error_word, int32_t* out) {
+  if (threadIdx.x < 2 * p.n_outlier_pairs) {
+    int32_t c = p.outlier_channels[int64_t(kv_head) * 2 * p.n_outlier_pairs + threadIdx.x];
+    if (c < 0 || c >= p.head_dim) {
+      atomicAdd(error_word, 1u);
+      c = -1;
+    }
+    out[threadIdx.x] = c;
+  }
+}
+
+// dither8: keep[kk] byte j is 0 when channel 16 kk + 4 hq + j is one of the n outlier channels
+// (their codes and dither leave the products: their exact values are added after).
+template <int D>
+__device__ inline void outlier_keep_masks(const int32_t* outliers, int n, int hq, uint32_t (&keep)[D / 16]) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) keep[kk] = 0xffffffffu;
+  for (int o = 0; o < n; ++o) {
+    const int c = outliers[o];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int j = c - (16 * kk + 4 * hq);
+      if (j >= 0 && j < 4) keep[kk] &= ~(0xffu << (8 * j));
+    }
+  }
+}
+
 // Scores S^T = K Q^T of one tile (fp32, unscaled). tile_k: a tile of layout L; qb: Q^T as B
 // operands (channels 2 hq, 2 hq + 1 (+ 8) of head tq, per 16-channel step).
 template <int D, bool kHalf, class L>
