@@ -445,7 +445,7 @@ TEST(PagedDecodeCuda, CheckRefusesBadInputWithoutADevice) {
     p.max_seq_len = 100;
     p.gaac_bases = bases.data();
     p.dither_keys = keys.data();
-    p.n_outlier_pairs = f == PageFormat::kDither8 ? 2 : 0;
+    p.n_outlier_pairs = is_dither8(f) ? 2 : 0;
     p.outlier_channels = channels.data();
     p.q = q.data();
     p.out = out.data();
@@ -453,7 +453,8 @@ TEST(PagedDecodeCuda, CheckRefusesBadInputWithoutADevice) {
     p.workspace_size = sizeof(workspace);
     return p;
   };
-  for (PageFormat f : {PageFormat::kBf16, PageFormat::kGaacBf16, PageFormat::kFp8E4M3, PageFormat::kDither8}) {
+  for (PageFormat f : {PageFormat::kBf16, PageFormat::kGaacBf16, PageFormat::kFp8E4M3, PageFormat::kDither8,
+                       PageFormat::kBf16Fragments, PageFormat::kFp8Fragments, PageFormat::kDither8Fragments}) {
     const std::string name = page_format_name(f);
     EXPECT_TRUE(check(base(f)).ok) << name << ": " << check(base(f)).message;
     PagedDecodeParams p = base(f);
@@ -519,7 +520,15 @@ TEST(PagedDecodeCuda, CheckRefusesBadInputWithoutADevice) {
     p = base(f);
     p.head_dim = 96;
     EXPECT_FALSE(paged_decode(p).ok) << name;  // refused before any launch
-    if (f == PageFormat::kBf16) continue;
+    if (is_dither8(f)) {
+      p = base(f);
+      p.dither_keys = nullptr;
+      EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+      p = base(f);
+      p.n_outlier_pairs = kMaxDeviceOutlierPairs + 1;
+      EXPECT_EQ(check(p).code, StatusCode::kUnsupported) << name;
+    }
+    if (f == PageFormat::kBf16 || f == PageFormat::kBf16Fragments) continue;  // no raw pages
     p = base(f);
     p.raw_page_stride = 2048 - 16;  // below a raw page
     EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
