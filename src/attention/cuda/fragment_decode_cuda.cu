@@ -390,20 +390,7 @@ __device__ inline void dither8_scores(const Shared& sh, const uint4 (&kx)[D / 32
 #pragma unroll
     for (int k = 0; k < 4; ++k) s[k] += qo[k & 1] * xo[k >> 1];
   }
-  if constexpr (kMeter) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int head = 2 * hq + (k & 1);
-      float var = 0.f, sum = 0.f;
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float x = sc[k >> 1][g];
-        var += sh.weight[head][g] * x * x;
-        sum += sh.abs_weight[head][g] * x;
-      }
-      c[k] = sqrtf(var) + sum;
-    }
-  }
+  if constexpr (kMeter) tier_b_bounds<G>(sh.weight, sh.abs_weight, sc, hq, c);
 }
 
 // A dither8 V page's scales of the lane's tokens tq, tq + 8 (0 from token n on: a tail's rows past

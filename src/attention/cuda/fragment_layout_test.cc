@@ -79,6 +79,19 @@ float value_of(uint16_t x) { return float(int16_t(x)); }
 float element_value(uint16_t x) { return float(int16_t(x)); }
 float element_value(uint8_t x) { return float(int8_t(x)); }
 
+// The emulated accumulators of S^T = K Q^T (c, in the C layout) against the row-major product.
+template <int D>
+void expect_scores(const std::array<std::array<double, 4>, 32>& c, const std::vector<uint16_t>& k_rows,
+                   const std::vector<uint16_t>& q) {
+  for (int l = 0; l < 32; ++l)
+    for (int i = 0; i < 4; ++i) {
+      const int token = c_row(l, i), head = c_col(l, i);
+      double want = 0;
+      for (int ch = 0; ch < D; ++ch) want += double(value_of(k_rows[token * D + ch])) * value_of(q[head * D + ch]);
+      EXPECT_EQ(c[l][i], want) << "D " << D << " lane " << l << " c" << i;
+    }
+}
+
 // Lane l's element i (register i / 2, half i % 2) of step s in a page: 16-bit pages at
 // s * 256 + 8 l + i; pages of 8-bit codes at byte (s / 2) * 512 + 16 l + (s % 2) * 8 + i.
 template <class Element>
@@ -106,13 +119,7 @@ void check_scores(std::mt19937& rng) {
     }
     mma_emulated(a, b, c);
   }
-  for (int l = 0; l < 32; ++l)
-    for (int i = 0; i < 4; ++i) {
-      const int token = c_row(l, i), head = c_col(l, i);
-      double want = 0;
-      for (int ch = 0; ch < D; ++ch) want += double(value_of(k_rows[token * D + ch])) * value_of(q[head * D + ch]);
-      EXPECT_EQ(c[l][i], want) << "D " << D << " lane " << l << " c" << i;
-    }
+  expect_scores<D>(c, k_rows, q);
 }
 
 // O^T = V^T P^T from a fragment-major V page: step s gives channels 16 s .. 16 s + 15 (A from the
@@ -172,13 +179,7 @@ void check_word_scores(std::mt19937& rng) {
     }
     mma_emulated(a, b, c);
   }
-  for (int l = 0; l < 32; ++l)
-    for (int i = 0; i < 4; ++i) {
-      const int token = c_row(l, i), head = c_col(l, i);
-      double want = 0;
-      for (int ch = 0; ch < D; ++ch) want += double(value_of(k_rows[token * D + ch])) * value_of(q[head * D + ch]);
-      EXPECT_EQ(c[l][i], want) << "D " << D << " lane " << l << " c" << i;
-    }
+  expect_scores<D>(c, k_rows, q);
 }
 
 TEST(FragmentLayout, WordMapOfDither8KeysGivesTheScores) {

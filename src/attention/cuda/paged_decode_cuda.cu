@@ -1096,20 +1096,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
 
     // dither8's logit bounds c, from the K page's scales.
     if constexpr (kMeter && Traits::kTierB) {
-      if (!k_exact) {  // an exact page has c = 0
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int head = 2 * hq + (k & 1);
-          float var = 0.f, sum = 0.f;
-#pragma unroll
-          for (int g = 0; g < G; ++g) {
-            const float sc = key_scale[k >> 1][g];
-            var += sh.weight[head][g] * sc * sc;
-            sum += sh.abs_weight[head][g] * sc;
-          }
-          c_bound[k] = sqrtf(var) + sum;
-        }
-      }
+      if (!k_exact) tier_b_bounds<G>(sh.weight, sh.abs_weight, key_scale, hq, c_bound);  // exact page: c = 0
     }
 
     if constexpr (kValuesLate) {  // the values' tile is free: the values, then the next copies

@@ -189,6 +189,27 @@ __device__ inline RowExtent row_extent(const Params& p, int b, unsigned int* err
   return {len, table_block};
 }
 
+// dither8's Tier B logit bounds of a lane's four (token, head) cells: c = sqrt(sum_g w_g s_g^2) +
+// sum_g w'_g s_g with the weights of heads 2 hq + e (weight, abs_weight: [8][G]) and the scales of
+// the lane's tokens tq, tq + 8 (scales[r][g]); a weight row holds kRow >= G entries.
+template <int G, int kRow>
+__device__ inline void tier_b_bounds(const float (*weight)[kRow], const float (*abs_weight)[kRow],
+                                     const float (&scales)[2][G], int hq, float (&c)[4]) {
+  static_assert(kRow >= G, "a weight per group");
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int head = 2 * hq + (k & 1);
+    float var = 0.f, sum = 0.f;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float x = scales[k >> 1][g];
+      var += weight[head][g] * x * x;
+      sum += abs_weight[head][g] * x;
+    }
+    c[k] = sqrtf(var) + sum;
+  }
+}
+
 // Q^T as the B operand of the scores, from the query rows in shared memory (element bits, 8 rows
 // of D): channels 2 hq, 2 hq + 1 (+ 8) of head tq per 16-channel step; with word channels (dither8,
 // whose K operands are a generator word of 4 channels per token and step) channels 4 hq + 0, 1
