@@ -26,6 +26,7 @@
 #include "format/numeric.h"
 #include "model/ggml_type.h"
 #include "model/matmul.h"
+#include "model/matmul_tiles.h"
 
 namespace {
 
@@ -47,7 +48,20 @@ const Shape kShapes[] = {
 struct Weights {
   std::vector<uint8_t> bytes;
   std::vector<WeightMatrix> matrices;
+  std::vector<std::vector<uint8_t>> tiles;
 };
+
+// With tiles (model/matmul_tiles.h), as a model loaded on a CPU with AMX has them. Returns false
+// where the tile path is not available (the benchmark then reports an error).
+bool attach_tiles(Weights& w) {
+  if (!certkv::model::matmul_tiles_available()) return false;
+  for (WeightMatrix& m : w.matrices) {
+    w.tiles.emplace_back(certkv::model::matmul_tiles_bytes(m));
+    certkv::model::tile_weights(m, w.tiles.back().data());
+    m.tiles = w.tiles.back().data();
+  }
+  return true;
+}
 
 Weights make_weights(const Shape& s, int64_t n_copies, uint32_t seed) {
   Weights w;
@@ -77,7 +91,7 @@ std::vector<float> make_activations(int64_t n, uint32_t seed) {
   return x;
 }
 
-// Args: shape index, n_tokens, threads, cold (0/1).
+// Args: shape index, n_tokens, threads, cold (0/1), tiles (0/1).
 void BM_Matmul(benchmark::State& state) {
   const Shape& s = kShapes[state.range(0)];
   const int64_t n_tokens = state.range(1);
@@ -86,7 +100,8 @@ void BM_Matmul(benchmark::State& state) {
   const size_t matrix_bytes = certkv::model::ggml_row_bytes(s.type, s.n_in) * size_t(s.n_out);
   const int64_t n_copies =
       cold ? std::max<int64_t>(2, int64_t((size_t(128) << 20) / matrix_bytes)) : 1;
-  const Weights w = make_weights(s, n_copies, 1);
+  Weights w = make_weights(s, n_copies, 1);
+  if (state.range(4) != 0 && !attach_tiles(w)) return state.SkipWithError("no AMX tiles here");
   const std::vector<float> x = make_activations(n_tokens * s.n_in, 2);
   std::vector<float> y(size_t(n_tokens * s.n_out));
   ThreadPool pool(threads);
@@ -108,42 +123,48 @@ void BM_Matmul(benchmark::State& state) {
 
 void matmul_args(benchmark::internal::Benchmark* b) {
   for (int64_t shape = 0; shape < int64_t(std::size(kShapes)); ++shape)
-    for (int64_t threads : {1, 2}) {
-      b->Args({shape, 1, threads, 0});
-      b->Args({shape, 1, threads, 1});
-      b->Args({shape, 8, threads, 0});
-      b->Args({shape, 8, threads, 1});
-      b->Args({shape, 512, threads, 0});
-    }
+    for (int64_t threads : {1, 2})
+      for (int64_t tiles : {0, 1}) {
+        b->Args({shape, 1, threads, 0, tiles});
+        b->Args({shape, 1, threads, 1, tiles});
+        b->Args({shape, 8, threads, 0, tiles});
+        b->Args({shape, 8, threads, 1, tiles});
+        b->Args({shape, 512, threads, 0, tiles});
+      }
 }
 double fastest(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
 
 BENCHMARK(BM_Matmul)
     ->Apply(matmul_args)
-    ->ArgNames({"shape", "tokens", "threads", "cold"})
+    ->ArgNames({"shape", "tokens", "threads", "cold", "tiles"})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime()
     ->ComputeStatistics("min", fastest);
 
 constexpr int kLayers = 30;
 
-// The 7 products of every layer (q, k, v, o, gate, up, down), kLayers copies each.
-std::vector<Weights> layer_weights() {
+// The 7 products of every layer (q, k, v, o, gate, up, down), kLayers copies each, with tiles
+// when `tiles` (false if the tile path is not available).
+bool layer_weights(bool tiles, std::vector<Weights>* weights) {
   const Shape layer[] = {kShapes[0], kShapes[1], kShapes[1], kShapes[0],
                          kShapes[2], kShapes[2], kShapes[3]};
-  std::vector<Weights> weights;
-  for (const Shape& s : layer)
-    weights.push_back(make_weights(s, kLayers, 3 + uint32_t(weights.size())));
-  return weights;
+  for (const Shape& s : layer) {
+    weights->push_back(make_weights(s, kLayers, 3 + uint32_t(weights->size())));
+    if (tiles && !attach_tiles(weights->back())) return false;
+  }
+  return true;
 }
 
 // One decode step's matrix products for a batch of sequences (one token each: the engine's
-// decode step). Args: threads, tokens.
+// decode step). Args: threads, tokens, tiles (0/1).
 void BM_DecodeAllMatmuls(benchmark::State& state) {
   const int threads = int(state.range(0));
   const int64_t tokens = state.range(1);
-  const std::vector<Weights> weights = layer_weights();
-  const Weights head = make_weights(kShapes[4], 1, 99);
+  const bool tiles = state.range(2) != 0;
+  std::vector<Weights> weights;
+  Weights head = make_weights(kShapes[4], 1, 99);
+  if (!layer_weights(tiles, &weights) || (tiles && !attach_tiles(head)))
+    return state.SkipWithError("no AMX tiles here");
   const std::vector<float> x = make_activations(size_t(tokens) * 1536, 4);
   std::vector<float> y(size_t(tokens) * 49152);
   ThreadPool pool(threads);
@@ -162,17 +183,18 @@ void BM_DecodeAllMatmuls(benchmark::State& state) {
       benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_DecodeAllMatmuls)
-    ->ArgsProduct({{1, 2}, {1, 8}})
-    ->ArgNames({"threads", "tokens"})
+    ->ArgsProduct({{1, 2}, {1, 8}, {0, 1}})
+    ->ArgNames({"threads", "tokens", "tiles"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime()
     ->ComputeStatistics("min", fastest);
 
-// A 512-token prompt's layer products. Arg: threads.
+// A 512-token prompt's layer products. Args: threads, tiles (0/1).
 void BM_PrefillAllMatmuls(benchmark::State& state) {
   constexpr int64_t kTokens = 512;
   const int threads = int(state.range(0));
-  const std::vector<Weights> weights = layer_weights();
+  std::vector<Weights> weights;
+  if (!layer_weights(state.range(1) != 0, &weights)) return state.SkipWithError("no AMX tiles here");
   const std::vector<float> x = make_activations(kTokens * 1536, 4);
   std::vector<float> y(size_t(kTokens) * 1536);
   ThreadPool pool(threads);
@@ -186,9 +208,8 @@ void BM_PrefillAllMatmuls(benchmark::State& state) {
       benchmark::Counter(double(kTokens), benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_PrefillAllMatmuls)
-    ->Arg(1)
-    ->Arg(2)
-    ->ArgName("threads")
+    ->ArgsProduct({{1, 2}, {0, 1}})
+    ->ArgNames({"threads", "tiles"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime()
     ->ComputeStatistics("min", fastest);

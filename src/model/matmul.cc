@@ -11,6 +11,7 @@
 #include "format/numeric.h"
 #include "model/dequant.h"
 #include "model/ggml_type.h"
+#include "model/matmul_tiles.h"
 #include "model/quantized_dot.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
@@ -1455,6 +1456,20 @@ void matmul(std::span<const WeightMatrix> w, const float* x, int64_t n_tokens,
   }
   if (n_tokens == 0 || std::all_of(w.begin(), w.end(), [](const WeightMatrix& m) { return m.n_out == 0; }))
     return;
+  // Matrices with tiles take the tile path (model/matmul_tiles.h) whatever the number of tokens;
+  // the others the path below.
+  auto tiled = [](const WeightMatrix& m) { return m.tiles != nullptr && m.n_out > 0; };
+  if (std::any_of(w.begin(), w.end(), tiled) && matmul_tiles_available()) {
+    std::vector<WeightMatrix> with, without;
+    std::vector<float*> y_with, y_without;
+    for (size_t m = 0; m < w.size(); ++m) {
+      (tiled(w[m]) ? with : without).push_back(w[m]);
+      (tiled(w[m]) ? y_with : y_without).push_back(y[m]);
+    }
+    matmul_tiled(with, x, n_tokens, y_with, pool);
+    if (without.empty()) return;
+    return matmul(without, x, n_tokens, y_without, pool);
+  }
 #if defined(CERTKV_MATMUL_AVX512) || defined(CERTKV_MATMUL_AVX2)
   matmul_simd(w, x, n_tokens, y, pool);
 #else

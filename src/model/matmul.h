@@ -34,6 +34,9 @@ struct WeightMatrix {
   int64_t n_in = 0;
   int64_t n_out = 0;
   size_t row_bytes = 0;
+  // The matrix repacked for the AMX tile path (model/matmul_tiles.h), or null. Owned by whoever
+  // made it (the Model); when set, matmul takes the tile path for every number of tokens.
+  const uint8_t* tiles = nullptr;
 };
 
 // True for the weight types matmul and matmul_ref accept: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,

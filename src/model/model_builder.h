@@ -11,6 +11,7 @@
 #include "core/status.h"
 #include "format/safetensors.h"
 #include "model/gguf.h"
+#include "model/matmul_tiles.h"
 #include "model/model.h"
 
 namespace certkv::model {
@@ -73,7 +74,23 @@ class ModelBuilder {
                                      std::to_string(model_->tokenizer_->n_vocab()) +
                                      " tokens but the embedding has " + std::to_string(c.n_vocab));
     compute_rope_frequencies(nullptr);
+    attach_matmul_tiles();
     return std::move(model_);
+  }
+
+  // With the AMX tile path (model/matmul_tiles.h): each matrix of a type it takes is repacked
+  // once, the copy owned by the model, so that every product of it runs on tiles.
+  void attach_matmul_tiles() {
+    if (!matmul_tiles_available()) return;
+    auto attach = [&](WeightMatrix& w) {
+      if (!matmul_tiles_support(w.type) || w.n_in % 32 != 0 || w.n_out == 0) return;
+      std::vector<uint8_t>& tiles = model_->owned_.emplace_back(matmul_tiles_bytes(w));
+      tile_weights(w, tiles.data());
+      w.tiles = tiles.data();
+    };
+    for (LayerWeights& l : model_->layers_)
+      for (WeightMatrix* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) attach(*w);
+    attach(model_->output_);
   }
 
   void check_config() {

@@ -1,0 +1,280 @@
+#include "model/matmul_tiles.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "core/thread_pool.h"
+#include "format/numeric.h"
+#include "model/ggml_type.h"
+#include "model/matmul.h"
+#include "model/quantized_dot.h"
+
+namespace certkv::model {
+namespace {
+
+using format::GgmlType;
+
+const GgmlType kTileTypes[] = {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0};
+
+// Random codes, scales d in +-[0.001, 0.1] (mins in [-0.1, 0.1] for Q4_1); every 7th block gets
+// an extreme scale (65504, a subnormal, or 0) so that the products' float terms cover the range.
+std::vector<uint8_t> random_weights(GgmlType type, int64_t n_in, int64_t n_out, std::mt19937& rng) {
+  const size_t block_bytes = ggml_block_bytes(type);
+  std::vector<uint8_t> data(ggml_row_bytes(type, n_in) * size_t(n_out));
+  for (auto& b : data) b = uint8_t(rng());
+  std::uniform_real_distribution<float> scale(0.001f, 0.1f), min(-0.1f, 0.1f);
+  const float extreme[] = {65504.f, 3e-7f, 0.f};
+  for (size_t b = 0; b < data.size() / block_bytes; ++b) {
+    uint8_t* p = data.data() + b * block_bytes;
+    const float d = b % 7 == 3 ? extreme[(b / 7) % 3] : (rng() % 2 ? 1.f : -1.f) * scale(rng);
+    const uint16_t h = format::float_to_fp16(d);
+    std::memcpy(p, &h, 2);
+    if (type == GgmlType::kQ4_1) {
+      const uint16_t m = format::float_to_fp16(min(rng));
+      std::memcpy(p + 2, &m, 2);
+    }
+  }
+  return data;
+}
+
+// Activations over six decades, with an all-zero block in every token row past the first.
+std::vector<float> random_activations(int64_t n_tokens, int64_t n_in, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_real_distribution<float> decade(-3.f, 3.f);
+  std::vector<float> x(size_t(n_tokens * n_in));
+  for (auto& v : x) v = normal(rng) * std::pow(10.f, decade(rng));
+  for (int64_t t = 1; t < n_tokens; ++t) {
+    const int64_t b = t % (n_in / 32);
+    std::fill_n(x.begin() + t * n_in + 32 * b, 32, 0.f);
+  }
+  return x;
+}
+
+WeightMatrix matrix_of(GgmlType type, const std::vector<uint8_t>& data, int64_t n_in, int64_t n_out) {
+  WeightMatrix w;
+  w.type = type;
+  w.data = data.data();
+  w.n_in = n_in;
+  w.n_out = n_out;
+  w.row_bytes = ggml_row_bytes(type, n_in);
+  return w;
+}
+
+// Same float bits (NaN equal to NaN of any payload).
+bool same_float(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b);
+  uint32_t ua, ub;
+  std::memcpy(&ua, &a, 4);
+  std::memcpy(&ub, &b, 4);
+  return ua == ub;
+}
+
+// The product read back from the records alone, in plain code: each record's codes and scales
+// decoded from the layout of model/matmul_tiles.h, then the reference's expression block by
+// block. It needs no tile instructions, so the layout is checked on every CPU.
+std::vector<float> product_from_records(const WeightMatrix& w, const std::vector<uint8_t>& tiles,
+                                        const float* x, int64_t n_tokens) {
+  const int64_t nb = w.n_in / 32;
+  const bool q8 = w.type == GgmlType::kQ8_0, has_min = w.type == GgmlType::kQ4_1;
+  const size_t codes = q8 ? 512 : 256, record = codes + (has_min ? 128 : 64);
+  std::vector<float> y(size_t(n_tokens * w.n_out));
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    const QuantizedActivation a = quantize_activation_ref(x + t * w.n_in, w.n_in, 32);
+    for (int64_t o = 0; o < w.n_out; ++o) {
+      const int64_t g = o / 16, n = o % 16;
+      float sum = 0;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* rec = tiles.data() + size_t(g * nb + b) * record;
+        int32_t isum = 0;
+        for (int k = 0; k < 32; ++k) {
+          int c;
+          if (q8) {
+            c = int8_t(rec[64 * (k / 4) + 4 * n + k % 4]);
+          } else {
+            const uint8_t byte = rec[64 * ((k % 16) / 4) + 4 * n + k % 4];
+            c = (k < 16 ? byte & 0xF : byte >> 4) - (w.type == GgmlType::kQ4_0 ? 8 : 0);
+          }
+          isum += c * a.q[size_t(32 * b + k)];
+        }
+        float dw, mw = 0;
+        std::memcpy(&dw, rec + codes + 4 * n, 4);
+        if (has_min) std::memcpy(&mw, rec + codes + 64 + 4 * n, 4);
+        float term = (dw * a.d[size_t(b)]) * float(isum);
+        if (has_min) term = term + mw * a.s[size_t(b)];
+        sum = sum + term;
+      }
+      y[size_t(t * w.n_out + o)] = sum;
+    }
+  }
+  return y;
+}
+
+struct Shape {
+  int64_t n_in, n_out, n_tokens;
+};
+// Ragged: one block, odd block counts (a lone last block), rows past the last full group of 16,
+// token counts on both sides of the tile's 16 and the chunk's 64, SmolLM2's 576 and 1,536.
+const Shape kShapes[] = {{32, 1, 1},   {32, 16, 16},  {96, 17, 3},    {160, 15, 17},
+                         {576, 40, 1}, {576, 33, 8},  {576, 64, 70},  {1536, 20, 9},
+                         {608, 5, 33}, {64, 100, 129}};
+
+TEST(MatmulTiles, RecordsHoldTheMatrix) {
+  std::mt19937 rng(1);
+  for (GgmlType type : kTileTypes) {
+    for (const Shape& s : kShapes) {
+      SCOPED_TRACE(std::string(ggml_type_name(type)) + " " + std::to_string(s.n_in) + "x" +
+                   std::to_string(s.n_out) + " tokens " + std::to_string(s.n_tokens));
+      const std::vector<uint8_t> data = random_weights(type, s.n_in, s.n_out, rng);
+      const WeightMatrix w = matrix_of(type, data, s.n_in, s.n_out);
+      std::vector<uint8_t> tiles(matmul_tiles_bytes(w));
+      tile_weights(w, tiles.data());
+      const std::vector<float> x = random_activations(s.n_tokens, s.n_in, rng);
+      std::vector<float> ref(size_t(s.n_tokens * s.n_out));
+      matmul_quantized_ref(w, x.data(), s.n_tokens, ref.data());
+      const std::vector<float> got = product_from_records(w, tiles, x.data(), s.n_tokens);
+      for (size_t i = 0; i < ref.size(); ++i) ASSERT_TRUE(same_float(got[i], ref[i])) << i << ": " << got[i] << " vs " << ref[i];
+    }
+  }
+}
+
+TEST(MatmulTiles, RecordsOfAShiftedRowAreNotTheMatrix) {
+  // The check above can fail: swap two rows' codes in the records and it no longer holds.
+  std::mt19937 rng(2);
+  const int64_t n_in = 64, n_out = 16, n_tokens = 2;
+  const std::vector<uint8_t> data = random_weights(GgmlType::kQ4_1, n_in, n_out, rng);
+  const WeightMatrix w = matrix_of(GgmlType::kQ4_1, data, n_in, n_out);
+  std::vector<uint8_t> tiles(matmul_tiles_bytes(w));
+  tile_weights(w, tiles.data());
+  std::swap_ranges(tiles.begin() + 4 * 3, tiles.begin() + 4 * 3 + 4, tiles.begin() + 4 * 4);
+  const std::vector<float> x = random_activations(n_tokens, n_in, rng);
+  std::vector<float> ref(size_t(n_tokens * n_out));
+  matmul_quantized_ref(w, x.data(), n_tokens, ref.data());
+  const std::vector<float> got = product_from_records(w, tiles, x.data(), n_tokens);
+  int differ = 0;
+  for (size_t i = 0; i < ref.size(); ++i) differ += !same_float(got[i], ref[i]);
+  EXPECT_GT(differ, 0);
+}
+
+// The tile path against the scalar reference, bit for bit, every shape, 1 to 3 threads, with the
+// matrices of a call sharing one input (a layer's q, k, v) and a matrix without tiles among them.
+TEST(MatmulTiles, EqualTheQuantizedReferenceBitForBit) {
+  if (!matmul_tiles_available()) GTEST_SKIP() << "no AMX tiles on this CPU, kernel or build";
+  std::mt19937 rng(3);
+  for (int threads : {1, 2, 3}) {
+    ThreadPool pool(threads);
+    for (const Shape& s : kShapes) {
+      SCOPED_TRACE(std::to_string(threads) + " threads, " + std::to_string(s.n_in) + "x" +
+                   std::to_string(s.n_out) + " tokens " + std::to_string(s.n_tokens));
+      std::vector<std::vector<uint8_t>> data, tiles;
+      std::vector<WeightMatrix> w;
+      for (GgmlType type : kTileTypes) {
+        data.push_back(random_weights(type, s.n_in, s.n_out + int64_t(w.size()), rng));
+        w.push_back(matrix_of(type, data.back(), s.n_in, s.n_out + int64_t(w.size())));
+        tiles.emplace_back(matmul_tiles_bytes(w.back()));
+        tile_weights(w.back(), tiles.back().data());
+        w.back().tiles = tiles.back().data();
+      }
+      // A Q5_0 matrix (no tile layout) in the same call takes the other path.
+      data.push_back(random_weights(GgmlType::kQ5_0, s.n_in, s.n_out, rng));
+      w.push_back(matrix_of(GgmlType::kQ5_0, data.back(), s.n_in, s.n_out));
+      const std::vector<float> x = random_activations(s.n_tokens, s.n_in, rng);
+      std::vector<std::vector<float>> y(w.size());
+      std::vector<float*> yp;
+      for (size_t m = 0; m < w.size(); ++m) {
+        y[m].assign(size_t(s.n_tokens * w[m].n_out), -1.f);
+        yp.push_back(y[m].data());
+      }
+      matmul(w, x.data(), s.n_tokens, yp, pool);
+      for (size_t m = 0; m < w.size(); ++m) {
+        SCOPED_TRACE(ggml_type_name(w[m].type));
+        std::vector<float> ref(y[m].size());
+        matmul_quantized_ref(w[m], x.data(), s.n_tokens, ref.data());
+        if (w[m].tiles == nullptr) {
+          // The other path, as it computes this matrix alone.
+          std::vector<float> alone(y[m].size());
+          matmul(w[m], x.data(), s.n_tokens, alone.data(), pool);
+          for (size_t i = 0; i < ref.size(); ++i) ASSERT_TRUE(same_float(y[m][i], alone[i])) << i;
+          continue;
+        }
+        for (size_t i = 0; i < ref.size(); ++i) ASSERT_TRUE(same_float(y[m][i], ref[i])) << i << ": " << y[m][i] << " vs " << ref[i];
+      }
+    }
+  }
+}
+
+// A token's outputs are the same bits whether it is alone or the k-th of many (batch invariance).
+TEST(MatmulTiles, ATokensOutputsDoNotDependOnItsCompany) {
+  if (!matmul_tiles_available()) GTEST_SKIP() << "no AMX tiles on this CPU, kernel or build";
+  std::mt19937 rng(4);
+  ThreadPool pool(2);
+  const int64_t n_in = 576, n_out = 49, n_tokens = 37;
+  const std::vector<uint8_t> data = random_weights(GgmlType::kQ4_1, n_in, n_out, rng);
+  WeightMatrix w = matrix_of(GgmlType::kQ4_1, data, n_in, n_out);
+  std::vector<uint8_t> tiles(matmul_tiles_bytes(w));
+  tile_weights(w, tiles.data());
+  w.tiles = tiles.data();
+  const std::vector<float> x = random_activations(n_tokens, n_in, rng);
+  std::vector<float> all(size_t(n_tokens * n_out)), one(static_cast<size_t>(n_out));
+  matmul(w, x.data(), n_tokens, all.data(), pool);
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    matmul(w, x.data() + t * n_in, 1, one.data(), pool);
+    for (int64_t o = 0; o < n_out; ++o) ASSERT_TRUE(same_float(one[size_t(o)], all[size_t(t * n_out + o)])) << t << " " << o;
+  }
+}
+
+TEST(MatmulTiles, NonFiniteActivationPoisonsItsTokenOnly) {
+  if (!matmul_tiles_available()) GTEST_SKIP() << "no AMX tiles on this CPU, kernel or build";
+  std::mt19937 rng(5);
+  ThreadPool pool(2);
+  for (GgmlType type : kTileTypes) {
+    SCOPED_TRACE(ggml_type_name(type));
+    const int64_t n_in = 512, n_out = 9, n_tokens = 3;
+    const std::vector<uint8_t> data = random_weights(type, n_in, n_out, rng);
+    WeightMatrix w = matrix_of(type, data, n_in, n_out);
+    std::vector<uint8_t> tiles(matmul_tiles_bytes(w));
+    tile_weights(w, tiles.data());
+    w.tiles = tiles.data();
+    std::vector<float> x = random_activations(n_tokens, n_in, rng);
+    x[1 * n_in + 300] = INFINITY;
+    x[2 * n_in + 7] = NAN;
+    std::vector<float> y(size_t(n_tokens * n_out));
+    matmul(w, x.data(), n_tokens, y.data(), pool);
+    for (int64_t o = 0; o < n_out; ++o) {
+      EXPECT_FALSE(std::isnan(y[o])) << o;
+      EXPECT_TRUE(std::isnan(y[n_out + o])) << o;
+      EXPECT_TRUE(std::isnan(y[2 * n_out + o])) << o;
+    }
+  }
+}
+
+TEST(MatmulTilesErrors, TypesAndShapesWithoutALayoutAreRefused) {
+  std::vector<uint8_t> data(4096);
+  WeightMatrix w = matrix_of(GgmlType::kQ5_0, data, 64, 2);
+  EXPECT_FALSE(matmul_tiles_support(GgmlType::kQ5_0));
+  EXPECT_FALSE(matmul_tiles_support(GgmlType::kQ4_K));
+  EXPECT_FALSE(matmul_tiles_support(GgmlType::kF32));
+  try {
+    (void)matmul_tiles_bytes(w);
+    FAIL() << "Q5_0 has no tile layout";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kUnsupported);
+    EXPECT_NE(std::string(e.what()).find("Q5_0"), std::string::npos) << e.what();
+  }
+  w.type = GgmlType::kQ4_1;
+  w.n_in = 48;
+  try {
+    tile_weights(w, data.data());
+    FAIL() << "48 inputs are not whole blocks";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
+  }
+}
+
+}  // namespace
+}  // namespace certkv::model
