@@ -176,6 +176,9 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
                           std::to_string(config.block_tokens) + ", head_dim " + std::to_string(config.head_dim));
   const bool gaac = kv_scheme_is_gaac(scheme);
   const bool lossy = lossy_on_device(scheme);
+  if (fragment_pages && gaac)  // the GAAC encoder and kernels read row-major raw pages
+    return cuda_error(StatusCode::kUnsupported, std::string("device KV cache: scheme ") + kv_scheme_name(scheme) +
+                                                    " is marked fragment-major, but GAAC pages have no fragment form");
   const format::GaacElement element = scheme_element(scheme);
   int n_outlier_pairs = 0;
   if (lossy) {
