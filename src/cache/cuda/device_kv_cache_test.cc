@@ -526,7 +526,9 @@ void expect_tables_name_reference_pages(const DeviceKvCache& dev, int layer, con
         const CudaStatus s = ref.read_page(ref_slot, layer, KvTensor(kv), h, b, &page);
         ASSERT_TRUE(s.ok) << s.message;
         ASSERT_EQ(entry >= 0, page.gaac_slot || page.lossy_page);
-        ASSERT_EQ(device_page(dev, layer, kv, entry, page.bytes.size()), page.bytes);
+        // The device's bytes: fragment-major for a fragment-major scheme (`bytes` is the codec's
+        // order, read back through the transcoding).
+        ASSERT_EQ(device_page(dev, layer, kv, entry, page.stored.size()), page.stored);
       }
 }
 
