@@ -6,7 +6,8 @@
 //    position, and under ragged prefill chunks (lossy pages too).
 //  - The logits agree with the CPU backend's (f32 activations, bf16 pages): teacher forced over
 //    1,000 positions of a book passage, max KL below 1e-3 and top-1 agreement >= 0.99 (with
-//    CERTKV_TEST_MODEL naming another model, e.g. Qwen2.5-0.5B, the same bar on it).
+//    CERTKV_TEST_MODEL naming another model, e.g. Qwen2.5-0.5B, the same bar on it); dither8's
+//    fragment-major pages against the CPU's dither8, logits and the Tier B meter.
 //  - The engine on the device: continuous batching, prefix sharing and preemption on a small pool
 //    give every request its output alone; cancel frees its pages; the meter's telemetry of the
 //    lossy schemes comes from the decode steps.
@@ -37,6 +38,8 @@
 #include "backend/cuda/device_forward.h"
 #include "backend/host_forward.h"
 #include <cuda_runtime.h>
+#include "attention/cuda/paged_decode_cuda.h"
+#include "cache/kv_scheme.h"
 #include "codec/gaac.h"
 #include "core/status.h"
 #include "engine/engine.h"
@@ -294,6 +297,74 @@ TEST_F(CudaBackendTest, LogitsAgreeWithTheCpuBackend) {
   EXPECT_GE(agree, positions * 99 / 100);
 }
 
+// dither8 on the device (fragment-major pages: PageFormat::kDither8Fragments, the scheme table's
+// cuda_fragment_pages) against the CPU backend's dither8, teacher forced over 1,000 positions of a
+// book passage (prompt in chunks of 256: prefill rows read the finalized pages and their own
+// blocks exact; then 40 decode steps, metered). The pages' dither is keyed by the block's position
+// on both, but the device's activations come from bf16 weight products, so the bars are the
+// session's for dither8 (SessionCuda.LossySchemesDecodeWithTheMeterOnTheDevice): the device's
+// distance from the exact (bf16) CPU run of the order of the CPU dither8 run's, the Tier B
+// meter's cells the CPU's and its p99 and max within 10% of the CPU's; pages kept exact alike.
+TEST_F(CudaBackendTest, Dither8LogitsAndMetersAgreeWithTheCpuBackend) {
+  const model::Model& m = smollm2();
+  std::vector<int32_t> tokens = m.tokenizer().encode(testing::read_text(corpus_file("melville-moby-dick.txt")), true, false);
+  const int prompt = 960, steps = 40;
+  ASSERT_GE(tokens.size(), size_t(prompt + steps));
+  tokens.resize(size_t(prompt + steps));
+  const int nv = m.config().n_vocab;
+  BackendConfig cfg = device_config(cache::KvScheme::kDither8, prompt + steps, prompt + steps);
+  cfg.activations = model::ActivationFormat::kFloat32;
+  BackendConfig cpu_cfg = cfg;
+  cpu_cfg.device = model::Device::kCpu;
+  BackendConfig exact_cfg = device_config(cache::KvScheme::kBf16, prompt + steps, prompt + steps);
+  exact_cfg.activations = model::ActivationFormat::kFloat32;
+  exact_cfg.device = model::Device::kCpu;
+  std::unique_ptr<Backend> gpu = make_backend(m, cfg), cpu = make_backend(m, cpu_cfg), exact = make_backend(m, exact_cfg);
+  EXPECT_STREQ(gpu->name(), "cuda");
+  Backend* backends[3] = {gpu.get(), cpu.get(), exact.get()};
+  cache::SeqId seqs[3];
+  std::vector<std::vector<float>> logits(3, std::vector<float>(size_t(prompt + steps) * size_t(nv)));
+  for (int i = 0; i < 3; ++i) seqs[i] = backends[i]->create_sequence();
+  for (int64_t at = 0; at < prompt + steps;) {
+    const int64_t n = at < prompt ? std::min<int64_t>(256, prompt - at) : 1;
+    for (int i = 0; i < 3; ++i) {
+      BatchItem it{seqs[i], tokens.data() + at, n, nullptr, &logits[size_t(i)][size_t(at) * size_t(nv)], true};
+      backends[i]->forward({&it, 1});
+    }
+    at += n;
+  }
+  double kl_sum = 0, gpu_exact_kl = 0, cpu_exact_kl = 0;
+  int agree = 0;
+  for (int t = prompt; t < prompt + steps; ++t) {
+    const float* g = &logits[0][size_t(t) * size_t(nv)];
+    const float* c = &logits[1][size_t(t) * size_t(nv)];
+    const float* e = &logits[2][size_t(t) * size_t(nv)];
+    for (int i = 0; i < nv; ++i) ASSERT_TRUE(std::isfinite(g[i])) << "position " << t;
+    kl_sum += kl_divergence(c, g, nv);
+    gpu_exact_kl += kl_divergence(e, g, nv);
+    cpu_exact_kl += kl_divergence(e, c, nv);
+    agree += model::argmax(c, nv) == model::argmax(g, nv);
+  }
+  for (int t = 0; t < prompt; ++t)
+    for (int i = 0; i < nv; ++i) ASSERT_TRUE(std::isfinite(logits[0][size_t(t) * size_t(nv) + size_t(i)])) << "position " << t;
+  const SequenceReport rg = gpu->report(seqs[0]), rc = cpu->report(seqs[1]);
+  printf("[cuda backend] dither8 (%s), %d decode steps: device vs CPU mean KL %.3g, top-1 agree %d/%d; vs exact: "
+         "device %.3g, CPU %.3g; meter cells %lld / %lld, p99 %.4g / %.4g, max %.4g / %.4g (device / CPU)\n",
+         attention::cuda::page_format_name(attention::cuda::page_format_of(cache::KvScheme::kDither8)), steps,
+         kl_sum / steps, agree, steps, gpu_exact_kl / steps, cpu_exact_kl / steps, (long long)rg.meter_cells,
+         (long long)rc.meter_cells, rg.meter_p99, rc.meter_p99, rg.meter_max, rc.meter_max);
+  EXPECT_EQ(attention::cuda::page_format_of(cache::KvScheme::kDither8), attention::cuda::PageFormat::kDither8Fragments);
+  EXPECT_LT(gpu_exact_kl, 3 * cpu_exact_kl + 1e-3 * steps);
+  ASSERT_TRUE(rg.metered);
+  ASSERT_TRUE(rc.metered);
+  EXPECT_EQ(rg.meter_cells, rc.meter_cells);
+  EXPECT_EQ(rg.meter_cells, int64_t(steps) * m.config().n_layers * m.config().n_heads);
+  EXPECT_NEAR(rg.meter_p99, rc.meter_p99, 0.10 * rc.meter_p99 + 1e-9);
+  EXPECT_NEAR(rg.meter_max, rc.meter_max, 0.10 * rc.meter_max + 1e-9);
+  EXPECT_GT(rg.meter_max, 0.0) << "dither8 pages carry a nonzero certificate";
+  EXPECT_EQ(gpu->memory_stats().exact_fallback_blocks, cpu->memory_stats().exact_fallback_blocks);
+}
+
 // Sparse decode on the cuda backend against the CPU backend's, three sequences of a book in one
 // ragged batch, teacher forced (f32 activations on the CPU). The device computes its queries and
 // keys with bf16 weight products, so even layer 0's inputs differ from the CPU's in their last
@@ -441,7 +512,9 @@ TEST_F(CudaBackendTest, EngineBatchesSharesAndPreemptsOnTheDevice) {
                                                               {cache::KvScheme::kGaac, false},
                                                               {cache::KvScheme::kFp8E4M3, false},
                                                               {cache::KvScheme::kGaac, true},
-                                                              {cache::KvScheme::kFp8E4M3, true}};
+                                                              {cache::KvScheme::kFp8E4M3, true},
+                                                              {cache::KvScheme::kDither8, false},
+                                                              {cache::KvScheme::kDither8, true}};
   for (const auto& [scheme, defer] : runs) {
     SCOPED_TRACE(std::string(cache::kv_scheme_name(scheme)) + (defer ? ", deferred encode results" : ""));
     engine::EngineConfig cfg;

@@ -60,6 +60,11 @@ struct KvSchemeInfo {
   // The device's sparse decode reads its pages (attention/cuda/sparse_decode_cuda.h gathers rows
   // of raw bf16 pages): sparse decode on the cuda backend and the device route takes these only.
   bool cuda_sparse;
+  // The device stores the scheme's pages fragment-major (format/fragment_layout.h): raw bf16 pages
+  // (tails, exact pages) in the mma operand order from append on, and a complete block's pages
+  // transcoded when the device encoder finalizes it. The one place that decides it: the device KV
+  // cache writes these pages and attention::cuda::page_format_of names their PageFormat from it.
+  bool cuda_fragment_pages;
 };
 
 // Every scheme, in KvScheme order.

@@ -33,8 +33,15 @@ TEST(KvSchemeTable, EveryEntryIsConsistent) {
       EXPECT_TRUE(s.full_blocks == format::StorageClass::kGaac ||
                   s.full_blocks == format::StorageClass::kGaacFp8);
     }
+    if (s.cuda_fragment_pages) {
+      // Fragment-major device pages: a device-served scheme whose raw pages the device's sparse
+      // decode does not gather (it reads rows of row-major bf16 pages).
+      EXPECT_TRUE(s.cuda_route);
+      EXPECT_FALSE(s.cuda_sparse);
+    }
     tier_b += s.tier == MeterTier::kB;
   }
+  EXPECT_TRUE(kv_scheme_info(KvScheme::kDither8).cuda_fragment_pages) << "the cuda backend's dither8 pages";
   EXPECT_EQ(names.size(), size_t(kNumKvSchemes));
   EXPECT_EQ(tier_b, 1);
   EXPECT_EQ(kv_scheme_info(KvScheme::kDither8).tier, MeterTier::kB);

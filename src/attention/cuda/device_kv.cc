@@ -6,10 +6,12 @@
 #include <mutex>
 #include <numeric>
 #include <random>
+#include <string>
 #include <thread>
 
 #include "attention/cuda/fragment_layout.h"
 #include "cache/kv_scheme.h"
+#include "core/status.h"
 #include "format/fp8.h"
 #include "format/gaac_layout.h"
 #include "format/numeric.h"
@@ -17,6 +19,14 @@
 namespace certkv::attention::cuda {
 
 PageFormat page_format_of(cache::KvScheme scheme) {
+  // The scheme table says whether the device stores the scheme's pages fragment-major; the
+  // format follows from it (a scheme marked so without a fragment format is a table error).
+  const cache::KvSchemeInfo& info = cache::kv_scheme_info(scheme);
+  if (info.cuda_fragment_pages) {
+    if (scheme == cache::KvScheme::kDither8) return PageFormat::kDither8Fragments;
+    fail(StatusCode::kInternal, std::string("KV scheme ") + info.name +
+                                    " is marked fragment-major in the scheme table, but no fragment page format reads it");
+  }
   switch (scheme) {
     case cache::KvScheme::kGaac: return PageFormat::kGaacBf16;
     case cache::KvScheme::kGaacE5M2: return PageFormat::kGaacE5M2;

@@ -2,7 +2,8 @@
 // the page; a tensor-core product emulated lane by lane from the PTX ISA's operand layouts of
 // mma.m16n8k16 (written out here, independently of the maps) over fragment-major pages gives
 // K Q^T and V^T P^T of the row-major pages; the kernels' 16-byte operand loads are one wavefront
-// per quarter warp; and the transcoding round-trips. No device.
+// per quarter warp; the transcoding round-trips; and the device cache's forms of the maps (its
+// append, the device encoder's dither8 pages at finalize, read_page) are the kernels'. No device.
 #include "attention/cuda/fragment_layout.h"
 
 #include <gtest/gtest.h>
@@ -12,6 +13,9 @@
 #include <random>
 #include <set>
 #include <vector>
+
+#include "codec/lossy_page.h"
+#include "format/numeric.h"
 
 namespace certkv::attention::cuda::fragment {
 namespace {
@@ -236,6 +240,84 @@ TEST(FragmentLayout, TranscodingRoundTrips) {
     EXPECT_EQ(back, rows);
     EXPECT_NE(page, rows);  // a different order
   }
+}
+
+// The device cache's forms of the maps (format/fragment_layout.h, head_dim at run time: what its
+// append kernel and the device encoder index with, and what read_page and store_exact_block
+// transcode with) are the kernels' maps.
+template <int D>
+void expect_runtime_maps_are_the_kernels() {
+  for (int t = 0; t < kPageTokens; ++t)
+    for (int c = 0; c < D; ++c) {
+      ASSERT_EQ(element_index(true, t, c), key_index<D>(t, c)) << "D " << D;
+      ASSERT_EQ(element_index(false, t, c), value_index<D>(t, c)) << "D " << D;
+      ASSERT_EQ(dither8_code_byte(true, t, c), word_key_byte(t, c)) << "D " << D;
+      ASSERT_EQ(dither8_code_byte(false, t, c), (fragment_position<D, uint8_t>(false, t, c))) << "D " << D;
+    }
+  std::mt19937 rng(D);
+  for (bool key : {true, false}) {
+    std::vector<uint16_t> rows(size_t(kPageTokens) * D), want(rows.size()), got(rows.size()), back(rows.size());
+    for (auto& x : rows) x = uint16_t(rng());
+    fragment_page_from_rows<D, uint16_t>(rows.data(), key, want.data());
+    bf16_page_to_fragments(key, D, rows.data(), got.data());
+    EXPECT_EQ(got, want) << "D " << D << (key ? " K" : " V");
+    bf16_page_from_fragments(key, D, got.data(), back.data());
+    EXPECT_EQ(back, rows) << "D " << D << (key ? " K" : " V");
+  }
+}
+
+TEST(FragmentLayout, TheDeviceCachesMapsAreTheKernelsMaps) {
+  expect_runtime_maps_are_the_kernels<64>();
+  expect_runtime_maps_are_the_kernels<128>();
+}
+
+// A dither8 block finalized on the device: the codec's page (lossy_encode_page_ref's bytes)
+// transcoded as the device encoder writes it (LossyDeviceLayout::kFragments, through
+// dither8_page_to_fragments' offsets) is, bit for bit, dither8_fragment_page of that page (the
+// builder the kernel's tests and the emulator check); and read_page's transcoding back gives the
+// codec's page. K pages with 0 and 4 outlier pairs over both RoPE pairings, V pages, head_dim 64
+// and 128, many blocks (the dither's counter).
+template <int D>
+void expect_finalized_dither8_pages_are_the_kernels() {
+  constexpr int G = D / codec::kQuantGroup;
+  std::mt19937 rng(D + 1);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const std::vector<uint16_t> pairs = {1, 9, 17, D / 2 - 1};
+  int pages = 0;
+  for (int rep = 0; rep < 6; ++rep)
+    for (int kind = 0; kind < 3; ++kind) {  // K with outliers, K without, V
+      codec::LossyPageSpec spec;
+      spec.scheme = codec::LossyScheme::kDither8;
+      spec.key = kind < 2;
+      spec.head_dim = D;
+      spec.pairing = rep % 2 ? codec::RopePairing::kHalfSplit : codec::RopePairing::kInterleaved;
+      spec.dither_key = codec::dither8_key(rep, spec.key, kind);
+      if (kind == 0) {
+        spec.n_outlier_pairs = int(pairs.size());
+        spec.outlier_pairs = pairs.data();
+      }
+      const int m = spec.n_outlier_pairs;
+      std::vector<uint16_t> rows(size_t(kPageTokens) * D);
+      for (size_t i = 0; i < rows.size(); ++i)
+        rows[i] = format::float_to_bf16(normal(rng) * std::ldexp(1.f, int(i % D) % 7 - 3));
+      const uint32_t block = uint32_t(rng() % 5000);
+      std::vector<uint8_t> cpu(codec::lossy_page_bytes(spec)), want(cpu.size()), got(cpu.size(), 0xaa),
+          back(cpu.size());
+      ASSERT_TRUE(codec::lossy_encode_page_ref(spec, block, rows.data(), cpu.data()));
+      ASSERT_EQ(cpu.size(), size_t(kPageTokens) * (D + 2 * G + 4 * m)) << "the device page's bytes are the codec's";
+      dither8_fragment_page<D>(spec, cpu.data(), kPageTokens, want.data());
+      dither8_page_to_fragments(spec.key, D, G, m, cpu.data(), got.data());
+      ASSERT_EQ(got, want) << "D " << D << ", kind " << kind << ", rep " << rep;
+      dither8_page_from_fragments(spec.key, D, G, m, got.data(), back.data());
+      ASSERT_EQ(back, cpu) << "D " << D << ", kind " << kind << ", rep " << rep;
+      ++pages;
+    }
+  EXPECT_EQ(pages, 18);
+}
+
+TEST(FragmentLayout, Dither8PagesFinalizedOnTheDeviceAreTheKernelsPages) {
+  expect_finalized_dither8_pages_are_the_kernels<64>();
+  expect_finalized_dither8_pages_are_the_kernels<128>();
 }
 
 }  // namespace

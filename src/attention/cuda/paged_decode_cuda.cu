@@ -1322,10 +1322,6 @@ CudaStatus launch_format(const PagedDecodeParams& p, int n_splits) {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-bool fragment_format(PageFormat f) {
-  return f == PageFormat::kBf16Fragments || f == PageFormat::kFp8Fragments || f == PageFormat::kDither8Fragments;
-}
-
 }  // namespace
 
 const char* page_format_name(PageFormat f) {
@@ -1524,7 +1520,7 @@ int choose_splits(const PagedDecodeParams& p) {
   // One full wave of resident CTAs (a second, partial wave would leave multiprocessors idle); the
   // fragment kernel's wave per page class (fragment_planned_ctas_per_sm).
   const int64_t resident =
-      int64_t(sms) * (fragment_format(p.format) ? fragment_planned_ctas_per_sm(p) : resident_ctas_per_sm(p));
+      int64_t(sms) * (page_format_fragments(p.format) ? fragment_planned_ctas_per_sm(p) : resident_ctas_per_sm(p));
   int64_t splits = std::max<int64_t>(1, resident / ctas_per_split);
   if (ctas_per_split >= resident) splits = 1;
   splits = std::min<int64_t>(splits, std::max<int64_t>(1, blocks / (2 * kWarps)));

@@ -103,13 +103,23 @@ enum class PageFormat : uint8_t {
 // "fp8-e4m3-fragments", "dither8-fragments".
 const char* page_format_name(PageFormat format);
 // The page format of a KV scheme the device serves (the scheme table's cuda_route); kBf16 for
-// the others, which no device cache stores. (Defined in device_kv.cc: the scheme table is C++20,
-// the kernels' translation units C++17.)
+// the others, which no device cache stores. A scheme the table marks cuda_fragment_pages gets its
+// fragment format (dither8: kDither8Fragments), the one the device KV cache writes for it.
+// (Defined in device_kv.cc: the scheme table is C++20, the kernels' translation units C++17.)
 PageFormat page_format_of(cache::KvScheme scheme);
 // Whether pages of this format carry a meter (the lossy ones).
 inline bool page_format_metered(PageFormat f) {
   return f == PageFormat::kFp8E4M3 || f == PageFormat::kFp8E5M2 || f == PageFormat::kDither8 ||
          f == PageFormat::kFp8Fragments || f == PageFormat::kDither8Fragments;
+}
+
+// The fragment-major formats (fragment_layout.h), read by the bulk-copy kernel
+// (fragment_decode_cuda.h). Its last CTA of a row group merges the group's splits, counting on
+// split counters in the workspace: a workspace whose layout changes between launches (another
+// batch or split count) needs reset_error_word before the first launch of the new layout;
+// launches of one layout leave them zero.
+inline bool page_format_fragments(PageFormat f) {
+  return f == PageFormat::kBf16Fragments || f == PageFormat::kFp8Fragments || f == PageFormat::kDither8Fragments;
 }
 
 struct PagedDecodeParams {

@@ -18,6 +18,7 @@
 #include "attention/cuda/device_kv.h"
 #include "attention/cuda/paged_decode_cuda.h"
 #include "attention/online_softmax.h"
+#include "cache/kv_scheme.h"
 #include "format/gaac_layout.h"
 #include "core/cuda_test_support.h"
 #include "format/fp8.h"
@@ -409,6 +410,27 @@ void expect_value_side_matches(const Result& r, const std::string& name) {
 TEST(PagedDecodeCuda, DeviceIsPresent) {
   CERTKV_NEED_CUDA_DEVICE();
   EXPECT_GT(device_count(), 0);
+}
+
+// The page format of each scheme the device serves follows the scheme table (no device): dither8,
+// which the table marks cuda_fragment_pages, is read as kDither8Fragments (what the device KV
+// cache writes for it), the others in their own formats; every fragment format splits by counters.
+TEST(PagedDecodeCuda, PageFormatOfFollowsTheSchemeTable) {
+  EXPECT_EQ(page_format_of(cache::KvScheme::kDither8), PageFormat::kDither8Fragments);
+  EXPECT_EQ(page_format_of(cache::KvScheme::kBf16), PageFormat::kBf16);
+  EXPECT_EQ(page_format_of(cache::KvScheme::kGaac), PageFormat::kGaacBf16);
+  EXPECT_EQ(page_format_of(cache::KvScheme::kGaacE5M2), PageFormat::kGaacE5M2);
+  EXPECT_EQ(page_format_of(cache::KvScheme::kFp8E4M3), PageFormat::kFp8E4M3);
+  EXPECT_EQ(page_format_of(cache::KvScheme::kFp8E5M2), PageFormat::kFp8E5M2);
+  for (const cache::KvSchemeInfo& s : cache::kv_schemes()) {
+    if (!s.cuda_route) continue;
+    SCOPED_TRACE(s.name);
+    EXPECT_EQ(page_format_fragments(page_format_of(s.scheme)), s.cuda_fragment_pages);
+    EXPECT_EQ(page_format_metered(page_format_of(s.scheme)), s.lossy);
+  }
+  EXPECT_TRUE(page_format_fragments(PageFormat::kBf16Fragments));
+  EXPECT_TRUE(page_format_fragments(PageFormat::kFp8Fragments));
+  EXPECT_FALSE(page_format_fragments(PageFormat::kDither8));
 }
 
 // check() on parameters whose device pointers are only addresses (it never dereferences them, and

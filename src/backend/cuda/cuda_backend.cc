@@ -349,6 +349,11 @@ class CudaBackend final : public Backend {
   }
   format::StorageClass coded_class() const { return cache::kv_scheme_info(config_.kv_scheme).full_blocks; }
   PagedDecodeParams layer_params(int layer) const;
+  // The fragment kernel's split counters (kDither8Fragments: the last CTA of a row group merges
+  // its splits) zeroed before a launch whose workspace layout differs from the last launch's
+  // (attention::cuda::reset_error_word, which also zeroes the launch's own error word, already
+  // zero for the step).
+  void zero_split_counters(const PagedDecodeParams& p);
   // The step's staging (page-locked). A step enqueues every layer without waiting and reads
   // what came back once, at its end, so each layer has its own part:
   //  - per step row, in launch order: its length, its table row and its row in the step;
@@ -433,6 +438,14 @@ class CudaBackend final : public Backend {
   // staging; the split workspace.
   size_t step_rows_ = 0;
   DeviceBuffer q_, out_, step_results_, lens_, workspace_, own_block_tables_;
+  // The workspace layout (rows, splits) of the last fragment launch, whose split counters it left
+  // zero; {} when unknown (a new workspace, a failed step).
+  struct WorkspaceLayoutKey {
+    int batch = 0;
+    int splits = 0;
+    bool operator==(const WorkspaceLayoutKey&) const = default;
+  };
+  WorkspaceLayoutKey workspace_layout_;
   // Whether the step's launch order is its row order (one row group, or groups in row order, no
   // sparse rows): attention then reads the forward's queries and writes its output in place.
   bool launch_in_step_order_ = false;
@@ -486,6 +499,18 @@ void CudaBackend::upload_own_block_tables(int layer, const std::vector<std::pair
   }
   // Synchronous: the host vector is refilled by the next layer.
   throw_if_failed(own_block_tables_.upload(0, host_own_block_tables_.data(), bytes));
+}
+
+void CudaBackend::zero_split_counters(const PagedDecodeParams& p) {
+  if (!attention::cuda::page_format_fragments(p.format)) return;
+  // The counters' place in the workspace follows the launch's rows and splits (the head counts
+  // and head_dim are the model's): a launch leaves its own counters zero, so the next launch of
+  // the same shape needs nothing, and one of another shape zeroes its own (stream-ordered after
+  // the launches before it, which used that memory for partials).
+  const WorkspaceLayoutKey key{p.batch, attention::cuda::planned_splits(p)};
+  if (key == workspace_layout_) return;
+  throw_if_failed(attention::cuda::reset_error_word(p));
+  workspace_layout_ = key;
 }
 
 PagedDecodeParams CudaBackend::layer_params(int layer) const {
@@ -667,6 +692,7 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
     // to report) before the staging is reused, and no held exact page outlives it.
     cudaDeviceSynchronize();
     cudaGetLastError();
+    workspace_layout_ = {};  // a launch may not have run: its counters are zeroed again
     for (int layer = 0; layer < c.n_layers; ++layer) cache_->release_completed_exact(layer);
     // The encodes enqueued before the failure are placed on the host too (a failure here leaves
     // the cache refusing until reset, and the step's error is the one to report).
@@ -749,10 +775,12 @@ void CudaBackend::attend_layer(int layer, const std::vector<RowGroup>& groups, c
     const size_t need = attention::cuda::workspace_bytes(p);
     if (workspace_.size() < need) {
       throw_if_failed(cache::cuda::synchronize_stream(nullptr));  // an earlier launch may use the old one
+      workspace_layout_ = {};
       throw_if_failed(DeviceBuffer::allocate(need, &workspace_));
     }
     p.workspace = workspace_.data();
     p.workspace_size = workspace_.size();
+    zero_split_counters(p);
     throw_if_failed(attention::cuda::paged_decode(p));
   }
   if (sparse_layer) launch_sparse_layer(layer, groups[kSparseDecode]);

@@ -6,8 +6,10 @@
 // with their witness). Attention runs on the device for every row of a step, prefill and decode
 // alike, in one paged-decode launch per layer and row class (attention/cuda/paged_decode_cuda.h):
 // a prefill row is a query over its sequence's tables with its own length, so a chunk's rows
-// attend causally. The decode rows of the metered schemes get the meter from the same pass, and
-// their telemetry. A step runs without waiting for the device until its end, where the logits
+// attend causally. The page format is attention::cuda::page_format_of(kv_scheme), which follows
+// the scheme table (dither8: fragment-major pages, kDither8Fragments, on the bulk-copy kernel,
+// whose split counters the backend zeroes when the workspace layout changes). The decode rows of
+// the metered schemes get the meter from the same pass, and their telemetry. A step runs without waiting for the device until its end, where the logits
 // the items ask for, the error words, meters and sparse counts come back together. A layer whose
 // write completes a block waits for the block's encode result, unless
 // BackendConfig::defer_encode_results: then the device places the encoded pages in its tables and

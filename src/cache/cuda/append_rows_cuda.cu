@@ -6,6 +6,7 @@
 #include <string>
 
 #include "format/fp8.h"
+#include "format/fragment_layout.h"
 #include "format/numeric.h"
 
 namespace certkv::cache::cuda {
@@ -15,6 +16,11 @@ struct AppendBatch {
   AppendRowsArgs items[kMaxAppendBatch];
 };
 static_assert(sizeof(AppendBatch) <= 4096, "a kernel's parameters by value fit in 4 KiB");
+
+// Where (row, channel) of a K (kv 0) or V page is stored.
+__device__ int64_t element_of(const AppendRowsArgs& a, int kv, int row, int c) {
+  return a.fragment_major ? int64_t(format::fragment::element_index(kv == 0, row, c)) : int64_t(row) * a.head_dim + c;
+}
 
 // One write, by the blocks of one grid row (blockIdx.y picks the write in a batch).
 __device__ void append_one(const AppendRowsArgs& a) {
@@ -35,7 +41,7 @@ __device__ void append_one(const AppendRowsArgs& a) {
     if (page >= a.n_raw_pages) continue;  // a table the host never wrote: never write past the pool
     uint8_t* dst = a.raw_pages + page * a.raw_page_stride;
     const uint16_t bf16 = format::float_to_bf16(kv == 0 ? a.k_rows[rem] : a.v_rows[rem]);
-    const int64_t element = int64_t(row) * a.head_dim + c;
+    const int64_t element = element_of(a, kv, row, c);
     if (a.element == format::GaacElement::kBf16) {
       reinterpret_cast<uint16_t*>(dst)[element] = bf16;
     } else {
@@ -58,7 +64,7 @@ __device__ void append_one(const AppendRowsArgs& a) {
     const int64_t page = entry >= 0 ? entry : -int64_t(entry) - 1;
     if (page >= a.n_raw_pages) continue;
     uint8_t* dst = a.raw_pages + page * a.raw_page_stride;
-    const int64_t element = int64_t(row) * a.head_dim + c;
+    const int64_t element = element_of(a, kv, row, c);
     if (a.element == format::GaacElement::kBf16) reinterpret_cast<uint16_t*>(dst)[element] = 0;
     else dst[element] = 0;
   }
@@ -81,6 +87,11 @@ CudaStatus check_append_rows(const AppendRowsArgs& a) {
   if (a.n_kv_heads < 1 || a.head_dim < 1 || a.block_tokens < 1) return bad("n_kv_heads, head_dim and block_tokens must be >= 1");
   if (a.element != format::GaacElement::kBf16 && a.element != format::GaacElement::kFp8E5M2)
     return bad("rows are written as bf16 or E5M2 only");
+  if (a.fragment_major && (a.element != format::GaacElement::kBf16 || a.block_tokens != format::fragment::kPageTokens ||
+                           a.head_dim % 16 != 0))
+    return bad("fragment-major raw pages are bf16 pages of " + std::to_string(format::fragment::kPageTokens) +
+               " tokens and a head_dim that is a multiple of 16 (block_tokens " + std::to_string(a.block_tokens) +
+               ", head_dim " + std::to_string(a.head_dim) + ")");
   if (a.table_stride < 0 || a.n_raw_pages < 0) return bad("negative table stride or raw page count");
   if (a.n > 0 && (a.first + a.n + a.block_tokens - 1) / a.block_tokens > a.table_stride)
     return bad("rows [" + std::to_string(a.first) + ", " + std::to_string(a.first + a.n) + ") are past the tables (" +

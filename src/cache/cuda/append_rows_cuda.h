@@ -26,11 +26,15 @@ struct AppendRowsArgs {
   int64_t raw_page_stride = 0;
   int64_t n_raw_pages = 0;          // entries naming a page outside the pool are not written
   int32_t* length = nullptr;        // device: set to first + n
+  // The raw pages fragment-major (format/fragment_layout.h: K pages by the K map, V pages by the V
+  // map; element_index) instead of [block_tokens][head_dim]: bf16 pages of 16 tokens only.
+  bool fragment_major = false;
 };
 
 // Asynchronous on `stream`. kInvalidArgument, before any launch, for arguments the kernel would
 // index past (a shape below 1, rows past the tables, a raw page stride below a page, an element
-// other than bf16 / E5M2, missing arrays); kInternal when the launch fails.
+// other than bf16 / E5M2, missing arrays, fragment-major pages that are not bf16 pages of 16
+// tokens and a head_dim a multiple of 16); kInternal when the launch fails.
 CudaStatus append_rows(const AppendRowsArgs& args, void* stream);
 // Several writes (distinct sequences' tables) in one launch, at most kMaxAppendBatch of them;
 // each is checked as append_rows checks one, all before the launch.

@@ -13,8 +13,9 @@
 #include "cache/cuda/place_encoded_cuda.h"
 #include "codec/cuda/gaac_encode_cuda.h"
 #include "codec/cuda/lossy_encode_cuda.h"
-#include "format/numeric.h"
+#include "format/fragment_layout.h"
 #include "format/gaac_layout.h"
+#include "format/numeric.h"
 
 namespace certkv::cache::cuda {
 namespace {
@@ -165,8 +166,19 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
     return cuda_error(StatusCode::kInvalidArgument, "device KV cache: index_record_bytes " +
                                                         std::to_string(config.index_record_bytes) +
                                                         " is not a record size (a multiple of 8, at most 256)");
+  // The scheme table decides the pages' byte order on the device (KvSchemeInfo::cuda_fragment_pages).
+  const bool fragment_pages = kv_scheme_info(scheme).cuda_fragment_pages;
+  if (fragment_pages && (config.block_tokens != format::fragment::kPageTokens || config.head_dim % 16 != 0))
+    return cuda_error(StatusCode::kUnsupported,
+                      std::string("device KV cache: scheme ") + kv_scheme_name(scheme) + " stores fragment-major pages of " +
+                          std::to_string(format::fragment::kPageTokens) +
+                          " tokens and a head_dim that is a multiple of 16, not block_tokens " +
+                          std::to_string(config.block_tokens) + ", head_dim " + std::to_string(config.head_dim));
   const bool gaac = kv_scheme_is_gaac(scheme);
   const bool lossy = lossy_on_device(scheme);
+  if (fragment_pages && gaac)  // the GAAC encoder and kernels read row-major raw pages
+    return cuda_error(StatusCode::kUnsupported, std::string("device KV cache: scheme ") + kv_scheme_name(scheme) +
+                                                    " is marked fragment-major, but GAAC pages have no fragment form");
   const format::GaacElement element = scheme_element(scheme);
   int n_outlier_pairs = 0;
   if (lossy) {
@@ -194,13 +206,14 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
   std::unique_ptr<DeviceKvCache> c(new DeviceKvCache());
   c->config_ = config;
   c->lossy_ = lossy;
+  c->fragment_pages_ = fragment_pages;
   c->n_outlier_pairs_ = n_outlier_pairs;
   c->placeholder_pairs_.resize(size_t(n_outlier_pairs));
   for (int j = 0; j < n_outlier_pairs; ++j) c->placeholder_pairs_[size_t(j)] = uint16_t(j);
   if (lossy) {
     c->lossy_scheme_ = kv_scheme_lossy(scheme);
     for (bool key : {true, false}) {
-      const CudaStatus spec_ok = codec::cuda::check_lossy_encode(c->lossy_spec(key), 0, nullptr, nullptr);
+      const CudaStatus spec_ok = codec::cuda::check_lossy_encode(c->lossy_spec(key), 0, nullptr, nullptr, c->encode_layout());
       if (!spec_ok.ok) return cuda_error(spec_ok.code, "device KV cache: " + spec_ok.message);
     }
   }
@@ -623,6 +636,7 @@ CudaStatus DeviceKvCache::append(int layer_index, const SlotRows* writes, size_t
     a.raw_page_stride = int64_t(layer.raw.stride);
     a.n_raw_pages = layer.raw.capacity;
     a.length = reinterpret_cast<int32_t*>(lengths_.data()) + size_t(w.slot) * size_t(config_.n_layers) + size_t(layer_index);
+    a.fragment_major = fragment_pages_;
     args.push_back(a);
   }
   for (size_t at = 0; at < args.size(); at += kMaxAppendBatch) {
@@ -1020,7 +1034,7 @@ CudaStatus DeviceKvCache::finalize_lossy(int slot, int layer_index, int64_t bloc
     const auto* device_tasks = reinterpret_cast<const codec::cuda::LossyEncodeTask*>(d.tasks);
     for (int kv = 0; kv < 2 && s.ok; ++kv)
       s = codec::cuda::lossy_encode_pages(lossy_spec(kv == 0), device_tasks + kv * per_kv, int(per_kv),
-                                          d.results + kv * per_kv, stream);
+                                          d.results + kv * per_kv, stream, encode_layout());
     if (s.ok) s = place_deferred(layer_index, d, EncodeResult::kLossyStatus);
     return s;
   }
@@ -1031,7 +1045,7 @@ CudaStatus DeviceKvCache::finalize_lossy(int slot, int layer_index, int64_t bloc
   const auto* device_tasks = reinterpret_cast<const codec::cuda::LossyEncodeTask*>(encode_buffer_.data());
   for (int kv = 0; kv < 2 && s.ok; ++kv)
     s = codec::cuda::lossy_encode_pages(lossy_spec(kv == 0), device_tasks + kv * per_kv, int(per_kv),
-                                        results + kv * per_kv, stream);
+                                        results + kv * per_kv, stream, encode_layout());
   if (!s.ok) return s;
   std::vector<uint8_t> encoded(tasks.size());
   s = read_encode_results(results, encoded.data(), encoded.size());
@@ -1079,15 +1093,22 @@ CudaStatus DeviceKvCache::store_exact_block(int slot, int layer_index, int kv_he
   CudaStatus s = reconcile_encodes();
   if (!s.ok) return s;
   bool changed = false;
+  std::vector<uint16_t> fragments(fragment_pages_ ? size_t(T) * size_t(config_.head_dim) : 0);
   for (int kv = 0; kv < 2 && s.ok; ++kv) {
     int32_t& entry = layer.host_tables[entry_index(slot, kv, kv_head, block)];
     if (entry < 0) continue;  // already exact
     int32_t page = 0;
     s = layer.raw.take(kFirstRawBlocks * 2 * H, config_.stream, &page);
     if (!s.ok) break;
+    // Raw pages of a fragment-major scheme hold the rows in the K or V map, as append writes them.
+    const uint16_t* rows = kv == 0 ? k_rows : v_rows;
+    if (fragment_pages_) {
+      format::fragment::bf16_page_to_fragments(kv == 0, config_.head_dim, rows, fragments.data());
+      rows = fragments.data();
+    }
     // Pageable host rows: staged before cudaMemcpyAsync returns.
-    s = cuda_check(cudaMemcpyAsync(layer.raw.buffer.data() + size_t(page) * layer.raw.stride, kv == 0 ? k_rows : v_rows,
-                                   page_bytes, cudaMemcpyHostToDevice, as_stream(config_.stream)),
+    s = cuda_check(cudaMemcpyAsync(layer.raw.buffer.data() + size_t(page) * layer.raw.stride, rows, page_bytes,
+                                   cudaMemcpyHostToDevice, as_stream(config_.stream)),
                    "exact block upload");
     if (!s.ok) break;
     layer.slots[kv].give_back(entry);
@@ -1326,10 +1347,22 @@ CudaStatus DeviceKvCache::read_page(int slot, int layer_index, KvTensor kv, int 
     src = layer.raw.buffer.data() + size_t(entry >= 0 ? entry : -int64_t(entry) - 1) * layer.raw.stride;
     bytes = raw_bytes_;
   }
-  out->bytes.resize(bytes);
+  out->stored.resize(bytes);
   CudaStatus s = cuda_check(cudaStreamSynchronize(as_stream(config_.stream)), "read_page");
+  if (s.ok) s = cuda_check(cudaMemcpy(out->stored.data(), src, bytes, cudaMemcpyDeviceToHost), "page download");
   if (!s.ok) return s;
-  return cuda_check(cudaMemcpy(out->bytes.data(), src, bytes, cudaMemcpyDeviceToHost), "page download");
+  out->bytes = out->stored;
+  if (fragment_pages_) {  // the codec's byte order again (the device page is its transcoding)
+    const int D = config_.head_dim;
+    if (out->lossy_page) {
+      format::fragment::dither8_page_from_fragments(k == 0, D, D / codec::kQuantGroup, k == 0 ? n_outlier_pairs_ : 0,
+                                                   out->stored.data(), out->bytes.data());
+    } else {
+      format::fragment::bf16_page_from_fragments(k == 0, D, reinterpret_cast<const uint16_t*>(out->stored.data()),
+                                                 reinterpret_cast<uint16_t*>(out->bytes.data()));
+    }
+  }
+  return {};
 }
 
 }  // namespace certkv::cache::cuda

@@ -18,6 +18,14 @@
 // backing store does): the gate's repairs bring the exact block (store_exact_block). Pools grow by doubling (a
 // device-to-device copy); tables have a fixed width of ceil(max_tokens / block_tokens) blocks.
 //
+// Byte order. A scheme the scheme table marks cuda_fragment_pages (dither8) is stored in the
+// order the fragment kernel reads (format/fragment_layout.h; PageFormat::kDither8Fragments): its
+// raw bf16 pages (tails, pages kept exact, repaired blocks, the held exact pages) fragment-major
+// from append on, and a complete block's pages encoded from them straight into the fragment-major
+// dither8 page (codec::cuda::LossyDeviceLayout::kFragments: the codec's page transcoded in the
+// encode launch, the same bytes moved, so the pools' page sizes are the codec's). read_page gives
+// the codec's order back (and the stored bytes beside it); store_exact_block transcodes its rows.
+//
 // Table entries (int32, per (layer, K/V, kv_head), block order): for bf16 the raw page index;
 // for the GAAC and lossy schemes a slot index s >= 0 of the (layer, K/V) slot pool (GAAC slots,
 // lossy pages), or -r - 1 for raw page r of the layer's raw pool (tails, blocks that did not
@@ -47,6 +55,7 @@
 #include "cache/cuda/device_pool.h"
 #include "cache/cuda/place_encoded_cuda.h"
 #include "cache/kv_cache.h"
+#include "codec/cuda/lossy_encode_cuda.h"
 #include "codec/gaac.h"
 #include "codec/lossy_page.h"
 
@@ -131,7 +140,9 @@ struct DevicePageBytes {
   bool lossy_page = false;     // a lossy page (neither: a raw page)
   int32_t slot = -1;           // the slot's index in its pool
   std::vector<uint8_t> bytes;  // the slot's used bytes (fixed part + escapes), the lossy page, or
-                               // the raw page
+                               // the raw page, in the codec's byte order (as the host cache holds it)
+  std::vector<uint8_t> stored;  // the same bytes as the device holds them: fragment-major for a
+                                // scheme the table marks cuda_fragment_pages, else equal to bytes
 };
 
 struct DeviceKvStats {
@@ -371,6 +382,12 @@ class DeviceKvCache {
   int64_t blocks_not_fitting_ = 0;
   int64_t pages_kept_exact_ = 0;
   bool lossy_ = false;
+  // KvSchemeInfo::cuda_fragment_pages: raw pages fragment-major from append on, lossy pages
+  // transcoded by the encoder at finalize (read_page and store_exact_block transcode on the host).
+  bool fragment_pages_ = false;
+  codec::cuda::LossyDeviceLayout encode_layout() const {
+    return fragment_pages_ ? codec::cuda::LossyDeviceLayout::kFragments : codec::cuda::LossyDeviceLayout::kCodec;
+  }
   codec::LossyScheme lossy_scheme_ = codec::LossyScheme::kFp8E4M3;
   int n_outlier_pairs_ = 0;  // dither8: m
   std::vector<uint16_t> placeholder_pairs_;  // 0 .. m - 1 (lossy_spec)

@@ -24,6 +24,7 @@
 #include "codec/lossy_page.h"
 #include "core/cuda_test_support.h"
 #include "format/fp8.h"
+#include "format/fragment_layout.h"
 #include "format/gaac_layout.h"
 #include "format/numeric.h"
 
@@ -210,6 +211,24 @@ void expect_same_lossy_pages(const DeviceKvCache& dev, const KvCache& host, SeqI
                                   table[b].storage == format::StorageClass::kDither8;
           ASSERT_EQ(page.lossy_page, host_lossy);
           ASSERT_FALSE(page.gaac_slot);
+          // A fragment-major scheme (dither8) stores what the fragment kernel reads: the codec's
+          // page (bytes) transcoded (format/fragment_layout.h; attention's FragmentLayout tests hold
+          // these transcodings to dither8_fragment_page and fragment_page_from_rows bit for bit).
+          ASSERT_EQ(page.stored.size(), page.bytes.size());
+          if (kv_scheme_info(host.scheme()).cuda_fragment_pages) {
+            std::vector<uint8_t> want(page.bytes.size());
+            if (host_lossy) {
+              const codec::LossyPageSpec spec = host.lossy_spec(l, KvTensor(kv), h);
+              format::fragment::dither8_page_to_fragments(kv == 0, kDim, kDim / codec::kQuantGroup,
+                                                          spec.n_outlier_pairs, page.bytes.data(), want.data());
+            } else {
+              format::fragment::bf16_page_to_fragments(kv == 0, kDim, reinterpret_cast<const uint16_t*>(page.bytes.data()),
+                                                       reinterpret_cast<uint16_t*>(want.data()));
+            }
+            ASSERT_EQ(page.stored, want) << "fragment-major on the device";
+          } else {
+            ASSERT_EQ(page.stored, page.bytes);
+          }
           if (!host_lossy) {
             const size_t rows = size_t(std::min<int64_t>(kT, n - b * kT)) * kDim * 2;
             ASSERT_EQ(page.bytes.size(), size_t(kT) * kDim * 2);
@@ -507,7 +526,9 @@ void expect_tables_name_reference_pages(const DeviceKvCache& dev, int layer, con
         const CudaStatus s = ref.read_page(ref_slot, layer, KvTensor(kv), h, b, &page);
         ASSERT_TRUE(s.ok) << s.message;
         ASSERT_EQ(entry >= 0, page.gaac_slot || page.lossy_page);
-        ASSERT_EQ(device_page(dev, layer, kv, entry, page.bytes.size()), page.bytes);
+        // The device's bytes: fragment-major for a fragment-major scheme (`bytes` is the codec's
+        // order, read back through the transcoding).
+        ASSERT_EQ(device_page(dev, layer, kv, entry, page.stored.size()), page.stored);
       }
 }
 
@@ -752,6 +773,16 @@ TEST(DeviceKvCache, BadConfigurationsAreRefusedBeforeAnyAllocation) {
   s = DeviceKvCache::create(c, &dev);
   EXPECT_EQ(s.code, StatusCode::kInvalidArgument);
   EXPECT_NE(s.message.find("dither8 only"), std::string::npos) << s.message;
+  // dither8's device pages are fragment-major (the scheme table's cuda_fragment_pages): pages of
+  // 16 tokens only, refused by name otherwise.
+  c.scheme = KvScheme::kDither8;
+  c.outlier_pairs = -1;
+  c.block_tokens = 32;
+  s = DeviceKvCache::create(c, &dev);
+  EXPECT_EQ(s.code, StatusCode::kUnsupported);
+  EXPECT_NE(s.message.find("dither8 stores fragment-major pages of 16 tokens"), std::string::npos) << s.message;
+  c.block_tokens = kT;
+  c.scheme = KvScheme::kFp8E4M3;
   c.outlier_pairs = -1;
   c.head_dim = 48;  // lossy pages need head_dim a multiple of 32
   s = DeviceKvCache::create(c, &dev);
@@ -837,6 +868,21 @@ TEST(AppendRows, BadArgumentsAreRefusedBeforeAnyLaunch) {
   e5m2.element = format::GaacElement::kFp8E5M2;
   e5m2.raw_page_stride = 16 * 64;  // one byte per element
   EXPECT_TRUE(check_append_rows(e5m2).ok) << check_append_rows(e5m2).message;
+  // Fragment-major raw pages (dither8's): bf16 pages of 16 tokens, head_dim a multiple of 16.
+  AppendRowsArgs fragments = good;
+  fragments.fragment_major = true;
+  EXPECT_TRUE(check_append_rows(fragments).ok) << check_append_rows(fragments).message;
+  refused([](AppendRowsArgs& a) { a.fragment_major = true; a.element = format::GaacElement::kFp8E5M2; a.raw_page_stride = 16 * 64; },
+          "fragment-major E5M2 pages");
+  refused([](AppendRowsArgs& a) { a.fragment_major = true; a.block_tokens = 8; a.table_stride = 4; },
+          "fragment-major pages of 8 tokens");
+  refused([](AppendRowsArgs& a) { a.fragment_major = true; a.head_dim = 40; a.raw_page_stride = 16 * 40 * 2; },
+          "fragment-major pages of head_dim 40");
+  AppendRowsArgs eight = fragments;
+  eight.block_tokens = 8;
+  eight.table_stride = 4;
+  const CudaStatus s = check_append_rows(eight);
+  EXPECT_NE(s.message.find("fragment-major raw pages are bf16 pages of 16 tokens"), std::string::npos) << s.message;
 }
 
 // The asynchronous copies through page-locked staging: a round trip after one wait, and copies

@@ -10,6 +10,7 @@
 #include "core/status.h"
 #include "format/dither8_generator.h"
 #include "format/fp8.h"
+#include "format/fragment_layout.h"
 #include "format/numeric.h"
 
 namespace certkv::codec::cuda {
@@ -46,7 +47,14 @@ struct Geometry {
   int mantissa_bits;    // fp8: 3 or 2
   uint32_t payload_bytes;
   uint32_t record_bytes;  // dither8: D + 2 G + 4 m
+  bool key;               // a K page (the fragment maps differ for K and V)
+  bool fragments;         // LossyDeviceLayout::kFragments (dither8)
 };
+
+// Where element (t, c) of the exact block is in src.
+__device__ int64_t src_index(const Geometry& g, int t, int c) {
+  return g.fragments ? int64_t(format::fragment::element_index(g.key, t, c)) : int64_t(t) * g.head_dim + c;
+}
 
 // rope_pair_channel (codec/lossy_page.h) on the device.
 __device__ int pair_channel(const Geometry& g, int pair, int which) {
@@ -209,7 +217,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int item = warp; item < g.block_tokens * g.groups; item += kWarpsPerCta) {
     const int t = item / g.groups, grp = item % g.groups;
     const int c = grp * kQuantGroup + lane;
-    const float x = bf16_to_float(task.src[size_t(t) * size_t(g.head_dim) + size_t(c)]);
+    const float x = bf16_to_float(task.src[src_index(g, t, c)]);
     const bool quantized = outlier[c] == 0;
     const float magnitude = quantized ? fabsf(x) : 0.0f;
     const float amax = bits_to_float(__reduce_max_sync(kFullWarp, float_to_bits(magnitude)));
@@ -225,17 +233,22 @@ __global__ void __launch_bounds__(kThreads)
       const double xi = g.dithered ? double(dither8_xi(format::dither8_row_seed(task.dither_key, counter), c)) : 0.0;
       q = __double2int_rn(__dadd_rn(__ddiv_rn(double(x), s), xi));
     }
-    uint8_t* rec = task.dst + size_t(t) * g.record_bytes;
-    rec[c] = uint8_t(int8_t(q));
-    if (lane == 0) store_u16(rec + g.head_dim + 2 * grp, s16);
+    if (g.fragments) {
+      task.dst[format::fragment::dither8_code_byte(g.key, t, c)] = uint8_t(int8_t(q));
+      if (lane == 0) store_u16(task.dst + format::fragment::dither8_scale_byte(g.head_dim, g.groups, t, grp), s16);
+    } else {
+      uint8_t* rec = task.dst + size_t(t) * g.record_bytes;
+      rec[c] = uint8_t(int8_t(q));
+      if (lane == 0) store_u16(rec + g.head_dim + 2 * grp, s16);
+    }
   }
   // Outliers: per token, pair i's channel a then channel b at value 2 i + which.
   for (int item = int(threadIdx.x); item < g.block_tokens * 2 * m; item += kThreads) {
     const int t = item / (2 * m), value = item % (2 * m);
     const int c = pair_channel(g, task.outlier_pairs[value / 2], value % 2);
-    uint8_t* rec = task.dst + size_t(t) * g.record_bytes;
-    store_u16(rec + g.head_dim + 2 * g.groups + 2 * value,
-              task.src[size_t(t) * size_t(g.head_dim) + size_t(c)]);
+    uint8_t* at = g.fragments ? task.dst + format::fragment::dither8_outlier_byte(g.head_dim, g.groups, m, t, value)
+                              : task.dst + size_t(t) * g.record_bytes + g.head_dim + 2 * g.groups + 2 * value;
+    store_u16(at, task.src[src_index(g, t, c)]);
   }
   const bool page_refused = __syncthreads_or(scale_refused);
   if (threadIdx.x == 0) encoded[blockIdx.x] = page_refused ? kLossyRefused : kLossyEncoded;
@@ -264,8 +277,10 @@ bool has_device_encoder(LossyScheme scheme) {
          scheme == LossyScheme::kDither8;
 }
 
-Geometry geometry_of(const LossyPageSpec& spec) {
+Geometry geometry_of(const LossyPageSpec& spec, LossyDeviceLayout layout) {
   Geometry g{};
+  g.key = spec.key;
+  g.fragments = layout == LossyDeviceLayout::kFragments;
   g.pairing = spec.pairing;
   g.block_tokens = spec.block_tokens;
   g.head_dim = spec.head_dim;
@@ -288,7 +303,7 @@ CudaStatus invalid(const std::string& message) {
 }  // namespace
 
 CudaStatus check_lossy_encode(const LossyPageSpec& spec, int n_tasks, const void* tasks,
-                              const void* encoded) {
+                              const void* encoded, LossyDeviceLayout layout) {
   try {
     validate_lossy_page_spec(with_placeholder_outliers(spec));
   } catch (const Error& e) {
@@ -298,6 +313,20 @@ CudaStatus check_lossy_encode(const LossyPageSpec& spec, int n_tasks, const void
     return cuda_error(StatusCode::kUnsupported,
                       std::string(kWhere) + "scheme " + lossy_scheme_name(spec.scheme) +
                           " has no device encoder (fp8-e4m3, fp8-e5m2 and dither8 have)");
+  }
+  if (layout != LossyDeviceLayout::kCodec && layout != LossyDeviceLayout::kFragments)
+    return invalid("device page layout " + std::to_string(int(layout)) + " is unknown (codec or fragments)");
+  if (layout == LossyDeviceLayout::kFragments) {
+    if (spec.scheme != LossyScheme::kDither8)
+      return cuda_error(StatusCode::kUnsupported, std::string(kWhere) + "fragment-major device pages of scheme " +
+                                                      lossy_scheme_name(spec.scheme) +
+                                                      " are not made (dither8's are)");
+    if (spec.block_tokens != format::fragment::kPageTokens || spec.head_dim % 16 != 0)
+      return cuda_error(StatusCode::kUnsupported,
+                        std::string(kWhere) + "fragment-major pages hold " +
+                            std::to_string(format::fragment::kPageTokens) +
+                            " tokens of a head_dim that is a multiple of 16, not " +
+                            std::to_string(spec.block_tokens) + " x " + std::to_string(spec.head_dim));
   }
   if (n_tasks < 0) return invalid("n_tasks must not be negative, got " + std::to_string(n_tasks));
   if (n_tasks > 0 && tasks == nullptr) {
@@ -310,10 +339,10 @@ CudaStatus check_lossy_encode(const LossyPageSpec& spec, int n_tasks, const void
 }
 
 CudaStatus lossy_encode_pages(const LossyPageSpec& spec, const LossyEncodeTask* tasks, int n_tasks,
-                              uint8_t* encoded, void* stream) {
-  const CudaStatus checked = check_lossy_encode(spec, n_tasks, tasks, encoded);
+                              uint8_t* encoded, void* stream, LossyDeviceLayout layout) {
+  const CudaStatus checked = check_lossy_encode(spec, n_tasks, tasks, encoded, layout);
   if (!checked.ok || n_tasks == 0) return checked;
-  const Geometry g = geometry_of(spec);
+  const Geometry g = geometry_of(spec, layout);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (spec.scheme == LossyScheme::kDither8) {
     dither8_kernel<<<unsigned(n_tasks), kThreads, 0, s>>>(g, tasks, encoded);

@@ -3,7 +3,9 @@
 // the device decode kernels read (docs/format/lossy_pages.md, docs/format/dither8.md). Schemes:
 // fp8-e4m3 and fp8-e5m2 (raw casts with their Tier A witness, fp16 or u8, or rho) and dither8 (certified INT8
 // with its outlier RoPE pairs). The output is byte for byte that of lossy_encode_page_ref
-// (codec/lossy_page.h), and a page is refused exactly when that encoder returns false.
+// (codec/lossy_page.h), and a page is refused exactly when that encoder returns false; dither8
+// pages may instead be read and written fragment-major (LossyDeviceLayout::kFragments: the device
+// page is the codec's page transcoded at finalize, in the same launch).
 //
 // One CTA encodes one page. fp8: a thread per element for the codes, then a thread per (token,
 // band) (K) or per token (V) sums its squared residuals in the reference's order. dither8: a warp
@@ -23,7 +25,8 @@ namespace certkv::codec::cuda {
 
 // One page to encode. All pointers are device pointers.
 struct LossyEncodeTask {
-  // [block_tokens][head_dim] bf16 bits: the exact block. 2-byte aligned.
+  // The exact block, [block_tokens][head_dim] bf16 bits (kFragments: the same, fragment-major).
+  // 2-byte aligned.
   const uint16_t* src = nullptr;
   // lossy_page_bytes(spec) bytes, any alignment; nothing past them is written.
   uint8_t* dst = nullptr;
@@ -44,13 +47,26 @@ struct LossyEncodeTask {
 inline constexpr uint8_t kLossyEncoded = 1;
 inline constexpr uint8_t kLossyRefused = 0;
 
+// The byte order of the pages on the device (the task's src and dst).
+enum class LossyDeviceLayout : uint8_t {
+  // src [block_tokens][head_dim] bf16 rows; dst the codec's page, byte for byte
+  // lossy_encode_page_ref's.
+  kCodec = 0,
+  // dither8 only, 16-token pages (PageFormat::kDither8Fragments, format/fragment_layout.h): src a
+  // fragment-major bf16 page (the K or V map, element_index), dst the codec's page transcoded as
+  // format::fragment::dither8_page_to_fragments moves it (the codes fragment-major, then the
+  // scales, then the outliers). Refused exactly when kCodec refuses.
+  kFragments = 1,
+};
+
 // Checks the launch: spec.scheme fp8-e4m3, fp8-e5m2 or dither8 (another known scheme is
 // kUnsupported), the spec otherwise valid as validate_lossy_page_spec says (its refusal's code and
-// message), n_tasks >= 0, non-null arrays when n_tasks > 0 (kInvalidArgument). spec.outlier_pairs
-// is not read: each task carries its own list; spec.n_outlier_pairs is the length of every list.
-// Never launches.
+// message), n_tasks >= 0, non-null arrays when n_tasks > 0 (kInvalidArgument); kFragments: scheme
+// dither8 and 16-token pages (kUnsupported otherwise), a known layout (kInvalidArgument).
+// spec.outlier_pairs is not read: each task carries its own list; spec.n_outlier_pairs is the
+// length of every list. Never launches.
 CudaStatus check_lossy_encode(const LossyPageSpec& spec, int n_tasks, const void* tasks,
-                              const void* encoded);
+                              const void* encoded, LossyDeviceLayout layout = LossyDeviceLayout::kCodec);
 
 // Encodes n_tasks pages that share `spec` (scheme, K or V, block shape, pairing, number of outlier
 // pairs; spec.dither_key and spec.outlier_pairs are per task instead), asynchronously on `stream`
@@ -60,7 +76,9 @@ CudaStatus check_lossy_encode(const LossyPageSpec& spec, int n_tasks, const void
 // valid for the sizes above, its dst not overlapping another task's src or dst.
 // check_lossy_encode's refusals are returned as they are (nothing launched); n_tasks = 0 launches
 // nothing and succeeds; a launch failure is kInternal with cudaGetErrorString.
+// `layout` names the byte order of every task's src and dst (LossyDeviceLayout).
 CudaStatus lossy_encode_pages(const LossyPageSpec& spec, const LossyEncodeTask* tasks, int n_tasks,
-                              uint8_t* encoded, void* stream);
+                              uint8_t* encoded, void* stream,
+                              LossyDeviceLayout layout = LossyDeviceLayout::kCodec);
 
 }  // namespace certkv::codec::cuda

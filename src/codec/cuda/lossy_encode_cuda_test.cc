@@ -26,6 +26,7 @@
 
 #include "core/cuda_test_support.h"
 #include "codec/lossy_page.h"
+#include "format/fragment_layout.h"
 #include "format/numeric.h"
 
 namespace certkv::codec::cuda {
@@ -285,8 +286,13 @@ struct RunSummary {
 };
 
 // Builds n_pages pages of shape s, encodes them on the CPU and in one device launch, and compares
-// page by page.
-RunSummary encode_and_compare(const Shape& s, int n_pages, uint64_t seed) {
+// page by page. LossyDeviceLayout::kFragments (dither8, 16 tokens): the exact blocks go to the
+// device fragment-major (as the device KV cache's raw pages hold them) and each device page must
+// be the reference's page transcoded (format::fragment::dither8_page_to_fragments), bit for bit.
+RunSummary encode_and_compare(const Shape& s, int n_pages, uint64_t seed,
+                              LossyDeviceLayout layout = LossyDeviceLayout::kCodec) {
+  const bool fragments = layout == LossyDeviceLayout::kFragments;
+  const int groups = s.head_dim / kQuantGroup;
   SCOPED_TRACE(shape_name(s));
   std::mt19937_64 rng(seed);
   const LossyPageSpec spec = spec_of(s);
@@ -321,7 +327,10 @@ RunSummary encode_and_compare(const Shape& s, int n_pages, uint64_t seed) {
   std::vector<uint16_t> src(src_elements, 0x5a5a);
   std::vector<uint16_t> outlier_lists(std::max<size_t>(np * m, 1), 0);
   for (size_t i = 0; i < np; ++i) {
-    std::copy(pages[i].x.begin(), pages[i].x.end(), src.begin() + ptrdiff_t(src_offset[i]));
+    if (fragments)
+      format::fragment::bf16_page_to_fragments(s.key, s.head_dim, pages[i].x.data(), src.data() + src_offset[i]);
+    else
+      std::copy(pages[i].x.begin(), pages[i].x.end(), src.begin() + ptrdiff_t(src_offset[i]));
     std::copy(pages[i].outliers.begin(), pages[i].outliers.end(),
               outlier_lists.begin() + ptrdiff_t(i * m));
   }
@@ -347,7 +356,7 @@ RunSummary encode_and_compare(const Shape& s, int n_pages, uint64_t seed) {
 
   const CudaStatus status =
       lossy_encode_pages(spec, reinterpret_cast<const LossyEncodeTask*>(d_tasks.data()), n_pages,
-                         d_encoded.data(), nullptr);
+                         d_encoded.data(), nullptr, layout);
   EXPECT_TRUE(status.ok) << status.message;
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   d_encoded.download(encoded.data(), np);
@@ -369,14 +378,21 @@ RunSummary encode_and_compare(const Shape& s, int n_pages, uint64_t seed) {
       continue;
     }
     if (!p.ref_encoded) continue;
-    const uint8_t* got = dst.data() + dst_offset[i];
-    const auto mismatch = std::mismatch(p.ref_bytes.begin(), p.ref_bytes.end(), got);
-    if (mismatch.first != p.ref_bytes.end()) {
-      const size_t offset = size_t(mismatch.first - p.ref_bytes.begin());
+    const uint8_t* stored = dst.data() + dst_offset[i];
+    // What the device must hold, and the device page in the codec's order.
+    std::vector<uint8_t> want = p.ref_bytes, codec_order(stored, stored + page_bytes);
+    if (fragments) {
+      format::fragment::dither8_page_to_fragments(s.key, s.head_dim, groups, int(m), p.ref_bytes.data(), want.data());
+      format::fragment::dither8_page_from_fragments(s.key, s.head_dim, groups, int(m), stored, codec_order.data());
+    }
+    const uint8_t* got = codec_order.data();
+    const auto mismatch = std::mismatch(want.begin(), want.end(), stored);
+    if (mismatch.first != want.end()) {
+      const size_t offset = size_t(mismatch.first - want.begin());
       ADD_FAILURE() << "page " << i << " (kind " << i % kNumPageKinds << ", slot " << p.slot
                     << "): first differing byte " << offset << " of " << page_bytes << " ("
-                    << page_region(s, offset) << "): device " << int(*mismatch.second) << ", CPU "
-                    << int(*mismatch.first);
+                    << (fragments ? std::string("fragment-major") : page_region(s, offset)) << "): device "
+                    << int(*mismatch.second) << ", CPU " << int(*mismatch.first);
       ++failures;
     }
     const LossyPageSpec ps = page_spec(s, p);
@@ -429,6 +445,28 @@ TEST(LossyEncodeCuda, MatchesTheReferenceOnEverySchemeShapeAndPairing) {
       }
     }
   }
+}
+
+// dither8 pages read and written fragment-major (LossyDeviceLayout::kFragments, what the device
+// KV cache finalizes for the fragment kernel): the reference's page transcoded, bit for bit, and
+// refused exactly where the reference refuses, over every page kind, K (0 and 4 outlier pairs)
+// and V, head_dim 64 and 128, both pairings.
+TEST(LossyEncodeCuda, Dither8PagesFragmentMajorAreTheReferencesTranscoded) {
+  CERTKV_NEED_CUDA_DEVICE();
+  const int n_pages = 240;  // 40 of each kind
+  const int per_kind = n_pages / kNumPageKinds;
+  uint64_t seed = 500;
+  for (bool key : {true, false})
+    for (int head_dim : {64, 128})
+      for (RopePairing pairing : {RopePairing::kInterleaved, RopePairing::kHalfSplit})
+        for (int m : {0, 4}) {
+          if (m > 0 && !key) continue;
+          const Shape s{LossyScheme::kDither8, key, 16, head_dim, pairing, m};
+          const RunSummary r = encode_and_compare(s, n_pages, seed++, LossyDeviceLayout::kFragments);
+          EXPECT_EQ(r.encoded[kind_index(PageKind::kRealistic)], per_kind) << shape_name(s);
+          EXPECT_EQ(r.refused[kind_index(PageKind::kNonFinite)], per_kind) << shape_name(s);
+          EXPECT_GE(r.refused[kind_index(PageKind::kAtTheLimit)], per_kind / 4) << shape_name(s);
+        }
 }
 
 TEST(LossyEncodeCuda, MatchesTheReferenceOnRaggedShapes) {
@@ -590,6 +628,33 @@ TEST(LossyEncodeCuda, CheckRefusesOtherSchemesBadSpecsAndArrays) {
       }
     }
   }
+  // Fragment-major device pages: dither8's of 16 tokens only, and a known layout.
+  struct LayoutRefusal {
+    Shape shape;
+    LossyDeviceLayout layout;
+    StatusCode code;
+    const char* says;
+  };
+  const LayoutRefusal layout_refusals[] = {
+      {Shape{LossyScheme::kFp8E4M3, true, 16, 64, RopePairing::kInterleaved, 0}, LossyDeviceLayout::kFragments,
+       StatusCode::kUnsupported, "fragment-major device pages of scheme fp8-e4m3 are not made"},
+      {Shape{LossyScheme::kDither8, true, 17, 64, RopePairing::kInterleaved, 0}, LossyDeviceLayout::kFragments,
+       StatusCode::kUnsupported, "fragment-major pages hold 16 tokens"},
+      {Shape{LossyScheme::kDither8, false, 16, 32, RopePairing::kInterleaved, 0}, static_cast<LossyDeviceLayout>(7),
+       StatusCode::kInvalidArgument, "layout 7 is unknown"},
+  };
+  for (const LayoutRefusal& r : layout_refusals) {
+    const CudaStatus status = check_lossy_encode(spec_of(r.shape), 1, &task, &flag, r.layout);
+    EXPECT_EQ(status.code, r.code) << r.says << ": " << status.message;
+    EXPECT_NE(status.message.find(r.says), std::string::npos) << status.message;
+    EXPECT_EQ(lossy_encode_pages(spec_of(r.shape), &task, 1, &flag, nullptr, r.layout).message, status.message);
+  }
+  for (bool key : {true, false})
+    for (int head_dim : {64, 128}) {
+      const Shape s{LossyScheme::kDither8, key, 16, head_dim, RopePairing::kHalfSplit, key ? 8 : 0};
+      const CudaStatus status = check_lossy_encode(spec_of(s), 1, &task, &flag, LossyDeviceLayout::kFragments);
+      EXPECT_TRUE(status.ok) << shape_name(s) << ": " << status.message;
+    }
   // No tasks: nothing to check in the arrays, nothing launched.
   EXPECT_TRUE(check_lossy_encode(spec_of(base), 0, nullptr, nullptr).ok);
   EXPECT_TRUE(lossy_encode_pages(spec_of(base), nullptr, 0, nullptr, nullptr).ok);

@@ -1,0 +1,163 @@
+// Fragment-major device pages: a page's 16 tokens x D elements stored in the order in which the
+// lanes of a warp hold them as mma.m16n8k16 A operands, so that a lane's four operand registers
+// of one 16-wide step are 16 contiguous bytes and a warp's operands of one step are 512
+// contiguous bytes. A kernel loads them with one 16-byte shared-memory load per lane and step
+// (conflict-free: each quarter warp reads 128 contiguous bytes) and feeds the mma from there; no
+// tile is written, no ldmatrix reads one back. Device pages are written by the device (append,
+// block finalize), so their byte order is free; the CPU's page formats stay row-major and a device
+// page is their transcoding (the host forms below: what the device writes).
+//
+// The A operand of m16n8k16 (16 x 16, 16-bit elements): lane l, register r (0..3), half h (0, 1)
+// holds element (row g + 8 (r & 1), column 2 t + h + 8 (r >> 1)) with g = l / 4, t = l % 4.
+// Pages use it two ways (docs/cuda.md, "Fragment-major pages"):
+//   K: S^T = K Q^T, A = K: rows are the page's tokens, columns channels 16 s .. 16 s + 15 of step s;
+//   V: O^T = V^T P^T, A = V^T: rows are channels 16 s .. 16 s + 15 of step s, columns the tokens.
+// Element (lane l, register r, half h) of step s lives at s * 256 + l * 8 + 2 r + h.
+// Pages of 8-bit codes (fp8) put two steps in a lane's 16 bytes: code (l, r, h) of step s at byte
+// (s / 2) * 512 + l * 16 + (s % 2) * 8 + 2 r + h, so that one 16-byte load gives a lane both
+// steps' codes, a register's pair of halves from one 16-bit pair of codes.
+//
+// These are bit layouts shared by every layer that writes or reads device pages: the device KV
+// cache's append (bf16 raw pages), the codec's device encoder at block finalize (dither8 pages),
+// and the attention kernels (attention/cuda/fragment_layout.h adds the host builders of device
+// pages from the codecs' pages). No CUDA headers: the host tests check these maps
+// (attention/cuda/fragment_layout_test.cc).
+#pragma once
+
+#include <cstdint>
+
+#include "format/numeric.h"
+
+namespace certkv::format::fragment {
+
+inline constexpr int kPageTokens = 16;
+inline constexpr int kStepElements = 256;  // 16 x 16: a warp's A operand of one step
+inline constexpr int kLaneElements = 8;    // a lane's four 32-bit registers
+
+// Where the A-operand element (row, column) of a 16 x 16 step lives within the step: lane
+// 4 (row % 8) + (column % 8) / 2, register (row / 8) + 2 (column / 8), half column % 2.
+CERTKV_HD constexpr int operand_index(int row, int column) {
+  const int lane = 4 * (row % 8) + (column % 8) / 2;
+  const int reg = row / 8 + 2 * (column / 8);
+  return lane * kLaneElements + 2 * reg + column % 2;
+}
+
+// The element of token `token`, channel `channel` in a fragment-major K page of head_dim D.
+template <int D>
+CERTKV_HD constexpr int key_index(int token, int channel) {
+  return (channel / 16) * kStepElements + operand_index(token, channel % 16);
+}
+// ... and in a fragment-major V page.
+template <int D>
+CERTKV_HD constexpr int value_index(int token, int channel) {
+  return (channel / 16) * kStepElements + operand_index(channel % 16, token);
+}
+// Either, for a head_dim known at run time only (the maps do not depend on it): what the device
+// cache's append and the device encoder index 16-bit elements with.
+CERTKV_HD constexpr int element_index(bool key, int token, int channel) {
+  return (channel / 16) * kStepElements + (key ? operand_index(token, channel % 16) : operand_index(channel % 16, token));
+}
+
+// dither8 K pages take a step's channels a 32-bit word (4 channels, one generator word) per token:
+// lane l holds tokens l / 4 and l / 4 + 8, channels 16 s + 4 (l % 4) .. + 3 of step s, as the A
+// operand of an mma whose k indices 2 t, 2 t + 1, 2 t + 8, 2 t + 9 (t = l % 4) stand for channels
+// 16 s + 4 t + 0, 1, 2, 3 (the query's B operand permuted alike). Its 8 bytes of step s: the word
+// of token l / 4, then that of token l / 4 + 8; two steps per 16 bytes as for other codes.
+// Registers: 0 = bytes 0, 1; 1 = bytes 4, 5; 2 = bytes 2, 3; 3 = bytes 6, 7.
+CERTKV_HD constexpr int word_key_byte(int token, int channel) {
+  const int step = channel / 16, lane = 4 * (token % 8) + (channel % 16) / 4;
+  return (step / 2) * 2 * kStepElements + lane * 16 + (step % 2) * kLaneElements + (token / 8) * 4 + channel % 4;
+}
+
+// The byte of an 8-bit code at element index e of the 16-bit maps above.
+CERTKV_HD constexpr int code_byte(int e) {
+  const int step = e / kStepElements, within = e % kStepElements;
+  return (step / 2) * 2 * kStepElements + (within / kLaneElements) * 16 + (step % 2) * kLaneElements +
+         within % kLaneElements;
+}
+
+// Where token t, channel c of a K page (`key`) or a V page of head_dim D lives: the element index
+// for 16-bit elements, the byte for 8-bit codes.
+template <int D, class Element>
+CERTKV_HD constexpr int fragment_position(bool key, int token, int channel) {
+  const int e = key ? key_index<D>(token, channel) : value_index<D>(token, channel);
+  return sizeof(Element) == 1 ? code_byte(e) : e;
+}
+
+// A row-major page [kPageTokens][D] (16-bit elements or 8-bit codes) transcoded to fragment-major
+// order; `key` chooses the K map, else the V map. rows and out are distinct, kPageTokens * D
+// elements each.
+template <int D, class Element>
+inline void fragment_page_from_rows(const Element* rows, bool key, Element* out) {
+  for (int t = 0; t < kPageTokens; ++t)
+    for (int c = 0; c < D; ++c) out[fragment_position<D, Element>(key, t, c)] = rows[t * D + c];
+}
+// The inverse: fragment-major back to row-major.
+template <int D, class Element>
+inline void rows_from_fragment_page(const Element* page, bool key, Element* rows) {
+  for (int t = 0; t < kPageTokens; ++t)
+    for (int c = 0; c < D; ++c) rows[t * D + c] = page[fragment_position<D, Element>(key, t, c)];
+}
+
+// ---- dither8 pages (PageFormat::kDither8Fragments) ----------------------------------------------
+// The codec's page (docs/format/dither8.md) is kPageTokens token-major records of D int8 codes,
+// G = D / 32 fp16 scales and, on K pages, the 2 m bf16 values of the m outlier pairs. The device
+// page holds the same bytes moved: the codes fragment-major (K by words, word_key_byte; V as 8-bit
+// codes, code_byte of the V map), then the scales [T][G], then (K) the outliers [T][2 m].
+
+// The byte of code (token, channel).
+CERTKV_HD constexpr int dither8_code_byte(bool key, int token, int channel) {
+  return key ? word_key_byte(token, channel) : code_byte(element_index(false, token, channel));
+}
+// The first byte of the fp16 scale of (token, group) (G groups of a head_dim D).
+CERTKV_HD constexpr int dither8_scale_byte(int head_dim, int groups, int token, int group) {
+  return kPageTokens * head_dim + token * 2 * groups + 2 * group;
+}
+// The first byte of the bf16 outlier value `value` (pair value / 2, channel a then b) of token,
+// on a K page with m outlier pairs.
+CERTKV_HD constexpr int dither8_outlier_byte(int head_dim, int groups, int m, int token, int value) {
+  return kPageTokens * (head_dim + 2 * groups) + token * 4 * m + 2 * value;
+}
+
+// Host forms for a head_dim known at run time (the device cache's uploads and reads). D a
+// multiple of 16; pages of kPageTokens tokens.
+// bf16 rows [T][D] <-> a fragment-major bf16 page (K or V map).
+inline void bf16_page_to_fragments(bool key, int head_dim, const uint16_t* rows, uint16_t* out) {
+  for (int t = 0; t < kPageTokens; ++t)
+    for (int c = 0; c < head_dim; ++c) out[element_index(key, t, c)] = rows[t * head_dim + c];
+}
+inline void bf16_page_from_fragments(bool key, int head_dim, const uint16_t* page, uint16_t* rows) {
+  for (int t = 0; t < kPageTokens; ++t)
+    for (int c = 0; c < head_dim; ++c) rows[t * head_dim + c] = page[element_index(key, t, c)];
+}
+// The codec's dither8 page (records) <-> the device page; groups = head_dim / 32, m the K page's
+// outlier pairs (0 for V). The two buffers are distinct, kPageTokens (head_dim + 2 groups + 4 m)
+// bytes each.
+inline void dither8_page_to_fragments(bool key, int head_dim, int groups, int m, const uint8_t* records,
+                                      uint8_t* out) {
+  const int record = head_dim + 2 * groups + 4 * m;
+  for (int t = 0; t < kPageTokens; ++t) {
+    const uint8_t* rec = records + t * record;
+    for (int c = 0; c < head_dim; ++c) out[dither8_code_byte(key, t, c)] = rec[c];
+    for (int g = 0; g < groups; ++g)
+      for (int b = 0; b < 2; ++b) out[dither8_scale_byte(head_dim, groups, t, g) + b] = rec[head_dim + 2 * g + b];
+    for (int v = 0; v < 2 * m; ++v)
+      for (int b = 0; b < 2; ++b)
+        out[dither8_outlier_byte(head_dim, groups, m, t, v) + b] = rec[head_dim + 2 * groups + 2 * v + b];
+  }
+}
+inline void dither8_page_from_fragments(bool key, int head_dim, int groups, int m, const uint8_t* page,
+                                        uint8_t* records) {
+  const int record = head_dim + 2 * groups + 4 * m;
+  for (int t = 0; t < kPageTokens; ++t) {
+    uint8_t* rec = records + t * record;
+    for (int c = 0; c < head_dim; ++c) rec[c] = page[dither8_code_byte(key, t, c)];
+    for (int g = 0; g < groups; ++g)
+      for (int b = 0; b < 2; ++b) rec[head_dim + 2 * g + b] = page[dither8_scale_byte(head_dim, groups, t, g) + b];
+    for (int v = 0; v < 2 * m; ++v)
+      for (int b = 0; b < 2; ++b)
+        rec[head_dim + 2 * groups + 2 * v + b] = page[dither8_outlier_byte(head_dim, groups, m, t, v) + b];
+  }
+}
+
+}  // namespace certkv::format::fragment
