@@ -147,9 +147,11 @@ inline size_t page_bytes_of_class(const TableReader& r, format::StorageClass sto
 // table order, which the hardware prefetchers do not follow). REQUIRES: the block is written.
 inline void prefetch_page(const TableReader& r, int64_t index) {
   const format::PageRef ref = r.table[index];
-  // Raw bf16 pages are left to the hardware prefetchers (no measured gain); GAAC slots are
-  // fetched by load_tile itself.
-  if (ref.storage == format::StorageClass::kBf16 || ref.storage == format::StorageClass::kGaac) return;
+  // GAAC slots are fetched by load_tile itself. Raw bf16 pages are fetched too: with eight
+  // sequences decoding, a step's 2 KiB pages come from all over the pool and their loads waited
+  // on memory (one page ahead: the eight-sequence step 5-9% faster on one thread, SmolLM2 at 576
+  // tokens; two pages ahead no better, four slower; docs/engine.md, "Tile products").
+  if (ref.storage == format::StorageClass::kGaac) return;
   const char* p = reinterpret_cast<const char*>(r.cache->page_bytes_of(ref));
   const size_t bytes = page_bytes_of_class(r, ref.storage);
   for (size_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at);
