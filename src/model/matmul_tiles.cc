@@ -25,11 +25,17 @@ using format::GgmlType;
 
 constexpr int kRows = 16;  // output rows per record (the tile's columns)
 
-// Bytes of one record: codes, then d (and m) of the 16 rows as floats.
-constexpr size_t code_bytes(GgmlType type) { return type == GgmlType::kQ8_0 ? 512 : 256; }
-constexpr size_t record_bytes(GgmlType type) {
-  return code_bytes(type) + 64 * (type == GgmlType::kQ4_1 ? 2 : 1);
+constexpr bool has_min(GgmlType type) { return type == GgmlType::kQ4_1 || type == GgmlType::kQ5_1; }
+constexpr bool fifth_bit(GgmlType type) { return type == GgmlType::kQ5_0 || type == GgmlType::kQ5_1; }
+// What the ggml codes have taken away to be the signed c of quantized_dot.h: Q4_0 8, Q5_0 16.
+constexpr int code_offset(GgmlType type) {
+  return type == GgmlType::kQ4_0 ? 8 : type == GgmlType::kQ5_0 ? 16 : 0;
 }
+// Bytes of one record: codes (Q5: then the fifth bits), then d (and m) of the 16 rows as floats.
+constexpr size_t code_bytes(GgmlType type) {
+  return type == GgmlType::kQ8_0 ? 512 : fifth_bit(type) ? 256 + 64 : 256;
+}
+constexpr size_t record_bytes(GgmlType type) { return code_bytes(type) + 64 * (has_min(type) ? 2 : 1); }
 
 void check_tileable(const WeightMatrix& w) {
   if (!matmul_tiles_support(w.type))
@@ -48,7 +54,8 @@ float fp16_field(const uint8_t* p) {
 }  // namespace
 
 bool matmul_tiles_support(GgmlType type) {
-  return type == GgmlType::kQ4_0 || type == GgmlType::kQ4_1 || type == GgmlType::kQ8_0;
+  return type == GgmlType::kQ4_0 || type == GgmlType::kQ4_1 || type == GgmlType::kQ5_0 ||
+         type == GgmlType::kQ5_1 || type == GgmlType::kQ8_0;
 }
 
 size_t matmul_tiles_bytes(const WeightMatrix& w) {
@@ -61,19 +68,31 @@ void tile_weights(const WeightMatrix& w, uint8_t* out) {
   std::memset(out, 0, bytes);
   const int64_t nb = w.n_in / 32;
   const size_t block_bytes = ggml_block_bytes(w.type);
-  const bool q8 = w.type == GgmlType::kQ8_0, has_min = w.type == GgmlType::kQ4_1;
-  const size_t code_offset = has_min ? 4 : 2;  // after d (and m), fp16 each
+  const bool q8 = w.type == GgmlType::kQ8_0, min = has_min(w.type), q5 = fifth_bit(w.type);
+  const size_t qh_at = min ? 4 : 2;           // after d (and m), fp16 each
+  const size_t qs_at = qh_at + (q5 ? 4 : 0);  // Q5: after the 32 fifth bits
   const size_t codes = code_bytes(w.type);
   for (int64_t o = 0; o < w.n_out; ++o) {
     const int64_t g = o / kRows, n = o % kRows;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* block = w.data + size_t(o) * w.row_bytes + size_t(b) * block_bytes;
       uint8_t* rec = out + (size_t(g) * size_t(nb) + size_t(b)) * record_bytes(w.type);
-      const int dwords = q8 ? 8 : 4;  // Q8_0: 32 codes; Q4: 16 bytes of nibble pairs
-      for (int r = 0; r < dwords; ++r) std::memcpy(rec + 64 * r + 4 * n, block + code_offset + 4 * r, 4);
+      const int dwords = q8 ? 8 : 4;  // Q8_0: 32 codes; Q4, Q5: 16 bytes of nibble pairs
+      for (int r = 0; r < dwords; ++r) std::memcpy(rec + 64 * r + 4 * n, block + qs_at + 4 * r, 4);
+      if (q5) {
+        // Bit p of the 512 after the nibbles: the fifth bit of byte p of the B tile (row p / 64,
+        // row n = p % 64 / 4, element 4 (p / 64) + p % 4).
+        const uint32_t qh = uint32_t(block[qh_at]) | uint32_t(block[qh_at + 1]) << 8 |
+                            uint32_t(block[qh_at + 2]) << 16 | uint32_t(block[qh_at + 3]) << 24;
+        for (int k = 0; k < 32; ++k) {
+          if (((qh >> k) & 1u) == 0) continue;
+          const int p = 64 * (k / 4) + 4 * int(n) + k % 4;
+          rec[256 + p / 8] |= uint8_t(1u << (p % 8));
+        }
+      }
       const float d = fp16_field(block);
       std::memcpy(rec + codes + 4 * n, &d, 4);
-      if (has_min) {
+      if (min) {
         const float m = fp16_field(block + 2);
         std::memcpy(rec + codes + 64 + 4 * n, &m, 4);
       }
@@ -158,23 +177,38 @@ inline void quantize_block(const float* x, int8_t* q, float* d, float* s, int32_
   *s = *d * float(*sum);
 }
 
-// The B tile of one record at `rec` into buf (512 bytes, 64-aligned): Q4 nibbles masked (low:
-// rows 0-3, high: rows 4-7), Q4_0's offset 8 removed; Q8_0 records are already in tile order.
+// The unsigned codes of a 4- or 5-bit record in B tile order: nibbles masked (low: rows 0-3, high:
+// rows 4-7), Q5's fifth bits set from their bit mask.
+template <GgmlType T>
+inline void unpack_codes(const uint8_t* rec, __m512i* c) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int r = 0; r < 4; ++r) {
+    const __m512i v = _mm512_loadu_si512(rec + 64 * r);
+    c[r] = _mm512_and_si512(v, low);
+    c[r + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  }
+  if constexpr (fifth_bit(T)) {
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    for (int r = 0; r < 8; ++r) {
+      __mmask64 bits;
+      std::memcpy(&bits, rec + 256 + 8 * r, 8);
+      c[r] = _mm512_mask_add_epi8(c[r], bits, c[r], sixteen);
+    }
+  }
+}
+
+// The B tile of one record at `rec` into buf (512 bytes, 64-aligned): the signed codes c of
+// quantized_dot.h (Q4_0's 8 and Q5_0's 16 removed); Q8_0 records are already in tile order.
 template <GgmlType T>
 inline const uint8_t* weight_tile(const uint8_t* rec, uint8_t* buf) {
   if constexpr (T == GgmlType::kQ8_0) {
     return rec;
   } else {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int r = 0; r < 4; ++r) {
-      const __m512i v = _mm512_loadu_si512(rec + 64 * r);
-      __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      if constexpr (T == GgmlType::kQ4_0) {
-        lo = _mm512_sub_epi8(lo, _mm512_set1_epi8(8));
-        hi = _mm512_sub_epi8(hi, _mm512_set1_epi8(8));
-      }
-      _mm512_store_si512(buf + 64 * r, lo);
-      _mm512_store_si512(buf + 64 * (r + 4), hi);
+    __m512i c[8];
+    unpack_codes<T>(rec, c);
+    for (int r = 0; r < 8; ++r) {
+      if constexpr (code_offset(T) != 0) c[r] = _mm512_sub_epi8(c[r], _mm512_set1_epi8(char(code_offset(T))));
+      _mm512_store_si512(buf + 64 * r, c[r]);
     }
     return buf;
   }
@@ -193,7 +227,7 @@ template <GgmlType T>
 inline __m512 add_block(__m512 acc, const uint8_t* rec, __m512i isum, float d, float s) {
   const __m512 dw = _mm512_loadu_ps(reinterpret_cast<const float*>(rec + code_bytes(T)));
   __m512 term = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(d)), _mm512_cvtepi32_ps(isum));
-  if constexpr (T == GgmlType::kQ4_1) {
+  if constexpr (has_min(T)) {
     const __m512 mw = _mm512_loadu_ps(reinterpret_cast<const float*>(rec + code_bytes(T) + 64));
     term = _mm512_add_ps(term, _mm512_mul_ps(mw, _mm512_set1_ps(s)));
   }
@@ -271,7 +305,6 @@ template <GgmlType T, int M>
   const int32_t* sum = in.sum + t0 * nb;
   __m512 acc[M];
   for (int t = 0; t < M; ++t) acc[t] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rec = recs + size_t(b) * kRecord;
     prefetch_record<T>(rec);
@@ -279,11 +312,7 @@ template <GgmlType T, int M>
     if constexpr (T == GgmlType::kQ8_0) {
       for (int r = 0; r < 8; ++r) c[r] = _mm512_xor_si512(_mm512_loadu_si512(rec + 64 * r), _mm512_set1_epi8(char(0x80)));
     } else {
-      for (int r = 0; r < 4; ++r) {
-        const __m512i v = _mm512_loadu_si512(rec + 64 * r);
-        c[r] = _mm512_and_si512(v, low);
-        c[r + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      }
+      unpack_codes<T>(rec, c);
     }
     for (int t = 0; t < M; ++t) {
       const int32_t* a = reinterpret_cast<const int32_t*>(q + t * in.n_in + 32 * b);
@@ -294,7 +323,8 @@ template <GgmlType T, int M>
         i1 = _mm512_dpbusd_epi32(i1, c[r + 1], _mm512_set1_epi32(a[r + 1]));
       }
       __m512i isum = _mm512_add_epi32(i0, i1);
-      if constexpr (T == GgmlType::kQ4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * sum[t * nb + b]));
+      if constexpr (code_offset(T) != 0)
+        isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(code_offset(T) * sum[t * nb + b]));
       if constexpr (T == GgmlType::kQ8_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * sum[t * nb + b]));
       acc[t] = add_block<T>(acc[t], rec, isum, d[t * nb + b], s[t * nb + b]);
     }
@@ -333,6 +363,10 @@ void group_product_of(GgmlType type, int m, const uint8_t* recs, const TiledInpu
       return group_product_any<GgmlType::kQ4_0>(m, recs, in, t0, y, y_stride, n_valid);
     case GgmlType::kQ4_1:
       return group_product_any<GgmlType::kQ4_1>(m, recs, in, t0, y, y_stride, n_valid);
+    case GgmlType::kQ5_0:
+      return group_product_any<GgmlType::kQ5_0>(m, recs, in, t0, y, y_stride, n_valid);
+    case GgmlType::kQ5_1:
+      return group_product_any<GgmlType::kQ5_1>(m, recs, in, t0, y, y_stride, n_valid);
     case GgmlType::kQ8_0:
       return group_product_any<GgmlType::kQ8_0>(m, recs, in, t0, y, y_stride, n_valid);
     default:

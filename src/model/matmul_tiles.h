@@ -1,22 +1,23 @@
-// Weight products on AMX tiles (Intel Advanced Matrix Extensions, AMX-INT8), for Q4_0, Q4_1 and
-// Q8_0 weights.
+// Weight products on AMX tiles (Intel Advanced Matrix Extensions, AMX-INT8), for Q4_0, Q4_1,
+// Q5_0, Q5_1 and Q8_0 weights.
 //
 // The algorithm is matmul_quantized_ref's (model/quantized_dot.h) to the bit: every token row is
 // quantized to int8 blocks of 32, each block's integer dot product is exact (tdpbssd sums int8
 // products in int32), and each output's blocks are scaled and added in fp32 in block order with
 // the reference's expression, (d_w * d) * isum (+ m_w * s). So a token's outputs do not depend on
-// how many tokens share the call, and the one-token product is the same code as the many-token
-// one: batch invariance (backend/backend.h) holds by construction.
+// how many tokens share the call, and the one-token product is the same arithmetic as the
+// many-token one: batch invariance (backend/backend.h) holds by construction.
 //
 // Layout. A matrix is repacked once, at model load, into records of 16 output rows by one block
 // of 32 inputs, groups of 16 rows in order and each group's blocks in order:
-//   Q4_0, Q4_1: 256 bytes of nibbles, dword (r, n) at byte 64 r + 4 n = bytes 4r..4r+3 of row n's
-//               packed codes (low nibbles: elements 4r..4r+3, high: 16+4r..16+4r+3), r < 4;
-//               then d of the 16 rows as float; for Q4_1 then m as float.
+//   Q4_0, Q4_1, Q5_0, Q5_1: 256 bytes of nibbles, dword (r, n) at byte 64 r + 4 n = bytes
+//               4r..4r+3 of row n's packed codes (low nibbles: elements 4r..4r+3, high:
+//               16+4r..16+4r+3), r < 4; Q5 then 64 bytes of fifth bits, bit p the fifth bit of
+//               byte p of the B tile below; then d of the 16 rows as float; Q4_1 and Q5_1 then m.
 //   Q8_0:       512 bytes, the tile's VNNI order: byte 64 r + 4 n + j = code 4r + j of row n,
 //               r < 8; then d of the 16 rows as float.
-// Rows past n_out read as zero codes and scales. A record's nibbles, masked and shifted, are the
-// 8 x 64-byte B tile of the block; the 4-bit records take as many bytes as the ggml blocks.
+// Rows past n_out read as zero codes and scales. A record's nibbles, masked and shifted (and their
+// fifth bits set), are the 8 x 64-byte B tile of the block.
 #pragma once
 
 #include <cstddef>
@@ -34,7 +35,7 @@ namespace certkv::model {
 // CERTKV_MATMUL_TILES is not "0". Decided at the first call, then fixed for the process.
 bool matmul_tiles_available();
 
-// Q4_0, Q4_1 and Q8_0: the types with a tile layout.
+// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0: the types with a tile layout.
 bool matmul_tiles_support(format::GgmlType type);
 
 // Bytes of w repacked: ceil(n_out / 16) * (n_in / 32) records.

@@ -20,9 +20,10 @@ namespace {
 
 using format::GgmlType;
 
-const GgmlType kTileTypes[] = {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0};
+const GgmlType kTileTypes[] = {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1,
+                               GgmlType::kQ8_0};
 
-// Random codes, scales d in +-[0.001, 0.1] (mins in [-0.1, 0.1] for Q4_1); every 7th block gets
+// Random codes, scales d in +-[0.001, 0.1] (mins in [-0.1, 0.1] for Q4_1, Q5_1); every 7th block gets
 // an extreme scale (65504, a subnormal, or 0) so that the products' float terms cover the range.
 std::vector<uint8_t> random_weights(GgmlType type, int64_t n_in, int64_t n_out, std::mt19937& rng) {
   const size_t block_bytes = ggml_block_bytes(type);
@@ -35,7 +36,7 @@ std::vector<uint8_t> random_weights(GgmlType type, int64_t n_in, int64_t n_out, 
     const float d = b % 7 == 3 ? extreme[(b / 7) % 3] : (rng() % 2 ? 1.f : -1.f) * scale(rng);
     const uint16_t h = format::float_to_fp16(d);
     std::memcpy(p, &h, 2);
-    if (type == GgmlType::kQ4_1) {
+    if (type == GgmlType::kQ4_1 || type == GgmlType::kQ5_1) {
       const uint16_t m = format::float_to_fp16(min(rng));
       std::memcpy(p + 2, &m, 2);
     }
@@ -81,8 +82,11 @@ bool same_float(float a, float b) {
 std::vector<float> product_from_records(const WeightMatrix& w, const std::vector<uint8_t>& tiles,
                                         const float* x, int64_t n_tokens) {
   const int64_t nb = w.n_in / 32;
-  const bool q8 = w.type == GgmlType::kQ8_0, has_min = w.type == GgmlType::kQ4_1;
-  const size_t codes = q8 ? 512 : 256, record = codes + (has_min ? 128 : 64);
+  const bool q8 = w.type == GgmlType::kQ8_0;
+  const bool has_min = w.type == GgmlType::kQ4_1 || w.type == GgmlType::kQ5_1;
+  const bool q5 = w.type == GgmlType::kQ5_0 || w.type == GgmlType::kQ5_1;
+  const int offset = w.type == GgmlType::kQ4_0 ? 8 : w.type == GgmlType::kQ5_0 ? 16 : 0;
+  const size_t codes = q8 ? 512 : q5 ? 320 : 256, record = codes + (has_min ? 128 : 64);
   std::vector<float> y(size_t(n_tokens * w.n_out));
   for (int64_t t = 0; t < n_tokens; ++t) {
     const QuantizedActivation a = quantize_activation_ref(x + t * w.n_in, w.n_in, 32);
@@ -98,7 +102,12 @@ std::vector<float> product_from_records(const WeightMatrix& w, const std::vector
             c = int8_t(rec[64 * (k / 4) + 4 * n + k % 4]);
           } else {
             const uint8_t byte = rec[64 * ((k % 16) / 4) + 4 * n + k % 4];
-            c = (k < 16 ? byte & 0xF : byte >> 4) - (w.type == GgmlType::kQ4_0 ? 8 : 0);
+            c = k < 16 ? byte & 0xF : byte >> 4;
+            if (q5) {
+              const int p = 64 * (k / 4) + 4 * int(n) + k % 4;  // the code's byte in the B tile
+              c |= ((rec[256 + p / 8] >> (p % 8)) & 1) << 4;
+            }
+            c -= offset;
           }
           isum += c * a.q[size_t(32 * b + k)];
         }
@@ -143,22 +152,29 @@ TEST(MatmulTiles, RecordsHoldTheMatrix) {
   }
 }
 
-TEST(MatmulTiles, RecordsOfAShiftedRowAreNotTheMatrix) {
-  // The check above can fail: swap two rows' codes in the records and it no longer holds.
+TEST(MatmulTiles, RecordsWithAMovedCodeAreNotTheMatrix) {
+  // The check above can fail: swap two rows' codes in the records (Q4_1), or clear the fifth bits
+  // of a block (Q5_0), and it no longer holds.
   std::mt19937 rng(2);
   const int64_t n_in = 64, n_out = 16, n_tokens = 2;
-  const std::vector<uint8_t> data = random_weights(GgmlType::kQ4_1, n_in, n_out, rng);
-  const WeightMatrix w = matrix_of(GgmlType::kQ4_1, data, n_in, n_out);
-  std::vector<uint8_t> tiles(matmul_tiles_bytes(w));
-  tile_weights(w, tiles.data());
-  std::swap_ranges(tiles.begin() + 4 * 3, tiles.begin() + 4 * 3 + 4, tiles.begin() + 4 * 4);
-  const std::vector<float> x = random_activations(n_tokens, n_in, rng);
-  std::vector<float> ref(size_t(n_tokens * n_out));
-  matmul_quantized_ref(w, x.data(), n_tokens, ref.data());
-  const std::vector<float> got = product_from_records(w, tiles, x.data(), n_tokens);
-  int differ = 0;
-  for (size_t i = 0; i < ref.size(); ++i) differ += !same_float(got[i], ref[i]);
-  EXPECT_GT(differ, 0);
+  for (GgmlType type : {GgmlType::kQ4_1, GgmlType::kQ5_0}) {
+    SCOPED_TRACE(ggml_type_name(type));
+    const std::vector<uint8_t> data = random_weights(type, n_in, n_out, rng);
+    const WeightMatrix w = matrix_of(type, data, n_in, n_out);
+    std::vector<uint8_t> tiles(matmul_tiles_bytes(w));
+    tile_weights(w, tiles.data());
+    if (type == GgmlType::kQ4_1)
+      std::swap_ranges(tiles.begin() + 4 * 3, tiles.begin() + 4 * 3 + 4, tiles.begin() + 4 * 4);
+    else
+      std::fill_n(tiles.begin() + 256, 64, uint8_t(0));
+    const std::vector<float> x = random_activations(n_tokens, n_in, rng);
+    std::vector<float> ref(size_t(n_tokens * n_out));
+    matmul_quantized_ref(w, x.data(), n_tokens, ref.data());
+    const std::vector<float> got = product_from_records(w, tiles, x.data(), n_tokens);
+    int differ = 0;
+    for (size_t i = 0; i < ref.size(); ++i) differ += !same_float(got[i], ref[i]);
+    EXPECT_GT(differ, 0);
+  }
 }
 
 // The tile path against the scalar reference, bit for bit, every shape, 1 to 3 threads, with the
@@ -180,9 +196,9 @@ TEST(MatmulTiles, EqualTheQuantizedReferenceBitForBit) {
         tile_weights(w.back(), tiles.back().data());
         w.back().tiles = tiles.back().data();
       }
-      // A Q5_0 matrix (no tile layout) in the same call takes the other path.
-      data.push_back(random_weights(GgmlType::kQ5_0, s.n_in, s.n_out, rng));
-      w.push_back(matrix_of(GgmlType::kQ5_0, data.back(), s.n_in, s.n_out));
+      // A Q8_0 matrix without tiles in the same call takes the other path.
+      data.push_back(random_weights(GgmlType::kQ8_0, s.n_in, s.n_out, rng));
+      w.push_back(matrix_of(GgmlType::kQ8_0, data.back(), s.n_in, s.n_out));
       const std::vector<float> x = random_activations(s.n_tokens, s.n_in, rng);
       std::vector<std::vector<float>> y(w.size());
       std::vector<float*> yp;
@@ -255,16 +271,16 @@ TEST(MatmulTiles, NonFiniteActivationPoisonsItsTokenOnly) {
 
 TEST(MatmulTilesErrors, TypesAndShapesWithoutALayoutAreRefused) {
   std::vector<uint8_t> data(4096);
-  WeightMatrix w = matrix_of(GgmlType::kQ5_0, data, 64, 2);
-  EXPECT_FALSE(matmul_tiles_support(GgmlType::kQ5_0));
+  WeightMatrix w = matrix_of(GgmlType::kQ4_K, data, 256, 2);
   EXPECT_FALSE(matmul_tiles_support(GgmlType::kQ4_K));
+  EXPECT_FALSE(matmul_tiles_support(GgmlType::kQ6_K));
   EXPECT_FALSE(matmul_tiles_support(GgmlType::kF32));
   try {
     (void)matmul_tiles_bytes(w);
-    FAIL() << "Q5_0 has no tile layout";
+    FAIL() << "Q4_K has no tile layout";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), StatusCode::kUnsupported);
-    EXPECT_NE(std::string(e.what()).find("Q5_0"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("Q4_K"), std::string::npos) << e.what();
   }
   w.type = GgmlType::kQ4_1;
   w.n_in = 48;
