@@ -13,6 +13,7 @@
 #include "format/numeric.h"
 #include "model/ggml_type.h"
 #include "model/matmul.h"
+#include "model/model.h"
 #include "model/quantized_dot.h"
 
 namespace certkv::model {
@@ -266,6 +267,31 @@ TEST(MatmulTiles, NonFiniteActivationPoisonsItsTokenOnly) {
       EXPECT_TRUE(std::isnan(y[n_out + o])) << o;
       EXPECT_TRUE(std::isnan(y[2 * n_out + o])) << o;
     }
+  }
+}
+
+// The real model: with tiles available every layer matrix and the head carry them (SmolLM2 is
+// Q4_1 with a Q8_0 head), and a product through them is the reference's; without, none does.
+TEST(MatmulTiles, ALoadedModelCarriesTilesOfItsMatrices) {
+  const std::string path = std::string(CERTKV_MODELS_DIR) + "/SmolLM2-135M-Instruct.Q4_1.gguf";
+  std::unique_ptr<Model> model = load_model(path);
+  const bool tiles = matmul_tiles_available();
+  for (int l = 0; l < model->config().n_layers; ++l) {
+    const LayerWeights& w = model->layer(l);
+    for (const WeightMatrix* m : {&w.wq, &w.wk, &w.wv, &w.wo, &w.w_gate, &w.w_up, &w.w_down})
+      ASSERT_EQ(m->tiles != nullptr, tiles) << "layer " << l;
+  }
+  ASSERT_EQ(model->output().tiles != nullptr, tiles);
+  if (!tiles) GTEST_SKIP() << "no AMX tiles on this CPU, kernel or build: the model has none";
+  std::mt19937 rng(6);
+  ThreadPool pool(2);
+  for (const WeightMatrix* m : {&model->layer(7).w_down, &model->output()}) {
+    const int64_t n_tokens = 5;
+    const std::vector<float> x = random_activations(n_tokens, m->n_in, rng);
+    std::vector<float> got(size_t(n_tokens * m->n_out)), ref(got.size());
+    matmul(*m, x.data(), n_tokens, got.data(), pool);
+    matmul_quantized_ref(*m, x.data(), n_tokens, ref.data());
+    for (size_t i = 0; i < ref.size(); ++i) ASSERT_TRUE(same_float(got[i], ref[i])) << i;
   }
 }
 
