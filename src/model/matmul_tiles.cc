@@ -8,6 +8,7 @@
 
 #include "core/status.h"
 #include "format/numeric.h"
+#include "model/dequant.h"
 #include "model/ggml_type.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__)
@@ -27,6 +28,14 @@ constexpr int kRows = 16;  // output rows per record (the tile's columns)
 
 constexpr bool has_min(GgmlType type) { return type == GgmlType::kQ4_1 || type == GgmlType::kQ5_1; }
 constexpr bool fifth_bit(GgmlType type) { return type == GgmlType::kQ5_0 || type == GgmlType::kQ5_1; }
+constexpr bool k_quant(GgmlType type) { return type == GgmlType::kQ4_K || type == GgmlType::kQ5_K; }
+// Elements of one record's block: 32, or a K-quant super-block of 256.
+constexpr int64_t block_elements(GgmlType type) { return k_quant(type) ? 256 : 32; }
+// A K-quant record (one super-block of the 16 rows): 4 x 512 bytes of nibbles, sub-blocks 2p and
+// 2p + 1 in pair p (byte 64 r + 4 n + j = byte 32 p + 4 r + j of row n's codes); Q5_K then 8 x 64
+// bytes of fifth bits (sub-block j's B tile bytes); then the sub-blocks' 6-bit scales sc [8][16]
+// and mins m [8][16] as bytes, d and dmin of the 16 rows as floats.
+constexpr size_t k_scales_at(GgmlType type) { return 2048 + (type == GgmlType::kQ5_K ? 512 : 0); }
 // What the ggml codes have taken away to be the signed c of quantized_dot.h: Q4_0 8, Q5_0 16.
 constexpr int code_offset(GgmlType type) {
   return type == GgmlType::kQ4_0 ? 8 : type == GgmlType::kQ5_0 ? 16 : 0;
@@ -35,14 +44,18 @@ constexpr int code_offset(GgmlType type) {
 constexpr size_t code_bytes(GgmlType type) {
   return type == GgmlType::kQ8_0 ? 512 : fifth_bit(type) ? 256 + 64 : 256;
 }
-constexpr size_t record_bytes(GgmlType type) { return code_bytes(type) + 64 * (has_min(type) ? 2 : 1); }
+constexpr size_t record_bytes(GgmlType type) {
+  return k_quant(type) ? k_scales_at(type) + 256 + 128 : code_bytes(type) + 64 * (has_min(type) ? 2 : 1);
+}
 
 void check_tileable(const WeightMatrix& w) {
   if (!matmul_tiles_support(w.type))
     fail(StatusCode::kUnsupported, std::string("matmul tiles: no tile layout for ") + ggml_type_name(w.type));
-  if (w.n_in <= 0 || w.n_in % 32 != 0 || w.n_out < 0)
+  const int64_t be = block_elements(w.type);
+  if (w.n_in <= 0 || w.n_in % be != 0 || w.n_out < 0)
     fail(StatusCode::kInvalidArgument, "matmul tiles: " + std::to_string(w.n_out) + " rows of " +
-                                           std::to_string(w.n_in) + " inputs (need a multiple of 32)");
+                                           std::to_string(w.n_in) + " inputs (need a multiple of " +
+                                           std::to_string(be) + ")");
 }
 
 float fp16_field(const uint8_t* p) {
@@ -55,17 +68,58 @@ float fp16_field(const uint8_t* p) {
 
 bool matmul_tiles_support(GgmlType type) {
   return type == GgmlType::kQ4_0 || type == GgmlType::kQ4_1 || type == GgmlType::kQ5_0 ||
-         type == GgmlType::kQ5_1 || type == GgmlType::kQ8_0;
+         type == GgmlType::kQ5_1 || type == GgmlType::kQ8_0 || k_quant(type);
 }
 
 size_t matmul_tiles_bytes(const WeightMatrix& w) {
   check_tileable(w);
-  return size_t((w.n_out + kRows - 1) / kRows) * size_t(w.n_in / 32) * record_bytes(w.type);
+  return size_t((w.n_out + kRows - 1) / kRows) * size_t(w.n_in / block_elements(w.type)) * record_bytes(w.type);
 }
+
+namespace {
+
+// tile_weights for Q4_K and Q5_K (the layout at k_scales_at).
+void tile_k_quant(const WeightMatrix& w, uint8_t* out) {
+  const int64_t nsb = w.n_in / 256;
+  const size_t block_bytes = ggml_block_bytes(w.type), record = record_bytes(w.type);
+  const bool q5 = w.type == GgmlType::kQ5_K;
+  const size_t scales_at = k_scales_at(w.type);
+  for (int64_t o = 0; o < w.n_out; ++o) {
+    const int64_t g = o / kRows, n = o % kRows;
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* block = w.data + size_t(o) * w.row_bytes + size_t(sb) * block_bytes;
+      uint8_t* rec = out + (size_t(g) * size_t(nsb) + size_t(sb)) * record;
+      const uint8_t* qh = block + 16;
+      const uint8_t* qs = block + (q5 ? 48 : 16);
+      for (int p = 0; p < 4; ++p)
+        for (int r = 0; r < 8; ++r) std::memcpy(rec + 512 * p + 64 * r + 4 * n, qs + 32 * p + 4 * r, 4);
+      if (q5) {
+        for (int j = 0; j < 8; ++j)
+          for (int l = 0; l < 32; ++l) {
+            if (((qh[l] >> j) & 1) == 0) continue;
+            const int byte = 64 * (l / 4) + 4 * int(n) + l % 4;
+            rec[2048 + 64 * j + byte / 8] |= uint8_t(1u << (byte % 8));
+          }
+      }
+      for (int j = 0; j < 8; ++j) {
+        uint8_t sc, m;
+        k_quant_scale_min(j, block + 4, &sc, &m);
+        rec[scales_at + 16 * j + n] = sc;
+        rec[scales_at + 128 + 16 * j + n] = m;
+      }
+      const float d = fp16_field(block), dmin = fp16_field(block + 2);
+      std::memcpy(rec + scales_at + 256 + 4 * n, &d, 4);
+      std::memcpy(rec + scales_at + 320 + 4 * n, &dmin, 4);
+    }
+  }
+}
+
+}  // namespace
 
 void tile_weights(const WeightMatrix& w, uint8_t* out) {
   const size_t bytes = matmul_tiles_bytes(w);
   std::memset(out, 0, bytes);
+  if (k_quant(w.type)) return tile_k_quant(w, out);
   const int64_t nb = w.n_in / 32;
   const size_t block_bytes = ggml_block_bytes(w.type);
   const bool q8 = w.type == GgmlType::kQ8_0, min = has_min(w.type), q5 = fifth_bit(w.type);
@@ -143,8 +197,8 @@ struct TiledInput {
   const int8_t* q = nullptr;
   const float* d = nullptr;
   const float* s = nullptr;
-  const int32_t* sum = nullptr;  // [n_tokens][nb]: sum(q) of each block, exact
-  int64_t n_in = 0, nb = 0;
+  const int32_t* sum = nullptr;  // [n_tokens][n_in / 32]: sum(q) of each 32 codes, exact
+  int64_t n_in = 0, nb = 0;      // nb: blocks of 32 (or super-blocks of 256) a row
 };
 
 inline bool all_finite(__m512 v) {
@@ -175,6 +229,33 @@ inline void quantize_block(const float* x, int8_t* q, float* d, float* s, int32_
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
   *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   *s = *d * float(*sum);
+}
+
+// The same for a K-quant super-block of 256 (quantize_activation_ref with 256): one d, the codes,
+// and the exact sum of each 32 codes.
+inline void quantize_block256(const float* x, int8_t* q, float* d, int32_t* sum32) {
+  __m512 v[16];
+  bool finite = true;
+  __m512 amax = _mm512_setzero_ps();
+  for (int i = 0; i < 16; ++i) {
+    v[i] = _mm512_loadu_ps(x + 16 * i);
+    finite = finite && all_finite(v[i]);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+  }
+  if (!finite) {
+    std::memset(q, 0, 256);
+    *d = __builtin_nanf("");
+    for (int j = 0; j < 8; ++j) sum32[j] = 0;
+    return;
+  }
+  *d = _mm512_reduce_max_ps(amax) / 127.f;
+  const float id = *d != 0.f ? 1.f / *d : 0.f;
+  for (int j = 0; j < 8; ++j) {
+    const __m512i q0 = quantize_16(v[2 * j], id), q1 = quantize_16(v[2 * j + 1], id);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * j), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * j + 16), _mm512_cvtepi32_epi8(q1));
+    sum32[j] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  }
 }
 
 // The unsigned codes of a 4- or 5-bit record in B tile order: nibbles masked (low: rows 0-3, high:
@@ -333,6 +414,136 @@ template <GgmlType T, int M>
   for (int t = 0; t < M; ++t) _mm512_mask_storeu_ps(y + t * y_stride, valid, acc[t]);
 }
 
+// Q4_K and Q5_K. Per super-block and token: each sub-block's exact int32 sum (a tile product,
+// or VNNI for 1-3 tokens), isum = sum_j sc_j sum_j and msum = sum_j m_j sum32_j in int32, then
+// the reference's ((d * d_x) * isum - (dmin * d_x) * msum) added to the row's fp32 sum.
+
+// The unsigned codes of sub-blocks 2p (lo) and 2p + 1 (hi) of a K-quant record, B tile order.
+template <GgmlType T>
+inline void unpack_k_pair(const uint8_t* rec, int p, __m512i* lo, __m512i* hi) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int r = 0; r < 8; ++r) {
+    const __m512i v = _mm512_loadu_si512(rec + 512 * p + 64 * r);
+    lo[r] = _mm512_and_si512(v, low);
+    hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  }
+  if constexpr (T == GgmlType::kQ5_K) {
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    for (int r = 0; r < 8; ++r) {
+      __mmask64 bits_lo, bits_hi;
+      std::memcpy(&bits_lo, rec + 2048 + 64 * (2 * p) + 8 * r, 8);
+      std::memcpy(&bits_hi, rec + 2048 + 64 * (2 * p + 1) + 8 * r, 8);
+      lo[r] = _mm512_mask_add_epi8(lo[r], bits_lo, lo[r], sixteen);
+      hi[r] = _mm512_mask_add_epi8(hi[r], bits_hi, hi[r], sixteen);
+    }
+  }
+}
+
+// The 16 rows' byte `field` [8][16] of sub-block j as int32 lanes.
+inline __m512i k_field(const uint8_t* field, int j) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(field + 16 * j)));
+}
+
+// acc += the super-block's terms for one token (isum: its sum_j sc_j sum_j), in the reference's
+// expression: (d * d_x) * isum - (dmin * d_x) * msum, msum = sum_j m_j sum32_j.
+template <GgmlType T>
+inline __m512 add_super_block(__m512 acc, const uint8_t* rec, __m512i isum, float dx, const int32_t* sum32) {
+  const uint8_t* mins = rec + k_scales_at(T) + 128;
+  __m512i msum = _mm512_setzero_si512();
+  for (int j = 0; j < 8; ++j) msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(k_field(mins, j), _mm512_set1_epi32(sum32[j])));
+  const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(rec + k_scales_at(T) + 256));
+  const __m512 dmin = _mm512_loadu_ps(reinterpret_cast<const float*>(rec + k_scales_at(T) + 320));
+  const __m512 x = _mm512_set1_ps(dx);
+  const __m512 a = _mm512_mul_ps(_mm512_mul_ps(d, x), _mm512_cvtepi32_ps(isum));
+  const __m512 b = _mm512_mul_ps(_mm512_mul_ps(dmin, x), _mm512_cvtepi32_ps(msum));
+  return _mm512_add_ps(acc, _mm512_sub_ps(a, b));
+}
+
+template <GgmlType T, int M>
+[[gnu::noinline]] void group_product_k(const uint8_t* recs, const TiledInput& in, int64_t t0, float* y,
+                                       int64_t y_stride, int n_valid) {
+  constexpr size_t kRecord = record_bytes(T);
+  alignas(64) uint8_t buf[2][512];
+  alignas(64) int32_t sums[2][16 * M];
+  const int64_t nsb = in.nb, stride = in.n_in, n_sum = in.n_in / 32;
+  const int8_t* q = in.q + t0 * in.n_in;
+  __m512 acc[M];
+  for (int t = 0; t < M; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const uint8_t* rec = recs + size_t(sb) * kRecord;
+    for (size_t line = 0; line < kRecord; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kRecord + line), _MM_HINT_T0);
+    const uint8_t* scales = rec + k_scales_at(T);
+    __m512i isum[M];
+    for (int t = 0; t < M; ++t) isum[t] = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) {
+      __m512i lo[8], hi[8];
+      unpack_k_pair<T>(rec, p, lo, hi);
+      for (int r = 0; r < 8; ++r) {
+        _mm512_store_si512(buf[0] + 64 * r, lo[r]);
+        _mm512_store_si512(buf[1] + 64 * r, hi[r]);
+      }
+      _tile_loadd(2, buf[0], 64);
+      _tile_loadd(5, buf[1], 64);
+      _tile_loadd(1, q + 256 * sb + 64 * p, stride);
+      _tile_loadd(4, q + 256 * sb + 64 * p + 32, stride);
+      _tile_zero(0);
+      _tile_zero(3);
+      _tile_dpbssd(0, 1, 2);
+      _tile_dpbssd(3, 4, 5);
+      _tile_stored(0, sums[0], 64);
+      _tile_stored(3, sums[1], 64);
+      const __m512i sc0 = k_field(scales, 2 * p), sc1 = k_field(scales, 2 * p + 1);
+      for (int t = 0; t < M; ++t)
+        isum[t] = _mm512_add_epi32(isum[t], _mm512_add_epi32(_mm512_mullo_epi32(sc0, _mm512_load_si512(sums[0] + 16 * t)),
+                                                             _mm512_mullo_epi32(sc1, _mm512_load_si512(sums[1] + 16 * t))));
+    }
+    for (int t = 0; t < M; ++t)
+      acc[t] = add_super_block<T>(acc[t], rec, isum[t], in.d[(t0 + t) * nsb + sb], in.sum + (t0 + t) * n_sum + 8 * sb);
+  }
+  const __mmask16 valid = __mmask16((1u << n_valid) - 1);
+  for (int t = 0; t < M; ++t) _mm512_mask_storeu_ps(y + t * y_stride, valid, acc[t]);
+}
+
+template <GgmlType T, int M>
+[[gnu::noinline]] void group_product_k_vnni(const uint8_t* recs, const TiledInput& in, int64_t t0, float* y,
+                                            int64_t y_stride, int n_valid) {
+  constexpr size_t kRecord = record_bytes(T);
+  const int64_t nsb = in.nb, n_sum = in.n_in / 32;
+  __m512 acc[M];
+  for (int t = 0; t < M; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const uint8_t* rec = recs + size_t(sb) * kRecord;
+    for (size_t line = 0; line < kRecord; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kRecord + line), _MM_HINT_T0);
+    const uint8_t* scales = rec + k_scales_at(T);
+    __m512i isum[M];
+    for (int t = 0; t < M; ++t) isum[t] = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) {
+      __m512i c[2][8];
+      unpack_k_pair<T>(rec, p, c[0], c[1]);
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * p + h;
+        const __m512i sc = k_field(scales, j);
+        for (int t = 0; t < M; ++t) {
+          const int32_t* a = reinterpret_cast<const int32_t*>(in.q + (t0 + t) * in.n_in + 256 * sb + 32 * j);
+          __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[h][0], _mm512_set1_epi32(a[0]));
+          __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[h][1], _mm512_set1_epi32(a[1]));
+          for (int r = 2; r < 8; r += 2) {
+            i0 = _mm512_dpbusd_epi32(i0, c[h][r], _mm512_set1_epi32(a[r]));
+            i1 = _mm512_dpbusd_epi32(i1, c[h][r + 1], _mm512_set1_epi32(a[r + 1]));
+          }
+          isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(sc, _mm512_add_epi32(i0, i1)));
+        }
+      }
+    }
+    for (int t = 0; t < M; ++t)
+      acc[t] = add_super_block<T>(acc[t], rec, isum[t], in.d[(t0 + t) * nsb + sb], in.sum + (t0 + t) * n_sum + 8 * sb);
+  }
+  const __mmask16 valid = __mmask16((1u << n_valid) - 1);
+  for (int t = 0; t < M; ++t) _mm512_mask_storeu_ps(y + t * y_stride, valid, acc[t]);
+}
+
 // Tokens up to this many take the VNNI form; more take the tiles.
 constexpr int kMaxVnniTokens = 3;
 
@@ -340,11 +551,15 @@ template <GgmlType T>
 void group_product_any(int m, const uint8_t* recs, const TiledInput& in, int64_t t0, float* y,
                        int64_t y_stride, int n_valid) {
   switch (m) {
-#define CERTKV_TILE_CASE(k)                                                     \
-  case k:                                                                       \
-    if constexpr (k <= kMaxVnniTokens)                                          \
-      return group_product_vnni<T, k>(recs, in, t0, y, y_stride, n_valid);      \
-    else                                                                        \
+#define CERTKV_TILE_CASE(k)                                                      \
+  case k:                                                                        \
+    if constexpr (k_quant(T) && k <= kMaxVnniTokens)                             \
+      return group_product_k_vnni<T, k>(recs, in, t0, y, y_stride, n_valid);     \
+    else if constexpr (k_quant(T))                                               \
+      return group_product_k<T, k>(recs, in, t0, y, y_stride, n_valid);          \
+    else if constexpr (k <= kMaxVnniTokens)                                      \
+      return group_product_vnni<T, k>(recs, in, t0, y, y_stride, n_valid);       \
+    else                                                                         \
       return group_product<T, k>(recs, in, t0, y, y_stride, n_valid);
     CERTKV_TILE_CASE(1) CERTKV_TILE_CASE(2) CERTKV_TILE_CASE(3) CERTKV_TILE_CASE(4)
     CERTKV_TILE_CASE(5) CERTKV_TILE_CASE(6) CERTKV_TILE_CASE(7) CERTKV_TILE_CASE(8)
@@ -367,6 +582,10 @@ void group_product_of(GgmlType type, int m, const uint8_t* recs, const TiledInpu
       return group_product_any<GgmlType::kQ5_0>(m, recs, in, t0, y, y_stride, n_valid);
     case GgmlType::kQ5_1:
       return group_product_any<GgmlType::kQ5_1>(m, recs, in, t0, y, y_stride, n_valid);
+    case GgmlType::kQ4_K:
+      return group_product_any<GgmlType::kQ4_K>(m, recs, in, t0, y, y_stride, n_valid);
+    case GgmlType::kQ5_K:
+      return group_product_any<GgmlType::kQ5_K>(m, recs, in, t0, y, y_stride, n_valid);
     case GgmlType::kQ8_0:
       return group_product_any<GgmlType::kQ8_0>(m, recs, in, t0, y, y_stride, n_valid);
     default:
@@ -407,22 +626,39 @@ void matmul_tiled(std::span<const WeightMatrix> w, const float* x, int64_t n_tok
   if (!matmul_tiles_available())
     fail(StatusCode::kUnsupported, "matmul tiles: this CPU or kernel offers no AMX tiles");
   const int64_t n_in = w[0].n_in, nb = n_in / 32;
+  // The activations each block length that some matrix of the call needs: [0] blocks of 32,
+  // [1] super-blocks of 256; per length the codes, d, s and the sums of 32 codes.
+  bool need[2] = {false, false};
+  for (const WeightMatrix& m : w) need[k_quant(m.type)] = true;
   const size_t q_bytes = (size_t(n_tokens) * size_t(n_in) + 63) / 64 * 64;
-  uint8_t* scratch = activation_scratch(q_bytes + 3 * size_t(n_tokens) * size_t(nb) * sizeof(float));
-  TiledInput in;
-  in.n_in = n_in;
-  in.nb = nb;
-  in.q = reinterpret_cast<const int8_t*>(scratch);
-  float* d = reinterpret_cast<float*>(scratch + q_bytes);
-  float* s = d + size_t(n_tokens) * size_t(nb);
-  int32_t* sum = reinterpret_cast<int32_t*>(s + size_t(n_tokens) * size_t(nb));
-  in.d = d;
-  in.s = s;
-  in.sum = sum;
+  const size_t f_bytes = (size_t(n_tokens) * size_t(nb) * sizeof(float) + 63) / 64 * 64;
+  const size_t per_length = q_bytes + 3 * f_bytes;
+  uint8_t* scratch = activation_scratch(2 * per_length);
+  TiledInput in[2];
+  for (int k = 0; k < 2; ++k) {
+    uint8_t* base = scratch + size_t(k) * per_length;
+    in[k].n_in = n_in;
+    in[k].nb = k == 0 ? nb : n_in / 256;
+    in[k].q = reinterpret_cast<const int8_t*>(base);
+    in[k].d = reinterpret_cast<const float*>(base + q_bytes);
+    in[k].s = reinterpret_cast<const float*>(base + q_bytes + f_bytes);
+    in[k].sum = reinterpret_cast<const int32_t*>(base + q_bytes + 2 * f_bytes);
+  }
   auto quantize_row = [&](int64_t t) {
-    for (int64_t b = 0; b < nb; ++b)
-      quantize_block(x + t * n_in + 32 * b, reinterpret_cast<int8_t*>(scratch) + t * n_in + 32 * b,
-                     d + t * nb + b, s + t * nb + b, sum + t * nb + b);
+    if (need[0]) {
+      int8_t* q = const_cast<int8_t*>(in[0].q) + t * n_in;
+      float* d = const_cast<float*>(in[0].d) + t * nb;
+      float* s = const_cast<float*>(in[0].s) + t * nb;
+      int32_t* sum = const_cast<int32_t*>(in[0].sum) + t * nb;
+      for (int64_t b = 0; b < nb; ++b) quantize_block(x + t * n_in + 32 * b, q + 32 * b, d + b, s + b, sum + b);
+    }
+    if (need[1]) {
+      const int64_t nsb = n_in / 256;
+      int8_t* q = const_cast<int8_t*>(in[1].q) + t * n_in;
+      float* d = const_cast<float*>(in[1].d) + t * nsb;
+      int32_t* sum = const_cast<int32_t*>(in[1].sum) + t * nb;
+      for (int64_t b = 0; b < nsb; ++b) quantize_block256(x + t * n_in + 256 * b, q + 256 * b, d + b, sum + 8 * b);
+    }
   };
   if (n_tokens < 32) {
     for (int64_t t = 0; t < n_tokens; ++t) quantize_row(t);
@@ -448,11 +684,12 @@ void matmul_tiled(std::span<const WeightMatrix> w, const float* x, int64_t n_tok
         const WeightMatrix& wm = w[m];
         const int64_t local = g - first_group[m];
         const int n_valid = int(std::min<int64_t>(kRows, wm.n_out - local * kRows));
-        const uint8_t* recs = wm.tiles + size_t(local) * size_t(nb) * record_bytes(wm.type);
+        const TiledInput& win = in[k_quant(wm.type)];
+        const uint8_t* recs = wm.tiles + size_t(local) * size_t(win.nb) * record_bytes(wm.type);
         for (int64_t t0 = tc; t0 < te; t0 += kTileTokens) {
           const int mt = int(std::min(kTileTokens, te - t0));
           if (mt > kMaxVnniTokens) configure_tiles(mt);
-          group_product_of(wm.type, mt, recs, in, t0, y[m] + t0 * wm.n_out + local * kRows, wm.n_out,
+          group_product_of(wm.type, mt, recs, win, t0, y[m] + t0 * wm.n_out + local * kRows, wm.n_out,
                            n_valid);
         }
       }

@@ -23,6 +23,9 @@ using format::GgmlType;
 
 const GgmlType kTileTypes[] = {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1,
                                GgmlType::kQ8_0};
+const GgmlType kSuperBlockTypes[] = {GgmlType::kQ4_K, GgmlType::kQ5_K};
+
+bool k_quant(GgmlType t) { return t == GgmlType::kQ4_K || t == GgmlType::kQ5_K; }
 
 // Random codes, scales d in +-[0.001, 0.1] (mins in [-0.1, 0.1] for Q4_1, Q5_1); every 7th block gets
 // an extreme scale (65504, a subnormal, or 0) so that the products' float terms cover the range.
@@ -37,15 +40,15 @@ std::vector<uint8_t> random_weights(GgmlType type, int64_t n_in, int64_t n_out, 
     const float d = b % 7 == 3 ? extreme[(b / 7) % 3] : (rng() % 2 ? 1.f : -1.f) * scale(rng);
     const uint16_t h = format::float_to_fp16(d);
     std::memcpy(p, &h, 2);
-    if (type == GgmlType::kQ4_1 || type == GgmlType::kQ5_1) {
-      const uint16_t m = format::float_to_fp16(min(rng));
+    if (type == GgmlType::kQ4_1 || type == GgmlType::kQ5_1 || k_quant(type)) {
+      const uint16_t m = format::float_to_fp16(k_quant(type) ? std::fabs(min(rng)) : min(rng));
       std::memcpy(p + 2, &m, 2);
     }
   }
   return data;
 }
 
-// Activations over six decades, with an all-zero block in every token row past the first.
+// Activations over six decades, with an all-zero block of 32 in every token row past the first.
 std::vector<float> random_activations(int64_t n_tokens, int64_t n_in, std::mt19937& rng) {
   std::normal_distribution<float> normal(0.f, 1.f);
   std::uniform_real_distribution<float> decade(-3.f, 3.f);
@@ -80,8 +83,12 @@ bool same_float(float a, float b) {
 // The product read back from the records alone, in plain code: each record's codes and scales
 // decoded from the layout of model/matmul_tiles.h, then the reference's expression block by
 // block. It needs no tile instructions, so the layout is checked on every CPU.
+std::vector<float> product_from_records_k(const WeightMatrix& w, const std::vector<uint8_t>& tiles,
+                                          const float* x, int64_t n_tokens);
+
 std::vector<float> product_from_records(const WeightMatrix& w, const std::vector<uint8_t>& tiles,
                                         const float* x, int64_t n_tokens) {
+  if (k_quant(w.type)) return product_from_records_k(w, tiles, x, n_tokens);
   const int64_t nb = w.n_in / 32;
   const bool q8 = w.type == GgmlType::kQ8_0;
   const bool has_min = w.type == GgmlType::kQ4_1 || w.type == GgmlType::kQ5_1;
@@ -125,9 +132,51 @@ std::vector<float> product_from_records(const WeightMatrix& w, const std::vector
   return y;
 }
 
+// Q4_K and Q5_K records (model/matmul_tiles.cc, k_scales_at): the sub-blocks' nibbles in pairs,
+// Q5_K's fifth bits, the scales and mins as bytes, d and dmin as floats.
+std::vector<float> product_from_records_k(const WeightMatrix& w, const std::vector<uint8_t>& tiles,
+                                          const float* x, int64_t n_tokens) {
+  const int64_t nsb = w.n_in / 256;
+  const bool q5 = w.type == GgmlType::kQ5_K;
+  const size_t scales = q5 ? 2560 : 2048, record = scales + 384;
+  std::vector<float> y(size_t(n_tokens * w.n_out));
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    const QuantizedActivation a = quantize_activation_ref(x + t * w.n_in, w.n_in, 256);
+    for (int64_t o = 0; o < w.n_out; ++o) {
+      const int64_t g = o / 16, n = o % 16;
+      float sum = 0;
+      for (int64_t b = 0; b < nsb; ++b) {
+        const uint8_t* rec = tiles.data() + size_t(g * nsb + b) * record;
+        int32_t isum = 0, msum = 0;
+        for (int j = 0; j < 8; ++j) {
+          int32_t sub = 0;
+          for (int l = 0; l < 32; ++l) {
+            const int byte = 64 * (l / 4) + 4 * int(n) + l % 4;
+            const uint8_t packed = rec[512 * (j / 2) + byte];
+            int c = j % 2 ? packed >> 4 : packed & 0xF;
+            if (q5) c |= ((rec[2048 + 64 * j + byte / 8] >> (byte % 8)) & 1) << 4;
+            sub += c * a.q[size_t(256 * b + 32 * j + l)];
+          }
+          isum += int32_t(rec[scales + 16 * j + n]) * sub;
+          msum += int32_t(rec[scales + 128 + 16 * j + n]) * a.sum32[size_t(8 * b + j)];
+        }
+        float d, dmin;
+        std::memcpy(&d, rec + scales + 256 + 4 * n, 4);
+        std::memcpy(&dmin, rec + scales + 320 + 4 * n, 4);
+        sum = sum + ((d * a.d[size_t(b)]) * float(isum) - (dmin * a.d[size_t(b)]) * float(msum));
+      }
+      y[size_t(t * w.n_out + o)] = sum;
+    }
+  }
+  return y;
+}
+
 struct Shape {
   int64_t n_in, n_out, n_tokens;
 };
+// The same for super-blocks: 1, 2, 3 and 6 of them a row.
+const Shape kSuperBlockShapes[] = {{256, 1, 1},  {256, 16, 16}, {512, 17, 3}, {768, 15, 17},
+                                   {1536, 40, 1}, {1536, 33, 8}, {512, 64, 70}};
 // Ragged: one block, odd block counts (a lone last block), rows past the last full group of 16,
 // token counts on both sides of the tile's 16 and the chunk's 64, SmolLM2's 576 and 1,536.
 const Shape kShapes[] = {{32, 1, 1},   {32, 16, 16},  {96, 17, 3},    {160, 15, 17},
@@ -136,8 +185,13 @@ const Shape kShapes[] = {{32, 1, 1},   {32, 16, 16},  {96, 17, 3},    {160, 15, 
 
 TEST(MatmulTiles, RecordsHoldTheMatrix) {
   std::mt19937 rng(1);
-  for (GgmlType type : kTileTypes) {
-    for (const Shape& s : kShapes) {
+  std::vector<std::pair<GgmlType, Shape>> cases;
+  for (GgmlType type : kTileTypes)
+    for (const Shape& s : kShapes) cases.push_back({type, s});
+  for (GgmlType type : kSuperBlockTypes)
+    for (const Shape& s : kSuperBlockShapes) cases.push_back({type, s});
+  {
+    for (const auto& [type, s] : cases) {
       SCOPED_TRACE(std::string(ggml_type_name(type)) + " " + std::to_string(s.n_in) + "x" +
                    std::to_string(s.n_out) + " tokens " + std::to_string(s.n_tokens));
       const std::vector<uint8_t> data = random_weights(type, s.n_in, s.n_out, rng);
@@ -225,6 +279,43 @@ TEST(MatmulTiles, EqualTheQuantizedReferenceBitForBit) {
   }
 }
 
+// Q4_K and Q5_K matrices sharing one input with a Q8_0 one (both activation block lengths in one
+// call), against the reference bit for bit.
+TEST(MatmulTiles, SuperBlocksEqualTheQuantizedReferenceBitForBit) {
+  if (!matmul_tiles_available()) GTEST_SKIP() << "no AMX tiles on this CPU, kernel or build";
+  std::mt19937 rng(7);
+  for (int threads : {1, 2}) {
+    ThreadPool pool(threads);
+    for (const Shape& s : kSuperBlockShapes) {
+      SCOPED_TRACE(std::to_string(threads) + " threads, " + std::to_string(s.n_in) + "x" +
+                   std::to_string(s.n_out) + " tokens " + std::to_string(s.n_tokens));
+      std::vector<std::vector<uint8_t>> data, tiles;
+      std::vector<WeightMatrix> w;
+      for (GgmlType type : {GgmlType::kQ4_K, GgmlType::kQ5_K, GgmlType::kQ8_0}) {
+        data.push_back(random_weights(type, s.n_in, s.n_out + int64_t(w.size()), rng));
+        w.push_back(matrix_of(type, data.back(), s.n_in, s.n_out + int64_t(w.size())));
+        tiles.emplace_back(matmul_tiles_bytes(w.back()));
+        tile_weights(w.back(), tiles.back().data());
+        w.back().tiles = tiles.back().data();
+      }
+      const std::vector<float> x = random_activations(s.n_tokens, s.n_in, rng);
+      std::vector<std::vector<float>> y(w.size());
+      std::vector<float*> yp;
+      for (size_t m = 0; m < w.size(); ++m) {
+        y[m].assign(size_t(s.n_tokens * w[m].n_out), -1.f);
+        yp.push_back(y[m].data());
+      }
+      matmul(w, x.data(), s.n_tokens, yp, pool);
+      for (size_t m = 0; m < w.size(); ++m) {
+        SCOPED_TRACE(ggml_type_name(w[m].type));
+        std::vector<float> ref(y[m].size());
+        matmul_quantized_ref(w[m], x.data(), s.n_tokens, ref.data());
+        for (size_t i = 0; i < ref.size(); ++i) ASSERT_TRUE(same_float(y[m][i], ref[i])) << i << ": " << y[m][i] << " vs " << ref[i];
+      }
+    }
+  }
+}
+
 // A token's outputs are the same bits whether it is alone or the k-th of many (batch invariance).
 TEST(MatmulTiles, ATokensOutputsDoNotDependOnItsCompany) {
   if (!matmul_tiles_available()) GTEST_SKIP() << "no AMX tiles on this CPU, kernel or build";
@@ -297,16 +388,23 @@ TEST(MatmulTiles, ALoadedModelCarriesTilesOfItsMatrices) {
 
 TEST(MatmulTilesErrors, TypesAndShapesWithoutALayoutAreRefused) {
   std::vector<uint8_t> data(4096);
-  WeightMatrix w = matrix_of(GgmlType::kQ4_K, data, 256, 2);
-  EXPECT_FALSE(matmul_tiles_support(GgmlType::kQ4_K));
+  WeightMatrix w = matrix_of(GgmlType::kQ6_K, data, 256, 2);
   EXPECT_FALSE(matmul_tiles_support(GgmlType::kQ6_K));
   EXPECT_FALSE(matmul_tiles_support(GgmlType::kF32));
   try {
     (void)matmul_tiles_bytes(w);
-    FAIL() << "Q4_K has no tile layout";
+    FAIL() << "Q6_K has no tile layout";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), StatusCode::kUnsupported);
-    EXPECT_NE(std::string(e.what()).find("Q4_K"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("Q6_K"), std::string::npos) << e.what();
+  }
+  w.type = GgmlType::kQ4_K;
+  w.n_in = 288;
+  try {
+    (void)matmul_tiles_bytes(w);
+    FAIL() << "288 inputs are not whole super-blocks";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
   }
   w.type = GgmlType::kQ4_1;
   w.n_in = 48;
