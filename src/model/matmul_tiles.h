@@ -1,5 +1,5 @@
 // Weight products on AMX tiles (Intel Advanced Matrix Extensions, AMX-INT8), for Q4_0, Q4_1,
-// Q5_0, Q5_1 and Q8_0 weights.
+// Q5_0, Q5_1, Q8_0, Q4_K and Q5_K weights.
 //
 // The algorithm is matmul_quantized_ref's (model/quantized_dot.h) to the bit: every token row is
 // quantized to int8 blocks of 32, each block's integer dot product is exact (tdpbssd sums int8
@@ -16,6 +16,7 @@
 //               byte p of the B tile below; then d of the 16 rows as float; Q4_1 and Q5_1 then m.
 //   Q8_0:       512 bytes, the tile's VNNI order: byte 64 r + 4 n + j = code 4r + j of row n,
 //               r < 8; then d of the 16 rows as float.
+//   Q4_K, Q5_K: one record per super-block of 256 (model/matmul_tiles.cc, k_scales_at).
 // Rows past n_out read as zero codes and scales. A record's nibbles, masked and shifted (and their
 // fifth bits set), are the 8 x 64-byte B tile of the block.
 #pragma once
@@ -35,11 +36,11 @@ namespace certkv::model {
 // CERTKV_MATMUL_TILES is not "0". Decided at the first call, then fixed for the process.
 bool matmul_tiles_available();
 
-// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0: the types with a tile layout.
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K: the types with a tile layout.
 bool matmul_tiles_support(format::GgmlType type);
 
-// Bytes of w repacked: ceil(n_out / 16) * (n_in / 32) records.
-// REQUIRES matmul_tiles_support(w.type) and w.n_in a multiple of 32 (certkv::Error otherwise).
+// Bytes of w repacked: ceil(n_out / 16) * (n_in / 32, or / 256 for K-quants) records.
+// REQUIRES matmul_tiles_support(w.type) and w.n_in a multiple of the block (certkv::Error otherwise).
 size_t matmul_tiles_bytes(const WeightMatrix& w);
 
 // Writes w repacked (the layout above) into out, matmul_tiles_bytes(w) bytes. Plain code, no
