@@ -71,6 +71,10 @@ bool matmul_tiles_support(GgmlType type) {
          type == GgmlType::kQ5_1 || type == GgmlType::kQ8_0 || k_quant(type);
 }
 
+bool matmul_tiles_fit(const WeightMatrix& w) {
+  return matmul_tiles_support(w.type) && w.n_in > 0 && w.n_in % block_elements(w.type) == 0 && w.n_out > 0;
+}
+
 size_t matmul_tiles_bytes(const WeightMatrix& w) {
   check_tileable(w);
   return size_t((w.n_out + kRows - 1) / kRows) * size_t(w.n_in / block_elements(w.type)) * record_bytes(w.type);

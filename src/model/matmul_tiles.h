@@ -39,6 +39,9 @@ bool matmul_tiles_available();
 // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K: the types with a tile layout.
 bool matmul_tiles_support(format::GgmlType type);
 
+// True when w can be repacked: a type with a tile layout, whole blocks a row, some rows.
+bool matmul_tiles_fit(const WeightMatrix& w);
+
 // Bytes of w repacked: ceil(n_out / 16) * (n_in / 32, or / 256 for K-quants) records.
 // REQUIRES matmul_tiles_support(w.type) and w.n_in a multiple of the block (certkv::Error otherwise).
 size_t matmul_tiles_bytes(const WeightMatrix& w);

@@ -398,7 +398,12 @@ TEST(MatmulTilesErrors, TypesAndShapesWithoutALayoutAreRefused) {
     EXPECT_EQ(e.code(), StatusCode::kUnsupported);
     EXPECT_NE(std::string(e.what()).find("Q6_K"), std::string::npos) << e.what();
   }
+  EXPECT_FALSE(matmul_tiles_fit(w));
   w.type = GgmlType::kQ4_K;
+  w.n_in = 288;
+  EXPECT_FALSE(matmul_tiles_fit(w));
+  w.n_in = 256;
+  EXPECT_TRUE(matmul_tiles_fit(w));
   w.n_in = 288;
   try {
     (void)matmul_tiles_bytes(w);

@@ -83,7 +83,7 @@ class ModelBuilder {
   void attach_matmul_tiles() {
     if (!matmul_tiles_available()) return;
     auto attach = [&](WeightMatrix& w) {
-      if (!matmul_tiles_support(w.type) || w.n_in % 32 != 0 || w.n_out == 0) return;
+      if (!matmul_tiles_fit(w)) return;
       std::vector<uint8_t>& tiles = model_->owned_.emplace_back(matmul_tiles_bytes(w));
       tile_weights(w, tiles.data());
       w.tiles = tiles.data();
