@@ -18,6 +18,7 @@
     defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define CERTKV_MATMUL_AVX512 1
 #include "core/x86_simd.h"
+#include "model/activation_blocks_x86.h"
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define CERTKV_MATMUL_AVX2 1
 #include "core/x86_simd.h"
@@ -227,34 +228,9 @@ struct Act32Layout {
   }
 };
 
-inline bool all_finite(__m512 v) {
-  // fpclass categories: QNaN 0x01, +Inf 0x08, -Inf 0x10, SNaN 0x80.
-  return _mm512_fpclass_ps_mask(v, 0x01 | 0x08 | 0x10 | 0x80) == 0;
-}
-
-inline __m512i quantize_16(__m512 v, float id) {
-  return _mm512_cvt_roundps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(id)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-
-// One block of 32 activations (quantized_dot.h, step 1): codes in element order into q, scale
-// into *d and d * sum(q) into *s.
-inline void quantize_block32(const float* x, int8_t* q, float* d, float* s) {
-  const __m512 v0 = _mm512_loadu_ps(x);
-  const __m512 v1 = _mm512_loadu_ps(x + 16);
-  if (!all_finite(v0) || !all_finite(v1)) {
-    std::memset(q, 0, 32);
-    *d = *s = __builtin_nanf("");
-    return;
-  }
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-  *d = amax / 127.f;
-  const float id = *d != 0.f ? 1.f / *d : 0.f;
-  const __m512i q0 = quantize_16(v0, id), q1 = quantize_16(v1, id);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
-  *s = *d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
-}
+using detail::all_finite;
+using detail::quantize_16;
+using detail::quantize_block32;
 
 // Byte tables that move the natural-order codes of four blocks (128 bytes: A0..31 B0..31 ...)
 // into the lo / hi slot order.

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "core/x86_simd.h"
+#include "model/activation_blocks_x86.h"
 #endif
 
 namespace certkv::model {
@@ -205,35 +206,9 @@ struct TiledInput {
   int64_t n_in = 0, nb = 0;      // nb: blocks of 32 (or super-blocks of 256) a row
 };
 
-inline bool all_finite(__m512 v) {
-  return _mm512_fpclass_ps_mask(v, 0x01 | 0x08 | 0x10 | 0x80) == 0;  // QNaN, +Inf, -Inf, SNaN
-}
-
-inline __m512i quantize_16(__m512 v, float id) {
-  return _mm512_cvt_roundps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(id)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-
-// quantized_dot.h step 1 for one block of 32: amax, d = amax / 127, id = 1 / d, codes rounded
-// half to even, s = d * sum(q) (and the integer sum(q)); a block with an Inf or NaN gets zero
-// codes and d = s = NaN.
-inline void quantize_block(const float* x, int8_t* q, float* d, float* s, int32_t* sum) {
-  const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
-  if (!all_finite(v0) || !all_finite(v1)) {
-    std::memset(q, 0, 32);
-    *d = *s = __builtin_nanf("");
-    *sum = 0;
-    return;
-  }
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-  *d = amax / 127.f;
-  const float id = *d != 0.f ? 1.f / *d : 0.f;
-  const __m512i q0 = quantize_16(v0, id), q1 = quantize_16(v1, id);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
-  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-  *s = *d * float(*sum);
-}
+using detail::all_finite;
+using detail::quantize_16;
+using detail::quantize_block32;
 
 // The same for a K-quant super-block of 256 (quantize_activation_ref with 256): one d, the codes,
 // and the exact sum of each 32 codes.
@@ -297,6 +272,25 @@ inline const uint8_t* weight_tile(const uint8_t* rec, uint8_t* buf) {
     }
     return buf;
   }
+}
+
+// The 16 rows' block sums of one token by VNNI: record rows c[r] (16 x 4 unsigned codes) against
+// the token's codes 4r..4r+3 (a: 8 dwords), two chains of four.
+inline __m512i rows_dot_vnni(const __m512i* c, const int32_t* a) {
+  __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], _mm512_set1_epi32(a[0]));
+  __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[1], _mm512_set1_epi32(a[1]));
+  for (int r = 2; r < 8; r += 2) {
+    i0 = _mm512_dpbusd_epi32(i0, c[r], _mm512_set1_epi32(a[r]));
+    i1 = _mm512_dpbusd_epi32(i1, c[r + 1], _mm512_set1_epi32(a[r + 1]));
+  }
+  return _mm512_add_epi32(i0, i1);
+}
+
+// y[t * y_stride + n] = acc[t] lane n, for the n_valid rows of a group.
+template <int M>
+inline void store_rows(const __m512* acc, float* y, int64_t y_stride, int n_valid) {
+  const __mmask16 valid = __mmask16((1u << n_valid) - 1);
+  for (int t = 0; t < M; ++t) _mm512_mask_storeu_ps(y + t * y_stride, valid, acc[t]);
 }
 
 // Ask early for the record 4 KiB ahead, every cache line of it: the weights stream from memory
@@ -370,8 +364,7 @@ template <GgmlType T, int M>
     _tile_stored(0, sums[0], 64);
     add_tile_block<T, M>(acc, r0, sums[0], d + b, s + b, nb);
   }
-  const __mmask16 valid = __mmask16((1u << n_valid) - 1);
-  for (int t = 0; t < M; ++t) _mm512_mask_storeu_ps(y + t * y_stride, valid, acc[t]);
+  store_rows<M>(acc, y, y_stride, n_valid);
 }
 
 // The same products for a few tokens with AVX-512 VNNI instead of tiles: a record's rows r of
@@ -400,22 +393,14 @@ template <GgmlType T, int M>
       unpack_codes<T>(rec, c);
     }
     for (int t = 0; t < M; ++t) {
-      const int32_t* a = reinterpret_cast<const int32_t*>(q + t * in.n_in + 32 * b);
-      __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], _mm512_set1_epi32(a[0]));
-      __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[1], _mm512_set1_epi32(a[1]));
-      for (int r = 2; r < 8; r += 2) {
-        i0 = _mm512_dpbusd_epi32(i0, c[r], _mm512_set1_epi32(a[r]));
-        i1 = _mm512_dpbusd_epi32(i1, c[r + 1], _mm512_set1_epi32(a[r + 1]));
-      }
-      __m512i isum = _mm512_add_epi32(i0, i1);
+      __m512i isum = rows_dot_vnni(c, reinterpret_cast<const int32_t*>(q + t * in.n_in + 32 * b));
       if constexpr (code_offset(T) != 0)
         isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(code_offset(T) * sum[t * nb + b]));
       if constexpr (T == GgmlType::kQ8_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * sum[t * nb + b]));
       acc[t] = add_block<T>(acc[t], rec, isum, d[t * nb + b], s[t * nb + b]);
     }
   }
-  const __mmask16 valid = __mmask16((1u << n_valid) - 1);
-  for (int t = 0; t < M; ++t) _mm512_mask_storeu_ps(y + t * y_stride, valid, acc[t]);
+  store_rows<M>(acc, y, y_stride, n_valid);
 }
 
 // Q4_K and Q5_K. Per super-block and token: each sub-block's exact int32 sum (a tile product,
@@ -463,7 +448,8 @@ inline __m512 add_super_block(__m512 acc, const uint8_t* rec, __m512i isum, floa
   return _mm512_add_ps(acc, _mm512_sub_ps(a, b));
 }
 
-template <GgmlType T, int M>
+// Each sub-block pair's sums by a tile product of up to 16 tokens (kTiles), or by VNNI.
+template <GgmlType T, int M, bool kTiles>
 [[gnu::noinline]] void group_product_k(const uint8_t* recs, const TiledInput& in, int64_t t0, float* y,
                                        int64_t y_stride, int n_valid) {
   constexpr size_t kRecord = record_bytes(T);
@@ -475,77 +461,42 @@ template <GgmlType T, int M>
   for (int t = 0; t < M; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* rec = recs + size_t(sb) * kRecord;
-    for (size_t line = 0; line < kRecord; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rec + kRecord + line), _MM_HINT_T0);
-    const uint8_t* scales = rec + k_scales_at(T);
-    __m512i isum[M];
-    for (int t = 0; t < M; ++t) isum[t] = _mm512_setzero_si512();
-    for (int p = 0; p < 4; ++p) {
-      __m512i lo[8], hi[8];
-      unpack_k_pair<T>(rec, p, lo, hi);
-      for (int r = 0; r < 8; ++r) {
-        _mm512_store_si512(buf[0] + 64 * r, lo[r]);
-        _mm512_store_si512(buf[1] + 64 * r, hi[r]);
-      }
-      _tile_loadd(2, buf[0], 64);
-      _tile_loadd(5, buf[1], 64);
-      _tile_loadd(1, q + 256 * sb + 64 * p, stride);
-      _tile_loadd(4, q + 256 * sb + 64 * p + 32, stride);
-      _tile_zero(0);
-      _tile_zero(3);
-      _tile_dpbssd(0, 1, 2);
-      _tile_dpbssd(3, 4, 5);
-      _tile_stored(0, sums[0], 64);
-      _tile_stored(3, sums[1], 64);
-      const __m512i sc0 = k_field(scales, 2 * p), sc1 = k_field(scales, 2 * p + 1);
-      for (int t = 0; t < M; ++t)
-        isum[t] = _mm512_add_epi32(isum[t], _mm512_add_epi32(_mm512_mullo_epi32(sc0, _mm512_load_si512(sums[0] + 16 * t)),
-                                                             _mm512_mullo_epi32(sc1, _mm512_load_si512(sums[1] + 16 * t))));
-    }
-    for (int t = 0; t < M; ++t)
-      acc[t] = add_super_block<T>(acc[t], rec, isum[t], in.d[(t0 + t) * nsb + sb], in.sum + (t0 + t) * n_sum + 8 * sb);
-  }
-  const __mmask16 valid = __mmask16((1u << n_valid) - 1);
-  for (int t = 0; t < M; ++t) _mm512_mask_storeu_ps(y + t * y_stride, valid, acc[t]);
-}
-
-template <GgmlType T, int M>
-[[gnu::noinline]] void group_product_k_vnni(const uint8_t* recs, const TiledInput& in, int64_t t0, float* y,
-                                            int64_t y_stride, int n_valid) {
-  constexpr size_t kRecord = record_bytes(T);
-  const int64_t nsb = in.nb, n_sum = in.n_in / 32;
-  __m512 acc[M];
-  for (int t = 0; t < M; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t sb = 0; sb < nsb; ++sb) {
-    const uint8_t* rec = recs + size_t(sb) * kRecord;
-    for (size_t line = 0; line < kRecord; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rec + kRecord + line), _MM_HINT_T0);
+    prefetch_record<T>(rec);
     const uint8_t* scales = rec + k_scales_at(T);
     __m512i isum[M];
     for (int t = 0; t < M; ++t) isum[t] = _mm512_setzero_si512();
     for (int p = 0; p < 4; ++p) {
       __m512i c[2][8];
       unpack_k_pair<T>(rec, p, c[0], c[1]);
-      for (int h = 0; h < 2; ++h) {
-        const int j = 2 * p + h;
-        const __m512i sc = k_field(scales, j);
-        for (int t = 0; t < M; ++t) {
-          const int32_t* a = reinterpret_cast<const int32_t*>(in.q + (t0 + t) * in.n_in + 256 * sb + 32 * j);
-          __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[h][0], _mm512_set1_epi32(a[0]));
-          __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[h][1], _mm512_set1_epi32(a[1]));
-          for (int r = 2; r < 8; r += 2) {
-            i0 = _mm512_dpbusd_epi32(i0, c[h][r], _mm512_set1_epi32(a[r]));
-            i1 = _mm512_dpbusd_epi32(i1, c[h][r + 1], _mm512_set1_epi32(a[r + 1]));
+      const __m512i sc[2] = {k_field(scales, 2 * p), k_field(scales, 2 * p + 1)};
+      if constexpr (kTiles) {
+        for (int h = 0; h < 2; ++h)
+          for (int r = 0; r < 8; ++r) _mm512_store_si512(buf[h] + 64 * r, c[h][r]);
+        _tile_loadd(2, buf[0], 64);
+        _tile_loadd(5, buf[1], 64);
+        _tile_loadd(1, q + 256 * sb + 64 * p, stride);
+        _tile_loadd(4, q + 256 * sb + 64 * p + 32, stride);
+        _tile_zero(0);
+        _tile_zero(3);
+        _tile_dpbssd(0, 1, 2);
+        _tile_dpbssd(3, 4, 5);
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(3, sums[1], 64);
+        for (int t = 0; t < M; ++t)
+          for (int h = 0; h < 2; ++h)
+            isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(sc[h], _mm512_load_si512(sums[h] + 16 * t)));
+      } else {
+        for (int t = 0; t < M; ++t)
+          for (int h = 0; h < 2; ++h) {
+            const int8_t* a = q + t * in.n_in + 256 * sb + 32 * (2 * p + h);
+            isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(sc[h], rows_dot_vnni(c[h], reinterpret_cast<const int32_t*>(a))));
           }
-          isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(sc, _mm512_add_epi32(i0, i1)));
-        }
       }
     }
     for (int t = 0; t < M; ++t)
       acc[t] = add_super_block<T>(acc[t], rec, isum[t], in.d[(t0 + t) * nsb + sb], in.sum + (t0 + t) * n_sum + 8 * sb);
   }
-  const __mmask16 valid = __mmask16((1u << n_valid) - 1);
-  for (int t = 0; t < M; ++t) _mm512_mask_storeu_ps(y + t * y_stride, valid, acc[t]);
+  store_rows<M>(acc, y, y_stride, n_valid);
 }
 
 // Tokens up to this many take the VNNI form; more take the tiles.
@@ -557,10 +508,8 @@ void group_product_any(int m, const uint8_t* recs, const TiledInput& in, int64_t
   switch (m) {
 #define CERTKV_TILE_CASE(k)                                                      \
   case k:                                                                        \
-    if constexpr (k_quant(T) && k <= kMaxVnniTokens)                             \
-      return group_product_k_vnni<T, k>(recs, in, t0, y, y_stride, n_valid);     \
-    else if constexpr (k_quant(T))                                               \
-      return group_product_k<T, k>(recs, in, t0, y, y_stride, n_valid);          \
+    if constexpr (k_quant(T))                                                    \
+      return group_product_k<T, k, (k > kMaxVnniTokens)>(recs, in, t0, y, y_stride, n_valid); \
     else if constexpr (k <= kMaxVnniTokens)                                      \
       return group_product_vnni<T, k>(recs, in, t0, y, y_stride, n_valid);       \
     else                                                                         \
@@ -654,7 +603,7 @@ void matmul_tiled(std::span<const WeightMatrix> w, const float* x, int64_t n_tok
       float* d = const_cast<float*>(in[0].d) + t * nb;
       float* s = const_cast<float*>(in[0].s) + t * nb;
       int32_t* sum = const_cast<int32_t*>(in[0].sum) + t * nb;
-      for (int64_t b = 0; b < nb; ++b) quantize_block(x + t * n_in + 32 * b, q + 32 * b, d + b, s + b, sum + b);
+      for (int64_t b = 0; b < nb; ++b) quantize_block32(x + t * n_in + 32 * b, q + 32 * b, d + b, s + b, sum + b);
     }
     if (need[1]) {
       const int64_t nsb = n_in / 256;

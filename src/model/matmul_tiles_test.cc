@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -232,6 +233,48 @@ TEST(MatmulTiles, RecordsWithAMovedCodeAreNotTheMatrix) {
   }
 }
 
+// One call of matrices sharing an input of shape s: one of each of `tiled` with tiles (each a
+// row more than the last, so the groups end raggedly), then, if `untiled` is set, a Q8_0 matrix
+// without tiles, which takes the other path. Tiled outputs must be the reference's bits; the
+// untiled one what that path writes for it alone.
+void expect_call_gives_reference_bits(std::span<const GgmlType> tiled, bool untiled, const Shape& s,
+                                      ThreadPool& pool, std::mt19937& rng) {
+  SCOPED_TRACE(std::to_string(pool.n_threads()) + " threads, " + std::to_string(s.n_in) + "x" +
+               std::to_string(s.n_out) + " tokens " + std::to_string(s.n_tokens));
+  std::vector<std::vector<uint8_t>> data, tiles;
+  std::vector<WeightMatrix> w;
+  for (GgmlType type : tiled) {
+    const int64_t n_out = s.n_out + int64_t(w.size());
+    data.push_back(random_weights(type, s.n_in, n_out, rng));
+    w.push_back(matrix_of(type, data.back(), s.n_in, n_out));
+    tiles.emplace_back(matmul_tiles_bytes(w.back()));
+    tile_weights(w.back(), tiles.back().data());
+    w.back().tiles = tiles.back().data();
+  }
+  if (untiled) {
+    data.push_back(random_weights(GgmlType::kQ8_0, s.n_in, s.n_out, rng));
+    w.push_back(matrix_of(GgmlType::kQ8_0, data.back(), s.n_in, s.n_out));
+  }
+  const std::vector<float> x = random_activations(s.n_tokens, s.n_in, rng);
+  std::vector<std::vector<float>> y(w.size());
+  std::vector<float*> yp;
+  for (size_t m = 0; m < w.size(); ++m) {
+    y[m].assign(size_t(s.n_tokens * w[m].n_out), -1.f);
+    yp.push_back(y[m].data());
+  }
+  matmul(w, x.data(), s.n_tokens, yp, pool);
+  for (size_t m = 0; m < w.size(); ++m) {
+    SCOPED_TRACE(ggml_type_name(w[m].type));
+    std::vector<float> want(y[m].size());
+    if (w[m].tiles == nullptr)
+      matmul(w[m], x.data(), s.n_tokens, want.data(), pool);
+    else
+      matmul_quantized_ref(w[m], x.data(), s.n_tokens, want.data());
+    for (size_t i = 0; i < want.size(); ++i)
+      ASSERT_TRUE(same_float(y[m][i], want[i])) << i << ": " << y[m][i] << " vs " << want[i];
+  }
+}
+
 // The tile path against the scalar reference, bit for bit, every shape, 1 to 3 threads, with the
 // matrices of a call sharing one input (a layer's q, k, v) and a matrix without tiles among them.
 TEST(MatmulTiles, EqualTheQuantizedReferenceBitForBit) {
@@ -239,43 +282,7 @@ TEST(MatmulTiles, EqualTheQuantizedReferenceBitForBit) {
   std::mt19937 rng(3);
   for (int threads : {1, 2, 3}) {
     ThreadPool pool(threads);
-    for (const Shape& s : kShapes) {
-      SCOPED_TRACE(std::to_string(threads) + " threads, " + std::to_string(s.n_in) + "x" +
-                   std::to_string(s.n_out) + " tokens " + std::to_string(s.n_tokens));
-      std::vector<std::vector<uint8_t>> data, tiles;
-      std::vector<WeightMatrix> w;
-      for (GgmlType type : kTileTypes) {
-        data.push_back(random_weights(type, s.n_in, s.n_out + int64_t(w.size()), rng));
-        w.push_back(matrix_of(type, data.back(), s.n_in, s.n_out + int64_t(w.size())));
-        tiles.emplace_back(matmul_tiles_bytes(w.back()));
-        tile_weights(w.back(), tiles.back().data());
-        w.back().tiles = tiles.back().data();
-      }
-      // A Q8_0 matrix without tiles in the same call takes the other path.
-      data.push_back(random_weights(GgmlType::kQ8_0, s.n_in, s.n_out, rng));
-      w.push_back(matrix_of(GgmlType::kQ8_0, data.back(), s.n_in, s.n_out));
-      const std::vector<float> x = random_activations(s.n_tokens, s.n_in, rng);
-      std::vector<std::vector<float>> y(w.size());
-      std::vector<float*> yp;
-      for (size_t m = 0; m < w.size(); ++m) {
-        y[m].assign(size_t(s.n_tokens * w[m].n_out), -1.f);
-        yp.push_back(y[m].data());
-      }
-      matmul(w, x.data(), s.n_tokens, yp, pool);
-      for (size_t m = 0; m < w.size(); ++m) {
-        SCOPED_TRACE(ggml_type_name(w[m].type));
-        std::vector<float> ref(y[m].size());
-        matmul_quantized_ref(w[m], x.data(), s.n_tokens, ref.data());
-        if (w[m].tiles == nullptr) {
-          // The other path, as it computes this matrix alone.
-          std::vector<float> alone(y[m].size());
-          matmul(w[m], x.data(), s.n_tokens, alone.data(), pool);
-          for (size_t i = 0; i < ref.size(); ++i) ASSERT_TRUE(same_float(y[m][i], alone[i])) << i;
-          continue;
-        }
-        for (size_t i = 0; i < ref.size(); ++i) ASSERT_TRUE(same_float(y[m][i], ref[i])) << i << ": " << y[m][i] << " vs " << ref[i];
-      }
-    }
+    for (const Shape& s : kShapes) expect_call_gives_reference_bits(kTileTypes, true, s, pool, rng);
   }
 }
 
@@ -284,35 +291,10 @@ TEST(MatmulTiles, EqualTheQuantizedReferenceBitForBit) {
 TEST(MatmulTiles, SuperBlocksEqualTheQuantizedReferenceBitForBit) {
   if (!matmul_tiles_available()) GTEST_SKIP() << "no AMX tiles on this CPU, kernel or build";
   std::mt19937 rng(7);
+  const GgmlType types[] = {GgmlType::kQ4_K, GgmlType::kQ5_K, GgmlType::kQ8_0};
   for (int threads : {1, 2}) {
     ThreadPool pool(threads);
-    for (const Shape& s : kSuperBlockShapes) {
-      SCOPED_TRACE(std::to_string(threads) + " threads, " + std::to_string(s.n_in) + "x" +
-                   std::to_string(s.n_out) + " tokens " + std::to_string(s.n_tokens));
-      std::vector<std::vector<uint8_t>> data, tiles;
-      std::vector<WeightMatrix> w;
-      for (GgmlType type : {GgmlType::kQ4_K, GgmlType::kQ5_K, GgmlType::kQ8_0}) {
-        data.push_back(random_weights(type, s.n_in, s.n_out + int64_t(w.size()), rng));
-        w.push_back(matrix_of(type, data.back(), s.n_in, s.n_out + int64_t(w.size())));
-        tiles.emplace_back(matmul_tiles_bytes(w.back()));
-        tile_weights(w.back(), tiles.back().data());
-        w.back().tiles = tiles.back().data();
-      }
-      const std::vector<float> x = random_activations(s.n_tokens, s.n_in, rng);
-      std::vector<std::vector<float>> y(w.size());
-      std::vector<float*> yp;
-      for (size_t m = 0; m < w.size(); ++m) {
-        y[m].assign(size_t(s.n_tokens * w[m].n_out), -1.f);
-        yp.push_back(y[m].data());
-      }
-      matmul(w, x.data(), s.n_tokens, yp, pool);
-      for (size_t m = 0; m < w.size(); ++m) {
-        SCOPED_TRACE(ggml_type_name(w[m].type));
-        std::vector<float> ref(y[m].size());
-        matmul_quantized_ref(w[m], x.data(), s.n_tokens, ref.data());
-        for (size_t i = 0; i < ref.size(); ++i) ASSERT_TRUE(same_float(y[m][i], ref[i])) << i << ": " << y[m][i] << " vs " << ref[i];
-      }
-    }
+    for (const Shape& s : kSuperBlockShapes) expect_call_gives_reference_bits(types, false, s, pool, rng);
   }
 }
 
