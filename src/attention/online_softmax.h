@@ -444,8 +444,7 @@ inline void update_row_pages(const float* q, const float* k, const float* v, int
 // Pages that are not lossy (bf16 tails, repaired or exact-fallback blocks) are exact: zeros.
 // REQUIRES: r.lossy; begin % block_tokens == 0.
 inline int key_bound_width(const codec::LossyPageSpec& spec) {
-  return codec::lossy_scheme_is_tier_b(spec.scheme) ? spec.head_dim / codec::kQuantGroup
-                                                     : codec::witness_bands(spec.head_dim);
+  return codec::lossy_scheme_is_tier_b(spec.scheme) ? spec.head_dim / codec::kQuantGroup : codec::witness_width(spec);
 }
 
 // MeterKernels::bounds_from_fp16's inline path: dst[i] = fp16 src[i] as float, i < n (exact), a
@@ -506,6 +505,11 @@ inline void tier_a_error_data(const TableReader& r, const uint8_t* bytes, int64_
   const codec::LossyPageSpec& spec = *r.lossy;
   const int bt = spec.block_tokens;
   const int width = spec.key ? key_bound_width(spec) : 1;
+  if (spec.key && spec.witness == codec::WitnessCode::kExponent) {
+    // No stored witness: each channel's bound u_{t,c} from its code (a band per channel).
+    codec::exponent_witness_bounds(bytes, spec.head_dim, int(n), dst, stride);
+    return;
+  }
   if (spec.key && spec.witness != codec::WitnessCode::kFp16) {
     // A coded witness, read back as floats straight into the band-major rows.
     codec::page_scaled_witness_bounds(bytes + r.side_offset, width, bt, int(n), dst, stride);
@@ -614,12 +618,26 @@ inline void load_tile_metered(const TableReader& r, int64_t begin, int64_t end, 
 //                              sum_g (sum_{c in g} |q_c|) s_{t,g},
 //                        sigma_t^2 = scale^2 sum_g (sum_{c in g} q_c^2) s_{t,g}^2 / 12,
 //   sums over the channels that are not outliers (those are exact).
+//   The exponent witness (codec::WitnessCode::kExponent, a band per channel): Theorem 2 with
+//                        ||q_b|| = |q_c| and w = u_{t,c}:  c_t = |scale| sum_c |q_c| u_{t,c}.
+//                        For the page-rows kernel, which makes the bound from the codes in the
+//                        scores' pass (page_rows.h), also abs_scale = |scale| and
+//                        q_term = 2^-10 sum_c |q_c| rounded up.
 struct QueryBoundWeights {
   bool tier_b = false;
   int width = 0;
-  float weight[64];     // Tier A: |scale| ||q_b||;  Tier B: scale^2 sum q_c^2 / 12 * 2 log(2S/delta)
-  float abs_weight[64];  // Tier B: |scale| kDither8Slack sum |q_c|
+  float weight[256];     // Tier A: |scale| ||q_b||;  Tier B: scale^2 sum q_c^2 / 12 * 2 log(2S/delta)
+  float abs_weight[256];  // Tier B: |scale| kDither8Slack sum |q_c|
+  float abs_scale = 0.f;  // the exponent witness
+  float q_term = 0.f;     // the exponent witness
 };
+
+// The smallest float >= x (x finite, non-negative, or +inf).
+inline float float_upward(double x) {
+  float f = float(x);
+  if (double(f) < x) f = std::nextafter(f, std::numeric_limits<float>::infinity());
+  return f;
+}
 
 inline QueryBoundWeights query_bound_weights(const codec::LossyPageSpec& spec, const float* q,
                                              float scale, int64_t n_ctx, double delta_loc) {
@@ -643,6 +661,23 @@ inline QueryBoundWeights query_bound_weights(const codec::LossyPageSpec& spec, c
       w.weight[g] = float(double(scale) * scale * acc[g] / 12.0 * log_term);
       w.abs_weight[g] = float(std::fabs(double(scale)) * codec::kDither8Slack * acc_abs[g]);
     }
+  } else if (spec.witness == codec::WitnessCode::kExponent) {
+    // weight[c] = |scale| |q_c|, in double rounded up to float and lifted by 2^-14 (not 2^-16 as
+    // below): logit_bounds then sums up to 256 terms (head_dim) where the bands sum 64 at most; a
+    // float sum of n non-negative terms is at least (1 - 2^-24)^(n + 2) of its exact value, and
+    // 2^-14 = 1024 2^-24 covers n + 2 <= 258 with the weight's own rounding.
+    double abs_sum = 0;
+    for (int c = 0; c < d; ++c) {
+      const double a = std::fabs(double(scale)) * std::fabs(double(q[c]));
+      w.weight[c] = float_upward(a * (1.0 + 0x1p-14));
+      w.abs_weight[c] = 0.f;
+      abs_sum += std::fabs(double(q[c]));
+    }
+    w.abs_scale = std::fabs(scale);
+    // 2^-10 sum |q_c|: at most 256 double additions of non-negative terms (relative error below
+    // 2^-45), lifted by 2^-40 and rounded up.
+    w.q_term = float_upward(std::ldexp(abs_sum, -10) * (1.0 + 0x1p-40));
+    return w;
   } else {
     // In float (this runs for every query row of every split): the squares, each pair's sum,
     // then band by band over its pairs in pair order. A band sums at most 2 P / n_bands <= 16
