@@ -240,13 +240,15 @@ struct Dither8Pages {
 
 // The start of a split: its rows' softmax states and accumulators cleared; metered, each row's
 // query bound weights (weights: [group]).
-void start_split(const SplitWork& w, detail::QueryBoundWeights* weights) {
+// exponent_weights: the exponent witness's per-channel weights (not for ExponentPages, whose
+// kernel makes the bound from the codes).
+void start_split(const SplitWork& w, detail::QueryBoundWeights* weights, bool exponent_weights = true) {
   for (int g = 0; g < w.group; ++g) w.st[g] = {detail::kMinusInfinity, 0.f};
   std::fill(w.acc, w.acc + size_t(w.group) * size_t(w.d), 0.f);
   if (weights == nullptr) return;
   for (int g = 0; g < w.group; ++g)
-    weights[g] = detail::query_bound_weights(*w.k->lossy, w.qg + size_t(g) * size_t(w.d), w.scale, w.n_ctx,
-                                             w.delta_loc);
+    detail::query_bound_weights(*w.k->lossy, w.qg + size_t(g) * size_t(w.d), w.scale, w.n_ctx, w.delta_loc,
+                                exponent_weights, &weights[g]);
 }
 
 // The split's pages in order, one page per tile: the next K and V pages fetched (load), this
@@ -282,7 +284,8 @@ void decode_split_rows(const SplitWork& w, const detail::PageRowsKernels& kernel
   const size_t p_stride = detail::page_rows_stride(w.bt);
   const size_t terms_floats = Pages::kMeter ? 2 * std::min<size_t>(group, 8) * p_stride : 0;
   scratch.tiles.resize(2 * tile_keys * d + group * p_stride +
-                       (Pages::kMeter ? tile_keys * bound_width + tile_keys : 0) + terms_floats);
+                       (Pages::kMeter ? tile_keys * bound_width + tile_keys : 0) + terms_floats +
+                       (kExponent ? tile_keys * d : 0));
   float* k_tile = scratch.tiles.data();
   float* v_tile = k_tile + tile_keys * d;
   float* p = v_tile + tile_keys * d;        // [group][p_stride]
@@ -294,7 +297,7 @@ void decode_split_rows(const SplitWork& w, const detail::PageRowsKernels& kernel
     scratch.lanes.resize(group);
     for (detail::MeterLanes& lanes : scratch.lanes) detail::clear_meter_lanes(&lanes);
   }
-  start_split(w, Pages::kMeter ? scratch.weights.data() : nullptr);
+  start_split(w, Pages::kMeter ? scratch.weights.data() : nullptr, !kExponent);
   detail::PageRows rows;
   rows.q = w.qg;
   rows.n_rows = w.group;
@@ -307,6 +310,7 @@ void decode_split_rows(const SplitWork& w, const detail::PageRowsKernels& kernel
     rows.w = scratch.weights.data();
     rows.lanes = scratch.lanes.data();
     rows.meter_terms = terms;
+    if constexpr (kExponent) rows.exponent_tile = terms + terms_floats;  // [tile_keys][d]
   }
   auto* const update = !Pages::kMeter ? kernels.update
                        : kExponent    ? kernels.update_exponent

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -632,16 +633,24 @@ struct QueryBoundWeights {
   float q_term = 0.f;     // the exponent witness
 };
 
-// The smallest float >= x (x finite, non-negative, or +inf).
+// The smallest float >= x, for x >= 0 (+inf above float's range): float(x) rounds to nearest, and
+// where that fell below x the next float up is one more in the bits (from +0 too, and from the
+// largest float to +inf).
 inline float float_upward(double x) {
   float f = float(x);
-  if (double(f) < x) f = std::nextafter(f, std::numeric_limits<float>::infinity());
+  if (double(f) < x) f = std::bit_cast<float>(std::bit_cast<uint32_t>(f) + 1u);
   return f;
 }
 
-inline QueryBoundWeights query_bound_weights(const codec::LossyPageSpec& spec, const float* q,
-                                             float scale, int64_t n_ctx, double delta_loc) {
-  QueryBoundWeights w;
+// exponent_weights: the exponent witness's weight[c] (its band-per-channel form); the page-rows
+// kernel, which makes the bound from the codes, reads only abs_scale and q_term.
+// Written into *out (decode attention's per-row scratch: the struct holds 2 KiB of weights, of
+// which a row fills its width).
+inline void query_bound_weights(const codec::LossyPageSpec& spec, const float* q, float scale, int64_t n_ctx,
+                                double delta_loc, bool exponent_weights, QueryBoundWeights* out) {
+  QueryBoundWeights& w = *out;
+  w.abs_scale = 0.f;
+  w.q_term = 0.f;
   const int d = spec.head_dim;
   w.tier_b = codec::lossy_scheme_is_tier_b(spec.scheme);
   w.width = key_bound_width(spec);
@@ -662,22 +671,25 @@ inline QueryBoundWeights query_bound_weights(const codec::LossyPageSpec& spec, c
       w.abs_weight[g] = float(std::fabs(double(scale)) * codec::kDither8Slack * acc_abs[g]);
     }
   } else if (spec.witness == codec::WitnessCode::kExponent) {
-    // weight[c] = |scale| |q_c|, in double rounded up to float and lifted by 2^-14 (not 2^-16 as
-    // below): logit_bounds then sums up to 256 terms (head_dim) where the bands sum 64 at most; a
-    // float sum of n non-negative terms is at least (1 - 2^-24)^(n + 2) of its exact value, and
-    // 2^-14 = 1024 2^-24 covers n + 2 <= 258 with the weight's own rounding.
-    double abs_sum = 0;
-    for (int c = 0; c < d; ++c) {
-      const double a = std::fabs(double(scale)) * std::fabs(double(q[c]));
-      w.weight[c] = float_upward(a * (1.0 + 0x1p-14));
-      w.abs_weight[c] = 0.f;
-      abs_sum += std::fabs(double(q[c]));
-    }
+    // 2^-10 sum |q_c| in double (eight independent sums, so the loop vectorizes): at most 256
+    // additions of non-negative terms, relative error below 2^-45, lifted by 2^-40, rounded up.
+    double abs_sum[8] = {};
+    for (int c0 = 0; c0 < d; c0 += 8)
+      for (int i = 0; i < 8; ++i) abs_sum[i] += std::fabs(double(q[c0 + i]));
+    const double sum = ((abs_sum[0] + abs_sum[1]) + (abs_sum[2] + abs_sum[3])) + ((abs_sum[4] + abs_sum[5]) + (abs_sum[6] + abs_sum[7]));
     w.abs_scale = std::fabs(scale);
-    // 2^-10 sum |q_c|: at most 256 double additions of non-negative terms (relative error below
-    // 2^-45), lifted by 2^-40 and rounded up.
-    w.q_term = float_upward(std::ldexp(abs_sum, -10) * (1.0 + 0x1p-40));
-    return w;
+    w.q_term = float_upward(std::ldexp(sum, -10) * (1.0 + 0x1p-40));
+    if (exponent_weights) {
+      // weight[c] = |scale| |q_c| (exact in double), lifted by 2^-14 and rounded up to float (not
+      // 2^-16 as the bands below): logit_bounds then sums up to 256 terms (head_dim) where the
+      // bands sum 64 at most; a float sum of n non-negative terms is at least (1 - 2^-24)^(n + 1)
+      // of its exact value, and 2^-14 = 1024 2^-24 covers n + 1 <= 257.
+      for (int c = 0; c < d; ++c) {
+        w.weight[c] = float_upward(std::fabs(double(scale)) * std::fabs(double(q[c])) * (1.0 + 0x1p-14));
+        w.abs_weight[c] = 0.f;
+      }
+    }
+    return;
   } else {
     // In float (this runs for every query row of every split): the squares, each pair's sum,
     // then band by band over its pairs in pair order. A band sums at most 2 P / n_bands <= 16
@@ -704,6 +716,12 @@ inline QueryBoundWeights query_bound_weights(const codec::LossyPageSpec& spec, c
     w.weight[g] *= 1.0f + 1.0f / 65536.0f;
     w.abs_weight[g] *= 1.0f + 1.0f / 65536.0f;
   }
+}
+
+inline QueryBoundWeights query_bound_weights(const codec::LossyPageSpec& spec, const float* q, float scale,
+                                             int64_t n_ctx, double delta_loc, bool exponent_weights = true) {
+  QueryBoundWeights w;
+  query_bound_weights(spec, q, scale, n_ctx, delta_loc, exponent_weights, &w);
   return w;
 }
 
