@@ -284,8 +284,7 @@ void decode_split_rows(const SplitWork& w, const detail::PageRowsKernels& kernel
   const size_t p_stride = detail::page_rows_stride(w.bt);
   const size_t terms_floats = Pages::kMeter ? 2 * std::min<size_t>(group, 8) * p_stride : 0;
   scratch.tiles.resize(2 * tile_keys * d + group * p_stride +
-                       (Pages::kMeter ? tile_keys * bound_width + tile_keys : 0) + terms_floats +
-                       (kExponent ? tile_keys * d : 0));
+                       (Pages::kMeter ? tile_keys * bound_width + tile_keys : 0) + terms_floats);
   float* k_tile = scratch.tiles.data();
   float* v_tile = k_tile + tile_keys * d;
   float* p = v_tile + tile_keys * d;        // [group][p_stride]
@@ -310,7 +309,6 @@ void decode_split_rows(const SplitWork& w, const detail::PageRowsKernels& kernel
     rows.w = scratch.weights.data();
     rows.lanes = scratch.lanes.data();
     rows.meter_terms = terms;
-    if constexpr (kExponent) rows.exponent_tile = terms + terms_floats;  // [tile_keys][d]
   }
   auto* const update = !Pages::kMeter ? kernels.update
                        : kExponent    ? kernels.update_exponent

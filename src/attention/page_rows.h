@@ -79,8 +79,6 @@ struct PageRows {
   // Metered calls: scratch of 2 min(n_rows, 8) page_rows_stride(n_keys) floats (each row's c and
   // E(c), made for up to eight rows at once).
   float* meter_terms = nullptr;
-  // The exponent witness: scratch of n_keys d floats, the page's P(k) made once for every row.
-  float* exponent_tile = nullptr;
 };
 
 // Floats of p per row for a page of n_keys keys (whole vectors of 16).

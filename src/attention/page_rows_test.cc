@@ -37,7 +37,7 @@ const detail::PageRowsKernels* kernels_or_null() {
 
 struct RowsCase {
   int d = 64, n_rows = 1, metered = 0;
-  std::vector<float> q, acc, p, terms, exponent_tile;
+  std::vector<float> q, acc, p, terms;
   std::vector<RowState> st;
   std::vector<QueryBoundWeights> w;
   std::vector<MeterLanes> lanes;
@@ -56,8 +56,6 @@ struct RowsCase {
     r.w = metered != 0 ? w.data() : nullptr;
     r.lanes = metered != 0 ? lanes.data() : nullptr;
     r.meter_terms = terms.data();
-    exponent_tile.assign(size_t(max_keys) * size_t(d), 0.f);
-    r.exponent_tile = exponent_tile.data();
     return r;
   }
 };

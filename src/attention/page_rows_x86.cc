@@ -74,25 +74,20 @@ inline __m512 dot16(const __m512 q[kChunks], const float* k) {
   return a;
 }
 
-// dot16 and beside it the exponent witness's lanes e = fma_up(|q|, P(k), e), P(k) = k & 0x7f800000
-// from the page's exponent tile (the AND made once per page for every row of the group): one
-// more FMA per 16 channels beside the score's.
+// dot16 and, from the same loads, the exponent witness's lanes: e = fma_up(|q|, k & 0x7f800000, e)
+// (one AND and one FMA per 16 channels beside the score's FMA).
 template <int kChunks>
-inline void dot16_exponent(const __m512 q[kChunks], const __m512 q_abs[kChunks], const float* k, const float* p_k,
-                           __m512& a, __m512& e) {
+inline void dot16_exponent(const __m512 q[kChunks], const __m512 q_abs[kChunks], const float* k, __m512& a,
+                           __m512& e) {
+  const __m512 exponent_bits = _mm512_castsi512_ps(_mm512_set1_epi32(0x7f800000));
   a = _mm512_setzero_ps();
   e = _mm512_setzero_ps();
 #pragma GCC unroll 8
   for (int ch = 0; ch < kChunks; ++ch) {
-    a = _mm512_fmadd_ps(q[ch], _mm512_loadu_ps(k + 16 * ch), a);
-    e = _mm512_fmadd_round_ps(q_abs[ch], _mm512_loadu_ps(p_k + 16 * ch), e, kUpward);
+    const __m512 kv = _mm512_loadu_ps(k + 16 * ch);
+    a = _mm512_fmadd_ps(q[ch], kv, a);
+    e = _mm512_fmadd_round_ps(q_abs[ch], _mm512_and_ps(kv, exponent_bits), e, kUpward);
   }
-}
-
-// P(k) of a page's keys: tile[j * d + c] = the float of k[j * d + c]'s bits & 0x7f800000.
-inline void exponent_tile(const float* k, int n_values, float* tile) {
-  const __m512 exponent_bits = _mm512_castsi512_ps(_mm512_set1_epi32(0x7f800000));
-  for (int i = 0; i < n_values; i += 16) _mm512_storeu_ps(tile + i, _mm512_and_ps(_mm512_loadu_ps(k + i), exponent_bits));
 }
 
 // c of sixteen keys of R rows at once (each band's vector loaded once for the R rows): per row the
@@ -173,8 +168,7 @@ float softmax_row(const PageRows& rows, const PageTiles& page, int r, float* met
 #pragma GCC unroll 16
       for (int m = 0; m < 16; ++m) {
         if (j0 + kSlotKey[m] < n) {
-          dot16_exponent<kChunks>(q, q_abs, page.k + size_t(j0 + kSlotKey[m]) * d,
-                                  rows.exponent_tile + size_t(j0 + kSlotKey[m]) * d, a[m], e[m]);
+          dot16_exponent<kChunks>(q, q_abs, page.k + size_t(j0 + kSlotKey[m]) * d, a[m], e[m]);
         } else {
           a[m] = e[m] = _mm512_setzero_ps();
         }
@@ -315,7 +309,6 @@ void values_rows(const float* const* p, const float* alpha, float* const* acc, c
 template <int kChunks, int kMeter>
 void update_rows(const PageRows& rows, const PageTiles& page) {
   const size_t stride = page_rows_stride(page.n_keys);
-  if constexpr (kMeter == 3) exponent_tile(page.k, page.n_keys * 16 * kChunks, rows.exponent_tile);
   for (int r0 = 0; r0 < rows.n_rows; r0 += kRowBlock) {
     const int rb = rows.n_rows - r0 < kRowBlock ? rows.n_rows - r0 : kRowBlock;
     float alpha[kRowBlock];
