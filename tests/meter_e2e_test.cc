@@ -273,6 +273,13 @@ TEST_F(MeterEndToEnd, BadMeterParametersAreClearErrors) {
     EXPECT_NE(error.find("witness exponent"), std::string::npos) << error;
     EXPECT_NE(error.find(kv), std::string::npos) << error;
   }
+  // The device writes fp8 pages with the fp16 or u8 witness: the exponent witness is refused there
+  // by name (with or without a device in this build).
+  p = params("fp8-e4m3");
+  p.witness = "exponent";
+  p.device = "cuda";
+  EXPECT_NE(certkv_session_create(model_->get(), &p, &s), CERTKV_OK);
+  EXPECT_NE(std::string(certkv_last_error()).find("exponent witness"), std::string::npos) << certkv_last_error();
   p = params("rtn8");
   p.witness = "u8";
   p.device = "cuda";
