@@ -676,14 +676,17 @@ inline void query_bound_weights(const codec::LossyPageSpec& spec, const float* q
     double abs_sum[8] = {};
     for (int c0 = 0; c0 < d; c0 += 8)
       for (int i = 0; i < 8; ++i) abs_sum[i] += std::fabs(double(q[c0 + i]));
-    const double sum = ((abs_sum[0] + abs_sum[1]) + (abs_sum[2] + abs_sum[3])) + ((abs_sum[4] + abs_sum[5]) + (abs_sum[6] + abs_sum[7]));
+    const double sum = ((abs_sum[0] + abs_sum[1]) + (abs_sum[2] + abs_sum[3])) +
+                       ((abs_sum[4] + abs_sum[5]) + (abs_sum[6] + abs_sum[7]));
     w.abs_scale = std::fabs(scale);
     w.q_term = float_upward(std::ldexp(sum, -10) * (1.0 + 0x1p-40));
     if (exponent_weights) {
       // weight[c] = |scale| |q_c| (exact in double), lifted by 2^-14 and rounded up to float (not
       // 2^-16 as the bands below): logit_bounds then sums up to 256 terms (head_dim) where the
       // bands sum 64 at most; a float sum of n non-negative terms is at least (1 - 2^-24)^(n + 1)
-      // of its exact value, and 2^-14 = 1024 2^-24 covers n + 1 <= 257.
+      // of its exact value, and 2^-14 = 1024 2^-24 covers n + 1 <= 257. (As on the other Tier A
+      // paths, a product below float's normal range, 2^-126, may lose up to 2^-150; the page-rows
+      // kernel's upward rounding has no such exception.)
       for (int c = 0; c < d; ++c) {
         w.weight[c] = float_upward(std::fabs(double(scale)) * std::fabs(double(q[c])) * (1.0 + 0x1p-14));
         w.abs_weight[c] = 0.f;
