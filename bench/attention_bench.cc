@@ -20,6 +20,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attention/decode_attention.h"
@@ -309,9 +310,10 @@ struct PagesCache {
   cache::SeqId seq = 0;
 };
 
-const PagesCache& pages_cache(int model, cache::KvScheme scheme) {
-  static std::map<std::pair<int, int>, PagesCache> caches;
-  auto it = caches.find({model, int(scheme)});
+const PagesCache& pages_cache(int model, cache::KvScheme scheme,
+                              certkv::codec::WitnessCode witness = certkv::codec::WitnessCode::kFp16) {
+  static std::map<std::tuple<int, int, int>, PagesCache> caches;
+  auto it = caches.find({model, int(scheme), int(witness)});
   if (it != caches.end()) return it->second;
   const PagesShape sh = kPagesShapes[model];
   const size_t row = size_t(sh.n_kv_heads) * size_t(sh.head_dim);
@@ -335,6 +337,7 @@ const PagesCache& pages_cache(int model, cache::KvScheme scheme) {
   cfg.max_tokens = kMaxTokens;
   cfg.scheme = scheme;
   cfg.rope_pairing = certkv::codec::RopePairing::kHalfSplit;
+  cfg.witness = witness;
   std::vector<float> k, v;
   if (scheme == cache::KvScheme::kGaac) {
     // Calibrated on other synthetic rows of the same law.
@@ -368,21 +371,45 @@ const PagesCache& pages_cache(int model, cache::KvScheme scheme) {
     c.kv->write(c.seq, 0, k.data(), v.data(), kStep);
     c.kv->commit(c.seq, kStep);
   }
-  return caches.emplace(std::make_pair(model, int(scheme)), std::move(c)).first->second;
+  return caches.emplace(std::make_tuple(model, int(scheme), int(witness)), std::move(c)).first->second;
 }
 
+void decode_pages(benchmark::State& state, int model, cache::KvScheme scheme, int64_t n_ctx, int n_threads, bool metered,
+                  certkv::codec::WitnessCode witness);
+
 void BM_DecodePages(benchmark::State& state) {
-  const int model = int(state.range(0));
-  const cache::KvScheme scheme = cache::KvScheme(state.range(1));
-  const int64_t n_ctx = state.range(2);
-  const int n_threads = int(state.range(3));
-  const bool metered = state.range(4) != 0;
+  decode_pages(state, int(state.range(0)), cache::KvScheme(state.range(1)), state.range(2), int(state.range(3)),
+               state.range(4) != 0, certkv::codec::WitnessCode::kFp16);
+}
+
+// fp8-e4m3 with each witness its K pages can keep, metered and not (docs/meter.md section 7): the
+// fp16 witness (read from the page beside the codes) against the exponent witness (no bytes, the
+// bound made from the codes in the scores' pass). Args: witness (codec::WitnessCode), n_ctx,
+// metered; SmolLM2's shape, one thread. Run with --benchmark_enable_random_interleaving for
+// alternating repetitions.
+void BM_DecodeFp8Witness(benchmark::State& state) {
+  decode_pages(state, 0, cache::KvScheme::kFp8E4M3, state.range(1), 1, state.range(2) != 0,
+               certkv::codec::WitnessCode(state.range(0)));
+  state.SetLabel(std::string("smollm2 fp8-e4m3 witness ") +
+                 certkv::codec::witness_code_name(certkv::codec::WitnessCode(state.range(0))) +
+                 (state.range(2) != 0 ? " metered" : ""));
+}
+BENCHMARK(BM_DecodeFp8Witness)
+    ->ArgNames({"witness", "n_ctx", "metered"})
+    ->ArgsProduct({{int64_t(certkv::codec::WitnessCode::kFp16), int64_t(certkv::codec::WitnessCode::kExponent)},
+                   {4096, 32768},
+                   {0, 1}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+
+void decode_pages(benchmark::State& state, int model, cache::KvScheme scheme, int64_t n_ctx, int n_threads, bool metered,
+                  certkv::codec::WitnessCode witness) {
   if (metered && !cache::kv_scheme_is_lossy(scheme)) {
     state.SkipWithError("the meter needs a lossy scheme");
     return;
   }
   const PagesShape sh = kPagesShapes[model];
-  const PagesCache& c = pages_cache(model, scheme);
+  const PagesCache& c = pages_cache(model, scheme, witness);
   ThreadPool pool(n_threads);
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.f, 1.f);

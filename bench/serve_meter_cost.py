@@ -17,7 +17,7 @@ no-meter / meter of aggregate tokens/s, their median, the commit, cpu, commands.
 usage (repository root):
   python3 bench/serve_meter_cost.py [--certkv build/tools/certkv/certkv]
       [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--corpus ../shared/data/corpus]
-      [--kv fp8-e4m3] [--pairs 5] [--clients 8] [--requests 16] [--words 100] [--max-tokens 64]
+      [--kv fp8-e4m3] [--witness fp16|u8|exponent] [--pairs 5] [--clients 8] [--requests 16] [--words 100] [--max-tokens 64]
       [--threads 2] [--out docs/bench/serve_meter_cost_cpu.json]
 """
 import argparse
@@ -40,6 +40,7 @@ def main():
     ap.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--corpus", default="../shared/data/corpus")
     ap.add_argument("--kv", default="fp8-e4m3")
+    ap.add_argument("--witness", help="the Tier A witness (certkv serve --witness); default: the scheme's")
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests", type=int, default=16)
@@ -58,7 +59,7 @@ def main():
     def command(meter, port):
         return [args.certkv, "serve", "-m", args.model, "--kv", args.kv, "-t", str(args.threads), "-np",
                 str(args.clients), "-c", str(args.words * 2 + args.max_tokens + 64), "--port", str(port)] + \
-               ([] if meter else ["--no-meter"])
+               (["--witness", args.witness] if args.witness else []) + ([] if meter else ["--no-meter"])
 
     runs = {"meter": [], "no_meter": []}
     ratios, cpu_ratios = [], []
@@ -104,6 +105,7 @@ def main():
         "worktree_modified_tracked_files": len([l for l in git("status", "--porcelain", "--untracked-files=no").splitlines() if l]),
         "time_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "cpu": cpu, "cpu_count": os.cpu_count(), "model": os.path.basename(args.model), "kv": args.kv,
+        "witness": args.witness or "the scheme's default",
         "threads": args.threads, "pairs": args.pairs,
         "order": "alternating: the metered server first in odd pairs",
         "load": {"clients": args.clients, "requests": args.requests, "words": args.words,

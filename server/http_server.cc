@@ -136,6 +136,7 @@ void HttpServer::load() {
     p.session.context_tokens = options_.ctx_tokens;
     p.session.n_threads = options_.threads;
     p.session.kv = options_.kv.c_str();
+    p.session.witness = options_.witness.empty() ? nullptr : options_.witness.c_str();
     p.session.meter_tau = options_.tau;
     p.session.gate = options_.gate ? 1 : 0;
     p.session.meter = options_.meter ? 1 : 0;

@@ -22,6 +22,8 @@ const char* const kServeUsage =
     "                         chunks (default 512; smaller: shorter gaps between tokens, later\n"
     "                         first tokens)\n"
     "  --kv SCHEME            KV scheme: bf16 (default), gaac, fp8-e4m3, rtn8, dither8, ...\n"
+    "  --witness W            Tier A schemes: how K pages keep the meter's witness: fp16, u8 or\n"
+    "                         (fp8-e4m3) exponent, no bytes (default: the scheme's)\n"
     "  --sparse p=P[,window=N][,dense=N]   sparse decode keeping attention mass P (or --sparse P)\n"
     "  --gate                 repair from exact KV when a meter exceeds tau (lossy schemes)\n"
     "  --tau T                coverage and gate threshold (default 0.2)\n"
@@ -95,6 +97,7 @@ ServerOptions parse_server_options(int argc, const char* const* argv) {
     else if (flag == "-c" || flag == "--ctx") o.ctx_tokens = parse_integer(flag, value(), 1, int64_t(1) << 31);
     else if (flag == "--step-tokens") o.step_tokens = parse_integer(flag, value(), 1, int64_t(1) << 31);
     else if (flag == "--kv") o.kv = value();
+    else if (flag == "--witness") o.witness = value();  // checked with the scheme by the C API
     else if (flag == "--sparse") parse_sparse(value(), o);
     else if (flag == "--gate") o.gate = true;
     else if (flag == "--no-meter") o.meter = false;

@@ -16,6 +16,7 @@ struct ServerOptions {
   int64_t step_tokens = 512;       // --step-tokens: the most tokens one engine step runs
   int64_t ctx_tokens = 0;          // -c/--ctx: tokens of one request; 0: the model's context
   std::string kv = "bf16";         // --kv: KV scheme (certkv_session_params.kv)
+  std::string witness;             // --witness: Tier A witness (certkv_session_params.witness); "": the scheme's
   double sparse_p = 0;             // --sparse p=P[,window=N][,dense=N]: 0 is dense decode
   int32_t sparse_window = -1;
   int32_t sparse_dense_layers = -1;

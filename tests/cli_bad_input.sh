@@ -130,7 +130,9 @@ expect_error run-delta-one "--delta" "$bin" run --model "$model" --kv dither8 --
 expect_error run-delta-negative "--delta" "$bin" run --model "$model" --kv dither8 --delta -0.5 --prompt hi --n 1
 expect_error run-outliers-above-half "outlier pairs 40" "$bin" run --model "$model" --kv dither8 --outlier-pairs 40 --prompt hi --n 1
 expect_error run-outliers-not-dither8 "--outlier-pairs" "$bin" run --model "$model" --kv rtn8 --outlier-pairs 2 --prompt hi --n 1
-expect_error run-witness-unknown "--witness: 'u16'" "$bin" run --model "$model" --kv rtn8 --witness u16 --prompt hi --n 1
+expect_error run-witness-unknown "'u16' is not a witness (fp16, u8, exponent)" "$bin" run --model "$model" --kv rtn8 --witness u16 --prompt hi --n 1
+expect_error run-witness-exponent-rtn8 "witness exponent is not sound for kv rtn8" "$bin" run --model "$model" --kv rtn8 --witness exponent --prompt hi --n 1
+expect_error run-witness-exponent-scaled "witness exponent is not sound for kv fp8-e4m3-scaled" "$bin" run --model "$model" --kv fp8-e4m3-scaled --witness exponent --prompt hi --n 1
 expect_error run-witness-dither8 "--witness applies to the Tier A" "$bin" run --model "$model" --kv dither8 --witness u8 --prompt hi --n 1
 expect_error run-witness-bf16 "--witness applies to the Tier A" "$bin" run --model "$model" --kv bf16 --witness u8 --prompt hi --n 1
 expect_error run-gate-bf16 "--gate" "$bin" run --model "$model" --kv bf16 --gate --prompt hi --n 1

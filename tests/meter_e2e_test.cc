@@ -118,6 +118,46 @@ TEST_F(MeterEndToEnd, PageScaledWitnessIsSoundAndNearlyAsTight) {
   }
 }
 
+// The exponent witness (certkv_session_params.witness "exponent", fp8-e4m3 only): no witness bytes
+// in the K pages, the bound made from the codes; every cell of the audit sound, the lossy class's
+// pages smaller by the fp16 witness's 32 bytes per K token, and the meter looser than the fp16
+// witness's by a bounded factor (c_t about 1.3x on real KV, docs/meter.md section 7).
+TEST_F(MeterEndToEnd, ExponentWitnessIsSoundWithNoWitnessBytes) {
+  const certkv_model_info info = model_->info();
+  const int64_t cells = int64_t(kSteps) * info.n_layers * info.n_heads;
+  certkv_audit_stats a[2];
+  uint64_t lossy_bytes[2] = {0, 0}, lossy_pages[2] = {0, 0};
+  for (int exponent = 0; exponent < 2; ++exponent) {
+    certkv_session_params p = params("fp8-e4m3");
+    p.witness = exponent ? "exponent" : "fp16";
+    certkv::Session session(*model_, p);
+    certkv::check(certkv_session_audit_enable(session.get(), 0, 1));
+    run(session);
+    a[exponent] = session.audit_stats();
+    const certkv_kv_stats kvs = session.kv_stats();
+    for (int i = 0; i < kvs.n_classes; ++i)
+      if (std::string(kvs.by_class[i].storage) == "lossy") {
+        lossy_bytes[exponent] = kvs.by_class[i].page_bytes_in_use;
+        lossy_pages[exponent] = kvs.by_class[i].pages_in_use;
+      }
+    EXPECT_EQ(session.meter_stats().metered, 1);
+  }
+  EXPECT_EQ(a[1].cells, cells);
+  EXPECT_EQ(a[1].violations, 0) << "worst margin " << a[1].worst_margin;
+  EXPECT_GT(a[1].max_tv, 0) << "the compressed cache must differ from the exact one";
+  // Half the lossy pages are K pages; each keeps 16 tokens x 16 bands x 2 bytes less.
+  ASSERT_EQ(lossy_pages[1], lossy_pages[0]) << "no block may fall back to exact on this text";
+  EXPECT_EQ(lossy_bytes[0] - lossy_bytes[1], lossy_pages[0] / 2 * 16 * 16 * 2);
+  // Looser than the fp16 witness on the same cells, not by an order of magnitude.
+  EXPECT_GE(a[1].tightness_q50, a[0].tightness_q50 * 0.95);
+  EXPECT_LE(a[1].tightness_q50, a[0].tightness_q50 * 3.0);
+  EXPECT_LE(a[1].coverage, a[0].coverage + 0.02);
+  RecordProperty("coverage_fp16", std::to_string(a[0].coverage));
+  RecordProperty("coverage_exponent", std::to_string(a[1].coverage));
+  RecordProperty("tightness_q50_fp16", std::to_string(a[0].tightness_q50));
+  RecordProperty("tightness_q50_exponent", std::to_string(a[1].tightness_q50));
+}
+
 TEST_F(MeterEndToEnd, GateRepairsTheRawFp8CastUnderTau) {
   certkv_session_params p = params("fp8-e4m3");
   p.gate = 1;
@@ -224,6 +264,22 @@ TEST_F(MeterEndToEnd, BadMeterParametersAreClearErrors) {
     EXPECT_EQ(certkv_session_create(model_->get(), &p, &s), CERTKV_ERR_INVALID_ARGUMENT) << kv << " " << witness;
     EXPECT_NE(std::string(certkv_last_error()).find("witness"), std::string::npos) << certkv_last_error();
   }
+  // The exponent witness is sound for the raw fp8-e4m3 cast only: the error names it and the scheme.
+  for (const char* kv : {"fp8-e5m2", "fp8-e4m3-scaled", "rtn8", "rtn4", "kivi2", "dither8", "bf16", "fp8-e4m3-pages"}) {
+    p = params(kv);
+    p.witness = "exponent";
+    EXPECT_EQ(certkv_session_create(model_->get(), &p, &s), CERTKV_ERR_INVALID_ARGUMENT) << kv;
+    const std::string error = certkv_last_error();
+    EXPECT_NE(error.find("witness exponent"), std::string::npos) << error;
+    EXPECT_NE(error.find(kv), std::string::npos) << error;
+  }
+  // The device writes fp8 pages with the fp16 or u8 witness: the exponent witness is refused there
+  // by name (with or without a device in this build).
+  p = params("fp8-e4m3");
+  p.witness = "exponent";
+  p.device = "cuda";
+  EXPECT_NE(certkv_session_create(model_->get(), &p, &s), CERTKV_OK);
+  EXPECT_NE(std::string(certkv_last_error()).find("exponent witness"), std::string::npos) << certkv_last_error();
   p = params("rtn8");
   p.witness = "u8";
   p.device = "cuda";

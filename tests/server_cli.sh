@@ -34,6 +34,14 @@ expect_usage_error "do not combine" -m "$model" --sparse 0.9 --gate --kv rtn8
 expect_usage_error "flags --gate and --no-meter contradict" -m "$model" --gate --no-meter --kv rtn8
 expect_usage_error "flag --threads-http" -m "$model" --threads-http 0
 expect_usage_error "flag --step-tokens" -m "$model" --step-tokens 0
+# A witness its scheme cannot keep: the server stops at load (exit 1), naming the witness and the scheme.
+set +e
+"$serve" -m "$model" --port 0 --kv rtn8 --witness exponent >"$work/out" 2>&1
+rc=$?
+set -e
+if [ "$rc" -ne 1 ] || ! grep -q "witness exponent is not sound for kv rtn8" "$work/out"; then
+  echo "FAIL: certkv-serve --kv rtn8 --witness exponent exited $rc:"; cat "$work/out"; exit 1
+fi
 
 "$serve" -m "$model" --port 0 -c 128 -np 2 --sparse p=0.9,window=16 >"$work/log" 2>&1 &
 pid=$!

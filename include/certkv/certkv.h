@@ -154,10 +154,12 @@ typedef struct certkv_session_params {
                                     docs/sparse.md); finite, >= 0 */
   const char* witness;           /* Tier A lossy schemes (fp8-e4m3, fp8-e5m2, fp8-e4m3-scaled,
                                     rtn8, rtn4, kivi2): how K pages store the meter's witness:
-                                    "fp16" (the default, null; 32 bytes per token and KV head) or
+                                    "fp16" (the default, null; 32 bytes per token and KV head),
                                     "u8" (codes against each page's largest band norm: 16 bytes +
                                     2 per page, the meter about 1% looser, docs/meter.md section
-                                    7); CPU decode only. Must be null for the other schemes */
+                                    7) or, for fp8-e4m3 only, "exponent" (no bytes: each code
+                                    bounds its own rounding; blocks whose cast saturates stay
+                                    exact; CPU decode only). Must be null for the other schemes */
 } certkv_session_params;
 
 CERTKV_API certkv_session_params certkv_session_default_params(void);
@@ -916,7 +918,8 @@ typedef struct certkv_kv_store_params {
   int32_t outlier_pairs;         /* dither8: RoPE pairs per (layer, kv_head) kept exact, chosen
                                     from the first rows of the layer; -1: default (4) */
   int32_t recent_window_tokens;  /* lossy schemes: newest tokens kept bf16; -1: scheme default */
-  const char* witness;           /* Tier A lossy schemes: "fp16" (null) or "u8"; null for others */
+  const char* witness;           /* Tier A lossy schemes: "fp16" (null), "u8" or (fp8-e4m3 only)
+                                    "exponent"; null for others */
   const char* gaac_calibration;  /* gaac schemes: a calibration file of the scheme's element and
                                     this shape (certkv-gaac-calibration/1); null: each layer is
                                     calibrated on its first append (its rows of every sequence

@@ -160,7 +160,8 @@ _OPTIONS_DOC = """
         tau, delta: the coverage / gate threshold (default 0.2) and the Tier B failure budget
             (default 1e-2) of lossy schemes; meter=False turns the meter off.
         window: lossy schemes: newest tokens kept bf16; outlier_pairs: dither8's exact RoPE
-            pairs; witness: "fp16" or "u8" (Tier A schemes); gaac_calibration: a calibration
+            pairs; witness: "fp16", "u8" (Tier A schemes) or "exponent" (fp8-e4m3: no witness
+            bytes); gaac_calibration: a calibration
             file (GAAC schemes calibrate themselves without one).
         threads, context_tokens, block_tokens, activations ("int8" or "f32"): as
             certkv_session_params."""

@@ -304,18 +304,12 @@ certkv_status backend_config_of(const certkv_model* model, const certkv_session_
   if (p.sparse_deviations != 0 && p.sparse_p == 0)
     return set_error(CERTKV_ERR_INVALID_ARGUMENT,
                      "certkv_session_params.sparse_deviations widens sparse decode's selection: set sparse_p too");
-  certkv::codec::WitnessCode witness = certkv::codec::WitnessCode::kFp16;
-  if (p.witness != nullptr && !certkv::codec::parse_witness_code(p.witness, &witness))
-    return set_error(CERTKV_ERR_INVALID_ARGUMENT,
-                     std::string("certkv_session_params.witness: '") + p.witness + "' is not fp16 or u8");
-  if (p.witness != nullptr && certkv::cache::kv_scheme_info(scheme).tier != certkv::cache::MeterTier::kA)
-    return set_error(CERTKV_ERR_INVALID_ARGUMENT,
-                     std::string("certkv_session_params.witness ") + p.witness +
-                         " applies to the Tier A lossy schemes (" +
-                         certkv::cache::kv_scheme_names([](const certkv::cache::KvSchemeInfo& s) {
-                           return s.tier == certkv::cache::MeterTier::kA;
-                         }) +
-                         "), not kv " + certkv::cache::kv_scheme_name(scheme) + " (leave it null)");
+  certkv::codec::WitnessCode witness;
+  try {
+    witness = certkv::cache::resolve_kv_witness(scheme, p.witness, "certkv_session_params.witness");
+  } catch (const certkv::Error& e) {
+    return set_error(CERTKV_ERR_INVALID_ARGUMENT, e.what());
+  }
   certkv::model::Device device = certkv::model::Device::kCpu;
   try {
     if (p.device != nullptr) device = certkv::model::parse_device(p.device);

@@ -243,14 +243,11 @@ certkv_status certkv_kv_store_create(const certkv_kv_store_params* params, certk
                  std::string(w) + ": rope_layout '" + (p.rope_layout ? p.rope_layout : "") +
                      "' is not interleaved or half-split");
   CERTKV_REQUIRE(std::isfinite(p.sm_scale), std::string(w) + ": sm_scale is not finite");
-  codec::WitnessCode witness = codec::WitnessCode::kFp16;
-  if (p.witness != nullptr) {
-    CERTKV_REQUIRE(codec::parse_witness_code(p.witness, &witness),
-                   std::string(w) + ": witness '" + p.witness + "' is not fp16 or u8");
-    CERTKV_REQUIRE(info.tier == cache::MeterTier::kA,
-                   std::string(w) + ": witness " + p.witness + " applies to the Tier A lossy schemes (" +
-                       cache::kv_scheme_names([](const cache::KvSchemeInfo& s) { return s.tier == cache::MeterTier::kA; }) +
-                       "), not kv " + info.name);
+  codec::WitnessCode witness;
+  try {
+    witness = cache::resolve_kv_witness(scheme, p.witness, std::string(w) + ": witness");
+  } catch (const certkv::Error& e) {
+    return set_error(CERTKV_ERR_INVALID_ARGUMENT, e.what());
   }
   const bool has_file = p.gaac_calibration != nullptr && p.gaac_calibration[0] != '\0';
   CERTKV_REQUIRE(!has_file || info.gaac || info.lossy,

@@ -198,6 +198,36 @@ struct TierAPages {
   }
 };
 
+// fp8-e4m3 pages with the exponent witness on the page-rows kernel: rows from the page decoder and
+// no bound data but whether a key's page is lossy (1) or exact (0): the kernel makes c_t from the
+// codes in the scores' pass (page_rows.h). V pages: rho_t as TierAPages. (Without the kernel the
+// class is TierAPages, its witness a band per channel: codec::exponent_witness_bounds.)
+struct ExponentPages {
+  static constexpr bool kMeter = true;
+  static constexpr bool kTierB = false;
+  static constexpr bool kExponent = true;
+  static void decode(const detail::TableReader& r, int64_t t0, int64_t t1, float* rows, float* err, size_t stride) {
+    if (!r.lossy->key) {
+      detail::load_tile_metered(r, t0, t1, rows, err, stride);
+      return;
+    }
+    const int64_t bt = r.cache->block_tokens();
+    const size_t d = size_t(r.cache->head_dim());
+    for (int64_t start = t0; start < t1; start += bt) {
+      const int64_t n = std::min(t1 - start, bt);
+      const format::PageRef ref = r.table[start / bt];
+      float* rows_at = rows + size_t(start - t0) * d;
+      const bool lossy = ref.storage == format::StorageClass::kLossy;
+      if (lossy) {
+        r.lossy_decoder->decode(uint32_t(start / bt), r.cache->page_bytes_of(ref), int(n), rows_at);
+      } else {
+        detail::load_tile(r, start, start + n, rows_at);
+      }
+      std::fill_n(err + size_t(start - t0), size_t(n), lossy ? 1.f : 0.f);
+    }
+  }
+};
+
 // dither8 pages: rows and the stored scales s_{t,g} in one pass of the page decoder (K), rho_t
 // from the scales (V).
 struct Dither8Pages {
@@ -210,13 +240,15 @@ struct Dither8Pages {
 
 // The start of a split: its rows' softmax states and accumulators cleared; metered, each row's
 // query bound weights (weights: [group]).
-void start_split(const SplitWork& w, detail::QueryBoundWeights* weights) {
+// exponent_weights: the exponent witness's per-channel weights (not for ExponentPages, whose
+// kernel makes the bound from the codes).
+void start_split(const SplitWork& w, detail::QueryBoundWeights* weights, bool exponent_weights = true) {
   for (int g = 0; g < w.group; ++g) w.st[g] = {detail::kMinusInfinity, 0.f};
   std::fill(w.acc, w.acc + size_t(w.group) * size_t(w.d), 0.f);
   if (weights == nullptr) return;
   for (int g = 0; g < w.group; ++g)
-    weights[g] = detail::query_bound_weights(*w.k->lossy, w.qg + size_t(g) * size_t(w.d), w.scale, w.n_ctx,
-                                             w.delta_loc);
+    detail::query_bound_weights(*w.k->lossy, w.qg + size_t(g) * size_t(w.d), w.scale, w.n_ctx, w.delta_loc,
+                                exponent_weights, &weights[g]);
 }
 
 // The split's pages in order, one page per tile: the next K and V pages fetched (load), this
@@ -241,7 +273,8 @@ void for_each_page(const SplitWork& w, float* k_tile, float* v_tile, float* boun
 template <class Pages>
 void decode_split_rows(const SplitWork& w, const detail::PageRowsKernels& kernels) {
   const size_t tile_keys = size_t(w.bt), d = size_t(w.d), group = size_t(w.group);
-  const size_t bound_width = Pages::kMeter ? size_t(detail::key_bound_width(*w.k->lossy)) : 0;
+  constexpr bool kExponent = requires { Pages::kExponent; };
+  const size_t bound_width = kExponent ? 1 : Pages::kMeter ? size_t(detail::key_bound_width(*w.k->lossy)) : 0;
   struct Scratch {
     std::vector<float> tiles;
     std::vector<detail::QueryBoundWeights> weights;
@@ -263,7 +296,7 @@ void decode_split_rows(const SplitWork& w, const detail::PageRowsKernels& kernel
     scratch.lanes.resize(group);
     for (detail::MeterLanes& lanes : scratch.lanes) detail::clear_meter_lanes(&lanes);
   }
-  start_split(w, Pages::kMeter ? scratch.weights.data() : nullptr);
+  start_split(w, Pages::kMeter ? scratch.weights.data() : nullptr, !kExponent);
   detail::PageRows rows;
   rows.q = w.qg;
   rows.n_rows = w.group;
@@ -277,7 +310,10 @@ void decode_split_rows(const SplitWork& w, const detail::PageRowsKernels& kernel
     rows.lanes = scratch.lanes.data();
     rows.meter_terms = terms;
   }
-  auto* const update = !Pages::kMeter ? kernels.update : Pages::kTierB ? kernels.update_tier_b : kernels.update_tier_a;
+  auto* const update = !Pages::kMeter ? kernels.update
+                       : kExponent    ? kernels.update_exponent
+                       : Pages::kTierB ? kernels.update_tier_b
+                                       : kernels.update_tier_a;
   for_each_page<Pages>(w, k_tile, v_tile, bounds, rho, [&](int n_keys) {
     update(rows, detail::PageTiles{k_tile, v_tile, n_keys, bounds, tile_keys, rho});
   });
@@ -475,6 +511,9 @@ void decode_attention_batch(const cache::KvCache& cache, int layer, const Attent
       w.delta_loc = dq.options.meter.delta_loc;
       if (codec::lossy_scheme_is_tier_b(w.k->lossy->scheme)) {
         decode_split<Dither8Pages>(w);
+      } else if (const detail::PageRowsKernels* kernels = detail::page_rows_kernels(d);
+                 kernels != nullptr && w.k->lossy->witness == codec::WitnessCode::kExponent) {
+        decode_split_rows<ExponentPages>(w, *kernels);
       } else {
         decode_split<TierAPages>(w);
       }

@@ -111,7 +111,8 @@ void decode_meter_ref(const cache::KvCache& cache, cache::SeqId seq, int layer,
                       std::vector<double>* block_contributions = nullptr);
 
 // c_t >= |s~_t - s_t| of one token, in double, from its page's error data. Tier A (Theorem 2):
-// bounds = the token's witness w_{t,b}, [codec::witness_bands(head_dim)]. Tier B (Lemma 2, a
+// bounds = the token's witness w_{t,b}, [codec::witness_width(spec)] (the exponent witness: a
+// band per channel, u_{t,c} of the token's codes, so c_t = |scale| sum_c |q_c| u_{t,c}). Tier B (Lemma 2, a
 // dither8 spec with its outlier pairs): bounds = the token's group scales, [head_dim /
 // codec::kQuantGroup], over n_ctx tokens at failure probability delta_loc, plus the dither
 // grid's slack. q: [head_dim]; scale: the softmax scale (its magnitude counts).

@@ -43,6 +43,12 @@ double meter_logit_bound_ref(const codec::LossyPageSpec& spec, const float* q, d
     }
     return gate::tier_b_radius(sigma2, n_ctx, delta_loc) + slack;
   }
+  if (spec.witness == codec::WitnessCode::kExponent) {
+    // A band per channel: c_t = |scale| sum_c |q_c| u_{t,c} (codec::WitnessCode::kExponent).
+    std::vector<double> q_abs(static_cast<size_t>(d));
+    for (int c = 0; c < d; ++c) q_abs[size_t(c)] = std::fabs(double(q[c]));
+    return gate::tier_a_bound(q_abs.data(), bounds, d, std::fabs(scale));
+  }
   const int n_bands = codec::witness_bands(d);
   std::vector<double> q_band(size_t(n_bands), 0.0);
   for (int j = 0; j < d / 2; ++j)

@@ -3,6 +3,7 @@
 // and bad options.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -13,9 +14,12 @@
 #include "attention/decode_attention.h"
 #include "attention/online_softmax.h"
 #include "attention/page_meter.h"
+#include "attention/page_rows.h"
 #include "cache/kv_cache.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
+#include "format/numeric.h"
+#include "format/safetensors.h"
 
 namespace certkv::attention {
 namespace {
@@ -73,8 +77,10 @@ TEST_P(DecodeMeterTest, FloatPathMatchesTheReferenceAndBoundsTheTrueTv) {
   ThreadPool pool(2);
   std::mt19937 rng(101);
   int checked = 0, informative = 0;
-  // Tier A schemes with both witness codes (the float path and the reference read the same bounds).
+  // Tier A schemes with each witness code they take (the float path and the reference read the
+  // same bounds; the exponent witness's page-rows kernel makes them from the codes).
   for (int code = 0; code < (scheme == KvScheme::kDither8 ? 1 : codec::kNumWitnessCodes); ++code)
+  if (code == 0 || cache::kv_scheme_takes_witness(scheme, codec::WitnessCode(code)))
   for (const CaseShape shape : {CaseShape{3, 3, 64, 16}, CaseShape{9, 3, 64, 16},
                                 CaseShape{7, 1, 128, 16}, CaseShape{4, 2, 32, 16}}) {
     for (const int64_t n_ctx : {1, 17, 129, 501}) {
@@ -273,15 +279,17 @@ TEST(DecodeMeter, ExactCachesAndExactPagesGiveZero) {
   for (const HeadMeter& h : m) EXPECT_EQ(h.meter, 0.0);
 }
 
-// A corrupt witness bounds nothing: a stored bound below 0 (fp16 witness) or a negative page scale
-// (u8 witness) reads as +inf, so the heads of that KV head get meter 1 on the float path and in the
-// reference, and the other KV head's heads keep their meters.
+// A corrupt witness bounds nothing: a stored bound below 0 (fp16 witness), a negative page scale
+// (u8 witness) or a NaN code (the exponent witness, on fp8-e4m3) reads as +inf, so the heads of
+// that KV head get meter 1 on the float path and in the reference, and the other KV head's heads
+// keep their meters.
 TEST(DecodeMeter, CorruptWitnessBoundsNothing) {
   const CaseShape shape{4, 2, 64, 16};
   for (int code = 0; code < codec::kNumWitnessCodes; ++code) {
     SCOPED_TRACE(codec::witness_code_name(codec::WitnessCode(code)));
     std::mt19937 rng(21);
-    auto cache = lossy_cache(shape, KvScheme::kRtn8, 512, codec::WitnessCode(code));
+    const bool exponent = codec::WitnessCode(code) == codec::WitnessCode::kExponent;
+    auto cache = lossy_cache(shape, exponent ? KvScheme::kFp8E4M3 : KvScheme::kRtn8, 512, codec::WitnessCode(code));
     const cache::SeqId seq = cache->create_sequence();
     append(*cache, seq, 129, rng);
     const std::vector<float> q = queries(shape, 0.3f, rng);
@@ -302,10 +310,14 @@ TEST(DecodeMeter, CorruptWitnessBoundsNothing) {
     const format::PageRef ref_k = cache->block_table(seq, 1, cache::KvTensor::kKey, 0)[3];
     const codec::LossyPageSpec spec = cache->lossy_spec(1, cache::KvTensor::kKey, 0);
     uint8_t* page = const_cast<uint8_t*>(cache->page_bytes_of(ref_k));
-    const size_t at = codec::lossy_payload_bytes(spec) +
-                      (spec.witness == codec::WitnessCode::kFp16 ? 0 : size_t(16) * codec::witness_bands(64));
-    page[at] = 0x00;
-    page[at + 1] = 0xbc;  // fp16 -1.0
+    if (exponent) {
+      page[64 + 9] = 0x7f;  // token 1, channel 9: a NaN code
+    } else {
+      const size_t at = codec::lossy_payload_bytes(spec) +
+                        (spec.witness == codec::WitnessCode::kFp16 ? 0 : size_t(16) * codec::witness_bands(64));
+      page[at] = 0x00;
+      page[at + 1] = 0xbc;  // fp16 -1.0
+    }
     meters(&got, &ref);
     for (int h = 0; h < 4; ++h) {
       const bool corrupt_head = h < 2;  // query heads 0 and 1 read KV head 0
@@ -447,6 +459,160 @@ TEST(DecodeMeter, Dither8NeedsAFailureProbabilityInRange) {
                                   out.data(), nullptr, options),
                  Error)
         << delta;
+  }
+}
+
+
+// The exponent witness on real SmolLM2 keys and values (src/codec/testdata: layers 0, 15 and 29,
+// 3 KV heads, 64 tokens each): every query row (Gaussian rows at two gains and the real keys of
+// the other layers as query-like rows) and token gets c_t >= |sm_scale q . (k^_t - k_t)| (the
+// float bound the kernel makes, exponent_bound_ref's, and the reference's), every head's meter on
+// the float path >= the true TV, within a few ulps of the double reference; and against the fp16
+// witness on the same cells the bound is looser by a bounded factor, for 0 witness bytes.
+TEST(DecodeMeter, ExponentWitnessOnRealKv) {
+  const auto file = format::SafetensorsFile::open(std::string(CERTKV_SOURCE_DIR) +
+                                                  "/src/codec/testdata/smollm2_kv_pages.safetensors");
+  constexpr int kHeads = 3, kTokens = 32, kD = 64, kQHeads = 9;
+  const int layers[] = {0, 15, 29};
+  // [layer][token][kv_head][d]: the calib rows then the eval rows of each head.
+  auto rows_of = [&](int layer, bool key) {
+    std::vector<float> out(size_t(2 * kTokens) * kHeads * kD);
+    int part = 0;
+    for (const char* set : {"calib", "eval"}) {
+      const format::SafetensorsTensor* t = file->find(std::string(set) + ".layer" + std::to_string(layer) + (key ? ".k" : ".v"));
+      EXPECT_NE(t, nullptr);
+      const uint16_t* bits = reinterpret_cast<const uint16_t*>(t->data);
+      for (int h = 0; h < kHeads; ++h)
+        for (int tok = 0; tok < kTokens; ++tok)
+          for (int c = 0; c < kD; ++c)
+            out[((size_t(part * kTokens + tok)) * kHeads + size_t(h)) * kD + size_t(c)] =
+                format::bf16_to_float(bits[(size_t(h) * kTokens + size_t(tok)) * kD + size_t(c)]);
+      ++part;
+    }
+    return out;
+  };
+  auto make = [&](codec::WitnessCode witness) {
+    cache::KvCacheConfig cfg;
+    cfg.n_layers = 3;
+    cfg.n_kv_heads = kHeads;
+    cfg.head_dim = kD;
+    cfg.block_tokens = 16;
+    cfg.max_tokens = 256;
+    cfg.scheme = KvScheme::kFp8E4M3;
+    cfg.witness = witness;
+    auto cache = std::make_unique<cache::KvCache>(cfg);
+    const cache::SeqId seq = cache->create_sequence();
+    cache->reserve(seq, 2 * kTokens);
+    for (int l = 0; l < 3; ++l) cache->write(seq, l, rows_of(layers[l], true).data(), rows_of(layers[l], false).data(), 2 * kTokens);
+    cache->commit(seq, 2 * kTokens);
+    return std::make_pair(std::move(cache), seq);
+  };
+  auto [exponent, s_exp] = make(codec::WitnessCode::kExponent);
+  auto [fp16, s16] = make(codec::WitnessCode::kFp16);
+  EXPECT_EQ(exponent->memory_stats().exact_fallback_blocks, 0u) << "SmolLM2's keys stay under 464 here";
+  const int64_t n = 2 * kTokens;
+  const AttentionShape as{kQHeads, kHeads, kD, 0.125f};
+  std::mt19937 rng(61);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  int tokens_checked = 0, heads_checked = 0;
+  std::vector<double> ratios;
+  for (int l = 0; l < 3; ++l) {
+    std::vector<float> k_exact(size_t(n) * kD), k_hat(size_t(n) * kD), u(size_t(kD) * size_t(n));
+    for (int kind = 0; kind < 3; ++kind) {
+      std::vector<float> q(size_t(kQHeads) * kD);
+      if (kind < 2) {
+        for (float& x : q) x = (kind == 0 ? 1.f : 6.f) * normal(rng);
+      } else {  // the keys of the next layer's first tokens as query-like rows
+        const std::vector<float> other = rows_of(layers[(l + 1) % 3], true);
+        for (size_t i = 0; i < q.size(); ++i) q[i] = other[i];
+      }
+      std::vector<HeadMeter> got(kQHeads), ref(kQHeads), got16(kQHeads);
+      std::vector<double> tv(kQHeads);
+      std::vector<float> out(q.size());
+      DecodeOptions options;
+      options.meters = got.data();
+      decode_attention(*exponent, s_exp, l, as, q.data(), n, out.data(), nullptr, options);
+      decode_meter_ref(*exponent, s_exp, l, as, q.data(), n, MeterOptions{}, ref.data());
+      decode_true_tv_ref(*exponent, s_exp, l, as, q.data(), n, tv.data());
+      options.meters = got16.data();
+      decode_attention(*fp16, s16, l, as, q.data(), n, out.data(), nullptr, options);
+      for (int h = 0; h < kQHeads; ++h) {
+        const std::string where = "layer " + std::to_string(layers[l]) + " kind " + std::to_string(kind) + " head " + std::to_string(h);
+        EXPECT_GE(got[size_t(h)].meter, tv[size_t(h)]) << where;
+        EXPECT_GE(std::expm1(got[size_t(h)].log_a), std::expm1(ref[size_t(h)].log_a) * (1 - 1e-9)) << where;
+        if (ref[size_t(h)].meter < 1) {
+          EXPECT_NEAR(std::expm1(got[size_t(h)].log_a), std::expm1(ref[size_t(h)].log_a), 1e-4 * std::expm1(ref[size_t(h)].log_a)) << where;
+        }
+        ++heads_checked;
+      }
+      // Per row and token: c_t against the true logit error and the fp16 witness's c_t.
+      for (int kvh = 0; kvh < kHeads; ++kvh) {
+        exponent->read_token_range_exact(s_exp, l, cache::KvTensor::kKey, kvh, 0, n, k_exact.data());
+        exponent->read_token_range_ref(s_exp, l, cache::KvTensor::kKey, kvh, 0, n, k_hat.data());
+        const detail::TableReader table = detail::table_reader(*exponent, s_exp, l, cache::KvTensor::kKey, kvh);
+        detail::load_error_data(table, 0, n, u.data(), size_t(n));
+        const detail::TableReader table16 = detail::table_reader(*fp16, s16, l, cache::KvTensor::kKey, kvh);
+        std::vector<float> w16(size_t(codec::witness_bands(kD)) * size_t(n));
+        detail::load_error_data(table16, 0, n, w16.data(), size_t(n));
+        for (int g = 0; g < kQHeads / kHeads; ++g) {
+          const float* qh = q.data() + size_t(kvh * (kQHeads / kHeads) + g) * kD;
+          const detail::QueryBoundWeights w = detail::query_bound_weights(*table.lossy, qh, as.scale, n, 1e-6);
+          for (int64_t t = 0; t < n; ++t) {
+            std::vector<float> ut(kD), wt(size_t(codec::witness_bands(kD)));
+            for (int c = 0; c < kD; ++c) ut[size_t(c)] = u[size_t(c) * size_t(n) + size_t(t)];
+            for (size_t b = 0; b < wt.size(); ++b) wt[b] = w16[b * size_t(n) + size_t(t)];
+            long double err = 0;
+            for (int c = 0; c < kD; ++c)
+              err += (long double)qh[c] * ((long double)k_hat[size_t(t) * kD + size_t(c)] - (long double)k_exact[size_t(t) * kD + size_t(c)]);
+            err = std::fabs(err) * (long double)as.scale;
+            const float c_kernel = detail::exponent_bound_ref(w, qh, k_hat.data() + size_t(t) * kD, kD);
+            const double c_ref = meter_logit_bound_ref(*table.lossy, qh, as.scale, ut.data(), n, 1e-6);
+            const double c16 = meter_logit_bound_ref(*table16.lossy, qh, as.scale, wt.data(), n, 1e-6);
+            EXPECT_GE((long double)c_kernel, err) << "layer " << layers[l] << " token " << t;
+            EXPECT_GE((long double)c_ref, err) << "layer " << layers[l] << " token " << t;
+            if (c16 > 0) ratios.push_back(c_ref / c16);
+            ++tokens_checked;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(tokens_checked, 3 * 3 * kQHeads * int(n));
+  EXPECT_EQ(heads_checked, 3 * 3 * kQHeads);
+  std::sort(ratios.begin(), ratios.end());
+  const double median = ratios[ratios.size() / 2];
+  RecordProperty("median_c_ratio_exponent_over_fp16", std::to_string(median));
+  // Looser than the residual's own norms (Cauchy-Schwarz per band against sum_c |q_c| |r_c| worst
+  // cases), but not by an order of magnitude (docs/meter.md section 7: 1.27-1.33 on real KV).
+  EXPECT_GT(median, 1.0);
+  EXPECT_LT(median, 3.0);
+}
+
+// A block whose cast would saturate (|k| > 464) stays exact with the exponent witness: counted as
+// an exact fallback, its keys read exactly, its tokens' bound 0; the fp16 witness's cache encodes it.
+TEST(DecodeMeter, ExponentWitnessKeepsASaturatingBlockExact) {
+  const CaseShape shape{3, 1, 64, 16};
+  for (const codec::WitnessCode witness : {codec::WitnessCode::kExponent, codec::WitnessCode::kFp16}) {
+    auto cache = lossy_cache(shape, KvScheme::kFp8E4M3, 256, witness);
+    const cache::SeqId seq = cache->create_sequence();
+    std::vector<float> k_rows(size_t(48) * 64), v_rows(k_rows.size(), 0.5f);
+    for (int t = 0; t < 48; ++t)
+      for (int c = 0; c < 64; ++c) k_rows[size_t(t) * 64 + size_t(c)] = 0.1f * float((c * 7 + t) % 11) - 0.37f;
+    k_rows[size_t(20) * 64 + 3] = 600.f;  // token 20: block 1
+    cache->reserve(seq, 48);
+    for (int layer = 0; layer < 2; ++layer) cache->write(seq, layer, k_rows.data(), v_rows.data(), 48);
+    cache->commit(seq, 48);
+    const bool exponent = witness == codec::WitnessCode::kExponent;
+    EXPECT_EQ(cache->memory_stats().exact_fallback_blocks, exponent ? 2u : 0u);  // block 1 of each layer
+    std::vector<float> k(size_t(48) * 64);
+    cache->read_token_range_ref(seq, 1, cache::KvTensor::kKey, 0, 0, 48, k.data());
+    EXPECT_EQ(k[size_t(20) * 64 + 3], exponent ? 600.f : 448.f);
+    const detail::TableReader table = detail::table_reader(*cache, seq, 1, cache::KvTensor::kKey, 0);
+    const int width = detail::key_bound_width(*table.lossy);
+    std::vector<float> bounds(size_t(width) * 48);
+    detail::load_error_data(table, 0, 48, bounds.data(), 48);
+    for (int t = 16; t < 32; ++t) EXPECT_EQ(bounds[size_t(t)] == 0.f, exponent) << t;
+    for (int t = 0; t < 16; ++t) EXPECT_GT(bounds[size_t(t)], 0.f) << t;
   }
 }
 

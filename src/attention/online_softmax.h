@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -446,8 +447,7 @@ inline void update_row_pages(const float* q, const float* k, const float* v, int
 // Pages that are not lossy (bf16 tails, repaired or exact-fallback blocks) are exact: zeros.
 // REQUIRES: r.lossy; begin % block_tokens == 0.
 inline int key_bound_width(const codec::LossyPageSpec& spec) {
-  return codec::lossy_scheme_is_tier_b(spec.scheme) ? spec.head_dim / codec::kQuantGroup
-                                                     : codec::witness_bands(spec.head_dim);
+  return codec::lossy_scheme_is_tier_b(spec.scheme) ? spec.head_dim / codec::kQuantGroup : codec::witness_width(spec);
 }
 
 // MeterKernels::bounds_from_fp16's inline path: dst[i] = fp16 src[i] as float, i < n (exact), a
@@ -508,6 +508,11 @@ inline void tier_a_error_data(const TableReader& r, const uint8_t* bytes, int64_
   const codec::LossyPageSpec& spec = *r.lossy;
   const int bt = spec.block_tokens;
   const int width = spec.key ? key_bound_width(spec) : 1;
+  if (spec.key && spec.witness == codec::WitnessCode::kExponent) {
+    // No stored witness: each channel's bound u_{t,c} from its code (a band per channel).
+    codec::exponent_witness_bounds(bytes, spec.head_dim, int(n), dst, stride);
+    return;
+  }
   if (spec.key && spec.witness != codec::WitnessCode::kFp16) {
     // A coded witness, read back as floats straight into the band-major rows.
     codec::page_scaled_witness_bounds(bytes + r.side_offset, width, bt, int(n), dst, stride);
@@ -616,16 +621,38 @@ inline void load_tile_metered(const TableReader& r, int64_t begin, int64_t end, 
 //                              sum_g (sum_{c in g} |q_c|) s_{t,g},
 //                        sigma_t^2 = scale^2 sum_g (sum_{c in g} q_c^2) s_{t,g}^2 / 12,
 //   sums over the channels that are not outliers (those are exact).
+//   The exponent witness (codec::WitnessCode::kExponent, a band per channel): Theorem 2 with
+//                        ||q_b|| = |q_c| and w = u_{t,c}:  c_t = |scale| sum_c |q_c| u_{t,c}.
+//                        For the page-rows kernel, which makes the bound from the codes in the
+//                        scores' pass (page_rows.h), also abs_scale = |scale| and
+//                        q_term = 2^-10 sum_c |q_c| rounded up.
 struct QueryBoundWeights {
   bool tier_b = false;
   int width = 0;
-  float weight[64];     // Tier A: |scale| ||q_b||;  Tier B: scale^2 sum q_c^2 / 12 * 2 log(2S/delta)
-  float abs_weight[64];  // Tier B: |scale| kDither8Slack sum |q_c|
+  float weight[256];     // Tier A: |scale| ||q_b||;  Tier B: scale^2 sum q_c^2 / 12 * 2 log(2S/delta)
+  float abs_weight[256];  // Tier B: |scale| kDither8Slack sum |q_c|
+  float abs_scale = 0.f;  // the exponent witness
+  float q_term = 0.f;     // the exponent witness
 };
 
-inline QueryBoundWeights query_bound_weights(const codec::LossyPageSpec& spec, const float* q,
-                                             float scale, int64_t n_ctx, double delta_loc) {
-  QueryBoundWeights w;
+// The smallest float >= x, for x >= 0 (+inf above float's range): float(x) rounds to nearest, and
+// where that fell below x the next float up is one more in the bits (from +0 too, and from the
+// largest float to +inf).
+inline float float_upward(double x) {
+  float f = float(x);
+  if (double(f) < x) f = std::bit_cast<float>(std::bit_cast<uint32_t>(f) + 1u);
+  return f;
+}
+
+// exponent_weights: the exponent witness's weight[c] (its band-per-channel form); the page-rows
+// kernel, which makes the bound from the codes, reads only abs_scale and q_term.
+// Written into *out (decode attention's per-row scratch: the struct holds 2 KiB of weights, of
+// which a row fills its width).
+inline void query_bound_weights(const codec::LossyPageSpec& spec, const float* q, float scale, int64_t n_ctx,
+                                double delta_loc, bool exponent_weights, QueryBoundWeights* out) {
+  QueryBoundWeights& w = *out;
+  w.abs_scale = 0.f;
+  w.q_term = 0.f;
   const int d = spec.head_dim;
   w.tier_b = codec::lossy_scheme_is_tier_b(spec.scheme);
   w.width = key_bound_width(spec);
@@ -645,6 +672,29 @@ inline QueryBoundWeights query_bound_weights(const codec::LossyPageSpec& spec, c
       w.weight[g] = float(double(scale) * scale * acc[g] / 12.0 * log_term);
       w.abs_weight[g] = float(std::fabs(double(scale)) * codec::kDither8Slack * acc_abs[g]);
     }
+  } else if (spec.witness == codec::WitnessCode::kExponent) {
+    // 2^-10 sum |q_c| in double (eight independent sums, so the loop vectorizes): at most 256
+    // additions of non-negative terms, relative error below 2^-45, lifted by 2^-40, rounded up.
+    double abs_sum[8] = {};
+    for (int c0 = 0; c0 < d; c0 += 8)
+      for (int i = 0; i < 8; ++i) abs_sum[i] += std::fabs(double(q[c0 + i]));
+    const double sum = ((abs_sum[0] + abs_sum[1]) + (abs_sum[2] + abs_sum[3])) +
+                       ((abs_sum[4] + abs_sum[5]) + (abs_sum[6] + abs_sum[7]));
+    w.abs_scale = std::fabs(scale);
+    w.q_term = float_upward(std::ldexp(sum, -10) * (1.0 + 0x1p-40));
+    if (exponent_weights) {
+      // weight[c] = |scale| |q_c| (exact in double), lifted by 2^-14 and rounded up to float (not
+      // 2^-16 as the bands below): logit_bounds then sums up to 256 terms (head_dim) where the
+      // bands sum 64 at most; a float sum of n non-negative terms is at least (1 - 2^-24)^(n + 1)
+      // of its exact value, and 2^-14 = 1024 2^-24 covers n + 1 <= 257. (As on the other Tier A
+      // paths, a product below float's normal range, 2^-126, may lose up to 2^-150; the page-rows
+      // kernel's upward rounding has no such exception.)
+      for (int c = 0; c < d; ++c) {
+        w.weight[c] = float_upward(std::fabs(double(scale)) * std::fabs(double(q[c])) * (1.0 + 0x1p-14));
+        w.abs_weight[c] = 0.f;
+      }
+    }
+    return;
   } else {
     // In float (this runs for every query row of every split): the squares, each pair's sum,
     // then band by band over its pairs in pair order. A band sums at most 2 P / n_bands <= 16
@@ -671,6 +721,12 @@ inline QueryBoundWeights query_bound_weights(const codec::LossyPageSpec& spec, c
     w.weight[g] *= 1.0f + 1.0f / 65536.0f;
     w.abs_weight[g] *= 1.0f + 1.0f / 65536.0f;
   }
+}
+
+inline QueryBoundWeights query_bound_weights(const codec::LossyPageSpec& spec, const float* q, float scale,
+                                             int64_t n_ctx, double delta_loc, bool exponent_weights = true) {
+  QueryBoundWeights w;
+  query_bound_weights(spec, q, scale, n_ctx, delta_loc, exponent_weights, &w);
   return w;
 }
 

@@ -60,6 +60,9 @@ float expm1_upper_ref(float c) {
 
 namespace {
 
+// P(x): 2^E of x as the float of its exponent bits (0 for zero and float subnormals).
+float exponent_power_ref(float x) { return std::bit_cast<float>(std::bit_cast<uint32_t>(x) & 0x7f800000u); }
+
 // logit_bounds16's c of key j (four chains of bands).
 float logit_bound_ref(const QueryBoundWeights& w, bool tier_b, const float* bounds, size_t stride, int j) {
   float l[4] = {}, q[4] = {};
@@ -73,6 +76,35 @@ float logit_bound_ref(const QueryBoundWeights& w, bool tier_b, const float* boun
 }
 
 }  // namespace
+
+float fma_upward_ref(float a, float b, float c) {
+  // a b is exact in double (two 24-bit significands); s + e = a b + c exactly (Knuth's TwoSum).
+  const double p = double(a) * double(b);
+  const double s = p + double(c);
+  if (!std::isfinite(s)) return std::fma(a, b, c);
+  const double bv = s - p;
+  const double e = (p - (s - bv)) + (double(c) - bv);
+  // float(s) is the float nearest s; the exact value s + e lies on the same side of it as s, or
+  // equals it when s does and e is 0 (an exact value that is a float is s itself).
+  float f = float(s);
+  if (double(f) < s || (double(f) == s && e > 0)) f = std::nextafter(f, std::numeric_limits<float>::infinity());
+  return f;
+}
+
+float exponent_bound_ref(const QueryBoundWeights& w, const float* q, const float* k, int d) {
+  float lane[16];
+  for (int i = 0; i < 16; ++i) {
+    lane[i] = 0.f;
+    for (int c = i; c < d; c += 16) lane[i] = fma_upward_ref(std::fabs(q[c]), exponent_power_ref(k[c]), lane[i]);
+  }
+  // tree_sum_ref's order, each sum rounded up (a + b = fma_up(a, 1, b)).
+  float t8[8], t4[4];
+  for (int i = 0; i < 8; ++i) t8[i] = fma_upward_ref(lane[i], 1.f, lane[i + 8]);
+  for (int i = 0; i < 4; ++i) t4[i] = fma_upward_ref(t8[i], 1.f, t8[i + 4]);
+  const float t2[2] = {fma_upward_ref(t4[0], 1.f, t4[2]), fma_upward_ref(t4[1], 1.f, t4[3])};
+  const float sum = fma_upward_ref(t2[0], 1.f, t2[1]);
+  return fma_upward_ref(fma_upward_ref(sum, 0.0625f, w.q_term), w.abs_scale, 0.f);
+}
 
 void clear_meter_lanes(MeterLanes* lanes) {
   std::fill(lanes->d, lanes->d + 16, 0.f);
@@ -140,7 +172,12 @@ void page_rows_update_ref(const PageRows& rows, const PageTiles& page, int meter
       lsum[i] = lsum[i] + pj;
       if (lanes == nullptr) continue;
       const bool valid = j < n;
-      const float c = valid ? logit_bound_ref(rows.w[r], metered == 2, page.bounds, page.bounds_stride, j) : 0.f;
+      float c = 0.f;
+      if (valid && metered == 3) {
+        c = page.bounds[j] > 0 ? exponent_bound_ref(rows.w[r], q, page.k + size_t(j) * size_t(d), d) : 0.f;
+      } else if (valid) {
+        c = logit_bound_ref(rows.w[r], metered == 2, page.bounds, page.bounds_stride, j);
+      }
       const bool below = valid && c < kLargeLogitBound;
       if (valid && !below) large += std::exp(double(s) - double(m_new) + double(c));
       if (below) lanes->d[i] = std::fma(pj, expm1_upper_ref(c), lanes->d[i]);

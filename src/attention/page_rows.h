@@ -23,6 +23,16 @@
 //   E(c) >= e^c - 1: below 1/2, c Q(c) with Q(c) = (1 + c/2) + c^2 (1/6 + c/24) + c^4 (1/120 + K c),
 //   K = kExpm1RemainderCoefficient >= e^{1/2} / 720 (Taylor's remainder after c^5 / 5!, at most
 //   c^6 e^c / 6!); above, e^c - 1 through exp16.
+// The exponent witness (metered 3, codec::WitnessCode::kExponent) makes c_j in the scores' pass
+// from the decoded keys themselves, every operation rounded toward +inf (so on these non-negative
+// operands each result is at least its exact value, and c_j at least the exact bound; no lift):
+//   lane i < 16: e_i = fma_up(|q_c|, P(k_jc), e_i) over c = i, i + 16, ... from 0, with
+//                P(x) = the float of x's bits & 0x7f800000 (2^E of x, exact; 0 for zero, +inf
+//                for NaN); the lanes added as the tree above with add_up: S_j;
+//   c_j = mul_up(fma_up(S_j, 2^-4, w.q_term), w.abs_scale), or 0 where the page is exact
+//   (bounds[j] == 0; 1 on a lossy page): the device's sm_scale (2^-4 sum |q| 2^E + 2^-10 sum |q|).
+// For an fp8-e4m3 code, P(k^) is 2^E of k^ for normal and subnormal codes alike (both decode to
+// normal floats), so S_j is sum_c |q_c| 2^E(k^_jc) exactly as the witness's u_{t,c} counts it.
 // meter_row_from_lanes turns a split's lanes into its MeterRow, lifted for every float rounding
 // they and l went through (MeterLanes::roundings): the meter stays an upper bound.
 #pragma once
@@ -75,7 +85,8 @@ struct PageRows {
 inline size_t page_rows_stride(int n_keys) { return (size_t(n_keys) + 15) / 16 * 16; }
 
 // A page: k, v: [n_keys][d] floats; metered: bounds band-major [width][bounds_stride] (Tier A
-// witness or Tier B scales, as load_tile_metered writes them), rho: [n_keys].
+// witness or Tier B scales, as load_tile_metered writes them; the exponent witness: [n_keys], 1
+// for a key of a lossy page, 0 for an exact one), rho: [n_keys].
 struct PageTiles {
   const float* k = nullptr;
   const float* v = nullptr;
@@ -89,6 +100,7 @@ struct PageRowsKernels {
   void (*update)(const PageRows& rows, const PageTiles& page);
   void (*update_tier_a)(const PageRows& rows, const PageTiles& page);
   void (*update_tier_b)(const PageRows& rows, const PageTiles& page);
+  void (*update_exponent)(const PageRows& rows, const PageTiles& page);
 };
 
 // The kernels for head_dim d, or null where the inline paths of online_softmax.h run instead (no
@@ -96,8 +108,14 @@ struct PageRowsKernels {
 // Decode and prefill both ask here, so a query gets the same floats on either path.
 const PageRowsKernels* page_rows_kernels(int d);
 
-// The arithmetic above in scalar code. metered: 0 none, 1 Tier A, 2 Tier B.
+// The arithmetic above in scalar code. metered: 0 none, 1 Tier A, 2 Tier B, 3 the exponent witness.
 void page_rows_update_ref(const PageRows& rows, const PageTiles& page, int metered);
+
+// Operations of floats rounded toward +inf, as AVX-512's embedded rounding gives them: the smallest
+// float >= a b + c (exact), and a + b, a b. Non-finite operands give what an FMA gives.
+float fma_upward_ref(float a, float b, float c);
+// The exponent witness's c_j of one key (metered 3 above, a lossy page): k: [d].
+float exponent_bound_ref(const QueryBoundWeights& w, const float* q, const float* k, int d);
 
 // E(c) of the arithmetic above in one lane (the kernel's expm1_upper16).
 float expm1_upper_ref(float c);

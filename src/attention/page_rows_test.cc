@@ -15,7 +15,10 @@
 
 #include "attention/online_softmax.h"
 #include "attention/page_rows.h"
+#include "attention/decode_attention.h"
 #include "codec/lossy_page.h"
+#include "format/fp8.h"
+#include "format/numeric.h"
 
 namespace certkv::attention {
 namespace {
@@ -268,6 +271,187 @@ TEST(PageRows, OnlyHeadDimsTheKernelTakes) {
   if (kernels_or_null() == nullptr) GTEST_SKIP() << "no AVX-512 page-rows kernel on this CPU (or capped)";
   for (const int d : {16, 64, 128}) EXPECT_NE(detail::page_rows_kernels(d), nullptr) << d;
   for (const int d : {8, 24, 40, 136, 256}) EXPECT_EQ(detail::page_rows_kernels(d), nullptr) << d;
+}
+
+
+// fma_upward_ref, the exponent witness's rounding (page_rows.h), is the smallest float at or above
+// a b + c: against the exact value in binary128 (a b + c of these ranges fits its 113 bits), on
+// normal results, results among the subnormals, and exact ones.
+TEST(PageRows, FmaUpwardIsTheSmallestFloatAtOrAbove) {
+  std::mt19937 rng(31);
+  std::uniform_real_distribution<float> mantissa(1.f, 2.f);
+  std::uniform_int_distribution<int> exponent(-20, 20), tiny(-75, -70);
+  int checked = 0, rounded = 0;
+  for (int i = 0; i < 200000; ++i) {
+    const bool subnormal = i % 5 == 0;
+    const float a = std::ldexp(mantissa(rng), subnormal ? tiny(rng) : exponent(rng));
+    const float b = std::ldexp(mantissa(rng), subnormal ? tiny(rng) : exponent(rng));
+    const float c = i % 7 == 0 ? 0.f : subnormal ? std::ldexp(mantissa(rng), -140) : std::ldexp(mantissa(rng), exponent(rng));
+    const __float128 exact = (__float128)a * (__float128)b + (__float128)c;
+    const float f = detail::fma_upward_ref(a, b, c);
+    ASSERT_GE((__float128)f, exact) << a << " " << b << " " << c;
+    ASSERT_LT((__float128)std::nextafter(f, -1.f), exact) << a << " " << b << " " << c;
+    rounded += (__float128)f != exact;
+    ++checked;
+  }
+  EXPECT_GT(rounded, checked / 2) << "most results need rounding: the test can tell up from nearest";
+  EXPECT_EQ(detail::fma_upward_ref(1.f, 1.f, 0.f), 1.f);
+  EXPECT_EQ(detail::fma_upward_ref(0x1p-149f, 0.5f, 0.f), 0x1p-149f);  // never rounds to 0
+  EXPECT_EQ(detail::fma_upward_ref(3e38f, 2.f, 0.f), std::numeric_limits<float>::infinity());
+}
+
+// Keys as an fp8-e4m3 page holds them (decoded codes) with the edge codes planted: both zeros, the
+// smallest and largest subnormals, the smallest normal, +-448; and the weights of the exponent
+// witness for real query rows.
+std::vector<float> fp8_keys(int n, int d, float gain, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> k(size_t(n) * size_t(d));
+  const float edges[] = {0.f, -0.f, 0x1p-9f, -0x1p-9f, 7 * 0x1p-9f, 0x1p-6f, 448.f, -448.f};
+  for (size_t i = 0; i < k.size(); ++i) {
+    const float x = i % 23 == 0 ? edges[(i / 23) % std::size(edges)] : gain * normal(rng);
+    k[i] = format::fp8_to_float(format::float_to_fp8_ref(x, 4, 3), 4, 3);
+  }
+  return k;
+}
+
+codec::LossyPageSpec exponent_spec(int d) {
+  codec::LossyPageSpec spec;
+  spec.scheme = codec::LossyScheme::kFp8E4M3;
+  spec.head_dim = d < 32 ? 32 : d;  // the weights read only head_dim and the witness
+  spec.witness = codec::WitnessCode::kExponent;
+  return spec;
+}
+
+RowsCase exponent_rows(int d, int n_rows, float q_gain, std::mt19937& rng) {
+  RowsCase c = make_rows(d, n_rows, 3, q_gain, rng);
+  codec::LossyPageSpec spec = exponent_spec(d);
+  spec.head_dim = d;
+  for (int r = 0; r < n_rows; ++r) {
+    // query_bound_weights reads head_dim channels of q; its exponent fields need no spec check.
+    c.w[size_t(r)] = detail::query_bound_weights(spec, c.q.data() + size_t(r) * size_t(d), 1.f / std::sqrt(float(d)), 1000, 1e-6);
+  }
+  return c;
+}
+
+// The exponent witness's kernel (one AND and one rounding-up FMA per 16 channels in the scores'
+// pass) against its scalar reference, bit for bit: ragged pages, every head_dim the kernel takes,
+// groups of 1 to 13 rows, lossy and exact pages (c = 0 on those), a NaN code (c = +inf: the large
+// path), huge keys' exponentials underflowing; and each key's c against exponent_bound_ref.
+TEST(PageRows, ExponentKernelIsItsReferenceBitForBit) {
+  const detail::PageRowsKernels* kernels = kernels_or_null();
+  if (kernels == nullptr) GTEST_SKIP() << "no AVX-512 page-rows kernel on this CPU (or capped)";
+  std::mt19937 rng(41);
+  const int page_keys[] = {16, 5, 16, 33, 1, 64, 17, 16};
+  const float page_gain[] = {0.5f, 1.f, 4.f, 2.f, 0.1f, 30.f, 1.f, 0.5f};
+  int checked = 0, bounds_checked = 0;
+  for (const int d : {16, 32, 48, 64, 96, 128}) {
+    for (const int n_rows : {1, 2, 3, 4, 5, 7, 8, 9, 13}) {
+      const std::string where = "d " + std::to_string(d) + " rows " + std::to_string(n_rows);
+      RowsCase kernel_case = exponent_rows(d, n_rows, 1.f, rng);
+      RowsCase ref_case = kernel_case;
+      for (size_t i = 0; i < std::size(page_keys); ++i) {
+        const int n = page_keys[i];
+        PageData pg;
+        pg.n_keys = n;
+        pg.stride = size_t(n);
+        pg.k = fp8_keys(n, d, page_gain[i], rng);
+        if (i == 6) pg.k[size_t(d) + 3] = std::numeric_limits<float>::quiet_NaN();  // a NaN code
+        std::normal_distribution<float> normal(0.f, 1.f);
+        pg.v.resize(pg.k.size());
+        for (float& x : pg.v) x = normal(rng);
+        pg.rho.assign(size_t(n), 0.01f);
+        const bool exact_page = i == 3;
+        pg.bounds.assign(size_t(n), exact_page ? 0.f : 1.f);
+        PageRows kr = kernel_case.rows(64), rr = ref_case.rows(64);
+        kernels->update_exponent(kr, pg.tiles());
+        detail::page_rows_update_ref(rr, pg.tiles(), 3);
+        expect_same(kernel_case, ref_case, n, where + " page " + std::to_string(i));
+        // The kernel's c of the last block's rows (meter_terms holds c of its row r at 2 r stride,
+        // stride of this page), each key's exponent_bound_ref bit for bit (0 on the exact page).
+        const size_t stride = detail::page_rows_stride(n);
+        for (int r = 0; r < std::min(n_rows, 8); ++r) {
+          const int block_row = (n_rows > 8 ? (n_rows - 1) / 8 * 8 : 0) + r;  // the last block's rows
+          if (block_row >= n_rows) break;
+          for (int j = 0; j < n; ++j) {
+            const float want = exact_page ? 0.f
+                                          : detail::exponent_bound_ref(kernel_case.w[size_t(block_row)],
+                                                                       kernel_case.q.data() + size_t(block_row) * size_t(d),
+                                                                       pg.k.data() + size_t(j) * size_t(d), d);
+            ASSERT_EQ(bits(kernel_case.terms[2 * size_t(r) * stride + size_t(j)]), bits(want))
+                << where << " page " << i << " row " << block_row << " key " << j;
+            ++bounds_checked;
+          }
+        }
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 6 * 9 * 8);
+  EXPECT_GT(bounds_checked, 10000);
+}
+
+// The exponent witness's c (exponent_bound_ref, the kernel's floats) is at least the true logit
+// error |scale q . (k^ - k)| of every row and key, and at least the double-precision reference
+// (meter_logit_bound_ref on the codes' bounds; the float path rounds every operation up, the
+// reference to nearest, so the float may sit below it by the reference's own rounding only: 64
+// double roundings, 2^-45 relative allowed), on adversarial keys (zeros, -0, bf16 subnormals, 2^-10, the limit 464, 448,
+// ties) and queries (Gaussian, huge 1e30, tiny 1e-30, float subnormals, zeros, a negative scale).
+// Past the limit (a saturated key) the bound fails: the negative control, why such pages stay exact.
+TEST(PageRows, ExponentBoundCoversTheTrueLogitError) {
+  std::mt19937 rng(43);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const int d = 64;
+  const float key_edges[] = {0.f, -0.f, 0x1p-133f, 0x1p-10f, 0x1p-11f, 464.f, -464.f, 448.f, 1.0625f, 0x1p-9f * 1.5f};
+  int checked = 0, saturated_violations = 0;
+  for (int trial = 0; trial < 600; ++trial) {
+    const int kind = trial % 6;
+    std::vector<float> q(static_cast<size_t>(d));
+    for (float& x : q) {
+      x = normal(rng);
+      if (kind == 1) x *= 1e30f;
+      if (kind == 2) x *= 1e-30f;
+      if (kind == 3) x *= 1e-42f;  // float subnormals
+      if (kind == 4 && (&x - q.data()) % 2 == 0) x = 0.f;
+    }
+    const float scale = kind == 5 ? -0.125f : 0.125f;
+    const bool saturate = trial % 50 == 49;
+    if (saturate) {  // the saturated channel's query weight the row's largest
+      float top = 0.f;
+      for (float x : q) top = std::max(top, std::fabs(x));
+      q[7] = 2.f * top;
+    }
+    std::vector<float> k(static_cast<size_t>(d)), k_hat(static_cast<size_t>(d)), u(static_cast<size_t>(d));
+    for (int c = 0; c < d; ++c) {
+      float x = (c + trial) % 5 == 0 ? key_edges[size_t(c + trial) % std::size(key_edges)] : 8.f * normal(rng);
+      if (saturate && c == 7) x = 1000.f;
+      x = format::bf16_to_float(format::float_to_bf16(x));
+      const uint8_t code = format::float_to_fp8_ref(x, 4, 3);
+      k[size_t(c)] = x;
+      k_hat[size_t(c)] = format::fp8_to_float(code, 4, 3);
+      u[size_t(c)] = codec::exponent_witness_bound_of_code(code);
+    }
+    codec::LossyPageSpec spec = exponent_spec(d);
+    const detail::QueryBoundWeights w = detail::query_bound_weights(spec, q.data(), scale, 1000, 1e-6);
+    const float c_float = detail::exponent_bound_ref(w, q.data(), k_hat.data(), d);
+    const double c_ref = meter_logit_bound_ref(spec, q.data(), scale, u.data(), 1000, 1e-6);
+    long double err = 0;
+    for (int c = 0; c < d; ++c) err += (long double)q[size_t(c)] * ((long double)k_hat[size_t(c)] - (long double)k[size_t(c)]);
+    err = std::fabs(err * (long double)scale);
+    if (saturate) {
+      saturated_violations += (long double)c_float < err;
+      continue;
+    }
+    const std::string where = "trial " + std::to_string(trial);
+    EXPECT_GE((long double)c_float, err) << where;
+    EXPECT_GE((long double)c_ref, err * (1 - 1e-15L)) << where;
+    EXPECT_GE((long double)c_float, (long double)c_ref * (1 - 0x1p-45L)) << where;
+    if (std::isfinite(c_ref) && c_ref > 1e-30) {
+      EXPECT_LE(c_float, c_ref * (1 + 1e-6)) << where << ": rounding up costs a few ulps";
+    }
+    ++checked;
+  }
+  EXPECT_EQ(checked, 600 - 12);
+  EXPECT_EQ(saturated_violations, 12) << "a saturated key's code bounds nothing";
 }
 
 }  // namespace

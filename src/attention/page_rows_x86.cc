@@ -26,19 +26,29 @@ constexpr int kRowBlock = 8;  // rows whose probabilities a page keeps at once
 // inverse, so slot m holds key kSlotKey[m] and lane j ends with key j.
 constexpr int kSlotKey[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
-// Lane j of the result = the tree sum (page_rows.h) of the lanes of a[m] with kSlotKey[m] = j.
+// Rounding toward +inf (the exponent witness's arithmetic, page_rows.h), and a sum of either kind.
+constexpr int kUpward = _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC;
+template <bool kUp>
+inline __m512 add16(__m512 x, __m512 y) {
+  if constexpr (kUp) return _mm512_add_round_ps(x, y, kUpward);
+  return _mm512_add_ps(x, y);
+}
+
+// Lane j of the result = the tree sum (page_rows.h) of the lanes of a[m] with kSlotKey[m] = j;
+// kUp: every sum rounded toward +inf.
+template <bool kUp = false>
 inline __m512 tree_sums16(const __m512 a[16]) {
   __m512 b[8], c[4], e[2];
 #pragma GCC unroll 8
   for (int k = 0; k < 8; ++k)  // t8: lanes i and i + 8 of each vector
-    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[k], a[k + 8], 0x44), _mm512_shuffle_f32x4(a[k], a[k + 8], 0xEE));
+    b[k] = add16<kUp>(_mm512_shuffle_f32x4(a[k], a[k + 8], 0x44), _mm512_shuffle_f32x4(a[k], a[k + 8], 0xEE));
 #pragma GCC unroll 4
   for (int k = 0; k < 4; ++k)  // t4: lanes i and i + 4
-    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[k], b[k + 4], 0x88), _mm512_shuffle_f32x4(b[k], b[k + 4], 0xDD));
+    c[k] = add16<kUp>(_mm512_shuffle_f32x4(b[k], b[k + 4], 0x88), _mm512_shuffle_f32x4(b[k], b[k + 4], 0xDD));
 #pragma GCC unroll 2
   for (int k = 0; k < 2; ++k)  // t2: lanes i and i + 2 of each 128-bit quarter
-    e[k] = _mm512_add_ps(_mm512_shuffle_ps(c[k], c[k + 2], 0x44), _mm512_shuffle_ps(c[k], c[k + 2], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD));  // t1
+    e[k] = add16<kUp>(_mm512_shuffle_ps(c[k], c[k + 2], 0x44), _mm512_shuffle_ps(c[k], c[k + 2], 0xEE));
+  return add16<kUp>(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD));  // t1
 }
 
 // The tree sum of one vector's lanes.
@@ -62,6 +72,22 @@ inline __m512 dot16(const __m512 q[kChunks], const float* k) {
 #pragma GCC unroll 8
   for (int ch = 0; ch < kChunks; ++ch) a = _mm512_fmadd_ps(q[ch], _mm512_loadu_ps(k + 16 * ch), a);
   return a;
+}
+
+// dot16 and, from the same loads, the exponent witness's lanes: e = fma_up(|q|, k & 0x7f800000, e)
+// (one AND and one FMA per 16 channels beside the score's FMA).
+template <int kChunks>
+inline void dot16_exponent(const __m512 q[kChunks], const __m512 q_abs[kChunks], const float* k, __m512& a,
+                           __m512& e) {
+  const __m512 exponent_bits = _mm512_castsi512_ps(_mm512_set1_epi32(0x7f800000));
+  a = _mm512_setzero_ps();
+  e = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int ch = 0; ch < kChunks; ++ch) {
+    const __m512 kv = _mm512_loadu_ps(k + 16 * ch);
+    a = _mm512_fmadd_ps(q[ch], kv, a);
+    e = _mm512_fmadd_round_ps(q_abs[ch], _mm512_and_ps(kv, exponent_bits), e, kUpward);
+  }
 }
 
 // c of sixteen keys of R rows at once (each band's vector loaded once for the R rows): per row the
@@ -114,26 +140,40 @@ inline __m512 expm1_upper16(__m512 c) {
 }
 
 // Row r's scores, softmax state and (metered) meter lanes for the page; p gets its p_j, and
-// returns alpha. kMeter: 0 none, 1 Tier A, 2 Tier B.
-// meter_c, meter_e (metered): the row's c and E(c) of every key of the page (meter_terms).
+// returns alpha. kMeter: 0 none, 1 Tier A, 2 Tier B, 3 the exponent witness.
+// meter_c, meter_e (metered): the row's c and E(c) of every key of the page (meter_terms); with the
+// exponent witness, c is made here (into meter_c) and E(c) in the softmax's pass.
 template <int kChunks, int kMeter>
-float softmax_row(const PageRows& rows, const PageTiles& page, int r, const float* meter_c, const float* meter_e) {
+float softmax_row(const PageRows& rows, const PageTiles& page, int r, float* meter_c, const float* meter_e) {
   constexpr int d = 16 * kChunks;
   const int n = page.n_keys;
   const int n_vec = (n + 15) / 16;
   // Unrolled, so that q stays in registers (a loop left the array in memory, written in halves
   // and read whole: a store-forwarding stall per row and page).
-  __m512 q[kChunks];
+  constexpr bool kExponent = kMeter == 3;
+  __m512 q[kChunks], q_abs[kExponent ? kChunks : 1];
 #pragma GCC unroll 8
-  for (int ch = 0; ch < kChunks; ++ch) q[ch] = _mm512_loadu_ps(rows.q + size_t(r) * d + 16 * ch);
+  for (int ch = 0; ch < kChunks; ++ch) {
+    q[ch] = _mm512_loadu_ps(rows.q + size_t(r) * d + 16 * ch);
+    if constexpr (kExponent) q_abs[ch] = _mm512_abs_ps(q[ch]);
+  }
   float* p = rows.p + size_t(r) * page_rows_stride(n);
   const __m512 scale = _mm512_set1_ps(rows.scale);
   const __m512 minus_inf = _mm512_set1_ps(kMinusInfinity);
   __m512 vmax = minus_inf;
   for (int v = 0; v < n_vec; ++v) {
     const int j0 = 16 * v;
-    __m512 a[16];
-    if (n - j0 >= 16) {
+    __m512 a[16], e[kExponent ? 16 : 1];
+    if constexpr (kExponent) {
+#pragma GCC unroll 16
+      for (int m = 0; m < 16; ++m) {
+        if (j0 + kSlotKey[m] < n) {
+          dot16_exponent<kChunks>(q, q_abs, page.k + size_t(j0 + kSlotKey[m]) * d, a[m], e[m]);
+        } else {
+          a[m] = e[m] = _mm512_setzero_ps();
+        }
+      }
+    } else if (n - j0 >= 16) {
 #pragma GCC unroll 16
       for (int m = 0; m < 16; ++m) a[m] = dot16<kChunks>(q, page.k + size_t(j0 + kSlotKey[m]) * d);
     } else {
@@ -141,9 +181,20 @@ float softmax_row(const PageRows& rows, const PageTiles& page, int r, const floa
       for (int m = 0; m < 16; ++m)
         a[m] = j0 + kSlotKey[m] < n ? dot16<kChunks>(q, page.k + size_t(j0 + kSlotKey[m]) * d) : _mm512_setzero_ps();
     }
-    const __m512 s = _mm512_mask_mov_ps(minus_inf, lanes_below(n - j0), _mm512_mul_ps(tree_sums16(a), scale));
+    const __mmask16 valid = lanes_below(n - j0);
+    const __m512 s = _mm512_mask_mov_ps(minus_inf, valid, _mm512_mul_ps(tree_sums16(a), scale));
     _mm512_storeu_ps(p + j0, s);
     vmax = _mm512_max_ps(vmax, s);
+    if constexpr (kExponent) {
+      // c = mul_up(fma_up(S, 2^-4, q_term), |scale|) on a lossy page's keys, 0 elsewhere.
+      const QueryBoundWeights& w = rows.w[r];
+      const __m512 c = _mm512_mul_round_ps(
+          _mm512_fmadd_round_ps(tree_sums16<true>(e), _mm512_set1_ps(0.0625f), _mm512_set1_ps(w.q_term), kUpward),
+          _mm512_set1_ps(w.abs_scale), kUpward);
+      const __mmask16 lossy =
+          _mm512_mask_cmp_ps_mask(valid, _mm512_maskz_loadu_ps(valid, page.bounds + j0), _mm512_setzero_ps(), _CMP_GT_OQ);
+      _mm512_storeu_ps(meter_c + j0, _mm512_maskz_mov_ps(lossy, c));
+    }
   }
   RowState& st = rows.st[r];
   const float tile_max = _mm512_reduce_max_ps(vmax);
@@ -176,7 +227,7 @@ float softmax_row(const PageRows& rows, const PageTiles& page, int r, const floa
         for (int i = 0; i < 16; ++i)
           if (over >> i & 1) large += std::exp(double(s_lanes[i]) - double(m_new) + double(c_lanes[i]));
       }
-      const __m512 e = _mm512_loadu_ps(meter_e + j0);
+      const __m512 e = kMeter == 3 ? expm1_upper16(_mm512_maskz_mov_ps(below, c)) : _mm512_loadu_ps(meter_e + j0);
       dl = _mm512_mask3_fmadd_ps(pv, e, dl, below);
       rl = _mm512_fmadd_ps(pv, _mm512_maskz_loadu_ps(valid, page.rho + j0), rl);
     }
@@ -265,7 +316,7 @@ void update_rows(const PageRows& rows, const PageTiles& page) {
     float* acc[kRowBlock];
     // Metered: c and E(c) of the block's rows, [row][stride] each, c then E(c).
     float* terms = rows.meter_terms;
-    if constexpr (kMeter != 0) meter_terms<kMeter == 2>(rows.w + r0, rb, page, stride, terms);
+    if constexpr (kMeter == 1 || kMeter == 2) meter_terms<kMeter == 2>(rows.w + r0, rb, page, stride, terms);
     for (int i = 0; i < rb; ++i) {
       alpha[i] = softmax_row<kChunks, kMeter>(rows, page, r0 + i, terms + 2 * size_t(i) * stride,
                                               terms + (2 * size_t(i) + 1) * stride);
@@ -302,7 +353,7 @@ void update_any(const PageRows& rows, const PageTiles& page) {
 #pragma GCC pop_options
 
 const PageRowsKernels* page_rows_kernels_avx512() {
-  static const PageRowsKernels kernels{&update_any<0>, &update_any<1>, &update_any<2>};
+  static const PageRowsKernels kernels{&update_any<0>, &update_any<1>, &update_any<2>, &update_any<3>};
   return &kernels;
 }
 

@@ -94,11 +94,7 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
       raw_class_, page_bytes(), uint32_t(capacity_pages),
       chunk_pages(gaac || lossy_ ? 2 * uint64_t(config.n_kv_heads) : 4 * n_tables));
   block_scratch_.resize(page_bytes());
-  if (!lossy_ && config.witness != codec::WitnessCode::kFp16) {
-    fail_cache(StatusCode::kInvalidArgument,
-               std::string("config.witness ") + codec::witness_code_name(config.witness) +
-                   " applies to lossy schemes only, not " + kv_scheme_name(config.scheme));
-  }
+  check_kv_witness(config.scheme, config.witness, "config.witness");
   if (lossy_) {
     lossy_scheme_ = kv_scheme_lossy(config.scheme);
     slot_class_ = codec::lossy_scheme_is_tier_b(lossy_scheme_) ? StorageClass::kDither8
@@ -115,12 +111,6 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
                  "config.outlier_pairs " + std::to_string(n_outlier_pairs_) +
                      " is above head_dim / 2 = " + std::to_string(config.head_dim / 2) +
                      " (or the limit of " + std::to_string(codec::kMaxOutlierPairs) + ")");
-    }
-    if (config.witness != codec::WitnessCode::kFp16 && codec::lossy_scheme_is_tier_b(lossy_scheme_)) {
-      fail_cache(StatusCode::kInvalidArgument,
-                 std::string("config.witness ") + codec::witness_code_name(config.witness) +
-                     " applies to Tier A schemes only; " + kv_scheme_name(config.scheme) +
-                     " keeps no witness (its bound comes from its scales)");
     }
     window_tokens_ = config.recent_window_tokens >= 0
                          ? config.recent_window_tokens

@@ -65,6 +65,9 @@ struct KvSchemeInfo {
   // transcoded when the device encoder finalizes it. The one place that decides it: the device KV
   // cache writes these pages and attention::cuda::page_format_of names their PageFormat from it.
   bool cuda_fragment_pages;
+  // Tier A schemes: the witness K pages keep when none is asked for (certkv_session_params.witness
+  // null); kFp16 for the others, which keep none.
+  codec::WitnessCode default_witness;
 };
 
 // Every scheme, in KvScheme order.
@@ -82,5 +85,16 @@ inline bool kv_scheme_is_lossy(KvScheme scheme) { return kv_scheme_info(scheme).
 inline format::GaacElement kv_scheme_element(KvScheme scheme) { return kv_scheme_info(scheme).element; }
 // The codec scheme of a lossy KV scheme. REQUIRES: kv_scheme_is_lossy(scheme) (certkv::Error).
 codec::LossyScheme kv_scheme_lossy(KvScheme scheme);
+// Whether a scheme's K pages can keep `witness`: the Tier A schemes, each the witness codes its
+// codec supports soundly (codec::lossy_witness_supported: the exponent witness only for fp8-e4m3).
+bool kv_scheme_takes_witness(KvScheme scheme, codec::WitnessCode witness);
+// Throws certkv::Error kInvalidArgument naming the scheme and the witness (and the schemes that
+// take it) when !kv_scheme_takes_witness(scheme, witness); the one check of every front end, the
+// C API and the cache. `field` names what was set ("config.witness", "certkv_session_params.witness").
+void check_kv_witness(KvScheme scheme, codec::WitnessCode witness, std::string_view field);
+// The witness a scheme's K pages keep: `name` when given (null: the scheme's default_witness).
+// Throws as check_kv_witness, and kInvalidArgument for a name that is no witness code (naming the
+// known ones).
+codec::WitnessCode resolve_kv_witness(KvScheme scheme, const char* name, std::string_view field);
 
 }  // namespace certkv::cache

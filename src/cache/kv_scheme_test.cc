@@ -64,5 +64,48 @@ TEST(KvSchemeTable, UnknownNamesAndValuesAreClearErrors) {
   EXPECT_EQ(kv_scheme_names([](const KvSchemeInfo& s) { return s.tier == MeterTier::kB; }), "dither8");
 }
 
+
+// The witness a scheme's K pages keep, checked in this one place: every Tier A scheme takes fp16 and
+// u8, fp8-e4m3 alone the exponent witness; the other schemes none (their config's default code is
+// no request); a name resolves to its code or, null, to the scheme's default; refusals name the
+// witness, the scheme and the schemes that take it.
+TEST(KvSchemeTable, WitnessCodesEachSchemeTakes) {
+  using codec::WitnessCode;
+  for (const KvSchemeInfo& s : kv_schemes()) {
+    const bool tier_a = s.tier == MeterTier::kA;
+    EXPECT_EQ(kv_scheme_takes_witness(s.scheme, WitnessCode::kFp16), tier_a) << s.name;
+    EXPECT_EQ(kv_scheme_takes_witness(s.scheme, WitnessCode::kPageScaled8), tier_a) << s.name;
+    EXPECT_EQ(kv_scheme_takes_witness(s.scheme, WitnessCode::kExponent), s.scheme == KvScheme::kFp8E4M3) << s.name;
+    EXPECT_EQ(s.default_witness, WitnessCode::kFp16) << s.name;
+    EXPECT_EQ(resolve_kv_witness(s.scheme, nullptr, "w"), s.default_witness) << s.name;
+    EXPECT_NO_THROW(check_kv_witness(s.scheme, s.default_witness, "w")) << s.name;
+    for (const WitnessCode code : {WitnessCode::kFp16, WitnessCode::kPageScaled8, WitnessCode::kExponent}) {
+      const char* name = codec::witness_code_name(code);
+      if (kv_scheme_takes_witness(s.scheme, code)) {
+        EXPECT_EQ(resolve_kv_witness(s.scheme, name, "w"), code) << s.name << " " << name;
+        continue;
+      }
+      try {
+        resolve_kv_witness(s.scheme, name, "config.witness");
+        ADD_FAILURE() << s.name << " took " << name;
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
+        const std::string m = e.what();
+        EXPECT_NE(m.find(std::string("config.witness ") + name), std::string::npos) << m;
+        EXPECT_NE(m.find(s.name), std::string::npos) << m;
+      }
+      if (code != s.default_witness || tier_a) EXPECT_THROW(check_kv_witness(s.scheme, code, "w"), Error) << s.name;
+    }
+  }
+  EXPECT_EQ(kv_scheme_names([](const KvSchemeInfo& s) { return kv_scheme_takes_witness(s.scheme, codec::WitnessCode::kExponent); }),
+            "fp8-e4m3");
+  try {
+    resolve_kv_witness(KvScheme::kRtn8, "u16", "certkv_session_params.witness");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'u16' is not a witness (fp16, u8, exponent)"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace certkv::cache

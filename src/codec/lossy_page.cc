@@ -49,7 +49,7 @@ constexpr double kDither8Top = 126.5;  // Q - 1/2 with Q = 127: no clipping afte
 constexpr double kNormSafety = 1.0 + 0x1p-40;
 constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ull;
 
-const char* const kWitnessCodeNames[kNumWitnessCodes] = {"fp16", "u8"};
+const char* const kWitnessCodeNames[kNumWitnessCodes] = {"fp16", "u8", "exponent"};
 const char* const kRopePairingNames[2] = {"interleaved", "half-split"};
 // kPageScaled8: codes c in [0, 255], bound w_max (c + 1) / kWitnessSteps.
 constexpr double kWitnessSteps = 256.0;
@@ -119,6 +119,7 @@ size_t side_bytes_of(const LossyPageSpec& spec) {
   if (lossy_scheme_is_tier_b(spec.scheme)) return 0;
   const size_t bt = size_t(spec.block_tokens);
   if (!spec.key) return bt * 2;
+  if (spec.witness == WitnessCode::kExponent) return 0;  // the codes are the witness
   const size_t cells = bt * size_t(witness_bands(spec.head_dim));
   return spec.witness == WitnessCode::kPageScaled8 ? cells + 2 : cells * 2;
 }
@@ -419,6 +420,7 @@ void write_tier_a_side_data(const LossyPageSpec& spec, const Geometry& g, const 
     }
     for (int b = 0; b < n_bands; ++b) bound[size_t(b) * g.bt + t] = std::sqrt(sum_sq[size_t(b)]) * kNormSafety;
   }
+  if (spec.key && spec.witness == WitnessCode::kExponent) return;  // no bytes: the codes bound themselves
   if (!spec.key || spec.witness == WitnessCode::kFp16) {
     // Band-major: the bounds of one band for every token of the block are contiguous, so that
     // attention reads them as a vector per band.
@@ -462,6 +464,18 @@ bool parse_name_in(const char* const (&names)[N], std::string_view name, Enum* o
 
 const char* witness_code_name(WitnessCode code) { return name_in(kWitnessCodeNames, code); }
 bool parse_witness_code(std::string_view name, WitnessCode* code) { return parse_name_in(kWitnessCodeNames, name, code); }
+
+bool lossy_witness_supported(LossyScheme scheme, WitnessCode code) {
+  if (lossy_scheme_is_tier_b(scheme)) return false;
+  switch (code) {
+    case WitnessCode::kFp16:
+    case WitnessCode::kPageScaled8:
+      return true;
+    case WitnessCode::kExponent:
+      return scheme == LossyScheme::kFp8E4M3;
+  }
+  return false;
+}
 bool parse_rope_pairing(std::string_view name, RopePairing* pairing) { return parse_name_in(kRopePairingNames, name, pairing); }
 
 const char* lossy_scheme_name(LossyScheme scheme) { return name_in(kSchemeNames, scheme); }
@@ -489,6 +503,11 @@ void validate_lossy_page_spec(const LossyPageSpec& spec) {
   if (static_cast<int>(spec.witness) >= kNumWitnessCodes) {
     fail(StatusCode::kInvalidArgument,
          where + "witness code " + std::to_string(static_cast<int>(spec.witness)) + " is unknown");
+  }
+  if (spec.witness == WitnessCode::kExponent && !lossy_witness_supported(spec.scheme, spec.witness)) {
+    fail(StatusCode::kInvalidArgument,
+         where + "witness exponent is not sound for " + lossy_scheme_name(spec.scheme) +
+             " pages (only the raw fp8-e4m3 cast's codes bound their own error)");
   }
   if (spec.head_dim <= 0 || spec.head_dim % kQuantGroup != 0) {
     fail(StatusCode::kInvalidArgument, where + "head_dim must be a positive multiple of " +
@@ -561,6 +580,12 @@ bool lossy_encode_page_ref(const LossyPageSpec& spec, uint32_t block, const uint
   const size_t n = size_t(g.bt) * size_t(g.d);
   for (size_t i = 0; i < n; ++i) {
     if (!bf16_is_finite(x[i])) return false;
+  }
+  // The exponent witness bounds a code's error by half its step, which a saturated cast (448 for
+  // anything above 464) breaks: such a K page stays exact (the device's rule).
+  if (spec.key && spec.witness == WitnessCode::kExponent) {
+    for (size_t i = 0; i < n; ++i)
+      if (!(std::fabs(bf16_to_float(x[i])) <= kExponentWitnessLimit)) return false;
   }
   bool encoded = false;
   switch (spec.scheme) {
@@ -919,12 +944,53 @@ void page_scaled_witness_bounds(const uint8_t* side, int n_bands, int block_toke
   }
 }
 
+namespace {
+// u of each E4M3 code: 2^(E - 4) + 2^-10 with E the exponent of the code's value as a float (its
+// bits & 0x7f800000), 2^-10 for the zero codes, +inf for the NaN codes. Both terms are powers of
+// two with E in [-9, 8], so the sum is exact in float.
+struct ExponentBoundTable {
+  float u[256];
+  ExponentBoundTable() {
+    for (int code = 0; code < 256; ++code) {
+      const float v = std::fabs(format::fp8_to_float(uint8_t(code), 4, 3));
+      if (std::isnan(v)) {
+        u[code] = std::numeric_limits<float>::infinity();
+      } else if (v == 0.f) {
+        u[code] = 0x1p-10f;
+      } else {
+        u[code] = std::ldexp(1.0f, std::ilogb(v) - 4) + 0x1p-10f;
+      }
+    }
+  }
+};
+const ExponentBoundTable& exponent_bound_table() {
+  static const ExponentBoundTable table;
+  return table;
+}
+}  // namespace
+
+float exponent_witness_bound_of_code(uint8_t code) { return exponent_bound_table().u[code]; }
+
+void exponent_witness_bounds(const uint8_t* codes, int head_dim, int n_tokens, float* out, size_t out_stride) {
+  const float* u = exponent_bound_table().u;
+  for (int t = 0; t < n_tokens; ++t)
+    for (int c = 0; c < head_dim; ++c) out[size_t(c) * out_stride + size_t(t)] = u[codes[size_t(t) * size_t(head_dim) + size_t(c)]];
+}
+
+int witness_width(const LossyPageSpec& spec) {
+  return spec.witness == WitnessCode::kExponent ? spec.head_dim : witness_bands(spec.head_dim);
+}
+
 void lossy_witness_bounds(const LossyPageSpec& spec, const uint8_t* page, float* out) {
   const Geometry g = geometry_of(spec);
   if (lossy_scheme_is_tier_b(spec.scheme) || !spec.key) {
     fail(StatusCode::kInvalidArgument,
          std::string("lossy_witness_bounds: a ") + lossy_scheme_name(spec.scheme) +
              (spec.key ? " K" : " V") + " page carries no witness (Tier A K pages only)");
+  }
+  if (spec.witness == WitnessCode::kExponent) {
+    exponent_witness_bounds(page, g.d, g.bt, out, size_t(g.bt));
+    return;
   }
   const uint8_t* side = page + g.payload_bytes;
   if (spec.witness == WitnessCode::kFp16) {

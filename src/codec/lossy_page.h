@@ -8,7 +8,8 @@
 // Side data: K pages of Tier A schemes: witness w_{t,b} >= ||r_{t,b}|| of the key residual
 // r = k^ - k over band b (a contiguous range of RoPE frequency pairs), [n_bands][block_tokens]
 // (band-major), as fp16 rounded toward +inf or as u8 codes against the page's fp16 scale
-// (WitnessCode), so that it stays an upper bound. V pages of Tier A schemes: rho [block_tokens]
+// (WitnessCode), so that it stays an upper bound; fp8-e4m3 K pages may store none
+// (WitnessCode::kExponent: the codes bound their own rounding). V pages of Tier A schemes: rho [block_tokens]
 // fp16, rho_t >= ||v^_t - v_t|| (rounded toward +inf). dither8 pages carry no side data: their
 // error bounds follow from the stored scales.
 //
@@ -88,12 +89,29 @@ enum class WitnessCode : uint8_t {
   // (token, band) and 2 per page, 16.125 per token at 16 bands and 16 tokens; c_t about 1% looser
   // on real KV (docs/meter.md section 7).
   kPageScaled8 = 1,
+  // No bytes: the codes bound their own rounding (fp8-e4m3 only; docs/meter.md section 7). With no
+  // saturation an E4M3 code k^ of a bf16 k is within half its step, |k^ - k| <= 2^(E(k^) - 4)
+  // (E the exponent of k^ as a float; 2^E(0) = 0), and within 2^-10 for the zero and subnormal
+  // codes, so channel c of token t is bounded by u_{t,c} = 2^(E(k^_{t,c}) - 4) + 2^-10 and
+  // c_t = |sm_scale| sum_c |q_c| u_{t,c}, the device's bound (attention/cuda/fragment_decode_cuda.cu).
+  // The encoder refuses a K page where the cast saturated (some |k| > 464, the largest code 448
+  // plus its half-step): that block stays exact, as the device keeps it.
+  kExponent = 2,
 };
-inline constexpr int kNumWitnessCodes = 2;
-// "fp16", "u8".
+inline constexpr int kNumWitnessCodes = 3;
+// "fp16", "u8", "exponent".
 const char* witness_code_name(WitnessCode code);
 // Returns false for an unknown name.
 bool parse_witness_code(std::string_view name, WitnessCode* code);
+// Whether pages of `scheme` can carry witness `code` soundly: kFp16 and kPageScaled8 for every
+// Tier A scheme; kExponent for fp8-e4m3 only (the raw cast, whose codes are its reconstruction:
+// fp8-e4m3-scaled multiplies them by a scale that is not a power of two, fp8-e5m2's codes have
+// another step and are not served, rtn and kivi2 codes say nothing of their error); none for
+// dither8 (its bound comes from its scales).
+bool lossy_witness_supported(LossyScheme scheme, WitnessCode code);
+// The saturation limit of the exponent witness: a raw E4M3 cast of |x| <= 464 is within half a
+// step of x; above, it saturates at 448 and its code bounds nothing.
+inline constexpr float kExponentWitnessLimit = 464.0f;
 
 // What one page is: the scheme, K or V, the block shape, the witness code (Tier A K pages), and
 // for dither8 the generator key and the outlier pairs of its (layer, kv_head).
@@ -209,10 +227,19 @@ class LossyPageDecoder {
 // REQUIRES (both accessors): page is 2-byte aligned (pool pages are).
 const uint16_t* lossy_witness(const LossyPageSpec& spec, const uint8_t* page);
 // Tier A K pages, any witness code: the bounds w_{t,b} as float, band-major:
-// out[b * block_tokens + t], b < witness_bands(head_dim). Never below the stored bound: a stored
+// out[b * block_tokens + t], b < witness_width(spec). Never below the stored bound: a stored
 // bound (fp16) or scale (kPageScaled8) below 0, or NaN, is a corrupt page and reads as +inf,
-// which the meter turns into 1.
+// which the meter turns into 1. kExponent: each channel is its own band, out[c * block_tokens + t]
+// = u_{t,c} of the code (exponent_witness_bounds).
 void lossy_witness_bounds(const LossyPageSpec& spec, const uint8_t* page, float* out);
+// Bands of a Tier A K page's witness: witness_bands(head_dim), or head_dim for kExponent.
+int witness_width(const LossyPageSpec& spec);
+// The kExponent bounds of rows [0, n_tokens) of an fp8-e4m3 page's codes ([block_tokens][head_dim]
+// bytes) without checking a spec: out[c * out_stride + t] = u_{t,c} = 2^(E(k^) - 4) + 2^-10 for the
+// code's value k^ (2^-10 for a zero code; +inf for a NaN code), exact in float.
+void exponent_witness_bounds(const uint8_t* codes, int head_dim, int n_tokens, float* out, size_t out_stride);
+// u of one E4M3 code, as above (exponent_witness_bounds's table).
+float exponent_witness_bound_of_code(uint8_t code);
 // The kPageScaled8 bounds of a side-data area (n_bands * block_tokens codes, then the fp16
 // scale) without checking a spec: what lossy_witness_bounds does once the spec is valid, for the
 // meter's per-page loop (the cache's specs are validated when it is built). Tokens [0, n_tokens)

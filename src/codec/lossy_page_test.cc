@@ -16,6 +16,7 @@
 
 #include "core/status.h"
 #include "format/dither8_generator.h"
+#include "format/fp8.h"
 #include "format/numeric.h"
 #include "format/safetensors.h"
 
@@ -222,6 +223,24 @@ void expect_side_data_bounds(const LossyPageSpec& spec, const std::vector<uint16
       EXPECT_GE((long double)dither_rho[size_t(t)], formula) << "token " << t;
       EXPECT_LE((long double)dither_rho[size_t(t)], formula * (1.0L + 0x1p-22L)) << "token " << t;
     }
+  } else if (spec.key && spec.witness == WitnessCode::kExponent) {
+    // No side data: each channel's bound is its code's u = 2^(E - 4) + 2^-10, at least |x^ - x|,
+    // and at most a step above it (the code's whole step 2^(E - 3), or 2^-9 near zero).
+    EXPECT_EQ(lossy_page_bytes(spec), lossy_payload_bytes(spec));
+    witness.resize(size_t(d) * size_t(bt));
+    lossy_witness_bounds(spec, page.data(), witness.data());
+    for (int t = 0; t < bt; ++t) {
+      for (int c = 0; c < d; ++c) {
+        const size_t i = size_t(t) * d + c;
+        const float u = witness[size_t(c) * bt + t];
+        EXPECT_EQ(u, exponent_witness_bound_of_code(page[i])) << "token " << t << " channel " << c;
+        const long double r = std::fabs((long double)recon[i] - (long double)bf16_to_float(x[i]));
+        EXPECT_GE((long double)u, r) << "token " << t << " channel " << c << " x " << bf16_to_float(x[i]);
+        EXPECT_LE((long double)u, r + 2 * std::max((long double)std::fabs(recon[i]) / 8, 0x1p-10L) + 0x1p-10L)
+            << "token " << t << " channel " << c;
+      }
+    }
+    return;
   } else if (spec.key) {
     witness.resize(size_t(n_bands) * size_t(bt));
     lossy_witness_bounds(spec, page.data(), witness.data());
@@ -302,11 +321,27 @@ TEST(LossyPage, EverySchemeShapeAndPairingRoundTripsWithinItsBounds) {
               LossyPageSpec spec = make_spec(scheme, key, bt, d, pairing, pairs);
               const bool tier_a_key = key && !lossy_scheme_is_tier_b(scheme);
               for (int code = 0; code < (tier_a_key ? kNumWitnessCodes : 1); ++code) {
+                if (tier_a_key && !lossy_witness_supported(scheme, WitnessCode(code))) continue;
                 spec.witness = WitnessCode(code);
                 SCOPED_TRACE(std::string(lossy_scheme_name(scheme)) + (key ? " K" : " V") + " d " +
                              std::to_string(d) + " bt " + std::to_string(bt) + " pairing " +
                              std::to_string(int(pairing)) + " m " + std::to_string(m) + " witness " +
                              witness_code_name(spec.witness));
+                if (tier_a_key && spec.witness == WitnessCode::kExponent) {
+                  // The block's 1000 saturates the cast: refused (kept exact); at the limit, 464
+                  // (448's half-step above it), accepted and bounded.
+                  std::vector<uint16_t> clipped = x;
+                  bool saturates = false;
+                  for (uint16_t& v : clipped)
+                    if (std::fabs(bf16_to_float(v)) > kExponentWitnessLimit) {
+                      saturates = true;
+                      v = float_to_bf16(std::copysign(kExponentWitnessLimit, bf16_to_float(v)));
+                    }
+                  std::vector<uint8_t> page(lossy_page_bytes(spec));
+                  EXPECT_EQ(lossy_encode_page_ref(spec, 0, x.data(), page.data()), !saturates);
+                  expect_page_sound(spec, clipped, uint32_t(seed % 1000));
+                  continue;
+                }
                 expect_page_sound(spec, x, uint32_t(seed % 1000));
               }
             }
@@ -462,6 +497,7 @@ TEST(LossyPage, TinyValuesKeepTheirBounds) {
         LossyPageSpec spec = make_spec(scheme_at(si), key, 16, 64, RopePairing::kInterleaved);
         const bool tier_a_key = key && !lossy_scheme_is_tier_b(spec.scheme);
         for (int code = 0; code < (tier_a_key ? kNumWitnessCodes : 1); ++code) {
+          if (tier_a_key && !lossy_witness_supported(spec.scheme, WitnessCode(code))) continue;
           spec.witness = WitnessCode(code);
           SCOPED_TRACE(std::string(lossy_scheme_name(spec.scheme)) + (key ? " K " : " V ") +
                        std::to_string(magnitude) + " witness " + witness_code_name(spec.witness));
@@ -474,14 +510,17 @@ TEST(LossyPage, TinyValuesKeepTheirBounds) {
 
 // Residual norms past fp16's range (the raw E4M3 cast saturates at 448, so keys near 10^6 leave
 // residuals of that size): the fp16 witness stores +inf where a norm overflows, the coded one a
-// scale of +inf (every bound +inf).
+// scale of +inf (every bound +inf). The exponent witness refuses such a page (it saturates).
 TEST(LossyPage, WitnessPastFp16RangeReadsAsInfinity) {
   for (const LossyScheme scheme : {LossyScheme::kFp8E4M3}) {
     std::vector<uint16_t> x = make_block(77, 16, 64, RopePairing::kInterleaved, true);
     for (uint16_t& v : x) v = float_to_bf16(bf16_to_float(v) * 1e6f);
     LossyPageSpec spec = make_spec(scheme, true, 16, 64, RopePairing::kInterleaved);
-    for (int code = 0; code < kNumWitnessCodes; ++code) {
-      spec.witness = WitnessCode(code);
+    spec.witness = WitnessCode::kExponent;
+    std::vector<uint8_t> refused(lossy_page_bytes(spec));
+    EXPECT_FALSE(lossy_encode_page_ref(spec, 0, x.data(), refused.data()));
+    for (const WitnessCode code : {WitnessCode::kFp16, WitnessCode::kPageScaled8}) {
+      spec.witness = code;
       SCOPED_TRACE(std::string(lossy_scheme_name(scheme)) + " witness " + witness_code_name(spec.witness));
       std::vector<uint8_t> page(lossy_page_bytes(spec));
       ASSERT_TRUE(lossy_encode_page_ref(spec, 0, x.data(), page.data()));  // the raw cast never refuses
@@ -1508,6 +1547,122 @@ TEST(LossyPage, SchemeNamesRoundTrip) {
   EXPECT_FALSE(parse_lossy_scheme("", &untouched));
   EXPECT_EQ(untouched, LossyScheme::kRtn4);
   EXPECT_STREQ(lossy_scheme_name(LossyScheme::kFp8E4M3Scaled), "fp8-e4m3-scaled");
+}
+
+
+// WitnessCode::kExponent on every bf16 value a raw E4M3 cast takes without saturating: the code's
+// bound u = 2^(E - 4) + 2^-10 (exponent_witness_bound_of_code) is at least |fp8(x) - x| for every
+// finite bf16 x with |x| <= 464 (all 2 x 17,000-odd of them, subnormals and -0 included), equals
+// it at the ties that round to a code's far side; and past 464 the saturated code bounds nothing,
+// which is why such a K page is refused. Without the 2^-10 term the zero and subnormal codes are
+// not covered (the negative control: the check can fail).
+TEST(ExponentWitness, EveryCodeBoundsItsRoundingUpToTheSaturationLimit) {
+  int checked = 0, tight = 0, uncovered_without_floor = 0, saturated_uncovered = 0;
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {
+    const float x = bf16_to_float(uint16_t(bits));
+    if (!std::isfinite(x)) continue;
+    const uint8_t code = format::float_to_fp8_ref(x, 4, 3);
+    const long double err = std::fabs((long double)format::fp8_to_float(code, 4, 3) - (long double)x);
+    const long double u = exponent_witness_bound_of_code(code);
+    if (std::fabs(x) > kExponentWitnessLimit) {
+      saturated_uncovered += err > u;
+      continue;
+    }
+    ++checked;
+    EXPECT_GE(u, err) << "x " << x << " code " << int(code);
+    tight += err == u - 0x1p-10L;
+    uncovered_without_floor += err > u - 0x1p-10L;
+  }
+  EXPECT_EQ(checked, 2 * (0x43e8 + 1));  // |x| <= 464 = bf16 0x43e8, from +0 and from -0
+  EXPECT_GT(tight, 0) << "half a step is reached: the bound is tight";
+  EXPECT_GT(uncovered_without_floor, 0) << "the 2^-10 floor is needed (zero and subnormal codes)";
+  EXPECT_GT(saturated_uncovered, 1000) << "past 464 the saturated code bounds nothing";
+  // The table: 2^-10 for both zeros, +inf for both NaNs, 16 + 2^-10 for +-448, 2^-13 + 2^-10 for
+  // the smallest subnormal 2^-9 (its float exponent, as the device's fp16 operand has it).
+  EXPECT_EQ(exponent_witness_bound_of_code(0x00), 0x1p-10f);
+  EXPECT_EQ(exponent_witness_bound_of_code(0x80), 0x1p-10f);
+  EXPECT_EQ(exponent_witness_bound_of_code(0x7f), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(exponent_witness_bound_of_code(0xff), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(exponent_witness_bound_of_code(0x7e), 16.f + 0x1p-10f);
+  EXPECT_EQ(exponent_witness_bound_of_code(0xfe), 16.f + 0x1p-10f);
+  EXPECT_EQ(exponent_witness_bound_of_code(0x01), 0x1p-13f + 0x1p-10f);
+  EXPECT_EQ(exponent_witness_bound_of_code(0x08), 0x1p-10f + 0x1p-10f);  // 2^-6, the smallest normal
+}
+
+// The layout: an fp8-e4m3 K page with the exponent witness is its codes alone (16 x 128 bytes at
+// D = 128, against 16 x 160 with the fp16 witness); its V pages keep rho.
+TEST(ExponentWitness, KPagesStoreNoWitnessBytes) {
+  for (const int d : {32, 64, 128, 256}) {
+    LossyPageSpec spec = make_spec(LossyScheme::kFp8E4M3, true, 16, d, RopePairing::kInterleaved, {});
+    spec.witness = WitnessCode::kExponent;
+    EXPECT_EQ(lossy_page_bytes(spec), size_t(16) * size_t(d));
+    EXPECT_EQ(witness_width(spec), d);
+    LossyPageSpec fp16 = spec;
+    fp16.witness = WitnessCode::kFp16;
+    EXPECT_EQ(lossy_page_bytes(fp16) - lossy_page_bytes(spec), size_t(16) * 2 * size_t(witness_bands(d)));
+    LossyPageSpec v = spec;
+    v.key = false;
+    EXPECT_EQ(lossy_page_bytes(v), size_t(16) * size_t(d) + 32);
+  }
+  LossyPageSpec spec = make_spec(LossyScheme::kFp8E4M3, true, 16, 64, RopePairing::kInterleaved, {});
+  spec.witness = WitnessCode::kExponent;
+  std::vector<uint8_t> page(lossy_page_bytes(spec));
+  EXPECT_THROW(lossy_witness(spec, page.data()), Error);  // no fp16 witness to point at
+}
+
+// Schemes whose codes do not bound their own error refuse the witness by name: the scaled cast
+// (its fp16 scale is not a power of two), fp8-e5m2 (another step; not served), rtn8, rtn4, kivi2,
+// dither8; on K and V pages alike.
+TEST(ExponentWitness, SchemesItCannotBoundRefuseIt) {
+  for (int si = 0; si < kNumLossySchemes; ++si) {
+    const LossyScheme scheme = scheme_at(si);
+    EXPECT_EQ(lossy_witness_supported(scheme, WitnessCode::kExponent), scheme == LossyScheme::kFp8E4M3);
+    if (scheme == LossyScheme::kFp8E4M3) continue;
+    for (bool key : {true, false}) {
+      LossyPageSpec spec = make_spec(scheme, key, 16, 64, RopePairing::kInterleaved, {});
+      spec.witness = WitnessCode::kExponent;
+      try {
+        validate_lossy_page_spec(spec);
+        ADD_FAILURE() << lossy_scheme_name(scheme) << " took the exponent witness";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
+        const std::string what = e.what();
+        EXPECT_NE(what.find("witness exponent"), std::string::npos) << what;
+        EXPECT_NE(what.find(lossy_scheme_name(scheme)), std::string::npos) << what;
+      }
+      EXPECT_THROW(lossy_page_bytes(spec), Error);
+    }
+  }
+}
+
+// A saturating block is refused (the cache keeps it exact), on K pages only (V pages keep rho,
+// which a saturated cast's residual does not break); NaN and Inf are refused as before; a corrupt
+// NaN code reads as an infinite bound.
+TEST(ExponentWitness, SaturationIsRefusedAndNanCodesBoundNothing) {
+  LossyPageSpec spec = make_spec(LossyScheme::kFp8E4M3, true, 16, 64, RopePairing::kInterleaved, {});
+  spec.witness = WitnessCode::kExponent;
+  std::vector<uint8_t> page(lossy_page_bytes(spec));
+  for (const float edge : {464.f, -464.f, 448.f, 0.f, -0.f, 0x1p-9f, 0x1p-133f}) {
+    std::vector<uint16_t> x(16 * 64, float_to_bf16(1.f));
+    x[77] = float_to_bf16(edge);
+    EXPECT_TRUE(lossy_encode_page_ref(spec, 0, x.data(), page.data())) << edge;
+  }
+  for (const float past : {466.f, -466.f, 1e6f, std::numeric_limits<float>::infinity(), std::nanf("")}) {
+    std::vector<uint16_t> x(16 * 64, float_to_bf16(1.f));
+    x[77] = float_to_bf16(past);
+    EXPECT_FALSE(lossy_encode_page_ref(spec, 0, x.data(), page.data())) << past;
+    LossyPageSpec v = spec;
+    v.key = false;
+    std::vector<uint8_t> v_page(lossy_page_bytes(v));
+    EXPECT_EQ(lossy_encode_page_ref(v, 0, x.data(), v_page.data()), std::isfinite(past)) << past;
+  }
+  std::vector<uint16_t> x(16 * 64, float_to_bf16(0.5f));
+  ASSERT_TRUE(lossy_encode_page_ref(spec, 0, x.data(), page.data()));
+  page[5 * 64 + 9] = 0xff;  // a NaN code
+  std::vector<float> u(64 * 16);
+  lossy_witness_bounds(spec, page.data(), u.data());
+  EXPECT_EQ(u[9 * 16 + 5], std::numeric_limits<float>::infinity());
+  EXPECT_EQ(u[9 * 16 + 4], 0x1p-5f + 0x1p-10f);  // 0.5 = 2^-1: 2^-5 + 2^-10
 }
 
 }  // namespace

@@ -57,8 +57,9 @@ struct DeviceDecoderConfig {
 };
 
 // Throws kUnsupported, saying why, for a configuration the route does not serve whatever the
-// machine: a scheme device_route_serves refuses (naming the served ones), sparse decode with
-// another scheme than bf16 or a context of 2^24 tokens or more.
+// machine: a scheme device_route_serves refuses (naming the served ones), the exponent witness
+// (the device cache writes fp16 or u8 witnesses), sparse decode with another scheme than bf16 or a
+// context of 2^24 tokens or more.
 void refuse_unserved(const DeviceDecoderConfig& config);
 
 struct DeviceDecodeStats {

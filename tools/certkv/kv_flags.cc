@@ -138,9 +138,7 @@ KvFlags parse_kv_flags(const Flags& flags, const std::string& kv) {
       throw UsageError{"flag --witness applies to the Tier A lossy schemes (" +
                        kv_scheme_list([](const certkv_kv_scheme_info& s) { return std::string(s.meter_tier) == "A"; }) +
                        "), not --kv " + kv};
-    f.witness = flags.str("witness");
-    if (f.witness != "fp16" && f.witness != "u8")
-      throw UsageError{"flag --witness: '" + f.witness + "' is not fp16 or u8"};
+    f.witness = flags.str("witness");  // its name and its scheme checked once, by the C API
   }
   for (const char* name : {"delta", "tau", "gate", "no-meter"})
     if (flags.has(name) && !f.lossy)

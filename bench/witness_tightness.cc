@@ -1,0 +1,218 @@
+// How tight the exponent witness of fp8-e4m3 pages is against the fp16 witness, on real KV
+// (docs/meter.md section 7): a plain program over `certkv dump-kv` files (docs/format/kv_dump.md),
+// one JSON object on stdout.
+//
+//   certkv_witness_tightness DUMP.safetensors [--tau 0.2]
+//
+// For every dumped layer the keys and values go into two fp8-e4m3 caches, one per witness, and the
+// dump's queries (the last position's, every query head) are attended over all of them (whole
+// blocks; a partial last block stays exact in both). Per (layer, query head, token) it takes the
+// engine's double-precision bound of each witness (attention::meter_logit_bound_ref on the page's
+// error data) and reports the ratio exponent / fp16 (quantiles over tokens with a nonzero fp16
+// bound, and the p~-weighted mean per cell); per (layer, query head) cell the meter of each witness
+// on the production float path (attention::decode_attention, one thread), the true total variation
+// (decode_true_tv_ref), the coverage at tau and the tightness meter / TV. Soundness is counted too,
+// both expected 0 (exit status 1 otherwise): tokens whose exponent bound is below their true logit
+// error |scale q . (k^ - k)|, and cells whose meter (either witness) is below their TV.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "attention/decode_attention.h"
+#include "attention/online_softmax.h"
+#include "cache/kv_cache.h"
+#include "codec/lossy_page.h"
+#include "core/status.h"
+#include "format/numeric.h"
+#include "format/safetensors.h"
+
+namespace {
+
+using certkv::attention::AttentionShape;
+using certkv::attention::HeadMeter;
+namespace cache = certkv::cache;
+namespace codec = certkv::codec;
+
+double quantile(std::vector<double> x, double q) {
+  if (x.empty()) return NAN;
+  std::sort(x.begin(), x.end());
+  const size_t i = std::min(x.size() - 1, size_t(q * double(x.size() - 1) + 0.5));
+  return x[i];
+}
+
+std::string meta(const certkv::format::SafetensorsFile& f, const char* key) {
+  const auto it = f.metadata().find(key);
+  if (it == f.metadata().end()) certkv::fail(certkv::StatusCode::kInvalidArgument, std::string("dump lacks metadata ") + key);
+  return it->second;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: certkv_witness_tightness DUMP.safetensors [--tau T]\n");
+    return 2;
+  }
+  double tau = 0.2;
+  for (int i = 2; i + 1 < argc; i += 2)
+    if (std::strcmp(argv[i], "--tau") == 0) tau = std::atof(argv[i + 1]);
+  try {
+    const auto file = certkv::format::SafetensorsFile::open(argv[1]);
+    const int d = std::stoi(meta(*file, "head_dim"));
+    const int n_q = std::stoi(meta(*file, "n_heads"));
+    const int n_kv = std::stoi(meta(*file, "n_kv_heads"));
+    const int64_t n_tokens = std::stoll(meta(*file, "n_tokens"));
+    const float scale = std::stof(meta(*file, "softmax_scale"));
+    codec::RopePairing pairing;
+    if (!codec::parse_rope_pairing(meta(*file, "rope_layout"), &pairing))
+      certkv::fail(certkv::StatusCode::kInvalidArgument, "unknown rope_layout");
+    std::vector<int> layers;
+    for (const std::string list = meta(*file, "layers"); const auto& part : [&] {
+           std::vector<std::string> out;
+           size_t at = 0;
+           while (at <= list.size()) {
+             const size_t comma = std::min(list.find(',', at), list.size());
+             out.push_back(list.substr(at, comma - at));
+             at = comma + 1;
+           }
+           return out;
+         }())
+      layers.push_back(std::stoi(part));
+    const int group = n_q / n_kv;
+    const AttentionShape shape{n_q, n_kv, d, scale};
+    std::vector<double> ratios, cell_ratios, meters[2], tv_all, tight[2];
+    int64_t unsound_tokens = 0, unsound_cells = 0, cells = 0, covered[2] = {0, 0};
+    uint64_t fallback_blocks = 0;
+    for (const int layer : layers) {
+      const auto* kt = file->find("layer" + std::to_string(layer) + ".k");
+      const auto* vt = file->find("layer" + std::to_string(layer) + ".v");
+      const auto* qt = file->find("layer" + std::to_string(layer) + ".q");
+      if (!kt || !vt || !qt) certkv::fail(certkv::StatusCode::kInvalidArgument, "dump lacks layer tensors");
+      // [n_kv][N][d] bf16 -> [N][n_kv][d] float, as the cache's write takes them.
+      std::vector<float> k(size_t(n_tokens) * n_kv * d), v(k.size());
+      const uint16_t* kb = reinterpret_cast<const uint16_t*>(kt->data);
+      const uint16_t* vb = reinterpret_cast<const uint16_t*>(vt->data);
+      for (int h = 0; h < n_kv; ++h)
+        for (int64_t t = 0; t < n_tokens; ++t)
+          for (int c = 0; c < d; ++c) {
+            const size_t from = (size_t(h) * size_t(n_tokens) + size_t(t)) * d + c;
+            const size_t to = (size_t(t) * n_kv + size_t(h)) * d + c;
+            k[to] = certkv::format::bf16_to_float(kb[from]);
+            v[to] = certkv::format::bf16_to_float(vb[from]);
+          }
+      const float* q = reinterpret_cast<const float*>(qt->data);
+      std::unique_ptr<cache::KvCache> caches[2];
+      cache::SeqId seqs[2];
+      for (int w = 0; w < 2; ++w) {
+        cache::KvCacheConfig cfg;
+        cfg.n_layers = 1;
+        cfg.n_kv_heads = n_kv;
+        cfg.head_dim = d;
+        cfg.block_tokens = 16;
+        cfg.max_tokens = n_tokens + 16;
+        cfg.scheme = cache::KvScheme::kFp8E4M3;
+        cfg.rope_pairing = pairing;
+        cfg.witness = w == 0 ? codec::WitnessCode::kFp16 : codec::WitnessCode::kExponent;
+        caches[w] = std::make_unique<cache::KvCache>(cfg);
+        seqs[w] = caches[w]->create_sequence();
+        caches[w]->reserve(seqs[w], n_tokens);
+        caches[w]->write(seqs[w], 0, k.data(), v.data(), n_tokens);
+        caches[w]->commit(seqs[w], n_tokens);
+      }
+      fallback_blocks += caches[1]->memory_stats().exact_fallback_blocks;
+      std::vector<HeadMeter> got[2];
+      for (int w = 0; w < 2; ++w) {
+        got[w].resize(size_t(n_q));
+        std::vector<float> out(size_t(n_q) * d);
+        certkv::attention::DecodeOptions options;
+        options.meters = got[w].data();
+        options.n_splits = 1;
+        certkv::attention::decode_attention(*caches[w], seqs[w], 0, shape, q, n_tokens, out.data(), nullptr, options);
+      }
+      std::vector<double> tv(static_cast<size_t>(n_q));
+      certkv::attention::decode_true_tv_ref(*caches[1], seqs[1], 0, shape, q, n_tokens, tv.data());
+      for (int kvh = 0; kvh < n_kv; ++kvh) {
+        std::vector<float> bounds[2], k_exact(size_t(n_tokens) * d), k_hat(k_exact.size());
+        caches[1]->read_token_range_exact(seqs[1], 0, cache::KvTensor::kKey, kvh, 0, n_tokens, k_exact.data());
+        caches[1]->read_token_range_ref(seqs[1], 0, cache::KvTensor::kKey, kvh, 0, n_tokens, k_hat.data());
+        certkv::attention::detail::TableReader tables[2] = {
+            certkv::attention::detail::table_reader(*caches[0], seqs[0], 0, cache::KvTensor::kKey, kvh),
+            certkv::attention::detail::table_reader(*caches[1], seqs[1], 0, cache::KvTensor::kKey, kvh)};
+        int widths[2];
+        for (int w = 0; w < 2; ++w) {
+          widths[w] = certkv::attention::detail::key_bound_width(*tables[w].lossy);
+          bounds[w].resize(size_t(widths[w]) * size_t(n_tokens));
+          certkv::attention::detail::load_error_data(tables[w], 0, n_tokens, bounds[w].data(), size_t(n_tokens));
+        }
+        for (int g = 0; g < group; ++g) {
+          const int h = kvh * group + g;
+          const float* qh = q + size_t(h) * d;
+          // p~ over the stored keys, for the weighted mean of the ratio.
+          std::vector<double> s(static_cast<size_t>(n_tokens));
+          double s_max = -INFINITY;
+          for (int64_t t = 0; t < n_tokens; ++t) {
+            double dot = 0;
+            for (int c = 0; c < d; ++c) dot += double(qh[c]) * k_hat[size_t(t) * d + c];
+            s[size_t(t)] = double(scale) * dot;
+            s_max = std::max(s_max, s[size_t(t)]);
+          }
+          double z = 0, num = 0, den = 0;
+          for (double& x : s) z += (x = std::exp(x - s_max));
+          for (int64_t t = 0; t < n_tokens; ++t) {
+            double c[2];
+            for (int w = 0; w < 2; ++w) {
+              std::vector<float> bt(static_cast<size_t>(widths[w]));
+              for (int b = 0; b < widths[w]; ++b) bt[size_t(b)] = bounds[w][size_t(b) * size_t(n_tokens) + size_t(t)];
+              c[w] = certkv::attention::meter_logit_bound_ref(*tables[w].lossy, qh, scale, bt.data(), n_tokens, 1e-6);
+            }
+            long double err = 0;
+            for (int c2 = 0; c2 < d; ++c2)
+              err += (long double)qh[c2] * ((long double)k_hat[size_t(t) * d + c2] - (long double)k_exact[size_t(t) * d + c2]);
+            err = std::fabs(err) * std::fabs((long double)scale);
+            unsound_tokens += (long double)c[1] < err;
+            if (c[0] > 0) ratios.push_back(c[1] / c[0]);
+            num += s[size_t(t)] / z * c[1];
+            den += s[size_t(t)] / z * c[0];
+          }
+          if (den > 0) cell_ratios.push_back(num / den);
+          ++cells;
+          tv_all.push_back(tv[size_t(h)]);
+          for (int w = 0; w < 2; ++w) {
+            const double m = got[w][size_t(h)].meter;
+            meters[w].push_back(m);
+            covered[w] += m <= tau;
+            unsound_cells += m < tv[size_t(h)];
+            if (tv[size_t(h)] > 1e-12 && m < 1) tight[w].push_back(m / tv[size_t(h)]);
+          }
+        }
+      }
+    }
+    const char* names[2] = {"fp16", "exponent"};
+    std::printf("{\"dump\": \"%s\", \"layers\": %zu, \"cells\": %lld, \"tokens_per_cell\": %lld, \"tau\": %g,\n", argv[1],
+                layers.size(), (long long)cells, (long long)n_tokens, tau);
+    std::printf(" \"exact_fallback_blocks_exponent\": %llu, \"unsound_tokens\": %lld, \"unsound_cells\": %lld,\n",
+                (unsigned long long)fallback_blocks, (long long)unsound_tokens, (long long)unsound_cells);
+    std::printf(" \"c_ratio_exponent_over_fp16\": {\"tokens\": %zu, \"min\": %.4f, \"p10\": %.4f, \"median\": %.4f, "
+                "\"p90\": %.4f, \"max\": %.4f},\n",
+                ratios.size(), quantile(ratios, 0), quantile(ratios, 0.1), quantile(ratios, 0.5), quantile(ratios, 0.9),
+                quantile(ratios, 1));
+    std::printf(" \"c_ratio_p_weighted_per_cell\": {\"min\": %.4f, \"median\": %.4f, \"max\": %.4f},\n",
+                quantile(cell_ratios, 0), quantile(cell_ratios, 0.5), quantile(cell_ratios, 1));
+    std::printf(" \"true_tv\": {\"median\": %.6g, \"max\": %.6g},\n", quantile(tv_all, 0.5), quantile(tv_all, 1));
+    for (int w = 0; w < 2; ++w)
+      std::printf(" \"meter_%s\": {\"median\": %.6g, \"p90\": %.6g, \"coverage_at_tau\": %.4f, \"tightness_q50\": %.4g, "
+                  "\"informative_cells\": %zu}%s\n",
+                  names[w], quantile(meters[w], 0.5), quantile(meters[w], 0.9), double(covered[w]) / double(cells),
+                  quantile(tight[w], 0.5), tight[w].size(), w == 0 ? "," : "");
+    std::printf("}\n");
+    return unsound_tokens == 0 && unsound_cells == 0 ? 0 : 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "certkv_witness_tightness: %s\n", e.what());
+    return 1;
+  }
+}
