@@ -94,7 +94,9 @@ TEST(KvSchemeTable, WitnessCodesEachSchemeTakes) {
         EXPECT_NE(m.find(std::string("config.witness ") + name), std::string::npos) << m;
         EXPECT_NE(m.find(s.name), std::string::npos) << m;
       }
-      if (code != s.default_witness || tier_a) EXPECT_THROW(check_kv_witness(s.scheme, code, "w"), Error) << s.name;
+      if (code != s.default_witness || tier_a) {
+        EXPECT_THROW(check_kv_witness(s.scheme, code, "w"), Error) << s.name;
+      }
     }
   }
   EXPECT_EQ(kv_scheme_names([](const KvSchemeInfo& s) { return kv_scheme_takes_witness(s.scheme, codec::WitnessCode::kExponent); }),
