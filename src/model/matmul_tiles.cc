@@ -196,8 +196,9 @@ void configure_tiles(int m) {
   configured = m;
 }
 
-// The quantized activations of one call: codes [n_tokens][n_in], and per token its blocks' d and
-// s = d * sum(q) ([n_tokens][nb] each), exactly as quantize_activation_ref makes them.
+// The quantized activations of one call for one block length: codes [n_tokens][n_in], and per
+// token its blocks' d and s = d * sum(q) ([n_tokens][nb] each; s for blocks of 32 only), exactly
+// as quantize_activation_ref makes them.
 struct TiledInput {
   const int8_t* q = nullptr;
   const float* d = nullptr;
@@ -210,8 +211,8 @@ using detail::all_finite;
 using detail::quantize_16;
 using detail::quantize_block32;
 
-// The same for a K-quant super-block of 256 (quantize_activation_ref with 256): one d, the codes,
-// and the exact sum of each 32 codes.
+// quantize_activation_ref's step for a K-quant super-block of 256: one d, the codes, and the
+// exact sum of each 32 codes (a block with an Inf or NaN: d NaN, codes and sums 0).
 inline void quantize_block256(const float* x, int8_t* q, float* d, int32_t* sum32) {
   __m512 v[16];
   bool finite = true;
