@@ -79,7 +79,7 @@ Weights make_weights(const Shape& s, int64_t n_copies, uint32_t seed) {
   }
   for (int64_t c = 0; c < n_copies; ++c)
     w.matrices.push_back(
-        {s.type, w.bytes.data() + size_t(c) * matrix_bytes, s.n_in, s.n_out, row_bytes});
+        certkv::model::weight_matrix(s.type, w.bytes.data() + size_t(c) * matrix_bytes, s.n_in, s.n_out));
   return w;
 }
 

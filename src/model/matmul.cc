@@ -1414,6 +1414,16 @@ void matmul_simd(std::span<const WeightMatrix> w, const float* x, int64_t n_toke
 
 bool matmul_supports(GgmlType type) { return dequantize_supports(type); }
 
+WeightMatrix weight_matrix(GgmlType type, const uint8_t* data, int64_t n_in, int64_t n_out) {
+  WeightMatrix w;
+  w.type = type;
+  w.data = data;
+  w.n_in = n_in;
+  w.n_out = n_out;
+  w.row_bytes = ggml_row_bytes(type, n_in);
+  return w;
+}
+
 void matmul(const WeightMatrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool) {
   matmul(std::span<const WeightMatrix>(&w, 1), x, n_tokens, std::span<float* const>(&y, 1), pool);
 }

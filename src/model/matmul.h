@@ -39,6 +39,10 @@ struct WeightMatrix {
   const uint8_t* tiles = nullptr;
 };
 
+// The matrix of n_out rows of n_in elements of `type` at data, rows packed (row_bytes =
+// ggml_row_bytes(type, n_in)), without tiles.
+WeightMatrix weight_matrix(format::GgmlType type, const uint8_t* data, int64_t n_in, int64_t n_out);
+
 // True for the weight types matmul and matmul_ref accept: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
 // Q8_0, Q4_K, Q5_K, Q6_K.
 bool matmul_supports(format::GgmlType type);

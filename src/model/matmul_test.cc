@@ -99,17 +99,6 @@ std::vector<float> random_activations(int64_t n, std::mt19937& rng) {
   return x;
 }
 
-WeightMatrix matrix_of(GgmlType type, const std::vector<uint8_t>& data, int64_t n_in,
-                       int64_t n_out) {
-  WeightMatrix w;
-  w.type = type;
-  w.data = data.data();
-  w.n_in = n_in;
-  w.n_out = n_out;
-  w.row_bytes = ggml_row_bytes(type, n_in);
-  return w;
-}
-
 // Bound on the sum of absolute values of the fp32 terms that matmul and matmul_quantized_ref add
 // for output (t, o): sum_i (A |d_w| + C |m_w|) |d_x q_i|, with A the largest |scale * code| per
 // unit d_w that the algorithm multiplies (codes are used unsigned, offsets enter through the
@@ -185,7 +174,7 @@ void check_shape(GgmlType type, const Shape& s, std::mt19937& rng, ThreadPool& p
   SCOPED_TRACE(std::string(ggml_type_name(type)) + " tokens=" + std::to_string(s.n_tokens) +
                " n_in=" + std::to_string(s.n_in) + " n_out=" + std::to_string(s.n_out));
   const std::vector<uint8_t> data = random_weights(type, s.n_in, s.n_out, rng);
-  const WeightMatrix w = matrix_of(type, data, s.n_in, s.n_out);
+  const WeightMatrix w = weight_matrix(type, data.data(), s.n_in, s.n_out);
   const std::vector<float> x = random_activations(s.n_tokens * s.n_in, rng);
   const size_t n_y = size_t(s.n_tokens * s.n_out);
   std::vector<float> y(n_y, NAN), y_q(n_y, NAN), y_ref(n_y, NAN);
@@ -290,7 +279,7 @@ TEST(Matmul, ExactOnIntegerData) {
     const int64_t span = xblock ? xblock : 32;
     for (size_t i = 0; i < x.size(); i += size_t(span))
       x[i + rng() % span] = (rng() % 2) ? 127.f : -127.f;
-    const WeightMatrix w = matrix_of(type, data, n_in, n_out);
+    const WeightMatrix w = weight_matrix(type, data.data(), n_in, n_out);
     std::vector<float> y(size_t(n_tokens * n_out)), y_ref(y.size()), y_q(y.size());
     matmul(w, x.data(), n_tokens, y.data(), pool);
     matmul_ref(w, x.data(), n_tokens, y_ref.data());
@@ -312,7 +301,7 @@ TEST(Matmul, ResultDoesNotDependOnThreadCount) {
   for (GgmlType type : {GgmlType::kQ4_1, GgmlType::kQ8_0, GgmlType::kQ6_K, GgmlType::kF16}) {
     const int64_t n_in = 768, n_out = 1000, n_tokens = 9;
     const std::vector<uint8_t> data = random_weights(type, n_in, n_out, rng);
-    const WeightMatrix w = matrix_of(type, data, n_in, n_out);
+    const WeightMatrix w = weight_matrix(type, data.data(), n_in, n_out);
     const std::vector<float> x = random_activations(n_tokens * n_in, rng);
     std::vector<float> y1(size_t(n_tokens * n_out)), y2(y1.size()), y3(y1.size());
     matmul(w, x.data(), n_tokens, y1.data(), one);
@@ -334,7 +323,7 @@ TEST(Matmul, EachTokensResultIsIndependentOfTheOtherTokens) {
     const int64_t xblock = activation_block_elements(type);
     const int64_t n_in = xblock == 256 ? 512 : 576, n_out = 67, n_tokens = 19;
     const std::vector<uint8_t> data = random_weights(type, n_in, n_out, rng);
-    const WeightMatrix w = matrix_of(type, data, n_in, n_out);
+    const WeightMatrix w = weight_matrix(type, data.data(), n_in, n_out);
     const std::vector<float> x = random_activations(n_tokens * n_in, rng);
     std::vector<float> all(size_t(n_tokens * n_out));
     matmul(w, x.data(), n_tokens, all.data(), pool);
@@ -365,7 +354,7 @@ TEST(Matmul, SharedInputProductsEqualSeparateProducts) {
     std::vector<std::vector<uint8_t>> data;
     std::vector<WeightMatrix> w;
     for (size_t m = 0; m < types.size(); ++m) data.push_back(random_weights(types[m], n_in, n_outs[m], rng));
-    for (size_t m = 0; m < types.size(); ++m) w.push_back(matrix_of(types[m], data[m], n_in, n_outs[m]));
+    for (size_t m = 0; m < types.size(); ++m) w.push_back(weight_matrix(types[m], data[m].data(), n_in, n_outs[m]));
     for (int64_t n_tokens = 1; n_tokens <= 9; ++n_tokens) {
       SCOPED_TRACE(std::string(ggml_type_name(types[0])) + " + " + std::to_string(types.size() - 1) +
                    " more, tokens=" + std::to_string(n_tokens));
@@ -392,7 +381,7 @@ TEST(MatmulErrors, SharedInputNeedsOneInputLength) {
   std::mt19937 rng(19);
   const std::vector<uint8_t> a = random_weights(GgmlType::kQ4_1, 64, 2, rng);
   const std::vector<uint8_t> b = random_weights(GgmlType::kQ4_1, 96, 2, rng);
-  const WeightMatrix w[2] = {matrix_of(GgmlType::kQ4_1, a, 64, 2), matrix_of(GgmlType::kQ4_1, b, 96, 2)};
+  const WeightMatrix w[2] = {weight_matrix(GgmlType::kQ4_1, a.data(), 64, 2), weight_matrix(GgmlType::kQ4_1, b.data(), 96, 2)};
   std::vector<float> x(96, 1.f), y0(2, -1.f), y1(2, -1.f);
   float* const y[2] = {y0.data(), y1.data()};
   try {
@@ -418,7 +407,7 @@ TEST(Matmul, NonFiniteActivationPoisonsItsTokenOnly) {
     SCOPED_TRACE(ggml_type_name(type));
     const int64_t n_in = 512, n_out = 9, n_tokens = 3;
     const std::vector<uint8_t> data = random_weights(type, n_in, n_out, rng);
-    const WeightMatrix w = matrix_of(type, data, n_in, n_out);
+    const WeightMatrix w = weight_matrix(type, data.data(), n_in, n_out);
     std::vector<float> x = random_activations(n_tokens * n_in, rng);
     x[1 * n_in + 300] = INFINITY;
     x[2 * n_in + 7] = NAN;
@@ -446,9 +435,9 @@ TEST(Matmul, ZeroSizedShapes) {
   std::mt19937 rng(3);
   const std::vector<uint8_t> data = random_weights(GgmlType::kQ4_1, 64, 4, rng);
   std::vector<float> x(64, 1.f), y(4, -1.f);
-  matmul(matrix_of(GgmlType::kQ4_1, data, 64, 4), x.data(), 0, y.data(), pool);
+  matmul(weight_matrix(GgmlType::kQ4_1, data.data(), 64, 4), x.data(), 0, y.data(), pool);
   for (float v : y) EXPECT_EQ(v, -1.f);
-  matmul(matrix_of(GgmlType::kQ4_1, data, 0, 4), x.data(), 1, y.data(), pool);
+  matmul(weight_matrix(GgmlType::kQ4_1, data.data(), 0, 4), x.data(), 1, y.data(), pool);
   for (float v : y) EXPECT_EQ(v, 0.f);
 }
 

@@ -62,16 +62,6 @@ std::vector<float> random_activations(int64_t n_tokens, int64_t n_in, std::mt199
   return x;
 }
 
-WeightMatrix matrix_of(GgmlType type, const std::vector<uint8_t>& data, int64_t n_in, int64_t n_out) {
-  WeightMatrix w;
-  w.type = type;
-  w.data = data.data();
-  w.n_in = n_in;
-  w.n_out = n_out;
-  w.row_bytes = ggml_row_bytes(type, n_in);
-  return w;
-}
-
 // Same float bits (NaN equal to NaN of any payload).
 bool same_float(float a, float b) {
   if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b);
@@ -191,20 +181,18 @@ TEST(MatmulTiles, RecordsHoldTheMatrix) {
     for (const Shape& s : kShapes) cases.push_back({type, s});
   for (GgmlType type : kSuperBlockTypes)
     for (const Shape& s : kSuperBlockShapes) cases.push_back({type, s});
-  {
-    for (const auto& [type, s] : cases) {
-      SCOPED_TRACE(std::string(ggml_type_name(type)) + " " + std::to_string(s.n_in) + "x" +
-                   std::to_string(s.n_out) + " tokens " + std::to_string(s.n_tokens));
-      const std::vector<uint8_t> data = random_weights(type, s.n_in, s.n_out, rng);
-      const WeightMatrix w = matrix_of(type, data, s.n_in, s.n_out);
-      std::vector<uint8_t> tiles(matmul_tiles_bytes(w));
-      tile_weights(w, tiles.data());
-      const std::vector<float> x = random_activations(s.n_tokens, s.n_in, rng);
-      std::vector<float> ref(size_t(s.n_tokens * s.n_out));
-      matmul_quantized_ref(w, x.data(), s.n_tokens, ref.data());
-      const std::vector<float> got = product_from_records(w, tiles, x.data(), s.n_tokens);
-      for (size_t i = 0; i < ref.size(); ++i) ASSERT_TRUE(same_float(got[i], ref[i])) << i << ": " << got[i] << " vs " << ref[i];
-    }
+  for (const auto& [type, s] : cases) {
+    SCOPED_TRACE(std::string(ggml_type_name(type)) + " " + std::to_string(s.n_in) + "x" +
+                 std::to_string(s.n_out) + " tokens " + std::to_string(s.n_tokens));
+    const std::vector<uint8_t> data = random_weights(type, s.n_in, s.n_out, rng);
+    const WeightMatrix w = weight_matrix(type, data.data(), s.n_in, s.n_out);
+    std::vector<uint8_t> tiles(matmul_tiles_bytes(w));
+    tile_weights(w, tiles.data());
+    const std::vector<float> x = random_activations(s.n_tokens, s.n_in, rng);
+    std::vector<float> ref(size_t(s.n_tokens * s.n_out));
+    matmul_quantized_ref(w, x.data(), s.n_tokens, ref.data());
+    const std::vector<float> got = product_from_records(w, tiles, x.data(), s.n_tokens);
+    for (size_t i = 0; i < ref.size(); ++i) ASSERT_TRUE(same_float(got[i], ref[i])) << i << ": " << got[i] << " vs " << ref[i];
   }
 }
 
@@ -216,7 +204,7 @@ TEST(MatmulTiles, RecordsWithAMovedCodeAreNotTheMatrix) {
   for (GgmlType type : {GgmlType::kQ4_1, GgmlType::kQ5_0}) {
     SCOPED_TRACE(ggml_type_name(type));
     const std::vector<uint8_t> data = random_weights(type, n_in, n_out, rng);
-    const WeightMatrix w = matrix_of(type, data, n_in, n_out);
+    const WeightMatrix w = weight_matrix(type, data.data(), n_in, n_out);
     std::vector<uint8_t> tiles(matmul_tiles_bytes(w));
     tile_weights(w, tiles.data());
     if (type == GgmlType::kQ4_1)
@@ -246,14 +234,14 @@ void expect_call_gives_reference_bits(std::span<const GgmlType> tiled, bool unti
   for (GgmlType type : tiled) {
     const int64_t n_out = s.n_out + int64_t(w.size());
     data.push_back(random_weights(type, s.n_in, n_out, rng));
-    w.push_back(matrix_of(type, data.back(), s.n_in, n_out));
+    w.push_back(weight_matrix(type, data.back().data(), s.n_in, n_out));
     tiles.emplace_back(matmul_tiles_bytes(w.back()));
     tile_weights(w.back(), tiles.back().data());
     w.back().tiles = tiles.back().data();
   }
   if (untiled) {
     data.push_back(random_weights(GgmlType::kQ8_0, s.n_in, s.n_out, rng));
-    w.push_back(matrix_of(GgmlType::kQ8_0, data.back(), s.n_in, s.n_out));
+    w.push_back(weight_matrix(GgmlType::kQ8_0, data.back().data(), s.n_in, s.n_out));
   }
   const std::vector<float> x = random_activations(s.n_tokens, s.n_in, rng);
   std::vector<std::vector<float>> y(w.size());
@@ -305,7 +293,7 @@ TEST(MatmulTiles, ATokensOutputsDoNotDependOnItsCompany) {
   ThreadPool pool(2);
   const int64_t n_in = 576, n_out = 49, n_tokens = 37;
   const std::vector<uint8_t> data = random_weights(GgmlType::kQ4_1, n_in, n_out, rng);
-  WeightMatrix w = matrix_of(GgmlType::kQ4_1, data, n_in, n_out);
+  WeightMatrix w = weight_matrix(GgmlType::kQ4_1, data.data(), n_in, n_out);
   std::vector<uint8_t> tiles(matmul_tiles_bytes(w));
   tile_weights(w, tiles.data());
   w.tiles = tiles.data();
@@ -326,7 +314,7 @@ TEST(MatmulTiles, NonFiniteActivationPoisonsItsTokenOnly) {
     SCOPED_TRACE(ggml_type_name(type));
     const int64_t n_in = 512, n_out = 9, n_tokens = 3;
     const std::vector<uint8_t> data = random_weights(type, n_in, n_out, rng);
-    WeightMatrix w = matrix_of(type, data, n_in, n_out);
+    WeightMatrix w = weight_matrix(type, data.data(), n_in, n_out);
     std::vector<uint8_t> tiles(matmul_tiles_bytes(w));
     tile_weights(w, tiles.data());
     w.tiles = tiles.data();
@@ -370,7 +358,7 @@ TEST(MatmulTiles, ALoadedModelCarriesTilesOfItsMatrices) {
 
 TEST(MatmulTilesErrors, TypesAndShapesWithoutALayoutAreRefused) {
   std::vector<uint8_t> data(4096);
-  WeightMatrix w = matrix_of(GgmlType::kQ6_K, data, 256, 2);
+  WeightMatrix w = weight_matrix(GgmlType::kQ6_K, data.data(), 256, 2);
   EXPECT_FALSE(matmul_tiles_support(GgmlType::kQ6_K));
   EXPECT_FALSE(matmul_tiles_support(GgmlType::kF32));
   try {

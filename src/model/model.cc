@@ -106,7 +106,7 @@ void ModelBuilder::load_weights(const TensorSource& source, const TensorNames& n
     if (!matmul_supports(t.type))
       fail(StatusCode::kUnsupported, file + ": tensor " + name + " has type " + ggml_type_name(t.type) +
                                          ", which certkv cannot multiply yet");
-    return WeightMatrix{t.type, t.data, n_in, n_out, ggml_row_bytes(t.type, n_in)};
+    return weight_matrix(t.type, t.data, n_in, n_out);
   };
   auto vector = [&](const std::string& name, int64_t n) {
     const TensorView t = tensor(name);
