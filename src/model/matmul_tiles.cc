@@ -580,39 +580,35 @@ void matmul_tiled(std::span<const WeightMatrix> w, const float* x, int64_t n_tok
   if (!matmul_tiles_available())
     fail(StatusCode::kUnsupported, "matmul tiles: this CPU or kernel offers no AMX tiles");
   const int64_t n_in = w[0].n_in, nb = n_in / 32;
-  // The activations each block length that some matrix of the call needs: [0] blocks of 32,
-  // [1] super-blocks of 256; per length the codes, d, s and the sums of 32 codes.
+  // The activations in each block length that a matrix of the call needs ([0] blocks of 32, [1]
+  // super-blocks of 256): the codes, d, s and the exact sums of each 32 codes, per token.
   bool need[2] = {false, false};
   for (const WeightMatrix& m : w) need[k_quant(m.type)] = true;
   const size_t q_bytes = (size_t(n_tokens) * size_t(n_in) + 63) / 64 * 64;
   const size_t f_bytes = (size_t(n_tokens) * size_t(nb) * sizeof(float) + 63) / 64 * 64;
   const size_t per_length = q_bytes + 3 * f_bytes;
-  uint8_t* scratch = activation_scratch(2 * per_length);
+  uint8_t* scratch = activation_scratch(size_t(need[0] + need[1]) * per_length);
+  int8_t* q[2];
+  float *d[2], *s[2];
+  int32_t* sum[2];
   TiledInput in[2];
   for (int k = 0; k < 2; ++k) {
-    uint8_t* base = scratch + size_t(k) * per_length;
-    in[k].n_in = n_in;
-    in[k].nb = k == 0 ? nb : n_in / 256;
-    in[k].q = reinterpret_cast<const int8_t*>(base);
-    in[k].d = reinterpret_cast<const float*>(base + q_bytes);
-    in[k].s = reinterpret_cast<const float*>(base + q_bytes + f_bytes);
-    in[k].sum = reinterpret_cast<const int32_t*>(base + q_bytes + 2 * f_bytes);
+    uint8_t* base = scratch + (k == 1 && need[0] ? per_length : 0);
+    q[k] = reinterpret_cast<int8_t*>(base);
+    d[k] = reinterpret_cast<float*>(base + q_bytes);
+    s[k] = reinterpret_cast<float*>(base + q_bytes + f_bytes);
+    sum[k] = reinterpret_cast<int32_t*>(base + q_bytes + 2 * f_bytes);
+    in[k] = {q[k], d[k], s[k], sum[k], n_in, k == 0 ? nb : n_in / 256};
   }
   auto quantize_row = [&](int64_t t) {
-    if (need[0]) {
-      int8_t* q = const_cast<int8_t*>(in[0].q) + t * n_in;
-      float* d = const_cast<float*>(in[0].d) + t * nb;
-      float* s = const_cast<float*>(in[0].s) + t * nb;
-      int32_t* sum = const_cast<int32_t*>(in[0].sum) + t * nb;
-      for (int64_t b = 0; b < nb; ++b) quantize_block32(x + t * n_in + 32 * b, q + 32 * b, d + b, s + b, sum + b);
-    }
-    if (need[1]) {
-      const int64_t nsb = n_in / 256;
-      int8_t* q = const_cast<int8_t*>(in[1].q) + t * n_in;
-      float* d = const_cast<float*>(in[1].d) + t * nsb;
-      int32_t* sum = const_cast<int32_t*>(in[1].sum) + t * nb;
-      for (int64_t b = 0; b < nsb; ++b) quantize_block256(x + t * n_in + 256 * b, q + 256 * b, d + b, sum + 8 * b);
-    }
+    const float* xt = x + t * n_in;
+    if (need[0])
+      for (int64_t b = 0; b < nb; ++b)
+        quantize_block32(xt + 32 * b, q[0] + t * n_in + 32 * b, d[0] + t * nb + b, s[0] + t * nb + b,
+                         sum[0] + t * nb + b);
+    if (need[1])
+      for (int64_t b = 0; b < n_in / 256; ++b)
+        quantize_block256(xt + 256 * b, q[1] + t * n_in + 256 * b, d[1] + t * (n_in / 256) + b, sum[1] + t * nb + 8 * b);
   };
   if (n_tokens < 32) {
     for (int64_t t = 0; t < n_tokens; ++t) quantize_row(t);
