@@ -119,6 +119,77 @@ CERTKV_HD constexpr int dither8_outlier_byte(int head_dim, int groups, int m, in
   return kPageTokens * (head_dim + 2 * groups) + token * 4 * m + 2 * value;
 }
 
+// ---- GAAC pages in a device layout (PageFormat::kGaacFragments, docs/format/gaac_fragments.md) --
+// Lossless: each bf16 element keeps its sign, its 7 mantissa bits and its exponent as a 4-bit code
+// against its channel's 16-wide window [b, b + 16) (the GAAC calibration's b4), 12 bits in all;
+// an element outside its window (or a zero, subnormal, inf or NaN) is an exception of the page,
+// stored whole after the codes. The kernel decodes an element as the bf16 of exponent kGaacBuilt +
+// code, that is k 2^(kGaacBuilt - b), and folds 2^(b - kGaacBuilt) into the query (K pages) or the
+// output (V pages) once: exact, a power of two. A lane's 8 elements of step s (the fragment maps'
+// element order e = 2 r + h) are
+//   8 low bytes: the low byte of the built bf16, (code & 1) << 7 | mantissa, at code_byte() as for
+//     8-bit codes (two steps per lane's 16 bytes);
+//   one 32-bit word X: the code's high 3 bits of e = 0..3 at bits 4 e, of e = 4..7 at bits
+//     16 + 4 (e - 4); the sign of e = 0..3 at bit 8 e + 7, of e = 4..7 at bit 8 (e - 4) + 3. So
+//     PRMT(table, X & 0x7777) | (X & 0x80808080) gives the high bytes of e = 0..3 and
+//     PRMT(table, (X >> 16) & 0x7777) | ((X << 4) & 0x80808080) those of e = 4..7.
+// The words of steps 4 j .. 4 j + 3 of a lane are its 16 bytes of chunk j after the low bytes; then
+// the exceptions: a u32 count and up to gaac_exception_capacity(D) u32 entries (element index |
+// built bf16 bits << 16), D / 4 bytes in all. A page with more exceptions, or one whose built value
+// k 2^(kGaacBuilt - b) is not exactly a bf16, is kept exact (a raw bf16 page).
+
+inline constexpr int kGaacBuilt = 128;  // the built exponent of code 0 (a multiple of 16)
+// The high bytes of the built bf16 of codes 2 i and 2 i + 1 (positive), i = 0..7, as PRMT's table.
+inline constexpr uint32_t kGaacHighLow = 0x43424140u, kGaacHighHigh = 0x47464544u;
+
+CERTKV_HD constexpr int gaac_low_bytes(int head_dim) { return kPageTokens * head_dim; }
+CERTKV_HD constexpr int gaac_word_bytes(int head_dim) { return kPageTokens * head_dim / 2; }
+CERTKV_HD constexpr int gaac_exception_bytes(int head_dim) { return head_dim / 4; }
+CERTKV_HD constexpr int gaac_exception_capacity(int head_dim) { return head_dim / 16 - 1; }
+CERTKV_HD constexpr int gaac_page_bytes(int head_dim) {
+  return gaac_low_bytes(head_dim) + gaac_word_bytes(head_dim) + gaac_exception_bytes(head_dim);
+}
+// The byte of lane `lane`'s word X of step s.
+CERTKV_HD constexpr int gaac_word_byte(int head_dim, int step, int lane) {
+  return gaac_low_bytes(head_dim) + (step / 4) * 512 + lane * 16 + (step % 4) * 4;
+}
+// Where element e (0..7) of a lane's step keeps the high 3 bits of its code and its sign in X.
+CERTKV_HD constexpr int gaac_code_bit(int e) { return e < 4 ? 4 * e : 16 + 4 * (e - 4); }
+CERTKV_HD constexpr int gaac_sign_bit(int e) { return e < 4 ? 8 * e + 7 : 8 * (e - 4) + 3; }
+
+// The four operand registers (bf16 pairs of elements 0, 1 | 2, 3 | 4, 5 | 6, 7) of a lane's step of
+// a GAAC page, built (exponent kGaacBuilt + code), from its low bytes (lo0: elements 0..3, lo1:
+// 4..7) and its word x. perm is PRMT in its default mode with selectors of 3-bit indices: the
+// device's __byte_perm, the host emulation's byte_perm. An exception's element is patched after.
+template <class Perm>
+CERTKV_HD inline void gaac_step_operands(uint32_t lo0, uint32_t lo1, uint32_t x, Perm perm, uint32_t (&a)[4]) {
+  const uint32_t high_a = perm(kGaacHighLow, kGaacHighHigh, x & 0x7777u) | (x & 0x80808080u);
+  const uint32_t high_b = perm(kGaacHighLow, kGaacHighHigh, (x >> 16) & 0x7777u) | ((x << 4) & 0x80808080u);
+  a[0] = perm(lo0, high_a, 0x5140u);
+  a[1] = perm(lo0, high_a, 0x7362u);
+  a[2] = perm(lo1, high_b, 0x5140u);
+  a[3] = perm(lo1, high_b, 0x7362u);
+}
+// An exception entry: the element index (the fragment maps' element_index) in the low 16 bits,
+// the built bf16 in the high 16.
+CERTKV_HD constexpr uint32_t gaac_exception(int element, uint16_t built) { return uint32_t(element) | (uint32_t(built) << 16); }
+
+// Writes exception `entry` into a lane's operands a[steps][4] (the built bf16 pairs of
+// gaac_step_operands, step by step) when its element is the lane's; an element past the page
+// matches no lane's step. Every index is a constant after unrolling (no local memory).
+template <int kSteps>
+CERTKV_HD inline void gaac_patch(uint32_t entry, int lane, uint32_t (&a)[kSteps][4]) {
+  const int element = int(entry & 0xffffu);
+  if (((element >> 3) & 31) != lane) return;
+  const int step = element >> 8, reg = (element >> 1) & 3;
+  const uint32_t built = entry >> 16;
+  CERTKV_UNROLL
+  for (int s = 0; s < kSteps; ++s)
+    CERTKV_UNROLL
+    for (int r = 0; r < 4; ++r)
+      if (s == step && r == reg) a[s][r] = (element & 1) ? ((a[s][r] & 0xffffu) | (built << 16)) : ((a[s][r] & 0xffff0000u) | built);
+}
+
 // Host forms for a head_dim known at run time (the device cache's uploads and reads). D a
 // multiple of 16; pages of kPageTokens tokens.
 // bf16 rows [T][D] <-> a fragment-major bf16 page (K or V map).

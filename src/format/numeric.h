@@ -6,8 +6,10 @@
 
 #if defined(__CUDACC__)
 #define CERTKV_HD __host__ __device__
+#define CERTKV_UNROLL _Pragma("unroll")
 #else
 #define CERTKV_HD
+#define CERTKV_UNROLL
 #endif
 
 namespace certkv::format {

@@ -144,4 +144,36 @@ void operand_values(PageClass cls, bool key, const uint8_t* page, const codec::L
       }
 }
 
+// GAAC pages (PageFormat::kGaacFragments): a lane's operands of every step built by
+// format::fragment::gaac_step_operands with PRMT written out (byte_perm), the page's exceptions
+// patched as the kernel does (at most the capacity of them, gaac_patch); out[token * D + channel]
+// is the operand's value times 2^(b - kGaacBuilt), b the channel's base: what the kernel's scaled
+// query (K) or scaled output (V) makes of it.
+template <int D>
+void gaac_operand_values(bool key, const uint8_t* page, const uint8_t* bases, double* out) {
+  auto word = [&](size_t at) {
+    uint32_t w;
+    std::memcpy(&w, page + at, 4);
+    return w;
+  };
+  const size_t exceptions = size_t(fragment::gaac_low_bytes(D) + fragment::gaac_word_bytes(D));
+  const uint32_t count = word(exceptions);
+  const uint32_t n = count < uint32_t(fragment::gaac_exception_capacity(D)) ? count : uint32_t(fragment::gaac_exception_capacity(D));
+  for (int lane = 0; lane < 32; ++lane) {
+    uint32_t a[D / 16][4];
+    for (int s = 0; s < D / 16; ++s) {
+      const size_t low = size_t((s / 2) * 512 + lane * 16 + (s % 2) * 8);
+      fragment::gaac_step_operands(word(low), word(low + 4), word(size_t(fragment::gaac_word_byte(D, s, lane))), byte_perm,
+                                   a[s]);
+    }
+    for (uint32_t i = 0; i < n; ++i) fragment::gaac_patch<D / 16>(word(exceptions + 4 + 4 * i), lane, a);
+    for (int s = 0; s < D / 16; ++s)
+      for (int i = 0; i < 8; ++i) {
+        const uint16_t bits = uint16_t(a[s][i / 2] >> (16 * (i % 2)));
+        const int token = key ? a_row(lane, i) : a_col(lane, i), channel = 16 * s + (key ? a_col(lane, i) : a_row(lane, i));
+        out[token * D + channel] = std::ldexp(double(format::bf16_to_float(bits)), int(bases[channel]) - fragment::kGaacBuilt);
+      }
+  }
+}
+
 }  // namespace certkv::attention::cuda::emulate

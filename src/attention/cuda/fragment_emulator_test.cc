@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "codec/gaac.h"
+#include "codec/gaac_fragments.h"
 #include "codec/lossy_page.h"
 #include "format/safetensors.h"
 
@@ -207,6 +209,70 @@ TEST(FragmentEmulator, EveryE4M3CodeAndRandomDither8BytesAreTheReference) {
 
 // The emulation's own checks bite: a byte permutation that keeps the wrong byte, or an fp16
 // operation that is not exact, are caught.
+// GAAC pages: the emulated PRMT decode with its exceptions patched, scaled back by the channel's
+// base, is the reference decode of the page bit for bit (on real KV with the calibration's
+// windows; on random windows with zeros, subnormals, infinities and NaN payloads as exceptions up
+// to the page's capacity; head_dim 64 and 128, K and V maps). A decoder that misplaced a sign,
+// a code bit or an exception fails here, though encoder and reference decoder agree.
+template <int D>
+void expect_gaac_page(const std::vector<uint16_t>& rows, bool key, const std::vector<uint8_t>& bases,
+                      const std::string& what) {
+  std::vector<uint8_t> page(size_t(fragment::gaac_page_bytes(D)));
+  if (!codec::gaac_fragment_encode_page_ref(rows.data(), key, D, bases.data(), page.data())) return;  // kept exact
+  std::vector<uint16_t> ref(rows.size());
+  ASSERT_TRUE(codec::gaac_fragment_decode_page_ref(page.data(), key, D, bases.data(), ref.data())) << what;
+  std::vector<double> values(rows.size());
+  gaac_operand_values<D>(key, page.data(), bases.data(), values.data());
+  int mismatches = 0;
+  for (size_t i = 0; i < rows.size(); ++i)
+    if (!same_bits(float(values[i]), format::bf16_to_float(ref[i])) && mismatches++ < 5)
+      ADD_FAILURE() << what << ": token " << i / D << " channel " << i % D << " emulated " << values[i] << " reference "
+                    << format::bf16_to_float(ref[i]);
+  EXPECT_EQ(mismatches, 0) << what;
+}
+
+TEST(FragmentEmulator, GaacPagesAreTheReference) {
+  const auto file = format::SafetensorsFile::open(std::string(CERTKV_SOURCE_DIR) +
+                                                  "/src/codec/testdata/smollm2_kv_pages.safetensors");
+  const codec::GaacCalibration cal = codec::GaacCalibration::load(
+      std::string(CERTKV_SOURCE_DIR) + "/src/codec/testdata/smollm2_gaac_calibration.safetensors",
+      codec::GaacShape{30, 3, 64, kT, codec::GaacElement::kBf16});
+  int pages = 0;
+  for (int layer : {0, 15, 29})
+    for (bool key : {true, false}) {
+      const format::SafetensorsTensor* eval = file->find("eval.layer" + std::to_string(layer) + (key ? ".k" : ".v"));
+      ASSERT_NE(eval, nullptr);
+      for (int h = 0; h < 3; ++h)
+        for (int first = 0; first < 32; first += kT) {
+          std::vector<uint16_t> rows(size_t(kT) * 64);
+          std::memcpy(rows.data(), eval->data + (size_t(h) * 32 + first) * 64 * 2, rows.size() * 2);
+          expect_gaac_page<64>(rows, key, cal.bases(layer, key ? codec::kGaacKey : codec::kGaacValue, h).b4,
+                               "real layer " + std::to_string(layer) + " head " + std::to_string(h));
+          ++pages;
+        }
+    }
+  EXPECT_EQ(pages, 36);
+  std::mt19937 rng(17);
+  const uint16_t specials[] = {0x0000, 0x8000, 0x0001, 0x807f, 0x7f80, 0xff80, 0x7fc1, 0xffa5, 0x0080, 0x8080};
+  auto random_pages = [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    for (int rep = 0; rep < 24; ++rep) {
+      std::vector<uint8_t> bases(D);
+      for (auto& b : bases) b = uint8_t(rep % 3 == 0 ? 240 - rng() % 3 : 90 + rng() % 40);
+      std::vector<uint16_t> rows(size_t(kT) * D);
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const uint32_t e = bases[i % D] + rng() % 16;
+        rows[i] = uint16_t(((rng() & 1) << 15) | (std::min<uint32_t>(e, 254) << 7) | (rng() & 0x7f));
+      }
+      const int n = rep % (fragment::gaac_exception_capacity(D) + 1);
+      for (int i = 0; i < n; ++i) rows[rng() % rows.size()] = specials[rng() % std::size(specials)];
+      expect_gaac_page<D>(rows, rep % 2 == 0, bases, "random D " + std::to_string(D) + " rep " + std::to_string(rep));
+    }
+  };
+  random_pages(std::integral_constant<int, 64>{});
+  random_pages(std::integral_constant<int, 128>{});
+}
+
 TEST(FragmentEmulator, ItsPremisesAreChecked) {
   EXPECT_EQ(byte_perm(0x44332211u, 0x88776655u, 0x7654u), 0x88776655u);
   EXPECT_EQ(byte_perm(0x44332211u, 0x88776655u, 0x3210u), 0x44332211u);
