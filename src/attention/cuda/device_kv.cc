@@ -11,6 +11,7 @@
 
 #include "attention/cuda/fragment_layout.h"
 #include "cache/kv_scheme.h"
+#include "codec/gaac_fragments.h"
 #include "core/status.h"
 #include "format/fp8.h"
 #include "format/gaac_layout.h"
@@ -46,7 +47,9 @@ CudaStatus invalid(const std::string& message) {
   return cache::cuda::cuda_error(StatusCode::kInvalidArgument, "device kv: " + message);
 }
 
-bool is_gaac(PageFormat f) { return f == PageFormat::kGaacBf16 || f == PageFormat::kGaacE5M2; }
+bool is_gaac(PageFormat f) {
+  return f == PageFormat::kGaacBf16 || f == PageFormat::kGaacE5M2 || f == PageFormat::kGaacFragments;
+}
 bool is_lossy(PageFormat f) { return page_format_metered(f); }
 
 // Runs body(i) for i in [0, n) on all hardware threads.
@@ -129,6 +132,11 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
     if (s.element != element || s.head_dim != D || s.n_kv_heads < H || s.block_tokens != kT ||
         options.layer < 0 || options.layer >= s.n_layers)
       return invalid("the GAAC calibration does not match the format, shape or layer");
+    if (f == PageFormat::kGaacFragments)
+      for (int kvi = 0; kvi < 2; ++kvi)
+        for (int h = 0; h < H; ++h)
+          for (uint8_t b : options.gaac->bases(options.layer, kvi, h).b4)
+            if (b > 240) return invalid("a GAAC window base above 240 (its window would pass the exponents)");
   }
   if (dither && (options.n_outlier_pairs < 0 || options.n_outlier_pairs > kMaxDeviceOutlierPairs))
     return invalid("n_outlier_pairs must be in [0, " + std::to_string(kMaxDeviceOutlierPairs) + "]");
@@ -168,6 +176,10 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
   switch (f) {
     case PageFormat::kBf16:
     case PageFormat::kBf16Fragments: k_bytes = v_bytes = size_t(kT) * D * 2; break;
+    case PageFormat::kGaacFragments:
+      k_bytes = v_bytes = size_t(format::fragment::gaac_page_bytes(D));
+      raw_bytes = size_t(kT) * D * 2;  // exact pages: bf16, fragment-major
+      break;
     case PageFormat::kFp8Fragments:
       k_bytes = size_t(kT) * D;
       v_bytes = size_t(kT) * D + size_t(kT) * 2;
@@ -292,6 +304,21 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
         if (D == 64) fragment::fp8_fragment_page<64>(spec, encoded.data(), n, page);
         else fragment::fp8_fragment_page<128>(spec, encoded.data(), n, page);
         stored = key ? k_bytes : v_bytes;
+        break;
+      }
+      case PageFormat::kGaacFragments: {
+        // Rows past the length repeat the last live one (zeros would be exceptions): the kernel
+        // masks them.
+        for (int64_t t = n; t < kT; ++t) std::copy_n(rows + (n - 1) * D, D, rows + t * D);
+        const codec::GaacBases& bases = options.gaac->bases(options.layer, key ? codec::kGaacKey : codec::kGaacValue, h);
+        if (!codec::gaac_fragment_encode_page_ref(rows, key, D, bases.b4.data(), page)) return 0;
+        std::vector<uint16_t> back(size_t(kT) * D);
+        if (!codec::gaac_fragment_decode_page_ref(page, key, D, bases.b4.data(), back.data())) {
+          failed = true;
+          return 0;
+        }
+        for (int i = 0; i < kT * D; ++i) read[i] = format::bf16_to_float(back[size_t(i)]);
+        stored = size_t(format::fragment::gaac_page_bytes(D));
         break;
       }
       case PageFormat::kGaacBf16: {
@@ -464,7 +491,8 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
       std::vector<float>& dst = key ? r.k_read_[size_t(b)] : r.v_read_[size_t(b)];
       std::copy_n(read.begin(), size_t(n) * size_t(D), dst.begin() + (size_t(h) * size_t(len) + size_t(t0)) * size_t(D));
     }
-    if (f == PageFormat::kFp8Fragments || f == PageFormat::kDither8Fragments) {  // exact pages: bf16, fragment-major
+    if (f == PageFormat::kFp8Fragments || f == PageFormat::kDither8Fragments ||
+        f == PageFormat::kGaacFragments) {  // exact pages: bf16, fragment-major
       std::vector<uint16_t> row_major(size_t(kT) * D), fragments(size_t(kT) * D);
       std::copy_n(reinterpret_cast<const uint16_t*>(host.data() + at), size_t(kT) * D, row_major.data());
       if (D == 64) fragment::fragment_page_from_rows<64, uint16_t>(row_major.data(), key, fragments.data());

@@ -91,6 +91,7 @@ struct Bf16Pages {
   static constexpr bool kHalf = false;        // the mma element (and the query's rounding)
   static constexpr bool kExactPages = false;  // raw entries are corrupt
   static constexpr bool kDither = false;      // dither8: its own scores and values (below)
+  static constexpr bool kScaled = false;      // GAAC: operands built, query and output scaled per channel
   static constexpr int kStages = 2;           // pages of each warp's ring (see with_kernel)
   static constexpr int kPlannedCtasPerSm = 1; // the split plan's wave (fragment_planned_ctas_per_sm)
   template <int D>
@@ -124,6 +125,7 @@ struct Fp8Pages {
   static constexpr bool kHalf = true;
   static constexpr bool kExactPages = true;
   static constexpr bool kDither = false;
+  static constexpr bool kScaled = false;
   static constexpr int kStages = 2;
   static constexpr int kPlannedCtasPerSm = 3;
   template <int D>
@@ -168,6 +170,7 @@ struct Dither8Pages {
   static constexpr bool kHalf = true;
   static constexpr bool kExactPages = true;
   static constexpr bool kDither = true;
+  static constexpr bool kScaled = false;
   static constexpr int kStages = 3;  // a stage is held while its page is attended
   static constexpr int kPlannedCtasPerSm = 3;
   template <int D>
@@ -185,6 +188,67 @@ struct Dither8Pages {
   template <int D>
   __device__ static void load(const unsigned char* page, int lane, uint4 (&x)[D / 32]) {
     Fp8Pages::load<D>(page, lane, x);
+  }
+};
+
+// GAAC pages in the device layout (format/fragment_layout.h): a lane's low bytes of two steps per
+// 16-byte load, its code and sign words of four steps per load, and the page's exceptions (the
+// same bytes for every lane). The operands are the built bf16 (exponent kGaacBuilt + code, that is
+// k 2^(kGaacBuilt - b)): two PRMT lookups and four byte interleaves per eight elements, then the
+// exceptions patched in (at most the page's capacity of them). The kernel folds 2^(b -
+// kGaacBuilt) into the query (K) and into the output (V): the products are the bf16 pages'.
+// Exact pages (entries < 0): bf16, fragment-major.
+struct GaacPages {
+  static constexpr bool kHalf = false;
+  static constexpr bool kExactPages = true;
+  static constexpr bool kDither = false;
+  static constexpr bool kScaled = true;
+  static constexpr int kStages = 2;
+  static constexpr int kPlannedCtasPerSm = 2;
+  template <int D>
+  __host__ __device__ static constexpr uint32_t k_bytes() { return fragment::gaac_page_bytes(D); }
+  template <int D>
+  __host__ __device__ static constexpr uint32_t v_bytes() { return fragment::gaac_page_bytes(D); }
+  template <int D>
+  __host__ __device__ static constexpr uint32_t k_copy_bytes(int) { return k_bytes<D>(); }
+  template <int D>
+  __host__ __device__ static constexpr int low_loads() { return D / 32; }
+  template <int D>
+  __host__ __device__ static constexpr int word_loads() { return D / 64; }
+  template <int D>
+  __host__ __device__ static constexpr int loads() { return D / 32 + 2 * (D / 64); }
+  template <int D>
+  __device__ static void load(const unsigned char* page, int lane, uint4 (&x)[loads<D>()]) {
+    const uint4* low = reinterpret_cast<const uint4*>(page);
+    const uint4* words = reinterpret_cast<const uint4*>(page + fragment::gaac_low_bytes(D));
+    const uint4* exceptions = reinterpret_cast<const uint4*>(page + fragment::gaac_low_bytes(D) + fragment::gaac_word_bytes(D));
+#pragma unroll
+    for (int i = 0; i < low_loads<D>(); ++i) x[i] = low[32 * i + lane];
+#pragma unroll
+    for (int i = 0; i < word_loads<D>(); ++i) x[low_loads<D>() + i] = words[32 * i + lane];
+#pragma unroll
+    for (int i = 0; i < D / 64; ++i) x[low_loads<D>() + word_loads<D>() + i] = exceptions[i];
+  }
+  __device__ static uint32_t component(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+  template <int D>
+  __device__ static void operands(const uint4 (&x)[loads<D>()], uint32_t (&a)[D / 16][4]) {
+    auto perm = [](uint32_t lo, uint32_t hi, uint32_t sel) { return __byte_perm(lo, hi, sel); };
+#pragma unroll
+    for (int s = 0; s < D / 16; ++s) {
+      const uint4& low = x[s / 2];
+      fragment::gaac_step_operands(s % 2 ? low.z : low.x, s % 2 ? low.w : low.y,
+                                   component(x[low_loads<D>() + s / 4], s % 4), perm, a[s]);
+    }
+    constexpr int E = low_loads<D>() + word_loads<D>();
+    constexpr int kCapacity = fragment::gaac_exception_capacity(D);
+    const uint32_t count = x[E].x;
+    if (count != 0) {
+      const int lane = int(threadIdx.x & 31);
+      const uint32_t n = min(count, uint32_t(kCapacity));
+#pragma unroll
+      for (int i = 0; i < kCapacity; ++i)
+        if (uint32_t(i) < n) fragment::gaac_patch<D / 16>(component(x[E + (i + 1) / 4], (i + 1) % 4), lane, a);
+    }
   }
 };
 
@@ -218,13 +282,16 @@ struct FragmentShared {
   float weight[kMaxGroup][D / kQuantGroupChannels], abs_weight[kMaxGroup][D / kQuantGroupChannels];
   float dither_offset[kMaxGroup][D / kQuantGroupChannels];
   float row_max[kMaxGroup], row_l[kMaxGroup];
+  float value_scale[Page::kScaled ? D : 1];  // GAAC: 2^(b - kGaacBuilt) of each V channel
   int last;
 };
 static_assert(sizeof(FragmentShared<128, Bf16Pages, 2>::Stage) % 16 == 0 &&
                   sizeof(FragmentShared<128, Fp8Pages, 2>::Stage) % 16 == 0 &&
                   sizeof(FragmentShared<64, Fp8Pages, 2>::Stage) % 16 == 0 &&
                   sizeof(FragmentShared<128, Dither8Pages, 2>::Stage) % 16 == 0 &&
-                  sizeof(FragmentShared<64, Dither8Pages, 2>::Stage) % 16 == 0,
+                  sizeof(FragmentShared<64, Dither8Pages, 2>::Stage) % 16 == 0 &&
+                  sizeof(FragmentShared<128, GaacPages, 2>::Stage) % 16 == 0 &&
+                  sizeof(FragmentShared<64, GaacPages, 2>::Stage) % 16 == 0,
               "stages of whole 16-byte chunks (bulk copies)");
 
 // The splits of rows row0 .. row0 + rows - 1 merged by one CTA (the last of the row group to
@@ -469,6 +536,14 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
     const float x = g < group ? q_row[int64_t(g) * D + c] : 0.f;
     sh.q[g][c] = element_bits<kHalf>(x);
     if constexpr (Page::kExactPages) sh.q_exact[g][c] = element_bits<false>(x);
+    if constexpr (Page::kScaled) {  // q 2^(b - kGaacBuilt), b the channel's K window: exact
+      const int base = p.gaac_bases[(int64_t(kv_head) * 2 + 1) * D + c];
+      sh.q[g][c] = element_bits<false>(ldexpf(element_value<false>(sh.q[g][c]), base - fragment::kGaacBuilt));
+    }
+  }
+  if constexpr (Page::kScaled) {
+    for (int c = threadIdx.x; c < D; c += kThreads)
+      sh.value_scale[c] = ldexpf(1.f, int(p.gaac_bases[((int64_t(p.n_kv_heads) + kv_head) * 2 + 1) * D + c]) - fragment::kGaacBuilt);
   }
   if constexpr (kMeter && !Page::kDither) {
     if (threadIdx.x < kMaxGroup) {
@@ -588,7 +663,8 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
     rescale_output<D>(rescale, o_acc);
     return mk;
   };
-  auto values_operands = [&](auto half_t, uint32_t (&va)[D / 16][4], const float (&prob)[4], const Masks& mk) {
+  auto values_operands = [&](auto half_t, uint32_t (&va)[D / 16][4], const float (&prob)[4], const Masks& mk,
+                             float (&acc)[D / 16][4]) {
     constexpr bool kHalfV = decltype(half_t)::value;
     if (mk.tail) {
 #pragma unroll
@@ -602,7 +678,18 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
     uint32_t pb0, pb1;
     probability_operands<kHalfV>(prob, pb0, pb1);
 #pragma unroll
-    for (int pp = 0; pp < D / 16; ++pp) mma16816<kHalfV>(o_acc[pp], va[pp], pb0, pb1);
+    for (int pp = 0; pp < D / 16; ++pp) mma16816<kHalfV>(acc[pp], va[pp], pb0, pb1);
+  };
+  // GAAC: output rows (channels 16 pp + tq + 8 (k / 2)) of built values times their 2^(b -
+  // kGaacBuilt), into o_acc.
+  [[maybe_unused]] auto add_scaled = [&](const float (&acc)[D / 16][4], bool add) {
+#pragma unroll
+    for (int pp = 0; pp < D / 16; ++pp)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float x = acc[pp][k] * sh.value_scale[16 * pp + tq + 8 * (k >> 1)];
+        o_acc[pp][k] = add ? o_acc[pp][k] + x : x;
+      }
   };
 
   const int64_t first = block_begin + warp;
@@ -700,9 +787,11 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
       float s[4] = {0.f, 0.f, 0.f, 0.f}, c[4] = {0.f, 0.f, 0.f, 0.f}, prob[4];
       scores_operands(ka, s, c);
       const Masks mk = softmax(s, c, rho_side, blk, prob);
-      values_operands(std::integral_constant<bool, kHalf>{}, va, prob, mk);
+      values_operands(std::integral_constant<bool, kHalf>{}, va, prob, mk, o_acc);
     }
   }
+  // GAAC: the built values' output in the values' units from here (the exact pages below add to it).
+  if constexpr (Page::kScaled) add_scaled(o_acc, false);
 
   // The blocks with an exact page, each read straight from its pools: an exact page on the bf16
   // path, a lossy one through the page class.
@@ -776,13 +865,21 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
         if (ve < 0) {
           uint32_t va[D / 16][4];
           exact_operands(v_page, va);
-          values_operands(std::false_type{}, va, prob, mk);
+          values_operands(std::false_type{}, va, prob, mk, o_acc);
         } else if constexpr (Page::kDither) {
           dither8_values<D>(vx, sv, prob, mk.keep01, mk.keep23, o_acc);
         } else {
           uint32_t va[D / 16][4];
           Page::template operands<D>(vx, va);
-          values_operands(std::integral_constant<bool, kHalf>{}, va, prob, mk);
+          if constexpr (Page::kScaled) {
+            float built[D / 16][4];
+#pragma unroll
+            for (int pp = 0; pp < D / 16; ++pp) built[pp][0] = built[pp][1] = built[pp][2] = built[pp][3] = 0.f;
+            values_operands(std::integral_constant<bool, kHalf>{}, va, prob, mk, built);
+            add_scaled(built, true);
+          } else {
+            values_operands(std::integral_constant<bool, kHalf>{}, va, prob, mk, o_acc);
+          }
         }
       }
     }
@@ -870,6 +967,7 @@ auto with_kernel(const PagedDecodeParams& p, F&& f) {
       if (meter_on(p)) return by_stages(d, Dither8Pages{}, std::true_type{});
       return by_stages(d, Dither8Pages{}, std::false_type{});
     }
+    if (p.format == PageFormat::kGaacFragments) return by_stages(d, GaacPages{}, std::false_type{});
     return by_stages(d, Bf16Pages{}, std::false_type{});
   };
   if (p.head_dim == 64) return by_format(std::integral_constant<int, 64>{});

@@ -13,6 +13,7 @@
 #include "attention/cuda/fragment_decode_cuda.h"
 #include "attention/cuda/tile_mma.cuh"
 #include "format/dither8_generator.h"
+#include "format/fragment_layout.h"
 #include "format/gaac_layout.h"
 
 namespace certkv::attention::cuda {
@@ -1309,7 +1310,8 @@ CudaStatus launch_format(const PagedDecodeParams& p, int n_splits) {
   switch (p.format) {
     case PageFormat::kBf16Fragments:
     case PageFormat::kFp8Fragments:
-    case PageFormat::kDither8Fragments: return launch_fragments(p, n_splits);
+    case PageFormat::kDither8Fragments:
+    case PageFormat::kGaacFragments: return launch_fragments(p, n_splits);
     case PageFormat::kBf16: return launch<D, PageFormat::kBf16, false>(p, n_splits);
     case PageFormat::kGaacBf16: return launch<D, PageFormat::kGaacBf16, false>(p, n_splits);
     case PageFormat::kGaacE5M2: return launch<D, PageFormat::kGaacE5M2, false>(p, n_splits);
@@ -1330,6 +1332,7 @@ const char* page_format_name(PageFormat f) {
     case PageFormat::kBf16Fragments: return "bf16-fragments";
     case PageFormat::kFp8Fragments: return "fp8-e4m3-fragments";
     case PageFormat::kDither8Fragments: return "dither8-fragments";
+    case PageFormat::kGaacFragments: return "gaac-fragments";
     case PageFormat::kGaacBf16: return "gaac";
     case PageFormat::kGaacE5M2: return "gaac-e5m2";
     case PageFormat::kFp8E4M3: return "fp8-e4m3";
@@ -1405,6 +1408,7 @@ CudaStatus check(const PagedDecodeParams& p) {
   switch (p.format) {
     case PageFormat::kBf16:
     case PageFormat::kBf16Fragments: need_k = need_v = size_t(T) * D * 2; break;
+    case PageFormat::kGaacFragments: need_k = need_v = size_t(format::fragment::gaac_page_bytes(D)); break;
     case PageFormat::kFp8Fragments:
       need_k = size_t(T) * D;
       need_v = size_t(T) * D + size_t(T) * 2;
@@ -1434,8 +1438,9 @@ CudaStatus check(const PagedDecodeParams& p) {
   if (p.k_page_stride < int64_t(need_k) || p.v_page_stride < int64_t(need_v))  // signed: a negative stride too
     return error(std::string("page stride too small for ") + page_format_name(p.format) + " pages (K needs " +
                  std::to_string(need_k) + " bytes, V " + std::to_string(need_v) + ")");
-  if (gaac && !p.gaac_bases) return error("GAAC pages need their bases");
-  if (gaac || page_format_metered(p.format)) {
+  const bool gaac_fragments = p.format == PageFormat::kGaacFragments;
+  if ((gaac || gaac_fragments) && !p.gaac_bases) return error("GAAC pages need their bases");
+  if (gaac || gaac_fragments || page_format_metered(p.format)) {
     // Raw pages: GAAC pages that did not fit their slot ([T][D] of the element), a lossy format's
     // exact pages ([T][D] bf16). A pool with pages must be there and aligned.
     const size_t raw = size_t(T) * D * (p.format == PageFormat::kGaacE5M2 ? 1 : 2);
@@ -1487,7 +1492,8 @@ int resident_ctas_of(const PagedDecodeParams& p) {
   switch (p.format) {
     case PageFormat::kBf16Fragments:
     case PageFormat::kFp8Fragments:
-    case PageFormat::kDither8Fragments: return fragment_resident_ctas(p);
+    case PageFormat::kDither8Fragments:
+    case PageFormat::kGaacFragments: return fragment_resident_ctas(p);
     case PageFormat::kBf16: return resident_ctas<D, PageFormat::kBf16, false>();
     case PageFormat::kGaacBf16: return resident_ctas<D, PageFormat::kGaacBf16, false>();
     case PageFormat::kGaacE5M2: return resident_ctas<D, PageFormat::kGaacE5M2, false>();

@@ -23,6 +23,9 @@
 //                     (fragment::fragment_position for 8-bit codes); V pages then rho [T] fp16.
 //                     No code of a lossy K page came from a saturating cast (|k| <= 464): each
 //                     code k^ bounds its error, |k^ - k| <= 2^(E(k^) - 4) + 2^-10
+//     kGaacFragments  a GAAC page in the device layout (format::fragment::gaac_page_bytes: low
+//                     bytes, code and sign words, exceptions), K and V by the fragment maps; the
+//                     windows are the b4 bases of gaac_bases (each at most 240)
 //     kGaacBf16       a GAAC slot (docs/format/gaac.md, element bf16)
 //     kGaacE5M2       a GAAC slot over FP8 E5M2 (element e5m2)
 //     kFp8E4M3/E5M2   the lossy raw-cast page (docs/format/lossy_pages.md): [T][D] fp8, then on
@@ -40,8 +43,9 @@
 //     kDither8        could not be encoded): [T][D] bf16, the exact values. Read on the bf16
 //                     path (query rounded to bf16, bf16 probabilities in P V); its logit bound
 //                     is 0 and its rho 0. K and V pages of a block are raw or not independently.
-//     kFp8Fragments,  an exact page: bf16 in fragment-major order
-//     kDither8Fragments
+//     kFp8Fragments,  an exact page: bf16 in fragment-major order (kGaacFragments: a page the
+//     kDither8Fragments, encoder could not take, its exceptions too many or not built exactly)
+//     kGaacFragments
 //     kBf16, kBf16Fragments  unused (their pages are bf16 already)
 //   k_table, v_table:  [batch][n_kv_heads][table_stride] int32
 //   seq_lens:          [batch] int32, each in [1, table_stride * block_tokens]
@@ -97,10 +101,13 @@ enum class PageFormat : uint8_t {
   // dither8 pages in fragment-major order on the same kernel (K codes a generator word per
   // token and step, V codes as fp8 codes), their scales and outliers token-major after them
   kDither8Fragments = 8,
+  // GAAC pages in a device layout on the same kernel (format/fragment_layout.h,
+  // docs/format/gaac_fragments.md): lossless, 12 bits per element plus a page's exceptions
+  kGaacFragments = 9,
 };
 
 // "bf16", "gaac", "gaac-e5m2", "fp8-e4m3", "fp8-e5m2", "dither8", "bf16-fragments",
-// "fp8-e4m3-fragments", "dither8-fragments".
+// "fp8-e4m3-fragments", "dither8-fragments", "gaac-fragments".
 const char* page_format_name(PageFormat format);
 // The page format of a KV scheme the device serves (the scheme table's cuda_route); kBf16 for
 // the others, which no device cache stores. A scheme the table marks cuda_fragment_pages gets its
@@ -119,7 +126,8 @@ inline bool page_format_metered(PageFormat f) {
 // batch or split count) needs reset_error_word before the first launch of the new layout;
 // launches of one layout leave them zero.
 inline bool page_format_fragments(PageFormat f) {
-  return f == PageFormat::kBf16Fragments || f == PageFormat::kFp8Fragments || f == PageFormat::kDither8Fragments;
+  return f == PageFormat::kBf16Fragments || f == PageFormat::kFp8Fragments || f == PageFormat::kDither8Fragments ||
+         f == PageFormat::kGaacFragments;
 }
 
 struct PagedDecodeParams {

@@ -77,7 +77,8 @@ struct LaunchBuffers {
 bool is_dither8(PageFormat f) { return f == PageFormat::kDither8 || f == PageFormat::kDither8Fragments; }
 
 bool tiles_are_fp16(PageFormat f) {
-  return f != PageFormat::kBf16 && f != PageFormat::kBf16Fragments && f != PageFormat::kGaacBf16;
+  return f != PageFormat::kBf16 && f != PageFormat::kBf16Fragments && f != PageFormat::kGaacBf16 &&
+         f != PageFormat::kGaacFragments;
 }
 
 float round_query(PageFormat f, float x) {
@@ -211,7 +212,7 @@ Result run_case(const Case& c, uint32_t seed) {
   opt.exact_v_every = c.exact_v_every;
   opt.exact_tail = c.exact_tail;
   opt.witness = c.witness;
-  if (c.format == PageFormat::kGaacBf16 || c.format == PageFormat::kGaacE5M2) {
+  if (c.format == PageFormat::kGaacBf16 || c.format == PageFormat::kGaacE5M2 || c.format == PageFormat::kGaacFragments) {
     calibration = calibrate(c.format, kv);
     opt.gaac = &calibration;
   }
@@ -476,7 +477,8 @@ TEST(PagedDecodeCuda, CheckRefusesBadInputWithoutADevice) {
     return p;
   };
   for (PageFormat f : {PageFormat::kBf16, PageFormat::kGaacBf16, PageFormat::kFp8E4M3, PageFormat::kDither8,
-                       PageFormat::kBf16Fragments, PageFormat::kFp8Fragments, PageFormat::kDither8Fragments}) {
+                       PageFormat::kBf16Fragments, PageFormat::kFp8Fragments, PageFormat::kDither8Fragments,
+                       PageFormat::kGaacFragments}) {
     const std::string name = page_format_name(f);
     EXPECT_TRUE(check(base(f)).ok) << name << ": " << check(base(f)).message;
     PagedDecodeParams p = base(f);
@@ -600,7 +602,8 @@ TEST(PagedDecodeCuda, EveryFormatMatchesTheReferenceOnRaggedBatches) {
   CERTKV_NEED_CUDA_DEVICE();
   const PageFormat formats[] = {PageFormat::kBf16,     PageFormat::kBf16Fragments, PageFormat::kGaacBf16,
                                 PageFormat::kGaacE5M2, PageFormat::kFp8E4M3,      PageFormat::kFp8E5M2,
-                                PageFormat::kDither8,  PageFormat::kFp8Fragments,    PageFormat::kDither8Fragments};
+                                PageFormat::kDither8,  PageFormat::kFp8Fragments,    PageFormat::kDither8Fragments,
+                                PageFormat::kGaacFragments};
   struct Shape {
     int d, hq, hkv;
     std::vector<int64_t> lens;
@@ -649,6 +652,72 @@ TEST(PagedDecodeCuda, EveryFormatMatchesTheReferenceOnRaggedBatches) {
   EXPECT_GT(all_meter_ranges[0], 0) << "no bound below 1/4";
   EXPECT_GT(all_meter_ranges[1], 0) << "no bound from 1/4 to 8";
   EXPECT_GT(all_meter_ranges[2], 0) << "no bound from 8";
+}
+
+// GAAC pages in the device layout attend as the bf16 pages they code, bit for bit: the built
+// operands times the query scaled by 2^(b - kGaacBuilt) are the bf16 products, and the output
+// scaled back per channel is exact. KV whose every element sits in its window but for a few
+// exceptions per page (zeros, values far outside the window, both signs), no page kept exact
+// (those would be attended after the others, in another order); ragged lengths, GQA 1, 4 and 7,
+// head_dim 64 and 128, the same split plan for both formats.
+TEST(PagedDecodeCuda, GaacFragmentPagesAttendAsTheirBf16PagesBitForBit) {
+  CERTKV_NEED_CUDA_DEVICE();
+  struct Shape {
+    int d, hq, hkv;
+    std::vector<int64_t> lens;
+    int splits;
+  };
+  const std::vector<Shape> shapes = {{128, 32, 8, {1000, 17}, 5}, {64, 28, 4, {4099, 1, 260}, 0}, {128, 14, 2, {515}, 1},
+                                     {64, 8, 8, {33, 2048}, 3}};
+  uint32_t seed = 40;
+  for (const Shape& sh : shapes) {
+    HostLayerKv kv = make_kv(int(sh.lens.size()), sh.hkv, sh.d, sh.lens, seed, /*narrow=*/true);
+    // A few exceptions per page: zeros and values 2^20 past their window.
+    std::mt19937 rng(seed);
+    for (auto* side : {&kv.k, &kv.v})
+      for (auto& rows : *side)
+        for (size_t i = 0; i < rows.size(); i += 16 * size_t(sh.d))
+          for (int e = 0; e < 3; ++e) {
+            uint16_t& x = rows[i + rng() % std::min(rows.size() - i, 16 * size_t(sh.d))];
+            x = e == 0 ? uint16_t(0x8000 * (rng() & 1)) : uint16_t((x & 0x807f) | std::min(254, ((x >> 7) & 0xff) + 20) << 7);
+          }
+    codec::GaacCalibration calibration = calibrate(PageFormat::kGaacFragments, kv);
+    std::vector<float> outs[2];
+    for (int which = 0; which < 2; ++which) {
+      DeviceKvOptions opt;
+      opt.format = which == 0 ? PageFormat::kBf16Fragments : PageFormat::kGaacFragments;
+      opt.gaac = &calibration;
+      opt.seed = seed;
+      DeviceKv dkv;
+      const CudaStatus built = DeviceKv::build(kv, opt, &dkv);
+      ASSERT_TRUE(built.ok) << built.message;
+      EXPECT_EQ(dkv.raw_pages(), 0) << "a page was kept exact";
+      PagedDecodeParams p;
+      dkv.describe(&p);
+      p.n_q_heads = sh.hq;
+      p.sm_scale = 1.f / std::sqrt(float(sh.d));
+      p.n_splits = sh.splits > 0 ? sh.splits : 9;
+      std::mt19937 qrng(seed + 1);
+      std::normal_distribution<float> normal(0.f, 1.f);
+      std::vector<float> q(sh.lens.size() * size_t(sh.hq) * sh.d);
+      for (auto& x : q) x = normal(qrng) * 1.5f;
+      LaunchBuffers bufs;
+      ASSERT_TRUE(attach_launch_buffers(q, 0, &p, &bufs));
+      ASSERT_TRUE(reset_error_word(p).ok);
+      const CudaStatus ran = paged_decode(p);
+      ASSERT_TRUE(ran.ok) << ran.message;
+      outs[which].resize(q.size());
+      ASSERT_EQ(cudaMemcpy(outs[which].data(), p.out, q.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      uint32_t corrupt = 1;
+      ASSERT_TRUE(read_error_word(p, &corrupt).ok);
+      EXPECT_EQ(corrupt, 0u);
+    }
+    int differ = 0;
+    for (size_t i = 0; i < outs[0].size(); ++i) differ += std::memcmp(&outs[0][i], &outs[1][i], 4) != 0;
+    EXPECT_EQ(differ, 0) << "head_dim " << sh.d << ", " << sh.hq << " / " << sh.hkv << " heads: " << differ << " of "
+                         << outs[0].size() << " outputs differ";
+    ++seed;
+  }
 }
 
 // The fragment kernel merges a row group's splits in the last of its CTAs to finish, counted on
@@ -1089,7 +1158,7 @@ TEST(PagedDecodeCuda, OutOfDeviceMemoryIsAStatus) {
 // Corrupt tables, lengths and slots: counted in the error word, never read past the pools.
 TEST(PagedDecodeCuda, CorruptEntriesAreCountedNotRead) {
   CERTKV_NEED_CUDA_DEVICE();
-  for (PageFormat f : {PageFormat::kBf16, PageFormat::kBf16Fragments, PageFormat::kGaacBf16}) {
+  for (PageFormat f : {PageFormat::kBf16, PageFormat::kBf16Fragments, PageFormat::kGaacBf16, PageFormat::kGaacFragments}) {
     const HostLayerKv kv = make_kv(1, 2, 128, {256}, 11);
     codec::GaacCalibration calibration = calibrate(f, kv);
     DeviceKvOptions opt;
