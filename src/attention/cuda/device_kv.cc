@@ -307,10 +307,11 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
         break;
       }
       case PageFormat::kGaacFragments: {
-        // Rows past the length repeat the last live one (zeros would be exceptions): the kernel
-        // masks them.
-        for (int64_t t = n; t < kT; ++t) std::copy_n(rows + (n - 1) * D, D, rows + t * D);
+        // Rows past the length hold 2^b of each channel's window (zeros would be exceptions): the
+        // kernel masks them.
         const codec::GaacBases& bases = options.gaac->bases(options.layer, key ? codec::kGaacKey : codec::kGaacValue, h);
+        for (int64_t t = n; t < kT; ++t)
+          for (int c = 0; c < D; ++c) rows[t * D + c] = uint16_t(std::max(1, int(bases.b4[size_t(c)])) << 7);
         if (!codec::gaac_fragment_encode_page_ref(rows, key, D, bases.b4.data(), page)) return 0;
         std::vector<uint16_t> back(size_t(kT) * D);
         if (!codec::gaac_fragment_decode_page_ref(page, key, D, bases.b4.data(), back.data())) {

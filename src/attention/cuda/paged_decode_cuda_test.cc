@@ -17,6 +17,7 @@
 
 #include "attention/cuda/device_kv.h"
 #include "attention/cuda/paged_decode_cuda.h"
+#include "format/fragment_layout.h"
 #include "attention/online_softmax.h"
 #include "cache/kv_scheme.h"
 #include "format/gaac_layout.h"
@@ -672,15 +673,21 @@ TEST(PagedDecodeCuda, GaacFragmentPagesAttendAsTheirBf16PagesBitForBit) {
   uint32_t seed = 40;
   for (const Shape& sh : shapes) {
     HostLayerKv kv = make_kv(int(sh.lens.size()), sh.hkv, sh.d, sh.lens, seed, /*narrow=*/true);
-    // A few exceptions per page: zeros and values 2^20 past their window.
+    // Up to the capacity of exceptions per page: zeros and values 2^20 past their window.
     std::mt19937 rng(seed);
+    const int capacity = format::fragment::gaac_exception_capacity(sh.d);
     for (auto* side : {&kv.k, &kv.v})
-      for (auto& rows : *side)
-        for (size_t i = 0; i < rows.size(); i += 16 * size_t(sh.d))
-          for (int e = 0; e < 3; ++e) {
-            uint16_t& x = rows[i + rng() % std::min(rows.size() - i, 16 * size_t(sh.d))];
-            x = e == 0 ? uint16_t(0x8000 * (rng() & 1)) : uint16_t((x & 0x807f) | std::min(254, ((x >> 7) & 0xff) + 20) << 7);
+      for (size_t b = 0; b < side->size(); ++b) {
+        const int64_t len = sh.lens[b];
+        for (int h = 0; h < sh.hkv; ++h)
+          for (int64_t t0 = 0; t0 < len; t0 += 16) {
+            const int64_t n = std::min<int64_t>(16, len - t0);
+            for (int e = 0; e < int(rng() % (capacity + 1)); ++e) {
+              uint16_t& x = (*side)[b][(size_t(h) * len + size_t(t0 + int64_t(rng() % n))) * sh.d + rng() % sh.d];
+              x = e % 2 == 0 ? uint16_t(0x8000 * (rng() & 1)) : uint16_t((x & 0x807f) | std::min(254, ((x >> 7) & 0xff) + 20) << 7);
+            }
           }
+      }
     codec::GaacCalibration calibration = calibrate(PageFormat::kGaacFragments, kv);
     std::vector<float> outs[2];
     for (int which = 0; which < 2; ++which) {
