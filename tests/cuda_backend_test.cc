@@ -154,10 +154,16 @@ TEST_F(CudaBackendTest, DeferredEncodeResultsGiveTheLogitsAndPagesOfWaitingOnes)
     BackendConfig waiting = device_config(scheme, 576, 576 * 6);
     if (scheme == cache::KvScheme::kGaac) {
       auto cal = std::make_shared<codec::GaacCalibration>(*waiting.gaac_calibration);
-      // Bases 0: every element escapes, so no block fits a capacity of 0 (layer 0, and layer 1's V).
-      cal->set_escape_capacity_bytes(0, codec::kGaacKey, 0);
-      cal->set_escape_capacity_bytes(0, codec::kGaacValue, 0);
-      cal->set_escape_capacity_bytes(1, codec::kGaacValue, 0);
+      // Windows at exponent 0 (layer 0, and layer 1's V): every element of a block is an exception,
+      // so none fits a GAAC device page (nor a GAAC slot of escape capacity 0).
+      for (auto [layer, kv] : {std::pair{0, codec::kGaacKey}, {0, codec::kGaacValue}, {1, codec::kGaacValue}}) {
+        cal->set_escape_capacity_bytes(layer, kv, 0);
+        for (int h = 0; h < c.n_kv_heads; ++h) {
+          codec::GaacBases& b = cal->bases(layer, kv, h);
+          std::fill(b.b3.begin(), b.b3.end(), uint8_t(0));
+          std::fill(b.b4.begin(), b.b4.end(), uint8_t(0));
+        }
+      }
       waiting.gaac_calibration = cal;
     }
     BackendConfig deferred = waiting;

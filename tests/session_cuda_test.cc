@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <utility>
@@ -24,6 +25,8 @@
 #include "attention/sparse_decode.h"
 #include "certkv/certkv.hpp"
 #include "codec/gaac.h"
+#include "codec/gaac_fragments.h"
+#include "format/fragment_layout.h"
 #include "codec/lossy_page.h"
 #include "format/gaac_layout.h"
 #include "format/numeric.h"
@@ -292,6 +295,33 @@ TEST_F(SessionCuda, DevicePagesEqualTheHostCachePagesByteForByte) {
             for (int64_t b = 0; b * T < n; ++b) {
               const model::DevicePage page = dev.read_page(layer, cache::KvTensor(kv), h, b);
               const format::PageRef ref = table[b];
+              if (cache::kv_scheme_info(sc.kv_scheme).cuda_fragment_pages) {
+                // gaac: GAAC device pages (codec/gaac_fragments.h) where their encoder takes the
+                // host's rows of a whole block, its bytes; raw pages the host's rows.
+                std::vector<uint16_t> rows(size_t(T) * size_t(c.head_dim), 0);
+                if (ref.storage == format::StorageClass::kGaac) {
+                  codec::gaac_decode_page_ref(host.page_bytes_of(ref), sc.gaac_calibration->slot_bytes(layer, kv), T,
+                                              c.head_dim, sc.gaac_calibration->bases(layer, kv, h), rows.data());
+                } else {
+                  std::memcpy(rows.data(), host.page_bytes_of(ref), rows.size() * 2);
+                }
+                std::vector<uint8_t> want(size_t(format::fragment::gaac_page_bytes(c.head_dim)));
+                const bool coded = (b + 1) * T <= n &&
+                                   codec::gaac_fragment_encode_page_ref(rows.data(), kv == 0, c.head_dim,
+                                                                        sc.gaac_calibration->bases(layer, kv, h).b4.data(),
+                                                                        want.data());
+                ASSERT_EQ(page.gaac_slot, coded) << "layer " << layer << " kv " << kv << " head " << h << " block " << b;
+                if (coded) {
+                  ASSERT_EQ(page.bytes, want) << "layer " << layer << " kv " << kv << " head " << h << " block " << b;
+                } else {
+                  const size_t live = size_t(std::min<int64_t>(T, n - b * T)) * size_t(c.head_dim) * 2;
+                  ASSERT_GE(page.bytes.size(), live);
+                  ASSERT_EQ(std::memcmp(page.bytes.data(), rows.data(), live), 0)
+                      << "layer " << layer << " kv " << kv << " head " << h << " block " << b;
+                }
+                (page.gaac_slot ? slots : raws) += 1;
+                continue;
+              }
               const bool host_slot =
                   ref.storage == format::StorageClass::kGaac || ref.storage == format::StorageClass::kGaacFp8;
               ASSERT_EQ(page.gaac_slot, host_slot) << "layer " << layer << " kv " << kv << " head " << h << " block " << b;

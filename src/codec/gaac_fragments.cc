@@ -14,12 +14,7 @@ namespace {
 
 constexpr int kT = frag::kPageTokens;
 
-// Whether bf16 x, finite and nonzero, sits in the window of base: a normal number whose exponent
-// is in [base, base + 16).
-bool in_window(uint16_t x, int base) {
-  const int e = (x >> 7) & 0xff;
-  return e >= 1 && e <= 254 && e >= base && e < base + 16;
-}
+bool in_window(uint16_t x, int base) { return frag::gaac_in_window(x, base); }
 
 // x 2^k as a bf16 when exact and a zero, normal, infinity or NaN.
 bool scaled_bits(uint16_t x, int k, uint16_t* out) {
@@ -73,28 +68,27 @@ bool gaac_fragment_encode_page_ref(const uint16_t* rows, bool key, int head_dim,
   std::memset(out, 0, size_t(frag::gaac_page_bytes(D)));
   uint8_t* exceptions = out + frag::gaac_low_bytes(D) + frag::gaac_word_bytes(D);
   uint32_t n_exceptions = 0;
-  for (int t = 0; t < kT; ++t)
-    for (int c = 0; c < D; ++c) {
-      const uint16_t x = rows[t * D + c];
-      const int element = frag::element_index(key, t, c);
-      if (!in_window(x, bases[c])) {
-        uint16_t built;
-        if (n_exceptions == uint32_t(frag::gaac_exception_capacity(D)) || !gaac_built_bits(x, bases[c], &built))
-          return false;
-        put32(exceptions + 4 + 4 * n_exceptions, frag::gaac_exception(element, built));
-        ++n_exceptions;
-        continue;  // its codes stay 0: the kernel patches the element
-      }
-      const int code = ((x >> 7) & 0xff) - bases[c];
-      const int step = element / frag::kStepElements, lane = (element % frag::kStepElements) / frag::kLaneElements;
-      const int e = element % frag::kLaneElements;
-      out[frag::code_byte(element)] = uint8_t(((code & 1) << 7) | (x & 0x7f));
-      uint8_t* word = out + frag::gaac_word_byte(D, step, lane);
-      uint32_t w = get32(word);
-      w |= uint32_t(code >> 1) << frag::gaac_code_bit(e);
-      w |= uint32_t(x >> 15) << frag::gaac_sign_bit(e);
-      put32(word, w);
+  for (int element = 0; element < kT * D; ++element) {  // element order: so are the exceptions
+    const int t = frag::element_token(key, element), c = frag::element_channel(key, element);
+    const uint16_t x = rows[t * D + c];
+    if (!in_window(x, bases[c])) {
+      uint16_t built;
+      if (n_exceptions == uint32_t(frag::gaac_exception_capacity(D)) || !gaac_built_bits(x, bases[c], &built))
+        return false;
+      put32(exceptions + 4 + 4 * n_exceptions, frag::gaac_exception(element, built));
+      ++n_exceptions;
+      continue;  // its codes stay 0: the kernel patches the element
     }
+    const int code = ((x >> 7) & 0xff) - bases[c];
+    const int step = element / frag::kStepElements, lane = (element % frag::kStepElements) / frag::kLaneElements;
+    const int e = element % frag::kLaneElements;
+    out[frag::code_byte(element)] = uint8_t(((code & 1) << 7) | (x & 0x7f));
+    uint8_t* word = out + frag::gaac_word_byte(D, step, lane);
+    uint32_t w = get32(word);
+    w |= uint32_t(code >> 1) << frag::gaac_code_bit(e);
+    w |= uint32_t(x >> 15) << frag::gaac_sign_bit(e);
+    put32(word, w);
+  }
   put32(exceptions, n_exceptions);
   return true;
 }
@@ -123,11 +117,7 @@ bool gaac_fragment_decode_page_ref(const uint8_t* page, bool key, int head_dim, 
       ok = false;
       continue;
     }
-    // The (token, channel) of the element under the page's map.
-    const int step = element / frag::kStepElements, within = element % frag::kStepElements;
-    const int lane = within / frag::kLaneElements, e = within % frag::kLaneElements;
-    const int row = lane / 4 + 8 * ((e / 2) & 1), column = 2 * (lane % 4) + (e & 1) + 8 * (e / 4);
-    const int t = key ? row : column, c = 16 * step + (key ? column : row);
+    const int t = frag::element_token(key, element), c = frag::element_channel(key, element);
     uint16_t x;
     if (!gaac_unbuilt_bits(uint16_t(entry >> 16), bases[c], &x)) {
       ok = false;

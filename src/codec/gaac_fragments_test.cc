@@ -60,6 +60,14 @@ TEST(GaacFragments, PageSizesAndLayoutBits) {
     EXPECT_NE(sign & (e < 4 ? 0x80808080u : 0x08080808u), 0u);
   }
   EXPECT_EQ(used, 0xffffffffu);
+  // element_token / element_channel invert element_index on both maps.
+  for (bool key : {true, false})
+    for (int t = 0; t < kT; ++t)
+      for (int c = 0; c < 128; ++c) {
+        const int i = frag::element_index(key, t, c);
+        ASSERT_EQ(frag::element_token(key, i), t);
+        ASSERT_EQ(frag::element_channel(key, i), c);
+      }
 }
 
 // Every bf16 pattern at bases across the range: whenever a built value exists, unbuilding it
@@ -73,14 +81,20 @@ TEST(GaacFragments, BuiltValuesInvertForEveryBf16) {
       const bool window = e >= 1 && e <= 254 && e >= base && e < base + 16;
       if (!gaac_built_bits(uint16_t(x), base, &built)) {
         EXPECT_FALSE(window) << "base " << base << " x " << x;
+        uint16_t device_built;
+        EXPECT_FALSE(frag::gaac_built(uint16_t(x), base, &device_built)) << "base " << base << " x " << x;
         continue;
       }
+      EXPECT_EQ(frag::gaac_in_window(uint16_t(x), base), window);
       ++built_ok;
       ASSERT_TRUE(gaac_unbuilt_bits(built, base, &back)) << "base " << base << " x " << x;
       ASSERT_EQ(back, uint16_t(x)) << "base " << base << " x " << x;  // NaN payloads too
       if (window) {
         EXPECT_EQ((built >> 7) & 0xff, frag::kGaacBuilt + e - base);
       }
+      uint16_t device_built = 0;  // the device encoder's exponent arithmetic agrees
+      ASSERT_TRUE(frag::gaac_built(uint16_t(x), base, &device_built)) << "base " << base << " x " << x;
+      ASSERT_EQ(device_built, built) << "base " << base << " x " << x;
     }
     EXPECT_GT(built_ok, 4 * 16 * 128) << base;
   }

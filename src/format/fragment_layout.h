@@ -58,6 +58,20 @@ CERTKV_HD constexpr int element_index(bool key, int token, int channel) {
   return (channel / 16) * kStepElements + (key ? operand_index(token, channel % 16) : operand_index(channel % 16, token));
 }
 
+// The inverse: the token and the channel of element index i of a K page (key) or a V page.
+CERTKV_HD constexpr int element_row(int i) {  // the A operand's row within the step
+  const int lane = (i % kStepElements) / kLaneElements, e = i % kLaneElements;
+  return lane / 4 + 8 * ((e / 2) & 1);
+}
+CERTKV_HD constexpr int element_column(int i) {
+  const int lane = (i % kStepElements) / kLaneElements, e = i % kLaneElements;
+  return 2 * (lane % 4) + (e & 1) + 8 * (e / 4);
+}
+CERTKV_HD constexpr int element_token(bool key, int i) { return key ? element_row(i) : element_column(i); }
+CERTKV_HD constexpr int element_channel(bool key, int i) {
+  return 16 * (i / kStepElements) + (key ? element_column(i) : element_row(i));
+}
+
 // dither8 K pages take a step's channels a 32-bit word (4 channels, one generator word) per token:
 // lane l holds tokens l / 4 and l / 4 + 8, channels 16 s + 4 (l % 4) .. + 3 of step s, as the A
 // operand of an mma whose k indices 2 t, 2 t + 1, 2 t + 8, 2 t + 9 (t = l % 4) stand for channels
@@ -156,6 +170,34 @@ CERTKV_HD constexpr int gaac_word_byte(int head_dim, int step, int lane) {
 // Where element e (0..7) of a lane's step keeps the high 3 bits of its code and its sign in X.
 CERTKV_HD constexpr int gaac_code_bit(int e) { return e < 4 ? 4 * e : 16 + 4 * (e - 4); }
 CERTKV_HD constexpr int gaac_sign_bit(int e) { return e < 4 ? 8 * e + 7 : 8 * (e - 4) + 3; }
+
+// Whether bf16 x sits in the window [base, base + 16): a normal number of such an exponent.
+CERTKV_HD constexpr bool gaac_in_window(uint16_t x, int base) {
+  const int e = (x >> 7) & 0xff;
+  return e >= 1 && e <= 254 && e >= base && e < base + 16;
+}
+// The built value of an exception, x 2^(kGaacBuilt - base), by exponent arithmetic: zeros,
+// infinities and NaNs as they are, normals and subnormals when the result is a normal bf16;
+// false otherwise (the page is kept exact). The device encoder's form; the `_ref` encoder
+// computes it in double (codec::gaac_built_bits), and the tests compare the two on every bf16.
+CERTKV_HD inline bool gaac_built(uint16_t x, int base, uint16_t* built) {
+  const int e = (x >> 7) & 0xff, k = kGaacBuilt - base;
+  if (e == 0xff || (x & 0x7fff) == 0) {
+    *built = x;
+    return true;
+  }
+  int exponent = e + k;
+  uint32_t mantissa = x & 0x7fu;
+  if (e == 0) {  // subnormal m 2^-133, m = 2^p (1 + f): normal with exponent field p - 6 + k
+    int p = 6;
+    while (!(mantissa & (1u << p))) --p;
+    exponent = p - 6 + k;
+    mantissa = (mantissa << (7 - p)) & 0x7fu;
+  }
+  if (exponent < 1 || exponent > 254) return false;
+  *built = uint16_t((x & 0x8000u) | (uint32_t(exponent) << 7) | mantissa);
+  return true;
+}
 
 // The four operand registers (bf16 pairs of elements 0, 1 | 2, 3 | 4, 5 | 6, 7) of a lane's step of
 // a GAAC page, built (exponent kGaacBuilt + code), from its low bytes (lo0: elements 0..3, lo1:

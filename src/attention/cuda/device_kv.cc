@@ -25,6 +25,7 @@ PageFormat page_format_of(cache::KvScheme scheme) {
   const cache::KvSchemeInfo& info = cache::kv_scheme_info(scheme);
   if (info.cuda_fragment_pages) {
     if (scheme == cache::KvScheme::kDither8) return PageFormat::kDither8Fragments;
+    if (scheme == cache::KvScheme::kGaac) return PageFormat::kGaacFragments;
     fail(StatusCode::kInternal, std::string("KV scheme ") + info.name +
                                     " is marked fragment-major in the scheme table, but no fragment page format reads it");
   }

@@ -176,9 +176,12 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
                           std::to_string(config.block_tokens) + ", head_dim " + std::to_string(config.head_dim));
   const bool gaac = kv_scheme_is_gaac(scheme);
   const bool lossy = lossy_on_device(scheme);
-  if (fragment_pages && gaac)  // the GAAC encoder and kernels read row-major raw pages
+  // gaac: pages in the device layout (codec/gaac_fragments.h), which the kernels read at head_dim
+  // 64 and 128; gaac-e5m2 keeps the GAAC slots.
+  if (fragment_pages && gaac && (scheme_element(scheme) != format::GaacElement::kBf16 || (config.head_dim != 64 && config.head_dim != 128)))
     return cuda_error(StatusCode::kUnsupported, std::string("device KV cache: scheme ") + kv_scheme_name(scheme) +
-                                                    " is marked fragment-major, but GAAC pages have no fragment form");
+                                                    " stores GAAC device pages of bf16 at head_dim 64 or 128, not " +
+                                                    std::to_string(config.head_dim));
   const format::GaacElement element = scheme_element(scheme);
   int n_outlier_pairs = 0;
   if (lossy) {
@@ -232,14 +235,17 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
       for (int kv = 0; kv < 2; ++kv) {
         layer->escape_capacity[kv] = config.gaac_calibration->escape_capacity_bytes(l, kv);
         layer->slots[kv].stride =
-            round16(format::gaac_slot_bytes(element, config.block_tokens, D, layer->escape_capacity[kv]));
+            round16(fragment_pages ? size_t(format::fragment::gaac_page_bytes(D))
+                                   : format::gaac_slot_bytes(element, config.block_tokens, D, layer->escape_capacity[kv]));
         for (int h = 0; h < H; ++h) {
           const codec::GaacBases& gb = config.gaac_calibration->bases(l, kv, h);
+          if (fragment_pages && *std::max_element(gb.b4.begin(), gb.b4.end()) > 240)
+            s = cuda_error(StatusCode::kInvalidArgument, "device KV cache: a GAAC calibration window base above 240");
           std::copy_n(gb.b3.begin(), D, bases.begin() + ((size_t(kv) * H + h) * 2 + 0) * D);
           std::copy_n(gb.b4.begin(), D, bases.begin() + ((size_t(kv) * H + h) * 2 + 1) * D);
         }
       }
-      s = DeviceBuffer::allocate(bases.size(), &layer->bases);
+      if (s.ok) s = DeviceBuffer::allocate(bases.size(), &layer->bases);
       if (s.ok) s = layer->bases.upload(0, bases.data(), bases.size());
     }
     if (s.ok && lossy) {
@@ -878,13 +884,20 @@ CudaStatus DeviceKvCache::finalize(int slot, int layer_index, int64_t block_begi
         for (int64_t b = block_begin; b < block_end; ++b, ++i)
           tasks[i].dst = layer.slots[kv].buffer.data() + size_t(slots[i]) * layer.slots[kv].stride;
   }
+  // The encode launch(es): GAAC slots, or device pages (fragment_pages_), K tasks then V tasks.
+  auto encode = [&](const codec::cuda::GaacEncodeTask* device_tasks, int n, uint32_t* used) {
+    if (!fragment_pages_) return codec::cuda::gaac_encode_pages(element, T, D, device_tasks, n, used, stream);
+    const int n_key = n / 2;  // tasks in (K/V, kv_head, block) order
+    CudaStatus e = codec::cuda::gaac_fragment_encode_pages(D, true, device_tasks, n_key, used, stream);
+    if (e.ok) e = codec::cuda::gaac_fragment_encode_pages(D, false, device_tasks + n_key, n - n_key, used + n_key, stream);
+    return e;
+  };
   if (config_.defer_encode_results) {
     DeferredEncode d;
     CudaStatus s = stage_deferred_encode(slot, layer_index, block_begin, block_end, slots, tasks.data(),
                                          tasks.size() * sizeof(codec::cuda::GaacEncodeTask), sizeof(uint32_t), &d);
     if (s.ok)
-      s = codec::cuda::gaac_encode_pages(element, T, D, reinterpret_cast<const codec::cuda::GaacEncodeTask*>(d.tasks),
-                                         d.n, reinterpret_cast<uint32_t*>(d.results), stream);
+      s = encode(reinterpret_cast<const codec::cuda::GaacEncodeTask*>(d.tasks), d.n, reinterpret_cast<uint32_t*>(d.results));
     if (s.ok) s = place_deferred(layer_index, d, EncodeResult::kGaacUsedBytes);
     return s;
   }
@@ -892,9 +905,8 @@ CudaStatus DeviceKvCache::finalize(int slot, int layer_index, int64_t block_begi
   CudaStatus s = stage_encode_tasks(tasks.data(), tasks.size() * sizeof(codec::cuda::GaacEncodeTask),
                                     tasks.size() * sizeof(uint32_t), &results);
   if (!s.ok) return s;
-  s = codec::cuda::gaac_encode_pages(element, T, D,
-                                     reinterpret_cast<const codec::cuda::GaacEncodeTask*>(encode_buffer_.data()),
-                                     int(tasks.size()), reinterpret_cast<uint32_t*>(results), stream);
+  s = encode(reinterpret_cast<const codec::cuda::GaacEncodeTask*>(encode_buffer_.data()), int(tasks.size()),
+             reinterpret_cast<uint32_t*>(results));
   if (!s.ok) return s;
   std::vector<uint32_t> used(tasks.size());
   s = read_encode_results(results, used.data(), used.size() * sizeof(uint32_t));
@@ -1354,7 +1366,9 @@ CudaStatus DeviceKvCache::read_page(int slot, int layer_index, KvTensor kv, int 
   out->bytes = out->stored;
   if (fragment_pages_) {  // the codec's byte order again (the device page is its transcoding)
     const int D = config_.head_dim;
-    if (out->lossy_page) {
+    if (out->gaac_slot) {
+      // GAAC device pages are their codec's pages (codec/gaac_fragments.h): no other order.
+    } else if (out->lossy_page) {
       format::fragment::dither8_page_from_fragments(k == 0, D, D / codec::kQuantGroup, k == 0 ? n_outlier_pairs_ : 0,
                                                    out->stored.data(), out->bytes.data());
     } else {

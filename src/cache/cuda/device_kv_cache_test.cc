@@ -21,6 +21,7 @@
 #include "cache/cuda/append_rows_cuda.h"
 #include "cache/cuda/place_encoded_cuda.h"
 #include "codec/gaac.h"
+#include "codec/gaac_fragments.h"
 #include "codec/lossy_page.h"
 #include "core/cuda_test_support.h"
 #include "format/fp8.h"
@@ -84,7 +85,49 @@ DeviceKvCacheConfig config_of(KvScheme scheme, int64_t max_tokens) {
 
 // Every written block of every (layer, K/V, kv_head): the device's class and bytes are the host's
 // (a slot's used bytes, fixed part and escapes, counted from the host slot's own tags).
+// A scheme the table marks cuda_fragment_pages (gaac) stores GAAC device pages instead
+// (codec/gaac_fragments.h): a device page exactly where gaac_fragment_encode_page_ref takes the
+// host's rows of a full block, its bytes that encoder's, and raw pages the host's rows
+// fragment-major.
+void expect_same_gaac_device_pages(const DeviceKvCache& dev, const KvCache& host, SeqId seq, int64_t n, int* slots) {
+  for (int l = 0; l < kLayers; ++l)
+    for (int kv = 0; kv < 2; ++kv)
+      for (int h = 0; h < kHeads; ++h) {
+        const format::PageRef* table = host.block_table(seq, l, KvTensor(kv), h);
+        const std::vector<uint8_t>& b4 = host.config().gaac_calibration->bases(l, kv, h).b4;
+        for (int64_t b = 0; b * kT < n; ++b) {
+          SCOPED_TRACE("layer " + std::to_string(l) + " kv " + std::to_string(kv) + " head " + std::to_string(h) +
+                       " block " + std::to_string(b));
+          DevicePageBytes page;
+          const CudaStatus s = dev.read_page(l, KvTensor(kv), h, b, &page);
+          ASSERT_TRUE(s.ok) << s.message;
+          std::vector<uint16_t> rows(size_t(kT) * kDim, 0);
+          if (table[b].storage == format::StorageClass::kGaac) {
+            codec::gaac_decode_page_ref(host.page_bytes_of(table[b]), host.config().gaac_calibration->slot_bytes(l, kv), kT,
+                                        kDim, host.config().gaac_calibration->bases(l, kv, h), rows.data());
+          } else {
+            std::memcpy(rows.data(), host.page_bytes_of(table[b]), rows.size() * 2);
+          }
+          const bool full = (b + 1) * kT <= n;
+          std::vector<uint8_t> want(size_t(format::fragment::gaac_page_bytes(kDim)));
+          const bool coded = full && codec::gaac_fragment_encode_page_ref(rows.data(), kv == 0, kDim, b4.data(), want.data());
+          ASSERT_EQ(page.gaac_slot, coded);
+          if (coded) {
+            ASSERT_EQ(page.stored, want);
+            ASSERT_EQ(page.bytes, want);
+          } else {
+            std::vector<uint16_t> fragments(rows.size());
+            format::fragment::bf16_page_to_fragments(kv == 0, kDim, rows.data(), fragments.data());
+            ASSERT_EQ(page.stored.size(), rows.size() * 2);
+            ASSERT_EQ(std::memcmp(page.stored.data(), fragments.data(), page.stored.size()), 0);
+          }
+          *slots += page.gaac_slot;
+        }
+      }
+}
+
 void expect_same_pages(const DeviceKvCache& dev, const KvCache& host, SeqId seq, int64_t n, int* slots) {
+  if (kv_scheme_info(host.scheme()).cuda_fragment_pages) return expect_same_gaac_device_pages(dev, host, seq, n, slots);
   const format::GaacElement element = kv_scheme_element(host.scheme());
   const size_t elem = size_t(format::gaac_element_bytes(element));
   for (int l = 0; l < kLayers; ++l)

@@ -4,6 +4,8 @@
 
 #include <string>
 
+#include "format/fragment_layout.h"
+
 namespace certkv::codec::cuda {
 
 namespace {
@@ -245,6 +247,75 @@ CudaStatus gaac_encode_pages(GaacElement element, int block_tokens, int head_dim
     const std::string reason = cudaGetErrorString(e);
     return cuda_error(StatusCode::kInternal, "GAAC device encode: kernel launch failed: " + reason);
   }
+  return {};
+}
+
+namespace {
+
+namespace frag = format::fragment;
+
+__device__ inline void store32(uint8_t* p, uint32_t v) {
+  p[0] = uint8_t(v);
+  p[1] = uint8_t(v >> 8);
+  p[2] = uint8_t(v >> 16);
+  p[3] = uint8_t(v >> 24);
+}
+
+// One warp a page, 32 consecutive elements at a time: each lane codes its element (its low byte
+// stored, its code and sign bits OR-ed across the 8 lanes of its word), and the exceptions of the
+// 32 take their places in element order by a ballot.
+__global__ void __launch_bounds__(kThreads)
+    gaac_fragment_encode_kernel(int head_dim, bool key, const GaacEncodeTask* tasks, uint32_t n, uint32_t* used) {
+  const uint32_t page = blockIdx.x * kWarpsPerCta + threadIdx.x / 32;
+  const int lane = int(threadIdx.x % 32);
+  if (page >= n) return;  // whole warps leave together
+  const GaacEncodeTask t = tasks[page];
+  const int D = head_dim, capacity = frag::gaac_exception_capacity(D);
+  uint8_t* exceptions = t.dst + frag::gaac_low_bytes(D) + frag::gaac_word_bytes(D);
+  int count = 0;
+  bool ok = true;
+  for (int first = 0; first < frag::kPageTokens * D; first += 32) {
+    const int i = first + lane;
+    const uint16_t x = uint16_t(t.src[2 * i] | (t.src[2 * i + 1] << 8));
+    const int base = t.b4[frag::element_channel(key, i)];
+    const bool in = frag::gaac_in_window(x, base);
+    uint16_t built = 0;
+    const bool built_ok = in || frag::gaac_built(x, base, &built);
+    const unsigned out = __ballot_sync(kFullWarp, !in);
+    ok = ok && __all_sync(kFullWarp, built_ok);
+    const int at = count + __popc(out & ((1u << lane) - 1u));
+    if (!in && at < capacity) store32(exceptions + 4 + 4 * at, frag::gaac_exception(i, built));
+    count += __popc(out);
+    const int code = in ? ((x >> 7) & 0xff) - base : 0;
+    t.dst[frag::code_byte(i)] = in ? uint8_t(((code & 1) << 7) | (x & 0x7f)) : uint8_t(0);
+    uint32_t bits = in ? (uint32_t(code >> 1) << frag::gaac_code_bit(i % 8)) | (uint32_t(x >> 15) << frag::gaac_sign_bit(i % 8))
+                       : 0u;
+    bits |= __shfl_xor_sync(kFullWarp, bits, 1);
+    bits |= __shfl_xor_sync(kFullWarp, bits, 2);
+    bits |= __shfl_xor_sync(kFullWarp, bits, 4);
+    if (i % 8 == 0) store32(t.dst + frag::gaac_word_byte(D, i / frag::kStepElements, (i % frag::kStepElements) / 8), bits);
+  }
+  for (int j = count + lane; j < capacity; j += 32) store32(exceptions + 4 + 4 * j, 0u);  // as the `_ref` page
+  if (lane == 0) {
+    store32(exceptions, uint32_t(count));
+    used[page] = ok && count <= capacity ? uint32_t(frag::gaac_page_bytes(D)) : kGaacDeviceDoesNotFit;
+  }
+}
+
+}  // namespace
+
+CudaStatus gaac_fragment_encode_pages(int head_dim, bool key, const GaacEncodeTask* tasks, int n_tasks,
+                                      uint32_t* used_bytes, void* stream) {
+  if (head_dim != 64 && head_dim != 128)
+    return invalid("GAAC device pages: head_dim " + std::to_string(head_dim) + " is not 64 or 128");
+  const CudaStatus checked = check_gaac_encode(GaacElement::kBf16, frag::kPageTokens, head_dim, n_tasks, tasks, used_bytes);
+  if (!checked.ok || n_tasks == 0) return checked;
+  const uint32_t n = uint32_t(n_tasks);
+  gaac_fragment_encode_kernel<<<(n + kWarpsPerCta - 1) / kWarpsPerCta, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      head_dim, key, tasks, n, used_bytes);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return cuda_error(StatusCode::kInternal, std::string("GAAC device pages: encode launch failed: ") + cudaGetErrorString(e));
   return {};
 }
 

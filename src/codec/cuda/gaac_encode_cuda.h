@@ -51,4 +51,14 @@ CudaStatus gaac_encode_pages(format::GaacElement element, int block_tokens, int 
                              const GaacEncodeTask* tasks, int n_tasks, uint32_t* used_bytes,
                              void* stream);
 
+// GAAC pages in the device layout (PageFormat::kGaacFragments, codec/gaac_fragments.h), one warp
+// a page: byte for byte gaac_fragment_encode_page_ref's page (its exceptions in element order),
+// from a raw page stored fragment-major (format::fragment::element_index order of the K map when
+// `key`, else the V map) and the window bases b4; b3 and escape_capacity are not read. used_bytes:
+// format::fragment::gaac_page_bytes(head_dim), or kGaacDeviceDoesNotFit for a page the encoder
+// keeps exact (too many exceptions, or one with no built value; the page's bytes are then
+// unspecified). head_dim 64 or 128 (kInvalidArgument otherwise), the rest as gaac_encode_pages.
+CudaStatus gaac_fragment_encode_pages(int head_dim, bool key, const GaacEncodeTask* tasks, int n_tasks,
+                                      uint32_t* used_bytes, void* stream);
+
 }  // namespace certkv::codec::cuda

@@ -20,6 +20,8 @@
 
 #include "core/cuda_test_support.h"
 #include "codec/gaac.h"
+#include "codec/gaac_fragments.h"
+#include "format/fragment_layout.h"
 #include "format/gaac_layout.h"
 
 namespace certkv::codec::cuda {
@@ -380,6 +382,77 @@ TEST(GaacEncodeCuda, CheckRefusesBadShapesAndArrays) {
   // No tasks: nothing to check in the arrays, nothing launched.
   EXPECT_TRUE(check_gaac_encode(GaacElement::kBf16, 16, 64, 0, nullptr, nullptr).ok);
   EXPECT_TRUE(gaac_encode_pages(GaacElement::kBf16, 16, 64, nullptr, 0, nullptr, nullptr).ok);
+}
+
+// GAAC pages in the device layout: the device encoder's pages are the `_ref` encoder's, byte
+// for byte, and so is its verdict, over hundreds of pages a launch: in-window pages, pages with
+// exceptions up to the capacity (zeros, subnormals that build or do not, infinities, NaN payloads,
+// values far outside the window) and one past it, K and V maps, head_dim 64 and 128; the raw
+// pages fragment-major, as the device cache stores them. Refusals without a device.
+TEST(GaacEncodeCuda, DevicePagesAreTheReference) {
+  EXPECT_EQ(gaac_fragment_encode_pages(96, true, nullptr, 0, nullptr, nullptr).code, StatusCode::kInvalidArgument);
+  GaacEncodeTask task;
+  EXPECT_EQ(gaac_fragment_encode_pages(64, true, &task, 1, nullptr, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_TRUE(gaac_fragment_encode_pages(64, false, nullptr, 0, nullptr, nullptr).ok);
+  CERTKV_NEED_CUDA_DEVICE();
+  namespace frag = format::fragment;
+  const uint16_t specials[] = {0x0000, 0x8000, 0x0001, 0x807f, 0x0040, 0x7f80, 0xff80, 0x7fc1, 0xffa5, 0x7f7f, 0x0080};
+  for (int D : {64, 128})
+    for (bool key : {true, false}) {
+      std::mt19937 rng(uint32_t(D + key));
+      constexpr int kPages = 300;
+      const size_t raw = size_t(frag::kPageTokens) * D * 2, page = size_t(frag::gaac_page_bytes(D));
+      std::vector<uint8_t> src(kPages * raw), bases(size_t(kPages) * D), ref(kPages * page, 0);
+      std::vector<uint32_t> ref_used(kPages);
+      for (int p = 0; p < kPages; ++p) {
+        uint8_t* b = bases.data() + size_t(p) * D;
+        for (int c = 0; c < D; ++c) b[c] = uint8_t(p % 7 == 0 ? 240 - rng() % 4 : 100 + rng() % 30);
+        std::vector<uint16_t> rows(size_t(frag::kPageTokens) * D);
+        for (int i = 0; i < int(rows.size()); ++i)
+          rows[size_t(i)] = uint16_t(((rng() & 1) << 15) | (std::min<uint32_t>(b[i % D] + rng() % 16, 254) << 7) | (rng() & 0x7f));
+        const int n = p % (frag::gaac_exception_capacity(D) + 2);  // one past the capacity too
+        for (int i = 0; i < n; ++i) {
+          uint16_t& x = rows[rng() % rows.size()];
+          x = rng() % 3 ? specials[rng() % std::size(specials)] : uint16_t((x & 0x807f) | ((rng() % 60) << 7));
+        }
+        std::vector<uint16_t> fragments(rows.size());
+        frag::bf16_page_to_fragments(key, D, rows.data(), fragments.data());
+        std::memcpy(src.data() + size_t(p) * raw, fragments.data(), raw);
+        ref_used[size_t(p)] = gaac_fragment_encode_page_ref(rows.data(), key, D, b, ref.data() + size_t(p) * page)
+                                  ? uint32_t(page)
+                                  : kGaacDeviceDoesNotFit;
+      }
+      DeviceBytes d_src(src.size()), d_bases(bases.size()), d_dst(ref.size()), d_used(kPages * 4),
+          d_tasks(kPages * sizeof(GaacEncodeTask));
+      d_src.upload(src.data(), src.size());
+      d_bases.upload(bases.data(), bases.size());
+      std::vector<GaacEncodeTask> tasks(kPages);
+      for (int p = 0; p < kPages; ++p) {
+        tasks[size_t(p)].src = d_src.data() + size_t(p) * raw;
+        tasks[size_t(p)].dst = d_dst.data() + size_t(p) * page;
+        tasks[size_t(p)].b4 = d_bases.data() + size_t(p) * D;
+      }
+      d_tasks.upload(tasks.data(), tasks.size() * sizeof(GaacEncodeTask));
+      ASSERT_TRUE(gaac_fragment_encode_pages(D, key, reinterpret_cast<const GaacEncodeTask*>(d_tasks.data()), kPages,
+                                             reinterpret_cast<uint32_t*>(d_used.data()), nullptr)
+                      .ok);
+      std::vector<uint8_t> got(ref.size());
+      std::vector<uint32_t> used(kPages);
+      d_dst.download(got.data(), got.size());
+      d_used.download(used.data(), used.size() * 4);
+      int kept_exact = 0;
+      for (int p = 0; p < kPages; ++p) {
+        ASSERT_EQ(used[size_t(p)], ref_used[size_t(p)]) << "D " << D << " key " << key << " page " << p;
+        if (ref_used[size_t(p)] == kGaacDeviceDoesNotFit) {
+          ++kept_exact;
+          continue;
+        }
+        ASSERT_EQ(std::memcmp(got.data() + size_t(p) * page, ref.data() + size_t(p) * page, page), 0)
+            << "D " << D << " key " << key << " page " << p;
+      }
+      EXPECT_GT(kept_exact, 0);
+      EXPECT_LT(kept_exact, kPages / 2);
+    }
 }
 
 }  // namespace
