@@ -43,6 +43,7 @@
 #include "codec/gaac.h"
 #include "core/status.h"
 #include "engine/engine.h"
+#include "engine/gaac_self_calibration.h"
 #include "engine/outlier_pair_calibration.h"
 #include "backend_test_support.h"
 #include "gaac_e2e_support.h"
@@ -87,7 +88,13 @@ BackendConfig device_config(cache::KvScheme scheme, int64_t context, int64_t poo
   cfg.n_threads = host_threads();
   cfg.kv_scheme = scheme;
   const cache::KvSchemeInfo& s = cache::kv_scheme_info(scheme);
-  if (s.gaac) {
+  if (s.cuda_fragment_pages) {
+    // GAAC device pages need windows where the model's exponents are: its calibration from the
+    // built-in text, made once.
+    static const auto calibrated = std::make_shared<const codec::GaacCalibration>(
+        engine::calibrate_gaac_from_text(smollm2(), s.element, 16, host_threads()));
+    cfg.gaac_calibration = calibrated;
+  } else if (s.gaac) {
     // The calibration that fits every block (bases 0, the largest escape capacity): GAAC slots
     // for every full block.
     const model::ModelConfig& c = smollm2().config();

@@ -105,8 +105,8 @@ void expect_same_gaac_device_pages(const DeviceKvCache& dev, const KvCache& host
           if (table[b].storage == format::StorageClass::kGaac) {
             codec::gaac_decode_page_ref(host.page_bytes_of(table[b]), host.config().gaac_calibration->slot_bytes(l, kv), kT,
                                         kDim, host.config().gaac_calibration->bases(l, kv, h), rows.data());
-          } else {
-            std::memcpy(rows.data(), host.page_bytes_of(table[b]), rows.size() * 2);
+          } else {  // the live rows (a host tail's later rows are not defined; the device's are zero)
+            std::memcpy(rows.data(), host.page_bytes_of(table[b]), size_t(std::min<int64_t>(kT, n - b * kT)) * kDim * 2);
           }
           const bool full = (b + 1) * kT <= n;
           std::vector<uint8_t> want(size_t(format::fragment::gaac_page_bytes(kDim)));
@@ -842,11 +842,20 @@ TEST(DeviceKvCache, BadConfigurationsAreRefusedBeforeAnyAllocation) {
   c = config_of(KvScheme::kBf16, 0);
   s = DeviceKvCache::create(c, &dev);
   EXPECT_EQ(s.code, StatusCode::kInvalidArgument);
-  c = config_of(KvScheme::kGaac, 64);
+  c = config_of(KvScheme::kGaacE5M2, 64);
   c.head_dim = 60;  // no GAAC tiling
   s = DeviceKvCache::create(c, &dev);
   EXPECT_EQ(s.code, StatusCode::kUnsupported);
   EXPECT_NE(s.message.find("does not split into GAAC tiles"), std::string::npos) << s.message;
+  c = config_of(KvScheme::kGaac, 64);
+  c.head_dim = 60;  // gaac's device pages: fragment-major, head_dim a multiple of 16
+  s = DeviceKvCache::create(c, &dev);
+  EXPECT_EQ(s.code, StatusCode::kUnsupported);
+  EXPECT_NE(s.message.find("stores fragment-major pages"), std::string::npos) << s.message;
+  c = config_of(KvScheme::kGaac, 64);
+  c.head_dim = 32;  // a multiple of 16, but no GAAC device page at 32
+  s = DeviceKvCache::create(c, &dev);
+  EXPECT_EQ(s.code, StatusCode::kUnsupported);
   c = config_of(KvScheme::kBf16, 64);
   c.index_record_bytes = 20;  // not a RaBitQ record's size
   s = DeviceKvCache::create(c, &dev);
