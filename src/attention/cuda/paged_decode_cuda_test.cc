@@ -414,14 +414,16 @@ TEST(PagedDecodeCuda, DeviceIsPresent) {
   EXPECT_GT(device_count(), 0);
 }
 
-// The page format of each scheme the device serves follows the scheme table (no device): dither8
-// and gaac, which the table marks cuda_fragment_pages, are read as kDither8Fragments and
-// kGaacFragments (what the device KV cache writes for them), the others in their own formats;
-// every fragment format splits by counters.
+// The page format of each scheme the device serves follows the scheme table (no device): dither8,
+// which the table marks cuda_fragment_pages, is read as kDither8Fragments (what the device KV
+// cache writes for it), gaac as kGaacFragments when the table marks it so, the others in their
+// own formats; every fragment format splits by counters.
 TEST(PagedDecodeCuda, PageFormatOfFollowsTheSchemeTable) {
   EXPECT_EQ(page_format_of(cache::KvScheme::kDither8), PageFormat::kDither8Fragments);
   EXPECT_EQ(page_format_of(cache::KvScheme::kBf16), PageFormat::kBf16);
-  EXPECT_EQ(page_format_of(cache::KvScheme::kGaac), PageFormat::kGaacFragments);
+  EXPECT_EQ(page_format_of(cache::KvScheme::kGaac), cache::kv_scheme_info(cache::KvScheme::kGaac).cuda_fragment_pages
+                                                        ? PageFormat::kGaacFragments
+                                                        : PageFormat::kGaacBf16);
   EXPECT_EQ(page_format_of(cache::KvScheme::kGaacE5M2), PageFormat::kGaacE5M2);
   EXPECT_EQ(page_format_of(cache::KvScheme::kFp8E4M3), PageFormat::kFp8E4M3);
   EXPECT_EQ(page_format_of(cache::KvScheme::kFp8E5M2), PageFormat::kFp8E5M2);

@@ -847,15 +847,17 @@ TEST(DeviceKvCache, BadConfigurationsAreRefusedBeforeAnyAllocation) {
   s = DeviceKvCache::create(c, &dev);
   EXPECT_EQ(s.code, StatusCode::kUnsupported);
   EXPECT_NE(s.message.find("does not split into GAAC tiles"), std::string::npos) << s.message;
-  c = config_of(KvScheme::kGaac, 64);
-  c.head_dim = 60;  // gaac's device pages: fragment-major, head_dim a multiple of 16
-  s = DeviceKvCache::create(c, &dev);
-  EXPECT_EQ(s.code, StatusCode::kUnsupported);
-  EXPECT_NE(s.message.find("stores fragment-major pages"), std::string::npos) << s.message;
-  c = config_of(KvScheme::kGaac, 64);
-  c.head_dim = 32;  // a multiple of 16, but no GAAC device page at 32
-  s = DeviceKvCache::create(c, &dev);
-  EXPECT_EQ(s.code, StatusCode::kUnsupported);
+  if (kv_scheme_info(KvScheme::kGaac).cuda_fragment_pages) {  // gaac in GAAC device pages
+    c = config_of(KvScheme::kGaac, 64);
+    c.head_dim = 60;  // fragment-major: head_dim a multiple of 16
+    s = DeviceKvCache::create(c, &dev);
+    EXPECT_EQ(s.code, StatusCode::kUnsupported);
+    EXPECT_NE(s.message.find("stores fragment-major pages"), std::string::npos) << s.message;
+    c = config_of(KvScheme::kGaac, 64);
+    c.head_dim = 32;  // a multiple of 16, but no GAAC device page at 32
+    s = DeviceKvCache::create(c, &dev);
+    EXPECT_EQ(s.code, StatusCode::kUnsupported);
+  }
   c = config_of(KvScheme::kBf16, 64);
   c.index_record_bytes = 20;  // not a RaBitQ record's size
   s = DeviceKvCache::create(c, &dev);
