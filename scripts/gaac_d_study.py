@@ -22,6 +22,9 @@ decode benchmark's KV (scripts/make_bench_kv.py: k, v [E, N, 128]). Calibration 
 entry, K/V, head, channel) from the --calib dumps, evaluation on --eval, pages of 16 tokens.
 
   python3 scripts/gaac_d_study.py --calib CAL.safetensors[,CAL2...] --eval EVAL.safetensors [--json OUT]
+
+It also reports the device layout certkv ships (docs/format/gaac_fragments.md): every element a
+4-bit code in the 16-wide window b4, exceptions stored whole, pages with too many kept raw.
 """
 import argparse
 import json
@@ -121,6 +124,22 @@ def summarize(mode_arrays):
     }
 
 
+def device_pages(e, bits, b4):
+    """The device layout of docs/format/gaac_fragments.md on pages of e [heads, N, D] (N a multiple
+    of 16): 12 bits an element plus D / 4 bytes of exceptions a page; a page with more than
+    D / 16 - 1 exceptions (elements outside [b4, b4 + 16), zeros, subnormals, inf, NaN) stays raw
+    bf16. (A subnormal or far exponent whose built value is not a bf16 would stay raw too; none
+    occurs in real KV, and it is not modelled.) Returns (bytes stored, pages, pages kept raw,
+    exceptions)."""
+    heads, n, d = e.shape
+    c = e - b4[:, None, :]
+    out = (c < 0) | (c >= 16) | (e == 0) | (e == 255)
+    per_page = out.reshape(heads, n // T, T, d).sum(axis=(2, 3))
+    raw = per_page > d // 16 - 1
+    stored = np.where(raw, 2 * T * d, T * d * 3 // 2 + d // 4).sum()
+    return int(stored), int(per_page.size), int(raw.sum()), int(per_page.sum())
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calib", required=True, help="comma list of dumps to calibrate the windows on")
@@ -132,6 +151,7 @@ def main():
     layouts = [("gaac (CPU)", None, False)] + [(f"gaac-d, 4-bit window from b3 - {k}", k, True) for k in (0, 4, 8)]
     results = {"calib": args.calib, "eval": args.eval, "rows": []}
     acc = {(name, kv): [] for name, _, _ in layouts for kv in "kv"}
+    device = {kv: [0, 0, 0, 0, 0] for kv in "kv"}  # stored, pages, raw, exceptions, elements
     for key in sorted(ev):
         name, kv = key
         if not any(key in c for c in calib):
@@ -142,6 +162,9 @@ def main():
         e_cal = np.concatenate([exponents(c[key]) for c in calib if key in c], axis=1)
         b3 = best_windows(e_cal, 8)
         b4_free = best_windows(e_cal, 16)
+        stored, pages, raw, exc = device_pages(e_eval, ev[key][:, :n], best_windows(e_cal, 16))
+        for i, x in enumerate((stored, pages, raw, exc, e_eval.size)):
+            device[kv][i] += x
         for label, k, tied in layouts:
             b4 = b4_free if not tied else np.clip(b3 - k, 0, 240)
             m = evaluate(e_eval, b3, b4, v_groups_2x4=tied and kv == "v")
@@ -152,7 +175,15 @@ def main():
             row[kv] = summarize(acc[(label, kv)])
         row["both"] = summarize(acc[(label, "k")] + acc[(label, "v")])
         results["rows"].append(row)
+    results["device_pages"] = {
+        kv: {"content_ratio": round(2 * device[kv][4] / device[kv][0], 4), "pages": device[kv][1],
+             "pages_kept_raw": device[kv][2], "exceptions_per_page": round(device[kv][3] / device[kv][1], 3)}
+        for kv in "kv"}
     print(f"eval {args.eval}, calibrated on {args.calib}")
+    for kv in "kv":
+        r = results["device_pages"][kv]
+        print(f"device pages {kv.upper()}: content ratio {r['content_ratio']:.4f}, {r['pages_kept_raw']} of {r['pages']} "
+              f"pages kept raw, {r['exceptions_per_page']} exceptions a page")
     print(f"{'layout':40s} {'K ratio':>8s} {'V ratio':>8s} {'both':>8s}   K modes % (3/4/raw)     V modes %")
     for row in results["rows"]:
         print(f"{row['layout']:40s} {row['k']['content_ratio']:8.4f} {row['v']['content_ratio']:8.4f} "
