@@ -88,7 +88,7 @@ BackendConfig device_config(cache::KvScheme scheme, int64_t context, int64_t poo
   cfg.n_threads = host_threads();
   cfg.kv_scheme = scheme;
   const cache::KvSchemeInfo& s = cache::kv_scheme_info(scheme);
-  if (s.cuda_fragment_pages) {
+  if (s.gaac && s.cuda_fragment_pages) {
     // GAAC device pages need windows where the model's exponents are: its calibration from the
     // built-in text, made once.
     static const auto calibrated = std::make_shared<const codec::GaacCalibration>(
