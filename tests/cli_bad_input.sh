@@ -145,6 +145,7 @@ expect_error eval-tf-missing-file "cannot read file" "$bin" eval teacher-forced 
 expect_error eval-needle-bad-length "--lengths" "$bin" eval needle --model "$model" --kv rtn8 --lengths 1024,abc --samples 1
 expect_error eval-needle-too-long "context" "$bin" eval needle --model "$model" --kv rtn8 --lengths 100000 --samples 1
 expect_error eval-needle-variant "--variant" "$bin" eval needle --model "$model" --kv rtn8 --lengths 1024 --variant multi-everything --samples 1
+expect_error eval-needle-corpus "--corpus" "$bin" eval needle --model "$model" --kv rtn8 --lengths 1024 --samples 1 --haystack corpus --corpus "$tmp/no-books-here"
 
 # Sparse decode (--ctx 256 where the spec is valid: the default window of 128 tokens must fit the
 # context): the --sparse spec, its bounds against the context and the model, the gate, and a

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -180,9 +181,14 @@ int cmd_needle(int argc, char** argv) {
   const std::string haystack = flags.str("haystack");
   std::vector<std::string> corpus;
   if (haystack == "corpus") {
-    const std::string dir = std::string(CERTKV_SHARED_DIR) + "/data/corpus/";
-    for (const char* book : {"dickens-tale-of-two-cities.txt", "melville-moby-dick.txt", "austen-emma.txt"})
-      corpus.push_back(dir + book);
+    // The books' folder: --corpus, else the shared folder beside the source tree this tool was
+    // built from.
+    const std::string dir = flags.has("corpus") ? flags.str("corpus") : std::string(CERTKV_SHARED_DIR) + "/data/corpus";
+    for (const char* book : {"dickens-tale-of-two-cities.txt", "melville-moby-dick.txt", "austen-emma.txt"}) {
+      corpus.push_back(dir + "/" + book);
+      if (!std::filesystem::is_regular_file(corpus.back()))
+        throw UsageError{"flag --corpus: no " + std::string(book) + " in " + dir + " (the books of --haystack corpus)"};
+    }
   } else if (haystack != "noise") {
     throw UsageError{"flag --haystack: expected noise or corpus, got '" + haystack + "'"};
   }

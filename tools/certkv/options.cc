@@ -108,6 +108,9 @@ std::vector<Option> make_option_table() {
       {"variant", '\0', V::kText, "NAME", "single", kEvalNeedle, "single, multi-key, multi-value or multi-query"},
       {"haystack", '\0', V::kText, "noise|corpus", "noise", kEvalNeedle,
        "filler text: noise sentences or public-domain books"},
+      {"corpus", '\0', V::kPath, "DIR", "", kEvalNeedle,
+       "with --haystack corpus: the folder of dickens-tale-of-two-cities.txt, melville-moby-dick.txt and "
+       "austen-emma.txt (default: shared/data/corpus beside the source tree it was built from)"},
       {"max-new", '\0', V::kInteger, "N", "16", kEvalNeedle, "tokens generated per answer"},
       // audit.
       {"dump", '\0', V::kPath, "FILE.safetensors", "", kAudit, "write sampled cells there"},
