@@ -25,6 +25,10 @@
 // dither8 page (codec::cuda::LossyDeviceLayout::kFragments: the codec's page transcoded in the
 // encode launch, the same bytes moved, so the pools' page sizes are the codec's). read_page gives
 // the codec's order back (and the stored bytes beside it); store_exact_block transcodes its rows.
+// A GAAC scheme so marked (none is yet: docs/cuda.md, "GAAC device pages", says what the kernel
+// needs first) stores GAAC device pages (codec/gaac_fragments.h, PageFormat::kGaacFragments),
+// encoded at finalize from the fragment-major raw pages (codec::cuda::gaac_fragment_encode_pages);
+// they are their codec's pages, so read_page gives them as stored.
 //
 // Table entries (int32, per (layer, K/V, kv_head), block order): for bf16 the raw page index;
 // for the GAAC and lossy schemes a slot index s >= 0 of the (layer, K/V) slot pool (GAAC slots,
