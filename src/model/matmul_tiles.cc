@@ -314,6 +314,23 @@ inline __m512 add_block(__m512 acc, const uint8_t* rec, __m512i isum, float d, f
   return _mm512_add_ps(acc, term);
 }
 
+// Two independent tile products, A0 B0 and A1 B1, their int32 sums stored to sums0 and sums1
+// (16 rows of 64 bytes each): A the activation codes (rows of a_stride bytes), B a record's tile
+// (rows of 64 bytes). Tiles 1, 2 -> 0 and 4, 5 -> 3, so the two run side by side.
+inline void tile_pair_sums(const void* a0, const void* a1, size_t a_stride, const void* b0, const void* b1,
+                           int32_t* sums0, int32_t* sums1) {
+  _tile_loadd(2, b0, 64);
+  _tile_loadd(5, b1, 64);
+  _tile_loadd(1, a0, a_stride);
+  _tile_loadd(4, a1, a_stride);
+  _tile_zero(0);
+  _tile_zero(3);
+  _tile_dpbssd(0, 1, 2);
+  _tile_dpbssd(3, 4, 5);
+  _tile_stored(0, sums0, 64);
+  _tile_stored(3, sums1, 64);
+}
+
 // The tile's sums (row t at 16 t) added into acc[t], t < M.
 template <GgmlType T, int M>
 inline void add_tile_block(__m512* acc, const uint8_t* rec, const int32_t* sums, const float* d,
@@ -343,16 +360,8 @@ template <GgmlType T, int M>
     const uint8_t* r1 = r0 + kRecord;
     prefetch_record<T>(r0);
     prefetch_record<T>(r1);
-    _tile_loadd(2, weight_tile<T>(r0, bbuf[0]), 64);
-    _tile_loadd(5, weight_tile<T>(r1, bbuf[1]), 64);
-    _tile_loadd(1, q + 32 * b, in.n_in);
-    _tile_loadd(4, q + 32 * (b + 1), in.n_in);
-    _tile_zero(0);
-    _tile_zero(3);
-    _tile_dpbssd(0, 1, 2);
-    _tile_dpbssd(3, 4, 5);
-    _tile_stored(0, sums[0], 64);
-    _tile_stored(3, sums[1], 64);
+    tile_pair_sums(q + 32 * b, q + 32 * (b + 1), size_t(in.n_in), weight_tile<T>(r0, bbuf[0]),
+                   weight_tile<T>(r1, bbuf[1]), sums[0], sums[1]);
     add_tile_block<T, M>(acc, r0, sums[0], d + b, s + b, nb);
     add_tile_block<T, M>(acc, r1, sums[1], d + b + 1, s + b + 1, nb);
   }
@@ -473,16 +482,8 @@ template <GgmlType T, int M, bool kTiles>
       if constexpr (kTiles) {
         for (int h = 0; h < 2; ++h)
           for (int r = 0; r < 8; ++r) _mm512_store_si512(buf[h] + 64 * r, c[h][r]);
-        _tile_loadd(2, buf[0], 64);
-        _tile_loadd(5, buf[1], 64);
-        _tile_loadd(1, q + 256 * sb + 64 * p, stride);
-        _tile_loadd(4, q + 256 * sb + 64 * p + 32, stride);
-        _tile_zero(0);
-        _tile_zero(3);
-        _tile_dpbssd(0, 1, 2);
-        _tile_dpbssd(3, 4, 5);
-        _tile_stored(0, sums[0], 64);
-        _tile_stored(3, sums[1], 64);
+        tile_pair_sums(q + 256 * sb + 64 * p, q + 256 * sb + 64 * p + 32, size_t(stride), buf[0], buf[1], sums[0],
+                       sums[1]);
         for (int t = 0; t < M; ++t)
           for (int h = 0; h < 2; ++h)
             isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(sc[h], _mm512_load_si512(sums[h] + 16 * t)));
