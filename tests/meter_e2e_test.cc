@@ -29,6 +29,14 @@ using certkv::testing::temp_path;
 constexpr int kPrefix = 512;
 constexpr int kSteps = 16;
 
+// A session of scheme kv with the given Tier A witness, audited on every cell over MeterEndToEnd::run(): its
+// audit, the lossy class's pages and bytes, and whether it was metered.
+struct AuditedRun {
+  certkv_audit_stats audit;
+  uint64_t lossy_bytes = 0, lossy_pages = 0;
+  int metered = 0;
+};
+
 class MeterEndToEnd : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -54,6 +62,24 @@ class MeterEndToEnd : public ::testing::Test {
     std::vector<float> logits(size_t(model_->info().n_vocab));
     session.prefill(std::vector<int32_t>(tokens.begin(), tokens.begin() + kPrefix), logits.data());
     for (int i = kPrefix; i < kPrefix + kSteps; ++i) session.decode(tokens[size_t(i)], logits.data());
+  }
+
+  static AuditedRun audited_run(const char* kv, const char* witness) {
+    certkv_session_params p = params(kv);
+    p.witness = witness;
+    certkv::Session session(*model_, p);
+    certkv::check(certkv_session_audit_enable(session.get(), 0, 1));
+    run(session);
+    AuditedRun r;
+    r.audit = session.audit_stats();
+    r.metered = session.meter_stats().metered;
+    const certkv_kv_stats kvs = session.kv_stats();
+    for (int i = 0; i < kvs.n_classes; ++i)
+      if (std::string(kvs.by_class[i].storage) == "lossy") {
+        r.lossy_bytes = kvs.by_class[i].page_bytes_in_use;
+        r.lossy_pages = kvs.by_class[i].pages_in_use;
+      }
+    return r;
   }
 
   static std::unique_ptr<certkv::Model> model_;
@@ -96,15 +122,9 @@ TEST_F(MeterEndToEnd, PageScaledWitnessIsSoundAndNearlyAsTight) {
     certkv_audit_stats a[2];
     uint64_t lossy_bytes[2] = {0, 0};
     for (int coded = 0; coded < 2; ++coded) {
-      certkv_session_params p = params(kv);
-      p.witness = coded ? "u8" : "fp16";
-      certkv::Session session(*model_, p);
-      certkv::check(certkv_session_audit_enable(session.get(), 0, 1));
-      run(session);
-      a[coded] = session.audit_stats();
-      const certkv_kv_stats kvs = session.kv_stats();
-      for (int i = 0; i < kvs.n_classes; ++i)
-        if (std::string(kvs.by_class[i].storage) == "lossy") lossy_bytes[coded] = kvs.by_class[i].page_bytes_in_use;
+      const AuditedRun r = audited_run(kv, coded ? "u8" : "fp16");
+      a[coded] = r.audit;
+      lossy_bytes[coded] = r.lossy_bytes;
     }
     SCOPED_TRACE(kv);
     EXPECT_EQ(a[1].cells, cells);
@@ -128,19 +148,11 @@ TEST_F(MeterEndToEnd, ExponentWitnessIsSoundWithNoWitnessBytes) {
   certkv_audit_stats a[2];
   uint64_t lossy_bytes[2] = {0, 0}, lossy_pages[2] = {0, 0};
   for (int exponent = 0; exponent < 2; ++exponent) {
-    certkv_session_params p = params("fp8-e4m3");
-    p.witness = exponent ? "exponent" : "fp16";
-    certkv::Session session(*model_, p);
-    certkv::check(certkv_session_audit_enable(session.get(), 0, 1));
-    run(session);
-    a[exponent] = session.audit_stats();
-    const certkv_kv_stats kvs = session.kv_stats();
-    for (int i = 0; i < kvs.n_classes; ++i)
-      if (std::string(kvs.by_class[i].storage) == "lossy") {
-        lossy_bytes[exponent] = kvs.by_class[i].page_bytes_in_use;
-        lossy_pages[exponent] = kvs.by_class[i].pages_in_use;
-      }
-    EXPECT_EQ(session.meter_stats().metered, 1);
+    const AuditedRun r = audited_run("fp8-e4m3", exponent ? "exponent" : "fp16");
+    a[exponent] = r.audit;
+    lossy_bytes[exponent] = r.lossy_bytes;
+    lossy_pages[exponent] = r.lossy_pages;
+    EXPECT_EQ(r.metered, 1);
   }
   EXPECT_EQ(a[1].cells, cells);
   EXPECT_EQ(a[1].violations, 0) << "worst margin " << a[1].worst_margin;
