@@ -22,7 +22,7 @@ constexpr KvSchemeInfo kTable[kNumKvSchemes] = {
      StorageClass::kBf16, true, false, false, kNotLossy, MeterTier::kNone, 0, true, true, true, false, kFp16},
     {KvScheme::kGaac, "gaac", "lossless: full blocks in GAAC slots, every bf16 bit kept",
      GaacElement::kBf16, StorageClass::kGaac, true, true, false, kNotLossy, MeterTier::kNone, 0,
-     true, true, false, false, kFp16},
+     true, true, false, true, kFp16},
     {KvScheme::kFp8PagesE4M3, "fp8-e4m3-pages", "every page cast to fp8 e4m3 (lossy, unmetered)",
      GaacElement::kFp8E4M3, StorageClass::kFp8, false, false, false, kNotLossy, MeterTier::kNone, 0,
      false, true, false, false, kFp16},

@@ -42,6 +42,7 @@ TEST(KvSchemeTable, EveryEntryIsConsistent) {
     tier_b += s.tier == MeterTier::kB;
   }
   EXPECT_TRUE(kv_scheme_info(KvScheme::kDither8).cuda_fragment_pages) << "the cuda backend's dither8 pages";
+  EXPECT_TRUE(kv_scheme_info(KvScheme::kGaac).cuda_fragment_pages) << "the cuda backend's GAAC device pages";
   EXPECT_FALSE(kv_scheme_info(KvScheme::kGaacE5M2).cuda_fragment_pages) << "GAAC slots over e5m2";
   EXPECT_EQ(names.size(), size_t(kNumKvSchemes));
   EXPECT_EQ(tier_b, 1);

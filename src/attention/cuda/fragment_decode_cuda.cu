@@ -8,11 +8,14 @@
 // the 16 rows, the group's query heads as the 8 columns), the A operands read from the ring with
 // one 16-byte load per lane and step. The last page of a sequence masks its scores past the
 // length and zeroes its values' operands there (a device page past the length may hold anything,
-// NaN too). A corrupt table entry reads as a zero page and counts in the error word; a block with
-// an exact page (the lossy classes' raw pools: bf16, fragment-major) is attended after the
-// others, read straight from its pools. After the warps' merge (write_split_partials) each CTA
-// counts itself done on its row group's counter; the last one merges the group's splits into the
-// outputs and leaves the counter at zero.
+// NaN too). A corrupt table entry reads as a zero page and counts in the error word. Exact pages
+// (the raw pools: bf16, fragment-major): GAAC's go through the ring in their place (a raw page and
+// its coded form give the same bits); the lossy classes' are attended after the others, read
+// straight from their pools. The bf16-valued classes (bf16 pages of either order, GAAC) sum each
+// page's values from zero and add the page to the output (times GAAC's channel scale), so that a
+// GAAC page, its raw page and the bf16 scheme's token-major page add the same floats. After the
+// warps' merge (write_split_partials) each CTA counts itself done on its row group's counter; the
+// last one merges the group's splits into the outputs and leaves the counter at zero.
 #include "attention/cuda/fragment_decode_cuda.h"
 
 #include <cuda_bf16.h>
@@ -84,22 +87,36 @@ constexpr int kMergeLoads = 8;    // its partial outputs in flight per thread
 
 // ---------------------------------------------------------------------------------------------
 // Page classes: how many bytes a page pair holds, what a lane loads of a page (16 bytes at a
-// time, from shared or global memory alike) and how the loads become its mma A operands.
+// time, from shared or global memory alike) and how the loads become its mma A operands. Flags:
+// kRowMajor, token-major pages copied a row at a time and read by ldmatrix (load_rows);
+// kExactInRing, exact pages copied into the ring and attended in their place (a stage holds a raw
+// page); kPageSums, each page's values summed from zero, then added to the output.
+
+// A raw bf16 page of 16 tokens x D (either order).
+template <int D>
+__host__ __device__ constexpr uint32_t raw_page_bytes() {
+  return kBlockTokens * D * 2;
+}
 
 // bf16, fragment-major: a lane's four registers of step s are its 16 bytes of the step.
 struct Bf16Pages {
   static constexpr bool kHalf = false;        // the mma element (and the query's rounding)
   static constexpr bool kExactPages = false;  // raw entries are corrupt
   static constexpr bool kDither = false;      // dither8: its own scores and values (below)
-  static constexpr bool kScaled = false;      // GAAC: operands built, query and output scaled per channel
+  static constexpr bool kScaled = false;      // GAAC: operands built, query and values scaled per channel
+  static constexpr bool kRowMajor = false;
+  static constexpr bool kExactInRing = false;
+  static constexpr bool kPageSums = true;
   static constexpr int kStages = 2;           // pages of each warp's ring (see with_kernel)
   static constexpr int kPlannedCtasPerSm = 1; // the split plan's wave (fragment_planned_ctas_per_sm)
   template <int D>
-  __host__ __device__ static constexpr uint32_t k_bytes() { return kBlockTokens * D * 2; }  // a stage's room
+  __host__ __device__ static constexpr uint32_t k_bytes() { return raw_page_bytes<D>(); }  // a stage's room
   template <int D>
-  __host__ __device__ static constexpr uint32_t v_bytes() { return kBlockTokens * D * 2; }
+  __host__ __device__ static constexpr uint32_t v_bytes() { return raw_page_bytes<D>(); }
   template <int D>
   __host__ __device__ static constexpr uint32_t k_copy_bytes(int) { return k_bytes<D>(); }  // what a page holds
+  template <int D>
+  __host__ __device__ static constexpr uint32_t v_copy_bytes() { return v_bytes<D>(); }
   template <int D>
   __host__ __device__ static constexpr int loads() { return D / 16; }
   template <int D>
@@ -119,6 +136,53 @@ struct Bf16Pages {
   }
 };
 
+// bf16, token-major: the bf16 scheme's pages (the sparse kernel reads their rows too). Each of a
+// page's 16 rows is one bulk copy into a padded tile (rows of D + 8 elements, so that the 8 rows of
+// an ldmatrix phase fall in 8 distinct bank groups); ldmatrix (K) and ldmatrix.trans (V) read the
+// operands Bf16Pages loads from a fragment-major page, register for register.
+struct Bf16RowPages {
+  static constexpr bool kHalf = false;
+  static constexpr bool kExactPages = false;
+  static constexpr bool kDither = false;
+  static constexpr bool kScaled = false;
+  static constexpr bool kRowMajor = true;
+  static constexpr bool kExactInRing = false;
+  static constexpr bool kPageSums = true;
+  static constexpr int kStages = 2;
+  static constexpr int kPlannedCtasPerSm = 1;
+  template <int D>
+  __host__ __device__ static constexpr uint32_t k_bytes() { return PaddedTile<D>::kElements * 2; }
+  template <int D>
+  __host__ __device__ static constexpr uint32_t v_bytes() { return PaddedTile<D>::kElements * 2; }
+  template <int D>
+  __host__ __device__ static constexpr uint32_t k_copy_bytes(int) { return raw_page_bytes<D>(); }
+  template <int D>
+  __host__ __device__ static constexpr uint32_t v_copy_bytes() { return raw_page_bytes<D>(); }
+  template <int D>
+  __host__ __device__ static constexpr int loads() { return D / 16; }
+  // The operands of every step of the K page (kKey) or the V page in a stage, as Bf16Pages::load
+  // gives them from a fragment-major page. K (A = K): matrices (tokens 0-7, 8-15) x (channels
+  // 16 s + 0-7, + 8-15); V (A = V^T): the transposes of (tokens 0-7) x (channels 0-7, 8-15), then
+  // of tokens 8-15.
+  template <int D, bool kKey>
+  __device__ static void load_rows(const unsigned char* stage, int lane, uint4 (&x)[D / 16]) {
+    const uint16_t* tile = reinterpret_cast<const uint16_t*>(stage);
+    const int token = kKey ? ((lane >> 3) & 1) * 8 + (lane & 7) : (lane >> 4) * 8 + (lane & 7);
+    const int base = PaddedTile<D>::offset(token, kKey ? lane >> 4 : (lane >> 3) & 1);
+#pragma unroll
+    for (int s = 0; s < D / 16; ++s) {
+      uint32_t r[4];
+      if constexpr (kKey) ldsm_x4(r, tile + PaddedTile<D>::at(base, 2 * s));
+      else ldsm_x4_trans(r, tile + PaddedTile<D>::at(base, 2 * s));
+      x[s] = make_uint4(r[0], r[1], r[2], r[3]);
+    }
+  }
+  template <int D>
+  __device__ static void operands(const uint4 (&x)[D / 16], uint32_t (&a)[D / 16][4]) {
+    Bf16Pages::operands<D>(x, a);
+  }
+};
+
 // E4M3 codes, fragment-major (two steps per 16 bytes), converted exactly to fp16 pairs; V pages
 // end with rho [16] fp16. Exact pages (entries < 0) are bf16 pages of Bf16Pages's layout.
 struct Fp8Pages {
@@ -126,6 +190,9 @@ struct Fp8Pages {
   static constexpr bool kExactPages = true;
   static constexpr bool kDither = false;
   static constexpr bool kScaled = false;
+  static constexpr bool kRowMajor = false;
+  static constexpr bool kExactInRing = false;
+  static constexpr bool kPageSums = false;
   static constexpr int kStages = 2;
   static constexpr int kPlannedCtasPerSm = 3;
   template <int D>
@@ -134,6 +201,8 @@ struct Fp8Pages {
   __host__ __device__ static constexpr uint32_t v_bytes() { return kBlockTokens * D + kBlockTokens * 2; }
   template <int D>
   __host__ __device__ static constexpr uint32_t k_copy_bytes(int) { return k_bytes<D>(); }
+  template <int D>
+  __host__ __device__ static constexpr uint32_t v_copy_bytes() { return v_bytes<D>(); }
   template <int D>
   __host__ __device__ static constexpr int loads() { return D / 32; }
   template <int D>
@@ -171,6 +240,9 @@ struct Dither8Pages {
   static constexpr bool kExactPages = true;
   static constexpr bool kDither = true;
   static constexpr bool kScaled = false;
+  static constexpr bool kRowMajor = false;
+  static constexpr bool kExactInRing = false;
+  static constexpr bool kPageSums = false;
   static constexpr int kStages = 3;  // a stage is held while its page is attended
   static constexpr int kPlannedCtasPerSm = 3;
   template <int D>
@@ -184,6 +256,8 @@ struct Dither8Pages {
     return kBlockTokens * (D + 2 * (D / kQuantGroupChannels) + 4 * outlier_pairs);
   }
   template <int D>
+  __host__ __device__ static constexpr uint32_t v_copy_bytes() { return v_bytes<D>(); }
+  template <int D>
   __host__ __device__ static constexpr int loads() { return D / 32; }
   template <int D>
   __device__ static void load(const unsigned char* page, int lane, uint4 (&x)[D / 32]) {
@@ -196,23 +270,29 @@ struct Dither8Pages {
 // same bytes for every lane). The operands are the built bf16 (exponent kGaacBuilt + code, that is
 // k 2^(kGaacBuilt - b)): two PRMT lookups and four byte interleaves per eight elements, then the
 // exceptions patched in (at most the page's capacity of them). The kernel folds 2^(b -
-// kGaacBuilt) into the query (K) and into the output (V): the products are the bf16 pages'.
-// Exact pages (entries < 0): bf16, fragment-major.
+// kGaacBuilt) into the query (K) and into each page's values (V): the products are the bf16
+// pages'. Exact pages (entries < 0): bf16, fragment-major, attended in their place in the ring.
 struct GaacPages {
   static constexpr bool kHalf = false;
   static constexpr bool kExactPages = true;
   static constexpr bool kDither = false;
   static constexpr bool kScaled = true;
+  static constexpr bool kRowMajor = false;
+  static constexpr bool kExactInRing = true;
+  static constexpr bool kPageSums = true;
   static constexpr int kStages = 2;
   // Measured on an H100 (32 / 8, 128K, docs/bench/h100_gaac_fragments_splits_78cdb80.jsonl): three
   // CTAs a multiprocessor 1-2.5% faster than two at batch 1 and 8, one 1.3-1.4x slower.
   static constexpr int kPlannedCtasPerSm = 3;
+  // A stage holds a coded page or a raw one.
   template <int D>
-  __host__ __device__ static constexpr uint32_t k_bytes() { return fragment::gaac_page_bytes(D); }
+  __host__ __device__ static constexpr uint32_t k_bytes() { return raw_page_bytes<D>(); }
   template <int D>
-  __host__ __device__ static constexpr uint32_t v_bytes() { return fragment::gaac_page_bytes(D); }
+  __host__ __device__ static constexpr uint32_t v_bytes() { return raw_page_bytes<D>(); }
   template <int D>
-  __host__ __device__ static constexpr uint32_t k_copy_bytes(int) { return k_bytes<D>(); }
+  __host__ __device__ static constexpr uint32_t k_copy_bytes(int) { return fragment::gaac_page_bytes(D); }
+  template <int D>
+  __host__ __device__ static constexpr uint32_t v_copy_bytes() { return fragment::gaac_page_bytes(D); }
   template <int D>
   __host__ __device__ static constexpr int low_loads() { return D / 32; }
   template <int D>
@@ -293,7 +373,9 @@ static_assert(sizeof(FragmentShared<128, Bf16Pages, 2>::Stage) % 16 == 0 &&
                   sizeof(FragmentShared<128, Dither8Pages, 2>::Stage) % 16 == 0 &&
                   sizeof(FragmentShared<64, Dither8Pages, 2>::Stage) % 16 == 0 &&
                   sizeof(FragmentShared<128, GaacPages, 2>::Stage) % 16 == 0 &&
-                  sizeof(FragmentShared<64, GaacPages, 2>::Stage) % 16 == 0,
+                  sizeof(FragmentShared<64, GaacPages, 2>::Stage) % 16 == 0 &&
+                  sizeof(FragmentShared<128, Bf16RowPages, 2>::Stage) % 16 == 0 &&
+                  sizeof(FragmentShared<64, Bf16RowPages, 2>::Stage) % 16 == 0,
               "stages of whole 16-byte chunks (bulk copies)");
 
 // The splits of rows row0 .. row0 + rows - 1 merged by one CTA (the last of the row group to
@@ -509,6 +591,39 @@ __device__ inline void dither8_values(const uint4 (&vx)[D / 32], const float (&s
   }
 }
 
+// A page's loads from its stage: a token-major tile's operands (Page::kRowMajor), an exact page's
+// 16-byte loads (bf16, fragment-major: the first D / 16 registers; Page::kExactInRing), or the
+// class's; and their operands.
+template <int D, class Page, bool kKey>
+__device__ inline void load_stage(const unsigned char* stage, int lane, bool raw, uint4 (&x)[Page::template loads<D>()]) {
+  if constexpr (Page::kRowMajor) {
+    Page::template load_rows<D, kKey>(stage, lane, x);
+  } else if constexpr (Page::kExactInRing) {
+    if (raw) {
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) x[i] = reinterpret_cast<const uint4*>(stage)[32 * i + lane];
+    } else {
+      Page::template load<D>(stage, lane, x);
+    }
+  } else {
+    Page::template load<D>(stage, lane, x);
+  }
+}
+template <int D, class Page>
+__device__ inline void stage_operands(const uint4 (&x)[Page::template loads<D>()], bool raw, uint32_t (&a)[D / 16][4]) {
+  if (Page::kExactInRing && raw) {
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      a[i][0] = x[i].x;
+      a[i][1] = x[i].y;
+      a[i][2] = x[i].z;
+      a[i][3] = x[i].w;
+    }
+  } else {
+    Page::template operands<D>(x, a);
+  }
+}
+
 template <int D, class Page, bool kMeter, int kStages>
 __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitArgs a) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -519,7 +634,9 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
   constexpr int kLoads = Page::template loads<D>();
   constexpr int G = D / kQuantGroupChannels;
   const uint32_t bytes_k = Page::template k_copy_bytes<D>(p.n_outlier_pairs);
-  constexpr uint32_t kBytesV = Page::template v_bytes<D>();
+  constexpr uint32_t kBytesV = Page::template v_copy_bytes<D>();
+  static_assert(!Page::kExactInRing || (!kHalf && kLoads >= D / 16 && Page::kPageSums),
+                "exact pages in the ring: bf16 operands in the class's load registers, each page added alone");
 
   const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -588,6 +705,16 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
   if constexpr (Page::kDither) {
     outlier_keep_masks<D>(sh.outlier_channels, 2 * p.n_outlier_pairs, hq, keep);
     dither_key = p.dither_keys[kv_head];
+  }
+
+  // GAAC: this lane's output channels' 2^(b - kGaacBuilt) (channels 16 pp + tq, + 8).
+  [[maybe_unused]] float value_scale[Page::kScaled ? D / 16 : 1][2];
+  if constexpr (Page::kScaled) {
+#pragma unroll
+    for (int pp = 0; pp < D / 16; ++pp) {
+      value_scale[pp][0] = sh.value_scale[16 * pp + tq];
+      value_scale[pp][1] = sh.value_scale[16 * pp + tq + 8];
+    }
   }
 
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, d_run[2] = {0.f, 0.f}, r_run[2] = {0.f, 0.f};
@@ -682,15 +809,24 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
 #pragma unroll
     for (int pp = 0; pp < D / 16; ++pp) mma16816<kHalfV>(acc[pp], va[pp], pb0, pb1);
   };
-  // GAAC: output rows (channels 16 pp + tq + 8 (k / 2)) of built values times their 2^(b -
-  // kGaacBuilt), into o_acc.
-  [[maybe_unused]] auto add_scaled = [&](const float (&acc)[D / 16][4], bool add) {
+  // The values of one page (Page::kPageSums): summed from zero into `page`, then added to the
+  // output, a GAAC page's built values times their channel's 2^(b - kGaacBuilt) (exact: a power of
+  // two) in the same rounding, fma(x, 1, o) = o + x, as a raw page's or a bf16 page's.
+  [[maybe_unused]] auto add_page_values = [&](uint32_t (&va)[D / 16][4], const float (&prob)[4], const Masks& mk,
+                                              bool built) {
+    float page[D / 16][4];
+#pragma unroll
+    for (int pp = 0; pp < D / 16; ++pp) page[pp][0] = page[pp][1] = page[pp][2] = page[pp][3] = 0.f;
+    values_operands(std::false_type{}, va, prob, mk, page);
 #pragma unroll
     for (int pp = 0; pp < D / 16; ++pp)
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const float x = acc[pp][k] * sh.value_scale[16 * pp + tq + 8 * (k >> 1)];
-        o_acc[pp][k] = add ? o_acc[pp][k] + x : x;
+        if constexpr (Page::kScaled) {
+          o_acc[pp][k] = fmaf(page[pp][k], built ? value_scale[pp][k >> 1] : 1.f, o_acc[pp][k]);
+        } else {
+          o_acc[pp][k] += page[pp][k];
+        }
       }
   };
 
@@ -704,31 +840,63 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
   // Page j of this warp (table entries ke, ve) into stage j % kStages. A corrupt entry is zeroed
   // in place by the lanes (no copy is issued for it) before lane 0 arrives, so the stage's phase
   // completes either way. A block with an exact page (Page::kExactPages, an entry < 0) copies
-  // nothing: it is attended after the others. The entries are read one page ahead (entry_of).
+  // nothing unless the class attends exact pages in the ring (Page::kExactInRing: the raw page is
+  // copied); else it is attended after the others. Token-major pages (Page::kRowMajor) are copied
+  // a row per lane once lane 0 has armed the barrier. The entries are read one page ahead (entry_of).
   auto issue = [&](int j, int32_t ke, int32_t ve) {
     const int st = j % kStages;
-    const bool deferred = Page::kExactPages && (ke < 0 || ve < 0);
-    const bool k_ok = ke >= 0 && ke < p.n_k_pages, v_ok = ve >= 0 && ve < p.n_v_pages;
+    const bool deferred = Page::kExactPages && !Page::kExactInRing && (ke < 0 || ve < 0);
+    // A page's source and bytes: its pool's page, the raw pool's (in the ring), or none (corrupt).
+    auto source = [&](bool key, int32_t e, uint32_t& bytes) -> const unsigned char* {
+      if (e >= 0) {
+        bytes = key ? bytes_k : kBytesV;
+        return e < (key ? p.n_k_pages : p.n_v_pages) ? (key ? p.k_pages : p.v_pages) + int64_t(e) * (key ? p.k_page_stride : p.v_page_stride)
+                                                     : nullptr;
+      }
+      bytes = raw_page_bytes<D>();
+      if (!Page::kExactInRing) return nullptr;
+      const int64_t r = -int64_t(e) - 1;
+      const uint8_t* raw = key ? p.k_raw_pages : p.v_raw_pages;
+      return raw != nullptr && r < (key ? p.n_k_raw_pages : p.n_v_raw_pages) ? raw + r * p.raw_page_stride : nullptr;
+    };
+    uint32_t k_copy = 0, v_copy = 0;
+    const unsigned char* k_src = source(true, ke, k_copy);
+    const unsigned char* v_src = source(false, ve, v_copy);
+    const bool k_ok = k_src != nullptr, v_ok = v_src != nullptr;
     unsigned char* k_stage = sh.u.ring[warp][st].k;
     unsigned char* v_stage = sh.u.ring[warp][st].v;
-    if (!deferred && (!k_ok || !v_ok)) {
-      for (uint32_t c = lane; c < kBytesV / 16 || c < bytes_k / 16; c += 32) {
-        if (!k_ok && c < bytes_k / 16) reinterpret_cast<uint4*>(k_stage)[c] = make_uint4(0, 0, 0, 0);
-        if (!v_ok && c < kBytesV / 16) reinterpret_cast<uint4*>(v_stage)[c] = make_uint4(0, 0, 0, 0);
+    if (!deferred && (!k_ok || !v_ok)) {  // what the page's reads see: its bytes, a padded tile whole
+      const uint32_t k_zero = Page::kRowMajor ? Page::template k_bytes<D>() : k_copy;
+      const uint32_t v_zero = Page::kRowMajor ? Page::template v_bytes<D>() : v_copy;
+      for (uint32_t c = lane; c < k_zero / 16 || c < v_zero / 16; c += 32) {
+        if (!k_ok && c < k_zero / 16) reinterpret_cast<uint4*>(k_stage)[c] = make_uint4(0, 0, 0, 0);
+        if (!v_ok && c < v_zero / 16) reinterpret_cast<uint4*>(v_stage)[c] = make_uint4(0, 0, 0, 0);
       }
       corrupt += lane == 0 ? unsigned(!k_ok) + unsigned(!v_ok) : 0u;
       __syncwarp();
     }
+    const bool copy_k = !deferred && k_ok, copy_v = !deferred && v_ok;
     if (lane == 0) {
       if constexpr (Page::kExactPages) {
         sh.entries[warp][st][0] = ke;
         sh.entries[warp][st][1] = ve;
       }
       fence_async_proxy();
-      const bool copy_k = !deferred && k_ok, copy_v = !deferred && v_ok;
-      barrier_arrive_expect(&sh.full[warp][st], (copy_k ? bytes_k : 0u) + (copy_v ? kBytesV : 0u));
-      if (copy_k) bulk_copy(k_stage, p.k_pages + int64_t(ke) * p.k_page_stride, bytes_k, &sh.full[warp][st]);
-      if (copy_v) bulk_copy(v_stage, p.v_pages + int64_t(ve) * p.v_page_stride, kBytesV, &sh.full[warp][st]);
+      barrier_arrive_expect(&sh.full[warp][st], (copy_k ? k_copy : 0u) + (copy_v ? v_copy : 0u));
+      if constexpr (!Page::kRowMajor) {
+        if (copy_k) bulk_copy(k_stage, k_src, k_copy, &sh.full[warp][st]);
+        if (copy_v) bulk_copy(v_stage, v_src, v_copy, &sh.full[warp][st]);
+      }
+    }
+    if constexpr (Page::kRowMajor) {  // lanes 0-15 K rows 0-15, lanes 16-31 V rows 0-15
+      __syncwarp();
+      const bool key = lane < 16;
+      const int t = lane & 15;
+      if (key ? copy_k : copy_v) {
+        fence_async_proxy();
+        bulk_copy((key ? k_stage : v_stage) + PaddedTile<D>::offset(t, 0) * 2, (key ? k_src : v_src) + t * D * 2, D * 2,
+                  &sh.full[warp][st]);
+      }
     }
   };
 
@@ -752,8 +920,12 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
     const int st = i % kStages;
     barrier_wait(&sh.full[warp][st], uint32_t(i / kStages) & 1u);
     const int64_t blk = first + int64_t(i) * kWarps;
+    // Exact pages: in the ring (Page::kExactInRing), or deferred past the others.
+    [[maybe_unused]] bool k_raw = false, v_raw = false;
     if constexpr (Page::kExactPages) {
-      if (sh.entries[warp][st][0] < 0 || sh.entries[warp][st][1] < 0) {
+      k_raw = sh.entries[warp][st][0] < 0;
+      v_raw = sh.entries[warp][st][1] < 0;
+      if (!Page::kExactInRing && (k_raw || v_raw)) {
         ++n_deferred;
         __syncwarp();
         issue_next(i);
@@ -763,8 +935,8 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
     const unsigned char* k_stage = sh.u.ring[warp][st].k;
     const unsigned char* v_stage = sh.u.ring[warp][st].v;
     uint4 kx[kLoads], vx[kLoads];
-    Page::template load<D>(k_stage, lane, kx);
-    Page::template load<D>(v_stage, lane, vx);
+    load_stage<D, Page, true>(k_stage, lane, k_raw, kx);
+    load_stage<D, Page, false>(v_stage, lane, v_raw, vx);
     if constexpr (Page::kDither) {  // its scales and outliers are read from the stage: held until done
       float s[4] = {0.f, 0.f, 0.f, 0.f}, c[4] = {0.f, 0.f, 0.f, 0.f}, rho[2] = {0.f, 0.f}, prob[4], sv[2][G];
       dither8_scores<D, kMeter>(sh, kx, k_stage, p.n_outlier_pairs, dither_key, blk, tq, hq, qb, keep, s, c);
@@ -784,20 +956,21 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
       __syncwarp();
       issue_next(i);
       uint32_t ka[D / 16][4], va[D / 16][4];
-      Page::template operands<D>(kx, ka);
-      Page::template operands<D>(vx, va);
+      stage_operands<D, Page>(kx, k_raw, ka);
+      stage_operands<D, Page>(vx, v_raw, va);
       float s[4] = {0.f, 0.f, 0.f, 0.f}, c[4] = {0.f, 0.f, 0.f, 0.f}, prob[4];
-      scores_operands(ka, s, c);
+      if (Page::kExactInRing && k_raw) scores_exact(ka, s);
+      else scores_operands(ka, s, c);
       const Masks mk = softmax(s, c, rho_side, blk, prob);
-      values_operands(std::integral_constant<bool, kHalf>{}, va, prob, mk, o_acc);
+      if constexpr (Page::kPageSums) add_page_values(va, prob, mk, !v_raw);
+      else values_operands(std::integral_constant<bool, kHalf>{}, va, prob, mk, o_acc);
     }
   }
-  // GAAC: the built values' output in the values' units from here (the exact pages below add to it).
-  if constexpr (Page::kScaled) add_scaled(o_acc, false);
 
   // The blocks with an exact page, each read straight from its pools: an exact page on the bf16
-  // path, a lossy one through the page class.
-  if constexpr (Page::kExactPages) {
+  // path, a lossy one through the page class (the lossy classes; GAAC's are in the ring).
+  if constexpr (Page::kExactPages && !Page::kExactInRing) {
+    static_assert(!Page::kPageSums, "a deferred page adds to the output as the lossy classes do");
     if (n_deferred > 0) {
       for (int i = 0; i < n_mine; ++i) {
         const int32_t ke = entry_of(p.k_table, i), ve = entry_of(p.v_table, i);
@@ -873,15 +1046,7 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
         } else {
           uint32_t va[D / 16][4];
           Page::template operands<D>(vx, va);
-          if constexpr (Page::kScaled) {
-            float built[D / 16][4];
-#pragma unroll
-            for (int pp = 0; pp < D / 16; ++pp) built[pp][0] = built[pp][1] = built[pp][2] = built[pp][3] = 0.f;
-            values_operands(std::integral_constant<bool, kHalf>{}, va, prob, mk, built);
-            add_scaled(built, true);
-          } else {
-            values_operands(std::integral_constant<bool, kHalf>{}, va, prob, mk, o_acc);
-          }
+          values_operands(std::integral_constant<bool, kHalf>{}, va, prob, mk, o_acc);
         }
       }
     }
@@ -970,6 +1135,7 @@ auto with_kernel(const PagedDecodeParams& p, F&& f) {
       return by_stages(d, Dither8Pages{}, std::false_type{});
     }
     if (p.format == PageFormat::kGaacFragments) return by_stages(d, GaacPages{}, std::false_type{});
+    if (p.format == PageFormat::kBf16) return by_stages(d, Bf16RowPages{}, std::false_type{});
     return by_stages(d, Bf16Pages{}, std::false_type{});
   };
   if (p.head_dim == 64) return by_format(std::integral_constant<int, 64>{});

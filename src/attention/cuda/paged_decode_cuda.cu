@@ -1311,8 +1311,8 @@ CudaStatus launch_format(const PagedDecodeParams& p, int n_splits) {
     case PageFormat::kBf16Fragments:
     case PageFormat::kFp8Fragments:
     case PageFormat::kDither8Fragments:
-    case PageFormat::kGaacFragments: return launch_fragments(p, n_splits);
-    case PageFormat::kBf16: return launch<D, PageFormat::kBf16, false>(p, n_splits);
+    case PageFormat::kGaacFragments:
+    case PageFormat::kBf16: return launch_fragments(p, n_splits);
     case PageFormat::kGaacBf16: return launch<D, PageFormat::kGaacBf16, false>(p, n_splits);
     case PageFormat::kGaacE5M2: return launch<D, PageFormat::kGaacE5M2, false>(p, n_splits);
     case PageFormat::kFp8E4M3: return launch_metered<D, PageFormat::kFp8E4M3>(p, n_splits);
@@ -1493,8 +1493,8 @@ int resident_ctas_of(const PagedDecodeParams& p) {
     case PageFormat::kBf16Fragments:
     case PageFormat::kFp8Fragments:
     case PageFormat::kDither8Fragments:
-    case PageFormat::kGaacFragments: return fragment_resident_ctas(p);
-    case PageFormat::kBf16: return resident_ctas<D, PageFormat::kBf16, false>();
+    case PageFormat::kGaacFragments:
+    case PageFormat::kBf16: return fragment_resident_ctas(p);
     case PageFormat::kGaacBf16: return resident_ctas<D, PageFormat::kGaacBf16, false>();
     case PageFormat::kGaacE5M2: return resident_ctas<D, PageFormat::kGaacE5M2, false>();
     case PageFormat::kFp8E4M3:
@@ -1526,7 +1526,7 @@ int choose_splits(const PagedDecodeParams& p) {
   // One full wave of resident CTAs (a second, partial wave would leave multiprocessors idle); the
   // fragment kernel's wave per page class (fragment_planned_ctas_per_sm).
   const int64_t resident =
-      int64_t(sms) * (page_format_fragments(p.format) ? fragment_planned_ctas_per_sm(p) : resident_ctas_per_sm(p));
+      int64_t(sms) * (page_format_bulk_copied(p.format) ? fragment_planned_ctas_per_sm(p) : resident_ctas_per_sm(p));
   int64_t splits = std::max<int64_t>(1, resident / ctas_per_split);
   if (ctas_per_split >= resident) splits = 1;
   splits = std::min<int64_t>(splits, std::max<int64_t>(1, blocks / (2 * kWarps)));

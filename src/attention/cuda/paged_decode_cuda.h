@@ -120,15 +120,17 @@ inline bool page_format_metered(PageFormat f) {
          f == PageFormat::kFp8Fragments || f == PageFormat::kDither8Fragments;
 }
 
-// The fragment-major formats (fragment_layout.h), read by the bulk-copy kernel
-// (fragment_decode_cuda.h). Its last CTA of a row group merges the group's splits, counting on
-// split counters in the workspace: a workspace whose layout changes between launches (another
-// batch or split count) needs reset_error_word before the first launch of the new layout;
-// launches of one layout leave them zero.
+// The fragment-major formats (fragment_layout.h).
 inline bool page_format_fragments(PageFormat f) {
   return f == PageFormat::kBf16Fragments || f == PageFormat::kFp8Fragments || f == PageFormat::kDither8Fragments ||
          f == PageFormat::kGaacFragments;
 }
+// The formats the bulk-copy kernel reads (fragment_decode_cuda.h): the fragment-major ones and
+// kBf16 (its token-major rows, each copied into a padded tile). Its last CTA of a row group merges
+// the group's splits, counting on split counters in the workspace: a workspace whose layout
+// changes between launches (another batch or split count) needs reset_error_word before the first
+// launch of the new layout; launches of one layout leave them zero.
+inline bool page_format_bulk_copied(PageFormat f) { return page_format_fragments(f) || f == PageFormat::kBf16; }
 
 struct PagedDecodeParams {
   PageFormat format = PageFormat::kBf16;
@@ -224,9 +226,9 @@ CudaStatus paged_decode(const PagedDecodeParams& params);
 // The error word (params.error_word, else the workspace's) counts corrupt pages, slots and
 // lengths over every launch since it was last reset (a launch does not reset it, so that timing
 // loops run one kernel pair per call). reset_error_word zeroes it on params.stream
-// (asynchronous), and with it the workspace's split counters (kBf16Fragments: the last CTA of a
-// row group merges its splits; every launch leaves them zero, and a new workspace needs this
-// once before its first launch); read_error_word synchronizes params.stream and reads it.
+// (asynchronous), and with it the workspace's split counters (page_format_bulk_copied: the last
+// CTA of a row group merges its splits; every launch leaves them zero, and a new workspace needs
+// this once before its first launch); read_error_word synchronizes params.stream and reads it.
 CudaStatus reset_error_word(const PagedDecodeParams& params);
 CudaStatus read_error_word(const PagedDecodeParams& params, uint32_t* corrupt);
 // The error word's copy to `host` enqueued on params.stream, without waiting: *host holds the

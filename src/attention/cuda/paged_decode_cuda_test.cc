@@ -414,16 +414,14 @@ TEST(PagedDecodeCuda, DeviceIsPresent) {
   EXPECT_GT(device_count(), 0);
 }
 
-// The page format of each scheme the device serves follows the scheme table (no device): dither8,
-// which the table marks cuda_fragment_pages, is read as kDither8Fragments (what the device KV
-// cache writes for it), gaac as kGaacFragments when the table marks it so, the others in their
-// own formats; every fragment format splits by counters.
+// The page format of each scheme the device serves follows the scheme table (no device): dither8
+// and gaac, which the table marks cuda_fragment_pages, are read as kDither8Fragments and
+// kGaacFragments (what the device KV cache writes for them), the others in their own formats;
+// the bulk-copy kernel, which splits by counters, reads every fragment format and bf16's rows.
 TEST(PagedDecodeCuda, PageFormatOfFollowsTheSchemeTable) {
   EXPECT_EQ(page_format_of(cache::KvScheme::kDither8), PageFormat::kDither8Fragments);
   EXPECT_EQ(page_format_of(cache::KvScheme::kBf16), PageFormat::kBf16);
-  EXPECT_EQ(page_format_of(cache::KvScheme::kGaac), cache::kv_scheme_info(cache::KvScheme::kGaac).cuda_fragment_pages
-                                                        ? PageFormat::kGaacFragments
-                                                        : PageFormat::kGaacBf16);
+  EXPECT_EQ(page_format_of(cache::KvScheme::kGaac), PageFormat::kGaacFragments);
   EXPECT_EQ(page_format_of(cache::KvScheme::kGaacE5M2), PageFormat::kGaacE5M2);
   EXPECT_EQ(page_format_of(cache::KvScheme::kFp8E4M3), PageFormat::kFp8E4M3);
   EXPECT_EQ(page_format_of(cache::KvScheme::kFp8E5M2), PageFormat::kFp8E5M2);
@@ -437,6 +435,11 @@ TEST(PagedDecodeCuda, PageFormatOfFollowsTheSchemeTable) {
   EXPECT_TRUE(page_format_fragments(PageFormat::kFp8Fragments));
   EXPECT_TRUE(page_format_fragments(PageFormat::kGaacFragments));
   EXPECT_FALSE(page_format_fragments(PageFormat::kDither8));
+  EXPECT_FALSE(page_format_fragments(PageFormat::kBf16));
+  EXPECT_TRUE(page_format_bulk_copied(PageFormat::kBf16));
+  EXPECT_TRUE(page_format_bulk_copied(PageFormat::kGaacFragments));
+  EXPECT_FALSE(page_format_bulk_copied(PageFormat::kGaacBf16));
+  EXPECT_FALSE(page_format_bulk_copied(PageFormat::kFp8E4M3));
 }
 
 // check() on parameters whose device pointers are only addresses (it never dereferences them, and
@@ -660,11 +663,15 @@ TEST(PagedDecodeCuda, EveryFormatMatchesTheReferenceOnRaggedBatches) {
 }
 
 // GAAC pages in the device layout attend as the bf16 pages they code, bit for bit: the built
-// operands times the query scaled by 2^(b - kGaacBuilt) are the bf16 products, and the output
-// scaled back per channel is exact. KV whose every element sits in its window but for a few
-// exceptions per page (zeros, values far outside the window, both signs), no page kept exact
-// (those would be attended after the others, in another order); ragged lengths, GQA 1, 4 and 7,
-// head_dim 64 and 128, the same split plan for both formats.
+// operands times the query scaled by 2^(b - kGaacBuilt) are the bf16 products, and each page's
+// values, summed from zero and scaled back per channel, add to the output the float a bf16 page
+// adds. KV whose every element sits in its window but for a few exceptions per page (zeros, values
+// far outside the window, both signs), and pages with one more exception than a page holds, kept
+// exact: attended in their place, they add the same bits as their coded neighbours would (the
+// kernel attended them after the others before, which changed the sums' order). Each set of pages
+// attended as GAAC device pages, as bf16 fragment-major pages and as the bf16 scheme's token-major
+// pages: the same outputs to the bit. Ragged lengths, GQA 1, 4 and 7, head_dim 64 and 128, the same
+// split plan for all three.
 TEST(PagedDecodeCuda, GaacFragmentPagesAttendAsTheirBf16PagesBitForBit) {
   CERTKV_NEED_CUDA_DEVICE();
   struct Shape {
@@ -675,59 +682,81 @@ TEST(PagedDecodeCuda, GaacFragmentPagesAttendAsTheirBf16PagesBitForBit) {
   const std::vector<Shape> shapes = {{128, 32, 8, {1000, 17}, 5}, {64, 28, 4, {4099, 1, 260}, 0}, {128, 14, 2, {515}, 1},
                                      {64, 8, 8, {33, 2048}, 3}};
   uint32_t seed = 40;
-  for (const Shape& sh : shapes) {
-    HostLayerKv kv = make_kv(int(sh.lens.size()), sh.hkv, sh.d, sh.lens, seed, /*narrow=*/true);
-    // Up to the capacity of exceptions per page: zeros and values 2^20 past their window.
-    std::mt19937 rng(seed);
-    const int capacity = format::fragment::gaac_exception_capacity(sh.d);
-    for (auto* side : {&kv.k, &kv.v})
-      for (size_t b = 0; b < side->size(); ++b) {
-        const int64_t len = sh.lens[b];
-        for (int h = 0; h < sh.hkv; ++h)
-          for (int64_t t0 = 0; t0 < len; t0 += 16) {
-            const int64_t n = std::min<int64_t>(16, len - t0);
-            for (int e = 0; e < int(rng() % (capacity + 1)); ++e) {
-              uint16_t& x = (*side)[b][(size_t(h) * len + size_t(t0 + int64_t(rng() % n))) * sh.d + rng() % sh.d];
-              x = e % 2 == 0 ? uint16_t(0x8000 * (rng() & 1)) : uint16_t((x & 0x807f) | std::min(254, ((x >> 7) & 0xff) + 20) << 7);
+  for (bool exact_pages : {false, true}) {
+    for (const Shape& sh : shapes) {
+      HostLayerKv kv = make_kv(int(sh.lens.size()), sh.hkv, sh.d, sh.lens, seed, /*narrow=*/true);
+      // Up to the capacity of exceptions per page: zeros and values 2^20 past their window; with
+      // exact_pages, every fifth page of a side one past it (zeros at distinct elements).
+      std::mt19937 rng(seed);
+      const int capacity = format::fragment::gaac_exception_capacity(sh.d);
+      int64_t page = 0, overfull = 0;
+      for (auto* side : {&kv.k, &kv.v})
+        for (size_t b = 0; b < side->size(); ++b) {
+          const int64_t len = sh.lens[b];
+          for (int h = 0; h < sh.hkv; ++h)
+            for (int64_t t0 = 0; t0 < len; t0 += 16, ++page) {
+              const int64_t n = std::min<int64_t>(16, len - t0);
+              if (exact_pages && page % 5 == 2) {
+                for (int e = 0; e <= capacity; ++e)
+                  (*side)[b][(size_t(h) * len + size_t(t0 + e % n)) * sh.d + size_t(e * 5 % sh.d)] = 0;
+                overfull += n * sh.d > capacity;
+                continue;
+              }
+              for (int e = 0; e < int(rng() % (capacity + 1)); ++e) {
+                uint16_t& x = (*side)[b][(size_t(h) * len + size_t(t0 + int64_t(rng() % n))) * sh.d + rng() % sh.d];
+                x = e % 2 == 0 ? uint16_t(0x8000 * (rng() & 1))
+                               : uint16_t((x & 0x807f) | std::min(254, ((x >> 7) & 0xff) + 20) << 7);
+              }
             }
+        }
+      codec::GaacCalibration calibration = calibrate(PageFormat::kGaacFragments, kv);
+      const PageFormat formats[3] = {PageFormat::kBf16Fragments, PageFormat::kBf16, PageFormat::kGaacFragments};
+      std::vector<float> outs[3];
+      for (int which = 0; which < 3; ++which) {
+        DeviceKvOptions opt;
+        opt.format = formats[which];
+        opt.gaac = &calibration;
+        opt.seed = seed;
+        DeviceKv dkv;
+        const CudaStatus built = DeviceKv::build(kv, opt, &dkv);
+        ASSERT_TRUE(built.ok) << built.message;
+        if (formats[which] == PageFormat::kGaacFragments) {
+          if (exact_pages) {
+            EXPECT_GE(dkv.raw_pages(), overfull) << "pages past their capacity were coded";
+            EXPECT_GT(dkv.raw_pages(), 0);
+          } else {
+            EXPECT_EQ(dkv.raw_pages(), 0) << "a page was kept exact";
           }
+        }
+        PagedDecodeParams p;
+        dkv.describe(&p);
+        p.n_q_heads = sh.hq;
+        p.sm_scale = 1.f / std::sqrt(float(sh.d));
+        p.n_splits = sh.splits > 0 ? sh.splits : 9;
+        std::mt19937 qrng(seed + 1);
+        std::normal_distribution<float> normal(0.f, 1.f);
+        std::vector<float> q(sh.lens.size() * size_t(sh.hq) * sh.d);
+        for (auto& x : q) x = normal(qrng) * 1.5f;
+        LaunchBuffers bufs;
+        ASSERT_TRUE(attach_launch_buffers(q, 0, &p, &bufs));
+        ASSERT_TRUE(reset_error_word(p).ok);
+        const CudaStatus ran = paged_decode(p);
+        ASSERT_TRUE(ran.ok) << ran.message;
+        outs[which].resize(q.size());
+        ASSERT_EQ(cudaMemcpy(outs[which].data(), p.out, q.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+        uint32_t corrupt = 1;
+        ASSERT_TRUE(read_error_word(p, &corrupt).ok);
+        EXPECT_EQ(corrupt, 0u) << page_format_name(formats[which]);
       }
-    codec::GaacCalibration calibration = calibrate(PageFormat::kGaacFragments, kv);
-    std::vector<float> outs[2];
-    for (int which = 0; which < 2; ++which) {
-      DeviceKvOptions opt;
-      opt.format = which == 0 ? PageFormat::kBf16Fragments : PageFormat::kGaacFragments;
-      opt.gaac = &calibration;
-      opt.seed = seed;
-      DeviceKv dkv;
-      const CudaStatus built = DeviceKv::build(kv, opt, &dkv);
-      ASSERT_TRUE(built.ok) << built.message;
-      EXPECT_EQ(dkv.raw_pages(), 0) << "a page was kept exact";
-      PagedDecodeParams p;
-      dkv.describe(&p);
-      p.n_q_heads = sh.hq;
-      p.sm_scale = 1.f / std::sqrt(float(sh.d));
-      p.n_splits = sh.splits > 0 ? sh.splits : 9;
-      std::mt19937 qrng(seed + 1);
-      std::normal_distribution<float> normal(0.f, 1.f);
-      std::vector<float> q(sh.lens.size() * size_t(sh.hq) * sh.d);
-      for (auto& x : q) x = normal(qrng) * 1.5f;
-      LaunchBuffers bufs;
-      ASSERT_TRUE(attach_launch_buffers(q, 0, &p, &bufs));
-      ASSERT_TRUE(reset_error_word(p).ok);
-      const CudaStatus ran = paged_decode(p);
-      ASSERT_TRUE(ran.ok) << ran.message;
-      outs[which].resize(q.size());
-      ASSERT_EQ(cudaMemcpy(outs[which].data(), p.out, q.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-      uint32_t corrupt = 1;
-      ASSERT_TRUE(read_error_word(p, &corrupt).ok);
-      EXPECT_EQ(corrupt, 0u);
+      for (int which = 1; which < 3; ++which) {
+        int differ = 0;
+        for (size_t i = 0; i < outs[0].size(); ++i) differ += std::memcmp(&outs[0][i], &outs[which][i], 4) != 0;
+        EXPECT_EQ(differ, 0) << page_format_name(formats[which]) << " against bf16-fragments, head_dim " << sh.d << ", "
+                             << sh.hq << " / " << sh.hkv << " heads, exact pages " << exact_pages << ": " << differ
+                             << " of " << outs[0].size() << " outputs differ";
+      }
+      ++seed;
     }
-    int differ = 0;
-    for (size_t i = 0; i < outs[0].size(); ++i) differ += std::memcmp(&outs[0][i], &outs[1][i], 4) != 0;
-    EXPECT_EQ(differ, 0) << "head_dim " << sh.d << ", " << sh.hq << " / " << sh.hkv << " heads: " << differ << " of "
-                         << outs[0].size() << " outputs differ";
-    ++seed;
   }
 }
 

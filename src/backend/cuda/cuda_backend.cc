@@ -506,7 +506,7 @@ void CudaBackend::upload_own_block_tables(int layer, const std::vector<std::pair
 }
 
 void CudaBackend::zero_split_counters(const PagedDecodeParams& p) {
-  if (!attention::cuda::page_format_fragments(p.format)) return;
+  if (!attention::cuda::page_format_bulk_copied(p.format)) return;
   // The counters' place in the workspace follows the launch's rows and splits (the head counts
   // and head_dim are the model's): a launch leaves its own counters zero, so the next launch of
   // the same shape needs nothing, and one of another shape zeroes its own (stream-ordered after
