@@ -70,6 +70,11 @@ __device__ inline void barrier_wait(uint64_t* bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
+// One arrival on the barrier once this thread's earlier cp.async copies have landed (the barrier's
+// expected count includes it: .noinc).
+__device__ inline void cp_async_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(shared_address(bar)) : "memory");
+}
 // Orders this thread's earlier shared-memory accesses (the operand loads of the stage) before
 // the copy engine's writes that follow.
 __device__ inline void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -677,7 +682,7 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
   }
   if (lane == 0) {
 #pragma unroll
-    for (int st = 0; st < kStages; ++st) barrier_init(&sh.full[warp][st], 1);
+    for (int st = 0; st < kStages; ++st) barrier_init(&sh.full[warp][st], Page::kRowMajor ? 32 : 1);  // see issue
     barrier_init_fence();
   }
   __syncthreads();
@@ -841,8 +846,10 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
   // in place by the lanes (no copy is issued for it) before lane 0 arrives, so the stage's phase
   // completes either way. A block with an exact page (Page::kExactPages, an entry < 0) copies
   // nothing unless the class attends exact pages in the ring (Page::kExactInRing: the raw page is
-  // copied); else it is attended after the others. Token-major pages (Page::kRowMajor) are copied
-  // a row per lane once lane 0 has armed the barrier. The entries are read one page ahead (entry_of).
+  // copied); else it is attended after the others. Token-major pages (Page::kRowMajor) go by 16-byte
+  // cp.async copies of every lane into the padded tiles (zero-filled for a corrupt entry), each lane
+  // arriving on the stage's barrier once its copies have landed (16 bulk copies of a row per page
+  // were 1.3x slower: docs/cuda.md). The entries are read one page ahead (entry_of).
   auto issue = [&](int j, int32_t ke, int32_t ve) {
     const int st = j % kStages;
     const bool deferred = Page::kExactPages && !Page::kExactInRing && (ke < 0 || ve < 0);
@@ -865,12 +872,23 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
     const bool k_ok = k_src != nullptr, v_ok = v_src != nullptr;
     unsigned char* k_stage = sh.u.ring[warp][st].k;
     unsigned char* v_stage = sh.u.ring[warp][st].v;
-    if (!deferred && (!k_ok || !v_ok)) {  // what the page's reads see: its bytes, a padded tile whole
-      const uint32_t k_zero = Page::kRowMajor ? Page::template k_bytes<D>() : k_copy;
-      const uint32_t v_zero = Page::kRowMajor ? Page::template v_bytes<D>() : v_copy;
-      for (uint32_t c = lane; c < k_zero / 16 || c < v_zero / 16; c += 32) {
-        if (!k_ok && c < k_zero / 16) reinterpret_cast<uint4*>(k_stage)[c] = make_uint4(0, 0, 0, 0);
-        if (!v_ok && c < v_zero / 16) reinterpret_cast<uint4*>(v_stage)[c] = make_uint4(0, 0, 0, 0);
+    if constexpr (Page::kRowMajor) {
+      constexpr int kChunks = kBlockTokens * D / 8;  // 16-byte chunks of a page
+#pragma unroll
+      for (int c = lane; c < kChunks; c += 32) {
+        const int row = c / (D / 8), chunk = c % (D / 8);
+        const int to = PaddedTile<D>::offset(row, chunk) * 2, from = c * 16;
+        cp_async16_zfill(k_stage + to, k_ok ? k_src + from : reinterpret_cast<const unsigned char*>(p.q), k_ok);
+        cp_async16_zfill(v_stage + to, v_ok ? v_src + from : reinterpret_cast<const unsigned char*>(p.q), v_ok);
+      }
+      cp_async_arrive_noinc(&sh.full[warp][st]);
+      corrupt += lane == 0 ? unsigned(!k_ok) + unsigned(!v_ok) : 0u;
+      return;
+    }
+    if (!deferred && (!k_ok || !v_ok)) {
+      for (uint32_t c = lane; c < k_copy / 16 || c < v_copy / 16; c += 32) {
+        if (!k_ok && c < k_copy / 16) reinterpret_cast<uint4*>(k_stage)[c] = make_uint4(0, 0, 0, 0);
+        if (!v_ok && c < v_copy / 16) reinterpret_cast<uint4*>(v_stage)[c] = make_uint4(0, 0, 0, 0);
       }
       corrupt += lane == 0 ? unsigned(!k_ok) + unsigned(!v_ok) : 0u;
       __syncwarp();
@@ -883,20 +901,8 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
       }
       fence_async_proxy();
       barrier_arrive_expect(&sh.full[warp][st], (copy_k ? k_copy : 0u) + (copy_v ? v_copy : 0u));
-      if constexpr (!Page::kRowMajor) {
-        if (copy_k) bulk_copy(k_stage, k_src, k_copy, &sh.full[warp][st]);
-        if (copy_v) bulk_copy(v_stage, v_src, v_copy, &sh.full[warp][st]);
-      }
-    }
-    if constexpr (Page::kRowMajor) {  // lanes 0-15 K rows 0-15, lanes 16-31 V rows 0-15
-      __syncwarp();
-      const bool key = lane < 16;
-      const int t = lane & 15;
-      if (key ? copy_k : copy_v) {
-        fence_async_proxy();
-        bulk_copy((key ? k_stage : v_stage) + PaddedTile<D>::offset(t, 0) * 2, (key ? k_src : v_src) + t * D * 2, D * 2,
-                  &sh.full[warp][st]);
-      }
+      if (copy_k) bulk_copy(k_stage, k_src, k_copy, &sh.full[warp][st]);
+      if (copy_v) bulk_copy(v_stage, v_src, v_copy, &sh.full[warp][st]);
     }
   };
 
