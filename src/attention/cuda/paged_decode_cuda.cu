@@ -36,7 +36,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 template <PageFormat F>
 struct FormatTraits {
-  static constexpr bool kHalf = F != PageFormat::kBf16 && F != PageFormat::kGaacBf16;
+  static constexpr bool kHalf = F != PageFormat::kGaacBf16;
   static constexpr bool kTierA = F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2;
   static constexpr bool kTierB = F == PageFormat::kDither8;
   static constexpr bool kGaac = F == PageFormat::kGaacBf16 || F == PageFormat::kGaacE5M2;
@@ -52,8 +52,8 @@ struct FormatTraits {
 
 // Bytes of a page staged in shared memory before it is decoded (the most a page can need): a GAAC
 // slot (fixed part and escape area), an fp8 page with its witness (K) or rho (V), a dither8 page
-// with up to kMaxDeviceOutlierPairs outlier pairs. Pages of the bf16 format are staged straight
-// into padded tiles; raw pages of the other formats are read from the pool when decoded.
+// with up to kMaxDeviceOutlierPairs outlier pairs. Raw pages are read from the pool when decoded.
+// (bf16 pages are read by the bulk-copy kernel: fragment_decode_cuda.h.)
 template <int D, PageFormat F>
 __host__ __device__ constexpr int stage_bytes(bool key) {
   int n = 0;
@@ -88,10 +88,9 @@ __host__ __device__ constexpr int stage_chunk(int c) {
 // In the permuted regions stage_chunk(c ^ i) == stage_chunk(c) ^ i for i < 8 (the row c / 8 is
 // unchanged): a decoder reads its run at one XOR per chunk.
 
-// The layout of a format's tiles (tile_mma.cuh): bf16 pages are copied straight into padded tiles;
-// the other formats' pages are decoded into swizzled ones.
+// The layout of a format's tiles (tile_mma.cuh): pages are decoded into swizzled tiles.
 template <int D, PageFormat F>
-using TileLayout = std::conditional_t<F == PageFormat::kBf16, PaddedTile<D>, SwizzledTile<D>>;
+using TileLayout = SwizzledTile<D>;
 
 // Where a warp's stages and tiles start: on 128-byte rows for fp8 and GAAC bf16, whose quarter
 // warps' 16-byte copies then fill whole rows (5-9% and 2-3% faster, run 13); on 16 bytes for
@@ -111,12 +110,6 @@ struct Tiles {
   alignas(kTileAlign<F>) uint16_t v[kBlockTokens * D];
   // An fp8 page's side data (the K page's witness, the V page's rho) is read from the stage
   // before the stage is refilled (attend_block): no copy of it here.
-};
-
-template <int D>
-struct Tiles<D, PageFormat::kBf16> {  // two stages, and they are the tiles
-  alignas(16) uint16_t k[2][PaddedTile<D>::kElements];
-  alignas(16) uint16_t v[2][PaddedTile<D>::kElements];
 };
 
 template <int D>
@@ -183,7 +176,7 @@ struct CtaShared : ExactPageQuery<D, FormatTraits<F>::kLossy>, GaacTables<D, For
 
 // Shared memory per CTA at D = 128 within what 3 CTAs per multiprocessor may use on the H200
 // (233,472 bytes less 1,024 reserved per CTA).
-static_assert(sizeof(CtaShared<128, PageFormat::kBf16>) <= 76800 && sizeof(CtaShared<128, PageFormat::kGaacBf16>) <= 76800 &&
+static_assert(sizeof(CtaShared<128, PageFormat::kGaacBf16>) <= 76800 &&
                   sizeof(CtaShared<128, PageFormat::kGaacE5M2>) <= 76800 &&
                   sizeof(CtaShared<128, PageFormat::kFp8E4M3>) <= 76800 &&
                   sizeof(CtaShared<128, PageFormat::kDither8>) <= 76800,
@@ -617,9 +610,8 @@ __host__ __device__ constexpr bool stage_rounds_hold() {
   return true;
 }
 
-// Issues the asynchronous copies of one page into stage `st` (stage_chunk; bf16 pages straight
-// into the tile of that stage). Corrupt entries copy nothing; raw pages of the other formats are
-// decoded from the pool. fp8: the side data only with the meter (the K page's witness, the V
+// Issues the asynchronous copies of one page into stage `st` (stage_chunk). Corrupt entries copy
+// nothing; raw pages are decoded from the pool. fp8: the side data only with the meter (the K page's witness, the V
 // page's rho), which alone reads it; kCoded: the K page's witness is u8 codes and their scale.
 template <int D, PageFormat F, bool kMeter, bool kCoded>
 __device__ inline void stage_page(const SplitArgs& a, bool key, const PageRef& ref, int st, int lane,
@@ -650,12 +642,6 @@ __device__ inline void stage_page(const SplitArgs& a, bool key, const PageRef& r
       const int c = kCodeChunks + lane;
       if (key ? !kCoded || lane < kCodedWitnessChunks : lane < kRhoChunks) cp_async16(stage + 16 * c, ref.bytes + size_t(c) * 16);
     }
-  } else if constexpr (F == PageFormat::kBf16) {
-    uint16_t* tile = key ? tiles.k[st] : tiles.v[st];
-    constexpr int kChunksPerRow = D / 8;
-#pragma unroll
-    for (int c = lane; c < kBlockTokens * kChunksPerRow; c += 32)
-      cp_async16(tile + PaddedTile<D>::offset(c / kChunksPerRow, c % kChunksPerRow), ref.bytes + size_t(c) * 16);
   } else if constexpr (F == PageFormat::kDither8) {
     // Whole rounds of 32 lanes, unrolled (the runtime-bounded loop cost the hot loop about 130
     // instructions with its remainder handling: cuobjdump): a page is kBlockTokens records of
@@ -765,45 +751,37 @@ template <int D, PageFormat F, bool kMeter, bool kMixed>
 __device__ inline bool decode_page(const SplitArgs& a, bool key, const PageRef& ref, int st, int lane, int kv_head,
                                    const CtaShared<D, F>& sh, Tiles<D, F>& tiles) {
   const int t = lane >> 1, h = lane & 1;
-  if constexpr (F == PageFormat::kBf16) {
-    if (ref.bytes == nullptr || ref.raw) {  // a bf16 table names no raw page: corrupt (nothing was staged)
-      zero_row<D, PaddedTile<D>>(key ? tiles.k[st] : tiles.v[st], t, h);
-      return false;
-    }
-    return true;
-  } else {
-    uint16_t* tile = key ? key_rows(tiles) : value_rows(tiles);
-    const uint8_t* staged = key ? tiles.stage_k[st] : tiles.stage_v[st];
-    if (ref.bytes == nullptr) {
-      zero_row<D>(tile, t, h);
-      return false;
-    }
-    if constexpr (F == PageFormat::kGaacBf16 || F == PageFormat::kGaacE5M2) {
-      if (ref.raw) {
-        if constexpr (F == PageFormat::kGaacBf16) decode_bf16_row<D>(ref.bytes, t, h, tile);
-        else decode_fp8_row<D, false, PageFormat::kBf16>(ref.bytes, t, h, tile);
-      } else {
-        constexpr format::GaacElement E =
-            F == PageFormat::kGaacBf16 ? format::GaacElement::kBf16 : format::GaacElement::kFp8E5M2;
-        const bool ok = decode_gaac_row<D, E>(staged, staged, key ? a.p.k_escape_capacity : a.p.v_escape_capacity,
-                                              lane, sh.base7[key ? 0 : 1], sh.nibble_bit3, tile);
-        if (!ok) {
-          zero_row<D>(tile, t, h);
-          return false;
-        }
-      }
-    } else if (kMixed && ref.raw) {
-      decode_bf16_row<D>(ref.bytes, t, h, tile);
-    } else if constexpr (F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2) {
-      decode_fp8_row<D, F == PageFormat::kFp8E4M3, F>(staged, t, h, tile);
-    } else {
-      if (!key) {  // (a lossy dither8 K page is never decoded: its scores read the stage)
-        decode_dither8_values<D>(staged, lane, tiles);
-        if constexpr (kMeter) dither8_value_rho_row<D>(staged, lane, tiles);
-      }
-    }
-    return true;
+  uint16_t* tile = key ? key_rows(tiles) : value_rows(tiles);
+  const uint8_t* staged = key ? tiles.stage_k[st] : tiles.stage_v[st];
+  if (ref.bytes == nullptr) {
+    zero_row<D>(tile, t, h);
+    return false;
   }
+  if constexpr (F == PageFormat::kGaacBf16 || F == PageFormat::kGaacE5M2) {
+    if (ref.raw) {
+      if constexpr (F == PageFormat::kGaacBf16) decode_bf16_row<D>(ref.bytes, t, h, tile);
+      else decode_fp8_row<D, false, PageFormat::kBf16>(ref.bytes, t, h, tile);
+    } else {
+      constexpr format::GaacElement E =
+          F == PageFormat::kGaacBf16 ? format::GaacElement::kBf16 : format::GaacElement::kFp8E5M2;
+      const bool ok = decode_gaac_row<D, E>(staged, staged, key ? a.p.k_escape_capacity : a.p.v_escape_capacity,
+                                            lane, sh.base7[key ? 0 : 1], sh.nibble_bit3, tile);
+      if (!ok) {
+        zero_row<D>(tile, t, h);
+        return false;
+      }
+    }
+  } else if (kMixed && ref.raw) {
+    decode_bf16_row<D>(ref.bytes, t, h, tile);
+  } else if constexpr (F == PageFormat::kFp8E4M3 || F == PageFormat::kFp8E5M2) {
+    decode_fp8_row<D, F == PageFormat::kFp8E4M3, F>(staged, t, h, tile);
+  } else {
+    if (!key) {  // (a lossy dither8 K page is never decoded: its scores read the stage)
+      decode_dither8_values<D>(staged, lane, tiles);
+      if constexpr (kMeter) dither8_value_rho_row<D>(staged, lane, tiles);
+    }
+  }
+  return true;
 }
 
 // The CTAs per multiprocessor the lossy kernels are held to (__launch_bounds__: ptxas keeps their
@@ -965,9 +943,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
   const float log2_scale = p.sm_scale * kLog2e;
   unsigned int corrupt = 0;
 
-  // This warp's blocks: first, first + kWarps, ... below block_end. bf16 pages are copied
-  // straight into two tiles (page i + 1 in flight while page i is used); the other formats stage
-  // page i + 1 once page i is decoded (dither8: its values once the scores are done, since they
+  // This warp's blocks: first, first + kWarps, ... below block_end. A format stages page i + 1
+  // once page i is decoded (dither8: its values once the scores are done, since they
   // are decoded into the dither tile). Table entries are read one page ahead of their copies.
   // A lossy format's raw pages (exact bf16: the tail, blocks that could not be encoded) are read
   // from the pool when decoded and computed on the bf16 path: scores with the bf16 query from
@@ -975,7 +952,6 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
   // classes of K and V are independent. Blocks with an exact page are attended after the others,
   // so the hot loop carries none of those branches (their cost was 5-12% of the lossy kernels'
   // time when they sat in it: docs/cuda.md).
-  constexpr bool kTwoTiles = F == PageFormat::kBf16;
   constexpr bool kValuesLate = Traits::kValuesLate;
   const int64_t first = block_begin + warp;
   const int n_mine = first < block_end ? int((block_end - 1 - first) / kWarps + 1) : 0;
@@ -997,13 +973,6 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
     stage_page<D, F, kMeter, kCoded>(a, false, vcur, 0, lane, tiles);
   }
   cp_async_commit();
-  if constexpr (kTwoTiles) {
-    if (n_mine > 1) {
-      stage_page<D, F, kMeter, kCoded>(a, true, knext, 1, lane, tiles);
-      stage_page<D, F, kMeter, kCoded>(a, false, vnext, 1, lane, tiles);
-    }
-    cp_async_commit();
-  }
 
   // One block: decode, scores, logit bounds, online softmax, the meter's sums, P V. kMixed: the
   // block may hold a lossy format's exact page (K or V), computed on the bf16 path; the hot loop
@@ -1054,16 +1023,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
       }
     }
     __syncwarp();
-    if constexpr (!kTwoTiles && !kValuesLate) stage_next();
-    const uint16_t* tile_k;
-    const uint16_t* tile_v;
-    if constexpr (kTwoTiles) {
-      tile_k = tiles.k[st];
-      tile_v = tiles.v[st];
-    } else {
-      tile_k = key_rows(tiles);
-      tile_v = value_rows(tiles);
-    }
+    if constexpr (!kValuesLate) stage_next();
+    const uint16_t* tile_k = key_rows(tiles);
+    const uint16_t* tile_v = value_rows(tiles);
 
     // Scores S^T[token tq (+ 8)][head 2 hq + e]: s[0], s[1] token tq; s[2], s[3] token tq + 8.
     float s[4] = {0.f, 0.f, 0.f, 0.f};
@@ -1150,11 +1112,10 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
   // fallbacks). A lossy format's block with an exact page is left for the pass after it.
   int n_deferred = 0;
   for (int i = 0; i < n_mine; ++i) {
-    const int st = kTwoTiles ? i & 1 : 0;
+    const int st = 0;
     const int64_t blk = first + int64_t(i) * kWarps;
     const int32_t next_k = entry_of(p.k_table, i + 2), next_v = entry_of(p.v_table, i + 2);
-    if constexpr (kTwoTiles) cp_async_wait<1>();
-    else cp_async_wait<0>();
+    cp_async_wait<0>();
     __syncwarp();
     const PageRef kref = kcur, vref = vcur;
     kcur = knext;
@@ -1177,13 +1138,6 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
       }
     }
     attend_block(std::false_type{}, kref, vref, blk, st, stage_next);
-    if constexpr (kTwoTiles) {
-      if (i + 2 < n_mine) {
-        stage_page<D, F, kMeter, kCoded>(a, true, knext, st, lane, tiles);
-        stage_page<D, F, kMeter, kCoded>(a, false, vnext, st, lane, tiles);
-      }
-      cp_async_commit();
-    }
   }
   // The blocks with an exact page (the tail, blocks the encoder refused): rare, so each is staged
   // and used in turn, off the hot loop's code.

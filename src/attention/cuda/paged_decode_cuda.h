@@ -44,8 +44,9 @@
 //                     path (query rounded to bf16, bf16 probabilities in P V); its logit bound
 //                     is 0 and its rho 0. K and V pages of a block are raw or not independently.
 //     kFp8Fragments,  an exact page: bf16 in fragment-major order (kGaacFragments: a page the
-//     kDither8Fragments, encoder could not take, its exceptions too many or not built exactly)
-//     kGaacFragments
+//     kDither8Fragments, encoder could not take, its exceptions too many or not built exactly;
+//     kGaacFragments  attended in its place among the coded pages, adding the bits its coded form
+//                     would)
 //     kBf16, kBf16Fragments  unused (their pages are bf16 already)
 //   k_table, v_table:  [batch][n_kv_heads][table_stride] int32
 //   seq_lens:          [batch] int32, each in [1, table_stride * block_tokens]

@@ -697,8 +697,8 @@ TEST(PagedDecodeCuda, GaacFragmentPagesAttendAsTheirBf16PagesBitForBit) {
             for (int64_t t0 = 0; t0 < len; t0 += 16, ++page) {
               const int64_t n = std::min<int64_t>(16, len - t0);
               if (exact_pages && page % 5 == 2) {
-                for (int e = 0; e <= capacity; ++e)
-                  (*side)[b][(size_t(h) * len + size_t(t0 + e % n)) * sh.d + size_t(e * 5 % sh.d)] = 0;
+                for (int e = 0; e <= capacity && e < 64; ++e)  // capacity + 1 zeros (at most 8)
+                  (*side)[b][(size_t(h) * len + size_t(t0 + e % n)) * sh.d + size_t(e) * 5 % size_t(sh.d)] = 0;
                 overfull += n * sh.d > capacity;
                 continue;
               }

@@ -2,13 +2,14 @@
 // the whole model on the device. The forward pass (backend/cuda/device_forward.h: weights
 // uploaded once, fp32-accurate products through cuBLAS, the norms, RoPE, SwiGLU and residuals)
 // hands each layer's K/V rows to the device cache, which rounds and stores them (one launch for
-// the step's sequences) and encodes a block on the device when it fills (GAAC slots, lossy pages
-// with their witness). Attention runs on the device for every row of a step, prefill and decode
+// the step's sequences) and encodes a block on the device when it fills (GAAC device pages, GAAC
+// slots for gaac-e5m2, lossy pages with their witness). Attention runs on the device for every row of a step, prefill and decode
 // alike, in one paged-decode launch per layer and row class (attention/cuda/paged_decode_cuda.h):
 // a prefill row is a query over its sequence's tables with its own length, so a chunk's rows
 // attend causally. The page format is attention::cuda::page_format_of(kv_scheme), which follows
-// the scheme table (dither8: fragment-major pages, kDither8Fragments, on the bulk-copy kernel,
-// whose split counters the backend zeroes when the workspace layout changes). The decode rows of
+// the scheme table (dither8 and gaac: fragment-major pages, kDither8Fragments and kGaacFragments;
+// these and bf16's token-major pages on the bulk-copy kernel, whose split counters the backend
+// zeroes when the workspace layout changes). The decode rows of
 // the metered schemes get the meter from the same pass, and their telemetry. A step runs without waiting for the device until its end, where the logits
 // the items ask for, the error words, meters and sparse counts come back together. A layer whose
 // write completes a block waits for the block's encode result, unless

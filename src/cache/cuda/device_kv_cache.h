@@ -18,17 +18,16 @@
 // backing store does): the gate's repairs bring the exact block (store_exact_block). Pools grow by doubling (a
 // device-to-device copy); tables have a fixed width of ceil(max_tokens / block_tokens) blocks.
 //
-// Byte order. A scheme the scheme table marks cuda_fragment_pages (dither8) is stored in the
-// order the fragment kernel reads (format/fragment_layout.h; PageFormat::kDither8Fragments): its
-// raw bf16 pages (tails, pages kept exact, repaired blocks, the held exact pages) fragment-major
-// from append on, and a complete block's pages encoded from them straight into the fragment-major
-// dither8 page (codec::cuda::LossyDeviceLayout::kFragments: the codec's page transcoded in the
-// encode launch, the same bytes moved, so the pools' page sizes are the codec's). read_page gives
-// the codec's order back (and the stored bytes beside it); store_exact_block transcodes its rows.
-// A GAAC scheme so marked (none is yet: docs/cuda.md, "GAAC device pages", says what the kernel
-// needs first) stores GAAC device pages (codec/gaac_fragments.h, PageFormat::kGaacFragments),
+// Byte order. A scheme the scheme table marks cuda_fragment_pages (dither8, gaac) is stored in
+// the order the fragment kernel reads (format/fragment_layout.h): its raw bf16 pages (tails, pages
+// kept exact, repaired blocks, the held exact pages) fragment-major from append on. dither8
+// (PageFormat::kDither8Fragments): a complete block's pages encoded from them straight into the
+// fragment-major dither8 page (codec::cuda::LossyDeviceLayout::kFragments: the codec's page
+// transcoded in the encode launch, the same bytes moved, so the pools' page sizes are the codec's).
+// read_page gives the codec's order back (and the stored bytes beside it); store_exact_block
+// transcodes its rows. gaac: GAAC device pages (codec/gaac_fragments.h, PageFormat::kGaacFragments),
 // encoded at finalize from the fragment-major raw pages (codec::cuda::gaac_fragment_encode_pages);
-// they are their codec's pages, so read_page gives them as stored.
+// they are their codec's pages, so read_page gives them as stored. bf16 pages stay token-major.
 //
 // Table entries (int32, per (layer, K/V, kv_head), block order): for bf16 the raw page index;
 // for the GAAC and lossy schemes a slot index s >= 0 of the (layer, K/V) slot pool (GAAC slots,
