@@ -9,11 +9,10 @@
 // one 16-byte load per lane and step. The last page of a sequence masks its scores past the
 // length and zeroes its values' operands there (a device page past the length may hold anything,
 // NaN too). A corrupt table entry reads as a zero page and counts in the error word. Exact pages
-// (the raw pools: bf16, fragment-major): GAAC's go through the ring in their place (a raw page and
-// its coded form give the same bits); the lossy classes' are attended after the others, read
-// straight from their pools. The bf16-valued classes (bf16 pages of either order, GAAC) sum each
-// page's values from zero and add the page to the output (times GAAC's channel scale), so that a
-// GAAC page, its raw page and the bf16 scheme's token-major page add the same floats. After the
+// (the raw pools: bf16, fragment-major): GAAC's go through the ring in their place, their values
+// scaled into the coded pages' units (a raw page and its coded form give the same bits, and GAAC
+// pages the bits of bf16 pages); the lossy classes' are attended after the others, read straight
+// from their pools. After the
 // warps' merge (write_split_partials) each CTA counts itself done on its row group's counter; the
 // last one merges the group's splits into the outputs and leaves the counter at zero.
 #include "attention/cuda/fragment_decode_cuda.h"
@@ -95,7 +94,7 @@ constexpr int kMergeLoads = 8;    // its partial outputs in flight per thread
 // time, from shared or global memory alike) and how the loads become its mma A operands. Flags:
 // kRowMajor, token-major pages copied a row at a time and read by ldmatrix (load_rows);
 // kExactInRing, exact pages copied into the ring and attended in their place (a stage holds a raw
-// page); kPageSums, each page's values summed from zero, then added to the output.
+// page).
 
 // A raw bf16 page of 16 tokens x D (either order).
 template <int D>
@@ -111,7 +110,6 @@ struct Bf16Pages {
   static constexpr bool kScaled = false;      // GAAC: operands built, query and values scaled per channel
   static constexpr bool kRowMajor = false;
   static constexpr bool kExactInRing = false;
-  static constexpr bool kPageSums = true;
   static constexpr int kStages = 2;           // pages of each warp's ring (see with_kernel)
   static constexpr int kPlannedCtasPerSm = 1; // the split plan's wave (fragment_planned_ctas_per_sm)
   template <int D>
@@ -152,7 +150,6 @@ struct Bf16RowPages {
   static constexpr bool kScaled = false;
   static constexpr bool kRowMajor = true;
   static constexpr bool kExactInRing = false;
-  static constexpr bool kPageSums = true;
   static constexpr int kStages = 2;
   static constexpr int kPlannedCtasPerSm = 1;
   template <int D>
@@ -197,7 +194,6 @@ struct Fp8Pages {
   static constexpr bool kScaled = false;
   static constexpr bool kRowMajor = false;
   static constexpr bool kExactInRing = false;
-  static constexpr bool kPageSums = false;
   static constexpr int kStages = 2;
   static constexpr int kPlannedCtasPerSm = 3;
   template <int D>
@@ -247,7 +243,6 @@ struct Dither8Pages {
   static constexpr bool kScaled = false;
   static constexpr bool kRowMajor = false;
   static constexpr bool kExactInRing = false;
-  static constexpr bool kPageSums = false;
   static constexpr int kStages = 3;  // a stage is held while its page is attended
   static constexpr int kPlannedCtasPerSm = 3;
   template <int D>
@@ -284,7 +279,6 @@ struct GaacPages {
   static constexpr bool kScaled = true;
   static constexpr bool kRowMajor = false;
   static constexpr bool kExactInRing = true;
-  static constexpr bool kPageSums = true;
   static constexpr int kStages = 2;
   // Measured on an H100 (32 / 8, 128K, docs/bench/h100_gaac_fragments_splits_78cdb80.jsonl): three
   // CTAs a multiprocessor 1-2.5% faster than two at batch 1 and 8, one 1.3-1.4x slower.
@@ -640,8 +634,8 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
   constexpr int G = D / kQuantGroupChannels;
   const uint32_t bytes_k = Page::template k_copy_bytes<D>(p.n_outlier_pairs);
   constexpr uint32_t kBytesV = Page::template v_copy_bytes<D>();
-  static_assert(!Page::kExactInRing || (!kHalf && kLoads >= D / 16 && Page::kPageSums),
-                "exact pages in the ring: bf16 operands in the class's load registers, each page added alone");
+  static_assert(!Page::kExactInRing || (!kHalf && kLoads >= D / 16 && Page::kScaled),
+                "exact pages in the ring: bf16 operands in the class's load registers, scaled to the built units");
 
   const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -710,16 +704,6 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
   if constexpr (Page::kDither) {
     outlier_keep_masks<D>(sh.outlier_channels, 2 * p.n_outlier_pairs, hq, keep);
     dither_key = p.dither_keys[kv_head];
-  }
-
-  // GAAC: this lane's output channels' 2^(b - kGaacBuilt) (channels 16 pp + tq, + 8).
-  [[maybe_unused]] float value_scale[Page::kScaled ? D / 16 : 1][2];
-  if constexpr (Page::kScaled) {
-#pragma unroll
-    for (int pp = 0; pp < D / 16; ++pp) {
-      value_scale[pp][0] = sh.value_scale[16 * pp + tq];
-      value_scale[pp][1] = sh.value_scale[16 * pp + tq + 8];
-    }
   }
 
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, d_run[2] = {0.f, 0.f}, r_run[2] = {0.f, 0.f};
@@ -814,25 +798,43 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
 #pragma unroll
     for (int pp = 0; pp < D / 16; ++pp) mma16816<kHalfV>(acc[pp], va[pp], pb0, pb1);
   };
-  // The values of one page (Page::kPageSums): summed from zero into `page`, then added to the
-  // output, a GAAC page's built values times their channel's 2^(b - kGaacBuilt) (exact: a power of
-  // two) in the same rounding, fma(x, 1, o) = o + x, as a raw page's or a bf16 page's.
-  [[maybe_unused]] auto add_page_values = [&](uint32_t (&va)[D / 16][4], const float (&prob)[4], const Masks& mk,
-                                              bool built) {
-    float page[D / 16][4];
-#pragma unroll
-    for (int pp = 0; pp < D / 16; ++pp) page[pp][0] = page[pp][1] = page[pp][2] = page[pp][3] = 0.f;
-    values_operands(std::false_type{}, va, prob, mk, page);
+  // GAAC. The output is kept in the built units of the V channels (o 2^(kGaacBuilt - b), rows
+  // 16 pp + tq (+ 8)): a coded page's values are built, and the products' sums scale exactly by a
+  // power of two, so it holds the bf16 pages' output to the bit, scaled. to_value_units scales it
+  // back once, at the end. An exact V page's operands are scaled into the built units too
+  // (raw_values_in_built_units: x 2^(kGaacBuilt - b) per channel, exact, checked by the round
+  // trip); a page with a value that has no exact built form (its exponent past the window's
+  // reach, a NaN) sums its values in their own units and adds them scaled: one rounding more.
+  [[maybe_unused]] auto to_value_units = [&] {
 #pragma unroll
     for (int pp = 0; pp < D / 16; ++pp)
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if constexpr (Page::kScaled) {
-          o_acc[pp][k] = fmaf(page[pp][k], built ? value_scale[pp][k >> 1] : 1.f, o_acc[pp][k]);
-        } else {
-          o_acc[pp][k] += page[pp][k];
-        }
+      for (int k = 0; k < 4; ++k) o_acc[pp][k] *= sh.value_scale[16 * pp + tq + 8 * (k >> 1)];
+  };
+  [[maybe_unused]] auto raw_values_in_built_units = [&](uint32_t (&va)[D / 16][4], const Masks& mk) {
+    if (mk.tail) {  // the tokens past the length first zeroed (a raw tail page holds anything there)
+#pragma unroll
+      for (int pp = 0; pp < D / 16; ++pp) {
+        va[pp][0] &= mk.keep01;
+        va[pp][1] &= mk.keep01;
+        va[pp][2] &= mk.keep23;
+        va[pp][3] &= mk.keep23;
       }
+    }
+    bool exact = true;
+#pragma unroll
+    for (int pp = 0; pp < D / 16; ++pp)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {  // registers 0, 2: channel 16 pp + tq; 1, 3: + 8
+        const float up = 1.f / sh.value_scale[16 * pp + tq + 8 * (r & 1)];
+        const __nv_bfloat162 s2 = __floats2bfloat162_rn(up, up), back2 = __floats2bfloat162_rn(1.f / up, 1.f / up);
+        const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(&va[pp][r]);
+        const __nv_bfloat162 y = __hmul2(x, s2);
+        const __nv_bfloat162 z = __hmul2(y, back2);
+        exact = exact && *reinterpret_cast<const uint32_t*>(&z) == va[pp][r];
+        va[pp][r] = *reinterpret_cast<const uint32_t*>(&y);
+      }
+    return __all_sync(0xffffffffu, exact);
   };
 
   const int64_t first = block_begin + warp;
@@ -968,15 +970,39 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
       if (Page::kExactInRing && k_raw) scores_exact(ka, s);
       else scores_operands(ka, s, c);
       const Masks mk = softmax(s, c, rho_side, blk, prob);
-      if constexpr (Page::kPageSums) add_page_values(va, prob, mk, !v_raw);
-      else values_operands(std::integral_constant<bool, kHalf>{}, va, prob, mk, o_acc);
+      if constexpr (Page::kExactInRing) {
+        if (v_raw) {
+          uint32_t built[D / 16][4];
+#pragma unroll
+          for (int pp = 0; pp < D / 16; ++pp)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) built[pp][r] = va[pp][r];
+          if (raw_values_in_built_units(built, mk)) {
+            values_operands(std::false_type{}, built, prob, mk, o_acc);
+          } else {  // cold: a value with no exact built form
+            float page[D / 16][4];
+#pragma unroll
+            for (int pp = 0; pp < D / 16; ++pp) page[pp][0] = page[pp][1] = page[pp][2] = page[pp][3] = 0.f;
+            values_operands(std::false_type{}, va, prob, mk, page);
+#pragma unroll
+            for (int pp = 0; pp < D / 16; ++pp)
+#pragma unroll
+              for (int k = 0; k < 4; ++k) o_acc[pp][k] += page[pp][k] / sh.value_scale[16 * pp + tq + 8 * (k >> 1)];
+          }
+        } else {
+          values_operands(std::integral_constant<bool, kHalf>{}, va, prob, mk, o_acc);
+        }
+      } else {
+        values_operands(std::integral_constant<bool, kHalf>{}, va, prob, mk, o_acc);
+      }
     }
   }
 
   // The blocks with an exact page, each read straight from its pools: an exact page on the bf16
   // path, a lossy one through the page class (the lossy classes; GAAC's are in the ring).
+  if constexpr (Page::kScaled) to_value_units();
   if constexpr (Page::kExactPages && !Page::kExactInRing) {
-    static_assert(!Page::kPageSums, "a deferred page adds to the output as the lossy classes do");
+    static_assert(!Page::kScaled, "deferred pages add in the values' own units");
     if (n_deferred > 0) {
       for (int i = 0; i < n_mine; ++i) {
         const int32_t ke = entry_of(p.k_table, i), ve = entry_of(p.v_table, i);
