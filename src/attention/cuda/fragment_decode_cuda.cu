@@ -41,6 +41,11 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kBlockTokens = fragment::kPageTokens;
 constexpr int kMaxGroup = 8;
 constexpr float kLog2e = 1.4426950408889634f;
+// GAAC V window bases (biased exponents b) for which the kernel keeps the output in the built
+// units, o 2^(kGaacBuilt - b) (fragment_split_kernel, built_units): the scale and its inverse are
+// normal floats and bf16, and an output o keeps every bit there while 2^(b - 254) <= |o| < 2^b
+// (in value units: from 2^-190 to 2^64 at the ends of the range, any output of real KV).
+constexpr int kGaacBuiltUnitsLow = 64, kGaacBuiltUnitsHigh = 192;
 
 // ---------------------------------------------------------------------------------------------
 // The bulk copy engine and mbarriers (PTX ISA 8.0, sm_90).
@@ -364,6 +369,7 @@ struct FragmentShared {
   float dither_offset[kMaxGroup][D / kQuantGroupChannels];
   float row_max[kMaxGroup], row_l[kMaxGroup];
   float value_scale[Page::kScaled ? D : 1];  // GAAC: 2^(b - kGaacBuilt) of each V channel
+  int built_units;                            // GAAC: the output in the V channels' built units
   int last;
 };
 static_assert(sizeof(FragmentShared<128, Bf16Pages, 2>::Stage) % 16 == 0 &&
@@ -659,9 +665,13 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
       sh.q[g][c] = element_bits<false>(ldexpf(element_value<false>(sh.q[g][c]), base - fragment::kGaacBuilt));
     }
   }
+  [[maybe_unused]] bool safe_bases = true;
   if constexpr (Page::kScaled) {
-    for (int c = threadIdx.x; c < D; c += kThreads)
-      sh.value_scale[c] = ldexpf(1.f, int(p.gaac_bases[((int64_t(p.n_kv_heads) + kv_head) * 2 + 1) * D + c]) - fragment::kGaacBuilt);
+    for (int c = threadIdx.x; c < D; c += kThreads) {
+      const int base = p.gaac_bases[((int64_t(p.n_kv_heads) + kv_head) * 2 + 1) * D + c];
+      sh.value_scale[c] = ldexpf(1.f, base - fragment::kGaacBuilt);
+      safe_bases = safe_bases && base >= kGaacBuiltUnitsLow && base <= kGaacBuiltUnitsHigh;
+    }
   }
   if constexpr (kMeter && !Page::kDither) {
     if (threadIdx.x < kMaxGroup) {
@@ -678,6 +688,10 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
 #pragma unroll
     for (int st = 0; st < kStages; ++st) barrier_init(&sh.full[warp][st], Page::kRowMajor ? 32 : 1);  // see issue
     barrier_init_fence();
+  }
+  if constexpr (Page::kScaled) {
+    const bool built_units = __syncthreads_and(safe_bases);
+    if (threadIdx.x == 0) sh.built_units = built_units;
   }
   __syncthreads();
   if constexpr (Page::kDither) {
@@ -799,17 +813,30 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
     for (int pp = 0; pp < D / 16; ++pp) mma16816<kHalfV>(acc[pp], va[pp], pb0, pb1);
   };
   // GAAC. The output is kept in the built units of the V channels (o 2^(kGaacBuilt - b), rows
-  // 16 pp + tq (+ 8)): a coded page's values are built, and the products' sums scale exactly by a
-  // power of two, so it holds the bf16 pages' output to the bit, scaled. to_value_units scales it
-  // back once, at the end. An exact V page's operands are scaled into the built units too
-  // (raw_values_in_built_units: x 2^(kGaacBuilt - b) per channel, exact, checked by the round
-  // trip); a page with a value that has no exact built form (its exponent past the window's
-  // reach, a NaN) sums its values in their own units and adds them scaled: one rounding more.
-  [[maybe_unused]] auto to_value_units = [&] {
+  // 16 pp + tq (+ 8)) when every V window base of the KV head is in [kGaacBuiltUnitsLow, kGaacBuiltUnitsHigh]
+  // (sh.built_units; real calibrations are): a coded page's values are built, and the products'
+  // sums scale exactly by a power of two, so it holds the bf16 pages' output to the bit, scaled;
+  // it is scaled back once, at the end. An exact V page's operands are scaled into the built units
+  // too (raw_values_in_built_units: x 2^(kGaacBuilt - b) per channel, exact, checked by the round
+  // trip). A page whose values cannot go straight into the output (an exact page with a value that
+  // has no exact built form: its exponent past the window's reach, a NaN; any page of a KV head
+  // whose bases are out of range) is summed from zero and added times m per channel (add_page):
+  // exact scaling, one rounding more.
+  const bool built_units = !Page::kScaled || sh.built_units;
+  [[maybe_unused]] auto add_page = [&](uint32_t (&va)[D / 16][4], const float (&prob)[4], const Masks& mk, bool raw) {
+    float page[D / 16][4];
+#pragma unroll
+    for (int pp = 0; pp < D / 16; ++pp) page[pp][0] = page[pp][1] = page[pp][2] = page[pp][3] = 0.f;
+    values_operands(std::false_type{}, va, prob, mk, page);
 #pragma unroll
     for (int pp = 0; pp < D / 16; ++pp)
 #pragma unroll
-      for (int k = 0; k < 4; ++k) o_acc[pp][k] *= sh.value_scale[16 * pp + tq + 8 * (k >> 1)];
+      for (int k = 0; k < 4; ++k) {
+        // a raw page into built units: times 2^(kGaacBuilt - b); a coded page into value units:
+        // times 2^(b - kGaacBuilt)
+        const float scale = sh.value_scale[16 * pp + tq + 8 * (k >> 1)];
+        o_acc[pp][k] += raw ? (built_units ? page[pp][k] / scale : page[pp][k]) : page[pp][k] * scale;
+      }
   };
   [[maybe_unused]] auto raw_values_in_built_units = [&](uint32_t (&va)[D / 16][4], const Masks& mk) {
     if (mk.tail) {  // the tokens past the length first zeroed (a raw tail page holds anything there)
@@ -835,6 +862,12 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
         va[pp][r] = *reinterpret_cast<const uint32_t*>(&y);
       }
     return __all_sync(0xffffffffu, exact);
+  };
+  [[maybe_unused]] auto to_value_units = [&] {
+#pragma unroll
+    for (int pp = 0; pp < D / 16; ++pp)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) o_acc[pp][k] *= sh.value_scale[16 * pp + tq + 8 * (k >> 1)];
   };
 
   const int64_t first = block_begin + warp;
@@ -977,20 +1010,12 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
           for (int pp = 0; pp < D / 16; ++pp)
 #pragma unroll
             for (int r = 0; r < 4; ++r) built[pp][r] = va[pp][r];
-          if (raw_values_in_built_units(built, mk)) {
-            values_operands(std::false_type{}, built, prob, mk, o_acc);
-          } else {  // cold: a value with no exact built form
-            float page[D / 16][4];
-#pragma unroll
-            for (int pp = 0; pp < D / 16; ++pp) page[pp][0] = page[pp][1] = page[pp][2] = page[pp][3] = 0.f;
-            values_operands(std::false_type{}, va, prob, mk, page);
-#pragma unroll
-            for (int pp = 0; pp < D / 16; ++pp)
-#pragma unroll
-              for (int k = 0; k < 4; ++k) o_acc[pp][k] += page[pp][k] / sh.value_scale[16 * pp + tq + 8 * (k >> 1)];
-          }
-        } else {
+          if (built_units && raw_values_in_built_units(built, mk)) values_operands(std::false_type{}, built, prob, mk, o_acc);
+          else add_page(va, prob, mk, true);  // cold
+        } else if (built_units) {
           values_operands(std::integral_constant<bool, kHalf>{}, va, prob, mk, o_acc);
+        } else {
+          add_page(va, prob, mk, false);  // cold: bases out of range
         }
       } else {
         values_operands(std::integral_constant<bool, kHalf>{}, va, prob, mk, o_acc);
@@ -998,9 +1023,8 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
     }
   }
 
-  // The blocks with an exact page, each read straight from its pools: an exact page on the bf16
-  // path, a lossy one through the page class (the lossy classes; GAAC's are in the ring).
-  if constexpr (Page::kScaled) to_value_units();
+  if constexpr (Page::kScaled)
+    if (built_units) to_value_units();
   if constexpr (Page::kExactPages && !Page::kExactInRing) {
     static_assert(!Page::kScaled, "deferred pages add in the values' own units");
     if (n_deferred > 0) {

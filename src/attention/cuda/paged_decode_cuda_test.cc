@@ -663,14 +663,18 @@ TEST(PagedDecodeCuda, EveryFormatMatchesTheReferenceOnRaggedBatches) {
 }
 
 // GAAC pages in the device layout attend as the bf16 pages they code, bit for bit: the built
-// operands times the query scaled by 2^(b - kGaacBuilt) are the bf16 products, and each page's
-// values, summed from zero and scaled back per channel, add to the output the float a bf16 page
-// adds. KV whose every element sits in its window but for a few exceptions per page (zeros, values
-// far outside the window, both signs), and pages with one more exception than a page holds, kept
-// exact: attended in their place, they add the same bits as their coded neighbours would (the
-// kernel attended them after the others before, which changed the sums' order). Each set of pages
-// attended as GAAC device pages, as bf16 fragment-major pages and as the bf16 scheme's token-major
-// pages: the same outputs to the bit. Ragged lengths, GQA 1, 4 and 7, head_dim 64 and 128, the same
+// operands times the query scaled by 2^(b - kGaacBuilt) are the bf16 products, and the output,
+// kept in the built units of the V channels and scaled back once, is the bf16 pages' output. KV
+// whose every element sits in its window but for a few exceptions per page (zeros, values far
+// outside the window, both signs); then pages with one more exception than a page holds, kept
+// exact: attended in their place, their values scaled into the built units, they add the same bits
+// as their coded neighbours would (the kernel attended them after the others before, which changed
+// the sums' order); then the first KV head's values scaled by 2^-80, so that its V windows fall
+// below the bases the kernel keeps built units for: that head's pages are summed a page at a time
+// in value units, each page's sum rounded once more as it is added (so within pages x 2^-21 of the
+// head's largest |v| of the bf16 output: both sides' roundings, with room), the other heads' still
+// to the bit. Each set of pages attended as GAAC device pages, as bf16 fragment-major pages and as
+// the bf16 scheme's token-major pages. Ragged lengths, GQA 1, 4 and 7, head_dim 64 and 128, the same
 // split plan for all three.
 TEST(PagedDecodeCuda, GaacFragmentPagesAttendAsTheirBf16PagesBitForBit) {
   CERTKV_NEED_CUDA_DEVICE();
@@ -682,9 +686,17 @@ TEST(PagedDecodeCuda, GaacFragmentPagesAttendAsTheirBf16PagesBitForBit) {
   const std::vector<Shape> shapes = {{128, 32, 8, {1000, 17}, 5}, {64, 28, 4, {4099, 1, 260}, 0}, {128, 14, 2, {515}, 1},
                                      {64, 8, 8, {33, 2048}, 3}};
   uint32_t seed = 40;
-  for (bool exact_pages : {false, true}) {
+  enum Pass { kInWindow, kExactPages, kFarWindow };
+  for (Pass pass : {kInWindow, kExactPages, kFarWindow}) {
+    const bool exact_pages = pass == kExactPages;
     for (const Shape& sh : shapes) {
       HostLayerKv kv = make_kv(int(sh.lens.size()), sh.hkv, sh.d, sh.lens, seed, /*narrow=*/true);
+      if (pass == kFarWindow)  // KV head 0's values times 2^-80: exponent fields down by 80, exact
+        for (size_t b = 0; b < kv.v.size(); ++b)
+          for (size_t i = 0; i < size_t(sh.lens[b]) * size_t(sh.d); ++i) {
+            uint16_t& x = kv.v[b][i];
+            if ((x & 0x7fff) != 0) x = uint16_t(x - (80 << 7));
+          }
       // Up to the capacity of exceptions per page: zeros and values 2^20 past their window; with
       // exact_pages, every fifth page of a side one past it (zeros at distinct elements).
       std::mt19937 rng(seed);
@@ -748,13 +760,35 @@ TEST(PagedDecodeCuda, GaacFragmentPagesAttendAsTheirBf16PagesBitForBit) {
         ASSERT_TRUE(read_error_word(p, &corrupt).ok);
         EXPECT_EQ(corrupt, 0u) << page_format_name(formats[which]);
       }
-      for (int which = 1; which < 3; ++which) {
-        int differ = 0;
-        for (size_t i = 0; i < outs[0].size(); ++i) differ += std::memcmp(&outs[0][i], &outs[which][i], 4) != 0;
-        EXPECT_EQ(differ, 0) << page_format_name(formats[which]) << " against bf16-fragments, head_dim " << sh.d << ", "
-                             << sh.hq << " / " << sh.hkv << " heads, exact pages " << exact_pages << ": " << differ
-                             << " of " << outs[0].size() << " outputs differ";
+      // Rows [sequence][query head][channel]; with kFarWindow the query heads of KV head 0 apart.
+      const int group = sh.hq / sh.hkv;
+      auto far = [&](size_t i) { return pass == kFarWindow && int(i / size_t(sh.d)) % sh.hq < group; };
+      float far_max = 0.f, v_max = 0.f;
+      int64_t pages = 0;
+      for (size_t i = 0; i < outs[0].size(); ++i)
+        if (far(i)) far_max = std::max(far_max, std::fabs(outs[0][i]));
+      for (size_t b = 0; b < kv.v.size(); ++b) {
+        pages = std::max<int64_t>(pages, (sh.lens[b] + 15) / 16);
+        for (size_t i = 0; i < size_t(sh.lens[b]) * size_t(sh.d); ++i)
+          v_max = std::max(v_max, std::fabs(format::bf16_to_float(kv.v[b][i])));
       }
+      const float far_tolerance = float(pages) * 0x1p-21f * v_max;
+      for (int which = 1; which < 3; ++which) {
+        int differ = 0, far_differ = 0;
+        for (size_t i = 0; i < outs[0].size(); ++i) {
+          if (!far(i) || formats[which] != PageFormat::kGaacFragments) {
+            differ += std::memcmp(&outs[0][i], &outs[which][i], 4) != 0;
+          } else {
+            ASSERT_TRUE(std::isfinite(outs[which][i]));
+            far_differ += std::fabs(outs[which][i] - outs[0][i]) > far_tolerance;
+          }
+        }
+        EXPECT_EQ(differ, 0) << page_format_name(formats[which]) << " against bf16-fragments, head_dim " << sh.d << ", "
+                             << sh.hq << " / " << sh.hkv << " heads, pass " << int(pass) << ": " << differ << " of "
+                             << outs[0].size() << " outputs differ";
+        EXPECT_EQ(far_differ, 0) << "KV head 0 in value units, head_dim " << sh.d;
+      }
+      if (pass == kFarWindow) EXPECT_GT(far_max, 0.f);
       ++seed;
     }
   }
