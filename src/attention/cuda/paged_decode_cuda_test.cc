@@ -788,7 +788,9 @@ TEST(PagedDecodeCuda, GaacFragmentPagesAttendAsTheirBf16PagesBitForBit) {
                              << outs[0].size() << " outputs differ";
         EXPECT_EQ(far_differ, 0) << "KV head 0 in value units, head_dim " << sh.d;
       }
-      if (pass == kFarWindow) EXPECT_GT(far_max, 0.f);
+      if (pass == kFarWindow) {
+        EXPECT_GT(far_max, 0.f);
+      }
       ++seed;
     }
   }
