@@ -144,10 +144,11 @@ struct Bf16Pages {
   }
 };
 
-// bf16, token-major: the bf16 scheme's pages (the sparse kernel reads their rows too). Each of a
-// page's 16 rows is one bulk copy into a padded tile (rows of D + 8 elements, so that the 8 rows of
-// an ldmatrix phase fall in 8 distinct bank groups); ldmatrix (K) and ldmatrix.trans (V) read the
-// operands Bf16Pages loads from a fragment-major page, register for register.
+// bf16, token-major: the bf16 scheme's pages (the sparse kernel reads their rows too). The lanes
+// copy a page by 16-byte cp.async into a padded tile (rows of D + 8 elements, so that the 8 rows of
+// an ldmatrix phase fall in 8 distinct bank groups; see issue in fragment_split_kernel); ldmatrix
+// (K) and ldmatrix.trans (V) read the operands Bf16Pages loads from a fragment-major page, register
+// for register.
 struct Bf16RowPages {
   static constexpr bool kHalf = false;
   static constexpr bool kExactPages = false;
