@@ -133,6 +133,21 @@ CERTKV_HD constexpr int dither8_outlier_byte(int head_dim, int groups, int m, in
   return kPageTokens * (head_dim + 2 * groups) + token * 4 * m + 2 * value;
 }
 
+// ---- fp8-e4m3 pages with the exponent witness (PageFormat::kFp8Fragments) ------------------------
+// The codec's page (docs/format/lossy_pages.md) with WitnessCode::kExponent: on K pages the codes
+// [T][D] alone (the codes bound their own rounding), on V pages the codes then rho [T] fp16. The
+// device page holds the same bytes moved: the codes fragment-major (code_byte of the K or V map),
+// then (V) rho where the codec has it, at byte kPageTokens * head_dim.
+
+// The byte of code (token, channel).
+CERTKV_HD constexpr int fp8_code_byte(bool key, int token, int channel) {
+  return code_byte(element_index(key, token, channel));
+}
+// Bytes of such a page: K kPageTokens * head_dim, V 2 more per token.
+CERTKV_HD constexpr int fp8_page_bytes(bool key, int head_dim) {
+  return kPageTokens * head_dim + (key ? 0 : 2 * kPageTokens);
+}
+
 // ---- GAAC pages in a device layout (PageFormat::kGaacFragments, docs/format/gaac_fragments.md) --
 // Lossless: each bf16 element keeps its sign, its 7 mantissa bits and its exponent as a 4-bit code
 // against its channel's 16-wide window [b, b + 16) (the GAAC calibration's b4), 12 bits in all;
@@ -271,6 +286,19 @@ inline void dither8_page_from_fragments(bool key, int head_dim, int groups, int 
       for (int b = 0; b < 2; ++b)
         rec[head_dim + 2 * groups + 2 * v + b] = page[dither8_outlier_byte(head_dim, groups, m, t, v) + b];
   }
+}
+
+// The codec's fp8-e4m3 page (exponent witness) <-> the device page; the two buffers are
+// distinct, fp8_page_bytes(key, head_dim) bytes each.
+inline void fp8_page_to_fragments(bool key, int head_dim, const uint8_t* codec_page, uint8_t* out) {
+  for (int t = 0; t < kPageTokens; ++t)
+    for (int c = 0; c < head_dim; ++c) out[fp8_code_byte(key, t, c)] = codec_page[t * head_dim + c];
+  for (int i = kPageTokens * head_dim; i < fp8_page_bytes(key, head_dim); ++i) out[i] = codec_page[i];
+}
+inline void fp8_page_from_fragments(bool key, int head_dim, const uint8_t* page, uint8_t* codec_page) {
+  for (int t = 0; t < kPageTokens; ++t)
+    for (int c = 0; c < head_dim; ++c) codec_page[t * head_dim + c] = page[fp8_code_byte(key, t, c)];
+  for (int i = kPageTokens * head_dim; i < fp8_page_bytes(key, head_dim); ++i) codec_page[i] = page[i];
 }
 
 }  // namespace certkv::format::fragment

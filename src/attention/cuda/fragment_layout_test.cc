@@ -320,5 +320,45 @@ TEST(FragmentLayout, Dither8PagesFinalizedOnTheDeviceAreTheKernelsPages) {
   expect_finalized_dither8_pages_are_the_kernels<128>();
 }
 
+// An fp8-e4m3 block with the exponent witness finalized on the device: the codec's page
+// transcoded as the device encoder writes it (LossyDeviceLayout::kFragments, fp8_page_to_fragments'
+// offsets: K the codes alone, V the codes then rho) is, bit for bit, fp8_fragment_page of that page
+// (the builder the kernel's tests and the emulator check); and the transcoding back gives the
+// codec's page. K and V, both RoPE pairings, head_dim 64 and 128.
+template <int D>
+void expect_finalized_fp8_pages_are_the_kernels() {
+  std::mt19937 rng(D + 2);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  int pages = 0;
+  for (int rep = 0; rep < 4; ++rep)
+    for (bool key : {true, false}) {
+      codec::LossyPageSpec spec;
+      spec.scheme = codec::LossyScheme::kFp8E4M3;
+      spec.key = key;
+      spec.head_dim = D;
+      spec.witness = codec::WitnessCode::kExponent;
+      spec.pairing = rep % 2 ? codec::RopePairing::kHalfSplit : codec::RopePairing::kInterleaved;
+      std::vector<uint16_t> rows(size_t(kPageTokens) * D);
+      for (size_t i = 0; i < rows.size(); ++i)
+        rows[i] = format::float_to_bf16(normal(rng) * std::ldexp(1.f, int(i % D) % 9 - 6));
+      std::vector<uint8_t> cpu(codec::lossy_page_bytes(spec)), want(cpu.size()), got(cpu.size(), 0xaa),
+          back(cpu.size());
+      ASSERT_TRUE(codec::lossy_encode_page_ref(spec, 0, rows.data(), cpu.data()));
+      ASSERT_EQ(cpu.size(), size_t(fp8_page_bytes(key, D))) << "the device page's bytes are the codec's";
+      fp8_fragment_page<D>(spec, cpu.data(), kPageTokens, want.data());
+      fp8_page_to_fragments(key, D, cpu.data(), got.data());
+      ASSERT_EQ(got, want) << "D " << D << (key ? " K" : " V") << ", rep " << rep;
+      fp8_page_from_fragments(key, D, got.data(), back.data());
+      ASSERT_EQ(back, cpu) << "D " << D << (key ? " K" : " V") << ", rep " << rep;
+      ++pages;
+    }
+  EXPECT_EQ(pages, 8);
+}
+
+TEST(FragmentLayout, Fp8ExponentWitnessPagesFinalizedOnTheDeviceAreTheKernelsPages) {
+  expect_finalized_fp8_pages_are_the_kernels<64>();
+  expect_finalized_fp8_pages_are_the_kernels<128>();
+}
+
 }  // namespace
 }  // namespace certkv::attention::cuda::fragment

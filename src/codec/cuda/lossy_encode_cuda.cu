@@ -43,17 +43,22 @@ struct Geometry {
   bool dithered;        // dither8: K pages (V pages are not dithered)
   int n_bands;          // fp8 side data: witness_bands(D) for K pages, 1 (rho) for V pages
   bool page_scaled;     // fp8 K pages: the witness as u8 codes against the page's largest bound
+  bool exponent_witness;  // fp8-e4m3 K pages: no side data, the codes bound themselves (saturation refused)
   int exponent_bits;    // fp8: 4 (E4M3) or 5 (E5M2)
   int mantissa_bits;    // fp8: 3 or 2
   uint32_t payload_bytes;
   uint32_t record_bytes;  // dither8: D + 2 G + 4 m
   bool key;               // a K page (the fragment maps differ for K and V)
-  bool fragments;         // LossyDeviceLayout::kFragments (dither8)
+  bool fragments;         // LossyDeviceLayout::kFragments (dither8; fp8-e4m3 with the exponent witness)
 };
 
 // Where element (t, c) of the exact block is in src.
 __device__ int64_t src_index(const Geometry& g, int t, int c) {
   return g.fragments ? int64_t(format::fragment::element_index(g.key, t, c)) : int64_t(t) * g.head_dim + c;
+}
+// Where an fp8 page's code of element (t, c) goes in dst.
+__device__ int64_t fp8_code_index(const Geometry& g, int t, int c) {
+  return g.fragments ? int64_t(format::fragment::fp8_code_byte(g.key, t, c)) : int64_t(t) * g.head_dim + c;
 }
 
 // rope_pair_channel (codec/lossy_page.h) on the device.
@@ -93,11 +98,10 @@ __device__ float fp8_reconstruction(const Geometry& g, uint16_t x) {
 __device__ double band_bound(const Geometry& g, const uint16_t* src, int item) {
   const int n_pairs = g.head_dim / 2;
   const int b = item / g.block_tokens, t = item % g.block_tokens;
-  const uint16_t* row = src + size_t(t) * size_t(g.head_dim);
   double sum_sq = 0.0;
   for (int pair = b * n_pairs / g.n_bands; pair < (b + 1) * n_pairs / g.n_bands; ++pair) {
     for (int which = 0; which < 2; ++which) {
-      const uint16_t x = row[pair_channel(g, pair, which)];
+      const uint16_t x = src[src_index(g, t, pair_channel(g, pair, which))];
       const double r = __dsub_rn(double(fp8_reconstruction(g, x)), double(bf16_to_float(x)));
       sum_sq = __dadd_rn(sum_sq, __dmul_rn(r, r));
     }
@@ -117,23 +121,26 @@ __device__ uint8_t witness_code(double w, double top) {
   return uint8_t(c);
 }
 
-// One CTA per task. Codes: a thread per element. Side data (write_tier_a_side_data): a thread per
-// (band, token), item b T + t, its bound from band_bound; stored as fp16 rounded up, or (a K page
-// with the u8 witness) as a code against the page's largest bound (witness_code).
+// One CTA per task. Codes: a thread per element (element (t, c) at src_index, its code at
+// fp8_code_index). Side data (write_tier_a_side_data): a thread per (band, token), item b T + t,
+// its bound from band_bound; stored as fp16 rounded up, or (a K page with the u8 witness) as a
+// code against the page's largest bound (witness_code); none on a K page with the exponent
+// witness, which is refused where a value is past kExponentWitnessLimit (its cast saturates).
 __global__ void __launch_bounds__(kThreads)
     fp8_cast_kernel(Geometry g, const LossyEncodeTask* tasks, uint8_t* encoded) {
   const LossyEncodeTask task = tasks[blockIdx.x];
   const int n = g.block_tokens * g.head_dim;
   bool refused = false;
   for (int i = int(threadIdx.x); i < n; i += kThreads) {
-    const uint16_t x = task.src[i];
-    if (!bf16_is_finite(x)) {
+    const int t = i / g.head_dim, c = i % g.head_dim;
+    const uint16_t x = task.src[src_index(g, t, c)];
+    if (!bf16_is_finite(x) || (g.exponent_witness && !(fabsf(bf16_to_float(x)) <= kExponentWitnessLimit))) {
       refused = true;
       continue;
     }
     const uint8_t code =
         format::float_to_fp8_ref(bf16_to_float(x), g.exponent_bits, g.mantissa_bits);
-    task.dst[i] = code;
+    task.dst[fp8_code_index(g, t, c)] = code;
     // E5M2 does not saturate: an overflow reads back as Inf and the page is refused.
     if (!float_is_finite(format::fp8_to_float(code, g.exponent_bits, g.mantissa_bits))) {
       refused = true;
@@ -141,6 +148,10 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (__syncthreads_or(refused)) {
     if (threadIdx.x == 0) encoded[blockIdx.x] = kLossyRefused;
+    return;
+  }
+  if (g.exponent_witness) {
+    if (threadIdx.x == 0) encoded[blockIdx.x] = kLossyEncoded;
     return;
   }
   // Band b covers the RoPE pairs [b P / n_bands, (b + 1) P / n_bands) (witness_band_of_pair).
@@ -289,6 +300,7 @@ Geometry geometry_of(const LossyPageSpec& spec, LossyDeviceLayout layout) {
   g.dithered = spec.key;
   g.n_bands = spec.key ? witness_bands(spec.head_dim) : 1;
   g.page_scaled = spec.key && spec.witness == WitnessCode::kPageScaled8;
+  g.exponent_witness = spec.key && spec.witness == WitnessCode::kExponent;
   g.exponent_bits = spec.scheme == LossyScheme::kFp8E5M2 ? 5 : 4;
   g.mantissa_bits = spec.scheme == LossyScheme::kFp8E5M2 ? 2 : 3;
   g.payload_bytes = uint32_t(lossy_payload_bytes(with_placeholder_outliers(spec)));
@@ -317,10 +329,14 @@ CudaStatus check_lossy_encode(const LossyPageSpec& spec, int n_tasks, const void
   if (layout != LossyDeviceLayout::kCodec && layout != LossyDeviceLayout::kFragments)
     return invalid("device page layout " + std::to_string(int(layout)) + " is unknown (codec or fragments)");
   if (layout == LossyDeviceLayout::kFragments) {
-    if (spec.scheme != LossyScheme::kDither8)
+    // fp8-e4m3: the fragment kernel's pages carry no witness (the codes bound themselves), so a K
+    // page is made with the exponent witness only.
+    const bool fp8_exponent = spec.scheme == LossyScheme::kFp8E4M3 && (!spec.key || spec.witness == WitnessCode::kExponent);
+    if (spec.scheme != LossyScheme::kDither8 && !fp8_exponent)
       return cuda_error(StatusCode::kUnsupported, std::string(kWhere) + "fragment-major device pages of scheme " +
                                                       lossy_scheme_name(spec.scheme) +
-                                                      " are not made (dither8's are)");
+                                                      (spec.scheme == LossyScheme::kFp8E4M3 ? " with witness " + std::string(witness_code_name(spec.witness)) : std::string()) +
+                                                      " are not made (dither8's are, and fp8-e4m3's with the exponent witness)");
     if (spec.block_tokens != format::fragment::kPageTokens || spec.head_dim % 16 != 0)
       return cuda_error(StatusCode::kUnsupported,
                         std::string(kWhere) + "fragment-major pages hold " +

@@ -1,11 +1,12 @@
 // Lossy page encoding on a CUDA device (the device half of the codec layer): when a block is
 // finalized, its exact bf16 rows are encoded where they were written into the lossy pages that
 // the device decode kernels read (docs/format/lossy_pages.md, docs/format/dither8.md). Schemes:
-// fp8-e4m3 and fp8-e5m2 (raw casts with their Tier A witness, fp16 or u8, or rho) and dither8 (certified INT8
-// with its outlier RoPE pairs). The output is byte for byte that of lossy_encode_page_ref
-// (codec/lossy_page.h), and a page is refused exactly when that encoder returns false; dither8
-// pages may instead be read and written fragment-major (LossyDeviceLayout::kFragments: the device
-// page is the codec's page transcoded at finalize, in the same launch).
+// fp8-e4m3 and fp8-e5m2 (raw casts with their Tier A witness, fp16, u8 or (e4m3) the codes
+// themselves, or rho) and dither8 (certified INT8 with its outlier RoPE pairs). The output is byte
+// for byte that of lossy_encode_page_ref (codec/lossy_page.h), and a page is refused exactly when
+// that encoder returns false; dither8 pages and fp8-e4m3 pages with the exponent witness may
+// instead be read and written fragment-major (LossyDeviceLayout::kFragments: the device page is
+// the codec's page transcoded at finalize, in the same launch).
 //
 // One CTA encodes one page. fp8: a thread per element for the codes, then a thread per (token,
 // band) (K) or per token (V) sums its squared residuals in the reference's order. dither8: a warp
@@ -52,17 +53,19 @@ enum class LossyDeviceLayout : uint8_t {
   // src [block_tokens][head_dim] bf16 rows; dst the codec's page, byte for byte
   // lossy_encode_page_ref's.
   kCodec = 0,
-  // dither8 only, 16-token pages (PageFormat::kDither8Fragments, format/fragment_layout.h): src a
-  // fragment-major bf16 page (the K or V map, element_index), dst the codec's page transcoded as
-  // format::fragment::dither8_page_to_fragments moves it (the codes fragment-major, then the
-  // scales, then the outliers). Refused exactly when kCodec refuses.
+  // 16-token pages of dither8 (PageFormat::kDither8Fragments) or of fp8-e4m3 with the exponent
+  // witness on K pages (PageFormat::kFp8Fragments; V pages keep rho), format/fragment_layout.h:
+  // src a fragment-major bf16 page (the K or V map, element_index), dst the codec's page
+  // transcoded as format::fragment::dither8_page_to_fragments or fp8_page_to_fragments moves it
+  // (the codes fragment-major, then the side data). Refused exactly when kCodec refuses.
   kFragments = 1,
 };
 
 // Checks the launch: spec.scheme fp8-e4m3, fp8-e5m2 or dither8 (another known scheme is
 // kUnsupported), the spec otherwise valid as validate_lossy_page_spec says (its refusal's code and
 // message), n_tasks >= 0, non-null arrays when n_tasks > 0 (kInvalidArgument); kFragments: scheme
-// dither8 and 16-token pages (kUnsupported otherwise), a known layout (kInvalidArgument).
+// dither8, or fp8-e4m3 whose K pages take the exponent witness, and 16-token pages (kUnsupported
+// otherwise), a known layout (kInvalidArgument).
 // spec.outlier_pairs is not read: each task carries its own list; spec.n_outlier_pairs is the
 // length of every list. Never launches.
 CudaStatus check_lossy_encode(const LossyPageSpec& spec, int n_tasks, const void* tasks,

@@ -111,6 +111,13 @@ float log_uniform(std::mt19937_64& rng, float lo, float hi) {
 
 // Keys or values: every channel normal with its own log-normal scale, the channels of the hot
 // pairs massive (20 to 1500, beyond E4M3's 448).
+// Whether a shape's K pages carry the exponent witness: their values must stay within
+// kExponentWitnessLimit (a saturating cast breaks the bound), or the page stays exact.
+bool exponent_key(const Shape& s) { return s.key && s.witness == WitnessCode::kExponent; }
+float within_exponent_limit(const Shape& s, float v) {
+  return exponent_key(s) ? std::clamp(v, -kExponentWitnessLimit, kExponentWitnessLimit) : v;
+}
+
 void fill_realistic(const Shape& s, const std::vector<uint8_t>& hot, std::mt19937_64& rng,
                     std::vector<uint16_t>* x) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -123,7 +130,7 @@ void fill_realistic(const Shape& s, const std::vector<uint8_t>& hot, std::mt1993
     for (int c = 0; c < s.head_dim; ++c) {
       const float v = hot[size_t(c)] ? sigma[size_t(c)] * (1.0f + 0.05f * normal(rng))
                                      : sigma[size_t(c)] * normal(rng);
-      (*x)[size_t(t) * size_t(s.head_dim) + size_t(c)] = float_to_bf16(v);
+      (*x)[size_t(t) * size_t(s.head_dim) + size_t(c)] = float_to_bf16(within_exponent_limit(s, v));
     }
   }
 }
@@ -177,7 +184,13 @@ void fill_at_the_limit(const Shape& s, const std::vector<uint8_t>& outlier, bool
     if (e5m2 && std::fabs(bf16_to_float(float_to_bf16(v))) >= 61440.0f) {
       v = v < 0 ? -61184.0f : 61184.0f;
     }
-    (*x)[i] = float_to_bf16(v);
+    (*x)[i] = float_to_bf16(within_exponent_limit(s, v));
+  }
+  if (exponent_key(s) && refuse) {  // one value past the limit: the page stays exact
+    const float past[] = {466.0f, 480.0f, 1e6f, bf16_to_float(kBf16Max)};  // 466: the next bf16 past 464
+    const float v = past[rng() % std::size(past)];
+    (*x)[rng() % x->size()] = float_to_bf16(rng() % 2 ? -v : v);
+    *refused = true;
   }
   if (e5m2 && refuse) {
     const float past[] = {61440.0f, 65536.0f, 1e6f, bf16_to_float(kBf16Max)};
@@ -286,9 +299,10 @@ struct RunSummary {
 };
 
 // Builds n_pages pages of shape s, encodes them on the CPU and in one device launch, and compares
-// page by page. LossyDeviceLayout::kFragments (dither8, 16 tokens): the exact blocks go to the
-// device fragment-major (as the device KV cache's raw pages hold them) and each device page must
-// be the reference's page transcoded (format::fragment::dither8_page_to_fragments), bit for bit.
+// page by page. LossyDeviceLayout::kFragments (dither8; fp8-e4m3 with the exponent witness; 16
+// tokens): the exact blocks go to the device fragment-major (as the device KV cache's raw pages hold
+// them) and each device page must be the reference's page transcoded
+// (format::fragment::dither8_page_to_fragments, fp8_page_to_fragments), bit for bit.
 RunSummary encode_and_compare(const Shape& s, int n_pages, uint64_t seed,
                               LossyDeviceLayout layout = LossyDeviceLayout::kCodec) {
   const bool fragments = layout == LossyDeviceLayout::kFragments;
@@ -381,9 +395,12 @@ RunSummary encode_and_compare(const Shape& s, int n_pages, uint64_t seed,
     const uint8_t* stored = dst.data() + dst_offset[i];
     // What the device must hold, and the device page in the codec's order.
     std::vector<uint8_t> want = p.ref_bytes, codec_order(stored, stored + page_bytes);
-    if (fragments) {
+    if (fragments && s.scheme == LossyScheme::kDither8) {
       format::fragment::dither8_page_to_fragments(s.key, s.head_dim, groups, int(m), p.ref_bytes.data(), want.data());
       format::fragment::dither8_page_from_fragments(s.key, s.head_dim, groups, int(m), stored, codec_order.data());
+    } else if (fragments) {
+      format::fragment::fp8_page_to_fragments(s.key, s.head_dim, p.ref_bytes.data(), want.data());
+      format::fragment::fp8_page_from_fragments(s.key, s.head_dim, stored, codec_order.data());
     }
     const uint8_t* got = codec_order.data();
     const auto mismatch = std::mismatch(want.begin(), want.end(), stored);
@@ -420,8 +437,9 @@ TEST(LossyEncodeCuda, MatchesTheReferenceOnEverySchemeShapeAndPairing) {
         for (RopePairing pairing : {RopePairing::kInterleaved, RopePairing::kHalfSplit}) {
           for (int m : {0, 4}) {
             if (m > 0 && !(scheme == LossyScheme::kDither8 && key)) continue;
-            for (WitnessCode witness : {WitnessCode::kFp16, WitnessCode::kPageScaled8}) {  // fp8 K pages: both codes
+            for (WitnessCode witness : {WitnessCode::kFp16, WitnessCode::kPageScaled8, WitnessCode::kExponent}) {  // fp8 K pages: every code
               if (witness != WitnessCode::kFp16 && (scheme == LossyScheme::kDither8 || !key)) continue;
+              if (witness == WitnessCode::kExponent && scheme != LossyScheme::kFp8E4M3) continue;
               const Shape s{scheme, key, 16, head_dim, pairing, m, witness};
               const RunSummary r = encode_and_compare(s, n_pages, seed++);
               // Every page kind took its outcome; the limit pages took both where the scheme can
@@ -434,7 +452,7 @@ TEST(LossyEncodeCuda, MatchesTheReferenceOnEverySchemeShapeAndPairing) {
               EXPECT_EQ(r.encoded[kind_index(PageKind::kSmall)], per_kind) << shape_name(s);
               const int limit = kind_index(PageKind::kAtTheLimit);
               EXPECT_GE(r.encoded[limit], per_kind / 4) << shape_name(s);
-              if (scheme == LossyScheme::kFp8E4M3) {
+              if (scheme == LossyScheme::kFp8E4M3 && witness != WitnessCode::kExponent) {
                 EXPECT_EQ(r.refused[limit], 0) << shape_name(s);
               } else {
                 EXPECT_GE(r.refused[limit], per_kind / 4) << shape_name(s);
@@ -467,6 +485,30 @@ TEST(LossyEncodeCuda, Dither8PagesFragmentMajorAreTheReferencesTranscoded) {
           EXPECT_EQ(r.refused[kind_index(PageKind::kNonFinite)], per_kind) << shape_name(s);
           EXPECT_GE(r.refused[kind_index(PageKind::kAtTheLimit)], per_kind / 4) << shape_name(s);
         }
+}
+
+// fp8-e4m3 pages with the exponent witness read and written fragment-major (what the fragment
+// kernel reads with its zero-byte meter): the reference's page transcoded, bit for bit, and
+// refused exactly where the reference refuses (a K page with a value past the saturation limit
+// stays exact), over every page kind, K and V, head_dim 64 and 128, both pairings.
+TEST(LossyEncodeCuda, Fp8ExponentWitnessPagesFragmentMajorAreTheReferencesTranscoded) {
+  CERTKV_NEED_CUDA_DEVICE();
+  const int n_pages = 240;  // 40 of each kind
+  const int per_kind = n_pages / kNumPageKinds;
+  uint64_t seed = 700;
+  for (bool key : {true, false})
+    for (int head_dim : {64, 128})
+      for (RopePairing pairing : {RopePairing::kInterleaved, RopePairing::kHalfSplit}) {
+        const Shape s{LossyScheme::kFp8E4M3, key, 16, head_dim, pairing, 0,
+                      key ? WitnessCode::kExponent : WitnessCode::kFp16};
+        const RunSummary r = encode_and_compare(s, n_pages, seed++, LossyDeviceLayout::kFragments);
+        EXPECT_EQ(r.encoded[kind_index(PageKind::kRealistic)], per_kind) << shape_name(s);
+        EXPECT_EQ(r.refused[kind_index(PageKind::kNonFinite)], per_kind) << shape_name(s);
+        EXPECT_GE(r.encoded[kind_index(PageKind::kAtTheLimit)], per_kind / 4) << shape_name(s);
+        if (key) {
+          EXPECT_GE(r.refused[kind_index(PageKind::kAtTheLimit)], per_kind / 4) << shape_name(s);
+        }
+      }
 }
 
 TEST(LossyEncodeCuda, MatchesTheReferenceOnRaggedShapes) {
@@ -628,7 +670,8 @@ TEST(LossyEncodeCuda, CheckRefusesOtherSchemesBadSpecsAndArrays) {
       }
     }
   }
-  // Fragment-major device pages: dither8's of 16 tokens only, and a known layout.
+  // Fragment-major device pages: dither8's and fp8-e4m3's with the exponent witness (K; V pages
+  // keep rho), of 16 tokens only, and a known layout.
   struct LayoutRefusal {
     Shape shape;
     LossyDeviceLayout layout;
@@ -637,7 +680,11 @@ TEST(LossyEncodeCuda, CheckRefusesOtherSchemesBadSpecsAndArrays) {
   };
   const LayoutRefusal layout_refusals[] = {
       {Shape{LossyScheme::kFp8E4M3, true, 16, 64, RopePairing::kInterleaved, 0}, LossyDeviceLayout::kFragments,
-       StatusCode::kUnsupported, "fragment-major device pages of scheme fp8-e4m3 are not made"},
+       StatusCode::kUnsupported, "fragment-major device pages of scheme fp8-e4m3 with witness fp16 are not made"},
+      {Shape{LossyScheme::kFp8E5M2, false, 16, 64, RopePairing::kInterleaved, 0}, LossyDeviceLayout::kFragments,
+       StatusCode::kUnsupported, "fragment-major device pages of scheme fp8-e5m2 are not made"},
+      {Shape{LossyScheme::kFp8E4M3, true, 32, 64, RopePairing::kInterleaved, 0, WitnessCode::kExponent},
+       LossyDeviceLayout::kFragments, StatusCode::kUnsupported, "fragment-major pages hold 16 tokens"},
       {Shape{LossyScheme::kDither8, true, 17, 64, RopePairing::kInterleaved, 0}, LossyDeviceLayout::kFragments,
        StatusCode::kUnsupported, "fragment-major pages hold 16 tokens"},
       {Shape{LossyScheme::kDither8, false, 16, 32, RopePairing::kInterleaved, 0}, static_cast<LossyDeviceLayout>(7),
@@ -651,9 +698,13 @@ TEST(LossyEncodeCuda, CheckRefusesOtherSchemesBadSpecsAndArrays) {
   }
   for (bool key : {true, false})
     for (int head_dim : {64, 128}) {
-      const Shape s{LossyScheme::kDither8, key, 16, head_dim, RopePairing::kHalfSplit, key ? 8 : 0};
-      const CudaStatus status = check_lossy_encode(spec_of(s), 1, &task, &flag, LossyDeviceLayout::kFragments);
-      EXPECT_TRUE(status.ok) << shape_name(s) << ": " << status.message;
+      const Shape shapes[] = {{LossyScheme::kDither8, key, 16, head_dim, RopePairing::kHalfSplit, key ? 8 : 0},
+                              {LossyScheme::kFp8E4M3, key, 16, head_dim, RopePairing::kHalfSplit, 0,
+                               key ? WitnessCode::kExponent : WitnessCode::kFp16}};
+      for (const Shape& s : shapes) {
+        const CudaStatus status = check_lossy_encode(spec_of(s), 1, &task, &flag, LossyDeviceLayout::kFragments);
+        EXPECT_TRUE(status.ok) << shape_name(s) << ": " << status.message;
+      }
     }
   // No tasks: nothing to check in the arrays, nothing launched.
   EXPECT_TRUE(check_lossy_encode(spec_of(base), 0, nullptr, nullptr).ok);
