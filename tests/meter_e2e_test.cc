@@ -285,8 +285,8 @@ TEST_F(MeterEndToEnd, BadMeterParametersAreClearErrors) {
     EXPECT_NE(error.find("witness exponent"), std::string::npos) << error;
     EXPECT_NE(error.find(kv), std::string::npos) << error;
   }
-  // The device writes fp8 pages with the fp16 or u8 witness: the exponent witness is refused there
-  // by name (with or without a device in this build).
+  // The device routes do not serve the exponent witness yet: it is refused there by name (with or
+  // without a device in this build).
   p = params("fp8-e4m3");
   p.witness = "exponent";
   p.device = "cuda";

@@ -103,6 +103,11 @@ bool kv_scheme_takes_witness(KvScheme scheme, codec::WitnessCode witness) {
   return s.tier == MeterTier::kA && codec::lossy_witness_supported(s.lossy_codec, witness);
 }
 
+bool kv_scheme_device_fragment_pages(KvScheme scheme, codec::WitnessCode witness) {
+  return kv_scheme_info(scheme).cuda_fragment_pages ||
+         (scheme == KvScheme::kFp8E4M3 && witness == codec::WitnessCode::kExponent);
+}
+
 namespace {
 
 // "a, b" of the schemes that take `witness`.

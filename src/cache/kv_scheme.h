@@ -96,5 +96,12 @@ void check_kv_witness(KvScheme scheme, codec::WitnessCode witness, std::string_v
 // Throws as check_kv_witness, and kInvalidArgument for a name that is no witness code (naming the
 // known ones).
 codec::WitnessCode resolve_kv_witness(KvScheme scheme, const char* name, std::string_view field);
+// Whether the device stores a scheme's pages fragment-major (format/fragment_layout.h) when its K
+// pages keep `witness` (the witness is read for the Tier A schemes only): the table's
+// cuda_fragment_pages, or fp8-e4m3 with the exponent witness, whose K pages are the codes alone
+// (the fragment kernel's zero-byte meter reads them). The one place the device's byte order is
+// decided: the device KV cache writes these pages, attention::cuda::page_format_of names their
+// PageFormat.
+bool kv_scheme_device_fragment_pages(KvScheme scheme, codec::WitnessCode witness);
 
 }  // namespace certkv::cache

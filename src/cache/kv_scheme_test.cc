@@ -43,6 +43,16 @@ TEST(KvSchemeTable, EveryEntryIsConsistent) {
   }
   EXPECT_TRUE(kv_scheme_info(KvScheme::kDither8).cuda_fragment_pages) << "the cuda backend's dither8 pages";
   EXPECT_TRUE(kv_scheme_info(KvScheme::kGaac).cuda_fragment_pages) << "the cuda backend's GAAC device pages";
+  // The device's byte order: the table's flag, and fp8-e4m3 with the exponent witness.
+  using codec::WitnessCode;
+  for (const KvSchemeInfo& s : kv_schemes())
+    for (WitnessCode w : {WitnessCode::kFp16, WitnessCode::kPageScaled8, WitnessCode::kExponent})
+      EXPECT_EQ(kv_scheme_device_fragment_pages(s.scheme, w),
+                s.cuda_fragment_pages || (s.scheme == KvScheme::kFp8E4M3 && w == WitnessCode::kExponent))
+          << s.name << " " << codec::witness_code_name(w);
+  EXPECT_TRUE(kv_scheme_device_fragment_pages(KvScheme::kFp8E4M3, WitnessCode::kExponent));
+  EXPECT_FALSE(kv_scheme_device_fragment_pages(KvScheme::kFp8E4M3, WitnessCode::kFp16));
+  EXPECT_FALSE(kv_scheme_device_fragment_pages(KvScheme::kFp8E5M2, WitnessCode::kPageScaled8));
   EXPECT_FALSE(kv_scheme_info(KvScheme::kGaacE5M2).cuda_fragment_pages) << "GAAC slots over e5m2";
   EXPECT_EQ(names.size(), size_t(kNumKvSchemes));
   EXPECT_EQ(tier_b, 1);

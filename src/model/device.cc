@@ -23,8 +23,8 @@ void refuse_unserved(const DeviceDecoderConfig& config) {
              cache::kv_scheme_names([](const cache::KvSchemeInfo& s) { return s.cuda_route; }) + " are)");
   if (config.witness == codec::WitnessCode::kExponent)
     fail(StatusCode::kUnsupported,
-         "device cuda: the exponent witness is served on the CPU only (the device cache writes fp8 pages with "
-         "the fp16 or u8 witness; use --witness fp16 or u8, or --device cpu)");
+         "device cuda: the exponent witness is not served on the device yet (use --witness fp16 or u8, or "
+         "--device cpu)");
   if (config.sparse && !cache::kv_scheme_info(config.scheme).cuda_sparse)
     fail(StatusCode::kUnsupported,
          "device cuda: sparse decode on the device reads " +

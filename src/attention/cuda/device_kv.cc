@@ -19,13 +19,14 @@
 
 namespace certkv::attention::cuda {
 
-PageFormat page_format_of(cache::KvScheme scheme) {
-  // The scheme table says whether the device stores the scheme's pages fragment-major; the
-  // format follows from it (a scheme marked so without a fragment format is a table error).
+PageFormat page_format_of(cache::KvScheme scheme, codec::WitnessCode witness) {
+  // The cache layer says whether the device stores the scheme's pages fragment-major; the format
+  // follows from it (a scheme stored so without a fragment format is a table error).
   const cache::KvSchemeInfo& info = cache::kv_scheme_info(scheme);
-  if (info.cuda_fragment_pages) {
+  if (cache::kv_scheme_device_fragment_pages(scheme, witness)) {
     if (scheme == cache::KvScheme::kDither8) return PageFormat::kDither8Fragments;
     if (scheme == cache::KvScheme::kGaac) return PageFormat::kGaacFragments;
+    if (scheme == cache::KvScheme::kFp8E4M3) return PageFormat::kFp8Fragments;
     fail(StatusCode::kInternal, std::string("KV scheme ") + info.name +
                                     " is marked fragment-major in the scheme table, but no fragment page format reads it");
   }

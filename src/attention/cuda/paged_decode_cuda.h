@@ -110,11 +110,13 @@ enum class PageFormat : uint8_t {
 // "bf16", "gaac", "gaac-e5m2", "fp8-e4m3", "fp8-e5m2", "dither8", "bf16-fragments",
 // "fp8-e4m3-fragments", "dither8-fragments", "gaac-fragments".
 const char* page_format_name(PageFormat format);
-// The page format of a KV scheme the device serves (the scheme table's cuda_route); kBf16 for
-// the others, which no device cache stores. A scheme the table marks cuda_fragment_pages gets its
-// fragment format (dither8: kDither8Fragments), the one the device KV cache writes for it.
+// The page format of a KV scheme the device serves (the scheme table's cuda_route) whose K pages
+// keep `witness` (read for the Tier A schemes); kBf16 for the others, which no device cache
+// stores. A scheme the device stores fragment-major (cache::kv_scheme_device_fragment_pages) gets
+// its fragment format (dither8: kDither8Fragments, gaac: kGaacFragments, fp8-e4m3 with the exponent
+// witness: kFp8Fragments), the one the device KV cache writes for it.
 // (Defined in device_kv.cc: the scheme table is C++20, the kernels' translation units C++17.)
-PageFormat page_format_of(cache::KvScheme scheme);
+PageFormat page_format_of(cache::KvScheme scheme, codec::WitnessCode witness = codec::WitnessCode::kFp16);
 // Whether pages of this format carry a meter (the lossy ones).
 inline bool page_format_metered(PageFormat f) {
   return f == PageFormat::kFp8E4M3 || f == PageFormat::kFp8E5M2 || f == PageFormat::kDither8 ||

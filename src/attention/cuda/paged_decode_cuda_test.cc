@@ -422,6 +422,9 @@ TEST(PagedDecodeCuda, PageFormatOfFollowsTheSchemeTable) {
   EXPECT_EQ(page_format_of(cache::KvScheme::kDither8), PageFormat::kDither8Fragments);
   EXPECT_EQ(page_format_of(cache::KvScheme::kBf16), PageFormat::kBf16);
   EXPECT_EQ(page_format_of(cache::KvScheme::kGaac), PageFormat::kGaacFragments);
+  // fp8-e4m3's K pages with the exponent witness are the codes alone: the fragment kernel's pages.
+  EXPECT_EQ(page_format_of(cache::KvScheme::kFp8E4M3, codec::WitnessCode::kExponent), PageFormat::kFp8Fragments);
+  EXPECT_EQ(page_format_of(cache::KvScheme::kFp8E4M3, codec::WitnessCode::kPageScaled8), PageFormat::kFp8E4M3);
   EXPECT_EQ(page_format_of(cache::KvScheme::kGaacE5M2), PageFormat::kGaacE5M2);
   EXPECT_EQ(page_format_of(cache::KvScheme::kFp8E4M3), PageFormat::kFp8E4M3);
   EXPECT_EQ(page_format_of(cache::KvScheme::kFp8E5M2), PageFormat::kFp8E5M2);

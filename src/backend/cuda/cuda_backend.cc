@@ -44,8 +44,8 @@ void refuse_unserved(const model::Model& model, const BackendConfig& config, int
              cache::kv_scheme_names([](const cache::KvSchemeInfo& s) { return s.cuda_route; }) + " are)");
   if (config.witness == codec::WitnessCode::kExponent)
     fail(StatusCode::kUnsupported,
-         "the exponent witness is served by the cpu backend only (the device cache writes fp8 pages with the "
-         "fp16 or u8 witness; use --witness fp16 or u8, or the cpu backend)");
+         "the exponent witness is not served by the cuda backend yet (use --witness fp16 or u8, or the cpu "
+         "backend)");
   if (config.sparse.enabled && !info.cuda_sparse)
     fail(StatusCode::kUnsupported,
          std::string("sparse decode on the cuda backend reads ") +
@@ -83,7 +83,7 @@ class CudaBackend final : public Backend {
     delta_loc_ = checked.delta_loc;
     recent_meters_ = std::make_unique<gate::RecentStepMeters>(model.config().n_layers, model.config().n_heads,
                                                               metered_ ? config.meter.recent_steps : 0);
-    format_ = attention::cuda::page_format_of(config.kv_scheme);
+    format_ = attention::cuda::page_format_of(config.kv_scheme, config.witness);
     const model::ModelConfig& c = model.config();
     cache::cuda::DeviceKvCacheConfig kc;
     kc.n_layers = c.n_layers;

@@ -166,8 +166,8 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
     return cuda_error(StatusCode::kInvalidArgument, "device KV cache: index_record_bytes " +
                                                         std::to_string(config.index_record_bytes) +
                                                         " is not a record size (a multiple of 8, at most 256)");
-  // The scheme table decides the pages' byte order on the device (KvSchemeInfo::cuda_fragment_pages).
-  const bool fragment_pages = kv_scheme_info(scheme).cuda_fragment_pages;
+  // The scheme table decides the pages' byte order on the device (kv_scheme_device_fragment_pages).
+  const bool fragment_pages = kv_scheme_device_fragment_pages(scheme, config.witness);
   if (fragment_pages && (config.block_tokens != format::fragment::kPageTokens || config.head_dim % 16 != 0))
     return cuda_error(StatusCode::kUnsupported,
                       std::string("device KV cache: scheme ") + kv_scheme_name(scheme) + " stores fragment-major pages of " +
@@ -1368,9 +1368,11 @@ CudaStatus DeviceKvCache::read_page(int slot, int layer_index, KvTensor kv, int 
     const int D = config_.head_dim;
     if (out->gaac_slot) {
       // GAAC device pages are their codec's pages (codec/gaac_fragments.h): no other order.
-    } else if (out->lossy_page) {
+    } else if (out->lossy_page && lossy_scheme_ == codec::LossyScheme::kDither8) {
       format::fragment::dither8_page_from_fragments(k == 0, D, D / codec::kQuantGroup, k == 0 ? n_outlier_pairs_ : 0,
                                                    out->stored.data(), out->bytes.data());
+    } else if (out->lossy_page) {  // fp8-e4m3 with the exponent witness
+      format::fragment::fp8_page_from_fragments(k == 0, D, out->stored.data(), out->bytes.data());
     } else {
       format::fragment::bf16_page_from_fragments(k == 0, D, reinterpret_cast<const uint16_t*>(out->stored.data()),
                                                  reinterpret_cast<uint16_t*>(out->bytes.data()));

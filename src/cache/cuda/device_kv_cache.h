@@ -18,12 +18,13 @@
 // backing store does): the gate's repairs bring the exact block (store_exact_block). Pools grow by doubling (a
 // device-to-device copy); tables have a fixed width of ceil(max_tokens / block_tokens) blocks.
 //
-// Byte order. A scheme the scheme table marks cuda_fragment_pages (dither8, gaac) is stored in
-// the order the fragment kernel reads (format/fragment_layout.h): its raw bf16 pages (tails, pages
-// kept exact, repaired blocks, the held exact pages) fragment-major from append on. dither8
-// (PageFormat::kDither8Fragments): a complete block's pages encoded from them straight into the
-// fragment-major dither8 page (codec::cuda::LossyDeviceLayout::kFragments: the codec's page
-// transcoded in the encode launch, the same bytes moved, so the pools' page sizes are the codec's).
+// Byte order. A scheme stored fragment-major (cache::kv_scheme_device_fragment_pages: dither8,
+// gaac, and fp8-e4m3 with the exponent witness) is stored in the order the fragment kernel reads
+// (format/fragment_layout.h): its raw bf16 pages (tails, pages kept exact, repaired blocks, the
+// held exact pages) fragment-major from append on. dither8 and fp8-e4m3 (PageFormat::
+// kDither8Fragments, kFp8Fragments): a complete block's pages encoded from them straight into the
+// fragment-major page (codec::cuda::LossyDeviceLayout::kFragments: the codec's page transcoded in
+// the encode launch, the same bytes moved, so the pools' page sizes are the codec's).
 // read_page gives the codec's order back (and the stored bytes beside it); store_exact_block
 // transcodes its rows. gaac: GAAC device pages (codec/gaac_fragments.h, PageFormat::kGaacFragments),
 // encoded at finalize from the fragment-major raw pages (codec::cuda::gaac_fragment_encode_pages);
@@ -144,8 +145,8 @@ struct DevicePageBytes {
   int32_t slot = -1;           // the slot's index in its pool
   std::vector<uint8_t> bytes;  // the slot's used bytes (fixed part + escapes), the lossy page, or
                                // the raw page, in the codec's byte order (as the host cache holds it)
-  std::vector<uint8_t> stored;  // the same bytes as the device holds them: fragment-major for a
-                                // scheme the table marks cuda_fragment_pages, else equal to bytes
+  std::vector<uint8_t> stored;  // the same bytes as the device holds them: fragment-major where
+                                // kv_scheme_device_fragment_pages says so, else equal to bytes
 };
 
 struct DeviceKvStats {
@@ -385,7 +386,7 @@ class DeviceKvCache {
   int64_t blocks_not_fitting_ = 0;
   int64_t pages_kept_exact_ = 0;
   bool lossy_ = false;
-  // KvSchemeInfo::cuda_fragment_pages: raw pages fragment-major from append on, lossy pages
+  // kv_scheme_device_fragment_pages: raw pages fragment-major from append on, lossy pages
   // transcoded by the encoder at finalize (read_page and store_exact_block transcode on the host).
   bool fragment_pages_ = false;
   codec::cuda::LossyDeviceLayout encode_layout() const {

@@ -254,16 +254,19 @@ void expect_same_lossy_pages(const DeviceKvCache& dev, const KvCache& host, SeqI
                                   table[b].storage == format::StorageClass::kDither8;
           ASSERT_EQ(page.lossy_page, host_lossy);
           ASSERT_FALSE(page.gaac_slot);
-          // A fragment-major scheme (dither8) stores what the fragment kernel reads: the codec's
-          // page (bytes) transcoded (format/fragment_layout.h; attention's FragmentLayout tests hold
-          // these transcodings to dither8_fragment_page and fragment_page_from_rows bit for bit).
+          // A fragment-major scheme (dither8, fp8-e4m3 with the exponent witness) stores what the
+          // fragment kernel reads: the codec's page (bytes) transcoded (format/fragment_layout.h;
+          // attention's FragmentLayout tests hold these transcodings to dither8_fragment_page,
+          // fp8_fragment_page and fragment_page_from_rows bit for bit).
           ASSERT_EQ(page.stored.size(), page.bytes.size());
-          if (kv_scheme_info(host.scheme()).cuda_fragment_pages) {
+          if (kv_scheme_device_fragment_pages(host.scheme(), host.config().witness)) {
             std::vector<uint8_t> want(page.bytes.size());
-            if (host_lossy) {
+            if (host_lossy && host.scheme() == KvScheme::kDither8) {
               const codec::LossyPageSpec spec = host.lossy_spec(l, KvTensor(kv), h);
               format::fragment::dither8_page_to_fragments(kv == 0, kDim, kDim / codec::kQuantGroup,
                                                           spec.n_outlier_pairs, page.bytes.data(), want.data());
+            } else if (host_lossy) {
+              format::fragment::fp8_page_to_fragments(kv == 0, kDim, page.bytes.data(), want.data());
             } else {
               format::fragment::bf16_page_to_fragments(kv == 0, kDim, reinterpret_cast<const uint16_t*>(page.bytes.data()),
                                                        reinterpret_cast<uint16_t*>(want.data()));
@@ -296,7 +299,13 @@ void expect_same_lossy_pages(const DeviceKvCache& dev, const KvCache& host, SeqI
 
 TEST(DeviceKvCache, RaggedWritesLeaveTheHostCachesLossyPages) {
   CERTKV_NEED_CUDA_DEVICE();
-  for (KvScheme scheme : {KvScheme::kFp8E4M3, KvScheme::kFp8E5M2, KvScheme::kDither8}) {
+  // fp8-e4m3 twice: with its fp16 witness (token-major pages) and the exponent witness (fragment-
+  // major pages of the codes alone; a K block with a value past 464 kept exact, as the host keeps it).
+  const std::pair<KvScheme, codec::WitnessCode> schemes[] = {{KvScheme::kFp8E4M3, codec::WitnessCode::kFp16},
+                                                             {KvScheme::kFp8E5M2, codec::WitnessCode::kFp16},
+                                                             {KvScheme::kDither8, codec::WitnessCode::kFp16},
+                                                             {KvScheme::kFp8E4M3, codec::WitnessCode::kExponent}};
+  for (auto [scheme, witness] : schemes) {
     // The first writes: shorter than a block until it completes (dither8 chooses its outlier pairs
     // from the first block's bf16 rows then), longer than a block (from that write's float rows),
     // or shorter and then a long one before the first block completes (from the long write's rows,
@@ -304,10 +313,12 @@ TEST(DeviceKvCache, RaggedWritesLeaveTheHostCachesLossyPages) {
     const std::vector<std::vector<int64_t>> first_writes = {
         {5, 1, 1, 9, 16, 5, 300, 1, 13, 3}, {37, 1, 1, 9, 16, 5, 300, 1, 13, 3}, {5, 300, 1, 13, 3}};
     for (size_t plan = 0; plan < first_writes.size(); ++plan) {
-      SCOPED_TRACE(std::string(kv_scheme_name(scheme)) + ", writes plan " + std::to_string(plan));
+      SCOPED_TRACE(std::string(kv_scheme_name(scheme)) + " witness " + codec::witness_code_name(witness) +
+                   ", writes plan " + std::to_string(plan));
       const int64_t max_tokens = 1600;
       DeviceKvCacheConfig dc = config_of(scheme, max_tokens);
       dc.rope_pairing = plan % 2 == 0 ? codec::RopePairing::kInterleaved : codec::RopePairing::kHalfSplit;
+      dc.witness = witness;
       std::unique_ptr<DeviceKvCache> dev;
       CudaStatus s = DeviceKvCache::create(dc, &dev);
       ASSERT_TRUE(s.ok) << s.message;
@@ -319,6 +330,7 @@ TEST(DeviceKvCache, RaggedWritesLeaveTheHostCachesLossyPages) {
       hc.max_tokens = max_tokens;
       hc.scheme = scheme;
       hc.rope_pairing = dc.rope_pairing;
+      hc.witness = witness;
       KvCache host(hc);
       std::mt19937 rng(13);
       for (int round = 0; round < 2; ++round) {
@@ -331,6 +343,10 @@ TEST(DeviceKvCache, RaggedWritesLeaveTheHostCachesLossyPages) {
         int lossy = 0;
         for (int64_t m : chunks) {
           std::vector<float> k = random_rows(rng, m), v = random_rows(rng, m);
+          // The exponent witness: keys a quarter as large, so that most K pages stay within the
+          // saturation limit (464) and a few do not (the large channel's 2.9-deviation values).
+          if (witness == codec::WitnessCode::kExponent)
+            for (float& x : k) x *= 0.25f;
           if (m == 300) {  // pages the encoders refuse: not finite, a scale past fp16 / E5M2's range
             k[(size_t(40) * kHeads + 1) * kDim + 3] = INFINITY;
             k[(size_t(200) * kHeads + 0) * kDim + 0] = NAN;

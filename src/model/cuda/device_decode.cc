@@ -275,7 +275,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
 
   attention::cuda::PagedDecodeParams params_template() const {
     attention::cuda::PagedDecodeParams p;
-    p.format = attention::cuda::page_format_of(config_.scheme);
+    p.format = attention::cuda::page_format_of(config_.scheme, config_.witness);
     p.batch = 1;
     p.n_q_heads = config_.n_q_heads;
     p.n_kv_heads = config_.n_kv_heads;
@@ -290,7 +290,7 @@ class CudaDeviceDecoder final : public DeviceDecoder {
 
   DeviceDecoderConfig config_;
   std::unique_ptr<cache::cuda::DeviceKvCache> cache_;
-  const bool metered_ = config_.meter && attention::cuda::page_format_metered(attention::cuda::page_format_of(config_.scheme));
+  const bool metered_ = config_.meter && attention::cuda::page_format_metered(attention::cuda::page_format_of(config_.scheme, config_.witness));
   DeviceBuffer q_, out_, workspace_;
   DeviceBuffer meters_;  // lossy schemes: [3][n_q_heads] floats (meter, A - 1, value side)
   PinnedBuffer staging_;  // a dense call's query, output, meters and error word on the host
