@@ -276,8 +276,9 @@ struct Dither8Pages {
 // same bytes for every lane). The operands are the built bf16 (exponent kGaacBuilt + code, that is
 // k 2^(kGaacBuilt - b)): two PRMT lookups and four byte interleaves per eight elements, then the
 // exceptions patched in (at most the page's capacity of them). The kernel folds 2^(b -
-// kGaacBuilt) into the query (K) and into each page's values (V): the products are the bf16
-// pages'. Exact pages (entries < 0): bf16, fragment-major, attended in their place in the ring.
+// kGaacBuilt) into the query (K) and keeps the output in the V channels' built units (scaled back
+// once): the products and sums are the bf16 pages'. Exact pages (entries < 0): bf16,
+// fragment-major, attended in their place in the ring, their values scaled into the built units.
 struct GaacPages {
   static constexpr bool kHalf = false;
   static constexpr bool kExactPages = true;
@@ -605,29 +606,16 @@ __device__ inline void load_stage(const unsigned char* stage, int lane, bool raw
   if constexpr (Page::kRowMajor) {
     Page::template load_rows<D, kKey>(stage, lane, x);
   } else if constexpr (Page::kExactInRing) {
-    if (raw) {
-#pragma unroll
-      for (int i = 0; i < D / 16; ++i) x[i] = reinterpret_cast<const uint4*>(stage)[32 * i + lane];
-    } else {
-      Page::template load<D>(stage, lane, x);
-    }
+    if (raw) Bf16Pages::load<D>(stage, lane, reinterpret_cast<uint4(&)[D / 16]>(x));
+    else Page::template load<D>(stage, lane, x);
   } else {
     Page::template load<D>(stage, lane, x);
   }
 }
 template <int D, class Page>
 __device__ inline void stage_operands(const uint4 (&x)[Page::template loads<D>()], bool raw, uint32_t (&a)[D / 16][4]) {
-  if (Page::kExactInRing && raw) {
-#pragma unroll
-    for (int i = 0; i < D / 16; ++i) {
-      a[i][0] = x[i].x;
-      a[i][1] = x[i].y;
-      a[i][2] = x[i].z;
-      a[i][3] = x[i].w;
-    }
-  } else {
-    Page::template operands<D>(x, a);
-  }
+  if (Page::kExactInRing && raw) Bf16Pages::operands<D>(reinterpret_cast<const uint4(&)[D / 16]>(x), a);
+  else Page::template operands<D>(x, a);
 }
 
 template <int D, class Page, bool kMeter, int kStages>
