@@ -18,8 +18,8 @@
 // `pool_bytes` and `sequences` (the admitted count) besides the decode figures.
 //
 // usage: certkv_backend_decode --model M.gguf --corpus DIR [--device cuda|cpu] [--kv SCHEME]
-//          [--sparse P] [--batch 1,8,32,64] [--ctx 8192,32768] [--steps 64] [--warmup 4]
-//          [--chunk 2048] [--threads N] [--pool-tokens T | --pool-bytes B] [--defer-encode-results]
+//          [--witness fp16|u8|exponent] [--sparse P] [--batch 1,8,32,64] [--ctx 8192,32768]
+//          [--steps 64] [--warmup 4] [--chunk 2048] [--threads N] [--pool-tokens T | --pool-bytes B] [--defer-encode-results]
 //
 // --defer-encode-results: the cuda backend reads the encode results of the blocks a step
 // completes once, after the step (BackendConfig::defer_encode_results); the line says which.
@@ -35,6 +35,7 @@
 
 #include "backend/backend.h"
 #include "cache/kv_scheme.h"
+#include "codec/lossy_page.h"
 #include "core/status.h"
 #include "engine/gaac_self_calibration.h"
 #include "engine/outlier_pair_calibration.h"
@@ -77,7 +78,7 @@ std::vector<int32_t> corpus_tokens(const model::Model& m, const std::string& dir
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string model_path, corpus, device = "cuda", kv = "bf16", batches = "1,8,32,64", contexts = "8192,32768";
+  std::string model_path, corpus, device = "cuda", kv = "bf16", witness, batches = "1,8,32,64", contexts = "8192,32768";
   double sparse_p = 0;
   int steps = 64, warmup = 4, chunk = 2048, threads = 16;
   int64_t pool_tokens = 0, pool_bytes = 0;
@@ -95,6 +96,7 @@ int main(int argc, char** argv) {
     else if (a == "--corpus") corpus = value();
     else if (a == "--device") device = value();
     else if (a == "--kv") kv = value();
+    else if (a == "--witness") witness = value();
     else if (a == "--sparse") sparse_p = std::stod(value());
     else if (a == "--batch") batches = value();
     else if (a == "--ctx") contexts = value();
@@ -136,6 +138,7 @@ int main(int argc, char** argv) {
     cfg.defer_encode_results = defer_encode_results;
     cfg.kv_scheme = cache::parse_kv_scheme(kv);
     const cache::KvSchemeInfo& info = cache::kv_scheme_info(cfg.kv_scheme);
+    cfg.witness = cache::resolve_kv_witness(cfg.kv_scheme, witness.empty() ? nullptr : witness.c_str(), "--witness");
     if (info.gaac) cfg.gaac_calibration = engine::self_calibrated_gaac(*m, info.element, cfg.block_tokens, threads);
     if (cfg.kv_scheme == cache::KvScheme::kDither8)
       cfg.outlier_pair_table = engine::outlier_pairs_from_text(*m, cache::kDefaultOutlierPairs, cfg.block_tokens, threads);
@@ -227,11 +230,12 @@ int main(int argc, char** argv) {
           bytes += std::string(bytes.empty() ? "" : ", ") + "\"" + format::storage_class_name(c.storage) +
                    "\": " + std::to_string(c.page_bytes_in_use);
         std::printf(
-            "{\"engine\": \"certkv\", \"table\": \"%s\", \"pool_bytes\": %lld, \"sequences\": %lld, \"device\": \"%s\", \"kv\": \"%s\", \"sparse_p\": %g, \"defer_encode_results\": %s, \"batch\": %lld, "
+            "{\"engine\": \"certkv\", \"table\": \"%s\", \"pool_bytes\": %lld, \"sequences\": %lld, \"device\": \"%s\", \"kv\": \"%s\", \"witness\": \"%s\", \"sparse_p\": %g, \"defer_encode_results\": %s, \"batch\": %lld, "
             "\"ctx\": %lld, \"ctx_decoded_mean\": %.1f, \"steps\": %d, \"step_ms\": %.4f, \"step_ms_min\": %.4f, "
             "\"step_ms_max\": %.4f, \"tok_per_s\": %.2f, \"prefill_tokens\": %lld, \"prefill_tok_per_s\": %.1f, "
             "\"sequences_held\": %lld, \"kv_bytes_in_use\": {%s}, \"host_ms\": {%s}}\n",
-            pool_bytes > 0 ? "b" : "a", (long long)pool_bytes, (long long)b, device.c_str(), kv.c_str(), sparse_p,
+            pool_bytes > 0 ? "b" : "a", (long long)pool_bytes, (long long)b, device.c_str(), kv.c_str(),
+            codec::witness_code_name(cfg.witness), sparse_p,
             defer_encode_results ? "true" : "false", (long long)b, (long long)ctx, double(len_sum) / double(b * steps),
             steps, median, step_ms.front(), step_ms.back(), 1e3 * double(b) / median, (long long)prefilled,
             prefilled > 0 ? double(prefilled) / prefill_s : 0.0, (long long)n_seqs, bytes.c_str(), host);

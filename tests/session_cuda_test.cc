@@ -405,7 +405,9 @@ const char* const kLossySchemes[] = {"fp8-e4m3", "fp8-e5m2", "dither8"};
 // to the CPU session's order. The meter
 // telemetry of every (layer, head, step) cell: the device's quantiles within 2% (fp8) / 10%
 // (dither8) of the CPU's; pages kept exact counted alike on both sides. fp8-e4m3 runs with the u8
-// witness too (codes and page scales the host's bit for bit: the same 2%).
+// witness too (codes and page scales the host's bit for bit: the same 2%), and with the exponent
+// witness (fragment-major pages, the bound made from the codes in the kernel, the CPU's from the
+// same codes in the page-rows kernel: the same 2%).
 TEST_F(SessionCuda, LossySchemesDecodeWithTheMeterOnTheDevice) {
   const certkv_model_info info = model_->info();
   const int prompt = 1000, steps = 40;
@@ -425,9 +427,10 @@ TEST_F(SessionCuda, LossySchemesDecodeWithTheMeterOnTheDevice) {
       exact_logits.push_back(l);
     }
   }
-  // The lossy schemes with their default witness, then fp8-e4m3 with the u8 witness.
+  // The lossy schemes with their default witness, then fp8-e4m3 with the u8 and exponent witnesses.
   const std::pair<const char*, const char*> runs[] = {
-      {kLossySchemes[0], nullptr}, {kLossySchemes[1], nullptr}, {kLossySchemes[2], nullptr}, {"fp8-e4m3", "u8"}};
+      {kLossySchemes[0], nullptr}, {kLossySchemes[1], nullptr}, {kLossySchemes[2], nullptr}, {"fp8-e4m3", "u8"},
+      {"fp8-e4m3", "exponent"}};
   for (const auto& [kv, witness] : runs) {
     SCOPED_TRACE(std::string(kv) + (witness ? std::string(" witness ") + witness : std::string()));
     const bool dither8 = std::string(kv) == "dither8";

@@ -21,10 +21,6 @@ void refuse_unserved(const DeviceDecoderConfig& config) {
          std::string("device cuda: KV scheme ") + cache::kv_scheme_name(config.scheme) +
              " is not served on the device yet (" +
              cache::kv_scheme_names([](const cache::KvSchemeInfo& s) { return s.cuda_route; }) + " are)");
-  if (config.witness == codec::WitnessCode::kExponent)
-    fail(StatusCode::kUnsupported,
-         "device cuda: the exponent witness is not served on the device yet (use --witness fp16 or u8, or "
-         "--device cpu)");
   if (config.sparse && !cache::kv_scheme_info(config.scheme).cuda_sparse)
     fail(StatusCode::kUnsupported,
          "device cuda: sparse decode on the device reads " +

@@ -42,10 +42,6 @@ void refuse_unserved(const model::Model& model, const BackendConfig& config, int
     fail(StatusCode::kUnsupported,
          std::string("KV scheme ") + info.name + " is not served by the cuda backend (" +
              cache::kv_scheme_names([](const cache::KvSchemeInfo& s) { return s.cuda_route; }) + " are)");
-  if (config.witness == codec::WitnessCode::kExponent)
-    fail(StatusCode::kUnsupported,
-         "the exponent witness is not served by the cuda backend yet (use --witness fp16 or u8, or the cpu "
-         "backend)");
   if (config.sparse.enabled && !info.cuda_sparse)
     fail(StatusCode::kUnsupported,
          std::string("sparse decode on the cuda backend reads ") +
