@@ -1407,8 +1407,15 @@ CudaStatus check(const PagedDecodeParams& p) {
                    " pages need 16-byte-aligned pools with a stride of at least " + std::to_string(raw) +
                    " bytes, a multiple of 16");
   }
-  if (p.witness != codec::WitnessCode::kFp16 && p.witness != codec::WitnessCode::kPageScaled8)
-    return error("witness code " + std::to_string(int(p.witness)) + " is unknown (fp16 or u8)");
+  // The exponent witness is no bytes: the bound is made from the codes of fp8-e4m3 fragment-major
+  // pages (kFp8Fragments, whose kernel reads no witness code at all); another format has nothing
+  // to make it from.
+  if (p.witness == codec::WitnessCode::kExponent && p.format != PageFormat::kFp8Fragments)
+    return error(std::string("the exponent witness is made from the codes of ") +
+                 page_format_name(PageFormat::kFp8Fragments) + " pages, not " + page_format_name(p.format));
+  if (p.witness != codec::WitnessCode::kFp16 && p.witness != codec::WitnessCode::kPageScaled8 &&
+      p.witness != codec::WitnessCode::kExponent)
+    return error("witness code " + std::to_string(int(p.witness)) + " is unknown (fp16, u8 or exponent)");
   if (p.format == PageFormat::kDither8 || p.format == PageFormat::kDither8Fragments) {
     if (!p.dither_keys) return error("dither8 pages need their generator keys");
     if (p.n_outlier_pairs < 0 || p.n_outlier_pairs > kMaxDeviceOutlierPairs)

@@ -493,6 +493,19 @@ TEST(PagedDecodeCuda, CheckRefusesBadInputWithoutADevice) {
     const std::string name = page_format_name(f);
     EXPECT_TRUE(check(base(f)).ok) << name << ": " << check(base(f)).message;
     PagedDecodeParams p = base(f);
+    // The exponent witness is made from fp8-e4m3 fragment-major codes, and only there.
+    p.witness = codec::WitnessCode::kExponent;
+    if (f == PageFormat::kFp8Fragments) {
+      EXPECT_TRUE(check(p).ok) << check(p).message;
+    } else {
+      EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+      EXPECT_NE(check(p).message.find("exponent witness is made from the codes"), std::string::npos)
+          << check(p).message;
+    }
+    p.witness = static_cast<codec::WitnessCode>(7);
+    EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+    EXPECT_NE(check(p).message.find("witness code 7 is unknown"), std::string::npos) << check(p).message;
+    p = base(f);
     p.head_dim = 96;
     EXPECT_EQ(check(p).code, StatusCode::kUnsupported) << name;
     EXPECT_NE(check(p).message.find("head_dim 96"), std::string::npos) << check(p).message;
