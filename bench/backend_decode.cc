@@ -11,7 +11,7 @@
 // reads the corpus's token stream from offset i * 7919 on (wrapping), so no two sequences hold the
 // same KV.
 //
-// With --pool-bytes B (equal memory, table b of docs/cuda.md): the pool holds B bytes of pages,
+// With --pool-bytes B (equal memory, table b of docs/bench/cuda_history.md): the pool holds B bytes of pages,
 // each class at its own page size (BackendConfig::pool_bytes); sequences are admitted one after
 // another, each reserving its whole context and steps up front and then prefilled, until the pool
 // refuses one; then all the admitted sequences decode together. One line with `table` "b",

@@ -10,7 +10,7 @@
 # and here: python3 scripts/cuda_bench_summary.py OUT/certkv.jsonl OUT/peers.jsonl --commit SHA \
 #   --json docs/bench/h200_decode.json --plot docs/bench/h200_decode.png
 # With --subset (carry .devbin .benchkv; .peers does not fit beside .benchkv in one command's
-# 64 MiB): the 32x8 shape at batch 1 and 8, 64K and 128K, the formats of docs/cuda_runs.md's run
+# 64 MiB): the 32x8 shape at batch 1 and 8, 64K and 128K, the formats of docs/bench/cuda_runs.md's run
 # tables, against torch SDPA alone (about two minutes).
 set -uo pipefail
 if [ "${1:-}" = "--subset" ]; then

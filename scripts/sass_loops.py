@@ -9,7 +9,7 @@
 SASS.txt: `cuobjdump -sass OBJECT > SASS.txt` (cuobjdump comes with the CUDA toolkit, or from
 the PyPI wheel nvidia-cuda-cuobjdump: its nvidia/cu13/bin/cuobjdump). A loop's count is static:
 every instruction between the branch's target and the branch, taken or not; nested loops are
-listed each. docs/cuda.md quotes these counts for the hot loops of the decode kernels.
+listed each. docs/bench/cuda_history.md quotes these counts for the hot loops of the decode kernels.
 """
 import argparse
 import collections

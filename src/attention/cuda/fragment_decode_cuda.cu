@@ -873,7 +873,7 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
   // copied); else it is attended after the others. Token-major pages (Page::kRowMajor) go by 16-byte
   // cp.async copies of every lane into the padded tiles (zero-filled for a corrupt entry), each lane
   // arriving on the stage's barrier once its copies have landed (16 bulk copies of a row per page
-  // were 1.3x slower: docs/cuda.md). The entries are read one page ahead (entry_of).
+  // were 1.3x slower: docs/bench/cuda_history.md). The entries are read one page ahead (entry_of).
   auto issue = [&](int j, int32_t ke, int32_t ve) {
     const int st = j % kStages;
     const bool deferred = Page::kExactPages && !Page::kExactInRing && (ke < 0 || ve < 0);

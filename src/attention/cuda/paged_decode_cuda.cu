@@ -951,7 +951,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D, F, kWithMeter>())
   // shared memory, P V with bf16 probabilities, no logit bound (c = 0) and no rho. The page
   // classes of K and V are independent. Blocks with an exact page are attended after the others,
   // so the hot loop carries none of those branches (their cost was 5-12% of the lossy kernels'
-  // time when they sat in it: docs/cuda.md).
+  // time when they sat in it: docs/bench/cuda_history.md).
   constexpr bool kValuesLate = Traits::kValuesLate;
   const int64_t first = block_begin + warp;
   const int n_mine = first < block_end ? int((block_end - 1 - first) / kWarps + 1) : 0;

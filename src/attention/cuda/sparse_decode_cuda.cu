@@ -126,7 +126,7 @@ __device__ inline index::RabitqRecord<D> load_record(const index::RabitqRecord<D
 // sum_b 2^b popcount(c_b & plane_b) in carry-save form (index::code_dot_planes: 6 POPC per
 // (token, head) at D = 128 where counting plane by plane took 16), two records loaded
 // before either token's logits are stored (the stores would otherwise order the next load behind
-// them). With more heads the tensor-core form below is faster; with 4 it was slower (docs/cuda.md).
+// them). With more heads the tensor-core form below is faster; with 4 it was slower (docs/bench/cuda_history.md).
 template <int D>
 __global__ void __launch_bounds__(kEstimateThreads) estimate_by_popcount_kernel(SparseDecodeParams p, float* logits,
                                                                                  uint32_t* head_max, float* norms) {
@@ -233,7 +233,7 @@ constexpr int kEstimateStageTokens = 64;
 //   m16n8k32 u8 mma; a lane's slots are heads 2 quad and 2 quad + 1. The popcount form took 16
 //   POPC per (token, head), which bound the kernel (16 per clock and SM); but at 4 heads half the
 //   lanes idle in the float steps (a fold of the second token onto them still left the kernel
-//   slower than the popcount form: 195 against 171 us, docs/cuda.md).
+//   slower than the popcount form: 195 against 171 us, docs/bench/cuda_history.md).
 // - kBitMma: the code words themselves as the rows of A and the query's bit planes as the columns
 //   of B, one m16n8k128 .b1 AND-POPC per 8 (head, plane) columns: two for a group of up to 4,
 //   four up to 8, no expansion of the codes; a lane's slots are heads quad and quad + 4, so a
@@ -1101,7 +1101,7 @@ constexpr const char* kEstimateFormNames[] = {"chosen", "popcount", "bytes", "bi
 }  // namespace
 
 // The bit form from 4 query heads per KV head, the popcount form below. On the H200 at 128K
-// (docs/cuda_runs.md, the fifth session of 2026-12-01) the bit form beat the popcount form at 4
+// (docs/bench/cuda_runs.md, the fifth session of 2026-12-01) the bit form beat the popcount form at 4
 // heads and the byte form at 7 (batches 1 and 8), and lost to the popcount form at 1, 2 and 3
 // heads (batch 8: 1.31x, 1.17x, 1.05x its time), whose work falls with the heads while the bit
 // form's does not. 5, 6 and 8 heads are not timed.
@@ -1203,7 +1203,7 @@ int choose_splits(const SparseDecodeParams& p) {
   // numbers of rows (a list is the union over its group's heads), so one split per resident slot
   // (the rule until this stop) left the multiprocessors idle half of the attention's time waiting
   // for the heavy lists (Nsight Compute, 32 / 8 at batch 8, 128K: SM active 51% of the cycles);
-  // smaller splits over several waves let the block scheduler even them out (docs/cuda_runs.md: p 0.9
+  // smaller splits over several waves let the block scheduler even them out (docs/bench/cuda_runs.md: p 0.9
   // + 1.5 deviations 905 -> 802 us there; batch 1 already had 4 chunks per split).
   const int64_t splits = std::max<int64_t>(1, (chunks + 3) / 4);
   return int(std::min<int64_t>(splits, 65535));

@@ -7,7 +7,7 @@
 // (x_hi and x_lo stacked as one product's rows, so W_hi is read once). The terms left out,
 // W_lo x_lo and the lows' own rounding, are about 2^-16 of |W| |x| per product: the products are
 // fp32-accurate, where a plain bf16 product (each operand rounded to 8 bits) moved SmolLM2's
-// logits by a KL of up to 4e-3 against the CPU's f32 activations (docs/cuda.md).
+// logits by a KL of up to 4e-3 against the CPU's f32 activations (docs/bench/cuda_history.md).
 // Batch invariance: cublasGemmEx picks its kernel per shape, and another kernel sums a row's
 // products in another order (on the H200 with CUDA 13.0 rows kept their bits from 1 to 64 rows,
 // not at 512). The forward pass therefore pins one cuBLASLt algorithm per weight shape
