@@ -329,7 +329,9 @@ TEST_F(CudaBackendTest, LogitsAgreeWithTheCpuBackend) {
 //    from the codes by one more tensor-core product): the logits the CPU's as bf16 pages are
 //    (max KL 1e-3, top-1 99%), the meter's p99 and max within 2% of the CPU's page-rows bound
 //    of the same form (as the session's fp8 meters are).
-// In both the meter's cells are every (step, layer, head) and pages kept exact are counted alike.
+// In both the meter's cells are every (step, layer, head), coverage at tau within 0.01, each cell
+// of the recent-step meters (RecentStepMeters) below 1 on the CPU within the scheme's bar of the
+// CPU's for 99% of them, and pages kept exact are counted alike.
 TEST_F(CudaBackendTest, FragmentPageLogitsAndMetersAgreeWithTheCpuBackend) {
   const model::Model& m = smollm2();
   std::vector<int32_t> tokens = m.tokenizer().encode(testing::read_text(corpus_file("melville-moby-dick.txt")), true, false);
@@ -361,6 +363,7 @@ TEST_F(CudaBackendTest, FragmentPageLogitsAndMetersAgreeWithTheCpuBackend) {
     BackendConfig cfg = device_config(scheme, prompt + steps, prompt + steps);
     cfg.activations = model::ActivationFormat::kFloat32;
     cfg.witness = witness;
+    cfg.meter.recent_steps = steps;  // every decode step's meter cells, compared below
     BackendConfig cpu_cfg = cfg;
     cpu_cfg.device = model::Device::kCpu;
     std::unique_ptr<Backend> gpu = make_backend(m, cfg), cpu = make_backend(m, cpu_cfg);
@@ -414,6 +417,29 @@ TEST_F(CudaBackendTest, FragmentPageLogitsAndMetersAgreeWithTheCpuBackend) {
     const double tol = dither8 ? 0.10 : 0.02;
     EXPECT_NEAR(rg.meter_p99, rc.meter_p99, tol * rc.meter_p99 + 1e-9);
     EXPECT_NEAR(rg.meter_max, rc.meter_max, tol * rc.meter_max + 1e-9);
+    EXPECT_NEAR(rg.coverage, rc.coverage, 0.01);
+    // fp8's meter saturates (p99 and max 1 over the whole model), so the agreement is read cell by
+    // cell, every (step, layer, head) of the decode steps where the CPU's meter is below 1: the
+    // same bar, on enough cells to mean something, met by 99% of them (a key whose bf16 product
+    // on the device rounds to the next fp8 code moves its cell's bound by that code's step).
+    const gate::RecentStepMeters &mg = gpu->recent_meters(), &mc = cpu->recent_meters();
+    ASSERT_EQ(mg.size(), steps);
+    ASSERT_EQ(mc.size(), steps);
+    const int cells = m.config().n_layers * m.config().n_heads;
+    int64_t compared = 0, off = 0;
+    for (int i = 0; i < steps; ++i) {
+      const float* g = mg.step(i).meters;
+      const float* c = mc.step(i).meters;
+      for (int k = 0; k < cells; ++k) {
+        if (!(c[k] < 1.f)) continue;
+        ++compared;
+        if (!(std::fabs(double(g[k]) - double(c[k])) <= tol * double(c[k]) + 1e-9)) ++off;
+      }
+    }
+    printf("[cuda backend] %s: %lld of %lld (step, layer, head) cells below 1 on the CPU compared, %lld beyond %.0f%%\n",
+           cache::kv_scheme_name(scheme), (long long)compared, (long long)steps * cells, (long long)off, 100 * tol);
+    EXPECT_GE(compared, int64_t(steps) * cells / 10);
+    EXPECT_LE(off, compared / 100);
     EXPECT_GT(rg.meter_max, 0.0) << "lossy pages carry a nonzero bound";
     EXPECT_EQ(gpu->memory_stats().exact_fallback_blocks, cpu->memory_stats().exact_fallback_blocks);
   }
