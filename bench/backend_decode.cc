@@ -235,7 +235,7 @@ int main(int argc, char** argv) {
             "\"step_ms_max\": %.4f, \"tok_per_s\": %.2f, \"prefill_tokens\": %lld, \"prefill_tok_per_s\": %.1f, "
             "\"sequences_held\": %lld, \"kv_bytes_in_use\": {%s}, \"host_ms\": {%s}}\n",
             pool_bytes > 0 ? "b" : "a", (long long)pool_bytes, (long long)b, device.c_str(), kv.c_str(),
-            codec::witness_code_name(cfg.witness), sparse_p,
+            info.tier == cache::MeterTier::kA ? codec::witness_code_name(cfg.witness) : "none", sparse_p,
             defer_encode_results ? "true" : "false", (long long)b, (long long)ctx, double(len_sum) / double(b * steps),
             steps, median, step_ms.front(), step_ms.back(), 1e3 * double(b) / median, (long long)prefilled,
             prefilled > 0 ? double(prefilled) / prefill_s : 0.0, (long long)n_seqs, bytes.c_str(), host);
