@@ -7,8 +7,8 @@
 // references; every meter above the true total variation).
 //
 // Inputs: the model at $CERTKV_TEST_MODEL (default: the embedded SmolLM2-135M-Instruct under
-// models/) and two corpus books under $CERTKV_TEST_CORPUS (default: the shared corpus), one to
-// calibrate GAAC, one for the prompt.
+// models/) and two corpus books under $CERTKV_TEST_CORPUS (default: the repository's
+// tests/data/corpus), one to calibrate GAAC, one for the prompt.
 #include <gtest/gtest.h>
 
 #include <algorithm>

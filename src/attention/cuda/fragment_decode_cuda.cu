@@ -107,8 +107,10 @@ __host__ __device__ constexpr uint32_t raw_page_bytes() {
   return kBlockTokens * D * 2;
 }
 
-// bf16, fragment-major: a lane's four registers of step s are its 16 bytes of the step.
-struct Bf16Pages {
+// What a page class is when it says nothing else: bf16 elements, every table entry a page of the
+// class (a raw entry is corrupt), no dither, no per-channel scaling, fragment-major, two stages per
+// warp, one CTA a multiprocessor in the split plan. Each class below states what differs.
+struct PageTraits {
   static constexpr bool kHalf = false;        // the mma element (and the query's rounding)
   static constexpr bool kExactPages = false;  // raw entries are corrupt
   static constexpr bool kDither = false;      // dither8: its own scores and values (below)
@@ -117,6 +119,10 @@ struct Bf16Pages {
   static constexpr bool kExactInRing = false;
   static constexpr int kStages = 2;           // pages of each warp's ring (see with_kernel)
   static constexpr int kPlannedCtasPerSm = 1; // the split plan's wave (fragment_planned_ctas_per_sm)
+};
+
+// bf16, fragment-major: a lane's four registers of step s are its 16 bytes of the step.
+struct Bf16Pages : PageTraits {
   template <int D>
   __host__ __device__ static constexpr uint32_t k_bytes() { return raw_page_bytes<D>(); }  // a stage's room
   template <int D>
@@ -149,15 +155,8 @@ struct Bf16Pages {
 // an ldmatrix phase fall in 8 distinct bank groups; see issue in fragment_split_kernel); ldmatrix
 // (K) and ldmatrix.trans (V) read the operands Bf16Pages loads from a fragment-major page, register
 // for register.
-struct Bf16RowPages {
-  static constexpr bool kHalf = false;
-  static constexpr bool kExactPages = false;
-  static constexpr bool kDither = false;
-  static constexpr bool kScaled = false;
+struct Bf16RowPages : PageTraits {
   static constexpr bool kRowMajor = true;
-  static constexpr bool kExactInRing = false;
-  static constexpr int kStages = 2;
-  static constexpr int kPlannedCtasPerSm = 1;
   template <int D>
   __host__ __device__ static constexpr uint32_t k_bytes() { return PaddedTile<D>::kElements * 2; }
   template <int D>
@@ -193,14 +192,9 @@ struct Bf16RowPages {
 
 // E4M3 codes, fragment-major (two steps per 16 bytes), converted exactly to fp16 pairs; V pages
 // end with rho [16] fp16. Exact pages (entries < 0) are bf16 pages of Bf16Pages's layout.
-struct Fp8Pages {
+struct Fp8Pages : PageTraits {
   static constexpr bool kHalf = true;
   static constexpr bool kExactPages = true;
-  static constexpr bool kDither = false;
-  static constexpr bool kScaled = false;
-  static constexpr bool kRowMajor = false;
-  static constexpr bool kExactInRing = false;
-  static constexpr int kStages = 2;
   static constexpr int kPlannedCtasPerSm = 3;
   template <int D>
   __host__ __device__ static constexpr uint32_t k_bytes() { return kBlockTokens * D; }
@@ -242,13 +236,10 @@ struct Fp8Pages {
 // (fragment::word_key_byte), V as 8-bit codes; after the codes the scales [T][G] fp16 and (K) the
 // outlier pairs' exact values [T][2 m] bf16. A page's scores and values read its scales, outliers
 // and the generator (dither8_scores, dither8_values), so the stage is held until they are done.
-struct Dither8Pages {
+struct Dither8Pages : PageTraits {
   static constexpr bool kHalf = true;
   static constexpr bool kExactPages = true;
   static constexpr bool kDither = true;
-  static constexpr bool kScaled = false;
-  static constexpr bool kRowMajor = false;
-  static constexpr bool kExactInRing = false;
   static constexpr int kStages = 3;  // a stage is held while its page is attended
   static constexpr int kPlannedCtasPerSm = 3;
   template <int D>
@@ -279,14 +270,10 @@ struct Dither8Pages {
 // kGaacBuilt) into the query (K) and keeps the output in the V channels' built units (scaled back
 // once): the products and sums are the bf16 pages'. Exact pages (entries < 0): bf16,
 // fragment-major, attended in their place in the ring, their values scaled into the built units.
-struct GaacPages {
-  static constexpr bool kHalf = false;
+struct GaacPages : PageTraits {
   static constexpr bool kExactPages = true;
-  static constexpr bool kDither = false;
   static constexpr bool kScaled = true;
-  static constexpr bool kRowMajor = false;
   static constexpr bool kExactInRing = true;
-  static constexpr int kStages = 2;
   // Measured on an H100 (32 / 8, 128K, docs/bench/h100_gaac_fragments_splits_78cdb80.jsonl): three
   // CTAs a multiprocessor 1-2.5% faster than two at batch 1 and 8, one 1.3-1.4x slower.
   static constexpr int kPlannedCtasPerSm = 3;
