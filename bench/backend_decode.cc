@@ -11,15 +11,16 @@
 // reads the corpus's token stream from offset i * 7919 on (wrapping), so no two sequences hold the
 // same KV.
 //
-// With --pool-bytes B (equal memory, table b of docs/bench/cuda_history.md): the pool holds B bytes of pages,
-// each class at its own page size (BackendConfig::pool_bytes); sequences are admitted one after
+// With --pool-bytes B (equal memory, table b of docs/bench/cuda_history.md): the pool holds B
+// bytes of pages, each class at its own page size (BackendConfig::pool_bytes); sequences are admitted one after
 // another, each reserving its whole context and steps up front and then prefilled, until the pool
 // refuses one; then all the admitted sequences decode together. One line with `table` "b",
 // `pool_bytes` and `sequences` (the admitted count) besides the decode figures.
 //
 // usage: certkv_backend_decode --model M.gguf --corpus DIR [--device cuda|cpu] [--kv SCHEME]
 //          [--witness fp16|u8|exponent] [--sparse P] [--batch 1,8,32,64] [--ctx 8192,32768]
-//          [--steps 64] [--warmup 4] [--chunk 2048] [--threads N] [--pool-tokens T | --pool-bytes B] [--defer-encode-results]
+//          [--steps 64] [--warmup 4] [--chunk 2048] [--threads N] [--pool-tokens T | --pool-bytes B]
+//          [--defer-encode-results]
 //
 // --defer-encode-results: the cuda backend reads the encode results of the blocks a step
 // completes once, after the step (BackendConfig::defer_encode_results); the line says which.
