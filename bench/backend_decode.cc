@@ -12,9 +12,9 @@
 // same KV.
 //
 // With --pool-bytes B (equal memory, table b of docs/bench/cuda_history.md): the pool holds B
-// bytes of pages, each class at its own page size (BackendConfig::pool_bytes); sequences are admitted one after
-// another, each reserving its whole context and steps up front and then prefilled, until the pool
-// refuses one; then all the admitted sequences decode together. One line with `table` "b",
+// bytes of pages, each class at its own page size (BackendConfig::pool_bytes); sequences are
+// admitted one after another, each reserving its whole context and steps up front and then
+// prefilled, until the pool refuses one; then all the admitted sequences decode together. One line with `table` "b",
 // `pool_bytes` and `sequences` (the admitted count) besides the decode figures.
 //
 // usage: certkv_backend_decode --model M.gguf --corpus DIR [--device cuda|cpu] [--kv SCHEME]
