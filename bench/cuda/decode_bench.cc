@@ -4,7 +4,7 @@
 //
 //   certkv_cuda_decode_bench --kv KV.safetensors --calib CAL.safetensors --out FILE.jsonl
 //       [--contexts 8192,32768,65536,131072] [--batches 1,8] [--shapes 32x8,28x4]
-//       [--formats bf16,bf16-fragments,fp8-e4m3-fragments[-nometer],dither8-fragments[-nometer],gaac,gaac-fragments,gaac-e5m2,dither8,fp8-e4m3,fp8-e4m3-nometer,sparse-p0.9,sparse-p0.9-z1.5]
+//       [--formats bf16,bf16-fragments,fp8-e4m3-fragments[-nometer],dither8-fragments[-nometer],int8-fragments,gaac,gaac-fragments,gaac-e5m2,dither8,fp8-e4m3,fp8-e4m3-nometer,sparse-p0.9,sparse-p0.9-z1.5]
 //   fp8-e4m3-u8: fp8-e4m3 with the meter and the u8 Tier A witness (codec::WitnessCode::kPageScaled8)
 //       [--reps 7] [--iters 20] [--splits N] [--sparse-splits N] [--contiguous-pages]
 //   sparse-pP-zZ: the Top-p set widened by Z estimator deviations; a suffix -est-FORM (popcount,
@@ -152,6 +152,7 @@ FormatChoice parse_format(const std::string& name) {
   if (name == "fp8-e4m3-fragments-nometer") return {name, PageFormat::kFp8Fragments, false};
   if (name == "dither8-fragments") return {name, PageFormat::kDither8Fragments, true};
   if (name == "dither8-fragments-nometer") return {name, PageFormat::kDither8Fragments, false};
+  if (name == "int8-fragments") return {name, PageFormat::kInt8Fragments, false};
   if (name == "gaac") return {name, PageFormat::kGaacBf16, false};
   if (name == "gaac-fragments") return {name, PageFormat::kGaacFragments, false};
   if (name == "gaac-e5m2") return {name, PageFormat::kGaacE5M2, false};
@@ -550,7 +551,10 @@ int main(int argc, char** argv) {
           DeviceKvOptions opt;
           opt.format = fc.format;
           opt.gaac = fc.format == PageFormat::kGaacE5M2 ? &cal_e5m2 : &cal_bf16;
-          opt.n_outlier_pairs = fc.format == PageFormat::kDither8 || fc.format == PageFormat::kDither8Fragments ? 4 : 0;
+          opt.n_outlier_pairs = fc.format == PageFormat::kDither8 || fc.format == PageFormat::kDither8Fragments ||
+                                        fc.format == PageFormat::kInt8Fragments
+                                    ? 4
+                                    : 0;
           opt.witness = fc.witness;
           opt.pairing = codec::RopePairing::kHalfSplit;
           opt.contiguous_slots = contiguous;

@@ -52,7 +52,8 @@ CudaStatus invalid(const std::string& message) {
 bool is_gaac(PageFormat f) {
   return f == PageFormat::kGaacBf16 || f == PageFormat::kGaacE5M2 || f == PageFormat::kGaacFragments;
 }
-bool is_lossy(PageFormat f) { return page_format_metered(f); }
+// The lossy formats: the metered ones, and int8-fragments (dither8's bytes read without the dither).
+bool is_lossy(PageFormat f) { return page_format_metered(f) || f == PageFormat::kInt8Fragments; }
 
 // Runs body(i) for i in [0, n) on all hardware threads.
 template <typename Body>
@@ -126,7 +127,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
       return invalid("sequence " + std::to_string(b) + " holds the wrong number of values");
   }
   const PageFormat f = options.format;
-  const bool dither = f == PageFormat::kDither8 || f == PageFormat::kDither8Fragments;
+  const bool dither = f == PageFormat::kDither8 || f == PageFormat::kDither8Fragments || f == PageFormat::kInt8Fragments;
   const format::GaacElement element = f == PageFormat::kGaacE5M2 ? format::GaacElement::kFp8E5M2 : format::GaacElement::kBf16;
   if (is_gaac(f)) {
     if (options.gaac == nullptr) return invalid("GAAC pages need a calibration");
@@ -357,6 +358,20 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
           return 0;
         }
         codec::lossy_decode_page_ref(spec, uint32_t(j), page, read);
+        if (f == PageFormat::kInt8Fragments && key) {  // s q = s (q - xi) + s xi: the dither put back
+          const int G = D / codec::kQuantGroup;
+          float scales[kT * 128 / codec::kQuantGroup];
+          codec::dither8_scales(spec, page, scales);
+          std::vector<bool> outlier(size_t(D), false);
+          for (int o = 0; o < spec.n_outlier_pairs; ++o)
+            for (int which = 0; which < 2; ++which)
+              outlier[size_t(codec::rope_pair_channel(spec.pairing, D, spec.outlier_pairs[o], which))] = true;
+          for (int64_t t = 0; t < n; ++t)
+            for (int c = 0; c < D; ++c)
+              if (!outlier[size_t(c)])
+                read[t * D + c] += scales[t * G + c / codec::kQuantGroup] *
+                                   codec::dither8_xi(spec.dither_key, uint64_t(j) * kT + uint64_t(t), c);
+        }
         stored = codec::lossy_page_bytes(spec);
         if (key && record_reconstruction) {
           if (dither) {
@@ -383,7 +398,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
             for (int t = 0; t < kT; ++t) rho[t] = format::fp16_to_float(v_rho[t]);
           }
         }
-        if (f == PageFormat::kDither8Fragments) {
+        if (f == PageFormat::kDither8Fragments || f == PageFormat::kInt8Fragments) {
           if (D == 64) fragment::dither8_fragment_page<64>(spec, page, n, page);
           else fragment::dither8_fragment_page<128>(spec, page, n, page);
         }
@@ -494,7 +509,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
       std::vector<float>& dst = key ? r.k_read_[size_t(b)] : r.v_read_[size_t(b)];
       std::copy_n(read.begin(), size_t(n) * size_t(D), dst.begin() + (size_t(h) * size_t(len) + size_t(t0)) * size_t(D));
     }
-    if (f == PageFormat::kFp8Fragments || f == PageFormat::kDither8Fragments ||
+    if (f == PageFormat::kFp8Fragments || f == PageFormat::kDither8Fragments || f == PageFormat::kInt8Fragments ||
         f == PageFormat::kGaacFragments) {  // exact pages: bf16, fragment-major
       std::vector<uint16_t> row_major(size_t(kT) * D), fragments(size_t(kT) * D);
       std::copy_n(reinterpret_cast<const uint16_t*>(host.data() + at), size_t(kT) * D, row_major.data());
@@ -591,7 +606,8 @@ void DeviceKv::describe(PagedDecodeParams* p) const {
   p->k_escape_capacity = int64_t(k_capacity_);
   p->v_escape_capacity = int64_t(v_capacity_);
   p->dither_keys = reinterpret_cast<const uint64_t*>(keys_.data());
-  p->n_outlier_pairs = options_.format == PageFormat::kDither8 || options_.format == PageFormat::kDither8Fragments
+  p->n_outlier_pairs = options_.format == PageFormat::kDither8 || options_.format == PageFormat::kDither8Fragments ||
+                               options_.format == PageFormat::kInt8Fragments
                            ? options_.n_outlier_pairs
                            : 0;
   p->outlier_channels = reinterpret_cast<const int32_t*>(outliers_.data());

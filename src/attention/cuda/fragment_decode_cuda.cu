@@ -113,7 +113,7 @@ __host__ __device__ constexpr uint32_t raw_page_bytes() {
 struct PageTraits {
   static constexpr bool kHalf = false;        // the mma element (and the query's rounding)
   static constexpr bool kExactPages = false;  // raw entries are corrupt
-  static constexpr bool kDither = false;      // dither8: its own scores and values (below)
+  static constexpr bool kDither = false;      // dither8's bytes: its own scores and values (below)
   static constexpr bool kScaled = false;      // GAAC: operands built, query and values scaled per channel
   static constexpr bool kRowMajor = false;
   static constexpr bool kExactInRing = false;
@@ -240,6 +240,7 @@ struct Dither8Pages : PageTraits {
   static constexpr bool kHalf = true;
   static constexpr bool kExactPages = true;
   static constexpr bool kDither = true;
+  static constexpr bool kSubtractDither = true;  // the generator's dither subtracted (Int8Pages: not)
   static constexpr int kStages = 3;  // a stage is held while its page is attended
   static constexpr int kPlannedCtasPerSm = 3;
   template <int D>
@@ -260,6 +261,13 @@ struct Dither8Pages : PageTraits {
   __device__ static void load(const unsigned char* page, int lane, uint4 (&x)[D / 32]) {
     Fp8Pages::load<D>(page, lane, x);
   }
+};
+
+// dither8's bytes read as plain int8 (PageFormat::kInt8Fragments): K^ = s q with no dither
+// subtracted and no meter, the same bytes and loop otherwise. The yardstick of what dither8's
+// generator and certificate cost (docs/cuda.md); no scheme serves it.
+struct Int8Pages : Dither8Pages {
+  static constexpr bool kSubtractDither = false;
 };
 
 // GAAC pages in the device layout (format/fragment_layout.h): a lane's low bytes of two steps per
@@ -351,11 +359,14 @@ struct FragmentShared {
   uint16_t q[kMaxGroup][D];             // the query in the pages' element (bf16 or fp16 bits)
   uint16_t q_exact[Page::kExactPages ? kMaxGroup : 1][D];  // bf16 bits, for exact pages
   float q_term[kMaxGroup];              // 2^-10 sum_i |q_i| rounded up (the bound's second term)
-  // dither8: the outlier channels (-1: corrupt), the Tier B weights per (head, group) nudged up,
-  // the dither's offsets (1/2)/256 sum_{c in g} q_c
+  // dither8: the outlier channels (-1: corrupt) and whether none is, the query's elements there
+  // per head (0 for a corrupt one), the Tier B weights per (head, group) nudged up, the scores'
+  // starting values per (head, group) (dither8_scores)
   int32_t outlier_channels[2 * kMaxDeviceOutlierPairs];
+  int outliers_valid;
+  alignas(8) float outlier_q[kMaxGroup][2 * kMaxDeviceOutlierPairs];
   float weight[kMaxGroup][D / kQuantGroupChannels], abs_weight[kMaxGroup][D / kQuantGroupChannels];
-  float dither_offset[kMaxGroup][D / kQuantGroupChannels];
+  float score_init[kMaxGroup][D / kQuantGroupChannels];
   float row_max[kMaxGroup], row_l[kMaxGroup];
   float value_scale[Page::kScaled ? D : 1];  // GAAC: 2^(b - kGaacBuilt) of each V channel
   int built_units;                            // GAAC: the output in the V channels' built units
@@ -474,21 +485,25 @@ __device__ void merge_row_group(FragmentShared<D, Page, kStages>& sh, const Frag
 
 // S^T = K^ Q^T with K^ = s (q - xi) per token and group of 32 channels: in step kk the lane's A
 // operand is its rows' generator word 4 kk + hq (channels 16 kk + 4 hq .. + 3, the query's B
-// operand permuted alike): the codes q and the dither's 1/2 - u/256 (both exact in fp16:
-// q - xi = q + (1/2 - u/256) - 1/512), two mma per step into one accumulator per group that
-// starts at -(1/2)/256 sum_{c in g} q_c, then the token's scale in fp32. Outlier channels: code 0
-// and dither byte 128 (keep), so neither mma sees them; their exact values are added after.
+// operand permuted alike). Two mma per step into one accumulator per group: the codes q (fp16
+// 1024 + (q + 128) by PRMT, minus 1152: exact) and the dither as -(4 + u/256), one PRMT with
+// 0xc4 as the high byte (fp16 0xc4xx is -(4 + xx/256), exact). With the group's starting value
+// 4.5 sum_c q_c - (1/512) sum_{c not outlier} q_c (Dither8Score::init) the accumulator is
+// sum_c q_c (q_c - xi_c), since q - xi = q + 1/2 - u/256 - 1/512; then the token's scale, in fp32.
+// Outlier channels: code 0 and dither byte 128 (-4.5, which the start cancels), so the sum leaves
+// them out; their exact values are added after. kSubtract false (Int8Pages): the codes alone,
+// from 0, and no generator.
 // c (kMeter): the Tier B bound sqrt(sum_g w_g s_g^2) + sum_g w'_g s_g of each cell.
-template <int D, bool kMeter, class Shared>
+template <int D, bool kMeter, bool kSubtract, class Shared>
 __device__ inline void dither8_scores(const Shared& sh, const uint4 (&kx)[D / 32], const unsigned char* page,
                                       int outlier_pairs, uint64_t key, int64_t blk, int tq, int hq,
                                       const uint32_t (&qb)[D / 16][2], const uint32_t (&keep)[D / 16], float (&s)[4],
                                       float (&c)[4]) {
   constexpr int G = D / kQuantGroupChannels;
   const __half2 k1152 = __float2half2_rn(1152.f);
-  const __half2 minus_inv256 = __float2half2_rn(-1.f / 256.f), k4_5 = __float2half2_rn(4.5f);
   const uint64_t counter = uint64_t(blk) * kBlockTokens + uint64_t(tq);  // the token's position
-  const uint32_t seeds[2] = {format::dither8_row_seed(key, counter), format::dither8_row_seed(key, counter + 8)};
+  uint32_t seeds[2] = {0u, 0u};
+  if constexpr (kSubtract) seeds[0] = format::dither8_row_seed(key, counter), seeds[1] = format::dither8_row_seed(key, counter + 8);
   float sc[2][G];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -498,7 +513,7 @@ __device__ inline void dither8_scores(const Shared& sh, const uint4 (&kx)[D / 32
   }
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    const float o0 = -sh.dither_offset[2 * hq][g], o1 = -sh.dither_offset[2 * hq + 1][g];
+    const float o0 = kSubtract ? sh.score_init[2 * hq][g] : 0.f, o1 = kSubtract ? sh.score_init[2 * hq + 1][g] : 0.f;
     float acc[4] = {o0, o1, o0, o1};
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -508,32 +523,50 @@ __device__ inline void dither8_scores(const Shared& sh, const uint4 (&kx)[D / 32
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const uint32_t biased = words[r] ^ 0x80808080u;  // code + 128
-        const uint32_t word = format::dither8_word(seeds[r], 4 * kk + hq);
-        const uint32_t u = (word & keep[kk]) | (0x80808080u & ~keep[kk]);
+        uint32_t u = 0;
+        if constexpr (kSubtract) {
+          const uint32_t word = format::dither8_word(seeds[r], 4 * kk + hq);
+          u = (word & keep[kk]) | (0x80808080u & ~keep[kk]);
+        }
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
-          uint32_t c2 = bytes_to_1024_plus(biased, 2 * k), u2 = bytes_to_1024_plus(u, 2 * k);
+          uint32_t c2 = bytes_to_1024_plus(biased, 2 * k);
           const __half2 q = __hsub2(*reinterpret_cast<__half2*>(&c2), k1152);
-          const __half2 d = __hfma2(*reinterpret_cast<__half2*>(&u2), minus_inv256, k4_5);
           codes[r + 2 * k] = *reinterpret_cast<const uint32_t*>(&q);
-          dither[r + 2 * k] = *reinterpret_cast<const uint32_t*>(&d);
+          if constexpr (kSubtract) dither[r + 2 * k] = bytes_to_minus_4_plus(u, 2 * k);
         }
       }
       mma16816<true>(acc, codes, qb[kk][0], qb[kk][1]);
-      mma16816<true>(acc, dither, qb[kk][0], qb[kk][1]);
+      if constexpr (kSubtract) mma16816<true>(acc, dither, qb[kk][0], qb[kk][1]);
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k) s[k] = fmaf(sc[k >> 1][g], acc[k], s[k]);
   }
-  const uint16_t* exact = reinterpret_cast<const uint16_t*>(page + kBlockTokens * (D + 2 * G));
-  for (int o = 0; o < 2 * outlier_pairs; ++o) {
-    const int oc = sh.outlier_channels[o];
-    if (oc < 0) continue;  // corrupt (counted)
-    const float qo[2] = {element_value<true>(sh.q[2 * hq][oc]), element_value<true>(sh.q[2 * hq + 1][oc])};
-    const float xo[2] = {__bfloat162float(__ushort_as_bfloat16(exact[tq * 2 * outlier_pairs + o])),
-                         __bfloat162float(__ushort_as_bfloat16(exact[(tq + 8) * 2 * outlier_pairs + o]))};
+  // The outlier pairs' exact values (bf16, two channels a word) times the query's elements
+  // (Shared::outlier_q, 0 for a corrupt channel): a channel at a time, as one loop of fmaf.
+  const uint32_t* exact = reinterpret_cast<const uint32_t*>(page + kBlockTokens * (D + 2 * G));
+  if (sh.outliers_valid) {
+#pragma unroll 1
+    for (int o = 0; o < outlier_pairs; ++o) {
+      const uint32_t x[2] = {exact[tq * outlier_pairs + o], exact[(tq + 8) * outlier_pairs + o]};
+      const float2 qh[2] = {*reinterpret_cast<const float2*>(&sh.outlier_q[2 * hq][2 * o]),
+                            *reinterpret_cast<const float2*>(&sh.outlier_q[2 * hq + 1][2 * o])};
 #pragma unroll
-    for (int k = 0; k < 4; ++k) s[k] += qo[k & 1] * xo[k >> 1];
+      for (int k = 0; k < 4; ++k) {
+        s[k] = fmaf(qh[k & 1].x, __uint_as_float(x[k >> 1] << 16), s[k]);
+        s[k] = fmaf(qh[k & 1].y, __uint_as_float(x[k >> 1] & 0xffff0000u), s[k]);
+      }
+    }
+  } else {  // a corrupt channel (counted) is left out, whatever its exact values hold
+    const uint16_t* exact16 = reinterpret_cast<const uint16_t*>(exact);
+#pragma unroll 1
+    for (int o = 0; o < 2 * outlier_pairs; ++o) {
+      if (sh.outlier_channels[o] < 0) continue;
+      const float xo[2] = {__bfloat162float(__ushort_as_bfloat16(exact16[tq * 2 * outlier_pairs + o])),
+                           __bfloat162float(__ushort_as_bfloat16(exact16[(tq + 8) * 2 * outlier_pairs + o]))};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[k] = fmaf(sh.outlier_q[2 * hq + (k & 1)][o], xo[k >> 1], s[k]);
+    }
   }
   if constexpr (kMeter) tier_b_bounds<G>(sh.weight, sh.abs_weight, sc, hq, c);
 }
@@ -560,10 +593,11 @@ __device__ inline void dither8_value_scales(const unsigned char* page, int tq, i
 
 // O^T += V^T P'^T over a dither8 V page: the codes as fp16 operands (exact integers), and the
 // token's scale of each group folded into the probabilities: P'_t = p_t s_{t,g}, one pair of B
-// operands per group. keep01 / keep23: the tail's masks of the operands (all ones elsewhere).
+// operands per group. A tail's tokens past the length need no masks: every code byte is a finite
+// operand, and their P' is 0 (p 0, and a scale of 0 from dither8_value_scales).
 template <int D>
 __device__ inline void dither8_values(const uint4 (&vx)[D / 32], const float (&sv)[2][D / 32], const float (&prob)[4],
-                                      uint32_t keep01, uint32_t keep23, float (&o)[D / 16][4]) {
+                                      float (&o)[D / 16][4]) {
   constexpr int G = D / kQuantGroupChannels;
   const __half2 k1152 = __float2half2_rn(1152.f);
   auto pair = [&](uint32_t word, int byte) {
@@ -578,8 +612,7 @@ __device__ inline void dither8_values(const uint4 (&vx)[D / 32], const float (&s
     const uint32_t w[2][2] = {{vx[g].x, vx[g].y}, {vx[g].z, vx[g].w}};  // steps 2 g, 2 g + 1
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const uint32_t a[4] = {pair(w[half][0], 0) & keep01, pair(w[half][0], 2) & keep01, pair(w[half][1], 0) & keep23,
-                             pair(w[half][1], 2) & keep23};
+      const uint32_t a[4] = {pair(w[half][0], 0), pair(w[half][0], 2), pair(w[half][1], 0), pair(w[half][1], 2)};
       mma16816<true>(o[2 * g + half], a, pb0, pb1);
     }
   }
@@ -672,14 +705,36 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
   __syncthreads();
   if constexpr (Page::kDither) {
     // One thread per (row, group): the Tier B weights (nudged up by 2^-16 like the CPU path) and
-    // the dither's offsets, which the scores need with the meter or without.
+    // the scores' starting values, 4.5 sum_c q_c - (1/2)/256 sum_{c not outlier} q_c (exact in
+    // double, rounded once), which the scores need with the meter or without. Then one thread per
+    // (row, outlier channel): the query's element there.
     const int g = threadIdx.x / G, j = threadIdx.x % G;
-    if (g < kMaxGroup) {
+    if (g < kMaxGroup && kMeter) {
       const TierBWeights tb =
           tier_b_weights<D, kHalf>(sh.q[g], j, sh.outlier_channels, 2 * p.n_outlier_pairs, p.sm_scale, len, p.delta_loc);
       sh.weight[g][j] = float(tb.w) * (1.0f + 1.0f / 65536.0f);
       sh.abs_weight[g][j] = float(tb.w_abs) * (1.0f + 1.0f / 65536.0f);
-      sh.dither_offset[g][j] = tb.offset;
+    }
+    if (g < kMaxGroup && Page::kSubtractDither) {
+      double all = 0, kept = 0;
+      for (int c = j * kQuantGroupChannels; c < (j + 1) * kQuantGroupChannels; ++c) {
+        const double qc = element_value<kHalf>(sh.q[g][c]);
+        bool outlier = false;
+        for (int o = 0; o < 2 * p.n_outlier_pairs; ++o) outlier |= sh.outlier_channels[o] == c;
+        all += qc;
+        kept += outlier ? 0.0 : qc;
+      }
+      sh.score_init[g][j] = float(4.5 * all - kept / 512.0);
+    }
+    const int n_outliers = 2 * p.n_outlier_pairs;
+    if (threadIdx.x < kMaxGroup * n_outliers) {
+      const int row = threadIdx.x / n_outliers, o = threadIdx.x % n_outliers, oc = sh.outlier_channels[o];
+      sh.outlier_q[row][o] = oc < 0 ? 0.f : element_value<kHalf>(sh.q[row][oc]);
+    }
+    if (threadIdx.x == 0) {
+      bool valid = true;
+      for (int o = 0; o < n_outliers; ++o) valid = valid && sh.outlier_channels[o] >= 0;
+      sh.outliers_valid = valid;
     }
     __syncthreads();
   }
@@ -692,8 +747,10 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
   [[maybe_unused]] uint32_t keep[D / 16];
   [[maybe_unused]] uint64_t dither_key = 0;
   if constexpr (Page::kDither) {
-    outlier_keep_masks<D>(sh.outlier_channels, 2 * p.n_outlier_pairs, hq, keep);
-    dither_key = p.dither_keys[kv_head];
+    if constexpr (Page::kSubtractDither) {
+      outlier_keep_masks<D>(sh.outlier_channels, 2 * p.n_outlier_pairs, hq, keep);
+      dither_key = p.dither_keys[kv_head];
+    }
   }
 
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, d_run[2] = {0.f, 0.f}, r_run[2] = {0.f, 0.f};
@@ -956,10 +1013,10 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
     load_stage<D, Page, false>(v_stage, lane, v_raw, vx);
     if constexpr (Page::kDither) {  // its scales and outliers are read from the stage: held until done
       float s[4] = {0.f, 0.f, 0.f, 0.f}, c[4] = {0.f, 0.f, 0.f, 0.f}, rho[2] = {0.f, 0.f}, prob[4], sv[2][G];
-      dither8_scores<D, kMeter>(sh, kx, k_stage, p.n_outlier_pairs, dither_key, blk, tq, hq, qb, keep, s, c);
+      dither8_scores<D, kMeter, Page::kSubtractDither>(sh, kx, k_stage, p.n_outlier_pairs, dither_key, blk, tq, hq, qb, keep, s, c);
       dither8_value_scales<D, kMeter>(v_stage, tq, min(int64_t(kBlockTokens), len - blk * kBlockTokens), sv, rho);
       const Masks mk = softmax(s, c, rho, blk, prob);
-      dither8_values<D>(vx, sv, prob, mk.keep01, mk.keep23, o_acc);
+      dither8_values<D>(vx, sv, prob, o_acc);
       __syncwarp();
       issue_next(i);
     } else {
@@ -1044,7 +1101,7 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
           uint4 kx[kLoads];
           Page::template load<D>(k_page, lane, kx);
           if constexpr (Page::kDither) {
-            dither8_scores<D, kMeter>(sh, kx, k_page, p.n_outlier_pairs, dither_key, blk, tq, hq, qb, keep, s, c);
+            dither8_scores<D, kMeter, Page::kSubtractDither>(sh, kx, k_page, p.n_outlier_pairs, dither_key, blk, tq, hq, qb, keep, s, c);
           } else {
             uint32_t ka[D / 16][4];
             Page::template operands<D>(kx, ka);
@@ -1074,7 +1131,7 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
           exact_operands(v_page, va);
           values_operands(std::false_type{}, va, prob, mk, o_acc);
         } else if constexpr (Page::kDither) {
-          dither8_values<D>(vx, sv, prob, mk.keep01, mk.keep23, o_acc);
+          dither8_values<D>(vx, sv, prob, o_acc);
         } else {
           uint32_t va[D / 16][4];
           Page::template operands<D>(vx, va);
@@ -1166,6 +1223,7 @@ auto with_kernel(const PagedDecodeParams& p, F&& f) {
       if (meter_on(p)) return by_stages(d, Dither8Pages{}, std::true_type{});
       return by_stages(d, Dither8Pages{}, std::false_type{});
     }
+    if (p.format == PageFormat::kInt8Fragments) return by_stages(d, Int8Pages{}, std::false_type{});
     if (p.format == PageFormat::kGaacFragments) return by_stages(d, GaacPages{}, std::false_type{});
     if (p.format == PageFormat::kBf16) return by_stages(d, Bf16RowPages{}, std::false_type{});
     return by_stages(d, Bf16Pages{}, std::false_type{});

@@ -1,8 +1,9 @@
 // A host emulation of the fragment kernel's page decoders (fragment_decode_cuda.cu): the value of
 // every mma A-operand element a lane holds for a fragment-major page, computed from the page's
 // bytes with the device instructions' semantics written out (PRMT's byte permutation, the exact
-// E4M3 -> fp16 conversion, the fp16 subtractions and fused multiply-adds of the dither8 codes,
-// each checked to be exact), and placed by the PTX ISA's operand layout of mma.m16n8k16. The
+// E4M3 -> fp16 conversion, the fp16 subtractions of the dither8 codes and the fp16 dither operands
+// a PRMT makes, each checked to be exact), and placed by the PTX ISA's operand layout of
+// mma.m16n8k16. The
 // tests (fragment_emulator_test.cc) check it bit for bit against the codecs' `_ref` decoders on
 // real KV and adversarial bytes. No CUDA headers.
 #pragma once
@@ -32,6 +33,11 @@ inline uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s) {
 // tile_mma.cuh's bytes_to_1024_plus: fp16 pairs {1024 + byte i, 1024 + byte i + 1}.
 inline uint32_t bytes_to_1024_plus(uint32_t word, int byte) {
   return byte_perm(word, 0x64646464u, 0x4040u | uint32_t(byte) | (uint32_t(byte + 1) << 8));
+}
+
+// tile_mma.cuh's bytes_to_minus_4_plus: fp16 pairs {-(4 + byte i / 256), -(4 + byte i + 1 / 256)}.
+inline uint32_t bytes_to_minus_4_plus(uint32_t word, int byte) {
+  return byte_perm(word, 0xc4c4c4c4u, 0x4040u | uint32_t(byte) | (uint32_t(byte + 1) << 8));
 }
 
 inline double half_value(uint16_t bits) { return double(format::fp16_to_float(bits)); }
@@ -118,15 +124,21 @@ void operand_values(PageClass cls, bool key, const uint8_t* page, const codec::L
         const uint64_t counter = uint64_t(block) * T + uint64_t(token);
         uint32_t u_word = format::dither8_word(format::dither8_row_seed(spec.dither_key, counter), 4 * s + t);
         if (outlier) u_word = (u_word & ~(0xffu << (8 * (channel % 4)))) | (0x80u << (8 * (channel % 4)));
-        const uint32_t u_pair = bytes_to_1024_plus(u_word, byte);
-        // HFMA2: (1024 + u) (-1/256) + 4.5 = 1/2 - u/256, exact.
-        const double d = exact_half(half_value(uint16_t(u_pair >> (16 * (i % 2)))) * (-1.0 / 256.0) + 4.5);
+        // The dither operand, -(4 + u/256) (PRMT with 0xc4 as the high byte); the group's starting
+        // value in the accumulator (dither8_scores) adds 4.5 q_c for every channel, so the
+        // products see q_c (1/2 - u/256).
+        const uint32_t u_pair = bytes_to_minus_4_plus(u_word, byte);
+        const double u_operand = half_value(uint16_t(u_pair >> (16 * (i % 2))));
+        if (u_operand != -(4.0 + double((u_word >> (8 * (channel % 4))) & 0xffu) / 256.0))
+          throw std::logic_error("the dither operand is not -(4 + u/256)");
+        const double d = u_operand + 4.5;
         uint16_t sbits;
         std::memcpy(&sbits, page + T * D + 2 * (token * G + channel / codec::kQuantGroup), 2);
         const double scale = half_value(sbits);
         if (outlier) {
-          // The products see the stored code (0) and dither 0, and no offset term (the group's
-          // offset leaves outliers out); the exact value is added after them.
+          // The products see the stored code (0) and dither byte 128 (d = 0 with the start's
+          // 4.5 q_c), and no -1/512 term (the start leaves outliers out of it); the exact value is
+          // added after them.
           const int m = spec.n_outlier_pairs;
           int index = -1;
           for (int o = 0; o < m; ++o)
@@ -137,7 +149,7 @@ void operand_values(PageClass cls, bool key, const uint8_t* page, const codec::L
           const double x = double(format::bf16_to_float(xbits));
           v = q + d == 0 ? x : scale * (q + d) + x;  // (live rows: 0, and x keeps its sign)
         } else {
-          // The group's offset term -(1/2)/256 sum q_c is -1/512 per channel: s (q + d - 1/512).
+          // The start's term -(1/2)/256 sum q_c is -1/512 per channel: s (q + d - 1/512).
           v = scale * (q + d - 1.0 / 512.0);
         }
         out[token * D + channel] = v;

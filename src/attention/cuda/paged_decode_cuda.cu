@@ -1265,6 +1265,7 @@ CudaStatus launch_format(const PagedDecodeParams& p, int n_splits) {
     case PageFormat::kBf16Fragments:
     case PageFormat::kFp8Fragments:
     case PageFormat::kDither8Fragments:
+    case PageFormat::kInt8Fragments:
     case PageFormat::kGaacFragments:
     case PageFormat::kBf16: return launch_fragments(p, n_splits);
     case PageFormat::kGaacBf16: return launch<D, PageFormat::kGaacBf16, false>(p, n_splits);
@@ -1287,6 +1288,7 @@ const char* page_format_name(PageFormat f) {
     case PageFormat::kFp8Fragments: return "fp8-e4m3-fragments";
     case PageFormat::kDither8Fragments: return "dither8-fragments";
     case PageFormat::kGaacFragments: return "gaac-fragments";
+    case PageFormat::kInt8Fragments: return "int8-fragments";
     case PageFormat::kGaacBf16: return "gaac";
     case PageFormat::kGaacE5M2: return "gaac-e5m2";
     case PageFormat::kFp8E4M3: return "fp8-e4m3";
@@ -1384,6 +1386,7 @@ CudaStatus check(const PagedDecodeParams& p) {
       break;
     case PageFormat::kDither8:
     case PageFormat::kDither8Fragments:  // the same bytes, moved
+    case PageFormat::kInt8Fragments:     // dither8-fragments' bytes
       need_k = size_t(T) * (D + 2 * (D / kQuantGroup) + 4 * p.n_outlier_pairs);
       need_v = size_t(T) * (D + 2 * (D / kQuantGroup));
       break;
@@ -1394,7 +1397,7 @@ CudaStatus check(const PagedDecodeParams& p) {
                  std::to_string(need_k) + " bytes, V " + std::to_string(need_v) + ")");
   const bool gaac_fragments = p.format == PageFormat::kGaacFragments;
   if ((gaac || gaac_fragments) && !p.gaac_bases) return error("GAAC pages need their bases");
-  if (gaac || gaac_fragments || page_format_metered(p.format)) {
+  if (gaac || gaac_fragments || page_format_metered(p.format) || p.format == PageFormat::kInt8Fragments) {
     // Raw pages: GAAC pages that did not fit their slot ([T][D] of the element), a lossy format's
     // exact pages ([T][D] bf16). A pool with pages must be there and aligned.
     const size_t raw = size_t(T) * D * (p.format == PageFormat::kGaacE5M2 ? 1 : 2);
@@ -1416,13 +1419,16 @@ CudaStatus check(const PagedDecodeParams& p) {
   if (p.witness != codec::WitnessCode::kFp16 && p.witness != codec::WitnessCode::kPageScaled8 &&
       p.witness != codec::WitnessCode::kExponent)
     return error("witness code " + std::to_string(int(p.witness)) + " is unknown (fp16, u8 or exponent)");
-  if (p.format == PageFormat::kDither8 || p.format == PageFormat::kDither8Fragments) {
-    if (!p.dither_keys) return error("dither8 pages need their generator keys");
+  if (p.format == PageFormat::kInt8Fragments && meter_on(p))
+    return error(std::string(page_format_name(p.format)) + " pages carry no certificate: a launch with a meter is refused");
+  if (p.format == PageFormat::kDither8 || p.format == PageFormat::kDither8Fragments || p.format == PageFormat::kInt8Fragments) {
+    if (!p.dither_keys && p.format != PageFormat::kInt8Fragments) return error("dither8 pages need their generator keys");
     if (p.n_outlier_pairs < 0 || p.n_outlier_pairs > kMaxDeviceOutlierPairs)
       return unsupported("n_outlier_pairs " + std::to_string(p.n_outlier_pairs) + " is unsupported (at most " +
                    std::to_string(kMaxDeviceOutlierPairs) + ")");
     if (p.n_outlier_pairs > 0 && !p.outlier_channels) return error("outlier channels are missing");
-    if (!(p.delta_loc > 0 && p.delta_loc < 1)) return error("delta_loc must be in (0, 1)");
+    if (p.format != PageFormat::kInt8Fragments && !(p.delta_loc > 0 && p.delta_loc < 1))
+      return error("delta_loc must be in (0, 1)");
   }
   return check_workspace(p);
 }
@@ -1454,6 +1460,7 @@ int resident_ctas_of(const PagedDecodeParams& p) {
     case PageFormat::kBf16Fragments:
     case PageFormat::kFp8Fragments:
     case PageFormat::kDither8Fragments:
+    case PageFormat::kInt8Fragments:
     case PageFormat::kGaacFragments:
     case PageFormat::kBf16: return fragment_resident_ctas(p);
     case PageFormat::kGaacBf16: return resident_ctas<D, PageFormat::kGaacBf16, false>();

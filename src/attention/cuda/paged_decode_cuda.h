@@ -105,10 +105,13 @@ enum class PageFormat : uint8_t {
   // GAAC pages in a device layout on the same kernel (format/fragment_layout.h,
   // docs/format/gaac_fragments.md): lossless, 12 bits per element plus a page's exceptions
   kGaacFragments = 9,
+  // kDither8Fragments' bytes read as plain int8 (K^ = s q, no dither subtracted, no meter): the
+  // yardstick of what dither8's generator and certificate cost; the benchmark's, no scheme's
+  kInt8Fragments = 10,
 };
 
 // "bf16", "gaac", "gaac-e5m2", "fp8-e4m3", "fp8-e5m2", "dither8", "bf16-fragments",
-// "fp8-e4m3-fragments", "dither8-fragments", "gaac-fragments".
+// "fp8-e4m3-fragments", "dither8-fragments", "gaac-fragments", "int8-fragments".
 const char* page_format_name(PageFormat format);
 // The page format of a KV scheme the device serves (the scheme table's cuda_route) whose K pages
 // keep `witness` (read for the Tier A schemes); kBf16 for the others, which no device cache
@@ -126,7 +129,7 @@ inline bool page_format_metered(PageFormat f) {
 // The fragment-major formats (fragment_layout.h).
 inline bool page_format_fragments(PageFormat f) {
   return f == PageFormat::kBf16Fragments || f == PageFormat::kFp8Fragments || f == PageFormat::kDither8Fragments ||
-         f == PageFormat::kGaacFragments;
+         f == PageFormat::kGaacFragments || f == PageFormat::kInt8Fragments;
 }
 // The formats the bulk-copy kernel reads (fragment_decode_cuda.h): the fragment-major ones and
 // kBf16 (its token-major rows, each copied into a padded tile). Its last CTA of a row group merges

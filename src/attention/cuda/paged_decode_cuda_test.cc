@@ -76,6 +76,8 @@ struct LaunchBuffers {
 }
 
 bool is_dither8(PageFormat f) { return f == PageFormat::kDither8 || f == PageFormat::kDither8Fragments; }
+// dither8's bytes: the dither8 formats and int8-fragments, which reads them without the dither.
+bool dither8_bytes(PageFormat f) { return is_dither8(f) || f == PageFormat::kInt8Fragments; }
 
 bool tiles_are_fp16(PageFormat f) {
   return f != PageFormat::kBf16 && f != PageFormat::kBf16Fragments && f != PageFormat::kGaacBf16 &&
@@ -316,7 +318,7 @@ Result run_case(const Case& c, uint32_t seed) {
       double tv = 0, am1_ref = 0, rho_ref = 0, max_ct = 0;
       detail::QueryBoundWeights w;
       if (metered) w = detail::query_bound_weights(dkv.lossy_spec(true, kvh), qr.data(), p.sm_scale, len, p.delta_loc);
-      const int width = is_dither8(c.format) ? D / 32 : 16;
+      const int width = dither8_bytes(c.format) ? D / 32 : 16;
       for (int64_t t = 0; t < len; ++t) {
         const double pt = std::exp(s_read[size_t(t)] - m_read) / l_read;
         const double pe = std::exp(s_exact[size_t(t)] - m_exact) / l_exact;
@@ -479,7 +481,7 @@ TEST(PagedDecodeCuda, CheckRefusesBadInputWithoutADevice) {
     p.max_seq_len = 100;
     p.gaac_bases = bases.data();
     p.dither_keys = keys.data();
-    p.n_outlier_pairs = is_dither8(f) ? 2 : 0;
+    p.n_outlier_pairs = dither8_bytes(f) ? 2 : 0;
     p.outlier_channels = channels.data();
     p.q = q.data();
     p.out = out.data();
@@ -489,7 +491,7 @@ TEST(PagedDecodeCuda, CheckRefusesBadInputWithoutADevice) {
   };
   for (PageFormat f : {PageFormat::kBf16, PageFormat::kGaacBf16, PageFormat::kFp8E4M3, PageFormat::kDither8,
                        PageFormat::kBf16Fragments, PageFormat::kFp8Fragments, PageFormat::kDither8Fragments,
-                       PageFormat::kGaacFragments}) {
+                       PageFormat::kGaacFragments, PageFormat::kInt8Fragments}) {
     const std::string name = page_format_name(f);
     EXPECT_TRUE(check(base(f)).ok) << name << ": " << check(base(f)).message;
     PagedDecodeParams p = base(f);
@@ -568,13 +570,21 @@ TEST(PagedDecodeCuda, CheckRefusesBadInputWithoutADevice) {
     p = base(f);
     p.head_dim = 96;
     EXPECT_FALSE(paged_decode(p).ok) << name;  // refused before any launch
-    if (is_dither8(f)) {
+    if (dither8_bytes(f)) {
       p = base(f);
-      p.dither_keys = nullptr;
-      EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+      p.dither_keys = nullptr;  // int8-fragments reads no dither
+      if (is_dither8(f)) EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+      else EXPECT_TRUE(check(p).ok) << name << ": " << check(p).message;
       p = base(f);
       p.n_outlier_pairs = kMaxDeviceOutlierPairs + 1;
       EXPECT_EQ(check(p).code, StatusCode::kUnsupported) << name;
+    }
+    if (f == PageFormat::kInt8Fragments) {  // no certificate: a meter is refused, not ignored
+      p = base(f);
+      std::vector<float> meter(64);
+      p.meter = meter.data();
+      EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
+      EXPECT_NE(check(p).message.find("carry no certificate"), std::string::npos) << check(p).message;
     }
     if (f == PageFormat::kBf16 || f == PageFormat::kBf16Fragments) continue;  // no raw pages
     p = base(f);
@@ -627,7 +637,7 @@ TEST(PagedDecodeCuda, EveryFormatMatchesTheReferenceOnRaggedBatches) {
   const PageFormat formats[] = {PageFormat::kBf16,     PageFormat::kBf16Fragments, PageFormat::kGaacBf16,
                                 PageFormat::kGaacE5M2, PageFormat::kFp8E4M3,      PageFormat::kFp8E5M2,
                                 PageFormat::kDither8,  PageFormat::kFp8Fragments,    PageFormat::kDither8Fragments,
-                                PageFormat::kGaacFragments};
+                                PageFormat::kGaacFragments, PageFormat::kInt8Fragments};
   struct Shape {
     int d, hq, hkv;
     std::vector<int64_t> lens;
@@ -643,7 +653,7 @@ TEST(PagedDecodeCuda, EveryFormatMatchesTheReferenceOnRaggedBatches) {
   for (PageFormat f : formats) {
     std::array<int64_t, 3> modes{}, meter_ranges{};
     for (const Shape& s : shapes) {
-      Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, is_dither8(f) ? 4 : 0,
+      Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, dither8_bytes(f) ? 4 : 0,
              seed % 2 ? codec::RopePairing::kHalfSplit : codec::RopePairing::kInterleaved};
       const Result r = run_case(c, seed++);
       for (int m = 0; m < 3; ++m) {
@@ -907,7 +917,7 @@ struct LossyShape {
 };
 
 Case lossy_case(PageFormat f, const LossyShape& s, uint32_t seed) {
-  Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, is_dither8(f) ? 4 : 0,
+  Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, dither8_bytes(f) ? 4 : 0,
          seed % 2 ? codec::RopePairing::kHalfSplit : codec::RopePairing::kInterleaved};
   c.exact_k_every = s.k_every;
   c.exact_v_every = s.v_every;
@@ -1326,7 +1336,7 @@ TEST(PagedDecodeCuda, CorruptDeviceDataIsCountedNotRead) {
     const HostLayerKv kv = make_kv(1, 2, 128, {256}, 13);
     DeviceKvOptions opt;
     opt.format = f;
-    opt.n_outlier_pairs = is_dither8(f) ? 2 : 0;
+    opt.n_outlier_pairs = dither8_bytes(f) ? 2 : 0;
     DeviceKv dkv;
     ASSERT_TRUE(DeviceKv::build(kv, opt, &dkv).ok);
     PagedDecodeParams p;

@@ -125,6 +125,11 @@ __device__ inline void cp_async_wait() {
 __device__ inline uint32_t bytes_to_1024_plus(uint32_t word, int byte) {
   return __byte_perm(word, 0x64646464u, 0x4040 | byte | ((byte + 1) << 8));
 }
+// fp16 pairs from bytes: {-(4 + byte i / 256), -(4 + byte i+1 / 256)} (fp16 0xc4xx: sign set,
+// exponent 2, the byte the low eight bits of the mantissa, whose step there is 1/256).
+__device__ inline uint32_t bytes_to_minus_4_plus(uint32_t word, int byte) {
+  return __byte_perm(word, 0xc4c4c4c4u, 0x4040 | byte | ((byte + 1) << 8));
+}
 
 // dither8 (docs/format/dither8.md). The deterministic remainder per channel, in steps
 // (codec::kDither8Slack, 2^-8). V pages: rho_t = kDither8ValueRho sqrt(32 sum_g s_{t,g}^2) >=
