@@ -18,7 +18,7 @@ if [ "${1:-}" = "--subset" ]; then
   cells=(--contexts 65536,131072 --batches 1,8 --shapes 32x8)
   .devbin/certkv_cuda_decode_bench --kv .benchkv/kv.safetensors --calib .benchkv/calib.safetensors \
     --out "$out/certkv.jsonl" --reps 7 --iters 10 "${cells[@]}" \
-    --formats bf16,bf16-fragments,gaac,gaac-e5m2,dither8,dither8-fragments,dither8-fragments-nometer,fp8-e4m3,fp8-e4m3-nometer,fp8-e4m3-fragments,fp8-e4m3-fragments-nometer,sparse-p0.9,sparse-p0.9-z1.5 2>&1 | tee "$out/certkv.log"
+    --formats bf16,bf16-fragments,gaac,gaac-e5m2,dither8,dither8-fragments,dither8-fragments-nometer,int8-fragments,gaac-fragments,fp8-e4m3,fp8-e4m3-nometer,fp8-e4m3-fragments,fp8-e4m3-fragments-nometer,sparse-p0.9,sparse-p0.9-z1.5 2>&1 | tee "$out/certkv.log"
   PYTHONUNBUFFERED=1 python3 bench/decode_peers.py --kv .benchkv/kv.safetensors --out "$out/peers.jsonl" \
     --peers sdpa "${cells[@]}" 2>&1 | tee "$out/peers.log"
   exit 0
@@ -26,7 +26,7 @@ fi
 out=${1:?usage: cuda_bench.sh [--subset] OUT_DIR}
 .devbin/certkv_cuda_decode_bench --kv .benchkv/kv.safetensors --calib .benchkv/calib.safetensors \
   --out "$out/certkv.jsonl" --reps 7 --iters 10 \
-  --formats bf16,bf16-fragments,gaac,gaac-e5m2,dither8,dither8-fragments,dither8-fragments-nometer,fp8-e4m3,fp8-e4m3-nometer,fp8-e4m3-fragments,fp8-e4m3-fragments-nometer,sparse-p0.9,sparse-p0.9-z1.5,sparse-p0.99 2>&1 | tee "$out/certkv.log"
+  --formats bf16,bf16-fragments,gaac,gaac-e5m2,dither8,dither8-fragments,dither8-fragments-nometer,int8-fragments,gaac-fragments,fp8-e4m3,fp8-e4m3-nometer,fp8-e4m3-fragments,fp8-e4m3-fragments-nometer,sparse-p0.9,sparse-p0.9-z1.5,sparse-p0.99 2>&1 | tee "$out/certkv.log"
 source bench/peers_setup.sh > "$out/peers_setup.log" 2>&1
 PYTHONUNBUFFERED=1 python3 bench/decode_peers.py --kv .benchkv/kv.safetensors --out "$out/peers.jsonl" \
   --peers sdpa,flashinfer_bf16_tc,flashinfer_fp8_tc,flashinfer_bf16 2>&1 | tee "$out/peers.log"
