@@ -825,7 +825,10 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
         r_run[e] = r_run[e] * rescale[e] + r_add;
       }
     }
-    rescale_output<D>(rescale, o_acc);
+    // The output's rescale only when some row's maximum moved (a factor of exactly 1 is skipped:
+    // x * 1 is x for every float), decided for the warp: after a split's first pages most pages
+    // leave both maxima where they are.
+    if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) rescale_output<D>(rescale, o_acc);
     return mk;
   };
   auto values_operands = [&](auto half_t, uint32_t (&va)[D / 16][4], const float (&prob)[4], const Masks& mk,
