@@ -488,7 +488,7 @@ __device__ void merge_row_group(FragmentShared<D, Page, kStages>& sh, const Frag
 // operand permuted alike). Two mma per step into one accumulator per group: the codes q (fp16
 // 1024 + (q + 128) by PRMT, minus 1152: exact) and the dither as -(4 + u/256), one PRMT with
 // 0xc4 as the high byte (fp16 0xc4xx is -(4 + xx/256), exact). With the group's starting value
-// 4.5 sum_c q_c - (1/512) sum_{c not outlier} q_c (Dither8Score::init) the accumulator is
+// 4.5 sum_c q_c - (1/512) sum_{c not outlier} q_c (Shared::score_init) the accumulator is
 // sum_c q_c (q_c - xi_c), since q - xi = q + 1/2 - u/256 - 1/512; then the token's scale, in fp32.
 // Outlier channels: code 0 and dither byte 128 (-4.5, which the start cancels), so the sum leaves
 // them out; their exact values are added after. kSubtract false (Int8Pages): the codes alone,
@@ -542,8 +542,9 @@ __device__ inline void dither8_scores(const Shared& sh, const uint4 (&kx)[D / 32
 #pragma unroll
     for (int k = 0; k < 4; ++k) s[k] = fmaf(sc[k >> 1][g], acc[k], s[k]);
   }
-  // The outlier pairs' exact values (bf16, two channels a word) times the query's elements
-  // (Shared::outlier_q, 0 for a corrupt channel): a channel at a time, as one loop of fmaf.
+  // The outlier pairs' exact values (bf16, a pair's two channels in one 32-bit load, the lower
+  // channel in the low half) times the query's elements there (Shared::outlier_q), channel after
+  // channel into each cell as before.
   const uint32_t* exact = reinterpret_cast<const uint32_t*>(page + kBlockTokens * (D + 2 * G));
   if (sh.outliers_valid) {
 #pragma unroll 1
