@@ -551,10 +551,7 @@ int main(int argc, char** argv) {
           DeviceKvOptions opt;
           opt.format = fc.format;
           opt.gaac = fc.format == PageFormat::kGaacE5M2 ? &cal_e5m2 : &cal_bf16;
-          opt.n_outlier_pairs = fc.format == PageFormat::kDither8 || fc.format == PageFormat::kDither8Fragments ||
-                                        fc.format == PageFormat::kInt8Fragments
-                                    ? 4
-                                    : 0;
+          opt.n_outlier_pairs = page_format_dither8_bytes(fc.format) ? 4 : 0;
           opt.witness = fc.witness;
           opt.pairing = codec::RopePairing::kHalfSplit;
           opt.contiguous_slots = contiguous;

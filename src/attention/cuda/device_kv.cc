@@ -127,7 +127,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
       return invalid("sequence " + std::to_string(b) + " holds the wrong number of values");
   }
   const PageFormat f = options.format;
-  const bool dither = f == PageFormat::kDither8 || f == PageFormat::kDither8Fragments || f == PageFormat::kInt8Fragments;
+  const bool dither = page_format_dither8_bytes(f);
   const format::GaacElement element = f == PageFormat::kGaacE5M2 ? format::GaacElement::kFp8E5M2 : format::GaacElement::kBf16;
   if (is_gaac(f)) {
     if (options.gaac == nullptr) return invalid("GAAC pages need a calibration");
@@ -606,10 +606,7 @@ void DeviceKv::describe(PagedDecodeParams* p) const {
   p->k_escape_capacity = int64_t(k_capacity_);
   p->v_escape_capacity = int64_t(v_capacity_);
   p->dither_keys = reinterpret_cast<const uint64_t*>(keys_.data());
-  p->n_outlier_pairs = options_.format == PageFormat::kDither8 || options_.format == PageFormat::kDither8Fragments ||
-                               options_.format == PageFormat::kInt8Fragments
-                           ? options_.n_outlier_pairs
-                           : 0;
+  p->n_outlier_pairs = page_format_dither8_bytes(options_.format) ? options_.n_outlier_pairs : 0;
   p->outlier_channels = reinterpret_cast<const int32_t*>(outliers_.data());
   p->rope_half_split = options_.pairing == codec::RopePairing::kHalfSplit;
   p->witness = options_.witness;

@@ -1421,14 +1421,14 @@ CudaStatus check(const PagedDecodeParams& p) {
     return error("witness code " + std::to_string(int(p.witness)) + " is unknown (fp16, u8 or exponent)");
   if (p.format == PageFormat::kInt8Fragments && meter_on(p))
     return error(std::string(page_format_name(p.format)) + " pages carry no certificate: a launch with a meter is refused");
-  if (p.format == PageFormat::kDither8 || p.format == PageFormat::kDither8Fragments || p.format == PageFormat::kInt8Fragments) {
-    if (!p.dither_keys && p.format != PageFormat::kInt8Fragments) return error("dither8 pages need their generator keys");
+  if (page_format_dither8_bytes(p.format)) {
+    const bool dithered = p.format != PageFormat::kInt8Fragments;
+    if (dithered && !p.dither_keys) return error("dither8 pages need their generator keys");
     if (p.n_outlier_pairs < 0 || p.n_outlier_pairs > kMaxDeviceOutlierPairs)
       return unsupported("n_outlier_pairs " + std::to_string(p.n_outlier_pairs) + " is unsupported (at most " +
                    std::to_string(kMaxDeviceOutlierPairs) + ")");
     if (p.n_outlier_pairs > 0 && !p.outlier_channels) return error("outlier channels are missing");
-    if (p.format != PageFormat::kInt8Fragments && !(p.delta_loc > 0 && p.delta_loc < 1))
-      return error("delta_loc must be in (0, 1)");
+    if (dithered && !(p.delta_loc > 0 && p.delta_loc < 1)) return error("delta_loc must be in (0, 1)");
   }
   return check_workspace(p);
 }

@@ -126,6 +126,12 @@ inline bool page_format_metered(PageFormat f) {
          f == PageFormat::kFp8Fragments || f == PageFormat::kDither8Fragments;
 }
 
+// The formats of dither8's bytes (codes, per-token group scales, outlier pairs): the dither8 ones,
+// and int8-fragments, which reads them without the dither.
+inline bool page_format_dither8_bytes(PageFormat f) {
+  return f == PageFormat::kDither8 || f == PageFormat::kDither8Fragments || f == PageFormat::kInt8Fragments;
+}
+
 // The fragment-major formats (fragment_layout.h).
 inline bool page_format_fragments(PageFormat f) {
   return f == PageFormat::kBf16Fragments || f == PageFormat::kFp8Fragments || f == PageFormat::kDither8Fragments ||

@@ -76,8 +76,6 @@ struct LaunchBuffers {
 }
 
 bool is_dither8(PageFormat f) { return f == PageFormat::kDither8 || f == PageFormat::kDither8Fragments; }
-// dither8's bytes: the dither8 formats and int8-fragments, which reads them without the dither.
-bool dither8_bytes(PageFormat f) { return is_dither8(f) || f == PageFormat::kInt8Fragments; }
 
 bool tiles_are_fp16(PageFormat f) {
   return f != PageFormat::kBf16 && f != PageFormat::kBf16Fragments && f != PageFormat::kGaacBf16 &&
@@ -318,7 +316,7 @@ Result run_case(const Case& c, uint32_t seed) {
       double tv = 0, am1_ref = 0, rho_ref = 0, max_ct = 0;
       detail::QueryBoundWeights w;
       if (metered) w = detail::query_bound_weights(dkv.lossy_spec(true, kvh), qr.data(), p.sm_scale, len, p.delta_loc);
-      const int width = dither8_bytes(c.format) ? D / 32 : 16;
+      const int width = page_format_dither8_bytes(c.format) ? D / 32 : 16;
       for (int64_t t = 0; t < len; ++t) {
         const double pt = std::exp(s_read[size_t(t)] - m_read) / l_read;
         const double pe = std::exp(s_exact[size_t(t)] - m_exact) / l_exact;
@@ -440,6 +438,11 @@ TEST(PagedDecodeCuda, PageFormatOfFollowsTheSchemeTable) {
   EXPECT_TRUE(page_format_fragments(PageFormat::kFp8Fragments));
   EXPECT_TRUE(page_format_fragments(PageFormat::kGaacFragments));
   EXPECT_FALSE(page_format_fragments(PageFormat::kDither8));
+  EXPECT_TRUE(page_format_fragments(PageFormat::kInt8Fragments));
+  EXPECT_FALSE(page_format_metered(PageFormat::kInt8Fragments));  // the yardstick carries no certificate
+  EXPECT_TRUE(page_format_dither8_bytes(PageFormat::kInt8Fragments));
+  EXPECT_TRUE(page_format_dither8_bytes(PageFormat::kDither8));
+  EXPECT_FALSE(page_format_dither8_bytes(PageFormat::kFp8Fragments));
   EXPECT_FALSE(page_format_fragments(PageFormat::kBf16));
   EXPECT_TRUE(page_format_bulk_copied(PageFormat::kBf16));
   EXPECT_TRUE(page_format_bulk_copied(PageFormat::kGaacFragments));
@@ -481,7 +484,7 @@ TEST(PagedDecodeCuda, CheckRefusesBadInputWithoutADevice) {
     p.max_seq_len = 100;
     p.gaac_bases = bases.data();
     p.dither_keys = keys.data();
-    p.n_outlier_pairs = dither8_bytes(f) ? 2 : 0;
+    p.n_outlier_pairs = page_format_dither8_bytes(f) ? 2 : 0;
     p.outlier_channels = channels.data();
     p.q = q.data();
     p.out = out.data();
@@ -570,7 +573,7 @@ TEST(PagedDecodeCuda, CheckRefusesBadInputWithoutADevice) {
     p = base(f);
     p.head_dim = 96;
     EXPECT_FALSE(paged_decode(p).ok) << name;  // refused before any launch
-    if (dither8_bytes(f)) {
+    if (page_format_dither8_bytes(f)) {
       p = base(f);
       p.dither_keys = nullptr;  // int8-fragments reads no dither
       if (is_dither8(f)) EXPECT_EQ(check(p).code, StatusCode::kInvalidArgument) << name;
@@ -653,7 +656,7 @@ TEST(PagedDecodeCuda, EveryFormatMatchesTheReferenceOnRaggedBatches) {
   for (PageFormat f : formats) {
     std::array<int64_t, 3> modes{}, meter_ranges{};
     for (const Shape& s : shapes) {
-      Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, dither8_bytes(f) ? 4 : 0,
+      Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, page_format_dither8_bytes(f) ? 4 : 0,
              seed % 2 ? codec::RopePairing::kHalfSplit : codec::RopePairing::kInterleaved};
       const Result r = run_case(c, seed++);
       for (int m = 0; m < 3; ++m) {
@@ -917,7 +920,7 @@ struct LossyShape {
 };
 
 Case lossy_case(PageFormat f, const LossyShape& s, uint32_t seed) {
-  Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, dither8_bytes(f) ? 4 : 0,
+  Case c{f, s.d, s.hq, s.hkv, s.lens, s.splits, page_format_dither8_bytes(f) ? 4 : 0,
          seed % 2 ? codec::RopePairing::kHalfSplit : codec::RopePairing::kInterleaved};
   c.exact_k_every = s.k_every;
   c.exact_v_every = s.v_every;
@@ -1336,7 +1339,7 @@ TEST(PagedDecodeCuda, CorruptDeviceDataIsCountedNotRead) {
     const HostLayerKv kv = make_kv(1, 2, 128, {256}, 13);
     DeviceKvOptions opt;
     opt.format = f;
-    opt.n_outlier_pairs = dither8_bytes(f) ? 2 : 0;
+    opt.n_outlier_pairs = page_format_dither8_bytes(f) ? 2 : 0;
     DeviceKv dkv;
     ASSERT_TRUE(DeviceKv::build(kv, opt, &dkv).ok);
     PagedDecodeParams p;
