@@ -574,7 +574,7 @@ __device__ inline void dither8_scores(const Shared& sh, const uint4 (&kx)[D / 32
 
 // A dither8 V page's scales of the lane's tokens tq, tq + 8 (0 from token n on: a tail's rows past
 // the length hold anything) and, kMeter, their rho_t = kDither8ValueRho sqrt(sum_g 32 s_{t,g}^2),
-// the CPU's float steps in its order.
+// the CPU's float steps in its order but for the square root, sqrt_upper's (at least the root).
 template <int D, bool kMeter>
 __device__ inline void dither8_value_scales(const unsigned char* page, int tq, int64_t n, float (&sv)[2][D / 32],
                                             float (&rho)[2]) {
@@ -588,7 +588,7 @@ __device__ inline void dither8_value_scales(const unsigned char* page, int tq, i
       sv[r][g] = tq + 8 * r < n ? __half2float(scales[g]) : 0.f;
       sum_sq += float(kQuantGroupChannels) * sv[r][g] * sv[r][g];
     }
-    if constexpr (kMeter) rho[r] = kDither8ValueRho * sqrtf(sum_sq);
+    if constexpr (kMeter) rho[r] = kDither8ValueRho * sqrt_upper(sum_sq);
   }
 }
 
@@ -1236,7 +1236,54 @@ auto with_kernel(const PagedDecodeParams& p, F&& f) {
   return by_format(std::integral_constant<int, 128>{});
 }
 
+// check_sqrt_upper's pass: thread i of the grid takes the bit patterns i, i + stride, ...
+__global__ void sqrt_upper_kernel(unsigned long long* counts) {
+  constexpr uint32_t kFiniteEnd = 0x7f800000u;
+  unsigned long long checked = 0, below = 0, loose = 0;
+  for (uint32_t bits = blockIdx.x * blockDim.x + threadIdx.x; bits < kFiniteEnd; bits += gridDim.x * blockDim.x) {
+    const float v = __uint_as_float(bits);
+    const double b = double(sqrt_upper(v));
+    ++checked;
+    below += __dmul_rn(b, b) < double(v) ? 1 : 0;  // b^2 is exact: 24-bit significands
+    loose += v >= 0x1p-126f && b > __dsqrt_rn(double(v)) * (1.0 + 0x1p-19) ? 1 : 0;
+  }
+  atomicAdd(&counts[0], checked);
+  atomicAdd(&counts[1], below);
+  atomicAdd(&counts[2], loose);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    counts[3] = __float_as_uint(sqrt_upper(0.f));
+    counts[4] = __float_as_uint(sqrt_upper(__uint_as_float(0x7f800000u)));
+    counts[5] = __float_as_uint(sqrt_upper(__uint_as_float(0x7fc00000u)));
+  }
+}
+
 }  // namespace
+
+CudaStatus check_sqrt_upper(SqrtUpperCheck* out) {
+  unsigned long long* counts = nullptr;
+  if (cudaMalloc(&counts, 6 * sizeof(unsigned long long)) != cudaSuccess)
+    return CudaStatus{false, StatusCode::kInternal, "check_sqrt_upper: cannot allocate its counters"};
+  cudaMemset(counts, 0, 6 * sizeof(unsigned long long));
+  sqrt_upper_kernel<<<1024, 256>>>(counts);
+  unsigned long long host[6] = {};
+  const cudaError_t e = cudaMemcpy(host, counts, sizeof(host), cudaMemcpyDeviceToHost);
+  cudaFree(counts);
+  if (e != cudaSuccess)
+    return CudaStatus{false, StatusCode::kInternal, std::string("check_sqrt_upper: ") + cudaGetErrorString(e)};
+  out->checked = host[0];
+  out->below = host[1];
+  out->loose = host[2];
+  const auto as_float = [](unsigned long long x) {
+    const uint32_t bits = uint32_t(x);
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  };
+  out->at_zero = as_float(host[3]);
+  out->at_inf = as_float(host[4]);
+  out->at_nan = as_float(host[5]);
+  return {};
+}
 
 CudaStatus launch_fragment_split(const FragmentSplitArgs& a) {
   return with_kernel(a.p, [&](auto d, auto page, auto meter, auto st) {

@@ -33,4 +33,14 @@ int fragment_resident_ctas(const PagedDecodeParams& p);
 // warps for their arithmetic; fp8 at 4 CTAs, 66 splits, 5-9% slower at batch 1 than at 33-49).
 int fragment_planned_ctas_per_sm(const PagedDecodeParams& p);
 
+// sqrt_upper (tile_mma.cuh, the square roots of dither8's certificate) over every finite float
+// v >= 0, bit patterns 0 .. 0x7f7fffff: `below` counts the v whose bound b is below sqrt(v) (b^2 < v,
+// exact in double), `loose` those from 2^-126 up whose bound exceeds sqrt(v) by more than 2^-19
+// relative; and the bound of 0, +inf and a NaN. For its test (paged_decode_cuda_test).
+struct SqrtUpperCheck {
+  unsigned long long checked = 0, below = 0, loose = 0;
+  float at_zero = 0.f, at_inf = 0.f, at_nan = 0.f;
+};
+CudaStatus check_sqrt_upper(SqrtUpperCheck* out);
+
 }  // namespace certkv::attention::cuda

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "attention/cuda/device_kv.h"
+#include "attention/cuda/fragment_decode_cuda.h"
 #include "attention/cuda/paged_decode_cuda.h"
 #include "format/fragment_layout.h"
 #include "attention/online_softmax.h"
@@ -412,6 +413,23 @@ void expect_value_side_matches(const Result& r, const std::string& name) {
 TEST(PagedDecodeCuda, DeviceIsPresent) {
   CERTKV_NEED_CUDA_DEVICE();
   EXPECT_GT(device_count(), 0);
+}
+
+// The square roots of dither8's certificate (tile_mma.cuh, sqrt_upper) round up for every finite
+// non-negative float, by at most 2^-19 relative from 2^-126 up; 0 gives a tiny positive bound,
+// +inf and NaN a NaN (a meter of 1).
+TEST(PagedDecodeCuda, SqrtUpperBoundsTheRootOfEveryFloat) {
+  CERTKV_NEED_CUDA_DEVICE();
+  SqrtUpperCheck r;
+  const CudaStatus st = check_sqrt_upper(&r);
+  ASSERT_TRUE(st.ok) << st.message;
+  EXPECT_EQ(r.checked, 0x7f800000ull);
+  EXPECT_EQ(r.below, 0ull) << "floats whose bound is below the root";
+  EXPECT_EQ(r.loose, 0ull) << "floats whose bound exceeds the root by more than 2^-19";
+  EXPECT_GT(r.at_zero, 0.f);
+  EXPECT_LE(r.at_zero, 0x1p-62f);
+  EXPECT_TRUE(std::isnan(r.at_inf));
+  EXPECT_TRUE(std::isnan(r.at_nan));
 }
 
 // The page format of each scheme the device serves follows the scheme table (no device): dither8

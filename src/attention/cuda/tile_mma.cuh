@@ -194,24 +194,45 @@ __device__ inline RowExtent row_extent(const Params& p, int b, unsigned int* err
   return {len, table_block};
 }
 
+// An upper bound of sqrt(v) for v >= 0, from the approximate reciprocal square root (MUFU.RSQ,
+// whose relative error PTX bounds by 2^-22.9) and two products rounded toward +inf, the second by
+// 1 + 2^-20: fl(v r) >= v r >= sqrt(v) (1 - 2^-22.9), and (1 - 2^-22.9)(1 + 2^-20) > 1. v is taken
+// at least 2^-126 (the approximation flushes subnormals, and 0 would give 0 * inf), which adds at
+// most 2^-63 to the bound; a NaN stays NaN (max.NaN), and +inf gives +inf * 0, NaN: a bound of
+// NaN is a meter of 1.
+// About four instructions where sqrtf's correctly rounded root takes a refinement and a slow
+// path; the bound exceeds the root by at most 2^-19 relative (paged_decode_cuda_test checks both
+// sides over every float exponent).
+__device__ inline float sqrt_upper(float v) {
+  float x, r;
+  asm("max.NaN.f32 %0, %1, 0f00800000;" : "=f"(x) : "f"(v));  // 0x00800000: 2^-126
+  asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return __fmul_ru(__fmul_ru(x, r), 1.f + 0x1p-20f);
+}
+
 // dither8's Tier B logit bounds of a lane's four (token, head) cells: c = sqrt(sum_g w_g s_g^2) +
 // sum_g w'_g s_g with the weights of heads 2 hq + e (weight, abs_weight: [8][G]) and the scales of
-// the lane's tokens tq, tq + 8 (scales[r][g]); a weight row holds kRow >= G entries.
+// the lane's tokens tq, tq + 8 (scales[r][g]); a weight row holds kRow >= G entries. Each token's
+// s_g^2 is made once for its two heads; the square root is sqrt_upper's.
 template <int G, int kRow>
 __device__ inline void tier_b_bounds(const float (*weight)[kRow], const float (*abs_weight)[kRow],
                                      const float (&scales)[2][G], int hq, float (&c)[4]) {
   static_assert(kRow >= G, "a weight per group");
+  float squares[2][G];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int g = 0; g < G; ++g) squares[r][g] = scales[r][g] * scales[r][g];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int head = 2 * hq + (k & 1);
     float var = 0.f, sum = 0.f;
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      const float x = scales[k >> 1][g];
-      var += weight[head][g] * x * x;
-      sum += abs_weight[head][g] * x;
+      var = fmaf(weight[head][g], squares[k >> 1][g], var);
+      sum = fmaf(abs_weight[head][g], scales[k >> 1][g], sum);
     }
-    c[k] = sqrtf(var) + sum;
+    c[k] = sqrt_upper(var) + sum;
   }
 }
 
