@@ -1245,7 +1245,7 @@ __global__ void sqrt_upper_kernel(unsigned long long* counts) {
     const double b = double(sqrt_upper(v));
     ++checked;
     below += __dmul_rn(b, b) < double(v) ? 1 : 0;  // b^2 is exact: 24-bit significands
-    loose += v >= 0x1p-126f && b > __dsqrt_rn(double(v)) * (1.0 + 0x1p-19) ? 1 : 0;
+    loose += v >= 0x1p-126f && b > __dsqrt_rn(double(v)) * (1.0 + 0x1p-17) ? 1 : 0;
   }
   atomicAdd(&counts[0], checked);
   atomicAdd(&counts[1], below);

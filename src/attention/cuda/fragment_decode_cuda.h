@@ -35,7 +35,7 @@ int fragment_planned_ctas_per_sm(const PagedDecodeParams& p);
 
 // sqrt_upper (tile_mma.cuh, the square roots of dither8's certificate) over every finite float
 // v >= 0, bit patterns 0 .. 0x7f7fffff: `below` counts the v whose bound b is below sqrt(v) (b^2 < v,
-// exact in double), `loose` those from 2^-126 up whose bound exceeds sqrt(v) by more than 2^-19
+// exact in double), `loose` those from 2^-126 up whose bound exceeds sqrt(v) by more than 2^-17
 // relative; and the bound of 0, +inf and a NaN. For its test (paged_decode_cuda_test).
 struct SqrtUpperCheck {
   unsigned long long checked = 0, below = 0, loose = 0;

@@ -416,7 +416,7 @@ TEST(PagedDecodeCuda, DeviceIsPresent) {
 }
 
 // The square roots of dither8's certificate (tile_mma.cuh, sqrt_upper) round up for every finite
-// non-negative float, by at most 2^-19 relative from 2^-126 up; 0 gives a tiny positive bound,
+// non-negative float, by at most 2^-17 relative from 2^-126 up; 0 gives a tiny positive bound,
 // +inf and NaN a NaN (a meter of 1).
 TEST(PagedDecodeCuda, SqrtUpperBoundsTheRootOfEveryFloat) {
   CERTKV_NEED_CUDA_DEVICE();
@@ -425,7 +425,7 @@ TEST(PagedDecodeCuda, SqrtUpperBoundsTheRootOfEveryFloat) {
   ASSERT_TRUE(st.ok) << st.message;
   EXPECT_EQ(r.checked, 0x7f800000ull);
   EXPECT_EQ(r.below, 0ull) << "floats whose bound is below the root";
-  EXPECT_EQ(r.loose, 0ull) << "floats whose bound exceeds the root by more than 2^-19";
+  EXPECT_EQ(r.loose, 0ull) << "floats whose bound exceeds the root by more than 2^-17";
   EXPECT_GT(r.at_zero, 0.f);
   EXPECT_LE(r.at_zero, 0x1p-62f);
   EXPECT_TRUE(std::isnan(r.at_inf));
