@@ -1263,10 +1263,13 @@ CudaStatus check_sqrt_upper(SqrtUpperCheck* out) {
   unsigned long long* counts = nullptr;
   if (cudaMalloc(&counts, 6 * sizeof(unsigned long long)) != cudaSuccess)
     return CudaStatus{false, StatusCode::kInternal, "check_sqrt_upper: cannot allocate its counters"};
-  cudaMemset(counts, 0, 6 * sizeof(unsigned long long));
-  sqrt_upper_kernel<<<1024, 256>>>(counts);
+  cudaError_t e = cudaMemset(counts, 0, 6 * sizeof(unsigned long long));
+  if (e == cudaSuccess) {
+    sqrt_upper_kernel<<<1024, 256>>>(counts);
+    e = cudaGetLastError();
+  }
   unsigned long long host[6] = {};
-  const cudaError_t e = cudaMemcpy(host, counts, sizeof(host), cudaMemcpyDeviceToHost);
+  if (e == cudaSuccess) e = cudaMemcpy(host, counts, sizeof(host), cudaMemcpyDeviceToHost);
   cudaFree(counts);
   if (e != cudaSuccess)
     return CudaStatus{false, StatusCode::kInternal, std::string("check_sqrt_upper: ") + cudaGetErrorString(e)};

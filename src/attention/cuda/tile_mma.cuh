@@ -197,13 +197,11 @@ __device__ inline RowExtent row_extent(const Params& p, int b, unsigned int* err
 // An upper bound of sqrt(v) for v >= 0, from the approximate reciprocal square root (MUFU.RSQ,
 // whose relative error PTX bounds by 2^-22.9) and two products rounded toward +inf, the second by
 // 1 + 2^-18 (about 30 times that error): fl(v r) >= v r >= sqrt(v) (1 - 2^-22.9), and
-// (1 - 2^-22.9)(1 + 2^-18) > 1. v is taken
-// at least 2^-126 (the approximation flushes subnormals, and 0 would give 0 * inf), which adds at
-// most 2^-63 to the bound; a NaN stays NaN (max.NaN), and +inf gives +inf * 0, NaN: a bound of
-// NaN is a meter of 1.
-// About four instructions where sqrtf's correctly rounded root takes a refinement and a slow
-// path; the bound exceeds the root by at most 2^-17 relative (paged_decode_cuda_test checks both
-// sides on every finite float).
+// (1 - 2^-22.9)(1 + 2^-18) > 1. v is taken at least 2^-126 (the approximation flushes subnormals,
+// and 0 would give 0 * inf), which adds at most 2^-63 to the bound; a NaN stays NaN (max.NaN), and
+// +inf gives +inf * 0, NaN: a bound of NaN is a meter of 1. About four instructions where sqrtf's
+// correctly rounded root takes a refinement and a slow path; the bound exceeds the root by at most
+// 2^-17 relative (paged_decode_cuda_test checks both sides on every finite float).
 __device__ inline float sqrt_upper(float v) {
   float x, r;
   asm("max.NaN.f32 %0, %1, 0f00800000;" : "=f"(x) : "f"(v));  // 0x00800000: 2^-126
