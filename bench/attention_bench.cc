@@ -447,15 +447,13 @@ BENCHMARK(BM_DecodePages)
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 
-// The decode step of the lossy page classes alone: one 16 x 64 page per call, 4096 pages of
-// synthetic (normal) values encoded by the reference coder, decoded by one kernel of
-// codec::LossyPageDecoder (dither8 also writes its scales for the meter). Args: scheme
-// (codec::LossyScheme), K (1) or V (0), kernel (codec::LossyKernel). Counter: ns per page.
-void BM_LossyPageDecode(benchmark::State& state) {
+// The lossy page benchmarks' spec: a 16 x 64 page of layer 3, kv_head 1; dither8 K pages keep
+// four outlier pairs.
+certkv::codec::LossyPageSpec bench_lossy_spec(certkv::codec::LossyScheme scheme, bool key) {
   namespace codec = certkv::codec;
   codec::LossyPageSpec spec;
-  spec.scheme = codec::LossyScheme(state.range(0));
-  spec.key = state.range(1) != 0;
+  spec.scheme = scheme;
+  spec.key = key;
   spec.block_tokens = kBlockTokens;
   spec.head_dim = 64;
   spec.dither_key = codec::dither8_key(3, spec.key, 1);
@@ -464,6 +462,16 @@ void BM_LossyPageDecode(benchmark::State& state) {
     spec.n_outlier_pairs = 4;
     spec.outlier_pairs = kPairs;
   }
+  return spec;
+}
+
+// The decode step of the lossy page classes alone: one 16 x 64 page per call, 4096 pages of
+// synthetic (normal) values encoded by the reference coder, decoded by one kernel of
+// codec::LossyPageDecoder (dither8 also writes its scales for the meter). Args: scheme
+// (codec::LossyScheme), K (1) or V (0), kernel (codec::LossyKernel). Counter: ns per page.
+void BM_LossyPageDecode(benchmark::State& state) {
+  namespace codec = certkv::codec;
+  const codec::LossyPageSpec spec = bench_lossy_spec(codec::LossyScheme(state.range(0)), state.range(1) != 0);
   const codec::LossyKernel kernel = codec::LossyKernel(state.range(2));
   if (!codec::lossy_kernel_supported(kernel)) {
     state.SkipWithError("the CPU does not run this kernel");
@@ -496,6 +504,35 @@ void BM_LossyPageDecode(benchmark::State& state) {
 BENCHMARK(BM_LossyPageDecode)
     ->ArgNames({"scheme", "key", "kernel"})
     ->ArgsProduct({{0, 3, 4, 5, 6}, {1, 0}, {0, 1, 2}})
+    ->Unit(benchmark::kMicrosecond);
+
+// The encode of one lossy page at block finalize (what the cache does every block_tokens tokens
+// for each (layer, K or V, kv_head)): a 16 x 64 page of synthetic (normal) values per call, 256
+// distinct pages in turn, by lossy_encode_page_ref (path 0) or lossy_encode_page (path 1, the
+// cache's; the same bytes). Args: scheme (codec::LossyScheme), K (1) or V (0), path. Counter: ns
+// per page.
+void BM_LossyPageEncode(benchmark::State& state) {
+  namespace codec = certkv::codec;
+  const codec::LossyPageSpec spec = bench_lossy_spec(codec::LossyScheme(state.range(0)), state.range(1) != 0);
+  constexpr int kPages = 256;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<uint16_t> x(size_t(kPages) * kBlockTokens * 64);
+  for (uint16_t& e : x) e = certkv::format::float_to_bf16(normal(rng));
+  std::vector<uint8_t> page(codec::lossy_page_bytes(spec));
+  const auto encode = state.range(2) == 0 ? &codec::lossy_encode_page_ref : &codec::lossy_encode_page;
+  for (auto _ : state) {
+    for (int p = 0; p < kPages; ++p)
+      benchmark::DoNotOptimize(encode(spec, uint32_t(p), x.data() + size_t(p) * kBlockTokens * 64, page.data()));
+  }
+  state.SetLabel(std::string(codec::lossy_scheme_name(spec.scheme)) + (spec.key ? " K " : " V ") +
+                 (state.range(2) == 0 ? "reference" : "production"));
+  state.counters["ns_per_page"] = benchmark::Counter(
+      double(kPages) * 1e-9, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+BENCHMARK(BM_LossyPageEncode)
+    ->ArgNames({"scheme", "key", "path"})
+    ->ArgsProduct({{0, 3, 4, 5, 6}, {1, 0}, {0, 1}})
     ->Unit(benchmark::kMicrosecond);
 
 // Args: n query tokens (a prompt from position 0), threads.

@@ -517,7 +517,7 @@ void KvCache::swap_in_page(int layer, KvTensor kv, int kv_head, int64_t block, c
                      reinterpret_cast<uint8_t*>(exact.data()));
       if (lossy_scheme_ == codec::LossyScheme::kDither8) {
         // Keyed by the block's position, the dither comes out as it was before the swap.
-        if (!codec::lossy_encode_page_ref(lossy_spec(layer, kv, kv_head), uint32_t(block), exact.data(),
+        if (!codec::lossy_encode_page(lossy_spec(layer, kv, kv_head), uint32_t(block), exact.data(),
                                           pool.data(p))) {
           fail_cache(StatusCode::kInternal, "swap in: a dither8 block that was encoded once no longer encodes");
         }
@@ -769,7 +769,7 @@ void KvCache::finalize_lossy(int layer, KvTensor kv, int kv_head, int64_t block_
   lossy.storage = slot_class_;
   lossy.pool = pool_index;
   try {
-    encoded = codec::lossy_encode_page_ref(lossy_spec(layer, kv, kv_head), uint32_t(block_index), rows,
+    encoded = codec::lossy_encode_page(lossy_spec(layer, kv, kv_head), uint32_t(block_index), rows,
                                            pages.data(page));
     if (encoded) store_backing(layer, kv, kv_head, block, lossy);
   } catch (...) {

@@ -1,6 +1,10 @@
 // The plain reference coders of the lossy page schemes (codec/lossy_page.h): fp8 casts, scaled
-// fp8, rtn8, rtn4, kivi2 with their Tier A side data, and dither8 with its counter-based dither.
-// Byte layouts: docs/format/lossy_pages.md and docs/format/dither8.md.
+// fp8, rtn8, rtn4, kivi2 with their Tier A side data, and dither8 with its counter-based dither;
+// and the encoder the cache runs at block finalize, lossy_encode_page, which writes the
+// reference's bytes by the same arithmetic (one body, encode_page<kRef>, with tables, one
+// rounding instruction and one dither word per four channels where the reference calls the
+// plain functions; the side data's norms are lossy_norms.cc's). Byte layouts:
+// docs/format/lossy_pages.md and docs/format/dither8.md.
 #include "codec/lossy_page.h"
 
 #include <algorithm>
@@ -9,16 +13,15 @@
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 #include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
 
+#include "codec/lossy_norms.h"
 #include "codec/lossy_page_kernels.h"
 #include "core/status.h"
+#include "core/x86_simd.h"
 #include "format/dither8_generator.h"
 #include "format/fp8.h"
 #include "format/numeric.h"
@@ -44,9 +47,6 @@ constexpr double kRtn8Top = 127.0;
 constexpr double kRtn4Top = 7.0;
 constexpr double kKivi2Steps = 3.0;    // levels 0..3
 constexpr double kDither8Top = 126.5;  // Q - 1/2 with Q = 127: no clipping after the dither
-// The computed norms carry a relative error below 2^-44 (at most 256 squares summed in double);
-// this factor covers it before the upward rounding.
-constexpr double kNormSafety = 1.0 + 0x1p-40;
 constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ull;
 
 const char* const kWitnessCodeNames[kNumWitnessCodes] = {"fp16", "u8", "exponent"};
@@ -79,9 +79,61 @@ double round_half_even(double v) {
   return r;
 }
 
+// round_half_even in one instruction where SSE4.1 is there (the rounding mode is the
+// instruction's, not the environment's); what the production encoder rounds with.
+double nearest_even(double v) {
+#if defined(__SSE4_1__)
+  return _mm_cvtsd_f64(_mm_round_sd(_mm_setzero_pd(), _mm_set_sd(v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  return round_half_even(v);
+#endif
+}
+
+// The production encoder's codes of one group of kQuantGroup values: q[c] = the nearest integer
+// (ties to even) to x_c / s + xi_c (xi null: + 0), clamped to [-top, top]; each step the
+// reference's double operation, with AVX-512 eight at a time. REQUIRES s > 0 and finite x.
+void group_codes(const uint16_t* x, double s, const float* xi, double top, int* q) {
+  int c = 0;
+#if defined(__AVX512F__)
+  const __m512d sv = _mm512_set1_pd(s), hi = _mm512_set1_pd(top), lo = _mm512_set1_pd(-top);
+  for (; c + 8 <= kQuantGroup; c += 8) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + c)));
+    __m512d v = _mm512_div_pd(_mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(h, 16))), sv);
+    if (xi != nullptr) v = _mm512_add_pd(v, _mm512_cvtps_pd(_mm256_loadu_ps(xi + c)));
+    v = _mm512_min_pd(_mm512_max_pd(_mm512_roundscale_pd(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + c), _mm512_cvtpd_epi32(v));  // integers: exact
+  }
+#endif
+  for (; c < kQuantGroup; ++c) {
+    const double v = double(bf16_to_float(x[c])) / s + (xi != nullptr ? double(xi[c]) : 0.0);
+    q[c] = int(std::clamp(nearest_even(v), -top, top));
+  }
+}
+
+// The rounding of each path: the reference's plain one, or the production encoder's.
+template <bool kRef>
+double round_to_even(double v) {
+  if constexpr (kRef) return round_half_even(v);
+  return nearest_even(v);
+}
+
 // The smallest fp16 >= v (+inf above 65504). Rounding up to float first loses nothing: every
 // fp16 value is a float.
 uint16_t fp16_upward(double v) { return format::float_to_fp16_upward(format::float_upward(v)); }
+
+// fp16_upward of v[0..n), stored little-endian at out: the production encoder's. With AVX-512
+// eight at a time, double -> float and float -> fp16 each rounded toward +inf by the instruction
+// (the reference's two steps; finite or +inf inputs, as the side data's norms are).
+void fp16_upward_n(const double* v, size_t n, uint8_t* out) {
+  size_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256 f = _mm512_cvt_roundpd_ps(_mm512_loadu_pd(v + i), _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * i), _mm256_cvtps_ph(f, _MM_FROUND_TO_POS_INF));
+  }
+#endif
+  for (; i < n; ++i) store_u16(out + 2 * i, fp16_upward(v[i]));
+}
 
 // The largest fp16 <= f (-inf below -65504).
 uint16_t fp16_downward(float f) { return uint16_t(format::float_to_fp16_upward(-f) ^ 0x8000u); }
@@ -189,11 +241,12 @@ size_t rtn_code_bytes(const Geometry& g, int bits) {
   return bits == 8 ? size_t(g.d) : size_t(g.d) / 2;
 }
 
+template <bool kRef>
 bool encode_rtn(const Geometry& g, int bits, const uint16_t* x, uint8_t* page) {
   const double top = bits == 8 ? kRtn8Top : kRtn4Top;
   const size_t code_bytes = rtn_code_bytes(g, bits);
   const size_t record = code_bytes + 2 * size_t(g.groups);
-  std::vector<int> q(size_t(g.d));
+  int q[kMaxHeadDim];
   for (int t = 0; t < g.bt; ++t) {
     const uint16_t* row = x + size_t(t) * g.d;
     uint8_t* rec = page + size_t(t) * record;
@@ -205,12 +258,16 @@ bool encode_rtn(const Geometry& g, int bits, const uint16_t* x, uint8_t* page) {
       const uint16_t s16 = fp16_upward(double(amax) / top);
       if (s16 == kFp16Inf) return false;
       const double s = fp16_to_float(s16);
-      for (int c = c0; c < c0 + kQuantGroup; ++c) {
-        // x / s in double rounds to the same integer as the exact quotient
-        // (docs/format/lossy_pages.md).
-        q[c] = s == 0.0
-                   ? 0
-                   : int(std::clamp(round_half_even(double(bf16_to_float(row[c])) / s), -top, top));
+      if (!kRef && s != 0.0) {
+        group_codes(row + c0, s, nullptr, top, q + c0);
+      } else {
+        for (int c = c0; c < c0 + kQuantGroup; ++c) {
+          // x / s in double rounds to the same integer as the exact quotient
+          // (docs/format/lossy_pages.md).
+          q[c] = s == 0.0
+                     ? 0
+                     : int(std::clamp(round_to_even<kRef>(double(bf16_to_float(row[c])) / s), -top, top));
+        }
       }
       store_u16(rec + code_bytes + 2 * size_t(grp), s16);
     }
@@ -247,9 +304,10 @@ bool kivi2_params(float mn, float mx, uint16_t* min16, uint16_t* step16) {
   return *step16 != kFp16Inf;
 }
 
+template <bool kRef>
 int kivi2_code(float x, float min, float step) {
   if (step == 0.0f) return 0;  // every value of the set equals min
-  const double q = round_half_even((double(x) - double(min)) / double(step));
+  const double q = round_to_even<kRef>((double(x) - double(min)) / double(step));
   return int(std::clamp(q, 0.0, kKivi2Steps));
 }
 
@@ -263,33 +321,36 @@ size_t kivi2_param_offset(const Geometry& g, bool key, int t, int c) {
   return base + 4 * pair;
 }
 
+template <bool kRef>
 bool encode_kivi2(const Geometry& g, bool key, const uint16_t* x, uint8_t* page) {
   const size_t code_bytes = size_t(g.bt) * size_t(g.d) / 4;
   std::memset(page, 0, code_bytes);
-  // One parameter set per K channel (over the block's tokens) or per V token group.
+  // One parameter set per K channel (over the block's tokens) or per V token group; f(t, c) on
+  // each of its members in order.
   const int n_sets = key ? g.d : g.bt * g.groups;
-  for (int set = 0; set < n_sets; ++set) {
-    std::vector<std::pair<int, int>> members;  // (token, channel)
+  const auto for_members = [&](int set, auto&& f) {
     if (key) {
-      for (int t = 0; t < g.bt; ++t) members.emplace_back(t, set);
+      for (int t = 0; t < g.bt; ++t) f(t, set);
     } else {
       const int t = set / g.groups, c0 = (set % g.groups) * kQuantGroup;
-      for (int c = c0; c < c0 + kQuantGroup; ++c) members.emplace_back(t, c);
+      for (int c = c0; c < c0 + kQuantGroup; ++c) f(t, c);
     }
+  };
+  for (int set = 0; set < n_sets; ++set) {
     float mn = std::numeric_limits<float>::infinity(), mx = -mn;
-    for (auto [t, c] : members) {
+    for_members(set, [&](int t, int c) {
       const float v = bf16_to_float(x[size_t(t) * g.d + c]);
       mn = std::min(mn, v);
       mx = std::max(mx, v);
-    }
+    });
     uint16_t min16, step16;
     if (!kivi2_params(mn, mx, &min16, &step16)) return false;
     const float min = fp16_to_float(min16), step = fp16_to_float(step16);
-    for (auto [t, c] : members) {
-      const int q = kivi2_code(bf16_to_float(x[size_t(t) * g.d + c]), min, step);
+    for_members(set, [&](int t, int c) {
+      const int q = kivi2_code<kRef>(bf16_to_float(x[size_t(t) * g.d + c]), min, step);
       page[(size_t(t) * g.d + c) / 4] |= uint8_t(q << (2 * (c & 3)));
-    }
-    const auto [t0, c0] = members.front();
+    });
+    const int t0 = key ? 0 : set / g.groups, c0 = key ? set : (set % g.groups) * kQuantGroup;
     uint8_t* params = page + kivi2_param_offset(g, key, t0, c0);
     store_u16(params, min16);
     store_u16(params + 2, step16);
@@ -335,14 +396,25 @@ uint64_t dither8_counter(const Geometry& g, uint32_t block, int row) {
 // Every operand of x / s + xi is exact in double and the double result rounds to the same
 // integer as the exact value (docs/format/dither8.md), so q is round(x / s16 + xi) exactly.
 // V pages are not dithered (xi = 0): the certificate's value side is the deterministic rho.
+// kRef: xi from dither8_xi per element; else from the row's seed, one word per four channels
+// (format/dither8_generator.h, the same values).
+template <bool kRef>
 bool encode_dither8(const LossyPageSpec& spec, const Geometry& g, uint32_t block,
                     const uint16_t* x, uint8_t* page) {
   const std::vector<uint8_t> outlier = outlier_channels(spec);
   const size_t record = dither8_record_bytes(g);
+  float row_xi[kMaxHeadDim];
   for (int t = 0; t < g.bt; ++t) {
     const uint16_t* row = x + size_t(t) * g.d;
     uint8_t* rec = page + size_t(t) * record;
     const uint64_t counter = dither8_counter(g, block, t);
+    if (!kRef && spec.key) {
+      const uint32_t seed = format::dither8_row_seed(spec.dither_key, counter);
+      for (int c = 0; c < g.d; c += 4) {
+        const uint32_t word = format::dither8_word(seed, c / 4);
+        for (int k = 0; k < 4; ++k) row_xi[c + k] = (float(format::dither8_u(word, c + k)) + 0.5f) / 256.0f - 0.5f;
+      }
+    }
     for (int grp = 0; grp < g.groups; ++grp) {
       const int c0 = grp * kQuantGroup;
       float amax = 0.0f;
@@ -352,11 +424,20 @@ bool encode_dither8(const LossyPageSpec& spec, const Geometry& g, uint32_t block
       const uint16_t s16 = fp16_upward(double(amax) / kDither8Top);
       if (s16 == kFp16Inf) return false;
       const double s = fp16_to_float(s16);
+      if (!kRef && s != 0.0) {
+        // |x / s + xi| <= 126.5 + 1/2 off the outliers, so the clamp at 128 changes nothing there
+        // and keeps an outlier's quotient (replaced by 0) an int.
+        int q[kQuantGroup];
+        group_codes(row + c0, s, spec.key ? row_xi + c0 : nullptr, 128.0, q);
+        for (int c = c0; c < c0 + kQuantGroup; ++c) rec[c] = uint8_t(int8_t(outlier[c] ? 0 : q[c - c0]));
+        store_u16(rec + g.d + 2 * size_t(grp), s16);
+        continue;
+      }
       for (int c = c0; c < c0 + kQuantGroup; ++c) {
         int q = 0;
         if (!outlier[c] && s != 0.0) {
-          const double xi = spec.key ? dither8_xi(spec.dither_key, counter, c) : 0.0;
-          q = int(round_half_even(double(bf16_to_float(row[c])) / s + xi));
+          const double xi = !spec.key ? 0.0 : kRef ? dither8_xi(spec.dither_key, counter, c) : row_xi[c];
+          q = int(round_to_even<kRef>(double(bf16_to_float(row[c])) / s + xi));
         }
         rec[c] = uint8_t(int8_t(q));
       }
@@ -401,30 +482,27 @@ void decode_dither8(const LossyPageSpec& spec, const Geometry& g, uint32_t block
 // K: w_{t,b} = ||r_{t,b}|| over the channels of band b's RoPE pairs; V: rho_t = ||r_t||; with
 // r = x^ - x, each an upper bound (DESIGN.md section 4, Tier A): fp16 rounded up, or for a
 // WitnessCode::kPageScaled8 K page a code against the page's largest bound.
+template <bool kRef>
 void write_tier_a_side_data(const LossyPageSpec& spec, const Geometry& g, const uint16_t* x,
                             const float* recon, uint8_t* side) {
   const int n_bands = spec.key ? witness_bands(g.d) : 1;
-  std::vector<double> sum_sq(static_cast<size_t>(n_bands));
-  // The norms' upper bounds, band-major [n_bands][bt]: each computed norm lifted by kNormSafety.
-  std::vector<double> bound(size_t(n_bands) * size_t(g.bt));
-  for (int t = 0; t < g.bt; ++t) {
-    std::fill(sum_sq.begin(), sum_sq.end(), 0.0);
-    for (int pair = 0; pair < g.d / 2; ++pair) {
-      const int b = spec.key ? witness_band_of_pair(g.d, pair) : 0;
-      for (int which = 0; which < 2; ++which) {
-        const size_t i =
-            size_t(t) * g.d + size_t(rope_pair_channel(spec.pairing, g.d, pair, which));
-        const double r = double(recon[i]) - double(bf16_to_float(x[i]));
-        sum_sq[size_t(b)] += r * r;
-      }
-    }
-    for (int b = 0; b < n_bands; ++b) bound[size_t(b) * g.bt + t] = std::sqrt(sum_sq[size_t(b)]) * kNormSafety;
+  // The norms' upper bounds, band-major [n_bands][bt] (lossy_norms.cc).
+  thread_local std::vector<double> bound;
+  bound.resize(size_t(n_bands) * size_t(g.bt));
+  if constexpr (kRef) {
+    detail::tier_a_norm_bounds_ref(spec, x, recon, bound.data());
+  } else {
+    detail::tier_a_norm_bounds(spec, x, recon, bound.data());
   }
   if (spec.key && spec.witness == WitnessCode::kExponent) return;  // no bytes: the codes bound themselves
   if (!spec.key || spec.witness == WitnessCode::kFp16) {
     // Band-major: the bounds of one band for every token of the block are contiguous, so that
     // attention reads them as a vector per band.
-    for (size_t i = 0; i < bound.size(); ++i) store_u16(side + 2 * i, fp16_upward(bound[i]));
+    if constexpr (kRef) {
+      for (size_t i = 0; i < bound.size(); ++i) store_u16(side + 2 * i, fp16_upward(bound[i]));
+    } else {
+      fp16_upward_n(bound.data(), bound.size(), side);
+    }
     return;
   }
   // kPageScaled8: w_max = the largest bound rounded up to fp16; c = ceil(256 w / w_max) - 1, raised
@@ -574,8 +652,29 @@ size_t lossy_page_bytes(const LossyPageSpec& spec) {
   return payload_bytes_of(spec) + side_bytes_of(spec);
 }
 
-bool lossy_encode_page_ref(const LossyPageSpec& spec, uint32_t block, const uint16_t* x,
-                           uint8_t* page) {
+namespace {
+
+// The E4M3 and E5M2 codes of every bf16 bit pattern, float_to_fp8_ref's (a bf16's float is
+// exact, so the code is a function of the 16 bits): 128 KiB, made at the first lossy encode.
+struct Bf16Fp8Codes {
+  uint8_t e4m3[1 << 16];
+  uint8_t e5m2[1 << 16];
+  Bf16Fp8Codes() {
+    for (uint32_t h = 0; h < (1u << 16); ++h) {
+      e4m3[h] = format::float_to_fp8_ref(bf16_to_float(uint16_t(h)), 4, 3);
+      e5m2[h] = format::float_to_fp8_ref(bf16_to_float(uint16_t(h)), 5, 2);
+    }
+  }
+};
+
+void encode_fp8_cast_table(const Geometry& g, const uint8_t* codes, const uint16_t* x, uint8_t* page) {
+  for (size_t i = 0; i < size_t(g.bt) * size_t(g.d); ++i) page[i] = codes[x[i]];
+}
+
+// lossy_encode_page_ref (kRef) and lossy_encode_page: one body, the reference's plain functions
+// or the production encoder's equivalents (the file's comment).
+template <bool kRef>
+bool encode_page(const LossyPageSpec& spec, uint32_t block, const uint16_t* x, uint8_t* page) {
   const Geometry g = geometry_of(spec);
   const size_t n = size_t(g.bt) * size_t(g.d);
   for (size_t i = 0; i < n; ++i) {
@@ -590,41 +689,61 @@ bool lossy_encode_page_ref(const LossyPageSpec& spec, uint32_t block, const uint
   bool encoded = false;
   switch (spec.scheme) {
     case LossyScheme::kFp8E4M3:
-      encode_fp8_cast(g, 4, 3, x, page);
+    case LossyScheme::kFp8E5M2: {
+      const bool e4m3 = spec.scheme == LossyScheme::kFp8E4M3;
+      if constexpr (kRef) {
+        encode_fp8_cast(g, e4m3 ? 4 : 5, e4m3 ? 3 : 2, x, page);
+      } else {
+        static const Bf16Fp8Codes codes;
+        encode_fp8_cast_table(g, e4m3 ? codes.e4m3 : codes.e5m2, x, page);
+      }
       encoded = true;
       break;
-    case LossyScheme::kFp8E5M2:
-      encode_fp8_cast(g, 5, 2, x, page);
-      encoded = true;
-      break;
+    }
     case LossyScheme::kFp8E4M3Scaled:
       encoded = encode_fp8_e4m3_scaled(g, x, page);
       break;
     case LossyScheme::kRtn8:
-      encoded = encode_rtn(g, 8, x, page);
+      encoded = encode_rtn<kRef>(g, 8, x, page);
       break;
     case LossyScheme::kRtn4:
-      encoded = encode_rtn(g, 4, x, page);
+      encoded = encode_rtn<kRef>(g, 4, x, page);
       break;
     case LossyScheme::kKivi2:
-      encoded = encode_kivi2(g, spec.key, x, page);
+      encoded = encode_kivi2<kRef>(g, spec.key, x, page);
       break;
     case LossyScheme::kDither8:
-      encoded = encode_dither8(spec, g, block, x, page);
+      encoded = encode_dither8<kRef>(spec, g, block, x, page);
       break;
   }
   if (!encoded) return false;
   // The side data describes exactly what attention will read: the decoded page. A reconstruction
   // that is not finite (E5M2 overflows to Inf above 57344) is refused like a non-finite input.
-  std::vector<float> recon(n);
-  lossy_decode_page_ref(spec, block, page, recon.data());
+  thread_local std::vector<float> recon;
+  recon.resize(n);
+  if constexpr (kRef) {
+    lossy_decode_page_ref(spec, block, page, recon.data());
+  } else {
+    lossy_decode_page(spec, block, page, recon.data());
+  }
   for (float v : recon) {
     if (!std::isfinite(v)) return false;
   }
   if (!lossy_scheme_is_tier_b(spec.scheme)) {
-    write_tier_a_side_data(spec, g, x, recon.data(), page + g.payload_bytes);
+    write_tier_a_side_data<kRef>(spec, g, x, recon.data(), page + g.payload_bytes);
   }
   return true;
+}
+
+}  // namespace
+
+bool lossy_encode_page_ref(const LossyPageSpec& spec, uint32_t block, const uint16_t* x,
+                           uint8_t* page) {
+  return encode_page<true>(spec, block, x, page);
+}
+
+bool lossy_encode_page(const LossyPageSpec& spec, uint32_t block, const uint16_t* x, uint8_t* page) {
+  return encode_page<false>(spec, block, x, page);
 }
 
 void lossy_decode_page_ref(const LossyPageSpec& spec, uint32_t block, const uint8_t* page,
@@ -1048,7 +1167,7 @@ void dither8_value_rho(const LossyPageSpec& spec, const uint8_t* page, float* rh
       sum_sq += double(quantized[grp]) * r_max * r_max;
     }
     // The double sum of at most 8 terms is off by far less than kNormSafety's 2^-40.
-    rho[t] = format::float_upward(std::sqrt(sum_sq) * kNormSafety);
+    rho[t] = format::float_upward(std::sqrt(sum_sq) * detail::kNormSafety);
   }
 }
 

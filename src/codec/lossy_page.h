@@ -154,6 +154,11 @@ size_t lossy_payload_bytes(const LossyPageSpec& spec);
 bool lossy_encode_page_ref(const LossyPageSpec& spec, uint32_t block, const uint16_t* x,
                            uint8_t* page);
 
+// The bytes and the result of lossy_encode_page_ref, faster: what the cache writes at block
+// finalize (fp8 casts through a table of every bf16 pattern, rounding in one instruction, one
+// dither word per four channels, the reconstruction by lossy_decode_page). Same contract.
+bool lossy_encode_page(const LossyPageSpec& spec, uint32_t block, const uint16_t* x, uint8_t* page);
+
 // The reconstruction attention reads. out: [block_tokens][head_dim] float.
 void lossy_decode_page_ref(const LossyPageSpec& spec, uint32_t block, const uint8_t* page,
                            float* out);

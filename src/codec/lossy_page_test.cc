@@ -1444,6 +1444,84 @@ TEST(LossyPageDecoder, EveryKernelGivesTheReferenceFloatsOnRaggedRows) {
   EXPECT_TRUE(lossy_kernel_supported(lossy_best_kernel()));
 }
 
+// ---- the production encoder ------------------------------------------------------------------
+
+// Values that put the production encoder's shortcuts on their edges: exact ties of x / s (rtn,
+// kivi2 and dither8 round half to even), bf16 subnormals and the largest finite bf16, fp8's
+// saturation and E5M2's overflow, zeros of both signs, and rows whose values are all equal.
+std::vector<uint16_t> adversarial_block(uint64_t seed, int bt, int d) {
+  std::mt19937_64 rng(seed);
+  std::vector<uint16_t> x(size_t(bt) * size_t(d));
+  const uint16_t edges[] = {0x0000, 0x8000, 0x0001, 0x8001, 0x007f, 0x0080, 0x7f7f, 0xff7f, 0x43e0, 0x43e8,
+                            0x43f0, 0xc3e8, 0x4760, 0x4770, 0x3f00, 0x3fc0, 0x4020, 0xbfc0, 0x3e80, 0x3c00};
+  for (int t = 0; t < bt; ++t) {
+    const int kind = int(rng() % 4);
+    for (int c = 0; c < d; ++c) {
+      uint16_t v;
+      switch (kind) {
+        case 0:  // edges
+          v = edges[rng() % std::size(edges)];
+          break;
+        case 1:  // ties: halves of a power of two times small integers (x / s = k + 1/2 for s a power of two)
+          v = float_to_bf16((float(int(rng() % 15)) - 7.f + 0.5f) * 0.125f);
+          break;
+        case 2:  // one value for the whole row
+          v = c == 0 ? uint16_t(rng() & 0x7f7f) : x[size_t(t) * d];
+          break;
+        default:  // any finite bit pattern
+          do v = uint16_t(rng()); while ((v & 0x7f80) == 0x7f80);
+          break;
+      }
+      x[size_t(t) * size_t(d) + size_t(c)] = v;
+    }
+  }
+  return x;
+}
+
+TEST(LossyPage, EncoderWritesTheReferenceBytes) {
+  std::mt19937_64 rng(47);
+  int compared = 0, refused = 0;
+  for (int si = 0; si < kNumLossySchemes; ++si) {
+    for (bool key : {true, false}) {
+      for (int wi = 0; wi < kNumWitnessCodes; ++wi) {
+        const WitnessCode witness = WitnessCode(wi);
+        if (key && witness != WitnessCode::kFp16 && !lossy_witness_supported(scheme_at(si), witness)) continue;
+        if (!key && witness != WitnessCode::kFp16) continue;
+        for (int d : kHeadDims) {
+          for (int bt : kBlockTokenCounts) {
+            for (int kind = 0; kind < 3; ++kind) {
+              SCOPED_TRACE(std::string(lossy_scheme_name(scheme_at(si))) + (key ? " K " : " V ") +
+                           witness_code_name(witness) + " d " + std::to_string(d) + " bt " + std::to_string(bt) +
+                           " kind " + std::to_string(kind));
+              const RopePairing pairing = kPairings[rng() % 2];
+              std::vector<uint16_t> x = kind == 1 ? adversarial_block(rng(), bt, d) : make_block(rng(), bt, d, pairing, key);
+              if (kind == 2) x[size_t(rng() % x.size())] = uint16_t(rng() % 2 ? 0x7f80 : 0xffc1);  // refused by both
+              std::vector<uint16_t> pairs;
+              if (si == int(LossyScheme::kDither8) && key) pairs = outliers_of(x, d, pairing, int(rng() % 5));
+              LossyPageSpec spec = make_spec(scheme_at(si), key, bt, d, pairing, pairs);
+              spec.witness = witness;
+              const uint32_t block = rng() % 2 ? uint32_t(rng()) : uint32_t(0xffffffffu / uint32_t(bt));
+              std::vector<uint8_t> want(lossy_page_bytes(spec), 0xa5), got(want.size(), 0x5a);
+              const bool ok_ref = lossy_encode_page_ref(spec, block, x.data(), want.data());
+              const bool ok = lossy_encode_page(spec, block, x.data(), got.data());
+              ASSERT_EQ(ok, ok_ref);
+              if (kind == 2) EXPECT_FALSE(ok);
+              if (!ok) {
+                ++refused;
+                continue;
+              }
+              ASSERT_EQ(std::memcmp(got.data(), want.data(), want.size()), 0);
+              ++compared;
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(compared, 500);
+  EXPECT_GT(refused, 100);
+}
+
 // ---- outlier selection, bands, fp16 rounding, names -----------------------------------------
 
 TEST(LossyPage, SelectOutlierPairsKnownAnswer) {

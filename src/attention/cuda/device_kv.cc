@@ -293,7 +293,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
         if (key)
           for (int64_t i = 0; i < n * D; ++i)
             if (!(std::fabs(format::bf16_to_float(rows[i])) <= 464.f)) return 0;
-        if (!codec::lossy_encode_page_ref(spec, uint32_t(j), rows, encoded.data())) {
+        if (!codec::lossy_encode_page(spec, uint32_t(j), rows, encoded.data())) {
           failed = true;
           return 0;
         }
@@ -353,7 +353,7 @@ CudaStatus DeviceKv::build(const HostLayerKv& kv, const DeviceKvOptions& options
       }
       default: {
         const codec::LossyPageSpec spec = r.lossy_spec(key, h);
-        if (!codec::lossy_encode_page_ref(spec, uint32_t(j), rows, page)) {  // dither8: keyed by the block
+        if (!codec::lossy_encode_page(spec, uint32_t(j), rows, page)) {  // dither8: keyed by the block
           failed = true;
           return 0;
         }
