@@ -14,6 +14,9 @@
 // (decode_true_tv_ref), the coverage at tau and the tightness meter / TV. Soundness is counted too,
 // both expected 0 (exit status 1 otherwise): tokens whose exponent bound is below their true logit
 // error |scale q . (k^ - k)|, and cells whose meter (either witness) is below their TV.
+// A third bound, for the meter's cost (docs/server.md): the fp16 witness with each band's largest
+// value over the token's page of 16 (a bound per page and band, as if stored at encode), against
+// the per-token one: per cell the ratio of the p~-weighted c and of the logit term sum p~ (e^c - 1).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -85,7 +88,7 @@ int main(int argc, char** argv) {
       layers.push_back(std::stoi(part));
     const int group = n_q / n_kv;
     const AttentionShape shape{n_q, n_kv, d, scale};
-    std::vector<double> ratios, cell_ratios, meters[2], tv_all, tight[2];
+    std::vector<double> ratios, cell_ratios, page_c_ratios, page_term_ratios, meters[2], tv_all, tight[2];
     int64_t unsound_tokens = 0, unsound_cells = 0, cells = 0, covered[2] = {0, 0};
     uint64_t fallback_blocks = 0;
     for (const int layer : layers) {
@@ -161,14 +164,32 @@ int main(int argc, char** argv) {
             s[size_t(t)] = double(scale) * dot;
             s_max = std::max(s_max, s[size_t(t)]);
           }
-          double z = 0, num = 0, den = 0;
+          double z = 0, num = 0, den = 0, c_page_sum = 0, term_key = 0, term_page = 0;
           for (double& x : s) z += (x = std::exp(x - s_max));
+          // The fp16 witness's band maxima over each page of 16 tokens.
+          std::vector<float> page_max(bounds[0].size());
+          for (int b = 0; b < widths[0]; ++b)
+            for (int64_t p0 = 0; p0 < n_tokens; p0 += 16) {
+              const int64_t p1 = std::min<int64_t>(n_tokens, p0 + 16);
+              float m = 0.f;
+              for (int64_t t = p0; t < p1; ++t) m = std::max(m, bounds[0][size_t(b) * size_t(n_tokens) + size_t(t)]);
+              for (int64_t t = p0; t < p1; ++t) page_max[size_t(b) * size_t(n_tokens) + size_t(t)] = m;
+            }
           for (int64_t t = 0; t < n_tokens; ++t) {
             double c[2];
             for (int w = 0; w < 2; ++w) {
               std::vector<float> bt(static_cast<size_t>(widths[w]));
               for (int b = 0; b < widths[w]; ++b) bt[size_t(b)] = bounds[w][size_t(b) * size_t(n_tokens) + size_t(t)];
               c[w] = certkv::attention::meter_logit_bound_ref(*tables[w].lossy, qh, scale, bt.data(), n_tokens, 1e-6);
+            }
+            {
+              std::vector<float> bt(static_cast<size_t>(widths[0]));
+              for (int b = 0; b < widths[0]; ++b) bt[size_t(b)] = page_max[size_t(b) * size_t(n_tokens) + size_t(t)];
+              const double c_page = certkv::attention::meter_logit_bound_ref(*tables[0].lossy, qh, scale, bt.data(), n_tokens, 1e-6);
+              const double w = s[size_t(t)] / z;
+              c_page_sum += w * c_page;
+              term_key += w * std::expm1(c[0]);
+              term_page += w * std::expm1(c_page);
             }
             long double err = 0;
             for (int c2 = 0; c2 < d; ++c2)
@@ -180,6 +201,8 @@ int main(int argc, char** argv) {
             den += s[size_t(t)] / z * c[0];
           }
           if (den > 0) cell_ratios.push_back(num / den);
+          if (den > 0) page_c_ratios.push_back(c_page_sum / den);
+          if (term_key > 0) page_term_ratios.push_back(term_page / term_key);
           ++cells;
           tv_all.push_back(tv[size_t(h)]);
           for (int w = 0; w < 2; ++w) {
@@ -203,6 +226,12 @@ int main(int argc, char** argv) {
                 quantile(ratios, 1));
     std::printf(" \"c_ratio_p_weighted_per_cell\": {\"min\": %.4f, \"median\": %.4f, \"max\": %.4f},\n",
                 quantile(cell_ratios, 0), quantile(cell_ratios, 0.5), quantile(cell_ratios, 1));
+    std::printf(" \"page_band_max_over_token_fp16\": {\"c_p_weighted_per_cell\": {\"min\": %.4f, \"median\": %.4f, "
+                "\"p90\": %.4f, \"max\": %.4f}, \"logit_term_per_cell\": {\"min\": %.4f, \"median\": %.4f, \"p90\": %.4f, "
+                "\"max\": %.4f}},\n",
+                quantile(page_c_ratios, 0), quantile(page_c_ratios, 0.5), quantile(page_c_ratios, 0.9),
+                quantile(page_c_ratios, 1), quantile(page_term_ratios, 0), quantile(page_term_ratios, 0.5),
+                quantile(page_term_ratios, 0.9), quantile(page_term_ratios, 1));
     std::printf(" \"true_tv\": {\"median\": %.6g, \"max\": %.6g},\n", quantile(tv_all, 0.5), quantile(tv_all, 1));
     for (int w = 0; w < 2; ++w)
       std::printf(" \"meter_%s\": {\"median\": %.6g, \"p90\": %.6g, \"coverage_at_tau\": %.4f, \"tightness_q50\": %.4g, "
