@@ -17,12 +17,17 @@
 // A third bound, for the meter's cost (docs/server.md): the fp16 witness with each band's largest
 // value over the token's page of 16 (a bound per page and band, as if stored at encode), against
 // the per-token one: per cell the ratio of the p~-weighted c and of the logit term sum p~ (e^c - 1).
+// And how much the exponent witness's meter moves when its inputs move by one bf16 step, as the
+// device's keys and values do (bf16 weight products, docs/cuda.md): every element of the dump's K
+// and V moved one bf16 step up or down with probability 1/4 each (a fixed seed), the meters of the
+// cells below 1 compared with the unmoved ones' (`perturbed_exponent`).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -89,6 +94,9 @@ int main(int argc, char** argv) {
     const int group = n_q / n_kv;
     const AttentionShape shape{n_q, n_kv, d, scale};
     std::vector<double> ratios, cell_ratios, page_c_ratios, page_term_ratios, meters[2], tv_all, tight[2];
+    std::vector<double> moved;  // |meter moved - meter| / meter, exponent witness, cells below 1
+    int64_t moved_cells = 0, moved_beyond_2pct = 0;
+    std::mt19937_64 rng(99);
     int64_t unsound_tokens = 0, unsound_cells = 0, cells = 0, covered[2] = {0, 0};
     uint64_t fallback_blocks = 0;
     for (const int layer : layers) {
@@ -136,6 +144,36 @@ int main(int argc, char** argv) {
         options.meters = got[w].data();
         options.n_splits = 1;
         certkv::attention::decode_attention(*caches[w], seqs[w], 0, shape, q, n_tokens, out.data(), nullptr, options);
+      }
+      {
+        // The exponent witness over K and V moved by one bf16 step in half their elements.
+        std::vector<float> k_moved(k), v_moved(v);
+        for (std::vector<float>* x : {&k_moved, &v_moved})
+          for (float& e : *x) {
+            const int r = int(rng() % 4);
+            uint16_t b = certkv::format::float_to_bf16(e);
+            if (r < 2 || (b & 0x7fff) == 0) continue;
+            e = certkv::format::bf16_to_float(uint16_t(r == 2 ? b + 1 : b - 1));
+          }
+        cache::KvCacheConfig cfg = caches[1]->config();
+        cache::KvCache moved_cache(cfg);
+        const cache::SeqId seq = moved_cache.create_sequence();
+        moved_cache.reserve(seq, n_tokens);
+        moved_cache.write(seq, 0, k_moved.data(), v_moved.data(), n_tokens);
+        moved_cache.commit(seq, n_tokens);
+        std::vector<HeadMeter> m(static_cast<size_t>(n_q));
+        std::vector<float> out(size_t(n_q) * d);
+        certkv::attention::DecodeOptions options;
+        options.meters = m.data();
+        options.n_splits = 1;
+        certkv::attention::decode_attention(moved_cache, seq, 0, shape, q, n_tokens, out.data(), nullptr, options);
+        for (int h = 0; h < n_q; ++h) {
+          const double a = got[1][size_t(h)].meter;
+          if (!(a < 1.0)) continue;
+          ++moved_cells;
+          moved.push_back(std::fabs(double(m[size_t(h)].meter) - a) / a);
+          moved_beyond_2pct += moved.back() > 0.02;
+        }
       }
       std::vector<double> tv(static_cast<size_t>(n_q));
       certkv::attention::decode_true_tv_ref(*caches[1], seqs[1], 0, shape, q, n_tokens, tv.data());
@@ -232,6 +270,10 @@ int main(int argc, char** argv) {
                 quantile(page_c_ratios, 0), quantile(page_c_ratios, 0.5), quantile(page_c_ratios, 0.9),
                 quantile(page_c_ratios, 1), quantile(page_term_ratios, 0), quantile(page_term_ratios, 0.5),
                 quantile(page_term_ratios, 0.9), quantile(page_term_ratios, 1));
+    std::printf(" \"perturbed_exponent\": {\"cells_below_1\": %lld, \"beyond_2pct\": %lld, \"rel_median\": %.4g, "
+                "\"rel_p90\": %.4g, \"rel_p99\": %.4g, \"rel_max\": %.4g},\n",
+                (long long)moved_cells, (long long)moved_beyond_2pct, quantile(moved, 0.5), quantile(moved, 0.9),
+                quantile(moved, 0.99), quantile(moved, 1));
     std::printf(" \"true_tv\": {\"median\": %.6g, \"max\": %.6g},\n", quantile(tv_all, 0.5), quantile(tv_all, 1));
     for (int w = 0; w < 2; ++w)
       std::printf(" \"meter_%s\": {\"median\": %.6g, \"p90\": %.6g, \"coverage_at_tau\": %.4f, \"tightness_q50\": %.4g, "
