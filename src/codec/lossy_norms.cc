@@ -1,4 +1,6 @@
-// The Tier A side data's norms (codec/lossy_norms.h).
+// The Tier A side data's norms (codec/lossy_norms.h). This file must stay compiled with
+// -ffp-contract=off (src/codec/CMakeLists.txt names it): with FMA contraction, `sum += r * r`
+// would round once where the device and the definition round twice.
 #include "codec/lossy_norms.h"
 
 #include <cmath>

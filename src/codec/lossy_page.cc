@@ -123,12 +123,19 @@ uint16_t fp16_upward(double v) { return format::float_to_fp16_upward(format::flo
 
 // fp16_upward of v[0..n), stored little-endian at out: the production encoder's. With AVX-512
 // eight at a time, double -> float and float -> fp16 each rounded toward +inf by the instruction
-// (the reference's two steps; finite or +inf inputs, as the side data's norms are).
+// (the reference's two steps; non-negative finite or +inf inputs, as the side data's norms are).
+// A v in (0, 2^-24) is first raised to 2^-24, where the reference lands it (the smallest fp16):
+// no step then has a float subnormal result, which a process running with flush-to-zero would
+// turn into a witness of 0 (an unsound bound).
 void fp16_upward_n(const double* v, size_t n, uint8_t* out) {
   size_t i = 0;
 #if defined(__AVX512F__)
+  const __m512d smallest = _mm512_set1_pd(0x1p-24), zero = _mm512_setzero_pd();
   for (; i + 8 <= n; i += 8) {
-    const __m256 f = _mm512_cvt_roundpd_ps(_mm512_loadu_pd(v + i), _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+    __m512d x = _mm512_loadu_pd(v + i);
+    const __mmask8 tiny = _mm512_cmp_pd_mask(x, zero, _CMP_GT_OQ) & _mm512_cmp_pd_mask(x, smallest, _CMP_LT_OQ);
+    x = _mm512_mask_mov_pd(x, tiny, smallest);
+    const __m256 f = _mm512_cvt_roundpd_ps(x, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * i), _mm256_cvtps_ph(f, _MM_FROUND_TO_POS_INF));
   }
 #endif
@@ -485,6 +492,7 @@ void decode_dither8(const LossyPageSpec& spec, const Geometry& g, uint32_t block
 template <bool kRef>
 void write_tier_a_side_data(const LossyPageSpec& spec, const Geometry& g, const uint16_t* x,
                             const float* recon, uint8_t* side) {
+  if (spec.key && spec.witness == WitnessCode::kExponent) return;  // no bytes: the codes bound themselves
   const int n_bands = spec.key ? witness_bands(g.d) : 1;
   // The norms' upper bounds, band-major [n_bands][bt] (lossy_norms.cc).
   thread_local std::vector<double> bound;
@@ -494,7 +502,6 @@ void write_tier_a_side_data(const LossyPageSpec& spec, const Geometry& g, const 
   } else {
     detail::tier_a_norm_bounds(spec, x, recon, bound.data());
   }
-  if (spec.key && spec.witness == WitnessCode::kExponent) return;  // no bytes: the codes bound themselves
   if (!spec.key || spec.witness == WitnessCode::kFp16) {
     // Band-major: the bounds of one band for every token of the block are contiguous, so that
     // attention reads them as a vector per band.

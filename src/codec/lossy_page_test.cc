@@ -1446,80 +1446,128 @@ TEST(LossyPageDecoder, EveryKernelGivesTheReferenceFloatsOnRaggedRows) {
 
 // ---- the production encoder ------------------------------------------------------------------
 
-// Values that put the production encoder's shortcuts on their edges: exact ties of x / s (rtn,
-// kivi2 and dither8 round half to even), bf16 subnormals and the largest finite bf16, fp8's
-// saturation and E5M2's overflow, zeros of both signs, and rows whose values are all equal.
-std::vector<uint16_t> adversarial_block(uint64_t seed, int bt, int d) {
+// Blocks that put the production encoder's shortcuts on their edges, a row kind at a time:
+//   0  edge values: zeros of both signs, bf16 subnormals, the largest finite bf16, fp8's
+//      saturation and E5M2's overflow, values just around them;
+//   1  exact ties of the scheme's rounding: a group whose largest magnitude is top 2^j (so that
+//      its fp16 scale is 2^j exactly) and whose other values are (k + 1/2) 2^j (rtn8, rtn4,
+//      dither8's V pages; its K pages add the dither, so these are no ties there); kivi2 sets from 0 to 3 2^j with the others at (k + 1/2) 2^j (by
+//      channel on K pages, whose sets are channels); fp8 casts the midpoints of adjacent codes;
+//   2  one value for the whole row;
+//   3  any finite bit pattern of magnitude below 2^20 (scales that fit fp16).
+// *ties counts the values of kind 1 placed at a tie.
+std::vector<uint16_t> adversarial_block(uint64_t seed, int bt, int d, LossyScheme scheme, bool key, int64_t* ties) {
   std::mt19937_64 rng(seed);
   std::vector<uint16_t> x(size_t(bt) * size_t(d));
   const uint16_t edges[] = {0x0000, 0x8000, 0x0001, 0x8001, 0x007f, 0x0080, 0x7f7f, 0xff7f, 0x43e0, 0x43e8,
                             0x43f0, 0xc3e8, 0x4760, 0x4770, 0x3f00, 0x3fc0, 0x4020, 0xbfc0, 0x3e80, 0x3c00};
+  const double top = scheme == LossyScheme::kRtn8 ? 127.0 : scheme == LossyScheme::kRtn4 ? 7.0 : 126.5;
+  const bool fp8_cast = scheme == LossyScheme::kFp8E4M3 || scheme == LossyScheme::kFp8E5M2;
+  const auto at = [&](int t, int c) -> uint16_t& { return x[size_t(t) * size_t(d) + size_t(c)]; };
+  const int kind_k = int(rng() % 4);  // kivi2 K pages: one kind for the whole block (its sets are columns)
   for (int t = 0; t < bt; ++t) {
-    const int kind = int(rng() % 4);
-    for (int c = 0; c < d; ++c) {
-      uint16_t v;
-      switch (kind) {
-        case 0:  // edges
-          v = edges[rng() % std::size(edges)];
-          break;
-        case 1:  // ties: halves of a power of two times small integers (x / s = k + 1/2 for s a power of two)
-          v = float_to_bf16((float(int(rng() % 15)) - 7.f + 0.5f) * 0.125f);
-          break;
-        case 2:  // one value for the whole row
-          v = c == 0 ? uint16_t(rng() & 0x7f7f) : x[size_t(t) * d];
-          break;
-        default:  // any finite bit pattern
-          do v = uint16_t(rng()); while ((v & 0x7f80) == 0x7f80);
-          break;
+    const int kind = scheme == LossyScheme::kKivi2 && key ? kind_k : int(rng() % 4);
+    for (int c0 = 0; c0 < d; c0 += kQuantGroup) {
+      const int j = int(rng() % 20) - 10;  // the group's power of two
+      for (int c = c0; c < c0 + kQuantGroup; ++c) {
+        uint16_t v = 0;
+        switch (kind) {
+          case 0:
+            v = edges[rng() % std::size(edges)];
+            break;
+          case 1:
+            if (fp8_cast) {
+              const int e = scheme == LossyScheme::kFp8E4M3 ? 4 : 5, m = 7 - e;
+              const uint8_t code = uint8_t(rng() % (scheme == LossyScheme::kFp8E4M3 ? 0x7e : 0x7b));
+              const float mid = 0.5f * (format::fp8_to_float(code, e, m) + format::fp8_to_float(uint8_t(code + 1), e, m));
+              v = float_to_bf16(rng() % 2 ? -mid : mid);  // exact: one mantissa bit more than the codes'
+              ++*ties;
+            } else if (scheme == LossyScheme::kKivi2) {
+              const int r = key ? t : c - c0;  // the value's place in its set
+              const double q = r == 0 ? 0.0 : r == 1 ? 3.0 : double(rng() % 3) + 0.5;
+              v = float_to_bf16(float(std::ldexp(q, key ? (c % 20) - 10 : j)));
+              *ties += r >= 2;
+            } else {
+              const double k = c == c0 ? top : double(int(rng() % uint64_t(2 * top - 1)) - int(top) + 1) + 0.5;
+              v = float_to_bf16(float(std::ldexp(k, j)));
+              *ties += c != c0 && !(scheme == LossyScheme::kDither8 && key);  // K pages add the dither
+            }
+            break;
+          case 2:
+            v = c == 0 ? uint16_t(rng() & 0x7f7f) : at(t, 0);
+            break;
+          default:
+            do v = uint16_t(rng()); while ((v & 0x7f80) >= 0x4980);  // |v| < 2^20, finite
+            break;
+        }
+        at(t, c) = v;
       }
-      x[size_t(t) * size_t(d) + size_t(c)] = v;
     }
   }
   return x;
 }
 
 TEST(LossyPage, EncoderWritesTheReferenceBytes) {
+  constexpr int kDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
+  constexpr int kTokens[] = {1, 3, 16, 17, 64};
+  constexpr size_t kGuard = 64;
   std::mt19937_64 rng(47);
-  int compared = 0, refused = 0;
+  int64_t compared = 0, refused_finite = 0, refused_nonfinite = 0, ties_compared = 0;
   for (int si = 0; si < kNumLossySchemes; ++si) {
     for (bool key : {true, false}) {
       for (int wi = 0; wi < kNumWitnessCodes; ++wi) {
         const WitnessCode witness = WitnessCode(wi);
         if (key && witness != WitnessCode::kFp16 && !lossy_witness_supported(scheme_at(si), witness)) continue;
         if (!key && witness != WitnessCode::kFp16) continue;
-        for (int d : kHeadDims) {
-          for (int bt : kBlockTokenCounts) {
-            for (int kind = 0; kind < 3; ++kind) {
-              SCOPED_TRACE(std::string(lossy_scheme_name(scheme_at(si))) + (key ? " K " : " V ") +
-                           witness_code_name(witness) + " d " + std::to_string(d) + " bt " + std::to_string(bt) +
-                           " kind " + std::to_string(kind));
-              const RopePairing pairing = kPairings[rng() % 2];
-              std::vector<uint16_t> x = kind == 1 ? adversarial_block(rng(), bt, d) : make_block(rng(), bt, d, pairing, key);
-              if (kind == 2) x[size_t(rng() % x.size())] = uint16_t(rng() % 2 ? 0x7f80 : 0xffc1);  // refused by both
-              std::vector<uint16_t> pairs;
-              if (si == int(LossyScheme::kDither8) && key) pairs = outliers_of(x, d, pairing, int(rng() % 5));
-              LossyPageSpec spec = make_spec(scheme_at(si), key, bt, d, pairing, pairs);
-              spec.witness = witness;
-              const uint32_t block = rng() % 2 ? uint32_t(rng()) : uint32_t(0xffffffffu / uint32_t(bt));
-              std::vector<uint8_t> want(lossy_page_bytes(spec), 0xa5), got(want.size(), 0x5a);
-              const bool ok_ref = lossy_encode_page_ref(spec, block, x.data(), want.data());
-              const bool ok = lossy_encode_page(spec, block, x.data(), got.data());
-              ASSERT_EQ(ok, ok_ref);
-              if (kind == 2) EXPECT_FALSE(ok);
-              if (!ok) {
-                ++refused;
-                continue;
+        for (int d : kDims) {
+          for (int bt : kTokens) {
+            for (RopePairing pairing : kPairings) {
+              for (int kind = 0; kind < 3; ++kind) {
+                SCOPED_TRACE(std::string(lossy_scheme_name(scheme_at(si))) + (key ? " K " : " V ") +
+                             witness_code_name(witness) + " d " + std::to_string(d) + " bt " + std::to_string(bt) +
+                             " kind " + std::to_string(kind));
+                int64_t ties = 0;
+                std::vector<uint16_t> x = kind == 1 ? adversarial_block(rng(), bt, d, scheme_at(si), key, &ties)
+                                                    : make_block(rng(), bt, d, pairing, key);
+                if (kind == 2) x[size_t(rng() % x.size())] = uint16_t(rng() % 2 ? 0x7f80 : 0xffc1);  // refused by both
+                std::vector<uint16_t> pairs;
+                if (si == int(LossyScheme::kDither8) && key) pairs = outliers_of(x, d, pairing, int(rng() % 17));
+                LossyPageSpec spec = make_spec(scheme_at(si), key, bt, d, pairing, pairs);
+                spec.witness = witness;
+                const uint32_t block = rng() % 2 ? uint32_t(rng()) : uint32_t(0xffffffffu / uint32_t(bt));
+                const size_t bytes = lossy_page_bytes(spec);
+                std::vector<uint8_t> want(bytes + kGuard, 0xa5), got(bytes + kGuard, 0x5a);
+                const bool ok_ref = lossy_encode_page_ref(spec, block, x.data(), want.data());
+                const bool ok = lossy_encode_page(spec, block, x.data(), got.data());
+                ASSERT_EQ(ok, ok_ref);
+                for (size_t i = bytes; i < bytes + kGuard; ++i) ASSERT_EQ(got[i], 0x5a) << "wrote past the page";
+                if (kind == 2) {
+                  EXPECT_FALSE(ok);
+                  ++refused_nonfinite;
+                  continue;
+                }
+                if (!ok) {
+                  ++refused_finite;
+                  continue;
+                }
+                ASSERT_EQ(std::memcmp(got.data(), want.data(), bytes), 0);
+                ++compared;
+                ties_compared += ties;
               }
-              ASSERT_EQ(std::memcmp(got.data(), want.data(), want.size()), 0);
-              ++compared;
             }
           }
         }
       }
     }
   }
-  EXPECT_GT(compared, 500);
-  EXPECT_GT(refused, 100);
+  // Enough of each: pages compared byte for byte, refusals of finite blocks (a scale past fp16,
+  // E5M2 overflow, the exponent witness's limit), and exact ties on compared pages.
+  EXPECT_GT(compared, 1500);
+  EXPECT_GT(refused_finite, 50);
+  EXPECT_GT(refused_nonfinite, 1000);
+  EXPECT_GT(ties_compared, 10000);
+  printf("[encoder] %lld pages compared, %lld finite blocks refused, %lld non-finite refused, %lld ties on compared pages\n",
+         (long long)compared, (long long)refused_finite, (long long)refused_nonfinite, (long long)ties_compared);
 }
 
 // ---- outlier selection, bands, fp16 rounding, names -----------------------------------------
