@@ -236,6 +236,10 @@ void decode_fp8_e4m3_scaled(const Geometry& g, const uint8_t* page, float* out) 
   for (int t = 0; t < g.bt; ++t) {
     const uint8_t* rec = page + size_t(t) * record;
     const float s = fp16_to_float(load_u16(rec + g.d));
+    if (std::isnan(s)) {  // the whole row the scale's NaN, quieted (detail::scaled_row_nan)
+      std::fill_n(out + size_t(t) * g.d, g.d, detail::scaled_row_nan(s));
+      continue;
+    }
     for (int c = 0; c < g.d; ++c) out[size_t(t) * g.d + c] = s * format::fp8_e4m3_to_float(rec[c]);
   }
 }
@@ -851,6 +855,10 @@ void decode_page_portable(const detail::LossyDecodeArgs& a, uint32_t block, cons
       for (int t = 0; t < n_rows; ++t) {
         const uint8_t* rec = page + size_t(t) * a.record_bytes;
         const float s = fp16_to_float(load_u16(rec + d));
+        if (std::isnan(s)) {
+          std::fill_n(out + size_t(t) * d, d, detail::scaled_row_nan(s));
+          continue;
+        }
         for (int c = 0; c < d; ++c) out[size_t(t) * d + c] = s * fp8_tables().e4m3[rec[c]];
       }
       return;

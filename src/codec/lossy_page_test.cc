@@ -1444,6 +1444,35 @@ TEST(LossyPageDecoder, EveryKernelGivesTheReferenceFloatsOnRaggedRows) {
   EXPECT_TRUE(lossy_kernel_supported(lossy_best_kernel()));
 }
 
+// A NaN scale of an fp8-e4m3-scaled record (a corrupt page) gives every element of its token the
+// scale's NaN with the quiet bit set, NaN codes included, on the reference and every kernel: the
+// product of two NaNs would keep whichever operand the compiler put first.
+TEST(LossyPageDecoder, ScaledFp8NanScaleGivesItsRowTheQuietedScale) {
+  const int d = 64, bt = 3;
+  const LossyPageSpec spec = make_spec(LossyScheme::kFp8E4M3Scaled, true, bt, d, RopePairing::kInterleaved);
+  std::vector<uint8_t> page(lossy_page_bytes(spec));
+  const size_t record = size_t(d) + 2;
+  const uint16_t scales[bt] = {0xfd01, 0x3c00, 0x7e55};  // a signaling NaN, 1, a quiet NaN
+  for (int t = 0; t < bt; ++t) {
+    for (int c = 0; c < d; ++c) page[size_t(t) * record + size_t(c)] = uint8_t(c % 3 == 0 ? 0x7f : c);  // NaN codes too
+    page[size_t(t) * record + size_t(d)] = uint8_t(scales[t]);
+    page[size_t(t) * record + size_t(d) + 1] = uint8_t(scales[t] >> 8);
+  }
+  std::vector<float> ref(size_t(bt) * size_t(d));
+  lossy_decode_page_ref(spec, 0, page.data(), ref.data());
+  for (int t : {0, 2}) {
+    const uint32_t want = float_bits(fp16_to_float(scales[t])) | 0x00400000u;
+    for (int c = 0; c < d; ++c) ASSERT_EQ(float_bits(ref[size_t(t) * d + size_t(c)]), want) << "token " << t << " channel " << c;
+  }
+  for (int c = 1; c < d; c += 3) EXPECT_EQ(ref[size_t(d) + size_t(c)], format::fp8_e4m3_to_float(uint8_t(c)));  // s = 1
+  for (LossyKernel kernel : {LossyKernel::kPortable, LossyKernel::kAvx2, LossyKernel::kAvx512}) {
+    if (!lossy_kernel_supported(kernel)) continue;
+    std::vector<float> out(ref.size());
+    LossyPageDecoder(spec, kernel).decode(0, page.data(), bt, out.data());
+    ASSERT_EQ(std::memcmp(out.data(), ref.data(), out.size() * sizeof(float)), 0) << lossy_kernel_name(kernel);
+  }
+}
+
 // ---- the production encoder ------------------------------------------------------------------
 
 // Blocks that put the production encoder's shortcuts on their edges, a row kind at a time:
