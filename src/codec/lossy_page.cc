@@ -399,6 +399,22 @@ std::vector<uint8_t> outlier_channels(const LossyPageSpec& spec) {
   return mask;
 }
 
+// The dither of index u: (u + 1/2) / 256 - 1/2, an odd multiple of 2^-9 (dither8_xi's value).
+float dither8_xi_of_u(uint32_t u) { return (float(u) + 0.5f) / 256.0f - 0.5f; }
+
+// xi of channels [0, d) of one K row at `counter`, dither8_xi's values with the generator
+// unrolled: the row seed once and one 32-bit word per four channels, u of channel c being byte c
+// of the little-endian words (dither8_u). The word loop and the xi loop are separate so that both
+// vectorize.
+inline void dither8_row_xi(uint64_t key, uint64_t counter, int d, float* xi) {
+  uint32_t words[kMaxHeadDim / 4];
+  uint8_t u[kMaxHeadDim];
+  const uint32_t row_seed = format::dither8_row_seed(key, counter);
+  for (int w = 0; w < d / 4; ++w) words[w] = format::dither8_word(row_seed, w);
+  std::memcpy(u, words, size_t(d));
+  for (int c = 0; c < d; ++c) xi[c] = dither8_xi_of_u(u[c]);
+}
+
 uint64_t dither8_counter(const Geometry& g, uint32_t block, int row) {
   return uint64_t(block) * uint64_t(g.bt) + uint64_t(row);
 }
@@ -419,13 +435,7 @@ bool encode_dither8(const LossyPageSpec& spec, const Geometry& g, uint32_t block
     const uint16_t* row = x + size_t(t) * g.d;
     uint8_t* rec = page + size_t(t) * record;
     const uint64_t counter = dither8_counter(g, block, t);
-    if (!kRef && spec.key) {
-      const uint32_t seed = format::dither8_row_seed(spec.dither_key, counter);
-      for (int c = 0; c < g.d; c += 4) {
-        const uint32_t word = format::dither8_word(seed, c / 4);
-        for (int k = 0; k < 4; ++k) row_xi[c + k] = (float(format::dither8_u(word, c + k)) + 0.5f) / 256.0f - 0.5f;
-      }
-    }
+    if (!kRef && spec.key) dither8_row_xi(spec.dither_key, counter, g.d, row_xi);
     for (int grp = 0; grp < g.groups; ++grp) {
       const int c0 = grp * kQuantGroup;
       float amax = 0.0f;
@@ -882,22 +892,14 @@ void decode_page_portable(const detail::LossyDecodeArgs& a, uint32_t block, cons
     case LossyScheme::kDither8:
       break;
   }
-  // decode_dither8 with the generator unrolled: the row seed once per row and one 32-bit word
-  // per four channels (dither8_xi recomputes both for every channel), one scale per group; the
-  // same floats. The word loop and the xi loop are separate so that both vectorize; u of channel
-  // c is byte c of the little-endian words (dither8_u).
-  uint32_t words[kMaxHeadDim / 4];
-  uint8_t u[kMaxHeadDim];
+  // decode_dither8 with the generator unrolled (dither8_row_xi; dither8_xi recomputes the seed and
+  // the word for every channel), one scale per group; the same floats.
   float xi[kMaxHeadDim];
   for (int t = 0; t < n_rows; ++t) {
     const uint8_t* rec = page + size_t(t) * a.record_bytes;
     float* row = out + size_t(t) * d;
     if (a.key) {
-      const uint32_t row_seed =
-          format::dither8_row_seed(a.dither_key, uint64_t(block) * uint64_t(a.block_tokens) + uint64_t(t));
-      for (int w = 0; w < d / 4; ++w) words[w] = format::dither8_word(row_seed, w);
-      std::memcpy(u, words, size_t(d));
-      for (int c = 0; c < d; ++c) xi[c] = (float(u[c]) + 0.5f) / 256.0f - 0.5f;
+      dither8_row_xi(a.dither_key, uint64_t(block) * uint64_t(a.block_tokens) + uint64_t(t), d, xi);
     } else {
       std::fill(xi, xi + d, 0.0f);  // V pages are not dithered
     }
@@ -1194,7 +1196,7 @@ float dither8_xi(uint64_t key, uint64_t counter, int channel) {
   // One seed per row, one 32-bit word per four channels, 8 bits per channel
   // (format/dither8_generator.h).
   const uint32_t word = format::dither8_word(format::dither8_row_seed(key, counter), channel / 4);
-  return (float(format::dither8_u(word, channel)) + 0.5f) / 256.0f - 0.5f;
+  return dither8_xi_of_u(format::dither8_u(word, channel));
 }
 
 uint64_t dither8_key(int layer, bool key_tensor, int kv_head) {
