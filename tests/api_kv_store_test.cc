@@ -448,4 +448,68 @@ TEST(CApiKvStore, RefusalsNameTheValue) {
   certkv_kv_store_free(nullptr);
 }
 
+// The device choice is checked in every build: an unknown device, a scheme the table does not
+// serve on cuda (naming both) and a recent window are refused before any device is asked for; a
+// cpu store refuses the device functions. In a build without CUDA, or with no device (CI), a cuda
+// store is refused saying so; where one is made, the host functions refuse it
+// (tests/api_kv_store_device_test.cc runs it on a device).
+TEST(CApiKvStore, DeviceChoiceIsChecked) {
+  certkv_kv_store* s = nullptr;
+  certkv_kv_store_params p = certkv_kv_store_default_params();
+  p.n_layers = 2;
+  p.n_heads = 6;
+  p.n_kv_heads = 2;
+  p.head_dim = 64;
+  certkv_kv_store_params bad = p;
+  bad.device = "gpu";
+  EXPECT_EQ(certkv_kv_store_create(&bad, &s), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("device 'gpu'")) << certkv_last_error();
+  for (const char* kv : {"kivi2", "rtn4", "fp8-e4m3-scaled"}) {
+    bad = p;
+    bad.kv = kv;
+    bad.device = "cuda";
+    EXPECT_EQ(certkv_kv_store_create(&bad, &s), CERTKV_ERR_UNSUPPORTED) << kv;
+    EXPECT_TRUE(error_names((std::string("kv ") + kv + " is not served on device cuda").c_str())) << certkv_last_error();
+    EXPECT_TRUE(error_names("dither8")) << certkv_last_error();  // the schemes that are
+  }
+  bad = p;
+  bad.kv = "fp8-e4m3";
+  bad.device = "cuda";
+  bad.recent_window_tokens = 32;
+  EXPECT_EQ(certkv_kv_store_create(&bad, &s), CERTKV_ERR_UNSUPPORTED);
+  EXPECT_TRUE(error_names("recent window")) << certkv_last_error();
+  EXPECT_EQ(s, nullptr);
+
+  // A cpu store refuses the device functions, naming its device.
+  ASSERT_EQ(certkv_kv_store_create(&p, &s), CERTKV_OK) << certkv_last_error();
+  const int32_t seqs[1] = {0};
+  const int64_t n[1] = {1};
+  std::vector<float> rows(size_t(2) * 64 * 6, 1.f);
+  EXPECT_EQ(certkv_kv_store_append_device(s, 0, seqs, n, 1, rows.data(), rows.data()), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("device is cpu")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_attend_device(s, 0, seqs, 1, rows.data(), rows.data(), nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("device is cpu")) << certkv_last_error();
+  certkv_kv_store_free(s);
+  s = nullptr;
+
+  certkv_kv_store_params cuda = p;
+  cuda.device = "cuda";
+  const certkv_status st = certkv_kv_store_create(&cuda, &s);
+  if (st != CERTKV_OK) {
+    EXPECT_EQ(st, CERTKV_ERR_UNSUPPORTED);
+    EXPECT_TRUE(error_names("no CUDA")) << certkv_last_error();  // no backend, or no device
+    EXPECT_EQ(s, nullptr);
+    return;
+  }
+  std::vector<uint16_t> bits(size_t(2) * 64, 0x3f80);
+  EXPECT_EQ(certkv_kv_store_append_bf16(s, 0, 0, bits.data(), bits.data(), 1), CERTKV_ERR_UNSUPPORTED);
+  EXPECT_TRUE(error_names("on device cuda")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_attend(s, 0, 0, rows.data(), 1, rows.data(), nullptr), CERTKV_ERR_UNSUPPORTED);
+  EXPECT_EQ(certkv_kv_store_crop(s, 0, 0), CERTKV_ERR_UNSUPPORTED);
+  EXPECT_EQ(certkv_kv_store_reorder(s, seqs), CERTKV_ERR_UNSUPPORTED);
+  std::vector<float> out(64);
+  EXPECT_EQ(certkv_kv_store_read(s, 0, 0, 0, 0, 0, 0, out.data()), CERTKV_ERR_UNSUPPORTED);
+  certkv_kv_store_free(s);
+}
+
 }  // namespace

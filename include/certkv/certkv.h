@@ -930,6 +930,14 @@ typedef struct certkv_kv_store_params {
   double meter_tau;              /* coverage threshold, > 0 (default 0.2) */
   int64_t meter_planned_steps;   /* T of delta_loc = delta / (n_layers n_heads T); 0: max_tokens */
   int32_t n_threads;             /* threads of attend, >= 1 (default 1) */
+  const char* device;            /* where the pages live: "cpu" (null) or "cuda" (the memory of the
+                                    CUDA device current at create; a build with the CUDA
+                                    backend). A cuda store takes device rows and queries
+                                    (certkv_kv_store_append_device, _attend_device); kv a scheme
+                                    the table marks cuda_route, block_tokens 16, head_dim 64 or
+                                    128, at most 8 query heads per KV head, no recent window */
+  void* cuda_stream;             /* device "cuda": the cudaStream_t on which every call enqueues
+                                    its work, in call order (null: the legacy default stream) */
 } certkv_kv_store_params;
 
 /* The meter of one (layer, query head) of a decode step (docs/meter.md): meter >= the total
@@ -982,6 +990,31 @@ CERTKV_API certkv_status certkv_kv_store_read(const certkv_kv_store* store, int3
 CERTKV_API certkv_status certkv_kv_store_attend(certkv_kv_store* store, int32_t seq,
                                                 int32_t layer, const float* q, int32_t n_queries,
                                                 float* out, certkv_head_meter* meters);
+/* A store of device "cuda" (its K, V, queries and outputs in device memory; the host functions
+ * above refuse it with CERTKV_ERR_UNSUPPORTED, and these refuse a "cpu" store with
+ * CERTKV_ERR_INVALID_ARGUMENT). Work is enqueued on the store's cuda_stream and not waited for,
+ * except where said: pointers must stay valid until the stream has run it.
+ *
+ * append_device: rows of n_seqs distinct sequences to `layer`, in one launch per call: seqs[i]
+ * gets n_tokens[i] >= 1 rows at positions [length, length + n_tokens[i]). k, v: device memory,
+ * [sum of n_tokens][n_kv_heads][head_dim] float (the rows of seqs[0] first), rounded as
+ * certkv_kv_store_append_f32 rounds them. seqs, n_tokens: host arrays. Complete blocks are
+ * encoded on the device; a GAAC scheme without a calibration file brings the first 8,192 rows
+ * of the layer's first append to the host to calibrate the layer on them (that call waits). OUT_OF_MEMORY when the
+ * layer's capacity (max_tokens over its sequences) would be passed: nothing appended. */
+CERTKV_API certkv_status certkv_kv_store_append_device(certkv_kv_store* store, int32_t layer,
+                                                       const int32_t* seqs, const int64_t* n_tokens,
+                                                       int32_t n_seqs, const float* k,
+                                                       const float* v);
+/* attend_device: one decode step of n_seqs distinct sequences of `layer`, one launch: the query
+ * of seqs[i] (at its last position) attends to every position of seqs[i]. q, out: device memory,
+ * [n_seqs][n_heads][head_dim] float; meters: device memory, [n_seqs][n_heads] float, each head's
+ * meter (as certkv_head_meter.meter; 0 for a lossless scheme), or NULL. A lossy scheme's meters
+ * are recorded in certkv_kv_store_meter_stats whether meters is given or not; meter_stats and
+ * kv_stats wait for the stream. */
+CERTKV_API certkv_status certkv_kv_store_attend_device(certkv_kv_store* store, int32_t layer,
+                                                       const int32_t* seqs, int32_t n_seqs,
+                                                       const float* q, float* out, float* meters);
 /* Keeps the first n_tokens positions of seq in every layer. REQUIRES: n_tokens <= the length of
  * every layer. */
 CERTKV_API certkv_status certkv_kv_store_crop(certkv_kv_store* store, int32_t seq, int64_t n_tokens);

@@ -4,7 +4,9 @@
 //
 // One cache::KvCache per layer (its first_model_layer the layer, so dither8 keys its pages as a
 // whole-model cache does): a model's layers append one after another, each with its own length,
-// and a GAAC scheme without a calibration file calibrates each layer on its first append.
+// and a GAAC scheme without a calibration file calibrates each layer on its first append. A store
+// of device "cuda" keeps its pages in a backend::cuda::DeviceKvStore instead (the same per-layer
+// shape and calibration, on the device) and takes device rows and queries.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -15,6 +17,7 @@
 #include "api/api_meter_stats.h"
 #include "api/api_status.h"
 #include "attention/decode_attention.h"
+#include "backend/cuda/device_kv_store.h"
 #include "cache/kv_cache.h"
 #include "cache/kv_scheme.h"
 #include "certkv/certkv.h"
@@ -53,6 +56,9 @@ struct certkv_kv_store {
   std::unique_ptr<certkv::gate::Telemetry> telemetry;
   std::vector<float> rows;                       // [n_tokens][n_kv_heads][head_dim] for write
   std::vector<certkv::attention::HeadMeter> head_meters;
+  // Device "cuda": the pages on the device (layers, seqs and pool then stay empty). Declared
+  // last: destroyed first, before the telemetry it records into.
+  std::unique_ptr<certkv::backend::cuda::DeviceKvStore> device;
 };
 
 namespace {
@@ -123,6 +129,14 @@ std::string where_seq(const char* where, int32_t seq, int32_t layer) {
   return std::string(where) + " (seq " + std::to_string(seq) + ", layer " + std::to_string(layer) + ")";
 }
 
+// UNSUPPORTED for a store of device "cuda" in the functions that take host rows and queries.
+certkv_status refuse_device_store(const char* where, const certkv_kv_store* store) {
+  if (store == nullptr || !store->device) return CERTKV_OK;
+  return set_error(CERTKV_ERR_UNSUPPORTED, std::string(where) +
+                                               ": the store's pages are on device cuda; it takes device rows and "
+                                               "queries (certkv_kv_store_append_device, _attend_device)");
+}
+
 // Fails with a message naming the function for a null store, or a seq or layer out of range.
 certkv_status check_seq_layer(const char* where, const certkv_kv_store* store, int32_t seq, int32_t layer) {
   CERTKV_REQUIRE(store != nullptr, std::string(where) + ": null store");
@@ -136,6 +150,7 @@ certkv_status check_seq_layer(const char* where, const certkv_kv_store* store, i
 }
 
 int64_t layer_length(const certkv_kv_store& s, int32_t seq, int32_t layer) {
+  if (s.device) return s.device->length(seq, layer);
   const cache::KvCache* c = s.layers[size_t(layer)].get();
   return c ? c->length(s.seqs[size_t(layer)][size_t(seq)]) : 0;
 }
@@ -179,6 +194,7 @@ void gather_rows(certkv_kv_store& s, const T* k, const T* v, int64_t n, ToFloat 
 template <typename T, typename ToFloat>
 certkv_status append(const char* where, certkv_kv_store* store, int32_t seq, int32_t layer, const T* k,
                      const T* v, int64_t n_tokens, ToFloat to_float) {
+  if (const certkv_status st = refuse_device_store(where, store); st != CERTKV_OK) return st;
   if (const certkv_status st = check_seq_layer(where, store, seq, layer); st != CERTKV_OK) return st;
   CERTKV_REQUIRE(k && v, where_seq(where, seq, layer) + ": null k or v");
   CERTKV_REQUIRE(n_tokens >= 1 && n_tokens <= (int64_t(1) << 31),
@@ -187,6 +203,51 @@ certkv_status append(const char* where, certkv_kv_store* store, int32_t seq, int
     gather_rows(*store, k, v, n_tokens, to_float);
     append_rows(*store, seq, layer, n_tokens);
   });
+}
+
+// kv_stats of a store of device "cuda": its pages on the device, by class (raw pages, coded pages).
+void device_kv_stats(const certkv_kv_store& s, certkv_kv_stats* stats) {
+  const certkv::backend::cuda::DeviceKvStoreStats d = s.device->stats();
+  const cache::KvSchemeInfo& info = cache::kv_scheme_info(s.scheme);
+  stats->n_tokens = d.tokens_layer0;
+  stats->kv_bytes = d.bytes_reserved;
+  stats->kv_bytes_in_use = d.bytes_in_use;
+  stats->kv_bytes_bf16 = d.kv_bytes_bf16;
+  stats->pages_in_use = uint64_t(d.raw_pages_in_use + d.coded_pages_in_use);
+  stats->exact_fallback_blocks = uint64_t(d.pages_kept_exact);
+  const certkv::format::StorageClass raw = info.element == certkv::format::GaacElement::kBf16
+                                               ? certkv::format::StorageClass::kBf16
+                                               : certkv::format::StorageClass::kFp8;
+  stats->by_class[stats->n_classes++] = certkv_kv_class_stats{certkv::format::storage_class_name(raw),
+                                                              uint64_t(d.raw_pages_in_use), 0, d.raw_bytes_in_use};
+  if (info.full_blocks != raw)
+    stats->by_class[stats->n_classes++] = certkv_kv_class_stats{
+        certkv::format::storage_class_name(info.full_blocks), uint64_t(d.coded_pages_in_use), 0, d.coded_bytes_in_use};
+}
+
+// The arguments of append_device / attend_device: a store of device "cuda", the layer, and n_seqs
+// distinct sequences in range.
+certkv_status check_device_call(const char* where, const certkv_kv_store* store, int32_t layer, const int32_t* seqs,
+                                int32_t n_seqs) {
+  CERTKV_REQUIRE(store != nullptr, std::string(where) + ": null store");
+  CERTKV_REQUIRE(store->device != nullptr,
+                 std::string(where) + ": the store's device is cpu (create it with device \"cuda\")");
+  if (layer < 0 || layer >= store->n_layers)
+    return set_error(CERTKV_ERR_OUT_OF_RANGE, std::string(where) + ": layer " + std::to_string(layer) +
+                                                  " outside [0, " + std::to_string(store->n_layers) + ")");
+  CERTKV_REQUIRE(seqs != nullptr && n_seqs >= 1 && n_seqs <= store->n_sequences,
+                 std::string(where) + ": n_seqs " + std::to_string(n_seqs) + " is not in [1, " +
+                     std::to_string(store->n_sequences) + "] (or null seqs)");
+  std::vector<char> seen(size_t(store->n_sequences), 0);
+  for (int32_t i = 0; i < n_seqs; ++i) {
+    if (seqs[i] < 0 || seqs[i] >= store->n_sequences)
+      return set_error(CERTKV_ERR_OUT_OF_RANGE, std::string(where) + ": seqs[" + std::to_string(i) + "] " +
+                                                    std::to_string(seqs[i]) + " outside [0, " +
+                                                    std::to_string(store->n_sequences) + ")");
+    CERTKV_REQUIRE(!seen[size_t(seqs[i])], std::string(where) + ": seq " + std::to_string(seqs[i]) + " named twice");
+    seen[size_t(seqs[i])] = 1;
+  }
+  return CERTKV_OK;
 }
 
 }  // namespace
@@ -257,6 +318,17 @@ certkv_status certkv_kv_store_create(const certkv_kv_store_params* params, certk
   CERTKV_REQUIRE(p.meter_tau > 0 && std::isfinite(p.meter_tau),
                  std::string(w) + ": meter_tau " + std::to_string(p.meter_tau) + " is not finite and > 0");
   CERTKV_REQUIRE(p.meter_planned_steps >= 0, std::string(w) + ": meter_planned_steps is negative");
+  const std::string device = p.device ? p.device : "cpu";
+  CERTKV_REQUIRE(device == "cpu" || device == "cuda", std::string(w) + ": device '" + device + "' is not cpu or cuda");
+  const bool on_cuda = device == "cuda";
+  if (on_cuda && !info.cuda_route)
+    return set_error(CERTKV_ERR_UNSUPPORTED,
+                     std::string(w) + ": kv " + info.name + " is not served on device cuda (" +
+                         cache::kv_scheme_names([](const cache::KvSchemeInfo& i) { return i.cuda_route; }) + " are)");
+  if (on_cuda && info.lossy && p.recent_window_tokens > 0)
+    return set_error(CERTKV_ERR_UNSUPPORTED, std::string(w) + ": device cuda keeps no full-precision recent window "
+                                                              "(recent_window_tokens " +
+                                                              std::to_string(p.recent_window_tokens) + ")");
   return guarded([&] {
     auto s = std::make_unique<certkv_kv_store>();
     s->scheme = scheme;
@@ -309,7 +381,29 @@ certkv_status certkv_kv_store_create(const certkv_kv_store_params* params, certk
       probe.max_tokens = p.block_tokens;
       probe.gaac_calibration = std::make_shared<const codec::GaacCalibration>(shape);
       cache::KvCache check(probe);
-    } else {
+    }
+    if (on_cuda) {
+      certkv::backend::cuda::DeviceKvStoreConfig d;
+      d.scheme = scheme;
+      d.n_layers = p.n_layers;
+      d.n_heads = p.n_heads;
+      d.n_kv_heads = p.n_kv_heads;
+      d.head_dim = p.head_dim;
+      d.block_tokens = p.block_tokens;
+      d.n_sequences = p.n_sequences;
+      d.max_tokens = c.max_tokens;
+      d.rope_pairing = pairing;
+      d.outlier_pairs = p.outlier_pairs;
+      d.witness = witness;
+      if (info.gaac) d.calibrations = s->calibrations;
+      d.sm_scale = s->sm_scale;
+      d.delta_loc = s->delta_loc;
+      d.stream = p.cuda_stream;
+      const certkv_kv_store* raw = s.get();
+      s->device = certkv::backend::cuda::make_device_kv_store(
+          d, [raw](const float* k, const float* v, int64_t n) { return calibrate_layer(*raw, k, v, n); },
+          *s->telemetry);
+    } else if (!s->calibrate_on_first_append) {
       for (int l = 0; l < p.n_layers; ++l)
         make_layer(*s, l, has_file ? s->calibrations[size_t(l)] : nullptr);
     }
@@ -341,6 +435,7 @@ certkv_status certkv_kv_store_length(const certkv_kv_store* store, int32_t seq, 
 certkv_status certkv_kv_store_read(const certkv_kv_store* store, int32_t seq, int32_t layer, int32_t kv,
                                    int64_t begin, int64_t end, int exact, float* out) {
   const char* w = "certkv_kv_store_read";
+  if (const certkv_status st = refuse_device_store(w, store); st != CERTKV_OK) return st;
   if (const certkv_status st = check_seq_layer(w, store, seq, layer); st != CERTKV_OK) return st;
   CERTKV_REQUIRE(kv == 0 || kv == 1, where_seq(w, seq, layer) + ": kv " + std::to_string(kv) + " is not 0 (K) or 1 (V)");
   const int64_t n = layer_length(*store, seq, layer);
@@ -367,6 +462,7 @@ certkv_status certkv_kv_store_read(const certkv_kv_store* store, int32_t seq, in
 certkv_status certkv_kv_store_attend(certkv_kv_store* store, int32_t seq, int32_t layer, const float* q,
                                      int32_t n_queries, float* out, certkv_head_meter* meters) {
   const char* w = "certkv_kv_store_attend";
+  if (const certkv_status st = refuse_device_store(w, store); st != CERTKV_OK) return st;
   if (const certkv_status st = check_seq_layer(w, store, seq, layer); st != CERTKV_OK) return st;
   CERTKV_REQUIRE(q && out, where_seq(w, seq, layer) + ": null q or out");
   const int64_t n = layer_length(*store, seq, layer);
@@ -404,8 +500,36 @@ certkv_status certkv_kv_store_attend(certkv_kv_store* store, int32_t seq, int32_
   });
 }
 
+certkv_status certkv_kv_store_append_device(certkv_kv_store* store, int32_t layer, const int32_t* seqs,
+                                            const int64_t* n_tokens, int32_t n_seqs, const float* k, const float* v) {
+  const char* w = "certkv_kv_store_append_device";
+  if (const certkv_status st = check_device_call(w, store, layer, seqs, n_seqs); st != CERTKV_OK) return st;
+  CERTKV_REQUIRE(n_tokens && k && v, std::string(w) + ": null n_tokens, k or v");
+  for (int32_t i = 0; i < n_seqs; ++i)
+    CERTKV_REQUIRE(n_tokens[i] >= 1 && n_tokens[i] <= (int64_t(1) << 31),
+                   std::string(w) + ": n_tokens[" + std::to_string(i) + "] " + std::to_string(n_tokens[i]) +
+                       " is not in [1, 2^31]");
+  return guarded([&] {
+    store->device->append(layer, std::span<const int32_t>(seqs, size_t(n_seqs)),
+                          std::span<const int64_t>(n_tokens, size_t(n_seqs)), k, v);
+  });
+}
+
+certkv_status certkv_kv_store_attend_device(certkv_kv_store* store, int32_t layer, const int32_t* seqs, int32_t n_seqs,
+                                            const float* q, float* out, float* meters) {
+  const char* w = "certkv_kv_store_attend_device";
+  if (const certkv_status st = check_device_call(w, store, layer, seqs, n_seqs); st != CERTKV_OK) return st;
+  CERTKV_REQUIRE(q && out, std::string(w) + ": null q or out");
+  for (int32_t i = 0; i < n_seqs; ++i)
+    CERTKV_REQUIRE(store->device->length(seqs[i], layer) >= 1,
+                   std::string(w) + ": seq " + std::to_string(seqs[i]) + " holds no position of layer " +
+                       std::to_string(layer) + " (append its K and V first)");
+  return guarded([&] { store->device->attend(layer, std::span<const int32_t>(seqs, size_t(n_seqs)), q, out, meters); });
+}
+
 certkv_status certkv_kv_store_crop(certkv_kv_store* store, int32_t seq, int64_t n_tokens) {
   const char* w = "certkv_kv_store_crop";
+  if (const certkv_status st = refuse_device_store(w, store); st != CERTKV_OK) return st;
   if (const certkv_status st = check_seq_layer(w, store, seq, 0); st != CERTKV_OK) return st;
   for (int l = 0; l < store->n_layers; ++l)
     if (n_tokens < 0 || n_tokens > layer_length(*store, seq, l))
@@ -447,6 +571,7 @@ certkv_status certkv_kv_store_crop(certkv_kv_store* store, int32_t seq, int64_t 
 certkv_status certkv_kv_store_reorder(certkv_kv_store* store, const int32_t* src) {
   const char* w = "certkv_kv_store_reorder";
   CERTKV_REQUIRE(store && src, std::string(w) + ": null argument");
+  if (const certkv_status st = refuse_device_store(w, store); st != CERTKV_OK) return st;
   for (int i = 0; i < store->n_sequences; ++i)
     if (src[i] < 0 || src[i] >= store->n_sequences)
       return set_error(CERTKV_ERR_OUT_OF_RANGE, std::string(w) + ": src[" + std::to_string(i) + "] " +
@@ -468,6 +593,7 @@ certkv_status certkv_kv_store_reorder(certkv_kv_store* store, const int32_t* src
 certkv_status certkv_kv_store_meter_stats(const certkv_kv_store* store, certkv_meter_stats* stats) {
   CERTKV_REQUIRE(store && stats, "certkv_kv_store_meter_stats: null argument");
   return guarded([&] {
+    if (store->device) store->device->drain();
     const certkv::gate::Telemetry& t = *store->telemetry;
     *stats = certkv::api::meter_stats_of(t, store->scheme, store->metered, store->delta_loc);
     for (const auto& c : store->layers)
@@ -479,6 +605,10 @@ certkv_status certkv_kv_store_kv_stats(const certkv_kv_store* store, certkv_kv_s
   CERTKV_REQUIRE(store && stats, "certkv_kv_store_kv_stats: null argument");
   return guarded([&] {
     *stats = certkv_kv_stats{};
+    if (store->device) {
+      device_kv_stats(*store, stats);
+      return;
+    }
     for (int l = 0; l < store->n_layers; ++l) {
       const cache::KvCache* c = store->layers[size_t(l)].get();
       if (!c) continue;

@@ -253,7 +253,7 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
       if (scheme == KvScheme::kDither8) {
         std::vector<uint64_t> keys(size_t(2) * H);
         for (int kv = 0; kv < 2; ++kv)
-          for (int h = 0; h < H; ++h) keys[size_t(kv) * H + h] = codec::dither8_key(l, kv == 0, h);
+          for (int h = 0; h < H; ++h) keys[size_t(kv) * H + h] = codec::dither8_key(config.first_model_layer + l, kv == 0, h);
         s = DeviceBuffer::allocate(keys.size() * sizeof(uint64_t), &layer->dither_keys);
         if (s.ok) s = layer->dither_keys.upload(0, keys.data(), keys.size() * sizeof(uint64_t));
         layer->outliers_chosen.assign(size_t(H), n_outlier_pairs == 0 ? 1 : 0);
@@ -1028,7 +1028,7 @@ CudaStatus DeviceKvCache::finalize_lossy(int slot, int layer_index, int64_t bloc
         codec::cuda::LossyEncodeTask t;
         t.src = reinterpret_cast<const uint16_t*>(layer.raw.buffer.data() + size_t(-int64_t(entry) - 1) * layer.raw.stride);
         t.block = uint32_t(b);  // dither8's counter: the block's position, never the slot
-        if (dither8) t.dither_key = codec::dither8_key(layer_index, kv == 0, h);
+        if (dither8) t.dither_key = codec::dither8_key(config_.first_model_layer + layer_index, kv == 0, h);
         if (kv == 0 && m > 0)
           t.outlier_pairs = reinterpret_cast<const uint16_t*>(layer.outlier_pairs.data()) + size_t(h) * m;
         tasks.push_back(t);

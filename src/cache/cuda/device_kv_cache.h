@@ -95,6 +95,10 @@ struct DeviceKvCacheConfig {
   void* stream = nullptr;  // cudaStream_t for every call; null: the default stream
   // Sequences live at create (slots 0 .. sequences - 1); more come from create_sequence.
   int sequences = 1;
+  // The model layer of this cache's layer 0: dither8's dither is keyed by the model's layer
+  // (codec::dither8_key), so a cache of one layer of a model (the device KV store keeps one per
+  // layer) dithers its pages as a cache of the whole model does. REQUIRES: >= 0.
+  int first_model_layer = 0;
   // The sparse tier's key index beside the pages (DeviceLayerView::index_records): bytes of one
   // record (sizeof index::RabitqRecord of head_dim, a multiple of 8); 0: no index. Every slot of
   // every layer holds a record per position of the context and its centroids; the records of a

@@ -1,0 +1,309 @@
+// The device KV store (backend/cuda/device_kv_store.h).
+#include "backend/cuda/device_kv_store.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <utility>
+
+#include "attention/cuda/device_layer_params.h"
+#include "attention/cuda/paged_decode_cuda.h"
+#include "backend/cuda/cuda_backend.h"
+#include "cache/cuda/device_kv_cache.h"
+#include "cache/cuda/device_pool.h"
+#include "core/cuda_status.h"
+#include "core/status.h"
+#include "gate/meter.h"
+
+namespace certkv::backend::cuda {
+namespace {
+
+using attention::cuda::PagedDecodeParams;
+using attention::cuda::PageFormat;
+using cache::cuda::DeviceBuffer;
+using cache::cuda::DeviceKvCache;
+using cache::cuda::PinnedBuffer;
+
+// Decode steps per staging ring: the ring waits for the stream once per this many steps.
+constexpr int64_t kRingSteps = 512;
+// Rows of a GAAC layer's first append its calibration reads, at most.
+constexpr int64_t kCalibrationRows = 8192;
+
+class DeviceKvStoreImpl final : public DeviceKvStore {
+ public:
+  DeviceKvStoreImpl(const DeviceKvStoreConfig& config, LayerCalibrator calibrate_layer, gate::Telemetry& telemetry)
+      : config_(config), calibrate_layer_(std::move(calibrate_layer)), telemetry_(telemetry) {
+    format_ = attention::cuda::page_format_of(config.scheme, config.witness);
+    metered_ = attention::cuda::page_format_metered(format_);
+    layers_.resize(size_t(config.n_layers));
+    lengths_.assign(size_t(config.n_layers) * size_t(config.n_sequences), 0);
+    // One ring record: lengths and table rows up ([2][n_sequences] int32), then the meters of the
+    // step ([3][n_sequences][n_heads] float: meter, A - 1, value side); A - 1 comes down.
+    record_bytes_ = round_up(sizeof(int32_t) * 2 * size_t(config.n_sequences)) +
+                    round_up(sizeof(float) * 3 * size_t(config.n_sequences) * size_t(config.n_heads));
+    throw_if_failed(DeviceBuffer::allocate(record_bytes_ * kRingSteps, &ring_));
+    throw_if_failed(PinnedBuffer::allocate(record_bytes_ * kRingSteps, &host_ring_));
+    throw_if_failed(DeviceBuffer::allocate(sizeof(uint32_t), &error_word_));
+    if (cudaMemsetAsync(error_word_.data(), 0, sizeof(uint32_t), stream()) != cudaSuccess)
+      fail(StatusCode::kInternal, "device KV store: zeroing the error word failed");
+  }
+
+  ~DeviceKvStoreImpl() override {
+    // Launches may still read the ring and the workspace.
+    (void)cache::cuda::synchronize_stream(config_.stream);
+  }
+
+  void append(int layer, std::span<const int32_t> seqs, std::span<const int64_t> n_tokens, const float* k,
+              const float* v) override {
+    Layer& l = layers_[size_t(layer)];
+    if (l.failed)
+      fail(StatusCode::kInternal, "device KV store: layer " + std::to_string(layer) +
+                                      " refuses appends after a failed one (make a new store)");
+    int64_t total = 0, held = 0;
+    for (size_t i = 0; i < seqs.size(); ++i) total += n_tokens[i];
+    for (int s = 0; s < config_.n_sequences; ++s) held += length(s, layer);
+    if (held + total > config_.max_tokens)
+      fail(StatusCode::kOutOfMemory, "device KV store: layer " + std::to_string(layer) + " holds " +
+                                         std::to_string(held) + " positions; " + std::to_string(total) +
+                                         " more pass its capacity of " + std::to_string(config_.max_tokens) +
+                                         " (max_tokens)");
+    try {
+      if (!l.cache) make_layer(layer, k, v, total);
+      DeviceKvCache& c = *l.cache;
+      // The previous append's encode results: their copy was enqueued then, after its encodes.
+      if (c.pending_encodes() > 0) throw_if_failed(c.reconcile_encodes());
+      const int64_t kv_dim = int64_t(config_.n_kv_heads) * config_.head_dim;
+      std::vector<DeviceKvCache::SlotRows> writes(seqs.size());
+      int64_t row = 0;
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        writes[i] = {int(seqs[i]), k + row * kv_dim, v + row * kv_dim, n_tokens[i]};
+        row += n_tokens[i];
+      }
+      throw_if_failed(c.write_rows(0, writes.data(), writes.size()));
+      throw_if_failed(c.download_encode_results());
+    } catch (...) {
+      l.failed = true;
+      throw;
+    }
+    for (size_t i = 0; i < seqs.size(); ++i) lengths_[index(int(seqs[i]), layer)] += n_tokens[i];
+  }
+
+  void attend(int layer, std::span<const int32_t> seqs, const float* q, float* out, float* meters) override {
+    const Layer& l = layers_[size_t(layer)];
+    if (!l.cache) fail(StatusCode::kInvalidArgument, "device KV store: layer " + std::to_string(layer) + " holds nothing");
+    const size_t n = seqs.size();
+    if (ring_used_ == kRingSteps) drain_ring();
+    const size_t at = size_t(ring_used_++) * record_bytes_;
+    int32_t* host_lens = reinterpret_cast<int32_t*>(host_ring_.data() + at);
+    int64_t max_len = 0;
+    for (size_t i = 0; i < n; ++i) {
+      host_lens[i] = int32_t(length(seqs[i], layer));
+      host_lens[size_t(config_.n_sequences) + i] = seqs[i];
+      max_len = std::max<int64_t>(max_len, host_lens[i]);
+    }
+    int32_t* lens = reinterpret_cast<int32_t*>(ring_.data() + at);
+    throw_if_failed(ring_.upload_async(at, host_lens, sizeof(int32_t) * 2 * size_t(config_.n_sequences), stream()));
+    float* step_meters = reinterpret_cast<float*>(ring_.data() + at + meters_offset());
+
+    PagedDecodeParams p;
+    p.format = format_;
+    p.batch = int(n);
+    p.n_q_heads = config_.n_heads;
+    p.n_kv_heads = config_.n_kv_heads;
+    p.head_dim = config_.head_dim;
+    p.block_tokens = config_.block_tokens;
+    p.sm_scale = config_.sm_scale;
+    p.rope_half_split = config_.rope_pairing == codec::RopePairing::kHalfSplit;
+    p.witness = config_.witness;
+    p.delta_loc = config_.delta_loc;
+    attention::cuda::set_layer_pages(l.cache->view(0), p);
+    p.seq_lens = lens;
+    p.table_rows = lens + config_.n_sequences;
+    p.max_seq_len = max_len;
+    p.split_blocks = kSplitBlocks;
+    p.q = q;
+    p.out = out;
+    p.error_word = reinterpret_cast<uint32_t*>(error_word_.data());
+    p.stream = config_.stream;
+    const size_t H = size_t(config_.n_heads);
+    if (metered_) {
+      p.meter = step_meters;
+      p.a_minus_1 = step_meters + n * H;
+      p.value_rho = step_meters + 2 * n * H;
+    }
+    const size_t need = attention::cuda::workspace_bytes(p);
+    if (workspace_.size() < need) {
+      throw_if_failed(cache::cuda::synchronize_stream(config_.stream));  // a launch may use the old one
+      throw_if_failed(DeviceBuffer::allocate(need, &workspace_));
+      workspace_layout_ = {};
+    }
+    p.workspace = workspace_.data();
+    p.workspace_size = workspace_.size();
+    // The bulk-copy kernels' split counters: a launch leaves its own layout's zero, one of another
+    // layout zeroes them first (CudaBackend::zero_split_counters). reset_error_word zeroes the
+    // error word as well: its count is read first.
+    if (attention::cuda::page_format_bulk_copied(p.format)) {
+      const WorkspaceLayout key{p.batch, attention::cuda::planned_splits(p)};
+      if (!(key == workspace_layout_)) {
+        check_error_word();
+        throw_if_failed(attention::cuda::reset_error_word(p));
+        workspace_layout_ = key;
+      }
+    }
+    throw_if_failed(attention::cuda::paged_decode(p));
+    if (meters != nullptr) {
+      const size_t bytes = sizeof(float) * n * H;
+      if (metered_ ? cudaMemcpyAsync(meters, step_meters, bytes, cudaMemcpyDeviceToDevice, stream()) != cudaSuccess
+                   : cudaMemsetAsync(meters, 0, bytes, stream()) != cudaSuccess)
+        fail(StatusCode::kInternal, "device KV store: writing the meters failed");
+    }
+    if (metered_) {
+      const size_t a_at = at + meters_offset() + sizeof(float) * n * H;
+      throw_if_failed(ring_.download_async(a_at, host_ring_.data() + a_at, sizeof(float) * n * H, stream()));
+      ring_steps_.push_back({at, n});
+    }
+  }
+
+  int64_t length(int seq, int layer) const override { return lengths_[index(seq, layer)]; }
+
+  void drain() override { drain_ring(); }
+
+  DeviceKvStoreStats stats() override {
+    throw_if_failed(cache::cuda::synchronize_stream(config_.stream));
+    DeviceKvStoreStats s;
+    for (int s_i = 0; s_i < config_.n_sequences; ++s_i) s.tokens_layer0 += length(s_i, 0);
+    s.bytes_reserved = ring_.size() + host_ring_.size() + workspace_.size();
+    for (int layer = 0; layer < config_.n_layers; ++layer) {
+      const Layer& l = layers_[size_t(layer)];
+      int64_t tokens = 0;
+      for (int s_i = 0; s_i < config_.n_sequences; ++s_i) tokens += length(s_i, layer);
+      s.kv_bytes_bf16 += uint64_t(tokens) * 2 * uint64_t(config_.n_kv_heads) * uint64_t(config_.head_dim) * 2;
+      if (!l.cache) continue;
+      if (l.cache->pending_encodes() > 0) throw_if_failed(l.cache->reconcile_encodes());
+      const cache::cuda::DeviceKvStats d = l.cache->stats();
+      s.bytes_reserved += d.bytes_reserved;
+      s.bytes_in_use += d.bytes_in_use;
+      s.raw_bytes_in_use += d.raw_bytes_in_use;
+      s.coded_bytes_in_use += d.coded_bytes_in_use;
+      s.raw_pages_in_use += d.raw_pages_in_use;
+      s.coded_pages_in_use += d.slots_in_use + d.lossy_pages_in_use;
+      s.pages_kept_exact += d.pages_kept_exact;
+    }
+    return s;
+  }
+
+ private:
+  struct Layer {
+    std::unique_ptr<DeviceKvCache> cache;
+    bool failed = false;
+  };
+  struct RingStep {
+    size_t at = 0;  // the record's offset
+    size_t rows = 0;
+  };
+  struct WorkspaceLayout {
+    int batch = 0;
+    int splits = 0;
+    bool operator==(const WorkspaceLayout&) const = default;
+  };
+
+  static size_t round_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
+  size_t meters_offset() const { return round_up(sizeof(int32_t) * 2 * size_t(config_.n_sequences)); }
+  size_t index(int seq, int layer) const { return size_t(layer) * size_t(config_.n_sequences) + size_t(seq); }
+  cudaStream_t stream() const { return static_cast<cudaStream_t>(config_.stream); }
+
+  void make_layer(int layer, const float* k, const float* v, int64_t n) {
+    cache::cuda::DeviceKvCacheConfig kc;
+    kc.n_layers = 1;
+    kc.n_kv_heads = config_.n_kv_heads;
+    kc.head_dim = config_.head_dim;
+    kc.block_tokens = config_.block_tokens;
+    kc.max_tokens = config_.max_tokens;
+    kc.scheme = config_.scheme;
+    kc.rope_pairing = config_.rope_pairing;
+    kc.outlier_pairs = config_.outlier_pairs;
+    kc.witness = config_.witness;
+    kc.defer_encode_results = true;
+    kc.stream = config_.stream;
+    kc.sequences = config_.n_sequences;
+    kc.first_model_layer = layer;
+    if (cache::kv_scheme_is_gaac(config_.scheme)) {
+      if (!config_.calibrations.empty()) {
+        kc.gaac_calibration = config_.calibrations[size_t(layer)];
+      } else {
+        // The first append's rows (at most kCalibrationRows of them, plenty for a window base per
+        // channel) come to the host, after the work that wrote them.
+        n = std::min(n, kCalibrationRows);
+        const size_t elements = size_t(n) * size_t(config_.n_kv_heads) * size_t(config_.head_dim);
+        std::vector<float> host(2 * elements);
+        throw_if_failed(cache::cuda::synchronize_stream(config_.stream));
+        throw_if_failed(cache::cuda::copy_to_host(k, host.data(), sizeof(float) * elements));
+        throw_if_failed(cache::cuda::copy_to_host(v, host.data() + elements, sizeof(float) * elements));
+        kc.gaac_calibration = calibrate_layer_(host.data(), host.data() + elements, n);
+      }
+    }
+    throw_if_failed(DeviceKvCache::create(kc, &layers_[size_t(layer)].cache));
+  }
+
+  // Corrupt entries counted by the launches so far (reads the word: waits for the stream).
+  void check_error_word() {
+    uint32_t corrupt = 0;
+    throw_if_failed(cache::cuda::synchronize_stream(config_.stream));
+    throw_if_failed(error_word_.download(0, &corrupt, sizeof(corrupt)));
+    if (corrupt != 0)
+      fail(StatusCode::kCorrupt, "device KV store: " + std::to_string(corrupt) +
+                                     " corrupt page entries or lengths met by decode attention");
+  }
+
+  // Waits for the stream, records the ring's meters, starts the ring over.
+  void drain_ring() {
+    check_error_word();
+    const size_t H = size_t(config_.n_heads);
+    for (const RingStep& r : ring_steps_) {
+      const float* a = reinterpret_cast<const float*>(host_ring_.data() + r.at + meters_offset()) + r.rows * H;
+      for (size_t j = 0; j < r.rows * H; ++j) {
+        const double a_minus_1 = double(a[j]);  // lifted on the device
+        const double log_a = std::isfinite(a_minus_1) ? std::log1p(std::max(a_minus_1, 0.0)) : INFINITY;
+        telemetry_.record(gate::meter_from_log_a(log_a), std::isinf(log_a));
+      }
+    }
+    ring_steps_.clear();
+    ring_used_ = 0;
+  }
+
+  DeviceKvStoreConfig config_;
+  LayerCalibrator calibrate_layer_;
+  PageFormat format_ = PageFormat::kBf16;
+  bool metered_ = false;
+  std::vector<Layer> layers_;
+  std::vector<int64_t> lengths_;  // [layer][seq]
+  size_t record_bytes_ = 0;
+  DeviceBuffer ring_, workspace_, error_word_;
+  PinnedBuffer host_ring_;
+  int64_t ring_used_ = 0;
+  std::vector<RingStep> ring_steps_;
+  gate::Telemetry& telemetry_;
+  WorkspaceLayout workspace_layout_;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceKvStore> make_device_kv_store(const DeviceKvStoreConfig& config, LayerCalibrator calibrate_layer,
+                                                    gate::Telemetry& telemetry) {
+  if (config.block_tokens != 16)
+    fail(StatusCode::kUnsupported, "device cuda pages 16 tokens per block, not " + std::to_string(config.block_tokens));
+  if (config.head_dim != 64 && config.head_dim != 128)
+    fail(StatusCode::kUnsupported, "device cuda serves head_dim 64 or 128, not " + std::to_string(config.head_dim));
+  if (config.n_heads % config.n_kv_heads != 0 || config.n_heads / config.n_kv_heads > 8)
+    fail(StatusCode::kUnsupported, "device cuda serves at most 8 query heads per KV head, not " +
+                                       std::to_string(config.n_heads / config.n_kv_heads));
+  if (config.max_tokens >= (int64_t(1) << 31))
+    fail(StatusCode::kUnsupported, "device cuda serves max_tokens below 2^31, not " + std::to_string(config.max_tokens));
+  if (attention::cuda::device_count() < 1)
+    fail(StatusCode::kUnsupported, "device cuda: no CUDA device is visible to this process");
+  return std::make_unique<DeviceKvStoreImpl>(config, std::move(calibrate_layer), telemetry);
+}
+
+}  // namespace certkv::backend::cuda

@@ -1,0 +1,102 @@
+// A KV store's pages on a CUDA device (the C API's certkv_kv_store with device "cuda"): the K and
+// V rows a front end computes itself (a PyTorch model on the GPU) kept in certkv's device pages,
+// and certkv's decode attention over them with the meter, without a model.
+//
+// One cache::cuda::DeviceKvCache per layer, made at the layer's first append (so that a GAAC
+// scheme without a calibration can calibrate the layer on that append, as the host store does:
+// on its first 8,192 rows at most, which come to the host),
+// its pages keyed as layer l of a whole model (DeviceKvCacheConfig::first_model_layer: dither8's
+// dither). Store sequence i is slot i of every layer's cache. An append of several sequences'
+// rows is one write_rows launch; a decode step of several sequences is one paged-decode launch
+// (attention/cuda/paged_decode_cuda.h) with the split fixed per sequence (kSplitBlocks), so a
+// sequence's output does not depend on the others in the call.
+//
+// Nothing waits for the device except: a GAAC layer's first append without a calibration (its
+// rows come to the host); the reconcile of a layer's deferred encode results, at the layer's next
+// append (the copy it waits for was enqueued a whole step earlier); the store's staging ring
+// when it wraps; drain(). Each decode step takes one record of a ring of page-locked staging
+// (its sequences' lengths and table rows go up, its meters come down) and the same record of a
+// device ring; when the ring is full the store waits for the stream once, records the meters
+// into the telemetry and starts over.
+//
+// Thread safety: one thread at a time; every call enqueues on the store's stream.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "cache/kv_scheme.h"
+#include "codec/gaac.h"
+#include "codec/lossy_page.h"
+#include "gate/telemetry.h"
+
+namespace certkv::backend::cuda {
+
+struct DeviceKvStoreConfig {
+  cache::KvScheme scheme = cache::KvScheme::kBf16;  // REQUIRES: one the table marks cuda_route
+  int n_layers = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;         // 64 or 128
+  int block_tokens = 16;    // 16
+  int n_sequences = 1;
+  int64_t max_tokens = 0;   // each layer's capacity over its sequences
+  codec::RopePairing rope_pairing = codec::RopePairing::kInterleaved;
+  int outlier_pairs = -1;   // dither8 (-1: the default)
+  codec::WitnessCode witness = codec::WitnessCode::kFp16;
+  // GAAC schemes: the calibration of each layer (one layer each, as the host store keeps them),
+  // or empty: each layer calibrated on its first append through calibrate_layer.
+  std::vector<std::shared_ptr<const codec::GaacCalibration>> calibrations;
+  float sm_scale = 0.f;
+  double delta_loc = 1e-8;  // Tier B failure probability per (layer, head, step)
+  void* stream = nullptr;   // cudaStream_t; null: the legacy default stream
+};
+
+// A layer's calibration from its first append's rows, on the host: k, v [n][n_kv_heads][head_dim].
+using LayerCalibrator =
+    std::function<std::shared_ptr<const codec::GaacCalibration>(const float* k, const float* v, int64_t n)>;
+
+// What the store's pages take on the device, over every layer.
+struct DeviceKvStoreStats {
+  int64_t tokens_layer0 = 0;       // positions of layer 0 over the sequences
+  uint64_t bytes_reserved = 0;     // pools, tables and staging
+  uint64_t bytes_in_use = 0;       // pages in use and tables
+  uint64_t raw_bytes_in_use = 0;   // raw pages (bf16; the tails and pages kept exact)
+  uint64_t coded_bytes_in_use = 0; // GAAC slots and lossy pages
+  int64_t raw_pages_in_use = 0;
+  int64_t coded_pages_in_use = 0;
+  int64_t pages_kept_exact = 0;    // lossy blocks the encoder refused (stored exact)
+  uint64_t kv_bytes_bf16 = 0;      // the same positions as a contiguous bf16 cache
+};
+
+class DeviceKvStore {
+ public:
+  virtual ~DeviceKvStore() = default;
+  // Rows of seqs[i] (distinct, in range): n_tokens[i] >= 1 rows each, concatenated in k and v
+  // (device memory, [sum n_tokens][n_kv_heads][head_dim] float). Throws certkv::Error:
+  // kOutOfMemory when the layer's capacity would be passed (nothing appended); a failed launch or
+  // allocation leaves the layer refusing until the store is freed (kInternal).
+  virtual void append(int layer, std::span<const int32_t> seqs, std::span<const int64_t> n_tokens, const float* k,
+                      const float* v) = 0;
+  // One decode step of seqs (distinct, each holding >= 1 position of the layer): q, out device
+  // [n][n_heads][head_dim] float; meters device [n][n_heads] float or null.
+  virtual void attend(int layer, std::span<const int32_t> seqs, const float* q, float* out, float* meters) = 0;
+  virtual int64_t length(int seq, int layer) const = 0;
+  // Waits for the stream; records the meters of the decode steps not yet recorded in the
+  // telemetry (lossy schemes) and fails (kCorrupt) when a launch met a corrupt page entry.
+  virtual void drain() = 0;
+  // Waits for the stream.
+  virtual DeviceKvStoreStats stats() = 0;
+};
+
+// The store records the meter of every (sequence, query head) of its decode steps in
+// `telemetry` (lossy schemes), which must outlive it. Throws certkv::Error: kUnsupported in a
+// build without CUDA, with no CUDA device, or for a scheme or shape the device pages do not serve
+// (naming it); kOutOfMemory.
+std::unique_ptr<DeviceKvStore> make_device_kv_store(const DeviceKvStoreConfig& config, LayerCalibrator calibrate_layer,
+                                                    gate::Telemetry& telemetry);
+
+}  // namespace certkv::backend::cuda
