@@ -12,6 +12,13 @@ with the meter (the C API's certkv_kv_store_*).
 A store holds ``n_sequences`` sequences (a batch's rows), each layer of each appended on its own.
 Complete blocks of ``block_tokens`` rows are encoded once (fill-then-finalize); GAAC schemes
 without ``gaac_calibration`` calibrate each layer on its first append.
+
+A store of ``device="cuda"`` keeps its pages in the memory of the CUDA device current at its
+creation and takes device memory instead of NumPy arrays: ``append_device`` and ``attend_device``
+take device pointers (ints, as torch's ``data_ptr()`` or CuPy's ``data.ptr`` give them) and
+enqueue their work on ``cuda_stream``; ``append``, ``read``, ``attend``, ``crop`` and ``reorder``
+refuse it (certkv.UnsupportedError), as ``append_device`` and ``attend_device`` refuse a cpu store
+(certkv.InvalidArgumentError).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ METER_DTYPE = np.dtype([("meter", np.float64), ("log_a", np.float64), ("value_rh
                         ("v_norm_max", np.float64), ("output_bound", np.float64)])
 
 _ROPE_LAYOUTS = ("interleaved", "half-split")
+_DEVICES = ("cpu", "cuda")
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
@@ -42,6 +50,15 @@ def _int(name: str, value: Any, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
     return int(value)
+
+
+def _ints(name: str, values: Any, minimum: int) -> list[int]:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name}: expected a sequence of ints, got {type(values).__name__}")
+    ints = [_int(f"{name}[{i}]", value, minimum) for i, value in enumerate(values)]
+    if not ints:
+        raise ValueError(f"{name}: expected at least one entry")
+    return ints
 
 
 class KvStore:
@@ -54,12 +71,22 @@ class KvStore:
                  recent_window_tokens: int | None = None, witness: str | None = None,
                  gaac_calibration: str | os.PathLike[str] | None = None,
                  meter_delta: float | None = None, meter_tau: float | None = None,
-                 meter_planned_steps: int | None = None, n_threads: int = 1) -> None:
+                 meter_planned_steps: int | None = None, n_threads: int = 1, device: str = "cpu",
+                 cuda_stream: int | None = None) -> None:
         if not isinstance(kv, str):
             raise TypeError(f"kv: expected a scheme name (str), got {type(kv).__name__}")
         if rope_layout not in _ROPE_LAYOUTS:
             raise ValueError(f"rope_layout: expected one of {', '.join(_ROPE_LAYOUTS)}, got {rope_layout!r}")
+        if not isinstance(device, str) or device not in _DEVICES:
+            raise ValueError(f"device: expected one of {', '.join(_DEVICES)} (a cuda store takes the CUDA device "
+                             f"current at its creation), got {device!r}")
+        if cuda_stream is not None:
+            if device != "cuda":
+                raise ValueError(f"cuda_stream: only with device 'cuda', not {device!r}")
+            cuda_stream = _int("cuda_stream", cuda_stream, 0)
         self.kv = kv
+        self.device = device
+        self.cuda_stream = cuda_stream
         self.n_layers = _int("n_layers", n_layers, 1)
         self.n_heads = _int("n_heads", n_heads, 1)
         self.n_kv_heads = _int("n_kv_heads", n_kv_heads, 1)
@@ -74,6 +101,7 @@ class KvStore:
             "outlier_pairs": outlier_pairs, "recent_window_tokens": recent_window_tokens, "witness": witness,
             "gaac_calibration": None if gaac_calibration is None else os.fspath(gaac_calibration),
             "meter_delta": meter_delta, "meter_tau": meter_tau, "meter_planned_steps": meter_planned_steps,
+            "device": device, "cuda_stream": cuda_stream,
         }
         self._store = _certkv.KvStore(options)
 
@@ -153,6 +181,35 @@ class KvStore:
         meters = np.empty((self.n_heads, 5), dtype=np.float64) if n_queries == 1 else None
         self._store.attend(int(seq), int(layer), q_array, n_queries, out, meters)
         return out, None if meters is None else meters.view(METER_DTYPE).reshape(self.n_heads)
+
+    # -- device memory (a store of device "cuda") ----------------------------------------------
+
+    def append_device(self, layer: int, seqs: Sequence[int], n_tokens: Sequence[int], k_ptr: int,
+                      v_ptr: int) -> None:
+        """Appends rows of several sequences to one layer, in one launch: seqs[i] (distinct) gets
+        n_tokens[i] >= 1 rows. k_ptr, v_ptr: device pointers (ints; torch's data_ptr(), CuPy's
+        data.ptr) to float32 [sum of n_tokens, n_kv_heads, head_dim], C-contiguous, the rows of
+        seqs[0] first (rounded to bf16 as ``append`` rounds floats). The work is enqueued on the
+        store's cuda_stream, not waited for: the memory must stay valid until that stream has
+        run it (memory of torch's caching allocator freed on that same stream is)."""
+        seqs = _ints("seqs", seqs, 0)
+        n_tokens = _ints("n_tokens", n_tokens, 1)
+        if len(n_tokens) != len(seqs):
+            raise ValueError(f"n_tokens: expected {len(seqs)} counts (one per entry of seqs), got {len(n_tokens)}")
+        self._store.append_device(_int("layer", layer, 0), seqs, n_tokens, _int("k_ptr", k_ptr, 1),
+                                  _int("v_ptr", v_ptr, 1))
+
+    def attend_device(self, layer: int, seqs: Sequence[int], q_ptr: int, out_ptr: int, meters_ptr: int = 0) -> None:
+        """One decode step of several sequences of one layer, in one launch: the query of seqs[i]
+        (distinct, at its last position) attends to every position of seqs[i]. q_ptr, out_ptr:
+        device pointers to float32 [len(seqs), n_heads, head_dim], C-contiguous; meters_ptr: a
+        device pointer to float32 [len(seqs), n_heads], each head's meter (0 for a lossless
+        scheme), or 0 for none. Enqueued on the store's cuda_stream, not waited for; a lossy
+        scheme's meters reach meter_stats() and certificate() (which wait for the stream)
+        whether meters_ptr is given or not."""
+        seqs = _ints("seqs", seqs, 0)
+        self._store.attend_device(_int("layer", layer, 0), seqs, _int("q_ptr", q_ptr, 1), _int("out_ptr", out_ptr, 1),
+                                  _int("meters_ptr", meters_ptr, 0))
 
     # -- sequences ----------------------------------------------------------------------------
 

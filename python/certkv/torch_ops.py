@@ -1,18 +1,24 @@
-"""certkv's kernels as PyTorch custom operators (torch.library), on CPU tensors, with fake (meta)
-kernels so that they trace under torch.compile:
+"""certkv's kernels as PyTorch custom operators (torch.library), with fake (meta) kernels so that
+they trace under torch.compile:
 
 - ``torch.ops.certkv.kv_store_attend(store, seq, layer, q)``: decode attention over a
   :class:`certkv.KvStore`'s pages of (seq, layer) for the query of its last position, q
   [n_heads, head_dim] float32; returns the output [n_heads, head_dim] float32 and the meter of
   every head, [n_heads, 5] float64 (meter, log_a, value_rho, v_norm_max, output_bound). ``store``
-  is the integer :func:`register_store` gave the store.
+  is the integer :func:`register_store` gave the store. CPU tensors, a cpu store.
+- ``torch.ops.certkv.kv_store_decode(store, layer, seqs, q)``: one decode step of several
+  sequences of a layer, q [len(seqs), n_heads, head_dim] float32 (the query of each sequence's last
+  position); returns the output, q's shape, and each head's meter, [len(seqs), n_heads] float32
+  (0 for a lossless scheme). On CUDA tensors over a store of device "cuda" (one launch for every
+  sequence, on the store's stream, which must be torch's current stream), and on CPU tensors over
+  a cpu store (one call per sequence).
 - ``torch.ops.certkv.gaac_encode_pages(pages, b3, b4, escape_capacity_bytes)``: GAAC slots of
   pages [n_pages, block_tokens, head_dim] of bf16 (lossless), and the bytes each used (0: the
   page does not fit its slot; keep it raw).
 - ``torch.ops.certkv.gaac_decode_pages(slots, b3, b4, escape_capacity_bytes, block_tokens,
   head_dim)``: the pages back, bf16.
 
-This build of certkv has no CUDA kernels behind these operators: CUDA tensors raise an error
+kv_store_attend and the GAAC page operators run on CPU tensors only: CUDA tensors raise an error
 saying so. Importing this module imports torch.
 """
 
@@ -28,7 +34,7 @@ import torch
 from . import _certkv
 from .kv_store import KvStore
 
-__all__ = ["register_store", "kv_store_attend", "gaac_encode_pages", "gaac_decode_pages"]
+__all__ = ["register_store", "kv_store_attend", "kv_store_decode", "gaac_encode_pages", "gaac_decode_pages"]
 
 _stores: "weakref.WeakValueDictionary[int, KvStore]" = weakref.WeakValueDictionary()
 _ids = itertools.count(1)
@@ -36,8 +42,8 @@ _lock = threading.Lock()
 
 
 def register_store(store: KvStore) -> int:
-    """The integer handle that names ``store`` in torch.ops.certkv.kv_store_attend (kept while the
-    store lives)."""
+    """The integer handle that names ``store`` in torch.ops.certkv.kv_store_attend and
+    kv_store_decode (kept while the store lives)."""
     if not isinstance(store, KvStore):
         raise TypeError(f"store: expected a certkv.KvStore, got {type(store).__name__}")
     with _lock:
@@ -46,12 +52,18 @@ def register_store(store: KvStore) -> int:
     return handle
 
 
-def _no_cuda(op: str):
+def _cpu_only(op: str, what: str):
     def refuse(*args, **kwargs):
         devices = sorted({str(a.device) for a in args if isinstance(a, torch.Tensor)})
-        raise RuntimeError(f"certkv::{op}: this build of certkv has no CUDA operators (tensors on "
-                           f"{', '.join(devices)}); run it on CPU tensors")
+        raise RuntimeError(f"certkv::{op}: {what} (tensors on {', '.join(devices)})")
     return refuse
+
+
+def _live_store(store: int) -> KvStore:
+    s = _stores.get(store)
+    if s is None:
+        raise ValueError(f"store: {store} names no live certkv.KvStore (certkv.torch_ops.register_store)")
+    return s
 
 
 def _require(name: str, x: torch.Tensor, dtype: torch.dtype, ndim: int, what: str) -> None:
@@ -65,9 +77,7 @@ def _require(name: str, x: torch.Tensor, dtype: torch.dtype, ndim: int, what: st
 
 @torch.library.custom_op("certkv::kv_store_attend", mutates_args=(), device_types="cpu")
 def kv_store_attend(store: int, seq: int, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    s = _stores.get(store)
-    if s is None:
-        raise ValueError(f"store: {store} names no live certkv.KvStore (certkv.torch_ops.register_store)")
+    s = _live_store(store)
     _require("q", q, torch.float32, 2, "[n_heads, head_dim]")
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     meters = torch.empty((q.shape[0], 5), dtype=torch.float64)
@@ -80,10 +90,63 @@ def _(store, seq, layer, q):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((q.shape[0], 5), dtype=torch.float64)
 
 
-torch.library.register_kernel("certkv::kv_store_attend", "cuda", _no_cuda("kv_store_attend"))
+torch.library.register_kernel("certkv::kv_store_attend", "cuda", _cpu_only(
+    "kv_store_attend", "runs on CPU tensors over a cpu KvStore; for CUDA tensors over a KvStore(device='cuda') "
+    "use certkv::kv_store_decode"))
+
+
+def _decode_args(s: KvStore, seqs: list[int], q: torch.Tensor) -> None:
+    _require("q", q, torch.float32, 3, "[n_seqs, n_heads, head_dim]")
+    if q.shape[0] != len(seqs) or q.shape[1:] != (s.n_heads, s.head_dim):
+        raise ValueError(f"q: expected shape [{len(seqs)}, {s.n_heads}, {s.head_dim}] ([len(seqs), n_heads, "
+                         f"head_dim]), got {tuple(q.shape)}")
+
+
+@torch.library.custom_op("certkv::kv_store_decode", mutates_args=(), device_types="cpu")
+def kv_store_decode(store: int, layer: int, seqs: list[int], q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = _live_store(store)
+    if s.device != "cpu":
+        raise ValueError(f"store: a KvStore of device {s.device!r} takes CUDA tensors (q is on {q.device})")
+    _decode_args(s, seqs, q)
+    q = q.contiguous()
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    meter = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+    meters = np.empty((q.shape[1], 5), dtype=np.float64)
+    for i, seq in enumerate(seqs):
+        s._store.attend(int(seq), int(layer), q[i].numpy(), 1, out[i].numpy(), meters)
+        meter[i] = torch.from_numpy(meters[:, 0])
+    return out, meter
+
+
+@kv_store_decode.register_kernel("cuda")
+def _(store, layer, seqs, q):
+    s = _live_store(store)
+    if s.device != "cuda":
+        raise ValueError(f"store: a KvStore of device {s.device!r} takes CPU tensors (q is on {q.device}); for "
+                         f"CUDA tensors make the store with device='cuda'")
+    _decode_args(s, seqs, q)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    if stream != (s.cuda_stream or 0):
+        # The store enqueues on its own stream: on another, its reads of q and writes of out would
+        # race with torch's work.
+        raise RuntimeError(f"certkv::kv_store_decode: torch's current stream ({stream:#x}) is not the store's "
+                           f"cuda_stream ({s.cuda_stream or 0:#x})")
+    q = q.contiguous()
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    meter = q.new_empty((q.shape[0], q.shape[1]))
+    with torch.cuda.device(q.device):  # the store launches on the current device
+        s.attend_device(int(layer), seqs, q.data_ptr(), out.data_ptr(), meter.data_ptr())
+    return out, meter
+
+
+@kv_store_decode.register_fake
+def _(store, layer, seqs, q):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((q.shape[0], q.shape[1]))
 
 
 # -- GAAC pages ----------------------------------------------------------------------------------
+
+_GAAC_CPU = "certkv's GAAC page ops run on CPU tensors"
 
 def _codec(b3: torch.Tensor, b4: torch.Tensor, escape_capacity_bytes: int, block_tokens: int, head_dim: int):
     return _certkv.GaacCodec("bf16", int(block_tokens), int(head_dim), b3.contiguous().numpy(),
@@ -115,7 +178,7 @@ def _(pages, b3, b4, escape_capacity_bytes):
     return pages.new_empty((n_pages, slot), dtype=torch.uint8), pages.new_empty((n_pages,), dtype=torch.int64)
 
 
-torch.library.register_kernel("certkv::gaac_encode_pages", "cuda", _no_cuda("gaac_encode_pages"))
+torch.library.register_kernel("certkv::gaac_encode_pages", "cuda", _cpu_only("gaac_encode_pages", _GAAC_CPU))
 
 
 @torch.library.custom_op("certkv::gaac_decode_pages", mutates_args=(), device_types="cpu")
@@ -135,4 +198,4 @@ def _(slots, b3, b4, escape_capacity_bytes, block_tokens, head_dim):
     return slots.new_empty((slots.shape[0], block_tokens, head_dim), dtype=torch.bfloat16)
 
 
-torch.library.register_kernel("certkv::gaac_decode_pages", "cuda", _no_cuda("gaac_decode_pages"))
+torch.library.register_kernel("certkv::gaac_decode_pages", "cuda", _cpu_only("gaac_decode_pages", _GAAC_CPU))

@@ -1,4 +1,4 @@
-"""certkv as the KV cache of a Hugging Face transformers model (PyTorch, CPU tensors).
+"""certkv as the KV cache of a Hugging Face transformers model (PyTorch, CPU or CUDA tensors).
 
     import certkv.transformers as ct
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="certkv")
@@ -14,6 +14,18 @@ every (layer, query head, decode step); the cache's ``certificate()`` reports it
 attention implementation the cache hands the model its K and V read back from the pages (what
 attention would read: lossless for gaac, the reconstruction for a lossy scheme), unmetered.
 
+On CUDA tensors the store is a KvStore of device "cuda": its pages live in the memory of the
+model's device and its work is enqueued on torch's current stream of that device. Only
+``attn_implementation="certkv"`` is served there (the pages are read by certkv's attention, never
+handed back to the model). Each layer's new rows of the whole batch are appended in one launch and
+a decode step of the whole batch attends in one launch (``torch.ops.certkv.kv_store_decode``),
+metered as on the CPU. A prompt (several tokens into an empty cache) attends exactly, through
+transformers' SDPA over its own rows (no page has been read yet), and its rows are then appended.
+Not served on CUDA: a later chunk of several tokens (chunked prefill, assisted decoding: run the
+prompt in one call), ``crop``, ``reorder_cache`` (beam search), the schemes the device does not
+serve (kivi2, rtn4, ...; ``certkv.UnsupportedError`` naming the scheme), and CUDA graph capture
+(each append keeps host bookkeeping).
+
 Batches: left padding (generate's default for decoder-only models) is read from the attention
 mask; padded positions are not stored. transformers and torch are imported by this module only.
 """
@@ -28,6 +40,7 @@ import numpy as np
 import torch
 import transformers
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import _certkv
@@ -108,7 +121,8 @@ class CertkvCache(Cache):
 
     config: the model's config (layers, heads, head_dim). Options are those of
     :class:`certkv.KvStore` (block_tokens, max_tokens, gaac_calibration, meter_tau, ...);
-    rope_layout defaults to "half-split", Hugging Face's RoPE layout."""
+    rope_layout defaults to "half-split", Hugging Face's RoPE layout. The store's device is that of
+    the first K and V the cache is given (CPU or CUDA; see the module's documentation)."""
 
     def __init__(self, config: Any, scheme: str = "gaac", **store_options: Any) -> None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -119,14 +133,24 @@ class CertkvCache(Cache):
         names = [s["name"] for s in _certkv.kv_schemes()]
         if scheme not in names:
             raise ValueError(f"scheme: unknown KV scheme {scheme!r} (available: {', '.join(names)})")
+        for option in ("device", "cuda_stream"):
+            if option in store_options:
+                raise ValueError(f"{option}: CertkvCache takes the device (and torch's current stream) of the "
+                                 f"model's tensors; do not pass it")
         self.scheme = scheme
         self._config = config
         self._options = dict(store_options)
         self._options.setdefault("rope_layout", "half-split")
         self._options.setdefault("sm_scale", self.head_dim ** -0.5)
         self.store: KvStore | None = None
+        self.device: torch.device | None = None  # of the store, from the first update
+        self._handle = 0  # the store's name in torch.ops.certkv (CUDA)
         self._pads: list[int] = []  # per batch row: padded positions not stored (left padding)
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # CUDA: the rows counted at (kv_length, n_new), reused by every layer of that forward pass
+        # (one copy from the device per pass; kv_length only grows on CUDA).
+        self._counts_at: tuple[int, int] | None = None
+        self._counts: list[int] = []
         super().__init__(layers=[_CertkvLayer(self, i) for i in range(self.n_layers)])
 
     # -- the store ------------------------------------------------------------------------------
@@ -134,9 +158,8 @@ class CertkvCache(Cache):
     def _start(self, key_states: torch.Tensor) -> None:
         if self.store is not None:
             return
-        if key_states.device.type != "cpu":
-            raise ValueError(f"CertkvCache: scheme {self.scheme!r} is served on the CPU in this build of certkv "
-                             f"(no CUDA support), not on device {key_states.device}; run the model on the CPU")
+        if key_states.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"CertkvCache: served on CPU and CUDA tensors, not on device {key_states.device}")
         if key_states.dtype not in _DTYPES:
             raise TypeError(f"key_states: expected bfloat16, float16 or float32, got {key_states.dtype}")
         if key_states.ndim != 4 or key_states.shape[1] != self.n_kv_heads or key_states.shape[3] != self.head_dim:
@@ -145,16 +168,27 @@ class CertkvCache(Cache):
         batch = key_states.shape[0]
         options = dict(self._options)
         options.setdefault("max_tokens", max(4096, int(getattr(self._config, "max_position_embeddings", 0) or 0)) * batch)
-        self.store = KvStore(self.scheme, n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-                             head_dim=self.head_dim, n_sequences=batch, **options)
+        shape = dict(n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+                     n_sequences=batch)
+        device = key_states.device
+        if device.type == "cuda":
+            from . import torch_ops  # torch.ops.certkv: the CPU path does without it
+
+            with torch.cuda.device(device):  # the store's pages go to the current device
+                self.store = KvStore(self.scheme, **shape, device="cuda",
+                                     cuda_stream=torch.cuda.current_stream(device).cuda_stream, **options)
+            self._handle = torch_ops.register_store(self.store)
+        else:
+            self.store = KvStore(self.scheme, **shape, **options)
+        self.device = device
         self._pads = [0] * batch
 
     def _check(self, name: str, x: torch.Tensor, like: torch.Tensor | None = None) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-        if x.device.type != "cpu":
-            raise ValueError(f"{name}: scheme {self.scheme!r} is served on the CPU in this build of certkv "
-                             f"(no CUDA support), not on device {x.device}")
+        if x.device != self.device:
+            raise ValueError(f"{name}: expected a tensor on {self.device} (the device of the cache's first update), "
+                             f"got {x.device}")
         if x.dtype not in _DTYPES:
             raise TypeError(f"{name}: expected bfloat16, float16 or float32, got {x.dtype}")
         batch = self.store.n_sequences if self.store is not None else x.shape[0]
@@ -172,7 +206,11 @@ class CertkvCache(Cache):
     def _update(self, layer: _CertkvLayer, key_states: torch.Tensor, value_states: torch.Tensor):
         self._check("key_states", key_states)
         self._check("value_states", value_states, key_states)
-        if self._attention_is_certkv():
+        attention_is_certkv = self._attention_is_certkv()
+        if self.device.type == "cuda" and not attention_is_certkv:
+            raise ValueError("CertkvCache: the CUDA pages are read by certkv's attention only: use "
+                             f"attn_implementation={ATTENTION_NAME!r}")
+        if attention_is_certkv:
             # certkv_attention appends them (it sees the mask, hence the padding) and attends.
             if layer.layer_idx in self._pending:
                 raise RuntimeError(f"CertkvCache: layer {layer.layer_idx}'s previous K and V were not used by "
@@ -202,6 +240,7 @@ class CertkvCache(Cache):
             raise ValueError(f"tokens_to_remove: {tokens_to_remove} removes more than the {seen} positions held")
         if keep == seen or self.store is None:
             return
+        self._refuse_on_cuda("crop")
         for b in range(self.store.n_sequences):
             self.store.crop(b, max(0, keep - self._pads[b]))
             self._pads[b] = min(self._pads[b], keep)
@@ -212,9 +251,15 @@ class CertkvCache(Cache):
         """Sequence i becomes what sequence beam_idx[i] was (beam search); pages are shared."""
         if self.store is None:
             return
+        self._refuse_on_cuda("reorder_cache")
         src = [int(i) for i in beam_idx.tolist()]
         self.store.reorder(src)
         self._pads = [self._pads[i] for i in src]
+
+    def _refuse_on_cuda(self, what: str) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            raise NotImplementedError(f"CertkvCache.{what}: not served on CUDA (the C API crops, reorders and reads "
+                                      f"a KvStore's pages on the CPU only); run the model on the CPU for it")
 
     def certificate(self) -> dict[str, Any]:
         """The certificate of the attention so far: scheme, metered; for a lossy scheme with
@@ -239,13 +284,83 @@ def _valid_suffix(attention_mask: torch.Tensor | None, b: int, n_new: int, kv_le
     return count
 
 
+def _valid_suffixes(attention_mask: torch.Tensor | None, batch: int, n_new: int, kv_length: int) -> list[int]:
+    """_valid_suffix of every batch row at once, in one copy from the mask's device."""
+    if attention_mask is None:
+        return [n_new] * batch
+    rows = attention_mask[:, 0, -1, kv_length - n_new:kv_length].expand(batch, n_new)
+    valid = rows if rows.dtype == torch.bool else rows == 0
+    counts = valid.sum(-1)
+    suffix = torch.arange(n_new, device=valid.device) >= (n_new - counts)[:, None]
+    *counts_list, left_padded = torch.cat([counts, (valid == suffix).all().view(1).to(counts.dtype)]).tolist()
+    if not left_padded:
+        raise ValueError("attention_mask: certkv attention takes left padding (each row's padding before its "
+                         "tokens); this mask has padding after a token")
+    return counts_list
+
+
+def _certkv_attention_cuda(module: torch.nn.Module, cache: CertkvCache, layer_idx: int, query: torch.Tensor,
+                           k_new: torch.Tensor, v_new: torch.Tensor, attention_mask: torch.Tensor | None,
+                           scaling: float | None, **kwargs: Any) -> torch.Tensor:
+    """certkv_attention on CUDA tensors: the rows of the whole batch appended in one launch, a
+    decode step in one (torch.ops.certkv.kv_store_decode); a prompt into an empty cache attends
+    exactly over its own rows (transformers' SDPA: no page has been read yet)."""
+    store = cache.store
+    batch, n_heads, n_new, head_dim = query.shape
+    kv_length = cache.layers[layer_idx].seen
+    if n_new > 1 and kv_length != n_new:
+        raise NotImplementedError(f"chunked prefill on a CUDA CertkvCache is not served: run the prompt in one call "
+                                  f"(layer {layer_idx} held {kv_length - n_new} positions before these {n_new})")
+    stream = torch.cuda.current_stream(cache.device).cuda_stream
+    if stream != store.cuda_stream:
+        # The store enqueues on the stream it was made with: on another, its reads of the rows
+        # below would race with torch's reuse of their memory.
+        raise RuntimeError(f"CertkvCache: torch's current stream ({stream:#x}) is not the one the cache's store was "
+                           f"made with ({store.cuda_stream:#x})")
+    if cache._counts_at != (kv_length, n_new):
+        cache._counts = _valid_suffixes(attention_mask, batch, n_new, kv_length)
+        cache._counts_at = (kv_length, n_new)
+    counts = cache._counts
+    if layer_idx == 0:
+        for b in range(batch):
+            cache._pads[b] += n_new - counts[b]
+    seqs = [b for b in range(batch) if counts[b] > 0]
+    prompt_out = None
+    if n_new > 1:
+        prompt_out, _ = sdpa_attention_forward(module, query, k_new, v_new, attention_mask, dropout=0.0,
+                                               scaling=scaling, **kwargs)
+    if seqs:
+        # Rows [sum of counts, n_kv_heads, head_dim] float32, those of seqs[0] first.
+        if len(seqs) == batch and all(c == n_new for c in counts):
+            k = k_new.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+            v = v_new.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        else:
+            k = torch.cat([k_new[b, :, n_new - counts[b]:].transpose(0, 1) for b in seqs]).to(torch.float32)
+            v = torch.cat([v_new[b, :, n_new - counts[b]:].transpose(0, 1) for b in seqs]).to(torch.float32)
+        with torch.cuda.device(cache.device):  # the store launches on the current device
+            store.append_device(layer_idx, seqs, [counts[b] for b in seqs], k.data_ptr(), v.data_ptr())
+    if prompt_out is not None:
+        return prompt_out
+    out = torch.zeros((batch, 1, n_heads, head_dim), dtype=torch.float32, device=query.device)
+    if seqs:
+        q = query[:, :, 0, :] if len(seqs) == batch else query[seqs, :, 0, :]
+        q = q.to(torch.float32, memory_format=torch.contiguous_format)
+        rows, _ = torch.ops.certkv.kv_store_decode(cache._handle, layer_idx, seqs, q)
+        if len(seqs) == batch:
+            return rows.unsqueeze(1).to(query.dtype)
+        out[seqs, 0] = rows
+    return out.to(query.dtype)
+
+
 def certkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers attention function (AttentionInterface "certkv"): appends the layer's new K and V
     to the CertkvCache's pages and runs certkv's attention over them: decode attention with the
     meter for one new token, causal prefill attention for several. query: [batch, n_heads, n_new,
-    head_dim]; returns [batch, n_new, n_heads, head_dim]."""
+    head_dim]; returns [batch, n_new, n_heads, head_dim]. On CUDA tensors a prompt attends exactly
+    (SDPA over its own rows) and a later chunk of several tokens raises NotImplementedError (see the
+    module's documentation)."""
     past = kwargs.get("past_key_values")
     layer_idx = getattr(module, "layer_idx", None)
     cache = _current_caches().pop(layer_idx, None) if layer_idx is not None else None
@@ -259,9 +374,12 @@ def certkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if scaling is not None and not math.isclose(float(scaling), cache._options["sm_scale"], rel_tol=1e-6):
         raise ValueError(f"scaling: the model's softmax scale {scaling} is not the cache's sm_scale "
                          f"{cache._options['sm_scale']} (pass sm_scale= to CertkvCache)")
-    if query.device.type != "cpu":
-        raise ValueError(f"query: scheme {cache.scheme!r} is served on the CPU in this build of certkv, not on "
-                         f"device {query.device}")
+    if query.device != cache.device:
+        raise ValueError(f"query: expected a tensor on {cache.device} (the device of the cache's K and V), got "
+                         f"{query.device}")
+    if cache.device.type == "cuda":
+        return _certkv_attention_cuda(module, cache, layer_idx, query, k_new, v_new, attention_mask, scaling,
+                                      **kwargs), None
     batch, n_heads, n_new, head_dim = query.shape
     kv_length = cache.layers[layer_idx].seen
     out = torch.zeros((batch, n_new, n_heads, head_dim), dtype=torch.float32)

@@ -13,6 +13,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -471,7 +472,7 @@ nb::dict meter_tier_b(In<float> q, In<float> k, In<float> k_hat, In<float> scale
 // certkv_kv_store_params with the strings it points at.
 struct KvStoreOptions {
   certkv_kv_store_params params = certkv_kv_store_default_params();
-  std::string kv, rope_layout, witness, gaac_calibration;
+  std::string kv, rope_layout, witness, gaac_calibration, device;
 };
 
 std::unique_ptr<KvStoreOptions> kv_store_options(const nb::dict& d) {
@@ -484,6 +485,9 @@ std::unique_ptr<KvStoreOptions> kv_store_options(const nb::dict& d) {
     else if (key == "rope_layout") p.rope_layout = (o->rope_layout = nb::cast<std::string>(value)).c_str();
     else if (key == "witness") p.witness = (o->witness = nb::cast<std::string>(value)).c_str();
     else if (key == "gaac_calibration") p.gaac_calibration = (o->gaac_calibration = nb::cast<std::string>(value)).c_str();
+    else if (key == "device") p.device = (o->device = nb::cast<std::string>(value)).c_str();
+    // A cudaStream_t as the int torch gives it (torch.cuda.current_stream().cuda_stream).
+    else if (key == "cuda_stream") p.cuda_stream = reinterpret_cast<void*>(nb::cast<uintptr_t>(value));
     else if (key == "n_layers") p.n_layers = nb::cast<int32_t>(value);
     else if (key == "n_heads") p.n_heads = nb::cast<int32_t>(value);
     else if (key == "n_kv_heads") p.n_kv_heads = nb::cast<int32_t>(value);
@@ -513,7 +517,7 @@ struct KvStore {
     std::unique_ptr<KvStoreOptions> o = kv_store_options(options);
     check(certkv_kv_store_create(&o->params, &store));
     params = o->params;
-    params.kv = params.rope_layout = params.witness = params.gaac_calibration = nullptr;  // not kept
+    params.kv = params.rope_layout = params.witness = params.gaac_calibration = params.device = nullptr;  // not kept
   }
   ~KvStore() { certkv_kv_store_free(store); }
   KvStore(const KvStore&) = delete;
@@ -577,6 +581,22 @@ struct KvStore {
         d[h * 5 + 4] = m[h].output_bound;
       }
     }
+  }
+  // A cuda store's rows and decode steps: device pointers as ints (torch's data_ptr(), CuPy's
+  // data.ptr), checked by the C API against the store's device, not dereferenced here.
+  void append_device(int32_t layer, const std::vector<int32_t>& seqs, const std::vector<int64_t>& n_tokens,
+                     uintptr_t k, uintptr_t v) {
+    if (n_tokens.size() != seqs.size()) throw nb::value_error("n_tokens: expected one count per entry of seqs");
+    nb::gil_scoped_release release;
+    check(certkv_kv_store_append_device(store, layer, seqs.data(), n_tokens.data(), int32_t(seqs.size()),
+                                        reinterpret_cast<const float*>(k), reinterpret_cast<const float*>(v)));
+  }
+  // meters 0: not written.
+  void attend_device(int32_t layer, const std::vector<int32_t>& seqs, uintptr_t q, uintptr_t out, uintptr_t meters) {
+    nb::gil_scoped_release release;
+    check(certkv_kv_store_attend_device(store, layer, seqs.data(), int32_t(seqs.size()),
+                                        reinterpret_cast<const float*>(q), reinterpret_cast<float*>(out),
+                                        reinterpret_cast<float*>(meters)));
   }
   void crop(int32_t seq, int64_t n_tokens) { check(certkv_kv_store_crop(store, seq, n_tokens)); }
   void reorder(const std::vector<int32_t>& src) {
@@ -800,6 +820,8 @@ NB_MODULE(_certkv, m) {
       .def("length", &KvStore::length)
       .def("read", &KvStore::read)
       .def("attend", &KvStore::attend, "seq"_a, "layer"_a, "q"_a, "n_queries"_a, "out"_a, "meters"_a.none())
+      .def("append_device", &KvStore::append_device, "layer"_a, "seqs"_a, "n_tokens"_a, "k_ptr"_a, "v_ptr"_a)
+      .def("attend_device", &KvStore::attend_device, "layer"_a, "seqs"_a, "q_ptr"_a, "out_ptr"_a, "meters_ptr"_a)
       .def("crop", &KvStore::crop)
       .def("reorder", &KvStore::reorder)
       .def("meter_stats", &KvStore::meter_stats)

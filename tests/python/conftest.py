@@ -1,9 +1,17 @@
 """Shared fixtures: one load of the default model (SmolLM2-135M-Instruct, models/ of the checkout
-or $CERTKV_MODEL) for the whole session."""
+or $CERTKV_MODEL) for the whole session, and the small Llama of the transformers tests (CPU and
+CUDA), made once."""
 
+import numpy as np
 import pytest
 
 import certkv
+
+PROMPT = "Write one sentence about the sea."
+
+# Token ids for tiny_llama_dir's model.
+TINY_LLAMA_PROMPTS = [[5, 17, 250, 3, 99], list(range(30, 53)),
+                      [int(x) for x in np.random.default_rng(1).integers(3, 500, 40)]]
 
 
 @pytest.fixture(scope="session")
@@ -11,4 +19,22 @@ def model() -> certkv.Model:
     return certkv.Model()
 
 
-PROMPT = "Write one sentence about the sea."
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A 4-layer Llama with random weights (head_dim 64, 4 query and 2 KV heads), saved as
+    safetensors for transformers to load. Skips where torch or transformers is not installed."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                      max_position_embeddings=1024, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:  # sharper attention than at initialization, so that KV errors show
+            layer.self_attn.q_proj.weight.mul_(2)
+            layer.self_attn.k_proj.weight.mul_(2)
+        model.lm_head.weight.mul_(20)  # well separated logits: greedy ties are not the question
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(path, safe_serialization=True)
+    return path

@@ -1,6 +1,7 @@
 """certkv's torch custom operators on CPU tensors: the same results as the NumPy API, the same
-under torch.compile (their fake kernels trace), and a clear refusal of CUDA tensors. Skipped
-where torch is not installed."""
+under torch.compile (their fake kernels trace), and a clear refusal of CUDA tensors where an
+operator or store is CPU-only (the CUDA path: test_transformers_cuda.py). Skipped where torch is
+not installed."""
 
 import numpy as np
 import pytest
@@ -44,6 +45,29 @@ def test_kv_store_attend_op_equals_the_store(store):
     assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
 
 
+def test_kv_store_decode_op_equals_the_store():
+    s = certkv.KvStore("dither8", n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64, rope_layout="half-split",
+                       n_sequences=3)
+    for seq, n in enumerate((70, 17, 33)):
+        s.append(seq, 0, bf16_rows(n, 10 + seq), bf16_rows(n, 20 + seq))
+    handle = ops.register_store(s)
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(4))
+    out, meter = torch.ops.certkv.kv_store_decode(handle, 0, [2, 0], q)
+    assert out.shape == (2, 4, 64) and meter.shape == (2, 4) and meter.dtype == torch.float32
+    for i, seq in enumerate((2, 0)):
+        want, want_meters = s.attend(seq, 0, q[i].numpy())
+        assert torch.equal(out[i], torch.from_numpy(want))
+        assert np.array_equal(meter[i].numpy(), want_meters["meter"].astype(np.float32)) and (meter[i] > 0).all()
+
+    def step(q):
+        out, meter = torch.ops.certkv.kv_store_decode(handle, 0, [1, 2], q)
+        return out.sum(-1), meter.max()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    got, plain = compiled(q), step(q)
+    assert got[0].shape == plain[0].shape == (2, 4) and got[1].shape == plain[1].shape == ()
+
+
 def test_gaac_page_ops_round_trip_under_compile():
     rows = bf16_rows(64, 5, heads=1)[0]
     cal = certkv.codec.calibrate(rows, block_tokens=16)
@@ -72,6 +96,12 @@ def test_refusals(store):
     with pytest.raises(TypeError, match="pages: expected torch.bfloat16"):
         torch.ops.certkv.gaac_encode_pages(torch.zeros(1, 16, 64), torch.zeros(64, dtype=torch.uint8),
                                            torch.zeros(64, dtype=torch.uint8), 0)
+    with pytest.raises(ValueError, match=r"q: expected shape \[2, 4, 64\]"):
+        torch.ops.certkv.kv_store_decode(handle, 0, [0, 0], torch.zeros(1, 4, 64))
+    with pytest.raises(TypeError, match="q: expected torch.float32"):
+        torch.ops.certkv.kv_store_decode(handle, 0, [0], torch.zeros(1, 4, 64, dtype=torch.bfloat16))
     if torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="no CUDA operators"):
+        with pytest.raises(RuntimeError, match="use certkv::kv_store_decode"):
             torch.ops.certkv.kv_store_attend(handle, 0, 0, torch.zeros(4, 64, device="cuda"))
+        with pytest.raises(ValueError, match="takes CPU tensors"):
+            torch.ops.certkv.kv_store_decode(handle, 0, [0], torch.zeros(1, 4, 64, device="cuda"))

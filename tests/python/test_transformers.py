@@ -1,10 +1,8 @@
-"""certkv.transformers on CPU with a small Llama that the test makes (random weights saved as
+"""certkv.transformers on CPU with a small Llama that conftest.py makes (random weights saved as
 safetensors and loaded by transformers itself, head_dim 64, bf16): CertkvCache("gaac") greedy
 tokens equal to DynamicCache's on every prompt (batch 1 and a left-padded batch), dither8's
 teacher-forced KL against DynamicCache and its certificate, crop against a fresh prefill, and
 refusals. Skipped where torch or transformers is not installed."""
-
-import math
 
 import numpy as np
 import pytest
@@ -13,25 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import certkv.transformers as ct  # noqa: E402  (after the skips)
-
-PROMPTS = [[5, 17, 250, 3, 99], list(range(30, 53)), [int(x) for x in np.random.default_rng(1).integers(3, 500, 40)]]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                      max_position_embeddings=1024, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:  # sharper attention than at initialization, so that KV errors show
-            layer.self_attn.q_proj.weight.mul_(2)
-            layer.self_attn.k_proj.weight.mul_(2)
-        model.lm_head.weight.mul_(20)  # well separated logits: greedy ties are not the question
-    path = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+from conftest import TINY_LLAMA_PROMPTS as PROMPTS  # noqa: E402
 
 
 def load(model_dir, attn):
@@ -40,13 +20,13 @@ def load(model_dir, attn):
 
 
 @pytest.fixture(scope="module")
-def sdpa_model(model_dir):
-    return load(model_dir, "sdpa")
+def sdpa_model(tiny_llama_dir):
+    return load(tiny_llama_dir, "sdpa")
 
 
 @pytest.fixture(scope="module")
-def certkv_model(model_dir):
-    return load(model_dir, ct.ATTENTION_NAME)
+def certkv_model(tiny_llama_dir):
+    return load(tiny_llama_dir, ct.ATTENTION_NAME)
 
 
 def greedy(model, ids, cache, n=16, attention_mask=None):
@@ -157,6 +137,8 @@ def test_refusals(certkv_model):
     with pytest.raises(RuntimeError, match="needs past_key_values=CertkvCache"):
         with torch.no_grad():
             certkv_model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
-    if torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"'dither8'.*cuda"):
-            ct.CertkvCache(certkv_model.config, scheme="dither8").update(k.cuda(), k.cuda(), 0)
+    with pytest.raises(ValueError, match="device: CertkvCache takes the device"):
+        ct.CertkvCache(certkv_model.config, scheme="gaac", device="cuda")
+    cache.update(k, k, 0)
+    with pytest.raises(ValueError, match=r"value_states: expected a tensor on cpu.*got meta"):
+        cache.update(k, k.to("meta"), 1)

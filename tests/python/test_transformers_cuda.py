@@ -1,0 +1,181 @@
+"""certkv.transformers and torch.ops.certkv.kv_store_decode on CUDA, with the small Llama of
+conftest.py (random weights, head_dim 64, bf16) on the GPU: CertkvCache("gaac") greedy tokens equal
+to DynamicCache's with sdpa (batch 1 on each prompt, and a left-padded batch of two); dither8's
+teacher-forced KL against DynamicCache and its metered certificate; fp8-e4m3 metered; the
+decode operator over a cuda store against the CPU operator over a cpu store holding the same
+rows; and the refusals of what the CUDA path does not serve. Skipped unless torch sees a CUDA
+device and this build of certkv makes a cuda KvStore."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import certkv  # noqa: E402  (after the skips)
+import certkv.torch_ops as ops  # noqa: E402
+import certkv.transformers as ct  # noqa: E402
+from conftest import TINY_LLAMA_PROMPTS as PROMPTS  # noqa: E402
+
+
+def cuda_store_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        certkv.KvStore("bf16", n_layers=1, n_heads=2, n_kv_heads=2, head_dim=64, device="cuda")
+    except certkv.UnsupportedError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not cuda_store_available(),
+                                reason="needs torch with a CUDA device and certkv built with its CUDA backend")
+
+
+def load(model_dir, attn):
+    m = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=attn)
+    return m.to("cuda").eval()
+
+
+@pytest.fixture(scope="module")
+def sdpa_model(tiny_llama_dir):
+    return load(tiny_llama_dir, "sdpa")
+
+
+@pytest.fixture(scope="module")
+def certkv_model(tiny_llama_dir):
+    return load(tiny_llama_dir, ct.ATTENTION_NAME)
+
+
+def greedy(model, ids, cache, n=16, attention_mask=None):
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+    return out[:, ids.shape[1]:].cpu()
+
+
+def test_gaac_greedy_equals_dynamic_cache(sdpa_model, certkv_model):
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt], device="cuda")
+        want = greedy(sdpa_model, ids, transformers.DynamicCache(config=sdpa_model.config))
+        cache = ct.CertkvCache(certkv_model.config, scheme="gaac")
+        got = greedy(certkv_model, ids, cache)
+        assert cache.store.device == "cuda"
+        assert got.tolist() == want.tolist(), f"prompt of {len(prompt)} tokens"
+        cert = cache.certificate()
+        assert cert["scheme"] == "gaac" and cert["metered"] is False
+        assert cert["kv_tokens"] == len(prompt) + got.shape[1] - 1  # the last token is not fed back
+    # The longest prompt filled complete blocks: GAAC slots.
+    assert cert["kv_bytes_by_class"].get("gaac", 0) > 0
+
+
+def test_gaac_batch_with_left_padding(sdpa_model, certkv_model):
+    a, b = PROMPTS[2], PROMPTS[1]
+    ids = torch.tensor([a, [0] * (len(a) - len(b)) + b], device="cuda")
+    mask = torch.tensor([[1] * len(a), [0] * (len(a) - len(b)) + [1] * len(b)], device="cuda")
+    want = greedy(sdpa_model, ids, transformers.DynamicCache(config=sdpa_model.config), attention_mask=mask)
+    cache = ct.CertkvCache(certkv_model.config, scheme="gaac")
+    got = greedy(certkv_model, ids, cache, attention_mask=mask)
+    assert got.tolist() == want.tolist()
+    fed = got.shape[1] - 1
+    assert cache.store.length(0, 3) == len(a) + fed and cache.store.length(1, 3) == len(b) + fed  # no padding stored
+
+
+def teacher_forced_logits(model, tokens, cache, prompt_tokens):
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([tokens[:prompt_tokens]], device="cuda"), past_key_values=cache,
+                    use_cache=True)
+        logits = [out.logits[0, -1].float()]
+        for t in tokens[prompt_tokens:-1]:
+            out = model(input_ids=torch.tensor([[t]], device="cuda"), past_key_values=cache, use_cache=True)
+            logits.append(out.logits[0, -1].float())
+    return torch.stack(logits).cpu()
+
+
+def test_dither8_kl_and_certificate(sdpa_model, certkv_model):
+    tokens = [int(x) for x in np.random.default_rng(7).integers(3, 500, 112)]
+    want = teacher_forced_logits(sdpa_model, tokens, transformers.DynamicCache(config=sdpa_model.config), 48)
+    cache = ct.CertkvCache(certkv_model.config, scheme="dither8")
+    got = teacher_forced_logits(certkv_model, tokens, cache, 48)
+    log_p, log_q = torch.log_softmax(want, -1), torch.log_softmax(got, -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    # Position 0 is the prompt's, attended exactly; the decode steps read the dither8 pages.
+    assert kl[1:].max().item() <= 5e-3
+    cert = cache.certificate()
+    steps = len(tokens) - 48 - 1
+    assert cert["metered"] is True and cert["tier"] == "B"
+    assert cert["cells"] == 4 * 4 * steps  # layers x query heads x decode steps
+    assert cert["meter_max"] > 0 and cert["meter_p99"] <= cert["meter_max"]
+
+
+def test_fp8_e4m3_is_metered(certkv_model):
+    cache = ct.CertkvCache(certkv_model.config, scheme="fp8-e4m3")
+    logits = teacher_forced_logits(certkv_model, PROMPTS[2] + list(range(100, 108)), cache, len(PROMPTS[2]))
+    assert torch.isfinite(logits).all()
+    cert = cache.certificate()
+    assert cert["metered"] is True and cert["tier"] == "A"
+    assert cert["cells"] == 4 * 4 * 7 and cert["meter_max"] >= 0  # layers x query heads x decode steps
+
+
+def test_kv_store_decode_equals_the_cpu_operator():
+    n_heads, n_kv_heads, head_dim = 6, 2, 128
+    shape = dict(n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, n_sequences=2)
+    gpu = certkv.KvStore("bf16", device="cuda", cuda_stream=torch.cuda.current_stream().cuda_stream, **shape)
+    cpu = certkv.KvStore("bf16", **shape)
+    gpu_handle, cpu_handle = ops.register_store(gpu), ops.register_store(cpu)
+    g = torch.Generator().manual_seed(5)
+    lengths = {0: [37, 1, 1], 1: [129, 1, 1]}  # a prompt, then two decode steps' rows
+    rows = {seq: [torch.randn(n, n_kv_heads, head_dim, generator=g) for n in ns] for seq, ns in lengths.items()}
+    for layer in (0, 1):
+        for step in range(3):
+            k = torch.cat([rows[seq][step] for seq in (0, 1)])
+            v = k.flip(-1) * 0.5
+            k_gpu, v_gpu = k.cuda(), v.cuda()
+            # The store reads k_gpu and v_gpu on torch's current stream: freeing them is stream-ordered.
+            gpu.append_device(layer, [0, 1], [lengths[0][step], lengths[1][step]], k_gpu.data_ptr(), v_gpu.data_ptr())
+            for seq, (begin, end) in ((0, (0, lengths[0][step])), (1, (lengths[0][step], len(k)))):
+                cpu.append(seq, layer, k[begin:end].transpose(0, 1).contiguous().numpy(),
+                           v[begin:end].transpose(0, 1).contiguous().numpy())
+    for layer in (0, 1):
+        for seqs in ([0, 1], [1]):
+            q = torch.randn(len(seqs), n_heads, head_dim, generator=g) * 2
+            out_gpu, meter_gpu = torch.ops.certkv.kv_store_decode(gpu_handle, layer, seqs, q.cuda())
+            out_cpu, meter_cpu = torch.ops.certkv.kv_store_decode(cpu_handle, layer, seqs, q)
+            assert out_gpu.shape == q.shape and meter_gpu.shape == (len(seqs), n_heads)
+            torch.testing.assert_close(out_gpu.cpu(), out_cpu, rtol=1e-3, atol=1e-3 * out_cpu.abs().max().item())
+            assert (meter_gpu == 0).all() and (meter_cpu == 0).all()  # bf16 is lossless
+    assert gpu.length(0, 1) == 39 and gpu.length(1, 1) == 131
+    assert gpu.certificate()["metered"] is False
+
+
+def test_refusals(sdpa_model, certkv_model):
+    ids = torch.tensor([PROMPTS[1]], device="cuda")
+    with pytest.raises(certkv.UnsupportedError, match="kivi2 is not served on device cuda"):
+        with torch.no_grad():
+            certkv_model(input_ids=ids, past_key_values=ct.CertkvCache(certkv_model.config, scheme="kivi2"))
+    with pytest.raises(ValueError, match="CUDA pages are read by certkv's attention only"):
+        with torch.no_grad():
+            sdpa_model(input_ids=ids, past_key_values=ct.CertkvCache(sdpa_model.config, scheme="gaac"))
+    cache = ct.CertkvCache(certkv_model.config, scheme="gaac")
+    with torch.no_grad():
+        certkv_model(input_ids=ids, past_key_values=cache)
+        with pytest.raises(NotImplementedError, match="chunked prefill on a CUDA CertkvCache is not served"):
+            certkv_model(input_ids=ids[:, :3], past_key_values=cache)
+    with pytest.raises(NotImplementedError, match="CertkvCache.crop: not served on CUDA"):
+        cache.crop(-2)
+    with pytest.raises(NotImplementedError, match="CertkvCache.reorder_cache: not served on CUDA"):
+        cache.reorder_cache(torch.tensor([0]))
+    with pytest.raises(certkv.UnsupportedError, match="on device cuda"):
+        cache.store.read(0, 0, "k")
+    handle = ops.register_store(cache.store)
+    with pytest.raises(RuntimeError, match="use certkv::kv_store_decode"):
+        torch.ops.certkv.kv_store_attend(handle, 0, 0, torch.zeros(4, 64, device="cuda"))
+    with pytest.raises(ValueError, match="takes CUDA tensors"):
+        torch.ops.certkv.kv_store_decode(handle, 0, [0], torch.zeros(1, 4, 64))
+    cpu_store = certkv.KvStore("bf16", n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64)
+    with pytest.raises(ValueError, match="takes CPU tensors"):
+        torch.ops.certkv.kv_store_decode(ops.register_store(cpu_store), 0, [0], torch.zeros(1, 4, 64, device="cuda"))
+    with pytest.raises(RuntimeError, match="GAAC page ops run on CPU tensors"):
+        torch.ops.certkv.gaac_decode_pages(torch.zeros(1, 8, dtype=torch.uint8, device="cuda"),
+                                           torch.zeros(64, dtype=torch.uint8, device="cuda"),
+                                           torch.zeros(64, dtype=torch.uint8, device="cuda"), 0, 16, 64)
