@@ -6,6 +6,7 @@
 // 128 (GQA 7): outputs as the CPU store's, a lossy scheme's meter at or above the true total
 // variation (over the rows the CPU store reads back: the same pages) and within the device
 // route's bar of the CPU store's, the telemetry's cells, the pages by class; then the refusals.
+// The queries are bf16 values, as the device rounds them (session_cuda_test.cc does the same).
 // Needs a CUDA device (skipped without one); run on the GPU machine by scripts/run_cuda_tests.sh.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -27,6 +28,15 @@ constexpr int kLayers = 2, kSeqs = 3, kSteps = 20;
 constexpr int kPrompt[kSeqs] = {37, 16, 70};
 
 bool error_names(const char* text) { return std::string(certkv_last_error()).find(text) != std::string::npos; }
+
+// x rounded to bf16 (nearest even), as a float.
+float bf16_value(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
 
 bool have_device() {
   int n = 0;
@@ -193,8 +203,10 @@ TEST(CApiKvStoreDevice, DecodeStepsMatchTheCpuStore) {
         for (int l = 0; l < kLayers; ++l) {
           const int64_t begin[kSeqs] = {kPrompt[0] + step, kPrompt[1] + step, kPrompt[2] + step}, one[kSeqs] = {1, 1, 1};
           append(l, begin, one);
+          // Queries of bf16 values: the device rounds q to its tiles' element (bf16, or fp16, which
+          // holds every bf16 value of this range), the host store does not.
           std::vector<float> q(kSeqs * qrow);
-          for (float& x : q) x = 2.f * normal(rng);
+          for (float& x : q) x = bf16_value(2.f * normal(rng));
           DeviceFloats dq(q.size()), dout(q.size()), dmeters(size_t(kSeqs * sh.heads));
           dq.up(q);
           const int32_t seqs[kSeqs] = {2, 0, 1};  // not in slot order
@@ -300,6 +312,12 @@ TEST(CApiKvStoreDevice, RefusalsLeaveTheStoreUsable) {
   // Equal rows: every position attends equally, the output is the row.
   const std::vector<float> o = out.down(size_t(sh.heads) * sh.dim);
   for (float x : o) EXPECT_NEAR(x, 0.25f, 1e-3f);
+  // Host memory where device memory is due: refused before any launch, the store goes on.
+  std::vector<float> host_q(kSeqs * size_t(sh.heads) * sh.dim, 0.5f);
+  EXPECT_EQ(certkv_kv_store_attend_device(s, 0, one_seq, 1, host_q.data(), out.p, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("q is not")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_append_device(s, 0, one_seq, n1, 1, host_q.data(), rows.p), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("k is not")) << certkv_last_error();
   certkv_meter_stats m;
   ASSERT_EQ(certkv_kv_store_meter_stats(s, &m), CERTKV_OK) << certkv_last_error();
   EXPECT_EQ(m.cells, sh.heads);

@@ -596,6 +596,7 @@ certkv_status certkv_kv_store_meter_stats(const certkv_kv_store* store, certkv_m
     if (store->device) store->device->drain();
     const certkv::gate::Telemetry& t = *store->telemetry;
     *stats = certkv::api::meter_stats_of(t, store->scheme, store->metered, store->delta_loc);
+    if (store->device) stats->exact_fallback_blocks += uint64_t(store->device->stats().pages_kept_exact);
     for (const auto& c : store->layers)
       if (c) stats->exact_fallback_blocks += c->memory_stats().exact_fallback_blocks;
   });

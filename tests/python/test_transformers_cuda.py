@@ -138,11 +138,15 @@ def test_kv_store_decode_equals_the_cpu_operator():
                            v[begin:end].transpose(0, 1).contiguous().numpy())
     for layer in (0, 1):
         for seqs in ([0, 1], [1]):
-            q = torch.randn(len(seqs), n_heads, head_dim, generator=g) * 2
+            # bf16 values: the device rounds q to bf16 for these pages, the CPU operator does not.
+            q = (torch.randn(len(seqs), n_heads, head_dim, generator=g) * 2).bfloat16().float()
             out_gpu, meter_gpu = torch.ops.certkv.kv_store_decode(gpu_handle, layer, seqs, q.cuda())
             out_cpu, meter_cpu = torch.ops.certkv.kv_store_decode(cpu_handle, layer, seqs, q)
             assert out_gpu.shape == q.shape and meter_gpu.shape == (len(seqs), n_heads)
-            torch.testing.assert_close(out_gpu.cpu(), out_cpu, rtol=1e-3, atol=1e-3 * out_cpu.abs().max().item())
+            # Per head, relative to the head's output (the device's P V products take bf16
+            # probabilities): the bar of the device route's tests.
+            err = (out_gpu.cpu() - out_cpu).norm(dim=-1) / out_cpu.norm(dim=-1)
+            assert err.max().item() < 4e-3, err.max().item()
             assert (meter_gpu == 0).all() and (meter_cpu == 0).all()  # bf16 is lossless
     assert gpu.length(0, 1) == 39 and gpu.length(1, 1) == 131
     assert gpu.certificate()["metered"] is False

@@ -31,10 +31,45 @@ constexpr int64_t kRingSteps = 512;
 // Rows of a GAAC layer's first append its calibration reads, at most.
 constexpr int64_t kCalibrationRows = 8192;
 
+// The store's device current for the scope of a call, the caller's restored after it.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (previous_ != device && cudaSetDevice(device) != cudaSuccess)
+      fail(StatusCode::kInternal, "device KV store: making device " + std::to_string(device) + " current failed");
+  }
+  ~DeviceScope() {
+    int now = -1;
+    if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+// kInvalidArgument unless p is memory the store's device can read and write (device or managed
+// memory of that device): a host or foreign pointer would fault in a launch, leaving an error in
+// the CUDA context of the whole process.
+void require_device_memory(const void* p, int device, const char* name) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();  // the query's error is not sticky: clear it
+    fail(StatusCode::kInvalidArgument, std::string("device KV store: ") + name + " is not CUDA memory");
+  }
+  const bool ok = (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) && a.device == device;
+  if (!ok)
+    fail(StatusCode::kInvalidArgument, std::string("device KV store: ") + name + " is not memory of CUDA device " +
+                                           std::to_string(device) + " (host or another device's memory)");
+}
+
 class DeviceKvStoreImpl final : public DeviceKvStore {
  public:
   DeviceKvStoreImpl(const DeviceKvStoreConfig& config, LayerCalibrator calibrate_layer, gate::Telemetry& telemetry)
       : config_(config), calibrate_layer_(std::move(calibrate_layer)), telemetry_(telemetry) {
+    if (cudaGetDevice(&device_) != cudaSuccess) fail(StatusCode::kInternal, "device KV store: no current CUDA device");
     format_ = attention::cuda::page_format_of(config.scheme, config.witness);
     metered_ = attention::cuda::page_format_metered(format_);
     layers_.resize(size_t(config.n_layers));
@@ -45,18 +80,30 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
                     round_up(sizeof(float) * 3 * size_t(config.n_sequences) * size_t(config.n_heads));
     throw_if_failed(DeviceBuffer::allocate(record_bytes_ * kRingSteps, &ring_));
     throw_if_failed(PinnedBuffer::allocate(record_bytes_ * kRingSteps, &host_ring_));
-    throw_if_failed(DeviceBuffer::allocate(sizeof(uint32_t), &error_word_));
-    if (cudaMemsetAsync(error_word_.data(), 0, sizeof(uint32_t), stream()) != cudaSuccess)
+    // The error word, and a scratch word that resetting the split counters zeroes instead of it.
+    throw_if_failed(DeviceBuffer::allocate(2 * sizeof(uint32_t), &error_word_));
+    if (cudaMemsetAsync(error_word_.data(), 0, 2 * sizeof(uint32_t), stream()) != cudaSuccess)
       fail(StatusCode::kInternal, "device KV store: zeroing the error word failed");
+    // Every layer's cache now, so that a configuration its cache refuses (a calibration's base,
+    // the outlier pairs) fails here; a GAAC scheme calibrating on its first appends makes each
+    // then.
+    if (!(cache::kv_scheme_is_gaac(config.scheme) && config.calibrations.empty()))
+      for (int layer = 0; layer < config.n_layers; ++layer) make_layer(layer, nullptr, nullptr, 0);
   }
 
   ~DeviceKvStoreImpl() override {
     // Launches may still read the ring and the workspace.
+    int previous = -1;
+    if (cudaGetDevice(&previous) == cudaSuccess && previous != device_) cudaSetDevice(device_);
     (void)cache::cuda::synchronize_stream(config_.stream);
+    if (previous >= 0 && previous != device_) cudaSetDevice(previous);
   }
 
   void append(int layer, std::span<const int32_t> seqs, std::span<const int64_t> n_tokens, const float* k,
               const float* v) override {
+    const DeviceScope scope(device_);
+    require_device_memory(k, device_, "k");
+    require_device_memory(v, device_, "v");
     Layer& l = layers_[size_t(layer)];
     if (l.failed)
       fail(StatusCode::kInternal, "device KV store: layer " + std::to_string(layer) +
@@ -91,8 +138,15 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
   }
 
   void attend(int layer, std::span<const int32_t> seqs, const float* q, float* out, float* meters) override {
+    const DeviceScope scope(device_);
     const Layer& l = layers_[size_t(layer)];
     if (!l.cache) fail(StatusCode::kInvalidArgument, "device KV store: layer " + std::to_string(layer) + " holds nothing");
+    if (l.failed)
+      fail(StatusCode::kInternal, "device KV store: layer " + std::to_string(layer) +
+                                      " is not read after a failed append (make a new store)");
+    require_device_memory(q, device_, "q");
+    require_device_memory(out, device_, "out");
+    if (meters != nullptr) require_device_memory(meters, device_, "meters");
     const size_t n = seqs.size();
     if (ring_used_ == kRingSteps) drain_ring();
     const size_t at = size_t(ring_used_++) * record_bytes_;
@@ -142,13 +196,14 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     p.workspace = workspace_.data();
     p.workspace_size = workspace_.size();
     // The bulk-copy kernels' split counters: a launch leaves its own layout's zero, one of another
-    // layout zeroes them first (CudaBackend::zero_split_counters). reset_error_word zeroes the
-    // error word as well: its count is read first.
+    // layout zeroes them first (CudaBackend::zero_split_counters), through reset_error_word with
+    // the scratch word in place of the error word, whose count it would otherwise drop.
     if (attention::cuda::page_format_bulk_copied(p.format)) {
       const WorkspaceLayout key{p.batch, attention::cuda::planned_splits(p)};
       if (!(key == workspace_layout_)) {
-        check_error_word();
-        throw_if_failed(attention::cuda::reset_error_word(p));
+        PagedDecodeParams zero = p;  // the counters zeroed; the scratch word, not the error word
+        zero.error_word = reinterpret_cast<uint32_t*>(error_word_.data()) + 1;
+        throw_if_failed(attention::cuda::reset_error_word(zero));
         workspace_layout_ = key;
       }
     }
@@ -168,9 +223,13 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
 
   int64_t length(int seq, int layer) const override { return lengths_[index(seq, layer)]; }
 
-  void drain() override { drain_ring(); }
+  void drain() override {
+    const DeviceScope scope(device_);
+    drain_ring();
+  }
 
   DeviceKvStoreStats stats() override {
+    const DeviceScope scope(device_);
     throw_if_failed(cache::cuda::synchronize_stream(config_.stream));
     DeviceKvStoreStats s;
     for (int s_i = 0; s_i < config_.n_sequences; ++s_i) s.tokens_layer0 += length(s_i, 0);
@@ -214,6 +273,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
   size_t index(int seq, int layer) const { return size_t(layer) * size_t(config_.n_sequences) + size_t(seq); }
   cudaStream_t stream() const { return static_cast<cudaStream_t>(config_.stream); }
 
+  // Layer `layer`'s cache; a GAAC scheme without calibrations calibrates it on rows k, v (n of them).
   void make_layer(int layer, const float* k, const float* v, int64_t n) {
     cache::cuda::DeviceKvCacheConfig kc;
     kc.n_layers = 1;
@@ -275,6 +335,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
 
   DeviceKvStoreConfig config_;
   LayerCalibrator calibrate_layer_;
+  int device_ = 0;  // the CUDA device current at create: the store's every call runs on it
   PageFormat format_ = PageFormat::kBf16;
   bool metered_ = false;
   std::vector<Layer> layers_;
@@ -299,6 +360,9 @@ std::unique_ptr<DeviceKvStore> make_device_kv_store(const DeviceKvStoreConfig& c
   if (config.n_heads % config.n_kv_heads != 0 || config.n_heads / config.n_kv_heads > 8)
     fail(StatusCode::kUnsupported, "device cuda serves at most 8 query heads per KV head, not " +
                                        std::to_string(config.n_heads / config.n_kv_heads));
+  if (config.scheme == cache::KvScheme::kDither8 && config.outlier_pairs > cache::cuda::kMaxOutlierPairsOnDevice)
+    fail(StatusCode::kUnsupported, "device cuda keeps at most " + std::to_string(cache::cuda::kMaxOutlierPairsOnDevice) +
+                                       " dither8 outlier pairs per head, not " + std::to_string(config.outlier_pairs));
   if (config.max_tokens >= (int64_t(1) << 31))
     fail(StatusCode::kUnsupported, "device cuda serves max_tokens below 2^31, not " + std::to_string(config.max_tokens));
   if (attention::cuda::device_count() < 1)

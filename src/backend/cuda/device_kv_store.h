@@ -2,9 +2,9 @@
 // V rows a front end computes itself (a PyTorch model on the GPU) kept in certkv's device pages,
 // and certkv's decode attention over them with the meter, without a model.
 //
-// One cache::cuda::DeviceKvCache per layer, made at the layer's first append (so that a GAAC
-// scheme without a calibration can calibrate the layer on that append, as the host store does:
-// on its first 8,192 rows at most, which come to the host),
+// One cache::cuda::DeviceKvCache per layer (a GAAC scheme without a calibration calibrates each
+// layer on its first append, as the host store does: on its first 8,192 rows at most, which come
+// to the host),
 // its pages keyed as layer l of a whole model (DeviceKvCacheConfig::first_model_layer: dither8's
 // dither). Store sequence i is slot i of every layer's cache. An append of several sequences'
 // rows is one write_rows launch; a decode step of several sequences is one paged-decode launch
@@ -19,7 +19,12 @@
 // device ring; when the ring is full the store waits for the stream once, records the meters
 // into the telemetry and starts over.
 //
-// Thread safety: one thread at a time; every call enqueues on the store's stream.
+// Every call runs on the CUDA device current at create (made current for the call, the caller's
+// restored after) and enqueues on the store's stream; the pointers it is given must be memory of
+// that device (kInvalidArgument otherwise, before any launch). Every layer's cache is made at
+// create, except a GAAC scheme's without calibrations (each at its layer's first append).
+// Block tables: max_tokens / block_tokens entries per (sequence, K/V, KV head) of every layer.
+// Thread safety: one thread at a time.
 #pragma once
 
 #include <cstdint>

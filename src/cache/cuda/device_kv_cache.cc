@@ -142,9 +142,10 @@ struct DeviceKvCache::Layer {
   bool all_outliers_chosen() const {
     return std::all_of(outliers_chosen.begin(), outliers_chosen.end(), [](uint8_t c) { return c != 0; });
   }
-  // dither8: K rows of positions [0, block_tokens), rounded to bf16, of each head whose pairs are
-  // not chosen yet: [n_kv_heads][block_tokens][head_dim].
-  std::vector<float> first_rows;
+  // dither8: per slot, its K rows of positions [0, block_tokens), rounded to bf16, of each head
+  // whose pairs are not chosen yet: [n_kv_heads][block_tokens][head_dim] (each slot's own: the
+  // first block finalized, of whichever slot, chooses from its own rows).
+  std::unordered_map<int, std::vector<float>> first_rows;
 };
 
 DeviceKvCache::~DeviceKvCache() {
@@ -258,7 +259,6 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
         if (s.ok) s = layer->dither_keys.upload(0, keys.data(), keys.size() * sizeof(uint64_t));
         layer->outliers_chosen.assign(size_t(H), n_outlier_pairs == 0 ? 1 : 0);
         if (n_outlier_pairs > 0) {
-          layer->first_rows.assign(size_t(H) * config.block_tokens * D, 0.f);
           if (s.ok) s = DeviceBuffer::allocate(sizeof(uint16_t) * size_t(H) * n_outlier_pairs, &layer->outlier_pairs);
           if (s.ok)
             s = DeviceBuffer::allocate(sizeof(int32_t) * size_t(H) * 2 * n_outlier_pairs, &layer->outlier_channels);
@@ -574,13 +574,17 @@ CudaStatus DeviceKvCache::append(int layer_index, const SlotRows* writes, size_t
       const float* host_k = w.k;
       std::vector<float> copy;
       if (on_device(w.k)) {
+        // On the cache's stream, after the work that wrote the rows (a non-blocking stream does
+        // not wait for the legacy default stream), then waited for.
         copy.resize(size_t(w.n) * H * D);
-        CudaStatus s = cuda_check(cudaMemcpy(copy.data(), w.k, copy.size() * sizeof(float), cudaMemcpyDeviceToHost),
+        CudaStatus s = cuda_check(cudaMemcpyAsync(copy.data(), w.k, copy.size() * sizeof(float),
+                                                  cudaMemcpyDeviceToHost, as_stream(stream)),
                                   "outlier rows download");
+        if (s.ok) s = cuda_check(cudaStreamSynchronize(as_stream(stream)), "outlier rows download");
         if (!s.ok) return s;
         host_k = copy.data();
       }
-      CudaStatus s = note_outlier_rows(layer_index, first, host_k, w.n);
+      CudaStatus s = note_outlier_rows(layer_index, w.slot, first, host_k, w.n);
       if (!s.ok) return s;
     }
     // Raw pages for the blocks that start in this write (the tail block may have one already).
@@ -978,7 +982,7 @@ CudaStatus DeviceKvCache::set_outliers(int layer_index, int kv_head, const uint1
   return s;
 }
 
-CudaStatus DeviceKvCache::note_outlier_rows(int layer_index, int64_t first, const float* k, int64_t n) {
+CudaStatus DeviceKvCache::note_outlier_rows(int layer_index, int slot, int64_t first, const float* k, int64_t n) {
   Layer& layer = *layers_[size_t(layer_index)];
   const int H = config_.n_kv_heads;
   const int D = config_.head_dim;
@@ -990,10 +994,12 @@ CudaStatus DeviceKvCache::note_outlier_rows(int layer_index, int64_t first, cons
       if (!s.ok) return s;
       continue;
     }
-    // Else the first block's rows as stored (bf16), for the choice when that block completes.
+    // Else the slot's first block's rows as stored (bf16), for the choice when that block completes.
+    std::vector<float>& rows = layer.first_rows[slot];
+    rows.resize(size_t(H) * size_t(T) * size_t(D), 0.f);
     for (int64_t r = 0; r < n && first + r < T; ++r)
       for (int c = 0; c < D; ++c)
-        layer.first_rows[(size_t(h) * T + size_t(first + r)) * D + c] =
+        rows[(size_t(h) * T + size_t(first + r)) * D + c] =
             format::bf16_to_float(format::float_to_bf16(k[(size_t(r) * H + h) * D + c]));
   }
   return {};
@@ -1006,12 +1012,16 @@ CudaStatus DeviceKvCache::finalize_lossy(int slot, int layer_index, int64_t bloc
   const int T = config_.block_tokens;
   void* stream = config_.stream;
   const int m = n_outlier_pairs_;
-  if (m > 0 && block_begin == 0) {  // KvCache: else the bf16 rows of the first block finalized
+  if (m > 0 && block_begin == 0 && !layer.all_outliers_chosen()) {
+    // KvCache: else the bf16 rows of the first block finalized (this slot's own).
+    std::vector<float>& rows = layer.first_rows[slot];
+    rows.resize(size_t(H) * size_t(T) * size_t(D), 0.f);
     for (int h = 0; h < H; ++h) {
       if (layer.outliers_chosen[size_t(h)]) continue;
-      CudaStatus s = choose_outliers(layer_index, h, layer.first_rows.data() + size_t(h) * T * D, T, size_t(D));
+      CudaStatus s = choose_outliers(layer_index, h, rows.data() + size_t(h) * T * D, T, size_t(D));
       if (!s.ok) return s;
     }
+    if (layer.all_outliers_chosen()) layer.first_rows.clear();
   }
   const bool dither8 = config_.scheme == KvScheme::kDither8;
   const int64_t per_kv = int64_t(H) * (block_end - block_begin);

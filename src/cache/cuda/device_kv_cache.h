@@ -349,7 +349,7 @@ class DeviceKvCache {
   // Marks the cache refusing every call but reset() (a call failed halfway).
   CudaStatus mark_broken(const CudaStatus& s);
   // dither8: notes the rows of a write for the choice of outlier pairs (KvCache's rule).
-  CudaStatus note_outlier_rows(int layer_index, int64_t first, const float* k, int64_t n);
+  CudaStatus note_outlier_rows(int layer_index, int slot, int64_t first, const float* k, int64_t n);
   CudaStatus choose_outliers(int layer_index, int kv_head, const float* rows, int n_rows, size_t row_stride);
   // Uploads the m pairs of (layer, kv_head) (and the kernels' channels) and marks them chosen.
   CudaStatus set_outliers(int layer_index, int kv_head, const uint16_t* pairs);
