@@ -993,7 +993,9 @@ CERTKV_API certkv_status certkv_kv_store_attend(certkv_kv_store* store, int32_t 
 /* A store of device "cuda" (its K, V, queries and outputs in device memory; the host functions
  * above refuse it with CERTKV_ERR_UNSUPPORTED, and these refuse a "cpu" store with
  * CERTKV_ERR_INVALID_ARGUMENT). Work is enqueued on the store's cuda_stream and not waited for,
- * except where said: pointers must stay valid until the stream has run it.
+ * except where said: pointers must stay valid until the stream has run it, and must be memory of
+ * the store's device (CERTKV_ERR_INVALID_ARGUMENT otherwise, before any launch). Every call runs
+ * on the device current at create, the caller's current device restored after it.
  *
  * append_device: rows of n_seqs distinct sequences to `layer`, in one launch per call: seqs[i]
  * gets n_tokens[i] >= 1 rows at positions [length, length + n_tokens[i]). k, v: device memory,
