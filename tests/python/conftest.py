@@ -38,3 +38,20 @@ def tiny_llama_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama")
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def load_tiny_llama(model_dir, attn, device="cpu"):
+    """tiny_llama_dir's model loaded by transformers in bf16 with attention `attn`, on `device`."""
+    import torch
+    import transformers
+    m = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=attn)
+    return m.to(device).eval()
+
+
+def greedy(model, ids, cache, n=16, attention_mask=None):
+    """The n tokens greedy generation appends to ids, on the CPU."""
+    import torch
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+    return out[:, ids.shape[1]:].cpu()

@@ -12,28 +12,17 @@ transformers = pytest.importorskip("transformers")
 
 import certkv.transformers as ct  # noqa: E402  (after the skips)
 from conftest import TINY_LLAMA_PROMPTS as PROMPTS  # noqa: E402
-
-
-def load(model_dir, attn):
-    m = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=attn)
-    return m.eval()
+from conftest import greedy, load_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def sdpa_model(tiny_llama_dir):
-    return load(tiny_llama_dir, "sdpa")
+    return load_tiny_llama(tiny_llama_dir, "sdpa")
 
 
 @pytest.fixture(scope="module")
 def certkv_model(tiny_llama_dir):
-    return load(tiny_llama_dir, ct.ATTENTION_NAME)
-
-
-def greedy(model, ids, cache, n=16, attention_mask=None):
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
-    return out[:, ids.shape[1]:]
+    return load_tiny_llama(tiny_llama_dir, ct.ATTENTION_NAME)
 
 
 def test_gaac_greedy_equals_dynamic_cache(sdpa_model, certkv_model):

@@ -16,6 +16,7 @@ import certkv  # noqa: E402  (after the skips)
 import certkv.torch_ops as ops  # noqa: E402
 import certkv.transformers as ct  # noqa: E402
 from conftest import TINY_LLAMA_PROMPTS as PROMPTS  # noqa: E402
+from conftest import greedy, load_tiny_llama  # noqa: E402
 
 
 def cuda_store_available() -> bool:
@@ -32,26 +33,14 @@ pytestmark = pytest.mark.skipif(not cuda_store_available(),
                                 reason="needs torch with a CUDA device and certkv built with its CUDA backend")
 
 
-def load(model_dir, attn):
-    m = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=attn)
-    return m.to("cuda").eval()
-
-
 @pytest.fixture(scope="module")
 def sdpa_model(tiny_llama_dir):
-    return load(tiny_llama_dir, "sdpa")
+    return load_tiny_llama(tiny_llama_dir, "sdpa", "cuda")
 
 
 @pytest.fixture(scope="module")
 def certkv_model(tiny_llama_dir):
-    return load(tiny_llama_dir, ct.ATTENTION_NAME)
-
-
-def greedy(model, ids, cache, n=16, attention_mask=None):
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
-    return out[:, ids.shape[1]:].cpu()
+    return load_tiny_llama(tiny_llama_dir, ct.ATTENTION_NAME, "cuda")
 
 
 def test_gaac_greedy_equals_dynamic_cache(sdpa_model, certkv_model):
