@@ -384,17 +384,10 @@ certkv_status certkv_kv_store_create(const certkv_kv_store_params* params, certk
     }
     if (on_cuda) {
       certkv::backend::cuda::DeviceKvStoreConfig d;
-      d.scheme = scheme;
+      d.layer = c;
       d.n_layers = p.n_layers;
       d.n_heads = p.n_heads;
-      d.n_kv_heads = p.n_kv_heads;
-      d.head_dim = p.head_dim;
-      d.block_tokens = p.block_tokens;
       d.n_sequences = p.n_sequences;
-      d.max_tokens = c.max_tokens;
-      d.rope_pairing = pairing;
-      d.outlier_pairs = p.outlier_pairs;
-      d.witness = witness;
       if (info.gaac) d.calibrations = s->calibrations;
       d.sm_scale = s->sm_scale;
       d.delta_loc = s->delta_loc;

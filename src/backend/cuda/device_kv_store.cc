@@ -70,10 +70,9 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
   DeviceKvStoreImpl(const DeviceKvStoreConfig& config, LayerCalibrator calibrate_layer, gate::Telemetry& telemetry)
       : config_(config), calibrate_layer_(std::move(calibrate_layer)), telemetry_(telemetry) {
     if (cudaGetDevice(&device_) != cudaSuccess) fail(StatusCode::kInternal, "device KV store: no current CUDA device");
-    format_ = attention::cuda::page_format_of(config.scheme, config.witness);
+    format_ = attention::cuda::page_format_of(config.layer.scheme, config.layer.witness);
     metered_ = attention::cuda::page_format_metered(format_);
     layers_.resize(size_t(config.n_layers));
-    lengths_.assign(size_t(config.n_layers) * size_t(config.n_sequences), 0);
     // One ring record: lengths and table rows up ([2][n_sequences] int32), then the meters of the
     // step ([3][n_sequences][n_heads] float: meter, A - 1, value side); A - 1 comes down.
     record_bytes_ = round_up(sizeof(int32_t) * 2 * size_t(config.n_sequences)) +
@@ -87,7 +86,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     // Every layer's cache now, so that a configuration its cache refuses (a calibration's base,
     // the outlier pairs) fails here; a GAAC scheme calibrating on its first appends makes each
     // then.
-    if (!(cache::kv_scheme_is_gaac(config.scheme) && config.calibrations.empty()))
+    if (!(cache::kv_scheme_is_gaac(config.layer.scheme) && config.calibrations.empty()))
       for (int layer = 0; layer < config.n_layers; ++layer) make_layer(layer, nullptr, nullptr, 0);
   }
 
@@ -111,17 +110,17 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     int64_t total = 0, held = 0;
     for (size_t i = 0; i < seqs.size(); ++i) total += n_tokens[i];
     for (int s = 0; s < config_.n_sequences; ++s) held += length(s, layer);
-    if (held + total > config_.max_tokens)
+    if (held + total > config_.layer.max_tokens)
       fail(StatusCode::kOutOfMemory, "device KV store: layer " + std::to_string(layer) + " holds " +
                                          std::to_string(held) + " positions; " + std::to_string(total) +
-                                         " more pass its capacity of " + std::to_string(config_.max_tokens) +
+                                         " more pass its capacity of " + std::to_string(config_.layer.max_tokens) +
                                          " (max_tokens)");
     try {
       if (!l.cache) make_layer(layer, k, v, total);
       DeviceKvCache& c = *l.cache;
       // The previous append's encode results: their copy was enqueued then, after its encodes.
       if (c.pending_encodes() > 0) throw_if_failed(c.reconcile_encodes());
-      const int64_t kv_dim = int64_t(config_.n_kv_heads) * config_.head_dim;
+      const int64_t kv_dim = int64_t(config_.layer.n_kv_heads) * config_.layer.head_dim;
       std::vector<DeviceKvCache::SlotRows> writes(seqs.size());
       int64_t row = 0;
       for (size_t i = 0; i < seqs.size(); ++i) {
@@ -134,7 +133,6 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
       l.failed = true;
       throw;
     }
-    for (size_t i = 0; i < seqs.size(); ++i) lengths_[index(int(seqs[i]), layer)] += n_tokens[i];
   }
 
   void attend(int layer, std::span<const int32_t> seqs, const float* q, float* out, float* meters) override {
@@ -165,12 +163,12 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     p.format = format_;
     p.batch = int(n);
     p.n_q_heads = config_.n_heads;
-    p.n_kv_heads = config_.n_kv_heads;
-    p.head_dim = config_.head_dim;
-    p.block_tokens = config_.block_tokens;
+    p.n_kv_heads = config_.layer.n_kv_heads;
+    p.head_dim = config_.layer.head_dim;
+    p.block_tokens = config_.layer.block_tokens;
     p.sm_scale = config_.sm_scale;
-    p.rope_half_split = config_.rope_pairing == codec::RopePairing::kHalfSplit;
-    p.witness = config_.witness;
+    p.rope_half_split = config_.layer.rope_pairing == codec::RopePairing::kHalfSplit;
+    p.witness = config_.layer.witness;
     p.delta_loc = config_.delta_loc;
     attention::cuda::set_layer_pages(l.cache->view(0), p);
     p.seq_lens = lens;
@@ -221,7 +219,10 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     }
   }
 
-  int64_t length(int seq, int layer) const override { return lengths_[index(seq, layer)]; }
+  int64_t length(int seq, int layer) const override {
+    const Layer& l = layers_[size_t(layer)];
+    return l.cache ? l.cache->written(seq, 0) : 0;
+  }
 
   void drain() override {
     const DeviceScope scope(device_);
@@ -238,7 +239,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
       const Layer& l = layers_[size_t(layer)];
       int64_t tokens = 0;
       for (int s_i = 0; s_i < config_.n_sequences; ++s_i) tokens += length(s_i, layer);
-      s.kv_bytes_bf16 += uint64_t(tokens) * 2 * uint64_t(config_.n_kv_heads) * uint64_t(config_.head_dim) * 2;
+      s.kv_bytes_bf16 += uint64_t(tokens) * 2 * uint64_t(config_.layer.n_kv_heads) * uint64_t(config_.layer.head_dim) * 2;
       if (!l.cache) continue;
       if (l.cache->pending_encodes() > 0) throw_if_failed(l.cache->reconcile_encodes());
       const cache::cuda::DeviceKvStats d = l.cache->stats();
@@ -270,33 +271,32 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
 
   static size_t round_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
   size_t meters_offset() const { return round_up(sizeof(int32_t) * 2 * size_t(config_.n_sequences)); }
-  size_t index(int seq, int layer) const { return size_t(layer) * size_t(config_.n_sequences) + size_t(seq); }
   cudaStream_t stream() const { return static_cast<cudaStream_t>(config_.stream); }
 
   // Layer `layer`'s cache; a GAAC scheme without calibrations calibrates it on rows k, v (n of them).
   void make_layer(int layer, const float* k, const float* v, int64_t n) {
     cache::cuda::DeviceKvCacheConfig kc;
     kc.n_layers = 1;
-    kc.n_kv_heads = config_.n_kv_heads;
-    kc.head_dim = config_.head_dim;
-    kc.block_tokens = config_.block_tokens;
-    kc.max_tokens = config_.max_tokens;
-    kc.scheme = config_.scheme;
-    kc.rope_pairing = config_.rope_pairing;
-    kc.outlier_pairs = config_.outlier_pairs;
-    kc.witness = config_.witness;
+    kc.n_kv_heads = config_.layer.n_kv_heads;
+    kc.head_dim = config_.layer.head_dim;
+    kc.block_tokens = config_.layer.block_tokens;
+    kc.max_tokens = config_.layer.max_tokens;
+    kc.scheme = config_.layer.scheme;
+    kc.rope_pairing = config_.layer.rope_pairing;
+    kc.outlier_pairs = config_.layer.outlier_pairs;
+    kc.witness = config_.layer.witness;
     kc.defer_encode_results = true;
     kc.stream = config_.stream;
     kc.sequences = config_.n_sequences;
     kc.first_model_layer = layer;
-    if (cache::kv_scheme_is_gaac(config_.scheme)) {
+    if (cache::kv_scheme_is_gaac(config_.layer.scheme)) {
       if (!config_.calibrations.empty()) {
         kc.gaac_calibration = config_.calibrations[size_t(layer)];
       } else {
         // The first append's rows (at most kCalibrationRows of them, plenty for a window base per
         // channel) come to the host, after the work that wrote them.
         n = std::min(n, kCalibrationRows);
-        const size_t elements = size_t(n) * size_t(config_.n_kv_heads) * size_t(config_.head_dim);
+        const size_t elements = size_t(n) * size_t(config_.layer.n_kv_heads) * size_t(config_.layer.head_dim);
         std::vector<float> host(2 * elements);
         throw_if_failed(cache::cuda::synchronize_stream(config_.stream));
         throw_if_failed(cache::cuda::copy_to_host(k, host.data(), sizeof(float) * elements));
@@ -339,7 +339,6 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
   PageFormat format_ = PageFormat::kBf16;
   bool metered_ = false;
   std::vector<Layer> layers_;
-  std::vector<int64_t> lengths_;  // [layer][seq]
   size_t record_bytes_ = 0;
   DeviceBuffer ring_, workspace_, error_word_;
   PinnedBuffer host_ring_;
@@ -353,18 +352,18 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
 
 std::unique_ptr<DeviceKvStore> make_device_kv_store(const DeviceKvStoreConfig& config, LayerCalibrator calibrate_layer,
                                                     gate::Telemetry& telemetry) {
-  if (config.block_tokens != 16)
-    fail(StatusCode::kUnsupported, "device cuda pages 16 tokens per block, not " + std::to_string(config.block_tokens));
-  if (config.head_dim != 64 && config.head_dim != 128)
-    fail(StatusCode::kUnsupported, "device cuda serves head_dim 64 or 128, not " + std::to_string(config.head_dim));
-  if (config.n_heads % config.n_kv_heads != 0 || config.n_heads / config.n_kv_heads > 8)
+  if (config.layer.block_tokens != 16)
+    fail(StatusCode::kUnsupported, "device cuda pages 16 tokens per block, not " + std::to_string(config.layer.block_tokens));
+  if (config.layer.head_dim != 64 && config.layer.head_dim != 128)
+    fail(StatusCode::kUnsupported, "device cuda serves head_dim 64 or 128, not " + std::to_string(config.layer.head_dim));
+  if (config.n_heads % config.layer.n_kv_heads != 0 || config.n_heads / config.layer.n_kv_heads > 8)
     fail(StatusCode::kUnsupported, "device cuda serves at most 8 query heads per KV head, not " +
-                                       std::to_string(config.n_heads / config.n_kv_heads));
-  if (config.scheme == cache::KvScheme::kDither8 && config.outlier_pairs > cache::cuda::kMaxOutlierPairsOnDevice)
+                                       std::to_string(config.n_heads / config.layer.n_kv_heads));
+  if (config.layer.scheme == cache::KvScheme::kDither8 && config.layer.outlier_pairs > cache::cuda::kMaxOutlierPairsOnDevice)
     fail(StatusCode::kUnsupported, "device cuda keeps at most " + std::to_string(cache::cuda::kMaxOutlierPairsOnDevice) +
-                                       " dither8 outlier pairs per head, not " + std::to_string(config.outlier_pairs));
-  if (config.max_tokens >= (int64_t(1) << 31))
-    fail(StatusCode::kUnsupported, "device cuda serves max_tokens below 2^31, not " + std::to_string(config.max_tokens));
+                                       " dither8 outlier pairs per head, not " + std::to_string(config.layer.outlier_pairs));
+  if (config.layer.max_tokens >= (int64_t(1) << 31))
+    fail(StatusCode::kUnsupported, "device cuda serves max_tokens below 2^31, not " + std::to_string(config.layer.max_tokens));
   if (attention::cuda::device_count() < 1)
     fail(StatusCode::kUnsupported, "device cuda: no CUDA device is visible to this process");
   return std::make_unique<DeviceKvStoreImpl>(config, std::move(calibrate_layer), telemetry);

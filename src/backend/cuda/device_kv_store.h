@@ -33,6 +33,7 @@
 #include <span>
 #include <vector>
 
+#include "cache/kv_cache.h"
 #include "cache/kv_scheme.h"
 #include "codec/gaac.h"
 #include "codec/lossy_page.h"
@@ -41,17 +42,13 @@
 namespace certkv::backend::cuda {
 
 struct DeviceKvStoreConfig {
-  cache::KvScheme scheme = cache::KvScheme::kBf16;  // REQUIRES: one the table marks cuda_route
+  // Every layer's cache as the host store describes it (n_layers 1; max_tokens the capacity over
+  // the sequences; its gaac_calibration and first_model_layer are set per layer here). REQUIRES:
+  // a scheme the table marks cuda_route.
+  cache::KvCacheConfig layer;
   int n_layers = 0;
   int n_heads = 0;
-  int n_kv_heads = 0;
-  int head_dim = 0;         // 64 or 128
-  int block_tokens = 16;    // 16
   int n_sequences = 1;
-  int64_t max_tokens = 0;   // each layer's capacity over its sequences
-  codec::RopePairing rope_pairing = codec::RopePairing::kInterleaved;
-  int outlier_pairs = -1;   // dither8 (-1: the default)
-  codec::WitnessCode witness = codec::WitnessCode::kFp16;
   // GAAC schemes: the calibration of each layer (one layer each, as the host store keeps them),
   // or empty: each layer calibrated on its first append through calibrate_layer.
   std::vector<std::shared_ptr<const codec::GaacCalibration>> calibrations;
