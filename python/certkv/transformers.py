@@ -270,22 +270,10 @@ class CertkvCache(Cache):
         return self.store.certificate()
 
 
-def _valid_suffix(attention_mask: torch.Tensor | None, b: int, n_new: int, kv_length: int) -> int:
-    """How many of the n_new positions of batch row b are real tokens, from the mask (True or 0:
-    attend) of the row's last query: with left padding, the real tokens are a suffix."""
-    if attention_mask is None:
-        return n_new
-    row = attention_mask[b if attention_mask.shape[0] > 1 else 0, 0, -1, kv_length - n_new:kv_length]
-    valid = row if row.dtype == torch.bool else row == 0
-    count = int(valid.sum())
-    if count and not bool(valid[n_new - count:].all()):
-        raise ValueError("attention_mask: certkv attention takes left padding (each row's padding before its "
-                         "tokens); this mask has padding after a token")
-    return count
-
-
 def _valid_suffixes(attention_mask: torch.Tensor | None, batch: int, n_new: int, kv_length: int) -> list[int]:
-    """_valid_suffix of every batch row at once, in one copy from the mask's device."""
+    """How many of the n_new positions of each batch row are real tokens, from the mask (True or 0:
+    attend) of the row's last query: with left padding, the real tokens are a suffix. One copy
+    from the mask's device for the whole batch."""
     if attention_mask is None:
         return [n_new] * batch
     rows = attention_mask[:, 0, -1, kv_length - n_new:kv_length].expand(batch, n_new)
@@ -383,8 +371,9 @@ def certkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     batch, n_heads, n_new, head_dim = query.shape
     kv_length = cache.layers[layer_idx].seen
     out = torch.zeros((batch, n_new, n_heads, head_dim), dtype=torch.float32)
+    counts = _valid_suffixes(attention_mask, batch, n_new, kv_length)
     for b in range(batch):
-        n_valid = _valid_suffix(attention_mask, b, n_new, kv_length)
+        n_valid = counts[b]
         if layer_idx == 0:
             cache._pads[b] += n_new - n_valid
         if n_valid == 0:
