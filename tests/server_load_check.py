@@ -26,6 +26,7 @@ Meanwhile a monitor polls /health and /metrics. It checks:
 
 Exit status: 0 passed, 1 failed.
 usage: server_load_check.py --serve CERTKV_SERVE --model GGUF --corpus DIR [--clients 64] [--requests 20]
+       [--device cpu|cuda]
 """
 import argparse
 import http.client
@@ -62,11 +63,12 @@ def fail(message):
     sys.exit(1)
 
 
-def start_server(serve, model, log_path, clients):
+def start_server(serve, model, log_path, clients, device):
     try:
         return serve_process.start_server(
             serve, ["-m", model, "-c", str(CONTEXT_TOKENS), "-np", str(PARALLEL), "--kv", "fp8-e4m3", "--pool-bytes",
-                    str(POOL_BYTES), "-t", str(THREADS), "--threads-http", str(clients + 8)], log_path)
+                    str(POOL_BYTES), "-t", str(THREADS), "--threads-http", str(clients + 8), "--device", device],
+            log_path)
     except serve_process.ServeError as e:
         fail(str(e))
 
@@ -248,10 +250,11 @@ def main():
     parser.add_argument("--corpus", required=True)
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="certkv-serve's --device")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="certkv-load-")
     log_path = os.path.join(work, "serve.log")
-    proc, port = start_server(args.serve, args.model, log_path, args.clients)
+    proc, port = start_server(args.serve, args.model, log_path, args.clients, args.device)
     try:
         prompts = prompts_of(args.corpus)
         outcome = Outcome()
