@@ -49,8 +49,13 @@ std::vector<uint16_t> rows_bf16(int n, uint32_t seed, bool specials) {
 
 struct Store {
   certkv_kv_store* s = nullptr;
-  explicit Store(const char* kv, int n_sequences = 1, int64_t max_tokens = 0, const char* layout = "half-split") {
+  explicit Store(const char* kv, int n_sequences = 1, int64_t max_tokens = 0, const char* layout = "half-split",
+                 double gate_tau = 0) {
     certkv_kv_store_params p = certkv_kv_store_default_params();
+    if (gate_tau > 0) {
+      p.gate = 1;
+      p.meter_tau = gate_tau;
+    }
     p.kv = kv;
     p.n_layers = kLayers;
     p.n_heads = kHeads;
@@ -352,6 +357,65 @@ TEST(CApiKvStore, ReorderSharesPages) {
   EXPECT_EQ(bits_of(read(st.s, 2, 1, 0, 0, 42, 0)), ks[2]);
 }
 
+// The gate: a decode step whose meter passes tau has blocks repaired from the backing store and is
+// attended again; what comes back is the attention over the repaired pages, metered soundly, and
+// under tau. A sequence that shares the pages (reorder) keeps its own, lossy, tables.
+TEST(CApiKvStore, GateRepairsAStepAboveTauAndLeavesOtherSequencesAlone) {
+  const double scale = 1.0 / std::sqrt(double(kHeadDim));
+  constexpr double kTau = 0.02;
+  for (const char* kv : {"rtn4", "kivi2", "dither8"}) {
+    Store gated(kv, 2, 0, "half-split", kTau), plain(kv, 2, 0, "half-split");
+    const int n_prompt = kTokens, n = kTokens + 1;
+    const std::vector<uint16_t> k = rows_bf16(n, 31, false), v = rows_bf16(n, 32, false);
+    for (certkv_kv_store* s : {gated.s, plain.s}) {
+      ASSERT_EQ(append_range(s, 0, 1, k, v, n, 0, n_prompt), CERTKV_OK) << certkv_last_error();
+      const int32_t both_are_seq0[2] = {0, 0};
+      ASSERT_EQ(certkv_kv_store_reorder(s, both_are_seq0), CERTKV_OK) << certkv_last_error();
+      ASSERT_EQ(append_range(s, 0, 1, k, v, n, n_prompt, n), CERTKV_OK) << certkv_last_error();
+    }
+    const std::vector<float> shared_before = read(gated.s, 1, 1, 0, 0, n_prompt, 0);
+    const std::vector<float> q = queries(1, 41);
+    std::vector<float> out(size_t(kHeads) * kHeadDim), out_plain(out.size());
+    certkv_head_meter meters[kHeads], meters_plain[kHeads];
+    ASSERT_EQ(certkv_kv_store_attend(plain.s, 0, 1, q.data(), 1, out_plain.data(), meters_plain), CERTKV_OK);
+    double largest_plain = 0;
+    for (const certkv_head_meter& m : meters_plain) largest_plain = std::max(largest_plain, m.meter);
+    ASSERT_GT(largest_plain, kTau) << kv << ": the step must fire for the test to test the gate";
+    ASSERT_EQ(certkv_kv_store_attend(gated.s, 0, 1, q.data(), 1, out.data(), meters), CERTKV_OK) << certkv_last_error();
+
+    certkv_meter_stats ms;
+    ASSERT_EQ(certkv_kv_store_meter_stats(gated.s, &ms), CERTKV_OK);
+    EXPECT_GT(ms.repairs, 0) << kv;
+    EXPECT_GT(ms.pagein_bytes, 0u) << kv;
+    EXPECT_EQ(ms.cells, kHeads);
+    // The telemetry records the step as it came, before repair: the ungated store's meters.
+    EXPECT_NEAR(ms.max, largest_plain, largest_plain * 0.004) << kv;
+
+    // What came back is the attention over the pages as they now are, and its meter bounds the
+    // true error and is under tau.
+    const std::vector<float> kr = read(gated.s, 0, 1, 0, 0, n, 0), vr = read(gated.s, 0, 1, 1, 0, n, 0);
+    const std::vector<float> ke = read(gated.s, 0, 1, 0, 0, n, 1), ve = read(gated.s, 0, 1, 1, 0, n, 1);
+    std::vector<std::vector<double>> p_hat, p;
+    const std::vector<double> y_hat = softmax_attention(q.data(), kr, vr, n, n, scale, &p_hat);
+    softmax_attention(q.data(), ke, ve, n, n, scale, &p);
+    for (size_t i = 0; i < out.size(); ++i)
+      ASSERT_NEAR(out[i], y_hat[i], 2e-5 * (1 + std::fabs(y_hat[i]))) << kv << " " << i;
+    for (int h = 0; h < kHeads; ++h) {
+      double tv = 0;
+      for (int t = 0; t < n; ++t) tv += 0.5 * std::fabs(p[size_t(h)][size_t(t)] - p_hat[size_t(h)][size_t(t)]);
+      EXPECT_GE(meters[h].meter, tv) << kv << " head " << h;
+      EXPECT_LE(meters[h].meter, kTau) << kv << " head " << h;
+    }
+    // Some blocks of sequence 0 now read their exact values; sequence 1, which shared them,
+    // still reads its lossy pages.
+    const std::vector<float> lossy = read(plain.s, 0, 1, 0, 0, n, 0);
+    size_t exact_now = 0;
+    for (size_t i = 0; i < kr.size(); ++i) exact_now += kr[i] == ke[i] && lossy[i] != ke[i];
+    EXPECT_GT(exact_now, 0u) << kv;
+    EXPECT_EQ(read(gated.s, 1, 1, 0, 0, n_prompt, 0), shared_before) << kv;
+  }
+}
+
 bool error_names(const char* text) { return std::string(certkv_last_error()).find(text) != std::string::npos; }
 
 TEST(CApiKvStore, RefusalsNameTheValue) {
@@ -404,6 +468,13 @@ TEST(CApiKvStore, RefusalsNameTheValue) {
   bad.head_dim = 40;  // lossy pages quantize groups of 32 channels
   EXPECT_NE(certkv_kv_store_create(&bad, &s), CERTKV_OK);
   EXPECT_TRUE(error_names("head_dim")) << certkv_last_error();
+  for (const char* lossless : {"bf16", "gaac"}) {
+    bad = p;
+    bad.kv = lossless;
+    bad.gate = 1;
+    EXPECT_EQ(certkv_kv_store_create(&bad, &s), CERTKV_ERR_INVALID_ARGUMENT) << lossless;
+    EXPECT_TRUE(error_names((std::string("kv ") + lossless + " is lossless").c_str())) << certkv_last_error();
+  }
   EXPECT_EQ(s, nullptr);
 
   p.max_tokens = 64;
@@ -472,6 +543,12 @@ TEST(CApiKvStore, DeviceChoiceIsChecked) {
     EXPECT_TRUE(error_names((std::string("kv ") + kv + " is not served on device cuda").c_str())) << certkv_last_error();
     EXPECT_TRUE(error_names("dither8")) << certkv_last_error();  // the schemes that are
   }
+  bad = p;
+  bad.kv = "fp8-e4m3";
+  bad.device = "cuda";
+  bad.gate = 1;
+  EXPECT_EQ(certkv_kv_store_create(&bad, &s), CERTKV_ERR_UNSUPPORTED);
+  EXPECT_TRUE(error_names("the gate is not served on device cuda")) << certkv_last_error();
   bad = p;
   bad.kv = "fp8-e4m3";
   bad.device = "cuda";

@@ -938,6 +938,9 @@ typedef struct certkv_kv_store_params {
                                     128, at most 8 query heads per KV head, no recent window */
   void* cuda_stream;             /* device "cuda": the cudaStream_t on which every call enqueues
                                     its work, in call order (null: the legacy default stream) */
+  int gate;                      /* lossy schemes on device "cpu": 1 repairs each decode step of
+                                    certkv_kv_store_attend whose meter exceeds meter_tau from the
+                                    exact backing store (docs/meter.md, "The gate"); default 0 */
 } certkv_kv_store_params;
 
 /* The meter of one (layer, query head) of a decode step (docs/meter.md): meter >= the total
@@ -953,9 +956,10 @@ typedef struct certkv_head_meter {
 
 CERTKV_API certkv_kv_store_params certkv_kv_store_default_params(void);
 /* INVALID_ARGUMENT naming the field for an unknown scheme or layout, a non-positive dimension,
- * n_heads not a multiple of n_kv_heads, a witness or calibration the scheme does not take;
- * UNSUPPORTED for a head_dim the scheme's pages do not serve; NOT_FOUND / CORRUPT for a
- * calibration file. */
+ * n_heads not a multiple of n_kv_heads, a witness or calibration the scheme does not take, the
+ * gate with a lossless scheme; UNSUPPORTED for a head_dim the scheme's pages do not serve, the
+ * gate on device "cuda" (its pages have no backing store); NOT_FOUND / CORRUPT for a calibration
+ * file. */
 CERTKV_API certkv_status certkv_kv_store_create(const certkv_kv_store_params* params,
                                                 certkv_kv_store** out);
 CERTKV_API void certkv_kv_store_free(certkv_kv_store* store);
@@ -986,7 +990,12 @@ CERTKV_API certkv_status certkv_kv_store_read(const certkv_kv_store* store, int3
  * its prefill attention for several. q: [n_queries][n_heads][head_dim] float (after RoPE);
  * out: [n_queries][n_heads][head_dim] float; meters: [n_heads] or NULL, only with n_queries 1
  * (a lossy scheme's decode step is metered and recorded in certkv_kv_store_meter_stats whether
- * meters is given or not; a prefill is not metered, as in a session). */
+ * meters is given or not; a prefill is not metered, as in a session). With params.gate, a decode
+ * step whose meter exceeds meter_tau on some head has the lossy blocks with the largest share of
+ * its bound replaced in seq's tables by their exact values and is attended again (at most 8
+ * rounds): out and meters are the last round's; meter_stats records the first round's meters
+ * (coverage before repair) and counts the pages repaired. OUT_OF_MEMORY when a repair finds no
+ * free raw page (the blocks repaired before stay repaired). */
 CERTKV_API certkv_status certkv_kv_store_attend(certkv_kv_store* store, int32_t seq,
                                                 int32_t layer, const float* q, int32_t n_queries,
                                                 float* out, certkv_head_meter* meters);

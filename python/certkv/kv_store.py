@@ -13,6 +13,12 @@ A store holds ``n_sequences`` sequences (a batch's rows), each layer of each app
 Complete blocks of ``block_tokens`` rows are encoded once (fill-then-finalize); GAAC schemes
 without ``gaac_calibration`` calibrate each layer on its first append.
 
+``gate=True`` (lossy schemes, cpu stores) repairs a decode step whose meter exceeds ``meter_tau``
+on some head: the lossy blocks with the largest share of its bound are replaced, in that
+sequence's tables only, by their exact values from the backing store, and the step is attended
+again; ``attend`` returns the repaired step's output and meters, and ``certificate()`` counts the
+pages repaired (``gate_repairs``) while its coverage is the steps' before repair.
+
 A store of ``device="cuda"`` keeps its pages in the memory of the CUDA device current at its
 creation and takes device memory instead of NumPy arrays: ``append_device`` and ``attend_device``
 take device pointers (ints, as torch's ``data_ptr()`` or CuPy's ``data.ptr`` give them) and
@@ -72,7 +78,7 @@ class KvStore:
                  gaac_calibration: str | os.PathLike[str] | None = None,
                  meter_delta: float | None = None, meter_tau: float | None = None,
                  meter_planned_steps: int | None = None, n_threads: int = 1, device: str = "cpu",
-                 cuda_stream: int | None = None) -> None:
+                 cuda_stream: int | None = None, gate: bool = False) -> None:
         if not isinstance(kv, str):
             raise TypeError(f"kv: expected a scheme name (str), got {type(kv).__name__}")
         if rope_layout not in _ROPE_LAYOUTS:
@@ -80,6 +86,8 @@ class KvStore:
         if not isinstance(device, str) or device not in _DEVICES:
             raise ValueError(f"device: expected one of {', '.join(_DEVICES)} (a cuda store takes the CUDA device "
                              f"current at its creation), got {device!r}")
+        if not isinstance(gate, bool):
+            raise TypeError(f"gate: expected a bool, got {type(gate).__name__}")
         if cuda_stream is not None:
             if device != "cuda":
                 raise ValueError(f"cuda_stream: only with device 'cuda', not {device!r}")
@@ -101,7 +109,7 @@ class KvStore:
             "outlier_pairs": outlier_pairs, "recent_window_tokens": recent_window_tokens, "witness": witness,
             "gaac_calibration": None if gaac_calibration is None else os.fspath(gaac_calibration),
             "meter_delta": meter_delta, "meter_tau": meter_tau, "meter_planned_steps": meter_planned_steps,
-            "device": device, "cuda_stream": cuda_stream,
+            "device": device, "cuda_stream": cuda_stream, "gate": gate,
         }
         self._store = _certkv.KvStore(options)
 

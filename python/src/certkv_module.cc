@@ -502,6 +502,7 @@ std::unique_ptr<KvStoreOptions> kv_store_options(const nb::dict& d) {
     else if (key == "meter_tau") p.meter_tau = nb::cast<double>(value);
     else if (key == "meter_planned_steps") p.meter_planned_steps = nb::cast<int64_t>(value);
     else if (key == "n_threads") p.n_threads = nb::cast<int32_t>(value);
+    else if (key == "gate") p.gate = nb::cast<bool>(value) ? 1 : 0;
     else throw nb::value_error(("unknown KV store option '" + key + "'").c_str());
   }
   return o;

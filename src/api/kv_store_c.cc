@@ -17,6 +17,7 @@
 #include "api/api_meter_stats.h"
 #include "api/api_status.h"
 #include "attention/decode_attention.h"
+#include "attention/decode_gate.h"
 #include "backend/cuda/device_kv_store.h"
 #include "cache/kv_cache.h"
 #include "cache/kv_scheme.h"
@@ -46,6 +47,8 @@ struct certkv_kv_store {
   float sm_scale = 0.f;
   double delta_loc = 0;
   bool metered = false;
+  bool gate = false;  // params.gate: decode steps above tau repaired (certkv_kv_store_attend)
+  double tau = 0.2;   // params.meter_tau
   // A GAAC scheme without a calibration file: each layer's cache is made at its first append,
   // calibrated on it. Otherwise every cache is made at create.
   bool calibrate_on_first_append = false;
@@ -270,6 +273,7 @@ certkv_kv_store_params certkv_kv_store_default_params(void) {
   p.meter_tau = 0.2;
   p.meter_planned_steps = 0;
   p.n_threads = 1;
+  p.gate = 0;
   return p;
 }
 
@@ -325,6 +329,12 @@ certkv_status certkv_kv_store_create(const certkv_kv_store_params* params, certk
     return set_error(CERTKV_ERR_UNSUPPORTED,
                      std::string(w) + ": kv " + info.name + " is not served on device cuda (" +
                          cache::kv_scheme_names([](const cache::KvSchemeInfo& i) { return i.cuda_route; }) + " are)");
+  CERTKV_REQUIRE(p.gate == 0 || info.lossy,
+                 std::string(w) + ": the gate repairs lossy pages from their backing store; kv " + info.name +
+                     " is lossless");
+  if (on_cuda && p.gate != 0)
+    return set_error(CERTKV_ERR_UNSUPPORTED, std::string(w) + ": the gate is not served on device cuda (its pages "
+                                                              "keep no exact backing store); gate on device cpu");
   if (on_cuda && info.lossy && p.recent_window_tokens > 0)
     return set_error(CERTKV_ERR_UNSUPPORTED, std::string(w) + ": device cuda keeps no full-precision recent window "
                                                               "(recent_window_tokens " +
@@ -348,6 +358,8 @@ certkv_status certkv_kv_store_create(const certkv_kv_store_params* params, certk
     c.recent_window_tokens = p.recent_window_tokens;
     c.witness = witness;
     s->metered = info.lossy;
+    s->gate = p.gate != 0;
+    s->tau = p.meter_tau;
     const int64_t steps = p.meter_planned_steps != 0 ? p.meter_planned_steps : c.max_tokens;
     s->delta_loc = certkv::gate::local_delta(p.meter_delta, p.n_layers, p.n_heads, steps);
     s->telemetry = std::make_unique<certkv::gate::Telemetry>(p.meter_tau);
@@ -439,7 +451,7 @@ certkv_status certkv_kv_store_read(const certkv_kv_store* store, int32_t seq, in
   CERTKV_REQUIRE(out || begin == end, where_seq(w, seq, layer) + ": null out");
   if (begin == end) return CERTKV_OK;
   return guarded([&] {
-    const cache::KvCache& c = *store->layers[size_t(layer)];
+    cache::KvCache& c = *store->layers[size_t(layer)];
     const cache::SeqId id = store->seqs[size_t(layer)][size_t(seq)];
     const size_t per_head = size_t(end - begin) * size_t(head_dim(*store));
     for (int h = 0; h < kv_heads(*store); ++h) {
@@ -466,7 +478,7 @@ certkv_status certkv_kv_store_attend(certkv_kv_store* store, int32_t seq, int32_
                  where_seq(w, seq, layer) + ": meters are computed for decode steps (n_queries 1), not for " +
                      std::to_string(n_queries) + " queries");
   return guarded([&] {
-    const cache::KvCache& c = *store->layers[size_t(layer)];
+    cache::KvCache& c = *store->layers[size_t(layer)];
     const cache::SeqId id = store->seqs[size_t(layer)][size_t(seq)];
     certkv::attention::AttentionShape shape;
     shape.n_q_heads = store->n_heads;
@@ -484,11 +496,18 @@ certkv_status certkv_kv_store_attend(certkv_kv_store* store, int32_t seq, int32_
       options.meters = m.data();
       options.meter.delta_loc = store->delta_loc;
     }
-    certkv::attention::decode_attention(c, id, 0, shape, q, n, out, store->pool.get(), options);
-    for (int h = 0; h < store->n_heads; ++h) {
+    auto attend = [&] { certkv::attention::decode_attention(c, id, 0, shape, q, n, out, store->pool.get(), options); };
+    attend();
+    if (store->metered)
+      for (const certkv::attention::HeadMeter& hm : m) store->telemetry->record(hm.meter, std::isinf(hm.log_a));
+    if (store->gate)
+      certkv::attention::gate_decode_step(c, id, 0, shape, q, n, options.meter, store->tau, m.data(), attend,
+                                          [&](int, int64_t, uint64_t bytes) {
+                                            store->telemetry->add_repairs(2, int64_t(bytes));
+                                          });
+    for (int h = 0; h < store->n_heads && meters; ++h) {
       const certkv::attention::HeadMeter hm = store->metered ? m[size_t(h)] : certkv::attention::HeadMeter{};
-      if (store->metered) store->telemetry->record(hm.meter, std::isinf(hm.log_a));
-      if (meters) meters[h] = certkv_head_meter{hm.meter, hm.log_a, hm.value_rho, hm.v_norm_max, hm.output_bound};
+      meters[h] = certkv_head_meter{hm.meter, hm.log_a, hm.value_rho, hm.v_norm_max, hm.output_bound};
     }
   });
 }

@@ -102,6 +102,39 @@ def test_attend_matches_softmax_and_the_meter_bounds_the_error(scheme):
             np.testing.assert_allclose(out4[i], want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("scheme", ["rtn4", "kivi2"])
+def test_gate_repairs_steps_above_tau(scheme):
+    tau = 0.02
+    gated = certkv.KvStore(scheme, rope_layout="half-split", gate=True, meter_tau=tau, **SHAPE)
+    plain = certkv.KvStore(scheme, rope_layout="half-split", meter_tau=tau, **SHAPE)
+    k, v = bf16_rows(160, 7), bf16_rows(160, 8)
+    rng = np.random.default_rng(9)
+    for store in (gated, plain):
+        store.append(0, 1, np.ascontiguousarray(k[:, :150]), np.ascontiguousarray(v[:, :150]))
+    fired = 0
+    for n in range(151, 161):
+        q = rng.standard_normal((6, 64)).astype(np.float32) * 1.5
+        for store in (gated, plain):
+            store.append(0, 1, np.ascontiguousarray(k[:, n - 1:n]), np.ascontiguousarray(v[:, n - 1:n]))
+        _, plain_meters = plain.attend(0, 1, q)
+        fired += int((plain_meters["meter"] > tau).any())
+        out, meters = gated.attend(0, 1, q)
+        # The repaired step: attention over the pages as they now are, its meter a bound under tau.
+        want, p_hat = softmax_attention(q, gated.read(0, 1, "k"), gated.read(0, 1, "v"), 1 / 8)
+        np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+        _, p = softmax_attention(q, gated.read(0, 1, "k", exact=True), gated.read(0, 1, "v", exact=True), 1 / 8)
+        assert (meters["meter"] >= 0.5 * np.abs(p - p_hat).sum(axis=1)).all()
+        assert (meters["meter"] <= tau).all()
+    assert fired > 0, "the ungated store's meters must pass tau for this test to test the gate"
+    cert, plain_cert = gated.certificate(), plain.certificate()
+    assert cert["gate_repairs"] > 0 and cert["pagein_bytes"] > 0 and plain_cert["gate_repairs"] == 0
+    assert cert["cells"] == 10 * 6
+    with pytest.raises(certkv.InvalidArgumentError, match="kv gaac is lossless"):
+        certkv.KvStore("gaac", gate=True, **SHAPE)
+    with pytest.raises(TypeError, match="gate"):
+        certkv.KvStore(scheme, gate=1, **SHAPE)
+
+
 def test_crop_and_reorder():
     store = certkv.KvStore("gaac", n_sequences=2, **SHAPE)
     a, b = bf16_rows(70, 5), bf16_rows(90, 6)

@@ -85,6 +85,24 @@ def test_dither8_kl_and_certificate(sdpa_model, certkv_model):
     assert cert["kv_bytes_by_class"].get("dither8", 0) > 0
 
 
+def test_gate_repairs_in_the_cache(sdpa_model, certkv_model):
+    # kivi2 pages (2-bit) with a tight tau: the gate must fire, repair from the backing store, and
+    # bring the teacher-forced logits closer to DynamicCache's than the same pages ungated.
+    tokens = [int(x) for x in np.random.default_rng(8).integers(3, 500, 96)]
+    want = teacher_forced_logits(sdpa_model, tokens, transformers.DynamicCache(config=sdpa_model.config), 48)
+    log_p = torch.log_softmax(want, -1)
+    kl, certs = {}, {}
+    for gate in (False, True):
+        cache = ct.CertkvCache(certkv_model.config, scheme="kivi2", gate=gate, meter_tau=0.02, recent_window_tokens=0)
+        got = teacher_forced_logits(certkv_model, tokens, cache, 48)
+        log_q = torch.log_softmax(got, -1)
+        kl[gate] = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
+        certs[gate] = cache.certificate()
+    assert certs[False]["gate_repairs"] == 0 and certs[False]["coverage"] < 1
+    assert certs[True]["gate_repairs"] > 0 and certs[True]["pagein_bytes"] > 0
+    assert kl[True] < kl[False]
+
+
 def test_crop_equals_a_fresh_prefill(certkv_model, sdpa_model):
     # Lossless schemes: bit for bit. (dither8 chooses each layer's outlier pairs from its first
     # rows, so a fresh prefill of fewer rows may choose others: not compared bit for bit.)

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "attention/decode_gate.h"
 #include "attention/sparse_decode.h"
 #include "core/status.h"
 #include "gate/meter.h"
@@ -435,62 +436,14 @@ void CpuBackend::gate_repairs(cache::SeqId seq, SequenceState& st, int layer,
                               const attention::AttentionShape& shape, int64_t pos0, const float* q,
                               const std::function<void()>& attend,
                               const std::function<void(int, int64_t)>& repaired) {
-  // The gate: repair the blocks with the largest share of A - 1 until every head of the group
-  // is predicted under tau; recompute; repeat while a head stays above tau and lossy blocks remain.
-  const int64_t n_ctx = pos0 + 1;
   attention::MeterOptions meter_options;
   meter_options.delta_loc = delta_loc_;
-  const double tau = config_.meter.tau;
-  const int group = shape.n_q_heads / shape.n_kv_heads;
-  const int64_t n_blocks = (n_ctx + cache_->block_tokens() - 1) / cache_->block_tokens();
-  for (int round = 0; round < 8; ++round) {
-    bool firing = false;
-    for (const attention::HeadMeter& m : meters_) firing |= m.meter > tau;
-    if (!firing) return;
-    std::vector<attention::HeadMeter> ref(size_t(shape.n_q_heads));
-    attention::decode_meter_ref(*cache_, seq, layer, shape, q, n_ctx, meter_options, ref.data(),
-                                &contributions_);
-    bool repaired_any = false;
-    for (int kv_head = 0; kv_head < shape.n_kv_heads; ++kv_head) {
-      std::vector<int> heads;
-      std::vector<double> a_minus_1;
-      for (int g = 0; g < group; ++g) {
-        const int h = kv_head * group + g;
-        if (meters_[size_t(h)].meter > tau) {
-          heads.push_back(h);
-          a_minus_1.push_back(std::expm1(ref[size_t(h)].log_a));
-        }
-      }
-      if (heads.empty()) continue;
-      std::vector<double> share(size_t(n_blocks), 0.0);
-      for (int h : heads)
-        for (int64_t b = 0; b < n_blocks; ++b)
-          share[size_t(b)] += contributions_[size_t(h) * size_t(n_blocks) + size_t(b)];
-      std::vector<int64_t> order;
-      for (int64_t b = 0; b < n_blocks; ++b)
-        if (share[size_t(b)] > 0) order.push_back(b);
-      std::sort(order.begin(), order.end(),
-                [&](int64_t x, int64_t y) { return share[size_t(x)] > share[size_t(y)]; });
-      auto predicted_over = [&] {
-        for (double d : a_minus_1)
-          if (gate::meter_from_log_a(std::log1p(std::max(d, 0.0))) > tau) return true;
-        return false;
-      };
-      for (int64_t b : order) {
-        if (!predicted_over()) break;
-        const uint64_t bytes = cache_->repair_block(seq, layer, kv_head, b);
-        if (bytes == 0) continue;
-        repaired(kv_head, b);
-        repaired_any = true;
-        st.telemetry->add_repairs(2, int64_t(bytes));
-        st.layer_telemetry[size_t(layer)].add_repairs(2, int64_t(bytes));
-        for (size_t i = 0; i < heads.size(); ++i)
-          a_minus_1[i] -= contributions_[size_t(heads[i]) * size_t(n_blocks) + size_t(b)];
-      }
-    }
-    if (!repaired_any) return;
-    attend();
-  }
+  attention::gate_decode_step(*cache_, seq, layer, shape, q, pos0 + 1, meter_options, config_.meter.tau,
+                              meters_.data(), attend, [&](int kv_head, int64_t block, uint64_t bytes) {
+                                repaired(kv_head, block);
+                                st.telemetry->add_repairs(2, int64_t(bytes));
+                                st.layer_telemetry[size_t(layer)].add_repairs(2, int64_t(bytes));
+                              });
 }
 
 bool CpuBackend::plain_decode(const SequenceState& st, int layer, int64_t n) const {

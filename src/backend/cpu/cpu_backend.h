@@ -118,9 +118,9 @@ class CpuBackend final : public Backend {
   void after_metered_attention(cache::SeqId seq, SequenceState& st, int layer,
                                const attention::AttentionShape& shape, int64_t pos0,
                                const float* q, float* out);
-  // The gate after a metered attention (meters_ filled): repairs the blocks with the largest share
-  // of A - 1 in the host cache, calls repaired(kv_head, block) for each, and attend() again, until
-  // every head is predicted under tau (at most 8 rounds).
+  // The gate after a metered attention (meters_ filled): attention::gate_decode_step over the
+  // host cache, each repair counted in the sequence's telemetry and passed to repaired(kv_head,
+  // block).
   void gate_repairs(cache::SeqId seq, SequenceState& st, int layer,
                     const attention::AttentionShape& shape, int64_t pos0, const float* q,
                     const std::function<void()>& attend,
@@ -145,7 +145,6 @@ class CpuBackend final : public Backend {
   std::unique_ptr<gate::RecentStepMeters> recent_meters_;
   std::vector<attention::HeadMeter> meters_;
   std::vector<attention::HeadMeter> batch_meters_;  // [items][n_heads]: a batched decode's
-  std::vector<double> contributions_;
   std::vector<std::vector<int32_t>> attended_;
   std::vector<std::vector<float>> estimated_logits_;
   std::vector<float> query_norms_;
