@@ -467,7 +467,9 @@ typedef struct certkv_engine certkv_engine;
 typedef struct certkv_engine_params {
   certkv_session_params session; /* per sequence: context_tokens (the most tokens of one
                                     request), threads, kv scheme, meter, gate, sparse; device
-                                    must be "cpu" (null) */
+                                    "cpu" (null) or "cuda": the engine's CUDA backend, the
+                                    whole forward pass and the page pool on the device
+                                    (docs/cuda.md; schemes of the table's cuda_route, no gate) */
   int32_t max_sequences;         /* requests running at once (default 8) */
   int64_t step_tokens;           /* the most tokens one step runs (default 512) */
   uint64_t pool_bytes;           /* KV pool in bytes over every layer and head. On the CPU:

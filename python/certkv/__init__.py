@@ -119,12 +119,14 @@ def _session_options(kv: str, sparse: float | Mapping[str, Any] | None, gate: bo
                      tau: float | None, delta: float | None, meter: bool, window: int | None,
                      outlier_pairs: int | None, witness: str | None, gaac_calibration: str | None,
                      threads: int | None, context_tokens: int | None, block_tokens: int | None,
-                     activations: str | None) -> dict[str, Any]:
+                     activations: str | None, device: str) -> dict[str, Any]:
     """The certkv_session_params of the keyword arguments, checked against the scheme table."""
     schemes = {s["name"]: s for s in kv_schemes()}
     kv = _text("kv", kv)
     if kv not in schemes:
         raise ValueError(f"kv: unknown KV scheme {kv!r} (available: {', '.join(schemes)})")
+    if not isinstance(device, str) or device not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
     lossy = schemes[kv]["lossy"]
     for name, value in (("gate", gate or None), ("tau", tau), ("delta", delta), ("window", window)):
         if value is not None and not lossy:
@@ -134,7 +136,7 @@ def _session_options(kv: str, sparse: float | Mapping[str, Any] | None, gate: bo
                                "outlier_pairs": outlier_pairs, "witness": witness,
                                "gaac_calibration": os.fspath(gaac_calibration) if gaac_calibration else None,
                                "n_threads": threads, "context_tokens": context_tokens,
-                               "block_tokens": block_tokens, "activations": activations}
+                               "block_tokens": block_tokens, "activations": activations, "device": device}
     if sparse is not None:
         spec = {"p": sparse} if isinstance(sparse, (int, float)) else dict(sparse)
         known = {"p", "deviations", "window", "dense_layers", "rotation"}
@@ -164,7 +166,11 @@ _OPTIONS_DOC = """
             bytes); gaac_calibration: a calibration
             file (GAAC schemes calibrate themselves without one).
         threads, context_tokens, block_tokens, activations ("int8" or "f32"): as
-            certkv_session_params."""
+            certkv_session_params.
+        device: "cpu", or "cuda" (a build with the CUDA backend and a device): a Session's
+            decode attention and KV pages go to the device (the forward pass stays on the CPU);
+            an Engine runs its CUDA backend, the whole forward pass and the page pool on the
+            device. Schemes of the table's cuda_route; no gate on an Engine's device."""
 
 
 class Session:
@@ -176,13 +182,14 @@ class Session:
                  window: int | None = None, outlier_pairs: int | None = None,
                  witness: str | None = None, gaac_calibration: str | None = None,
                  threads: int | None = None, context_tokens: int | None = 4096,
-                 block_tokens: int | None = None, activations: str | None = None) -> None:
+                 block_tokens: int | None = None, activations: str | None = None,
+                 device: str = "cpu") -> None:
         self.model = _model_of(model)
         self.kv = kv
         self._context = context_tokens or self.model.info["context_length"]
         self._session = _certkv.Session(self.model._model, _session_options(
             kv, sparse, gate, tau, delta, meter, window, outlier_pairs, witness, gaac_calibration,
-            threads, context_tokens, block_tokens, activations))
+            threads, context_tokens, block_tokens, activations, device))
 
     __init__.__doc__ = """model: a Model, a path, or None (the default model).""" + _OPTIONS_DOC
 
@@ -271,14 +278,14 @@ class Engine:
                  threads: int | None = None, context_tokens: int | None = 2048,
                  block_tokens: int | None = None, activations: str | None = None,
                  max_sequences: int = 4, step_tokens: int = 512, pool_bytes: int = 0,
-                 prefix_sharing: bool = True) -> None:
+                 prefix_sharing: bool = True, device: str = "cpu") -> None:
         self.model = _model_of(model)
         self.kv = kv
         self._tier = {s["name"]: s["meter_tier"] for s in kv_schemes()}.get(kv)
         self._tau = _certkv.default_meter_tau() if tau is None else float(tau)
         self._engine = _certkv.Engine(self.model._model, _session_options(
             kv, sparse, gate, tau, delta, meter, window, outlier_pairs, witness, gaac_calibration,
-            threads, context_tokens, block_tokens, activations), int(max_sequences), int(step_tokens),
+            threads, context_tokens, block_tokens, activations, device), int(max_sequences), int(step_tokens),
             int(pool_bytes), bool(prefix_sharing))
         self._pieces: dict[int, list[bytes]] = {}
         self.last_result: GenerateResult | None = None

@@ -91,6 +91,13 @@ def test_bad_options_raise_with_the_reason(model):
         certkv.Session(model).generate(PROMPT, max_tokens=0)
     with pytest.raises(TypeError, match="prompt"):
         certkv.Session(model).generate(3.5)
+    for cls in (certkv.Session, certkv.Engine):
+        with pytest.raises(ValueError, match="device: expected 'cpu' or 'cuda', got 'gpu'"):
+            cls(model, device="gpu")
+        # kivi2 has no device route: refused by the scheme table where the build has CUDA, by the
+        # build where it has not; never served on the CPU instead.
+        with pytest.raises(certkv.UnsupportedError, match="kivi2|CUDA"):
+            cls(model, kv="kivi2", device="cuda")
 
 
 def test_missing_model_names_the_file():
