@@ -85,20 +85,26 @@ if ! python3 -c 'import nanobind, scikit_build_core, pytest, ml_dtypes' 2>/dev/n
   fi
   python3 -c 'import nanobind, scikit_build_core, pytest, ml_dtypes' || { echo "certkv set-up: nanobind, scikit-build-core, pytest or ml_dtypes did not install" >&2; exit 1; }
 fi
-# PyTorch (CPU wheel) and transformers for the same python3: certkv.transformers and
-# certkv.torch_ops, and their tests (tests/python/test_transformers.py, test_torch_ops.py, which
-# are skipped without them). torch comes from PyTorch's CPU wheel index, never PyPI's CUDA build;
-# where that index cannot be reached the set-up says so and goes on without them.
+# PyTorch and transformers for the same python3, at the versions certkv.transformers is written
+# and tested against: certkv.transformers and certkv.torch_ops, and their tests
+# (tests/python/test_transformers.py, test_torch_ops.py). torch comes from PyTorch's CPU wheel
+# index where it can be reached (about 200 MB), else from PyPI (its Linux build, whose CUDA
+# libraries come with it: about 5 GB installed, a minute here; it runs on the CPU all the same).
 pip_user_flags=()
 [ "$(command -v python3)" = /usr/bin/python3 ] && pip_user_flags=(--break-system-packages)
+torch_version=2.11.0 transformers_version=5.17.0
 if ! python3 -c 'import torch' 2>/dev/null; then
-  echo "certkv set-up: installing torch (CPU wheel) for $(command -v python3)"
-  python3 -m pip install -q "${pip_user_flags[@]}" torch --index-url https://download.pytorch.org/whl/cpu ||
-    echo "certkv set-up: torch's CPU wheel index could not be reached; certkv.transformers' tests will be skipped" >&2
+  echo "certkv set-up: installing torch $torch_version for $(command -v python3)"
+  python3 -m pip install -q --retries 1 --timeout 15 "${pip_user_flags[@]}" "torch==$torch_version" \
+    --index-url https://download.pytorch.org/whl/cpu \
+    2>/dev/null ||
+    { echo "certkv set-up: PyTorch's CPU wheel index could not be reached; installing torch from PyPI"
+      python3 -m pip install -q "${pip_user_flags[@]}" "torch==$torch_version"; } ||
+    echo "certkv set-up: torch did not install; certkv.transformers' tests will be skipped" >&2
 fi
 if python3 -c 'import torch' 2>/dev/null && ! python3 -c 'import transformers' 2>/dev/null; then
-  echo "certkv set-up: installing transformers for $(command -v python3)"
-  python3 -m pip install -q "${pip_user_flags[@]}" transformers
+  echo "certkv set-up: installing transformers $transformers_version for $(command -v python3)"
+  python3 -m pip install -q "${pip_user_flags[@]}" "transformers==$transformers_version"
   python3 -c 'import transformers' || { echo "certkv set-up: transformers did not install" >&2; exit 1; }
 fi
 # matplotlib for the same python3, the same way as NumPy: the plots of the benchmarks
