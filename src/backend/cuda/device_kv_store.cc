@@ -28,6 +28,8 @@ using cache::cuda::PinnedBuffer;
 
 // Decode steps per staging ring: the ring waits for the stream once per this many steps.
 constexpr int64_t kRingSteps = 512;
+// Rows of one sequence that one round of an append stores (DeviceKvStore::append).
+constexpr int64_t kAppendRoundTokens = 2048;
 // Rows of a GAAC layer's first append its calibration reads, at most.
 constexpr int64_t kCalibrationRows = 8192;
 
@@ -121,14 +123,30 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
       // The previous append's encode results: their copy was enqueued then, after its encodes.
       if (c.pending_encodes() > 0) throw_if_failed(c.reconcile_encodes());
       const int64_t kv_dim = int64_t(config_.layer.n_kv_heads) * config_.layer.head_dim;
-      std::vector<DeviceKvCache::SlotRows> writes(seqs.size());
-      int64_t row = 0;
-      for (size_t i = 0; i < seqs.size(); ++i) {
-        writes[i] = {int(seqs[i]), k + row * kv_dim, v + row * kv_dim, n_tokens[i]};
-        row += n_tokens[i];
+      std::vector<int64_t> first_row(seqs.size());  // of each sequence's rows in k and v
+      int64_t most = 0;
+      for (size_t i = 0, row = 0; i < seqs.size(); row += n_tokens[i], ++i) {
+        first_row[i] = row;
+        most = std::max(most, n_tokens[i]);
       }
-      throw_if_failed(c.write_rows(0, writes.data(), writes.size()));
-      throw_if_failed(c.download_encode_results());
+      // Rows go in rounds of at most kAppendRoundTokens per sequence. Every round but the last
+      // waits for its encode results, so the raw pages of the blocks it completed return to the
+      // layer's pool before the next round takes more: a long prompt needs raw pages for a
+      // round, not for the whole prompt (the pools keep what they grew to). A decode step's
+      // append is one round, its results read at the layer's next append, without a wait.
+      std::vector<DeviceKvCache::SlotRows> writes;
+      for (int64_t at = 0; at < most; at += kAppendRoundTokens) {
+        writes.clear();
+        for (size_t i = 0; i < seqs.size(); ++i)
+          if (at < n_tokens[i]) {
+            const int64_t row = first_row[i] + at;
+            writes.push_back({int(seqs[i]), k + row * kv_dim, v + row * kv_dim,
+                              std::min(kAppendRoundTokens, n_tokens[i] - at)});
+          }
+        throw_if_failed(c.write_rows(0, writes.data(), writes.size()));
+        throw_if_failed(c.download_encode_results());
+        if (at + kAppendRoundTokens < most) throw_if_failed(c.reconcile_encodes());
+      }
     } catch (...) {
       l.failed = true;
       throw;
