@@ -146,8 +146,9 @@ def main() -> None:
         extra = ""
         if isinstance(cache, ct.CertkvCache):
             c = cache.certificate()
-            cell.update(kv_bytes=c["kv_bytes"], kv_bytes_bf16=c["kv_bytes_bf16"])
-            extra = f"  kv {c['kv_bytes']} B (bf16 {c['kv_bytes_bf16']} B)"
+            in_use = sum(c["kv_bytes_by_class"].values())  # pages in use; kv_bytes: what the pools hold
+            cell.update(kv_bytes=c["kv_bytes"], kv_page_bytes_in_use=in_use, kv_bytes_bf16=c["kv_bytes_bf16"])
+            extra = f"  kv pages {in_use} B, pools {c['kv_bytes']} B (bf16 {c['kv_bytes_bf16']} B)"
             if c["metered"]:
                 cell.update(tier=c["tier"], meter_max=c["meter_max"], meter_p99=c["meter_p99"],
                             coverage=c["coverage"], tau=c["tau"])

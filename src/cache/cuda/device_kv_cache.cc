@@ -95,7 +95,10 @@ struct PagePool {
       free.pop_back();
     } else {
       if (next == capacity) {
-        const int64_t grown = std::max<int64_t>(first_capacity, capacity * 2);
+        // A quarter more each time: a pool holds at most 1.25x the pages it handed out (doubling
+        // let a long prompt's pools reach 2x, more than a bf16 cache of the same tokens), and
+        // each page is copied about four times on the way, a device-to-device copy per growth.
+        const int64_t grown = std::max<int64_t>(first_capacity, capacity + std::max<int64_t>(1, capacity / 4));
         if (grown > std::numeric_limits<int32_t>::max())
           return cuda_error(StatusCode::kOutOfMemory, "a device page pool would pass 2^31 pages");
         CudaStatus s = grow(buffer, size_t(capacity) * stride, size_t(grown) * stride, stream);

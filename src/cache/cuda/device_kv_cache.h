@@ -15,7 +15,7 @@
 // the host. dither8's outlier pairs of each (layer, kv_head) are chosen on the host exactly as
 // KvCache chooses them (the float rows of the first write of at least one block, else the bf16
 // rows of the first block). The device keeps no exact copy of a lossy page (the host cache's
-// backing store does): the gate's repairs bring the exact block (store_exact_block). Pools grow by doubling (a
+// backing store does): the gate's repairs bring the exact block (store_exact_block). Pools grow by a quarter (a
 // device-to-device copy); tables have a fixed width of ceil(max_tokens / block_tokens) blocks.
 //
 // Byte order. A scheme stored fragment-major (cache::kv_scheme_device_fragment_pages: dither8,
