@@ -90,15 +90,15 @@ fi
 # (tests/python/test_transformers.py, test_torch_ops.py). torch comes from PyTorch's CPU wheel
 # index where it can be reached (about 200 MB), else from PyPI (its Linux build, whose CUDA
 # libraries come with it: about 5 GB installed, a minute here; it runs on the CPU all the same).
+# A torch or transformers already installed is kept, whatever its version.
 pip_user_flags=()
 [ "$(command -v python3)" = /usr/bin/python3 ] && pip_user_flags=(--break-system-packages)
 torch_version=2.11.0 transformers_version=5.17.0
 if ! python3 -c 'import torch' 2>/dev/null; then
   echo "certkv set-up: installing torch $torch_version for $(command -v python3)"
   python3 -m pip install -q --retries 1 --timeout 15 "${pip_user_flags[@]}" "torch==$torch_version" \
-    --index-url https://download.pytorch.org/whl/cpu \
-    2>/dev/null ||
-    { echo "certkv set-up: PyTorch's CPU wheel index could not be reached; installing torch from PyPI"
+    --index-url https://download.pytorch.org/whl/cpu ||
+    { echo "certkv set-up: no torch $torch_version from PyTorch's CPU wheel index (the reason is above); installing it from PyPI" >&2
       python3 -m pip install -q "${pip_user_flags[@]}" "torch==$torch_version"; } ||
     echo "certkv set-up: torch did not install; certkv.transformers' tests will be skipped" >&2
 fi

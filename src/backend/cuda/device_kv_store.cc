@@ -123,29 +123,42 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
       // The previous append's encode results: their copy was enqueued then, after its encodes.
       if (c.pending_encodes() > 0) throw_if_failed(c.reconcile_encodes());
       const int64_t kv_dim = int64_t(config_.layer.n_kv_heads) * config_.layer.head_dim;
-      std::vector<int64_t> first_row(seqs.size());  // of each sequence's rows in k and v
-      int64_t most = 0;
-      for (size_t i = 0, row = 0; i < seqs.size(); row += n_tokens[i], ++i) {
-        first_row[i] = row;
-        most = std::max(most, n_tokens[i]);
-      }
-      // Rows go in rounds of at most kAppendRoundTokens per sequence. Every round but the last
-      // waits for its encode results, so the raw pages of the blocks it completed return to the
-      // layer's pool before the next round takes more: a long prompt needs raw pages for a
-      // round, not for the whole prompt (the pools keep what they grew to). A decode step's
-      // append is one round, its results read at the layer's next append, without a wait.
-      std::vector<DeviceKvCache::SlotRows> writes;
-      for (int64_t at = 0; at < most; at += kAppendRoundTokens) {
-        writes.clear();
+      std::vector<int64_t> first_row(seqs.size()), done(seqs.size(), 0);  // rows in k and v; rows stored
+      for (size_t i = 0, row = 0; i < seqs.size(); row += n_tokens[i], ++i) first_row[i] = row;
+      auto remaining = [&] {
         for (size_t i = 0; i < seqs.size(); ++i)
-          if (at < n_tokens[i]) {
-            const int64_t row = first_row[i] + at;
-            writes.push_back({int(seqs[i]), k + row * kv_dim, v + row * kv_dim,
-                              std::min(kAppendRoundTokens, n_tokens[i] - at)});
-          }
+          if (done[i] < n_tokens[i]) return true;
+        return false;
+      };
+      // One write of the rows [done[i], done[i] + n) of each sequence i of `part`; every write but
+      // the append's last waits for its encode results, so the raw pages of the blocks it
+      // completed return to the layer's pool before the next write takes more. The last one's
+      // results are read at the layer's next append, without a wait (a decode step's append is
+      // one write).
+      std::vector<DeviceKvCache::SlotRows> writes;
+      auto write = [&](const std::vector<std::pair<size_t, int64_t>>& part) {
+        writes.clear();
+        for (const auto& [i, n] : part) {
+          const int64_t row = first_row[i] + done[i];
+          writes.push_back({int(seqs[i]), k + row * kv_dim, v + row * kv_dim, n});
+          done[i] += n;
+        }
         throw_if_failed(c.write_rows(0, writes.data(), writes.size()));
         throw_if_failed(c.download_encode_results());
-        if (at + kAppendRoundTokens < most) throw_if_failed(c.reconcile_encodes());
+        if (remaining()) throw_if_failed(c.reconcile_encodes());
+      };
+      // dither8 chooses each head's outlier pairs from the first write that holds a whole block,
+      // as the host store does, whose appends are whole: while the choice is open, each
+      // sequence's rows go whole and alone.
+      for (size_t i = 0; i < seqs.size() && c.choosing_outliers(0); ++i) write({{i, n_tokens[i]}});
+      // Then rounds of at most kAppendRoundTokens rows per sequence: a long prompt needs raw
+      // pages for a round, not for the whole prompt (the pools keep what they grew to).
+      std::vector<std::pair<size_t, int64_t>> round;
+      while (remaining()) {
+        round.clear();
+        for (size_t i = 0; i < seqs.size(); ++i)
+          if (done[i] < n_tokens[i]) round.emplace_back(i, std::min(kAppendRoundTokens, n_tokens[i] - done[i]));
+        write(round);
       }
     } catch (...) {
       l.failed = true;

@@ -985,6 +985,10 @@ CudaStatus DeviceKvCache::set_outliers(int layer_index, int kv_head, const uint1
   return s;
 }
 
+bool DeviceKvCache::choosing_outliers(int layer) const {
+  return n_outlier_pairs_ > 0 && !layers_[size_t(layer)]->all_outliers_chosen();
+}
+
 CudaStatus DeviceKvCache::note_outlier_rows(int layer_index, int slot, int64_t first, const float* k, int64_t n) {
   Layer& layer = *layers_[size_t(layer_index)];
   const int H = config_.n_kv_heads;

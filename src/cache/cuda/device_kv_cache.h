@@ -258,6 +258,9 @@ class DeviceKvCache {
   // as of the last reconcile: a pending block counts both of its pages and its host entries name
   // its raw page; read_page refuses while encodes are pending.
   size_t pending_encodes() const { return pending_.size(); }
+  // dither8: whether some KV head of `layer` has not chosen its outlier pairs yet (they are
+  // chosen from the first write holding a whole block, or from the first block once complete).
+  bool choosing_outliers(int layer) const;
   CudaStatus download_encode_results();
   CudaStatus reconcile_encodes();
 
