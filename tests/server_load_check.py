@@ -26,7 +26,8 @@ Meanwhile a monitor polls /health and /metrics. It checks:
 
 Exit status: 0 passed, 1 failed.
 usage: server_load_check.py --serve CERTKV_SERVE --model GGUF --corpus DIR [--clients 64] [--requests 20]
-       [--device cpu|cuda]
+       [--device cpu|cuda] [--cells-per-step N --bytes-per-token B --evicting-words W]  (another
+       model than SmolLM2)
 """
 import argparse
 import http.client
@@ -48,11 +49,13 @@ PARALLEL = 16
 # One forward thread: the clients and the HTTP threads share the machine's cores with it.
 THREADS = 1
 # A pool of 2,048 tokens (128 blocks; bf16 tail pages: 2 x 30 layers x 3 kv heads x 64 x 2 bytes
-# a token), too small for EVICTING_REQUESTS prompts of EVICTING_WORDS words at once.
-POOL_BYTES = 2048 * 23040
+# a token for SmolLM2; --bytes-per-token for another model), too small for EVICTING_REQUESTS
+# prompts of EVICTING_WORDS words at once.
+POOL_TOKENS = 2048
+BYTES_PER_TOKEN = 23040
 EVICTING_REQUESTS = 12
 EVICTING_WORDS = 150
-SMOLLM2_CELLS_PER_STEP = 30 * 9
+CELLS_PER_STEP = 30 * 9  # the meter's cells of one decode step: layers x query heads (SmolLM2's)
 HANG_UP_AFTER_EVENTS = 2
 HANG_UP_MAX_TOKENS = 64
 SEED = 25
@@ -67,7 +70,7 @@ def start_server(serve, model, log_path, clients, device):
     try:
         return serve_process.start_server(
             serve, ["-m", model, "-c", str(CONTEXT_TOKENS), "-np", str(PARALLEL), "--kv", "fp8-e4m3", "--pool-bytes",
-                    str(POOL_BYTES), "-t", str(THREADS), "--threads-http", str(clients + 8), "--device", device],
+                    str(POOL_TOKENS * BYTES_PER_TOKEN), "-t", str(THREADS), "--threads-http", str(clients + 8), "--device", device],
             log_path)
     except serve_process.ServeError as e:
         fail(str(e))
@@ -177,7 +180,7 @@ def check_stream(lines, chat, max_tokens, hang_up, where, outcome, key):
     # first too when the prefix cache left one prompt token to compute.
     cert = u.get("certkv", {})
     steps = n - 1 + (u["prompt_tokens"] - cert.get("prefix_cache_tokens", 0) == 1)
-    if cert.get("metered") is not True or cert.get("meter_cells") != steps * SMOLLM2_CELLS_PER_STEP:
+    if cert.get("metered") is not True or cert.get("meter_cells") != steps * CELLS_PER_STEP:
         return f"{where}: certificate {cert} for {n} tokens"
     with outcome.lock:
         seen = outcome.prompt_tokens.setdefault(key, u["prompt_tokens"])
@@ -244,6 +247,7 @@ def client(port, index, n_requests, prompts, outcome, start):
 
 
 def main():
+    global CELLS_PER_STEP, BYTES_PER_TOKEN, EVICTING_WORDS
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--serve", required=True)
     parser.add_argument("--model", required=True)
@@ -251,7 +255,14 @@ def main():
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="certkv-serve's --device")
+    parser.add_argument("--cells-per-step", type=int, default=CELLS_PER_STEP,
+                        help="another model's layers x query heads (default: SmolLM2's)")
+    parser.add_argument("--bytes-per-token", type=int, default=BYTES_PER_TOKEN,
+                        help="another model's bf16 K and V bytes of a token over its layers (default: SmolLM2's)")
+    parser.add_argument("--evicting-words", type=int, default=EVICTING_WORDS,
+                        help="words of the eviction phase's prompts (fewer for a tokenizer that splits more)")
     args = parser.parse_args()
+    CELLS_PER_STEP, BYTES_PER_TOKEN, EVICTING_WORDS = args.cells_per_step, args.bytes_per_token, args.evicting_words
     work = tempfile.mkdtemp(prefix="certkv-load-")
     log_path = os.path.join(work, "serve.log")
     proc, port = start_server(args.serve, args.model, log_path, args.clients, args.device)
