@@ -126,10 +126,12 @@ def main() -> None:
     max_tokens = args.batch * (positions + 16)
     runs = [("DynamicCache + sdpa", "DynamicCache", "sdpa", "bf16",
              lambda: transformers.DynamicCache(config=model.config))]
+    # The store attends on the calling thread (KvStore's n_threads 1, the default): between its
+    # operators torch's own --threads workers keep the cores, so a thread of certkv's pool waits
+    # for one (n_threads 2 made each layer's attention 5x slower on 2 cores).
     for scheme in args.schemes.split(","):
         runs.append((f"CertkvCache({scheme}) + certkv", "CertkvCache", ct.ATTENTION_NAME, scheme,
-                     lambda s=scheme: ct.CertkvCache(model.config, scheme=s, n_threads=args.threads,
-                                                     max_tokens=max_tokens)))
+                     lambda s=scheme: ct.CertkvCache(model.config, scheme=s, max_tokens=max_tokens)))
     cells = []
     for name, cache_name, attention, kv, make_cache in runs:
         set_attention(model, attention)
