@@ -55,3 +55,24 @@ def greedy(model, ids, cache, n=16, attention_mask=None):
         out = model.generate(input_ids=ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=n,
                              do_sample=False, pad_token_id=0)
     return out[:, ids.shape[1]:].cpu()
+
+
+def teacher_forced_logits(model, tokens, cache, prompt_tokens, device="cpu"):
+    """The next-token logits (float32, on the CPU) of the prompt tokens[:prompt_tokens] in one call,
+    then of each following token fed one at a time: [len(tokens) - prompt_tokens, vocab]."""
+    import torch
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([tokens[:prompt_tokens]], device=device), past_key_values=cache,
+                    use_cache=True)
+        logits = [out.logits[0, -1].float()]
+        for t in tokens[prompt_tokens:-1]:
+            out = model(input_ids=torch.tensor([[t]], device=device), past_key_values=cache, use_cache=True)
+            logits.append(out.logits[0, -1].float())
+    return torch.stack(logits).cpu()
+
+
+def kl_per_position(want, got):
+    """KL(softmax(want) || softmax(got)) of each row of two logit matrices."""
+    import torch
+    log_p, log_q = torch.log_softmax(want, -1), torch.log_softmax(got, -1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)

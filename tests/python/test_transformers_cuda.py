@@ -16,7 +16,7 @@ import certkv  # noqa: E402  (after the skips)
 import certkv.torch_ops as ops  # noqa: E402
 import certkv.transformers as ct  # noqa: E402
 from conftest import TINY_LLAMA_PROMPTS as PROMPTS  # noqa: E402
-from conftest import greedy, load_tiny_llama  # noqa: E402
+from conftest import greedy, kl_per_position, load_tiny_llama, teacher_forced_logits  # noqa: E402
 
 
 def cuda_store_available() -> bool:
@@ -70,24 +70,13 @@ def test_gaac_batch_with_left_padding(sdpa_model, certkv_model):
     assert cache.store.length(0, 3) == len(a) + fed and cache.store.length(1, 3) == len(b) + fed  # no padding stored
 
 
-def teacher_forced_logits(model, tokens, cache, prompt_tokens):
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([tokens[:prompt_tokens]], device="cuda"), past_key_values=cache,
-                    use_cache=True)
-        logits = [out.logits[0, -1].float()]
-        for t in tokens[prompt_tokens:-1]:
-            out = model(input_ids=torch.tensor([[t]], device="cuda"), past_key_values=cache, use_cache=True)
-            logits.append(out.logits[0, -1].float())
-    return torch.stack(logits).cpu()
-
-
 def test_dither8_kl_and_certificate(sdpa_model, certkv_model):
     tokens = [int(x) for x in np.random.default_rng(7).integers(3, 500, 112)]
-    want = teacher_forced_logits(sdpa_model, tokens, transformers.DynamicCache(config=sdpa_model.config), 48)
+    dynamic = transformers.DynamicCache(config=sdpa_model.config)
+    want = teacher_forced_logits(sdpa_model, tokens, dynamic, 48, "cuda")
     cache = ct.CertkvCache(certkv_model.config, scheme="dither8")
-    got = teacher_forced_logits(certkv_model, tokens, cache, 48)
-    log_p, log_q = torch.log_softmax(want, -1), torch.log_softmax(got, -1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    got = teacher_forced_logits(certkv_model, tokens, cache, 48, "cuda")
+    kl = kl_per_position(want, got)
     # Position 0 is the prompt's, attended exactly; the decode steps read the dither8 pages. The
     # issue's bar is the teacher-forced KL, the mean over the decode steps, as on the CPU
     # (test_transformers.py). The largest step's KL is printed too: 5.3e-3 of 63 steps on an H100,
@@ -103,7 +92,8 @@ def test_dither8_kl_and_certificate(sdpa_model, certkv_model):
 
 def test_fp8_e4m3_is_metered(certkv_model):
     cache = ct.CertkvCache(certkv_model.config, scheme="fp8-e4m3")
-    logits = teacher_forced_logits(certkv_model, PROMPTS[2] + list(range(100, 108)), cache, len(PROMPTS[2]))
+    tokens = PROMPTS[2] + list(range(100, 108))
+    logits = teacher_forced_logits(certkv_model, tokens, cache, len(PROMPTS[2]), "cuda")
     assert torch.isfinite(logits).all()
     cert = cache.certificate()
     assert cert["metered"] is True and cert["tier"] == "A"
