@@ -12,7 +12,11 @@ import sys
 
 
 def excerpt(path, words, skip=2000):
+    """WORDS words of the book from word SKIP on; SKIP wraps around a book too short for it."""
     text = pathlib.Path(path).read_text(encoding="utf-8", errors="replace").split()
+    if len(text) < words:
+        sys.exit(f"batch_prompts.py: {path} has {len(text)} words, fewer than the {words} of an excerpt")
+    skip %= len(text) - words + 1
     return " ".join(text[skip:skip + words])
 
 

@@ -18,7 +18,7 @@ usage (repository root):
   python3 bench/serve_meter_cost.py [--certkv build/tools/certkv/certkv]
       [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--corpus ../shared/data/corpus]
       [--kv fp8-e4m3] [--witness fp16|u8|exponent] [--pairs 5] [--clients 8] [--requests 16] [--words 100] [--max-tokens 64]
-      [--threads 2] [--out docs/bench/serve_meter_cost_cpu.json]
+      [--threads 2] [--device cpu|cuda] [--out docs/bench/serve_meter_cost_cpu.json]
 """
 import argparse
 import datetime
@@ -47,6 +47,7 @@ def main():
     ap.add_argument("--words", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="certkv serve's --device")
     ap.add_argument("--out", default="docs/bench/serve_meter_cost_cpu.json")
     args = ap.parse_args()
     root = pathlib.Path(__file__).resolve().parent.parent
@@ -58,7 +59,7 @@ def main():
 
     def command(meter, port):
         return [args.certkv, "serve", "-m", args.model, "--kv", args.kv, "-t", str(args.threads), "-np",
-                str(args.clients), "-c", str(args.words * 2 + args.max_tokens + 64), "--port", str(port)] + \
+                str(args.clients), "-c", str(args.words * 2 + args.max_tokens + 64), "--port", str(port), "--device", args.device] + \
                (["--witness", args.witness] if args.witness else []) + ([] if meter else ["--no-meter"])
 
     runs = {"meter": [], "no_meter": []}
@@ -105,6 +106,9 @@ def main():
         "worktree_modified_tracked_files": len([l for l in git("status", "--porcelain", "--untracked-files=no").splitlines() if l]),
         "time_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "cpu": cpu, "cpu_count": os.cpu_count(), "model": os.path.basename(args.model), "kv": args.kv,
+        "device": args.device,
+        "gpu": subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True).stdout.strip() if args.device == "cuda" else None,
         "witness": args.witness or "the scheme's default",
         "threads": args.threads, "pairs": args.pairs,
         "order": "alternating: the metered server first in odd pairs",
