@@ -20,7 +20,10 @@
 // usage: certkv_backend_decode --model M.gguf --corpus DIR [--device cuda|cpu] [--kv SCHEME]
 //          [--witness fp16|u8|exponent] [--sparse P] [--batch 1,8,32,64] [--ctx 8192,32768]
 //          [--steps 64] [--warmup 4] [--chunk 2048] [--threads N] [--pool-tokens T | --pool-bytes B]
-//          [--defer-encode-results]
+//          [--defer-encode-results] [--no-meter]
+//
+// --no-meter: a lossy scheme's decode computes no meter (BackendConfig::meter.enabled false), for
+// the meter's cost against the same run without the flag; the line's "metered" says which.
 //
 // --defer-encode-results: the cuda backend reads the encode results of the blocks a step
 // completes once, after the step (BackendConfig::defer_encode_results); the line says which.
@@ -83,7 +86,7 @@ int main(int argc, char** argv) {
   double sparse_p = 0;
   int steps = 64, warmup = 4, chunk = 2048, threads = 16;
   int64_t pool_tokens = 0, pool_bytes = 0;
-  bool defer_encode_results = false;
+  bool defer_encode_results = false, meter = true;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -108,6 +111,7 @@ int main(int argc, char** argv) {
     else if (a == "--pool-tokens") pool_tokens = std::stoll(value());
     else if (a == "--pool-bytes") pool_bytes = std::stoll(value());
     else if (a == "--defer-encode-results") defer_encode_results = true;
+    else if (a == "--no-meter") meter = false;
     else {
       std::fprintf(stderr, "unknown flag %s (see the header of bench/backend_decode.cc)\n", a.c_str());
       return 2;
@@ -137,6 +141,7 @@ int main(int argc, char** argv) {
     }
     cfg.n_threads = threads;
     cfg.defer_encode_results = defer_encode_results;
+    cfg.meter.enabled = meter;
     cfg.kv_scheme = cache::parse_kv_scheme(kv);
     const cache::KvSchemeInfo& info = cache::kv_scheme_info(cfg.kv_scheme);
     cfg.witness = cache::resolve_kv_witness(cfg.kv_scheme, witness.empty() ? nullptr : witness.c_str(), "--witness");
@@ -220,24 +225,26 @@ int main(int argc, char** argv) {
         const double per_step = after.steps > before.steps ? 1e3 / double(after.steps - before.steps) : 0.0;
         char host[320];
         std::snprintf(host, sizeof(host),
-                      "\"plan\": %.4f, \"enqueue\": %.4f, \"attention\": %.4f, \"wait\": %.4f, \"read_back\": %.4f",
+                      "\"plan\": %.4f, \"enqueue\": %.4f, \"attention\": %.4f, \"wait\": %.4f, \"read_back\": %.4f, "
+                      "\"meter\": %.4f",
                       per_step * (after.plan_seconds - before.plan_seconds),
                       per_step * (after.enqueue_seconds - before.enqueue_seconds),
                       per_step * (after.attention_seconds - before.attention_seconds),
                       per_step * (after.wait_seconds - before.wait_seconds),
-                      per_step * (after.read_back_seconds - before.read_back_seconds));
+                      per_step * (after.read_back_seconds - before.read_back_seconds),
+                      per_step * (after.meter_seconds - before.meter_seconds));
         std::string bytes;
         for (const cache::StorageClassStats& c : be->memory_stats().by_class)
           bytes += std::string(bytes.empty() ? "" : ", ") + "\"" + format::storage_class_name(c.storage) +
                    "\": " + std::to_string(c.page_bytes_in_use);
         std::printf(
-            "{\"engine\": \"certkv\", \"table\": \"%s\", \"pool_bytes\": %lld, \"sequences\": %lld, \"device\": \"%s\", \"kv\": \"%s\", \"witness\": \"%s\", \"sparse_p\": %g, \"defer_encode_results\": %s, \"batch\": %lld, "
+            "{\"engine\": \"certkv\", \"table\": \"%s\", \"pool_bytes\": %lld, \"sequences\": %lld, \"device\": \"%s\", \"kv\": \"%s\", \"witness\": \"%s\", \"sparse_p\": %g, \"defer_encode_results\": %s, \"metered\": %s, \"batch\": %lld, "
             "\"ctx\": %lld, \"ctx_decoded_mean\": %.1f, \"steps\": %d, \"step_ms\": %.4f, \"step_ms_min\": %.4f, "
             "\"step_ms_max\": %.4f, \"tok_per_s\": %.2f, \"prefill_tokens\": %lld, \"prefill_tok_per_s\": %.1f, "
             "\"sequences_held\": %lld, \"kv_bytes_in_use\": {%s}, \"host_ms\": {%s}}\n",
             pool_bytes > 0 ? "b" : "a", (long long)pool_bytes, (long long)b, device.c_str(), kv.c_str(),
             info.tier == cache::MeterTier::kA ? codec::witness_code_name(cfg.witness) : "none", sparse_p,
-            defer_encode_results ? "true" : "false", (long long)b, (long long)ctx, double(len_sum) / double(b * steps),
+            defer_encode_results ? "true" : "false", meter && info.tier != cache::MeterTier::kNone ? "true" : "false", (long long)b, (long long)ctx, double(len_sum) / double(b * steps),
             steps, median, step_ms.front(), step_ms.back(), 1e3 * double(b) / median, (long long)prefilled,
             prefilled > 0 ? double(prefilled) / prefill_s : 0.0, (long long)n_seqs, bytes.c_str(), host);
         std::fflush(stdout);

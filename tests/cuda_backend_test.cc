@@ -803,6 +803,55 @@ TEST_F(CudaBackendTest, RefusesWhatItDoesNotServeByName) {
   EXPECT_EQ(be->pool_pages_in_use(), 0u);
 }
 
+// A metered step's meters reach each sequence's telemetry while the next step runs on the device,
+// or when a report asks first: a report right after a step counts it; a sequence freed with its
+// last step's meters pending leaves the others' counts whole; the dashboard's ring has every
+// step's cells at once.
+TEST_F(CudaBackendTest, DeferredMeterBookkeepingMissesNoCell) {
+  BackendConfig cfg = device_config(cache::KvScheme::kFp8E4M3, 64, 128);
+  cfg.meter.recent_steps = 8;
+  std::unique_ptr<Backend> be = make_backend(smollm2(), cfg);
+  const model::ModelConfig& c = smollm2().config();
+  const int64_t cells_per_step = int64_t(c.n_layers) * c.n_heads;
+  const cache::SeqId a = be->create_sequence(), b = be->create_sequence();
+  // Past one block (16 tokens), so that fp8 pages (and nonzero meters) exist.
+  const std::vector<std::vector<int32_t>> prompts = ragged_prompts(smollm2(), {20, 18}, 3);
+  int32_t next_a = 0, next_b = 0;
+  BatchItem prefill[2] = {{a, prompts[0].data(), 20, nullptr, nullptr, true},
+                          {b, prompts[1].data(), 18, nullptr, nullptr, true}};
+  prefill[0].token = &next_a;
+  prefill[1].token = &next_b;
+  ASSERT_TRUE(be->reserve(a, 20) && be->reserve(b, 18));
+  be->forward({prefill, 2});
+  const auto decode_both = [&] {
+    ASSERT_TRUE(be->reserve(a, 1) && be->reserve(b, 1));
+    BatchItem step[2] = {{a, &next_a, 1, nullptr, nullptr, true}, {b, &next_b, 1, nullptr, nullptr, true}};
+    step[0].token = &next_a;
+    step[1].token = &next_b;
+    be->forward({step, 2});
+  };
+  decode_both();
+  EXPECT_EQ(be->report(a).meter_cells, cells_per_step);  // recorded for the report
+  decode_both();                                          // pending after it
+  be->free_sequence(a);
+  ASSERT_TRUE(be->reserve(b, 1));
+  BatchItem alone{b, &next_b, 1, nullptr, nullptr, true};
+  alone.token = &next_b;
+  be->forward({&alone, 1});  // records the step before, a's row skipped
+  const SequenceReport rb = be->report(b);
+  EXPECT_EQ(rb.meter_cells, 3 * cells_per_step);
+  ASSERT_EQ(rb.layers.size(), size_t(c.n_layers));
+  for (const auto& layer : rb.layers) EXPECT_EQ(layer.cells, 3 * c.n_heads);
+  EXPECT_GT(rb.meter_max, 0.0);
+  const gate::RecentStepMeters& recent = be->recent_meters();
+  ASSERT_EQ(recent.size(), 3);
+  EXPECT_EQ(recent.step(0).cells, 2 * cells_per_step);
+  EXPECT_EQ(recent.step(1).cells, 2 * cells_per_step);
+  EXPECT_EQ(recent.step(2).cells, cells_per_step);
+  EXPECT_GT(be->step_times().meter_seconds, 0.0);
+  be->free_sequence(b);
+}
+
 TEST_F(CudaBackendTest, KeepsItsStepsHostTimeByPhase) {
   std::unique_ptr<Backend> be = make_backend(smollm2(), device_config(cache::KvScheme::kBf16, 64, 128));
   EXPECT_EQ(be->step_times().steps, 0);
@@ -820,7 +869,8 @@ TEST_F(CudaBackendTest, KeepsItsStepsHostTimeByPhase) {
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const StepTimes t = be->step_times();
   EXPECT_EQ(t.steps, 2);
-  for (double phase : {t.plan_seconds, t.enqueue_seconds, t.attention_seconds, t.wait_seconds, t.read_back_seconds})
+  for (double phase :
+       {t.plan_seconds, t.enqueue_seconds, t.attention_seconds, t.wait_seconds, t.read_back_seconds, t.meter_seconds})
     EXPECT_GE(phase, 0.0);
   // The phases are disjoint spans of the two calls: together no more than their wall time, and the
   // launches and the wait take some of it.

@@ -236,6 +236,10 @@ struct StepTimes {
   double attention_seconds = 0;   // the host side of every layer's K/V writes and attention launches
   double wait_seconds = 0;        // waiting for the device at the step's end
   double read_back_seconds = 0;   // after the wait: logits, tokens, meters, index updates
+  // The meters' bookkeeping into each sequence's telemetry: the cuda backend does it for a step
+  // while the next step's launches run on the device (inside enqueue_seconds then), or when a
+  // report needs it first.
+  double meter_seconds = 0;
 };
 
 class Backend {

@@ -37,6 +37,14 @@ class RecentStepMeters {
     if (!(cell >= value)) cell = value;  // NaN (no cell yet) or smaller
     ++cells_[size_t(row_)];
   }
+  // `cells` metered cells of (layer, head) in the current step at once, meter the largest of them
+  // (overflow: any overflowed): as many record() calls, one per cell. REQUIRES: as record(), and
+  // cells >= 1.
+  void record(int layer, int head, double meter, bool overflow, int64_t cells) {
+    if (capacity_ == 0) return;
+    record(layer, head, meter, overflow);
+    cells_[size_t(row_)] += cells - 1;
+  }
 
   int n_layers() const { return n_layers_; }
   int n_heads() const { return n_heads_; }

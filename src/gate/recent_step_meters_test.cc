@@ -26,6 +26,29 @@ TEST(RecentStepMeters, KeepsTheMaxOverSequencesPerLayerAndHead) {
   for (int cell : {0, 2, 3, 4}) EXPECT_TRUE(std::isnan(s.meters[cell])) << cell;
 }
 
+// The largest of several cells recorded at once is the same step as one record() per cell.
+TEST(RecentStepMeters, SeveralCellsAtOnceEqualOneRecordEach) {
+  RecentStepMeters at_once(2, 2, 4), one_by_one(2, 2, 4);
+  at_once.begin_step();
+  one_by_one.begin_step();
+  at_once.record(0, 1, 0.5, false, 3);
+  for (const double m : {0.25, 0.5, 0.125}) one_by_one.record(0, 1, m, false);
+  at_once.record(1, 0, 0.0, true, 2);
+  one_by_one.record(1, 0, 0.0, false);
+  one_by_one.record(1, 0, 0.0, true);
+  const RecentStepMeters::Step a = at_once.step(0), b = one_by_one.step(0);
+  EXPECT_EQ(a.cells, 5);
+  EXPECT_EQ(a.cells, b.cells);
+  for (int cell = 0; cell < 4; ++cell) {
+    if (std::isnan(b.meters[cell])) {
+      EXPECT_TRUE(std::isnan(a.meters[cell])) << cell;
+    } else {
+      EXPECT_EQ(a.meters[cell], b.meters[cell]) << cell;
+    }
+  }
+  EXPECT_EQ(a.meters[1 * 2 + 0], 1.0f);
+}
+
 TEST(RecentStepMeters, OverflowReadsOne) {
   RecentStepMeters ring(1, 3, 2);
   ring.begin_step();

@@ -232,6 +232,7 @@ class CudaBackend final : public Backend {
   StepTimes step_times() const override { return step_times_; }
 
   SequenceReport report(cache::SeqId seq) const override {
+    const_cast<CudaBackend*>(this)->record_pending_meters();  // completes deferred work: logically const
     const SequenceState& st = state(seq);
     SequenceReport r;
     r.metered = metered_;
@@ -292,6 +293,16 @@ class CudaBackend final : public Backend {
     int64_t query_count = 0;
     SparseStats sparse_stats;
   };
+
+  // The meters of the last metered step not yet in its sequences' telemetry (the gate off): per
+  // layer, per decode row and query head, A - 1 as the device lifted it ([layer][row][head]), and
+  // each row's sequence. The next step records them while its own launches run on the device;
+  // report() first, if it comes before. The dashboard's per-step maxima (recent_meters_) are
+  // recorded at once.
+  std::vector<float> pending_a_minus_1_;
+  std::vector<cache::SeqId> pending_seqs_;
+  // Records the pending meters (a sequence freed since is skipped) and clears them.
+  void record_pending_meters();
 
   // Whether a one-token step of the sequence attends sparsely in the sparse layers.
   bool sparse_row(const SequenceState& st, int64_t n) const { return n == 1 && st.index_built && st.indexed > 0; }
@@ -686,7 +697,7 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
   };
   const step_clock::time_point t_run = step_clock::now();
   try {
-    forward_->run(rows, attend_layers);
+    forward_->run(rows, attend_layers, [this] { record_pending_meters(); });
   } catch (...) {
     // The step failed halfway: its launches drain (errors ignored: the step's error is the one
     // to report) before the staging is reused, and no held exact page outlives it.
@@ -820,20 +831,54 @@ void CudaBackend::read_back_step(const std::vector<RowGroup>& groups, const std:
   // The meters of the decode rows: each row is one sequence's step.
   const RowGroup& g = groups[kMeteredDecode];
   if (g.rows.empty()) return;
+  record_pending_meters();  // a step that ran no launch (an empty forward) left them
+  const size_t rows_h = g.rows.size() * H;
+  pending_a_minus_1_.resize(size_t(c.n_layers) * rows_h);
+  pending_seqs_.resize(g.rows.size());
+  for (size_t j = 0; j < g.rows.size(); ++j) pending_seqs_[j] = items[item_of_row[size_t(g.rows[j])]].seq;
   for (int layer = 0; layer < c.n_layers; ++layer) {
-    const float* host_meters = staged_meters(layer);
-    for (size_t j = 0; j < g.rows.size(); ++j) {
-      SequenceState& st = state(items[item_of_row[size_t(g.rows[j])]].seq);
+    // A - 1 as the device lifted it: [rows][heads] after the meters' first part.
+    const float* a_minus_1 = staged_meters(layer) + step_rows_ * H;
+    std::copy(a_minus_1, a_minus_1 + rows_h, pending_a_minus_1_.begin() + ptrdiff_t(size_t(layer) * rows_h));
+    // The dashboard's cell of (layer, head): the largest meter over the rows, from the largest
+    // A - 1 (the meter is nondecreasing in it); a NaN or +inf one makes it overflow.
+    for (size_t h = 0; h < H; ++h) {
+      float largest = 0;
+      bool overflow = false;
+      for (size_t j = 0; j < g.rows.size(); ++j) {
+        const float a = a_minus_1[j * H + h];
+        overflow |= !std::isfinite(a);
+        largest = std::max(largest, a);
+      }
+      recent_meters_->record(layer, int(h), gate::meter_from_a_minus_1(largest), overflow, int64_t(g.rows.size()));
+    }
+  }
+}
+
+void CudaBackend::record_pending_meters() {
+  if (pending_seqs_.empty()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int L = model_.config().n_layers;
+  const size_t H = size_t(model_.config().n_heads), rows_h = pending_seqs_.size() * H;
+  for (size_t j = 0; j < pending_seqs_.size(); ++j) {
+    const auto it = states_.find(pending_seqs_[j]);
+    if (it == states_.end()) continue;  // freed since its step
+    SequenceState& st = it->second;
+    for (int layer = 0; layer < L; ++layer) {
+      const float* a_minus_1 = pending_a_minus_1_.data() + size_t(layer) * rows_h + j * H;
+      gate::Telemetry& layer_telemetry = st.layer_telemetry[size_t(layer)];
       for (size_t h = 0; h < H; ++h) {
-        const double a_minus_1 = double(host_meters[step_rows_ * H + j * H + h]);  // lifted on the device
-        const double log_a = std::isfinite(a_minus_1) ? std::log1p(std::max(a_minus_1, 0.0)) : INFINITY;
-        const double meter = gate::meter_from_log_a(log_a);
-        st.telemetry->record(meter, std::isinf(log_a));
-        st.layer_telemetry[size_t(layer)].record(meter, std::isinf(log_a));
-        recent_meters_->record(layer, int(h), meter, std::isinf(log_a));
+        // (A^2 - 1) / 2 from A - 1 as the CPU backend computes it, with no logarithm or
+        // exponential; a NaN or +inf A - 1 gives meter 1 and counts as overflow.
+        const double meter = gate::meter_from_a_minus_1(double(a_minus_1[h]));
+        const bool overflow = !std::isfinite(a_minus_1[h]);
+        st.telemetry->record(meter, overflow);
+        layer_telemetry.record(meter, overflow);
       }
     }
   }
+  pending_seqs_.clear();
+  step_times_.meter_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 void CudaBackend::stage_sparse_step(RowGroup& g, const std::vector<size_t>& item_of_row,

@@ -302,7 +302,8 @@ const std::vector<void*>& DeviceForward::graphs_of(int64_t n) {
   return graphs_.back().second;
 }
 
-void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attention) {
+void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attention,
+                        const std::function<void()>& host_work) {
   const ModelConfig& c = model_.config();
   const std::span<const BatchItem> items = rows.items;
   const int64_t n = rows.n_rows;
@@ -382,6 +383,7 @@ void DeviceForward::run(const StepRows& rows, const DeviceLayerAttention& attent
   const float eps = c.rms_eps;
   float* x = floats_mut(x_);
   const auto wait = [&]() {
+    if (host_work) host_work();
     const auto t0 = std::chrono::steady_clock::now();
     throw_if_failed(cache::cuda::synchronize_stream(stream_));
     last_wait_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

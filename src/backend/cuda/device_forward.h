@@ -64,8 +64,9 @@ class DeviceForward {
   // once per layer, then writes the logits the items ask for (BatchItem::last_logits,
   // all_logits) and the tokens they draw (BatchItem::token, sampled on the device:
   // backend/cuda/sample_kernels.h). Returns after the logits and tokens are on the host. Throws certkv::Error for a failed
-  // launch or copy.
-  void run(const StepRows& rows, const DeviceLayerAttention& attention);
+  // launch or copy. host_work (when set) runs once every launch of the step is enqueued, before
+  // the wait for the device: host work that overlaps the device's.
+  void run(const StepRows& rows, const DeviceLayerAttention& attention, const std::function<void()>& host_work = {});
 
   uint64_t weight_bytes() const { return weight_bytes_; }
   // Host seconds the last run() spent waiting for the device at its end.

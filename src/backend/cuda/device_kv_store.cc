@@ -356,8 +356,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
       const float* a = reinterpret_cast<const float*>(host_ring_.data() + r.at + meters_offset()) + r.rows * H;
       for (size_t j = 0; j < r.rows * H; ++j) {
         const double a_minus_1 = double(a[j]);  // lifted on the device
-        const double log_a = std::isfinite(a_minus_1) ? std::log1p(std::max(a_minus_1, 0.0)) : INFINITY;
-        telemetry_.record(gate::meter_from_log_a(log_a), std::isinf(log_a));
+        telemetry_.record(gate::meter_from_a_minus_1(a_minus_1), !std::isfinite(a_minus_1));
       }
     }
     ring_steps_.clear();
