@@ -68,9 +68,31 @@ void Telemetry::add_value(double meter) {
 
 void Telemetry::fold_pending() const {
   if (pending_.empty()) return;
-  if (histogram_.empty()) histogram_.assign(kBuckets, 0);
-  for (const double v : pending_) ++histogram_[bucket_of(v)];
+  size_t buckets[kTelemetryPendingValues];
+  size_t lo = kTopBucket, hi = 0;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    buckets[i] = bucket_of(pending_[i]);
+    lo = std::min(lo, buckets[i]);
+    hi = std::max(hi, buckets[i]);
+  }
+  cover(lo, hi);
+  for (size_t i = 0; i < pending_.size(); ++i) ++histogram_[buckets[i] - first_bucket_];
   pending_.clear();
+}
+
+void Telemetry::cover(size_t lo, size_t hi) const {
+  if (histogram_.empty()) {
+    first_bucket_ = lo;
+    histogram_.assign(hi - lo + 1, 0);
+    return;
+  }
+  const size_t last = first_bucket_ + histogram_.size() - 1;
+  if (lo >= first_bucket_ && hi <= last) return;
+  const size_t first = std::min(lo, first_bucket_);
+  std::vector<int64_t> grown(std::max(hi, last) - first + 1, 0);
+  std::copy(histogram_.begin(), histogram_.end(), grown.begin() + ptrdiff_t(first_bucket_ - first));
+  histogram_ = std::move(grown);
+  first_bucket_ = first;
 }
 
 void Telemetry::add_repairs(int64_t n_pages, int64_t pagein_bytes) {
@@ -95,8 +117,9 @@ void Telemetry::merge(const Telemetry& other) {
   if (other.values_ == 0) return;
   other.fold_pending();
   fold_pending();
-  if (histogram_.empty()) histogram_.assign(kBuckets, 0);
-  for (size_t b = 0; b < kBuckets; ++b) histogram_[b] += other.histogram_[b];
+  cover(other.first_bucket_, other.first_bucket_ + other.histogram_.size() - 1);
+  for (size_t i = 0; i < other.histogram_.size(); ++i)
+    histogram_[other.first_bucket_ + i - first_bucket_] += other.histogram_[i];
   min_ = values_ == 0 ? other.min_ : std::min(min_, other.min_);
   max_ = values_ == 0 ? other.max_ : std::max(max_, other.max_);
   values_ += other.values_;
@@ -115,8 +138,9 @@ double Telemetry::quantile(double q) const {
   if (rank == 1) return min_;
   if (rank == values_) return max_;
   int64_t below = 0;
-  size_t bucket = 0;
-  while (below + histogram_[bucket] < rank) below += histogram_[bucket++];
+  size_t i = 0;  // the histogram holds every value: the rank falls within it
+  while (below + histogram_[i] < rank) below += histogram_[i++];
+  const size_t bucket = first_bucket_ + i;
   if (bucket == 0) return min_;
   if (bucket == kTopBucket) return max_;
   return std::clamp(bucket_midpoint(bucket), min_, max_);

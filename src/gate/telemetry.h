@@ -19,8 +19,10 @@
 // within relative error kTelemetryQuantileRelativeError of the exact nearest-rank value. Values
 // below 2^kTelemetryMinExponent (including 0) share one bucket reported as the recorded minimum
 // (absolute error below 2^kTelemetryMinExponent); values at or above 2^kTelemetryMaxExponent share
-// one reported as the recorded maximum. The histogram merges exactly; it costs 64 KiB, allocated
-// on the first recorded value.
+// one reported as the recorded maximum. The histogram merges exactly. It holds the buckets from
+// the lowest to the highest recorded (8 bytes each, 1 KiB an octave), allocated on the first
+// value and grown as values arrive: a meter spread over a few octaves costs a few KiB, not the
+// 64 KiB of every bucket.
 //
 // Values reach the histogram in batches of kTelemetryPendingValues: a decode step records one
 // value per (layer, query head) into many telemetries whose histograms the step's weight and KV
@@ -31,6 +33,7 @@
 // in); keep one Telemetry per thread and merge.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -82,6 +85,8 @@ class Telemetry {
   void add_value(double meter);
   // Moves the pending values into the histogram.
   void fold_pending() const;
+  // Grows the histogram to hold buckets lo..hi (and the ones it held).
+  void cover(size_t lo, size_t hi) const;
 
   double tau_;
   int64_t sample_every_;
@@ -93,9 +98,11 @@ class Telemetry {
   int64_t values_ = 0;  // kept non-overflow cells (the histogram's total)
   double min_ = 0;
   double max_ = 0;
-  // [0]: below 2^kTelemetryMinExponent; then the octave buckets; last: the top bucket.
-  // Allocated on the first value. Without the pending values (below).
+  // Buckets first_bucket_ .. first_bucket_ + size - 1 of: [0] below 2^kTelemetryMinExponent; then
+  // the octave buckets; last, the top bucket. Empty before the first value; without the pending
+  // values (below).
   mutable std::vector<int64_t> histogram_;
+  mutable size_t first_bucket_ = 0;
   // Recorded values not yet in the histogram, fewer than kTelemetryPendingValues.
   mutable std::vector<double> pending_;
   int64_t repair_pages_ = 0;

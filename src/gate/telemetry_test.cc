@@ -205,6 +205,42 @@ TEST(Telemetry, MergeEqualsSinglePass) {
   EXPECT_GT(single.coverage(), 0.5);
 }
 
+// The histogram holds only the buckets between the lowest and the highest recorded, growing below
+// and above as values arrive: values in octave bands that move down, then up, then span the
+// whole range (0, the octaves, the top bucket), read at every stage and merged from parts of
+// disjoint ranges, give the quantiles of the sorted values.
+TEST(Telemetry, TheHistogramGrowsBelowAndAboveItsRange) {
+  std::mt19937_64 gen(5);
+  std::uniform_real_distribution<double> unit(0, 1);
+  Telemetry one(0.2), low(0.2), high(0.2);
+  std::vector<double> values;
+  const auto add = [&](double v) {
+    one.record(v);
+    (v < 1e-6 ? low : high).record(v);
+    values.push_back(v);
+  };
+  for (const int e : {-10, -20, -30, -5, 0, -45}) {
+    for (int i = 0; i < 700; ++i) add(std::ldexp(1 + unit(gen), e - int(unit(gen) * 3)));
+    expect_quantiles_close(one, values);
+  }
+  add(0.0);
+  add(1e-300);
+  add(3e4);
+  add(1.0);
+  EXPECT_EQ(one.quantile(0.0), 0.0);
+  EXPECT_EQ(one.quantile(1.0), 3e4);
+  Telemetry merged(0.2);
+  merged.merge(high);
+  merged.merge(low);  // a range below the one it holds
+  Telemetry merged_other_way(0.2);
+  merged_other_way.merge(low);
+  merged_other_way.merge(high);  // and above
+  for (double q : {0.0, 0.001, 0.01, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0}) {
+    EXPECT_EQ(merged.quantile(q), one.quantile(q)) << q;
+    EXPECT_EQ(merged_other_way.quantile(q), one.quantile(q)) << q;
+  }
+}
+
 // Values reach the histogram in batches: reading a quantile (which folds the pending values in)
 // at any point of the recording, merging while values are pending, and copying a telemetry with
 // pending values change no statistic.
