@@ -21,8 +21,11 @@ handed back to the model). Each layer's new rows of the whole batch are appended
 a decode step of the whole batch attends in one launch (``torch.ops.certkv.kv_store_decode``),
 metered as on the CPU. A prompt (several tokens into an empty cache) attends exactly, through
 transformers' SDPA over its own rows (no page has been read yet), and its rows are then appended.
-Not served on CUDA: a later chunk of several tokens (chunked prefill, assisted decoding: run the
-prompt in one call), ``crop``, ``reorder_cache`` (beam search), the schemes the device does not
+A later chunk of several tokens (a prompt given in parts) attends as that many decode steps, each
+position's rows appended and attending in turn: each reads what a decode step there reads and is
+metered as one (on the CPU a later chunk runs certkv's prefill attention, unmetered), at two
+launches per position and layer. Not served on CUDA: ``crop``, ``reorder_cache`` (beam search,
+assisted decoding's rejected candidates), the schemes the device does not
 serve (kivi2, rtn4, ...; ``certkv.UnsupportedError`` naming the scheme), and CUDA graph capture
 (each append keeps host bookkeeping).
 
@@ -294,13 +297,11 @@ def _certkv_attention_cuda(module: torch.nn.Module, cache: CertkvCache, layer_id
                            scaling: float | None, **kwargs: Any) -> torch.Tensor:
     """certkv_attention on CUDA tensors: the rows of the whole batch appended in one launch, a
     decode step in one (torch.ops.certkv.kv_store_decode); a prompt into an empty cache attends
-    exactly over its own rows (transformers' SDPA: no page has been read yet)."""
+    exactly over its own rows (transformers' SDPA: no page has been read yet); a later chunk of
+    several tokens attends as that many decode steps (_chunk_as_decode_steps)."""
     store = cache.store
     batch, n_heads, n_new, head_dim = query.shape
     kv_length = cache.layers[layer_idx].seen
-    if n_new > 1 and kv_length != n_new:
-        raise NotImplementedError(f"chunked prefill on a CUDA CertkvCache is not served: run the prompt in one call "
-                                  f"(layer {layer_idx} held {kv_length - n_new} positions before these {n_new})")
     stream = torch.cuda.current_stream(cache.device).cuda_stream
     if stream != store.cuda_stream:
         # The store enqueues on the stream it was made with: on another, its reads of the rows
@@ -314,6 +315,8 @@ def _certkv_attention_cuda(module: torch.nn.Module, cache: CertkvCache, layer_id
     if layer_idx == 0:
         for b in range(batch):
             cache._pads[b] += n_new - counts[b]
+    if n_new > 1 and kv_length != n_new:
+        return _chunk_as_decode_steps(cache, layer_idx, query, k_new, v_new, counts)
     seqs = [b for b in range(batch) if counts[b] > 0]
     prompt_out = None
     if n_new > 1:
@@ -342,6 +345,29 @@ def _certkv_attention_cuda(module: torch.nn.Module, cache: CertkvCache, layer_id
     return out.to(query.dtype)
 
 
+def _chunk_as_decode_steps(cache: CertkvCache, layer_idx: int, query: torch.Tensor, k_new: torch.Tensor,
+                           v_new: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """A later chunk of n_new tokens on CUDA (chunked prefill, assisted decoding's candidates): for
+    each position in turn, the rows that have a token there are appended and attend in one decode
+    launch over every page before them and their own row, as n_new decode steps would, so each row
+    reads what a decode step at its position reads, and each is metered as one. The cost is two
+    launches per position and layer: long prompts are better given in one call."""
+    batch, n_heads, n_new, head_dim = query.shape
+    out = torch.zeros((batch, n_new, n_heads, head_dim), dtype=torch.float32, device=query.device)
+    for i in range(n_new):
+        seqs = [b for b in range(batch) if counts[b] >= n_new - i]  # left padding: a row's tokens end the chunk
+        if not seqs:
+            continue
+        k = k_new[seqs, :, i].to(torch.float32, memory_format=torch.contiguous_format)  # [rows, n_kv_heads, head_dim]
+        v = v_new[seqs, :, i].to(torch.float32, memory_format=torch.contiguous_format)
+        with torch.cuda.device(cache.device):
+            cache.store.append_device(layer_idx, seqs, [1] * len(seqs), k.data_ptr(), v.data_ptr())
+        q = query[seqs, :, i, :].to(torch.float32, memory_format=torch.contiguous_format)
+        rows, _ = torch.ops.certkv.kv_store_decode(cache._handle, layer_idx, seqs, q)
+        out[seqs, i] = rows
+    return out.to(query.dtype)
+
+
 def certkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -349,7 +375,7 @@ def certkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     to the CertkvCache's pages and runs certkv's attention over them: decode attention with the
     meter for one new token, causal prefill attention for several. query: [batch, n_heads, n_new,
     head_dim]; returns [batch, n_new, n_heads, head_dim]. On CUDA tensors a prompt attends exactly
-    (SDPA over its own rows) and a later chunk of several tokens raises NotImplementedError (see the
+    (SDPA over its own rows) and a later chunk of several tokens as that many decode steps (see the
     module's documentation)."""
     past = kwargs.get("past_key_values")
     layer_idx = getattr(module, "layer_idx", None)

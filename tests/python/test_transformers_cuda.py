@@ -1,6 +1,7 @@
 """certkv.transformers and torch.ops.certkv.kv_store_decode on CUDA, with the small Llama of
 conftest.py (random weights, head_dim 64, bf16) on the GPU: CertkvCache("gaac") greedy tokens equal
-to DynamicCache's with sdpa (batch 1 on each prompt, and a left-padded batch of two); dither8's
+to DynamicCache's with sdpa (batch 1 on each prompt, and a left-padded batch of two), also when the
+prompt comes in two calls (a later chunk attends as decode steps); dither8's
 teacher-forced KL against DynamicCache and its metered certificate; fp8-e4m3 metered; the
 decode operator over a cuda store against the CPU operator over a cpu store holding the same
 rows; and the refusals of what the CUDA path does not serve. Skipped unless torch sees a CUDA
@@ -100,6 +101,77 @@ def test_fp8_e4m3_is_metered(certkv_model):
     assert cert["cells"] == 4 * 4 * 7 and cert["meter_max"] >= 0  # layers x query heads x decode steps
 
 
+def test_a_later_chunk_attends_as_decode_steps(sdpa_model, certkv_model):
+    """A prompt given in parts (5 tokens, then the other 35 in one call): the second call's logits at
+    every position are those of decode steps fed the same tokens one at a time (the chunk's own
+    bar: each row reads what a decode step there reads), pick DynamicCache's next token over the
+    whole prompt in one call at every position, its rows are stored, and greedy decoding from there
+    gives DynamicCache's tokens. Then a left-padded batch of two whose second row's tokens start
+    inside the later chunk (dither8: the teacher-forced KL bar)."""
+    prompt = PROMPTS[2]
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        dynamic = transformers.DynamicCache(config=sdpa_model.config)
+        want = sdpa_model(input_ids=ids, past_key_values=dynamic).logits[0, 5:].float().cpu()
+        cache = ct.CertkvCache(certkv_model.config, scheme="gaac")
+        certkv_model(input_ids=ids[:, :5], past_key_values=cache)
+        got = certkv_model(input_ids=ids[:, 5:], past_key_values=cache).logits[0].float().cpu()
+    assert cache.store.length(0, 0) == len(prompt)
+    steps = teacher_forced_logits(certkv_model, prompt, ct.CertkvCache(certkv_model.config, scheme="gaac"), 5, "cuda")
+    kl_steps = kl_per_position(steps[1:], got[:-1])  # after feeding prompt[5], ..., prompt[38]
+    kl_sdpa = kl_per_position(want, got)
+    print(f"a later chunk of {len(prompt) - 5} tokens on CUDA: KL against decode steps, largest "
+          f"{kl_steps.max().item():.3g}; against DynamicCache + sdpa in one call, mean {kl_sdpa.mean().item():.3g}, "
+          f"largest {kl_sdpa.max().item():.3g}")
+    # The model's products run over 35 rows at once in the chunk and over one in each step.
+    assert kl_steps.max().item() <= 1e-3
+    assert torch.equal(want.argmax(-1), got.argmax(-1))
+    assert cache.certificate()["metered"] is False  # gaac is lossless
+    next_ids = torch.tensor([[int(got[-1].argmax())]], device="cuda")
+    full = torch.cat([ids, next_ids], 1)
+    want_tokens = greedy(sdpa_model, full, transformers.DynamicCache(config=sdpa_model.config), n=8)
+    assert greedy(certkv_model, full, cache, n=8).tolist() == want_tokens.tolist()
+
+    a, b = PROMPTS[2], PROMPTS[1]  # 40 and 23 tokens: b's start at column 17, inside the chunk
+    pad = len(a) - len(b)
+    batch_ids = torch.tensor([a, [0] * pad + b], device="cuda")
+    mask = torch.tensor([[1] * len(a), [0] * pad + [1] * len(b)], device="cuda")
+    with torch.no_grad():
+        want = sdpa_model(input_ids=batch_ids, attention_mask=mask,
+                          past_key_values=transformers.DynamicCache(config=sdpa_model.config)).logits.float().cpu()
+        cache = ct.CertkvCache(certkv_model.config, scheme="dither8")
+        certkv_model(input_ids=batch_ids[:, :10], attention_mask=mask[:, :10], past_key_values=cache)
+        got = certkv_model(input_ids=batch_ids[:, 10:], attention_mask=mask, past_key_values=cache).logits.float().cpu()
+    assert cache.store.length(0, 0) == len(a) and cache.store.length(1, 0) == len(b)
+    for row, first in ((0, 10), (1, pad)):
+        kl = kl_per_position(want[row, first:], got[row, first - 10:])
+        assert kl.mean().item() <= 5e-3, (row, kl.mean().item())
+    cert = cache.certificate()
+    # Every position of the chunk that holds a token is a metered decode step of its row.
+    assert cert["metered"] is True and cert["cells"] == 4 * 4 * ((len(a) - 10) + len(b))
+
+
+def test_dither8_decodes_before_its_outlier_pairs_are_chosen():
+    """A dither8 layer chooses its outlier pairs from the first whole block; decode steps before
+    that read raw pages only, and the kernels' outlier channels must not be the uninitialized
+    memory they were allocated in (here made all ones first), which they count as corrupt."""
+    junk = torch.full((256 << 20,), -1, dtype=torch.int32, device="cuda")
+    del junk
+    torch.cuda.empty_cache()  # back to the driver: the store's allocations may take that memory
+    store = certkv.KvStore("dither8", n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64, device="cuda",
+                           cuda_stream=torch.cuda.current_stream().cuda_stream)
+    handle = ops.register_store(store)
+    g = torch.Generator().manual_seed(9)
+    for step in range(20):  # the first block completes at the 16th row
+        k = torch.randn(1, 2, 64, generator=g).cuda()
+        v = torch.randn(1, 2, 64, generator=g).cuda()
+        store.append_device(0, [0], [1], k.data_ptr(), v.data_ptr())
+        out, _ = torch.ops.certkv.kv_store_decode(handle, 0, [0], torch.randn(1, 4, 64, generator=g).cuda())
+        assert torch.isfinite(out).all()
+    cert = store.certificate()  # raises CorruptError if a launch counted corrupt entries
+    assert cert["cells"] == 4 * 20 and cert["kv_tokens"] == 20
+
+
 def test_kv_store_decode_equals_the_cpu_operator():
     n_heads, n_kv_heads, head_dim = 6, 2, 128
     shape = dict(n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, n_sequences=2)
@@ -146,8 +218,6 @@ def test_refusals(sdpa_model, certkv_model):
     cache = ct.CertkvCache(certkv_model.config, scheme="gaac")
     with torch.no_grad():
         certkv_model(input_ids=ids, past_key_values=cache)
-        with pytest.raises(NotImplementedError, match="chunked prefill on a CUDA CertkvCache is not served"):
-            certkv_model(input_ids=ids[:, :3], past_key_values=cache)
     with pytest.raises(NotImplementedError, match="CertkvCache.crop: not served on CUDA"):
         cache.crop(-2)
     with pytest.raises(NotImplementedError, match="CertkvCache.reorder_cache: not served on CUDA"):

@@ -265,6 +265,10 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
           if (s.ok) s = DeviceBuffer::allocate(sizeof(uint16_t) * size_t(H) * n_outlier_pairs, &layer->outlier_pairs);
           if (s.ok)
             s = DeviceBuffer::allocate(sizeof(int32_t) * size_t(H) * 2 * n_outlier_pairs, &layer->outlier_channels);
+          // Until a head's pairs are chosen its decode steps read raw pages only, yet the kernels
+          // load (and check) its outlier channels: the placeholder pairs', never uninitialized
+          // memory, which they would count as corrupt channels.
+          for (int h = 0; h < H && s.ok; ++h) s = c->upload_outliers(*layer, h, c->placeholder_pairs_.data());
         }
       }
     }
@@ -964,6 +968,12 @@ CudaStatus DeviceKvCache::choose_outliers(int layer_index, int kv_head, const fl
 
 CudaStatus DeviceKvCache::set_outliers(int layer_index, int kv_head, const uint16_t* pairs) {
   Layer& layer = *layers_[size_t(layer_index)];
+  const CudaStatus s = upload_outliers(layer, kv_head, pairs);
+  if (s.ok) layer.outliers_chosen[size_t(kv_head)] = 1;
+  return s;
+}
+
+CudaStatus DeviceKvCache::upload_outliers(Layer& layer, int kv_head, const uint16_t* pairs) {
   const int D = config_.head_dim;
   const int m = n_outlier_pairs_;
   // The kernels' channel list: pair j's first channel, then its second (the record's order).
@@ -981,7 +991,6 @@ CudaStatus DeviceKvCache::set_outliers(int layer_index, int kv_head, const uint1
                                    as_stream(config_.stream)),
                    "outlier channel upload");
   // The uploads read pageable host memory: they complete before cudaMemcpyAsync returns.
-  if (s.ok) layer.outliers_chosen[size_t(kv_head)] = 1;
   return s;
 }
 

@@ -356,6 +356,9 @@ class DeviceKvCache {
   CudaStatus choose_outliers(int layer_index, int kv_head, const float* rows, int n_rows, size_t row_stride);
   // Uploads the m pairs of (layer, kv_head) (and the kernels' channels) and marks them chosen.
   CudaStatus set_outliers(int layer_index, int kv_head, const uint16_t* pairs);
+  // The pair list and the kernels' channels of one head to the device (set_outliers marks the
+  // head chosen; the constructor uploads the placeholder pairs before any is).
+  CudaStatus upload_outliers(Layer& layer, int kv_head, const uint16_t* pairs);
   codec::LossyPageSpec lossy_spec(bool key) const;
   CudaStatus upload_tables(const Layer& layer);
   CudaStatus upload_table_blocks(const Layer& layer, int slot, int64_t block_begin, int64_t block_end);
