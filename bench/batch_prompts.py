@@ -28,6 +28,7 @@ def main():
     questions = ["Who speaks first?", "Where does this take place?", "What happens next?",
                  "Summarize it in one line.", "Which names appear?", "What is the mood?",
                  "What time of day is it?", "What does the narrator want?"]
+    seen = set()
     for i in range(n):
         if mode == "books":
             prompt = excerpt(books[i % len(books)], words, skip=2000 + 500 * (i // len(books)))
@@ -35,6 +36,9 @@ def main():
             prompt = excerpt(books[0], words) + "\n\nQuestion " + str(i) + ": " + questions[i % len(questions)]
         else:
             sys.exit("batch_prompts.py: mode is books or prefix")
+        if prompt in seen:  # a short book's excerpts wrapped onto one already given
+            sys.exit(f"batch_prompts.py: request {i} repeats an earlier excerpt (too few words in {corpus})")
+        seen.add(prompt)
         print(json.dumps({"id": f"{mode}{i}", "prompt": prompt, "max_tokens": max_tokens}))
 
 

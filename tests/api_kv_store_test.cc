@@ -98,6 +98,9 @@ void append_ragged(certkv_kv_store* s, int seq, int layer, const std::vector<uin
   }
 }
 
+// Whether the last error message names `text`.
+bool error_names(const char* text) { return std::string(certkv_last_error()).find(text) != std::string::npos; }
+
 std::vector<float> read(certkv_kv_store* s, int seq, int layer, int kv, int64_t begin, int64_t end, int exact) {
   std::vector<float> out(size_t(kKvHeads) * size_t(end - begin) * kHeadDim);
   EXPECT_EQ(certkv_kv_store_read(s, seq, layer, kv, begin, end, exact, out.data()), CERTKV_OK) << certkv_last_error();
@@ -357,6 +360,77 @@ TEST(CApiKvStore, ReorderSharesPages) {
   EXPECT_EQ(bits_of(read(st.s, 2, 1, 0, 0, 42, 0)), ks[2]);
 }
 
+// select grows the batch (copies share their pages: one prompt, several samples) and narrows it
+// (rows dropped, their pages freed): every new sequence reads, and attends, exactly what its source
+// did; later appends go to one copy only; a refused select leaves the store as it was.
+TEST(CApiKvStore, SelectGrowsAndNarrowsTheBatch) {
+  for (const char* kv : {"gaac", "dither8"}) {
+    Store st(kv, 3);
+    std::vector<std::vector<uint16_t>> ks;
+    for (int seq = 0; seq < 3; ++seq) {
+      ks.push_back(rows_bf16(40 + seq, 60 + seq, false));
+      for (int layer = 0; layer < kLayers; ++layer)
+        ASSERT_EQ(append_range(st.s, seq, layer, ks.back(), ks.back(), 40 + seq, 0, 40 + seq), CERTKV_OK);
+    }
+    const std::vector<float> q = queries(1, 31);
+    std::vector<std::vector<float>> before(3, std::vector<float>(size_t(kHeads) * kHeadDim));
+    for (int seq = 0; seq < 3; ++seq)
+      ASSERT_EQ(certkv_kv_store_attend(st.s, seq, 1, q.data(), 1, before[size_t(seq)].data(), nullptr), CERTKV_OK);
+    certkv_kv_stats three;
+    ASSERT_EQ(certkv_kv_store_kv_stats(st.s, &three), CERTKV_OK);
+
+    // Refused: the store is unchanged.
+    const int32_t out_of_range[2] = {0, 3};
+    EXPECT_EQ(certkv_kv_store_select(st.s, out_of_range, 2), CERTKV_ERR_OUT_OF_RANGE);
+    EXPECT_TRUE(error_names("src[1] 3")) << certkv_last_error();
+    EXPECT_EQ(certkv_kv_store_select(st.s, out_of_range, 0), CERTKV_ERR_INVALID_ARGUMENT);
+    EXPECT_TRUE(error_names("n 0")) << certkv_last_error();
+    EXPECT_EQ(certkv_kv_store_select(st.s, nullptr, 1), CERTKV_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(certkv_kv_store_select(nullptr, out_of_range, 1), CERTKV_ERR_INVALID_ARGUMENT);
+    int64_t n = 0;
+    ASSERT_EQ(certkv_kv_store_length(st.s, 2, 1, &n), CERTKV_OK);
+    EXPECT_EQ(n, 42);
+
+    // Grown to 5: 2, 2, 0, 1, 2.
+    const int32_t grown[5] = {2, 2, 0, 1, 2};
+    ASSERT_EQ(certkv_kv_store_select(st.s, grown, 5), CERTKV_OK) << kv << ": " << certkv_last_error();
+    for (int i = 0; i < 5; ++i) {
+      const int src = grown[i];
+      ASSERT_EQ(certkv_kv_store_length(st.s, i, 1, &n), CERTKV_OK);
+      ASSERT_EQ(n, 40 + src);
+      EXPECT_EQ(bits_of(read(st.s, i, 1, 0, 0, n, 1)), ks[size_t(src)]) << kv << " " << i;
+      std::vector<float> out(size_t(kHeads) * kHeadDim);
+      ASSERT_EQ(certkv_kv_store_attend(st.s, i, 1, q.data(), 1, out.data(), nullptr), CERTKV_OK);
+      EXPECT_EQ(out, before[size_t(src)]) << kv << " " << i;  // bit for bit: the same pages
+    }
+    EXPECT_EQ(certkv_kv_store_length(st.s, 5, 1, &n), CERTKV_ERR_OUT_OF_RANGE);
+    certkv_kv_stats five;
+    ASSERT_EQ(certkv_kv_store_kv_stats(st.s, &five), CERTKV_OK);
+    EXPECT_EQ(five.pages_in_use, three.pages_in_use) << kv;  // the copies share every page
+
+    // One copy goes on alone.
+    const std::vector<uint16_t> more = rows_bf16(1, 99, false);
+    ASSERT_EQ(append_range(st.s, 1, 1, more, more, 1, 0, 1), CERTKV_OK);
+    ASSERT_EQ(certkv_kv_store_length(st.s, 1, 1, &n), CERTKV_OK);
+    EXPECT_EQ(n, 43);
+    ASSERT_EQ(certkv_kv_store_length(st.s, 4, 1, &n), CERTKV_OK);
+    EXPECT_EQ(n, 42);
+    EXPECT_EQ(bits_of(read(st.s, 4, 1, 0, 0, 42, 1)), ks[2]) << kv;
+
+    // Narrowed to one row: what 3 (source 1) was.
+    const int32_t one[1] = {3};
+    ASSERT_EQ(certkv_kv_store_select(st.s, one, 1), CERTKV_OK) << certkv_last_error();
+    ASSERT_EQ(certkv_kv_store_length(st.s, 0, 0, &n), CERTKV_OK);
+    EXPECT_EQ(n, 41);
+    EXPECT_EQ(bits_of(read(st.s, 0, 0, 0, 0, 41, 1)), ks[1]) << kv;
+    EXPECT_EQ(certkv_kv_store_length(st.s, 1, 0, &n), CERTKV_ERR_OUT_OF_RANGE);
+    certkv_kv_stats narrowed;
+    ASSERT_EQ(certkv_kv_store_kv_stats(st.s, &narrowed), CERTKV_OK);
+    EXPECT_LT(narrowed.pages_in_use, three.pages_in_use) << kv;  // the others' pages freed
+    EXPECT_EQ(narrowed.n_tokens, 41);
+  }
+}
+
 // The gate: a decode step whose meter passes tau has blocks repaired from the backing store and is
 // attended again; what comes back is the attention over the repaired pages, metered soundly, and
 // under tau. A sequence that shares the pages (reorder) keeps its own, lossy, tables.
@@ -416,7 +490,6 @@ TEST(CApiKvStore, GateRepairsAStepAboveTauAndLeavesOtherSequencesAlone) {
   }
 }
 
-bool error_names(const char* text) { return std::string(certkv_last_error()).find(text) != std::string::npos; }
 
 TEST(CApiKvStore, RefusalsNameTheValue) {
   certkv_kv_store* s = nullptr;
@@ -584,6 +657,7 @@ TEST(CApiKvStore, DeviceChoiceIsChecked) {
   EXPECT_EQ(certkv_kv_store_attend(s, 0, 0, rows.data(), 1, rows.data(), nullptr), CERTKV_ERR_UNSUPPORTED);
   EXPECT_EQ(certkv_kv_store_crop(s, 0, 0), CERTKV_ERR_UNSUPPORTED);
   EXPECT_EQ(certkv_kv_store_reorder(s, seqs), CERTKV_ERR_UNSUPPORTED);
+  EXPECT_EQ(certkv_kv_store_select(s, seqs, 1), CERTKV_ERR_UNSUPPORTED);
   std::vector<float> out(64);
   EXPECT_EQ(certkv_kv_store_read(s, 0, 0, 0, 0, 0, 0, out.data()), CERTKV_ERR_UNSUPPORTED);
   certkv_kv_store_free(s);

@@ -1034,6 +1034,13 @@ CERTKV_API certkv_status certkv_kv_store_crop(certkv_kv_store* store, int32_t se
 /* Sequence i becomes what sequence src[i] was, for every i in [0, n_sequences) (beam search):
  * pages are shared by reference count, not copied. src: [n_sequences], each in range. */
 CERTKV_API certkv_status certkv_kv_store_reorder(certkv_kv_store* store, const int32_t* src);
+/* The store holds n sequences from here on: sequence i is what sequence src[i] was, for every i
+ * in [0, n) (a batch grown or narrowed: several samples of one prompt, beam expansion, a batch's
+ * finished rows dropped); pages are shared by reference count, not copied, and a sequence no
+ * entry names is freed. certkv_kv_store_reorder is the case n = n_sequences. REQUIRES: n >= 1,
+ * src: [n], each in [0, n_sequences) (CERTKV_ERR_INVALID_ARGUMENT, CERTKV_ERR_OUT_OF_RANGE; the
+ * store unchanged). A cuda store refuses it (CERTKV_ERR_UNSUPPORTED). */
+CERTKV_API certkv_status certkv_kv_store_select(certkv_kv_store* store, const int32_t* src, int32_t n);
 /* The meter of the decode steps attended so far (certkv_meter_stats, as a session's), and the
  * KV pages of every layer by storage class (certkv_kv_stats: n_tokens the positions of layer 0
  * over the sequences, kv_bytes_bf16 a contiguous bf16 cache of every layer's positions). */

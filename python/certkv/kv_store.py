@@ -232,6 +232,19 @@ class KvStore:
             raise ValueError(f"src: expected {self.n_sequences} entries (n_sequences), got {len(src)}")
         self._store.reorder(src)
 
+    def select(self, src: Sequence[int]) -> None:
+        """The store holds len(src) sequences from here on: sequence i is what sequence src[i] was
+        (several samples of one prompt, beam expansion, finished rows dropped). Pages are shared by
+        reference count, not copied; a sequence src does not name is freed. ``reorder`` is the case
+        len(src) == n_sequences. Raises ValueError for an empty src, certkv.OutOfRangeError (an
+        IndexError) for an entry outside [0, n_sequences); a cuda store refuses it
+        (certkv.UnsupportedError)."""
+        src = [int(i) for i in src]
+        if not src:
+            raise ValueError("src: expected at least one entry")
+        self._store.select(src)
+        self.n_sequences = len(src)
+
     # -- reports ------------------------------------------------------------------------------
 
     def meter_stats(self) -> dict[str, Any]:

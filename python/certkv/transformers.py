@@ -261,6 +261,37 @@ class CertkvCache(Cache):
         self.store.reorder(src)
         self._pads = [self._pads[i] for i in src]
 
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each sequence repeated ``repeats`` times in place (rows i * repeats to i * repeats +
+        repeats - 1 are what row i was), as DynamicCache's: several samples of one prompt, whose
+        copies share its pages (reference counts, no copy)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats: expected an int >= 1, got {repeats!r}")
+        if self.store is None:
+            return
+        self._select([i for i in range(self.store.n_sequences) for _ in range(repeats)], "batch_repeat_interleave")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Only the rows ``indices`` selects are kept, in its order (an index tensor or list, or a
+        boolean mask over the rows), as DynamicCache's ``keys[indices]``; a row kept twice shares
+        its pages."""
+        if self.store is None:
+            return
+        rows = torch.arange(self.store.n_sequences)
+        try:
+            src = rows[torch.as_tensor(indices, device="cpu")].reshape(-1).tolist()
+        except IndexError as e:
+            raise IndexError(f"indices: {e} (the cache holds {self.store.n_sequences} rows)") from None
+        self._select(src, "batch_select_indices")
+
+    def _select(self, src: list[int], what: str) -> None:
+        if not src:
+            raise ValueError(f"CertkvCache.{what}: no row would be left")
+        self._refuse_on_cuda(what)
+        self.store.select(src)
+        self._pads = [self._pads[i] for i in src]
+        self._counts_at = None
+
     def _refuse_on_cuda(self, what: str) -> None:
         if self.device is not None and self.device.type == "cuda":
             raise NotImplementedError(f"CertkvCache.{what}: not served on CUDA (the C API crops, reorders and reads "

@@ -604,6 +604,11 @@ struct KvStore {
     if (src.size() != size_t(params.n_sequences)) throw nb::value_error("src: expected n_sequences entries");
     check(certkv_kv_store_reorder(store, src.data()));
   }
+  void select(const std::vector<int32_t>& src) {
+    if (src.empty() || src.size() > size_t(INT32_MAX)) throw nb::value_error("src: expected 1 to 2^31 - 1 entries");
+    check(certkv_kv_store_select(store, src.data(), int32_t(src.size())));
+    params.n_sequences = int32_t(src.size());
+  }
   nb::dict meter_stats() const {
     certkv_meter_stats m;
     check(certkv_kv_store_meter_stats(store, &m));
@@ -825,6 +830,7 @@ NB_MODULE(_certkv, m) {
       .def("attend_device", &KvStore::attend_device, "layer"_a, "seqs"_a, "q_ptr"_a, "out_ptr"_a, "meters_ptr"_a)
       .def("crop", &KvStore::crop)
       .def("reorder", &KvStore::reorder)
+      .def("select", &KvStore::select)
       .def("meter_stats", &KvStore::meter_stats)
       .def("kv_stats", &KvStore::kv_stats);
   m.def("rabitq_record_bytes", &rabitq_record_bytes);

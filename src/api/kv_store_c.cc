@@ -580,26 +580,49 @@ certkv_status certkv_kv_store_crop(certkv_kv_store* store, int32_t seq, int64_t 
   });
 }
 
-certkv_status certkv_kv_store_reorder(certkv_kv_store* store, const int32_t* src) {
-  const char* w = "certkv_kv_store_reorder";
+namespace {
+
+// certkv_kv_store_select and _reorder: the store's sequences become src[0 .. n).
+certkv_status select_sequences(const char* w, certkv_kv_store* store, const int32_t* src, int32_t n) {
   CERTKV_REQUIRE(store && src, std::string(w) + ": null argument");
+  CERTKV_REQUIRE(n >= 1, std::string(w) + ": n " + std::to_string(n) + " is below 1");
   if (const certkv_status st = refuse_device_store(w, store); st != CERTKV_OK) return st;
-  for (int i = 0; i < store->n_sequences; ++i)
+  for (int32_t i = 0; i < n; ++i)
     if (src[i] < 0 || src[i] >= store->n_sequences)
       return set_error(CERTKV_ERR_OUT_OF_RANGE, std::string(w) + ": src[" + std::to_string(i) + "] " +
                                                     std::to_string(src[i]) + " outside [0, " +
                                                     std::to_string(store->n_sequences) + ")");
   return guarded([&] {
+    // Every layer's new sequences first (a layer not made yet is made at its first append, with n
+    // sequences); if one cannot be made, those made are freed and the store is as it was.
+    std::vector<std::vector<cache::SeqId>> selected(size_t(store->n_layers));
+    try {
+      for (int l = 0; l < store->n_layers; ++l)
+        if (store->layers[size_t(l)])
+          for (int32_t i = 0; i < n; ++i)
+            selected[size_t(l)].push_back(store->layers[size_t(l)]->fork_sequence(store->seqs[size_t(l)][size_t(src[i])]));
+    } catch (...) {
+      for (int l = 0; l < store->n_layers; ++l)
+        for (cache::SeqId id : selected[size_t(l)]) store->layers[size_t(l)]->free_sequence(id);
+      throw;
+    }
     for (int l = 0; l < store->n_layers; ++l) {
       if (!store->layers[size_t(l)]) continue;
-      cache::KvCache& c = *store->layers[size_t(l)];
-      std::vector<cache::SeqId>& ids = store->seqs[size_t(l)];
-      std::vector<cache::SeqId> reordered;
-      for (int i = 0; i < store->n_sequences; ++i) reordered.push_back(c.fork_sequence(ids[size_t(src[i])]));
-      for (cache::SeqId id : ids) c.free_sequence(id);
-      ids = std::move(reordered);
+      for (cache::SeqId id : store->seqs[size_t(l)]) store->layers[size_t(l)]->free_sequence(id);
+      store->seqs[size_t(l)] = std::move(selected[size_t(l)]);
     }
+    store->n_sequences = n;
   });
+}
+
+}  // namespace
+
+certkv_status certkv_kv_store_reorder(certkv_kv_store* store, const int32_t* src) {
+  return select_sequences("certkv_kv_store_reorder", store, src, store ? store->n_sequences : 0);
+}
+
+certkv_status certkv_kv_store_select(certkv_kv_store* store, const int32_t* src, int32_t n) {
+  return select_sequences("certkv_kv_store_select", store, src, n);
 }
 
 certkv_status certkv_kv_store_meter_stats(const certkv_kv_store* store, certkv_meter_stats* stats) {

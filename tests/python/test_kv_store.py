@@ -150,6 +150,32 @@ def test_crop_and_reorder():
     assert store.length(1, 1) == 0 and store.length(0, 1) == 90
 
 
+def test_select_grows_and_narrows_the_batch():
+    store = certkv.KvStore("gaac", n_sequences=2, **SHAPE)
+    a, b = bf16_rows(70, 5), bf16_rows(90, 6)
+    for layer in range(2):
+        store.append(0, layer, a, a)
+        store.append(1, layer, b, b)
+    pages = sum(store.kv_stats()["pages_by_class"].values())
+    store.select([1, 0, 1])
+    assert store.n_sequences == 3
+    assert [store.length(i, 1) for i in range(3)] == [90, 70, 90]
+    assert np.array_equal(store.read(2, 1, "k"), bf16_to_f32(b)) and np.array_equal(store.read(1, 0, "v"), bf16_to_f32(a))
+    assert sum(store.kv_stats()["pages_by_class"].values()) == pages  # the copy shares b's pages
+    head = np.ascontiguousarray(a[:, :3])
+    store.append(0, 0, head, head)  # one copy goes on alone
+    assert store.length(0, 0) == 93 and store.length(2, 0) == 90
+    with pytest.raises(certkv.OutOfRangeError, match="src\\[0\\] 3"):
+        store.select([3])
+    with pytest.raises(ValueError, match="at least one"):
+        store.select([])
+    assert store.n_sequences == 3  # refused: unchanged
+    store.select([1])
+    assert store.n_sequences == 1 and store.length(0, 1) == 70
+    with pytest.raises(certkv.OutOfRangeError):
+        store.length(1, 0)
+
+
 def test_refusals_name_the_argument():
     with pytest.raises(ValueError, match="'int3'"):
         certkv.KvStore("int3", **SHAPE)

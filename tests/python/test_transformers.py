@@ -119,6 +119,55 @@ def test_crop_equals_a_fresh_prefill(certkv_model, sdpa_model):
     assert int(want.argmax()) == int(cropped.argmax()) == int(lossy.argmax())
 
 
+def test_batch_repeat_interleave_and_select_indices(sdpa_model, certkv_model):
+    """One prompt prefilled once, its cache repeated for three samples (the copies share its
+    pages), each fed its own next tokens, then rows selected. Every step's logits equal those of
+    a cache that prefilled the prompt three times over and never selected (its rows' own pages),
+    and pick DynamicCache's next tokens doing the same."""
+    prompt = PROMPTS[2]
+    ids = torch.tensor([prompt])
+    dynamic = transformers.DynamicCache(config=sdpa_model.config)
+    cache = ct.CertkvCache(certkv_model.config, scheme="gaac")
+    plain = ct.CertkvCache(certkv_model.config, scheme="gaac")
+
+    def step(tokens, rows):
+        want = sdpa_model(input_ids=tokens, past_key_values=dynamic).logits[:, -1].float()
+        got = certkv_model(input_ids=tokens, past_key_values=cache).logits[:, -1].float()
+        ref = certkv_model(input_ids=tokens, past_key_values=plain).logits[rows, -1].float()
+        assert torch.equal(got, ref)
+        assert torch.equal(want.argmax(-1), got.argmax(-1))
+
+    with torch.no_grad():
+        sdpa_model(input_ids=ids, past_key_values=dynamic)
+        certkv_model(input_ids=ids, past_key_values=cache)
+        certkv_model(input_ids=ids.repeat(3, 1), past_key_values=plain)
+        pages = sum(cache.store.kv_stats()["pages_by_class"].values())
+        dynamic.batch_repeat_interleave(3)
+        cache.batch_repeat_interleave(3)
+        assert cache.store.n_sequences == 3 and sum(cache.store.kv_stats()["pages_by_class"].values()) == pages
+        step(torch.tensor([[7], [8], [9]]), [0, 1, 2])
+        step(torch.tensor([[10], [11], [12]]), [0, 1, 2])
+        # The rows differ now: keep the third and the first, in that order, and go on.
+        dynamic.batch_select_indices(torch.tensor([2, 0]))
+        cache.batch_select_indices(torch.tensor([2, 0]))
+        assert [cache.store.length(i, 0) for i in range(2)] == [len(prompt) + 2] * 2
+        # The plain cache keeps every row: its rows 2 and 0 are fed the same tokens, row 1 any.
+        want = sdpa_model(input_ids=torch.tensor([[13], [14]]), past_key_values=dynamic).logits[:, -1].float()
+        got = certkv_model(input_ids=torch.tensor([[13], [14]]), past_key_values=cache).logits[:, -1].float()
+        ref = certkv_model(input_ids=torch.tensor([[14], [5], [13]]), past_key_values=plain).logits[[2, 0], -1].float()
+        assert torch.equal(got, ref)
+        assert torch.equal(want.argmax(-1), got.argmax(-1))
+        # A boolean mask, as DynamicCache's keys[indices] takes one.
+        cache.batch_select_indices(torch.tensor([False, True]))
+        assert cache.store.n_sequences == 1 and cache.store.length(0, 0) == len(prompt) + 3
+    with pytest.raises(ValueError, match="repeats"):
+        cache.batch_repeat_interleave(0)
+    with pytest.raises(IndexError, match="holds 1 rows"):
+        cache.batch_select_indices(torch.tensor([1]))
+    with pytest.raises(ValueError, match="no row would be left"):
+        cache.batch_select_indices(torch.tensor([], dtype=torch.long))
+
+
 def test_refusals(certkv_model):
     cache = ct.CertkvCache(certkv_model.config, scheme="gaac")
     k = torch.zeros((1, 2, 3, 64), dtype=torch.bfloat16)

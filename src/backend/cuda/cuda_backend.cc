@@ -858,10 +858,13 @@ void CudaBackend::read_back_step(const std::vector<RowGroup>& groups, const std:
 void CudaBackend::record_pending_meters() {
   if (pending_seqs_.empty()) return;
   const auto t0 = std::chrono::steady_clock::now();
+  // Taken off the list first: a record that throws (an allocation) never records a row twice.
+  std::vector<cache::SeqId> seqs;
+  seqs.swap(pending_seqs_);
   const int L = model_.config().n_layers;
-  const size_t H = size_t(model_.config().n_heads), rows_h = pending_seqs_.size() * H;
-  for (size_t j = 0; j < pending_seqs_.size(); ++j) {
-    const auto it = states_.find(pending_seqs_[j]);
+  const size_t H = size_t(model_.config().n_heads), rows_h = seqs.size() * H;
+  for (size_t j = 0; j < seqs.size(); ++j) {
+    const auto it = states_.find(seqs[j]);
     if (it == states_.end()) continue;  // freed since its step
     SequenceState& st = it->second;
     for (int layer = 0; layer < L; ++layer) {
@@ -877,7 +880,6 @@ void CudaBackend::record_pending_meters() {
       }
     }
   }
-  pending_seqs_.clear();
   step_times_.meter_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
