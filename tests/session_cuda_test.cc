@@ -885,8 +885,8 @@ TEST_F(SessionCuda, TheGateRepairsOnTheDevice) {
                 << "layer " << layer << " kv " << kv << " head " << h << " block " << b;
           }
         }
-    const gate::Telemetry& tc = cpu.telemetry();
-    const gate::Telemetry& tg = gpu.telemetry();
+    const gate::Telemetry tc = cpu.telemetry();
+    const gate::Telemetry tg = gpu.telemetry();
     printf("[device] %-9s gate: repairs %lld (CPU %lld), covered %lld of %lld cells (CPU %lld); %lld exact and %lld "
            "lossy pages on the device; max KL against the CPU session %.3g\n",
            kv_name, (long long)tg.repairs(), (long long)tc.repairs(), (long long)tg.covered(), (long long)tg.cells(),

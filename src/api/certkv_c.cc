@@ -465,7 +465,7 @@ certkv_status certkv_session_meter_stats(const certkv_session* session, certkv_m
   CERTKV_REQUIRE(session && stats, "certkv_session_meter_stats: null argument");
   return guarded([&] {
     const certkv::backend::Session& s = *session->session;
-    const certkv::gate::Telemetry& t = s.telemetry();
+    const certkv::gate::Telemetry t = s.telemetry();
     *stats = certkv::api::meter_stats_of(t, s.config().kv_scheme, s.metered(), s.delta_loc());
     stats->exact_fallback_blocks = s.kv_cache().memory_stats().exact_fallback_blocks;
   });

@@ -19,7 +19,9 @@ void report_sparse(bool enabled, const SparseStats& s, SequenceReport& r) {
   if (s.indexed_cells > 0) r.sparse_estimated_mass = s.sum_estimated_mass / double(s.indexed_cells);
 }
 
-void report_meter(const gate::Telemetry& all, const std::vector<gate::Telemetry>& layers, SequenceReport& r) {
+void report_meter(const gate::SequenceTelemetry& telemetry, SequenceReport& r) {
+  const gate::Telemetry all = telemetry.all();
+  const std::vector<gate::Telemetry>& layers = telemetry.layers();
   r.metered = true;
   r.meter_cells = all.cells();
   r.meter_max = all.overflow() > 0 ? 1.0 : all.max();

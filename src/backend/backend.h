@@ -296,8 +296,8 @@ class Backend {
 };
 
 // The meter part of a SequenceReport (metered, cells, max, p99, coverage, gate repairs and the
-// same per layer) from a sequence's telemetry over all its cells and per layer.
-void report_meter(const gate::Telemetry& all, const std::vector<gate::Telemetry>& layers, SequenceReport& report);
+// same per layer) from a sequence's telemetry, over all its cells and per layer.
+void report_meter(const gate::SequenceTelemetry& telemetry, SequenceReport& report);
 
 // The sparse part of a SequenceReport (mean budget, indexed cells, mean estimated mass) from a
 // sequence's sparse counters; `enabled` is the backend's SparseConfig::enabled.

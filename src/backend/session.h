@@ -47,7 +47,7 @@ class Session {
   const std::vector<float>& last_queries(int layer) const { return backend_.last_queries(seq_, layer); }
 
   // Meter telemetry of every metered step since the session began (or reset_telemetry).
-  const gate::Telemetry& telemetry() const { return backend_.telemetry(seq_); }
+  gate::Telemetry telemetry() const { return backend_.telemetry(seq_); }
   void reset_telemetry() { backend_.reset_telemetry(seq_); }
   // Called on every metered (step, layer); empty to stop.
   void set_meter_observer(MeterObserver observer) { backend_.set_meter_observer(seq_, std::move(observer)); }

@@ -146,4 +146,20 @@ double Telemetry::quantile(double q) const {
   return std::clamp(bucket_midpoint(bucket), min_, max_);
 }
 
+SequenceTelemetry::SequenceTelemetry(int n_layers, double tau, int64_t sample_every)
+    : tau_(tau), sample_every_(sample_every) {
+  if (n_layers < 0) fail(StatusCode::kInvalidArgument, "SequenceTelemetry: n_layers must be >= 0");
+  layers_.assign(size_t(n_layers), Telemetry(tau, sample_every));
+}
+
+void SequenceTelemetry::reset() {
+  for (Telemetry& t : layers_) t = Telemetry(tau_, sample_every_);
+}
+
+Telemetry SequenceTelemetry::all() const {
+  Telemetry whole(tau_, sample_every_);
+  for (const Telemetry& t : layers_) whole.merge(t);
+  return whole;
+}
+
 }  // namespace certkv::gate

@@ -109,4 +109,33 @@ class Telemetry {
   int64_t pagein_bytes_ = 0;
 };
 
+// The meter cells of one sequence, kept per layer (a request's certificate reports both its
+// layers and its whole); the whole is the layers' merge, which is exact (Telemetry::merge), so
+// each cell is recorded once. With sample_every = k each layer keeps every k-th of its own cells.
+class SequenceTelemetry {
+ public:
+  // REQUIRES: n_layers >= 0, and Telemetry's (throws certkv::Error kInvalidArgument).
+  SequenceTelemetry(int n_layers, double tau, int64_t sample_every = 1);
+
+  // One (layer, head, step) cell, as Telemetry::record. REQUIRES: 0 <= layer < n_layers()
+  // (unchecked: it runs on every cell).
+  void record(int layer, double meter, bool overflow) { layers_[size_t(layer)].record(meter, overflow); }
+  // The gate's repairs in one layer, as Telemetry::add_repairs.
+  void add_repairs(int layer, int64_t n_pages, int64_t pagein_bytes) {
+    layers_[size_t(layer)].add_repairs(n_pages, pagein_bytes);
+  }
+  // Every cell and repair so far dropped.
+  void reset();
+
+  int n_layers() const { return int(layers_.size()); }
+  const std::vector<Telemetry>& layers() const { return layers_; }
+  // Every layer's cells and repairs in one telemetry.
+  Telemetry all() const;
+
+ private:
+  double tau_;
+  int64_t sample_every_;
+  std::vector<Telemetry> layers_;
+};
+
 }  // namespace certkv::gate

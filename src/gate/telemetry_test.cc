@@ -277,6 +277,44 @@ TEST(Telemetry, PendingValuesCountWhereverTheyAreRead) {
   EXPECT_EQ(a.covered(), whole.covered());
 }
 
+// A sequence's telemetry keeps each cell once, in its layer; the whole is the layers' merge and
+// equals one telemetry that saw every cell.
+TEST(SequenceTelemetry, TheWholeIsEveryLayersCells) {
+  std::mt19937_64 gen(3);
+  std::uniform_real_distribution<double> unit(0, 1);
+  SequenceTelemetry seq(5, 0.2);
+  Telemetry single(0.2);
+  std::vector<int64_t> per_layer(5, 0);
+  for (int step = 0; step < 300; ++step)
+    for (int layer = 0; layer < 5; ++layer)
+      for (int head = 0; head < 3; ++head) {
+        const double v = std::pow(unit(gen), 3 + layer);
+        const bool overflow = unit(gen) < 0.002;
+        seq.record(layer, v, overflow);
+        single.record(v, overflow);
+        ++per_layer[size_t(layer)];
+      }
+  seq.add_repairs(2, 2, 8192);
+  seq.add_repairs(4, 4, 16384);
+  single.add_repairs(6, 24576);
+  const Telemetry all = seq.all();
+  EXPECT_EQ(all.cells(), single.cells());
+  EXPECT_EQ(all.covered(), single.covered());
+  EXPECT_EQ(all.overflow(), single.overflow());
+  EXPECT_EQ(all.max(), single.max());
+  for (double q : {0.0, 0.01, 0.5, 0.99, 1.0}) EXPECT_EQ(all.quantile(q), single.quantile(q)) << q;
+  EXPECT_EQ(all.repairs(), 6);
+  EXPECT_EQ(all.pagein_bytes(), 24576);
+  ASSERT_EQ(seq.n_layers(), 5);
+  for (int layer = 0; layer < 5; ++layer) EXPECT_EQ(seq.layers()[size_t(layer)].cells(), per_layer[size_t(layer)]);
+  EXPECT_EQ(seq.layers()[2].repairs(), 2);
+  seq.reset();
+  EXPECT_EQ(seq.all().cells(), 0);
+  EXPECT_EQ(seq.all().repairs(), 0);
+  EXPECT_EQ(seq.n_layers(), 5);
+  EXPECT_THROW(SequenceTelemetry(-1, 0.2), Error);
+}
+
 TEST(Telemetry, RepairsAccumulate) {
   Telemetry telemetry(0.2);
   telemetry.add_repairs(0, 0);

@@ -76,9 +76,7 @@ CpuBackend::~CpuBackend() = default;
 CpuBackend::SequenceState CpuBackend::make_state() const {
   const ModelConfig& c = model_.config();
   SequenceState st;
-  st.telemetry = std::make_unique<gate::Telemetry>(config_.meter.tau, config_.meter.sample_every);
-  if (metered_)
-    st.layer_telemetry.assign(size_t(c.n_layers), gate::Telemetry(config_.meter.tau, config_.meter.sample_every));
+  st.telemetry = gate::SequenceTelemetry(c.n_layers, config_.meter.tau, config_.meter.sample_every);
   if (config_.sparse.enabled) {
     cache::KeyIndexConfig ic;
     ic.n_layers = c.n_layers;
@@ -126,7 +124,6 @@ cache::SeqId CpuBackend::restart_sequence(cache::SeqId seq) {
   const cache::SeqId fresh = create_sequence();
   SequenceState& st = states_.at(fresh);
   st.telemetry = std::move(old.telemetry);
-  st.layer_telemetry = std::move(old.layer_telemetry);
   st.observer = std::move(old.observer);
   st.sparse_stats = std::move(old.sparse_stats);
   st.sparse_observer = std::move(old.sparse_observer);
@@ -213,20 +210,15 @@ const std::vector<float>& CpuBackend::last_queries(cache::SeqId seq, int layer) 
   return st.last_queries[size_t(layer)];
 }
 
-const gate::Telemetry& CpuBackend::telemetry(cache::SeqId seq) const { return *state(seq).telemetry; }
+gate::Telemetry CpuBackend::telemetry(cache::SeqId seq) const { return state(seq).telemetry.all(); }
 
-void CpuBackend::reset_telemetry(cache::SeqId seq) {
-  SequenceState& st = state(seq);
-  st.telemetry = std::make_unique<gate::Telemetry>(config_.meter.tau, config_.meter.sample_every);
-  for (gate::Telemetry& t : st.layer_telemetry) t = gate::Telemetry(config_.meter.tau, config_.meter.sample_every);
-}
+void CpuBackend::reset_telemetry(cache::SeqId seq) { state(seq).telemetry.reset(); }
 
 void CpuBackend::record_meters(SequenceState& st, int layer) {
   for (size_t h = 0; h < meters_.size(); ++h) {
     const attention::HeadMeter& m = meters_[h];
     const bool overflow = std::isinf(m.log_a);
-    st.telemetry->record(m.meter, overflow);
-    st.layer_telemetry[size_t(layer)].record(m.meter, overflow);
+    st.telemetry.record(layer, m.meter, overflow);
     recent_meters_->record(layer, int(h), m.meter, overflow);
   }
 }
@@ -255,7 +247,7 @@ SequenceReport CpuBackend::report(cache::SeqId seq) const {
   const SequenceState& st = state(seq);
   SequenceReport r;
   r.metered = metered_;
-  if (metered_) report_meter(*st.telemetry, st.layer_telemetry, r);
+  if (metered_) report_meter(st.telemetry, r);
   report_sparse(config_.sparse.enabled, st.sparse_stats, r);
   return r;
 }
@@ -441,8 +433,7 @@ void CpuBackend::gate_repairs(cache::SeqId seq, SequenceState& st, int layer,
   attention::gate_decode_step(*cache_, seq, layer, shape, q, pos0 + 1, meter_options, config_.meter.tau,
                               meters_.data(), attend, [&](int kv_head, int64_t block, uint64_t bytes) {
                                 repaired(kv_head, block);
-                                st.telemetry->add_repairs(2, int64_t(bytes));
-                                st.layer_telemetry[size_t(layer)].add_repairs(2, int64_t(bytes));
+                                st.telemetry.add_repairs(layer, 2, int64_t(bytes));
                               });
 }
 

@@ -66,7 +66,7 @@ class CpuBackend final : public Backend {
   // REQUIRES: config.capture_queries and at least one token processed (kInvalidArgument).
   const std::vector<float>& last_queries(cache::SeqId seq, int layer) const;
   // Meter telemetry of every metered step of the sequence (or since reset_telemetry).
-  const gate::Telemetry& telemetry(cache::SeqId seq) const;
+  gate::Telemetry telemetry(cache::SeqId seq) const;
   void reset_telemetry(cache::SeqId seq);
   // Called on every metered (step, layer) of the sequence; empty to stop.
   void set_meter_observer(cache::SeqId seq, MeterObserver observer);
@@ -82,8 +82,7 @@ class CpuBackend final : public Backend {
 
  private:
   struct SequenceState {
-    std::unique_ptr<gate::Telemetry> telemetry;
-    std::vector<gate::Telemetry> layer_telemetry;  // metered: per layer, the same cells
+    gate::SequenceTelemetry telemetry{0, 0.0};  // make_state: one per layer
     MeterObserver observer;
     std::unique_ptr<cache::KeyIndex> index;
     bool index_built = false;

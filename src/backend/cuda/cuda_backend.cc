@@ -236,7 +236,7 @@ class CudaBackend final : public Backend {
     const SequenceState& st = state(seq);
     SequenceReport r;
     r.metered = metered_;
-    if (metered_) report_meter(*st.telemetry, st.layer_telemetry, r);
+    if (metered_) report_meter(st.telemetry, r);
     report_sparse(sparse_, st.sparse_stats, r);
     return r;
   }
@@ -281,8 +281,7 @@ class CudaBackend final : public Backend {
     int slot = -1;
     int64_t length = 0;
     int64_t reserved = 0;  // tokens whose pages are promised (>= length)
-    std::unique_ptr<gate::Telemetry> telemetry;
-    std::vector<gate::Telemetry> layer_telemetry;  // metered: [n_layers]
+    gate::SequenceTelemetry telemetry{0, 0.0};  // make_state: one per layer
     // The sparse tier (CpuBackend's rule): the end of the first input sets the centroids and
     // indexes every whole block before the window, later inputs index in batches of the window.
     // The records and centroids live on the device beside the slot's pages
@@ -330,10 +329,7 @@ class CudaBackend final : public Backend {
     SequenceState st;
     st.sparse_stats.layer_cells.assign(size_t(model_.config().n_layers), 0);
     st.sparse_stats.layer_sum_budget.assign(size_t(model_.config().n_layers), 0.0);
-    st.telemetry = std::make_unique<gate::Telemetry>(config_.meter.tau, config_.meter.sample_every);
-    if (metered_)
-      st.layer_telemetry.assign(size_t(model_.config().n_layers),
-                                gate::Telemetry(config_.meter.tau, config_.meter.sample_every));
+    st.telemetry = gate::SequenceTelemetry(model_.config().n_layers, config_.meter.tau, config_.meter.sample_every);
     return st;
   }
   SequenceState& state(cache::SeqId seq) {
@@ -866,18 +862,13 @@ void CudaBackend::record_pending_meters() {
   for (size_t j = 0; j < seqs.size(); ++j) {
     const auto it = states_.find(seqs[j]);
     if (it == states_.end()) continue;  // freed since its step
-    SequenceState& st = it->second;
+    gate::SequenceTelemetry& telemetry = it->second.telemetry;
     for (int layer = 0; layer < L; ++layer) {
       const float* a_minus_1 = pending_a_minus_1_.data() + size_t(layer) * rows_h + j * H;
-      gate::Telemetry& layer_telemetry = st.layer_telemetry[size_t(layer)];
-      for (size_t h = 0; h < H; ++h) {
+      for (size_t h = 0; h < H; ++h)
         // (A^2 - 1) / 2 from A - 1 as the CPU backend computes it, with no logarithm or
         // exponential; a NaN or +inf A - 1 gives meter 1 and counts as overflow.
-        const double meter = gate::meter_from_a_minus_1(double(a_minus_1[h]));
-        const bool overflow = !std::isfinite(a_minus_1[h]);
-        st.telemetry->record(meter, overflow);
-        layer_telemetry.record(meter, overflow);
-      }
+        telemetry.record(layer, gate::meter_from_a_minus_1(double(a_minus_1[h])), !std::isfinite(a_minus_1[h]));
     }
   }
   step_times_.meter_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
