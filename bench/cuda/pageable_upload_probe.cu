@@ -5,7 +5,7 @@
 // it, the host cannot run ahead of the device in those steps.
 //
 // For each size, a kernel that spins about 20 ms is enqueued, then one copy of that many bytes
-// from pageable and, in a second round, from page-locked memory; the host time the copy call took
+// (contiguous, or 2D as the block tables go up) from pageable, then from page-locked memory; the host time the copy call took
 // is printed (about 20 ms: it waited for the kernel; microseconds: it did not), with the time the
 // stream then took to finish. One JSON line per (size, memory). Not part of the build; run it by
 // hand on the device:
@@ -57,23 +57,30 @@ int main() {
   void* pinned = nullptr;
   check(cudaMallocHost(&pinned, sizes[3]), "page-locked buffer");
   std::memset(pinned, 1, sizes[3]);
-  for (int round = 0; round < 2; ++round)  // the first round warms both paths up
-    for (const size_t bytes : sizes)
-      for (const bool is_pinned : {false, true}) {
-        spin<<<1, 1, 0, stream>>>(cycles);
-        check(cudaGetLastError(), "spin launch");
-        const auto t0 = std::chrono::steady_clock::now();
-        check(cudaMemcpyAsync(device, is_pinned ? pinned : pageable.data(), bytes, cudaMemcpyHostToDevice, stream),
-              "copy");
-        const double call_ms = ms_since(t0);
-        check(cudaStreamSynchronize(stream), "synchronize");
-        const double total_ms = ms_since(t0);
-        if (round == 1)
-          std::printf("{\"gpu\": \"%s\", \"driver\": %d, \"bytes\": %zu, \"memory\": \"%s\", \"copy_call_ms\": %.4f, "
-                      "\"until_stream_done_ms\": %.3f, \"waited_for_kernel\": %s}\n",
-                      prop.name, driver, bytes, is_pinned ? "pinned" : "pageable", call_ms, total_ms,
-                      call_ms > 0.5 * total_ms ? "true" : "false");
-      }
+  // shape 0: one contiguous copy of `bytes`; shape 1: a 2D copy of 16 rows of bytes / 16 at a 4 KiB
+  // pitch (the caches' block-table upload: the new blocks' entries of every table of a slot).
+  for (int round = 0; round < 2; ++round)  // the first round warms every path up
+    for (const int shape : {0, 1})
+      for (const size_t bytes : sizes)
+        for (const bool is_pinned : {false, true}) {
+          if (shape == 1 && bytes / 16 > 4096) continue;
+          const void* src = is_pinned ? pinned : static_cast<const void*>(pageable.data());
+          spin<<<1, 1, 0, stream>>>(cycles);
+          check(cudaGetLastError(), "spin launch");
+          const auto t0 = std::chrono::steady_clock::now();
+          if (shape == 0)
+            check(cudaMemcpyAsync(device, src, bytes, cudaMemcpyHostToDevice, stream), "copy");
+          else
+            check(cudaMemcpy2DAsync(device, 4096, src, 4096, bytes / 16, 16, cudaMemcpyHostToDevice, stream), "2D copy");
+          const double call_ms = ms_since(t0);
+          check(cudaStreamSynchronize(stream), "synchronize");
+          const double total_ms = ms_since(t0);
+          if (round == 1)
+            std::printf("{\"gpu\": \"%s\", \"driver\": %d, \"copy\": \"%s\", \"bytes\": %zu, \"memory\": \"%s\", "
+                        "\"copy_call_ms\": %.4f, \"until_stream_done_ms\": %.3f, \"waited_for_kernel\": %s}\n",
+                        prop.name, driver, shape == 0 ? "cudaMemcpyAsync" : "cudaMemcpy2DAsync", bytes,
+                        is_pinned ? "pinned" : "pageable", call_ms, total_ms, call_ms > 0.5 * total_ms ? "true" : "false");
+        }
   check(cudaFreeHost(pinned), "free page-locked");
   check(cudaFree(device), "free device");
   check(cudaStreamDestroy(stream), "destroy stream");
