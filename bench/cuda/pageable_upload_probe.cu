@@ -7,8 +7,8 @@
 // For each size, a kernel that spins about 20 ms is enqueued, then one copy of that many bytes
 // (contiguous, or 2D as the block tables go up) from pageable, then from page-locked memory; the host time the copy call took
 // is printed (about 20 ms: it waited for the kernel; microseconds: it did not), with the time the
-// stream then took to finish. One JSON line per (size, memory). Not part of the build; run it by
-// hand on the device:
+// stream then took to finish. One JSON line per (copy, size, memory); then the cost of a
+// cudaPointerGetAttributes call. Not part of the build; run it by hand on the device:
 //   nvcc -O2 -std=c++17 bench/cuda/pageable_upload_probe.cu -o /tmp/pageable_probe && /tmp/pageable_probe
 #include <cuda_runtime.h>
 
@@ -81,6 +81,19 @@ int main() {
                         prop.name, driver, shape == 0 ? "cudaMemcpyAsync" : "cudaMemcpy2DAsync", bytes,
                         is_pinned ? "pinned" : "pageable", call_ms, total_ms, call_ms > 0.5 * total_ms ? "true" : "false");
         }
+  // What asking the driver where a pointer lives costs (the device caches asked it of every write's
+  // K and V rows, twice a sequence and layer of a step, until the callers said so).
+  for (const bool on_device : {true, false}) {
+    constexpr int kCalls = 20000;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < kCalls; ++i) {
+      cudaPointerAttributes a{};
+      if (cudaPointerGetAttributes(&a, on_device ? device : static_cast<const void*>(pageable.data())) != cudaSuccess)
+        cudaGetLastError();
+    }
+    std::printf("{\"gpu\": \"%s\", \"call\": \"cudaPointerGetAttributes\", \"pointer\": \"%s\", \"us_per_call\": %.3f}\n",
+                prop.name, on_device ? "device" : "pageable", 1e3 * ms_since(t0) / kCalls);
+  }
   check(cudaFreeHost(pinned), "free page-locked");
   check(cudaFree(device), "free device");
   check(cudaStreamDestroy(stream), "destroy stream");

@@ -679,7 +679,8 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
               sums[size_t(h / group) * size_t(c.head_dim) + size_t(d)] += q[size_t(t * q_dim + h * c.head_dim + d)];
       }
     for (size_t i = 0; i < items.size(); ++i)
-      writes[i] = {state(items[i].seq).slot, k_all + rows.row0[i] * kv_dim, v_all + rows.row0[i] * kv_dim, items[i].n};
+      writes[i] = {state(items[i].seq).slot, k_all + rows.row0[i] * kv_dim, v_all + rows.row0[i] * kv_dim, items[i].n,
+                   cache::cuda::DeviceKvCache::RowsMemory::kDevice};  // the forward's K and V
     throw_if_failed(cache_->write_rows(layer, writes.data(), writes.size()));
     if (!own_blocks.empty()) upload_own_block_tables(layer, own_blocks);
     attend_layer(layer, groups, q_all, out_all);

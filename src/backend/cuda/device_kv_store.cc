@@ -140,7 +140,8 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
         writes.clear();
         for (const auto& [i, n] : part) {
           const int64_t row = first_row[i] + done[i];
-          writes.push_back({int(seqs[i]), k + row * kv_dim, v + row * kv_dim, n});
+          writes.push_back({int(seqs[i]), k + row * kv_dim, v + row * kv_dim, n,
+                            DeviceKvCache::RowsMemory::kDevice});  // require_device_memory above
           done[i] += n;
         }
         throw_if_failed(c.write_rows(0, writes.data(), writes.size()));

@@ -574,7 +574,7 @@ CudaStatus DeviceKvCache::append(int layer_index, const SlotRows* writes, size_t
     const SlotRows& w = writes[i];
     const int64_t first = firsts[i] = written(w.slot, layer_index);
     if (w.n == 0) continue;
-    device_rows[i] = on_device(w.k) && on_device(w.v);
+    device_rows[i] = w.memory == RowsMemory::kAsk ? on_device(w.k) && on_device(w.v) : w.memory == RowsMemory::kDevice;
     if (!device_rows[i]) host_floats += 2 * size_t(w.n) * H * D;
     if (n_outlier_pairs_ > 0 && !layer.all_outliers_chosen()) {
       // The choice reads the rows on the host: device rows come down for it (until it is made).

@@ -215,11 +215,15 @@ class DeviceKvCache {
   // Several sequences' writes to one layer (a forward step's), their rows stored by one launch
   // per kMaxAppendBatch writes. Each is write()'s, checked as write() checks it, all before any
   // change; kInvalidArgument for a slot named twice.
+  // Where a write's k and v are: kAsk asks the driver (cudaPointerGetAttributes, twice a write);
+  // a caller whose rows are device memory says so, and a step's writes of every layer ask nothing.
+  enum class RowsMemory : uint8_t { kAsk, kDevice, kHost };
   struct SlotRows {
     int slot = 0;
     const float* k = nullptr;
     const float* v = nullptr;
     int64_t n = 0;
+    RowsMemory memory = RowsMemory::kAsk;
   };
   CudaStatus write_rows(int layer, const SlotRows* writes, size_t count);
   // Lossy schemes, the gate's repair: the K and V pages of (layer, kv_head, block) that are lossy
