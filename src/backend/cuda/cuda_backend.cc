@@ -657,6 +657,8 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
   const int group = c.n_heads / c.n_kv_heads;
   std::vector<float> host_q;
   std::vector<cache::cuda::DeviceKvCache::SlotRows> writes(items.size());
+  std::vector<int> slots(items.size());  // each item's slot, looked up once a step
+  for (size_t i = 0; i < items.size(); ++i) slots[i] = state(items[i].seq).slot;
   const cuda::DeviceLayerAttention attend_layers = [&](int layer, float* q_all, const float* k_all, const float* v_all,
                                                        float* out_all) {
     const step_clock::time_point t_layer = step_clock::now();
@@ -679,7 +681,7 @@ void CudaBackend::forward(std::span<const BatchItem> items) {
               sums[size_t(h / group) * size_t(c.head_dim) + size_t(d)] += q[size_t(t * q_dim + h * c.head_dim + d)];
       }
     for (size_t i = 0; i < items.size(); ++i)
-      writes[i] = {state(items[i].seq).slot, k_all + rows.row0[i] * kv_dim, v_all + rows.row0[i] * kv_dim, items[i].n,
+      writes[i] = {slots[i], k_all + rows.row0[i] * kv_dim, v_all + rows.row0[i] * kv_dim, items[i].n,
                    cache::cuda::DeviceKvCache::RowsMemory::kDevice};  // the forward's K and V
     throw_if_failed(cache_->write_rows(layer, writes.data(), writes.size()));
     if (!own_blocks.empty()) upload_own_block_tables(layer, own_blocks);
