@@ -20,7 +20,12 @@
 // usage: certkv_backend_decode --model M.gguf --corpus DIR [--device cuda|cpu] [--kv SCHEME]
 //          [--witness fp16|u8|exponent] [--sparse P] [--batch 1,8,32,64] [--ctx 8192,32768]
 //          [--steps 64] [--warmup 4] [--chunk 2048] [--threads N] [--pool-tokens T | --pool-bytes B]
-//          [--defer-encode-results] [--no-meter]
+//          [--defer-encode-results] [--no-meter] [--stagger]
+//
+// --stagger: sequence i is prefilled to the context plus i % block_tokens tokens, so that the
+// sequences complete their blocks on different steps, as a server's do (without it they complete
+// them all on the same step, every block_tokens steps, and the median step never sees one); the
+// line's "stagger" says which.
 //
 // --no-meter: a lossy scheme's decode computes no meter (BackendConfig::meter.enabled false), for
 // the meter's cost against the same run without the flag; the line's "metered" says which.
@@ -86,7 +91,7 @@ int main(int argc, char** argv) {
   double sparse_p = 0;
   int steps = 64, warmup = 4, chunk = 2048, threads = 16;
   int64_t pool_tokens = 0, pool_bytes = 0;
-  bool defer_encode_results = false, meter = true;
+  bool defer_encode_results = false, meter = true, stagger = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -112,6 +117,7 @@ int main(int argc, char** argv) {
     else if (a == "--pool-bytes") pool_bytes = std::stoll(value());
     else if (a == "--defer-encode-results") defer_encode_results = true;
     else if (a == "--no-meter") meter = false;
+    else if (a == "--stagger") stagger = true;
     else {
       std::fprintf(stderr, "unknown flag %s (see the header of bench/backend_decode.cc)\n", a.c_str());
       return 2;
@@ -131,7 +137,7 @@ int main(int argc, char** argv) {
     backend::BackendConfig cfg;
     cfg.device = device == "cuda" ? model::Device::kCuda : model::Device::kCpu;
     // Each batch's cell decodes the first sequences again: room for every cell's steps.
-    cfg.context_tokens = max_c + int64_t(steps + warmup) * int64_t(bs.size()) + 16;
+    cfg.context_tokens = max_c + int64_t(steps + warmup) * int64_t(bs.size()) + 16 + (stagger ? cfg.block_tokens : 0);
     if (pool_bytes > 0) {
       cfg.pool_bytes = uint64_t(pool_bytes);
       bs = {1};  // one cell: every admitted sequence decodes
@@ -160,7 +166,7 @@ int main(int argc, char** argv) {
       // Admit while the pool can hold a whole sequence: its context and every step.
       for (;;) {
         const cache::SeqId seq = be->create_sequence();
-        if (!be->reserve(seq, max_c + steps + warmup)) {
+        if (!be->reserve(seq, max_c + steps + warmup + (stagger ? cfg.block_tokens : 0))) {
           be->free_sequence(seq);
           break;
         }
@@ -180,16 +186,17 @@ int main(int argc, char** argv) {
       const clock_type::time_point t0 = clock_type::now();
       int64_t prefilled = 0;
       for (int64_t i = 0; i < n_seqs; ++i) {
-        while (be->length(seqs[size_t(i)]) < ctx) {
+        const int64_t target = ctx + (stagger ? i % cfg.block_tokens : 0);
+        while (be->length(seqs[size_t(i)]) < target) {
           const int64_t at = be->length(seqs[size_t(i)]);
-          const int64_t n = std::min<int64_t>(chunk, ctx - at);
+          const int64_t n = std::min<int64_t>(chunk, target - at);
           input.resize(size_t(n));
           for (int64_t t = 0; t < n; ++t) input[size_t(t)] = stream[size_t((i * 7919 + at + t) % int64_t(stream.size()))];
           backend::BatchItem it;
           it.seq = seqs[size_t(i)];
           it.tokens = input.data();
           it.n = n;
-          it.end_of_input = at + n == ctx;
+          it.end_of_input = at + n == target;
           it.token = it.end_of_input ? &next[size_t(i)] : nullptr;
           if (!be->reserve(it.seq, n)) fail(StatusCode::kOutOfMemory, "the pool cannot hold the prefill");
           be->forward({&it, 1});
@@ -238,13 +245,13 @@ int main(int argc, char** argv) {
           bytes += std::string(bytes.empty() ? "" : ", ") + "\"" + format::storage_class_name(c.storage) +
                    "\": " + std::to_string(c.page_bytes_in_use);
         std::printf(
-            "{\"engine\": \"certkv\", \"table\": \"%s\", \"pool_bytes\": %lld, \"sequences\": %lld, \"device\": \"%s\", \"kv\": \"%s\", \"witness\": \"%s\", \"sparse_p\": %g, \"defer_encode_results\": %s, \"metered\": %s, \"batch\": %lld, "
+            "{\"engine\": \"certkv\", \"table\": \"%s\", \"pool_bytes\": %lld, \"sequences\": %lld, \"device\": \"%s\", \"kv\": \"%s\", \"witness\": \"%s\", \"sparse_p\": %g, \"defer_encode_results\": %s, \"metered\": %s, \"stagger\": %s, \"batch\": %lld, "
             "\"ctx\": %lld, \"ctx_decoded_mean\": %.1f, \"steps\": %d, \"step_ms\": %.4f, \"step_ms_min\": %.4f, "
             "\"step_ms_max\": %.4f, \"tok_per_s\": %.2f, \"prefill_tokens\": %lld, \"prefill_tok_per_s\": %.1f, "
             "\"sequences_held\": %lld, \"kv_bytes_in_use\": {%s}, \"host_ms\": {%s}}\n",
             pool_bytes > 0 ? "b" : "a", (long long)pool_bytes, (long long)b, device.c_str(), kv.c_str(),
             info.tier == cache::MeterTier::kA ? codec::witness_code_name(cfg.witness) : "none", sparse_p,
-            defer_encode_results ? "true" : "false", meter && info.tier != cache::MeterTier::kNone ? "true" : "false", (long long)b, (long long)ctx, double(len_sum) / double(b * steps),
+            defer_encode_results ? "true" : "false", meter && info.tier != cache::MeterTier::kNone ? "true" : "false", stagger ? "true" : "false", (long long)b, (long long)ctx, double(len_sum) / double(b * steps),
             steps, median, step_ms.front(), step_ms.back(), 1e3 * double(b) / median, (long long)prefilled,
             prefilled > 0 ? double(prefilled) / prefill_s : 0.0, (long long)n_seqs, bytes.c_str(), host);
         std::fflush(stdout);
