@@ -23,8 +23,9 @@ Meanwhile a monitor polls /health and /metrics. It checks:
     tables) was above 0 during the load and is 0 at the end; kv_pool_pages_cached (pages only the
     prefix cache holds) is above 0 after the load, at most the capacity, and equals every
     allocated page at the end;
-  - eviction: 12 requests of 150-word prompts, whose blocks the pool cannot hold beside the
-    cached ones, are admitted by evicting (prefix_cache_evictions_total grows) and complete.
+  - eviction: rounds of 12 requests of 150-word prompts (at most 4), whose blocks the pool cannot
+    hold beside the cached ones, are admitted by evicting (prefix_cache_evictions_total grows)
+    and complete.
 
 Exit status: 0 passed, 1 failed.
 usage: server_load_check.py --serve CERTKV_SERVE --model GGUF --corpus DIR [--clients 64] [--requests 20]
@@ -56,9 +57,10 @@ THREADS = 1
 POOL_TOKENS = 2048
 BYTES_PER_TOKEN = 23040
 EVICTING_REQUESTS = 12
-# On cuda --pool-bytes counts each class's own pages: an fp8 page is about half a bf16 one, so
-# the pool holds about twice the tokens, and three times the prompts overfill it.
-EVICTING_REQUESTS_CUDA = 36
+# Rounds of EVICTING_REQUESTS distinct prompts, until admission has evicted: the pool's bytes hold
+# more tokens of a class with smaller pages (on cuda --pool-bytes counts fp8 pages, about half a
+# bf16 one), and the prompts of earlier rounds stay cached.
+EVICTING_ROUNDS = 4
 EVICTING_WORDS = 150
 CELLS_PER_STEP = 30 * 9  # the meter's cells of one decode step: layers x query heads (SmolLM2's)
 HANG_UP_AFTER_EVENTS = 2
@@ -339,15 +341,21 @@ def main():
         evictions_after_load = value(m, "certkv:prefix_cache_evictions_total")
 
         # Prompts whose blocks the pool cannot hold beside the cached ones: admission evicts.
-        texts = evicting_prompts(args.corpus, EVICTING_REQUESTS_CUDA if args.device == "cuda" else EVICTING_REQUESTS)
-        out = [None] * len(texts)
-        evicting = [threading.Thread(target=complete, args=(port, p, out, i)) for i, p in enumerate(texts)]
-        for t in evicting:
-            t.start()
-        for t in evicting:
-            t.join()
-        if any(o is None or o[0] != 200 for o in out):
-            fail(f"a request of the eviction phase failed: {[o for o in out if o is None or o[0] != 200][:2]}")
+        texts = evicting_prompts(args.corpus, EVICTING_REQUESTS * EVICTING_ROUNDS)
+        sent = 0
+        while sent < len(texts):
+            batch = texts[sent:sent + EVICTING_REQUESTS]
+            out = [None] * len(batch)
+            evicting = [threading.Thread(target=complete, args=(port, p, out, i)) for i, p in enumerate(batch)]
+            for t in evicting:
+                t.start()
+            for t in evicting:
+                t.join()
+            sent += len(batch)
+            if any(o is None or o[0] != 200 for o in out):
+                fail(f"a request of the eviction phase failed: {[o for o in out if o is None or o[0] != 200][:2]}")
+            if value(metrics(port), "certkv:prefix_cache_evictions_total") > evictions_after_load:
+                break
         m = metrics(port)
         live = value(m, "certkv:kv_pool_pages_in_use")
         cached = value(m, "certkv:kv_pool_pages_cached")
@@ -362,7 +370,7 @@ def main():
             fail(f"kv_pool_pages_cached {cached}, capacity {capacity}, pages allocated {allocated}")
         if cached_after_load <= 0 or evictions <= evictions_after_load:
             fail(f"{cached_after_load} pages cached after the load; {evictions_after_load} evictions then and "
-                 f"{evictions} after {len(out)} prompts the pool cannot hold beside them")
+                 f"{evictions} after {sent} prompts the pool cannot hold beside them")
         status, body = get(port, "/health")
         if status != 200 or json.loads(body).get("status") != "ok":
             fail(f"/health after the load: {status} {body}")
@@ -373,7 +381,7 @@ def main():
               f"{outcome.completed} well formed, {outcome.hung_up} hung up ({cancelled:.0f} cancelled, "
               f"{ran_out:.0f} ran to their length first); at most "
               f"{most_live_pages:.0f} pages held by running requests, 0 at the end, {cached:.0f} cached "
-              f"of {capacity:.0f}, {evictions:.0f} prefixes evicted ({evictions_after_load:.0f} in the load); "
+              f"of {capacity:.0f}, {evictions:.0f} prefixes evicted ({evictions_after_load:.0f} in the load, the rest by {sent} prompts); "
               f"{value(m, 'certkv:preemptions_total'):.0f} preemptions, "
               f"{value(m, 'certkv:prefill_tokens_total'):.0f} prompt tokens computed, "
               f"{value(m, 'certkv:generation_tokens_total'):.0f} generated, "

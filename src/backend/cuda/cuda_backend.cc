@@ -874,6 +874,8 @@ void CudaBackend::record_pending_meters() {
         telemetry.record(layer, gate::meter_from_a_minus_1(double(a_minus_1[h])), !std::isfinite(a_minus_1[h]));
     }
   }
+  seqs.clear();
+  pending_seqs_.swap(seqs);  // its capacity back for the next step's rows
   step_times_.meter_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
