@@ -20,7 +20,7 @@
 // usage: certkv_backend_decode --model M.gguf --corpus DIR [--device cuda|cpu] [--kv SCHEME]
 //          [--witness fp16|u8|exponent] [--sparse P] [--batch 1,8,32,64] [--ctx 8192,32768]
 //          [--steps 64] [--warmup 4] [--chunk 2048] [--threads N] [--pool-tokens T | --pool-bytes B]
-//          [--defer-encode-results] [--no-meter] [--stagger]
+//          [--wait-encode-results] [--no-meter] [--stagger]
 //
 // --stagger: sequence i is prefilled to the context plus i % block_tokens tokens, so that the
 // sequences complete their blocks on different steps, as a server's do (without it they complete
@@ -30,8 +30,9 @@
 // --no-meter: a lossy scheme's decode computes no meter (BackendConfig::meter.enabled false), for
 // the meter's cost against the same run without the flag; the line's "metered" says which.
 //
-// --defer-encode-results: the cuda backend reads the encode results of the blocks a step
-// completes once, after the step (BackendConfig::defer_encode_results); the line says which.
+// --wait-encode-results: the cuda backend waits for the encode results of the blocks a write
+// completes in every such layer, instead of reading them once after the step (the default,
+// BackendConfig::defer_encode_results); the line's "defer_encode_results" says which.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -91,7 +92,7 @@ int main(int argc, char** argv) {
   double sparse_p = 0;
   int steps = 64, warmup = 4, chunk = 2048, threads = 16;
   int64_t pool_tokens = 0, pool_bytes = 0;
-  bool defer_encode_results = false, meter = true, stagger = false;
+  bool defer_encode_results = true, meter = true, stagger = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -115,7 +116,7 @@ int main(int argc, char** argv) {
     else if (a == "--threads") threads = std::stoi(value());
     else if (a == "--pool-tokens") pool_tokens = std::stoll(value());
     else if (a == "--pool-bytes") pool_bytes = std::stoll(value());
-    else if (a == "--defer-encode-results") defer_encode_results = true;
+    else if (a == "--wait-encode-results") defer_encode_results = false;
     else if (a == "--no-meter") meter = false;
     else if (a == "--stagger") stagger = true;
     else {

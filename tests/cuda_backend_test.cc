@@ -165,6 +165,7 @@ TEST_F(CudaBackendTest, DeferredEncodeResultsGiveTheLogitsAndPagesOfWaitingOnes)
   for (cache::KvScheme scheme : {cache::KvScheme::kGaac, cache::KvScheme::kFp8E4M3, cache::KvScheme::kDither8}) {
     SCOPED_TRACE(cache::kv_scheme_name(scheme));
     BackendConfig waiting = device_config(scheme, 576, 576 * 6);
+    waiting.defer_encode_results = false;
     if (scheme == cache::KvScheme::kGaac) {
       auto cal = std::make_shared<codec::GaacCalibration>(*waiting.gaac_calibration);
       // Windows at exponent 0 (layer 0, and layer 1's V): every element of a block is an exception,

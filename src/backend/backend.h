@@ -165,9 +165,10 @@ struct BackendConfig {
   // also serves sparse decode and the gate on the device.
   model::Device device = model::Device::kCpu;
   // The CUDA backend, GAAC and lossy schemes: the encode results of the blocks a step completes
-  // come back once, after the step's wait, instead of a wait in every layer that completes a
-  // block (cache::cuda::DeviceKvCacheConfig::defer_encode_results). Ignored elsewhere.
-  bool defer_encode_results = false;
+  // come back once, after the step's wait (cache::cuda::DeviceKvCacheConfig::defer_encode_results);
+  // false: a wait in every layer whose write completes a block (0.80-0.88x the step time on an
+  // H100 when the sequences complete blocks on different steps, docs/cuda.md). Ignored elsewhere.
+  bool defer_encode_results = true;
 };
 
 // One sequence's part of a forward step: tokens[0, n) at positions [length, length + n).

@@ -11,10 +11,11 @@
 // these and bf16's token-major pages on the bulk-copy kernel, whose split counters the backend
 // zeroes when the workspace layout changes). The decode rows of
 // the metered schemes get the meter from the same pass, and their telemetry. A step runs without waiting for the device until its end, where the logits
-// the items ask for, the error words, meters and sparse counts come back together. A layer whose
-// write completes a block waits for the block's encode result, unless
-// BackendConfig::defer_encode_results: then the device places the encoded pages in its tables and
-// the results come back with the rest, the host's tables catching up after the step's wait.
+// the items ask for, the error words, meters and sparse counts come back together. By default
+// (BackendConfig::defer_encode_results) the device places the encoded pages of the blocks a write
+// completes in its tables, and the encode results come back with the rest, the host's tables
+// catching up after the step's wait; without it, a layer whose write completes a block waits for
+// the block's encode result.
 //
 // Batch invariance: the split of the KV is fixed per sequence (kSplitBlocks blocks per split),
 // never planned from the batch; a row's result therefore depends on its own length and pages
