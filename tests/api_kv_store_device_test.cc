@@ -5,7 +5,8 @@
 // append, fp8-e4m3 with the fp16 and the exponent witness, dither8) at head_dim 64 (GQA 3) and
 // 128 (GQA 7): outputs as the CPU store's, a lossy scheme's meter at or above the true total
 // variation (over the rows the CPU store reads back: the same pages) and within the device
-// route's bar of the CPU store's, the telemetry's cells, the pages by class; then the refusals.
+// route's bar of the CPU store's, the telemetry's cells, the pages by class; then the refusals;
+// then a cuda store's read, crop and select against the CPU store's.
 // The queries are bf16 values, as the device rounds them (session_cuda_test.cc does the same).
 // Needs a CUDA device (skipped without one); run on the GPU machine by scripts/run_cuda_tests.sh.
 #include <cuda_runtime.h>
@@ -327,6 +328,178 @@ TEST(CApiKvStoreDevice, RefusalsLeaveTheStoreUsable) {
   EXPECT_EQ(m.cells, sh.heads);
   EXPECT_EQ(certkv_kv_store_append_device(nullptr, 0, one_seq, n1, 1, rows.p, rows.p), CERTKV_ERR_INVALID_ARGUMENT);
   certkv_kv_store_free(s);
+}
+
+// The same rows appended to (seq, layer) of a CPU store and a cuda store: rows token-major
+// [n][kv_heads][dim].
+void append_both(certkv_kv_store* cpu, certkv_kv_store* dev, int seq, int layer, const std::vector<float>& k,
+                 const std::vector<float>& v, int n, const Shape& sh) {
+  ASSERT_EQ(certkv_kv_store_append_f32(cpu, seq, layer, head_major(k, n, sh).data(), head_major(v, n, sh).data(), n),
+            CERTKV_OK)
+      << certkv_last_error();
+  DeviceFloats dk(k.size()), dv(v.size());
+  dk.up(k);
+  dv.up(v);
+  const int32_t seqs[1] = {seq};
+  const int64_t count[1] = {n};
+  ASSERT_EQ(certkv_kv_store_append_device(dev, layer, seqs, count, 1, dk.p, dv.p), CERTKV_OK) << certkv_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+// K then V of every position of (seq, layer), as certkv_kv_store_read gives them (exact 0).
+std::vector<float> read_all(certkv_kv_store* s, int seq, int layer, const Shape& sh) {
+  int64_t n = 0;
+  EXPECT_EQ(certkv_kv_store_length(s, seq, layer, &n), CERTKV_OK) << certkv_last_error();
+  std::vector<float> x(2 * size_t(sh.kv_heads) * size_t(n) * size_t(sh.dim));
+  for (int kv = 0; kv < 2; ++kv)
+    EXPECT_EQ(certkv_kv_store_read(s, seq, layer, kv, 0, n, 0, x.data() + size_t(kv) * x.size() / 2), CERTKV_OK)
+        << certkv_last_error();
+  return x;
+}
+
+// Every sequence and layer of the cuda store reads back what the CPU store reads (the same pages,
+// decoded on the host by the same _ref decoders: equal floats), and has its length.
+void expect_same_reads(certkv_kv_store* cpu, certkv_kv_store* dev, int n_seqs, const Shape& sh, const char* when) {
+  for (int s = 0; s < n_seqs; ++s)
+    for (int l = 0; l < kLayers; ++l) {
+      int64_t nc = -1, nd = -2;
+      ASSERT_EQ(certkv_kv_store_length(cpu, s, l, &nc), CERTKV_OK);
+      ASSERT_EQ(certkv_kv_store_length(dev, s, l, &nd), CERTKV_OK);
+      ASSERT_EQ(nd, nc) << when << ": seq " << s << " layer " << l;
+      const std::vector<float> a = read_all(cpu, s, l, sh), b = read_all(dev, s, l, sh);
+      size_t differ = 0;
+      for (size_t i = 0; i < a.size(); ++i) differ += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
+      EXPECT_EQ(differ, 0u) << when << ": seq " << s << " layer " << l << " (" << a.size() << " values)";
+    }
+}
+
+// One decode step of every sequence of both stores (a new row each, then attention): the
+// outputs agree within the device route's bar.
+void expect_same_step(certkv_kv_store* cpu, certkv_kv_store* dev, int n_seqs, const Shape& sh, uint32_t seed) {
+  const size_t qrow = size_t(sh.heads) * size_t(sh.dim);
+  for (int l = 0; l < kLayers; ++l) {
+    for (int s = 0; s < n_seqs; ++s)
+      append_both(cpu, dev, s, l, make_rows(1, sh, seed + 10 * uint32_t(s) + uint32_t(l), true),
+                  make_rows(1, sh, seed + 10 * uint32_t(s) + uint32_t(l) + 5, false), 1, sh);
+    std::mt19937 rng(seed + uint32_t(l));
+    std::normal_distribution<float> normal(0.f, 1.f);
+    std::vector<float> q(size_t(n_seqs) * qrow);
+    for (float& x : q) x = bf16_value(2.f * normal(rng));
+    DeviceFloats dq(q.size()), dout(q.size());
+    dq.up(q);
+    std::vector<int32_t> seqs(static_cast<size_t>(n_seqs));
+    for (int s = 0; s < n_seqs; ++s) seqs[size_t(s)] = s;
+    ASSERT_EQ(certkv_kv_store_attend_device(dev, l, seqs.data(), n_seqs, dq.p, dout.p, nullptr), CERTKV_OK)
+        << certkv_last_error();
+    const std::vector<float> out = dout.down(q.size());
+    for (int s = 0; s < n_seqs; ++s) {
+      std::vector<float> want(qrow);
+      ASSERT_EQ(certkv_kv_store_attend(cpu, s, l, &q[size_t(s) * qrow], 1, want.data(), nullptr), CERTKV_OK)
+          << certkv_last_error();
+      double num = 0, den = 0;
+      for (size_t i = 0; i < qrow; ++i) {
+        const double d = double(out[size_t(s) * qrow + i]) - want[i];
+        num += d * d;
+        den += double(want[i]) * want[i];
+      }
+      EXPECT_LT(std::sqrt(num / std::max(den, 1e-300)), 4e-3) << "seq " << s << " layer " << l;
+    }
+  }
+}
+
+// A cuda store's read, crop and select (and reorder, select's case n = n_sequences) against the
+// CPU store given the same rows and the same calls, for every scheme the device serves, at
+// head_dim 64 and 128: reads equal float for float after each call; decode steps after them agree;
+// a select that duplicates a sequence shares its whole blocks (the coded pages in use do not grow)
+// and gives each copy its own tail (the copies then take different rows); a crop inside a block
+// the device keeps lossy is refused, the store unchanged; exact reads of lossy pages are refused.
+TEST(CApiKvStoreDevice, ReadCropAndSelectMatchTheCpuStore) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  const Case cases[] = {{"bf16", nullptr, "bf16"},
+                        {"gaac", nullptr, "gaac"},
+                        {"gaac-e5m2", nullptr, "gaac-fp8"},
+                        {"fp8-e4m3", nullptr, "lossy"},
+                        {"fp8-e4m3", "exponent", "lossy"},
+                        {"dither8", nullptr, "dither8"}};
+  const Shape shapes[] = {{6, 2, 64}, {14, 2, 128}};
+  const int prompt[kSeqs] = {37, 16, 70};  // a partial block, one whole block, four and a part
+  for (const Case& cs : cases)
+    for (const Shape& sh : shapes) {
+      SCOPED_TRACE(std::string(cs.kv) + (cs.witness ? std::string(" witness ") + cs.witness : "") + " head_dim " +
+                   std::to_string(sh.dim));
+      const bool lossy = std::strcmp(cs.coded_class, "lossy") == 0 || std::strcmp(cs.coded_class, "dither8") == 0;
+      certkv_kv_store_params pc = params(cs.kv, cs.witness, sh, nullptr);
+      certkv_kv_store_params pd = params(cs.kv, cs.witness, sh, "cuda");
+      certkv_kv_store *cpu = nullptr, *dev = nullptr;
+      ASSERT_EQ(certkv_kv_store_create(&pc, &cpu), CERTKV_OK) << certkv_last_error();
+      ASSERT_EQ(certkv_kv_store_create(&pd, &dev), CERTKV_OK) << certkv_last_error();
+      for (int l = 0; l < kLayers; ++l)
+        for (int s = 0; s < kSeqs; ++s)
+          append_both(cpu, dev, s, l, make_rows(prompt[s], sh, uint32_t(100 * s + 10 * l + 1), true),
+                      make_rows(prompt[s], sh, uint32_t(100 * s + 10 * l + 2), false), prompt[s], sh);
+      expect_same_reads(cpu, dev, kSeqs, sh, "after the prompts");
+      if (HasFatalFailure()) return;
+
+      std::vector<float> one(size_t(sh.kv_heads) * size_t(sh.dim));
+      EXPECT_EQ(certkv_kv_store_read(dev, 0, 0, 0, 0, 1, 1, one.data()), lossy ? CERTKV_ERR_UNSUPPORTED : CERTKV_OK);
+      if (lossy) {
+        EXPECT_TRUE(error_names("no exact values")) << certkv_last_error();
+      }
+      EXPECT_EQ(certkv_kv_store_read(dev, 0, 0, 0, 30, 38, 0, one.data()), CERTKV_ERR_OUT_OF_RANGE);
+
+      certkv_kv_stats before, after;
+      ASSERT_EQ(certkv_kv_store_kv_stats(dev, &before), CERTKV_OK) << certkv_last_error();
+      // Grow to four: sequence 2 first, sequence 0 twice; sequence 1 last.
+      const int32_t grow[4] = {2, 0, 0, 1};
+      ASSERT_EQ(certkv_kv_store_select(cpu, grow, 4), CERTKV_OK) << certkv_last_error();
+      ASSERT_EQ(certkv_kv_store_select(dev, grow, 4), CERTKV_OK) << certkv_last_error();
+      ASSERT_EQ(certkv_kv_store_kv_stats(dev, &after), CERTKV_OK) << certkv_last_error();
+      // Sequence 0's two copies share its two whole blocks; each has its own tail: one tail page
+      // more per (K/V, kv head, layer) than before.
+      EXPECT_EQ(after.pages_in_use, before.pages_in_use + 2u * uint64_t(sh.kv_heads) * kLayers);
+      if (std::strcmp(cs.coded_class, "bf16") != 0) {
+        EXPECT_EQ(class_pages(after, cs.coded_class), class_pages(before, cs.coded_class)) << "whole blocks shared";
+      }
+      EXPECT_EQ(after.n_tokens, before.n_tokens + prompt[0]);
+      expect_same_reads(cpu, dev, 4, sh, "after the select");
+      expect_same_step(cpu, dev, 4, sh, 500);  // the two copies of sequence 0 take different rows
+      expect_same_reads(cpu, dev, 4, sh, "after a step past the select");
+      if (HasFatalFailure()) return;
+
+      // Crops: inside a partial block (raw: served by every scheme), to a block boundary, and
+      // inside a whole block (lossless: decoded and written again; lossy: refused, unchanged).
+      ASSERT_EQ(certkv_kv_store_crop(cpu, 0, 66), CERTKV_OK) << certkv_last_error();  // seq 0 is old 2 (71)
+      ASSERT_EQ(certkv_kv_store_crop(dev, 0, 66), CERTKV_OK) << certkv_last_error();
+      ASSERT_EQ(certkv_kv_store_crop(cpu, 3, 16), CERTKV_OK) << certkv_last_error();
+      ASSERT_EQ(certkv_kv_store_crop(dev, 3, 16), CERTKV_OK) << certkv_last_error();
+      const certkv_status inside = certkv_kv_store_crop(dev, 1, 21);  // 38 positions: block 1 is whole
+      if (lossy) {
+        EXPECT_EQ(inside, CERTKV_ERR_UNSUPPORTED);
+        EXPECT_TRUE(error_names("multiple of 16")) << certkv_last_error();
+      } else {
+        EXPECT_EQ(inside, CERTKV_OK) << certkv_last_error();
+        ASSERT_EQ(certkv_kv_store_crop(cpu, 1, 21), CERTKV_OK) << certkv_last_error();
+      }
+      EXPECT_EQ(certkv_kv_store_crop(dev, 1, 39), CERTKV_ERR_OUT_OF_RANGE);
+      expect_same_reads(cpu, dev, 4, sh, "after the crops");
+      expect_same_step(cpu, dev, 4, sh, 900);
+      expect_same_reads(cpu, dev, 4, sh, "after a step past the crops");
+      if (HasFatalFailure()) return;
+
+      // Narrow to one sequence (what was sequence 2, the 4th): the others' pages are freed.
+      const int32_t keep[1] = {2};
+      ASSERT_EQ(certkv_kv_store_select(cpu, keep, 1), CERTKV_OK) << certkv_last_error();
+      ASSERT_EQ(certkv_kv_store_select(dev, keep, 1), CERTKV_OK) << certkv_last_error();
+      const int32_t outside[1] = {1};
+      EXPECT_EQ(certkv_kv_store_select(dev, outside, 1), CERTKV_ERR_OUT_OF_RANGE);
+      certkv_kv_stats narrow;
+      ASSERT_EQ(certkv_kv_store_kv_stats(dev, &narrow), CERTKV_OK) << certkv_last_error();
+      EXPECT_LT(narrow.pages_in_use, after.pages_in_use);
+      expect_same_reads(cpu, dev, 1, sh, "after narrowing");
+      expect_same_step(cpu, dev, 1, sh, 1300);
+      certkv_kv_store_free(dev);
+      certkv_kv_store_free(cpu);
+    }
 }
 
 }  // namespace

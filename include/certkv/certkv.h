@@ -982,7 +982,9 @@ CERTKV_API certkv_status certkv_kv_store_length(const certkv_kv_store* store, in
                                                 int32_t layer, int64_t* n_tokens);
 /* K (kv = 0) or V (kv = 1) of (seq, layer) at positions [begin, end): exact = 0 what attention
  * reads (a lossy page's reconstruction), 1 the exact values (a lossy page from the backing
- * store). out: [n_kv_heads][end - begin][head_dim] float. */
+ * store). out: [n_kv_heads][end - begin][head_dim] float, host memory. A store of device "cuda"
+ * decodes its pages on the host (it waits for the store's stream) and refuses exact = 1 for a
+ * lossy scheme (CERTKV_ERR_UNSUPPORTED: the device keeps no exact values of lossy pages). */
 CERTKV_API certkv_status certkv_kv_store_read(const certkv_kv_store* store, int32_t seq,
                                               int32_t layer, int32_t kv, int64_t begin, int64_t end,
                                               int exact, float* out);
@@ -1001,8 +1003,8 @@ CERTKV_API certkv_status certkv_kv_store_read(const certkv_kv_store* store, int3
 CERTKV_API certkv_status certkv_kv_store_attend(certkv_kv_store* store, int32_t seq,
                                                 int32_t layer, const float* q, int32_t n_queries,
                                                 float* out, certkv_head_meter* meters);
-/* A store of device "cuda" (its K, V, queries and outputs in device memory; the host functions
- * above refuse it with CERTKV_ERR_UNSUPPORTED, and these refuse a "cpu" store with
+/* A store of device "cuda" (its K, V, queries and outputs in device memory; certkv_kv_store_append_*
+ * and certkv_kv_store_attend above refuse it with CERTKV_ERR_UNSUPPORTED, and these refuse a "cpu" store with
  * CERTKV_ERR_INVALID_ARGUMENT). Work is enqueued on the store's cuda_stream and not waited for,
  * except where said: pointers must stay valid until the stream has run it, and must be memory of
  * the store's device (CERTKV_ERR_INVALID_ARGUMENT otherwise, before any launch). Every call runs
@@ -1029,7 +1031,9 @@ CERTKV_API certkv_status certkv_kv_store_attend_device(certkv_kv_store* store, i
                                                        const int32_t* seqs, int32_t n_seqs,
                                                        const float* q, float* out, float* meters);
 /* Keeps the first n_tokens positions of seq in every layer. REQUIRES: n_tokens <= the length of
- * every layer. */
+ * every layer. A store of device "cuda" refuses (CERTKV_ERR_UNSUPPORTED, the store unchanged) an
+ * n_tokens that ends inside a block some layer keeps as a lossy page (fp8-e4m3, fp8-e5m2,
+ * dither8: the device keeps no exact values of it); a multiple of 16 is always served. */
 CERTKV_API certkv_status certkv_kv_store_crop(certkv_kv_store* store, int32_t seq, int64_t n_tokens);
 /* Sequence i becomes what sequence src[i] was, for every i in [0, n_sequences) (beam search):
  * pages are shared by reference count, not copied. src: [n_sequences], each in range. */
@@ -1039,7 +1043,7 @@ CERTKV_API certkv_status certkv_kv_store_reorder(certkv_kv_store* store, const i
  * finished rows dropped); pages are shared by reference count, not copied, and a sequence no
  * entry names is freed. certkv_kv_store_reorder is the case n = n_sequences. REQUIRES: n >= 1,
  * src: [n], each in [0, n_sequences) (CERTKV_ERR_INVALID_ARGUMENT, CERTKV_ERR_OUT_OF_RANGE; the
- * store unchanged). A cuda store refuses it (CERTKV_ERR_UNSUPPORTED). */
+ * store unchanged). A cuda store copies a partial last block's raw pages on its stream. */
 CERTKV_API certkv_status certkv_kv_store_select(certkv_kv_store* store, const int32_t* src, int32_t n);
 /* The meter of the decode steps attended so far (certkv_meter_stats, as a session's), and the
  * KV pages of every layer by storage class (certkv_kv_stats: n_tokens the positions of layer 0

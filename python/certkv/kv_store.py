@@ -157,7 +157,8 @@ class KvStore:
              exact: bool = False) -> np.ndarray:
         """K or V of (seq, layer) at positions [begin, end) as float32 [n_kv_heads, n, head_dim]:
         what attention reads (a lossy page's reconstruction), or with exact=True the exact values
-        (a lossy page's from the backing store)."""
+        (a lossy page's from the backing store). A cuda store decodes its pages on the host (it
+        waits for its stream) and refuses exact=True for a lossy scheme (certkv.UnsupportedError)."""
         if kv not in ("k", "v"):
             raise ValueError(f"kv: expected 'k' or 'v', got {kv!r}")
         if end is None:
@@ -222,7 +223,9 @@ class KvStore:
     # -- sequences ----------------------------------------------------------------------------
 
     def crop(self, seq: int, n_tokens: int) -> None:
-        """Keeps the first n_tokens positions of seq in every layer."""
+        """Keeps the first n_tokens positions of seq in every layer. A cuda store with a lossy scheme
+        refuses (certkv.UnsupportedError, the store unchanged) an n_tokens that ends inside a block
+        it has encoded (the device keeps no exact values of it)."""
         self._store.crop(int(seq), int(n_tokens))
 
     def reorder(self, src: Sequence[int]) -> None:
@@ -237,8 +240,8 @@ class KvStore:
         (several samples of one prompt, beam expansion, finished rows dropped). Pages are shared by
         reference count, not copied; a sequence src does not name is freed. ``reorder`` is the case
         len(src) == n_sequences. Raises ValueError for an empty src, certkv.OutOfRangeError (an
-        IndexError) for an entry outside [0, n_sequences); a cuda store refuses it
-        (certkv.UnsupportedError)."""
+        IndexError) for an entry outside [0, n_sequences). A cuda store copies a partial last
+        block's raw pages on its stream."""
         src = [int(i) for i in src]
         if not src:
             raise ValueError("src: expected at least one entry")

@@ -24,10 +24,13 @@ transformers' SDPA over its own rows (no page has been read yet), and its rows a
 A later chunk of several tokens (a prompt given in parts) attends as that many decode steps, each
 position's rows appended and attending in turn: each reads what a decode step there reads and is
 metered as one (on the CPU a later chunk runs certkv's prefill attention, unmetered), at two
-launches per position and layer. Not served on CUDA: ``crop``, ``reorder_cache`` (beam search,
-assisted decoding's rejected candidates), the schemes the device does not
-serve (kivi2, rtn4, ...; ``certkv.UnsupportedError`` naming the scheme), and CUDA graph capture
-(each append keeps host bookkeeping).
+launches per position and layer. ``crop``, ``reorder_cache``, ``batch_repeat_interleave`` and
+``batch_select_indices`` share whole blocks and copy a partial last block's raw pages on the
+device; with a lossy scheme (fp8-e4m3, fp8-e5m2, dither8) a crop must not end inside a block the
+device already encoded (its exact values are not kept: ``certkv.UnsupportedError``; a multiple of
+16 positions, or a point inside the partial last block, is always served). Not served on CUDA: the
+schemes the device does not serve (kivi2, rtn4, ...; ``certkv.UnsupportedError`` naming the
+scheme), and CUDA graph capture (each append keeps host bookkeeping).
 
 Batches: left padding (generate's default for decoder-only models) is read from the attention
 mask; padded positions are not stored. transformers and torch are imported by this module only.
@@ -245,21 +248,21 @@ class CertkvCache(Cache):
             raise ValueError(f"tokens_to_remove: {tokens_to_remove} removes more than the {seen} positions held")
         if keep == seen or self.store is None:
             return
-        self._refuse_on_cuda("crop")
         for b in range(self.store.n_sequences):
             self.store.crop(b, max(0, keep - self._pads[b]))
             self._pads[b] = min(self._pads[b], keep)
         for layer in self.layers:
             layer.seen = keep
+        self._counts_at = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Sequence i becomes what sequence beam_idx[i] was (beam search); pages are shared."""
         if self.store is None:
             return
-        self._refuse_on_cuda("reorder_cache")
         src = [int(i) for i in beam_idx.tolist()]
         self.store.reorder(src)
         self._pads = [self._pads[i] for i in src]
+        self._counts_at = None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each sequence repeated ``repeats`` times in place (rows i * repeats to i * repeats +
@@ -287,15 +290,9 @@ class CertkvCache(Cache):
     def _select(self, src: list[int], what: str) -> None:
         if not src:
             raise ValueError(f"CertkvCache.{what}: no row would be left")
-        self._refuse_on_cuda(what)
         self.store.select(src)
         self._pads = [self._pads[i] for i in src]
         self._counts_at = None
-
-    def _refuse_on_cuda(self, what: str) -> None:
-        if self.device is not None and self.device.type == "cuda":
-            raise NotImplementedError(f"CertkvCache.{what}: not served on CUDA (the C API crops, reorders and reads "
-                                      f"a KvStore's pages on the CPU only); run the model on the CPU for it")
 
     def certificate(self) -> dict[str, Any]:
         """The certificate of the attention so far: scheme, metered; for a lossy scheme with

@@ -440,8 +440,11 @@ certkv_status certkv_kv_store_length(const certkv_kv_store* store, int32_t seq, 
 certkv_status certkv_kv_store_read(const certkv_kv_store* store, int32_t seq, int32_t layer, int32_t kv,
                                    int64_t begin, int64_t end, int exact, float* out) {
   const char* w = "certkv_kv_store_read";
-  if (const certkv_status st = refuse_device_store(w, store); st != CERTKV_OK) return st;
   if (const certkv_status st = check_seq_layer(w, store, seq, layer); st != CERTKV_OK) return st;
+  if (store->device && exact && store->metered)
+    return set_error(CERTKV_ERR_UNSUPPORTED, where_seq(w, seq, layer) + ": device cuda keeps no exact values of " +
+                                                 cache::kv_scheme_name(store->scheme) +
+                                                 "'s lossy pages (exact = 0 reads what attention reads)");
   CERTKV_REQUIRE(kv == 0 || kv == 1, where_seq(w, seq, layer) + ": kv " + std::to_string(kv) + " is not 0 (K) or 1 (V)");
   const int64_t n = layer_length(*store, seq, layer);
   if (begin < 0 || begin > end || end > n)
@@ -450,6 +453,7 @@ certkv_status certkv_kv_store_read(const certkv_kv_store* store, int32_t seq, in
                                                   std::to_string(n) + " stored");
   CERTKV_REQUIRE(out || begin == end, where_seq(w, seq, layer) + ": null out");
   if (begin == end) return CERTKV_OK;
+  if (store->device) return guarded([&] { store->device->read(seq, layer, kv, begin, end, out); });
   return guarded([&] {
     cache::KvCache& c = *store->layers[size_t(layer)];
     const cache::SeqId id = store->seqs[size_t(layer)][size_t(seq)];
@@ -541,13 +545,13 @@ certkv_status certkv_kv_store_attend_device(certkv_kv_store* store, int32_t laye
 
 certkv_status certkv_kv_store_crop(certkv_kv_store* store, int32_t seq, int64_t n_tokens) {
   const char* w = "certkv_kv_store_crop";
-  if (const certkv_status st = refuse_device_store(w, store); st != CERTKV_OK) return st;
   if (const certkv_status st = check_seq_layer(w, store, seq, 0); st != CERTKV_OK) return st;
   for (int l = 0; l < store->n_layers; ++l)
     if (n_tokens < 0 || n_tokens > layer_length(*store, seq, l))
       return set_error(CERTKV_ERR_OUT_OF_RANGE, std::string(w) + ": n_tokens " + std::to_string(n_tokens) +
                                                     " is not in [0, " + std::to_string(layer_length(*store, seq, l)) +
                                                     "] (seq " + std::to_string(seq) + ", layer " + std::to_string(l) + ")");
+  if (store->device) return guarded([&] { store->device->crop(seq, n_tokens); });
   return guarded([&] {
     const int bt = store->layer_config.block_tokens;
     const int64_t whole = n_tokens / bt * bt;
@@ -586,12 +590,16 @@ namespace {
 certkv_status select_sequences(const char* w, certkv_kv_store* store, const int32_t* src, int32_t n) {
   CERTKV_REQUIRE(store && src, std::string(w) + ": null argument");
   CERTKV_REQUIRE(n >= 1, std::string(w) + ": n " + std::to_string(n) + " is below 1");
-  if (const certkv_status st = refuse_device_store(w, store); st != CERTKV_OK) return st;
   for (int32_t i = 0; i < n; ++i)
     if (src[i] < 0 || src[i] >= store->n_sequences)
       return set_error(CERTKV_ERR_OUT_OF_RANGE, std::string(w) + ": src[" + std::to_string(i) + "] " +
                                                     std::to_string(src[i]) + " outside [0, " +
                                                     std::to_string(store->n_sequences) + ")");
+  if (store->device)
+    return guarded([&] {
+      store->device->select(std::span<const int32_t>(src, size_t(n)));
+      store->n_sequences = n;
+    });
   return guarded([&] {
     // Every layer's new sequences first (a layer not made yet is made at its first append, with n
     // sequences); if one cannot be made, those made are freed and the store is as it was.

@@ -4,7 +4,8 @@ to DynamicCache's with sdpa (batch 1 on each prompt, and a left-padded batch of 
 prompt comes in two calls (a later chunk attends as decode steps); dither8's
 teacher-forced KL against DynamicCache and its metered certificate; fp8-e4m3 metered; the
 decode operator over a cuda store against the CPU operator over a cpu store holding the same
-rows; and the refusals of what the CUDA path does not serve. Skipped unless torch sees a CUDA
+rows; crop, reorder_cache, batch_repeat_interleave and batch_select_indices against caches that
+never needed them; and the refusals of what the CUDA path does not serve. Skipped unless torch sees a CUDA
 device and this build of certkv makes a cuda KvStore."""
 
 import numpy as np
@@ -207,6 +208,86 @@ def test_kv_store_decode_equals_the_cpu_operator():
     assert gpu.certificate()["metered"] is False
 
 
+def test_crop_equals_never_having_the_cropped_tokens(certkv_model):
+    """A 14-token prompt, then five decode steps (block 0 completes and is encoded), then a crop:
+    back into the partial last block (its raw pages copied on the device) and back inside the
+    encoded block 0 (a lossless page decoded and written again). The next step's logits equal,
+    bit for bit, those of a cache that took only the steps kept: the same prefill, the same
+    decode steps at batch 1. With fp8-e4m3 the crop inside the encoded block is refused, the cache
+    unchanged."""
+    tokens = PROMPTS[2]
+    prompt, steps = tokens[:14], tokens[14:19]
+
+    def run(scheme, feed, crop_to=None):
+        cache = ct.CertkvCache(certkv_model.config, scheme=scheme)
+        with torch.no_grad():
+            certkv_model(input_ids=torch.tensor([prompt], device="cuda"), past_key_values=cache)
+            for t in feed:
+                certkv_model(input_ids=torch.tensor([[t]], device="cuda"), past_key_values=cache)
+            if crop_to is not None:
+                cache.crop(crop_to - cache.get_seq_length())
+                assert cache.get_seq_length() == crop_to and cache.store.length(0, 0) == crop_to
+            last = certkv_model(input_ids=torch.tensor([[tokens[30]]], device="cuda"), past_key_values=cache)
+        return last.logits[0, -1].float().cpu(), cache
+
+    for scheme in ("bf16", "gaac"):
+        for keep in (17, 14):
+            cropped, _ = run(scheme, steps, crop_to=keep)
+            fresh, _ = run(scheme, steps[:keep - len(prompt)])
+            assert torch.equal(cropped, fresh), (scheme, keep)
+    cropped, cache = run("fp8-e4m3", steps, crop_to=17)  # inside the partial block: served
+    fresh, _ = run("fp8-e4m3", steps[:3])
+    assert torch.equal(cropped, fresh)
+    before = cache.store.read(0, 1, "k")
+    with pytest.raises(certkv.UnsupportedError, match="multiple of 16"):
+        cache.crop(-4)  # 18 -> 14: inside block 0, an fp8 page now
+    assert cache.get_seq_length() == 18 and np.array_equal(cache.store.read(0, 1, "k"), before)
+
+
+def test_repeat_select_and_reorder_share_the_prompt(certkv_model):
+    """One prompt prefilled once and repeated for three samples on CUDA: the copies read the
+    prompt's pages exactly as a cache that prefilled it alone (the same floats), share its whole
+    blocks (the coded pages do not grow), and each takes its own next tokens; then rows are
+    selected and reordered. Each row's greedy token matches a batch-1 cache fed the same tokens
+    (the model's batched products may round apart from batch 1, so logits are compared by argmax
+    and within bf16's rounding)."""
+    prompt = PROMPTS[2][:37]  # two whole blocks and a partial one
+    with torch.no_grad():
+        cache = ct.CertkvCache(certkv_model.config, scheme="gaac")
+        certkv_model(input_ids=torch.tensor([prompt], device="cuda"), past_key_values=cache)
+        coded = cache.store.kv_stats()["pages_by_class"]["gaac"]
+        alone = [cache.store.read(0, layer, kv) for layer in range(cache.n_layers) for kv in ("k", "v")]
+        cache.batch_repeat_interleave(3)
+        assert cache.store.n_sequences == 3
+        assert cache.store.kv_stats()["pages_by_class"]["gaac"] == coded
+        for row in range(3):
+            got = [cache.store.read(row, layer, kv) for layer in range(cache.n_layers) for kv in ("k", "v")]
+            assert all(np.array_equal(a, b) for a, b in zip(got, alone)), row
+        singles = []
+        for _ in range(3):
+            single = ct.CertkvCache(certkv_model.config, scheme="gaac")
+            certkv_model(input_ids=torch.tensor([prompt], device="cuda"), past_key_values=single)
+            singles.append(single)
+
+        def step(fed, rows):
+            got = certkv_model(input_ids=torch.tensor([[t] for t in fed], device="cuda"),
+                               past_key_values=cache).logits[:, -1].float().cpu()
+            for i, r in enumerate(rows):
+                want = certkv_model(input_ids=torch.tensor([[fed[i]]], device="cuda"),
+                                    past_key_values=singles[r]).logits[0, -1].float().cpu()
+                assert int(got[i].argmax()) == int(want.argmax()), (fed, r)
+                assert (got[i] - want).abs().max().item() <= 0.02 * want.abs().max().item(), (fed, r)
+
+        step([7, 8, 9], [0, 1, 2])
+        step([10, 11, 12], [0, 1, 2])
+        cache.batch_select_indices(torch.tensor([2, 0]))
+        assert [cache.store.length(i, 0) for i in range(2)] == [len(prompt) + 2] * 2
+        step([13, 14], [2, 0])
+        cache.reorder_cache(torch.tensor([1, 0], device="cuda"))
+        step([15, 16], [0, 2])
+        assert cache.store.length(0, 0) == cache.store.length(1, 0) == len(prompt) + 4
+
+
 def test_refusals(sdpa_model, certkv_model):
     ids = torch.tensor([PROMPTS[1]], device="cuda")
     with pytest.raises(certkv.UnsupportedError, match="kivi2 is not served on device cuda"):
@@ -218,12 +299,8 @@ def test_refusals(sdpa_model, certkv_model):
     cache = ct.CertkvCache(certkv_model.config, scheme="gaac")
     with torch.no_grad():
         certkv_model(input_ids=ids, past_key_values=cache)
-    with pytest.raises(NotImplementedError, match="CertkvCache.crop: not served on CUDA"):
-        cache.crop(-2)
-    with pytest.raises(NotImplementedError, match="CertkvCache.reorder_cache: not served on CUDA"):
-        cache.reorder_cache(torch.tensor([0]))
     with pytest.raises(certkv.UnsupportedError, match="on device cuda"):
-        cache.store.read(0, 0, "k")
+        cache.store.append(0, 0, np.zeros((2, 1, 64), np.float32), np.zeros((2, 1, 64), np.float32))
     handle = ops.register_store(cache.store)
     with pytest.raises(RuntimeError, match="use certkv::kv_store_decode"):
         torch.ops.certkv.kv_store_attend(handle, 0, 0, torch.zeros(4, 64, device="cuda"))

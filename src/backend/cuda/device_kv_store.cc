@@ -75,12 +75,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     format_ = attention::cuda::page_format_of(config.layer.scheme, config.layer.witness);
     metered_ = attention::cuda::page_format_metered(format_);
     layers_.resize(size_t(config.n_layers));
-    // One ring record: lengths and table rows up ([2][n_sequences] int32), then the meters of the
-    // step ([3][n_sequences][n_heads] float: meter, A - 1, value side); A - 1 comes down.
-    record_bytes_ = round_up(sizeof(int32_t) * 2 * size_t(config.n_sequences)) +
-                    round_up(sizeof(float) * 3 * size_t(config.n_sequences) * size_t(config.n_heads));
-    throw_if_failed(DeviceBuffer::allocate(record_bytes_ * kRingSteps, &ring_));
-    throw_if_failed(PinnedBuffer::allocate(record_bytes_ * kRingSteps, &host_ring_));
+    make_ring(config.n_sequences);
     // The error word, and a scratch word that resetting the split counters zeroes instead of it.
     throw_if_failed(DeviceBuffer::allocate(2 * sizeof(uint32_t), &error_word_));
     if (cudaMemsetAsync(error_word_.data(), 0, 2 * sizeof(uint32_t), stream()) != cudaSuccess)
@@ -91,6 +86,8 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     if (!(cache::kv_scheme_is_gaac(config.layer.scheme) && config.calibrations.empty()))
       for (int layer = 0; layer < config.n_layers; ++layer) make_layer(layer, nullptr, nullptr, 0);
   }
+
+  int n_sequences() const override { return config_.n_sequences; }
 
   ~DeviceKvStoreImpl() override {
     // Launches may still read the ring and the workspace.
@@ -140,7 +137,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
         writes.clear();
         for (const auto& [i, n] : part) {
           const int64_t row = first_row[i] + done[i];
-          writes.push_back({int(seqs[i]), k + row * kv_dim, v + row * kv_dim, n,
+          writes.push_back({l.slots[size_t(seqs[i])], k + row * kv_dim, v + row * kv_dim, n,
                             DeviceKvCache::RowsMemory::kDevice});  // require_device_memory above
           done[i] += n;
         }
@@ -184,11 +181,11 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     int64_t max_len = 0;
     for (size_t i = 0; i < n; ++i) {
       host_lens[i] = int32_t(length(seqs[i], layer));
-      host_lens[size_t(config_.n_sequences) + i] = seqs[i];
+      host_lens[size_t(ring_rows_) + i] = l.slots[size_t(seqs[i])];
       max_len = std::max<int64_t>(max_len, host_lens[i]);
     }
     int32_t* lens = reinterpret_cast<int32_t*>(ring_.data() + at);
-    throw_if_failed(ring_.upload_async(at, host_lens, sizeof(int32_t) * 2 * size_t(config_.n_sequences), stream()));
+    throw_if_failed(ring_.upload_async(at, host_lens, sizeof(int32_t) * 2 * size_t(ring_rows_), stream()));
     float* step_meters = reinterpret_cast<float*>(ring_.data() + at + meters_offset());
 
     PagedDecodeParams p;
@@ -204,7 +201,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     p.delta_loc = config_.delta_loc;
     attention::cuda::set_layer_pages(l.cache->view(0), p);
     p.seq_lens = lens;
-    p.table_rows = lens + config_.n_sequences;
+    p.table_rows = lens + ring_rows_;
     p.max_seq_len = max_len;
     p.split_blocks = kSplitBlocks;
     p.q = q;
@@ -253,7 +250,83 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
 
   int64_t length(int seq, int layer) const override {
     const Layer& l = layers_[size_t(layer)];
-    return l.cache ? l.cache->written(seq, 0) : 0;
+    return l.cache ? l.cache->written(l.slots[size_t(seq)], 0) : 0;
+  }
+
+  void read(int seq, int layer, int kv, int64_t begin, int64_t end, float* out) override {
+    const DeviceScope scope(device_);
+    const Layer& l = layers_[size_t(layer)];
+    if (begin == end) return;
+    if (!l.cache) fail(StatusCode::kOutOfRange, "device KV store: layer " + std::to_string(layer) + " holds nothing");
+    if (l.failed)
+      fail(StatusCode::kInternal, "device KV store: layer " + std::to_string(layer) +
+                                      " is not read after a failed append (make a new store)");
+    if (l.cache->pending_encodes() > 0) throw_if_failed(l.cache->reconcile_encodes());
+    const size_t per_head = size_t(end - begin) * size_t(config_.layer.head_dim);
+    for (int h = 0; h < config_.layer.n_kv_heads; ++h)
+      throw_if_failed(l.cache->read_rows(l.slots[size_t(seq)], 0, cache::KvTensor(kv), h, begin, end,
+                                         out + size_t(h) * per_head));
+  }
+
+  void crop(int seq, int64_t n_tokens) override {
+    const DeviceScope scope(device_);
+    refuse_after_failure();
+    // Every layer's cropped copy first: if one cannot be made, those made are freed and the store
+    // is as it was.
+    std::vector<int> made(layers_.size(), -1);
+    try {
+      for (size_t layer = 0; layer < layers_.size(); ++layer) {
+        Layer& l = layers_[layer];
+        if (l.cache && l.cache->written(l.slots[size_t(seq)], 0) != n_tokens)
+          throw_if_failed(l.cache->fork_sequence(l.slots[size_t(seq)], n_tokens, &made[layer]));
+      }
+    } catch (...) {
+      for (size_t layer = 0; layer < layers_.size(); ++layer)
+        if (made[layer] >= 0) (void)layers_[layer].cache->free_sequence(made[layer]);
+      throw;
+    }
+    for (size_t layer = 0; layer < layers_.size(); ++layer) {
+      if (made[layer] < 0) continue;
+      Layer& l = layers_[layer];
+      throw_if_failed(l.cache->free_sequence(l.slots[size_t(seq)]));
+      l.slots[size_t(seq)] = made[layer];
+    }
+  }
+
+  void select(std::span<const int32_t> src) override {
+    const DeviceScope scope(device_);
+    refuse_after_failure();
+    // Every layer's new slots first (whole copies: the whole blocks shared, a partial last block's
+    // raw pages copied on the device); if one cannot be made, those made are freed and the store
+    // is as it was. Then the old slots are freed.
+    std::vector<std::vector<int>> made(layers_.size());
+    try {
+      for (size_t layer = 0; layer < layers_.size(); ++layer) {
+        Layer& l = layers_[layer];
+        if (!l.cache) continue;
+        for (size_t i = 0; i < src.size(); ++i) {
+          const int parent = l.slots[size_t(src[i])];
+          int child = -1;
+          throw_if_failed(l.cache->fork_sequence(parent, l.cache->written(parent, 0), &child));
+          made[layer].push_back(child);
+        }
+      }
+      if (int(src.size()) > ring_rows_) {
+        drain_ring();  // waits for the stream; the ring's records hold the steps not yet recorded
+        make_ring(int(src.size()));
+      }
+    } catch (...) {
+      for (size_t layer = 0; layer < layers_.size(); ++layer)
+        for (int child : made[layer]) (void)layers_[layer].cache->free_sequence(child);
+      throw;
+    }
+    for (size_t layer = 0; layer < layers_.size(); ++layer) {
+      Layer& l = layers_[layer];
+      if (!l.cache) continue;
+      for (int slot : l.slots) throw_if_failed(l.cache->free_sequence(slot));
+      l.slots = std::move(made[layer]);
+    }
+    config_.n_sequences = int(src.size());
   }
 
   void drain() override {
@@ -289,6 +362,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
  private:
   struct Layer {
     std::unique_ptr<DeviceKvCache> cache;
+    std::vector<int> slots;  // the store's sequence i is slot slots[i] of the cache
     bool failed = false;
   };
   struct RingStep {
@@ -302,7 +376,31 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
   };
 
   static size_t round_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
-  size_t meters_offset() const { return round_up(sizeof(int32_t) * 2 * size_t(config_.n_sequences)); }
+  size_t meters_offset() const { return round_up(sizeof(int32_t) * 2 * size_t(ring_rows_)); }
+
+  // The staging rings for decode steps of up to `rows` sequences. One record: lengths and table
+  // rows up ([2][rows] int32), then the meters of the step ([3][rows][n_heads] float: meter,
+  // A - 1, value side); A - 1 comes down.
+  // The old rings are freed only once both new ones are made; the stream must not read them.
+  void make_ring(int rows) {
+    const size_t record_bytes = round_up(sizeof(int32_t) * 2 * size_t(rows)) +
+                                round_up(sizeof(float) * 3 * size_t(rows) * size_t(config_.n_heads));
+    DeviceBuffer ring;
+    PinnedBuffer host_ring;
+    throw_if_failed(DeviceBuffer::allocate(record_bytes * kRingSteps, &ring));
+    throw_if_failed(PinnedBuffer::allocate(record_bytes * kRingSteps, &host_ring));
+    ring_ = std::move(ring);
+    host_ring_ = std::move(host_ring);
+    record_bytes_ = record_bytes;
+    ring_rows_ = rows;
+  }
+
+  void refuse_after_failure() const {
+    for (size_t layer = 0; layer < layers_.size(); ++layer)
+      if (layers_[layer].failed)
+        fail(StatusCode::kInternal, "device KV store: layer " + std::to_string(layer) +
+                                        " is not changed after a failed append (make a new store)");
+  }
   cudaStream_t stream() const { return static_cast<cudaStream_t>(config_.stream); }
 
   // Layer `layer`'s cache; a GAAC scheme without calibrations calibrates it on rows k, v (n of them).
@@ -336,7 +434,10 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
         kc.gaac_calibration = calibrate_layer_(host.data(), host.data() + elements, n);
       }
     }
-    throw_if_failed(DeviceKvCache::create(kc, &layers_[size_t(layer)].cache));
+    Layer& l = layers_[size_t(layer)];
+    throw_if_failed(DeviceKvCache::create(kc, &l.cache));
+    l.slots.resize(size_t(config_.n_sequences));
+    for (int i = 0; i < config_.n_sequences; ++i) l.slots[size_t(i)] = i;
   }
 
   // Corrupt entries counted by the launches so far (reads the word: waits for the stream).
@@ -371,6 +472,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
   bool metered_ = false;
   std::vector<Layer> layers_;
   size_t record_bytes_ = 0;
+  int ring_rows_ = 0;  // the sequences one ring record holds
   DeviceBuffer ring_, workspace_, error_word_;
   PinnedBuffer host_ring_;
   int64_t ring_used_ = 0;

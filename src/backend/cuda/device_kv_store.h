@@ -6,7 +6,8 @@
 // layer on its first append, as the host store does: on its first 8,192 rows at most, which come
 // to the host),
 // its pages keyed as layer l of a whole model (DeviceKvCacheConfig::first_model_layer: dither8's
-// dither). Store sequence i is slot i of every layer's cache. An append of several sequences'
+// dither). Each layer maps the store's sequence i to a slot of its cache (slot i at create; a crop
+// or select gives a sequence a new slot). An append of several sequences'
 // rows is one write_rows launch; a decode step of several sequences is one paged-decode launch
 // (attention/cuda/paged_decode_cuda.h) with the split fixed per sequence (kSplitBlocks), so a
 // sequence's output does not depend on the others in the call.
@@ -87,6 +88,19 @@ class DeviceKvStore {
   // [n][n_heads][head_dim] float; meters device [n][n_heads] float or null.
   virtual void attend(int layer, std::span<const int32_t> seqs, const float* q, float* out, float* meters) = 0;
   virtual int64_t length(int seq, int layer) const = 0;
+  // K (kv 0) or V (kv 1) of (seq, layer) at positions [begin, end) as attention reads them (a
+  // lossy page's reconstruction), decoded on the host: out [n_kv_heads][end - begin][head_dim]
+  // float. Waits for the stream.
+  virtual void read(int seq, int layer, int kv, int64_t begin, int64_t end, float* out) = 0;
+  // Keeps the first n_tokens positions of seq in every layer (REQUIRES: at most every layer's
+  // length). Throws certkv::Error kUnsupported, the store unchanged, when n_tokens ends inside a
+  // block some layer keeps as a lossy page (the device keeps no exact values of it).
+  virtual void crop(int seq, int64_t n_tokens) = 0;
+  // The store holds src.size() sequences from here on, sequence i what sequence src[i] was
+  // (REQUIRES: each in range): whole blocks shared by reference count, a partial last block's
+  // raw pages copied on the device. A failure leaves the store as it was.
+  virtual void select(std::span<const int32_t> src) = 0;
+  virtual int n_sequences() const = 0;
   // Waits for the stream; records the meters of the decode steps not yet recorded in the
   // telemetry (lossy schemes) and fails (kCorrupt) when a launch met a corrupt page entry.
   virtual void drain() = 0;

@@ -13,6 +13,10 @@
 #include "cache/cuda/place_encoded_cuda.h"
 #include "codec/cuda/gaac_encode_cuda.h"
 #include "codec/cuda/lossy_encode_cuda.h"
+#include "codec/gaac.h"
+#include "codec/gaac_fragments.h"
+#include "codec/lossy_page.h"
+#include "format/fp8.h"
 #include "format/fragment_layout.h"
 #include "format/gaac_layout.h"
 #include "format/numeric.h"
@@ -140,6 +144,7 @@ struct DeviceKvCache::Layer {
   DeviceBuffer index_centroids;    // key index: [slot][n_kv_heads][2][head_dim] float
   DeviceBuffer dither_keys;        // dither8: [2][n_kv_heads] uint64
   DeviceBuffer outlier_pairs;      // dither8: [n_kv_heads][m] uint16 (the encoder's lists)
+  std::vector<uint16_t> host_outlier_pairs;  // dither8: the same, on the host (read_rows)
   DeviceBuffer outlier_channels;   // dither8: [n_kv_heads][2 m] int32 (the kernels' channels)
   std::vector<uint8_t> outliers_chosen;  // dither8: [n_kv_heads]
   bool all_outliers_chosen() const {
@@ -443,6 +448,85 @@ CudaStatus DeviceKvCache::fork_prefix(int parent, int64_t n_tokens, int* child) 
         }
     written_[size_t(*child) * size_t(config_.n_layers) + size_t(l)] = n_tokens;
     if (blocks > 0) s = upload_table_blocks(layer, *child, 0, blocks);
+  }
+  if (s.ok) s = upload_slot_lengths(*child);
+  if (!s.ok) {
+    broken_ = true;
+    broken_reason_ = s.message;
+  }
+  return s;
+}
+
+CudaStatus DeviceKvCache::fork_sequence(int parent, int64_t n_tokens, int* child) {
+  if (child == nullptr) return cuda_error(StatusCode::kInvalidArgument, "device KV cache: fork_sequence needs a slot");
+  if (!live(parent))
+    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: slot " + std::to_string(parent) + " is not live");
+  const int T = config_.block_tokens;
+  const int H = config_.n_kv_heads;
+  const int D = config_.head_dim;
+  const int64_t whole = n_tokens / T * T;
+  const int64_t tail = n_tokens - whole;
+  for (int l = 0; l < config_.n_layers; ++l)
+    if (n_tokens < 0 || n_tokens > written(parent, l))
+      return cuda_error(StatusCode::kInvalidArgument, "device KV cache: fork_sequence of " + std::to_string(n_tokens) +
+                                                          " positions; layer " + std::to_string(l) + " holds " +
+                                                          std::to_string(written(parent, l)));
+  if (tail == 0) return fork_prefix(parent, n_tokens, child);
+  // The partial block's entries, as the reconciled host tables name them.
+  CudaStatus s = reconcile_encodes();
+  if (!s.ok) return s;
+  const bool coded = config_.scheme != KvScheme::kBf16;
+  const int64_t block = whole / T;
+  auto raw_entry = [&](int32_t entry) { return !coded || entry < 0; };
+  for (int l = 0; l < config_.n_layers; ++l)
+    for (int kv = 0; kv < 2; ++kv)
+      for (int h = 0; h < H; ++h)
+        if (lossy_ && !raw_entry(layers_[size_t(l)]->host_tables[entry_index(parent, kv, h, block)]))
+          return cuda_error(StatusCode::kUnsupported,
+                            "device KV cache: " + std::to_string(n_tokens) + " positions end inside block " +
+                                std::to_string(block) + ", which the device keeps only as a lossy " +
+                                kv_scheme_name(config_.scheme) + " page (layer " + std::to_string(l) +
+                                "): its exact values are not kept; keep a multiple of " + std::to_string(T));
+  s = fork_prefix(parent, whole, child);
+  if (!s.ok) return s;
+  std::vector<float> rows;
+  for (int l = 0; l < config_.n_layers && s.ok; ++l) {
+    Layer& layer = *layers_[size_t(l)];
+    bool all_raw = !choosing_outliers(l);  // a head still choosing its pairs takes the rows through write()
+    for (int kv = 0; kv < 2; ++kv)
+      for (int h = 0; h < H; ++h) all_raw = all_raw && raw_entry(layer.host_tables[entry_index(parent, kv, h, block)]);
+    if (all_raw) {
+      // The parent's raw pages of the block, copied into pages of the child's own on the stream
+      // (rows past the tail are copied too: a raw page's later rows are not read).
+      for (int kv = 0; kv < 2 && s.ok; ++kv)
+        for (int h = 0; h < H && s.ok; ++h) {
+          const int32_t from = layer.host_tables[entry_index(parent, kv, h, block)];
+          const int64_t from_page = coded ? -int64_t(from) - 1 : from;
+          int32_t page = 0;
+          s = layer.raw.take(kFirstRawBlocks * 2 * H, config_.stream, &page);
+          if (!s.ok) break;
+          s = cuda_check(cudaMemcpyAsync(layer.raw.buffer.data() + size_t(page) * layer.raw.stride,
+                                         layer.raw.buffer.data() + size_t(from_page) * layer.raw.stride, raw_bytes_,
+                                         cudaMemcpyDeviceToDevice, as_stream(config_.stream)),
+                         "tail page copy");
+          layer.host_tables[entry_index(*child, kv, h, block)] = coded ? -page - 1 : page;
+        }
+      written_[size_t(*child) * size_t(config_.n_layers) + size_t(l)] = n_tokens;
+      if (s.ok) s = upload_table_blocks(layer, *child, block, block + 1);
+      continue;
+    }
+    // Decoded on the host (a lossless page cropped inside its block) and written again: the rows
+    // are the values the pages hold exactly, so the write stores them as they were.
+    rows.assign(2 * size_t(tail) * size_t(H) * size_t(D), 0.f);
+    std::vector<float> head(size_t(tail) * size_t(D));
+    for (int kv = 0; kv < 2 && s.ok; ++kv)
+      for (int h = 0; h < H && s.ok; ++h) {
+        s = read_rows(parent, l, KvTensor(kv), h, whole, n_tokens, head.data());
+        for (int64_t t = 0; s.ok && t < tail; ++t)
+          std::copy_n(head.data() + size_t(t) * size_t(D), D,
+                      rows.data() + ((size_t(kv) * size_t(tail) + size_t(t)) * size_t(H) + size_t(h)) * size_t(D));
+      }
+    if (s.ok) s = write(*child, l, rows.data(), rows.data() + size_t(tail) * size_t(H) * size_t(D), tail);
   }
   if (s.ok) s = upload_slot_lengths(*child);
   if (!s.ok) {
@@ -981,6 +1065,8 @@ CudaStatus DeviceKvCache::upload_outliers(Layer& layer, int kv_head, const uint1
   for (int j = 0; j < m; ++j)
     for (int which = 0; which < 2; ++which)
       channels[size_t(2 * j + which)] = codec::rope_pair_channel(config_.rope_pairing, D, pairs[size_t(j)], which);
+  layer.host_outlier_pairs.resize(size_t(config_.n_kv_heads) * size_t(m));
+  std::copy_n(pairs, m, layer.host_outlier_pairs.begin() + ptrdiff_t(kv_head) * m);
   CudaStatus s = cuda_check(cudaMemcpyAsync(layer.outlier_pairs.data() + sizeof(uint16_t) * size_t(kv_head) * m,
                                             pairs, sizeof(uint16_t) * size_t(m), cudaMemcpyHostToDevice,
                                             as_stream(config_.stream)),
@@ -1403,6 +1489,67 @@ CudaStatus DeviceKvCache::read_page(int slot, int layer_index, KvTensor kv, int 
       format::fragment::bf16_page_from_fragments(k == 0, D, reinterpret_cast<const uint16_t*>(out->stored.data()),
                                                  reinterpret_cast<uint16_t*>(out->bytes.data()));
     }
+  }
+  return {};
+}
+
+CudaStatus DeviceKvCache::read_rows(int slot, int layer_index, KvTensor kv, int kv_head, int64_t begin, int64_t end,
+                                    float* out) const {
+  if (!live(slot) || layer_index < 0 || layer_index >= config_.n_layers || begin < 0 || begin > end ||
+      end > written(slot, layer_index))
+    return cuda_error(StatusCode::kOutOfRange, "device KV cache: read_rows of positions [" + std::to_string(begin) +
+                                                   ", " + std::to_string(end) + ") outside what slot " +
+                                                   std::to_string(slot) + " holds");
+  const int T = config_.block_tokens;
+  const int D = config_.head_dim;
+  const int k = int(kv);
+  const format::GaacElement element = kv_scheme_element(config_.scheme);
+  std::vector<float> block_rows(size_t(T) * size_t(D));
+  std::vector<uint16_t> bf16(size_t(T) * size_t(D));
+  std::vector<uint8_t> fp8(size_t(T) * size_t(D));
+  const int exponent_bits = element == format::GaacElement::kFp8E4M3 ? 4 : 5;
+  const int mantissa_bits = element == format::GaacElement::kFp8E4M3 ? 3 : 2;
+  for (int64_t b = begin / T; b * T < end; ++b) {
+    DevicePageBytes page;
+    CudaStatus s = read_page(slot, layer_index, kv, kv_head, b, &page);
+    if (!s.ok) return s;
+    if (page.lossy_page) {
+      codec::LossyPageSpec spec = lossy_spec(k == 0);
+      spec.dither_key = codec::dither8_key(config_.first_model_layer + layer_index, k == 0, kv_head);
+      if (spec.n_outlier_pairs > 0)
+        spec.outlier_pairs = layers_[size_t(layer_index)]->host_outlier_pairs.data() + size_t(kv_head) * size_t(n_outlier_pairs_);
+      codec::lossy_decode_page_ref(spec, uint32_t(b), page.bytes.data(), block_rows.data());
+    } else if (element == format::GaacElement::kBf16) {
+      if (page.gaac_slot) {
+        const codec::GaacBases& bases = config_.gaac_calibration->bases(layer_index, k, kv_head);
+        if (fragment_pages_) {
+          if (!codec::gaac_fragment_decode_page_ref(page.bytes.data(), k == 0, D, bases.b4.data(), bf16.data()))
+            return cuda_error(StatusCode::kCorrupt, "device KV cache: the GAAC page of layer " +
+                                                        std::to_string(layer_index) + ", block " + std::to_string(b) +
+                                                        " does not decode");
+        } else {
+          const size_t slot_bytes = format::gaac_slot_bytes(element, T, D, layers_[size_t(layer_index)]->escape_capacity[k]);
+          page.bytes.resize(std::max(page.bytes.size(), slot_bytes), 0);  // the used bytes; the rest unread
+          codec::gaac_decode_page_ref(page.bytes.data(), slot_bytes, T, D, bases, bf16.data());
+        }
+      } else {
+        std::memcpy(bf16.data(), page.bytes.data(), std::min(page.bytes.size(), bf16.size() * sizeof(uint16_t)));
+      }
+      for (size_t i = 0; i < bf16.size(); ++i) block_rows[i] = format::bf16_to_float(bf16[i]);
+    } else {  // fp8 elements (the GAAC fp8 schemes): a slot or a raw page
+      if (page.gaac_slot) {
+        const size_t slot_bytes = format::gaac_slot_bytes(element, T, D, layers_[size_t(layer_index)]->escape_capacity[k]);
+        page.bytes.resize(std::max(page.bytes.size(), slot_bytes), 0);
+        codec::gaac_decode_page_fp8_ref(element, page.bytes.data(), slot_bytes, T, D,
+                                        config_.gaac_calibration->bases(layer_index, k, kv_head), fp8.data());
+      } else {
+        std::memcpy(fp8.data(), page.bytes.data(), std::min(page.bytes.size(), fp8.size()));
+      }
+      for (size_t i = 0; i < fp8.size(); ++i) block_rows[i] = format::fp8_to_float(fp8[i], exponent_bits, mantissa_bits);
+    }
+    const int64_t first = std::max(begin, b * T), last = std::min(end, (b + 1) * T);
+    std::copy(block_rows.begin() + (first - b * T) * D, block_rows.begin() + (last - b * T) * D,
+              out + (first - begin) * D);
   }
   return {};
 }

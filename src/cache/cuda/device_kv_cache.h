@@ -202,6 +202,14 @@ class DeviceKvCache {
   // kInvalidArgument unless n_tokens is a multiple of block_tokens and at most what the parent
   // has written to every layer.
   CudaStatus fork_prefix(int parent, int64_t n_tokens, int* child);
+  // A new sequence holding the parent's first n_tokens positions of every layer, any count (a
+  // crop, or a whole copy for a store's select): the whole blocks shared as fork_prefix shares
+  // them; the rows of a partial last block copied into the child's own raw pages, on the device
+  // when the parent's pages of that block are raw, else decoded (read_rows) and written again.
+  // kInvalidArgument past what the parent has written to some layer; kUnsupported, before any
+  // change, when that block's pages are lossy in some layer (a crop inside a block the device
+  // keeps only lossy: its exact values are gone).
+  CudaStatus fork_sequence(int parent, int64_t n_tokens, int* child);
   bool live(int slot) const { return slot >= 0 && size_t(slot) < live_.size() && live_[size_t(slot)] != 0; }
 
   // Appends positions [written(slot, layer), written(slot, layer) + n) of `layer`: k, v floats
@@ -297,6 +305,12 @@ class DeviceKvCache {
   DeviceSequenceBytes sequence_bytes(int slot) const;
   // Pages the tables of these live slots reference, a page shared among them counted once.
   uint64_t pages_referenced(std::span<const int> slots) const;
+  // Positions [begin, end) of (slot, layer, K/V, kv_head) as attention reads them (a lossy page's
+  // reconstruction), decoded on the host from read_page's bytes by the codecs' _ref decoders:
+  // out [end - begin][head_dim] float. Synchronizes the stream. kOutOfRange past what the slot
+  // has written; kInvalidArgument while encodes are pending; kCorrupt for a GAAC device page
+  // that does not decode.
+  CudaStatus read_rows(int slot, int layer, KvTensor kv, int kv_head, int64_t begin, int64_t end, float* out) const;
   // The page of (slot, layer, K/V, kv_head, block) as stored; synchronizes the stream.
   // kInvalidArgument while encodes are pending (reconcile_encodes first).
   CudaStatus read_page(int slot, int layer, KvTensor kv, int kv_head, int64_t block, DevicePageBytes* out) const;
