@@ -50,6 +50,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import _certkv
+from ._errors import UnsupportedError
 from .kv_store import KvStore
 
 __all__ = ["CertkvCache", "certkv_attention", "ATTENTION_NAME"]
@@ -58,6 +59,7 @@ __all__ = ["CertkvCache", "certkv_attention", "ATTENTION_NAME"]
 ATTENTION_NAME = "certkv"
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DEVICE_BLOCK_TOKENS = 16  # a cuda store's block size (the device serves 16 only)
 
 # certkv_attention receives the model's tensors, not its cache: CertkvCache's update records
 # itself here, per thread and layer, for the attention call that follows it.
@@ -113,6 +115,22 @@ class _CertkvLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         self._cache.crop(tokens_to_remove)
+
+    def _check_crop_on_cuda(self, keep: int) -> None:
+        """Refuses a crop the device would refuse for some row, before any row is cropped: with a
+        lossy scheme, a row's crop point inside a whole block (encoded; its exact values are not
+        kept on the device). Blocks the encoder kept exact would be served; they are refused
+        here too."""
+        if not next((s["lossy"] for s in _certkv.kv_schemes() if s["name"] == self.scheme), True):
+            return
+        for b in range(self.store.n_sequences):
+            kept, held = max(0, keep - self._pads[b]), self.store.length(b, 0)
+            if kept % _DEVICE_BLOCK_TOKENS and (kept // _DEVICE_BLOCK_TOKENS + 1) * _DEVICE_BLOCK_TOKENS <= held:
+                raise UnsupportedError(
+                    f"CertkvCache.crop: row {b} would keep {kept} of its {held} positions, inside block "
+                    f"{kept // _DEVICE_BLOCK_TOKENS}, which the device keeps only as a lossy {self.scheme} page (its "
+                    f"exact values are not kept); crop to a multiple of {_DEVICE_BLOCK_TOKENS} positions or within "
+                    f"the partial last block")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._cache.reorder_cache(beam_idx)
@@ -248,12 +266,30 @@ class CertkvCache(Cache):
             raise ValueError(f"tokens_to_remove: {tokens_to_remove} removes more than the {seen} positions held")
         if keep == seen or self.store is None:
             return
+        if self.device.type == "cuda":
+            self._check_crop_on_cuda(keep)
         for b in range(self.store.n_sequences):
             self.store.crop(b, max(0, keep - self._pads[b]))
             self._pads[b] = min(self._pads[b], keep)
         for layer in self.layers:
             layer.seen = keep
         self._counts_at = None
+
+    def _check_crop_on_cuda(self, keep: int) -> None:
+        """Refuses a crop the device would refuse for some row, before any row is cropped: with a
+        lossy scheme, a row's crop point inside a whole block (encoded; its exact values are not
+        kept on the device). Blocks the encoder kept exact would be served; they are refused
+        here too."""
+        if not next((s["lossy"] for s in _certkv.kv_schemes() if s["name"] == self.scheme), True):
+            return
+        for b in range(self.store.n_sequences):
+            kept, held = max(0, keep - self._pads[b]), self.store.length(b, 0)
+            if kept % _DEVICE_BLOCK_TOKENS and (kept // _DEVICE_BLOCK_TOKENS + 1) * _DEVICE_BLOCK_TOKENS <= held:
+                raise UnsupportedError(
+                    f"CertkvCache.crop: row {b} would keep {kept} of its {held} positions, inside block "
+                    f"{kept // _DEVICE_BLOCK_TOKENS}, which the device keeps only as a lossy {self.scheme} page (its "
+                    f"exact values are not kept); crop to a multiple of {_DEVICE_BLOCK_TOKENS} positions or within "
+                    f"the partial last block")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Sequence i becomes what sequence beam_idx[i] was (beam search); pages are shared."""

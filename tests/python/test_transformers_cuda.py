@@ -242,6 +242,22 @@ def test_crop_equals_never_having_the_cropped_tokens(certkv_model):
     with pytest.raises(certkv.UnsupportedError, match="multiple of 16"):
         cache.crop(-4)  # 18 -> 14: inside block 0, an fp8 page now
     assert cache.get_seq_length() == 18 and np.array_equal(cache.store.read(0, 1, "k"), before)
+    # A left-padded batch: a crop that one row could take and the other could not is refused
+    # before either row changes.
+    ids = torch.tensor([prompt, [0] * 4 + prompt[4:]], device="cuda")
+    mask = torch.tensor([[1] * 14, [0] * 4 + [1] * 10], device="cuda")
+    cache = ct.CertkvCache(certkv_model.config, scheme="fp8-e4m3")
+    with torch.no_grad():
+        certkv_model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        for t in tokens[14:22]:
+            mask = torch.cat([mask, torch.ones((2, 1), dtype=mask.dtype, device="cuda")], dim=1)
+            certkv_model(input_ids=torch.tensor([[t], [t]], device="cuda"), attention_mask=mask, past_key_values=cache)
+    assert [cache.store.length(b, 0) for b in range(2)] == [22, 18]
+    with pytest.raises(certkv.UnsupportedError, match="row 1 would keep 15"):
+        cache.crop(-3)  # row 0 would keep 19 (its partial block), row 1 15 (inside its encoded block 0)
+    assert [cache.store.length(b, 0) for b in range(2)] == [22, 18] and cache.get_seq_length() == 22
+    cache.crop(-2)  # 20 and 16: served
+    assert [cache.store.length(b, 0) for b in range(2)] == [20, 16] and cache.get_seq_length() == 20
 
 
 def test_repeat_select_and_reorder_share_the_prompt(certkv_model):
