@@ -116,22 +116,6 @@ class _CertkvLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         self._cache.crop(tokens_to_remove)
 
-    def _check_crop_on_cuda(self, keep: int) -> None:
-        """Refuses a crop the device would refuse for some row, before any row is cropped: with a
-        lossy scheme, a row's crop point inside a whole block (encoded; its exact values are not
-        kept on the device). Blocks the encoder kept exact would be served; they are refused
-        here too."""
-        if not next((s["lossy"] for s in _certkv.kv_schemes() if s["name"] == self.scheme), True):
-            return
-        for b in range(self.store.n_sequences):
-            kept, held = max(0, keep - self._pads[b]), self.store.length(b, 0)
-            if kept % _DEVICE_BLOCK_TOKENS and (kept // _DEVICE_BLOCK_TOKENS + 1) * _DEVICE_BLOCK_TOKENS <= held:
-                raise UnsupportedError(
-                    f"CertkvCache.crop: row {b} would keep {kept} of its {held} positions, inside block "
-                    f"{kept // _DEVICE_BLOCK_TOKENS}, which the device keeps only as a lossy {self.scheme} page (its "
-                    f"exact values are not kept); crop to a multiple of {_DEVICE_BLOCK_TOKENS} positions or within "
-                    f"the partial last block")
-
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._cache.reorder_cache(beam_idx)
 
