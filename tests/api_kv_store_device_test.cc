@@ -502,4 +502,34 @@ TEST(CApiKvStoreDevice, ReadCropAndSelectMatchTheCpuStore) {
     }
 }
 
+// dither8 chooses each head's outlier pairs from the first whole block of a layer: a select before
+// any block is whole copies the rows through the write path, which notes them for the choice, so
+// each copy's first block chooses from its own rows as the CPU store's does.
+TEST(CApiKvStoreDevice, SelectBeforeTheOutlierPairsAreChosen) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  const Shape sh{6, 2, 64};
+  certkv_kv_store_params pc = params("dither8", nullptr, sh, nullptr);
+  certkv_kv_store_params pd = params("dither8", nullptr, sh, "cuda");
+  pc.n_sequences = pd.n_sequences = 1;
+  certkv_kv_store *cpu = nullptr, *dev = nullptr;
+  ASSERT_EQ(certkv_kv_store_create(&pc, &cpu), CERTKV_OK) << certkv_last_error();
+  ASSERT_EQ(certkv_kv_store_create(&pd, &dev), CERTKV_OK) << certkv_last_error();
+  for (int l = 0; l < kLayers; ++l)
+    append_both(cpu, dev, 0, l, make_rows(10, sh, uint32_t(11 + l), true), make_rows(10, sh, uint32_t(21 + l), false), 10, sh);
+  const int32_t twice[2] = {0, 0};
+  ASSERT_EQ(certkv_kv_store_select(cpu, twice, 2), CERTKV_OK) << certkv_last_error();
+  ASSERT_EQ(certkv_kv_store_select(dev, twice, 2), CERTKV_OK) << certkv_last_error();
+  for (int s = 0; s < 2; ++s)
+    for (int l = 0; l < kLayers; ++l)  // each copy completes its first block with rows of its own
+      append_both(cpu, dev, s, l, make_rows(12, sh, uint32_t(31 + 10 * s + l), true),
+                  make_rows(12, sh, uint32_t(51 + 10 * s + l), false), 12, sh);
+  expect_same_reads(cpu, dev, 2, sh, "after both copies completed a block");
+  expect_same_step(cpu, dev, 2, sh, 77);
+  certkv_kv_stats st;
+  ASSERT_EQ(certkv_kv_store_kv_stats(dev, &st), CERTKV_OK) << certkv_last_error();
+  EXPECT_EQ(class_pages(st, "dither8"), 2u * 2u * uint64_t(sh.kv_heads) * kLayers);  // each copy's block 0
+  certkv_kv_store_free(dev);
+  certkv_kv_store_free(cpu);
+}
+
 }  // namespace
