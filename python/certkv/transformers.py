@@ -270,6 +270,7 @@ class CertkvCache(Cache):
             kept, held = max(0, keep - self._pads[b]), self.store.length(b, 0)
             if kept % _DEVICE_BLOCK_TOKENS and (kept // _DEVICE_BLOCK_TOKENS + 1) * _DEVICE_BLOCK_TOKENS <= held:
                 raise UnsupportedError(
+                    "CERTKV_ERR_UNSUPPORTED", 4,
                     f"CertkvCache.crop: row {b} would keep {kept} of its {held} positions, inside block "
                     f"{kept // _DEVICE_BLOCK_TOKENS}, which the device keeps only as a lossy {self.scheme} page (its "
                     f"exact values are not kept); crop to a multiple of {_DEVICE_BLOCK_TOKENS} positions or within "
