@@ -943,6 +943,17 @@ typedef struct certkv_kv_store_params {
   int gate;                      /* lossy schemes on device "cpu": 1 repairs each decode step of
                                     certkv_kv_store_attend whose meter exceeds meter_tau from the
                                     exact backing store (docs/meter.md, "The gate"); default 0 */
+  double sparse_p;               /* device "cpu": 0 (default) dense decode; in (0, 1]: a decode
+                                    step of a layer past sparse_dense_layers attends the fewest
+                                    indexed tokens holding estimated mass sparse_p, plus the
+                                    tokens not indexed (docs/sparse.md, "The KV store"); not with
+                                    the gate; head_dim 32, 64, 96, 128 or 256 */
+  int32_t sparse_window;         /* newest tokens never indexed (always attended); -1: 128 */
+  int32_t sparse_dense_layers;   /* first layers decoded densely, in [0, n_layers]; -1: 2 (or
+                                    n_layers when fewer) */
+  double sparse_deviations;      /* the Top-p set widened per token by this many deviations of
+                                    its estimate (certkv_session_params.sparse_deviations) */
+  const char* sparse_rotation;   /* the key index's rotation: "haar" (null) or "hadamard" */
 } certkv_kv_store_params;
 
 /* The meter of one (layer, query head) of a decode step (docs/meter.md): meter >= the total
@@ -1052,6 +1063,11 @@ CERTKV_API certkv_status certkv_kv_store_meter_stats(const certkv_kv_store* stor
                                                      certkv_meter_stats* stats);
 CERTKV_API certkv_status certkv_kv_store_kv_stats(const certkv_kv_store* store,
                                                   certkv_kv_stats* stats);
+/* Sparse decode since create (certkv_sparse_stats as a session's; sparse 0 and the rest zero for
+ * a dense store): steps counts the sparse decode steps of (sequence, layer), cells their (step,
+ * query head) cells; indexed_tokens and index_bytes sum over every (layer, sequence) index. */
+CERTKV_API certkv_status certkv_kv_store_sparse_stats(const certkv_kv_store* store,
+                                                      certkv_sparse_stats* stats);
 
 /* ---- The RaBitQ key index and Top-p selection on arrays ----------------------------------- */
 

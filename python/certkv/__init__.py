@@ -30,7 +30,7 @@ from . import _certkv
 from ._errors import (CertkvError, CorruptError, InvalidArgumentError, NotFoundError,
                       OutOfRangeError, UnsupportedError)
 from . import _certificate, codec, index, kvdump, meter
-from .kv_store import KvStore
+from .kv_store import KvStore, sparse_options
 
 __all__ = ["Model", "Session", "Engine", "KvStore", "GenerateResult", "kv_schemes", "default_model_path",
            "__version__", "CertkvError", "InvalidArgumentError", "NotFoundError", "CorruptError",
@@ -137,15 +137,7 @@ def _session_options(kv: str, sparse: float | Mapping[str, Any] | None, gate: bo
                                "gaac_calibration": os.fspath(gaac_calibration) if gaac_calibration else None,
                                "n_threads": threads, "context_tokens": context_tokens,
                                "block_tokens": block_tokens, "activations": activations, "device": device}
-    if sparse is not None:
-        spec = {"p": sparse} if isinstance(sparse, (int, float)) else dict(sparse)
-        known = {"p", "deviations", "window", "dense_layers", "rotation"}
-        if not isinstance(sparse, (int, float, Mapping)) or set(spec) - known or "p" not in spec:
-            raise ValueError(f"sparse: expected p in (0, 1] or a dict with p and any of deviations, window, "
-                             f"dense_layers, rotation; got {sparse!r}")
-        options.update(sparse_p=float(spec["p"]), sparse_deviations=spec.get("deviations"),
-                       sparse_window=spec.get("window"), sparse_dense_layers=spec.get("dense_layers"),
-                       sparse_rotation=spec.get("rotation"))
+    options.update(sparse_options(sparse))
     return options
 
 

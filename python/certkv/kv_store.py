@@ -19,18 +19,23 @@ sequence's tables only, by their exact values from the backing store, and the st
 again; ``attend`` returns the repaired step's output and meters, and ``certificate()`` counts the
 pages repaired (``gate_repairs``) while its coverage is the steps' before repair.
 
+``sparse=0.9`` (or a dict with p, deviations, window, dense_layers, rotation; cpu stores) decodes
+the layers past ``dense_layers`` sparsely: each (layer, sequence) keeps a RaBitQ key index of its
+keys, and a decode step attends the fewest indexed tokens holding estimated attention mass p plus
+the tokens not indexed (the newest ``window``). ``sparse_stats()`` gives the budget attended.
+
 A store of ``device="cuda"`` keeps its pages in the memory of the CUDA device current at its
 creation and takes device memory instead of NumPy arrays: ``append_device`` and ``attend_device``
 take device pointers (ints, as torch's ``data_ptr()`` or CuPy's ``data.ptr`` give them) and
-enqueue their work on ``cuda_stream``; ``append``, ``read``, ``attend``, ``crop`` and ``reorder``
-refuse it (certkv.UnsupportedError), as ``append_device`` and ``attend_device`` refuse a cpu store
+enqueue their work on ``cuda_stream``; ``append`` and ``attend`` refuse it
+(certkv.UnsupportedError), as ``append_device`` and ``attend_device`` refuse a cpu store
 (certkv.InvalidArgumentError).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -67,6 +72,21 @@ def _ints(name: str, values: Any, minimum: int) -> list[int]:
     return ints
 
 
+def sparse_options(sparse: float | Mapping[str, Any] | None) -> dict[str, Any]:
+    """The sparse_* parameters of a ``sparse=`` argument (a session's or a store's): None for dense
+    decode, p in (0, 1], or a dict with p and any of deviations, window, dense_layers, rotation."""
+    if sparse is None:
+        return {}
+    spec = {"p": sparse} if isinstance(sparse, (int, float)) and not isinstance(sparse, bool) else sparse
+    known = {"p", "deviations", "window", "dense_layers", "rotation"}
+    if not isinstance(spec, Mapping) or set(spec) - known or "p" not in spec:
+        raise ValueError(f"sparse: expected p in (0, 1] or a dict with p and any of deviations, window, "
+                         f"dense_layers, rotation; got {sparse!r}")
+    return {"sparse_p": float(spec["p"]), "sparse_deviations": spec.get("deviations"),
+            "sparse_window": spec.get("window"), "sparse_dense_layers": spec.get("dense_layers"),
+            "sparse_rotation": spec.get("rotation")}
+
+
 class KvStore:
     """Paged, compressed K and V of ``n_sequences`` sequences of a model's ``n_layers`` layers."""
 
@@ -78,7 +98,8 @@ class KvStore:
                  gaac_calibration: str | os.PathLike[str] | None = None,
                  meter_delta: float | None = None, meter_tau: float | None = None,
                  meter_planned_steps: int | None = None, n_threads: int = 1, device: str = "cpu",
-                 cuda_stream: int | None = None, gate: bool = False) -> None:
+                 cuda_stream: int | None = None, gate: bool = False,
+                 sparse: float | Mapping[str, Any] | None = None) -> None:
         if not isinstance(kv, str):
             raise TypeError(f"kv: expected a scheme name (str), got {type(kv).__name__}")
         if rope_layout not in _ROPE_LAYOUTS:
@@ -109,7 +130,7 @@ class KvStore:
             "outlier_pairs": outlier_pairs, "recent_window_tokens": recent_window_tokens, "witness": witness,
             "gaac_calibration": None if gaac_calibration is None else os.fspath(gaac_calibration),
             "meter_delta": meter_delta, "meter_tau": meter_tau, "meter_planned_steps": meter_planned_steps,
-            "device": device, "cuda_stream": cuda_stream, "gate": gate,
+            "device": device, "cuda_stream": cuda_stream, "gate": gate, **sparse_options(sparse),
         }
         self._store = _certkv.KvStore(options)
 
@@ -256,8 +277,21 @@ class KvStore:
     def kv_stats(self) -> dict[str, Any]:
         return self._store.kv_stats()
 
+    def sparse_stats(self) -> dict[str, Any]:
+        """Sparse decode since the store was made (a session's sparse_stats: sparse, p, window_tokens,
+        dense_layers, steps, cells, mean_budget, mean_budget_all_layers, index_bytes,
+        indexed_tokens, ...); steps counts (sequence, layer) decode steps of the sparse layers.
+        {"sparse": False, ...} for a dense store."""
+        return self._store.sparse_stats()
+
     def certificate(self) -> dict[str, Any]:
         """The certificate of the decode steps attended so far: scheme, metered; for a lossy
         scheme its tier, tau, coverage at tau, meter_max, meter_p50, meter_p99 over the
-        (layer, query head, step) cells; the KV bytes by storage class."""
-        return _certificate.certificate(self.kv, self.meter_stats(), self.kv_stats())
+        (layer, query head, step) cells; the KV bytes by storage class; with sparse decode, the
+        mean budget attended (``sparse``: p, cells, mean_budget, mean_budget_all_layers; the meter
+        covers the attended set, the mass left outside it is the sparse tier's recall)."""
+        cert = _certificate.certificate(self.kv, self.meter_stats(), self.kv_stats())
+        sparse = self.sparse_stats()
+        if sparse["sparse"]:
+            cert["sparse"] = {key: sparse[key] for key in ("p", "cells", "mean_budget", "mean_budget_all_layers")}
+        return cert

@@ -472,7 +472,7 @@ nb::dict meter_tier_b(In<float> q, In<float> k, In<float> k_hat, In<float> scale
 // certkv_kv_store_params with the strings it points at.
 struct KvStoreOptions {
   certkv_kv_store_params params = certkv_kv_store_default_params();
-  std::string kv, rope_layout, witness, gaac_calibration, device;
+  std::string kv, rope_layout, witness, gaac_calibration, device, sparse_rotation;
 };
 
 std::unique_ptr<KvStoreOptions> kv_store_options(const nb::dict& d) {
@@ -503,6 +503,11 @@ std::unique_ptr<KvStoreOptions> kv_store_options(const nb::dict& d) {
     else if (key == "meter_planned_steps") p.meter_planned_steps = nb::cast<int64_t>(value);
     else if (key == "n_threads") p.n_threads = nb::cast<int32_t>(value);
     else if (key == "gate") p.gate = nb::cast<bool>(value) ? 1 : 0;
+    else if (key == "sparse_p") p.sparse_p = nb::cast<double>(value);
+    else if (key == "sparse_window") p.sparse_window = nb::cast<int32_t>(value);
+    else if (key == "sparse_dense_layers") p.sparse_dense_layers = nb::cast<int32_t>(value);
+    else if (key == "sparse_deviations") p.sparse_deviations = nb::cast<double>(value);
+    else if (key == "sparse_rotation") p.sparse_rotation = (o->sparse_rotation = nb::cast<std::string>(value)).c_str();
     else throw nb::value_error(("unknown KV store option '" + key + "'").c_str());
   }
   return o;
@@ -519,6 +524,7 @@ struct KvStore {
     check(certkv_kv_store_create(&o->params, &store));
     params = o->params;
     params.kv = params.rope_layout = params.witness = params.gaac_calibration = params.device = nullptr;  // not kept
+    params.sparse_rotation = nullptr;
   }
   ~KvStore() { certkv_kv_store_free(store); }
   KvStore(const KvStore&) = delete;
@@ -543,6 +549,11 @@ struct KvStore {
     require_rows("v", v, n_tokens);
     nb::gil_scoped_release release;
     check(certkv_kv_store_append_f32(store, seq, layer, k.data(), v.data(), n_tokens));
+  }
+  nb::dict sparse_stats() const {
+    certkv_sparse_stats s;
+    check(certkv_kv_store_sparse_stats(store, &s));
+    return sparse_stats_dict(s);
   }
   int64_t length(int32_t seq, int32_t layer) const {
     int64_t n = 0;
@@ -832,7 +843,8 @@ NB_MODULE(_certkv, m) {
       .def("reorder", &KvStore::reorder)
       .def("select", &KvStore::select)
       .def("meter_stats", &KvStore::meter_stats)
-      .def("kv_stats", &KvStore::kv_stats);
+      .def("kv_stats", &KvStore::kv_stats)
+      .def("sparse_stats", &KvStore::sparse_stats);
   m.def("rabitq_record_bytes", &rabitq_record_bytes);
   m.def("rabitq_encode_keys", &rabitq_encode_keys);
   m.def("rabitq_estimate_scores", &rabitq_estimate_scores);

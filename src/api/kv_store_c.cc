@@ -8,6 +8,7 @@
 // of device "cuda" keeps its pages in a backend::cuda::DeviceKvStore instead (the same per-layer
 // shape and calibration, on the device) and takes device rows and queries.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -16,8 +17,10 @@
 
 #include "api/api_meter_stats.h"
 #include "api/api_status.h"
+#include "api/kv_store_sparse.h"
 #include "attention/decode_attention.h"
 #include "attention/decode_gate.h"
+#include "attention/sparse_decode.h"
 #include "backend/cuda/device_kv_store.h"
 #include "cache/kv_cache.h"
 #include "cache/kv_scheme.h"
@@ -59,6 +62,12 @@ struct certkv_kv_store {
   std::unique_ptr<certkv::gate::Telemetry> telemetry;
   std::vector<float> rows;                       // [n_tokens][n_kv_heads][head_dim] for write
   std::vector<certkv::attention::HeadMeter> head_meters;
+  // Sparse decode (params.sparse_p, device cpu): each (layer, sequence) of the layers past the
+  // dense ones has its key index (api/kv_store_sparse.h); the others' vectors stay empty.
+  certkv::api::StoreSparseConfig sparse;
+  cache::KeyIndexConfig key_index_config;
+  std::vector<std::vector<certkv::api::StoreKeyIndex>> key_indexes;  // [layer][seq]
+  certkv::api::StoreSparseStats sparse_stats;
   // Device "cuda": the pages on the device (layers, seqs and pool then stay empty). Declared
   // last: destroyed first, before the telemetry it records into.
   std::unique_ptr<certkv::backend::cuda::DeviceKvStore> device;
@@ -274,6 +283,11 @@ certkv_kv_store_params certkv_kv_store_default_params(void) {
   p.meter_planned_steps = 0;
   p.n_threads = 1;
   p.gate = 0;
+  p.sparse_p = 0;
+  p.sparse_window = -1;
+  p.sparse_dense_layers = -1;
+  p.sparse_deviations = 0;
+  p.sparse_rotation = nullptr;
   return p;
 }
 
@@ -335,6 +349,37 @@ certkv_status certkv_kv_store_create(const certkv_kv_store_params* params, certk
   if (on_cuda && p.gate != 0)
     return set_error(CERTKV_ERR_UNSUPPORTED, std::string(w) + ": the gate is not served on device cuda (its pages "
                                                               "keep no exact backing store); gate on device cpu");
+  CERTKV_REQUIRE(p.sparse_p == 0 || (p.sparse_p > 0 && p.sparse_p <= 1),
+                 std::string(w) + ": sparse_p " + std::to_string(p.sparse_p) + " is not 0 (dense) or in (0, 1]");
+  CERTKV_REQUIRE(p.sparse_deviations >= 0 && std::isfinite(p.sparse_deviations),
+                 std::string(w) + ": sparse_deviations must be finite and >= 0");
+  CERTKV_REQUIRE(p.sparse_deviations == 0 || p.sparse_p != 0,
+                 std::string(w) + ": sparse_deviations widens sparse decode's selection: set sparse_p too");
+  CERTKV_REQUIRE(p.sparse_window >= -1, std::string(w) + ": sparse_window " + std::to_string(p.sparse_window) +
+                                            " is negative (-1: 128)");
+  CERTKV_REQUIRE(p.sparse_dense_layers >= -1 && p.sparse_dense_layers <= p.n_layers,
+                 std::string(w) + ": sparse_dense_layers " + std::to_string(p.sparse_dense_layers) +
+                     " is not in [0, n_layers = " + std::to_string(p.n_layers) + "] (-1: 2)");
+  certkv::index::RotationKind rotation = certkv::index::RotationKind::kHaar;
+  if (p.sparse_rotation != nullptr) {
+    try {
+      rotation = cache::parse_rotation_kind(p.sparse_rotation);
+    } catch (const certkv::Error& e) {
+      return set_error(CERTKV_ERR_INVALID_ARGUMENT, std::string(w) + ": sparse_rotation: " + e.what());
+    }
+  }
+  if (p.sparse_p != 0) {
+    if (on_cuda)
+      return set_error(CERTKV_ERR_UNSUPPORTED, std::string(w) + ": sparse decode is not served on a store of device "
+                                                                "cuda yet (sparse_p on device cpu)");
+    if (!cache::key_index_supports_head_dim(p.head_dim))
+      return set_error(CERTKV_ERR_UNSUPPORTED, std::string(w) + ": sparse decode: head_dim " +
+                                                   std::to_string(p.head_dim) +
+                                                   " is not supported by the key index (32, 64, 96, 128, 256)");
+    if (p.gate != 0)
+      return set_error(CERTKV_ERR_UNSUPPORTED,
+                       std::string(w) + ": the gate and sparse decode do not combine yet (the meter does)");
+  }
   if (on_cuda && info.lossy && p.recent_window_tokens > 0)
     return set_error(CERTKV_ERR_UNSUPPORTED, std::string(w) + ": device cuda keeps no full-precision recent window "
                                                               "(recent_window_tokens " +
@@ -366,6 +411,24 @@ certkv_status certkv_kv_store_create(const certkv_kv_store_params* params, certk
     s->pool = std::make_unique<certkv::ThreadPool>(p.n_threads);
     s->layers.resize(size_t(p.n_layers));
     s->seqs.resize(size_t(p.n_layers));
+    if (p.sparse_p != 0) {
+      certkv::api::StoreSparseConfig& sp = s->sparse;
+      sp.p = p.sparse_p;
+      sp.deviations = p.sparse_deviations;
+      sp.window_tokens = p.sparse_window == -1 ? 128 : p.sparse_window;
+      sp.dense_layers = p.sparse_dense_layers == -1 ? std::min(2, int(p.n_layers)) : p.sparse_dense_layers;
+      sp.rotation = rotation;
+      cache::KeyIndexConfig& ic = s->key_index_config;
+      ic.n_layers = 1;
+      ic.n_kv_heads = p.n_kv_heads;
+      ic.head_dim = p.head_dim;
+      ic.page_records = p.block_tokens;
+      ic.rotation = sp.rotation;
+      ic.seed = sp.seed;
+      s->key_indexes.resize(size_t(p.n_layers));
+      for (int l = sp.dense_layers; l < p.n_layers; ++l)
+        for (int i = 0; i < p.n_sequences; ++i) s->key_indexes[size_t(l)].emplace_back(ic);
+    }
     if (has_file) {
       codec::GaacShape shape;
       shape.n_layers = p.n_layers;
@@ -489,7 +552,12 @@ certkv_status certkv_kv_store_attend(certkv_kv_store* store, int32_t seq, int32_
     shape.n_kv_heads = kv_heads(*store);
     shape.head_dim = head_dim(*store);
     shape.scale = store->sm_scale;
+    certkv::api::StoreKeyIndex* key_index =
+        store->key_indexes.empty() || store->key_indexes[size_t(layer)].empty()
+            ? nullptr
+            : &store->key_indexes[size_t(layer)][size_t(seq)];
     if (n_queries > 1) {
+      if (key_index) key_index->note_queries(q, n_queries, store->n_heads);
       certkv::attention::prefill_attention(c, id, 0, shape, q, n - n_queries, n_queries, out, store->pool.get());
       return;
     }
@@ -501,7 +569,33 @@ certkv_status certkv_kv_store_attend(certkv_kv_store* store, int32_t seq, int32_
       options.meter.delta_loc = store->delta_loc;
     }
     auto attend = [&] { certkv::attention::decode_attention(c, id, 0, shape, q, n, out, store->pool.get(), options); };
-    attend();
+    certkv::api::StoreSparseStats& ss = store->sparse_stats;
+    if (key_index) {
+      const auto start = std::chrono::steady_clock::now();
+      ss.index_appended_tokens += key_index->update(c, id, n, q, store->n_heads, store->sparse);
+      ss.index_build_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+    if (key_index && key_index->has_records()) {
+      certkv::attention::SparseDecodeOptions so;
+      so.p = store->sparse.p;
+      so.deviations = store->sparse.deviations;
+      so.rounding_seed = certkv::attention::sparse_step_rounding_seed(store->sparse.seed, n - 1, store->n_layers, layer);
+      so.meters = options.meters;
+      so.meter = options.meter;
+      std::vector<certkv::attention::SparseHeadStats> heads(size_t(store->n_heads));
+      certkv::attention::sparse_decode_attention(c, id, 0, shape, q, n, key_index->index(), so, out, heads.data(),
+                                                 store->pool.get());
+      ss.steps += 1;
+      for (const certkv::attention::SparseHeadStats& h : heads) {
+        ss.cells += 1;
+        ss.sum_budget += double(h.n_attended) / double(n);
+        ss.widened_tokens += h.n_widened;
+        ss.context_tokens += n;
+      }
+    } else {
+      attend();
+      if (store->sparse.p != 0) ss.dense_cells += store->n_heads;
+    }
     if (store->metered)
       for (const certkv::attention::HeadMeter& hm : m) store->telemetry->record(hm.meter, std::isinf(hm.log_a));
     if (store->gate)
@@ -581,6 +675,9 @@ certkv_status certkv_kv_store_crop(certkv_kv_store* store, int32_t seq, int64_t 
         c.commit(id, tail);
       }
     }
+    // The key indexes are rebuilt from the kept keys at the next decode step (same centroids).
+    for (auto& layer : store->key_indexes)
+      if (!layer.empty()) layer[size_t(seq)].drop_records();
   });
 }
 
@@ -614,11 +711,16 @@ certkv_status select_sequences(const char* w, certkv_kv_store* store, const int3
         for (cache::SeqId id : selected[size_t(l)]) store->layers[size_t(l)]->free_sequence(id);
       throw;
     }
+    std::vector<std::vector<certkv::api::StoreKeyIndex>> key_indexes(store->key_indexes.size());
+    for (size_t l = 0; l < store->key_indexes.size(); ++l)
+      if (!store->key_indexes[l].empty())
+        for (int32_t i = 0; i < n; ++i) key_indexes[l].push_back(store->key_indexes[l][size_t(src[i])].copy_without_records());
     for (int l = 0; l < store->n_layers; ++l) {
       if (!store->layers[size_t(l)]) continue;
       for (cache::SeqId id : store->seqs[size_t(l)]) store->layers[size_t(l)]->free_sequence(id);
       store->seqs[size_t(l)] = std::move(selected[size_t(l)]);
     }
+    store->key_indexes = std::move(key_indexes);
     store->n_sequences = n;
   });
 }
@@ -643,6 +745,33 @@ certkv_status certkv_kv_store_meter_stats(const certkv_kv_store* store, certkv_m
     for (const auto& c : store->layers)
       if (c) stats->exact_fallback_blocks += c->memory_stats().exact_fallback_blocks;
   });
+}
+
+certkv_status certkv_kv_store_sparse_stats(const certkv_kv_store* store, certkv_sparse_stats* stats) {
+  CERTKV_REQUIRE(store && stats, "certkv_kv_store_sparse_stats: null argument");
+  *stats = certkv_sparse_stats{};
+  if (store->sparse.p == 0) return CERTKV_OK;
+  const certkv::api::StoreSparseConfig& cfg = store->sparse;
+  const certkv::api::StoreSparseStats& st = store->sparse_stats;
+  stats->sparse = 1;
+  stats->p = cfg.p;
+  stats->window_tokens = cfg.window_tokens;
+  stats->dense_layers = cfg.dense_layers;
+  stats->steps = st.steps;
+  stats->cells = st.cells;
+  stats->mean_budget = st.cells > 0 ? st.sum_budget / double(st.cells) : 1;
+  const int64_t all = st.cells + st.dense_cells;
+  stats->mean_budget_all_layers = all > 0 ? (st.sum_budget + double(st.dense_cells)) / double(all) : 1;
+  for (const auto& layer : store->key_indexes)
+    for (const certkv::api::StoreKeyIndex& k : layer) {
+      stats->index_bytes += k.index().bytes();
+      stats->indexed_tokens += k.index().indexed_tokens(0, 0);
+    }
+  stats->index_build_seconds = st.index_build_seconds;
+  stats->index_appended_tokens = st.index_appended_tokens;
+  stats->deviations = cfg.deviations;
+  stats->widened_fraction = st.context_tokens > 0 ? double(st.widened_tokens) / double(st.context_tokens) : 0;
+  return CERTKV_OK;
 }
 
 certkv_status certkv_kv_store_kv_stats(const certkv_kv_store* store, certkv_kv_stats* stats) {

@@ -11,6 +11,7 @@
 // other while nothing mutates.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string_view>
@@ -29,6 +30,17 @@ struct KeyIndexConfig {
   index::RotationKind rotation = index::RotationKind::kHaar;
   uint64_t seed = 0x5eed0002;  // of the rotation P
 };
+
+// What of a context is indexed (every backend's rule, and the C API's KV store's): the whole
+// blocks before the window of the newest window_tokens. The first build indexes all of them;
+// later updates wait until at least key_index_batch tokens are due (the window in whole blocks,
+// one block when the window is under a block), so that a decode step rarely indexes.
+inline int64_t key_index_target(int64_t n_tokens, int window_tokens, int block_tokens) {
+  return std::max<int64_t>(0, n_tokens - window_tokens) / block_tokens * block_tokens;
+}
+inline int64_t key_index_batch(int window_tokens, int block_tokens) {
+  return std::max<int64_t>(block_tokens, int64_t(window_tokens) / block_tokens * block_tokens);
+}
 
 // Whether the index supports keys of this head_dim.
 bool key_index_supports_head_dim(int head_dim);

@@ -1,6 +1,6 @@
 """certkv.KvStore: rows in, the same rows out (bf16, gaac), attention against NumPy's softmax over
-the rows read back, the meter over the true error of a lossy scheme, crop and reorder, and
-refusals that name the argument."""
+the rows read back, the meter over the true error of a lossy scheme, crop and reorder, sparse
+decode, and refusals that name the argument."""
 
 import numpy as np
 import pytest
@@ -174,6 +174,45 @@ def test_select_grows_and_narrows_the_batch():
     assert store.n_sequences == 1 and store.length(0, 1) == 70
     with pytest.raises(certkv.OutOfRangeError):
         store.length(1, 0)
+
+
+def test_sparse_decode():
+    """sparse=p: at p = 1 a decode step attends every token (dense attention summed in another
+    order); at p = 0.5 fewer. Layer 0 stays dense (dense_layers 1); the budget and the indexed
+    prefix (whole blocks before the 32-token window, in batches of 32) come back in sparse_stats
+    and the certificate."""
+    n = 600
+    k, v = bf16_rows(n, 61), bf16_rows(n, 62)
+    spec = {"window": 32, "dense_layers": 1}
+    stores = [certkv.KvStore("fp8-e4m3", **SHAPE, rope_layout="half-split", sparse=None if p is None else {"p": p, **spec})
+              for p in (None, 1.0, 0.5)]
+    q = np.random.default_rng(63).standard_normal((6, 64)).astype(np.float32) * 1.5
+    outs, meters = [], []
+    for s in stores:
+        for layer in range(2):
+            s.append(0, layer, k, v)
+        out, m = s.attend(0, 1, q)
+        outs.append(out)
+        meters.append(m["meter"])
+    np.testing.assert_allclose(outs[1], outs[0], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(meters[1], meters[0], rtol=1e-4)
+    assert np.isfinite(outs[2]).all() and (meters[2] > 0).all()
+    dense, full, half = (s.sparse_stats() for s in stores)
+    assert dense["sparse"] is False
+    assert full["sparse"] is True and full["cells"] == 6 and full["mean_budget"] == 1.0
+    assert half["p"] == 0.5 and half["window_tokens"] == 32 and half["dense_layers"] == 1
+    assert 32 / n < half["mean_budget"] < 0.9 and half["index_bytes"] > 0
+    cert = stores[2].certificate()
+    assert cert["sparse"]["p"] == 0.5 and cert["sparse"]["mean_budget"] == half["mean_budget"]
+    assert "sparse" not in stores[0].certificate()
+    with pytest.raises(ValueError, match="sparse: expected p"):
+        certkv.KvStore("bf16", **SHAPE, sparse={"q": 0.9})
+    with pytest.raises(ValueError, match="sparse: expected p"):
+        certkv.KvStore("bf16", **SHAPE, sparse="0.9")
+    with pytest.raises(certkv.InvalidArgumentError, match="sparse_p 1.5"):
+        certkv.KvStore("bf16", **SHAPE, sparse=1.5)
+    with pytest.raises(certkv.UnsupportedError, match="the gate and sparse decode"):
+        certkv.KvStore("fp8-e4m3", **SHAPE, sparse=0.9, gate=True)
 
 
 def test_refusals_name_the_argument():

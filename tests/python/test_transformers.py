@@ -1,8 +1,8 @@
 """certkv.transformers on CPU with a small Llama that conftest.py makes (random weights saved as
 safetensors and loaded by transformers itself, head_dim 64, bf16): CertkvCache("gaac") greedy
 tokens equal to DynamicCache's on every prompt (batch 1 and a left-padded batch), dither8's
-teacher-forced KL against DynamicCache and its certificate, crop against a fresh prefill, and
-refusals. Skipped where torch or transformers is not installed."""
+teacher-forced KL against DynamicCache and its certificate, crop against a fresh prefill, sparse
+decode through the cache, and refusals. Skipped where torch or transformers is not installed."""
 
 import numpy as np
 import pytest
@@ -117,6 +117,26 @@ def test_crop_equals_a_fresh_prefill(certkv_model, sdpa_model):
         lossy = certkv_model(input_ids=torch.tensor([[tokens[-7]]]), past_key_values=cache).logits[0, -1]
     assert cache.get_seq_length() == dyn.get_seq_length() == len(tokens) - 6
     assert int(want.argmax()) == int(cropped.argmax()) == int(lossy.argmax())
+
+
+def test_sparse_decode_through_the_cache(certkv_model):
+    """CertkvCache(sparse=...) passes the sparse options to its store. Teacher forced over a
+    prompt: at p = 1 each decode step attends every token (dense attention in another summation
+    order: the logits within float rounding of the dense cache's, the same next tokens); at p = 0.5
+    the steps past the window attend fewer tokens, and the certificate says how many."""
+    tokens = PROMPTS[2]
+    spec = {"window": 8, "dense_layers": 0}
+    dense = teacher_forced_logits(certkv_model, tokens, ct.CertkvCache(certkv_model.config, scheme="gaac"), 8)
+    full_cache = ct.CertkvCache(certkv_model.config, scheme="gaac", sparse={"p": 1.0, **spec})
+    full = teacher_forced_logits(certkv_model, tokens, full_cache, 8)
+    assert (full - dense).abs().max().item() <= 1e-4 * dense.abs().max().item()
+    assert torch.equal(full.argmax(-1), dense.argmax(-1))
+    assert full_cache.store.sparse_stats()["mean_budget"] == 1.0
+    half_cache = ct.CertkvCache(certkv_model.config, scheme="gaac", sparse={"p": 0.5, **spec})
+    half = teacher_forced_logits(certkv_model, tokens, half_cache, 8)
+    assert torch.isfinite(half).all()
+    cert = half_cache.certificate()
+    assert cert["sparse"]["p"] == 0.5 and cert["sparse"]["cells"] > 0 and cert["sparse"]["mean_budget"] < 1.0
 
 
 def test_batch_repeat_interleave_and_select_indices(sdpa_model, certkv_model):

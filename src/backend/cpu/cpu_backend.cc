@@ -270,10 +270,8 @@ void CpuBackend::update_key_index(cache::SeqId seq, SequenceState& st) {
   const int64_t bt = config_.block_tokens;
   const int d = c.head_dim;
   const int group = c.n_heads / c.n_kv_heads;
-  // Whole blocks before the window; indexed in batches of at least the window (one block when
-  // the window is under a block).
-  const int64_t target = std::max<int64_t>(0, n - sparse.window_tokens) / bt * bt;
-  const int64_t batch = std::max<int64_t>(bt, int64_t(sparse.window_tokens) / bt * bt);
+  const int64_t target = cache::key_index_target(n, sparse.window_tokens, int(bt));
+  const int64_t batch = cache::key_index_batch(sparse.window_tokens, int(bt));
   // One unit per (layer, kv_head) of the sparse layers: each touches only its own index head.
   const int64_t n_units = int64_t(c.n_layers - sparse.dense_layers) * c.n_kv_heads;
   std::vector<int64_t> appended_by_unit(size_t(std::max<int64_t>(n_units, 0)), 0);

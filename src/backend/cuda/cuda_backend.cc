@@ -19,6 +19,7 @@
 #include "backend/cuda/forward_kernels.h"
 #include "backend/host_forward.h"
 #include "cache/cuda/device_kv_cache.h"
+#include "cache/key_index.h"
 #include "core/cuda_status.h"
 #include "core/status.h"
 #include "gate/meter.h"
@@ -999,9 +1000,9 @@ void CudaBackend::update_key_indexes(std::span<const BatchItem> items) {
   const auto start = std::chrono::steady_clock::now();
   const int64_t bt = config_.block_tokens;
   const int H = c.n_kv_heads, D = c.head_dim, group = c.n_heads / c.n_kv_heads;
-  // CpuBackend::update_key_index's rule: whole blocks before the window; the first input indexes
-  // them all, later ones in batches of at least the window (one block under a block).
-  const int64_t batch = std::max<int64_t>(bt, int64_t(sparse.window_tokens) / bt * bt);
+  // cache::key_index_target's rule: the first input indexes every whole block before the window,
+  // later ones in batches of at least key_index_batch.
+  const int64_t batch = cache::key_index_batch(sparse.window_tokens, int(bt));
   struct Update {
     SequenceState* st;
     int64_t from, target;
@@ -1012,7 +1013,7 @@ void CudaBackend::update_key_indexes(std::span<const BatchItem> items) {
   for (const BatchItem& it : items) {
     if (!it.end_of_input) continue;
     SequenceState& st = state(it.seq);
-    const int64_t target = std::max<int64_t>(0, st.length - sparse.window_tokens) / bt * bt;
+    const int64_t target = cache::key_index_target(st.length, sparse.window_tokens, int(bt));
     if (!st.index_built) {
       first_builds.push_back(&st);
       ranges.push_back({int32_t(st.slot), 0, int32_t(st.length)});

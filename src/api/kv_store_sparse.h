@@ -1,0 +1,83 @@
+// Sparse decode in the C API's KV store (certkv_kv_store_params.sparse_p, device cpu): one key
+// index per (layer, sequence), kept by the backends' rule (cache::key_index_target) and read by
+// attention::sparse_decode_attention at each decode step of a layer past the dense ones.
+//
+// The indexed prefix is store_indexed_tokens of the context, the rest attended exactly as the
+// window. The centroids of a (layer, sequence) are set at its first sparse decode step: c_k the mean of
+// the exact keys stored so far, c_q the mean of the queries of the prefills attended before (over
+// the tokens and the query heads of each KV head's group, as the backends take the first
+// prefill's), or of that step's query when no prefill was attended (a store filled by appends
+// alone). They are kept for the sequence's life: a crop drops the records and a copy (select)
+// starts without them, and the next decode step rebuilds them from the same keys and centroids,
+// so a sequence selects what it would have selected had it never been cropped or copied.
+//
+// Thread safety: as the store, one call at a time.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "cache/key_index.h"
+#include "cache/kv_cache.h"
+#include "index/rotation.h"
+
+namespace certkv::api {
+
+struct StoreSparseConfig {
+  double p = 0;            // 0: dense decode
+  double deviations = 0;   // attention::SparseDecodeOptions::deviations
+  int window_tokens = 128;
+  int dense_layers = 2;
+  index::RotationKind rotation = index::RotationKind::kHaar;
+  uint64_t seed = 0x5eed0002;  // of the rotation and of the queries' randomized rounding
+};
+
+// Counters over the store's sparse decode steps (certkv_sparse_stats).
+struct StoreSparseStats {
+  int64_t steps = 0;           // decode steps of a sparse layer, one per (sequence, layer)
+  int64_t cells = 0;           // their (step, query head) cells
+  int64_t dense_cells = 0;     // cells of the dense layers' decode steps
+  double sum_budget = 0;       // attended / context tokens, over the cells
+  int64_t widened_tokens = 0;  // attended by the widening, over the cells
+  int64_t context_tokens = 0;  // over the cells
+  double index_build_seconds = 0;
+  int64_t index_appended_tokens = 0;  // per (layer, kv_head), summed over sequences
+};
+
+// The indexed prefix of a context of n tokens: cache::key_index_target (the whole blocks before
+// the window) in whole batches of cache::key_index_batch (the window in whole blocks). A function
+// of n alone: a sequence's index does not depend on when its steps ran, were cropped or copied.
+inline int64_t store_indexed_tokens(int64_t n, int window_tokens, int block_tokens) {
+  const int64_t batch = cache::key_index_batch(window_tokens, block_tokens);
+  return cache::key_index_target(n, window_tokens, block_tokens) / batch * batch;
+}
+
+// The key index of one (layer, sequence) of a store whose layers are caches of one layer each.
+class StoreKeyIndex {
+ public:
+  StoreKeyIndex(const cache::KeyIndexConfig& config);
+  // A prefill's queries, for the query centroid (nothing once the centroids are set).
+  // q: [n][n_heads][head_dim].
+  void note_queries(const float* q, int64_t n, int n_heads);
+  // Brings the index up to date for a decode step over the first n positions of seq in `cache`
+  // (its layer 0), whose query is q [n_heads][head_dim] (the centroids set at the first call).
+  // Returns the tokens appended to each KV head's records.
+  int64_t update(const cache::KvCache& cache, cache::SeqId seq, int64_t n, const float* q, int n_heads,
+                 const StoreSparseConfig& config);
+  // Forgets the records, keeps the centroids (a crop: rebuilt at the next update).
+  void drop_records();
+  // A new index with this one's centroids (or noted queries) and no records (a select's copy).
+  StoreKeyIndex copy_without_records() const;
+  const cache::KeyIndex& index() const { return *index_; }
+  bool has_records() const { return index_->indexed_tokens(0, 0) > 0; }
+
+ private:
+  cache::KeyIndexConfig config_;
+  std::unique_ptr<cache::KeyIndex> index_;
+  std::vector<double> query_sums_;  // [n_kv_heads][head_dim], until the centroids are set
+  int64_t query_rows_ = 0;          // tokens x group heads summed
+  std::vector<std::vector<float>> c_q_, c_k_;  // [n_kv_heads][head_dim] once set
+};
+
+}  // namespace certkv::api
