@@ -647,6 +647,9 @@ certkv_status certkv_kv_store_crop(certkv_kv_store* store, int32_t seq, int64_t 
                                                     "] (seq " + std::to_string(seq) + ", layer " + std::to_string(l) + ")");
   if (store->device) return guarded([&] { store->device->crop(seq, n_tokens); });
   return guarded([&] {
+    // The key indexes first: their records of the positions kept stay valid whatever follows.
+    for (auto& layer : store->key_indexes)
+      if (!layer.empty()) layer[size_t(seq)].crop(n_tokens, store->sparse);
     const int bt = store->layer_config.block_tokens;
     const int64_t whole = n_tokens / bt * bt;
     const size_t h_kv = size_t(kv_heads(*store)), d = size_t(head_dim(*store));
@@ -675,9 +678,6 @@ certkv_status certkv_kv_store_crop(certkv_kv_store* store, int32_t seq, int64_t 
         c.commit(id, tail);
       }
     }
-    // The key indexes are rebuilt from the kept keys at the next decode step (same centroids).
-    for (auto& layer : store->key_indexes)
-      if (!layer.empty()) layer[size_t(seq)].drop_records();
   });
 }
 
@@ -714,7 +714,7 @@ certkv_status select_sequences(const char* w, certkv_kv_store* store, const int3
     std::vector<std::vector<certkv::api::StoreKeyIndex>> key_indexes(store->key_indexes.size());
     for (size_t l = 0; l < store->key_indexes.size(); ++l)
       if (!store->key_indexes[l].empty())
-        for (int32_t i = 0; i < n; ++i) key_indexes[l].push_back(store->key_indexes[l][size_t(src[i])].copy_without_records());
+        for (int32_t i = 0; i < n; ++i) key_indexes[l].push_back(store->key_indexes[l][size_t(src[i])].copy());
     for (int l = 0; l < store->n_layers; ++l) {
       if (!store->layers[size_t(l)]) continue;
       for (cache::SeqId id : store->seqs[size_t(l)]) store->layers[size_t(l)]->free_sequence(id);

@@ -7,9 +7,9 @@
 // the exact keys stored so far, c_q the mean of the queries of the prefills attended before (over
 // the tokens and the query heads of each KV head's group, as the backends take the first
 // prefill's), or of that step's query when no prefill was attended (a store filled by appends
-// alone). They are kept for the sequence's life: a crop drops the records and a copy (select)
-// starts without them, and the next decode step rebuilds them from the same keys and centroids,
-// so a sequence selects what it would have selected had it never been cropped or copied.
+// alone). They are kept for the sequence's life: a crop keeps the records of the prefix its
+// shorter context indexes, and a copy (select) takes a copy of the records, so a sequence selects
+// what it would have selected had it never been cropped or copied.
 //
 // Thread safety: as the store, one call at a time.
 #pragma once
@@ -56,7 +56,7 @@ inline int64_t store_indexed_tokens(int64_t n, int window_tokens, int block_toke
 // The key index of one (layer, sequence) of a store whose layers are caches of one layer each.
 class StoreKeyIndex {
  public:
-  StoreKeyIndex(const cache::KeyIndexConfig& config);
+  explicit StoreKeyIndex(const cache::KeyIndexConfig& config);
   // A prefill's queries, for the query centroid (nothing once the centroids are set).
   // q: [n][n_heads][head_dim].
   void note_queries(const float* q, int64_t n, int n_heads);
@@ -65,14 +65,16 @@ class StoreKeyIndex {
   // Returns the tokens appended to each KV head's records.
   int64_t update(const cache::KvCache& cache, cache::SeqId seq, int64_t n, const float* q, int n_heads,
                  const StoreSparseConfig& config);
-  // Forgets the records, keeps the centroids (a crop: rebuilt at the next update).
-  void drop_records();
-  // A new index with this one's centroids (or noted queries) and no records (a select's copy).
-  StoreKeyIndex copy_without_records() const;
+  // A crop to n_tokens: keeps the records of store_indexed_tokens(n_tokens), which the shorter
+  // context indexes (keys of positions it keeps), and the centroids.
+  void crop(int64_t n_tokens, const StoreSparseConfig& config);
+  // A deep copy: centroids (or the noted queries) and records (a select's copy of a sequence).
+  StoreKeyIndex copy() const;
   const cache::KeyIndex& index() const { return *index_; }
   bool has_records() const { return index_->indexed_tokens(0, 0) > 0; }
 
  private:
+  StoreKeyIndex(const cache::KeyIndexConfig& config, std::unique_ptr<cache::KeyIndex> index);
   cache::KeyIndexConfig config_;
   std::unique_ptr<cache::KeyIndex> index_;
   std::vector<double> query_sums_;  // [n_kv_heads][head_dim], until the centroids are set

@@ -56,11 +56,32 @@ index::RotationKind parse_rotation_kind(std::string_view name) {
        "unknown rotation '" + std::string(name) + "' (known: haar, hadamard)");
 }
 
-KeyIndex::KeyIndex(const KeyIndexConfig& config) : config_(config), rotation_(make_rotation(config)) {
+KeyIndex::KeyIndex(const KeyIndexConfig& config) : KeyIndex(config, make_rotation(config)) {}
+
+KeyIndex::KeyIndex(const KeyIndexConfig& config, index::Rotation rotation)
+    : config_(config), rotation_(std::move(rotation)) {
   with_head_dim(config.head_dim, [&](auto dim) {
     record_bytes_ = index::rabitq_bytes_per_token<decltype(dim)::value>();
   });
   heads_.resize(size_t(config.n_layers) * size_t(config.n_kv_heads));
+}
+
+std::unique_ptr<KeyIndex> KeyIndex::clone() const {
+  std::unique_ptr<KeyIndex> c(new KeyIndex(config_, rotation_));
+  for (size_t i = 0; i < heads_.size(); ++i) {
+    const HeadIndex& from = heads_[i];
+    HeadIndex& to = c->heads_[i];
+    if (from.head) to.head = std::make_unique<index::RabitqHead>(*from.head);
+    to.records = from.records;
+    to.n = from.n;
+  }
+  return c;
+}
+
+void KeyIndex::truncate(int layer, int kv_head, int64_t n) {
+  HeadIndex& h = at(layer, kv_head, "truncate");
+  if (n < 0) fail(StatusCode::kInvalidArgument, "key index truncate: n must be >= 0");
+  h.n = std::min(h.n, n);
 }
 
 KeyIndex::~KeyIndex() = default;

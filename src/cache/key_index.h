@@ -70,6 +70,12 @@ class KeyIndex {
   // REQUIRES: has_centroids, n >= 0.
   void append(int layer, int kv_head, const float* k, int64_t n);
   int64_t indexed_tokens(int layer, int kv_head) const;
+  // Keeps the records of positions [0, n) of (layer, kv_head) (nothing changes when n is at or
+  // past indexed_tokens): a sequence cropped to n tokens or more keeps a valid index.
+  // REQUIRES: n >= 0.
+  void truncate(int layer, int kv_head, int64_t n);
+  // A deep copy: the rotation, every head's centroids and records (a forked sequence's index).
+  std::unique_ptr<KeyIndex> clone() const;
   // The records of (layer, kv_head): [indexed_tokens][record_bytes()] bytes, index::RabitqRecord
   // of the head_dim, in position order (valid until the next append to that head or clear).
   const uint8_t* records(int layer, int kv_head) const;
@@ -96,6 +102,7 @@ class KeyIndex {
   uint64_t bytes() const;
 
  private:
+  KeyIndex(const KeyIndexConfig& config, index::Rotation rotation);
   struct HeadIndex {
     std::unique_ptr<index::RabitqHead> head;
     std::vector<uint8_t> records;  // [pages * page_records][record_bytes], the first n valid

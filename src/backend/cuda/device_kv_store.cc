@@ -307,8 +307,9 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
         for (size_t i = 0; i < src.size(); ++i) {
           const int parent = l.slots[size_t(src[i])];
           int child = -1;
-          throw_if_failed(l.cache->fork_sequence(parent, l.cache->written(parent, 0), &child));
-          made[layer].push_back(child);
+          const CudaStatus s = l.cache->fork_sequence(parent, l.cache->written(parent, 0), &child);
+          if (child >= 0) made[layer].push_back(child);
+          throw_if_failed(s);
         }
       }
       if (int(src.size()) > ring_rows_) {

@@ -98,7 +98,8 @@ class DeviceKvStore {
   virtual void crop(int seq, int64_t n_tokens) = 0;
   // The store holds src.size() sequences from here on, sequence i what sequence src[i] was
   // (REQUIRES: each in range): whole blocks shared by reference count, a partial last block's
-  // raw pages copied on the device. A failure leaves the store as it was.
+  // raw pages copied on the device. A refusal or an allocation that fails leaves the store as it
+  // was; a failed copy or launch leaves that layer's cache refusing (make a new store).
   virtual void select(std::span<const int32_t> src) = 0;
   virtual int n_sequences() const = 0;
   // Waits for the stream; records the meters of the decode steps not yet recorded in the

@@ -497,7 +497,9 @@ CudaStatus DeviceKvCache::fork_sequence(int parent, int64_t n_tokens, int* child
       for (int h = 0; h < H; ++h) all_raw = all_raw && raw_entry(layer.host_tables[entry_index(parent, kv, h, block)]);
     if (all_raw) {
       // The parent's raw pages of the block, copied into pages of the child's own on the stream
-      // (rows past the tail are copied too: a raw page's later rows are not read).
+      // (rows past the tail are copied too: a raw page's later rows are not read). The child's
+      // length first: a failure halfway frees the entries set so far with the child.
+      written_[size_t(*child) * size_t(config_.n_layers) + size_t(l)] = n_tokens;
       for (int kv = 0; kv < 2 && s.ok; ++kv)
         for (int h = 0; h < H && s.ok; ++h) {
           const int32_t from = layer.host_tables[entry_index(parent, kv, h, block)];
@@ -511,7 +513,6 @@ CudaStatus DeviceKvCache::fork_sequence(int parent, int64_t n_tokens, int* child
                          "tail page copy");
           layer.host_tables[entry_index(*child, kv, h, block)] = coded ? -page - 1 : page;
         }
-      written_[size_t(*child) * size_t(config_.n_layers) + size_t(l)] = n_tokens;
       if (s.ok) s = upload_table_blocks(layer, *child, block, block + 1);
       continue;
     }
@@ -530,8 +531,14 @@ CudaStatus DeviceKvCache::fork_sequence(int parent, int64_t n_tokens, int* child
   }
   if (s.ok) s = upload_slot_lengths(*child);
   if (!s.ok) {
-    broken_ = true;
-    broken_reason_ = s.message;
+    // The parent is untouched: the child goes, and the cache stays usable unless a copy or launch
+    // failed (write() marks its own failures) or the child cannot be freed.
+    const CudaStatus freed = free_sequence(*child);
+    *child = -1;
+    if (!freed.ok || s.code == StatusCode::kInternal) {
+      broken_ = true;
+      broken_reason_ = s.message;
+    }
   }
   return s;
 }

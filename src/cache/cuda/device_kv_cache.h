@@ -208,7 +208,8 @@ class DeviceKvCache {
   // when the parent's pages of that block are raw, else decoded (read_rows) and written again.
   // kInvalidArgument past what the parent has written to some layer; kUnsupported, before any
   // change, when that block's pages are lossy in some layer (a crop inside a block the device
-  // keeps only lossy: its exact values are gone).
+  // keeps only lossy: its exact values are gone). Any failure leaves no child (*child -1) and the
+  // parent as it was; only a failed copy or launch leaves the cache refusing until reset().
   CudaStatus fork_sequence(int parent, int64_t n_tokens, int* child);
   bool live(int slot) const { return slot >= 0 && size_t(slot) < live_.size() && live_[size_t(slot)] != 0; }
 
