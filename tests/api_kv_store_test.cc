@@ -827,6 +827,106 @@ TEST(CApiKvStoreSparse, RefusalsNameTheValue) {
   certkv_kv_store_free(s);
 }
 
+// The lossy page codecs one page at a time: for every lossy scheme, K and V pages of each head and
+// block encode to pages that decode to what a KV store holding the same rows reads back (the same
+// bytes and the same reconstruction: dither8 keyed by the store's layer and kv head); a row that
+// is not finite is refused (kept exact); any bytes decode without a crash; bad codecs are named.
+TEST(CApiLossyPages, PagesAreAStoresPages) {
+  constexpr int kN = 40, kLayer = 1;
+  const std::vector<uint16_t> k = rows_bf16(kN, 51, false), v = rows_bf16(kN, 52, false);
+  for (const char* kv : {"fp8-e4m3", "fp8-e5m2", "fp8-e4m3-scaled", "rtn8", "rtn4", "kivi2", "dither8"}) {
+    SCOPED_TRACE(kv);
+    certkv_kv_store_params p = certkv_kv_store_default_params();
+    p.kv = kv;
+    p.n_layers = kLayers;
+    p.n_heads = kHeads;
+    p.n_kv_heads = kKvHeads;
+    p.head_dim = kHeadDim;
+    p.rope_layout = "half-split";
+    p.recent_window_tokens = 0;
+    p.outlier_pairs = 0;
+    certkv_kv_store* s = nullptr;
+    ASSERT_EQ(certkv_kv_store_create(&p, &s), CERTKV_OK) << certkv_last_error();
+    ASSERT_EQ(append_range(s, 0, kLayer, k, v, kN, 0, kN), CERTKV_OK) << certkv_last_error();
+    for (int kvt = 0; kvt < 2; ++kvt) {
+      const std::vector<uint16_t>& rows = kvt == 0 ? k : v;
+      const std::vector<float> stored = read(s, 0, kLayer, kvt, 0, 2 * kBlock, 0);
+      certkv_lossy_page_codec c{};
+      c.kv = kv;
+      c.key = kvt == 0 ? 1 : 0;
+      c.block_tokens = kBlock;
+      c.head_dim = kHeadDim;
+      c.rope_layout = "half-split";
+      c.layer = kLayer;
+      size_t bytes = 0;
+      ASSERT_EQ(certkv_lossy_page_bytes(&c, &bytes), CERTKV_OK) << certkv_last_error();
+      EXPECT_GT(bytes, 0u);
+      EXPECT_LT(bytes, size_t(kBlock) * kHeadDim * 2);
+      for (int h = 0; h < kKvHeads; ++h)
+        for (uint32_t b = 0; b < 2; ++b) {
+          c.kv_head = h;
+          const uint16_t* page_rows = &rows[(size_t(h) * kN + b * kBlock) * kHeadDim];
+          std::vector<uint8_t> page(bytes);
+          int encoded = -1;
+          ASSERT_EQ(certkv_lossy_encode_page(&c, b, page_rows, page.data(), &encoded), CERTKV_OK) << certkv_last_error();
+          ASSERT_EQ(encoded, 1);
+          std::vector<float> out(size_t(kBlock) * kHeadDim);
+          ASSERT_EQ(certkv_lossy_decode_page(&c, b, page.data(), out.data()), CERTKV_OK) << certkv_last_error();
+          const float* want = &stored[(size_t(h) * 2 * kBlock + b * kBlock) * kHeadDim];
+          EXPECT_EQ(std::memcmp(out.data(), want, out.size() * sizeof(float)), 0) << "kv " << kvt << " head " << h << " block " << b;
+          // Not the exact rows: the page is lossy.
+          bool differs = false;
+          for (size_t i = 0; i < out.size(); ++i) differs |= out[i] != from_bf16(page_rows[i]);
+          EXPECT_TRUE(differs);
+          // A row with a value that is not finite is refused.
+          std::vector<uint16_t> bad(page_rows, page_rows + out.size());
+          bad[size_t(3) * kHeadDim + 5] = 0x7fc0;  // NaN
+          ASSERT_EQ(certkv_lossy_encode_page(&c, b, bad.data(), page.data(), &encoded), CERTKV_OK);
+          EXPECT_EQ(encoded, 0);
+          // Any bytes decode.
+          std::mt19937 rng(b * 7 + uint32_t(h));
+          for (uint8_t& x : page) x = uint8_t(rng());
+          EXPECT_EQ(certkv_lossy_decode_page(&c, b, page.data(), out.data()), CERTKV_OK) << certkv_last_error();
+        }
+    }
+    certkv_kv_store_free(s);
+  }
+  certkv_lossy_page_codec c{};
+  c.kv = "fp8-e4m3";
+  c.key = 1;
+  c.block_tokens = kBlock;
+  c.head_dim = kHeadDim;
+  size_t bytes = 0;
+  certkv_lossy_page_codec bad = c;
+  bad.kv = "gaac";
+  EXPECT_EQ(certkv_lossy_page_bytes(&bad, &bytes), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("gaac is not a lossy scheme")) << certkv_last_error();
+  bad = c;
+  bad.kv = "fp9";
+  EXPECT_EQ(certkv_lossy_page_bytes(&bad, &bytes), CERTKV_ERR_INVALID_ARGUMENT);
+  bad = c;
+  bad.head_dim = 48;
+  EXPECT_NE(certkv_lossy_page_bytes(&bad, &bytes), CERTKV_OK);
+  EXPECT_TRUE(error_names("head_dim")) << certkv_last_error();
+  bad = c;
+  bad.kv = "dither8";
+  bad.witness = "u8";
+  EXPECT_NE(certkv_lossy_page_bytes(&bad, &bytes), CERTKV_OK);
+  EXPECT_TRUE(error_names("witness")) << certkv_last_error();
+  const uint16_t pairs[2] = {1, 5};
+  bad = c;
+  bad.kv = "dither8";
+  bad.key = 0;
+  bad.n_outlier_pairs = 2;
+  bad.outlier_pairs = pairs;
+  EXPECT_NE(certkv_lossy_page_bytes(&bad, &bytes), CERTKV_OK);
+  bad = c;
+  bad.rope_layout = "sideways";
+  EXPECT_EQ(certkv_lossy_page_bytes(&bad, &bytes), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("rope_layout 'sideways'")) << certkv_last_error();
+  EXPECT_EQ(certkv_lossy_page_bytes(nullptr, &bytes), CERTKV_ERR_INVALID_ARGUMENT);
+}
+
 // The device choice is checked in every build: an unknown device, a scheme the table does not
 // serve on cuda (naming both) and a recent window are refused before any device is asked for; a
 // cpu store refuses the device functions. In a build without CUDA, or with no device (CI), a cuda

@@ -851,6 +851,44 @@ CERTKV_API certkv_status certkv_gaac_encode_page(const certkv_gaac_page_codec* c
 CERTKV_API certkv_status certkv_gaac_decode_page(const certkv_gaac_page_codec* codec,
                                                  const uint8_t* slot, size_t slot_bytes, void* out);
 
+/* ---- Lossy pages --------------------------------------------------------------------------- */
+
+/* The page codecs of the lossy schemes (docs/format/: fp8, rtn, kivi2, dither8) a page at a time,
+ * for front ends that hold KV rows themselves: a page is block_tokens rows of head_dim bf16 values
+ * of one (layer, K/V, kv_head) stream, token-major, coded into page_bytes bytes with the meter's
+ * side data (the Tier A witness of K pages, rho of V pages, dither8's scales). The bytes and the
+ * reconstruction are those a KV store's pages of the same rows hold and attention reads. */
+typedef struct certkv_lossy_page_codec {
+  const char* kv;                 /* a lossy scheme: fp8-e4m3, fp8-e5m2, fp8-e4m3-scaled, rtn8,
+                                     rtn4, kivi2 or dither8 */
+  int key;                        /* 1: K pages (the witness; dither8's dither and outlier pairs);
+                                     0: V pages */
+  int32_t block_tokens;           /* rows per page, in [1, 4096] */
+  int32_t head_dim;               /* a multiple of 32, at most 256 */
+  const char* rope_layout;        /* the RoPE pairs (witness bands, outlier pairs): "interleaved"
+                                     (null) or "half-split" */
+  const char* witness;            /* Tier A K pages: "fp16" (null), "u8" or (fp8-e4m3) "exponent" */
+  int32_t layer, kv_head;         /* dither8: the stream the dither is keyed by (a store's layer
+                                     and kv head); ignored by the other schemes */
+  int32_t n_outlier_pairs;        /* dither8 K pages: RoPE pairs kept exact; 0 otherwise */
+  const uint16_t* outlier_pairs;  /* [n_outlier_pairs] increasing pair indices */
+} certkv_lossy_page_codec;
+
+/* The bytes of one page. INVALID_ARGUMENT or UNSUPPORTED naming the field for an unknown or
+ * lossless scheme, a head_dim or block_tokens the pages do not serve, a witness the scheme does
+ * not take, outlier pairs on a page that has none or out of range. */
+CERTKV_API certkv_status certkv_lossy_page_bytes(const certkv_lossy_page_codec* codec, size_t* page_bytes);
+/* Encodes one page: rows [block_tokens][head_dim] bf16 bit patterns; page: [page_bytes]. block:
+ * the page's position in its sequence / block_tokens (dither8's counter). *encoded is 0 when the
+ * encoder refuses the block (a value not finite, a scale past fp16: keep it exact), the page then
+ * unspecified. */
+CERTKV_API certkv_status certkv_lossy_encode_page(const certkv_lossy_page_codec* codec, uint32_t block,
+                                                  const uint16_t* rows, uint8_t* page, int* encoded);
+/* The reconstruction attention reads of a page: out [block_tokens][head_dim] float. Any bytes
+ * decode (a page's side data that is not a valid bound reads as +inf in the meter, not here). */
+CERTKV_API certkv_status certkv_lossy_decode_page(const certkv_lossy_page_codec* codec, uint32_t block,
+                                                  const uint8_t* page, float* out);
+
 /* ---- The meter of one attention row ------------------------------------------------------- */
 
 /* The meter (docs/meter.md) of one query against n_tokens keys, in double, as the engine's
