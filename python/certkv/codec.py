@@ -11,6 +11,13 @@ every bit: NaN payloads, infinities, subnormals and -0 included.
     enc = certkv.codec.encode(rows, cal)        # slots, raw pages, tail
     assert (certkv.codec.decode(enc) == rows).all()
     certkv.codec.verify(rows, cal)              # the same, as a report
+
+The lossy schemes' page codecs (fp8, rtn, kivi2, dither8; docs/format/) are here too, a page of
+``block_tokens`` bf16 rows at a time, with the meter's side data in each page: the bytes and the
+reconstruction are those a :class:`certkv.KvStore` holding the same rows keeps and attends over.
+
+    pages = certkv.codec.lossy_encode(rows, "dither8", key=True, layer=3, kv_head=1)
+    k_hat = certkv.codec.lossy_decode(pages)   # float32 [n_tokens, head_dim]: what attention reads
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ import numpy as np
 from . import _arrays
 from . import _certkv
 
-__all__ = ["Calibration", "Encoded", "VerifyReport", "calibrate", "encode", "decode", "verify"]
+__all__ = ["Calibration", "Encoded", "VerifyReport", "calibrate", "encode", "decode", "verify", "LossyPages",
+           "lossy_encode", "lossy_decode"]
 
 
 @dataclass(frozen=True)
@@ -166,3 +174,61 @@ def verify(rows: Any, calibration: Calibration, element: str | None = None) -> V
                         raw_pages=int(encoded.raw_pages.shape[0]), stored_bytes=encoded.stored_bytes,
                         ratio=encoded.ratio,
                         first_mismatch=tuple(int(i) for i in diff[0]) if diff.shape[0] else None)
+
+
+@dataclass(frozen=True)
+class LossyPages:
+    """Pages of a lossy scheme (:func:`lossy_encode`): ``pages`` uint8 ``[n_pages, page_bytes]``,
+    ``encoded`` bool ``[n_pages]`` (False: the encoder refused the block, a value not finite or a
+    scale past fp16; the cache keeps such a block exact), and the codec they were made with."""
+    kv: str
+    key: bool
+    block_tokens: int
+    head_dim: int
+    rope_layout: str
+    witness: str | None
+    layer: int
+    kv_head: int
+    outlier_pairs: tuple[int, ...]
+    first_block: int
+    pages: np.ndarray
+    encoded: np.ndarray
+
+    def _codec(self) -> Any:
+        return _certkv.LossyCodec(self.kv, self.key, self.block_tokens, self.head_dim, self.rope_layout,
+                                  self.witness, self.layer, self.kv_head, list(self.outlier_pairs))
+
+
+def lossy_encode(rows: Any, kv: str, *, key: bool = True, block_tokens: int = 16,
+                 rope_layout: str = "interleaved", witness: str | None = None, layer: int = 0, kv_head: int = 0,
+                 outlier_pairs: Any = (), first_block: int = 0) -> LossyPages:
+    """Encodes rows ``[n_tokens, head_dim]`` of bf16 values (uint16 bit patterns or
+    ``ml_dtypes.bfloat16``; n_tokens a multiple of block_tokens) into pages of the lossy scheme
+    ``kv``: K pages (``key=True``: the Tier A witness, dither8's dither and outlier pairs) or V
+    pages. Page i is block ``first_block + i`` of its sequence (dither8's counter); ``layer`` and
+    ``kv_head`` name the stream dither8's dither is keyed by, as a KvStore's layer and kv head.
+    Bad arguments raise ``certkv.InvalidArgumentError`` or ``UnsupportedError`` naming them."""
+    array, _ = _rows(rows, "bf16")
+    if not isinstance(kv, str):
+        raise TypeError(f"kv: expected a scheme name (str), got {type(kv).__name__}")
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+        raise ValueError(f"block_tokens: expected an int >= 1, got {block_tokens!r}")
+    if array.shape[0] % block_tokens:
+        raise ValueError(f"rows: {array.shape[0]} rows are not whole pages of block_tokens {block_tokens}")
+    pairs = tuple(int(p) for p in outlier_pairs)
+    pages = LossyPages(kv, bool(key), block_tokens, int(array.shape[1]), rope_layout, witness, int(layer), int(kv_head),
+                       pairs, int(first_block), np.empty((0, 0), np.uint8), np.empty(0, bool))
+    n_pages = array.shape[0] // block_tokens
+    data, encoded = _certkv.lossy_encode(pages._codec(), array.view(np.uint16), n_pages, pages.first_block)
+    return LossyPages(**{**pages.__dict__, "pages": data, "encoded": encoded.astype(bool)})
+
+
+def lossy_decode(pages: LossyPages) -> np.ndarray:
+    """The reconstruction attention reads of every page: float32 ``[n_pages * block_tokens,
+    head_dim]`` (a page the encoder refused decodes to whatever its bytes hold: keep those rows'
+    exact values, as the cache does)."""
+    if not isinstance(pages, LossyPages):
+        raise TypeError(f"pages: expected a certkv.codec.LossyPages, got {type(pages).__name__}")
+    n_pages = pages.pages.shape[0]
+    out = _certkv.lossy_decode(pages._codec(), np.ascontiguousarray(pages.pages), n_pages, pages.first_block)
+    return out.reshape(n_pages * pages.block_tokens, pages.head_dim)

@@ -17,9 +17,16 @@ they trace under torch.compile:
   page does not fit its slot; keep it raw).
 - ``torch.ops.certkv.gaac_decode_pages(slots, b3, b4, escape_capacity_bytes, block_tokens,
   head_dim)``: the pages back, bf16.
+- ``torch.ops.certkv.lossy_encode_pages(pages, kv, key, rope_layout, witness, layer, kv_head,
+  outlier_pairs, first_block)``: pages [n_pages, block_tokens, head_dim] of bf16 coded as the lossy
+  scheme ``kv`` (fp8, rtn, kivi2, dither8; K or V pages), uint8 [n_pages, page_bytes], and whether
+  each was encoded (False: keep the block exact); page i is block first_block + i.
+- ``torch.ops.certkv.lossy_decode_pages(pages, kv, key, block_tokens, head_dim, rope_layout,
+  witness, layer, kv_head, outlier_pairs, first_block)``: the reconstruction attention reads,
+  float32 [n_pages, block_tokens, head_dim] (certkv.codec.lossy_encode / lossy_decode).
 
-kv_store_attend and the GAAC page operators run on CPU tensors only: CUDA tensors raise an error
-saying so. Importing this module imports torch.
+kv_store_attend and the GAAC and lossy page operators run on CPU tensors only: CUDA tensors raise
+an error saying so. Importing this module imports torch.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ import torch
 from . import _certkv
 from .kv_store import KvStore
 
-__all__ = ["register_store", "kv_store_attend", "kv_store_decode", "gaac_encode_pages", "gaac_decode_pages"]
+__all__ = ["register_store", "kv_store_attend", "kv_store_decode", "gaac_encode_pages", "gaac_decode_pages",
+           "lossy_encode_pages", "lossy_decode_pages"]
 
 _stores: "weakref.WeakValueDictionary[int, KvStore]" = weakref.WeakValueDictionary()
 _ids = itertools.count(1)
@@ -199,3 +207,56 @@ def _(slots, b3, b4, escape_capacity_bytes, block_tokens, head_dim):
 
 
 torch.library.register_kernel("certkv::gaac_decode_pages", "cuda", _cpu_only("gaac_decode_pages", _GAAC_CPU))
+
+
+# -- lossy pages ---------------------------------------------------------------------------------
+
+_LOSSY_CPU = "certkv's lossy page ops run on CPU tensors"
+
+
+def _lossy_codec(kv: str, key: bool, block_tokens: int, head_dim: int, rope_layout: str, witness: str | None,
+                 layer: int, kv_head: int, outlier_pairs: list[int]):
+    return _certkv.LossyCodec(kv, bool(key), int(block_tokens), int(head_dim), rope_layout, witness, int(layer),
+                              int(kv_head), [int(p) for p in outlier_pairs])
+
+
+@torch.library.custom_op("certkv::lossy_encode_pages", mutates_args=(), device_types="cpu")
+def lossy_encode_pages(pages: torch.Tensor, kv: str, key: bool, rope_layout: str, witness: str | None, layer: int,
+                       kv_head: int, outlier_pairs: list[int], first_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _require("pages", pages, torch.bfloat16, 3, "[n_pages, block_tokens, head_dim]")
+    n_pages, block_tokens, head_dim = pages.shape
+    codec = _lossy_codec(kv, key, block_tokens, head_dim, rope_layout, witness, layer, kv_head, outlier_pairs)
+    bits = pages.contiguous().view(torch.int16).numpy().view(np.uint16)
+    data, encoded = _certkv.lossy_encode(codec, bits, n_pages, int(first_block))
+    return torch.from_numpy(data), torch.from_numpy(encoded.astype(np.bool_))
+
+
+@lossy_encode_pages.register_fake
+def _(pages, kv, key, rope_layout, witness, layer, kv_head, outlier_pairs, first_block):
+    n_pages, block_tokens, head_dim = pages.shape
+    codec = _lossy_codec(kv, key, block_tokens, head_dim, rope_layout, witness, layer, kv_head, outlier_pairs)
+    return (pages.new_empty((n_pages, codec.page_bytes), dtype=torch.uint8),
+            pages.new_empty((n_pages,), dtype=torch.bool))
+
+
+torch.library.register_kernel("certkv::lossy_encode_pages", "cuda", _cpu_only("lossy_encode_pages", _LOSSY_CPU))
+
+
+@torch.library.custom_op("certkv::lossy_decode_pages", mutates_args=(), device_types="cpu")
+def lossy_decode_pages(pages: torch.Tensor, kv: str, key: bool, block_tokens: int, head_dim: int, rope_layout: str,
+                       witness: str | None, layer: int, kv_head: int, outlier_pairs: list[int],
+                       first_block: int) -> torch.Tensor:
+    _require("pages", pages, torch.uint8, 2, "[n_pages, page_bytes]")
+    codec = _lossy_codec(kv, key, block_tokens, head_dim, rope_layout, witness, layer, kv_head, outlier_pairs)
+    if pages.shape[1] != codec.page_bytes:
+        raise ValueError(f"pages: expected {codec.page_bytes} bytes per page, got {pages.shape[1]}")
+    out = _certkv.lossy_decode(codec, pages.contiguous().numpy(), pages.shape[0], int(first_block))
+    return torch.from_numpy(out)
+
+
+@lossy_decode_pages.register_fake
+def _(pages, kv, key, block_tokens, head_dim, rope_layout, witness, layer, kv_head, outlier_pairs, first_block):
+    return pages.new_empty((pages.shape[0], block_tokens, head_dim), dtype=torch.float32)
+
+
+torch.library.register_kernel("certkv::lossy_decode_pages", "cuda", _cpu_only("lossy_decode_pages", _LOSSY_CPU))

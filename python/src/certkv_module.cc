@@ -434,6 +434,65 @@ void gaac_decode(const GaacCodec& codec, In<uint8_t> slots, size_t n_pages, nb::
     check(certkv_gaac_decode_page(&codec.c, slots.data() + p * slot_bytes, slot_bytes, base + p * codec.page_bytes()));
 }
 
+// ---- Lossy pages ----------------------------------------------------------------------------
+
+// certkv_lossy_page_codec with the strings and pairs it points at.
+struct LossyCodec {
+  certkv_lossy_page_codec c{};
+  std::string kv, rope_layout, witness;
+  std::vector<uint16_t> pairs;
+  LossyCodec(std::string kv_, bool key, int32_t block_tokens, int32_t head_dim, std::string rope_layout_,
+             std::optional<std::string> witness_, int32_t layer, int32_t kv_head, std::vector<uint16_t> pairs_)
+      : kv(std::move(kv_)), rope_layout(std::move(rope_layout_)), witness(witness_.value_or("")), pairs(std::move(pairs_)) {
+    c.kv = kv.c_str();
+    c.key = key ? 1 : 0;
+    c.block_tokens = block_tokens;
+    c.head_dim = head_dim;
+    c.rope_layout = rope_layout.c_str();
+    c.witness = witness_ ? witness.c_str() : nullptr;
+    c.layer = layer;
+    c.kv_head = kv_head;
+    c.n_outlier_pairs = int32_t(pairs.size());
+    c.outlier_pairs = pairs.empty() ? nullptr : pairs.data();
+  }
+  size_t page_bytes() const {
+    size_t b = 0;
+    check(certkv_lossy_page_bytes(&c, &b));
+    return b;
+  }
+};
+
+// pages: [n_pages][block_tokens][head_dim] bf16 bits, page i at block first_block + i: the pages'
+// bytes [n_pages][page_bytes] and whether each was encoded (0: keep it exact).
+std::pair<Array<uint8_t>, Array<uint8_t>> lossy_encode(const LossyCodec& codec, In<uint16_t> pages, size_t n_pages,
+                                                        uint32_t first_block) {
+  const size_t rows = size_t(codec.c.block_tokens) * size_t(codec.c.head_dim), bytes = codec.page_bytes();
+  if (pages.size() != n_pages * rows) throw nb::value_error("pages: expected n_pages x block_tokens x head_dim values");
+  std::vector<uint8_t> out(n_pages * bytes), encoded(n_pages);
+  {
+    nb::gil_scoped_release release;
+    for (size_t p = 0; p < n_pages; ++p) {
+      int e = 0;
+      check(certkv_lossy_encode_page(&codec.c, first_block + uint32_t(p), pages.data() + p * rows, out.data() + p * bytes, &e));
+      encoded[p] = uint8_t(e);
+    }
+  }
+  return {to_numpy(std::move(out), {n_pages, bytes}), to_numpy(std::move(encoded), {n_pages})};
+}
+
+// bytes: [n_pages][page_bytes] into [n_pages][block_tokens][head_dim] float.
+Array<float> lossy_decode(const LossyCodec& codec, In<uint8_t> bytes, size_t n_pages, uint32_t first_block) {
+  const size_t rows = size_t(codec.c.block_tokens) * size_t(codec.c.head_dim), page = codec.page_bytes();
+  if (bytes.size() != n_pages * page) throw nb::value_error("pages: expected n_pages x page_bytes bytes");
+  std::vector<float> out(n_pages * rows);
+  {
+    nb::gil_scoped_release release;
+    for (size_t p = 0; p < n_pages; ++p)
+      check(certkv_lossy_decode_page(&codec.c, first_block + uint32_t(p), bytes.data() + p * page, out.data() + p * rows));
+  }
+  return to_numpy(std::move(out), {n_pages, size_t(codec.c.block_tokens), size_t(codec.c.head_dim)});
+}
+
 // ---- The meter -------------------------------------------------------------------------------
 
 nb::dict meter_row_dict(const certkv_meter_row& r, std::vector<double>&& bounds) {
@@ -827,6 +886,12 @@ NB_MODULE(_certkv, m) {
       .def_prop_ro("slot_bytes", &GaacCodec::slot_bytes);
   m.def("gaac_calibrate", &gaac_calibrate);
   m.def("gaac_encode", &gaac_encode);
+  nb::class_<LossyCodec>(m, "LossyCodec")
+      .def(nb::init<std::string, bool, int32_t, int32_t, std::string, std::optional<std::string>, int32_t, int32_t,
+                    std::vector<uint16_t>>())
+      .def_prop_ro("page_bytes", &LossyCodec::page_bytes);
+  m.def("lossy_encode", &lossy_encode);
+  m.def("lossy_decode", &lossy_decode);
   m.def("gaac_decode", &gaac_decode);
   m.def("meter_tier_a", &meter_tier_a);
   m.def("meter_tier_b", &meter_tier_b);

@@ -1,4 +1,5 @@
-"""certkv.codec: GAAC round trips bit for bit on adversarial bit patterns and ragged lengths."""
+"""certkv.codec: GAAC round trips bit for bit on adversarial bit patterns and ragged lengths; the
+lossy page codecs give the pages a KvStore of the same rows attends over."""
 
 import numpy as np
 import pytest
@@ -101,3 +102,39 @@ def test_corrupt_slot_raises():
     encoded.used_bytes[:] = 1
     with pytest.raises(certkv.CorruptError):
         codec.decode(encoded)
+
+
+@pytest.mark.parametrize("kv", ["fp8-e4m3", "rtn4", "kivi2", "dither8"])
+def test_lossy_pages_are_a_stores_pages(kv):
+    """lossy_encode / lossy_decode of a stream's rows: what a KvStore holding the same rows reads
+    back (its layer 1, kv head 1: dither8's dither keyed alike), K pages and V pages, and not the
+    exact rows; a row that is not finite leaves its page unencoded."""
+    rng = np.random.default_rng(7)
+    rows = rng.standard_normal((2, 48, 64)).astype(np.float32)
+    rows[:, :, 3::16] *= 6
+    bits = (rows.view(np.uint32) >> 16).astype(np.uint16)
+    store = certkv.KvStore(kv, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, rope_layout="half-split",
+                           recent_window_tokens=0, outlier_pairs=0)
+    store.append(0, 1, bits, bits)
+    for key, name in ((True, "k"), (False, "v")):
+        pages = codec.lossy_encode(bits[1], kv, key=key, rope_layout="half-split", layer=1, kv_head=1)
+        assert pages.pages.shape[0] == 3 and pages.encoded.all()
+        got = codec.lossy_decode(pages)
+        want = store.read(0, 1, name)[1]
+        assert np.array_equal(got, want)
+        assert not np.array_equal(got, (bits[1].astype(np.uint32) << 16).view(np.float32))
+    bad = bits[1].copy()
+    bad[20, 7] = 0x7FC0  # NaN in block 1
+    assert codec.lossy_encode(bad, kv).encoded.tolist() == [True, False, True]
+
+
+def test_lossy_refusals():
+    rows = np.zeros((32, 64), np.uint16)
+    with pytest.raises(certkv.InvalidArgumentError, match="gaac is not a lossy scheme"):
+        codec.lossy_encode(rows, "gaac")
+    with pytest.raises(ValueError, match="not whole pages"):
+        codec.lossy_encode(rows[:20], "dither8")
+    with pytest.raises(certkv.CertkvError, match="witness"):
+        codec.lossy_encode(rows, "dither8", witness="u8")
+    with pytest.raises(TypeError, match="LossyPages"):
+        codec.lossy_decode(rows)

@@ -87,6 +87,28 @@ def test_kv_store_decode_op_over_a_sparse_store():
     assert (meter == 0).all()  # bf16: lossless, nothing to bound
 
 
+def test_lossy_page_ops_equal_the_codec_under_compile():
+    """torch.ops.certkv.lossy_encode_pages / lossy_decode_pages give certkv.codec's pages and
+    reconstruction (dither8 K pages with two outlier pairs, from block 2), eager and compiled."""
+    rows = bf16_rows(48, 9, heads=1)[0]
+    want = certkv.codec.lossy_encode(rows, "dither8", key=True, rope_layout="half-split", layer=2, kv_head=0,
+                                     outlier_pairs=(1, 6), first_block=2)
+    pages = torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16).reshape(3, 16, 64)
+
+    def round_trip(pages):
+        data, encoded = torch.ops.certkv.lossy_encode_pages(pages, "dither8", True, "half-split", None, 2, 0, [1, 6], 2)
+        out = torch.ops.certkv.lossy_decode_pages(data, "dither8", True, 16, 64, "half-split", None, 2, 0, [1, 6], 2)
+        return data, encoded, out
+
+    for fn in (round_trip, torch.compile(round_trip, backend="aot_eager", fullgraph=True)):
+        data, encoded, out = fn(pages)
+        assert torch.equal(data, torch.from_numpy(want.pages)) and encoded.all()
+        assert torch.equal(out.reshape(48, 64), torch.from_numpy(certkv.codec.lossy_decode(want)))
+    with pytest.raises(ValueError, match="bytes per page"):
+        torch.ops.certkv.lossy_decode_pages(data[:, :-1].contiguous(), "dither8", True, 16, 64, "half-split", None, 2,
+                                            0, [1, 6], 2)
+
+
 def test_gaac_page_ops_round_trip_under_compile():
     rows = bf16_rows(64, 5, heads=1)[0]
     cal = certkv.codec.calibrate(rows, block_tokens=16)
