@@ -109,6 +109,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--schemes", default="gaac,dither8")
+    ap.add_argument("--sparse", type=float, metavar="P",
+                    help="also run each scheme with sparse decode at Top-p P (the store's defaults otherwise)")
     ap.add_argument("--json", metavar="PATH", help="write the runs as JSON cells")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -132,6 +134,10 @@ def main() -> None:
     for scheme in args.schemes.split(","):
         runs.append((f"CertkvCache({scheme}) + certkv", "CertkvCache", ct.ATTENTION_NAME, scheme,
                      lambda s=scheme: ct.CertkvCache(model.config, scheme=s, max_tokens=max_tokens)))
+        if args.sparse is not None:
+            runs.append((f"CertkvCache({scheme}, sparse {args.sparse:g})", "CertkvCache", ct.ATTENTION_NAME, scheme,
+                         lambda s=scheme: ct.CertkvCache(model.config, scheme=s, max_tokens=max_tokens,
+                                                         sparse=args.sparse)))
     cells = []
     for name, cache_name, attention, kv, make_cache in runs:
         set_attention(model, attention)
@@ -151,6 +157,9 @@ def main() -> None:
             in_use = sum(c["kv_bytes_by_class"].values())  # pages in use; kv_bytes: what the pools hold
             cell.update(kv_bytes=c["kv_bytes"], kv_page_bytes_in_use=in_use, kv_bytes_bf16=c["kv_bytes_bf16"])
             extra = f"  kv pages {in_use} B, pools {c['kv_bytes']} B (bf16 {c['kv_bytes_bf16']} B)"
+            if "sparse" in c:
+                cell.update(sparse_p=c["sparse"]["p"], sparse_mean_budget=c["sparse"]["mean_budget"])
+                extra += f"  sparse budget {c['sparse']['mean_budget']:.3f}"
             if c["metered"]:
                 cell.update(tier=c["tier"], meter_max=c["meter_max"], meter_p99=c["meter_p99"],
                             coverage=c["coverage"], tau=c["tau"])
