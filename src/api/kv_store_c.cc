@@ -698,8 +698,13 @@ certkv_status select_sequences(const char* w, certkv_kv_store* store, const int3
       store->n_sequences = n;
     });
   return guarded([&] {
-    // Every layer's new sequences first (a layer not made yet is made at its first append, with n
-    // sequences); if one cannot be made, those made are freed and the store is as it was.
+    // The key indexes' copies first (nothing to undo if one fails), then every layer's new
+    // sequences (a layer not made yet is made at its first append, with n sequences); if one
+    // cannot be made, those made are freed and the store is as it was.
+    std::vector<std::vector<certkv::api::StoreKeyIndex>> key_indexes(store->key_indexes.size());
+    for (size_t l = 0; l < store->key_indexes.size(); ++l)
+      if (!store->key_indexes[l].empty())
+        for (int32_t i = 0; i < n; ++i) key_indexes[l].push_back(store->key_indexes[l][size_t(src[i])].copy());
     std::vector<std::vector<cache::SeqId>> selected(size_t(store->n_layers));
     try {
       for (int l = 0; l < store->n_layers; ++l)
@@ -711,10 +716,6 @@ certkv_status select_sequences(const char* w, certkv_kv_store* store, const int3
         for (cache::SeqId id : selected[size_t(l)]) store->layers[size_t(l)]->free_sequence(id);
       throw;
     }
-    std::vector<std::vector<certkv::api::StoreKeyIndex>> key_indexes(store->key_indexes.size());
-    for (size_t l = 0; l < store->key_indexes.size(); ++l)
-      if (!store->key_indexes[l].empty())
-        for (int32_t i = 0; i < n; ++i) key_indexes[l].push_back(store->key_indexes[l][size_t(src[i])].copy());
     for (int l = 0; l < store->n_layers; ++l) {
       if (!store->layers[size_t(l)]) continue;
       for (cache::SeqId id : store->seqs[size_t(l)]) store->layers[size_t(l)]->free_sequence(id);
