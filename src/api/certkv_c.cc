@@ -570,26 +570,13 @@ certkv_status certkv_session_sparse_stats(const certkv_session* session, certkv_
     const certkv::backend::SparseConfig& cfg = s.config().sparse;
     const certkv::backend::SparseStats& st = s.sparse_stats();
     *stats = certkv_sparse_stats{};
-    stats->sparse = s.key_index() != nullptr ? 1 : 0;
-    if (!stats->sparse) return;
-    stats->p = cfg.p;
-    stats->window_tokens = cfg.window_tokens;
-    stats->dense_layers = cfg.dense_layers;
-    stats->steps = st.steps;
-    stats->cells = st.cells;
-    // No sparse cell yet: every step attended every token.
-    stats->mean_budget = st.cells > 0 ? st.sum_budget / double(st.cells) : 1;
-    const int64_t all = st.cells + st.dense_cells;
-    stats->mean_budget_all_layers = all > 0 ? (st.sum_budget + double(st.dense_cells)) / double(all) : 1;
+    if (s.key_index() == nullptr) return;
+    *stats = certkv::api::sparse_stats_of(cfg.p, cfg.window_tokens, cfg.dense_layers, cfg.deviations, st);
     const certkv::cache::KeyIndex& index = *s.key_index();
     stats->index_bytes = index.bytes();
     stats->indexed_tokens = cfg.dense_layers < s.model().config().n_layers
                                 ? index.indexed_tokens(cfg.dense_layers, 0)
                                 : 0;
-    stats->index_build_seconds = st.index_build_seconds;
-    stats->index_appended_tokens = st.index_appended_tokens;
-    stats->deviations = cfg.deviations;
-    stats->widened_fraction = st.context_tokens > 0 ? double(st.widened_tokens) / double(st.context_tokens) : 0;
   });
 }
 

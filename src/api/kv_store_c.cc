@@ -21,6 +21,7 @@
 #include "attention/decode_attention.h"
 #include "attention/decode_gate.h"
 #include "attention/sparse_decode.h"
+#include "backend/backend.h"
 #include "backend/cuda/device_kv_store.h"
 #include "cache/kv_cache.h"
 #include "cache/kv_scheme.h"
@@ -67,7 +68,7 @@ struct certkv_kv_store {
   certkv::api::StoreSparseConfig sparse;
   cache::KeyIndexConfig key_index_config;
   std::vector<std::vector<certkv::api::StoreKeyIndex>> key_indexes;  // [layer][seq]
-  certkv::api::StoreSparseStats sparse_stats;
+  certkv::backend::SparseStats sparse_stats;  // steps: (sequence, layer) decode steps of the sparse layers
   // Device "cuda": the pages on the device (layers, seqs and pool then stay empty). Declared
   // last: destroyed first, before the telemetry it records into.
   std::unique_ptr<certkv::backend::cuda::DeviceKvStore> device;
@@ -569,7 +570,7 @@ certkv_status certkv_kv_store_attend(certkv_kv_store* store, int32_t seq, int32_
       options.meter.delta_loc = store->delta_loc;
     }
     auto attend = [&] { certkv::attention::decode_attention(c, id, 0, shape, q, n, out, store->pool.get(), options); };
-    certkv::api::StoreSparseStats& ss = store->sparse_stats;
+    certkv::backend::SparseStats& ss = store->sparse_stats;
     if (key_index) {
       const auto start = std::chrono::steady_clock::now();
       ss.index_appended_tokens += key_index->update(c, id, n, q, store->n_heads, store->sparse);
@@ -753,25 +754,13 @@ certkv_status certkv_kv_store_sparse_stats(const certkv_kv_store* store, certkv_
   *stats = certkv_sparse_stats{};
   if (store->sparse.p == 0) return CERTKV_OK;
   const certkv::api::StoreSparseConfig& cfg = store->sparse;
-  const certkv::api::StoreSparseStats& st = store->sparse_stats;
-  stats->sparse = 1;
-  stats->p = cfg.p;
-  stats->window_tokens = cfg.window_tokens;
-  stats->dense_layers = cfg.dense_layers;
-  stats->steps = st.steps;
-  stats->cells = st.cells;
-  stats->mean_budget = st.cells > 0 ? st.sum_budget / double(st.cells) : 1;
-  const int64_t all = st.cells + st.dense_cells;
-  stats->mean_budget_all_layers = all > 0 ? (st.sum_budget + double(st.dense_cells)) / double(all) : 1;
+  *stats = certkv::api::sparse_stats_of(cfg.p, cfg.window_tokens, cfg.dense_layers, cfg.deviations,
+                                        store->sparse_stats);
   for (const auto& layer : store->key_indexes)
     for (const certkv::api::StoreKeyIndex& k : layer) {
       stats->index_bytes += k.index().bytes();
       stats->indexed_tokens += k.index().indexed_tokens(0, 0);
     }
-  stats->index_build_seconds = st.index_build_seconds;
-  stats->index_appended_tokens = st.index_appended_tokens;
-  stats->deviations = cfg.deviations;
-  stats->widened_fraction = st.context_tokens > 0 ? double(st.widened_tokens) / double(st.context_tokens) : 0;
   return CERTKV_OK;
 }
 

@@ -33,18 +33,6 @@ struct StoreSparseConfig {
   uint64_t seed = 0x5eed0002;  // of the rotation and of the queries' randomized rounding
 };
 
-// Counters over the store's sparse decode steps (certkv_sparse_stats).
-struct StoreSparseStats {
-  int64_t steps = 0;           // decode steps of a sparse layer, one per (sequence, layer)
-  int64_t cells = 0;           // their (step, query head) cells
-  int64_t dense_cells = 0;     // cells of the dense layers' decode steps
-  double sum_budget = 0;       // attended / context tokens, over the cells
-  int64_t widened_tokens = 0;  // attended by the widening, over the cells
-  int64_t context_tokens = 0;  // over the cells
-  double index_build_seconds = 0;
-  int64_t index_appended_tokens = 0;  // per (layer, kv_head), summed over sequences
-};
-
 // The indexed prefix of a context of n tokens: cache::key_index_target (the whole blocks before
 // the window) in whole batches of cache::key_index_batch (the window in whole blocks). A function
 // of n alone: a sequence's index does not depend on when its steps ran, were cropped or copied.
