@@ -1,7 +1,6 @@
 // The KV store's key indexes (api/kv_store_sparse.h).
 #include "api/kv_store_sparse.h"
 
-#include <algorithm>
 #include <utility>
 
 namespace certkv::api {
@@ -58,9 +57,9 @@ int64_t StoreKeyIndex::update(const cache::KvCache& cache, cache::SeqId seq, int
     query_sums_.shrink_to_fit();
   }
   const int64_t target = store_indexed_tokens(n, config.window_tokens, config_.page_records);
-  const int64_t from = std::min(index_->indexed_tokens(0, 0), target);  // more: a crop's, kept
-  for (int h = 0; h < h_kv; ++h) index_->truncate(0, h, from);
-  if (target == from) return 0;
+  // The indexed prefix only grows with n, and crop() truncates it: it is never past the target.
+  const int64_t from = index_->indexed_tokens(0, 0);
+  if (from >= target) return 0;
   keys.resize(size_t(target - from) * size_t(d));
   for (int h = 0; h < h_kv; ++h) {
     cache.read_token_range_exact(seq, 0, cache::KvTensor::kKey, h, from, target, keys.data());
