@@ -6,7 +6,7 @@
 // 128 (GQA 7): outputs as the CPU store's, a lossy scheme's meter at or above the true total
 // variation (over the rows the CPU store reads back: the same pages) and within the device
 // route's bar of the CPU store's, the telemetry's cells, the pages by class; then the refusals;
-// then a cuda store's read, crop and select against the CPU store's.
+// then a cuda store's read, crop and select against the CPU store's; then sparse decode.
 // The queries are bf16 values, as the device rounds them (session_cuda_test.cc does the same).
 // Needs a CUDA device (skipped without one); run on the GPU machine by scripts/run_cuda_tests.sh.
 #include <cuda_runtime.h>
@@ -530,6 +530,76 @@ TEST(CApiKvStoreDevice, SelectBeforeTheOutlierPairsAreChosen) {
   EXPECT_EQ(class_pages(st, "dither8"), 2u * 2u * uint64_t(sh.kv_heads) * kLayers);  // each copy's block 0
   certkv_kv_store_free(dev);
   certkv_kv_store_free(cpu);
+}
+
+// Sparse decode on a cuda store (bf16 pages) against the CPU store given the same rows, queries
+// and calls, at head_dim 64 (GQA 3) and 128 (GQA 7), with and without widening: layer 0 dense,
+// layer 1 sparse over a 32-token window. Each step's outputs agree within the device route's bar,
+// and the counters are the CPU store's: the same steps, cells, dense cells (a sequence too short
+// for an index attends exactly: the budget over all layers), tokens indexed, and the same Top-p
+// sets (budget and widened fraction: the device's estimates and buckets are the CPU's bit for
+// bit). Then a select that duplicates a sequence (each copy keeps the parent's records) and a crop
+// that truncates an index (its records of the kept prefix stay), with steps after each, keep the
+// same agreement.
+TEST(CApiKvStoreDevice, SparseDecodeMatchesTheCpuStore) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  const Shape shapes[] = {{6, 2, 64}, {14, 2, 128}};
+  // Sequence 1 has no index until its context reaches 64; sequence 2's index outgrows the 512
+  // records a sequence's list reserves at first.
+  const int prompt[kSeqs] = {300, 30, 700};
+  for (const Shape& sh : shapes)
+    for (const double deviations : {0.0, 1.5}) {
+      SCOPED_TRACE("head_dim " + std::to_string(sh.dim) + " deviations " + std::to_string(deviations));
+      certkv_kv_store_params pc = params("bf16", nullptr, sh, nullptr);
+      certkv_kv_store_params pd = params("bf16", nullptr, sh, "cuda");
+      for (certkv_kv_store_params* p : {&pc, &pd}) {
+        p->sparse_p = 0.9;
+        p->sparse_window = 32;
+        p->sparse_dense_layers = 1;
+        p->sparse_deviations = deviations;
+      }
+      certkv_kv_store *cpu = nullptr, *dev = nullptr;
+      ASSERT_EQ(certkv_kv_store_create(&pc, &cpu), CERTKV_OK) << certkv_last_error();
+      ASSERT_EQ(certkv_kv_store_create(&pd, &dev), CERTKV_OK) << certkv_last_error();
+      for (int l = 0; l < kLayers; ++l)
+        for (int s = 0; s < kSeqs; ++s)
+          append_both(cpu, dev, s, l, make_rows(prompt[s], sh, uint32_t(100 * s + 10 * l + 1), true),
+                      make_rows(prompt[s], sh, uint32_t(100 * s + 10 * l + 2), false), prompt[s], sh);
+      auto expect_same_counters = [&](const char* when) {
+        certkv_sparse_stats a, b;
+        ASSERT_EQ(certkv_kv_store_sparse_stats(cpu, &a), CERTKV_OK) << certkv_last_error();
+        ASSERT_EQ(certkv_kv_store_sparse_stats(dev, &b), CERTKV_OK) << certkv_last_error();
+        EXPECT_EQ(b.sparse, 1) << when;
+        EXPECT_GT(a.cells, 0) << when;
+        EXPECT_EQ(b.steps, a.steps) << when;
+        EXPECT_EQ(b.cells, a.cells) << when;
+        EXPECT_EQ(b.indexed_tokens, a.indexed_tokens) << when;
+        EXPECT_EQ(b.index_appended_tokens, a.index_appended_tokens) << when;
+        EXPECT_NEAR(b.mean_budget, a.mean_budget, 1e-12) << when;
+        EXPECT_NEAR(b.mean_budget_all_layers, a.mean_budget_all_layers, 1e-12) << when << ": the dense cells";
+        EXPECT_NEAR(b.widened_fraction, a.widened_fraction, 1e-12) << when;
+        EXPECT_LT(a.mean_budget, 0.9) << when << ": the Top-p sets leave tokens out";
+        if (deviations > 0) {
+          EXPECT_GT(a.widened_fraction, 0) << when;
+        }
+      };
+      for (int step = 0; step < 40; ++step) expect_same_step(cpu, dev, kSeqs, sh, 2000 + 97 * uint32_t(step));
+      expect_same_counters("after 40 steps");
+      if (HasFatalFailure()) return;
+
+      const int32_t grow[4] = {2, 0, 0, 1};
+      ASSERT_EQ(certkv_kv_store_select(cpu, grow, 4), CERTKV_OK) << certkv_last_error();
+      ASSERT_EQ(certkv_kv_store_select(dev, grow, 4), CERTKV_OK) << certkv_last_error();
+      for (int step = 0; step < 8; ++step) expect_same_step(cpu, dev, 4, sh, 7000 + 31 * uint32_t(step));
+      expect_same_counters("after the select");
+      // Sequence 0 (old 2, 748 positions) cropped to 200: its index keeps the records of 160.
+      ASSERT_EQ(certkv_kv_store_crop(cpu, 0, 200), CERTKV_OK) << certkv_last_error();
+      ASSERT_EQ(certkv_kv_store_crop(dev, 0, 200), CERTKV_OK) << certkv_last_error();
+      for (int step = 0; step < 8; ++step) expect_same_step(cpu, dev, 4, sh, 9000 + 13 * uint32_t(step));
+      expect_same_counters("after the crop");
+      certkv_kv_store_free(dev);
+      certkv_kv_store_free(cpu);
+    }
 }
 
 }  // namespace

@@ -981,11 +981,12 @@ typedef struct certkv_kv_store_params {
   int gate;                      /* lossy schemes on device "cpu": 1 repairs each decode step of
                                     certkv_kv_store_attend whose meter exceeds meter_tau from the
                                     exact backing store (docs/meter.md, "The gate"); default 0 */
-  double sparse_p;               /* device "cpu": 0 (default) dense decode; in (0, 1]: a decode
-                                    step of a layer past sparse_dense_layers attends the fewest
-                                    indexed tokens holding estimated mass sparse_p, plus the
-                                    tokens not indexed (docs/sparse.md, "The KV store"); not with
-                                    the gate; head_dim 32, 64, 96, 128 or 256 */
+  double sparse_p;               /* 0 (default) dense decode; in (0, 1]: a decode step of a
+                                    layer past sparse_dense_layers attends the fewest indexed
+                                    tokens holding estimated mass sparse_p, plus the tokens not
+                                    indexed (docs/sparse.md, "The KV store"); not with the gate;
+                                    head_dim 32, 64, 96, 128 or 256; on device "cuda" kv bf16 and
+                                    max_tokens below 2^24 */
   int32_t sparse_window;         /* newest tokens never indexed (always attended); -1: 128 */
   int32_t sparse_dense_layers;   /* first layers decoded densely, in [0, n_layers]; -1: 2 (or
                                     n_layers when fewer) */

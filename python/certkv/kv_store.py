@@ -19,10 +19,11 @@ sequence's tables only, by their exact values from the backing store, and the st
 again; ``attend`` returns the repaired step's output and meters, and ``certificate()`` counts the
 pages repaired (``gate_repairs``) while its coverage is the steps' before repair.
 
-``sparse=0.9`` (or a dict with p, deviations, window, dense_layers, rotation; cpu stores) decodes
-the layers past ``dense_layers`` sparsely: each (layer, sequence) keeps a RaBitQ key index of its
-keys, and a decode step attends the fewest indexed tokens holding estimated attention mass p plus
-the tokens not indexed (the newest ``window``). ``sparse_stats()`` gives the budget attended.
+``sparse=0.9`` (or a dict with p, deviations, window, dense_layers, rotation) decodes the layers
+past ``dense_layers`` sparsely: each (layer, sequence) keeps a RaBitQ key index of its keys, and a
+decode step attends the fewest indexed tokens holding estimated attention mass p plus the tokens
+not indexed (the newest ``window``). ``sparse_stats()`` gives the budget attended. A cuda store
+serves it over bf16 pages, its indexes built on the device.
 
 A store of ``device="cuda"`` keeps its pages in the memory of the CUDA device current at its
 creation and takes device memory instead of NumPy arrays: ``append_device`` and ``attend_device``
@@ -278,10 +279,11 @@ class KvStore:
         return self._store.kv_stats()
 
     def sparse_stats(self) -> dict[str, Any]:
-        """Sparse decode since the store was made (a session's sparse_stats: sparse, p, window_tokens,
-        dense_layers, steps, cells, mean_budget, mean_budget_all_layers, index_bytes,
-        indexed_tokens, ...); steps counts (sequence, layer) decode steps of the sparse layers.
-        {"sparse": False, ...} for a dense store."""
+        """Sparse decode since the store was made (a session's sparse_stats: sparse, p, deviations,
+        window_tokens, dense_layers, steps, cells, mean_budget, mean_budget_all_layers,
+        index_bytes, indexed_tokens, index_appended_tokens, index_build_seconds,
+        widened_fraction); steps counts (sequence, layer) decode steps of the sparse layers.
+        {"sparse": False, ...} for a dense store. A cuda store waits for its stream first."""
         return self._store.sparse_stats()
 
     def certificate(self) -> dict[str, Any]:

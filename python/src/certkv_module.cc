@@ -143,6 +143,9 @@ nb::dict sparse_stats_dict(const certkv_sparse_stats& s) {
   d["mean_budget"] = s.mean_budget;
   d["mean_budget_all_layers"] = s.mean_budget_all_layers;
   d["index_bytes"] = s.index_bytes;
+  d["indexed_tokens"] = s.indexed_tokens;
+  d["index_appended_tokens"] = s.index_appended_tokens;
+  d["index_build_seconds"] = s.index_build_seconds;
   d["widened_fraction"] = s.widened_fraction;
   return d;
 }

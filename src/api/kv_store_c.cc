@@ -63,8 +63,9 @@ struct certkv_kv_store {
   std::unique_ptr<certkv::gate::Telemetry> telemetry;
   std::vector<float> rows;                       // [n_tokens][n_kv_heads][head_dim] for write
   std::vector<certkv::attention::HeadMeter> head_meters;
-  // Sparse decode (params.sparse_p, device cpu): each (layer, sequence) of the layers past the
-  // dense ones has its key index (api/kv_store_sparse.h); the others' vectors stay empty.
+  // Sparse decode (params.sparse_p): on device cpu each (layer, sequence) of the layers past the
+  // dense ones has its key index (api/kv_store_sparse.h), the others' vectors staying empty; on
+  // device cuda the device store keeps them.
   certkv::api::StoreSparseConfig sparse;
   cache::KeyIndexConfig key_index_config;
   std::vector<std::vector<certkv::api::StoreKeyIndex>> key_indexes;  // [layer][seq]
@@ -370,9 +371,11 @@ certkv_status certkv_kv_store_create(const certkv_kv_store_params* params, certk
     }
   }
   if (p.sparse_p != 0) {
-    if (on_cuda)
-      return set_error(CERTKV_ERR_UNSUPPORTED, std::string(w) + ": sparse decode is not served on a store of device "
-                                                                "cuda yet (sparse_p on device cpu)");
+    if (on_cuda && !info.cuda_sparse)
+      return set_error(CERTKV_ERR_UNSUPPORTED,
+                       std::string(w) + ": sparse decode on device cuda reads " +
+                           cache::kv_scheme_names([](const cache::KvSchemeInfo& i) { return i.cuda_sparse; }) +
+                           " pages, not " + info.name + " (device cpu serves sparse decode over every scheme)");
     if (!cache::key_index_supports_head_dim(p.head_dim))
       return set_error(CERTKV_ERR_UNSUPPORTED, std::string(w) + ": sparse decode: head_dim " +
                                                    std::to_string(p.head_dim) +
@@ -427,8 +430,9 @@ certkv_status certkv_kv_store_create(const certkv_kv_store_params* params, certk
       ic.rotation = sp.rotation;
       ic.seed = sp.seed;
       s->key_indexes.resize(size_t(p.n_layers));
-      for (int l = sp.dense_layers; l < p.n_layers; ++l)
-        for (int i = 0; i < p.n_sequences; ++i) s->key_indexes[size_t(l)].emplace_back(ic);
+      if (!on_cuda)
+        for (int l = sp.dense_layers; l < p.n_layers; ++l)
+          for (int i = 0; i < p.n_sequences; ++i) s->key_indexes[size_t(l)].emplace_back(ic);
     }
     if (has_file) {
       codec::GaacShape shape;
@@ -468,6 +472,15 @@ certkv_status certkv_kv_store_create(const certkv_kv_store_params* params, certk
       d.sm_scale = s->sm_scale;
       d.delta_loc = s->delta_loc;
       d.stream = p.cuda_stream;
+      if (p.sparse_p != 0) {
+        d.sparse.enabled = true;
+        d.sparse.p = s->sparse.p;
+        d.sparse.deviations = s->sparse.deviations;
+        d.sparse.window_tokens = s->sparse.window_tokens;
+        d.sparse.dense_layers = s->sparse.dense_layers;
+        d.sparse.rotation = s->sparse.rotation;
+        d.sparse.seed = s->sparse.seed;
+      }
       const certkv_kv_store* raw = s.get();
       s->device = certkv::backend::cuda::make_device_kv_store(
           d, [raw](const float* k, const float* v, int64_t n) { return calibrate_layer(*raw, k, v, n); },
@@ -754,6 +767,13 @@ certkv_status certkv_kv_store_sparse_stats(const certkv_kv_store* store, certkv_
   *stats = certkv_sparse_stats{};
   if (store->sparse.p == 0) return CERTKV_OK;
   const certkv::api::StoreSparseConfig& cfg = store->sparse;
+  if (store->device)
+    return guarded([&] {
+      const certkv::backend::cuda::DeviceSparseStats d = store->device->sparse_stats();
+      *stats = certkv::api::sparse_stats_of(cfg.p, cfg.window_tokens, cfg.dense_layers, cfg.deviations, d.counters);
+      stats->index_bytes = d.index_bytes;
+      stats->indexed_tokens = d.indexed_tokens;
+    });
   *stats = certkv::api::sparse_stats_of(cfg.p, cfg.window_tokens, cfg.dense_layers, cfg.deviations,
                                         store->sparse_stats);
   for (const auto& layer : store->key_indexes)

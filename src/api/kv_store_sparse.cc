@@ -56,7 +56,7 @@ int64_t StoreKeyIndex::update(const cache::KvCache& cache, cache::SeqId seq, int
     query_sums_.clear();
     query_sums_.shrink_to_fit();
   }
-  const int64_t target = store_indexed_tokens(n, config.window_tokens, config_.page_records);
+  const int64_t target = cache::store_indexed_tokens(n, config.window_tokens, config_.page_records);
   // The indexed prefix only grows with n, and crop() truncates it: it is never past the target.
   const int64_t from = index_->indexed_tokens(0, 0);
   if (from >= target) return 0;
@@ -69,7 +69,7 @@ int64_t StoreKeyIndex::update(const cache::KvCache& cache, cache::SeqId seq, int
 }
 
 void StoreKeyIndex::crop(int64_t n_tokens, const StoreSparseConfig& config) {
-  const int64_t keep = store_indexed_tokens(n_tokens, config.window_tokens, config_.page_records);
+  const int64_t keep = cache::store_indexed_tokens(n_tokens, config.window_tokens, config_.page_records);
   for (int h = 0; h < config_.n_kv_heads; ++h) index_->truncate(0, h, keep);
 }
 

@@ -2,7 +2,7 @@
 // index per (layer, sequence), kept by the backends' rule (cache::key_index_target) and read by
 // attention::sparse_decode_attention at each decode step of a layer past the dense ones.
 //
-// The indexed prefix is store_indexed_tokens of the context, the rest attended exactly as the
+// The indexed prefix is cache::store_indexed_tokens of the context, the rest attended exactly as the
 // window. The centroids of a (layer, sequence) are set at its first sparse decode step: c_k the mean of
 // the exact keys stored so far, c_q the mean of the queries of the prefills attended before (over
 // the tokens and the query heads of each KV head's group, as the backends take the first
@@ -32,14 +32,6 @@ struct StoreSparseConfig {
   index::RotationKind rotation = index::RotationKind::kHaar;
   uint64_t seed = 0x5eed0002;  // of the rotation and of the queries' randomized rounding
 };
-
-// The indexed prefix of a context of n tokens: cache::key_index_target (the whole blocks before
-// the window) in whole batches of cache::key_index_batch (the window in whole blocks). A function
-// of n alone: a sequence's index does not depend on when its steps ran, were cropped or copied.
-inline int64_t store_indexed_tokens(int64_t n, int window_tokens, int block_tokens) {
-  const int64_t batch = cache::key_index_batch(window_tokens, block_tokens);
-  return cache::key_index_target(n, window_tokens, block_tokens) / batch * batch;
-}
 
 // The key index of one (layer, sequence) of a store whose layers are caches of one layer each.
 class StoreKeyIndex {

@@ -41,6 +41,13 @@ inline int64_t key_index_target(int64_t n_tokens, int window_tokens, int block_t
 inline int64_t key_index_batch(int window_tokens, int block_tokens) {
   return std::max<int64_t>(block_tokens, int64_t(window_tokens) / block_tokens * block_tokens);
 }
+// The indexed prefix of a context of n tokens in the C API's KV store (device cpu and cuda):
+// key_index_target in whole batches of key_index_batch. A function of n alone: a sequence's index
+// does not depend on when its steps ran, were cropped or copied.
+inline int64_t store_indexed_tokens(int64_t n_tokens, int window_tokens, int block_tokens) {
+  const int64_t batch = key_index_batch(window_tokens, block_tokens);
+  return key_index_target(n_tokens, window_tokens, block_tokens) / batch * batch;
+}
 
 // Whether the index supports keys of this head_dim.
 bool key_index_supports_head_dim(int head_dim);

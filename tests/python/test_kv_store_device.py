@@ -26,6 +26,11 @@ def test_schemes_the_device_does_not_serve_are_named(scheme):
         certkv.KvStore(scheme, device="cuda", **SHAPE)
 
 
+def test_sparse_decode_on_the_device_reads_bf16_pages():
+    with pytest.raises(certkv.UnsupportedError, match="sparse decode on device cuda reads bf16 pages, not fp8-e4m3"):
+        certkv.KvStore("fp8-e4m3", device="cuda", sparse=0.9, **SHAPE)
+
+
 def test_device_and_stream_arguments():
     with pytest.raises(ValueError, match="device: expected one of cpu, cuda.*'gpu'"):
         certkv.KvStore("bf16", device="gpu", **SHAPE)

@@ -208,6 +208,43 @@ def test_kv_store_decode_equals_the_cpu_operator():
     assert gpu.certificate()["metered"] is False
 
 
+def test_sparse_kv_store_decode_equals_the_cpu_operator():
+    """A cuda store with sparse decode against a cpu store given the same rows and queries: per
+    step the same output within the device route's bar and, at the end, the same counters (the
+    device's estimates and Top-p sets are the CPU's); sequence 1 gets its index only after 15
+    steps (its context reaches 32 tokens: one whole block before the 16-token window)."""
+    n_heads, n_kv_heads, head_dim = 8, 2, 64
+    shape = dict(n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, n_sequences=2,
+                 sparse={"p": 0.5, "window": 16, "dense_layers": 1})
+    gpu = certkv.KvStore("bf16", device="cuda", cuda_stream=torch.cuda.current_stream().cuda_stream, **shape)
+    cpu = certkv.KvStore("bf16", **shape)
+    gpu_handle, cpu_handle = ops.register_store(gpu), ops.register_store(cpu)
+    g = torch.Generator().manual_seed(9)
+    lengths = {0: 200, 1: 17}
+    for step in range(25):
+        for layer in (0, 1):
+            ns = [lengths[0], lengths[1]] if step == 0 else [1, 1]
+            k = torch.randn(sum(ns), n_kv_heads, head_dim, generator=g)
+            k[..., 3] *= 4  # a few large channels, as RoPE'd keys have
+            v = torch.randn(sum(ns), n_kv_heads, head_dim, generator=g)
+            k_gpu, v_gpu = k.cuda(), v.cuda()
+            gpu.append_device(layer, [0, 1], ns, k_gpu.data_ptr(), v_gpu.data_ptr())
+            for seq, (begin, end) in ((0, (0, ns[0])), (1, (ns[0], sum(ns)))):
+                cpu.append(seq, layer, k[begin:end].transpose(0, 1).contiguous().numpy(),
+                           v[begin:end].transpose(0, 1).contiguous().numpy())
+            q = (torch.randn(2, n_heads, head_dim, generator=g) * 2).bfloat16().float()
+            out_gpu, _ = torch.ops.certkv.kv_store_decode(gpu_handle, layer, [0, 1], q.cuda())
+            out_cpu, _ = torch.ops.certkv.kv_store_decode(cpu_handle, layer, [0, 1], q)
+            err = (out_gpu.cpu() - out_cpu).norm(dim=-1) / out_cpu.norm(dim=-1)
+            assert err.max().item() < 4e-3, (step, layer, err.max().item())
+    a, b = cpu.sparse_stats(), gpu.sparse_stats()
+    assert a["cells"] > 0 and a["mean_budget"] < 1.0
+    for key in ("steps", "cells", "indexed_tokens", "index_appended_tokens"):
+        assert b[key] == a[key], key
+    for key in ("mean_budget", "mean_budget_all_layers"):
+        assert b[key] == pytest.approx(a[key], rel=1e-12), key
+
+
 def test_crop_equals_never_having_the_cropped_tokens(certkv_model):
     """A 14-token prompt, then five decode steps (block 0 completes and is encoded), then a crop:
     back into the partial last block (its raw pages copied on the device) and back inside the

@@ -4,18 +4,24 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <string>
 #include <utility>
 
 #include "attention/cuda/device_layer_params.h"
+#include "attention/cuda/key_index_cuda.h"
 #include "attention/cuda/paged_decode_cuda.h"
+#include "attention/cuda/sparse_decode_cuda.h"
+#include "attention/sparse_decode.h"
 #include "backend/cuda/cuda_backend.h"
 #include "cache/cuda/device_kv_cache.h"
 #include "cache/cuda/device_pool.h"
 #include "core/cuda_status.h"
 #include "core/status.h"
 #include "gate/meter.h"
+#include "index/rabitq.h"
+#include "index/top_p.h"
 
 namespace certkv::backend::cuda {
 namespace {
@@ -32,6 +38,14 @@ constexpr int64_t kRingSteps = 512;
 constexpr int64_t kAppendRoundTokens = 2048;
 // Rows of a GAAC layer's first append its calibration reads, at most.
 constexpr int64_t kCalibrationRows = 8192;
+// Key index records reserved per (sequence, KV head) of a sparse layer at first; they grow by
+// doubling (DeviceKvCache::reserve_index_records), so a store sized for many sequences' tokens does
+// not reserve records for all of them in every sequence.
+constexpr int64_t kIndexRecordTokens = 512;
+// The store's error words: corrupt page entries met by decode attention; a scratch word;
+// bad keys met by the key index builder (zeroed before each update); queries the sparse steps
+// could not quantize.
+enum ErrorWord : size_t { kCorruptWord = 0, kScratchWord = 1, kIndexBuildWord = 2, kQueryWord = 3, kErrorWords = 4 };
 
 // The store's device current for the scope of a call, the caller's restored after it.
 class DeviceScope {
@@ -74,12 +88,14 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     if (cudaGetDevice(&device_) != cudaSuccess) fail(StatusCode::kInternal, "device KV store: no current CUDA device");
     format_ = attention::cuda::page_format_of(config.layer.scheme, config.layer.witness);
     metered_ = attention::cuda::page_format_metered(format_);
+    sparse_ = config.sparse.enabled;
     layers_.resize(size_t(config.n_layers));
     make_ring(config.n_sequences);
-    // The error word, and a scratch word that resetting the split counters zeroes instead of it.
-    throw_if_failed(DeviceBuffer::allocate(2 * sizeof(uint32_t), &error_word_));
-    if (cudaMemsetAsync(error_word_.data(), 0, 2 * sizeof(uint32_t), stream()) != cudaSuccess)
+    // The error words (ErrorWord).
+    throw_if_failed(DeviceBuffer::allocate(kErrorWords * sizeof(uint32_t), &error_word_));
+    if (cudaMemsetAsync(error_word_.data(), 0, kErrorWords * sizeof(uint32_t), stream()) != cudaSuccess)
       fail(StatusCode::kInternal, "device KV store: zeroing the error word failed");
+    if (sparse_) make_sparse_constants();
     // Every layer's cache now, so that a configuration its cache refuses (a calibration's base,
     // the outlier pairs) fails here; a GAAC scheme calibrating on its first appends makes each
     // then.
@@ -175,18 +191,30 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     require_device_memory(out, device_, "out");
     if (meters != nullptr) require_device_memory(meters, device_, "meters");
     const size_t n = seqs.size();
+    const bool sparse_layer = sparse_ && layer >= config_.sparse.dense_layers;
+    if (sparse_layer) update_key_index(layer, seqs, q);
     if (ring_used_ == kRingSteps) drain_ring();
     const size_t at = size_t(ring_used_++) * record_bytes_;
     int32_t* host_lens = reinterpret_cast<int32_t*>(host_ring_.data() + at);
-    int64_t max_len = 0;
+    int32_t* host_indexed = host_lens + 2 * size_t(ring_rows_);
+    int64_t max_len = 0, max_indexed = 0, max_window = 0;
     for (size_t i = 0; i < n; ++i) {
       host_lens[i] = int32_t(length(seqs[i], layer));
       host_lens[size_t(ring_rows_) + i] = l.slots[size_t(seqs[i])];
+      host_indexed[i] = sparse_layer ? int32_t(l.index[size_t(seqs[i])].indexed) : 0;
       max_len = std::max<int64_t>(max_len, host_lens[i]);
+      max_indexed = std::max<int64_t>(max_indexed, host_indexed[i]);
+      max_window = std::max<int64_t>(max_window, host_lens[i] - host_indexed[i]);
     }
     int32_t* lens = reinterpret_cast<int32_t*>(ring_.data() + at);
-    throw_if_failed(ring_.upload_async(at, host_lens, sizeof(int32_t) * 2 * size_t(ring_rows_), stream()));
+    throw_if_failed(ring_.upload_async(at, host_lens, sizeof(int32_t) * 3 * size_t(ring_rows_), stream()));
     float* step_meters = reinterpret_cast<float*>(ring_.data() + at + meters_offset());
+    // A sparse layer with no sequence holding records attends densely: each of its cells (and
+    // every cell of a dense layer) counts as dense, as the CPU store counts them.
+    if (sparse_) {
+      for (size_t i = 0; i < n; ++i)
+        if (host_indexed[i] == 0) sparse_stats_.dense_cells += config_.n_heads;
+    }
 
     PagedDecodeParams p;
     p.format = format_;
@@ -206,9 +234,16 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     p.split_blocks = kSplitBlocks;
     p.q = q;
     p.out = out;
-    p.error_word = reinterpret_cast<uint32_t*>(error_word_.data());
+    p.error_word = reinterpret_cast<uint32_t*>(error_word_.data()) + kCorruptWord;
     p.stream = config_.stream;
     const size_t H = size_t(config_.n_heads);
+    if (max_indexed > 0) {
+      attend_sparse(layer, p, at, max_indexed, max_window);
+      if (meters != nullptr && cudaMemsetAsync(meters, 0, sizeof(float) * n * H, stream()) != cudaSuccess)
+        fail(StatusCode::kInternal, "device KV store: writing the meters failed");
+      ring_steps_.push_back({at, n, /*metered=*/false, /*sparse=*/true});
+      return;
+    }
     if (metered_) {
       p.meter = step_meters;
       p.a_minus_1 = step_meters + n * H;
@@ -229,7 +264,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
       const WorkspaceLayout key{p.batch, attention::cuda::planned_splits(p)};
       if (!(key == workspace_layout_)) {
         PagedDecodeParams zero = p;  // the counters zeroed; the scratch word, not the error word
-        zero.error_word = reinterpret_cast<uint32_t*>(error_word_.data()) + 1;
+        zero.error_word = reinterpret_cast<uint32_t*>(error_word_.data()) + kScratchWord;
         throw_if_failed(attention::cuda::reset_error_word(zero));
         workspace_layout_ = key;
       }
@@ -244,7 +279,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     if (metered_) {
       const size_t a_at = at + meters_offset() + sizeof(float) * n * H;
       throw_if_failed(ring_.download_async(a_at, host_ring_.data() + a_at, sizeof(float) * n * H, stream()));
-      ring_steps_.push_back({at, n});
+      ring_steps_.push_back({at, n, /*metered=*/true, /*sparse=*/false});
     }
   }
 
@@ -285,9 +320,18 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
         if (made[layer] >= 0) (void)layers_[layer].cache->free_sequence(made[layer]);
       throw;
     }
+    // The key index of the prefix kept goes with the new slot (its records are the sequence's own).
+    const int64_t keep = sparse_ ? cache::store_indexed_tokens(n_tokens, config_.sparse.window_tokens,
+                                                               config_.layer.block_tokens)
+                                 : 0;
     for (size_t layer = 0; layer < layers_.size(); ++layer) {
       if (made[layer] < 0) continue;
       Layer& l = layers_[layer];
+      if (!l.index.empty()) {
+        SeqIndex& x = l.index[size_t(seq)];
+        x.indexed = std::min(x.indexed, keep);
+        copy_key_index(l, l.slots[size_t(seq)], made[layer], x);
+      }
       throw_if_failed(l.cache->free_sequence(l.slots[size_t(seq)]));
       l.slots[size_t(seq)] = made[layer];
     }
@@ -311,6 +355,10 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
           if (child >= 0) made[layer].push_back(child);
           throw_if_failed(s);
         }
+        // Each copy's key index: the parent's records and centroids, copied on the device.
+        if (!l.index.empty())
+          for (size_t i = 0; i < src.size(); ++i)
+            copy_key_index(l, l.slots[size_t(src[i])], made[layer][i], l.index[size_t(src[i])]);
       }
       if (int(src.size()) > ring_rows_) {
         drain_ring();  // waits for the stream; the ring's records hold the steps not yet recorded
@@ -326,6 +374,11 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
       if (!l.cache) continue;
       for (int slot : l.slots) throw_if_failed(l.cache->free_sequence(slot));
       l.slots = std::move(made[layer]);
+      if (!l.index.empty()) {
+        std::vector<SeqIndex> index;
+        for (int32_t from : src) index.push_back(l.index[size_t(from)]);
+        l.index = std::move(index);
+      }
     }
     config_.n_sequences = int(src.size());
   }
@@ -360,15 +413,42 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     return s;
   }
 
+  DeviceSparseStats sparse_stats() override {
+    const DeviceScope scope(device_);
+    drain_ring();
+    DeviceSparseStats s;
+    s.counters = sparse_stats_;
+    if (!sparse_) return s;
+    const size_t H = size_t(config_.layer.n_kv_heads), D = size_t(config_.layer.head_dim);
+    const uint64_t block_records = uint64_t(config_.layer.block_tokens);
+    s.index_bytes = rotation_.size();
+    for (const Layer& l : layers_)
+      for (const SeqIndex& x : l.index) {
+        s.indexed_tokens += x.indexed;
+        const uint64_t records = (uint64_t(x.indexed) + block_records - 1) / block_records * block_records;
+        s.index_bytes += records * H * index_record_bytes_;
+        if (x.centroids) s.index_bytes += 2 * H * D * sizeof(float);
+      }
+    return s;
+  }
+
  private:
+  // A sequence's key index in a sparse layer (its records at its slot of the layer's cache).
+  struct SeqIndex {
+    int64_t indexed = 0;     // tokens with records, per KV head
+    bool centroids = false;  // c_q and c_k set
+  };
   struct Layer {
     std::unique_ptr<DeviceKvCache> cache;
     std::vector<int> slots;  // the store's sequence i is slot slots[i] of the cache
+    std::vector<SeqIndex> index;  // [sequence] in the sparse layers; empty in the others
     bool failed = false;
   };
   struct RingStep {
     size_t at = 0;  // the record's offset
     size_t rows = 0;
+    bool metered = false;  // its A - 1 came down
+    bool sparse = false;   // its sparse counts came down
   };
   struct WorkspaceLayout {
     int batch = 0;
@@ -377,23 +457,241 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
   };
 
   static size_t round_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
-  size_t meters_offset() const { return round_up(sizeof(int32_t) * 2 * size_t(ring_rows_)); }
+  size_t cells(int rows) const { return size_t(rows) * size_t(config_.n_heads); }
+  size_t meters_offset() const { return round_up(sizeof(int32_t) * 3 * size_t(ring_rows_)); }
+  size_t seeds_offset() const { return meters_offset() + round_up(sizeof(float) * 3 * cells(ring_rows_)); }
+  size_t counts_offset() const { return seeds_offset() + round_up(sizeof(uint64_t) * cells(ring_rows_)); }
 
-  // The staging rings for decode steps of up to `rows` sequences. One record: lengths and table
-  // rows up ([2][rows] int32), then the meters of the step ([3][rows][n_heads] float: meter,
-  // A - 1, value side); A - 1 comes down.
-  // The old rings are freed only once both new ones are made; the stream must not read them.
+  // The staging rings for decode steps of up to `rows` sequences. One record: lengths, table rows
+  // and indexed lengths up ([3][rows] int32), then the meters of the step ([3][rows][n_heads]
+  // float: meter, A - 1, value side; A - 1 comes down); with sparse decode the heads' rounding
+  // seeds up ([rows][n_heads] uint64) and the sparse counts down ([3][rows][n_heads] of 8 bytes:
+  // selected, widened, estimated mass). Beside them, the quantized queries of a step
+  // ([rows][n_heads], read in stream order).
+  // The old rings are freed only once the new ones are made; the stream must not read them.
   void make_ring(int rows) {
-    const size_t record_bytes = round_up(sizeof(int32_t) * 2 * size_t(rows)) +
-                                round_up(sizeof(float) * 3 * size_t(rows) * size_t(config_.n_heads));
-    DeviceBuffer ring;
+    size_t record_bytes = round_up(sizeof(int32_t) * 3 * size_t(rows)) + round_up(sizeof(float) * 3 * cells(rows));
+    if (sparse_) record_bytes += round_up(sizeof(uint64_t) * cells(rows)) + round_up(sizeof(int64_t) * 3 * cells(rows));
+    DeviceBuffer ring, queries;
     PinnedBuffer host_ring;
     throw_if_failed(DeviceBuffer::allocate(record_bytes * kRingSteps, &ring));
     throw_if_failed(PinnedBuffer::allocate(record_bytes * kRingSteps, &host_ring));
+    if (sparse_)
+      throw_if_failed(DeviceBuffer::allocate(sizeof(attention::cuda::DeviceRabitqQuery) * cells(rows), &queries));
     ring_ = std::move(ring);
     host_ring_ = std::move(host_ring);
+    if (sparse_) queries_ = std::move(queries);
     record_bytes_ = record_bytes;
     ring_rows_ = rows;
+  }
+
+  // The sparse tier's constants on the device: the key index's rotation (cache::KeyIndex's, from
+  // the sparse seed) and the Top-p bucket weights.
+  void make_sparse_constants() {
+    const int D = config_.layer.head_dim;
+    index_record_bytes_ = D == 64 ? sizeof(index::RabitqRecord<64>) : sizeof(index::RabitqRecord<128>);
+    const index::Rotation rotation(config_.sparse.rotation, D, config_.sparse.seed);
+    const bool haar = rotation.kind() == index::RotationKind::kHaar;
+    const std::vector<float>& params = haar ? rotation.p_transpose() : rotation.signs();
+    throw_if_failed(DeviceBuffer::allocate(sizeof(float) * params.size(), &rotation_));
+    throw_if_failed(rotation_.upload(0, params.data(), sizeof(float) * params.size()));
+    rotation_view_.kind = rotation.kind();
+    (haar ? rotation_view_.p_transpose : rotation_view_.signs) = reinterpret_cast<const float*>(rotation_.data());
+    const std::vector<uint64_t>& w = index::top_p_bucket_weights();
+    throw_if_failed(DeviceBuffer::allocate(sizeof(uint64_t) * w.size(), &topp_weights_));
+    throw_if_failed(topp_weights_.upload(0, w.data(), sizeof(uint64_t) * w.size()));
+  }
+
+  // The records [0, x.indexed) of every KV head and the centroids of slot `from` into slot `to`,
+  // on the stream (the caller frees `from` after: later writes to it are ordered after the copy).
+  void copy_key_index(const Layer& l, int from, int to, const SeqIndex& x) {
+    const cache::cuda::DeviceLayerView v = l.cache->view(0);
+    const int H = config_.layer.n_kv_heads, D = config_.layer.head_dim;
+    const size_t rb = index_record_bytes_;
+    for (int h = 0; h < H && x.indexed > 0; ++h) {
+      const size_t src = (size_t(from) * size_t(H) + size_t(h)) * size_t(v.index_record_stride) * rb;
+      const size_t dst = (size_t(to) * size_t(H) + size_t(h)) * size_t(v.index_record_stride) * rb;
+      if (cudaMemcpyAsync(v.index_records + dst, v.index_records + src, size_t(x.indexed) * rb,
+                          cudaMemcpyDeviceToDevice, stream()) != cudaSuccess)
+        fail(StatusCode::kInternal, "device KV store: copying a key index failed");
+    }
+    const size_t row = size_t(H) * 2 * size_t(D);
+    if (x.centroids && cudaMemcpyAsync(v.index_centroids + size_t(to) * row, v.index_centroids + size_t(from) * row,
+                                       sizeof(float) * row, cudaMemcpyDeviceToDevice, stream()) != cudaSuccess)
+      fail(StatusCode::kInternal, "device KV store: copying a key index's centroids failed");
+  }
+
+  // Brings the key index of each of seqs in `layer` up to its context (the CPU store's
+  // StoreKeyIndex::update): the centroids at a sequence's first sparse step (q: this step's
+  // queries, device [n][n_heads][head_dim]), then the records of [indexed, store_indexed_tokens).
+  // Waits for the stream when there is anything to build; fails on bad keys.
+  void update_key_index(int layer, std::span<const int32_t> seqs, const float* q) {
+    Layer& l = layers_[size_t(layer)];
+    const int H = config_.layer.n_kv_heads, D = config_.layer.head_dim, group = config_.n_heads / H;
+    std::vector<attention::cuda::KeyIndexRange> ranges;  // the centroid ranges, then the record ranges
+    std::vector<size_t> builds;                           // rows of seqs whose centroids are set now
+    std::vector<int64_t> targets(seqs.size());
+    int64_t max_tokens = 0;
+    for (size_t i = 0; i < seqs.size(); ++i)
+      if (!l.index[size_t(seqs[i])].centroids) {
+        const int64_t n = length(seqs[i], layer);
+        builds.push_back(i);
+        ranges.push_back({int32_t(l.slots[size_t(seqs[i])]), 0, int32_t(n)});
+        max_tokens = std::max(max_tokens, n);
+      }
+    const size_t n_centroids = ranges.size();
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const SeqIndex& x = l.index[size_t(seqs[i])];
+      targets[i] = cache::store_indexed_tokens(length(seqs[i], layer), config_.sparse.window_tokens,
+                                               config_.layer.block_tokens);
+      if (targets[i] > x.indexed) {
+        ranges.push_back({int32_t(l.slots[size_t(seqs[i])]), int32_t(x.indexed), int32_t(targets[i])});
+        max_tokens = std::max(max_tokens, targets[i] - x.indexed);
+      }
+    }
+    if (ranges.empty()) return;
+    const auto start = std::chrono::steady_clock::now();
+    throw_if_failed(l.cache->reserve_index_records(*std::max_element(targets.begin(), targets.end())));
+    throw_if_failed(cache::cuda::synchronize_stream(config_.stream));  // the queries, and the scratch free
+    // c_q of the first builds: the mean of this step's query over each KV head's group, summed in
+    // double in head order and rounded once (the CPU store's, for a store without prefills).
+    std::vector<float> c_q(builds.size() * size_t(H) * size_t(D));
+    if (!builds.empty()) {
+      const size_t q_row = size_t(config_.n_heads) * size_t(D);
+      std::vector<float> host(q_row);
+      for (size_t b = 0; b < builds.size(); ++b) {
+        throw_if_failed(cache::cuda::copy_to_host(q + builds[b] * q_row, host.data(), sizeof(float) * q_row));
+        std::vector<double> sums(size_t(H) * size_t(D), 0.0);
+        for (int h = 0; h < config_.n_heads; ++h)
+          for (int i = 0; i < D; ++i) sums[size_t(h / group) * size_t(D) + size_t(i)] += host[size_t(h) * size_t(D) + size_t(i)];
+        for (size_t j = 0; j < sums.size(); ++j) c_q[b * sums.size() + j] = float(sums[j] / double(group));
+      }
+    }
+    DeviceBuffer device_ranges, device_c_q;
+    throw_if_failed(DeviceBuffer::allocate(sizeof(attention::cuda::KeyIndexRange) * ranges.size(), &device_ranges));
+    throw_if_failed(device_ranges.upload(0, ranges.data(), sizeof(attention::cuda::KeyIndexRange) * ranges.size()));
+    if (!c_q.empty()) {
+      throw_if_failed(DeviceBuffer::allocate(sizeof(float) * c_q.size(), &device_c_q));
+      throw_if_failed(device_c_q.upload(0, c_q.data(), sizeof(float) * c_q.size()));
+    }
+    const uint32_t zero = 0;
+    throw_if_failed(error_word_.upload(sizeof(uint32_t) * kIndexBuildWord, &zero, sizeof(zero)));
+    const cache::cuda::DeviceLayerView v = l.cache->view(0);
+    attention::cuda::KeyIndexBuildParams p;
+    p.n_kv_heads = H;
+    p.head_dim = D;
+    p.block_tokens = config_.layer.block_tokens;
+    p.k_pages = v.k_pages;  // bf16: the raw pool
+    p.k_page_stride = v.k_page_stride;
+    p.n_k_pages = v.n_k_pages;
+    p.k_table = v.k_table;
+    p.table_stride = v.table_stride;
+    p.table_row_stride = v.table_row_stride;
+    p.n_table_rows = v.n_table_rows;
+    p.max_range_tokens = max_tokens;
+    p.centroids = v.index_centroids;
+    p.rotation = rotation_view_;
+    p.records = v.index_records;
+    p.record_stride = v.index_record_stride;
+    p.error_word = reinterpret_cast<uint32_t*>(error_word_.data()) + kIndexBuildWord;
+    p.stream = config_.stream;
+    const auto* device = reinterpret_cast<const attention::cuda::KeyIndexRange*>(device_ranges.data());
+    if (n_centroids > 0) {
+      p.ranges = device;
+      p.n_ranges = int(n_centroids);
+      p.query_centroids = reinterpret_cast<const float*>(device_c_q.data());
+      throw_if_failed(attention::cuda::set_key_centroids(p));
+    }
+    if (ranges.size() > n_centroids) {
+      p.ranges = device + n_centroids;
+      p.n_ranges = int(ranges.size() - n_centroids);
+      throw_if_failed(attention::cuda::build_key_records(p));
+    }
+    throw_if_failed(cache::cuda::synchronize_stream(config_.stream));  // the builds; the buffers freed after
+    uint32_t errors = 0;
+    throw_if_failed(error_word_.download(sizeof(uint32_t) * kIndexBuildWord, &errors, sizeof(errors)));
+    if (errors != 0)
+      fail(StatusCode::kInvalidArgument, "device KV store: the key index builder of layer " + std::to_string(layer) +
+                                             " found " + std::to_string(errors) +
+                                             " keys that are not finite, or ranges or pages outside the pools");
+    for (size_t b : builds) l.index[size_t(seqs[b])].centroids = true;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      SeqIndex& x = l.index[size_t(seqs[i])];
+      if (targets[i] > x.indexed) {
+        sparse_stats_.index_appended_tokens += targets[i] - x.indexed;
+        x.indexed = targets[i];
+      }
+    }
+    sparse_stats_.index_build_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+
+  // One sparse step of the ring record at `at` (lengths, table rows, indexed lengths there), over
+  // the pages p describes: the heads' rounding seeds up, the queries quantized, sparse_decode into
+  // p.out, the counts down.
+  void attend_sparse(int layer, const PagedDecodeParams& p, size_t at, int64_t max_indexed, int64_t max_window) {
+    const size_t n = size_t(p.batch), Hq = size_t(config_.n_heads);
+    const int32_t* host_lens = reinterpret_cast<const int32_t*>(host_ring_.data() + at);
+    const int32_t* lens = reinterpret_cast<const int32_t*>(ring_.data() + at);
+    uint64_t* host_seeds = reinterpret_cast<uint64_t*>(host_ring_.data() + at + seeds_offset());
+    for (size_t j = 0; j < n; ++j) {
+      const uint64_t step =
+          attention::sparse_step_rounding_seed(config_.sparse.seed, host_lens[j] - 1, config_.n_layers, layer);
+      for (size_t h = 0; h < Hq; ++h) host_seeds[j * Hq + h] = attention::sparse_head_rounding_seed(step, int(h));
+    }
+    throw_if_failed(ring_.upload_async(at + seeds_offset(), host_seeds, sizeof(uint64_t) * n * Hq, stream()));
+    const cache::cuda::DeviceLayerView v = layers_[size_t(layer)].cache->view(0);
+
+    attention::cuda::QueryQuantizeParams qp;
+    qp.batch = int(n);
+    qp.n_q_heads = config_.n_heads;
+    qp.n_kv_heads = config_.layer.n_kv_heads;
+    qp.head_dim = config_.layer.head_dim;
+    qp.q = p.q;
+    qp.table_rows = p.table_rows;
+    qp.n_table_rows = v.n_table_rows;
+    qp.centroids = v.index_centroids;
+    qp.rotation = rotation_view_;
+    qp.rounding_seeds = reinterpret_cast<const uint64_t*>(ring_.data() + at + seeds_offset());
+    qp.deviations = config_.sparse.deviations;
+    qp.sm_scale = config_.sm_scale;
+    qp.queries = reinterpret_cast<attention::cuda::DeviceRabitqQuery*>(queries_.data());
+    qp.error_word = reinterpret_cast<uint32_t*>(error_word_.data()) + kQueryWord;
+    qp.stream = config_.stream;
+    throw_if_failed(attention::cuda::quantize_queries(qp));
+
+    attention::cuda::SparseDecodeParams sp;
+    attention::cuda::describe_pages(p, &sp);  // bf16 pages (the table's cuda_sparse)
+    sp.n_q_heads = config_.n_heads;
+    sp.sm_scale = config_.sm_scale;
+    sp.p = config_.sparse.p;
+    sp.table_rows = p.table_rows;
+    sp.n_table_rows = v.n_table_rows;
+    sp.table_row_stride = v.table_row_stride;
+    sp.records = v.index_records;
+    sp.record_stride = v.index_record_stride;
+    sp.n_indexed = lens + 2 * size_t(ring_rows_);
+    sp.max_indexed = max_indexed;
+    sp.max_window = max_window;
+    sp.queries = qp.queries;
+    sp.topp_weights = reinterpret_cast<const uint64_t*>(topp_weights_.data());
+    sp.q = p.q;
+    sp.out = p.out;
+    sp.n_selected = reinterpret_cast<int64_t*>(ring_.data() + at + counts_offset());
+    sp.n_widened = sp.n_selected + n * Hq;
+    sp.mass = reinterpret_cast<double*>(sp.n_widened + n * Hq);
+    sp.split_chunks = kSplitChunks;
+    sp.stream = config_.stream;
+    const size_t need = attention::cuda::workspace_bytes(sp);
+    if (sparse_workspace_.size() < need) {
+      throw_if_failed(cache::cuda::synchronize_stream(config_.stream));  // a launch may use the old one
+      throw_if_failed(DeviceBuffer::allocate(need, &sparse_workspace_));
+    }
+    sp.workspace = sparse_workspace_.data();
+    sp.workspace_size = sparse_workspace_.size();
+    throw_if_failed(attention::cuda::sparse_decode(sp));
+    // The counts come down into the host record: [3][n][n_heads], as the kernel wrote them.
+    throw_if_failed(ring_.download_async(at + counts_offset(), host_ring_.data() + at + counts_offset(),
+                                         sizeof(int64_t) * 3 * n * Hq, stream()));
   }
 
   void refuse_after_failure() const {
@@ -420,6 +718,11 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     kc.stream = config_.stream;
     kc.sequences = config_.n_sequences;
     kc.first_model_layer = layer;
+    const bool sparse_layer = sparse_ && layer >= config_.sparse.dense_layers;
+    if (sparse_layer) {
+      kc.index_record_bytes = index_record_bytes_;
+      kc.index_record_tokens = kIndexRecordTokens;
+    }
     if (cache::kv_scheme_is_gaac(config_.layer.scheme)) {
       if (!config_.calibrations.empty()) {
         kc.gaac_calibration = config_.calibrations[size_t(layer)];
@@ -439,16 +742,22 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     throw_if_failed(DeviceKvCache::create(kc, &l.cache));
     l.slots.resize(size_t(config_.n_sequences));
     for (int i = 0; i < config_.n_sequences; ++i) l.slots[size_t(i)] = i;
+    if (sparse_layer) l.index.assign(size_t(config_.n_sequences), SeqIndex{});
   }
 
-  // Corrupt entries counted by the launches so far (reads the word: waits for the stream).
+  // Corrupt entries and bad queries counted by the launches so far (reads the words: waits for
+  // the stream).
   void check_error_word() {
-    uint32_t corrupt = 0;
+    uint32_t words[kErrorWords] = {};
     throw_if_failed(cache::cuda::synchronize_stream(config_.stream));
-    throw_if_failed(error_word_.download(0, &corrupt, sizeof(corrupt)));
-    if (corrupt != 0)
-      fail(StatusCode::kCorrupt, "device KV store: " + std::to_string(corrupt) +
+    throw_if_failed(error_word_.download(0, words, sizeof(words)));
+    if (words[kCorruptWord] != 0)
+      fail(StatusCode::kCorrupt, "device KV store: " + std::to_string(words[kCorruptWord]) +
                                      " corrupt page entries or lengths met by decode attention");
+    if (words[kQueryWord] != 0)
+      fail(StatusCode::kInvalidArgument, "device KV store: " + std::to_string(words[kQueryWord]) +
+                                             " sparse queries are not finite or widen past the float range (sparse "
+                                             "deviations " + std::to_string(config_.sparse.deviations) + ")");
   }
 
   // Waits for the stream, records the ring's meters, starts the ring over.
@@ -456,14 +765,38 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     check_error_word();
     const size_t H = size_t(config_.n_heads);
     for (const RingStep& r : ring_steps_) {
-      const float* a = reinterpret_cast<const float*>(host_ring_.data() + r.at + meters_offset()) + r.rows * H;
-      for (size_t j = 0; j < r.rows * H; ++j) {
-        const double a_minus_1 = double(a[j]);  // lifted on the device
-        telemetry_.record(gate::meter_from_a_minus_1(a_minus_1), !std::isfinite(a_minus_1));
+      if (r.metered) {
+        const float* a = reinterpret_cast<const float*>(host_ring_.data() + r.at + meters_offset()) + r.rows * H;
+        for (size_t j = 0; j < r.rows * H; ++j) {
+          const double a_minus_1 = double(a[j]);  // lifted on the device
+          telemetry_.record(gate::meter_from_a_minus_1(a_minus_1), !std::isfinite(a_minus_1));
+        }
       }
+      if (r.sparse) record_sparse_step(r);
     }
     ring_steps_.clear();
     ring_used_ = 0;
+  }
+
+  // A sparse step's counts into the counters (the CPU store's accounting): per sequence with
+  // records one step, per head a cell of budget (selected + window) / context.
+  void record_sparse_step(const RingStep& r) {
+    const size_t H = size_t(config_.n_heads), n = r.rows;
+    const int32_t* lens = reinterpret_cast<const int32_t*>(host_ring_.data() + r.at);
+    const int32_t* indexed = lens + 2 * size_t(ring_rows_);
+    const int64_t* selected = reinterpret_cast<const int64_t*>(host_ring_.data() + r.at + counts_offset());
+    const int64_t* widened = selected + n * H;
+    for (size_t j = 0; j < n; ++j) {
+      if (indexed[j] == 0) continue;  // attended exactly: counted dense
+      const int64_t n_ctx = lens[j];
+      sparse_stats_.steps += 1;
+      for (size_t h = 0; h < H; ++h) {
+        sparse_stats_.cells += 1;
+        sparse_stats_.sum_budget += double(selected[j * H + h] + (n_ctx - indexed[j])) / double(n_ctx);
+        sparse_stats_.widened_tokens += widened[j * H + h];
+        sparse_stats_.context_tokens += n_ctx;
+      }
+    }
   }
 
   DeviceKvStoreConfig config_;
@@ -476,6 +809,13 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
   int ring_rows_ = 0;  // the sequences one ring record holds
   DeviceBuffer ring_, workspace_, error_word_;
   PinnedBuffer host_ring_;
+  // Sparse decode: the rotation, the Top-p bucket weights, a step's quantized queries, the
+  // sparse kernel's workspace; the counters.
+  bool sparse_ = false;
+  size_t index_record_bytes_ = 0;
+  DeviceBuffer rotation_, topp_weights_, queries_, sparse_workspace_;
+  attention::cuda::DeviceRotation rotation_view_;
+  SparseStats sparse_stats_;
   int64_t ring_used_ = 0;
   std::vector<RingStep> ring_steps_;
   gate::Telemetry& telemetry_;
@@ -498,6 +838,20 @@ std::unique_ptr<DeviceKvStore> make_device_kv_store(const DeviceKvStoreConfig& c
                                        " dither8 outlier pairs per head, not " + std::to_string(config.layer.outlier_pairs));
   if (config.layer.max_tokens >= (int64_t(1) << 31))
     fail(StatusCode::kUnsupported, "device cuda serves max_tokens below 2^31, not " + std::to_string(config.layer.max_tokens));
+  if (config.sparse.enabled) {
+    if (!cache::kv_scheme_info(config.layer.scheme).cuda_sparse)
+      fail(StatusCode::kUnsupported,
+           std::string("sparse decode on device cuda reads ") +
+               cache::kv_scheme_names([](const cache::KvSchemeInfo& s) { return s.cuda_sparse; }) + " pages, not " +
+               cache::kv_scheme_name(config.layer.scheme) + " (device cpu serves sparse decode over every scheme)");
+    if (config.sparse.window_tokens < 0 || config.sparse.dense_layers < 0 || config.sparse.dense_layers > config.n_layers)
+      fail(StatusCode::kInvalidArgument, "device KV store: sparse window_tokens " +
+                                             std::to_string(config.sparse.window_tokens) + " or dense_layers " +
+                                             std::to_string(config.sparse.dense_layers) + " out of range");
+    if (config.layer.max_tokens >= (int64_t(1) << 24))
+      fail(StatusCode::kUnsupported, "sparse decode on device cuda serves max_tokens below 2^24, not " +
+                                         std::to_string(config.layer.max_tokens));
+  }
   if (attention::cuda::device_count() < 1)
     fail(StatusCode::kUnsupported, "device cuda: no CUDA device is visible to this process");
   return std::make_unique<DeviceKvStoreImpl>(config, std::move(calibrate_layer), telemetry);

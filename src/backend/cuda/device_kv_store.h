@@ -25,6 +25,19 @@
 // that device (kInvalidArgument otherwise, before any launch). Every layer's cache is made at
 // create, except a GAAC scheme's without calibrations (each at its layer's first append).
 // Block tables: max_tokens / block_tokens entries per (sequence, K/V, KV head) of every layer.
+//
+// Sparse decode (DeviceKvStoreConfig::sparse; bf16 pages, the schemes the table marks
+// cuda_sparse): the layers from sparse.dense_layers on keep a key index per sequence on the device
+// beside its pages (DeviceKvCacheConfig::index_record_bytes), by the C API's CPU store's rule
+// (api/kv_store_sparse.h): the indexed prefix cache::store_indexed_tokens of the context; the
+// centroids set at a sequence's first sparse step, c_k the mean of its keys, c_q the mean of that
+// step's query over each KV head's group (the query comes to the host for it); records built on
+// the device (attention/cuda/key_index_cuda.h); a crop keeps the records of the prefix it keeps, a
+// select copies them. A step of a sequence with records is one sparse_decode launch
+// (attention/cuda/sparse_decode_cuda.h) with the split fixed per sequence (kSplitChunks); a
+// sequence without records yet is attended exactly (in the same launch, nothing indexed). An index
+// update waits for the stream (once per key_index_batch tokens of a sequence, and at its first
+// sparse step) and fails the step (kInvalidArgument) when a key is not finite.
 // Thread safety: one thread at a time.
 #pragma once
 
@@ -34,6 +47,7 @@
 #include <span>
 #include <vector>
 
+#include "backend/backend.h"
 #include "cache/kv_cache.h"
 #include "cache/kv_scheme.h"
 #include "codec/gaac.h"
@@ -55,6 +69,9 @@ struct DeviceKvStoreConfig {
   std::vector<std::shared_ptr<const codec::GaacCalibration>> calibrations;
   float sm_scale = 0.f;
   double delta_loc = 1e-8;  // Tier B failure probability per (layer, head, step)
+  // Sparse decode (enabled): REQUIRES a scheme the table marks cuda_sparse, window_tokens >= 0,
+  // 0 <= dense_layers <= n_layers, max_tokens below 2^24.
+  SparseConfig sparse;
   void* stream = nullptr;   // cudaStream_t; null: the legacy default stream
 };
 
@@ -73,6 +90,15 @@ struct DeviceKvStoreStats {
   int64_t coded_pages_in_use = 0;
   int64_t pages_kept_exact = 0;    // lossy blocks the encoder refused (stored exact)
   uint64_t kv_bytes_bf16 = 0;      // the same positions as a contiguous bf16 cache
+};
+
+// The sparse counters of a store (DeviceKvStore::sparse_stats) and its key indexes.
+struct DeviceSparseStats {
+  // As the C API's CPU store counts them: steps are (sequence, layer) decode steps of a sparse
+  // layer with records; dense_cells the cells of the others (dense layers, no records yet).
+  SparseStats counters;
+  int64_t indexed_tokens = 0;  // over the (sparse layer, sequence) pairs, per KV head
+  uint64_t index_bytes = 0;    // the records of the indexed tokens, the centroids set, the rotation
 };
 
 class DeviceKvStore {
@@ -107,6 +133,8 @@ class DeviceKvStore {
   virtual void drain() = 0;
   // Waits for the stream.
   virtual DeviceKvStoreStats stats() = 0;
+  // Waits for the stream and records the sparse steps not yet recorded (as drain()).
+  virtual DeviceSparseStats sparse_stats() = 0;
 };
 
 // The store records the meter of every (sequence, query head) of its decode steps in

@@ -140,7 +140,7 @@ struct DeviceKvCache::Layer {
   std::vector<int32_t> host_tables;
   std::vector<CompletedExactPage> completed_exact;  // hold_completed_exact: held raw pages
   DeviceBuffer bases;              // GAAC: [2][n_kv_heads][2][head_dim]
-  DeviceBuffer index_records;      // key index: [slot][n_kv_heads][table_stride * block_tokens] records
+  DeviceBuffer index_records;      // key index: [slot][n_kv_heads][index_record_stride_] records
   DeviceBuffer index_centroids;    // key index: [slot][n_kv_heads][2][head_dim] float
   DeviceBuffer dither_keys;        // dither8: [2][n_kv_heads] uint64
   DeviceBuffer outlier_pairs;      // dither8: [n_kv_heads][m] uint16 (the encoder's lists)
@@ -230,6 +230,13 @@ CudaStatus DeviceKvCache::create(const DeviceKvCacheConfig& config, std::unique_
     }
   }
   c->table_stride_ = (config.max_tokens + config.block_tokens - 1) / config.block_tokens;
+  if (config.index_record_tokens < 0)
+    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: index_record_tokens must be >= 0");
+  {
+    const int64_t context = c->table_stride_ * config.block_tokens;
+    const int64_t wanted = (config.index_record_tokens + config.block_tokens - 1) / config.block_tokens * config.block_tokens;
+    c->index_record_stride_ = config.index_record_tokens == 0 ? context : std::min(context, wanted);
+  }
   c->raw_bytes_ = size_t(config.block_tokens) * size_t(config.head_dim) * size_t(format::gaac_element_bytes(element));
   if (config.sequences < 0)
     return cuda_error(StatusCode::kInvalidArgument, "device KV cache: sequences at create must be >= 0");
@@ -323,8 +330,7 @@ CudaStatus DeviceKvCache::grow_slots(int64_t slots) {
   }
   if (!s.ok) return s;
   if (config_.index_record_bytes > 0) {
-    const size_t records = size_t(config_.n_kv_heads) * size_t(table_stride_) * size_t(config_.block_tokens) *
-                           config_.index_record_bytes;
+    const size_t records = size_t(config_.n_kv_heads) * size_t(index_record_stride_) * config_.index_record_bytes;
     const size_t centroids = size_t(config_.n_kv_heads) * 2 * size_t(config_.head_dim) * sizeof(float);
     for (auto& layer : layers_) {
       s = grow(layer->index_records, records * size_t(slot_capacity_), records * size_t(grown), config_.stream);
@@ -455,6 +461,38 @@ CudaStatus DeviceKvCache::fork_prefix(int parent, int64_t n_tokens, int* child) 
     broken_reason_ = s.message;
   }
   return s;
+}
+
+CudaStatus DeviceKvCache::reserve_index_records(int64_t tokens) {
+  if (config_.index_record_bytes == 0)
+    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: reserve_index_records without a key index");
+  const int64_t T = config_.block_tokens, context = table_stride_ * T;
+  if (tokens < 0 || tokens > context)
+    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: " + std::to_string(tokens) +
+                                                        " index records per head past the context of " +
+                                                        std::to_string(context));
+  if (tokens <= index_record_stride_) return {};
+  // Doubling, in whole blocks, up to the context: a sequence's records grow in O(log) copies.
+  const int64_t grown = std::min(context, std::max((tokens + T - 1) / T * T, 2 * index_record_stride_));
+  const size_t rb = config_.index_record_bytes, rows = size_t(slot_capacity_) * size_t(config_.n_kv_heads);
+  std::vector<DeviceBuffer> bigger(layers_.size());
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    CudaStatus s = DeviceBuffer::allocate(rows * size_t(grown) * rb, &bigger[l]);
+    if (!s.ok) return s;  // nothing changed
+  }
+  for (size_t l = 0; l < layers_.size() && rows > 0; ++l) {
+    const CudaStatus s = cuda_check(
+        cudaMemcpy2DAsync(bigger[l].data(), size_t(grown) * rb, layers_[l]->index_records.data(),
+                          size_t(index_record_stride_) * rb, size_t(index_record_stride_) * rb, rows,
+                          cudaMemcpyDeviceToDevice, as_stream(config_.stream)),
+        "index record growth copy");
+    if (!s.ok) return s;  // the old records are intact
+  }
+  const CudaStatus s = cuda_check(cudaStreamSynchronize(as_stream(config_.stream)), "index record growth");
+  if (!s.ok) return s;
+  for (size_t l = 0; l < layers_.size(); ++l) layers_[l]->index_records = std::move(bigger[l]);
+  index_record_stride_ = grown;
+  return {};
 }
 
 CudaStatus DeviceKvCache::fork_sequence(int parent, int64_t n_tokens, int* child) {
@@ -1418,7 +1456,7 @@ DeviceLayerView DeviceKvCache::view(int layer_index) const {
   v.n_table_rows = slot_capacity_;
   if (config_.index_record_bytes > 0) {
     v.index_records = layer.index_records.data();
-    v.index_record_stride = table_stride_ * config_.block_tokens;
+    v.index_record_stride = index_record_stride_;
     v.index_centroids = reinterpret_cast<float*>(layer.index_centroids.data());
   }
   v.length = reinterpret_cast<const int32_t*>(lengths_.data()) + layer_index;

@@ -104,6 +104,9 @@ struct DeviceKvCacheConfig {
   // every layer holds a record per position of the context and its centroids; the records of a
   // slot are its sequence's own (built from its own centroids), never shared by a fork.
   size_t index_record_bytes = 0;
+  // Records reserved per (slot, kv head) at first, rounded up to whole blocks (the rest of the
+  // context comes from reserve_index_records); 0: the whole context (max_tokens).
+  int64_t index_record_tokens = 0;
 };
 
 // The most dither8 outlier pairs per head the device serves (the decode kernels' limit).
@@ -135,7 +138,7 @@ struct DeviceLayerView {
   // index_records + ((s * n_kv_heads + h) * index_record_stride + t) * index_record_bytes; the
   // centroids [slot][n_kv_heads][2 (c_q, c_k)][head_dim] floats. Null without an index.
   uint8_t* index_records = nullptr;
-  int64_t index_record_stride = 0;  // records per (slot, kv head): the context in whole blocks
+  int64_t index_record_stride = 0;  // records per (slot, kv head) reserved (whole blocks)
   float* index_centroids = nullptr;
   const uint64_t* dither_keys = nullptr;       // dither8: [2 (K, V)][n_kv_heads]
   const int32_t* outlier_channels = nullptr;   // dither8: [n_kv_heads][2 m] (pair j: a, then b)
@@ -211,6 +214,10 @@ class DeviceKvCache {
   // keeps only lossy: its exact values are gone). Any failure leaves no child (*child -1) and the
   // parent as it was; only a failed copy or launch leaves the cache refusing until reset().
   CudaStatus fork_sequence(int parent, int64_t n_tokens, int* child);
+  // The key index: at least `tokens` records per (slot, kv head) (REQUIRES: at most the context);
+  // a larger reservation keeps every slot's records (one strided copy on the stream, then a wait
+  // for it). Views taken before are stale after a growth.
+  CudaStatus reserve_index_records(int64_t tokens);
   bool live(int slot) const { return slot >= 0 && size_t(slot) < live_.size() && live_[size_t(slot)] != 0; }
 
   // Appends positions [written(slot, layer), written(slot, layer) + n) of `layer`: k, v floats
@@ -384,6 +391,7 @@ class DeviceKvCache {
 
   DeviceKvCacheConfig config_;
   int64_t table_stride_ = 0;
+  int64_t index_record_stride_ = 0;  // records reserved per (slot, kv head)
   size_t raw_bytes_ = 0;  // bytes of a raw page
   int64_t slot_capacity_ = 0;
   std::vector<int64_t> written_;  // [slot][layer]

@@ -955,6 +955,47 @@ TEST(AppendRows, BadArgumentsAreRefusedBeforeAnyLaunch) {
   EXPECT_NE(s.message.find("fragment-major raw pages are bf16 pages of 16 tokens"), std::string::npos) << s.message;
 }
 
+// The key index's records reserved per (slot, kv head) grow on demand: every slot's records are
+// kept through a growth (one strided copy), the stride doubles in whole blocks up to the context,
+// and a reservation past the context is refused, the records unchanged.
+TEST(DeviceKvCache, IndexRecordsGrowKeepingEverySlotsRecords) {
+  CERTKV_NEED_CUDA_DEVICE();
+  DeviceKvCacheConfig c = config_of(KvScheme::kBf16, 256);
+  c.sequences = 3;
+  c.index_record_bytes = 32;
+  c.index_record_tokens = 20;  // two blocks
+  std::unique_ptr<DeviceKvCache> dev;
+  ASSERT_TRUE(DeviceKvCache::create(c, &dev).ok);
+  DeviceLayerView v = dev->view(1);
+  ASSERT_EQ(v.index_record_stride, 32);
+  const size_t rows = 3 * kHeads;  // (slot, kv head) lists
+  std::vector<uint8_t> bytes(rows * 32 * 32);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = uint8_t(i * 37 + 11);
+  ASSERT_EQ(cudaMemcpy(v.index_records, bytes.data(), bytes.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_TRUE(dev->reserve_index_records(32).ok);  // already reserved: nothing moves
+  EXPECT_EQ(dev->view(1).index_records, v.index_records);
+  ASSERT_TRUE(dev->reserve_index_records(33).ok);  // doubled: 64
+  v = dev->view(1);
+  ASSERT_EQ(v.index_record_stride, 64);
+  std::vector<uint8_t> back(rows * 64 * 32);
+  ASSERT_EQ(cudaMemcpy(back.data(), v.index_records, back.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (size_t r = 0; r < rows; ++r)
+    ASSERT_EQ(std::memcmp(&back[r * 64 * 32], &bytes[r * 32 * 32], 32 * 32), 0) << "list " << r;
+  ASSERT_TRUE(dev->reserve_index_records(200).ok);  // past a doubling: whole blocks, 208
+  EXPECT_EQ(dev->view(0).index_record_stride, 208);
+  ASSERT_TRUE(dev->reserve_index_records(256).ok);  // capped at the context
+  EXPECT_EQ(dev->view(0).index_record_stride, 256);
+  EXPECT_EQ(dev->reserve_index_records(257).code, StatusCode::kInvalidArgument);
+  v = dev->view(1);
+  back.assign(rows * 256 * 32, 0);
+  ASSERT_EQ(cudaMemcpy(back.data(), v.index_records, back.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (size_t r = 0; r < rows; ++r)
+    ASSERT_EQ(std::memcmp(&back[r * 256 * 32], &bytes[r * 32 * 32], 32 * 32), 0) << "list " << r;
+  int more = -1;  // a slot made after a growth gets lists of the grown stride
+  ASSERT_TRUE(dev->create_sequence(&more).ok);
+  EXPECT_GE(dev->view(1).index_record_stride, 256);
+}
+
 // The asynchronous copies through page-locked staging: a round trip after one wait, and copies
 // past a buffer refused before any CUDA call (that part runs without a device).
 TEST(DeviceBuffer, AsyncCopiesThroughPinnedStagingRoundTrip) {
