@@ -544,9 +544,10 @@ TEST(CApiKvStoreDevice, SelectBeforeTheOutlierPairsAreChosen) {
 TEST(CApiKvStoreDevice, SparseDecodeMatchesTheCpuStore) {
   if (!have_device()) GTEST_SKIP() << "no CUDA device";
   const Shape shapes[] = {{6, 2, 64}, {14, 2, 128}};
-  // Sequence 1 has no index until its context reaches 64; sequence 2's index outgrows the 512
-  // records a sequence's list reserves at first.
-  const int prompt[kSeqs] = {300, 30, 700};
+  // Sequence 1 has no index until its context reaches 64; sequence 2's first step reads more keys
+  // (its centroid, 1,101) than the 512 records a sequence's list reserves at first and than its
+  // records (1,056).
+  const int prompt[kSeqs] = {300, 30, 1100};
   for (const Shape& sh : shapes)
     for (const double deviations : {0.0, 1.5}) {
       SCOPED_TRACE("head_dim " + std::to_string(sh.dim) + " deviations " + std::to_string(deviations));
@@ -592,7 +593,7 @@ TEST(CApiKvStoreDevice, SparseDecodeMatchesTheCpuStore) {
       ASSERT_EQ(certkv_kv_store_select(dev, grow, 4), CERTKV_OK) << certkv_last_error();
       for (int step = 0; step < 8; ++step) expect_same_step(cpu, dev, 4, sh, 7000 + 31 * uint32_t(step));
       expect_same_counters("after the select");
-      // Sequence 0 (old 2, 748 positions) cropped to 200: its index keeps the records of 160.
+      // Sequence 0 (old 2, 1,148 positions) cropped to 200: its index keeps the records of 160.
       ASSERT_EQ(certkv_kv_store_crop(cpu, 0, 200), CERTKV_OK) << certkv_last_error();
       ASSERT_EQ(certkv_kv_store_crop(dev, 0, 200), CERTKV_OK) << certkv_last_error();
       for (int step = 0; step < 8; ++step) expect_same_step(cpu, dev, 4, sh, 9000 + 13 * uint32_t(step));

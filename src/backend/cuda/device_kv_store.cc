@@ -551,7 +551,10 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     }
     if (ranges.empty()) return;
     const auto start = std::chrono::steady_clock::now();
-    throw_if_failed(l.cache->reserve_index_records(*std::max_element(targets.begin(), targets.end())));
+    // The builders read records up to every range's end (a centroid range's: the whole context).
+    int64_t reach = 0;
+    for (const attention::cuda::KeyIndexRange& r : ranges) reach = std::max<int64_t>(reach, r.end);
+    throw_if_failed(l.cache->reserve_index_records(reach));
     throw_if_failed(cache::cuda::synchronize_stream(config_.stream));  // the queries, and the scratch free
     // c_q of the first builds: the mean of this step's query over each KV head's group, summed in
     // double in head order and rounded once (the CPU store's, for a store without prefills).
