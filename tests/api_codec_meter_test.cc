@@ -111,6 +111,51 @@ TEST(CApiGaacPages, RefusalsNameTheValue) {
   EXPECT_EQ(certkv_gaac_decode_page(&k.c, garbage.data(), garbage.size(), rows.data()), CERTKV_ERR_CORRUPT);
 }
 
+// The device encoders' C API checks its arguments before it touches a device: bad bases, a
+// negative count, null buffers, a scheme the device does not encode; a host pointer is refused
+// (INVALID_ARGUMENT) where a device is present and the whole call is UNSUPPORTED where none is.
+// Zero pages succeed without a device. Their bytes on a device: tests/python/test_transformers_cuda.py.
+TEST(CApiDevicePageEncode, RefusalsBeforeAnyLaunch) {
+  std::vector<uint16_t> rows(64 * 16);
+  std::vector<uint8_t> bad(64, 250), ok(64, 100), slot(8192);
+  uint32_t used = 0;
+  const certkv_gaac_page_codec bad_codec{"bf16", 16, 64, bad.data(), bad.data(), 0};
+  EXPECT_EQ(certkv_gaac_encode_pages_device(&bad_codec, rows.data(), 1, slot.data(), &used, nullptr),
+            CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(certkv_last_error()).find("channel 0"), std::string::npos) << certkv_last_error();
+  const certkv_gaac_page_codec codec{"bf16", 16, 64, ok.data(), ok.data(), 0};
+  EXPECT_EQ(certkv_gaac_encode_pages_device(&codec, rows.data(), -1, slot.data(), &used, nullptr),
+            CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(certkv_gaac_encode_pages_device(&codec, nullptr, 1, slot.data(), &used, nullptr),
+            CERTKV_ERR_INVALID_ARGUMENT);
+  const certkv_status host = certkv_gaac_encode_pages_device(&codec, rows.data(), 1, slot.data(), &used, nullptr);
+  EXPECT_TRUE(host == CERTKV_ERR_INVALID_ARGUMENT || host == CERTKV_ERR_UNSUPPORTED) << certkv_last_error();
+  if (host == CERTKV_ERR_INVALID_ARGUMENT) {
+    EXPECT_NE(std::string(certkv_last_error()).find("pages is not CUDA memory"), std::string::npos)
+        << certkv_last_error();
+  }
+  certkv_lossy_page_codec lossy{};
+  lossy.kv = "rtn4";
+  lossy.key = 1;
+  lossy.block_tokens = 16;
+  lossy.head_dim = 64;
+  std::vector<uint8_t> page(8192), encoded(1);
+  const certkv_status rtn = certkv_lossy_encode_pages_device(&lossy, 0, rows.data(), 1, page.data(), encoded.data(), nullptr);
+  EXPECT_EQ(rtn, CERTKV_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(certkv_last_error()).find("rtn4 pages are encoded on the host only (the device encodes "
+                                                  "fp8-e4m3, fp8-e5m2, dither8)"),
+            std::string::npos)
+      << certkv_last_error();
+  lossy.kv = "fp8-e4m3";
+  lossy.witness = "rho";  // not a K page's witness
+  EXPECT_NE(certkv_lossy_encode_pages_device(&lossy, 0, rows.data(), 1, page.data(), encoded.data(), nullptr), CERTKV_OK);
+  lossy.witness = nullptr;
+  EXPECT_EQ(certkv_lossy_encode_pages_device(&lossy, 0, nullptr, 1, page.data(), encoded.data(), nullptr),
+            CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(certkv_lossy_encode_pages_device(&lossy, 0, rows.data(), -2, page.data(), encoded.data(), nullptr),
+            CERTKV_ERR_INVALID_ARGUMENT);
+}
+
 // The two-token case of DESIGN.md section 4: p~ = (1/2, 1/2), c = (0.1, 0.1).
 TEST(CApiMeter, TierAKnownAnswer) {
   const int d = 4;

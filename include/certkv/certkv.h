@@ -850,6 +850,17 @@ CERTKV_API certkv_status certkv_gaac_encode_page(const certkv_gaac_page_codec* c
  * [block_tokens][head_dim] elements. CORRUPT naming the group for a slot the format rejects. */
 CERTKV_API certkv_status certkv_gaac_decode_page(const certkv_gaac_page_codec* codec,
                                                  const uint8_t* slot, size_t slot_bytes, void* out);
+/* Encodes n_pages pages held in CUDA device memory on the device current at the call, enqueued
+ * on cuda_stream (a cudaStream_t; null: the legacy default stream): pages device
+ * [n_pages][block_tokens][head_dim] elements; slots device [n_pages][slot_bytes]; used_bytes
+ * device [n_pages]: the bytes written, or UINT32_MAX when the page does not fit (the slot then
+ * unspecified). The slots are certkv_gaac_encode_page's, byte for byte. Nothing waits for the
+ * device. INVALID_ARGUMENT for bases out of range or memory that is not the current device's;
+ * UNSUPPORTED in a build without the CUDA backend or on a machine without a device. */
+CERTKV_API certkv_status certkv_gaac_encode_pages_device(const certkv_gaac_page_codec* codec,
+                                                         const void* pages, int64_t n_pages,
+                                                         uint8_t* slots, uint32_t* used_bytes,
+                                                         void* cuda_stream);
 
 /* ---- Lossy pages --------------------------------------------------------------------------- */
 
@@ -888,6 +899,16 @@ CERTKV_API certkv_status certkv_lossy_encode_page(const certkv_lossy_page_codec*
  * decode (a page's side data that is not a valid bound reads as +inf in the meter, not here). */
 CERTKV_API certkv_status certkv_lossy_decode_page(const certkv_lossy_page_codec* codec, uint32_t block,
                                                   const uint8_t* page, float* out);
+/* Encodes n_pages pages held in CUDA device memory (as certkv_gaac_encode_pages_device: the
+ * current device, cuda_stream, nothing waits): pages device [n_pages][block_tokens][head_dim]
+ * bf16 bit patterns, page i the block first_block + i; out device [n_pages][page_bytes], each
+ * certkv_lossy_encode_page's page byte for byte; encoded device [n_pages] uint8: 1 written, 0
+ * refused as certkv_lossy_encode_page refuses. The device encodes fp8-e4m3, fp8-e5m2 and dither8
+ * (UNSUPPORTED naming the scheme otherwise, and without the CUDA backend or a device). */
+CERTKV_API certkv_status certkv_lossy_encode_pages_device(const certkv_lossy_page_codec* codec,
+                                                          uint32_t first_block, const uint16_t* pages,
+                                                          int64_t n_pages, uint8_t* out,
+                                                          uint8_t* encoded, void* cuda_stream);
 
 /* ---- The meter of one attention row ------------------------------------------------------- */
 

@@ -154,7 +154,7 @@ def _(store, layer, seqs, q):
 
 # -- GAAC pages ----------------------------------------------------------------------------------
 
-_GAAC_CPU = "certkv's GAAC page ops run on CPU tensors"
+_GAAC_CPU = "certkv's GAAC page decode runs on CPU tensors (attention decodes the pages on the device)"
 
 def _codec(b3: torch.Tensor, b4: torch.Tensor, escape_capacity_bytes: int, block_tokens: int, head_dim: int):
     return _certkv.GaacCodec("bf16", int(block_tokens), int(head_dim), b3.contiguous().numpy(),
@@ -186,7 +186,23 @@ def _(pages, b3, b4, escape_capacity_bytes):
     return pages.new_empty((n_pages, slot), dtype=torch.uint8), pages.new_empty((n_pages,), dtype=torch.int64)
 
 
-torch.library.register_kernel("certkv::gaac_encode_pages", "cuda", _cpu_only("gaac_encode_pages", _GAAC_CPU))
+@gaac_encode_pages.register_kernel("cuda")
+def _(pages, b3, b4, escape_capacity_bytes):
+    # The device encoder, on torch's current stream. The bases go up with the launch from the host
+    # (bases on the device come down first, a wait for the stream).
+    _require("pages", pages, torch.bfloat16, 3, "[n_pages, block_tokens, head_dim]")
+    _require("b3", b3, torch.uint8, 1, "[head_dim]")
+    _require("b4", b4, torch.uint8, 1, "[head_dim]")
+    n_pages, block_tokens, head_dim = pages.shape
+    codec = _codec(b3.cpu(), b4.cpu(), escape_capacity_bytes, block_tokens, head_dim)
+    pages = pages.contiguous()
+    slots = torch.empty((n_pages, codec.slot_bytes), dtype=torch.uint8, device=pages.device)
+    used = torch.empty((n_pages,), dtype=torch.int32, device=pages.device)
+    with torch.cuda.device(pages.device):
+        _certkv.gaac_encode_device(codec, pages.data_ptr(), n_pages, slots.data_ptr(), used.data_ptr(),
+                                   torch.cuda.current_stream(pages.device).cuda_stream)
+    used = used.to(torch.int64) & 0xFFFFFFFF  # the device's uint32; UINT32_MAX: did not fit, 0 as on the CPU
+    return slots, torch.where(used == 0xFFFFFFFF, torch.zeros_like(used), used)
 
 
 @torch.library.custom_op("certkv::gaac_decode_pages", mutates_args=(), device_types="cpu")
@@ -211,7 +227,7 @@ torch.library.register_kernel("certkv::gaac_decode_pages", "cuda", _cpu_only("ga
 
 # -- lossy pages ---------------------------------------------------------------------------------
 
-_LOSSY_CPU = "certkv's lossy page ops run on CPU tensors"
+_LOSSY_CPU = "certkv's lossy page decode runs on CPU tensors (attention decodes the pages on the device)"
 
 
 def _lossy_codec(kv: str, key: bool, block_tokens: int, head_dim: int, rope_layout: str, witness: str | None,
@@ -239,7 +255,19 @@ def _(pages, kv, key, rope_layout, witness, layer, kv_head, outlier_pairs, first
             pages.new_empty((n_pages,), dtype=torch.bool))
 
 
-torch.library.register_kernel("certkv::lossy_encode_pages", "cuda", _cpu_only("lossy_encode_pages", _LOSSY_CPU))
+@lossy_encode_pages.register_kernel("cuda")
+def _(pages, kv, key, rope_layout, witness, layer, kv_head, outlier_pairs, first_block):
+    # The device encoder (fp8-e4m3, fp8-e5m2, dither8), on torch's current stream.
+    _require("pages", pages, torch.bfloat16, 3, "[n_pages, block_tokens, head_dim]")
+    n_pages, block_tokens, head_dim = pages.shape
+    codec = _lossy_codec(kv, key, block_tokens, head_dim, rope_layout, witness, layer, kv_head, outlier_pairs)
+    pages = pages.contiguous()
+    out = torch.empty((n_pages, codec.page_bytes), dtype=torch.uint8, device=pages.device)
+    encoded = torch.empty((n_pages,), dtype=torch.uint8, device=pages.device)
+    with torch.cuda.device(pages.device):
+        _certkv.lossy_encode_device(codec, pages.data_ptr(), n_pages, int(first_block), out.data_ptr(),
+                                    encoded.data_ptr(), torch.cuda.current_stream(pages.device).cuda_stream)
+    return out, encoded.to(torch.bool)
 
 
 @torch.library.custom_op("certkv::lossy_decode_pages", mutates_args=(), device_types="cpu")

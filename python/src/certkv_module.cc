@@ -437,6 +437,16 @@ void gaac_decode(const GaacCodec& codec, In<uint8_t> slots, size_t n_pages, nb::
     check(certkv_gaac_decode_page(&codec.c, slots.data() + p * slot_bytes, slot_bytes, base + p * codec.page_bytes()));
 }
 
+// pages, slots, used: device pointers (ints) of CUDA memory on the current device; work enqueued
+// on `stream` (a cudaStream_t as an int). used: uint32 per page, UINT32_MAX for a page that did not fit.
+void gaac_encode_device(const GaacCodec& codec, uintptr_t pages, int64_t n_pages, uintptr_t slots, uintptr_t used,
+                        uintptr_t stream) {
+  nb::gil_scoped_release release;
+  check(certkv_gaac_encode_pages_device(&codec.c, reinterpret_cast<const void*>(pages), n_pages,
+                                        reinterpret_cast<uint8_t*>(slots), reinterpret_cast<uint32_t*>(used),
+                                        reinterpret_cast<void*>(stream)));
+}
+
 // ---- Lossy pages ----------------------------------------------------------------------------
 
 // certkv_lossy_page_codec with the strings and pairs it points at.
@@ -481,6 +491,16 @@ std::pair<Array<uint8_t>, Array<uint8_t>> lossy_encode(const LossyCodec& codec, 
     }
   }
   return {to_numpy(std::move(out), {n_pages, bytes}), to_numpy(std::move(encoded), {n_pages})};
+}
+
+// As lossy_encode on device pointers (ints): pages bf16 bits, out [n_pages][page_bytes], encoded
+// uint8 [n_pages]; work enqueued on `stream`.
+void lossy_encode_device(const LossyCodec& codec, uintptr_t pages, int64_t n_pages, uint32_t first_block,
+                         uintptr_t out, uintptr_t encoded, uintptr_t stream) {
+  nb::gil_scoped_release release;
+  check(certkv_lossy_encode_pages_device(&codec.c, first_block, reinterpret_cast<const uint16_t*>(pages), n_pages,
+                                         reinterpret_cast<uint8_t*>(out), reinterpret_cast<uint8_t*>(encoded),
+                                         reinterpret_cast<void*>(stream)));
 }
 
 // bytes: [n_pages][page_bytes] into [n_pages][block_tokens][head_dim] float.
@@ -889,11 +909,15 @@ NB_MODULE(_certkv, m) {
       .def_prop_ro("slot_bytes", &GaacCodec::slot_bytes);
   m.def("gaac_calibrate", &gaac_calibrate);
   m.def("gaac_encode", &gaac_encode);
+  m.def("gaac_encode_device", &gaac_encode_device, "codec"_a, "pages_ptr"_a, "n_pages"_a, "slots_ptr"_a, "used_ptr"_a,
+        "stream"_a);
   nb::class_<LossyCodec>(m, "LossyCodec")
       .def(nb::init<std::string, bool, int32_t, int32_t, std::string, std::optional<std::string>, int32_t, int32_t,
                     std::vector<uint16_t>>())
       .def_prop_ro("page_bytes", &LossyCodec::page_bytes);
   m.def("lossy_encode", &lossy_encode);
+  m.def("lossy_encode_device", &lossy_encode_device, "codec"_a, "pages_ptr"_a, "n_pages"_a, "first_block"_a,
+        "out_ptr"_a, "encoded_ptr"_a, "stream"_a);
   m.def("lossy_decode", &lossy_decode);
   m.def("gaac_decode", &gaac_decode);
   m.def("meter_tier_a", &meter_tier_a);

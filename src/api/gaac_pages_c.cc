@@ -1,12 +1,14 @@
 // The C API's GAAC page codec: calibration, encoding and decoding of single pages of one stream
-// (codec/gaac.h), for front ends that hold KV rows themselves (the Python package's
-// certkv.codec).
+// (codec/gaac.h), and encoding of many pages in CUDA device memory (backend/cuda/
+// device_page_codecs.h), for front ends that hold KV rows themselves (the Python package's
+// certkv.codec and torch operators).
 #include <climits>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "api/api_status.h"
+#include "backend/cuda/device_page_codecs.h"
 #include "certkv/certkv.h"
 #include "codec/gaac.h"
 
@@ -133,6 +135,28 @@ certkv_status certkv_gaac_decode_page(const certkv_gaac_page_codec* codec, const
     else
       certkv::codec::gaac_decode_page_fp8_ref(e, slot, slot_bytes, codec->block_tokens,
                                               codec->head_dim, bases, static_cast<uint8_t*>(out));
+  });
+}
+
+certkv_status certkv_gaac_encode_pages_device(const certkv_gaac_page_codec* codec, const void* pages, int64_t n_pages,
+                                              uint8_t* slots, uint32_t* used_bytes, void* cuda_stream) {
+  const char* where = "certkv_gaac_encode_pages_device";
+  GaacElement e;
+  GaacBases bases;
+  if (const certkv_status s = read_codec(where, codec, &e, &bases); s != CERTKV_OK) return s;
+  CERTKV_REQUIRE(n_pages >= 0, std::string(where) + ": n_pages " + std::to_string(n_pages) + " is negative");
+  CERTKV_REQUIRE(n_pages == 0 || (pages && slots && used_bytes), std::string(where) + ": null pages, slots or used_bytes");
+  return guarded([&] {
+    // The arguments checked here, where every build can: a build without CUDA refuses after them.
+    certkv::codec::validate_gaac_bases(e, codec->block_tokens, codec->head_dim, bases);
+    certkv::backend::cuda::DeviceGaacPages c;
+    c.element = e;
+    c.block_tokens = codec->block_tokens;
+    c.head_dim = codec->head_dim;
+    c.b3 = bases.b3;
+    c.b4 = bases.b4;
+    c.escape_capacity_bytes = codec->escape_capacity_bytes;
+    certkv::backend::cuda::encode_gaac_pages_on_device(c, pages, n_pages, slots, used_bytes, cuda_stream);
   });
 }
 

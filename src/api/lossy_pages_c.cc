@@ -5,6 +5,7 @@
 #include <string>
 
 #include "api/api_status.h"
+#include "backend/cuda/device_page_codecs.h"
 #include "cache/kv_scheme.h"
 #include "certkv/certkv.h"
 #include "codec/lossy_page.h"
@@ -70,6 +71,26 @@ certkv_status certkv_lossy_decode_page(const certkv_lossy_page_codec* codec, uin
                                        float* out) {
   CERTKV_REQUIRE(codec && page && out, "certkv_lossy_decode_page: null argument");
   return guarded([&] { codec::lossy_decode_page(spec_of("certkv_lossy_decode_page", *codec), block, page, out); });
+}
+
+certkv_status certkv_lossy_encode_pages_device(const certkv_lossy_page_codec* codec, uint32_t first_block,
+                                               const uint16_t* pages, int64_t n_pages, uint8_t* out, uint8_t* encoded,
+                                               void* cuda_stream) {
+  const char* where = "certkv_lossy_encode_pages_device";
+  CERTKV_REQUIRE(codec, std::string(where) + ": null codec");
+  CERTKV_REQUIRE(n_pages >= 0, std::string(where) + ": n_pages " + std::to_string(n_pages) + " is negative");
+  CERTKV_REQUIRE(n_pages == 0 || (pages && out && encoded), std::string(where) + ": null pages, out or encoded");
+  return guarded([&] {
+    const codec::LossyPageSpec spec = spec_of(where, *codec);
+    // The device encodes the schemes the table routes to it (checked here, where every build can).
+    const cache::KvSchemeInfo& info = cache::kv_scheme_info(cache::parse_kv_scheme(codec->kv));
+    if (!info.cuda_route)
+      certkv::fail(certkv::StatusCode::kUnsupported,
+                   std::string(where) + ": " + info.name + " pages are encoded on the host only (the device encodes " +
+                       cache::kv_scheme_names([](const cache::KvSchemeInfo& i) { return i.cuda_route && i.lossy; }) +
+                       ")");
+    certkv::backend::cuda::encode_lossy_pages_on_device(spec, first_block, pages, n_pages, out, encoded, cuda_stream);
+  });
 }
 
 }  // extern "C"

@@ -408,6 +408,10 @@ GaacPageGeometry gaac_page_geometry(GaacElement element, int block_tokens, int h
   return detail::page_geometry(element, block_tokens, head_dim);
 }
 
+void validate_gaac_bases(GaacElement element, int block_tokens, int head_dim, const GaacBases& bases) {
+  checked_geometry(element, block_tokens, head_dim, bases);
+}
+
 GaacRowDecoder::GaacRowDecoder(int block_tokens, int head_dim, const GaacBases& bases,
                                GaacKernel kernel)
     : geometry_(checked_geometry(GaacElement::kBf16, block_tokens, head_dim, bases)),

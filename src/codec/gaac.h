@@ -142,6 +142,11 @@ struct GaacPageGeometry {
 };
 // kInvalidArgument naming the value when block_tokens < 1 or head_dim has no tiling.
 GaacPageGeometry gaac_page_geometry(GaacElement element, int block_tokens, int head_dim);
+// kInvalidArgument naming the channel when a base's window leaves the element's exponent range
+// (b3 + 8 or b4 + 16 past 2^exponent_bits), or the bases are not head_dim long; the geometry's
+// refusals as gaac_page_geometry's. The encoders check this themselves; the device encoder
+// (codec/cuda/gaac_encode_cuda.h) does not, so its callers do.
+void validate_gaac_bases(GaacElement element, int block_tokens, int head_dim, const GaacBases& bases);
 
 // Returned by the encoders when the page's escapes exceed the capacity (keep the page raw).
 inline constexpr size_t kGaacDoesNotFit = SIZE_MAX;

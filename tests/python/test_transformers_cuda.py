@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import certkv  # noqa: E402  (after the skips)
+import certkv.codec  # noqa: E402
 import certkv.torch_ops as ops  # noqa: E402
 import certkv.transformers as ct  # noqa: E402
 from conftest import TINY_LLAMA_PROMPTS as PROMPTS  # noqa: E402
@@ -245,6 +246,46 @@ def test_sparse_kv_store_decode_equals_the_cpu_operator():
         assert b[key] == pytest.approx(a[key], rel=1e-12), key
 
 
+def _bf16_pages(n_pages, seed, head_dim=64):
+    """Pages of bf16 rows: normal values with a few large channels, page 1 spread over every
+    exponent (its escapes do not fit a slot calibrated on the others), page 2 holding a NaN."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_pages, 16, head_dim, generator=g)
+    x[..., 5] *= 30
+    x[1] = torch.ldexp(torch.ones(16, head_dim), torch.randint(-100, 100, (16, head_dim), generator=g))
+    x[2, 3, 7] = float("nan")
+    return x.bfloat16()
+
+
+def test_page_encode_ops_on_cuda_equal_the_cpu_ops():
+    """gaac_encode_pages and lossy_encode_pages on CUDA tensors run the device encoders and give
+    the CPU operators' bytes (GAAC slots over the bytes used; lossy pages where encoded) and the
+    same fit and refusals, on torch's current stream; a scheme the device does not encode is
+    refused by name."""
+    pages = _bf16_pages(7, 3)
+    rows = pages.view(torch.int16).numpy().view(np.uint16).reshape(-1, 64)
+    cal = certkv.codec.calibrate(np.concatenate([rows[:16], rows[48:]]), block_tokens=16)  # not pages 1, 2
+    b3, b4 = torch.from_numpy(cal.b3), torch.from_numpy(cal.b4)
+    slots, used = torch.ops.certkv.gaac_encode_pages(pages, b3, b4, cal.escape_capacity_bytes)
+    slots_d, used_d = torch.ops.certkv.gaac_encode_pages(pages.cuda(), b3.cuda(), b4, cal.escape_capacity_bytes)
+    assert slots_d.is_cuda and used_d.dtype == torch.int64
+    assert torch.equal(used_d.cpu(), used) and (used == 0).any() and (used > 0).sum() >= 4
+    for i in range(len(pages)):
+        n = int(used[i])
+        assert torch.equal(slots_d[i, :n].cpu(), slots[i, :n]), i
+    cases = [("fp8-e4m3", True, None, []), ("fp8-e4m3", True, "exponent", []), ("fp8-e4m3", False, None, []),
+             ("fp8-e5m2", True, "u8", []), ("dither8", True, None, [1, 6]), ("dither8", False, None, [])]
+    for kv, key, witness, pairs in cases:
+        args = (kv, key, "half-split", witness, 3, 1, pairs, 5)
+        data, encoded = torch.ops.certkv.lossy_encode_pages(pages, *args)
+        data_d, encoded_d = torch.ops.certkv.lossy_encode_pages(pages.cuda(), *args)
+        assert encoded_d.dtype == torch.bool and torch.equal(encoded_d.cpu(), encoded), kv
+        assert not encoded[2] and encoded.sum() >= 5, (kv, encoded)  # the NaN page stays exact
+        assert torch.equal(data_d[encoded_d].cpu(), data[encoded]), (kv, key, witness)
+    with pytest.raises(certkv.UnsupportedError, match="rtn4 pages are encoded on the host only"):
+        torch.ops.certkv.lossy_encode_pages(pages.cuda(), "rtn4", True, "half-split", None, 0, 0, [], 0)
+
+
 def test_crop_equals_never_having_the_cropped_tokens(certkv_model):
     """A 14-token prompt, then five decode steps (block 0 completes and is encoded), then a crop:
     back into the partial last block (its raw pages copied on the device) and back inside the
@@ -362,7 +403,7 @@ def test_refusals(sdpa_model, certkv_model):
     cpu_store = certkv.KvStore("bf16", n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64)
     with pytest.raises(ValueError, match="takes CPU tensors"):
         torch.ops.certkv.kv_store_decode(ops.register_store(cpu_store), 0, [0], torch.zeros(1, 4, 64, device="cuda"))
-    with pytest.raises(RuntimeError, match="GAAC page ops run on CPU tensors"):
+    with pytest.raises(RuntimeError, match="GAAC page decode runs on CPU tensors"):
         torch.ops.certkv.gaac_decode_pages(torch.zeros(1, 8, dtype=torch.uint8, device="cuda"),
                                            torch.zeros(64, dtype=torch.uint8, device="cuda"),
                                            torch.zeros(64, dtype=torch.uint8, device="cuda"), 0, 16, 64)
