@@ -114,7 +114,7 @@ TEST(CApiGaacPages, RefusalsNameTheValue) {
 // The device encoders' C API checks its arguments before it touches a device: bad bases, a
 // negative count, null buffers, a scheme the device does not encode; a host pointer is refused
 // (INVALID_ARGUMENT) where a device is present and the whole call is UNSUPPORTED where none is.
-// Zero pages succeed without a device. Their bytes on a device: tests/python/test_transformers_cuda.py.
+// Zero pages succeed in every build, with or without a device. Their bytes on a device: tests/python/test_transformers_cuda.py.
 TEST(CApiDevicePageEncode, RefusalsBeforeAnyLaunch) {
   std::vector<uint16_t> rows(64 * 16);
   std::vector<uint8_t> bad(64, 250), ok(64, 100), slot(8192);
@@ -128,10 +128,12 @@ TEST(CApiDevicePageEncode, RefusalsBeforeAnyLaunch) {
             CERTKV_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(certkv_gaac_encode_pages_device(&codec, nullptr, 1, slot.data(), &used, nullptr),
             CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(certkv_gaac_encode_pages_device(&codec, nullptr, 0, nullptr, nullptr, nullptr), CERTKV_OK)
+      << certkv_last_error();  // zero pages: nothing to launch
   const certkv_status host = certkv_gaac_encode_pages_device(&codec, rows.data(), 1, slot.data(), &used, nullptr);
   EXPECT_TRUE(host == CERTKV_ERR_INVALID_ARGUMENT || host == CERTKV_ERR_UNSUPPORTED) << certkv_last_error();
-  if (host == CERTKV_ERR_INVALID_ARGUMENT) {
-    EXPECT_NE(std::string(certkv_last_error()).find("pages is not CUDA memory"), std::string::npos)
+  if (host == CERTKV_ERR_INVALID_ARGUMENT) {  // a device is present: the host pointer is named
+    EXPECT_NE(std::string(certkv_last_error()).find("device page encode: pages is not"), std::string::npos)
         << certkv_last_error();
   }
   certkv_lossy_page_codec lossy{};
@@ -148,8 +150,12 @@ TEST(CApiDevicePageEncode, RefusalsBeforeAnyLaunch) {
       << certkv_last_error();
   lossy.kv = "fp8-e4m3";
   lossy.witness = "rho";  // not a K page's witness
-  EXPECT_NE(certkv_lossy_encode_pages_device(&lossy, 0, rows.data(), 1, page.data(), encoded.data(), nullptr), CERTKV_OK);
+  EXPECT_EQ(certkv_lossy_encode_pages_device(&lossy, 0, rows.data(), 1, page.data(), encoded.data(), nullptr),
+            CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(certkv_last_error()).find("witness"), std::string::npos) << certkv_last_error();
   lossy.witness = nullptr;
+  EXPECT_EQ(certkv_lossy_encode_pages_device(&lossy, 0, nullptr, 0, nullptr, nullptr, nullptr), CERTKV_OK)
+      << certkv_last_error();
   EXPECT_EQ(certkv_lossy_encode_pages_device(&lossy, 0, nullptr, 1, page.data(), encoded.data(), nullptr),
             CERTKV_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(certkv_lossy_encode_pages_device(&lossy, 0, rows.data(), -2, page.data(), encoded.data(), nullptr),

@@ -149,6 +149,7 @@ certkv_status certkv_gaac_encode_pages_device(const certkv_gaac_page_codec* code
   return guarded([&] {
     // The arguments checked here, where every build can: a build without CUDA refuses after them.
     certkv::codec::validate_gaac_bases(e, codec->block_tokens, codec->head_dim, bases);
+    if (n_pages == 0) return;  // nothing to launch, in any build
     certkv::backend::cuda::DeviceGaacPages c;
     c.element = e;
     c.block_tokens = codec->block_tokens;

@@ -89,6 +89,7 @@ certkv_status certkv_lossy_encode_pages_device(const certkv_lossy_page_codec* co
                    std::string(where) + ": " + info.name + " pages are encoded on the host only (the device encodes " +
                        cache::kv_scheme_names([](const cache::KvSchemeInfo& i) { return i.cuda_route && i.lossy; }) +
                        ")");
+    if (n_pages == 0) return;  // nothing to launch, in any build
     certkv::backend::cuda::encode_lossy_pages_on_device(spec, first_block, pages, n_pages, out, encoded, cuda_stream);
   });
 }

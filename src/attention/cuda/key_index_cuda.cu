@@ -85,7 +85,7 @@ __global__ void centroid_kernel(KeyIndexBuildParams p) {
   const int i = threadIdx.x, head = blockIdx.x;
   const KeyIndexRange range = p.ranges[blockIdx.y];
   const int64_t n = range.end;
-  if (range.first != 0 || n < 1 || n > p.max_range_tokens || n > p.record_stride) {
+  if (range.first != 0 || n < 1 || n > p.max_range_tokens || n > p.table_stride * p.block_tokens) {
     if (i == 0) atomicAdd(p.error_word, 1u);
     return;
   }

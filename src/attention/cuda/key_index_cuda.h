@@ -59,14 +59,15 @@ struct KeyIndexBuildParams {
   int n_ranges = 0;
   int64_t max_range_tokens = 0;  // >= every end - first (the grid); a range past it is counted
 
-  // set_key_centroids writes each range's row (REQUIRES: first == 0, end >= 1): c_q copied from
+  // set_key_centroids writes each range's row (REQUIRES: first == 0, 1 <= end <= the tables'
+  // context, table_stride * block_tokens; the records are not read): c_q copied from
   // query_centroids ([n_ranges][n_kv_heads][head_dim], the caller's mean of the queries), c_k the
   // mean of the keys [0, end). build_key_records reads both.
   float* centroids = nullptr;
   const float* query_centroids = nullptr;
   DeviceRotation rotation;
   void* records = nullptr;
-  int64_t record_stride = 0;  // records per (row, head), >= every range's end
+  int64_t record_stride = 0;  // records per (row, head), >= every record range's end
   uint32_t* error_word = nullptr;  // incremented per bad range, page or key
   void* stream = nullptr;          // cudaStream_t
 };

@@ -309,29 +309,32 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     // Every layer's cropped copy first: if one cannot be made, those made are freed and the store
     // is as it was.
     std::vector<int> made(layers_.size(), -1);
+    // The key index of the prefix kept goes with the new slot (its records are the sequence's own).
+    const int64_t keep = sparse_ ? cache::store_indexed_tokens(n_tokens, config_.sparse.window_tokens,
+                                                               config_.layer.block_tokens)
+                                 : 0;
+    auto kept = [&](const Layer& l) {
+      SeqIndex x = l.index[size_t(seq)];
+      x.indexed = std::min(x.indexed, keep);
+      return x;
+    };
     try {
       for (size_t layer = 0; layer < layers_.size(); ++layer) {
         Layer& l = layers_[layer];
-        if (l.cache && l.cache->written(l.slots[size_t(seq)], 0) != n_tokens)
+        if (l.cache && l.cache->written(l.slots[size_t(seq)], 0) != n_tokens) {
           throw_if_failed(l.cache->fork_sequence(l.slots[size_t(seq)], n_tokens, &made[layer]));
+          if (!l.index.empty()) copy_key_index(l, l.slots[size_t(seq)], made[layer], kept(l));
+        }
       }
     } catch (...) {
       for (size_t layer = 0; layer < layers_.size(); ++layer)
         if (made[layer] >= 0) (void)layers_[layer].cache->free_sequence(made[layer]);
       throw;
     }
-    // The key index of the prefix kept goes with the new slot (its records are the sequence's own).
-    const int64_t keep = sparse_ ? cache::store_indexed_tokens(n_tokens, config_.sparse.window_tokens,
-                                                               config_.layer.block_tokens)
-                                 : 0;
     for (size_t layer = 0; layer < layers_.size(); ++layer) {
       if (made[layer] < 0) continue;
       Layer& l = layers_[layer];
-      if (!l.index.empty()) {
-        SeqIndex& x = l.index[size_t(seq)];
-        x.indexed = std::min(x.indexed, keep);
-        copy_key_index(l, l.slots[size_t(seq)], made[layer], x);
-      }
+      if (!l.index.empty()) l.index[size_t(seq)] = kept(l);
       throw_if_failed(l.cache->free_sequence(l.slots[size_t(seq)]));
       l.slots[size_t(seq)] = made[layer];
     }
@@ -485,8 +488,8 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     ring_rows_ = rows;
   }
 
-  // The sparse tier's constants on the device: the key index's rotation (cache::KeyIndex's, from
-  // the sparse seed) and the Top-p bucket weights.
+  // The sparse tier's constants on the device, up on the store's stream: the key index's rotation
+  // (cache::KeyIndex's, from the sparse seed) and the Top-p bucket weights.
   void make_sparse_constants() {
     const int D = config_.layer.head_dim;
     index_record_bytes_ = D == 64 ? sizeof(index::RabitqRecord<64>) : sizeof(index::RabitqRecord<128>);
@@ -494,12 +497,13 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     const bool haar = rotation.kind() == index::RotationKind::kHaar;
     const std::vector<float>& params = haar ? rotation.p_transpose() : rotation.signs();
     throw_if_failed(DeviceBuffer::allocate(sizeof(float) * params.size(), &rotation_));
-    throw_if_failed(rotation_.upload(0, params.data(), sizeof(float) * params.size()));
+    throw_if_failed(rotation_.upload_async(0, params.data(), sizeof(float) * params.size(), config_.stream));
     rotation_view_.kind = rotation.kind();
     (haar ? rotation_view_.p_transpose : rotation_view_.signs) = reinterpret_cast<const float*>(rotation_.data());
     const std::vector<uint64_t>& w = index::top_p_bucket_weights();
     throw_if_failed(DeviceBuffer::allocate(sizeof(uint64_t) * w.size(), &topp_weights_));
-    throw_if_failed(topp_weights_.upload(0, w.data(), sizeof(uint64_t) * w.size()));
+    throw_if_failed(topp_weights_.upload_async(0, w.data(), sizeof(uint64_t) * w.size(), config_.stream));
+    throw_if_failed(cache::cuda::synchronize_stream(config_.stream));  // the rotation's host copy goes now
   }
 
   // The records [0, x.indexed) of every KV head and the centroids of slot `from` into slot `to`,
@@ -551,9 +555,9 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     }
     if (ranges.empty()) return;
     const auto start = std::chrono::steady_clock::now();
-    // The builders read records up to every range's end (a centroid range's: the whole context).
+    // Records up to the end of every record range (the centroids read the keys, not the records).
     int64_t reach = 0;
-    for (const attention::cuda::KeyIndexRange& r : ranges) reach = std::max<int64_t>(reach, r.end);
+    for (size_t i = n_centroids; i < ranges.size(); ++i) reach = std::max<int64_t>(reach, ranges[i].end);
     throw_if_failed(l.cache->reserve_index_records(reach));
     throw_if_failed(cache::cuda::synchronize_stream(config_.stream));  // the queries, and the scratch free
     // c_q of the first builds: the mean of this step's query over each KV head's group, summed in
@@ -570,15 +574,18 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
         for (size_t j = 0; j < sums.size(); ++j) c_q[b * sums.size() + j] = float(sums[j] / double(group));
       }
     }
+    // Up in stream order (the stream may be one that does not wait for the legacy stream); the
+    // host buffers live until the wait below.
     DeviceBuffer device_ranges, device_c_q;
     throw_if_failed(DeviceBuffer::allocate(sizeof(attention::cuda::KeyIndexRange) * ranges.size(), &device_ranges));
-    throw_if_failed(device_ranges.upload(0, ranges.data(), sizeof(attention::cuda::KeyIndexRange) * ranges.size()));
+    throw_if_failed(device_ranges.upload_async(0, ranges.data(), sizeof(attention::cuda::KeyIndexRange) * ranges.size(),
+                                               config_.stream));
     if (!c_q.empty()) {
       throw_if_failed(DeviceBuffer::allocate(sizeof(float) * c_q.size(), &device_c_q));
-      throw_if_failed(device_c_q.upload(0, c_q.data(), sizeof(float) * c_q.size()));
+      throw_if_failed(device_c_q.upload_async(0, c_q.data(), sizeof(float) * c_q.size(), config_.stream));
     }
     const uint32_t zero = 0;
-    throw_if_failed(error_word_.upload(sizeof(uint32_t) * kIndexBuildWord, &zero, sizeof(zero)));
+    throw_if_failed(error_word_.upload_async(sizeof(uint32_t) * kIndexBuildWord, &zero, sizeof(zero), config_.stream));
     const cache::cuda::DeviceLayerView v = l.cache->view(0);
     attention::cuda::KeyIndexBuildParams p;
     p.n_kv_heads = H;
@@ -749,11 +756,17 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
   }
 
   // Corrupt entries and bad queries counted by the launches so far (reads the words: waits for
-  // the stream).
+  // the stream). The query word is cleared once read (a bad query fails the drain that finds it);
+  // a corrupt page entry stays corrupt, and so does its count.
   void check_error_word() {
     uint32_t words[kErrorWords] = {};
     throw_if_failed(cache::cuda::synchronize_stream(config_.stream));
     throw_if_failed(error_word_.download(0, words, sizeof(words)));
+    if (words[kQueryWord] != 0) {
+      const uint32_t zero = 0;
+      throw_if_failed(error_word_.upload_async(sizeof(uint32_t) * kQueryWord, &zero, sizeof(zero), config_.stream));
+      throw_if_failed(cache::cuda::synchronize_stream(config_.stream));
+    }
     if (words[kCorruptWord] != 0)
       fail(StatusCode::kCorrupt, "device KV store: " + std::to_string(words[kCorruptWord]) +
                                      " corrupt page entries or lengths met by decode attention");
@@ -763,9 +776,11 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
                                              "deviations " + std::to_string(config_.sparse.deviations) + ")");
   }
 
-  // Waits for the stream, records the ring's meters, starts the ring over.
+  // Waits for the stream, records the ring's meters and sparse counts, starts the ring over; then
+  // fails if a launch counted a corrupt page entry or a bad query (the ring is recorded first, so
+  // the store goes on).
   void drain_ring() {
-    check_error_word();
+    throw_if_failed(cache::cuda::synchronize_stream(config_.stream));
     const size_t H = size_t(config_.n_heads);
     for (const RingStep& r : ring_steps_) {
       if (r.metered) {
@@ -779,6 +794,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     }
     ring_steps_.clear();
     ring_used_ = 0;
+    check_error_word();
   }
 
   // A sparse step's counts into the counters (the CPU store's accounting): per sequence with

@@ -33,7 +33,10 @@
 // centroids set at a sequence's first sparse step, c_k the mean of its keys, c_q the mean of that
 // step's query over each KV head's group (the query comes to the host for it); records built on
 // the device (attention/cuda/key_index_cuda.h); a crop keeps the records of the prefix it keeps, a
-// select copies them. A step of a sequence with records is one sparse_decode launch
+// select copies them. The record lists of a layer share one stride (the kernels' layout): it
+// starts at 512 records and doubles to the longest indexed prefix of the layer, every sequence's
+// list reserving that many (a store holding one long sequence among short ones reserves the long
+// one's records for each). A step of a sequence with records is one sparse_decode launch
 // (attention/cuda/sparse_decode_cuda.h) with the split fixed per sequence (kSplitChunks); a
 // sequence without records yet is attended exactly (in the same launch, nothing indexed). An index
 // update waits for the stream (once per key_index_batch tokens of a sequence, and at its first
