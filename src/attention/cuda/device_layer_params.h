@@ -1,9 +1,10 @@
-// The paged decode kernels' view of one layer of a device KV cache: what
+// The paged decode kernels' (and the key index builder's) view of one layer of a device KV cache: what
 // cache::cuda::DeviceLayerView holds (pools, raw pools, block tables, the codec fields of its
 // scheme) copied into PagedDecodeParams. The shape, the queries, the outputs and the lengths stay
 // the caller's. Host code only (the kernels' translation units are C++17).
 #pragma once
 
+#include "attention/cuda/key_index_cuda.h"
 #include "attention/cuda/paged_decode_cuda.h"
 #include "cache/cuda/device_kv_cache.h"
 
@@ -30,6 +31,21 @@ inline void set_layer_pages(const cache::cuda::DeviceLayerView& v, PagedDecodePa
   p.dither_keys = v.dither_keys;
   p.outlier_channels = v.outlier_channels;
   p.n_outlier_pairs = v.n_outlier_pairs;
+}
+
+// The key index builder's view of the same layer (bf16 pages: the raw pool and its tables; the
+// records and centroids). The shape, ranges, rotation and error word stay the caller's.
+inline void set_layer_index(const cache::cuda::DeviceLayerView& v, KeyIndexBuildParams& p) {
+  p.k_pages = v.k_pages;
+  p.k_page_stride = v.k_page_stride;
+  p.n_k_pages = v.n_k_pages;
+  p.k_table = v.k_table;
+  p.table_stride = v.table_stride;
+  p.table_row_stride = v.table_row_stride;
+  p.n_table_rows = v.n_table_rows;
+  p.centroids = v.index_centroids;
+  p.records = v.index_records;
+  p.record_stride = v.index_record_stride;
 }
 
 }  // namespace certkv::attention::cuda

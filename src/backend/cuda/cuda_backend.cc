@@ -1057,18 +1057,9 @@ void CudaBackend::update_key_indexes(std::span<const BatchItem> items) {
       p.n_kv_heads = H;
       p.head_dim = D;
       p.block_tokens = config_.block_tokens;
-      p.k_pages = v.k_pages;  // bf16: the raw pool
-      p.k_page_stride = v.k_page_stride;
-      p.n_k_pages = v.n_k_pages;
-      p.k_table = v.k_table;
-      p.table_stride = v.table_stride;
-      p.table_row_stride = v.table_row_stride;
-      p.n_table_rows = v.n_table_rows;
+      attention::cuda::set_layer_index(v, p);  // bf16: the raw pool
       p.max_range_tokens = max_tokens;
-      p.centroids = v.index_centroids;
       p.rotation = rotation_view_;
-      p.records = v.index_records;
-      p.record_stride = v.index_record_stride;
       p.error_word = reinterpret_cast<uint32_t*>(index_error_.data());
       if (n_centroids > 0) {
         p.ranges = device_ranges;

@@ -591,18 +591,9 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     p.n_kv_heads = H;
     p.head_dim = D;
     p.block_tokens = config_.layer.block_tokens;
-    p.k_pages = v.k_pages;  // bf16: the raw pool
-    p.k_page_stride = v.k_page_stride;
-    p.n_k_pages = v.n_k_pages;
-    p.k_table = v.k_table;
-    p.table_stride = v.table_stride;
-    p.table_row_stride = v.table_row_stride;
-    p.n_table_rows = v.n_table_rows;
+    attention::cuda::set_layer_index(v, p);  // bf16: the raw pool
     p.max_range_tokens = max_tokens;
-    p.centroids = v.index_centroids;
     p.rotation = rotation_view_;
-    p.records = v.index_records;
-    p.record_stride = v.index_record_stride;
     p.error_word = reinterpret_cast<uint32_t*>(error_word_.data()) + kIndexBuildWord;
     p.stream = config_.stream;
     const auto* device = reinterpret_cast<const attention::cuda::KeyIndexRange*>(device_ranges.data());
