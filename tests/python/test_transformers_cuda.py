@@ -246,6 +246,30 @@ def test_sparse_kv_store_decode_equals_the_cpu_operator():
         assert b[key] == pytest.approx(a[key], rel=1e-12), key
 
 
+def test_sparse_decode_through_the_cache(certkv_model):
+    """CertkvCache(sparse=...) on CUDA (bf16 pages, the device's sparse kernel), teacher forced over
+    a prompt: at p = 1 every step attends every token (the same next tokens as the dense cache), at
+    p = 0.5 the steps past the window attend fewer, and the certificate says how many."""
+    tokens = PROMPTS[2]
+    spec = {"window": 8, "dense_layers": 0}
+    dense = teacher_forced_logits(certkv_model, tokens, ct.CertkvCache(certkv_model.config, scheme="bf16"), 8, "cuda")
+    full_cache = ct.CertkvCache(certkv_model.config, scheme="bf16", sparse={"p": 1.0, **spec})
+    full = teacher_forced_logits(certkv_model, tokens, full_cache, 8, "cuda")
+    assert full_cache.store.device == "cuda"
+    assert torch.equal(full.argmax(-1), dense.argmax(-1))
+    stats = full_cache.store.sparse_stats()
+    assert stats["cells"] > 0 and stats["mean_budget"] == 1.0
+    half_cache = ct.CertkvCache(certkv_model.config, scheme="bf16", sparse={"p": 0.5, **spec})
+    half = teacher_forced_logits(certkv_model, tokens, half_cache, 8, "cuda")
+    assert torch.isfinite(half).all()
+    cert = half_cache.certificate()
+    assert cert["sparse"]["p"] == 0.5 and cert["sparse"]["cells"] > 0 and cert["sparse"]["mean_budget"] < 1.0
+    with pytest.raises(certkv.UnsupportedError, match="sparse decode on device cuda reads bf16 pages, not gaac"):
+        with torch.no_grad():
+            certkv_model(input_ids=torch.tensor([tokens[:8]], device="cuda"),
+                         past_key_values=ct.CertkvCache(certkv_model.config, scheme="gaac", sparse=0.9))
+
+
 def _bf16_pages(n_pages, seed, head_dim=64):
     """Pages of bf16 rows: normal values with a few large channels, page 1 spread over every
     exponent (its escapes do not fit a slot calibrated on the others), page 2 holding a NaN."""
