@@ -30,7 +30,7 @@ from . import _certkv
 from ._errors import (CertkvError, CorruptError, InvalidArgumentError, NotFoundError,
                       OutOfRangeError, UnsupportedError)
 from . import _certificate, codec, index, kvdump, meter
-from .kv_store import KvStore, sparse_options
+from .kv_store import KvStore, _int, sparse_options
 
 __all__ = ["Model", "Session", "Engine", "KvStore", "GenerateResult", "kv_schemes", "default_model_path",
            "__version__", "CertkvError", "InvalidArgumentError", "NotFoundError", "CorruptError",
@@ -179,6 +179,7 @@ class Session:
         self.model = _model_of(model)
         self.kv = kv
         self._context = context_tokens or self.model.info["context_length"]
+        self._sparse_rules = 0  # Top-p rules added to the sparse audit
         self._session = _certkv.Session(self.model._model, _session_options(
             kv, sparse, gate, tau, delta, meter, window, outlier_pairs, witness, gaac_calibration,
             threads, context_tokens, block_tokens, activations, device))
@@ -248,6 +249,57 @@ class Session:
         if sparse["sparse"]:
             cert["sparse"] = sparse
         return cert
+
+    def audit(self, *, dump_cells: int = 0, seed: int = 0) -> None:
+        """Audits the meter from here on: each metered decode step also computes the true total
+        variation between attention over the exact keys (the backing store) and over the pages,
+        per (layer, query head), and checks meter >= TV (:meth:`audit_stats`). A lossy scheme with
+        the meter on, on device "cpu"; dump_cells > 0 keeps that many sampled cells (and those of
+        the largest TV and meter) for :meth:`audit_dump`. Raises InvalidArgumentError otherwise."""
+        self._session.audit_enable(_int("dump_cells", dump_cells, 0), _int("seed", seed, 0))
+
+    def audit_stats(self) -> dict[str, Any]:
+        """cells, violations (meter < TV), coverage at tau, max_meter, max_tv, the quantiles of
+        meter / TV (tightness_q01 ... q99), worst_margin (max TV - meter: negative when sound), and
+        layers: per layer cells, violations, coverage."""
+        return self._session.audit_stats()
+
+    def audit_dump(self, path: str | os.PathLike[str]) -> None:
+        """Writes the kept cells to a safetensors file (query, exact and stored keys, scale, meter)."""
+        self._session.audit_dump(os.fspath(path))
+
+    def sparse_audit(self, *, rules: Sequence[float | tuple[float, float]] = (), dump_cells: int = 0,
+                     seed: int = 0) -> None:
+        """Audits sparse decode from here on (a session made with sparse=..., on device "cpu"):
+        each sparse (layer, head, step) also computes exact attention over every token, giving the
+        recall of the attended set, the estimator's error, and fixed top-k and Quest baselines at
+        the same budget. rules: more Top-p rules audited on the same cells, each p or (p,
+        deviations). Call before the first decode step; see :meth:`sparse_audit_stats`."""
+        pairs = []
+        for i, rule in enumerate(rules):
+            if isinstance(rule, (int, float)) and not isinstance(rule, bool):
+                rule = (rule, 0.0)
+            if not (isinstance(rule, tuple) and len(rule) == 2 and all(isinstance(x, (int, float)) for x in rule)):
+                raise TypeError(f"rules[{i}]: expected p or (p, deviations), got {rule!r}")
+            pairs.append((float(rule[0]), float(rule[1])))
+        self._session.sparse_audit_enable(_int("dump_cells", dump_cells, 0), _int("seed", seed, 0), pairs)
+        self._sparse_rules = len(pairs)
+
+    def sparse_audit_stats(self) -> dict[str, Any]:
+        """cells, mean_budget, mean_recall, recall quantiles, the estimator's error, the baselines
+        (topk_estimated_*, topk_oracle_*, quest_*), layers (per layer cells, mean_budget,
+        mean_recall, min_recall) and rules (per added rule cells, mean_budget, mean_recall,
+        recall_q10)."""
+        return self._session.sparse_audit_stats(self._sparse_rules)
+
+    def sparse_audit_dump(self, path: str | os.PathLike[str]) -> None:
+        """Writes the kept cells to a safetensors file (query, exact keys, the attended tokens)."""
+        self._session.sparse_audit_dump(os.fspath(path))
+
+    def device_stats(self) -> dict[str, Any]:
+        """What ran on the CUDA device (device="cuda"): on_device, attention_calls and seconds, the
+        KV pages there by kind and their bytes; on_device False on the CPU."""
+        return self._session.device_stats()
 
     def _start(self, prompt: str | Sequence[int], max_tokens: int, chat: bool, system: str | None) -> list[int]:
         if not isinstance(max_tokens, int) or max_tokens < 1:

@@ -252,6 +252,124 @@ struct Session {
     d["decode_seconds"] = r.decode_seconds;
     return {out, d};
   }
+  int32_t n_layers() const { return model->model->info().n_layers; }
+
+  // The audit's totals and, per layer, (cells, violations, coverage).
+  nb::dict audit_stats() const {
+    certkv_audit_stats a{};
+    check(certkv_session_audit_stats(session, &a));
+    nb::dict d;
+    d["cells"] = a.cells;
+    d["violations"] = a.violations;
+    d["coverage"] = a.coverage;
+    d["max_meter"] = a.max_meter;
+    d["max_tv"] = a.max_tv;
+    d["tightness_q01"] = a.tightness_q01;
+    d["tightness_q10"] = a.tightness_q10;
+    d["tightness_q50"] = a.tightness_q50;
+    d["tightness_q90"] = a.tightness_q90;
+    d["tightness_q99"] = a.tightness_q99;
+    d["worst_margin"] = a.worst_margin;
+    nb::list layers;
+    for (int32_t l = 0; l < n_layers(); ++l) {
+      int64_t cells = 0, violations = 0;
+      double coverage = 0;
+      check(certkv_session_audit_layer(session, l, &cells, &violations, &coverage));
+      nb::dict e;
+      e["cells"] = cells;
+      e["violations"] = violations;
+      e["coverage"] = coverage;
+      layers.append(e);
+    }
+    d["layers"] = layers;
+    return d;
+  }
+
+  // Enables the sparse audit with further Top-p rules (p, deviations) audited on the same cells.
+  void sparse_audit_enable(int32_t dump_cells, uint64_t seed, const std::vector<std::pair<double, double>>& rules) {
+    check(certkv_session_sparse_audit_enable(session, dump_cells, seed));
+    for (const auto& [p, deviations] : rules) {
+      int32_t index = 0;
+      check(certkv_session_sparse_audit_add_rule(session, p, deviations, &index));
+    }
+  }
+
+  // The sparse audit's totals, per layer (cells, mean_budget, mean_recall, min_recall), and each
+  // added rule's means over every layer (cells, mean_budget, mean_recall, recall_q10).
+  nb::dict sparse_audit_stats(int32_t n_rules) const {
+    certkv_sparse_audit_stats a{};
+    check(certkv_session_sparse_audit_stats(session, &a));
+    nb::dict d;
+    d["cells"] = a.cells;
+    d["mean_budget"] = a.mean_budget;
+    d["mean_recall"] = a.mean_recall;
+    d["recall_q01"] = a.recall_q01;
+    d["recall_q10"] = a.recall_q10;
+    d["recall_q50"] = a.recall_q50;
+    d["min_recall"] = a.min_recall;
+    d["budget_q50"] = a.budget_q50;
+    d["budget_q90"] = a.budget_q90;
+    d["max_budget"] = a.max_budget;
+    d["estimator_samples"] = a.estimator_samples;
+    d["estimator_bias"] = a.estimator_bias;
+    d["estimator_rms"] = a.estimator_rms;
+    d["estimator_abs_q50"] = a.estimator_abs_q50;
+    d["estimator_abs_q90"] = a.estimator_abs_q90;
+    d["estimator_abs_q99"] = a.estimator_abs_q99;
+    d["normalized_rms_sqrt_d"] = a.normalized_rms_sqrt_d;
+    d["topk_estimated_budget"] = a.topk_estimated_budget;
+    d["topk_estimated_recall"] = a.topk_estimated_recall;
+    d["topk_oracle_budget"] = a.topk_oracle_budget;
+    d["topk_oracle_recall"] = a.topk_oracle_recall;
+    d["quest_budget"] = a.quest_budget;
+    d["quest_recall"] = a.quest_recall;
+    nb::list layers, rules;
+    for (int32_t l = 0; l < n_layers(); ++l) {
+      int64_t cells = 0;
+      double budget = 0, recall = 0, min_recall = 0;
+      check(certkv_session_sparse_audit_layer(session, l, &cells, &budget, &recall, &min_recall));
+      nb::dict e;
+      e["cells"] = cells;
+      e["mean_budget"] = budget;
+      e["mean_recall"] = recall;
+      e["min_recall"] = min_recall;
+      layers.append(e);
+    }
+    for (int32_t r = 0; r < n_rules; ++r) {
+      int64_t cells = 0;
+      double budget = 0, recall = 0, q10 = 0;
+      check(certkv_session_sparse_audit_rule(session, r, -1, &cells, &budget, &recall, &q10));
+      nb::dict e;
+      e["cells"] = cells;
+      e["mean_budget"] = budget;
+      e["mean_recall"] = recall;
+      e["recall_q10"] = q10;
+      rules.append(e);
+    }
+    d["layers"] = layers;
+    d["rules"] = rules;
+    return d;
+  }
+
+  nb::dict device_stats() const {
+    certkv_device_stats a{};
+    check(certkv_session_device_stats(session, &a));
+    nb::dict d;
+    d["on_device"] = a.on_device != 0;
+    d["attention_calls"] = a.attention_calls;
+    d["attention_seconds"] = a.attention_seconds;
+    d["write_seconds"] = a.write_seconds;
+    d["gaac_slots"] = a.gaac_slots;
+    d["raw_pages"] = a.raw_pages;
+    d["blocks_not_fitting"] = a.blocks_not_fitting;
+    d["kv_bytes_in_use"] = a.kv_bytes_in_use;
+    d["kv_bytes_reserved"] = a.kv_bytes_reserved;
+    d["lossy_pages_in_use"] = a.lossy_pages_in_use;
+    d["pages_kept_exact"] = a.pages_kept_exact;
+    d["sparse_calls"] = a.sparse_calls;
+    return d;
+  }
+
   nb::dict kv_stats() const {
     certkv_kv_stats s;
     check(certkv_session_kv_stats(session, &s));
@@ -879,6 +997,21 @@ NB_MODULE(_certkv, m) {
 
   nb::class_<Session>(m, "Session")
       .def(nb::init<nb::object, const nb::dict&>())
+      .def("audit_enable", [](Session& s, int32_t dump_cells, uint64_t seed) {
+        check(certkv_session_audit_enable(s.session, dump_cells, seed));
+      })
+      .def("audit_stats", &Session::audit_stats)
+      .def("audit_dump", [](const Session& s, const std::string& path) {
+        nb::gil_scoped_release release;
+        check(certkv_session_audit_dump(s.session, path.c_str()));
+      })
+      .def("sparse_audit_enable", &Session::sparse_audit_enable)
+      .def("sparse_audit_stats", &Session::sparse_audit_stats)
+      .def("sparse_audit_dump", [](const Session& s, const std::string& path) {
+        nb::gil_scoped_release release;
+        check(certkv_session_sparse_audit_dump(s.session, path.c_str()));
+      })
+      .def("device_stats", &Session::device_stats)
       .def("prefill", &Session::prefill)
       .def("decode", &Session::decode)
       .def("generate", &Session::generate)

@@ -78,6 +78,55 @@ def test_sparse_option_reaches_the_session(model):
     assert session.certificate()["sparse"]["p"] == pytest.approx(0.9)
 
 
+def test_meter_audit_checks_every_cell(model, tmp_path):
+    """Session.audit: the true total variation of every metered decode step's (layer, head) cell
+    against its meter; none is below it, and per layer the cells add up to the total."""
+    session = certkv.Session(model, kv="fp8-e4m3")
+    session.audit(dump_cells=4, seed=7)
+    session.generate(PROMPT, max_tokens=6)
+    stats = session.audit_stats()
+    info = model.info
+    assert stats["cells"] == 5 * info["n_layers"] * info["n_heads"]  # the decode steps after the first token
+    assert stats["violations"] == 0 and stats["worst_margin"] < 0
+    assert 0.0 < stats["max_tv"] <= stats["max_meter"] <= 1.0
+    assert stats["tightness_q50"] >= 1.0  # meter / TV: a bound
+    assert len(stats["layers"]) == info["n_layers"]
+    assert sum(layer["cells"] for layer in stats["layers"]) == stats["cells"]
+    path = tmp_path / "cells.safetensors"
+    session.audit_dump(path)
+    header = path.read_bytes()
+    assert int.from_bytes(header[:8], "little") > 0 and b"cell0.k_hat" in header
+    with pytest.raises(certkv.InvalidArgumentError, match="audit needs a metered session"):
+        certkv.Session(model, kv="gaac").audit()
+    with pytest.raises(ValueError, match="dump_cells: expected an int >= 0"):
+        session.audit(dump_cells=-1)
+
+
+def test_sparse_audit_measures_recall(model):
+    """Session.sparse_audit: recall and budget of the sparse steps, per layer, and another Top-p
+    rule on the same cells (p = 1 recalls everything)."""
+    session = certkv.Session(model, sparse={"p": 0.9, "window": 16, "dense_layers": 2})
+    session.sparse_audit(rules=[1.0, (0.5, 1.0)])
+    text = " ".join(["The sea was calm and the ship sailed on through the grey morning light."] * 20)
+    session.generate(text, max_tokens=4, chat=False)
+    stats = session.sparse_audit_stats()
+    assert stats["cells"] > 0 and 0.0 < stats["mean_budget"] < 1.0 and 0.0 < stats["mean_recall"] <= 1.0
+    assert len(stats["layers"]) == model.info["n_layers"]
+    assert stats["layers"][0]["cells"] == 0 and stats["layers"][5]["cells"] > 0  # the dense layers
+    assert len(stats["rules"]) == 2
+    assert stats["rules"][0]["cells"] == stats["cells"] and stats["rules"][0]["mean_recall"] == pytest.approx(1.0)
+    assert stats["rules"][1]["mean_budget"] <= stats["rules"][0]["mean_budget"]
+    with pytest.raises(certkv.InvalidArgumentError, match="needs a sparse session"):
+        certkv.Session(model).sparse_audit()
+    with pytest.raises(TypeError, match=r"rules\[0\]: expected p or \(p, deviations\)"):
+        certkv.Session(model, sparse=0.9).sparse_audit(rules=["0.5"])
+
+
+def test_device_stats_on_the_cpu(model):
+    stats = certkv.Session(model).device_stats()
+    assert stats["on_device"] is False and stats["attention_calls"] == 0
+
+
 def test_bad_options_raise_with_the_reason(model):
     with pytest.raises(ValueError, match="unknown KV scheme 'fp7'.*dither8"):
         certkv.Session(model, kv="fp7")
