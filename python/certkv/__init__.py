@@ -81,14 +81,26 @@ class Model:
         messages = ([("system", _text("system", system))] if system is not None else []) + [("user", _text("prompt", prompt))]
         return self._model.chat(messages, True)
 
-    def _prompt_tokens(self, prompt: str | Sequence[int], chat: bool, system: str | None) -> list[int]:
+    def chat_template(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """A conversation of several turns in the model's chat template: messages as OpenAI's chat
+        API takes them, dicts of role ("system", "user" or "assistant") and content; with
+        add_generation_prompt the text ends where the assistant's next reply begins."""
+        return self._model.chat(_chat_messages(messages), bool(add_generation_prompt))
+
+    def _prompt_tokens(self, prompt: str | Sequence[int] | Sequence[Mapping[str, str]], chat: bool,
+                       system: str | None) -> list[int]:
         if isinstance(prompt, str):
             text = self.chat_prompt(prompt, system=system) if chat else prompt
             tokens = self.tokenize(text, add_special=True, parse_special=chat)
+        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+            if not chat or system is not None:
+                raise ValueError("prompt: a list of messages is a chat (chat=True; put the system message in the list)")
+            tokens = self.tokenize(self.chat_template(prompt), add_special=True, parse_special=True)
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
             tokens = list(prompt)
         else:
-            raise TypeError(f"prompt: expected a str or a sequence of token ids, got {type(prompt).__name__}")
+            raise TypeError(f"prompt: expected a str, a list of chat messages or a sequence of token ids, got "
+                            f"{type(prompt).__name__}")
         if not tokens:
             raise ValueError("prompt: it has no tokens")
         return tokens
@@ -107,6 +119,24 @@ class GenerateResult:
     (layer, head, step) cells with meter <= tau), meter_max, meter_p99, cells, gate_repairs; for
     every scheme kv_bytes_by_class (bytes of the KV pages per storage class)."""
     timings: dict[str, float] = field(default_factory=dict)
+
+
+_CHAT_ROLES = ("system", "user", "assistant")
+
+
+def _chat_messages(messages: Any) -> list[tuple[str, str]]:
+    """OpenAI-style messages as (role, content) pairs, checked."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise TypeError(f"messages: expected a non-empty list of {{'role': ..., 'content': ...}} dicts, got "
+                        f"{type(messages).__name__}")
+    pairs = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or set(m) - {"role", "content", "name"} or "role" not in m or "content" not in m:
+            raise ValueError(f"messages[{i}]: expected a dict with role and content, got {m!r}")
+        if m["role"] not in _CHAT_ROLES:
+            raise ValueError(f"messages[{i}]: role {m['role']!r} is not one of {', '.join(_CHAT_ROLES)}")
+        pairs.append((m["role"], _text(f"messages[{i}].content", m["content"])))
+    return pairs
 
 
 def _text(name: str, value: Any) -> str:
@@ -190,7 +220,8 @@ class Session:
                  system: str | None = None, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, stop_at_end: bool = True) -> GenerateResult:
         """Generates from a fresh sequence (the session is reset first). prompt: text (in the
-        chat template unless chat=False) or token ids. Greedy unless temperature > 0."""
+        chat template unless chat=False), a conversation (a list of {"role", "content"} dicts, in
+        the chat template: Model.chat_template), or token ids. Greedy unless temperature > 0."""
         tokens = self._start(prompt, max_tokens, chat, system)
         pieces, r = self._session.generate(tokens, max_tokens, stop_at_end, float(temperature),
                                            int(top_k), float(top_p), int(seed))

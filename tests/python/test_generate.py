@@ -122,6 +122,30 @@ def test_sparse_audit_measures_recall(model):
         certkv.Session(model, sparse=0.9).sparse_audit(rules=["0.5"])
 
 
+def test_a_conversation_of_several_turns(model):
+    """A list of messages goes through the model's chat template: one user turn is the plain
+    prompt's chat form, and a longer conversation carries every turn before the next reply."""
+    one = [{"role": "user", "content": PROMPT}]
+    assert model.chat_template(one) == model.chat_prompt(PROMPT)
+    session = certkv.Session(model)
+    assert session.generate(one, max_tokens=6).text == session.generate(PROMPT, max_tokens=6).text
+    turns = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a sea."},
+             {"role": "assistant", "content": "The Baltic."}, {"role": "user", "content": "And a river?"}]
+    text = model.chat_template(turns)
+    assert all(m["content"] in text for m in turns)
+    assert text.index("Name a sea.") < text.index("The Baltic.") < text.index("And a river?")
+    bare = model.chat_template(turns, add_generation_prompt=False)
+    assert text.startswith(bare) and len(text) > len(bare)  # the assistant's header follows
+    result = session.generate(turns, max_tokens=6)
+    assert result.prompt_tokens == len(model.tokenize(text, parse_special=True))
+    with pytest.raises(ValueError, match=r"messages\[1\]: role 'robot' is not one of system, user, assistant"):
+        model.chat_template([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}])
+    with pytest.raises(ValueError, match="put the system message in the list"):
+        session.generate(one, system="Be brief.")
+    with pytest.raises(TypeError, match="messages: expected a non-empty list"):
+        model.chat_template([])
+
+
 def test_device_stats_on_the_cpu(model):
     stats = certkv.Session(model).device_stats()
     assert stats["on_device"] is False and stats["attention_calls"] == 0
