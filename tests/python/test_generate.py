@@ -138,6 +138,8 @@ def test_a_conversation_of_several_turns(model):
     assert text.startswith(bare) and len(text) > len(bare)  # the assistant's header follows
     result = session.generate(turns, max_tokens=6)
     assert result.prompt_tokens == len(model.tokenize(text, parse_special=True))
+    engine = certkv.Engine(model, max_sequences=1)
+    assert engine.generate(turns, max_tokens=6).text == result.text  # one conversation, not a batch
     with pytest.raises(ValueError, match=r"messages\[1\]: role 'robot' is not one of system, user, assistant"):
         model.chat_template([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}])
     with pytest.raises(ValueError, match="put the system message in the list"):
