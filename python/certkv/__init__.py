@@ -54,11 +54,14 @@ def default_model_path() -> str:
 class Model:
     """A loaded model (read-only; sessions and engines share it)."""
 
-    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
-        """Loads a GGUF file or a Hugging Face folder; None: :func:`default_model_path`.
-        A missing file raises :class:`NotFoundError` naming it."""
+    def __init__(self, path: str | os.PathLike[str] | None = None, *,
+                 tokenizer: str | os.PathLike[str] | None = None) -> None:
+        """Loads a GGUF file or a Hugging Face folder; None: :func:`default_model_path`. With
+        tokenizer (a tokenizer.bin), path is a llama2.c checkpoint (no chat template: prompt with
+        chat=False). A missing file raises :class:`NotFoundError` naming it."""
         self.path = os.fspath(path) if path is not None else default_model_path()
-        self._model = _certkv.Model(self.path)
+        self.tokenizer = os.fspath(tokenizer) if tokenizer is not None else None
+        self._model = _certkv.Model(self.path, self.tokenizer)
         self.info: dict[str, Any] = self._model.info()
         """architecture, name, rope_layout, weight_type, n_layers, dim, n_heads, n_kv_heads,
         head_dim, ffn_dim, n_vocab, context_length, rope_theta, weight_bytes."""

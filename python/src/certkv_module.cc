@@ -154,9 +154,10 @@ nb::dict sparse_stats_dict(const certkv_sparse_stats& s) {
 
 struct Model {
   std::unique_ptr<certkv::Model> model;
-  explicit Model(const std::string& path) {
+  // A GGUF file or Hugging Face folder; with a tokenizer, a llama2.c checkpoint and its tokenizer.bin.
+  Model(const std::string& path, const std::optional<std::string>& tokenizer) {
     nb::gil_scoped_release release;
-    model = std::make_unique<certkv::Model>(path);
+    model = tokenizer ? std::make_unique<certkv::Model>(path, *tokenizer) : std::make_unique<certkv::Model>(path);
   }
   const certkv_model* get() const { return model->get(); }
 };
@@ -986,7 +987,7 @@ NB_MODULE(_certkv, m) {
   m.def("default_meter_tau", [] { return certkv_session_default_params().meter_tau; });
 
   nb::class_<Model>(m, "Model")
-      .def(nb::init<const std::string&>(), "path"_a)
+      .def(nb::init<const std::string&, const std::optional<std::string>&>(), "path"_a, "tokenizer"_a = nb::none())
       .def("info", &model_info)
       .def("tokenize", [](const Model& mo, const std::string& text, bool add_special, bool parse_special) {
         return mo.model->tokenize(text, add_special, parse_special);

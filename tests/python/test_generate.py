@@ -1,5 +1,7 @@
 """certkv.Model, Session and Engine on the default model: text, certificates, streaming."""
 
+from pathlib import Path
+
 import pytest
 
 import certkv
@@ -146,6 +148,17 @@ def test_a_conversation_of_several_turns(model):
         session.generate(one, system="Be brief.")
     with pytest.raises(TypeError, match="messages: expected a non-empty list"):
         model.chat_template([])
+
+
+def test_llama2c_checkpoint_with_its_tokenizer():
+    """Model(path, tokenizer=...) loads a llama2.c checkpoint (the repository's stories260K)."""
+    data = Path(__file__).resolve().parents[1] / "data" / "models"
+    model = certkv.Model(data / "stories260K.bin", tokenizer=data / "tok512.bin")
+    assert model.info["n_layers"] == 5 and model.info["n_vocab"] == 512 and model.tokenizer.endswith("tok512.bin")
+    result = certkv.Session(model, kv="gaac").generate("Once upon a time", max_tokens=12, chat=False)
+    assert result.generated_tokens == 12 and result.text.strip()
+    with pytest.raises(certkv.NotFoundError, match="missing.bin"):
+        certkv.Model(data / "stories260K.bin", tokenizer=data / "missing.bin")
 
 
 def test_device_stats_on_the_cpu(model):
