@@ -39,8 +39,8 @@ constexpr int64_t kAppendRoundTokens = 2048;
 // Rows of a GAAC layer's first append its calibration reads, at most.
 constexpr int64_t kCalibrationRows = 8192;
 // Key index records reserved per (sequence, KV head) of a sparse layer at first; they grow by
-// doubling (DeviceKvCache::reserve_index_records), so a store sized for many sequences' tokens does
-// not reserve records for all of them in every sequence.
+// doubling (DeviceKvCache::reserve_index_records) to the layer's longest indexed prefix, so a
+// store sized for many sequences' tokens does not reserve its whole capacity in every sequence.
 constexpr int64_t kIndexRecordTokens = 512;
 // The store's error words: corrupt page entries met by decode attention; a scratch word;
 // bad keys met by the key index builder (zeroed before each update); queries the sparse steps
