@@ -346,6 +346,15 @@ void append_both(certkv_kv_store* cpu, certkv_kv_store* dev, int seq, int layer,
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
+// Each sequence's prompt of prompt[s] rows in every layer of both stores (rows reproducible from
+// the sequence and layer).
+void append_prompts(certkv_kv_store* cpu, certkv_kv_store* dev, const int (&prompt)[kSeqs], const Shape& sh) {
+  for (int l = 0; l < kLayers; ++l)
+    for (int s = 0; s < kSeqs; ++s)
+      append_both(cpu, dev, s, l, make_rows(prompt[s], sh, uint32_t(100 * s + 10 * l + 1), true),
+                  make_rows(prompt[s], sh, uint32_t(100 * s + 10 * l + 2), false), prompt[s], sh);
+}
+
 // K then V of every position of (seq, layer), as certkv_kv_store_read gives them (exact 0).
 std::vector<float> read_all(certkv_kv_store* s, int seq, int layer, const Shape& sh) {
   int64_t n = 0;
@@ -433,10 +442,7 @@ TEST(CApiKvStoreDevice, ReadCropAndSelectMatchTheCpuStore) {
       certkv_kv_store *cpu = nullptr, *dev = nullptr;
       ASSERT_EQ(certkv_kv_store_create(&pc, &cpu), CERTKV_OK) << certkv_last_error();
       ASSERT_EQ(certkv_kv_store_create(&pd, &dev), CERTKV_OK) << certkv_last_error();
-      for (int l = 0; l < kLayers; ++l)
-        for (int s = 0; s < kSeqs; ++s)
-          append_both(cpu, dev, s, l, make_rows(prompt[s], sh, uint32_t(100 * s + 10 * l + 1), true),
-                      make_rows(prompt[s], sh, uint32_t(100 * s + 10 * l + 2), false), prompt[s], sh);
+      append_prompts(cpu, dev, prompt, sh);
       expect_same_reads(cpu, dev, kSeqs, sh, "after the prompts");
       if (HasFatalFailure()) return;
 
@@ -562,10 +568,8 @@ TEST(CApiKvStoreDevice, SparseDecodeMatchesTheCpuStore) {
       certkv_kv_store *cpu = nullptr, *dev = nullptr;
       ASSERT_EQ(certkv_kv_store_create(&pc, &cpu), CERTKV_OK) << certkv_last_error();
       ASSERT_EQ(certkv_kv_store_create(&pd, &dev), CERTKV_OK) << certkv_last_error();
-      for (int l = 0; l < kLayers; ++l)
-        for (int s = 0; s < kSeqs; ++s)
-          append_both(cpu, dev, s, l, make_rows(prompt[s], sh, uint32_t(100 * s + 10 * l + 1), true),
-                      make_rows(prompt[s], sh, uint32_t(100 * s + 10 * l + 2), false), prompt[s], sh);
+      append_prompts(cpu, dev, prompt, sh);
+      if (HasFatalFailure()) return;
       auto expect_same_counters = [&](const char* when) {
         certkv_sparse_stats a, b;
         ASSERT_EQ(certkv_kv_store_sparse_stats(cpu, &a), CERTKV_OK) << certkv_last_error();

@@ -66,7 +66,7 @@ struct certkv_kv_store {
   // Sparse decode (params.sparse_p): on device cpu each (layer, sequence) of the layers past the
   // dense ones has its key index (api/kv_store_sparse.h), the others' vectors staying empty; on
   // device cuda the device store keeps them.
-  certkv::api::StoreSparseConfig sparse;
+  certkv::backend::SparseConfig sparse;  // enabled: params.sparse_p != 0, window and dense layers resolved
   cache::KeyIndexConfig key_index_config;
   std::vector<std::vector<certkv::api::StoreKeyIndex>> key_indexes;  // [layer][seq]
   certkv::backend::SparseStats sparse_stats;  // steps: (sequence, layer) decode steps of the sparse layers
@@ -416,7 +416,8 @@ certkv_status certkv_kv_store_create(const certkv_kv_store_params* params, certk
     s->layers.resize(size_t(p.n_layers));
     s->seqs.resize(size_t(p.n_layers));
     if (p.sparse_p != 0) {
-      certkv::api::StoreSparseConfig& sp = s->sparse;
+      certkv::backend::SparseConfig& sp = s->sparse;
+      sp.enabled = true;
       sp.p = p.sparse_p;
       sp.deviations = p.sparse_deviations;
       sp.window_tokens = p.sparse_window == -1 ? 128 : p.sparse_window;
@@ -472,15 +473,7 @@ certkv_status certkv_kv_store_create(const certkv_kv_store_params* params, certk
       d.sm_scale = s->sm_scale;
       d.delta_loc = s->delta_loc;
       d.stream = p.cuda_stream;
-      if (p.sparse_p != 0) {
-        d.sparse.enabled = true;
-        d.sparse.p = s->sparse.p;
-        d.sparse.deviations = s->sparse.deviations;
-        d.sparse.window_tokens = s->sparse.window_tokens;
-        d.sparse.dense_layers = s->sparse.dense_layers;
-        d.sparse.rotation = s->sparse.rotation;
-        d.sparse.seed = s->sparse.seed;
-      }
+      d.sparse = s->sparse;
       const certkv_kv_store* raw = s.get();
       s->device = certkv::backend::cuda::make_device_kv_store(
           d, [raw](const float* k, const float* v, int64_t n) { return calibrate_layer(*raw, k, v, n); },
@@ -608,7 +601,7 @@ certkv_status certkv_kv_store_attend(certkv_kv_store* store, int32_t seq, int32_
       }
     } else {
       attend();
-      if (store->sparse.p != 0) ss.dense_cells += store->n_heads;
+      if (store->sparse.enabled) ss.dense_cells += store->n_heads;
     }
     if (store->metered)
       for (const certkv::attention::HeadMeter& hm : m) store->telemetry->record(hm.meter, std::isinf(hm.log_a));
@@ -765,8 +758,8 @@ certkv_status certkv_kv_store_meter_stats(const certkv_kv_store* store, certkv_m
 certkv_status certkv_kv_store_sparse_stats(const certkv_kv_store* store, certkv_sparse_stats* stats) {
   CERTKV_REQUIRE(store && stats, "certkv_kv_store_sparse_stats: null argument");
   *stats = certkv_sparse_stats{};
-  if (store->sparse.p == 0) return CERTKV_OK;
-  const certkv::api::StoreSparseConfig& cfg = store->sparse;
+  if (!store->sparse.enabled) return CERTKV_OK;
+  const certkv::backend::SparseConfig& cfg = store->sparse;
   if (store->device)
     return guarded([&] {
       const certkv::backend::cuda::DeviceSparseStats d = store->device->sparse_stats();

@@ -23,7 +23,7 @@ void StoreKeyIndex::note_queries(const float* q, int64_t n, int n_heads) {
 }
 
 int64_t StoreKeyIndex::update(const cache::KvCache& cache, cache::SeqId seq, int64_t n, const float* q, int n_heads,
-                              const StoreSparseConfig& config) {
+                              const backend::SparseConfig& config) {
   const int h_kv = config_.n_kv_heads, d = config_.head_dim;
   std::vector<float> keys;
   if (c_q_.empty()) {
@@ -68,7 +68,7 @@ int64_t StoreKeyIndex::update(const cache::KvCache& cache, cache::SeqId seq, int
   return target - from;
 }
 
-void StoreKeyIndex::crop(int64_t n_tokens, const StoreSparseConfig& config) {
+void StoreKeyIndex::crop(int64_t n_tokens, const backend::SparseConfig& config) {
   const int64_t keep = cache::store_indexed_tokens(n_tokens, config.window_tokens, config_.page_records);
   for (int h = 0; h < config_.n_kv_heads; ++h) index_->truncate(0, h, keep);
 }

@@ -18,20 +18,12 @@
 #include <memory>
 #include <vector>
 
+#include "backend/backend.h"
 #include "cache/key_index.h"
 #include "cache/kv_cache.h"
 #include "index/rotation.h"
 
 namespace certkv::api {
-
-struct StoreSparseConfig {
-  double p = 0;            // 0: dense decode
-  double deviations = 0;   // attention::SparseDecodeOptions::deviations
-  int window_tokens = 128;
-  int dense_layers = 2;
-  index::RotationKind rotation = index::RotationKind::kHaar;
-  uint64_t seed = 0x5eed0002;  // of the rotation and of the queries' randomized rounding
-};
 
 // The key index of one (layer, sequence) of a store whose layers are caches of one layer each.
 class StoreKeyIndex {
@@ -44,10 +36,10 @@ class StoreKeyIndex {
   // (its layer 0), whose query is q [n_heads][head_dim] (the centroids set at the first call).
   // Returns the tokens appended to each KV head's records.
   int64_t update(const cache::KvCache& cache, cache::SeqId seq, int64_t n, const float* q, int n_heads,
-                 const StoreSparseConfig& config);
+                 const backend::SparseConfig& config);
   // A crop to n_tokens: keeps the records of store_indexed_tokens(n_tokens), which the shorter
   // context indexes (keys of positions it keeps), and the centroids.
-  void crop(int64_t n_tokens, const StoreSparseConfig& config);
+  void crop(int64_t n_tokens, const backend::SparseConfig& config);
   // A deep copy: centroids (or the noted queries) and records (a select's copy of a sequence).
   StoreKeyIndex copy() const;
   const cache::KeyIndex& index() const { return *index_; }
