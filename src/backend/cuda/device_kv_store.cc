@@ -66,19 +66,8 @@ class DeviceScope {
   int previous_ = -1;
 };
 
-// kInvalidArgument unless p is memory the store's device can read and write (device or managed
-// memory of that device): a host or foreign pointer would fault in a launch, leaving an error in
-// the CUDA context of the whole process.
 void require_device_memory(const void* p, int device, const char* name) {
-  cudaPointerAttributes a{};
-  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-    cudaGetLastError();  // the query's error is not sticky: clear it
-    fail(StatusCode::kInvalidArgument, std::string("device KV store: ") + name + " is not CUDA memory");
-  }
-  const bool ok = (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) && a.device == device;
-  if (!ok)
-    fail(StatusCode::kInvalidArgument, std::string("device KV store: ") + name + " is not memory of CUDA device " +
-                                           std::to_string(device) + " (host or another device's memory)");
+  throw_if_failed(cache::cuda::require_device_memory(p, device, "device KV store", name));
 }
 
 class DeviceKvStoreImpl final : public DeviceKvStore {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "attention/cuda/paged_decode_cuda.h"
+#include "cache/cuda/device_pool.h"
 #include "codec/cuda/gaac_encode_cuda.h"
 #include "codec/cuda/lossy_encode_cuda.h"
 #include "core/cuda_status.h"
@@ -21,19 +22,11 @@ void check_cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) fail(StatusCode::kInternal, std::string("device page encode: ") + what + ": " + cudaGetErrorString(e));
 }
 
-// kInvalidArgument unless p is memory of the current device (a host pointer would fault in the
-// launch, leaving an error in the CUDA context of the whole process).
+// kInvalidArgument unless p is memory of the current device.
 void require_device_memory(const void* p, const char* name) {
   int device = -1;
   check_cuda(cudaGetDevice(&device), "no current CUDA device");
-  cudaPointerAttributes a{};
-  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-    cudaGetLastError();  // not sticky: clear it
-    fail(StatusCode::kInvalidArgument, std::string("device page encode: ") + name + " is not CUDA memory");
-  }
-  if (!((a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) && a.device == device))
-    fail(StatusCode::kInvalidArgument, std::string("device page encode: ") + name + " is not memory of CUDA device " +
-                                           std::to_string(device) + " (host or another device's memory)");
+  throw_if_failed(cache::cuda::require_device_memory(p, device, "device page encode", name));
 }
 
 void require_devices() {

@@ -132,6 +132,17 @@ CudaStatus copy_to_host(const void* device, void* host, size_t n) {
   return {};
 }
 
+CudaStatus require_device_memory(const void* p, int device, const std::string& who, const char* name) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();  // the query's error is not sticky: clear it
+    return cuda_error(StatusCode::kInvalidArgument, who + ": " + name + " is not CUDA memory");
+  }
+  if ((a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) && a.device == device) return {};
+  return cuda_error(StatusCode::kInvalidArgument, who + ": " + name + " is not memory of CUDA device " +
+                                                      std::to_string(device) + " (host or another device's memory)");
+}
+
 CudaStatus DevicePagePool::create(size_t page_bytes, int64_t n_pages, DevicePagePool* out) {
   if (page_bytes == 0 || n_pages < 1)
     return cuda_error(StatusCode::kInvalidArgument, "a page pool needs page_bytes >= 1 and n_pages >= 1");

@@ -75,6 +75,11 @@ CudaStatus synchronize_stream(void* stream);
 // Copies n bytes of device memory to the host after the default stream's work (synchronous).
 CudaStatus copy_to_host(const void* device, void* host, size_t n);
 
+// kInvalidArgument "<who>: <name> is not ..." unless p is memory that CUDA device `device` can
+// read and write (device or managed memory of it): a host or another device's pointer would
+// fault in a launch, leaving an error in the CUDA context of the whole process.
+CudaStatus require_device_memory(const void* p, int device, const std::string& who, const char* name);
+
 class DevicePagePool {
  public:
   // REQUIRES: page_bytes >= 1, n_pages >= 1 (kInvalidArgument otherwise).
