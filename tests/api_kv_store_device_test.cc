@@ -323,6 +323,16 @@ TEST(CApiKvStoreDevice, RefusalsLeaveTheStoreUsable) {
   EXPECT_TRUE(error_names("q is not")) << certkv_last_error();
   EXPECT_EQ(certkv_kv_store_append_device(s, 0, one_seq, n1, 1, host_q.data(), rows.p), CERTKV_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_names("k is not")) << certkv_last_error();
+  // Queries noted: at most the positions held, device memory; a store without sparse decode
+  // notes nothing and goes on.
+  const int64_t n21[1] = {21};
+  EXPECT_EQ(certkv_kv_store_note_queries_device(s, 0, one_seq, n21, 1, q.p), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("is not in [1, 20]")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_note_queries_device(s, 0, one_seq, zero, 1, q.p), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(certkv_kv_store_note_queries_device(s, 0, one_seq, n1, 1, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(certkv_kv_store_note_queries_device(s, 0, one_seq, n1, 1, host_q.data()), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("q is not")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_note_queries_device(s, 0, one_seq, n1, 1, q.p), CERTKV_OK) << certkv_last_error();
   certkv_meter_stats m;
   ASSERT_EQ(certkv_kv_store_meter_stats(s, &m), CERTKV_OK) << certkv_last_error();
   EXPECT_EQ(m.cells, sh.heads);
@@ -538,6 +548,36 @@ TEST(CApiKvStoreDevice, SelectBeforeTheOutlierPairsAreChosen) {
   certkv_kv_store_free(cpu);
 }
 
+// The sparse counters of the two stores are the same: the same steps, cells, dense cells, tokens
+// indexed, and the same Top-p sets (budget and widened fraction).
+void expect_same_sparse_counters(certkv_kv_store* cpu, certkv_kv_store* dev, double deviations, const char* when) {
+  certkv_sparse_stats a, b;
+  ASSERT_EQ(certkv_kv_store_sparse_stats(cpu, &a), CERTKV_OK) << certkv_last_error();
+  ASSERT_EQ(certkv_kv_store_sparse_stats(dev, &b), CERTKV_OK) << certkv_last_error();
+  EXPECT_EQ(b.sparse, 1) << when;
+  EXPECT_GT(a.cells, 0) << when;
+  EXPECT_EQ(b.steps, a.steps) << when;
+  EXPECT_EQ(b.cells, a.cells) << when;
+  EXPECT_EQ(b.indexed_tokens, a.indexed_tokens) << when;
+  EXPECT_EQ(b.index_appended_tokens, a.index_appended_tokens) << when;
+  EXPECT_NEAR(b.mean_budget, a.mean_budget, 1e-12) << when;
+  EXPECT_NEAR(b.mean_budget_all_layers, a.mean_budget_all_layers, 1e-12) << when << ": the dense cells";
+  EXPECT_NEAR(b.widened_fraction, a.widened_fraction, 1e-12) << when;
+  EXPECT_LT(a.mean_budget, 0.9) << when << ": the Top-p sets leave tokens out";
+  if (deviations > 0) {
+    EXPECT_GT(a.widened_fraction, 0) << when;
+  }
+}
+
+certkv_kv_store_params sparse_params(const char* device, const Shape& sh, double deviations) {
+  certkv_kv_store_params p = params("bf16", nullptr, sh, device);
+  p.sparse_p = 0.9;
+  p.sparse_window = 32;
+  p.sparse_dense_layers = 1;
+  p.sparse_deviations = deviations;
+  return p;
+}
+
 // Sparse decode on a cuda store (bf16 pages) against the CPU store given the same rows, queries
 // and calls, at head_dim 64 (GQA 3) and 128 (GQA 7), with and without widening: layer 0 dense,
 // layer 1 sparse over a 32-token window. Each step's outputs agree within the device route's bar,
@@ -557,37 +597,14 @@ TEST(CApiKvStoreDevice, SparseDecodeMatchesTheCpuStore) {
   for (const Shape& sh : shapes)
     for (const double deviations : {0.0, 1.5}) {
       SCOPED_TRACE("head_dim " + std::to_string(sh.dim) + " deviations " + std::to_string(deviations));
-      certkv_kv_store_params pc = params("bf16", nullptr, sh, nullptr);
-      certkv_kv_store_params pd = params("bf16", nullptr, sh, "cuda");
-      for (certkv_kv_store_params* p : {&pc, &pd}) {
-        p->sparse_p = 0.9;
-        p->sparse_window = 32;
-        p->sparse_dense_layers = 1;
-        p->sparse_deviations = deviations;
-      }
+      const certkv_kv_store_params pc = sparse_params(nullptr, sh, deviations);
+      const certkv_kv_store_params pd = sparse_params("cuda", sh, deviations);
       certkv_kv_store *cpu = nullptr, *dev = nullptr;
       ASSERT_EQ(certkv_kv_store_create(&pc, &cpu), CERTKV_OK) << certkv_last_error();
       ASSERT_EQ(certkv_kv_store_create(&pd, &dev), CERTKV_OK) << certkv_last_error();
       append_prompts(cpu, dev, prompt, sh);
       if (HasFatalFailure()) return;
-      auto expect_same_counters = [&](const char* when) {
-        certkv_sparse_stats a, b;
-        ASSERT_EQ(certkv_kv_store_sparse_stats(cpu, &a), CERTKV_OK) << certkv_last_error();
-        ASSERT_EQ(certkv_kv_store_sparse_stats(dev, &b), CERTKV_OK) << certkv_last_error();
-        EXPECT_EQ(b.sparse, 1) << when;
-        EXPECT_GT(a.cells, 0) << when;
-        EXPECT_EQ(b.steps, a.steps) << when;
-        EXPECT_EQ(b.cells, a.cells) << when;
-        EXPECT_EQ(b.indexed_tokens, a.indexed_tokens) << when;
-        EXPECT_EQ(b.index_appended_tokens, a.index_appended_tokens) << when;
-        EXPECT_NEAR(b.mean_budget, a.mean_budget, 1e-12) << when;
-        EXPECT_NEAR(b.mean_budget_all_layers, a.mean_budget_all_layers, 1e-12) << when << ": the dense cells";
-        EXPECT_NEAR(b.widened_fraction, a.widened_fraction, 1e-12) << when;
-        EXPECT_LT(a.mean_budget, 0.9) << when << ": the Top-p sets leave tokens out";
-        if (deviations > 0) {
-          EXPECT_GT(a.widened_fraction, 0) << when;
-        }
-      };
+      auto expect_same_counters = [&](const char* when) { expect_same_sparse_counters(cpu, dev, deviations, when); };
       for (int step = 0; step < 40; ++step) expect_same_step(cpu, dev, kSeqs, sh, 2000 + 97 * uint32_t(step));
       expect_same_counters("after 40 steps");
       if (HasFatalFailure()) return;
@@ -605,6 +622,102 @@ TEST(CApiKvStoreDevice, SparseDecodeMatchesTheCpuStore) {
       certkv_kv_store_free(dev);
       certkv_kv_store_free(cpu);
     }
+}
+
+// A prompt's queries noted on a cuda store (certkv_kv_store_note_queries_device) make the query
+// centroid as the queries of the prefills a CPU store attends do: the same sums in the same order,
+// so the same Top-p sets. Sequence 2's queries go in two calls (the sums continue), sequence 0's
+// with sequence 2's second part in one call, sequence 1's not at all (its first sparse step's
+// query), and the dense layer takes them too (it notes nothing). The prompt's queries lean away
+// from the steps' (an offset on every 8th channel), so a centroid from the step's query selects
+// other tokens: a CPU store without the notes selects differently, which the test checks first.
+TEST(CApiKvStoreDevice, NotedPromptQueriesMakeTheCpuStoresQueryCentroid) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  const Shape shapes[] = {{6, 2, 64}, {14, 2, 128}};
+  const int prompt[kSeqs] = {300, 30, 1100};
+  for (const Shape& sh : shapes) {
+    SCOPED_TRACE("head_dim " + std::to_string(sh.dim));
+    const certkv_kv_store_params pc = sparse_params(nullptr, sh, 0.0);
+    const certkv_kv_store_params pd = sparse_params("cuda", sh, 0.0);
+    certkv_kv_store *cpu = nullptr, *dev = nullptr, *plain = nullptr;
+    ASSERT_EQ(certkv_kv_store_create(&pc, &cpu), CERTKV_OK) << certkv_last_error();
+    ASSERT_EQ(certkv_kv_store_create(&pd, &dev), CERTKV_OK) << certkv_last_error();
+    ASSERT_EQ(certkv_kv_store_create(&pc, &plain), CERTKV_OK) << certkv_last_error();
+    append_prompts(cpu, dev, prompt, sh);
+    if (HasFatalFailure()) return;
+    for (int l = 0; l < kLayers; ++l)
+      for (int s = 0; s < kSeqs; ++s) {
+        const std::vector<float> k = make_rows(prompt[s], sh, uint32_t(100 * s + 10 * l + 1), true);
+        const std::vector<float> v = make_rows(prompt[s], sh, uint32_t(100 * s + 10 * l + 2), false);
+        ASSERT_EQ(certkv_kv_store_append_f32(plain, s, l, head_major(k, prompt[s], sh).data(),
+                                             head_major(v, prompt[s], sh).data(), prompt[s]),
+                  CERTKV_OK)
+            << certkv_last_error();
+      }
+    const size_t qrow = size_t(sh.heads) * size_t(sh.dim);
+    for (int l = 0; l < kLayers; ++l) {
+      auto prompt_queries = [&](int s) {
+        std::mt19937 rng(uint32_t(500 + 10 * s + l));
+        std::normal_distribution<float> normal(0.f, 1.f);
+        std::vector<float> q(size_t(prompt[s]) * qrow);
+        for (size_t i = 0; i < q.size(); ++i) q[i] = bf16_value((i % 8 == 0 ? 4.f : 0.f) + normal(rng));
+        return q;
+      };
+      const std::vector<float> q0 = prompt_queries(0), q2 = prompt_queries(2);
+      const size_t split = 600;  // sequence 2's first call
+      std::vector<float> out(q2.size());
+      // The CPU store notes the queries of the prefills it attends (the last n_queries positions).
+      ASSERT_EQ(certkv_kv_store_attend(cpu, 2, l, q2.data(), int32_t(split), out.data(), nullptr), CERTKV_OK)
+          << certkv_last_error();
+      ASSERT_EQ(certkv_kv_store_attend(cpu, 0, l, q0.data(), prompt[0], out.data(), nullptr), CERTKV_OK)
+          << certkv_last_error();
+      ASSERT_EQ(certkv_kv_store_attend(cpu, 2, l, q2.data() + split * qrow, int32_t(size_t(prompt[2]) - split),
+                                       out.data(), nullptr),
+                CERTKV_OK)
+          << certkv_last_error();
+      DeviceFloats first(split * qrow), second(size_t(prompt[0]) * qrow + q2.size() - split * qrow);
+      first.up(std::vector<float>(q2.begin(), q2.begin() + std::ptrdiff_t(split * qrow)));
+      std::vector<float> rest(q0);
+      rest.insert(rest.end(), q2.begin() + std::ptrdiff_t(split * qrow), q2.end());
+      second.up(rest);
+      const int32_t only2[1] = {2}, both[2] = {0, 2};
+      const int64_t n_first[1] = {int64_t(split)}, n_second[2] = {prompt[0], int64_t(prompt[2]) - int64_t(split)};
+      ASSERT_EQ(certkv_kv_store_note_queries_device(dev, l, only2, n_first, 1, first.p), CERTKV_OK)
+          << certkv_last_error();
+      ASSERT_EQ(certkv_kv_store_note_queries_device(dev, l, both, n_second, 2, second.p), CERTKV_OK)
+          << certkv_last_error();
+    }
+    for (int step = 0; step < 12; ++step) {
+      expect_same_step(cpu, dev, kSeqs, sh, 3000 + 41 * uint32_t(step));
+      // The store without the notes takes the same rows and queries (its outputs are not compared).
+      const uint32_t seed = 3000 + 41 * uint32_t(step);
+      for (int l = 0; l < kLayers; ++l) {
+        std::mt19937 rng(seed + uint32_t(l));
+        std::normal_distribution<float> normal(0.f, 1.f);
+        std::vector<float> q(size_t(kSeqs) * qrow), o(qrow);
+        for (float& x : q) x = bf16_value(2.f * normal(rng));
+        for (int s = 0; s < kSeqs; ++s) {
+          const std::vector<float> k = make_rows(1, sh, seed + 10 * uint32_t(s) + uint32_t(l), true);
+          const std::vector<float> v = make_rows(1, sh, seed + 10 * uint32_t(s) + uint32_t(l) + 5, false);
+          ASSERT_EQ(certkv_kv_store_append_f32(plain, s, l, head_major(k, 1, sh).data(), head_major(v, 1, sh).data(), 1),
+                    CERTKV_OK)
+              << certkv_last_error();
+          ASSERT_EQ(certkv_kv_store_attend(plain, s, l, &q[size_t(s) * qrow], 1, o.data(), nullptr), CERTKV_OK)
+              << certkv_last_error();
+        }
+      }
+    }
+    certkv_sparse_stats noted, unnoted;
+    ASSERT_EQ(certkv_kv_store_sparse_stats(cpu, &noted), CERTKV_OK) << certkv_last_error();
+    ASSERT_EQ(certkv_kv_store_sparse_stats(plain, &unnoted), CERTKV_OK) << certkv_last_error();
+    EXPECT_EQ(unnoted.cells, noted.cells);
+    EXPECT_GT(std::fabs(unnoted.mean_budget - noted.mean_budget), 1e-6)
+        << "the prompt's queries should give another centroid, so other Top-p sets";
+    expect_same_sparse_counters(cpu, dev, 0.0, "after 12 steps");
+    certkv_kv_store_free(plain);
+    certkv_kv_store_free(dev);
+    certkv_kv_store_free(cpu);
+  }
 }
 
 }  // namespace

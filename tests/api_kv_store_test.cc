@@ -975,6 +975,8 @@ TEST(CApiKvStore, DeviceChoiceIsChecked) {
   EXPECT_TRUE(error_names("device is cpu")) << certkv_last_error();
   EXPECT_EQ(certkv_kv_store_attend_device(s, 0, seqs, 1, rows.data(), rows.data(), nullptr), CERTKV_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_names("device is cpu")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_note_queries_device(s, 0, seqs, n, 1, rows.data()), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("device is cpu")) << certkv_last_error();
   certkv_kv_store_free(s);
   s = nullptr;
 

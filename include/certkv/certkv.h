@@ -1101,6 +1101,19 @@ CERTKV_API certkv_status certkv_kv_store_append_device(certkv_kv_store* store, i
 CERTKV_API certkv_status certkv_kv_store_attend_device(certkv_kv_store* store, int32_t layer,
                                                        const int32_t* seqs, int32_t n_seqs,
                                                        const float* q, float* out, float* meters);
+/* note_queries_device: a prompt's queries, for a front end that attends prompts itself (as
+ * certkv.transformers does on CUDA, through SDPA): rows of n_seqs distinct sequences of `layer`,
+ * n_tokens[i] >= 1 of seqs[i], at most the positions it holds of the layer; q: device memory,
+ * [sum of n_tokens][n_heads][head_dim] float (the rows of seqs[0] first). In a store with sparse
+ * decode they make the query centroid of the sequence's key index in that layer, as the queries
+ * of the prefills certkv_kv_store_attend attends on a cpu store do: when the sequence's first
+ * sparse step sets its centroids, c_q is the mean of the queries noted (over the tokens and each
+ * KV head's group of query heads, summed in double in the cpu store's order: the same bits), or
+ * that step's query when none were. Nothing is noted for a dense layer, a store without sparse
+ * decode, or a sequence whose centroids are set. Waits for the stream. */
+CERTKV_API certkv_status certkv_kv_store_note_queries_device(certkv_kv_store* store, int32_t layer,
+                                                             const int32_t* seqs, const int64_t* n_tokens,
+                                                             int32_t n_seqs, const float* q);
 /* Keeps the first n_tokens positions of seq in every layer. REQUIRES: n_tokens <= the length of
  * every layer. A store of device "cuda" refuses (CERTKV_ERR_UNSUPPORTED, the store unchanged) an
  * n_tokens that ends inside a block some layer keeps as a lossy page (fp8-e4m3, fp8-e5m2,

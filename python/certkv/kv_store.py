@@ -26,10 +26,10 @@ not indexed (the newest ``window``). ``sparse_stats()`` gives the budget attende
 serves it over bf16 pages, its indexes built on the device.
 
 A store of ``device="cuda"`` keeps its pages in the memory of the CUDA device current at its
-creation and takes device memory instead of NumPy arrays: ``append_device`` and ``attend_device``
-take device pointers (ints, as torch's ``data_ptr()`` or CuPy's ``data.ptr`` give them) and
-enqueue their work on ``cuda_stream``; ``append`` and ``attend`` refuse it
-(certkv.UnsupportedError), as ``append_device`` and ``attend_device`` refuse a cpu store
+creation and takes device memory instead of NumPy arrays: ``append_device``, ``attend_device`` and
+``note_queries_device`` take device pointers (ints, as torch's ``data_ptr()`` or CuPy's
+``data.ptr`` give them) and enqueue their work on ``cuda_stream``; ``append`` and ``attend``
+refuse it (certkv.UnsupportedError), as the ``_device`` methods refuse a cpu store
 (certkv.InvalidArgumentError).
 """
 
@@ -241,6 +241,20 @@ class KvStore:
         seqs = _ints("seqs", seqs, 0)
         self._store.attend_device(_int("layer", layer, 0), seqs, _int("q_ptr", q_ptr, 1), _int("out_ptr", out_ptr, 1),
                                   _int("meters_ptr", meters_ptr, 0))
+
+    def note_queries_device(self, layer: int, seqs: Sequence[int], n_tokens: Sequence[int], q_ptr: int) -> None:
+        """A prompt's queries, for a front end that attends prompts itself: the query centroid of a
+        sparse store's key index, as the prefills ``attend`` attends on a cpu store give it.
+        seqs[i] (distinct) notes n_tokens[i] rows, at most the positions it holds of the layer;
+        q_ptr: a device pointer to float32 [sum of n_tokens, n_heads, head_dim], C-contiguous,
+        the rows of seqs[0] first. A sequence's first sparse step takes c_q as the mean of the
+        queries noted (that step's query when none were). Nothing is noted for a dense layer, a
+        store without sparse decode, or a sequence whose centroids are set. Waits for the stream."""
+        seqs = _ints("seqs", seqs, 0)
+        n_tokens = _ints("n_tokens", n_tokens, 1)
+        if len(n_tokens) != len(seqs):
+            raise ValueError(f"n_tokens: expected {len(seqs)} counts (one per entry of seqs), got {len(n_tokens)}")
+        self._store.note_queries_device(_int("layer", layer, 0), seqs, n_tokens, _int("q_ptr", q_ptr, 1))
 
     # -- sequences ----------------------------------------------------------------------------
 

@@ -381,6 +381,14 @@ def _certkv_attention_cuda(module: torch.nn.Module, cache: CertkvCache, layer_id
             v = torch.cat([v_new[b, :, n_new - counts[b]:].transpose(0, 1) for b in seqs]).to(torch.float32)
         with torch.cuda.device(cache.device):  # the store launches on the current device
             store.append_device(layer_idx, seqs, [counts[b] for b in seqs], k.data_ptr(), v.data_ptr())
+            if prompt_out is not None and cache._options.get("sparse") is not None:
+                # The prompt's queries make the key index's query centroid, as on the CPU, where
+                # the store attends the prompt itself.
+                if len(seqs) == batch and all(c == n_new for c in counts):
+                    q = query.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                else:
+                    q = torch.cat([query[b, :, n_new - counts[b]:].transpose(0, 1) for b in seqs]).to(torch.float32)
+                store.note_queries_device(layer_idx, seqs, [counts[b] for b in seqs], q.data_ptr())
     if prompt_out is not None:
         return prompt_out
     out = torch.zeros((batch, 1, n_heads, head_dim), dtype=torch.float32, device=query.device)

@@ -811,6 +811,13 @@ struct KvStore {
                                         reinterpret_cast<const float*>(q), reinterpret_cast<float*>(out),
                                         reinterpret_cast<float*>(meters)));
   }
+  void note_queries_device(int32_t layer, const std::vector<int32_t>& seqs, const std::vector<int64_t>& n_tokens,
+                           uintptr_t q) {
+    if (n_tokens.size() != seqs.size()) throw nb::value_error("n_tokens: expected one count per entry of seqs");
+    nb::gil_scoped_release release;
+    check(certkv_kv_store_note_queries_device(store, layer, seqs.data(), n_tokens.data(), int32_t(seqs.size()),
+                                              reinterpret_cast<const float*>(q)));
+  }
   void crop(int32_t seq, int64_t n_tokens) { check(certkv_kv_store_crop(store, seq, n_tokens)); }
   void reorder(const std::vector<int32_t>& src) {
     if (src.size() != size_t(params.n_sequences)) throw nb::value_error("src: expected n_sequences entries");
@@ -1065,6 +1072,7 @@ NB_MODULE(_certkv, m) {
       .def("attend", &KvStore::attend, "seq"_a, "layer"_a, "q"_a, "n_queries"_a, "out"_a, "meters"_a.none())
       .def("append_device", &KvStore::append_device, "layer"_a, "seqs"_a, "n_tokens"_a, "k_ptr"_a, "v_ptr"_a)
       .def("attend_device", &KvStore::attend_device, "layer"_a, "seqs"_a, "q_ptr"_a, "out_ptr"_a, "meters_ptr"_a)
+      .def("note_queries_device", &KvStore::note_queries_device, "layer"_a, "seqs"_a, "n_tokens"_a, "q_ptr"_a)
       .def("crop", &KvStore::crop)
       .def("reorder", &KvStore::reorder)
       .def("select", &KvStore::select)

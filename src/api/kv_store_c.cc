@@ -644,6 +644,24 @@ certkv_status certkv_kv_store_attend_device(certkv_kv_store* store, int32_t laye
   return guarded([&] { store->device->attend(layer, std::span<const int32_t>(seqs, size_t(n_seqs)), q, out, meters); });
 }
 
+certkv_status certkv_kv_store_note_queries_device(certkv_kv_store* store, int32_t layer, const int32_t* seqs,
+                                                  const int64_t* n_tokens, int32_t n_seqs, const float* q) {
+  const char* w = "certkv_kv_store_note_queries_device";
+  if (const certkv_status st = check_device_call(w, store, layer, seqs, n_seqs); st != CERTKV_OK) return st;
+  CERTKV_REQUIRE(n_tokens && q, std::string(w) + ": null n_tokens or q");
+  for (int32_t i = 0; i < n_seqs; ++i) {
+    const int64_t held = store->device->length(seqs[i], layer);
+    CERTKV_REQUIRE(n_tokens[i] >= 1 && n_tokens[i] <= held,
+                   std::string(w) + ": n_tokens[" + std::to_string(i) + "] " + std::to_string(n_tokens[i]) +
+                       " is not in [1, " + std::to_string(held) + "] (the positions seq " + std::to_string(seqs[i]) +
+                       " holds of layer " + std::to_string(layer) + "; append the queries' K and V first)");
+  }
+  return guarded([&] {
+    store->device->note_queries(layer, std::span<const int32_t>(seqs, size_t(n_seqs)),
+                                std::span<const int64_t>(n_tokens, size_t(n_seqs)), q);
+  });
+}
+
 certkv_status certkv_kv_store_crop(certkv_kv_store* store, int32_t seq, int64_t n_tokens) {
   const char* w = "certkv_kv_store_crop";
   if (const certkv_status st = check_seq_layer(w, store, seq, 0); st != CERTKV_OK) return st;

@@ -3,6 +3,8 @@
 
 #include <utility>
 
+#include "index/rabitq.h"
+
 namespace certkv::api {
 
 StoreKeyIndex::StoreKeyIndex(const cache::KeyIndexConfig& config)
@@ -13,13 +15,10 @@ StoreKeyIndex::StoreKeyIndex(const cache::KeyIndexConfig& config, std::unique_pt
 
 void StoreKeyIndex::note_queries(const float* q, int64_t n, int n_heads) {
   if (!c_q_.empty()) return;
-  const int h_kv = config_.n_kv_heads, d = config_.head_dim, group = n_heads / h_kv;
+  const int h_kv = config_.n_kv_heads, d = config_.head_dim;
   query_sums_.resize(size_t(h_kv) * size_t(d), 0.0);
-  for (int64_t t = 0; t < n; ++t)
-    for (int h = 0; h < n_heads; ++h)
-      for (int i = 0; i < d; ++i)
-        query_sums_[size_t(h / group) * size_t(d) + size_t(i)] += q[(size_t(t) * size_t(n_heads) + size_t(h)) * size_t(d) + size_t(i)];
-  query_rows_ += n * group;
+  index::rabitq_add_query_sums(q, n, n_heads, h_kv, d, query_sums_.data());
+  query_rows_ += n * (n_heads / h_kv);
 }
 
 int64_t StoreKeyIndex::update(const cache::KvCache& cache, cache::SeqId seq, int64_t n, const float* q, int n_heads,
@@ -31,11 +30,9 @@ int64_t StoreKeyIndex::update(const cache::KvCache& cache, cache::SeqId seq, int
     std::vector<double> sums = query_sums_;
     int64_t rows = query_rows_;
     if (rows == 0) {  // no prefill attended: this step's query
-      const int group = n_heads / h_kv;
       sums.assign(size_t(h_kv) * size_t(d), 0.0);
-      for (int h = 0; h < n_heads; ++h)
-        for (int i = 0; i < d; ++i) sums[size_t(h / group) * size_t(d) + size_t(i)] += q[size_t(h) * size_t(d) + size_t(i)];
-      rows = group;
+      index::rabitq_add_query_sums(q, 1, n_heads, h_kv, d, sums.data());
+      rows = n_heads / h_kv;
     }
     std::vector<std::vector<float>> c_q(static_cast<size_t>(h_kv), std::vector<float>(static_cast<size_t>(d)));
     std::vector<std::vector<float>> c_k(static_cast<size_t>(h_kv), std::vector<float>(static_cast<size_t>(d)));

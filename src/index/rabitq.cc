@@ -65,6 +65,14 @@ RabitqHead::RabitqHead(std::vector<float> c_q, std::vector<float> c_k, Rotation 
   cq_dot_ck_ = static_cast<float>(dot(c_q_.data(), c_k_.data(), rotation_.dim()));
 }
 
+void rabitq_add_query_sums(const float* q, int64_t n, int n_heads, int n_kv_heads, int dim, double* sums) {
+  const int group = n_heads / n_kv_heads;
+  for (int64_t t = 0; t < n; ++t)
+    for (int h = 0; h < n_heads; ++h)
+      for (int i = 0; i < dim; ++i)
+        sums[size_t(h / group) * size_t(dim) + size_t(i)] += q[(size_t(t) * size_t(n_heads) + size_t(h)) * size_t(dim) + size_t(i)];
+}
+
 template <int D>
 void rabitq_encode_keys(const RabitqHead& head, const float* k, int64_t n_tokens,
                         RabitqRecord<D>* records) {

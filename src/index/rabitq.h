@@ -76,6 +76,14 @@ class RabitqHead {
   float cq_dot_ck_;
 };
 
+// The sums behind a query centroid (c_q = sums / rows in double, rounded once to float): adds n
+// query rows q [n][n_heads][dim] to sums [n_kv_heads][dim], each KV head's group of n_heads /
+// n_kv_heads query heads onto its row, in double, token by token and within a token head by head
+// (one rounding per addition). rows grows by n times the group. The one order of the sums: the C
+// API's stores (the host's and, on the device, attention::cuda::add_query_sums) give the same bits.
+// REQUIRES: n >= 0, n_kv_heads >= 1 dividing n_heads, dim >= 1, non-null pointers when n > 0.
+void rabitq_add_query_sums(const float* q, int64_t n, int n_heads, int n_kv_heads, int dim, double* sums);
+
 // Builds one record per key. k: [n_tokens][D]; records: [n_tokens].
 // k == c_k (norm 0) gives code 0, alpha 1, norm 0: its score is then exactly
 // <q, c_k> + <c_q, k> - <c_q, c_k> = <q, k>.

@@ -55,6 +55,8 @@ def test_a_cpu_store_refuses_device_pointers():
         store.attend_device(0, [1], 256, 512)
     with pytest.raises(certkv.InvalidArgumentError, match="attend_device: the store's device is cpu"):
         store.attend_device(0, [0, 1], 256, 512, meters_ptr=768)
+    with pytest.raises(certkv.InvalidArgumentError, match="note_queries_device: the store's device is cpu"):
+        store.note_queries_device(0, [0], [3], 256)
     assert store.length(0, 0) == 0 and store.length(1, 0) == 0
 
 
@@ -84,6 +86,14 @@ def test_device_call_arguments():
         store.attend_device(0, [0], 256, 0)
     with pytest.raises(ValueError, match="meters_ptr: expected an int >= 0"):
         store.attend_device(0, [0], 256, 512, -8)
+    with pytest.raises(ValueError, match="n_tokens: expected 1 counts"):
+        store.note_queries_device(0, [0], [3, 4], 256)
+    with pytest.raises(ValueError, match=r"n_tokens\[0\]: expected an int >= 1, got 0"):
+        store.note_queries_device(0, [0], [0], 256)
+    with pytest.raises(ValueError, match="q_ptr: expected an int >= 1, got 0"):
+        store.note_queries_device(0, [0], [3], 0)
     # The native layer checks the counts again.
     with pytest.raises(ValueError, match="n_tokens: expected one count per entry of seqs"):
         store._store.append_device(0, [0], [1, 2], 256, 512)
+    with pytest.raises(ValueError, match="n_tokens: expected one count per entry of seqs"):
+        store._store.note_queries_device(0, [0], [1, 2], 256)

@@ -213,7 +213,9 @@ def test_sparse_kv_store_decode_equals_the_cpu_operator():
     """A cuda store with sparse decode against a cpu store given the same rows and queries: per
     step the same output within the device route's bar and, at the end, the same counters (the
     device's estimates and Top-p sets are the CPU's); sequence 1 gets its index only after 15
-    steps (its context reaches 32 tokens: one whole block before the 16-token window)."""
+    steps (its context reaches 32 tokens: one whole block before the 16-token window). The
+    prompts' queries make the query centroids: the cpu store notes those of the prefills it
+    attends, the cuda store those given to note_queries_device."""
     n_heads, n_kv_heads, head_dim = 8, 2, 64
     shape = dict(n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, n_sequences=2,
                  sparse={"p": 0.5, "window": 16, "dense_layers": 1})
@@ -233,6 +235,12 @@ def test_sparse_kv_store_decode_equals_the_cpu_operator():
             for seq, (begin, end) in ((0, (0, ns[0])), (1, (ns[0], sum(ns)))):
                 cpu.append(seq, layer, k[begin:end].transpose(0, 1).contiguous().numpy(),
                            v[begin:end].transpose(0, 1).contiguous().numpy())
+            if step == 0:
+                prompt_q = (torch.randn(sum(ns), n_heads, head_dim, generator=g) + 3).bfloat16().float()
+                prompt_q_gpu = prompt_q.cuda()
+                gpu.note_queries_device(layer, [0, 1], ns, prompt_q_gpu.data_ptr())
+                for seq, (begin, end) in ((0, (0, ns[0])), (1, (ns[0], sum(ns)))):
+                    cpu.attend(seq, layer, prompt_q[begin:end].contiguous().numpy())
             q = (torch.randn(2, n_heads, head_dim, generator=g) * 2).bfloat16().float()
             out_gpu, _ = torch.ops.certkv.kv_store_decode(gpu_handle, layer, [0, 1], q.cuda())
             out_cpu, _ = torch.ops.certkv.kv_store_decode(cpu_handle, layer, [0, 1], q)

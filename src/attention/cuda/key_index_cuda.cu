@@ -336,6 +336,34 @@ CudaStatus build_key_records(const KeyIndexBuildParams& p) {
   return launch_status();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Query sums: one thread per (channel, KV head, sequence), the sequence's rows in order and, in a
+// row, the group's heads in order (index::rabitq_add_query_sums).
+__global__ void query_sum_kernel(QuerySumParams p) {
+  const int i = threadIdx.x, g = blockIdx.x, b = blockIdx.y;
+  const int group = p.n_q_heads / p.n_kv_heads;
+  double* s = p.sums + (int64_t(b) * p.n_kv_heads + g) * p.head_dim + i;
+  double sum = *s;
+  const int64_t row_floats = int64_t(p.n_q_heads) * p.head_dim;
+  const int64_t end = p.row_ranges[2 * b + 1];
+  for (int64_t t = p.row_ranges[2 * b]; t < end; ++t) {
+    const float* x = p.q + t * row_floats + int64_t(g) * group * p.head_dim + i;
+    for (int h = 0; h < group; ++h) sum = __dadd_rn(sum, double(__ldg(x + int64_t(h) * p.head_dim)));
+  }
+  *s = sum;
+}
+
+CudaStatus add_query_sums(const QuerySumParams& p) {
+  if (p.n_seqs < 0 || p.n_seqs > 65535) return error("n_seqs must be in [0, 65535]");
+  if (p.n_kv_heads < 1 || p.n_kv_heads > 65535 || p.n_q_heads < p.n_kv_heads || p.n_q_heads % p.n_kv_heads != 0)
+    return error("n_q_heads must be a multiple of n_kv_heads, n_kv_heads in [1, 65535]");
+  if (p.head_dim < 1 || p.head_dim > 1024) return error("head_dim must be in [1, 1024]");
+  if (p.n_seqs == 0) return {};
+  if (!p.q || !p.row_ranges || !p.sums) return error("a device pointer is null");
+  query_sum_kernel<<<dim3(unsigned(p.n_kv_heads), unsigned(p.n_seqs)), unsigned(p.head_dim), 0, as_stream(p.stream)>>>(p);
+  return launch_status();
+}
+
 CudaStatus check(const QueryQuantizeParams& p) {
   if (p.head_dim != 64 && p.head_dim != 128)
     return unsupported("head_dim " + std::to_string(p.head_dim) + " is unsupported (64 or 128)");

@@ -8,6 +8,9 @@
 //   through the block tables; the bytes of index::rabitq_encode_keys over the same keys and
 //   centroids (every floating-point step the reference's, one IEEE operation at a time, no fused
 //   multiply-add).
+// - add_query_sums: a prefill's queries added to the sums behind the query centroid, several
+//   sequences a launch; the bits of index::rabitq_add_query_sums (the same additions in double, in
+//   the same order).
 // - quantize_queries: each query head's centering, normalization, rotation and 4-bit randomized
 //   rounding, into the DeviceRabitqQuery that sparse_decode reads; the fields of
 //   device_rabitq_query(head, index::rabitq_quantize_query(head, q, seed), margin) bit for bit.
@@ -75,6 +78,18 @@ struct KeyIndexBuildParams {
 CudaStatus check(const KeyIndexBuildParams& params);
 CudaStatus set_key_centroids(const KeyIndexBuildParams& params);
 CudaStatus build_key_records(const KeyIndexBuildParams& params);
+
+struct QuerySumParams {
+  int n_seqs = 0, n_q_heads = 0, n_kv_heads = 0, head_dim = 0;  // head_dim in [1, 1024]
+  // Rows [row_ranges[2 b], row_ranges[2 b + 1]) of q are sequence b's queries, [n_q_heads][head_dim]
+  // floats each; their sums go onto sums [n_seqs][n_kv_heads][head_dim] (doubles, added to).
+  const float* q = nullptr;
+  const int64_t* row_ranges = nullptr;  // [n_seqs][2]
+  double* sums = nullptr;
+  void* stream = nullptr;
+};
+
+CudaStatus add_query_sums(const QuerySumParams& params);
 
 struct QueryQuantizeParams {
   int batch = 0, n_q_heads = 0, n_kv_heads = 0, head_dim = 0;  // head_dim 64 or 128

@@ -4,7 +4,8 @@
 // device_rabitq_query(index::rabitq_quantize_query), field by field and bit for bit; Haar and
 // randomized Hadamard rotations, head_dim 64 and 128, ragged lengths (1, 3, 17, 129, 501 tokens,
 // a partial last block), ranges that start mid-sequence, rows read through permuted table rows;
-// bad input (refusals before launch, and bad keys, rows and margins counted on the device).
+// bad input (refusals before launch, and bad keys, rows and margins counted on the device); the
+// sums behind a query centroid against index::rabitq_add_query_sums, bit for bit.
 // Needs a CUDA device for everything but the refusals.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -289,6 +290,52 @@ TEST(KeyIndexCuda, QueriesAreTheCpuQuantizationBitForBit) {
     }
 }
 
+// add_query_sums against index::rabitq_add_query_sums: sequences of ragged rows (0, 1, 17, 300)
+// taken from several places of q (not in order, one skipped), GQA 1, 4 and 7, head_dims 64, 128
+// and 96, the sums starting from earlier values and taking two calls: the same doubles, bit for bit.
+TEST(KeyIndexCuda, QuerySumsAreTheCpuSumsBitForBit) {
+  CERTKV_NEED_CUDA_DEVICE();
+  struct QueryCase {
+    int n_kv_heads, group, head_dim;
+  };
+  for (const QueryCase& c : {QueryCase{3, 1, 64}, QueryCase{2, 4, 128}, QueryCase{2, 7, 96}}) {
+    SCOPED_TRACE(::testing::Message() << "kv heads " << c.n_kv_heads << " group " << c.group << " D " << c.head_dim);
+    const int Hq = c.n_kv_heads * c.group, D = c.head_dim;
+    const size_t qrow = size_t(Hq) * size_t(D), srow = size_t(c.n_kv_heads) * size_t(D);
+    std::mt19937 rng(uint32_t(Hq * 1000 + D));
+    std::normal_distribution<float> normal(0.f, 1.f);
+    // Rows of q: [0, 300) sequence 3's, [300, 317) sequence 0's, [317, 318) sequence 1's; sequence
+    // 2 has none (an empty range).
+    const std::vector<int64_t> ranges{300, 317, 317, 318, 318, 318, 0, 300};
+    std::vector<float> q(318 * qrow);
+    for (size_t i = 0; i < q.size(); ++i) q[i] = (i % 5 == 0 ? 3.f : 0.f) + normal(rng);
+    std::vector<double> want(4 * srow);
+    for (double& x : want) x = double(normal(rng)) * 100.0;  // sums noted before
+    DeviceBuffer q_d = upload(q), ranges_d = upload(ranges), sums_d = upload(want);
+    for (int call = 0; call < 2; ++call) {
+      for (int b = 0; b < 4; ++b)
+        index::rabitq_add_query_sums(q.data() + size_t(ranges[size_t(2 * b)]) * qrow,
+                                     ranges[size_t(2 * b + 1)] - ranges[size_t(2 * b)], Hq, c.n_kv_heads, D,
+                                     want.data() + size_t(b) * srow);
+      QuerySumParams p;
+      p.n_seqs = 4;
+      p.n_q_heads = Hq;
+      p.n_kv_heads = c.n_kv_heads;
+      p.head_dim = D;
+      p.q = reinterpret_cast<const float*>(q_d.data());
+      p.row_ranges = reinterpret_cast<const int64_t*>(ranges_d.data());
+      p.sums = reinterpret_cast<double*>(sums_d.data());
+      ASSERT_TRUE(add_query_sums(p).ok);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    }
+    std::vector<double> got(want.size());
+    ASSERT_TRUE(sums_d.download(0, got.data(), got.size() * sizeof(double)).ok);
+    size_t differ = 0;
+    for (size_t i = 0; i < got.size(); ++i) differ += std::memcmp(&got[i], &want[i], sizeof(double)) != 0;
+    EXPECT_EQ(differ, 0u) << "of " << got.size();
+  }
+}
+
 TEST(KeyIndexCuda, BadValuesOnTheDeviceAreCountedNotUsed) {
   CERTKV_NEED_CUDA_DEVICE();
   constexpr int D = 64;
@@ -362,6 +409,25 @@ TEST(KeyIndexCuda, RefusesBadParametersBeforeLaunch) {
   s = check(q);
   EXPECT_FALSE(s.ok);
   EXPECT_NE(s.message.find("not integral"), std::string::npos) << s.message;
+  QuerySumParams sums;
+  sums.n_seqs = 1;
+  sums.n_q_heads = 8;
+  sums.n_kv_heads = 3;
+  sums.head_dim = 64;
+  s = add_query_sums(sums);
+  EXPECT_FALSE(s.ok);
+  EXPECT_NE(s.message.find("multiple of n_kv_heads"), std::string::npos) << s.message;
+  sums.n_q_heads = 9;
+  sums.head_dim = 2048;
+  s = add_query_sums(sums);
+  EXPECT_FALSE(s.ok);
+  EXPECT_NE(s.message.find("head_dim"), std::string::npos) << s.message;
+  sums.head_dim = 64;
+  s = add_query_sums(sums);
+  EXPECT_FALSE(s.ok);
+  EXPECT_NE(s.message.find("null"), std::string::npos) << s.message;
+  sums.n_seqs = 0;  // nothing to do
+  EXPECT_TRUE(add_query_sums(sums).ok);
 }
 
 }  // namespace

@@ -272,6 +272,57 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     }
   }
 
+  void note_queries(int layer, std::span<const int32_t> seqs, std::span<const int64_t> n_tokens,
+                    const float* q) override {
+    const DeviceScope scope(device_);
+    require_device_memory(q, device_, "q");
+    Layer& l = layers_[size_t(layer)];
+    if (l.index.empty()) return;  // a dense layer (or one holding nothing: no sequence to note)
+    const int H = config_.layer.n_kv_heads, D = config_.layer.head_dim, group = config_.n_heads / H;
+    const size_t row = size_t(H) * size_t(D);
+    // The rows of the sequences that still take queries, their sums continued on the device.
+    std::vector<int64_t> ranges;  // [noted][2]: the rows of q
+    std::vector<size_t> noted;  // rows of seqs
+    std::vector<double> sums;
+    int64_t first = 0;
+    for (size_t i = 0; i < seqs.size(); first += n_tokens[i], ++i) {
+      const SeqIndex& x = l.index[size_t(seqs[i])];
+      if (x.centroids) continue;
+      noted.push_back(i);
+      ranges.push_back(first);
+      ranges.push_back(first + n_tokens[i]);
+      if (x.query_sums.empty())
+        sums.resize(sums.size() + row, 0.0);
+      else
+        sums.insert(sums.end(), x.query_sums.begin(), x.query_sums.end());
+    }
+    if (noted.empty()) return;
+    // Up in stream order; the host buffers live until the wait below.
+    DeviceBuffer device_ranges, device_sums;
+    throw_if_failed(DeviceBuffer::allocate(sizeof(int64_t) * ranges.size(), &device_ranges));
+    throw_if_failed(DeviceBuffer::allocate(sizeof(double) * sums.size(), &device_sums));
+    throw_if_failed(device_ranges.upload_async(0, ranges.data(), sizeof(int64_t) * ranges.size(), config_.stream));
+    throw_if_failed(device_sums.upload_async(0, sums.data(), sizeof(double) * sums.size(), config_.stream));
+    attention::cuda::QuerySumParams p;
+    p.n_seqs = int(noted.size());
+    p.n_q_heads = config_.n_heads;
+    p.n_kv_heads = H;
+    p.head_dim = D;
+    p.q = q;
+    p.row_ranges = reinterpret_cast<const int64_t*>(device_ranges.data());
+    p.sums = reinterpret_cast<double*>(device_sums.data());
+    p.stream = config_.stream;
+    throw_if_failed(attention::cuda::add_query_sums(p));
+    std::vector<double> added(sums.size());
+    throw_if_failed(device_sums.download_async(0, added.data(), sizeof(double) * added.size(), config_.stream));
+    throw_if_failed(cache::cuda::synchronize_stream(config_.stream));  // the sums; the buffers freed after
+    for (size_t b = 0; b < noted.size(); ++b) {
+      SeqIndex& x = l.index[size_t(seqs[noted[b]])];
+      x.query_sums.assign(added.begin() + std::ptrdiff_t(b * row), added.begin() + std::ptrdiff_t((b + 1) * row));
+      x.query_rows += n_tokens[noted[b]] * group;
+    }
+  }
+
   int64_t length(int seq, int layer) const override {
     const Layer& l = layers_[size_t(layer)];
     return l.cache ? l.cache->written(l.slots[size_t(seq)], 0) : 0;
@@ -429,6 +480,8 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
   struct SeqIndex {
     int64_t indexed = 0;     // tokens with records, per KV head
     bool centroids = false;  // c_q and c_k set
+    std::vector<double> query_sums;  // [n_kv_heads][head_dim]: the noted queries, until the centroids
+    int64_t query_rows = 0;          // tokens x group heads noted
   };
   struct Layer {
     std::unique_ptr<DeviceKvCache> cache;
@@ -549,18 +602,24 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     for (size_t i = n_centroids; i < ranges.size(); ++i) reach = std::max<int64_t>(reach, ranges[i].end);
     throw_if_failed(l.cache->reserve_index_records(reach));
     throw_if_failed(cache::cuda::synchronize_stream(config_.stream));  // the queries, and the scratch free
-    // c_q of the first builds: the mean of this step's query over each KV head's group, summed in
-    // double in head order and rounded once (the CPU store's, for a store without prefills).
+    // c_q of the first builds (the CPU store's StoreKeyIndex::update): the noted queries' sums over
+    // their rows, or this step's query over each KV head's group when none were noted; summed in
+    // double (index::rabitq_add_query_sums) and rounded once.
     std::vector<float> c_q(builds.size() * size_t(H) * size_t(D));
     if (!builds.empty()) {
       const size_t q_row = size_t(config_.n_heads) * size_t(D);
       std::vector<float> host(q_row);
       for (size_t b = 0; b < builds.size(); ++b) {
-        throw_if_failed(cache::cuda::copy_to_host(q + builds[b] * q_row, host.data(), sizeof(float) * q_row));
-        std::vector<double> sums(size_t(H) * size_t(D), 0.0);
-        for (int h = 0; h < config_.n_heads; ++h)
-          for (int i = 0; i < D; ++i) sums[size_t(h / group) * size_t(D) + size_t(i)] += host[size_t(h) * size_t(D) + size_t(i)];
-        for (size_t j = 0; j < sums.size(); ++j) c_q[b * sums.size() + j] = float(sums[j] / double(group));
+        const SeqIndex& x = l.index[size_t(seqs[builds[b]])];
+        std::vector<double> sums = x.query_sums;
+        int64_t rows = x.query_rows;
+        if (rows == 0) {
+          throw_if_failed(cache::cuda::copy_to_host(q + builds[b] * q_row, host.data(), sizeof(float) * q_row));
+          sums.assign(size_t(H) * size_t(D), 0.0);
+          index::rabitq_add_query_sums(host.data(), 1, config_.n_heads, H, D, sums.data());
+          rows = group;
+        }
+        for (size_t j = 0; j < sums.size(); ++j) c_q[b * sums.size() + j] = float(sums[j] / double(rows));
       }
     }
     // Up in stream order (the stream may be one that does not wait for the legacy stream); the
@@ -604,7 +663,12 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
       fail(StatusCode::kInvalidArgument, "device KV store: the key index builder of layer " + std::to_string(layer) +
                                              " found " + std::to_string(errors) +
                                              " keys that are not finite, or ranges or pages outside the pools");
-    for (size_t b : builds) l.index[size_t(seqs[b])].centroids = true;
+    for (size_t b : builds) {
+      SeqIndex& x = l.index[size_t(seqs[b])];
+      x.centroids = true;
+      x.query_sums = {};
+      x.query_rows = 0;
+    }
     for (size_t i = 0; i < seqs.size(); ++i) {
       SeqIndex& x = l.index[size_t(seqs[i])];
       if (targets[i] > x.indexed) {

@@ -30,8 +30,9 @@
 // cuda_sparse): the layers from sparse.dense_layers on keep a key index per sequence on the device
 // beside its pages (DeviceKvCacheConfig::index_record_bytes), by the C API's CPU store's rule
 // (api/kv_store_sparse.h): the indexed prefix cache::store_indexed_tokens of the context; the
-// centroids set at a sequence's first sparse step, c_k the mean of its keys, c_q the mean of that
-// step's query over each KV head's group (the query comes to the host for it); records built on
+// centroids set at a sequence's first sparse step, c_k the mean of its keys, c_q the mean of the
+// queries noted before (note_queries: a prompt's) over each KV head's group, or of that step's
+// query when none were (it comes to the host for it); records built on
 // the device (attention/cuda/key_index_cuda.h); a crop keeps the records of the prefix it keeps, a
 // select copies them. The record lists of a layer share one stride (the kernels' layout): it
 // starts at 512 records and doubles to the longest indexed prefix of the layer, every sequence's
@@ -116,6 +117,14 @@ class DeviceKvStore {
   // One decode step of seqs (distinct, each holding >= 1 position of the layer): q, out device
   // [n][n_heads][head_dim] float; meters device [n][n_heads] float or null.
   virtual void attend(int layer, std::span<const int32_t> seqs, const float* q, float* out, float* meters) = 0;
+  // A prompt's queries, for the query centroid of a sparse layer (the C API's CPU store notes those
+  // of the prefills it attends): rows of seqs[i] (distinct, in range), n_tokens[i] >= 1 each,
+  // concatenated in q (device memory, [sum n_tokens][n_heads][head_dim] float). Each sequence
+  // whose centroids are not set yet adds them to its sums (index::rabitq_add_query_sums, on the
+  // device); its first sparse step then takes c_q = sums / rows instead of that step's query.
+  // Nothing for a dense layer or a sequence whose centroids are set. Waits for the stream.
+  virtual void note_queries(int layer, std::span<const int32_t> seqs, std::span<const int64_t> n_tokens,
+                            const float* q) = 0;
   virtual int64_t length(int seq, int layer) const = 0;
   // K (kv 0) or V (kv 1) of (seq, layer) at positions [begin, end) as attention reads them (a
   // lossy page's reconstruction), decoded on the host: out [n_kv_heads][end - begin][head_dim]
