@@ -333,6 +333,29 @@ TEST(CApiKvStoreDevice, RefusalsLeaveTheStoreUsable) {
   EXPECT_EQ(certkv_kv_store_note_queries_device(s, 0, one_seq, n1, 1, host_q.data()), CERTKV_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_names("q is not")) << certkv_last_error();
   EXPECT_EQ(certkv_kv_store_note_queries_device(s, 0, one_seq, n1, 1, q.p), CERTKV_OK) << certkv_last_error();
+  // Planned steps: refused before any change; the store goes on.
+  ASSERT_EQ(certkv_kv_store_append_device(s, 1, one_seq, n20, 1, rows.p, rows.p), CERTKV_OK) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_plan_device(s, one_seq, 1, 0, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("steps 0")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_plan_device(s, one_seq, 1, 21, nullptr), CERTKV_ERR_OUT_OF_MEMORY);
+  EXPECT_TRUE(error_names("capacity of 40")) << certkv_last_error();
+  const int32_t seq2[1] = {2};
+  EXPECT_EQ(certkv_kv_store_plan_device(s, seq2, 1, 4, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("holds no position")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_append_planned_device(s, 0, rows.p, rows.p, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("no planned steps")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_attend_planned_device(s, 2, q.p, out.p, nullptr, nullptr), CERTKV_ERR_OUT_OF_RANGE);
+  EXPECT_EQ(certkv_kv_store_finish_planned_device(s, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  int32_t recapture = -1;
+  ASSERT_EQ(certkv_kv_store_plan_device(s, one_seq, 1, 4, &recapture), CERTKV_OK) << certkv_last_error();
+  EXPECT_EQ(recapture, 1);
+  EXPECT_EQ(certkv_kv_store_append_planned_device(s, 0, host_q.data(), rows.p, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("k is not")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_plan_device(s, one_seq, 1, 4, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("finish them first")) << certkv_last_error();
+  ASSERT_EQ(certkv_kv_store_finish_planned_device(s, nullptr), CERTKV_OK) << certkv_last_error();  // nothing ran
+  ASSERT_EQ(certkv_kv_store_length(s, 0, 0, &n), CERTKV_OK);
+  EXPECT_EQ(n, 20);
   certkv_meter_stats m;
   ASSERT_EQ(certkv_kv_store_meter_stats(s, &m), CERTKV_OK) << certkv_last_error();
   EXPECT_EQ(m.cells, sh.heads);
@@ -718,6 +741,215 @@ TEST(CApiKvStoreDevice, NotedPromptQueriesMakeTheCpuStoresQueryCentroid) {
     certkv_kv_store_free(dev);
     certkv_kv_store_free(cpu);
   }
+}
+
+// Planned decode steps under a CUDA graph (certkv_kv_store_plan_device): a stream capture of one
+// decode step of every layer (append_planned + attend_planned), replayed step after step, against
+// a second cuda store given the same rows and queries through append_device and attend_device.
+// Ragged prompts (30, 16, 47) so the steps complete blocks at different replays. bf16 and gaac:
+// the outputs are the eager store's bit for bit (a completed block's GAAC slot holds the raw
+// page's values). fp8-e4m3 and dither8: a block completed during the plan is read exact until
+// finish encodes it, so a sequence's step is the eager one's bit for bit (output and meter) until
+// it completes a block in the plan, and within the device route's bar after. After finish, both stores read back the same values (the same pages), record the
+// same number of metered cells and go on with the same steps; a second plan reuses the graph when
+// plan says it may; a replay past the plan writes nothing and fails finish; the store refuses its
+// other changes while a plan is open.
+TEST(CApiKvStoreDevice, CapturedPlannedStepsReplayAsDecodeSteps) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  const Case cases[] = {{"bf16", nullptr, "bf16"},
+                        {"gaac", nullptr, "gaac"},
+                        {"fp8-e4m3", nullptr, "lossy"},
+                        {"dither8", nullptr, "dither8"}};
+  const int prompt[kSeqs] = {30, 16, 47};
+  for (const Case& cs : cases)
+    for (const Shape& sh : {Shape{6, 2, 64}, Shape{14, 2, 128}}) {
+      SCOPED_TRACE(std::string(cs.kv) + " head_dim " + std::to_string(sh.dim));
+      const bool exact = std::strcmp(cs.kv, "bf16") == 0 || std::strcmp(cs.kv, "gaac") == 0;
+      const certkv_kv_store_params pd = params(cs.kv, cs.witness, sh, "cuda");
+      certkv_kv_store *eager = nullptr, *planned = nullptr;
+      ASSERT_EQ(certkv_kv_store_create(&pd, &eager), CERTKV_OK) << certkv_last_error();
+      ASSERT_EQ(certkv_kv_store_create(&pd, &planned), CERTKV_OK) << certkv_last_error();
+      const size_t row = size_t(sh.kv_heads) * size_t(sh.dim), qrow = size_t(sh.heads) * size_t(sh.dim);
+      const int32_t seqs[kSeqs] = {0, 1, 2};
+      // Rows of one append of every sequence to layer l of both stores (n[s] rows each).
+      auto rows_of = [&](int l, const int64_t* n, uint32_t seed, bool keys) {
+        std::vector<float> x;
+        for (int s = 0; s < kSeqs; ++s) {
+          const std::vector<float> r = make_rows(int(n[s]), sh, seed + 100 * uint32_t(s) + 10 * uint32_t(l), keys);
+          x.insert(x.end(), r.begin(), r.end());
+        }
+        return x;
+      };
+      const int64_t prompt_n[kSeqs] = {prompt[0], prompt[1], prompt[2]}, one[kSeqs] = {1, 1, 1};
+      for (int l = 0; l < kLayers; ++l) {
+        DeviceFloats dk(row * 93), dv(row * 93);
+        dk.up(rows_of(l, prompt_n, 1, true));
+        dv.up(rows_of(l, prompt_n, 2, false));
+        for (certkv_kv_store* st : {eager, planned})
+          ASSERT_EQ(certkv_kv_store_append_device(st, l, seqs, prompt_n, kSeqs, dk.p, dv.p), CERTKV_OK)
+              << certkv_last_error();
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      }
+      // The captured step's inputs and outputs: fixed device memory, refilled before each replay.
+      std::vector<DeviceFloats*> k_in, v_in, q_in, out, meters;
+      for (int l = 0; l < kLayers; ++l) {
+        k_in.push_back(new DeviceFloats(kSeqs * row));
+        v_in.push_back(new DeviceFloats(kSeqs * row));
+        q_in.push_back(new DeviceFloats(kSeqs * qrow));
+        out.push_back(new DeviceFloats(kSeqs * qrow));
+        meters.push_back(new DeviceFloats(size_t(kSeqs * sh.heads)));
+      }
+      cudaStream_t stream = nullptr;
+      ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+      cudaGraphExec_t exec = nullptr;
+      auto capture = [&] {
+        if (exec) cudaGraphExecDestroy(exec);
+        exec = nullptr;
+        cudaGraph_t graph = nullptr;
+        ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+        for (int l = 0; l < kLayers; ++l) {
+          EXPECT_EQ(certkv_kv_store_append_planned_device(planned, l, k_in[size_t(l)]->p, v_in[size_t(l)]->p, stream),
+                    CERTKV_OK)
+              << certkv_last_error();
+          EXPECT_EQ(certkv_kv_store_attend_planned_device(planned, l, q_in[size_t(l)]->p, out[size_t(l)]->p,
+                                                          meters[size_t(l)]->p, stream),
+                    CERTKV_OK)
+              << certkv_last_error();
+        }
+        ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+        ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+        cudaGraphDestroy(graph);
+      };
+      std::mt19937 rng(17);
+      std::normal_distribution<float> normal(0.f, 1.f);
+      int64_t steps_done = 0, plan_start = 0;
+      double worst = 0;
+      int64_t identical_cells = 0;
+      // One step: the same rows and queries to both stores; the planned one through the graph.
+      auto step = [&](bool compare) {
+        for (int l = 0; l < kLayers; ++l) {
+          const std::vector<float> k = rows_of(l, one, 1000 + 7 * uint32_t(steps_done), true);
+          const std::vector<float> v = rows_of(l, one, 2000 + 7 * uint32_t(steps_done), false);
+          std::vector<float> q(kSeqs * qrow);
+          for (float& x : q) x = bf16_value(2.f * normal(rng));
+          k_in[size_t(l)]->up(k);
+          v_in[size_t(l)]->up(v);
+          q_in[size_t(l)]->up(q);
+        }
+        ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        for (int l = 0; l < kLayers && compare; ++l) {
+          DeviceFloats eo(kSeqs * qrow), em(size_t(kSeqs * sh.heads));
+          ASSERT_EQ(certkv_kv_store_append_device(eager, l, seqs, one, kSeqs, k_in[size_t(l)]->p, v_in[size_t(l)]->p),
+                    CERTKV_OK)
+              << certkv_last_error();
+          ASSERT_EQ(certkv_kv_store_attend_device(eager, l, seqs, kSeqs, q_in[size_t(l)]->p, eo.p, em.p), CERTKV_OK)
+              << certkv_last_error();
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          const std::vector<float> a = eo.down(kSeqs * qrow), b = out[size_t(l)]->down(kSeqs * qrow);
+          const std::vector<float> ma = em.down(size_t(kSeqs * sh.heads)), mb = meters[size_t(l)]->down(size_t(kSeqs * sh.heads));
+          for (int s = 0; s < kSeqs; ++s) {
+            // Whether seq s completed a block in this plan (its raw page read where eager reads the
+            // block's lossy page).
+            const int64_t before = prompt[s] + plan_start, now = prompt[s] + steps_done + 1;
+            const bool same = exact || now / 16 == before / 16;
+            for (int h = 0; h < sh.heads; ++h) {
+              double num = 0, den = 0;
+              size_t differ = 0;
+              for (int d = 0; d < sh.dim; ++d) {
+                const size_t i = (size_t(s) * size_t(sh.heads) + size_t(h)) * size_t(sh.dim) + size_t(d);
+                num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+                den += double(a[i]) * a[i];
+                differ += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
+              }
+              worst = std::max(worst, std::sqrt(num / std::max(den, 1e-300)));
+              const size_t m = size_t(s) * size_t(sh.heads) + size_t(h);
+              EXPECT_TRUE(mb[m] >= 0.f && mb[m] <= 1.f) << mb[m];
+              if (same) {
+                EXPECT_EQ(differ, 0u) << "step " << steps_done << " layer " << l << " seq " << s << " head " << h;
+                EXPECT_EQ(std::memcmp(&ma[m], &mb[m], sizeof(float)), 0) << ma[m] << " " << mb[m];
+                ++identical_cells;
+              }
+            }
+          }
+        }
+        ++steps_done;
+      };
+      int32_t recapture = -1;
+      // Round 1: 20 steps planned, all replayed; round 2: 6 planned, 6 replayed (the graph reused
+      // when plan says it may).
+      for (const int steps : {20, 6}) {
+        ASSERT_EQ(certkv_kv_store_plan_device(planned, seqs, kSeqs, steps, &recapture), CERTKV_OK) << certkv_last_error();
+        plan_start = steps_done;
+        if (steps == 20) {
+          EXPECT_EQ(recapture, 1);
+        }
+        if (recapture || !exec) capture();
+        if (HasFatalFailure()) return;
+        // The store refuses its other changes while planned.
+        EXPECT_EQ(certkv_kv_store_append_device(planned, 0, seqs, one, kSeqs, k_in[0]->p, v_in[0]->p),
+                  CERTKV_ERR_INVALID_ARGUMENT);
+        EXPECT_TRUE(error_names("finish them first")) << certkv_last_error();
+        EXPECT_EQ(certkv_kv_store_crop(planned, 0, 8), CERTKV_ERR_INVALID_ARGUMENT);
+        for (int i = 0; i < steps; ++i) step(true);
+        if (HasFatalFailure()) return;
+        ASSERT_EQ(certkv_kv_store_finish_planned_device(planned, stream), CERTKV_OK) << certkv_last_error();
+        for (int s = 0; s < kSeqs; ++s)
+          for (int l = 0; l < kLayers; ++l) {
+            int64_t ne = -1, np = -2;
+            ASSERT_EQ(certkv_kv_store_length(eager, s, l, &ne), CERTKV_OK);
+            ASSERT_EQ(certkv_kv_store_length(planned, s, l, &np), CERTKV_OK);
+            EXPECT_EQ(np, ne);
+            EXPECT_EQ(np, prompt[s] + steps_done);
+            const std::vector<float> a = read_all(eager, s, l, sh), b = read_all(planned, s, l, sh);
+            size_t differ = 0;
+            for (size_t i = 0; i < a.size(); ++i) differ += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
+            EXPECT_EQ(differ, 0u) << "seq " << s << " layer " << l << ": the pages after finish";
+          }
+        certkv_meter_stats me, mp;
+        ASSERT_EQ(certkv_kv_store_meter_stats(eager, &me), CERTKV_OK) << certkv_last_error();
+        ASSERT_EQ(certkv_kv_store_meter_stats(planned, &mp), CERTKV_OK) << certkv_last_error();
+        EXPECT_EQ(mp.cells, me.cells);
+      }
+      EXPECT_LT(worst, 4e-3);
+      EXPECT_GT(identical_cells, 0);
+      // Past the plan: 2 steps planned, 3 replayed; the third writes nothing and finish says so.
+      ASSERT_EQ(certkv_kv_store_plan_device(planned, seqs, kSeqs, 2, &recapture), CERTKV_OK) << certkv_last_error();
+      if (recapture) capture();
+      for (int i = 0; i < 3; ++i) step(false);
+      EXPECT_EQ(certkv_kv_store_finish_planned_device(planned, stream), CERTKV_ERR_OUT_OF_RANGE);
+      EXPECT_TRUE(error_names("past the 2 planned steps")) << certkv_last_error();
+      int64_t n0 = -1;
+      ASSERT_EQ(certkv_kv_store_length(planned, 0, 1, &n0), CERTKV_OK);
+      EXPECT_EQ(n0, prompt[0] + steps_done - 1);
+      // And the store goes on: an eager step after it.
+      DeviceFloats eo(kSeqs * qrow);
+      ASSERT_EQ(certkv_kv_store_append_device(planned, 0, seqs, one, kSeqs, k_in[0]->p, v_in[0]->p), CERTKV_OK)
+          << certkv_last_error();
+      ASSERT_EQ(certkv_kv_store_attend_device(planned, 0, seqs, kSeqs, q_in[0]->p, eo.p, nullptr), CERTKV_OK)
+          << certkv_last_error();
+      EXPECT_EQ(certkv_kv_store_finish_planned_device(planned, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      if (exec) cudaGraphExecDestroy(exec);
+      cudaStreamDestroy(stream);
+      for (auto* group : {&k_in, &v_in, &q_in, &out, &meters})
+        for (DeviceFloats* x : *group) delete x;
+      certkv_kv_store_free(planned);
+      certkv_kv_store_free(eager);
+    }
+}
+
+// A store with sparse decode refuses plans (its index updates wait for the host).
+TEST(CApiKvStoreDevice, SparseStoresRefusePlannedSteps) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  const Shape sh{6, 2, 64};
+  const certkv_kv_store_params pd = sparse_params("cuda", sh, 0.0);
+  certkv_kv_store* dev = nullptr;
+  ASSERT_EQ(certkv_kv_store_create(&pd, &dev), CERTKV_OK) << certkv_last_error();
+  const int32_t seqs[1] = {0};
+  EXPECT_EQ(certkv_kv_store_plan_device(dev, seqs, 1, 4, nullptr), CERTKV_ERR_UNSUPPORTED);
+  EXPECT_TRUE(error_names("sparse")) << certkv_last_error();
+  certkv_kv_store_free(dev);
 }
 
 }  // namespace

@@ -977,6 +977,16 @@ TEST(CApiKvStore, DeviceChoiceIsChecked) {
   EXPECT_TRUE(error_names("device is cpu")) << certkv_last_error();
   EXPECT_EQ(certkv_kv_store_note_queries_device(s, 0, seqs, n, 1, rows.data()), CERTKV_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_names("device is cpu")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_plan_device(s, seqs, 1, 4, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("certkv_kv_store_plan_device: the store's device is cpu")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_append_planned_device(s, 0, rows.data(), rows.data(), nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("device is cpu")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_attend_planned_device(s, 0, rows.data(), rows.data(), nullptr, nullptr),
+            CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("device is cpu")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_finish_planned_device(s, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("device is cpu")) << certkv_last_error();
+  EXPECT_EQ(certkv_kv_store_finish_planned_device(nullptr, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
   certkv_kv_store_free(s);
   s = nullptr;
 

@@ -1114,6 +1114,36 @@ CERTKV_API certkv_status certkv_kv_store_attend_device(certkv_kv_store* store, i
 CERTKV_API certkv_status certkv_kv_store_note_queries_device(certkv_kv_store* store, int32_t layer,
                                                              const int32_t* seqs, const int64_t* n_tokens,
                                                              int32_t n_seqs, const float* q);
+/* Planned decode steps, which a stream capture can hold: a CUDA graph of a whole model's decode
+ * step (every layer's append and attention) replays as the next step of the same sequences.
+ *   plan_device: the next `steps` positions of each of n_seqs distinct sequences (each holding
+ *     >= 1 position of every layer) get their pages in every layer, and the steps' state goes to
+ *     the device. Waits for the store's stream. *recapture (or NULL) is 1 when a graph captured
+ *     under the previous plan would read memory this plan moved or sized otherwise (a pool that
+ *     grew, other sequences, a context past the previous power of two): capture again; else 0.
+ *   append_planned_device: one row of each planned sequence (in plan order) for `layer`, k, v
+ *     device [n_seqs][n_kv_heads][head_dim] float, at the position the device holds for it.
+ *   attend_planned_device: decode attention of the planned sequences of `layer` (after that
+ *     layer's append_planned), q, out device [n_seqs][n_heads][head_dim] float, meters device
+ *     [n_seqs][n_heads] float or NULL.
+ *     Both enqueue on `stream` (a cudaStream_t; NULL: the store's) and launch kernels only (no copy
+ *     from the host, no wait, no allocation), reading each sequence's position from the device,
+ *     so they may run under a stream capture. A row past the planned steps is not written.
+ *   finish_planned_device: waits for `stream` (NULL: none but the store's), then takes the rows
+ *     the steps wrote as appended, encodes the blocks they completed (until then attention reads
+ *     them exact, from their raw pages, and the meter counts them so), records the meter of every
+ *     planned step attended (meter_stats), and gives back the pages no row reached.
+ *     OUT_OF_RANGE when a replay ran past the plan (what was written is kept).
+ * While a plan is open the store refuses append_device, attend_device, note_queries_device, crop,
+ * reorder and select (INVALID_ARGUMENT). A store with sparse decode refuses plans (UNSUPPORTED). */
+CERTKV_API certkv_status certkv_kv_store_plan_device(certkv_kv_store* store, const int32_t* seqs, int32_t n_seqs,
+                                                     int64_t steps, int32_t* recapture);
+CERTKV_API certkv_status certkv_kv_store_append_planned_device(certkv_kv_store* store, int32_t layer,
+                                                               const float* k, const float* v, void* stream);
+CERTKV_API certkv_status certkv_kv_store_attend_planned_device(certkv_kv_store* store, int32_t layer,
+                                                               const float* q, float* out, float* meters,
+                                                               void* stream);
+CERTKV_API certkv_status certkv_kv_store_finish_planned_device(certkv_kv_store* store, void* stream);
 /* Keeps the first n_tokens positions of seq in every layer. REQUIRES: n_tokens <= the length of
  * every layer. A store of device "cuda" refuses (CERTKV_ERR_UNSUPPORTED, the store unchanged) an
  * n_tokens that ends inside a block some layer keeps as a lossy page (fp8-e4m3, fp8-e5m2,

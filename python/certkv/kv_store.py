@@ -256,6 +256,41 @@ class KvStore:
             raise ValueError(f"n_tokens: expected {len(seqs)} counts (one per entry of seqs), got {len(n_tokens)}")
         self._store.note_queries_device(_int("layer", layer, 0), seqs, n_tokens, _int("q_ptr", q_ptr, 1))
 
+    # -- planned decode steps (a CUDA graph may capture them) -------------------------------------
+
+    def plan_device(self, seqs: Sequence[int], steps: int) -> bool:
+        """Plans ``steps`` decode steps of seqs (distinct, each holding a prompt in every layer):
+        their pages are taken now and their state goes to the device, so that
+        ``append_planned_device`` and ``attend_planned_device`` launch kernels only and a CUDA graph
+        that captured a step replays as the next one. Waits for the store's stream. Returns True
+        when a graph captured under the previous plan must be captured again (the plan moved or
+        resized memory it reads), False when it stays valid. ``finish_planned_device`` ends the
+        plan; until then the store refuses its other changes."""
+        seqs = _ints("seqs", seqs, 0)
+        return self._store.plan_device(seqs, _int("steps", steps, 1))
+
+    def append_planned_device(self, layer: int, k_ptr: int, v_ptr: int, stream: int = 0) -> None:
+        """One row of each planned sequence (plan order) for ``layer``: k_ptr, v_ptr device
+        pointers to float32 [n_seqs, n_kv_heads, head_dim], C-contiguous, written at the position
+        the device holds for each sequence. Enqueued on ``stream`` (0: the store's), kernels only."""
+        self._store.append_planned_device(_int("layer", layer, 0), _int("k_ptr", k_ptr, 1), _int("v_ptr", v_ptr, 1),
+                                          _int("stream", stream, 0))
+
+    def attend_planned_device(self, layer: int, q_ptr: int, out_ptr: int, meters_ptr: int = 0,
+                              stream: int = 0) -> None:
+        """Decode attention of the planned sequences of ``layer`` after its ``append_planned_device``:
+        q_ptr, out_ptr float32 [n_seqs, n_heads, head_dim], meters_ptr float32 [n_seqs, n_heads] or
+        0. Enqueued on ``stream`` (0: the store's), kernels only."""
+        self._store.attend_planned_device(_int("layer", layer, 0), _int("q_ptr", q_ptr, 1),
+                                          _int("out_ptr", out_ptr, 1), _int("meters_ptr", meters_ptr, 0),
+                                          _int("stream", stream, 0))
+
+    def finish_planned_device(self, stream: int = 0) -> None:
+        """Waits for ``stream`` and takes the planned steps that ran: their rows appended, the blocks
+        they completed encoded, their meters recorded, the pages no row reached given back. Raises
+        ``OutOfRangeError`` when a replay ran past the plan (what was written is kept)."""
+        self._store.finish_planned_device(_int("stream", stream, 0))
+
     # -- sequences ----------------------------------------------------------------------------
 
     def crop(self, seq: int, n_tokens: int) -> None:

@@ -12,6 +12,13 @@ they trace under torch.compile:
   (0 for a lossless scheme). On CUDA tensors over a store of device "cuda" (one launch for every
   sequence, on the store's stream, which must be torch's current stream), and on CPU tensors over
   a cpu store (one call per sequence).
+- ``torch.ops.certkv.kv_store_step_planned(store, layer, k, v, q)``: one planned decode step of
+  a layer (``KvStore.plan_device`` first): the planned sequences' new rows k, v [n_seqs,
+  n_kv_heads, head_dim] appended at the positions the device holds, then their queries q [n_seqs,
+  n_heads, head_dim] attended; returns the output, q's shape, and each head's meter [n_seqs,
+  n_heads]. CUDA tensors, on torch's current stream, kernels only: a ``torch.cuda.graph`` capture
+  of a model's decode step holds it, and each replay is the next step (``finish_planned_device``
+  takes the steps that ran).
 - ``torch.ops.certkv.gaac_encode_pages(pages, b3, b4, escape_capacity_bytes)``: GAAC slots of
   pages [n_pages, block_tokens, head_dim] of bf16 (lossless), and the bytes each used (0: the
   page does not fit its slot; keep it raw).
@@ -41,8 +48,8 @@ import torch
 from . import _certkv
 from .kv_store import KvStore
 
-__all__ = ["register_store", "kv_store_attend", "kv_store_decode", "gaac_encode_pages", "gaac_decode_pages",
-           "lossy_encode_pages", "lossy_decode_pages"]
+__all__ = ["register_store", "kv_store_attend", "kv_store_decode", "kv_store_step_planned", "gaac_encode_pages",
+           "gaac_decode_pages", "lossy_encode_pages", "lossy_decode_pages"]
 
 _stores: "weakref.WeakValueDictionary[int, KvStore]" = weakref.WeakValueDictionary()
 _ids = itertools.count(1)
@@ -149,6 +156,34 @@ def _(store, layer, seqs, q):
 
 @kv_store_decode.register_fake
 def _(store, layer, seqs, q):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((q.shape[0], q.shape[1]))
+
+
+# -- planned decode steps (CUDA graphs) ----------------------------------------------------------
+
+@torch.library.custom_op("certkv::kv_store_step_planned", mutates_args=(), device_types="cuda")
+def kv_store_step_planned(store: int, layer: int, k: torch.Tensor, v: torch.Tensor,
+                          q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = _live_store(store)
+    if s.device != "cuda":
+        raise ValueError(f"store: planned steps run over a KvStore(device='cuda'), not device {s.device!r}")
+    for name, x, heads in (("k", k, s.n_kv_heads), ("v", v, s.n_kv_heads), ("q", q, s.n_heads)):
+        _require(name, x, torch.float32, 3, "[n_seqs, heads, head_dim]")
+        if x.shape[1:] != (heads, s.head_dim) or x.shape[0] != q.shape[0] or x.device != q.device:
+            raise ValueError(f"{name}: expected shape [n_seqs, {heads}, {s.head_dim}] on {q.device} (n_seqs the "
+                             f"planned sequences, as q's {q.shape[0]}), got {tuple(x.shape)} on {x.device}")
+    k, v, q = k.contiguous(), v.contiguous(), q.contiguous()
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    meter = q.new_empty((q.shape[0], q.shape[1]))
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    with torch.cuda.device(q.device):
+        s.append_planned_device(int(layer), k.data_ptr(), v.data_ptr(), stream)
+        s.attend_planned_device(int(layer), q.data_ptr(), out.data_ptr(), meter.data_ptr(), stream)
+    return out, meter
+
+
+@kv_store_step_planned.register_fake
+def _(store, layer, k, v, q):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((q.shape[0], q.shape[1]))
 
 

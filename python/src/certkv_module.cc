@@ -818,6 +818,27 @@ struct KvStore {
     check(certkv_kv_store_note_queries_device(store, layer, seqs.data(), n_tokens.data(), int32_t(seqs.size()),
                                               reinterpret_cast<const float*>(q)));
   }
+  bool plan_device(const std::vector<int32_t>& seqs, int64_t steps) {
+    int32_t recapture = 0;
+    nb::gil_scoped_release release;
+    check(certkv_kv_store_plan_device(store, seqs.data(), int32_t(seqs.size()), steps, &recapture));
+    return recapture != 0;
+  }
+  void append_planned_device(int32_t layer, uintptr_t k, uintptr_t v, uintptr_t stream) {
+    nb::gil_scoped_release release;
+    check(certkv_kv_store_append_planned_device(store, layer, reinterpret_cast<const float*>(k),
+                                                reinterpret_cast<const float*>(v), reinterpret_cast<void*>(stream)));
+  }
+  void attend_planned_device(int32_t layer, uintptr_t q, uintptr_t out, uintptr_t meters, uintptr_t stream) {
+    nb::gil_scoped_release release;
+    check(certkv_kv_store_attend_planned_device(store, layer, reinterpret_cast<const float*>(q),
+                                                reinterpret_cast<float*>(out), reinterpret_cast<float*>(meters),
+                                                reinterpret_cast<void*>(stream)));
+  }
+  void finish_planned_device(uintptr_t stream) {
+    nb::gil_scoped_release release;
+    check(certkv_kv_store_finish_planned_device(store, reinterpret_cast<void*>(stream)));
+  }
   void crop(int32_t seq, int64_t n_tokens) { check(certkv_kv_store_crop(store, seq, n_tokens)); }
   void reorder(const std::vector<int32_t>& src) {
     if (src.size() != size_t(params.n_sequences)) throw nb::value_error("src: expected n_sequences entries");
@@ -1073,6 +1094,11 @@ NB_MODULE(_certkv, m) {
       .def("append_device", &KvStore::append_device, "layer"_a, "seqs"_a, "n_tokens"_a, "k_ptr"_a, "v_ptr"_a)
       .def("attend_device", &KvStore::attend_device, "layer"_a, "seqs"_a, "q_ptr"_a, "out_ptr"_a, "meters_ptr"_a)
       .def("note_queries_device", &KvStore::note_queries_device, "layer"_a, "seqs"_a, "n_tokens"_a, "q_ptr"_a)
+      .def("plan_device", &KvStore::plan_device, "seqs"_a, "steps"_a)
+      .def("append_planned_device", &KvStore::append_planned_device, "layer"_a, "k_ptr"_a, "v_ptr"_a, "stream"_a)
+      .def("attend_planned_device", &KvStore::attend_planned_device, "layer"_a, "q_ptr"_a, "out_ptr"_a, "meters_ptr"_a,
+           "stream"_a)
+      .def("finish_planned_device", &KvStore::finish_planned_device, "stream"_a)
       .def("crop", &KvStore::crop)
       .def("reorder", &KvStore::reorder)
       .def("select", &KvStore::select)

@@ -662,6 +662,52 @@ certkv_status certkv_kv_store_note_queries_device(certkv_kv_store* store, int32_
   });
 }
 
+certkv_status certkv_kv_store_plan_device(certkv_kv_store* store, const int32_t* seqs, int32_t n_seqs, int64_t steps,
+                                          int32_t* recapture) {
+  const char* w = "certkv_kv_store_plan_device";
+  if (const certkv_status st = check_device_call(w, store, 0, seqs, n_seqs); st != CERTKV_OK) return st;
+  CERTKV_REQUIRE(steps >= 1 && steps <= (int64_t(1) << 20),
+                 std::string(w) + ": steps " + std::to_string(steps) + " is not in [1, 2^20]");
+  return guarded([&] {
+    const bool again = store->device->plan(std::span<const int32_t>(seqs, size_t(n_seqs)), steps);
+    if (recapture) *recapture = again ? 1 : 0;
+  });
+}
+
+namespace {
+certkv_status check_planned_call(const char* where, const certkv_kv_store* store, int32_t layer) {
+  CERTKV_REQUIRE(store != nullptr, std::string(where) + ": null store");
+  CERTKV_REQUIRE(store->device != nullptr,
+                 std::string(where) + ": the store's device is cpu (create it with device \"cuda\")");
+  if (layer < 0 || layer >= store->n_layers)
+    return set_error(CERTKV_ERR_OUT_OF_RANGE, std::string(where) + ": layer " + std::to_string(layer) +
+                                                  " outside [0, " + std::to_string(store->n_layers) + ")");
+  return CERTKV_OK;
+}
+}  // namespace
+
+certkv_status certkv_kv_store_append_planned_device(certkv_kv_store* store, int32_t layer, const float* k,
+                                                    const float* v, void* stream) {
+  const char* w = "certkv_kv_store_append_planned_device";
+  if (const certkv_status st = check_planned_call(w, store, layer); st != CERTKV_OK) return st;
+  CERTKV_REQUIRE(k && v, std::string(w) + ": null k or v");
+  return guarded([&] { store->device->append_planned(layer, k, v, stream); });
+}
+
+certkv_status certkv_kv_store_attend_planned_device(certkv_kv_store* store, int32_t layer, const float* q, float* out,
+                                                    float* meters, void* stream) {
+  const char* w = "certkv_kv_store_attend_planned_device";
+  if (const certkv_status st = check_planned_call(w, store, layer); st != CERTKV_OK) return st;
+  CERTKV_REQUIRE(q && out, std::string(w) + ": null q or out");
+  return guarded([&] { store->device->attend_planned(layer, q, out, meters, stream); });
+}
+
+certkv_status certkv_kv_store_finish_planned_device(certkv_kv_store* store, void* stream) {
+  const char* w = "certkv_kv_store_finish_planned_device";
+  if (const certkv_status st = check_planned_call(w, store, 0); st != CERTKV_OK) return st;
+  return guarded([&] { store->device->finish_planned(stream); });
+}
+
 certkv_status certkv_kv_store_crop(certkv_kv_store* store, int32_t seq, int64_t n_tokens) {
   const char* w = "certkv_kv_store_crop";
   if (const certkv_status st = check_seq_layer(w, store, seq, 0); st != CERTKV_OK) return st;

@@ -254,6 +254,74 @@ def test_sparse_kv_store_decode_equals_the_cpu_operator():
         assert b[key] == pytest.approx(a[key], rel=1e-12), key
 
 
+@pytest.mark.parametrize("scheme", ["bf16", "gaac"])
+def test_planned_steps_replay_under_a_cuda_graph(scheme):
+    """torch.ops.certkv.kv_store_step_planned of every layer captured once by torch.cuda.graph: each
+    replay is the next decode step, bit for bit what append_device and kv_store_decode give over a
+    second store fed the same rows and queries (a lossless scheme: a block completed during the
+    plan reads the same values from its raw page); finish_planned_device takes the steps, and both
+    stores then read back the same values."""
+    n_heads, n_kv_heads, head_dim, n_layers = 8, 2, 64, 2
+    shape = dict(n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, n_sequences=2)
+    stream = torch.cuda.current_stream().cuda_stream
+    eager = certkv.KvStore(scheme, device="cuda", cuda_stream=stream, **shape)
+    planned = certkv.KvStore(scheme, device="cuda", cuda_stream=stream, **shape)
+    eager_handle, planned_handle = ops.register_store(eager), ops.register_store(planned)
+    g = torch.Generator().manual_seed(5)
+    prompt = [20, 37]
+    for layer in range(n_layers):
+        k = torch.randn(sum(prompt), n_kv_heads, head_dim, generator=g).cuda()
+        v = torch.randn(sum(prompt), n_kv_heads, head_dim, generator=g).cuda()
+        for store in (eager, planned):
+            store.append_device(layer, [0, 1], prompt, k.data_ptr(), v.data_ptr())
+    torch.cuda.synchronize()
+    steps = 14  # sequence 0 completes block 1 (position 31) and sequence 1 block 2 (position 47) on the way
+    assert planned.plan_device([0, 1], steps) is True
+    k_in = [torch.zeros(2, n_kv_heads, head_dim, device="cuda") for _ in range(n_layers)]
+    v_in = [torch.zeros(2, n_kv_heads, head_dim, device="cuda") for _ in range(n_layers)]
+    q_in = [torch.zeros(2, n_heads, head_dim, device="cuda") for _ in range(n_layers)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [torch.ops.certkv.kv_store_step_planned(planned_handle, layer, k_in[layer], v_in[layer], q_in[layer])
+                for layer in range(n_layers)]
+    for step in range(steps):
+        for layer in range(n_layers):
+            k_in[layer].copy_(torch.randn(2, n_kv_heads, head_dim, generator=g))
+            v_in[layer].copy_(torch.randn(2, n_kv_heads, head_dim, generator=g))
+            q_in[layer].copy_((torch.randn(2, n_heads, head_dim, generator=g) * 2).bfloat16().float())
+        graph.replay()
+        torch.cuda.synchronize()
+        for layer in range(n_layers):
+            eager.append_device(layer, [0, 1], [1, 1], k_in[layer].data_ptr(), v_in[layer].data_ptr())
+            want, _ = torch.ops.certkv.kv_store_decode(eager_handle, layer, [0, 1], q_in[layer])
+            assert torch.equal(outs[layer][0], want), (step, layer)
+    planned.finish_planned_device(stream)
+    for seq in (0, 1):
+        for layer in range(n_layers):
+            assert planned.length(seq, layer) == eager.length(seq, layer) == prompt[seq] + steps
+            for kv in ("k", "v"):
+                np.testing.assert_array_equal(planned.read(seq, layer, kv), eager.read(seq, layer, kv))
+
+
+def test_planned_step_refusals():
+    shape = dict(n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64, n_sequences=1)
+    store = certkv.KvStore("bf16", device="cuda", cuda_stream=torch.cuda.current_stream().cuda_stream, **shape)
+    handle = ops.register_store(store)
+    q = torch.zeros(1, 4, 64, device="cuda")
+    kv = torch.zeros(1, 2, 64, device="cuda")
+    with pytest.raises(certkv.InvalidArgumentError, match="no planned steps"):
+        torch.ops.certkv.kv_store_step_planned(handle, 0, kv, kv, q)
+    with pytest.raises(ValueError, match="k: expected shape"):
+        torch.ops.certkv.kv_store_step_planned(handle, 0, q, kv, q)
+    with pytest.raises(TypeError, match="expected torch.float32"):
+        torch.ops.certkv.kv_store_step_planned(handle, 0, kv.half(), kv, q)
+    cpu_handle = ops.register_store(certkv.KvStore("bf16", **shape))
+    with pytest.raises(ValueError, match="planned steps run over a KvStore"):
+        torch.ops.certkv.kv_store_step_planned(cpu_handle, 0, kv, kv, q)
+    with pytest.raises(certkv.InvalidArgumentError, match="holds no position"):
+        store.plan_device([0], 4)
+
+
 def test_sparse_decode_through_the_cache(certkv_model):
     """CertkvCache(sparse=...) on CUDA (bf16 pages, the device's sparse kernel), teacher forced over
     a prompt: at p = 1 every step attends every token (the same next tokens as the dense cache), at

@@ -66,6 +66,19 @@ class DeviceScope {
   int previous_ = -1;
 };
 
+// The calling thread may make the queries a stream capture would refuse (pointer attributes,
+// the current device) for the scope; the launches are still captured.
+class RelaxedCapture {
+ public:
+  RelaxedCapture() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCapture() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
 void require_device_memory(const void* p, int device, const char* name) {
   throw_if_failed(cache::cuda::require_device_memory(p, device, "device KV store", name));
 }
@@ -105,6 +118,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
   void append(int layer, std::span<const int32_t> seqs, std::span<const int64_t> n_tokens, const float* k,
               const float* v) override {
     const DeviceScope scope(device_);
+    refuse_while_planned();
     require_device_memory(k, device_, "k");
     require_device_memory(v, device_, "v");
     Layer& l = layers_[size_t(layer)];
@@ -171,6 +185,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
 
   void attend(int layer, std::span<const int32_t> seqs, const float* q, float* out, float* meters) override {
     const DeviceScope scope(device_);
+    refuse_while_planned();
     const Layer& l = layers_[size_t(layer)];
     if (!l.cache) fail(StatusCode::kInvalidArgument, "device KV store: layer " + std::to_string(layer) + " holds nothing");
     if (l.failed)
@@ -205,18 +220,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
         if (host_indexed[i] == 0) sparse_stats_.dense_cells += config_.n_heads;
     }
 
-    PagedDecodeParams p;
-    p.format = format_;
-    p.batch = int(n);
-    p.n_q_heads = config_.n_heads;
-    p.n_kv_heads = config_.layer.n_kv_heads;
-    p.head_dim = config_.layer.head_dim;
-    p.block_tokens = config_.layer.block_tokens;
-    p.sm_scale = config_.sm_scale;
-    p.rope_half_split = config_.layer.rope_pairing == codec::RopePairing::kHalfSplit;
-    p.witness = config_.layer.witness;
-    p.delta_loc = config_.delta_loc;
-    attention::cuda::set_layer_pages(l.cache->view(0), p);
+    PagedDecodeParams p = layer_params(l, int(n));
     p.seq_lens = lens;
     p.table_rows = lens + ring_rows_;
     p.max_seq_len = max_len;
@@ -275,6 +279,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
   void note_queries(int layer, std::span<const int32_t> seqs, std::span<const int64_t> n_tokens,
                     const float* q) override {
     const DeviceScope scope(device_);
+    refuse_while_planned();
     require_device_memory(q, device_, "q");
     Layer& l = layers_[size_t(layer)];
     if (l.index.empty()) return;  // a dense layer (or one holding nothing: no sequence to note)
@@ -323,6 +328,233 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     }
   }
 
+  bool plan(std::span<const int32_t> seqs, int64_t steps) override {
+    const DeviceScope scope(device_);
+    refuse_while_planned();
+    refuse_after_failure();
+    if (sparse_)
+      fail(StatusCode::kUnsupported, "device KV store: planned steps are not served with sparse decode (each "
+                                     "sparse step's index update waits for the host)");
+    if (steps < 1 || steps > (int64_t(1) << 20))
+      fail(StatusCode::kInvalidArgument, "device KV store: steps " + std::to_string(steps) + " is not in [1, 2^20]");
+    const size_t n = seqs.size(), L = layers_.size();
+    for (size_t l = 0; l < L; ++l) {
+      if (!layers_[l].cache)
+        fail(StatusCode::kInvalidArgument, "device KV store: layer " + std::to_string(l) +
+                                               " holds nothing (append each sequence's prompt first)");
+      for (int32_t seq : seqs)
+        if (length(seq, int(l)) < 1)
+          fail(StatusCode::kInvalidArgument, "device KV store: seq " + std::to_string(seq) +
+                                                 " holds no position of layer " + std::to_string(l) +
+                                                 " (append its prompt first)");
+    }
+    // Host state: per layer the starting positions, the limits and the table rows (slots).
+    std::vector<int32_t> state(L * 4 * n);
+    int64_t longest = 0;
+    for (size_t l = 0; l < L; ++l) {
+      int64_t held = 0;
+      for (int s = 0; s < config_.n_sequences; ++s) held += length(s, int(l));
+      if (held + int64_t(n) * steps > config_.layer.max_tokens)
+        fail(StatusCode::kOutOfMemory, "device KV store: layer " + std::to_string(l) + " holds " +
+                                           std::to_string(held) + " positions; " + std::to_string(int64_t(n) * steps) +
+                                           " more pass its capacity of " + std::to_string(config_.layer.max_tokens) +
+                                           " (max_tokens)");
+      for (size_t b = 0; b < n; ++b) {
+        const int64_t start = length(seqs[b], int(l));
+        state[(l * 4 + 0) * n + b] = int32_t(start);          // positions (advanced on the device)
+        state[(l * 4 + 1) * n + b] = int32_t(start + steps);  // limits
+        state[(l * 4 + 2) * n + b] = int32_t(start);          // starts
+        state[(l * 4 + 3) * n + b] = layers_[l].slots[size_t(seqs[b])];
+        longest = std::max(longest, start + steps);
+      }
+    }
+    // The pages of every planned position, all or none.
+    size_t reserved = 0;  // (layer, row) pairs reserved, in order
+    try {
+      for (size_t l = 0; l < L; ++l) {
+        DeviceKvCache& c = *layers_[l].cache;
+        if (c.pending_encodes() > 0) throw_if_failed(c.reconcile_encodes());
+        for (size_t b = 0; b < n; ++b, ++reserved) throw_if_failed(c.reserve_rows(state[(l * 4 + 3) * n + b], int(l), steps));
+      }
+    } catch (...) {
+      for (size_t i = 0; i < reserved; ++i) {
+        const size_t l = i / n, b = i % n;
+        (void)layers_[l].cache->commit_rows(state[(l * 4 + 3) * n + b], int(l), 0, steps);
+      }
+      throw;
+    }
+    // The device state and buffers; the workspace for the longest context, a power of two.
+    int64_t bucket = 256;
+    while (bucket < longest) bucket *= 2;
+    const size_t H = size_t(config_.n_heads);
+    const size_t per_layer = 3 * n * H + size_t(steps) * n * H;  // A - 1, rho, meters, the steps' A - 1
+    grow(plan_.state, sizeof(int32_t) * state.size());
+    grow(plan_.meters, sizeof(float) * per_layer * L);
+    grow(plan_.overruns, sizeof(uint32_t));
+    PagedDecodeParams p = layer_params(layers_[0], int(n));
+    p.max_seq_len = bucket;
+    p.split_blocks = kSplitBlocks;
+    p.seq_lens = reinterpret_cast<const int32_t*>(plan_.state.data());
+    p.table_rows = p.seq_lens;
+    if (metered_) {
+      p.meter = p.a_minus_1 = p.value_rho = reinterpret_cast<float*>(plan_.meters.data());
+    }
+    const size_t need = attention::cuda::workspace_bytes(p);
+    const bool new_workspace = plan_.workspace.size() < need;
+    if (new_workspace) {
+      throw_if_failed(cache::cuda::synchronize_stream(config_.stream));  // a replay may use the old one
+      throw_if_failed(DeviceBuffer::allocate(need, &plan_.workspace));
+    }
+    const WorkspaceLayout key{int(n), attention::cuda::planned_splits(p)};
+    if (new_workspace || !(key == plan_.layout)) {
+      // The bulk-copy kernels' split counters start at zero (each launch leaves them so).
+      if (cudaMemsetAsync(plan_.workspace.data(), 0, plan_.workspace.size(), stream()) != cudaSuccess)
+        fail(StatusCode::kInternal, "device KV store: zeroing the planned steps' workspace failed");
+      plan_.layout = key;
+    }
+    throw_if_failed(plan_.state.upload_async(0, state.data(), sizeof(int32_t) * state.size(), config_.stream));
+    // The steps' A - 1 start below zero: a step not attended is not recorded.
+    const std::vector<float> unset(size_t(steps) * n * H, -1.f);
+    for (size_t l = 0; l < L && metered_; ++l)
+      throw_if_failed(plan_.meters.upload_async(sizeof(float) * (l * per_layer + 3 * n * H), unset.data(),
+                                                sizeof(float) * unset.size(), config_.stream));
+    if (cudaMemsetAsync(plan_.overruns.data(), 0, sizeof(uint32_t), stream()) != cudaSuccess)
+      fail(StatusCode::kInternal, "device KV store: zeroing the overrun count failed");
+    throw_if_failed(cache::cuda::synchronize_stream(config_.stream));  // replays may run on another stream
+    plan_.open = true;
+    plan_.seqs.assign(seqs.begin(), seqs.end());
+    plan_.steps = steps;
+    plan_.bucket = bucket;
+    plan_.per_layer = per_layer;
+    plan_.starts = std::move(state);
+    // What a captured step reads, by value or through a pointer.
+    std::vector<uintptr_t> signature{uintptr_t(n), uintptr_t(bucket), uintptr_t(steps),
+                                     reinterpret_cast<uintptr_t>(plan_.state.data()),
+                                     reinterpret_cast<uintptr_t>(plan_.meters.data()),
+                                     reinterpret_cast<uintptr_t>(plan_.workspace.data()),
+                                     reinterpret_cast<uintptr_t>(plan_.overruns.data())};
+    for (size_t l = 0; l < L; ++l) {
+      const cache::cuda::DeviceLayerView v = layers_[l].cache->view(0);
+      for (const void* x : {static_cast<const void*>(v.k_pages), static_cast<const void*>(v.v_pages),
+                            static_cast<const void*>(v.raw_pages), static_cast<const void*>(v.k_table),
+                            static_cast<const void*>(v.v_table), static_cast<const void*>(v.gaac_bases),
+                            static_cast<const void*>(v.dither_keys), static_cast<const void*>(v.outlier_channels)})
+        signature.push_back(reinterpret_cast<uintptr_t>(x));
+      for (int64_t x : {v.k_page_stride, v.v_page_stride, v.n_k_pages, v.n_v_pages, v.raw_page_stride, v.n_raw_pages,
+                        v.table_stride, v.table_row_stride, v.n_table_rows, v.k_escape_capacity, v.v_escape_capacity,
+                        int64_t(v.n_outlier_pairs)})
+        signature.push_back(uintptr_t(x));
+    }
+    const bool recapture = signature != plan_.signature;
+    plan_.signature = std::move(signature);
+    return recapture;
+  }
+
+  void append_planned(int layer, const float* k, const float* v, void* stream) override {
+    const RelaxedCapture relaxed;
+    const DeviceScope scope(device_);
+    const Layer& l = planned_layer(layer);
+    require_device_memory(k, device_, "k");
+    require_device_memory(v, device_, "v");
+    const size_t n = plan_.seqs.size();
+    int32_t* state = reinterpret_cast<int32_t*>(plan_.state.data()) + size_t(layer) * 4 * n;
+    cache::cuda::PlannedRowsArgs a = l.cache->planned_rows_args(0);
+    a.k_rows = k;
+    a.v_rows = v;
+    a.batch = int(n);
+    a.positions = state;
+    a.limits = state + n;
+    a.table_rows = state + 3 * n;
+    a.overruns = reinterpret_cast<uint32_t*>(plan_.overruns.data());
+    throw_if_failed(cache::cuda::append_planned_rows(a, stream ? stream : config_.stream));
+  }
+
+  void attend_planned(int layer, const float* q, float* out, float* meters, void* stream) override {
+    const RelaxedCapture relaxed;
+    const DeviceScope scope(device_);
+    const Layer& l = planned_layer(layer);
+    require_device_memory(q, device_, "q");
+    require_device_memory(out, device_, "out");
+    if (meters != nullptr) require_device_memory(meters, device_, "meters");
+    const size_t n = plan_.seqs.size(), H = size_t(config_.n_heads);
+    const int32_t* state = reinterpret_cast<const int32_t*>(plan_.state.data()) + size_t(layer) * 4 * n;
+    float* m = reinterpret_cast<float*>(plan_.meters.data()) + size_t(layer) * plan_.per_layer;
+    void* on = stream ? stream : config_.stream;
+    PagedDecodeParams p = layer_params(l, int(n));
+    p.seq_lens = state;  // the positions after this step's row (append_planned came first)
+    p.table_rows = state + 3 * n;
+    p.max_seq_len = plan_.bucket;
+    p.split_blocks = kSplitBlocks;
+    p.q = q;
+    p.out = out;
+    p.error_word = reinterpret_cast<uint32_t*>(error_word_.data()) + kCorruptWord;
+    p.stream = on;
+    p.workspace = plan_.workspace.data();
+    p.workspace_size = plan_.workspace.size();
+    if (metered_) {
+      p.a_minus_1 = m;
+      p.value_rho = m + n * H;
+      p.meter = meters != nullptr ? meters : m + 2 * n * H;
+    }
+    throw_if_failed(attention::cuda::paged_decode(p));
+    if (metered_) {
+      cache::cuda::PlannedStepValues r;
+      r.values = m;
+      r.positions = state;
+      r.starts = state + 2 * n;
+      r.out = m + 3 * n * H;
+      r.batch = int(n);
+      r.width = int(H);
+      r.steps = plan_.steps;
+      throw_if_failed(cache::cuda::store_planned_step_values(r, on));
+    } else if (meters != nullptr &&
+               cudaMemsetAsync(meters, 0, sizeof(float) * n * H, static_cast<cudaStream_t>(on)) != cudaSuccess) {
+      fail(StatusCode::kInternal, "device KV store: writing the meters failed");
+    }
+  }
+
+  void finish_planned(void* stream) override {
+    const DeviceScope scope(device_);
+    if (!plan_.open) fail(StatusCode::kInvalidArgument, "device KV store: no planned steps to finish");
+    if (stream != nullptr) throw_if_failed(cache::cuda::synchronize_stream(stream));
+    throw_if_failed(cache::cuda::synchronize_stream(config_.stream));
+    const size_t n = plan_.seqs.size(), L = layers_.size(), H = size_t(config_.n_heads);
+    std::vector<int32_t> positions(L * 4 * n);
+    throw_if_failed(plan_.state.download(0, positions.data(), sizeof(int32_t) * positions.size()));
+    uint32_t overruns = 0;
+    throw_if_failed(plan_.overruns.download(0, &overruns, sizeof(overruns)));
+    std::vector<float> meters;
+    if (metered_) {
+      meters.resize(plan_.per_layer * L);
+      throw_if_failed(plan_.meters.download(0, meters.data(), sizeof(float) * meters.size()));
+    }
+    plan_.open = false;  // from here the store takes what ran, whatever fails
+    for (size_t l = 0; l < L; ++l)
+      for (size_t b = 0; b < n; ++b) {
+        const int64_t done = int64_t(positions[l * 4 * n + b]) - plan_.starts[(l * 4 + 2) * n + b];
+        try {
+          throw_if_failed(layers_[l].cache->commit_rows(plan_.starts[(l * 4 + 3) * n + b], int(l),
+                                                        std::clamp<int64_t>(done, 0, plan_.steps), plan_.steps));
+        } catch (...) {
+          layers_[l].failed = true;
+          throw;
+        }
+        for (int64_t step = 0; metered_ && step < plan_.steps; ++step)
+          for (size_t h = 0; h < H; ++h) {
+            const float a = meters[l * plan_.per_layer + 3 * n * H + (size_t(step) * n + b) * H + h];
+            if (a < 0.f) continue;  // not attended
+            telemetry_.record(gate::meter_from_a_minus_1(double(a)), !std::isfinite(a));
+          }
+      }
+    check_error_word();
+    if (overruns > 0)
+      fail(StatusCode::kOutOfRange, "device KV store: " + std::to_string(overruns) + " rows came past the " +
+                                        std::to_string(plan_.steps) +
+                                        " planned steps and were not written (plan more steps)");
+  }
+
+  bool planned() const override { return plan_.open; }
+
   int64_t length(int seq, int layer) const override {
     const Layer& l = layers_[size_t(layer)];
     return l.cache ? l.cache->written(l.slots[size_t(seq)], 0) : 0;
@@ -345,6 +577,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
 
   void crop(int seq, int64_t n_tokens) override {
     const DeviceScope scope(device_);
+    refuse_while_planned();
     refuse_after_failure();
     // Every layer's cropped copy first: if one cannot be made, those made are freed and the store
     // is as it was.
@@ -382,6 +615,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
 
   void select(std::span<const int32_t> src) override {
     const DeviceScope scope(device_);
+    refuse_while_planned();
     refuse_after_failure();
     // Every layer's new slots first (whole copies: the whole blocks shared, a partial last block's
     // raw pages copied on the device); if one cannot be made, those made are freed and the store
@@ -495,6 +729,23 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     bool metered = false;  // its A - 1 came down
     bool sparse = false;   // its sparse counts came down
   };
+  // A decode launch's parameters over the pages of layer l for n sequences (the rest is the call's).
+  PagedDecodeParams layer_params(const Layer& l, int n) const {
+    PagedDecodeParams p;
+    p.format = format_;
+    p.batch = n;
+    p.n_q_heads = config_.n_heads;
+    p.n_kv_heads = config_.layer.n_kv_heads;
+    p.head_dim = config_.layer.head_dim;
+    p.block_tokens = config_.layer.block_tokens;
+    p.sm_scale = config_.sm_scale;
+    p.rope_half_split = config_.layer.rope_pairing == codec::RopePairing::kHalfSplit;
+    p.witness = config_.layer.witness;
+    p.delta_loc = config_.delta_loc;
+    attention::cuda::set_layer_pages(l.cache->view(0), p);
+    return p;
+  }
+
   struct WorkspaceLayout {
     int batch = 0;
     int splits = 0;
@@ -748,6 +999,11 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
                                          sizeof(int64_t) * 3 * n * Hq, stream()));
   }
 
+  void refuse_while_planned() const {
+    if (plan_.open)
+      fail(StatusCode::kInvalidArgument, "device KV store: planned steps are open (finish them first: "
+                                         "certkv_kv_store_finish_planned_device)");
+  }
   void refuse_after_failure() const {
     for (size_t layer = 0; layer < layers_.size(); ++layer)
       if (layers_[layer].failed)
@@ -755,6 +1011,21 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
                                         " is not changed after a failed append (make a new store)");
   }
   cudaStream_t stream() const { return static_cast<cudaStream_t>(config_.stream); }
+
+  // The layer of a planned call: a plan open, the layer in range and served.
+  const Layer& planned_layer(int layer) const {
+    if (!plan_.open)
+      fail(StatusCode::kInvalidArgument, "device KV store: no planned steps (certkv_kv_store_plan_device first)");
+    const Layer& l = layers_[size_t(layer)];
+    if (l.failed)
+      fail(StatusCode::kInternal, "device KV store: layer " + std::to_string(layer) +
+                                      " is not read after a failed append (make a new store)");
+    return l;
+  }
+  // `buffer` holds at least `bytes` (a new one when short: what it held is not kept).
+  static void grow(DeviceBuffer& buffer, size_t bytes) {
+    if (buffer.size() < bytes) throw_if_failed(DeviceBuffer::allocate(bytes, &buffer));
+  }
 
   // Layer `layer`'s cache; a GAAC scheme without calibrations calibrates it on rows k, v (n of them).
   void make_layer(int layer, const float* k, const float* v, int64_t n) {
@@ -862,6 +1133,20 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     }
   }
 
+  // The open plan (plan()): its sequences, steps and device state. state: per layer
+  // [4][n] int32 (positions, limits, starts, table rows); meters: per layer per_layer floats (A - 1,
+  // rho and meters of the step [n][H] each, then the steps' A - 1 [steps][n][H]).
+  struct Plan {
+    bool open = false;
+    std::vector<int32_t> seqs;
+    int64_t steps = 0, bucket = 0;
+    size_t per_layer = 0;
+    std::vector<int32_t> starts;  // the state as planned, [layer][4][n]
+    DeviceBuffer state, meters, workspace, overruns;
+    WorkspaceLayout layout;
+    std::vector<uintptr_t> signature;  // of the last plan: what a captured step reads
+  };
+
   DeviceKvStoreConfig config_;
   LayerCalibrator calibrate_layer_;
   int device_ = 0;  // the CUDA device current at create: the store's every call runs on it
@@ -883,6 +1168,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
   std::vector<RingStep> ring_steps_;
   gate::Telemetry& telemetry_;
   WorkspaceLayout workspace_layout_;
+  Plan plan_;
 };
 
 }  // namespace

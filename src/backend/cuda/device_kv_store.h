@@ -125,6 +125,31 @@ class DeviceKvStore {
   // Nothing for a dense layer or a sequence whose centroids are set. Waits for the stream.
   virtual void note_queries(int layer, std::span<const int32_t> seqs, std::span<const int64_t> n_tokens,
                             const float* q) = 0;
+  // Planned decode steps, which a stream capture can hold (a CUDA graph of a model's decode step):
+  // - plan: the next `steps` positions of each of seqs (distinct, in range, each holding >= 1
+  //   position of every layer) get their pages in every layer, and the steps' state goes to the
+  //   device (positions, table rows, meter buffers, a workspace for the longest context the plan
+  //   reaches, rounded up to a power of two). Waits for the stream. Returns true when a graph
+  //   captured under the previous plan would read memory this plan moved or sized otherwise
+  //   (capture again), false when such a graph stays valid.
+  // - append_planned: one row of each planned sequence (plan order) for `layer`, k, v device
+  //   [n][n_kv_heads][head_dim] float, at the position the device holds for it (advanced there).
+  // - attend_planned: decode attention of the planned sequences after that layer's append; q, out
+  //   device [n][n_heads][head_dim] float, meters device [n][n_heads] float or null.
+  //   Both launch kernels only, on `stream` (null: the store's): no copy from the host, no wait,
+  //   no allocation. A row past the planned steps is not written (finish_planned fails).
+  // - finish_planned: waits for `stream` and the store's, then takes the rows the steps wrote as
+  //   appended (per layer and sequence), encodes the blocks they completed (until then read exact,
+  //   from their raw pages, and metered as such), records the meters of every planned step
+  //   attended, and gives back the pages no row reached. Throws kOutOfRange when a replay ran past
+  //   the plan (after taking what was written).
+  // While a plan is open the store refuses append, attend, note_queries, crop and select
+  // (kInvalidArgument). kUnsupported for a store with sparse decode.
+  virtual bool plan(std::span<const int32_t> seqs, int64_t steps) = 0;
+  virtual void append_planned(int layer, const float* k, const float* v, void* stream) = 0;
+  virtual void attend_planned(int layer, const float* q, float* out, float* meters, void* stream) = 0;
+  virtual void finish_planned(void* stream) = 0;
+  virtual bool planned() const = 0;  // a plan is open
   virtual int64_t length(int seq, int layer) const = 0;
   // K (kv 0) or V (kv 1) of (seq, layer) at positions [begin, end) as attention reads them (a
   // lossy page's reconstruction), decoded on the host: out [n_kv_heads][end - begin][head_dim]

@@ -73,7 +73,58 @@ __device__ void append_one(const AppendRowsArgs& a) {
 
 __global__ void append_rows_kernel(AppendRowsArgs a) { append_one(a); }
 
+// One block per row: every thread reads the row's position before thread 0 advances it.
+__global__ void planned_rows_kernel(PlannedRowsArgs a) {
+  const int b = blockIdx.x;
+  const int64_t pos = a.positions[b];
+  const bool fits = pos >= 0 && pos < a.limits[b];
+  __syncthreads();
+  if (!fits) {
+    if (threadIdx.x == 0) atomicAdd(a.overruns, 1u);
+    return;
+  }
+  const int32_t* tables = a.tables + int64_t(a.table_rows[b]) * a.table_row_stride;
+  const int64_t block = pos / a.block_tokens;
+  const int row = int(pos % a.block_tokens);
+  const int per_tensor = a.n_kv_heads * a.head_dim;
+  const int pad_rows = a.block_tokens - 1 - row;
+  // The row, then the rows after it in its block (zero), of every (K/V, kv_head).
+  const int total = 2 * per_tensor * (1 + pad_rows);
+  for (int i = threadIdx.x; i < total; i += blockDim.x) {
+    const int r = i / (2 * per_tensor);  // 0: the row; 1 + j: row + 1 + j, zeroed
+    const int rem = i % (2 * per_tensor);
+    const int kv = rem / per_tensor;
+    const int h = rem % per_tensor / a.head_dim;
+    const int c = rem % a.head_dim;
+    const int32_t entry = tables[(int64_t(kv) * a.n_kv_heads + h) * a.table_stride + block];
+    const int64_t page = entry >= 0 ? entry : -int64_t(entry) - 1;
+    if (page >= a.n_raw_pages) continue;  // a table the host never wrote: never write past the pool
+    uint8_t* dst = a.raw_pages + page * a.raw_page_stride;
+    uint16_t bf16 = 0;
+    if (r == 0) {
+      const float* src = kv == 0 ? a.k_rows : a.v_rows;
+      bf16 = format::float_to_bf16(src[int64_t(b) * per_tensor + rem % per_tensor]);
+    }
+    const int64_t element = a.fragment_major ? int64_t(format::fragment::element_index(kv == 0, row + r, c))
+                                             : int64_t(row + r) * a.head_dim + c;
+    if (a.element == format::GaacElement::kBf16) {
+      reinterpret_cast<uint16_t*>(dst)[element] = bf16;
+    } else {
+      dst[element] = r == 0 ? format::bf16_to_fp8_e5m2_ref(bf16) : uint8_t(0);
+    }
+  }
+  if (threadIdx.x == 0) a.positions[b] = int32_t(pos + 1);
+}
+
 __global__ void append_batch_kernel(AppendBatch b) { append_one(b.items[blockIdx.y]); }
+
+__global__ void planned_step_values_kernel(PlannedStepValues a) {
+  const int b = blockIdx.x;
+  const int64_t step = int64_t(a.positions[b]) - a.starts[b] - 1;
+  if (step < 0 || step >= a.steps) return;
+  float* out = a.out + (step * a.batch + b) * a.width;
+  for (int i = threadIdx.x; i < a.width; i += blockDim.x) out[i] = a.values[int64_t(b) * a.width + i];
+}
 
 int grid_blocks(int64_t rows_values) {
   return int(std::min<int64_t>((rows_values + 255) / 256, 1024) + (rows_values == 0));
@@ -131,6 +182,52 @@ CudaStatus append_rows_batch(const AppendRowsArgs* args, int count, void* stream
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     return cuda_error(StatusCode::kInternal, std::string("append_rows_batch launch failed: ") + cudaGetErrorString(e));
+  return {};
+}
+
+CudaStatus append_planned_rows(const PlannedRowsArgs& a, void* stream) {
+  auto bad = [](const std::string& what) {
+    return cuda_error(StatusCode::kInvalidArgument, "append_planned_rows: " + what);
+  };
+  if (a.batch < 0 || a.batch > 65535) return bad("batch must be in [0, 65535]");
+  if (a.batch == 0) return {};
+  // The checks of one write of one row at position 0 (the positions are on the device).
+  AppendRowsArgs one;
+  one.k_rows = a.k_rows;
+  one.v_rows = a.v_rows;
+  one.n = 1;
+  one.n_kv_heads = a.n_kv_heads;
+  one.head_dim = a.head_dim;
+  one.block_tokens = a.block_tokens;
+  one.element = a.element;
+  one.tables = a.tables;
+  one.table_stride = a.table_stride;
+  one.raw_pages = a.raw_pages;
+  one.raw_page_stride = a.raw_page_stride;
+  one.n_raw_pages = a.n_raw_pages;
+  one.length = a.positions;
+  one.fragment_major = a.fragment_major;
+  if (CudaStatus s = check_append_rows(one); !s.ok) return s;
+  if (!a.limits || !a.table_rows || !a.overruns) return bad("a device array is null");
+  if (a.table_row_stride < 2 * int64_t(a.n_kv_heads) * a.table_stride) return bad("table_row_stride too small");
+  planned_rows_kernel<<<unsigned(a.batch), 256, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return cuda_error(StatusCode::kInternal, std::string("append_planned_rows launch failed: ") + cudaGetErrorString(e));
+  return {};
+}
+
+CudaStatus store_planned_step_values(const PlannedStepValues& a, void* stream) {
+  if (a.batch < 0 || a.batch > 65535 || a.width < 0 || a.steps < 0)
+    return cuda_error(StatusCode::kInvalidArgument, "store_planned_step_values: batch, width or steps out of range");
+  if (a.batch == 0 || a.width == 0) return {};
+  if (!a.values || !a.positions || !a.starts || !a.out)
+    return cuda_error(StatusCode::kInvalidArgument, "store_planned_step_values: a device array is null");
+  planned_step_values_kernel<<<unsigned(a.batch), 128, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return cuda_error(StatusCode::kInternal,
+                      std::string("store_planned_step_values launch failed: ") + cudaGetErrorString(e));
   return {};
 }
 

@@ -805,6 +805,79 @@ CudaStatus DeviceKvCache::append(int layer_index, const SlotRows* writes, size_t
   return {};
 }
 
+CudaStatus DeviceKvCache::reserve_rows(int slot, int layer_index, int64_t n) {
+  if (broken_)
+    return cuda_error(StatusCode::kInternal, "device KV cache: an earlier call failed (" + broken_reason_ +
+                                                 "); its pages and tables are no longer trusted: reset() it");
+  if (layer_index < 0 || layer_index >= config_.n_layers)
+    return cuda_error(StatusCode::kOutOfRange, "device KV cache: layer " + std::to_string(layer_index) + " of " +
+                                                   std::to_string(config_.n_layers));
+  if (!live(slot))
+    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: slot " + std::to_string(slot) + " is not live");
+  const int64_t first = written(slot, layer_index);
+  if (n < 0 || n > config_.max_tokens - first)
+    return cuda_error(StatusCode::kOutOfRange, "device KV cache: " + std::to_string(n) + " tokens after " +
+                                                   std::to_string(first) + " pass the capacity of " +
+                                                   std::to_string(config_.max_tokens));
+  if (choosing_outliers(layer_index))
+    return cuda_error(StatusCode::kUnsupported, "device KV cache: layer " + std::to_string(layer_index) +
+                                                    " has not chosen dither8's outlier pairs yet (write a whole "
+                                                    "block first)");
+  const int T = config_.block_tokens;
+  const int64_t new_begin = (first + T - 1) / T, block_end = (first + n + T - 1) / T;
+  if (block_end <= new_begin) return {};
+  Layer& layer = *layers_[size_t(layer_index)];
+  const bool coded = config_.scheme != KvScheme::kBf16;
+  CudaStatus s = {};
+  for (int kv = 0; kv < 2 && s.ok; ++kv)
+    for (int h = 0; h < config_.n_kv_heads && s.ok; ++h)
+      for (int64_t b = new_begin; b < block_end && s.ok; ++b) {
+        int32_t page = 0;
+        s = layer.raw.take(kFirstRawBlocks * 2 * config_.n_kv_heads, config_.stream, &page);
+        if (s.ok) layer.host_tables[entry_index(slot, kv, h, b)] = coded ? -page - 1 : page;
+      }
+  if (s.ok) s = upload_table_blocks(layer, slot, new_begin, block_end);
+  return mark_broken(s);
+}
+
+CudaStatus DeviceKvCache::commit_rows(int slot, int layer_index, int64_t n_done, int64_t n) {
+  if (broken_)
+    return cuda_error(StatusCode::kInternal, "device KV cache: an earlier call failed (" + broken_reason_ +
+                                                 "); its pages and tables are no longer trusted: reset() it");
+  if (layer_index < 0 || layer_index >= config_.n_layers || !live(slot) || n_done < 0 || n_done > n ||
+      n > config_.max_tokens - written(slot, layer_index))
+    return cuda_error(StatusCode::kInvalidArgument, "device KV cache: commit_rows(" + std::to_string(slot) + ", " +
+                                                        std::to_string(layer_index) + ", " + std::to_string(n_done) +
+                                                        ", " + std::to_string(n) + ") names no reservation");
+  const int T = config_.block_tokens;
+  const int64_t first = written(slot, layer_index);
+  Layer& layer = *layers_[size_t(layer_index)];
+  CudaStatus s = {};
+  // The reserved pages of blocks no row reached go back.
+  const int64_t kept_end = std::max((first + T - 1) / T, (first + n_done + T - 1) / T);
+  const int64_t reserved_end = (first + n + T - 1) / T;
+  if (reserved_end > kept_end) {
+    for (int kv = 0; kv < 2; ++kv)
+      for (int h = 0; h < config_.n_kv_heads; ++h)
+        for (int64_t b = kept_end; b < reserved_end; ++b) {
+          int32_t& entry = layer.host_tables[entry_index(slot, kv, h, b)];
+          release_entry(layer, kv, entry);
+          entry = kUnwritten;
+        }
+    s = upload_table_blocks(layer, slot, kept_end, reserved_end);
+  }
+  // The blocks the rows completed, encoded as a write's.
+  const int64_t block_begin = first / T, done_end = (first + n_done) / T;
+  if (s.ok && config_.scheme != KvScheme::kBf16 && done_end > block_begin)
+    s = lossy_ ? finalize_lossy(slot, layer_index, block_begin, done_end)
+               : finalize(slot, layer_index, block_begin, done_end);
+  if (s.ok) {
+    written_[size_t(slot) * size_t(config_.n_layers) + size_t(layer_index)] = first + n_done;
+    s = upload_slot_lengths(slot);
+  }
+  return mark_broken(s);
+}
+
 CudaStatus DeviceKvCache::stage_encode_tasks(const void* tasks, size_t task_bytes, size_t result_bytes,
                                              uint8_t** results) {
   // The tasks at the start of the encode buffer, the results after them (16-byte aligned).
@@ -1420,6 +1493,23 @@ CudaStatus DeviceKvCache::reset() {
   broken_ = false;
   broken_reason_.clear();
   return {};
+}
+
+PlannedRowsArgs DeviceKvCache::planned_rows_args(int layer_index) const {
+  const Layer& layer = *layers_[size_t(layer_index)];
+  PlannedRowsArgs a;
+  a.tables = reinterpret_cast<const int32_t*>(layer.tables.data());
+  a.table_stride = table_stride_;
+  a.table_row_stride = 2 * int64_t(config_.n_kv_heads) * table_stride_;
+  a.n_kv_heads = config_.n_kv_heads;
+  a.head_dim = config_.head_dim;
+  a.block_tokens = config_.block_tokens;
+  a.element = scheme_element(config_.scheme);
+  a.raw_pages = layer.raw.buffer.data();
+  a.raw_page_stride = int64_t(layer.raw.stride);
+  a.n_raw_pages = layer.raw.capacity;
+  a.fragment_major = fragment_pages_;
+  return a;
 }
 
 DeviceLayerView DeviceKvCache::view(int layer_index) const {

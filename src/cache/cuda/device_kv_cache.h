@@ -56,6 +56,7 @@
 #include <utility>
 #include <vector>
 
+#include "cache/cuda/append_rows_cuda.h"
 #include "cache/cuda/device_pool.h"
 #include "cache/cuda/place_encoded_cuda.h"
 #include "cache/kv_cache.h"
@@ -242,6 +243,22 @@ class DeviceKvCache {
     RowsMemory memory = RowsMemory::kAsk;
   };
   CudaStatus write_rows(int layer, const SlotRows* writes, size_t count);
+  // Planned decode steps (a CUDA graph replays them; backend/cuda/device_kv_store.h):
+  // reserve_rows gives (slot, layer) the raw pages of positions [written, written + n) at once,
+  // so that kernels write those rows later without the host (append_rows_cuda.h's
+  // append_planned_rows, reading the tables); the slot's length does not move. commit_rows then
+  // takes the first n_done of the n reserved as written: the blocks they complete are encoded as a
+  // write's are (read exact from their raw pages until then), and the pages of blocks past them go
+  // back. Until the commit, nothing else may change the slot. kOutOfRange past max_tokens,
+  // kInvalidArgument for a slot not live or n_done > n, kUnsupported while dither8's outlier pairs
+  // of the layer are being chosen (a write holding a whole block chooses them). Other failures
+  // leave the cache refusing until reset(), as write().
+  CudaStatus reserve_rows(int slot, int layer, int64_t n);
+  CudaStatus commit_rows(int slot, int layer, int64_t n_done, int64_t n);
+  // The tables and the raw pool append_planned_rows writes `layer`'s rows through (the rows, the
+  // batch, positions, limits, table rows and the overrun count are the caller's). Valid until the
+  // next call that takes pages.
+  PlannedRowsArgs planned_rows_args(int layer) const;
   // Lossy schemes, the gate's repair: the K and V pages of (layer, kv_head, block) that are lossy
   // become raw bf16 pages holding k_rows, v_rows ([block_tokens][head_dim] bf16, the exact block
   // from the host's backing store); their lossy pages return to the free lists. *bytes gets the
