@@ -239,16 +239,22 @@ void device_kv_stats(const certkv_kv_store& s, certkv_kv_stats* stats) {
         certkv::format::storage_class_name(info.full_blocks), uint64_t(d.coded_pages_in_use), 0, d.coded_bytes_in_use};
 }
 
-// The arguments of append_device / attend_device: a store of device "cuda", the layer, and n_seqs
-// distinct sequences in range.
-certkv_status check_device_call(const char* where, const certkv_kv_store* store, int32_t layer, const int32_t* seqs,
-                                int32_t n_seqs) {
+// A store of device "cuda" and a layer in range (the device functions' first check).
+certkv_status check_device_store(const char* where, const certkv_kv_store* store, int32_t layer) {
   CERTKV_REQUIRE(store != nullptr, std::string(where) + ": null store");
   CERTKV_REQUIRE(store->device != nullptr,
                  std::string(where) + ": the store's device is cpu (create it with device \"cuda\")");
   if (layer < 0 || layer >= store->n_layers)
     return set_error(CERTKV_ERR_OUT_OF_RANGE, std::string(where) + ": layer " + std::to_string(layer) +
                                                   " outside [0, " + std::to_string(store->n_layers) + ")");
+  return CERTKV_OK;
+}
+
+// The arguments of append_device / attend_device: a store of device "cuda", the layer, and n_seqs
+// distinct sequences in range.
+certkv_status check_device_call(const char* where, const certkv_kv_store* store, int32_t layer, const int32_t* seqs,
+                                int32_t n_seqs) {
+  if (const certkv_status st = check_device_store(where, store, layer); st != CERTKV_OK) return st;
   CERTKV_REQUIRE(seqs != nullptr && n_seqs >= 1 && n_seqs <= store->n_sequences,
                  std::string(where) + ": n_seqs " + std::to_string(n_seqs) + " is not in [1, " +
                      std::to_string(store->n_sequences) + "] (or null seqs)");
@@ -674,22 +680,10 @@ certkv_status certkv_kv_store_plan_device(certkv_kv_store* store, const int32_t*
   });
 }
 
-namespace {
-certkv_status check_planned_call(const char* where, const certkv_kv_store* store, int32_t layer) {
-  CERTKV_REQUIRE(store != nullptr, std::string(where) + ": null store");
-  CERTKV_REQUIRE(store->device != nullptr,
-                 std::string(where) + ": the store's device is cpu (create it with device \"cuda\")");
-  if (layer < 0 || layer >= store->n_layers)
-    return set_error(CERTKV_ERR_OUT_OF_RANGE, std::string(where) + ": layer " + std::to_string(layer) +
-                                                  " outside [0, " + std::to_string(store->n_layers) + ")");
-  return CERTKV_OK;
-}
-}  // namespace
-
 certkv_status certkv_kv_store_append_planned_device(certkv_kv_store* store, int32_t layer, const float* k,
                                                     const float* v, void* stream) {
   const char* w = "certkv_kv_store_append_planned_device";
-  if (const certkv_status st = check_planned_call(w, store, layer); st != CERTKV_OK) return st;
+  if (const certkv_status st = check_device_store(w, store, layer); st != CERTKV_OK) return st;
   CERTKV_REQUIRE(k && v, std::string(w) + ": null k or v");
   return guarded([&] { store->device->append_planned(layer, k, v, stream); });
 }
@@ -697,14 +691,14 @@ certkv_status certkv_kv_store_append_planned_device(certkv_kv_store* store, int3
 certkv_status certkv_kv_store_attend_planned_device(certkv_kv_store* store, int32_t layer, const float* q, float* out,
                                                     float* meters, void* stream) {
   const char* w = "certkv_kv_store_attend_planned_device";
-  if (const certkv_status st = check_planned_call(w, store, layer); st != CERTKV_OK) return st;
+  if (const certkv_status st = check_device_store(w, store, layer); st != CERTKV_OK) return st;
   CERTKV_REQUIRE(q && out, std::string(w) + ": null q or out");
   return guarded([&] { store->device->attend_planned(layer, q, out, meters, stream); });
 }
 
 certkv_status certkv_kv_store_finish_planned_device(certkv_kv_store* store, void* stream) {
   const char* w = "certkv_kv_store_finish_planned_device";
-  if (const certkv_status st = check_planned_call(w, store, 0); st != CERTKV_OK) return st;
+  if (const certkv_status st = check_device_store(w, store, 0); st != CERTKV_OK) return st;
   return guarded([&] { store->device->finish_planned(stream); });
 }
 

@@ -649,13 +649,18 @@ CudaStatus DeviceKvCache::write(int slot, int layer_index, const float* k, const
   return write_rows(layer_index, &w, 1);
 }
 
-CudaStatus DeviceKvCache::write_rows(int layer_index, const SlotRows* writes, size_t count) {
+CudaStatus DeviceKvCache::check_writable(int layer_index) const {
   if (broken_)
     return cuda_error(StatusCode::kInternal, "device KV cache: an earlier call failed (" + broken_reason_ +
                                                  "); its pages and tables are no longer trusted: reset() it");
   if (layer_index < 0 || layer_index >= config_.n_layers)
     return cuda_error(StatusCode::kOutOfRange, "device KV cache: layer " + std::to_string(layer_index) + " of " +
                                                    std::to_string(config_.n_layers));
+  return {};
+}
+
+CudaStatus DeviceKvCache::write_rows(int layer_index, const SlotRows* writes, size_t count) {
+  if (CudaStatus s = check_writable(layer_index); !s.ok) return s;
   for (size_t i = 0; i < count; ++i) {
     const SlotRows& w = writes[i];
     if (!live(w.slot))
@@ -806,12 +811,7 @@ CudaStatus DeviceKvCache::append(int layer_index, const SlotRows* writes, size_t
 }
 
 CudaStatus DeviceKvCache::reserve_rows(int slot, int layer_index, int64_t n) {
-  if (broken_)
-    return cuda_error(StatusCode::kInternal, "device KV cache: an earlier call failed (" + broken_reason_ +
-                                                 "); its pages and tables are no longer trusted: reset() it");
-  if (layer_index < 0 || layer_index >= config_.n_layers)
-    return cuda_error(StatusCode::kOutOfRange, "device KV cache: layer " + std::to_string(layer_index) + " of " +
-                                                   std::to_string(config_.n_layers));
+  if (CudaStatus s = check_writable(layer_index); !s.ok) return s;
   if (!live(slot))
     return cuda_error(StatusCode::kInvalidArgument, "device KV cache: slot " + std::to_string(slot) + " is not live");
   const int64_t first = written(slot, layer_index);
@@ -841,10 +841,8 @@ CudaStatus DeviceKvCache::reserve_rows(int slot, int layer_index, int64_t n) {
 }
 
 CudaStatus DeviceKvCache::commit_rows(int slot, int layer_index, int64_t n_done, int64_t n) {
-  if (broken_)
-    return cuda_error(StatusCode::kInternal, "device KV cache: an earlier call failed (" + broken_reason_ +
-                                                 "); its pages and tables are no longer trusted: reset() it");
-  if (layer_index < 0 || layer_index >= config_.n_layers || !live(slot) || n_done < 0 || n_done > n ||
+  if (CudaStatus s = check_writable(layer_index); !s.ok) return s;
+  if (!live(slot) || n_done < 0 || n_done > n ||
       n > config_.max_tokens - written(slot, layer_index))
     return cuda_error(StatusCode::kInvalidArgument, "device KV cache: commit_rows(" + std::to_string(slot) + ", " +
                                                         std::to_string(layer_index) + ", " + std::to_string(n_done) +

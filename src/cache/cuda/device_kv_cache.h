@@ -347,6 +347,8 @@ class DeviceKvCache {
   struct Layer;
   DeviceKvCache() = default;
   CudaStatus append(int layer_index, const SlotRows* writes, size_t count);
+  // kInternal after a failure (until reset()), kOutOfRange for a layer outside the model.
+  CudaStatus check_writable(int layer_index) const;
   CudaStatus finalize(int slot, int layer_index, int64_t block_begin, int64_t block_end);
   CudaStatus finalize_lossy(int slot, int layer_index, int64_t block_begin, int64_t block_end);
   // Index of (slot, K/V, kv_head, block) in a layer's host tables.
