@@ -760,7 +760,7 @@ TEST(CApiKvStoreDevice, CapturedPlannedStepsReplayAsDecodeSteps) {
                         {"gaac", nullptr, "gaac"},
                         {"fp8-e4m3", nullptr, "lossy"},
                         {"dither8", nullptr, "dither8"}};
-  const int prompt[kSeqs] = {30, 16, 47};
+  const int prompt[kSeqs] = {30, 16, 530};  // 530: two of the kernel's 512-token splits
   for (const Case& cs : cases)
     for (const Shape& sh : {Shape{6, 2, 64}, Shape{14, 2, 128}}) {
       SCOPED_TRACE(std::string(cs.kv) + " head_dim " + std::to_string(sh.dim));
@@ -782,7 +782,7 @@ TEST(CApiKvStoreDevice, CapturedPlannedStepsReplayAsDecodeSteps) {
       };
       const int64_t prompt_n[kSeqs] = {prompt[0], prompt[1], prompt[2]}, one[kSeqs] = {1, 1, 1};
       for (int l = 0; l < kLayers; ++l) {
-        DeviceFloats dk(row * 93), dv(row * 93);
+        DeviceFloats dk(row * 576), dv(row * 576);
         dk.up(rows_of(l, prompt_n, 1, true));
         dv.up(rows_of(l, prompt_n, 2, false));
         for (certkv_kv_store* st : {eager, planned})
@@ -876,22 +876,27 @@ TEST(CApiKvStoreDevice, CapturedPlannedStepsReplayAsDecodeSteps) {
         ++steps_done;
       };
       int32_t recapture = -1;
-      // Round 1: 20 steps planned, all replayed; round 2: 6 planned, 6 replayed (the graph reused
-      // when plan says it may).
-      for (const int steps : {20, 6}) {
+      int reuses = 0;
+      // Rounds of (steps planned, steps replayed): the graph reused whenever plan says it may; the
+      // last round replays fewer than it planned (the pages no row reached go back).
+      const std::pair<int, int> rounds[] = {{20, 20}, {6, 6}, {6, 6}, {6, 6}, {12, 4}};
+      for (const auto& [steps, replays] : rounds) {
         ASSERT_EQ(certkv_kv_store_plan_device(planned, seqs, kSeqs, steps, &recapture), CERTKV_OK) << certkv_last_error();
         plan_start = steps_done;
         if (steps == 20) {
           EXPECT_EQ(recapture, 1);
         }
-        if (recapture || !exec) capture();
+        if (recapture || !exec)
+          capture();
+        else
+          ++reuses;
         if (HasFatalFailure()) return;
         // The store refuses its other changes while planned.
         EXPECT_EQ(certkv_kv_store_append_device(planned, 0, seqs, one, kSeqs, k_in[0]->p, v_in[0]->p),
                   CERTKV_ERR_INVALID_ARGUMENT);
         EXPECT_TRUE(error_names("finish them first")) << certkv_last_error();
         EXPECT_EQ(certkv_kv_store_crop(planned, 0, 8), CERTKV_ERR_INVALID_ARGUMENT);
-        for (int i = 0; i < steps; ++i) step(true);
+        for (int i = 0; i < replays; ++i) step(true);
         if (HasFatalFailure()) return;
         ASSERT_EQ(certkv_kv_store_finish_planned_device(planned, stream), CERTKV_OK) << certkv_last_error();
         for (int s = 0; s < kSeqs; ++s)
@@ -910,15 +915,33 @@ TEST(CApiKvStoreDevice, CapturedPlannedStepsReplayAsDecodeSteps) {
         ASSERT_EQ(certkv_kv_store_meter_stats(eager, &me), CERTKV_OK) << certkv_last_error();
         ASSERT_EQ(certkv_kv_store_meter_stats(planned, &mp), CERTKV_OK) << certkv_last_error();
         EXPECT_EQ(mp.cells, me.cells);
+        if (!exact) {
+          EXPECT_EQ(mp.cells, int64_t(steps_done) * kLayers * kSeqs * sh.heads);
+        }
+        // The same pages in use, class by class (what plan reserved and no row reached went back).
+        certkv_kv_stats ke, kp;
+        ASSERT_EQ(certkv_kv_store_kv_stats(eager, &ke), CERTKV_OK) << certkv_last_error();
+        ASSERT_EQ(certkv_kv_store_kv_stats(planned, &kp), CERTKV_OK) << certkv_last_error();
+        EXPECT_EQ(kp.pages_in_use, ke.pages_in_use);
+        for (const char* storage : {"bf16", "gaac", "lossy", "dither8"})
+          EXPECT_EQ(class_pages(kp, storage), class_pages(ke, storage)) << storage;
       }
       EXPECT_LT(worst, 4e-3);
       EXPECT_GT(identical_cells, 0);
+      EXPECT_GE(reuses, 1) << "a later plan that moved nothing keeps the graph";
       // Past the plan: 2 steps planned, 3 replayed; the third writes nothing and finish says so.
       ASSERT_EQ(certkv_kv_store_plan_device(planned, seqs, kSeqs, 2, &recapture), CERTKV_OK) << certkv_last_error();
       if (recapture) capture();
       for (int i = 0; i < 3; ++i) step(false);
+      certkv_meter_stats before;
+      ASSERT_EQ(certkv_kv_store_meter_stats(planned, &before), CERTKV_OK) << certkv_last_error();
       EXPECT_EQ(certkv_kv_store_finish_planned_device(planned, stream), CERTKV_ERR_OUT_OF_RANGE);
       EXPECT_TRUE(error_names("past the 2 planned steps")) << certkv_last_error();
+      certkv_meter_stats after;
+      ASSERT_EQ(certkv_kv_store_meter_stats(planned, &after), CERTKV_OK) << certkv_last_error();
+      if (!exact) {
+        EXPECT_EQ(after.cells - before.cells, 2 * kLayers * kSeqs * sh.heads) << "the steps that ran, once each";
+      }
       int64_t n0 = -1;
       ASSERT_EQ(certkv_kv_store_length(planned, 0, 1, &n0), CERTKV_OK);
       EXPECT_EQ(n0, prompt[0] + steps_done - 1);

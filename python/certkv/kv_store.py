@@ -134,6 +134,7 @@ class KvStore:
             "device": device, "cuda_stream": cuda_stream, "gate": gate, **sparse_options(sparse),
         }
         self._store = _certkv.KvStore(options)
+        self.planned_sequences = 0  # rows of each planned step's k, v and q (plan_device)
 
     # -- rows ---------------------------------------------------------------------------------
 
@@ -265,9 +266,12 @@ class KvStore:
         that captured a step replays as the next one. Waits for the store's stream. Returns True
         when a graph captured under the previous plan must be captured again (the plan moved or
         resized memory it reads), False when it stays valid. ``finish_planned_device`` ends the
-        plan; until then the store refuses its other changes."""
+        plan; until then the store refuses its other changes. ``planned_sequences`` is the
+        number of rows each planned call's k, v and q hold (0 without a plan)."""
         seqs = _ints("seqs", seqs, 0)
-        return self._store.plan_device(seqs, _int("steps", steps, 1))
+        recapture = self._store.plan_device(seqs, _int("steps", steps, 1))
+        self.planned_sequences = len(seqs)
+        return recapture
 
     def append_planned_device(self, layer: int, k_ptr: int, v_ptr: int, stream: int = 0) -> None:
         """One row of each planned sequence (plan order) for ``layer``: k_ptr, v_ptr device
@@ -286,10 +290,13 @@ class KvStore:
                                           _int("stream", stream, 0))
 
     def finish_planned_device(self, stream: int = 0) -> None:
-        """Waits for ``stream`` and takes the planned steps that ran: their rows appended, the blocks
+        """Waits for ``stream`` (give the stream the replays ran on; 0 waits for the store's alone)
+        and takes the planned steps that ran: their rows appended, the blocks
         they completed encoded, their meters recorded, the pages no row reached given back. Raises
         ``OutOfRangeError`` when a replay ran past the plan (what was written is kept)."""
-        self._store.finish_planned_device(_int("stream", stream, 0))
+        stream = _int("stream", stream, 0)
+        self.planned_sequences = 0
+        self._store.finish_planned_device(stream)
 
     # -- sequences ----------------------------------------------------------------------------
 

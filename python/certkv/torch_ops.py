@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from . import _certkv
+from . import _errors as certkv_errors
 from .kv_store import KvStore
 
 __all__ = ["register_store", "kv_store_attend", "kv_store_decode", "kv_store_step_planned", "gaac_encode_pages",
@@ -167,11 +168,15 @@ def kv_store_step_planned(store: int, layer: int, k: torch.Tensor, v: torch.Tens
     s = _live_store(store)
     if s.device != "cuda":
         raise ValueError(f"store: planned steps run over a KvStore(device='cuda'), not device {s.device!r}")
+    n = s.planned_sequences
+    if n == 0:
+        raise certkv_errors.InvalidArgumentError("certkv::kv_store_step_planned: no planned steps "
+                                                 "(KvStore.plan_device first)")
     for name, x, heads in (("k", k, s.n_kv_heads), ("v", v, s.n_kv_heads), ("q", q, s.n_heads)):
         _require(name, x, torch.float32, 3, "[n_seqs, heads, head_dim]")
-        if x.shape[1:] != (heads, s.head_dim) or x.shape[0] != q.shape[0] or x.device != q.device:
-            raise ValueError(f"{name}: expected shape [n_seqs, {heads}, {s.head_dim}] on {q.device} (n_seqs the "
-                             f"planned sequences, as q's {q.shape[0]}), got {tuple(x.shape)} on {x.device}")
+        if x.shape != (n, heads, s.head_dim) or x.device != q.device:
+            raise ValueError(f"{name}: expected shape [{n}, {heads}, {s.head_dim}] ([the planned sequences, heads, "
+                             f"head_dim]) on {q.device}, got {tuple(x.shape)} on {x.device}")
     k, v, q = k.contiguous(), v.contiguous(), q.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     meter = q.new_empty((q.shape[0], q.shape[1]))

@@ -374,8 +374,9 @@ def _certkv_attention_cuda(module: torch.nn.Module, cache: CertkvCache, layer_id
     if seqs:
         # Rows [sum of counts, n_kv_heads, head_dim] float32, those of seqs[0] first.
         if len(seqs) == batch and all(c == n_new for c in counts):
-            k = k_new.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-            v = v_new.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+            # .to() returns a float32 view as it is (strided): .contiguous() makes the rows.
+            k = k_new.transpose(1, 2).to(torch.float32).contiguous()
+            v = v_new.transpose(1, 2).to(torch.float32).contiguous()
         else:
             k = torch.cat([k_new[b, :, n_new - counts[b]:].transpose(0, 1) for b in seqs]).to(torch.float32)
             v = torch.cat([v_new[b, :, n_new - counts[b]:].transpose(0, 1) for b in seqs]).to(torch.float32)
@@ -385,7 +386,7 @@ def _certkv_attention_cuda(module: torch.nn.Module, cache: CertkvCache, layer_id
                 # The prompt's queries make the key index's query centroid, as on the CPU, where
                 # the store attends the prompt itself.
                 if len(seqs) == batch and all(c == n_new for c in counts):
-                    q = query.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                    q = query.transpose(1, 2).to(torch.float32).contiguous()
                 else:
                     q = torch.cat([query[b, :, n_new - counts[b]:].transpose(0, 1) for b in seqs]).to(torch.float32)
                 store.note_queries_device(layer_idx, seqs, [counts[b] for b in seqs], q.data_ptr())
@@ -394,7 +395,7 @@ def _certkv_attention_cuda(module: torch.nn.Module, cache: CertkvCache, layer_id
     out = torch.zeros((batch, 1, n_heads, head_dim), dtype=torch.float32, device=query.device)
     if seqs:
         q = query[:, :, 0, :] if len(seqs) == batch else query[seqs, :, 0, :]
-        q = q.to(torch.float32, memory_format=torch.contiguous_format)
+        q = q.to(torch.float32).contiguous()
         rows, _ = torch.ops.certkv.kv_store_decode(cache._handle, layer_idx, seqs, q)
         if len(seqs) == batch:
             return rows.unsqueeze(1).to(query.dtype)
@@ -415,11 +416,11 @@ def _chunk_as_decode_steps(cache: CertkvCache, layer_idx: int, query: torch.Tens
         seqs = [b for b in range(batch) if counts[b] >= n_new - i]  # left padding: a row's tokens end the chunk
         if not seqs:
             continue
-        k = k_new[seqs, :, i].to(torch.float32, memory_format=torch.contiguous_format)  # [rows, n_kv_heads, head_dim]
-        v = v_new[seqs, :, i].to(torch.float32, memory_format=torch.contiguous_format)
+        k = k_new[seqs, :, i].to(torch.float32).contiguous()  # [rows, n_kv_heads, head_dim]
+        v = v_new[seqs, :, i].to(torch.float32).contiguous()
         with torch.cuda.device(cache.device):
             cache.store.append_device(layer_idx, seqs, [1] * len(seqs), k.data_ptr(), v.data_ptr())
-        q = query[seqs, :, i, :].to(torch.float32, memory_format=torch.contiguous_format)
+        q = query[seqs, :, i, :].to(torch.float32).contiguous()
         rows, _ = torch.ops.certkv.kv_store_decode(cache._handle, layer_idx, seqs, q)
         out[seqs, i] = rows
     return out.to(query.dtype)

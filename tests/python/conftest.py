@@ -40,11 +40,13 @@ def tiny_llama_dir(tmp_path_factory):
     return path
 
 
-def load_tiny_llama(model_dir, attn, device="cpu"):
-    """tiny_llama_dir's model loaded by transformers in bf16 with attention `attn`, on `device`."""
+def load_tiny_llama(model_dir, attn, device="cpu", dtype=None):
+    """tiny_llama_dir's model loaded by transformers in `dtype` (default bf16) with attention `attn`,
+    on `device`."""
     import torch
     import transformers
-    m = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=attn)
+    m = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.bfloat16,
+                                                      attn_implementation=attn)
     return m.to(device).eval()
 
 

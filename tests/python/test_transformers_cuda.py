@@ -61,6 +61,21 @@ def test_gaac_greedy_equals_dynamic_cache(sdpa_model, certkv_model):
     assert cert["kv_bytes_by_class"].get("gaac", 0) > 0
 
 
+def test_a_float32_model_on_bf16_pages(tiny_llama_dir):
+    """A float32 model's K, V and queries are strided views that .to(float32) returns as they are;
+    the cache copies them into rows (reading the view's memory as rows would scramble tokens and
+    heads). Teacher forced, bf16 pages against a float32 DynamicCache: the pages round K and V to
+    bf16, nothing else differs."""
+    sdpa32 = load_tiny_llama(tiny_llama_dir, "sdpa", "cuda", torch.float32)
+    certkv32 = load_tiny_llama(tiny_llama_dir, ct.ATTENTION_NAME, "cuda", torch.float32)
+    tokens = [int(x) for x in np.random.default_rng(11).integers(3, 500, 80)]
+    want = teacher_forced_logits(sdpa32, tokens, transformers.DynamicCache(config=sdpa32.config), 40, "cuda")
+    got = teacher_forced_logits(certkv32, tokens, ct.CertkvCache(certkv32.config, scheme="bf16"), 40, "cuda")
+    kl = kl_per_position(want, got)
+    print(f"float32 model, bf16 pages on CUDA: teacher-forced KL max {kl.max().item():.3g}")
+    assert kl.max().item() < 1e-3
+
+
 def test_gaac_batch_with_left_padding(sdpa_model, certkv_model):
     a, b = PROMPTS[2], PROMPTS[1]
     ids = torch.tensor([a, [0] * (len(a) - len(b)) + b], device="cuda")
@@ -311,15 +326,25 @@ def test_planned_step_refusals():
     kv = torch.zeros(1, 2, 64, device="cuda")
     with pytest.raises(certkv.InvalidArgumentError, match="no planned steps"):
         torch.ops.certkv.kv_store_step_planned(handle, 0, kv, kv, q)
-    with pytest.raises(ValueError, match="k: expected shape"):
-        torch.ops.certkv.kv_store_step_planned(handle, 0, q, kv, q)
-    with pytest.raises(TypeError, match="expected torch.float32"):
-        torch.ops.certkv.kv_store_step_planned(handle, 0, kv.half(), kv, q)
-    cpu_handle = ops.register_store(certkv.KvStore("bf16", **shape))
+    cpu_store = certkv.KvStore("bf16", **shape)  # held: the handle names it while it lives
+    cpu_handle = ops.register_store(cpu_store)
     with pytest.raises(ValueError, match="planned steps run over a KvStore"):
         torch.ops.certkv.kv_store_step_planned(cpu_handle, 0, kv, kv, q)
     with pytest.raises(certkv.InvalidArgumentError, match="holds no position"):
         store.plan_device([0], 4)
+    rows = torch.randn(9, 2, 64, device="cuda")
+    store.append_device(0, [0], [9], rows.data_ptr(), rows.data_ptr())
+    assert store.plan_device([0], 4) is True and store.planned_sequences == 1
+    with pytest.raises(ValueError, match=r"q: expected shape \[1, 4, 64\]"):
+        torch.ops.certkv.kv_store_step_planned(handle, 0, kv, kv, torch.zeros(2, 4, 64, device="cuda"))
+    with pytest.raises(ValueError, match="k: expected shape"):
+        torch.ops.certkv.kv_store_step_planned(handle, 0, q, kv, q)
+    with pytest.raises(TypeError, match="expected torch.float32"):
+        torch.ops.certkv.kv_store_step_planned(handle, 0, kv.half(), kv, q)
+    out, meter = torch.ops.certkv.kv_store_step_planned(handle, 0, kv, kv, q)
+    assert out.shape == q.shape and meter.shape == (1, 4)
+    store.finish_planned_device(torch.cuda.current_stream().cuda_stream)
+    assert store.length(0, 0) == 10 and store.planned_sequences == 0
 
 
 def test_sparse_decode_through_the_cache(certkv_model):

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <exception>
 #include <string>
 #include <utility>
 
@@ -65,6 +66,11 @@ class DeviceScope {
  private:
   int previous_ = -1;
 };
+
+// The rows of a plan's device state per layer, n int32 each: where each planned sequence's next
+// row goes (advanced on the device), the position it may not reach, where it started, its table
+// row (slot), and whether its last append came past the limit (its step then not filed).
+enum PlanRow : size_t { kPositions = 0, kLimits = 1, kStarts = 2, kTableRows = 3, kOverran = 4, kPlanRows = 5 };
 
 // The calling thread may make the queries a stream capture would refuse (pointer attributes,
 // the current device) for the scope; the launches are still captured.
@@ -348,8 +354,9 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
                                                  " holds no position of layer " + std::to_string(l) +
                                                  " (append its prompt first)");
     }
-    // Host state: per layer the starting positions, the limits and the table rows (slots).
-    std::vector<int32_t> state(L * 4 * n);
+    // Host state, per layer (PlanRow): positions, limits, starts, table rows (slots), overrun flags.
+    std::vector<int32_t> state(L * kPlanRows * n, 0);
+    auto at = [&](size_t l, PlanRow row, size_t b) -> int32_t& { return state[(l * kPlanRows + row) * n + b]; };
     int64_t longest = 0;
     for (size_t l = 0; l < L; ++l) {
       int64_t held = 0;
@@ -361,33 +368,22 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
                                            " (max_tokens)");
       for (size_t b = 0; b < n; ++b) {
         const int64_t start = length(seqs[b], int(l));
-        state[(l * 4 + 0) * n + b] = int32_t(start);          // positions (advanced on the device)
-        state[(l * 4 + 1) * n + b] = int32_t(start + steps);  // limits
-        state[(l * 4 + 2) * n + b] = int32_t(start);          // starts
-        state[(l * 4 + 3) * n + b] = layers_[l].slots[size_t(seqs[b])];
+        at(l, kPositions, b) = int32_t(start);  // advanced on the device
+        at(l, kLimits, b) = int32_t(start + steps);
+        at(l, kStarts, b) = int32_t(start);
+        at(l, kTableRows, b) = layers_[l].slots[size_t(seqs[b])];
         longest = std::max(longest, start + steps);
       }
     }
-    // The pages of every planned position, all or none.
-    size_t reserved = 0;  // (layer, row) pairs reserved, in order
-    try {
-      for (size_t l = 0; l < L; ++l) {
-        DeviceKvCache& c = *layers_[l].cache;
-        if (c.pending_encodes() > 0) throw_if_failed(c.reconcile_encodes());
-        for (size_t b = 0; b < n; ++b, ++reserved) throw_if_failed(c.reserve_rows(state[(l * 4 + 3) * n + b], int(l), steps));
-      }
-    } catch (...) {
-      for (size_t i = 0; i < reserved; ++i) {
-        const size_t l = i / n, b = i % n;
-        (void)layers_[l].cache->commit_rows(state[(l * 4 + 3) * n + b], int(l), 0, steps);
-      }
-      throw;
-    }
-    // The device state and buffers; the workspace for the longest context, a power of two.
+    // The longest context a step may reach, a power of two (so that later plans keep a captured
+    // graph valid), within what the tables hold.
+    const int64_t T = config_.layer.block_tokens;
     int64_t bucket = 256;
     while (bucket < longest) bucket *= 2;
+    bucket = std::min(bucket, (config_.layer.max_tokens + T - 1) / T * T);
+    // The buffers first (nothing reserved yet if one cannot be had).
     const size_t H = size_t(config_.n_heads);
-    const size_t per_layer = 3 * n * H + size_t(steps) * n * H;  // A - 1, rho, meters, the steps' A - 1
+    const size_t per_layer = 3 * n * H + size_t(steps) * n * H;  // A - 1, rho, meters; the steps' A - 1
     grow(plan_.state, sizeof(int32_t) * state.size());
     grow(plan_.meters, sizeof(float) * per_layer * L);
     grow(plan_.overruns, sizeof(uint32_t));
@@ -396,37 +392,48 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     p.split_blocks = kSplitBlocks;
     p.seq_lens = reinterpret_cast<const int32_t*>(plan_.state.data());
     p.table_rows = p.seq_lens;
-    if (metered_) {
-      p.meter = p.a_minus_1 = p.value_rho = reinterpret_cast<float*>(plan_.meters.data());
-    }
+    if (metered_) p.meter = p.a_minus_1 = p.value_rho = reinterpret_cast<float*>(plan_.meters.data());
     const size_t need = attention::cuda::workspace_bytes(p);
     const bool new_workspace = plan_.workspace.size() < need;
-    if (new_workspace) {
-      throw_if_failed(cache::cuda::synchronize_stream(config_.stream));  // a replay may use the old one
-      throw_if_failed(DeviceBuffer::allocate(need, &plan_.workspace));
+    if (new_workspace) throw_if_failed(DeviceBuffer::allocate(need, &plan_.workspace));
+    // The pages of every planned position, all or none; then the state goes up.
+    size_t reserved = 0;  // (layer, row) pairs reserved, in order
+    try {
+      for (size_t l = 0; l < L; ++l) {
+        DeviceKvCache& c = *layers_[l].cache;
+        if (c.pending_encodes() > 0) throw_if_failed(c.reconcile_encodes());
+        for (size_t b = 0; b < n; ++b, ++reserved) throw_if_failed(c.reserve_rows(at(l, kTableRows, b), 0, steps));
+      }
+      const WorkspaceLayout key{int(n), attention::cuda::planned_splits(p)};
+      if (new_workspace || !(key == plan_.layout)) {
+        // The bulk-copy kernels' split counters start at zero (each launch leaves them so).
+        plan_.layout = {};
+        if (cudaMemsetAsync(plan_.workspace.data(), 0, plan_.workspace.size(), stream()) != cudaSuccess)
+          fail(StatusCode::kInternal, "device KV store: zeroing the planned steps' workspace failed");
+        plan_.layout = key;
+      }
+      throw_if_failed(plan_.state.upload_async(0, state.data(), sizeof(int32_t) * state.size(), config_.stream));
+      // The steps' A - 1 start below zero: a step not attended is not recorded.
+      const std::vector<float> unset(size_t(steps) * n * H, -1.f);
+      for (size_t l = 0; l < L && metered_; ++l)
+        throw_if_failed(plan_.meters.upload_async(sizeof(float) * (l * per_layer + 3 * n * H), unset.data(),
+                                                  sizeof(float) * unset.size(), config_.stream));
+      if (cudaMemsetAsync(plan_.overruns.data(), 0, sizeof(uint32_t), stream()) != cudaSuccess)
+        fail(StatusCode::kInternal, "device KV store: zeroing the overrun count failed");
+      throw_if_failed(cache::cuda::synchronize_stream(config_.stream));  // replays may run on another stream
+    } catch (...) {
+      for (size_t i = 0; i < reserved; ++i) {
+        const size_t l = i / n, b = i % n;
+        (void)layers_[l].cache->commit_rows(at(l, kTableRows, b), 0, 0, steps);
+      }
+      throw;
     }
-    const WorkspaceLayout key{int(n), attention::cuda::planned_splits(p)};
-    if (new_workspace || !(key == plan_.layout)) {
-      // The bulk-copy kernels' split counters start at zero (each launch leaves them so).
-      if (cudaMemsetAsync(plan_.workspace.data(), 0, plan_.workspace.size(), stream()) != cudaSuccess)
-        fail(StatusCode::kInternal, "device KV store: zeroing the planned steps' workspace failed");
-      plan_.layout = key;
-    }
-    throw_if_failed(plan_.state.upload_async(0, state.data(), sizeof(int32_t) * state.size(), config_.stream));
-    // The steps' A - 1 start below zero: a step not attended is not recorded.
-    const std::vector<float> unset(size_t(steps) * n * H, -1.f);
-    for (size_t l = 0; l < L && metered_; ++l)
-      throw_if_failed(plan_.meters.upload_async(sizeof(float) * (l * per_layer + 3 * n * H), unset.data(),
-                                                sizeof(float) * unset.size(), config_.stream));
-    if (cudaMemsetAsync(plan_.overruns.data(), 0, sizeof(uint32_t), stream()) != cudaSuccess)
-      fail(StatusCode::kInternal, "device KV store: zeroing the overrun count failed");
-    throw_if_failed(cache::cuda::synchronize_stream(config_.stream));  // replays may run on another stream
     plan_.open = true;
     plan_.seqs.assign(seqs.begin(), seqs.end());
     plan_.steps = steps;
     plan_.bucket = bucket;
     plan_.per_layer = per_layer;
-    plan_.starts = std::move(state);
+    plan_.planned = std::move(state);
     // What a captured step reads, by value or through a pointer.
     std::vector<uintptr_t> signature{uintptr_t(n), uintptr_t(bucket), uintptr_t(steps),
                                      reinterpret_cast<uintptr_t>(plan_.state.data()),
@@ -457,14 +464,15 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     require_device_memory(k, device_, "k");
     require_device_memory(v, device_, "v");
     const size_t n = plan_.seqs.size();
-    int32_t* state = reinterpret_cast<int32_t*>(plan_.state.data()) + size_t(layer) * 4 * n;
+    int32_t* state = reinterpret_cast<int32_t*>(plan_.state.data()) + size_t(layer) * kPlanRows * n;
     cache::cuda::PlannedRowsArgs a = l.cache->planned_rows_args(0);
     a.k_rows = k;
     a.v_rows = v;
     a.batch = int(n);
-    a.positions = state;
-    a.limits = state + n;
-    a.table_rows = state + 3 * n;
+    a.positions = state + kPositions * n;
+    a.limits = state + kLimits * n;
+    a.table_rows = state + kTableRows * n;
+    a.overran = state + kOverran * n;
     a.overruns = reinterpret_cast<uint32_t*>(plan_.overruns.data());
     throw_if_failed(cache::cuda::append_planned_rows(a, stream ? stream : config_.stream));
   }
@@ -477,12 +485,12 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     require_device_memory(out, device_, "out");
     if (meters != nullptr) require_device_memory(meters, device_, "meters");
     const size_t n = plan_.seqs.size(), H = size_t(config_.n_heads);
-    const int32_t* state = reinterpret_cast<const int32_t*>(plan_.state.data()) + size_t(layer) * 4 * n;
+    const int32_t* state = reinterpret_cast<const int32_t*>(plan_.state.data()) + size_t(layer) * kPlanRows * n;
     float* m = reinterpret_cast<float*>(plan_.meters.data()) + size_t(layer) * plan_.per_layer;
     void* on = stream ? stream : config_.stream;
     PagedDecodeParams p = layer_params(l, int(n));
-    p.seq_lens = state;  // the positions after this step's row (append_planned came first)
-    p.table_rows = state + 3 * n;
+    p.seq_lens = state + kPositions * n;  // the positions after this step's row (append_planned came first)
+    p.table_rows = state + kTableRows * n;
     p.max_seq_len = plan_.bucket;
     p.split_blocks = kSplitBlocks;
     p.q = q;
@@ -500,8 +508,9 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     if (metered_) {
       cache::cuda::PlannedStepValues r;
       r.values = m;
-      r.positions = state;
-      r.starts = state + 2 * n;
+      r.positions = state + kPositions * n;
+      r.starts = state + kStarts * n;
+      r.skip = state + kOverran * n;
       r.out = m + 3 * n * H;
       r.batch = int(n);
       r.width = int(H);
@@ -519,8 +528,8 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     if (stream != nullptr) throw_if_failed(cache::cuda::synchronize_stream(stream));
     throw_if_failed(cache::cuda::synchronize_stream(config_.stream));
     const size_t n = plan_.seqs.size(), L = layers_.size(), H = size_t(config_.n_heads);
-    std::vector<int32_t> positions(L * 4 * n);
-    throw_if_failed(plan_.state.download(0, positions.data(), sizeof(int32_t) * positions.size()));
+    std::vector<int32_t> state(L * kPlanRows * n);
+    throw_if_failed(plan_.state.download(0, state.data(), sizeof(int32_t) * state.size()));
     uint32_t overruns = 0;
     throw_if_failed(plan_.overruns.download(0, &overruns, sizeof(overruns)));
     std::vector<float> meters;
@@ -529,15 +538,23 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
       throw_if_failed(plan_.meters.download(0, meters.data(), sizeof(float) * meters.size()));
     }
     plan_.open = false;  // from here the store takes what ran, whatever fails
+    // A replay after this writes nothing (every row past its limit of 0).
+    for (size_t l = 0; l < L; ++l)
+      (void)cudaMemsetAsync(plan_.state.data() + sizeof(int32_t) * (l * kPlanRows + kLimits) * n, 0,
+                            sizeof(int32_t) * n, this->stream());
+    // Every (layer, sequence) committed and its steps' meters recorded, whatever fails; the first
+    // failure thrown after.
+    std::exception_ptr first_failure;
     for (size_t l = 0; l < L; ++l)
       for (size_t b = 0; b < n; ++b) {
-        const int64_t done = int64_t(positions[l * 4 * n + b]) - plan_.starts[(l * 4 + 2) * n + b];
+        const size_t row = l * kPlanRows * n + b;
+        const int64_t done = int64_t(state[row + kPositions * n]) - plan_.planned[row + kStarts * n];
         try {
-          throw_if_failed(layers_[l].cache->commit_rows(plan_.starts[(l * 4 + 3) * n + b], int(l),
+          throw_if_failed(layers_[l].cache->commit_rows(plan_.planned[row + kTableRows * n], 0,
                                                         std::clamp<int64_t>(done, 0, plan_.steps), plan_.steps));
         } catch (...) {
           layers_[l].failed = true;
-          throw;
+          if (!first_failure) first_failure = std::current_exception();
         }
         for (int64_t step = 0; metered_ && step < plan_.steps; ++step)
           for (size_t h = 0; h < H; ++h) {
@@ -546,6 +563,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
             telemetry_.record(gate::meter_from_a_minus_1(double(a)), !std::isfinite(a));
           }
       }
+    if (first_failure) std::rethrow_exception(first_failure);
     check_error_word();
     if (overruns > 0)
       fail(StatusCode::kOutOfRange, "device KV store: " + std::to_string(overruns) + " rows came past the " +
@@ -670,7 +688,8 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     throw_if_failed(cache::cuda::synchronize_stream(config_.stream));
     DeviceKvStoreStats s;
     for (int s_i = 0; s_i < config_.n_sequences; ++s_i) s.tokens_layer0 += length(s_i, 0);
-    s.bytes_reserved = ring_.size() + host_ring_.size() + workspace_.size();
+    s.bytes_reserved = ring_.size() + host_ring_.size() + workspace_.size() + plan_.state.size() + plan_.meters.size() +
+                       plan_.workspace.size() + plan_.overruns.size();
     for (int layer = 0; layer < config_.n_layers; ++layer) {
       const Layer& l = layers_[size_t(layer)];
       int64_t tokens = 0;
@@ -1134,14 +1153,14 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
   }
 
   // The open plan (plan()): its sequences, steps and device state. state: per layer
-  // [4][n] int32 (positions, limits, starts, table rows); meters: per layer per_layer floats (A - 1,
-  // rho and meters of the step [n][H] each, then the steps' A - 1 [steps][n][H]).
+  // [kPlanRows][n] int32 (PlanRow); meters: per layer per_layer floats (A - 1, rho and meters of
+  // the step [n][H] each, then the steps' A - 1 [steps][n][H]).
   struct Plan {
     bool open = false;
     std::vector<int32_t> seqs;
     int64_t steps = 0, bucket = 0;
     size_t per_layer = 0;
-    std::vector<int32_t> starts;  // the state as planned, [layer][4][n]
+    std::vector<int32_t> planned;  // the state as planned, [layer][kPlanRows][n]
     DeviceBuffer state, meters, workspace, overruns;
     WorkspaceLayout layout;
     std::vector<uintptr_t> signature;  // of the last plan: what a captured step reads

@@ -80,7 +80,10 @@ __global__ void planned_rows_kernel(PlannedRowsArgs a) {
   const bool fits = pos >= 0 && pos < a.limits[b];
   __syncthreads();
   if (!fits) {
-    if (threadIdx.x == 0) atomicAdd(a.overruns, 1u);
+    if (threadIdx.x == 0) {
+      atomicAdd(a.overruns, 1u);
+      a.overran[b] = 1;
+    }
     return;
   }
   const int32_t* tables = a.tables + int64_t(a.table_rows[b]) * a.table_row_stride;
@@ -113,7 +116,10 @@ __global__ void planned_rows_kernel(PlannedRowsArgs a) {
       dst[element] = r == 0 ? format::bf16_to_fp8_e5m2_ref(bf16) : uint8_t(0);
     }
   }
-  if (threadIdx.x == 0) a.positions[b] = int32_t(pos + 1);
+  if (threadIdx.x == 0) {
+    a.positions[b] = int32_t(pos + 1);
+    a.overran[b] = 0;
+  }
 }
 
 __global__ void append_batch_kernel(AppendBatch b) { append_one(b.items[blockIdx.y]); }
@@ -121,7 +127,7 @@ __global__ void append_batch_kernel(AppendBatch b) { append_one(b.items[blockIdx
 __global__ void planned_step_values_kernel(PlannedStepValues a) {
   const int b = blockIdx.x;
   const int64_t step = int64_t(a.positions[b]) - a.starts[b] - 1;
-  if (step < 0 || step >= a.steps) return;
+  if (step < 0 || step >= a.steps || a.skip[b] != 0) return;
   float* out = a.out + (step * a.batch + b) * a.width;
   for (int i = threadIdx.x; i < a.width; i += blockDim.x) out[i] = a.values[int64_t(b) * a.width + i];
 }
@@ -208,7 +214,7 @@ CudaStatus append_planned_rows(const PlannedRowsArgs& a, void* stream) {
   one.length = a.positions;
   one.fragment_major = a.fragment_major;
   if (CudaStatus s = check_append_rows(one); !s.ok) return s;
-  if (!a.limits || !a.table_rows || !a.overruns) return bad("a device array is null");
+  if (!a.limits || !a.table_rows || !a.overruns || !a.overran) return bad("a device array is null");
   if (a.table_row_stride < 2 * int64_t(a.n_kv_heads) * a.table_stride) return bad("table_row_stride too small");
   planned_rows_kernel<<<unsigned(a.batch), 256, 0, static_cast<cudaStream_t>(stream)>>>(a);
   const cudaError_t e = cudaGetLastError();
@@ -221,7 +227,7 @@ CudaStatus store_planned_step_values(const PlannedStepValues& a, void* stream) {
   if (a.batch < 0 || a.batch > 65535 || a.width < 0 || a.steps < 0)
     return cuda_error(StatusCode::kInvalidArgument, "store_planned_step_values: batch, width or steps out of range");
   if (a.batch == 0 || a.width == 0) return {};
-  if (!a.values || !a.positions || !a.starts || !a.out)
+  if (!a.values || !a.positions || !a.starts || !a.skip || !a.out)
     return cuda_error(StatusCode::kInvalidArgument, "store_planned_step_values: a device array is null");
   planned_step_values_kernel<<<unsigned(a.batch), 128, 0, static_cast<cudaStream_t>(stream)>>>(a);
   const cudaError_t e = cudaGetLastError();

@@ -48,7 +48,7 @@ CudaStatus check_append_rows(const AppendRowsArgs& args);
 // launch then advances by one, so a captured launch writes each replay's rows where their
 // sequences have got to. The rows after it in its block are zeroed, as append_rows zeroes them.
 // A row at or past limits[b] (past the pages reserved for it) is not written, its position not
-// advanced, and counted in *overruns.
+// advanced, counted in *overruns and flagged in overran[b] (cleared by a row that is written).
 struct PlannedRowsArgs {
   const float* k_rows = nullptr;  // device: [batch][n_kv_heads][head_dim]
   const float* v_rows = nullptr;
@@ -65,6 +65,7 @@ struct PlannedRowsArgs {
   int64_t raw_page_stride = 0, n_raw_pages = 0;
   bool fragment_major = false;
   uint32_t* overruns = nullptr;  // device
+  int32_t* overran = nullptr;    // device [batch]
 };
 
 // kInvalidArgument, before any launch, for what append_rows refuses and for missing arrays or a
@@ -74,12 +75,13 @@ CudaStatus append_planned_rows(const PlannedRowsArgs& args, void* stream);
 
 // Per-step values of planned steps (a decode step's meters): values [batch][width] of the step
 // each row has reached go to out[step][b][width], step = positions[b] - starts[b] - 1 (the
-// position after that step's row); rows whose step is outside [0, steps) write nothing. No host
-// copy and no wait.
+// position after that step's row); rows whose step is outside [0, steps), and rows flagged in
+// skip (an append past the plan: no step of theirs ran), write nothing. No host copy and no wait.
 struct PlannedStepValues {
   const float* values = nullptr;
   const int32_t* positions = nullptr;  // device [batch]
   const int32_t* starts = nullptr;     // device [batch]
+  const int32_t* skip = nullptr;       // device [batch]
   float* out = nullptr;                // device [steps][batch][width]
   int batch = 0, width = 0;
   int64_t steps = 0;

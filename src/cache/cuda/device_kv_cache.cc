@@ -836,8 +836,18 @@ CudaStatus DeviceKvCache::reserve_rows(int slot, int layer_index, int64_t n) {
         s = layer.raw.take(kFirstRawBlocks * 2 * config_.n_kv_heads, config_.stream, &page);
         if (s.ok) layer.host_tables[entry_index(slot, kv, h, b)] = coded ? -page - 1 : page;
       }
-  if (s.ok) s = upload_table_blocks(layer, slot, new_begin, block_end);
-  return mark_broken(s);
+  if (!s.ok) {
+    // No page (the pool could not grow): the pages taken go back and the cache is as it was.
+    for (int kv = 0; kv < 2; ++kv)
+      for (int h = 0; h < config_.n_kv_heads; ++h)
+        for (int64_t b = new_begin; b < block_end; ++b) {
+          int32_t& entry = layer.host_tables[entry_index(slot, kv, h, b)];
+          release_entry(layer, kv, entry);
+          entry = kUnwritten;
+        }
+    return s;
+  }
+  return mark_broken(upload_table_blocks(layer, slot, new_begin, block_end));
 }
 
 CudaStatus DeviceKvCache::commit_rows(int slot, int layer_index, int64_t n_done, int64_t n) {
