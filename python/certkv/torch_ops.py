@@ -170,8 +170,8 @@ def kv_store_step_planned(store: int, layer: int, k: torch.Tensor, v: torch.Tens
         raise ValueError(f"store: planned steps run over a KvStore(device='cuda'), not device {s.device!r}")
     n = s.planned_sequences
     if n == 0:
-        raise certkv_errors.InvalidArgumentError("certkv::kv_store_step_planned: no planned steps "
-                                                 "(KvStore.plan_device first)")
+        raise certkv_errors.error_for_status("invalid argument", 1, "certkv::kv_store_step_planned: no planned "
+                                             "steps (KvStore.plan_device first)")
     for name, x, heads in (("k", k, s.n_kv_heads), ("v", v, s.n_kv_heads), ("q", q, s.n_heads)):
         _require(name, x, torch.float32, 3, "[n_seqs, heads, head_dim]")
         if x.shape != (n, heads, s.head_dim) or x.device != q.device:
