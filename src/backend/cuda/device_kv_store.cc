@@ -556,13 +556,15 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
           layers_[l].failed = true;
           if (!first_failure) first_failure = std::current_exception();
         }
-        for (int64_t step = 0; metered_ && step < plan_.steps; ++step)
-          for (size_t h = 0; h < H; ++h) {
-            const float a = meters[l * plan_.per_layer + 3 * n * H + (size_t(step) * n + b) * H + h];
-            if (a < 0.f) continue;  // not attended
-            telemetry_.record(gate::meter_from_a_minus_1(double(a)), !std::isfinite(a));
-          }
       }
+    // In the order eager steps record them: step by step, then layer, sequence and head.
+    for (int64_t step = 0; metered_ && step < plan_.steps; ++step)
+      for (size_t l = 0; l < L; ++l)
+        for (size_t j = 0; j < n * H; ++j) {
+          const float a = meters[l * plan_.per_layer + 3 * n * H + size_t(step) * n * H + j];
+          if (a < 0.f) continue;  // not attended
+          telemetry_.record(gate::meter_from_a_minus_1(double(a)), !std::isfinite(a));
+        }
     if (first_failure) std::rethrow_exception(first_failure);
     check_error_word();
     if (overruns > 0)
