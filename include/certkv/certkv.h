@@ -1120,7 +1120,8 @@ CERTKV_API certkv_status certkv_kv_store_note_queries_device(certkv_kv_store* st
  *     >= 1 position of every layer) get their pages in every layer, and the steps' state goes to
  *     the device. Waits for the store's stream. *recapture (or NULL) is 1 when a graph captured
  *     under the previous plan would read memory this plan moved or sized otherwise (a pool that
- *     grew, other sequences, a context past the previous power of two): capture again; else 0.
+ *     grew, another number of sequences or steps, a context past the previous rounding: an eighth
+ *     of a power of two): capture again; else 0.
  *   append_planned_device: one row of each planned sequence (in plan order) for `layer`, k, v
  *     device [n_seqs][n_kv_heads][head_dim] float, at the position the device holds for it.
  *   attend_planned_device: decode attention of the planned sequences of `layer` (after that

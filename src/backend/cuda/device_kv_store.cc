@@ -375,12 +375,14 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
         longest = std::max(longest, start + steps);
       }
     }
-    // The longest context a step may reach, a power of two (so that later plans keep a captured
-    // graph valid), within what the tables hold.
+    // The longest context a step may reach, rounded up to an eighth of the power of two above it
+    // (so that later plans keep a captured graph valid, and a launch spans at most 1/8 more of the
+    // context than it reads), within what the tables hold.
     const int64_t T = config_.layer.block_tokens;
-    int64_t bucket = 256;
-    while (bucket < longest) bucket *= 2;
-    bucket = std::min(bucket, (config_.layer.max_tokens + T - 1) / T * T);
+    int64_t power = 256;
+    while (power < longest) power *= 2;
+    const int64_t unit = std::max<int64_t>(T, power / 8);
+    const int64_t bucket = std::min((longest + unit - 1) / unit * unit, (config_.layer.max_tokens + T - 1) / T * T);
     // The buffers first (nothing reserved yet if one cannot be had).
     const size_t H = size_t(config_.n_heads);
     const size_t per_layer = 3 * n * H + size_t(steps) * n * H;  // A - 1, rho, meters; the steps' A - 1

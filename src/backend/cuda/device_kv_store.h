@@ -129,7 +129,7 @@ class DeviceKvStore {
   // - plan: the next `steps` positions of each of seqs (distinct, in range, each holding >= 1
   //   position of every layer) get their pages in every layer, and the steps' state goes to the
   //   device (positions, table rows, meter buffers, a workspace for the longest context the plan
-  //   reaches, rounded up to a power of two). Waits for the stream. Returns true when a graph
+  //   reaches, rounded up to an eighth of the power of two above it). Waits for the stream. Returns true when a graph
   //   captured under the previous plan would read memory this plan moved or sized otherwise
   //   (capture again), false when such a graph stays valid.
   // - append_planned: one row of each planned sequence (plan order) for `layer`, k, v device
