@@ -17,6 +17,12 @@
 // A third bound, for the meter's cost (docs/server.md): the fp16 witness with each band's largest
 // value over the token's page of 16 (a bound per page and band, as if stored at encode), against
 // the per-token one: per cell the ratio of the p~-weighted c and of the logit term sum p~ (e^c - 1).
+// The same page bound used only where the page carries little of the row's attention (a mass-gated
+// bound, for the meter's cost): processing pages in order as decode attention does, a page whose
+// largest score is more than delta below the running maximum of the pages before it takes the
+// page bound, every other page the per-token one (either is an upper bound of the page's share of
+// A - 1, so any such choice stays sound); per cell the logit term over the per-token one's, and
+// the fraction of (cell, page) pairs that take the page bound, for delta 4, 8, 12 and 16.
 // And how much the exponent witness's meter moves when its inputs move by one bf16 step, as the
 // device's keys and values do (bf16 weight products, docs/cuda.md): every element of the dump's K
 // and V moved one bf16 step up or down with probability 1/4 each (a fixed seed), the meters of the
@@ -94,6 +100,10 @@ int main(int argc, char** argv) {
     const int group = n_q / n_kv;
     const AttentionShape shape{n_q, n_kv, d, scale};
     std::vector<double> ratios, cell_ratios, page_c_ratios, page_term_ratios, meters[2], tv_all, tight[2];
+    constexpr double kDeltas[] = {4, 8, 12, 16};
+    constexpr int kGates = 4;
+    std::vector<double> gated_term_ratios[kGates];
+    int64_t gated_light_pages[kGates] = {0, 0, 0, 0}, gated_pages = 0;
     std::vector<double> moved;  // |meter moved - meter| / meter, exponent witness, cells below 1
     int64_t moved_cells = 0, moved_beyond_2pct = 0;
     std::mt19937_64 rng(99);
@@ -203,6 +213,8 @@ int main(int argc, char** argv) {
             s_max = std::max(s_max, s[size_t(t)]);
           }
           double z = 0, num = 0, den = 0, c_page_sum = 0, term_key = 0, term_page = 0;
+          const std::vector<double> score = s;  // the logits, before the exponentials
+          std::vector<double> e_key(static_cast<size_t>(n_tokens)), e_page(static_cast<size_t>(n_tokens));
           for (double& x : s) z += (x = std::exp(x - s_max));
           // The fp16 witness's band maxima over each page of 16 tokens.
           std::vector<float> page_max(bounds[0].size());
@@ -226,8 +238,10 @@ int main(int argc, char** argv) {
               const double c_page = certkv::attention::meter_logit_bound_ref(*tables[0].lossy, qh, scale, bt.data(), n_tokens, 1e-6);
               const double w = s[size_t(t)] / z;
               c_page_sum += w * c_page;
-              term_key += w * std::expm1(c[0]);
-              term_page += w * std::expm1(c_page);
+              e_key[size_t(t)] = w * std::expm1(c[0]);
+              e_page[size_t(t)] = w * std::expm1(c_page);
+              term_key += e_key[size_t(t)];
+              term_page += e_page[size_t(t)];
             }
             long double err = 0;
             for (int c2 = 0; c2 < d; ++c2)
@@ -241,6 +255,20 @@ int main(int argc, char** argv) {
           if (den > 0) cell_ratios.push_back(num / den);
           if (den > 0) page_c_ratios.push_back(c_page_sum / den);
           if (term_key > 0) page_term_ratios.push_back(term_page / term_key);
+          for (int gi = 0; gi < kGates; ++gi) {
+            double running = -INFINITY, term = 0;
+            for (int64_t p0 = 0; p0 < n_tokens; p0 += 16) {
+              const int64_t p1 = std::min<int64_t>(n_tokens, p0 + 16);
+              double page_top = -INFINITY;
+              for (int64_t t = p0; t < p1; ++t) page_top = std::max(page_top, score[size_t(t)]);
+              const bool light = page_top < running - kDeltas[gi];
+              for (int64_t t = p0; t < p1; ++t) term += light ? e_page[size_t(t)] : e_key[size_t(t)];
+              gated_light_pages[gi] += light;
+              if (gi == 0) ++gated_pages;
+              running = std::max(running, page_top);
+            }
+            if (term_key > 0) gated_term_ratios[gi].push_back(term / term_key);
+          }
           ++cells;
           tv_all.push_back(tv[size_t(h)]);
           for (int w = 0; w < 2; ++w) {
@@ -270,6 +298,14 @@ int main(int argc, char** argv) {
                 quantile(page_c_ratios, 0), quantile(page_c_ratios, 0.5), quantile(page_c_ratios, 0.9),
                 quantile(page_c_ratios, 1), quantile(page_term_ratios, 0), quantile(page_term_ratios, 0.5),
                 quantile(page_term_ratios, 0.9), quantile(page_term_ratios, 1));
+    std::printf(" \"mass_gated_page_bound\": [");
+    for (int gi = 0; gi < kGates; ++gi)
+      std::printf("%s{\"delta\": %g, \"light_page_fraction\": %.4f, \"term_ratio_median\": %.4f, "
+                  "\"term_ratio_p90\": %.4f, \"term_ratio_max\": %.4f}",
+                  gi ? ", " : "", kDeltas[gi], double(gated_light_pages[gi]) / double(std::max<int64_t>(gated_pages, 1)),
+                  quantile(gated_term_ratios[gi], 0.5), quantile(gated_term_ratios[gi], 0.9),
+                  quantile(gated_term_ratios[gi], 1.0));
+    std::printf("],\n");
     std::printf(" \"perturbed_exponent\": {\"cells_below_1\": %lld, \"beyond_2pct\": %lld, \"rel_median\": %.4g, "
                 "\"rel_p90\": %.4g, \"rel_p99\": %.4g, \"rel_max\": %.4g},\n",
                 (long long)moved_cells, (long long)moved_beyond_2pct, quantile(moved, 0.5), quantile(moved, 0.9),
