@@ -372,23 +372,21 @@ def _certkv_attention_cuda(module: torch.nn.Module, cache: CertkvCache, layer_id
         prompt_out, _ = sdpa_attention_forward(module, query, k_new, v_new, attention_mask, dropout=0.0,
                                                scaling=scaling, **kwargs)
     if seqs:
-        # Rows [sum of counts, n_kv_heads, head_dim] float32, those of seqs[0] first.
-        if len(seqs) == batch and all(c == n_new for c in counts):
-            # .to() returns a float32 view as it is (strided): .contiguous() makes the rows.
-            k = k_new.transpose(1, 2).to(torch.float32).contiguous()
-            v = v_new.transpose(1, 2).to(torch.float32).contiguous()
-        else:
-            k = torch.cat([k_new[b, :, n_new - counts[b]:].transpose(0, 1) for b in seqs]).to(torch.float32)
-            v = torch.cat([v_new[b, :, n_new - counts[b]:].transpose(0, 1) for b in seqs]).to(torch.float32)
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            """x [batch, heads, n_new, head_dim] as rows [sum of counts, heads, head_dim] float32,
+            C-contiguous, those of seqs[0] first (each row's tokens are the last counts[b])."""
+            if len(seqs) == batch and all(c == n_new for c in counts):
+                # .to() returns a float32 view as it is (strided): .contiguous() makes the rows.
+                return x.transpose(1, 2).to(torch.float32).contiguous()
+            return torch.cat([x[b, :, n_new - counts[b]:].transpose(0, 1) for b in seqs]).to(torch.float32)
+
+        k, v = rows(k_new), rows(v_new)
         with torch.cuda.device(cache.device):  # the store launches on the current device
             store.append_device(layer_idx, seqs, [counts[b] for b in seqs], k.data_ptr(), v.data_ptr())
             if prompt_out is not None and cache._options.get("sparse") is not None:
                 # The prompt's queries make the key index's query centroid, as on the CPU, where
                 # the store attends the prompt itself.
-                if len(seqs) == batch and all(c == n_new for c in counts):
-                    q = query.transpose(1, 2).to(torch.float32).contiguous()
-                else:
-                    q = torch.cat([query[b, :, n_new - counts[b]:].transpose(0, 1) for b in seqs]).to(torch.float32)
+                q = rows(query)
                 store.note_queries_device(layer_idx, seqs, [counts[b] for b in seqs], q.data_ptr())
     if prompt_out is not None:
         return prompt_out
