@@ -391,23 +391,26 @@ void DeviceKvCache::release_entry(Layer& layer, int kv, int32_t entry) {
     layer.slots[kv].give_back(entry);
 }
 
+void DeviceKvCache::release_blocks(Layer& layer, int slot, int64_t block_begin, int64_t block_end) {
+  for (int kv = 0; kv < 2; ++kv)
+    for (int h = 0; h < config_.n_kv_heads; ++h)
+      for (int64_t b = block_begin; b < block_end; ++b) {
+        int32_t& entry = layer.host_tables[entry_index(slot, kv, h, b)];
+        release_entry(layer, kv, entry);
+        entry = kUnwritten;
+      }
+}
+
 CudaStatus DeviceKvCache::free_sequence(int slot) {
   if (!live(slot))
     return cuda_error(StatusCode::kInvalidArgument, "device KV cache: slot " + std::to_string(slot) + " is not live");
-  const int H = config_.n_kv_heads;
   // The pages to give back are those the reconciled host tables name.
   CudaStatus s = reconcile_encodes();
   if (!s.ok) return s;
   for (int l = 0; l < config_.n_layers; ++l) {
     Layer& layer = *layers_[size_t(l)];
     const int64_t blocks = (written(slot, l) + config_.block_tokens - 1) / config_.block_tokens;
-    for (int kv = 0; kv < 2; ++kv)
-      for (int h = 0; h < H; ++h)
-        for (int64_t b = 0; b < blocks; ++b) {
-          int32_t& entry = layer.host_tables[entry_index(slot, kv, h, b)];
-          release_entry(layer, kv, entry);
-          entry = kUnwritten;
-        }
+    release_blocks(layer, slot, 0, blocks);
     if (s.ok && blocks > 0) s = upload_table_blocks(layer, slot, 0, blocks);
   }
   live_[size_t(slot)] = 0;
@@ -838,13 +841,7 @@ CudaStatus DeviceKvCache::reserve_rows(int slot, int layer_index, int64_t n) {
       }
   if (!s.ok) {
     // No page (the pool could not grow): the pages taken go back and the cache is as it was.
-    for (int kv = 0; kv < 2; ++kv)
-      for (int h = 0; h < config_.n_kv_heads; ++h)
-        for (int64_t b = new_begin; b < block_end; ++b) {
-          int32_t& entry = layer.host_tables[entry_index(slot, kv, h, b)];
-          release_entry(layer, kv, entry);
-          entry = kUnwritten;
-        }
+    release_blocks(layer, slot, new_begin, block_end);
     return s;
   }
   return mark_broken(upload_table_blocks(layer, slot, new_begin, block_end));
@@ -865,13 +862,7 @@ CudaStatus DeviceKvCache::commit_rows(int slot, int layer_index, int64_t n_done,
   const int64_t kept_end = std::max((first + T - 1) / T, (first + n_done + T - 1) / T);
   const int64_t reserved_end = (first + n + T - 1) / T;
   if (reserved_end > kept_end) {
-    for (int kv = 0; kv < 2; ++kv)
-      for (int h = 0; h < config_.n_kv_heads; ++h)
-        for (int64_t b = kept_end; b < reserved_end; ++b) {
-          int32_t& entry = layer.host_tables[entry_index(slot, kv, h, b)];
-          release_entry(layer, kv, entry);
-          entry = kUnwritten;
-        }
+    release_blocks(layer, slot, kept_end, reserved_end);
     s = upload_table_blocks(layer, slot, kept_end, reserved_end);
   }
   // The blocks the rows completed, encoded as a write's.

@@ -358,6 +358,9 @@ class DeviceKvCache {
   }
   // Gives back the page a table entry names (nothing for an unwritten entry).
   void release_entry(Layer& layer, int kv, int32_t entry);
+  // Gives back the pages of blocks [block_begin, block_end) of every (K/V, kv_head) table of the
+  // slot and marks those entries unwritten, on the host (the caller uploads the tables).
+  void release_blocks(Layer& layer, int slot, int64_t block_begin, int64_t block_end);
   // Tables and lengths for at least `slots` slots.
   CudaStatus grow_slots(int64_t slots);
   CudaStatus upload_slot_lengths(int slot);
