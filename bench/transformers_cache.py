@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import subprocess
 import tempfile
@@ -93,6 +94,10 @@ def run(model, ids, make_cache, new: int, device: str, prefill_kwargs: dict):
 
 
 def git_commit() -> str | None:
+    """The commit of the library measured: CERTKV_COMMIT where the tree is a copy whose git history
+    is not the build's (a device machine's), else the checkout's HEAD."""
+    if os.environ.get("CERTKV_COMMIT"):
+        return os.environ["CERTKV_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
