@@ -1,15 +1,19 @@
 // AVX-512 forms of quantized_dot.h's step 1 for blocks of 32 activations, shared by the weight
-// products (model/matmul.cc) and the tile products (model/matmul_tiles.cc): the same codes,
-// scale and sums as quantize_activation_ref.
+// products (model/matmul_x86.cc) and the tile products (model/matmul_tiles.cc): the same codes,
+// scale and sums as quantize_activation_ref. Compiled where AVX-512 F and BW are the build's
+// target, or under a `#pragma GCC target` that enables them with CERTKV_ACTIVATION_BLOCKS_AVX512
+// defined (matmul_x86.cc). The functions are internal to each file that includes them, so a copy
+// compiled for wider instructions is never the one another file calls.
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(CERTKV_ACTIVATION_BLOCKS_AVX512)
 #include <cstdint>
 #include <cstring>
 
 #include "core/x86_simd.h"
 
 namespace certkv::model::detail {
+namespace {
 
 // No lane Inf or NaN (fpclass categories: QNaN 0x01, +Inf 0x08, -Inf 0x10, SNaN 0x80).
 inline bool all_finite(__m512 v) { return _mm512_fpclass_ps_mask(v, 0x01 | 0x08 | 0x10 | 0x80) == 0; }
@@ -43,5 +47,6 @@ inline void quantize_block32(const float* x, int8_t* q, float* d, float* s, int3
   *s = *d * float(total);
 }
 
+}  // namespace
 }  // namespace certkv::model::detail
 #endif

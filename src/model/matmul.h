@@ -12,8 +12,10 @@
 //    Float weights (F32, F16, BF16) are multiplied in fp32 without any activation quantization.
 //    With AVX-512 (F, BW, VL, VNNI, VBMI), or else AVX2 with FMA and F16C, the kernels are
 //    vectorized and the weights of one output row are unpacked once per tile of up to 8 tokens;
-//    without either a scalar path computes the same algorithm. On every path each token's
-//    outputs are computed the same way whatever the number of tokens or threads in the call.
+//    without either a scalar path computes the same algorithm. The kernels are chosen at run time
+//    from the CPU (matmul_kernel), whatever the build's -march, so that a portable build runs
+//    them too. On every path each token's outputs are computed the same way whatever the number
+//    of tokens or threads in the call.
 #pragma once
 
 #include <cstddef>
@@ -42,6 +44,15 @@ struct WeightMatrix {
 // The matrix of n_out rows of n_in elements of `type` at data, rows packed (row_bytes =
 // ggml_row_bytes(type, n_in)), without tiles.
 WeightMatrix weight_matrix(format::GgmlType type, const uint8_t* data, int64_t n_in, int64_t n_out);
+
+// The kernels of matmul's quantized and float products (the tile path of model/matmul_tiles.h
+// aside), widest first. matmul_kernel() is the one this process uses: the widest the CPU runs
+// (kAvx512: AVX-512 F, BW, VL, VNNI and VBMI; kAvx2: AVX2, FMA and F16C), capped by the
+// environment variable CERTKV_MATMUL_KERNEL when it names a kernel ("portable", "avx2",
+// "avx512"; read once, at the first call). The kernels round differently, so one process uses one.
+enum class MatmulKernel : uint8_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+MatmulKernel matmul_kernel();
+const char* matmul_kernel_name(MatmulKernel kernel);
 
 // True for the weight types matmul and matmul_ref accept: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
 // Q8_0, Q4_K, Q5_K, Q6_K.

@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -428,6 +430,29 @@ TEST(Matmul, NonFiniteActivationPoisonsItsTokenOnly) {
       EXPECT_TRUE(std::isnan(y_q[2 * n_out + o])) << o;
     }
   }
+}
+
+// The kernel is the widest the CPU runs, capped by CERTKV_MATMUL_KERNEL (ctest runs the Matmul
+// suites once per kernel this way, so each kernel meets the references above on this CPU).
+TEST(MatmulKernel, IsTheWidestTheCpuRunsUnderTheEnvironmentsCap) {
+  const MatmulKernel k = matmul_kernel();
+  EXPECT_EQ(k, matmul_kernel());  // chosen once
+  MatmulKernel widest = MatmulKernel::kPortable;
+#if defined(__x86_64__)
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (avx2) widest = MatmulKernel::kAvx2;
+  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi"))
+    widest = MatmulKernel::kAvx512;
+#endif
+  MatmulKernel cap = MatmulKernel::kAvx512;
+  if (const char* env = std::getenv("CERTKV_MATMUL_KERNEL"))
+    for (MatmulKernel c : {MatmulKernel::kPortable, MatmulKernel::kAvx2, MatmulKernel::kAvx512})
+      if (std::string(env) == matmul_kernel_name(c)) cap = c;
+  EXPECT_EQ(k, std::min(widest, cap)) << "chose " << matmul_kernel_name(k);
+  EXPECT_STREQ(matmul_kernel_name(MatmulKernel::kPortable), "portable");
+  EXPECT_STREQ(matmul_kernel_name(MatmulKernel::kAvx2), "avx2");
+  EXPECT_STREQ(matmul_kernel_name(MatmulKernel::kAvx512), "avx512");
 }
 
 TEST(Matmul, ZeroSizedShapes) {
