@@ -1137,7 +1137,10 @@ CERTKV_API certkv_status certkv_kv_store_note_queries_device(certkv_kv_store* st
  *     OUT_OF_RANGE when a replay ran past the plan (what was written is kept).
  * While a plan is open the store refuses append_device, attend_device, note_queries_device, crop,
  * reorder and select (INVALID_ARGUMENT), and length and read give it as it was at the plan. A
- * store with sparse decode refuses plans (UNSUPPORTED). */
+ * store with sparse decode refuses plans (UNSUPPORTED), and so does a dither8 store while a layer
+ * has not yet written a whole block (its outlier pairs are still being chosen). Replay a captured
+ * graph only between a plan that succeeded and its finish: after finish, or after a plan that
+ * failed, the pointers it captured may no longer be the store's memory. */
 CERTKV_API certkv_status certkv_kv_store_plan_device(certkv_kv_store* store, const int32_t* seqs, int32_t n_seqs,
                                                      int64_t steps, int32_t* recapture);
 CERTKV_API certkv_status certkv_kv_store_append_planned_device(certkv_kv_store* store, int32_t layer,

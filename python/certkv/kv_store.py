@@ -43,6 +43,7 @@ import numpy as np
 from . import _arrays
 from . import _certificate
 from . import _certkv
+from . import _errors
 
 __all__ = ["KvStore", "METER_DTYPE"]
 
@@ -295,8 +296,13 @@ class KvStore:
         they completed encoded, their meters recorded, the pages no row reached given back. Raises
         ``OutOfRangeError`` when a replay ran past the plan (what was written is kept)."""
         stream = _int("stream", stream, 0)
+        try:
+            self._store.finish_planned_device(stream)
+        except (_errors.OutOfRangeError, _errors.CorruptError):
+            # Raised after the plan closed (a replay past it, a corrupt page): the steps were taken.
+            self.planned_sequences = 0
+            raise
         self.planned_sequences = 0
-        self._store.finish_planned_device(stream)
 
     # -- sequences ----------------------------------------------------------------------------
 

@@ -180,7 +180,9 @@ def kv_store_step_planned(store: int, layer: int, k: torch.Tensor, v: torch.Tens
     k, v, q = k.contiguous(), v.contiguous(), q.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     meter = q.new_empty((q.shape[0], q.shape[1]))
-    stream = torch.cuda.current_stream(q.device).cuda_stream
+    # torch's default stream is handle 0, which the C calls read as "the store's stream": name it
+    # cudaStreamLegacy (1) instead, so the launches stay ordered with torch's work on it.
+    stream = torch.cuda.current_stream(q.device).cuda_stream or 1
     with torch.cuda.device(q.device):
         s.append_planned_device(int(layer), k.data_ptr(), v.data_ptr(), stream)
         s.attend_planned_device(int(layer), q.data_ptr(), out.data_ptr(), meter.data_ptr(), stream)

@@ -343,6 +343,9 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
                                      "sparse step's index update waits for the host)");
     if (steps < 1 || steps > (int64_t(1) << 20))
       fail(StatusCode::kInvalidArgument, "device KV store: steps " + std::to_string(steps) + " is not in [1, 2^20]");
+    // The eager steps' meters recorded first, so that finish records the planned ones after them (the
+    // order an all-eager run records; it matters where telemetry samples every k-th cell).
+    drain_ring();
     const size_t n = seqs.size(), L = layers_.size();
     for (size_t l = 0; l < L; ++l) {
       if (!layers_[l].cache)
@@ -385,7 +388,8 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     const int64_t bucket = std::min((longest + unit - 1) / unit * unit, (config_.layer.max_tokens + T - 1) / T * T);
     // The buffers first (nothing reserved yet if one cannot be had).
     const size_t H = size_t(config_.n_heads);
-    const size_t per_layer = 3 * n * H + size_t(steps) * n * H;  // A - 1, rho, meters; the steps' A - 1
+    // A - 1, rho, meters; the steps' A - 1 (metered schemes only: bf16 and gaac pages keep none).
+    const size_t per_layer = metered_ ? 3 * n * H + size_t(steps) * n * H : 0;
     grow(plan_.state, sizeof(int32_t) * state.size());
     grow(plan_.meters, sizeof(float) * per_layer * L);
     grow(plan_.overruns, sizeof(uint32_t));
@@ -416,7 +420,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
       }
       throw_if_failed(plan_.state.upload_async(0, state.data(), sizeof(int32_t) * state.size(), config_.stream));
       // The steps' A - 1 start below zero: a step not attended is not recorded.
-      const std::vector<float> unset(size_t(steps) * n * H, -1.f);
+      const std::vector<float> unset(metered_ ? size_t(steps) * n * H : 0, -1.f);
       for (size_t l = 0; l < L && metered_; ++l)
         throw_if_failed(plan_.meters.upload_async(sizeof(float) * (l * per_layer + 3 * n * H), unset.data(),
                                                   sizeof(float) * unset.size(), config_.stream));
@@ -488,7 +492,7 @@ class DeviceKvStoreImpl final : public DeviceKvStore {
     if (meters != nullptr) require_device_memory(meters, device_, "meters");
     const size_t n = plan_.seqs.size(), H = size_t(config_.n_heads);
     const int32_t* state = reinterpret_cast<const int32_t*>(plan_.state.data()) + size_t(layer) * kPlanRows * n;
-    float* m = reinterpret_cast<float*>(plan_.meters.data()) + size_t(layer) * plan_.per_layer;
+    float* m = metered_ ? reinterpret_cast<float*>(plan_.meters.data()) + size_t(layer) * plan_.per_layer : nullptr;
     void* on = stream ? stream : config_.stream;
     PagedDecodeParams p = layer_params(l, int(n));
     p.seq_lens = state + kPositions * n;  // the positions after this step's row (append_planned came first)
