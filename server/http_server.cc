@@ -49,7 +49,7 @@ int64_t unix_seconds() {
 json parse_body(const httplib::Request& req) {
   try {
     return json::parse(req.body);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // a syntax error, or a number past double's range
     throw OpenAiError(400, "invalid_request_error", "invalid_json", "",
                       std::string("the body is not valid JSON: ") + e.what());
   }
@@ -220,6 +220,19 @@ void HttpServer::install_routes() {
     // The health check, and the dashboard page, which holds no data (it asks /dashboard/state).
     if (req.path == "/health" || (req.path == "/" && req.method == "GET"))
       return httplib::Server::HandlerResponse::Unhandled;
+    // cpp-httplib holds a body to max_body_bytes by its Content-Length alone: a chunked body, or a
+    // compressed one (inflated as it is read), would come in whole whatever its size. Both are
+    // refused before the body is read.
+    if (req.has_header("Content-Encoding") && req.get_header_value("Content-Encoding") != "identity") {
+      send_error(res, OpenAiError(415, "invalid_request_error", "unsupported_content_encoding", "",
+                                  "compressed request bodies are not accepted: send the JSON as it is"));
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    if (req.has_header("Transfer-Encoding") && !req.has_header("Content-Length")) {
+      send_error(res, OpenAiError(411, "invalid_request_error", "length_required", "",
+                                  "a request body needs a Content-Length (chunked bodies are not accepted)"));
+      return httplib::Server::HandlerResponse::Handled;
+    }
     if (!options.api_key.empty() && req.get_header_value("Authorization") != "Bearer " + options.api_key) {
       send_error(res, OpenAiError(401, "authentication_error", "invalid_api_key", "",
                                   "a missing or wrong API key: send 'Authorization: Bearer KEY'"));

@@ -54,11 +54,45 @@ std::string message_content(const json& content, const std::string& param) {
   for (size_t i = 0; i < content.size(); ++i) {
     const json& part = content[i];
     const std::string p = param + "[" + std::to_string(i) + "]";
-    if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+    if (!part.is_object() || !part.contains("type") || part["type"] != "text" || !part.contains("text") ||
+        !part["text"].is_string())
       throw invalid_field(p, "only {\"type\": \"text\", \"text\": \"...\"} parts are supported");
     text += part["text"].get<std::string>();
   }
   return text;
+}
+
+// The text of a field, which the engine takes as a C string: a NUL inside it would cut it there.
+std::string text_without_nul(std::string text, const std::string& param) {
+  if (text.find('\0') != std::string::npos) throw invalid_field(param, "contains a NUL character (U+0000)");
+  return text;
+}
+
+// Fields of OpenAI's request that would change the answer and that certkv does not implement:
+// refused by name unless they hold their neutral value (what OpenAI does without them).
+void refuse_unsupported_fields(const json& body) {
+  auto number_is = [&](const char* name, double neutral) {
+    return body[name].is_number() && body[name].get<double>() == neutral;
+  };
+  const struct {
+    const char* name;
+    bool neutral;
+  } fields[] = {
+      {"frequency_penalty", present(body, "frequency_penalty") && number_is("frequency_penalty", 0)},
+      {"presence_penalty", present(body, "presence_penalty") && number_is("presence_penalty", 0)},
+      {"repetition_penalty", present(body, "repetition_penalty") && number_is("repetition_penalty", 1)},
+      {"min_p", present(body, "min_p") && number_is("min_p", 0)},
+      {"best_of", present(body, "best_of") && number_is("best_of", 1)},
+      {"top_logprobs", present(body, "top_logprobs") && number_is("top_logprobs", 0)},
+      {"logit_bias", present(body, "logit_bias") && body["logit_bias"].is_object() && body["logit_bias"].empty()},
+      {"response_format", present(body, "response_format") && body["response_format"].is_object() &&
+                              body["response_format"].value("type", json()) == "text"},
+      {"tools", present(body, "tools") && body["tools"].is_array() && body["tools"].empty()},
+      {"tool_choice", present(body, "tool_choice") && body["tool_choice"] == "none"},
+  };
+  for (const auto& f : fields)
+    if (present(body, f.name) && !f.neutral)
+      throw invalid_field(f.name, "is not supported (only its neutral value is accepted)");
 }
 
 }  // namespace
@@ -87,13 +121,14 @@ CompletionRequest parse_completion_request(const json& body, bool chat) {
       if (role != "system" && role != "user" && role != "assistant" && role != "developer")
         throw invalid_field(p + ".role", "expected system, developer, user or assistant, got '" + role + "'");
       if (!m.contains("content")) throw invalid_field(p + ".content", "is required");
-      r.messages.push_back({role == "developer" ? "system" : role, message_content(m["content"], p + ".content")});
+      r.messages.push_back({role == "developer" ? "system" : role,
+                            text_without_nul(message_content(m["content"], p + ".content"), p + ".content")});
     }
   } else {
     if (!body.contains("prompt")) throw invalid_field("prompt", "is required");
     const json& prompt = body["prompt"];
     if (prompt.is_string()) {
-      r.prompt = prompt.get<std::string>();
+      r.prompt = text_without_nul(prompt.get<std::string>(), "prompt");
     } else if (prompt.is_array() && !prompt.empty() && prompt[0].is_number_integer()) {
       for (const json& t : prompt) {
         if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
@@ -101,7 +136,7 @@ CompletionRequest parse_completion_request(const json& body, bool chat) {
         r.prompt_tokens.push_back(t.get<int32_t>());
       }
     } else if (prompt.is_array() && prompt.size() == 1 && prompt[0].is_string()) {
-      r.prompt = prompt[0].get<std::string>();
+      r.prompt = text_without_nul(prompt[0].get<std::string>(), "prompt");
     } else {
       throw invalid_field("prompt", "expected a string, a list of one string, or a list of token ids "
                                     "(send several prompts as several requests)");
@@ -131,8 +166,10 @@ CompletionRequest parse_completion_request(const json& body, bool chat) {
     } else {
       throw invalid_field("stop", "expected a string or up to 4 strings");
     }
-    for (const std::string& s : r.stop)
+    for (const std::string& s : r.stop) {
       if (s.empty()) throw invalid_field("stop", "a stop string is empty");
+      text_without_nul(s, "stop");
+    }
   }
   if (present(body, "ignore_eos")) r.ignore_eos = bool_field(body, "ignore_eos");
   if (present(body, "stream")) r.stream = bool_field(body, "stream");
@@ -159,6 +196,7 @@ CompletionRequest parse_completion_request(const json& body, bool chat) {
   if (!chat && present(body, "suffix")) throw invalid_field("suffix", "insertion with a suffix is not supported");
   if (present(body, "logprobs") && !(body["logprobs"].is_boolean() && !body["logprobs"].get<bool>()))
     throw invalid_field("logprobs", "log probabilities are not supported");
+  refuse_unsupported_fields(body);
   return r;
 }
 

@@ -638,6 +638,69 @@ TEST(Server, BadInputGetsOpenAiErrorsNamingTheField) {
   ASSERT_TRUE(big);
   EXPECT_EQ(big->status, 413);
   EXPECT_EQ(json::parse(big->body).at("error").at("code"), "request_too_large");
+  // A body the limit cannot see (chunked, or compressed) is refused before it is read.
+  {
+    httplib::Client chunked = client();
+    auto res = chunked.Post(
+        "/v1/completions",
+        [](size_t offset, httplib::DataSink& sink) {
+          if (offset == 0) sink.write("{\"prompt\": \"hi\"}", 16);
+          sink.done();
+          return true;
+        },
+        "application/json");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 411);
+    EXPECT_EQ(json::parse(res->body).at("error").at("code"), "length_required");
+  }
+  {
+    httplib::Client gz = client();
+    auto res = gz.Post("/v1/completions", httplib::Headers{{"Content-Encoding", "gzip"}}, "not really gzip",
+                       "application/json");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 415);
+    EXPECT_EQ(json::parse(res->body).at("error").at("code"), "unsupported_content_encoding");
+  }
+  // A number past double's range is not JSON the server can read: 400, not 500.
+  auto huge = c.Post("/v1/chat/completions",
+                     "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"temperature\": 1e999}",
+                     "application/json");
+  ASSERT_TRUE(huge);
+  EXPECT_EQ(huge->status, 400);
+  EXPECT_EQ(json::parse(huge->body).at("error").at("code"), "invalid_json");
+  json part = chat_body("hi", 1);
+  part["messages"][0]["content"] = json::array({{{"type", 1}, {"text", "x"}}});
+  r = post("/v1/chat/completions", part);
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(field(r), "messages[0].content[0]");
+  // A NUL would cut the text where the engine reads it as a C string.
+  json nul = chat_body(std::string("What is 2+2?") + '\0' + " and the rest", 1);
+  r = post("/v1/chat/completions", nul);
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(field(r), "messages[0].content");
+  json nul_stop = chat_body("hi", 1);
+  nul_stop["stop"] = std::string("e") + '\0' + "zzz";
+  r = post("/v1/chat/completions", nul_stop);
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(field(r), "stop");
+  // Fields that would change the answer are refused unless neutral.
+  json penalty = chat_body("hi", 1);
+  penalty["frequency_penalty"] = 0.5;
+  r = post("/v1/chat/completions", penalty);
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(field(r), "frequency_penalty");
+  json tools = chat_body("hi", 1);
+  tools["tool_choice"] = "required";
+  r = post("/v1/chat/completions", tools);
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(field(r), "tool_choice");
+  json neutral = chat_body("hi", 1);
+  neutral["frequency_penalty"] = 0;
+  neutral["presence_penalty"] = 0.0;
+  neutral["logit_bias"] = json::object();
+  neutral["response_format"] = {{"type", "text"}};
+  r = post("/v1/chat/completions", neutral);
+  EXPECT_EQ(r.status, 200) << r.body.dump();
 }
 
 TEST(Server, TokenizeAndDetokenizeRoundTrip) {

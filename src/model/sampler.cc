@@ -38,7 +38,7 @@ float sample_key(float logit, float temperature) {
 int32_t sample_token(const float* logits, int32_t n_vocab, const SamplerParams& params, double u,
                      std::vector<std::pair<float, int32_t>>* scratch) {
   if (n_vocab < 1) fail(StatusCode::kInvalidArgument, "sampling needs at least one logit");
-  if (params.temperature == 0.f) return argmax(logits, n_vocab);
+  if (sample_greedy(params)) return argmax(logits, n_vocab);
 
   std::vector<std::pair<float, int32_t>> local;
   std::vector<std::pair<float, int32_t>>& candidates = scratch ? *scratch : local;

@@ -4,7 +4,9 @@
 // and its draw's index only, and any backend that implements sample_token draws the same tokens
 // from the same logits (the CUDA backend does, on the device: backend/cuda/sample_kernels.h).
 //
-// sample_token's definition, for temperature T > 0:
+// sample_token's definition: greedy (argmax, lowest id on ties) for a temperature below
+// kGreedyTemperature, 0 included (logit / T would leave float's range as T nears 0, and the
+// draws tend to the argmax anyway); for temperature T >= kGreedyTemperature:
 //   x_i = sample_key(logit_i, T) (float division, -0 as +0, NaN as -inf); candidates sorted by x
 //   descending, lower id first on equal x; the first top_k of them when top_k > 0; w_i = exp(double(x_i -
 //   x_0)) (float subtraction, double exp); with top_p < 1 the shortest prefix whose cumulative
@@ -21,12 +23,18 @@
 
 namespace certkv::model {
 
+// Temperatures below this sample greedily (sample_greedy).
+inline constexpr float kGreedyTemperature = 1e-6f;
+
 struct SamplerParams {
-  float temperature = 0.f;  // 0: greedy (argmax, lowest id on ties)
+  float temperature = 0.f;  // below kGreedyTemperature (0 included): greedy (argmax, lowest id on ties)
   int top_k = 0;            // 0: no limit
   float top_p = 1.f;        // in (0, 1]
   uint64_t seed = 0;
 };
+
+// Whether params draw greedily (temperature below kGreedyTemperature): every backend's test.
+inline bool sample_greedy(const SamplerParams& params) { return params.temperature < kGreedyTemperature; }
 
 // A candidate's sort key: logit / temperature, -0 as +0 and NaN as -inf (so that the keys are
 // totally ordered).

@@ -153,6 +153,24 @@ TEST(Sampler, TheSameSeedGivesTheSameTokens) {
   EXPECT_EQ(c.sample(logits.data(), 1000), d.sample(logits.data(), 1000));
 }
 
+// Temperatures below kGreedyTemperature draw the argmax: at 1e-40, logit / T is +inf for every
+// positive logit, and the weights exp(inf - inf) were NaN (the lowest id among them was drawn).
+TEST(Sampler, TemperaturesNearZeroDrawTheArgmax) {
+  const std::vector<float> logits = {3.f, 7.5f, 7.25f, -2.f, 1.f};
+  for (float t : {1e-40f, 1e-38f, 1e-30f, 1e-7f, 0.f}) {
+    SamplerParams p;
+    p.temperature = t;
+    EXPECT_TRUE(sample_greedy(p)) << t;
+    for (double u : {0.0, 0.5, 0.999})
+      EXPECT_EQ(sample_token(logits.data(), int32_t(logits.size()), p, u), 1) << "T " << t << " u " << u;
+  }
+  SamplerParams p;
+  p.temperature = kGreedyTemperature;  // the first temperature that samples
+  EXPECT_FALSE(sample_greedy(p));
+  // Keys 7.5e6 and 7.25e6 apart by 2.5e5: the weight of the second is exp(-2.5e5) = 0.
+  EXPECT_EQ(sample_token(logits.data(), int32_t(logits.size()), p, 0.999), 1);
+}
+
 TEST(Sampler, RefusesBadParameters) {
   EXPECT_THROW(Sampler(with(-1.f)), Error);
   EXPECT_THROW(Sampler(with(std::numeric_limits<float>::infinity())), Error);

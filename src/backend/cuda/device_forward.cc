@@ -424,11 +424,11 @@ std::vector<size_t> DeviceForward::draw_tokens(std::span<const BatchItem> items,
   std::vector<size_t> drawing;
   for (int greedy = 1; greedy >= 0; --greedy)
     for (size_t i = 0; i < items.size(); ++i)
-      if (items[i].token && (items[i].sampling.temperature == 0.f) == bool(greedy)) drawing.push_back(i);
+      if (items[i].token && model::sample_greedy(items[i].sampling) == bool(greedy)) drawing.push_back(i);
   if (drawing.empty()) return drawing;
   const int m = int(drawing.size());
   int n_greedy = 0;
-  while (n_greedy < m && items[drawing[size_t(n_greedy)]].sampling.temperature == 0.f) ++n_greedy;
+  while (n_greedy < m && model::sample_greedy(items[drawing[size_t(n_greedy)]].sampling)) ++n_greedy;
   const int32_t n_vocab = model_.config().n_vocab;
   const size_t host_bytes = size_t(m) * (sizeof(SampleRow) + sizeof(int32_t));
   if (sample_host_.size() < host_bytes) {

@@ -35,7 +35,7 @@ CudaStatus argmax_rows(const float* logits, int64_t rows, int n, int32_t* out, v
 size_t sample_rows_workspace_bytes(int n_sampled, int32_t n_vocab);
 
 // tokens[j] = the token of rows[j], j < m (tokens and rows device pointers); rows (device) lists the greedy rows first
-// (rows[0, n_greedy) have temperature 0, the rest a temperature > 0). logits: [*][n_vocab].
+// (rows[0, n_greedy) are greedy, model::sample_greedy; the rest have a temperature >= model::kGreedyTemperature). logits: [*][n_vocab].
 // Refuses (kInvalidArgument) bad counts, null pointers or a workspace smaller than
 // sample_rows_workspace_bytes(m - n_greedy, n_vocab), before any launch.
 CudaStatus sample_rows(const float* logits, int32_t n_vocab, const SampleRow* rows, int m, int n_greedy,
