@@ -11,13 +11,16 @@
 #include "model/dequant.h"
 #include "model/ggml_type.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__)
+// The tile path is compiled on every x86-64 build, under its own `#pragma GCC target` (AMX-TILE,
+// AMX-INT8, AVX-512 with VNNI), and runs where matmul_tiles_available() finds the tiles at run
+// time, so a build without -march flags has it too. What runs before that check is compiled for
+// the build's own target.
+#if defined(__x86_64__)
 #define CERTKV_MATMUL_TILES 1
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include "core/x86_simd.h"
-#include "model/activation_blocks_x86.h"
 #endif
 
 namespace certkv::model {
@@ -169,9 +172,29 @@ constexpr long kXfeatureXtiledata = 18;     // the tile data
 bool detect_tiles() {
   const char* env = std::getenv("CERTKV_MATMUL_TILES");
   if (env && std::strcmp(env, "0") == 0) return false;
-  if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return false;
+  if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8") ||
+      !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512vnni"))
+    return false;
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
+
+}  // namespace
+
+bool matmul_tiles_available() {
+  static const bool available = detect_tiles();
+  return available;
+}
+
+}  // namespace certkv::model
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#define CERTKV_ACTIVATION_BLOCKS_AVX512 1
+#include "model/activation_blocks_x86.h"
+
+namespace certkv::model {
+namespace {
 
 // The tile configuration of palette 1 (64 bytes, as ldtilecfg reads it).
 struct alignas(64) TileConfig {
@@ -569,17 +592,9 @@ constexpr int64_t kTileTokens = 16;
 // once per chunk.
 constexpr int64_t kChunkTokens = 64;
 
-}  // namespace
-
-bool matmul_tiles_available() {
-  static const bool available = detect_tiles();
-  return available;
-}
-
-void matmul_tiled(std::span<const WeightMatrix> w, const float* x, int64_t n_tokens,
-                  std::span<float* const> y, ThreadPool& pool) {
-  if (!matmul_tiles_available())
-    fail(StatusCode::kUnsupported, "matmul tiles: this CPU or kernel offers no AMX tiles");
+// matmul_tiled once the tiles are known to be there.
+void tiled_products(std::span<const WeightMatrix> w, const float* x, int64_t n_tokens, std::span<float* const> y,
+                    ThreadPool& pool) {
   const int64_t n_in = w[0].n_in, nb = n_in / 32;
   // The activations in each block length that a matrix of the call needs ([0] blocks of 32, [1]
   // super-blocks of 256): the codes, d, s and the exact sums of each 32 codes, per token.
@@ -646,6 +661,19 @@ void matmul_tiled(std::span<const WeightMatrix> w, const float* x, int64_t n_tok
       }
     }
   });
+}
+
+}  // namespace
+}  // namespace certkv::model
+#pragma GCC pop_options
+
+namespace certkv::model {
+
+void matmul_tiled(std::span<const WeightMatrix> w, const float* x, int64_t n_tokens,
+                  std::span<float* const> y, ThreadPool& pool) {
+  if (!matmul_tiles_available())
+    fail(StatusCode::kUnsupported, "matmul tiles: this CPU or kernel offers no AMX tiles");
+  tiled_products(w, x, n_tokens, y, pool);
 }
 
 #else  // no tile path in this build
