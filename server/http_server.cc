@@ -186,17 +186,19 @@ std::vector<int32_t> prompt_tokens(const ServerState& s, const CompletionRequest
                                           " is outside the vocabulary of " + std::to_string(s.info.n_vocab));
     return r.prompt_tokens;
   }
-  std::string text = r.prompt;
+  std::vector<int32_t> tokens;
   if (r.chat) {
+    // The template's turn markers parsed, the messages' text as text (a message cannot open a turn).
     std::vector<certkv_chat_message> messages;
     for (const ChatMessage& m : r.messages) messages.push_back({m.role.c_str(), m.content.c_str()});
     try {
-      text = s.model->chat(messages, true);
+      tokens = s.model->chat_tokens(messages, true);
     } catch (const certkv::ApiError& e) {
       throw invalid_field("messages", std::string("the model's chat template refused them: ") + e.what());
     }
+  } else {
+    tokens = s.model->tokenize(r.prompt, true, true);
   }
-  std::vector<int32_t> tokens = s.model->tokenize(text, true, true);
   if (tokens.empty()) throw invalid_field(r.chat ? "messages" : "prompt", "the prompt has no token");
   return tokens;
 }

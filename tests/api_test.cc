@@ -108,6 +108,26 @@ TEST(CApi, TokenBufferProtocol) {
   EXPECT_EQ(certkv_token_to_piece(model.get(), 100000, small, 1, &nb), CERTKV_ERR_INVALID_ARGUMENT);
 }
 
+// certkv_tokenize_chat: the buffer protocol, null arguments, and the tokens of the plain
+// template (the llama2.c model has none) equal to tokenizing its text.
+TEST(CApi, ChatTokensFollowTheBufferProtocol) {
+  certkv::Model model(stories_checkpoint(), stories_tokenizer());
+  const certkv_chat_message messages[] = {{"user", "Tell me a story."}};
+  int32_t n = 0;
+  EXPECT_EQ(certkv_tokenize_chat(model.get(), messages, 1, 1, nullptr, 0, &n), CERTKV_ERR_OUT_OF_RANGE);
+  ASSERT_GT(n, 3);
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  int32_t n2 = 0;
+  ASSERT_EQ(certkv_tokenize_chat(model.get(), messages, 1, 1, ids.data(), n, &n2), CERTKV_OK);
+  EXPECT_EQ(n, n2);
+  EXPECT_EQ(ids, model.tokenize(model.chat({messages[0]}, true), true, true));
+  EXPECT_EQ(model.chat_tokens({messages[0]}, true), ids);
+  EXPECT_EQ(certkv_tokenize_chat(nullptr, messages, 1, 1, ids.data(), n, &n2), CERTKV_ERR_INVALID_ARGUMENT);
+  const certkv_chat_message no_content[] = {{"user", nullptr}};
+  EXPECT_EQ(certkv_tokenize_chat(model.get(), no_content, 1, 1, ids.data(), n, &n2), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(certkv_tokenize_chat(model.get(), messages, 1, 1, ids.data(), -1, &n2), CERTKV_ERR_INVALID_ARGUMENT);
+}
+
 TEST(CApi, BadSessionAndSamplerParameters) {
   certkv::Model model(stories_checkpoint(), stories_tokenizer());
   certkv_session_params sp = certkv_session_default_params();

@@ -87,6 +87,15 @@ CERTKV_API certkv_status certkv_apply_chat_template(const certkv_model* model,
                                                     const certkv_chat_message* messages,
                                                     size_t n_messages, int add_generation_prompt,
                                                     char* buf, size_t capacity, size_t* n_bytes);
+/* The tokens of a chat prompt: the chat template's text with its special tokens parsed and each
+ * message's role and content tokenized as plain text (the text of a turn marker such as
+ * "<|im_start|>" inside a message stays text, so a message cannot open a turn of its own), with
+ * BOS when the model asks for it. Tokenizing certkv_apply_chat_template's text with
+ * parse_special gives the same tokens unless a message holds such text. tokens: [capacity];
+ * *n_tokens as for certkv_tokenize. */
+CERTKV_API certkv_status certkv_tokenize_chat(const certkv_model* model, const certkv_chat_message* messages,
+                                              size_t n_messages, int add_generation_prompt, int32_t* tokens,
+                                              int32_t capacity, int32_t* n_tokens);
 
 /* ---- Sessions (one sequence with its own paged KV cache) ---------------------------------- */
 

@@ -70,6 +70,21 @@ class Model {
     return out;
   }
   bool is_end(int32_t token) const { return certkv_token_is_end(model_, token) != 0; }
+  // certkv_tokenize_chat: the template's special tokens parsed, the messages' text as text.
+  std::vector<int32_t> chat_tokens(const std::vector<certkv_chat_message>& messages, bool add_generation_prompt) const {
+    std::vector<int32_t> ids(256);
+    int32_t n = 0;
+    certkv_status s = certkv_tokenize_chat(model_, messages.data(), messages.size(), add_generation_prompt,
+                                           ids.data(), int32_t(ids.size()), &n);
+    if (s == CERTKV_ERR_OUT_OF_RANGE && n > int32_t(ids.size())) {
+      ids.resize(size_t(n));
+      s = certkv_tokenize_chat(model_, messages.data(), messages.size(), add_generation_prompt, ids.data(),
+                               int32_t(ids.size()), &n);
+    }
+    check(s);
+    ids.resize(size_t(n));
+    return ids;
+  }
   std::string chat(const std::vector<certkv_chat_message>& messages, bool add_generation_prompt) const {
     size_t n = 0;
     std::string out(256, '\0');

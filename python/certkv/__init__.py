@@ -92,13 +92,19 @@ class Model:
 
     def _prompt_tokens(self, prompt: str | Sequence[int] | Sequence[Mapping[str, str]], chat: bool,
                        system: str | None) -> list[int]:
+        # Chats are tokenized with the template's turn markers parsed and the messages' text as
+        # text (certkv_tokenize_chat): a message cannot open a turn of its own.
         if isinstance(prompt, str):
-            text = self.chat_prompt(prompt, system=system) if chat else prompt
-            tokens = self.tokenize(text, add_special=True, parse_special=chat)
+            if chat:
+                messages = ([("system", _text("system", system))] if system is not None else []) + \
+                    [("user", _text("prompt", prompt))]
+                tokens = self._model.chat_tokens(messages, True)
+            else:
+                tokens = self.tokenize(prompt, add_special=True, parse_special=False)
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
             if not chat or system is not None:
                 raise ValueError("prompt: a list of messages is a chat (chat=True; put the system message in the list)")
-            tokens = self.tokenize(self.chat_template(prompt), add_special=True, parse_special=True)
+            tokens = self._model.chat_tokens(_chat_messages(prompt), True)
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
             tokens = list(prompt)
         else:

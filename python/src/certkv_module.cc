@@ -189,6 +189,13 @@ std::string chat(const Model& m, const std::vector<std::pair<std::string, std::s
   return m.model->chat(c, add_generation_prompt);
 }
 
+std::vector<int32_t> chat_tokens(const Model& m, const std::vector<std::pair<std::string, std::string>>& messages,
+                                 bool add_generation_prompt) {
+  std::vector<certkv_chat_message> c;
+  for (const auto& [role, content] : messages) c.push_back({role.c_str(), content.c_str()});
+  return m.model->chat_tokens(c, add_generation_prompt);
+}
+
 // ---- Session ---------------------------------------------------------------------------------
 
 struct Session {
@@ -1022,7 +1029,8 @@ NB_MODULE(_certkv, m) {
       })
       .def("piece", [](const Model& mo, int32_t token) { return to_bytes(mo.model->piece(token)); })
       .def("is_end", [](const Model& mo, int32_t token) { return certkv_token_is_end(mo.get(), token) != 0; })
-      .def("chat", &chat);
+      .def("chat", &chat)
+      .def("chat_tokens", &chat_tokens);
 
   nb::class_<Session>(m, "Session")
       .def(nb::init<nb::object, const nb::dict&>())

@@ -209,6 +209,32 @@ certkv_status certkv_apply_chat_template(const certkv_model* model,
   return copy_out(text, buf, capacity, n_bytes, true);
 }
 
+certkv_status certkv_tokenize_chat(const certkv_model* model, const certkv_chat_message* messages,
+                                   size_t n_messages, int add_generation_prompt, int32_t* tokens, int32_t capacity,
+                                   int32_t* n_tokens) {
+  CERTKV_REQUIRE(model && (messages || n_messages == 0) && n_tokens && (tokens || capacity == 0),
+                 "certkv_tokenize_chat: null argument");
+  CERTKV_REQUIRE(capacity >= 0, "certkv_tokenize_chat: negative capacity");
+  std::vector<certkv::model::ChatMessage> list;
+  for (size_t i = 0; i < n_messages; ++i) {
+    CERTKV_REQUIRE(messages[i].role && messages[i].content,
+                   "certkv_tokenize_chat: message " + std::to_string(i) + " has a null field");
+    list.push_back({messages[i].role, messages[i].content});
+  }
+  std::vector<int32_t> ids;
+  certkv_status s = guarded([&] {
+    ids = certkv::model::tokenize_chat(model->model->tokenizer(), list, add_generation_prompt != 0);
+  });
+  if (s != CERTKV_OK) return s;
+  if (ids.size() > size_t(INT32_MAX)) return set_error(CERTKV_ERR_OUT_OF_RANGE, "chat too long");
+  *n_tokens = int32_t(ids.size());
+  if (ids.size() > size_t(capacity))
+    return set_error(CERTKV_ERR_OUT_OF_RANGE, "token buffer of " + std::to_string(capacity) +
+                                                  " is too small, " + std::to_string(ids.size()) + " needed");
+  if (!ids.empty()) memcpy(tokens, ids.data(), ids.size() * sizeof(int32_t));
+  return CERTKV_OK;
+}
+
 certkv_session_params certkv_session_default_params(void) {
   certkv_session_params p;
   p.context_tokens = 0;

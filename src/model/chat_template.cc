@@ -1,7 +1,8 @@
 #include "model/chat_template.h"
 
 #include <cctype>
-#include <sstream>
+#include <string_view>
+#include <utility>
 
 namespace certkv::model {
 
@@ -101,20 +102,42 @@ std::string chatml_default_system(const std::string& tmpl) {
   return "";
 }
 
+// The prompt being written: template text with operator<<, the messages' own text (roles and
+// contents) with given(), whose byte ranges it records (ChatPrompt::given_spans).
+class ChatText {
+ public:
+  ChatText& operator<<(std::string_view template_text) {
+    text_.append(template_text);
+    return *this;
+  }
+  ChatText& given(std::string_view text) {
+    if (!text.empty()) spans_.push_back({text_.size(), text.size()});
+    text_.append(text);
+    return *this;
+  }
+  std::string& text() { return text_; }
+  std::vector<TextSpan>& spans() { return spans_; }
+
+ private:
+  std::string text_;
+  std::vector<TextSpan> spans_;
+};
+
 void format_chatml(const ChatTemplateStyle& style, const std::vector<ChatMessage>& messages,
-                   bool add_generation_prompt, std::ostringstream& ss) {
+                   bool add_generation_prompt, ChatText& ss) {
   if (!messages.empty() && messages.front().role != "system" && !style.default_system.empty()) {
     ss << "<|im_start|>system\n" << style.default_system << "<|im_end|>\n";
   }
   for (const ChatMessage& m : messages) {
-    ss << "<|im_start|>" << m.role << "\n" << m.content << "<|im_end|>\n";
+    (ss << "<|im_start|>").given(m.role) << "\n";
+    ss.given(m.content) << "<|im_end|>\n";
   }
   if (add_generation_prompt) ss << "<|im_start|>assistant\n";
 }
 
 // llama.cpp's llm_chat_apply_template for its LLAMA_2 variants.
 void format_llama2(const ChatTemplateStyle& style, const std::vector<ChatMessage>& messages,
-                   std::ostringstream& ss) {
+                   ChatText& ss) {
   bool inside_turn = true;  // the first [INST] follows BOS, which the tokenizer adds
   ss << "[INST] ";
   for (const ChatMessage& m : messages) {
@@ -125,30 +148,28 @@ void format_llama2(const ChatTemplateStyle& style, const std::vector<ChatMessage
     }
     if (m.role == "system") {
       if (style.llama2_system_block) {
-        ss << "<<SYS>>\n" << content << "\n<</SYS>>\n\n";
+        (ss << "<<SYS>>\n").given(content) << "\n<</SYS>>\n\n";
       } else {
-        ss << content << "\n";
+        ss.given(content) << "\n";
       }
     } else if (m.role == "user") {
-      ss << content << " [/INST]";
+      ss.given(content) << " [/INST]";
     } else {
-      ss << content << "</s>";
+      ss.given(content) << "</s>";
       inside_turn = false;
     }
   }
 }
 
-void format_llama3(const std::vector<ChatMessage>& messages, bool add_generation_prompt,
-                   std::ostringstream& ss) {
+void format_llama3(const std::vector<ChatMessage>& messages, bool add_generation_prompt, ChatText& ss) {
   for (const ChatMessage& m : messages) {
-    ss << "<|start_header_id|>" << m.role << "<|end_header_id|>\n\n"
-       << trim(m.content) << "<|eot_id|>";
+    (ss << "<|start_header_id|>").given(m.role) << "<|end_header_id|>\n\n";
+    ss.given(trim(m.content)) << "<|eot_id|>";
   }
   if (add_generation_prompt) ss << "<|start_header_id|>assistant<|end_header_id|>\n\n";
 }
 
-void format_gemma(const std::vector<ChatMessage>& messages, bool add_generation_prompt,
-                  std::ostringstream& ss) {
+void format_gemma(const std::vector<ChatMessage>& messages, bool add_generation_prompt, ChatText& ss) {
   std::string system;
   for (const ChatMessage& m : messages) {
     if (m.role == "system") {
@@ -156,19 +177,21 @@ void format_gemma(const std::vector<ChatMessage>& messages, bool add_generation_
       continue;
     }
     const std::string role = m.role == "assistant" ? "model" : m.role;
-    ss << "<start_of_turn>" << role << "\n";
+    (ss << "<start_of_turn>").given(role) << "\n";
     if (!system.empty() && role != "model") {
-      ss << system << "\n\n";
+      ss.given(system) << "\n\n";
       system.clear();
     }
-    ss << trim(m.content) << "<end_of_turn>\n";
+    ss.given(trim(m.content)) << "<end_of_turn>\n";
   }
   if (add_generation_prompt) ss << "<start_of_turn>model\n";
 }
 
-void format_plain(const std::vector<ChatMessage>& messages, bool add_generation_prompt,
-                  std::ostringstream& ss) {
-  for (const ChatMessage& m : messages) ss << m.role << ": " << m.content << "\n";
+void format_plain(const std::vector<ChatMessage>& messages, bool add_generation_prompt, ChatText& ss) {
+  for (const ChatMessage& m : messages) {
+    ss.given(m.role) << ": ";
+    ss.given(m.content) << "\n";
+  }
   if (add_generation_prompt) ss << "assistant:";
 }
 
@@ -223,7 +246,7 @@ ChatPrompt format_chat(const VocabSpec& spec, const std::vector<ChatMessage>& me
                        bool add_generation_prompt) {
   ChatPrompt prompt;
   prompt.style = detect_chat_template(spec.chat_template);
-  std::ostringstream ss;
+  ChatText ss;
   switch (prompt.style.family) {
     case ChatTemplateFamily::kChatMl:
       format_chatml(prompt.style, messages, add_generation_prompt, ss);
@@ -241,8 +264,15 @@ ChatPrompt format_chat(const VocabSpec& spec, const std::vector<ChatMessage>& me
       format_plain(messages, add_generation_prompt, ss);
       break;
   }
-  prompt.text = ss.str();
+  prompt.text = std::move(ss.text());
+  prompt.given_spans = std::move(ss.spans());
   return prompt;
+}
+
+std::vector<int32_t> tokenize_chat(const Tokenizer& tokenizer, const std::vector<ChatMessage>& messages,
+                                   bool add_generation_prompt) {
+  const ChatPrompt prompt = format_chat(tokenizer.spec(), messages, add_generation_prompt);
+  return tokenizer.encode(prompt.text, tokenizer.spec().add_bos, true, prompt.given_spans);
 }
 
 std::string apply_chat_template(const VocabSpec& spec, const std::vector<ChatMessage>& messages,

@@ -47,12 +47,21 @@ ChatTemplateStyle detect_chat_template(const std::string& template_text);
 struct ChatPrompt {
   std::string text;
   ChatTemplateStyle style;
+  // Where the messages' own text (roles and contents) sits in `text`, in order: tokenize with
+  // Tokenizer::encode(text, add_bos, true, given_spans) so that a special token's text inside a
+  // message stays text (a user cannot write the template's turn markers).
+  std::vector<TextSpan> given_spans;
 };
 
 // Formats `messages` in the family of spec.chat_template; add_generation_prompt appends the
 // assistant header (no effect for Llama 2, whose prompt ends with [/INST]).
 ChatPrompt format_chat(const VocabSpec& spec, const std::vector<ChatMessage>& messages,
                        bool add_generation_prompt);
+
+// The tokens of format_chat(spec, messages, add_generation_prompt): the template's special
+// tokens parsed, the messages' text as text; BOS when the model asks for it.
+std::vector<int32_t> tokenize_chat(const Tokenizer& tokenizer, const std::vector<ChatMessage>& messages,
+                                   bool add_generation_prompt);
 
 // format_chat(...).text; use format_chat to learn whether the plain fallback was used.
 std::string apply_chat_template(const VocabSpec& spec, const std::vector<ChatMessage>& messages,

@@ -308,8 +308,14 @@ bool Tokenizer::is_end_of_generation(int32_t id) const {
 // Cuts the special tokens out of `text`, one token at a time from the longest, as llama.cpp's
 // tokenizer_st_partition does. User-defined tokens are always cut; control and unknown ones only
 // with parse_special.
-std::vector<Tokenizer::Fragment> Tokenizer::partition_special(std::string_view text,
-                                                              bool parse_special) const {
+std::vector<Tokenizer::Fragment> Tokenizer::partition_special(std::string_view text, bool parse_special,
+                                                              const std::vector<TextSpan>& literal_spans) const {
+  // Whether [begin, begin + length) overlaps a literal span.
+  auto literal = [&](size_t begin, size_t length) {
+    for (const TextSpan& span : literal_spans)
+      if (begin < span.offset + span.length && span.offset < begin + length) return true;
+    return false;
+  };
   std::vector<Fragment> fragments;
   if (text.empty()) return fragments;
   fragments.push_back({false, -1, 0, text.size()});
@@ -326,12 +332,16 @@ std::vector<Tokenizer::Fragment> Tokenizer::partition_special(std::string_view t
       }
       const std::string_view body = text.substr(f.offset, f.length);
       size_t pos = 0;
-      while (true) {
-        const size_t hit = body.find(special, pos);
+      for (size_t from = pos;;) {
+        const size_t hit = body.find(special, from);
         if (hit == std::string_view::npos) break;
+        if (types_[id] != kTokenUserDefined && literal(f.offset + hit, special.size())) {
+          from = hit + 1;  // written by a user: stays text
+          continue;
+        }
         if (hit > pos) next.push_back({false, -1, f.offset + pos, hit - pos});
         next.push_back({true, id, 0, 0});
-        pos = hit + special.size();
+        pos = from = hit + special.size();
       }
       if (pos < body.size()) next.push_back({false, -1, f.offset + pos, body.size() - pos});
     }
@@ -340,12 +350,16 @@ std::vector<Tokenizer::Fragment> Tokenizer::partition_special(std::string_view t
   return fragments;
 }
 
-std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_bos,
-                                       bool parse_special) const {
+std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_bos, bool parse_special) const {
+  return encode(text, add_bos, parse_special, {});
+}
+
+std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_bos, bool parse_special,
+                                       const std::vector<TextSpan>& literal_spans) const {
   std::vector<int32_t> out;
   if (add_bos && spec_.add_bos && spec_.bos >= 0) out.push_back(spec_.bos);
   bool previous_special = true;  // SentencePiece: a text fragment at the start gets the prefix
-  for (const Fragment& f : partition_special(text, parse_special)) {
+  for (const Fragment& f : partition_special(text, parse_special, literal_spans)) {
     if (f.is_token) {
       out.push_back(f.token);
       previous_special = true;

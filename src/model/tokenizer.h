@@ -56,6 +56,12 @@ struct VocabSpec {
 // tokenizer.ggml.model or tokenizer.ggml.tokens is missing or a key has the wrong type.
 VocabSpec vocab_from_gguf(const GgufFile& file);
 
+// A byte range of a text.
+struct TextSpan {
+  size_t offset = 0;
+  size_t length = 0;
+};
+
 class Tokenizer {
  public:
   // Validates the spec: known model and pre-tokenizer, scores/token_types sizes equal to tokens,
@@ -75,6 +81,12 @@ class Tokenizer {
   // SentencePiece uses the unk token for a byte without a <0xHH> token, and throws
   // certkv::Error (kNotFound) when there is none.
   std::vector<int32_t> encode(std::string_view text, bool add_bos, bool parse_special) const;
+  // As above, but a control or unknown token's text that overlaps a literal span (sorted, not
+  // overlapping each other) is tokenized as ordinary characters even with parse_special: the
+  // spans a chat prompt's messages fill (chat_template.h's tokenize_chat), so that text a user
+  // wrote cannot become the template's control tokens. User-defined tokens are cut as always.
+  std::vector<int32_t> encode(std::string_view text, bool add_bos, bool parse_special,
+                              const std::vector<TextSpan>& literal_spans) const;
 
   // The bytes token `id` stands for: a byte token's byte, a normal token's text (byte-level
   // alphabet or U+2581 undone), a user-defined token's text; control and unknown tokens give ""
@@ -103,7 +115,8 @@ class Tokenizer {
     size_t length = 0;
   };
   bool is_special(int32_t id) const;
-  std::vector<Fragment> partition_special(std::string_view text, bool parse_special) const;
+  std::vector<Fragment> partition_special(std::string_view text, bool parse_special,
+                                          const std::vector<TextSpan>& literal_spans) const;
   void encode_bpe(std::string_view text, std::vector<int32_t>& out) const;
   void encode_bpe_word(const std::string& word, std::string& scratch,
                        std::vector<int32_t>& out) const;

@@ -64,15 +64,15 @@ Line parse_line(const certkv::Model& model, const std::string& text, int line_no
       }
       std::vector<certkv_chat_message> messages;
       for (size_t i = 0; i < roles.size(); ++i) messages.push_back({roles[i].c_str(), contents[i].c_str()});
-      prompt = model.chat(messages, true);
-      line.prompt = model.tokenize(prompt, true, true);
+      line.prompt = model.chat_tokens(messages, true);
     } else if (j.contains("prompt")) {
       prompt = j.at("prompt").get<std::string>();
-      if (!raw) {
+      if (raw) {
+        line.prompt = model.tokenize(prompt, true, false);
+      } else {
         const certkv_chat_message m{"user", prompt.c_str()};
-        prompt = model.chat({m}, true);
+        line.prompt = model.chat_tokens({m}, true);
       }
-      line.prompt = model.tokenize(prompt, true, !raw);
     } else {
       throw bad("needs \"prompt\" or \"messages\"");
     }

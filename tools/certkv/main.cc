@@ -137,15 +137,16 @@ int cmd_run(int argc, char** argv) {
 
   certkv::Model model(model_path(flags));
   const certkv_model_info info = model.info();
-  std::string text = prompt;
-  if (!flags.has("raw")) {
+  std::vector<int32_t> tokens;
+  if (flags.has("raw")) {
+    tokens = model.tokenize(prompt, /*add_bos=*/true, /*parse_special=*/false);
+  } else {
     std::vector<certkv_chat_message> messages;
     const std::string system = flags.str("system");
     if (flags.has("system")) messages.push_back({"system", system.c_str()});
     messages.push_back({"user", prompt.c_str()});
-    text = model.chat(messages, true);
+    tokens = model.chat_tokens(messages, true);
   }
-  const std::vector<int32_t> tokens = model.tokenize(text, /*add_bos=*/true, /*parse_special=*/!flags.has("raw"));
   if (tokens.empty()) throw UsageError{"the prompt is empty"};
 
   certkv_session_params params = certkv_session_default_params();
