@@ -151,7 +151,13 @@ CompletionRequest parse_completion_request(const json& body, bool chat) {
     if (!(r.sampler.top_p > 0)) throw invalid_field("top_p", "must be in (0, 1], got 0");
   }
   if (present(body, "top_k")) r.sampler.top_k = int32_t(integer_field(body, "top_k", 0, INT32_MAX));
-  if (present(body, "seed")) r.sampler.seed = uint64_t(integer_field(body, "seed", 0, INT64_MAX));
+  if (present(body, "seed")) {
+    // Any 64-bit integer, as OpenAI's schema allows: negative ones and those above 2^63 - 1 are
+    // read as their two's-complement bits (each a stream of its own).
+    const json& seed = body["seed"];
+    if (!seed.is_number_integer()) throw invalid_field("seed", "expected an integer, got " + seed.dump());
+    r.sampler.seed = seed.is_number_unsigned() ? seed.get<uint64_t>() : uint64_t(seed.get<int64_t>());
+  }
   if (present(body, "n") && integer_field(body, "n", 1, INT32_MAX) != 1)
     throw invalid_field("n", "only 1 choice per request is supported");
   if (present(body, "stop")) {

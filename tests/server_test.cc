@@ -20,6 +20,7 @@
 #include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -428,6 +429,15 @@ TEST(Server, ASeedReproducesASampledCompletion) {
   ASSERT_EQ(a.status, 200);
   ASSERT_EQ(b.status, 200);
   EXPECT_EQ(a.body.at("choices").at(0).at("text"), b.body.at("choices").at(0).at("text"));
+  // Any 64-bit seed: -1 and 2^64 - 1 are the same bits, so the same stream.
+  json negative = body, top = body;
+  negative["seed"] = -1;
+  top["seed"] = std::numeric_limits<uint64_t>::max();
+  const Reply c = post("/v1/completions", negative);
+  const Reply d = post("/v1/completions", top);
+  ASSERT_EQ(c.status, 200) << c.body.dump();
+  ASSERT_EQ(d.status, 200) << d.body.dump();
+  EXPECT_EQ(c.body.at("choices").at(0).at("text"), d.body.at("choices").at(0).at("text"));
 }
 
 TEST(Server, ConcurrentRequestsGetTheirOutputsAlone) {
