@@ -219,22 +219,24 @@ void HttpServer::install_routes() {
   http.set_payload_max_length(size_t(options.max_body_bytes));
 
   http.set_pre_routing_handler([&s, &options](const httplib::Request& req, httplib::Response& res) {
-    // The health check, and the dashboard page, which holds no data (it asks /dashboard/state).
-    if (req.path == "/health" || (req.path == "/" && req.method == "GET"))
-      return httplib::Server::HandlerResponse::Unhandled;
-    // cpp-httplib holds a body to max_body_bytes by its Content-Length alone: a chunked body, or a
-    // compressed one (inflated as it is read), would come in whole whatever its size. Both are
-    // refused before the body is read.
+    // cpp-httplib holds a body to max_body_bytes by its Content-Length alone: a chunked body (with
+    // a Content-Length beside it or not), a body without a length (read to the connection's end)
+    // and a compressed one (inflated as it is read) would come in whole whatever their size. All
+    // are refused before the body is read, on every path.
     if (req.has_header("Content-Encoding") && req.get_header_value("Content-Encoding") != "identity") {
       send_error(res, OpenAiError(415, "invalid_request_error", "unsupported_content_encoding", "",
                                   "compressed request bodies are not accepted: send the JSON as it is"));
       return httplib::Server::HandlerResponse::Handled;
     }
-    if (req.has_header("Transfer-Encoding") && !req.has_header("Content-Length")) {
+    const bool has_body = req.method == "POST" || req.method == "PUT" || req.method == "PATCH" || req.method == "DELETE";
+    if (req.has_header("Transfer-Encoding") || (has_body && !req.has_header("Content-Length"))) {
       send_error(res, OpenAiError(411, "invalid_request_error", "length_required", "",
                                   "a request body needs a Content-Length (chunked bodies are not accepted)"));
       return httplib::Server::HandlerResponse::Handled;
     }
+    // The health check, and the dashboard page, which holds no data (it asks /dashboard/state).
+    if ((req.path == "/health" || req.path == "/") && req.method == "GET")
+      return httplib::Server::HandlerResponse::Unhandled;
     if (!options.api_key.empty() && req.get_header_value("Authorization") != "Bearer " + options.api_key) {
       send_error(res, OpenAiError(401, "authentication_error", "invalid_api_key", "",
                                   "a missing or wrong API key: send 'Authorization: Bearer KEY'"));

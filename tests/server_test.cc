@@ -664,6 +664,14 @@ TEST(Server, BadInputGetsOpenAiErrorsNamingTheField) {
     EXPECT_EQ(json::parse(res->body).at("error").at("code"), "length_required");
   }
   {
+    // Transfer-Encoding beside a Content-Length: cpp-httplib would read the body as chunked, unbounded.
+    httplib::Client both = client();
+    auto res = both.Post("/v1/completions", httplib::Headers{{"Transfer-Encoding", "chunked"}}, "{}",
+                         "application/json");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 411);
+  }
+  {
     httplib::Client gz = client();
     auto res = gz.Post("/v1/completions", httplib::Headers{{"Content-Encoding", "gzip"}}, "not really gzip",
                        "application/json");

@@ -395,7 +395,7 @@ CERTKV_API certkv_status certkv_session_last_queries(const certkv_session* sessi
 typedef struct certkv_sampler certkv_sampler;
 
 typedef struct certkv_sampler_params {
-  float temperature; /* 0: greedy */
+  float temperature; /* below 1e-6 (0 included): greedy */
   int32_t top_k;     /* 0: off */
   float top_p;       /* (0, 1] */
   uint64_t seed;

@@ -230,7 +230,7 @@ class Session:
                  top_p: float = 1.0, seed: int = 0, stop_at_end: bool = True) -> GenerateResult:
         """Generates from a fresh sequence (the session is reset first). prompt: text (in the
         chat template unless chat=False), a conversation (a list of {"role", "content"} dicts, in
-        the chat template: Model.chat_template), or token ids. Greedy unless temperature > 0."""
+        the chat template: Model.chat_template), or token ids. Greedy unless temperature >= 1e-6."""
         tokens = self._start(prompt, max_tokens, chat, system)
         pieces, r = self._session.generate(tokens, max_tokens, stop_at_end, float(temperature),
                                            int(top_k), float(top_p), int(seed))

@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/cpu_features.h"
 #include "core/status.h"
 #include "format/numeric.h"
 #include "model/dequant.h"
@@ -134,11 +135,10 @@ MatmulKernel matmul_kernel() {
       for (MatmulKernel k : {MatmulKernel::kPortable, MatmulKernel::kAvx2, MatmulKernel::kAvx512})
         if (std::string_view(env) == matmul_kernel_name(k)) cap = k;
 #if defined(__x86_64__)
-    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                      __builtin_cpu_supports("f16c");
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
     const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-                        __builtin_cpu_supports("avx512vbmi");
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
     if (avx512 && cap >= MatmulKernel::kAvx512) return MatmulKernel::kAvx512;
     if (avx2 && cap >= MatmulKernel::kAvx2) return MatmulKernel::kAvx2;
 #endif

@@ -47,7 +47,7 @@ WeightMatrix weight_matrix(format::GgmlType type, const uint8_t* data, int64_t n
 
 // The kernels of matmul's quantized and float products (the tile path of model/matmul_tiles.h
 // aside), widest first. matmul_kernel() is the one this process uses: the widest the CPU runs
-// (kAvx512: AVX-512 F, BW, VL, VNNI and VBMI; kAvx2: AVX2, FMA and F16C), capped by the
+// (kAvx512: AVX-512 F, BW, VL, DQ, VNNI and VBMI; kAvx2: AVX2, FMA and F16C), capped by the
 // environment variable CERTKV_MATMUL_KERNEL when it names a kernel ("portable", "avx2",
 // "avx512"; read once, at the first call). The kernels round differently, so one process uses one.
 enum class MatmulKernel : uint8_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "core/cpu_features.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
 #include "format/numeric.h"
@@ -439,10 +440,11 @@ TEST(MatmulKernel, IsTheWidestTheCpuRunsUnderTheEnvironmentsCap) {
   EXPECT_EQ(k, matmul_kernel());  // chosen once
   MatmulKernel widest = MatmulKernel::kPortable;
 #if defined(__x86_64__)
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
   if (avx2) widest = MatmulKernel::kAvx2;
   if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi"))
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni") &&
+      __builtin_cpu_supports("avx512vbmi"))
     widest = MatmulKernel::kAvx512;
 #endif
   MatmulKernel cap = MatmulKernel::kAvx512;

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "core/status.h"
 #include "format/numeric.h"
@@ -20,6 +21,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "core/cpu_features.h"
 #include "core/x86_simd.h"
 #endif
 
@@ -169,13 +171,25 @@ namespace {
 constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: ask for an extended state component
 constexpr long kXfeatureXtiledata = 18;     // the tile data
 
+// __builtin_cpu_supports of the ISA names detect_tiles asks for (the builtin takes literals only).
+bool cpu_supports(std::string_view isa) {
+  if (isa == "avx512f") return __builtin_cpu_supports("avx512f");
+  if (isa == "avx512bw") return __builtin_cpu_supports("avx512bw");
+  if (isa == "avx512vl") return __builtin_cpu_supports("avx512vl");
+  if (isa == "avx512dq") return __builtin_cpu_supports("avx512dq");
+  if (isa == "avx512vnni") return __builtin_cpu_supports("avx512vnni");
+  if (isa == "avx2") return __builtin_cpu_supports("avx2");
+  if (isa == "fma") return __builtin_cpu_supports("fma");
+  return false;
+}
+
 bool detect_tiles() {
   const char* env = std::getenv("CERTKV_MATMUL_TILES");
   if (env && std::strcmp(env, "0") == 0) return false;
-  if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8") ||
-      !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
-      !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512vnni"))
-    return false;
+  // Every instruction set the tile region's pragma enables.
+  if (!cpu_has_amx_int8() || !cpu_has_f16c()) return false;
+  for (const char* isa : {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx2", "fma"})
+    if (!cpu_supports(isa)) return false;
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
@@ -188,8 +202,13 @@ bool matmul_tiles_available() {
 
 }  // namespace certkv::model
 
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))), \
+                             apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#endif
 #define CERTKV_ACTIVATION_BLOCKS_AVX512 1
 #include "model/activation_blocks_x86.h"
 
@@ -665,7 +684,11 @@ void tiled_products(std::span<const WeightMatrix> w, const float* x, int64_t n_t
 
 }  // namespace
 }  // namespace certkv::model
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 namespace certkv::model {
 

@@ -58,7 +58,7 @@ std::vector<Option> make_option_table() {
       {"device", '\0', V::kText, "cpu|cuda", "cpu", kRun | kBatch,
        "where attention runs (cuda: the schemes marked [cuda] below; batch: the KV pool on the GPU too)"},
       // Sampling.
-      {"temp", '\0', V::kNumber, "T", "0", kGenerate, "sampling temperature (0: greedy)"},
+      {"temp", '\0', V::kNumber, "T", "0", kGenerate, "sampling temperature (below 1e-6, 0 included: greedy)"},
       {"top-k", '\0', V::kInteger, "K", "0", kGenerate, "sample from the K most likely tokens (0: off)"},
       {"top-p", '\0', V::kNumber, "P", "1", kGenerate, "sample from the smallest set holding mass P"},
       {"seed", 's', V::kInteger, "S", "0", kGenerate, "sampling seed"},

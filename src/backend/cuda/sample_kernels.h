@@ -18,7 +18,8 @@
 
 namespace certkv::backend::cuda {
 
-// One row to sample: its logits are logits[logit_row]; temperature 0 is greedy.
+// One row to sample: its logits are logits[logit_row]; a temperature below model::kGreedyTemperature
+// is greedy.
 struct SampleRow {
   int32_t logit_row = 0;
   int32_t top_k = 0;         // 0: no limit
