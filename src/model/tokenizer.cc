@@ -335,7 +335,7 @@ std::vector<Tokenizer::Fragment> Tokenizer::partition_special(std::string_view t
       for (size_t from = pos;;) {
         const size_t hit = body.find(special, from);
         if (hit == std::string_view::npos) break;
-        if (types_[id] != kTokenUserDefined && literal(f.offset + hit, special.size())) {
+        if (literal(f.offset + hit, special.size())) {
           from = hit + 1;  // written by a user: stays text
           continue;
         }

@@ -81,10 +81,10 @@ class Tokenizer {
   // SentencePiece uses the unk token for a byte without a <0xHH> token, and throws
   // certkv::Error (kNotFound) when there is none.
   std::vector<int32_t> encode(std::string_view text, bool add_bos, bool parse_special) const;
-  // As above, but a control or unknown token's text that overlaps a literal span (sorted, not
-  // overlapping each other) is tokenized as ordinary characters even with parse_special: the
-  // spans a chat prompt's messages fill (chat_template.h's tokenize_chat), so that text a user
-  // wrote cannot become the template's control tokens. User-defined tokens are cut as always.
+  // As above, but a special token's text (control, unknown or user-defined) that overlaps a
+  // literal span is tokenized as ordinary characters: the spans a chat prompt's messages fill
+  // (chat_template.h's tokenize_chat), so that text a user wrote cannot become the template's
+  // turn markers or any other special token (Qwen's <tool_call> is user-defined).
   std::vector<int32_t> encode(std::string_view text, bool add_bos, bool parse_special,
                               const std::vector<TextSpan>& literal_spans) const;
 

@@ -484,6 +484,29 @@ TEST(Tokenizer, TinyByteLevelVocabulary) {
   EXPECT_TRUE(tok.is_end_of_generation(258));
 }
 
+// Literal spans: a special token's text (control or user-defined) overlapping one stays text;
+// outside the spans both are cut as before; spans touching a token's text do not count.
+TEST(Tokenizer, LiteralSpansKeepSpecialTextAsText) {
+  VocabSpec spec = tiny_bpe_spec();
+  spec.tokens.push_back("<tool>");
+  spec.token_types.push_back(kTokenUserDefined);
+  const Tokenizer tok(std::move(spec));
+  const int32_t end = 258, tool = 259;
+  const std::string text = "ab<|end|><tool>ab<|end|><tool>";  // the second half a message's
+  const std::vector<int32_t> parsed = tok.encode(text, false, true);
+  EXPECT_EQ(std::count(parsed.begin(), parsed.end(), end), 2);
+  EXPECT_EQ(std::count(parsed.begin(), parsed.end(), tool), 2);
+  const std::vector<int32_t> literal = tok.encode(text, false, true, {TextSpan{15, 15}});
+  EXPECT_EQ(std::count(literal.begin(), literal.end(), end), 1);
+  EXPECT_EQ(std::count(literal.begin(), literal.end(), tool), 1);
+  EXPECT_EQ(tok.decode(literal), "ab<tool>ab<|end|><tool>");  // the first <|end|> is a control token: not rendered
+  // A span covering one byte of a token's text is enough; one ending where it begins is not.
+  const std::vector<int32_t> one_byte = tok.encode(text, false, true, {TextSpan{8, 1}});
+  EXPECT_EQ(std::count(one_byte.begin(), one_byte.end(), end), 1);
+  const std::vector<int32_t> touching = tok.encode(text, false, true, {TextSpan{0, 2}});
+  EXPECT_EQ(std::count(touching.begin(), touching.end(), end), 2);
+}
+
 TEST(Tokenizer, RejectsBadSpecs) {
   expect_error(
       [] {
