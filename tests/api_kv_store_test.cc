@@ -987,6 +987,11 @@ TEST(CApiKvStore, DeviceChoiceIsChecked) {
   EXPECT_EQ(certkv_kv_store_finish_planned_device(s, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_names("device is cpu")) << certkv_last_error();
   EXPECT_EQ(certkv_kv_store_finish_planned_device(nullptr, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  int32_t open = -1;
+  EXPECT_EQ(certkv_kv_store_planned_device(s, &open), CERTKV_OK);
+  EXPECT_EQ(open, 0);  // a cpu store never holds a plan
+  EXPECT_EQ(certkv_kv_store_planned_device(s, nullptr), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(certkv_kv_store_planned_device(nullptr, &open), CERTKV_ERR_INVALID_ARGUMENT);
   certkv_kv_store_free(s);
   s = nullptr;
 

@@ -1158,6 +1158,9 @@ CERTKV_API certkv_status certkv_kv_store_attend_planned_device(certkv_kv_store* 
                                                                const float* q, float* out, float* meters,
                                                                void* stream);
 CERTKV_API certkv_status certkv_kv_store_finish_planned_device(certkv_kv_store* store, void* stream);
+/* *open = 1 while a plan is open (from a plan_device that succeeded to the finish that took its
+ * steps, which closes it even when it then reports a failure), else 0; a cpu store: 0. */
+CERTKV_API certkv_status certkv_kv_store_planned_device(const certkv_kv_store* store, int32_t* open);
 /* Keeps the first n_tokens positions of seq in every layer. REQUIRES: n_tokens <= the length of
  * every layer. A store of device "cuda" refuses (CERTKV_ERR_UNSUPPORTED, the store unchanged) an
  * n_tokens that ends inside a block some layer keeps as a lossy page (fp8-e4m3, fp8-e5m2,

@@ -43,7 +43,6 @@ import numpy as np
 from . import _arrays
 from . import _certificate
 from . import _certkv
-from . import _errors
 
 __all__ = ["KvStore", "METER_DTYPE"]
 
@@ -298,11 +297,11 @@ class KvStore:
         stream = _int("stream", stream, 0)
         try:
             self._store.finish_planned_device(stream)
-        except (_errors.OutOfRangeError, _errors.CorruptError):
-            # Raised after the plan closed (a replay past it, a corrupt page): the steps were taken.
-            self.planned_sequences = 0
-            raise
-        self.planned_sequences = 0
+        finally:
+            # Finish closes the plan once it has taken the steps, even when it then fails (a replay
+            # past the plan, a commit that failed); before that, a failure leaves it open.
+            if not self._store.planned_device():
+                self.planned_sequences = 0
 
     # -- sequences ----------------------------------------------------------------------------
 

@@ -846,6 +846,11 @@ struct KvStore {
     nb::gil_scoped_release release;
     check(certkv_kv_store_finish_planned_device(store, reinterpret_cast<void*>(stream)));
   }
+  bool planned_device() const {
+    int32_t open = 0;
+    check(certkv_kv_store_planned_device(store, &open));
+    return open != 0;
+  }
   void crop(int32_t seq, int64_t n_tokens) { check(certkv_kv_store_crop(store, seq, n_tokens)); }
   void reorder(const std::vector<int32_t>& src) {
     if (src.size() != size_t(params.n_sequences)) throw nb::value_error("src: expected n_sequences entries");
@@ -1107,6 +1112,7 @@ NB_MODULE(_certkv, m) {
       .def("attend_planned_device", &KvStore::attend_planned_device, "layer"_a, "q_ptr"_a, "out_ptr"_a, "meters_ptr"_a,
            "stream"_a)
       .def("finish_planned_device", &KvStore::finish_planned_device, "stream"_a)
+      .def("planned_device", &KvStore::planned_device)
       .def("crop", &KvStore::crop)
       .def("reorder", &KvStore::reorder)
       .def("select", &KvStore::select)

@@ -702,6 +702,11 @@ certkv_status certkv_kv_store_finish_planned_device(certkv_kv_store* store, void
   return guarded([&] { store->device->finish_planned(stream); });
 }
 
+certkv_status certkv_kv_store_planned_device(const certkv_kv_store* store, int32_t* open) {
+  CERTKV_REQUIRE(store != nullptr && open != nullptr, "certkv_kv_store_planned_device: null store or open");
+  return guarded([&] { *open = store->device != nullptr && store->device->planned() ? 1 : 0; });
+}
+
 certkv_status certkv_kv_store_crop(certkv_kv_store* store, int32_t seq, int64_t n_tokens) {
   const char* w = "certkv_kv_store_crop";
   if (const certkv_status st = check_seq_layer(w, store, seq, 0); st != CERTKV_OK) return st;

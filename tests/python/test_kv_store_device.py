@@ -57,6 +57,10 @@ def test_a_cpu_store_refuses_device_pointers():
         store.attend_device(0, [0, 1], 256, 512, meters_ptr=768)
     with pytest.raises(certkv.InvalidArgumentError, match="note_queries_device: the store's device is cpu"):
         store.note_queries_device(0, [0], [3], 256)
+    with pytest.raises(certkv.InvalidArgumentError, match="finish_planned_device: the store's device is cpu"):
+        store.finish_planned_device()
+    # A failed finish leaves the Python side's plan as the store's: none on a cpu store.
+    assert store.planned_sequences == 0 and not store._store.planned_device()
     assert store.length(0, 0) == 0 and store.length(1, 0) == 0
 
 
