@@ -12,7 +12,7 @@
 #include "model/dequant.h"
 #include "model/ggml_type.h"
 
-// The tile path is compiled on every x86-64 build, under its own `#pragma GCC target` (AMX-TILE,
+// The tile path is compiled on every x86-64 build, in a target region of its own (AMX-TILE,
 // AMX-INT8, AVX-512 with VNNI), and runs where matmul_tiles_available() finds the tiles at run
 // time, so a build without -march flags has it too. What runs before that check is compiled for
 // the build's own target.
@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "core/cpu_features.h"
+#include "core/target_region.h"
 #include "core/x86_simd.h"
 #endif
 
@@ -186,7 +187,7 @@ bool cpu_supports(std::string_view isa) {
 bool detect_tiles() {
   const char* env = std::getenv("CERTKV_MATMUL_TILES");
   if (env && std::strcmp(env, "0") == 0) return false;
-  // Every instruction set the tile region's pragma enables.
+  // Every instruction set the tile region enables.
   if (!cpu_has_amx_int8() || !cpu_has_f16c()) return false;
   for (const char* isa : {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx2", "fma"})
     if (!cpu_supports(isa)) return false;
@@ -202,13 +203,7 @@ bool matmul_tiles_available() {
 
 }  // namespace certkv::model
 
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))), \
-                             apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
-#endif
+CERTKV_TARGET_PUSH("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 #define CERTKV_ACTIVATION_BLOCKS_AVX512 1
 #include "model/activation_blocks_x86.h"
 
@@ -684,11 +679,7 @@ void tiled_products(std::span<const WeightMatrix> w, const float* x, int64_t n_t
 
 }  // namespace
 }  // namespace certkv::model
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+CERTKV_TARGET_POP()
 
 namespace certkv::model {
 

@@ -1,6 +1,6 @@
 // The SIMD weight products (matmul_internal.h): matmul_kernels.inc compiled twice, for AVX2 (with
-// FMA and F16C) and for AVX-512 (F, BW, VL, DQ, VNNI, VBMI), each under its own target pragma
-// (GCC's `target`, clang's `attribute push`) and in its own namespace, so that the build needs no
+// FMA and F16C) and for AVX-512 (F, BW, VL, DQ, VNNI, VBMI), each in a target region of its own
+// (core/target_region.h) and in its own namespace, so that the build needs no
 // -march flag; matmul.cc picks one at run time (matmul_kernel). The headers are included before
 // the pragmas, so what they define is compiled for the build's own target and stays one
 // definition; only the kernels' own functions (internal to their namespace) take the wider
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "core/target_region.h"
 #include "core/x86_simd.h"
 #include "format/numeric.h"
 #include "model/dequant.h"
@@ -22,12 +23,7 @@
 
 #if defined(__x86_64__)
 
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#endif
+CERTKV_TARGET_PUSH("avx2,fma,f16c")
 namespace certkv::model::detail::avx2 {
 namespace {
 #define CERTKV_MATMUL_AVX2 1
@@ -41,19 +37,9 @@ void matmul_simd(std::span<const WeightMatrix> w, const float* x, int64_t n_toke
 }
 
 }  // namespace certkv::model::detail::avx2
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+CERTKV_TARGET_POP()
 
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c"))), \
-                             apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")
-#endif
+CERTKV_TARGET_PUSH("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")
 #define CERTKV_ACTIVATION_BLOCKS_AVX512 1
 #include "model/activation_blocks_x86.h"
 namespace certkv::model::detail::avx512 {
@@ -69,11 +55,7 @@ void matmul_simd(std::span<const WeightMatrix> w, const float* x, int64_t n_toke
 }
 
 }  // namespace certkv::model::detail::avx512
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+CERTKV_TARGET_POP()
 
 #else
 
