@@ -686,32 +686,21 @@ TEST(Server, BadInputGetsOpenAiErrorsNamingTheField) {
   ASSERT_TRUE(huge);
   EXPECT_EQ(huge->status, 400);
   EXPECT_EQ(json::parse(huge->body).at("error").at("code"), "invalid_json");
-  json part = chat_body("hi", 1);
-  part["messages"][0]["content"] = json::array({{{"type", 1}, {"text", "x"}}});
-  r = post("/v1/chat/completions", part);
-  EXPECT_EQ(r.status, 400);
-  EXPECT_EQ(field(r), "messages[0].content[0]");
+  // A chat body with one value set (a JSON pointer) is refused with 400 naming `param`.
+  auto refused = [&](const std::string& pointer, const json& value, const std::string& param) {
+    json body = chat_body("hi", 1);
+    body[json::json_pointer(pointer)] = value;
+    const Reply reply = post("/v1/chat/completions", body);
+    EXPECT_EQ(reply.status, 400) << pointer;
+    EXPECT_EQ(field(reply), param) << pointer;
+  };
+  refused("/messages/0/content", json::array({{{"type", 1}, {"text", "x"}}}), "messages[0].content[0]");
   // A NUL would cut the text where the engine reads it as a C string.
-  json nul = chat_body(std::string("What is 2+2?") + '\0' + " and the rest", 1);
-  r = post("/v1/chat/completions", nul);
-  EXPECT_EQ(r.status, 400);
-  EXPECT_EQ(field(r), "messages[0].content");
-  json nul_stop = chat_body("hi", 1);
-  nul_stop["stop"] = std::string("e") + '\0' + "zzz";
-  r = post("/v1/chat/completions", nul_stop);
-  EXPECT_EQ(r.status, 400);
-  EXPECT_EQ(field(r), "stop");
+  refused("/messages/0/content", std::string("What is 2+2?") + '\0' + " and the rest", "messages[0].content");
+  refused("/stop", std::string("e") + '\0' + "zzz", "stop");
   // Fields that would change the answer are refused unless neutral.
-  json penalty = chat_body("hi", 1);
-  penalty["frequency_penalty"] = 0.5;
-  r = post("/v1/chat/completions", penalty);
-  EXPECT_EQ(r.status, 400);
-  EXPECT_EQ(field(r), "frequency_penalty");
-  json tools = chat_body("hi", 1);
-  tools["tool_choice"] = "required";
-  r = post("/v1/chat/completions", tools);
-  EXPECT_EQ(r.status, 400);
-  EXPECT_EQ(field(r), "tool_choice");
+  refused("/frequency_penalty", 0.5, "frequency_penalty");
+  refused("/tool_choice", "required", "tool_choice");
   json neutral = chat_body("hi", 1);
   neutral["frequency_penalty"] = 0;
   neutral["presence_penalty"] = 0.0;
