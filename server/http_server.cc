@@ -41,6 +41,22 @@ void send_json(httplib::Response& res, int status, const json& body) {
 
 void send_error(httplib::Response& res, const OpenAiError& e) { send_json(res, e.http_status, error_body(e)); }
 
+// A refusal sent before the request's body is read (from its headers alone). The connection is
+// closed after it: left open, the unread body would be parsed as the next request on it, a request
+// smuggled past the checks. cpp-httplib 0.11 keeps a connection open whatever the response's
+// Connection header says, and closes it when a content provider fails: this one writes the whole
+// error body and then reports failure.
+void refuse_before_the_body(httplib::Response& res, const OpenAiError& e) {
+  res.status = e.http_status;
+  auto body = std::make_shared<std::string>(dump(error_body(e)));
+  res.set_header("Connection", "close");
+  res.set_content_provider(body->size(), "application/json",
+                           [body](size_t offset, size_t length, httplib::DataSink& sink) {
+                             sink.write(body->data() + offset, length);
+                             return false;
+                           });
+}
+
 int64_t unix_seconds() {
   return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
@@ -219,35 +235,31 @@ void HttpServer::install_routes() {
   http.set_payload_max_length(size_t(options.max_body_bytes));
 
   http.set_pre_routing_handler([&s, &options](const httplib::Request& req, httplib::Response& res) {
+    auto refuse = [&res](const OpenAiError& e) {
+      refuse_before_the_body(res, e);
+      return httplib::Server::HandlerResponse::Handled;
+    };
     // cpp-httplib holds a body to max_body_bytes by its Content-Length alone: a chunked body (with
     // a Content-Length beside it or not), a body without a length (read to the connection's end)
     // and a compressed one (inflated as it is read) would come in whole whatever their size. All
     // are refused before the body is read, on every path.
-    if (req.has_header("Content-Encoding") && req.get_header_value("Content-Encoding") != "identity") {
-      send_error(res, OpenAiError(415, "invalid_request_error", "unsupported_content_encoding", "",
-                                  "compressed request bodies are not accepted: send the JSON as it is"));
-      return httplib::Server::HandlerResponse::Handled;
-    }
+    if (req.has_header("Content-Encoding") && req.get_header_value("Content-Encoding") != "identity")
+      return refuse(OpenAiError(415, "invalid_request_error", "unsupported_content_encoding", "",
+                                "compressed request bodies are not accepted: send the JSON as it is"));
     const bool has_body = req.method == "POST" || req.method == "PUT" || req.method == "PATCH" || req.method == "DELETE";
-    if (req.has_header("Transfer-Encoding") || (has_body && !req.has_header("Content-Length"))) {
-      send_error(res, OpenAiError(411, "invalid_request_error", "length_required", "",
-                                  "a request body needs a Content-Length (chunked bodies are not accepted)"));
-      return httplib::Server::HandlerResponse::Handled;
-    }
+    if (req.has_header("Transfer-Encoding") || (has_body && !req.has_header("Content-Length")))
+      return refuse(OpenAiError(411, "invalid_request_error", "length_required", "",
+                                "a request body needs a Content-Length (chunked bodies are not accepted)"));
     // The health check, and the dashboard page, which holds no data (it asks /dashboard/state).
     if ((req.path == "/health" || req.path == "/") && req.method == "GET")
       return httplib::Server::HandlerResponse::Unhandled;
-    if (!options.api_key.empty() && req.get_header_value("Authorization") != "Bearer " + options.api_key) {
-      send_error(res, OpenAiError(401, "authentication_error", "invalid_api_key", "",
-                                  "a missing or wrong API key: send 'Authorization: Bearer KEY'"));
-      return httplib::Server::HandlerResponse::Handled;
-    }
-    if (s.phase != ServerState::Phase::kReady) {
-      send_error(res, OpenAiError(503, "server_error", "model_not_ready", "",
-                                  s.phase == ServerState::Phase::kLoading ? "the model is loading"
-                                                                          : "the model failed to load"));
-      return httplib::Server::HandlerResponse::Handled;
-    }
+    if (!options.api_key.empty() && req.get_header_value("Authorization") != "Bearer " + options.api_key)
+      return refuse(OpenAiError(401, "authentication_error", "invalid_api_key", "",
+                                "a missing or wrong API key: send 'Authorization: Bearer KEY'"));
+    if (s.phase != ServerState::Phase::kReady)
+      return refuse(OpenAiError(503, "server_error", "model_not_ready", "",
+                                s.phase == ServerState::Phase::kLoading ? "the model is loading"
+                                                                        : "the model failed to load"));
     return httplib::Server::HandlerResponse::Unhandled;
   });
 

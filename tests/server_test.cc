@@ -107,6 +107,40 @@ int raw_status(const std::string& request) {
   return reply.size() > 12 && reply.compare(0, 5, "HTTP/") == 0 ? std::atoi(reply.c_str() + 9) : 0;
 }
 
+// Everything the server sends back on one new connection for `parts`, sent one after another,
+// each once the server has gone quiet for a second after the one before (so a part after a
+// request's headers comes as a client that sends its body late sends it); ends when the server
+// closes the connection.
+std::string raw_exchange(const std::vector<std::string>& parts) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  timeval timeout{1, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(uint16_t(g_env->port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string reply;
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address) == 0) {
+    for (const std::string& part : parts) {
+      if (send(fd, part.data(), part.size(), MSG_NOSIGNAL) != ssize_t(part.size())) break;
+      char buf[4096];
+      ssize_t n = 0;
+      while ((n = recv(fd, buf, sizeof buf, 0)) > 0) reply.append(buf, size_t(n));
+      if (n == 0) break;  // closed by the server
+    }
+  }
+  close(fd);
+  return reply;
+}
+
+// How many responses `replies` holds (their status lines).
+int count_responses(const std::string& replies) {
+  int n = 0;
+  for (size_t at = replies.find("HTTP/1.1 "); at != std::string::npos; at = replies.find("HTTP/1.1 ", at + 1)) ++n;
+  return n;
+}
+
 Reply post(const std::string& path, const json& body, const std::string& key = kApiKey) {
   httplib::Client c = client(key);
   auto res = c.Post(path.c_str(), body.dump(), "application/json");
@@ -723,6 +757,35 @@ TEST(Server, BadInputGetsOpenAiErrorsNamingTheField) {
   neutral["response_format"] = {{"type", "text"}};
   r = post("/v1/chat/completions", neutral);
   EXPECT_EQ(r.status, 200) << r.body.dump();
+}
+
+// A request refused from its headers alone (a wrong key, a compressed or chunked body) leaves its
+// body unread: the server closes the connection after the refusal, so that body is never taken
+// for the next request on it (here a well-formed request with the right key, smuggled inside).
+TEST(Server, ARefusedRequestsBodyIsNeverReadAsTheNextRequest) {
+  const std::string key = "Authorization: Bearer " + std::string(kApiKey) + "\r\n";
+  const std::string smuggled = "GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + key + "\r\n";
+  const std::string length = "Content-Length: " + std::to_string(smuggled.size()) + "\r\n";
+  const std::string head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n";
+  struct Case {
+    std::string headers;
+    int status;
+  };
+  const Case cases[] = {
+      {head + "Authorization: Bearer wrong\r\n" + length + "\r\n", 401},
+      {head + key + "Content-Encoding: gzip\r\n" + length + "\r\n", 415},
+      {head + key + "Transfer-Encoding: chunked\r\n\r\n", 411},
+      {head + key + "\r\n", 411},
+  };
+  for (const Case& c : cases) {
+    const std::string replies = raw_exchange({c.headers, smuggled});
+    EXPECT_EQ(std::atoi(replies.c_str() + 9), c.status) << replies;
+    EXPECT_EQ(count_responses(replies), 1) << replies;
+    EXPECT_NE(replies.find("Connection: close"), std::string::npos) << replies;
+  }
+  // The same request after an accepted one on a kept-alive connection is answered: the check
+  // above does not pass because the server never reads a second request.
+  EXPECT_EQ(count_responses(raw_exchange({smuggled, smuggled})), 2);
 }
 
 TEST(Server, TokenizeAndDetokenizeRoundTrip) {
