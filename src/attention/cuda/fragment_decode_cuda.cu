@@ -46,6 +46,10 @@ constexpr float kLog2e = 1.4426950408889634f;
 // normal floats and bf16, and an output o keeps every bit there while 2^(b - 254) <= |o| < 2^b
 // (in value units: from 2^-190 to 2^64 at the ends of the range, any output of real KV).
 constexpr int kGaacBuiltUnitsLow = 64, kGaacBuiltUnitsHigh = 192;
+// 1 / x for x = 2^e with -126 <= e <= 126 (the V scales of built units: e = b - kGaacBuilt, b in
+// [kGaacBuiltUnitsLow, kGaacBuiltUnitsHigh]): 2^-e exactly, from the exponent field, where a float
+// division takes a dozen instructions and a branch. x / 2^e and x 2^-e round the same real number.
+__device__ inline float inverse_power_of_two(float x) { return __int_as_float(0x7f000000 - __float_as_int(x)); }
 
 // ---------------------------------------------------------------------------------------------
 // The bulk copy engine and mbarriers (PTX ISA 8.0, sm_90).
@@ -872,7 +876,7 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
         // a raw page into built units: times 2^(kGaacBuilt - b); a coded page into value units:
         // times 2^(b - kGaacBuilt)
         const float scale = sh.value_scale[16 * pp + tq + 8 * (k >> 1)];
-        o_acc[pp][k] += raw ? (built_units ? page[pp][k] / scale : page[pp][k]) : page[pp][k] * scale;
+        o_acc[pp][k] += raw ? (built_units ? page[pp][k] * inverse_power_of_two(scale) : page[pp][k]) : page[pp][k] * scale;
       }
   };
   [[maybe_unused]] auto raw_values_in_built_units = [&](uint32_t (&va)[D / 16][4], const Masks& mk) {
@@ -890,8 +894,8 @@ __global__ void __launch_bounds__(kThreads) fragment_split_kernel(FragmentSplitA
     for (int pp = 0; pp < D / 16; ++pp)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {  // registers 0, 2: channel 16 pp + tq; 1, 3: + 8
-        const float up = 1.f / sh.value_scale[16 * pp + tq + 8 * (r & 1)];
-        const __nv_bfloat162 s2 = __floats2bfloat162_rn(up, up), back2 = __floats2bfloat162_rn(1.f / up, 1.f / up);
+        const float scale = sh.value_scale[16 * pp + tq + 8 * (r & 1)], up = inverse_power_of_two(scale);
+        const __nv_bfloat162 s2 = __floats2bfloat162_rn(up, up), back2 = __floats2bfloat162_rn(scale, scale);
         const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(&va[pp][r]);
         const __nv_bfloat162 y = __hmul2(x, s2);
         const __nv_bfloat162 z = __hmul2(y, back2);
