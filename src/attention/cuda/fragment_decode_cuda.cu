@@ -361,7 +361,9 @@ struct FragmentShared {
   uint64_t full[kWarps][kStages];
   int32_t entries[kWarps][kStages][2];  // the K and V table entries staged (pages with exact ones)
   uint16_t q[kMaxGroup][D];             // the query in the pages' element (bf16 or fp16 bits)
-  uint16_t q_exact[Page::kExactPages ? kMaxGroup : 1][D];  // bf16 bits, for exact pages
+  // bf16 bits, for exact pages. A row is padded by 16 bytes: scores_exact's loads take rows tq =
+  // 0..7 at one column each, which a 256-byte row stride would put in one bank (8 ways).
+  uint16_t q_exact[Page::kExactPages ? kMaxGroup : 1][D + 8];
   float q_term[kMaxGroup];              // 2^-10 sum_i |q_i| rounded up (the bound's second term)
   // dither8: the outlier channels (-1: corrupt) and whether none is, the query's elements there
   // per head (0 for a corrupt one), the Tier B weights per (head, group) nudged up, the scores'
