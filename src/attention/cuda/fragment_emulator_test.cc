@@ -273,6 +273,36 @@ TEST(FragmentEmulator, GaacPagesAreTheReference) {
   random_pages(std::integral_constant<int, 128>{});
 }
 
+// One exception at each element of a page in turn (a zero, outside every window): each step,
+// register and half of every lane's operands is patched once, K and V maps, head_dim 64 and 128.
+TEST(FragmentEmulator, AnExceptionAtEveryElementIsPatchedInPlace) {
+  std::mt19937 rng(29);
+  auto every_element = [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    std::vector<uint8_t> bases(D);
+    for (auto& b : bases) b = uint8_t(100 + rng() % 30);
+    std::vector<uint16_t> rows(size_t(kT) * D);
+    for (size_t i = 0; i < rows.size(); ++i)
+      rows[i] = uint16_t(((rng() & 1) << 15) | ((bases[i % D] + rng() % 16) << 7) | (rng() & 0x7f));
+    std::vector<uint8_t> page(size_t(fragment::gaac_page_bytes(D)));
+    const size_t count_at = size_t(fragment::gaac_low_bytes(D) + fragment::gaac_word_bytes(D));
+    for (bool key : {true, false})
+      for (size_t i = 0; i < rows.size(); ++i) {
+        std::vector<uint16_t> one = rows;
+        one[i] = 0x0000;
+        ASSERT_TRUE(codec::gaac_fragment_encode_page_ref(one.data(), key, D, bases.data(), page.data()));
+        uint32_t count = 0;
+        std::memcpy(&count, page.data() + count_at, 4);
+        ASSERT_EQ(count, 1u) << "D " << D << " element " << i;
+        expect_gaac_page<D>(one, key, bases, "D " + std::to_string(D) + (key ? " K" : " V") + " token " +
+                                                 std::to_string(i / D) + " channel " + std::to_string(i % D));
+        if (HasFailure()) return;
+      }
+  };
+  every_element(std::integral_constant<int, 64>{});
+  every_element(std::integral_constant<int, 128>{});
+}
+
 TEST(FragmentEmulator, ItsPremisesAreChecked) {
   EXPECT_EQ(byte_perm(0x44332211u, 0x88776655u, 0x7654u), 0x88776655u);
   EXPECT_EQ(byte_perm(0x44332211u, 0x88776655u, 0x3210u), 0x44332211u);
