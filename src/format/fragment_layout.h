@@ -233,34 +233,18 @@ CERTKV_HD constexpr uint32_t gaac_exception(int element, uint16_t built) { retur
 
 // Writes exception `entry` into a lane's operands a[steps][4] (the built bf16 pairs of
 // gaac_step_operands, step by step) when its element is the lane's; an element past the page
-// matches no lane's step. The register is chosen by a switch, which the device compiles to one
-// indexed jump for the one lane that patches (each case's index a constant: no local memory);
-// compares and selects over every register cost about 100 instructions an exception, as much
-// as half a page's decode where pages carry two or three.
+// matches no lane's step. Every index is a constant after unrolling (no local memory).
 template <int kSteps>
 CERTKV_HD inline void gaac_patch(uint32_t entry, int lane, uint32_t (&a)[kSteps][4]) {
-  static_assert(kSteps <= 8, "head_dim 128 at most");
   const int element = int(entry & 0xffffu);
   if (((element >> 3) & 31) != lane) return;
-  const bool high = element & 1;
-  const uint32_t keep = high ? 0x0000ffffu : 0xffff0000u, put = high ? entry & 0xffff0000u : entry >> 16;
-#define CERTKV_GAAC_PATCH_CASE(i)                                                   \
-  case i:                                                                          \
-    if constexpr (i < 4 * kSteps) a[i / 4][i % 4] = (a[i / 4][i % 4] & keep) | put; \
-    break;
-  switch ((element >> 8) * 4 + ((element >> 1) & 3)) {
-    CERTKV_GAAC_PATCH_CASE(0) CERTKV_GAAC_PATCH_CASE(1) CERTKV_GAAC_PATCH_CASE(2) CERTKV_GAAC_PATCH_CASE(3)
-    CERTKV_GAAC_PATCH_CASE(4) CERTKV_GAAC_PATCH_CASE(5) CERTKV_GAAC_PATCH_CASE(6) CERTKV_GAAC_PATCH_CASE(7)
-    CERTKV_GAAC_PATCH_CASE(8) CERTKV_GAAC_PATCH_CASE(9) CERTKV_GAAC_PATCH_CASE(10) CERTKV_GAAC_PATCH_CASE(11)
-    CERTKV_GAAC_PATCH_CASE(12) CERTKV_GAAC_PATCH_CASE(13) CERTKV_GAAC_PATCH_CASE(14) CERTKV_GAAC_PATCH_CASE(15)
-    CERTKV_GAAC_PATCH_CASE(16) CERTKV_GAAC_PATCH_CASE(17) CERTKV_GAAC_PATCH_CASE(18) CERTKV_GAAC_PATCH_CASE(19)
-    CERTKV_GAAC_PATCH_CASE(20) CERTKV_GAAC_PATCH_CASE(21) CERTKV_GAAC_PATCH_CASE(22) CERTKV_GAAC_PATCH_CASE(23)
-    CERTKV_GAAC_PATCH_CASE(24) CERTKV_GAAC_PATCH_CASE(25) CERTKV_GAAC_PATCH_CASE(26) CERTKV_GAAC_PATCH_CASE(27)
-    CERTKV_GAAC_PATCH_CASE(28) CERTKV_GAAC_PATCH_CASE(29) CERTKV_GAAC_PATCH_CASE(30) CERTKV_GAAC_PATCH_CASE(31)
-    default:
-      break;
-  }
-#undef CERTKV_GAAC_PATCH_CASE
+  const int step = element >> 8, reg = (element >> 1) & 3;
+  const uint32_t built = entry >> 16;
+  CERTKV_UNROLL
+  for (int s = 0; s < kSteps; ++s)
+    CERTKV_UNROLL
+    for (int r = 0; r < 4; ++r)
+      if (s == step && r == reg) a[s][r] = (element & 1) ? ((a[s][r] & 0xffffu) | (built << 16)) : ((a[s][r] & 0xffff0000u) | built);
 }
 
 // Host forms for a head_dim known at run time (the device cache's uploads and reads). D a
