@@ -81,22 +81,42 @@ std::vector<uint16_t> kv_like_rows(int n_tokens, int head_dim, uint32_t seed) {
   return rows;
 }
 
-TEST(GaacCalibrator, WindowsCoverTheMostSamplesLowestBaseOnTies) {
+// A window is not pinned at the calibration's largest exponent when its floor holds little: 16
+// exponents 100..115, one sample at 100 and eight at 115. Covering all of them ([100, 116), weight
+// 4 + ... ) loses the weight 8 at 116 for the 4 at 100, so the window has one exponent of
+// headroom, [101, 117): a value twice the largest seen stays in the window, the rare floor is an
+// escape.
+TEST(GaacCalibrator, WindowsKeepHeadroomAboveTheLargestExponentOverAThinFloor) {
   const GaacShape shape{1, 1, 8, 1, GaacElement::kBf16};
   GaacCalibrator calibrator(shape);
-  // Channel 0: 5 x exponent 100, 5 x 107, 6 x 108. The 8-wide windows holding 107 and 108
-  // (bases 101..107) cover 11, more than [100, 108) with 10: b3 = 101. Every 16-wide window
-  // with base 93..100 covers all 16: b4 = 93. Other channels: exponent 127 only.
+  std::vector<uint16_t> rows(32 * 8, uint16_t(127 << 7));
+  int t = 0;
+  for (int e = 100; e <= 115; ++e) rows[size_t(t++) * 8] = uint16_t(e << 7 | 0x11);  // one each
+  while (t < 23) rows[size_t(t++) * 8] = uint16_t(115 << 7 | 0x22);                // 8 at 115 in all
+  for (; t < 32; ++t) rows[size_t(t) * 8] = uint16_t(108 << 7);                     // the middle
+  calibrator.add_bf16(0, kGaacKey, 0, rows.data(), 32);
+  const GaacCalibration cal = calibrator.finish();
+  EXPECT_EQ(cal.bases(0, kGaacKey, 0).b4[0], 101);
+}
+
+TEST(GaacCalibrator, WindowsCoverTheMostWeightLowestBaseOnTies) {
+  const GaacShape shape{1, 1, 8, 1, GaacElement::kBf16};
+  GaacCalibrator calibrator(shape);
+  // A sample weighs 4 at its exponent and 1 at the exponent above. Channel 0: 5 x exponent 100,
+  // 5 x 107, 6 x 108: weights 20 at 100, 5 at 101, 20 at 107, 29 at 108, 6 at 109. The 8-wide
+  // windows holding 107..109 (bases 102..107) weigh 55, more than [101, 109) with 54 and [100,
+  // 108) with 45: b3 = 102. The 16-wide windows holding 100..109 (bases 94..100) weigh all 80:
+  // b4 = 94. Other channels: exponent 127 only (weights at 127 and 128).
   std::vector<uint16_t> rows(16 * 8, uint16_t(127 << 7));
   const int exponents[16] = {100, 100, 100, 100, 100, 107, 107, 107,
                              107, 107, 108, 108, 108, 108, 108, 108};
   for (int t = 0; t < 16; ++t) rows[size_t(t) * 8] = uint16_t(exponents[t] << 7 | 0x33);
   calibrator.add_bf16(0, kGaacKey, 0, rows.data(), 16);
   const GaacCalibration cal = calibrator.finish();
-  EXPECT_EQ(cal.bases(0, kGaacKey, 0).b3[0], 101);
-  EXPECT_EQ(cal.bases(0, kGaacKey, 0).b4[0], 93);
-  EXPECT_EQ(cal.bases(0, kGaacKey, 0).b3[1], 120);  // lowest base covering 127
-  EXPECT_EQ(cal.bases(0, kGaacKey, 0).b4[1], 112);
+  EXPECT_EQ(cal.bases(0, kGaacKey, 0).b3[0], 102);
+  EXPECT_EQ(cal.bases(0, kGaacKey, 0).b4[0], 94);
+  EXPECT_EQ(cal.bases(0, kGaacKey, 0).b3[1], 121);  // lowest base covering 127 and 128
+  EXPECT_EQ(cal.bases(0, kGaacKey, 0).b4[1], 113);
   // Nothing seen for V: bases 0, capacity 0.
   EXPECT_EQ(cal.bases(0, kGaacValue, 0).b3[0], 0);
   EXPECT_EQ(cal.escape_capacity_bytes(0, kGaacValue), 0u);
