@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <thread>
 
 #include "certkv/certkv.hpp"
@@ -41,20 +42,42 @@ void send_json(httplib::Response& res, int status, const json& body) {
 
 void send_error(httplib::Response& res, const OpenAiError& e) { send_json(res, e.http_status, error_body(e)); }
 
-// A refusal sent before the request's body is read (from its headers alone). The connection is
-// closed after it: left open, the unread body would be parsed as the next request on it, a request
-// smuggled past the checks. cpp-httplib 0.11 keeps a connection open whatever the response's
-// Connection header says, and closes it when a content provider fails: this one writes the whole
-// error body and then reports failure.
+// A refusal sent before the request's body is read, for a body httplib would never read or could
+// not bound (chunked, compressed, on a method without a body). The connection is closed after it:
+// left open, the unread body would be parsed as the next request on it, a request smuggled past
+// the checks. cpp-httplib 0.11 keeps a connection open whatever the response's Connection header
+// says, and closes it when a content provider fails: this chunked one writes the whole error body
+// and its last chunk, then reports failure. (Chunked, httplib applies no Range header to it.) A
+// HEAD response has no body, so its connection is not closed: HEAD with a body is refused all the
+// same, and what follows it on the connection is read as a request.
 void refuse_before_the_body(httplib::Response& res, const OpenAiError& e) {
   res.status = e.http_status;
   auto body = std::make_shared<std::string>(dump(error_body(e)));
   res.set_header("Connection", "close");
-  res.set_content_provider(body->size(), "application/json",
-                           [body](size_t offset, size_t length, httplib::DataSink& sink) {
-                             sink.write(body->data() + offset, length);
-                             return false;
-                           });
+  res.set_chunked_content_provider("application/json", [body](size_t, httplib::DataSink& sink) {
+    sink.write(body->data(), body->size());
+    sink.done();
+    return false;
+  });
+}
+
+// A refusal decided from the headers of a request whose body httplib reads (a bounded
+// Content-Length): made after the body is read, so the connection stays usable and a client still
+// sending a large body gets the answer rather than a reset. The pre-routing handler leaves it
+// here (one per worker thread, one request at a time) and the route, or the error handler when
+// none matches, sends it.
+thread_local std::optional<OpenAiError> t_refusal;
+
+// A POST route's handler, run only when the request was not refused.
+httplib::Server::Handler unless_refused(httplib::Server::Handler handler) {
+  return [handler = std::move(handler)](const httplib::Request& req, httplib::Response& res) {
+    if (t_refusal) {
+      send_error(res, *t_refusal);
+      t_refusal.reset();
+      return;
+    }
+    handler(req, res);
+  };
 }
 
 int64_t unix_seconds() {
@@ -235,6 +258,7 @@ void HttpServer::install_routes() {
   http.set_payload_max_length(size_t(options.max_body_bytes));
 
   http.set_pre_routing_handler([&s, &options](const httplib::Request& req, httplib::Response& res) {
+    t_refusal.reset();
     auto refuse = [&res](const OpenAiError& e) {
       refuse_before_the_body(res, e);
       return httplib::Server::HandlerResponse::Handled;
@@ -250,22 +274,40 @@ void HttpServer::install_routes() {
     if (req.has_header("Transfer-Encoding") || (has_body && !req.has_header("Content-Length")))
       return refuse(OpenAiError(411, "invalid_request_error", "length_required", "",
                                 "a request body needs a Content-Length (chunked bodies are not accepted)"));
+    // httplib reads no body for GET, HEAD or OPTIONS.
+    if (!has_body && req.has_header("Content-Length") && req.get_header_value("Content-Length") != "0")
+      return refuse(OpenAiError(400, "invalid_request_error", "unexpected_body", "",
+                                "a " + req.method + " request carries no body"));
     // The health check, and the dashboard page, which holds no data (it asks /dashboard/state).
     if ((req.path == "/health" || req.path == "/") && req.method == "GET")
       return httplib::Server::HandlerResponse::Unhandled;
+    std::optional<OpenAiError> refusal;
     if (!options.api_key.empty() && req.get_header_value("Authorization") != "Bearer " + options.api_key)
-      return refuse(OpenAiError(401, "authentication_error", "invalid_api_key", "",
-                                "a missing or wrong API key: send 'Authorization: Bearer KEY'"));
-    if (s.phase != ServerState::Phase::kReady)
-      return refuse(OpenAiError(503, "server_error", "model_not_ready", "",
-                                s.phase == ServerState::Phase::kLoading ? "the model is loading"
-                                                                        : "the model failed to load"));
+      refusal = OpenAiError(401, "authentication_error", "invalid_api_key", "",
+                            "a missing or wrong API key: send 'Authorization: Bearer KEY'");
+    else if (s.phase != ServerState::Phase::kReady)
+      refusal = OpenAiError(503, "server_error", "model_not_ready", "",
+                            s.phase == ServerState::Phase::kLoading ? "the model is loading" : "the model failed to load");
+    if (!refusal) return httplib::Server::HandlerResponse::Unhandled;
+    if (!has_body) {
+      send_error(res, *refusal);
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    t_refusal = std::move(refusal);
     return httplib::Server::HandlerResponse::Unhandled;
   });
 
   http.set_error_handler(httplib::Server::HandlerWithResponse(
       [&options](const httplib::Request& req, httplib::Response& res) {
     if (!res.body.empty() || res.content_provider_) return httplib::Server::HandlerResponse::Unhandled;
+    if (t_refusal) {  // a refused request for which no route matched, its body read
+      const OpenAiError refusal = *t_refusal;
+      t_refusal.reset();
+      if (res.status == 404) {
+        send_error(res, refusal);
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
     std::string message = "HTTP " + std::to_string(res.status);
     std::string code;
     if (res.status == 404) {
@@ -369,7 +411,7 @@ void HttpServer::install_routes() {
     res.set_content(s.metrics->prometheus_text(), "text/plain; version=0.0.4");
   });
 
-  http.Post("/tokenize", [&s](const httplib::Request& req, httplib::Response& res) {
+  http.Post("/tokenize", unless_refused([&s](const httplib::Request& req, httplib::Response& res) {
     const json body = parse_body(req);
     if (!body.is_object() || !body.contains("content") || !body["content"].is_string())
       throw invalid_field("content", "expected a string");
@@ -382,9 +424,9 @@ void HttpServer::install_routes() {
     const bool parse_special = flag("parse_special", true);
     const std::vector<int32_t> tokens = s.model->tokenize(body["content"].get<std::string>(), add_special, parse_special);
     send_json(res, 200, {{"tokens", tokens}});
-  });
+  }));
 
-  http.Post("/detokenize", [&s](const httplib::Request& req, httplib::Response& res) {
+  http.Post("/detokenize", unless_refused([&s](const httplib::Request& req, httplib::Response& res) {
     const json body = parse_body(req);
     if (!body.is_object() || !body.contains("tokens") || !body["tokens"].is_array())
       throw invalid_field("tokens", "expected an array of token ids");
@@ -399,7 +441,7 @@ void HttpServer::install_routes() {
       text += s.model->piece(int32_t(t));
     }
     send_json(res, 200, {{"content", text}});
-  });
+  }));
 
   auto completion = [&s](bool chat) {
     return [&s, chat](const httplib::Request& req, httplib::Response& res) {
@@ -495,8 +537,8 @@ void HttpServer::install_routes() {
           });
     };
   };
-  http.Post("/v1/completions", completion(false));
-  http.Post("/v1/chat/completions", completion(true));
+  http.Post("/v1/completions", unless_refused(completion(false)));
+  http.Post("/v1/chat/completions", unless_refused(completion(true)));
 }
 
 int serve_main(int argc, char** argv) {

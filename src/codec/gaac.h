@@ -106,7 +106,8 @@ class GaacCalibrator {
   // The same for FP8 bytes. REQUIRES: shape().element is an FP8 element.
   void add_fp8(int layer, int kv, int kv_head, const uint8_t* rows, int n_tokens);
 
-  // Bases: per channel, the 8- and 16-wide exponent windows covering the most samples (ties:
+  // Bases: per channel, the 8- and 16-wide exponent windows of the most weight, a sample weighing
+  // 4 at its exponent and 1 at the exponent above (headroom over the largest exponent seen; ties:
   // the lowest base). Escape capacity per (layer, K/V): the one that minimises the stored bytes
   // over the calibration pages, where a page costs a full slot when its escapes fit and its raw
   // size when they do not (ties: the smaller capacity). With no samples a channel's bases are 0;

@@ -273,8 +273,9 @@ TEST(FragmentEmulator, GaacPagesAreTheReference) {
   random_pages(std::integral_constant<int, 128>{});
 }
 
-// One exception at each element of a page in turn (a zero, outside every window): each step,
-// register and half of every lane's operands is patched once, K and V maps, head_dim 64 and 128.
+// One exception at each element of a page in turn (a negative value one exponent below its
+// window, so its built bits are neither zero nor the decoded ones): each step, register and half of
+// every lane's operands is patched once, K and V maps, head_dim 64 and 128.
 TEST(FragmentEmulator, AnExceptionAtEveryElementIsPatchedInPlace) {
   std::mt19937 rng(29);
   auto every_element = [&](auto d) {
@@ -289,7 +290,7 @@ TEST(FragmentEmulator, AnExceptionAtEveryElementIsPatchedInPlace) {
     for (bool key : {true, false})
       for (size_t i = 0; i < rows.size(); ++i) {
         std::vector<uint16_t> one = rows;
-        one[i] = 0x0000;
+        one[i] = uint16_t(0x8000u | unsigned(bases[i % D] - 1) << 7 | 0x55u);
         ASSERT_TRUE(codec::gaac_fragment_encode_page_ref(one.data(), key, D, bases.data(), page.data()));
         uint32_t count = 0;
         std::memcpy(&count, page.data() + count_at, 4);
