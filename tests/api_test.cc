@@ -286,6 +286,19 @@ TEST(CApi, GaacCalibratesItselfAndCachesTheCalibration) {
         return shape;
       }());
   EXPECT_EQ(recal.shape().n_layers, third.info().n_layers);
+  EXPECT_EQ(recal.windows(), certkv::codec::GaacCalibration::kWindows);
+  // A cache made by an earlier window rule (its file names another, or none) is replaced too.
+  {
+    certkv::codec::GaacCalibration earlier = recal;
+    earlier.set_windows("");
+    earlier.save(files[0].string());
+  }
+  {
+    certkv::Model fourth(stories_checkpoint(), stories_tokenizer());
+    EXPECT_NO_THROW(certkv::Session(fourth, sp));
+  }
+  EXPECT_EQ(certkv::codec::GaacCalibration::load(files[0].string(), recal.shape()).windows(),
+            certkv::codec::GaacCalibration::kWindows);
   unsetenv("CERTKV_CACHE_DIR");
   std::filesystem::remove_all(dir);
 }

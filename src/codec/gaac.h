@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "format/gaac_layout.h"
@@ -59,6 +60,9 @@ class GaacCalibration {
  public:
   // The metadata "format" value of a calibration file.
   static constexpr const char* kFormat = "certkv-gaac-calibration/1";
+  // The rule GaacCalibrator picks windows by (metadata "windows"; docs/format/gaac.md): a file
+  // made by an earlier rule has none, or another.
+  static constexpr const char* kWindows = "weight 4 at an exponent, 1 at the one above";
 
   GaacCalibration() = default;
   // REQUIRES: a valid shape (kInvalidArgument otherwise); bases all 0, capacities the maximum.
@@ -72,11 +76,15 @@ class GaacCalibration {
   size_t escape_capacity_bytes(int layer, int kv) const;
   void set_escape_capacity_bytes(int layer, int kv, size_t bytes);
   size_t slot_bytes(int layer, int kv) const;
+  // The window rule that made the bases: kWindows from GaacCalibrator, what a loaded file says
+  // ("" when it says nothing), "" for a calibration made by hand.
+  const std::string& windows() const { return windows_; }
+  void set_windows(std::string windows) { windows_ = std::move(windows); }
 
   // Writes a safetensors file: U8 tensors "layerL.{k,v}.b3" / ".b4" of shape
   // [n_kv_heads, head_dim], U64 tensor "escape_capacity_bytes" of shape [n_layers, 2], metadata
-  // format, element, n_layers, n_kv_heads, head_dim, block_tokens and data_fnv1a64 (a checksum of
-  // the tensor data; docs/format/gaac.md). kIo naming the path on failure.
+  // format, element, n_layers, n_kv_heads, head_dim, block_tokens, data_fnv1a64 (a checksum of
+  // the tensor data; docs/format/gaac.md) and windows when known. kIo naming the path on failure.
   void save(const std::string& path) const;
   // Reads and checks a file written by save(): kNotFound / kIo for a missing or unreadable file,
   // kCorrupt for a wrong format version, a missing or malformed tensor, a base or capacity out of
@@ -90,6 +98,7 @@ class GaacCalibration {
   GaacShape shape_;
   std::vector<GaacBases> bases_;                 // [n_layers][2][n_kv_heads]
   std::vector<size_t> escape_capacity_bytes_;   // [n_layers][2]
+  std::string windows_;
 };
 
 // Accumulates exponent histograms per (layer, K/V, kv_head, channel) and the exponents of every

@@ -158,7 +158,7 @@ void GaacCalibration::save(const std::string& path) const {
                capacities.size() * sizeof(uint64_t));
   tensors.push_back({"escape_capacity_bytes", "U64", {shape_.n_layers, 2}, capacities.data(),
                      capacities.size() * sizeof(uint64_t)});
-  const std::map<std::string, std::string> metadata = {
+  std::map<std::string, std::string> metadata = {
       {"format", kFormat},
       {"element", gaac_element_name(shape_.element)},
       {"n_layers", std::to_string(shape_.n_layers)},
@@ -167,6 +167,7 @@ void GaacCalibration::save(const std::string& path) const {
       {"block_tokens", std::to_string(shape_.block_tokens)},
       {"data_fnv1a64", hex64(hash)},
   };
+  if (!windows_.empty()) metadata["windows"] = windows_;
   format::write_safetensors(path, tensors, metadata);
 }
 
@@ -211,6 +212,7 @@ GaacCalibration GaacCalibration::load(const std::string& path, const GaacShape& 
   };
 
   GaacCalibration cal(expected);
+  if (const auto it = meta.find("windows"); it != meta.end()) cal.set_windows(it->second);
   const size_t per_tensor = size_t(expected.n_kv_heads) * size_t(expected.head_dim);
   const int n_bins = 1 << format::gaac_exponent_bits(expected.element);
   uint64_t hash = kFnvOffset;
@@ -317,6 +319,7 @@ void GaacCalibrator::add_fp8(int layer, int kv, int kv_head, const uint8_t* rows
 
 GaacCalibration GaacCalibrator::finish() const {
   GaacCalibration cal(shape_);
+  cal.set_windows(GaacCalibration::kWindows);
   const size_t n_bins = n_exponents(shape_);
   const size_t d = size_t(shape_.head_dim);
   const detail::PageGeometry g =

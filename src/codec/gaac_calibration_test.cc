@@ -203,6 +203,14 @@ TEST(GaacCalibrationFile, SaveLoadRoundTrip) {
   const auto file = format::SafetensorsFile::open(path);
   EXPECT_EQ(file->metadata().at("format"), "certkv-gaac-calibration/1");
   EXPECT_EQ(file->find("layer2.v.b4")->shape, (std::vector<int64_t>{2, 64}));
+  // The window rule travels with the file; a calibration made by hand names none.
+  EXPECT_EQ(cal.windows(), GaacCalibration::kWindows);
+  EXPECT_EQ(back.windows(), GaacCalibration::kWindows);
+  EXPECT_EQ(file->metadata().at("windows"), GaacCalibration::kWindows);
+  GaacCalibration by_hand(cal.shape());
+  by_hand.save(path);
+  EXPECT_EQ(format::SafetensorsFile::open(path)->metadata().count("windows"), 0u);
+  EXPECT_EQ(GaacCalibration::load(path, cal.shape()).windows(), "");
   std::remove(path.c_str());
 }
 

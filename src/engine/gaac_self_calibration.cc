@@ -119,7 +119,10 @@ std::shared_ptr<const codec::GaacCalibration> self_calibrated_gaac(const model::
   if (computed) *computed = false;
   if (std::filesystem::exists(path)) {
     try {
-      return std::make_shared<const codec::GaacCalibration>(codec::GaacCalibration::load(path, shape));
+      auto cached = std::make_shared<const codec::GaacCalibration>(codec::GaacCalibration::load(path, shape));
+      // One made by an earlier window rule is replaced too: its bases decode and encode, but the
+      // calibrator's windows are the better ones (docs/gaac.md, "Windows with headroom").
+      if (cached->windows() == codec::GaacCalibration::kWindows) return cached;
     } catch (const Error&) {
       // A corrupt or foreign cache file is replaced below.
     }
