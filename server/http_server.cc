@@ -430,17 +430,23 @@ void HttpServer::install_routes() {
     const json body = parse_body(req);
     if (!body.is_object() || !body.contains("tokens") || !body["tokens"].is_array())
       throw invalid_field("tokens", "expected an array of token ids");
-    std::string text;
+    bool render_special = true;  // llama-server's: /tokenize parses them, so they come back
+    if (body.contains("render_special")) {
+      if (!body["render_special"].is_boolean()) throw invalid_field("render_special", "expected true or false");
+      render_special = body["render_special"].get<bool>();
+    }
     const json& tokens = body["tokens"];
+    std::vector<int32_t> ids;
+    ids.reserve(tokens.size());
     for (size_t i = 0; i < tokens.size(); ++i) {
       const std::string param = "tokens[" + std::to_string(i) + "]";
       if (!tokens[i].is_number_integer()) throw invalid_field(param, "expected an integer");
       const int64_t t = tokens[i].get<int64_t>();
       if (t < 0 || t >= s.info.n_vocab)
         throw invalid_field(param, std::to_string(t) + " is outside the vocabulary of " + std::to_string(s.info.n_vocab));
-      text += s.model->piece(int32_t(t));
+      ids.push_back(int32_t(t));
     }
-    send_json(res, 200, {{"content", text}});
+    send_json(res, 200, {{"content", s.model->detokenize(ids, render_special)}});
   }));
 
   auto completion = [&s](bool chat) {

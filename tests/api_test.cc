@@ -108,6 +108,31 @@ TEST(CApi, TokenBufferProtocol) {
   EXPECT_EQ(certkv_token_to_piece(model.get(), 100000, small, 1, &nb), CERTKV_ERR_INVALID_ARGUMENT);
 }
 
+// certkv_detokenize: the text tokenize read (a SentencePiece vocabulary's prepended space dropped),
+// BOS's text only when asked, the buffer protocol, and bad ids named by index.
+TEST(CApi, DetokenizeGivesBackTheTokenizedText) {
+  certkv::Model model(stories_checkpoint(), stories_tokenizer());
+  const std::string text = "Once upon a time there was a cat.";
+  const std::vector<int32_t> ids = model.tokenize(text, true, false);
+  ASSERT_EQ(ids[0], 1);  // BOS, a control token
+  EXPECT_EQ(model.detokenize(ids), text);
+  const std::string rendered = model.detokenize(ids, true);
+  EXPECT_EQ(rendered, "<s>" + text);
+  EXPECT_EQ(model.detokenize({}), "");
+  size_t nb = 0;
+  char small[4];
+  EXPECT_EQ(certkv_detokenize(model.get(), ids.data(), ids.size(), 0, small, sizeof small, &nb), CERTKV_ERR_OUT_OF_RANGE);
+  EXPECT_EQ(nb, text.size());
+  std::string out(nb, '\0');
+  ASSERT_EQ(certkv_detokenize(model.get(), ids.data(), ids.size(), 0, out.data(), out.size(), &nb), CERTKV_OK);
+  EXPECT_EQ(out, text);
+  const int32_t bad[] = {ids[1], -1};
+  EXPECT_EQ(certkv_detokenize(model.get(), bad, 2, 0, small, sizeof small, &nb), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(certkv_last_error()).find("tokens[1]"), std::string::npos) << certkv_last_error();
+  EXPECT_EQ(certkv_detokenize(model.get(), nullptr, 1, 0, small, sizeof small, &nb), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(certkv_detokenize(nullptr, ids.data(), ids.size(), 0, small, sizeof small, &nb), CERTKV_ERR_INVALID_ARGUMENT);
+}
+
 // certkv_tokenize_chat: the buffer protocol, null arguments, and the tokens of the plain
 // template (the llama2.c model has none) equal to tokenizing its text.
 TEST(CApi, ChatTokensFollowTheBufferProtocol) {

@@ -830,6 +830,17 @@ TEST(Server, TokenizeAndDetokenizeRoundTrip) {
   const Reply bad = post("/detokenize", json{{"tokens", {1, -5}}});
   EXPECT_EQ(bad.status, 400);
   EXPECT_EQ(bad.body.at("error").at("param"), "tokens[1]");
+  // Control tokens come back as the text /tokenize read them from (llama-server's behaviour), or
+  // not at all when render_special is false.
+  const std::string turn = "<|im_start|>user\nHi<|im_end|>";
+  const std::vector<int32_t> turn_tokens = post("/tokenize", json{{"content", turn}}).body.at("tokens").get<std::vector<int32_t>>();
+  ASSERT_EQ(turn_tokens.size(), model.tokenize(turn, false, true).size());
+  EXPECT_LT(turn_tokens.size(), model.tokenize(turn, false, false).size());  // the markers are single tokens
+  EXPECT_EQ(post("/detokenize", json{{"tokens", turn_tokens}}).body.at("content"), turn);
+  EXPECT_EQ(post("/detokenize", json{{"tokens", turn_tokens}, {"render_special", false}}).body.at("content"), "user\nHi");
+  const Reply flag = post("/detokenize", json{{"tokens", turn_tokens}, {"render_special", "yes"}});
+  EXPECT_EQ(flag.status, 400);
+  EXPECT_EQ(flag.body.at("error").at("param"), "render_special");
 }
 
 TEST(Server, MetricsParseAsPrometheusTextWithEverySeries) {

@@ -73,6 +73,14 @@ CERTKV_API certkv_status certkv_tokenize(const certkv_model* model, const char* 
 /* Bytes of one token (no NUL added). buf: [capacity]; *n_bytes as for certkv_tokenize. */
 CERTKV_API certkv_status certkv_token_to_piece(const certkv_model* model, int32_t token, char* buf,
                                                size_t capacity, size_t* n_bytes);
+/* The text of tokens[0, n_tokens): their pieces in order, less the one space a SentencePiece
+ * model prepends to the start of each stretch of text (so the text certkv_tokenize read comes back);
+ * control and unknown tokens (e.g. "<|im_end|>") give their text when render_special, else nothing.
+ * buf: [capacity] (no NUL added); *n_bytes as for certkv_tokenize. A token outside the vocabulary:
+ * CERTKV_ERR_INVALID_ARGUMENT naming its index. */
+CERTKV_API certkv_status certkv_detokenize(const certkv_model* model, const int32_t* tokens,
+                                           size_t n_tokens, int render_special, char* buf,
+                                           size_t capacity, size_t* n_bytes);
 /* 1 if the token ends a generation (end of sequence / end of turn), else 0. */
 CERTKV_API int certkv_token_is_end(const certkv_model* model, int32_t token);
 

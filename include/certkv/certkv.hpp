@@ -69,6 +69,19 @@ class Model {
     out.resize(n);
     return out;
   }
+  // certkv_detokenize: the text tokenize read, special tokens' text only when render_special.
+  std::string detokenize(const std::vector<int32_t>& tokens, bool render_special = false) const {
+    std::string out(tokens.size() * 8 + 16, '\0');
+    size_t n = 0;
+    certkv_status s = certkv_detokenize(model_, tokens.data(), tokens.size(), render_special, out.data(), out.size(), &n);
+    if (s == CERTKV_ERR_OUT_OF_RANGE && n > out.size()) {
+      out.resize(n);
+      s = certkv_detokenize(model_, tokens.data(), tokens.size(), render_special, out.data(), out.size(), &n);
+    }
+    check(s);
+    out.resize(n);
+    return out;
+  }
   bool is_end(int32_t token) const { return certkv_token_is_end(model_, token) != 0; }
   // certkv_tokenize_chat: the template's special tokens parsed, the messages' text as text.
   std::vector<int32_t> chat_tokens(const std::vector<certkv_chat_message>& messages, bool add_generation_prompt) const {

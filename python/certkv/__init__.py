@@ -71,9 +71,11 @@ class Model:
         reads control-token text ("<|im_start|>") as those tokens."""
         return self._model.tokenize(_text("text", text), add_special, parse_special)
 
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        """The text of tokens (bytes that are not valid UTF-8 are replaced)."""
-        return b"".join(self._model.piece(int(t)) for t in tokens).decode("utf-8", errors="replace")
+    def detokenize(self, tokens: Sequence[int], *, render_special: bool = False) -> str:
+        """The text tokenize read from (a SentencePiece model's prepended space dropped); control
+        tokens ("<|im_end|>") give their text only with render_special. Bytes that are not valid
+        UTF-8 are replaced; an id outside the vocabulary raises InvalidArgumentError naming it."""
+        return self._model.detokenize([int(t) for t in tokens], bool(render_special)).decode("utf-8", errors="replace")
 
     def is_end(self, token: int) -> bool:
         """Whether token ends a generation (end of sequence or of turn)."""

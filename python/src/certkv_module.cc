@@ -1033,6 +1033,9 @@ NB_MODULE(_certkv, m) {
         return mo.model->tokenize(text, add_special, parse_special);
       })
       .def("piece", [](const Model& mo, int32_t token) { return to_bytes(mo.model->piece(token)); })
+      .def("detokenize", [](const Model& mo, const std::vector<int32_t>& tokens, bool render_special) {
+        return to_bytes(mo.model->detokenize(tokens, render_special));
+      })
       .def("is_end", [](const Model& mo, int32_t token) { return certkv_token_is_end(mo.get(), token) != 0; })
       .def("chat", &chat)
       .def("chat_tokens", &chat_tokens);

@@ -183,6 +183,23 @@ certkv_status certkv_token_to_piece(const certkv_model* model, int32_t token, ch
   return copy_out(piece, buf, capacity, n_bytes, false);
 }
 
+certkv_status certkv_detokenize(const certkv_model* model, const int32_t* tokens, size_t n_tokens,
+                                int render_special, char* buf, size_t capacity, size_t* n_bytes) {
+  CERTKV_REQUIRE(model && n_bytes && (tokens || n_tokens == 0) && (buf || capacity == 0),
+                 "certkv_detokenize: null argument");
+  const int32_t n_vocab = model->model->tokenizer().n_vocab();
+  for (size_t i = 0; i < n_tokens; ++i)
+    CERTKV_REQUIRE(tokens[i] >= 0 && tokens[i] < n_vocab,
+                   "tokens[" + std::to_string(i) + "] = " + std::to_string(tokens[i]) +
+                       " is outside the vocabulary of " + std::to_string(n_vocab));
+  std::string text;
+  certkv_status s = guarded([&] {
+    text = model->model->tokenizer().decode(std::vector<int32_t>(tokens, tokens + n_tokens), render_special != 0);
+  });
+  if (s != CERTKV_OK) return s;
+  return copy_out(text, buf, capacity, n_bytes, false);
+}
+
 int certkv_token_is_end(const certkv_model* model, int32_t token) {
   if (!model || token < 0 || token >= model->model->tokenizer().n_vocab()) return 0;
   return model->model->tokenizer().is_end_of_generation(token) ? 1 : 0;

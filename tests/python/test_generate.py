@@ -20,6 +20,13 @@ def test_model_info_and_tokens(model):
     assert info["n_layers"] == 30 and info["head_dim"] == 64 and info["rope_layout"] in ("interleaved", "half-split")
     tokens = model.tokenize("The sea.", add_special=False)
     assert model.detokenize(tokens) == "The sea."
+    turn = "<|im_start|>user\nHi<|im_end|>"
+    marked = model.tokenize(turn, add_special=False, parse_special=True)
+    assert len(marked) < len(model.tokenize(turn, add_special=False))
+    assert model.detokenize(marked, render_special=True) == turn
+    assert model.detokenize(marked) == "user\nHi"
+    with pytest.raises(certkv.InvalidArgumentError, match=r"tokens\[1\]"):
+        model.detokenize([tokens[0], -3])
 
 
 def test_session_lossy_generate_has_a_certificate(model):
