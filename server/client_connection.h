@@ -2,20 +2,16 @@
 //
 // Debian's cpp-httplib (0.11) gives a handler no way to learn that its client hung up
 // (Request::is_connection_closed came later), and a non-streaming handler writes nothing until
-// the answer is ready. The connection's socket is found by its addresses instead: the one socket
-// of this process whose peer is the request's remote address and port and whose local port is
-// the request's. It stays open while the handler runs, so the descriptor cannot be reused under
-// it.
+// the answer is ready. The handler's thread serves the request's connection (connection.h), whose
+// socket stays open while the handler runs and its response is written.
 #pragma once
-
-#include <string>
 
 namespace certkv::server {
 
 class ClientConnection {
  public:
-  // Finds the socket; a connection not found (not Linux, no /proc) reads as connected.
-  ClientConnection(const std::string& remote_addr, int remote_port, int local_port);
+  // socket: the connection's; -1 reads as connected.
+  explicit ClientConnection(int socket) : socket_(socket) {}
   // True once the peer has closed its side or the connection failed (checked without blocking).
   bool closed() const;
 

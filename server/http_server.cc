@@ -14,6 +14,7 @@
 
 #include "certkv/certkv.hpp"
 #include "client_connection.h"
+#include "connection.h"
 #include "dashboard_page.h"
 #include "meter_history.h"
 #include "openai_protocol.h"
@@ -48,9 +49,10 @@ void send_error(httplib::Response& res, const OpenAiError& e) { send_json(res, e
 // the checks. cpp-httplib 0.11 keeps a connection open whatever the response's Connection header
 // says, and closes it when a content provider fails: this chunked one writes the whole error body
 // and its last chunk, then reports failure. (Chunked, httplib applies no Range header to it.) A
-// HEAD response has no body, so its connection is not closed: HEAD with a body is refused all the
-// same, and what follows it on the connection is read as a request.
+// HEAD response has no body to fail: the connection (connection.h) closes after the response all
+// the same.
 void refuse_before_the_body(httplib::Response& res, const OpenAiError& e) {
+  if (Connection* c = current_connection()) c->close_after_response();
   res.status = e.http_status;
   auto body = std::make_shared<std::string>(dump(error_body(e)));
   res.set_header("Connection", "close");
@@ -68,9 +70,19 @@ void refuse_before_the_body(httplib::Response& res, const OpenAiError& e) {
 // none matches, sends it.
 thread_local std::optional<OpenAiError> t_refusal;
 
+// The deadline of the connection the calling thread serves (connection.h): a time, or none.
+void set_deadline(std::optional<Connection::Clock::time_point> deadline) {
+  if (Connection* c = current_connection()) c->set_deadline(deadline);
+}
+
+// A body may take the request timeout once more for each this many bytes.
+constexpr uint64_t kBodyBytesPerTimeout = 64 << 10;
+
 // A POST route's handler, run only when the request was not refused.
 httplib::Server::Handler unless_refused(httplib::Server::Handler handler) {
   return [handler = std::move(handler)](const httplib::Request& req, httplib::Response& res) {
+    // The body is in: what the server does now takes no client's deadline.
+    set_deadline(std::nullopt);
     if (t_refusal) {
       send_error(res, *t_refusal);
       t_refusal.reset();
@@ -124,7 +136,9 @@ class ServerState {
 };
 
 HttpServer::HttpServer(ServerOptions options)
-    : options_(std::move(options)), http_(std::make_unique<httplib::Server>()), state_(std::make_unique<ServerState>()) {
+    : options_(std::move(options)),
+      http_(std::make_unique<ConnectionServer>(std::chrono::milliseconds(int64_t(options_.request_timeout_seconds * 1000)))),
+      state_(std::make_unique<ServerState>()) {
   install_routes();
 }
 
@@ -257,8 +271,17 @@ void HttpServer::install_routes() {
   http.new_task_queue = [n_threads] { return new httplib::ThreadPool(n_threads); };
   http.set_payload_max_length(size_t(options.max_body_bytes));
 
-  http.set_pre_routing_handler([&s, &options](const httplib::Request& req, httplib::Response& res) {
+  // A request's head is in: its body, if any, may take the timeout once and once more per 64 KiB
+  // (the connection sets the head's deadline, and clears the deadline after each response).
+  const auto timeout = std::chrono::milliseconds(int64_t(options.request_timeout_seconds * 1000));
+  http.set_pre_routing_handler([&s, &options, timeout](const httplib::Request& req, httplib::Response& res) {
     t_refusal.reset();
+    const uint64_t body_bytes = std::min<uint64_t>(std::strtoull(req.get_header_value("Content-Length").c_str(), nullptr, 10),
+                                                   options.max_body_bytes);
+    if (body_bytes > 0)
+      set_deadline(Connection::Clock::now() + timeout * int64_t(1 + body_bytes / kBodyBytesPerTimeout));
+    else
+      set_deadline(std::nullopt);
     auto refuse = [&res](const OpenAiError& e) {
       refuse_before_the_body(res, e);
       return httplib::Server::HandlerResponse::Handled;
@@ -474,7 +497,7 @@ void HttpServer::install_routes() {
 
       const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(s.next_request++);
       const int64_t created = unix_seconds();
-      const auto connection = std::make_shared<ClientConnection>(req.remote_addr, req.remote_port, req.local_port);
+      const auto connection = std::make_shared<ClientConnection>(current_connection() ? int(current_connection()->socket()) : -1);
       if (!r.stream) {
         std::string ignored;
         while (!channel->wait_for_text(&ignored, kClientCheckInterval)) {

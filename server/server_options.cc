@@ -35,7 +35,9 @@ const char* const kServeUsage =
     "  -t, --threads N        CPU threads of the forward pass (default 2)\n"
     "  --threads-http N       connections served at once, a streaming one holding its thread\n"
     "                         (default max(32, 4 x parallel))\n"
-    "  --max-body-bytes B     larger request bodies are refused with 413 (default 1048576)\n";
+    "  --max-body-bytes B     larger request bodies are refused with 413 (default 1048576)\n"
+    "  --request-timeout S    seconds a client has to send a request's line and headers, and again\n"
+    "                         per 64 KiB of its body; a connection past it is closed (default 10)\n";
 
 namespace {
 
@@ -115,7 +117,11 @@ ServerOptions parse_server_options(int argc, const char* const* argv) {
     else if (flag == "-t" || flag == "--threads") o.threads = int(parse_integer(flag, value(), 1, 256));
     else if (flag == "--threads-http") o.http_threads = int(parse_integer(flag, value(), 1, 4096));
     else if (flag == "--max-body-bytes") o.max_body_bytes = uint64_t(parse_integer(flag, value(), 1024, INT64_MAX));
-    else throw OptionError("unknown flag '" + flag + "'");
+    else if (flag == "--request-timeout") {
+      o.request_timeout_seconds = parse_real(flag, value());
+      if (!(o.request_timeout_seconds >= 0.1 && o.request_timeout_seconds <= 3600))
+        throw OptionError("flag --request-timeout: expected seconds in [0.1, 3600], got " + std::string(argv[i]));
+    } else throw OptionError("unknown flag '" + flag + "'");
   }
   if (o.model_path.empty()) throw OptionError("flag -m/--model is required");
   if (o.gate && o.sparse_p > 0) throw OptionError("flags --gate and --sparse do not combine yet (drop --gate)");

@@ -29,6 +29,10 @@ struct ServerOptions {
   int threads = 2;                 // -t/--threads
   int http_threads = 0;            // --threads-http: connections served at once; 0: max(32, 4 x parallel)
   uint64_t max_body_bytes = 1 << 20;  // --max-body-bytes: larger request bodies get 413
+  // --request-timeout: seconds a client has to send a request's line and headers (from connecting,
+  // or from the end of the previous response plus the keep-alive wait), and its body (once more per
+  // 64 KiB); a connection past it is closed, so slow clients cannot hold the HTTP threads.
+  double request_timeout_seconds = 10;
 };
 
 // A command line the server cannot run with; what() names the flag and the value.

@@ -34,6 +34,8 @@ expect_usage_error "do not combine" -m "$model" --sparse 0.9 --gate --kv rtn8
 expect_usage_error "flags --gate and --no-meter contradict" -m "$model" --gate --no-meter --kv rtn8
 expect_usage_error "flag --threads-http" -m "$model" --threads-http 0
 expect_usage_error "flag --step-tokens" -m "$model" --step-tokens 0
+expect_usage_error "flag --request-timeout" -m "$model" --request-timeout 0
+expect_usage_error "flag --request-timeout" -m "$model" --request-timeout soon
 # A witness its scheme cannot keep: the server stops at load (exit 1), naming the witness and the scheme.
 set +e
 "$serve" -m "$model" --port 0 --kv rtn8 --witness exponent >"$work/out" 2>&1

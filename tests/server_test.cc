@@ -587,6 +587,133 @@ TEST(Server, AClientGoneBeforeItsWholeAnswerIsCancelled) {
   EXPECT_LT(metric(text, "certkv:generation_tokens_total") - generated_before, 200) << text;
 }
 
+// A connection to 127.0.0.1:port, or -1.
+int connect_local(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(uint16_t(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Whether the server has closed fd (end of stream, or an error on it) within `wait`; what it
+// sent before goes to `received`.
+bool closed_by_server(int fd, std::chrono::milliseconds wait, std::string* received = nullptr) {
+  const auto until = std::chrono::steady_clock::now() + wait;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+    pollfd p{fd, POLLIN, 0};
+    if (left.count() <= 0 || poll(&p, 1, int(left.count())) <= 0) return false;
+    char buf[512];
+    const ssize_t n = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (n <= 0) return true;
+    if (received) received->append(buf, size_t(n));
+  }
+}
+
+// A slowloris: clients that send a header line now and then, each within the socket's read
+// timeout, and never end their request's head. Four of them against two HTTP threads held both
+// threads for as long as they kept sending; each is now closed at the request timeout, and a
+// request behind them is answered.
+TEST(Server, SlowClientsAreClosedAtTheRequestTimeout) {
+  ServerOptions o = test_options();
+  o.model_path = testing::models_path("no-such-model.gguf");  // /health answers 503 (loading)
+  o.http_threads = 2;
+  o.request_timeout_seconds = 1;
+  HttpServer guarded(o);
+  const int port = guarded.bind();
+  std::thread listener([&] { guarded.listen(); });
+  constexpr int kSlow = 4;
+  std::atomic<int> closed{0};
+  std::vector<std::thread> slow;
+  for (int i = 0; i < kSlow; ++i)
+    slow.emplace_back([&] {
+      const int fd = connect_local(port);
+      if (fd < 0) return;
+      const std::string line = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n";
+      send(fd, line.data(), line.size(), MSG_NOSIGNAL);
+      const auto start = std::chrono::steady_clock::now();
+      while (std::chrono::steady_clock::now() - start < std::chrono::seconds(8)) {
+        if (closed_by_server(fd, std::chrono::milliseconds(300)) || send(fd, "X-Slow: 1\r\n", 11, MSG_NOSIGNAL) < 0) {
+          ++closed;
+          break;
+        }
+      }
+      close(fd);
+    });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the slow clients hold both threads
+  httplib::Client c("127.0.0.1", port);
+  c.set_read_timeout(20, 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto health = c.Get("/health");
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (std::thread& t : slow) t.join();
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 503);
+  // Two rounds of two slow clients, a second each; without the deadlines, the 8 s they keep sending.
+  EXPECT_LT(waited, 5.0);
+  EXPECT_EQ(closed.load(), kSlow);
+  guarded.stop();
+  listener.join();
+}
+
+// The deadlines bound what clients send, not what the server does: with a 0.1 s request timeout,
+// completions that take longer (streamed or not) come whole, one after another on one kept-alive
+// connection, while a body sent late is cut off.
+TEST(Server, TheRequestTimeoutLeavesTheServersOwnTimeAlone) {
+  ServerOptions o = test_options();
+  o.api_key.clear();
+  o.request_timeout_seconds = 0.1;
+  HttpServer quick(o);
+  const int port = quick.bind();
+  std::thread listener([&] { quick.listen(); });
+  quick.load();
+  httplib::Client c("127.0.0.1", port);
+  c.set_read_timeout(60, 0);
+  const json body{{"prompt", "A long story:"}, {"max_tokens", 160}, {"temperature", 0}, {"ignore_eos", true}};
+  for (int round = 0; round < 2; ++round) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto whole = c.Post("/v1/completions", body.dump(), "application/json");
+    ASSERT_TRUE(whole) << "round " << round;
+    ASSERT_EQ(whole->status, 200) << whole->body;
+    EXPECT_EQ(json::parse(whole->body).at("usage").at("completion_tokens"), 160);
+    EXPECT_GT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(200)) << "too fast to show anything";
+    json streamed = body;
+    streamed["stream"] = true;
+    auto events = c.Post("/v1/completions", streamed.dump(), "application/json");
+    ASSERT_TRUE(events) << "round " << round;
+    ASSERT_EQ(events->status, 200);
+    EXPECT_NE(events->body.find("data: [DONE]"), std::string::npos) << events->body;
+  }
+  // Headers promising a body that does not come: the connection is closed (after httplib's 400
+  // for the unread body), so a body arriving late is never read as a request.
+  const int fd = connect_local(port);
+  ASSERT_GE(fd, 0);
+  const std::string head = "POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                           "Content-Length: 20\r\n\r\n";
+  ASSERT_EQ(send(fd, head.data(), head.size(), MSG_NOSIGNAL), ssize_t(head.size()));
+  std::string answer;
+  EXPECT_TRUE(closed_by_server(fd, std::chrono::milliseconds(3000), &answer)) << answer;
+  EXPECT_EQ(answer.find("200 OK"), std::string::npos) << answer;
+  close(fd);
+  // A connection that sends nothing is closed at the head's deadline, well before httplib's 5 s
+  // keep-alive wait.
+  const int idle = connect_local(port);
+  ASSERT_GE(idle, 0);
+  const auto idle_start = std::chrono::steady_clock::now();
+  EXPECT_TRUE(closed_by_server(idle, std::chrono::milliseconds(3000)));
+  EXPECT_LT(std::chrono::steady_clock::now() - idle_start, std::chrono::seconds(2));
+  close(idle);
+  quick.stop();
+  listener.join();
+}
+
 TEST(Server, ApiKeyIsRequiredExceptForHealth) {
   const json body{{"prompt", "hi"}, {"max_tokens", 1}};
   const Reply missing = post("/v1/completions", body, "");
@@ -795,6 +922,12 @@ TEST(Server, ARefusedRequestsBodyIsNeverReadAsTheNextRequest) {
     EXPECT_NE(replies.find("\"error\""), std::string::npos) << replies;
     EXPECT_LT(replies.size(), 1000u) << replies;  // the error alone, whatever the Range
   }
+  // HEAD with a body: refused, and its connection closed although its answer has no body to fail.
+  const std::string head_replies =
+      raw_exchange({"HEAD /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + key + length + "\r\n", smuggled});
+  EXPECT_EQ(first_status(head_replies), 400) << head_replies;
+  EXPECT_EQ(count_responses(head_replies), 1) << head_replies;
+  EXPECT_NE(head_replies.find("Connection: close"), std::string::npos) << head_replies;
   // A wrong key: the late body is read as the body; the connection stays open for the next request.
   const std::string models = "GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + key + "\r\n";
   const std::string wrong = head + "Authorization: Bearer wrong\r\n" + length + "\r\n";

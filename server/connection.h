@@ -1,0 +1,83 @@
+// The server's side of one client connection, served by certkv's own loop over cpp-httplib's
+// request processing, with a deadline on what the client must send.
+//
+// Debian's cpp-httplib (0.11) serves each connection in its own loop, where a client that sends a
+// header line now and then, every read within the read timeout, holds a thread for as long as it
+// likes (a "slowloris": a few dozen such clients hold every thread of the server). ConnectionServer
+// serves connections itself (httplib's process_request for each request, as its TLS server does):
+// each connection has at most one deadline, for a request's head (its line and headers, from the
+// connection's start or the end of the previous response), then for its body. A read past the
+// deadline fails, and the connection is closed as after any failed read. The server's own time
+// has none: a handler computing a completion, a stream being written. The routes set the deadline
+// of the connection their thread serves (current_connection).
+#pragma once
+
+#include <httplib.h>
+
+#include <array>
+#include <chrono>
+#include <optional>
+#include <string>
+
+namespace certkv::server {
+
+class Connection final : public httplib::Stream {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  // sock: a connected socket, closed by the caller. Each read and write waits at most its timeout.
+  Connection(socket_t sock, std::chrono::microseconds read_timeout, std::chrono::microseconds write_timeout);
+
+  // The time by which the client must have sent what is being read, or none.
+  void set_deadline(std::optional<Clock::time_point> deadline) { deadline_ = deadline; }
+  std::optional<Clock::time_point> deadline() const { return deadline_; }
+  // Whether a read failed at the deadline.
+  bool missed_deadline() const { return missed_deadline_; }
+  // Closes the connection once the current response is written (whatever it is, a HEAD's too).
+  void close_after_response() { close_after_response_ = true; }
+  bool closing() const { return close_after_response_; }
+
+  // Waits up to `wait` for a byte of the next request (bytes already buffered count): kReady,
+  // kIdle at the end of the wait, kClosed at the deadline, the peer's end of stream or an error.
+  enum class WaitResult { kReady, kIdle, kClosed };
+  WaitResult wait_for_request(std::chrono::milliseconds wait);
+
+  bool is_readable() const override;
+  bool is_writable() const override;
+  ssize_t read(char* ptr, size_t size) override;
+  ssize_t write(const char* ptr, size_t size) override;
+  void get_remote_ip_and_port(std::string& ip, int& port) const override;
+  void get_local_ip_and_port(std::string& ip, int& port) const override;
+  socket_t socket() const override { return sock_; }
+
+ private:
+  // Waits for `events` up to the timeout, or the deadline when reading and it comes first.
+  bool wait(short events, std::chrono::microseconds timeout) const;
+
+  socket_t sock_;
+  std::chrono::microseconds read_timeout_, write_timeout_;
+  std::optional<Clock::time_point> deadline_;
+  mutable bool missed_deadline_ = false;
+  bool close_after_response_ = false;
+  // Bytes received and not yet read (httplib reads a request's head a byte at a time).
+  std::array<char, 4096> buffer_{};
+  size_t begin_ = 0, end_ = 0;
+};
+
+// The connection the calling thread serves, or null (a thread not serving one).
+Connection* current_connection();
+
+// httplib's server with connections served by Connection. head: the time a client has for each
+// request's head.
+class ConnectionServer final : public httplib::Server {
+ public:
+  explicit ConnectionServer(std::chrono::milliseconds head) : head_(head) {}
+  std::chrono::milliseconds head() const { return head_; }
+
+ private:
+  bool process_and_close_socket(socket_t sock) override;
+
+  const std::chrono::milliseconds head_;
+};
+
+}  // namespace certkv::server
