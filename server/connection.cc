@@ -138,6 +138,7 @@ bool ConnectionServer::process_and_close_socket(socket_t sock) {
     if (!served || connection_closed || connection.missed_deadline() || connection.closing()) break;
     connection.set_deadline(std::nullopt);  // the keep-alive wait is bounded by its own timeout
   }
+  if (connection.missed_deadline()) ++timed_out_;
   t_connection = nullptr;
   shutdown(sock, SHUT_RDWR);
   close(sock);

@@ -15,6 +15,7 @@
 #include <httplib.h>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <optional>
 #include <string>
@@ -73,11 +74,14 @@ class ConnectionServer final : public httplib::Server {
  public:
   explicit ConnectionServer(std::chrono::milliseconds head) : head_(head) {}
   std::chrono::milliseconds head() const { return head_; }
+  // Connections closed for a missed deadline since the start.
+  uint64_t timed_out() const { return timed_out_.load(); }
 
  private:
   bool process_and_close_socket(socket_t sock) override;
 
   const std::chrono::milliseconds head_;
+  std::atomic<uint64_t> timed_out_{0};
 };
 
 }  // namespace certkv::server

@@ -430,7 +430,8 @@ void HttpServer::install_routes() {
                {"meter", meter}});
   });
 
-  http.Get("/metrics", [&s](const httplib::Request&, httplib::Response& res) {
+  http.Get("/metrics", [&s, &connections = *http_](const httplib::Request&, httplib::Response& res) {
+    s.metrics->set_timed_out_connections(connections.timed_out());
     res.set_content(s.metrics->prometheus_text(), "text/plain; version=0.0.4");
   });
 

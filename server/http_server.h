@@ -21,6 +21,7 @@ struct Response;
 
 namespace certkv::server {
 
+class ConnectionServer;
 class ServerState;
 
 class HttpServer {
@@ -45,7 +46,7 @@ class HttpServer {
   void install_routes();
 
   ServerOptions options_;
-  std::unique_ptr<httplib::Server> http_;
+  std::unique_ptr<ConnectionServer> http_;
   std::unique_ptr<ServerState> state_;
   int port_ = 0;
 };

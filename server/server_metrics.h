@@ -38,6 +38,8 @@ class ServerMetrics {
   void record_finished(const GenerationResult& result);
   void record_rejected();  // refused by the engine at submit (too long, bad sampling)
   void set_engine_stats(const certkv_engine_stats& stats);
+  // Connections closed because their client missed the request timeout (connection.h).
+  void set_timed_out_connections(uint64_t n);
 
   std::string prometheus_text() const;
 
@@ -58,6 +60,7 @@ class ServerMetrics {
   certkv_engine_stats engine_{};
   uint64_t prompt_tokens_ = 0, generation_tokens_ = 0, prefix_hit_tokens_ = 0;
   uint64_t rejected_ = 0;
+  uint64_t timed_out_connections_ = 0;
   std::map<std::string, uint64_t> finished_by_reason_;
   Histogram ttft_seconds_, itl_seconds_;
   Histogram request_meter_max_, request_meter_p99_, request_sparse_budget_, request_sparse_estimated_mass_;

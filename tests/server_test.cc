@@ -710,6 +710,10 @@ TEST(Server, TheRequestTimeoutLeavesTheServersOwnTimeAlone) {
   EXPECT_TRUE(closed_by_server(idle, std::chrono::milliseconds(3000)));
   EXPECT_LT(std::chrono::steady_clock::now() - idle_start, std::chrono::seconds(2));
   close(idle);
+  // Both are counted for operators; the kept-alive connection's completions are not.
+  auto metrics = c.Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_EQ(metric(metrics->body, "certkv:http_connections_timed_out_total"), 2) << metrics->body;
   quick.stop();
   listener.join();
 }
@@ -989,7 +993,7 @@ TEST(Server, MetricsParseAsPrometheusTextWithEverySeries) {
       "certkv:kv_pages_in_use", "certkv:kv_compression_ratio_vs_bf16", "certkv:preemptions",
       "certkv:prefix_cache_hit_tokens", "certkv:prefix_cache_shared_blocks", "certkv:request_meter_max",
       "certkv:request_meter_p99", "certkv:meter_cells", "certkv:meter_cells_within_tau",
-      "certkv:meter_coverage", "certkv:gate_repairs"};
+      "certkv:meter_coverage", "certkv:gate_repairs", "certkv:http_connections_timed_out"};
   std::string command = "python3 " + testing::source_path("tests/server_metrics_check.py") + " " + path;
   for (const std::string& f : families) command += " " + f;
   FILE* pipe = popen((command + " 2>&1").c_str(), "r");
