@@ -981,7 +981,11 @@ TEST(Server, TokenizeAndDetokenizeRoundTrip) {
 }
 
 TEST(Server, MetricsParseAsPrometheusTextWithEverySeries) {
-  ASSERT_EQ(post("/v1/completions", json{{"prompt", "Metrics"}, {"max_tokens", 3}, {"temperature", 0}}).status, 200);
+  // A prompt of several whole blocks, so that lossy pages are allocated (and kept by the prefix
+  // cache) whichever tests ran before.
+  const std::string prompt = "Metrics count what the server did: requests, tokens, pages of each class, and the "
+                             "meter of every decode step, for operators who watch them over time.";
+  ASSERT_EQ(post("/v1/completions", json{{"prompt", prompt}, {"max_tokens", 3}, {"temperature", 0}}).status, 200);
   const std::string text = metrics_text();
   const std::string path = ::testing::TempDir() + "/certkv_server_metrics.txt";
   std::ofstream(path) << text;
