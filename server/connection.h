@@ -6,10 +6,12 @@
 // likes (a "slowloris": a few dozen such clients hold every thread of the server). ConnectionServer
 // serves connections itself (httplib's process_request for each request, as its TLS server does):
 // each connection has at most one deadline, for a request's head (its line and headers, from the
-// connection's start or the end of the previous response), then for its body. A read past the
-// deadline fails, and the connection is closed as after any failed read. The server's own time
-// has none: a handler computing a completion, a stream being written. The routes set the deadline
-// of the connection their thread serves (current_connection).
+// connection's start or the end of the previous response), then for its body (paced: more time
+// as more of it comes). A read past the deadline fails, and a connection whose read failed is
+// closed. The server's own time has none: a handler computing a completion, a stream being
+// written. The routes set the deadline of the connection their thread serves (current_connection).
+// A request httplib answers before the routes see it (a malformed Range, an overlong line) closes
+// its connection too: its body was never read.
 #pragma once
 
 #include <httplib.h>
@@ -29,19 +31,32 @@ class Connection final : public httplib::Stream {
   // sock: a connected socket, closed by the caller. Each read and write waits at most its timeout.
   Connection(socket_t sock, std::chrono::microseconds read_timeout, std::chrono::microseconds write_timeout);
 
-  // The time by which the client must have sent what is being read, or none.
-  void set_deadline(std::optional<Clock::time_point> deadline) { deadline_ = deadline; }
-  std::optional<Clock::time_point> deadline() const { return deadline_; }
-  // Whether a read failed at the deadline.
+  // The time by which the client must have sent what is being read (a request's head).
+  void set_deadline(Clock::time_point deadline);
+  // A body is read next: the client has `per_chunk` from now, and `per_chunk` more for each
+  // kBodyChunkBytes it sends (at most a day in all).
+  void expect_body(std::chrono::milliseconds per_chunk);
+  // No deadline: the server's own time (a handler computing, a response being written).
+  void clear_deadline();
+  static constexpr uint64_t kBodyChunkBytes = 64 << 10;
+
+  // Whether a read failed (at the deadline, the read timeout, the peer's end of stream or an
+  // error), and whether at the deadline. A connection whose read failed is not read again: what
+  // the peer sends later must not be taken as a request.
+  bool read_failed() const { return read_failed_; }
   bool missed_deadline() const { return missed_deadline_; }
+  // Marks the current request as seen by the routes (its headers passed httplib's own checks).
+  void note_routed() { routed_ = true; }
   // Closes the connection once the current response is written (whatever it is, a HEAD's too).
   void close_after_response() { close_after_response_ = true; }
-  bool closing() const { return close_after_response_; }
 
   // Waits up to `wait` for a byte of the next request (bytes already buffered count): kReady,
   // kIdle at the end of the wait, kClosed at the deadline, the peer's end of stream or an error.
   enum class WaitResult { kReady, kIdle, kClosed };
   WaitResult wait_for_request(std::chrono::milliseconds wait);
+  // Starts the next request: whether the previous one leaves the connection usable (it was
+  // routed, no read failed, nothing asked to close), then clears the per-request marks.
+  bool next_request();
 
   bool is_readable() const override;
   bool is_writable() const override;
@@ -52,13 +67,21 @@ class Connection final : public httplib::Stream {
   socket_t socket() const override { return sock_; }
 
  private:
-  // Waits for `events` up to the timeout, or the deadline when reading and it comes first.
+  // Waits for `events` up to the timeout, or the deadline when reading and it comes first (data
+  // already there at the deadline counts as on time).
   bool wait(short events, std::chrono::microseconds timeout) const;
+  void count_body_bytes(size_t n);
 
   socket_t sock_;
   std::chrono::microseconds read_timeout_, write_timeout_;
   std::optional<Clock::time_point> deadline_;
+  // While a body is read: when it began, its bytes so far, the time per chunk.
+  std::optional<Clock::time_point> body_start_;
+  uint64_t body_bytes_ = 0;
+  std::chrono::milliseconds body_per_chunk_{0};
   mutable bool missed_deadline_ = false;
+  bool read_failed_ = false;
+  bool routed_ = false;
   bool close_after_response_ = false;
   // Bytes received and not yet read (httplib reads a request's head a byte at a time).
   std::array<char, 4096> buffer_{};
@@ -68,12 +91,11 @@ class Connection final : public httplib::Stream {
 // The connection the calling thread serves, or null (a thread not serving one).
 Connection* current_connection();
 
-// httplib's server with connections served by Connection. head: the time a client has for each
-// request's head.
+// httplib's server with connections served by Connection. head: the time a client has for a
+// request's line and headers, from connecting or from the end of the previous response.
 class ConnectionServer final : public httplib::Server {
  public:
   explicit ConnectionServer(std::chrono::milliseconds head) : head_(head) {}
-  std::chrono::milliseconds head() const { return head_; }
   // Connections closed for a missed deadline since the start.
   uint64_t timed_out() const { return timed_out_.load(); }
 

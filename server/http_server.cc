@@ -70,19 +70,11 @@ void refuse_before_the_body(httplib::Response& res, const OpenAiError& e) {
 // none matches, sends it.
 thread_local std::optional<OpenAiError> t_refusal;
 
-// The deadline of the connection the calling thread serves (connection.h): a time, or none.
-void set_deadline(std::optional<Connection::Clock::time_point> deadline) {
-  if (Connection* c = current_connection()) c->set_deadline(deadline);
-}
-
-// A body may take the request timeout once more for each this many bytes.
-constexpr uint64_t kBodyBytesPerTimeout = 64 << 10;
-
 // A POST route's handler, run only when the request was not refused.
 httplib::Server::Handler unless_refused(httplib::Server::Handler handler) {
   return [handler = std::move(handler)](const httplib::Request& req, httplib::Response& res) {
     // The body is in: what the server does now takes no client's deadline.
-    set_deadline(std::nullopt);
+    if (Connection* c = current_connection()) c->clear_deadline();
     if (t_refusal) {
       send_error(res, *t_refusal);
       t_refusal.reset();
@@ -137,7 +129,7 @@ class ServerState {
 
 HttpServer::HttpServer(ServerOptions options)
     : options_(std::move(options)),
-      http_(std::make_unique<ConnectionServer>(std::chrono::milliseconds(int64_t(options_.request_timeout_seconds * 1000)))),
+      http_(std::make_unique<ConnectionServer>(request_timeout(options_))),
       state_(std::make_unique<ServerState>()) {
   install_routes();
 }
@@ -271,17 +263,18 @@ void HttpServer::install_routes() {
   http.new_task_queue = [n_threads] { return new httplib::ThreadPool(n_threads); };
   http.set_payload_max_length(size_t(options.max_body_bytes));
 
-  // A request's head is in: its body, if any, may take the timeout once and once more per 64 KiB
-  // (the connection sets the head's deadline, and clears the deadline after each response).
-  const auto timeout = std::chrono::milliseconds(int64_t(options.request_timeout_seconds * 1000));
-  http.set_pre_routing_handler([&s, &options, timeout](const httplib::Request& req, httplib::Response& res) {
+  // A request's head is in (the connection gave it its deadline): its body, if any, may take the
+  // timeout and once more per 64 KiB received; without one, the server's time begins.
+  http.set_pre_routing_handler([&s, &options, timeout = request_timeout(options)](const httplib::Request& req,
+                                                                                  httplib::Response& res) {
     t_refusal.reset();
-    const uint64_t body_bytes = std::min<uint64_t>(std::strtoull(req.get_header_value("Content-Length").c_str(), nullptr, 10),
-                                                   options.max_body_bytes);
-    if (body_bytes > 0)
-      set_deadline(Connection::Clock::now() + timeout * int64_t(1 + body_bytes / kBodyBytesPerTimeout));
-    else
-      set_deadline(std::nullopt);
+    if (Connection* c = current_connection()) {
+      c->note_routed();
+      if (std::strtoull(req.get_header_value("Content-Length").c_str(), nullptr, 10) > 0)
+        c->expect_body(timeout);
+      else
+        c->clear_deadline();
+    }
     auto refuse = [&res](const OpenAiError& e) {
       refuse_before_the_body(res, e);
       return httplib::Server::HandlerResponse::Handled;

@@ -119,14 +119,20 @@ ServerOptions parse_server_options(int argc, const char* const* argv) {
     else if (flag == "--max-body-bytes") o.max_body_bytes = uint64_t(parse_integer(flag, value(), 1024, INT64_MAX));
     else if (flag == "--request-timeout") {
       o.request_timeout_seconds = parse_real(flag, value());
-      if (!(o.request_timeout_seconds >= 0.1 && o.request_timeout_seconds <= 3600))
-        throw OptionError("flag --request-timeout: expected seconds in [0.1, 3600], got " + std::string(argv[i]));
+      request_timeout(o);  // the range
     } else throw OptionError("unknown flag '" + flag + "'");
   }
   if (o.model_path.empty()) throw OptionError("flag -m/--model is required");
   if (o.gate && o.sparse_p > 0) throw OptionError("flags --gate and --sparse do not combine yet (drop --gate)");
   if (o.gate && !o.meter) throw OptionError("flags --gate and --no-meter contradict: the gate repairs by the meter");
   return o;
+}
+
+std::chrono::milliseconds request_timeout(const ServerOptions& options) {
+  const double s = options.request_timeout_seconds;
+  if (!(s >= 0.1 && s <= 3600))
+    throw OptionError("flag --request-timeout: expected seconds in [0.1, 3600], got " + std::to_string(s));
+  return std::chrono::milliseconds(std::llround(s * 1000));
 }
 
 }  // namespace certkv::server

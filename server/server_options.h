@@ -2,6 +2,7 @@
 // listens.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -30,8 +31,8 @@ struct ServerOptions {
   int http_threads = 0;            // --threads-http: connections served at once; 0: max(32, 4 x parallel)
   uint64_t max_body_bytes = 1 << 20;  // --max-body-bytes: larger request bodies get 413
   // --request-timeout: seconds a client has to send a request's line and headers (from connecting,
-  // or from the end of the previous response plus the keep-alive wait), and its body (once more per
-  // 64 KiB); a connection past it is closed, so slow clients cannot hold the HTTP threads.
+  // or from the end of the previous response), and its body (once more per 64 KiB received); a
+  // connection past it is closed, so slow clients cannot hold the HTTP threads.
   double request_timeout_seconds = 10;
 };
 
@@ -39,6 +40,10 @@ struct ServerOptions {
 struct OptionError : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
+
+// request_timeout_seconds as a duration, rounded to the millisecond. Throws OptionError outside
+// [0.1, 3600] (the range --request-timeout accepts).
+std::chrono::milliseconds request_timeout(const ServerOptions& options);
 
 extern const char* const kServeUsage;
 

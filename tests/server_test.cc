@@ -617,6 +617,43 @@ bool closed_by_server(int fd, std::chrono::milliseconds wait, std::string* recei
   }
 }
 
+// A server of its own for a test, listening until the test ends (an ASSERT included).
+struct OwnServer {
+  explicit OwnServer(const ServerOptions& o) : server(o), port(server.bind()), listener([this] { server.listen(); }) {}
+  ~OwnServer() {
+    server.stop();
+    listener.join();
+  }
+  HttpServer server;
+  int port;
+  std::thread listener;
+};
+
+// One whole HTTP response read from fd (its headers, then a Content-Length body or chunks up to
+// the last), or what came before `wait` ran out or the server closed.
+std::string read_response(int fd, std::chrono::milliseconds wait) {
+  const auto until = std::chrono::steady_clock::now() + wait;
+  std::string r;
+  auto complete = [&r] {
+    const size_t head_end = r.find("\r\n\r\n");
+    if (head_end == std::string::npos) return false;
+    const size_t length_at = r.find("Content-Length: ");
+    if (length_at != std::string::npos && length_at < head_end)
+      return r.size() >= head_end + 4 + std::stoull(r.substr(length_at + 16));
+    return r.find("\r\n0\r\n\r\n", head_end) != std::string::npos;
+  };
+  while (!complete()) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+    pollfd p{fd, POLLIN, 0};
+    if (left.count() <= 0 || poll(&p, 1, int(left.count())) <= 0) break;
+    char buf[4096];
+    const ssize_t n = recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    r.append(buf, size_t(n));
+  }
+  return r;
+}
+
 // A slowloris: clients that send a header line now and then, each within the socket's read
 // timeout, and never end their request's head. Four of them against two HTTP threads held both
 // threads for as long as they kept sending; each is now closed at the request timeout, and a
@@ -626,18 +663,19 @@ TEST(Server, SlowClientsAreClosedAtTheRequestTimeout) {
   o.model_path = testing::models_path("no-such-model.gguf");  // /health answers 503 (loading)
   o.http_threads = 2;
   o.request_timeout_seconds = 1;
-  HttpServer guarded(o);
-  const int port = guarded.bind();
-  std::thread listener([&] { guarded.listen(); });
+  OwnServer guarded(o);
   constexpr int kSlow = 4;
+  std::vector<int> fds;
+  for (int i = 0; i < kSlow; ++i) {  // connected before the request below, in this order
+    fds.push_back(connect_local(guarded.port));
+    ASSERT_GE(fds.back(), 0);
+    const std::string line = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n";
+    ASSERT_EQ(send(fds.back(), line.data(), line.size(), MSG_NOSIGNAL), ssize_t(line.size()));
+  }
   std::atomic<int> closed{0};
   std::vector<std::thread> slow;
-  for (int i = 0; i < kSlow; ++i)
-    slow.emplace_back([&] {
-      const int fd = connect_local(port);
-      if (fd < 0) return;
-      const std::string line = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n";
-      send(fd, line.data(), line.size(), MSG_NOSIGNAL);
+  for (int fd : fds)
+    slow.emplace_back([fd, &closed] {
       const auto start = std::chrono::steady_clock::now();
       while (std::chrono::steady_clock::now() - start < std::chrono::seconds(8)) {
         if (closed_by_server(fd, std::chrono::milliseconds(300)) || send(fd, "X-Slow: 1\r\n", 11, MSG_NOSIGNAL) < 0) {
@@ -648,7 +686,7 @@ TEST(Server, SlowClientsAreClosedAtTheRequestTimeout) {
       close(fd);
     });
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the slow clients hold both threads
-  httplib::Client c("127.0.0.1", port);
+  httplib::Client c("127.0.0.1", guarded.port);
   c.set_read_timeout(20, 0);
   const auto t0 = std::chrono::steady_clock::now();
   auto health = c.Get("/health");
@@ -659,63 +697,80 @@ TEST(Server, SlowClientsAreClosedAtTheRequestTimeout) {
   // Two rounds of two slow clients, a second each; without the deadlines, the 8 s they keep sending.
   EXPECT_LT(waited, 5.0);
   EXPECT_EQ(closed.load(), kSlow);
-  guarded.stop();
-  listener.join();
 }
 
-// The deadlines bound what clients send, not what the server does: with a 0.1 s request timeout,
-// completions that take longer (streamed or not) come whole, one after another on one kept-alive
-// connection, while a body sent late is cut off.
+// The deadlines bound what clients send, not what the server does: with a 0.5 s request timeout,
+// completions that take longer (streamed or not) come whole, one after another on one raw
+// kept-alive connection; a body that does not come, a body trickled a byte at a time and a
+// connection that sends nothing are closed, and counted on /metrics.
 TEST(Server, TheRequestTimeoutLeavesTheServersOwnTimeAlone) {
   ServerOptions o = test_options();
   o.api_key.clear();
-  o.request_timeout_seconds = 0.1;
-  HttpServer quick(o);
-  const int port = quick.bind();
-  std::thread listener([&] { quick.listen(); });
-  quick.load();
-  httplib::Client c("127.0.0.1", port);
-  c.set_read_timeout(60, 0);
-  const json body{{"prompt", "A long story:"}, {"max_tokens", 160}, {"temperature", 0}, {"ignore_eos", true}};
-  for (int round = 0; round < 2; ++round) {
-    const auto t0 = std::chrono::steady_clock::now();
-    auto whole = c.Post("/v1/completions", body.dump(), "application/json");
-    ASSERT_TRUE(whole) << "round " << round;
-    ASSERT_EQ(whole->status, 200) << whole->body;
-    EXPECT_EQ(json::parse(whole->body).at("usage").at("completion_tokens"), 160);
-    EXPECT_GT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(200)) << "too fast to show anything";
-    json streamed = body;
-    streamed["stream"] = true;
-    auto events = c.Post("/v1/completions", streamed.dump(), "application/json");
-    ASSERT_TRUE(events) << "round " << round;
-    ASSERT_EQ(events->status, 200);
-    EXPECT_NE(events->body.find("data: [DONE]"), std::string::npos) << events->body;
-  }
-  // Headers promising a body that does not come: the connection is closed (after httplib's 400
-  // for the unread body), so a body arriving late is never read as a request.
-  const int fd = connect_local(port);
+  o.request_timeout_seconds = 0.5;
+  OwnServer quick(o);
+  quick.server.load();
+  const int fd = connect_local(quick.port);
   ASSERT_GE(fd, 0);
-  const std::string head = "POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                           "Content-Length: 20\r\n\r\n";
-  ASSERT_EQ(send(fd, head.data(), head.size(), MSG_NOSIGNAL), ssize_t(head.size()));
-  std::string answer;
-  EXPECT_TRUE(closed_by_server(fd, std::chrono::milliseconds(3000), &answer)) << answer;
-  EXPECT_EQ(answer.find("200 OK"), std::string::npos) << answer;
+  auto post = [](const json& body) {
+    const std::string text = body.dump();
+    return "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: " +
+           std::to_string(text.size()) + "\r\n\r\n" + text;
+  };
+  const json body{{"prompt", "A long story:"}, {"max_tokens", 240}, {"temperature", 0}, {"ignore_eos", true}};
+  json streamed = body;
+  streamed["stream"] = true;
+  for (const json& b : {body, streamed}) {
+    const std::string request = post(b);
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSERT_EQ(send(fd, request.data(), request.size(), MSG_NOSIGNAL), ssize_t(request.size()));
+    const std::string response = read_response(fd, std::chrono::seconds(60));
+    ASSERT_EQ(response.compare(0, 15, "HTTP/1.1 200 OK"), 0) << response;
+    if (b.contains("stream")) {
+      EXPECT_NE(response.find("data: [DONE]"), std::string::npos) << response;
+    } else {
+      EXPECT_NE(response.find("\"completion_tokens\":240"), std::string::npos) << response;
+    }
+    // Longer than the timeout, or the case shows nothing.
+    EXPECT_GT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(500));
+  }
+  const std::string health = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+  ASSERT_EQ(send(fd, health.data(), health.size(), MSG_NOSIGNAL), ssize_t(health.size()));
+  EXPECT_EQ(read_response(fd, std::chrono::seconds(10)).compare(0, 15, "HTTP/1.1 200 OK"), 0);
   close(fd);
+  // Headers promising a body that does not come, and a large body trickled a byte every 0.1 s
+  // (its Content-Length would buy it 8.5 s; what it sends buys one timeout): each connection is
+  // closed, after httplib's 400 for the unread body, so a body arriving late is never read as a
+  // request.
+  for (const uint64_t length : {uint64_t(20), uint64_t(1) << 20}) {
+    const int late = connect_local(quick.port);
+    ASSERT_GE(late, 0);
+    const std::string head = "POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                             "Content-Length: " + std::to_string(length) + "\r\n\r\n";
+    ASSERT_EQ(send(late, head.data(), head.size(), MSG_NOSIGNAL), ssize_t(head.size()));
+    const auto start = std::chrono::steady_clock::now();
+    std::string answer;
+    bool closed = false;
+    while (!closed && std::chrono::steady_clock::now() - start < std::chrono::seconds(5)) {
+      closed = closed_by_server(late, std::chrono::milliseconds(100), &answer);
+      if (!closed && length > 20) send(late, "{", 1, MSG_NOSIGNAL);
+    }
+    EXPECT_TRUE(closed) << length;
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3)) << length;
+    EXPECT_EQ(answer.find("200 OK"), std::string::npos) << answer;
+    close(late);
+  }
   // A connection that sends nothing is closed at the head's deadline, well before httplib's 5 s
   // keep-alive wait.
-  const int idle = connect_local(port);
+  const int idle = connect_local(quick.port);
   ASSERT_GE(idle, 0);
   const auto idle_start = std::chrono::steady_clock::now();
   EXPECT_TRUE(closed_by_server(idle, std::chrono::milliseconds(3000)));
   EXPECT_LT(std::chrono::steady_clock::now() - idle_start, std::chrono::seconds(2));
   close(idle);
-  // Both are counted for operators; the kept-alive connection's completions are not.
+  httplib::Client c("127.0.0.1", quick.port);
   auto metrics = c.Get("/metrics");
   ASSERT_TRUE(metrics);
-  EXPECT_EQ(metric(metrics->body, "certkv:http_connections_timed_out_total"), 2) << metrics->body;
-  quick.stop();
-  listener.join();
+  EXPECT_EQ(metric(metrics->body, "certkv:http_connections_timed_out_total"), 3) << metrics->body;
 }
 
 TEST(Server, ApiKeyIsRequiredExceptForHealth) {
@@ -918,6 +973,11 @@ TEST(Server, ARefusedRequestsBodyIsNeverReadAsTheNextRequest) {
       {head + key + "Range: bytes=0-100000\r\nTransfer-Encoding: chunked\r\n\r\n", 411},
       {head + key + "Range: bytes=1000-\r\nTransfer-Encoding: chunked\r\n\r\n", 411},
   };
+  // A Range httplib cannot parse: it answers 416 from the headers, before the routes, and the
+  // connection closes with the body unread.
+  const std::string bad_range = raw_exchange({head + key + "Range: bytes=abc\r\n" + length + "\r\n", smuggled});
+  EXPECT_EQ(first_status(bad_range), 416) << bad_range;
+  EXPECT_EQ(count_responses(bad_range), 1) << bad_range;
   for (const Case& c : closing) {
     const std::string replies = raw_exchange({c.headers, smuggled});
     EXPECT_EQ(first_status(replies), c.status) << replies;
