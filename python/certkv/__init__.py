@@ -83,7 +83,8 @@ class Model:
 
     def chat_prompt(self, prompt: str, *, system: str | None = None) -> str:
         """prompt as a user turn in the model's chat template, ready for the assistant's reply."""
-        messages = ([("system", _text("system", system))] if system is not None else []) + [("user", _text("prompt", prompt))]
+        messages = ([("system", _c_text("system", system))] if system is not None else []) + \
+            [("user", _c_text("prompt", prompt))]
         return self._model.chat(messages, True)
 
     def chat_template(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
@@ -98,8 +99,8 @@ class Model:
         # text (certkv_tokenize_chat): a message cannot open a turn of its own.
         if isinstance(prompt, str):
             if chat:
-                messages = ([("system", _text("system", system))] if system is not None else []) + \
-                    [("user", _text("prompt", prompt))]
+                messages = ([("system", _c_text("system", system))] if system is not None else []) + \
+                    [("user", _c_text("prompt", prompt))]
                 tokens = self._model.chat_tokens(messages, True)
             else:
                 tokens = self.tokenize(prompt, add_special=True, parse_special=False)
@@ -146,7 +147,7 @@ def _chat_messages(messages: Any) -> list[tuple[str, str]]:
             raise ValueError(f"messages[{i}]: expected a dict with role and content, got {m!r}")
         if m["role"] not in _CHAT_ROLES:
             raise ValueError(f"messages[{i}]: role {m['role']!r} is not one of {', '.join(_CHAT_ROLES)}")
-        pairs.append((m["role"], _text(f"messages[{i}].content", m["content"])))
+        pairs.append((m["role"], _c_text(f"messages[{i}].content", m["content"])))
     return pairs
 
 
@@ -154,6 +155,14 @@ def _text(name: str, value: Any) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{name}: expected a str, got {type(value).__name__}")
     return value
+
+
+def _c_text(name: str, value: Any) -> str:
+    """A str the C API takes NUL-terminated (chat messages, stop strings): a NUL would cut it."""
+    text = _text(name, value)
+    if "\0" in text:
+        raise ValueError(f"{name}: contains a NUL character (U+0000), where the text would be cut")
+    return text
 
 
 def _session_options(kv: str, sparse: float | Mapping[str, Any] | None, gate: bool,
@@ -389,7 +398,7 @@ class Engine:
         """Queues a request; returns its id (see :meth:`run`, :meth:`result`)."""
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens: expected an integer >= 1, got {max_tokens!r}")
-        stop_list = [stop] if isinstance(stop, str) else [_text("stop", s) for s in stop]
+        stop_list = [_c_text("stop", s) for s in ([stop] if isinstance(stop, str) else stop)]
         tokens = self.model._prompt_tokens(prompt, chat, system)
         request = self._engine.submit(tokens, max_tokens, float(temperature), int(top_k), float(top_p),
                                       int(seed), stop_list, bool(ignore_end))

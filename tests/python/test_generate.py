@@ -155,6 +155,14 @@ def test_a_conversation_of_several_turns(model):
         session.generate(one, system="Be brief.")
     with pytest.raises(TypeError, match="messages: expected a non-empty list"):
         model.chat_template([])
+    # Text the C API takes NUL-terminated is refused with a NUL inside, never cut short.
+    with pytest.raises(ValueError, match=r"messages\[0\].content: contains a NUL"):
+        model.chat_template([{"role": "user", "content": "before\0after"}])
+    with pytest.raises(ValueError, match="prompt: contains a NUL"):
+        session.generate("before\0after", max_tokens=1)
+    with pytest.raises(ValueError, match="stop: contains a NUL"):
+        engine.submit("a", stop=["x\0y"])
+    assert model.tokenize("a\0b", add_special=False)  # tokenize takes a length: a NUL is text
 
 
 def test_llama2c_checkpoint_with_its_tokenizer():
