@@ -483,6 +483,9 @@ void HttpServer::install_routes() {
       g.stop = r.stop;
       g.ignore_end = r.ignore_eos;
       g.per_layer = r.per_layer;
+      g.logprobs = r.logprobs;
+      g.prompt_logprobs = r.echo && r.logprobs >= 0;
+      const std::vector<int32_t> prompt = r.echo ? g.prompt : std::vector<int32_t>();
       const std::shared_ptr<RequestChannel> channel = s.scheduler->submit(std::move(g));
       const RequestChannel::Submission sub = channel->wait_submitted();
       if (sub.status == CERTKV_ERR_OUT_OF_RANGE) throw context_exceeded(r, sub.error);
@@ -506,7 +509,14 @@ void HttpServer::install_routes() {
         if (result.finish_reason == "cancelled")
           throw OpenAiError(503, "server_error", "", "", "the request was cancelled: the server is stopping");
         if (result.finish_reason == "error") throw OpenAiError(500, "server_error", "", "", result.error);
-        send_json(res, 200, completion_response(r, id, created, s.model_id, result, s.certificate));
+        const std::string prompt_text =
+            !r.echo ? std::string() : r.prompt_tokens.empty() ? r.prompt : s.model->detokenize(prompt, true);
+        send_json(res, 200, completion_response(r, id, created, s.model_id, result, s.certificate, prompt, prompt_text,
+                                                 [&s](int32_t t) {
+                                                   // A control token's text (its piece is empty).
+                                                   std::string piece = s.model->piece(t);
+                                                   return piece.empty() ? s.model->detokenize({t}, true) : piece;
+                                                 }));
         return;
       }
       res.set_header("Cache-Control", "no-cache");

@@ -83,7 +83,6 @@ void refuse_unsupported_fields(const json& body) {
       {"repetition_penalty", present(body, "repetition_penalty") && number_is("repetition_penalty", 1)},
       {"min_p", present(body, "min_p") && number_is("min_p", 0)},
       {"best_of", present(body, "best_of") && number_is("best_of", 1)},
-      {"top_logprobs", present(body, "top_logprobs") && number_is("top_logprobs", 0)},
       {"logit_bias", present(body, "logit_bias") && body["logit_bias"].is_object() && body["logit_bias"].empty()},
       {"response_format", present(body, "response_format") && body["response_format"].is_object() &&
                               body["response_format"].value("type", json()) == "text"},
@@ -142,7 +141,15 @@ CompletionRequest parse_completion_request(const json& body, bool chat) {
                                     "(send several prompts as several requests)");
     }
   }
-  if (present(body, "max_tokens")) r.max_tokens = int32_t(integer_field(body, "max_tokens", 1, INT32_MAX));
+  // max_tokens 0 is taken with echo alone (the prompt and its log-probabilities, nothing generated).
+  const bool echo = !chat && present(body, "echo") && body["echo"].is_boolean() && body["echo"].get<bool>();
+  if (present(body, "max_tokens")) {
+    r.max_tokens = int32_t(integer_field(body, "max_tokens", echo ? 0 : 1, INT32_MAX));
+    if (*r.max_tokens == 0) {
+      r.max_tokens_zero = true;
+      r.max_tokens = 1;  // the engine computes one token, which the response leaves out
+    }
+  }
   if (chat && present(body, "max_completion_tokens"))
     r.max_tokens = int32_t(integer_field(body, "max_completion_tokens", 1, INT32_MAX));
   if (present(body, "temperature")) r.sampler.temperature = float(number_field(body, "temperature", 0, 2));
@@ -197,11 +204,28 @@ CompletionRequest parse_completion_request(const json& body, bool chat) {
       r.per_layer = c["per_layer"].get<bool>();
     }
   }
-  if (!chat && present(body, "echo") && !(body["echo"].is_boolean() && !body["echo"].get<bool>()))
-    throw invalid_field("echo", "echoing the prompt is not supported");
+  if (!chat && present(body, "echo")) {
+    if (!body["echo"].is_boolean()) throw invalid_field("echo", "expected true or false");
+    r.echo = body["echo"].get<bool>();
+  }
   if (!chat && present(body, "suffix")) throw invalid_field("suffix", "insertion with a suffix is not supported");
-  if (present(body, "logprobs") && !(body["logprobs"].is_boolean() && !body["logprobs"].get<bool>()))
-    throw invalid_field("logprobs", "log probabilities are not supported");
+  const std::string top_range = "[0, " + std::to_string(CERTKV_MAX_TOP_LOGPROBS) + "]";
+  if (chat) {  // logprobs: true, top_logprobs: N
+    if (present(body, "logprobs")) {
+      if (!body["logprobs"].is_boolean()) throw invalid_field("logprobs", "expected true or false");
+      if (body["logprobs"].get<bool>()) r.logprobs = 0;
+    }
+    if (present(body, "top_logprobs")) {
+      if (r.logprobs < 0) throw invalid_field("top_logprobs", "needs logprobs: true");
+      r.logprobs = int32_t(integer_field(body, "top_logprobs", 0, CERTKV_MAX_TOP_LOGPROBS));
+    }
+  } else if (present(body, "logprobs")) {  // logprobs: N
+    if (!body["logprobs"].is_number_integer())
+      throw invalid_field("logprobs", "expected an integer in " + top_range + " (alternatives per token)");
+    r.logprobs = int32_t(integer_field(body, "logprobs", 0, CERTKV_MAX_TOP_LOGPROBS));
+  }
+  if (r.stream && (r.logprobs >= 0 || r.echo))
+    throw invalid_field(r.echo ? "echo" : "logprobs", "is not supported with stream: true yet (send the request without it)");
   refuse_unsupported_fields(body);
   return r;
 }
@@ -254,17 +278,93 @@ json usage_json(const GenerationResult& r, const CertificateContext& c) {
               {"certkv", cert}};
 }
 
+namespace {
+
+json byte_list(const std::string& bytes) {
+  json out = json::array();
+  for (unsigned char b : bytes) out.push_back(int(b));
+  return out;
+}
+
+// A log-probability as JSON: -inf (a token the model gives no mass) has no JSON number; the most
+// negative double stands for it.
+json logprob_number(float x) { return std::isfinite(x) ? json(double(x)) : json(-std::numeric_limits<double>::max()); }
+
+// Chat's logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}.
+json chat_logprobs(const std::vector<certkv_token_logprob>& generated, const TokenText& text) {
+  json content = json::array();
+  for (const certkv_token_logprob& e : generated) {
+    json top = json::array();
+    for (int32_t k = 0; k < e.n_top; ++k) {
+      const std::string t = text(e.top_tokens[k]);
+      top.push_back({{"token", t}, {"logprob", logprob_number(e.top_logprobs[k])}, {"bytes", byte_list(t)}});
+    }
+    const std::string t = text(e.token);
+    content.push_back({{"token", t}, {"logprob", logprob_number(e.logprob)}, {"bytes", byte_list(t)}, {"top_logprobs", top}});
+  }
+  return json{{"content", content}, {"refusal", nullptr}};
+}
+
+// Completions' logprobs: {tokens, token_logprobs, top_logprobs, text_offset}; with echo the
+// prompt's tokens first (the first without a log-probability: null).
+json completion_logprobs(const std::vector<int32_t>& prompt, const std::vector<certkv_token_logprob>* prompt_lp,
+                         const std::vector<certkv_token_logprob>& generated, const TokenText& text) {
+  json tokens = json::array(), token_logprobs = json::array(), top_logprobs = json::array(), offsets = json::array();
+  size_t offset = 0;
+  auto add = [&](int32_t token, const certkv_token_logprob* e) {
+    const std::string t = text(token);
+    tokens.push_back(t);
+    offsets.push_back(offset);
+    offset += t.size();
+    if (!e) {
+      token_logprobs.push_back(nullptr);
+      top_logprobs.push_back(nullptr);
+      return;
+    }
+    token_logprobs.push_back(logprob_number(e->logprob));
+    json top = json::object();
+    for (int32_t k = 0; k < e->n_top; ++k) {
+      const std::string alt = text(e->top_tokens[k]);
+      if (!top.contains(alt)) top[alt] = logprob_number(e->top_logprobs[k]);  // pieces of equal text: the likelier
+    }
+    top_logprobs.push_back(top);
+  };
+  if (prompt_lp)
+    for (size_t i = 0; i < prompt.size(); ++i) add(prompt[i], i == 0 || i - 1 >= prompt_lp->size() ? nullptr : &(*prompt_lp)[i - 1]);
+  for (const certkv_token_logprob& e : generated) add(e.token, &e);
+  return json{{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top_logprobs}, {"text_offset", offsets}};
+}
+
+}  // namespace
+
 json completion_response(const CompletionRequest& req, const std::string& id, int64_t created,
-                         const std::string& model, const GenerationResult& r, const CertificateContext& c) {
+                         const std::string& model, const GenerationResult& r, const CertificateContext& c,
+                         const std::vector<int32_t>& prompt, const std::string& prompt_text, const TokenText& token_text) {
   json choice{{"index", 0}, {"finish_reason", openai_finish_reason(r.finish_reason)}, {"logprobs", nullptr}};
-  if (req.chat) choice["message"] = json{{"role", "assistant"}, {"content", r.text}};
-  else choice["text"] = r.text;
+  // max_tokens 0 (echo): the one token the engine computed is not part of the answer.
+  static const std::vector<certkv_token_logprob> kNone;
+  const std::vector<certkv_token_logprob>& generated = req.max_tokens_zero ? kNone : r.logprobs;
+  const std::string text = req.max_tokens_zero ? std::string() : r.text;
+  if (req.chat) {
+    choice["message"] = json{{"role", "assistant"}, {"content", text}};
+    if (req.logprobs >= 0 && token_text) choice["logprobs"] = chat_logprobs(generated, token_text);
+  } else {
+    choice["text"] = req.echo ? prompt_text + text : text;
+    if (req.max_tokens_zero) choice["finish_reason"] = "length";
+    if (req.logprobs >= 0 && token_text)
+      choice["logprobs"] = completion_logprobs(prompt, req.echo ? &r.prompt_logprobs : nullptr, generated, token_text);
+  }
+  json usage = usage_json(r, c);
+  if (req.max_tokens_zero) {
+    usage["completion_tokens"] = 0;
+    usage["total_tokens"] = r.prompt_tokens;
+  }
   return json{{"id", id},
               {"object", req.chat ? "chat.completion" : "text_completion"},
               {"created", created},
               {"model", model},
               {"choices", json::array({choice})},
-              {"usage", usage_json(r, c)}};
+              {"usage", usage}};
 }
 
 json completion_chunk(const CompletionRequest& req, const std::string& id, int64_t created,

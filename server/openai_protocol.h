@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <stdexcept>
@@ -55,6 +56,12 @@ struct CompletionRequest {
   bool stream = false;
   bool include_usage = false;            // stream_options.include_usage
   bool per_layer = false;                // certkv.per_layer: the certificate per layer too
+  // Log-probabilities: -1 none, else the alternatives per token (completions: logprobs N; chat:
+  // logprobs true with top_logprobs N). echo (completions): the prompt precedes the text, and
+  // with logprobs its tokens' log-probabilities precede the generated ones'.
+  int32_t logprobs = -1;
+  bool echo = false;
+  bool max_tokens_zero = false;          // max_tokens 0 with echo: the prompt alone
 };
 
 // Throws OpenAiError (400) naming the field for anything malformed or unsupported.
@@ -74,9 +81,15 @@ json usage_json(const GenerationResult& r, const CertificateContext& c);
 // "stop" for stop strings and end tokens, "length" at max_tokens.
 std::string openai_finish_reason(const std::string& engine_reason);
 
-// The non-streaming response.
+// The bytes a token stands for (its piece), for log-probabilities.
+using TokenText = std::function<std::string(int32_t)>;
+
+// The non-streaming response. prompt: the request's tokens and text (echo); token_text for
+// log-probabilities.
 json completion_response(const CompletionRequest& req, const std::string& id, int64_t created,
-                         const std::string& model, const GenerationResult& r, const CertificateContext& c);
+                         const std::string& model, const GenerationResult& r, const CertificateContext& c,
+                         const std::vector<int32_t>& prompt = {}, const std::string& prompt_text = "",
+                         const TokenText& token_text = {});
 // One streamed chunk: text (may be empty), finish_reason ("" for null), usage (null: none).
 json completion_chunk(const CompletionRequest& req, const std::string& id, int64_t created,
                       const std::string& model, const std::string& text, bool first,

@@ -102,6 +102,8 @@ void RequestScheduler::submit_queued(std::deque<Queued> queued) {
     p.stop = stop.data();
     p.n_stop = int32_t(stop.size());
     p.ignore_end = q.request.ignore_end ? 1 : 0;
+    p.logprobs = q.request.logprobs;
+    p.prompt_logprobs = q.request.prompt_logprobs ? 1 : 0;
     int64_t id = -1;
     const certkv_status st = certkv_engine_submit(engine_, &p, &id);
     if (st != CERTKV_OK) {
@@ -153,6 +155,13 @@ void RequestScheduler::collect_finished() {
     g.sparse_estimated_mass = r.sparse_estimated_mass;
     g.sparse_indexed_cells = r.sparse_indexed_cells;
     for (int32_t i = 0; i < r.n_classes; ++i) g.kv_bytes.emplace_back(r.kv_bytes[i].storage, r.kv_bytes[i].bytes);
+    for (const int prompt : {0, 1}) {
+      std::vector<certkv_token_logprob>& out = prompt ? g.prompt_logprobs : g.logprobs;
+      size_t n = 0;
+      if (certkv_engine_logprobs(engine_, it->first, prompt, 0, nullptr, 0, &n) != CERTKV_OK || n == 0) continue;
+      out.resize(n);
+      if (certkv_engine_logprobs(engine_, it->first, prompt, 0, out.data(), out.size(), &n) != CERTKV_OK) out.clear();
+    }
     if (it->second.per_layer && g.metered) {
       size_t n_layers = 0;
       certkv_engine_result_layers(engine_, it->first, nullptr, 0, &n_layers);

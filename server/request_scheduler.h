@@ -29,6 +29,8 @@ struct GenerationRequest {
   std::vector<std::string> stop;
   bool ignore_end = false;  // generate past end-of-generation tokens
   bool per_layer = false;  // copy the meter per layer into the result
+  int32_t logprobs = -1;   // certkv_request_params.logprobs
+  bool prompt_logprobs = false;
 };
 
 // A finished request, copied out of the engine before the scheduler releases it.
@@ -51,6 +53,8 @@ struct GenerationResult {
   int64_t sparse_indexed_cells = 0;
   std::vector<std::pair<std::string, uint64_t>> kv_bytes;  // by page class
   std::vector<certkv_layer_meter> layers;  // asked for (per_layer) and metered: one per layer
+  std::vector<certkv_token_logprob> logprobs;         // asked for: one per generated token
+  std::vector<certkv_token_logprob> prompt_logprobs;  // asked for: one per prompt token after the first
 };
 
 // One request between its HTTP handler and the scheduler. Thread safe.

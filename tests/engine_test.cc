@@ -12,6 +12,7 @@
 #include <span>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/session.h"
 #include "certkv/certkv.h"
 #include "codec/gaac.h"
 #include "core/status.h"
@@ -809,10 +810,15 @@ TEST(EngineCApi, RunsRequestsTogetherCancelsAndReports) {
   std::vector<int64_t> ids;
   for (const auto& p : prompts) {
     certkv_request_params rp = certkv_request_default_params();
+    EXPECT_EQ(rp.logprobs, -1);
     rp.prompt = p.data();
     rp.n_prompt = int32_t(p.size());
     rp.max_tokens = 12;
     rp.ignore_end = 1;
+    if (ids.empty()) {  // the first asks for log-probabilities, its prompt's too
+      rp.logprobs = 2;
+      rp.prompt_logprobs = 1;
+    }
     int64_t id = 0;
     ASSERT_EQ(certkv_engine_submit(engine, &rp, &id), CERTKV_OK) << certkv_last_error();
     ids.push_back(id);
@@ -824,6 +830,13 @@ TEST(EngineCApi, RunsRequestsTogetherCancelsAndReports) {
   int64_t bad_id = -1;
   EXPECT_EQ(certkv_engine_submit(engine, &too_long, &bad_id), CERTKV_ERR_OUT_OF_RANGE);
   EXPECT_NE(std::string(certkv_last_error()).find("context"), std::string::npos);
+  certkv_request_params too_many = certkv_request_default_params();
+  too_many.prompt = prompts[0].data();
+  too_many.n_prompt = int32_t(prompts[0].size());
+  too_many.max_tokens = 4;
+  too_many.logprobs = CERTKV_MAX_TOP_LOGPROBS + 1;
+  EXPECT_EQ(certkv_engine_submit(engine, &too_many, &bad_id), CERTKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(certkv_last_error()).find("logprobs"), std::string::npos);
   Streamed streamed;
   streamed.cancel_after_3 = ids[1];
   ASSERT_EQ(certkv_engine_run(engine, on_engine_token, &streamed), CERTKV_OK) << certkv_last_error();
@@ -849,6 +862,25 @@ TEST(EngineCApi, RunsRequestsTogetherCancelsAndReports) {
       EXPECT_GT(r.kv_bytes[0].bytes, 0u);
     }
   }
+  // Log-probabilities: the count with no room, entries from an offset, none where not asked.
+  size_t n_lp = 0;
+  ASSERT_EQ(certkv_engine_logprobs(engine, ids[0], 0, 0, nullptr, 0, &n_lp), CERTKV_OK);
+  EXPECT_EQ(n_lp, 12u);
+  certkv_token_logprob lp[4];
+  ASSERT_EQ(certkv_engine_logprobs(engine, ids[0], 0, 10, lp, 4, &n_lp), CERTKV_OK);
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_EQ(lp[k].n_top, 2);
+    EXPECT_LE(lp[k].logprob, 0.f);
+    EXPECT_GE(lp[k].top_logprobs[0], lp[k].logprob);
+    EXPECT_GE(lp[k].top_logprobs[0], lp[k].top_logprobs[1]);
+  }
+  ASSERT_EQ(certkv_engine_logprobs(engine, ids[0], 1, 0, lp, 1, &n_lp), CERTKV_OK);
+  EXPECT_EQ(n_lp, prompts[0].size() - 1);
+  EXPECT_EQ(lp[0].token, prompts[0][1]);  // entry 0: the prompt's second token
+  EXPECT_EQ(certkv_engine_logprobs(engine, ids[0], 0, 13, lp, 4, &n_lp), CERTKV_ERR_INVALID_ARGUMENT);
+  ASSERT_EQ(certkv_engine_logprobs(engine, ids[2], 0, 0, lp, 4, &n_lp), CERTKV_OK);
+  EXPECT_EQ(n_lp, 0u);
+  EXPECT_EQ(certkv_engine_logprobs(engine, ids[2], 0, 0, nullptr, 4, &n_lp), CERTKV_ERR_INVALID_ARGUMENT);
   certkv_engine_stats st;
   ASSERT_EQ(certkv_engine_get_stats(engine, &st), CERTKV_OK);
   EXPECT_EQ(st.running + st.waiting, 0);
@@ -1108,6 +1140,71 @@ TEST(EngineCApi, KeepsTheMeterOfRecentStepsPerLayerAndHead) {
     EXPECT_NE(std::string(certkv_last_error()).find("recent_steps"), std::string::npos) << certkv_last_error();
   }
   certkv_model_free(model);
+}
+
+}  // namespace
+}  // namespace certkv::engine
+
+namespace certkv::engine {
+namespace {
+
+// Log-probabilities: the prompt's and each generated token's are token_logprob over the logits a
+// session computes for the same tokens alone, whatever the chunking and the other requests; the
+// prompt is computed whole even when its prefix is cached; bad counts are refused.
+TEST(Engine, LogprobsAreThoseOfTheTokensLogitsAlone) {
+  EngineConfig cfg;
+  cfg.backend.context_tokens = 128;
+  cfg.backend.pool_tokens = 128 * 4;
+  cfg.step_tokens = 11;  // the prompt in chunks, beside another request's decodes
+  cfg.max_sequences = 2;
+  const model::Model& m = stories();
+  const int32_t n_vocab = m.config().n_vocab;
+  std::vector<RequestParams> requests = story_requests({40, 40}, 6, 21);
+  requests[1].prompt = requests[0].prompt;  // the same prompt: its blocks are cached by then
+  for (RequestParams& r : requests) {
+    r.logprobs = 3;
+    r.prompt_logprobs = true;
+  }
+  requests[0].sampling = {};  // greedy
+  Engine engine(m, cfg);
+  std::vector<RequestId> ids;
+  run_engine(engine, requests, &ids);
+  for (size_t q = 0; q < ids.size(); ++q) {
+    const RequestReport& r = engine.report(ids[q]);
+    const std::vector<int32_t>& prompt = requests[q].prompt;
+    ASSERT_EQ(r.prompt_logprobs.size(), prompt.size() - 1) << q;
+    ASSERT_EQ(r.logprobs.size(), r.tokens.size()) << q;
+    EXPECT_EQ(r.shared_prompt_tokens, 0) << "a prompt whose log-probabilities are asked is computed whole";
+    // The same tokens through a session alone: prompt then generated tokens, every row's logits.
+    backend::Session alone(m, cfg.backend);
+    std::vector<int32_t> all = prompt;
+    all.insert(all.end(), r.tokens.begin(), r.tokens.end() - 1);
+    std::vector<float> logits(all.size() * size_t(n_vocab));
+    alone.prefill(all.data(), int64_t(all.size()), nullptr, logits.data());
+    for (size_t i = 0; i + 1 < all.size() + 1; ++i) {
+      const int32_t next = i + 1 < prompt.size() ? prompt[i + 1] : r.tokens[i + 1 - prompt.size()];
+      const model::TokenLogprob want = model::token_logprob(logits.data() + i * size_t(n_vocab), n_vocab, next, 3);
+      const model::TokenLogprob& got = i + 1 < prompt.size() ? r.prompt_logprobs[i] : r.logprobs[i + 1 - prompt.size()];
+      ASSERT_EQ(got.token, next) << q << " " << i;
+      EXPECT_EQ(got.logprob, want.logprob) << q << " " << i;
+      EXPECT_EQ(got.top, want.top) << q << " " << i;
+    }
+    if (q == 0)  // greedy: each generated token is its position's most likely
+      for (const model::TokenLogprob& g : r.logprobs) EXPECT_EQ(g.top.at(0).first, g.token);
+  }
+  RequestParams bad = requests[0];
+  bad.logprobs = model::kMaxTopLogprobs + 1;
+  EXPECT_THROW(engine.submit(bad), Error);
+  bad.logprobs = -2;
+  EXPECT_THROW(engine.submit(bad), Error);
+  RequestParams none = requests[0];
+  none.logprobs = -1;
+  none.prompt_logprobs = false;
+  const RequestId plain = engine.submit(none);
+  engine.run();
+  EXPECT_TRUE(engine.report(plain).logprobs.empty());
+  EXPECT_TRUE(engine.report(plain).prompt_logprobs.empty());
+  EXPECT_GT(engine.report(plain).shared_prompt_tokens, 0);  // without them the cached prefix is taken
 }
 
 }  // namespace

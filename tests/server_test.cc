@@ -1040,6 +1040,95 @@ TEST(Server, TokenizeAndDetokenizeRoundTrip) {
   EXPECT_EQ(flag.body.at("error").at("param"), "render_special");
 }
 
+// Log-probabilities in OpenAI's shapes: completions (logprobs N, with echo the prompt's first,
+// max_tokens 0 for the prompt alone: what evaluation harnesses send) and chat (logprobs with
+// top_logprobs); the values are the log-softmax of the model's logits (the engine's test holds them
+// to a session's), so greedy tokens are their positions' most likely and probabilities are <= 1.
+TEST(Server, LogprobsAndEchoInOpenAisShapes) {
+  const std::string prompt = "The cat sat on the";
+  const Reply plain = post("/v1/completions", json{{"prompt", prompt}, {"max_tokens", 4}, {"temperature", 0},
+                                                   {"logprobs", 2}, {"ignore_eos", true}});
+  ASSERT_EQ(plain.status, 200) << plain.body.dump();
+  const json& lp = plain.body.at("choices").at(0).at("logprobs");
+  ASSERT_EQ(lp.at("tokens").size(), 4u) << lp.dump();
+  std::string joined;
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(lp.at("text_offset").at(i), joined.size());
+    joined += lp.at("tokens").at(i).get<std::string>();
+    const double logprob = lp.at("token_logprobs").at(i).get<double>();
+    EXPECT_LE(logprob, 0.0);
+    const json& top = lp.at("top_logprobs").at(i);
+    ASSERT_GE(top.size(), 1u);
+    EXPECT_LE(top.size(), 2u);
+    // Greedy: the token is the most likely one, its logprob the largest of the top.
+    double best = -1e300;
+    for (const auto& [text, value] : top.items()) best = std::max(best, value.get<double>());
+    EXPECT_DOUBLE_EQ(best, logprob) << top.dump();
+    EXPECT_TRUE(top.contains(lp.at("tokens").at(i).get<std::string>())) << top.dump();
+  }
+  EXPECT_EQ(joined, plain.body.at("choices").at(0).at("text"));
+
+  // echo with max_tokens 0: the prompt alone, each token after the first with its logprob.
+  const Reply echo = post("/v1/completions", json{{"prompt", prompt}, {"max_tokens", 0}, {"temperature", 0},
+                                                  {"logprobs", 1}, {"echo", true}});
+  ASSERT_EQ(echo.status, 200) << echo.body.dump();
+  const json& c = echo.body.at("choices").at(0);
+  EXPECT_EQ(c.at("text"), prompt);
+  EXPECT_EQ(c.at("finish_reason"), "length");
+  const json& e = c.at("logprobs");
+  certkv::Model model(testing::smollm2_gguf());
+  const std::vector<int32_t> ids = model.tokenize(prompt, true, true);
+  ASSERT_EQ(e.at("tokens").size(), ids.size()) << e.dump();
+  EXPECT_TRUE(e.at("token_logprobs").at(0).is_null());
+  EXPECT_TRUE(e.at("top_logprobs").at(0).is_null());
+  for (size_t i = 1; i < ids.size(); ++i) {
+    EXPECT_EQ(e.at("tokens").at(i), model.piece(ids[i]));
+    EXPECT_LE(e.at("token_logprobs").at(i).get<double>(), 0.0);
+    EXPECT_EQ(e.at("top_logprobs").at(i).size(), 1u);
+  }
+  EXPECT_EQ(echo.body.at("usage").at("completion_tokens"), 0);
+  // With a generated token the echoed prompt's logprobs come first, then the token's.
+  const Reply echo1 = post("/v1/completions", json{{"prompt", prompt}, {"max_tokens", 1}, {"temperature", 0},
+                                                   {"logprobs", 0}, {"echo", true}});
+  ASSERT_EQ(echo1.status, 200);
+  const json& e1 = echo1.body.at("choices").at(0).at("logprobs");
+  ASSERT_EQ(e1.at("tokens").size(), ids.size() + 1);
+  EXPECT_EQ(e1.at("token_logprobs").at(ids.size() - 1), e.at("token_logprobs").at(ids.size() - 1));
+  EXPECT_EQ(e1.at("tokens").at(ids.size()), lp.at("tokens").at(0));  // greedy: the same first token
+  EXPECT_EQ(e1.at("token_logprobs").at(ids.size()), lp.at("token_logprobs").at(0));
+
+  // Chat: logprobs true with top_logprobs.
+  const Reply chat = post("/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", "Hi"}}}},
+                                                       {"max_tokens", 3}, {"temperature", 0}, {"logprobs", true},
+                                                       {"top_logprobs", 2}});
+  ASSERT_EQ(chat.status, 200) << chat.body.dump();
+  const json& content = chat.body.at("choices").at(0).at("logprobs").at("content");
+  ASSERT_GE(content.size(), 1u);
+  for (const json& t : content) {
+    EXPECT_LE(t.at("logprob").get<double>(), 0.0);
+    std::string bytes;
+    for (const json& b : t.at("bytes")) bytes += char(b.get<int>());
+    EXPECT_EQ(bytes, t.at("token").get<std::string>());
+    ASSERT_EQ(t.at("top_logprobs").size(), 2u);
+    EXPECT_EQ(t.at("top_logprobs").at(0).at("logprob"), t.at("logprob"));  // greedy
+  }
+  // Bad values, and what is not served yet.
+  auto bad = [](const json& body, bool chat_endpoint, const std::string& param) {
+    const Reply r = post(chat_endpoint ? "/v1/chat/completions" : "/v1/completions", body);
+    EXPECT_EQ(r.status, 400) << body.dump();
+    EXPECT_EQ(r.body.at("error").at("param"), param) << r.body.dump();
+  };
+  bad(json{{"prompt", "a"}, {"logprobs", 21}}, false, "logprobs");
+  bad(json{{"prompt", "a"}, {"logprobs", true}}, false, "logprobs");
+  bad(json{{"prompt", "a"}, {"echo", "yes"}}, false, "echo");
+  bad(json{{"prompt", "a"}, {"max_tokens", 0}}, false, "max_tokens");  // 0 only with echo
+  bad(json{{"prompt", "a"}, {"logprobs", 1}, {"stream", true}}, false, "logprobs");
+  const json hi = json::array({{{"role", "user"}, {"content", "Hi"}}});
+  bad(json{{"messages", hi}, {"top_logprobs", 2}}, true, "top_logprobs");
+  bad(json{{"messages", hi}, {"logprobs", true}, {"top_logprobs", 21}}, true, "top_logprobs");
+  bad(json{{"messages", hi}, {"logprobs", 3}}, true, "logprobs");
+}
+
 TEST(Server, MetricsParseAsPrometheusTextWithEverySeries) {
   // A prompt of several whole blocks, so that lossy pages are allocated (and kept by the prefix
   // cache) whichever tests ran before.

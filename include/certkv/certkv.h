@@ -518,6 +518,12 @@ typedef struct certkv_request_params {
   const char* const* stop;       /* [n_stop] stop strings, or NULL */
   int32_t n_stop;
   int ignore_end;                /* keep generating past end-of-generation tokens */
+  int32_t logprobs;              /* -1 (default): none; 0 to CERTKV_MAX_TOP_LOGPROBS: each generated
+                                    token's log-probability and that many most likely alternatives
+                                    (certkv_engine_logprobs) */
+  int prompt_logprobs;           /* also the prompt's tokens after the first (max(logprobs, 0)
+                                    alternatives); the prompt is then computed whole, never taken
+                                    from the prefix cache */
 } certkv_request_params;
 
 CERTKV_API certkv_request_params certkv_request_default_params(void);
@@ -596,6 +602,27 @@ typedef struct certkv_layer_meter {
 CERTKV_API certkv_status certkv_engine_result_layers(const certkv_engine* engine, int64_t id,
                                                      certkv_layer_meter* out, size_t capacity,
                                                      size_t* n);
+#define CERTKV_MAX_TOP_LOGPROBS 20
+
+/* A token's log-probability under the model's distribution at its position: the log-softmax of
+ * the raw logits (before the sampler's temperature and truncation), and the most likely tokens'
+ * (most likely first, lower id first on ties). */
+typedef struct certkv_token_logprob {
+  int32_t token;
+  float logprob;
+  int32_t n_top;
+  int32_t top_tokens[CERTKV_MAX_TOP_LOGPROBS];
+  float top_logprobs[CERTKV_MAX_TOP_LOGPROBS];
+} certkv_token_logprob;
+
+/* A request's log-probabilities (certkv_request_params.logprobs, .prompt_logprobs): of its
+ * generated tokens (prompt 0: entry i for generated token i, each recorded before the token's
+ * callback), or of its prompt (prompt 1: entry i for prompt token i + 1). Writes entries
+ * [first, first + capacity) that exist, sets *n to the count there is in all; first past it:
+ * INVALID_ARGUMENT. */
+CERTKV_API certkv_status certkv_engine_logprobs(const certkv_engine* engine, int64_t id, int prompt,
+                                                size_t first, certkv_token_logprob* out, size_t capacity,
+                                                size_t* n);
 /* Inter-token latencies of a request, ms. out: [capacity]; *n set to the count (OUT_OF_RANGE,
  * with *n the count needed, when capacity is short). */
 CERTKV_API certkv_status certkv_engine_itl(const certkv_engine* engine, int64_t id, double* out,

@@ -926,6 +926,7 @@ certkv_request_params certkv_request_default_params(void) {
   certkv_request_params p{};
   p.max_tokens = 128;
   p.sampler = certkv_sampler_default_params();
+  p.logprobs = -1;
   return p;
 }
 
@@ -946,6 +947,8 @@ certkv_status certkv_engine_submit(certkv_engine* engine, const certkv_request_p
       r.stop.emplace_back(params->stop[i]);
     }
     r.ignore_end = params->ignore_end != 0;
+    r.logprobs = params->logprobs;
+    r.prompt_logprobs = params->prompt_logprobs != 0;
     *id = engine->engine->submit(std::move(r));
   });
 }
@@ -1051,6 +1054,34 @@ certkv_status certkv_engine_result_layers(const certkv_engine* engine, int64_t i
     for (size_t i = 0; i < layers.size(); ++i)
       out[i] = certkv_layer_meter{layers[i].meter_max, layers[i].meter_p99, layers[i].coverage,
                                   layers[i].cells, layers[i].gate_repairs};
+  });
+}
+
+static_assert(CERTKV_MAX_TOP_LOGPROBS == certkv::model::kMaxTopLogprobs, "one limit for the C API and the sampler");
+
+certkv_status certkv_engine_logprobs(const certkv_engine* engine, int64_t id, int prompt, size_t first,
+                                     certkv_token_logprob* out, size_t capacity, size_t* n) {
+  CERTKV_REQUIRE(engine && n && (out || capacity == 0), "certkv_engine_logprobs: null argument");
+  return guarded([&] {
+    const certkv::engine::RequestReport& r = engine->engine->report(id);
+    const std::vector<certkv::model::TokenLogprob>& all = prompt ? r.prompt_logprobs : r.logprobs;
+    *n = all.size();
+    if (first > all.size())
+      certkv::fail(certkv::StatusCode::kInvalidArgument, "certkv_engine_logprobs: entry " + std::to_string(first) +
+                                                             " of " + std::to_string(all.size()));
+    const size_t count = std::min(capacity, all.size() - first);
+    for (size_t i = 0; i < count; ++i) {
+      const certkv::model::TokenLogprob& e = all[first + i];
+      certkv_token_logprob& o = out[i];
+      o = certkv_token_logprob{};
+      o.token = e.token;
+      o.logprob = e.logprob;
+      o.n_top = int32_t(e.top.size());
+      for (size_t k = 0; k < e.top.size(); ++k) {
+        o.top_tokens[k] = e.top[k].first;
+        o.top_logprobs[k] = e.top[k].second;
+      }
+    }
   });
 }
 

@@ -141,6 +141,9 @@ RequestId Engine::submit(RequestParams params) {
                                       std::to_string(ctx) + " tokens)");
   for (const std::string& s : params.stop)
     if (s.empty()) fail(StatusCode::kInvalidArgument, "a stop string is empty");
+  if (params.logprobs < -1 || params.logprobs > model::kMaxTopLogprobs)
+    fail(StatusCode::kInvalidArgument, "logprobs must be -1 (none) or in [0, " + std::to_string(model::kMaxTopLogprobs) +
+                                           "], got " + std::to_string(params.logprobs));
   const RequestId id = next_id_;
   auto r = std::make_unique<Request>(id, std::move(params));  // the sampler checks its parameters
   ++next_id_;
@@ -161,6 +164,9 @@ RequestId Engine::submit(RequestParams params) {
 
 int64_t Engine::lookup_prefix(const Request& r, cache::SeqId* holder) {
   if (!share_prefixes_) return 0;
+  // The prompt's log-probabilities need the logits of every prompt position: none is skipped.
+  if (r.params.prompt_logprobs && int64_t(r.report.prompt_logprobs.size()) + 1 < int64_t(r.params.prompt.size()))
+    return 0;
   const int64_t bt = config_.backend.block_tokens;
   int64_t k = 0;
   for (size_t b = 0; b < r.hashes.size(); ++b) {
@@ -516,6 +522,9 @@ bool Engine::step(const TokenCallback& on_token_cb) {
 
   std::vector<backend::BatchItem> items(plan.size());
   tokens_.assign(plan.size(), -1);
+  logits_.resize(plan.size());
+  const int32_t n_vocab = model_.config().n_vocab;
+  std::vector<int64_t> first_position(plan.size());
   int64_t n_prefill = 0, n_decode = 0, n_recomputed = 0;
   for (size_t i = 0; i < plan.size(); ++i) {
     Request& r = *requests_.at(plan[i].id);
@@ -528,6 +537,18 @@ bool Engine::step(const TokenCallback& on_token_cb) {
       it.token = &tokens_[i];
       it.sampling = r.sampler.params();
       it.draw = r.sampler.draws();
+    }
+    // Logits for log-probabilities: every row of a chunk holding prompt positions not yet
+    // recorded, or the last row of one that draws a token.
+    first_position[i] = r.computed;
+    const int64_t n_prompt = int64_t(r.params.prompt.size());
+    if (r.params.prompt_logprobs && int64_t(r.report.prompt_logprobs.size()) + 1 < n_prompt &&
+        r.computed + plan[i].n > int64_t(r.report.prompt_logprobs.size())) {
+      logits_[i].resize(size_t(plan[i].n) * size_t(n_vocab));
+      it.all_logits = logits_[i].data();
+    } else if (last && r.params.logprobs >= 0) {
+      logits_[i].resize(size_t(n_vocab));
+      it.last_logits = logits_[i].data();
     }
     it.end_of_input = last;
     (r.computed >= int64_t(r.params.prompt.size()) ? n_decode : n_prefill) += plan[i].n;
@@ -559,7 +580,21 @@ bool Engine::step(const TokenCallback& on_token_cb) {
     r.computed += plan[i].n;
     r.high_water = std::max(r.high_water, r.computed);
     register_blocks(r);
+    const int32_t top = std::max(r.params.logprobs, 0);
+    if (items[i].all_logits) {
+      const int64_t n_prompt = int64_t(r.params.prompt.size());
+      for (int64_t j = 0; j < plan[i].n; ++j) {
+        const int64_t p = first_position[i] + j;  // its logits predict token p + 1
+        if (p + 1 < n_prompt && p == int64_t(r.report.prompt_logprobs.size()))
+          r.report.prompt_logprobs.push_back(model::token_logprob(items[i].all_logits + j * n_vocab, n_vocab,
+                                                                  r.params.prompt[size_t(p + 1)], top));
+      }
+    }
     if (!items[i].token) continue;
+    if (r.params.logprobs >= 0) {
+      const float* row = items[i].all_logits ? items[i].all_logits + (plan[i].n - 1) * n_vocab : items[i].last_logits;
+      r.report.logprobs.push_back(model::token_logprob(row, n_vocab, tokens_[i], top));
+    }
     r.sampler.count_draw();
     ++stats_.decode_tokens;
     on_token(r, tokens_[i], on_token_cb);

@@ -70,6 +70,13 @@ struct RequestParams {
   model::SamplerParams sampling;
   std::vector<std::string> stop;   // the text ends before the first occurrence of any of them
   bool ignore_end = false;         // keep generating past end-of-generation tokens
+  // Log-probabilities (model::token_logprob: the model's distribution, before the sampler's
+  // temperature and truncation): -1 none; 0 to model::kMaxTopLogprobs, each generated token's
+  // and that many most likely alternatives.
+  int32_t logprobs = -1;
+  // Also the prompt's: for tokens 1 .. n_prompt - 1, given the tokens before (with
+  // max(logprobs, 0) alternatives). Its prompt is computed whole: no prefix is taken from the cache.
+  bool prompt_logprobs = false;
 };
 
 enum class RequestStatus { kWaiting, kRunning, kFinished };
@@ -90,6 +97,10 @@ struct RequestReport {
   double ttft_ms = 0;              // submit to first token
   std::vector<double> itl_ms;      // between consecutive tokens
   backend::SequenceReport attention;   // meter, gate repairs, sparse budget (of its last run)
+  // RequestParams::logprobs >= 0: one per generated token, in order, recorded before the token's
+  // callback; prompt_logprobs: one per prompt token after the first.
+  std::vector<model::TokenLogprob> logprobs;
+  std::vector<model::TokenLogprob> prompt_logprobs;
   std::vector<cache::ClassBytes> kv_bytes;  // its pages by class at the end
 };
 
@@ -210,6 +221,7 @@ class Engine {
   std::unordered_map<uint64_t, PrefixEntry> prefixes_;
   std::deque<cache::SeqId> holders_;  // least recently used first
   std::vector<int32_t> tokens_;  // the tokens the step's items draw
+  std::vector<std::vector<float>> logits_;  // the step's items' logits, for log-probabilities
   EngineStats stats_;
 };
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "core/status.h"
 
@@ -12,6 +13,36 @@ int32_t argmax(const float* logits, int32_t n) {
   for (int32_t i = 1; i < n; ++i)
     if (logits[i] > logits[best]) best = i;
   return best;
+}
+
+TokenLogprob token_logprob(const float* logits, int32_t n_vocab, int32_t token, int32_t top) {
+  if (n_vocab < 1 || token < 0 || token >= n_vocab)
+    fail(StatusCode::kInvalidArgument, "token_logprob: token " + std::to_string(token) + " outside a vocabulary of " +
+                                           std::to_string(n_vocab));
+  if (top < 0 || top > kMaxTopLogprobs)
+    fail(StatusCode::kInvalidArgument, "token_logprob: top must be in [0, " + std::to_string(kMaxTopLogprobs) +
+                                           "], got " + std::to_string(top));
+  auto value = [](float x) { return std::isnan(x) ? -INFINITY : double(x); };
+  double m = -INFINITY;
+  for (int32_t i = 0; i < n_vocab; ++i) m = std::max(m, value(logits[i]));
+  double sum = 0;
+  if (std::isfinite(m))
+    for (int32_t i = 0; i < n_vocab; ++i) sum += std::exp(value(logits[i]) - m);
+  // (x - m) - log(sum): exact where x is the largest, whatever the logits' size.
+  const double log_sum = std::isfinite(m) ? std::log(sum) : 0;
+  auto logprob = [&](int32_t i) { return std::isfinite(m) ? float((value(logits[i]) - m) - log_sum) : -INFINITY; };
+  TokenLogprob out;
+  out.token = token;
+  out.logprob = logprob(token);
+  if (top > 0) {
+    std::vector<std::pair<float, int32_t>> keyed;  // (-logit, id): ascending is most likely first
+    keyed.reserve(size_t(n_vocab));
+    for (int32_t i = 0; i < n_vocab; ++i) keyed.emplace_back(float(-value(logits[i])), i);
+    const size_t k = std::min<size_t>(size_t(top), keyed.size());
+    std::partial_sort(keyed.begin(), keyed.begin() + ptrdiff_t(k), keyed.end());
+    for (size_t j = 0; j < k; ++j) out.top.emplace_back(keyed[j].second, logprob(keyed[j].second));
+  }
+  return out;
 }
 
 void check_sampler_params(const SamplerParams& params) {

@@ -75,4 +75,21 @@ class Sampler {
 
 int32_t argmax(const float* logits, int32_t n);
 
+// The most alternatives token_logprobs reports (OpenAI's top_logprobs go to 20).
+inline constexpr int32_t kMaxTopLogprobs = 20;
+
+// A token's log-probability under the model's distribution at its position (the log-softmax of
+// the raw logits, whatever the sampler's temperature or truncation), with the `top` most likely
+// tokens and theirs.
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;  // most likely first, lower id first on ties
+};
+
+// In double: m = the largest logit, logprob_i = (logit_i - m) - log(sum_j exp(logit_j - m)),
+// rounded to float; a NaN logit counts as -inf (all of them -inf: every logprob -inf). REQUIRES: n_vocab >= 1, token in [0, n_vocab),
+// top in [0, kMaxTopLogprobs] (else kInvalidArgument).
+TokenLogprob token_logprob(const float* logits, int32_t n_vocab, int32_t token, int32_t top);
+
 }  // namespace certkv::model

@@ -184,3 +184,43 @@ TEST(Sampler, RefusesBadParameters) {
 
 }  // namespace
 }  // namespace certkv::model
+
+namespace certkv::model {
+namespace {
+
+// token_logprob against the log-softmax written out in long double, with ties, a NaN and -inf.
+TEST(TokenLogprob, IsTheLogSoftmaxWithTheMostLikelyTokensFirst) {
+  const std::vector<float> logits = {1.5f, -2.f, 3.25f, 3.25f, NAN, -INFINITY, 0.f, 7.f};
+  long double sum = 0;
+  for (float x : logits)
+    if (std::isfinite(x)) sum += std::exp((long double)x);
+  const long double lse = std::log(sum);
+  for (int32_t t = 0; t < int32_t(logits.size()); ++t) {
+    const TokenLogprob lp = token_logprob(logits.data(), int32_t(logits.size()), t, 4);
+    EXPECT_EQ(lp.token, t);
+    if (std::isfinite(logits[size_t(t)]))
+      EXPECT_NEAR(lp.logprob, double(logits[size_t(t)] - lse), 1e-6) << t;
+    else
+      EXPECT_EQ(lp.logprob, -INFINITY) << t;  // NaN counts as -inf
+    ASSERT_EQ(lp.top.size(), 4u);
+    EXPECT_EQ(lp.top[0].first, 7);
+    EXPECT_EQ(lp.top[1].first, 2);  // tied with 3: the lower id first
+    EXPECT_EQ(lp.top[2].first, 3);
+    EXPECT_EQ(lp.top[3].first, 0);
+    EXPECT_NEAR(lp.top[1].second, double(3.25L - lse), 1e-6);
+  }
+  double total = 0;
+  for (int32_t t = 0; t < int32_t(logits.size()); ++t)
+    total += std::exp(double(token_logprob(logits.data(), int32_t(logits.size()), t, 0).logprob));
+  EXPECT_NEAR(total, 1.0, 1e-6);
+  EXPECT_TRUE(token_logprob(logits.data(), int32_t(logits.size()), 0, 0).top.empty());
+  // Huge logits do not overflow (the largest is subtracted first).
+  const std::vector<float> huge = {1e30f, 1e30f};
+  EXPECT_NEAR(token_logprob(huge.data(), 2, 1, 2).logprob, std::log(0.5), 1e-6);
+  EXPECT_THROW(token_logprob(logits.data(), int32_t(logits.size()), 8, 0), Error);
+  EXPECT_THROW(token_logprob(logits.data(), int32_t(logits.size()), 0, kMaxTopLogprobs + 1), Error);
+  EXPECT_THROW(token_logprob(logits.data(), int32_t(logits.size()), -1, 0), Error);
+}
+
+}  // namespace
+}  // namespace certkv::model
