@@ -32,7 +32,7 @@ from ._errors import (CertkvError, CorruptError, InvalidArgumentError, NotFoundE
 from . import _certificate, codec, index, kvdump, meter
 from .kv_store import KvStore, _int, sparse_options
 
-__all__ = ["Model", "Session", "Engine", "KvStore", "GenerateResult", "kv_schemes", "default_model_path",
+__all__ = ["Model", "Session", "Engine", "KvStore", "GenerateResult", "TokenLogprob", "kv_schemes", "default_model_path",
            "__version__", "CertkvError", "InvalidArgumentError", "NotFoundError", "CorruptError",
            "UnsupportedError", "OutOfRangeError", "codec", "index", "kvdump", "meter"]
 
@@ -131,6 +131,21 @@ class GenerateResult:
     (layer, head, step) cells with meter <= tau), meter_max, meter_p99, cells, gate_repairs; for
     every scheme kv_bytes_by_class (bytes of the KV pages per storage class)."""
     timings: dict[str, float] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None
+    """Engine requests with logprobs: one per generated token."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """Engine requests with prompt_logprobs: one per prompt token after the first."""
+
+
+@dataclass
+class TokenLogprob:
+    """A token's log-probability under the model's distribution at its position (the log-softmax
+    of the raw logits, before the sampler's temperature and truncation), and the most likely
+    tokens' (most likely first)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 _CHAT_ROLES = ("system", "user", "assistant")
@@ -394,14 +409,19 @@ class Engine:
     def submit(self, prompt: str | Sequence[int], max_tokens: int = 64, *, chat: bool = True,
                system: str | None = None, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, stop: Sequence[str] = (),
-               ignore_end: bool = False) -> int:
-        """Queues a request; returns its id (see :meth:`run`, :meth:`result`)."""
+               ignore_end: bool = False, logprobs: int | None = None, prompt_logprobs: bool = False) -> int:
+        """Queues a request; returns its id (see :meth:`run`, :meth:`result`). logprobs: the
+        result carries each generated token's log-probability with this many alternatives (0 to
+        20); prompt_logprobs: the prompt's tokens' too (its prompt is then computed whole)."""
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens: expected an integer >= 1, got {max_tokens!r}")
+        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= 20):
+            raise ValueError(f"logprobs: expected None or an integer in [0, 20], got {logprobs!r}")
         stop_list = [_c_text("stop", s) for s in ([stop] if isinstance(stop, str) else stop)]
         tokens = self.model._prompt_tokens(prompt, chat, system)
         request = self._engine.submit(tokens, max_tokens, float(temperature), int(top_k), float(top_p),
-                                      int(seed), stop_list, bool(ignore_end))
+                                      int(seed), stop_list, bool(ignore_end), -1 if logprobs is None else logprobs,
+                                      bool(prompt_logprobs))
         self._pieces[request] = []
         return request
 
@@ -434,6 +454,14 @@ class Engine:
         timings = {"ttft_ms": r["ttft_ms"], "itl_ms_mean": r["itl_ms_mean"]}
         result = GenerateResult(r["text"].decode("utf-8", errors="replace"), r["prompt_tokens"],
                                 r["generated_tokens"], r["finish_reason"], cert, timings)
+        for prompt in (False, True):
+            entries = self._engine.logprobs(int(request), prompt)
+            if entries:
+                values = [TokenLogprob(t, lp, list(top)) for t, lp, top in entries]
+                if prompt:
+                    result.prompt_logprobs = values
+                else:
+                    result.logprobs = values
         if release:
             self._engine.release(int(request))
             self._pieces.pop(int(request), None)

@@ -432,7 +432,8 @@ struct Engine {
   ~Engine() { certkv_engine_free(engine); }
 
   int64_t submit(const std::vector<int32_t>& prompt, int32_t max_tokens, float temperature, int32_t top_k,
-                 float top_p, uint64_t seed, const std::vector<std::string>& stop, bool ignore_end) {
+                 float top_p, uint64_t seed, const std::vector<std::string>& stop, bool ignore_end, int32_t logprobs,
+                 bool prompt_logprobs) {
     std::vector<const char*> stop_ptrs;
     for (const std::string& s : stop) stop_ptrs.push_back(s.c_str());
     certkv_request_params r = certkv_request_default_params();
@@ -443,6 +444,8 @@ struct Engine {
     r.stop = stop_ptrs.empty() ? nullptr : stop_ptrs.data();
     r.n_stop = int32_t(stop_ptrs.size());
     r.ignore_end = ignore_end ? 1 : 0;
+    r.logprobs = logprobs;
+    r.prompt_logprobs = prompt_logprobs ? 1 : 0;
     int64_t id = 0;
     check(certkv_engine_submit(engine, &r, &id));
     return id;
@@ -491,6 +494,20 @@ struct Engine {
     d["kv_bytes"] = kv_bytes;
     d["error"] = r.error ? r.error : "";
     return d;
+  }
+  // certkv_engine_logprobs: (token, logprob, [(token, logprob) of the alternatives]) per entry.
+  std::vector<std::tuple<int32_t, float, std::vector<std::pair<int32_t, float>>>> logprobs(int64_t id, bool prompt) const {
+    size_t n = 0;
+    check(certkv_engine_logprobs(engine, id, prompt ? 1 : 0, 0, nullptr, 0, &n));
+    std::vector<certkv_token_logprob> entries(n);
+    check(certkv_engine_logprobs(engine, id, prompt ? 1 : 0, 0, entries.data(), entries.size(), &n));
+    std::vector<std::tuple<int32_t, float, std::vector<std::pair<int32_t, float>>>> out;
+    for (const certkv_token_logprob& e : entries) {
+      std::vector<std::pair<int32_t, float>> top;
+      for (int32_t k = 0; k < e.n_top; ++k) top.emplace_back(e.top_tokens[k], e.top_logprobs[k]);
+      out.emplace_back(e.token, e.logprob, std::move(top));
+    }
+    return out;
   }
   void cancel(int64_t id) { check(certkv_engine_cancel(engine, id)); }
   void release(int64_t id) { check(certkv_engine_release(engine, id)); }
@@ -1077,6 +1094,7 @@ NB_MODULE(_certkv, m) {
   nb::class_<Engine>(m, "Engine")
       .def(nb::init<nb::object, const nb::dict&, int32_t, int64_t, uint64_t, bool>())
       .def("submit", &Engine::submit)
+      .def("logprobs", &Engine::logprobs)
       .def("step", &Engine::step)
       .def("result", &Engine::result)
       .def("cancel", &Engine::cancel)

@@ -73,6 +73,23 @@ def test_engine_batch_matches_alone_and_streams(model):
     assert engine.last_result.certificate == cert
 
 
+def test_engine_logprobs(model):
+    engine = certkv.Engine(model, max_sequences=2)
+    r = engine.generate("The sea is", max_tokens=5, chat=False, logprobs=3, prompt_logprobs=True,
+                        ignore_end=True)
+    assert len(r.logprobs) == r.generated_tokens == 5
+    assert len(r.prompt_logprobs) == r.prompt_tokens - 1
+    for e in r.logprobs:  # greedy: each token is its position's most likely
+        assert e.logprob <= 0 and len(e.top) == 3 and e.top[0] == (e.token, e.logprob)
+        assert e.top[0][1] >= e.top[1][1] >= e.top[2][1]
+    assert model.detokenize([e.token for e in r.logprobs]) == r.text
+    prompt = model.tokenize("The sea is", add_special=True)
+    assert [e.token for e in r.prompt_logprobs] == prompt[1:]
+    assert engine.generate("The sea is", max_tokens=2, chat=False).logprobs is None
+    with pytest.raises(ValueError, match="logprobs: expected None or an integer in"):
+        engine.submit("x", logprobs=21)
+
+
 def test_engine_stream_abandoned_is_cancelled(model):
     engine = certkv.Engine(model, max_sequences=1)
     stream = engine.stream(PROMPT, max_tokens=32)
