@@ -233,18 +233,20 @@ CERTKV_HD constexpr uint32_t gaac_exception(int element, uint16_t built) { retur
 
 // Writes exception `entry` into a lane's operands a[steps][4] (the built bf16 pairs of
 // gaac_step_operands, step by step) when its element is the lane's; an element past the page
-// matches no lane's step. Every index is a constant after unrolling (no local memory).
+// matches no lane's step. The kept half and the written half are made once; each register then
+// takes one compare, one logic operation and one select (every index a constant after
+// unrolling: no local memory).
 template <int kSteps>
 CERTKV_HD inline void gaac_patch(uint32_t entry, int lane, uint32_t (&a)[kSteps][4]) {
   const int element = int(entry & 0xffffu);
-  if (((element >> 3) & 31) != lane) return;
-  const int step = element >> 8, reg = (element >> 1) & 3;
-  const uint32_t built = entry >> 16;
+  const int index = ((element >> 3) & 31) == lane ? (element >> 8) * 4 + ((element >> 1) & 3) : -1;
+  const uint32_t keep = (element & 1) ? 0x0000ffffu : 0xffff0000u;
+  const uint32_t put = (element & 1) ? (entry & 0xffff0000u) : (entry >> 16);
   CERTKV_UNROLL
   for (int s = 0; s < kSteps; ++s)
     CERTKV_UNROLL
     for (int r = 0; r < 4; ++r)
-      if (s == step && r == reg) a[s][r] = (element & 1) ? ((a[s][r] & 0xffffu) | (built << 16)) : ((a[s][r] & 0xffff0000u) | built);
+      if (index == 4 * s + r) a[s][r] = (a[s][r] & keep) | put;
 }
 
 // Host forms for a head_dim known at run time (the device cache's uploads and reads). D a
