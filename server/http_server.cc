@@ -495,6 +495,11 @@ void HttpServer::install_routes() {
       const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(s.next_request++);
       const int64_t created = unix_seconds();
       const auto connection = std::make_shared<ClientConnection>(current_connection() ? int(current_connection()->socket()) : -1);
+      // A token's text for log-probabilities: its piece, a control token's text.
+      const TokenText token_text = [&s](int32_t t) {
+        std::string piece = s.model->piece(t);
+        return piece.empty() ? s.model->detokenize({t}, true) : piece;
+      };
       if (!r.stream) {
         std::string ignored;
         while (!channel->wait_for_text(&ignored, kClientCheckInterval)) {
@@ -512,30 +517,29 @@ void HttpServer::install_routes() {
         const std::string prompt_text =
             !r.echo ? std::string() : r.prompt_tokens.empty() ? r.prompt : s.model->detokenize(prompt, true);
         send_json(res, 200, completion_response(r, id, created, s.model_id, result, s.certificate, prompt, prompt_text,
-                                                 [&s](int32_t t) {
-                                                   // A control token's text (its piece is empty).
-                                                   std::string piece = s.model->piece(t);
-                                                   return piece.empty() ? s.model->detokenize({t}, true) : piece;
-                                                 }));
+                                                 token_text));
         return;
       }
       res.set_header("Cache-Control", "no-cache");
       res.set_chunked_content_provider(
           "text/event-stream",
-          [&s, r, id, created, channel, connection, first = true](size_t, httplib::DataSink& sink) mutable {
+          [&s, r, id, created, channel, connection, token_text, first = true,
+           text_offset = size_t(0)](size_t, httplib::DataSink& sink) mutable {
             auto send_event = [&](const std::string& payload) {
               const std::string event = "data: " + payload + "\n\n";
               return sink.write(event.data(), event.size());
             };
             for (;;) {
               std::string text;
-              const bool finished = channel->wait_for_text(&text, kClientCheckInterval);
+              std::vector<certkv_token_logprob> tokens;  // their log-probabilities, when asked for
+              const bool finished = channel->wait_for_text(&text, kClientCheckInterval, r.logprobs >= 0 ? &tokens : nullptr);
               // A write to a client that has hung up may still succeed (the kernel buffers it), so
               // the connection is looked at before every write: the request is cancelled at the
               // first token after the hang-up.
               bool written = !connection->closed();
-              if (written && (!text.empty() || first)) {
-                written = send_event(dump(completion_chunk(r, id, created, s.model_id, text, first, "", nullptr)));
+              if (written && (!text.empty() || first || !tokens.empty())) {
+                const json logprobs = tokens.empty() ? json(nullptr) : stream_logprobs(r, tokens, token_text, &text_offset);
+                written = send_event(dump(completion_chunk(r, id, created, s.model_id, text, first, "", nullptr, logprobs)));
                 first = false;
               } else if (written && !finished) {
                 written = sink.write(": keep-alive\n\n", 14);

@@ -224,8 +224,7 @@ CompletionRequest parse_completion_request(const json& body, bool chat) {
       throw invalid_field("logprobs", "expected an integer in " + top_range + " (alternatives per token)");
     r.logprobs = int32_t(integer_field(body, "logprobs", 0, CERTKV_MAX_TOP_LOGPROBS));
   }
-  if (r.stream && (r.logprobs >= 0 || r.echo))
-    throw invalid_field(r.echo ? "echo" : "logprobs", "is not supported with stream: true yet (send the request without it)");
+  if (r.stream && r.echo) throw invalid_field("echo", "is not supported with stream: true (send the request without it)");
   refuse_unsupported_fields(body);
   return r;
 }
@@ -308,9 +307,10 @@ json chat_logprobs(const std::vector<certkv_token_logprob>& generated, const Tok
 // Completions' logprobs: {tokens, token_logprobs, top_logprobs, text_offset}; with echo the
 // prompt's tokens first (the first without a log-probability: null).
 json completion_logprobs(const std::vector<int32_t>& prompt, const std::vector<certkv_token_logprob>* prompt_lp,
-                         const std::vector<certkv_token_logprob>& generated, const TokenText& text) {
+                         const std::vector<certkv_token_logprob>& generated, const TokenText& text,
+                         size_t* text_offset = nullptr) {
   json tokens = json::array(), token_logprobs = json::array(), top_logprobs = json::array(), offsets = json::array();
-  size_t offset = 0;
+  size_t offset = text_offset ? *text_offset : 0;
   auto add = [&](int32_t token, const certkv_token_logprob* e) {
     const std::string t = text(token);
     tokens.push_back(t);
@@ -332,6 +332,7 @@ json completion_logprobs(const std::vector<int32_t>& prompt, const std::vector<c
   if (prompt_lp)
     for (size_t i = 0; i < prompt.size(); ++i) add(prompt[i], i == 0 || i - 1 >= prompt_lp->size() ? nullptr : &(*prompt_lp)[i - 1]);
   for (const certkv_token_logprob& e : generated) add(e.token, &e);
+  if (text_offset) *text_offset = offset;
   return json{{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top_logprobs}, {"text_offset", offsets}};
 }
 
@@ -367,12 +368,17 @@ json completion_response(const CompletionRequest& req, const std::string& id, in
               {"usage", usage}};
 }
 
+json stream_logprobs(const CompletionRequest& req, const std::vector<certkv_token_logprob>& tokens,
+                     const TokenText& token_text, size_t* text_offset) {
+  return req.chat ? chat_logprobs(tokens, token_text) : completion_logprobs({}, nullptr, tokens, token_text, text_offset);
+}
+
 json completion_chunk(const CompletionRequest& req, const std::string& id, int64_t created,
                       const std::string& model, const std::string& text, bool first,
-                      const std::string& finish_reason, const json& usage) {
+                      const std::string& finish_reason, const json& usage, const json& logprobs) {
   json choice{{"index", 0},
               {"finish_reason", finish_reason.empty() ? json(nullptr) : json(finish_reason)},
-              {"logprobs", nullptr}};
+              {"logprobs", logprobs}};
   if (req.chat) {
     json delta = json::object();
     if (first) delta["role"] = "assistant";

@@ -91,9 +91,14 @@ json completion_response(const CompletionRequest& req, const std::string& id, in
                          const std::vector<int32_t>& prompt = {}, const std::string& prompt_text = "",
                          const TokenText& token_text = {});
 // One streamed chunk: text (may be empty), finish_reason ("" for null), usage (null: none).
+// logprobs: the chunk's choices[0].logprobs (null: none; stream_logprobs makes it).
 json completion_chunk(const CompletionRequest& req, const std::string& id, int64_t created,
                       const std::string& model, const std::string& text, bool first,
-                      const std::string& finish_reason, const json& usage);
+                      const std::string& finish_reason, const json& usage, const json& logprobs = nullptr);
+// A streamed chunk's logprobs for its tokens, in the request's shape (chat's content list, or
+// completions' lists with text offsets from *text_offset, which it advances).
+json stream_logprobs(const CompletionRequest& req, const std::vector<certkv_token_logprob>& tokens,
+                     const TokenText& token_text, size_t* text_offset);
 // The usage chunk of stream_options.include_usage: no choices.
 json usage_chunk(const CompletionRequest& req, const std::string& id, int64_t created,
                  const std::string& model, const json& usage);

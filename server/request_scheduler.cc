@@ -12,11 +12,18 @@ RequestChannel::Submission RequestChannel::wait_submitted() {
   return submission_;
 }
 
-bool RequestChannel::wait_for_text(std::string* text, std::chrono::milliseconds timeout) {
+bool RequestChannel::wait_for_text(std::string* text, std::chrono::milliseconds timeout,
+                                   std::vector<certkv_token_logprob>* logprobs) {
   std::unique_lock lock(mutex_);
-  changed_.wait_for(lock, timeout, [&] { return finished_ || !pending_text_.empty(); });
+  changed_.wait_for(lock, timeout, [&] {
+    return finished_ || !pending_text_.empty() || (logprobs && !pending_logprobs_.empty());
+  });
   text->append(pending_text_);
   pending_text_.clear();
+  if (logprobs) {
+    logprobs->insert(logprobs->end(), pending_logprobs_.begin(), pending_logprobs_.end());
+    pending_logprobs_.clear();
+  }
   return finished_;
 }
 
@@ -29,11 +36,12 @@ void RequestChannel::set_submitted(certkv_status status, std::string error) {
   changed_.notify_all();
 }
 
-void RequestChannel::append_text(const char* text, size_t n_bytes) {
-  if (n_bytes == 0) return;
+void RequestChannel::append_text(const char* text, size_t n_bytes, const certkv_token_logprob* logprob) {
+  if (n_bytes == 0 && !logprob) return;
   {
     std::lock_guard lock(mutex_);
     pending_text_.append(text, n_bytes);
+    if (logprob) pending_logprobs_.push_back(*logprob);
   }
   changed_.notify_all();
 }
@@ -86,7 +94,15 @@ int RequestScheduler::on_token(void* user, int64_t request, int32_t token, const
   auto* self = static_cast<RequestScheduler*>(user);
   const auto it = self->in_flight_.find(request);
   if (it == self->in_flight_.end()) return 0;
-  it->second.channel->append_text(text, n_bytes);
+  InFlight& f = it->second;
+  certkv_token_logprob logprob{};
+  size_t n = 0;
+  // The token's entry is recorded before its callback (token -1: held-back text, no token).
+  const bool with_logprob = f.logprobs && token >= 0 &&
+                            certkv_engine_logprobs(self->engine_, request, 0, f.logprobs_sent, &logprob, 1, &n) == CERTKV_OK &&
+                            n > f.logprobs_sent;
+  if (with_logprob) ++f.logprobs_sent;
+  f.channel->append_text(text, n_bytes, with_logprob ? &logprob : nullptr);
   return it->second.channel->cancel_requested() ? 1 : 0;
 }
 
@@ -111,7 +127,7 @@ void RequestScheduler::submit_queued(std::deque<Queued> queued) {
       q.channel->set_submitted(st, certkv_last_error());
       continue;
     }
-    in_flight_[id] = InFlight{q.channel, q.request.per_layer};
+    in_flight_[id] = InFlight{q.channel, q.request.per_layer, q.request.logprobs >= 0, 0};
     q.channel->set_submitted(CERTKV_OK, "");
   }
 }

@@ -68,9 +68,11 @@ class RequestChannel {
   // ---- The handler's side.
   // Blocks until the scheduler has submitted the request to the engine (or refused it).
   Submission wait_submitted();
-  // Blocks until new text, the end, or the timeout; appends the new text to *text. Returns
-  // whether the request has finished (then result() is final).
-  bool wait_for_text(std::string* text, std::chrono::milliseconds timeout);
+  // Blocks until new text or tokens, the end, or the timeout; appends the new text to *text and,
+  // when logprobs is given, the new tokens' log-probabilities (GenerationRequest::logprobs) to
+  // *logprobs. Returns whether the request has finished (then result() is final).
+  bool wait_for_text(std::string* text, std::chrono::milliseconds timeout,
+                     std::vector<certkv_token_logprob>* logprobs = nullptr);
   // REQUIRES: finished.
   const GenerationResult& result() const { return result_; }
   // The client is gone: the scheduler cancels the request and frees its pages.
@@ -79,7 +81,8 @@ class RequestChannel {
 
   // ---- The scheduler's side.
   void set_submitted(certkv_status status, std::string error);
-  void append_text(const char* text, size_t n_bytes);
+  // A generated token's text (possibly none yet), and its log-probability when asked for.
+  void append_text(const char* text, size_t n_bytes, const certkv_token_logprob* logprob = nullptr);
   void finish(GenerationResult result);
 
  private:
@@ -88,6 +91,7 @@ class RequestChannel {
   bool submitted_ = false;
   Submission submission_;
   std::string pending_text_;
+  std::vector<certkv_token_logprob> pending_logprobs_;
   bool finished_ = false;
   GenerationResult result_;
   std::atomic<bool> cancel_requested_{false};
@@ -119,6 +123,8 @@ class RequestScheduler {
   struct InFlight {
     std::shared_ptr<RequestChannel> channel;
     bool per_layer = false;
+    bool logprobs = false;       // the channel gets each token's log-probability
+    size_t logprobs_sent = 0;    // of them
   };
 
   void loop();

@@ -1112,6 +1112,37 @@ TEST(Server, LogprobsAndEchoInOpenAisShapes) {
     ASSERT_EQ(t.at("top_logprobs").size(), 2u);
     EXPECT_EQ(t.at("top_logprobs").at(0).at("logprob"), t.at("logprob"));  // greedy
   }
+  // Streamed: the chunks' logprobs, joined, are the whole answer's.
+  const Stream streamed = post_stream("/v1/completions", json{{"prompt", prompt}, {"max_tokens", 4}, {"temperature", 0},
+                                                             {"logprobs", 2}, {"ignore_eos", true}, {"stream", true}});
+  ASSERT_EQ(streamed.status, 200);
+  json joined_tokens = json::array(), joined_logprobs = json::array(), joined_offsets = json::array();
+  for (size_t i = 0; i + 1 < streamed.events.size(); ++i) {
+    const json chunk = json::parse(streamed.events[i]);
+    const json& l = chunk.at("choices").at(0).at("logprobs");
+    if (l.is_null()) continue;
+    for (size_t k = 0; k < l.at("tokens").size(); ++k) {
+      joined_tokens.push_back(l.at("tokens").at(k));
+      joined_logprobs.push_back(l.at("token_logprobs").at(k));
+      joined_offsets.push_back(l.at("text_offset").at(k));
+    }
+  }
+  EXPECT_EQ(joined_tokens, lp.at("tokens"));
+  EXPECT_EQ(joined_logprobs, lp.at("token_logprobs"));
+  EXPECT_EQ(joined_offsets, lp.at("text_offset"));
+  const Stream chat_streamed =
+      post_stream("/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", "Hi"}}}}, {"max_tokens", 3},
+                                              {"temperature", 0}, {"logprobs", true}, {"top_logprobs", 2}, {"stream", true}});
+  ASSERT_EQ(chat_streamed.status, 200);
+  json joined_content = json::array();
+  for (size_t i = 0; i + 1 < chat_streamed.events.size(); ++i) {
+    const json chunk = json::parse(chat_streamed.events[i]);
+    if (chunk.at("choices").empty()) continue;
+    const json& l = chunk.at("choices").at(0).at("logprobs");
+    if (!l.is_null())
+      for (const json& t : l.at("content")) joined_content.push_back(t);
+  }
+  EXPECT_EQ(joined_content, content);
   // Bad values, and what is not served yet.
   auto bad = [](const json& body, bool chat_endpoint, const std::string& param) {
     const Reply r = post(chat_endpoint ? "/v1/chat/completions" : "/v1/completions", body);
@@ -1122,7 +1153,7 @@ TEST(Server, LogprobsAndEchoInOpenAisShapes) {
   bad(json{{"prompt", "a"}, {"logprobs", true}}, false, "logprobs");
   bad(json{{"prompt", "a"}, {"echo", "yes"}}, false, "echo");
   bad(json{{"prompt", "a"}, {"max_tokens", 0}}, false, "max_tokens");  // 0 only with echo
-  bad(json{{"prompt", "a"}, {"logprobs", 1}, {"stream", true}}, false, "logprobs");
+  bad(json{{"prompt", "a"}, {"echo", true}, {"stream", true}}, false, "echo");
   const json hi = json::array({{{"role", "user"}, {"content", "Hi"}}});
   bad(json{{"messages", hi}, {"top_logprobs", 2}}, true, "top_logprobs");
   bad(json{{"messages", hi}, {"logprobs", true}, {"top_logprobs", 21}}, true, "top_logprobs");
