@@ -484,6 +484,7 @@ void HttpServer::install_routes() {
       g.ignore_end = r.ignore_eos;
       g.per_layer = r.per_layer;
       g.logprobs = r.logprobs;
+      g.stream = r.stream;
       g.prompt_logprobs = r.echo && r.logprobs >= 0;
       const std::vector<int32_t> prompt = r.echo ? g.prompt : std::vector<int32_t>();
       const std::shared_ptr<RequestChannel> channel = s.scheduler->submit(std::move(g));

@@ -128,8 +128,12 @@ CompletionRequest parse_completion_request(const json& body, bool chat) {
     const json& prompt = body["prompt"];
     if (prompt.is_string()) {
       r.prompt = text_without_nul(prompt.get<std::string>(), "prompt");
-    } else if (prompt.is_array() && !prompt.empty() && prompt[0].is_number_integer()) {
-      for (const json& t : prompt) {
+    } else if (prompt.is_array() && !prompt.empty() &&
+               (prompt[0].is_number_integer() || (prompt.size() == 1 && prompt[0].is_array()))) {
+      // Token ids, or a list of one list of them (what lm-evaluation-harness sends).
+      const json& ids = prompt[0].is_array() ? prompt[0] : prompt;
+      if (ids.empty()) throw invalid_field("prompt", "the token list is empty");
+      for (const json& t : ids) {
         if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
           throw invalid_field("prompt", "a token list must hold non-negative integers");
         r.prompt_tokens.push_back(t.get<int32_t>());
@@ -137,8 +141,8 @@ CompletionRequest parse_completion_request(const json& body, bool chat) {
     } else if (prompt.is_array() && prompt.size() == 1 && prompt[0].is_string()) {
       r.prompt = text_without_nul(prompt[0].get<std::string>(), "prompt");
     } else {
-      throw invalid_field("prompt", "expected a string, a list of one string, or a list of token ids "
-                                    "(send several prompts as several requests)");
+      throw invalid_field("prompt", "expected a string, a list of one string, a list of token ids, or a list "
+                                    "of one such list (send several prompts as several requests)");
     }
   }
   // max_tokens 0 is taken with echo alone (the prompt and its log-probabilities, nothing generated).
@@ -216,13 +220,18 @@ CompletionRequest parse_completion_request(const json& body, bool chat) {
       if (body["logprobs"].get<bool>()) r.logprobs = 0;
     }
     if (present(body, "top_logprobs")) {
-      if (r.logprobs < 0) throw invalid_field("top_logprobs", "needs logprobs: true");
-      r.logprobs = int32_t(integer_field(body, "top_logprobs", 0, CERTKV_MAX_TOP_LOGPROBS));
+      const int32_t top = int32_t(integer_field(body, "top_logprobs", 0, CERTKV_MAX_TOP_LOGPROBS));
+      if (r.logprobs < 0 && top > 0) throw invalid_field("top_logprobs", "needs logprobs: true");
+      if (r.logprobs >= 0) r.logprobs = top;
     }
-  } else if (present(body, "logprobs")) {  // logprobs: N
-    if (!body["logprobs"].is_number_integer())
-      throw invalid_field("logprobs", "expected an integer in " + top_range + " (alternatives per token)");
-    r.logprobs = int32_t(integer_field(body, "logprobs", 0, CERTKV_MAX_TOP_LOGPROBS));
+  } else {
+    if (present(body, "logprobs") && !(body["logprobs"].is_boolean() && !body["logprobs"].get<bool>())) {  // logprobs: N
+      if (!body["logprobs"].is_number_integer())
+        throw invalid_field("logprobs", "expected an integer in " + top_range + " (alternatives per token)");
+      r.logprobs = int32_t(integer_field(body, "logprobs", 0, CERTKV_MAX_TOP_LOGPROBS));
+    }
+    if (present(body, "top_logprobs"))
+      throw invalid_field("top_logprobs", "is chat's: completions take logprobs N");
   }
   if (r.stream && r.echo) throw invalid_field("echo", "is not supported with stream: true (send the request without it)");
   refuse_unsupported_fields(body);
@@ -285,9 +294,9 @@ json byte_list(const std::string& bytes) {
   return out;
 }
 
-// A log-probability as JSON: -inf (a token the model gives no mass) has no JSON number; the most
-// negative double stands for it.
-json logprob_number(float x) { return std::isfinite(x) ? json(double(x)) : json(-std::numeric_limits<double>::max()); }
+// A log-probability as JSON: -inf (a token the model gives no mass) has no JSON number; -9999
+// stands for it, as in OpenAI's and vLLM's answers.
+json logprob_number(float x) { return std::isfinite(x) ? json(double(x)) : json(-9999.0); }
 
 // Chat's logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}.
 json chat_logprobs(const std::vector<certkv_token_logprob>& generated, const TokenText& text) {
@@ -350,7 +359,14 @@ json completion_response(const CompletionRequest& req, const std::string& id, in
     choice["message"] = json{{"role", "assistant"}, {"content", text}};
     if (req.logprobs >= 0 && token_text) choice["logprobs"] = chat_logprobs(generated, token_text);
   } else {
-    choice["text"] = req.echo ? prompt_text + text : text;
+    // With log-probabilities the echoed prompt is its tokens' texts, so that text_offset indexes
+    // the text returned (a BOS, a SentencePiece piece's space); without, the prompt as given.
+    std::string echoed = prompt_text;
+    if (req.echo && req.logprobs >= 0 && token_text) {
+      echoed.clear();
+      for (int32_t t : prompt) echoed += token_text(t);
+    }
+    choice["text"] = req.echo ? echoed + text : text;
     if (req.max_tokens_zero) choice["finish_reason"] = "length";
     if (req.logprobs >= 0 && token_text)
       choice["logprobs"] = completion_logprobs(prompt, req.echo ? &r.prompt_logprobs : nullptr, generated, token_text);

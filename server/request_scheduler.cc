@@ -97,12 +97,17 @@ int RequestScheduler::on_token(void* user, int64_t request, int32_t token, const
   InFlight& f = it->second;
   certkv_token_logprob logprob{};
   size_t n = 0;
-  // The token's entry is recorded before its callback (token -1: held-back text, no token).
-  const bool with_logprob = f.logprobs && token >= 0 &&
-                            certkv_engine_logprobs(self->engine_, request, 0, f.logprobs_sent, &logprob, 1, &n) == CERTKV_OK &&
-                            n > f.logprobs_sent;
-  if (with_logprob) ++f.logprobs_sent;
-  f.channel->append_text(text, n_bytes, with_logprob ? &logprob : nullptr);
+  // The token's entry is recorded before its callback (token -1: held-back text, no token); the
+  // channel gets the one before it.
+  std::optional<certkv_token_logprob> previous;
+  if (f.logprobs && token >= 0 &&
+      certkv_engine_logprobs(self->engine_, request, 0, f.logprobs_read, &logprob, 1, &n) == CERTKV_OK &&
+      n > f.logprobs_read) {
+    ++f.logprobs_read;
+    previous = f.held;
+    f.held = logprob;
+  }
+  f.channel->append_text(text, n_bytes, previous ? &*previous : nullptr);
   return it->second.channel->cancel_requested() ? 1 : 0;
 }
 
@@ -127,7 +132,7 @@ void RequestScheduler::submit_queued(std::deque<Queued> queued) {
       q.channel->set_submitted(st, certkv_last_error());
       continue;
     }
-    in_flight_[id] = InFlight{q.channel, q.request.per_layer, q.request.logprobs >= 0, 0};
+    in_flight_[id] = InFlight{q.channel, q.request.per_layer, q.request.logprobs >= 0 && q.request.stream, 0, std::nullopt};
     q.channel->set_submitted(CERTKV_OK, "");
   }
 }
@@ -178,6 +183,10 @@ void RequestScheduler::collect_finished() {
       out.resize(n);
       if (certkv_engine_logprobs(engine_, it->first, prompt, 0, out.data(), out.size(), &n) != CERTKV_OK) out.clear();
     }
+    // An end of generation that ended the text is not part of the answer (OpenAI leaves it out).
+    const bool ended = g.finish_reason == "end";
+    if (ended && !g.logprobs.empty()) g.logprobs.pop_back();
+    if (it->second.held && !ended) it->second.channel->append_text("", 0, &*it->second.held);
     if (it->second.per_layer && g.metered) {
       size_t n_layers = 0;
       certkv_engine_result_layers(engine_, it->first, nullptr, 0, &n_layers);

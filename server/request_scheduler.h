@@ -9,6 +9,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -31,6 +32,7 @@ struct GenerationRequest {
   bool per_layer = false;  // copy the meter per layer into the result
   int32_t logprobs = -1;   // certkv_request_params.logprobs
   bool prompt_logprobs = false;
+  bool stream = false;     // the channel gets each token's log-probability as it comes
 };
 
 // A finished request, copied out of the engine before the scheduler releases it.
@@ -53,7 +55,8 @@ struct GenerationResult {
   int64_t sparse_indexed_cells = 0;
   std::vector<std::pair<std::string, uint64_t>> kv_bytes;  // by page class
   std::vector<certkv_layer_meter> layers;  // asked for (per_layer) and metered: one per layer
-  std::vector<certkv_token_logprob> logprobs;         // asked for: one per generated token
+  std::vector<certkv_token_logprob> logprobs;         // asked for: one per generated token (an end of
+                                                      // generation that ends the text has none)
   std::vector<certkv_token_logprob> prompt_logprobs;  // asked for: one per prompt token after the first
 };
 
@@ -124,7 +127,10 @@ class RequestScheduler {
     std::shared_ptr<RequestChannel> channel;
     bool per_layer = false;
     bool logprobs = false;       // the channel gets each token's log-probability
-    size_t logprobs_sent = 0;    // of them
+    size_t logprobs_read = 0;    // of them
+    // The last one read, held until the next token or the end: an end of generation that ends
+    // the text is not sent.
+    std::optional<certkv_token_logprob> held;
   };
 
   void loop();

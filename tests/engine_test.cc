@@ -1192,6 +1192,40 @@ TEST(Engine, LogprobsAreThoseOfTheTokensLogitsAlone) {
     if (q == 0)  // greedy: each generated token is its position's most likely
       for (const model::TokenLogprob& g : r.logprobs) EXPECT_EQ(g.top.at(0).first, g.token);
   }
+  // Preempted and recomputed, or swapped, mid-prompt and mid-generation: the same entries, once each.
+  for (const Preemption preemption : {Preemption::kRecompute, Preemption::kSwap}) {
+    EngineConfig tight = cfg;
+    tight.backend.pool_tokens = 128;  // one context: two requests of 80 tokens cannot both stay
+    tight.preemption = preemption;
+    std::vector<RequestParams> long_requests = story_requests({50, 50}, 30, 23);
+    for (RequestParams& r : long_requests) {
+      r.logprobs = 2;
+      r.prompt_logprobs = true;
+      r.max_tokens = 30;
+    }
+    Engine alone_engine(m, cfg);
+    std::vector<RequestId> alone_ids;
+    run_engine(alone_engine, long_requests, &alone_ids);
+    Engine squeezed(m, tight);
+    std::vector<RequestId> squeezed_ids;
+    run_engine(squeezed, long_requests, &squeezed_ids);
+    EXPECT_GT(squeezed.stats().preemptions, 0) << int(preemption);
+    for (size_t q = 0; q < long_requests.size(); ++q) {
+      const RequestReport& a = alone_engine.report(alone_ids[q]);
+      const RequestReport& b = squeezed.report(squeezed_ids[q]);
+      ASSERT_EQ(b.prompt_logprobs.size(), a.prompt_logprobs.size());
+      ASSERT_EQ(b.logprobs.size(), a.logprobs.size());
+      for (size_t i = 0; i < a.prompt_logprobs.size(); ++i) {
+        EXPECT_EQ(b.prompt_logprobs[i].token, a.prompt_logprobs[i].token);
+        EXPECT_EQ(b.prompt_logprobs[i].logprob, a.prompt_logprobs[i].logprob);
+      }
+      for (size_t i = 0; i < a.logprobs.size(); ++i) {
+        EXPECT_EQ(b.logprobs[i].token, a.logprobs[i].token);
+        EXPECT_EQ(b.logprobs[i].logprob, a.logprobs[i].logprob);
+        EXPECT_EQ(b.logprobs[i].top, a.logprobs[i].top);
+      }
+    }
+  }
   RequestParams bad = requests[0];
   bad.logprobs = model::kMaxTopLogprobs + 1;
   EXPECT_THROW(engine.submit(bad), Error);

@@ -1087,6 +1087,11 @@ TEST(Server, LogprobsAndEchoInOpenAisShapes) {
     EXPECT_EQ(e.at("top_logprobs").at(i).size(), 1u);
   }
   EXPECT_EQ(echo.body.at("usage").at("completion_tokens"), 0);
+  // The prompt as lm-evaluation-harness sends it (a list of one list of ids) gives the same answer.
+  const Reply nested = post("/v1/completions", json{{"prompt", json::array({ids})}, {"max_tokens", 0}, {"temperature", 0},
+                                                    {"logprobs", 1}, {"echo", true}});
+  ASSERT_EQ(nested.status, 200) << nested.body.dump();
+  EXPECT_EQ(nested.body.at("choices").at(0).at("logprobs"), e);
   // With a generated token the echoed prompt's logprobs come first, then the token's.
   const Reply echo1 = post("/v1/completions", json{{"prompt", prompt}, {"max_tokens", 1}, {"temperature", 0},
                                                    {"logprobs", 0}, {"echo", true}});
@@ -1096,14 +1101,26 @@ TEST(Server, LogprobsAndEchoInOpenAisShapes) {
   EXPECT_EQ(e1.at("token_logprobs").at(ids.size() - 1), e.at("token_logprobs").at(ids.size() - 1));
   EXPECT_EQ(e1.at("tokens").at(ids.size()), lp.at("tokens").at(0));  // greedy: the same first token
   EXPECT_EQ(e1.at("token_logprobs").at(ids.size()), lp.at("token_logprobs").at(0));
+  // text_offset indexes the returned text, prompt included.
+  const std::string echoed = echo1.body.at("choices").at(0).at("text").get<std::string>();
+  for (size_t i = 0; i < e1.at("tokens").size(); ++i) {
+    const std::string token = e1.at("tokens").at(i).get<std::string>();
+    EXPECT_EQ(echoed.substr(e1.at("text_offset").at(i).get<size_t>(), token.size()), token) << i;
+  }
 
-  // Chat: logprobs true with top_logprobs.
+  // Chat: logprobs true with top_logprobs; an end of generation that ends the answer has no entry,
+  // so the entries' texts are the message.
   const Reply chat = post("/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", "Hi"}}}},
-                                                       {"max_tokens", 3}, {"temperature", 0}, {"logprobs", true},
+                                                       {"max_tokens", 48}, {"temperature", 0}, {"logprobs", true},
                                                        {"top_logprobs", 2}});
   ASSERT_EQ(chat.status, 200) << chat.body.dump();
   const json& content = chat.body.at("choices").at(0).at("logprobs").at("content");
   ASSERT_GE(content.size(), 1u);
+  const bool ended = chat.body.at("choices").at(0).at("finish_reason") == "stop";
+  EXPECT_EQ(content.size() + (ended ? 1 : 0), chat.body.at("usage").at("completion_tokens").get<size_t>());
+  std::string message;
+  for (const json& t : content) message += t.at("token").get<std::string>();
+  EXPECT_EQ(message, chat.body.at("choices").at(0).at("message").at("content"));
   for (const json& t : content) {
     EXPECT_LE(t.at("logprob").get<double>(), 0.0);
     std::string bytes;
@@ -1131,7 +1148,7 @@ TEST(Server, LogprobsAndEchoInOpenAisShapes) {
   EXPECT_EQ(joined_logprobs, lp.at("token_logprobs"));
   EXPECT_EQ(joined_offsets, lp.at("text_offset"));
   const Stream chat_streamed =
-      post_stream("/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", "Hi"}}}}, {"max_tokens", 3},
+      post_stream("/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", "Hi"}}}}, {"max_tokens", 48},
                                               {"temperature", 0}, {"logprobs", true}, {"top_logprobs", 2}, {"stream", true}});
   ASSERT_EQ(chat_streamed.status, 200);
   json joined_content = json::array();
@@ -1150,6 +1167,12 @@ TEST(Server, LogprobsAndEchoInOpenAisShapes) {
     EXPECT_EQ(r.body.at("error").at("param"), param) << r.body.dump();
   };
   bad(json{{"prompt", "a"}, {"logprobs", 21}}, false, "logprobs");
+  bad(json{{"prompt", "a"}, {"top_logprobs", 2}}, false, "top_logprobs");  // chat's field
+  bad(json{{"prompt", json::array({json::array()})}}, false, "prompt");
+  // Neutral values are taken: logprobs false (completions), top_logprobs 0 without logprobs (chat).
+  EXPECT_EQ(post("/v1/completions", json{{"prompt", "a"}, {"max_tokens", 1}, {"logprobs", false}}).status, 200);
+  EXPECT_EQ(post("/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", "Hi"}}}}, {"max_tokens", 1},
+                                              {"top_logprobs", 0}}).status, 200);
   bad(json{{"prompt", "a"}, {"logprobs", true}}, false, "logprobs");
   bad(json{{"prompt", "a"}, {"echo", "yes"}}, false, "echo");
   bad(json{{"prompt", "a"}, {"max_tokens", 0}}, false, "max_tokens");  // 0 only with echo

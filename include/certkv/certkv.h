@@ -526,6 +526,7 @@ typedef struct certkv_request_params {
                                     from the prefix cache */
 } certkv_request_params;
 
+/* Start from these (a zeroed struct asks for logprobs 0: each token's log-probability). */
 CERTKV_API certkv_request_params certkv_request_default_params(void);
 /* Queues a request; *id names it. A bad request (too long for the context: OUT_OF_RANGE; empty,
  * a token outside the vocabulary, bad sampling: INVALID_ARGUMENT) fails alone. */

@@ -162,11 +162,14 @@ RequestId Engine::submit(RequestParams params) {
   return id;
 }
 
+bool Engine::wants_prompt_logprobs(const Request& r) const {
+  return r.params.prompt_logprobs && int64_t(r.report.prompt_logprobs.size()) + 1 < int64_t(r.params.prompt.size());
+}
+
 int64_t Engine::lookup_prefix(const Request& r, cache::SeqId* holder) {
   if (!share_prefixes_) return 0;
   // The prompt's log-probabilities need the logits of every prompt position: none is skipped.
-  if (r.params.prompt_logprobs && int64_t(r.report.prompt_logprobs.size()) + 1 < int64_t(r.params.prompt.size()))
-    return 0;
+  if (wants_prompt_logprobs(r)) return 0;
   const int64_t bt = config_.backend.block_tokens;
   int64_t k = 0;
   for (size_t b = 0; b < r.hashes.size(); ++b) {
@@ -182,7 +185,7 @@ int64_t Engine::lookup_prefix(const Request& r, cache::SeqId* holder) {
 }
 
 bool Engine::waits_for_a_prefill(const Request& r, int64_t cached_blocks) const {
-  if (!share_prefixes_) return false;
+  if (!share_prefixes_ || wants_prompt_logprobs(r)) return false;  // it would take no cached block
   for (RequestId id : running_) {
     const Request& q = *requests_.at(id);
     if (q.registered_blocks >= int64_t(q.hashes.size())) continue;  // its prompt blocks are done
@@ -495,7 +498,10 @@ bool Engine::step(const TokenCallback& on_token_cb) {
     const Request& r = *requests_.at(id);
     const int64_t left = int64_t(r.params.prompt.size()) - r.computed;
     if (left > 0 && budget > 0) {
-      const int64_t m = std::min(left, budget);
+      int64_t m = std::min(left, budget);
+      // A prompt whose log-probabilities are recorded goes in chunks of at most kLogprobRows:
+      // every row's logits are kept for the step (n_vocab floats each).
+      if (wants_prompt_logprobs(r)) m = std::min(m, kLogprobRows);
       plan.push_back({id, m});
       budget -= m;
     }
@@ -522,9 +528,26 @@ bool Engine::step(const TokenCallback& on_token_cb) {
 
   std::vector<backend::BatchItem> items(plan.size());
   tokens_.assign(plan.size(), -1);
-  logits_.resize(plan.size());
   const int32_t n_vocab = model_.config().n_vocab;
   std::vector<int64_t> first_position(plan.size());
+  // Logits for log-probabilities, in one buffer: every row of a chunk holding prompt positions
+  // not yet recorded, or the last row of one that draws a token.
+  std::vector<size_t> logit_offset(plan.size(), SIZE_MAX);
+  std::vector<char> logit_all_rows(plan.size(), 0);
+  size_t logit_rows = 0;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const Request& r = *requests_.at(plan[i].id);
+    const bool last = r.computed + plan[i].n == int64_t(r.tokens.size());
+    if (wants_prompt_logprobs(r) && r.computed + plan[i].n > int64_t(r.report.prompt_logprobs.size())) {
+      logit_offset[i] = logit_rows;
+      logit_all_rows[i] = 1;
+      logit_rows += size_t(plan[i].n);
+    } else if (last && r.params.logprobs >= 0) {
+      logit_offset[i] = logit_rows;
+      logit_rows += 1;
+    }
+  }
+  logits_.resize(logit_rows * size_t(n_vocab));
   int64_t n_prefill = 0, n_decode = 0, n_recomputed = 0;
   for (size_t i = 0; i < plan.size(); ++i) {
     Request& r = *requests_.at(plan[i].id);
@@ -538,17 +561,10 @@ bool Engine::step(const TokenCallback& on_token_cb) {
       it.sampling = r.sampler.params();
       it.draw = r.sampler.draws();
     }
-    // Logits for log-probabilities: every row of a chunk holding prompt positions not yet
-    // recorded, or the last row of one that draws a token.
     first_position[i] = r.computed;
-    const int64_t n_prompt = int64_t(r.params.prompt.size());
-    if (r.params.prompt_logprobs && int64_t(r.report.prompt_logprobs.size()) + 1 < n_prompt &&
-        r.computed + plan[i].n > int64_t(r.report.prompt_logprobs.size())) {
-      logits_[i].resize(size_t(plan[i].n) * size_t(n_vocab));
-      it.all_logits = logits_[i].data();
-    } else if (last && r.params.logprobs >= 0) {
-      logits_[i].resize(size_t(n_vocab));
-      it.last_logits = logits_[i].data();
+    if (logit_offset[i] != SIZE_MAX) {
+      float* rows = logits_.data() + logit_offset[i] * size_t(n_vocab);
+      (logit_all_rows[i] ? it.all_logits : it.last_logits) = rows;
     }
     it.end_of_input = last;
     (r.computed >= int64_t(r.params.prompt.size()) ? n_decode : n_prefill) += plan[i].n;
@@ -599,6 +615,8 @@ bool Engine::step(const TokenCallback& on_token_cb) {
     ++stats_.decode_tokens;
     on_token(r, tokens_[i], on_token_cb);
   }
+  // A prompt's rows of logits are not kept past their step.
+  if (logits_.capacity() > size_t(plan.size()) * size_t(n_vocab)) std::vector<float>().swap(logits_);
   return !running_.empty() || !waiting_.empty();
 }
 

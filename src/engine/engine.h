@@ -192,6 +192,8 @@ class Engine {
   void admit();
   // Blocks of the request's prompt found in the prefix cache, and the sequence holding them.
   int64_t lookup_prefix(const Request& r, cache::SeqId* holder);
+  // Whether r records its prompt's log-probabilities and some are still to come.
+  bool wants_prompt_logprobs(const Request& r) const;
   bool waits_for_a_prefill(const Request& r, int64_t cached_blocks) const;
   void register_blocks(Request& r);
   // The prefix entries naming r's sequence move to a new holder sharing their pages (cached,
@@ -221,7 +223,9 @@ class Engine {
   std::unordered_map<uint64_t, PrefixEntry> prefixes_;
   std::deque<cache::SeqId> holders_;  // least recently used first
   std::vector<int32_t> tokens_;  // the tokens the step's items draw
-  std::vector<std::vector<float>> logits_;  // the step's items' logits, for log-probabilities
+  std::vector<float> logits_;  // the step's logits for log-probabilities: [rows][n_vocab]
+  // Rows of a prompt chunk whose log-probabilities are recorded (RequestParams::prompt_logprobs).
+  static constexpr int64_t kLogprobRows = 64;
   EngineStats stats_;
 };
 

@@ -22,25 +22,41 @@ TokenLogprob token_logprob(const float* logits, int32_t n_vocab, int32_t token, 
   if (top < 0 || top > kMaxTopLogprobs)
     fail(StatusCode::kInvalidArgument, "token_logprob: top must be in [0, " + std::to_string(kMaxTopLogprobs) +
                                            "], got " + std::to_string(top));
-  auto value = [](float x) { return std::isnan(x) ? -INFINITY : double(x); };
-  double m = -INFINITY;
+  auto value = [](float x) { return std::isnan(x) ? -INFINITY : x; };
+  float m = -INFINITY;
   for (int32_t i = 0; i < n_vocab; ++i) m = std::max(m, value(logits[i]));
+  // The terms e^(x - m) <= 1 in float (exp of a float), summed in double: each term within an ulp
+  // of float, the sum's own error far below it.
   double sum = 0;
   if (std::isfinite(m))
-    for (int32_t i = 0; i < n_vocab; ++i) sum += std::exp(value(logits[i]) - m);
+    for (int32_t i = 0; i < n_vocab; ++i) sum += double(std::exp(value(logits[i]) - m));
   // (x - m) - log(sum): exact where x is the largest, whatever the logits' size.
   const double log_sum = std::isfinite(m) ? std::log(sum) : 0;
-  auto logprob = [&](int32_t i) { return std::isfinite(m) ? float((value(logits[i]) - m) - log_sum) : -INFINITY; };
+  auto logprob = [&](int32_t i) {
+    return std::isfinite(m) ? float(double(value(logits[i]) - m) - log_sum) : -INFINITY;
+  };
   TokenLogprob out;
   out.token = token;
   out.logprob = logprob(token);
   if (top > 0) {
-    std::vector<std::pair<float, int32_t>> keyed;  // (-logit, id): ascending is most likely first
-    keyed.reserve(size_t(n_vocab));
-    for (int32_t i = 0; i < n_vocab; ++i) keyed.emplace_back(float(-value(logits[i])), i);
-    const size_t k = std::min<size_t>(size_t(top), keyed.size());
-    std::partial_sort(keyed.begin(), keyed.begin() + ptrdiff_t(k), keyed.end());
-    for (size_t j = 0; j < k; ++j) out.top.emplace_back(keyed[j].second, logprob(keyed[j].second));
+    // The `top` most likely in one pass: a heap whose front is the least likely kept.
+    const auto likelier = [&](int32_t a, int32_t b) {
+      const float va = value(logits[a]), vb = value(logits[b]);
+      return va > vb || (va == vb && a < b);
+    };
+    std::vector<int32_t> kept;
+    kept.reserve(size_t(top) + 1);
+    for (int32_t i = 0; i < n_vocab; ++i) {
+      if (int32_t(kept.size()) == top && !likelier(i, kept.front())) continue;
+      kept.push_back(i);
+      std::push_heap(kept.begin(), kept.end(), likelier);
+      if (int32_t(kept.size()) > top) {
+        std::pop_heap(kept.begin(), kept.end(), likelier);
+        kept.pop_back();
+      }
+    }
+    std::sort(kept.begin(), kept.end(), likelier);
+    for (int32_t i : kept) out.top.emplace_back(i, logprob(i));
   }
   return out;
 }

@@ -87,8 +87,9 @@ struct TokenLogprob {
   std::vector<std::pair<int32_t, float>> top;  // most likely first, lower id first on ties
 };
 
-// In double: m = the largest logit, logprob_i = (logit_i - m) - log(sum_j exp(logit_j - m)),
-// rounded to float; a NaN logit counts as -inf (all of them -inf: every logprob -inf). REQUIRES: n_vocab >= 1, token in [0, n_vocab),
+// m = the largest logit, logprob_i = (logit_i - m) - log(sum_j exp(logit_j - m)) (the exponentials
+// in float, summed in double), rounded to float; a NaN logit counts as -inf; all of them -inf, or
+// one +inf: every logprob -inf or NaN (no distribution to speak of). REQUIRES: n_vocab >= 1, token in [0, n_vocab),
 // top in [0, kMaxTopLogprobs] (else kInvalidArgument).
 TokenLogprob token_logprob(const float* logits, int32_t n_vocab, int32_t token, int32_t top);
 
