@@ -1,6 +1,7 @@
 #include "openai_protocol.h"
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
 
 namespace certkv::server {
@@ -288,6 +289,24 @@ json usage_json(const GenerationResult& r, const CertificateContext& c) {
 
 namespace {
 
+// A token's text as a JSON string: its bytes when they are UTF-8, else "bytes:" and their escapes
+// ("bytes:\\xe2\\x80"), as vLLM writes a piece that cuts a character (so two such pieces never
+// become the same replaced string, or the same key of an object).
+std::string token_string(const std::string& bytes) {
+  try {
+    (void)json(bytes).dump();
+    return bytes;
+  } catch (const json::exception&) {
+    std::string out = "bytes:";
+    char hex[8];
+    for (unsigned char b : bytes) {
+      std::snprintf(hex, sizeof hex, "\\x%02x", b);
+      out += hex;
+    }
+    return out;
+  }
+}
+
 json byte_list(const std::string& bytes) {
   json out = json::array();
   for (unsigned char b : bytes) out.push_back(int(b));
@@ -305,10 +324,11 @@ json chat_logprobs(const std::vector<certkv_token_logprob>& generated, const Tok
     json top = json::array();
     for (int32_t k = 0; k < e.n_top; ++k) {
       const std::string t = text(e.top_tokens[k]);
-      top.push_back({{"token", t}, {"logprob", logprob_number(e.top_logprobs[k])}, {"bytes", byte_list(t)}});
+      top.push_back({{"token", token_string(t)}, {"logprob", logprob_number(e.top_logprobs[k])}, {"bytes", byte_list(t)}});
     }
     const std::string t = text(e.token);
-    content.push_back({{"token", t}, {"logprob", logprob_number(e.logprob)}, {"bytes", byte_list(t)}, {"top_logprobs", top}});
+    content.push_back(
+        {{"token", token_string(t)}, {"logprob", logprob_number(e.logprob)}, {"bytes", byte_list(t)}, {"top_logprobs", top}});
   }
   return json{{"content", content}, {"refusal", nullptr}};
 }
@@ -322,7 +342,7 @@ json completion_logprobs(const std::vector<int32_t>& prompt, const std::vector<c
   size_t offset = text_offset ? *text_offset : 0;
   auto add = [&](int32_t token, const certkv_token_logprob* e) {
     const std::string t = text(token);
-    tokens.push_back(t);
+    tokens.push_back(token_string(t));
     offsets.push_back(offset);
     offset += t.size();
     if (!e) {
@@ -333,7 +353,7 @@ json completion_logprobs(const std::vector<int32_t>& prompt, const std::vector<c
     token_logprobs.push_back(logprob_number(e->logprob));
     json top = json::object();
     for (int32_t k = 0; k < e->n_top; ++k) {
-      const std::string alt = text(e->top_tokens[k]);
+      const std::string alt = token_string(text(e->top_tokens[k]));
       if (!top.contains(alt)) top[alt] = logprob_number(e->top_logprobs[k]);  // pieces of equal text: the likelier
     }
     top_logprobs.push_back(top);

@@ -1101,6 +1101,11 @@ TEST(Server, LogprobsAndEchoInOpenAisShapes) {
   EXPECT_EQ(e1.at("token_logprobs").at(ids.size() - 1), e.at("token_logprobs").at(ids.size() - 1));
   EXPECT_EQ(e1.at("tokens").at(ids.size()), lp.at("tokens").at(0));  // greedy: the same first token
   EXPECT_EQ(e1.at("token_logprobs").at(ids.size()), lp.at("token_logprobs").at(0));
+  // A piece that cuts a UTF-8 character is written as its bytes' escapes, as vLLM writes it.
+  const Reply cut = post("/v1/completions", json{{"prompt", "\xe6\x88\x91\xe5\x96\x9c"}, {"max_tokens", 1},
+                                                 {"temperature", 0}, {"logprobs", 1}, {"echo", true}});
+  ASSERT_EQ(cut.status, 200) << cut.body.dump();
+  EXPECT_EQ(cut.body.at("choices").at(0).at("logprobs").at("tokens").at(0), "bytes:\\xe6\\x88");
   // text_offset indexes the returned text, prompt included.
   const std::string echoed = echo1.body.at("choices").at(0).at("text").get<std::string>();
   for (size_t i = 0; i < e1.at("tokens").size(); ++i) {
