@@ -132,9 +132,10 @@ class GenerateResult:
     every scheme kv_bytes_by_class (bytes of the KV pages per storage class)."""
     timings: dict[str, float] = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None
-    """Engine requests with logprobs: one per generated token."""
+    """Engine requests with logprobs: one per generated token (None when not asked for)."""
     prompt_logprobs: list[TokenLogprob] | None = None
-    """Engine requests with prompt_logprobs: one per prompt token after the first."""
+    """Engine requests with prompt_logprobs: one per prompt token after the first (None when not
+    asked for)."""
 
 
 @dataclass
@@ -398,6 +399,7 @@ class Engine:
             threads, context_tokens, block_tokens, activations, device), int(max_sequences), int(step_tokens),
             int(pool_bytes), bool(prefix_sharing))
         self._pieces: dict[int, list[bytes]] = {}
+        self._logprobs_asked: dict[int, tuple[bool, bool]] = {}  # (generated, prompt)
         self.last_result: GenerateResult | None = None
         """The result of the last :meth:`stream`, once it ended (finished or cancelled)."""
 
@@ -423,6 +425,7 @@ class Engine:
                                       int(seed), stop_list, bool(ignore_end), -1 if logprobs is None else logprobs,
                                       bool(prompt_logprobs))
         self._pieces[request] = []
+        self._logprobs_asked[request] = (logprobs is not None, bool(prompt_logprobs))
         return request
 
     def step(self) -> bool:
@@ -454,17 +457,19 @@ class Engine:
         timings = {"ttft_ms": r["ttft_ms"], "itl_ms_mean": r["itl_ms_mean"]}
         result = GenerateResult(r["text"].decode("utf-8", errors="replace"), r["prompt_tokens"],
                                 r["generated_tokens"], r["finish_reason"], cert, timings)
+        asked = self._logprobs_asked.get(int(request), (False, False))
         for prompt in (False, True):
-            entries = self._engine.logprobs(int(request), prompt)
-            if entries:
-                values = [TokenLogprob(t, lp, list(top)) for t, lp, top in entries]
-                if prompt:
-                    result.prompt_logprobs = values
-                else:
-                    result.logprobs = values
+            if not asked[prompt]:
+                continue
+            values = [TokenLogprob(t, lp, list(top)) for t, lp, top in self._engine.logprobs(int(request), prompt)]
+            if prompt:
+                result.prompt_logprobs = values
+            else:
+                result.logprobs = values
         if release:
             self._engine.release(int(request))
             self._pieces.pop(int(request), None)
+            self._logprobs_asked.pop(int(request), None)
         return result
 
     def generate(self, prompt: str | Sequence[int] | Sequence[str], max_tokens: int = 64,

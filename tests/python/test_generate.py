@@ -85,7 +85,11 @@ def test_engine_logprobs(model):
     assert model.detokenize([e.token for e in r.logprobs]) == r.text
     prompt = model.tokenize("The sea is", add_special=True)
     assert [e.token for e in r.prompt_logprobs] == prompt[1:]
-    assert engine.generate("The sea is", max_tokens=2, chat=False).logprobs is None
+    plain = engine.generate("The sea is", max_tokens=2, chat=False)
+    assert plain.logprobs is None and plain.prompt_logprobs is None
+    # Asked for, without the prompt's: a list for the tokens, None for the prompt.
+    only = engine.generate("The sea is", max_tokens=2, chat=False, logprobs=0, ignore_end=True)
+    assert len(only.logprobs) == 2 and only.logprobs[0].top == [] and only.prompt_logprobs is None
     with pytest.raises(ValueError, match="logprobs: expected None or an integer in"):
         engine.submit("x", logprobs=21)
 
