@@ -40,10 +40,8 @@ class Connection final : public httplib::Stream {
   void clear_deadline();
   static constexpr uint64_t kBodyChunkBytes = 64 << 10;
 
-  // Whether a read failed (at the deadline, the read timeout, the peer's end of stream or an
-  // error), and whether at the deadline. A connection whose read failed is not read again: what
-  // the peer sends later must not be taken as a request.
-  bool read_failed() const { return read_failed_; }
+  // Whether a read failed at the deadline (next_request also ends the connection after a read
+  // failed for any reason: what the peer sends later must not be taken as a request).
   bool missed_deadline() const { return missed_deadline_; }
   // Marks the current request as seen by the routes (its headers passed httplib's own checks).
   void note_routed() { routed_ = true; }

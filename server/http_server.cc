@@ -73,8 +73,6 @@ thread_local std::optional<OpenAiError> t_refusal;
 // A POST route's handler, run only when the request was not refused.
 httplib::Server::Handler unless_refused(httplib::Server::Handler handler) {
   return [handler = std::move(handler)](const httplib::Request& req, httplib::Response& res) {
-    // The body is in: what the server does now takes no client's deadline.
-    if (Connection* c = current_connection()) c->clear_deadline();
     if (t_refusal) {
       send_error(res, *t_refusal);
       t_refusal.reset();
